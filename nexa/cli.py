@@ -1,0 +1,317 @@
+"""The `nexa` command: roles (`control`), tools (`version`, `check-config`) and the operator CLI.
+
+Owns argument parsing, log handler setup, signals and `trio.run`. Imports each role lazily so
+that `nexa version` and the operator commands start fast.
+
+Exit codes: 0 success; 1 the operation failed (remote error, verify failed, cannot start);
+2 bad usage or invalid configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+from nexa import __version__, config
+from nexa.errors import ConfigError, NexaError, RemoteError
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+DEFAULT_URL: Final = "http://127.0.0.1:8470"
+ROLES: Final = ("admin", "operator", "inference", "audit", "monitoring")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
+    if handler is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"nexa: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except RemoteError as exc:
+        rid = f" (request {exc.request_id})" if exc.request_id else ""
+        print(f"nexa: error: {exc.remote_code}: {exc.message}{rid}", file=sys.stderr)
+        return EXIT_FAILED
+    except NexaError as exc:
+        print(f"nexa: error: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nexa", description="LunaNexa model and GPU-cluster control plane")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    s = sub.add_parser("version", help="print the version")
+    s.set_defaults(handler=_cmd_version)
+
+    s = sub.add_parser("check-config", help="validate a config file (exit 0 valid, 2 invalid)")
+    s.add_argument("file")
+    s.set_defaults(handler=_cmd_check_config)
+
+    s = sub.add_parser("control", help="run the controller")
+    s.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
+    s.add_argument("--state-dir", help="overrides state_dir")
+    s.add_argument("--listen", help="HOST:PORT, overrides http.listen")
+    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
+    s.set_defaults(handler=_cmd_control)
+
+    _operator_commands(sub)
+    return p
+
+
+# ---- tools -------------------------------------------------------------------------------------
+
+
+def _cmd_version(_: argparse.Namespace) -> int:
+    print(f"nexa {__version__}")
+    return EXIT_OK
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    config.load(args.file, config.ControlConfig)
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+# ---- roles -------------------------------------------------------------------------------------
+
+
+def _control_config(args: argparse.Namespace) -> config.ControlConfig:
+    cfg = config.load(args.config, config.ControlConfig) if args.config else config.ControlConfig()
+    overrides: dict[str, Any] = {}
+    if args.state_dir:
+        overrides["state_dir"] = args.state_dir
+    http: dict[str, Any] = {}
+    if args.listen:
+        http["listen"] = args.listen
+    log: dict[str, Any] = {}
+    if args.log_level:
+        log["level"] = args.log_level
+    if not (overrides or http or log):
+        return cfg
+    # Flags go through the same validation as the file, so a bad flag is named like a bad key.
+    merged = config.unstructure_config(cfg)
+    merged.update(overrides)
+    merged["http"].update(http)
+    merged["log"].update(log)
+    return config.structure_config(merged, config.ControlConfig)
+
+
+def _cmd_control(args: argparse.Namespace) -> int:
+    import trio
+
+    from nexa.control.service import ControlStarted, serve_control
+    from nexa.telemetry import setup_logging
+
+    cfg = _control_config(args)
+    setup_logging(cfg.log.level.value)
+
+    def announce(started: ControlStarted) -> None:
+        print(f"nexa control {__version__} listening on {', '.join(started.urls)} (epoch {started.epoch})")
+        if started.admin_key:
+            print("first start: the admin API key follows; it is shown only this once, store it now:")
+            print(f"  NEXA_TOKEN={started.admin_key}")
+        sys.stdout.flush()
+
+    async def run() -> None:
+        stopping = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, stopping, nursery.cancel_scope)
+            started = await nursery.start(
+                lambda task_status: serve_control(cfg, stopping=stopping, task_status=task_status)
+            )
+            announce(started)
+            await stopping.wait()
+        # Reached after serve_control returned (drained) and the signal task finished.
+
+    try:
+        trio.run(run)
+    except BaseExceptionGroup as group:
+        raise _single_nexa_error(group) from None
+    return EXIT_OK
+
+
+def _single_nexa_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """A start-up failure arrives wrapped by the nurseries; show the nexa error, not a traceback."""
+    matched, rest = group.split(NexaError)
+    if matched is None or rest is not None:
+        return group
+    leaf: BaseException = matched
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
+
+
+async def _stop_on_signal(stopping: Any, scope: Any) -> None:
+    """First SIGTERM/SIGINT: graceful stop. A second one: cancel everything now."""
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            if stopping.is_set():
+                scope.cancel()
+                return
+            stopping.set()
+
+
+# ---- operator commands over HTTP ---------------------------------------------------------------
+
+
+def _operator_commands(sub: Any) -> None:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--url", default=os.environ.get("NEXA_URL", DEFAULT_URL), help="controller URL ($NEXA_URL)")
+    common.add_argument("--token", default=os.environ.get("NEXA_TOKEN"), help="API key ($NEXA_TOKEN)")
+    common.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(metavar="VERB", required=True)
+    s = keys.add_parser("create", parents=[common], help="create a key; its secret is printed once")
+    s.add_argument("--role", required=True, choices=ROLES)
+    s.add_argument("--tenant", help="required for role inference")
+    s.add_argument("--name", default="")
+    s.set_defaults(handler=_keys_create)
+    s = keys.add_parser("list", parents=[common])
+    s.set_defaults(handler=_keys_list)
+    s = keys.add_parser("revoke", parents=[common])
+    s.add_argument("key_id")
+    s.set_defaults(handler=_keys_revoke)
+
+    tenants = sub.add_parser("tenants", help="tenants (admin)").add_subparsers(metavar="VERB", required=True)
+    s = tenants.add_parser("create", parents=[common])
+    s.add_argument("tenant_id")
+    s.add_argument("--display-name", default="")
+    s.set_defaults(handler=_tenants_create)
+    s = tenants.add_parser("list", parents=[common])
+    s.set_defaults(handler=_tenants_list)
+
+    audit = sub.add_parser("audit", help="the audit chain (audit, admin)").add_subparsers(metavar="VERB", required=True)
+    s = audit.add_parser("list", parents=[common])
+    s.add_argument("--action")
+    s.add_argument("--actor", help="key id")
+    s.add_argument("--target")
+    s.add_argument("--since", type=float, help="unix seconds")
+    s.add_argument("--until", type=float, help="unix seconds")
+    s.add_argument("--after", type=int, default=0, help="cursor: list events after this sequence number")
+    s.add_argument("--limit", type=int, default=100)
+    s.set_defaults(handler=_audit_list)
+    s = audit.add_parser("verify", parents=[common], help="recompute the chain; exit 1 if it is broken")
+    s.set_defaults(handler=_audit_verify)
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from nexa.client import ApiClient
+
+    if not args.token:
+        raise ConfigError("no API key: set NEXA_TOKEN or pass --token")
+    return ApiClient(args.url, args.token)
+
+
+def _emit(args: argparse.Namespace, data: Any, rows: list[dict[str, Any]], columns: Sequence[str]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return
+    print(_table(rows, columns))
+
+
+def _table(rows: list[dict[str, Any]], columns: Sequence[str]) -> str:
+    cells = [[_cell(r.get(c)) for c in columns] for r in rows]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip()]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in cells]
+    if not rows:
+        lines.append("(none)")
+    return "\n".join(lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float) and value > 1e9:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value))
+    return str(value)
+
+
+def _keys_create(args: argparse.Namespace) -> int:
+    body = {"role": args.role, "name": args.name, "tenant": args.tenant}
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/keys", body=body)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        info = out["info"]
+        print(f"created key {info['id']} (role {info['role']}{', tenant ' + info['tenant'] if info['tenant'] else ''})")
+        print("secret (shown only this once):")
+        print(out["key"])
+    return EXIT_OK
+
+
+def _keys_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/keys")
+    rows = [{**k, "state": "revoked" if k["revoked_at"] else "active"} for k in out["keys"]]
+    _emit(args, out, rows, ("id", "role", "tenant", "name", "state", "created_at"))
+    return EXIT_OK
+
+
+def _keys_revoke(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("DELETE", f"/api/v1/keys/{args.key_id}")
+    _emit(args, out, [out], ("id", "role", "revoked_at"))
+    return EXIT_OK
+
+
+def _tenants_create(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/tenants", body={"id": args.tenant_id, "display_name": args.display_name})
+    _emit(args, out, [out], ("id", "display_name", "created_at"))
+    return EXIT_OK
+
+
+def _tenants_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/tenants")
+    _emit(args, out, out["tenants"], ("id", "display_name", "created_at"))
+    return EXIT_OK
+
+
+def _audit_list(args: argparse.Namespace) -> int:
+    params = {"after": str(args.after), "limit": str(args.limit)}
+    for name in ("action", "actor", "target", "since", "until"):
+        value = getattr(args, name)
+        if value is not None:
+            params[name] = str(value)
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/audit", params=params)
+    _emit(args, out, out["events"], ("seq", "time", "action", "target", "actor_key_id", "actor_role", "result"))
+    if not args.json and out["next_cursor"] is not None:
+        print(f"(more: --after {out['next_cursor']})")
+    return EXIT_OK
+
+
+def _audit_verify(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/audit/verify")
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    elif out["ok"]:
+        print(f"audit chain ok: {out['checked']} events verified")
+    else:
+        print(
+            f"audit chain BROKEN at event seq {out['first_bad_seq']} (id {out['first_bad_id']}): {out['reason']}; "
+            f"{out['checked']} events before it verified",
+            file=sys.stderr,
+        )
+    return EXIT_OK if out["ok"] else EXIT_FAILED

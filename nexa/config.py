@@ -1,0 +1,146 @@
+"""Configuration: frozen attrs classes read from TOML. Pure; no I/O beyond reading the file.
+
+Rules: unknown keys are errors, every bad key is named (dotted path), durations end in `_s`,
+sizes in `_bytes`. Command-line flags override the file with `attrs.evolve`.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, NewType, TypeVar
+
+import attrs
+import cattrs
+
+from nexa.contracts import codec
+from nexa.errors import ConfigError
+
+Seconds = NewType("Seconds", float)
+Bytes = NewType("Bytes", int)
+HostPort = NewType("HostPort", str)
+
+C = TypeVar("C")
+
+
+@attrs.frozen(kw_only=True)
+class HttpConfig:
+    """The controller's HTTP listener."""
+
+    listen: HostPort = HostPort("127.0.0.1:8470")
+    #: Largest request body accepted; larger ones get 413 before they are read.
+    max_body_bytes: Bytes = Bytes(1_048_576)
+    #: How long in-flight requests may run on after SIGTERM before they are cancelled.
+    graceful_timeout_s: Seconds = Seconds(10.0)
+    #: Longest time a client may take to send its request line and headers.
+    keep_alive_timeout_s: Seconds = Seconds(5.0)
+
+
+@attrs.frozen(kw_only=True)
+class BootstrapConfig:
+    """How the first admin key comes to be."""
+
+    #: If set, the first start stores the hash of the key read from this file instead of
+    #: generating one (the file must hold one key in nexa's format, mode 0600 recommended).
+    admin_key_file: str | None = None
+
+
+class LogLevel(enum.StrEnum):
+    DEBUG = "debug"
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+
+
+@attrs.frozen(kw_only=True)
+class LogConfig:
+    level: LogLevel = LogLevel.INFO
+
+
+@attrs.frozen(kw_only=True)
+class ControlConfig:
+    """Everything `nexa control` reads."""
+
+    state_dir: str = "/var/lib/nexa/control"
+    http: HttpConfig = HttpConfig()
+    bootstrap: BootstrapConfig = BootstrapConfig()
+    log: LogConfig = LogConfig()
+
+
+def _seconds(value: object, _: type) -> Seconds:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError("expected a duration in seconds (a number)")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError("must be a positive number of seconds")
+    return Seconds(float(value))
+
+
+def _bytes(value: object, _: type) -> Bytes:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("expected a size in bytes (an integer)")
+    if value <= 0:
+        raise ValueError("must be a positive number of bytes")
+    return Bytes(value)
+
+
+def parse_host_port(value: str) -> tuple[str, int]:
+    """Split `host:port` or `[v6]:port`; raise ValueError with the reason."""
+    host, sep, port_s = value.rpartition(":")
+    if not sep or not host:
+        raise ValueError("expected HOST:PORT")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        ipaddress.IPv6Address(host)
+    if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
+        raise ValueError("port must be a number from 0 to 65535")
+    return host, int(port_s)
+
+
+def _host_port(value: object, _: type) -> HostPort:
+    if not isinstance(value, str):
+        raise ValueError("expected a string HOST:PORT")
+    parse_host_port(value)
+    return HostPort(value)
+
+
+def _converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    conv.register_structure_hook(Seconds, _seconds)
+    conv.register_structure_hook(Bytes, _bytes)
+    conv.register_structure_hook(HostPort, _host_port)
+    codec.register_strict_hooks(conv)
+    return conv
+
+
+_CONV = _converter()
+
+
+def structure_config(data: dict[str, Any], cls: type[C]) -> C:
+    """Structure a parsed TOML table into `cls`, or raise ConfigError naming every bad key."""
+    try:
+        return _CONV.structure(data, cls)
+    except Exception as exc:
+        problems = codec.describe(exc)
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems), problems=problems) from None
+
+
+def unstructure_config(cfg: object) -> dict[str, Any]:
+    """The plain-dict form of a config object (the inverse of `structure_config`)."""
+    data: dict[str, Any] = _CONV.unstructure(cfg)
+    return data
+
+
+def load(path: str | Path, cls: type[C]) -> C:
+    """Read a TOML file into `cls`. Raises ConfigError on unreadable, malformed or invalid files."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}", problems=(str(exc),)) from None
+    return structure_config(data, cls)

@@ -1,0 +1,1 @@
+"""The vocabulary: pure data, no I/O, no trio. Import from the submodules explicitly."""

@@ -1,0 +1,98 @@
+"""Northbound HTTP request and response bodies, and the error envelope."""
+
+from __future__ import annotations
+
+import attrs
+
+from nexa.contracts.domain import AuditEvent, KeyId, Role, TenantId
+
+
+@attrs.frozen(kw_only=True)
+class ErrorBody:
+    code: str
+    message: str
+    retryable: bool
+    request_id: str
+
+
+@attrs.frozen(kw_only=True)
+class ErrorEnvelope:
+    error: ErrorBody
+
+
+@attrs.frozen(kw_only=True)
+class Health:
+    status: str
+
+
+@attrs.frozen(kw_only=True)
+class VersionInfo:
+    version: str
+    epoch: int
+    started_at: float
+
+
+@attrs.frozen(kw_only=True)
+class KeyCreate:
+    role: Role
+    name: str = ""
+    tenant: TenantId | None = None
+
+
+@attrs.frozen(kw_only=True)
+class KeyView:
+    """An API key as the API shows it: never the secret, never its hash."""
+
+    id: KeyId
+    name: str
+    role: Role
+    tenant: TenantId | None
+    created_at: float
+    created_by: KeyId | None
+    revoked_at: float | None
+
+
+@attrs.frozen(kw_only=True)
+class KeyCreated:
+    """The one answer that carries a key's secret; it is not shown again."""
+
+    key: str
+    info: KeyView
+
+
+@attrs.frozen(kw_only=True)
+class KeyList:
+    keys: list[KeyView]
+
+
+@attrs.frozen(kw_only=True)
+class TenantCreate:
+    id: TenantId
+    display_name: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class TenantView:
+    id: TenantId
+    display_name: str
+    created_at: float
+
+
+@attrs.frozen(kw_only=True)
+class TenantList:
+    tenants: list[TenantView]
+
+
+@attrs.frozen(kw_only=True)
+class AuditPage:
+    events: list[AuditEvent]
+    next_cursor: int | None
+
+
+@attrs.frozen(kw_only=True)
+class AuditVerdict:
+    ok: bool
+    checked: int
+    first_bad_seq: int | None = None
+    first_bad_id: str | None = None
+    reason: str | None = None

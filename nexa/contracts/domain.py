@@ -1,0 +1,90 @@
+"""Domain records shared by the API, the store and the wire. Pure data."""
+
+from __future__ import annotations
+
+import enum
+import re
+from typing import Final, NewType
+
+import attrs
+
+KeyId = NewType("KeyId", str)
+TenantId = NewType("TenantId", str)
+EventId = NewType("EventId", str)
+
+#: Lexical rule for names people choose (tenants, later models and aliases).
+NAME_RE: Final = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?$")
+
+
+class Role(enum.StrEnum):
+    """What an API key may do. Each key has exactly one role."""
+
+    ADMIN = "admin"
+    OPERATOR = "operator"
+    INFERENCE = "inference"
+    AUDIT = "audit"
+    MONITORING = "monitoring"
+
+
+@attrs.frozen(kw_only=True)
+class ApiKey:
+    """An API key as the controller keeps it: never the secret, only its SHA-256."""
+
+    id: KeyId
+    name: str
+    role: Role
+    tenant: TenantId | None
+    secret_sha256: str
+    created_at: float
+    created_by: KeyId | None
+    revoked_at: float | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+@attrs.frozen(kw_only=True)
+class Tenant:
+    id: TenantId
+    display_name: str
+    created_at: float
+
+
+class AuditResult(enum.StrEnum):
+    OK = "ok"
+    DENIED = "denied"
+    REJECTED = "rejected"
+
+
+@attrs.frozen(kw_only=True)
+class AuditDraft:
+    """What a mutation says about itself; the store fills in id, sequence, time and hashes."""
+
+    actor_key_id: KeyId | None
+    actor_role: Role | None
+    action: str
+    target: str
+    prior_sha256: str | None
+    next_sha256: str | None
+    result: AuditResult = AuditResult.OK
+    detail: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class AuditEvent:
+    """One link of the audit chain. `sha256` covers every other field, `prev_sha256` included."""
+
+    seq: int
+    id: EventId
+    time: float
+    actor_key_id: KeyId | None
+    actor_role: Role | None
+    action: str
+    target: str
+    prior_sha256: str | None
+    next_sha256: str | None
+    result: AuditResult
+    detail: str
+    prev_sha256: str
+    sha256: str

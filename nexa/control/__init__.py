@@ -1,0 +1,1 @@
+"""`nexa control`: the controller role."""

@@ -1,0 +1,353 @@
+"""The controller's HTTP API: quart-trio app, the route→roles table, the error→status table.
+
+The only quart importer. Bodies go through `contracts.codec` at the edge; handlers call the
+registry and store; nothing here logs a request or response body.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+import time
+from typing import Final
+
+import attrs
+from quart import Response, g, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from nexa import __version__
+from nexa.config import HttpConfig
+from nexa.contracts import codec
+from nexa.contracts.api import (
+    AuditPage,
+    ErrorBody,
+    ErrorEnvelope,
+    Health,
+    KeyCreate,
+    KeyCreated,
+    KeyList,
+    KeyView,
+    TenantCreate,
+    TenantList,
+    TenantView,
+    VersionInfo,
+)
+from nexa.contracts.domain import ApiKey, KeyId, Role, Tenant
+from nexa.control import store as st
+from nexa.control.registry import Actor, Registry
+from nexa.errors import (
+    AuthError,
+    Conflict,
+    ContractError,
+    Forbidden,
+    NexaError,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    StoreError,
+    Unauthenticated,
+    Unavailable,
+)
+from nexa.telemetry import METRICS_CONTENT_TYPE, Metrics, request_id
+
+log = logging.getLogger(__name__)
+
+_A, _O, _I, _AU, _M = Role.ADMIN, Role.OPERATOR, Role.INFERENCE, Role.AUDIT, Role.MONITORING
+
+#: Every route and the roles that may call it; `None` means no credential is needed.
+#: A route missing from this table is refused for everyone (and a test fails).
+ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
+    ("GET", "/healthz"): None,
+    ("GET", "/readyz"): None,
+    ("GET", "/version"): None,
+    ("GET", "/metrics"): frozenset({_M, _A}),
+    ("POST", "/api/v1/keys"): frozenset({_A}),
+    ("GET", "/api/v1/keys"): frozenset({_A}),
+    ("DELETE", "/api/v1/keys/<key_id>"): frozenset({_A}),
+    ("POST", "/api/v1/tenants"): frozenset({_A}),
+    ("GET", "/api/v1/tenants"): frozenset({_A}),
+    ("GET", "/api/v1/audit"): frozenset({_AU, _A}),
+    ("POST", "/api/v1/audit/verify"): frozenset({_AU, _A}),
+}
+
+#: Error class → HTTP status; the most specific class in an error's MRO wins.
+STATUS: Final[dict[type[NexaError], int]] = {
+    PayloadTooLarge: 413,
+    ContractError: 400,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    AuthError: 401,
+    NotFound: 404,
+    Conflict: 409,
+    Overloaded: 429,
+    Unavailable: 503,
+    StoreError: 500,
+    NexaError: 500,
+}
+
+_HTTP_CODES: Final = {
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "payload_too_large",
+    400: "invalid_request",
+}
+_REQUEST_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_MAX_PAGE: Final = 1000
+
+
+@attrs.define
+class AppState:
+    """What the app needs from the composition root."""
+
+    registry: Registry
+    store: st.Store
+    metrics: Metrics
+    started_at: float
+    ready: bool = False
+
+
+def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
+    app = QuartTrio("nexa.control", static_folder=None)
+    app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["RESPONSE_TIMEOUT"] = None
+    handlers = _Handlers(state)
+
+    for (method, rule), _roles in ROUTE_ROLES.items():
+        view = getattr(handlers, _view_name(method, rule))
+        app.add_url_rule(
+            rule,
+            endpoint=f"{method} {rule}",
+            view_func=view,
+            methods=[method],
+            provide_automatic_options=False,
+        )
+
+    @app.before_request
+    async def _begin() -> None:
+        presented = request.headers.get("X-Request-Id", "")
+        rid = presented if _REQUEST_ID_RE.match(presented) else "req_" + secrets.token_hex(8)
+        request_id.set(rid)
+        g.request_id = rid
+        g.started = time.perf_counter()
+        length = request.content_length
+        if length is not None and length > cfg.max_body_bytes:
+            raise PayloadTooLarge(limit_bytes=cfg.max_body_bytes)
+        await _authorize(state)
+
+    @app.after_request
+    async def _finish(response: Response) -> Response:
+        rid = getattr(g, "request_id", None) or request_id.get() or ""
+        response.headers["X-Request-Id"] = rid
+        response.headers.setdefault("Cache-Control", "no-store")
+        route = request.url_rule.rule if request.url_rule is not None else "unmatched"
+        elapsed = time.perf_counter() - getattr(g, "started", time.perf_counter())
+        state.metrics.http_requests.labels(route, request.method, str(response.status_code)).inc()
+        state.metrics.http_request_seconds.labels(route, request.method).observe(elapsed)
+        log.info(
+            "request",
+            extra={
+                "fields": {
+                    "method": request.method,
+                    "route": route,
+                    "status": response.status_code,
+                    "ms": round(elapsed * 1000, 3),
+                    "bytes_in": request.content_length or 0,
+                    "actor": getattr(g, "actor_key_id", None),
+                }
+            },
+        )
+        return response
+
+    @app.errorhandler(NexaError)
+    async def _nexa_error(exc: NexaError) -> Response:
+        return _error_response(exc)
+
+    @app.errorhandler(HTTPException)
+    async def _http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        if status == 413:
+            return _error_response(PayloadTooLarge(limit_bytes=cfg.max_body_bytes))
+        code, message = _HTTP_ERRORS.get(status, ("http_error", f"HTTP {status}"))
+        return _envelope(status, code, message, retryable=False)
+
+    @app.errorhandler(Exception)
+    async def _unexpected(exc: Exception) -> Response:
+        log.error("unhandled error", exc_info=exc)
+        return _envelope(500, "internal", "internal error", retryable=True)
+
+    return app
+
+
+def _view_name(method: str, rule: str) -> str:
+    parts = [p for p in rule.strip("/").split("/") if p and not p.startswith("<") and p not in {"api", "v1"}]
+    return "_".join([method.lower(), *parts]).replace("-", "_")
+
+
+async def _authorize(state: AppState) -> None:
+    rule = request.url_rule
+    if rule is None:
+        return  # 404/405 follow; nothing to protect
+    method = "GET" if request.method == "HEAD" else request.method
+    roles = ROUTE_ROLES.get((method, rule.rule), frozenset())
+    if roles is None:
+        return
+    header = request.headers.get("Authorization", "")
+    scheme, _, presented = header.partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        state.metrics.auth_failures.labels("unauthenticated").inc()
+        raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
+    try:
+        key = state.registry.authenticate(presented.strip())
+    except Unauthenticated:
+        state.metrics.auth_failures.labels("unauthenticated").inc()
+        raise
+    g.actor = Actor(key_id=key.id, role=key.role, tenant=key.tenant)
+    g.actor_key_id = key.id
+    if key.role not in roles:
+        state.metrics.auth_failures.labels("forbidden").inc()
+        if method not in {"GET", "HEAD"}:
+            await state.registry.record_denied(
+                g.actor, f"{method} {rule.rule}", request.path, f"role {key.role} may not call this route"
+            )
+        raise Forbidden(f"role {key.role} may not call {method} {rule.rule}")
+
+
+def _status_for(exc: NexaError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def _error_response(exc: NexaError) -> Response:
+    status = _status_for(exc)
+    response = _envelope(status, exc.code, exc.message, retryable=exc.retryable)
+    if isinstance(exc, Overloaded):
+        response.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if isinstance(exc, Unauthenticated):
+        response.headers["WWW-Authenticate"] = 'Bearer realm="nexa"'
+    if status >= 500:
+        log.warning("request failed: %s", exc.code)
+    return response
+
+
+def _envelope(status: int, code: str, message: str, *, retryable: bool) -> Response:
+    rid = request_id.get() or ""
+    body = ErrorEnvelope(error=ErrorBody(code=code, message=message, retryable=retryable, request_id=rid))
+    return _json(body, status)
+
+
+def _json(obj: object, status: int = 200) -> Response:
+    return Response(codec.dumps(codec.api, obj), status=status, content_type="application/json")
+
+
+async def _body(cls: type[codec.T]) -> codec.T:
+    raw = await request.get_data(as_text=False)
+    return codec.loads(codec.api, raw, cls)
+
+
+def _actor() -> Actor:
+    actor: Actor = g.actor
+    return actor
+
+
+def _key_view(key: ApiKey) -> KeyView:
+    return KeyView(
+        id=key.id,
+        name=key.name,
+        role=key.role,
+        tenant=key.tenant,
+        created_at=key.created_at,
+        created_by=key.created_by,
+        revoked_at=key.revoked_at,
+    )
+
+
+def _tenant_view(t: Tenant) -> TenantView:
+    return TenantView(id=t.id, display_name=t.display_name, created_at=t.created_at)
+
+
+def _query_int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    if not raw.isdigit() or not lo <= int(raw) <= hi:
+        raise ContractError(f"query {name} must be an integer from {lo} to {hi}", problems=(f"{name}: out of range",))
+    return int(raw)
+
+
+def _query_float(name: str) -> float | None:
+    raw = request.args.get(name)
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise ContractError(
+            f"query {name} must be a number (unix seconds)", problems=(f"{name}: not a number",)
+        ) from None
+
+
+class _Handlers:
+    """One method per route; names derive from the route table (`post_keys` for POST /api/v1/keys)."""
+
+    def __init__(self, state: AppState) -> None:
+        self._s = state
+
+    async def get_healthz(self) -> Response:
+        return _json(Health(status="ok"))
+
+    async def get_readyz(self) -> Response:
+        if not self._s.ready:
+            raise Unavailable("the controller is starting or stopping")
+        return _json(Health(status="ready"))
+
+    async def get_version(self) -> Response:
+        return _json(VersionInfo(version=__version__, epoch=self._s.store.epoch, started_at=self._s.started_at))
+
+    async def get_metrics(self) -> Response:
+        for role, count in self._s.registry.active_keys_by_role().items():
+            self._s.metrics.api_keys.labels(role.value).set(count)
+        return Response(self._s.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
+
+    async def post_keys(self) -> Response:
+        req = await _body(KeyCreate)
+        secret, key = await self._s.registry.create_key(_actor(), req)
+        return _json(KeyCreated(key=secret, info=_key_view(key)), 201)
+
+    async def get_keys(self) -> Response:
+        return _json(KeyList(keys=[_key_view(k) for k in self._s.registry.api_keys()]))
+
+    async def delete_keys(self, key_id: str) -> Response:
+        key = await self._s.registry.revoke_key(_actor(), KeyId(key_id))
+        return _json(_key_view(key))
+
+    async def post_tenants(self) -> Response:
+        req = await _body(TenantCreate)
+        tenant = await self._s.registry.create_tenant(_actor(), req)
+        return _json(_tenant_view(tenant), 201)
+
+    async def get_tenants(self) -> Response:
+        return _json(TenantList(tenants=[_tenant_view(t) for t in self._s.registry.tenants()]))
+
+    async def get_audit(self) -> Response:
+        limit = _query_int("limit", 100, 1, _MAX_PAGE)
+        q = st.AuditQuery(
+            after_seq=_query_int("after", 0, 0, 2**62),
+            limit=limit,
+            action=request.args.get("action"),
+            actor_key_id=request.args.get("actor"),
+            target=request.args.get("target"),
+            since=_query_float("since"),
+            until=_query_float("until"),
+        )
+        events = await self._s.store.run(st.list_audit, q)
+        cursor = events[-1].seq if len(events) == limit else None
+        return _json(AuditPage(events=events, next_cursor=cursor))
+
+    async def post_audit_verify(self) -> Response:
+        verdict = await self._s.store.run(st.verify_audit)
+        return _json(verdict)

@@ -1,0 +1,227 @@
+"""In-memory authoritative state, written through to the store.
+
+Reads (authentication on every request, listings) never touch SQLite; writes commit to the store
+first, with their audit event in the same transaction, and only then change the in-memory view.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import logging
+import re
+import secrets
+import time
+from collections.abc import Callable
+from typing import Final
+
+import attrs
+import trio
+
+from nexa.contracts import codec
+from nexa.contracts.api import KeyCreate, TenantCreate
+from nexa.contracts.domain import (
+    NAME_RE,
+    ApiKey,
+    AuditDraft,
+    AuditEvent,
+    AuditResult,
+    KeyId,
+    Role,
+    Tenant,
+    TenantId,
+)
+from nexa.control import store as st
+from nexa.errors import Conflict, ContractError, NotFound, Unauthenticated
+from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: `nxk_` + 12 hex chars of public key id + `_` + 32 random bytes in unpadded base64url.
+KEY_PREFIX: Final = "nxk_"
+_KEY_RE: Final = re.compile(r"^nxk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
+
+
+@attrs.frozen(kw_only=True)
+class Actor:
+    """Who is asking: the authenticated key, or the controller itself (key_id None)."""
+
+    key_id: KeyId | None
+    role: Role | None
+    tenant: TenantId | None = None
+
+
+SYSTEM: Final = Actor(key_id=None, role=None)
+
+
+def new_api_key() -> tuple[KeyId, str]:
+    key_id = KeyId(secrets.token_hex(6))
+    secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode()
+    return key_id, f"{KEY_PREFIX}{key_id}_{secret}"
+
+
+def parse_api_key(text: str) -> KeyId | None:
+    match = _KEY_RE.match(text)
+    return KeyId(match.group(1)) if match else None
+
+
+def _sha256(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class Registry:
+    """Keys and tenants (later: nodes, models, deployments)."""
+
+    def __init__(self, store: st.Store, metrics: Metrics, keys: list[ApiKey], tenants: list[Tenant]) -> None:
+        self._store = store
+        self._metrics = metrics
+        self._keys = {k.id: k for k in keys}
+        self._tenants = {t.id: t for t in tenants}
+        # Serialises revocations so two concurrent ones cannot both pass the last-admin check.
+        self._revoke_lock = trio.Lock()
+
+    @classmethod
+    async def load(cls, store: st.Store, metrics: Metrics) -> Registry:
+        keys = await store.run(st.load_keys)
+        tenants = await store.run(st.load_tenants)
+        return cls(store, metrics, keys, tenants)
+
+    async def _audited(self, fn: Callable[..., AuditEvent], *args: object) -> AuditEvent:
+        """Run a mutating transaction (which appends its audit event) and count the event."""
+        event = await self._store.run(fn, *args)
+        self._metrics.audit_events.labels(event.result.value).inc()
+        return event
+
+    # ---- authentication ------------------------------------------------------------------------
+
+    def authenticate(self, presented: str) -> ApiKey:
+        """Map a presented secret to its active key. Constant-time on the secret's hash."""
+        key_id = parse_api_key(presented)
+        key = self._keys.get(key_id) if key_id else None
+        # Compare even when the id is unknown so timing does not tell ids apart.
+        stored = key.secret_sha256 if key else "0" * 64
+        if not hmac.compare_digest(stored, _sha256(presented)) or key is None or not key.active:
+            raise Unauthenticated("unknown or revoked API key")
+        return key
+
+    # ---- keys ----------------------------------------------------------------------------------
+
+    def api_keys(self) -> list[ApiKey]:
+        return sorted(self._keys.values(), key=lambda k: (k.created_at, k.id))
+
+    def active_keys_by_role(self) -> dict[Role, int]:
+        counts = dict.fromkeys(Role, 0)
+        for key in self._keys.values():
+            if key.active:
+                counts[key.role] += 1
+        return counts
+
+    async def create_key(self, actor: Actor, req: KeyCreate, *, secret: str | None = None) -> tuple[str, ApiKey]:
+        """Create a key; returns the secret (shown once) and the stored record."""
+        if req.role is Role.INFERENCE:
+            if req.tenant is None:
+                raise ContractError("an inference key needs a tenant", problems=("tenant: required for inference",))
+            if req.tenant not in self._tenants:
+                raise NotFound(f"no tenant {req.tenant}")
+        elif req.tenant is not None:
+            raise ContractError("only inference keys belong to a tenant", problems=("tenant: only for role inference",))
+        if len(req.name) > 128:
+            raise ContractError("name is too long", problems=("name: at most 128 characters",))
+        if secret is None:
+            key_id, secret = new_api_key()
+        else:
+            parsed = parse_api_key(secret)
+            if parsed is None:
+                raise ContractError("the admin key file does not hold a key in nexa's format")
+            key_id = parsed
+        key = ApiKey(
+            id=key_id,
+            name=req.name,
+            role=req.role,
+            tenant=req.tenant,
+            secret_sha256=_sha256(secret),
+            created_at=time.time(),
+            created_by=actor.key_id,
+        )
+        await self._audited(st.insert_key, key, _draft(actor, "key.create", f"key/{key.id}", None, key))
+        self._keys[key.id] = key
+        return secret, key
+
+    async def revoke_key(self, actor: Actor, key_id: KeyId) -> ApiKey:
+        async with self._revoke_lock:
+            return await self._revoke_key(actor, key_id)
+
+    async def _revoke_key(self, actor: Actor, key_id: KeyId) -> ApiKey:
+        key = self._keys.get(key_id)
+        if key is None or not key.active:
+            raise NotFound(f"no active key {key_id}")
+        if key.role is Role.ADMIN and sum(1 for k in self._keys.values() if k.active and k.role is Role.ADMIN) == 1:
+            raise Conflict("refusing to revoke the last active admin key")
+        revoked = attrs.evolve(key, revoked_at=time.time())
+        assert revoked.revoked_at is not None
+        await self._audited(
+            st.revoke_key,
+            key_id,
+            revoked.revoked_at,
+            _draft(actor, "key.revoke", f"key/{key_id}", key, revoked),
+        )
+        self._keys[key_id] = revoked
+        return revoked
+
+    async def ensure_admin_key(self, key_file: str | None) -> str | None:
+        """On the very first start, create the admin key. Returns its secret if it was generated here."""
+        if self._keys:
+            return None
+        secret = None
+        if key_file is not None:
+            secret = (await trio.Path(key_file).read_text(encoding="utf-8")).strip()
+        created, _ = await self.create_key(SYSTEM, KeyCreate(role=Role.ADMIN, name="bootstrap admin"), secret=secret)
+        log.info("created the bootstrap admin key", extra={"fields": {"from_file": key_file is not None}})
+        return None if key_file is not None else created
+
+    # ---- tenants -------------------------------------------------------------------------------
+
+    def tenants(self) -> list[Tenant]:
+        return sorted(self._tenants.values(), key=lambda t: t.id)
+
+    async def create_tenant(self, actor: Actor, req: TenantCreate) -> Tenant:
+        if not NAME_RE.match(req.id):
+            raise ContractError(
+                "invalid tenant id",
+                problems=("id: 1-64 lower-case letters, digits, '.', '_' or '-', starting and ending alphanumeric",),
+            )
+        if req.id in self._tenants:
+            raise Conflict(f"tenant {req.id} exists")
+        tenant = Tenant(id=req.id, display_name=req.display_name or req.id, created_at=time.time())
+        await self._audited(
+            st.insert_tenant, tenant, _draft(actor, "tenant.create", f"tenant/{tenant.id}", None, tenant)
+        )
+        self._tenants[tenant.id] = tenant
+        return tenant
+
+    # ---- audit ---------------------------------------------------------------------------------
+
+    async def record_denied(self, actor: Actor, action: str, target: str, reason: str) -> AuditEvent:
+        draft = AuditDraft(
+            actor_key_id=actor.key_id,
+            actor_role=actor.role,
+            action=action,
+            target=target,
+            prior_sha256=None,
+            next_sha256=None,
+            result=AuditResult.DENIED,
+            detail=reason,
+        )
+        return await self._audited(st.record_audit, draft)
+
+
+def _draft(actor: Actor, action: str, target: str, prior: object | None, after: object | None) -> AuditDraft:
+    return AuditDraft(
+        actor_key_id=actor.key_id,
+        actor_role=actor.role,
+        action=action,
+        target=target,
+        prior_sha256=codec.sha256_of(codec.store, prior),
+        next_sha256=codec.sha256_of(codec.store, after),
+    )

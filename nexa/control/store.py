@@ -1,0 +1,423 @@
+"""The controller's durable state: one SQLite database through apsw. The only apsw importer.
+
+Every transaction is one short sync function `_verb_noun(db, ...)` wrapped whole in `with _txn(db):`;
+`Store.run` executes it on a single lane (one connection, CapacityLimiter(1)) off the event loop,
+so no other task's SQL can interleave with a half-done transaction. Mutations append their audit
+event inside the same transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Final, TypeVar
+
+import apsw
+import apsw.bestpractice
+import attrs
+import trio
+
+from nexa.contracts import codec
+from nexa.contracts.api import AuditVerdict
+from nexa.contracts.domain import (
+    ApiKey,
+    AuditDraft,
+    AuditEvent,
+    EventId,
+    KeyId,
+    Tenant,
+)
+from nexa.errors import Conflict, NotFound, StateDirLocked, StoreError
+
+T = TypeVar("T")
+
+#: "NEXA" — marks the file as ours for `file(1)` and for a sanity check at open.
+APPLICATION_ID: Final = 0x4E455841
+DB_FILE: Final = "control.db"
+LOCK_FILE: Final = "control.lock"
+GENESIS_SHA256: Final = "0" * 64
+
+# Each entry moves the schema from version i to i+1; never edit a released entry, append.
+MIGRATIONS: Final[tuple[str, ...]] = (
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value ANY) STRICT;
+    INSERT INTO meta(key, value) VALUES ('epoch', 0), ('audit_head_seq', 0), ('audit_head_sha256', '');
+    CREATE TABLE tenant (
+        id TEXT PRIMARY KEY,
+        display_name TEXT NOT NULL,
+        created_at REAL NOT NULL
+    ) STRICT;
+    CREATE TABLE api_key (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        role TEXT NOT NULL,
+        tenant TEXT REFERENCES tenant(id),
+        secret_sha256 TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL,
+        created_by TEXT,
+        revoked_at REAL
+    ) STRICT;
+    CREATE TABLE audit (
+        seq INTEGER PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        time REAL NOT NULL,
+        actor_key_id TEXT,
+        actor_role TEXT,
+        action TEXT NOT NULL,
+        target TEXT NOT NULL,
+        prior_sha256 TEXT,
+        next_sha256 TEXT,
+        result TEXT NOT NULL,
+        detail TEXT NOT NULL,
+        prev_sha256 TEXT NOT NULL,
+        sha256 TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX audit_action ON audit(action, seq);
+    CREATE INDEX audit_actor ON audit(actor_key_id, seq);
+    CREATE INDEX audit_target ON audit(target, seq);
+    """,
+)
+
+
+@contextlib.contextmanager
+def _txn(db: apsw.Connection) -> Iterator[None]:
+    """BEGIN … COMMIT, or ROLLBACK on error (apsw's `with db:`, typed as not swallowing errors)."""
+    with db:
+        yield
+
+
+# bestpractice registers connection hooks, so it must run before any Connection is opened:
+# WAL, busy timeout, foreign keys, no double-quoted strings, SQLite's log into `logging`.
+apsw.bestpractice.apply(apsw.bestpractice.recommended)
+
+
+class Store:
+    """Async facade over one apsw connection: `await store.run(_txn_fn, *args)`."""
+
+    def __init__(self, db: apsw.Connection, *, epoch: int, inline: bool = False) -> None:
+        self._db = db
+        self._limiter = trio.CapacityLimiter(1)
+        self._inline = inline
+        #: The strictly increasing epoch this process took when it opened the store.
+        self.epoch = epoch
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run one transaction function on the store lane. Cancellation waits for it to finish."""
+        if self._inline:
+            # Tests under autojump_clock keep real threads out (trio issue #456).
+            async with self._limiter:
+                return _translated(fn, self._db, *args)
+        return await trio.to_thread.run_sync(_translated, fn, self._db, *args, limiter=self._limiter)
+
+
+def _translated(fn: Callable[..., T], db: apsw.Connection, *args: object) -> T:
+    try:
+        return fn(db, *args)
+    except apsw.ConstraintError as exc:
+        raise Conflict(f"conflicts with existing state ({_constraint(exc)})") from None
+    except apsw.Error as exc:
+        raise StoreError(f"store failure: {type(exc).__name__}") from exc
+
+
+def _constraint(exc: apsw.ConstraintError) -> str:
+    text = str(exc)
+    return text.split(":", 1)[-1].strip() if "UNIQUE" in text or "FOREIGN" in text else "constraint"
+
+
+@contextlib.asynccontextmanager
+async def open_store(state_dir: str | Path, *, inline: bool = False) -> AsyncIterator[Store]:
+    """Lock the state dir, open and migrate the database, take a new epoch; close on exit.
+
+    Opens no tasks. Raises StateDirLocked if another process holds the state dir.
+    """
+    root = Path(state_dir)
+    lock_fd = await trio.to_thread.run_sync(_lock_state_dir, root)
+    try:
+        db, epoch = await trio.to_thread.run_sync(_open_db, root / DB_FILE)
+        try:
+            yield Store(db, epoch=epoch, inline=inline)
+        finally:
+            db.close()
+    finally:
+        os.close(lock_fd)
+
+
+def _lock_state_dir(root: Path) -> int:
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StoreError(f"cannot use state directory {root}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StateDirLocked(state_dir=str(root)) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _open_db(path: Path) -> tuple[apsw.Connection, int]:
+    try:
+        db = apsw.Connection(str(path))
+    except apsw.Error as exc:
+        raise StoreError(f"cannot open {path}: {exc}") from None
+    try:
+        db.execute("PRAGMA synchronous=FULL")
+        _migrate(db)
+        return db, _take_epoch(db)
+    except apsw.Error as exc:
+        db.close()
+        raise StoreError(f"cannot prepare {path}: {type(exc).__name__}: {exc}") from None
+    except BaseException:
+        db.close()
+        raise
+
+
+def _migrate(db: apsw.Connection) -> None:
+    with _txn(db):
+        app_id = _pragma_int(db, "application_id")
+        version = _pragma_int(db, "user_version")
+        if version == 0 and app_id == 0:
+            db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        elif app_id != APPLICATION_ID:
+            raise StoreError("the database in the state directory does not belong to nexa")
+        if version > len(MIGRATIONS):
+            raise StoreError(
+                f"the state directory was written by a newer nexa (schema {version}, this build knows "
+                f"{len(MIGRATIONS)}); refusing to downgrade"
+            )
+        for number in range(version, len(MIGRATIONS)):
+            db.execute(MIGRATIONS[number])
+            db.execute(f"PRAGMA user_version={number + 1}")
+
+
+def _take_epoch(db: apsw.Connection) -> int:
+    with _txn(db):
+        db.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")
+        epoch = _meta_int(db, "epoch")
+    return epoch
+
+
+def _meta_int(db: apsw.Connection, key: str) -> int:
+    value = _meta(db, key)
+    if not isinstance(value, int):
+        raise StoreError(f"meta key {key} is not an integer")
+    return value
+
+
+def _meta(db: apsw.Connection, key: str) -> object:
+    for (value,) in db.execute("SELECT value FROM meta WHERE key = ?", (key,)):
+        return value
+    raise StoreError(f"meta key {key} is missing")
+
+
+def _pragma_int(db: apsw.Connection, name: str) -> int:
+    value = db.execute(f"PRAGMA {name}").fetchall()[0][0]
+    assert isinstance(value, int)
+    return value
+
+
+# ---- audit chain -------------------------------------------------------------------------------
+
+
+def event_sha256(event: AuditEvent) -> str:
+    """SHA-256 over every field but `sha256` itself, in canonical JSON."""
+    data = codec.store.unstructure(event)
+    del data["sha256"]
+    return hashlib.sha256(codec.canonical_json(data).encode()).hexdigest()
+
+
+def _append_audit(db: apsw.Connection, draft: AuditDraft) -> AuditEvent:
+    """Append one event. Must be called inside the caller's `with _txn(db):` transaction."""
+    seq = _meta_int(db, "audit_head_seq") + 1
+    prev = str(_meta(db, "audit_head_sha256")) or GENESIS_SHA256
+    unsigned = AuditEvent(
+        seq=seq,
+        id=EventId("ev_" + secrets.token_hex(8)),
+        time=time.time(),
+        actor_key_id=draft.actor_key_id,
+        actor_role=draft.actor_role,
+        action=draft.action,
+        target=draft.target,
+        prior_sha256=draft.prior_sha256,
+        next_sha256=draft.next_sha256,
+        result=draft.result,
+        detail=draft.detail,
+        prev_sha256=prev,
+        sha256="",
+    )
+    event = attrs.evolve(unsigned, sha256=event_sha256(unsigned))
+    db.execute(
+        "INSERT INTO audit(seq, id, time, actor_key_id, actor_role, action, target, prior_sha256,"
+        " next_sha256, result, detail, prev_sha256, sha256) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (
+            event.seq,
+            event.id,
+            event.time,
+            event.actor_key_id,
+            event.actor_role,
+            event.action,
+            event.target,
+            event.prior_sha256,
+            event.next_sha256,
+            event.result,
+            event.detail,
+            event.prev_sha256,
+            event.sha256,
+        ),
+    )
+    db.execute("UPDATE meta SET value = ? WHERE key = 'audit_head_seq'", (seq,))
+    db.execute("UPDATE meta SET value = ? WHERE key = 'audit_head_sha256'", (event.sha256,))
+    return event
+
+
+_AUDIT_COLUMNS: Final = (
+    "seq, id, time, actor_key_id, actor_role, action, target, prior_sha256, next_sha256, result, detail,"
+    " prev_sha256, sha256"
+)
+
+
+def _event_from_row(row: tuple[object, ...]) -> AuditEvent:
+    names = [f.name for f in attrs.fields(AuditEvent)]
+    return codec.store.structure(dict(zip(names, row, strict=True)), AuditEvent)
+
+
+def record_audit(db: apsw.Connection, draft: AuditDraft) -> AuditEvent:
+    """A transaction that only appends an event (refusals, transitions without other state)."""
+    with _txn(db):
+        event = _append_audit(db, draft)
+    return event
+
+
+@attrs.frozen(kw_only=True)
+class AuditQuery:
+    after_seq: int = 0
+    limit: int = 100
+    action: str | None = None
+    actor_key_id: str | None = None
+    target: str | None = None
+    since: float | None = None
+    until: float | None = None
+
+
+def list_audit(db: apsw.Connection, q: AuditQuery) -> list[AuditEvent]:
+    where: list[str] = ["seq > ?"]
+    args: list[str | float] = [q.after_seq]
+    for column, value in (("action", q.action), ("actor_key_id", q.actor_key_id), ("target", q.target)):
+        if value is not None:
+            where.append(f"{column} = ?")
+            args.append(value)
+    if q.since is not None:
+        where.append("time >= ?")
+        args.append(q.since)
+    if q.until is not None:
+        where.append("time < ?")
+        args.append(q.until)
+    sql = f"SELECT {_AUDIT_COLUMNS} FROM audit WHERE {' AND '.join(where)} ORDER BY seq LIMIT ?"  # noqa: S608
+    with _txn(db):
+        rows = db.execute(sql, (*args, q.limit)).fetchall()
+    return [_event_from_row(row) for row in rows]
+
+
+def verify_audit(db: apsw.Connection) -> AuditVerdict:
+    """Recompute the chain; name the first event that was edited, deleted, inserted or reordered."""
+    with _txn(db):
+        head_seq = _meta_int(db, "audit_head_seq")
+        head_sha = str(_meta(db, "audit_head_sha256"))
+        prev, expected_seq, checked = GENESIS_SHA256, 1, 0
+        for row in db.execute(f"SELECT {_AUDIT_COLUMNS} FROM audit ORDER BY seq"):  # noqa: S608
+            try:
+                event = _event_from_row(row)
+            except Exception:
+                return _bad(checked, row, "event does not parse (edited by hand?)")
+            if event.seq != expected_seq:
+                return _bad(checked, row, f"sequence gap: expected {expected_seq} (an event was deleted)")
+            if event.prev_sha256 != prev:
+                return _bad(checked, row, "prev_sha256 does not match the event before it")
+            if event_sha256(event) != event.sha256:
+                return _bad(checked, row, "content does not match its sha256 (edited)")
+            prev, expected_seq, checked = event.sha256, expected_seq + 1, checked + 1
+        if checked != head_seq or (checked and prev != head_sha):
+            return AuditVerdict(
+                ok=False,
+                checked=checked,
+                first_bad_seq=checked + 1,
+                reason=f"chain ends at {checked} but the head records {head_seq} (tail deleted or head edited)",
+            )
+        return AuditVerdict(ok=True, checked=checked)
+
+
+def _bad(checked: int, row: tuple[object, ...], reason: str) -> AuditVerdict:
+    seq, event_id = row[0], row[1]
+    return AuditVerdict(
+        ok=False,
+        checked=checked,
+        first_bad_seq=seq if isinstance(seq, int) else None,
+        first_bad_id=str(event_id),
+        reason=reason,
+    )
+
+
+# ---- keys and tenants --------------------------------------------------------------------------
+
+
+def _load_all(db: apsw.Connection, cls: type[T], table: str) -> list[T]:
+    names = [f.name for f in attrs.fields(cls)]  # type: ignore[arg-type]
+    with _txn(db):
+        rows = db.execute(f"SELECT {', '.join(names)} FROM {table}").fetchall()  # noqa: S608
+    return [codec.store.structure(dict(zip(names, row, strict=True)), cls) for row in rows]
+
+
+def load_keys(db: apsw.Connection) -> list[ApiKey]:
+    return _load_all(db, ApiKey, "api_key")
+
+
+def insert_key(db: apsw.Connection, key: ApiKey, draft: AuditDraft) -> AuditEvent:
+    with _txn(db):
+        db.execute(
+            "INSERT INTO api_key(id, name, role, tenant, secret_sha256, created_at, created_by, revoked_at)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (
+                key.id,
+                key.name,
+                key.role.value,
+                key.tenant,
+                key.secret_sha256,
+                key.created_at,
+                key.created_by,
+                key.revoked_at,
+            ),
+        )
+        event = _append_audit(db, draft)
+    return event
+
+
+def revoke_key(db: apsw.Connection, key_id: KeyId, at: float, draft: AuditDraft) -> AuditEvent:
+    with _txn(db):
+        db.execute("UPDATE api_key SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, key_id))
+        if db.changes() != 1:
+            raise NotFound(f"no active key {key_id}")
+        event = _append_audit(db, draft)
+    return event
+
+
+def load_tenants(db: apsw.Connection) -> list[Tenant]:
+    return _load_all(db, Tenant, "tenant")
+
+
+def insert_tenant(db: apsw.Connection, tenant: Tenant, draft: AuditDraft) -> AuditEvent:
+    with _txn(db):
+        db.execute(
+            "INSERT INTO tenant(id, display_name, created_at) VALUES (?,?,?)",
+            (tenant.id, tenant.display_name, tenant.created_at),
+        )
+        event = _append_audit(db, draft)
+    return event

@@ -1,0 +1,188 @@
+"""The nexa exception tree. No HTTP status codes here: `control/api.py` maps classes to statuses.
+
+Every error carries a stable machine `code` (snake_case, part of the public API), a human
+message that never contains keys, file paths of other hosts, addresses or stack traces, and
+whether retrying the same request may succeed.
+
+Our exception hierarchy:
+
+* NexaError
+  + ConfigError                 a config file or flag is invalid (names every bad key)
+  + ContractError               a request body or message does not fit its contract
+    - PayloadTooLarge
+  + AuthError
+    - Unauthenticated           no credential, or one we do not know
+    - Forbidden                 a known credential whose role may not do this
+    - BadSignature              a signed message that does not verify with the sender's key
+    - Replayed                  a sequence number at or below the last one accepted
+    - ClockSkew                 a timestamp too far from our clock
+    - WrongNode                 a message naming another node than its channel's key
+  + NotFound (also LookupError)
+  + Conflict                    the request is valid but the current state forbids it
+  + Overloaded                  shed load; carries retry_after_s
+  + Unavailable                 a dependency is down; retryable
+  + StoreError                  the durable store failed
+    - StateDirLocked            another process owns the state directory
+  + RemoteError                 an error envelope returned by a nexa controller (CLI side)
+  + ChannelError                the node channel (ZeroMQ) failed: bind, socket or protocol
+    - ChannelClosed             the link is not running, or has stopped
+    - NotConnected              no open channel to that node right now; retryable
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class NexaError(Exception):
+    """Base of every error nexa raises on purpose."""
+
+    code: ClassVar[str] = "internal"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(NexaError):
+    code = "invalid_config"
+
+    def __init__(self, message: str, *, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+class ContractError(NexaError):
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+class PayloadTooLarge(ContractError):
+    code = "payload_too_large"
+
+    def __init__(self, *, limit_bytes: int) -> None:
+        super().__init__(f"request body is larger than {limit_bytes} bytes")
+        self.limit_bytes = limit_bytes
+
+
+class AuthError(NexaError):
+    code = "unauthenticated"
+
+
+class Unauthenticated(AuthError):
+    code = "unauthenticated"
+
+
+class Forbidden(AuthError):
+    code = "forbidden"
+
+
+class NotFound(NexaError, LookupError):
+    code = "not_found"
+
+
+class Conflict(NexaError):
+    code = "conflict"
+
+
+class Overloaded(NexaError):
+    code = "overloaded"
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Unavailable(NexaError):
+    code = "unavailable"
+    retryable = True
+
+
+class StoreError(NexaError):
+    code = "store_error"
+
+
+class StateDirLocked(StoreError):
+    code = "state_dir_locked"
+
+    def __init__(self, *, state_dir: str) -> None:
+        super().__init__(
+            f"state directory {state_dir} is in use by another nexa control process; "
+            "stop it first or pass a different --state-dir"
+        )
+        self.state_dir = state_dir
+
+
+class RemoteError(NexaError):
+    """An error envelope received from a controller; keeps the remote code and status."""
+
+    def __init__(self, message: str, *, remote_code: str, status: int, request_id: str | None) -> None:
+        super().__init__(message)
+        self.remote_code = remote_code
+        self.status = status
+        self.request_id = request_id
+
+
+class BadSignature(AuthError):
+    """A signature that does not verify. Says which kind of message, never the key or the bytes."""
+
+    code = "bad_signature"
+
+    def __init__(self, message: str, *, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Replayed(AuthError):
+    """A message whose sequence number is not above the last one accepted from that peer."""
+
+    code = "replayed"
+
+    def __init__(self, *, seq: int, last_seq: int) -> None:
+        super().__init__(f"sequence number {seq} is not above the last accepted {last_seq}")
+        self.seq = seq
+        self.last_seq = last_seq
+
+
+class ClockSkew(AuthError):
+    """A message whose timestamp is further from our clock than the allowed skew."""
+
+    code = "clock_skew"
+
+    def __init__(self, *, skew_s: float, max_skew_s: float) -> None:
+        super().__init__(f"timestamp is {skew_s:.3f} s from our clock (at most {max_skew_s:g} s allowed)")
+        self.skew_s = skew_s
+        self.max_skew_s = max_skew_s
+
+
+class WrongNode(AuthError):
+    """A message naming a node other than the one its channel's key belongs to."""
+
+    code = "wrong_node"
+
+    def __init__(self, *, channel_node: str, claimed_node: str) -> None:
+        super().__init__(f"node {channel_node} sent a message naming node {claimed_node}")
+        self.channel_node = channel_node
+        self.claimed_node = claimed_node
+
+
+class ChannelError(NexaError):
+    code = "channel_error"
+
+
+class ChannelClosed(ChannelError):
+    code = "channel_closed"
+
+
+class NotConnected(ChannelError):
+    code = "not_connected"
+    retryable = True
+
+    def __init__(self, *, node_id: str) -> None:
+        super().__init__(f"node {node_id} has no open channel")
+        self.node_id = node_id

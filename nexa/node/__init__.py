@@ -1,0 +1,1 @@
+"""`nexa node`: the node agent role."""

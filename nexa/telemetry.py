@@ -1,0 +1,104 @@
+"""Metrics and logs. The only prometheus_client importer; log handlers are set up from cli.py only.
+
+Logs are JSON lines on stderr carrying metadata (ids, sizes, timings, status), never request or
+response bodies. A contextvar holds the current request id; a filter adds it to every record.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import sys
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+#: The request (or workload) id of the task that is logging; trio tasks inherit it.
+request_id: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("nexa_request_id", default=None)
+
+METRICS_CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    """Owns one CollectorRegistry and defines every metric nexa exports."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.build_info = Info("nexa_build", "Version of the running nexa binary.", registry=r)
+        self.controller_epoch = Gauge(
+            "nexa_controller_epoch", "Durable epoch this controller process took at start.", registry=r
+        )
+        self.http_requests = Counter(
+            "nexa_http_requests",
+            "HTTP requests answered, by route template, method and status.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.http_request_seconds = Histogram(
+            "nexa_http_request_duration_seconds",
+            "Time from request start to the last response byte handed to the server.",
+            ["route", "method"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.http_in_flight = Gauge("nexa_http_requests_in_flight", "HTTP requests being handled.", registry=r)
+        self.auth_failures = Counter(
+            "nexa_auth_failures", "Requests refused by authentication or role checks.", ["code"], registry=r
+        )
+        self.audit_events = Counter(
+            "nexa_audit_events", "Audit events appended to the chain, by result.", ["result"], registry=r
+        )
+        self.store_transaction_seconds = Histogram(
+            "nexa_store_transaction_duration_seconds",
+            "Time each store transaction took, queueing for the store lane included.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.api_keys = Gauge("nexa_api_keys", "Active API keys by role.", ["role"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line. Extra fields come from `extra={"fields": {...}}` only."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "ts": round(record.created, 6),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = getattr(record, "request_id", None)
+        if rid:
+            out["request_id"] = rid
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, separators=(",", ":"))
+
+
+def setup_logging(level: str) -> None:
+    """Install the JSON stderr handler on the root logger. Called once, from cli.py."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter())
+    handler.addFilter(_RequestIdFilter())
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # hypercorn's own access log would duplicate ours; its error log stays.
+    logging.getLogger("hypercorn.access").disabled = True
