@@ -121,22 +121,22 @@ def _cmd_control(args: argparse.Namespace) -> int:
     setup_logging(cfg.log.level.value)
 
     def announce(started: ControlStarted) -> None:
-        print(f"nexa control {__version__} listening on {', '.join(started.urls)} (epoch {started.epoch})")
         if started.admin_key:
             print("first start: the admin API key follows; it is shown only this once, store it now:")
             print(f"  NEXA_TOKEN={started.admin_key}")
+        print(f"nexa control {__version__} listening on {', '.join(started.urls)} (epoch {started.epoch})")
         sys.stdout.flush()
 
     async def run() -> None:
         stopping = trio.Event()
         async with trio.open_nursery() as nursery:
+
+            async def serve(task_status: trio.TaskStatus[ControlStarted]) -> None:
+                await serve_control(cfg, stopping=stopping, task_status=task_status)
+                nursery.cancel_scope.cancel()  # drained and closed: stop the signal watcher too
+
             nursery.start_soon(_stop_on_signal, stopping, nursery.cancel_scope)
-            started = await nursery.start(
-                lambda task_status: serve_control(cfg, stopping=stopping, task_status=task_status)
-            )
-            announce(started)
-            await stopping.wait()
-        # Reached after serve_control returned (drained) and the signal task finished.
+            announce(await nursery.start(serve))
 
     try:
         trio.run(run)

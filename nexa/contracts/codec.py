@@ -9,10 +9,12 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
 import attrs
 import cattrs
+import cattrs.cols
 from cattrs.preconf.json import make_converter
 
 from nexa.errors import ContractError
@@ -35,6 +37,22 @@ def register_strict_hooks(conv: cattrs.Converter) -> None:
     conv.register_structure_hook(str, _strict_str)
     # StrEnum sits before str in an enum's MRO, so this keeps enums out of the str hook.
     conv.register_structure_hook(enum.StrEnum, _strict_enum)
+    # cattrs would iterate a string into characters ("ab" -> ["a", "b"]): demand a JSON list.
+    conv.register_structure_hook_factory(cattrs.cols.is_sequence, _list_only)  # copies pass themselves
+
+
+def _list_only(type_: Any, conv: cattrs.Converter) -> Callable[[object, Any], Any]:
+    if cattrs.cols.is_mutable_sequence(type_):
+        inner = cattrs.cols.list_structure_factory(type_, conv)
+    else:
+        inner = cattrs.cols.homogenous_tuple_structure_factory(type_, conv)
+
+    def structure(value: object, t: Any) -> Any:
+        if not isinstance(value, list | tuple):
+            raise ValueError(f"expected a list, got {type(value).__name__}")
+        return inner(value, t)
+
+    return structure
 
 
 def _strict_int(value: object, _: type) -> int:

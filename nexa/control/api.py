@@ -10,9 +10,10 @@ import logging
 import re
 import secrets
 import time
-from typing import Final
+from typing import Any, Final
 
 import attrs
+import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
@@ -87,11 +88,10 @@ STATUS: Final[dict[type[NexaError], int]] = {
     NexaError: 500,
 }
 
-_HTTP_CODES: Final = {
-    404: "not_found",
-    405: "method_not_allowed",
-    413: "payload_too_large",
-    400: "invalid_request",
+_HTTP_ERRORS: Final = {
+    400: ("invalid_request", "the request is malformed"),
+    404: ("not_found", "no such route"),
+    405: ("method_not_allowed", "this route does not take that method"),
 }
 _REQUEST_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _MAX_PAGE: Final = 1000
@@ -114,6 +114,7 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = 60
     app.config["RESPONSE_TIMEOUT"] = None
     handlers = _Handlers(state)
+    app.asgi_app = _BodyLimit(app.asgi_app, cfg.max_body_bytes)  # type: ignore[method-assign]
 
     for (method, rule), _roles in ROUTE_ROLES.items():
         view = getattr(handlers, _view_name(method, rule))
@@ -127,8 +128,7 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
 
     @app.before_request
     async def _begin() -> None:
-        presented = request.headers.get("X-Request-Id", "")
-        rid = presented if _REQUEST_ID_RE.match(presented) else "req_" + secrets.token_hex(8)
+        rid = _request_id(request.headers.get("X-Request-Id", ""))
         request_id.set(rid)
         g.request_id = rid
         g.started = time.perf_counter()
@@ -179,6 +179,80 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
         return _envelope(500, "internal", "internal error", retryable=True)
 
     return app
+
+
+def _request_id(presented: str) -> str:
+    return presented if _REQUEST_ID_RE.match(presented) else "req_" + secrets.token_hex(8)
+
+
+class _BodyLimit:
+    """ASGI middleware: answer an oversized body with 413, after discarding what the client sends.
+
+    Clients such as httpx write the whole body before they read the answer, so replying without
+    reading would leave them blocked on a full socket. The discarded bytes are capped; past the
+    cap the connection is dropped.
+    """
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self._app = app
+        self._limit = limit
+        self._drain_cap = max(64 * 1024 * 1024, 8 * limit)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._limit:
+            await self._drain(receive, int(declared))
+            await self._reply_413(send, _request_id(headers.get("x-request-id", "")))
+            return
+        seen = 0
+
+        async def counting_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self._limit and message.get("more_body"):
+                    # Quart refuses the body (413) on its own; make sure the client can read that.
+                    await self._drain(receive, self._drain_cap)
+                    message = {**message, "more_body": False}
+            return message
+
+        await self._app(scope, counting_receive, send)
+
+    async def _drain(self, receive: Any, expected: int) -> None:
+        discarded = 0
+        with trio.move_on_after(30):
+            while discarded <= min(expected, self._drain_cap):
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                discarded += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    return
+
+    async def _reply_413(self, send: Any, rid: str) -> None:
+        error = PayloadTooLarge(limit_bytes=self._limit)
+        body = ErrorEnvelope(error=ErrorBody(code=error.code, message=error.message, retryable=False, request_id=rid))
+        payload = codec.dumps(codec.api, body).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"x-request-id", rid.encode()),
+                    (b"cache-control", b"no-store"),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        log.info("request", extra={"fields": {"status": 413, "route": "unread", "request_id": rid}})
 
 
 def _view_name(method: str, rule: str) -> str:

@@ -1,0 +1,509 @@
+"""Host and GPU inventory: discovery (nvidia-smi, /proc/meminfo) merged with the host-owned inventory.json.
+
+Parsing and merging are pure functions; the async functions do the I/O with trio. A failed GPU
+probe never raises: it becomes a `problems` line in the inventory and the node reports no GPUs.
+`InventoryWatcher` re-reads inventory.json when it changes and keeps the last good version.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Final, NoReturn, TypeVar
+
+import attrs
+import trio
+
+from nexa.contracts.node import (
+    AcceleratorOverride,
+    DiscoveredHost,
+    Gpu,
+    InventoryFile,
+    NodeInventory,
+    structure_inventory_file,
+)
+from nexa.errors import ConfigError, Unavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_INVENTORY_PATH: Final = "/etc/nexa/inventory.json"
+DEFAULT_MEMINFO_PATH: Final = "/proc/meminfo"
+
+#: The columns asked of nvidia-smi, in the order `parse_nvidia_smi_csv` reads them.
+NVIDIA_SMI_FIELDS: Final = (
+    "index",
+    "uuid",
+    "name",
+    "memory.total",
+    "memory.used",
+    "memory.free",
+    "utilization.gpu",
+    "temperature.gpu",
+    "power.draw",
+    "driver_version",
+    "pci.bus_id",
+    "compute_cap",
+)
+NVIDIA_SMI_ARGS: Final = ("--query-gpu=" + ",".join(NVIDIA_SMI_FIELDS), "--format=csv,noheader,nounits")
+#: A healthy nvidia-smi answers in well under a second; a hung driver must not stall the agent.
+NVIDIA_SMI_TIMEOUT_S: Final = 10.0
+
+_MIB: Final = 1024 * 1024
+_KIB: Final = 1024
+# How nvidia-smi spells "no value" (bracketed forms such as "[GPU is lost]" are caught generically).
+_UNKNOWN: Final = frozenset({"", "n/a", "not supported", "unknown error"})
+_ARCH: Final = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64", "armv8l": "arm64"}
+_MAX_DETAIL: Final = 200
+
+# A version of the inventory file: (mtime_ns, size, inode); editors that replace the file
+# change the inode, in-place writes change mtime or size.
+_Signature = tuple[int, int, int]
+_MISSING: Final[_Signature] = (-1, -1, -1)
+
+
+@attrs.frozen(kw_only=True)
+class HostMemory:
+    total_bytes: int
+    available_bytes: int
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure parsing
+
+
+def normalise_arch(machine: str) -> str:
+    """`platform.machine()` as container images name it: `amd64`, `arm64`, else lower-cased."""
+    machine = machine.strip().lower()
+    return _ARCH.get(machine, machine)
+
+
+def _value(raw: str) -> str | None:
+    value = raw.strip()
+    if value.lower() in _UNKNOWN or (value.startswith("[") and value.endswith("]")):
+        return None
+    return value
+
+
+def _mib(value: str | None) -> int | None:
+    return None if value is None else int(float(value) * _MIB)
+
+
+def _number(value: str | None) -> float | None:
+    return None if value is None else float(value)
+
+
+def parse_nvidia_smi_csv(text: str) -> list[Gpu]:
+    """Parse `nvidia-smi --query-gpu=<NVIDIA_SMI_FIELDS> --format=csv,noheader,nounits` output.
+
+    Memory columns are MiB. "[N/A]", "[Not Supported]" and the like become None. Raises
+    Unavailable naming the line and column when the output is not what was asked for.
+    """
+    gpus: list[Gpu] = []
+    problems: list[str] = []
+    for lineno, row in enumerate(csv.reader(io.StringIO(text), skipinitialspace=True), start=1):
+        if not any(cell.strip() for cell in row):
+            continue
+        if len(row) != len(NVIDIA_SMI_FIELDS):
+            problems.append(f"line {lineno}: expected {len(NVIDIA_SMI_FIELDS)} columns, got {len(row)}")
+            continue
+        cells = dict(zip(NVIDIA_SMI_FIELDS, (_value(cell) for cell in row), strict=True))
+        missing = [name for name in ("index", "uuid", "name") if cells[name] is None]
+        if missing:
+            problems.append(f"line {lineno}: no value for {', '.join(missing)}")
+            continue
+        try:
+            gpus.append(_gpu(cells))
+        except ValueError as exc:
+            problems.append(f"line {lineno}: {exc}")
+    if problems:
+        raise Unavailable("unexpected nvidia-smi output: " + "; ".join(problems))
+    return gpus
+
+
+def _convert(cells: dict[str, str | None], name: str, convert: Callable[[str | None], T]) -> T:
+    try:
+        return convert(cells[name])
+    except ValueError:
+        raise ValueError(f"{name} is not a number: {cells[name]!r}") from None
+
+
+def _gpu(cells: dict[str, str | None]) -> Gpu:
+    index = _convert(cells, "index", _number)
+    if index is None or index != int(index) or index < 0:
+        raise ValueError(f"index is not a GPU index: {cells['index']!r}")
+    return Gpu(
+        index=int(index),
+        uuid=cells["uuid"] or "",
+        name=cells["name"] or "",
+        memory_total_bytes=_convert(cells, "memory.total", _mib),
+        memory_used_bytes=_convert(cells, "memory.used", _mib),
+        memory_free_bytes=_convert(cells, "memory.free", _mib),
+        utilization_pct=_convert(cells, "utilization.gpu", _number),
+        temperature_c=_convert(cells, "temperature.gpu", _number),
+        power_draw_w=_convert(cells, "power.draw", _number),
+        driver_version=cells["driver_version"],
+        pci_bus_id=cells["pci.bus_id"],
+        compute_cap=cells["compute_cap"],
+    )
+
+
+def parse_meminfo(text: str) -> HostMemory:
+    """Total and available memory from /proc/meminfo text (kB there means KiB).
+
+    Kernels older than 3.14 have no MemAvailable; then MemFree + Buffers + Cached stands in.
+    """
+    fields: dict[str, int] = {}
+    for line in text.splitlines():
+        name, sep, rest = line.partition(":")
+        parts = rest.split()
+        if not sep or not parts or not parts[0].isdigit():
+            continue
+        scale = _KIB if parts[1:] == ["kB"] else 1
+        fields[name.strip()] = int(parts[0]) * scale
+    if "MemTotal" not in fields:
+        raise Unavailable("unexpected meminfo: no MemTotal line")
+    available = fields.get("MemAvailable")
+    if available is None:
+        if "MemFree" not in fields:
+            raise Unavailable("unexpected meminfo: neither MemAvailable nor MemFree")
+        available = fields["MemFree"] + fields.get("Buffers", 0) + fields.get("Cached", 0)
+    return HostMemory(total_bytes=fields["MemTotal"], available_bytes=min(available, fields["MemTotal"]))
+
+
+def parse_inventory_file(raw: str | bytes, *, source: str) -> InventoryFile:
+    """Parse inventory.json text. Raises ConfigError naming every bad key, or where the JSON breaks."""
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            problem = f"byte {exc.start}: not UTF-8"
+            raise ConfigError(f"{source} is not valid JSON: {problem}", problems=(problem,)) from None
+    duplicates: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in items:
+            if key in out:
+                duplicates.append(f"{key}: key appears twice in one object")
+            out[key] = value
+        return out
+
+    try:
+        data = json.loads(raw, object_pairs_hook=pairs)
+    except json.JSONDecodeError as exc:
+        problem = f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+        raise ConfigError(f"{source} is not valid JSON: {problem}", problems=(problem,)) from None
+    if duplicates:
+        problems = tuple(duplicates)
+        raise ConfigError(f"invalid inventory file {source}:\n  " + "\n  ".join(problems), problems=problems)
+    return structure_inventory_file(data, source=source)
+
+
+def load_inventory_file(path: str | os.PathLike[str]) -> InventoryFile:
+    """Read inventory.json. A missing file means no overrides (the defaults of InventoryFile)."""
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        return InventoryFile()
+    except OSError as exc:
+        problem = f"cannot read: {exc.strerror}"
+        raise ConfigError(f"cannot read inventory file {path}: {exc.strerror}", problems=(problem,)) from None
+    return parse_inventory_file(raw, source=os.fspath(path))
+
+
+def merge(discovered: DiscoveredHost, file: InventoryFile) -> NodeInventory:
+    """Apply inventory.json to what discovery found. Pure.
+
+    A GPU whose total memory the driver cannot report shares the host's memory (GB10 / DGX
+    Spark): it is marked `unified_memory`, its total is the host's MemTotal (or the override,
+    capped at MemTotal) and its free memory is the host's MemAvailable capped at that total.
+    The unified pool counts once in `accelerator_memory_bytes`, however many GPUs share it.
+    """
+    problems = list(discovered.problems)
+    by_uuid = {o.uuid: (i, o) for i, o in enumerate(file.accelerators) if o.uuid is not None}
+    by_index = {o.index: (i, o) for i, o in enumerate(file.accelerators) if o.index is not None}
+    used: set[int] = set()
+    gpus: list[Gpu] = []
+    for gpu in discovered.gpus:
+        matches = [m for m in (by_uuid.get(gpu.uuid), by_index.get(gpu.index)) if m is not None]
+        if len(matches) > 1:
+            problems.append(
+                f"accelerators[{matches[0][0]}] and accelerators[{matches[1][0]}] both select GPU "
+                f"{gpu.index}; using accelerators[{matches[0][0]}]"
+            )
+        override = matches[0] if matches else None
+        if override is not None:
+            used.update(i for i, _ in matches)
+            if override[1].hidden:
+                continue
+        gpus.append(_apply(gpu, override, discovered, problems))
+    for i, o in enumerate(file.accelerators):
+        if i not in used:
+            problems.append(f"accelerators[{i}]: no GPU with {o.selector()} on this host")
+    discrete = sum(g.memory_total_bytes or 0 for g in gpus if not g.unified_memory)
+    unified = max((g.memory_total_bytes or 0 for g in gpus if g.unified_memory), default=0)
+    return NodeInventory(
+        hostname=discovered.hostname,
+        arch=discovered.arch,
+        cpu_count=discovered.cpu_count,
+        memory_total_bytes=discovered.memory_total_bytes,
+        memory_available_bytes=discovered.memory_available_bytes,
+        gpus=tuple(gpus),
+        labels=dict(file.labels),
+        taints=file.taints,
+        data_classes=file.data_classes,
+        runtimes=file.runtimes,
+        accelerator_memory_bytes=discrete + unified,
+        discovered_at=discovered.discovered_at,
+        problems=tuple(problems),
+    )
+
+
+def _apply(
+    gpu: Gpu, override: tuple[int, AcceleratorOverride] | None, host: DiscoveredHost, problems: list[str]
+) -> Gpu:
+    at, declared = (override[0], override[1].memory_total_bytes) if override is not None else (-1, None)
+    if gpu.memory_total_bytes is None:
+        total = host.memory_total_bytes if declared is None else declared
+        if declared is not None and 0 < host.memory_total_bytes < declared:
+            problems.append(
+                f"accelerators[{at}]: memory_total_bytes {declared} is more than the host's "
+                f"{host.memory_total_bytes}; using {host.memory_total_bytes}"
+            )
+            total = host.memory_total_bytes
+        return attrs.evolve(
+            gpu,
+            unified_memory=True,
+            memory_total_bytes=total,
+            memory_free_bytes=min(host.memory_available_bytes, total),
+        )
+    if declared is None:
+        return gpu
+    free = gpu.memory_free_bytes
+    if free is not None:
+        # Declaring less than the card has reserves the rest: what is in use counts against it.
+        free = max(0, min(free, declared - (gpu.memory_used_bytes or 0)))
+    return attrs.evolve(gpu, memory_total_bytes=declared, memory_free_bytes=free)
+
+
+# ---------------------------------------------------------------------------------------------
+# I/O
+
+
+async def query_gpus(nvidia_smi: str) -> list[Gpu]:
+    """Run nvidia-smi once. Raises Unavailable when it cannot run, fails or prints nonsense.
+
+    No deadline here: callers put one around the call (`discover` uses NVIDIA_SMI_TIMEOUT_S).
+    """
+    try:
+        proc = await trio.run_process(
+            [nvidia_smi, *NVIDIA_SMI_ARGS], capture_stdout=True, capture_stderr=True, check=False
+        )
+    except OSError as exc:
+        raise Unavailable(f"cannot run {nvidia_smi}: {exc.strerror or exc}") from None
+    if proc.returncode != 0:
+        # nvidia-smi prints its failures ("couldn't communicate with the NVIDIA driver") on stdout.
+        said = (proc.stderr or b"").decode(errors="replace").strip() or proc.stdout.decode(errors="replace").strip()
+        detail = said.splitlines()[0][:_MAX_DETAIL] if said else "no output"
+        raise Unavailable(f"{nvidia_smi} exited with status {proc.returncode}: {detail}")
+    return parse_nvidia_smi_csv(proc.stdout.decode(errors="replace"))
+
+
+async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINFO_PATH) -> DiscoveredHost:
+    """Look at this host: CPUs, memory, architecture, hostname and NVIDIA GPUs.
+
+    `nvidia_smi` None means whichever nvidia-smi is on PATH; none there means a host without
+    NVIDIA GPUs. A configured path that does not work is reported in `problems`.
+    """
+    problems: list[str] = []
+    try:
+        memory = parse_meminfo(await trio.Path(meminfo_path).read_text(encoding="utf-8"))
+    except (OSError, Unavailable) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else exc.message
+        problems.append(f"memory: cannot read {meminfo_path}: {reason}")
+        memory = HostMemory(total_bytes=0, available_bytes=0)
+    gpus: list[Gpu] = []
+    executable = nvidia_smi if nvidia_smi is not None else shutil.which("nvidia-smi")
+    if executable is not None:
+        with trio.move_on_after(NVIDIA_SMI_TIMEOUT_S) as scope:
+            try:
+                gpus = await query_gpus(executable)
+            except Unavailable as exc:
+                problems.append(f"gpus: {exc.message}")
+        if scope.cancelled_caught:
+            problems.append(f"gpus: {executable} did not answer within {NVIDIA_SMI_TIMEOUT_S:g} s")
+    for problem in problems:
+        # Callers decide how loudly to report (the watcher logs each new problem once).
+        log.debug("inventory discovery: %s", problem)
+    return DiscoveredHost(
+        hostname=socket.gethostname(),
+        arch=normalise_arch(platform.machine()),
+        cpu_count=os.cpu_count() or 1,
+        memory_total_bytes=memory.total_bytes,
+        memory_available_bytes=memory.available_bytes,
+        gpus=tuple(gpus),
+        discovered_at=time.time(),
+        problems=tuple(problems),
+    )
+
+
+async def probe(
+    inventory_path: str | os.PathLike[str],
+    nvidia_smi: str | None,
+    *,
+    meminfo_path: str = DEFAULT_MEMINFO_PATH,
+) -> NodeInventory:
+    """One look at the host plus inventory.json (for `nexa node inventory`). Raises ConfigError."""
+    file = await trio.to_thread.run_sync(load_inventory_file, inventory_path)
+    return merge(await discover(nvidia_smi, meminfo_path=meminfo_path), file)
+
+
+def _stat_signature(path: str) -> _Signature:
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return _MISSING
+    except OSError as exc:
+        # Unreadable is a version of its own, so it is reported once and retried on change.
+        return (-2, exc.errno or 0, 0)
+    return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+
+def _read_with_signature(path: str) -> tuple[_Signature, bytes] | None:
+    # fstat on the open file: the signature belongs to exactly the bytes read.
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            return (st.st_mtime_ns, st.st_size, st.st_ino), f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+class InventoryWatcher:
+    """Keeps a current NodeInventory: polls inventory.json and re-reads it when it changes.
+
+    An invalid edit is rejected with one WARNING line per bad version of the file and the last
+    good inventory stays current. A missing file means the defaults. An invalid file at start
+    is an error: `run` raises ConfigError before it reports started.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        discover: Callable[[], Awaitable[DiscoveredHost]],
+        poll_interval_s: float = 2.0,
+        rediscover_interval_s: float | None = None,
+    ) -> None:
+        self._path = os.fspath(path)
+        self._discover = discover
+        self._poll_interval_s = poll_interval_s
+        self._rediscover_interval_s = rediscover_interval_s
+        self._signature: _Signature | None = None
+        self._host: DiscoveredHost | None = None
+        self._file = InventoryFile()
+        self._rejected: tuple[str, ...] = ()
+        self._inventory: NodeInventory | None = None
+        self._changed = trio.Event()
+
+    def current(self) -> NodeInventory:
+        """The inventory now in force. Raises Unavailable before `run` has started."""
+        if self._inventory is None:
+            raise Unavailable("the node inventory has not been read yet")
+        return self._inventory
+
+    def rejected(self) -> tuple[str, ...]:
+        """Why the file as it is now was rejected; empty when the file in force is the file on disk."""
+        return self._rejected
+
+    async def wait_changed(self, seen: NodeInventory | None = None) -> NodeInventory:
+        """Return the current inventory as soon as it is not `seen` (the one the caller has)."""
+        while self._inventory is None or self._inventory is seen:
+            await self._changed.wait()
+        return self._inventory
+
+    async def run(self, *, task_status: trio.TaskStatus[NodeInventory] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        """Read, report started with the first inventory, then follow the file until cancelled."""
+        self._host = await self._discover()
+        signature = await trio.to_thread.run_sync(_stat_signature, self._path)
+        await self._reload(signature, initial=True)
+        task_status.started(self.current())
+        next_discovery = self._next_discovery()
+        while True:
+            await trio.sleep(self._poll_interval_s)
+            signature = await trio.to_thread.run_sync(_stat_signature, self._path)
+            if signature != self._signature:
+                await self._reload(signature, initial=False)
+            if trio.current_time() >= next_discovery:
+                self._host = await self._discover()
+                self._publish(merge(self._host, self._file))
+                next_discovery = self._next_discovery()
+
+    def _next_discovery(self) -> float:
+        if self._rediscover_interval_s is None:
+            return float("inf")
+        return trio.current_time() + self._rediscover_interval_s
+
+    async def _reload(self, polled: _Signature, *, initial: bool) -> None:
+        assert self._host is not None
+        try:
+            got = await trio.to_thread.run_sync(_read_with_signature, self._path)
+        except OSError as exc:
+            self._signature = polled
+            self._reject((f"cannot read: {exc.strerror}",), initial=initial)
+            return
+        if got is None:
+            self._signature = _MISSING
+            if initial:
+                log.info("no inventory file at %s; using the defaults", self._path)
+            else:
+                log.warning("inventory file %s was removed; using the defaults", self._path)
+            file = InventoryFile()
+        else:
+            self._signature, raw = got
+            try:
+                file = parse_inventory_file(raw, source=self._path)
+            except ConfigError as exc:
+                self._reject(exc.problems or (exc.message,), initial=initial)
+                return
+            log.info(
+                "inventory file %s %s: %d labels, %d taints, data classes %s, runtimes %s, %d GPU overrides",
+                self._path,
+                "read" if initial else "reloaded",
+                len(file.labels),
+                len(file.taints),
+                ",".join(file.data_classes) or "(none)",
+                ",".join(file.runtimes) or "(none)",
+                len(file.accelerators),
+            )
+        self._file = file
+        self._rejected = ()
+        self._publish(merge(self._host, file))
+
+    def _reject(self, problems: tuple[str, ...], *, initial: bool) -> None:
+        if initial:
+            raise ConfigError(f"invalid inventory file {self._path}:\n  " + "\n  ".join(problems), problems=problems)
+        self._rejected = problems
+        log.warning("inventory file %s rejected, keeping the last good inventory: %s", self._path, "; ".join(problems))
+
+    def _publish(self, inventory: NodeInventory) -> None:
+        # Each problem (a failed GPU probe, an override that matches no GPU) is logged when it
+        # appears, not on every rediscovery that finds it again.
+        already = set(self._inventory.problems if self._inventory is not None else ())
+        for problem in inventory.problems:
+            if problem not in already:
+                log.warning("node inventory: %s", problem)
+        self._inventory = inventory
+        self._changed.set()
+        self._changed = trio.Event()

@@ -1,0 +1,154 @@
+"""Shared fixtures: an in-process controller on a loopback port, and a controller subprocess.
+
+Tests use 127.0.0.1 and port 0 (or a port the OS just handed out) only, and stop only the
+processes they started.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from functools import partial
+from pathlib import Path
+from typing import IO
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from nexa.config import ControlConfig, HostPort, HttpConfig
+from nexa.control.service import serve_control
+
+IN_CI = os.environ.get("CI") == "true"
+
+
+def require_tool(name: str) -> str:
+    """The path of a real tool the test needs; in CI its absence is a failure, never a skip."""
+    path = shutil.which(name)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{name} is required in CI but is not installed")
+        pytest.skip(f"{name} is not installed")
+    return path
+
+
+@attrs.frozen
+class Controller:
+    url: str
+    admin_key: str
+    state_dir: Path
+    stopping: trio.Event
+
+    def client(self, key: str | None = None) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key or self.admin_key}"}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10)
+
+
+@pytest.fixture
+async def controller(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Controller]:
+    """A real controller (hypercorn, quart-trio, apsw) serving on 127.0.0.1 in this test's trio run."""
+    stopping = trio.Event()
+    cfg = ControlConfig(state_dir=str(tmp_path / "state"), http=HttpConfig(listen=HostPort("127.0.0.1:0")))
+    with trio.fail_after(15):
+        started = await nursery.start(partial(serve_control, cfg, stopping=stopping))
+    assert started.admin_key is not None
+    yield Controller(url=started.urls[0], admin_key=started.admin_key, state_dir=tmp_path / "state", stopping=stopping)
+    stopping.set()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@attrs.define
+class ControllerProcess:
+    """`python -m nexa control` as a separate process (what an operator runs)."""
+
+    state_dir: Path
+    port: int
+    proc: subprocess.Popen[str] | None = None
+    admin_key: str | None = None
+    stderr_path: Path | None = None
+    _files: list[IO[str]] = attrs.field(factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *extra: str, timeout_s: float = 20) -> None:
+        self.stderr_path = self.state_dir.parent / f"control-{time.monotonic_ns()}.log"
+        stderr = self.stderr_path.open("w")
+        self._files.append(stderr)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "nexa",
+                "control",
+                "--state-dir",
+                str(self.state_dir),
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if "NEXA_TOKEN=" in line:
+                self.admin_key = line.strip().split("=", 1)[1]
+            if "listening on" in line:
+                return
+        raise AssertionError(f"controller did not start: {self.stderr_path.read_text()[-2000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 30) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=timeout_s)
+        self.close_files()
+        return code
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.close_files()
+
+    def close_files(self) -> None:
+        if self.proc is not None and self.proc.stdout:
+            self.proc.stdout.close()
+        for f in self._files:
+            f.close()
+        self._files.clear()
+
+    def cli(self, *args: str, token: str | None = None, check: bool = False) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "NEXA_URL": self.url, "NEXA_TOKEN": token or self.admin_key or ""}
+        return subprocess.run(
+            [sys.executable, "-m", "nexa", *args], env=env, capture_output=True, text=True, timeout=60, check=check
+        )
+
+
+@pytest.fixture
+def controller_process(tmp_path: Path) -> Iterator[ControllerProcess]:
+    cp = ControllerProcess(state_dir=tmp_path / "state", port=free_port())
+    try:
+        cp.start()
+        yield cp
+    finally:
+        cp.kill()

@@ -1,0 +1,156 @@
+"""The durable store: SQLite settings, migrations, epochs, the state-dir lock and the audit chain."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import apsw
+import pytest
+import trio
+
+from nexa.contracts.domain import AuditDraft, KeyId, Role
+from nexa.control import store as st
+from nexa.errors import StateDirLocked, StoreError
+
+
+def draft(action: str, target: str = "t") -> AuditDraft:
+    return AuditDraft(
+        actor_key_id=KeyId("abc"),
+        actor_role=Role.ADMIN,
+        action=action,
+        target=target,
+        prior_sha256=None,
+        next_sha256=None,
+    )
+
+
+async def fill(state_dir: Path, n: int) -> list[int]:
+    async with st.open_store(state_dir) as store:
+        events = [await store.run(st.record_audit, draft(f"a.{i}", f"t/{i}")) for i in range(n)]
+    return [e.seq for e in events]
+
+
+def tamper(state_dir: Path, sql: str, *args: object) -> None:
+    """Edit the database the way someone with the sqlite3 shell would."""
+    db = sqlite3.connect(state_dir / st.DB_FILE)
+    db.execute(sql, args)
+    db.commit()
+    db.close()
+
+
+async def verify(state_dir: Path) -> object:
+    async with st.open_store(state_dir) as store:
+        return await store.run(st.verify_audit)
+
+
+async def test_database_settings_and_schema(tmp_path: Path) -> None:
+    async with st.open_store(tmp_path) as store:
+
+        def settings(db: apsw.Connection) -> tuple[object, ...]:
+            return tuple(
+                db.execute(f"PRAGMA {name}").fetchall()[0][0]
+                for name in ("journal_mode", "synchronous", "application_id", "user_version", "foreign_keys")
+            )
+
+        journal, sync, app_id, version, fks = await store.run(settings)
+    assert journal == "wal"
+    assert sync == 2  # FULL
+    assert app_id == st.APPLICATION_ID
+    assert version == len(st.MIGRATIONS)
+    assert fks == 1
+    assert (tmp_path / st.LOCK_FILE).stat().st_mode & 0o077 == 0
+
+
+async def test_each_open_takes_a_strictly_higher_epoch(tmp_path: Path) -> None:
+    epochs = []
+    for _ in range(4):
+        async with st.open_store(tmp_path) as store:
+            epochs.append(store.epoch)
+    assert epochs == [1, 2, 3, 4]
+
+
+async def test_a_second_open_on_the_same_state_dir_is_refused(tmp_path: Path) -> None:
+    async with st.open_store(tmp_path):
+        with pytest.raises(StateDirLocked, match=str(tmp_path)):
+            async with st.open_store(tmp_path):
+                pass
+    async with st.open_store(tmp_path) as again:  # released on close
+        assert again.epoch == 2
+
+
+async def test_a_foreign_database_is_refused(tmp_path: Path) -> None:
+    db = sqlite3.connect(tmp_path / st.DB_FILE)
+    db.execute("CREATE TABLE x (y)")
+    db.execute("PRAGMA application_id = 42")
+    db.commit()
+    db.close()
+    with pytest.raises(StoreError, match="does not belong to nexa"):
+        async with st.open_store(tmp_path):
+            pass
+
+
+async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    await fill(tmp_path, 1)
+    tamper(tmp_path, f"PRAGMA user_version = {len(st.MIGRATIONS) + 1}")
+    with pytest.raises(StoreError, match="newer nexa"):
+        async with st.open_store(tmp_path):
+            pass
+
+
+async def test_intact_chain_verifies(tmp_path: Path) -> None:
+    assert await fill(tmp_path, 5) == [1, 2, 3, 4, 5]
+    verdict = await verify(tmp_path)
+    assert verdict.ok and verdict.checked == 5
+
+
+@pytest.mark.parametrize(
+    ("sql", "bad_seq", "verified_before"),
+    [
+        ("UPDATE audit SET target = 'someone-else' WHERE seq = 3", 3, 2),
+        ("UPDATE audit SET result = 'denied' WHERE seq = 1", 1, 0),
+        ("UPDATE audit SET time = time + 1 WHERE seq = 4", 4, 3),
+        ("DELETE FROM audit WHERE seq = 2", 3, 1),
+        # Reorder: swap the content of events 2 and 3 (seq is the order).
+        ("UPDATE audit SET seq = CASE seq WHEN 2 THEN -3 WHEN 3 THEN -2 END WHERE seq IN (2, 3)", 2, 1),
+        ("DELETE FROM audit WHERE seq = 5", 5, 4),
+    ],
+    ids=["edit-target", "edit-result", "edit-time", "delete-middle", "reorder", "delete-tail"],
+)
+async def test_tampering_is_found_and_named(tmp_path: Path, sql: str, bad_seq: int, verified_before: int) -> None:
+    await fill(tmp_path, 5)
+    if "CASE" in sql:
+        tamper(tmp_path, sql)
+        tamper(tmp_path, "UPDATE audit SET seq = -seq WHERE seq < 0")
+    else:
+        tamper(tmp_path, sql)
+    verdict = await verify(tmp_path)
+    assert not verdict.ok
+    assert verdict.first_bad_seq == bad_seq
+    assert verdict.checked == verified_before
+    assert verdict.reason
+
+
+async def test_recomputed_hash_is_detected_by_the_next_link(tmp_path: Path) -> None:
+    # Someone edits event 2 and recomputes its own sha256: event 3 no longer links to it.
+    await fill(tmp_path, 4)
+    async with st.open_store(tmp_path) as store:
+        events = await store.run(st.list_audit, st.AuditQuery())
+    import attrs
+
+    forged = attrs.evolve(events[1], target="forged")
+    tamper(
+        tmp_path,
+        "UPDATE audit SET target = ?, sha256 = ? WHERE seq = 2",
+        forged.target,
+        st.event_sha256(forged),
+    )
+    verdict = await verify(tmp_path)
+    assert not verdict.ok and verdict.first_bad_seq == 3
+
+
+async def test_transactions_run_one_at_a_time(tmp_path: Path) -> None:
+    async with st.open_store(tmp_path) as store, trio.open_nursery() as nursery:
+        for i in range(50):
+            nursery.start_soon(store.run, st.record_audit, draft(f"c.{i}"))
+    assert (await verify(tmp_path)).checked == 50

@@ -1,0 +1,109 @@
+"""Config files: frozen attrs classes, unknown keys and bad values named, flags override the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from nexa import cli, config
+from nexa.config import ControlConfig, LogLevel
+from nexa.errors import ConfigError
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "control.toml"
+    path.write_text(text)
+    return path
+
+
+def test_empty_file_gives_the_defaults(tmp_path: Path) -> None:
+    cfg = config.load(write(tmp_path, ""), ControlConfig)
+    assert cfg == ControlConfig()
+    assert cfg.http.max_body_bytes == 1_048_576
+
+
+def test_values_are_read(tmp_path: Path) -> None:
+    cfg = config.load(
+        write(
+            tmp_path,
+            'state_dir = "/srv/nexa"\n[http]\nlisten = "[::1]:9000"\ngraceful_timeout_s = 2.5\n'
+            '[log]\nlevel = "debug"\n',
+        ),
+        ControlConfig,
+    )
+    assert cfg.state_dir == "/srv/nexa"
+    assert cfg.http.listen == "[::1]:9000"
+    assert cfg.http.graceful_timeout_s == 2.5
+    assert cfg.log.level is LogLevel.DEBUG
+
+
+def test_every_bad_or_unknown_key_is_named(tmp_path: Path) -> None:
+    path = write(
+        tmp_path,
+        "colour = 1\n"
+        "[http]\nlisten = 'nohost'\nmax_body_bytes = -5\ngraceful_timeout_s = 'soon'\ntimeout = 3\n"
+        "[log]\nlevel = 'loud'\n"
+        "[extra]\n",
+    )
+    with pytest.raises(ConfigError) as info:
+        config.load(path, ControlConfig)
+    problems = "\n".join(info.value.problems)
+    for key in (
+        "colour",
+        "http.listen",
+        "http.max_body_bytes",
+        "http.graceful_timeout_s",
+        "http.timeout",
+        "log.level",
+        "extra",
+    ):
+        assert f"{key}:" in problems, key
+    assert len(info.value.problems) == 7
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("[http]\nmax_body_bytes = true\n", "http.max_body_bytes"),
+        ("[http]\ngraceful_timeout_s = 0\n", "http.graceful_timeout_s"),
+        ("[http]\nlisten = '127.0.0.1:70000'\n", "http.listen"),
+        ("state_dir = 3\n", "state_dir"),
+        ("http = 'x'\n", "http"),
+        ("[http\n", "not valid TOML"),
+    ],
+)
+def test_bad_values(tmp_path: Path, text: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        config.load(write(tmp_path, text), ControlConfig)
+
+
+def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = write(tmp_path, "[http]\nlisten = '127.0.0.1:1'\n")
+    assert cli.main(["check-config", str(good)]) == 0
+    assert "ok" in capsys.readouterr().out
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[http]\nlisten = '127.0.0.1:1'\nlistne = 'x'\n[bogus]\n")
+    assert cli.main(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "http.listne: unknown key" in err and "bogus: unknown key" in err
+    assert cli.main(["check-config", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_flags_override_the_file_and_are_validated(tmp_path: Path) -> None:
+    path = write(tmp_path, "state_dir = '/from/file'\n[http]\nlisten = '127.0.0.1:1000'\ngraceful_timeout_s = 3\n")
+    args = cli._parser().parse_args(["control", "--config", str(path), "--listen", "127.0.0.2:2000"])
+    cfg = cli._control_config(args)
+    assert cfg.http.listen == "127.0.0.2:2000"
+    assert cfg.state_dir == "/from/file"
+    assert cfg.http.graceful_timeout_s == 3
+    args = cli._parser().parse_args(["control", "--config", str(path), "--state-dir", "/flag", "--log-level", "nope"])
+    with pytest.raises(ConfigError, match=r"log\.level"):
+        cli._control_config(args)
+
+
+def test_config_objects_are_frozen() -> None:
+    cfg = ControlConfig()
+    with pytest.raises(AttributeError):
+        cfg.state_dir = "/x"  # type: ignore[misc]
