@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.set_defaults(handler=_cmd_check_config)
 
+    s = sub.add_parser("keygen", help="print a new API key in nexa's format (for bootstrap.admin_key_file)")
+    s.set_defaults(handler=_cmd_keygen)
+
     s = sub.add_parser("control", help="run the controller")
     s.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
     s.add_argument("--state-dir", help="overrides state_dir")
@@ -84,6 +87,13 @@ def _cmd_version(_: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config.load(args.file, config.ControlConfig)
     print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+def _cmd_keygen(_: argparse.Namespace) -> int:
+    from nexa.control.registry import new_api_key
+
+    print(new_api_key()[1])
     return EXIT_OK
 
 

@@ -51,7 +51,7 @@ async def test_health_ready_and_version_need_no_key(controller: Controller) -> N
     assert version["version"]
 
 
-async def test_every_route_declares_its_roles(controller: Controller, tmp_path: object) -> None:
+async def test_every_route_declares_its_roles() -> None:
     # The table is the single source: every registered rule is in it, and nothing else is.
     app = create_app(HttpConfig(), AppState(registry=None, store=None, metrics=None, started_at=0))  # type: ignore[arg-type]
     registered = {
