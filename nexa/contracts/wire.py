@@ -1,0 +1,145 @@
+"""Southbound controller⇄node messages: the bodies carried by the node channel. Pure data.
+
+On the wire each message is three frames, `[kind, body, signature]`: `kind` is the class's
+`kind` below, `body` its canonical JSON (`codec.wire`), and the signature is the sender's
+Ed25519 signature over `kind NUL body` (`nexa.security`). Every kind here is signed.
+
+Node → controller messages carry `seq` and `ts` for the receiver's replay window; controller
+→ node desired state is fenced by `(epoch, generation)` and a lease instead. The assignment
+and inventory shapes are placeholders the node work will tighten.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import ClassVar, Final
+
+import attrs
+
+#: Bumped when a change to these records is not backwards compatible.
+PROTOCOL_VERSION: Final = 1
+
+
+class RuntimeState(enum.StrEnum):
+    """What a node observes about one assignment's runtime."""
+
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@attrs.frozen(kw_only=True)
+class AssignmentStatus:
+    """One assignment as the node sees it, reported in every heartbeat."""
+
+    assignment_id: str
+    state: RuntimeState
+    detail: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Assignment:
+    """One unit of desired state for a node (placeholder: the spec is free-form for now)."""
+
+    id: str
+    deployment: str
+    spec: dict[str, object]
+
+
+# --- node → controller --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Hello:
+    """First message on a (re)connected channel: who the node is and what it last accepted."""
+
+    kind: ClassVar[str] = "hello"
+
+    node_id: str
+    seq: int
+    ts: float
+    agent_version: str
+    protocol: int = PROTOCOL_VERSION
+    #: Highest (epoch, generation) of an assignment set the node accepted; (0, 0) if none.
+    epoch: int = 0
+    generation: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Heartbeat:
+    """Periodic liveness, capacity and per-assignment runtime state."""
+
+    kind: ClassVar[str] = "heartbeat"
+
+    node_id: str
+    seq: int
+    ts: float
+    inventory: dict[str, object]
+    free_memory_bytes: int
+    free_accelerators: int
+    assignments: list[AssignmentStatus] = attrs.field(factory=list)
+
+
+@attrs.frozen(kw_only=True)
+class Ack:
+    """The node's answer to an assignment set: accepted, or refused with a reason."""
+
+    kind: ClassVar[str] = "ack"
+
+    node_id: str
+    seq: int
+    ts: float
+    epoch: int
+    generation: int
+    accepted: bool
+    reason: str | None = None
+
+
+# --- controller → node --------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class AssignmentSet:
+    """The complete desired state of one node. Newer (epoch, generation) replaces older."""
+
+    kind: ClassVar[str] = "assignments"
+
+    node_id: str
+    epoch: int
+    generation: int
+    #: Wall-clock time (Unix seconds) after which the node must not act on this set.
+    lease_expires_at: float
+    assignments: list[Assignment] = attrs.field(factory=list)
+
+
+@attrs.frozen(kw_only=True)
+class Drain:
+    """Stop taking new work; finish what is in flight."""
+
+    kind: ClassVar[str] = "drain"
+
+    node_id: str
+    epoch: int
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Cancel:
+    """Cancel one in-flight inference request on the node."""
+
+    kind: ClassVar[str] = "cancel"
+
+    request_id: str
+    reason: str = ""
+
+
+NodeMessage = Hello | Heartbeat | Ack
+ControllerMessage = AssignmentSet | Drain | Cancel
+WireMessage = NodeMessage | ControllerMessage
+
+#: What a controller accepts from a node, by kind.
+FROM_NODE: Final[dict[str, type[NodeMessage]]] = {cls.kind: cls for cls in (Hello, Heartbeat, Ack)}
+#: What a node accepts from its controller, by kind.
+FROM_CONTROLLER: Final[dict[str, type[ControllerMessage]]] = {cls.kind: cls for cls in (AssignmentSet, Drain, Cancel)}

@@ -1,0 +1,534 @@
+"""The node channel over ZeroMQ: one pump task per socket, CurveZMQ with a trio ZAP handler, signed frames.
+
+`Link` is the controller's ROUTER: it binds, admits node Curve keys through ZAP and tags every
+message with the node id ZAP gave its channel. `Uplink` is a node's DEALER: it dials out and
+lets zmq reconnect with capped backoff. Both sign what they send and verify what they receive
+before parsing it. The only module that imports `zmq`; zmq errors leave it as ChannelError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Final, NoReturn, TypeVar, cast
+
+import attrs
+import trio
+import zmq
+from zmq.utils import z85
+
+from nexa import security
+from nexa.contracts import codec, wire
+from nexa.errors import (
+    ChannelClosed,
+    ChannelError,
+    ConfigError,
+    ContractError,
+    NexaError,
+    NotConnected,
+    Unauthenticated,
+    WrongNode,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Frames = list[bytes]
+_Socket = zmq.Socket[bytes]
+_Context = zmq.Context[_Socket]
+
+#: RFC 27: libzmq asks the handler bound here (in the socket's own context) about every peer.
+ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
+#: The ZAP domain of the node channel; requests for any other domain are refused.
+ZAP_DOMAIN: Final = b"nexa-nodes"
+_ZAP_VERSION: Final = b"1.0"
+#: Length of a Curve25519 key in Z85 text.
+CURVE_KEY_CHARS: Final = 40
+#: Largest message a peer may send (bytes); larger ones cost the sender its connection.
+DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+# --- Curve25519 keys (CurveZMQ transport identity) ----------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class CurveKeyPair:
+    """A Curve25519 key pair in Z85 text. The secret never appears in a repr."""
+
+    public: str
+    secret: str = attrs.field(repr=False)
+
+
+def generate_curve_keypair() -> CurveKeyPair:
+    public, secret = zmq.curve_keypair()
+    return CurveKeyPair(public=public.decode("ascii"), secret=secret.decode("ascii"))
+
+
+def check_curve_key(text: str) -> str:
+    """Return `text` stripped if it is a Z85 Curve25519 key, else raise ContractError."""
+    text = text.strip()
+    if len(text) != CURVE_KEY_CHARS:
+        raise ContractError(f"a Curve key is {CURVE_KEY_CHARS} Z85 characters, got {len(text)}")
+    try:
+        z85.decode(text)
+    except (ValueError, KeyError, TypeError, struct.error):  # struct: a group above 2**32
+        raise ContractError("a Curve key must be Z85 text") from None
+    return text
+
+
+def save_curve_keypair(pair: CurveKeyPair, directory: Path, *, name: str = "curve", overwrite: bool = False) -> None:
+    """Write `<name>.key` (secret, mode 0600) and `<name>.pub` (public, 0644) atomically."""
+    security.write_key_file(directory / f"{name}.key", (pair.secret + "\n").encode(), private=True, overwrite=overwrite)
+    security.write_key_file(
+        directory / f"{name}.pub", (pair.public + "\n").encode(), private=False, overwrite=overwrite
+    )
+
+
+def load_curve_keypair(directory: Path, *, name: str = "curve") -> CurveKeyPair:
+    """Read `<name>.key` (refused if others can read it); the public half is derived from it."""
+    path = directory / f"{name}.key"
+    raw = security.read_key_file(path, private=True)
+    try:
+        secret = check_curve_key(raw.decode("ascii"))
+    except (UnicodeDecodeError, ContractError):
+        raise ConfigError(f"{path} does not hold a Z85 Curve secret key") from None
+    return CurveKeyPair(public=zmq.curve_public(secret.encode()).decode("ascii"), secret=secret)
+
+
+def load_curve_public(path: Path) -> str:
+    """Read a `.pub` file written by `save_curve_keypair` (a controller's key, pinned on a node)."""
+    raw = security.read_key_file(path, private=False)
+    try:
+        return check_curve_key(raw.decode("ascii"))
+    except (UnicodeDecodeError, ContractError):
+        raise ConfigError(f"{path} does not hold a Z85 Curve public key") from None
+
+
+# --- signed framing -----------------------------------------------------------------------------
+
+
+def encode_frames(msg: wire.WireMessage, key: security.SigningKey) -> Frames:
+    """`[kind, body, signature]`, the signature over exactly the bytes sent."""
+    kind = msg.kind.encode("ascii")
+    body = codec.dumps(codec.wire, msg).encode("utf-8")
+    return [kind, body, security.sign(key, kind, body)]
+
+
+def decode_frames(frames: Sequence[bytes], peer: security.PublicKey, accept: Mapping[str, type[T]]) -> T:
+    """Verify, then parse. Raises ContractError (shape, kind, body) or BadSignature."""
+    if len(frames) != 3:
+        raise ContractError(f"a message is 3 frames (kind, body, signature), got {len(frames)}")
+    kind, body, sig = frames
+    cls = accept.get(kind.decode("ascii", "replace"))
+    if cls is None:
+        raise ContractError(f"unexpected message kind {kind[:32].decode('ascii', 'replace')!r}")
+    # Unauthenticated bytes never reach the JSON parser or cattrs.
+    security.verify(peer, sig, kind, body)
+    return codec.loads(codec.wire, body, cls)
+
+
+# --- the pump: the one task that touches a socket -----------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class PumpStatistics:
+    received: int
+    sent: int
+    #: Messages a ROUTER could not route (peer gone or not keeping up); never silent.
+    dropped: int
+    inbox_depth: int
+    outbox_depth: int
+
+
+class ZmqPump:
+    """Moves frames between one zmq socket and two bounded memory channels.
+
+    Only `run` calls into zmq. Other tasks use `send`/`receive`, which wake the pump by
+    cancelling its idle scope. zmq's FD is edge-triggered, so EVENTS is re-read after every
+    operation and the pump only sleeps when nothing can progress.
+    """
+
+    def __init__(
+        self, sock: _Socket, *, inbox_size: int = 64, outbox_size: int = 64, drop_unroutable: bool = False
+    ) -> None:
+        self._sock = sock
+        self._inbox_tx, self._inbox_rx = trio.open_memory_channel[list[zmq.Frame]](inbox_size)
+        self._outbox_tx, self._outbox_rx = trio.open_memory_channel[Frames](outbox_size)
+        # ROUTER: always try to send and drop what cannot be routed, so one slow or vanished
+        # node never blocks the others. DEALER: wait for POLLOUT (backpressure to producers).
+        self._drop_unroutable = drop_unroutable
+        self._idle = trio.CancelScope()
+        # At most one message held by the pump in each direction (counted in statistics()).
+        self._incoming: list[zmq.Frame] | None = None
+        self._outgoing: Frames | None = None
+        self._received = self._sent = self._dropped = 0
+
+    async def send(self, frames: Frames) -> None:
+        try:
+            await self._outbox_tx.send(frames)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ChannelClosed("the channel is closed") from None
+        self._idle.cancel()
+
+    def send_nowait(self, frames: Frames) -> None:
+        """Queue without waiting; raises trio.WouldBlock when the outbox is full."""
+        try:
+            self._outbox_tx.send_nowait(frames)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ChannelClosed("the channel is closed") from None
+        self._idle.cancel()
+
+    async def receive(self) -> list[zmq.Frame]:
+        try:
+            frames = await self._inbox_rx.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise ChannelClosed("the channel is closed") from None
+        self._idle.cancel()  # there is room in the inbox again
+        return frames
+
+    def statistics(self) -> PumpStatistics:
+        return PumpStatistics(
+            received=self._received,
+            sent=self._sent,
+            dropped=self._dropped,
+            inbox_depth=self._inbox_rx.statistics().current_buffer_used + (self._incoming is not None),
+            outbox_depth=self._outbox_rx.statistics().current_buffer_used + (self._outgoing is not None),
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        sock = self._sock
+        fd = sock.fileno()  # zmq.FD: edge-triggered
+        task_status.started()
+        try:
+            while True:
+                events = _events(sock)
+                progressed = False
+                if self._incoming is None and events & zmq.POLLIN:
+                    self._incoming = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    self._received += 1
+                if self._incoming is not None:
+                    try:
+                        # Never block on delivery: the pump must keep sending, or a consumer
+                        # that replies would deadlock against it. A full inbox stops reading
+                        # and zmq's high-water mark pushes back on the peer.
+                        self._inbox_tx.send_nowait(self._incoming)
+                        self._incoming, progressed = None, True
+                    except trio.WouldBlock:
+                        pass
+                if self._outgoing is None:
+                    with contextlib.suppress(trio.WouldBlock):
+                        self._outgoing = self._outbox_rx.receive_nowait()
+                if self._outgoing is not None and (self._drop_unroutable or events & zmq.POLLOUT):
+                    self._send(self._outgoing)
+                    self._outgoing, progressed = None, True
+                if progressed:
+                    await trio.lowlevel.checkpoint()
+                    continue
+                # No zmq call between the EVENTS read above and this wait (edge-triggered FD).
+                self._idle = trio.CancelScope()
+                with self._idle:
+                    await trio.lowlevel.wait_readable(fd)
+        except zmq.ZMQError as exc:
+            raise ChannelError(f"node channel socket failed: {exc.strerror}") from exc
+        finally:
+            self._inbox_tx.close()
+            self._outbox_rx.close()
+
+    def _send(self, frames: Frames) -> None:
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+            self._sent += 1
+        except zmq.Again:
+            if not self._drop_unroutable:
+                raise  # POLLOUT said it would fit; anything else is a bug worth surfacing
+            self._dropped += 1
+            log.warning("dropped a %d-frame message: the peer is not keeping up", len(frames))
+        except zmq.ZMQError as exc:
+            if not (self._drop_unroutable and exc.errno == errno.EHOSTUNREACH):
+                raise
+            self._dropped += 1
+            log.warning("dropped a %d-frame message: the peer is no longer connected", len(frames))
+
+
+def _events(sock: _Socket) -> int:
+    """Read (and so reset) the socket's event state; the FD fires again only after this."""
+    return cast("int", sock.getsockopt(zmq.EVENTS))
+
+
+def _close(ctx: _Context, sockets: list[_Socket]) -> None:
+    for sock in reversed(sockets):
+        sock.close(linger=0)
+    ctx.term()  # immediate: every socket is closed with linger 0
+
+
+def _socket(ctx: _Context, kind: int, sockets: list[_Socket]) -> _Socket:
+    sock = ctx.socket(kind)
+    sockets.append(sock)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
+
+
+# --- ZAP (RFC 27): which Curve keys may open a channel ------------------------------------------
+
+
+def _zap_reply(request: list[bytes], authorize: Callable[[str], str | None]) -> Frames:
+    def reply(status: bytes, text: bytes, user_id: bytes = b"") -> Frames:
+        request_id = request[1] if len(request) > 1 else b""
+        return [_ZAP_VERSION, request_id, status, text, user_id, b""]
+
+    # version, request id, domain, address, identity, mechanism, credentials...
+    if len(request) < 6 or request[0] != _ZAP_VERSION:
+        log.warning("refused a malformed ZAP request")
+        return reply(b"400", b"malformed request")
+    _, _, domain, address, _, mechanism, *credentials = request
+    if domain != ZAP_DOMAIN or mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+        log.warning("refused a node channel from %s: not a CURVE peer in our domain", address.decode(errors="replace"))
+        return reply(b"400", b"CURVE only")
+    client_key = z85.encode(credentials[0]).decode("ascii")
+    try:
+        node_id = authorize(client_key)
+    except Exception:
+        log.exception("node key check failed for %s", address.decode(errors="replace"))
+        return reply(b"500", b"internal error")
+    if node_id is None:
+        log.warning(
+            "refused a node channel from %s: Curve key %s is not enrolled", address.decode(errors="replace"), client_key
+        )
+        return reply(b"400", b"key not enrolled")
+    return reply(b"200", b"OK", node_id.encode("utf-8"))
+
+
+async def _serve_zap(sock: _Socket, authorize: Callable[[str], str | None]) -> NoReturn:
+    """Answer libzmq's ZAP requests. This task owns the REP socket (same FD rules as the pump)."""
+    fd = sock.fileno()  # zmq.FD: edge-triggered
+    try:
+        while True:
+            if _events(sock) & zmq.POLLIN:
+                request = sock.recv_multipart(zmq.NOBLOCK)
+                sock.send_multipart(_zap_reply(request, authorize), zmq.NOBLOCK)
+                await trio.lowlevel.checkpoint()
+                continue
+            await trio.lowlevel.wait_readable(fd)
+    except zmq.ZMQError as exc:
+        raise ChannelError(f"ZAP handler socket failed: {exc.strerror}") from exc
+
+
+def _keepalive(sock: _Socket, heartbeat_ivl_s: float, heartbeat_timeout_s: float, max_message_bytes: int) -> None:
+    # ZMTP heartbeats: a silent peer is dropped (ROUTER) or reconnected (DEALER) in bounded time.
+    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(heartbeat_ivl_s))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(heartbeat_timeout_s))
+    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(heartbeat_timeout_s))
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+
+
+# --- controller side ----------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Inbound:
+    """A verified message and the node its channel belongs to (from ZAP, not from the body)."""
+
+    node_id: str
+    message: wire.NodeMessage
+
+
+class Link:
+    """The controller's end of every node channel: a CurveZMQ ROUTER plus its ZAP handler.
+
+    `authorize(curve_public_z85)` returns the node id for an enrolled key, or None to refuse;
+    `node_key(node_id)` returns the node's Ed25519 key, or None once it is revoked. Both are
+    called on the event loop and must not block.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        curve: CurveKeyPair,
+        signing_key: security.SigningKey,
+        authorize: Callable[[str], str | None],
+        node_key: Callable[[str], security.PublicKey | None],
+        inbox_size: int = 64,
+        outbox_size: int = 64,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        heartbeat_ivl_s: float = 1.0,
+        heartbeat_timeout_s: float = 5.0,
+    ) -> None:
+        self._endpoint = endpoint
+        self._curve = curve
+        self._key = signing_key
+        self._authorize = authorize
+        self._node_key = node_key
+        self._sizes = (inbox_size, outbox_size)
+        self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes)
+        self._pump: ZmqPump | None = None
+        # node id → ZMQ routing id of the connection its latest verified message came on.
+        self._routes: dict[str, bytes] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Bind and serve until cancelled. Supports `endpoint = await nursery.start(link.run)`."""
+        ctx: _Context = zmq.Context()  # its own context: the ZAP endpoint is per context
+        sockets: list[_Socket] = []
+        try:
+            try:
+                # ZAP first: with no handler bound, libzmq would admit every Curve client.
+                zap = _socket(ctx, zmq.REP, sockets)
+                zap.bind(ZAP_ENDPOINT)
+                router = _socket(ctx, zmq.ROUTER, sockets)
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends fail (and are counted)
+                router.setsockopt(zmq.CURVE_SERVER, 1)
+                router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret.encode("ascii"))
+                router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+                router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+                _keepalive(router, *self._limits)
+                router.bind(self._endpoint)
+                endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+            except zmq.ZMQError as exc:
+                raise ChannelError(f"cannot bind the node channel on {self._endpoint}: {exc.strerror}") from exc
+            pump = ZmqPump(router, inbox_size=self._sizes[0], outbox_size=self._sizes[1], drop_unroutable=True)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_serve_zap, zap, self._authorize)
+                await nursery.start(pump.run)
+                self._pump = pump
+                log.info("node channel bound on %s", endpoint)
+                task_status.started(endpoint)
+        finally:
+            self._pump = None
+            self._routes.clear()
+            _close(ctx, sockets)
+
+    async def send(self, node_id: str, msg: wire.ControllerMessage) -> None:
+        """Queue a signed message for a node. NotConnected if it has not spoken on this link."""
+        pump = self._running()
+        route = self._routes.get(node_id)
+        if route is None:
+            raise NotConnected(node_id=node_id)
+        await pump.send([route, *encode_frames(msg, self._key)])
+
+    async def receive(self) -> Inbound:
+        """The next message from a node, verified against that node's key.
+
+        A rejected message raises (Unauthenticated, BadSignature, WrongNode, ContractError)
+        and is logged with its node; the next call goes on with the next message.
+        """
+        frames = await self._running().receive()
+        try:
+            node_id = frames[-1].get("User-Id")  # set by our ZAP handler, so by the Curve key
+        except zmq.ZMQError:  # no such property: a peer ZAP never saw
+            node_id = ""
+        if not isinstance(node_id, str) or not node_id or len(frames) < 2:
+            raise Unauthenticated("a message arrived on a channel without a node identity")
+        try:
+            pub = self._node_key(node_id)
+            if pub is None:
+                self._routes.pop(node_id, None)
+                raise Unauthenticated(f"node {node_id} is not enrolled")
+            msg = decode_frames([f.bytes for f in frames[1:]], pub, wire.FROM_NODE)
+            if msg.node_id != node_id:
+                raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
+        except NexaError as exc:
+            log.warning("rejected a message from node %s: %s (%s)", node_id, exc.code, exc.message)
+            raise
+        self._routes[node_id] = frames[0].bytes
+        return Inbound(node_id=node_id, message=msg)
+
+    def statistics(self) -> PumpStatistics:
+        return self._running().statistics()
+
+    def _running(self) -> ZmqPump:
+        if self._pump is None:
+            raise ChannelClosed("the node channel is not running")
+        return self._pump
+
+
+# --- node side ----------------------------------------------------------------------------------
+
+
+class Uplink:
+    """A node's end of its channel: a CurveZMQ DEALER that dials the controller.
+
+    zmq reconnects on its own, backing off from `reconnect_ivl_s` up to `reconnect_ivl_max_s`.
+    While there is no connection, messages wait in the bounded outbox (zmq's IMMEDIATE), so
+    `send` applies backpressure and `send_nowait` raises trio.WouldBlock.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        curve: CurveKeyPair,
+        server_curve_public: str,
+        signing_key: security.SigningKey,
+        controller_key: security.PublicKey,
+        inbox_size: int = 64,
+        outbox_size: int = 64,
+        reconnect_ivl_s: float = 0.1,
+        reconnect_ivl_max_s: float = 5.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        heartbeat_ivl_s: float = 1.0,
+        heartbeat_timeout_s: float = 5.0,
+    ) -> None:
+        self._endpoint = endpoint
+        self._curve = curve
+        self._server_public = check_curve_key(server_curve_public)
+        self._key = signing_key
+        self._controller_key = controller_key
+        self._sizes = (inbox_size, outbox_size)
+        self._reconnect = (reconnect_ivl_s, reconnect_ivl_max_s)
+        self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes)
+        self._pump: ZmqPump | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        """Connect and serve until cancelled. Started means queued, not yet connected."""
+        ctx: _Context = zmq.Context()
+        sockets: list[_Socket] = []
+        try:
+            try:
+                dealer = _socket(ctx, zmq.DEALER, sockets)
+                dealer.setsockopt(zmq.CURVE_SERVERKEY, self._server_public.encode("ascii"))
+                dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public.encode("ascii"))
+                dealer.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret.encode("ascii"))
+                dealer.setsockopt(zmq.RECONNECT_IVL, _ms(self._reconnect[0]))
+                dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _ms(self._reconnect[1]))
+                dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
+                _keepalive(dealer, *self._limits)
+                dealer.connect(self._endpoint)
+            except zmq.ZMQError as exc:
+                raise ChannelError(f"cannot dial the controller at {self._endpoint}: {exc.strerror}") from exc
+            self._pump = ZmqPump(dealer, inbox_size=self._sizes[0], outbox_size=self._sizes[1])
+            log.info("dialling the controller at %s", self._endpoint)
+            await self._pump.run(task_status=task_status)
+        finally:
+            self._pump = None
+            _close(ctx, sockets)
+
+    async def send(self, msg: wire.NodeMessage) -> None:
+        await self._running().send(encode_frames(msg, self._key))
+
+    def send_nowait(self, msg: wire.NodeMessage) -> None:
+        self._running().send_nowait(encode_frames(msg, self._key))
+
+    async def receive(self) -> wire.ControllerMessage:
+        """The next message from the controller, verified against its pinned key."""
+        frames = await self._running().receive()
+        try:
+            return decode_frames([f.bytes for f in frames], self._controller_key, wire.FROM_CONTROLLER)
+        except NexaError as exc:
+            log.warning("rejected a message from the controller: %s (%s)", exc.code, exc.message)
+            raise
+
+    def statistics(self) -> PumpStatistics:
+        return self._running().statistics()
+
+    def _running(self) -> ZmqPump:
+        if self._pump is None:
+            raise ChannelClosed("the controller channel is not running")
+        return self._pump

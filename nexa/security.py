@@ -1,0 +1,272 @@
+"""Ed25519 signing keys, message signatures, the replay window and enrollment tokens.
+
+Sync and pure: no trio, no sockets. The only I/O is reading and writing key files through the
+explicit `*_key_file` helpers. The only module that imports `cryptography`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import logging
+import math
+import os
+import secrets
+import stat
+import tempfile
+from pathlib import Path
+from typing import Final
+
+import attrs
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from nexa.errors import BadSignature, ClockSkew, ConfigError, Conflict, ContractError, Replayed
+
+log = logging.getLogger(__name__)
+
+#: Raw sizes of an Ed25519 public key and signature.
+PUBLIC_KEY_BYTES: Final = 32
+SIGNATURE_BYTES: Final = 64
+#: Hex digits of SHA-256 kept in a fingerprint (64 bits: enough to tell keys apart by eye).
+FINGERPRINT_HEX: Final = 16
+#: Every enrollment token starts with this, so scanners and people recognise a leaked one.
+TOKEN_PREFIX: Final = "nxb_"  # noqa: S105 - a public prefix, not a secret
+#: Random bytes in a token (256 bits).
+TOKEN_BYTES: Final = 32
+#: Default bound on |message time - our time| (seconds).
+DEFAULT_MAX_SKEW_S: Final = 30.0
+
+
+# --- keys -------------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class PublicKey:
+    """An Ed25519 public key: the half that is pinned, enrolled and shared."""
+
+    _key: Ed25519PublicKey = attrs.field(repr=False)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> PublicKey:
+        if len(raw) != PUBLIC_KEY_BYTES:
+            raise ContractError(f"an Ed25519 public key is {PUBLIC_KEY_BYTES} bytes, got {len(raw)}")
+        return cls(Ed25519PublicKey.from_public_bytes(raw))
+
+    @classmethod
+    def from_b64(cls, text: str) -> PublicKey:
+        """Parse standard base64 (what `b64` writes); anything else is a ContractError."""
+        try:
+            raw = base64.b64decode(text.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise ContractError("public key is not valid base64") from None
+        return cls.from_bytes(raw)
+
+    @property
+    def raw(self) -> bytes:
+        return self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+    @property
+    def b64(self) -> str:
+        return base64.b64encode(self.raw).decode("ascii")
+
+    @property
+    def fingerprint(self) -> str:
+        """Short SHA-256 hex of the raw key, for logs and the console (never the key itself)."""
+        return hashlib.sha256(self.raw).hexdigest()[:FINGERPRINT_HEX]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, PublicKey) and hmac.compare_digest(self.raw, other.raw)
+
+    def __hash__(self) -> int:
+        return hash(self.raw)
+
+    def __repr__(self) -> str:
+        return f"PublicKey(fingerprint={self.fingerprint!r})"
+
+
+@attrs.frozen(eq=False)
+class SigningKey:
+    """An Ed25519 private key. Its repr shows the public fingerprint only."""
+
+    _key: Ed25519PrivateKey = attrs.field(repr=False)
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        return cls(Ed25519PrivateKey.generate())
+
+    @property
+    def public(self) -> PublicKey:
+        return PublicKey(self._key.public_key())
+
+    def __repr__(self) -> str:
+        return f"SigningKey(fingerprint={self.public.fingerprint!r})"
+
+
+def generate_signing_key() -> SigningKey:
+    return SigningKey.generate()
+
+
+def save_signing_key(key: SigningKey, path: Path, *, overwrite: bool = False) -> None:
+    """Write the private key as unencrypted PKCS#8 PEM, mode 0600, atomically."""
+    pem = key._key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    write_key_file(path, pem, private=True, overwrite=overwrite)
+
+
+def load_signing_key(path: Path) -> SigningKey:
+    """Read a key written by `save_signing_key`; refuses files others can read."""
+    pem = read_key_file(path, private=True)
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except (ValueError, TypeError):
+        raise ConfigError(f"{path} is not an unencrypted PEM private key") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise ConfigError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
+    return SigningKey(key)
+
+
+# --- key files ----------------------------------------------------------------------------------
+
+
+def write_key_file(path: Path, data: bytes, *, private: bool, overwrite: bool = False) -> None:
+    """Write `data` to `path` atomically: temp file in the same directory, fsync, then rename.
+
+    Private files are created 0600 from the start (never world-readable, not even briefly);
+    public ones 0644. Without `overwrite`, an existing file is a Conflict and is left alone.
+    """
+    mode = 0o600 if private else 0o644
+    directory = path.parent
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise ConfigError(f"cannot write key file {path}: {exc.strerror}") from None
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), mode)  # mkstemp gives 0600; public files get 0644 here
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if overwrite:
+            tmp.replace(path)
+        else:
+            # link() is atomic and fails if the target exists, unlike rename().
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise Conflict(f"key file {path} already exists; refusing to overwrite it") from None
+        _fsync_dir(directory)
+    except OSError as exc:
+        raise ConfigError(f"cannot write key file {path}: {exc.strerror}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("wrote %s key file %s", "private" if private else "public", path)
+
+
+def read_key_file(path: Path, *, private: bool) -> bytes:
+    """Read a key file. A private one must not be readable by group or others (like ssh)."""
+    try:
+        with path.open("rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode
+            if private and mode & (stat.S_IRWXG | stat.S_IRWXO):
+                raise ConfigError(
+                    f"private key file {path} is accessible by other users "
+                    f"(mode {stat.S_IMODE(mode):04o}); run chmod 600 on it"
+                )
+            return fh.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- signatures ---------------------------------------------------------------------------------
+
+
+def _signed_bytes(kind: bytes, body: bytes) -> bytes:
+    return kind + b"\x00" + body
+
+
+def sign(key: SigningKey, kind: bytes, body: bytes) -> bytes:
+    """Sign exactly the bytes that are sent: `kind NUL body`."""
+    if b"\x00" in kind:
+        # The NUL separates kind from body; a NUL inside the kind would make them ambiguous.
+        raise ValueError("a message kind must not contain NUL")
+    return key._key.sign(_signed_bytes(kind, body))
+
+
+def verify(pub: PublicKey, sig: bytes, kind: bytes, body: bytes) -> None:
+    """Check `sig` over `kind NUL body`, or raise BadSignature. Call before parsing `body`."""
+    kind_text = kind.decode("ascii", "replace")
+    if b"\x00" in kind or len(sig) != SIGNATURE_BYTES:
+        raise BadSignature(f"malformed signature on a {kind_text!r} message", kind=kind_text)
+    try:
+        pub._key.verify(sig, _signed_bytes(kind, body))
+    except InvalidSignature:
+        raise BadSignature(f"signature on a {kind_text!r} message does not verify", kind=kind_text) from None
+
+
+# --- replay window ------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ReplayWindow:
+    """One peer's replay fence: the last sequence number accepted and the allowed clock skew.
+
+    Immutable (urllib3 `Retry` style): `check` returns the window to keep if the message is
+    accepted, and raises without changing anything if it is not.
+    """
+
+    #: Highest sequence number accepted so far; -1 before the first (sequences start at 0).
+    last_seq: int = -1
+    max_skew_s: float = DEFAULT_MAX_SKEW_S
+
+    def check(self, seq: int, ts: float, now: float) -> ReplayWindow:
+        if seq <= self.last_seq:
+            raise Replayed(seq=seq, last_seq=self.last_seq)
+        skew = abs(ts - now)
+        # `not <=` so that a NaN timestamp is refused, not waved through.
+        if not skew <= self.max_skew_s:
+            raise ClockSkew(skew_s=skew if math.isfinite(skew) else math.inf, max_skew_s=self.max_skew_s)
+        return attrs.evolve(self, last_seq=seq)
+
+
+# --- enrollment tokens --------------------------------------------------------------------------
+
+
+def new_enrollment_token() -> str:
+    """A one-time bootstrap token: `nxb_` and 32 random bytes, URL-safe base64 without padding."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(TOKEN_BYTES)
+
+
+def is_enrollment_token(text: str) -> bool:
+    """Whether `text` has the shape of a token (prefix and length), not whether it is valid."""
+    body = text.removeprefix(TOKEN_PREFIX)
+    return text.startswith(TOKEN_PREFIX) and len(body) == _TOKEN_BODY_CHARS and all(c in _URLSAFE for c in body)
+
+
+_TOKEN_BODY_CHARS: Final = len(base64.urlsafe_b64encode(bytes(TOKEN_BYTES)).rstrip(b"="))
+_URLSAFE: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def hash_token(token: str) -> str:
+    """What the controller stores instead of a token: its SHA-256, hex."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def token_matches(token: str, stored_sha256: str) -> bool:
+    """Constant-time comparison of a presented token against a stored hash."""
+    return hmac.compare_digest(hash_token(token).encode("ascii"), stored_sha256.encode("ascii", "replace"))

@@ -1,0 +1,569 @@
+"""nexa.messaging over real ZeroMQ on 127.0.0.1.
+
+Policy: loopback only; servers bind port 0 (`tcp://127.0.0.1:*`) and report the real endpoint
+through `nursery.start`; every I/O test runs under an absolute `trio.fail_after`.
+"""
+
+from __future__ import annotations
+
+import socket
+import stat
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import zmq
+from zmq.utils import z85
+
+from nexa import messaging, security
+from nexa.contracts import wire
+from nexa.errors import (
+    BadSignature,
+    ChannelClosed,
+    ChannelError,
+    ConfigError,
+    ContractError,
+    NotConnected,
+    Unauthenticated,
+    WrongNode,
+)
+
+LOOPBACK = "tcp://127.0.0.1:*"
+TIMEOUT_S = 10
+
+
+@attrs.frozen
+class NodeIdentity:
+    node_id: str
+    curve: messaging.CurveKeyPair
+    key: security.SigningKey
+
+
+@attrs.define
+class Fleet:
+    """The controller's keys plus an in-memory enrolment table standing in for the registry."""
+
+    curve: messaging.CurveKeyPair = attrs.field(factory=messaging.generate_curve_keypair)
+    key: security.SigningKey = attrs.field(factory=security.generate_signing_key)
+    by_curve: dict[str, str] = attrs.field(factory=dict)
+    node_keys: dict[str, security.PublicKey] = attrs.field(factory=dict)
+    zap_calls: list[str] = attrs.field(factory=list)
+    zap_events: dict[str, trio.Event] = attrs.field(factory=dict)
+
+    def authorize(self, curve_public: str) -> str | None:
+        self.zap_calls.append(curve_public)
+        self.zap_event(curve_public).set()
+        return self.by_curve.get(curve_public)
+
+    def zap_event(self, curve_public: str) -> trio.Event:
+        return self.zap_events.setdefault(curve_public, trio.Event())
+
+    def enroll(self, node_id: str) -> NodeIdentity:
+        node = NodeIdentity(node_id, messaging.generate_curve_keypair(), security.generate_signing_key())
+        self.by_curve[node.curve.public] = node_id
+        self.node_keys[node_id] = node.key.public
+        return node
+
+    def stranger(self, node_id: str) -> NodeIdentity:
+        """Keys the controller has never seen."""
+        return NodeIdentity(node_id, messaging.generate_curve_keypair(), security.generate_signing_key())
+
+    def link(self, endpoint: str = LOOPBACK, **kw: Any) -> messaging.Link:
+        return messaging.Link(
+            endpoint,
+            curve=self.curve,
+            signing_key=self.key,
+            authorize=self.authorize,
+            node_key=self.node_keys.get,
+            **kw,
+        )
+
+    def uplink(self, endpoint: str, node: NodeIdentity, **kw: Any) -> messaging.Uplink:
+        kw.setdefault("controller_key", self.key.public)
+        return messaging.Uplink(
+            endpoint,
+            curve=node.curve,
+            server_curve_public=self.curve.public,
+            signing_key=node.key,
+            reconnect_ivl_s=0.05,
+            reconnect_ivl_max_s=0.2,
+            **kw,
+        )
+
+
+@pytest.fixture
+def fleet() -> Fleet:
+    return Fleet()
+
+
+def hello(node_id: str, seq: int = 0) -> wire.Hello:
+    return wire.Hello(node_id=node_id, seq=seq, ts=time.time(), agent_version="test")
+
+
+def heartbeat(node_id: str, seq: int) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        node_id=node_id,
+        seq=seq,
+        ts=time.time(),
+        inventory={"arch": "arm64", "gpus": [{"name": "GB10", "memory_bytes": 128 << 30}]},
+        free_memory_bytes=64 << 30,
+        free_accelerators=1,
+        assignments=[wire.AssignmentStatus(assignment_id="a1", state=wire.RuntimeState.READY)],
+    )
+
+
+def assignment_set(node_id: str, generation: int) -> wire.AssignmentSet:
+    return wire.AssignmentSet(
+        node_id=node_id,
+        epoch=1,
+        generation=generation,
+        lease_expires_at=time.time() + 30,
+        assignments=[wire.Assignment(id="a1", deployment="d1", spec={"image": "x@sha256:00", "args": ["-v"]})],
+    )
+
+
+# --- round trips --------------------------------------------------------------------------------
+
+
+async def test_messages_round_trip_in_both_directions(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            assert endpoint.startswith("tcp://127.0.0.1:")
+            assert not endpoint.endswith(":*")
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+
+            sent_hello, sent_beat = hello("n1"), heartbeat("n1", 1)
+            await uplink.send(sent_hello)
+            await uplink.send(sent_beat)
+            assert await link.receive() == messaging.Inbound(node_id="n1", message=sent_hello)
+            assert await link.receive() == messaging.Inbound(node_id="n1", message=sent_beat)
+
+            down: list[wire.ControllerMessage] = [
+                assignment_set("n1", 1),
+                wire.Drain(node_id="n1", epoch=1, reason="maintenance"),
+                wire.Cancel(request_id="req-1"),
+            ]
+            for msg in down:
+                await link.send("n1", msg)
+            assert [await uplink.receive() for _ in down] == down
+
+            ack = wire.Ack(node_id="n1", seq=2, ts=time.time(), epoch=1, generation=1, accepted=True)
+            await uplink.send(ack)
+            assert (await link.receive()).message == ack
+            assert fleet.zap_calls == [n1.curve.public]
+            assert link.statistics().received == 3
+            assert uplink.statistics().sent == 3
+            nursery.cancel_scope.cancel()
+
+
+async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet: Fleet) -> None:
+    """The consumer answers every message with two while the producer keeps sending. A pump
+    that blocked on delivery would stop sending and deadlock against it."""
+    count = 2000
+    n1 = fleet.enroll("n1")
+    link = fleet.link(inbox_size=2, outbox_size=2)
+    generations: list[int] = []
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink = fleet.uplink(endpoint, n1, inbox_size=2, outbox_size=2)
+            await nursery.start(uplink.run)
+
+            async def controller() -> None:
+                window = security.ReplayWindow()
+                for _ in range(count):
+                    inbound = await link.receive()
+                    assert isinstance(inbound.message, wire.Heartbeat)
+                    window = window.check(inbound.message.seq, inbound.message.ts, time.time())
+                    await link.send(inbound.node_id, assignment_set("n1", inbound.message.seq))
+                    await link.send(inbound.node_id, wire.Cancel(request_id=f"r{inbound.message.seq}"))
+                assert window.last_seq == count - 1
+
+            async def node_sender() -> None:
+                for seq in range(count):
+                    await uplink.send(heartbeat("n1", seq))
+
+            async def node_receiver() -> None:
+                for _ in range(count):
+                    msg = await uplink.receive()
+                    assert isinstance(msg, wire.AssignmentSet)
+                    generations.append(msg.generation)
+                    assert await uplink.receive() == wire.Cancel(request_id=f"r{msg.generation}")
+
+            async with trio.open_nursery() as work:
+                work.start_soon(controller)
+                work.start_soon(node_sender)
+                work.start_soon(node_receiver)
+            stats = link.statistics()
+            nursery.cancel_scope.cancel()
+    assert generations == list(range(count))
+    assert (stats.received, stats.sent, stats.dropped) == (count, 2 * count, 0)
+
+
+# --- who may talk -------------------------------------------------------------------------------
+
+
+async def test_zap_refuses_an_unknown_curve_key(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    rogue = fleet.stranger("rogue")
+    fleet.node_keys["rogue"] = rogue.key.public  # even a known signing key does not help
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            rogue_uplink = fleet.uplink(endpoint, rogue)
+            await nursery.start(rogue_uplink.run)
+            await rogue_uplink.send(hello("rogue"))
+            await fleet.zap_event(rogue.curve.public).wait()  # the handshake reached ZAP...
+
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+            await uplink.send(hello("n1"))
+            assert (await link.receive()).node_id == "n1"  # ...the legitimate node gets through
+
+            with trio.move_on_after(0.5) as quiet:
+                got = await link.receive()
+                pytest.fail(f"a refused peer's message arrived: {got!r}")
+            assert quiet.cancelled_caught
+            assert rogue_uplink.statistics().sent == 0  # it never had a channel to send on
+            assert rogue_uplink.statistics().outbox_depth == 1
+            assert link.statistics().received == 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_failing_key_check_refuses_the_peer_and_zap_keeps_serving(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    broken = fleet.stranger("broken")
+    asked = trio.Event()
+
+    def authorize(curve_public: str) -> str | None:
+        if curve_public == broken.curve.public:
+            asked.set()
+            raise RuntimeError("registry unavailable")
+        return fleet.authorize(curve_public)
+
+    link = messaging.Link(
+        LOOPBACK, curve=fleet.curve, signing_key=fleet.key, authorize=authorize, node_key=fleet.node_keys.get
+    )
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            refused = fleet.uplink(endpoint, broken)
+            await nursery.start(refused.run)
+            await refused.send(hello("broken"))
+            await asked.wait()
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+            await uplink.send(hello("n1"))
+            assert (await link.receive()).node_id == "n1"
+            assert refused.statistics().sent == 0
+            nursery.cancel_scope.cancel()
+
+
+def _zap_request(
+    mechanism: bytes = b"CURVE", domain: bytes = messaging.ZAP_DOMAIN, key: bytes = b"k" * 32
+) -> list[bytes]:
+    return [b"1.0", b"7", domain, b"127.0.0.1", b"", mechanism, key]
+
+
+@pytest.mark.parametrize(
+    ("request_frames", "status", "user_id"),
+    [
+        (_zap_request(), b"200", b"n1"),
+        (_zap_request(key=b"x" * 32), b"400", b""),  # not enrolled
+        (_zap_request(mechanism=b"PLAIN"), b"400", b""),
+        (_zap_request(domain=b"other"), b"400", b""),
+        (_zap_request(key=b"short"), b"400", b""),
+        ([b"2.0", b"7", messaging.ZAP_DOMAIN, b"", b"", b"CURVE", b"k" * 32], b"400", b""),
+    ],
+)
+def test_zap_replies_follow_rfc_27(request_frames: list[bytes], status: bytes, user_id: bytes) -> None:
+
+    enrolled = {z85.encode(b"k" * 32).decode(): "n1"}
+    reply = messaging._zap_reply(request_frames, enrolled.get)
+    assert len(reply) == 6
+    assert (reply[0], reply[1], reply[2], reply[4], reply[5]) == (b"1.0", b"7", status, user_id, b"")
+
+
+async def test_forged_signature_is_rejected_and_the_link_carries_on(fleet: Fleet) -> None:
+    n1, n2 = fleet.enroll("n1"), fleet.enroll("n2")
+    impostor = attrs.evolve(n1, key=security.generate_signing_key())  # right Curve key, wrong signing key
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            bad = fleet.uplink(endpoint, impostor)
+            await nursery.start(bad.run)
+            await bad.send(hello("n1"))
+            with pytest.raises(BadSignature) as info:
+                await link.receive()
+            assert info.value.kind == "hello"
+            with pytest.raises(NotConnected):  # no verified message, so no route
+                await link.send("n1", assignment_set("n1", 1))
+
+            good = fleet.uplink(endpoint, n2)
+            await nursery.start(good.run)
+            await good.send(hello("n2"))
+            assert (await link.receive()).node_id == "n2"
+            nursery.cancel_scope.cancel()
+
+
+async def test_tampered_body_is_rejected_before_parsing(fleet: Fleet) -> None:
+    """A raw Curve client with an enrolled key sends frames whose body was changed after signing."""
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with trio.fail_after(TIMEOUT_S), ctx.socket(zmq.DEALER) as dealer:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, fleet.curve.public.encode())
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, n1.curve.public.encode())
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, n1.curve.secret.encode())
+            async with trio.open_nursery() as nursery:
+                dealer.connect(await nursery.start(link.run))
+                pump = messaging.ZmqPump(dealer)
+                await nursery.start(pump.run)
+
+                kind, body, sig = messaging.encode_frames(hello("n1", seq=1), n1.key)
+                await pump.send([kind, body.replace(b'"seq":1', b'"seq":9'), sig])
+                with pytest.raises(BadSignature):
+                    await link.receive()
+                await pump.send([kind, b"{not json", sig])  # would be a ContractError if parsed first
+                with pytest.raises(BadSignature):
+                    await link.receive()
+                await pump.send([kind, body])  # signature stripped
+                with pytest.raises(ContractError, match="3 frames"):
+                    await link.receive()
+                await pump.send([kind, body, sig])  # the untouched frames still go through
+                expected = messaging.decode_frames([kind, body, sig], n1.key.public, wire.FROM_NODE)
+                assert (await link.receive()).message == expected
+                nursery.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_node_cannot_speak_for_another(fleet: Fleet) -> None:
+    n1, n2 = fleet.enroll("n1"), fleet.enroll("n2")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+            await uplink.send(hello("n2"))  # signed by n1, naming n2
+            with pytest.raises(WrongNode) as info:
+                await link.receive()
+            assert (info.value.channel_node, info.value.claimed_node) == ("n1", "n2")
+
+            n1_with_n2s_key = fleet.uplink(endpoint, attrs.evolve(n1, key=n2.key))
+            await nursery.start(n1_with_n2s_key.run)
+            await n1_with_n2s_key.send(hello("n2"))  # even n2's own signature: the channel is n1's
+            with pytest.raises(BadSignature):
+                await link.receive()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_revoked_node_is_refused_on_an_open_channel(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+            await uplink.send(hello("n1"))
+            await link.receive()
+            del fleet.node_keys["n1"]
+            await uplink.send(heartbeat("n1", 1))
+            with pytest.raises(Unauthenticated, match="not enrolled"):
+                await link.receive()
+            with pytest.raises(NotConnected):  # and its route is forgotten
+                await link.send("n1", assignment_set("n1", 1))
+            nursery.cancel_scope.cancel()
+
+
+async def test_node_rejects_a_message_not_signed_by_its_pinned_controller(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink = fleet.uplink(endpoint, n1, controller_key=security.generate_signing_key().public)
+            await nursery.start(uplink.run)
+            await uplink.send(hello("n1"))
+            await link.receive()
+            await link.send("n1", assignment_set("n1", 1))
+            with pytest.raises(BadSignature) as info:
+                await uplink.receive()
+            assert info.value.kind == "assignments"
+            nursery.cancel_scope.cancel()
+
+
+# --- connection loss ----------------------------------------------------------------------------
+
+
+async def test_uplink_reconnects_when_the_router_comes_back_on_the_same_port(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            first = fleet.link()
+            async with trio.open_nursery() as first_scope:
+                endpoint = await first_scope.start(first.run)
+                uplink = fleet.uplink(endpoint, n1)
+                await nursery.start(uplink.run)
+                await uplink.send(hello("n1"))
+                assert (await first.receive()).node_id == "n1"
+                first_scope.cancel_scope.cancel()  # the controller goes away; its socket is closed
+            with pytest.raises(ChannelClosed):
+                await first.receive()
+
+            second = fleet.link(endpoint)
+            assert await nursery.start(second.run) == endpoint
+
+            async def keep_beating() -> None:  # what the agent does: the next heartbeat gets through
+                for seq in range(1, 1000):
+                    await uplink.send(heartbeat("n1", seq))
+                    await trio.sleep(0.05)
+
+            nursery.start_soon(keep_beating)
+            inbound = await second.receive()
+            assert inbound.node_id == "n1"
+            assert isinstance(inbound.message, wire.Heartbeat)
+            await second.send("n1", assignment_set("n1", 2))
+            got = await uplink.receive()
+            assert isinstance(got, wire.AssignmentSet)
+            assert got.generation == 2
+            nursery.cancel_scope.cancel()
+
+
+def _free_tcp_endpoint() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+async def test_uplink_holds_messages_until_connected_and_pushes_back_when_full(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    endpoint = _free_tcp_endpoint()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            uplink = fleet.uplink(endpoint, n1, outbox_size=3)
+            await nursery.start(uplink.run)
+            for seq in range(3):
+                uplink.send_nowait(heartbeat("n1", seq))
+            with pytest.raises(trio.WouldBlock):
+                uplink.send_nowait(heartbeat("n1", 3))
+            await trio.sleep(0.2)
+            assert uplink.statistics().sent == 0
+
+            link = fleet.link(endpoint)
+            await nursery.start(link.run)
+            seqs = []
+            for _ in range(3):
+                msg = (await link.receive()).message
+                assert isinstance(msg, wire.Heartbeat)
+                seqs.append(msg.seq)
+            assert seqs == [0, 1, 2]
+            nursery.cancel_scope.cancel()
+
+
+async def test_messages_for_a_vanished_node_are_dropped_and_counted(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            async with trio.open_nursery() as node:
+                uplink = fleet.uplink(endpoint, n1)
+                await node.start(uplink.run)
+                await uplink.send(hello("n1"))
+                await link.receive()
+                node.cancel_scope.cancel()
+            while link.statistics().dropped == 0:  # until the ROUTER has seen the disconnect
+                await link.send("n1", assignment_set("n1", 1))
+                await trio.sleep(0.01)
+            assert link.statistics().dropped >= 1
+            nursery.cancel_scope.cancel()
+
+
+async def test_link_calls_fail_clearly_when_not_running(fleet: Fleet) -> None:
+    link = fleet.link()
+    with pytest.raises(ChannelClosed):
+        await link.receive()
+    with pytest.raises(ChannelClosed):
+        await link.send("n1", assignment_set("n1", 1))
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(link.run)
+            with pytest.raises(NotConnected) as info:
+                await link.send("n1", assignment_set("n1", 1))
+            nursery.cancel_scope.cancel()
+    assert info.value.node_id == "n1"
+    assert info.value.retryable
+
+
+async def test_binding_a_taken_port_is_a_channel_error(fleet: Fleet) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(fleet.link().run)
+            with pytest.raises(ChannelError, match="cannot bind"):
+                await nursery.start(fleet.link(endpoint).run)
+            nursery.cancel_scope.cancel()
+
+
+# --- framing and keys (no sockets) --------------------------------------------------------------
+
+
+def test_frames_are_kind_body_signature_and_decode_only_in_their_direction(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    msg = heartbeat("n1", 5)
+    frames = messaging.encode_frames(msg, n1.key)
+    assert frames[0] == b"heartbeat"
+    assert frames[1].startswith(b'{"assignments":[')  # canonical JSON: sorted keys, no spaces
+    assert b" " not in frames[1]
+    security.verify(n1.key.public, frames[2], frames[0], frames[1])
+    assert messaging.decode_frames(frames, n1.key.public, wire.FROM_NODE) == msg
+    with pytest.raises(ContractError, match="unexpected message kind"):
+        messaging.decode_frames(frames, n1.key.public, wire.FROM_CONTROLLER)
+
+
+def test_signed_but_invalid_body_is_a_contract_error(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    body = b'{"node_id":"n1","seq":"one","ts":1.0,"agent_version":"x","extra":1}'
+    frames = [b"hello", body, security.sign(n1.key, b"hello", body)]
+    with pytest.raises(ContractError) as info:
+        messaging.decode_frames(frames, n1.key.public, wire.FROM_NODE)
+    assert "seq: expected an integer, got str" in info.value.problems
+    assert "extra: unknown key" in info.value.problems
+
+
+def test_curve_keypair_files(tmp_path: Path) -> None:
+    pair = messaging.generate_curve_keypair()
+    assert pair.secret not in repr(pair)
+    messaging.save_curve_keypair(pair, tmp_path, name="node")
+    assert stat.S_IMODE((tmp_path / "node.key").stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "node.pub").stat().st_mode) == 0o644
+    assert messaging.load_curve_keypair(tmp_path, name="node") == pair
+    assert messaging.load_curve_public(tmp_path / "node.pub") == pair.public
+
+    (tmp_path / "node.key").chmod(0o640)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        messaging.load_curve_keypair(tmp_path, name="node")
+    security.write_key_file(tmp_path / "bad.key", b"not a key\n", private=True)
+    with pytest.raises(ConfigError, match="Z85"):
+        messaging.load_curve_keypair(tmp_path, name="bad")
+
+
+@pytest.mark.parametrize(
+    "text", ["", " " * 40, "#" * 40, "é" * 40, "short", messaging.generate_curve_keypair().public + "A"]
+)
+def test_malformed_curve_keys_are_rejected(text: str) -> None:
+    with pytest.raises(ContractError):
+        messaging.check_curve_key(text)

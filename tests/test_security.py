@@ -1,0 +1,208 @@
+"""nexa.security: Ed25519 keys and files, signatures, the replay window, enrollment tokens. Plain sync tests."""
+
+from __future__ import annotations
+
+import base64
+import math
+import stat
+from pathlib import Path
+
+import pytest
+
+from nexa import security
+from nexa.errors import AuthError, BadSignature, ClockSkew, ConfigError, Conflict, ContractError, Replayed
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+def test_public_key_round_trips_through_raw_and_base64() -> None:
+    pub = security.generate_signing_key().public
+    assert len(pub.raw) == 32
+    assert security.PublicKey.from_bytes(pub.raw) == pub
+    assert security.PublicKey.from_b64(pub.b64) == pub
+    assert base64.b64decode(pub.b64) == pub.raw
+
+
+def test_distinct_keys_have_distinct_short_fingerprints() -> None:
+    a, b = security.generate_signing_key().public, security.generate_signing_key().public
+    assert a != b
+    assert len(a.fingerprint) == 16
+    assert int(a.fingerprint, 16) >= 0  # hex
+    assert a.fingerprint != b.fingerprint
+    assert security.PublicKey.from_b64(a.b64).fingerprint == a.fingerprint
+
+
+@pytest.mark.parametrize("text", ["not base64!", base64.b64encode(b"short").decode(), ""])
+def test_malformed_public_key_is_a_contract_error(text: str) -> None:
+    with pytest.raises(ContractError):
+        security.PublicKey.from_b64(text)
+
+
+def test_private_key_never_shows_in_repr() -> None:
+    key = security.generate_signing_key()
+    assert key.public.fingerprint in repr(key)
+    assert "PRIVATE" not in repr(key)
+    assert key.public.b64 not in repr(key.public)
+
+
+def test_saved_key_is_0600_and_loads_back(tmp_path: Path) -> None:
+    key = security.generate_signing_key()
+    path = tmp_path / "node.key"
+    security.save_signing_key(key, path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert path.read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    assert security.load_signing_key(path).public == key.public
+    assert [p.name for p in tmp_path.iterdir()] == ["node.key"]  # no temp file left behind
+
+
+def test_saving_over_an_existing_key_needs_overwrite(tmp_path: Path) -> None:
+    path = tmp_path / "node.key"
+    first, second = security.generate_signing_key(), security.generate_signing_key()
+    security.save_signing_key(first, path)
+    with pytest.raises(Conflict):
+        security.save_signing_key(second, path)
+    assert security.load_signing_key(path).public == first.public
+    security.save_signing_key(second, path, overwrite=True)
+    assert security.load_signing_key(path).public == second.public
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["node.key"]
+
+
+def test_loading_a_key_others_can_read_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "node.key"
+    security.save_signing_key(security.generate_signing_key(), path)
+    path.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        security.load_signing_key(path)
+
+
+def test_loading_a_missing_or_garbage_key_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        security.load_signing_key(tmp_path / "absent.key")
+    garbage = tmp_path / "garbage.key"
+    security.write_key_file(garbage, b"hello", private=True)
+    with pytest.raises(ConfigError, match="not an unencrypted PEM"):
+        security.load_signing_key(garbage)
+
+
+def test_public_key_files_are_world_readable(tmp_path: Path) -> None:
+    path = tmp_path / "controller.pub"
+    security.write_key_file(path, b"abc\n", private=False)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert security.read_key_file(path, private=False) == b"abc\n"
+
+
+# --- signatures ---------------------------------------------------------------------------------
+
+
+def test_signature_verifies_over_kind_and_body() -> None:
+    key = security.generate_signing_key()
+    sig = security.sign(key, b"heartbeat", b'{"seq":1}')
+    assert len(sig) == 64
+    security.verify(key.public, sig, b"heartbeat", b'{"seq":1}')  # no exception
+
+
+@pytest.mark.parametrize(
+    ("kind", "body"),
+    [
+        (b"heartbeat", b'{"seq":2}'),  # tampered body
+        (b"ack", b'{"seq":1}'),  # same body, another kind
+        (b"heartbeat\x00{", b'"seq":1}'),  # moving bytes across the separator
+    ],
+)
+def test_tampering_with_kind_or_body_breaks_the_signature(kind: bytes, body: bytes) -> None:
+    key = security.generate_signing_key()
+    sig = security.sign(key, b"heartbeat", b'{"seq":1}')
+    with pytest.raises(BadSignature) as info:
+        security.verify(key.public, sig, kind, body)
+    assert isinstance(info.value, AuthError)
+    assert info.value.code == "bad_signature"
+
+
+def test_another_keys_signature_is_rejected() -> None:
+    signer, other = security.generate_signing_key(), security.generate_signing_key()
+    sig = security.sign(other, b"hello", b"{}")
+    with pytest.raises(BadSignature):
+        security.verify(signer.public, sig, b"hello", b"{}")
+
+
+@pytest.mark.parametrize("sig", [b"", b"\x00" * 63, b"\x00" * 65, b"\x00" * 64])
+def test_malformed_signatures_are_rejected(sig: bytes) -> None:
+    with pytest.raises(BadSignature):
+        security.verify(security.generate_signing_key().public, sig, b"hello", b"{}")
+
+
+def test_a_kind_with_nul_cannot_be_signed() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        security.sign(security.generate_signing_key(), b"he\x00llo", b"{}")
+
+
+# --- replay window ------------------------------------------------------------------------------
+
+
+def test_window_accepts_increasing_sequences_and_is_immutable() -> None:
+    w0 = security.ReplayWindow(max_skew_s=5.0)
+    w1 = w0.check(0, ts=100.0, now=100.0)
+    w2 = w1.check(7, ts=104.0, now=100.0)  # gaps are fine; only order matters
+    assert (w0.last_seq, w1.last_seq, w2.last_seq) == (-1, 0, 7)
+    assert w2.max_skew_s == 5.0
+
+
+@pytest.mark.parametrize("seq", [7, 6, 0, -1])
+def test_window_rejects_a_sequence_at_or_below_the_last(seq: int) -> None:
+    w = security.ReplayWindow(last_seq=7)
+    with pytest.raises(Replayed) as info:
+        w.check(seq, ts=0.0, now=0.0)
+    assert (info.value.seq, info.value.last_seq) == (seq, 7)
+    assert w.last_seq == 7  # unchanged
+
+
+@pytest.mark.parametrize("ts", [100.0 - 5.001, 100.0 + 5.001, math.nan, math.inf])
+def test_window_rejects_timestamps_outside_the_skew(ts: float) -> None:
+    w = security.ReplayWindow(max_skew_s=5.0)
+    with pytest.raises(ClockSkew) as info:
+        w.check(1, ts=ts, now=100.0)
+    assert info.value.skew_s > 5.0
+    assert info.value.max_skew_s == 5.0
+
+
+def test_window_accepts_the_skew_bound_itself() -> None:
+    w = security.ReplayWindow(max_skew_s=5.0)
+    assert w.check(1, ts=95.0, now=100.0).check(2, ts=105.0, now=100.0).last_seq == 2
+
+
+def test_a_rejected_timestamp_does_not_consume_the_sequence() -> None:
+    w = security.ReplayWindow(max_skew_s=1.0)
+    with pytest.raises(ClockSkew):
+        w.check(3, ts=50.0, now=100.0)
+    assert w.check(3, ts=100.0, now=100.0).last_seq == 3
+
+
+# --- enrollment tokens --------------------------------------------------------------------------
+
+
+def test_token_has_prefix_and_256_random_bits() -> None:
+    token = security.new_enrollment_token()
+    assert token.startswith("nxb_")
+    body = token.removeprefix("nxb_")
+    assert len(base64.urlsafe_b64decode(body + "=")) == 32
+    assert security.is_enrollment_token(token)
+    assert len({security.new_enrollment_token() for _ in range(100)}) == 100
+
+
+@pytest.mark.parametrize(
+    "text", ["", "nxb_", "nxb_short", "xxx_" + "A" * 43, "nxb_" + "A" * 42 + "!", "nxk_" + "A" * 43]
+)
+def test_not_token_shaped(text: str) -> None:
+    assert not security.is_enrollment_token(text)
+
+
+def test_token_is_stored_as_its_hash_and_compared() -> None:
+    token = security.new_enrollment_token()
+    stored = security.hash_token(token)
+    assert len(stored) == 64
+    assert token not in stored
+    assert security.token_matches(token, stored)
+    assert not security.token_matches(security.new_enrollment_token(), stored)
+    assert not security.token_matches(token, stored.upper())
+    assert not security.token_matches(token, "")
