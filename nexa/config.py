@@ -61,12 +61,65 @@ class LogConfig:
 
 
 @attrs.frozen(kw_only=True)
+class ChannelConfig:
+    """The ZeroMQ ROUTER nodes dial (CurveZMQ; nodes listen on nothing)."""
+
+    #: zmq endpoint to bind, e.g. `tcp://0.0.0.0:8471` on the management network.
+    listen: str = "tcp://127.0.0.1:8471"
+    #: The endpoint handed to nodes at enrollment; empty means the bound endpoint.
+    advertise: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class NodesConfig:
+    """Liveness and fencing of the fleet."""
+
+    #: A node with no good heartbeat for this long becomes Unreachable.
+    lease_s: Seconds = Seconds(3.0)
+    #: Heartbeat timestamps further than this from the controller's clock are refused.
+    max_clock_skew_s: Seconds = Seconds(30.0)
+    #: How long a signed assignment set stays valid on a node without renewal.
+    assignment_lease_s: Seconds = Seconds(60.0)
+    #: The longest lifetime an enrollment token may be given.
+    max_token_ttl_s: Seconds = Seconds(86400.0)
+
+
+@attrs.frozen(kw_only=True)
 class ControlConfig:
     """Everything `nexa control` reads."""
 
     state_dir: str = "/var/lib/nexa/control"
     http: HttpConfig = HttpConfig()
+    channel: ChannelConfig = ChannelConfig()
+    nodes: NodesConfig = NodesConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
+    log: LogConfig = LogConfig()
+
+
+class LeaseExpiryPolicy(enum.StrEnum):
+    """What a node does with its runtimes when its assignment lease lapses without renewal."""
+
+    KEEP_SERVING = "keep_serving"
+    STOP = "stop"
+
+
+@attrs.frozen(kw_only=True)
+class NodeConfig:
+    """Everything `nexa node` reads (`/etc/nexa/node.toml`)."""
+
+    #: Keys, the enrollment record and the accepted (epoch, generation) live here.
+    state_dir: str = "/var/lib/nexa/node"
+    inventory_path: str = "/etc/nexa/inventory.json"
+    #: How often inventory.json is checked for edits.
+    inventory_poll_interval_s: Seconds = Seconds(2.0)
+    #: Path of nvidia-smi; empty means look it up on PATH (none found: no GPUs).
+    nvidia_smi: str = ""
+    heartbeat_interval_s: Seconds = Seconds(1.0)
+    #: Local address to dial the controller from (e.g. one of several loopback addresses).
+    source_address: str = ""
+    on_lease_expiry: LeaseExpiryPolicy = LeaseExpiryPolicy.KEEP_SERVING
+    #: Longest wait between reconnection attempts to the controller.
+    reconnect_max_s: Seconds = Seconds(5.0)
     log: LogConfig = LogConfig()
 
 

@@ -24,9 +24,27 @@ import pytest
 import trio
 
 from nexa.config import ControlConfig, HostPort, HttpConfig
+from nexa.contracts.node import DiscoveredHost, InventoryFile, NodeInventory
 from nexa.control.service import serve_control
+from nexa.node.inventory import merge, parse_meminfo, parse_nvidia_smi_csv
 
 IN_CI = os.environ.get("CI") == "true"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def gb10_inventory(hostname: str = "spark-1") -> NodeInventory:
+    """A DGX Spark's inventory, built from the recorded nvidia-smi and meminfo fixtures."""
+    memory = parse_meminfo((FIXTURES / "meminfo" / "gb10_dgx_spark.meminfo").read_text())
+    host = DiscoveredHost(
+        hostname=hostname,
+        arch="arm64",
+        cpu_count=20,
+        memory_total_bytes=memory.total_bytes,
+        memory_available_bytes=memory.available_bytes,
+        gpus=tuple(parse_nvidia_smi_csv((FIXTURES / "nvidia-smi" / "gb10_dgx_spark.csv").read_text())),
+        discovered_at=time.time(),
+    )
+    return merge(host, InventoryFile())
 
 
 def require_tool(name: str) -> str:

@@ -6,6 +6,7 @@ through `nursery.start`; every I/O test runs under an absolute `trio.fail_after`
 
 from __future__ import annotations
 
+import json
 import socket
 import stat
 import time
@@ -19,7 +20,7 @@ import zmq
 from zmq.utils import z85
 
 from nexa import messaging, security
-from nexa.contracts import wire
+from nexa.contracts import codec, wire
 from nexa.errors import (
     BadSignature,
     ChannelClosed,
@@ -30,6 +31,7 @@ from nexa.errors import (
     Unauthenticated,
     WrongNode,
 )
+from tests.conftest import gb10_inventory
 
 LOOPBACK = "tcp://127.0.0.1:*"
 TIMEOUT_S = 10
@@ -108,7 +110,7 @@ def heartbeat(node_id: str, seq: int) -> wire.Heartbeat:
         node_id=node_id,
         seq=seq,
         ts=time.time(),
-        inventory={"arch": "arm64", "gpus": [{"name": "GB10", "memory_bytes": 128 << 30}]},
+        inventory=gb10_inventory(),
         free_memory_bytes=64 << 30,
         free_accelerators=1,
         assignments=[wire.AssignmentStatus(assignment_id="a1", state=wire.RuntimeState.READY)],
@@ -527,7 +529,7 @@ def test_frames_are_kind_body_signature_and_decode_only_in_their_direction(fleet
     frames = messaging.encode_frames(msg, n1.key)
     assert frames[0] == b"heartbeat"
     assert frames[1].startswith(b'{"assignments":[')  # canonical JSON: sorted keys, no spaces
-    assert b" " not in frames[1]
+    assert frames[1] == codec.canonical_json(json.loads(frames[1])).encode()  # canonical form
     security.verify(n1.key.public, frames[2], frames[0], frames[1])
     assert messaging.decode_frames(frames, n1.key.public, wire.FROM_NODE) == msg
     with pytest.raises(ContractError, match="unexpected message kind"):

@@ -96,3 +96,42 @@ class AuditVerdict:
     first_bad_seq: int | None = None
     first_bad_id: str | None = None
     reason: str | None = None
+
+
+@attrs.frozen(kw_only=True)
+class EnrollmentTokenCreate:
+    ttl_s: float = 900.0
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class EnrollmentTokenCreated:
+    """The one answer that carries the token; the controller keeps only its hash."""
+
+    id: str
+    token: str
+    expires_at: float
+    labels: dict[str, str]
+
+
+@attrs.frozen(kw_only=True)
+class EnrollRequest:
+    """A node's first call: a one-time token and its public keys (private keys never leave it)."""
+
+    token: str
+    hostname: str
+    #: Ed25519 public key, raw 32 bytes in base64 (`security.PublicKey.b64`).
+    signing_public_key: str
+    #: Curve25519 public key for CurveZMQ, Z85 text.
+    curve_public_key: str
+    agent_version: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class EnrollResponse:
+    node_id: str
+    controller_signing_public_key: str
+    controller_curve_public_key: str
+    #: Where the node dials its channel, e.g. `tcp://127.0.0.1:8471`.
+    channel_endpoint: str
+    labels: dict[str, str]

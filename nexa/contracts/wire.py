@@ -6,7 +6,7 @@ Ed25519 signature over `kind NUL body` (`nexa.security`). Every kind here is sig
 
 Node → controller messages carry `seq` and `ts` for the receiver's replay window; controller
 → node desired state is fenced by `(epoch, generation)` and a lease instead. The assignment
-and inventory shapes are placeholders the node work will tighten.
+spec is a placeholder the supervisor work will tighten.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import enum
 from typing import ClassVar, Final
 
 import attrs
+
+from nexa.contracts.node import NodeInventory
 
 #: Bumped when a change to these records is not backwards compatible.
 PROTOCOL_VERSION: Final = 1
@@ -28,6 +30,15 @@ class RuntimeState(enum.StrEnum):
     READY = "ready"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+class RejectReason(enum.StrEnum):
+    """Why a node refused an assignment set (sent back in its Ack and counted on both sides)."""
+
+    WRONG_NODE = "wrong_node"
+    STALE_EPOCH = "stale_epoch"
+    STALE_GENERATION = "stale_generation"
+    LEASE_EXPIRED = "lease_expired"
 
 
 @attrs.frozen(kw_only=True)
@@ -76,10 +87,13 @@ class Heartbeat:
     node_id: str
     seq: int
     ts: float
-    inventory: dict[str, object]
+    inventory: NodeInventory
     free_memory_bytes: int
     free_accelerators: int
     assignments: list[AssignmentStatus] = attrs.field(factory=list)
+    #: Highest (epoch, generation) the node accepted, so the controller can re-push a newer set.
+    epoch: int = 0
+    generation: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -94,7 +108,8 @@ class Ack:
     epoch: int
     generation: int
     accepted: bool
-    reason: str | None = None
+    reason: RejectReason | None = None
+    detail: str = ""
 
 
 # --- controller → node --------------------------------------------------------------------------
