@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
     s.add_argument("--state-dir", help="overrides state_dir")
     s.add_argument("--listen", help="HOST:PORT, overrides http.listen")
+    s.add_argument("--channel", help="zmq endpoint for the node channel, overrides channel.listen")
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
     s.set_defaults(handler=_cmd_control)
 
@@ -111,13 +112,17 @@ def _control_config(args: argparse.Namespace) -> config.ControlConfig:
     log: dict[str, Any] = {}
     if args.log_level:
         log["level"] = args.log_level
-    if not (overrides or http or log):
+    channel: dict[str, Any] = {}
+    if args.channel:
+        channel["listen"] = args.channel
+    if not (overrides or http or log or channel):
         return cfg
     # Flags go through the same validation as the file, so a bad flag is named like a bad key.
     merged = config.unstructure_config(cfg)
     merged.update(overrides)
     merged["http"].update(http)
     merged["log"].update(log)
+    merged["channel"].update(channel)
     return config.structure_config(merged, config.ControlConfig)
 
 

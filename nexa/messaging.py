@@ -340,6 +340,14 @@ class Inbound:
     message: wire.NodeMessage
 
 
+@attrs.frozen(kw_only=True)
+class Refused:
+    """A message that failed a check, with the node its channel belongs to ("" if none)."""
+
+    node_id: str
+    error: NexaError
+
+
 class Link:
     """The controller's end of every node channel: a CurveZMQ ROUTER plus its ZAP handler.
 
@@ -419,13 +427,20 @@ class Link:
         A rejected message raises (Unauthenticated, BadSignature, WrongNode, ContractError)
         and is logged with its node; the next call goes on with the next message.
         """
+        got = await self.receive_any()
+        if isinstance(got, Refused):
+            raise got.error
+        return got
+
+    async def receive_any(self) -> Inbound | Refused:
+        """Like `receive`, but a rejected message comes back as `Refused` naming its channel's node."""
         frames = await self._running().receive()
         try:
             node_id = frames[-1].get("User-Id")  # set by our ZAP handler, so by the Curve key
         except zmq.ZMQError:  # no such property: a peer ZAP never saw
             node_id = ""
         if not isinstance(node_id, str) or not node_id or len(frames) < 2:
-            raise Unauthenticated("a message arrived on a channel without a node identity")
+            return Refused(node_id="", error=Unauthenticated("a message arrived on a channel without a node identity"))
         try:
             pub = self._node_key(node_id)
             if pub is None:
@@ -436,9 +451,17 @@ class Link:
                 raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
         except NexaError as exc:
             log.warning("rejected a message from node %s: %s (%s)", node_id, exc.code, exc.message)
-            raise
+            return Refused(node_id=node_id, error=exc)
         self._routes[node_id] = frames[0].bytes
         return Inbound(node_id=node_id, message=msg)
+
+    def connected(self, node_id: str) -> bool:
+        """Whether a verified message from this node has given us a route to it."""
+        return node_id in self._routes
+
+    def forget(self, node_id: str) -> None:
+        """Drop the route to a node (revoked): nothing more is sent to it."""
+        self._routes.pop(node_id, None)
 
     def statistics(self) -> PumpStatistics:
         return self._running().statistics()

@@ -60,6 +60,20 @@ class Metrics:
             registry=r,
         )
         self.api_keys = Gauge("nexa_api_keys", "Active API keys by role.", ["role"], registry=r)
+        self.nodes = Gauge("nexa_nodes", "Enrolled nodes by state.", ["state"], registry=r)
+        self.node_messages = Counter(
+            "nexa_node_messages", "Verified messages received from nodes, by kind.", ["kind"], registry=r
+        )
+        self.node_messages_rejected = Counter(
+            "nexa_node_messages_rejected",
+            "Node channel messages refused (bad signature, replay, clock skew, wrong or unknown node).",
+            ["reason"],
+            registry=r,
+        )
+        self.assignment_pushes = Counter("nexa_assignment_pushes", "Signed assignment sets sent to nodes.", registry=r)
+        self.assignment_acks = Counter(
+            "nexa_assignment_acks", "Node answers to assignment sets, by result.", ["result"], registry=r
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import trio
 
-from nexa.config import ControlConfig, HostPort, HttpConfig
+from nexa.config import ChannelConfig, ControlConfig, HostPort, HttpConfig, NodesConfig
 from nexa.contracts.node import DiscoveredHost, InventoryFile, NodeInventory
 from nexa.control.service import serve_control
 from nexa.node.inventory import merge, parse_meminfo, parse_nvidia_smi_csv
@@ -69,11 +69,21 @@ class Controller:
         return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10)
 
 
+def local_config(tmp_path: Path | str, **nodes: float) -> ControlConfig:
+    """A controller config on 127.0.0.1 with OS-chosen ports for HTTP and the node channel."""
+    return ControlConfig(
+        state_dir=str(Path(tmp_path) / "state"),
+        http=HttpConfig(listen=HostPort("127.0.0.1:0")),
+        channel=ChannelConfig(listen="tcp://127.0.0.1:*"),
+        nodes=attrs.evolve(NodesConfig(), **nodes),
+    )
+
+
 @pytest.fixture
 async def controller(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Controller]:
-    """A real controller (hypercorn, quart-trio, apsw) serving on 127.0.0.1 in this test's trio run."""
+    """A real controller (hypercorn, quart-trio, apsw, zmq) serving on 127.0.0.1 in this test's trio run."""
     stopping = trio.Event()
-    cfg = ControlConfig(state_dir=str(tmp_path / "state"), http=HttpConfig(listen=HostPort("127.0.0.1:0")))
+    cfg = local_config(tmp_path)
     with trio.fail_after(15):
         started = await nursery.start(partial(serve_control, cfg, stopping=stopping))
     assert started.admin_key is not None
@@ -93,6 +103,7 @@ class ControllerProcess:
 
     state_dir: Path
     port: int
+    channel_port: int = attrs.field(factory=free_port)
     proc: subprocess.Popen[str] | None = None
     admin_key: str | None = None
     stderr_path: Path | None = None

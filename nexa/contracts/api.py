@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import attrs
 
-from nexa.contracts.domain import AuditEvent, KeyId, Role, TenantId
+from nexa.contracts.domain import AuditEvent, KeyId, NodeAdminState, NodeState, Role, TenantId
+from nexa.contracts.node import NodeInventory
+from nexa.contracts.wire import AssignmentStatus, RejectReason
 
 
 @attrs.frozen(kw_only=True)
@@ -135,3 +137,32 @@ class EnrollResponse:
     #: Where the node dials its channel, e.g. `tcp://127.0.0.1:8471`.
     channel_endpoint: str
     labels: dict[str, str]
+
+
+@attrs.frozen(kw_only=True)
+class NodeView:
+    """A node as operators see it: keys never, state and capacity always."""
+
+    id: str
+    hostname: str
+    state: NodeState
+    admin_state: NodeAdminState
+    #: Enrollment labels, then the node's own inventory.json labels over them.
+    labels: dict[str, str]
+    enrolled_at: float
+    last_heartbeat_at: float | None
+    last_heartbeat_age_s: float | None
+    agent_version: str
+    inventory: NodeInventory | None
+    free_memory_bytes: int
+    free_accelerators: int
+    assignments: list[AssignmentStatus]
+    desired_generation: int
+    acked_epoch: int
+    acked_generation: int
+    ack_reason: RejectReason | None
+
+
+@attrs.frozen(kw_only=True)
+class NodeList:
+    nodes: list[NodeView]

@@ -88,3 +88,55 @@ class AuditEvent:
     detail: str
     prev_sha256: str
     sha256: str
+
+
+NodeId = NewType("NodeId", str)
+
+
+class NodeAdminState(enum.StrEnum):
+    """What operators asked of a node; liveness is tracked separately."""
+
+    ACTIVE = "active"
+    CORDONED = "cordoned"
+    DRAINING = "draining"
+    REVOKED = "revoked"
+
+
+class NodeState(enum.StrEnum):
+    """The state operators see: admin state combined with liveness (Revoked > Unreachable > the rest)."""
+
+    READY = "Ready"
+    CORDONED = "Cordoned"
+    DRAINING = "Draining"
+    UNREACHABLE = "Unreachable"
+    REVOKED = "Revoked"
+
+
+@attrs.frozen(kw_only=True)
+class EnrollmentToken:
+    """A one-time bootstrap token as the controller keeps it: only its SHA-256."""
+
+    id: str
+    token_sha256: str
+    labels: dict[str, str]
+    created_at: float
+    expires_at: float
+    created_by: KeyId | None
+    used_at: float | None = None
+    used_by_node: NodeId | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Node:
+    """An enrolled node: its public keys and what operators decided about it."""
+
+    id: NodeId
+    hostname: str
+    #: Ed25519 public key (base64 of the raw 32 bytes): verifies its heartbeats.
+    signing_public_key: str
+    #: Curve25519 public key (Z85): admits its channel.
+    curve_public_key: str
+    labels: dict[str, str]
+    enrolled_at: float
+    admin_state: NodeAdminState = NodeAdminState.ACTIVE
+    revoked_at: float | None = None

@@ -59,6 +59,19 @@ class Assignment:
     spec: dict[str, object]
 
 
+@attrs.frozen(kw_only=True)
+class DesiredAssignments:
+    """What the controller wants one node to run, and the last answer the node gave (controller side)."""
+
+    node_id: str
+    generation: int
+    assignments: list[Assignment] = attrs.field(factory=list)
+    acked_epoch: int = 0
+    acked_generation: int = 0
+    ack_reason: RejectReason | None = None
+    ack_at: float | None = None
+
+
 # --- node → controller --------------------------------------------------------------------------
 
 

@@ -23,6 +23,10 @@ from nexa.config import HttpConfig
 from nexa.contracts import codec
 from nexa.contracts.api import (
     AuditPage,
+    EnrollmentTokenCreate,
+    EnrollmentTokenCreated,
+    EnrollRequest,
+    EnrollResponse,
     ErrorBody,
     ErrorEnvelope,
     Health,
@@ -30,6 +34,8 @@ from nexa.contracts.api import (
     KeyCreated,
     KeyList,
     KeyView,
+    NodeList,
+    NodeView,
     TenantCreate,
     TenantList,
     TenantView,
@@ -37,6 +43,7 @@ from nexa.contracts.api import (
 )
 from nexa.contracts.domain import ApiKey, KeyId, Role, Tenant
 from nexa.control import store as st
+from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.registry import Actor, Registry
 from nexa.errors import (
     AuthError,
@@ -67,6 +74,14 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("POST", "/api/v1/keys"): frozenset({_A}),
     ("GET", "/api/v1/keys"): frozenset({_A}),
     ("DELETE", "/api/v1/keys/<key_id>"): frozenset({_A}),
+    ("POST", "/api/v1/enrollment-tokens"): frozenset({_A}),
+    ("POST", "/api/v1/enroll"): None,  # authenticated by the one-time token in the body
+    ("GET", "/api/v1/nodes"): frozenset({_O, _A}),
+    ("GET", "/api/v1/nodes/<node_id>"): frozenset({_O, _A}),
+    ("POST", "/api/v1/nodes/<node_id>/cordon"): frozenset({_O, _A}),
+    ("POST", "/api/v1/nodes/<node_id>/uncordon"): frozenset({_O, _A}),
+    ("POST", "/api/v1/nodes/<node_id>/drain"): frozenset({_O, _A}),
+    ("POST", "/api/v1/nodes/<node_id>/revoke"): frozenset({_A}),
     ("POST", "/api/v1/tenants"): frozenset({_A}),
     ("GET", "/api/v1/tenants"): frozenset({_A}),
     ("GET", "/api/v1/audit"): frozenset({_AU, _A}),
@@ -97,14 +112,24 @@ _REQUEST_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _MAX_PAGE: Final = 1000
 
 
-@attrs.define
+@attrs.frozen(kw_only=True)
+class ControllerPublicKeys:
+    """What nodes pin at enrollment: Ed25519 (base64) and CurveZMQ (Z85) public keys."""
+
+    signing: str
+    curve: str
+
+
+@attrs.define(kw_only=True)
 class AppState:
     """What the app needs from the composition root."""
 
     registry: Registry
+    fleet: Fleet
     store: st.Store
     metrics: Metrics
     started_at: float
+    controller_keys: ControllerPublicKeys
     ready: bool = False
 
 
@@ -256,7 +281,8 @@ class _BodyLimit:
 
 
 def _view_name(method: str, rule: str) -> str:
-    parts = [p for p in rule.strip("/").split("/") if p and not p.startswith("<") and p not in {"api", "v1"}]
+    """`GET /api/v1/nodes/<node_id>` → `get_nodes_by_node_id`; the handler method of that name serves it."""
+    parts = [f"by_{p[1:-1]}" if p.startswith("<") else p for p in rule.strip("/").split("/") if p not in {"api", "v1"}]
     return "_".join([method.lower(), *parts]).replace("-", "_")
 
 
@@ -395,7 +421,7 @@ class _Handlers:
     async def get_keys(self) -> Response:
         return _json(KeyList(keys=[_key_view(k) for k in self._s.registry.api_keys()]))
 
-    async def delete_keys(self, key_id: str) -> Response:
+    async def delete_keys_by_key_id(self, key_id: str) -> Response:
         key = await self._s.registry.revoke_key(_actor(), KeyId(key_id))
         return _json(_key_view(key))
 
@@ -425,3 +451,69 @@ class _Handlers:
     async def post_audit_verify(self) -> Response:
         verdict = await self._s.store.run(st.verify_audit)
         return _json(verdict)
+
+    # ---- enrollment and nodes ----------------------------------------------------------------------
+
+    async def post_enrollment_tokens(self) -> Response:
+        req = await _body(EnrollmentTokenCreate)
+        secret, token = await self._s.fleet.create_token(_actor(), req)
+        created = EnrollmentTokenCreated(id=token.id, token=secret, expires_at=token.expires_at, labels=token.labels)
+        return _json(created, 201)
+
+    async def post_enroll(self) -> Response:
+        req = await _body(EnrollRequest)
+        node = await self._s.fleet.enroll(req)
+        keys = self._s.controller_keys
+        resp = EnrollResponse(
+            node_id=node.id,
+            controller_signing_public_key=keys.signing,
+            controller_curve_public_key=keys.curve,
+            channel_endpoint=self._s.fleet.channel_endpoint,
+            labels=node.labels,
+        )
+        return _json(resp, 201)
+
+    async def get_nodes(self) -> Response:
+        return _json(NodeList(nodes=[_node_view(live) for live in self._s.fleet]))
+
+    async def get_nodes_by_node_id(self, node_id: str) -> Response:
+        return _json(_node_view(self._s.fleet.get(node_id)))
+
+    async def post_nodes_by_node_id_cordon(self, node_id: str) -> Response:
+        return _json(_node_view(await self._s.fleet.act(_actor(), node_id, "cordon")))
+
+    async def post_nodes_by_node_id_uncordon(self, node_id: str) -> Response:
+        return _json(_node_view(await self._s.fleet.act(_actor(), node_id, "uncordon")))
+
+    async def post_nodes_by_node_id_drain(self, node_id: str) -> Response:
+        return _json(_node_view(await self._s.fleet.act(_actor(), node_id, "drain")))
+
+    async def post_nodes_by_node_id_revoke(self, node_id: str) -> Response:
+        return _json(_node_view(await self._s.fleet.act(_actor(), node_id, "revoke")))
+
+
+def _node_view(live: NodeLive) -> NodeView:
+    inventory = live.inventory
+    labels = dict(live.node.labels)
+    if inventory is not None:
+        labels.update({str(k): str(v) for k, v in inventory.labels.items()})
+    age = None if live.last_seen is None else max(0.0, trio.current_time() - live.last_seen)
+    return NodeView(
+        id=live.node.id,
+        hostname=live.node.hostname,
+        state=live.state,
+        admin_state=live.node.admin_state,
+        labels=labels,
+        enrolled_at=live.node.enrolled_at,
+        last_heartbeat_at=live.last_seen_wall,
+        last_heartbeat_age_s=None if age is None else round(age, 3),
+        agent_version=live.agent_version,
+        inventory=inventory,
+        free_memory_bytes=live.free_memory_bytes,
+        free_accelerators=live.free_accelerators,
+        assignments=list(live.statuses),
+        desired_generation=live.desired.generation,
+        acked_epoch=live.desired.acked_epoch,
+        acked_generation=live.desired.acked_generation,
+        ack_reason=live.desired.ack_reason,
+    )

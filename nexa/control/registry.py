@@ -144,7 +144,7 @@ class Registry:
             created_at=time.time(),
             created_by=actor.key_id,
         )
-        await self._audited(st.insert_key, key, _draft(actor, "key.create", f"key/{key.id}", None, key))
+        await self._audited(st.insert_key, key, audit_draft(actor, "key.create", f"key/{key.id}", None, key))
         self._keys[key.id] = key
         return secret, key
 
@@ -164,7 +164,7 @@ class Registry:
             st.revoke_key,
             key_id,
             revoked.revoked_at,
-            _draft(actor, "key.revoke", f"key/{key_id}", key, revoked),
+            audit_draft(actor, "key.revoke", f"key/{key_id}", key, revoked),
         )
         self._keys[key_id] = revoked
         return revoked
@@ -195,7 +195,7 @@ class Registry:
             raise Conflict(f"tenant {req.id} exists")
         tenant = Tenant(id=req.id, display_name=req.display_name or req.id, created_at=time.time())
         await self._audited(
-            st.insert_tenant, tenant, _draft(actor, "tenant.create", f"tenant/{tenant.id}", None, tenant)
+            st.insert_tenant, tenant, audit_draft(actor, "tenant.create", f"tenant/{tenant.id}", None, tenant)
         )
         self._tenants[tenant.id] = tenant
         return tenant
@@ -216,7 +216,7 @@ class Registry:
         return await self._audited(st.record_audit, draft)
 
 
-def _draft(actor: Actor, action: str, target: str, prior: object | None, after: object | None) -> AuditDraft:
+def audit_draft(actor: Actor, action: str, target: str, prior: object | None, after: object | None) -> AuditDraft:
     return AuditDraft(
         actor_key_id=actor.key_id,
         actor_role=actor.role,

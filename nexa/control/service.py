@@ -1,6 +1,6 @@
 """`serve_control`: the controller's composition root. The only hypercorn importer.
 
-Start order: store (lock, migrate, new epoch) → registry → background loops → HTTP.
+Start order: store (lock, migrate, new epoch) → registry, fleet, keys → node channel → HTTP.
 Shutdown is the reverse: HTTP stops accepting and drains in-flight requests for
 `http.graceful_timeout_s`, then the background loops are cancelled (bounded by
 their own shielded timeouts), then the store closes last.
@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import time
 from functools import partial
+from pathlib import Path
+from typing import Final
 
 import attrs
 import hypercorn.config
@@ -19,12 +21,43 @@ import trio
 
 from nexa import __version__
 from nexa.config import ControlConfig, HttpConfig, parse_host_port
-from nexa.control.api import AppState, create_app
+from nexa.control.api import AppState, ControllerPublicKeys, create_app
+from nexa.control.fleet import Fleet
 from nexa.control.registry import Registry
+from nexa.control.southbound import Southbound
 from nexa.control.store import open_store
+from nexa.messaging import CurveKeyPair, generate_curve_keypair, load_curve_keypair, save_curve_keypair
+from nexa.security import SigningKey, generate_signing_key, load_signing_key, save_signing_key
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
+
+
+KEYS_DIR: Final = "keys"
+_SIGNING_FILE: Final = "controller-signing.pem"
+_CURVE_NAME: Final = "controller-curve"
+
+
+@attrs.frozen(kw_only=True)
+class ControllerKeys:
+    """The controller's Ed25519 key (signs assignment sets) and CurveZMQ server key pair."""
+
+    signing: SigningKey
+    curve: CurveKeyPair
+
+    def public(self) -> ControllerPublicKeys:
+        return ControllerPublicKeys(signing=self.signing.public.b64, curve=self.curve.public)
+
+
+def load_or_create_keys(directory: Path) -> ControllerKeys:
+    """Read the controller's keys, creating them (private files mode 0600) on the first start."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    signing_path = directory / _SIGNING_FILE
+    if not signing_path.exists():
+        save_signing_key(generate_signing_key(), signing_path)
+    if not (directory / f"{_CURVE_NAME}.key").exists():
+        save_curve_keypair(generate_curve_keypair(), directory, name=_CURVE_NAME)
+    return ControllerKeys(signing=load_signing_key(signing_path), curve=load_curve_keypair(directory, name=_CURVE_NAME))
 
 
 @attrs.frozen(kw_only=True)
@@ -32,6 +65,8 @@ class ControlStarted:
     """What `nursery.start(serve_control, ...)` returns once the controller answers HTTP."""
 
     urls: list[str]
+    #: The node channel endpoint nodes are told to dial.
+    channel: str
     epoch: int
     #: The bootstrap admin key, present only on the first start when it was generated here.
     admin_key: str | None
@@ -63,12 +98,25 @@ async def serve_control(
         metrics.controller_epoch.set(store.epoch)
         registry = await Registry.load(store, metrics)
         admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
-        state = AppState(registry=registry, store=store, metrics=metrics, started_at=time.time())
+        keys = await trio.to_thread.run_sync(load_or_create_keys, Path(cfg.state_dir) / KEYS_DIR)
+        fleet = Fleet(cfg.nodes, store, metrics)
+        await fleet.load()
+        state = AppState(
+            registry=registry,
+            fleet=fleet,
+            store=store,
+            metrics=metrics,
+            started_at=time.time(),
+            controller_keys=keys.public(),
+        )
         app = create_app(cfg.http, state)
 
         async with trio.open_nursery() as loops:
-            # Later issues start the node channel, scheduler and gateway loops here, with
-            # `await loops.start(component.run)`, before HTTP begins to answer.
+            southbound = Southbound(
+                cfg.channel, cfg.nodes, fleet, metrics, curve=keys.curve, signing_key=keys.signing, epoch=store.epoch
+            )
+            channel = await loops.start(southbound.run)
+            log.info("node channel bound", extra={"fields": {"endpoint": channel}})
             async with trio.open_nursery() as http:
                 binds: list[str] = await http.start(
                     partial(hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait)
@@ -79,7 +127,7 @@ async def serve_control(
                     "controller serving",
                     extra={"fields": {"urls": binds, "epoch": store.epoch, "version": __version__}},
                 )
-                task_status.started(ControlStarted(urls=binds, epoch=store.epoch, admin_key=admin_key))
+                task_status.started(ControlStarted(urls=binds, channel=channel, epoch=store.epoch, admin_key=admin_key))
             # hypercorn returned: in-flight requests have drained. Stop the loops; the store
             # closes when `open_store` exits, last.
             loops.cancel_scope.cancel()

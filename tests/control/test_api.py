@@ -8,11 +8,11 @@ import httpx
 import pytest
 import trio
 
-from nexa.config import ControlConfig, HostPort, HttpConfig
+from nexa.config import HttpConfig
 from nexa.control.api import ROUTE_ROLES, AppState, create_app
 from nexa.control.service import serve_control
 from nexa.telemetry import Metrics
-from tests.conftest import Controller
+from tests.conftest import Controller, local_config
 
 
 def assert_envelope(resp: httpx.Response, status: int, code: str) -> dict[str, object]:
@@ -53,7 +53,8 @@ async def test_health_ready_and_version_need_no_key(controller: Controller) -> N
 
 async def test_every_route_declares_its_roles() -> None:
     # The table is the single source: every registered rule is in it, and nothing else is.
-    app = create_app(HttpConfig(), AppState(registry=None, store=None, metrics=None, started_at=0))  # type: ignore[arg-type]
+    state = AppState(registry=None, fleet=None, store=None, metrics=None, started_at=0, controller_keys=None)  # type: ignore[arg-type]
+    app = create_app(HttpConfig(), state)
     registered = {
         (m, r.rule) for r in app.url_map.iter_rules() for m in r.methods or () if m not in {"HEAD", "OPTIONS"}
     }
@@ -245,7 +246,7 @@ async def test_metrics_for_monitoring_keys(controller: Controller) -> None:
 
 async def test_graceful_stop_lets_an_in_flight_request_finish(tmp_path: object, nursery: trio.Nursery) -> None:
     stopping = trio.Event()
-    cfg = ControlConfig(state_dir=str(tmp_path) + "/state", http=HttpConfig(listen=HostPort("127.0.0.1:0")))
+    cfg = local_config(tmp_path)
     done = trio.Event()
 
     async def serve(task_status: trio.TaskStatus[object]) -> None:
@@ -277,7 +278,7 @@ async def test_graceful_stop_lets_an_in_flight_request_finish(tmp_path: object, 
 
 
 async def test_restart_keeps_state_and_takes_a_higher_epoch(tmp_path: object, nursery: trio.Nursery) -> None:
-    cfg = ControlConfig(state_dir=str(tmp_path) + "/state", http=HttpConfig(listen=HostPort("127.0.0.1:0")))
+    cfg = local_config(tmp_path)
     epochs, admin = [], None
     for _ in range(3):
         stopping = trio.Event()
@@ -301,7 +302,7 @@ async def test_restart_keeps_state_and_takes_a_higher_epoch(tmp_path: object, nu
 
 
 async def test_readyz_is_503_until_ready() -> None:
-    state = AppState(registry=None, store=None, metrics=Metrics(), started_at=0)  # type: ignore[arg-type]
+    state = AppState(registry=None, fleet=None, store=None, metrics=Metrics(), started_at=0, controller_keys=None)  # type: ignore[arg-type]
     client = create_app(HttpConfig(), state).test_client()
     resp = await client.get("/readyz")
     assert resp.status_code == 503

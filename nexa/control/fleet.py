@@ -1,0 +1,404 @@
+"""The fleet: enrollment tokens, enrolled nodes, their liveness and desired assignment sets.
+
+Authoritative in memory (the node channel asks it on every message), written through to the
+store. Operator actions and liveness transitions are audited; heartbeats are not written to
+SQLite except when a node's inventory really changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Final
+
+import attrs
+import trio
+
+from nexa.config import NodesConfig
+from nexa.contracts import codec
+from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
+from nexa.contracts.domain import (
+    NAME_RE,
+    AuditDraft,
+    AuditResult,
+    EnrollmentToken,
+    Node,
+    NodeAdminState,
+    NodeId,
+    NodeState,
+)
+from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem
+from nexa.contracts.wire import Ack, AssignmentStatus, DesiredAssignments, Heartbeat, Hello
+from nexa.control import store as st
+from nexa.control.registry import Actor, audit_draft
+from nexa.errors import Conflict, ContractError, NotFound
+from nexa.messaging import check_curve_key
+from nexa.security import PublicKey, ReplayWindow, hash_token, is_enrollment_token, new_enrollment_token
+from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+_MIN_TOKEN_TTL_S: Final = 10.0
+_NODE_ID_RE: Final = re.compile(r"[^a-z0-9.-]+")
+
+
+@attrs.define
+class NodeLive:
+    """A node as the controller knows it right now (mutable; owned by Fleet)."""
+
+    node: Node
+    inventory: NodeInventory | None
+    desired: DesiredAssignments
+    window: ReplayWindow
+    #: trio clock time of the last good message, None if never heard from since start.
+    last_seen: float | None = None
+    last_seen_wall: float | None = None
+    reachable: bool = False
+    agent_version: str = ""
+    statuses: list[AssignmentStatus] = attrs.field(factory=list)
+    reported_epoch: int = 0
+    reported_generation: int = 0
+    free_memory_bytes: int = 0
+    free_accelerators: int = 0
+    last_push: float = float("-inf")
+    inventory_digest: str | None = None
+
+    @property
+    def state(self) -> NodeState:
+        admin = self.node.admin_state
+        if admin is NodeAdminState.REVOKED:
+            return NodeState.REVOKED
+        if not self.reachable:
+            return NodeState.UNREACHABLE
+        if admin is NodeAdminState.DRAINING:
+            return NodeState.DRAINING
+        if admin is NodeAdminState.CORDONED:
+            return NodeState.CORDONED
+        return NodeState.READY
+
+
+#: Operator action → (admin states it may start from, the state it leads to).
+_ACTIONS: Final[dict[str, tuple[frozenset[NodeAdminState], NodeAdminState]]] = {
+    "cordon": (frozenset({NodeAdminState.ACTIVE, NodeAdminState.CORDONED}), NodeAdminState.CORDONED),
+    "uncordon": (
+        frozenset({NodeAdminState.ACTIVE, NodeAdminState.CORDONED, NodeAdminState.DRAINING}),
+        NodeAdminState.ACTIVE,
+    ),
+    "drain": (
+        frozenset({NodeAdminState.ACTIVE, NodeAdminState.CORDONED, NodeAdminState.DRAINING}),
+        NodeAdminState.DRAINING,
+    ),
+    "revoke": (
+        frozenset({NodeAdminState.ACTIVE, NodeAdminState.CORDONED, NodeAdminState.DRAINING}),
+        NodeAdminState.REVOKED,
+    ),
+}
+
+
+class Fleet:
+    def __init__(self, cfg: NodesConfig, store: st.Store, metrics: Metrics) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._metrics = metrics
+        self._nodes: dict[NodeId, NodeLive] = {}
+        self._by_curve: dict[str, NodeId] = {}
+        self._lock = trio.Lock()  # serialises enrollment and admin-state changes
+        #: Set once the node channel is bound; handed to nodes at enrollment.
+        self.channel_endpoint = ""
+
+    async def load(self) -> None:
+        for node, inventory, desired in await self._store.run(st.load_nodes):
+            self._add(node, inventory, desired or DesiredAssignments(node_id=node.id, generation=1))
+        self._refresh_gauges()
+
+    def _add(self, node: Node, inventory: NodeInventory | None, desired: DesiredAssignments) -> NodeLive:
+        live = NodeLive(
+            node=node,
+            inventory=inventory,
+            desired=desired,
+            window=ReplayWindow(max_skew_s=self._cfg.max_clock_skew_s),
+            inventory_digest=_static_digest(inventory),
+        )
+        self._nodes[node.id] = live
+        if node.admin_state is not NodeAdminState.REVOKED:
+            self._by_curve[node.curve_public_key] = node.id
+        return live
+
+    # ---- queries ---------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[NodeLive]:
+        return iter(sorted(self._nodes.values(), key=lambda n: n.node.id))
+
+    def get(self, node_id: str) -> NodeLive:
+        live = self._nodes.get(NodeId(node_id))
+        if live is None:
+            raise NotFound(f"no node {node_id}")
+        return live
+
+    def authorize_curve(self, curve_public_z85: str) -> str | None:
+        """ZAP: the node id for an enrolled, non-revoked Curve key; None refuses the channel."""
+        return self._by_curve.get(curve_public_z85)
+
+    def node_key(self, node_id: str) -> PublicKey | None:
+        """The Ed25519 key that must have signed a node's messages; None once it is revoked."""
+        live = self._nodes.get(NodeId(node_id))
+        if live is None or live.node.admin_state is NodeAdminState.REVOKED:
+            return None
+        return PublicKey.from_b64(live.node.signing_public_key)
+
+    def counts(self) -> dict[NodeState, int]:
+        counts = dict.fromkeys(NodeState, 0)
+        for live in self._nodes.values():
+            counts[live.state] += 1
+        return counts
+
+    def _refresh_gauges(self) -> None:
+        for state, count in self.counts().items():
+            self._metrics.nodes.labels(state.value).set(count)
+
+    # ---- enrollment ------------------------------------------------------------------------------
+
+    async def create_token(self, actor: Actor, req: EnrollmentTokenCreate) -> tuple[str, EnrollmentToken]:
+        problems = [
+            f"labels[{k!r}]: {p}"
+            for k, v in req.labels.items()
+            for p in (label_key_problem(k), label_value_problem(v))
+            if p is not None
+        ]
+        if not _MIN_TOKEN_TTL_S <= req.ttl_s <= self._cfg.max_token_ttl_s:
+            problems.append(f"ttl_s: must be from {_MIN_TOKEN_TTL_S:g} to {self._cfg.max_token_ttl_s:g} seconds")
+        if problems:
+            raise ContractError("invalid enrollment token request: " + "; ".join(problems), problems=tuple(problems))
+        secret = new_enrollment_token()
+        now = time.time()
+        token = EnrollmentToken(
+            id="et_" + secrets.token_hex(6),
+            token_sha256=hash_token(secret),
+            labels=dict(req.labels),
+            created_at=now,
+            expires_at=now + req.ttl_s,
+            created_by=actor.key_id,
+        )
+        shown = attrs.evolve(token, token_sha256="")  # the audit digest need not cover the hash
+        event = await self._store.run(
+            st.insert_token,
+            token,
+            audit_draft(actor, "enrollment_token.create", f"enrollment_token/{token.id}", None, shown),
+        )
+        self._metrics.audit_events.labels(event.result.value).inc()
+        return secret, token
+
+    async def enroll(self, req: EnrollRequest) -> Node:
+        """Spend a token and enroll a node with the public keys it sent. Refusals change nothing."""
+        problems = []
+        if not is_enrollment_token(req.token):
+            problems.append("token: not an enrollment token")
+        try:
+            PublicKey.from_b64(req.signing_public_key)
+        except ContractError:
+            problems.append("signing_public_key: not an Ed25519 public key")
+        try:
+            check_curve_key(req.curve_public_key)
+        except Exception:
+            problems.append("curve_public_key: not a Curve25519 public key in Z85")
+        if not req.hostname or len(req.hostname) > 253:
+            problems.append("hostname: 1 to 253 characters")
+        if problems:
+            raise ContractError("invalid enrollment request: " + "; ".join(problems), problems=tuple(problems))
+        async with self._lock:
+            if req.curve_public_key in {n.node.curve_public_key for n in self._nodes.values()}:
+                raise Conflict("a node with this key is already enrolled")
+            node = Node(
+                id=self._new_node_id(req.hostname),
+                hostname=req.hostname,
+                signing_public_key=req.signing_public_key,
+                curve_public_key=req.curve_public_key,
+                labels={},
+                enrolled_at=time.time(),
+            )
+            draft = AuditDraft(
+                actor_key_id=None,
+                actor_role=None,
+                action="node.enroll",
+                target=f"node/{node.id}",
+                prior_sha256=None,
+                next_sha256=None,
+            )
+            node = await self._store.run(st.enroll_node, hash_token(req.token), time.time(), node, draft)
+            desired = DesiredAssignments(node_id=node.id, generation=1)
+            await self._store.run(st.save_desired, desired, None)
+            self._add(node, None, desired)
+        self._metrics.audit_events.labels("ok").inc()
+        self._refresh_gauges()
+        log.info("node enrolled", extra={"fields": {"node": node.id}})
+        return node
+
+    def _new_node_id(self, hostname: str) -> NodeId:
+        base = _NODE_ID_RE.sub("-", hostname.lower().split(".")[0]).strip("-.")[:40] or "node"
+        if not NAME_RE.match(base):
+            base = "node"
+        candidate = base
+        while candidate in self._nodes:
+            candidate = f"{base}-{secrets.token_hex(2)}"
+        return NodeId(candidate)
+
+    # ---- operator actions ------------------------------------------------------------------------
+
+    async def act(self, actor: Actor, node_id: str, action: str) -> NodeLive:
+        """cordon, uncordon, drain or revoke; the same action twice is a no-op answer, not an error."""
+        allowed_from, target = _ACTIONS[action]
+        async with self._lock:
+            live = self.get(node_id)
+            before = live.node
+            if before.admin_state is target:
+                return live
+            if before.admin_state not in allowed_from:
+                raise Conflict(f"node {node_id} is {before.admin_state.value}; it cannot be {action}ed")
+            after = attrs.evolve(
+                before, admin_state=target, revoked_at=time.time() if target is NodeAdminState.REVOKED else None
+            )
+            event = await self._store.run(
+                st.update_node, after, audit_draft(actor, f"node.{action}", f"node/{node_id}", before, after)
+            )
+            self._metrics.audit_events.labels(event.result.value).inc()
+            live.node = after
+            if target is NodeAdminState.REVOKED:
+                self._by_curve.pop(after.curve_public_key, None)
+                live.reachable = False
+        self._refresh_gauges()
+        return live
+
+    # ---- what the node channel reports -------------------------------------------------------------
+
+    def check_replay(self, node_id: str, seq: int, ts: float) -> None:
+        """Advance the node's replay window; raises Replayed or ClockSkew (nothing changes then)."""
+        live = self.get(node_id)
+        live.window = live.window.check(seq, ts, time.time())
+
+    async def heard(self, node_id: str, msg: Hello | Heartbeat | Ack) -> NodeLive:
+        """Record a verified message; a node that was Unreachable becomes reachable again."""
+        live = self.get(node_id)
+        live.last_seen = trio.current_time()
+        live.last_seen_wall = time.time()
+        if isinstance(msg, Hello):
+            live.agent_version = msg.agent_version
+            live.reported_epoch, live.reported_generation = msg.epoch, msg.generation
+        elif isinstance(msg, Heartbeat):
+            live.statuses = list(msg.assignments)
+            live.reported_epoch, live.reported_generation = msg.epoch, msg.generation
+            live.free_memory_bytes, live.free_accelerators = msg.free_memory_bytes, msg.free_accelerators
+            await self._take_inventory(live, msg.inventory)
+        if not live.reachable:
+            live.reachable = True
+            await self._transition(live, "node.reachable", "heartbeats resumed")
+        return live
+
+    async def _take_inventory(self, live: NodeLive, inventory: NodeInventory) -> None:
+        live.inventory = inventory
+        digest = _static_digest(inventory)
+        if digest != live.inventory_digest:
+            live.inventory_digest = digest
+            await self._store.run(st.save_inventory, live.node.id, inventory, time.time())
+
+    def overdue(self, now: float) -> tuple[list[NodeLive], float]:
+        """Reachable nodes whose lease ran out by `now`, and the next deadline among the rest."""
+        lapsed, next_deadline = [], now + self._cfg.lease_s
+        for live in self._nodes.values():
+            if not live.reachable or live.last_seen is None:
+                continue
+            deadline = live.last_seen + self._cfg.lease_s
+            if deadline <= now:
+                lapsed.append(live)
+            else:
+                next_deadline = min(next_deadline, deadline)
+        return lapsed, next_deadline
+
+    async def mark_unreachable(self, live: NodeLive) -> None:
+        live.reachable = False
+        await self._transition(live, "node.unreachable", f"no good heartbeat for {self._cfg.lease_s:g} s")
+
+    async def _transition(self, live: NodeLive, action: str, detail: str) -> None:
+        log.info("node %s: %s", live.node.id, action, extra={"fields": {"node": live.node.id}})
+        draft = AuditDraft(
+            actor_key_id=None,
+            actor_role=None,
+            action=action,
+            target=f"node/{live.node.id}",
+            prior_sha256=None,
+            next_sha256=None,
+            detail=detail,
+        )
+        event = await self._store.run(st.record_audit, draft)
+        self._metrics.audit_events.labels(event.result.value).inc()
+        self._refresh_gauges()
+
+    async def record_ack(self, live: NodeLive, ack: Ack) -> None:
+        desired = live.desired
+        reason = None if ack.accepted else ack.reason
+        changed = (desired.acked_epoch, desired.acked_generation, desired.ack_reason) != (
+            ack.epoch,
+            ack.generation,
+            reason,
+        )
+        live.desired = attrs.evolve(
+            desired, acked_epoch=ack.epoch, acked_generation=ack.generation, ack_reason=reason, ack_at=time.time()
+        )
+        self._metrics.assignment_acks.labels(reason.value if reason else "accepted").inc()
+        if not changed:
+            return  # a lease renewal acknowledged again: nothing new to keep
+        draft = None
+        if reason is not None:
+            draft = AuditDraft(
+                actor_key_id=None,
+                actor_role=None,
+                action="assignments.rejected",
+                target=f"node/{live.node.id}",
+                prior_sha256=None,
+                next_sha256=None,
+                result=AuditResult.REJECTED,
+                detail=f"{reason.value}: epoch {ack.epoch} generation {ack.generation}",
+            )
+        await self._store.run(st.save_desired, live.desired, draft)
+        if draft is not None:
+            self._metrics.audit_events.labels(AuditResult.REJECTED.value).inc()
+
+    async def record_refusal(self, node_id: str, code: str, detail: str) -> None:
+        draft = AuditDraft(
+            actor_key_id=None,
+            actor_role=None,
+            action="node.message.rejected",
+            target=f"node/{node_id}" if node_id else "node/(unknown)",
+            prior_sha256=None,
+            next_sha256=None,
+            result=AuditResult.REJECTED,
+            detail=f"{code}: {detail}"[:300],
+        )
+        event = await self._store.run(st.record_audit, draft)
+        self._metrics.audit_events.labels(event.result.value).inc()
+
+
+def _static_digest(inventory: NodeInventory | None) -> str | None:
+    """Digest of what placement cares about, without the values that move every second."""
+    if inventory is None:
+        return None
+    steady = attrs.evolve(
+        inventory,
+        memory_available_bytes=0,
+        discovered_at=0.0,
+        gpus=tuple(
+            attrs.evolve(
+                g,
+                memory_used_bytes=None,
+                memory_free_bytes=None,
+                utilization_pct=None,
+                temperature_c=None,
+                power_draw_w=None,
+            )
+            for g in inventory.gpus
+        ),
+    )
+    return hashlib.sha256(codec.dumps(codec.store, steady).encode()).hexdigest()

@@ -1,0 +1,132 @@
+"""The controller's side of the node protocol: verified node messages → fleet; signed sets → nodes.
+
+One Link (ZeroMQ ROUTER, CurveZMQ, ZAP) carries every node's channel. Three loops share it:
+receive (verify, replay-check, record), liveness (a node with no good heartbeat for `lease_s`
+becomes Unreachable) and renewal (re-sign each reachable node's set before its lease lapses).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Final
+
+import trio
+
+from nexa.config import ChannelConfig, NodesConfig
+from nexa.contracts.wire import Ack, AssignmentSet, Heartbeat, Hello
+from nexa.control.fleet import Fleet, NodeLive
+from nexa.errors import NexaError, NotConnected
+from nexa.messaging import CurveKeyPair, Inbound, Link, Refused
+from nexa.security import SigningKey
+from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: A node behind on its assignment set is sent it again at most this often.
+_REPUSH_MIN_S: Final = 1.0
+#: The same refusal from the same node is audited at most this often (always counted).
+_REFUSAL_AUDIT_EVERY_S: Final = 5.0
+
+
+class Southbound:
+    def __init__(
+        self,
+        channel: ChannelConfig,
+        cfg: NodesConfig,
+        fleet: Fleet,
+        metrics: Metrics,
+        *,
+        curve: CurveKeyPair,
+        signing_key: SigningKey,
+        epoch: int,
+    ) -> None:
+        self._channel = channel
+        self._cfg = cfg
+        self._fleet = fleet
+        self._metrics = metrics
+        self._epoch = epoch
+        self._link = Link(
+            channel.listen,
+            curve=curve,
+            signing_key=signing_key,
+            authorize=fleet.authorize_curve,
+            node_key=fleet.node_key,
+        )
+        self._last_refusal_audit: dict[tuple[str, str], float] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        """Bind the node channel and serve it; `started` reports the endpoint nodes should dial."""
+        async with trio.open_nursery() as nursery:
+            bound: str = await nursery.start(self._link.run)
+            endpoint = self._channel.advertise or bound
+            self._fleet.channel_endpoint = endpoint
+            nursery.start_soon(self._receive_loop)
+            nursery.start_soon(self._liveness_loop)
+            nursery.start_soon(self._renewal_loop)
+            task_status.started(endpoint)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            got = await self._link.receive_any()
+            try:
+                if isinstance(got, Refused):
+                    await self._refuse(got.node_id, got.error)
+                else:
+                    await self._handle(got)
+            except NexaError as exc:
+                await self._refuse(got.node_id, exc)
+
+    async def _handle(self, inbound: Inbound) -> None:
+        msg = inbound.message
+        self._fleet.check_replay(inbound.node_id, msg.seq, msg.ts)  # raises Replayed / ClockSkew
+        self._metrics.node_messages.labels(msg.kind).inc()
+        live = await self._fleet.heard(inbound.node_id, msg)
+        if isinstance(msg, Hello):
+            await self._push(live)  # a (re)connected node gets its set at once
+        elif isinstance(msg, Heartbeat):
+            behind = (msg.epoch, msg.generation) < (self._epoch, live.desired.generation)
+            if behind and trio.current_time() - live.last_push >= _REPUSH_MIN_S:
+                await self._push(live)
+        elif isinstance(msg, Ack):
+            await self._fleet.record_ack(live, msg)
+
+    async def _refuse(self, node_id: str, error: NexaError) -> None:
+        self._metrics.node_messages_rejected.labels(error.code).inc()
+        key = (node_id, error.code)
+        now = trio.current_time()
+        if now - self._last_refusal_audit.get(key, float("-inf")) < _REFUSAL_AUDIT_EVERY_S:
+            return
+        self._last_refusal_audit[key] = now
+        await self._fleet.record_refusal(node_id, error.code, error.message)
+
+    async def _push(self, live: NodeLive) -> None:
+        desired = live.desired
+        signed = AssignmentSet(
+            node_id=live.node.id,
+            epoch=self._epoch,
+            generation=desired.generation,
+            lease_expires_at=time.time() + self._cfg.assignment_lease_s,
+            assignments=list(desired.assignments),
+        )
+        try:
+            await self._link.send(live.node.id, signed)
+        except NotConnected:
+            return  # it gets the set when it next says hello
+        live.last_push = trio.current_time()
+        self._metrics.assignment_pushes.inc()
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            lapsed, next_deadline = self._fleet.overdue(trio.current_time())
+            for live in lapsed:
+                await self._fleet.mark_unreachable(live)
+            await trio.sleep_until(next_deadline)
+
+    async def _renewal_loop(self) -> None:
+        period = self._cfg.assignment_lease_s / 3
+        while True:
+            await trio.sleep(period)
+            for live in list(self._fleet):
+                if live.reachable and trio.current_time() - live.last_push >= period / 2:
+                    await self._push(live)
