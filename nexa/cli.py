@@ -16,6 +16,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 from nexa import __version__, config
@@ -60,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("check-config", help="validate a config file (exit 0 valid, 2 invalid)")
     s.add_argument("file")
+    s.add_argument("--role", choices=("control", "node"), default="control", help="which config it is")
     s.set_defaults(handler=_cmd_check_config)
 
     s = sub.add_parser("keygen", help="print a new API key in nexa's format (for bootstrap.admin_key_file)")
@@ -72,6 +74,22 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--channel", help="zmq endpoint for the node channel, overrides channel.listen")
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
     s.set_defaults(handler=_cmd_control)
+
+    node = sub.add_parser("node", help="run the node agent, or enroll this node (`nexa node enroll`)")
+    node.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
+    node.add_argument("--state-dir", help="overrides state_dir")
+    node.add_argument("--inventory", help="overrides inventory_path")
+    node.add_argument("--source-address", help="local address to dial the controller from")
+    node.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
+    node.set_defaults(handler=_cmd_node)
+    verbs = node.add_subparsers(metavar="VERB")
+    s = verbs.add_parser("enroll", help="enroll this node with a one-time token from `nexa tokens create`")
+    s.add_argument("--controller", required=True, help="controller URL, e.g. https://control.example:8470")
+    s.add_argument("--token", required=True, help="one-time enrollment token (nxb_…)")
+    s.add_argument("--name", help="node name to ask for (default: this host's name)")
+    s.add_argument("--config", dest="enroll_config", default=None, help="node TOML config (for state_dir)")
+    s.add_argument("--state-dir", dest="enroll_state_dir", help="overrides state_dir")
+    s.set_defaults(handler=_cmd_node_enroll)
 
     _operator_commands(sub)
     return p
@@ -86,7 +104,7 @@ def _cmd_version(_: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    config.load(args.file, config.ControlConfig)
+    config.load(args.file, config.ControlConfig if args.role == "control" else config.NodeConfig)
     print(f"{args.file}: ok")
     return EXIT_OK
 
@@ -171,6 +189,71 @@ def _single_nexa_error(group: BaseExceptionGroup[BaseException]) -> BaseExceptio
     return leaf
 
 
+def _node_config(args: argparse.Namespace) -> config.NodeConfig:
+    cfg = config.load(args.config, config.NodeConfig) if args.config else config.NodeConfig()
+    merged = config.unstructure_config(cfg)
+    for flag, key in (
+        ("state_dir", "state_dir"),
+        ("inventory", "inventory_path"),
+        ("source_address", "source_address"),
+    ):
+        value = getattr(args, flag, None)
+        if value:
+            merged[key] = value
+    if getattr(args, "log_level", None):
+        merged["log"]["level"] = args.log_level
+    return config.structure_config(merged, config.NodeConfig)
+
+
+def _cmd_node(args: argparse.Namespace) -> int:
+    import trio
+
+    from nexa.node.agent import serve_node
+    from nexa.telemetry import setup_logging
+
+    cfg = _node_config(args)
+    setup_logging(cfg.log.level.value)
+
+    async def run() -> None:
+        stopping = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def serve(task_status: trio.TaskStatus[object]) -> None:
+                await serve_node(cfg, stopping=stopping, task_status=task_status)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(_stop_on_signal, stopping, nursery.cancel_scope)
+            started = await nursery.start(serve)
+            print(f"nexa node {__version__} running: {started}")
+            sys.stdout.flush()
+
+    try:
+        trio.run(run)
+    except BaseExceptionGroup as group:
+        raise _single_nexa_error(group) from None
+    return EXIT_OK
+
+
+def _cmd_node_enroll(args: argparse.Namespace) -> int:
+    import socket
+
+    from nexa.client import ApiClient
+    from nexa.contracts import codec
+    from nexa.contracts.api import EnrollResponse
+    from nexa.node import identity
+
+    cfg = config.load(args.enroll_config, config.NodeConfig) if args.enroll_config else config.NodeConfig()
+    state_dir = Path(args.enroll_state_dir or cfg.state_dir)
+    req = identity.enroll_request(state_dir, args.token, args.name or socket.gethostname(), __version__)
+    with ApiClient(args.controller, None) as client:
+        out = client.call("POST", "/api/v1/enroll", body=codec.api.unstructure(req))
+    resp = codec.structure(codec.api, out, EnrollResponse)
+    identity.save_enrollment(state_dir, resp)
+    print(f"enrolled as node {resp.node_id}; the channel is {resp.channel_endpoint}")
+    print(f"start the agent with: nexa node --state-dir {state_dir}")
+    return EXIT_OK
+
+
 async def _stop_on_signal(stopping: Any, scope: Any) -> None:
     """First SIGTERM/SIGINT: graceful stop. A second one: cancel everything now."""
     import trio
@@ -211,6 +294,27 @@ def _operator_commands(sub: Any) -> None:
     s.set_defaults(handler=_tenants_create)
     s = tenants.add_parser("list", parents=[common])
     s.set_defaults(handler=_tenants_list)
+
+    tokens = sub.add_parser("tokens", help="one-time node enrollment tokens (admin)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = tokens.add_parser("create", parents=[common], help="create a token; it is printed once")
+    s.add_argument("--ttl", default="15m", type=_duration, help="lifetime, e.g. 900, 90s, 15m, 2h (default 15m)")
+    s.add_argument("--labels", default="", help="labels the node gets: k=v,k2=v2")
+    s.set_defaults(handler=_tokens_create)
+
+    nodes = sub.add_parser("nodes", help="the fleet (operator; revoke: admin)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = nodes.add_parser("list", parents=[common])
+    s.set_defaults(handler=_nodes_list)
+    s = nodes.add_parser("show", parents=[common])
+    s.add_argument("node_id")
+    s.set_defaults(handler=_nodes_show)
+    for verb in ("cordon", "uncordon", "drain", "revoke"):
+        s = nodes.add_parser(verb, parents=[common])
+        s.add_argument("node_id")
+        s.set_defaults(handler=_nodes_action, verb=verb)
 
     audit = sub.add_parser("audit", help="the audit chain (audit, admin)").add_subparsers(metavar="VERB", required=True)
     s = audit.add_parser("list", parents=[common])
@@ -330,3 +434,118 @@ def _audit_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return EXIT_OK if out["ok"] else EXIT_FAILED
+
+
+_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    number, unit = (text[:-1], text[-1]) if text and text[-1] in _UNITS else (text, "s")
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 900, 90s, 15m, 2h)") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError("a duration must be positive")
+    return value
+
+
+def _labels(text: str) -> dict[str, str]:
+    labels = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--labels: {item!r} is not key=value")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def _tokens_create(args: argparse.Namespace) -> int:
+    body = {"ttl_s": args.ttl, "labels": _labels(args.labels)}
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/enrollment-tokens", body=body)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        expires = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(out["expires_at"]))
+        print(f"enrollment token {out['id']} (single use, expires {expires}); shown only this once:")
+        print(out["token"])
+        print(f"on the node: nexa node enroll --controller {args.url} --token {out['token']}")
+    return EXIT_OK
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.1f} GiB"
+
+
+def _accelerators(inventory: dict[str, Any] | None) -> str:
+    if not inventory or not inventory.get("gpus"):
+        return "-"
+    names: dict[str, int] = {}
+    for gpu in inventory["gpus"]:
+        name = gpu["name"] + (" (unified)" if gpu.get("unified_memory") else "")
+        names[name] = names.get(name, 0) + 1
+    return ", ".join(f"{n}x {name}" for name, n in names.items())
+
+
+def _node_row(n: dict[str, Any]) -> dict[str, Any]:
+    age = n["last_heartbeat_age_s"]
+    return {
+        "id": n["id"],
+        "state": n["state"],
+        "heartbeat": "never" if age is None else f"{age:.1f}s ago",
+        "labels": ",".join(f"{k}={v}" for k, v in sorted(n["labels"].items())) or "-",
+        "accelerators": _accelerators(n["inventory"]),
+        "free_memory": _gib(n["free_memory_bytes"]) if n["inventory"] else "-",
+        "assignments": f"{len(n['assignments'])} (gen {n['acked_generation']}/{n['desired_generation']})",
+    }
+
+
+_NODE_COLUMNS: Final = ("id", "state", "heartbeat", "labels", "accelerators", "free_memory", "assignments")
+
+
+def _nodes_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/nodes")
+    _emit(args, out, [_node_row(n) for n in out["nodes"]], _NODE_COLUMNS)
+    return EXIT_OK
+
+
+def _nodes_show(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        n = c.call("GET", f"/api/v1/nodes/{args.node_id}")
+    if args.json:
+        print(json.dumps(n, indent=2, sort_keys=True))
+        return EXIT_OK
+    row = _node_row(n)
+    inv = n["inventory"] or {}
+    taints = ", ".join("{key}={value}:{effect}".format(**t) for t in inv.get("taints", [])) or "-"
+    free = _gib(n["free_memory_bytes"]) if inv else "-"
+    ack = f"; last refusal: {n['ack_reason']}" if n["ack_reason"] else ""
+    lines = [
+        f"node         {n['id']} ({n['hostname']})",
+        f"state        {n['state']} (admin: {n['admin_state']})",
+        f"heartbeat    {row['heartbeat']}; agent {n['agent_version'] or '-'}",
+        f"labels       {row['labels']}",
+        f"taints       {taints}",
+        f"data         {', '.join(inv.get('data_classes', [])) or '-'}",
+        f"runtimes     {', '.join(inv.get('runtimes', [])) or '-'}",
+        f"host         {inv.get('arch', '-')}, {inv.get('cpu_count', '-')} CPUs, "
+        f"memory {_gib(inv.get('memory_total_bytes'))} (free {free})",
+        f"accelerators {row['accelerators']}; pool {_gib(inv.get('accelerator_memory_bytes'))}",
+        f"assignments  generation {n['acked_generation']} acked of {n['desired_generation']} desired{ack}",
+    ]
+    lines += [f"  {a['assignment_id']}: {a['state']} {a['detail']}".rstrip() for a in n["assignments"]]
+    lines += [f"problem      {p}" for p in inv.get("problems", [])]
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _nodes_action(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        n = c.call("POST", f"/api/v1/nodes/{args.node_id}/{args.verb}")
+    if args.json:
+        print(json.dumps(n, indent=2, sort_keys=True))
+    else:
+        print(f"node {n['id']}: {n['state']} (admin: {n['admin_state']})")
+    return EXIT_OK

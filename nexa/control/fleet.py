@@ -150,6 +150,12 @@ class Fleet:
             return None
         return PublicKey.from_b64(live.node.signing_public_key)
 
+    def revoked_node_with_curve(self, curve_public_z85: str) -> str | None:
+        for live in self._nodes.values():
+            if live.node.curve_public_key == curve_public_z85 and live.node.admin_state is NodeAdminState.REVOKED:
+                return live.node.id
+        return None
+
     def counts(self) -> dict[NodeState, int]:
         counts = dict.fromkeys(NodeState, 0)
         for live in self._nodes.values():
@@ -210,8 +216,8 @@ class Fleet:
         if problems:
             raise ContractError("invalid enrollment request: " + "; ".join(problems), problems=tuple(problems))
         async with self._lock:
-            if req.curve_public_key in {n.node.curve_public_key for n in self._nodes.values()}:
-                raise Conflict("a node with this key is already enrolled")
+            # A key already enrolled fails the UNIQUE constraints after the token check, so a
+            # caller without a valid token learns nothing about which keys are enrolled.
             node = Node(
                 id=self._new_node_id(req.hostname),
                 hostname=req.hostname,

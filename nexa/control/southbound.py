@@ -7,6 +7,7 @@ becomes Unreachable) and renewal (re-sign each reachable node's set before its l
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Final
@@ -50,10 +51,27 @@ class Southbound:
             channel.listen,
             curve=curve,
             signing_key=signing_key,
-            authorize=fleet.authorize_curve,
+            authorize=self._authorize,
             node_key=fleet.node_key,
         )
         self._last_refusal_audit: dict[tuple[str, str], float] = {}
+        # ZAP runs inside the link; refusals there are audited from this loop's nursery.
+        self._zap_refusals_tx, self._zap_refusals_rx = trio.open_memory_channel[str](64)
+
+    def _authorize(self, curve_public_z85: str) -> str | None:
+        node_id = self._fleet.authorize_curve(curve_public_z85)
+        if node_id is None:
+            self._metrics.node_messages_rejected.labels("unknown_key").inc()
+            # Counted above; the audit trail takes what it can without ever blocking ZAP.
+            with contextlib.suppress(trio.WouldBlock):
+                self._zap_refusals_tx.send_nowait(curve_public_z85)
+        return node_id
+
+    async def _audit_zap_refusals(self) -> None:
+        async for curve_key in self._zap_refusals_rx:
+            revoked = self._fleet.revoked_node_with_curve(curve_key)
+            reason = "revoked node" if revoked else "unknown node key"
+            await self._refuse_audit(revoked or "", "unknown_key", f"channel refused: {reason}")
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind the node channel and serve it; `started` reports the endpoint nodes should dial."""
@@ -64,6 +82,7 @@ class Southbound:
             nursery.start_soon(self._receive_loop)
             nursery.start_soon(self._liveness_loop)
             nursery.start_soon(self._renewal_loop)
+            nursery.start_soon(self._audit_zap_refusals)
             task_status.started(endpoint)
 
     async def _receive_loop(self) -> None:
@@ -93,12 +112,15 @@ class Southbound:
 
     async def _refuse(self, node_id: str, error: NexaError) -> None:
         self._metrics.node_messages_rejected.labels(error.code).inc()
-        key = (node_id, error.code)
+        await self._refuse_audit(node_id, error.code, error.message)
+
+    async def _refuse_audit(self, node_id: str, code: str, detail: str) -> None:
+        key = (node_id, code)
         now = trio.current_time()
         if now - self._last_refusal_audit.get(key, float("-inf")) < _REFUSAL_AUDIT_EVERY_S:
             return
         self._last_refusal_audit[key] = now
-        await self._fleet.record_refusal(node_id, error.code, error.message)
+        await self._fleet.record_refusal(node_id, code, detail)
 
     async def _push(self, live: NodeLive) -> None:
         desired = live.desired
