@@ -1,0 +1,465 @@
+"""`nexa node`: the agent's composition root, heartbeats and the signed-assignment fence.
+
+`serve_node` wires the parts (inventory watcher, uplink, agent) in one nursery; `Agent` owns the
+node's side of the protocol: it says hello, beats, judges every assignment set against the
+fence kept on disk and answers it, and watches the accepted set's lease. Nothing it sends or
+logs names keys, file paths or addresses.
+"""
+
+from __future__ import annotations
+
+import collections
+import ipaddress
+import logging
+import time
+import types
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Final, NoReturn
+
+import attrs
+import trio
+
+from nexa import __version__
+from nexa.config import LeaseExpiryPolicy, NodeConfig
+from nexa.contracts import wire
+from nexa.errors import BadSignature, ConfigError, ContractError
+from nexa.messaging import Uplink
+from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
+from nexa.node.inventory import InventoryWatcher, discover
+
+log = logging.getLogger(__name__)
+
+#: First wait before re-dialling the controller; zmq doubles it up to `reconnect_max_s`.
+RECONNECT_FIRST_S: Final = 0.1
+
+
+# --- the decision (pure) ------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class Verdict:
+    """What the node makes of one verified assignment set."""
+
+    reason: wire.RejectReason | None
+    #: Why, for the Ack and the log: ids and numbers only.
+    detail: str = ""
+    #: Accepted as a lease renewal of the set already in force.
+    renewal: bool = False
+
+    @property
+    def accepted(self) -> bool:
+        return self.reason is None
+
+
+def judge(node_id: str, fence: Fence, offered: wire.AssignmentSet, now: float) -> Verdict:
+    """Check a verified set against this node's id, its fence and the clock. Pure.
+
+    Newer epoch: accepted whatever its generation. Same epoch: a higher generation replaces the
+    set; the same generation is only a lease renewal of identical assignments.
+    """
+    reject = wire.RejectReason
+    if offered.node_id != node_id:
+        return Verdict(reason=reject.WRONG_NODE, detail="the set is addressed to another node")
+    if offered.epoch < fence.epoch:
+        return Verdict(
+            reason=reject.STALE_EPOCH, detail=f"epoch {offered.epoch} is older than the accepted epoch {fence.epoch}"
+        )
+    renewal = False
+    if offered.epoch == fence.epoch and fence.accepted_any:
+        if offered.generation < fence.generation:
+            return Verdict(
+                reason=reject.STALE_GENERATION,
+                detail=f"generation {offered.generation} is older than the accepted generation {fence.generation}",
+            )
+        if offered.generation == fence.generation:
+            if offered.assignments != fence.assignments:
+                return Verdict(
+                    reason=reject.STALE_GENERATION,
+                    detail=f"generation {offered.generation} is already accepted with other assignments",
+                )
+            renewal = True
+    if not offered.lease_expires_at > now:
+        ago = now - offered.lease_expires_at
+        return Verdict(reason=reject.LEASE_EXPIRED, detail=f"the lease expired {ago:.3f} s ago")
+    return Verdict(reason=None, renewal=renewal)
+
+
+def channel_endpoint(endpoint: str, source_address: str) -> str:
+    """The endpoint to dial: with a source address, zmq's `tcp://SRC:0;HOST:PORT` form."""
+    if not source_address:
+        return endpoint
+    scheme, sep, rest = endpoint.partition("://")
+    if scheme != "tcp" or not sep:
+        raise ConfigError("source_address needs a tcp:// channel endpoint")
+    try:
+        source = ipaddress.ip_address(source_address)
+    except ValueError:
+        raise ConfigError(f"source_address {source_address!r} is not an IP address") from None
+    src = f"[{source}]" if source.version == 6 else str(source)
+    return f"tcp://{src}:0;{rest}"
+
+
+# --- the agent ----------------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class AgentStatistics:
+    """A snapshot of the agent's counters and fence (trio's `statistics()` convention)."""
+
+    node_id: str
+    epoch: int
+    generation: int
+    lease_expires_at: float
+    assignments: int
+    last_seq: int
+    heartbeats_sent: int
+    #: Beats not queued because the previous message had not left yet (no connection).
+    heartbeats_skipped: int
+    sets_accepted: int
+    leases_renewed: int
+    #: Refused assignment sets by reason; every reason is present.
+    rejected: Mapping[wire.RejectReason, int]
+    #: Messages whose controller signature did not verify (never judged, never answered).
+    bad_signatures: int
+    #: Signed messages that did not fit their contract.
+    invalid_messages: int
+    #: Accepted sets the node could not store (answered with a refusal).
+    store_failures: int
+    lease_lapsed: bool
+    draining: bool
+
+
+@attrs.frozen(kw_only=True)
+class NodeStarted:
+    """What `serve_node` reports once the channel is dialling and the hello is queued."""
+
+    node_id: str
+    epoch: int
+    generation: int
+    agent: Agent
+
+
+class Agent:
+    """The node's protocol state: sequence numbers, the accepted fence, assignment states."""
+
+    def __init__(
+        self,
+        *,
+        identity: NodeIdentity,
+        fence: Fence,
+        state_dir: Path,
+        uplink: Uplink,
+        inventory: InventoryWatcher,
+        heartbeat_interval_s: float,
+        on_lease_expiry: LeaseExpiryPolicy,
+    ) -> None:
+        self._node_id = identity.node_id
+        self._fence = fence
+        self._state_dir = state_dir
+        self._uplink = uplink
+        self._inventory = inventory
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._on_lease_expiry = on_lease_expiry
+        self._states = {a.id: wire.RuntimeState.PENDING for a in fence.assignments}
+        self._fence_changed = trio.Event()
+        # Sequence numbers and enqueueing happen under one lock, so messages leave in seq order.
+        self._send_lock = trio.Lock()
+        self._seq = 0
+        self._lease_lapsed = False
+        self._draining = False
+        self._rejected: collections.Counter[wire.RejectReason] = collections.Counter()
+        self._heartbeats_sent = self._heartbeats_skipped = 0
+        self._sets_accepted = self._leases_renewed = 0
+        self._bad_signatures = self._invalid_messages = self._store_failures = 0
+
+    @property
+    def fence(self) -> Fence:
+        return self._fence
+
+    def statistics(self) -> AgentStatistics:
+        return AgentStatistics(
+            node_id=self._node_id,
+            epoch=self._fence.epoch,
+            generation=self._fence.generation,
+            lease_expires_at=self._fence.lease_expires_at,
+            assignments=len(self._fence.assignments),
+            last_seq=self._seq,
+            heartbeats_sent=self._heartbeats_sent,
+            heartbeats_skipped=self._heartbeats_skipped,
+            sets_accepted=self._sets_accepted,
+            leases_renewed=self._leases_renewed,
+            rejected=types.MappingProxyType({reason: self._rejected[reason] for reason in wire.RejectReason}),
+            bad_signatures=self._bad_signatures,
+            invalid_messages=self._invalid_messages,
+            store_failures=self._store_failures,
+            lease_lapsed=self._lease_lapsed,
+            draining=self._draining,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        """Queue the hello, report started, then beat, answer and watch the lease until cancelled."""
+        fence = self._fence
+        await self._send(
+            lambda seq, ts: wire.Hello(
+                node_id=self._node_id,
+                seq=seq,
+                ts=ts,
+                agent_version=__version__,
+                epoch=fence.epoch,
+                generation=fence.generation,
+            )
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._beat)
+            nursery.start_soon(self._receive)
+            nursery.start_soon(self._watch_lease)
+            task_status.started()
+        raise AssertionError("the agent's loops never return")  # pragma: no cover
+
+    # --- sending
+
+    def _next_seq(self) -> int:
+        # Microseconds of wall-clock time, so a restarted agent continues above its last run;
+        # never below last + 1, so a clock step backwards cannot repeat a number.
+        self._seq = max(time.time_ns() // 1000, self._seq + 1)
+        return self._seq
+
+    async def _send(self, build: Callable[[int, float], wire.NodeMessage]) -> None:
+        async with self._send_lock:
+            await self._uplink.send(build(self._next_seq(), time.time()))
+
+    # --- heartbeats
+
+    async def _beat(self) -> NoReturn:
+        next_at = trio.current_time()
+        while True:
+            await self._heartbeat_once()
+            next_at += self._heartbeat_interval_s
+            if next_at < trio.current_time():  # fell behind (a slow send): do not burst to catch up
+                next_at = trio.current_time() + self._heartbeat_interval_s
+            await trio.sleep_until(next_at)
+
+    async def _heartbeat_once(self) -> None:
+        if self._uplink.statistics().outbox_depth > 0:
+            # The previous message has not left: there is no connection. Queueing more beats
+            # would only deliver stale ones in a burst when it comes back.
+            self._heartbeats_skipped += 1
+            return
+        await self._send(self._heartbeat)
+        self._heartbeats_sent += 1
+
+    def _heartbeat(self, seq: int, ts: float) -> wire.Heartbeat:
+        inventory = self._inventory.current()
+        fence = self._fence
+        # Tells the controller why nothing changed (keep_serving) or why everything stopped.
+        detail = f"lease lapsed ({self._on_lease_expiry})" if self._lease_lapsed else ""
+        return wire.Heartbeat(
+            node_id=self._node_id,
+            seq=seq,
+            ts=ts,
+            inventory=inventory,
+            free_memory_bytes=inventory.memory_available_bytes,
+            # Every GPU is free until the supervisor places runtimes on them.
+            free_accelerators=len(inventory.gpus),
+            assignments=[
+                wire.AssignmentStatus(
+                    assignment_id=a.id, state=self._states.get(a.id, wire.RuntimeState.PENDING), detail=detail
+                )
+                for a in fence.assignments
+            ],
+            epoch=fence.epoch,
+            generation=fence.generation,
+        )
+
+    # --- what the controller sends
+
+    async def _receive(self) -> NoReturn:
+        while True:
+            try:
+                msg = await self._uplink.receive()
+            except BadSignature:
+                # Not from our controller: never judged, never answered (the uplink logged it).
+                self._bad_signatures += 1
+                continue
+            except ContractError:
+                self._invalid_messages += 1
+                continue
+            if isinstance(msg, wire.AssignmentSet):
+                await self._on_assignments(msg)
+            elif isinstance(msg, wire.Drain):
+                self._on_drain(msg)
+            else:
+                log.debug("cancel for request %s: no inference relay runs on this node yet", msg.request_id)
+
+    async def _on_assignments(self, offered: wire.AssignmentSet) -> None:
+        verdict = judge(self._node_id, self._fence, offered, time.time())
+        accepted = verdict.accepted
+        detail = verdict.detail
+        if verdict.reason is not None:
+            self._rejected[verdict.reason] += 1
+            log.warning(
+                "refused assignment set (epoch %d, generation %d): %s: %s",
+                offered.epoch,
+                offered.generation,
+                verdict.reason,
+                detail,
+            )
+        else:
+            new = Fence(
+                epoch=offered.epoch,
+                generation=offered.generation,
+                lease_expires_at=offered.lease_expires_at,
+                assignments=list(offered.assignments),
+            )
+            try:
+                # On disk before the ack: a crash after acking must not forget what was accepted.
+                await trio.to_thread.run_sync(save_fence, self._state_dir, new)
+            except ConfigError:
+                self._store_failures += 1
+                accepted, detail = False, "the node could not store the assignment set"
+                log.exception("could not store the assignment set (epoch %d, generation %d)", new.epoch, new.generation)
+            else:
+                self._install(new, renewal=verdict.renewal)
+        await self._send(
+            lambda seq, ts: wire.Ack(
+                node_id=self._node_id,
+                seq=seq,
+                ts=ts,
+                epoch=offered.epoch,
+                generation=offered.generation,
+                accepted=accepted,
+                reason=verdict.reason,
+                detail=detail,
+            )
+        )
+
+    def _install(self, new: Fence, *, renewal: bool) -> None:
+        if renewal:
+            self._leases_renewed += 1
+            log.debug("assignment lease renewed (epoch %d, generation %d)", new.epoch, new.generation)
+        else:
+            self._sets_accepted += 1
+            log.info(
+                "accepted assignment set (epoch %d, generation %d): %d assignments",
+                new.epoch,
+                new.generation,
+                len(new.assignments),
+            )
+        if not renewal or self._lease_lapsed:
+            # A new set, or a renewal after the lease lapsed: everything is to be (re)started.
+            self._states = {a.id: wire.RuntimeState.PENDING for a in new.assignments}
+        if self._lease_lapsed:
+            log.info("assignment lease in force again (epoch %d, generation %d)", new.epoch, new.generation)
+        self._lease_lapsed = False
+        self._fence = new
+        self._fence_changed.set()
+        self._fence_changed = trio.Event()
+
+    def _on_drain(self, msg: wire.Drain) -> None:
+        if msg.node_id != self._node_id or msg.epoch < self._fence.epoch:
+            log.warning("ignored a drain request that is for another node or an older epoch (epoch %d)", msg.epoch)
+            return
+        if not self._draining:
+            # The supervisor will stop taking new work; for now the state is recorded and reported.
+            log.info("draining at the controller's request (reason: %r)", msg.reason)
+        self._draining = True
+
+    # --- the lease
+
+    async def _watch_lease(self) -> NoReturn:
+        # A lease is a deadline: sleep until it passes or the fence changes (renewal, new set).
+        while True:
+            fence, changed = self._fence, self._fence_changed
+            if not fence.accepted_any or self._lease_lapsed:
+                await changed.wait()
+                continue
+            # Wall-clock expiry mapped onto trio's clock; re-checked against the wall clock below.
+            with trio.move_on_after(max(0.0, fence.lease_expires_at - time.time())):
+                await changed.wait()
+                continue
+            if self._fence is fence and time.time() >= fence.lease_expires_at:
+                self.on_lease_lapsed()
+
+    def on_lease_lapsed(self) -> None:
+        """The accepted set's lease passed without renewal: apply `on_lease_expiry`, once.
+
+        keep_serving changes nothing but the logged state; stop marks every assignment stopped
+        (the supervisor acts on the states reported in heartbeats).
+        """
+        self._lease_lapsed = True
+        fence = self._fence
+        if self._on_lease_expiry is LeaseExpiryPolicy.STOP:
+            self._states = {a.id: wire.RuntimeState.STOPPED for a in fence.assignments}
+            action = "stopping"
+        else:
+            action = "keep serving"
+        log.warning(
+            "assignment lease (epoch %d, generation %d) lapsed without renewal; %s its %d assignments "
+            "(on_lease_expiry = %s)",
+            fence.epoch,
+            fence.generation,
+            action,
+            len(fence.assignments),
+            self._on_lease_expiry,
+        )
+
+
+# --- composition root ---------------------------------------------------------------------------
+
+
+def _load_state(state_dir: Path) -> tuple[NodeIdentity, Fence]:
+    return load_identity(state_dir), load_fence(state_dir)
+
+
+async def serve_node(
+    cfg: NodeConfig,
+    *,
+    stopping: trio.Event,
+    task_status: trio.TaskStatus[NodeStarted] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the node agent until `stopping` is set.
+
+    Supports the nursery start protocol: `started = await nursery.start(partial(serve_node, cfg,
+    stopping=ev))`. Raises ConfigError before starting when the node is not enrolled, its files
+    are damaged or inventory.json is invalid.
+    """
+    state_dir = Path(cfg.state_dir)
+    identity, fence = await trio.to_thread.run_sync(_load_state, state_dir)
+    endpoint = channel_endpoint(identity.channel_endpoint, cfg.source_address)
+    watcher = InventoryWatcher(
+        cfg.inventory_path,
+        discover=partial(discover, cfg.nvidia_smi or None),
+        poll_interval_s=cfg.inventory_poll_interval_s,
+    )
+    uplink = Uplink(
+        endpoint,
+        curve=identity.curve,
+        server_curve_public=identity.controller_curve_public,
+        signing_key=identity.signing_key,
+        controller_key=identity.controller_signing_public,
+        reconnect_ivl_s=min(RECONNECT_FIRST_S, cfg.reconnect_max_s),
+        reconnect_ivl_max_s=cfg.reconnect_max_s,
+    )
+    agent = Agent(
+        identity=identity,
+        fence=fence,
+        state_dir=state_dir,
+        uplink=uplink,
+        inventory=watcher,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        on_lease_expiry=cfg.on_lease_expiry,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(watcher.run)
+        await nursery.start(uplink.run)
+        await nursery.start(agent.run)
+        log.info("node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation)
+        task_status.started(
+            NodeStarted(node_id=identity.node_id, epoch=fence.epoch, generation=fence.generation, agent=agent)
+        )
+        await stopping.wait()
+        log.info("node agent stopping")
+        # The loops and the watcher stop; the uplink closes its socket as its task ends.
+        nursery.cancel_scope.cancel()

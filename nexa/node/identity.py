@@ -1,0 +1,262 @@
+"""The node's on-disk identity and fence in its state directory. Sync; the agent runs it in a thread.
+
+Files (every one written atomically: temp file, fsync, rename, fsync of the directory):
+
+* `node.key`         Ed25519 signing key (0600): signs heartbeats and acks
+* `curve.key/.pub`   Curve25519 key pair (0600/0644): the CurveZMQ channel identity
+* `enrollment.json`  node id, the controller's pinned keys and the channel endpoint (0600)
+* `fence.json`       the highest accepted (epoch, generation), its lease and assignments (0600)
+
+Private keys never leave this directory; only their public halves go into an EnrollRequest.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Final
+
+import attrs
+
+from nexa import messaging, security
+from nexa.contracts import codec, wire
+from nexa.contracts.api import EnrollRequest, EnrollResponse
+from nexa.errors import ConfigError, ContractError
+
+log = logging.getLogger(__name__)
+
+SIGNING_KEY_FILE: Final = "node.key"
+#: `curve.key` (secret) and `curve.pub` (public), as `messaging.save_curve_keypair` names them.
+CURVE_KEY_NAME: Final = "curve"
+ENROLLMENT_FILE: Final = "enrollment.json"
+FENCE_FILE: Final = "fence.json"
+
+NOT_ENROLLED: Final = "this node is not enrolled: run `nexa node enroll --controller URL --token TOKEN`"
+
+
+@attrs.frozen(kw_only=True)
+class EnrollmentRecord:
+    """What `enrollment.json` holds: the answer of the controller that enrolled this node."""
+
+    node_id: str
+    #: Ed25519 public key of the controller (base64 of the raw 32 bytes): verifies assignments.
+    controller_signing_public_key: str
+    #: Curve25519 public key of the controller's channel (Z85).
+    controller_curve_public_key: str
+    channel_endpoint: str
+    labels: dict[str, str] = attrs.field(factory=dict)
+    enrolled_at: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class NodeIdentity:
+    """Everything the agent needs to open its channel and check its controller."""
+
+    node_id: str
+    signing_key: security.SigningKey
+    curve: messaging.CurveKeyPair
+    controller_signing_public: security.PublicKey
+    controller_curve_public: str
+    channel_endpoint: str
+
+
+@attrs.frozen(kw_only=True)
+class Fence:
+    """The newest assignment set this node accepted. (0, 0) with no assignments: none yet.
+
+    Kept on disk so that a restarted agent still refuses anything older than what it acted on.
+    """
+
+    epoch: int = 0
+    generation: int = 0
+    #: Wall-clock time (Unix seconds) after which the accepted set is no longer renewed.
+    lease_expires_at: float = 0.0
+    assignments: list[wire.Assignment] = attrs.field(factory=list)
+
+    @property
+    def accepted_any(self) -> bool:
+        return (self.epoch, self.generation) != (0, 0)
+
+
+# --- keys and enrollment ------------------------------------------------------------------------
+
+
+def is_enrolled(state_dir: Path) -> bool:
+    return (state_dir / ENROLLMENT_FILE).exists()
+
+
+def create_keys(state_dir: Path) -> tuple[security.SigningKey, messaging.CurveKeyPair]:
+    """Generate and store a new signing key and Curve key pair.
+
+    Refuses (ConfigError) when the node is enrolled: its keys are what the controller knows it
+    by. Keys left over from an enrollment that never completed are replaced.
+    """
+    _ensure_dir(state_dir)
+    _refuse_if_enrolled(state_dir)
+    signing_key = security.generate_signing_key()
+    curve = messaging.generate_curve_keypair()
+    security.save_signing_key(signing_key, state_dir / SIGNING_KEY_FILE, overwrite=True)
+    messaging.save_curve_keypair(curve, state_dir, name=CURVE_KEY_NAME, overwrite=True)
+    return signing_key, curve
+
+
+def _refuse_if_enrolled(state_dir: Path) -> None:
+    if is_enrolled(state_dir):
+        raise ConfigError(
+            f"this node is already enrolled (state directory {state_dir}); refusing to replace its keys. "
+            "To enroll it again, revoke it on the controller and remove the state directory first"
+        )
+
+
+def _load_keys(state_dir: Path) -> tuple[security.SigningKey, messaging.CurveKeyPair]:
+    return (
+        security.load_signing_key(state_dir / SIGNING_KEY_FILE),
+        messaging.load_curve_keypair(state_dir, name=CURVE_KEY_NAME),
+    )
+
+
+def enroll_request(state_dir: Path, token: str, hostname: str, agent_version: str) -> EnrollRequest:
+    """The body of `POST /api/v1/enroll`: the token and this node's public keys.
+
+    Keys already in `state_dir` (from an enrollment that did not complete) are reused; missing
+    ones are created. An enrolled node is refused, as in `create_keys`.
+    """
+    _refuse_if_enrolled(state_dir)
+    have_keys = (state_dir / SIGNING_KEY_FILE).exists() and (state_dir / f"{CURVE_KEY_NAME}.key").exists()
+    signing_key, curve = _load_keys(state_dir) if have_keys else create_keys(state_dir)
+    return EnrollRequest(
+        token=token,
+        hostname=hostname,
+        signing_public_key=signing_key.public.b64,
+        curve_public_key=curve.public,
+        agent_version=agent_version,
+    )
+
+
+def save_enrollment(state_dir: Path, resp: EnrollResponse) -> None:
+    """Pin the controller's keys and store the node id (mode 0600). Checks the keys parse first."""
+    try:
+        security.PublicKey.from_b64(resp.controller_signing_public_key)
+        messaging.check_curve_key(resp.controller_curve_public_key)
+    except ContractError as exc:
+        raise ConfigError(f"the controller's enrollment answer is unusable: {exc.message}") from None
+    record = EnrollmentRecord(
+        node_id=resp.node_id,
+        controller_signing_public_key=resp.controller_signing_public_key,
+        controller_curve_public_key=resp.controller_curve_public_key,
+        channel_endpoint=resp.channel_endpoint,
+        labels=dict(resp.labels),
+        enrolled_at=time.time(),
+    )
+    _ensure_dir(state_dir)
+    atomic_write(state_dir / ENROLLMENT_FILE, codec.dumps(codec.store, record).encode("utf-8"))
+    log.info("enrolled as node %s", resp.node_id)
+
+
+def load_enrollment(state_dir: Path) -> EnrollmentRecord:
+    """Read `enrollment.json`; ConfigError (with the `nexa node enroll` hint) when absent."""
+    raw = _read(state_dir / ENROLLMENT_FILE)
+    if raw is None:
+        raise ConfigError(NOT_ENROLLED)
+    try:
+        return codec.loads(codec.store, raw, EnrollmentRecord)
+    except ContractError as exc:
+        raise ConfigError(f"{state_dir / ENROLLMENT_FILE} is damaged: {exc.message}") from None
+
+
+def load_identity(state_dir: Path) -> NodeIdentity:
+    """The enrolled identity: keys, node id and the pinned controller keys. Raises ConfigError."""
+    record = load_enrollment(state_dir)
+    signing_key, curve = _load_keys(state_dir)
+    try:
+        controller_signing_public = security.PublicKey.from_b64(record.controller_signing_public_key)
+        controller_curve_public = messaging.check_curve_key(record.controller_curve_public_key)
+    except ContractError as exc:
+        raise ConfigError(f"{state_dir / ENROLLMENT_FILE} is damaged: {exc.message}") from None
+    return NodeIdentity(
+        node_id=record.node_id,
+        signing_key=signing_key,
+        curve=curve,
+        controller_signing_public=controller_signing_public,
+        controller_curve_public=controller_curve_public,
+        channel_endpoint=record.channel_endpoint,
+    )
+
+
+# --- the fence ----------------------------------------------------------------------------------
+
+
+def load_fence(state_dir: Path) -> Fence:
+    """The accepted fence, or the empty one if nothing was ever accepted.
+
+    A damaged file is a ConfigError, never "nothing accepted": that would let an older set in.
+    """
+    raw = _read(state_dir / FENCE_FILE)
+    if raw is None:
+        return Fence()
+    # The wire converter: the assignments are kept exactly as they were received and verified
+    # (their free-form `spec` needs the wire converter's pass-through for JSON values).
+    try:
+        return codec.loads(codec.wire, raw, Fence)
+    except ContractError as exc:
+        raise ConfigError(f"{state_dir / FENCE_FILE} is damaged: {exc.message}") from None
+
+
+def save_fence(state_dir: Path, fence: Fence) -> None:
+    """Store the fence durably: when this returns, a crash cannot lose it."""
+    atomic_write(state_dir / FENCE_FILE, codec.dumps(codec.wire, fence).encode("utf-8"))
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` (mode 0600): temp file, fsync, rename, fsync of the directory.
+
+    Readers see the old file or the new one, never a mix, and after a crash the new one is
+    there once this has returned.
+    """
+    directory = path.parent
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=f".{path.name}.", suffix=".tmp")  # mode 0600
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror}") from None
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        tmp.replace(path)
+        _fsync_dir(directory)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _ensure_dir(state_dir: Path) -> None:
+    try:
+        state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the state directory {state_dir}: {exc.strerror}") from None
