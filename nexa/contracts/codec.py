@@ -25,6 +25,9 @@ T = TypeVar("T")
 def _make() -> cattrs.Converter:
     conv = make_converter(forbid_extra_keys=True, omit_if_default=False)
     register_strict_hooks(conv)
+    # Free-form JSON fields (`dict[str, object]`) pass through as parsed. A predicate, not a
+    # class hook: a hook on `object` would match every class through singledispatch.
+    conv.register_structure_hook_func(lambda type_: type_ is object, lambda value, _: value)
     return conv
 
 
@@ -94,9 +97,6 @@ api: Final = _make()
 store: Final = _make()
 #: Southbound controller⇄node message bodies (`contracts/wire.py`).
 wire: Final = _make()
-# Free-form JSON fields on the wire (`dict[str, object]`) pass through as parsed. A predicate,
-# not a class hook: a hook on `object` would match every class through singledispatch.
-wire.register_structure_hook_func(lambda type_: type_ is object, lambda value, _: value)
 
 
 def describe(exc: BaseException) -> tuple[str, ...]:

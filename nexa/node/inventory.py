@@ -311,12 +311,13 @@ async def query_gpus(nvidia_smi: str) -> list[Gpu]:
             [nvidia_smi, *NVIDIA_SMI_ARGS], capture_stdout=True, capture_stderr=True, check=False
         )
     except OSError as exc:
-        raise Unavailable(f"cannot run {nvidia_smi}: {exc.strerror or exc}") from None
+        # Problems travel to the controller: name the tool, never the path it was found at.
+        raise Unavailable(f"cannot run nvidia-smi: {exc.strerror or type(exc).__name__}") from None
     if proc.returncode != 0:
         # nvidia-smi prints its failures ("couldn't communicate with the NVIDIA driver") on stdout.
         said = (proc.stderr or b"").decode(errors="replace").strip() or proc.stdout.decode(errors="replace").strip()
         detail = said.splitlines()[0][:_MAX_DETAIL] if said else "no output"
-        raise Unavailable(f"{nvidia_smi} exited with status {proc.returncode}: {detail}")
+        raise Unavailable(f"nvidia-smi exited with status {proc.returncode}: {detail}")
     return parse_nvidia_smi_csv(proc.stdout.decode(errors="replace"))
 
 
@@ -331,7 +332,7 @@ async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINF
         memory = parse_meminfo(await trio.Path(meminfo_path).read_text(encoding="utf-8"))
     except (OSError, Unavailable) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else exc.message
-        problems.append(f"memory: cannot read {meminfo_path}: {reason}")
+        problems.append(f"memory: cannot read meminfo: {reason}")
         memory = HostMemory(total_bytes=0, available_bytes=0)
     gpus: list[Gpu] = []
     executable = nvidia_smi if nvidia_smi is not None else shutil.which("nvidia-smi")
@@ -342,7 +343,7 @@ async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINF
             except Unavailable as exc:
                 problems.append(f"gpus: {exc.message}")
         if scope.cancelled_caught:
-            problems.append(f"gpus: {executable} did not answer within {NVIDIA_SMI_TIMEOUT_S:g} s")
+            problems.append(f"gpus: nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S:g} s")
     for problem in problems:
         # Callers decide how loudly to report (the watcher logs each new problem once).
         log.debug("inventory discovery: %s", problem)
