@@ -127,6 +127,8 @@ class ControllerProcess:
                 str(self.state_dir),
                 "--listen",
                 f"127.0.0.1:{self.port}",
+                "--channel",
+                f"tcp://127.0.0.1:{self.channel_port}",
                 *extra,
             ],
             stdout=subprocess.PIPE,
