@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", dest="enroll_config", default=None, help="node TOML config (for state_dir)")
     s.add_argument("--state-dir", dest="enroll_state_dir", help="overrides state_dir")
     s.set_defaults(handler=_cmd_node_enroll)
+    s = verbs.add_parser("inventory", help="print what this node would report: discovery merged with inventory.json")
+    s.add_argument("--config", dest="inv_config", default=None, help="node TOML config")
+    s.add_argument("--inventory", dest="inv_path", help="overrides inventory_path")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(handler=_cmd_node_inventory)
 
     _operator_commands(sub)
     return p
@@ -251,6 +256,33 @@ def _cmd_node_enroll(args: argparse.Namespace) -> int:
     identity.save_enrollment(state_dir, resp)
     print(f"enrolled as node {resp.node_id}; the channel is {resp.channel_endpoint}")
     print(f"start the agent with: nexa node --state-dir {state_dir}")
+    return EXIT_OK
+
+
+def _cmd_node_inventory(args: argparse.Namespace) -> int:
+    import trio
+
+    from nexa.contracts import codec
+    from nexa.node.inventory import probe
+
+    cfg = config.load(args.inv_config, config.NodeConfig) if args.inv_config else config.NodeConfig()
+    path = args.inv_path or cfg.inventory_path
+    inventory = trio.run(probe, path, cfg.nvidia_smi or None)
+    data = codec.store.unstructure(inventory)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"host         {inventory.hostname} ({inventory.arch}, {inventory.cpu_count} CPUs)")
+    print(f"memory       {_gib(inventory.memory_total_bytes)} (available {_gib(inventory.memory_available_bytes)})")
+    for gpu in inventory.gpus:
+        memory = "unified with the host" if gpu.unified_memory else _gib(gpu.memory_total_bytes)
+        print(f"gpu {gpu.index}        {gpu.name}, {memory}, {gpu.cdi_device}, driver {gpu.driver_version or '-'}")
+    print(f"accelerator  pool {_gib(inventory.accelerator_memory_bytes)}")
+    print(f"labels       {', '.join(f'{k}={v}' for k, v in sorted(inventory.labels.items())) or '-'}")
+    print(f"runtimes     {', '.join(inventory.runtimes) or '-'}")
+    print(f"data         {', '.join(inventory.data_classes) or '-'}")
+    for problem in inventory.problems:
+        print(f"problem      {problem}")
     return EXIT_OK
 
 
