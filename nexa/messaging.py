@@ -52,6 +52,10 @@ CURVE_KEY_CHARS: Final = 40
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 
 
+#: How long a pump waits before retrying a send that zmq refused right after POLLOUT.
+_SEND_RETRY_S: Final = 0.01
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -227,8 +231,13 @@ class ZmqPump:
                     with contextlib.suppress(trio.WouldBlock):
                         self._outgoing = self._outbox_rx.receive_nowait()
                 if self._outgoing is not None and (self._drop_unroutable or events & zmq.POLLOUT):
-                    self._send(self._outgoing)
-                    self._outgoing, progressed = None, True
+                    if self._send(self._outgoing):
+                        self._outgoing, progressed = None, True
+                    else:
+                        # POLLOUT said yes, then the peer went away (its handshake was refused,
+                        # or it disconnected): keep the message and look again shortly.
+                        await trio.sleep(_SEND_RETRY_S)
+                        continue
                 if progressed:
                     await trio.lowlevel.checkpoint()
                     continue
@@ -242,13 +251,14 @@ class ZmqPump:
             self._inbox_tx.close()
             self._outbox_rx.close()
 
-    def _send(self, frames: Frames) -> None:
+    def _send(self, frames: Frames) -> bool:
+        """Send now; False means "not now, keep it" (a DEALER whose connection just went away)."""
         try:
             self._sock.send_multipart(frames, zmq.NOBLOCK)
             self._sent += 1
         except zmq.Again:
             if not self._drop_unroutable:
-                raise  # POLLOUT said it would fit; anything else is a bug worth surfacing
+                return False
             self._dropped += 1
             log.warning("dropped a %d-frame message: the peer is not keeping up", len(frames))
         except zmq.ZMQError as exc:
@@ -256,6 +266,7 @@ class ZmqPump:
                 raise
             self._dropped += 1
             log.warning("dropped a %d-frame message: the peer is no longer connected", len(frames))
+        return True
 
 
 def _events(sock: _Socket) -> int:
@@ -434,6 +445,8 @@ class Link:
 
     async def receive_any(self) -> Inbound | Refused:
         """Like `receive`, but a rejected message comes back as `Refused` naming its channel's node."""
+        # A checkpoint first: when the link is being cancelled, callers see Cancelled, not ChannelClosed.
+        await trio.lowlevel.checkpoint()
         frames = await self._running().receive()
         try:
             node_id = frames[-1].get("User-Id")  # set by our ZAP handler, so by the Curve key
@@ -541,6 +554,7 @@ class Uplink:
 
     async def receive(self) -> wire.ControllerMessage:
         """The next message from the controller, verified against its pinned key."""
+        await trio.lowlevel.checkpoint()  # cancelled callers see Cancelled, not ChannelClosed
         frames = await self._running().receive()
         try:
             return decode_frames([f.bytes for f in frames], self._controller_key, wire.FROM_CONTROLLER)
