@@ -15,7 +15,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
@@ -150,8 +151,6 @@ def _control_config(args: argparse.Namespace) -> config.ControlConfig:
 
 
 def _cmd_control(args: argparse.Namespace) -> int:
-    import trio
-
     from nexa.control.service import ControlStarted, serve_control
     from nexa.telemetry import setup_logging
 
@@ -165,16 +164,27 @@ def _cmd_control(args: argparse.Namespace) -> int:
         print(f"nexa control {__version__} listening on {', '.join(started.urls)} (epoch {started.epoch})")
         sys.stdout.flush()
 
+    return _run_role(partial(serve_control, cfg), announce)
+
+
+def _run_role(serve: Callable[..., Awaitable[None]], announce: Callable[[Any], None]) -> int:
+    """Run a role's composition root under trio until SIGTERM/SIGINT, then let it drain.
+
+    `serve(stopping=event, task_status=...)` supports the nursery start protocol; what it reports
+    at start goes to `announce`. A second signal cancels everything at once.
+    """
+    import trio
+
     async def run() -> None:
         stopping = trio.Event()
         async with trio.open_nursery() as nursery:
 
-            async def serve(task_status: trio.TaskStatus[ControlStarted]) -> None:
-                await serve_control(cfg, stopping=stopping, task_status=task_status)
+            async def serve_then_stop(task_status: trio.TaskStatus[Any]) -> None:
+                await serve(stopping=stopping, task_status=task_status)
                 nursery.cancel_scope.cancel()  # drained and closed: stop the signal watcher too
 
             nursery.start_soon(_stop_on_signal, stopping, nursery.cancel_scope)
-            announce(await nursery.start(serve))
+            announce(await nursery.start(serve_then_stop))
 
     try:
         trio.run(run)
@@ -211,32 +221,20 @@ def _node_config(args: argparse.Namespace) -> config.NodeConfig:
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
-    import trio
-
-    from nexa.node.agent import serve_node
+    from nexa.node.agent import NodeStarted, serve_node
     from nexa.telemetry import setup_logging
 
     cfg = _node_config(args)
     setup_logging(cfg.log.level.value)
 
-    async def run() -> None:
-        stopping = trio.Event()
-        async with trio.open_nursery() as nursery:
+    def announce(started: NodeStarted) -> None:
+        print(
+            f"nexa node {__version__} running as node {started.node_id} "
+            f"(accepted epoch {started.epoch}, generation {started.generation})"
+        )
+        sys.stdout.flush()
 
-            async def serve(task_status: trio.TaskStatus[object]) -> None:
-                await serve_node(cfg, stopping=stopping, task_status=task_status)
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(_stop_on_signal, stopping, nursery.cancel_scope)
-            started = await nursery.start(serve)
-            print(f"nexa node {__version__} running: {started}")
-            sys.stdout.flush()
-
-    try:
-        trio.run(run)
-    except BaseExceptionGroup as group:
-        raise _single_nexa_error(group) from None
-    return EXIT_OK
+    return _run_role(partial(serve_node, cfg), announce)
 
 
 def _cmd_node_enroll(args: argparse.Namespace) -> int:

@@ -23,7 +23,6 @@ from nexa.contracts import codec
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
 from nexa.contracts.domain import (
     NAME_RE,
-    AuditDraft,
     AuditResult,
     EnrollmentToken,
     Node,
@@ -34,7 +33,7 @@ from nexa.contracts.domain import (
 from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem
 from nexa.contracts.wire import Ack, AssignmentStatus, DesiredAssignments, Heartbeat, Hello
 from nexa.control import store as st
-from nexa.control.registry import Actor, audit_draft
+from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.errors import Conflict, ContractError, NotFound
 from nexa.messaging import check_curve_key
 from nexa.security import PublicKey, ReplayWindow, hash_token, is_enrollment_token, new_enrollment_token
@@ -226,14 +225,7 @@ class Fleet:
                 labels={},
                 enrolled_at=time.time(),
             )
-            draft = AuditDraft(
-                actor_key_id=None,
-                actor_role=None,
-                action="node.enroll",
-                target=f"node/{node.id}",
-                prior_sha256=None,
-                next_sha256=None,
-            )
+            draft = audit_draft(SYSTEM, "node.enroll", f"node/{node.id}")
             node = await self._store.run(st.enroll_node, hash_token(req.token), time.time(), node, draft)
             desired = DesiredAssignments(node_id=node.id, generation=1)
             await self._store.run(st.save_desired, desired, None)
@@ -329,15 +321,7 @@ class Fleet:
 
     async def _transition(self, live: NodeLive, action: str, detail: str) -> None:
         log.info("node %s: %s", live.node.id, action, extra={"fields": {"node": live.node.id}})
-        draft = AuditDraft(
-            actor_key_id=None,
-            actor_role=None,
-            action=action,
-            target=f"node/{live.node.id}",
-            prior_sha256=None,
-            next_sha256=None,
-            detail=detail,
-        )
+        draft = audit_draft(SYSTEM, action, f"node/{live.node.id}", detail=detail)
         event = await self._store.run(st.record_audit, draft)
         self._metrics.audit_events.labels(event.result.value).inc()
         self._refresh_gauges()
@@ -358,30 +342,18 @@ class Fleet:
             return  # a lease renewal acknowledged again: nothing new to keep
         draft = None
         if reason is not None:
-            draft = AuditDraft(
-                actor_key_id=None,
-                actor_role=None,
-                action="assignments.rejected",
-                target=f"node/{live.node.id}",
-                prior_sha256=None,
-                next_sha256=None,
-                result=AuditResult.REJECTED,
-                detail=f"{reason.value}: epoch {ack.epoch} generation {ack.generation}",
+            detail = f"{reason.value}: epoch {ack.epoch} generation {ack.generation}"
+            draft = audit_draft(
+                SYSTEM, "assignments.rejected", f"node/{live.node.id}", result=AuditResult.REJECTED, detail=detail
             )
         await self._store.run(st.save_desired, live.desired, draft)
         if draft is not None:
             self._metrics.audit_events.labels(AuditResult.REJECTED.value).inc()
 
     async def record_refusal(self, node_id: str, code: str, detail: str) -> None:
-        draft = AuditDraft(
-            actor_key_id=None,
-            actor_role=None,
-            action="node.message.rejected",
-            target=f"node/{node_id}" if node_id else "node/(unknown)",
-            prior_sha256=None,
-            next_sha256=None,
-            result=AuditResult.REJECTED,
-            detail=f"{code}: {detail}"[:300],
+        target = f"node/{node_id}" if node_id else "node/(unknown)"
+        draft = audit_draft(
+            SYSTEM, "node.message.rejected", target, result=AuditResult.REJECTED, detail=f"{code}: {detail}"[:300]
         )
         event = await self._store.run(st.record_audit, draft)
         self._metrics.audit_events.labels(event.result.value).inc()

@@ -203,20 +203,21 @@ class Registry:
     # ---- audit ---------------------------------------------------------------------------------
 
     async def record_denied(self, actor: Actor, action: str, target: str, reason: str) -> AuditEvent:
-        draft = AuditDraft(
-            actor_key_id=actor.key_id,
-            actor_role=actor.role,
-            action=action,
-            target=target,
-            prior_sha256=None,
-            next_sha256=None,
-            result=AuditResult.DENIED,
-            detail=reason,
-        )
+        draft = audit_draft(actor, action, target, result=AuditResult.DENIED, detail=reason)
         return await self._audited(st.record_audit, draft)
 
 
-def audit_draft(actor: Actor, action: str, target: str, prior: object | None, after: object | None) -> AuditDraft:
+def audit_draft(
+    actor: Actor,
+    action: str,
+    target: str,
+    prior: object | None = None,
+    after: object | None = None,
+    *,
+    result: AuditResult = AuditResult.OK,
+    detail: str = "",
+) -> AuditDraft:
+    """The audit event a mutation (or refusal) writes; `prior`/`after` are digested, never stored."""
     return AuditDraft(
         actor_key_id=actor.key_id,
         actor_role=actor.role,
@@ -224,4 +225,6 @@ def audit_draft(actor: Actor, action: str, target: str, prior: object | None, af
         target=target,
         prior_sha256=codec.sha256_of(codec.store, prior),
         next_sha256=codec.sha256_of(codec.store, after),
+        result=result,
+        detail=detail,
     )
