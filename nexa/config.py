@@ -104,6 +104,50 @@ class LeaseExpiryPolicy(enum.StrEnum):
 
 
 @attrs.frozen(kw_only=True)
+class PodmanConfig:
+    """How the agent reaches podman and the OCI registry it pulls runtime images from."""
+
+    #: libpod REST API on a unix socket (rootful podman: /run/podman/podman.sock).
+    socket: str = "/run/podman/podman.sock"
+    #: Verify the registry's TLS certificate when pulling (turn off only for a loopback test registry).
+    registry_tls_verify: bool = True
+    #: Optional JSON file {"username": …, "password": …} for the registry; read at start, never logged.
+    registry_credentials_file: str = ""
+    #: Leave runtime containers running when the agent stops (they are adopted on its next start).
+    leave_running_on_exit: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ArtifactsConfig:
+    """Where model artifacts come from (an S3-compatible store) and where they are cached."""
+
+    #: Empty means `<state_dir>/artifacts`.
+    cache_dir: str = ""
+    #: Least-recently-used artifacts are evicted above this size (ones in use are kept).
+    cache_max_bytes: Bytes = Bytes(500 * 1024**3)
+    #: e.g. https://s3.internal:8333; path-style requests.
+    s3_endpoint: str = ""
+    s3_region: str = "us-east-1"
+    #: JSON file {"access_key_id": …, "secret_access_key": …}; read at start, never logged.
+    s3_credentials_file: str = ""
+    s3_tls_verify: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class SupervisorConfig:
+    """Runtime supervision: probes, restarts, crash loops."""
+
+    #: First wait before restarting a crashed runtime; doubles up to the maximum.
+    restart_backoff_initial_s: Seconds = Seconds(1.0)
+    restart_backoff_max_s: Seconds = Seconds(60.0)
+    #: This many crashes within `crash_loop_window_s` is reported as a crash loop.
+    crash_loop_restarts: int = 5
+    crash_loop_window_s: Seconds = Seconds(300.0)
+    #: How often desired and actual containers are compared even without a change.
+    reconcile_interval_s: Seconds = Seconds(5.0)
+
+
+@attrs.frozen(kw_only=True)
 class NodeConfig:
     """Everything `nexa node` reads (`/etc/nexa/node.toml`)."""
 
@@ -120,6 +164,9 @@ class NodeConfig:
     on_lease_expiry: LeaseExpiryPolicy = LeaseExpiryPolicy.KEEP_SERVING
     #: Longest wait between reconnection attempts to the controller.
     reconnect_max_s: Seconds = Seconds(5.0)
+    podman: PodmanConfig = PodmanConfig()
+    artifacts: ArtifactsConfig = ArtifactsConfig()
+    supervisor: SupervisorConfig = SupervisorConfig()
     log: LogConfig = LogConfig()
 
 

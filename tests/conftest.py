@@ -24,7 +24,8 @@ import pytest
 import trio
 
 from nexa.config import ChannelConfig, ControlConfig, HostPort, HttpConfig, NodesConfig
-from nexa.contracts.node import DiscoveredHost, InventoryFile, NodeInventory
+from nexa.contracts.node import DiscoveredHost, InventoryFile, NodeInventory, RuntimeKind
+from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.control.service import serve_control
 from nexa.node.inventory import merge, parse_meminfo, parse_nvidia_smi_csv
 
@@ -183,3 +184,20 @@ def controller_process(tmp_path: Path) -> Iterator[ControllerProcess]:
         yield cp
     finally:
         cp.kill()
+
+
+def sample_runtime(port: int = 18300, digest: str = "0" * 64) -> RuntimeSpec:
+    """A realistic llama.cpp runtime spec (image pinned by digest, artifact by sha256)."""
+    return RuntimeSpec(
+        kind=RuntimeKind.LLAMACPP,
+        image=f"127.0.0.1:5000/nexa/llamacpp@sha256:{digest}",
+        command=["python3", "-m", "llama_cpp.server", "--model", "/models/model", "--port", str(port)],
+        port=port,
+        artifact=ArtifactRef(uri="s3://models/tiny.gguf", sha256="1" * 64, size_bytes=9_000_000),
+        gpus=["nvidia.com/gpu=0"],
+        memory_bytes=2 << 30,
+        cpus=2.0,
+        health=HealthProbe(
+            command=["python3", "-c", f"import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/v1/models')"]
+        ),
+    )

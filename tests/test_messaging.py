@@ -31,7 +31,7 @@ from nexa.errors import (
     Unauthenticated,
     WrongNode,
 )
-from tests.conftest import gb10_inventory
+from tests.conftest import gb10_inventory, sample_runtime
 
 LOOPBACK = "tcp://127.0.0.1:*"
 TIMEOUT_S = 10
@@ -123,7 +123,7 @@ def assignment_set(node_id: str, generation: int) -> wire.AssignmentSet:
         epoch=1,
         generation=generation,
         lease_expires_at=time.time() + 30,
-        assignments=[wire.Assignment(id="a1", deployment="d1", spec={"image": "x@sha256:00", "args": ["-v"]})],
+        assignments=[wire.Assignment(id="a1", deployment="d1", runtime=sample_runtime())],
     )
 
 

@@ -5,8 +5,7 @@ On the wire each message is three frames, `[kind, body, signature]`: `kind` is t
 Ed25519 signature over `kind NUL body` (`nexa.security`). Every kind here is signed.
 
 Node → controller messages carry `seq` and `ts` for the receiver's replay window; controller
-→ node desired state is fenced by `(epoch, generation)` and a lease instead. The assignment
-spec is a placeholder the supervisor work will tighten.
+→ node desired state is fenced by `(epoch, generation)` and a lease instead.
 """
 
 from __future__ import annotations
@@ -17,19 +16,23 @@ from typing import ClassVar, Final
 import attrs
 
 from nexa.contracts.node import NodeInventory
+from nexa.contracts.runtime import RuntimeSpec
 
 #: Bumped when a change to these records is not backwards compatible.
 PROTOCOL_VERSION: Final = 1
 
 
 class RuntimeState(enum.StrEnum):
-    """What a node observes about one assignment's runtime."""
+    """What a node observes about one assignment's runtime (`Failed` carries a reason)."""
 
-    PENDING = "pending"
-    STARTING = "starting"
-    READY = "ready"
-    FAILED = "failed"
-    STOPPED = "stopped"
+    PENDING = "Pending"
+    PULLING = "Pulling"
+    FETCHING = "Fetching"
+    STARTING = "Starting"
+    READY = "Ready"
+    UNHEALTHY = "Unhealthy"
+    FAILED = "Failed"
+    STOPPED = "Stopped"
 
 
 class RejectReason(enum.StrEnum):
@@ -48,15 +51,19 @@ class AssignmentStatus:
     assignment_id: str
     state: RuntimeState
     detail: str = ""
+    #: Stable machine reason for `Failed` (e.g. `artifact_digest_mismatch`, `image_not_found`, `crash_loop`).
+    reason: str | None = None
+    #: Restarts after crashes since the assignment was accepted.
+    restarts: int = 0
 
 
 @attrs.frozen(kw_only=True)
 class Assignment:
-    """One unit of desired state for a node (placeholder: the spec is free-form for now)."""
+    """One unit of desired state for a node: a runtime replica of a deployment."""
 
     id: str
     deployment: str
-    spec: dict[str, object]
+    runtime: RuntimeSpec
 
 
 @attrs.frozen(kw_only=True)

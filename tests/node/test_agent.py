@@ -31,7 +31,7 @@ from nexa.node import agent as agent_module
 from nexa.node import identity
 from nexa.node.agent import Agent, NodeStarted, channel_endpoint, judge, serve_node
 from nexa.node.identity import Fence, load_fence
-from tests.conftest import Controller
+from tests.conftest import Controller, sample_runtime
 
 M = TypeVar("M", bound=wire.NodeMessage)
 
@@ -51,7 +51,7 @@ def write_inventory(path: Path, data: object) -> None:
 
 
 def assignment(aid: str = "a1") -> wire.Assignment:
-    return wire.Assignment(id=aid, deployment="d1", spec={"image": "vllm@sha256:00", "args": ["--port", "8000"]})
+    return wire.Assignment(id=aid, deployment="d1", runtime=sample_runtime())
 
 
 def aset(

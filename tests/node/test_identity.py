@@ -23,6 +23,7 @@ from nexa.node.identity import (
     save_enrollment,
     save_fence,
 )
+from tests.conftest import sample_runtime
 
 CONTROLLER_KEY = security.generate_signing_key()
 CONTROLLER_CURVE = messaging.generate_curve_keypair()
@@ -150,9 +151,7 @@ def fence(epoch: int = 2, generation: int = 5) -> Fence:
         epoch=epoch,
         generation=generation,
         lease_expires_at=1_700_000_060.5,
-        assignments=[
-            wire.Assignment(id="a1", deployment="d1", spec={"image": "vllm@sha256:00", "args": ["-v"], "gpus": 1})
-        ],
+        assignments=[wire.Assignment(id="a1", deployment="d1", runtime=sample_runtime())],
     )
 
 
