@@ -24,6 +24,13 @@ Our exception hierarchy:
   + StoreError                  the durable store failed
     - StateDirLocked            another process owns the state directory
   + RemoteError                 an error envelope returned by a nexa controller (CLI side)
+  + PodmanError                 podman refused or failed a request (node side)
+    - PodmanUnavailable         the podman socket does not answer
+    - ImageNotFound             the registry has no image with that digest
+    - ContainerNotFound
+  + ArtifactError               a model artifact could not be provided
+    - ArtifactUnavailable       the S3-compatible store refused or failed (retryable)
+    - ArtifactDigestMismatch    the bytes do not match the pinned sha256 or size
   + ChannelError                the node channel (ZeroMQ) failed: bind, socket or protocol
     - ChannelClosed             the link is not running, or has stopped
     - NotConnected              no open channel to that node right now; retryable
@@ -186,3 +193,33 @@ class NotConnected(ChannelError):
     def __init__(self, *, node_id: str) -> None:
         super().__init__(f"node {node_id} has no open channel")
         self.node_id = node_id
+
+
+class PodmanError(NexaError):
+    code = "podman_error"
+
+
+class PodmanUnavailable(PodmanError):
+    code = "podman_unavailable"
+    retryable = True
+
+
+class ImageNotFound(PodmanError):
+    code = "image_not_found"
+
+
+class ContainerNotFound(PodmanError, LookupError):
+    code = "container_not_found"
+
+
+class ArtifactError(NexaError):
+    code = "artifact_error"
+
+
+class ArtifactUnavailable(ArtifactError):
+    code = "artifact_unavailable"
+    retryable = True
+
+
+class ArtifactDigestMismatch(ArtifactError):
+    code = "artifact_digest_mismatch"

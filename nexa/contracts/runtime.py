@@ -107,3 +107,33 @@ class ContainerSpec:
     stop_timeout_s: float
     #: "host" (the runtime binds 127.0.0.1) or "none".
     network: str = "host"
+
+
+@attrs.frozen(kw_only=True)
+class ContainerState:
+    """What podman says about one container (from inspect, or from a listing)."""
+
+    id: str
+    name: str
+    #: The image reference it was created from (`repo@sha256:…` for ours).
+    image_name: str
+    #: The manifest digest podman resolved the image to (`sha256:…`), "" if unknown.
+    image_digest: str
+    labels: dict[str, str]
+    running: bool
+    #: podman's status word: created, running, exited, stopped, …
+    status: str
+    exit_code: int | None = None
+    #: Unix seconds, None if never started.
+    started_at: float | None = None
+    restart_count: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class PodmanEvent:
+    """One event from podman's event stream (container events only)."""
+
+    container_id: str
+    #: create, init, start, died, stop, remove, health_status, …
+    action: str
+    labels: dict[str, str] = attrs.field(factory=dict)
