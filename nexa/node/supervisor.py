@@ -1,0 +1,674 @@
+"""Runtime supervision: desired assignments against the node's nexa-labelled podman containers.
+
+One task, in its own cancel scope, per assignment drives Pending → Pulling → Fetching → Starting →
+Ready/Unhealthy, probes health itself, and restarts crashed runtimes with capped exponential
+backoff; a reconcile loop starts what is missing, replaces what changed and removes orphans.
+Expected failures become `Failed(reason)` states; programming errors propagate. Cancelling the
+supervisor (the agent stopping) leaves containers running for the next agent to adopt.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import logging
+import time
+import types
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Final, NoReturn, Protocol
+
+import attrs
+import trio
+
+from nexa import runtimes
+from nexa.config import SupervisorConfig
+from nexa.contracts import wire
+from nexa.contracts.runtime import (
+    LABEL_ASSIGNMENT,
+    LABEL_SPEC,
+    ArtifactRef,
+    ContainerSpec,
+    ContainerState,
+    HealthProbe,
+    RuntimeSpec,
+)
+from nexa.errors import (
+    ArtifactDigestMismatch,
+    ArtifactError,
+    ArtifactUnavailable,
+    ContainerNotFound,
+    ContractError,
+    ImageNotFound,
+    PodmanError,
+    PodmanUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+State = wire.RuntimeState
+
+#: Beyond a runtime's own stop timeout (after which podman kills it), time left for the stop call
+#: to return and for the remove; the whole removal is bounded by the sum.
+TEARDOWN_GRACE_S: Final = 10.0
+#: Stop timeout for orphans: their spec is unknown, so RuntimeSpec's default.
+ORPHAN_STOP_TIMEOUT_S: Final = 30.0
+#: Bound on one artifact-cache eviction after an assignment is removed.
+EVICT_TIMEOUT_S: Final = 60.0
+
+# Failures that another attempt soon will not fix (the registry or the store must change first):
+# retried at the maximum backoff rather than from the initial delay.
+_SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch)
+# Failures foreseen by the podman client and the artifact cache; other PodmanError/ArtifactError
+# instances are still handled, but logged with their traceback.
+_KNOWN_FAILURES: Final = (
+    ImageNotFound,
+    PodmanUnavailable,
+    ContainerNotFound,
+    ArtifactUnavailable,
+    ArtifactDigestMismatch,
+)
+
+
+class Podman(Protocol):
+    """The podman client the supervisor drives (`nexa.node.podman.PodmanClient`)."""
+
+    async def pull(self, image: str) -> None: ...
+    async def image_exists(self, image: str) -> bool: ...
+    async def create(self, spec: ContainerSpec) -> str: ...
+    async def start(self, container_id: str) -> None: ...
+    async def inspect(self, container_id: str) -> ContainerState: ...
+    async def healthcheck(self, container_id: str) -> bool: ...
+    async def stop(self, container_id: str, *, timeout_s: float) -> None: ...
+    async def remove(self, container_id: str, *, force: bool = False) -> None: ...
+    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]: ...
+
+
+class Artifacts(Protocol):
+    """The node's verified artifact cache (`nexa.node.artifacts.ArtifactCache`)."""
+
+    async def fetch(self, ref: ArtifactRef) -> Path: ...
+    def pin(self, sha256: str) -> None: ...
+    def unpin(self, sha256: str) -> None: ...
+    async def evict(self) -> int: ...
+
+
+@attrs.frozen(kw_only=True)
+class Backoff:
+    """Capped exponential delay as an immutable value: `next()` returns the following step."""
+
+    initial_s: float
+    max_s: float
+    attempt: int = 0
+
+    @property
+    def delay_s(self) -> float:
+        return min(self.initial_s * 2.0**self.attempt, self.max_s)
+
+    def next(self) -> Backoff:
+        if self.delay_s >= self.max_s:
+            return self  # capped: stop counting, so the exponent never overflows
+        return attrs.evolve(self, attempt=self.attempt + 1)
+
+
+@attrs.frozen(kw_only=True)
+class SupervisorStatistics:
+    """A snapshot of the supervisor (trio's `statistics()` convention)."""
+
+    generation: int
+    #: Assignments currently desired.
+    assignments: int
+    #: Desired assignments by observed state; every state is present.
+    states: Mapping[wire.RuntimeState, int]
+    #: Removed or replaced assignments whose containers are still being stopped.
+    stopping: int
+    created: int
+    adopted: int
+    restarts: int
+    pulls: int
+    probes_failed: int
+    #: Containers stopped and removed because their assignment was removed or replaced.
+    removed: int
+    orphans_removed: int
+    reconcile_passes: int
+
+
+class _Mismatch(Exception):
+    """Inspect shows a container that is not exactly the assigned one."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@attrs.frozen
+class _Desired:
+    assignment: wire.Assignment
+    generation: int
+    spec_sha256: str
+
+
+@attrs.define(eq=False)
+class _Worker:
+    """One assignment's task: what it knows of its container and what it reports."""
+
+    desired: _Desired
+    #: The worker this one replaces: its container must be gone before ours is created.
+    previous: _Worker | None
+    #: Delay between attempts after failed steps (pull, fetch, create, …); reset when Ready.
+    setup_backoff: Backoff
+    #: The restart delay reached by crashes that follow each other within the crash-loop window.
+    crash_backoff: Backoff
+    scope: trio.CancelScope | None = None
+    done: trio.Event = attrs.field(factory=trio.Event)
+    #: Set before the scope is cancelled when the assignment was removed or replaced: tear down.
+    removing: bool = False
+    container_id: str | None = None
+    #: When failing probes start to count (trio clock), for the container in `container_id`.
+    start_deadline: float = 0.0
+    image_ready: bool = False
+    artifact_path: Path | None = None
+    pinned: str | None = None
+    state: wire.RuntimeState = wire.RuntimeState.PENDING
+    reason: str | None = None
+    detail: str = ""
+    restarts: int = 0
+    crash_loop: bool = False
+    #: Crash times (trio clock) within the crash-loop window.
+    crashes: collections.deque[float] = attrs.field(factory=collections.deque)
+    #: The last problem logged, so a retried failure is logged once, not once per attempt.
+    logged_problem: tuple[wire.RuntimeState, str | None] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.desired.assignment.id
+
+    @property
+    def runtime(self) -> RuntimeSpec:
+        return self.desired.assignment.runtime
+
+    def status(self) -> wire.AssignmentStatus:
+        return wire.AssignmentStatus(
+            assignment_id=self.id, state=self.state, detail=self.detail, reason=self.reason, restarts=self.restarts
+        )
+
+
+class Supervisor:
+    """Keeps the node's runtime containers equal to its verified assignments, and reports their states.
+
+    The agent calls `update()` with every accepted assignment set (the first call, with the set
+    accepted before a restart, must come before orphans can be told apart: until then nothing is
+    removed), reads `statuses()` for its heartbeats, and runs `run()` in its nursery.
+    """
+
+    def __init__(self, cfg: SupervisorConfig, podman: Podman, artifacts: Artifacts, *, node_id: str) -> None:
+        self._cfg = cfg
+        self._podman = podman
+        self._artifacts = artifacts
+        self._node_id = node_id
+        self._generation = 0
+        self._desired: dict[str, _Desired] = {}
+        self._desired_known = False
+        self._changed = trio.Event()
+        self._workers: dict[str, _Worker] = {}
+        #: Removed or replaced workers still tearing down.
+        self._retiring: set[_Worker] = set()
+        #: The newest retiring worker of each assignment id (each one waits for its predecessor).
+        self._last_retired: dict[str, _Worker] = {}
+        self._orphans_removing: set[str] = set()
+        self._pins: collections.Counter[str] = collections.Counter()
+        self._list_failed = False
+        self._created = self._adopted = self._restarts = self._pulls = self._probes_failed = 0
+        self._removed = self._orphans_removed = self._passes = 0
+
+    # --- what the agent calls
+
+    def update(self, generation: int, assignments: Sequence[wire.Assignment]) -> None:
+        """Replace the desired set (a newly accepted assignment set) and wake the reconcile loop."""
+        self._generation = generation
+        previous = self._desired
+        desired: dict[str, _Desired] = {}
+        for a in assignments:
+            sha = runtimes.spec_sha256(a.runtime)
+            old = previous.get(a.id)
+            # An unchanged assignment keeps the generation its container was created at.
+            desired[a.id] = old if old is not None and old.spec_sha256 == sha else _Desired(a, generation, sha)
+        self._desired = desired
+        self._desired_known = True
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def statuses(self) -> list[wire.AssignmentStatus]:
+        """One status per desired assignment (in the assigned order), then `Stopped` for removed
+        assignments whose containers are still being stopped."""
+        out: list[wire.AssignmentStatus] = []
+        for aid, d in self._desired.items():
+            w = self._workers.get(aid)
+            if w is not None and w.desired is d:
+                out.append(w.status())
+            else:
+                # Not started yet, or its replacement not started yet.
+                out.append(wire.AssignmentStatus(assignment_id=aid, state=State.PENDING))
+        # Removed: its worker is about to be retired, or still tearing down (a chain of replaced
+        # workers may share one id).
+        gone = {w.id: w for w in [*self._retiring, *self._workers.values()] if w.id not in self._desired}
+        out.extend(
+            wire.AssignmentStatus(assignment_id=aid, state=State.STOPPED, detail="stopping", restarts=w.restarts)
+            for aid, w in gone.items()
+        )
+        return out
+
+    def statistics(self) -> SupervisorStatistics:
+        counts = collections.Counter(s.state for s in self.statuses() if s.assignment_id in self._desired)
+        return SupervisorStatistics(
+            generation=self._generation,
+            assignments=len(self._desired),
+            states=types.MappingProxyType({state: counts[state] for state in State}),
+            stopping=len(self._retiring),
+            created=self._created,
+            adopted=self._adopted,
+            restarts=self._restarts,
+            pulls=self._pulls,
+            probes_failed=self._probes_failed,
+            removed=self._removed,
+            orphans_removed=self._orphans_removed,
+            reconcile_passes=self._passes,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        """Reconcile until cancelled. The first pass lists this node's containers (to adopt what
+        still matches) and starts one task per assignment before `started()`."""
+        async with trio.open_nursery() as nursery:
+            started = False
+            while True:
+                # Taken before the pass: an update() during the pass makes the wait return at once.
+                changed = self._changed
+                await self._reconcile(nursery)
+                if not started:
+                    task_status.started()
+                    started = True
+                with trio.move_on_after(self._cfg.reconcile_interval_s):
+                    await changed.wait()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # --- reconciliation
+
+    async def _reconcile(self, nursery: trio.Nursery) -> None:
+        self._passes += 1
+        desired = self._desired
+        for aid, d in desired.items():
+            current = self._workers.get(aid)
+            if current is not None and current.desired.spec_sha256 == d.spec_sha256:
+                if current.desired is not d:
+                    current.desired = d  # same spec: nothing to do for the container
+                continue
+            if current is not None:
+                log.info("assignment %s changed; replacing its runtime", aid)
+                self._retire(current)
+            # Its container must be gone before ours is created (same name, same port): wait for
+            # the last worker of this id still tearing down, if any.
+            previous = self._last_retired.get(aid)
+            worker = _Worker(desired=d, previous=previous, setup_backoff=self._backoff(), crash_backoff=self._backoff())
+            self._workers[aid] = worker
+            worker.scope = await nursery.start(self._supervise, worker)
+        for aid in [aid for aid in self._workers if aid not in desired]:
+            log.info("assignment %s removed; stopping its runtime", aid)
+            self._retire(self._workers.pop(aid))
+        await self._remove_orphans(nursery)
+
+    def _retire(self, worker: _Worker) -> None:
+        self._set(worker, State.STOPPED, detail="stopping")
+        worker.removing = True
+        self._retiring.add(worker)
+        self._last_retired[worker.id] = worker
+        assert worker.scope is not None
+        worker.scope.cancel()
+
+    async def _remove_orphans(self, nursery: trio.Nursery) -> None:
+        if not self._desired_known:
+            return  # before the first update(), every container would look like an orphan
+        try:
+            actual = await self._podman.list({runtimes.LABEL_NODE: self._node_id})
+        except PodmanError as exc:
+            if not self._list_failed:
+                log.warning(
+                    "cannot list this node's containers: %s", exc, exc_info=not isinstance(exc, _KNOWN_FAILURES)
+                )
+            self._list_failed = True
+            return
+        self._list_failed = False
+        live = set(self._desired) | set(self._workers) | {w.id for w in self._retiring}
+        for state in actual:
+            if state.labels.get(LABEL_ASSIGNMENT) in live or state.id in self._orphans_removing:
+                continue
+            self._orphans_removing.add(state.id)
+            nursery.start_soon(self._remove_orphan, state)
+
+    async def _remove_orphan(self, state: ContainerState) -> None:
+        try:
+            log.info(
+                "removing container %s: no live assignment (was %s)", state.name, state.labels.get(LABEL_ASSIGNMENT)
+            )
+            await self._stop_and_remove(state.id, ORPHAN_STOP_TIMEOUT_S, running=state.running)
+            self._orphans_removed += 1
+        except PodmanError as exc:
+            log.warning("could not remove orphan container %s: %s", state.name, exc)
+        finally:
+            self._orphans_removing.discard(state.id)
+
+    async def _stop_and_remove(self, container_id: str, timeout_s: float, *, running: bool = True) -> None:
+        try:
+            if running:
+                await self._podman.stop(container_id, timeout_s=timeout_s)
+            # Forced only in case something restarted it since: the graceful stop has happened.
+            await self._podman.remove(container_id, force=True)
+        except ContainerNotFound:
+            pass
+
+    # --- one assignment
+
+    async def _supervise(self, worker: _Worker, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                task_status.started(scope)
+                await self._lifecycle(worker)
+        finally:
+            try:
+                if worker.removing:
+                    await self._teardown(worker)
+            finally:
+                self._retiring.discard(worker)
+                if self._last_retired.get(worker.id) is worker:
+                    del self._last_retired[worker.id]
+                worker.done.set()
+
+    async def _lifecycle(self, w: _Worker) -> NoReturn:
+        try:
+            runtimes.check_env(w.runtime.env)
+        except ContractError as exc:
+            # The spec is signed and cannot change without a replacement: never retried.
+            self._set(w, State.FAILED, reason="secret_in_env", detail=exc.message)
+            await trio.sleep_forever()
+        while True:
+            try:
+                container_id, start_deadline = await self._bring_up(w)
+                exited = await self._watch(w, container_id, start_deadline)
+            except _Mismatch as exc:
+                await self._discard_container(w)
+                self._set(w, State.FAILED, reason=exc.reason, detail=f"{exc.detail}; container removed")
+                await trio.sleep(self._cfg.restart_backoff_max_s)
+            except (PodmanError, ArtifactError) as exc:
+                await trio.sleep(self._on_failure(w, exc))
+            else:
+                await trio.sleep(self._on_exit(w, exited))
+                w.restarts += 1
+                self._restarts += 1
+
+    def _on_failure(self, w: _Worker, exc: PodmanError | ArtifactError) -> float:
+        """Report a failed step; the delay before trying again."""
+        if isinstance(exc, ImageNotFound):
+            w.image_ready = False
+        if isinstance(exc, ContainerNotFound):
+            w.container_id = None
+        if isinstance(exc, _SLOW_FAILURES):
+            delay: float = self._cfg.restart_backoff_max_s
+        else:
+            delay, w.setup_backoff = w.setup_backoff.delay_s, w.setup_backoff.next()
+        self._set(w, State.FAILED, reason=exc.code, detail=f"{exc.message}; retrying in {delay:g} s", exc=exc)
+        return delay
+
+    def _on_exit(self, w: _Worker, exited: ContainerState | None) -> float:
+        """Count a crash (the runtime exited, or its container vanished); the delay before restarting."""
+        cfg = self._cfg
+        now = trio.current_time()
+        crashes = w.crashes
+        while crashes and crashes[0] <= now - cfg.crash_loop_window_s:
+            crashes.popleft()
+        # The backoff grows while crashes follow each other within the window, and starts over after.
+        w.crash_backoff = w.crash_backoff.next() if crashes else self._backoff()
+        crashes.append(now)
+        w.crash_loop = len(crashes) >= cfg.crash_loop_restarts
+        delay: float = cfg.restart_backoff_max_s if w.crash_loop else w.crash_backoff.delay_s
+        if exited is None:
+            w.container_id = None
+            what = "its container disappeared"
+        else:
+            what = f"exited with code {exited.exit_code}"
+        if w.crash_loop:
+            detail = f"{len(crashes)} crashes in {cfg.crash_loop_window_s:g} s; {what}; restarting in {delay:g} s"
+            self._set(w, State.FAILED, reason="crash_loop", detail=detail)
+        else:
+            log.info("assignment %s: the runtime %s; restarting in %g s", w.id, what, delay)
+            self._set(w, State.STARTING, detail=f"{what}; restarting in {delay:g} s")
+        return delay
+
+    def _backoff(self) -> Backoff:
+        return Backoff(initial_s=self._cfg.restart_backoff_initial_s, max_s=self._cfg.restart_backoff_max_s)
+
+    async def _bring_up(self, w: _Worker) -> tuple[str, float]:
+        """Pull, fetch, then adopt or create and start the container; its id and the start-period end."""
+        runtime = w.runtime
+        if not w.image_ready:
+            if not await self._podman.image_exists(runtime.image):
+                self._set(w, State.PULLING)
+                await self._podman.pull(runtime.image)
+                self._pulls += 1
+            w.image_ready = True
+        if runtime.artifact is not None and w.artifact_path is None:
+            self._set(w, State.FETCHING)
+            path = await self._artifacts.fetch(runtime.artifact)
+            # Pinned in the same step as the fetch returns (no checkpoint between): evict() cannot
+            # take it away while the assignment lives.
+            self._pin(w, runtime.artifact.sha256)
+            w.artifact_path = path
+        if w.previous is not None:
+            self._set_starting(w, "waiting for the replaced runtime to stop")
+            await w.previous.done.wait()
+            w.previous = None
+        self._set_starting(w, "")
+        if w.container_id is not None:
+            # Ours already (a restart after a crash, or a retry after podman failed us).
+            try:
+                state = await self._podman.inspect(w.container_id)
+            except ContainerNotFound:
+                w.container_id = None
+            else:
+                if state.running:
+                    return w.container_id, w.start_deadline
+        if w.container_id is None:
+            found = await self._find_container(w)
+            if found is not None and found.running:
+                w.container_id = found.id
+                w.start_deadline = self._adopted_start_deadline(found, runtime.health)
+                self._adopted += 1
+                log.info("adopted running container %s for assignment %s", found.name, w.id)
+                return found.id, w.start_deadline
+            if found is not None:
+                w.container_id = found.id
+            else:
+                d = w.desired
+                spec = runtimes.container_spec(self._node_id, d.assignment, d.generation, w.artifact_path)
+                w.container_id = await self._podman.create(spec)
+                self._created += 1
+        await self._podman.start(w.container_id)
+        w.start_deadline = trio.current_time() + runtime.health.start_period_s
+        return w.container_id, w.start_deadline
+
+    async def _find_container(self, w: _Worker) -> ContainerState | None:
+        """This assignment's container with the current spec, if any; stale ones are removed."""
+        labels = {runtimes.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
+        found: ContainerState | None = None
+        for state in await self._podman.list(labels):
+            if found is None and state.labels.get(LABEL_SPEC) == w.desired.spec_sha256:
+                found = state
+            else:
+                # Left by an agent that stopped mid-replacement, or a spec changed while it was down.
+                log.info("removing stale container %s of assignment %s", state.name, w.id)
+                await self._stop_and_remove(state.id, w.runtime.stop_timeout_s, running=state.running)
+                self._removed += 1
+        return found
+
+    @staticmethod
+    def _adopted_start_deadline(state: ContainerState, probe: HealthProbe) -> float:
+        # What is left of the start period, from the container's own (wall-clock) start time.
+        if state.started_at is None:
+            return trio.current_time()
+        left = state.started_at + probe.start_period_s - time.time()
+        return trio.current_time() + max(0.0, left)
+
+    async def _watch(self, w: _Worker, container_id: str, start_deadline: float) -> ContainerState | None:
+        """Inspect and probe every `interval_s` until the container stops running; return its
+        last state (None if it disappeared). Raises _Mismatch when it is not the assigned one."""
+        probe = w.runtime.health
+        failures = 0
+        started = False  # the start period ends early at the first passing probe
+        next_at = trio.current_time()
+        while True:
+            try:
+                state = await self._podman.inspect(container_id)
+            except ContainerNotFound:
+                return None
+            if not state.running:
+                return state
+            self._check_identity(w, state)
+            if await self._probe(container_id, probe):
+                failures, started = 0, True
+                w.crash_loop = False
+                w.setup_backoff = self._backoff()
+                self._set(w, State.READY)
+            else:
+                self._probes_failed += 1
+                if started or trio.current_time() >= start_deadline:
+                    failures += 1
+                    if failures >= probe.retries:
+                        self._set(w, State.UNHEALTHY, detail=f"{failures} consecutive failed health probes")
+            next_at = max(next_at + probe.interval_s, trio.current_time())
+            await trio.sleep_until(next_at)
+
+    def _check_identity(self, w: _Worker, state: ContainerState) -> None:
+        image = w.runtime.image
+        if not runtimes.image_matches(state, image):
+            raise _Mismatch(
+                "digest_mismatch",
+                f"container runs {state.image_name} ({state.image_digest or 'digest unknown'}), "
+                f"assigned {runtimes.image_digest(image)}",
+            )
+        if state.labels.get(LABEL_ASSIGNMENT) != w.id or state.labels.get(LABEL_SPEC) != w.desired.spec_sha256:
+            raise _Mismatch("label_mismatch", "container labels do not name this assignment and spec")
+
+    async def _probe(self, container_id: str, probe: HealthProbe) -> bool:
+        with trio.move_on_after(probe.timeout_s):
+            try:
+                return await self._podman.healthcheck(container_id)
+            except PodmanError as exc:
+                # Counts as a failed probe; a vanished container shows at the next inspect.
+                log.debug("health probe of %s failed: %s", container_id, exc)
+                return False
+        return False
+
+    async def _discard_container(self, w: _Worker) -> None:
+        if w.container_id is None:
+            return
+        container_id, w.container_id = w.container_id, None
+        try:
+            await self._podman.remove(container_id, force=True)
+        except ContainerNotFound:
+            pass
+        except PodmanError as exc:
+            log.warning("could not remove container %s of assignment %s: %s", container_id, w.id, exc)
+
+    async def _teardown(self, w: _Worker) -> None:
+        """Stop gracefully, then remove, the removed (or replaced) assignment's container; release
+        its artifact. Shielded and bounded: it also runs while the supervisor is cancelled."""
+        stop_timeout_s = w.runtime.stop_timeout_s
+        with trio.move_on_after(stop_timeout_s + TEARDOWN_GRACE_S, shield=True) as scope:
+            if w.previous is not None:
+                await w.previous.done.wait()
+            try:
+                if w.container_id is not None:
+                    ids = [w.container_id]
+                else:
+                    labels = {runtimes.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
+                    mine = await self._podman.list(labels)
+                    ids = [s.id for s in mine if s.labels.get(LABEL_SPEC) == w.desired.spec_sha256]
+                for container_id in ids:
+                    await self._stop_and_remove(container_id, stop_timeout_s)
+                    self._removed += 1
+                    log.info("assignment %s: container %s stopped and removed", w.id, container_id)
+                w.container_id = None
+            except PodmanError as exc:
+                # Left behind, it is an orphan (or a stale container) for a later pass.
+                log.warning("could not stop and remove the runtime of assignment %s: %s", w.id, exc)
+        if scope.cancelled_caught:
+            log.warning("the runtime of assignment %s did not stop within %g s", w.id, stop_timeout_s)
+        if self._unpin(w):
+            with trio.move_on_after(EVICT_TIMEOUT_S, shield=True):
+                try:
+                    await self._artifacts.evict()
+                except ArtifactError as exc:
+                    log.warning("artifact cache eviction failed: %s", exc)
+
+    # --- artifacts are pinned once per sha256, however many assignments share them
+
+    def _pin(self, w: _Worker, sha256: str) -> None:
+        if self._pins[sha256] == 0:
+            self._artifacts.pin(sha256)
+        self._pins[sha256] += 1
+        w.pinned = sha256
+
+    def _unpin(self, w: _Worker) -> bool:
+        """Drop the worker's pin; True when the artifact is no longer pinned at all."""
+        sha256, w.pinned = w.pinned, None
+        if sha256 is None:
+            return False
+        self._pins[sha256] -= 1
+        if self._pins[sha256] > 0:
+            return False
+        del self._pins[sha256]
+        self._artifacts.unpin(sha256)
+        return True
+
+    # --- state
+
+    def _set_starting(self, w: _Worker, detail: str) -> None:
+        if w.crash_loop:
+            # Keep reporting the crash loop through the restart, until the runtime is Ready again.
+            w.detail = "restarting" + (f": {detail}" if detail else "")
+            return
+        self._set(w, State.STARTING, detail=detail)
+
+    def _set(
+        self,
+        w: _Worker,
+        state: wire.RuntimeState,
+        *,
+        reason: str | None = None,
+        detail: str = "",
+        exc: BaseException | None = None,
+    ) -> None:
+        """Record a state. A problem is logged once until the runtime is Ready again (retries
+        pass through the progress states without repeating it); progress is logged at debug."""
+        if w.removing:
+            return  # Stopped until torn down, whatever a last probe still reports
+        changed = (w.state, w.reason) != (state, reason)
+        w.state, w.reason, w.detail = state, reason, detail
+        if state in (State.FAILED, State.UNHEALTHY):
+            if w.logged_problem == (state, reason):
+                return
+            w.logged_problem = (state, reason)
+            unexpected = exc is not None and not isinstance(exc, _KNOWN_FAILURES)
+            log.warning(
+                "assignment %s: %s%s: %s",
+                w.id,
+                state,
+                f" ({reason})" if reason else "",
+                detail,
+                exc_info=exc if unexpected else None,
+            )
+        elif state in (State.READY, State.STOPPED):
+            if changed:
+                w.logged_problem = None
+                log.info("assignment %s: %s%s", w.id, state, f": {detail}" if detail else "")
+        elif changed:
+            log.debug("assignment %s: %s%s", w.id, state, f": {detail}" if detail else "")

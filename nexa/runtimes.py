@@ -1,0 +1,118 @@
+"""Runtime adapters: turn a verified assignment into the container spec podman creates. Pure.
+
+No trio and no I/O here: the node supervisor calls these functions, and runtime-kind adapters
+(vLLM flags, llama.cpp arguments, …) will extend this module. A container never receives a key,
+token or credential: environment variables with secret-looking names are refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+from nexa.contracts import codec, wire
+from nexa.contracts.runtime import (
+    LABEL_ASSIGNMENT,
+    LABEL_DEPLOYMENT,
+    LABEL_GENERATION,
+    LABEL_SPEC,
+    ContainerSpec,
+    ContainerState,
+    RuntimeSpec,
+)
+from nexa.errors import ContractError
+
+#: The node whose agent created the container: several agents may share one podman (tests, demos),
+#: and each adopts and removes only its own containers.
+LABEL_NODE: Final = "nexa.node"
+#: Every container the agent creates is named `nexa-<assignment id>`.
+NAME_PREFIX: Final = "nexa-"
+#: An environment variable whose name contains one of these (any case) is refused.
+SECRET_NAME_MARKERS: Final = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
+
+# podman accepts [a-zA-Z0-9][a-zA-Z0-9_.-]* as a container name.
+_NAME_OK: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_NAME_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def spec_sha256(runtime: RuntimeSpec) -> str:
+    """sha256 of the runtime spec's canonical JSON: equal specs, equal digests, whatever the key order."""
+    return hashlib.sha256(codec.dumps(codec.wire, runtime).encode()).hexdigest()
+
+
+def container_name(assignment_id: str) -> str:
+    """`nexa-<assignment id>`; an id podman would refuse is sanitised and suffixed with its digest,
+    so two different ids never share a name."""
+    if _NAME_OK.match(assignment_id):
+        return NAME_PREFIX + assignment_id
+    cleaned = _NAME_BAD_CHARS.sub("-", assignment_id).strip("-") or "x"
+    return f"{NAME_PREFIX}{cleaned}-{hashlib.sha256(assignment_id.encode()).hexdigest()[:12]}"
+
+
+def secret_env_names(env: Mapping[str, str]) -> list[str]:
+    """The variables whose names look like secrets, sorted."""
+    return sorted(name for name in env if any(marker in name.upper() for marker in SECRET_NAME_MARKERS))
+
+
+def check_env(env: Mapping[str, str]) -> None:
+    """Raise ContractError naming every variable that looks like a secret."""
+    names = secret_env_names(env)
+    if names:
+        raise ContractError(
+            "runtimes never receive keys, tokens or credentials; refused environment variable " + ", ".join(names),
+            problems=tuple(f"runtime.env.{name}: looks like a secret" for name in names),
+        )
+
+
+def container_spec(
+    node_id: str, assignment: wire.Assignment, generation: int, artifact_path: Path | None
+) -> ContainerSpec:
+    """What podman creates for `assignment`: the image by digest, the spec's command, env and
+    limits, its GPUs as CDI devices, the verified artifact mounted read-only, and the labels the
+    supervisor adopts and removes by. Raises ContractError when the env holds a secret-looking name.
+    """
+    runtime = assignment.runtime
+    check_env(runtime.env)
+    if (runtime.artifact is None) != (artifact_path is None):
+        # The supervisor fetches exactly the artifact the spec names: a mismatch is a bug.
+        raise ValueError("artifact_path must be given exactly when the runtime has an artifact")
+    ro_mounts: list[tuple[str, str]] = []
+    if runtime.artifact is not None and artifact_path is not None:
+        ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
+    return ContainerSpec(
+        name=container_name(assignment.id),
+        image=runtime.image,
+        command=list(runtime.command),
+        env=dict(runtime.env),
+        labels={
+            LABEL_NODE: node_id,
+            LABEL_ASSIGNMENT: assignment.id,
+            LABEL_DEPLOYMENT: assignment.deployment,
+            LABEL_GENERATION: str(generation),
+            LABEL_SPEC: spec_sha256(runtime),
+        },
+        memory_bytes=runtime.memory_bytes,
+        cpus=runtime.cpus,
+        pids_limit=runtime.pids_limit,
+        shm_bytes=runtime.shm_bytes,
+        devices=list(runtime.gpus),
+        ro_mounts=ro_mounts,
+        health=runtime.health,
+        stop_timeout_s=runtime.stop_timeout_s,
+    )
+
+
+def image_digest(image: str) -> str:
+    """The `sha256:<hex>` part of an image named by digest (`repo@sha256:<hex>`)."""
+    return image.rpartition("@")[2]
+
+
+def image_matches(state: ContainerState, image: str) -> bool:
+    """Whether inspect shows the container runs exactly the assigned digest. The podman client
+    reports `image_digest` from ImageDigest, or from the image's RepoDigests when they hold the
+    exact reference the container was created by; a name alone (or an unknown digest) is not proof.
+    """
+    return state.image_digest == image_digest(image)

@@ -1,0 +1,773 @@
+"""The supervisor against in-memory podman and artifact-cache fakes, in virtual time.
+
+Policy: every test runs under `autojump_clock` and asserts in virtual seconds; no threads and no
+real podman here (the podman client's own tests run the real one). The fakes implement the
+supervisor's `Podman` and `Artifacts` protocols and record every call that changes something.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import logging
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from nexa import runtimes
+from nexa.config import Seconds, SupervisorConfig
+from nexa.contracts import wire
+from nexa.contracts.runtime import (
+    LABEL_ASSIGNMENT,
+    LABEL_GENERATION,
+    LABEL_SPEC,
+    ArtifactRef,
+    ContainerSpec,
+    ContainerState,
+    HealthProbe,
+    RuntimeSpec,
+)
+from nexa.errors import ArtifactDigestMismatch, ContainerNotFound, ImageNotFound, PodmanError, PodmanUnavailable
+from nexa.node.supervisor import (
+    ORPHAN_STOP_TIMEOUT_S,
+    TEARDOWN_GRACE_S,
+    Artifacts,
+    Backoff,
+    Podman,
+    Supervisor,
+)
+from tests.conftest import sample_runtime
+
+NODE = "n1"
+S = wire.RuntimeState
+OTHER_DIGEST = "sha256:" + "f" * 64
+
+
+# --- fakes --------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class FakeContainer:
+    id: str
+    spec: ContainerSpec
+    running: bool = False
+    status: str = "created"
+    exit_code: int | None = None
+    started_at: float | None = None
+
+
+class FakePodman:
+    """podman in memory: a registry, local images, containers, and a log of mutating calls."""
+
+    def __init__(self, registry: set[str]) -> None:
+        self.registry = set(registry)
+        self.images: set[str] = set()
+        self.containers: dict[str, FakeContainer] = {}
+        self.calls: list[tuple[object, ...]] = []
+        #: Virtual time of every `start`.
+        self.start_times: list[float] = []
+        self.healthy = True
+        self.crash_on_start = False
+        #: (image_name, image_digest) that inspect reports instead of the truth.
+        self.reported_image: tuple[str, str] | None = None
+        self.unavailable = False
+        self.pull_gate: trio.Event | None = None
+        self.stop_delay_s = 0.0
+        self.broken_inspect: Exception | None = None
+        self._ids = itertools.count(1)
+
+    # helpers for tests
+
+    def add(self, spec: ContainerSpec, *, running: bool = True) -> FakeContainer:
+        c = FakeContainer(
+            id=f"c{next(self._ids)}", spec=spec, running=running, status="running" if running else "exited"
+        )
+        c.started_at = time.time() - 3600 if running else None
+        self.containers[c.id] = c
+        return c
+
+    def crash(self, container_id: str, code: int = 137) -> None:
+        c = self.containers[container_id]
+        c.running, c.status, c.exit_code = False, "exited", code
+
+    def mutations(self, *kinds: str) -> list[tuple[object, ...]]:
+        kinds = kinds or ("pull", "create", "start", "stop", "remove")
+        return [c for c in self.calls if c[0] in kinds]
+
+    def only(self) -> FakeContainer:
+        (c,) = self.containers.values()
+        return c
+
+    # the protocol
+
+    async def _enter(self) -> None:
+        await trio.lowlevel.checkpoint()
+        if self.unavailable:
+            raise PodmanUnavailable("podman socket does not answer")
+
+    def _get(self, ref: str) -> FakeContainer:
+        for c in self.containers.values():
+            if ref in (c.id, c.spec.name):
+                return c
+        raise ContainerNotFound(f"no container {ref}")
+
+    async def pull(self, image: str) -> None:
+        await self._enter()
+        if self.pull_gate is not None:
+            await self.pull_gate.wait()
+        self.calls.append(("pull", image))
+        if image not in self.registry:
+            raise ImageNotFound(f"the registry has no {image}")
+        self.images.add(image)
+
+    async def image_exists(self, image: str) -> bool:
+        await self._enter()
+        return image in self.images
+
+    async def create(self, spec: ContainerSpec) -> str:
+        await self._enter()
+        self.calls.append(("create", spec.name))
+        if spec.image not in self.images:
+            raise ImageNotFound(f"{spec.image}: image not known")
+        if any(c.spec.name == spec.name for c in self.containers.values()):
+            raise PodmanError(f"the container name {spec.name} is already in use")
+        return self.add(spec, running=False).id
+
+    async def start(self, container_id: str) -> None:
+        await self._enter()
+        self.calls.append(("start", container_id))
+        c = self._get(container_id)
+        self.start_times.append(trio.current_time())
+        c.started_at = time.time()
+        if self.crash_on_start:
+            c.running, c.status, c.exit_code = False, "exited", 1
+        else:
+            c.running, c.status, c.exit_code = True, "running", None
+
+    async def inspect(self, container_id: str) -> ContainerState:
+        await self._enter()
+        if self.broken_inspect is not None:
+            raise self.broken_inspect
+        c = self._get(container_id)
+        return self._state(c)
+
+    def _state(self, c: FakeContainer) -> ContainerState:
+        name, digest = self.reported_image or (c.spec.image, runtimes.image_digest(c.spec.image))
+        return ContainerState(
+            id=c.id,
+            name=c.spec.name,
+            image_name=name,
+            image_digest=digest,
+            labels=dict(c.spec.labels),
+            running=c.running,
+            status=c.status,
+            exit_code=c.exit_code,
+            started_at=c.started_at,
+        )
+
+    async def healthcheck(self, container_id: str) -> bool:
+        await self._enter()
+        return self._get(container_id).running and self.healthy
+
+    async def stop(self, container_id: str, *, timeout_s: float) -> None:
+        await self._enter()
+        self.calls.append(("stop", container_id, timeout_s))
+        c = self._get(container_id)
+        await trio.sleep(self.stop_delay_s)
+        c.running, c.status, c.exit_code = False, "exited", 0
+
+    async def remove(self, container_id: str, *, force: bool = False) -> None:
+        await self._enter()
+        self.calls.append(("remove", container_id, force))
+        c = self._get(container_id)
+        if c.running and not force:
+            raise PodmanError(f"container {container_id} is running")
+        del self.containers[c.id]
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]:
+        await self._enter()
+        want = dict(labels or {})
+        return [
+            self._state(c) for c in self.containers.values() if all(c.spec.labels.get(k) == v for k, v in want.items())
+        ]
+
+
+class FakeArtifacts:
+    """The artifact cache in memory: paths under a fake cache dir, and a log of calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+        self.mismatch: set[str] = set()
+        self.fetch_gate: trio.Event | None = None
+
+    async def fetch(self, ref: ArtifactRef) -> Path:
+        await trio.lowlevel.checkpoint()
+        if self.fetch_gate is not None:
+            await self.fetch_gate.wait()
+        self.calls.append(("fetch", ref.sha256))
+        if ref.sha256 in self.mismatch:
+            raise ArtifactDigestMismatch(f"{ref.uri} does not match sha256 {ref.sha256[:12]}…")
+        return Path("/var/cache/nexa/artifacts") / ref.sha256
+
+    def pin(self, sha256: str) -> None:
+        self.calls.append(("pin", sha256))
+
+    def unpin(self, sha256: str) -> None:
+        self.calls.append(("unpin", sha256))
+
+    async def evict(self) -> int:
+        await trio.lowlevel.checkpoint()
+        self.calls.append(("evict",))
+        return 0
+
+
+# The fakes fit the protocols the real classes must fit (checked by mypy on this module).
+_podman_fits: Callable[[FakePodman], Podman] = lambda p: p  # noqa: E731
+_artifacts_fit: Callable[[FakeArtifacts], Artifacts] = lambda a: a  # noqa: E731
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+PROBE = HealthProbe(command=["true"], interval_s=2.0, timeout_s=1.0, start_period_s=10.0, retries=2)
+CFG = SupervisorConfig(
+    restart_backoff_initial_s=Seconds(1.0),
+    restart_backoff_max_s=Seconds(60.0),
+    crash_loop_restarts=5,
+    crash_loop_window_s=Seconds(300.0),
+    reconcile_interval_s=Seconds(5.0),
+)
+
+
+def runtime(**changes: Any) -> RuntimeSpec:
+    return attrs.evolve(sample_runtime(), health=PROBE, **changes)
+
+
+IMAGE = runtime().image
+SHA = runtime().artifact.sha256  # type: ignore[union-attr]
+
+
+def assignment(aid: str = "a1", **changes: Any) -> wire.Assignment:
+    return wire.Assignment(id=aid, deployment="d1", runtime=runtime(**changes))
+
+
+def status(sup: Supervisor, aid: str = "a1") -> wire.AssignmentStatus:
+    (found,) = [s for s in sup.statuses() if s.assignment_id == aid]
+    return found
+
+
+async def start(
+    nursery: trio.Nursery,
+    podman: FakePodman,
+    artifacts: FakeArtifacts,
+    *assignments: wire.Assignment,
+    cfg: SupervisorConfig = CFG,
+) -> Supervisor:
+    sup = Supervisor(cfg, podman, artifacts, node_id=NODE)
+    sup.update(1, list(assignments))
+    await nursery.start(sup.run)
+    return sup
+
+
+async def wait_for(sup: Supervisor, state: wire.RuntimeState, reason: str | None = None, aid: str = "a1") -> float:
+    """Poll (in virtual time) until the assignment reaches `state`; the virtual time it did."""
+    with trio.fail_after(1000):
+        while True:
+            s = status(sup, aid)
+            if (s.state, s.reason) == (state, reason):
+                return trio.current_time()
+            await trio.sleep(0.05)
+
+
+@pytest.fixture
+def podman() -> FakePodman:
+    return FakePodman(registry={IMAGE})
+
+
+@pytest.fixture
+def artifacts() -> FakeArtifacts:
+    return FakeArtifacts()
+
+
+# --- the value objects --------------------------------------------------------------------------
+
+
+def test_backoff_doubles_up_to_its_cap() -> None:
+    b = Backoff(initial_s=1.0, max_s=60.0)
+    delays = []
+    for _ in range(10):
+        delays.append(b.delay_s)
+        b = b.next()
+    assert delays == [1, 2, 4, 8, 16, 32, 60, 60, 60, 60]
+    assert b.next() is b  # capped: no more state to change
+    assert Backoff(initial_s=1.0, max_s=60.0).delay_s == 1.0  # next() never changed the original
+
+
+# --- start, readiness, identity -----------------------------------------------------------------
+
+
+async def test_missing_runtime_is_pulled_fetched_started_and_ready_once_the_probe_passes(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.pull_gate, artifacts.fetch_gate, podman.healthy = trio.Event(), trio.Event(), False
+    sup = Supervisor(CFG, podman, artifacts, node_id=NODE)
+    sup.update(1, [assignment()])
+    assert sup.statuses() == [wire.AssignmentStatus(assignment_id="a1", state=S.PENDING)]
+    t0 = trio.current_time()
+    await nursery.start(sup.run)
+    await trio.testing.wait_all_tasks_blocked()
+    assert status(sup).state == S.PULLING
+    podman.pull_gate.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert status(sup).state == S.FETCHING
+    artifacts.fetch_gate.set()
+    await trio.testing.wait_all_tasks_blocked()
+    assert status(sup).state == S.STARTING
+    c = podman.only()
+    assert podman.mutations() == [("pull", IMAGE), ("create", "nexa-a1"), ("start", c.id)]
+    assert c.spec.labels[LABEL_ASSIGNMENT] == "a1"
+    assert c.spec.labels[LABEL_SPEC] == runtimes.spec_sha256(runtime())
+    assert c.spec.labels[runtimes.LABEL_NODE] == NODE
+    assert c.spec.ro_mounts == [(f"/var/cache/nexa/artifacts/{SHA}", "/models/model")]
+    # Running, right image, right labels, but the probe fails: not Ready (still in the start period).
+    await trio.sleep(8)
+    assert status(sup).state == S.STARTING
+    podman.healthy = True
+    ready_at = await wait_for(sup, S.READY)
+    assert ready_at - t0 <= 8 + PROBE.interval_s + 0.05
+    assert artifacts.calls == [("fetch", SHA), ("pin", SHA)]
+    assert sup.statuses() == [wire.AssignmentStatus(assignment_id="a1", state=S.READY)]
+
+
+async def test_a_present_image_is_not_pulled(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.images.add(IMAGE)
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    assert podman.mutations("pull") == []
+    assert sup.statistics().pulls == 0
+
+
+@pytest.mark.parametrize(
+    "reported",
+    [
+        pytest.param(("127.0.0.1:5000/nexa/other@" + OTHER_DIGEST, OTHER_DIGEST), id="substituted"),
+        pytest.param((IMAGE, OTHER_DIGEST), id="assigned-name-other-digest"),
+    ],
+)
+async def test_a_wrong_digest_in_inspect_fails_and_removes_the_container(
+    autojump_clock: trio.testing.MockClock,
+    nursery: trio.Nursery,
+    podman: FakePodman,
+    artifacts: FakeArtifacts,
+    reported: tuple[str, str],
+) -> None:
+    podman.reported_image = reported
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.FAILED, "digest_mismatch")
+    s = status(sup)
+    assert OTHER_DIGEST in s.detail
+    assert runtimes.image_digest(IMAGE) in s.detail
+    (created,) = podman.mutations("start")
+    assert podman.mutations("remove") == [("remove", created[1], True)]
+    assert podman.containers == {}
+    # It keeps failing the same way, slowly, and is never Ready.
+    for _ in range(40):
+        await trio.sleep(5)
+        assert status(sup).state != S.READY
+
+
+# --- crashes ------------------------------------------------------------------------------------
+
+
+async def test_crashed_runtime_restarts_with_capped_exponential_backoff(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.crash_on_start = True
+    cfg = attrs.evolve(CFG, restart_backoff_max_s=Seconds(8.0), crash_loop_restarts=1000)
+    sup = await start(nursery, podman, artifacts, assignment(), cfg=cfg)
+    await trio.sleep(100)
+    delays = [b - a for a, b in itertools.pairwise(podman.start_times)]
+    # Starts at 0, 1, 3, 7, 15, 23, …, 95 virtual seconds.
+    assert delays == [1, 2, 4] + [8] * 11
+    assert len(podman.mutations("create")) == 1  # restarts start the same container again
+    s = status(sup)
+    assert (s.state, s.reason, s.restarts) == (S.STARTING, None, 14)
+    assert "exited with code 1" in s.detail
+    assert sup.statistics().restarts == 14
+
+
+async def test_crash_loop_is_reported_and_retried_at_the_maximum_backoff(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.crash_on_start = True
+    cfg = attrs.evolve(
+        CFG, restart_backoff_max_s=Seconds(8.0), crash_loop_restarts=3, crash_loop_window_s=Seconds(60.0)
+    )
+    sup = await start(nursery, podman, artifacts, assignment(), cfg=cfg)
+    await trio.sleep(30)
+    delays = [b - a for a, b in itertools.pairwise(podman.start_times)]
+    # Crashes at 0 and 1 back off 1 s then 2 s; the third (at 3) is a crash loop: 8 s from then on.
+    assert delays == [1, 2, 8, 8, 8]
+    s = status(sup)
+    assert (s.state, s.reason, s.restarts) == (S.FAILED, "crash_loop", 5)
+    # Sticky through the restarts, until the runtime is Ready again.
+    podman.crash_on_start = False
+    ready_at = await wait_for(sup, S.READY)
+    assert ready_at <= podman.start_times[-1] + 0.05
+    assert status(sup).restarts == 6
+    # Long after the window, a new crash starts the backoff over.
+    await trio.sleep(120)
+    podman.crash(podman.only().id)
+    await trio.sleep(PROBE.interval_s)
+    s = status(sup)
+    assert (s.state, s.reason) == (S.STARTING, None)
+    assert s.detail == "exited with code 137; restarting in 1 s"
+
+
+async def test_a_vanished_container_is_recreated(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    podman.containers.clear()
+    await trio.sleep(PROBE.interval_s + CFG.restart_backoff_initial_s)
+    await wait_for(sup, S.READY)
+    assert len(podman.mutations("create")) == 2
+    assert status(sup).restarts == 1
+
+
+# --- adoption, replacement, orphans, removal ----------------------------------------------------
+
+
+async def test_a_restarted_agent_adopts_running_containers_without_restarting_them(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    async with trio.open_nursery() as first_agent:
+        sup1 = await start(first_agent, podman, artifacts, assignment())
+        await wait_for(sup1, S.READY)
+        first_agent.cancel_scope.cancel()
+    c = podman.only()
+    started_at = c.started_at
+    # Cancelling the supervisor (the agent stopping) leaves the runtime running.
+    assert c.running
+    assert podman.mutations("stop", "remove") == []
+    assert ("unpin", SHA) not in artifacts.calls
+    podman.calls.clear()
+
+    sup2 = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup2, S.READY)
+    assert podman.mutations() == []
+    assert podman.only().started_at == started_at
+    stats = sup2.statistics()
+    assert (stats.adopted, stats.created) == (1, 0)
+    assert artifacts.calls[-2:] == [("fetch", SHA), ("pin", SHA)]
+
+
+async def test_an_adopted_container_with_a_stale_spec_is_replaced(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.images.add(IMAGE)
+    old = podman.add(runtimes.container_spec(NODE, assignment(command=["old"]), 1, Path("/x")))
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    new = podman.only()
+    assert new.id != old.id
+    assert podman.mutations("stop", "remove") == [("stop", old.id, 30.0), ("remove", old.id, True)]
+
+
+async def test_a_changed_spec_replaces_the_container(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    old = podman.only()
+    podman.calls.clear()
+    sup.update(2, [assignment(command=["python3", "-m", "llama_cpp.server", "--n_ctx", "4096"])])
+    await trio.testing.wait_all_tasks_blocked()
+    await wait_for(sup, S.READY)
+    new = podman.only()
+    assert new.id != old.id
+    assert new.spec.command[-1] == "4096"
+    assert new.spec.labels[LABEL_GENERATION] == "2"
+    assert new.spec.labels[LABEL_SPEC] != old.spec.labels[LABEL_SPEC]
+    # Break before make: same name and port, so the old one is gone before the new one exists.
+    assert podman.mutations() == [
+        ("stop", old.id, 30.0),
+        ("remove", old.id, True),
+        ("create", "nexa-a1"),
+        ("start", new.id),
+    ]
+    # The same artifact stays pinned throughout: never unpinned, never evicted.
+    assert artifacts.calls.count(("pin", SHA)) == 1
+    assert ("unpin", SHA) not in artifacts.calls
+    # An unchanged set at a newer generation changes nothing.
+    podman.calls.clear()
+    sup.update(3, [assignment(command=["python3", "-m", "llama_cpp.server", "--n_ctx", "4096"])])
+    await trio.sleep(CFG.reconcile_interval_s * 2)
+    assert podman.mutations() == []
+
+
+async def test_orphans_are_removed_once_the_desired_set_is_known(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.images.add(IMAGE)
+    ghost = podman.add(runtimes.container_spec(NODE, assignment("ghost"), 1, Path("/x")))
+    other_node = podman.add(runtimes.container_spec("n2", assignment("b1"), 1, Path("/x")))
+    not_ours = podman.add(attrs.evolve(ghost.spec, name="postgres", labels={"app": "db"}))
+    sup = Supervisor(CFG, podman, artifacts, node_id=NODE)
+    await nursery.start(sup.run)
+    # Until the agent hands over the accepted set, a container cannot be told to be an orphan.
+    await trio.sleep(CFG.reconcile_interval_s * 3)
+    assert podman.mutations() == []
+    sup.update(1, [assignment()])
+    await wait_for(sup, S.READY)
+    assert ("stop", ghost.id, ORPHAN_STOP_TIMEOUT_S) in podman.calls
+    assert ("remove", ghost.id, True) in podman.calls
+    assert set(podman.containers) == {other_node.id, not_ours.id, podman.mutations("start")[0][1]}
+    assert sup.statistics().orphans_removed == 1
+
+
+async def test_a_removed_assignment_is_stopped_gracefully_then_removed_and_its_artifact_released(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment(stop_timeout_s=20.0))
+    await wait_for(sup, S.READY)
+    c = podman.only()
+    podman.calls.clear()
+    podman.stop_delay_s = 5.0  # the runtime drains for 5 s after SIGTERM
+    sup.update(2, [])
+    stopping = [wire.AssignmentStatus(assignment_id="a1", state=S.STOPPED, detail="stopping")]
+    assert sup.statuses() == stopping  # at once, before the reconcile loop has run
+    await trio.testing.wait_all_tasks_blocked()
+    assert sup.statuses() == stopping
+    assert podman.mutations() == [("stop", c.id, 20.0)]
+    assert sup.statistics().stopping == 1
+    await trio.sleep(5.01)
+    assert podman.mutations() == [("stop", c.id, 20.0), ("remove", c.id, True)]
+    assert podman.containers == {}
+    assert sup.statuses() == []
+    assert artifacts.calls[-3:] == [("pin", SHA), ("unpin", SHA), ("evict",)]
+    stats = sup.statistics()
+    assert (stats.assignments, stats.stopping, stats.removed) == (0, 0, 1)
+
+
+async def test_an_assignment_readded_while_its_container_stops_waits_for_it(
+    autojump_clock: trio.testing.MockClock,
+    nursery: trio.Nursery,
+    podman: FakePodman,
+    artifacts: FakeArtifacts,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    old = podman.only()
+    podman.stop_delay_s = 5.0
+    sup.update(2, [])
+    await trio.testing.wait_all_tasks_blocked()
+    sup.update(3, [assignment()])  # back before the old container is gone: same name, same port
+    await trio.testing.wait_all_tasks_blocked()
+    assert status(sup).state == S.STARTING
+    await wait_for(sup, S.READY)
+    new = podman.only()
+    assert new.id != old.id
+    assert [c[0] for c in podman.mutations()][-4:] == ["stop", "remove", "create", "start"]
+    assert "already in use" not in caplog.text
+
+
+async def test_removal_is_bounded_when_the_stop_hangs(
+    autojump_clock: trio.testing.MockClock,
+    nursery: trio.Nursery,
+    podman: FakePodman,
+    artifacts: FakeArtifacts,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment(stop_timeout_s=20.0))
+    await wait_for(sup, S.READY)
+    podman.stop_delay_s = 10_000.0  # the podman call itself never returns
+    t0 = trio.current_time()
+    sup.update(2, [])
+    with trio.fail_after(1000):
+        while True:
+            if not sup.statuses():
+                break
+            await trio.sleep(0.5)
+    assert trio.current_time() - t0 <= 20.0 + TEARDOWN_GRACE_S + 0.5
+    assert "did not stop within 20 s" in caplog.text
+    assert artifacts.calls[-2:] == [("unpin", SHA), ("evict",)]
+
+
+async def test_removal_while_the_supervisor_stops_still_finishes(
+    autojump_clock: trio.testing.MockClock, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    async with trio.open_nursery() as agent:
+        sup = await start(agent, podman, artifacts, assignment())
+        await wait_for(sup, S.READY)
+        podman.stop_delay_s = 3.0
+        sup.update(2, [])
+        await trio.testing.wait_all_tasks_blocked()
+        agent.cancel_scope.cancel()  # the agent stops in the middle of the graceful stop
+    assert podman.containers == {}
+    assert [c[0] for c in podman.mutations()][-2:] == ["stop", "remove"]
+
+
+# --- health ---------------------------------------------------------------------------------------
+
+
+async def test_failing_probes_flip_ready_to_unhealthy_within_two_intervals_and_back(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    await trio.sleep(PROBE.start_period_s + 1.3)  # off the probe ticks
+    podman.healthy = False
+    await trio.sleep(PROBE.interval_s)
+    assert status(sup).state == S.READY  # one failure is tolerated (retries = 2)
+    await trio.sleep(PROBE.interval_s)
+    s = status(sup)
+    assert (s.state, s.detail) == (S.UNHEALTHY, "2 consecutive failed health probes")
+    podman.healthy = True
+    await trio.sleep(PROBE.interval_s)
+    assert status(sup).state == S.READY
+    assert sup.statistics().probes_failed == 2
+
+
+async def test_failures_during_the_start_period_keep_the_runtime_starting(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.healthy = False
+    t0 = trio.current_time()
+    sup = await start(nursery, podman, artifacts, assignment())
+    await trio.sleep(PROBE.start_period_s - 0.1)
+    assert status(sup).state == S.STARTING
+    # Probes at 10 and 12 are the first two counted.
+    unhealthy_at = await wait_for(sup, S.UNHEALTHY)
+    assert unhealthy_at - t0 == pytest.approx(12.0, abs=0.06)
+
+
+async def test_podman_going_away_is_reported_and_the_running_runtime_kept(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    podman.calls.clear()
+    podman.unavailable = True
+    await wait_for(sup, S.FAILED, "podman_unavailable")
+    await trio.sleep(20)
+    podman.unavailable = False
+    await wait_for(sup, S.READY)
+    assert podman.mutations() == []  # not restarted, not recreated
+
+
+# --- failures that never start a runtime ----------------------------------------------------------
+
+
+async def test_an_artifact_digest_mismatch_fails_and_never_creates_the_container(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    artifacts.mismatch.add(SHA)
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.FAILED, "artifact_digest_mismatch")
+    await trio.sleep(200)
+    assert status(sup).reason == "artifact_digest_mismatch"
+    assert podman.mutations("create", "start") == []
+    # Retried slowly (at the maximum backoff): 0, 60, 120, 180.
+    assert artifacts.calls == [("fetch", SHA)] * 4
+
+
+async def test_a_missing_image_fails_then_starts_when_the_registry_has_it(
+    autojump_clock: trio.testing.MockClock,
+    nursery: trio.Nursery,
+    podman: FakePodman,
+    artifacts: FakeArtifacts,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    podman.registry.clear()
+    caplog.set_level(logging.INFO, logger="nexa.node.supervisor")
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.FAILED, "image_not_found")
+    await trio.sleep(200)
+    assert podman.mutations("create") == []
+    assert len(podman.mutations("pull")) == 4
+    # Logged once, not once per attempt.
+    assert caplog.text.count("image_not_found") == 1
+    podman.registry.add(IMAGE)
+    t = trio.current_time()
+    ready_at = await wait_for(sup, S.READY)
+    assert ready_at - t <= CFG.restart_backoff_max_s
+    assert status(sup).reason is None
+
+
+async def test_a_secret_in_env_is_refused_before_anything_happens(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    sup = await start(nursery, podman, artifacts, assignment(env={"HF_TOKEN": "hf_abcdef", "OMP_NUM_THREADS": "4"}))
+    await wait_for(sup, S.FAILED, "secret_in_env")
+    await trio.sleep(300)
+    s = status(sup)
+    assert (s.state, s.reason) == (S.FAILED, "secret_in_env")
+    assert "HF_TOKEN" in s.detail
+    assert "hf_abcdef" not in s.detail
+    assert podman.mutations() == []
+    assert artifacts.calls == []
+
+
+# --- reports and the artifact cache ----------------------------------------------------------------
+
+
+async def test_statuses_and_statistics_shapes(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    sup = await start(
+        nursery, podman, artifacts, assignment("a2", env={"DB_PASSWORD": "x"}), assignment("a1", port=18301)
+    )
+    await wait_for(sup, S.READY, aid="a1")
+    assert sup.statuses() == [
+        wire.AssignmentStatus(
+            assignment_id="a2",
+            state=S.FAILED,
+            reason="secret_in_env",
+            detail="runtimes never receive keys, tokens or credentials; refused environment variable DB_PASSWORD",
+        ),
+        wire.AssignmentStatus(assignment_id="a1", state=S.READY),
+    ]
+    stats = sup.statistics()
+    assert stats.generation == 1
+    assert stats.assignments == 2
+    assert dict(stats.states) == {state: {S.READY: 1, S.FAILED: 1}.get(state, 0) for state in S}
+    assert (stats.created, stats.adopted, stats.restarts, stats.pulls) == (1, 0, 0, 1)
+    assert stats.reconcile_passes >= 1
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        stats.created = 5  # type: ignore[misc]
+
+
+async def test_a_shared_artifact_is_pinned_once_and_released_with_its_last_assignment(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    a1, a2 = assignment("a1"), assignment("a2", port=18301, gpus=["nvidia.com/gpu=1"])
+    sup = await start(nursery, podman, artifacts, a1, a2)
+    await wait_for(sup, S.READY, aid="a1")
+    await wait_for(sup, S.READY, aid="a2")
+    assert [c for c in artifacts.calls if c[0] != "fetch"] == [("pin", SHA)]
+    sup.update(2, [a2])
+    await trio.sleep(1)
+    assert [c[0] for c in artifacts.calls if c[0] != "fetch"] == ["pin"]
+    sup.update(3, [])
+    await trio.sleep(1)
+    assert [c for c in artifacts.calls if c[0] != "fetch"] == [("pin", SHA), ("unpin", SHA), ("evict",)]
+    assert podman.containers == {}
+
+
+async def test_programming_errors_propagate(
+    autojump_clock: trio.testing.MockClock, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    podman.broken_inspect = KeyError("bug")
+    with pytest.RaisesGroup(KeyError, flatten_subgroups=True):
+        async with trio.open_nursery() as agent:
+            await start(agent, podman, artifacts, assignment())

@@ -1,0 +1,170 @@
+"""`nexa.runtimes`: assignment → container spec. Pure functions, plain sync tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from nexa import runtimes
+from nexa.contracts import wire
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.runtime import (
+    LABEL_ASSIGNMENT,
+    LABEL_DEPLOYMENT,
+    LABEL_GENERATION,
+    LABEL_SPEC,
+    ArtifactRef,
+    ContainerState,
+    HealthProbe,
+    RuntimeSpec,
+)
+from nexa.errors import ContractError
+from tests.conftest import sample_runtime
+
+#: sha256 of the canonical JSON of the spec built in `test_spec_hash_is_stable`.
+GOLDEN_SPEC_SHA256 = "4d9e4144c8acfb393929219dc0cd62b3cf65001385a37b3f6ef613b978d0de54"
+ARTIFACT = Path("/var/lib/nexa/artifacts/" + "1" * 64)
+
+
+def assignment(runtime: RuntimeSpec | None = None, aid: str = "a1") -> wire.Assignment:
+    return wire.Assignment(id=aid, deployment="d1", runtime=runtime or sample_runtime())
+
+
+def state(**kw: object) -> ContainerState:
+    image = sample_runtime().image
+    values: dict[str, object] = {
+        "id": "c1",
+        "name": "nexa-a1",
+        "image_name": image,
+        "image_digest": runtimes.image_digest(image),
+        "labels": {},
+        "running": True,
+        "status": "running",
+    }
+    values.update(kw)
+    return ContainerState(**values)  # type: ignore[arg-type]
+
+
+def test_container_spec_carries_the_runtime_and_its_labels() -> None:
+    rt = sample_runtime()
+    spec = runtimes.container_spec("n1", assignment(rt), 7, ARTIFACT)
+    assert spec.name == "nexa-a1"
+    assert spec.image == rt.image
+    assert spec.command == rt.command
+    assert spec.labels == {
+        runtimes.LABEL_NODE: "n1",
+        LABEL_ASSIGNMENT: "a1",
+        LABEL_DEPLOYMENT: "d1",
+        LABEL_GENERATION: "7",
+        LABEL_SPEC: runtimes.spec_sha256(rt),
+    }
+    assert spec.devices == ["nvidia.com/gpu=0"]
+    assert spec.ro_mounts == [(str(ARTIFACT), "/models/model")]
+    assert (spec.memory_bytes, spec.cpus, spec.pids_limit, spec.shm_bytes) == (2 << 30, 2.0, 4096, 0)
+    assert spec.health == rt.health
+    assert spec.stop_timeout_s == rt.stop_timeout_s
+    assert spec.network == "host"
+
+
+def test_env_is_exactly_the_specs() -> None:
+    rt = attrs.evolve(sample_runtime(), env={"OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1"})
+    spec = runtimes.container_spec("n1", assignment(rt), 1, ARTIFACT)
+    assert spec.env == {"OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1"}
+
+
+def test_no_artifact_no_mount() -> None:
+    rt = attrs.evolve(sample_runtime(), artifact=None, gpus=[])
+    spec = runtimes.container_spec("n1", assignment(rt), 1, None)
+    assert spec.ro_mounts == []
+    assert spec.devices == []
+
+
+def test_artifact_path_must_match_the_spec() -> None:
+    with pytest.raises(ValueError, match="artifact_path"):
+        runtimes.container_spec("n1", assignment(), 1, None)
+    with pytest.raises(ValueError, match="artifact_path"):
+        runtimes.container_spec("n1", assignment(attrs.evolve(sample_runtime(), artifact=None)), 1, ARTIFACT)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["HF_TOKEN", "OPENAI_API_KEY", "api_key", "Db_Password", "AWS_SECRET_ACCESS_KEY", "GOOGLE_CREDENTIALS", "hf_token"],
+)
+def test_secret_looking_env_is_refused(name: str) -> None:
+    rt = attrs.evolve(sample_runtime(), env={"PLAIN": "1", name: "x"})
+    with pytest.raises(ContractError) as info:
+        runtimes.container_spec("n1", assignment(rt), 1, ARTIFACT)
+    assert name in info.value.message
+    assert info.value.problems == (f"runtime.env.{name}: looks like a secret",)
+    assert "x" not in info.value.message.split(name)[-1]  # the value is never repeated
+
+
+def test_every_secret_name_is_named() -> None:
+    env = {"B_TOKEN": "1", "A_KEY": "2", "PLAIN": "3"}
+    assert runtimes.secret_env_names(env) == ["A_KEY", "B_TOKEN"]
+    with pytest.raises(ContractError, match="A_KEY, B_TOKEN"):
+        runtimes.check_env(env)
+    runtimes.check_env({"PLAIN": "3", "MODEL_PATH": "/models/model"})
+
+
+def test_spec_hash_is_stable() -> None:
+    # The hash is on every container's label: if this value changes, every running runtime is
+    # replaced after an agent upgrade instead of adopted. Change it only on purpose.
+    golden = RuntimeSpec(
+        kind=RuntimeKind.VLLM,
+        image="registry.local/vllm@sha256:" + "a" * 64,
+        command=["vllm", "serve", "/models/model"],
+        env={"VLLM_LOGGING_LEVEL": "INFO"},
+        port=8000,
+        artifact=ArtifactRef(uri="s3://models/m.safetensors", sha256="b" * 64, size_bytes=1000),
+        gpus=["nvidia.com/gpu=all"],
+        memory_bytes=1 << 30,
+        cpus=4.0,
+        health=HealthProbe(command=["true"]),
+    )
+    assert runtimes.spec_sha256(golden) == GOLDEN_SPEC_SHA256
+    reordered = attrs.evolve(sample_runtime(), env={"B": "2", "A": "1"})
+    assert runtimes.spec_sha256(reordered) == runtimes.spec_sha256(
+        attrs.evolve(sample_runtime(), env={"A": "1", "B": "2"})
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"command": ["python3", "-m", "other"]},
+        {"env": {"A": "1"}},
+        {"gpus": ["nvidia.com/gpu=1"]},
+        {"memory_bytes": 4 << 30},
+        {"image": "127.0.0.1:5000/nexa/llamacpp@sha256:" + "2" * 64},
+        {"stop_timeout_s": 5.0},
+    ],
+)
+def test_spec_hash_detects_changes(change: dict[str, Any]) -> None:
+    assert runtimes.spec_sha256(attrs.evolve(sample_runtime(), **change)) != runtimes.spec_sha256(sample_runtime())
+
+
+def test_names_are_sanitised_without_collisions() -> None:
+    assert runtimes.container_name("a-1.b_2") == "nexa-a-1.b_2"
+    slash, colon = runtimes.container_name("dep/a:1"), runtimes.container_name("dep:a/1")
+    assert slash.startswith("nexa-dep-a-1-")
+    assert slash != colon
+    for name in (slash, colon, runtimes.container_name("/"), runtimes.container_name("")):
+        assert runtimes._NAME_OK.match(name), name
+
+
+def test_image_identity() -> None:
+    image = sample_runtime().image
+    assert runtimes.image_digest(image) == "sha256:" + "0" * 64
+    assert runtimes.image_matches(state(), image)
+    # The digest is what counts, under whatever name podman shows.
+    assert runtimes.image_matches(state(image_name="other@sha256:" + "0" * 64), image)
+    # A name is no proof: an unknown digest or another one does not match.
+    assert not runtimes.image_matches(state(image_digest=""), image)
+    assert not runtimes.image_matches(state(image_digest="sha256:" + "f" * 64), image)
+    assert not runtimes.image_matches(
+        state(image_name="127.0.0.1:5000/evil@sha256:" + "f" * 64, image_digest="sha256:" + "f" * 64), image
+    )
