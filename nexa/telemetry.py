@@ -116,3 +116,6 @@ def setup_logging(level: str) -> None:
     root.setLevel(level.upper())
     # hypercorn's own access log would duplicate ours; its error log stays.
     logging.getLogger("hypercorn.access").disabled = True
+    # httpx logs every request (podman, S3) at INFO: too loud for a node's journal.
+    for noisy in ("httpx", "httpcore"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, root.level))

@@ -29,6 +29,8 @@ from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.control.service import serve_control
 from nexa.node.inventory import merge, parse_meminfo, parse_nvidia_smi_csv
 
+pytest_plugins = ["tests.realparts"]
+
 IN_CI = os.environ.get("CI") == "true"
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -13,10 +13,10 @@ import ipaddress
 import logging
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Final, NoReturn
+from typing import Final, NoReturn, Protocol, TypeVar
 
 import attrs
 import trio
@@ -26,13 +26,20 @@ from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import wire
 from nexa.errors import BadSignature, ConfigError, ContractError
 from nexa.messaging import Uplink
+from nexa.node.artifacts import ArtifactCache, load_s3_credentials
 from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
 from nexa.node.inventory import InventoryWatcher, discover
+from nexa.node.podman import PodmanClient, load_registry_credentials
+from nexa.node.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 #: First wait before re-dialling the controller; zmq doubles it up to `reconnect_max_s`.
 RECONNECT_FIRST_S: Final = 0.1
+#: With `leave_running_on_exit = false`, how long stopping every runtime may take at exit.
+_STOP_ALL_TIMEOUT_S: Final = 60.0
 
 
 # --- the decision (pure) ------------------------------------------------------------------------
@@ -141,6 +148,14 @@ class NodeStarted:
     agent: Agent
 
 
+class Runtimes(Protocol):
+    """What the agent needs of the runtime supervisor."""
+
+    def update(self, generation: int, assignments: Sequence[wire.Assignment]) -> None: ...
+
+    def statuses(self) -> list[wire.AssignmentStatus]: ...
+
+
 class Agent:
     """The node's protocol state: sequence numbers, the accepted fence, assignment states."""
 
@@ -152,6 +167,7 @@ class Agent:
         state_dir: Path,
         uplink: Uplink,
         inventory: InventoryWatcher,
+        runtimes: Runtimes,
         heartbeat_interval_s: float,
         on_lease_expiry: LeaseExpiryPolicy,
     ) -> None:
@@ -162,7 +178,7 @@ class Agent:
         self._inventory = inventory
         self._heartbeat_interval_s = heartbeat_interval_s
         self._on_lease_expiry = on_lease_expiry
-        self._states = {a.id: wire.RuntimeState.PENDING for a in fence.assignments}
+        self._runtimes = runtimes
         self._fence_changed = trio.Event()
         # Sequence numbers and enqueueing happen under one lock, so messages leave in seq order.
         self._send_lock = trio.Lock()
@@ -253,22 +269,20 @@ class Agent:
     def _heartbeat(self, seq: int, ts: float) -> wire.Heartbeat:
         inventory = self._inventory.current()
         fence = self._fence
-        # Tells the controller why nothing changed (keep_serving) or why everything stopped.
-        detail = f"lease lapsed ({self._on_lease_expiry})" if self._lease_lapsed else ""
+        statuses = self._runtimes.statuses()
+        if self._lease_lapsed:
+            # Tells the controller why nothing changed (keep_serving) or why everything stopped.
+            note = f"lease lapsed ({self._on_lease_expiry})"
+            statuses = [attrs.evolve(s, detail=f"{s.detail}; {note}" if s.detail else note) for s in statuses]
+        in_use = {gpu for a in fence.assignments for gpu in a.runtime.gpus}
         return wire.Heartbeat(
             node_id=self._node_id,
             seq=seq,
             ts=ts,
             inventory=inventory,
             free_memory_bytes=inventory.memory_available_bytes,
-            # Every GPU is free until the supervisor places runtimes on them.
-            free_accelerators=len(inventory.gpus),
-            assignments=[
-                wire.AssignmentStatus(
-                    assignment_id=a.id, state=self._states.get(a.id, wire.RuntimeState.PENDING), detail=detail
-                )
-                for a in fence.assignments
-            ],
+            free_accelerators=sum(1 for gpu in inventory.gpus if gpu.cdi_device not in in_use),
+            assignments=statuses,
             epoch=fence.epoch,
             generation=fence.generation,
         )
@@ -348,8 +362,8 @@ class Agent:
                 len(new.assignments),
             )
         if not renewal or self._lease_lapsed:
-            # A new set, or a renewal after the lease lapsed: everything is to be (re)started.
-            self._states = {a.id: wire.RuntimeState.PENDING for a in new.assignments}
+            # A new set, or a renewal after the lease lapsed: the supervisor reconciles to it.
+            self._runtimes.update(new.generation, new.assignments)
         if self._lease_lapsed:
             log.info("assignment lease in force again (epoch %d, generation %d)", new.epoch, new.generation)
         self._lease_lapsed = False
@@ -385,13 +399,13 @@ class Agent:
     def on_lease_lapsed(self) -> None:
         """The accepted set's lease passed without renewal: apply `on_lease_expiry`, once.
 
-        keep_serving changes nothing but the logged state; stop marks every assignment stopped
-        (the supervisor acts on the states reported in heartbeats).
+        keep_serving changes nothing but the reported state; stop has the supervisor stop every
+        runtime (a renewal or a newer set brings them back).
         """
         self._lease_lapsed = True
         fence = self._fence
         if self._on_lease_expiry is LeaseExpiryPolicy.STOP:
-            self._states = {a.id: wire.RuntimeState.STOPPED for a in fence.assignments}
+            self._runtimes.update(fence.generation, [])
             action = "stopping"
         else:
             action = "keep serving"
@@ -407,6 +421,21 @@ class Agent:
 
 
 # --- composition root ---------------------------------------------------------------------------
+
+
+async def _stop_runtimes(supervisor: Supervisor, generation: int) -> None:
+    """`leave_running_on_exit = false`: stop every runtime before the agent exits (bounded)."""
+    supervisor.update(generation, [])
+    with trio.move_on_after(_STOP_ALL_TIMEOUT_S):
+        while supervisor.statuses():  # noqa: ASYNC110 - the supervisor reports, it does not signal
+            await trio.sleep(0.1)
+
+
+async def _maybe(load: Callable[[str], T], path: str) -> T | None:
+    """Read a credentials file when one is configured (off the event loop); None when not."""
+    if not path:
+        return None
+    return await trio.to_thread.run_sync(load, path)
 
 
 def _load_state(state_dir: Path) -> tuple[NodeIdentity, Fence]:
@@ -442,24 +471,42 @@ async def serve_node(
         reconnect_ivl_s=min(RECONNECT_FIRST_S, cfg.reconnect_max_s),
         reconnect_ivl_max_s=cfg.reconnect_max_s,
     )
-    agent = Agent(
-        identity=identity,
-        fence=fence,
-        state_dir=state_dir,
-        uplink=uplink,
-        inventory=watcher,
-        heartbeat_interval_s=cfg.heartbeat_interval_s,
-        on_lease_expiry=cfg.on_lease_expiry,
+    podman = PodmanClient(
+        cfg.podman.socket,
+        tls_verify=cfg.podman.registry_tls_verify,
+        credentials=await _maybe(load_registry_credentials, cfg.podman.registry_credentials_file),
     )
-    async with trio.open_nursery() as nursery:
-        await nursery.start(watcher.run)
-        await nursery.start(uplink.run)
-        await nursery.start(agent.run)
-        log.info("node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation)
-        task_status.started(
-            NodeStarted(node_id=identity.node_id, epoch=fence.epoch, generation=fence.generation, agent=agent)
+    s3_credentials = await _maybe(load_s3_credentials, cfg.artifacts.s3_credentials_file)
+    async with podman, ArtifactCache(cfg.artifacts, state_dir=state_dir, credentials=s3_credentials) as artifacts:
+        log.info("runtimes through podman at %s; artifacts cached in %s", cfg.podman.socket, artifacts.directory)
+        supervisor = Supervisor(cfg.supervisor, podman, artifacts, node_id=identity.node_id)
+        # Resume what the fence on disk says: running containers that still match are adopted.
+        supervisor.update(fence.generation, fence.assignments)
+        agent = Agent(
+            identity=identity,
+            fence=fence,
+            state_dir=state_dir,
+            uplink=uplink,
+            inventory=watcher,
+            runtimes=supervisor,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            on_lease_expiry=cfg.on_lease_expiry,
         )
-        await stopping.wait()
-        log.info("node agent stopping")
-        # The loops and the watcher stop; the uplink closes its socket as its task ends.
-        nursery.cancel_scope.cancel()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watcher.run)
+            await nursery.start(supervisor.run)
+            await nursery.start(uplink.run)
+            await nursery.start(agent.run)
+            log.info(
+                "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation
+            )
+            task_status.started(
+                NodeStarted(node_id=identity.node_id, epoch=fence.epoch, generation=fence.generation, agent=agent)
+            )
+            await stopping.wait()
+            log.info("node agent stopping")
+            if not cfg.podman.leave_running_on_exit:
+                await _stop_runtimes(supervisor, agent.fence.generation)
+            # The loops and the watcher stop; the uplink closes its socket as its task ends.
+            # Runtime containers keep running (unless configured otherwise): the next agent adopts them.
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,640 @@
+"""PodmanClient: the node agent's only way to podman, the libpod REST API over podman's unix socket (httpx).
+
+It turns a `ContainerSpec` into a hardened libpod create body and libpod answers into `contracts.runtime`
+records, and it translates every httpx failure and podman error status into `nexa.errors` here, so
+callers never see `httpx.*`. It never runs the podman CLI and never pulls anything but `repo@sha256:…`.
+"""
+
+from __future__ import annotations
+
+import base64
+import builtins
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import stat
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from datetime import datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final
+from urllib.parse import quote
+
+import attrs
+import httpx
+import trio
+
+from nexa.contracts.runtime import (
+    CDI_NAME_RE,
+    IMAGE_BY_DIGEST_RE,
+    ContainerSpec,
+    ContainerState,
+    HealthProbe,
+    PodmanEvent,
+)
+from nexa.errors import (
+    ConfigError,
+    ContainerNotFound,
+    ContractError,
+    ImageNotFound,
+    PodmanError,
+    PodmanUnavailable,
+)
+
+log = logging.getLogger(__name__)
+
+#: The libpod API under its versioned prefix; podman 4.0 and later answer it (the host part is ignored on a UDS).
+API_BASE: Final = "http://d/v4.0.0/libpod"
+#: Connecting to a local socket is instant or broken; a request that gets no answer for a minute is stuck.
+DEFAULT_TIMEOUT: Final = httpx.Timeout(60.0, connect=5.0)
+#: Pulls and the event stream may be silent for minutes (one big layer, a quiet node): no read timeout.
+#: Their deadline is the caller's trio cancel scope.
+STREAM_TIMEOUT: Final = httpx.Timeout(None, connect=5.0)
+#: Longest wait for closing an event stream the caller stopped reading (shielded from cancellation).
+STREAM_CLOSE_S: Final = 2.0
+#: Extra time a stop request may take beyond its own grace period (SIGKILL, cleanup, unmounts).
+STOP_MARGIN_S: Final = 30.0
+#: CFS period for the CPU limit: quota = cpus * period.
+CPU_PERIOD_US: Final = 100_000
+#: What a runtime may write to: /tmp only (a tmpfs; its pages count against the memory limit).
+SCRATCH_DIR: Final = "/tmp"  # noqa: S108 - a tmpfs mount point inside the container, not a host path
+SIGTERM: Final = 15
+#: Event attributes podman adds next to a container's labels.
+_PODMAN_EVENT_ATTRIBUTES: Final = frozenset({"image", "name", "containerExitCode", "podId", "health_status"})
+#: Registry answers that mean "no such repository or manifest" (distribution error codes, lower-cased).
+_IMAGE_MISSING_MARKERS: Final = ("manifest unknown", "name unknown", "manifest_unknown", "name_unknown")
+#: Go's zero time, which podman reports for "never".
+_ZERO_TIME_PREFIX: Final = "0001-01-01"
+_MAX_MESSAGE_CHARS: Final = 400
+
+_Json = dict[str, Any]
+
+
+@attrs.frozen
+class RegistryCredentials:
+    """A username and password for the OCI registry; sent only in the pull's X-Registry-Auth header."""
+
+    username: str
+    password: str = attrs.field(repr=False)
+
+
+def load_registry_credentials(path: str | os.PathLike[str]) -> RegistryCredentials:
+    """Read a JSON file `{"username": …, "password": …}`; ConfigError (never quoting the file) when it is bad."""
+    where = os.fspath(path)
+    try:
+        raw = Path(where).read_bytes()
+        mode = os.stat(where).st_mode
+    except OSError as exc:
+        raise ConfigError(f"cannot read the registry credentials file {where}: {exc.strerror}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("registry credentials file %s is readable by others than its owner; chmod 600 it", where)
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        # The message says where, never what: the file holds a password.
+        line = getattr(exc, "lineno", None)
+        at = f" (line {line})" if line is not None else ""
+        raise ConfigError(f"the registry credentials file {where} is not valid JSON{at}") from None
+    problems: list[str] = []
+    if not isinstance(data, dict):
+        problems.append("expected a JSON object with username and password")
+    else:
+        for key in ("username", "password"):
+            value = data.get(key)
+            if not isinstance(value, str) or not value:
+                problems.append(f"{key}: a non-empty string is required")
+        problems.extend(f"{key}: unknown key" for key in sorted(set(data) - {"username", "password"}))
+    if problems:
+        raise ConfigError(
+            f"the registry credentials file {where} is invalid: {'; '.join(problems)}", problems=tuple(problems)
+        )
+    return RegistryCredentials(username=data["username"], password=data["password"])
+
+
+def _require_digest_reference(image: str) -> None:
+    if not IMAGE_BY_DIGEST_RE.match(image):
+        raise ContractError(f"image must be named by digest (repository@sha256:<64 hex>), got {image[:200]!r}")
+
+
+def _nanoseconds(seconds: float) -> int:
+    return round(seconds * 1_000_000_000)
+
+
+def _healthconfig(probe: HealthProbe) -> _Json:
+    # Interval 0 turns podman's own periodic runs off (they need systemd timers, and where systemd
+    # exists they would run on top of the agent's probes). The agent calls `healthcheck()` on its
+    # own schedule (probe.interval_s); Retries/StartPeriod still shape podman's stored status.
+    return {
+        "Test": ["CMD", *probe.command],
+        "Interval": 0,
+        "Timeout": _nanoseconds(probe.timeout_s),
+        "StartPeriod": _nanoseconds(probe.start_period_s),
+        "Retries": probe.retries,
+    }
+
+
+def _validate_spec(spec: ContainerSpec) -> None:
+    problems: list[str] = []
+    if not IMAGE_BY_DIGEST_RE.match(spec.image):
+        problems.append("image: must be repository@sha256:<64 hex>")
+    if not spec.command or not spec.health.command:
+        problems.append("command and health.command: must not be empty")
+    if spec.network not in ("host", "none"):
+        problems.append(f"network: must be 'host' or 'none', not {spec.network!r}")
+    problems.extend(f"devices: {d!r} is not a CDI device name" for d in spec.devices if not CDI_NAME_RE.match(d))
+    for host, inside in spec.ro_mounts:
+        if not (os.path.isabs(host) and os.path.isabs(inside)):
+            problems.append(f"ro_mounts: {host!r} -> {inside!r} must both be absolute paths")
+    if spec.memory_bytes <= 0 or spec.cpus <= 0 or spec.pids_limit <= 0 or spec.shm_bytes < 0:
+        problems.append("memory_bytes, cpus and pids_limit must be positive; shm_bytes must not be negative")
+    if spec.stop_timeout_s < 0:
+        problems.append("stop_timeout_s: must not be negative")
+    if problems:
+        raise ContractError(f"container spec {spec.name!r} is invalid: {'; '.join(problems)}", problems=tuple(problems))
+
+
+def create_body(spec: ContainerSpec) -> _Json:
+    """The libpod `SpecGenerator` for `spec`: hardened, with nothing the spec did not ask for.
+
+    libpod silently ignores keys it does not know, so the tests prove each hardening key's effect on a
+    running container (inspect, /proc, cgroups), not just that podman accepted the body.
+    * image by digest only; the read-only root filesystem with a tmpfs /tmp as the only scratch space;
+    * every capability dropped, no_new_privileges, podman's default seccomp profile;
+    * memory (swap equal to memory: no swap), CPU quota and pids limits; /dev/shm sized when asked;
+    * CDI devices by name (`vendor/class=name`) and read-only, nosuid, nodev bind mounts;
+    * network namespace "host" (the runtime must bind 127.0.0.1: the node listens on nothing else)
+      or "none"; the proxy variables of podman's own environment are not passed in (`httpproxy`);
+    * the env exactly as given: podman, the image and CDI devices may add their own (PATH, TERM,
+      container, HOME, HOSTNAME, the device's variables), nexa adds nothing;
+    * SIGTERM then, after `stop_timeout`, SIGKILL; no restart policy (the supervisor restarts with
+      its own backoff); no image volumes persisted (they become tmpfs).
+    """
+    limits: _Json = {
+        "memory": {"limit": spec.memory_bytes, "swap": spec.memory_bytes},
+        "cpu": {"quota": max(1000, round(spec.cpus * CPU_PERIOD_US)), "period": CPU_PERIOD_US},
+        "pids": {"limit": spec.pids_limit},
+    }
+    mounts: list[_Json] = [
+        {"destination": SCRATCH_DIR, "type": "tmpfs", "source": "tmpfs", "options": ["rw", "nosuid", "nodev"]}
+    ]
+    mounts.extend(
+        {"destination": inside, "type": "bind", "source": host, "options": ["ro", "rbind", "nosuid", "nodev"]}
+        for host, inside in spec.ro_mounts
+    )
+    body: _Json = {
+        "name": spec.name,
+        "image": spec.image,
+        "command": list(spec.command),
+        "env": dict(spec.env),
+        "env_host": False,
+        "httpproxy": False,
+        "labels": dict(spec.labels),
+        "read_only_filesystem": True,
+        "mounts": mounts,
+        "image_volume_mode": "tmpfs",
+        "cap_drop": ["all"],
+        "cap_add": [],
+        "privileged": False,
+        "no_new_privileges": True,
+        "resource_limits": limits,
+        "devices": [{"path": name} for name in spec.devices],
+        "netns": {"nsmode": spec.network},
+        "healthconfig": _healthconfig(spec.health),
+        "stop_signal": SIGTERM,
+        "stop_timeout": math.ceil(spec.stop_timeout_s),
+        "restart_policy": "no",
+        "systemd": "false",
+        "terminal": False,
+        "stdin": False,
+        "remove": False,
+    }
+    if spec.shm_bytes:
+        body["shm_size"] = spec.shm_bytes
+    return body
+
+
+def _label_filters(labels: Mapping[str, str] | None) -> list[str]:
+    return [f"{key}={value}" for key, value in sorted((labels or {}).items())]
+
+
+def _timestamp(value: object) -> float | None:
+    """Go's RFC 3339 (nanoseconds, `Z` or an offset) as Unix seconds; None for the zero time."""
+    if not isinstance(value, str) or not value or value.startswith(_ZERO_TIME_PREFIX):
+        return None
+    # Python 3.11 takes at most 6 fractional digits in every form; podman writes 9.
+    trimmed = re.sub(r"(\.\d{6})\d+", r"\1", value)
+    try:
+        return datetime.fromisoformat(trimmed.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _digest_of(reference: str) -> str:
+    _, sep, digest = reference.partition("@")
+    return digest if sep else ""
+
+
+def _labels_match(have: Mapping[str, str], want: Mapping[str, str] | None) -> bool:
+    return all(have.get(key) == value for key, value in (want or {}).items())
+
+
+def _podman_message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text.strip()[:_MAX_MESSAGE_CHARS] or f"HTTP {response.status_code}"
+    if isinstance(data, dict):
+        for key in ("message", "cause", "error"):
+            if isinstance(data.get(key), str) and data[key]:
+                return str(data[key])[:_MAX_MESSAGE_CHARS]
+    return f"HTTP {response.status_code}"
+
+
+def _json_objects(text: str) -> Iterable[_Json]:
+    """Each JSON object in a stream of them (newline-separated or not); other values are skipped."""
+    decoder = json.JSONDecoder()
+    index = 0
+    while index < len(text):
+        while index < len(text) and text[index].isspace():
+            index += 1
+        if index >= len(text):
+            return
+        try:
+            value, index = decoder.raw_decode(text, index)
+        except ValueError:
+            raise PodmanError("podman answered with a body that is not JSON") from None
+        if isinstance(value, dict):
+            yield value
+
+
+class PodmanClient:
+    """libpod over its unix socket. Use as `async with PodmanClient(socket) as podman:`.
+
+    Every method raises only `nexa.errors`: ContractError for a bad argument (before any request),
+    PodmanUnavailable when the socket does not answer, ContainerNotFound / ImageNotFound for a
+    missing container or image, PodmanError for every other refusal. Messages never carry credentials.
+    """
+
+    def __init__(
+        self,
+        socket_path: str,
+        *,
+        tls_verify: bool = True,
+        credentials: RegistryCredentials | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._socket = socket_path
+        self._tls_verify = tls_verify
+        self._credentials = credentials
+        self._http = httpx.AsyncClient(
+            base_url=API_BASE,
+            transport=transport if transport is not None else httpx.AsyncHTTPTransport(uds=socket_path),
+            timeout=DEFAULT_TIMEOUT,
+            trust_env=False,  # no proxies, no .netrc: this is a local socket
+        )
+
+    async def __aenter__(self) -> PodmanClient:
+        await self._http.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
+        await self._http.__aexit__(exc_type, exc, tb)
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def _scrub(self, message: str) -> str:
+        if self._credentials is not None:
+            for secret in (self._credentials.password, self._credentials.username):
+                message = message.replace(secret, "***")
+        return message
+
+    def _unavailable(self, exc: httpx.HTTPError) -> PodmanError:
+        if isinstance(exc, httpx.TransportError):
+            # Messages reach the controller in runtime states: name no host paths (the socket
+            # path is logged once when the agent starts).
+            return PodmanUnavailable(f"podman does not answer on its socket: {type(exc).__name__}")
+        return PodmanError(f"talking to podman failed: {type(exc).__name__}")
+
+    def _error(self, response: httpx.Response, what: str, *, missing: type[PodmanError] = PodmanError) -> PodmanError:
+        message = self._scrub(_podman_message(response))
+        if response.status_code == 404:
+            return missing(f"{what}: {message}")
+        return PodmanError(f"{what}: podman answered {response.status_code}: {message}")
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        what: str,
+        missing: type[PodmanError] = PodmanError,
+        params: Mapping[str, str] | None = None,
+        body: _Json | None = None,
+        http_timeout: httpx.Timeout | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> httpx.Response:
+        try:
+            response = await self._http.request(
+                method,
+                path,
+                params=params,
+                json=body,
+                headers=headers,
+                timeout=http_timeout if http_timeout is not None else DEFAULT_TIMEOUT,
+            )
+        except httpx.HTTPError as exc:
+            raise self._unavailable(exc) from exc
+        if response.status_code >= 400:
+            raise self._error(response, what, missing=missing)
+        return response
+
+    def _json(self, response: httpx.Response, what: str) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise PodmanError(f"{what}: podman answered with a body that is not JSON") from None
+
+    @staticmethod
+    def _container_path(container_id: str, suffix: str = "") -> str:
+        if not container_id:
+            raise ContractError("a container id or name is required")
+        return f"/containers/{quote(container_id, safe='')}{suffix}"
+
+    # -- the API ----------------------------------------------------------------------------------
+
+    async def version(self) -> str:
+        """Podman's version (e.g. "4.3.1"); also the cheapest "is podman there" check."""
+        data = self._json(await self._request("GET", "/version", what="version"), "version")
+        version = data.get("Version") if isinstance(data, dict) else None
+        if not isinstance(version, str):
+            raise PodmanError("version: podman's answer has no Version")
+        return version
+
+    async def pull(self, image: str) -> None:
+        """Pull `repo@sha256:<64 hex>` from its registry into podman's store.
+
+        The registry is always asked, so ImageNotFound means the registry has no such repository or
+        manifest; layers already stored are not fetched again. PodmanError for any other failure
+        (registry down, TLS, authentication). To keep starting containers while the registry is down,
+        check `image_exists` first. No read timeout: bound it with a cancel scope.
+        """
+        _require_digest_reference(image)
+        params = {
+            "reference": image,
+            "tlsVerify": "true" if self._tls_verify else "false",
+            "quiet": "true",
+            # "missing" would accept any stored image with this digest, whatever its repository.
+            "policy": "always",
+        }
+        headers: dict[str, str] = {}
+        if self._credentials is not None:
+            auth = json.dumps({"username": self._credentials.username, "password": self._credentials.password})
+            headers["X-Registry-Auth"] = base64.urlsafe_b64encode(auth.encode()).decode()
+        started = time.monotonic()
+        what = f"pull {image}"
+        response = await self._request(
+            "POST",
+            "/images/pull",
+            what=what,
+            missing=ImageNotFound,
+            params=params,
+            headers=headers,
+            http_timeout=STREAM_TIMEOUT,
+        )
+        # libpod answers 200 before it pulls; a failure arrives as {"error": …} in the streamed body.
+        for item in _json_objects(response.text):
+            error = item.get("error")
+            if isinstance(error, str) and error:
+                message = self._scrub(error)[:_MAX_MESSAGE_CHARS]
+                if any(marker in error.lower() for marker in _IMAGE_MISSING_MARKERS):
+                    raise ImageNotFound(f"{what}: the registry has no such image: {message}")
+                raise PodmanError(f"{what} failed: {message}")
+        log.info("pulled %s in %.2f s", image, time.monotonic() - started)
+
+    async def image_exists(self, image: str) -> bool:
+        """Whether podman's store holds `repo@sha256:…` (no registry is asked)."""
+        _require_digest_reference(image)
+        try:
+            await self._request("GET", f"/images/{image}/exists", what=f"image {image}", missing=ImageNotFound)
+        except ImageNotFound:
+            return False
+        return True
+
+    async def create(self, spec: ContainerSpec) -> str:
+        """Create (not start) the hardened container `create_body(spec)` describes; returns its id.
+
+        The image must already be in the store (the API never pulls): ImageNotFound otherwise.
+        """
+        _validate_spec(spec)
+        what = f"create container {spec.name}"
+        try:
+            response = await self._http.post("/containers/create", json=create_body(spec))
+        except httpx.HTTPError as exc:
+            raise self._unavailable(exc) from exc
+        if response.status_code >= 400:
+            message = self._scrub(_podman_message(response))
+            if response.status_code == 404 or "image not known" in message:
+                raise ImageNotFound(f"{what}: image {spec.image} is not in podman's store (pull it first)")
+            raise PodmanError(f"{what}: podman answered {response.status_code}: {message}")
+        data = self._json(response, what)
+        container_id = data.get("Id") if isinstance(data, dict) else None
+        if not isinstance(container_id, str) or not container_id:
+            raise PodmanError(f"{what}: podman's answer has no Id")
+        log.info("created container %s (%s) from %s", spec.name, container_id[:12], spec.image)
+        return container_id
+
+    async def start(self, container_id: str) -> None:
+        """Start a created or stopped container; starting a running one does nothing."""
+        path = self._container_path(container_id, "/start")
+        await self._request("POST", path, what=f"start {container_id}", missing=ContainerNotFound)
+        log.info("started container %s", container_id[:12])
+
+    async def inspect(self, container_id: str) -> ContainerState:
+        """The container's state, with the exact image digest it runs."""
+        what = f"inspect {container_id}"
+        path = self._container_path(container_id, "/json")
+        data = self._json(await self._request("GET", path, what=what, missing=ContainerNotFound), what)
+        if not isinstance(data, dict):
+            raise PodmanError(f"{what}: unexpected answer")
+        return await self._state(data)
+
+    async def _state(self, data: _Json) -> ContainerState:
+        state = data.get("State") or {}
+        config = data.get("Config") or {}
+        image_name = str(data.get("ImageName") or "")
+        image_digest = str(data.get("ImageDigest") or "")
+        wanted = _digest_of(image_name)
+        if wanted and image_digest != wanted and data.get("Image"):
+            # A container keeps the digest its image had when first stored; if that image was also
+            # stored under another manifest (compressed vs. not), the digest it was created by is
+            # still proven when the image's RepoDigests hold exactly the reference (REAL_PARTS §2).
+            image_digest = await self._verified_digest(str(data["Image"]), image_name) or image_digest
+        running = bool(state.get("Running"))
+        finished = _timestamp(state.get("FinishedAt"))
+        return ContainerState(
+            id=str(data.get("Id") or ""),
+            name=str(data.get("Name") or ""),
+            image_name=image_name,
+            image_digest=image_digest,
+            labels={str(k): str(v) for k, v in (config.get("Labels") or {}).items()},
+            running=running,
+            status=str(state.get("Status") or ""),
+            exit_code=None if running or finished is None else int(state.get("ExitCode") or 0),
+            started_at=_timestamp(state.get("StartedAt")),
+            restart_count=int(data.get("RestartCount") or 0),
+        )
+
+    async def _verified_digest(self, image_id: str, reference: str) -> str | None:
+        try:
+            response = await self._request("GET", f"/images/{quote(image_id, safe='')}/json", what="inspect image")
+        except PodmanUnavailable:
+            raise
+        except PodmanError:
+            return None
+        data = self._json(response, "inspect image")
+        repo_digests = data.get("RepoDigests") if isinstance(data, dict) else None
+        if isinstance(repo_digests, list) and reference in repo_digests:
+            return _digest_of(reference)
+        return None
+
+    async def healthcheck(self, container_id: str) -> bool:
+        """Run the container's probe once, now. True when this run passed; False when it failed or
+        the container is not running. Counting failures against retries is the caller's job.
+        """
+        what = f"healthcheck {container_id}"
+        path = self._container_path(container_id, "/healthcheck")
+        try:
+            response = await self._http.get(path)
+        except httpx.HTTPError as exc:
+            raise self._unavailable(exc) from exc
+        if response.status_code == 409 and "not running" in _podman_message(response):
+            return False
+        if response.status_code >= 400:
+            raise self._error(response, what, missing=ContainerNotFound)
+        data = self._json(response, what)
+        return isinstance(data, dict) and data.get("Status") == "healthy"
+
+    async def stop(self, container_id: str, *, timeout_s: float) -> None:
+        """SIGTERM (the stop signal), then SIGKILL after `timeout_s`; returns once it has exited.
+        Stopping a stopped container does nothing.
+        """
+        if timeout_s < 0:
+            raise ContractError("timeout_s must not be negative")
+        seconds = math.ceil(timeout_s)
+        path = self._container_path(container_id, "/stop")
+        await self._request(
+            "POST",
+            path,
+            what=f"stop {container_id}",
+            missing=ContainerNotFound,
+            params={"timeout": str(seconds)},
+            http_timeout=httpx.Timeout(seconds + STOP_MARGIN_S, connect=5.0),
+        )
+        log.info("stopped container %s", container_id[:12])
+
+    async def remove(self, container_id: str, *, force: bool = False) -> None:
+        """Remove a stopped container (and its anonymous volumes). `force` kills a running one at once."""
+        params = {"force": "true" if force else "false", "v": "true"}
+        if force:
+            params["timeout"] = "0"
+        path = self._container_path(container_id)
+        await self._request("DELETE", path, what=f"remove {container_id}", missing=ContainerNotFound, params=params)
+        log.info("removed container %s", container_id[:12])
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]:
+        """Every container (running or not) carrying all of `labels`, each as `inspect` would report it.
+        A container removed while listing is left out.
+        """
+        params = {"all": "true"}
+        if labels:
+            params["filters"] = json.dumps({"label": _label_filters(labels)})
+        data = self._json(await self._request("GET", "/containers/json", what="list", params=params), "list")
+        states: builtins.list[ContainerState] = []
+        for entry in data if isinstance(data, list) else []:
+            if not isinstance(entry, dict) or not _labels_match(entry.get("Labels") or {}, labels):
+                continue
+            try:
+                states.append(await self.inspect(str(entry.get("Id") or "")))
+            except ContainerNotFound:
+                continue
+        return states
+
+    async def events(self, labels: Mapping[str, str], *, since: float | None = None) -> AsyncIterator[PodmanEvent]:
+        """Container events of containers carrying all of `labels`, as podman streams them (NDJSON).
+
+        Runs until the caller stops iterating (use `contextlib.aclosing`) or podman goes away
+        (PodmanUnavailable). `since` (Unix seconds) replays events from then on first, so a caller
+        that resubscribes misses nothing.
+        """
+        filters: dict[str, list[str]] = {"type": ["container"]}
+        if labels:
+            # libpod ORs the values of one filter key; every label is checked again below (AND).
+            filters["label"] = _label_filters(labels)
+        params = {"stream": "true", "filters": json.dumps(filters)}
+        if since is not None:
+            params["since"] = f"{since:.9f}"
+        try:
+            async with self._http.stream("GET", "/events", params=params, timeout=STREAM_TIMEOUT) as response:
+                if response.status_code >= 400:
+                    await response.aread()
+                    raise self._error(response, "events")
+                lines = response.aiter_lines()
+                try:
+                    async for line in lines:
+                        event = _event(line)
+                        if event is not None and _labels_match(event.labels, labels):
+                            yield event
+                finally:
+                    await _finish_stream(response, lines)
+        except httpx.HTTPError as exc:
+            raise self._unavailable(exc) from exc
+        raise PodmanUnavailable("podman's event stream ended")
+
+
+async def _finish_stream(response: httpx.Response, lines: AsyncIterator[str]) -> None:
+    """Close a streamed response the caller stopped reading, and end httpx's generators under it.
+
+    `aiter_lines` sits on a chain of async generators (text, bytes, raw, transport, httpcore) that
+    httpx leaves suspended when the outer one is closed early (encode/httpx#3686); trio would warn as
+    the garbage collector finds each. Once the response is closed, reading on fails inside the
+    innermost generator and so ends all of them.
+    """
+    with trio.CancelScope(deadline=trio.current_time() + STREAM_CLOSE_S, shield=True):
+        with contextlib.suppress(httpx.HTTPError):
+            await response.aclose()
+        with contextlib.suppress(Exception):
+            while True:  # lines already decoded come first; then the closed stream raises
+                await anext(lines)
+
+
+def _event(line: str) -> PodmanEvent | None:
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        data = json.loads(line)
+    except ValueError:
+        log.warning("skipping an event line from podman that is not JSON (%d bytes)", len(line))
+        return None
+    if not isinstance(data, dict) or data.get("Type", "container") != "container":
+        return None
+    actor = data.get("Actor") or {}
+    attributes = actor.get("Attributes") or {}
+    container_id = actor.get("ID") or data.get("id")
+    action = data.get("Action") or data.get("status")
+    if not isinstance(container_id, str) or not isinstance(action, str):
+        return None
+    return PodmanEvent(
+        container_id=container_id,
+        action=action,
+        labels={str(k): str(v) for k, v in attributes.items() if k not in _PODMAN_EVENT_ATTRIBUTES},
+    )
