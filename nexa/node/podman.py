@@ -127,13 +127,14 @@ def _nanoseconds(seconds: float) -> int:
 def _healthconfig(probe: HealthProbe) -> _Json:
     # Interval 0 turns podman's own periodic runs off (they need systemd timers, and where systemd
     # exists they would run on top of the agent's probes). The agent calls `healthcheck()` on its
-    # own schedule (probe.interval_s); Retries/StartPeriod still shape podman's stored status.
+    # own schedule and keeps its own start period and retry count, so podman's are neutral: no
+    # start period and one retry, and its stored status is simply the last run's result.
     return {
         "Test": ["CMD", *probe.command],
         "Interval": 0,
         "Timeout": _nanoseconds(probe.timeout_s),
-        "StartPeriod": _nanoseconds(probe.start_period_s),
-        "Retries": probe.retries,
+        "StartPeriod": 0,
+        "Retries": 1,
     }
 
 
@@ -521,7 +522,14 @@ class PodmanClient:
         if response.status_code >= 400:
             raise self._error(response, what, missing=ContainerNotFound)
         data = self._json(response, what)
-        return isinstance(data, dict) and data.get("Status") == "healthy"
+        if not isinstance(data, dict):
+            return False
+        # The run just made is the last log entry; its exit code is the answer (podman's overall
+        # Status also folds in its own start period and retries).
+        log_entries = data.get("Log")
+        if isinstance(log_entries, list) and log_entries and isinstance(log_entries[-1], dict):
+            return log_entries[-1].get("ExitCode") == 0
+        return data.get("Status") == "healthy"
 
     async def stop(self, container_id: str, *, timeout_s: float) -> None:
         """SIGTERM (the stop signal), then SIGKILL after `timeout_s`; returns once it has exited.

@@ -1,0 +1,272 @@
+"""`nexa node` running real runtimes: real podman (rootful, per-run socket), a real OCI registry,
+a real S3 store (SeaweedFS) and a CDI fake GPU. The controller is reduced to its channel
+(`FakeController`, real CurveZMQ and a real controller key), because deployments come later.
+
+The agent runs as its own process, so it can be killed with SIGKILL and started again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from nexa.contracts import wire
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
+from tests.node.conftest import S3Store
+from tests.node.test_agent import FakeController, aset
+from tests.realparts import BuiltImages, FakeGpu, PodmanService
+
+TIMEOUT_S = 60
+PROBE_S = 0.5
+RS = wire.RuntimeState
+
+
+@attrs.define
+class AgentProcess:
+    config: Path
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "nexa", "node", "--config", str(self.config)], stdout=out, stderr=out
+            )
+
+    def kill(self, sig: int = signal.SIGKILL) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)
+
+
+def podman(service: PodmanService, *args: str) -> str:
+    """The podman CLI on the run's store: the test looks at what the agent did (the agent never uses it)."""
+    return service.cli(*args).stdout
+
+
+def busybox_runtime(image: str, port: int, artifact: ArtifactRef, gpu: str) -> RuntimeSpec:
+    # httpd on the node's loopback; the probe checks a file on the container's tmpfs, which the
+    # test removes to make the runtime unhealthy.
+    serve = f"touch /tmp/ok && exec /bin/httpd -f -p 127.0.0.1:{port} -h /www"
+    return RuntimeSpec(
+        kind=RuntimeKind.LLAMACPP,
+        image=image,
+        command=["/bin/sh", "-c", serve],
+        env={"MODEL_PATH": "/models/model"},
+        port=port,
+        artifact=artifact,
+        gpus=[gpu],
+        memory_bytes=64 << 20,
+        cpus=0.5,
+        pids_limit=64,
+        health=HealthProbe(
+            command=["/bin/sh", "-c", f"test -f /tmp/ok && wget -q -O /dev/null http://127.0.0.1:{port}/"],
+            interval_s=PROBE_S,
+            timeout_s=2.0,
+            start_period_s=10.0,
+            retries=1,
+        ),
+        stop_timeout_s=2.0,  # busybox httpd as PID 1 ignores SIGTERM: the stop ends in a kill
+    )
+
+
+@pytest.fixture
+async def artifact(s3_store: S3Store) -> ArtifactRef:
+    data = os.urandom(1 << 20)
+    uri = await s3_store.put(f"models/tiny-{time.monotonic_ns()}.bin", data)
+    return ArtifactRef(uri=uri, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+
+
+@pytest.fixture
+async def node(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    podman_service: PodmanService,
+    s3_store: S3Store,
+) -> tuple[FakeController, AgentProcess]:
+    ctl = FakeController(nursery)
+    await ctl.start()
+    state_dir = tmp_path / "state"
+    ctl.enroll(state_dir)
+    credentials = tmp_path / "s3.json"
+    credentials.write_text(
+        json.dumps(
+            {
+                "access_key_id": s3_store.credentials.access_key_id,
+                "secret_access_key": s3_store.credentials.secret_access_key,
+            }
+        )
+    )
+    credentials.chmod(0o600)
+    config = tmp_path / "node.toml"
+    config.write_text(
+        f'state_dir = "{state_dir}"\ninventory_path = "{tmp_path / "inventory.json"}"\n'
+        f'nvidia_smi = "{tmp_path / "no-nvidia-smi"}"\nheartbeat_interval_s = 0.2\nreconnect_max_s = 0.5\n'
+        f'[podman]\nsocket = "{podman_service.socket}"\nregistry_tls_verify = false\n'
+        f'[artifacts]\ns3_endpoint = "{s3_store.endpoint}"\ns3_region = "{s3_store.region}"\n'
+        f's3_credentials_file = "{credentials}"\n'
+        "[supervisor]\nrestart_backoff_initial_s = 0.5\nrestart_backoff_max_s = 2\nreconcile_interval_s = 0.5\n"
+    )
+    agent = AgentProcess(config=config, log=tmp_path / "agent.log")
+    agent.start()
+    try:
+        yield ctl, agent
+    finally:
+        agent.kill()
+        for cid in podman(podman_service, "ps", "-aq", "--filter", "label=nexa.node=n1").split():
+            podman(podman_service, "rm", "-f", cid)
+
+
+async def beat_until(ctl: FakeController, check: Any, what: str) -> wire.Heartbeat:
+    with trio.fail_after(TIMEOUT_S):
+        return await ctl.next(wire.Heartbeat, check)
+
+
+def status(beat: wire.Heartbeat, aid: str) -> wire.AssignmentStatus | None:
+    return next((s for s in beat.assignments if s.assignment_id == aid), None)
+
+
+def state_is(aid: str, state: wire.RuntimeState, reason: str | None = None) -> Any:
+    def check(beat: wire.Heartbeat) -> bool:
+        s = status(beat, aid)
+        return s is not None and s.state is state and (reason is None or s.reason == reason)
+
+    return check
+
+
+@pytest.mark.slow
+async def test_a_runtime_runs_hardened_survives_an_agent_kill_and_reports_truthfully(
+    node: tuple[FakeController, AgentProcess],
+    podman_service: PodmanService,
+    test_images: BuiltImages,
+    fake_gpu_cdi: FakeGpu,
+    artifact: ArtifactRef,
+) -> None:
+    ctl, agent = node
+    port = 18000 + os.getpid() % 1000
+    spec = busybox_runtime(test_images.busybox, port, artifact, fake_gpu_cdi.device)
+    with trio.fail_after(TIMEOUT_S):
+        await ctl.next(wire.Hello)
+        assert (
+            await ctl.answer(aset(1, 1, assignments=[wire.Assignment(id="a1", deployment="d1", runtime=spec)]))
+        ).accepted
+    await beat_until(ctl, state_is("a1", RS.READY), "a1 Ready")
+
+    # The container is what the assignment said, hardened, and holds no secrets.
+    [info] = json.loads(podman(podman_service, "inspect", "nexa-a1"))
+    digest = test_images.busybox.split("@", 1)[1]
+    assert info["ImageDigest"] == digest
+    labels = info["Config"]["Labels"]
+    assert (labels["nexa.assignment"], labels["nexa.deployment"], labels["nexa.generation"]) == ("a1", "d1", "1")
+    assert info["HostConfig"]["ReadonlyRootfs"] is True
+    assert info["HostConfig"]["CapDrop"] and not info["EffectiveCaps"]
+    assert "no-new-privileges" in " ".join(info["HostConfig"]["SecurityOpt"])
+    assert info["HostConfig"]["Memory"] == 64 << 20 and info["HostConfig"]["PidsLimit"] == 64
+    env = dict(item.split("=", 1) for item in info["Config"]["Env"])
+    assert env["MODEL_PATH"] == "/models/model" and env["FAKE_GPU_INDEX"] == "0"
+    assert not [k for k in env if any(word in k.upper() for word in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
+    [model] = [m for m in info["Mounts"] if m["Destination"] == "/models/model"]
+    assert model["RW"] is False
+    inside = podman(podman_service, "exec", "nexa-a1", "sha256sum", "/models/model")
+    assert inside.split()[0] == artifact.sha256
+    assert "nvidia0" in podman(podman_service, "exec", "nexa-a1", "ls", "/dev").split()
+
+    # kill -9 of the agent: its successor adopts the running container without restarting it.
+    started_at = info["State"]["StartedAt"]
+    agent.kill(signal.SIGKILL)
+    agent.start()
+    restarted = time.time()  # heartbeats the killed agent left queued are older than this
+    await beat_until(ctl, lambda b: b.ts > restarted and state_is("a1", RS.READY)(b), "a1 Ready after the restart")
+    [again] = json.loads(podman(podman_service, "inspect", "nexa-a1"))
+    assert again["State"]["StartedAt"] == started_at
+    assert again["Id"] == info["Id"]
+
+    # A health flip is reported within two probe intervals (plus one heartbeat).
+    podman(podman_service, "exec", "nexa-a1", "rm", "/tmp/ok")
+    flipped = time.monotonic()
+    await beat_until(ctl, state_is("a1", RS.UNHEALTHY), "a1 Unhealthy")
+    assert time.monotonic() - flipped <= 2 * PROBE_S + 0.2 + 0.5  # two probes, one beat, scheduling slack
+    podman(podman_service, "exec", "nexa-a1", "touch", "/tmp/ok")
+    await beat_until(ctl, state_is("a1", RS.READY), "a1 Ready again")
+
+    # A crash: the agent restarts it (with backoff) and counts the restart.
+    podman(podman_service, "kill", "nexa-a1")
+    beat = await beat_until(
+        ctl, lambda b: (s := status(b, "a1")) is not None and s.restarts >= 1 and s.state is RS.READY, "restarted"
+    )
+    assert status(beat, "a1") is not None
+
+    # Removing the assignment stops and removes the container.
+    with trio.fail_after(TIMEOUT_S):
+        assert (await ctl.answer(aset(1, 2, assignments=[]))).accepted
+    await beat_until(ctl, lambda b: not b.assignments, "nothing assigned")
+    assert not podman(podman_service, "ps", "-aq", "--filter", "label=nexa.assignment=a1").split()
+
+
+@pytest.mark.slow
+async def test_bad_images_and_artifacts_never_start_and_orphans_are_removed(
+    node: tuple[FakeController, AgentProcess],
+    podman_service: PodmanService,
+    oci_registry: Any,
+    test_images: BuiltImages,
+    fake_gpu_cdi: FakeGpu,
+    artifact: ArtifactRef,
+) -> None:
+    ctl, _agent = node
+    # An orphan: a nexa-labelled container of this node that no assignment names.
+    podman(
+        podman_service,
+        "run",
+        "-d",
+        "--name",
+        "nexa-ghost",
+        "--label",
+        "nexa.node=n1",
+        "--label",
+        "nexa.assignment=ghost",
+        test_images.busybox,
+        "sleep",
+        "600",
+    )
+    repo = test_images.busybox.split("@", 1)[0]
+    missing_image = attrs.evolve(
+        busybox_runtime(test_images.busybox, 18990, artifact, fake_gpu_cdi.device), image=f"{repo}@sha256:{'e' * 64}"
+    )
+    tampered = attrs.evolve(
+        busybox_runtime(test_images.busybox, 18991, artifact, fake_gpu_cdi.device),
+        artifact=attrs.evolve(artifact, sha256="f" * 64),
+    )
+    with trio.fail_after(TIMEOUT_S):
+        await ctl.next(wire.Hello)
+        sets = [
+            wire.Assignment(id="a2", deployment="d2", runtime=missing_image),
+            wire.Assignment(id="a3", deployment="d3", runtime=tampered),
+        ]
+        assert (await ctl.answer(aset(1, 1, assignments=sets))).accepted
+    beat = await beat_until(
+        ctl,
+        lambda b: (
+            state_is("a2", RS.FAILED, "image_not_found")(b) and state_is("a3", RS.FAILED, "artifact_digest_mismatch")(b)
+        ),
+        "both refused",
+    )
+    assert beat is not None
+    names = podman(podman_service, "ps", "-a", "--format", "{{.Names}}", "--filter", "label=nexa.node=n1").split()
+    assert "nexa-a2" not in names and "nexa-a3" not in names  # neither runtime ever started
+
+    with trio.fail_after(TIMEOUT_S):
+        while podman(podman_service, "ps", "-aq", "--filter", "name=nexa-ghost").strip():  # noqa: ASYNC110
+            await trio.sleep(0.2)
