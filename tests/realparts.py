@@ -1,18 +1,24 @@
 """Real parts for tests (a pytest plugin, loaded by `tests/conftest.py`): a rootful podman service, an OCI
-registry, a fake CDI GPU, and test images built offline and pushed to that registry.
+registry, a fake CDI GPU, and test images built offline and pushed to that registry: busybox, and a Debian
+python image whose debootstrap root filesystem is cached between runs (see `python_image`).
 
 Each fixture is session-scoped: it starts its part once per test run in the run's temporary folder and,
 in `finally`, stops only the processes it started (by PID) and removes only what it created. A missing
 tool fails the run in CI (`CI=true`) and skips the tests that need it elsewhere. Measured on the 2-core
 CI machine: podman service ready in ~0.15 s, registry ~0.04 s, busybox image built, imported and
-pushed in ~0.5 s; teardown 0.05 to 0.2 s.
+pushed in ~0.5 s; the python image ~60 s when its rootfs is built (debootstrap ~45-50 s of it) and ~11 s
+from the cache (import ~7 s, push ~3.5 s); teardown 0.05 to 0.2 s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import io
+import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -46,6 +52,16 @@ devices:
 """
 START_TIMEOUT_S: Final = 30.0
 STOP_TIMEOUT_S: Final = 15.0
+#: The python image's root filesystem (REAL_PARTS §1b): Debian bookworm minbase with python3, from Debian's mirror
+#: (the only traffic the tests send off the machine), its signatures checked against the archive keyring.
+DEBIAN_SUITE: Final = "bookworm"
+DEBIAN_MIRROR: Final = "http://deb.debian.org/debian"
+DEBIAN_KEYRING: Final = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
+DEBOOTSTRAP_ARGS: Final = ("--variant=minbase", "--include=python3-minimal,python3", f"--keyring={DEBIAN_KEYRING}")
+#: Removed from the root filesystem before it is packed: apt's downloaded packages and package lists.
+ROOTFS_PRUNE: Final = ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*")
+#: debootstrap takes 45-50 s on the 2-core CI machine; a slow mirror gets this long.
+DEBOOTSTRAP_TIMEOUT_S: Final = 1200.0
 #: sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH: Final = 107
 
@@ -373,3 +389,166 @@ def test_images(
     digest = digest_file.read_text().strip()
     assert digest.startswith("sha256:") and len(digest) == 71, digest
     return BuiltImages(busybox=f"{remote}@{digest}", build_s=time.monotonic() - started)
+
+
+def cache_dir() -> Path:
+    """Where tests keep what is slow to make and safe to reuse: `$NEXA_TEST_CACHE`, else the XDG cache folder."""
+    explicit = os.environ.get("NEXA_TEST_CACHE")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "nexa-test"
+
+
+def python_rootfs_name() -> str:
+    """The cache file of the python root filesystem, named by a hash of its whole recipe: a changed recipe
+    (debootstrap arguments, suite, mirror, what is pruned, the machine's architecture) is a cache miss."""
+    recipe = {
+        "debootstrap": ["debootstrap", *DEBOOTSTRAP_ARGS, DEBIAN_SUITE, "<target>", DEBIAN_MIRROR],
+        "suite": DEBIAN_SUITE,
+        "prune": ROOTFS_PRUNE,
+        "arch": platform.machine(),
+        "pack": "tar --numeric-owner --one-file-system -cz",
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return f"debian-{DEBIAN_SUITE}-python3-{platform.machine()}-{key}.tar.gz"
+
+
+def _mounted_below(base: Path) -> list[str]:
+    prefix = str(base.resolve()) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+    return [point for point in points if point.startswith(prefix)]
+
+
+def _remove_build_dir(path: Path, *, strict: bool = True) -> None:
+    """Remove a (possibly half-built) root filesystem: first whatever debootstrap left mounted in it (/proc,
+    /sys), and never while anything is still mounted there (that would reach into the host's files).
+    Not `strict`: leave what cannot be removed now (a later run tries again)."""
+    if not path.exists():
+        return
+    _unmount_below(path)
+    if left := _mounted_below(path):
+        if strict:
+            pytest.fail(f"still mounted below {path}, not removing it: {left}", pytrace=False)
+        return
+    shutil.rmtree(path, ignore_errors=not strict)
+
+
+def _run_debootstrap(debootstrap: str, target: Path, log: Path) -> None:
+    """debootstrap in its own process group, so a timeout or an interrupt ends it and every child it started."""
+    argv = [debootstrap, *DEBOOTSTRAP_ARGS, DEBIAN_SUITE, str(target), DEBIAN_MIRROR]
+    env = {**os.environ, "LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        returncode = proc.wait(timeout=DEBOOTSTRAP_TIMEOUT_S)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=STOP_TIMEOUT_S)
+        raise
+    if returncode != 0:
+        details = _tail(target / "debootstrap" / "debootstrap.log") or _tail(log)
+        pytest.fail(f"{' '.join(argv)} failed ({returncode}):\n{details}", pytrace=False)
+
+
+def _build_python_rootfs(dest: Path) -> None:
+    """debootstrap the root filesystem next to `dest`, prune apt's caches and pack it into `dest` atomically
+    (a temporary file, fsynced, then renamed): an interrupted build leaves no file under `dest`'s name."""
+    debootstrap = shutil.which("debootstrap", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
+    if debootstrap is None:
+        _missing("debootstrap is not installed (bash .ci/dev installs it)")
+    _need_root("debootstrap")
+    if not DEBIAN_KEYRING.is_file():
+        _missing(f"{DEBIAN_KEYRING} is missing: install debian-archive-keyring")
+    # Built in the cache folder, not the run's temporary one: /tmp may be noexec, and the rename must not
+    # cross file systems.
+    work = dest.with_name(f".{dest.name}.build.{os.getpid()}")
+    packed = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        work.mkdir()
+        target = work / "rootfs"
+        _run_debootstrap(debootstrap, target, work / "debootstrap.log")
+        for pattern in ROOTFS_PRUNE:
+            for path in target.glob(pattern):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        subprocess.run(
+            ["tar", "--numeric-owner", "--one-file-system", "-C", str(target), "-czf", str(packed), "."],
+            capture_output=True,
+            timeout=600,
+            check=True,
+        )
+        with packed.open("rb") as f:
+            os.fsync(f.fileno())
+        packed.replace(dest)
+        folder = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    finally:
+        packed.unlink(missing_ok=True)
+        _remove_build_dir(work)
+
+
+def _python_rootfs(cache: Path, *, rebuild: bool = False) -> tuple[Path, bool]:
+    """The cached python root filesystem tarball, built first if it is missing (or `rebuild`). Returns the
+    path and whether it was built now. Runs that share the cache wait for each other's build (a file lock,
+    released by the kernel if its holder dies) and clear what a killed build left behind."""
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / python_rootfs_name()
+    with (cache / f".{dest.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for leftover in cache.glob(f".{dest.name}.*"):
+            if leftover.name.endswith(".tmp"):
+                leftover.unlink(missing_ok=True)
+            elif ".build." in leftover.name:
+                # Best effort: a killed run's debootstrap may still be finishing its last step in there
+                # (it runs in its own session); a later run removes what is left.
+                _remove_build_dir(leftover, strict=False)
+        if rebuild:
+            dest.unlink(missing_ok=True)
+        if dest.is_file():
+            os.utime(dest)  # last used: lets whoever prunes the cache go by age
+            return dest, False
+        _build_python_rootfs(dest)
+        return dest, True
+
+
+@pytest.fixture(scope="session")
+def python_image(
+    podman_service: PodmanService, oci_registry: OciRegistry, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    """A Debian bookworm image with python3 (`CMD ["/usr/bin/python3"]`), pushed to the run's registry:
+    `repo@sha256:…`, the digest the push reported.
+
+    Its root filesystem comes from `debootstrap --variant=minbase --include=python3-minimal,python3` (apt's
+    caches removed), kept as a tar.gz in `cache_dir()` keyed by the recipe: the first run builds it
+    (about a minute, needs root and Debian's mirror), later runs only import it (seconds). A cached file
+    that podman cannot import is built again once. The local image is removed after the push, so every
+    use is a real pull by digest.
+    """
+    rootfs, built = _python_rootfs(cache_dir())
+    local = f"localhost/nexa-test/python:{os.getpid()}"
+    remote = f"{oci_registry.host}/nexa-test/python"
+    change = 'CMD ["/usr/bin/python3"]'
+    imported = podman_service.cli("import", "--change", change, str(rootfs), local, check=False, timeout_s=600)
+    if imported.returncode != 0 and not built:
+        rootfs, built = _python_rootfs(cache_dir(), rebuild=True)
+        imported = podman_service.cli("import", "--change", change, str(rootfs), local, check=False, timeout_s=600)
+    if imported.returncode != 0:
+        pytest.fail(f"podman import {rootfs} failed ({imported.returncode}): {imported.stderr[-2000:]}")
+    digest_file = tmp_path_factory.mktemp("python-image") / "python.digest"
+    podman_service.cli(
+        "push", "--tls-verify=false", "--digestfile", str(digest_file), local, f"{remote}:test", timeout_s=600
+    )
+    podman_service.cli("rmi", local)
+    digest = digest_file.read_text().strip()
+    assert digest.startswith("sha256:") and len(digest) == 71, digest
+    return f"{remote}@{digest}"
