@@ -26,11 +26,12 @@ from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import wire
 from nexa.errors import BadSignature, ConfigError, ContractError
 from nexa.messaging import Uplink
-from nexa.node.artifacts import ArtifactCache, load_s3_credentials
+from nexa.node.artifacts import ArtifactCache
 from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.podman import PodmanClient, load_registry_credentials
 from nexa.node.supervisor import Supervisor
+from nexa.s3 import load_s3_credentials
 
 log = logging.getLogger(__name__)
 

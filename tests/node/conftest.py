@@ -24,7 +24,7 @@ import attrs
 import httpx
 import pytest
 
-from nexa.node.artifacts import S3Credentials, object_url, signed_headers_for
+from nexa.s3 import S3Credentials, object_url, signed_headers_for
 from tests.conftest import IN_CI
 
 S3_REGION = "us-east-1"

@@ -30,16 +30,8 @@ from nexa.config import ArtifactsConfig, Bytes
 from nexa.contracts.runtime import ArtifactRef
 from nexa.errors import ArtifactDigestMismatch, ArtifactError, ArtifactUnavailable, ConfigError
 from nexa.node import artifacts
-from nexa.node.artifacts import (
-    EMPTY_PAYLOAD_SHA256,
-    PARTIAL_PREFIX,
-    ArtifactCache,
-    ArtifactStatistics,
-    S3Credentials,
-    canonical_request,
-    load_s3_credentials,
-    sign_v4,
-)
+from nexa.node.artifacts import PARTIAL_PREFIX, ArtifactCache, ArtifactStatistics
+from nexa.s3 import EMPTY_PAYLOAD_SHA256, S3Credentials, canonical_request, load_s3_credentials, sign_v4
 from tests.node.conftest import S3Store
 
 TIMEOUT_S = 30
