@@ -565,7 +565,11 @@ def _nodes_show(args: argparse.Namespace) -> int:
         f"accelerators {row['accelerators']}; pool {_gib(inv.get('accelerator_memory_bytes'))}",
         f"assignments  generation {n['acked_generation']} acked of {n['desired_generation']} desired{ack}",
     ]
-    lines += [f"  {a['assignment_id']}: {a['state']} {a['detail']}".rstrip() for a in n["assignments"]]
+    lines += [
+        f"  {a['assignment_id']}: {a['state']}{'(' + a['reason'] + ')' if a.get('reason') else ''} "
+        f"restarts {a.get('restarts', 0)} {a['detail']}".rstrip()
+        for a in n["assignments"]
+    ]
     lines += [f"problem      {p}" for p in inv.get("problems", [])]
     print("\n".join(lines))
     return EXIT_OK
