@@ -65,6 +65,7 @@ class NodeLive:
     free_accelerators: int = 0
     last_push: float = float("-inf")
     inventory_digest: str | None = None
+    signing_key: PublicKey | None = None
 
     @property
     def state(self) -> NodeState:
@@ -147,7 +148,9 @@ class Fleet:
         live = self._nodes.get(NodeId(node_id))
         if live is None or live.node.admin_state is NodeAdminState.REVOKED:
             return None
-        return PublicKey.from_b64(live.node.signing_public_key)
+        if live.signing_key is None:  # parsed once per node, not per message
+            live.signing_key = PublicKey.from_b64(live.node.signing_public_key)
+        return live.signing_key
 
     def revoked_node_with_curve(self, curve_public_z85: str) -> str | None:
         for live in self._nodes.values():
@@ -296,6 +299,8 @@ class Fleet:
         return live
 
     async def _take_inventory(self, live: NodeLive, inventory: NodeInventory) -> None:
+        if inventory == live.inventory:
+            return  # the usual heartbeat: the agent re-sends the inventory it already reported
         live.inventory = inventory
         digest = _static_digest(inventory)
         if digest != live.inventory_digest:

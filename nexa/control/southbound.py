@@ -24,8 +24,10 @@ from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
-#: A node behind on its assignment set is sent it again at most this often.
-_REPUSH_MIN_S: Final = 1.0
+#: A node that reports an older set than desired is sent it again at most this often. Heartbeats
+#: sent before the node received the last push still report the old set, so re-pushing on each
+#: of them would multiply the work exactly when the controller is behind.
+_REPUSH_MIN_S: Final = 5.0
 #: The same refusal from the same node is audited at most this often (always counted).
 _REFUSAL_AUDIT_EVERY_S: Final = 5.0
 
