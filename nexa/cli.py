@@ -359,6 +359,8 @@ def _operator_commands(sub: Any) -> None:
     s = audit.add_parser("verify", parents=[common], help="recompute the chain; exit 1 if it is broken")
     s.set_defaults(handler=_audit_verify)
 
+    _registry_commands(sub, common)
+
 
 def _client(args: argparse.Namespace) -> Any:
     from nexa.client import ApiClient
@@ -582,4 +584,429 @@ def _nodes_action(args: argparse.Namespace) -> int:
         print(json.dumps(n, indent=2, sort_keys=True))
     else:
         print(f"node {n['id']}: {n['state']} (admin: {n['admin_state']})")
+    return EXIT_OK
+
+
+# ---- registry: runtimes, models, aliases -------------------------------------------------------
+
+RUNTIME_KINDS: Final = ("vllm", "sglang", "trtllm", "llamacpp", "sim")
+MODEL_FORMATS: Final = ("gguf", "safetensors", "onnx", "tensorrt", "tar")
+MODEL_STATES: Final = ("Candidate", "Verified", "Evaluated", "Approved", "Retired")
+
+
+def _registry_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    _runtime_commands(sub, common)
+    _model_commands(sub, common)
+    _alias_commands(sub, common)
+
+
+def _runtime_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    runtimes = sub.add_parser("runtimes", help="runtime images (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = runtimes.add_parser("register", parents=[common], help="register an image; its registry must hold the digest")
+    s.add_argument("name")
+    s.add_argument("--kind", required=True, choices=RUNTIME_KINDS)
+    s.add_argument("--version", required=True)
+    s.add_argument("--image", required=True, help="registry/repository@sha256:<64 hex>")
+    s.set_defaults(handler=_runtimes_register)
+    s = runtimes.add_parser("list", parents=[common])
+    s.set_defaults(handler=_runtimes_list)
+    s = runtimes.add_parser("show", parents=[common])
+    s.add_argument("name")
+    s.set_defaults(handler=_runtimes_show)
+
+
+def _model_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    models = sub.add_parser("models", help="model versions and their lifecycle (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = models.add_parser("register", parents=[common], help="register a version as Candidate")
+    _model_version(s)
+    s.add_argument("--uri", required=True, help="s3://bucket/key of the artifact")
+    s.add_argument("--sha256", required=True, help="the artifact's sha256 (64 hex)")
+    s.add_argument("--size", required=True, type=_size, help="the artifact's size in bytes (or 8GiB, 512MiB, …)")
+    s.add_argument("--format", required=True, choices=MODEL_FORMATS)
+    s.add_argument("--memory", required=True, type=_size, help="memory to schedule: weights plus runtime overhead")
+    s.add_argument("--source", required=True, help="provenance: where the weights come from")
+    s.add_argument("--signer", default="", help="provenance: who signed them")
+    s.add_argument("--signature", help="detached Ed25519 signature (base64) over the 32-byte sha256 digest")
+    _license_flags(s, required=False)
+    s.set_defaults(handler=_models_register)
+    s = models.add_parser("license", parents=[common], help="record the licence and who accepted it")
+    _model_version(s)
+    _license_flags(s, required=True)
+    s.set_defaults(handler=_models_license)
+    s = models.add_parser("verify", parents=[common], help="the controller streams and hashes the artifact itself")
+    _model_version(s)
+    s.add_argument("--signature", help="detached Ed25519 signature (base64) over the 32-byte sha256 digest")
+    s.set_defaults(handler=_models_verify)
+    s = models.add_parser("evaluate", parents=[common], help="record an evaluation (a pass makes it Evaluated)")
+    _model_version(s)
+    s.add_argument("--suite", required=True)
+    s.add_argument("--metric", action="append", default=[], help="NAME=NUMBER; repeat for more")
+    verdict = s.add_mutually_exclusive_group(required=True)
+    verdict.add_argument("--passed", dest="passed", action="store_true")
+    verdict.add_argument("--failed", dest="passed", action="store_false")
+    s.add_argument("--evidence", default="", help="where the full results are kept")
+    s.set_defaults(handler=_models_evaluate)
+    for verb in ("approve", "retire"):
+        s = models.add_parser(verb, parents=[common])
+        _model_version(s)
+        s.set_defaults(handler=_models_action, verb=verb)
+    s = models.add_parser("list", parents=[common])
+    s.add_argument("--name")
+    s.add_argument("--state", choices=MODEL_STATES)
+    s.set_defaults(handler=_models_list)
+    s = models.add_parser("show", parents=[common])
+    _model_version(s)
+    s.set_defaults(handler=_models_show)
+
+
+def _alias_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    aliases = sub.add_parser("aliases", help="versioned aliases (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = aliases.add_parser("list", parents=[common])
+    s.set_defaults(handler=_aliases_list)
+    s = aliases.add_parser("promote", parents=[common], help="point the alias at an Approved version")
+    s.add_argument("alias")
+    s.add_argument("--model", required=True)
+    s.add_argument("--version", required=True)
+    s.set_defaults(handler=_aliases_promote)
+    s = aliases.add_parser("rollback", parents=[common], help="undo the latest promotion")
+    s.add_argument("alias")
+    s.set_defaults(handler=_aliases_rollback)
+    s = aliases.add_parser("history", parents=[common], help="the alias and every change, oldest first")
+    s.add_argument("alias")
+    s.set_defaults(handler=_aliases_history)
+
+
+def _model_version(s: argparse.ArgumentParser) -> None:
+    s.add_argument("name")
+    s.add_argument("version")
+
+
+def _license_flags(s: argparse.ArgumentParser, *, required: bool) -> None:
+    terms = s.add_mutually_exclusive_group(required=required)
+    terms.add_argument("--spdx", help="SPDX licence id or expression, e.g. Apache-2.0")
+    terms.add_argument("--terms-sha256", help="sha256 of custom licence terms")
+    terms.add_argument("--terms-file", help="custom licence terms: the file's sha256 is recorded")
+    s.add_argument("--accepted-by", help="who accepted the terms (a person or a ticket)")
+    s.add_argument(
+        "--expires", type=_when, help="when the acceptance expires: 2027-01-31, an ISO time, or unix seconds"
+    )
+
+
+def _license_body(args: argparse.Namespace) -> dict[str, Any] | None:
+    terms_sha256 = args.terms_sha256
+    if args.terms_file:
+        import hashlib
+
+        try:
+            terms_sha256 = hashlib.sha256(Path(args.terms_file).read_bytes()).hexdigest()
+        except OSError as exc:
+            raise ConfigError(f"cannot read --terms-file {args.terms_file}: {exc.strerror}") from None
+    if args.spdx is None and terms_sha256 is None:
+        if args.accepted_by or args.expires:
+            raise ConfigError("--accepted-by and --expires need --spdx, --terms-sha256 or --terms-file")
+        return None
+    return {
+        "spdx_id": args.spdx,
+        "terms_sha256": terms_sha256,
+        "accepted_by": args.accepted_by,
+        "expires_at": args.expires,
+    }
+
+
+_SIZE_UNITS: Final = {
+    "": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def _size(text: str) -> int:
+    number = text.strip().rstrip("BbIiKkMmGgTt")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = float(number) * _SIZE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes, or e.g. 512MiB, 8GiB, 7.5GB)") from None
+    if value <= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"a size must be a positive whole number of bytes: {text!r}")
+    return int(value)
+
+
+def _when(text: str) -> float:
+    import datetime
+
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a time: {text!r} (use 2027-01-31, an ISO time or unix seconds)"
+        ) from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return moment.timestamp()
+
+
+def _size_text(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, factor in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= factor:
+            return f"{n / factor:.1f} {unit}"
+    return f"{n} B"
+
+
+def _runtimes_register(args: argparse.Namespace) -> int:
+    body = {"name": args.name, "kind": args.kind, "version": args.version, "image": args.image}
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/runtimes", body=body)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        print(f"runtime {out['name']} registered: {out['kind']} {out['version']}, {out['image']} ({out['media_type']})")
+    return EXIT_OK
+
+
+_RUNTIME_COLUMNS: Final = ("name", "kind", "version", "image", "registered_at")
+
+
+def _runtimes_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/runtimes")
+    _emit(args, out, out["runtimes"], _RUNTIME_COLUMNS)
+    return EXIT_OK
+
+
+def _runtimes_show(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", f"/api/v1/runtimes/{args.name}")
+    _emit(args, out, [out], (*_RUNTIME_COLUMNS, "media_type", "registered_by"))
+    return EXIT_OK
+
+
+def _model_path(args: argparse.Namespace) -> str:
+    return f"/api/v1/models/{args.name}/{args.version}"
+
+
+def _license_text(lic: dict[str, Any] | None) -> str:
+    if lic is None:
+        return "-"
+    terms = lic["spdx_id"] or f"custom terms sha256 {lic['terms_sha256'][:12]}…"
+    accepted = f"accepted by {lic['accepted_by']}" if lic["accepted_by"] else "not accepted"
+    expires = f", expires {_cell(lic['expires_at'])}" if lic["expires_at"] else ""
+    return f"{terms} ({accepted}{expires})"
+
+
+def _model_row(m: dict[str, Any]) -> dict[str, Any]:
+    lic = m["license"]
+    return {
+        "name": m["name"],
+        "version": m["version"],
+        "state": m["state"],
+        "format": m["format"],
+        "size": _size_text(m["artifact"]["size_bytes"]),
+        "memory": _size_text(m["memory_bytes"]),
+        "license": (lic["spdx_id"] or "custom") if lic else "-",
+        "registered_at": m["registered_at"],
+    }
+
+
+_MODEL_COLUMNS: Final = ("name", "version", "state", "format", "size", "memory", "license", "registered_at")
+
+
+def _print_model(args: argparse.Namespace, out: dict[str, Any], what: str) -> None:
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        print(f"model {out['name']}@{out['version']}: {out['state']}{what}")
+
+
+def _models_register(args: argparse.Namespace) -> int:
+    body = {
+        "name": args.name,
+        "version": args.version,
+        "artifact": {"uri": args.uri, "sha256": args.sha256, "size_bytes": args.size},
+        "format": args.format,
+        "memory_bytes": args.memory,
+        "provenance": {"source": args.source, "signer": args.signer},
+        "license": _license_body(args),
+        "signature": args.signature,
+    }
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/models", body=body)
+    _print_model(args, out, " (registered; verify it next)")
+    return EXIT_OK
+
+
+def _models_license(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", f"{_model_path(args)}/license", body=_license_body(args))
+    _print_model(args, out, f"; licence {_license_text(out['license'])}")
+    return EXIT_OK
+
+
+def _models_verify(args: argparse.Namespace) -> int:
+    body = {"signature": args.signature} if args.signature else None
+    with _client(args) as c:
+        out = c.call("POST", f"{_model_path(args)}/verify", body=body)
+    v = out["verification"]
+    signed = f", signature by key {v['signature_key']}" if v["signature_key"] else ""
+    _print_model(args, out, f" (sha256 {v['sha256']}, {v['size_bytes']} bytes in {v['seconds']:.2f} s{signed})")
+    return EXIT_OK
+
+
+def _metrics(items: list[str]) -> dict[str, float]:
+    metrics = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            metrics[name.strip()] = float(value)
+        except ValueError:
+            raise ConfigError(f"--metric {item!r}: expected NAME=NUMBER") from None
+        if not sep:
+            raise ConfigError(f"--metric {item!r}: expected NAME=NUMBER")
+    return metrics
+
+
+def _models_evaluate(args: argparse.Namespace) -> int:
+    body = {"suite": args.suite, "metrics": _metrics(args.metric), "passed": args.passed, "evidence": args.evidence}
+    with _client(args) as c:
+        out = c.call("POST", f"{_model_path(args)}/evaluations", body=body)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+    else:
+        e, m = out["evaluation"], out["model"]
+        verdict = "passed" if e["passed"] else "failed"
+        print(f"evaluation {e['id']} ({e['suite']}) {verdict}; model {m['name']}@{m['version']} is {m['state']}")
+    return EXIT_OK
+
+
+def _models_action(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", f"{_model_path(args)}/{args.verb}")
+    _print_model(args, out, "")
+    return EXIT_OK
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    params = {k: v for k, v in (("name", args.name), ("state", args.state)) if v}
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/models", params=params)
+    _emit(args, out, [_model_row(m) for m in out["models"]], _MODEL_COLUMNS)
+    return EXIT_OK
+
+
+def _models_show(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", _model_path(args))
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return EXIT_OK
+    m, v = out["model"], out["model"]["verification"]
+    a = m["artifact"]
+    lines = [
+        f"model        {m['name']}@{m['version']}",
+        f"state        {m['state']} since {_cell(m['state_changed_at'])}",
+        f"artifact     {a['uri']} ({m['format']}, {_size_text(a['size_bytes'])})",
+        f"sha256       {a['sha256']}",
+        f"memory       {_size_text(m['memory_bytes'])}",
+        f"licence      {_license_text(m['license'])}",
+        f"provenance   {m['provenance']['source']}"
+        + (f", signed by {m['provenance']['signer']}" if m["provenance"]["signer"] else ""),
+        "verified     " + (f"{_cell(v['verified_at'])} ({v['size_bytes']} bytes, {v['seconds']:.2f} s)" if v else "no"),
+        f"aliases      {', '.join(out['aliases']) or '-'}",
+    ]
+    for e in out["evaluations"]:
+        metrics = ", ".join(f"{k}={val:g}" for k, val in sorted(e["metrics"].items()))
+        verdict = "passed" if e["passed"] else "failed"
+        lines.append(f"evaluation   {e['id']} {e['suite']} {verdict} {_cell(e['recorded_at'])} {metrics}".rstrip())
+    print("\n".join(lines))
+    return EXIT_OK
+
+
+def _ref(ref: dict[str, Any] | None) -> str:
+    return "-" if ref is None else f"{ref['model']}@{ref['version']}"
+
+
+def _alias_row(a: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "alias": a["name"],
+        "target": _ref(a["target"]),
+        "generation": a["generation"],
+        "updated_at": a["updated_at"],
+    }
+
+
+def _aliases_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/aliases")
+    _emit(args, out, [_alias_row(a) for a in out["aliases"]], ("alias", "target", "generation", "updated_at"))
+    return EXIT_OK
+
+
+def _print_receipt(args: argparse.Namespace, r: dict[str, Any]) -> None:
+    if args.json:
+        print(json.dumps(r, indent=2, sort_keys=True))
+    else:
+        print(
+            f"alias {r['alias']}: generation {r['generation']}, {_ref(r['from'])} -> {_ref(r['to'])} "
+            f"({r['action']}; audit event {r['event_id']})"
+        )
+
+
+def _aliases_promote(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call(
+            "POST", f"/api/v1/aliases/{args.alias}/promote", body={"model": args.model, "version": args.version}
+        )
+    _print_receipt(args, out)
+    return EXIT_OK
+
+
+def _aliases_rollback(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", f"/api/v1/aliases/{args.alias}/rollback")
+    _print_receipt(args, out)
+    return EXIT_OK
+
+
+def _aliases_history(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", f"/api/v1/aliases/{args.alias}")
+    rows = [
+        {
+            "generation": r["generation"],
+            "action": r["action"],
+            "from": _ref(r["from"]),
+            "to": _ref(r["to"]),
+            "at": r["at"],
+            "actor": r["actor"],
+            "event": r["event_id"],
+        }
+        for r in out["history"]
+    ]
+    if not args.json:
+        print(
+            f"alias {out['alias']['name']} -> {_ref(out['alias']['target'])} (generation {out['alias']['generation']})"
+        )
+    _emit(args, out, rows, ("generation", "action", "from", "to", "at", "actor", "event"))
     return EXIT_OK

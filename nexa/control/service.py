@@ -1,6 +1,7 @@
 """`serve_control`: the controller's composition root. The only hypercorn importer.
 
-Start order: store (lock, migrate, new epoch) → registry, fleet, keys → node channel → HTTP.
+Start order: store (lock, migrate, new epoch) → registry, fleet, keys → outbound clients and the
+model registry → node channel → HTTP.
 Shutdown is the reverse: HTTP stops accepting and drains in-flight requests for
 `http.graceful_timeout_s`, then the background loops are cancelled (bounded by
 their own shielded timeouts), then the store closes last.
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Final
+from typing import Final, TypeVar
 
 import attrs
 import hypercorn.config
@@ -23,14 +25,20 @@ from nexa import __version__
 from nexa.config import ControlConfig, HttpConfig, parse_host_port
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
 from nexa.control.fleet import Fleet
+from nexa.control.models import ModelRegistry
+from nexa.control.outbound import Outbound
 from nexa.control.registry import Registry
 from nexa.control.southbound import Southbound
 from nexa.control.store import open_store
 from nexa.messaging import CurveKeyPair, generate_curve_keypair, load_curve_keypair, save_curve_keypair
+from nexa.oci import load_registry_credentials
+from nexa.s3 import load_s3_credentials
 from nexa.security import SigningKey, generate_signing_key, load_signing_key, save_signing_key
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 KEYS_DIR: Final = "keys"
@@ -101,37 +109,58 @@ async def serve_control(
         keys = await trio.to_thread.run_sync(load_or_create_keys, Path(cfg.state_dir) / KEYS_DIR)
         fleet = Fleet(cfg.nodes, store, metrics)
         await fleet.load()
-        state = AppState(
-            registry=registry,
-            fleet=fleet,
-            store=store,
-            metrics=metrics,
-            started_at=time.time(),
-            controller_keys=keys.public(),
+        outbound = Outbound(
+            cfg.oci,
+            cfg.artifacts,
+            registry_credentials=await _maybe(load_registry_credentials, cfg.oci.credentials_file),
+            s3_credentials=await _maybe(load_s3_credentials, cfg.artifacts.s3_credentials_file),
         )
-        app = create_app(cfg.http, state)
-
-        async with trio.open_nursery() as loops:
-            southbound = Southbound(
-                cfg.channel, cfg.nodes, fleet, metrics, curve=keys.curve, signing_key=keys.signing, epoch=store.epoch
+        async with outbound:
+            models = await ModelRegistry.load(cfg.models, store, metrics, outbound)
+            state = AppState(
+                registry=registry,
+                fleet=fleet,
+                models=models,
+                store=store,
+                metrics=metrics,
+                started_at=time.time(),
+                controller_keys=keys.public(),
             )
-            channel = await loops.start(southbound.run)
-            log.info("node channel bound", extra={"fields": {"endpoint": channel}})
-            async with trio.open_nursery() as http:
-                binds: list[str] = await http.start(
-                    partial(hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait)
+            app = create_app(cfg.http, state)
+            async with trio.open_nursery() as loops:
+                southbound = Southbound(
+                    cfg.channel,
+                    cfg.nodes,
+                    fleet,
+                    metrics,
+                    curve=keys.curve,
+                    signing_key=keys.signing,
+                    epoch=store.epoch,
                 )
-                state.ready = True
-                http.start_soon(_unready_on, stopping, state)
-                log.info(
-                    "controller serving",
-                    extra={"fields": {"urls": binds, "epoch": store.epoch, "version": __version__}},
-                )
-                task_status.started(ControlStarted(urls=binds, channel=channel, epoch=store.epoch, admin_key=admin_key))
-            # hypercorn returned: in-flight requests have drained. Stop the loops; the store
-            # closes when `open_store` exits, last.
-            loops.cancel_scope.cancel()
+                channel = await loops.start(southbound.run)
+                log.info("node channel bound", extra={"fields": {"endpoint": channel}})
+                async with trio.open_nursery() as http:
+                    binds: list[str] = await http.start(
+                        partial(hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait)
+                    )
+                    state.ready = True
+                    http.start_soon(_unready_on, stopping, state)
+                    log.info(
+                        "controller serving",
+                        extra={"fields": {"urls": binds, "epoch": store.epoch, "version": __version__}},
+                    )
+                    task_status.started(
+                        ControlStarted(urls=binds, channel=channel, epoch=store.epoch, admin_key=admin_key)
+                    )
+                # hypercorn returned: in-flight requests have drained. Stop the loops; the store
+                # closes when `open_store` exits, last.
+                loops.cancel_scope.cancel()
     log.info("controller stopped")
+
+
+async def _maybe(load: Callable[[str], T], path: str) -> T | None:
+    """Read a credentials file named in config (off the event loop); None when none is named."""
+    return await trio.to_thread.run_sync(load, path) if path else None
 
 
 async def _unready_on(stopping: trio.Event, state: AppState) -> None:

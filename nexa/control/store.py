@@ -36,6 +36,7 @@ from nexa.contracts.domain import (
     Node,
     Tenant,
 )
+from nexa.contracts.models import AliasReceipt, AliasRecord, EvaluationRecord, ModelRecord, ModelState, RuntimeRecord
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.wire import DesiredAssignments
 from nexa.errors import Conflict, NotFound, StateDirLocked, StoreError, Unauthenticated
@@ -116,6 +117,47 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE TABLE node_desired (
         node_id TEXT PRIMARY KEY REFERENCES node(id),
         body TEXT NOT NULL
+    ) STRICT;
+    """,
+    """
+    CREATE TABLE runtime (
+        name TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        image TEXT NOT NULL,
+        body TEXT NOT NULL
+    ) STRICT;
+    CREATE TABLE model (
+        name TEXT NOT NULL,
+        version TEXT NOT NULL,
+        state TEXT NOT NULL,
+        sha256 TEXT NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (name, version)
+    ) STRICT;
+    CREATE INDEX model_sha256 ON model(sha256);
+    CREATE TABLE evaluation (
+        id TEXT PRIMARY KEY,
+        model TEXT NOT NULL,
+        version TEXT NOT NULL,
+        passed INTEGER NOT NULL,
+        recorded_at REAL NOT NULL,
+        body TEXT NOT NULL,
+        FOREIGN KEY (model, version) REFERENCES model(name, version)
+    ) STRICT;
+    CREATE INDEX evaluation_model ON evaluation(model, version, recorded_at);
+    CREATE TABLE alias (
+        name TEXT PRIMARY KEY,
+        model TEXT NOT NULL,
+        version TEXT NOT NULL,
+        generation INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        FOREIGN KEY (model, version) REFERENCES model(name, version)
+    ) STRICT;
+    CREATE TABLE alias_history (
+        alias TEXT NOT NULL REFERENCES alias(name),
+        generation INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (alias, generation)
     ) STRICT;
     """,
 )
@@ -579,3 +621,132 @@ def save_desired(db: apsw.Connection, desired: DesiredAssignments, draft: AuditD
         )
         if draft is not None:
             _append_audit(db, draft)
+
+
+# ---- registry: runtimes, models, evaluations, aliases ------------------------------------------
+
+
+def insert_runtime(db: apsw.Connection, runtime: RuntimeRecord, draft: AuditDraft) -> AuditEvent:
+    with _txn(db):
+        db.execute(
+            "INSERT INTO runtime(name, kind, image, body) VALUES (?,?,?,?)",
+            (runtime.name, runtime.kind.value, runtime.image, codec.dumps(codec.store, runtime)),
+        )
+        event = _append_audit(db, draft)
+    return event
+
+
+def load_runtimes(db: apsw.Connection) -> list[RuntimeRecord]:
+    with _txn(db):
+        rows = db.execute("SELECT body FROM runtime ORDER BY name").fetchall()
+    return [codec.loads(codec.store, str(body), RuntimeRecord) for (body,) in rows]
+
+
+def insert_model(db: apsw.Connection, model: ModelRecord, draft: AuditDraft) -> AuditEvent:
+    with _txn(db):
+        db.execute(
+            "INSERT INTO model(name, version, state, sha256, body) VALUES (?,?,?,?,?)",
+            (model.name, model.version, model.state.value, model.artifact.sha256, codec.dumps(codec.store, model)),
+        )
+        event = _append_audit(db, draft)
+    return event
+
+
+def _update_model(db: apsw.Connection, model: ModelRecord, expected: ModelState) -> None:
+    """Compare-and-set on the state: a model changed by someone else meanwhile is a Conflict."""
+    db.execute(
+        "UPDATE model SET state = ?, body = ? WHERE name = ? AND version = ? AND state = ?",
+        (model.state.value, codec.dumps(codec.store, model), model.name, model.version, expected.value),
+    )
+    if db.changes() != 1:
+        raise Conflict(f"model {model.key} changed meanwhile; try again")
+
+
+def update_model(db: apsw.Connection, model: ModelRecord, expected: ModelState, draft: AuditDraft) -> AuditEvent:
+    with _txn(db):
+        _update_model(db, model, expected)
+        event = _append_audit(db, draft)
+    return event
+
+
+def insert_evaluation(
+    db: apsw.Connection, evaluation: EvaluationRecord, model: ModelRecord, expected: ModelState, draft: AuditDraft
+) -> AuditEvent:
+    """Record an evaluation and the model state it leads to, in one transaction."""
+    with _txn(db):
+        db.execute(
+            "INSERT INTO evaluation(id, model, version, passed, recorded_at, body) VALUES (?,?,?,?,?,?)",
+            (
+                evaluation.id,
+                evaluation.model,
+                evaluation.version,
+                int(evaluation.passed),
+                evaluation.recorded_at,
+                codec.dumps(codec.store, evaluation),
+            ),
+        )
+        _update_model(db, model, expected)
+        event = _append_audit(db, draft)
+    return event
+
+
+def load_models(db: apsw.Connection) -> tuple[list[ModelRecord], list[EvaluationRecord]]:
+    with _txn(db):
+        models = db.execute("SELECT body FROM model ORDER BY name, version").fetchall()
+        evaluations = db.execute("SELECT body FROM evaluation ORDER BY recorded_at, id").fetchall()
+    return (
+        [codec.loads(codec.store, str(body), ModelRecord) for (body,) in models],
+        [codec.loads(codec.store, str(body), EvaluationRecord) for (body,) in evaluations],
+    )
+
+
+def save_alias(
+    db: apsw.Connection, alias: AliasRecord, expected_generation: int, receipt: AliasReceipt, draft: AuditDraft
+) -> AliasReceipt:
+    """Move an alias to its next generation and keep the receipt; the receipt gets the audit event's id.
+
+    `expected_generation` is the generation the caller read (0: the alias must not exist yet).
+    """
+    with _txn(db):
+        if expected_generation == 0:
+            db.execute(
+                "INSERT INTO alias(name, model, version, generation, body) VALUES (?,?,?,?,?)",
+                (
+                    alias.name,
+                    alias.target.model,
+                    alias.target.version,
+                    alias.generation,
+                    codec.dumps(codec.store, alias),
+                ),
+            )
+        else:
+            db.execute(
+                "UPDATE alias SET model = ?, version = ?, generation = ?, body = ? WHERE name = ? AND generation = ?",
+                (
+                    alias.target.model,
+                    alias.target.version,
+                    alias.generation,
+                    codec.dumps(codec.store, alias),
+                    alias.name,
+                    expected_generation,
+                ),
+            )
+            if db.changes() != 1:
+                raise Conflict(f"alias {alias.name} changed meanwhile; try again")
+        event = _append_audit(db, draft)
+        receipt = attrs.evolve(receipt, event_id=event.id)
+        db.execute(
+            "INSERT INTO alias_history(alias, generation, body) VALUES (?,?,?)",
+            (alias.name, alias.generation, codec.dumps(codec.store, receipt)),
+        )
+    return receipt
+
+
+def load_aliases(db: apsw.Connection) -> tuple[list[AliasRecord], list[AliasReceipt]]:
+    with _txn(db):
+        aliases = db.execute("SELECT body FROM alias ORDER BY name").fetchall()
+        history = db.execute("SELECT body FROM alias_history ORDER BY alias, generation").fetchall()
+    return (
+        [codec.loads(codec.store, str(body), AliasRecord) for (body,) in aliases],
+        [codec.loads(codec.store, str(body), AliasReceipt) for (body,) in history],
+    )

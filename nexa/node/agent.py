@@ -29,8 +29,9 @@ from nexa.messaging import Uplink
 from nexa.node.artifacts import ArtifactCache
 from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
 from nexa.node.inventory import InventoryWatcher, discover
-from nexa.node.podman import PodmanClient, load_registry_credentials
+from nexa.node.podman import PodmanClient
 from nexa.node.supervisor import Supervisor
+from nexa.oci import load_registry_credentials
 from nexa.s3 import load_s3_credentials
 
 log = logging.getLogger(__name__)

@@ -15,16 +15,13 @@ import logging
 import math
 import os
 import re
-import stat
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from datetime import datetime
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
 from urllib.parse import quote
 
-import attrs
 import httpx
 import trio
 
@@ -37,13 +34,13 @@ from nexa.contracts.runtime import (
     PodmanEvent,
 )
 from nexa.errors import (
-    ConfigError,
     ContainerNotFound,
     ContractError,
     ImageNotFound,
     PodmanError,
     PodmanUnavailable,
 )
+from nexa.oci import RegistryCredentials
 
 log = logging.getLogger(__name__)
 
@@ -72,47 +69,6 @@ _ZERO_TIME_PREFIX: Final = "0001-01-01"
 _MAX_MESSAGE_CHARS: Final = 400
 
 _Json = dict[str, Any]
-
-
-@attrs.frozen
-class RegistryCredentials:
-    """A username and password for the OCI registry; sent only in the pull's X-Registry-Auth header."""
-
-    username: str
-    password: str = attrs.field(repr=False)
-
-
-def load_registry_credentials(path: str | os.PathLike[str]) -> RegistryCredentials:
-    """Read a JSON file `{"username": …, "password": …}`; ConfigError (never quoting the file) when it is bad."""
-    where = os.fspath(path)
-    try:
-        raw = Path(where).read_bytes()
-        mode = os.stat(where).st_mode
-    except OSError as exc:
-        raise ConfigError(f"cannot read the registry credentials file {where}: {exc.strerror}") from None
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("registry credentials file %s is readable by others than its owner; chmod 600 it", where)
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        # The message says where, never what: the file holds a password.
-        line = getattr(exc, "lineno", None)
-        at = f" (line {line})" if line is not None else ""
-        raise ConfigError(f"the registry credentials file {where} is not valid JSON{at}") from None
-    problems: list[str] = []
-    if not isinstance(data, dict):
-        problems.append("expected a JSON object with username and password")
-    else:
-        for key in ("username", "password"):
-            value = data.get(key)
-            if not isinstance(value, str) or not value:
-                problems.append(f"{key}: a non-empty string is required")
-        problems.extend(f"{key}: unknown key" for key in sorted(set(data) - {"username", "password"}))
-    if problems:
-        raise ConfigError(
-            f"the registry credentials file {where} is invalid: {'; '.join(problems)}", problems=tuple(problems)
-        )
-    return RegistryCredentials(username=data["username"], password=data["password"])
 
 
 def _require_digest_reference(image: str) -> None:

@@ -53,7 +53,9 @@ async def test_health_ready_and_version_need_no_key(controller: Controller) -> N
 
 async def test_every_route_declares_its_roles() -> None:
     # The table is the single source: every registered rule is in it, and nothing else is.
-    state = AppState(registry=None, fleet=None, store=None, metrics=None, started_at=0, controller_keys=None)  # type: ignore[arg-type]
+    state = AppState(  # type: ignore[arg-type]
+        registry=None, fleet=None, models=None, store=None, metrics=None, started_at=0, controller_keys=None
+    )
     app = create_app(HttpConfig(), state)
     registered = {
         (m, r.rule) for r in app.url_map.iter_rules() for m in r.methods or () if m not in {"HEAD", "OPTIONS"}
@@ -302,7 +304,9 @@ async def test_restart_keeps_state_and_takes_a_higher_epoch(tmp_path: object, nu
 
 
 async def test_readyz_is_503_until_ready() -> None:
-    state = AppState(registry=None, fleet=None, store=None, metrics=Metrics(), started_at=0, controller_keys=None)  # type: ignore[arg-type]
+    state = AppState(  # type: ignore[arg-type]
+        registry=None, fleet=None, models=None, store=None, metrics=Metrics(), started_at=0, controller_keys=None
+    )
     client = create_app(HttpConfig(), state).test_client()
     resp = await client.get("/readyz")
     assert resp.status_code == 503

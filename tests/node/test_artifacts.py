@@ -1,4 +1,4 @@
-"""The artifact cache against a real SeaweedFS S3 store on 127.0.0.1 (see `tests/node/conftest.py`).
+"""The artifact cache against a real SeaweedFS S3 store on 127.0.0.1 (the `s3_store` fixture in `tests/realparts.py`).
 
 Policy: loopback only; every I/O test runs under an absolute `trio.fail_after`; objects get
 unique keys so tests share one store without seeing each other's data. httpx's MockTransport
@@ -32,7 +32,7 @@ from nexa.errors import ArtifactDigestMismatch, ArtifactError, ArtifactUnavailab
 from nexa.node import artifacts
 from nexa.node.artifacts import PARTIAL_PREFIX, ArtifactCache, ArtifactStatistics
 from nexa.s3 import EMPTY_PAYLOAD_SHA256, S3Credentials, canonical_request, load_s3_credentials, sign_v4
-from tests.node.conftest import S3Store
+from tests.realparts import S3Store
 
 TIMEOUT_S = 30
 

@@ -36,7 +36,8 @@ from nexa.errors import (
     PodmanError,
     PodmanUnavailable,
 )
-from nexa.node.podman import API_BASE, PodmanClient, RegistryCredentials, load_registry_credentials
+from nexa.node.podman import API_BASE, PodmanClient
+from nexa.oci import RegistryCredentials, load_registry_credentials
 from tests.realparts import BuiltImages, FakeGpu, PodmanService
 
 RUN_LABEL = "nexa-test.run"

@@ -24,9 +24,8 @@ import trio
 from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
-from tests.node.conftest import S3Store
 from tests.node.test_agent import FakeController, aset
-from tests.realparts import BuiltImages, FakeGpu, PodmanService
+from tests.realparts import BuiltImages, FakeGpu, PodmanService, S3Store
 
 TIMEOUT_S = 60
 PROBE_S = 0.5

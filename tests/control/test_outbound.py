@@ -1,0 +1,172 @@
+"""The controller's outbound checks, for what the real registry and store in the other tests do not do:
+registries that demand basic auth or the bearer-token flow, a store that streams without a length.
+These use httpx.MockTransport (fault injection); `test_models.py` covers the real servers.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from nexa.config import ArtifactStoreConfig, OciConfig
+from nexa.contracts.models import ModelArtifact
+from nexa.control.outbound import Outbound, parse_challenge
+from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, Unavailable
+from nexa.oci import MANIFEST_MEDIA_TYPES, RegistryCredentials, parse_image_reference
+
+DIGEST = "sha256:" + "ab" * 32
+IMAGE = f"registry.example.com/team/vllm@{DIGEST}"
+MANIFEST = "application/vnd.oci.image.index.v1+json"
+CREDS = RegistryCredentials(username="puller", password="pa55-word")
+
+
+@pytest.mark.parametrize(
+    ("image", "registry", "repository", "loopback"),
+    [
+        (f"registry.example.com/team/vllm@{DIGEST}", "registry.example.com", "team/vllm", False),
+        (f"127.0.0.1:5000/nexa/busybox:test@{DIGEST}", "127.0.0.1:5000", "nexa/busybox", True),
+        (f"localhost/x@{DIGEST}", "localhost", "x", True),
+        (f"busybox@{DIGEST}", "registry-1.docker.io", "library/busybox", False),
+        (f"vllm/vllm-openai@{DIGEST}", "registry-1.docker.io", "vllm/vllm-openai", False),
+        (f"docker.io/vllm/vllm-openai@{DIGEST}", "registry-1.docker.io", "vllm/vllm-openai", False),
+    ],
+)
+def test_image_references_split_like_podman_does(image: str, registry: str, repository: str, loopback: bool) -> None:
+    ref = parse_image_reference(image)
+    assert (ref.registry, ref.repository, ref.digest, ref.loopback) == (registry, repository, DIGEST, loopback)
+
+
+@pytest.mark.parametrize("image", ["busybox:latest", f"busybox@{DIGEST[:-1]}", "", f"Upper/Case@{DIGEST}"])
+def test_references_without_a_digest_are_contract_errors(image: str) -> None:
+    with pytest.raises(ContractError):
+        parse_image_reference(image)
+
+
+def test_challenges_parse() -> None:
+    c = parse_challenge(
+        'Bearer realm="https://auth.example/token",service="registry.example",scope="repository:a:pull"'
+    )
+    assert c.scheme == "bearer"
+    assert c.params == {
+        "realm": "https://auth.example/token",
+        "service": "registry.example",
+        "scope": "repository:a:pull",
+    }
+    assert parse_challenge('Basic realm="Registry"').scheme == "basic"
+
+
+class FakeRegistry:
+    """A registry that answers 401 with a challenge unless the request carries what it asked for."""
+
+    def __init__(self, scheme: str, *, known: bool = True) -> None:
+        self.scheme = scheme
+        self.known = known
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        basic = "Basic " + base64.b64encode(b"puller:pa55-word").decode()
+        if request.url.host == "auth.example.com":
+            assert request.url.params["scope"] == "repository:team/vllm:pull"
+            assert request.url.params["service"] == "registry.example.com"
+            if request.headers.get("authorization") != basic:
+                return httpx.Response(401)
+            return httpx.Response(200, json={"token": "tok-123", "expires_in": 300})
+        assert request.method == "HEAD"
+        assert request.url.path == f"/v2/team/vllm/manifests/{DIGEST}"
+        assert request.url.scheme == "https"
+        assert set(request.headers["accept"].split(", ")) == set(MANIFEST_MEDIA_TYPES)
+        wanted = "Bearer tok-123" if self.scheme == "bearer" else basic
+        if request.headers.get("authorization") != wanted:
+            challenge = (
+                'Bearer realm="https://auth.example.com/token",service="registry.example.com",'
+                'scope="repository:team/vllm:pull"'
+                if self.scheme == "bearer"
+                else 'Basic realm="Registry Realm"'
+            )
+            return httpx.Response(401, headers={"WWW-Authenticate": challenge})
+        if not self.known:
+            return httpx.Response(404)
+        return httpx.Response(200, headers={"Content-Type": MANIFEST, "Docker-Content-Digest": DIGEST})
+
+
+def make(handler: httpx.MockTransport, creds: RegistryCredentials | None = CREDS) -> Outbound:
+    return Outbound(
+        OciConfig(),
+        ArtifactStoreConfig(s3_endpoint="https://s3.example.com"),
+        registry_credentials=creds,
+        s3_credentials=None,
+        transport=handler,
+    )
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "basic"])
+async def test_a_401_challenge_is_answered_with_credentials(scheme: str) -> None:
+    registry = FakeRegistry(scheme)
+    async with make(httpx.MockTransport(registry)) as out:
+        check = await out.check_image(IMAGE)
+    assert (check.digest, check.media_type) == (DIGEST, MANIFEST)
+    hosts = [r.url.host for r in registry.requests]
+    if scheme == "bearer":
+        assert hosts == ["registry.example.com", "auth.example.com", "registry.example.com"]
+    else:
+        assert hosts == ["registry.example.com", "registry.example.com"]
+
+
+async def test_a_digest_unknown_behind_auth_is_still_digest_unknown() -> None:
+    async with make(httpx.MockTransport(FakeRegistry("bearer", known=False))) as out:
+        with pytest.raises(DigestUnknown):
+            await out.check_image(IMAGE)
+
+
+@pytest.mark.parametrize("scheme", ["bearer", "basic"])
+async def test_without_credentials_the_refusal_says_what_to_configure(scheme: str) -> None:
+    async with make(httpx.MockTransport(FakeRegistry(scheme)), creds=None) as out:
+        with pytest.raises(Unavailable) as info:
+            await out.check_image(IMAGE)
+    assert "credentials" in info.value.message
+    assert "pa55" not in info.value.message
+
+
+async def test_a_registry_answering_another_digest_is_not_trusted() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"Content-Type": MANIFEST, "Docker-Content-Digest": "sha256:" + "cd" * 32})
+
+    async with make(httpx.MockTransport(handler)) as out:
+        with pytest.raises(DigestUnknown):
+            await out.check_image(IMAGE)
+
+
+async def test_a_token_service_over_plain_http_is_refused_when_tls_is_verified() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        challenge = 'Bearer realm="http://auth.example.com/token",service="x"'
+        return httpx.Response(401, headers={"WWW-Authenticate": challenge})
+
+    async with make(httpx.MockTransport(handler)) as out:
+        with pytest.raises(Unavailable, match="not https"):
+            await out.check_image(IMAGE)
+
+
+# httpx's own inner async generator (under MockTransport) is finalized by trio with a ResourceWarning
+# (encode/httpx#3686); the verifier closes its iterator itself, which is what the test checks.
+@pytest.mark.filterwarnings("ignore:Async generator 'httpx\\.:ResourceWarning")
+async def test_an_artifact_streamed_without_a_length_is_cut_off_at_the_first_byte_too_many() -> None:
+    sent: list[int] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(1000):
+            sent.append(1)
+            yield b"x" * 1024
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())  # chunked: no Content-Length
+
+    declared = ModelArtifact(uri="s3://models/m.gguf", sha256=hashlib.sha256(b"x" * 4096).hexdigest(), size_bytes=4096)
+    async with make(httpx.MockTransport(handler)) as out:
+        with pytest.raises(ArtifactSizeMismatch, match="more than the declared"):
+            await out.verify_artifact(declared)
+    assert len(sent) < 10  # stopped reading: never pulled the rest of the stream
