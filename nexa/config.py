@@ -86,6 +86,8 @@ class NodesConfig:
     assignment_lease_s: Seconds = Seconds(60.0)
     #: The longest lifetime an enrollment token may be given.
     max_token_ttl_s: Seconds = Seconds(86400.0)
+    #: A node Unreachable for this long (after its lease lapsed) has its replicas placed elsewhere.
+    replace_after_s: Seconds = Seconds(30.0)
 
 
 @attrs.frozen(kw_only=True)

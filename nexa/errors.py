@@ -25,6 +25,12 @@ Our exception hierarchy:
     - ModelNotApproved          an alias may point only at an Approved model
     - NoRollbackTarget          an alias has no earlier promotion to return to
     - ModelInUse                a model an alias points at cannot be retired
+  + NotDeployable               a deployment the registry or the fleet does not allow (HTTP 422)
+    - DeployModelNotApproved    its model is not Approved
+    - DeployLicenseInvalid      its model's licence is not accepted or has expired
+    - DeployModelUnknown        no such alias or model version
+    - DeployRuntimeUnknown      no runtime registered (and checked) under that name
+    - Unplaceable               no placement fits; the message explains every node
   + Overloaded                  shed load; carries retry_after_s
   + Unavailable                 a dependency is down; retryable
   + VerificationFailed          the controller checked a claim at its source and it does not hold
@@ -154,6 +160,34 @@ class ModelInUse(Conflict):
         super().__init__(message)
         self.model = model
         self.aliases = aliases
+
+
+class NotDeployable(NexaError):
+    """The controller refuses to run a deployment: its model, licence, runtime or the fleet does not allow it."""
+
+    code = "not_deployable"
+
+
+class DeployModelNotApproved(NotDeployable):
+    code = "model_not_approved"
+
+
+class DeployLicenseInvalid(NotDeployable):
+    code = "license_invalid"
+
+
+class DeployModelUnknown(NotDeployable):
+    code = "model_unknown"
+
+
+class DeployRuntimeUnknown(NotDeployable):
+    code = "runtime_unknown"
+
+
+class Unplaceable(NotDeployable):
+    """No placement fits; the message carries the per-node explanation."""
+
+    code = "unplaceable"
 
 
 class VerificationFailed(NexaError):

@@ -41,6 +41,7 @@ from nexa.contracts.api import (
     TenantView,
     VersionInfo,
 )
+from nexa.contracts.deployments import DeploymentCreate, DeploymentList, ScaleRequest
 from nexa.contracts.domain import ApiKey, KeyId, Role, Tenant
 from nexa.contracts.models import (
     AliasDetail,
@@ -58,6 +59,7 @@ from nexa.contracts.models import (
     VerifyRequest,
 )
 from nexa.control import store as st
+from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.models import ModelRegistry
 from nexa.control.registry import Actor, Registry
@@ -68,6 +70,7 @@ from nexa.errors import (
     ContractError,
     Forbidden,
     NexaError,
+    NotDeployable,
     NotFound,
     Overloaded,
     PayloadTooLarge,
@@ -119,6 +122,13 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("GET", "/api/v1/aliases/<name>"): frozenset({_O, _A}),
     ("POST", "/api/v1/aliases/<name>/promote"): frozenset({_O, _A}),
     ("POST", "/api/v1/aliases/<name>/rollback"): frozenset({_O, _A}),
+    ("POST", "/api/v1/deployments"): frozenset({_O, _A}),
+    ("GET", "/api/v1/deployments"): frozenset({_O, _A}),
+    ("GET", "/api/v1/deployments/<name>"): frozenset({_O, _A}),
+    ("DELETE", "/api/v1/deployments/<name>"): frozenset({_O, _A}),
+    ("GET", "/api/v1/deployments/<name>/placement"): frozenset({_O, _A}),
+    ("POST", "/api/v1/deployments/<name>/scale"): frozenset({_O, _A}),
+    ("POST", "/api/v1/capacity/forecast"): frozenset({_O, _A}),
 }
 
 #: Error class → HTTP status; the most specific class in an error's MRO wins.
@@ -131,6 +141,7 @@ STATUS: Final[dict[type[NexaError], int]] = {
     NotFound: 404,
     Conflict: 409,
     VerificationFailed: 422,
+    NotDeployable: 422,
     ArtifactDigestMismatch: 422,
     Overloaded: 429,
     Unavailable: 503,
@@ -162,6 +173,7 @@ class AppState:
     registry: Registry
     fleet: Fleet
     models: ModelRegistry
+    deployments: Deployments
     store: st.Store
     metrics: Metrics
     started_at: float
@@ -608,6 +620,30 @@ class _Handlers:
     async def post_aliases_by_name_rollback(self, name: str) -> Response:
         await _no_body()
         return _json(await self._s.models.rollback(_actor(), name))
+
+    # ---- deployments and capacity ------------------------------------------------------------------
+
+    async def post_deployments(self) -> Response:
+        return _json(await self._s.deployments.create(_actor(), await _body(DeploymentCreate)), 201)
+
+    async def get_deployments(self) -> Response:
+        return _json(DeploymentList(deployments=self._s.deployments.all()))
+
+    async def get_deployments_by_name(self, name: str) -> Response:
+        return _json(self._s.deployments.show(name))
+
+    async def delete_deployments_by_name(self, name: str) -> Response:
+        return _json(await self._s.deployments.delete(_actor(), name))
+
+    async def get_deployments_by_name_placement(self, name: str) -> Response:
+        return _json(self._s.deployments.placement(name))
+
+    async def post_deployments_by_name_scale(self, name: str) -> Response:
+        req = await _body(ScaleRequest)
+        return _json(await self._s.deployments.scale(_actor(), name, req.replicas))
+
+    async def post_capacity_forecast(self) -> Response:
+        return _json(self._s.deployments.forecast(await _body(DeploymentCreate)))
 
 
 def _node_view(live: NodeLive) -> NodeView:

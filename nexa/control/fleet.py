@@ -12,7 +12,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import attrs
@@ -109,6 +109,15 @@ class Fleet:
         self._lock = trio.Lock()  # serialises enrollment and admin-state changes
         #: Set once the node channel is bound; handed to nodes at enrollment.
         self.channel_endpoint = ""
+        self._listeners: list[Callable[[], None]] = []
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (sync, must not block) after a node's state changes: admin action or reachability."""
+        self._listeners.append(listener)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     async def load(self) -> None:
         for node, inventory, desired in await self._store.run(st.load_nodes):
@@ -271,6 +280,7 @@ class Fleet:
                 self._by_curve.pop(after.curve_public_key, None)
                 live.reachable = False
         self._refresh_gauges()
+        self._changed()
         return live
 
     # ---- what the node channel reports -------------------------------------------------------------
@@ -330,6 +340,7 @@ class Fleet:
         event = await self._store.run(st.record_audit, draft)
         self._metrics.audit_events.labels(event.result.value).inc()
         self._refresh_gauges()
+        self._changed()
 
     async def record_ack(self, live: NodeLive, ack: Ack) -> None:
         desired = live.desired

@@ -24,6 +24,7 @@ import trio
 from nexa import __version__
 from nexa.config import ControlConfig, HttpConfig, parse_host_port
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
+from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet
 from nexa.control.models import ModelRegistry
 from nexa.control.outbound import Outbound
@@ -117,10 +118,22 @@ async def serve_control(
         )
         async with outbound:
             models = await ModelRegistry.load(cfg.models, store, metrics, outbound)
+            southbound = Southbound(
+                cfg.channel,
+                cfg.nodes,
+                fleet,
+                metrics,
+                curve=keys.curve,
+                signing_key=keys.signing,
+                epoch=store.epoch,
+            )
+            deployments = Deployments(cfg.nodes, store, metrics, fleet, models=models, southbound=southbound)
+            await deployments.load()
             state = AppState(
                 registry=registry,
                 fleet=fleet,
                 models=models,
+                deployments=deployments,
                 store=store,
                 metrics=metrics,
                 started_at=time.time(),
@@ -128,16 +141,8 @@ async def serve_control(
             )
             app = create_app(cfg.http, state)
             async with trio.open_nursery() as loops:
-                southbound = Southbound(
-                    cfg.channel,
-                    cfg.nodes,
-                    fleet,
-                    metrics,
-                    curve=keys.curve,
-                    signing_key=keys.signing,
-                    epoch=store.epoch,
-                )
                 channel = await loops.start(southbound.run)
+                await loops.start(deployments.run)
                 log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                 async with trio.open_nursery() as http:
                     binds: list[str] = await http.start(

@@ -124,6 +124,12 @@ class Southbound:
         self._last_refusal_audit[key] = now
         await self._fleet.record_refusal(node_id, code, detail)
 
+    async def push_now(self, node_id: str) -> None:
+        """Send a node its desired set now (after it changed); a node not connected gets it at its next hello."""
+        live = self._fleet.get(node_id)
+        if live.reachable:
+            await self._push(live)
+
     async def _push(self, live: NodeLive) -> None:
         desired = live.desired
         signed = AssignmentSet(

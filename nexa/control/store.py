@@ -26,6 +26,7 @@ import trio
 
 from nexa.contracts import codec
 from nexa.contracts.api import AuditVerdict
+from nexa.contracts.deployments import Deployment
 from nexa.contracts.domain import (
     ApiKey,
     AuditDraft,
@@ -38,6 +39,7 @@ from nexa.contracts.domain import (
 )
 from nexa.contracts.models import AliasReceipt, AliasRecord, EvaluationRecord, ModelRecord, ModelState, RuntimeRecord
 from nexa.contracts.node import NodeInventory
+from nexa.contracts.placement import PlacementDecision
 from nexa.contracts.wire import DesiredAssignments
 from nexa.errors import Conflict, NotFound, StateDirLocked, StoreError, Unauthenticated
 
@@ -158,6 +160,14 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         generation INTEGER NOT NULL,
         body TEXT NOT NULL,
         PRIMARY KEY (alias, generation)
+    ) STRICT;
+    """,
+    """
+    CREATE TABLE deployment (
+        name TEXT PRIMARY KEY,
+        generation INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        placement TEXT
     ) STRICT;
     """,
 )
@@ -614,13 +624,20 @@ def save_inventory(db: apsw.Connection, node_id: str, inventory: NodeInventory, 
 
 def save_desired(db: apsw.Connection, desired: DesiredAssignments, draft: AuditDraft | None) -> None:
     with _txn(db):
-        db.execute(
-            "INSERT INTO node_desired(node_id, body) VALUES (?,?)"
-            " ON CONFLICT(node_id) DO UPDATE SET body = excluded.body",
-            (desired.node_id, codec.dumps(codec.store, desired)),
-        )
+        _upsert_desired(db, desired)
         if draft is not None:
             _append_audit(db, draft)
+
+
+def _upsert_desired(db: apsw.Connection, desired: DesiredAssignments) -> None:
+    # Never let an older generation overwrite a newer one: an ack recorded while a deployment
+    # change for the same node is being committed may reach the store lane second.
+    db.execute(
+        "INSERT INTO node_desired(node_id, body) VALUES (?,?)"
+        " ON CONFLICT(node_id) DO UPDATE SET body = excluded.body"
+        " WHERE json_extract(node_desired.body, '$.generation') <= json_extract(excluded.body, '$.generation')",
+        (desired.node_id, codec.dumps(codec.store, desired)),
+    )
 
 
 # ---- registry: runtimes, models, evaluations, aliases ------------------------------------------
@@ -750,3 +767,52 @@ def load_aliases(db: apsw.Connection) -> tuple[list[AliasRecord], list[AliasRece
         [codec.loads(codec.store, str(body), AliasRecord) for (body,) in aliases],
         [codec.loads(codec.store, str(body), AliasReceipt) for (body,) in history],
     )
+
+
+# ---- deployments -----------------------------------------------------------------------------
+
+
+def save_deployment(  # noqa: PLR0917 - one transaction function, called through Store.run(fn, *args)
+    db: apsw.Connection,
+    name: str,
+    deployment: Deployment | None,
+    placement: PlacementDecision | None,
+    desired: list[DesiredAssignments],
+    draft: AuditDraft,
+) -> AuditEvent:
+    """Write a deployment (None: delete it), its last placement decision and the node sets it changed, audited.
+
+    One transaction: a node's signed set never names a replica the deployment record does not.
+    A `placement` of None keeps the decision stored before.
+    """
+    with _txn(db):
+        if deployment is None:
+            db.execute("DELETE FROM deployment WHERE name = ?", (name,))
+        else:
+            db.execute(
+                "INSERT INTO deployment(name, generation, body, placement) VALUES (?,?,?,?)"
+                " ON CONFLICT(name) DO UPDATE SET generation = excluded.generation, body = excluded.body,"
+                " placement = COALESCE(excluded.placement, deployment.placement)",
+                (
+                    name,
+                    deployment.generation,
+                    codec.dumps(codec.store, deployment),
+                    None if placement is None else codec.dumps(codec.store, placement),
+                ),
+            )
+        for one in desired:
+            save_desired(db, one, None)
+        event = _append_audit(db, draft)
+    return event
+
+
+def load_deployments(db: apsw.Connection) -> list[tuple[Deployment, PlacementDecision | None]]:
+    with _txn(db):
+        rows = db.execute("SELECT body, placement FROM deployment ORDER BY name").fetchall()
+    return [
+        (
+            codec.loads(codec.store, str(body), Deployment),
+            None if placement is None else codec.loads(codec.store, str(placement), PlacementDecision),
+        )
+        for body, placement in rows
+    ]

@@ -54,7 +54,14 @@ async def test_health_ready_and_version_need_no_key(controller: Controller) -> N
 async def test_every_route_declares_its_roles() -> None:
     # The table is the single source: every registered rule is in it, and nothing else is.
     state = AppState(  # type: ignore[arg-type]
-        registry=None, fleet=None, models=None, store=None, metrics=None, started_at=0, controller_keys=None
+        registry=None,
+        fleet=None,
+        models=None,
+        deployments=None,
+        store=None,
+        metrics=None,
+        started_at=0,
+        controller_keys=None,
     )
     app = create_app(HttpConfig(), state)
     registered = {
@@ -305,7 +312,14 @@ async def test_restart_keeps_state_and_takes_a_higher_epoch(tmp_path: object, nu
 
 async def test_readyz_is_503_until_ready() -> None:
     state = AppState(  # type: ignore[arg-type]
-        registry=None, fleet=None, models=None, store=None, metrics=Metrics(), started_at=0, controller_keys=None
+        registry=None,
+        fleet=None,
+        models=None,
+        deployments=None,
+        store=None,
+        metrics=Metrics(),
+        started_at=0,
+        controller_keys=None,
     )
     client = create_app(HttpConfig(), state).test_client()
     resp = await client.get("/readyz")

@@ -154,3 +154,26 @@ async def test_transactions_run_one_at_a_time(tmp_path: Path) -> None:
         for i in range(50):
             nursery.start_soon(store.run, st.record_audit, draft(f"c.{i}"))
     assert (await verify(tmp_path)).checked == 50
+
+
+async def test_an_older_desired_set_never_overwrites_a_newer_one(tmp_path: Path) -> None:
+    from nexa.contracts.domain import Node, NodeId
+    from nexa.contracts.wire import DesiredAssignments
+    from nexa.security import hash_token, new_enrollment_token
+
+    secret = new_enrollment_token()
+    async with st.open_store(tmp_path) as store:
+        from nexa.contracts.domain import EnrollmentToken
+
+        token = EnrollmentToken(
+            id="et_1", token_sha256=hash_token(secret), labels={}, created_at=0, expires_at=2e9, created_by=None
+        )
+        await store.run(st.insert_token, token, draft("t"))
+        node = Node(
+            id=NodeId("n1"), hostname="h", signing_public_key="k", curve_public_key="c", labels={}, enrolled_at=0
+        )
+        await store.run(st.enroll_node, hash_token(secret), 1.0, node, draft("enroll"))
+        await store.run(st.save_desired, DesiredAssignments(node_id="n1", generation=3), None)
+        await store.run(st.save_desired, DesiredAssignments(node_id="n1", generation=2, acked_generation=2), None)
+        [(_, _, desired)] = await store.run(st.load_nodes)
+    assert desired is not None and desired.generation == 3
