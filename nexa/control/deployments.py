@@ -12,7 +12,8 @@ generation up) in one audited transaction, then pushes those sets through the no
 
 The reconciler (`run`) wakes when the fleet changes (admin actions, reachability), at the
 moment an Unreachable node's grace period ends, and every `_RESYNC_S`. It drops replicas on
-nodes that are Revoked, Draining, or Unreachable for longer than `nodes.replace_after_s` after
+nodes that are Revoked, Draining (only once their replacements are Ready), or Unreachable for
+longer than `nodes.replace_after_s` after
 their lease lapsed, and places replacements on other nodes; a deployment it cannot fully place
 keeps what it has and says why (`DeploymentView.problem`) until the fleet can take the rest.
 
@@ -46,7 +47,7 @@ from nexa.contracts.models import ModelRecord, ModelRef, ModelState, RuntimeReco
 from nexa.contracts.node import LabelKey, LabelValue
 from nexa.contracts.placement import PlacementDecision, PlacementNode, PlacementRequest
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
-from nexa.contracts.wire import Assignment, DesiredAssignments
+from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
 from nexa.control import store as st
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.models import ModelRegistry
@@ -69,6 +70,8 @@ log = logging.getLogger(__name__)
 
 #: The reconciler looks again this often even when nothing woke it.
 _RESYNC_S: Final = 10.0
+#: While a drain waits for replacements to become Ready, how often it looks.
+_DRAIN_CHECK_S: Final = 1.0
 #: How many nodes an Unplaceable message explains one by one.
 _EXPLAIN_NODES: Final = 20
 
@@ -448,14 +451,42 @@ class Deployments:
     # ---- the reconciler ----------------------------------------------------------------------------
 
     def _gone_at(self, live: NodeLive) -> float | None:
-        """When the node's replicas must move (trio clock): now-ish if Revoked or Draining, None if it is fine."""
+        """When the node's replicas must move (trio clock): now if Revoked, None if it is fine.
+
+        Draining is not here: a draining node keeps its replicas until their replacements are
+        Ready (make before break), see `reconcile`.
+        """
         state = live.state
-        if state in {NodeState.REVOKED, NodeState.DRAINING}:
+        if state is NodeState.REVOKED:
             return float("-inf")
         if state is NodeState.UNREACHABLE:
             lost = (live.last_seen + self._cfg.lease_s) if live.last_seen is not None else self._started
             return lost + self._cfg.replace_after_s
         return None
+
+    def _triage(self, dep: Deployment, now: float) -> tuple[list[Replica], list[Replica], float]:
+        """Split replicas into those that stay and those on draining nodes (dropping lost ones);
+        also the next time one of the kept replicas' nodes will count as lost."""
+        kept: list[Replica] = []
+        draining: list[Replica] = []
+        next_at = float("inf")
+        for r in dep.placed:
+            live = self._fleet.get(r.node_id)
+            if live.state is NodeState.DRAINING:
+                draining.append(r)
+                continue
+            gone = self._gone_at(live)
+            if gone is not None and gone <= now:
+                continue
+            if gone is not None:
+                next_at = min(next_at, gone)
+            kept.append(r)
+        return kept, draining, next_at
+
+    def _ready(self, replica: Replica) -> bool:
+        """Whether the replica's node reports its runtime Ready in its latest heartbeat."""
+        live = self._fleet.get(replica.node_id)
+        return any(s.assignment_id == replica.id and s.state is RuntimeState.READY for s in live.statuses)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._started = trio.current_time()
@@ -474,15 +505,9 @@ class Deployments:
             for name in sorted(self._entries):
                 entry = self._entries[name]
                 dep = entry.deployment
-                kept: list[Replica] = []
-                for r in dep.placed:
-                    gone = self._gone_at(self._fleet.get(r.node_id))
-                    if gone is not None and gone <= now:
-                        continue
-                    if gone is not None:
-                        next_at = min(next_at, gone)
-                    kept.append(r)
-                if len(kept) == len(dep.placed) == dep.replicas:
+                kept, draining, look_again = self._triage(dep, now)
+                next_at = min(next_at, look_again)
+                if not draining and len(kept) == len(dep.placed) == dep.replicas:
                     continue
                 model: ModelRecord | None
                 runtime: RuntimeRecord | None
@@ -503,6 +528,16 @@ class Deployments:
                         problem = None
                     else:
                         problem = explain(decision)
+                if draining:
+                    # Make before break: a draining node's replicas stop only once the others
+                    # cover the deployment and every one of them reports Ready.
+                    if len(placed) >= dep.replicas and all(self._ready(r) for r in placed):
+                        log.info(
+                            "deployment %s: replacements Ready; stopping %d on draining nodes", name, len(draining)
+                        )
+                    else:
+                        placed = placed + draining
+                        next_at = min(next_at, now + _DRAIN_CHECK_S)
                 if placed == dep.placed:
                     entry.problem = problem
                     continue

@@ -245,7 +245,7 @@ async def test_a_revoked_node_loses_its_replica_to_another(
     assert revoked["desired_generation"] == generation + 1  # its own set emptied
 
 
-async def test_a_drained_node_gets_an_empty_set_and_the_replica_moves(
+async def test_a_drained_node_keeps_its_replica_until_the_replacement_is_ready(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
     nodes = {
@@ -257,11 +257,18 @@ async def test_a_drained_node_gets_an_empty_set_and_the_replica_moves(
         await ok(http.post("/api/v1/deployments", json=body()), 201)
         [first] = await placed_on(http, "chat-a")
         other = "n2" if first == "n1" else "n1"
-        await set_where(nodes[first].node, lambda s: "chat-a" in names(s))
+        original = await set_where(nodes[first].node, lambda s: "chat-a" in names(s))
+        nodes[first].node.ready.add(original.assignments[0].id)
         await ok(http.post(f"/api/v1/nodes/{first}/drain"))
-    emptied = await set_where(nodes[first].node, lambda s: s.assignments == [])
-    assert emptied.generation == 3
-    await set_where(nodes[other].node, lambda s: "chat-a" in names(s))
+        # The replacement is placed while the drained node keeps serving.
+        replacement = await set_where(nodes[other].node, lambda s: "chat-a" in names(s))
+        assert sorted(await placed_on(http, "chat-a")) == sorted([first, other])
+        await trio.sleep(2.5)  # several reconciler passes: nothing stops before the replacement is Ready
+        assert sorted(await placed_on(http, "chat-a")) == sorted([first, other])
+        nodes[other].node.ready.add(replacement.assignments[0].id)
+        emptied = await set_where(nodes[first].node, lambda s: s.assignments == [])
+        assert emptied.generation == 3
+        assert await placed_on(http, "chat-a") == [other]
 
 
 async def test_an_unreachable_node_is_replaced_after_the_grace_period(

@@ -35,6 +35,8 @@ class RawNode:
     enrolled: EnrollResponse
     pump: messaging.ZmqPump | None = None
     seq: int = 0
+    #: Assignment ids this node reports as Ready in its heartbeats.
+    ready: set[str] = attrs.field(factory=set)
 
     def frames(self, msg: wire.WireMessage, *, key: security.SigningKey | None = None) -> list[bytes]:
         return messaging.encode_frames(msg, key or self.key)
@@ -52,6 +54,9 @@ class RawNode:
             inventory=gb10_inventory(self.node_id),
             free_memory_bytes=100 << 30,
             free_accelerators=1,
+            assignments=[
+                wire.AssignmentStatus(assignment_id=aid, state=wire.RuntimeState.READY) for aid in sorted(self.ready)
+            ],
         )
 
     async def send(self, frames: list[bytes]) -> None:
