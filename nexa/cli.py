@@ -598,6 +598,7 @@ def _registry_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     _runtime_commands(sub, common)
     _model_commands(sub, common)
     _alias_commands(sub, common)
+    _deployment_commands(sub, common)
 
 
 def _runtime_commands(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -680,6 +681,164 @@ def _alias_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     s = aliases.add_parser("history", parents=[common], help="the alias and every change, oldest first")
     s.add_argument("alias")
     s.set_defaults(handler=_aliases_history)
+
+
+def _deployment_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    deployments = sub.add_parser("deployments", help="desired state and placement (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = deployments.add_parser("create", parents=[common], help="place and start a deployment")
+    _deployment_flags(s)
+    s.set_defaults(handler=_deployments_create)
+    s = deployments.add_parser("list", parents=[common])
+    s.set_defaults(handler=_deployments_list)
+    for verb, handler in (("show", _deployments_show), ("placement", _deployments_placement)):
+        s = deployments.add_parser(verb, parents=[common])
+        s.add_argument("name")
+        s.set_defaults(handler=handler)
+    s = deployments.add_parser("scale", parents=[common])
+    s.add_argument("name")
+    s.add_argument("replicas", type=int)
+    s.set_defaults(handler=_deployments_scale)
+    s = deployments.add_parser("delete", parents=[common], help="stop every replica and forget the deployment")
+    s.add_argument("name")
+    s.set_defaults(handler=_deployments_delete)
+    capacity = sub.add_parser("capacity", help="what would fit (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = capacity.add_parser("forecast", parents=[common], help="would this deployment fit, and where")
+    _deployment_flags(s)
+    s.set_defaults(handler=_capacity_forecast)
+
+
+def _deployment_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("name")
+    s.add_argument("--runtime", required=True, help="a registered runtime")
+    target = s.add_mutually_exclusive_group(required=True)
+    target.add_argument("--alias", help="deploy what this alias points at")
+    target.add_argument("--model", metavar="NAME:VERSION", help="deploy a pinned, Approved model version")
+    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--accelerators", type=int, default=0, help="GPUs per replica")
+    s.add_argument("--memory-bytes", type=int, help="memory per replica (default: the model's)")
+    s.add_argument("--cpus", type=float, default=1.0)
+    s.add_argument("--policy", choices=("spread", "binpack"), default="spread")
+    s.add_argument("--selector", default="", help="node labels: k=v,k2=v2")
+    s.add_argument("--data-classes", default="", help="comma-separated")
+    s.add_argument("--port", type=int, default=18000, help="first loopback port for the runtime")
+
+
+def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "name": args.name,
+        "runtime": args.runtime,
+        "replicas": args.replicas,
+        "resources": {"accelerators": args.accelerators, "memory_bytes": args.memory_bytes, "cpus": args.cpus},
+        "options": {"port": args.port},
+        "placement": {
+            "policy": args.policy,
+            "node_selector": _labels(args.selector),
+            "data_classes": [c for c in args.data_classes.split(",") if c],
+        },
+    }
+    if args.alias:
+        body["alias"] = args.alias
+    else:
+        name, sep, version = args.model.partition(":")
+        if not sep:
+            raise ConfigError("--model takes NAME:VERSION")
+        body["model"] = {"model": name, "version": version}
+    return body
+
+
+_DEPLOYMENT_COLUMNS: Final = ("name", "model", "runtime", "replicas", "nodes", "problem")
+
+
+def _deployment_row(d: dict[str, Any]) -> dict[str, Any]:
+    dep = d.get("deployment", d)
+    model = dep.get("model") or {}
+    return {
+        "name": dep["name"],
+        "model": f"{model.get('model', '-')}:{model.get('version', '-')}",
+        "runtime": dep["runtime"],
+        "replicas": f"{len(dep.get('placed', []))}/{dep['replicas']}",
+        "nodes": ",".join(sorted(r["node_id"] for r in dep.get("placed", []))) or "-",
+        "problem": d.get("problem") or "-",
+    }
+
+
+def _deployments_create(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/deployments", body=_deployment_body(args))
+    _emit(args, out, [_deployment_row(out)], _DEPLOYMENT_COLUMNS)
+    return EXIT_OK
+
+
+def _deployments_list(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", "/api/v1/deployments")
+    _emit(args, out, [_deployment_row(d) for d in out["deployments"]], _DEPLOYMENT_COLUMNS)
+    return EXIT_OK
+
+
+def _deployments_show(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", f"/api/v1/deployments/{args.name}")
+    _emit(args, out, [_deployment_row(out)], _DEPLOYMENT_COLUMNS)
+    return EXIT_OK
+
+
+def _deployments_scale(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", f"/api/v1/deployments/{args.name}/scale", body={"replicas": args.replicas})
+    _emit(args, out, [_deployment_row(out)], _DEPLOYMENT_COLUMNS)
+    return EXIT_OK
+
+
+def _deployments_delete(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("DELETE", f"/api/v1/deployments/{args.name}")
+    _emit(args, out, [_deployment_row(out)], _DEPLOYMENT_COLUMNS)
+    return EXIT_OK
+
+
+def _print_decision(args: argparse.Namespace, out: dict[str, Any]) -> None:
+    decision = out.get("decision", out)
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return
+    if decision is None:
+        print("no placement decision yet")
+        return
+    verdict = "fits" if decision["feasible"] else f"does not fit: {decision['reason']}"
+    print(f"{decision['request']['deployment']}: {verdict}")
+    rows = []
+    for e in decision["explanations"]:
+        failed = [f"{f['name']} ({f['detail']})" for f in e["filters"] if not f["passed"]]
+        terms = " ".join(f"{t['name']}={t['value']:.2f}x{t['weight']:g}" for t in e["terms"])
+        rows.append(
+            {
+                "node": e["node_id"],
+                "eligible": "yes" if e["eligible"] else "no",
+                "score": f"{e['score']:.2f}" if e["eligible"] else "-",
+                "replicas": e["replicas_placed"],
+                "why": "; ".join(failed) or terms or "-",
+            }
+        )
+    print(_table(rows, ("node", "eligible", "score", "replicas", "why")))
+
+
+def _deployments_placement(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("GET", f"/api/v1/deployments/{args.name}/placement")
+    _print_decision(args, out)
+    return EXIT_OK
+
+
+def _capacity_forecast(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/capacity/forecast", body=_deployment_body(args))
+    _print_decision(args, out)
+    return EXIT_OK
 
 
 def _model_version(s: argparse.ArgumentParser) -> None:

@@ -699,6 +699,19 @@ def test_cli_register_license_verify_evaluate_approve_promote_rollback(
         assert failed.returncode == 1 and "no_rollback_target" in failed.stderr
         illegal = cp.cli("models", "verify", "tiny", "v1")
         assert illegal.returncode == 1 and "illegal_transition" in illegal.stderr
+
+        # Deployments through the CLI: no node is enrolled here, so nothing fits, and the
+        # forecast and the refusal both say why without creating anything.
+        forecast = run("capacity", "forecast", "chat-a", "--runtime", "llamacpp-cpu", "--alias", "chat")
+        assert forecast.startswith("chat-a: does not fit")
+        as_json = json.loads(run("capacity", "forecast", "chat-a", "--runtime", "llamacpp-cpu", "--model", "tiny:v2",
+                                 "--json"))  # fmt: skip
+        assert as_json["feasible"] is False and as_json["explanations"] == []
+        refused = cp.cli("deployments", "create", "chat-a", "--runtime", "llamacpp-cpu", "--alias", "chat")
+        assert refused.returncode == 1 and "unplaceable" in refused.stderr
+        assert "(none)" in run("deployments", "list")
+        missing = cp.cli("deployments", "show", "chat-a")
+        assert missing.returncode == 1 and "not_found" in missing.stderr
         assert "ok" in run("audit", "verify")
     finally:
         cp.kill()
