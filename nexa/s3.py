@@ -13,10 +13,12 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import stat
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
 from pathlib import Path
-from typing import Final
+from typing import Final, cast
 from urllib.parse import quote
 
 import attrs
@@ -30,6 +32,9 @@ log = logging.getLogger(__name__)
 EMPTY_PAYLOAD_SHA256: Final = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 UNSIGNED_PAYLOAD: Final = "UNSIGNED-PAYLOAD"
 _ALGORITHM: Final = "AWS4-HMAC-SHA256"
+#: How much of an error answer is read to find its S3 error code.
+_ERROR_BODY_LIMIT: Final = 64 * 1024
+_S3_ERROR_CODE_RE: Final = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 
 
 # --- credentials ----------------------------------------------------------------------------------
@@ -174,3 +179,21 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     """`s3://bucket/some/key` → ("bucket", "some/key")."""
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     return bucket, key.lstrip("/")
+
+
+def raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
+    """`aiter_raw()` typed as what it is (an async generator), so that `aclosing` accepts it."""
+    return cast("AsyncGenerator[bytes, None]", response.aiter_raw())
+
+
+async def error_code(response: httpx.Response) -> str:
+    """The S3 error code of a refused request (`NoSuchKey`, `SignatureDoesNotMatch`, …), read from
+    at most 64 KiB of its body; the reason phrase when the body names none."""
+    body = b""
+    async with aclosing(raw_chunks(response)) as chunks:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) >= _ERROR_BODY_LIMIT:
+                break
+    match = _S3_ERROR_CODE_RE.search(body)
+    return match.group(1).decode("ascii") if match else response.reason_phrase or "error"

@@ -17,9 +17,8 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Final, cast
+from typing import Final
 
 import attrs
 import httpx
@@ -35,7 +34,7 @@ from nexa.errors import (
     Unavailable,
 )
 from nexa.oci import MANIFEST_MEDIA_TYPES, ImageReference, RegistryCredentials, parse_image_reference
-from nexa.s3 import S3Credentials, object_url, signed_headers_for, split_s3_uri
+from nexa.s3 import S3Credentials, error_code, object_url, raw_chunks, signed_headers_for, split_s3_uri
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +44,6 @@ READ_TIMEOUT_S: Final = 60.0
 #: Received bytes are hashed in a worker thread once this much has arrived, so the event loop
 #: (which also serves the gateway) never hashes a large artifact itself.
 HASH_BLOCK_BYTES: Final = 4 * 1024 * 1024
-#: How much of an error answer (or a token answer) is read.
-_SMALL_BODY_LIMIT: Final = 64 * 1024
-_S3_ERROR_CODE_RE: Final = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 _CHALLENGE_PARAM_RE: Final = re.compile(r'([A-Za-z][A-Za-z0-9_-]*)\s*=\s*"([^"]*)"')
 
 
@@ -242,14 +238,7 @@ class Outbound:
         return ArtifactCheck(sha256=sha256, size_bytes=received, seconds=seconds)
 
     async def _refusal(self, response: httpx.Response, artifact: ModelArtifact) -> Exception:
-        body = b""
-        async with aclosing(_raw_chunks(response)) as chunks:
-            async for chunk in chunks:
-                body += chunk
-                if len(body) >= _SMALL_BODY_LIMIT:
-                    break
-        match = _S3_ERROR_CODE_RE.search(body)
-        code = match.group(1).decode("ascii") if match else response.reason_phrase or "error"
+        code = await error_code(response)
         status = f"{response.status_code} {code}"
         log.warning("S3 store answered %s for %s", status, artifact.uri)
         if code in {"NoSuchKey", "NoSuchBucket"} or response.status_code == 404:
@@ -272,7 +261,7 @@ async def _digest(response: httpx.Response, artifact: ModelArtifact) -> tuple[st
     received = 0
     block: list[bytes] = []
     block_bytes = 0
-    async with aclosing(_raw_chunks(response)) as chunks:
+    async with aclosing(raw_chunks(response)) as chunks:
         async for chunk in chunks:
             received += len(chunk)
             if received > artifact.size_bytes:
@@ -292,11 +281,6 @@ async def _digest(response: httpx.Response, artifact: ModelArtifact) -> tuple[st
 def _update(hasher: hashlib._Hash, block: list[bytes]) -> None:
     for chunk in block:
         hasher.update(chunk)  # releases the GIL for large buffers
-
-
-def _raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
-    """`aiter_raw()` typed as what it is (an async generator), so that `aclosing` accepts it."""
-    return cast("AsyncGenerator[bytes, None]", response.aiter_raw())
 
 
 def _basic(creds: RegistryCredentials) -> str:

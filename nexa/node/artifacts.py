@@ -19,13 +19,12 @@ import collections
 import hashlib
 import logging
 import os
-import re
 import tempfile
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import Iterable
 from contextlib import aclosing
 from pathlib import Path
-from typing import Final, cast
+from typing import Final
 
 import attrs
 import httpx
@@ -36,7 +35,9 @@ from nexa.contracts.runtime import SHA256_RE, ArtifactRef
 from nexa.errors import ArtifactDigestMismatch, ArtifactError, ArtifactUnavailable, ConfigError
 from nexa.s3 import (
     S3Credentials,
+    error_code,
     object_url,
+    raw_chunks,
     signed_headers_for,
     split_s3_uri,
 )
@@ -53,9 +54,6 @@ WRITE_QUEUE_BLOCKS: Final = 2
 #: httpx guards single socket operations; the caller's cancel scope bounds the whole fetch.
 CONNECT_TIMEOUT_S: Final = 10.0
 READ_TIMEOUT_S: Final = 60.0
-#: How much of an error answer is read to find its S3 error code.
-_ERROR_BODY_LIMIT: Final = 64 * 1024
-_S3_ERROR_CODE_RE: Final = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 
 
 # --- the cache ------------------------------------------------------------------------------------
@@ -337,7 +335,7 @@ class ArtifactCache:
         block_bytes = 0
         # aclosing: an abort closes the iterator at once. (httpx's inner stream layers are async
         # generators too and are left for trio to finalize: encode/httpx#3686.)
-        async with aclosing(_raw_chunks(response)) as chunks:
+        async with aclosing(raw_chunks(response)) as chunks:
             async for chunk in chunks:
                 received += len(chunk)
                 self._counters.bytes_downloaded += len(chunk)
@@ -406,14 +404,7 @@ class _SlotGuard:
 
 async def _refusal(response: httpx.Response, ref: ArtifactRef, *, anonymous: bool) -> ArtifactUnavailable:
     """Turn a non-200 answer into ArtifactUnavailable naming the S3 error code, never a credential."""
-    body = b""
-    async with aclosing(_raw_chunks(response)) as chunks:
-        async for chunk in chunks:
-            body += chunk
-            if len(body) >= _ERROR_BODY_LIMIT:
-                break
-    match = _S3_ERROR_CODE_RE.search(body)
-    code = match.group(1).decode("ascii") if match else response.reason_phrase or "error"
+    code = await error_code(response)
     status = f"{response.status_code} {code}"
     log.warning("S3 store answered %s for %s", status, ref.uri)
     if code == "SignatureDoesNotMatch":
@@ -429,11 +420,6 @@ async def _refusal(response: httpx.Response, ref: ArtifactRef, *, anonymous: boo
         hint = ": no S3 credentials are configured (artifacts.s3_credentials_file)" if anonymous else ""
         return ArtifactUnavailable(f"the S3 store denied access to {ref.uri} ({status}){hint}")
     return ArtifactUnavailable(f"the S3 store failed to serve {ref.uri} ({status})")
-
-
-def _raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
-    """`aiter_raw()` typed as what it is (an async generator), so that `aclosing` accepts it."""
-    return cast("AsyncGenerator[bytes, None]", response.aiter_raw())
 
 
 # --- sync file work, run in worker threads ----------------------------------------------------------
