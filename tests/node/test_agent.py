@@ -557,11 +557,11 @@ def test_judge(fence: Fence, offered: wire.AssignmentSet, reason: wire.RejectRea
 
 
 def test_channel_endpoint_with_a_source_address() -> None:
-    assert channel_endpoint("tcp://10.0.0.1:8471", "") == "tcp://10.0.0.1:8471"
-    assert channel_endpoint("tcp://10.0.0.1:8471", "127.0.0.1") == "tcp://127.0.0.1:0;10.0.0.1:8471"
+    assert channel_endpoint("tcp://127.0.0.99:8471", "") == "tcp://127.0.0.99:8471"
+    assert channel_endpoint("tcp://127.0.0.99:8471", "127.0.0.1") == "tcp://127.0.0.1:0;127.0.0.99:8471"
     assert channel_endpoint("tcp://[fd00::1]:8471", "::1") == "tcp://[::1]:0;[fd00::1]:8471"
     with pytest.raises(ConfigError, match="not an IP address"):
-        channel_endpoint("tcp://10.0.0.1:8471", "eth0; rm")
+        channel_endpoint("tcp://127.0.0.99:8471", "eth0; rm")
     with pytest.raises(ConfigError, match="tcp://"):
         channel_endpoint("ipc:///run/nexa.sock", "127.0.0.1")
 
