@@ -17,6 +17,7 @@ import trio
 
 from nexa.contracts import wire
 from nexa.control.scheduler import FILTERS
+from nexa.control.service import serve_control
 from tests.conftest import Controller, start_controller
 from tests.control import test_node_channel
 from tests.control.test_api import assert_envelope, make_key
@@ -329,3 +330,51 @@ async def test_deployment_routes_need_operator_or_admin(dep_reg: Controller) -> 
     async with dep_reg.client(key) as http:
         assert_envelope(await http.get("/api/v1/deployments"), 403, "forbidden")
         assert_envelope(await http.post("/api/v1/capacity/forecast", json=body()), 403, "forbidden")
+
+
+async def _serve(cfg: Any, admin_key: str | None, *, task_status: trio.TaskStatus[Controller]) -> None:
+    """serve_control until its `stopping` is set; returns only once it has closed its store."""
+    stopping = trio.Event()
+
+    async def run(task_status: trio.TaskStatus[Any]) -> None:
+        await serve_control(cfg, stopping=stopping, task_status=task_status)
+
+    async with trio.open_nursery() as inner:
+        started = await inner.start(run)
+        key = started.admin_key or admin_key
+        task_status.started(
+            Controller(url=started.urls[0], admin_key=key, state_dir=Path(cfg.state_dir), stopping=stopping)
+        )
+
+
+async def test_deployments_and_node_sets_survive_a_controller_restart(
+    nursery: trio.Nursery, tmp_path: Path, dial: Any, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    cfg = registry_config(tmp_path, s3_store)
+    done = trio.Event()
+
+    async def first_run(task_status: trio.TaskStatus[Controller]) -> None:
+        await _serve(cfg, None, task_status=task_status)
+        done.set()
+
+    first: Controller = await nursery.start(first_run)
+    n1 = await online(first, dial, nursery, "n1")
+    async with first.client() as http:
+        await registry_ready(http, s3_store, test_images)
+        await ok(http.post("/api/v1/deployments", json=body()), 201)
+        before = await ok(http.get("/api/v1/deployments/chat-a"))
+        node_before = await ok(http.get("/api/v1/nodes/n1"))
+    n1.beating.cancel()
+    first.stopping.set()
+    with trio.fail_after(TIMEOUT_S):
+        await done.wait()
+
+    second: Controller = await nursery.start(_serve, cfg, first.admin_key)
+    async with second.client() as http:
+        after = await ok(http.get("/api/v1/deployments/chat-a"))
+        node_after = await ok(http.get("/api/v1/nodes/n1"))
+        placement = await ok(http.get("/api/v1/deployments/chat-a/placement"))
+    assert after["deployment"] == before["deployment"]
+    assert node_after["desired_generation"] == node_before["desired_generation"] == 2
+    assert placement["decision"] is not None and placement["decision"]["feasible"] is True
+    second.stopping.set()
