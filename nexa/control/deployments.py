@@ -111,43 +111,34 @@ def snapshot_from(fleet: Iterable[NodeLive]) -> list[PlacementNode]:
         reserved_all = sum(a.runtime.memory_bytes for a in assignments)
         reserved_host = sum(a.runtime.memory_bytes for a in assignments if not a.runtime.gpus)
         if unified:
-            total = inv.accelerator_memory_bytes
-            free_pool = max(0, total - reserved_all)
-            node = PlacementNode(
-                id=live.node.id,
-                state=live.state,
-                arch=inv.arch,
-                labels=labels,
-                taints=inv.taints,
-                data_classes=inv.data_classes,
-                runtimes=inv.runtimes,
-                unified_memory=True,
-                gpu_count=len(inv.gpus),
-                free_gpus=tuple(g.cdi_device for g in inv.gpus),
-                accelerator_memory_total_bytes=total,
-                accelerator_memory_free_bytes=free_pool,
-                host_memory_total_bytes=total,
-                host_memory_free_bytes=free_pool,
-                load=len(assignments),
-            )
+            # One pool: every GPU is shared, and accelerator and host memory are the same bytes.
+            free_gpus = tuple(g.cdi_device for g in inv.gpus)
+            accel_total = host_total = inv.accelerator_memory_bytes
+            accel_free = host_free = max(0, accel_total - reserved_all)
         else:
             free = [g for g in inv.gpus if g.cdi_device not in held]
-            node = PlacementNode(
-                id=live.node.id,
-                state=live.state,
-                arch=inv.arch,
-                labels=labels,
-                taints=inv.taints,
-                data_classes=inv.data_classes,
-                runtimes=inv.runtimes,
-                gpu_count=len(inv.gpus),
-                free_gpus=tuple(g.cdi_device for g in free),
-                accelerator_memory_total_bytes=sum(g.memory_total_bytes or 0 for g in inv.gpus),
-                accelerator_memory_free_bytes=sum(g.memory_total_bytes or 0 for g in free),
-                host_memory_total_bytes=inv.memory_total_bytes,
-                host_memory_free_bytes=max(0, inv.memory_total_bytes - reserved_host),
-                load=len(assignments),
-            )
+            free_gpus = tuple(g.cdi_device for g in free)
+            accel_total = sum(g.memory_total_bytes or 0 for g in inv.gpus)
+            accel_free = sum(g.memory_total_bytes or 0 for g in free)
+            host_total = inv.memory_total_bytes
+            host_free = max(0, host_total - reserved_host)
+        node = PlacementNode(
+            id=live.node.id,
+            state=live.state,
+            arch=inv.arch,
+            labels=labels,
+            taints=inv.taints,
+            data_classes=inv.data_classes,
+            runtimes=inv.runtimes,
+            unified_memory=unified,
+            gpu_count=len(inv.gpus),
+            free_gpus=free_gpus,
+            accelerator_memory_total_bytes=accel_total,
+            accelerator_memory_free_bytes=accel_free,
+            host_memory_total_bytes=host_total,
+            host_memory_free_bytes=host_free,
+            load=len(assignments),
+        )
         out.append(node)
     return out
 

@@ -220,17 +220,23 @@ async def test_a_forecast_answers_and_changes_nothing(
         assert (await node_view(dep_reg, node_id))["desired_generation"] == 1
 
 
+async def two_nodes_one_replica(
+    c: Controller, dial: Any, nursery: trio.Nursery, s3: S3Store, images: BuiltImages
+) -> tuple[dict[str, Online], str]:
+    """Nodes n1 and n2 online, deployment chat-a (one replica) created; where the replica went."""
+    nodes = {name: await online(c, dial, nursery, name) for name in ("n1", "n2")}
+    async with c.client() as http:
+        await registry_ready(http, s3, images)
+        await ok(http.post("/api/v1/deployments", json=body()), 201)
+        [first] = await placed_on(http, "chat-a")
+    return nodes, first
+
+
 async def test_a_revoked_node_loses_its_replica_to_another(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
-    nodes = {
-        "n1": await online(dep_reg, dial, nursery, "n1"),
-        "n2": await online(dep_reg, dial, nursery, "n2"),
-    }
+    nodes, first = await two_nodes_one_replica(dep_reg, dial, nursery, s3_store, test_images)
     async with dep_reg.client() as http:
-        await registry_ready(http, s3_store, test_images)
-        await ok(http.post("/api/v1/deployments", json=body()), 201)
-        [first] = await placed_on(http, "chat-a")
         other = "n2" if first == "n1" else "n1"
         generation = (await node_view(dep_reg, first))["desired_generation"]
         await ok(http.post(f"/api/v1/nodes/{first}/revoke"))
@@ -249,14 +255,8 @@ async def test_a_revoked_node_loses_its_replica_to_another(
 async def test_a_drained_node_keeps_its_replica_until_the_replacement_is_ready(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
-    nodes = {
-        "n1": await online(dep_reg, dial, nursery, "n1"),
-        "n2": await online(dep_reg, dial, nursery, "n2"),
-    }
+    nodes, first = await two_nodes_one_replica(dep_reg, dial, nursery, s3_store, test_images)
     async with dep_reg.client() as http:
-        await registry_ready(http, s3_store, test_images)
-        await ok(http.post("/api/v1/deployments", json=body()), 201)
-        [first] = await placed_on(http, "chat-a")
         other = "n2" if first == "n1" else "n1"
         original = await set_where(nodes[first].node, lambda s: "chat-a" in names(s))
         nodes[first].node.ready.add(original.assignments[0].id)
@@ -275,14 +275,8 @@ async def test_a_drained_node_keeps_its_replica_until_the_replacement_is_ready(
 async def test_an_unreachable_node_is_replaced_after_the_grace_period(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
-    nodes = {
-        "n1": await online(dep_reg, dial, nursery, "n1"),
-        "n2": await online(dep_reg, dial, nursery, "n2"),
-    }
+    nodes, first = await two_nodes_one_replica(dep_reg, dial, nursery, s3_store, test_images)
     async with dep_reg.client() as http:
-        await registry_ready(http, s3_store, test_images)
-        await ok(http.post("/api/v1/deployments", json=body()), 201)
-        [first] = await placed_on(http, "chat-a")
         other = "n2" if first == "n1" else "n1"
         nodes[first].beating.cancel()
         silent_at = trio.current_time()
@@ -299,14 +293,8 @@ async def test_an_unreachable_node_is_replaced_after_the_grace_period(
 async def test_scale_up_down_and_delete_change_the_node_sets(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
-    nodes = {
-        "n1": await online(dep_reg, dial, nursery, "n1"),
-        "n2": await online(dep_reg, dial, nursery, "n2"),
-    }
+    nodes, first = await two_nodes_one_replica(dep_reg, dial, nursery, s3_store, test_images)
     async with dep_reg.client() as http:
-        await registry_ready(http, s3_store, test_images)
-        await ok(http.post("/api/v1/deployments", json=body()), 201)
-        [first] = await placed_on(http, "chat-a")
         other = "n2" if first == "n1" else "n1"
         scaled = await ok(http.post("/api/v1/deployments/chat-a/scale", json={"replicas": 2}))
         assert scaled["deployment"]["replicas"] == 2 and scaled["ready_to_run"] == 2
