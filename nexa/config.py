@@ -126,6 +126,35 @@ class ModelsConfig:
 
 
 @attrs.frozen(kw_only=True)
+class GatewayConfig:
+    """The inference gateway: admission, routing, relay, batching and metering."""
+
+    #: Requests that may wait for a slot per model (all priorities together); beyond it: 429 queue_full.
+    queue_depth: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    #: Requests one replica is given at once; more wait in the model's queue.
+    max_inflight_per_replica: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    #: Deadline of a request that does not name one (queue time included).
+    default_deadline_s: Seconds = Seconds(300.0)
+    #: The longest deadline a request may ask for.
+    max_deadline_s: Seconds = Seconds(3600.0)
+    #: Further attempts on another replica after a failure before the first output byte.
+    retries: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    #: Send requests with the same prompt prefix to the same replica while it is not overloaded.
+    prefix_affinity: bool = True
+    #: How many leading characters of the prompt make its prefix.
+    affinity_prefix_chars: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    #: Affinity yields when its replica has more than this many requests beyond the least loaded one.
+    affinity_slack: int = attrs.field(default=8, validator=attrs.validators.ge(0))
+    #: Stream chunks a node may send ahead of what the client has read (per request).
+    stream_window_chunks: int = attrs.field(default=32, validator=attrs.validators.ge(1))
+    #: Embedding requests to one deployment arriving within this window are sent as one call.
+    embedding_batch_window_s: Seconds = Seconds(0.005)
+    embedding_max_batch: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    #: Usage records are written to the store at least this often (what a crash can lose at most).
+    metering_flush_s: Seconds = Seconds(1.0)
+
+
+@attrs.frozen(kw_only=True)
 class ControlConfig:
     """Everything `nexa control` reads."""
 
@@ -136,6 +165,7 @@ class ControlConfig:
     oci: OciConfig = OciConfig()
     artifacts: ArtifactStoreConfig = ArtifactStoreConfig()
     models: ModelsConfig = ModelsConfig()
+    gateway: GatewayConfig = GatewayConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
     log: LogConfig = LogConfig()
 
@@ -192,6 +222,18 @@ class SupervisorConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RelayConfig:
+    """The node's inference relay: controller requests to local runtimes over loopback HTTP."""
+
+    #: Requests the node relays at once; more are refused with `node_busy` (the controller retries elsewhere).
+    max_inflight: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    #: Connecting to a local runtime.
+    connect_timeout_s: Seconds = Seconds(2.0)
+    #: Most bytes of runtime output coalesced into one chunk frame.
+    max_chunk_bytes: Bytes = Bytes(65536)
+
+
+@attrs.frozen(kw_only=True)
 class NodeConfig:
     """Everything `nexa node` reads (`/etc/nexa/node.toml`)."""
 
@@ -211,6 +253,10 @@ class NodeConfig:
     podman: PodmanConfig = PodmanConfig()
     artifacts: ArtifactsConfig = ArtifactsConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
+    relay: RelayConfig = RelayConfig()
+    #: Run `sim` runtimes as local processes (tests and demos only). Refused unless the agent's
+    #: environment has NEXA_SIMULATION_ONLY=1; a node without it reports sim assignments Failed.
+    simulation: bool = False
     log: LogConfig = LogConfig()
 
 

@@ -31,8 +31,18 @@ Our exception hierarchy:
     - DeployModelUnknown        no such alias or model version
     - DeployRuntimeUnknown      no runtime registered (and checked) under that name
     - Unplaceable               no placement fits; the message explains every node
-  + Overloaded                  shed load; carries retry_after_s
+  + Overloaded                  shed load; carries retry_after_s (HTTP 429)
+    - QuotaExceeded             a tenant limit (concurrency, requests or tokens per window) is used up
+    - QueueFull                 the model's admission queue for that priority is full
   + Unavailable                 a dependency is down; retryable
+    - NoReadyReplica            no Ready replica serves the model now (HTTP 503, answered at once)
+    - RuntimeFailed             the runtime failed the request (before any output: retried elsewhere once)
+  + DeadlineExceeded            the request's deadline passed (queued or running)
+  + Cancelled                   the client (or an operator) cancelled the request
+  + ModelNotServed              no alias or model by that name is being served (a NotFound)
+  + WorkloadAlreadyActive       that workload id is still running (a Conflict)
+  + RetentionUnavailable        retention other than `ephemeral` without an encrypted retention store
+  + RuntimeRejected             the runtime refused the request itself (e.g. too long a prompt; HTTP 400)
   + VerificationFailed          the controller checked a claim at its source and it does not hold
     - DigestUnknown             the OCI registry has no manifest with that digest
     - ArtifactMissing           the S3-compatible store has no such object
@@ -225,9 +235,54 @@ class Overloaded(NexaError):
         self.retry_after_s = retry_after_s
 
 
+class QuotaExceeded(Overloaded):
+    code = "quota_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        #: Which limit: `concurrent`, `requests_per_minute`, `tokens_per_minute` or `tokens_per_day`.
+        self.limit = limit
+
+
+class QueueFull(Overloaded):
+    code = "queue_full"
+
+
 class Unavailable(NexaError):
     code = "unavailable"
     retryable = True
+
+
+class NoReadyReplica(Unavailable):
+    code = "no_ready_replica"
+
+
+class RuntimeFailed(Unavailable):
+    code = "runtime_failed"
+
+
+class DeadlineExceeded(NexaError):
+    code = "deadline_exceeded"
+
+
+class Cancelled(NexaError):
+    code = "cancelled"
+
+
+class ModelNotServed(NotFound):
+    code = "model_not_found"
+
+
+class WorkloadAlreadyActive(Conflict):
+    code = "workload_already_active"
+
+
+class RetentionUnavailable(NexaError):
+    code = "retention_unavailable"
+
+
+class RuntimeRejected(NexaError):
+    code = "runtime_rejected"
 
 
 class StoreError(NexaError):

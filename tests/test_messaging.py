@@ -150,7 +150,6 @@ async def test_messages_round_trip_in_both_directions(fleet: Fleet) -> None:
             down: list[wire.ControllerMessage] = [
                 assignment_set("n1", 1),
                 wire.Drain(node_id="n1", epoch=1, reason="maintenance"),
-                wire.Cancel(request_id="req-1"),
             ]
             for msg in down:
                 await link.send("n1", msg)
@@ -185,7 +184,7 @@ async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet:
                     assert isinstance(inbound.message, wire.Heartbeat)
                     window = window.check(inbound.message.seq, inbound.message.ts, time.time())
                     await link.send(inbound.node_id, assignment_set("n1", inbound.message.seq))
-                    await link.send(inbound.node_id, wire.Cancel(request_id=f"r{inbound.message.seq}"))
+                    await link.send(inbound.node_id, wire.Drain(node_id="n1", epoch=inbound.message.seq))
                 assert window.last_seq == count - 1
 
             async def node_sender() -> None:
@@ -197,7 +196,7 @@ async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet:
                     msg = await uplink.receive()
                     assert isinstance(msg, wire.AssignmentSet)
                     generations.append(msg.generation)
-                    assert await uplink.receive() == wire.Cancel(request_id=f"r{msg.generation}")
+                    assert await uplink.receive() == wire.Drain(node_id="n1", epoch=msg.generation)
 
             async with trio.open_nursery() as work:
                 work.start_soon(controller)

@@ -108,6 +108,31 @@ class Deployment:
 
 
 @attrs.frozen(kw_only=True)
+class ServingReplica:
+    """One replica the gateway may route to: Ready on a Ready node (see `Deployments.serving`)."""
+
+    replica_id: str
+    node_id: str
+    deployment: str
+    model: ModelRef
+    #: Serves the deployment's canary version (gets the canary's share of traffic).
+    canary: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ServingSet:
+    """Where requests for one alias (or pinned version) may go now."""
+
+    #: The model version the alias points at (what stable replicas serve).
+    model: ModelRef
+    replicas: list[ServingReplica]
+    #: Share of requests (0..1) for canary replicas while a canary runs; 0 otherwise.
+    canary_weight: float = 0.0
+    #: Deployments serving it, Ready or not (empty: nothing deployed at all).
+    deployments: list[str] = attrs.Factory(list)
+
+
+@attrs.frozen(kw_only=True)
 class DeploymentView:
     deployment: Deployment
     #: Replicas placed now; fewer than `deployment.replicas` while nodes cannot take the rest.

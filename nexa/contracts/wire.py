@@ -6,6 +6,13 @@ Ed25519 signature over `kind NUL body` (`nexa.security`). Every kind here is sig
 
 Node → controller messages carry `seq` and `ts` for the receiver's replay window; controller
 → node desired state is fenced by `(epoch, generation)` and a lease instead.
+
+The data path (inference) uses four-frame messages `[kind, request_id, head, body]` of the
+kinds in `DATA_KINDS`, multiplexed by request id. They are not Ed25519-signed: CurveZMQ already
+authenticates and encrypts every message of the channel (the controller knows the node from its
+Curve key through ZAP, the node pinned the controller's Curve key), and signing each stream chunk
+would cost more than relaying it. `head` is canonical JSON of the kind's head class (empty for
+`chunk`); `body` is opaque bytes (the runtime request for `infer`, runtime output for `chunk`).
 """
 
 from __future__ import annotations
@@ -160,21 +167,90 @@ class Drain:
     reason: str = ""
 
 
-@attrs.frozen(kw_only=True)
-class Cancel:
-    """Cancel one in-flight inference request on the node."""
-
-    kind: ClassVar[str] = "cancel"
-
-    request_id: str
-    reason: str = ""
-
-
 NodeMessage = Hello | Heartbeat | Ack
-ControllerMessage = AssignmentSet | Drain | Cancel
+ControllerMessage = AssignmentSet | Drain
 WireMessage = NodeMessage | ControllerMessage
 
 #: What a controller accepts from a node, by kind.
 FROM_NODE: Final[dict[str, type[NodeMessage]]] = {cls.kind: cls for cls in (Hello, Heartbeat, Ack)}
 #: What a node accepts from its controller, by kind.
-FROM_CONTROLLER: Final[dict[str, type[ControllerMessage]]] = {cls.kind: cls for cls in (AssignmentSet, Drain, Cancel)}
+FROM_CONTROLLER: Final[dict[str, type[ControllerMessage]]] = {cls.kind: cls for cls in (AssignmentSet, Drain)}
+
+
+# --- the data path: [kind, request_id, head, body] ----------------------------------------------
+
+#: Controller → node: run one request. Node → controller: output bytes, then exactly one `end`.
+#: Controller → node: `cancel` (stop it) and `credit` (the client read this many more chunks).
+INFER: Final = "infer"
+CHUNK: Final = "chunk"
+END: Final = "end"
+CANCEL: Final = "cancel"
+CREDIT: Final = "credit"
+DATA_KINDS: Final = frozenset({INFER, CHUNK, END, CANCEL, CREDIT})
+#: Data kinds each side accepts.
+DATA_FROM_CONTROLLER: Final = frozenset({INFER, CANCEL, CREDIT})
+DATA_FROM_NODE: Final = frozenset({CHUNK, END})
+
+
+@attrs.frozen(kw_only=True)
+class InferHead:
+    """Head of an `infer` frame; its body is the JSON request the runtime receives."""
+
+    assignment_id: str
+    #: The runtime's OpenAI-compatible path: /v1/chat/completions, /v1/completions or /v1/embeddings.
+    path: str
+    stream: bool
+    #: Wall-clock Unix seconds; the node gives up (and ends with `deadline_exceeded`) after it.
+    deadline_at: float
+    #: Chunks the node may send before it must wait for `credit` (flow control per request).
+    window: int
+    #: The gateway asked the runtime for usage in a stream but the client did not: drop the
+    #: runtime's usage-only chunk (its `choices` is empty) after reading the counts.
+    strip_usage_chunk: bool = False
+
+
+class EndStatus(enum.StrEnum):
+    OK = "ok"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+@attrs.frozen(kw_only=True)
+class EndHead:
+    """Head of the `end` frame that closes every request the node accepted (body empty)."""
+
+    status: EndStatus
+    #: For errors: `runtime_unavailable` (could not connect / not Ready), `runtime_error` (5xx or
+    #: broken stream), `runtime_rejected` (4xx), `deadline_exceeded`, `node_busy`,
+    #: `unknown_assignment`, `cancelled`.
+    code: str | None = None
+    #: The runtime's HTTP status, when it answered.
+    http_status: int | None = None
+    #: For the client only (the runtime's own error message): never logged or stored.
+    message: str = ""
+    #: Whether any `chunk` was sent for this request (a retry is allowed only when False).
+    first_byte_sent: bool = False
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    #: Time the runtime took, from the node's request to its last byte.
+    runtime_ms: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
+class CancelHead:
+    reason: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class CreditHead:
+    chunks: int
+
+
+@attrs.frozen(kw_only=True)
+class DataFrame:
+    """One data-path message as received (heads still encoded: each kind parses its own)."""
+
+    kind: str
+    request_id: str
+    head: bytes
+    body: bytes

@@ -40,6 +40,8 @@ from nexa.contracts.deployments import (
     DeploymentView,
     PlacementView,
     Replica,
+    ServingReplica,
+    ServingSet,
     deployment_problems,
 )
 from nexa.contracts.domain import NodeState
@@ -72,6 +74,8 @@ log = logging.getLogger(__name__)
 _RESYNC_S: Final = 10.0
 #: While a drain waits for replacements to become Ready, how often it looks.
 _DRAIN_CHECK_S: Final = 1.0
+#: Node states whose Ready replicas take requests (cordoning stops new placements, not traffic).
+_ROUTABLE: Final = frozenset({NodeState.READY, NodeState.CORDONED})
 #: How many nodes an Unplaceable message explains one by one.
 _EXPLAIN_NODES: Final = 20
 
@@ -265,6 +269,26 @@ class Deployments:
 
     def placement(self, name: str) -> PlacementView:
         return PlacementView(deployment=name, decision=self._entry(name).decision)
+
+    def serving(self, model: ModelRef, *, alias: str | None = None) -> ServingSet:
+        """The replicas the gateway may send requests for `model` to: those of deployments of it
+        (pinned, or created from `alias` while it pointed there) that their node reports Ready,
+        on nodes that are Ready or Cordoned (never Unreachable, Draining or Revoked). Read on every
+        request: in memory, no I/O."""
+        replicas: list[ServingReplica] = []
+        names: list[str] = []
+        for name, entry in self._entries.items():
+            dep = entry.deployment
+            if dep.model != model:
+                continue
+            names.append(name)
+            for r in dep.placed:
+                live = self._fleet.get(r.node_id)
+                if live.state in _ROUTABLE and self._ready(r):
+                    replicas.append(
+                        ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=dep.model)
+                    )
+        return ServingSet(model=model, replicas=replicas, deployments=names)
 
     @staticmethod
     def _view(e: _Entry) -> DeploymentView:

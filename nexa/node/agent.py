@@ -304,10 +304,8 @@ class Agent:
                 continue
             if isinstance(msg, wire.AssignmentSet):
                 await self._on_assignments(msg)
-            elif isinstance(msg, wire.Drain):
-                self._on_drain(msg)
             else:
-                log.debug("cancel for request %s: no inference relay runs on this node yet", msg.request_id)
+                self._on_drain(msg)
 
     async def _on_assignments(self, offered: wire.AssignmentSet) -> None:
         verdict = judge(self._node_id, self._fence, offered, time.time())
