@@ -97,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print JSON")
     s.set_defaults(handler=_cmd_node_inventory)
 
+    _sim_runtime_command(sub)
+
     _operator_commands(sub)
     return p
 
@@ -284,6 +286,62 @@ def _cmd_node_inventory(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _sim_runtime_command(sub: Any) -> None:
+    s = sub.add_parser(
+        "sim-runtime", help="a simulated OpenAI-compatible runtime (tests and demos; needs NEXA_SIMULATION_ONLY=1)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="a loopback address")
+    s.add_argument("--port", type=int, default=0, help="0: any free port (the address is printed)")
+    s.add_argument("--model", default="sim", help="the model name /v1/models reports")
+    s.add_argument("--ttft-ms", type=float, default=20.0, help="time to the first token")
+    s.add_argument("--tokens-per-s", type=float, default=200.0, help="tokens per second after the first")
+    s.add_argument("--output-tokens", type=int, default=16, help="tokens per answer (less if max_tokens says so)")
+    s.add_argument("--embedding-dim", type=int, default=384)
+    s.add_argument("--journal", default="", help="JSON-lines journal of requests and outcomes (no payloads)")
+    s.add_argument("--faults", default="", help="JSON faults file, re-read when it changes; replaces the flags below")
+    s.add_argument("--fail", choices=("before", "after"), help="fail every request before or after the first bytes")
+    s.add_argument("--hang", choices=("before", "after"), help="stop sending, before or after the first bytes")
+    s.add_argument("--fail-status", type=int, default=500, help="the status of a failure before the first byte")
+    s.add_argument("--after-tokens", type=int, default=2, help="tokens sent before an `after` fault")
+    s.add_argument("--artifact", default="", help="the model artifact's path (checked to exist, never read)")
+    s.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process goes away")
+    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
+    s.set_defaults(handler=_cmd_sim_runtime)
+
+
+def _cmd_sim_runtime(args: argparse.Namespace) -> int:
+    from nexa import simruntime
+    from nexa.telemetry import setup_logging
+
+    cfg = simruntime.SimConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        ttft_ms=args.ttft_ms,
+        tokens_per_s=args.tokens_per_s,
+        output_tokens=args.output_tokens,
+        embedding_dim=args.embedding_dim,
+        journal=args.journal,
+        faults_path=args.faults,
+        faults=simruntime.Faults(
+            fail=None if args.fail is None else simruntime.Phase(args.fail),
+            hang=None if args.hang is None else simruntime.Phase(args.hang),
+            status=args.fail_status,
+            after_tokens=args.after_tokens,
+        ),
+        artifact=args.artifact,
+        exit_with_parent=args.exit_with_parent,
+    )
+    simruntime.check_config(cfg, os.environ)
+    setup_logging(args.log_level)
+
+    def announce(started: simruntime.SimStarted) -> None:
+        print(f"nexa sim-runtime {__version__} listening on {', '.join(started.urls)} (simulation only)")
+        sys.stdout.flush()
+
+    return _run_role(partial(simruntime.serve_sim, cfg), announce)
+
+
 async def _stop_on_signal(stopping: Any, scope: Any) -> None:
     """First SIGTERM/SIGINT: graceful stop. A second one: cancel everything now."""
     import trio
@@ -360,6 +418,7 @@ def _operator_commands(sub: Any) -> None:
     s.set_defaults(handler=_audit_verify)
 
     _registry_commands(sub, common)
+    _gateway_commands(sub, common)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -703,6 +762,24 @@ def _deployment_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     s = deployments.add_parser("delete", parents=[common], help="stop every replica and forget the deployment")
     s.add_argument("name")
     s.set_defaults(handler=_deployments_delete)
+    s = deployments.add_parser("canary", parents=[common], help="run another version beside it on extra replicas")
+    s.add_argument("name")
+    s.add_argument("--model", required=True)
+    s.add_argument("--version", required=True)
+    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--weight", type=float, required=True, help="share of requests for the canary (0..1, exclusive)")
+    s.add_argument("--max-error-rate", type=float, default=0.05, help="roll back above this error rate")
+    s.add_argument("--max-p95-ms", type=float, help="roll back above this p95 latency (default: not checked)")
+    s.add_argument("--window-s", type=float, default=60.0, help="the window the figures cover")
+    s.add_argument("--min-requests", type=int, default=20, help="fewer requests in the window decide nothing")
+    s.set_defaults(handler=_deployments_canary)
+    for verb, handler, text in (
+        ("promote", _deployments_promote, "make the canary's version the deployment's (its alias moves too)"),
+        ("rollback", _deployments_rollback, "remove the canary, or return to the version before the last promotion"),
+    ):
+        s = deployments.add_parser(verb, parents=[common], help=text)
+        s.add_argument("name")
+        s.set_defaults(handler=handler)
     capacity = sub.add_parser("capacity", help="what would fit (operator)").add_subparsers(
         metavar="VERB", required=True
     )
@@ -784,6 +861,69 @@ def _deployments_show(args: argparse.Namespace) -> int:
     with _client(args) as c:
         out = c.call("GET", f"/api/v1/deployments/{args.name}")
     _emit(args, out, [_deployment_row(out)], _DEPLOYMENT_COLUMNS)
+    if not args.json:
+        _print_rollout(out)
+    return EXIT_OK
+
+
+def _print_rollout(view: dict[str, Any]) -> None:
+    """The canary and the rollout of a deployment, when it has them."""
+    dep = view["deployment"]
+    canary = dep.get("canary")
+    if canary:
+        o = canary["objective"]
+        p95 = "-" if o["max_p95_ms"] is None else f"{o['max_p95_ms']:g} ms"
+        print(
+            f"canary   {_ref(canary['model'])}: {view.get('canary_ready', 0)}/{canary['replicas']} Ready, "
+            f"weight {canary['weight']:g}; objective: error rate <= {o['max_error_rate']:g}, p95 <= {p95}, "
+            f"over {o['window_s']:g} s, from {o['min_requests']} requests"
+        )
+    rollout = dep.get("rollout")
+    if rollout:
+        print(
+            f"rollout  {_ref(rollout['from'])} -> {_ref(rollout['to'])} ({rollout['reason']}): "
+            f"{view.get('rollout_new', 0)} new, {view.get('rollout_old', 0)} old replica(s) left"
+        )
+
+
+def _deployments_canary(args: argparse.Namespace) -> int:
+    body = {
+        "model": {"model": args.model, "version": args.version},
+        "replicas": args.replicas,
+        "weight": args.weight,
+        "objective": {
+            "max_error_rate": args.max_error_rate,
+            "max_p95_ms": args.max_p95_ms,
+            "window_s": args.window_s,
+            "min_requests": args.min_requests,
+        },
+    }
+    with _client(args) as c:
+        out = c.call("POST", f"/api/v1/deployments/{args.name}/canary", body=body)
+    _emit(args, out, [_deployment_row(out)], _DEPLOYMENT_COLUMNS)
+    if not args.json:
+        _print_rollout(out)
+    return EXIT_OK
+
+
+def _deployments_promote(args: argparse.Namespace) -> int:
+    return _deployment_rollout(args, "promote")
+
+
+def _deployments_rollback(args: argparse.Namespace) -> int:
+    return _deployment_rollout(args, "rollback")
+
+
+def _deployment_rollout(args: argparse.Namespace, verb: str) -> int:
+    with _client(args) as c:
+        out = c.call("POST", f"/api/v1/deployments/{args.name}/{verb}")
+    if args.json:
+        print(json.dumps(out, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(_table([_deployment_row(out["deployment"])], _DEPLOYMENT_COLUMNS))
+    _print_rollout(out["deployment"])
+    if out.get("alias"):
+        _print_receipt(args, out["alias"])
     return EXIT_OK
 
 
@@ -1168,4 +1308,165 @@ def _aliases_history(args: argparse.Namespace) -> int:
             f"alias {out['alias']['name']} -> {_ref(out['alias']['target'])} (generation {out['alias']['generation']})"
         )
     _emit(args, out, rows, ("generation", "action", "from", "to", "at", "actor", "event"))
+    return EXIT_OK
+
+
+# ---- quotas, usage, workloads and receipts -------------------------------------------------------
+
+_QUOTA_FLAGS: Final = (
+    ("concurrent", "concurrent_requests", "requests in flight at once"),
+    ("rpm", "requests_per_minute", "requests per minute"),
+    ("tpm", "tokens_per_minute", "tokens per minute (prompt + completion)"),
+    ("tpd", "tokens_per_day", "tokens per UTC day"),
+)
+
+
+def _gateway_commands(sub: Any, common: argparse.ArgumentParser) -> None:
+    quotas = sub.add_parser("quotas", help="per-tenant limits (admin)").add_subparsers(metavar="VERB", required=True)
+    s = quotas.add_parser("set", parents=[common], help="replace a tenant's limits (a limit left out: none)")
+    s.add_argument("tenant")
+    for flag, _, text in _QUOTA_FLAGS:
+        s.add_argument(f"--{flag}", type=int, default=None, help=text)
+    s.set_defaults(handler=_quotas_set)
+    s = quotas.add_parser("show", parents=[common], help="limits and current use: one tenant, or all with limits")
+    s.add_argument("tenant", nargs="?")
+    s.set_defaults(handler=_quotas_show)
+
+    s = sub.add_parser("usage", parents=[common], help="usage by tenant, model and UTC day (audit, admin)")
+    s.add_argument("--since", type=_when, help="2027-01-31 (UTC), an ISO time or Unix seconds; default 30 days ago")
+    s.add_argument("--until", type=_when, help="the same forms; default now")
+    s.add_argument("--tenant")
+    s.add_argument("--model")
+    s.add_argument("--csv", action="store_true", help="print CSV (the controller's export)")
+    s.set_defaults(handler=_usage)
+
+    workloads = sub.add_parser("workloads", help="canonical workloads of your tenant (inference)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    for verb, text in (("status", "state"), ("cancel", "cancel it"), ("receipt", "its signed receipt (JSON)")):
+        s = workloads.add_parser(verb, parents=[common], help=text)
+        s.add_argument("workload_id")
+        s.set_defaults(handler=_workloads_action, verb=verb)
+
+    receipts = sub.add_parser("receipts", help="signed workload receipts").add_subparsers(metavar="VERB", required=True)
+    s = receipts.add_parser("verify", parents=[common], help="check a receipt file's signature (exit 1 if bad)")
+    s.add_argument("file")
+    s.add_argument(
+        "--public-key",
+        help="the controller's receipt key (base64, or @FILE); offline. Without it, fetched from --url",
+    )
+    s.set_defaults(handler=_receipts_verify)
+    s = receipts.add_parser("key", parents=[common], help="print the controller's receipt-signing public key")
+    s.set_defaults(handler=_receipts_key)
+
+
+def _quotas_set(args: argparse.Namespace) -> int:
+    body = {field: getattr(args, flag) for flag, field, _ in _QUOTA_FLAGS}
+    with _client(args) as c:
+        out = c.call("PUT", f"/api/v1/quotas/{args.tenant}", body=body)
+    _emit(args, out, [_quota_row(out)], _QUOTA_COLUMNS)
+    return EXIT_OK
+
+
+_QUOTA_COLUMNS: Final = ("tenant", "concurrent", "rpm", "tpm", "tpd", "in_flight", "req_1m", "tok_1m", "tok_today")
+
+
+def _quota_row(q: dict[str, Any]) -> dict[str, Any]:
+    limits, use = q["limits"], q["use"]
+    return {
+        "tenant": q["tenant"],
+        **{flag: limits[field] for flag, field, _ in _QUOTA_FLAGS},
+        "in_flight": use["concurrent_requests"],
+        "req_1m": use["requests_last_minute"],
+        "tok_1m": use["tokens_last_minute"],
+        "tok_today": use["tokens_today"],
+    }
+
+
+def _quotas_show(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        if args.tenant:
+            out = c.call("GET", f"/api/v1/quotas/{args.tenant}")
+            rows = [_quota_row(out)]
+        else:
+            out = c.call("GET", "/api/v1/quotas")
+            rows = [_quota_row(q) for q in out["quotas"]]
+    _emit(args, out, rows, _QUOTA_COLUMNS)
+    return EXIT_OK
+
+
+def _usage(args: argparse.Namespace) -> int:
+    params = {
+        k: v
+        for k, v in {
+            "since": None if args.since is None else str(args.since),
+            "until": None if args.until is None else str(args.until),
+            "tenant": args.tenant,
+            "model": args.model,
+        }.items()
+        if v is not None
+    }
+    with _client(args) as c:
+        if args.csv:
+            sys.stdout.write(c.text("GET", "/api/v1/usage", params={**params, "format": "csv"}))
+            return EXIT_OK
+        out = c.call("GET", "/api/v1/usage", params=params)
+    columns = ("day", "tenant", "model", "requests", "errors", "prompt_tokens", "completion_tokens")
+    _emit(args, out, out["rows"], columns)
+    return EXIT_OK
+
+
+def _workloads_action(args: argparse.Namespace) -> int:
+    path = f"/api/v1/workloads/{args.workload_id}"
+    with _client(args) as c:
+        if args.verb == "status":
+            out = c.call("GET", path)
+        elif args.verb == "cancel":
+            out = c.call("POST", path + "/cancel")
+        else:
+            out = c.call("GET", path + "/receipt")
+            print(json.dumps(out, indent=2, sort_keys=True))
+            return EXIT_OK
+    row = {k: out.get(k) for k in ("workload_id", "state", "model", "priority", "error", "accepted_at", "finished_at")}
+    _emit(args, out, [row], list(row))
+    return EXIT_OK
+
+
+def _receipts_verify(args: argparse.Namespace) -> int:
+    from nexa import security
+    from nexa.contracts import codec
+    from nexa.contracts.gateway import SignedReceipt
+    from nexa.errors import BadSignature
+
+    try:
+        raw = Path(args.file).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {args.file}: {exc.strerror}") from None
+    signed = codec.loads(codec.api, raw, SignedReceipt)
+    key_text = args.public_key
+    if key_text is None:
+        with _client(args) as c:
+            key_text = c.call("GET", "/api/v1/receipts/public-key")["public_key"]
+    elif key_text.startswith("@"):
+        try:
+            key_text = Path(key_text[1:]).read_text(encoding="ascii").strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read {key_text[1:]}: {exc.strerror}") from None
+    pub = security.PublicKey.from_b64(key_text)
+    try:
+        security.verify_receipt(pub, signed)
+    except BadSignature as exc:
+        print(f"receipt {signed.receipt.receipt_id}: INVALID ({exc.message})")
+        return EXIT_FAILED
+    r = signed.receipt
+    print(
+        f"receipt {r.receipt_id}: valid — workload {r.workload_id}, {r.state.value}, "
+        f"{r.model}@{r.model_version}, {r.prompt_tokens}+{r.completion_tokens} tokens, key {pub.fingerprint}"
+    )
+    return EXIT_OK
+
+
+def _receipts_key(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        print(c.call("GET", "/api/v1/receipts/public-key")["public_key"])
     return EXIT_OK

@@ -42,6 +42,16 @@ class ApiClient:
             return resp.json() if resp.content else None
         raise _remote_error(resp)
 
+    def text(self, method: str, path: str, *, params: dict[str, str] | None = None) -> str:
+        """Like `call`, for answers that are not JSON (a CSV export)."""
+        try:
+            resp = self._http.request(method, path, params=params, headers={"Accept": "*/*"})
+        except httpx.TransportError as exc:
+            raise Unavailable(f"cannot reach the controller at {self._base_url}: {type(exc).__name__}") from None
+        if resp.is_success:
+            return resp.text
+        raise _remote_error(resp)
+
 
 def _remote_error(resp: httpx.Response) -> RemoteError:
     try:

@@ -221,6 +221,15 @@ class SupervisorConfig:
     reconcile_interval_s: Seconds = Seconds(5.0)
 
 
+def _loopback(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    try:
+        loopback = ipaddress.ip_address(value).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise ValueError(f"{attribute.name} must be a loopback IP address (127.0.0.0/8 or ::1)")
+
+
 @attrs.frozen(kw_only=True)
 class RelayConfig:
     """The node's inference relay: controller requests to local runtimes over loopback HTTP."""
@@ -247,6 +256,9 @@ class NodeConfig:
     heartbeat_interval_s: Seconds = Seconds(1.0)
     #: Local address to dial the controller from (e.g. one of several loopback addresses).
     source_address: str = ""
+    #: The loopback address runtimes listen on and the relay reaches them at. Several nodes sharing
+    #: one host (tests, demos) each take their own, e.g. 127.0.0.11; a real node keeps 127.0.0.1.
+    runtime_host: str = attrs.field(default="127.0.0.1", validator=_loopback)
     on_lease_expiry: LeaseExpiryPolicy = LeaseExpiryPolicy.KEEP_SERVING
     #: Longest wait between reconnection attempts to the controller.
     reconnect_max_s: Seconds = Seconds(5.0)

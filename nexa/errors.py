@@ -25,6 +25,9 @@ Our exception hierarchy:
     - ModelNotApproved          an alias may point only at an Approved model
     - NoRollbackTarget          an alias has no earlier promotion to return to
     - ModelInUse                a model an alias points at cannot be retired
+    - RolloutInProgress         a deployment already runs a canary or a rollout
+    - NoCanary                  promoting a deployment that runs no canary
+    - NothingToRollBack         a deployment with no canary and no earlier promotion to return to
   + NotDeployable               a deployment the registry or the fleet does not allow (HTTP 422)
     - DeployModelNotApproved    its model is not Approved
     - DeployLicenseInvalid      its model's licence is not accepted or has expired
@@ -54,6 +57,7 @@ Our exception hierarchy:
     - PodmanUnavailable         the podman socket does not answer
     - ImageNotFound             the registry has no image with that digest
     - ContainerNotFound
+    - SimulationDisabled        a `sim` runtime on a node that does not run simulated runtimes
   + ArtifactError               a model artifact could not be provided
     - ArtifactUnavailable       the S3-compatible store refused or failed (retryable)
     - ArtifactDigestMismatch    the bytes do not match the pinned sha256 or size
@@ -170,6 +174,18 @@ class ModelInUse(Conflict):
         super().__init__(message)
         self.model = model
         self.aliases = aliases
+
+
+class RolloutInProgress(Conflict):
+    code = "rollout_in_progress"
+
+
+class NoCanary(Conflict):
+    code = "no_canary"
+
+
+class NothingToRollBack(Conflict):
+    code = "nothing_to_roll_back"
 
 
 class NotDeployable(NexaError):
@@ -385,6 +401,12 @@ class ImageNotFound(PodmanError):
 
 class ContainerNotFound(PodmanError, LookupError):
     code = "container_not_found"
+
+
+class SimulationDisabled(PodmanError):
+    """A `sim` runtime assigned to a node without `simulation = true` (and NEXA_SIMULATION_ONLY=1)."""
+
+    code = "simulation_disabled"
 
 
 class ArtifactError(NexaError):

@@ -3,7 +3,9 @@
 `Link` is the controller's ROUTER: it binds, admits node Curve keys through ZAP and tags every
 message with the node id ZAP gave its channel. `Uplink` is a node's DEALER: it dials out and
 lets zmq reconnect with capped backoff. Both sign what they send and verify what they receive
-before parsing it. The only module that imports `zmq`; zmq errors leave it as ChannelError.
+before parsing it. The same channel carries the unsigned data-path frames `[kind, request_id,
+head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone authenticates; each side accepts only the
+data kinds of its direction. The only module that imports `zmq`; zmq errors leave it as ChannelError.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ _ZAP_VERSION: Final = b"1.0"
 CURVE_KEY_CHARS: Final = 40
 #: Largest message a peer may send (bytes); larger ones cost the sender its connection.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+#: Longest request id a data frame may carry (bytes of UTF-8).
+MAX_REQUEST_ID_BYTES: Final = 128
 
 
 #: How long a pump waits before retrying a send that zmq refused right after POLLOUT.
@@ -137,6 +141,40 @@ def decode_frames(frames: Sequence[bytes], peer: security.PublicKey, accept: Map
     # Unauthenticated bytes never reach the JSON parser or cattrs.
     security.verify(peer, sig, kind, body)
     return codec.loads(codec.wire, body, cls)
+
+
+# --- data-path framing (unsigned: CurveZMQ authenticates the channel) ----------------------------
+
+
+def encode_data(kind: str, request_id: str, head: bytes, body: bytes) -> Frames:
+    """`[kind, request_id, head, body]`; raises ContractError for a kind or id that cannot be sent."""
+    if kind not in wire.DATA_KINDS:
+        raise ContractError(f"{kind!r} is not a data-path kind")
+    rid = request_id.encode("utf-8")
+    if not rid or len(rid) > MAX_REQUEST_ID_BYTES:
+        raise ContractError(f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes")
+    return [kind.encode("ascii"), rid, head, body]
+
+
+def decode_data(frames: Sequence[bytes], accept: frozenset[str]) -> wire.DataFrame:
+    """Check the shape and the direction of a data frame; heads stay encoded. Raises ContractError."""
+    if len(frames) != 4:
+        raise ContractError(f"a data message is 4 frames (kind, request id, head, body), got {len(frames)}")
+    kind_b, rid_b, head, body = frames
+    kind = kind_b.decode("ascii", "replace")
+    if kind not in accept:
+        raise ContractError(f"unexpected data kind {kind[:32]!r}")
+    try:
+        request_id = rid_b.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ContractError("a request id must be UTF-8") from None
+    if not request_id or len(rid_b) > MAX_REQUEST_ID_BYTES:
+        raise ContractError(f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes")
+    return wire.DataFrame(kind=kind, request_id=request_id, head=head, body=body)
+
+
+def _is_data(kind: bytes) -> bool:
+    return kind.decode("ascii", "replace") in wire.DATA_KINDS
 
 
 # --- the pump: the one task that touches a socket -----------------------------------------------
@@ -352,6 +390,14 @@ class Inbound:
 
 
 @attrs.frozen(kw_only=True)
+class DataInbound:
+    """A data-path frame and the node whose channel (Curve key, through ZAP) carried it."""
+
+    node_id: str
+    frame: wire.DataFrame
+
+
+@attrs.frozen(kw_only=True)
 class Refused:
     """A message that failed a check, with the node its channel belongs to ("" if none)."""
 
@@ -364,7 +410,11 @@ class Link:
 
     `authorize(curve_public_z85)` returns the node id for an enrolled key, or None to refuse;
     `node_key(node_id)` returns the node's Ed25519 key, or None once it is revoked. Both are
-    called on the event loop and must not block.
+    called on the event loop and must not block (`node_key` is asked for every message, data
+    frames included).
+
+    Sends to a node that is gone or not keeping up are dropped and counted (never queued
+    without bound), so whoever waits for an answer on the data path must bound the wait.
     """
 
     def __init__(
@@ -427,13 +477,26 @@ class Link:
     async def send(self, node_id: str, msg: wire.ControllerMessage) -> None:
         """Queue a signed message for a node. NotConnected if it has not spoken on this link."""
         pump = self._running()
+        await pump.send([self._route(node_id), *encode_frames(msg, self._key)])
+
+    async def send_data(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None:
+        """Queue a data-path frame (`wire.DATA_FROM_CONTROLLER`) for a node; NotConnected if it has no route."""
+        pump = self._running()
+        await pump.send([self._route(node_id), *encode_data(kind, request_id, head, body)])
+
+    def send_data_nowait(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None:
+        """Like `send_data` without waiting; raises trio.WouldBlock when the outbox is full."""
+        pump = self._running()
+        pump.send_nowait([self._route(node_id), *encode_data(kind, request_id, head, body)])
+
+    def _route(self, node_id: str) -> bytes:
         route = self._routes.get(node_id)
         if route is None:
             raise NotConnected(node_id=node_id)
-        await pump.send([route, *encode_frames(msg, self._key)])
+        return route
 
-    async def receive(self) -> Inbound:
-        """The next message from a node, verified against that node's key.
+    async def receive(self) -> Inbound | DataInbound:
+        """The next message from a node: a verified signed message, or a data frame.
 
         A rejected message raises (Unauthenticated, BadSignature, WrongNode, ContractError)
         and is logged with its node; the next call goes on with the next message.
@@ -443,8 +506,12 @@ class Link:
             raise got.error
         return got
 
-    async def receive_any(self) -> Inbound | Refused:
-        """Like `receive`, but a rejected message comes back as `Refused` naming its channel's node."""
+    async def receive_any(self) -> Inbound | DataInbound | Refused:
+        """Like `receive`, but a rejected message comes back as `Refused` naming its channel's node.
+
+        A data frame is accepted from an enrolled, non-revoked node's channel and only in the
+        kinds a node may send (`wire.DATA_FROM_NODE`); it is neither logged nor signature-checked.
+        """
         # A checkpoint first: when the link is being cancelled, callers see Cancelled, not ChannelClosed.
         await trio.lowlevel.checkpoint()
         frames = await self._running().receive()
@@ -459,7 +526,11 @@ class Link:
             if pub is None:
                 self._routes.pop(node_id, None)
                 raise Unauthenticated(f"node {node_id} is not enrolled")
-            msg = decode_frames([f.bytes for f in frames[1:]], pub, wire.FROM_NODE)
+            raw = [f.bytes for f in frames[1:]]
+            if _is_data(raw[0]):
+                # Hot path: no log line per frame; the route is learnt only from signed messages.
+                return DataInbound(node_id=node_id, frame=decode_data(raw, wire.DATA_FROM_NODE))
+            msg = decode_frames(raw, pub, wire.FROM_NODE)
             if msg.node_id != node_id:
                 raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
         except NexaError as exc:
@@ -552,12 +623,24 @@ class Uplink:
     def send_nowait(self, msg: wire.NodeMessage) -> None:
         self._running().send_nowait(encode_frames(msg, self._key))
 
-    async def receive(self) -> wire.ControllerMessage:
-        """The next message from the controller, verified against its pinned key."""
+    async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
+        """Queue a data-path frame (`wire.DATA_FROM_NODE`) for the controller (backpressure when full)."""
+        await self._running().send(encode_data(kind, request_id, head, body))
+
+    def send_data_nowait(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
+        """Like `send_data` without waiting; raises trio.WouldBlock when the outbox is full."""
+        self._running().send_nowait(encode_data(kind, request_id, head, body))
+
+    async def receive(self) -> wire.ControllerMessage | wire.DataFrame:
+        """The next message from the controller: signed ones verified against its pinned key,
+        data frames (`wire.DATA_FROM_CONTROLLER` kinds only) as they are."""
         await trio.lowlevel.checkpoint()  # cancelled callers see Cancelled, not ChannelClosed
         frames = await self._running().receive()
         try:
-            return decode_frames([f.bytes for f in frames], self._controller_key, wire.FROM_CONTROLLER)
+            raw = [f.bytes for f in frames]
+            if raw and _is_data(raw[0]):
+                return decode_data(raw, wire.DATA_FROM_CONTROLLER)
+            return decode_frames(raw, self._controller_key, wire.FROM_CONTROLLER)
         except NexaError as exc:
             log.warning("rejected a message from the controller: %s (%s)", exc.code, exc.message)
             raise

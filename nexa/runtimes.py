@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from nexa.contracts import codec, wire
+from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import (
     LABEL_ASSIGNMENT,
     LABEL_DEPLOYMENT,
@@ -28,6 +29,12 @@ from nexa.errors import ContractError
 #: The node whose agent created the container: several agents may share one podman (tests, demos),
 #: and each adopts and removes only its own containers.
 LABEL_NODE: Final = "nexa.node"
+#: The runtime kind (`vllm`, …, `sim`): the node routes `sim` to its process driver, not podman.
+LABEL_KIND: Final = "nexa.kind"
+#: The loopback port the runtime listens on (the process driver probes `/health` there).
+LABEL_PORT: Final = "nexa.port"
+#: A simulated runtime and `nexa sim-runtime` run only where this environment variable is `1`.
+SIMULATION_ENV: Final = "NEXA_SIMULATION_ONLY"
 #: Every container the agent creates is named `nexa-<assignment id>`.
 NAME_PREFIX: Final = "nexa-"
 #: An environment variable whose name contains one of these (any case) is refused.
@@ -67,12 +74,31 @@ def check_env(env: Mapping[str, str]) -> None:
         )
 
 
+def is_simulated(runtime: RuntimeSpec) -> bool:
+    """A `sim` runtime: a local `nexa sim-runtime` process, with no image to pull."""
+    return runtime.kind is RuntimeKind.SIM
+
+
+def sim_command(assignment: wire.Assignment, artifact_path: Path | None, *, host: str = "127.0.0.1") -> list[str]:
+    """The `nexa sim-runtime` arguments for a sim assignment: the node's runtime loopback address, its
+    port, the deployment as the model name, the spec's own flags, then the artifact's host path (a
+    process has no mounts)."""
+    runtime = assignment.runtime
+    command = ["--host", host, "--port", str(runtime.port), "--model", assignment.deployment]
+    command.extend(runtime.command)
+    if artifact_path is not None:
+        command.extend(["--artifact", str(artifact_path)])
+    return command
+
+
 def container_spec(
-    node_id: str, assignment: wire.Assignment, generation: int, artifact_path: Path | None
+    node_id: str, assignment: wire.Assignment, generation: int, artifact_path: Path | None, *, host: str = "127.0.0.1"
 ) -> ContainerSpec:
     """What podman creates for `assignment`: the image by digest, the spec's command, env and
     limits, its GPUs as CDI devices, the verified artifact mounted read-only, and the labels the
     supervisor adopts and removes by. Raises ContractError when the env holds a secret-looking name.
+
+    A `sim` runtime is a process, not a container: its command is `sim_command` and it has no mounts.
     """
     runtime = assignment.runtime
     check_env(runtime.env)
@@ -80,12 +106,16 @@ def container_spec(
         # The supervisor fetches exactly the artifact the spec names: a mismatch is a bug.
         raise ValueError("artifact_path must be given exactly when the runtime has an artifact")
     ro_mounts: list[tuple[str, str]] = []
-    if runtime.artifact is not None and artifact_path is not None:
-        ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
+    if is_simulated(runtime):
+        command = sim_command(assignment, artifact_path, host=host)
+    else:
+        command = list(runtime.command)
+        if runtime.artifact is not None and artifact_path is not None:
+            ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
     return ContainerSpec(
         name=container_name(assignment.id),
         image=runtime.image,
-        command=list(runtime.command),
+        command=command,
         env=dict(runtime.env),
         labels={
             LABEL_NODE: node_id,
@@ -93,6 +123,8 @@ def container_spec(
             LABEL_DEPLOYMENT: assignment.deployment,
             LABEL_GENERATION: str(generation),
             LABEL_SPEC: spec_sha256(runtime),
+            LABEL_KIND: str(runtime.kind),
+            LABEL_PORT: str(runtime.port),
         },
         memory_bytes=runtime.memory_bytes,
         cpus=runtime.cpus,

@@ -24,6 +24,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from nexa.contracts import codec
+from nexa.contracts.gateway import Receipt, SignedReceipt
 from nexa.errors import BadSignature, ClockSkew, ConfigError, Conflict, ContractError, Replayed
 
 log = logging.getLogger(__name__)
@@ -237,6 +239,45 @@ def verify_digest(pub: PublicKey, signature_b64: str, sha256_hex: str) -> None:
         pub._key.verify(sig, digest)
     except InvalidSignature:
         raise BadSignature("the signature over the digest does not verify", kind="digest") from None
+
+
+# --- receipts -----------------------------------------------------------------------------------
+
+#: Domain separation: a receipt signature can never be mistaken for any other nexa signature.
+RECEIPT_CONTEXT: Final = b"nexa.receipt.v1\x00"
+
+
+def _receipt_bytes(receipt: Receipt) -> bytes:
+    return RECEIPT_CONTEXT + codec.dumps(codec.wire, receipt).encode()
+
+
+def sign_receipt(key: SigningKey, receipt: Receipt) -> SignedReceipt:
+    """Sign a receipt's canonical JSON (`codec.wire`); signature and public key in standard base64."""
+    signature = key._key.sign(_receipt_bytes(receipt))
+    return SignedReceipt(
+        receipt=receipt,
+        signature=base64.b64encode(signature).decode("ascii"),
+        public_key=key.public.b64,
+    )
+
+
+def verify_receipt(pub: PublicKey, signed: SignedReceipt) -> None:
+    """Check a signed receipt against the controller's published key, or raise BadSignature.
+
+    The key embedded in the receipt is only a hint: it must equal `pub`, never replace it.
+    """
+    if not hmac.compare_digest(signed.public_key.strip().encode("ascii", "replace"), pub.b64.encode("ascii")):
+        raise BadSignature("the receipt was signed by another key than the controller's", kind="receipt")
+    try:
+        sig = base64.b64decode(signed.signature.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadSignature("the receipt's signature is not base64", kind="receipt") from None
+    if len(sig) != SIGNATURE_BYTES:
+        raise BadSignature("malformed receipt signature", kind="receipt")
+    try:
+        pub._key.verify(sig, _receipt_bytes(signed.receipt))
+    except InvalidSignature:
+        raise BadSignature("the receipt's signature does not verify (edited?)", kind="receipt") from None
 
 
 # --- replay window ------------------------------------------------------------------------------

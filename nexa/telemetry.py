@@ -21,6 +21,8 @@ request_id: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("
 METRICS_CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+#: Inference takes from milliseconds (embeddings) to minutes (long generations, queueing).
+_INFERENCE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class Metrics:
@@ -73,6 +75,62 @@ class Metrics:
         self.assignment_pushes = Counter("nexa_assignment_pushes", "Signed assignment sets sent to nodes.", registry=r)
         self.assignment_acks = Counter(
             "nexa_assignment_acks", "Node answers to assignment sets, by result.", ["result"], registry=r
+        )
+        self._gateway_metrics(r)
+
+    def _gateway_metrics(self, r: CollectorRegistry) -> None:
+        # `model` is the alias (or `name:version`) the client asked for: stable across rollouts.
+        # Only the requests counter carries `tenant` (tenants are few; operators want their usage).
+        self.gateway_requests = Counter(
+            "nexa_gateway_requests",
+            "Finished inference requests, by requested model, tenant and status (`ok` or the error code).",
+            ["model", "tenant", "status"],
+            registry=r,
+        )
+        self.gateway_tokens = Counter(
+            "nexa_gateway_tokens",
+            "Tokens of finished requests, by model and kind (prompt, completion).",
+            ["model", "kind"],
+            registry=r,
+        )
+        self.gateway_request_seconds = Histogram(
+            "nexa_gateway_request_duration_seconds",
+            "Time from acceptance to the last byte of the answer, queueing included.",
+            ["model"],
+            buckets=_INFERENCE_BUCKETS,
+            registry=r,
+        )
+        self.gateway_ttft_seconds = Histogram(
+            "nexa_gateway_time_to_first_token_seconds",
+            "Time from acceptance to the first output byte.",
+            ["model"],
+            buckets=_INFERENCE_BUCKETS,
+            registry=r,
+        )
+        self.gateway_queue_seconds = Histogram(
+            "nexa_gateway_queue_seconds",
+            "Time requests waited in admission for a slot (granted ones only).",
+            ["model"],
+            buckets=_INFERENCE_BUCKETS,
+            registry=r,
+        )
+        self.gateway_queue_depth = Gauge(
+            "nexa_gateway_queue_depth",
+            "Requests waiting in admission, by model and priority.",
+            ["model", "priority"],
+            registry=r,
+        )
+        self.gateway_quota_refusals = Counter(
+            "nexa_gateway_quota_refusals", "Requests refused by a tenant quota, by limit.", ["limit"], registry=r
+        )
+        self.metering_flush_seconds = Histogram(
+            "nexa_metering_flush_duration_seconds",
+            "Time each batch of usage records took to write.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.metering_pending = Gauge(
+            "nexa_metering_pending", "Usage records waiting to be written to the store.", registry=r
         )
 
     def render(self) -> bytes:

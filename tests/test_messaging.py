@@ -208,6 +208,120 @@ async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet:
     assert (stats.received, stats.sent, stats.dropped) == (count, 2 * count, 0)
 
 
+# --- the data path: unsigned [kind, request_id, head, body] frames ------------------------------
+
+
+async def test_data_frames_travel_both_ways_beside_signed_messages(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+            with pytest.raises(NotConnected):  # a route comes only from a verified signed message
+                await link.send_data("n1", wire.INFER, "r1", b"{}", b"")
+            await uplink.send(hello("n1"))
+            assert (await link.receive()).node_id == "n1"
+
+            await link.send_data("n1", wire.INFER, "r1", b'{"h":1}', b'{"prompt":"hi"}')
+            link.send_data_nowait("n1", wire.CREDIT, "r1", b'{"chunks":2}', b"")
+            signed = assignment_set("n1", 1)
+            await link.send("n1", signed)
+            await link.send_data("n1", wire.CANCEL, "r1", b"{}", b"")
+            assert await uplink.receive() == wire.DataFrame(
+                kind=wire.INFER, request_id="r1", head=b'{"h":1}', body=b'{"prompt":"hi"}'
+            )
+            assert await uplink.receive() == wire.DataFrame(
+                kind=wire.CREDIT, request_id="r1", head=b'{"chunks":2}', body=b""
+            )
+            assert await uplink.receive() == signed
+            assert (await uplink.receive()).kind == wire.CANCEL  # type: ignore[union-attr]
+
+            await uplink.send_data(wire.CHUNK, "r1", b"", b"data: x\n\n")
+            await uplink.send(heartbeat("n1", 1))
+            uplink.send_data_nowait(wire.END, "r1", b'{"status":"ok"}', b"")
+            assert await link.receive() == messaging.DataInbound(
+                node_id="n1", frame=wire.DataFrame(kind=wire.CHUNK, request_id="r1", head=b"", body=b"data: x\n\n")
+            )
+            assert isinstance((await link.receive()).message, wire.Heartbeat)  # type: ignore[union-attr]
+            got = await link.receive()
+            assert isinstance(got, messaging.DataInbound)
+            assert (got.frame.kind, got.frame.head) == (wire.END, b'{"status":"ok"}')
+            nursery.cancel_scope.cancel()
+
+
+async def test_data_frames_of_the_wrong_direction_or_shape_are_refused(fleet: Fleet) -> None:
+    """A raw Curve client with an enrolled key sends what a node agent never would."""
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with trio.fail_after(TIMEOUT_S), ctx.socket(zmq.DEALER) as dealer:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, fleet.curve.public.encode())
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, n1.curve.public.encode())
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, n1.curve.secret.encode())
+            async with trio.open_nursery() as nursery:
+                dealer.connect(await nursery.start(link.run))
+                pump = messaging.ZmqPump(dealer)
+                await nursery.start(pump.run)
+                bad = {
+                    "controller kind": [b"infer", b"r1", b"{}", b""],
+                    "three frames": [b"chunk", b"r1", b""],
+                    "empty id": [b"chunk", b"", b"", b"x"],
+                    "id not UTF-8": [b"chunk", b"\xff", b"", b"x"],
+                    "id too long": [b"chunk", b"r" * 129, b"", b"x"],
+                }
+                for frames in bad.values():
+                    await pump.send(frames)
+                    got = await link.receive_any()
+                    assert isinstance(got, messaging.Refused)
+                    assert got.node_id == "n1"
+                    assert isinstance(got.error, ContractError)
+                await pump.send([b"chunk", b"r1", b"", b"x"])
+                got = await link.receive_any()
+                assert isinstance(got, messaging.DataInbound)
+                assert not link.connected("n1")  # data frames never give a route
+
+                del fleet.node_keys["n1"]  # revoked: its channel's data is refused too
+                await pump.send([b"chunk", b"r1", b"", b"x"])
+                got = await link.receive_any()
+                assert isinstance(got, messaging.Refused)
+                assert isinstance(got.error, Unauthenticated)
+                nursery.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_node_refuses_data_kinds_only_nodes_send(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+            await uplink.send(hello("n1"))
+            await link.receive()
+            await link.send_data("n1", wire.CHUNK, "r1", b"", b"x")
+            with pytest.raises(ContractError, match="unexpected data kind"):
+                await uplink.receive()
+            await link.send_data("n1", wire.CANCEL, "r1", b"{}", b"")
+            assert (await uplink.receive()).kind == wire.CANCEL  # type: ignore[union-attr]
+            nursery.cancel_scope.cancel()
+
+
+def test_data_frames_are_encoded_only_for_data_kinds_and_sane_ids() -> None:
+    assert messaging.encode_data(wire.CHUNK, "r-1", b"", b"x") == [b"chunk", b"r-1", b"", b"x"]
+    with pytest.raises(ContractError):
+        messaging.encode_data("hello", "r1", b"", b"")
+    with pytest.raises(ContractError):
+        messaging.encode_data(wire.CHUNK, "", b"", b"")
+    with pytest.raises(ContractError):
+        messaging.encode_data(wire.CHUNK, "r" * 129, b"", b"")
+
+
 # --- who may talk -------------------------------------------------------------------------------
 
 

@@ -60,6 +60,8 @@ def test_container_spec_carries_the_runtime_and_its_labels() -> None:
         LABEL_DEPLOYMENT: "d1",
         LABEL_GENERATION: "7",
         LABEL_SPEC: runtimes.spec_sha256(rt),
+        runtimes.LABEL_KIND: "llamacpp",
+        runtimes.LABEL_PORT: "18300",
     }
     assert spec.devices == ["nvidia.com/gpu=0"]
     assert spec.ro_mounts == [(str(ARTIFACT), "/models/model")]
@@ -80,6 +82,31 @@ def test_no_artifact_no_mount() -> None:
     spec = runtimes.container_spec("n1", assignment(rt), 1, None)
     assert spec.ro_mounts == []
     assert spec.devices == []
+
+
+def sim_runtime(**change: Any) -> RuntimeSpec:
+    rt = attrs.evolve(sample_runtime(port=18400), kind=RuntimeKind.SIM, command=["--ttft-ms", "5"], gpus=[])
+    return attrs.evolve(rt, **change)
+
+
+def test_a_sim_spec_runs_the_simulator_on_loopback_with_the_host_artifact_path() -> None:
+    rt = sim_runtime()
+    spec = runtimes.container_spec("n1", assignment(rt), 3, ARTIFACT)
+    assert runtimes.is_simulated(rt)
+    assert not runtimes.is_simulated(sample_runtime())
+    # The deployment is the model name; the spec's flags follow; a process has no mounts.
+    assert spec.command == [
+        "--host", "127.0.0.1", "--port", "18400", "--model", "d1", "--ttft-ms", "5", "--artifact", str(ARTIFACT),
+    ]  # fmt: skip
+    assert spec.ro_mounts == []
+    assert spec.labels[runtimes.LABEL_KIND] == "sim"
+    assert spec.labels[runtimes.LABEL_PORT] == "18400"
+    assert spec.labels[LABEL_SPEC] == runtimes.spec_sha256(rt)
+
+
+def test_a_sim_spec_without_artifact_names_none() -> None:
+    spec = runtimes.container_spec("n1", assignment(sim_runtime(artifact=None, command=[])), 1, None)
+    assert spec.command == ["--host", "127.0.0.1", "--port", "18400", "--model", "d1"]
 
 
 def test_artifact_path_must_match_the_spec() -> None:

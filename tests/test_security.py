@@ -7,9 +7,13 @@ import math
 import stat
 from pathlib import Path
 
+import attrs
 import pytest
 
 from nexa import security
+from nexa.contracts import codec
+from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.gateway import Capability, Receipt, WorkloadState
 from nexa.errors import AuthError, BadSignature, ClockSkew, ConfigError, Conflict, ContractError, Replayed
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -206,3 +210,79 @@ def test_token_is_stored_as_its_hash_and_compared() -> None:
     assert not security.token_matches(security.new_enrollment_token(), stored)
     assert not security.token_matches(token, stored.upper())
     assert not security.token_matches(token, "")
+
+
+# --- receipts -----------------------------------------------------------------------------------
+
+
+def _receipt() -> Receipt:
+    return Receipt(
+        receipt_id="rcpt_1",
+        workload_id="w1",
+        idempotency_key_sha256="0" * 64,
+        tenant=TenantId("acme"),
+        key_id=KeyId("k1"),
+        capability=Capability.CHAT,
+        alias="chat",
+        model="llama",
+        model_version="1",
+        deployment="chat-prod",
+        node_id="n1",
+        state=WorkloadState.SUCCEEDED,
+        error=None,
+        prompt_tokens=3,
+        completion_tokens=4,
+        queue_ms=0.5,
+        ttft_ms=None,
+        duration_ms=12.0,
+        accepted_at=1.0,
+        finished_at=2.0,
+        controller_epoch=7,
+    )
+
+
+def test_a_signed_receipt_verifies_with_the_controller_key() -> None:
+    key = security.generate_signing_key()
+    signed = security.sign_receipt(key, _receipt())
+    assert signed.public_key == key.public.b64
+    assert len(base64.b64decode(signed.signature)) == 64
+    security.verify_receipt(key.public, signed)
+    # The signature covers the canonical JSON under its own context: it is no other kind of signature.
+    body = codec.dumps(codec.wire, signed.receipt).encode()
+    security.verify(key.public, base64.b64decode(signed.signature), b"nexa.receipt.v1", body)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"completion_tokens": 400},
+        {"state": WorkloadState.FAILED},
+        {"tenant": TenantId("other")},
+        {"ttft_ms": 1.0},
+    ],
+)
+def test_an_edited_receipt_does_not_verify(change: dict[str, object]) -> None:
+    key = security.generate_signing_key()
+    signed = security.sign_receipt(key, _receipt())
+    edited = attrs.evolve(signed, receipt=attrs.evolve(signed.receipt, **change))
+    with pytest.raises(BadSignature) as bad:
+        security.verify_receipt(key.public, edited)
+    assert bad.value.kind == "receipt"
+
+
+def test_a_receipt_signed_by_another_key_does_not_verify_even_if_it_names_that_key() -> None:
+    ours, theirs = security.generate_signing_key(), security.generate_signing_key()
+    forged = security.sign_receipt(theirs, _receipt())
+    with pytest.raises(BadSignature, match="another key"):
+        security.verify_receipt(ours.public, forged)
+    # Claiming our key while signed with theirs does not help either.
+    with pytest.raises(BadSignature):
+        security.verify_receipt(ours.public, attrs.evolve(forged, public_key=ours.public.b64))
+
+
+@pytest.mark.parametrize("signature", ["not base64!", base64.b64encode(b"short").decode(), ""])
+def test_a_malformed_receipt_signature_is_bad(signature: str) -> None:
+    key = security.generate_signing_key()
+    signed = attrs.evolve(security.sign_receipt(key, _receipt()), signature=signature)
+    with pytest.raises(BadSignature):
+        security.verify_receipt(key.public, signed)

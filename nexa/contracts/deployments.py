@@ -1,23 +1,30 @@
 """Deployment records: what an operator asks to run, what the controller keeps, what the API shows.
 
 Pure data and validation; no I/O. A deployment's name is its id. It names its model either by
-alias (resolved once, when the deployment is created) or by a pinned version, and its runtime by
-the name it was registered under. `control/deployments.py` validates a request against the model
-registry and the fleet, places it (`control/scheduler.py`) and keeps the result.
+alias (which it follows: when the alias moves, the deployment rolls to the new version) or by a
+pinned version, and its runtime by the name it was registered under. `control/deployments.py`
+validates a request against the model registry and the fleet, places it (`control/scheduler.py`)
+and keeps the result.
+
+A new version rolls out as a canary (`CanaryCreate`: extra replicas and a share of traffic,
+watched against a `CanaryObjective`), then is promoted: its replicas join the deployment and the
+old version's replicas are replaced one at a time (`Rollout`).
 """
 
 from __future__ import annotations
 
-from typing import Final
+from typing import ClassVar, Final
 
 import attrs
 
-from nexa.contracts.models import ModelRef, name_problem, version_problem
+from nexa.contracts.models import AliasReceipt, ModelRef, name_problem, version_problem
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, data_class_problem
 from nexa.contracts.placement import PlacementDecision, PlacementPolicy
 
 #: The most replicas one deployment may ask for.
 MAX_REPLICAS: Final = 256
+#: The longest window a canary objective may cover (seconds).
+MAX_WINDOW_S: Final = 3600.0
 
 
 @attrs.frozen(kw_only=True)
@@ -79,11 +86,68 @@ class ScaleRequest:
 
 @attrs.frozen(kw_only=True)
 class Replica:
-    """One replica of a deployment on one node: the id of its assignment there, and its GPUs."""
+    """One replica of a deployment on one node: the id of its assignment there, its GPUs, its version."""
 
     id: str
     node_id: str
     gpus: list[str] = attrs.Factory(list)
+    #: The model version it runs; None only in records written before rollouts existed (the
+    #: deployment's `model` then; the controller fills it in when it loads them).
+    model: ModelRef | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CanaryObjective:
+    """What a canary must hold over a sliding window, else it is rolled back automatically."""
+
+    #: Failed share of the canary's finished requests (0..1) above which it is rolled back.
+    max_error_rate: float = 0.05
+    #: p95 latency of the canary's requests (ms) above which it is rolled back; None: not checked.
+    max_p95_ms: float | None = None
+    #: The window the figures cover (seconds; never reaching back before the canary started).
+    window_s: float = 60.0
+    #: Fewer requests than this in the window decide nothing.
+    min_requests: int = 20
+
+
+@attrs.frozen(kw_only=True)
+class CanaryCreate:
+    """`POST /api/v1/deployments/{name}/canary`: run `model` beside the deployment on extra replicas."""
+
+    model: ModelRef
+    #: Extra replicas for the canary (placed beside the deployment's own, which stay).
+    replicas: int = 1
+    #: Share of the deployment's requests (strictly between 0 and 1) sent to the canary.
+    weight: float
+    objective: CanaryObjective = CanaryObjective()
+
+
+@attrs.frozen(kw_only=True)
+class Canary:
+    """A canary running on a deployment."""
+
+    model: ModelRef
+    weight: float
+    objective: CanaryObjective
+    #: How many canary replicas were asked for; `placed` are where they run.
+    replicas: int
+    placed: list[Replica]
+    started_at: float
+    started_by: str | None
+
+
+@attrs.frozen(kw_only=True)
+class Rollout:
+    """A replacement in progress: the deployment's replicas of `from` are replaced, one at a
+    time, by replicas of `to` (the deployment's `model` now). In JSON `from_` is `from`."""
+
+    JSON_NAMES: ClassVar[dict[str, str]] = {"from_": "from"}
+
+    from_: ModelRef
+    to: ModelRef
+    #: What started it: `promote` (a canary promoted), `rollback`, `alias` (the alias moved).
+    reason: str
+    started_at: float
 
 
 @attrs.frozen(kw_only=True)
@@ -104,7 +168,12 @@ class Deployment:
     updated_at: float
     #: Bumped on every change of the record (scale, re-placement).
     generation: int = 1
+    #: The deployment's replicas (during a rollout, of both versions); a canary's are in `canary`.
     placed: list[Replica] = attrs.Factory(list)
+    canary: Canary | None = None
+    rollout: Rollout | None = None
+    #: The version a deployment `rollback` returns to: what ran before the last promotion.
+    previous: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -139,6 +208,22 @@ class DeploymentView:
     ready_to_run: int
     #: Why the last placement attempt fell short; None when every replica is placed.
     problem: str | None = None
+    #: Of `deployment.placed`, those whose node reports them Ready.
+    ready: int = 0
+    #: Of the canary's replicas, those whose node reports them Ready.
+    canary_ready: int = 0
+    #: During a rollout: replicas of the new version placed, and of the old version left.
+    rollout_new: int = 0
+    rollout_old: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class RolloutResult:
+    """What `promote` and `rollback` of a deployment did: the deployment after, and the alias
+    receipt when its alias moved (None for a pinned deployment or a canary merely removed)."""
+
+    deployment: DeploymentView
+    alias: AliasReceipt | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -179,4 +264,27 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
     if not 1 <= req.options.port <= 65535:
         problems.append("options.port: from 1 to 65535")
     problems += [f"placement.data_classes: {p}" for d in req.placement.data_classes if (p := data_class_problem(d))]
+    return problems
+
+
+def canary_problems(req: CanaryCreate) -> list[str]:
+    """Everything wrong with a canary request's shape (not whether the registry or the fleet allow it)."""
+    problems = [
+        p
+        for p in (name_problem("model.model", req.model.model), version_problem("model.version", req.model.version))
+        if p
+    ]
+    if not 1 <= req.replicas <= MAX_REPLICAS:
+        problems.append(f"replicas: from 1 to {MAX_REPLICAS}")
+    if not 0 < req.weight < 1:
+        problems.append("weight: strictly between 0 and 1")
+    o = req.objective
+    if not 0 <= o.max_error_rate <= 1:
+        problems.append("objective.max_error_rate: from 0 to 1")
+    if o.max_p95_ms is not None and not o.max_p95_ms > 0:
+        problems.append("objective.max_p95_ms: more than 0 (or null)")
+    if not 0 < o.window_s <= MAX_WINDOW_S:
+        problems.append(f"objective.window_s: more than 0, at most {MAX_WINDOW_S:g}")
+    if o.min_requests < 1:
+        problems.append("objective.min_requests: 1 or more")
     return problems

@@ -227,6 +227,20 @@ class UsageRecord:
 
 
 @attrs.frozen(kw_only=True)
+class WindowStats:
+    """Finished requests of one deployment (its canary replicas, or the others) over a recent window."""
+
+    requests: int
+    errors: int
+    #: None when there were no requests.
+    p95_ms: float | None
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+
+@attrs.frozen(kw_only=True)
 class UsageRow:
     """`GET /api/v1/usage`: one (tenant, model, UTC day) group."""
 

@@ -7,10 +7,8 @@ registry and store; nothing here logs a request or response body.
 from __future__ import annotations
 
 import logging
-import re
-import secrets
 import time
-from typing import Any, Final
+from typing import Final
 
 import attrs
 import trio
@@ -41,8 +39,9 @@ from nexa.contracts.api import (
     TenantView,
     VersionInfo,
 )
-from nexa.contracts.deployments import DeploymentCreate, DeploymentList, ScaleRequest
-from nexa.contracts.domain import ApiKey, KeyId, Role, Tenant
+from nexa.contracts.deployments import CanaryCreate, DeploymentCreate, DeploymentList, ScaleRequest
+from nexa.contracts.domain import ApiKey, KeyId, Role, Tenant, TenantId
+from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.models import (
     AliasDetail,
     AliasList,
@@ -61,23 +60,20 @@ from nexa.contracts.models import (
 from nexa.control import store as st
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet, NodeLive
+from nexa.control.http import BodyLimit, new_request_id, status_for
+from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
+from nexa.control.quotas import Quotas
 from nexa.control.registry import Actor, Registry
 from nexa.errors import (
-    ArtifactDigestMismatch,
-    AuthError,
-    Conflict,
     ContractError,
     Forbidden,
     NexaError,
-    NotDeployable,
     NotFound,
     Overloaded,
     PayloadTooLarge,
-    StoreError,
     Unauthenticated,
     Unavailable,
-    VerificationFailed,
 )
 from nexa.telemetry import METRICS_CONTENT_TYPE, Metrics, request_id
 
@@ -128,25 +124,15 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("DELETE", "/api/v1/deployments/<name>"): frozenset({_O, _A}),
     ("GET", "/api/v1/deployments/<name>/placement"): frozenset({_O, _A}),
     ("POST", "/api/v1/deployments/<name>/scale"): frozenset({_O, _A}),
+    ("POST", "/api/v1/deployments/<name>/canary"): frozenset({_O, _A}),
+    ("POST", "/api/v1/deployments/<name>/promote"): frozenset({_O, _A}),
+    ("POST", "/api/v1/deployments/<name>/rollback"): frozenset({_O, _A}),
     ("POST", "/api/v1/capacity/forecast"): frozenset({_O, _A}),
-}
-
-#: Error class → HTTP status; the most specific class in an error's MRO wins.
-STATUS: Final[dict[type[NexaError], int]] = {
-    PayloadTooLarge: 413,
-    ContractError: 400,
-    Unauthenticated: 401,
-    Forbidden: 403,
-    AuthError: 401,
-    NotFound: 404,
-    Conflict: 409,
-    VerificationFailed: 422,
-    NotDeployable: 422,
-    ArtifactDigestMismatch: 422,
-    Overloaded: 429,
-    Unavailable: 503,
-    StoreError: 500,
-    NexaError: 500,
+    ("GET", "/api/v1/usage"): frozenset({_AU, _A}),
+    ("GET", "/api/v1/quotas"): frozenset({_A}),
+    ("GET", "/api/v1/quotas/<tenant>"): frozenset({_A}),
+    ("PUT", "/api/v1/quotas/<tenant>"): frozenset({_A}),
+    ("GET", "/api/v1/receipts/public-key"): frozenset({_I, _AU, _O, _A}),
 }
 
 _HTTP_ERRORS: Final = {
@@ -154,7 +140,6 @@ _HTTP_ERRORS: Final = {
     404: ("not_found", "no such route"),
     405: ("method_not_allowed", "this route does not take that method"),
 }
-_REQUEST_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _MAX_PAGE: Final = 1000
 
 
@@ -178,6 +163,8 @@ class AppState:
     metrics: Metrics
     started_at: float
     controller_keys: ControllerPublicKeys
+    quotas: Quotas
+    meter: Meter
     ready: bool = False
 
 
@@ -187,7 +174,7 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = 60
     app.config["RESPONSE_TIMEOUT"] = None
     handlers = _Handlers(state)
-    app.asgi_app = _BodyLimit(app.asgi_app, cfg.max_body_bytes)  # type: ignore[method-assign]
+    app.asgi_app = BodyLimit(app.asgi_app, cfg.max_body_bytes)  # type: ignore[method-assign]
 
     for (method, rule), _roles in ROUTE_ROLES.items():
         view = getattr(handlers, _view_name(method, rule))
@@ -201,7 +188,7 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
 
     @app.before_request
     async def _begin() -> None:
-        rid = _request_id(request.headers.get("X-Request-Id", ""))
+        rid = new_request_id(request.headers.get("X-Request-Id", ""))
         request_id.set(rid)
         g.request_id = rid
         g.started = time.perf_counter()
@@ -254,80 +241,6 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
     return app
 
 
-def _request_id(presented: str) -> str:
-    return presented if _REQUEST_ID_RE.match(presented) else "req_" + secrets.token_hex(8)
-
-
-class _BodyLimit:
-    """ASGI middleware: answer an oversized body with 413, after discarding what the client sends.
-
-    Clients such as httpx write the whole body before they read the answer, so replying without
-    reading would leave them blocked on a full socket. The discarded bytes are capped; past the
-    cap the connection is dropped.
-    """
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self._app = app
-        self._limit = limit
-        self._drain_cap = max(64 * 1024 * 1024, 8 * limit)
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self._limit:
-            await self._drain(receive, int(declared))
-            await self._reply_413(send, _request_id(headers.get("x-request-id", "")))
-            return
-        seen = 0
-
-        async def counting_receive() -> Any:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self._limit and message.get("more_body"):
-                    # Quart refuses the body (413) on its own; make sure the client can read that.
-                    await self._drain(receive, self._drain_cap)
-                    message = {**message, "more_body": False}
-            return message
-
-        await self._app(scope, counting_receive, send)
-
-    async def _drain(self, receive: Any, expected: int) -> None:
-        discarded = 0
-        with trio.move_on_after(30):
-            while discarded <= min(expected, self._drain_cap):
-                message = await receive()
-                if message["type"] != "http.request":
-                    return
-                discarded += len(message.get("body", b""))
-                if not message.get("more_body"):
-                    return
-
-    async def _reply_413(self, send: Any, rid: str) -> None:
-        error = PayloadTooLarge(limit_bytes=self._limit)
-        body = ErrorEnvelope(error=ErrorBody(code=error.code, message=error.message, retryable=False, request_id=rid))
-        payload = codec.dumps(codec.api, body).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode()),
-                    (b"x-request-id", rid.encode()),
-                    (b"cache-control", b"no-store"),
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": payload, "more_body": False})
-        log.info("request", extra={"fields": {"status": 413, "route": "unread", "request_id": rid}})
-
-
 def _view_name(method: str, rule: str) -> str:
     """`GET /api/v1/nodes/<node_id>` → `get_nodes_by_node_id`; the handler method of that name serves it."""
     parts = [f"by_{p[1:-1]}" if p.startswith("<") else p for p in rule.strip("/").split("/") if p not in {"api", "v1"}]
@@ -363,15 +276,8 @@ async def _authorize(state: AppState) -> None:
         raise Forbidden(f"role {key.role} may not call {method} {rule.rule}")
 
 
-def _status_for(exc: NexaError) -> int:
-    for cls in type(exc).__mro__:
-        if cls in STATUS:
-            return STATUS[cls]
-    return 500
-
-
 def _error_response(exc: NexaError) -> Response:
-    status = _status_for(exc)
+    status = status_for(exc)
     response = _envelope(status, exc.code, exc.message, retryable=exc.retryable)
     if isinstance(exc, Overloaded):
         response.headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
@@ -512,6 +418,42 @@ class _Handlers:
         verdict = await self._s.store.run(st.verify_audit)
         return _json(verdict)
 
+    # ---- usage, quotas and receipts ------------------------------------------------------------------
+
+    async def get_usage(self) -> Response:
+        """Usage by tenant, model and UTC day; `?format=csv` for a CSV file. Default: the last 30 days."""
+        until = _query_float("until") or time.time()
+        since = _query_float("since") or until - 30 * 86400
+        if since > until:
+            raise ContractError("since: must not be after until", problems=("since",))
+        fmt = request.args.get("format", "json")
+        if fmt not in {"json", "csv"}:
+            raise ContractError("format: json or csv", problems=("format",))
+        report = await self._s.meter.usage(
+            since=since, until=until, tenant=request.args.get("tenant"), model=request.args.get("model")
+        )
+        if fmt == "csv":
+            response = Response(Meter.to_csv(report), content_type="text/csv; charset=utf-8")
+            response.headers["Content-Disposition"] = 'attachment; filename="nexa-usage.csv"'
+            return response
+        return _json(report)
+
+    async def get_quotas(self) -> Response:
+        return _json(self._s.quotas.all(time.time()))
+
+    async def get_quotas_by_tenant(self, tenant: str) -> Response:
+        if not self._s.registry.tenant_exists(TenantId(tenant)):
+            raise NotFound(f"no tenant {tenant}")
+        return _json(self._s.quotas.view(TenantId(tenant), time.time()))
+
+    async def put_quotas_by_tenant(self, tenant: str) -> Response:
+        req = await _body(QuotaLimits)
+        return _json(await self._s.quotas.set(_actor(), TenantId(tenant), req))
+
+    async def get_receipts_public_key(self) -> Response:
+        """The key receipts are signed with (`nexa receipts verify --public-key`)."""
+        return _json({"public_key": self._s.controller_keys.signing})
+
     # ---- enrollment and nodes ----------------------------------------------------------------------
 
     async def post_enrollment_tokens(self) -> Response:
@@ -641,6 +583,18 @@ class _Handlers:
     async def post_deployments_by_name_scale(self, name: str) -> Response:
         req = await _body(ScaleRequest)
         return _json(await self._s.deployments.scale(_actor(), name, req.replicas))
+
+    async def post_deployments_by_name_canary(self, name: str) -> Response:
+        req = await _body(CanaryCreate)
+        return _json(await self._s.deployments.start_canary(_actor(), name, req), 201)
+
+    async def post_deployments_by_name_promote(self, name: str) -> Response:
+        await _no_body()
+        return _json(await self._s.deployments.promote(_actor(), name))
+
+    async def post_deployments_by_name_rollback(self, name: str) -> Response:
+        await _no_body()
+        return _json(await self._s.deployments.rollback(_actor(), name))
 
     async def post_capacity_forecast(self) -> Response:
         return _json(self._s.deployments.forecast(await _body(DeploymentCreate)))

@@ -138,6 +138,7 @@ class ModelRegistry:
         # Network checks (registry, store) run outside it.
         self._lock = trio.Lock()
         self._verifying: set[tuple[str, str]] = set()
+        self._alias_listeners: list[Callable[[AliasReceipt], None]] = []
 
     @classmethod
     async def load(cls, cfg: ModelsConfig, store: st.Store, metrics: Metrics, outbound: Outbound) -> ModelRegistry:
@@ -439,6 +440,10 @@ class ModelRegistry:
     def aliases(self) -> list[AliasRecord]:
         return sorted(self._aliases.values(), key=lambda a: a.name)
 
+    def on_alias_change(self, listener: Callable[[AliasReceipt], None]) -> None:
+        """Call `listener` (sync, must not block) after every committed alias move."""
+        self._alias_listeners.append(listener)
+
     def alias(self, name: str) -> tuple[AliasRecord, list[AliasReceipt]]:
         alias = self._aliases.get(name)
         if alias is None:
@@ -517,6 +522,8 @@ class ModelRegistry:
         self._aliases[name] = after
         self._history[name].append(receipt)
         log.info("alias %s -> %s (generation %d, %s)", name, to.key, generation, action.value)
+        for listener in self._alias_listeners:
+            listener(receipt)
         return receipt
 
 

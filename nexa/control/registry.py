@@ -182,6 +182,9 @@ class Registry:
 
     # ---- tenants -------------------------------------------------------------------------------
 
+    def tenant_exists(self, tenant: TenantId) -> bool:
+        return tenant in self._tenants
+
     def tenants(self) -> list[Tenant]:
         return sorted(self._tenants.values(), key=lambda t: t.id)
 

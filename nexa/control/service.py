@@ -1,10 +1,11 @@
 """`serve_control`: the controller's composition root. The only hypercorn importer.
 
 Start order: store (lock, migrate, new epoch) → registry, fleet, keys → outbound clients and the
-model registry → node channel → HTTP.
+model registry → deployments, quotas, metering, workloads, gateway → node channel → HTTP (the
+inference routes in front of the management app).
 Shutdown is the reverse: HTTP stops accepting and drains in-flight requests for
 `http.graceful_timeout_s`, then the background loops are cancelled (bounded by
-their own shielded timeouts), then the store closes last.
+their own shielded timeouts; metering writes what is pending), then the store closes last.
 """
 
 from __future__ import annotations
@@ -23,14 +24,22 @@ import trio
 
 from nexa import __version__
 from nexa.config import ControlConfig, HttpConfig, parse_host_port
+from nexa.control.admission import Admission
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet
+from nexa.control.gateway import Gateway
+from nexa.control.inference import InferenceApp
+from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.outbound import Outbound
+from nexa.control.quotas import Quotas
 from nexa.control.registry import Registry
+from nexa.control.rollout import RolloutWatcher
+from nexa.control.routing import Router
 from nexa.control.southbound import Southbound
 from nexa.control.store import open_store
+from nexa.control.workloads import Workloads
 from nexa.messaging import CurveKeyPair, generate_curve_keypair, load_curve_keypair, save_curve_keypair
 from nexa.oci import load_registry_credentials
 from nexa.s3 import load_s3_credentials
@@ -126,9 +135,23 @@ async def serve_control(
                 curve=keys.curve,
                 signing_key=keys.signing,
                 epoch=store.epoch,
+                stream_window_chunks=cfg.gateway.stream_window_chunks,
             )
             deployments = Deployments(cfg.nodes, store, metrics, fleet, models=models, southbound=southbound)
             await deployments.load()
+            quotas = await Quotas.load(store, metrics, registry.tenant_exists)
+            meter = Meter(cfg.gateway, store, metrics)
+            workloads = await Workloads.load(store, keys.signing, store.epoch)
+            gateway = Gateway(
+                cfg.gateway,
+                models=models,
+                deployments=deployments,
+                relay=southbound.relay,
+                quotas=quotas,
+                admission=Admission(cfg.gateway, metrics),
+                router=Router(cfg.gateway),
+                meter=meter,
+            )
             state = AppState(
                 registry=registry,
                 fleet=fleet,
@@ -138,28 +161,48 @@ async def serve_control(
                 metrics=metrics,
                 started_at=time.time(),
                 controller_keys=keys.public(),
+                quotas=quotas,
+                meter=meter,
             )
-            app = create_app(cfg.http, state)
-            async with trio.open_nursery() as loops:
-                channel = await loops.start(southbound.run)
-                await loops.start(deployments.run)
-                log.info("node channel bound", extra={"fields": {"endpoint": channel}})
-                async with trio.open_nursery() as http:
-                    binds: list[str] = await http.start(
-                        partial(hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait)
-                    )
-                    state.ready = True
-                    http.start_soon(_unready_on, stopping, state)
-                    log.info(
-                        "controller serving",
-                        extra={"fields": {"urls": binds, "epoch": store.epoch, "version": __version__}},
-                    )
-                    task_status.started(
-                        ControlStarted(urls=binds, channel=channel, epoch=store.epoch, admin_key=admin_key)
-                    )
-                # hypercorn returned: in-flight requests have drained. Stop the loops; the store
-                # closes when `open_store` exits, last.
-                loops.cancel_scope.cancel()
+            app = InferenceApp(
+                create_app(cfg.http, state),
+                cfg=cfg.gateway,
+                gateway=gateway,
+                workloads=workloads,
+                registry=registry,
+                metrics=metrics,
+                max_body_bytes=cfg.http.max_body_bytes,
+                epoch=store.epoch,
+            )
+            # Metering has its own nursery, outside the other loops: it stops last, so the usage of
+            # every call those loops end (embedding batches, streams cut at shutdown) is written.
+            async with trio.open_nursery() as metering:
+                await metering.start(meter.run)
+                async with trio.open_nursery() as loops:
+                    channel = await loops.start(southbound.run)
+                    await loops.start(deployments.run)
+                    await loops.start(RolloutWatcher(deployments, meter).run)
+                    await loops.start(gateway.run)
+                    log.info("node channel bound", extra={"fields": {"endpoint": channel}})
+                    async with trio.open_nursery() as http:
+                        binds: list[str] = await http.start(
+                            partial(
+                                hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait
+                            )
+                        )
+                        state.ready = True
+                        http.start_soon(_unready_on, stopping, state)
+                        log.info(
+                            "controller serving",
+                            extra={"fields": {"urls": binds, "epoch": store.epoch, "version": __version__}},
+                        )
+                        task_status.started(
+                            ControlStarted(urls=binds, channel=channel, epoch=store.epoch, admin_key=admin_key)
+                        )
+                    # hypercorn returned: in-flight requests have drained. Stop the loops; the store
+                    # closes when `open_store` exits, last.
+                    loops.cancel_scope.cancel()
+                metering.cancel_scope.cancel()
     log.info("controller stopped")
 
 

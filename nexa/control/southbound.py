@@ -3,6 +3,8 @@
 One Link (ZeroMQ ROUTER, CurveZMQ, ZAP) carries every node's channel. Three loops share it:
 receive (verify, replay-check, record), liveness (a node with no good heartbeat for `lease_s`
 becomes Unreachable) and renewal (re-sign each reachable node's set before its lease lapses).
+The same channels carry inference: data frames go straight to `self.relay` (no store, no audit),
+and a node that becomes Unreachable, is revoked or says hello again loses its open streams.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import trio
 from nexa.config import ChannelConfig, NodesConfig
 from nexa.contracts.wire import Ack, AssignmentSet, Heartbeat, Hello
 from nexa.control.fleet import Fleet, NodeLive
+from nexa.control.relay import Relay
 from nexa.errors import NexaError, NotConnected
-from nexa.messaging import CurveKeyPair, Inbound, Link, Refused
+from nexa.messaging import CurveKeyPair, DataInbound, Inbound, Link, Refused
 from nexa.security import SigningKey
 from nexa.telemetry import Metrics
 
@@ -30,6 +33,9 @@ log = logging.getLogger(__name__)
 _REPUSH_MIN_S: Final = 5.0
 #: The same refusal from the same node is audited at most this often (always counted).
 _REFUSAL_AUDIT_EVERY_S: Final = 5.0
+#: Messages each way the link holds between its socket and our loops (chunks of many streams
+#: share it; each is at most the relay's max_chunk_bytes).
+_LINK_QUEUE: Final = 512
 
 
 class Southbound:
@@ -43,6 +49,7 @@ class Southbound:
         curve: CurveKeyPair,
         signing_key: SigningKey,
         epoch: int,
+        stream_window_chunks: int = 32,
     ) -> None:
         self._channel = channel
         self._cfg = cfg
@@ -55,7 +62,12 @@ class Southbound:
             signing_key=signing_key,
             authorize=self._authorize,
             node_key=fleet.node_key,
+            inbox_size=_LINK_QUEUE,
+            outbox_size=_LINK_QUEUE,
         )
+        #: The inference data path over the same channels (the gateway opens streams on it).
+        self.relay = Relay(self._link, window=stream_window_chunks)
+        fleet.on_change(self._end_streams_of_lost_nodes)
         self._last_refusal_audit: dict[tuple[str, str], float] = {}
         # ZAP runs inside the link; refusals there are audited from this loop's nursery.
         self._zap_refusals_tx, self._zap_refusals_rx = trio.open_memory_channel[str](64)
@@ -87,9 +99,22 @@ class Southbound:
             nursery.start_soon(self._audit_zap_refusals)
             task_status.started(endpoint)
 
+    def _end_streams_of_lost_nodes(self) -> None:
+        # Fleet listener (sync): unreachable or revoked nodes will send no more output.
+        for node_id in self.relay.nodes():
+            try:
+                reachable = self._fleet.get(node_id).reachable
+            except NexaError:
+                reachable = False
+            if not reachable:
+                self.relay.node_lost(node_id)
+
     async def _receive_loop(self) -> None:
         while True:
             got = await self._link.receive_any()
+            if isinstance(got, DataInbound):
+                self.relay.deliver(got.node_id, got.frame)  # hot path: never blocks, never audits
+                continue
             try:
                 if isinstance(got, Refused):
                     await self._refuse(got.node_id, got.error)
@@ -102,6 +127,10 @@ class Southbound:
         msg = inbound.message
         self._fleet.check_replay(inbound.node_id, msg.seq, msg.ts)  # raises Replayed / ClockSkew
         self._metrics.node_messages.labels(msg.kind).inc()
+        if isinstance(msg, Hello):
+            # A new agent process: whatever it was relaying before is gone with the old one. Before
+            # any await, so no stream opened on the new channel can be ended by mistake.
+            self.relay.node_lost(inbound.node_id)
         live = await self._fleet.heard(inbound.node_id, msg)
         if isinstance(msg, Hello):
             await self._push(live)  # a (re)connected node gets its set at once
@@ -151,6 +180,7 @@ class Southbound:
             lapsed, next_deadline = self._fleet.overdue(trio.current_time())
             for live in lapsed:
                 await self._fleet.mark_unreachable(live)
+                self.relay.node_lost(live.node.id)  # also done by the fleet listener; idempotent
             await trio.sleep_until(next_deadline)
 
     async def _renewal_loop(self) -> None:

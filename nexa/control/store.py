@@ -36,6 +36,16 @@ from nexa.contracts.domain import (
     KeyId,
     Node,
     Tenant,
+    TenantId,
+)
+from nexa.contracts.gateway import (
+    Capability,
+    Priority,
+    QuotaLimits,
+    SignedReceipt,
+    UsageRecord,
+    UsageRow,
+    WorkloadState,
 )
 from nexa.contracts.models import AliasReceipt, AliasRecord, EvaluationRecord, ModelRecord, ModelState, RuntimeRecord
 from nexa.contracts.node import NodeInventory
@@ -169,6 +179,57 @@ MIGRATIONS: Final[tuple[str, ...]] = (
         body TEXT NOT NULL,
         placement TEXT
     ) STRICT;
+    """,
+    # The gateway: tenant quotas, metered usage (metadata only, never payloads), canonical workloads.
+    """
+    CREATE TABLE quota (
+        tenant TEXT PRIMARY KEY REFERENCES tenant(id),
+        body TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        updated_by TEXT
+    ) STRICT;
+    CREATE TABLE usage (
+        seq INTEGER PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        workload_id TEXT,
+        api TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        key_id TEXT NOT NULL,
+        capability TEXT NOT NULL,
+        alias TEXT NOT NULL,
+        model TEXT NOT NULL,
+        model_version TEXT NOT NULL,
+        deployment TEXT NOT NULL,
+        node_id TEXT NOT NULL,
+        status TEXT NOT NULL,
+        prompt_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        queue_ms REAL NOT NULL,
+        ttft_ms REAL,
+        duration_ms REAL NOT NULL,
+        finished_at REAL NOT NULL,
+        canary INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX usage_finished ON usage(finished_at);
+    CREATE INDEX usage_tenant ON usage(tenant, finished_at);
+    CREATE TABLE workload (
+        tenant TEXT NOT NULL,
+        workload_id TEXT NOT NULL,
+        idempotency_key_sha256 TEXT NOT NULL,
+        key_id TEXT NOT NULL,
+        capability TEXT NOT NULL,
+        alias TEXT NOT NULL,
+        state TEXT NOT NULL,
+        model TEXT NOT NULL,
+        priority TEXT NOT NULL,
+        accepted_at REAL NOT NULL,
+        finished_at REAL,
+        error TEXT,
+        receipt TEXT,
+        PRIMARY KEY (tenant, workload_id),
+        UNIQUE (tenant, idempotency_key_sha256)
+    ) STRICT;
+    CREATE INDEX workload_unfinished ON workload(state) WHERE finished_at IS NULL;
     """,
 )
 
@@ -816,3 +877,272 @@ def load_deployments(db: apsw.Connection) -> list[tuple[Deployment, PlacementDec
         )
         for body, placement in rows
     ]
+
+
+# ---- gateway: quotas ---------------------------------------------------------------------------
+
+
+def _int(value: object) -> int:
+    if not isinstance(value, int):
+        raise StoreError(f"expected an integer column, got {type(value).__name__}")
+    return value
+
+
+def _float(value: object) -> float:
+    if not isinstance(value, int | float):
+        raise StoreError(f"expected a number column, got {type(value).__name__}")
+    return float(value)
+
+
+@attrs.frozen(kw_only=True)
+class QuotaRecord:
+    tenant: TenantId
+    limits: QuotaLimits
+    updated_at: float
+    updated_by: KeyId | None
+
+
+def load_quotas(db: apsw.Connection) -> list[QuotaRecord]:
+    with _txn(db):
+        rows = db.execute("SELECT tenant, body, updated_at, updated_by FROM quota ORDER BY tenant").fetchall()
+    return [
+        QuotaRecord(
+            tenant=TenantId(str(tenant)),
+            limits=codec.loads(codec.store, str(body), QuotaLimits),
+            updated_at=_float(updated_at),
+            updated_by=None if updated_by is None else KeyId(str(updated_by)),
+        )
+        for tenant, body, updated_at, updated_by in rows
+    ]
+
+
+def save_quota(db: apsw.Connection, record: QuotaRecord, draft: AuditDraft) -> AuditEvent:
+    with _txn(db):
+        db.execute(
+            "INSERT INTO quota(tenant, body, updated_at, updated_by) VALUES (?,?,?,?)"
+            " ON CONFLICT(tenant) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at,"
+            " updated_by = excluded.updated_by",
+            (record.tenant, codec.dumps(codec.store, record.limits), record.updated_at, record.updated_by),
+        )
+        event = _append_audit(db, draft)
+    return event
+
+
+# ---- gateway: usage ----------------------------------------------------------------------------
+
+_USAGE_COLUMNS: Final = (
+    "request_id, workload_id, api, tenant, key_id, capability, alias, model, model_version, deployment, node_id,"
+    " status, prompt_tokens, completion_tokens, queue_ms, ttft_ms, duration_ms, finished_at, canary"
+)
+#: Usage rows of requests a quota refused: they never took a request slot, so a rebuild skips them.
+QUOTA_REFUSED_STATUS: Final = "quota_exceeded"
+
+
+def insert_usage(db: apsw.Connection, records: list[UsageRecord]) -> None:
+    """Write one batch of usage records in one transaction (metadata only: never payloads)."""
+    with _txn(db):
+        db.executemany(
+            f"INSERT INTO usage({_USAGE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
+            [
+                (
+                    r.request_id,
+                    r.workload_id,
+                    r.api.value,
+                    r.tenant,
+                    r.key_id,
+                    r.capability.value,
+                    r.alias,
+                    r.model,
+                    r.model_version,
+                    r.deployment,
+                    r.node_id,
+                    r.status,
+                    r.prompt_tokens,
+                    r.completion_tokens,
+                    r.queue_ms,
+                    r.ttft_ms,
+                    r.duration_ms,
+                    r.finished_at,
+                    int(r.canary),
+                )
+                for r in records
+            ],
+        )
+
+
+def usage_by_second(db: apsw.Connection, since: float) -> list[tuple[TenantId, int, int, int]]:
+    """(tenant, whole second, requests, tokens) of the usage finished at or after `since`.
+
+    What quotas rebuild their sliding minute from; quota refusals are not requests there.
+    """
+    with _txn(db):
+        rows = db.execute(
+            "SELECT tenant, CAST(finished_at AS INTEGER) AS second, count(*),"
+            " sum(prompt_tokens + completion_tokens) FROM usage WHERE finished_at >= ? AND status != ?"
+            " GROUP BY tenant, second ORDER BY second",
+            (since, QUOTA_REFUSED_STATUS),
+        ).fetchall()
+    return [(TenantId(str(t)), _int(s), _int(n), _int(tok)) for t, s, n, tok in rows]
+
+
+def usage_tokens_since(db: apsw.Connection, since: float) -> dict[TenantId, int]:
+    """Tokens per tenant finished at or after `since` (the quota's day window)."""
+    with _txn(db):
+        rows = db.execute(
+            "SELECT tenant, sum(prompt_tokens + completion_tokens) FROM usage WHERE finished_at >= ? GROUP BY tenant",
+            (since,),
+        ).fetchall()
+    return {TenantId(str(t)): _int(tok) for t, tok in rows}
+
+
+def usage_report(
+    db: apsw.Connection, since: float, until: float, tenant: str | None, model: str | None
+) -> list[UsageRow]:
+    """Usage grouped by tenant, model (`name:version`; the alias when it never resolved) and UTC day.
+
+    `model` filters on `name:version`, the model name or the alias the client asked for.
+    """
+    where = ["finished_at >= ?", "finished_at < ?"]
+    args: list[str | float] = [since, until]
+    if tenant is not None:
+        where.append("tenant = ?")
+        args.append(tenant)
+    if model is not None:
+        where.append("(model || ':' || model_version = ? OR model = ? OR alias = ?)")
+        args.extend((model, model, model))
+    sql = (
+        "SELECT tenant, CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"  # noqa: S608
+        " strftime('%Y-%m-%d', finished_at, 'unixepoch') AS day, count(*), sum(status != 'ok'),"
+        " sum(prompt_tokens), sum(completion_tokens)"
+        f" FROM usage WHERE {' AND '.join(where)} GROUP BY tenant, m, day ORDER BY day, tenant, m"
+    )
+    with _txn(db):
+        rows = db.execute(sql, args).fetchall()
+    return [
+        UsageRow(
+            tenant=TenantId(str(t)),
+            model=str(m),
+            day=str(day),
+            requests=_int(n),
+            errors=_int(errors),
+            prompt_tokens=_int(prompt),
+            completion_tokens=_int(completion),
+        )
+        for t, m, day, n, errors, prompt, completion in rows
+    ]
+
+
+# ---- gateway: canonical workloads --------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadRow:
+    """One canonical workload as stored: ids, state and its signed receipt once finished. Never payloads."""
+
+    tenant: TenantId
+    workload_id: str
+    idempotency_key_sha256: str
+    key_id: KeyId
+    capability: Capability
+    alias: str
+    state: WorkloadState
+    model: str
+    priority: Priority
+    accepted_at: float
+    finished_at: float | None = None
+    error: str | None = None
+    receipt: SignedReceipt | None = None
+
+
+_WORKLOAD_COLUMNS: Final = (
+    "tenant, workload_id, idempotency_key_sha256, key_id, capability, alias, state, model, priority, accepted_at,"
+    " finished_at, error, receipt"
+)
+
+
+def _workload_from_row(row: tuple[object, ...]) -> WorkloadRow:
+    names = [f.name for f in attrs.fields(WorkloadRow)]
+    data = dict(zip(names, row, strict=True))
+    receipt = data.pop("receipt")
+    out = codec.store.structure(data, WorkloadRow)
+    if receipt is not None:
+        out = attrs.evolve(out, receipt=codec.loads(codec.store, str(receipt), SignedReceipt))
+    return out
+
+
+def insert_workload(db: apsw.Connection, row: WorkloadRow) -> None:
+    """Record an accepted workload. A workload id or idempotency key this tenant used before is a Conflict."""
+    with _txn(db):
+        for (key_sha,) in db.execute(
+            "SELECT idempotency_key_sha256 FROM workload WHERE tenant = ? AND workload_id = ?",
+            (row.tenant, row.workload_id),
+        ):
+            if key_sha == row.idempotency_key_sha256:
+                raise Conflict(f"workload {row.workload_id} already ran with this idempotency key; fetch its receipt")
+            raise Conflict(f"workload id {row.workload_id} was used before with another idempotency key")
+        for (other,) in db.execute(
+            "SELECT workload_id FROM workload WHERE tenant = ? AND idempotency_key_sha256 = ?",
+            (row.tenant, row.idempotency_key_sha256),
+        ):
+            raise Conflict(f"this idempotency key was used before for workload {other}")
+        db.execute(
+            f"INSERT INTO workload({_WORKLOAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
+            (
+                row.tenant,
+                row.workload_id,
+                row.idempotency_key_sha256,
+                row.key_id,
+                row.capability.value,
+                row.alias,
+                row.state.value,
+                row.model,
+                row.priority.value,
+                row.accepted_at,
+                row.finished_at,
+                row.error,
+                None if row.receipt is None else codec.dumps(codec.store, row.receipt),
+            ),
+        )
+
+
+def finish_workloads(db: apsw.Connection, signed: list[SignedReceipt]) -> None:
+    """Write the terminal state and signed receipt of workloads, in one transaction; each once only."""
+    with _txn(db):
+        for one in signed:
+            r = one.receipt
+            if not r.state.terminal:
+                raise Conflict(f"workload {r.workload_id} cannot finish as {r.state.value}")
+            db.execute(
+                "UPDATE workload SET state = ?, finished_at = ?, error = ?, receipt = ?"
+                " WHERE tenant = ? AND workload_id = ? AND finished_at IS NULL",
+                (r.state.value, r.finished_at, r.error, codec.dumps(codec.store, one), r.tenant, r.workload_id),
+            )
+            if db.changes() != 1:
+                raise Conflict(f"workload {r.workload_id} is not running")
+
+
+def unfinished_workloads(db: apsw.Connection) -> list[WorkloadRow]:
+    with _txn(db):
+        rows = db.execute(
+            f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE finished_at IS NULL ORDER BY accepted_at"  # noqa: S608
+        ).fetchall()
+    return [_workload_from_row(row) for row in rows]
+
+
+def get_workload(db: apsw.Connection, tenant: TenantId, workload_id: str) -> WorkloadRow | None:
+    with _txn(db):
+        rows = db.execute(
+            f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE tenant = ? AND workload_id = ?",  # noqa: S608
+            (tenant, workload_id),
+        ).fetchall()
+    return _workload_from_row(rows[0]) if rows else None
+
+
+def workload_receipt_by_key(db: apsw.Connection, tenant: TenantId, key_sha256: str) -> SignedReceipt | None:
+    """The receipt of this tenant's finished workload with that idempotency key (None if none finished)."""
+    with _txn(db):
+        rows = db.execute(
+            "SELECT receipt FROM workload WHERE tenant = ? AND idempotency_key_sha256 = ? AND receipt IS NOT NULL",
+            (tenant, key_sha256),
+        ).fetchall()
+    return codec.loads(codec.store, str(rows[0][0]), SignedReceipt) if rows else None

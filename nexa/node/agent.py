@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
+import os
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -30,8 +31,11 @@ from nexa.node.artifacts import ArtifactCache
 from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.podman import PodmanClient
+from nexa.node.processes import DriverRouter, open_process_driver
+from nexa.node.relay import NodeRelay
 from nexa.node.supervisor import Supervisor
 from nexa.oci import load_registry_credentials
+from nexa.runtimes import SIMULATION_ENV
 from nexa.s3 import load_s3_credentials
 
 log = logging.getLogger(__name__)
@@ -138,6 +142,8 @@ class AgentStatistics:
     store_failures: int
     lease_lapsed: bool
     draining: bool
+    #: Data-path frames (infer, cancel, credit) handed to the relay.
+    data_frames: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -172,8 +178,14 @@ class Agent:
         runtimes: Runtimes,
         heartbeat_interval_s: float,
         on_lease_expiry: LeaseExpiryPolicy,
+        data: Callable[[wire.DataFrame], None] | None = None,
     ) -> None:
         self._node_id = identity.node_id
+        # The inference relay's `deliver` (never blocks); without one, data frames are dropped.
+        self._deliver_data = data
+        self._data_frames = 0
+        # Uplink `sent` at the last beat: a full outbox that has not moved since means no connection.
+        self._sent_at_beat = -1
         self._fence = fence
         self._state_dir = state_dir
         self._uplink = uplink
@@ -214,6 +226,7 @@ class Agent:
             store_failures=self._store_failures,
             lease_lapsed=self._lease_lapsed,
             draining=self._draining,
+            data_frames=self._data_frames,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
@@ -260,11 +273,14 @@ class Agent:
             await trio.sleep_until(next_at)
 
     async def _heartbeat_once(self) -> None:
-        if self._uplink.statistics().outbox_depth > 0:
-            # The previous message has not left: there is no connection. Queueing more beats
-            # would only deliver stale ones in a burst when it comes back.
+        stats = self._uplink.statistics()
+        if stats.outbox_depth > 0 and stats.sent == self._sent_at_beat:
+            # Nothing has left since the last beat: there is no connection. Queueing more beats
+            # would only deliver stale ones in a burst when it comes back. (A busy data path keeps
+            # the outbox non-empty while it is moving, which must not silence the heartbeat.)
             self._heartbeats_skipped += 1
             return
+        self._sent_at_beat = stats.sent
         await self._send(self._heartbeat)
         self._heartbeats_sent += 1
 
@@ -302,7 +318,12 @@ class Agent:
             except ContractError:
                 self._invalid_messages += 1
                 continue
-            if isinstance(msg, wire.AssignmentSet):
+            if isinstance(msg, wire.DataFrame):
+                # Inference traffic: authenticated by the channel, never judged as desired state.
+                self._data_frames += 1
+                if self._deliver_data is not None:
+                    self._deliver_data(msg)
+            elif isinstance(msg, wire.AssignmentSet):
                 await self._on_assignments(msg)
             else:
                 self._on_drain(msg)
@@ -452,8 +473,10 @@ async def serve_node(
 
     Supports the nursery start protocol: `started = await nursery.start(partial(serve_node, cfg,
     stopping=ev))`. Raises ConfigError before starting when the node is not enrolled, its files
-    are damaged or inventory.json is invalid.
+    are damaged or inventory.json is invalid, or `simulation = true` without NEXA_SIMULATION_ONLY=1.
     """
+    if cfg.simulation and os.environ.get(SIMULATION_ENV) != "1":
+        raise ConfigError(f"simulation = true runs simulated runtimes: it needs {SIMULATION_ENV}=1 in the environment")
     state_dir = Path(cfg.state_dir)
     identity, fence = await trio.to_thread.run_sync(_load_state, state_dir)
     endpoint = channel_endpoint(identity.channel_endpoint, cfg.source_address)
@@ -477,11 +500,22 @@ async def serve_node(
         credentials=await _maybe(load_registry_credentials, cfg.podman.registry_credentials_file),
     )
     s3_credentials = await _maybe(load_s3_credentials, cfg.artifacts.s3_credentials_file)
-    async with podman, ArtifactCache(cfg.artifacts, state_dir=state_dir, credentials=s3_credentials) as artifacts:
+    async with (
+        podman,
+        ArtifactCache(cfg.artifacts, state_dir=state_dir, credentials=s3_credentials) as artifacts,
+        # Simulated runtimes are children of this process: they stop when it stops.
+        open_process_driver(state_dir, enabled=cfg.simulation, host=cfg.runtime_host) as processes,
+    ):
         log.info("runtimes through podman at %s; artifacts cached in %s", cfg.podman.socket, artifacts.directory)
-        supervisor = Supervisor(cfg.supervisor, podman, artifacts, node_id=identity.node_id)
+        if processes is not None:
+            log.warning("simulation = true: sim runtimes run as local processes (never in production)")
+        containers = DriverRouter(podman, processes)
+        supervisor = Supervisor(
+            cfg.supervisor, containers, artifacts, node_id=identity.node_id, runtime_host=cfg.runtime_host
+        )
         # Resume what the fence on disk says: running containers that still match are adopted.
         supervisor.update(fence.generation, fence.assignments)
+        relay = NodeRelay(cfg.relay, uplink, supervisor.endpoint, host=cfg.runtime_host)
         agent = Agent(
             identity=identity,
             fence=fence,
@@ -491,11 +525,13 @@ async def serve_node(
             runtimes=supervisor,
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             on_lease_expiry=cfg.on_lease_expiry,
+            data=relay.deliver,
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(watcher.run)
             await nursery.start(supervisor.run)
             await nursery.start(uplink.run)
+            await nursery.start(relay.run)
             await nursery.start(agent.run)
             log.info(
                 "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation

@@ -42,6 +42,7 @@ from nexa.errors import (
     ImageNotFound,
     PodmanError,
     PodmanUnavailable,
+    SimulationDisabled,
 )
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ _KNOWN_FAILURES: Final = (
     ContainerNotFound,
     ArtifactUnavailable,
     ArtifactDigestMismatch,
+    SimulationDisabled,
 )
 
 
@@ -202,8 +204,17 @@ class Supervisor:
     removed), reads `statuses()` for its heartbeats, and runs `run()` in its nursery.
     """
 
-    def __init__(self, cfg: SupervisorConfig, podman: Podman, artifacts: Artifacts, *, node_id: str) -> None:
+    def __init__(
+        self,
+        cfg: SupervisorConfig,
+        podman: Podman,
+        artifacts: Artifacts,
+        *,
+        node_id: str,
+        runtime_host: str = "127.0.0.1",
+    ) -> None:
         self._cfg = cfg
+        self._runtime_host = runtime_host
         self._podman = podman
         self._artifacts = artifacts
         self._node_id = node_id
@@ -258,6 +269,13 @@ class Supervisor:
             for aid, w in gone.items()
         )
         return out
+
+    def endpoint(self, assignment_id: str) -> int | None:
+        """The loopback port of that assignment's runtime while it is Ready; None otherwise."""
+        w = self._workers.get(assignment_id)
+        if w is None or w.removing or w.state is not State.READY or w.desired is not self._desired.get(assignment_id):
+            return None
+        return w.runtime.port
 
     def statistics(self) -> SupervisorStatistics:
         counts = collections.Counter(s.state for s in self.statuses() if s.assignment_id in self._desired)
@@ -450,7 +468,8 @@ class Supervisor:
         """Pull, fetch, then adopt or create and start the container; its id and the start-period end."""
         runtime = w.runtime
         if not w.image_ready:
-            if not await self._podman.image_exists(runtime.image):
+            # A simulated runtime is a local process: it has no image to pull.
+            if not runtimes.is_simulated(runtime) and not await self._podman.image_exists(runtime.image):
                 self._set(w, State.PULLING)
                 await self._podman.pull(runtime.image)
                 self._pulls += 1
@@ -488,7 +507,9 @@ class Supervisor:
                 w.container_id = found.id
             else:
                 d = w.desired
-                spec = runtimes.container_spec(self._node_id, d.assignment, d.generation, w.artifact_path)
+                spec = runtimes.container_spec(
+                    self._node_id, d.assignment, d.generation, w.artifact_path, host=self._runtime_host
+                )
                 w.container_id = await self._podman.create(spec)
                 self._created += 1
         await self._podman.start(w.container_id)

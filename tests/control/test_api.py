@@ -62,6 +62,8 @@ async def test_every_route_declares_its_roles() -> None:
         metrics=None,
         started_at=0,
         controller_keys=None,
+        quotas=None,
+        meter=None,
     )
     app = create_app(HttpConfig(), state)
     registered = {
@@ -320,6 +322,8 @@ async def test_readyz_is_503_until_ready() -> None:
         metrics=Metrics(),
         started_at=0,
         controller_keys=None,
+        quotas=None,
+        meter=None,
     )
     client = create_app(HttpConfig(), state).test_client()
     resp = await client.get("/readyz")

@@ -11,7 +11,7 @@ import trio
 
 from nexa.contracts.domain import AuditDraft, KeyId, Role
 from nexa.control import store as st
-from nexa.errors import StateDirLocked, StoreError
+from nexa.errors import Conflict, StateDirLocked, StoreError
 
 
 def draft(action: str, target: str = "t") -> AuditDraft:
@@ -177,3 +177,54 @@ async def test_an_older_desired_set_never_overwrites_a_newer_one(tmp_path: Path)
         await store.run(st.save_desired, DesiredAssignments(node_id="n1", generation=2, acked_generation=2), None)
         [(_, _, desired)] = await store.run(st.load_nodes)
     assert desired is not None and desired.generation == 3
+
+
+# ---- gateway tables (migration 5) ----------------------------------------------------------------
+
+
+async def test_usage_is_indexed_for_time_and_tenant_queries(tmp_path: Path) -> None:
+    async with st.open_store(tmp_path) as store:
+
+        def plans(db: apsw.Connection) -> tuple[str, str]:
+            by_time = db.execute(
+                "EXPLAIN QUERY PLAN SELECT count(*) FROM usage WHERE finished_at >= ?", (0.0,)
+            ).fetchall()
+            by_tenant = db.execute(
+                "EXPLAIN QUERY PLAN SELECT count(*) FROM usage WHERE tenant = ? AND finished_at >= ?", ("t", 0.0)
+            ).fetchall()
+            return repr(by_time), repr(by_tenant)
+
+        by_time, by_tenant = await store.run(plans)
+    assert "usage_finished" in by_time
+    assert "usage_tenant" in by_tenant
+
+
+async def test_workload_ids_and_keys_are_unique_per_tenant_only(tmp_path: Path) -> None:
+    from nexa.contracts.domain import TenantId
+    from nexa.contracts.gateway import Capability, Priority, WorkloadState
+
+    def row(tenant: str, workload_id: str, key: str) -> st.WorkloadRow:
+        return st.WorkloadRow(
+            tenant=TenantId(tenant),
+            workload_id=workload_id,
+            idempotency_key_sha256=key,
+            key_id=KeyId("k"),
+            capability=Capability.EMBEDDING,
+            alias="emb",
+            state=WorkloadState.QUEUED,
+            model="emb",
+            priority=Priority.BATCH,
+            accepted_at=1.0,
+        )
+
+    async with st.open_store(tmp_path) as store:
+        await store.run(st.insert_workload, row("a", "w1", "k1"))
+        await store.run(st.insert_workload, row("b", "w1", "k1"))  # another tenant: no clash
+        with pytest.raises(Conflict, match="another idempotency key"):
+            await store.run(st.insert_workload, row("a", "w1", "k2"))
+        with pytest.raises(Conflict, match="used before for workload w1"):
+            await store.run(st.insert_workload, row("a", "w2", "k1"))
+        [unfinished_a, unfinished_b] = await store.run(st.unfinished_workloads)
+        assert {unfinished_a.tenant, unfinished_b.tenant} == {"a", "b"}
+        assert await store.run(st.get_workload, TenantId("a"), "w1") == row("a", "w1", "k1")
+        assert await store.run(st.get_workload, TenantId("c"), "w1") is None

@@ -1,0 +1,208 @@
+"""Admission: bounded per-model queues in front of a model's request slots.
+
+A model has `capacity` slots (Ready replicas * `max_inflight_per_replica`, set by the gateway).
+A request takes a free slot at once unless someone of equal or higher priority is waiting;
+otherwise it waits — at most `queue_depth` requests per model, beyond that `QueueFull` at once.
+Slots are granted by priority rank (interactive, standard, batch) and, within one priority,
+round-robin over the tenants that wait (each tenant first-in first-out), so one tenant's burst
+cannot starve another tenant of the same class. Waiters sleep on their own `trio.Event`: no
+polling. Times are on the trio clock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator
+from typing import Final
+
+import attrs
+import trio
+
+from nexa.config import GatewayConfig
+from nexa.contracts.domain import TenantId
+from nexa.contracts.gateway import Priority
+from nexa.errors import DeadlineExceeded, QueueFull
+from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: What `QueueFull` suggests: queues move at the pace of requests, which is sub-second to seconds.
+QUEUE_FULL_RETRY_S: Final = 1.0
+_BY_RANK: Final = sorted(Priority, key=lambda p: p.rank)
+
+
+@attrs.define(eq=False)
+class _Waiter:
+    tenant: TenantId
+    priority: Priority
+    event: trio.Event = attrs.Factory(trio.Event)
+    granted: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ModelAdmission:
+    capacity: int
+    in_use: int
+    waiting: dict[Priority, int]
+
+
+@attrs.frozen(kw_only=True)
+class AdmissionStatistics:
+    """A snapshot of every model's slots and queue."""
+
+    models: dict[str, ModelAdmission]
+
+
+class _ModelQueue:
+    def __init__(self) -> None:
+        self.capacity = 0
+        self.in_use = 0
+        self.depth = 0
+        #: Per priority: tenant → its waiters, tenants in round-robin order (next to serve first).
+        self.waiting: dict[Priority, OrderedDict[TenantId, deque[_Waiter]]] = {p: OrderedDict() for p in Priority}
+        self.counts: dict[Priority, int] = dict.fromkeys(Priority, 0)
+
+    def waits_at_or_above(self, priority: Priority) -> bool:
+        return any(self.counts[p] for p in _BY_RANK[: priority.rank + 1])
+
+    def push(self, waiter: _Waiter) -> None:
+        tenants = self.waiting[waiter.priority]
+        queue = tenants.get(waiter.tenant)
+        if queue is None:
+            queue = tenants[waiter.tenant] = deque()  # a new tenant joins the end of the rotation
+        queue.append(waiter)
+        self.counts[waiter.priority] += 1
+        self.depth += 1
+
+    def remove(self, waiter: _Waiter) -> None:
+        """Take out a waiter that gave up (deadline, cancellation) before it was granted."""
+        tenants = self.waiting[waiter.priority]
+        queue = tenants[waiter.tenant]
+        queue.remove(waiter)
+        if not queue:
+            del tenants[waiter.tenant]
+        self.counts[waiter.priority] -= 1
+        self.depth -= 1
+
+    def pop_next(self) -> _Waiter | None:
+        for priority in _BY_RANK:
+            tenants = self.waiting[priority]
+            if not tenants:
+                continue
+            tenant, queue = next(iter(tenants.items()))
+            waiter = queue.popleft()
+            if queue:
+                tenants.move_to_end(tenant)  # this tenant had its turn
+            else:
+                del tenants[tenant]
+            self.counts[priority] -= 1
+            self.depth -= 1
+            return waiter
+        return None
+
+
+class Admission:
+    """Per-model slots and priority queues; see the module docstring for the order."""
+
+    def __init__(self, cfg: GatewayConfig, metrics: Metrics) -> None:
+        self._cfg = cfg
+        self._metrics = metrics
+        self._queues: dict[str, _ModelQueue] = {}
+
+    def _queue(self, model_key: str) -> _ModelQueue:
+        queue = self._queues.get(model_key)
+        if queue is None:
+            queue = self._queues[model_key] = _ModelQueue()
+        return queue
+
+    @contextlib.asynccontextmanager
+    async def slot(self, model_key: str, tenant: TenantId, priority: Priority, deadline: float) -> AsyncIterator[float]:
+        """Hold one of the model's slots for the body of the `async with`; yields the seconds spent queued.
+
+        Raises QueueFull at once when `queue_depth` requests already wait for this model, and
+        DeadlineExceeded when `deadline` (trio clock) passes while queued. A cancelled waiter
+        leaves the queue; a slot granted to it in the meantime is handed on.
+        """
+        queue = self._queue(model_key)
+        if queue.in_use < queue.capacity and not queue.waits_at_or_above(priority):
+            queue.in_use += 1
+            queued = 0.0
+        else:
+            queued = await self._wait(model_key, queue, tenant, priority, deadline)
+        self._metrics.gateway_queue_seconds.labels(model_key).observe(queued)
+        try:
+            yield queued
+        finally:
+            queue.in_use -= 1
+            self._grant(model_key, queue)
+
+    async def _wait(
+        self, model_key: str, queue: _ModelQueue, tenant: TenantId, priority: Priority, deadline: float
+    ) -> float:
+        if queue.depth >= self._cfg.queue_depth:
+            raise QueueFull(
+                f"the queue for model {model_key} is full ({queue.depth} requests waiting); retry later",
+                retry_after_s=QUEUE_FULL_RETRY_S,
+            )
+        waiter = _Waiter(tenant=tenant, priority=priority)
+        queue.push(waiter)
+        self._gauge(model_key, queue, priority)
+        start = trio.current_time()
+        try:
+            with trio.move_on_at(deadline) as timer:
+                await waiter.event.wait()
+        except BaseException:
+            # Cancelled from outside (client gone, workload cancelled, shutdown).
+            self._give_up(model_key, queue, waiter)
+            raise
+        if timer.cancelled_caught:
+            self._give_up(model_key, queue, waiter)
+            raise DeadlineExceeded(f"the deadline passed while waiting for a slot on model {model_key}")
+        return trio.current_time() - start
+
+    def _give_up(self, model_key: str, queue: _ModelQueue, waiter: _Waiter) -> None:
+        if waiter.granted:
+            # A cancellation reached us, and then, before we ran again, a slot was granted to us
+            # (it is granted to whoever is first in the queue): pass it on, never leak it.
+            queue.in_use -= 1
+            self._grant(model_key, queue)
+        else:
+            queue.remove(waiter)
+            self._gauge(model_key, queue, waiter.priority)
+
+    def _grant(self, model_key: str, queue: _ModelQueue) -> None:
+        while queue.in_use < queue.capacity:
+            waiter = queue.pop_next()
+            if waiter is None:
+                return
+            queue.in_use += 1
+            waiter.granted = True
+            waiter.event.set()
+            self._gauge(model_key, queue, waiter.priority)
+
+    def _gauge(self, model_key: str, queue: _ModelQueue, priority: Priority) -> None:
+        self._metrics.gateway_queue_depth.labels(model_key, priority.value).set(queue.counts[priority])
+
+    def set_capacity(self, model_key: str, slots: int) -> None:
+        """Set a model's slots (Ready replicas * max_inflight_per_replica). Growing grants waiters.
+
+        Shrinking takes nothing away from requests holding a slot; with 0, waiters keep waiting
+        until their deadline (a replica may become Ready meanwhile).
+        """
+        queue = self._queue(model_key)
+        queue.capacity = max(0, slots)
+        self._grant(model_key, queue)
+
+    def depths(self) -> dict[str, dict[Priority, int]]:
+        """Requests waiting, per model and priority."""
+        return {key: dict(queue.counts) for key, queue in self._queues.items()}
+
+    def statistics(self) -> AdmissionStatistics:
+        return AdmissionStatistics(
+            models={
+                key: ModelAdmission(capacity=queue.capacity, in_use=queue.in_use, waiting=dict(queue.counts))
+                for key, queue in self._queues.items()
+            }
+        )

@@ -1,0 +1,149 @@
+"""What both controller HTTP front ends share: the error→status table, request ids, the body limit.
+
+`control/api.py` (management, quart) and `control/inference.py` (the inference routes, plain
+ASGI) answer errors with the same statuses and codes; no quart here.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from typing import Any, Final
+
+import trio
+
+from nexa.contracts import codec
+from nexa.contracts.api import ErrorBody, ErrorEnvelope
+from nexa.errors import (
+    ArtifactDigestMismatch,
+    AuthError,
+    Cancelled,
+    Conflict,
+    ContractError,
+    DeadlineExceeded,
+    Forbidden,
+    NexaError,
+    NotDeployable,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    RetentionUnavailable,
+    RuntimeFailed,
+    RuntimeRejected,
+    StoreError,
+    Unauthenticated,
+    Unavailable,
+    VerificationFailed,
+)
+
+log = logging.getLogger(__name__)
+
+_REQUEST_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+#: nginx's "client closed request": what a cancelled workload's status reads.
+CLIENT_CLOSED: Final = 499
+
+#: Error class → HTTP status; the most specific class in an error's MRO wins.
+STATUS: Final[dict[type[NexaError], int]] = {
+    PayloadTooLarge: 413,
+    ContractError: 400,
+    Unauthenticated: 401,
+    Forbidden: 403,
+    AuthError: 401,
+    NotFound: 404,
+    Conflict: 409,
+    VerificationFailed: 422,
+    NotDeployable: 422,
+    ArtifactDigestMismatch: 422,
+    RetentionUnavailable: 422,
+    RuntimeRejected: 400,
+    Overloaded: 429,
+    RuntimeFailed: 502,
+    Unavailable: 503,
+    DeadlineExceeded: 504,
+    Cancelled: CLIENT_CLOSED,
+    StoreError: 500,
+    NexaError: 500,
+}
+
+
+def status_for(exc: NexaError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def new_request_id(presented: str) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one."""
+    return presented if _REQUEST_ID_RE.match(presented) else "req_" + secrets.token_hex(8)
+
+
+class BodyLimit:
+    """ASGI middleware: answer an oversized body with 413, after discarding what the client sends.
+
+    Clients such as httpx write the whole body before they read the answer, so replying without
+    reading would leave them blocked on a full socket. The discarded bytes are capped; past the
+    cap the connection is dropped.
+    """
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self._app = app
+        self._limit = limit
+        self._drain_cap = max(64 * 1024 * 1024, 8 * limit)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._limit:
+            await self._drain(receive, int(declared))
+            await self._reply_413(send, new_request_id(headers.get("x-request-id", "")))
+            return
+        seen = 0
+
+        async def counting_receive() -> Any:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self._limit and message.get("more_body"):
+                    # Quart refuses the body (413) on its own; make sure the client can read that.
+                    await self._drain(receive, self._drain_cap)
+                    message = {**message, "more_body": False}
+            return message
+
+        await self._app(scope, counting_receive, send)
+
+    async def _drain(self, receive: Any, expected: int) -> None:
+        discarded = 0
+        with trio.move_on_after(30):
+            while discarded <= min(expected, self._drain_cap):
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                discarded += len(message.get("body", b""))
+                if not message.get("more_body"):
+                    return
+
+    async def _reply_413(self, send: Any, rid: str) -> None:
+        error = PayloadTooLarge(limit_bytes=self._limit)
+        body = ErrorEnvelope(error=ErrorBody(code=error.code, message=error.message, retryable=False, request_id=rid))
+        payload = codec.dumps(codec.api, body).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"x-request-id", rid.encode()),
+                    (b"cache-control", b"no-store"),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+        log.info("request", extra={"fields": {"status": 413, "route": "unread", "request_id": rid}})

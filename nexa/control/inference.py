@@ -1,0 +1,620 @@
+"""The inference routes: OpenAI-compatible `/v1/*` and the canonical `/api/v1/workloads`, as plain ASGI.
+
+These sit in front of the quart management app (`InferenceApp(fallback)`): every other path goes
+to quart. Plain ASGI keeps the per-request cost of the hot path small and gives full control of
+streaming and of the client going away: while a request runs, one task waits for
+`http.disconnect` and cancels the work, and that cancellation travels through the relay to the
+runtime. Both APIs build one `gateway.Work` and run it through `Gateway.call`.
+
+OpenAI routes answer errors in OpenAI's shape (`{"error": {"message", "type", "code"}}`) with the
+statuses of `control/http.py`, so the official SDKs raise their usual exceptions; the canonical
+routes answer in nexa's error envelope. Request logs carry metadata only, never bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import attrs
+import trio
+
+from nexa.config import GatewayConfig
+from nexa.contracts import codec
+from nexa.contracts.api import ErrorBody, ErrorEnvelope
+from nexa.contracts.domain import ApiKey, Role, TenantId
+from nexa.contracts.gateway import (
+    API_VERSION,
+    Api,
+    Capability,
+    OpenAIError,
+    OpenAIErrorBody,
+    Priority,
+    Receipt,
+    Retention,
+    SignedReceipt,
+    Usage,
+    WorkloadCreate,
+    WorkloadState,
+    WorkloadView,
+    workload_problems,
+)
+from nexa.control.gateway import Call, Gateway, Work
+from nexa.control.http import CLIENT_CLOSED, new_request_id, status_for
+from nexa.control.registry import Actor, Registry
+from nexa.control.workloads import ActiveWorkload, Workloads, new_receipt_id
+from nexa.errors import (
+    Cancelled,
+    ContractError,
+    Forbidden,
+    NexaError,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    RetentionUnavailable,
+    Unauthenticated,
+)
+from nexa.telemetry import Metrics, request_id
+
+log = logging.getLogger(__name__)
+
+# ASGI as hypercorn and quart type it is stricter than this module needs: plain dicts here.
+Scope = Any
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+AsgiApp = Callable[[Any, Any, Any], Awaitable[None]]
+
+_I: Final = Role.INFERENCE
+#: Every inference route and the roles that may call it (the management routes are in `api.ROUTE_ROLES`).
+INFERENCE_ROUTES: Final[dict[tuple[str, str], frozenset[Role]]] = {
+    ("GET", "/v1/models"): frozenset({_I}),
+    ("POST", "/v1/chat/completions"): frozenset({_I}),
+    ("POST", "/v1/completions"): frozenset({_I}),
+    ("POST", "/v1/embeddings"): frozenset({_I}),
+    ("POST", "/api/v1/workloads"): frozenset({_I}),
+    ("GET", "/api/v1/workloads/<workload_id>"): frozenset({_I}),
+    ("POST", "/api/v1/workloads/<workload_id>/cancel"): frozenset({_I}),
+    ("GET", "/api/v1/workloads/<workload_id>/receipt"): frozenset({_I}),
+}
+_CAPABILITY_BY_PATH: Final = {c.path: c for c in Capability}
+_WORKLOAD_PATH: Final = re.compile(r"^/api/v1/workloads/([^/]{1,256})(/cancel|/receipt)?$")
+#: Optional request headers of the OpenAI routes: priority class and deadline.
+PRIORITY_HEADER: Final = "x-nexa-priority"
+DEADLINE_HEADER: Final = "x-nexa-deadline-ms"
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-store"),
+    (b"x-accel-buffering", b"no"),
+]
+_OPENAI_TYPES: Final = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def _route(method: str, path: str) -> tuple[str, str] | None:
+    """The route template of a request, or None when the path is not an inference route."""
+    if path.startswith("/v1/"):
+        return (method, path)
+    if path == "/api/v1/workloads":
+        return (method, path)
+    m = _WORKLOAD_PATH.match(path)
+    if m is None:
+        return None
+    return (method, "/api/v1/workloads/<workload_id>" + (m.group(2) or ""))
+
+
+class InferenceApp:
+    """ASGI: the inference routes here, everything else to `fallback` (the quart app)."""
+
+    def __init__(
+        self,
+        fallback: AsgiApp,
+        *,
+        cfg: GatewayConfig,
+        gateway: Gateway,
+        workloads: Workloads,
+        registry: Registry,
+        metrics: Metrics,
+        max_body_bytes: int,
+        epoch: int,
+    ) -> None:
+        self._fallback = fallback
+        self._cfg = cfg
+        self._gateway = gateway
+        self._workloads = workloads
+        self._registry = registry
+        self._metrics = metrics
+        self._max_body = max_body_bytes
+        self._epoch = epoch
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._fallback(scope, receive, send)
+            return
+        method = "GET" if scope["method"] == "HEAD" else scope["method"]
+        route = _route(method, scope["path"])
+        if route is None:
+            await self._fallback(scope, receive, send)
+            return
+        await _Exchange(self, scope, receive, send, route).run()
+
+    # ---- handlers (each returns the status it answered) ------------------------------------------------
+
+    async def models(self, x: _Exchange) -> int:
+        data = [
+            {"id": m.id, "object": "model", "created": int(m.created), "owned_by": "nexa"}
+            for m in self._gateway.served_models()
+        ]
+        return await x.json(200, {"object": "list", "data": data})
+
+    async def openai(self, x: _Exchange, capability: Capability) -> int:
+        body = _json_object(await x.body())
+        model = body.pop("model", None)
+        if not isinstance(model, str) or not model:
+            raise ContractError("model: the alias to use is required", problems=("model: required",))
+        stream = body.pop("stream", False)
+        if not isinstance(stream, bool) or (stream and capability is Capability.EMBEDDING):
+            raise ContractError("stream: true or false (embeddings do not stream)", problems=("stream",))
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        if options is not None and not stream:
+            raise ContractError("stream_options: only with stream: true", problems=("stream_options",))
+        work = Work(
+            request_id=x.rid,
+            api=Api.OPENAI,
+            tenant=x.tenant,
+            key_id=x.key.id,
+            capability=capability,
+            model=model,
+            body=body,
+            stream=stream,
+            include_usage=include_usage,
+            priority=_priority(x.header(PRIORITY_HEADER)),
+            deadline_at=self._deadline(x.header(DEADLINE_HEADER)),
+        )
+        call = await self._gateway.call(work)
+        try:
+            if not stream:
+                answer = await call.read_all()
+                if call.error is not None:
+                    raise call.error
+                return await x.raw(200, answer, b"application/json")
+            await x.start_stream(200)
+            async for chunk in call:
+                await x.chunk(chunk)
+            if call.error is not None:
+                await x.chunk(_sse_data(_openai_error(call.error, x.rid)))
+            await x.chunk(b"", more=False)
+            return 200
+        finally:
+            await call.aclose()
+
+    async def submit(self, x: _Exchange) -> int:
+        req = codec.loads(codec.api, await x.body(), WorkloadCreate)
+        problems = workload_problems(req)
+        if problems:
+            raise ContractError("invalid workload: " + "; ".join(problems), problems=tuple(problems))
+        if req.retention is not Retention.EPHEMERAL:
+            raise RetentionUnavailable(
+                f"retention {req.retention.value} needs an encrypted retention store, and none is configured;"
+                " send retention: ephemeral"
+            )
+        stored = await self._workloads.lookup(x.tenant, req.idempotency_key)
+        if stored is not None:
+            return await x.json(200, codec.api.unstructure(_view_from_receipt(stored, req)))
+        now = time.time()
+        deadline_at = self._deadline(None) if req.deadline_at is None else req.deadline_at
+        if deadline_at > now + self._cfg.max_deadline_s:
+            raise ContractError(
+                f"deadline_at: at most {self._cfg.max_deadline_s:g} s from now", problems=("deadline_at",)
+            )
+        active = await self._workloads.begin(x.tenant, x.key.id, req, alias=req.model, accepted_at=now)
+        work = Work(
+            request_id=x.rid,
+            api=Api.WORKLOADS,
+            tenant=x.tenant,
+            key_id=x.key.id,
+            capability=req.capability,
+            model=req.model,
+            body=dict(req.payload),
+            stream=req.stream and req.capability is not Capability.EMBEDDING,
+            include_usage=True,
+            priority=req.priority,
+            deadline_at=deadline_at,
+            workload_id=req.workload_id,
+        )
+        run = await self._run(x, active, work)
+        view = _view_from_receipt(run.receipt, req)
+        if run.streamed:
+            if run.error is not None:
+                await x.chunk(_sse_event("error", codec.dumps(codec.api, _envelope(run.error, x.rid)).encode()))
+            await x.chunk(_sse_event("end", codec.dumps(codec.api, view).encode()), more=False)
+            return 200
+        if run.error is not None:
+            raise run.error
+        parsed = json.loads(run.output) if run.output else None
+        return await x.json(200, codec.api.unstructure(_with_output(view, parsed)))
+
+    async def _run(self, x: _Exchange, active: ActiveWorkload, work: Work) -> _Run:
+        """Run a workload under its cancel scope (`POST …/cancel`); its receipt is written whatever happens."""
+        call: Call | None = None
+        run = _Run()
+        try:
+            with active.scope:
+                call = await self._gateway.call(work)
+                active.set_state(WorkloadState.STREAMING if work.stream else WorkloadState.RUNNING)
+                if work.stream:
+                    await x.start_stream(200)
+                    run.streamed = True
+                    async for chunk in call:
+                        await x.chunk(chunk)
+                else:
+                    run.output = await call.read_all()
+                run.error = call.error
+            if active.scope.cancelled_caught:
+                run.error = Cancelled("the workload was cancelled")
+        except NexaError as exc:
+            run.error = exc
+        except BaseException:
+            run.error = Cancelled("the client went away")
+            raise
+        finally:
+            if call is not None:
+                await call.aclose()
+            run.receipt = await self._finish(active, call, work, run.error)
+        return run
+
+    async def _finish(
+        self, active: ActiveWorkload, call: Call | None, work: Work, error: NexaError | None
+    ) -> SignedReceipt:
+        """Sign and store the workload's receipt; runs even when the client went away."""
+        outcome = call.outcome if call is not None else None
+        if error is None:
+            state = WorkloadState.SUCCEEDED
+        elif isinstance(error, Cancelled):
+            state = WorkloadState.CANCELLED
+        else:
+            state = WorkloadState.FAILED
+        model = outcome.model if outcome is not None else None
+        receipt = Receipt(
+            receipt_id=new_receipt_id(),
+            workload_id=active.workload_id,
+            idempotency_key_sha256=active.idempotency_key_sha256,
+            tenant=work.tenant,
+            key_id=work.key_id,
+            capability=work.capability,
+            alias=outcome.alias if outcome is not None else "",
+            model=model.model if model is not None else work.model,
+            model_version=model.version if model is not None else "",
+            deployment=outcome.deployment if outcome is not None else "",
+            node_id=outcome.node_id if outcome is not None else "",
+            state=state,
+            error=None if error is None else error.code,
+            prompt_tokens=outcome.prompt_tokens if outcome is not None else 0,
+            completion_tokens=outcome.completion_tokens if outcome is not None else 0,
+            queue_ms=outcome.queue_ms if outcome is not None else 0.0,
+            ttft_ms=outcome.ttft_ms if outcome is not None else None,
+            duration_ms=outcome.duration_ms if outcome is not None else 0.0,
+            accepted_at=active.accepted_at,
+            finished_at=time.time(),
+            controller_epoch=self._epoch,
+        )
+        with trio.CancelScope(shield=True):
+            signed = await self._workloads.finish(active, receipt)
+        return signed
+
+    async def status(self, x: _Exchange, workload_id: str) -> int:
+        return await x.json(200, codec.api.unstructure(await self._workloads.status(x.tenant, workload_id)))
+
+    async def cancel(self, x: _Exchange, workload_id: str) -> int:
+        await self._workloads.cancel(x.tenant, workload_id)
+        await trio.lowlevel.checkpoint()  # let the cancelled workload record its end
+        return await x.json(202, codec.api.unstructure(await self._workloads.status(x.tenant, workload_id)))
+
+    async def receipt(self, x: _Exchange, workload_id: str) -> int:
+        return await x.json(200, codec.api.unstructure(await self._workloads.receipt(x.tenant, workload_id)))
+
+    def _deadline(self, header: str | None) -> float:
+        now = time.time()
+        if header is None:
+            return now + self._cfg.default_deadline_s
+        if not header.isdigit() or not 0 < int(header) <= self._cfg.max_deadline_s * 1000:
+            raise ContractError(
+                f"{DEADLINE_HEADER}: milliseconds from now, 1 to {int(self._cfg.max_deadline_s * 1000)}",
+                problems=(DEADLINE_HEADER,),
+            )
+        return now + int(header) / 1000.0
+
+
+class _Exchange:
+    """One HTTP request/response on the inference routes."""
+
+    def __init__(self, app: InferenceApp, scope: Scope, receive: Receive, send: Send, route: tuple[str, str]) -> None:
+        self._app = app
+        self._scope = scope
+        self._receive = receive
+        self._send = send
+        self.route = route
+        self.openai = route[1].startswith("/v1/")
+        self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        self.rid = new_request_id(self._headers.get("x-request-id", ""))
+        self.key: ApiKey
+        self.tenant: TenantId
+        self._started_response = False
+        self._bytes_in = 0
+
+    def header(self, name: str) -> str | None:
+        return self._headers.get(name)
+
+    async def run(self) -> None:
+        request_id.set(self.rid)
+        app = self._app
+        started = time.perf_counter()
+        status = 500
+        app._metrics.http_in_flight.inc()
+        try:
+            try:
+                await self._authorize()
+                status = await self._dispatch()
+            except NexaError as exc:
+                status = await self._error(exc)
+            except _ClientGone:
+                status = CLIENT_CLOSED
+            except trio.Cancelled:
+                status = CLIENT_CLOSED
+                raise
+        finally:
+            app._metrics.http_in_flight.dec()
+            elapsed = time.perf_counter() - started
+            route = self.route[1] if self.route in INFERENCE_ROUTES else "unmatched"
+            app._metrics.http_requests.labels(route, self.route[0], str(status)).inc()
+            app._metrics.http_request_seconds.labels(route, self.route[0]).observe(elapsed)
+            log.info(
+                "request",
+                extra={
+                    "fields": {
+                        "method": self.route[0],
+                        "route": route,
+                        "status": status,
+                        "ms": round(elapsed * 1000, 3),
+                        "bytes_in": self._bytes_in,
+                        "actor": getattr(self, "key", None) and self.key.id,
+                    }
+                },
+            )
+
+    async def _authorize(self) -> None:
+        app = self._app
+        roles = INFERENCE_ROUTES.get(self.route)
+        if roles is None:
+            raise _no_route(self.route)
+        scheme, _, presented = self._headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not presented.strip():
+            app._metrics.auth_failures.labels("unauthenticated").inc()
+            raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
+        try:
+            key = app._registry.authenticate(presented.strip())
+        except Unauthenticated:
+            app._metrics.auth_failures.labels("unauthenticated").inc()
+            raise
+        self.key = key
+        if key.role not in roles or key.tenant is None:
+            app._metrics.auth_failures.labels("forbidden").inc()
+            reason = (
+                f"role {key.role} may not call this route"
+                if key.role not in roles
+                else "inference keys must belong to a tenant"
+            )
+            if self.route[0] != "GET":
+                actor = Actor(key_id=key.id, role=key.role, tenant=key.tenant)
+                await app._registry.record_denied(
+                    actor, f"{self.route[0]} {self.route[1]}", self._scope["path"], reason
+                )
+            raise Forbidden(reason)
+        self.tenant = key.tenant
+
+    async def _dispatch(self) -> int:
+        app = self._app
+        method, rule = self.route
+        if method == "POST":
+            await self.body()  # read it all first: what arrives after it can only be a disconnect
+        status = CLIENT_CLOSED  # unless the handler returns: the client went away and cancelled it
+        error: NexaError | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_disconnect, nursery.cancel_scope)
+            try:
+                status = await self._handle(app, method, rule)
+            except NexaError as exc:
+                error = exc  # raised below: out of the nursery, not wrapped in an exception group
+            nursery.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return status
+
+    async def _handle(self, app: InferenceApp, method: str, rule: str) -> int:
+        if rule == "/v1/models":
+            return await app.models(self)
+        if rule in _CAPABILITY_BY_PATH:
+            return await app.openai(self, _CAPABILITY_BY_PATH[rule])
+        if rule == "/api/v1/workloads":
+            return await app.submit(self)
+        workload_id = self._scope["path"].split("/")[4]
+        if rule.endswith("/cancel"):
+            return await app.cancel(self, workload_id)
+        if rule.endswith("/receipt"):
+            return await app.receipt(self, workload_id)
+        return await app.status(self, workload_id)
+
+    async def _watch_disconnect(self, scope: trio.CancelScope) -> None:
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return
+
+    _body: bytes | None = None
+
+    async def body(self) -> bytes:
+        if self._body is not None:
+            return self._body
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            message = await self._receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self._app._max_body:
+                raise PayloadTooLarge(limit_bytes=self._app._max_body)
+            parts.append(chunk)
+            if not message.get("more_body"):
+                break
+        self._bytes_in = size
+        self._body = b"".join(parts)
+        return self._body
+
+    # ---- answering
+
+    async def raw(
+        self, status: int, payload: bytes, content_type: bytes, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> int:
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [
+                    (b"content-type", content_type),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"x-request-id", self.rid.encode()),
+                    (b"cache-control", b"no-store"),
+                    *(headers or ()),
+                ],
+            }
+        )
+        self._started_response = True
+        await self._send({"type": "http.response.body", "body": payload, "more_body": False})
+        return status
+
+    async def json(self, status: int, obj: object) -> int:
+        payload = json.dumps(obj, separators=(",", ":")).encode()
+        return await self.raw(status, payload, b"application/json")
+
+    async def start_stream(self, status: int) -> None:
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode())],
+            }
+        )
+        self._started_response = True
+
+    async def chunk(self, data: bytes, *, more: bool = True) -> None:
+        await self._send({"type": "http.response.body", "body": data, "more_body": more})
+
+    async def _error(self, exc: NexaError) -> int:
+        status = status_for(exc)
+        if status >= 500:
+            log.warning("request failed: %s", exc.code)
+        if self._started_response:
+            return status  # a stream already answered 200; its error went in-band
+        headers: list[tuple[bytes, bytes]] = []
+        if isinstance(exc, Overloaded):
+            headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
+        if isinstance(exc, Unauthenticated):
+            headers.append((b"www-authenticate", b'Bearer realm="nexa"'))
+        if self.openai:
+            body = codec.dumps(codec.api, _openai_error(exc, self.rid)).encode()
+        else:
+            body = codec.dumps(codec.api, _envelope(exc, self.rid)).encode()
+        return await self.raw(status, body, b"application/json", headers)
+
+
+@attrs.define
+class _Run:
+    streamed: bool = False
+    output: bytes | None = None
+    error: NexaError | None = None
+    receipt: SignedReceipt = attrs.field(init=False)
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request body arrived: nothing to answer."""
+
+
+def _no_route(route: tuple[str, str]) -> NexaError:
+    return NotFound(f"no route {route[0]} {route[1]}")
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ContractError("the body is not valid JSON", problems=("(body): invalid JSON",)) from None
+    if not isinstance(body, dict):
+        raise ContractError("the body must be a JSON object", problems=("(body): not an object",))
+    return body
+
+
+def _priority(value: str | None) -> Priority:
+    if value is None:
+        return Priority.STANDARD
+    try:
+        return Priority(value)
+    except ValueError:
+        raise ContractError(
+            f"{PRIORITY_HEADER}: one of " + ", ".join(p.value for p in Priority), problems=(PRIORITY_HEADER,)
+        ) from None
+
+
+def _openai_error(exc: NexaError, rid: str) -> OpenAIError:
+    status = status_for(exc)
+    kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return OpenAIError(error=OpenAIErrorBody(message=f"{exc.message} (request {rid})", type=kind, code=exc.code))
+
+
+def _envelope(exc: NexaError, rid: str) -> ErrorEnvelope:
+    return ErrorEnvelope(error=ErrorBody(code=exc.code, message=exc.message, retryable=exc.retryable, request_id=rid))
+
+
+def _sse_data(obj: object) -> bytes:
+    return b"data: " + codec.dumps(codec.api, obj).encode() + b"\n\n"
+
+
+def _sse_event(event: str, data: bytes) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+
+
+def _view_from_receipt(signed: SignedReceipt, req: WorkloadCreate) -> WorkloadView:
+    r = signed.receipt
+    return WorkloadView(
+        version=API_VERSION,
+        workload_id=r.workload_id,
+        state=r.state,
+        model=req.model,
+        priority=req.priority,
+        accepted_at=r.accepted_at,
+        finished_at=r.finished_at,
+        error=r.error,
+        usage=Usage(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens),
+        receipt=signed,
+    )
+
+
+def _with_output(view: WorkloadView, output: object) -> WorkloadView:
+    return WorkloadView(
+        version=view.version,
+        workload_id=view.workload_id,
+        state=view.state,
+        model=view.model,
+        priority=view.priority,
+        accepted_at=view.accepted_at,
+        finished_at=view.finished_at,
+        error=view.error,
+        usage=view.usage,
+        output=output if isinstance(output, dict) else None,
+        receipt=view.receipt,
+    )

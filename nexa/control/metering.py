@@ -1,0 +1,181 @@
+"""Metering: one usage record per finished request, written behind in batches; usage reports.
+
+`record` is on the hot path: it never blocks and never raises. It updates the Prometheus
+metrics and the in-memory windows rollouts read (`window`), and queues the record; `run` writes
+the queue to the store in one transaction every `metering_flush_s`. A clean shutdown (the run
+task cancelled) flushes what is pending, so it loses nothing; a crash loses at most one flush
+window of records. Records are metadata only (ids, counts, timings): never prompts or outputs.
+
+Reports group by tenant, model and UTC day in SQL. The model of a row is `name:version` of the
+version that served it, or the alias the client asked for when it never resolved to one.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+from collections import deque
+from typing import Final
+
+import attrs
+import trio
+
+from nexa.config import GatewayConfig
+from nexa.contracts.gateway import UsageRecord, UsageReport, WindowStats
+from nexa.control import store as st
+from nexa.errors import NexaError
+from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: How long a clean shutdown may spend writing the last batch.
+SHUTDOWN_FLUSH_TIMEOUT_S: Final = 10.0
+#: Records kept in memory while the store cannot take them; beyond it the oldest are dropped (and logged).
+MAX_PENDING: Final = 200_000
+#: How far back `window` can look.
+WINDOW_KEEP_S: Final = 3600.0
+#: At most this many finished requests kept per deployment for `window`.
+WINDOW_MAX_RECORDS: Final = 100_000
+CSV_HEADER: Final = ("tenant", "model", "day", "requests", "errors", "prompt_tokens", "completion_tokens")
+
+
+@attrs.frozen
+class _Finished:
+    finished_at: float
+    canary: bool
+    error: bool
+    duration_ms: float
+
+
+class Meter:
+    """Usage records: metrics and windows at once, the store in batches."""
+
+    def __init__(self, cfg: GatewayConfig, store: st.Store, metrics: Metrics) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._metrics = metrics
+        self._pending: list[UsageRecord] = []
+        self._windows: dict[str, deque[_Finished]] = {}
+        self._dropped = 0
+
+    # ---- the hot path --------------------------------------------------------------------------
+
+    def record(self, rec: UsageRecord) -> None:
+        """Account one finished request. Never blocks, never raises."""
+        try:
+            self._record(rec)
+        except Exception:
+            # Accounting must never fail a request that has already been answered.
+            log.exception("could not account a finished request")
+
+    def _record(self, rec: UsageRecord) -> None:
+        m = self._metrics
+        model = rec.alias
+        m.gateway_requests.labels(model, rec.tenant, rec.status).inc()
+        if rec.prompt_tokens:
+            m.gateway_tokens.labels(model, "prompt").inc(rec.prompt_tokens)
+        if rec.completion_tokens:
+            m.gateway_tokens.labels(model, "completion").inc(rec.completion_tokens)
+        m.gateway_request_seconds.labels(model).observe(rec.duration_ms / 1000)
+        if rec.ttft_ms is not None:
+            m.gateway_ttft_seconds.labels(model).observe(rec.ttft_ms / 1000)
+        if rec.deployment:
+            self._observe(rec.deployment, _Finished(rec.finished_at, rec.canary, rec.status != "ok", rec.duration_ms))
+        self._pending.append(rec)
+        if len(self._pending) > MAX_PENDING:
+            del self._pending[0]
+            self._dropped += 1
+            if self._dropped == 1 or self._dropped % 10_000 == 0:
+                log.error("the store does not take usage records; %d dropped so far", self._dropped)
+        m.metering_pending.set(len(self._pending))
+
+    def attempt_failed(self, deployment: str, *, canary: bool, duration_ms: float, now: float) -> None:
+        """An attempt on a replica that failed before any output and was retried elsewhere: no usage
+        record (the request's own record names where it ended), but it counts against the replica's
+        deployment in the windows a canary is judged by."""
+        self._observe(deployment, _Finished(now, canary, True, duration_ms))
+
+    def _observe(self, deployment: str, finished: _Finished) -> None:
+        window = self._windows.get(deployment)
+        if window is None:
+            window = self._windows[deployment] = deque(maxlen=WINDOW_MAX_RECORDS)
+        window.append(finished)
+        while window and window[0].finished_at < finished.finished_at - WINDOW_KEEP_S:
+            window.popleft()
+
+    # ---- writing behind ------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Flush every `metering_flush_s` until cancelled; then flush what is left (shielded, bounded)."""
+        task_status.started()
+        try:
+            while True:
+                await trio.sleep(self._cfg.metering_flush_s)
+                await self._flush_logged()
+        finally:
+            with trio.CancelScope(shield=True) as final:
+                final.deadline = trio.current_time() + SHUTDOWN_FLUSH_TIMEOUT_S
+                await self._flush_logged()
+            if self._pending:
+                log.error("shutting down with %d usage records not written", len(self._pending))
+
+    async def _flush_logged(self) -> None:
+        try:
+            await self.flush()
+        except NexaError as exc:
+            log.warning("writing usage records failed (%s); they stay queued", exc.code)
+
+    async def flush(self) -> int:
+        """Write every pending record in one transaction; returns how many. On failure they stay queued."""
+        batch, self._pending = self._pending, []
+        if not batch:
+            return 0
+        start = trio.current_time()
+        try:
+            await self._store.run(st.insert_usage, batch)
+        except BaseException:
+            self._pending[:0] = batch
+            raise
+        finally:
+            self._metrics.metering_pending.set(len(self._pending))
+        self._metrics.metering_flush_seconds.observe(trio.current_time() - start)
+        return len(batch)
+
+    # ---- reading -------------------------------------------------------------------------------
+
+    async def usage(
+        self, *, since: float, until: float, tenant: str | None = None, model: str | None = None
+    ) -> UsageReport:
+        """Usage in [since, until) by tenant, model (`name:version`) and UTC day; flushes first."""
+        await self.flush()
+        rows = await self._store.run(st.usage_report, since, until, tenant, model)
+        return UsageReport(since=since, until=until, rows=rows)
+
+    @staticmethod
+    def to_csv(report: UsageReport) -> str:
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\r\n")
+        writer.writerow(CSV_HEADER)
+        for row in report.rows:
+            writer.writerow(
+                (row.tenant, row.model, row.day, row.requests, row.errors, row.prompt_tokens, row.completion_tokens)
+            )
+        return out.getvalue()
+
+    def window(self, deployment: str, *, canary: bool | None, seconds: float, now: float) -> WindowStats:
+        """Requests of `deployment` finished in (now - seconds, now]: all (canary None), or one group's."""
+        since = now - seconds
+        durations: list[float] = []
+        errors = 0
+        for f in self._windows.get(deployment, ()):
+            if since < f.finished_at <= now and (canary is None or f.canary == canary):
+                durations.append(f.duration_ms)
+                errors += f.error
+        if not durations:
+            return WindowStats(requests=0, errors=0, p95_ms=None)
+        durations.sort()
+        # Nearest rank: the smallest duration at or above 95 % of the requests.
+        p95 = durations[max(0, math.ceil(0.95 * len(durations)) - 1)]
+        return WindowStats(requests=len(durations), errors=errors, p95_ms=p95)

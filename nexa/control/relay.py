@@ -1,0 +1,302 @@
+"""The controller's data-path multiplexer: inference streams to and from nodes over their channels.
+
+One `Relay` serves every node channel. `open` sends an `infer` frame and yields a `RelayStream`
+that the gateway reads chunk by chunk; `deliver` (from the southbound receive loop) files each
+`chunk`/`end` under its request id and never blocks. Flow control is per request: a node may have
+at most `window` chunks the consumer has not taken, and the relay returns `credit` as chunks are
+taken, so a slow client slows only its own stream. Never logs bodies; no store writes.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Final, Protocol
+
+import attrs
+import trio
+
+from nexa.contracts import codec, wire
+from nexa.errors import ChannelError, Conflict, ContractError
+
+log = logging.getLogger(__name__)
+
+#: Beyond the request's own deadline (which the node enforces and reports), how long the
+#: controller waits for the node's `end` before ending the stream itself: an `infer`, `credit`
+#: or `end` frame dropped on the way (a vanished or congested peer) must not hang a stream.
+DEADLINE_GRACE_S: Final = 5.0
+
+#: Codes of the ends the controller makes up itself (the node's own codes are in `wire.EndHead`).
+NODE_LOST: Final = "node_lost"
+DEADLINE_EXCEEDED: Final = "deadline_exceeded"
+#: The node sent more chunks than the window allows, or an `end` that does not parse.
+PROTOCOL_ERROR: Final = "node_protocol_error"
+
+
+class DataLink(Protocol):
+    """What the relay needs of the node channel (`nexa.messaging.Link`)."""
+
+    async def send_data(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
+
+    def send_data_nowait(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class RelayStatistics:
+    """A snapshot of the relay (trio's `statistics()` convention)."""
+
+    open_streams: int
+    opened: int
+    #: `chunk` and `end` frames filed under an open stream.
+    frames_in: int
+    #: `infer`, `credit` and `cancel` frames handed to the channel.
+    frames_out: int
+    #: Frames for no open stream, for a stream of another node, or after the stream's end.
+    dropped_frames: int
+    #: Streams ended because their node broke the window or sent an unreadable `end`.
+    protocol_errors: int
+    #: Streams ended because their node was lost (unreachable, revoked, restarted).
+    lost: int
+    #: Streams the controller ended itself after the deadline and its grace.
+    expired: int
+    cancels_sent: int
+    #: Cancels that could not be queued (outbox full, no route): the node's deadline ends those.
+    cancels_lost: int
+
+
+class RelayStream:
+    """One request's output as it arrives from its node. Read by one consumer task."""
+
+    def __init__(self, relay: Relay, node_id: str, request_id: str, *, window: int, deadline: float) -> None:
+        self.node_id = node_id
+        self.request_id = request_id
+        #: The node's `end` (or one the controller made up); set once `receive` has returned None.
+        self.end: wire.EndHead | None = None
+        #: trio clock time the first chunk arrived.
+        self.first_chunk_at: float | None = None
+        self._relay = relay
+        self._window = window
+        #: trio clock time after which the controller ends the stream itself.
+        self._deadline = deadline
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._final: wire.EndHead | None = None
+        self._arrived = trio.Event()
+        #: Chunks taken by the consumer and not yet credited back to the node.
+        self._uncredited = 0
+        self._credit_every = max(1, window // 2)
+        #: The node is (as far as we know) still working on it: leaving must send `cancel`.
+        self._node_busy = False
+
+    @property
+    def buffered(self) -> int:
+        """Chunks received and not yet taken by the consumer (at most the window)."""
+        return len(self._chunks)
+
+    @property
+    def ended(self) -> bool:
+        """Whether the end is known (the consumer may still have chunks to take)."""
+        return self._final is not None
+
+    async def receive(self) -> bytes | None:
+        """The next chunk body; None once the stream has ended, and then `end` says how."""
+        while not self._chunks:
+            if self._final is not None:
+                self.end = self._final
+                await trio.lowlevel.checkpoint()
+                return None
+            with trio.move_on_at(self._deadline):
+                await self._arrived.wait()
+            if not self._chunks and self._final is None and trio.current_time() >= self._deadline:
+                self._relay._expire(self)
+            self._arrived = trio.Event()
+        chunk = self._chunks.popleft()
+        self._uncredited += 1
+        if self._uncredited >= self._credit_every and self._final is None:
+            credit, self._uncredited = self._uncredited, 0
+            await self._relay._credit(self, credit)
+        else:
+            await trio.lowlevel.checkpoint()
+        return chunk
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self.receive()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    # --- what the relay calls
+
+    def _put(self, chunk: bytes) -> bool:
+        """File a chunk; False when the node broke the window (the caller ends the stream)."""
+        if len(self._chunks) >= self._window:
+            return False
+        if self.first_chunk_at is None:
+            self.first_chunk_at = trio.current_time()
+        self._chunks.append(chunk)
+        self._arrived.set()
+        return True
+
+    def _finish(self, end: wire.EndHead) -> None:
+        if self._final is None:
+            self._final = end
+            self._arrived.set()
+
+
+class Relay:
+    """Multiplexes inference requests over the node channels, with per-request flow control.
+
+    `window` is the number of chunks a node may send ahead of the consumer; it replaces the
+    window of every `InferHead` sent, so the buffers here and the node's sending agree.
+    """
+
+    def __init__(self, link: DataLink, *, window: int) -> None:
+        if window < 1:
+            raise ValueError("the stream window is at least one chunk")
+        self._link = link
+        self._window = window
+        self._streams: dict[str, RelayStream] = {}
+        self._by_node: dict[str, set[str]] = collections.defaultdict(set)
+        self._opened = self._frames_in = self._frames_out = self._dropped = 0
+        self._protocol_errors = self._lost = self._expired = self._cancels_sent = self._cancels_lost = 0
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self, node_id: str, request_id: str, head: wire.InferHead, body: bytes
+    ) -> AsyncIterator[RelayStream]:
+        """Send `infer` to the node and yield its stream.
+
+        Raises NotConnected (retryable) when the node has no route, Conflict when the request id
+        is already open. Leaving before the stream ended sends `cancel` to the node without waiting.
+        """
+        if request_id in self._streams:
+            raise Conflict(f"request {request_id} is already open")
+        if head.window != self._window:
+            head = attrs.evolve(head, window=self._window)
+        # The node gives up at deadline_at (wall clock); this side waits a grace longer for its end.
+        deadline = trio.current_time() + max(0.0, head.deadline_at - time.time()) + DEADLINE_GRACE_S
+        stream = RelayStream(self, node_id, request_id, window=self._window, deadline=deadline)
+        self._streams[request_id] = stream
+        self._by_node[node_id].add(request_id)
+        try:
+            await self._link.send_data(node_id, wire.INFER, request_id, codec.dumps(codec.wire, head).encode(), body)
+            stream._node_busy = True
+            self._frames_out += 1
+            self._opened += 1
+            yield stream
+        finally:
+            self._forget(stream)
+            if stream._node_busy:
+                # The node has not ended it: tell it to stop (and close its request to the runtime).
+                self._cancel(stream, "the client went away")
+
+    def deliver(self, node_id: str, frame: wire.DataFrame) -> None:
+        """File a node's `chunk` or `end` under its request. Never blocks.
+
+        Frames for no open request, or from another node than the one the request went to, are
+        dropped and counted: a node cannot write into another node's stream.
+        """
+        stream = self._streams.get(frame.request_id)
+        if stream is None or stream.node_id != node_id or stream._final is not None:
+            self._dropped += 1
+            return
+        self._frames_in += 1
+        if frame.kind == wire.CHUNK:
+            if not stream._put(frame.body):
+                self._protocol_errors += 1
+                log.warning("node %s sent more than %d chunks ahead; ending its stream", node_id, self._window)
+                self._end(stream, wire.EndHead(status=wire.EndStatus.ERROR, code=PROTOCOL_ERROR, first_byte_sent=True))
+                self._cancel(stream, PROTOCOL_ERROR)
+                stream._node_busy = False
+        elif frame.kind == wire.END:
+            try:
+                end = codec.loads(codec.wire, frame.head, wire.EndHead)
+            except ContractError as exc:
+                self._protocol_errors += 1
+                log.warning("node %s sent an unreadable end: %s", node_id, exc.message)
+                end = wire.EndHead(
+                    status=wire.EndStatus.ERROR, code=PROTOCOL_ERROR, first_byte_sent=stream.first_chunk_at is not None
+                )
+            stream._node_busy = False  # the node is done with it, whatever it said
+            self._end(stream, end)
+        else:  # messaging admits only DATA_FROM_NODE kinds
+            self._dropped += 1
+
+    def node_lost(self, node_id: str) -> None:
+        """End every open stream on that node with `node_lost` (unreachable, revoked or restarted)."""
+        for request_id in list(self._by_node.get(node_id, ())):
+            stream = self._streams[request_id]
+            stream._node_busy = False  # nothing to cancel: the node is gone (or restarted)
+            self._lost += 1
+            self._end(
+                stream,
+                wire.EndHead(
+                    status=wire.EndStatus.ERROR, code=NODE_LOST, first_byte_sent=stream.first_chunk_at is not None
+                ),
+            )
+
+    def nodes(self) -> list[str]:
+        """Nodes with open streams."""
+        return list(self._by_node)
+
+    def statistics(self) -> RelayStatistics:
+        return RelayStatistics(
+            open_streams=len(self._streams),
+            opened=self._opened,
+            frames_in=self._frames_in,
+            frames_out=self._frames_out,
+            dropped_frames=self._dropped,
+            protocol_errors=self._protocol_errors,
+            lost=self._lost,
+            expired=self._expired,
+            cancels_sent=self._cancels_sent,
+            cancels_lost=self._cancels_lost,
+        )
+
+    # --- internals
+
+    def _end(self, stream: RelayStream, end: wire.EndHead) -> None:
+        stream._finish(end)
+        # Ended: later frames for it are dropped; the id may be reused once the consumer leaves.
+        self._forget(stream)
+
+    def _forget(self, stream: RelayStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            ids = self._by_node[stream.node_id]
+            ids.discard(stream.request_id)
+            if not ids:
+                del self._by_node[stream.node_id]
+
+    def _expire(self, stream: RelayStream) -> None:
+        self._expired += 1
+        self._end(
+            stream,
+            wire.EndHead(
+                status=wire.EndStatus.ERROR, code=DEADLINE_EXCEEDED, first_byte_sent=stream.first_chunk_at is not None
+            ),
+        )
+
+    async def _credit(self, stream: RelayStream, chunks: int) -> None:
+        head = codec.dumps(codec.wire, wire.CreditHead(chunks=chunks)).encode()
+        try:
+            await self._link.send_data(stream.node_id, wire.CREDIT, stream.request_id, head, b"")
+        except ChannelError:
+            return  # no route now: the node is being lost, and node_lost or the deadline ends the stream
+        self._frames_out += 1
+
+    def _cancel(self, stream: RelayStream, reason: str) -> None:
+        # Sync and non-blocking: it runs while the consumer is being cancelled.
+        head = codec.dumps(codec.wire, wire.CancelHead(reason=reason)).encode()
+        try:
+            self._link.send_data_nowait(stream.node_id, wire.CANCEL, stream.request_id, head, b"")
+        except (trio.WouldBlock, ChannelError):
+            self._cancels_lost += 1
+            return
+        self._cancels_sent += 1
+        self._frames_out += 1

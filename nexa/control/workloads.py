@@ -1,0 +1,265 @@
+"""Canonical workloads: idempotency, live status, cancellation and signed receipts.
+
+A workload is recorded (state `queued`) when it is accepted and again, with its signed receipt,
+when it finishes; its live state in between (queued, running, streaming) is in memory only.
+Payloads are never recorded. Every lookup is keyed by tenant first: one tenant can never see,
+cancel or collide with another tenant's workloads. A workload left unfinished by a crash is
+marked failed (`controller_restarted`) with a signed receipt when the controller loads.
+
+Workload ids and idempotency keys are single-use per tenant: a finished workload's key answers
+with its stored receipt (`lookup`); reusing its id under another key is a Conflict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from typing import Final
+
+import attrs
+import trio
+
+from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.gateway import (
+    API_VERSION,
+    Capability,
+    Priority,
+    Receipt,
+    SignedReceipt,
+    Usage,
+    WorkloadCreate,
+    WorkloadState,
+    WorkloadView,
+)
+from nexa.control import store as st
+from nexa.errors import Conflict, NotFound, WorkloadAlreadyActive
+from nexa.security import SigningKey, sign_receipt
+
+log = logging.getLogger(__name__)
+
+#: The error code of workloads a controller restart interrupted.
+RESTARTED: Final = "controller_restarted"
+
+
+def idempotency_sha256(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_receipt_id() -> str:
+    return "rcpt_" + secrets.token_hex(12)
+
+
+@attrs.define(eq=False)
+class ActiveWorkload:
+    """A workload being served. The gateway runs its work inside `scope` and reports `set_state`."""
+
+    tenant: TenantId
+    key_id: KeyId
+    workload_id: str
+    idempotency_key_sha256: str
+    capability: Capability
+    alias: str
+    model: str
+    priority: Priority
+    accepted_at: float
+    state: WorkloadState = WorkloadState.QUEUED
+    #: Cancelled by `Workloads.cancel` (the client or an operator), not by a deadline or shutdown.
+    cancel_requested: bool = False
+    scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
+
+    def set_state(self, state: WorkloadState) -> None:
+        """Live state while active (queued → running → streaming); the terminal one comes with `finish`."""
+        if state.terminal:
+            raise ValueError("a terminal state is set by Workloads.finish, with the receipt")
+        self.state = state
+
+    def view(self) -> WorkloadView:
+        return WorkloadView(
+            version=API_VERSION,
+            workload_id=self.workload_id,
+            state=self.state,
+            model=self.model,
+            priority=self.priority,
+            accepted_at=self.accepted_at,
+        )
+
+
+class Workloads:
+    """Active canonical workloads in memory; finished ones in the store."""
+
+    def __init__(self, store: st.Store, signing_key: SigningKey, epoch: int) -> None:
+        self._store = store
+        self._key = signing_key
+        self._epoch = epoch
+        self._active: dict[tuple[TenantId, str], ActiveWorkload] = {}
+        self._active_keys: dict[tuple[TenantId, str], ActiveWorkload] = {}
+
+    @classmethod
+    async def load(cls, store: st.Store, signing_key: SigningKey, epoch: int) -> Workloads:
+        """Mark what a crash left unfinished as failed (`controller_restarted`), with signed receipts."""
+        workloads = cls(store, signing_key, epoch)
+        unfinished = await store.run(st.unfinished_workloads)
+        if unfinished:
+            now = time.time()
+            signed = [sign_receipt(signing_key, workloads._restarted_receipt(row, now)) for row in unfinished]
+            await store.run(st.finish_workloads, signed)
+            log.warning("marked %d workloads failed: the controller restarted while they ran", len(signed))
+        return workloads
+
+    def _restarted_receipt(self, row: st.WorkloadRow, now: float) -> Receipt:
+        return Receipt(
+            receipt_id=new_receipt_id(),
+            workload_id=row.workload_id,
+            idempotency_key_sha256=row.idempotency_key_sha256,
+            tenant=row.tenant,
+            key_id=row.key_id,
+            capability=row.capability,
+            alias=row.alias,
+            model="",
+            model_version="",
+            deployment="",
+            node_id="",
+            state=WorkloadState.FAILED,
+            error=RESTARTED,
+            prompt_tokens=0,
+            completion_tokens=0,
+            queue_ms=0.0,
+            ttft_ms=None,
+            duration_ms=max(0.0, (now - row.accepted_at) * 1000),
+            accepted_at=row.accepted_at,
+            finished_at=now,
+            controller_epoch=self._epoch,
+        )
+
+    async def lookup(self, tenant: TenantId, idempotency_key: str) -> SignedReceipt | None:
+        """The stored receipt of this tenant's finished workload with that idempotency key, if any.
+
+        Async: finished workloads are read from the store, not kept in memory.
+        """
+        return await self._store.run(st.workload_receipt_by_key, tenant, idempotency_sha256(idempotency_key))
+
+    async def begin(
+        self, tenant: TenantId, key_id: KeyId, req: WorkloadCreate, *, alias: str, accepted_at: float
+    ) -> ActiveWorkload:
+        """Record an accepted workload (durably, state queued) and make it active.
+
+        WorkloadAlreadyActive when the tenant has that workload id or idempotency key active;
+        Conflict when either was used before by a finished workload.
+        """
+        key_sha = idempotency_sha256(req.idempotency_key)
+        by_id, by_key = (tenant, req.workload_id), (tenant, key_sha)
+        if by_id in self._active:
+            raise WorkloadAlreadyActive(f"workload {req.workload_id} is still running")
+        if by_key in self._active_keys:
+            other = self._active_keys[by_key].workload_id
+            raise WorkloadAlreadyActive(f"a workload with this idempotency key ({other}) is still running")
+        active = ActiveWorkload(
+            tenant=tenant,
+            key_id=key_id,
+            workload_id=req.workload_id,
+            idempotency_key_sha256=key_sha,
+            capability=req.capability,
+            alias=alias,
+            model=req.model,
+            priority=req.priority,
+            accepted_at=accepted_at,
+        )
+        # Claimed before the store write, so a concurrent duplicate is refused meanwhile.
+        self._active[by_id] = self._active_keys[by_key] = active
+        row = st.WorkloadRow(
+            tenant=tenant,
+            workload_id=req.workload_id,
+            idempotency_key_sha256=key_sha,
+            key_id=key_id,
+            capability=req.capability,
+            alias=alias,
+            state=WorkloadState.QUEUED,
+            model=req.model,
+            priority=req.priority,
+            accepted_at=accepted_at,
+        )
+        try:
+            await self._store.run(st.insert_workload, row)
+        except BaseException:
+            self._forget(active)
+            raise
+        return active
+
+    def get_active(self, tenant: TenantId, workload_id: str) -> ActiveWorkload | None:
+        return self._active.get((tenant, workload_id))
+
+    def _forget(self, active: ActiveWorkload) -> None:
+        self._active.pop((active.tenant, active.workload_id), None)
+        self._active_keys.pop((active.tenant, active.idempotency_key_sha256), None)
+
+    async def finish(self, active: ActiveWorkload, receipt: Receipt) -> SignedReceipt:
+        """Sign the receipt and record it with the terminal state, in one transaction; no longer active.
+
+        The receipt must be this workload's and terminal (ValueError otherwise: a gateway bug).
+        """
+        if (receipt.tenant, receipt.workload_id) != (active.tenant, active.workload_id) or not receipt.state.terminal:
+            raise ValueError("the receipt does not finish this workload")
+        signed = sign_receipt(self._key, receipt)
+        try:
+            await self._store.run(st.finish_workloads, [signed])
+        finally:
+            # Even if the store failed: an active entry that never ends would block the id forever.
+            self._forget(active)
+        active.state = receipt.state
+        return signed
+
+    async def status(self, tenant: TenantId, workload_id: str) -> WorkloadView:
+        """Live state while active, else the stored record. NotFound for ids this tenant never used."""
+        active = self._active.get((tenant, workload_id))
+        if active is not None:
+            return active.view()
+        row = await self._store.run(st.get_workload, tenant, workload_id)
+        if row is None:
+            raise NotFound(f"no workload {workload_id}")
+        receipt = row.receipt.receipt if row.receipt is not None else None
+        return WorkloadView(
+            version=API_VERSION,
+            workload_id=row.workload_id,
+            state=row.state,
+            model=row.model,
+            priority=row.priority,
+            accepted_at=row.accepted_at,
+            finished_at=row.finished_at,
+            error=row.error,
+            usage=(
+                Usage(prompt_tokens=receipt.prompt_tokens, completion_tokens=receipt.completion_tokens)
+                if receipt is not None
+                else None
+            ),
+            receipt=row.receipt,
+        )
+
+    async def cancel(self, tenant: TenantId, workload_id: str) -> None:
+        """Cancel an active workload's scope. Conflict when it finished already; NotFound when unknown.
+
+        Async: telling "finished" from "never existed" reads the store.
+        """
+        active = self._active.get((tenant, workload_id))
+        if active is not None:
+            active.cancel_requested = True
+            active.scope.cancel()
+            return
+        row = await self._store.run(st.get_workload, tenant, workload_id)
+        if row is None:
+            raise NotFound(f"no workload {workload_id}")
+        # Only a finished row can be inactive (unfinished ones are failed at load).
+        raise Conflict(f"workload {workload_id} has finished already ({row.state.value})")
+
+    async def receipt(self, tenant: TenantId, workload_id: str) -> SignedReceipt:
+        """The signed receipt of a finished workload. NotFound while it runs or for unknown ids."""
+        if (tenant, workload_id) in self._active:
+            raise NotFound(f"workload {workload_id} has not finished yet; its receipt comes when it does")
+        row = await self._store.run(st.get_workload, tenant, workload_id)
+        if row is None or row.receipt is None:
+            raise NotFound(f"no receipt for workload {workload_id}")
+        return row.receipt
+
+    def active_count(self) -> int:
+        return len(self._active)

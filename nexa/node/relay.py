@@ -1,0 +1,413 @@
+"""The node's inference relay: `infer` frames from the controller → the local runtime over loopback
+HTTP → `chunk` frames and exactly one `end` back.
+
+One task per request, owned by `run`'s nursery, and one shared httpx client (a keep-alive pool
+to the runtimes on 127.0.0.1). Output goes back in chunks of at most `max_chunk_bytes`, never
+more than the request's window ahead of the credit the controller returned: a slow client stops
+only its own request, and the runtime feels it as TCP backpressure. A streamed chunk holds whole
+SSE events (only an event larger than `max_chunk_bytes` is split). `cancel` cancels the request's
+task, which closes its HTTP connection so the runtime sees the client go away. Never logs bodies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import types
+from collections.abc import Callable, Mapping
+from typing import Final, NoReturn, Protocol
+
+import attrs
+import httpx
+import trio
+
+from nexa.config import RelayConfig
+from nexa.contracts import codec, wire
+from nexa.errors import ChannelError, ContractError
+
+log = logging.getLogger(__name__)
+
+#: Most bytes of a runtime's error answer read (for its message).
+ERROR_BODY_LIMIT: Final = 64 * 1024
+#: Unary answers larger than this are forwarded without reading their usage.
+USAGE_PARSE_LIMIT: Final = 4 * 1024 * 1024
+#: Longest runtime error message passed on to the client.
+_MESSAGE_CHARS: Final = 2000
+#: How long an `end` may wait for room in the channel's outbox (no connection): after that the
+#: controller has ended the stream on its own deadline, so the end is not worth a task.
+_END_SEND_TIMEOUT_S: Final = 10.0
+
+# The runtime's path: a plain absolute path, so the URL always names 127.0.0.1.
+_PATH: Final = re.compile(r"/[A-Za-z0-9/_.\-]*")
+# A stream event that carries output text (a non-empty `content` or `text` string).
+_CONTENT: Final = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
+_NULL_USAGE: Final = (b'"usage":null', b'"usage": null')
+
+Code = str
+RUNTIME_UNAVAILABLE: Final[Code] = "runtime_unavailable"
+RUNTIME_ERROR: Final[Code] = "runtime_error"
+RUNTIME_REJECTED: Final[Code] = "runtime_rejected"
+DEADLINE_EXCEEDED: Final[Code] = "deadline_exceeded"
+NODE_BUSY: Final[Code] = "node_busy"
+INVALID_REQUEST: Final[Code] = "invalid_request"
+CANCELLED: Final[Code] = "cancelled"
+
+
+class DataUplink(Protocol):
+    """What the relay needs of the channel to the controller (`nexa.messaging.Uplink`)."""
+
+    async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class NodeRelayStatistics:
+    """A snapshot of the node's relay (trio's `statistics()` convention)."""
+
+    inflight: int
+    accepted: int
+    #: Ends sent, by status (ok, error, cancelled), and refusals with `node_busy`.
+    completed: int
+    failed: int
+    cancelled: int
+    busy: int
+    chunks_sent: int
+    bytes_sent: int
+    #: Open requests waiting for the controller's credit.
+    waiting_for_credit: int
+    #: Chunks each open request has sent beyond its credit (never above its window).
+    unacknowledged: Mapping[str, int]
+    #: Frames for no open request, duplicate or unreadable ones.
+    dropped_frames: int
+
+
+@attrs.define(eq=False)
+class _Request:
+    request_id: str
+    head: wire.InferHead
+    body: bytes
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    #: Chunks it may have sent in all: the window plus every credit since.
+    allowed: int = 0
+    sent: int = 0
+    credited: trio.Event = attrs.field(factory=trio.Event)
+    waiting: bool = False
+    #: The runtime answered (status line received).
+    responded: bool = False
+    http_status: int | None = None
+
+
+@attrs.define
+class _Usage:
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    content_events: int = 0
+
+    def take(self, obj: object) -> None:
+        usage = obj.get("usage") if isinstance(obj, dict) else None
+        if isinstance(usage, dict):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            if isinstance(prompt, int):
+                self.prompt_tokens = prompt
+            if isinstance(completion, int):
+                self.completion_tokens = completion
+
+
+class NodeRelay:
+    """Runs the controller's inference requests against this node's runtimes.
+
+    `endpoint(assignment_id)` gives the loopback port of a Ready runtime, or None. `deliver` is
+    called by the agent's receive loop for every data frame and never blocks.
+    """
+
+    def __init__(
+        self, cfg: RelayConfig, send: DataUplink, endpoint: Callable[[str], int | None], *, host: str = "127.0.0.1"
+    ) -> None:
+        self._cfg = cfg
+        self._host = host
+        self._uplink = send
+        self._endpoint = endpoint
+        self._requests: dict[str, _Request] = {}
+        self._client: httpx.AsyncClient | None = None
+        self._nursery: trio.Nursery | None = None
+        self._accepted = self._completed = self._failed = self._cancelled = self._busy = 0
+        self._chunks_sent = self._bytes_sent = self._dropped = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        """Own the HTTP client and the request tasks until cancelled."""
+        cfg = self._cfg
+        # No read timeout: the request's deadline bounds the whole call. trust_env off: a proxy
+        # from the environment must never sit between the node and its loopback runtimes.
+        timeout = httpx.Timeout(None, connect=float(cfg.connect_timeout_s))
+        limits = httpx.Limits(max_connections=cfg.max_inflight, max_keepalive_connections=min(cfg.max_inflight, 128))
+        try:
+            async with (
+                httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client,
+                trio.open_nursery() as nursery,
+            ):
+                self._client, self._nursery = client, nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._client = self._nursery = None
+            self._requests.clear()
+
+    def deliver(self, frame: wire.DataFrame) -> None:
+        """Act on one data frame from the controller: `infer`, `cancel` or `credit`. Never blocks."""
+        if frame.kind == wire.INFER:
+            self._infer(frame)
+            return
+        req = self._requests.get(frame.request_id)
+        if req is None:
+            self._dropped += 1  # already ended (its end crossed the cancel), or never ours
+            return
+        if frame.kind == wire.CANCEL:
+            req.scope.cancel()
+        elif frame.kind == wire.CREDIT:
+            try:
+                credit = codec.loads(codec.wire, frame.head, wire.CreditHead)
+            except ContractError:
+                self._dropped += 1
+                return
+            if credit.chunks > 0:
+                req.allowed += credit.chunks
+                req.credited.set()
+        else:
+            self._dropped += 1
+
+    def statistics(self) -> NodeRelayStatistics:
+        reqs = self._requests.values()
+        return NodeRelayStatistics(
+            inflight=len(self._requests),
+            accepted=self._accepted,
+            completed=self._completed,
+            failed=self._failed,
+            cancelled=self._cancelled,
+            busy=self._busy,
+            chunks_sent=self._chunks_sent,
+            bytes_sent=self._bytes_sent,
+            waiting_for_credit=sum(1 for r in reqs if r.waiting),
+            unacknowledged=types.MappingProxyType(
+                {r.request_id: r.sent - (r.allowed - max(1, r.head.window)) for r in reqs}
+            ),
+            dropped_frames=self._dropped,
+        )
+
+    # --- one request
+
+    def _infer(self, frame: wire.DataFrame) -> None:
+        nursery = self._nursery
+        if nursery is None or frame.request_id in self._requests:
+            self._dropped += 1
+            return
+        try:
+            head: wire.InferHead | None = codec.loads(codec.wire, frame.head, wire.InferHead)
+        except ContractError:
+            head = None
+        # The request id becomes an HTTP header value: printable ASCII only.
+        if head is None or not (frame.request_id.isascii() and frame.request_id.isprintable()):
+            self._dropped += 1
+            nursery.start_soon(self._send_end, frame.request_id, _error(INVALID_REQUEST))
+            return
+        if len(self._requests) >= self._cfg.max_inflight:
+            self._busy += 1
+            nursery.start_soon(self._send_end, frame.request_id, _error(NODE_BUSY))
+            return
+        self._accepted += 1
+        req = _Request(request_id=frame.request_id, head=head, body=frame.body, allowed=max(1, head.window))
+        self._requests[req.request_id] = req
+        nursery.start_soon(self._serve, req)
+
+    async def _serve(self, req: _Request) -> None:
+        started = trio.current_time()
+        head = req.head
+        end = _error(CANCELLED)
+        try:
+            with req.scope:
+                with trio.move_on_at(started + head.deadline_at - time.time()) as timer:
+                    end = await self._call(req)
+                if timer.cancelled_caught:
+                    end = _error(DEADLINE_EXCEEDED, http_status=req.http_status)
+            if req.scope.cancelled_caught:
+                end = wire.EndHead(status=wire.EndStatus.CANCELLED, code=CANCELLED, http_status=req.http_status)
+        finally:
+            del self._requests[req.request_id]
+        end = attrs.evolve(end, first_byte_sent=req.sent > 0, runtime_ms=(trio.current_time() - started) * 1000)
+        await self._send_end(req.request_id, end)
+
+    async def _call(self, req: _Request) -> wire.EndHead:
+        head = req.head
+        if not _PATH.fullmatch(head.path):
+            return _error(INVALID_REQUEST, message="the runtime path is not a plain absolute path")
+        port = self._endpoint(head.assignment_id)
+        if port is None:
+            return _error(RUNTIME_UNAVAILABLE)
+        client = self._client
+        assert client is not None  # set while run() serves, which owns this task
+        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id, "Accept-Encoding": "identity"}
+        usage = _Usage()
+        try:
+            async with client.stream(
+                "POST", f"http://{self._host}:{port}{head.path}", content=req.body, headers=headers
+            ) as resp:
+                req.responded, req.http_status = True, resp.status_code
+                if resp.status_code >= 400:
+                    return await _runtime_failed(resp)
+                if head.stream:
+                    await self._forward_events(req, resp, usage)
+                else:
+                    await self._forward_body(req, resp, usage)
+        except httpx.HTTPError:
+            # Refused or reset before an answer: nothing ran. After it: the runtime broke the stream.
+            return _error(RUNTIME_ERROR if req.responded else RUNTIME_UNAVAILABLE, http_status=req.http_status)
+        completion = usage.completion_tokens
+        if completion is None and head.stream:
+            completion = usage.content_events  # no usage from the runtime: count the output events
+        return wire.EndHead(
+            status=wire.EndStatus.OK,
+            http_status=req.http_status,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=completion,
+        )
+
+    async def _forward_events(self, req: _Request, resp: httpx.Response, usage: _Usage) -> None:
+        """SSE: whole events, coalesced as they are available; read the usage, maybe drop its event."""
+        strip = req.head.strip_usage_chunk
+        rest = b""
+        limit = int(self._cfg.max_chunk_bytes)
+        async for data in resp.aiter_bytes():
+            events, rest = _split_events(rest + data)
+            if len(rest) > limit:
+                # An event longer than a chunk: pass it on in pieces rather than hold it all.
+                events.append(rest)
+                rest = b""
+            keep = []
+            for event in events:
+                if b'"usage"' in event and not any(null in event for null in _NULL_USAGE):
+                    obj = _event_json(event)
+                    usage.take(obj)
+                    if strip and isinstance(obj, dict) and obj.get("choices") == []:
+                        continue  # the usage-only event the client did not ask for
+                if _CONTENT.search(event):
+                    usage.content_events += 1
+                keep.append(event)
+            await self._send_coalesced(req, keep)
+        if rest:
+            await self._send_coalesced(req, [rest])  # a last event without its blank line
+
+    async def _forward_body(self, req: _Request, resp: httpx.Response, usage: _Usage) -> None:
+        """Unary: the body in chunks of at most max_chunk_bytes; usage from the whole body."""
+        limit = int(self._cfg.max_chunk_bytes)
+        whole: bytearray | None = bytearray()
+        piece = bytearray()
+        async for data in resp.aiter_bytes():
+            if whole is not None and len(whole) + len(data) <= USAGE_PARSE_LIMIT:
+                whole += data
+            else:
+                whole = None  # too large to parse for usage
+            piece += data
+            while len(piece) >= limit:
+                await self._send_chunk(req, bytes(piece[:limit]))
+                del piece[:limit]
+        if piece:
+            await self._send_chunk(req, bytes(piece))
+        if whole:
+            usage.take(_json(whole))
+
+    async def _send_coalesced(self, req: _Request, events: list[bytes]) -> None:
+        limit = int(self._cfg.max_chunk_bytes)
+        frame = bytearray()
+        for event in events:
+            if frame and len(frame) + len(event) > limit:
+                await self._send_chunk(req, bytes(frame))
+                frame.clear()
+            rest = event
+            while len(rest) > limit:  # one event above the limit: split (frame is empty here)
+                await self._send_chunk(req, rest[:limit])
+                rest = rest[limit:]
+            frame += rest
+        if frame:
+            await self._send_chunk(req, bytes(frame))
+
+    async def _send_chunk(self, req: _Request, data: bytes) -> None:
+        while req.sent >= req.allowed:  # the window is used up: wait for the controller's credit
+            req.waiting = True
+            try:
+                await req.credited.wait()
+            finally:
+                req.waiting = False
+            req.credited = trio.Event()
+        await self._uplink.send_data(wire.CHUNK, req.request_id, b"", data)
+        req.sent += 1
+        self._chunks_sent += 1
+        self._bytes_sent += len(data)
+
+    async def _send_end(self, request_id: str, end: wire.EndHead) -> None:
+        if end.status is wire.EndStatus.OK:
+            self._completed += 1
+        elif end.status is wire.EndStatus.CANCELLED:
+            self._cancelled += 1
+        else:
+            self._failed += 1
+            log.debug("request %s ended: %s (runtime status %s)", request_id, end.code, end.http_status)
+        with trio.move_on_after(_END_SEND_TIMEOUT_S):
+            try:
+                await self._uplink.send_data(wire.END, request_id, codec.dumps(codec.wire, end).encode(), b"")
+            except ChannelError:
+                log.warning("could not send the end of request %s: the channel is closed", request_id)
+
+
+def _error(code: Code, *, http_status: int | None = None, message: str = "") -> wire.EndHead:
+    return wire.EndHead(status=wire.EndStatus.ERROR, code=code, http_status=http_status, message=message)
+
+
+async def _runtime_failed(resp: httpx.Response) -> wire.EndHead:
+    """A 4xx (rejected, with the runtime's own message) or 5xx (failed) answer; reads at most 64 KiB."""
+    body = bytearray()
+    async for data in resp.aiter_bytes():
+        body += data
+        if len(body) >= ERROR_BODY_LIMIT:
+            break
+    if resp.status_code >= 500:
+        return _error(RUNTIME_ERROR, http_status=resp.status_code)
+    return _error(RUNTIME_REJECTED, http_status=resp.status_code, message=_error_message(bytes(body)))
+
+
+def _error_message(body: bytes) -> str:
+    """`error.message` of an OpenAI-shaped error body (or vLLM's older flat form); "" otherwise."""
+    obj = _json(body)
+    if not isinstance(obj, dict):
+        return ""
+    error = obj.get("error")
+    message = error.get("message") if isinstance(error, dict) else obj.get("message")
+    return message[:_MESSAGE_CHARS] if isinstance(message, str) else ""
+
+
+def _split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events (each with its blank line) and the incomplete rest. Bytes only."""
+    events = []
+    start = 0
+    crlf = b"\r" in buf
+    while True:
+        lf = buf.find(b"\n\n", start)
+        cr = buf.find(b"\n\r\n", start) if crlf else -1
+        if lf < 0 and cr < 0:
+            break
+        end = (lf + 2) if cr < 0 or (0 <= lf < cr) else (cr + 3)
+        events.append(buf[start:end])
+        start = end
+    return events, buf[start:]
+
+
+def _event_json(event: bytes) -> object:
+    """The JSON of an event's data lines, or None."""
+    data = [line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")]
+    return _json(b"\n".join(data))
+
+
+def _json(raw: bytes | bytearray) -> object:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None

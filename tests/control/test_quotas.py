@@ -1,0 +1,198 @@
+"""Tenant quotas on a real store: each limit refuses with its name and a Retry-After, windows slide,
+counters are rebuilt from flushed usage after a restart, and changes are audited."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from nexa.config import GatewayConfig
+from nexa.contracts.api import TenantCreate
+from nexa.contracts.domain import KeyId, Role, TenantId
+from nexa.contracts.gateway import Api, Capability, QuotaLimits, UsageRecord
+from nexa.control import store as st
+from nexa.control.metering import Meter
+from nexa.control.quotas import Quotas
+from nexa.control.registry import Actor, Registry
+from nexa.errors import ContractError, NotFound, QuotaExceeded
+from nexa.telemetry import Metrics
+
+ADMIN = Actor(key_id=KeyId("adm"), role=Role.ADMIN)
+ACME = TenantId("acme")
+OTHER = TenantId("other")
+#: 2023-11-14 22:13:20 UTC: far enough from midnight for minute tests.
+T0 = 1_700_000_000.0
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[st.Store]:
+    async with st.open_store(tmp_path / "state") as opened:
+        registry = await Registry.load(opened, Metrics())
+        for tenant in (ACME, OTHER):
+            await registry.create_tenant(ADMIN, TenantCreate(id=tenant))
+        yield opened
+
+
+def exists(tenant: TenantId) -> bool:
+    return tenant in {ACME, OTHER}
+
+
+async def quotas_with(store: st.Store, limits: QuotaLimits, *, now: float = T0) -> Quotas:
+    quotas = await Quotas.load(store, Metrics(), exists, now=now)
+    await quotas.set(ADMIN, ACME, limits)
+    return quotas
+
+
+def usage(tenant: TenantId, finished_at: float, tokens: int, status: str = "ok") -> UsageRecord:
+    return UsageRecord(
+        request_id=f"r{finished_at}",
+        workload_id=None,
+        api=Api.OPENAI,
+        tenant=tenant,
+        key_id=KeyId("k1"),
+        capability=Capability.CHAT,
+        alias="chat",
+        model="llama",
+        model_version="1",
+        deployment="d1",
+        node_id="n1",
+        status=status,
+        prompt_tokens=tokens // 2,
+        completion_tokens=tokens - tokens // 2,
+        queue_ms=0.0,
+        ttft_ms=5.0,
+        duration_ms=10.0,
+        finished_at=finished_at,
+    )
+
+
+async def test_a_tenant_without_a_quota_record_has_no_limits(store: st.Store) -> None:
+    quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+    tickets = [quotas.admit(ACME, T0) for _ in range(1000)]
+    for ticket in tickets:
+        quotas.finish(ticket, 10_000, T0)
+    assert quotas.view(ACME, T0).use.tokens_today == 10_000_000
+
+
+async def test_concurrent_requests_refuse_until_one_finishes(store: st.Store) -> None:
+    quotas = await quotas_with(store, QuotaLimits(concurrent_requests=2))
+    first, _ = quotas.admit(ACME, T0), quotas.admit(ACME, T0)
+    with pytest.raises(QuotaExceeded) as refused:
+        quotas.admit(ACME, T0)
+    assert refused.value.limit == "concurrent"
+    assert refused.value.retry_after_s >= 1
+    assert quotas.admit(OTHER, T0)  # another tenant is not affected
+    quotas.finish(first, 0, T0)
+    quotas.finish(first, 0, T0)  # idempotent: releases one slot only
+    assert quotas.view(ACME, T0).use.concurrent_requests == 1
+    quotas.admit(ACME, T0)
+    with pytest.raises(QuotaExceeded):
+        quotas.admit(ACME, T0)
+
+
+async def test_requests_per_minute_slide_and_say_when_they_free_up(store: st.Store) -> None:
+    quotas = await quotas_with(store, QuotaLimits(requests_per_minute=3))
+    for at in (T0, T0 + 10, T0 + 20):
+        quotas.finish(quotas.admit(ACME, at), 0, at)
+    with pytest.raises(QuotaExceeded) as refused:
+        quotas.admit(ACME, T0 + 30)
+    assert refused.value.limit == "requests_per_minute"
+    # The request at T0 leaves the window 60-61 s later: about 31 s from T0 + 30.
+    assert 30 <= refused.value.retry_after_s <= 32
+    with pytest.raises(QuotaExceeded):
+        quotas.admit(ACME, T0 + 59.9)
+    quotas.admit(ACME, T0 + refused.value.retry_after_s + 30)
+    assert quotas.view(ACME, T0 + 62).use.requests_last_minute == 3
+
+
+async def test_tokens_per_minute_count_finished_tokens(store: st.Store) -> None:
+    quotas = await quotas_with(store, QuotaLimits(tokens_per_minute=1000))
+    quotas.finish(quotas.admit(ACME, T0), 600, T0 + 1)
+    quotas.finish(quotas.admit(ACME, T0 + 5), 500, T0 + 6)
+    with pytest.raises(QuotaExceeded) as refused:
+        quotas.admit(ACME, T0 + 10)
+    assert refused.value.limit == "tokens_per_minute"
+    # Below the limit once the 600 at T0 + 1 leave: 52-53 s after T0 + 10.
+    assert 51 <= refused.value.retry_after_s <= 53
+    quotas.admit(ACME, T0 + 10 + refused.value.retry_after_s)
+    assert quotas.view(ACME, T0 + 63).use.tokens_last_minute == 500
+
+
+async def test_tokens_per_day_reset_at_utc_midnight(store: st.Store) -> None:
+    midnight = (T0 // 86_400 + 1) * 86_400
+    quotas = await quotas_with(store, QuotaLimits(tokens_per_day=5000), now=midnight - 3600)
+    quotas.finish(quotas.admit(ACME, midnight - 3600), 5000, midnight - 3500)
+    with pytest.raises(QuotaExceeded) as refused:
+        quotas.admit(ACME, midnight - 100)
+    assert refused.value.limit == "tokens_per_day"
+    assert refused.value.retry_after_s == 100
+    quotas.admit(ACME, midnight + 1)
+    assert quotas.view(ACME, midnight + 1).use.tokens_today == 0
+
+
+async def test_refusal_counts_nothing_and_is_metered(store: st.Store) -> None:
+    metrics = Metrics()
+    quotas = await Quotas.load(store, metrics, exists, now=T0)
+    await quotas.set(ADMIN, ACME, QuotaLimits(requests_per_minute=1))
+    quotas.admit(ACME, T0)
+    for _ in range(3):
+        with pytest.raises(QuotaExceeded):
+            quotas.admit(ACME, T0)
+    use = quotas.view(ACME, T0).use
+    assert (use.concurrent_requests, use.requests_last_minute) == (1, 1)
+    assert metrics.registry.get_sample_value("nexa_gateway_quota_refusals_total", {"limit": "requests_per_minute"}) == 3
+
+
+async def test_counters_are_rebuilt_from_flushed_usage_after_a_restart(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    async with st.open_store(state) as store:
+        registry = await Registry.load(store, Metrics())
+        await registry.create_tenant(ADMIN, TenantCreate(id=ACME))
+        quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+        await quotas.set(ADMIN, ACME, QuotaLimits(requests_per_minute=3, tokens_per_day=10_000))
+        meter = Meter(GatewayConfig(), store, Metrics())
+        meter.record(usage(ACME, T0 - 7200, 4000))  # earlier today: counts for the day only
+        meter.record(usage(ACME, T0 - 30, 3000))
+        meter.record(usage(ACME, T0 - 20, 3000))
+        meter.record(usage(ACME, T0 - 10, 0, status="quota_exceeded"))  # refused: not a request
+        meter.record(usage(OTHER, T0 - 10, 50))
+        assert await meter.flush() == 5
+    async with st.open_store(state) as store:
+        quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+        view = quotas.view(ACME, T0)
+        assert view.limits == QuotaLimits(requests_per_minute=3, tokens_per_day=10_000)
+        assert view.use.requests_last_minute == 2
+        assert view.use.tokens_last_minute == 6000
+        assert view.use.tokens_today == 10_000
+        assert view.use.concurrent_requests == 0
+        with pytest.raises(QuotaExceeded) as refused:
+            quotas.admit(ACME, T0)
+        assert refused.value.limit == "tokens_per_day"
+        assert quotas.view(OTHER, T0).use.tokens_today == 50
+
+
+async def test_set_is_audited_and_bad_input_changes_nothing(store: st.Store) -> None:
+    quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+    view = await quotas.set(ADMIN, ACME, QuotaLimits(concurrent_requests=4, tokens_per_day=100))
+    assert view.limits.concurrent_requests == 4
+    assert view.updated_by == "adm"
+    for bad in (QuotaLimits(concurrent_requests=0), QuotaLimits(tokens_per_minute=-5)):
+        with pytest.raises(ContractError):
+            await quotas.set(ADMIN, ACME, bad)
+    with pytest.raises(NotFound):
+        await quotas.set(ADMIN, TenantId("nobody"), QuotaLimits(concurrent_requests=1))
+    with pytest.raises(NotFound):
+        quotas.view(TenantId("nobody"), T0)
+    events = await store.run(st.list_audit, st.AuditQuery(action="quota.set"))
+    assert [(e.target, e.actor_key_id, e.prior_sha256) for e in events] == [("tenant/acme", "adm", None)]
+    assert "concurrent_requests=4" in events[0].detail
+    assert (await store.run(st.verify_audit)).ok
+    # Nothing changed by the refusals, in memory or in the store.
+    assert quotas.view(ACME, T0).limits == QuotaLimits(concurrent_requests=4, tokens_per_day=100)
+    reloaded = await Quotas.load(store, Metrics(), exists, now=T0)
+    assert reloaded.view(ACME, T0).limits == QuotaLimits(concurrent_requests=4, tokens_per_day=100)
+    await quotas.set(ADMIN, ACME, QuotaLimits())
+    assert [v.tenant for v in quotas.all(T0).quotas] == [ACME]
+    assert quotas.all(T0).quotas[0].limits == QuotaLimits()

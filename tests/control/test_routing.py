@@ -1,0 +1,134 @@
+"""Replica choice: least outstanding, rotation on ties, exclusion, a deterministic canary share,
+prefix affinity that sticks and yields past its slack."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import attrs
+import hypothesis
+import hypothesis.strategies as hs
+
+from nexa.config import GatewayConfig
+from nexa.contracts.deployments import ServingReplica, ServingSet
+from nexa.contracts.models import ModelRef
+from nexa.control.routing import Router
+
+STABLE = ModelRef(model="llama", version="1")
+CANARY = ModelRef(model="llama", version="2")
+
+
+def replicas(n: int, *, canary: int = 0) -> ServingSet:
+    stable = [ServingReplica(replica_id=f"s{i}", node_id=f"n{i}", deployment="chat", model=STABLE) for i in range(n)]
+    canaries = [
+        ServingReplica(replica_id=f"c{i}", node_id=f"m{i}", deployment="chat", model=CANARY, canary=True)
+        for i in range(canary)
+    ]
+    return ServingSet(model=STABLE, replicas=stable + canaries, deployments=["chat"])
+
+
+def test_least_outstanding_wins() -> None:
+    router = Router(GatewayConfig())
+    serving = replicas(3)
+    for _ in range(3):
+        router.acquire("s0")
+    router.acquire("s1")
+    assert router.choose(serving, prefix=None).replica_id == "s2"  # type: ignore[union-attr]
+    router.acquire("s2")
+    router.acquire("s2")
+    assert router.choose(serving, prefix=None).replica_id == "s1"  # type: ignore[union-attr]
+    for _ in range(3):
+        router.release("s0")
+    router.release("s0")  # never below zero
+    assert router.outstanding("s0") == 0
+    assert router.choose(serving, prefix=None).replica_id == "s0"  # type: ignore[union-attr]
+
+
+def test_ties_are_taken_in_turn() -> None:
+    router = Router(GatewayConfig())
+    serving = replicas(3)
+    chosen = [router.choose(serving, prefix=None).replica_id for _ in range(9)]  # type: ignore[union-attr]
+    assert Counter(chosen) == {"s0": 3, "s1": 3, "s2": 3}
+    assert chosen[:3] == ["s0", "s1", "s2"]
+
+
+def test_excluded_replicas_are_skipped_until_none_is_left() -> None:
+    router = Router(GatewayConfig())
+    serving = replicas(2, canary=1)
+    tried: list[str] = []
+    for _ in range(3):
+        replica = router.choose(serving, prefix=None, exclude=tried)
+        assert replica is not None and replica.replica_id not in tried
+        tried.append(replica.replica_id)
+    assert sorted(tried) == ["c0", "s0", "s1"]
+    assert router.choose(serving, prefix=None, exclude=tried) is None
+    assert router.choose(ServingSet(model=STABLE, replicas=[]), prefix=None) is None
+
+
+def test_canary_share_is_deterministic_and_exact() -> None:
+    router = Router(GatewayConfig())
+    for weight in (0.1, 0.05, 0.25, 0.5):
+        serving = attrs.evolve(replicas(3, canary=1), canary_weight=weight)
+        picks = [router.choose(serving, prefix=None).canary for _ in range(1000)]  # type: ignore[union-attr]
+        assert abs(sum(picks) / 1000 - weight) <= 0.01, weight
+        # Smooth: every block of 100 gets its share, not a burst.
+        assert abs(sum(picks[:100]) - weight * 100) <= 1
+    first_hundred = attrs.evolve(replicas(3, canary=1), canary_weight=0.1, deployments=["other"])
+    assert sum(router.choose(first_hundred, prefix=None).canary for _ in range(100)) == 10  # type: ignore[union-attr]
+
+
+def test_canary_gets_everything_when_stable_is_excluded_and_nothing_at_weight_zero() -> None:
+    router = Router(GatewayConfig())
+    serving = replicas(2, canary=1)
+    assert all(not router.choose(serving, prefix=None).canary for _ in range(50))  # type: ignore[union-attr]
+    only_canary = router.choose(attrs.evolve(serving, canary_weight=0.1), prefix=None, exclude=["s0", "s1"])
+    assert only_canary is not None and only_canary.canary
+
+
+def test_prefix_affinity_sticks_and_yields_past_the_slack() -> None:
+    router = Router(GatewayConfig(affinity_slack=2))
+    serving = replicas(4)
+    home = router.choose(serving, prefix="You are a helpful assistant.")
+    assert home is not None
+    for _ in range(20):
+        assert router.choose(serving, prefix="You are a helpful assistant.") == home
+    # Load the home replica up to the slack: it still keeps its prefix.
+    router.acquire(home.replica_id)
+    router.acquire(home.replica_id)
+    assert router.choose(serving, prefix="You are a helpful assistant.") == home
+    router.acquire(home.replica_id)  # 3 > 0 + 2: yields to the least loaded
+    moved = router.choose(serving, prefix="You are a helpful assistant.")
+    assert moved is not None and moved != home
+    # Different prefixes spread over the replicas.
+    homes = {router.choose(serving, prefix=f"system prompt {i}").replica_id for i in range(200)}  # type: ignore[union-attr]
+    assert len(homes) >= 3
+
+
+def test_affinity_off_ignores_the_prefix() -> None:
+    router = Router(GatewayConfig(prefix_affinity=False))
+    serving = replicas(3)
+    chosen = {router.choose(serving, prefix="same").replica_id for _ in range(3)}  # type: ignore[union-attr]
+    assert chosen == {"s0", "s1", "s2"}
+
+
+@hypothesis.given(
+    n=hs.integers(min_value=1, max_value=6),
+    loads=hs.lists(hs.integers(min_value=0, max_value=20), min_size=6, max_size=6),
+    excluded=hs.sets(hs.integers(min_value=0, max_value=5)),
+)
+def test_property_without_affinity_the_choice_is_a_least_loaded_candidate(
+    n: int, loads: list[int], excluded: set[int]
+) -> None:
+    router = Router(GatewayConfig(prefix_affinity=False))
+    serving = replicas(n)
+    for i in range(n):
+        for _ in range(loads[i]):
+            router.acquire(f"s{i}")
+    exclude = {f"s{i}" for i in excluded}
+    left = [f"s{i}" for i in range(n) if f"s{i}" not in exclude]
+    chosen = router.choose(serving, prefix=None, exclude=exclude)
+    if not left:
+        assert chosen is None
+    else:
+        assert chosen is not None and chosen.replica_id in left
+        assert router.outstanding(chosen.replica_id) == min(router.outstanding(r) for r in left)

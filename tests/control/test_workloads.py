@@ -1,0 +1,245 @@
+"""Canonical workloads on a real store: idempotent receipts, one active run per id and key,
+single-use ids, status/cancel/receipt, tenant isolation, restart recovery, receipt signatures."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.gateway import (
+    API_VERSION,
+    Capability,
+    Receipt,
+    WorkloadCreate,
+    WorkloadState,
+)
+from nexa.control import store as st
+from nexa.control.workloads import RESTARTED, ActiveWorkload, Workloads, new_receipt_id
+from nexa.errors import BadSignature, Conflict, NotFound, WorkloadAlreadyActive
+from nexa.security import SigningKey, generate_signing_key, verify_receipt
+
+ACME, BETA = TenantId("acme"), TenantId("beta")
+KEY = KeyId("k1")
+
+
+@pytest.fixture
+def signer() -> SigningKey:
+    return generate_signing_key()
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[st.Store]:
+    async with st.open_store(tmp_path / "state") as opened:
+        yield opened
+
+
+@pytest.fixture
+async def workloads(store: st.Store, signer: SigningKey) -> Workloads:
+    return await Workloads.load(store, signer, store.epoch)
+
+
+def create(workload_id: str = "w1", key: str = "idem-1") -> WorkloadCreate:
+    return WorkloadCreate(
+        version=API_VERSION,
+        idempotency_key=key,
+        workload_id=workload_id,
+        capability=Capability.CHAT,
+        model="chat",
+        payload={"messages": [{"role": "user", "content": "secret prompt"}]},
+    )
+
+
+def receipt_for(active: ActiveWorkload, state: WorkloadState = WorkloadState.SUCCEEDED, **changes: object) -> Receipt:
+    base = Receipt(
+        receipt_id=new_receipt_id(),
+        workload_id=active.workload_id,
+        idempotency_key_sha256=active.idempotency_key_sha256,
+        tenant=active.tenant,
+        key_id=active.key_id,
+        capability=active.capability,
+        alias=active.alias,
+        model="llama",
+        model_version="1",
+        deployment="chat-prod",
+        node_id="n1",
+        state=state,
+        error=None if state is WorkloadState.SUCCEEDED else "cancelled",
+        prompt_tokens=12,
+        completion_tokens=34,
+        queue_ms=1.5,
+        ttft_ms=20.0,
+        duration_ms=80.0,
+        accepted_at=active.accepted_at,
+        finished_at=active.accepted_at + 0.08,
+        controller_epoch=1,
+    )
+    return attrs.evolve(base, **changes)
+
+
+async def begin(workloads: Workloads, tenant: TenantId = ACME, **kw: str) -> ActiveWorkload:
+    return await workloads.begin(tenant, KEY, create(**kw), alias="chat", accepted_at=time.time())
+
+
+async def test_a_finished_workload_answers_its_key_with_the_stored_receipt(
+    workloads: Workloads, signer: SigningKey
+) -> None:
+    assert await workloads.lookup(ACME, "idem-1") is None
+    active = await begin(workloads)
+    assert await workloads.lookup(ACME, "idem-1") is None  # not finished yet
+    signed = await workloads.finish(active, receipt_for(active))
+    verify_receipt(signer.public, signed)
+    again = await workloads.lookup(ACME, "idem-1")
+    assert again == signed
+    assert await workloads.lookup(BETA, "idem-1") is None  # keys are per tenant
+
+
+async def test_an_active_id_or_key_is_409(workloads: Workloads) -> None:
+    active = await begin(workloads)
+    with pytest.raises(WorkloadAlreadyActive):
+        await begin(workloads, key="idem-2")  # same id
+    with pytest.raises(WorkloadAlreadyActive):
+        await begin(workloads, workload_id="w2")  # same key
+    await workloads.finish(active, receipt_for(active))
+    # Another tenant may use the same id and key at the same time.
+    await begin(workloads, tenant=BETA)
+
+
+async def test_ids_and_keys_of_finished_workloads_are_single_use(workloads: Workloads) -> None:
+    active = await begin(workloads)
+    await workloads.finish(active, receipt_for(active))
+    with pytest.raises(Conflict, match="another idempotency key"):
+        await begin(workloads, key="idem-2")
+    with pytest.raises(Conflict, match="used before for workload w1"):
+        await begin(workloads, workload_id="w2")
+    with pytest.raises(Conflict, match="fetch its receipt"):
+        await begin(workloads)
+    # Refusals leave nothing active behind.
+    assert workloads.active_count() == 0
+    fresh = await begin(workloads, workload_id="w3", key="idem-3")
+    assert fresh.state is WorkloadState.QUEUED
+
+
+async def test_status_follows_the_live_state_then_the_record(workloads: Workloads) -> None:
+    active = await begin(workloads)
+    assert (await workloads.status(ACME, "w1")).state is WorkloadState.QUEUED
+    active.set_state(WorkloadState.STREAMING)
+    view = await workloads.status(ACME, "w1")
+    assert (view.state, view.model, view.receipt, view.usage) == (WorkloadState.STREAMING, "chat", None, None)
+    with pytest.raises(ValueError, match="terminal"):
+        active.set_state(WorkloadState.SUCCEEDED)
+    with pytest.raises(NotFound):
+        await workloads.receipt(ACME, "w1")  # not until finished
+    signed = await workloads.finish(active, receipt_for(active))
+    view = await workloads.status(ACME, "w1")
+    assert view.state is WorkloadState.SUCCEEDED
+    assert view.usage is not None and view.usage.total_tokens == 46
+    assert view.receipt == signed
+    assert view.finished_at == signed.receipt.finished_at
+    assert await workloads.receipt(ACME, "w1") == signed
+    with pytest.raises(NotFound):
+        await workloads.status(ACME, "nope")
+
+
+async def test_cancel_cancels_the_scope_the_work_runs_under(workloads: Workloads, nursery: trio.Nursery) -> None:
+    active = await begin(workloads)
+    finished = trio.Event()
+
+    async def run() -> None:
+        with active.scope:
+            active.set_state(WorkloadState.RUNNING)
+            await trio.sleep_forever()
+        state = WorkloadState.CANCELLED if active.cancel_requested else WorkloadState.FAILED
+        await workloads.finish(active, receipt_for(active, state))
+        finished.set()
+
+    nursery.start_soon(run)
+    await trio.testing.wait_all_tasks_blocked()
+    await workloads.cancel(ACME, "w1")
+    with trio.fail_after(5):
+        await finished.wait()
+    view = await workloads.status(ACME, "w1")
+    assert (view.state, view.error) == (WorkloadState.CANCELLED, "cancelled")
+    with pytest.raises(Conflict, match="finished already"):
+        await workloads.cancel(ACME, "w1")
+    with pytest.raises(NotFound):
+        await workloads.cancel(ACME, "never")
+
+
+async def test_cancel_before_the_work_starts_still_cancels_it(workloads: Workloads) -> None:
+    active = await begin(workloads)
+    await workloads.cancel(ACME, "w1")
+    with active.scope:
+        await trio.sleep_forever()
+    assert active.scope.cancelled_caught and active.cancel_requested
+
+
+async def test_one_tenant_cannot_see_or_touch_anothers_workloads(workloads: Workloads) -> None:
+    active = await begin(workloads)
+    for call in (workloads.status, workloads.cancel, workloads.receipt):
+        with pytest.raises(NotFound):
+            await call(BETA, "w1")
+    assert not active.scope.cancel_called
+    await workloads.finish(active, receipt_for(active))
+    for call in (workloads.status, workloads.cancel, workloads.receipt):
+        with pytest.raises(NotFound):
+            await call(BETA, "w1")
+    assert workloads.get_active(ACME, "w1") is None
+
+
+async def test_a_restart_marks_unfinished_workloads_failed_with_a_signed_receipt(
+    tmp_path: Path, signer: SigningKey
+) -> None:
+    state = tmp_path / "state"
+    async with st.open_store(state) as store:
+        workloads = await Workloads.load(store, signer, store.epoch)
+        done = await begin(workloads, workload_id="done", key="k-done")
+        signed_done = await workloads.finish(done, receipt_for(done))
+        await begin(workloads, workload_id="crashed", key="k-crashed")
+        # The process dies here: "crashed" never finishes.
+    async with st.open_store(state) as store:
+        workloads = await Workloads.load(store, signer, store.epoch)
+        view = await workloads.status(ACME, "crashed")
+        assert (view.state, view.error) == (WorkloadState.FAILED, RESTARTED)
+        receipt = await workloads.receipt(ACME, "crashed")
+        verify_receipt(signer.public, receipt)
+        assert receipt.receipt.controller_epoch == store.epoch == 2
+        assert await workloads.lookup(ACME, "k-crashed") == receipt
+        assert await workloads.receipt(ACME, "done") == signed_done
+        assert workloads.active_count() == 0
+
+
+async def test_a_tampered_receipt_does_not_verify(workloads: Workloads, signer: SigningKey) -> None:
+    active = await begin(workloads)
+    signed = await workloads.finish(active, receipt_for(active))
+    verify_receipt(signer.public, signed)
+    more_tokens = attrs.evolve(signed, receipt=attrs.evolve(signed.receipt, completion_tokens=1))
+    with pytest.raises(BadSignature):
+        verify_receipt(signer.public, more_tokens)
+    with pytest.raises(BadSignature):
+        verify_receipt(generate_signing_key().public, signed)
+
+
+async def test_the_store_never_holds_the_payload(store: st.Store, workloads: Workloads) -> None:
+    active = await begin(workloads)
+    await workloads.finish(active, receipt_for(active))
+
+    def dump(db: object) -> str:
+        return repr(db.execute("SELECT * FROM workload").fetchall())  # type: ignore[attr-defined]
+
+    assert "secret prompt" not in await store.run(dump)
+
+
+async def test_finish_refuses_a_receipt_of_another_workload(workloads: Workloads) -> None:
+    active = await begin(workloads)
+    with pytest.raises(ValueError, match="does not finish"):
+        await workloads.finish(active, receipt_for(active, workload_id="other"))
+    with pytest.raises(ValueError, match="does not finish"):
+        await workloads.finish(active, receipt_for(active, WorkloadState.RUNNING))
+    assert workloads.get_active(ACME, "w1") is active

@@ -1,0 +1,428 @@
+"""`nexa sim-runtime` as a real process on a loopback port, driven with the official `openai` SDK.
+
+Policy: loopback only, port 0 (the process prints the address it bound); every test bounded by
+`trio.fail_after`; timings are asserted only as "not before the time to first token". Streams are
+read with the SDK's sync client in a worker thread: its async stream leaves an async generator
+unfinished after `[DONE]`, which trio reports as a ResourceWarning (an error here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import openai
+import pytest
+import trio
+
+from nexa.simruntime import WORDS
+
+TIMEOUT_S = 20
+MODEL = "sim-model"
+CANARY = "zebra-canary-7f3a"
+
+
+@attrs.define
+class SimProcess:
+    """One `python -m nexa sim-runtime` child and the files it writes."""
+
+    tmp: Path
+    proc: subprocess.Popen[str] | None = None
+    url: str = ""
+
+    @property
+    def journal(self) -> Path:
+        return self.tmp / "journal.jsonl"
+
+    @property
+    def faults(self) -> Path:
+        return self.tmp / "faults.json"
+
+    def start(self, *flags: str) -> SimProcess:
+        argv = [sys.executable, "-m", "nexa", "sim-runtime", "--port", "0", "--model", MODEL]
+        argv += ["--journal", str(self.journal), "--faults", str(self.faults), *flags]
+        env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"}
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert "listening on http://127.0.0.1:" in line, line
+        self.url = line.split("listening on ")[1].split()[0]
+        return self
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=10)
+
+    async def stream(self, create: Callable[[openai.OpenAI], Any], *, timeout_s: float = 10) -> Streamed:
+        """Run `create(client)` (a `stream=True` call) with the sync client in a thread and read it all."""
+        return await trio.to_thread.run_sync(partial(_read_stream, self.url, create, timeout_s))
+
+    def events(self) -> list[dict[str, object]]:
+        if not self.journal.exists():
+            return []
+        return [json.loads(line) for line in self.journal.read_text().splitlines()]
+
+    async def wait_event(self, event: str, rid: str) -> dict[str, object]:
+        while True:
+            for e in self.events():
+                if e["event"] == event and e["id"] == rid:
+                    return e
+            await trio.sleep(0.02)
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=15)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+            assert self.proc.stdout is not None
+            self.proc.stdout.close()
+
+
+@attrs.define
+class Streamed:
+    chunks: list[Any]
+    #: Seconds from the call to each chunk.
+    times: list[float]
+    error: Exception | None = None
+
+    def text(self) -> str:
+        """The streamed text: chat deltas' content, or completions' text."""
+        out = []
+        for chunk in self.chunks:
+            for choice in chunk.choices:
+                out.append((choice.delta.content or "") if chunk.object == "chat.completion.chunk" else choice.text)
+        return "".join(out)
+
+
+def _read_stream(url: str, create: Callable[[openai.OpenAI], Any], timeout_s: float) -> Streamed:
+    out = Streamed(chunks=[], times=[])
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=timeout_s) as client:
+        sent_at = time.monotonic()
+        try:
+            with create(client) as stream:
+                for chunk in stream:
+                    out.times.append(time.monotonic() - sent_at)
+                    out.chunks.append(chunk)
+        except (openai.APIError, httpx.HTTPError) as exc:
+            out.error = exc
+    return out
+
+
+@pytest.fixture
+def sim(tmp_path: Path) -> Iterator[SimProcess]:
+    process = SimProcess(tmp_path)
+    try:
+        yield process
+    finally:
+        if process.proc is not None:
+            process.stop()
+
+
+def chat(content: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
+
+
+# --- refusals ------------------------------------------------------------------------------------
+
+
+def test_refuses_to_start_without_the_simulation_switch() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "NEXA_SIMULATION_ONLY"}
+    argv = [sys.executable, "-m", "nexa", "sim-runtime", "--port", "0"]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert "NEXA_SIMULATION_ONLY=1" in result.stderr
+    assert "listening" not in result.stdout
+    # Set, but not to 1: still refused.
+    result = subprocess.run(
+        argv, env={**env, "NEXA_SIMULATION_ONLY": "yes"}, capture_output=True, text=True, timeout=30, check=False
+    )
+    assert result.returncode == 2
+
+
+def test_refuses_a_non_loopback_host_and_bad_flags() -> None:
+    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"}
+    argv = [sys.executable, "-m", "nexa", "sim-runtime", "--host", "0.0.0.0", "--port", "0", "--tokens-per-s", "0"]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert "loopback" in result.stderr
+    assert "--tokens-per-s" in result.stderr
+
+
+# --- the OpenAI API --------------------------------------------------------------------------------
+
+
+async def test_chat_unary_is_deterministic_and_counts_tokens(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "5", "--tokens-per-s", "1000", "--output-tokens", "8")
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            models = await client.models.list()
+            first = await client.chat.completions.create(model=MODEL, messages=chat("one two three"), max_tokens=5)
+            again = await client.chat.completions.create(model=MODEL, messages=chat("one two three"), max_tokens=5)
+            other = await client.chat.completions.create(model=MODEL, messages=chat("something else"), max_tokens=5)
+            full = await client.chat.completions.create(model=MODEL, messages=chat("one two three"))
+    assert [m.id for m in models.data] == [MODEL]
+    assert first.object == "chat.completion"
+    assert first.model == MODEL
+    text = first.choices[0].message.content
+    assert text is not None
+    assert len(text.split()) == 5
+    assert all(word in WORDS for word in text.split())
+    assert first.choices[0].message.role == "assistant"
+    assert first.choices[0].finish_reason == "length"  # max_tokens cut it short
+    assert again.choices[0].message.content == text  # same prompt, same answer
+    assert other.choices[0].message.content != text
+    assert first.usage is not None
+    # "be brief" + "one two three": five words.
+    assert (first.usage.prompt_tokens, first.usage.completion_tokens, first.usage.total_tokens) == (5, 5, 10)
+    assert full.choices[0].finish_reason == "stop"
+    assert full.usage is not None
+    assert full.usage.completion_tokens == 8
+    assert (full.choices[0].message.content or "").startswith(text)
+
+
+async def test_chat_stream_follows_openai_framing_with_and_without_usage(sim: SimProcess) -> None:
+    ttft_s = 0.3
+    sim.start("--ttft-ms", str(ttft_s * 1000), "--tokens-per-s", "500", "--output-tokens", "6")
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            unary = await client.chat.completions.create(model=MODEL, messages=chat("stream me"))
+            with_usage = await sim.stream(
+                lambda c: c.chat.completions.create(
+                    model=MODEL, messages=chat("stream me"), stream=True, stream_options={"include_usage": True}
+                )
+            )
+            plain = await sim.stream(
+                lambda c: c.chat.completions.create(model=MODEL, messages=chat("stream me"), stream=True)
+            )
+
+    chunks = with_usage.chunks
+    assert with_usage.error is None
+    first_token = next(i for i, c in enumerate(chunks) if c.choices and c.choices[0].delta.content)
+    assert with_usage.times[first_token] >= ttft_s  # never before the time to first token
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert with_usage.text() == unary.choices[0].message.content
+    # The last token chunk is followed by one with the finish reason, then a usage-only chunk.
+    assert chunks[-2].choices[0].finish_reason == "stop"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (4, 6)
+    assert all(c.usage is None for c in chunks[:-1])
+    # Without include_usage there is no usage chunk at all.
+    assert plain.error is None
+    assert all(c.usage is None and c.choices for c in plain.chunks)
+    assert plain.chunks[-1].choices[0].finish_reason == "stop"
+    assert plain.text() == with_usage.text()
+
+
+async def test_completions_unary_and_streamed(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "5", "--tokens-per-s", "1000", "--output-tokens", "4")
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            unary = await client.completions.create(model=MODEL, prompt="complete this please", max_tokens=3)
+            batch = await client.completions.create(model=MODEL, prompt=["first prompt", "second one here"])
+            streamed = await sim.stream(
+                lambda c: c.completions.create(
+                    model=MODEL,
+                    prompt="complete this please",
+                    max_tokens=3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
+    assert unary.object == "text_completion"
+    assert len(unary.choices[0].text.split()) == 3
+    assert unary.choices[0].finish_reason == "length"
+    assert unary.usage is not None
+    assert (unary.usage.prompt_tokens, unary.usage.completion_tokens) == (3, 3)
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text != batch.choices[1].text
+    assert batch.usage is not None
+    assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (5, 8)
+    assert streamed.error is None
+    assert streamed.text() == unary.choices[0].text
+    assert streamed.chunks[-2].choices[0].finish_reason == "length"
+    assert streamed.chunks[-1].choices == []
+    assert streamed.chunks[-1].usage is not None
+    assert streamed.chunks[-1].usage.completion_tokens == 3
+
+
+async def test_embeddings_batch_unit_norm_and_deterministic(sim: SimProcess) -> None:
+    sim.start("--embedding-dim", "64")
+    texts = ["the first text", "a second", "the first text"]
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            as_base64 = await client.embeddings.create(model=MODEL, input=texts)  # the SDK's default encoding
+            as_floats = await client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+            single = await client.embeddings.create(model=MODEL, input="a second", encoding_format="float")
+    assert [d.index for d in as_floats.data] == [0, 1, 2]
+    vectors = [d.embedding for d in as_floats.data]
+    assert all(len(v) == 64 for v in vectors)
+    assert all(abs(math.sqrt(sum(x * x for x in v)) - 1.0) < 1e-9 for v in vectors)
+    assert vectors[0] == vectors[2]
+    assert vectors[0] != vectors[1]
+    assert single.data[0].embedding == vectors[1]
+    for packed, exact in zip(as_base64.data, vectors, strict=True):  # float32 on the wire
+        assert all(abs(a - b) < 1e-6 for a, b in zip(packed.embedding, exact, strict=True))
+    assert as_floats.usage.prompt_tokens == 8  # words, each input at least one
+
+
+async def test_bad_requests_get_openai_shaped_errors(sim: SimProcess) -> None:
+    sim.start()
+    async with sim.client() as client, httpx.AsyncClient(base_url=sim.url) as http:
+        with trio.fail_after(TIMEOUT_S):
+            with pytest.raises(openai.BadRequestError) as info:
+                await client.chat.completions.create(model=MODEL, messages=[])
+            bad_json = await http.post("/v1/completions", content=b"{not json")
+            no_input = await http.post("/v1/embeddings", json={"model": MODEL})
+            health = await http.get("/health")
+            metrics = await http.get("/metrics")
+    assert info.value.status_code == 400
+    assert bad_json.status_code == 400
+    error = bad_json.json()["error"]
+    assert set(error) == {"message", "type", "code", "param"}
+    assert error["type"] == "invalid_request_error"
+    assert no_input.json()["error"]["param"] == "input"
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 0' in metrics.text
+    assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0' in metrics.text
+    assert f'nexa_sim_requests_total{{model_name="{MODEL}"}} 3' in metrics.text
+
+
+# --- faults and the journal --------------------------------------------------------------------------
+
+
+async def test_faults_file_fail_before_then_fail_after_then_healthy(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "5", "--tokens-per-s", "1000", "--output-tokens", "6")
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            sim.faults.write_text(json.dumps({"fail": "before"}))
+            with pytest.raises(openai.InternalServerError):
+                await client.chat.completions.create(
+                    model=MODEL, messages=chat("x"), extra_headers={"X-Request-Id": "r-fail"}
+                )
+            sim.faults.write_text(json.dumps({"fail": "before", "status": 503}))
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.completions.create(model=MODEL, prompt="x")
+            assert info.value.status_code == 503
+
+            sim.faults.write_text(json.dumps({"fail": "after", "after_tokens": 2}))
+            cut_off = await sim.stream(
+                lambda c: c.chat.completions.create(
+                    model=MODEL, messages=chat("x"), stream=True, extra_headers={"X-Request-Id": "r-cut"}
+                )
+            )
+            assert cut_off.error is not None  # the connection closed mid-body
+            assert len(cut_off.text().split()) == 2  # two tokens, then nothing: no finish chunk
+            assert all(choice.finish_reason is None for c in cut_off.chunks for choice in c.choices)
+
+            sim.faults.unlink()
+            ok = await client.chat.completions.create(model=MODEL, messages=chat("x"))
+            assert ok.choices[0].finish_reason == "stop"
+            cut = await sim.wait_event("failed", "r-cut")
+    failed = [e for e in sim.events() if e["event"] == "failed"]
+    assert {"id": "r-fail", "status": 500, "reason": "injected"}.items() <= failed[0].items()
+    assert failed[1]["status"] == 503
+    assert (cut["reason"], cut["tokens"]) == ("injected", 2)
+
+
+async def test_a_hang_after_the_first_tokens_ends_when_the_client_gives_up_and_is_journaled(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "5", "--tokens-per-s", "1000")
+    sim.faults.write_text(json.dumps({"hang": "after", "after_tokens": 1}))
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            # The client's read timeout gives up on the silent stream and closes the connection.
+            hung = await sim.stream(
+                lambda c: c.chat.completions.create(
+                    model=MODEL, messages=chat("x"), stream=True, extra_headers={"X-Request-Id": "r-hang"}
+                ),
+                timeout_s=0.5,
+            )
+            assert isinstance(hung.error, openai.APITimeoutError | httpx.TimeoutException)
+            assert len(hung.text().split()) == 1  # nothing came after the first token
+            cancelled = await sim.wait_event("cancelled", "r-hang")
+
+            # A unary request hangs before its answer: the SDK's timeout gives up, and that is seen too.
+            with pytest.raises(openai.APITimeoutError):
+                await client.with_options(timeout=0.3).chat.completions.create(
+                    model=MODEL, messages=chat("x"), extra_headers={"X-Request-Id": "r-hang-unary"}
+                )
+            await sim.wait_event("cancelled", "r-hang-unary")
+    assert cancelled["tokens"] == 1
+    assert [e["event"] for e in sim.events() if e["id"] == "r-hang"] == ["request", "cancelled"]
+
+
+async def test_the_journal_holds_metadata_never_prompts_or_outputs(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "1", "--tokens-per-s", "2000")
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            answer = await client.chat.completions.create(
+                model=MODEL, messages=chat(f"secret {CANARY}"), extra_headers={"X-Request-Id": "r-1"}
+            )
+            streamed = (
+                await sim.stream(lambda c: c.completions.create(model=MODEL, prompt=CANARY, stream=True))
+            ).text()
+            await client.embeddings.create(model=MODEL, input=[CANARY, CANARY + "2"])
+    assert sim.stop() == 0  # SIGTERM: a clean exit
+    journal = sim.journal.read_text()
+    assert CANARY not in journal
+    assert answer.choices[0].message.content
+    assert answer.choices[0].message.content not in journal
+    assert streamed not in journal
+    events = sim.events()
+    assert [(e["event"], e["path"]) for e in events] == [
+        ("request", "/v1/chat/completions"),
+        ("completed", "/v1/chat/completions"),
+        ("request", "/v1/completions"),
+        ("completed", "/v1/completions"),
+        ("request", "/v1/embeddings"),
+        ("completed", "/v1/embeddings"),
+    ]
+    assert events[0]["id"] == "r-1"
+    assert (events[0]["stream"], events[2]["stream"]) == (False, True)
+    assert all(set(e) <= {"event", "id", "path", "stream", "at", "tokens", "status", "reason"} for e in events)
+
+
+def test_with_exit_with_parent_it_stops_when_its_parent_dies(tmp_path: Path) -> None:
+    # A stand-in agent that starts the runtime and is then killed without a chance to stop it.
+    parent = tmp_path / "parent.py"
+    parent.write_text(
+        "import subprocess, sys\n"
+        "argv = [sys.executable, '-m', 'nexa', 'sim-runtime', '--port', '0', '--exit-with-parent']\n"
+        "subprocess.Popen(argv, stdout=sys.stdout).wait()\n"
+    )
+    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"}
+    proc = subprocess.Popen([sys.executable, str(parent)], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        port = int(line.split("listening on http://127.0.0.1:")[1].split()[0])
+        assert httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=0.5)
+        except httpx.TransportError:
+            return  # gone
+        time.sleep(0.1)
+    raise AssertionError("the runtime outlived its parent")
