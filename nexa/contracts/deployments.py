@@ -40,15 +40,24 @@ class Resources:
 
 @attrs.frozen(kw_only=True)
 class RuntimeOptions:
-    """How each replica's container is started (the runtime adapters of a later issue refine this)."""
+    """How each replica's container is started.
+
+    For every runtime kind but `sim`, the runtime adapter (`nexa.adapters`) builds the command
+    line, readiness probe and /dev/shm size from `settings`, checked against its schema when the
+    deployment is created (an unknown name or a bad value is refused, 400). `command`, when not
+    empty, replaces the adapter's command line entirely (then `settings` must be empty); a `sim`
+    runtime takes its flags from `command` and no settings.
+    """
 
     #: The first loopback port to try; each replica on a node gets the lowest port from here not in use there.
     port: int = 18000
     command: list[str] = attrs.Factory(list)
     #: Plain settings only, never secrets (the node agent refuses known secret names).
     env: dict[str, str] = attrs.Factory(dict)
-    #: The node agent's readiness probe, run inside the container; empty: `true`.
+    #: The node agent's readiness probe, run inside the container; empty: the adapter's (`sim`: `true`).
     health_command: list[str] = attrs.Factory(list)
+    #: The runtime adapter's settings (JSON scalars), e.g. {"max_model_len": 8192}; see `nexa.adapters`.
+    settings: dict[str, object] = attrs.Factory(dict)
 
 
 @attrs.frozen(kw_only=True)

@@ -22,6 +22,9 @@ LABEL_ASSIGNMENT: Final = "nexa.assignment"
 LABEL_DEPLOYMENT: Final = "nexa.deployment"
 LABEL_GENERATION: Final = "nexa.generation"
 LABEL_SPEC: Final = "nexa.spec-sha256"
+#: Written by the controller where a runtime's bind address goes (its command and health probe);
+#: the node replaces it with its own `runtime_host` (several nodes may share one host's loopback).
+RUNTIME_HOST: Final = "{runtime_host}"
 
 
 def _image(_: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -66,7 +69,13 @@ class HealthProbe:
 
 @attrs.frozen(kw_only=True)
 class RuntimeSpec:
-    """One runtime replica as the controller assigns it (part of the signed assignment set)."""
+    """One runtime replica as the controller assigns it (part of the signed assignment set).
+
+    `command` and `health.command` may hold `RUNTIME_HOST` (`{runtime_host}`) where the runtime's
+    bind address goes: the controller does not know which loopback address a node gives its
+    runtimes, so the node substitutes its `runtime_host` when it builds the container spec
+    (`runtimes.container_spec`). The spec is signed and hashed with the placeholder in it.
+    """
 
     kind: RuntimeKind
     image: str = attrs.field(validator=_image)

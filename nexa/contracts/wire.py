@@ -207,6 +207,11 @@ class InferHead:
     #: The gateway asked the runtime for usage in a stream but the client did not: drop the
     #: runtime's usage-only chunk (its `choices` is empty) after reading the counts.
     strip_usage_chunk: bool = False
+    #: The gateway's estimate of the prompt's tokens, for runtimes that report no usage in streams
+    #: (llama-cpp-python ignores `stream_options`): then the node reports this estimate, counts the
+    #: completion from the stream's events and, when the client asked for usage, adds a usage-only
+    #: event before `data: [DONE]`.
+    prompt_tokens_estimate: int = 0
 
 
 class EndStatus(enum.StrEnum):

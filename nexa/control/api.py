@@ -57,6 +57,7 @@ from nexa.contracts.models import (
     RuntimeList,
     VerifyRequest,
 )
+from nexa.control import console
 from nexa.control import store as st
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet, NodeLive
@@ -185,6 +186,8 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
             methods=[method],
             provide_automatic_options=False,
         )
+    # The console's pages answer to its own session cookie; its actions check these same roles.
+    console.register(app, state, ROUTE_ROLES)
 
     @app.before_request
     async def _begin() -> None:
@@ -252,6 +255,8 @@ async def _authorize(state: AppState) -> None:
     if rule is None:
         return  # 404/405 follow; nothing to protect
     method = "GET" if request.method == "HEAD" else request.method
+    if (method, rule.rule) in console.CONSOLE_ROUTES:
+        return  # the console authenticates by its session (nexa.control.console)
     roles = ROUTE_ROLES.get((method, rule.rule), frozenset())
     if roles is None:
         return

@@ -29,8 +29,10 @@ time and never needs a spare accelerator: once every new-version replica reports
 reconciler stops one old replica (one that is not Ready first) and, in the same change, places
 one new-version replica where the freed resources allow (often the same node), then waits for
 it to report Ready. Replicas beyond `replicas` are stopped without a replacement. So the
-deployment never has fewer than `replicas - 1` Ready replicas because of a rollout; when no
-node can take the new version, the old replica is kept and the rollout waits, saying why.
+deployment never has fewer than `replicas - 1` Ready replicas because of a rollout, and none
+fewer at all when the fleet has room for one more replica: then each new replica starts first
+and an old one stops only once it is Ready (make before break). When no node can take the new
+version, the old replica is kept and the rollout waits, saying why.
 
 Following the alias. A deployment created from an alias runs what the alias points at: when the
 alias moves (`POST /api/v1/aliases/{name}/promote` or `/rollback`, or a deployment's promote or
@@ -51,6 +53,7 @@ from typing import Final
 import attrs
 import trio
 
+from nexa import adapters
 from nexa.config import NodesConfig
 from nexa.contracts.deployments import (
     Canary,
@@ -183,22 +186,38 @@ def snapshot_from(fleet: Iterable[NodeLive], *, without: frozenset[str] = frozen
 def assignment_for(
     dep: Deployment, replica: Replica, model: ModelRecord, runtime: RuntimeRecord, port: int
 ) -> Assignment:
-    """The signed unit a node runs for one replica (kept simple until the runtime adapters land).
+    """The signed unit a node runs for one replica.
 
     Image and kind from the runtime record (pinned by digest); the model artifact by uri,
-    sha256 and size; memory from the deployment's resources (else the model's own figure);
-    the replica's GPUs; command, env and health probe from the runtime options; `port` is the
-    loopback port chosen for it on its node.
+    sha256 and size (mounted read-only at `/models/model`); memory from the deployment's
+    resources (else the model's own figure); the replica's GPUs; `port` is the loopback port
+    chosen for it on its node. The runtime kind's adapter (`nexa.adapters`) builds the command
+    (serving the model under its registered name, bound to `{runtime_host}`), the readiness
+    probe and /dev/shm from the deployment's settings; a non-empty `options.command` replaces
+    the adapter's command and a non-empty `options.health_command` its probe. `sim` runs
+    `options.command` as its flags, probed by `true`. The options' env is added to the adapter's.
     """
     options = dep.options
+    command = list(options.command)
+    env = dict(options.env)
+    health = HealthProbe(command=list(options.health_command) or ["true"])
+    shm_bytes = 0
+    if adapters.has_adapter(runtime.kind):
+        launch = adapters.adapter_for(runtime.kind, options.settings).launch(
+            model.name, options.settings, replica.gpus, port
+        )
+        command = command or launch.command
+        env = {**launch.env, **env}
+        health = HealthProbe(command=list(options.health_command)) if options.health_command else launch.health
+        shm_bytes = launch.shm_bytes
     return Assignment(
         id=replica.id,
         deployment=dep.name,
         runtime=RuntimeSpec(
             kind=runtime.kind,
             image=runtime.image,
-            command=list(options.command),
-            env=dict(options.env),
+            command=command,
+            env=env,
             port=port,
             artifact=ArtifactRef(
                 uri=model.artifact.uri, sha256=model.artifact.sha256, size_bytes=model.artifact.size_bytes
@@ -206,9 +225,24 @@ def assignment_for(
             gpus=list(replica.gpus),
             memory_bytes=_memory(dep, model),
             cpus=dep.resources.cpus,
-            health=HealthProbe(command=list(options.health_command) or ["true"]),
+            shm_bytes=shm_bytes,
+            health=health,
         ),
     )
+
+
+def check_settings(req: DeploymentCreate, runtime: RuntimeRecord) -> None:
+    """Raise ContractError (400) listing every problem of the request's runtime settings for the
+    runtime's adapter: an unknown option, a value of the wrong type or out of range, a GPU
+    server without accelerators."""
+    problems = adapters.settings_problems(
+        runtime.kind, req.options.settings, accelerators=req.resources.accelerators, command=req.options.command
+    )
+    if problems:
+        raise ContractError(
+            f"invalid runtime options for {runtime.name} ({runtime.kind}): " + "; ".join(problems),
+            problems=tuple(problems),
+        )
 
 
 def _memory(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
@@ -328,13 +362,17 @@ class Deployments:
 
         Deployments of `model` (pinned, or following an alias that points there) and, when
         `alias` is given, every deployment created from it: all their replicas that their node
-        reports Ready, on nodes that are Ready or Cordoned (never Unreachable, Draining or
-        Revoked). During a rollout both versions' Ready replicas serve (one deployment); a
-        deployment rolling away from `model` still serves its replicas of `model`. A running
-        canary's Ready replicas come flagged `canary=True`, and `canary_weight` is its weight
-        (0 while no canary replica is Ready).
+        reports Ready, on nodes that are Ready or Cordoned (never Unreachable or Revoked). During a
+        rollout both versions' Ready replicas serve (one deployment); a deployment rolling away
+        from `model` still serves its replicas of `model`. A running canary's Ready replicas come
+        flagged `canary=True`, and `canary_weight` is its weight (0 while no canary replica is Ready).
+
+        A Draining node takes no new requests while any other Ready replica serves the model. Only
+        when none does (its replacements, started before it stops, are not Ready yet) do its Ready
+        replicas keep serving: a drain never causes a moment without a replica that answers.
         """
         replicas: list[ServingReplica] = []
+        draining: list[ServingReplica] = []
         names: list[str] = []
         weight = 0.0
         for name, entry in self._entries.items():
@@ -346,8 +384,12 @@ class Deployments:
             names.append(name)
             for r in dep.placed:
                 ref = _model_of(dep, r)
-                if (mine or ref == model) and self._routable(r):
+                if not (mine or ref == model):
+                    continue
+                if self._routable(r):
                     replicas.append(ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref))
+                elif self._fleet.get(r.node_id).state is NodeState.DRAINING and self._ready(r):
+                    draining.append(ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref))
             canary = dep.canary
             if canary is None or not mine:
                 continue
@@ -358,7 +400,7 @@ class Deployments:
             ]
             if ready:
                 weight = max(weight, canary.weight)
-        return ServingSet(model=model, replicas=replicas, canary_weight=weight, deployments=names)
+        return ServingSet(model=model, replicas=replicas or draining, canary_weight=weight, deployments=names)
 
     def _view(self, e: _Entry) -> DeploymentView:
         dep = e.deployment
@@ -412,6 +454,7 @@ class Deployments:
         """Whether a hypothetical deployment fits now, and where; changes nothing."""
         _check_shape(req)
         model, runtime, _ = self._deployable(req)
+        check_settings(req, runtime)
         return place(snapshot_from(self._fleet), _request(req, model, runtime, req.replicas))
 
     # ---- changes -----------------------------------------------------------------------------------
@@ -422,6 +465,7 @@ class Deployments:
             if req.name in self._entries:
                 raise AlreadyExists(f"deployment {req.name} exists")
             model, runtime, ref = self._deployable(req)
+            check_settings(req, runtime)
             decision = place(snapshot_from(self._fleet), _request(req, model, runtime, req.replicas))
             if not decision.feasible:
                 raise Unplaceable(f"deployment {req.name} cannot be placed: " + explain(decision))
@@ -841,16 +885,27 @@ class Deployments:
             except NotDeployable as exc:
                 entry.problem = waits + exc.message
                 return again
-            existing = Counter(r.node_id for r in rest + _canary_placed(dep))
-            snapshot = snapshot_from(self._fleet, without=frozenset({victim.id}))
-            decision = place(snapshot, _request(dep, model, runtime, 1), existing=existing)
+            # Make before break when the fleet has room for one more replica: the old one keeps
+            # serving until its replacement is Ready (the next step then only stops it).
+            surge = place(
+                snapshot_from(self._fleet),
+                _request(dep, model, runtime, 1),
+                existing=Counter(r.node_id for r in dep.placed + _canary_placed(dep)),
+            )
+            if len(dep.placed) <= dep.replicas and surge.feasible:
+                decision, rest, stopped = surge, dep.placed, "the old replica stays until it is Ready"
+            else:
+                # No room: stop one old replica and place its replacement where it was freed.
+                existing = Counter(r.node_id for r in rest + _canary_placed(dep))
+                snapshot = snapshot_from(self._fleet, without=frozenset({victim.id}))
+                decision = place(snapshot, _request(dep, model, runtime, 1), existing=existing)
             if not decision.feasible:
                 entry.problem = waits + explain(decision)
                 return again
             [p] = decision.placements
             fresh = _replica(dep.name, p.node_id, p.gpus, dep.model)
             placed = [*rest, fresh]
-            detail = f"{rollout.from_.key} -> {rollout.to.key}: {stopped}, started {fresh.id} on {fresh.node_id}"
+            detail = f"{rollout.from_.key} -> {rollout.to.key}: started {fresh.id} on {fresh.node_id}; {stopped}"
         after = _Entry(_bump(attrs.evolve(dep, placed=placed)), decision)
         await self._commit(SYSTEM, "deployment.rollout.step", entry, after, detail=detail)
         return again

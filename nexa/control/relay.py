@@ -121,6 +121,23 @@ class RelayStream:
             await trio.lowlevel.checkpoint()
         return chunk
 
+    async def receive_all(self) -> bytes | None:
+        """Every chunk buffered now, joined: at least one (waiting like `receive`); None once ended.
+
+        What a client can be sent in one write: under load, several frames arrive between two
+        writes and cost one system call instead of one each."""
+        first = await self.receive()
+        if first is None or not self._chunks:
+            return first
+        parts = [first]
+        while self._chunks:
+            parts.append(self._chunks.popleft())
+            self._uncredited += 1
+        if self._uncredited >= self._credit_every and self._final is None:
+            credit, self._uncredited = self._uncredited, 0
+            await self._relay._credit(self, credit)
+        return b"".join(parts)
+
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self
 

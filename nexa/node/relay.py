@@ -44,6 +44,9 @@ _PATH: Final = re.compile(r"/[A-Za-z0-9/_.\-]*")
 # A stream event that carries output text (a non-empty `content` or `text` string).
 _CONTENT: Final = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
 _NULL_USAGE: Final = (b'"usage":null', b'"usage": null')
+_DONE: Final = b"data: [DONE]"
+#: The header the relay names each request by (the runtime's own X-Request-Id is left to it).
+REQUEST_ID_HEADER: Final = "X-Nexa-Request-Id"
 
 Code = str
 RUNTIME_UNAVAILABLE: Final[Code] = "runtime_unavailable"
@@ -245,7 +248,8 @@ class NodeRelay:
             return _error(RUNTIME_UNAVAILABLE)
         client = self._client
         assert client is not None  # set while run() serves, which owns this task
-        headers = {"Content-Type": "application/json", "X-Request-Id": req.request_id, "Accept-Encoding": "identity"}
+        # Our own header: runtimes treat X-Request-Id as theirs (llama-cpp-python refuses one that is not a UUID).
+        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: req.request_id, "Accept-Encoding": "identity"}
         usage = _Usage()
         try:
             async with client.stream(
@@ -264,10 +268,13 @@ class NodeRelay:
         completion = usage.completion_tokens
         if completion is None and head.stream:
             completion = usage.content_events  # no usage from the runtime: count the output events
+        prompt = usage.prompt_tokens
+        if prompt is None and head.prompt_tokens_estimate:
+            prompt = head.prompt_tokens_estimate
         return wire.EndHead(
             status=wire.EndStatus.OK,
             http_status=req.http_status,
-            prompt_tokens=usage.prompt_tokens,
+            prompt_tokens=prompt,
             completion_tokens=completion,
         )
 
@@ -284,6 +291,9 @@ class NodeRelay:
                 rest = b""
             keep = []
             for event in events:
+                if event.startswith(_DONE) and not strip and usage.completion_tokens is None:
+                    # The client asked for usage and the runtime sent none: say what we counted.
+                    keep.append(_usage_event(req.head.prompt_tokens_estimate, usage.content_events))
                 if b'"usage"' in event and not any(null in event for null in _NULL_USAGE):
                     obj = _event_json(event)
                     usage.take(obj)
@@ -411,3 +421,20 @@ def _json(raw: bytes | bytearray) -> object:
         return json.loads(raw)
     except (ValueError, RecursionError):
         return None
+
+
+def _usage_event(prompt_tokens: int, completion_tokens: int) -> bytes:
+    """A usage-only stream event (OpenAI's shape: empty `choices`) for a runtime that sends none."""
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    body = {
+        "id": "nexa-usage",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "choices": [],
+        "usage": usage,
+    }
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"

@@ -244,20 +244,22 @@ async def test_promote_moves_the_alias_keeps_the_canary_and_replaces_one_at_a_ti
         assert dep["rollout"]["from"] == V1 and dep["rollout"]["to"] == V2 and dep["rollout"]["reason"] == "promote"
         assert canary["id"] in [r["id"] for r in dep["placed"]]  # the canary's replica is a regular one now
 
-        # One extra replica (the canary) is Ready: the first step only stops an old one. The
-        # next stops the other old one and starts v2 in its room, then waits for it.
-        stepped = await until(http, lambda v: sorted(ver for _, ver in versions(v)) == ["v2", "v2"])
-        assert stepped["deployment"]["rollout"] is not None and stepped["ready"] == 1
-        [fresh] = [r for r in stepped["deployment"]["placed"] if r["id"] != canary["id"]]
-        await trio.sleep(1.5)  # several reconciler passes: nothing finishes before it is Ready
-        assert (await view(http))["deployment"]["rollout"] is not None
+        # One extra replica (the canary) is Ready: the first step only stops an old one. The fleet
+        # then has room (the freed node), so the next step starts v2 there first and keeps the last
+        # v1 replica serving until the new one is Ready (make before break); then it stops it.
+        stepped = await until(http, lambda v: sorted(ver for _, ver in versions(v)) == ["v1", "v2", "v2"])
+        assert stepped["deployment"]["rollout"] is not None and stepped["ready"] == 2
+        [fresh] = [r for r in stepped["deployment"]["placed"] if r["id"] != canary["id"] and r["model"] == V2]
+        await trio.sleep(1.5)  # several reconciler passes: nothing stops before the new one is Ready
+        assert sorted(ver for _, ver in versions(await view(http))) == ["v1", "v2", "v2"]
         fleet.ready(fresh)
         done = await until(http, lambda v: v["deployment"]["rollout"] is None)
         assert done["ready"] == 2 and done["deployment"]["previous"] == V1
         assert {r["id"] for r in done["deployment"]["placed"]} == {canary["id"], fresh["id"]}
         steps = await audit(http, "deployment.rollout.step")
-        assert [e["detail"].split(":")[0] for e in steps] == ["tiny@v1 -> tiny@v2"] * 2
-        assert "started" not in steps[0]["detail"] and f"started {fresh['id']}" in steps[1]["detail"]
+        assert [e["detail"].split(":")[0] for e in steps] == ["tiny@v1 -> tiny@v2"] * 3
+        assert "started" not in steps[0]["detail"] and "started" not in steps[2]["detail"]
+        assert f"started {fresh['id']}" in steps[1]["detail"] and "stays until it is Ready" in steps[1]["detail"]
         assert len(await audit(http, "deployment.rollout.done")) == 1
         assert len(await audit(http, "deployment.promote")) == 1
     assert_never_short(watch, fleet, 2)

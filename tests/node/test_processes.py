@@ -87,7 +87,7 @@ async def test_a_sim_runtime_is_created_started_probed_stopped_restarted_and_rem
             # The deployment is the model; the journal and the faults file are the driver's.
             assert (await http.get("/v1/models")).json()["data"][0]["id"] == "d1"
             body = {"model": "d1", "messages": [{"role": "user", "content": "hi"}]}
-            assert (await http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "q1"})).is_success
+            assert (await http.post("/v1/chat/completions", json=body, headers={"X-Nexa-Request-Id": "q1"})).is_success
             journal = [json.loads(line) for line in driver.journal_path("nexa-a1").read_text().splitlines()]
             assert [(e["event"], e["id"]) for e in journal] == [("request", "q1"), ("completed", "q1")]
             driver.faults_path.write_text(json.dumps({"fail": "before", "status": 503}))

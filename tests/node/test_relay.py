@@ -42,7 +42,7 @@ CHAT = "/v1/chat/completions"
 class Runtime:
     """ASGI app. The request's JSON picks the behaviour (`mode`); what it saw is recorded."""
 
-    #: X-Request-Id → set when the runtime saw the client go away (http.disconnect).
+    #: X-Nexa-Request-Id → set when the runtime saw the client go away (http.disconnect).
     disconnected: dict[str, trio.Event] = attrs.field(factory=dict)
     #: (path, headers, body) of every request.
     seen: list[tuple[str, dict[str, str], bytes]] = attrs.field(factory=list)
@@ -65,7 +65,7 @@ class Runtime:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.seen.append((scope["path"], headers, body))
         req = json.loads(body)
-        rid = headers.get("x-request-id", "")
+        rid = headers.get("x-nexa-request-id", "")
         async with trio.open_nursery() as nursery:
 
             async def watch() -> None:
@@ -246,7 +246,7 @@ async def test_unary_answer_comes_back_whole_with_its_usage() -> None:
             assert p.node.statistics().chunks_sent == -(-len(body) // 100)  # 100-byte chunks
             path, headers, sent = p.runtime.seen[0]
             assert (path, sent) == (CHAT, request("unary", pad=1000))
-            assert headers["x-request-id"] == "r1"
+            assert headers["x-nexa-request-id"] == "r1"
             assert headers["content-type"] == "application/json"
 
 
@@ -280,11 +280,29 @@ async def test_without_usage_completion_tokens_count_the_content_events() -> Non
     with trio.fail_after(TIMEOUT_S):
         async with (
             data_path() as p,
-            p.relay.open("n1", "r1", infer_head(stream=True), request("stream", events=4)) as s,
+            p.relay.open("n1", "r1", infer_head(stream=True, strip_usage_chunk=True), request("stream", events=4)) as s,
         ):
-            _, end = await drain(s)
+            body, end = await drain(s)
     assert end.status is wire.EndStatus.OK
     assert (end.prompt_tokens, end.completion_tokens) == (None, 4)  # the role-only event carries no text
+    assert b'"usage"' not in body  # the client did not ask for usage
+
+
+async def test_a_runtime_without_stream_usage_gets_one_made_from_the_counts_when_the_client_asked() -> None:
+    """llama-cpp-python ignores stream_options: the client that asked still gets a usage event."""
+    with trio.fail_after(TIMEOUT_S):
+        async with (
+            data_path() as p,
+            p.relay.open(
+                "n1", "r1", infer_head(stream=True, prompt_tokens_estimate=9), request("stream", events=4)
+            ) as s,
+        ):
+            body, end = await drain(s)
+    assert (end.prompt_tokens, end.completion_tokens) == (9, 4)
+    events = body.split(b"\n\n")
+    assert events[-2] == b"data: [DONE]"
+    usage = json.loads(events[-3].removeprefix(b"data: "))
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
 
 
 def test_events_split_on_blank_lines_and_keep_the_rest() -> None:

@@ -101,7 +101,7 @@ async def test_a_signed_sim_assignment_becomes_ready_answers_and_stops_with_an_e
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
             models = (await http.get("/v1/models")).json()
             body = {"model": "chat-small", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
-            answer = await http.post("/v1/chat/completions", json=body, headers={"X-Request-Id": "w1"})
+            answer = await http.post("/v1/chat/completions", json=body, headers={"X-Nexa-Request-Id": "w1"})
         assert [m["id"] for m in models["data"]] == ["chat-small"]
         assert answer.json()["usage"]["completion_tokens"] == 3
         journal = state_dir / SIM_DIR / "nexa-a1.jsonl"

@@ -1,0 +1,466 @@
+"""Runtime adapters: how each model server is started, probed and read. Pure: no I/O, no trio.
+
+One `Adapter` per model server. `adapter_for(kind, settings)` picks it: `vllm` (`vllm serve`),
+`sglang` (`python3 -m sglang.launch_server`), `trtllm` (`trtllm-serve`), and for `llamacpp` two
+variants chosen by the `server` setting: `llama-server` (llama.cpp's own C++ server, the default)
+or `llama-cpp-python` (`python3 -m llama_cpp.server`, the Python bindings' server). Both variants
+are the same runtime kind, so a node that allows `llamacpp` may run either; the image decides
+which binary is there, the `server` setting tells the adapter which arguments it takes.
+
+`Adapter.launch(...)` turns (the model's registered name, the deployment's settings, the
+replica's CDI GPUs, its port) into what goes into the signed `RuntimeSpec`: command, env, the
+readiness probe and the shared-memory size. The model is the artifact mounted read-only at
+`/models/model` (`ArtifactRef.mount_path`); the runtime serves it under the model's registered
+name (the gateway sends `model = <name>`); it binds `RUNTIME_HOST` (`{runtime_host}`), which
+the node replaces by its own runtime loopback address (`runtimes.container_spec`), so the
+controller never needs to know it.
+
+Each adapter records, as data: its readiness and metrics endpoints, which Prometheus series
+give waiting requests, running requests and KV-cache use (for routing and capacity), the
+OpenAI-compatible paths it serves, and whether a stream ends with a usage chunk when asked
+(`stream_options.include_usage`). All of them speak the OpenAI API, so the canonical request
+maps 1:1 onto `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings`, and usage is
+read back from the response's `usage` object (streams: the last chunk's).
+
+Settings are validated against the adapter's schema (`Adapter.problems`): an unknown name or
+a value of the wrong type or range is a problem, and `settings_problems` lists them all.
+Flags and endpoints are from each project's documentation: vLLM "Engine arguments" and
+"Production metrics"; SGLang "Server arguments" and "Production metrics"; TensorRT-LLM
+"trtllm-serve"; llama.cpp `tools/server/README.md`; llama-cpp-python "OpenAI compatible server".
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import attrs
+
+from nexa.contracts.gateway import Capability
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
+
+#: Where the verified model artifact is mounted in every container (read-only).
+MODEL_PATH: Final = "/models/model"
+#: The setting that picks the llama.cpp variant.
+SERVER_SETTING: Final = "server"
+LLAMA_SERVER: Final = "llama-server"
+LLAMA_CPP_PYTHON: Final = "llama-cpp-python"
+#: Shared memory for the GPU servers' worker processes (NCCL, torch IPC); podman's default is 64 MiB.
+GPU_SHM_BYTES: Final = 8 * 2**30
+#: Every adapter takes this setting: the container's /dev/shm size in bytes (0: podman's default).
+SHM_SETTING: Final = "shm_bytes"
+#: Model servers load from the mounted artifact and must never reach a hub for weights or tokenizers.
+_OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+#: A big model on a slow disk takes minutes to load: failures this long after start keep it `Starting`.
+_START_PERIOD_S: Final = 600.0
+
+
+class Style(enum.Enum):
+    """How a setting becomes arguments."""
+
+    #: `--flag value`.
+    VALUE = "value"
+    #: `--flag` when true, nothing when false (argparse `store_true`).
+    SWITCH = "switch"
+    #: `--flag true|false` (llama-cpp-python's pydantic settings).
+    BOOLEAN = "boolean"
+
+
+@attrs.frozen(kw_only=True)
+class Option:
+    """One runtime setting: its JSON type, bounds or choices, and the flag it becomes."""
+
+    flag: str
+    type: type[int] | type[float] | type[str] | type[bool]
+    help: str
+    style: Style = Style.VALUE
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+
+    def problem(self, name: str, value: object) -> str | None:
+        """Why `value` is not acceptable for this option, or None."""
+        wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.type]
+        reason = None
+        if not self._typed(value):
+            reason = wanted
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            if self.minimum is not None and value < self.minimum:
+                reason = f"at least {self.minimum:g}"
+            elif self.maximum is not None and value > self.maximum:
+                reason = f"at most {self.maximum:g}"
+        elif self.choices and value not in self.choices:
+            reason = f"one of {', '.join(self.choices)}"
+        elif isinstance(value, str) and (not value or value.startswith("-") or "\x00" in value):
+            reason = "a non-empty value that does not start with '-'"
+        return None if reason is None else f"settings.{name}: {reason}"
+
+    def _typed(self, value: object) -> bool:
+        """JSON types, strictly: `true` is no number, `1` no boolean, `1.5` no integer."""
+        if isinstance(value, bool) or self.type is bool:
+            return isinstance(value, bool) and self.type is bool
+        if self.type is float:
+            return isinstance(value, int | float) and math.isfinite(value)
+        return isinstance(value, self.type)
+
+    def args(self, value: object) -> list[str]:
+        if self.style is Style.SWITCH:
+            return [self.flag] if value else []
+        if self.style is Style.BOOLEAN:
+            return [self.flag, "true" if value else "false"]
+        return [self.flag, str(value)]
+
+
+@attrs.frozen(kw_only=True)
+class Metrics:
+    """Where a runtime publishes its load, and which series feed routing and capacity (None: not exposed)."""
+
+    path: str | None
+    #: `prometheus` (text exposition) or `json` (TensorRT-LLM's per-iteration statistics).
+    format: str = "prometheus"
+    waiting: str | None = None
+    running: str | None = None
+    #: KV-cache use as a fraction 0..1; several names where versions renamed it (first found wins).
+    kv_cache: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Launch:
+    """What an adapter puts into one replica's `RuntimeSpec`."""
+
+    command: list[str]
+    env: dict[str, str]
+    health: HealthProbe
+    shm_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class Adapter:
+    """One model server: its command line, settings schema, endpoints and what it can serve."""
+
+    kind: RuntimeKind
+    #: The variant's name (`vllm`, `sglang`, `trtllm`, `llama-server`, `llama-cpp-python`).
+    name: str
+    #: The program and its fixed first arguments.
+    program: tuple[str, ...]
+    #: The flag that names the model (None: the path is positional, right after `program`).
+    model_flag: str | None
+    served_name_flag: str
+    host_flag: str
+    port_flag: str
+    #: Arguments always given (e.g. enabling the metrics endpoint).
+    fixed: tuple[str, ...] = ()
+    #: The setting and the arguments that spread a replica over its GPUs, given the GPU count.
+    tensor_parallel_flag: str | None = None
+    #: Arguments added when the replica has any GPU (offloading every layer).
+    gpu_args: tuple[str, ...] = ()
+    #: The replica must have at least one GPU.
+    needs_gpu: bool = True
+    options: Mapping[str, Option]
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    default_shm_bytes: int = 0
+    #: The HTTP path answering 200 once the model is loaded.
+    readiness_path: str
+    #: How the probe fetches it inside the image: `python` (urllib) or `curl`.
+    probe_tool: str = "python"
+    metrics: Metrics
+    capabilities: frozenset[Capability]
+    #: A capability that needs a setting (llama.cpp serves embeddings only with `embedding: true`).
+    capability_settings: Mapping[Capability, str] = attrs.field(factory=dict)
+    #: Streams end with a usage chunk when the request sets `stream_options.include_usage`.
+    stream_usage: bool = True
+
+    def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
+        """Everything wrong with `settings` (and the accelerator count) for this adapter."""
+        out = []
+        for name, value in sorted(settings.items()):
+            if name == SERVER_SETTING and self.kind is RuntimeKind.LLAMACPP:
+                continue
+            if name == SHM_SETTING:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    out.append(f"settings.{SHM_SETTING}: 0 or more bytes (an integer)")
+                continue
+            option = self.options.get(name)
+            if option is None:
+                known = ", ".join(sorted([*self.options, SHM_SETTING]))
+                out.append(f"settings.{name}: unknown option for {self.name} (known: {known})")
+            elif problem := option.problem(name, value):
+                out.append(problem)
+        if self.needs_gpu and accelerators < 1:
+            out.append(f"resources.accelerators: {self.name} needs at least 1 GPU")
+        return out
+
+    def serves(self, capability: Capability, settings: Mapping[str, object]) -> bool:
+        """Whether a replica started with `settings` answers `capability`'s path."""
+        if capability not in self.capabilities:
+            return False
+        needed = self.capability_settings.get(capability)
+        return needed is None or settings.get(needed) is True
+
+    def launch(self, served_name: str, settings: Mapping[str, object], gpus: Sequence[str], port: int) -> Launch:
+        """The command, env, probe and /dev/shm size of one replica (settings already validated)."""
+        command = list(self.program)
+        command += [MODEL_PATH] if self.model_flag is None else [self.model_flag, MODEL_PATH]
+        command += [self.served_name_flag, served_name, self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
+        command += self.fixed
+        if gpus:
+            command += self.gpu_args
+            if self.tensor_parallel_flag is not None and len(gpus) > 1:
+                command += [self.tensor_parallel_flag, str(len(gpus))]
+        for name, value in sorted(settings.items()):
+            if option := self.options.get(name):
+                command += option.args(value)
+        shm = settings.get(SHM_SETTING, self.default_shm_bytes)
+        assert isinstance(shm, int)
+        return Launch(command=command, env=dict(self.env), health=self.probe(port), shm_bytes=shm)
+
+    def probe(self, port: int) -> HealthProbe:
+        """GET the readiness path from inside the container, with what the image has."""
+        url = f"http://{RUNTIME_HOST}:{port}{self.readiness_path}"
+        if self.probe_tool == "curl":
+            command = ["curl", "-fsS", "-o", "/dev/null", "--max-time", "5", url]
+        else:
+            command = ["python3", "-c", f"import urllib.request; urllib.request.urlopen({json.dumps(url)}, timeout=5)"]
+        return HealthProbe(command=command, interval_s=2.0, timeout_s=6.0, start_period_s=_START_PERIOD_S, retries=3)
+
+
+_DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
+_TEXT: Final = frozenset({Capability.COMPLETION, Capability.CHAT})
+_ALL: Final = frozenset(Capability)
+
+VLLM: Final = Adapter(
+    kind=RuntimeKind.VLLM,
+    name="vllm",
+    program=("vllm", "serve"),
+    model_flag=None,
+    served_name_flag="--served-model-name",
+    host_flag="--host",
+    port_flag="--port",
+    tensor_parallel_flag="--tensor-parallel-size",
+    options={
+        "max_model_len": Option(flag="--max-model-len", type=int, minimum=1, help="context length (tokens)"),
+        "gpu_memory_utilization": Option(
+            flag="--gpu-memory-utilization",
+            type=float,
+            minimum=0.05,
+            maximum=1.0,
+            help="share of GPU memory for weights and KV cache (set it below 1 on unified memory)",
+        ),
+        "max_num_seqs": Option(flag="--max-num-seqs", type=int, minimum=1, help="sequences per iteration"),
+        "max_num_batched_tokens": Option(flag="--max-num-batched-tokens", type=int, minimum=1, help="tokens/step"),
+        "dtype": Option(flag="--dtype", type=str, choices=_DTYPES, help="weight and activation type"),
+        "kv_cache_dtype": Option(
+            flag="--kv-cache-dtype", type=str, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), help="KV cache type"
+        ),
+        "quantization": Option(flag="--quantization", type=str, help="quantization method (e.g. fp8, awq)"),
+        "enable_prefix_caching": Option(flag="--enable-prefix-caching", type=bool, style=Style.SWITCH, help=""),
+        "enforce_eager": Option(flag="--enforce-eager", type=bool, style=Style.SWITCH, help="no CUDA graphs"),
+        "tokenizer": Option(flag="--tokenizer", type=str, help="tokenizer path inside the container"),
+        "trust_remote_code": Option(flag="--trust-remote-code", type=bool, style=Style.SWITCH, help=""),
+    },
+    env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1"},
+    default_shm_bytes=GPU_SHM_BYTES,
+    readiness_path="/health",
+    metrics=Metrics(
+        path="/metrics",
+        waiting="vllm:num_requests_waiting",
+        running="vllm:num_requests_running",
+        kv_cache=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    ),
+    capabilities=_ALL,
+)
+
+SGLANG: Final = Adapter(
+    kind=RuntimeKind.SGLANG,
+    name="sglang",
+    program=("python3", "-m", "sglang.launch_server"),
+    model_flag="--model-path",
+    served_name_flag="--served-model-name",
+    host_flag="--host",
+    port_flag="--port",
+    fixed=("--enable-metrics",),
+    tensor_parallel_flag="--tp-size",
+    options={
+        "context_length": Option(flag="--context-length", type=int, minimum=1, help="context length (tokens)"),
+        "mem_fraction_static": Option(
+            flag="--mem-fraction-static", type=float, minimum=0.05, maximum=1.0, help="share for weights + KV pool"
+        ),
+        "max_running_requests": Option(flag="--max-running-requests", type=int, minimum=1, help=""),
+        "chunked_prefill_size": Option(flag="--chunked-prefill-size", type=int, minimum=-1, help="-1: off"),
+        "dtype": Option(flag="--dtype", type=str, choices=_DTYPES, help="weight and activation type"),
+        "kv_cache_dtype": Option(
+            flag="--kv-cache-dtype", type=str, choices=("auto", "fp8_e4m3", "fp8_e5m2"), help="KV cache type"
+        ),
+        "quantization": Option(flag="--quantization", type=str, help="quantization method"),
+        "is_embedding": Option(flag="--is-embedding", type=bool, style=Style.SWITCH, help="serve embeddings"),
+        "tokenizer": Option(flag="--tokenizer-path", type=str, help="tokenizer path inside the container"),
+        "trust_remote_code": Option(flag="--trust-remote-code", type=bool, style=Style.SWITCH, help=""),
+    },
+    env=dict(_OFFLINE_ENV),
+    default_shm_bytes=GPU_SHM_BYTES,
+    readiness_path="/health",
+    metrics=Metrics(
+        path="/metrics",
+        waiting="sglang:num_queue_reqs",
+        running="sglang:num_running_reqs",
+        kv_cache=("sglang:token_usage",),
+    ),
+    capabilities=_ALL,
+    capability_settings={Capability.EMBEDDING: "is_embedding"},
+)
+
+TRTLLM: Final = Adapter(
+    kind=RuntimeKind.TRTLLM,
+    name="trtllm",
+    program=("trtllm-serve",),
+    model_flag=None,
+    served_name_flag="--served_model_name",
+    host_flag="--host",
+    port_flag="--port",
+    tensor_parallel_flag="--tp_size",
+    options={
+        "backend": Option(flag="--backend", type=str, choices=("pytorch", "tensorrt"), help="engine backend"),
+        "max_batch_size": Option(flag="--max_batch_size", type=int, minimum=1, help="requests scheduled at once"),
+        "max_num_tokens": Option(flag="--max_num_tokens", type=int, minimum=1, help="batched input tokens"),
+        "max_seq_len": Option(flag="--max_seq_len", type=int, minimum=1, help="prompt + output tokens"),
+        "kv_cache_free_gpu_memory_fraction": Option(
+            flag="--kv_cache_free_gpu_memory_fraction", type=float, minimum=0.05, maximum=1.0, help="KV cache share"
+        ),
+        "tokenizer": Option(flag="--tokenizer", type=str, help="tokenizer path (for an engine directory)"),
+        "trust_remote_code": Option(flag="--trust_remote_code", type=bool, style=Style.SWITCH, help=""),
+    },
+    env=dict(_OFFLINE_ENV),
+    default_shm_bytes=GPU_SHM_BYTES,
+    readiness_path="/health",
+    # trtllm-serve's /metrics is JSON, one object per engine iteration (inflight-batching stats).
+    metrics=Metrics(
+        path="/metrics",
+        format="json",
+        waiting="inflightBatchingStats.numQueuedRequests",
+        running="numActiveRequests",
+        kv_cache=("kvCacheStats.usedNumBlocks/maxNumBlocks",),
+    ),
+    capabilities=_TEXT,
+)
+
+LLAMA_SERVER_ADAPTER: Final = Adapter(
+    kind=RuntimeKind.LLAMACPP,
+    name=LLAMA_SERVER,
+    program=("llama-server",),
+    model_flag="--model",
+    served_name_flag="--alias",
+    host_flag="--host",
+    port_flag="--port",
+    fixed=("--metrics",),
+    gpu_args=("--n-gpu-layers", "999"),
+    needs_gpu=False,
+    options={
+        "ctx_size": Option(flag="--ctx-size", type=int, minimum=0, help="context length (0: the model's)"),
+        "parallel": Option(flag="--parallel", type=int, minimum=1, help="slots (concurrent requests)"),
+        "batch_size": Option(flag="--batch-size", type=int, minimum=1, help="logical batch size"),
+        "threads": Option(flag="--threads", type=int, minimum=1, help="CPU threads"),
+        "n_gpu_layers": Option(flag="--n-gpu-layers", type=int, minimum=0, help="layers on the GPU (999: all)"),
+        "flash_attn": Option(flag="--flash-attn", type=str, choices=("on", "off", "auto"), help=""),
+        "embedding": Option(flag="--embedding", type=bool, style=Style.SWITCH, help="serve /v1/embeddings only"),
+        "pooling": Option(flag="--pooling", type=str, choices=("none", "mean", "cls", "last", "rank"), help=""),
+        "chat_template": Option(flag="--chat-template", type=str, help="a built-in template name"),
+    },
+    readiness_path="/health",
+    probe_tool="curl",
+    metrics=Metrics(
+        path="/metrics",
+        waiting="llamacpp:requests_deferred",
+        running="llamacpp:requests_processing",
+        # Exported by older builds only; newer ones have no KV-cache gauge.
+        kv_cache=("llamacpp:kv_cache_usage_ratio",),
+    ),
+    capabilities=_ALL,
+    capability_settings={Capability.EMBEDDING: "embedding"},
+)
+
+LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
+    kind=RuntimeKind.LLAMACPP,
+    name=LLAMA_CPP_PYTHON,
+    program=("python3", "-m", "llama_cpp.server"),
+    model_flag="--model",
+    served_name_flag="--model_alias",
+    host_flag="--host",
+    port_flag="--port",
+    gpu_args=("--n_gpu_layers", "-1"),
+    needs_gpu=False,
+    options={
+        "n_ctx": Option(flag="--n_ctx", type=int, minimum=0, help="context length (0: the model's)"),
+        "n_batch": Option(flag="--n_batch", type=int, minimum=1, help="prompt batch size"),
+        "n_threads": Option(flag="--n_threads", type=int, minimum=1, help="CPU threads"),
+        "n_gpu_layers": Option(flag="--n_gpu_layers", type=int, minimum=-1, help="layers on the GPU (-1: all)"),
+        "embedding": Option(flag="--embedding", type=bool, style=Style.BOOLEAN, help="serve /v1/embeddings"),
+        "chat_format": Option(flag="--chat_format", type=str, help="chat template name (default: the model's)"),
+        "seed": Option(flag="--seed", type=int, minimum=0, help="sampling seed"),
+    },
+    # /v1/models answers once the model is loaded (the server loads it before listening).
+    readiness_path="/v1/models",
+    # No metrics endpoint: routing falls back to the gateway's own in-flight counts.
+    metrics=Metrics(path=None),
+    capabilities=_ALL,
+    capability_settings={Capability.EMBEDDING: "embedding"},
+    # 0.3.x ignores `stream_options`: a stream carries no usage chunk (count from the chunks instead).
+    stream_usage=False,
+)
+
+ADAPTERS: Final[Mapping[RuntimeKind, Adapter]] = {
+    RuntimeKind.VLLM: VLLM,
+    RuntimeKind.SGLANG: SGLANG,
+    RuntimeKind.TRTLLM: TRTLLM,
+    RuntimeKind.LLAMACPP: LLAMA_SERVER_ADAPTER,
+}
+LLAMACPP_VARIANTS: Final[Mapping[str, Adapter]] = {
+    LLAMA_SERVER: LLAMA_SERVER_ADAPTER,
+    LLAMA_CPP_PYTHON: LLAMA_CPP_PYTHON_ADAPTER,
+}
+
+
+def has_adapter(kind: RuntimeKind) -> bool:
+    """Every kind but `sim` (a local process the node's simulation driver runs) has an adapter."""
+    return kind in ADAPTERS
+
+
+def adapter_for(kind: RuntimeKind, settings: Mapping[str, object]) -> Adapter:
+    """The adapter for `kind`; for `llamacpp` the `server` setting's variant (default `llama-server`).
+    Raises KeyError for `sim` and ValueError for an unknown variant (see `settings_problems`)."""
+    if kind is RuntimeKind.LLAMACPP and SERVER_SETTING in settings:
+        variant = settings[SERVER_SETTING]
+        if not isinstance(variant, str) or variant not in LLAMACPP_VARIANTS:
+            raise ValueError(f"unknown llama.cpp server {variant!r}")
+        return LLAMACPP_VARIANTS[variant]
+    return ADAPTERS[kind]
+
+
+def settings_problems(
+    kind: RuntimeKind,
+    settings: Mapping[str, object],
+    *,
+    accelerators: int,
+    command: Sequence[str] = (),
+) -> list[str]:
+    """Everything wrong with a deployment's runtime settings for `kind`.
+
+    `sim` takes no settings. A non-empty `command` replaces the adapter's command line entirely
+    (the operator's escape hatch), so settings beside it would be silently ignored: refused.
+    """
+    if not has_adapter(kind):
+        return [f"settings.{name}: the {kind} runtime takes no settings" for name in sorted(settings)]
+    if command and settings:
+        return ["settings: give either settings or a full command, not both"]
+    if kind is RuntimeKind.LLAMACPP and SERVER_SETTING in settings:
+        variant = settings[SERVER_SETTING]
+        if not isinstance(variant, str) or variant not in LLAMACPP_VARIANTS:
+            return [f"settings.{SERVER_SETTING}: one of {', '.join(LLAMACPP_VARIANTS)}"]
+    problems = adapter_for(kind, settings).problems(settings, accelerators=accelerators)
+    if command:
+        # A full command says nothing the adapter could check about GPUs: the operator owns it.
+        problems = [p for p in problems if not p.startswith("resources.")]
+    return problems

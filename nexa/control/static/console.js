@@ -1,0 +1,61 @@
+// nexa console: live fragments over server-sent events, focus kept across swaps, request charts.
+// Vendor libraries (htmx, uPlot) are optional: without them forms post normally and charts are skipped.
+(function () {
+  "use strict";
+
+  function startLive() {
+    var live = document.getElementById("live");
+    if (!live || !window.EventSource) return;
+    var dirty = false, pending = null;
+    live.addEventListener("input", function () { dirty = true; });
+    live.addEventListener("submit", function () { dirty = false; });
+
+    function swap(html) {
+      if (dirty) { pending = html; return; }   // never throw away what someone is typing
+      var focused = document.activeElement && live.contains(document.activeElement) ? document.activeElement.id : null;
+      live.innerHTML = html;
+      if (window.htmx) window.htmx.process(live);
+      if (focused) { var el = document.getElementById(focused); if (el) el.focus(); }
+      live.dispatchEvent(new CustomEvent("live:swapped"));
+    }
+
+    var source = new EventSource(live.getAttribute("data-live"));
+    source.addEventListener("fragment", function (e) { swap(e.data); });
+    source.addEventListener("signed-out", function () { source.close(); window.location.assign("/console/login"); });
+    live.addEventListener("focusout", function () {
+      if (pending !== null && !dirty) { var h = pending; pending = null; swap(h); }
+    });
+  }
+
+  function startCharts() {
+    var rate = document.getElementById("chart-rate");
+    if (!rate) return;
+    if (!window.uPlot) {
+      document.getElementById("chart-note").textContent = "Charts are unavailable: the uPlot library is missing from this build.";
+      return;
+    }
+    function width(el) { return Math.max(280, el.clientWidth || 600); }
+    function make(el, series) {
+      return new window.uPlot({ width: width(el), height: 200, series: [{}].concat(series), axes: [{}, {}] }, [[]], el);
+    }
+    var charts = [
+      [make(rate, [{ label: "req/s", stroke: "#2563eb" }, { label: "errors/s", stroke: "#dc2626" }]), ["rps", "errors"], rate],
+      [make(document.getElementById("chart-latency"), [{ label: "p50", stroke: "#16a34a" }, { label: "p95", stroke: "#ca8a04" }, { label: "p99", stroke: "#dc2626" }]), ["p50", "p95", "p99"], document.getElementById("chart-latency")],
+      [make(document.getElementById("chart-ttft"), [{ label: "p50", stroke: "#16a34a" }, { label: "p95", stroke: "#ca8a04" }]), ["ttft50", "ttft95"], document.getElementById("chart-ttft")],
+    ];
+    function refresh() {
+      fetch("/console/requests/series", { credentials: "same-origin" }).then(function (r) {
+        if (!r.ok) throw new Error(r.status);
+        return r.json();
+      }).then(function (s) {
+        charts.forEach(function (c) { c[0].setData([s.t].concat(c[1].map(function (k) { return s[k]; }))); });
+      }).catch(function () {}).finally(function () { setTimeout(refresh, 1000); });
+    }
+    window.addEventListener("resize", function () {
+      charts.forEach(function (c) { c[0].setSize({ width: width(c[2]), height: 200 }); });
+    });
+    refresh();
+  }
+
+  document.addEventListener("DOMContentLoaded", function () { startLive(); startCharts(); });
+})();

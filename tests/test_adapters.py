@@ -1,0 +1,379 @@
+"""Runtime adapters (`nexa.adapters`): each one's container spec for a DGX Spark deployment, pinned.
+
+A DGX Spark is a GB10: one GPU sharing 128 GB of unified memory with the arm64 host, so a replica
+gets the single CDI device `nvidia.com/gpu=0` and no tensor parallelism. The spec goes the whole
+way a real one does: the controller's `assignment_for` (adapter → signed `RuntimeSpec`), then the
+node's `runtimes.container_spec` (the node's runtime address filled in, the artifact mounted).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from nexa import adapters, runtimes
+from nexa.contracts import codec
+from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
+from nexa.contracts.gateway import Capability
+from nexa.contracts.models import (
+    LicenseRecord,
+    ModelArtifact,
+    ModelFormat,
+    ModelRecord,
+    ModelRef,
+    ModelState,
+    Provenance,
+    RuntimeRecord,
+)
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.runtime import ContainerSpec, HealthProbe
+from nexa.control.deployments import assignment_for
+
+GIB = 2**30
+SPARK_GPU = "nvidia.com/gpu=0"
+NODE_HOST = "127.0.0.11"
+PORT = 18000
+ARTIFACT = Path("/var/lib/nexa/node/artifacts/" + "c" * 64)
+SHA = "c" * 64
+IMAGES = {
+    RuntimeKind.VLLM: "nvcr.io/nvidia/vllm@sha256:" + "1" * 64,
+    RuntimeKind.SGLANG: "docker.io/lmsysorg/sglang@sha256:" + "2" * 64,
+    RuntimeKind.TRTLLM: "nvcr.io/nvidia/tensorrt-llm/release@sha256:" + "3" * 64,
+    RuntimeKind.LLAMACPP: "ghcr.io/ggml-org/llama.cpp@sha256:" + "4" * 64,
+}
+
+
+def model(name: str = "llama-3-8b", fmt: ModelFormat = ModelFormat.SAFETENSORS) -> ModelRecord:
+    return ModelRecord(
+        name=name,
+        version="v1",
+        artifact=ModelArtifact(uri=f"s3://models/{name}.tar", sha256=SHA, size_bytes=16 * GIB),
+        format=fmt,
+        memory_bytes=40 * GIB,
+        provenance=Provenance(source="hf://meta-llama/Meta-Llama-3-8B-Instruct"),
+        license=LicenseRecord(
+            spdx_id="llama3", terms_sha256=None, accepted_by="ops", expires_at=None, recorded_at=0, recorded_by=None
+        ),
+        signature=None,
+        state=ModelState.APPROVED,
+        registered_at=0,
+        registered_by=None,
+        state_changed_at=0,
+        state_changed_by=None,
+    )
+
+
+def deployment(options: RuntimeOptions, *, accelerators: int = 1) -> Deployment:
+    return Deployment(
+        name="chat",
+        runtime="rt",
+        alias="chat",
+        model=ModelRef(model="llama-3-8b", version="v1"),
+        replicas=1,
+        resources=Resources(accelerators=accelerators, memory_bytes=48 * GIB, cpus=8.0),
+        options=options,
+        placement=PlacementSpec(),
+        created_at=0,
+        created_by=None,
+        updated_at=0,
+    )
+
+
+def spark_spec(kind: RuntimeKind, settings: dict[str, object], *, name: str = "llama-3-8b") -> ContainerSpec:
+    """The container spec a DGX Spark node creates for one replica of `kind` with `settings`."""
+    dep = deployment(RuntimeOptions(port=PORT, settings=settings))
+    runtime = RuntimeRecord(
+        name="rt", kind=kind, version="1", image=IMAGES[kind], media_type="", registered_at=0, registered_by=None
+    )
+    replica = Replica(id="chat-r1", node_id="spark-1", gpus=[SPARK_GPU], model=dep.model)
+    assignment = assignment_for(dep, replica, model(name), runtime, PORT)
+    # The assignment is signed and sent as JSON: what the node gets must survive the wire unchanged.
+    assert codec.loads(codec.wire, codec.dumps(codec.wire, assignment), type(assignment)) == assignment
+    return runtimes.container_spec("spark-1", assignment, 3, ARTIFACT, host=NODE_HOST)
+
+
+def python_probe(path: str) -> HealthProbe:
+    url = f'"http://{NODE_HOST}:{PORT}{path}"'
+    return HealthProbe(
+        command=["python3", "-c", f"import urllib.request; urllib.request.urlopen({url}, timeout=5)"],
+        interval_s=2.0,
+        timeout_s=6.0,
+        start_period_s=600.0,
+        retries=3,
+    )
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+
+
+def expect(kind: RuntimeKind, **over: Any) -> ContainerSpec:
+    base = ContainerSpec(
+        name="nexa-chat-r1",
+        image=IMAGES[kind],
+        command=[],
+        env={},
+        labels={
+            "nexa.node": "spark-1",
+            "nexa.assignment": "chat-r1",
+            "nexa.deployment": "chat",
+            "nexa.generation": "3",
+            "nexa.spec-sha256": "",
+            "nexa.kind": str(kind),
+            "nexa.port": str(PORT),
+        },
+        memory_bytes=48 * GIB,
+        cpus=8.0,
+        pids_limit=4096,
+        shm_bytes=8 * GIB,
+        devices=[SPARK_GPU],
+        ro_mounts=[(str(ARTIFACT), "/models/model")],
+        health=python_probe("/health"),
+        stop_timeout_s=30.0,
+    )
+    return attrs.evolve(base, **over)
+
+
+def same(got: ContainerSpec, want: ContainerSpec) -> None:
+    assert got.labels.pop("nexa.spec-sha256")  # a digest of the signed spec, pinned in test_runtimes
+    want.labels.pop("nexa.spec-sha256")
+    assert got == want
+
+
+def test_vllm_on_a_dgx_spark() -> None:
+    got = spark_spec(RuntimeKind.VLLM, {"max_model_len": 8192, "gpu_memory_utilization": 0.7})
+    want = expect(
+        RuntimeKind.VLLM,
+        command=[
+            "vllm",
+            "serve",
+            "/models/model",
+            "--served-model-name",
+            "llama-3-8b",
+            "--host",
+            NODE_HOST,
+            "--port",
+            "18000",
+            "--gpu-memory-utilization",
+            "0.7",
+            "--max-model-len",
+            "8192",
+        ],
+        env={**OFFLINE, "VLLM_NO_USAGE_STATS": "1"},
+    )
+    same(got, want)
+
+
+def test_sglang_on_a_dgx_spark() -> None:
+    got = spark_spec(RuntimeKind.SGLANG, {"context_length": 8192, "mem_fraction_static": 0.6, "shm_bytes": 4 * GIB})
+    want = expect(
+        RuntimeKind.SGLANG,
+        command=[
+            "python3",
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            "/models/model",
+            "--served-model-name",
+            "llama-3-8b",
+            "--host",
+            NODE_HOST,
+            "--port",
+            "18000",
+            "--enable-metrics",
+            "--context-length",
+            "8192",
+            "--mem-fraction-static",
+            "0.6",
+        ],
+        env=OFFLINE,
+        shm_bytes=4 * GIB,
+    )
+    same(got, want)
+
+
+def test_trtllm_on_a_dgx_spark() -> None:
+    got = spark_spec(RuntimeKind.TRTLLM, {"backend": "pytorch", "kv_cache_free_gpu_memory_fraction": 0.5})
+    want = expect(
+        RuntimeKind.TRTLLM,
+        command=[
+            "trtllm-serve",
+            "/models/model",
+            "--served_model_name",
+            "llama-3-8b",
+            "--host",
+            NODE_HOST,
+            "--port",
+            "18000",
+            "--backend",
+            "pytorch",
+            "--kv_cache_free_gpu_memory_fraction",
+            "0.5",
+        ],
+        env=OFFLINE,
+    )
+    same(got, want)
+
+
+def test_llama_server_on_a_dgx_spark() -> None:
+    got = spark_spec(RuntimeKind.LLAMACPP, {"ctx_size": 8192, "parallel": 4, "flash_attn": "on"})
+    want = expect(
+        RuntimeKind.LLAMACPP,
+        command=[
+            "llama-server",
+            "--model",
+            "/models/model",
+            "--alias",
+            "llama-3-8b",
+            "--host",
+            NODE_HOST,
+            "--port",
+            "18000",
+            "--metrics",
+            "--n-gpu-layers",
+            "999",
+            "--ctx-size",
+            "8192",
+            "--flash-attn",
+            "on",
+            "--parallel",
+            "4",
+        ],
+        shm_bytes=0,
+        health=HealthProbe(
+            command=["curl", "-fsS", "-o", "/dev/null", "--max-time", "5", f"http://{NODE_HOST}:{PORT}/health"],
+            interval_s=2.0,
+            timeout_s=6.0,
+            start_period_s=600.0,
+            retries=3,
+        ),
+    )
+    same(got, want)
+
+
+def test_llama_cpp_python_on_a_dgx_spark() -> None:
+    got = spark_spec(
+        RuntimeKind.LLAMACPP, {"server": "llama-cpp-python", "n_ctx": 4096, "embedding": True}, name="minilm"
+    )
+    want = expect(
+        RuntimeKind.LLAMACPP,
+        command=[
+            "python3",
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            "/models/model",
+            "--model_alias",
+            "minilm",
+            "--host",
+            NODE_HOST,
+            "--port",
+            "18000",
+            "--n_gpu_layers",
+            "-1",
+            "--embedding",
+            "true",
+            "--n_ctx",
+            "4096",
+        ],
+        shm_bytes=0,
+        health=python_probe("/v1/models"),
+    )
+    same(got, want)
+
+
+def test_the_signed_spec_keeps_the_placeholder_and_each_node_fills_in_its_own_address() -> None:
+    dep = deployment(RuntimeOptions(port=PORT))
+    runtime = RuntimeRecord(
+        name="rt", kind=RuntimeKind.VLLM, version="1", image=IMAGES[RuntimeKind.VLLM], media_type="", registered_at=0,
+        registered_by=None,
+    )  # fmt: skip
+    replica = Replica(id="r", node_id="n", gpus=[SPARK_GPU])
+    signed = assignment_for(dep, replica, model(), runtime, PORT).runtime
+    assert "{runtime_host}" in signed.command and "{runtime_host}" in signed.health.command[-1]
+    a = runtimes.container_spec(
+        "n", assignment_for(dep, replica, model(), runtime, PORT), 1, ARTIFACT, host="127.0.0.12"
+    )
+    assert "127.0.0.12" in a.command and "{runtime_host}" not in " ".join(a.command)
+    assert "127.0.0.12:18000/health" in a.health.command[-1]
+
+
+def test_several_gpus_are_tensor_parallel() -> None:
+    gpus = [f"nvidia.com/gpu={i}" for i in range(4)]
+    for adapter, flag in ((adapters.VLLM, "--tensor-parallel-size"), (adapters.SGLANG, "--tp-size")):
+        command = adapter.launch("m", {}, gpus, PORT).command
+        assert command[command.index(flag) + 1] == "4"
+    assert "--tp_size" in adapters.TRTLLM.launch("m", {}, gpus, PORT).command
+    # One GPU: no flag at all (the server's default is 1).
+    assert "--tensor-parallel-size" not in adapters.VLLM.launch("m", {}, gpus[:1], PORT).command
+    # llama.cpp on the CPU: no offload arguments.
+    assert "--n-gpu-layers" not in adapters.LLAMA_SERVER_ADAPTER.launch("m", {}, [], PORT).command
+
+
+def test_an_explicit_command_and_probe_replace_the_adapters() -> None:
+    options = RuntimeOptions(port=PORT, command=["llama-server", "-m", "/models/model"], health_command=["true"])
+    runtime = RuntimeRecord(
+        name="rt", kind=RuntimeKind.LLAMACPP, version="1", image=IMAGES[RuntimeKind.LLAMACPP], media_type="",
+        registered_at=0, registered_by=None,
+    )  # fmt: skip
+    spec = assignment_for(deployment(options), Replica(id="r", node_id="n"), model(), runtime, PORT).runtime
+    assert spec.command == ["llama-server", "-m", "/models/model"]
+    assert spec.health.command == ["true"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings", "problem"),
+    [
+        (RuntimeKind.VLLM, {"max_model_length": 8192}, "settings.max_model_length: unknown option for vllm"),
+        (RuntimeKind.VLLM, {"max_model_len": "8192"}, "settings.max_model_len: an integer"),
+        (RuntimeKind.VLLM, {"max_model_len": True}, "settings.max_model_len: an integer"),
+        (RuntimeKind.VLLM, {"gpu_memory_utilization": 1.5}, "settings.gpu_memory_utilization: at most 1"),
+        (RuntimeKind.VLLM, {"enforce_eager": 1}, "settings.enforce_eager: true or false"),
+        (RuntimeKind.VLLM, {"dtype": "int3"}, "settings.dtype: one of auto, half"),
+        (RuntimeKind.VLLM, {"tokenizer": "--evil"}, "settings.tokenizer: a non-empty value"),
+        (RuntimeKind.VLLM, {"shm_bytes": -1}, "settings.shm_bytes: 0 or more"),
+        (RuntimeKind.SGLANG, {"ctx_size": 1}, "settings.ctx_size: unknown option for sglang"),
+        (RuntimeKind.TRTLLM, {"backend": "onnx"}, "settings.backend: one of pytorch, tensorrt"),
+        (RuntimeKind.LLAMACPP, {"n_ctx": 512}, "settings.n_ctx: unknown option for llama-server"),
+        (RuntimeKind.LLAMACPP, {"server": "ollama"}, "settings.server: one of llama-server, llama-cpp-python"),
+        (RuntimeKind.LLAMACPP, {"server": "llama-cpp-python", "ctx_size": 1}, "unknown option for llama-cpp-python"),
+        (RuntimeKind.SIM, {"x": 1}, "settings.x: the sim runtime takes no settings"),
+    ],
+)
+def test_bad_settings_are_named(kind: RuntimeKind, settings: dict[str, object], problem: str) -> None:
+    problems = adapters.settings_problems(kind, settings, accelerators=1)
+    assert len(problems) == 1 and problem in problems[0], problems
+
+
+def test_gpu_servers_need_a_gpu_and_llama_cpp_does_not() -> None:
+    for kind in (RuntimeKind.VLLM, RuntimeKind.SGLANG, RuntimeKind.TRTLLM):
+        assert adapters.settings_problems(kind, {}, accelerators=0) == [
+            f"resources.accelerators: {kind} needs at least 1 GPU"
+        ]
+    assert adapters.settings_problems(RuntimeKind.LLAMACPP, {}, accelerators=0) == []
+    assert adapters.settings_problems(RuntimeKind.SIM, {}, accelerators=0) == []
+    # Settings beside a full command would be ignored: refused.
+    assert adapters.settings_problems(RuntimeKind.VLLM, {"enforce_eager": True}, accelerators=1, command=["x"])
+
+
+def test_each_adapter_knows_its_endpoints_metrics_and_capabilities() -> None:
+    vllm = adapters.adapter_for(RuntimeKind.VLLM, {})
+    assert (vllm.readiness_path, vllm.metrics.path) == ("/health", "/metrics")
+    assert (vllm.metrics.waiting, vllm.metrics.running) == ("vllm:num_requests_waiting", "vllm:num_requests_running")
+    assert "vllm:kv_cache_usage_perc" in vllm.metrics.kv_cache
+    sglang = adapters.adapter_for(RuntimeKind.SGLANG, {})
+    assert sglang.metrics.waiting == "sglang:num_queue_reqs" and "--enable-metrics" in sglang.fixed
+    assert adapters.adapter_for(RuntimeKind.TRTLLM, {}).metrics.format == "json"
+    llama = adapters.adapter_for(RuntimeKind.LLAMACPP, {})
+    assert llama.metrics.running == "llamacpp:requests_processing" and "--metrics" in llama.fixed
+    python = adapters.adapter_for(RuntimeKind.LLAMACPP, {"server": "llama-cpp-python"})
+    assert python.metrics.path is None and python.readiness_path == "/v1/models"
+    # Embeddings only where the server was started for them.
+    assert not llama.serves(Capability.EMBEDDING, {}) and llama.serves(Capability.EMBEDDING, {"embedding": True})
+    assert vllm.serves(Capability.EMBEDDING, {})
+    assert not adapters.TRTLLM.serves(Capability.EMBEDDING, {})
+    assert all(a.serves(Capability.CHAT, {}) for a in adapters.ADAPTERS.values())
+    with pytest.raises(KeyError):
+        adapters.adapter_for(RuntimeKind.SIM, {})
