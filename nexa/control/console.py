@@ -48,6 +48,7 @@ from nexa.control.metering import Meter
 from nexa.control.models import ALLOWED_FROM, ModelRegistry
 from nexa.control.quotas import Quotas
 from nexa.control.registry import Actor, Registry, audit_draft
+from nexa.control.rollout import breach as rollout_breach
 from nexa.errors import ContractError, NexaError, Unauthenticated
 from nexa.telemetry import Metrics
 
@@ -361,7 +362,7 @@ class Console:
             ]
         for name, canary in self._s.deployments.canaries():
             stats = self._s.meter.window(name, canary=True, seconds=canary.objective.window_s, now=now)
-            breach = _canary_breach(canary.objective, stats.requests, stats.errors, stats.p95_ms)
+            breach = rollout_breach(canary.objective, stats)
             if breach:
                 alerts.append(f"canary of {name} breaches its objective: {breach}")
         for q in self._s.quotas.all(now).quotas:
@@ -429,7 +430,7 @@ class Console:
             canary = {
                 "c": d.canary,
                 "stats": stats,
-                "breach": _canary_breach(o, stats.requests, stats.errors, stats.p95_ms),
+                "breach": rollout_breach(o, stats),
             }
         return {
             "view": view,
@@ -557,17 +558,6 @@ class Console:
             yield b"event: signed-out\ndata: \n\n"
         finally:
             self._streams -= 1
-
-
-def _canary_breach(objective: Any, requests: int, errors: int, p95_ms: float | None) -> str | None:
-    if requests < objective.min_requests:
-        return None
-    rate = errors / requests
-    if rate > objective.max_error_rate:
-        return f"error rate {rate:.1%} above {objective.max_error_rate:.1%}"
-    if objective.max_p95_ms is not None and p95_ms is not None and p95_ms > objective.max_p95_ms:
-        return f"p95 {p95_ms:.0f} ms above {objective.max_p95_ms:.0f} ms"
-    return None
 
 
 def _saturation(limits: QuotaLimits, use: Any) -> list[tuple[str, int]]:
