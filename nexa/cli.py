@@ -104,6 +104,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--listen", default="127.0.0.1:8470", help="the controller's HTTP address")
     s.add_argument("--nodes", type=int, default=4, help="node agents, 1 to 4 (127.0.0.11 to .14)")
     s.add_argument("--replicas", type=int, default=2, help="replicas of the `chat` deployment")
+    s.add_argument("--real", action="store_true", help="the real llama.cpp runtime in podman on CPU, not `sim`")
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL", "warning"))
     s.set_defaults(handler=_cmd_demo)
 
@@ -182,7 +183,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from nexa.telemetry import setup_logging
 
     setup_logging(args.log_level)
-    cfg = DemoConfig(state_dir=Path(args.state_dir), listen=args.listen, nodes=args.nodes, replicas=args.replicas)
+    cfg = DemoConfig(
+        state_dir=Path(args.state_dir), listen=args.listen, nodes=args.nodes, replicas=args.replicas, real=args.real
+    )
     print(f"starting the LunaNexa demo in {cfg.state_dir} (registry, S3 store, controller, {cfg.nodes} nodes)…")
     sys.stdout.flush()
 

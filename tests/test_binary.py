@@ -184,6 +184,12 @@ def test_controller_starts_serves_and_stops_on_sigterm(nexa_binary: Path, tmp_pa
         info = json.loads(body)
         assert info["version"] == nexa.__version__
         assert info["epoch"] == 1
+        # The console's templates, its own files and the vendored libraries are in the binary.
+        status, body = _get(ctl.url + "/console/login")
+        assert status == 200 and b"<form" in body
+        for name in ("console.css", "vendor/htmx.min.js", "vendor/uPlot.iife.min.js"):
+            status, body = _get(f"{ctl.url}/console/static/{name}")
+            assert status == 200 and body, name
         assert ctl.stop() == 0
         # Logs are JSON lines on stderr: nothing else (no traceback, no warning) may appear there.
         lines = ctl.stderr().splitlines()
