@@ -6,10 +6,12 @@ through `nursery.start`; every I/O test runs under an absolute `trio.fail_after`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import stat
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,27 @@ class Fleet:
 @pytest.fixture
 def fleet() -> Fleet:
     return Fleet()
+
+
+@contextlib.asynccontextmanager
+async def raw_node(fleet: Fleet, node: NodeIdentity, link: messaging.Link) -> AsyncIterator[messaging.ZmqPump]:
+    """A raw Curve DEALER with an enrolled node's keys, connected to `link` (run here), behind a pump:
+    it sends whatever frames a test gives it, as no node agent would."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        with ctx.socket(zmq.DEALER) as dealer:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.CURVE_SERVERKEY, fleet.curve.public.encode())
+            dealer.setsockopt(zmq.CURVE_PUBLICKEY, node.curve.public.encode())
+            dealer.setsockopt(zmq.CURVE_SECRETKEY, node.curve.secret.encode())
+            async with trio.open_nursery() as nursery:
+                dealer.connect(await nursery.start(link.run))
+                pump = messaging.ZmqPump(dealer)
+                await nursery.start(pump.run)
+                yield pump
+                nursery.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
 
 
 def hello(node_id: str, seq: int = 0) -> wire.Hello:
@@ -255,43 +278,31 @@ async def test_data_frames_of_the_wrong_direction_or_shape_are_refused(fleet: Fl
     """A raw Curve client with an enrolled key sends what a node agent never would."""
     n1 = fleet.enroll("n1")
     link = fleet.link()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        with trio.fail_after(TIMEOUT_S), ctx.socket(zmq.DEALER) as dealer:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.CURVE_SERVERKEY, fleet.curve.public.encode())
-            dealer.setsockopt(zmq.CURVE_PUBLICKEY, n1.curve.public.encode())
-            dealer.setsockopt(zmq.CURVE_SECRETKEY, n1.curve.secret.encode())
-            async with trio.open_nursery() as nursery:
-                dealer.connect(await nursery.start(link.run))
-                pump = messaging.ZmqPump(dealer)
-                await nursery.start(pump.run)
-                bad = {
-                    "controller kind": [b"infer", b"r1", b"{}", b""],
-                    "three frames": [b"chunk", b"r1", b""],
-                    "empty id": [b"chunk", b"", b"", b"x"],
-                    "id not UTF-8": [b"chunk", b"\xff", b"", b"x"],
-                    "id too long": [b"chunk", b"r" * 129, b"", b"x"],
-                }
-                for frames in bad.values():
-                    await pump.send(frames)
-                    got = await link.receive_any()
-                    assert isinstance(got, messaging.Refused)
-                    assert got.node_id == "n1"
-                    assert isinstance(got.error, ContractError)
-                await pump.send([b"chunk", b"r1", b"", b"x"])
-                got = await link.receive_any()
-                assert isinstance(got, messaging.DataInbound)
-                assert not link.connected("n1")  # data frames never give a route
-
-                del fleet.node_keys["n1"]  # revoked: its channel's data is refused too
-                await pump.send([b"chunk", b"r1", b"", b"x"])
+    with trio.fail_after(TIMEOUT_S):
+        async with raw_node(fleet, n1, link) as pump:
+            bad = {
+                "controller kind": [b"infer", b"r1", b"{}", b""],
+                "three frames": [b"chunk", b"r1", b""],
+                "empty id": [b"chunk", b"", b"", b"x"],
+                "id not UTF-8": [b"chunk", b"\xff", b"", b"x"],
+                "id too long": [b"chunk", b"r" * 129, b"", b"x"],
+            }
+            for frames in bad.values():
+                await pump.send(frames)
                 got = await link.receive_any()
                 assert isinstance(got, messaging.Refused)
-                assert isinstance(got.error, Unauthenticated)
-                nursery.cancel_scope.cancel()
-    finally:
-        ctx.destroy(linger=0)
+                assert got.node_id == "n1"
+                assert isinstance(got.error, ContractError)
+            await pump.send([b"chunk", b"r1", b"", b"x"])
+            got = await link.receive_any()
+            assert isinstance(got, messaging.DataInbound)
+            assert not link.connected("n1")  # data frames never give a route
+
+            del fleet.node_keys["n1"]  # revoked: its channel's data is refused too
+            await pump.send([b"chunk", b"r1", b"", b"x"])
+            got = await link.receive_any()
+            assert isinstance(got, messaging.Refused)
+            assert isinstance(got.error, Unauthenticated)
 
 
 async def test_a_node_refuses_data_kinds_only_nodes_send(fleet: Fleet) -> None:
@@ -434,34 +445,21 @@ async def test_tampered_body_is_rejected_before_parsing(fleet: Fleet) -> None:
     """A raw Curve client with an enrolled key sends frames whose body was changed after signing."""
     n1 = fleet.enroll("n1")
     link = fleet.link()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    try:
-        with trio.fail_after(TIMEOUT_S), ctx.socket(zmq.DEALER) as dealer:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.CURVE_SERVERKEY, fleet.curve.public.encode())
-            dealer.setsockopt(zmq.CURVE_PUBLICKEY, n1.curve.public.encode())
-            dealer.setsockopt(zmq.CURVE_SECRETKEY, n1.curve.secret.encode())
-            async with trio.open_nursery() as nursery:
-                dealer.connect(await nursery.start(link.run))
-                pump = messaging.ZmqPump(dealer)
-                await nursery.start(pump.run)
-
-                kind, body, sig = messaging.encode_frames(hello("n1", seq=1), n1.key)
-                await pump.send([kind, body.replace(b'"seq":1', b'"seq":9'), sig])
-                with pytest.raises(BadSignature):
-                    await link.receive()
-                await pump.send([kind, b"{not json", sig])  # would be a ContractError if parsed first
-                with pytest.raises(BadSignature):
-                    await link.receive()
-                await pump.send([kind, body])  # signature stripped
-                with pytest.raises(ContractError, match="3 frames"):
-                    await link.receive()
-                await pump.send([kind, body, sig])  # the untouched frames still go through
-                expected = messaging.decode_frames([kind, body, sig], n1.key.public, wire.FROM_NODE)
-                assert (await link.receive()).message == expected
-                nursery.cancel_scope.cancel()
-    finally:
-        ctx.destroy(linger=0)
+    with trio.fail_after(TIMEOUT_S):
+        async with raw_node(fleet, n1, link) as pump:
+            kind, body, sig = messaging.encode_frames(hello("n1", seq=1), n1.key)
+            await pump.send([kind, body.replace(b'"seq":1', b'"seq":9'), sig])
+            with pytest.raises(BadSignature):
+                await link.receive()
+            await pump.send([kind, b"{not json", sig])  # would be a ContractError if parsed first
+            with pytest.raises(BadSignature):
+                await link.receive()
+            await pump.send([kind, body])  # signature stripped
+            with pytest.raises(ContractError, match="3 frames"):
+                await link.receive()
+            await pump.send([kind, body, sig])  # the untouched frames still go through
+            expected = messaging.decode_frames([kind, body, sig], n1.key.public, wire.FROM_NODE)
+            assert (await link.receive()).message == expected
 
 
 async def test_a_node_cannot_speak_for_another(fleet: Fleet) -> None:

@@ -61,7 +61,7 @@ from nexa.control import console
 from nexa.control import store as st
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet, NodeLive
-from nexa.control.http import BodyLimit, new_request_id, status_for
+from nexa.control.http import BodyLimit, bearer_key, new_request_id, status_for
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas
@@ -260,16 +260,7 @@ async def _authorize(state: AppState) -> None:
     roles = ROUTE_ROLES.get((method, rule.rule), frozenset())
     if roles is None:
         return
-    header = request.headers.get("Authorization", "")
-    scheme, _, presented = header.partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
-        state.metrics.auth_failures.labels("unauthenticated").inc()
-        raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
-    try:
-        key = state.registry.authenticate(presented.strip())
-    except Unauthenticated:
-        state.metrics.auth_failures.labels("unauthenticated").inc()
-        raise
+    key = bearer_key(request.headers.get("Authorization", ""), state.registry, state.metrics)
     g.actor = Actor(key_id=key.id, role=key.role, tenant=key.tenant)
     g.actor_key_id = key.id
     if key.role not in roles:

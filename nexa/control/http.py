@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import re
 import secrets
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import trio
 
 from nexa.contracts import codec
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
+from nexa.contracts.domain import ApiKey
 from nexa.errors import (
     ArtifactDigestMismatch,
     AuthError,
@@ -36,6 +37,7 @@ from nexa.errors import (
     Unavailable,
     VerificationFailed,
 )
+from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,26 @@ STATUS: Final[dict[type[NexaError], int]] = {
     StoreError: 500,
     NexaError: 500,
 }
+
+
+class KeyAuthority(Protocol):
+    """What knows the API keys (`registry.Registry`)."""
+
+    def authenticate(self, presented: str) -> ApiKey: ...
+
+
+def bearer_key(authorization: str, keys: KeyAuthority, metrics: Metrics) -> ApiKey:
+    """The active key an `Authorization: Bearer <key>` header presents; Unauthenticated otherwise
+    (counted in `nexa_auth_failures`)."""
+    scheme, _, presented = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        metrics.auth_failures.labels("unauthenticated").inc()
+        raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
+    try:
+        return keys.authenticate(presented.strip())
+    except Unauthenticated:
+        metrics.auth_failures.labels("unauthenticated").inc()
+        raise
 
 
 def status_for(exc: NexaError) -> int:

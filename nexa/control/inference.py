@@ -44,7 +44,7 @@ from nexa.contracts.gateway import (
     workload_problems,
 )
 from nexa.control.gateway import Call, Gateway, Work
-from nexa.control.http import CLIENT_CLOSED, new_request_id, status_for
+from nexa.control.http import CLIENT_CLOSED, bearer_key, new_request_id, status_for
 from nexa.control.registry import Actor, Registry
 from nexa.control.workloads import ActiveWorkload, Workloads, new_receipt_id
 from nexa.errors import (
@@ -390,15 +390,7 @@ class _Exchange:
         roles = INFERENCE_ROUTES.get(self.route)
         if roles is None:
             raise _no_route(self.route)
-        scheme, _, presented = self._headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not presented.strip():
-            app._metrics.auth_failures.labels("unauthenticated").inc()
-            raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
-        try:
-            key = app._registry.authenticate(presented.strip())
-        except Unauthenticated:
-            app._metrics.auth_failures.labels("unauthenticated").inc()
-            raise
+        key = bearer_key(self._headers.get("authorization", ""), app._registry, app._metrics)
         self.key = key
         if key.role not in roles or key.tenant is None:
             app._metrics.auth_failures.labels("forbidden").inc()
@@ -605,16 +597,4 @@ def _view_from_receipt(signed: SignedReceipt, req: WorkloadCreate) -> WorkloadVi
 
 
 def _with_output(view: WorkloadView, output: object) -> WorkloadView:
-    return WorkloadView(
-        version=view.version,
-        workload_id=view.workload_id,
-        state=view.state,
-        model=view.model,
-        priority=view.priority,
-        accepted_at=view.accepted_at,
-        finished_at=view.finished_at,
-        error=view.error,
-        usage=view.usage,
-        output=output if isinstance(output, dict) else None,
-        receipt=view.receipt,
-    )
+    return attrs.evolve(view, output=output if isinstance(output, dict) else None)

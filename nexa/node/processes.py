@@ -21,7 +21,7 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Protocol
+from typing import Final
 
 import attrs
 import httpx
@@ -29,7 +29,7 @@ import trio
 
 from nexa import runtimes
 from nexa.contracts.node import RuntimeKind
-from nexa.contracts.runtime import ContainerSpec, ContainerState
+from nexa.contracts.runtime import ContainerDriver, ContainerSpec, ContainerState
 from nexa.errors import ContainerNotFound, ContractError, PodmanError, PodmanUnavailable, SimulationDisabled
 
 log = logging.getLogger(__name__)
@@ -46,20 +46,6 @@ CLOSE_TIMEOUT_S: Final = 5.0
 HEALTH_TIMEOUT_S: Final = 2.0
 #: The only variables of the agent's environment a child inherits (then the spec's env, then the switch).
 PASSED_ENV: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
-
-
-class ContainerDriver(Protocol):
-    """What the supervisor drives (its `Podman` protocol): the podman client, or this module's classes."""
-
-    async def pull(self, image: str) -> None: ...
-    async def image_exists(self, image: str) -> bool: ...
-    async def create(self, spec: ContainerSpec) -> str: ...
-    async def start(self, container_id: str) -> None: ...
-    async def inspect(self, container_id: str) -> ContainerState: ...
-    async def healthcheck(self, container_id: str) -> bool: ...
-    async def stop(self, container_id: str, *, timeout_s: float) -> None: ...
-    async def remove(self, container_id: str, *, force: bool = False) -> None: ...
-    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]: ...
 
 
 def default_argv() -> list[str]:

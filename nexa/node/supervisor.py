@@ -9,7 +9,6 @@ supervisor (the agent stopping) leaves containers running for the next agent to 
 
 from __future__ import annotations
 
-import builtins
 import collections
 import logging
 import time
@@ -28,7 +27,7 @@ from nexa.contracts.runtime import (
     LABEL_ASSIGNMENT,
     LABEL_SPEC,
     ArtifactRef,
-    ContainerSpec,
+    ContainerDriver,
     ContainerState,
     HealthProbe,
     RuntimeSpec,
@@ -72,18 +71,8 @@ _KNOWN_FAILURES: Final = (
 )
 
 
-class Podman(Protocol):
-    """The podman client the supervisor drives (`nexa.node.podman.PodmanClient`)."""
-
-    async def pull(self, image: str) -> None: ...
-    async def image_exists(self, image: str) -> bool: ...
-    async def create(self, spec: ContainerSpec) -> str: ...
-    async def start(self, container_id: str) -> None: ...
-    async def inspect(self, container_id: str) -> ContainerState: ...
-    async def healthcheck(self, container_id: str) -> bool: ...
-    async def stop(self, container_id: str, *, timeout_s: float) -> None: ...
-    async def remove(self, container_id: str, *, force: bool = False) -> None: ...
-    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]: ...
+#: The container driver the supervisor drives.
+Podman = ContainerDriver
 
 
 class Artifacts(Protocol):
