@@ -26,7 +26,6 @@ import attrs
 import trio
 from quart import (
     Blueprint,
-    Quart,
     Response,
     redirect,
     render_template,
@@ -34,6 +33,7 @@ from quart import (
     send_from_directory,
     stream_with_context,
 )
+from quart_trio import QuartTrio
 from werkzeug.exceptions import NotFound as HttpNotFound
 from werkzeug.sansio.response import Response as BaseResponse
 
@@ -476,8 +476,15 @@ class Console:
 
     # ---- request charts: samples of the gateway's Prometheus metrics --------------------------
 
+    async def sample_forever(self) -> None:
+        """Sample once a second for as long as the controller serves, so the request charts show the
+        last ten minutes whenever a console page is opened."""
+        while True:
+            self._sample(trio.current_time())
+            await trio.sleep(1.0)
+
     def _sample(self, now: float) -> None:
-        """Take a sample if a second has passed since the last one (called by the live views)."""
+        """Take a sample if a second has passed since the last one (the sampler, and the live views)."""
         if self._samples and now - self._samples[-1].at < 1.0:
             return
         m = self._s.metrics
@@ -633,11 +640,25 @@ def _int_field(form: Mapping[str, str], name: str, *, optional: bool = False) ->
 
 
 def register(  # noqa: PLR0915 - every console route, side by side, as closures over `console`
-    app: Quart, state: ConsoleState, route_roles: Mapping[_Route, frozenset[Role] | None]
+    app: QuartTrio, state: ConsoleState, route_roles: Mapping[_Route, frozenset[Role] | None]
 ) -> Console:
     """Add the console's routes to `app`; every one is in `CONSOLE_ROUTES`."""
     console = Console(state, route_roles)
     bp = Blueprint("console", __name__, template_folder="templates")
+    sampler = trio.CancelScope()
+
+    @app.before_serving
+    async def _start_sampler() -> None:
+        async def sample() -> None:
+            with sampler:
+                await console.sample_forever()
+
+        app.nursery.start_soon(sample)
+
+    @app.after_serving
+    async def _stop_sampler() -> None:
+        sampler.cancel()
+
     app.jinja_env.filters.update(bytes=_fmt_bytes, time=_fmt_time, age=_fmt_age)
     app.jinja_env.globals.update(node_age=_node_age, node_actions=_NODE_ACTIONS)
 

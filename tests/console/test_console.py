@@ -67,6 +67,15 @@ async def test_vendor_libraries_are_bundled_and_served(controller: Controller) -
         assert (await http.get("/console/static/../api.py")).status_code == 404
 
 
+async def test_the_request_charts_have_history_before_any_page_was_open(controller: Controller) -> None:
+    """The controller samples for the charts from its start, not only while a console page is open."""
+    await trio.sleep(3.5)
+    async with httpx.AsyncClient(base_url=controller.url) as http:
+        assert (await _sign_in(http, controller.admin_key)).status_code in {200, 303}
+        series = (await http.get("/console/requests/series")).json()
+    assert len(series["t"]) >= 3  # one point per second since the start, though nobody looked
+
+
 async def test_session_cookie_flags_and_sign_out(controller: Controller) -> None:
     async with httpx.AsyncClient(base_url=controller.url) as http:
         assert (await http.get("/console/nodes")).headers["location"] == "/console/login"
