@@ -152,6 +152,10 @@ class GatewayConfig:
     embedding_max_batch: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     #: Usage records are written to the store at least this often (what a crash can lose at most).
     metering_flush_s: Seconds = Seconds(1.0)
+    #: Usage records older than this are deleted (hourly); usage reports reach back this far.
+    usage_retention_s: Seconds = Seconds(400 * 86400.0)
+    #: Finished workloads (their idempotency keys and receipts) older than this are deleted (hourly).
+    workload_retention_s: Seconds = Seconds(90 * 86400.0)
 
 
 @attrs.frozen(kw_only=True)

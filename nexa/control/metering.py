@@ -16,6 +16,7 @@ import csv
 import io
 import logging
 import math
+import time
 from collections import deque
 from typing import Final
 
@@ -37,6 +38,9 @@ MAX_PENDING: Final = 200_000
 #: How far back `window` can look.
 WINDOW_KEEP_S: Final = 3600.0
 #: At most this many finished requests kept per deployment for `window`.
+#: How often records past their retention are deleted; the first time, this long after start.
+PRUNE_INTERVAL_S: Final = 3600.0
+FIRST_PRUNE_S: Final = 60.0
 WINDOW_MAX_RECORDS: Final = 100_000
 CSV_HEADER: Final = ("tenant", "model", "day", "requests", "errors", "prompt_tokens", "completion_tokens")
 
@@ -110,16 +114,30 @@ class Meter:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Flush every `metering_flush_s` until cancelled; then flush what is left (shielded, bounded)."""
         task_status.started()
+        next_prune = trio.current_time() + FIRST_PRUNE_S
         try:
             while True:
                 await trio.sleep(self._cfg.metering_flush_s)
                 await self._flush_logged()
+                if trio.current_time() >= next_prune:
+                    next_prune = trio.current_time() + PRUNE_INTERVAL_S
+                    await self._prune()
         finally:
             with trio.CancelScope(shield=True) as final:
                 final.deadline = trio.current_time() + SHUTDOWN_FLUSH_TIMEOUT_S
                 await self._flush_logged()
             if self._pending:
                 log.error("shutting down with %d usage records not written", len(self._pending))
+
+    async def _prune(self) -> None:
+        """Delete usage records past `usage_retention_s` (a failure is logged; the next hour retries)."""
+        try:
+            deleted = await self._store.prune(st.prune_usage, time.time() - self._cfg.usage_retention_s)
+        except NexaError as exc:
+            log.warning("pruning usage records failed (%s)", exc.code)
+            return
+        if deleted:
+            log.info("pruned %d usage records older than %.0f days", deleted, self._cfg.usage_retention_s / 86400)
 
     async def _flush_logged(self) -> None:
         try:

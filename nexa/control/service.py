@@ -183,6 +183,7 @@ async def serve_control(
                     await loops.start(deployments.run)
                     await loops.start(RolloutWatcher(deployments, meter).run)
                     await loops.start(gateway.run)
+                    await loops.start(partial(workloads.run, cfg.gateway.workload_retention_s))
                     log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                     async with trio.open_nursery() as http:
                         binds: list[str] = await http.start(

@@ -231,7 +231,13 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) STRICT;
     CREATE INDEX workload_unfinished ON workload(state) WHERE finished_at IS NULL;
     """,
+    """
+    CREATE INDEX workload_finished ON workload(finished_at) WHERE finished_at IS NOT NULL;
+    """,
 )
+
+#: Rows one pruning transaction deletes at most, so the store lane is never held for long.
+PRUNE_BATCH: Final = 5000
 
 
 @contextlib.contextmanager
@@ -263,6 +269,16 @@ class Store:
             async with self._limiter:
                 return _translated(fn, self._db, *args)
         return await trio.to_thread.run_sync(_translated, fn, self._db, *args, limiter=self._limiter)
+
+    async def prune(self, fn: Callable[[apsw.Connection, float], int], before: float) -> int:
+        """Run a `prune_*` function batch after batch until it deletes less than a batch; the total.
+        Other transactions get the lane between batches."""
+        total = 0
+        while True:
+            deleted = await self.run(fn, before)
+            total += deleted
+            if deleted < PRUNE_BATCH:
+                return total
 
 
 def _translated(fn: Callable[..., T], db: apsw.Connection, *args: object) -> T:
@@ -1146,3 +1162,24 @@ def workload_receipt_by_key(db: apsw.Connection, tenant: TenantId, key_sha256: s
             (tenant, key_sha256),
         ).fetchall()
     return codec.loads(codec.store, str(rows[0][0]), SignedReceipt) if rows else None
+
+
+def prune_usage(db: apsw.Connection, before: float) -> int:
+    """Delete up to PRUNE_BATCH usage records that finished before `before`; how many went."""
+    with _txn(db):
+        db.execute(
+            "DELETE FROM usage WHERE seq IN (SELECT seq FROM usage WHERE finished_at < ? LIMIT ?)",
+            (before, PRUNE_BATCH),
+        )
+        return db.changes()
+
+
+def prune_workloads(db: apsw.Connection, before: float) -> int:
+    """Delete up to PRUNE_BATCH finished workloads (and their receipts) older than `before`."""
+    with _txn(db):
+        db.execute(
+            "DELETE FROM workload WHERE rowid IN (SELECT rowid FROM workload"
+            " WHERE finished_at IS NOT NULL AND finished_at < ? LIMIT ?)",
+            (before, PRUNE_BATCH),
+        )
+        return db.changes()

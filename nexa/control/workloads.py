@@ -34,7 +34,7 @@ from nexa.contracts.gateway import (
     WorkloadView,
 )
 from nexa.control import store as st
-from nexa.errors import Conflict, NotFound, WorkloadAlreadyActive
+from nexa.errors import Conflict, NexaError, NotFound, WorkloadAlreadyActive
 from nexa.security import SigningKey, sign_receipt
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,25 @@ class Workloads:
         self._epoch = epoch
         self._active: dict[tuple[TenantId, str], ActiveWorkload] = {}
         self._active_keys: dict[tuple[TenantId, str], ActiveWorkload] = {}
+
+    async def run(
+        self,
+        retention_s: float,
+        *,
+        interval_s: float = 3600.0,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Delete finished workloads (idempotency keys, receipts) older than `retention_s`, every `interval_s`."""
+        task_status.started()
+        while True:
+            try:
+                deleted = await self._store.prune(st.prune_workloads, time.time() - retention_s)
+            except NexaError as exc:
+                log.warning("pruning finished workloads failed (%s)", exc.code)
+            else:
+                if deleted:
+                    log.info("pruned %d finished workloads older than %.0f days", deleted, retention_s / 86400)
+            await trio.sleep(interval_s)
 
     @classmethod
     async def load(cls, store: st.Store, signing_key: SigningKey, epoch: int) -> Workloads:

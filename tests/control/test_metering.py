@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, Capability, UsageReport, UsageRow
 from nexa.contracts.gateway import UsageRecord as Rec
 from nexa.control import store as st
-from nexa.control.metering import CSV_HEADER, Meter
+from nexa.control.metering import CSV_HEADER, FIRST_PRUNE_S, Meter
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
 
@@ -255,3 +256,23 @@ async def test_a_failed_flush_keeps_the_records_for_the_next_one(store: st.Store
     meter.record(rec(3))
     assert await meter.flush() == 4
     assert await stored_count(store) == 4
+
+
+async def test_records_past_their_retention_are_pruned_in_batches(
+    tmp_path: Path, mock_clock: trio.testing.MockClock
+) -> None:
+    """Old records go (in several transactions when there are many), recent ones stay."""
+    now = time.time()
+    cfg = GatewayConfig(metering_flush_s=Seconds(1.0), usage_retention_s=Seconds(86400.0))
+    async with st.open_store(tmp_path / "state", inline=True) as store, trio.open_nursery() as nursery:
+        old = [rec(i, finished_at=now - 2 * 86400) for i in range(st.PRUNE_BATCH + 7)]
+        await store.run(st.insert_usage, [*old, rec(99_999, finished_at=now - 60)])
+        meter = Meter(cfg, store, Metrics())
+        await nursery.start(meter.run)
+        mock_clock.jump(FIRST_PRUNE_S - 1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await stored_count(store) == st.PRUNE_BATCH + 8  # not yet: the first pass waits a minute
+        mock_clock.jump(2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert await stored_count(store) == 1
+        nursery.cancel_scope.cancel()

@@ -243,3 +243,19 @@ async def test_finish_refuses_a_receipt_of_another_workload(workloads: Workloads
     with pytest.raises(ValueError, match="does not finish"):
         await workloads.finish(active, receipt_for(active, WorkloadState.RUNNING))
     assert workloads.get_active(ACME, "w1") is active
+
+
+async def test_finished_workloads_past_their_retention_are_pruned(store: st.Store, workloads: Workloads) -> None:
+    """Their receipts and keys go; a recent one and one still running stay."""
+    old = await begin(workloads, workload_id="old", key="k-old")
+    await workloads.finish(old, receipt_for(old, finished_at=time.time() - 3 * 86400))
+    recent = await begin(workloads, workload_id="recent", key="k-recent")
+    await workloads.finish(recent, receipt_for(recent))
+    running = await begin(workloads, workload_id="running", key="k-running")
+    with trio.move_on_after(1):
+        await workloads.run(86400.0, interval_s=3600.0)  # one pass, then it sleeps
+    assert await workloads.lookup(ACME, "k-old") is None
+    with pytest.raises(NotFound):
+        await workloads.receipt(ACME, "old")
+    assert await workloads.lookup(ACME, "k-recent") is not None
+    assert (await workloads.status(ACME, "running")).state is running.state
