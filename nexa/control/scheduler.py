@@ -421,24 +421,30 @@ def _license_failed(node: PlacementNode, need: _Need, memo: dict[Hashable, Filte
 
 def _gpus_failed(node: PlacementNode, need: _Need, memo: dict[Hashable, FilterResult]) -> FilterResult:
     have = len(node.free_gpus)
+    cause = (node.unified_memory, have)
+    found = memo.get((_ACCELERATORS, cause))  # the detail is formatted once per cause, not per node
+    if found is not None:
+        return found
     if node.unified_memory:
-        return _failed(memo, _ACCELERATORS, (True, have), f"needs {need.accelerators} shared GPU(s), node has {have}")
-    return _failed(memo, _ACCELERATORS, (False, have), f"needs {need.accelerators} GPU(s), {have} free")
+        return _failed(memo, _ACCELERATORS, cause, f"needs {need.accelerators} shared GPU(s), node has {have}")
+    return _failed(memo, _ACCELERATORS, cause, f"needs {need.accelerators} GPU(s), {have} free")
 
 
 def _memory_failed(
     node: PlacementNode, need: _Need, free_memory: int, memo: dict[Hashable, FilterResult]
 ) -> FilterResult:
-    if node.unified_memory:
-        cause: tuple[str, int] = ("unified", free_memory)
+    pool = "unified" if node.unified_memory else "gpu" if need.accelerators else "host"
+    cause = (pool, free_memory)
+    found = memo.get((_MEMORY, cause))
+    if found is not None:
+        return found
+    if pool == "unified":
         detail = f"needs {_gib(need.memory)} of unified memory, {_gib(free_memory)} free"
-    elif need.accelerators:
-        cause = ("gpu", free_memory)
+    elif pool == "gpu":
         detail = f"needs {_gib(need.memory)} on {need.accelerators} GPU(s), they have {_gib(free_memory)} free"
     else:
-        cause = ("host", free_memory)
         detail = f"needs {_gib(need.memory)} of host memory, {_gib(free_memory)} free"
-    return memo.get((_MEMORY, cause)) or _failed(memo, _MEMORY, cause, detail)
+    return _failed(memo, _MEMORY, cause, detail)
 
 
 def _failed(memo: dict[Hashable, FilterResult], index: int, cause: Hashable, detail: str) -> FilterResult:
