@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import pytest
@@ -184,23 +184,30 @@ def state_dir(tmp_path: Path) -> Path:
     return tmp_path / "state"
 
 
-@pytest.fixture
-def cfg(tmp_path: Path, state_dir: Path) -> NodeConfig:
+def node_config(tmp_path: Path, state_dir: Path, inventory: dict[str, Any], **over: Any) -> NodeConfig:
+    """A fast-beating node on a GB10 (fake nvidia-smi) with `inventory` as its inventory.json and no
+    podman behind its socket; `over` replaces any field."""
     smi = tmp_path / "nvidia-smi"
     smi.write_text(f'#!/bin/sh\nexec cat "{GB10_SMI}"\n')
     smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
     inventory_path = tmp_path / "inventory.json"
-    write_inventory(inventory_path, {"labels": {"rack": "r1"}})
-    return NodeConfig(
+    write_inventory(inventory_path, inventory)
+    base = NodeConfig(
         state_dir=str(state_dir),
         inventory_path=str(inventory_path),
         inventory_poll_interval_s=Seconds(0.02),
         nvidia_smi=str(smi),
         heartbeat_interval_s=Seconds(BEAT_S),
         reconnect_max_s=Seconds(0.2),
-        # No podman behind this socket: these tests are about the protocol, not the runtimes.
         podman=PodmanConfig(socket=str(tmp_path / "no-podman.sock")),
     )
+    return attrs.evolve(base, **over)
+
+
+@pytest.fixture
+def cfg(tmp_path: Path, state_dir: Path) -> NodeConfig:
+    # No podman behind its socket: these tests are about the protocol, not the runtimes.
+    return node_config(tmp_path, state_dir, {"labels": {"rack": "r1"}})
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import socket
-import stat
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from nexa.errors import ConfigError
 from nexa.node.agent import serve_node
 from nexa.node.processes import SIM_DIR
 from tests.conftest import free_port
-from tests.node.test_agent import GB10_SMI, FakeController, start_node, write_inventory
+from tests.node.test_agent import FakeController, node_config, start_node
 from tests.node.test_processes import sim_runtime
 
 TIMEOUT_S = 30
@@ -40,20 +39,13 @@ def state_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def cfg(tmp_path: Path, state_dir: Path) -> NodeConfig:
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text(f'#!/bin/sh\nexec cat "{GB10_SMI}"\n')
-    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
-    inventory_path = tmp_path / "inventory.json"
-    write_inventory(inventory_path, {"runtimes": ["sim"]})
-    return NodeConfig(
-        state_dir=str(state_dir),
-        inventory_path=str(inventory_path),
+    # No podman behind its socket: a simulation node needs none.
+    return node_config(
+        tmp_path,
+        state_dir,
+        {"runtimes": ["sim"]},
         inventory_poll_interval_s=Seconds(0.05),
-        nvidia_smi=str(smi),
         heartbeat_interval_s=Seconds(BEAT_S),
-        reconnect_max_s=Seconds(0.2),
-        # No podman behind this socket: a simulation node needs none.
-        podman=PodmanConfig(socket=str(tmp_path / "no-podman.sock")),
         supervisor=SupervisorConfig(restart_backoff_initial_s=Seconds(0.1), reconcile_interval_s=Seconds(0.2)),
         simulation=True,
     )
