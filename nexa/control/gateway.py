@@ -56,7 +56,6 @@ from nexa.errors import (
     ModelNotServed,
     NexaError,
     NoReadyReplica,
-    NotFound,
     RuntimeFailed,
     RuntimeRejected,
 )
@@ -292,7 +291,7 @@ class Gateway:
                 record = self._models.model(model_name, version)
                 return "", ModelRef(model=record.name, version=record.version)
             record = self._models.resolve(name)
-        except (NotFound, NexaError):
+        except NexaError:  # NotFound, or an alias pointing at a version no longer Approved
             raise ModelNotServed(f"no model or alias {name!r} is served here") from None
         return name, ModelRef(model=record.name, version=record.version)
 
@@ -314,6 +313,11 @@ class Gateway:
             self._admission.slot(model_key, work.tenant, work.priority, self.trio_deadline(work))
         )
         outcome.queue_ms = queued_s * 1000.0
+        if queued_s:
+            # Replicas may have come or gone while it waited: route by the fleet as it is now.
+            serving = self._deployments.serving(ref, alias=outcome.alias or None)
+            if not serving.replicas:
+                raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         if work.capability is Capability.EMBEDDING and (inputs := _batchable_inputs(work.body)) is not None:
             await self._embed_batched(call, serving, inputs)
             return
