@@ -1,8 +1,8 @@
 """The node's inference relay: `infer` frames from the controller → the local runtime over loopback
 HTTP → `chunk` frames and exactly one `end` back.
 
-One task per request, owned by `run`'s nursery, and one shared httpx client (a keep-alive pool
-to the runtimes on 127.0.0.1). Output goes back in chunks of at most `max_chunk_bytes`, never
+One task per request, owned by `run`'s nursery, and one shared keep-alive HTTP/1.1 client to the
+runtimes on the node's loopback address (`node.http1`). Output goes back in chunks of at most `max_chunk_bytes`, never
 more than the request's window ahead of the credit the controller returned: a slow client stops
 only its own request, and the runtime feels it as TCP backpressure. A streamed chunk holds whole
 SSE events (only an event larger than `max_chunk_bytes` is split). `cancel` cancels the request's
@@ -20,12 +20,12 @@ from collections.abc import Callable, Mapping
 from typing import Final, NoReturn, Protocol
 
 import attrs
-import httpx
 import trio
 
 from nexa.config import RelayConfig
 from nexa.contracts import codec, wire
 from nexa.errors import ChannelError, ContractError
+from nexa.node.http1 import Response, RuntimeClient, RuntimeHTTPError
 
 log = logging.getLogger(__name__)
 
@@ -132,29 +132,24 @@ class NodeRelay:
         self._uplink = send
         self._endpoint = endpoint
         self._requests: dict[str, _Request] = {}
-        self._client: httpx.AsyncClient | None = None
+        self._client: RuntimeClient | None = None
         self._nursery: trio.Nursery | None = None
         self._accepted = self._completed = self._failed = self._cancelled = self._busy = 0
         self._chunks_sent = self._bytes_sent = self._dropped = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         """Own the HTTP client and the request tasks until cancelled."""
-        cfg = self._cfg
-        # No read timeout: the request's deadline bounds the whole call. trust_env off: a proxy
-        # from the environment must never sit between the node and its loopback runtimes.
-        timeout = httpx.Timeout(None, connect=float(cfg.connect_timeout_s))
-        limits = httpx.Limits(max_connections=cfg.max_inflight, max_keepalive_connections=min(cfg.max_inflight, 128))
+        # No read timeout: the request's deadline bounds the whole call.
+        client = RuntimeClient(connect_timeout_s=float(self._cfg.connect_timeout_s))
         try:
-            async with (
-                httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client,
-                trio.open_nursery() as nursery,
-            ):
+            async with trio.open_nursery() as nursery:
                 self._client, self._nursery = client, nursery
                 task_status.started()
                 await trio.sleep_forever()
         finally:
             self._client = self._nursery = None
             self._requests.clear()
+            await client.aclose()
 
     def deliver(self, frame: wire.DataFrame) -> None:
         """Act on one data frame from the controller: `infer`, `cancel` or `credit`. Never blocks."""
@@ -249,12 +244,10 @@ class NodeRelay:
         client = self._client
         assert client is not None  # set while run() serves, which owns this task
         # Our own header: runtimes treat X-Request-Id as theirs (llama-cpp-python refuses one that is not a UUID).
-        headers = {"Content-Type": "application/json", REQUEST_ID_HEADER: req.request_id, "Accept-Encoding": "identity"}
+        headers = (("Content-Type", "application/json"), (REQUEST_ID_HEADER, req.request_id))
         usage = _Usage()
         try:
-            async with client.stream(
-                "POST", f"http://{self._host}:{port}{head.path}", content=req.body, headers=headers
-            ) as resp:
+            async with client.post(self._host, port, head.path, req.body, headers) as resp:
                 req.responded, req.http_status = True, resp.status_code
                 if resp.status_code >= 400:
                     return await _runtime_failed(resp)
@@ -262,7 +255,7 @@ class NodeRelay:
                     await self._forward_events(req, resp, usage)
                 else:
                     await self._forward_body(req, resp, usage)
-        except httpx.HTTPError:
+        except RuntimeHTTPError:
             # Refused or reset before an answer: nothing ran. After it: the runtime broke the stream.
             return _error(RUNTIME_ERROR if req.responded else RUNTIME_UNAVAILABLE, http_status=req.http_status)
         completion = usage.completion_tokens
@@ -278,7 +271,7 @@ class NodeRelay:
             completion_tokens=completion,
         )
 
-    async def _forward_events(self, req: _Request, resp: httpx.Response, usage: _Usage) -> None:
+    async def _forward_events(self, req: _Request, resp: Response, usage: _Usage) -> None:
         """SSE: whole events, coalesced as they are available; read the usage, maybe drop its event."""
         strip = req.head.strip_usage_chunk
         rest = b""
@@ -306,7 +299,7 @@ class NodeRelay:
         if rest:
             await self._send_coalesced(req, [rest])  # a last event without its blank line
 
-    async def _forward_body(self, req: _Request, resp: httpx.Response, usage: _Usage) -> None:
+    async def _forward_body(self, req: _Request, resp: Response, usage: _Usage) -> None:
         """Unary: the body in chunks of at most max_chunk_bytes; usage from the whole body."""
         limit = int(self._cfg.max_chunk_bytes)
         whole: bytearray | None = bytearray()
@@ -372,7 +365,7 @@ def _error(code: Code, *, http_status: int | None = None, message: str = "") -> 
     return wire.EndHead(status=wire.EndStatus.ERROR, code=code, http_status=http_status, message=message)
 
 
-async def _runtime_failed(resp: httpx.Response) -> wire.EndHead:
+async def _runtime_failed(resp: Response) -> wire.EndHead:
     """A 4xx (rejected, with the runtime's own message) or 5xx (failed) answer; reads at most 64 KiB."""
     body = bytearray()
     async for data in resp.aiter_bytes():

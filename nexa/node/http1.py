@@ -1,0 +1,168 @@
+"""A lean keep-alive HTTP/1.1 client for the node's own runtimes on loopback: h11 over trio sockets.
+
+The relay sends every inference request through here. A general client (httpx) spent a quarter
+of the node agent's CPU per request in its connection pool and request models, and its pool's
+bookkeeping grew with the number of connections; this one keeps, per (host, port), a stack of
+idle connections and does nothing else: no proxies, TLS, redirects, cookies or compression
+(runtimes on 127.0.0.x need none). A connection goes back to the pool only after a complete
+exchange; leaving early (cancellation, an error) closes it, which is how a runtime learns that
+its client went away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Final, cast
+
+import h11
+import trio
+
+#: Bytes read from a runtime's socket at once.
+READ_BYTES: Final = 65536
+
+
+class RuntimeHTTPError(Exception):
+    """The runtime could not be reached, or broke the exchange (the caller knows whether it had answered)."""
+
+
+class _Connection:
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(our_role=h11.CLIENT)
+
+    async def next_event(self) -> h11.Event | type[h11.PAUSED]:
+        while True:
+            try:
+                event = self.h11.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise RuntimeHTTPError(f"the runtime broke HTTP/1.1: {exc}") from None
+            if event is not h11.NEED_DATA:
+                return cast("h11.Event | type[h11.PAUSED]", event)
+            try:
+                data = await self.stream.receive_some(READ_BYTES)
+            except trio.BrokenResourceError as exc:
+                raise RuntimeHTTPError(f"the runtime's connection broke: {exc}") from None
+            self.h11.receive_data(data)  # b"" at the end of the stream: h11 then reports it
+
+    @property
+    def reusable(self) -> bool:
+        return self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE
+
+
+class Response:
+    """A runtime's answer: its status and headers now, its body as it arrives (read it once)."""
+
+    def __init__(self, connection: _Connection, head: h11.Response) -> None:
+        self._connection = connection
+        self.status_code: int = head.status_code
+        self.headers: list[tuple[bytes, bytes]] = list(head.headers)
+        self._done = False
+
+    def aiter_bytes(self) -> Response:
+        """The body's pieces as they arrive. A plain async iterator, not a generator: leaving the
+        loop early leaves nothing behind to finalize (the connection is closed by `post`)."""
+        return self
+
+    def __aiter__(self) -> Response:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._done:
+            event = await self._connection.next_event()
+            if isinstance(event, h11.Data):
+                return bytes(event.data)
+            if isinstance(event, h11.EndOfMessage):
+                self._done = True
+            elif isinstance(event, h11.ConnectionClosed):
+                raise RuntimeHTTPError("the runtime closed the connection before the end of its answer")
+        raise StopAsyncIteration
+
+
+class RuntimeClient:
+    """POST to `http://host:port/path` with keep-alive connections, at most `max_idle` idle per port."""
+
+    def __init__(self, *, connect_timeout_s: float, max_idle: int = 128) -> None:
+        self._connect_timeout_s = connect_timeout_s
+        self._max_idle = max_idle
+        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+
+    @contextlib.asynccontextmanager
+    async def post(
+        self, host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()
+    ) -> AsyncIterator[Response]:
+        """Send the request and yield the answer once its head arrived. RuntimeHTTPError when the
+        runtime cannot be reached or breaks the exchange."""
+        key = (host, port)
+        request = h11.Request(
+            method="POST",
+            target=path,
+            headers=[("Host", f"{host}:{port}"), ("Content-Length", str(len(body))), *headers],
+        )
+        connection, head = await self._exchange(key, request, body)
+        try:
+            response = Response(connection, head)
+            yield response
+            reusable = response._done and connection.reusable
+        except BaseException:
+            reusable = False
+            raise
+        finally:
+            if reusable and len(self._idle.setdefault(key, [])) < self._max_idle:
+                connection.h11.start_next_cycle()
+                self._idle[key].append(connection)
+            else:
+                with trio.CancelScope(shield=True):
+                    await connection.stream.aclose()
+
+    async def _exchange(
+        self, key: tuple[str, int], request: h11.Request, body: bytes
+    ) -> tuple[_Connection, h11.Response]:
+        """Send on an idle connection (one the runtime closed meanwhile is retried on a new one), else a new one."""
+        idle = self._idle.get(key)
+        while idle:
+            connection = idle.pop()
+            try:
+                return connection, await self._send(connection, request, body)
+            except RuntimeHTTPError:
+                # Closed by the runtime while idle (keep-alive timeout): nothing was answered, try again.
+                with trio.CancelScope(shield=True):
+                    await connection.stream.aclose()
+        connection = await self._connect(key)
+        try:
+            return connection, await self._send(connection, request, body)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await connection.stream.aclose()
+            raise
+
+    async def _connect(self, key: tuple[str, int]) -> _Connection:
+        try:
+            with trio.fail_after(self._connect_timeout_s):
+                stream = await trio.open_tcp_stream(*key)
+        except (OSError, trio.TooSlowError) as exc:
+            raise RuntimeHTTPError(f"cannot connect to the runtime on {key[0]}:{key[1]}: {exc}") from None
+        return _Connection(stream)
+
+    @staticmethod
+    async def _send(connection: _Connection, request: h11.Request, body: bytes) -> h11.Response:
+        wire = connection.h11.send(request) + connection.h11.send(h11.Data(data=body))
+        wire += connection.h11.send(h11.EndOfMessage())
+        try:
+            await connection.stream.send_all(wire)
+        except trio.BrokenResourceError as exc:
+            raise RuntimeHTTPError(f"the runtime's connection broke: {exc}") from None
+        while True:
+            event = await connection.next_event()
+            if isinstance(event, h11.Response):
+                return event
+            if isinstance(event, h11.ConnectionClosed):
+                raise RuntimeHTTPError("the runtime closed the connection without answering")
+            # InformationalResponse (1xx): keep reading.
+
+    async def aclose(self) -> None:
+        for connections in self._idle.values():
+            for connection in connections:
+                with trio.CancelScope(shield=True):
+                    await connection.stream.aclose()
+        self._idle.clear()

@@ -1,0 +1,113 @@
+"""The relay's HTTP/1.1 client against a real hypercorn server on loopback."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import attrs
+import hypercorn.config
+import hypercorn.trio
+import pytest
+import trio
+
+from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
+from tests.node.test_relay import closed_port
+
+TIMEOUT_S = 10
+
+
+@attrs.define
+class Server:
+    """Answers every POST with its body reversed, in two chunks; counts the connections it saw."""
+
+    peers: set[tuple[str, int]] = attrs.field(factory=set)
+    disconnected: trio.Event = attrs.field(factory=trio.Event)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (msg := await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        self.peers.add(tuple(scope["client"]))
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        if body == b"slow":
+            await send({"type": "http.response.body", "body": b"first", "more_body": True})
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.disconnected.set()
+            return
+        await send({"type": "http.response.body", "body": body[::-1][:2], "more_body": True})
+        await send({"type": "http.response.body", "body": body[::-1][2:], "more_body": False})
+
+
+async def serve(
+    app: Server, keep_alive_s: float, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    config = hypercorn.config.Config()
+    config.bind = ["127.0.0.1:0"]
+    config.accesslog = None
+    config.errorlog = None
+    config.keep_alive_timeout = keep_alive_s
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(partial(hypercorn.trio.serve, app, config, shutdown_trigger=trio.sleep_forever))
+        task_status.started(int(binds[0].rsplit(":", 1)[1]))
+
+
+async def post(client: RuntimeClient, port: int, body: bytes) -> tuple[int, bytes]:
+    async with client.post("127.0.0.1", port, "/v1/x", body, [("Content-Type", "text/plain")]) as resp:
+        return resp.status_code, b"".join([chunk async for chunk in resp.aiter_bytes()])
+
+
+async def test_answers_come_back_whole_and_connections_are_reused(nursery: trio.Nursery) -> None:
+    app = Server()
+    port = await nursery.start(serve, app, 30.0)
+    client = RuntimeClient(connect_timeout_s=2)
+    with trio.fail_after(TIMEOUT_S):
+        for i in range(20):
+            assert await post(client, port, f"request {i}".encode()) == (200, f"request {i}".encode()[::-1])
+        assert len(app.peers) == 1  # one keep-alive connection served them all
+        async with trio.open_nursery() as burst:
+            for _ in range(5):
+                burst.start_soon(post, client, port, b"together")
+        assert len(app.peers) <= 6
+    await client.aclose()
+
+
+async def test_a_connection_the_runtime_closed_while_idle_is_replaced(nursery: trio.Nursery) -> None:
+    app = Server()
+    port = await nursery.start(serve, app, 0.2)  # the server drops idle connections after 0.2 s
+    client = RuntimeClient(connect_timeout_s=2)
+    with trio.fail_after(TIMEOUT_S):
+        assert await post(client, port, b"one") == (200, b"eno")
+        await trio.sleep(0.6)
+        assert await post(client, port, b"two") == (200, b"owt")  # not an error: a fresh connection
+        assert len(app.peers) == 2
+    await client.aclose()
+
+
+async def test_leaving_early_closes_the_connection_so_the_runtime_sees_it(nursery: trio.Nursery) -> None:
+    app = Server()
+    port = await nursery.start(serve, app, 30.0)
+    client = RuntimeClient(connect_timeout_s=2)
+    with trio.fail_after(TIMEOUT_S):
+        async with client.post("127.0.0.1", port, "/v1/x", b"slow") as resp:
+            async for chunk in resp.aiter_bytes():
+                assert chunk == b"first"
+                break
+        await app.disconnected.wait()
+        assert await post(client, port, b"after") == (200, b"retfa")  # a new connection, not the broken one
+    await client.aclose()
+
+
+async def test_a_runtime_that_is_not_listening_is_an_error() -> None:
+    client = RuntimeClient(connect_timeout_s=2)
+    with pytest.raises(RuntimeHTTPError, match="cannot connect"):
+        await post(client, closed_port(), b"x")
