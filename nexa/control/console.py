@@ -700,6 +700,16 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
         console._check_csrf(session, form)
         return form
 
+    async def _confirmed(action: str, kind: str, name: str) -> Session:
+        """A destructive POST: signed in, its CSRF token, a role that may, and the confirmation
+        page's answer naming this very scope (`<kind> <name>`)."""
+        session = console._signed_in()
+        form = await _form(session)
+        await console._require(session, action, f"{kind}/{name}")
+        if form.get("confirm") != f"{kind} {name}":
+            raise _Refused(400, "confirm the action on its confirmation page")
+        return session
+
     # ---- sign-in -----------------------------------------------------------------------------
 
     @bp.get("/")
@@ -855,13 +865,9 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
     @bp.post("/console/nodes/<node_id>/<action>")
     @page
     async def node_act(node_id: str, action: str) -> Any:
-        session = console._signed_in()
-        form = await _form(session)
         if action not in _NODE_ACTIONS:
             raise _Refused(404, "no such action")
-        await console._require(session, action, f"node/{node_id}")
-        if form.get("confirm") != f"node {node_id}":
-            raise _Refused(400, "confirm the action on its confirmation page")
+        session = await _confirmed(action, "node", node_id)
         live = await state.fleet.act(session.actor, node_id, action)
         return await _done(session, f"Node {node_id} is now {live.state.value}.", "/console/nodes")
 
@@ -905,11 +911,7 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
     @bp.post("/console/aliases/<name>/rollback")
     @page
     async def rollback(name: str) -> Any:
-        session = console._signed_in()
-        form = await _form(session)
-        await console._require(session, "rollback", f"alias/{name}")
-        if form.get("confirm") != f"alias {name}":
-            raise _Refused(400, "confirm the action on its confirmation page")
+        session = await _confirmed("rollback", "alias", name)
         receipt = await state.models.rollback(session.actor, name)
         return await _done(
             session, f"Alias {name} rolled back to {receipt.to.model} {receipt.to.version}.", "/console/models"
@@ -943,13 +945,9 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
     @bp.post("/console/deployments/<name>/<action>")
     @page
     async def deployment_act(name: str, action: str) -> Any:
-        session = console._signed_in()
-        form = await _form(session)
         if action not in {"scale", "delete"}:
             raise _Refused(404, "no such action")
-        await console._require(session, action, f"deployment/{name}")
-        if form.get("confirm") != f"deployment {name}":
-            raise _Refused(400, "confirm the action on its confirmation page")
+        session = await _confirmed(action, "deployment", name)
         if action == "delete":
             await state.deployments.delete(session.actor, name)
             return await _done(session, f"Deployment {name} deleted.", "/console/deployments")
@@ -1002,11 +1000,7 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
     @bp.post("/console/keys/<key_id>/revoke")
     @page
     async def key_revoke(key_id: str) -> Any:
-        session = console._signed_in()
-        form = await _form(session)
-        await console._require(session, "key_revoke", f"key/{key_id}")
-        if form.get("confirm") != f"key {key_id}":
-            raise _Refused(400, "confirm the action on its confirmation page")
+        session = await _confirmed("key_revoke", "key", key_id)
         await state.registry.revoke_key(session.actor, KeyId(key_id))
         return await _done(session, f"Key {key_id} revoked.", "/console/keys")
 

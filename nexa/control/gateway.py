@@ -321,7 +321,7 @@ class Gateway:
         if work.capability is Capability.EMBEDDING and (inputs := _batchable_inputs(work.body)) is not None:
             await self._embed_batched(call, serving, inputs)
             return
-        await self._open(call, serving, _encode(work, serving, self._cfg))
+        await self._open(call, serving, _encode(work, serving))
 
     async def _open(self, call: Call, serving: ServingSet, body: bytes) -> None:
         """Try replicas until one produces a first chunk (or ends cleanly); keep its stream open in the call."""
@@ -481,7 +481,7 @@ class Gateway:
         )
         inner = Call(self, work, Outcome(), trio.current_time())
         try:
-            await self._open(inner, batch.serving, _encode(work, batch.serving, self._cfg))
+            await self._open(inner, batch.serving, _encode(work, batch.serving))
             raw = await inner.read_all()
             if inner.error is None:
                 _split_embeddings(raw, live, inner.outcome)
@@ -562,10 +562,9 @@ def _batchable_inputs(body: dict[str, Any]) -> list[str] | None:
     return None
 
 
-def _encode(work: Work, serving: ServingSet, cfg: GatewayConfig) -> bytes:
+def _encode(work: Work, serving: ServingSet) -> bytes:
     """The runtime's request body: the client's, with the served model's name, and usage always
     asked for in streams (stripped again on the node when the client did not ask)."""
-    del cfg
     body: dict[str, Any] = dict(work.body)
     body["model"] = serving.model.model
     if work.capability is not Capability.EMBEDDING:
