@@ -4,7 +4,9 @@ Owns argument parsing, log handler setup, signals and `trio.run`. Imports each r
 that `nexa version` and the operator commands start fast.
 
 Exit codes: 0 success; 1 the operation failed (remote error, verify failed, cannot start);
-2 bad usage or invalid configuration.
+2 bad usage or invalid configuration; 3 a running role stopped because its store became unusable
+(corrupt, not a database, I/O failure, read-only). A role's loops that fail otherwise are
+restarted (`nexa.supervision`), never an exit.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from nexa import __version__, config
-from nexa.errors import ConfigError, NexaError, RemoteError
+from nexa.errors import ConfigError, NexaError, RemoteError, StoreUnusable
+
+if TYPE_CHECKING:
+    from nexa.security import PublicKey
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 EXIT_USAGE: Final = 2
+EXIT_STORE_UNUSABLE: Final = 3
 DEFAULT_URL: Final = "http://127.0.0.1:8470"
 ROLES: Final = ("admin", "operator", "inference", "audit", "monitoring")
 
@@ -48,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except NexaError as exc:
         print(f"nexa: error: {exc.message}", file=sys.stderr)
-        return EXIT_FAILED
+        # An unusable database is not fixed by a restart: its own exit code, for alerting.
+        return EXIT_STORE_UNUSABLE if isinstance(exc, StoreUnusable) else EXIT_FAILED
     except KeyboardInterrupt:
         return 130
 
@@ -67,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("keygen", help="print a new API key in nexa's format (for bootstrap.admin_key_file)")
     s.set_defaults(handler=_cmd_keygen)
+
+    openapi_help = "print the HTTP API's OpenAPI 3.1 document (as GET /api/v1/openapi.json)"
+    sub.add_parser("openapi", help=openapi_help).set_defaults(handler=_cmd_openapi)
 
     s = sub.add_parser("control", help="run the controller")
     s.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
@@ -87,15 +97,16 @@ def _parser() -> argparse.ArgumentParser:
     s = verbs.add_parser("enroll", help="enroll this node with a one-time token from `nexa tokens create`")
     s.add_argument("--controller", required=True, help="controller URL, e.g. https://control.example:8470")
     s.add_argument("--token", required=True, help="one-time enrollment token (nxb_…)")
+    s.add_argument(
+        "--controller-fingerprint",
+        help="SHA-256 of the controller's keys, as `nexa tokens create` prints it "
+        "(needed when the token does not carry it; must match when it does)",
+    )
     s.add_argument("--name", help="node name to ask for (default: this host's name)")
     s.add_argument("--config", dest="enroll_config", default=None, help="node TOML config (for state_dir)")
     s.add_argument("--state-dir", dest="enroll_state_dir", help="overrides state_dir")
     s.set_defaults(handler=_cmd_node_enroll)
-    s = verbs.add_parser("inventory", help="print what this node would report: discovery merged with inventory.json")
-    s.add_argument("--config", dest="inv_config", default=None, help="node TOML config")
-    s.add_argument("--inventory", dest="inv_path", help="overrides inventory_path")
-    s.add_argument("--json", action="store_true", help="print JSON")
-    s.set_defaults(handler=_cmd_node_inventory)
+    _node_tool_commands(verbs)
 
     _sim_runtime_command(sub)
 
@@ -123,6 +134,13 @@ def _cmd_version(_: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config.load(args.file, config.ControlConfig if args.role == "control" else config.NodeConfig)
     print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+def _cmd_openapi(_: argparse.Namespace) -> int:
+    from nexa.control import openapi
+
+    print(json.dumps(openapi.document(), indent=2, sort_keys=True))
     return EXIT_OK
 
 
@@ -276,14 +294,85 @@ def _cmd_node_enroll(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.enroll_config, config.NodeConfig) if args.enroll_config else config.NodeConfig()
     state_dir = Path(args.enroll_state_dir or cfg.state_dir)
+    # The keys that come back are pinned only if they are the controller the operator meant.
+    pin = identity.expected_fingerprint(args.token, args.controller_fingerprint)
+    if pin is None:
+        raise ConfigError(
+            "the token carries no controller fingerprint: pass --controller-fingerprint "
+            "(`nexa tokens create` prints it)"
+        )
     req = identity.enroll_request(state_dir, args.token, args.name or socket.gethostname(), __version__)
     with ApiClient(args.controller, None) as client:
         out = client.call("POST", "/api/v1/enroll", body=codec.api.unstructure(req))
     resp = codec.structure(codec.api, out, EnrollResponse)
-    identity.save_enrollment(state_dir, resp)
+    identity.save_enrollment(state_dir, resp, pin=pin, controller_url=args.controller)
     print(f"enrolled as node {resp.node_id}; the channel is {resp.channel_endpoint}")
+    print(f"pinned controller fingerprint {pin}")
     print(f"start the agent with: nexa node --state-dir {state_dir}")
     return EXIT_OK
+
+
+def _node_tool_commands(verbs: Any) -> None:
+    """`nexa node inventory` and `nexa node doctor`: they look at this host and start nothing."""
+    s = verbs.add_parser("inventory", help="print what this node would report: discovery merged with inventory.json")
+    s.add_argument("--config", dest="inv_config", default=None, help="node TOML config")
+    s.add_argument("--inventory", dest="inv_path", help="overrides inventory_path")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(handler=_cmd_node_inventory)
+    s = verbs.add_parser("doctor", help="check this host for the agent, before enrollment and after (exit 0: no FAIL)")
+    s.add_argument("--config", dest="doctor_config", default=None, help="node TOML config (default: $NEXA_CONFIG)")
+    s.add_argument("--state-dir", dest="doctor_state_dir", help="overrides state_dir")
+    s.add_argument(
+        "--controller", dest="doctor_controller", default="", help="controller URL (default: the enrolled one)"
+    )
+    s.add_argument("--controller-fingerprint", dest="doctor_fingerprint", help="the fingerprint to expect")
+    s.add_argument(
+        "--min-free-gib", type=float, default=50.0, help="free space the artifact cache needs (GiB, default 50)"
+    )
+    s.add_argument(
+        "--cdi-dir", action="append", help="where CDI specs are (repeatable; default /etc/cdi, /var/run/cdi)"
+    )
+    s.add_argument("--json", dest="doctor_json", action="store_true", help="print the report as JSON")
+    s.set_defaults(handler=_cmd_node_doctor)
+
+
+def _cmd_node_doctor(args: argparse.Namespace) -> int:
+    import math
+
+    import trio
+
+    from nexa import security
+    from nexa.contracts import codec
+    from nexa.errors import ContractError
+    from nexa.node import doctor
+
+    path = args.doctor_config or args.config
+    cfg = config.load(path, config.NodeConfig) if path else config.NodeConfig()
+    if args.doctor_state_dir:
+        cfg = config.structure_config(
+            {**config.unstructure_config(cfg), "state_dir": args.doctor_state_dir}, config.NodeConfig
+        )
+    fingerprint = None
+    if args.doctor_fingerprint:
+        try:
+            fingerprint = security.parse_controller_fingerprint(args.doctor_fingerprint)
+        except ContractError as exc:
+            raise ConfigError(f"--controller-fingerprint: {exc.message}") from None
+    if not (math.isfinite(args.min_free_gib) and args.min_free_gib >= 0):
+        raise ConfigError("--min-free-gib must be a number of GiB, 0 or more")
+    opts = doctor.DoctorOptions(
+        controller_url=doctor.check_controller_url(args.doctor_controller) if args.doctor_controller else "",
+        controller_fingerprint=fingerprint,
+        min_free_bytes=int(args.min_free_gib * 2**30),
+        cdi_dirs=tuple(args.cdi_dir) if args.cdi_dir else doctor.DEFAULT_CDI_DIRS,
+    )
+    report = trio.run(doctor.run_doctor, cfg, opts)
+    if args.doctor_json:
+        print(codec.dumps(codec.api, report))
+    else:
+        for line in doctor.render_text(report):
+            print(line)
+    return EXIT_OK if report.passed else EXIT_FAILED
 
 
 def _cmd_node_inventory(args: argparse.Namespace) -> int:
@@ -431,6 +520,12 @@ def _operator_commands(sub: Any) -> None:
         s.add_argument("node_id")
         s.set_defaults(handler=_nodes_action, verb=verb)
 
+    _audit_commands(sub, common)
+    _registry_commands(sub, common)
+    _gateway_commands(sub, common)
+
+
+def _audit_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     audit = sub.add_parser("audit", help="the audit chain (audit, admin)").add_subparsers(metavar="VERB", required=True)
     s = audit.add_parser("list", parents=[common])
     s.add_argument("--action")
@@ -442,10 +537,20 @@ def _operator_commands(sub: Any) -> None:
     s.add_argument("--limit", type=int, default=100)
     s.set_defaults(handler=_audit_list)
     s = audit.add_parser("verify", parents=[common], help="recompute the chain; exit 1 if it is broken")
+    s.add_argument(
+        "--against",
+        metavar="HEAD_FILE",
+        help="also check a checkpoint saved by `nexa audit head`: its signature, and that the chain still holds it",
+    )
+    s.add_argument(
+        "--public-key",
+        help="with --against: the controller's signing key (base64, or @FILE). Without it, fetched from --url",
+    )
     s.set_defaults(handler=_audit_verify)
-
-    _registry_commands(sub, common)
-    _gateway_commands(sub, common)
+    s = audit.add_parser(
+        "head", parents=[common], help="print the chain's head (seq, sha256) signed by the controller; keep it"
+    )
+    s.set_defaults(handler=_audit_head)
 
 
 def _client(args: argparse.Namespace) -> Any:
@@ -538,13 +643,27 @@ def _audit_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _audit_verify(args: argparse.Namespace) -> int:
+def _audit_head(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        out = c.call("POST", "/api/v1/audit/verify")
+        out = c.call("GET", "/api/v1/audit/head")
+    print(json.dumps(out, indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def _audit_verify(args: argparse.Namespace) -> int:
+    body = None
+    with _client(args) as c:
+        if args.against is not None:
+            head = _checked_audit_head(args, c)
+            if head is None:
+                return EXIT_FAILED
+            body = {"against": head}
+        out = c.call("POST", "/api/v1/audit/verify", body=body)
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     elif out["ok"]:
-        print(f"audit chain ok: {out['checked']} events verified")
+        held = f"; it holds the signed checkpoint at seq {body['against']['checkpoint']['seq']}" if body else ""
+        print(f"audit chain ok: {out['checked']} events verified{held}")
     else:
         print(
             f"audit chain BROKEN at event seq {out['first_bad_seq']} (id {out['first_bad_id']}): {out['reason']}; "
@@ -552,6 +671,24 @@ def _audit_verify(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return EXIT_OK if out["ok"] else EXIT_FAILED
+
+
+def _checked_audit_head(args: argparse.Namespace, c: Any) -> Any:
+    """The `--against` file, once its signature verifies with the controller's key (here, not only
+    on the controller); None, after saying why, when it does not."""
+    from nexa import security
+    from nexa.contracts import codec
+    from nexa.contracts.api import SignedAuditCheckpoint
+    from nexa.errors import BadSignature
+
+    signed = codec.loads(codec.api, _read_file(args.against), SignedAuditCheckpoint)
+    pub = _public_key(args.public_key, lambda: str(c.call("GET", "/api/v1/receipts/public-key")["public_key"]))
+    try:
+        security.verify_audit_checkpoint(pub, signed)
+    except BadSignature as exc:
+        print(f"audit checkpoint {args.against}: INVALID ({exc.message})", file=sys.stderr)
+        return None
+    return codec.api.unstructure(signed)
 
 
 _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -588,6 +725,9 @@ def _tokens_create(args: argparse.Namespace) -> int:
         expires = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(out["expires_at"]))
         print(f"enrollment token {out['id']} (single use, expires {expires}); shown only this once:")
         print(out["token"])
+        if out.get("controller_fingerprint"):
+            # Also inside the token (after the `.`): the node refuses a controller with other keys.
+            print(f"controller fingerprint: {out['controller_fingerprint']}")
         print(f"on the node: nexa node enroll --controller {args.url} --token {out['token']}")
     return EXIT_OK
 
@@ -651,6 +791,8 @@ def _nodes_show(args: argparse.Namespace) -> int:
         f"host         {inv.get('arch', '-')}, {inv.get('cpu_count', '-')} CPUs, "
         f"memory {_gib(inv.get('memory_total_bytes'))} (free {free})",
         f"accelerators {row['accelerators']}; pool {_gib(inv.get('accelerator_memory_bytes'))}",
+        f"engine       {inv.get('container_engine') or '-'} {inv.get('container_engine_version') or '-'}, "
+        f"GPUs by {inv.get('gpu_method') or '-'}",
         f"assignments  generation {n['acked_generation']} acked of {n['desired_generation']} desired{ack}",
     ]
     lines += [
@@ -696,6 +838,11 @@ def _runtime_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--kind", required=True, choices=RUNTIME_KINDS)
     s.add_argument("--version", required=True)
     s.add_argument("--image", required=True, help="registry/repository@sha256:<64 hex>")
+    s.add_argument(
+        "--host-network",
+        action="store_true",
+        help="run its containers in the node's network namespace (default: a namespace of their own)",
+    )
     s.set_defaults(handler=_runtimes_register)
     s = runtimes.add_parser("list", parents=[common])
     s.set_defaults(handler=_runtimes_list)
@@ -978,6 +1125,8 @@ def _print_decision(args: argparse.Namespace, out: dict[str, Any]) -> None:
         return
     verdict = "fits" if decision["feasible"] else f"does not fit: {decision['reason']}"
     print(f"{decision['request']['deployment']}: {verdict}")
+    host_network = decision["request"].get("host_network", False)
+    print("network: " + ("host (the runtime's opt-in)" if host_network else "private namespace per replica"))
     rows = []
     for e in decision["explanations"]:
         failed = [f"{f['name']} ({f['detail']})" for f in e["filters"] if not f["passed"]]
@@ -1102,14 +1251,28 @@ def _size_text(n: int | None) -> str:
 
 
 def _runtimes_register(args: argparse.Namespace) -> int:
-    body = {"name": args.name, "kind": args.kind, "version": args.version, "image": args.image}
+    body: dict[str, Any] = {"name": args.name, "kind": args.kind, "version": args.version, "image": args.image}
+    if args.host_network:
+        body["host_network"] = True
     with _client(args) as c:
         out = c.call("POST", "/api/v1/runtimes", body=body)
     if args.json:
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
         print(f"runtime {out['name']} registered: {out['kind']} {out['version']}, {out['image']} ({out['media_type']})")
+        print(f"platforms: {_platforms(out)}")
+        for warning in out.get("warnings", []):
+            print(f"warning: {warning}", file=sys.stderr)
     return EXIT_OK
+
+
+def _platforms(runtime: dict[str, Any]) -> str:
+    """`linux/amd64, linux/arm64/v8`, or `unknown` for records that name none."""
+    names = [
+        "/".join(p for p in (x["os"], x["architecture"], x.get("variant", "")) if p)
+        for x in runtime.get("platforms", [])
+    ]
+    return ", ".join(names) or "unknown (no node is filtered)"
 
 
 _RUNTIME_COLUMNS: Final = ("name", "kind", "version", "image", "registered_at")
@@ -1125,7 +1288,8 @@ def _runtimes_list(args: argparse.Namespace) -> int:
 def _runtimes_show(args: argparse.Namespace) -> int:
     with _client(args) as c:
         out = c.call("GET", f"/api/v1/runtimes/{args.name}")
-    _emit(args, out, [out], (*_RUNTIME_COLUMNS, "media_type", "registered_by"))
+    row = {**out, "network": "host (opt-in)" if out.get("host_network") else "private", "platforms": _platforms(out)}
+    _emit(args, out, [row], (*_RUNTIME_COLUMNS, "network", "platforms", "media_type", "registered_by"))
     return EXIT_OK
 
 
@@ -1465,21 +1629,13 @@ def _receipts_verify(args: argparse.Namespace) -> int:
     from nexa.contracts.gateway import SignedReceipt
     from nexa.errors import BadSignature
 
-    try:
-        raw = Path(args.file).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read {args.file}: {exc.strerror}") from None
-    signed = codec.loads(codec.api, raw, SignedReceipt)
-    key_text = args.public_key
-    if key_text is None:
+    signed = codec.loads(codec.api, _read_file(args.file), SignedReceipt)
+
+    def fetch() -> str:
         with _client(args) as c:
-            key_text = c.call("GET", "/api/v1/receipts/public-key")["public_key"]
-    elif key_text.startswith("@"):
-        try:
-            key_text = Path(key_text[1:]).read_text(encoding="ascii").strip()
-        except OSError as exc:
-            raise ConfigError(f"cannot read {key_text[1:]}: {exc.strerror}") from None
-    pub = security.PublicKey.from_b64(key_text)
+            return str(c.call("GET", "/api/v1/receipts/public-key")["public_key"])
+
+    pub = _public_key(args.public_key, fetch)
     try:
         security.verify_receipt(pub, signed)
     except BadSignature as exc:
@@ -1497,3 +1653,21 @@ def _receipts_key(args: argparse.Namespace) -> int:
     with _client(args) as c:
         print(c.call("GET", "/api/v1/receipts/public-key")["public_key"])
     return EXIT_OK
+
+
+def _read_file(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _public_key(given: str | None, fetch: Callable[[], str]) -> PublicKey:
+    """`--public-key B64|@FILE`, or the controller's own key (`fetch`) when none is given."""
+    from nexa.security import PublicKey
+
+    if given is None:
+        given = fetch()
+    elif given.startswith("@"):
+        given = _read_file(given[1:]).decode("ascii", "replace").strip()
+    return PublicKey.from_b64(given)

@@ -30,6 +30,19 @@ PublicKeyB64 = NewType("PublicKeyB64", str)
 C = TypeVar("C")
 
 
+def _check_networks(values: tuple[str, ...]) -> None:
+    for value in values:
+        try:
+            ipaddress.ip_network(value, strict=False)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address or network") from None
+
+
+def _positive_rate(attribute: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be a positive, finite rate per second")
+
+
 @attrs.frozen(kw_only=True)
 class HttpConfig:
     """The controller's HTTP listener."""
@@ -41,6 +54,10 @@ class HttpConfig:
     graceful_timeout_s: Seconds = Seconds(10.0)
     #: Longest time a client may take to send its request line and headers.
     keep_alive_timeout_s: Seconds = Seconds(5.0)
+    #: Peers (addresses or networks, e.g. `["127.0.0.1"]`) whose `X-Forwarded-Proto: https` is
+    #: believed: a TLS-terminating ingress there makes the console cookie `Secure`. The header is
+    #: ignored from every other peer. Empty: only a direct https connection counts.
+    trusted_proxies: tuple[str, ...] = attrs.field(default=(), validator=lambda _i, _a, v: _check_networks(v))
 
 
 @attrs.frozen(kw_only=True)
@@ -72,6 +89,22 @@ class ChannelConfig:
     listen: str = "tcp://127.0.0.1:8471"
     #: The endpoint handed to nodes at enrollment; empty means the bound endpoint.
     advertise: str = ""
+    #: Largest data chunk a node may send. Keep it at least the nodes' `relay.max_chunk_bytes`:
+    #: a zmq frame above this plus `messaging.MESSAGE_HEADROOM_BYTES` (64 KiB) costs the node its
+    #: connection (zmq MAXMSGSIZE), and a stream buffers at most `gateway.stream_window_chunks`
+    #: times this many bytes.
+    max_chunk_bytes: Bytes = Bytes(65536)
+    #: Messages zmq queues per node connection before it stops reading from that node (RCVHWM).
+    receive_hwm: int = attrs.field(default=64, validator=attrs.validators.ge(1))
+    #: Signed messages (hello, heartbeat, ack) one node may send per second, and in a burst; the
+    #: excess is dropped before it is verified and counted as `rate_limited`.
+    signed_messages_per_s: float = attrs.field(default=20.0, validator=lambda _i, a, v: _positive_rate(a, v))
+    signed_messages_burst: int = attrs.field(default=40, validator=attrs.validators.ge(1))
+    #: Store writes one node's messages may cause (inventory saves, acknowledgement records) per
+    #: second, and in a burst. Above it the newest state is kept in memory and written with a later
+    #: message (counted in `nexa_node_store_writes_deferred_total`).
+    node_store_writes_per_s: float = attrs.field(default=0.5, validator=lambda _i, a, v: _positive_rate(a, v))
+    node_store_writes_burst: int = attrs.field(default=10, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -131,6 +164,13 @@ class GatewayConfig:
 
     #: Requests that may wait for a slot per model (all priorities together); beyond it: 429 queue_full.
     queue_depth: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
+    #: The share of a model's queue (0 < share <= 1) one tenant may hold while others wait: when the
+    #: queue is full, a request of another tenant takes the newest place of a tenant above its share
+    #: (that waiter gets 429 queue_full) instead of being refused itself. 1 turns this off.
+    queue_tenant_share: float = attrs.field(default=0.5, validator=[attrs.validators.gt(0.0), attrs.validators.le(1.0)])
+    #: Completion tokens reserved against the tenant's token quotas for a request that sets no
+    #: `max_tokens` (or `max_completion_tokens`); settled to the real count when it finishes.
+    reserve_completion_tokens: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
     #: Requests one replica is given at once; more wait in the model's queue.
     max_inflight_per_replica: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     #: Deadline of a request that does not name one (queue time included).
@@ -193,6 +233,42 @@ class PodmanConfig:
     registry_credentials_file: str = ""
     #: Leave runtime containers running when the agent stops (they are adopted on its next start).
     leave_running_on_exit: bool = True
+    #: How each runtime's own network namespace is made: "slirp4netns" (a user-mode stack per
+    #: container: runtimes cannot reach each other) or "bridge" (netavark's default network: kernel
+    #: forwarding, but runtimes on it reach each other's ports). Runtimes registered with
+    #: `host_network` use the node's namespace instead.
+    private_network: str = attrs.field(default="slirp4netns", validator=attrs.validators.in_(("slirp4netns", "bridge")))
+
+
+def _gpu_method(instance: ContainerConfig, attribute: attrs.Attribute[str], value: str) -> None:
+    if value not in ("cdi", "nvidia-runtime"):
+        raise ValueError(f"{attribute.name} must be 'cdi' or 'nvidia-runtime', not {value!r}")
+    if instance.engine == "podman" and value != "cdi":
+        raise ValueError(f"{attribute.name}: podman takes GPUs by CDI name only (gpu_method = 'cdi')")
+
+
+@attrs.frozen(kw_only=True)
+class ContainerConfig:
+    """Which container engine runs the runtimes, and how GPUs reach them. Registry, TLS and
+    leave-running settings stay in `[podman]` and apply to either engine."""
+
+    #: "podman" (libpod REST API) or "docker" (Docker Engine API; also podman's Docker-compatible one).
+    engine: str = attrs.field(default="podman", validator=attrs.validators.in_(("podman", "docker")))
+    #: The engine's unix socket. Empty: `[podman] socket` for podman, /var/run/docker.sock for docker.
+    socket: str = ""
+    #: "cdi" (CDI device names; Docker 25 or later with CDI enabled) or "nvidia-runtime" (Docker's
+    #: NVIDIA runtime device requests, `nvidia.com/gpu=<index|uuid|all>` names only). docker only.
+    gpu_method: str = attrs.field(default="cdi", validator=_gpu_method)
+    #: With docker: the Docker network private runtimes join (their own namespace; the port is
+    #: published on runtime_host only). Not "host" or "none".
+    docker_network: str = attrs.field(
+        default="bridge", validator=attrs.validators.not_(attrs.validators.in_(("", "host", "none")))
+    )
+
+    def socket_path(self, podman: PodmanConfig) -> str:
+        if self.socket:
+            return self.socket
+        return podman.socket if self.engine == "podman" else "/var/run/docker.sock"
 
 
 @attrs.frozen(kw_only=True)
@@ -266,6 +342,7 @@ class NodeConfig:
     on_lease_expiry: LeaseExpiryPolicy = LeaseExpiryPolicy.KEEP_SERVING
     #: Longest wait between reconnection attempts to the controller.
     reconnect_max_s: Seconds = Seconds(5.0)
+    container: ContainerConfig = ContainerConfig()
     podman: PodmanConfig = PodmanConfig()
     artifacts: ArtifactsConfig = ArtifactsConfig()
     supervisor: SupervisorConfig = SupervisorConfig()

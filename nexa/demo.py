@@ -344,7 +344,9 @@ async def _node(http: httpx.AsyncClient, root: Path, i: int, store: LocalS3, cre
     token = await _call(http, "POST", "/api/v1/enrollment-tokens", {"ttl_s": 600, "labels": {"zone": f"z{i}"}})
     request = await trio.to_thread.run_sync(identity.enroll_request, state, token["token"], name, __version__)
     enrolled = await _call(http, "POST", "/api/v1/enroll", codec.api.unstructure(request))
-    await trio.to_thread.run_sync(identity.save_enrollment, state, codec.structure(codec.api, enrolled, EnrollResponse))
+    answer = codec.structure(codec.api, enrolled, EnrollResponse)
+    pin = identity.expected_fingerprint(token["token"])
+    await trio.to_thread.run_sync(partial(identity.save_enrollment, state, answer, pin=pin))
     node = _Node(name=enrolled["node_id"], state_dir=state, config=config)
     node.proc = _start_agent(config, root / "nodes" / f"{name}.log", simulation=plan.simulation)
     return node

@@ -10,6 +10,8 @@ Our exception hierarchy:
   + ConfigError                 a config file or flag is invalid (names every bad key)
   + ContractError               a request body or message does not fit its contract
     - PayloadTooLarge
+    - FieldNotSupported         a request field this version does not implement (named, never ignored)
+    - IdempotencyKeyReused      an idempotency key sent again with another body (HTTP 422)
   + AuthError
     - Unauthenticated           no credential, or one we do not know
     - Forbidden                 a known credential whose role may not do this
@@ -17,6 +19,8 @@ Our exception hierarchy:
     - Replayed                  a sequence number at or below the last one accepted
     - ClockSkew                 a timestamp too far from our clock
     - WrongNode                 a message naming another node than its channel's key
+    - ControllerKeyMismatch     an enrollment answer whose keys are not the controller the operator pinned
+    - NodeRateLimited           a node sent signed messages faster than its channel allows (dropped)
   + NotFound (also LookupError)
   + Conflict                    the request is valid but the current state forbids it
     - AlreadyExists             a record with that name (and version) is registered already
@@ -39,6 +43,7 @@ Our exception hierarchy:
     - QueueFull                 the model's admission queue for that priority is full
   + Unavailable                 a dependency is down; retryable
     - NoReadyReplica            no Ready replica serves the model now (HTTP 503, answered at once)
+      - NoReplicaForDataClass   none of the model's replicas is on a node allowed the request's data class
     - RuntimeFailed             the runtime failed the request (before any output: retried elsewhere once)
   + DeadlineExceeded            the request's deadline passed (queued or running)
   + Cancelled                   the client (or an operator) cancelled the request
@@ -48,9 +53,12 @@ Our exception hierarchy:
   + RuntimeRejected             the runtime refused the request itself (e.g. too long a prompt; HTTP 400)
   + VerificationFailed          the controller checked a claim at its source and it does not hold
     - DigestUnknown             the OCI registry has no manifest with that digest
+    - ManifestInvalid           what the registry served for that digest is not a manifest of it
     - ArtifactMissing           the S3-compatible store has no such object
     - SignatureRejected         a required detached signature is missing or does not verify
+    - CheckpointRejected        an audit checkpoint that this controller's key did not sign
   + StoreError                  the durable store failed
+    - StoreUnusable             the database cannot be used any more (ends the process)
     - StateDirLocked            another process owns the state directory
   + RemoteError                 an error envelope returned by a nexa controller (CLI side)
   + PodmanError                 podman refused or failed a request (node side)
@@ -105,6 +113,22 @@ class PayloadTooLarge(ContractError):
     def __init__(self, *, limit_bytes: int) -> None:
         super().__init__(f"request body is larger than {limit_bytes} bytes")
         self.limit_bytes = limit_bytes
+
+
+class FieldNotSupported(ContractError):
+    """A request field (or value of one) that this version does not implement: refused, not dropped."""
+
+    code = "field_not_supported"
+
+    def __init__(self, message: str, *, field: str) -> None:
+        super().__init__(message, problems=(f"{field}: not supported",))
+        self.field = field
+
+
+class IdempotencyKeyReused(ContractError):
+    """An idempotency key replayed with a body other than the one it was first sent with."""
+
+    code = "idempotency_key_reused"
 
 
 class AuthError(NexaError):
@@ -230,6 +254,17 @@ class DigestUnknown(VerificationFailed):
         self.image = image
 
 
+class ManifestInvalid(VerificationFailed):
+    """The registry served bytes for an image that are not its manifest: another digest, not JSON,
+    not an OCI/Docker manifest or index, or a config naming no platform."""
+
+    code = "manifest_invalid"
+
+    def __init__(self, message: str, *, image: str) -> None:
+        super().__init__(message)
+        self.image = image
+
+
 class ArtifactMissing(VerificationFailed):
     code = "artifact_missing"
 
@@ -240,6 +275,12 @@ class ArtifactMissing(VerificationFailed):
 
 class SignatureRejected(VerificationFailed):
     code = "signature_rejected"
+
+
+class CheckpointRejected(VerificationFailed):
+    """`audit verify --against`: the checkpoint's signature is not the controller's (HTTP 422)."""
+
+    code = "audit_checkpoint_rejected"
 
 
 class Overloaded(NexaError):
@@ -273,6 +314,14 @@ class NoReadyReplica(Unavailable):
     code = "no_ready_replica"
 
 
+class NoReplicaForDataClass(NoReadyReplica):
+    code = "no_replica_for_data_class"
+
+    def __init__(self, message: str, *, data_class: str) -> None:
+        super().__init__(message)
+        self.data_class = data_class
+
+
 class RuntimeFailed(Unavailable):
     code = "runtime_failed"
 
@@ -303,6 +352,14 @@ class RuntimeRejected(NexaError):
 
 class StoreError(NexaError):
     code = "store_error"
+
+
+class StoreUnusable(StoreError):
+    """The database cannot be used any more (corrupt, not a database, disk I/O failed, full, read-only).
+
+    The one failure of a running loop that ends the process (`nexa.supervision`; exit code 3)."""
+
+    code = "store_unusable"
 
 
 class StateDirLocked(StoreError):
@@ -367,6 +424,31 @@ class WrongNode(AuthError):
         super().__init__(f"node {channel_node} sent a message naming node {claimed_node}")
         self.channel_node = channel_node
         self.claimed_node = claimed_node
+
+
+class ControllerKeyMismatch(AuthError):
+    """Enrollment: the answering controller's keys do not have the fingerprint the node was given
+    (in the token, or by `--controller-fingerprint`). Nothing is saved."""
+
+    code = "controller_key_mismatch"
+
+    def __init__(self, *, expected: str, got: str) -> None:
+        super().__init__(
+            f"the controller answered with keys of fingerprint {got}, not the expected {expected}: "
+            "refusing to enroll (wrong URL, or someone in between); nothing was saved"
+        )
+        self.expected = expected
+        self.got = got
+
+
+class NodeRateLimited(AuthError):
+    """A node's signed message above its channel's rate (`channel.signed_messages_per_s`): dropped unread."""
+
+    code = "rate_limited"
+
+    def __init__(self, *, node_id: str) -> None:
+        super().__init__(f"node {node_id} sends signed messages faster than its channel allows")
+        self.node_id = node_id
 
 
 class ChannelError(NexaError):

@@ -31,6 +31,7 @@ from nexa.errors import (
     ConfigError,
     ContractError,
     NexaError,
+    NodeRateLimited,
     NotConnected,
     Unauthenticated,
     WrongNode,
@@ -52,6 +53,9 @@ _ZAP_VERSION: Final = b"1.0"
 CURVE_KEY_CHARS: Final = 40
 #: Largest message a peer may send (bytes); larger ones cost the sender its connection.
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
+#: What a controller's zmq frame limit (MAXMSGSIZE) allows above the largest data chunk: room for
+#: the signed messages (a heartbeat with a large inventory is a few KiB) and the data-path heads.
+MESSAGE_HEADROOM_BYTES: Final = 64 * 1024
 #: Longest request id a data frame may carry (bytes of UTF-8).
 MAX_REQUEST_ID_BYTES: Final = 128
 
@@ -177,6 +181,32 @@ def decode_data(frames: Sequence[bytes], accept: frozenset[str]) -> wire.DataFra
 
 def _is_data(kind: bytes) -> bool:
     return kind.decode("ascii", "replace") in wire.DATA_KINDS
+
+
+class RateLimiter:
+    """Token buckets, one per key: `rate_per_s` on average, up to `burst` at once. Pure and sync;
+    the caller passes the time (trio's clock), so tests can drive it."""
+
+    def __init__(self, rate_per_s: float, burst: int) -> None:
+        if not rate_per_s > 0 or burst < 1:
+            raise ValueError("a rate limit needs a positive rate and a burst of at least 1")
+        self._rate = rate_per_s
+        self._burst = float(burst)
+        # key -> (tokens left, time they were counted)
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def allow(self, key: str, now: float) -> bool:
+        """Take one token for `key` if it has one."""
+        tokens, at = self._buckets.get(key, (self._burst, now))
+        tokens = min(self._burst, tokens + max(0.0, now - at) * self._rate)
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1.0, now)
+        return True
+
+    def forget(self, key: str) -> None:
+        self._buckets.pop(key, None)
 
 
 # --- the pump: the one task that touches a socket -----------------------------------------------
@@ -439,6 +469,8 @@ class Link:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         heartbeat_ivl_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
+        receive_hwm: int = 1000,
+        signed_rate: RateLimiter | None = None,
     ) -> None:
         self._endpoint = endpoint
         self._curve = curve
@@ -447,6 +479,9 @@ class Link:
         self._node_key = node_key
         self._sizes = (inbox_size, outbox_size)
         self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes)
+        self._receive_hwm = receive_hwm
+        # Signed messages per node, checked before the signature: a flood costs a dict lookup each.
+        self._signed_rate = signed_rate
         self._pump: ZmqPump | None = None
         # node id → ZMQ routing id of the connection its latest verified message came on.
         self._routes: dict[str, bytes] = {}
@@ -466,6 +501,9 @@ class Link:
                 router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret.encode("ascii"))
                 router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
                 router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+                # Per node connection: at most this many messages wait in zmq before it stops
+                # reading that node's socket (TCP then pushes back on the node alone).
+                router.setsockopt(zmq.RCVHWM, self._receive_hwm)
                 _keepalive(router, *self._limits)
                 router.bind(self._endpoint)
                 endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -520,6 +558,8 @@ class Link:
 
         A data frame is accepted from an enrolled, non-revoked node's channel and only in the
         kinds a node may send (`wire.DATA_FROM_NODE`); it is neither logged nor signature-checked.
+        Signed messages above the node's rate are refused (NodeRateLimited) before they are
+        verified. Nothing a node sends makes this raise: whatever fails is a `Refused`.
         """
         # A checkpoint first: when the link is being cancelled, callers see Cancelled, not ChannelClosed.
         await trio.lowlevel.checkpoint()
@@ -531,20 +571,30 @@ class Link:
         if not isinstance(node_id, str) or not node_id or len(frames) < 2:
             return Refused(node_id="", error=Unauthenticated("a message arrived on a channel without a node identity"))
         try:
-            pub = self._node_key(node_id)
-            if pub is None:
-                self._routes.pop(node_id, None)
-                raise Unauthenticated(f"node {node_id} is not enrolled")
-            raw = [f.bytes for f in frames[1:]]
-            if _is_data(raw[0]):
-                # Hot path: no log line per frame; the route is learnt only from signed messages.
-                return DataInbound(node_id=node_id, frame=decode_data(raw, wire.DATA_FROM_NODE))
-            msg = decode_frames(raw, pub, wire.FROM_NODE)
-            if msg.node_id != node_id:
-                raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
+            return self._accept(node_id, frames)
         except NexaError as exc:
             log.warning("rejected a message from node %s: %s (%s)", node_id, exc.code, exc.message)
             return Refused(node_id=node_id, error=exc)
+        except Exception as exc:  # last resort: no value from a node may end the controller
+            log.warning("rejected a malformed message from node %s: %s", node_id, type(exc).__name__)
+            return Refused(node_id=node_id, error=ContractError(f"malformed message ({type(exc).__name__})"))
+
+    def _accept(self, node_id: str, frames: list[zmq.Frame]) -> Inbound | DataInbound | Refused:
+        """Check one message of a node's channel; raises what `receive` documents."""
+        pub = self._node_key(node_id)
+        if pub is None:
+            self._routes.pop(node_id, None)
+            raise Unauthenticated(f"node {node_id} is not enrolled")
+        raw = [f.bytes for f in frames[1:]]
+        if _is_data(raw[0]):
+            # Hot path: no log line per frame; the route is learnt only from signed messages.
+            return DataInbound(node_id=node_id, frame=decode_data(raw, wire.DATA_FROM_NODE))
+        if self._signed_rate is not None and not self._signed_rate.allow(node_id, trio.current_time()):
+            # Not logged: a flood would flood the log too. Counted by the caller.
+            return Refused(node_id=node_id, error=NodeRateLimited(node_id=node_id))
+        msg = decode_frames(raw, pub, wire.FROM_NODE)
+        if msg.node_id != node_id:
+            raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
         self._routes[node_id] = frames[0].bytes
         return Inbound(node_id=node_id, message=msg)
 
@@ -653,6 +703,9 @@ class Uplink:
         except NexaError as exc:
             log.warning("rejected a message from the controller: %s (%s)", exc.code, exc.message)
             raise
+        except Exception as exc:  # last resort: no value from the controller may end the node
+            log.warning("rejected a malformed message from the controller: %s", type(exc).__name__)
+            raise ContractError(f"malformed message ({type(exc).__name__})") from None
 
     def statistics(self) -> PumpStatistics:
         return self._running().statistics()

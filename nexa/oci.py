@@ -11,14 +11,16 @@ import ipaddress
 import json
 import logging
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Final
 
 import attrs
 
+from nexa.contracts.models import ImagePlatform
 from nexa.contracts.runtime import IMAGE_BY_DIGEST_RE
-from nexa.errors import ConfigError, ContractError
+from nexa.errors import ConfigError, ContractError, ManifestInvalid
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +138,101 @@ def load_registry_credentials(path: str | os.PathLike[str]) -> RegistryCredentia
             f"the registry credentials file {where} is invalid: {'; '.join(problems)}", problems=tuple(problems)
         )
     return RegistryCredentials(username=data["username"], password=data["password"])
+
+
+# --- platforms: what an index or a manifest's config says the image runs on ----------------------
+
+OCI_INDEX: Final = "application/vnd.oci.image.index.v1+json"
+OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
+DOCKER_LIST: Final = "application/vnd.docker.distribution.manifest.list.v2+json"
+DOCKER_MANIFEST: Final = "application/vnd.docker.distribution.manifest.v2+json"
+INDEX_MEDIA_TYPES: Final = frozenset({OCI_INDEX, DOCKER_LIST})
+SINGLE_MEDIA_TYPES: Final = frozenset({OCI_MANIFEST, DOCKER_MANIFEST})
+#: Registries refuse larger manifests (the distribution spec suggests 4 MiB); so do we, and configs too.
+MAX_MANIFEST_BYTES: Final = 4 * 1024 * 1024
+#: How the kernel (`uname -m`) and the container world name the same architectures.
+_ARCH_ALIASES: Final = {"x86_64": "amd64", "x86-64": "amd64", "aarch64": "arm64", "armv8l": "arm64"}
+_DIGEST_RE: Final = re.compile(r"^sha256:[0-9a-f]{64}$")
+_PLATFORM_WORD_RE: Final = re.compile(r"^[a-z0-9][a-z0-9._-]{0,31}$")
+
+
+def normalise_arch(machine: str) -> str:
+    """An architecture as OCI names it: `aarch64` → `arm64`, `x86_64` → `amd64`, else lower-cased."""
+    machine = machine.strip().lower()
+    return _ARCH_ALIASES.get(machine, machine)
+
+
+@attrs.frozen(kw_only=True)
+class ParsedManifest:
+    """What the bytes served for a digest say: an index's platforms, or a manifest's config to read."""
+
+    media_type: str
+    #: An index: the platforms of its manifests (attestations and `unknown/unknown` left out).
+    platforms: list[ImagePlatform]
+    #: A single manifest: the digest of its config blob, which names the platform.
+    config_digest: str | None = None
+
+
+def parse_manifest(body: bytes, header_media_type: str, *, image: str) -> ParsedManifest:
+    """Parse an OCI or Docker schema 2 manifest or index; ManifestInvalid for anything else.
+
+    The document's own `mediaType` decides where it has one; the Content-Type header only where
+    it has none (OCI makes the field optional).
+    """
+    doc = _json_object(body, image, "manifest")
+    declared = doc.get("mediaType")
+    media_type = declared if isinstance(declared, str) and declared else header_media_type
+    if media_type in INDEX_MEDIA_TYPES or (not declared and "manifests" in doc):
+        entries = doc.get("manifests")
+        if not isinstance(entries, list):
+            raise ManifestInvalid(f"the index of {image} has no list of manifests", image=image)
+        platforms: list[ImagePlatform] = []
+        for entry in entries:
+            platform = entry.get("platform") if isinstance(entry, dict) else None
+            if platform is None:
+                continue  # an entry without a platform (OCI allows it) names no platform
+            found = _platform(platform, image)
+            if found is not None and found not in platforms:
+                platforms.append(found)
+        return ParsedManifest(media_type=media_type or OCI_INDEX, platforms=platforms)
+    if media_type in SINGLE_MEDIA_TYPES or (not declared and "config" in doc):
+        config = doc.get("config")
+        digest = config.get("digest") if isinstance(config, dict) else None
+        if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+            raise ManifestInvalid(f"the manifest of {image} names no sha256 config digest", image=image)
+        return ParsedManifest(media_type=media_type or OCI_MANIFEST, platforms=[], config_digest=digest)
+    raise ManifestInvalid(f"{image} is not an OCI or Docker image manifest or index", image=image)
+
+
+def parse_config_platform(body: bytes, *, image: str) -> ImagePlatform:
+    """The platform an image config names (`os`, `architecture`, `variant`); ManifestInvalid if none."""
+    found = _platform(_json_object(body, image, "config"), image)
+    if found is None:
+        raise ManifestInvalid(f"the config of {image} names no os and architecture", image=image)
+    return found
+
+
+def _json_object(body: bytes, image: str, what: str) -> dict[str, object]:
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise ManifestInvalid(f"the {what} of {image} is not JSON", image=image) from None
+    if not isinstance(doc, dict):
+        raise ManifestInvalid(f"the {what} of {image} is not a JSON object", image=image)
+    return doc
+
+
+def _platform(raw: object, image: str) -> ImagePlatform | None:
+    """An ImagePlatform, or None for `unknown/unknown` (buildx's attestation entries)."""
+    if not isinstance(raw, dict):
+        raise ManifestInvalid(f"a platform of {image} is not an object", image=image)
+    os_, arch, variant = raw.get("os"), raw.get("architecture"), raw.get("variant", "")
+    if os_ == "unknown" and arch == "unknown":
+        return None
+    if not (isinstance(os_, str) and isinstance(arch, str)) or not all(
+        _PLATFORM_WORD_RE.match(v.lower()) for v in (os_, arch)
+    ):
+        raise ManifestInvalid(f"a platform of {image} has no valid os and architecture", image=image)
+    if not isinstance(variant, str) or (variant and not _PLATFORM_WORD_RE.match(variant.lower())):
+        raise ManifestInvalid(f"a platform of {image} has an invalid variant", image=image)
+    return ImagePlatform(os=os_.lower(), architecture=normalise_arch(arch), variant=variant.lower())

@@ -24,6 +24,8 @@ from nexa.contracts.runtime import (
     LABEL_DEPLOYMENT,
     LABEL_GENERATION,
     LABEL_SPEC,
+    NETWORK_HOST,
+    NETWORK_PRIVATE,
     RUNTIME_HOST,
     ContainerSpec,
     ContainerState,
@@ -40,6 +42,10 @@ LABEL_KIND: Final = "nexa.kind"
 LABEL_PORT: Final = "nexa.port"
 #: A simulated runtime and `nexa sim-runtime` run only where this environment variable is `1`.
 SIMULATION_ENV: Final = "NEXA_SIMULATION_ONLY"
+#: In its own network namespace a runtime binds every address there (podman's port forward reaches
+#: it on the namespace's interface) and its probe, run inside, asks loopback.
+PRIVATE_BIND_HOST: Final = "0.0.0.0"  # noqa: S104 - inside the runtime's own network namespace
+PRIVATE_PROBE_HOST: Final = "127.0.0.1"
 #: Every container the agent creates is named `nexa-<assignment id>`.
 NAME_PREFIX: Final = "nexa-"
 #: An environment variable whose name contains one of these (any case) is refused.
@@ -109,7 +115,12 @@ def container_spec(
     supervisor adopts and removes by. Raises ContractError when the env holds a secret-looking name.
 
     A `sim` runtime is a process, not a container: its command is `sim_command` and it has no mounts.
-    `{runtime_host}` in the command or the health probe becomes `host` (the node's `runtime_host`).
+
+    Networking: by default the container gets its own network namespace, `{runtime_host}` in the
+    command becomes `0.0.0.0` (every address of that namespace, nothing of the node's) and in the
+    health probe (run inside) `127.0.0.1`; podman publishes the port on `host` (the node's
+    `runtime_host`) only. With the runtime's `host_network` opt-in both become `host`, in the
+    node's own namespace.
     """
     runtime = assignment.runtime
     check_env(runtime.env)
@@ -117,10 +128,12 @@ def container_spec(
         # The supervisor fetches exactly the artifact the spec names: a mismatch is a bug.
         raise ValueError("artifact_path must be given exactly when the runtime has an artifact")
     ro_mounts: list[tuple[str, str]] = []
+    private = not runtime.host_network and not is_simulated(runtime)
+    bind_host, probe_host = (PRIVATE_BIND_HOST, PRIVATE_PROBE_HOST) if private else (host, host)
     if is_simulated(runtime):
         command = sim_command(assignment, artifact_path, host=host)
     else:
-        command = with_host(runtime.command, host)
+        command = with_host(runtime.command, bind_host)
         if runtime.artifact is not None and artifact_path is not None:
             ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
     return ContainerSpec(
@@ -143,8 +156,11 @@ def container_spec(
         shm_bytes=runtime.shm_bytes,
         devices=list(runtime.gpus),
         ro_mounts=ro_mounts,
-        health=attrs.evolve(runtime.health, command=with_host(runtime.health.command, host)),
+        health=attrs.evolve(runtime.health, command=with_host(runtime.health.command, probe_host)),
         stop_timeout_s=runtime.stop_timeout_s,
+        network=NETWORK_PRIVATE if private else NETWORK_HOST,
+        publish_host=host if private else "",
+        publish_port=runtime.port if private else 0,
     )
 
 

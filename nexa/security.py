@@ -1,4 +1,5 @@
-"""Ed25519 signing keys, message signatures, the replay window and enrollment tokens.
+"""Ed25519 signing keys, message signatures, the replay window, enrollment tokens and the controller
+fingerprint they carry.
 
 Sync and pure: no trio, no sockets. The only I/O is reading and writing key files through the
 explicit `*_key_file` helpers. The only module that imports `cryptography`.
@@ -25,8 +26,17 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from nexa.contracts import codec
+from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
 from nexa.contracts.gateway import Receipt, SignedReceipt
-from nexa.errors import BadSignature, ClockSkew, ConfigError, Conflict, ContractError, Replayed
+from nexa.errors import (
+    BadSignature,
+    ClockSkew,
+    ConfigError,
+    Conflict,
+    ContractError,
+    ControllerKeyMismatch,
+    Replayed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -280,6 +290,43 @@ def verify_receipt(pub: PublicKey, signed: SignedReceipt) -> None:
         raise BadSignature("the receipt's signature does not verify (edited?)", kind="receipt") from None
 
 
+# --- audit checkpoints --------------------------------------------------------------------------
+
+#: Domain separation: an audit checkpoint signature is never valid as any other nexa signature.
+AUDIT_HEAD_CONTEXT: Final = b"nexa.audit-head.v1\x00"
+
+
+def _checkpoint_bytes(checkpoint: AuditCheckpoint) -> bytes:
+    return AUDIT_HEAD_CONTEXT + codec.dumps(codec.api, checkpoint).encode()
+
+
+def sign_audit_checkpoint(key: SigningKey, checkpoint: AuditCheckpoint) -> SignedAuditCheckpoint:
+    """Sign the audit head (`nexa audit head`); signature and public key in standard base64."""
+    signature = key._key.sign(_checkpoint_bytes(checkpoint))
+    return SignedAuditCheckpoint(
+        checkpoint=checkpoint, signature=base64.b64encode(signature).decode("ascii"), public_key=key.public.b64
+    )
+
+
+def verify_audit_checkpoint(pub: PublicKey, signed: SignedAuditCheckpoint) -> None:
+    """Check a signed checkpoint against the controller key the verifier trusts, or raise BadSignature.
+    The key embedded in the checkpoint must equal `pub`, never replace it."""
+    if not hmac.compare_digest(signed.public_key.strip().encode("ascii", "replace"), pub.b64.encode("ascii")):
+        raise BadSignature("the checkpoint was signed by another key than the controller's", kind="audit-head")
+    try:
+        sig = base64.b64decode(signed.signature.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise BadSignature("the checkpoint's signature is not base64", kind="audit-head") from None
+    if len(sig) != SIGNATURE_BYTES:
+        raise BadSignature("malformed checkpoint signature", kind="audit-head")
+    try:
+        pub._key.verify(sig, _checkpoint_bytes(signed.checkpoint))
+    except ValueError:  # a number canonical JSON cannot write (NaN, infinity): never signed by us
+        raise BadSignature("the checkpoint holds a number no checkpoint has", kind="audit-head") from None
+    except InvalidSignature:
+        raise BadSignature("the checkpoint's signature does not verify (edited?)", kind="audit-head") from None
+
+
 # --- replay window ------------------------------------------------------------------------------
 
 
@@ -321,6 +368,58 @@ def is_enrollment_token(text: str) -> bool:
 
 _TOKEN_BODY_CHARS: Final = len(base64.urlsafe_b64encode(bytes(TOKEN_BYTES)).rstrip(b"="))
 _URLSAFE: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+# --- the controller's fingerprint: what a node pins at enrollment ---------------------------------
+
+#: Joins a token's secret and the controller fingerprint it carries: `nxb_<secret>.<fingerprint>`.
+#: Not in the URL-safe alphabet, so the split is unambiguous.
+TOKEN_PIN_SEPARATOR: Final = "."  # noqa: S105 - a separator, not a secret
+#: Hex digits of a controller fingerprint: the whole SHA-256 (a pin, not a label for the eye).
+CONTROLLER_FINGERPRINT_HEX: Final = 64
+#: Domain separation: the fingerprint hashes both public keys and nothing can be confused with it.
+_CONTROLLER_FINGERPRINT_CONTEXT: Final = b"nexa.controller-keys.v1\x00"
+_HEX: Final = frozenset("0123456789abcdef")
+
+
+def controller_fingerprint(signing_public_b64: str, curve_public_z85: str) -> str:
+    """SHA-256 (hex) over the controller's Ed25519 key (raw) and its CurveZMQ key (Z85 text).
+
+    Both keys are covered: a node that pinned only the signing key could still be made to dial an
+    impostor's channel. ContractError if the signing key is not an Ed25519 key in base64.
+    """
+    raw = PublicKey.from_b64(signing_public_b64).raw
+    curve = curve_public_z85.strip().encode("ascii", "replace")
+    return hashlib.sha256(_CONTROLLER_FINGERPRINT_CONTEXT + raw + b"\x00" + curve).hexdigest()
+
+
+def parse_controller_fingerprint(text: str) -> str:
+    """A fingerprint as an operator may type it (any case, `:` or spaces between groups, an optional
+    `sha256:`), normalised to 64 lower-case hex digits; ContractError otherwise."""
+    cleaned = text.strip().lower().removeprefix("sha256:").replace(":", "").replace(" ", "")
+    if len(cleaned) != CONTROLLER_FINGERPRINT_HEX or not set(cleaned) <= _HEX:
+        raise ContractError(f"a controller fingerprint is {CONTROLLER_FINGERPRINT_HEX} hex digits (SHA-256)")
+    return cleaned
+
+
+def pinned_enrollment_token(secret: str, fingerprint: str) -> str:
+    """The token as `nexa tokens create` shows it: the secret, then the controller's fingerprint."""
+    return secret + TOKEN_PIN_SEPARATOR + parse_controller_fingerprint(fingerprint)
+
+
+def split_enrollment_token(text: str) -> tuple[str, str | None]:
+    """(secret, fingerprint or None) of a token; only the secret is sent to the controller.
+    ContractError when the part after the separator is not a fingerprint."""
+    secret, sep, fingerprint = text.strip().partition(TOKEN_PIN_SEPARATOR)
+    return secret, parse_controller_fingerprint(fingerprint) if sep else None
+
+
+def check_controller_fingerprint(expected: str, signing_public_b64: str, curve_public_z85: str) -> None:
+    """Raise ControllerKeyMismatch unless the keys have the `expected` fingerprint (constant time)."""
+    want = parse_controller_fingerprint(expected)
+    got = controller_fingerprint(signing_public_b64, curve_public_z85)
+    if not hmac.compare_digest(want.encode("ascii"), got.encode("ascii")):
+        raise ControllerKeyMismatch(expected=want, got=got)
 
 
 def hash_token(token: str) -> str:

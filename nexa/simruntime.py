@@ -80,22 +80,43 @@ class Phase(enum.StrEnum):
     AFTER = "after"
 
 
+class Garble(enum.StrEnum):
+    """A 200 answer that is not what the API promises (faults file only): an HTML error page, JSON
+    cut off halfway, JSON of the wrong shape (`choices`/`data` of non-objects, a stream event that
+    is a list), or a `usage` with counts no runtime reports (2^64 and -1)."""
+
+    HTML = "html"
+    TRUNCATED = "truncated"
+    SHAPE = "shape"
+    USAGE = "usage"
+
+
+#: The counts of a `usage` garble: beyond int64, and negative.
+GARBLED_USAGE: Final = {"prompt_tokens": 2**64, "completion_tokens": -1, "total_tokens": 2**64}
+_HTML_PAGE: Final = b"<html><head><title>502 Bad Gateway</title></head><body>bad gateway</body></html>"
+_HTML_HEADERS: Final = [(b"content-type", b"text/html")]
+
+
 @attrs.frozen(kw_only=True)
 class Faults:
     """Injected faults. `fail` answers `status` (before) or cuts the stream off after `after_tokens`
-    tokens (after; a unary answer fails before); `hang` stops sending, until the client goes away."""
+    tokens (after; a unary answer fails before); `hang` stops sending, until the client goes away;
+    `garble` answers 200 with a broken body (unary), or sends one broken event after `after_tokens`
+    tokens and ends the stream (a `usage` garble: the usage event's counts instead)."""
 
     fail: Phase | None = None
     hang: Phase | None = None
     status: int = 500
     after_tokens: int = 2
+    garble: Garble | None = None
 
     @classmethod
     def from_json(cls, data: object) -> Faults:
         """Parse a faults file's object; ConfigError naming every bad key."""
         if not isinstance(data, dict):
             raise ConfigError("a faults file holds one JSON object")
-        problems = [f"{key}: unknown key" for key in data if key not in ("fail", "hang", "status", "after_tokens")]
+        known = ("fail", "hang", "status", "after_tokens", "garble")
+        problems = [f"{key}: unknown key" for key in data if key not in known]
         phases: dict[str, Phase | None] = {}
         for key in ("fail", "hang"):
             value = data.get(key)
@@ -109,9 +130,18 @@ class Faults:
         after_tokens = data.get("after_tokens", 2)
         if not isinstance(after_tokens, int) or isinstance(after_tokens, bool) or after_tokens < 0:
             problems.append("after_tokens: must be a whole number, 0 or more")
+        garble = data.get("garble")
+        if garble is not None and garble not in tuple(Garble):
+            problems.append("garble: must be one of " + ", ".join(g.value for g in Garble) + " or null")
         if problems:
             raise ConfigError("invalid faults: " + "; ".join(problems), problems=tuple(problems))
-        return cls(fail=phases["fail"], hang=phases["hang"], status=status, after_tokens=after_tokens)
+        return cls(
+            fail=phases["fail"],
+            hang=phases["hang"],
+            status=status,
+            after_tokens=after_tokens,
+            garble=None if garble is None else Garble(garble),
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -551,7 +581,7 @@ class SimApp:
         if work.kind is _Kind.EMBEDDING:
             body = self._embeddings(work)
             outcome.finished = True
-            await _reply(send, 200, body)
+            await _reply_garbled(send, body, faults.garble, outcome)
         elif work.stream:
             await self._stream(work, faults, send, outcome)
         else:
@@ -559,7 +589,7 @@ class SimApp:
             body = self._unary(work)
             outcome.tokens = work.max_tokens * len(work.texts)
             outcome.finished = True
-            await _reply(send, 200, body)
+            await _reply_garbled(send, body, faults.garble, outcome)
 
     def _unary(self, work: _Work) -> bytes:
         finish = "length" if work.max_tokens < self._cfg.output_tokens else "stop"
@@ -646,6 +676,11 @@ class SimApp:
                 if faults.fail is Phase.AFTER:
                     outcome.aborted = True
                     return  # no finish chunk: hypercorn closes the connection mid-body
+                if faults.garble is not None and faults.garble is not Garble.USAGE:
+                    outcome.aborted = True
+                    event = _garbled_event(faults.garble)
+                    await send({"type": "http.response.body", "body": event + _DONE, "more_body": False})
+                    return
             if last:
                 break
             data = b""
@@ -661,6 +696,9 @@ class SimApp:
         tail += b"".join(chunk(c, None, finish) for c in range(len(words)))
         if work.include_usage:
             usage = _usage(work.prompt_tokens, work.max_tokens * len(words))
+            if faults.garble is Garble.USAGE:
+                usage = dict(GARBLED_USAGE)
+                outcome.aborted = True
             tail += _sse({**base, "choices": [], "usage": usage})
         outcome.finished = True
         await send({"type": "http.response.body", "body": tail + _DONE, "more_body": False})
@@ -668,6 +706,36 @@ class SimApp:
 
 def _role_choice() -> dict[str, Any]:
     return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+
+async def _reply_garbled(send: _Send, body: bytes, garble: Garble | None, outcome: _Outcome) -> None:
+    """A unary 200 answer: `body`, or the broken form of it the faults ask for."""
+    if garble is None:
+        await _reply(send, 200, body)
+        return
+    outcome.aborted = True
+    if garble is Garble.HTML:
+        await _reply(send, 200, _HTML_PAGE, headers=_HTML_HEADERS)
+        return
+    if garble is Garble.TRUNCATED:
+        await _reply(send, 200, body[: len(body) // 2])
+        return
+    answer = json.loads(body)
+    if garble is Garble.USAGE:
+        answer["usage"] = dict(GARBLED_USAGE)
+    elif "data" in answer:
+        answer["data"] = list(range(len(answer["data"])))
+    else:
+        answer["choices"] = ["garbled" for _ in answer["choices"]]
+    await _reply(send, 200, json.dumps(answer).encode())
+
+
+def _garbled_event(garble: Garble) -> bytes:
+    if garble is Garble.HTML:
+        return _HTML_PAGE + b"\n\n"
+    if garble is Garble.TRUNCATED:
+        return b'data: {"id":"cut-off","choices":[{"index":0,"delta":{"cont\n\n'
+    return b"data: [1, 2, 3]\n\n"
 
 
 async def _read_body(receive: _Receive) -> bytes:

@@ -55,6 +55,13 @@ class Metrics:
         self.audit_events = Counter(
             "nexa_audit_events", "Audit events appended to the chain, by result.", ["result"], registry=r
         )
+        self.audit_denied_suppressed = Counter(
+            "nexa_audit_denied_suppressed",
+            "Denied requests not written to the audit chain because the same key was denied the same"
+            " route less than the rate-limit window ago; the next event written carries the count. By action.",
+            ["action"],
+            registry=r,
+        )
         self.store_transaction_seconds = Histogram(
             "nexa_store_transaction_duration_seconds",
             "Time each store transaction took, queueing for the store lane included.",
@@ -68,8 +75,18 @@ class Metrics:
         )
         self.node_messages_rejected = Counter(
             "nexa_node_messages_rejected",
-            "Node channel messages refused (bad signature, replay, clock skew, wrong or unknown node).",
+            "Node channel messages refused, by reason: bad_signature, replayed, clock_skew, wrong_node,"
+            " unknown_key, unauthenticated, rate_limited (signed messages above the node's rate), malformed"
+            " (not the wire contract: bad JSON, depth, sizes, numbers, unknown kinds), stale_ack, and on the"
+            " data path unknown_stream (no open stream of that node), oversized_chunk, stream_overflow.",
             ["reason"],
+            registry=r,
+        )
+        self.node_store_writes_deferred = Counter(
+            "nexa_node_store_writes_deferred",
+            "Store writes a node's messages would have caused above its rate (channel.node_store_writes_per_s),"
+            " by kind (inventory, ack): the newest state is kept in memory and written with a later message.",
+            ["kind"],
             registry=r,
         )
         self.assignment_pushes = Counter("nexa_assignment_pushes", "Signed assignment sets sent to nodes.", registry=r)
@@ -77,6 +94,12 @@ class Metrics:
             "nexa_assignment_acks", "Node answers to assignment sets, by result.", ["result"], registry=r
         )
         self._gateway_metrics(r)
+        self.loop_failures = Counter(
+            "nexa_loop_failures",
+            "Failures of supervised long-running loops (each is logged and the loop restarted), by loop.",
+            ["loop"],
+            registry=r,
+        )
 
     def _gateway_metrics(self, r: CollectorRegistry) -> None:
         # `model` is the alias (or `name:version`) the client asked for: stable across rollouts.
@@ -123,6 +146,12 @@ class Metrics:
         self.gateway_quota_refusals = Counter(
             "nexa_gateway_quota_refusals", "Requests refused by a tenant quota, by limit.", ["limit"], registry=r
         )
+        self.gateway_queue_displaced = Counter(
+            "nexa_gateway_queue_displaced",
+            "Queued requests that gave their place to another tenant's (their tenant held more than its share).",
+            ["model"],
+            registry=r,
+        )
         self.metering_flush_seconds = Histogram(
             "nexa_metering_flush_duration_seconds",
             "Time each batch of usage records took to write.",
@@ -131,6 +160,21 @@ class Metrics:
         )
         self.metering_pending = Gauge(
             "nexa_metering_pending", "Usage records waiting to be written to the store.", registry=r
+        )
+        self.usage_records_refused = Counter(
+            "nexa_usage_records_refused",
+            "Usage figures refused where they entered the controller (a token count outside 0..2^31, a"
+            " timing that is not a finite number), by reason. The call is still metered, with the"
+            " controller's own estimate (from a node) or the figure clamped into range (in metering).",
+            ["reason"],
+            registry=r,
+        )
+        self.gateway_invalid_answers = Counter(
+            "nexa_gateway_invalid_answers",
+            "Runtime answers that were not the expected JSON, by kind (unary, stream, batch); each"
+            " affected caller got runtime_failed.",
+            ["kind"],
+            registry=r,
         )
 
     def render(self) -> bytes:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -47,6 +49,8 @@ from nexa.localparts import (
     weed_argv,
 )
 from nexa.localparts import tiny_gguf as make_tiny_gguf
+from nexa.node.docker import DockerClient
+from nexa.node.podman import PodmanClient
 from nexa.s3 import S3Credentials, object_url, signed_headers_for
 
 IN_CI: Final = os.environ.get("CI") == "true"
@@ -517,3 +521,205 @@ def minilm_gguf() -> Path:
     if not path.is_file():
         _missing(f"{path} is missing (the converted all-MiniLM-L6-v2 GGUF, REAL_PARTS §5b)")
     return path
+
+
+#: The isolated bridge the run's dockerd gives private runtimes: a /24 of the benchmarking range
+#: 198.18.0.0/15 (REAL_PARTS §7), no NAT, no forwarding, no iptables rules; tried in turn if taken.
+DOCKER_SUBNETS: Final = tuple(f"198.18.{n}.0/24" for n in range(240, 250))
+
+
+def _unmount_under(root: Path) -> None:
+    """Unmount what is still mounted at or below `root` (deepest first), all of it ours."""
+    with open("/proc/self/mounts", encoding="utf-8") as mounts:
+        points = [line.split()[1] for line in mounts]
+    for point in sorted((p for p in points if p == str(root) or p.startswith(f"{root}/")), reverse=True):
+        subprocess.run(["umount", "--lazy", point], capture_output=True, timeout=30, check=False)
+
+
+def _routed(subnet: str) -> bool:
+    """Whether the host already routes a network overlapping `subnet` (IPv4 main table)."""
+    wanted = ipaddress.ip_network(subnet)
+    with open("/proc/net/route", encoding="ascii") as routes:
+        for line in list(routes)[1:]:
+            fields = line.split()
+            dest, mask = (ipaddress.IPv4Address(struct.pack("<I", int(f, 16))) for f in (fields[1], fields[7]))
+            if dest == ipaddress.IPv4Address(0):
+                continue  # the default route
+            if ipaddress.ip_network(f"{dest}/{mask}", strict=False).overlaps(wanted):
+                return True
+    return False
+
+
+@attrs.frozen
+class DockerService:
+    """The run's own `dockerd` (Debian `docker.io`): `socket` for `DockerClient`, `network` for its
+    private runtimes (`[container] docker_network`)."""
+
+    socket: str
+    network: str
+    version: str
+    startup_s: float = 0.0
+
+
+def _docker_api(socket_path: str) -> httpx.Client:
+    return httpx.Client(
+        transport=httpx.HTTPTransport(uds=socket_path), base_url="http://d", trust_env=False, timeout=30
+    )
+
+
+@pytest.fixture(scope="session")
+def dockerd_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DockerService]:
+    """Debian's `dockerd` on its own socket, data root, exec root and pidfile, with no default bridge,
+    no iptables rules, no NAT and no IP forwarding: it touches nothing of the host's network. Private
+    runtimes join one isolated bridge network (`DOCKER_SUBNETS`) made here; ports are published on a
+    loopback address by docker-proxy. Its containers and the network are removed at the end.
+    """
+    dockerd = need("dockerd")
+    need("containerd")
+    need("runc")
+    _need_root("dockerd")
+    base = tmp_path_factory.mktemp("dockerd")
+    # containerd's sockets live under the exec root: keep it short (AF_UNIX paths end at 108 bytes).
+    exec_root = Path("/run") / f"nexa-dockerd-{hashlib.sha256(str(base).encode()).hexdigest()[:12]}"
+    sock = str(base / "docker.sock")
+    log = base / "dockerd.log"
+    network = f"nexa-test-{os.getpid()}"
+    bridge = f"nxt{os.getpid() % 10**8}"
+    argv = [
+        dockerd,
+        f"--host=unix://{sock}",
+        f"--data-root={base / 'root'}",
+        f"--exec-root={exec_root}",
+        f"--pidfile={base / 'docker.pid'}",
+        "--bridge=none",
+        "--iptables=false",
+        "--ip6tables=false",
+        "--ip-forward=false",
+        "--ip-masq=false",
+        "--userland-proxy=true",
+        # The sandbox has no CAP_SYS_RESOURCE: the defaults' rlimits fail in runc (REAL_PARTS §1).
+        "--default-ulimit=nofile=4096:4096",
+        "--default-ulimit=nproc=4096:4096",
+        "--containerd-namespace=nexa-test",
+        "--containerd-plugins-namespace=nexa-test-plugins",
+    ]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+    api = _docker_api(sock)
+    try:
+
+        def answers() -> bool:
+            # A plain connect first: httpx leaks the socket of a failed UDS connect (a ResourceWarning).
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(sock)
+                except OSError:
+                    return False
+            try:
+                return api.get("/_ping").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        startup_s = _wait_until(answers, proc, "dockerd", log)
+        version = str(api.get("/version").json()["Version"])
+        answer: httpx.Response | None = None
+        # dockerd checks overlaps with its own networks only: skip subnets the host routes already.
+        for subnet in [s for s in DOCKER_SUBNETS if not _routed(s)]:
+            answer = api.post(
+                "/networks/create",
+                json={
+                    "Name": network,
+                    "Driver": "bridge",
+                    "CheckDuplicate": True,
+                    "IPAM": {"Config": [{"Subnet": subnet}]},
+                    "Options": {
+                        "com.docker.network.bridge.name": bridge,
+                        "com.docker.network.bridge.enable_ip_masquerade": "false",
+                        "com.docker.network.bridge.enable_icc": "false",
+                    },
+                },
+            )
+            if answer.status_code < 400 or "overlap" not in answer.text:
+                break
+        if answer is None or answer.status_code >= 400:
+            detail = answer.text[-500:] if answer is not None else f"every one of {DOCKER_SUBNETS} is routed already"
+            pytest.fail(f"dockerd could not make the test network: {detail}", pytrace=False)
+        yield DockerService(socket=sock, network=network, version=version, startup_s=startup_s)
+    finally:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+            for container in api.get("/containers/json", params={"all": "true"}).json():
+                api.delete(f"/containers/{container['Id']}", params={"force": "true", "v": "true"})
+        with contextlib.suppress(httpx.HTTPError):
+            api.delete(f"/networks/{network}")
+        api.close()
+        _stop(proc)  # dockerd stops the containerd it started
+        # dockerd leaves a bridge it could not remove in the host's namespace: ours, by its name.
+        if Path(f"/sys/class/net/{bridge}").exists():
+            subprocess.run(["ip", "link", "delete", bridge], capture_output=True, timeout=30, check=False)
+        _unmount_under(exec_root)  # dockerd leaves its netns bind mount (exec-root/netns/default)
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.rmtree(exec_root, ignore_errors=True)
+
+
+#: The engines the real container tests run over: libpod, podman's Docker-compatible API (same
+#: service, paths without `/libpod`) and Debian's dockerd.
+ENGINES: Final = ("podman-libpod", "podman-docker-api", "dockerd")
+
+
+@attrs.frozen
+class ContainerEngine:
+    """One engine for a parametrized test: its driver (`client()`), the node.toml `[container]` table
+    that selects it, and `remove_labelled` to clean up after a test."""
+
+    name: str
+    socket: str
+    #: The Docker network private runtimes join ("" for libpod: its own `[podman] private_network`).
+    network: str = ""
+
+    @property
+    def docker(self) -> bool:
+        return self.name != "podman-libpod"
+
+    def client(self, *, tls_verify: bool = False) -> PodmanClient:
+        if self.docker:
+            return DockerClient(self.socket, tls_verify=tls_verify, network=self.network)
+        return PodmanClient(self.socket, tls_verify=tls_verify)
+
+    def container_table(self) -> dict[str, str]:
+        if not self.docker:
+            return {"engine": "podman", "socket": self.socket}
+        return {"engine": "docker", "socket": self.socket, "docker_network": self.network}
+
+    async def store_image(self, image: str) -> None:
+        """Pull `image` from the plain-HTTP test registry into this engine's store.
+
+        podman 4.3's Docker API has no per-pull TLS switch (its `/images/create` ignores `tlsVerify`
+        and Docker's daemon-wide insecure registries do not apply), so for it the image comes in
+        through libpod, into the same store; dockerd pulls it itself (loopback is insecure there).
+        """
+        via_libpod = self.name == "podman-docker-api"
+        async with PodmanClient(self.socket, tls_verify=False) if via_libpod else self.client() as client:
+            await client.pull(image)
+
+    def remove_labelled(self, key: str, value: str) -> None:
+        """Force-remove this engine's containers labelled key=value (both speak the Docker API)."""
+        with _docker_api(self.socket) as api, contextlib.suppress(httpx.HTTPError, ValueError):
+            found = api.get(
+                "/containers/json", params={"all": "true", "filters": json.dumps({"label": [f"{key}={value}"]})}
+            ).json()
+            for container in found:
+                api.delete(f"/containers/{container['Id']}", params={"force": "true", "v": "true"})
+
+
+@pytest.fixture(params=ENGINES)
+def container_engine(request: pytest.FixtureRequest) -> ContainerEngine:
+    """Each engine in turn; only the services the engine needs are started (once per run)."""
+    name = str(request.param)
+    if name == "dockerd":
+        service: DockerService = request.getfixturevalue("dockerd_service")
+        return ContainerEngine(name=name, socket=service.socket, network=service.network)
+    podman: PodmanService = request.getfixturevalue("podman_service")
+    if name == "podman-docker-api":
+        # podman's Docker API takes podman's network modes; slirp4netns as the libpod driver's default.
+        return ContainerEngine(name=name, socket=podman.socket, network="slirp4netns")
+    return ContainerEngine(name=name, socket=podman.socket)

@@ -35,6 +35,9 @@ from nexa.control.deployments import assignment_for
 GIB = 2**30
 SPARK_GPU = "nvidia.com/gpu=0"
 NODE_HOST = "127.0.0.11"
+#: Inside the runtime's own network namespace: it binds every address there; its probe asks loopback.
+BIND_HOST = "0.0.0.0"
+PROBE_HOST = "127.0.0.1"
 PORT = 18000
 ARTIFACT = Path("/var/lib/nexa/node/artifacts/" + "c" * 64)
 SHA = "c" * 64
@@ -96,7 +99,7 @@ def spark_spec(kind: RuntimeKind, settings: dict[str, object], *, name: str = "l
 
 
 def python_probe(path: str) -> HealthProbe:
-    url = f'"http://{NODE_HOST}:{PORT}{path}"'
+    url = f'"http://{PROBE_HOST}:{PORT}{path}"'
     return HealthProbe(
         command=["python3", "-c", f"import urllib.request; urllib.request.urlopen({url}, timeout=5)"],
         interval_s=2.0,
@@ -132,6 +135,9 @@ def expect(kind: RuntimeKind, **over: Any) -> ContainerSpec:
         ro_mounts=[(str(ARTIFACT), "/models/model")],
         health=python_probe("/health"),
         stop_timeout_s=30.0,
+        network="private",
+        publish_host=NODE_HOST,
+        publish_port=PORT,
     )
     return attrs.evolve(base, **over)
 
@@ -153,7 +159,7 @@ def test_vllm_on_a_dgx_spark() -> None:
             "--served-model-name",
             "llama-3-8b",
             "--host",
-            NODE_HOST,
+            BIND_HOST,
             "--port",
             "18000",
             "--gpu-memory-utilization",
@@ -179,7 +185,7 @@ def test_sglang_on_a_dgx_spark() -> None:
             "--served-model-name",
             "llama-3-8b",
             "--host",
-            NODE_HOST,
+            BIND_HOST,
             "--port",
             "18000",
             "--enable-metrics",
@@ -204,7 +210,7 @@ def test_trtllm_on_a_dgx_spark() -> None:
             "--served_model_name",
             "llama-3-8b",
             "--host",
-            NODE_HOST,
+            BIND_HOST,
             "--port",
             "18000",
             "--backend",
@@ -228,7 +234,7 @@ def test_llama_server_on_a_dgx_spark() -> None:
             "--alias",
             "llama-3-8b",
             "--host",
-            NODE_HOST,
+            BIND_HOST,
             "--port",
             "18000",
             "--metrics",
@@ -243,7 +249,7 @@ def test_llama_server_on_a_dgx_spark() -> None:
         ],
         shm_bytes=0,
         health=HealthProbe(
-            command=["curl", "-fsS", "-o", "/dev/null", "--max-time", "5", f"http://{NODE_HOST}:{PORT}/health"],
+            command=["curl", "-fsS", "-o", "/dev/null", "--max-time", "5", f"http://{PROBE_HOST}:{PORT}/health"],
             interval_s=2.0,
             timeout_s=6.0,
             start_period_s=600.0,
@@ -268,7 +274,7 @@ def test_llama_cpp_python_on_a_dgx_spark() -> None:
             "--model_alias",
             "minilm",
             "--host",
-            NODE_HOST,
+            BIND_HOST,
             "--port",
             "18000",
             "--n_gpu_layers",
@@ -296,8 +302,10 @@ def test_the_signed_spec_keeps_the_placeholder_and_each_node_fills_in_its_own_ad
     a = runtimes.container_spec(
         "n", assignment_for(dep, replica, model(), runtime, PORT), 1, ARTIFACT, host="127.0.0.12"
     )
-    assert "127.0.0.12" in a.command and "{runtime_host}" not in " ".join(a.command)
-    assert "127.0.0.12:18000/health" in a.health.command[-1]
+    # In its own namespace it binds every address there; podman publishes the port on the node's.
+    assert BIND_HOST in a.command and "{runtime_host}" not in " ".join(a.command)
+    assert f"{PROBE_HOST}:18000/health" in a.health.command[-1]
+    assert (a.publish_host, a.publish_port) == ("127.0.0.12", PORT)
 
 
 def test_several_gpus_are_tensor_parallel() -> None:

@@ -24,8 +24,10 @@ from nexa.contracts.runtime import (
 from nexa.errors import ContractError
 from tests.conftest import sample_runtime
 
-#: sha256 of the canonical JSON of the spec built in `test_spec_hash_is_stable`.
-GOLDEN_SPEC_SHA256 = "4d9e4144c8acfb393929219dc0cd62b3cf65001385a37b3f6ef613b978d0de54"
+#: sha256 of the canonical JSON of the spec built in `test_spec_hash_is_stable`. Changed on purpose
+#: when `host_network` joined the spec (issue 12): runtimes that ran in the host namespace must be
+#: recreated in a namespace of their own, so the upgrade replaces them instead of adopting them.
+GOLDEN_SPEC_SHA256 = "c3cb63a7c71a48b7d29f7214c0096b5e2ac4a4df9b03b66e08ca03d49bfe3763"
 ARTIFACT = Path("/var/lib/nexa/artifacts/" + "1" * 64)
 
 
@@ -68,7 +70,29 @@ def test_container_spec_carries_the_runtime_and_its_labels() -> None:
     assert (spec.memory_bytes, spec.cpus, spec.pids_limit, spec.shm_bytes) == (2 << 30, 2.0, 4096, 0)
     assert spec.health == rt.health
     assert spec.stop_timeout_s == rt.stop_timeout_s
-    assert spec.network == "host"
+    # Its own network namespace by default, the port published on the node's runtime address only.
+    assert (spec.network, spec.publish_host, spec.publish_port) == ("private", "127.0.0.1", 18300)
+
+
+def test_runtime_host_binds_every_address_inside_a_private_namespace_and_the_node_address_with_host_network() -> None:
+    rt = attrs.evolve(
+        sample_runtime(),
+        command=["--host", "{runtime_host}", "--port", "18300"],
+        health=attrs.evolve(sample_runtime().health, command=["curl", "http://{runtime_host}:18300/health"]),
+    )
+    private = runtimes.container_spec("n1", assignment(rt), 1, ARTIFACT, host="127.0.0.12")
+    assert private.command == ["--host", "0.0.0.0", "--port", "18300"]
+    assert private.health.command == ["curl", "http://127.0.0.1:18300/health"]
+    assert (private.network, private.publish_host, private.publish_port) == ("private", "127.0.0.12", 18300)
+
+    opted_in = runtimes.container_spec(
+        "n1", assignment(attrs.evolve(rt, host_network=True)), 1, ARTIFACT, host="127.0.0.12"
+    )
+    assert opted_in.command == ["--host", "127.0.0.12", "--port", "18300"]
+    assert opted_in.health.command == ["curl", "http://127.0.0.12:18300/health"]
+    assert (opted_in.network, opted_in.publish_host, opted_in.publish_port) == ("host", "", 0)
+    # The opt-in is part of the signed spec: changing it replaces the container.
+    assert runtimes.spec_sha256(rt) != runtimes.spec_sha256(attrs.evolve(rt, host_network=True))
 
 
 def test_env_is_exactly_the_specs() -> None:

@@ -426,3 +426,34 @@ def test_with_exit_with_parent_it_stops_when_its_parent_dies(tmp_path: Path) -> 
             return  # gone
         time.sleep(0.1)
     raise AssertionError("the runtime outlived its parent")
+
+
+async def test_garble_faults_answer_200_with_what_the_api_does_not_promise(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "1", "--tokens-per-s", "1000", "--output-tokens", "4")
+    chat_body = {"model": MODEL, "messages": chat("x")}
+    async with httpx.AsyncClient(base_url=sim.url, timeout=10) as http:
+        with trio.fail_after(TIMEOUT_S):
+            sim.faults.write_text(json.dumps({"garble": "html"}))
+            page = await http.post("/v1/chat/completions", json=chat_body)
+            assert page.status_code == 200 and page.headers["content-type"] == "text/html"
+            assert page.text.startswith("<html>")
+
+            sim.faults.write_text(json.dumps({"garble": "truncated", "after_tokens": 2}))
+            cut = await http.post("/v1/chat/completions", json=chat_body)
+            assert cut.status_code == 200
+            with pytest.raises(json.JSONDecodeError):
+                json.loads(cut.content)
+
+            sim.faults.write_text(json.dumps({"garble": "shape", "after_tokens": 12}))
+            shaped = await http.post("/v1/embeddings", json={"model": MODEL, "input": ["a", "b"]})
+            assert shaped.status_code == 200 and shaped.json()["data"] == [0, 1]
+            streamed = await http.post("/v1/chat/completions", json={**chat_body, "stream": True})
+            assert b"data: [1, 2, 3]\n\n" in streamed.content  # after the tokens before it
+
+            sim.faults.write_text(json.dumps({"garble": "usage", "after_tokens": 123}))
+            usage = (await http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})).json()["usage"]
+            assert usage["prompt_tokens"] == 2**64 and usage["completion_tokens"] == -1
+
+            sim.faults.write_text(json.dumps({"garble": "nonsense"}))  # refused: no faults until fixed
+            fine = await http.post("/v1/chat/completions", json=chat_body)
+            assert fine.json()["choices"][0]["message"]["content"]

@@ -172,6 +172,33 @@ def test_node_unit_orders_after_podman_and_the_network() -> None:
     assert {"podman.socket", "network-online.target"} <= set(after)
 
 
+DOCKER_DROP_IN = UNITS / "nexa-node.service.d" / "docker.conf"
+
+
+def test_node_unit_with_the_docker_drop_in_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    """The Docker Engine variant (DGX OS): nexa-node.service plus nexa-node.service.d/docker.conf,
+    which verify loads from beside the unit."""
+    analyze = _systemd_analyze()
+    unit = _local_copy("nexa-node.service", tmp_path)
+    drop_ins = tmp_path / "nexa-node.service.d"
+    drop_ins.mkdir()
+    shutil.copy(DOCKER_DROP_IN, drop_ins / DOCKER_DROP_IN.name)
+    proc = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
+    )
+    assert proc.returncode == 0, f"systemd-analyze verify exited {proc.returncode}:\n{proc.stderr}"
+    assert proc.stderr.strip() == "", f"systemd-analyze verify warned:\n{proc.stderr}"
+
+
+def test_docker_drop_in_orders_after_docker_and_swaps_the_socket_group() -> None:
+    text = DOCKER_DROP_IN.read_text(encoding="utf-8")
+    assert _values(text, "Unit", "Requires") == ["docker.service"]
+    assert _values(text, "Unit", "After") == ["docker.service"]
+    # The empty assignment resets the base unit's nexa-podman group; then only docker.
+    assert _values(text, "Service", "SupplementaryGroups") == ["", "docker"]
+    assert {section for section, _, _ in _directives(text)} == {"Unit", "Service"}
+
+
 def _check_config(path: Path, *role: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "nexa", "check-config", *role, str(path)],

@@ -29,9 +29,18 @@ class Health:
 
 @attrs.frozen(kw_only=True)
 class VersionInfo:
+    """`GET /version` (no key): also what `nexa node doctor` checks a node against. The later
+    fields have defaults so that an older controller's answer still reads (as "not reported")."""
+
     version: str
     epoch: int
     started_at: float
+    #: `security.controller_fingerprint` of the controller's keys: what enrolled nodes have pinned.
+    controller_fingerprint: str = ""
+    #: The controller's wall clock (Unix seconds) when it answered; 0: not reported.
+    now: float = 0.0
+    #: Its `nodes.max_clock_skew_s`: heartbeats further than this from `now` are refused; 0: not reported.
+    max_clock_skew_s: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -101,6 +110,35 @@ class AuditVerdict:
 
 
 @attrs.frozen(kw_only=True)
+class AuditCheckpoint:
+    """The audit chain's head at one moment (`GET /api/v1/audit/head`): event `seq` has `sha256`."""
+
+    seq: int
+    sha256: str
+    #: Unix seconds when the controller signed it.
+    at: float
+    epoch: int
+
+
+@attrs.frozen(kw_only=True)
+class SignedAuditCheckpoint:
+    """A checkpoint with the controller's Ed25519 signature (standard base64), over
+    `nexa.audit-head.v1 NUL` + the checkpoint's canonical JSON. `public_key` is a hint only:
+    a verifier compares it with the controller key it trusts."""
+
+    checkpoint: AuditCheckpoint
+    signature: str
+    public_key: str
+
+
+@attrs.frozen(kw_only=True)
+class AuditVerifyRequest:
+    """`POST /api/v1/audit/verify`: optionally against a checkpoint saved earlier (`nexa audit head`)."""
+
+    against: SignedAuditCheckpoint | None = None
+
+
+@attrs.frozen(kw_only=True)
 class EnrollmentTokenCreate:
     ttl_s: float = 900.0
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -111,9 +149,13 @@ class EnrollmentTokenCreated:
     """The one answer that carries the token; the controller keeps only its hash."""
 
     id: str
+    #: `nxb_<secret>.<controller fingerprint>`: the node sends only the secret and pins the keys
+    #: of the answering controller only if they have that fingerprint.
     token: str
     expires_at: float
     labels: dict[str, str]
+    #: SHA-256 (hex) of the controller's public keys (`security.controller_fingerprint`).
+    controller_fingerprint: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
+import re
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
@@ -154,17 +156,165 @@ def structure(conv: cattrs.Converter, data: Any, cls: type[T]) -> T:
         raise ContractError("invalid body: expected a JSON object", problems=("(top level): expected an object",))
     try:
         return conv.structure(data, cls)
-    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, ArithmeticError, AttributeError) as exc:
         problems = describe(exc)
         raise ContractError("invalid body: " + "; ".join(problems), problems=problems) from None
 
 
-def loads(conv: cattrs.Converter, raw: bytes | str, cls: type[T]) -> T:
+def loads(conv: cattrs.Converter, raw: bytes | str, cls: type[T], *, limits: DecodeLimits | None = None) -> T:
+    """Strictly parse `raw` (`parse_json`, with the converter's limits) and structure it into `cls`.
+
+    Raises ContractError, and nothing else, for any input.
+    """
+    return structure(conv, parse_json(raw, limits or limits_of(conv)), cls)
+
+
+# --- the one strict JSON decoder ------------------------------------------------------------------
+
+#: The largest magnitude of an integer any decoder accepts: a signed 64-bit integer (SQLite's
+#: INTEGER). Contract types bound their own fields further (token counts: `MAX_TOKENS`).
+MAX_INT: Final = 2**63 - 1
+#: An integer literal longer than this is refused before it is converted (sign included).
+_MAX_INT_CHARS: Final = 20
+
+
+@attrs.frozen(kw_only=True)
+class DecodeLimits:
+    """Bounds one boundary's decoder enforces on every JSON document, whatever its contract."""
+
+    #: Deepest nesting of arrays and objects (the document itself is depth 1).
+    max_depth: int
+    #: Longest string, keys included (characters).
+    max_string_chars: int
+    #: Most items in one array.
+    max_array_items: int
+    #: Most keys in one object.
+    max_object_keys: int
+
+
+#: Node⇄controller message bodies and data-path heads (`codec.wire`).
+WIRE_LIMITS: Final = DecodeLimits(max_depth=32, max_string_chars=64 * 1024, max_array_items=4096, max_object_keys=1024)
+#: Northbound HTTP bodies (`codec.api`); the body size limit bounds them first.
+API_LIMITS: Final = DecodeLimits(
+    max_depth=64, max_string_chars=16 * 1024 * 1024, max_array_items=1 << 20, max_object_keys=1 << 16
+)
+#: What the controller wrote itself (`codec.store`): generous, but never unbounded.
+STORE_LIMITS: Final = DecodeLimits(
+    max_depth=128, max_string_chars=64 * 1024 * 1024, max_array_items=1 << 24, max_object_keys=1 << 20
+)
+
+_SURROGATE: Final = re.compile("[\ud800-\udfff]")
+
+
+class _Refused(ValueError):
+    """Raised inside `json.loads` hooks; becomes a ContractError."""
+
+
+def _parse_int(text: str) -> int:
+    if len(text) > _MAX_INT_CHARS:
+        raise _Refused(f"an integer beyond ±{MAX_INT}")
+    value = int(text)
+    if not -MAX_INT <= value <= MAX_INT:
+        raise _Refused(f"an integer beyond ±{MAX_INT}")
+    return value
+
+
+def _parse_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused("a number too large to represent")
+    return value
+
+
+def _parse_constant(name: str) -> float:
+    raise _Refused(f"{name} is not a JSON number")
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise _Refused("an object with a duplicate key")
+    return out
+
+
+def parse_json(raw: bytes | bytearray | str, limits: DecodeLimits = WIRE_LIMITS) -> Any:
+    """The one strict JSON decoder: UTF-8, no NaN or Infinity, integers within ±`MAX_INT`, no
+    duplicate keys, no lone surrogates, and `limits` on depth, string length and sizes.
+
+    Raises ContractError for any input that breaks a rule, and never anything else (no
+    RecursionError, OverflowError, UnicodeDecodeError, ...).
+    """
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ContractError(f"body is not valid JSON: {exc.msg if hasattr(exc, 'msg') else exc}") from None
-    return structure(conv, data, cls)
+        text = raw if isinstance(raw, str) else bytes(raw).decode("utf-8")
+        data = json.loads(
+            text,
+            parse_int=_parse_int,
+            parse_float=_parse_float,
+            parse_constant=_parse_constant,
+            object_pairs_hook=_pairs,
+        )
+    except _Refused as exc:
+        raise ContractError(f"body refused: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ContractError(f"body is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except UnicodeDecodeError:
+        raise ContractError("body is not valid JSON: not UTF-8") from None
+    except (ValueError, RecursionError, OverflowError, MemoryError, TypeError):
+        raise ContractError("body is not valid JSON: nested too deeply or too large") from None
+    problem = _tree_problem(data, limits)
+    if problem is not None:
+        raise ContractError(f"body refused: {problem}")
+    return data
+
+
+def _tree_problem(root: object, limits: DecodeLimits) -> str | None:
+    """Why a parsed document breaks `limits`, or None. Iterative: depth costs no stack."""
+    stack: list[tuple[object, int]] = [(root, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, str):
+            problem = _string_problem(value, limits)
+        elif isinstance(value, list | dict):
+            problem = _container_problem(value, depth, limits)
+            if problem is None:
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for key, item in items:
+                    if isinstance(key, str):
+                        stack.append((key, depth))
+                    if isinstance(item, str | list | dict):
+                        stack.append((item, depth + 1))
+        else:
+            continue
+        if problem is not None:
+            return problem
+    return None
+
+
+def _string_problem(value: str, limits: DecodeLimits) -> str | None:
+    if len(value) > limits.max_string_chars:
+        return f"a string longer than {limits.max_string_chars} characters"
+    if not value.isascii() and _SURROGATE.search(value):
+        return "a string with an unpaired surrogate"
+    return None
+
+
+def _container_problem(value: list[object] | dict[str, object], depth: int, limits: DecodeLimits) -> str | None:
+    if depth > limits.max_depth:
+        return f"nested deeper than {limits.max_depth}"
+    if isinstance(value, list) and len(value) > limits.max_array_items:
+        return f"an array of more than {limits.max_array_items} items"
+    if isinstance(value, dict) and len(value) > limits.max_object_keys:
+        return f"an object of more than {limits.max_object_keys} keys"
+    return None
+
+
+def limits_of(conv: cattrs.Converter) -> DecodeLimits:
+    """The decoder limits of one of this module's converters (copies get the API's)."""
+    if conv is wire:
+        return WIRE_LIMITS
+    if conv is store:
+        return STORE_LIMITS
+    return API_LIMITS
 
 
 def dumps(conv: cattrs.Converter, obj: object) -> str:

@@ -9,17 +9,32 @@ any record defined here: usage records and receipts carry counts, ids and timing
 from __future__ import annotations
 
 import enum
+import hashlib
+import math
 import re
 from typing import Final
 
 import attrs
 
+from nexa.contracts import codec
 from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.node import data_class_problem
 
 #: The canonical envelope's version; anything else is refused.
 API_VERSION: Final = "nexa.v1"
-#: Idempotency keys and workload ids: opaque, printable, at most 256 characters.
+#: Idempotency keys: opaque, printable, at most 256 characters.
 IDENT_RE: Final = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,256}$")
+#: Workload ids: as idempotency keys but without `/` (an id is one segment of `/api/v1/workloads/{id}`).
+WORKLOAD_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:@+=-]{1,256}$")
+#: The longest `model` (alias or `name:version`) any inference route takes.
+MAX_MODEL_CHARS: Final = 256
+#: What usage records and receipts name when the requested model never resolved: the name the
+#: client sent is not stored (it is the client's free text, up to MAX_MODEL_CHARS of it).
+UNRESOLVED_MODEL: Final = "(unresolved)"
+#: Bounds of the token figures a request may ask for (`max_tokens`, `max_completion_tokens`).
+MAX_REQUEST_TOKENS: Final = 2**31 - 1
+#: Completions one request may ask for (`n`).
+MAX_CHOICES: Final = 128
 #: Largest canonical payload, serialised (the HTTP body limit applies too).
 MAX_PAYLOAD_BYTES: Final = 1_048_576
 
@@ -59,11 +74,22 @@ _RANKS: Final = {Priority.INTERACTIVE: 0, Priority.STANDARD: 1, Priority.BATCH: 
 
 
 class LatencyClass(enum.StrEnum):
-    """What the caller expects; recorded with usage (routing treats all alike for now)."""
+    """What the caller expects of the envelope's latency; it sets the admission priority."""
 
     REALTIME = "realtime"
     STANDARD = "standard"
     BATCH = "batch"
+
+    @property
+    def priority(self) -> Priority:
+        return _LATENCY_PRIORITY[self]
+
+
+_LATENCY_PRIORITY: Final = {
+    LatencyClass.REALTIME: Priority.INTERACTIVE,
+    LatencyClass.STANDARD: Priority.STANDARD,
+    LatencyClass.BATCH: Priority.BATCH,
+}
 
 
 class Retention(enum.StrEnum):
@@ -113,14 +139,27 @@ class WorkloadCreate:
     model: str
     #: The OpenAI-shaped request body for the capability, without `model` and `stream`.
     payload: dict[str, object]
-    data_class: str = "internal"
+    #: The payload's data classification: only replicas on nodes whose inventory lists it in
+    #: `data_classes` serve it (503 `no_replica_for_data_class` when none does). None: any node.
+    data_class: str | None = None
     retention: Retention = Retention.EPHEMERAL
     #: Wall-clock Unix seconds; None: the gateway's default deadline. Queue time counts.
     deadline_at: float | None = None
-    priority: Priority = Priority.STANDARD
-    latency_class: LatencyClass = LatencyClass.STANDARD
+    #: The admission priority; None: the one `latency_class` maps to (realtime → interactive,
+    #: standard → standard, batch → batch), else standard. Both given must agree.
+    priority: Priority | None = None
+    latency_class: LatencyClass | None = None
     #: Answer as server-sent events (`chunk`, then one `end` event) instead of one JSON body.
+    #: Embeddings do not stream (refused).
     stream: bool = False
+
+    @property
+    def admission_priority(self) -> Priority:
+        if self.priority is not None:
+            return self.priority
+        if self.latency_class is not None:
+            return self.latency_class.priority
+        return Priority.STANDARD
 
 
 @attrs.frozen(kw_only=True)
@@ -330,13 +369,104 @@ def workload_problems(req: WorkloadCreate) -> list[str]:
     problems = []
     if req.version != API_VERSION:
         problems.append(f"version: must be {API_VERSION}")
-    for field in ("idempotency_key", "workload_id"):
-        if not IDENT_RE.match(getattr(req, field)):
-            problems.append(f"{field}: 1 to 256 characters of A-Z a-z 0-9 . _ : @ / + = -")
-    if not req.model or len(req.model) > 256:
-        problems.append("model: an alias name")
+    if not IDENT_RE.match(req.idempotency_key):
+        problems.append("idempotency_key: 1 to 256 characters of A-Z a-z 0-9 . _ : @ / + = -")
+    if not WORKLOAD_ID_RE.match(req.workload_id):
+        problems.append("workload_id: 1 to 256 characters of A-Z a-z 0-9 . _ : @ + = - (no /)")
+    problem = model_problem(req.model)
+    if problem is not None:
+        problems.append(problem)
     if "model" in req.payload or "stream" in req.payload:
         problems.append("payload: must not hold `model` or `stream` (they are envelope fields)")
-    if req.deadline_at is not None and req.deadline_at <= 0:
+    if "stream_options" in req.payload:
+        problems.append("payload.stream_options: set by the gateway (streams always end with the usage)")
+    if req.deadline_at is not None and (not math.isfinite(req.deadline_at) or req.deadline_at <= 0):
         problems.append("deadline_at: Unix seconds, in the future")
+    if req.data_class is not None and (problem := data_class_problem(req.data_class)) is not None:
+        problems.append(f"data_class: {problem}")
+    if req.priority is not None and req.latency_class is not None and req.latency_class.priority is not req.priority:
+        problems.append(
+            f"latency_class: {req.latency_class.value} means priority {req.latency_class.priority.value},"
+            f" not {req.priority.value} (send one of them, or both agreeing)"
+        )
+    problems += [f"payload.{p}" for p in body_problems(req.capability, req.payload)]
     return problems
+
+
+def model_problem(model: object) -> str | None:
+    """Why `model` is not an alias or `name:version` the inference routes take, or None."""
+    if not isinstance(model, str) or not model:
+        return "model: the alias to use is required"
+    if len(model) > MAX_MODEL_CHARS:
+        return f"model: at most {MAX_MODEL_CHARS} characters"
+    return None
+
+
+def body_problems(capability: Capability, body: dict[str, object]) -> list[str]:
+    """What the gateway refuses in an OpenAI-shaped body: non-finite numbers anywhere (JSON has
+    none; Python's parser accepts NaN and Infinity), and token figures it reserves quota by."""
+    problems = [f"{path}: a finite number (not NaN or Infinity)" for path in _nonfinite(body)]
+    if capability is not Capability.EMBEDDING:
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = body.get(name)
+            if value is not None and not _int_in(value, 1, MAX_REQUEST_TOKENS):
+                problems.append(f"{name}: an integer from 1 to {MAX_REQUEST_TOKENS}")
+        n = body.get("n")
+        if n is not None and not _int_in(n, 1, MAX_CHOICES):
+            problems.append(f"n: an integer from 1 to {MAX_CHOICES}")
+    return problems
+
+
+def _int_in(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _nonfinite(body: object) -> list[str]:
+    """Paths of the non-finite floats in parsed JSON; iterative, so depth cannot exhaust the stack."""
+    out: list[str] = []
+    todo: list[tuple[str, object]] = [("(body)", body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            out.append(path.removeprefix("(body)."))
+        elif isinstance(value, dict):
+            todo += [(f"{path}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    return sorted(out)
+
+
+def token_reservation(capability: Capability, body: dict[str, object], *, default_completion: int) -> int:
+    """Tokens a request is counted for against its tenant's token quotas while it runs: about one
+    per four characters of its prompt (or embedding input), plus the completion it may produce
+    (`max_completion_tokens`, else `max_tokens`, else `default_completion`, times `n`). Settled
+    to the runtime's usage when it finishes."""
+    if capability is Capability.EMBEDDING:
+        return _chars(body.get("input")) // 4 + 1
+    prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    completion = asked if isinstance(asked, int) and _int_in(asked, 1, MAX_REQUEST_TOKENS) else default_completion
+    choices = body.get("n")
+    n = choices if isinstance(choices, int) and _int_in(choices, 1, MAX_CHOICES) else 1
+    return _chars(prompt) // 4 + 1 + completion * n
+
+
+def _chars(value: object) -> int:
+    """Characters of the strings in parsed JSON (what a prompt's length is estimated from)."""
+    total = 0
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            todo += item.values()
+        elif isinstance(item, list):
+            todo += item
+    return total
+
+
+def request_sha256(req: WorkloadCreate) -> str:
+    """The digest stored with an idempotency key: sha256 of the envelope's canonical JSON, so a
+    replay with another body is told apart (call after `workload_problems`: no NaN left)."""
+    return hashlib.sha256(codec.dumps(codec.api, req).encode()).hexdigest()

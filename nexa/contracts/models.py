@@ -58,12 +58,28 @@ class ModelFormat(enum.StrEnum):
 
 
 @attrs.frozen(kw_only=True)
+class ImagePlatform:
+    """One platform an image offers, as OCI names it: `linux/arm64/v8` is os, architecture, variant."""
+
+    os: str
+    architecture: str
+    variant: str = ""
+
+    def __str__(self) -> str:
+        return "/".join(p for p in (self.os, self.architecture, self.variant) if p)
+
+
+@attrs.frozen(kw_only=True)
 class RuntimeCreate:
     name: str
     kind: RuntimeKind
     version: str
     #: `registry/repository@sha256:<64 hex>`; the controller checks the registry holds it.
     image: str
+    #: Run this runtime's containers in the node's own network namespace instead of one of their
+    #: own (they can then bind any node address and reach whatever the node reaches). An explicit,
+    #: audited opt-in, for runtimes that need it (e.g. multi-node collectives); off by default.
+    host_network: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -78,6 +94,31 @@ class RuntimeRecord:
     media_type: str
     registered_at: float
     registered_by: KeyId | None
+    #: See RuntimeCreate.host_network: False means each container gets its own network namespace.
+    host_network: bool = False
+    #: The platforms the image's index (or its single manifest's config) names, as the registry
+    #: served them when the digest was checked. Empty: unknown (records from before platforms
+    #: were read), which filters no node.
+    platforms: list[ImagePlatform] = attrs.Factory(list)
+
+    @property
+    def image_archs(self) -> tuple[str, ...] | None:
+        """The architectures a (Linux) node needs to run the image, for placement; None: no filter.
+
+        None when the platforms are unknown, and for `sim`, which runs as a process on the node,
+        never from its (placeholder) image. An image with no linux platform gives `()`: no node.
+        """
+        if not self.platforms or self.kind is RuntimeKind.SIM:
+            return None
+        return tuple(sorted({p.architecture for p in self.platforms if p.os == "linux"}))
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeRegistered(RuntimeRecord):
+    """The answer to registering a runtime: the record, and what the operator should know now
+    (for example that no enrolled node has an architecture the image offers)."""
+
+    warnings: list[str] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,7 @@ import attrs
 import cattrs
 
 from nexa.contracts import codec
+from nexa.contracts.bounds import MAX_BYTES, MAX_UNIX_S, finite, whole
 from nexa.contracts.domain import NAME_RE
 from nexa.errors import ConfigError, ContractError
 
@@ -33,6 +34,14 @@ _DNS_SUBDOMAIN_MAX: Final = 253
 
 #: The CDI device name podman is given for an NVIDIA GPU (nvidia-container-toolkit's spec).
 CDI_NVIDIA_GPU: Final = "nvidia.com/gpu"
+
+#: The ranges GPU figures must lie in; discovery reports a figure outside its range as unknown.
+GPU_INDEX_MAX: Final = 4095
+UTILIZATION_PCT: Final = (0.0, 100.0)
+TEMPERATURE_C: Final = (-100.0, 300.0)
+POWER_DRAW_W: Final = (0.0, 100_000.0)
+#: The most CPUs one node reports.
+CPU_COUNT_MAX: Final = 1 << 20
 
 
 class RuntimeKind(enum.StrEnum):
@@ -68,15 +77,15 @@ class Gpu:
     LPDDR5x pool) has `unified_memory=True` and its memory figures describe the shared pool.
     """
 
-    index: int
+    index: int = attrs.field(validator=whole(0, GPU_INDEX_MAX))
     uuid: str
     name: str
-    memory_total_bytes: int | None
-    memory_used_bytes: int | None
-    memory_free_bytes: int | None
-    utilization_pct: float | None
-    temperature_c: float | None
-    power_draw_w: float | None
+    memory_total_bytes: int | None = attrs.field(validator=whole(0, MAX_BYTES, optional=True))
+    memory_used_bytes: int | None = attrs.field(validator=whole(0, MAX_BYTES, optional=True))
+    memory_free_bytes: int | None = attrs.field(validator=whole(0, MAX_BYTES, optional=True))
+    utilization_pct: float | None = attrs.field(validator=finite(*UTILIZATION_PCT, optional=True))
+    temperature_c: float | None = attrs.field(validator=finite(*TEMPERATURE_C, optional=True))
+    power_draw_w: float | None = attrs.field(validator=finite(*POWER_DRAW_W, optional=True))
     driver_version: str | None
     pci_bus_id: str | None
     compute_cap: str | None
@@ -112,8 +121,8 @@ class AcceleratorOverride:
             raise ValueError("index must be 0 or more")
         if self.uuid is not None and not self.uuid.strip():
             raise ValueError("uuid must not be empty")
-        if self.memory_total_bytes is not None and self.memory_total_bytes <= 0:
-            raise ValueError("memory_total_bytes must be a positive number of bytes")
+        if self.memory_total_bytes is not None and not 0 < self.memory_total_bytes <= MAX_BYTES:
+            raise ValueError(f"memory_total_bytes must be a positive number of bytes, at most {MAX_BYTES}")
 
     def selector(self) -> str:
         return f"uuid {self.uuid}" if self.uuid is not None else f"index {self.index}"
@@ -146,25 +155,34 @@ class DiscoveredHost:
     problems: tuple[str, ...] = ()
 
 
+#: Longest engine name, version or GPU method a node may report.
+ENGINE_FIELD_MAX: Final = 64
+
+
 @attrs.frozen(kw_only=True)
 class NodeInventory:
     """Discovery merged with inventory.json: what a node reports to the controller."""
 
     hostname: str
     arch: str
-    cpu_count: int
-    memory_total_bytes: int
-    memory_available_bytes: int
+    cpu_count: int = attrs.field(validator=whole(0, CPU_COUNT_MAX))
+    memory_total_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    memory_available_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
     gpus: tuple[Gpu, ...]
     labels: dict[LabelKey, LabelValue]
     taints: tuple[Taint, ...]
     data_classes: tuple[DataClassName, ...]
     runtimes: tuple[RuntimeKind, ...]
     #: The accelerator memory to place against: the sum over discrete GPUs, plus the unified pool once.
-    accelerator_memory_bytes: int
-    discovered_at: float
+    accelerator_memory_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    discovered_at: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
     #: Discovery failures and overrides that did not apply, for the operator to see.
     problems: tuple[str, ...] = ()
+    #: The container engine runtimes run in ("podman" or "docker"), its version ("" while it does
+    #: not answer) and how GPUs reach them ("cdi" or "nvidia-runtime"). "" in records from before.
+    container_engine: str = attrs.field(default="", validator=attrs.validators.max_len(ENGINE_FIELD_MAX))
+    container_engine_version: str = attrs.field(default="", validator=attrs.validators.max_len(ENGINE_FIELD_MAX))
+    gpu_method: str = attrs.field(default="", validator=attrs.validators.max_len(ENGINE_FIELD_MAX))
 
 
 def label_key_problem(key: str) -> str | None:

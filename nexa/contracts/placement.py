@@ -140,6 +140,9 @@ class PlacementRequest:
     runtime: RuntimeKind
     #: None: any architecture.
     arch: str | None = None
+    #: The architectures the runtime image offers for linux (`amd64`, `arm64`); None: unknown,
+    #: no filter. An empty tuple (an image with no linux platform) fits no node.
+    image_archs: tuple[str, ...] | None = None
     #: Per replica: held by the `accelerators` discrete GPUs it is given together, or taken from
     #: a unified-memory pool, or (no GPUs, not unified) from host memory.
     memory_bytes: int = attrs.field(default=0, validator=_non_negative)
@@ -155,6 +158,16 @@ class PlacementRequest:
     #: Taint keys this deployment tolerates (any value, any effect).
     tolerations: tuple[LabelKey, ...] = attrs.field(default=(), converter=_sorted_unique)
     policy: PlacementPolicy = PlacementPolicy.SPREAD
+    #: The runtime's registration opted in to the node's network namespace (shown in every
+    #: explanation; by default a replica gets a namespace of its own and a port on `runtime_host`).
+    host_network: bool = False
+
+    @property
+    def network(self) -> str:
+        """How the replicas are networked, in words, for explanations."""
+        if self.host_network:
+            return "host network (the runtime's opt-in: it shares the node's network namespace)"
+        return "private network namespace (port published on the node's runtime address only)"
 
     def __attrs_post_init__(self) -> None:
         if self.replicas < 1:
@@ -233,4 +246,6 @@ class PlacementDecision:
     #: One per node, in node-id order.
     explanations: tuple[NodeExplanation, ...]
     feasible: bool
+    #: Why it does not fit; on a feasible decision None, or the note that the runtime uses the
+    #: node's network namespace (`request.network`), which every explanation shows.
     reason: str | None = None

@@ -24,6 +24,15 @@ LABEL_ASSIGNMENT: Final = "nexa.assignment"
 LABEL_DEPLOYMENT: Final = "nexa.deployment"
 LABEL_GENERATION: Final = "nexa.generation"
 LABEL_SPEC: Final = "nexa.spec-sha256"
+#: podman's status words (libpod `define.ContainerStatus`, lower case) that the supervisor acts on.
+#: Any other word (`stopping`, `removing`, `unknown`, …) is a container between states.
+STATUS_EXITED: Final = frozenset({"exited", "stopped"})
+STATUS_PAUSED: Final = "paused"
+STATUS_STARTABLE: Final = frozenset({"created", "configured", "exited", "stopped"})
+#: ContainerSpec.network values.
+NETWORK_PRIVATE: Final = "private"
+NETWORK_HOST: Final = "host"
+NETWORK_NONE: Final = "none"
 #: Written by the controller where a runtime's bind address goes (its command and health probe);
 #: the node replaces it with its own `runtime_host` (several nodes may share one host's loopback).
 RUNTIME_HOST: Final = "{runtime_host}"
@@ -84,7 +93,9 @@ class RuntimeSpec:
     command: list[str]
     #: Plain settings only: never keys, tokens or credentials (the agent refuses known secret names).
     env: dict[str, str] = attrs.field(factory=dict)
-    #: The runtime listens on 127.0.0.1:port of the node (host network, loopback only).
+    #: The node reaches the runtime at its `runtime_host`:port. In its own network namespace (the
+    #: default) the runtime listens on this port inside it and podman publishes it on that address
+    #: only; with `host_network` it binds `runtime_host`:port in the node's namespace itself.
     port: int = attrs.field(validator=[attrs.validators.ge(1), attrs.validators.le(65535)])
     artifact: ArtifactRef | None = None
     #: CDI device names, e.g. `nvidia.com/gpu=0`.
@@ -95,6 +106,9 @@ class RuntimeSpec:
     shm_bytes: int = 0
     health: HealthProbe
     stop_timeout_s: float = 30.0
+    #: The runtime registration's explicit opt-in to the node's own network namespace (it can then
+    #: bind any address of the node and reach everything the node reaches). Off by default.
+    host_network: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -116,8 +130,13 @@ class ContainerSpec:
     ro_mounts: list[tuple[str, str]]
     health: HealthProbe
     stop_timeout_s: float
-    #: "host" (the runtime binds 127.0.0.1) or "none".
-    network: str = "host"
+    #: NETWORK_PRIVATE (its own namespace; `publish_port` published on `publish_host` only),
+    #: NETWORK_HOST (the node's namespace: an explicit per-runtime opt-in) or NETWORK_NONE.
+    network: str = "private"
+    #: With NETWORK_PRIVATE: the node address (its `runtime_host`) the port is published on.
+    publish_host: str = ""
+    #: With NETWORK_PRIVATE: the port published, the same inside and on `publish_host`; 0: none.
+    publish_port: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -134,10 +153,30 @@ class ContainerState:
     running: bool
     #: podman's status word: created, running, exited, stopped, …
     status: str
+    #: Set only once the container has exited (`exited`/`stopped`): None while it runs or stops.
     exit_code: int | None = None
     #: Unix seconds, None if never started.
     started_at: float | None = None
     restart_count: int = 0
+
+    @property
+    def exited(self) -> bool:
+        """It ran and has ended (`exited` or `stopped`): the only state that counts as an exit."""
+        return not self.running and self.status in STATUS_EXITED
+
+    @property
+    def paused(self) -> bool:
+        return self.status == STATUS_PAUSED
+
+    @property
+    def startable(self) -> bool:
+        """podman accepts `start` only in these states (else 500 "container state improper")."""
+        return not self.running and self.status in STATUS_STARTABLE
+
+    @property
+    def between_states(self) -> bool:
+        """On its way from one state to another (`stopping`, `removing`, …): to be waited out."""
+        return not self.running and not self.paused and self.status not in STATUS_STARTABLE
 
 
 @attrs.frozen(kw_only=True)

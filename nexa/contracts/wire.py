@@ -22,11 +22,16 @@ from typing import ClassVar, Final
 
 import attrs
 
+from nexa.contracts.bounds import MAX_BYTES, MAX_MS, MAX_SEQ, MAX_TOKENS, MAX_UNIX_S, finite, whole
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.runtime import RuntimeSpec
 
 #: Bumped when a change to these records is not backwards compatible.
 PROTOCOL_VERSION: Final = 1
+#: The most accelerators one node reports.
+MAX_GPUS: Final = 4096
+#: The largest flow-control window (chunks) and credit one frame carries.
+MAX_WINDOW: Final = 1 << 20
 
 
 class RuntimeState(enum.StrEnum):
@@ -61,7 +66,7 @@ class AssignmentStatus:
     #: Stable machine reason for `Failed` (e.g. `artifact_digest_mismatch`, `image_not_found`, `crash_loop`).
     reason: str | None = None
     #: Restarts after crashes since the assignment was accepted.
-    restarts: int = 0
+    restarts: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
 
 
 @attrs.frozen(kw_only=True)
@@ -96,13 +101,13 @@ class Hello:
     kind: ClassVar[str] = "hello"
 
     node_id: str
-    seq: int
-    ts: float
+    seq: int = attrs.field(validator=whole(0, MAX_SEQ))
+    ts: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
     agent_version: str
-    protocol: int = PROTOCOL_VERSION
+    protocol: int = attrs.field(default=PROTOCOL_VERSION, validator=whole(0, MAX_TOKENS))
     #: Highest (epoch, generation) of an assignment set the node accepted; (0, 0) if none.
-    epoch: int = 0
-    generation: int = 0
+    epoch: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
+    generation: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
 
 
 @attrs.frozen(kw_only=True)
@@ -112,15 +117,15 @@ class Heartbeat:
     kind: ClassVar[str] = "heartbeat"
 
     node_id: str
-    seq: int
-    ts: float
+    seq: int = attrs.field(validator=whole(0, MAX_SEQ))
+    ts: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
     inventory: NodeInventory
-    free_memory_bytes: int
-    free_accelerators: int
+    free_memory_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    free_accelerators: int = attrs.field(validator=whole(0, MAX_GPUS))
     assignments: list[AssignmentStatus] = attrs.field(factory=list)
     #: Highest (epoch, generation) the node accepted, so the controller can re-push a newer set.
-    epoch: int = 0
-    generation: int = 0
+    epoch: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
+    generation: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
 
 
 @attrs.frozen(kw_only=True)
@@ -130,10 +135,10 @@ class Ack:
     kind: ClassVar[str] = "ack"
 
     node_id: str
-    seq: int
-    ts: float
-    epoch: int
-    generation: int
+    seq: int = attrs.field(validator=whole(0, MAX_SEQ))
+    ts: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
+    epoch: int = attrs.field(validator=whole(0, MAX_SEQ))
+    generation: int = attrs.field(validator=whole(0, MAX_SEQ))
     accepted: bool
     reason: RejectReason | None = None
     detail: str = ""
@@ -149,10 +154,10 @@ class AssignmentSet:
     kind: ClassVar[str] = "assignments"
 
     node_id: str
-    epoch: int
-    generation: int
+    epoch: int = attrs.field(validator=whole(0, MAX_SEQ))
+    generation: int = attrs.field(validator=whole(0, MAX_SEQ))
     #: Wall-clock time (Unix seconds) after which the node must not act on this set.
-    lease_expires_at: float
+    lease_expires_at: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
     assignments: list[Assignment] = attrs.field(factory=list)
 
 
@@ -163,7 +168,7 @@ class Drain:
     kind: ClassVar[str] = "drain"
 
     node_id: str
-    epoch: int
+    epoch: int = attrs.field(validator=whole(0, MAX_SEQ))
     reason: str = ""
 
 
@@ -201,9 +206,9 @@ class InferHead:
     path: str
     stream: bool
     #: Wall-clock Unix seconds; the node gives up (and ends with `deadline_exceeded`) after it.
-    deadline_at: float
+    deadline_at: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
     #: Chunks the node may send before it must wait for `credit` (flow control per request).
-    window: int
+    window: int = attrs.field(validator=whole(1, MAX_WINDOW))
     #: The gateway asked the runtime for usage in a stream but the client did not: drop the
     #: runtime's usage-only chunk (its `choices` is empty) after reading the counts.
     strip_usage_chunk: bool = False
@@ -211,7 +216,7 @@ class InferHead:
     #: (llama-cpp-python ignores `stream_options`): then the node reports this estimate, counts the
     #: completion from the stream's events and, when the client asked for usage, adds a usage-only
     #: event before `data: [DONE]`.
-    prompt_tokens_estimate: int = 0
+    prompt_tokens_estimate: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
 
 
 class EndStatus(enum.StrEnum):
@@ -230,15 +235,16 @@ class EndHead:
     #: `unknown_assignment`, `cancelled`.
     code: str | None = None
     #: The runtime's HTTP status, when it answered.
-    http_status: int | None = None
+    http_status: int | None = attrs.field(default=None, validator=whole(0, 999, optional=True))
     #: For the client only (the runtime's own error message): never logged or stored.
     message: str = ""
     #: Whether any `chunk` was sent for this request (a retry is allowed only when False).
     first_byte_sent: bool = False
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
+    #: Token counts: 0 … 2^31 (`bounds.MAX_TOKENS`), or None when the runtime reported none.
+    prompt_tokens: int | None = attrs.field(default=None, validator=whole(0, MAX_TOKENS, optional=True))
+    completion_tokens: int | None = attrs.field(default=None, validator=whole(0, MAX_TOKENS, optional=True))
     #: Time the runtime took, from the node's request to its last byte.
-    runtime_ms: float = 0.0
+    runtime_ms: float = attrs.field(default=0.0, validator=finite(0.0, MAX_MS))
 
 
 @attrs.frozen(kw_only=True)
@@ -248,7 +254,7 @@ class CancelHead:
 
 @attrs.frozen(kw_only=True)
 class CreditHead:
-    chunks: int
+    chunks: int = attrs.field(validator=whole(0, MAX_WINDOW))
 
 
 @attrs.frozen(kw_only=True)

@@ -5,14 +5,18 @@ A request takes a free slot at once unless someone of equal or higher priority i
 otherwise it waits — at most `queue_depth` requests per model, beyond that `QueueFull` at once.
 Slots are granted by priority rank (interactive, standard, batch) and, within one priority,
 round-robin over the tenants that wait (each tenant first-in first-out), so one tenant's burst
-cannot starve another tenant of the same class. Waiters sleep on their own `trio.Event`: no
-polling. Times are on the trio clock.
+cannot starve another tenant of the same class. Nor can it fill the queue against the others:
+when the queue is full, a request of a tenant below its share (`queue_tenant_share` of
+`queue_depth`) takes the place of the newest, lowest-priority waiter of the tenant holding the
+most places, if that tenant holds more than its share (the displaced waiter gets QueueFull).
+Waiters sleep on their own `trio.Event`: no polling. Times are on the trio clock.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from typing import Final
@@ -39,6 +43,8 @@ class _Waiter:
     priority: Priority
     event: trio.Event = attrs.Factory(trio.Event)
     granted: bool = False
+    #: Its place went to another tenant's request (see the module docstring).
+    displaced: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -63,6 +69,17 @@ class _ModelQueue:
         #: Per priority: tenant → its waiters, tenants in round-robin order (next to serve first).
         self.waiting: dict[Priority, OrderedDict[TenantId, deque[_Waiter]]] = {p: OrderedDict() for p in Priority}
         self.counts: dict[Priority, int] = dict.fromkeys(Priority, 0)
+        #: Places each tenant holds, all priorities together (tenants with none are absent).
+        self.held: dict[TenantId, int] = {}
+
+    def _count(self, waiter: _Waiter, n: int) -> None:
+        self.counts[waiter.priority] += n
+        self.depth += n
+        held = self.held.get(waiter.tenant, 0) + n
+        if held:
+            self.held[waiter.tenant] = held
+        else:
+            del self.held[waiter.tenant]
 
     def waits_at_or_above(self, priority: Priority) -> bool:
         return any(self.counts[p] for p in _BY_RANK[: priority.rank + 1])
@@ -73,8 +90,7 @@ class _ModelQueue:
         if queue is None:
             queue = tenants[waiter.tenant] = deque()  # a new tenant joins the end of the rotation
         queue.append(waiter)
-        self.counts[waiter.priority] += 1
-        self.depth += 1
+        self._count(waiter, 1)
 
     def remove(self, waiter: _Waiter) -> None:
         """Take out a waiter that gave up (deadline, cancellation) before it was granted."""
@@ -83,8 +99,20 @@ class _ModelQueue:
         queue.remove(waiter)
         if not queue:
             del tenants[waiter.tenant]
-        self.counts[waiter.priority] -= 1
-        self.depth -= 1
+        self._count(waiter, -1)
+
+    def pop_newest(self, tenant: TenantId) -> _Waiter | None:
+        """Take out the tenant's waiter that would be served last: its newest of the lowest priority."""
+        for priority in reversed(_BY_RANK):
+            tenants = self.waiting[priority]
+            queue = tenants.get(tenant)
+            if queue:
+                waiter = queue.pop()
+                if not queue:
+                    del tenants[tenant]
+                self._count(waiter, -1)
+                return waiter
+        return None
 
     def pop_next(self) -> _Waiter | None:
         for priority in _BY_RANK:
@@ -97,8 +125,7 @@ class _ModelQueue:
                 tenants.move_to_end(tenant)  # this tenant had its turn
             else:
                 del tenants[tenant]
-            self.counts[priority] -= 1
-            self.depth -= 1
+            self._count(waiter, -1)
             return waiter
         return None
 
@@ -141,7 +168,7 @@ class Admission:
     async def _wait(
         self, model_key: str, queue: _ModelQueue, tenant: TenantId, priority: Priority, deadline: float
     ) -> float:
-        if queue.depth >= self._cfg.queue_depth:
+        if queue.depth >= self._cfg.queue_depth and not self._displace(model_key, queue, tenant):
             raise QueueFull(
                 f"the queue for model {model_key} is full ({queue.depth} requests waiting); retry later",
                 retry_after_s=QUEUE_FULL_RETRY_S,
@@ -157,12 +184,40 @@ class Admission:
             # Cancelled from outside (client gone, workload cancelled, shutdown).
             self._give_up(model_key, queue, waiter)
             raise
+        if waiter.displaced:
+            raise QueueFull(
+                f"the queue for model {model_key} is full and this tenant holds more than its share of it; retry later",
+                retry_after_s=QUEUE_FULL_RETRY_S,
+            )
         if timer.cancelled_caught:
             self._give_up(model_key, queue, waiter)
             raise DeadlineExceeded(f"the deadline passed while waiting for a slot on model {model_key}")
         return trio.current_time() - start
 
+    def _displace(self, model_key: str, queue: _ModelQueue, tenant: TenantId) -> bool:
+        """Make room in a full queue for `tenant`, if it is below its share and another is above."""
+        share = max(1, math.floor(self._cfg.queue_tenant_share * self._cfg.queue_depth))
+        if queue.held.get(tenant, 0) >= share:
+            return False
+        others = [(held, t) for t, held in queue.held.items() if t != tenant]
+        if not others:
+            return False
+        held, victim_tenant = max(others)
+        if held <= share:
+            return False
+        victim = queue.pop_newest(victim_tenant)
+        if victim is None:  # pragma: no cover - `held` counts only waiting places
+            return False
+        victim.displaced = True
+        victim.event.set()
+        self._gauge(model_key, queue, victim.priority)
+        self._metrics.gateway_queue_displaced.labels(model_key).inc()
+        log.info("a waiter of tenant %s gave its place in the %s queue to tenant %s", victim_tenant, model_key, tenant)
+        return True
+
     def _give_up(self, model_key: str, queue: _ModelQueue, waiter: _Waiter) -> None:
+        if waiter.displaced:
+            return  # already out of the queue
         if waiter.granted:
             # A cancellation reached us, and then, before we ran again, a slot was granted to us
             # (it is granted to whoever is first in the queue): pass it on, never leak it.

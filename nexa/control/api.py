@@ -7,6 +7,7 @@ registry and store; nothing here logs a request or response body.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Final
 
@@ -16,11 +17,13 @@ from quart import Response, g, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from nexa import __version__
+from nexa import __version__, security
 from nexa.config import HttpConfig
 from nexa.contracts import codec
 from nexa.contracts.api import (
+    AuditCheckpoint,
     AuditPage,
+    AuditVerifyRequest,
     EnrollmentTokenCreate,
     EnrollmentTokenCreated,
     EnrollRequest,
@@ -40,7 +43,7 @@ from nexa.contracts.api import (
     VersionInfo,
 )
 from nexa.contracts.deployments import CanaryCreate, DeploymentCreate, DeploymentList, ScaleRequest
-from nexa.contracts.domain import ApiKey, KeyId, Role, Tenant, TenantId
+from nexa.contracts.domain import ApiKey, KeyId, NodeState, Role, Tenant, TenantId
 from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.models import (
     AliasDetail,
@@ -55,6 +58,7 @@ from nexa.contracts.models import (
     ModelState,
     RuntimeCreate,
     RuntimeList,
+    RuntimeRegistered,
     VerifyRequest,
 )
 from nexa.control import console
@@ -66,7 +70,10 @@ from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas
 from nexa.control.registry import Actor, Registry
+from nexa.control.scheduler import image_platform_warnings
 from nexa.errors import (
+    BadSignature,
+    CheckpointRejected,
     ContractError,
     Forbidden,
     NexaError,
@@ -76,6 +83,7 @@ from nexa.errors import (
     Unauthenticated,
     Unavailable,
 )
+from nexa.security import SigningKey, sign_audit_checkpoint, verify_audit_checkpoint
 from nexa.telemetry import METRICS_CONTENT_TYPE, Metrics, request_id
 
 log = logging.getLogger(__name__)
@@ -88,6 +96,7 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("GET", "/healthz"): None,
     ("GET", "/readyz"): None,
     ("GET", "/version"): None,
+    ("GET", "/api/v1/openapi.json"): None,  # shapes only, no state: SDK generators fetch it keyless
     ("GET", "/metrics"): frozenset({_M, _A}),
     ("POST", "/api/v1/keys"): frozenset({_A}),
     ("GET", "/api/v1/keys"): frozenset({_A}),
@@ -104,6 +113,7 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("GET", "/api/v1/tenants"): frozenset({_A}),
     ("GET", "/api/v1/audit"): frozenset({_AU, _A}),
     ("POST", "/api/v1/audit/verify"): frozenset({_AU, _A}),
+    ("GET", "/api/v1/audit/head"): frozenset({_AU, _A}),
     ("POST", "/api/v1/runtimes"): frozenset({_O, _A}),
     ("GET", "/api/v1/runtimes"): frozenset({_O, _A}),
     ("GET", "/api/v1/runtimes/<name>"): frozenset({_O, _A}),
@@ -151,6 +161,11 @@ class ControllerPublicKeys:
     signing: str
     curve: str
 
+    @property
+    def fingerprint(self) -> str:
+        """What enrollment tokens carry and nodes check (`security.controller_fingerprint`)."""
+        return security.controller_fingerprint(self.signing, self.curve)
+
 
 @attrs.define(kw_only=True)
 class AppState:
@@ -164,9 +179,15 @@ class AppState:
     metrics: Metrics
     started_at: float
     controller_keys: ControllerPublicKeys
+    #: The controller's Ed25519 key (the private half of `controller_keys.signing`): signs audit checkpoints.
+    signing_key: SigningKey
     quotas: Quotas
     meter: Meter
     ready: bool = False
+    #: `GET /api/v1/openapi.json`'s answer (`control/openapi.py`, built by the composition root).
+    openapi: bytes = b""
+    #: `nodes.max_clock_skew_s`, reported by `GET /version` for `nexa node doctor`.
+    max_clock_skew_s: float = 30.0
 
 
 def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
@@ -187,7 +208,7 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
             provide_automatic_options=False,
         )
     # The console's pages answer to its own session cookie; its actions check these same roles.
-    console.register(app, state, ROUTE_ROLES)
+    console.register(app, state, ROUTE_ROLES, trusted_proxies=cfg.trusted_proxies)
 
     @app.before_request
     async def _begin() -> None:
@@ -247,7 +268,7 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
 def _view_name(method: str, rule: str) -> str:
     """`GET /api/v1/nodes/<node_id>` → `get_nodes_by_node_id`; the handler method of that name serves it."""
     parts = [f"by_{p[1:-1]}" if p.startswith("<") else p for p in rule.strip("/").split("/") if p not in {"api", "v1"}]
-    return "_".join([method.lower(), *parts]).replace("-", "_")
+    return "_".join([method.lower(), *parts]).replace("-", "_").replace(".", "_")
 
 
 async def _authorize(state: AppState) -> None:
@@ -336,7 +357,9 @@ def _query_int(name: str, default: int, lo: int, hi: int) -> int:
     raw = request.args.get(name)
     if raw is None:
         return default
-    if not raw.isdigit() or not lo <= int(raw) <= hi:
+    # ASCII digits only ("²".isdigit() is true, and int() refuses it), and few of them: int() of
+    # thousands of digits raises ValueError (found by the OpenAPI fuzzer).
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(hi)) or not lo <= int(raw) <= hi:
         raise ContractError(f"query {name} must be an integer from {lo} to {hi}", problems=(f"{name}: out of range",))
     return int(raw)
 
@@ -346,11 +369,12 @@ def _query_float(name: str) -> float | None:
     if raw is None:
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
-        raise ContractError(
-            f"query {name} must be a number (unix seconds)", problems=(f"{name}: not a number",)
-        ) from None
+        value = math.nan
+    if not math.isfinite(value):  # `nan` and `inf` parse, and then cannot be answered in JSON
+        raise ContractError(f"query {name} must be a number (unix seconds)", problems=(f"{name}: not a number",))
+    return value
 
 
 class _Handlers:
@@ -368,7 +392,21 @@ class _Handlers:
         return _json(Health(status="ready"))
 
     async def get_version(self) -> Response:
-        return _json(VersionInfo(version=__version__, epoch=self._s.store.epoch, started_at=self._s.started_at))
+        return _json(
+            VersionInfo(
+                version=__version__,
+                epoch=self._s.store.epoch,
+                started_at=self._s.started_at,
+                controller_fingerprint=self._s.controller_keys.fingerprint,
+                now=time.time(),
+                max_clock_skew_s=self._s.max_clock_skew_s,
+            )
+        )
+
+    async def get_openapi_json(self) -> Response:
+        if not self._s.openapi:
+            raise Unavailable("no OpenAPI document was built")
+        return Response(self._s.openapi, status=200, content_type="application/json")
 
     async def get_metrics(self) -> Response:
         for role, count in self._s.registry.active_keys_by_role().items():
@@ -406,13 +444,30 @@ class _Handlers:
             since=_query_float("since"),
             until=_query_float("until"),
         )
-        events = await self._s.store.run(st.list_audit, q)
+        events = await self._s.store.read(st.list_audit, q)
         cursor = events[-1].seq if len(events) == limit else None
         return _json(AuditPage(events=events, next_cursor=cursor))
 
     async def post_audit_verify(self) -> Response:
-        verdict = await self._s.store.run(st.verify_audit)
+        """Recompute the chain on the read-only connection (writes go on meanwhile); with
+        `against`, also check a signed checkpoint (`nexa audit head`) still holds."""
+        req = await _optional_body(AuditVerifyRequest)
+        checkpoint = None
+        if req.against is not None:
+            try:
+                verify_audit_checkpoint(self._s.signing_key.public, req.against)
+            except BadSignature as exc:
+                raise CheckpointRejected(f"the checkpoint is not this controller's: {exc.message}") from None
+            checkpoint = req.against.checkpoint
+        verdict = await self._s.store.read(st.verify_audit, checkpoint)
         return _json(verdict)
+
+    async def get_audit_head(self) -> Response:
+        """The chain's head (seq, sha256), signed with the controller's Ed25519 key: keep it, and
+        `nexa audit verify --against` it later to detect a chain rebuilt after it."""
+        seq, sha256 = await self._s.store.read(st.audit_head)
+        checkpoint = AuditCheckpoint(seq=seq, sha256=sha256, at=time.time(), epoch=self._s.store.epoch)
+        return _json(sign_audit_checkpoint(self._s.signing_key, checkpoint))
 
     # ---- usage, quotas and receipts ------------------------------------------------------------------
 
@@ -455,7 +510,14 @@ class _Handlers:
     async def post_enrollment_tokens(self) -> Response:
         req = await _body(EnrollmentTokenCreate)
         secret, token = await self._s.fleet.create_token(_actor(), req)
-        created = EnrollmentTokenCreated(id=token.id, token=secret, expires_at=token.expires_at, labels=token.labels)
+        fingerprint = self._s.controller_keys.fingerprint
+        created = EnrollmentTokenCreated(
+            id=token.id,
+            token=security.pinned_enrollment_token(secret, fingerprint),
+            expires_at=token.expires_at,
+            labels=token.labels,
+            controller_fingerprint=fingerprint,
+        )
         return _json(created, 201)
 
     async def post_enroll(self) -> Response:
@@ -493,7 +555,14 @@ class _Handlers:
 
     async def post_runtimes(self) -> Response:
         runtime = await self._s.models.register_runtime(_actor(), await _body(RuntimeCreate))
-        return _json(runtime, 201)
+        # Enrolled (not revoked) nodes that reported an inventory: could any of them run the image?
+        archs = [
+            live.inventory.arch
+            for live in self._s.fleet
+            if live.inventory is not None and live.state is not NodeState.REVOKED
+        ]
+        warnings = image_platform_warnings(runtime.image_archs, archs)
+        return _json(RuntimeRegistered(**attrs.asdict(runtime, recurse=False), warnings=warnings), 201)
 
     async def get_runtimes(self) -> Response:
         return _json(RuntimeList(runtimes=self._s.models.runtimes()))

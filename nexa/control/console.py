@@ -8,11 +8,17 @@ Sessions are server-side, in memory: the browser holds only a random session id 
 SameSite=Strict cookie, never the API key. A revoked key's session stops at its next request; a
 controller restart signs everyone out. Every POST carries the session's CSRF token (form field or
 `X-CSRF-Token` header); without it nothing changes. Nothing here logs or renders a payload.
+
+The sign-in form keeps no server-side state: its CSRF token is an HMAC (per-process secret) over a
+time and a nonce, sent both in the form and in a SameSite=Strict cookie, so anonymous visitors
+cannot fill, or evict from, the pool of signed-in sessions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import ipaddress
 import logging
 import math
 import secrets
@@ -50,17 +56,22 @@ from nexa.control.quotas import Quotas
 from nexa.control.registry import Actor, Registry, audit_draft
 from nexa.control.rollout import breach as rollout_breach
 from nexa.errors import ContractError, NexaError, Unauthenticated
+from nexa.supervision import supervised
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
 COOKIE: Final = "nexa_console"
+#: The sign-in form's CSRF cookie (double submit: it must equal the form's token).
+LOGIN_COOKIE: Final = "nexa_console_login"
 #: How long a signed-in session lasts (seconds); a controller restart ends it sooner.
 SESSION_TTL_S: Final = 8 * 3600.0
-#: A sign-in form's anonymous session (it carries the form's CSRF token).
+#: How long a sign-in form stays valid (its stateless CSRF token expires then).
 ANON_TTL_S: Final = 600.0
-#: Sessions kept at most; the oldest are dropped beyond it.
+#: Signed-in sessions kept at most; the oldest are dropped beyond it.
 MAX_SESSIONS: Final = 10_000
+#: Signed-in sessions one key may hold; its oldest is dropped beyond it (not another key's).
+MAX_SESSIONS_PER_KEY: Final = 32
 #: How often a live view checks for a change (a change shows within two of these).
 LIVE_TICK_S: Final = 0.5
 #: Metric samples kept for the request charts: one a second, ten minutes.
@@ -160,7 +171,7 @@ CONSOLE_ROUTES: Final = frozenset(
 
 @attrs.define
 class Session:
-    """One browser's sign-in (or, with `key_id` None, a sign-in form awaiting its POST)."""
+    """One browser's sign-in (only signed-in browsers have one; the sign-in form is stateless)."""
 
     csrf: str
     expires_at: float
@@ -201,9 +212,18 @@ class _Refused(Exception):
 class Console:
     """Sessions, the metric samples behind the charts, and the page handlers."""
 
-    def __init__(self, state: ConsoleState, route_roles: Mapping[_Route, frozenset[Role] | None]) -> None:
+    def __init__(
+        self,
+        state: ConsoleState,
+        route_roles: Mapping[_Route, frozenset[Role] | None],
+        *,
+        trusted_proxies: Iterable[str] = (),
+    ) -> None:
         self._s = state
         self._roles = route_roles
+        self._proxies = tuple(ipaddress.ip_network(p, strict=False) for p in trusted_proxies)
+        #: Keys the sign-in form's CSRF tokens; a restart invalidates open forms (they reload).
+        self._form_secret = secrets.token_bytes(32)
         self._sessions: dict[str, Session] = {}
         self._samples: deque[_Sample] = deque(maxlen=SAMPLES_KEPT)
         self._buckets: tuple[float, ...] = ()
@@ -220,6 +240,9 @@ class Console:
 
     def _new_session(self, session: Session) -> str:
         now = time.time()
+        mine = [sid for sid, s in self._sessions.items() if s.key_id == session.key_id]
+        for sid in mine[: max(0, len(mine) - MAX_SESSIONS_PER_KEY + 1)]:
+            del self._sessions[sid]  # this key's oldest: one key cannot push out the others
         if len(self._sessions) >= MAX_SESSIONS:
             for sid in [s for s, v in self._sessions.items() if v.expires_at <= now]:
                 del self._sessions[sid]
@@ -260,6 +283,43 @@ class Console:
         if not hmac.compare_digest(presented.encode(), session.csrf.encode()):
             raise _Refused(403, "the form has expired or did not come from this console; reload the page and retry")
 
+    def _login_token(self, now: float) -> str:
+        """A sign-in form's CSRF token: `time.nonce.mac`, nothing kept server-side."""
+        body = f"{int(now)}.{secrets.token_urlsafe(16)}"
+        return f"{body}.{self._login_mac(body)}"
+
+    def _login_mac(self, body: str) -> str:
+        return hmac.new(self._form_secret, b"console-login\x00" + body.encode(), hashlib.sha256).hexdigest()
+
+    def _login_token_ok(self, presented: str, cookie: str, now: float) -> bool:
+        """The form's token equals the cookie's (double submit), is ours, and is not expired."""
+        if not presented or len(presented) > 256 or not hmac.compare_digest(presented.encode(), cookie.encode()):
+            return False
+        body, _, mac = presented.rpartition(".")
+        issued = body.partition(".")[0]
+        if not issued.isdigit() or not hmac.compare_digest(mac.encode(), self._login_mac(body).encode()):
+            return False
+        return 0 <= now - int(issued) <= ANON_TTL_S
+
+    def _secure(self) -> bool:
+        """Whether the browser reached us over https: directly, or through a trusted proxy that says so."""
+        if request.scheme in {"https", "wss"}:
+            return True
+        if not self._proxies:
+            return False
+        client = request.scope.get("client")  # the TCP peer itself; never a header
+        try:
+            peer = ipaddress.ip_address(client[0] if client else "")
+        except ValueError:
+            return False
+        if isinstance(peer, ipaddress.IPv6Address) and peer.ipv4_mapped is not None:
+            peer = peer.ipv4_mapped
+        if not any(peer in net for net in self._proxies):
+            return False
+        # The nearest proxy (the trusted one) appends last; earlier values came from the client.
+        proto = request.headers.get("X-Forwarded-Proto", "").rsplit(",", 1)[-1]
+        return proto.strip().lower() == "https"
+
     def _may(self, session: Session, route: _Route) -> bool:
         roles = self._roles.get(route, frozenset())
         return roles is None or (session.role is not None and session.role in roles)
@@ -280,15 +340,17 @@ class Console:
         if view not in {name for name, _ in self._views(session)}:
             raise _Refused(403, f"role {session.role} may not see this view")
 
-    def _set_cookie(self, response: BaseResponse, sid: str, max_age: float) -> None:
+    def _set_cookie(
+        self, response: BaseResponse, sid: str, max_age: float, *, name: str = COOKIE, path: str = "/"
+    ) -> None:
         response.set_cookie(
-            COOKIE,
+            name,
             sid,
             max_age=int(max_age),
-            path="/",
+            path=path,
             httponly=True,
             samesite="Strict",
-            secure=request.scheme == "https",
+            secure=self._secure(),
         )
 
     async def _audit(self, session: Session, action: str) -> None:
@@ -447,7 +509,7 @@ class Console:
         events: list[Any] = []
         after = max(0, self._audit_tail - count)
         while True:
-            page = await self._s.store.run(st.list_audit, st.AuditQuery(after_seq=after, limit=500))
+            page = await self._s.store.read(st.list_audit, st.AuditQuery(after_seq=after, limit=500))
             events = (events + page)[-count:]
             if len(page) < 500:
                 break
@@ -466,7 +528,7 @@ class Console:
             actor_key_id=args.get("actor") or None,
             target=args.get("target") or None,
         )
-        events = await self._s.store.run(st.list_audit, q)
+        events = await self._s.store.read(st.list_audit, q)
         return {
             "events": events,
             "filters": {"action": q.action or "", "actor": q.actor_key_id or "", "target": q.target or ""},
@@ -640,10 +702,15 @@ def _int_field(form: Mapping[str, str], name: str, *, optional: bool = False) ->
 
 
 def register(  # noqa: PLR0915 - every console route, side by side, as closures over `console`
-    app: QuartTrio, state: ConsoleState, route_roles: Mapping[_Route, frozenset[Role] | None]
+    app: QuartTrio,
+    state: ConsoleState,
+    route_roles: Mapping[_Route, frozenset[Role] | None],
+    *,
+    trusted_proxies: Iterable[str] = (),
 ) -> Console:
     """Add the console's routes to `app`; every one is in `CONSOLE_ROUTES`."""
-    console = Console(state, route_roles)
+    console = Console(state, route_roles, trusted_proxies=trusted_proxies)
+    app.extensions["nexa.console"] = console  # its statistics(), for tests and diagnostics
     bp = Blueprint("console", __name__, template_folder="templates")
     sampler = trio.CancelScope()
 
@@ -651,7 +718,7 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
     async def _start_sampler() -> None:
         async def sample() -> None:
             with sampler:
-                await console.sample_forever()
+                await supervised("console.sample", console.sample_forever)
 
         app.nursery.start_soon(sample)
 
@@ -725,24 +792,26 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
     @bp.get("/console/login")
     @page
     async def login_form(error: str = "", status: int = 200) -> Any:
-        session = Session(csrf=secrets.token_urlsafe(32), expires_at=time.time() + ANON_TTL_S)
-        sid = console._new_session(session)
+        # Stateless: the token is in the page and in a cookie, nothing is kept here (issue 12, 9).
+        token = console._login_token(time.time())
         html = await render_template(
-            "console/login.html", csrf=session.csrf, error=error, session=None, views=[], view="login"
+            "console/login.html", csrf=token, error=error, session=None, views=[], view="login"
         )
         response = Response(html, status=status, content_type="text/html; charset=utf-8")
-        console._set_cookie(response, sid, ANON_TTL_S)
+        console._set_cookie(response, token, ANON_TTL_S, name=LOGIN_COOKIE, path="/console/login")
         return response
 
     @bp.post("/console/login")
     @page
     async def login() -> Any:
-        found = console._lookup()
         form = await request.form
-        if found is None:
-            return await login_form(error="The sign-in form expired; try again.", status=403)
-        old_sid, anon = found
-        console._check_csrf(anon, form)
+        presented = form.get("csrf_token") or request.headers.get("X-CSRF-Token", "")
+        if not console._login_token_ok(presented, request.cookies.get(LOGIN_COOKIE, ""), time.time()):
+            return await login_form(
+                error="The sign-in form expired or did not come from this console; try again.", status=403
+            )
+        found = console._lookup()
+        old_sid = found[0] if found is not None else None
         try:
             key = state.registry.authenticate((form.get("api_key") or "").strip())
         except Unauthenticated:
@@ -758,8 +827,9 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
         views = console._views(session)
         if not views:
             return await login_form(error=f"Keys with the role {key.role} have no console views.", status=403)
-        console._sessions.pop(old_sid, None)
-        sid = console._new_session(session)  # a fresh id: a pre-sign-in id never becomes a session
+        if old_sid is not None:
+            console._sessions.pop(old_sid, None)  # signing in again replaces this browser's session
+        sid = console._new_session(session)  # always a fresh id
         await console._audit(session, "console.sign_in")
         response = redirect(f"/console/{views[0][0]}", 303)
         console._set_cookie(response, sid, SESSION_TTL_S)
@@ -775,7 +845,7 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
             console._sessions.pop(found[0], None)
         await console._audit(session, "console.sign_out")
         response = redirect("/console/login", 303)
-        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="Strict", secure=request.scheme == "https")
+        response.delete_cookie(COOKIE, path="/", httponly=True, samesite="Strict", secure=console._secure())
         return response
 
     # ---- static files and live data -----------------------------------------------------------
@@ -962,7 +1032,7 @@ def register(  # noqa: PLR0915 - every console route, side by side, as closures 
         session = console._signed_in()
         await _form(session)
         await console._require(session, "verify", "audit")
-        verdict = await state.store.run(st.verify_audit)
+        verdict = await state.store.read(st.verify_audit)
         if request.headers.get("HX-Request") == "true":
             html = await render_template("console/verdict.html", verdict=verdict)
             return Response(html, content_type="text/html; charset=utf-8")

@@ -227,6 +227,7 @@ def assignment_for(
             cpus=dep.resources.cpus,
             shm_bytes=shm_bytes,
             health=health,
+            host_network=runtime.host_network,
         ),
     )
 
@@ -258,6 +259,7 @@ def _request(
         replicas=replicas,
         runtime=runtime.kind,
         arch=spec.arch,
+        image_archs=runtime.image_archs,
         memory_bytes=_memory(dep, model),
         accelerators=dep.resources.accelerators,
         artifact_sha256=model.artifact.sha256,
@@ -265,6 +267,7 @@ def _request(
         node_selector=dict(spec.node_selector),
         tolerations=tuple(spec.tolerations),
         policy=spec.policy,
+        host_network=runtime.host_network,
     )
 
 
@@ -356,6 +359,15 @@ class Deployments:
     def canaries(self) -> list[tuple[str, Canary]]:
         """Every running canary, by deployment name (what `rollout.RolloutWatcher` checks)."""
         return [(n, e.deployment.canary) for n, e in sorted(self._entries.items()) if e.deployment.canary is not None]
+
+    def node_data_classes(self, node_id: str) -> tuple[str, ...]:
+        """The data classes a node's inventory allows (`data_classes` of its inventory.json); none
+        for a node that has not reported an inventory. In memory, for the gateway's routing."""
+        try:
+            inventory = self._fleet.get(node_id).inventory
+        except NotFound:
+            return ()
+        return inventory.data_classes if inventory is not None else ()
 
     def serving(self, model: ModelRef, *, alias: str | None = None) -> ServingSet:
         """The replicas the gateway may send requests for `model` to. Read on every request: in memory, no I/O.

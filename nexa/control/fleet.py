@@ -35,8 +35,15 @@ from nexa.contracts.wire import Ack, AssignmentStatus, DesiredAssignments, Heart
 from nexa.control import store as st
 from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.errors import Conflict, ContractError, NotFound
-from nexa.messaging import check_curve_key
-from nexa.security import PublicKey, ReplayWindow, hash_token, is_enrollment_token, new_enrollment_token
+from nexa.messaging import RateLimiter, check_curve_key
+from nexa.security import (
+    TOKEN_PIN_SEPARATOR,
+    PublicKey,
+    ReplayWindow,
+    hash_token,
+    is_enrollment_token,
+    new_enrollment_token,
+)
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -66,6 +73,9 @@ class NodeLive:
     last_push: float = float("-inf")
     inventory_digest: str | None = None
     signing_key: PublicKey | None = None
+    #: A changed inventory or acknowledgement kept in memory, not yet written (above the node's write rate).
+    inventory_unsaved: bool = False
+    desired_unsaved: bool = False
 
     @property
     def state(self) -> NodeState:
@@ -110,6 +120,22 @@ class Fleet:
         #: Set once the node channel is bound; handed to nodes at enrollment.
         self.channel_endpoint = ""
         self._listeners: list[Callable[[], None]] = []
+        # Store writes that node messages cause, per node (`limit_writes`); None: unlimited.
+        self._writes: RateLimiter | None = None
+
+    def limit_writes(self, limiter: RateLimiter) -> None:
+        """Bound the store writes each node's messages cause (inventory saves, acknowledgements).
+
+        Above the rate the newest state stays in memory (placement and the API see it at once)
+        and is written with a later message of that node; each deferral is counted.
+        """
+        self._writes = limiter
+
+    def _may_write(self, live: NodeLive, kind: str) -> bool:
+        if self._writes is None or self._writes.allow(live.node.id, trio.current_time()):
+            return True
+        self._metrics.node_store_writes_deferred.labels(kind).inc()
+        return False
 
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener` (sync, must not block) after a node's state changes: admin action or reachability."""
@@ -212,7 +238,10 @@ class Fleet:
     async def enroll(self, req: EnrollRequest) -> Node:
         """Spend a token and enroll a node with the public keys it sent. Refusals change nothing."""
         problems = []
-        if not is_enrollment_token(req.token):
+        # A token as `nexa tokens create` shows it carries the controller fingerprint after a `.`
+        # (for the node to check); only the secret before it is ours to check.
+        secret = req.token.partition(TOKEN_PIN_SEPARATOR)[0]
+        if not is_enrollment_token(secret):
             problems.append("token: not an enrollment token")
         try:
             PublicKey.from_b64(req.signing_public_key)
@@ -238,7 +267,7 @@ class Fleet:
                 enrolled_at=time.time(),
             )
             draft = audit_draft(SYSTEM, "node.enroll", f"node/{node.id}")
-            node = await self._store.run(st.enroll_node, hash_token(req.token), time.time(), node, draft)
+            node = await self._store.run(st.enroll_node, hash_token(secret), time.time(), node, draft)
             desired = DesiredAssignments(node_id=node.id, generation=1)
             await self._store.run(st.save_desired, desired, None)
             self._add(node, None, desired)
@@ -306,6 +335,7 @@ class Fleet:
         if not live.reachable:
             live.reachable = True
             await self._transition(live, "node.reachable", "heartbeats resumed")
+        await self._write_deferred(live)
         return live
 
     async def _take_inventory(self, live: NodeLive, inventory: NodeInventory) -> None:
@@ -315,7 +345,16 @@ class Fleet:
         digest = _static_digest(inventory)
         if digest != live.inventory_digest:
             live.inventory_digest = digest
-            await self._store.run(st.save_inventory, live.node.id, inventory, time.time())
+            live.inventory_unsaved = True  # written now, or by `_write_deferred` within the node's rate
+
+    async def _write_deferred(self, live: NodeLive) -> None:
+        """Write what this node's messages changed and the store has not seen, within its write rate."""
+        if live.inventory_unsaved and live.inventory is not None and self._may_write(live, "inventory"):
+            live.inventory_unsaved = False
+            await self._store.run(st.save_inventory, live.node.id, live.inventory, time.time())
+        if live.desired_unsaved and self._may_write(live, "ack"):
+            live.desired_unsaved = False
+            await self._store.run(st.save_desired, live.desired, None)
 
     def overdue(self, now: float) -> tuple[list[NodeLive], float]:
         """Reachable nodes whose lease ran out by `now`, and the next deadline among the rest."""
@@ -356,6 +395,12 @@ class Fleet:
         self._metrics.assignment_acks.labels(reason.value if reason else "accepted").inc()
         if not changed:
             return  # a lease renewal acknowledged again: nothing new to keep
+        if not self._may_write(live, "ack"):
+            # Above the node's write rate: the answer is kept in memory and written later (its
+            # audit event, for a refusal, is not: the counter and the node's state show it).
+            live.desired_unsaved = True
+            return
+        live.desired_unsaved = False
         draft = None
         if reason is not None:
             detail = f"{reason.value}: epoch {ack.epoch} generation {ack.generation}"

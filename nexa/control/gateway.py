@@ -30,7 +30,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, NoReturn
 
 import attrs
@@ -40,15 +41,16 @@ from nexa.config import GatewayConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, Capability, Priority, UsageRecord
+from nexa.contracts.gateway import UNRESOLVED_MODEL, Api, Capability, Priority, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
+from nexa.control import answers
 from nexa.control.admission import Admission
 from nexa.control.deployments import Deployments
-from nexa.control.metering import Meter
+from nexa.control.metering import REFUSED_TOKENS, Meter, token_count_ok
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas, QuotaTicket
 from nexa.control.relay import Relay, RelayStream
-from nexa.control.routing import Router
+from nexa.control.routing import Router, for_data_class
 from nexa.errors import (
     Cancelled,
     ChannelError,
@@ -56,6 +58,7 @@ from nexa.errors import (
     ModelNotServed,
     NexaError,
     NoReadyReplica,
+    NoReplicaForDataClass,
     RuntimeFailed,
     RuntimeRejected,
 )
@@ -68,6 +71,13 @@ RETRYABLE_END_CODES: Final = frozenset(
 )
 #: After a stream's `[DONE]`, how long a call whose client left waits for the `end` with the usage.
 _TAIL_S: Final = 1.0
+#: Longest single SSE event of a stream held while its end arrives (events are whole in a chunk
+#: unless larger than the node's `max_chunk_bytes`); a longer one fails the stream.
+MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
+#: `nexa_gateway_invalid_answers_total` kinds.
+UNARY: Final = "unary"
+STREAM: Final = "stream"
+BATCH: Final = "batch"
 
 
 @attrs.frozen(kw_only=True)
@@ -90,6 +100,8 @@ class Work:
     #: Wall-clock Unix seconds.
     deadline_at: float
     workload_id: str | None = None
+    #: Only replicas on nodes whose inventory allows this data class serve it; None: any.
+    data_class: str | None = None
 
 
 @attrs.define(kw_only=True)
@@ -125,6 +137,9 @@ class Call:
     """An admitted request with a replica's first output in hand: iterate for bytes, then `aclose()`.
 
     After iteration `error` holds the typed error the stream ended with (after the first byte), or None.
+    A unary answer comes as one piece once whole, checked to be the JSON object its capability
+    answers with (`answer` then holds it parsed); a stream as whole SSE events, each checked. An
+    answer that is not what it should be ends the call with RuntimeFailed (`error`), never passes.
     """
 
     def __init__(self, gateway: Gateway, work: Work, outcome: Outcome, started: float) -> None:
@@ -140,19 +155,95 @@ class Call:
         self._closed = False
         self._events = 0
         self._done_seen = False
+        #: The start of an SSE event whose end is still to come (streams).
+        self._rest = b""
+        #: The unary answer was handed out (or refused): iteration is over.
+        self._unary_taken = False
+        #: The unary body is one the gateway made itself (a slice of an embeddings batch).
+        self._trusted = False
+        #: The node's completion count was refused: the controller estimates it.
+        self._usage_refused = False
+        #: What `nexa_gateway_invalid_answers_total` counts this call's answer as.
+        self.kind = STREAM if work.stream else UNARY
+        #: The unary answer, parsed (once iteration is over and it was valid).
+        self.answer: dict[str, Any] | None = None
         self.error: NexaError | None = None
 
     def __aiter__(self) -> Call:
         return self
 
     async def __anext__(self) -> bytes:
-        chunk = await self._next()
-        if self.work.stream:
-            # Streamed events seen, for when the stream ends without the runtime's usage (node lost).
-            done = chunk.count(b"data: [DONE]")
-            self._events += chunk.count(b"data: ") - done
-            self._done_seen = self._done_seen or done > 0
-        return chunk
+        if not self.work.stream:
+            return await self._next_unary()
+        while True:
+            try:
+                chunk = await self._next()
+            except StopAsyncIteration:
+                rest, self._rest = self._rest, b""
+                last = self._checked_events([rest]) if rest else b""  # a last event without its blank line
+                if last:
+                    return last
+                raise
+            events, self._rest = answers.split_events(self._rest + chunk)
+            if len(self._rest) > MAX_EVENT_BYTES:
+                self._refuse(f"an event longer than {MAX_EVENT_BYTES} bytes")
+                events = []
+            out = self._checked_events(events)
+            if out:
+                return out
+            if self._stream is None and not self._pending:
+                raise StopAsyncIteration
+
+    def _checked_events(self, events: list[bytes]) -> bytes:
+        """The events up to the first one that is not a valid stream event (which ends the call)."""
+        kept = []
+        for event in events:
+            problem, done = answers.event_problem(event)
+            if problem is not None:
+                self._refuse(problem)
+                break
+            if done:
+                self._done_seen = True
+            elif b"data:" in event:
+                # Streamed events seen, for when the stream ends without the runtime's usage (node lost).
+                self._events += 1
+            kept.append(event)
+        return b"".join(kept)
+
+    async def _next_unary(self) -> bytes:
+        if self._unary_taken:
+            raise StopAsyncIteration
+        self._unary_taken = True
+        parts = []
+        while True:
+            try:
+                parts.append(await self._next())
+            except StopAsyncIteration:
+                break
+        body = b"".join(parts)
+        if self.error is not None:
+            raise StopAsyncIteration
+        if not self._trusted:
+            answer, problem = answers.unary_answer(body, self.work.capability)
+            if answer is None:
+                self._refuse(problem)
+                raise StopAsyncIteration
+            self.answer = answer
+            if self._usage_refused:
+                self.outcome.completion_tokens = answers.completion_estimate(answer)
+        return body
+
+    def _refuse(self, problem: str) -> None:
+        """End the call with RuntimeFailed: the runtime's answer is not what the API promises.
+        Leaving the relay stream (at `aclose`) cancels the rest at the node."""
+        self._stream = None
+        self._pending.clear()
+        self._rest = b""
+        self._gateway._meter.invalid_answer(self.kind)
+        log.warning("request %s: the runtime's %s answer is unusable: %s", self.work.request_id, self.kind, problem)
+        if self.error is None:
+            self.error = RuntimeFailed(f"the runtime's answer is unusable ({problem})")
+            self.outcome.status = self.error.code
 
     async def _next(self) -> bytes:
         if self._pending:
@@ -181,10 +272,35 @@ class Call:
             self.outcome.status = error.code
 
     def _take_usage(self, end: wire.EndHead) -> None:
-        if end.prompt_tokens is not None:
-            self.outcome.prompt_tokens = end.prompt_tokens
-        if end.completion_tokens is not None:
-            self.outcome.completion_tokens = end.completion_tokens
+        """The node's token counts, checked again where they enter the controller (whatever the wire
+        contract let through). A count that is not a whole number in 0..2^31 is never used: it is
+        counted (`nexa_usage_records_refused_total{reason="tokens_out_of_range"}`), logged by
+        request id, and replaced by the controller's own estimate: about four characters a token of
+        the prompt; for the completion, the streamed events (one a token, at `aclose`), or the
+        unary answer's own `usage` (checked) or four characters a token of its text."""
+        prompt, completion = end.prompt_tokens, end.completion_tokens
+        refused = []
+        if prompt is not None:
+            if token_count_ok(prompt):
+                self.outcome.prompt_tokens = prompt
+            else:
+                refused.append("prompt_tokens")
+                self.outcome.prompt_tokens = _prompt_estimate(self.work)
+        if completion is not None:
+            if token_count_ok(completion):
+                self.outcome.completion_tokens = completion
+            else:
+                refused.append("completion_tokens")
+                self._usage_refused = True
+                self.outcome.completion_tokens = 0
+        for name in refused:
+            self._gateway._meter.refused(REFUSED_TOKENS)
+            log.warning(
+                "request %s: node %s reported %s out of range; metered with the controller's estimate",
+                self.work.request_id,
+                self.outcome.node_id,
+                name,
+            )
 
     async def aclose(self) -> None:
         """Release everything and meter the call. Safe to call twice, and from a cancelled task."""
@@ -260,19 +376,22 @@ class Gateway:
     def trio_deadline(self, work: Work) -> float:
         return trio.current_time() + (work.deadline_at - time.time())
 
-    async def call(self, work: Work) -> Call:
+    async def call(self, work: Work, *, admitted: Callable[[], Awaitable[None]] | None = None) -> Call:
         """Admit and start `work`; returns once a replica produced its first output (or ended).
 
-        Raises before any output: ModelNotServed, NoReadyReplica, QuotaExceeded, QueueFull,
-        DeadlineExceeded, RuntimeFailed (every attempt failed before its first byte),
-        RuntimeRejected (the runtime refused the request itself). The caller must `aclose()` the
+        Raises before any output: ModelNotServed, NoReadyReplica (NoReplicaForDataClass),
+        QuotaExceeded, QueueFull, DeadlineExceeded, RuntimeFailed (every attempt failed before
+        its first byte), RuntimeRejected (the runtime refused the request itself). `admitted`,
+        when given, is awaited once the request holds its admission slot, before it is routed
+        (what must be durable about an admitted request is written there, and only there: a
+        request refused before admission costs no store write). The caller must `aclose()` the
         Call it gets, and on an exception nothing is left to release (usage is still recorded).
         """
         started = trio.current_time()
         outcome = Outcome()
         call = Call(self, work, outcome, started)
         try:
-            await self._start(call)
+            await self._start(call, admitted)
         except BaseException as exc:
             if isinstance(exc, NexaError):
                 outcome.status = exc.code
@@ -295,7 +414,7 @@ class Gateway:
             raise ModelNotServed(f"no model or alias {name!r} is served here") from None
         return name, ModelRef(model=record.name, version=record.version)
 
-    async def _start(self, call: Call) -> None:
+    async def _start(self, call: Call, admitted: Callable[[], Awaitable[None]] | None) -> None:
         work, outcome = call.work, call.outcome
         outcome.alias, ref = self._resolve(work.model)
         outcome.model = ref
@@ -306,9 +425,11 @@ class Gateway:
         self._admission.set_capacity(model_key, len(serving.replicas) * self._cfg.max_inflight_per_replica)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
+        serving = self._for_data_class(work, serving)
         if time.time() >= work.deadline_at:
             raise DeadlineExceeded("the request's deadline has already passed")
-        call._ticket = self._quotas.admit(work.tenant, time.time())
+        reserve = token_reservation(work.capability, work.body, default_completion=self._cfg.reserve_completion_tokens)
+        call._ticket = self._quotas.admit(work.tenant, time.time(), reserve_tokens=reserve)
         queued_s = await call._stack.enter_async_context(
             self._admission.slot(model_key, work.tenant, work.priority, self.trio_deadline(work))
         )
@@ -318,10 +439,25 @@ class Gateway:
             serving = self._deployments.serving(ref, alias=outcome.alias or None)
             if not serving.replicas:
                 raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
+            serving = self._for_data_class(work, serving)
+        if admitted is not None:
+            await admitted()
         if work.capability is Capability.EMBEDDING and (inputs := _batchable_inputs(work.body)) is not None:
             await self._embed_batched(call, serving, inputs)
             return
         await self._open(call, serving, _encode(work, serving))
+
+    def _for_data_class(self, work: Work, serving: ServingSet) -> ServingSet:
+        """The replicas allowed the request's data class; NoReplicaForDataClass when none is."""
+        if work.data_class is None:
+            return serving
+        allowed = for_data_class(serving, work.data_class, self._deployments.node_data_classes)
+        if not allowed.replicas:
+            raise NoReplicaForDataClass(
+                f"no Ready replica of {work.model!r} is on a node allowed data class {work.data_class}",
+                data_class=work.data_class,
+            )
+        return allowed
 
     async def _open(self, call: Call, serving: ServingSet, body: bytes) -> None:
         """Try replicas until one produces a first chunk (or ends cleanly); keep its stream open in the call."""
@@ -334,7 +470,7 @@ class Gateway:
                 break
             tried.add(replica.replica_id)
             outcome.attempts = attempt + 1
-            log.debug("attempt %d on replica %s of node %s", attempt + 1, replica.replica_id, replica.node_id)
+            stream_id = _new_stream_id(work, replica, attempt)
             head = wire.InferHead(
                 assignment_id=replica.replica_id,
                 path=work.capability.path,
@@ -349,9 +485,7 @@ class Gateway:
             self._router.acquire(replica.replica_id)
             stack.callback(self._router.release, replica.replica_id)
             try:
-                stream = await stack.enter_async_context(
-                    self._relay.open(replica.node_id, f"{work.request_id}.{attempt}", head, body)
-                )
+                stream = await stack.enter_async_context(self._relay.open(replica.node_id, stream_id, head, body))
                 first = await self._first(stream)
             except ChannelError:
                 # No route to the node right now: nothing was sent; try another replica.
@@ -415,8 +549,9 @@ class Gateway:
                 tenant=work.tenant,
                 key_id=work.key_id,
                 capability=work.capability,
-                alias=outcome.alias,
-                model=ref.model if ref else work.model,
+                # A name that never resolved is the client's free text: not stored (a marker instead).
+                alias=outcome.alias if ref else UNRESOLVED_MODEL,
+                model=ref.model if ref else "",
                 model_version=ref.version if ref else "",
                 deployment=outcome.deployment,
                 node_id=outcome.node_id,
@@ -458,6 +593,7 @@ class Gateway:
         outcome.model = item.model or outcome.model
         outcome.prompt_tokens = item.prompt_tokens
         outcome.ttft_ms = (trio.current_time() - call._started) * 1000.0
+        call._trusted = True  # the slice was made here from a batch answer that was checked
         call._pending.append(item.body)
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -480,21 +616,31 @@ class Gateway:
             batch.work, body={**batch.params, "input": all_inputs}, stream=False, deadline_at=deadline_at
         )
         inner = Call(self, work, Outcome(), trio.current_time())
+        inner.kind = BATCH
+        error: NexaError | None = None
         try:
             await self._open(inner, batch.serving, _encode(work, batch.serving))
-            raw = await inner.read_all()
-            if inner.error is None:
-                _split_embeddings(raw, live, inner.outcome)
-            else:
-                for i in live:
-                    i.error = inner.error
+            await inner.read_all()  # checks the answer's shape: `inner.answer`, or `inner.error`
+            if inner.error is not None:
+                error = inner.error
+            elif inner.answer is not None:
+                _split_embeddings(inner.answer, live, inner.outcome)
         except NexaError as exc:
-            for i in live:
-                i.error = exc
+            error = exc
+        except Exception as exc:
+            # Last resort: this task runs in the gateway's own nursery, where anything escaping
+            # would end the gateway; and its callers wait for `done`. The type only: an exception's
+            # message could quote the answer.
+            log.error("an embedding batch of %d inputs failed: %s", len(all_inputs), type(exc).__name__)  # noqa: TRY400
+            error = RuntimeFailed("the embedding batch failed")
         finally:
             with trio.CancelScope(shield=True):
                 await inner._stack.aclose()
             for i in live:
+                if error is not None:
+                    i.error = error
+                elif not i.body:  # never released with neither an answer nor an error
+                    i.error = RuntimeFailed("the runtime's answer to the batch had nothing for this request")
                 i.done.set()
 
 
@@ -528,13 +674,20 @@ class _Batch:
         self.size += len(item.inputs)
 
 
-def _split_embeddings(raw: bytes, items: list[_Item], outcome: Outcome) -> None:
-    """Give each item its slice of the runtime's `data`, re-indexed from 0, and its share of usage."""
-    answer = json.loads(raw)
-    data = sorted(answer.get("data", []), key=lambda d: d.get("index", 0))
+def _split_embeddings(answer: dict[str, Any], items: list[_Item], outcome: Outcome) -> None:
+    """Give each item its slice of the runtime's `data`, re-indexed from 0, and its share of usage.
+
+    `answer` passed `answers.unary_answer` (an object, `data` a list of embedding objects, `usage` sane);
+    RuntimeFailed when its embeddings do not map one to one onto the inputs."""
+    data: list[dict[str, Any]] = answer["data"]
     total_inputs = sum(len(i.inputs) for i in items)
     if len(data) != total_inputs:
         raise RuntimeFailed(f"the runtime returned {len(data)} embeddings for {total_inputs} inputs")
+    indexes: list[Any] = [d.get("index") for d in data]
+    if any(i is not None for i in indexes):
+        if not all(type(i) is int for i in indexes) or sorted(indexes) != list(range(total_inputs)):
+            raise RuntimeFailed("the runtime's embedding indexes are not 0 to n-1, each once")
+        data = sorted(data, key=lambda d: int(d["index"]))
     usage = answer.get("usage") or {}
     prompt_total = int(usage.get("prompt_tokens") or 0)
     weights = [sum(len(t) for t in i.inputs) or 1 for i in items]
@@ -560,6 +713,22 @@ def _batchable_inputs(body: dict[str, Any]) -> list[str] | None:
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return list(value)
     return None
+
+
+def _new_stream_id(work: Work, replica: ServingReplica, attempt: int) -> str:
+    """The relay's multiplex key for one attempt, made here: never the client's X-Request-Id, which
+    two clients (or tenants) may both send, and which must not let either collide with or reach
+    the other's stream. The client's id goes only into this log line and the log context."""
+    stream_id = uuid.uuid4().hex
+    log.debug(
+        "attempt %d of request %s on replica %s of node %s: stream %s",
+        attempt + 1,
+        work.request_id,
+        replica.replica_id,
+        replica.node_id,
+        stream_id,
+    )
+    return stream_id
 
 
 def _encode(work: Work, serving: ServingSet) -> bytes:

@@ -24,6 +24,7 @@ from nexa.errors import (
     ContractError,
     DeadlineExceeded,
     Forbidden,
+    IdempotencyKeyReused,
     NexaError,
     NotDeployable,
     NotFound,
@@ -48,6 +49,7 @@ CLIENT_CLOSED: Final = 499
 #: Error class → HTTP status; the most specific class in an error's MRO wins.
 STATUS: Final[dict[type[NexaError], int]] = {
     PayloadTooLarge: 413,
+    IdempotencyKeyReused: 422,
     ContractError: 400,
     Unauthenticated: 401,
     Forbidden: 403,

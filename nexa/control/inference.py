@@ -15,20 +15,24 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from functools import partial
+from typing import Any, Final, NoReturn
 
 import attrs
 import trio
 
+from nexa import supervision
 from nexa.config import GatewayConfig
 from nexa.contracts import codec
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
 from nexa.contracts.domain import ApiKey, Role, TenantId
 from nexa.contracts.gateway import (
     API_VERSION,
+    UNRESOLVED_MODEL,
     Api,
     Capability,
     OpenAIError,
@@ -41,8 +45,12 @@ from nexa.contracts.gateway import (
     WorkloadCreate,
     WorkloadState,
     WorkloadView,
+    body_problems,
+    model_problem,
+    request_sha256,
     workload_problems,
 )
+from nexa.contracts.node import data_class_problem
 from nexa.control.gateway import Call, Gateway, Work
 from nexa.control.http import CLIENT_CLOSED, bearer_key, new_request_id, status_for
 from nexa.control.registry import Actor, Registry
@@ -50,6 +58,7 @@ from nexa.control.workloads import ActiveWorkload, Workloads, new_receipt_id
 from nexa.errors import (
     Cancelled,
     ContractError,
+    FieldNotSupported,
     Forbidden,
     NexaError,
     NotFound,
@@ -85,6 +94,8 @@ _WORKLOAD_PATH: Final = re.compile(r"^/api/v1/workloads/([^/]{1,256})(/cancel|/r
 #: Optional request headers of the OpenAI routes: priority class and deadline.
 PRIORITY_HEADER: Final = "x-nexa-priority"
 DEADLINE_HEADER: Final = "x-nexa-deadline-ms"
+#: Optional: the request's data class (as the envelope's `data_class`): only nodes allowed it serve it.
+DATA_CLASS_HEADER: Final = "x-nexa-data-class"
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-store"),
@@ -152,15 +163,23 @@ class InferenceApp:
     async def openai(self, x: _Exchange, capability: Capability) -> int:
         body = _json_object(await x.body())
         model = body.pop("model", None)
-        if not isinstance(model, str) or not model:
-            raise ContractError("model: the alias to use is required", problems=("model: required",))
+        problem = model_problem(model)
+        if problem is not None or not isinstance(model, str):
+            raise ContractError(problem or "model: required", problems=(problem or "model: required",))
         stream = body.pop("stream", False)
         if not isinstance(stream, bool) or (stream and capability is Capability.EMBEDDING):
             raise ContractError("stream: true or false (embeddings do not stream)", problems=("stream",))
         options = body.get("stream_options")
-        include_usage = isinstance(options, dict) and options.get("include_usage") is True
         if options is not None and not stream:
             raise ContractError("stream_options: only with stream: true", problems=("stream_options",))
+        if options is not None and (
+            not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool)
+        ):
+            raise ContractError("stream_options: an object; include_usage: true or false", problems=("stream_options",))
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        problems = body_problems(capability, body)
+        if problems:
+            raise ContractError("invalid request: " + "; ".join(problems), problems=tuple(problems))
         work = Work(
             request_id=x.rid,
             api=Api.OPENAI,
@@ -173,6 +192,7 @@ class InferenceApp:
             include_usage=include_usage,
             priority=_priority(x.header(PRIORITY_HEADER)),
             deadline_at=self._deadline(x.header(DEADLINE_HEADER)),
+            data_class=_data_class(x.header(DATA_CLASS_HEADER)),
         )
         call = await self._gateway.call(work)
         try:
@@ -192,7 +212,8 @@ class InferenceApp:
             await call.aclose()
 
     async def submit(self, x: _Exchange) -> int:
-        req = codec.loads(codec.api, await x.body(), WorkloadCreate)
+        # Parsed strictly first (no NaN, bounded nesting), then structured: what the codec refuses is a 400.
+        req = codec.structure(codec.api, _json_object(await x.body()), WorkloadCreate)
         problems = workload_problems(req)
         if problems:
             raise ContractError("invalid workload: " + "; ".join(problems), problems=tuple(problems))
@@ -201,7 +222,11 @@ class InferenceApp:
                 f"retention {req.retention.value} needs an encrypted retention store, and none is configured;"
                 " send retention: ephemeral"
             )
-        stored = await self._workloads.lookup(x.tenant, req.idempotency_key)
+        if req.stream and req.capability is Capability.EMBEDDING:
+            raise FieldNotSupported("stream: embeddings do not stream; send stream: false", field="stream")
+        digest = request_sha256(req)
+        # Reads only: a refusal from here to admission writes nothing to the store.
+        stored = await self._workloads.lookup(x.tenant, req.idempotency_key, digest)
         if stored is not None:
             return await x.json(200, codec.api.unstructure(_view_from_receipt(stored, req)))
         now = time.time()
@@ -210,7 +235,9 @@ class InferenceApp:
             raise ContractError(
                 f"deadline_at: at most {self._cfg.max_deadline_s:g} s from now", problems=("deadline_at",)
             )
-        active = await self._workloads.begin(x.tenant, x.key.id, req, alias=req.model, accepted_at=now)
+        active = await self._workloads.begin(
+            x.tenant, x.key.id, req, alias=req.model, accepted_at=now, request_sha256=digest
+        )
         work = Work(
             request_id=x.rid,
             api=Api.WORKLOADS,
@@ -219,11 +246,12 @@ class InferenceApp:
             capability=req.capability,
             model=req.model,
             body=dict(req.payload),
-            stream=req.stream and req.capability is not Capability.EMBEDDING,
+            stream=req.stream,
             include_usage=True,
-            priority=req.priority,
+            priority=req.admission_priority,
             deadline_at=deadline_at,
             workload_id=req.workload_id,
+            data_class=req.data_class,
         )
         run = await self._run(x, active, work)
         view = _view_from_receipt(run.receipt, req)
@@ -243,7 +271,8 @@ class InferenceApp:
         run = _Run()
         try:
             with active.scope:
-                call = await self._gateway.call(work)
+                # The workload is written to the store once admitted, not before (see Workloads.record).
+                call = await self._gateway.call(work, admitted=partial(self._workloads.record, active))
                 active.set_state(WorkloadState.STREAMING if work.stream else WorkloadState.RUNNING)
                 if work.stream:
                     await x.start_stream(200)
@@ -286,7 +315,7 @@ class InferenceApp:
             key_id=work.key_id,
             capability=work.capability,
             alias=outcome.alias if outcome is not None else "",
-            model=model.model if model is not None else work.model,
+            model=model.model if model is not None else UNRESOLVED_MODEL,
             model_version=model.version if model is not None else "",
             deployment=outcome.deployment if outcome is not None else "",
             node_id=outcome.node_id if outcome is not None else "",
@@ -320,7 +349,10 @@ class InferenceApp:
         now = time.time()
         if header is None:
             return now + self._cfg.default_deadline_s
-        if not header.isdigit() or not 0 < int(header) <= self._cfg.max_deadline_s * 1000:
+        # ASCII digits, and few: headers decode as latin-1, where "²".isdigit() is true and int()
+        # refuses it, as it does thousands of digits (both were a 500, found by the OpenAPI fuzzer).
+        digits = header.isascii() and header.isdigit() and len(header) <= 15
+        if not digits or not 0 < int(header) <= self._cfg.max_deadline_s * 1000:
             raise ContractError(
                 f"{DEADLINE_HEADER}: milliseconds from now, 1 to {int(self._cfg.max_deadline_s * 1000)}",
                 problems=(DEADLINE_HEADER,),
@@ -362,6 +394,11 @@ class _Exchange:
                 status = await self._error(exc)
             except _ClientGone:
                 status = CLIENT_CLOSED
+            except Exception as exc:
+                # Last resort: a bug still answers in the error envelope, never as a bare 500. The
+                # type and place only: an exception's message may quote the request.
+                log.error("request failed unexpectedly: %s", supervision.kinds(exc))  # noqa: TRY400
+                status = await self._error(NexaError("internal error"))
             except trio.Cancelled:
                 status = CLIENT_CLOSED
                 raise
@@ -542,13 +579,35 @@ def _no_route(route: tuple[str, str]) -> NexaError:
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object; strict: NaN, Infinity and numbers beyond a float's range are
+    refused (JSON has none of them), and so is nesting deep enough to exhaust the parser."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise ContractError("the body is not valid JSON", problems=("(body): invalid JSON",)) from None
     if not isinstance(body, dict):
         raise ContractError("the body must be a JSON object", problems=("(body): not an object",))
     return body
+
+
+def _no_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("a number beyond a float's range")
+    return value
+
+
+def _data_class(value: str | None) -> str | None:
+    if value is None:
+        return None
+    problem = data_class_problem(value)
+    if problem is not None:
+        raise ContractError(f"{DATA_CLASS_HEADER}: {problem}", problems=(DATA_CLASS_HEADER,))
+    return value
 
 
 def _priority(value: str | None) -> Priority:
@@ -587,7 +646,7 @@ def _view_from_receipt(signed: SignedReceipt, req: WorkloadCreate) -> WorkloadVi
         workload_id=r.workload_id,
         state=r.state,
         model=req.model,
-        priority=req.priority,
+        priority=req.admission_priority,
         accepted_at=r.accepted_at,
         finished_at=r.finished_at,
         error=r.error,

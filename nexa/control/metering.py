@@ -6,6 +6,11 @@ the queue to the store in one transaction every `metering_flush_s`. A clean shut
 task cancelled) flushes what is pending, so it loses nothing; a crash loses at most one flush
 window of records. Records are metadata only (ids, counts, timings): never prompts or outputs.
 
+No record is dropped for its figures: a token count outside 0..2^31 is clamped into it and a
+timing that is not a finite, non-negative number is zeroed before the record is queued, so the
+flush never meets a value SQLite cannot bind (an int beyond 2^63 raised OverflowError there).
+Each such record is counted in `nexa_usage_records_refused_total{reason}` and logged by id.
+
 Reports group by tenant, model and UTC day in SQL. The model of a row is `name:version` of the
 version that served it, or the alias the client asked for when it never resolved to one.
 """
@@ -24,6 +29,7 @@ import attrs
 import trio
 
 from nexa.config import GatewayConfig
+from nexa.contracts.bounds import MAX_TOKENS
 from nexa.contracts.gateway import UsageRecord, UsageReport, WindowStats
 from nexa.control import store as st
 from nexa.errors import NexaError
@@ -43,6 +49,35 @@ PRUNE_INTERVAL_S: Final = 3600.0
 FIRST_PRUNE_S: Final = 60.0
 WINDOW_MAX_RECORDS: Final = 100_000
 CSV_HEADER: Final = ("tenant", "model", "day", "requests", "errors", "prompt_tokens", "completion_tokens")
+#: Largest token count one figure of a usage record takes (issue 12: 0 … 2^31, as on the wire).
+#: Far above any real request, and small enough that sums over years stay within SQLite's int64.
+MAX_TOKEN_COUNT: Final = MAX_TOKENS
+#: Reasons of `nexa_usage_records_refused_total`.
+REFUSED_TOKENS: Final = "tokens_out_of_range"
+REFUSED_TIMING: Final = "timing_invalid"
+REFUSED_BACKLOG: Final = "backlog_full"
+#: A runtime's usage object that is not an object of whole counts (the gateway fails the call).
+REFUSED_USAGE_SHAPE: Final = "usage_malformed"
+
+
+def token_count_ok(value: object) -> bool:
+    """Whether `value` is a whole token count a usage record takes: an int (not a bool) in 0..2^31."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_COUNT
+
+
+def clamp_token_count(value: object) -> int:
+    """`value` brought into 0..2^31; anything that is not an int counts 0."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return 0
+    return min(max(value, 0), MAX_TOKEN_COUNT)
+
+
+def _finite_non_negative(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if isinstance(value, int):  # math.isfinite would raise OverflowError past a float's range
+        return 0 <= value <= 2**53
+    return math.isfinite(value) and value >= 0
 
 
 @attrs.frozen
@@ -67,14 +102,71 @@ class Meter:
     # ---- the hot path --------------------------------------------------------------------------
 
     def record(self, rec: UsageRecord) -> None:
-        """Account one finished request. Never blocks, never raises."""
+        """Account one finished request. Never blocks, never raises, never drops it for its figures.
+
+        Token counts outside 0..MAX_TOKEN_COUNT are clamped into it and timings that are not finite
+        and non-negative are zeroed (counted in `nexa_usage_records_refused_total`, logged without
+        payload): a record the store or Prometheus would refuse must not be lost, nor stop the flush.
+        """
         try:
-            self._record(rec)
+            rec = self._checked(rec)
+        except Exception:  # a record that cannot even be inspected: keep it as it is
+            log.exception("could not check the usage record of request %s", rec.request_id)
+        self._queue(rec)
+        try:
+            self._observe_request(rec)
         except Exception:
             # Accounting must never fail a request that has already been answered.
-            log.exception("could not account a finished request")
+            log.exception("could not update the metrics of request %s", rec.request_id)
 
-    def _record(self, rec: UsageRecord) -> None:
+    def refused(self, reason: str) -> None:
+        """Count one usage figure refused where it entered (the gateway replaced it with its own)."""
+        self._metrics.usage_records_refused.labels(reason).inc()
+
+    def invalid_answer(self, kind: str) -> None:
+        """Count one runtime answer that was not the expected JSON (`unary`, `stream` or `batch`)."""
+        self._metrics.gateway_invalid_answers.labels(kind).inc()
+
+    def _checked(self, rec: UsageRecord) -> UsageRecord:
+        bad = [n for n in ("prompt_tokens", "completion_tokens") if not token_count_ok(getattr(rec, n))]
+        timings = [n for n in ("queue_ms", "duration_ms", "finished_at") if not _finite_non_negative(getattr(rec, n))]
+        if rec.ttft_ms is not None and not _finite_non_negative(rec.ttft_ms):
+            timings.append("ttft_ms")
+        if not bad and not timings:
+            return rec
+        reason = REFUSED_TOKENS if bad else REFUSED_TIMING
+        self.refused(reason)
+        log.warning(
+            "usage record of request %s: %s out of range, metered clamped (%s)",
+            rec.request_id,
+            ", ".join(bad + timings),
+            reason,
+        )
+
+        def timing(name: str, value: float) -> float:
+            return value if name not in timings else (time.time() if name == "finished_at" else 0.0)
+
+        return attrs.evolve(
+            rec,
+            prompt_tokens=clamp_token_count(rec.prompt_tokens),
+            completion_tokens=clamp_token_count(rec.completion_tokens),
+            queue_ms=timing("queue_ms", rec.queue_ms),
+            duration_ms=timing("duration_ms", rec.duration_ms),
+            finished_at=timing("finished_at", rec.finished_at),
+            ttft_ms=None if "ttft_ms" in timings else rec.ttft_ms,
+        )
+
+    def _queue(self, rec: UsageRecord) -> None:
+        self._pending.append(rec)
+        if len(self._pending) > MAX_PENDING:
+            del self._pending[0]
+            self._dropped += 1
+            self.refused(REFUSED_BACKLOG)
+            if self._dropped == 1 or self._dropped % 10_000 == 0:
+                log.error("the store does not take usage records; %d dropped so far", self._dropped)
+        self._metrics.metering_pending.set(len(self._pending))
+
+    def _observe_request(self, rec: UsageRecord) -> None:
         m = self._metrics
         model = rec.alias
         m.gateway_requests.labels(model, rec.tenant, rec.status).inc()
@@ -87,13 +179,6 @@ class Meter:
             m.gateway_ttft_seconds.labels(model).observe(rec.ttft_ms / 1000)
         if rec.deployment:
             self._observe(rec.deployment, _Finished(rec.finished_at, rec.canary, rec.status != "ok", rec.duration_ms))
-        self._pending.append(rec)
-        if len(self._pending) > MAX_PENDING:
-            del self._pending[0]
-            self._dropped += 1
-            if self._dropped == 1 or self._dropped % 10_000 == 0:
-                log.error("the store does not take usage records; %d dropped so far", self._dropped)
-        m.metering_pending.set(len(self._pending))
 
     def attempt_failed(self, deployment: str, *, canary: bool, duration_ms: float, now: float) -> None:
         """An attempt on a replica that failed before any output and was retried elsewhere: no usage

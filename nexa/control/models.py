@@ -204,12 +204,19 @@ class ModelRegistry:
                 media_type=manifest.media_type,
                 registered_at=time.time(),
                 registered_by=actor.key_id,
+                host_network=req.host_network,
+                platforms=list(manifest.platforms),
             )
             await self._audited(
                 st.insert_runtime, runtime, audit_draft(actor, "runtime.register", target, None, runtime)
             )
             self._runtimes[runtime.name] = runtime
-        log.info("runtime %s registered: %s", runtime.name, runtime.image)
+        log.info(
+            "runtime %s registered: %s (%s network)",
+            runtime.name,
+            runtime.image,
+            "host" if runtime.host_network else "private",
+        )
         return runtime
 
     # ---- models: queries -------------------------------------------------------------------------

@@ -17,23 +17,33 @@ import hashlib
 import logging
 import re
 import time
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Final
+from typing import Final, cast
 
 import attrs
 import httpx
 import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
-from nexa.contracts.models import ModelArtifact
+from nexa.contracts.models import ImagePlatform, ModelArtifact
 from nexa.errors import (
     ArtifactDigestMismatch,
     ArtifactMissing,
     ArtifactSizeMismatch,
     DigestUnknown,
+    ManifestInvalid,
     Unavailable,
 )
-from nexa.oci import MANIFEST_MEDIA_TYPES, ImageReference, RegistryCredentials, parse_image_reference
+from nexa.oci import (
+    MANIFEST_MEDIA_TYPES,
+    MAX_MANIFEST_BYTES,
+    ImageReference,
+    RegistryCredentials,
+    parse_config_platform,
+    parse_image_reference,
+    parse_manifest,
+)
 from nexa.s3 import S3Credentials, error_code, object_url, raw_chunks, signed_headers_for, split_s3_uri
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,8 @@ class ManifestCheck:
     image: str
     digest: str
     media_type: str
+    #: What the index or the manifest's config names; empty when an index names none.
+    platforms: list[ImagePlatform] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -122,42 +134,84 @@ class Outbound:
         return f"{scheme}://{ref.registry}/v2/{ref.repository}/manifests/{ref.digest}"
 
     async def check_image(self, image: str) -> ManifestCheck:
-        """Confirm the image's registry holds the manifest with its digest.
+        """Confirm the image's registry holds the manifest with its digest, and read its platforms.
 
-        Raises ContractError for a reference not pinned by digest, DigestUnknown when the
-        registry answers that it has no such manifest (or repository), Unavailable when the
-        registry cannot be reached or refuses our credentials.
+        The manifest is fetched (`GET`) and its bytes must hash to the digest. An index (OCI or
+        Docker manifest list) names its platforms; a single manifest's config blob (fetched and
+        hashed too) names its one platform. Raises ContractError for a reference not pinned by
+        digest, DigestUnknown when the registry answers that it has no such manifest (or
+        repository, or config), ManifestInvalid when what it serves is not that manifest,
+        Unavailable when the registry cannot be reached or refuses our credentials.
         """
         client = self._open(self._registry)
         ref = parse_image_reference(image)
         url = self.manifest_url(ref)
         headers = {"Accept": ", ".join(MANIFEST_MEDIA_TYPES)}
         try:
-            response = await client.head(url, headers=headers)
+            response, body = await _get_capped(client, url, headers, image)
             if response.status_code == 401:
                 headers["Authorization"] = await self._authorization(client, ref, response)
-                response = await client.head(url, headers=headers)
+                response, body = await _get_capped(client, url, headers, image)
         except httpx.HTTPError as exc:
             raise Unavailable(f"the registry {ref.registry} did not answer ({type(exc).__name__})") from exc
+        self._refused(response, ref, image, f"manifest {ref.digest} in {ref.repository}")
+        served = response.headers.get("docker-content-digest", ref.digest)
+        if served != ref.digest:
+            # A registry that answers a digest request with another manifest cannot be trusted.
+            raise DigestUnknown(
+                f"the registry {ref.registry} answered {ref.repository}@{ref.digest} with {served}", image=image
+            )
+        if _sha256(body) != ref.digest:
+            raise ManifestInvalid(
+                f"the registry {ref.registry} served bytes for {ref.repository}@{ref.digest} that have another digest",
+                image=image,
+            )
+        header_type = response.headers.get("content-type", "").partition(";")[0].strip()
+        parsed = parse_manifest(body, header_type, image=image)
+        platforms = parsed.platforms
+        if parsed.config_digest is not None:
+            auth = {"Authorization": headers["Authorization"]} if "Authorization" in headers else {}
+            platforms = [await self._config_platform(client, ref, parsed.config_digest, auth, image)]
+        media_type = header_type or parsed.media_type
+        log.info(
+            "registry %s holds %s@%s (%s; %s)",
+            ref.registry,
+            ref.repository,
+            ref.digest,
+            media_type,
+            ", ".join(map(str, platforms)) or "no platform named",
+        )
+        return ManifestCheck(image=image, digest=ref.digest, media_type=media_type, platforms=platforms)
+
+    async def _config_platform(
+        self, client: httpx.AsyncClient, ref: ImageReference, digest: str, headers: dict[str, str], image: str
+    ) -> ImagePlatform:
+        """Fetch a single manifest's config blob (registries may redirect to their storage), check its digest."""
+        url = self.manifest_url(ref).rsplit("/manifests/", 1)[0] + f"/blobs/{digest}"
+        try:
+            # httpx drops the Authorization header when a redirect leaves the registry's origin.
+            response, body = await _get_capped(client, url, headers, image, follow_redirects=True)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"the registry {ref.registry} did not answer ({type(exc).__name__})") from exc
+        self._refused(response, ref, image, f"config blob {digest} in {ref.repository}")
+        if _sha256(body) != digest:
+            raise ManifestInvalid(
+                f"the registry {ref.registry} served a config for {ref.repository}@{ref.digest} with another digest",
+                image=image,
+            )
+        return parse_config_platform(body, image=image)
+
+    def _refused(self, response: httpx.Response, ref: ImageReference, image: str, what: str) -> None:
+        """Raise for anything but 200: DigestUnknown for 404, Unavailable otherwise."""
         status = response.status_code
         if status == 200:
-            served = response.headers.get("docker-content-digest", ref.digest)
-            if served != ref.digest:
-                # A registry that answers a digest request with another manifest cannot be trusted.
-                raise DigestUnknown(
-                    f"the registry {ref.registry} answered {ref.repository}@{ref.digest} with {served}", image=image
-                )
-            media_type = response.headers.get("content-type", "").partition(";")[0].strip()
-            log.info("registry %s holds %s@%s (%s)", ref.registry, ref.repository, ref.digest, media_type)
-            return ManifestCheck(image=image, digest=ref.digest, media_type=media_type)
+            return
         if status == 404:
-            raise DigestUnknown(
-                f"the registry {ref.registry} has no manifest {ref.digest} in {ref.repository}", image=image
-            )
+            raise DigestUnknown(f"the registry {ref.registry} has no {what}", image=image)
         if status in {401, 403}:
             hint = "" if self._registry_credentials else " (no oci.credentials_file is configured)"
             raise Unavailable(f"the registry {ref.registry} refused access to {ref.repository} ({status}){hint}")
-        raise Unavailable(f"the registry {ref.registry} answered {status} for {ref.repository}@{ref.digest}")
+        raise Unavailable(f"the registry {ref.registry} answered {status} for {what}")
 
     async def _authorization(self, client: httpx.AsyncClient, ref: ImageReference, response: httpx.Response) -> str:
         """The Authorization header a 401 asks for: Basic, or a bearer token from the registry's realm."""
@@ -281,6 +335,32 @@ async def _digest(response: httpx.Response, artifact: ModelArtifact) -> tuple[st
 def _update(hasher: hashlib._Hash, block: list[bytes]) -> None:
     for chunk in block:
         hasher.update(chunk)  # releases the GIL for large buffers
+
+
+async def _get_capped(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], image: str, *, follow_redirects: bool = False
+) -> tuple[httpx.Response, bytes]:
+    """GET, reading at most MAX_MANIFEST_BYTES of the body (ManifestInvalid beyond that)."""
+    async with client.stream("GET", url, headers=headers, follow_redirects=follow_redirects) as response:
+        if response.status_code != 200:
+            return response, b""
+        chunks: list[bytes] = []
+        size = 0
+        # httpx's iterator is an async generator: close it here, not when trio finalizes it.
+        async with aclosing(cast("AsyncGenerator[bytes, None]", response.aiter_bytes())) as body:
+            async for chunk in body:
+                size += len(chunk)
+                if size > MAX_MANIFEST_BYTES:
+                    raise ManifestInvalid(
+                        f"the registry served more than {MAX_MANIFEST_BYTES} bytes for a manifest of {image}",
+                        image=image,
+                    )
+                chunks.append(chunk)
+    return response, b"".join(chunks)
+
+
+def _sha256(body: bytes) -> str:
+    return "sha256:" + hashlib.sha256(body).hexdigest()
 
 
 def _basic(creds: RegistryCredentials) -> str:

@@ -10,6 +10,13 @@ at the crash. A clean shutdown forgets nothing that finished.
 Time is wall-clock Unix seconds (`now` is passed in, so tests inject it); the day is the UTC day.
 Windows are counted in whole seconds and conservatively: a request or token counts against the
 minute for at least 60 s and at most 61 s.
+
+Tokens are reserved when a request is admitted (the gateway's estimate: prompt plus the most it
+may generate) and settled when it finishes: the reservation is taken back from the second it was
+counted in (unless that has left the window already) and the tokens really used are counted at
+the finish. A request is admitted while the counted tokens, reservations of running requests
+included, are below the limit, so concurrent requests overshoot a token limit by at most one
+reservation, never by one per request.
 """
 
 from __future__ import annotations
@@ -48,14 +55,28 @@ class _Window:
         self._buckets: deque[list[int]] = deque()  # [second, count], oldest first
         self.total = 0
 
-    def add(self, now: float, n: int) -> None:
+    def add(self, now: float, n: int) -> int:
+        """Count `n` now; returns the second of the bucket it went into (for `take_back`)."""
         second = math.floor(now)
         if self._buckets and self._buckets[-1][0] >= second:
             # Same second (or a clock that stepped back): join the newest bucket.
             self._buckets[-1][1] += n
+            second = self._buckets[-1][0]
         else:
             self._buckets.append([second, n])
         self.total += n
+        return second
+
+    def take_back(self, second: int, n: int) -> None:
+        """Uncount `n` that `add` put into bucket `second`; nothing when it left the window already."""
+        for bucket in reversed(self._buckets):
+            if bucket[0] == second:
+                taken = min(n, bucket[1])
+                bucket[1] -= taken
+                self.total -= taken
+                return
+            if bucket[0] < second:
+                return
 
     def prune(self, now: float) -> int:
         """Drop seconds that have left the window; returns what is left."""
@@ -106,6 +127,10 @@ class QuotaTicket:
 
     tenant: TenantId
     admitted_at: float
+    #: Tokens reserved at admission, the window bucket they went into and the UTC day they count on.
+    reserved: int = 0
+    reserved_second: int = 0
+    reserved_day: int = 0
     finished: bool = False
 
 
@@ -161,8 +186,9 @@ class Quotas:
 
     # ---- the hot path --------------------------------------------------------------------------
 
-    def admit(self, tenant: TenantId, now: float) -> QuotaTicket:
-        """Count one request against the tenant's limits, or raise QuotaExceeded and count nothing."""
+    def admit(self, tenant: TenantId, now: float, *, reserve_tokens: int = 0) -> QuotaTicket:
+        """Count one request and reserve `reserve_tokens` against the tenant's limits, or raise
+        QuotaExceeded and count nothing. `finish` settles the reservation."""
         state = self._state(tenant)
         limits = state.limits
         requests = state.requests.prune(now)
@@ -187,19 +213,29 @@ class Quotas:
             )
         state.concurrent += 1
         state.requests.add(now, 1)
-        return QuotaTicket(tenant=tenant, admitted_at=now)
+        ticket = QuotaTicket(tenant=tenant, admitted_at=now, reserved_day=state.day)
+        if reserve_tokens > 0:
+            ticket.reserved = reserve_tokens
+            ticket.reserved_second = state.tokens.add(now, reserve_tokens)
+            state.tokens_today += reserve_tokens
+        return ticket
 
     def finish(self, ticket: QuotaTicket, tokens: int, now: float) -> None:
-        """Release the ticket's concurrency slot and count its tokens. A second call does nothing."""
+        """Release the ticket's concurrency slot, take back its reservation and count the tokens it
+        used. A second call does nothing."""
         if ticket.finished:
             return
         ticket.finished = True
         state = self._state(ticket.tenant)
         state.concurrent = max(0, state.concurrent - 1)
+        state.tokens.prune(now)
+        state.roll_day(now)
+        if ticket.reserved:
+            state.tokens.take_back(ticket.reserved_second, ticket.reserved)
+            if state.day == ticket.reserved_day:
+                state.tokens_today = max(0, state.tokens_today - ticket.reserved)
         if tokens > 0:
-            state.tokens.prune(now)
             state.tokens.add(now, tokens)
-            state.roll_day(now)
             state.tokens_today += tokens
 
     # ---- management ----------------------------------------------------------------------------

@@ -41,6 +41,13 @@ log = logging.getLogger(__name__)
 #: `nxk_` + 12 hex chars of public key id + `_` + 32 random bytes in unpadded base64url.
 KEY_PREFIX: Final = "nxk_"
 _KEY_RE: Final = re.compile(r"^nxk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
+#: A key denied a route is audited at most once per this many seconds per route; the denials in
+#: between are counted (`nexa_audit_denied_suppressed`) and the next event written carries their number.
+DENIED_AUDIT_WINDOW_S: Final = 5.0
+#: A denied event's target (the request path, chosen by the caller) is cut to this many characters.
+AUDIT_TARGET_MAX: Final = 256
+#: (key, route) pairs whose last denial is remembered; past it, the stalest are forgotten.
+_DENIED_TRACKED: Final = 10_000
 
 
 @attrs.frozen(kw_only=True)
@@ -53,6 +60,14 @@ class Actor:
 
 
 SYSTEM: Final = Actor(key_id=None, role=None)
+
+
+@attrs.define
+class _Denials:
+    """The last denied event written for one (key, route), and the denials suppressed since."""
+
+    written_at: float
+    suppressed: int = 0
 
 
 def new_api_key() -> tuple[KeyId, str]:
@@ -80,6 +95,7 @@ class Registry:
         self._tenants = {t.id: t for t in tenants}
         # Serialises revocations so two concurrent ones cannot both pass the last-admin check.
         self._revoke_lock = trio.Lock()
+        self._denials: dict[tuple[KeyId | None, str], _Denials] = {}
 
     @classmethod
     async def load(cls, store: st.Store, metrics: Metrics) -> Registry:
@@ -205,9 +221,32 @@ class Registry:
 
     # ---- audit ---------------------------------------------------------------------------------
 
-    async def record_denied(self, actor: Actor, action: str, target: str, reason: str) -> AuditEvent:
-        draft = audit_draft(actor, action, target, result=AuditResult.DENIED, detail=reason)
+    async def record_denied(self, actor: Actor, action: str, target: str, reason: str) -> AuditEvent | None:
+        """Audit a refused request: at most one event per (key, route) each `DENIED_AUDIT_WINDOW_S`
+        (each costs a FULL commit); None when this one was only counted."""
+        now = trio.current_time()
+        slot = (actor.key_id, action)
+        last = self._denials.get(slot)
+        if last is not None and now - last.written_at < DENIED_AUDIT_WINDOW_S:
+            last.suppressed += 1
+            self._metrics.audit_denied_suppressed.labels(action).inc()
+            return None
+        # Decided before the write: concurrent denials while it commits are counted, not written.
+        self._denials.pop(slot, None)
+        if len(self._denials) >= _DENIED_TRACKED:
+            self._forget_denials(now)
+        self._denials[slot] = _Denials(written_at=now)
+        suppressed = last.suppressed if last is not None else 0
+        detail = f"{reason}; {suppressed} more denied since the last such event" if suppressed else reason
+        draft = audit_draft(actor, action, target[:AUDIT_TARGET_MAX], result=AuditResult.DENIED, detail=detail)
         return await self._audited(st.record_audit, draft)
+
+    def _forget_denials(self, now: float) -> None:
+        """Drop the pairs whose window has passed; if that is not enough, the least recently written."""
+        for slot in [s for s, d in self._denials.items() if now - d.written_at >= DENIED_AUDIT_WINDOW_S]:
+            del self._denials[slot]
+        while len(self._denials) >= _DENIED_TRACKED:
+            del self._denials[next(iter(self._denials))]
 
 
 def audit_draft(

@@ -35,6 +35,12 @@ DEADLINE_EXCEEDED: Final = "deadline_exceeded"
 #: The node sent more chunks than the window allows, or an `end` that does not parse.
 PROTOCOL_ERROR: Final = "node_protocol_error"
 
+#: Why `deliver` refused a frame (counted by the caller as `nexa_node_messages_rejected_total{reason}`).
+UNKNOWN_STREAM: Final = "unknown_stream"
+OVERSIZED_CHUNK: Final = "oversized_chunk"
+STREAM_OVERFLOW: Final = "stream_overflow"
+MALFORMED: Final = "malformed"
+
 
 class DataLink(Protocol):
     """What the relay needs of the node channel (`nexa.messaging.Link`)."""
@@ -58,6 +64,8 @@ class RelayStatistics:
     dropped_frames: int
     #: Streams ended because their node broke the window or sent an unreadable `end`.
     protocol_errors: int
+    #: Bytes of chunks received and not yet taken by consumers, over all open streams.
+    buffered_bytes: int
     #: Streams ended because their node was lost (unreachable, revoked, restarted).
     lost: int
     #: Streams the controller ended itself after the deadline and its grace.
@@ -70,7 +78,9 @@ class RelayStatistics:
 class RelayStream:
     """One request's output as it arrives from its node. Read by one consumer task."""
 
-    def __init__(self, relay: Relay, node_id: str, request_id: str, *, window: int, deadline: float) -> None:
+    def __init__(
+        self, relay: Relay, node_id: str, request_id: str, *, window: int, deadline: float, max_bytes: int
+    ) -> None:
         self.node_id = node_id
         self.request_id = request_id
         #: The node's `end` (or one the controller made up); set once `receive` has returned None.
@@ -82,6 +92,9 @@ class RelayStream:
         #: trio clock time after which the controller ends the stream itself.
         self._deadline = deadline
         self._chunks: collections.deque[bytes] = collections.deque()
+        #: Bytes in `_chunks`, bounded by `_max_bytes` (the window times the largest chunk).
+        self._bytes = 0
+        self._max_bytes = max_bytes
         self._final: wire.EndHead | None = None
         self._arrived = trio.Event()
         #: Chunks taken by the consumer and not yet credited back to the node.
@@ -112,13 +125,19 @@ class RelayStream:
             if not self._chunks and self._final is None and trio.current_time() >= self._deadline:
                 self._relay._expire(self)
             self._arrived = trio.Event()
-        chunk = self._chunks.popleft()
+        chunk = self._take()
         self._uncredited += 1
         if self._uncredited >= self._credit_every and self._final is None:
             credit, self._uncredited = self._uncredited, 0
             await self._relay._credit(self, credit)
         else:
             await trio.lowlevel.checkpoint()
+        return chunk
+
+    def _take(self) -> bytes:
+        chunk = self._chunks.popleft()
+        self._bytes -= len(chunk)
+        self._relay._buffered -= len(chunk)
         return chunk
 
     async def receive_all(self) -> bytes | None:
@@ -131,7 +150,7 @@ class RelayStream:
             return first
         parts = [first]
         while self._chunks:
-            parts.append(self._chunks.popleft())
+            parts.append(self._take())
             self._uncredited += 1
         if self._uncredited >= self._credit_every and self._final is None:
             credit, self._uncredited = self._uncredited, 0
@@ -150,14 +169,22 @@ class RelayStream:
     # --- what the relay calls
 
     def _put(self, chunk: bytes) -> bool:
-        """File a chunk; False when the node broke the window (the caller ends the stream)."""
-        if len(self._chunks) >= self._window:
+        """File a chunk; False when the node broke the window or the byte bound (the caller ends the stream)."""
+        if len(self._chunks) >= self._window or self._bytes + len(chunk) > self._max_bytes:
             return False
         if self.first_chunk_at is None:
             self.first_chunk_at = trio.current_time()
         self._chunks.append(chunk)
+        self._bytes += len(chunk)
+        self._relay._buffered += len(chunk)
         self._arrived.set()
         return True
+
+    def _drop_buffer(self) -> None:
+        """Forget unread chunks (the consumer left): their bytes no longer count."""
+        self._relay._buffered -= self._bytes
+        self._chunks.clear()
+        self._bytes = 0
 
     def _finish(self, end: wire.EndHead) -> None:
         if self._final is None:
@@ -169,14 +196,19 @@ class Relay:
     """Multiplexes inference requests over the node channels, with per-request flow control.
 
     `window` is the number of chunks a node may send ahead of the consumer; it replaces the
-    window of every `InferHead` sent, so the buffers here and the node's sending agree.
+    window of every `InferHead` sent, so the buffers here and the node's sending agree. A chunk
+    may be at most `max_chunk_bytes`, so one stream buffers at most `window * max_chunk_bytes`.
     """
 
-    def __init__(self, link: DataLink, *, window: int) -> None:
+    def __init__(self, link: DataLink, *, window: int, max_chunk_bytes: int = 65536) -> None:
         if window < 1:
             raise ValueError("the stream window is at least one chunk")
+        if max_chunk_bytes < 1:
+            raise ValueError("a chunk may be at least one byte")
         self._link = link
         self._window = window
+        self._max_chunk_bytes = max_chunk_bytes
+        self._buffered = 0
         self._streams: dict[str, RelayStream] = {}
         self._by_node: dict[str, set[str]] = collections.defaultdict(set)
         self._opened = self._frames_in = self._frames_out = self._dropped = 0
@@ -197,7 +229,14 @@ class Relay:
             head = attrs.evolve(head, window=self._window)
         # The node gives up at deadline_at (wall clock); this side waits a grace longer for its end.
         deadline = trio.current_time() + max(0.0, head.deadline_at - time.time()) + DEADLINE_GRACE_S
-        stream = RelayStream(self, node_id, request_id, window=self._window, deadline=deadline)
+        stream = RelayStream(
+            self,
+            node_id,
+            request_id,
+            window=self._window,
+            deadline=deadline,
+            max_bytes=self._window * self._max_chunk_bytes,
+        )
         self._streams[request_id] = stream
         self._by_node[node_id].add(request_id)
         try:
@@ -208,41 +247,62 @@ class Relay:
             yield stream
         finally:
             self._forget(stream)
+            stream._drop_buffer()
             if stream._node_busy:
                 # The node has not ended it: tell it to stop (and close its request to the runtime).
                 self._cancel(stream, "the client went away")
 
-    def deliver(self, node_id: str, frame: wire.DataFrame) -> None:
-        """File a node's `chunk` or `end` under its request. Never blocks.
+    def deliver(self, node_id: str, frame: wire.DataFrame) -> str | None:
+        """File a node's `chunk` or `end` under its request. Never blocks, never raises.
 
-        Frames for no open request, or from another node than the one the request went to, are
-        dropped and counted: a node cannot write into another node's stream.
+        Returns None when the frame was taken, else why it was refused (`UNKNOWN_STREAM`,
+        `OVERSIZED_CHUNK`, `STREAM_OVERFLOW`, `MALFORMED`) for the caller to count. Frames for no
+        open request, or from another node than the one the request went to, are dropped: a node
+        cannot write into another node's stream. A chunk above `max_chunk_bytes`, one beyond the
+        window or the stream's byte bound, or an unreadable `end` ends that stream as a protocol error.
         """
         stream = self._streams.get(frame.request_id)
         if stream is None or stream.node_id != node_id or stream._final is not None:
             self._dropped += 1
-            return
+            oversized = frame.kind == wire.CHUNK and len(frame.body) > self._max_chunk_bytes
+            return OVERSIZED_CHUNK if oversized else UNKNOWN_STREAM
         self._frames_in += 1
         if frame.kind == wire.CHUNK:
+            if len(frame.body) > self._max_chunk_bytes:
+                log.warning(
+                    "node %s sent a chunk of %d bytes (limit %d)", node_id, len(frame.body), self._max_chunk_bytes
+                )
+                self._protocol_error(stream)
+                return OVERSIZED_CHUNK
             if not stream._put(frame.body):
-                self._protocol_errors += 1
-                log.warning("node %s sent more than %d chunks ahead; ending its stream", node_id, self._window)
-                self._end(stream, wire.EndHead(status=wire.EndStatus.ERROR, code=PROTOCOL_ERROR, first_byte_sent=True))
-                self._cancel(stream, PROTOCOL_ERROR)
-                stream._node_busy = False
-        elif frame.kind == wire.END:
+                log.warning(
+                    "node %s sent more than its window (%d chunks) ahead; ending its stream", node_id, self._window
+                )
+                self._protocol_error(stream)
+                return STREAM_OVERFLOW
+            return None
+        if frame.kind == wire.END:
+            refused = None
             try:
                 end = codec.loads(codec.wire, frame.head, wire.EndHead)
             except ContractError as exc:
                 self._protocol_errors += 1
+                refused = MALFORMED
                 log.warning("node %s sent an unreadable end: %s", node_id, exc.message)
                 end = wire.EndHead(
                     status=wire.EndStatus.ERROR, code=PROTOCOL_ERROR, first_byte_sent=stream.first_chunk_at is not None
                 )
             stream._node_busy = False  # the node is done with it, whatever it said
             self._end(stream, end)
-        else:  # messaging admits only DATA_FROM_NODE kinds
-            self._dropped += 1
+            return refused
+        self._dropped += 1  # messaging admits only DATA_FROM_NODE kinds
+        return MALFORMED
+
+    def _protocol_error(self, stream: RelayStream) -> None:
+        self._protocol_errors += 1
+        self._end(stream, wire.EndHead(status=wire.EndStatus.ERROR, code=PROTOCOL_ERROR, first_byte_sent=True))
+        self._cancel(stream, PROTOCOL_ERROR)
+        stream._node_busy = False
 
     def node_lost(self, node_id: str) -> None:
         """End every open stream on that node with `node_lost` (unreachable, revoked or restarted)."""
@@ -269,6 +329,7 @@ class Relay:
             frames_out=self._frames_out,
             dropped_frames=self._dropped,
             protocol_errors=self._protocol_errors,
+            buffered_bytes=self._buffered,
             lost=self._lost,
             expired=self._expired,
             cancels_sent=self._cancels_sent,

@@ -3,6 +3,9 @@
 Pure and fast: no I/O, no awaits. The gateway calls `acquire`/`release` around each attempt, so
 `outstanding` counts requests in flight per replica.
 
+0. A request with a data class is routed only to replicas on nodes whose inventory allows it
+   (`for_data_class`, before the steps below; `data_classes` in the node's inventory.json).
+
 1. Candidates are the serving set's replicas minus those already tried (`exclude`).
 2. While both canary and stable candidates exist, the canary group gets `canary_weight` of the
    requests, deterministically: per serving set a counter keeps the canary's share at
@@ -15,7 +18,7 @@ Pure and fast: no I/O, no awaits. The gateway calls `acquire`/`release` around e
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Final
 
 import attrs
@@ -99,6 +102,16 @@ class Router:
 
     def outstanding(self, replica_id: str) -> int:
         return self._outstanding.get(replica_id, 0)
+
+
+def for_data_class(
+    serving: ServingSet, data_class: str, node_data_classes: Callable[[str], Collection[str]]
+) -> ServingSet:
+    """The serving set less the replicas whose node may not process `data_class`."""
+    allowed = [r for r in serving.replicas if data_class in node_data_classes(r.node_id)]
+    if len(allowed) == len(serving.replicas):
+        return serving
+    return attrs.evolve(serving, replicas=allowed)
 
 
 def _set_key(serving: ServingSet) -> tuple[str, ...]:

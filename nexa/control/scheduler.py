@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import operator
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Final
 
@@ -40,6 +40,7 @@ from nexa.contracts.placement import (
     ReplicaPlacement,
     ScoreTerm,
 )
+from nexa.oci import normalise_arch
 
 #: The hard filters, in the order they are evaluated and shown. The first six read only the
 #: node's profile (`PlacementNode._profile`); the rest read its labels and free resources.
@@ -120,7 +121,13 @@ def place(
     for i, count in counts.items():
         e = explanations[i]
         explanations[i] = NodeExplanation(e.node_id, e.filters, e.eligible, e.score, e.terms, count)
-    return PlacementDecision(request=req, placements=tuple(placements), explanations=tuple(explanations), feasible=True)
+    return PlacementDecision(
+        request=req,
+        placements=tuple(placements),
+        explanations=tuple(explanations),
+        feasible=True,
+        reason=req.network if req.host_network else None,
+    )
 
 
 def forecast(
@@ -131,6 +138,26 @@ def forecast(
 ) -> PlacementDecision:
     """Would `req` fit, and where? `place` under the name the capacity API uses; it changes nothing."""
     return place(nodes, req, existing=existing)
+
+
+def image_platform_warnings(image_archs: tuple[str, ...] | None, node_archs: Iterable[str]) -> list[str]:
+    """What registering an image should warn about: no enrolled node has an architecture it offers.
+
+    `node_archs` are the architectures enrolled nodes reported (`""` for none yet). Nothing is
+    said when the image's platforms are unknown (None) or no node has reported an architecture.
+    """
+    reported = sorted({normalise_arch(a) for a in node_archs if a})
+    if image_archs is None or not reported:
+        return []
+    offered = {normalise_arch(a) for a in image_archs}
+    if offered & set(reported):
+        return []
+    has = ", ".join(f"linux/{a}" for a in sorted(offered)) or "no linux platform"
+    return [
+        f"no enrolled node can run this image: it has {has}; the nodes are "
+        + ", ".join(f"linux/{a}" for a in reported)
+        + f" (image has no linux/{reported[0]} variant)"
+    ]
 
 
 def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplanation], list[int]]:
@@ -197,6 +224,7 @@ class _Need:
         "binpack",
         "data_classes",
         "existing",
+        "image_archs",
         "license",
         "memory",
         "replicas",
@@ -211,6 +239,7 @@ class _Need:
     def __init__(self, req: PlacementRequest, existing: Mapping[str, int]) -> None:
         self.runtime = req.runtime
         self.arch = req.arch
+        self.image_archs = None if req.image_archs is None else frozenset(map(normalise_arch, req.image_archs))
         self.data_classes = frozenset(req.data_classes)
         self.selector = frozenset(req.node_selector.items())
         self.license = req.license_label
@@ -386,6 +415,11 @@ def _profile_filters(
         )
     if need.arch is not None and node.arch != need.arch:
         results[_ARCH] = _failed(memo, _ARCH, node.arch, f"needs {need.arch}, node is {node.arch}")
+    elif need.image_archs is not None and normalise_arch(node.arch) not in need.image_archs:
+        # The image would not start there (`exec format error`). The cause is the node's arch:
+        # the image's set is the same for every node of one decision.
+        arch = normalise_arch(node.arch) or "(unreported)"
+        results[_ARCH] = _failed(memo, _ARCH, ("image", arch), f"image has no linux/{arch} variant")
     missing = need.data_classes - node._data_class_set
     if missing:
         results[_DATA] = _failed(memo, _DATA, missing, "node may not process " + ", ".join(sorted(missing)))
@@ -477,8 +511,10 @@ def _reason(req: PlacementRequest, explanations: list[NodeExplanation], eligible
     else:
         head = "no node passes every filter"
     most = max(range(len(FILTERS)), key=lambda i: (counts[i], -i))
+    network = f"; {req.network}" if req.host_network else ""
     if not counts[most]:
-        return head
+        return head + network
     return (
-        f"{head}; most often failed: {FILTERS[most]} on {counts[most]} of {len(explanations)} nodes ({example[most]})"
+        f"{head}; most often failed: {FILTERS[most]} on {counts[most]} of {len(explanations)} nodes "
+        f"({example[most]}){network}"
     )

@@ -24,6 +24,7 @@ import trio
 
 from nexa import __version__
 from nexa.config import ControlConfig, HttpConfig, parse_host_port
+from nexa.control import openapi
 from nexa.control.admission import Admission
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
 from nexa.control.deployments import Deployments
@@ -44,6 +45,7 @@ from nexa.messaging import CurveKeyPair, generate_curve_keypair, load_curve_keyp
 from nexa.oci import load_registry_credentials
 from nexa.s3 import load_s3_credentials
 from nexa.security import SigningKey, generate_signing_key, load_signing_key, save_signing_key
+from nexa.supervision import Supervision, supervised
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -109,9 +111,27 @@ async def serve_control(
     inline_store: bool = False,
     task_status: trio.TaskStatus[ControlStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the controller until `stopping` is set; supports the nursery start protocol."""
+    """Run the controller until `stopping` is set; supports the nursery start protocol.
+
+    A failure before it answers HTTP (a failed start) is raised; afterwards only `StoreUnusable`
+    ends it (the CLI exits 3). Every other failure of a loop is logged, counted in
+    `nexa_loop_failures_total{loop}` and the loop restarted.
+    """
     metrics = Metrics()
     metrics.build_info.info({"version": __version__})
+    failures = metrics.loop_failures
+    with Supervision(on_failure=lambda loop: failures.labels(loop).inc()).installed():
+        await _serve_control(cfg, metrics, stopping=stopping, inline_store=inline_store, task_status=task_status)
+
+
+async def _serve_control(
+    cfg: ControlConfig,
+    metrics: Metrics,
+    *,
+    stopping: trio.Event,
+    inline_store: bool,
+    task_status: trio.TaskStatus[ControlStarted],
+) -> None:
     async with open_store(cfg.state_dir, inline=inline_store) as store:
         metrics.controller_epoch.set(store.epoch)
         registry = await Registry.load(store, metrics)
@@ -161,8 +181,11 @@ async def serve_control(
                 metrics=metrics,
                 started_at=time.time(),
                 controller_keys=keys.public(),
+                signing_key=keys.signing,
                 quotas=quotas,
                 meter=meter,
+                openapi=openapi.document_json(),
+                max_clock_skew_s=cfg.nodes.max_clock_skew_s,
             )
             app = InferenceApp(
                 create_app(cfg.http, state),
@@ -174,23 +197,24 @@ async def serve_control(
                 max_body_bytes=cfg.http.max_body_bytes,
                 epoch=store.epoch,
             )
+            # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
+            # restarted; only an unusable store or a failed start ends the process.
             # Metering has its own nursery, outside the other loops: it stops last, so the usage of
             # every call those loops end (embedding batches, streams cut at shutdown) is written.
             async with trio.open_nursery() as metering:
-                await metering.start(meter.run)
+                await metering.start(supervised, "metering", meter.run)
                 async with trio.open_nursery() as loops:
-                    channel = await loops.start(southbound.run)
-                    await loops.start(deployments.run)
-                    await loops.start(RolloutWatcher(deployments, meter).run)
-                    await loops.start(gateway.run)
-                    await loops.start(partial(workloads.run, cfg.gateway.workload_retention_s))
+                    channel = await loops.start(supervised, "southbound", southbound.run)
+                    await loops.start(supervised, "deployments", deployments.run)
+                    await loops.start(supervised, "rollout", RolloutWatcher(deployments, meter).run)
+                    await loops.start(supervised, "gateway", gateway.run)
+                    await loops.start(supervised, "workloads", partial(workloads.run, cfg.gateway.workload_retention_s))
                     log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                     async with trio.open_nursery() as http:
-                        binds: list[str] = await http.start(
-                            partial(
-                                hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait
-                            )
+                        serve = partial(
+                            hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait
                         )
+                        binds: list[str] = await http.start(supervised, "http", serve)
                         state.ready = True
                         http.start_soon(_unready_on, stopping, state)
                         log.info(

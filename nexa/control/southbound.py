@@ -20,9 +20,10 @@ from nexa.config import ChannelConfig, NodesConfig
 from nexa.contracts.wire import Ack, AssignmentSet, Heartbeat, Hello
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.relay import Relay
-from nexa.errors import NexaError, NotConnected
-from nexa.messaging import CurveKeyPair, DataInbound, Inbound, Link, Refused
+from nexa.errors import ContractError, NexaError, NotConnected
+from nexa.messaging import MESSAGE_HEADROOM_BYTES, CurveKeyPair, DataInbound, Inbound, Link, RateLimiter, Refused
 from nexa.security import SigningKey
+from nexa.supervision import supervised
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ _REFUSAL_AUDIT_EVERY_S: Final = 5.0
 #: Messages each way the link holds between its socket and our loops (chunks of many streams
 #: share it; each is at most the relay's max_chunk_bytes).
 _LINK_QUEUE: Final = 512
+#: The reason counted for a message that does not fit the wire contract, whatever broke it.
+MALFORMED: Final = "malformed"
+#: The reason counted for an acknowledgement of a set this controller never sent.
+STALE_ACK: Final = "stale_ack"
 
 
 class Southbound:
@@ -64,9 +69,13 @@ class Southbound:
             node_key=fleet.node_key,
             inbox_size=_LINK_QUEUE,
             outbox_size=_LINK_QUEUE,
+            max_message_bytes=int(channel.max_chunk_bytes) + MESSAGE_HEADROOM_BYTES,
+            receive_hwm=channel.receive_hwm,
+            signed_rate=RateLimiter(channel.signed_messages_per_s, channel.signed_messages_burst),
         )
+        fleet.limit_writes(RateLimiter(channel.node_store_writes_per_s, channel.node_store_writes_burst))
         #: The inference data path over the same channels (the gateway opens streams on it).
-        self.relay = Relay(self._link, window=stream_window_chunks)
+        self.relay = Relay(self._link, window=stream_window_chunks, max_chunk_bytes=int(channel.max_chunk_bytes))
         fleet.on_change(self._end_streams_of_lost_nodes)
         self._last_refusal_audit: dict[tuple[str, str], float] = {}
         # ZAP runs inside the link; refusals there are audited from this loop's nursery.
@@ -90,13 +99,13 @@ class Southbound:
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind the node channel and serve it; `started` reports the endpoint nodes should dial."""
         async with trio.open_nursery() as nursery:
-            bound: str = await nursery.start(self._link.run)
+            bound: str = await nursery.start(supervised, "southbound.link", self._link.run)
             endpoint = self._channel.advertise or bound
             self._fleet.channel_endpoint = endpoint
-            nursery.start_soon(self._receive_loop)
-            nursery.start_soon(self._liveness_loop)
-            nursery.start_soon(self._renewal_loop)
-            nursery.start_soon(self._audit_zap_refusals)
+            nursery.start_soon(supervised, "southbound.receive", self._receive_loop)
+            nursery.start_soon(supervised, "southbound.liveness", self._liveness_loop)
+            nursery.start_soon(supervised, "southbound.renewal", self._renewal_loop)
+            nursery.start_soon(supervised, "southbound.zap_audit", self._audit_zap_refusals)
             task_status.started(endpoint)
 
     def _end_streams_of_lost_nodes(self) -> None:
@@ -113,7 +122,10 @@ class Southbound:
         while True:
             got = await self._link.receive_any()
             if isinstance(got, DataInbound):
-                self.relay.deliver(got.node_id, got.frame)  # hot path: never blocks, never audits
+                # Hot path: never blocks, never audits; a refused frame is only counted.
+                refused = self.relay.deliver(got.node_id, got.frame)
+                if refused is not None:
+                    self._metrics.node_messages_rejected.labels(refused).inc()
                 continue
             try:
                 if isinstance(got, Refused):
@@ -122,6 +134,11 @@ class Southbound:
                     await self._handle(got)
             except NexaError as exc:
                 await self._refuse(got.node_id, exc)
+            except Exception as exc:
+                # Last resort: no value from a node may end the controller. Counted and logged
+                # (type only, never the message's content); the loop goes on with the next one.
+                self._metrics.node_messages_rejected.labels(MALFORMED).inc()
+                log.warning("refused a message from node %s: %s", got.node_id, type(exc).__name__)
 
     async def _handle(self, inbound: Inbound) -> None:
         msg = inbound.message
@@ -139,11 +156,16 @@ class Southbound:
             if behind and trio.current_time() - live.last_push >= _REPUSH_MIN_S:
                 await self._push(live)
         elif isinstance(msg, Ack):
+            if msg.epoch != self._epoch or msg.generation > live.desired.generation:
+                # Not an answer to a set this controller sent: nothing to record (and no write).
+                self._metrics.node_messages_rejected.labels(STALE_ACK).inc()
+                return
             await self._fleet.record_ack(live, msg)
 
     async def _refuse(self, node_id: str, error: NexaError) -> None:
-        self._metrics.node_messages_rejected.labels(error.code).inc()
-        await self._refuse_audit(node_id, error.code, error.message)
+        code = MALFORMED if isinstance(error, ContractError) else error.code
+        self._metrics.node_messages_rejected.labels(code).inc()
+        await self._refuse_audit(node_id, code, error.message)
 
     async def _refuse_audit(self, node_id: str, code: str, detail: str) -> None:
         key = (node_id, code)

@@ -25,7 +25,7 @@ import attrs
 import trio
 
 from nexa.contracts import codec
-from nexa.contracts.api import AuditVerdict
+from nexa.contracts.api import AuditCheckpoint, AuditVerdict
 from nexa.contracts.deployments import Deployment
 from nexa.contracts.domain import (
     ApiKey,
@@ -51,7 +51,7 @@ from nexa.contracts.models import AliasReceipt, AliasRecord, EvaluationRecord, M
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.placement import PlacementDecision
 from nexa.contracts.wire import DesiredAssignments
-from nexa.errors import Conflict, NotFound, StateDirLocked, StoreError, Unauthenticated
+from nexa.errors import Conflict, NotFound, StateDirLocked, StoreError, StoreUnusable, Unauthenticated
 
 T = TypeVar("T")
 
@@ -234,6 +234,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     CREATE INDEX workload_finished ON workload(finished_at) WHERE finished_at IS NOT NULL;
     """,
+    # A digest of the envelope an idempotency key came with: a replay with another body is refused.
+    """
+    ALTER TABLE workload ADD COLUMN request_sha256 TEXT;
+    """,
 )
 
 #: Rows one pruning transaction deletes at most, so the store lane is never held for long.
@@ -253,22 +257,41 @@ apsw.bestpractice.apply(apsw.bestpractice.recommended)
 
 
 class Store:
-    """Async facade over one apsw connection: `await store.run(_txn_fn, *args)`."""
+    """Async facade over one apsw connection: `await store.run(_txn_fn, *args)`.
 
-    def __init__(self, db: apsw.Connection, *, epoch: int, inline: bool = False) -> None:
+    Long reads (`verify_audit`, audit pages) go to `store.read`: a second, read-only connection on
+    its own lane. WAL lets it read a consistent snapshot while the writer commits, so a long read
+    never holds the store lane.
+    """
+
+    def __init__(
+        self, db: apsw.Connection, *, epoch: int, inline: bool = False, reader: apsw.Connection | None = None
+    ) -> None:
         self._db = db
         self._limiter = trio.CapacityLimiter(1)
+        self._reader = reader
+        self._read_limiter = trio.CapacityLimiter(1)
         self._inline = inline
         #: The strictly increasing epoch this process took when it opened the store.
         self.epoch = epoch
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run one transaction function on the store lane. Cancellation waits for it to finish."""
+        return await self._on(self._db, self._limiter, fn, *args)
+
+    async def read(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a read-only function on the reader lane (the store lane when there is no reader).
+        A write attempted there fails with StoreError; the store lane stays free meanwhile."""
+        if self._reader is None:
+            return await self.run(fn, *args)
+        return await self._on(self._reader, self._read_limiter, fn, *args)
+
+    async def _on(self, db: apsw.Connection, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:
         if self._inline:
             # Tests under autojump_clock keep real threads out (trio issue #456).
-            async with self._limiter:
-                return _translated(fn, self._db, *args)
-        return await trio.to_thread.run_sync(_translated, fn, self._db, *args, limiter=self._limiter)
+            async with limiter:
+                return _translated(fn, db, *args)
+        return await trio.to_thread.run_sync(_translated, fn, db, *args, limiter=limiter)
 
     async def prune(self, fn: Callable[[apsw.Connection, float], int], before: float) -> int:
         """Run a `prune_*` function batch after batch until it deletes less than a batch; the total.
@@ -286,8 +309,21 @@ def _translated(fn: Callable[..., T], db: apsw.Connection, *args: object) -> T:
         return fn(db, *args)
     except apsw.ConstraintError as exc:
         raise Conflict(f"conflicts with existing state ({_constraint(exc)})") from None
+    except _UNUSABLE as exc:
+        # The database itself is gone or damaged: retrying cannot help, the process ends (exit 3).
+        raise StoreUnusable(f"the store is unusable: {type(exc).__name__}") from exc
     except apsw.Error as exc:
         raise StoreError(f"store failure: {type(exc).__name__}") from exc
+
+
+_UNUSABLE: Final = (
+    apsw.CorruptError,
+    apsw.NotADBError,
+    apsw.IOError,
+    apsw.CantOpenError,
+    apsw.ReadOnlyError,
+    apsw.ConnectionClosedError,
+)
 
 
 def _constraint(exc: apsw.ConstraintError) -> str:
@@ -306,7 +342,11 @@ async def open_store(state_dir: str | Path, *, inline: bool = False) -> AsyncIte
     try:
         db, epoch = await trio.to_thread.run_sync(_open_db, root / DB_FILE)
         try:
-            yield Store(db, epoch=epoch, inline=inline)
+            reader = await trio.to_thread.run_sync(_open_reader, root / DB_FILE)
+            try:
+                yield Store(db, epoch=epoch, inline=inline, reader=reader)
+            finally:
+                reader.close()
         finally:
             db.close()
     finally:
@@ -344,6 +384,14 @@ def _open_db(path: Path) -> tuple[apsw.Connection, int]:
     except BaseException:
         db.close()
         raise
+
+
+def _open_reader(path: Path) -> apsw.Connection:
+    """The read-only second connection; opened after `_open_db` migrated the schema and set WAL."""
+    try:
+        return apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    except apsw.Error as exc:
+        raise StoreError(f"cannot open {path} for reading: {type(exc).__name__}") from None
 
 
 def _migrate(db: apsw.Connection) -> None:
@@ -492,8 +540,24 @@ def list_audit(db: apsw.Connection, q: AuditQuery) -> list[AuditEvent]:
     return [_event_from_row(row) for row in rows]
 
 
-def verify_audit(db: apsw.Connection) -> AuditVerdict:
-    """Recompute the chain; name the first event that was edited, deleted, inserted or reordered."""
+def audit_head(db: apsw.Connection) -> tuple[int, str]:
+    """The chain's head: the last event's seq and sha256 (0 and the genesis hash when empty)."""
+    with _txn(db):
+        seq = _meta_int(db, "audit_head_seq")
+        sha = str(_meta(db, "audit_head_sha256"))
+    return seq, sha or GENESIS_SHA256
+
+
+def verify_audit(  # noqa: PLR0911 - one return per way the chain can be broken
+    db: apsw.Connection, against: AuditCheckpoint | None = None
+) -> AuditVerdict:
+    """Recompute the chain; name the first event that was edited, deleted, inserted or reordered.
+
+    With `against` (a checkpoint whose signature the caller checked), the event at its seq must
+    still have its sha256: a chain rewritten after the checkpoint, hashes recomputed, fails here.
+    """
+    if against is not None and against.seq == 0 and against.sha256 != GENESIS_SHA256:
+        return AuditVerdict(ok=False, checked=0, first_bad_seq=0, reason="the checkpoint's genesis hash is wrong")
     with _txn(db):
         head_seq = _meta_int(db, "audit_head_seq")
         head_sha = str(_meta(db, "audit_head_sha256"))
@@ -509,6 +573,10 @@ def verify_audit(db: apsw.Connection) -> AuditVerdict:
                 return _bad(checked, row, "prev_sha256 does not match the event before it")
             if event_sha256(event) != event.sha256:
                 return _bad(checked, row, "content does not match its sha256 (edited)")
+            if against is not None and event.seq == against.seq and event.sha256 != against.sha256:
+                return _bad(
+                    checked, row, "the event at the signed checkpoint has another sha256 (chain rewritten after it)"
+                )
             prev, expected_seq, checked = event.sha256, expected_seq + 1, checked + 1
         if checked != head_seq or (checked and prev != head_sha):
             return AuditVerdict(
@@ -516,6 +584,13 @@ def verify_audit(db: apsw.Connection) -> AuditVerdict:
                 checked=checked,
                 first_bad_seq=checked + 1,
                 reason=f"chain ends at {checked} but the head records {head_seq} (tail deleted or head edited)",
+            )
+        if against is not None and against.seq > checked:
+            return AuditVerdict(
+                ok=False,
+                checked=checked,
+                first_bad_seq=checked + 1,
+                reason=f"the chain ends at {checked} but the signed checkpoint records {against.seq} (events deleted)",
             )
         return AuditVerdict(ok=True, checked=checked)
 
@@ -1068,11 +1143,13 @@ class WorkloadRow:
     finished_at: float | None = None
     error: str | None = None
     receipt: SignedReceipt | None = None
+    #: sha256 of the canonical envelope (`contracts.gateway.request_sha256`); None in older rows.
+    request_sha256: str | None = None
 
 
 _WORKLOAD_COLUMNS: Final = (
     "tenant, workload_id, idempotency_key_sha256, key_id, capability, alias, state, model, priority, accepted_at,"
-    " finished_at, error, receipt"
+    " finished_at, error, receipt, request_sha256"
 )
 
 
@@ -1102,7 +1179,7 @@ def insert_workload(db: apsw.Connection, row: WorkloadRow) -> None:
         ):
             raise Conflict(f"this idempotency key was used before for workload {other}")
         db.execute(
-            f"INSERT INTO workload({_WORKLOAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
+            f"INSERT INTO workload({_WORKLOAD_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
             (
                 row.tenant,
                 row.workload_id,
@@ -1117,6 +1194,7 @@ def insert_workload(db: apsw.Connection, row: WorkloadRow) -> None:
                 row.finished_at,
                 row.error,
                 None if row.receipt is None else codec.dumps(codec.store, row.receipt),
+                row.request_sha256,
             ),
         )
 
@@ -1150,6 +1228,16 @@ def get_workload(db: apsw.Connection, tenant: TenantId, workload_id: str) -> Wor
         rows = db.execute(
             f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE tenant = ? AND workload_id = ?",  # noqa: S608
             (tenant, workload_id),
+        ).fetchall()
+    return _workload_from_row(rows[0]) if rows else None
+
+
+def workload_by_key(db: apsw.Connection, tenant: TenantId, key_sha256: str) -> WorkloadRow | None:
+    """This tenant's workload with that idempotency key (sha256), finished or not, if any. Read only."""
+    with _txn(db):
+        rows = db.execute(
+            f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE tenant = ? AND idempotency_key_sha256 = ?",  # noqa: S608
+            (tenant, key_sha256),
         ).fetchall()
     return _workload_from_row(rows[0]) if rows else None
 

@@ -1,13 +1,18 @@
 """Canonical workloads: idempotency, live status, cancellation and signed receipts.
 
-A workload is recorded (state `queued`) when it is accepted and again, with its signed receipt,
-when it finishes; its live state in between (queued, running, streaming) is in memory only.
-Payloads are never recorded. Every lookup is keyed by tenant first: one tenant can never see,
+A workload is claimed in memory when it is accepted, recorded durably (`record`) once the
+gateway admits it (it holds an admission slot), and recorded again, with its signed receipt,
+when it finishes; its live state in between (queued, running, streaming) is in memory only. A
+workload refused before admission (model not served, quota, queue full, deadline while queued)
+writes nothing: its key and id stay free, and a retry with the same key runs it. Payloads are
+never recorded. Every lookup is keyed by tenant first: one tenant can never see,
 cancel or collide with another tenant's workloads. A workload left unfinished by a crash is
 marked failed (`controller_restarted`) with a signed receipt when the controller loads.
 
 Workload ids and idempotency keys are single-use per tenant: a finished workload's key answers
-with its stored receipt (`lookup`); reusing its id under another key is a Conflict.
+with its stored receipt (`lookup`); reusing its id under another key is a Conflict. A key comes
+with the digest of the envelope it was first sent with: sent again with another body, it is
+refused with IdempotencyKeyReused (422), whether the first is still running or finished.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from nexa.contracts.gateway import (
     WorkloadView,
 )
 from nexa.control import store as st
-from nexa.errors import Conflict, NexaError, NotFound, WorkloadAlreadyActive
+from nexa.errors import Conflict, IdempotencyKeyReused, NexaError, NotFound, WorkloadAlreadyActive
 from nexa.security import SigningKey, sign_receipt
 
 log = logging.getLogger(__name__)
@@ -64,7 +69,11 @@ class ActiveWorkload:
     model: str
     priority: Priority
     accepted_at: float
+    #: sha256 of the canonical envelope (None: not checked).
+    request_sha256: str | None = None
     state: WorkloadState = WorkloadState.QUEUED
+    #: Written to the store (`Workloads.record`, at admission); only then is its end written too.
+    recorded: bool = False
     #: Cancelled by `Workloads.cancel` (the client or an operator), not by a deadline or shutdown.
     cancel_requested: bool = False
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
@@ -152,20 +161,39 @@ class Workloads:
             controller_epoch=self._epoch,
         )
 
-    async def lookup(self, tenant: TenantId, idempotency_key: str) -> SignedReceipt | None:
+    async def lookup(
+        self, tenant: TenantId, idempotency_key: str, request_sha256: str | None = None
+    ) -> SignedReceipt | None:
         """The stored receipt of this tenant's finished workload with that idempotency key, if any.
 
-        Async: finished workloads are read from the store, not kept in memory.
+        With `request_sha256`: IdempotencyKeyReused when the key came with another envelope
+        (running or finished). Async, and read only: finished workloads are in the store.
         """
-        return await self._store.run(st.workload_receipt_by_key, tenant, idempotency_sha256(idempotency_key))
+        key_sha = idempotency_sha256(idempotency_key)
+        active = self._active_keys.get((tenant, key_sha))
+        if active is not None and _differs(active.request_sha256, request_sha256):
+            raise _reused()
+        row = await self._store.run(st.workload_by_key, tenant, key_sha)
+        if row is None:
+            return None
+        if _differs(row.request_sha256, request_sha256):
+            raise _reused()
+        return row.receipt
 
     async def begin(
-        self, tenant: TenantId, key_id: KeyId, req: WorkloadCreate, *, alias: str, accepted_at: float
+        self,
+        tenant: TenantId,
+        key_id: KeyId,
+        req: WorkloadCreate,
+        *,
+        alias: str,
+        accepted_at: float,
+        request_sha256: str | None = None,
     ) -> ActiveWorkload:
-        """Record an accepted workload (durably, state queued) and make it active.
+        """Make an accepted workload active (claimed in memory; `record` writes it once admitted).
 
         WorkloadAlreadyActive when the tenant has that workload id or idempotency key active;
-        Conflict when either was used before by a finished workload.
+        Conflict when either was used before by a finished workload. Writes nothing.
         """
         key_sha = idempotency_sha256(req.idempotency_key)
         by_id, by_key = (tenant, req.workload_id), (tenant, key_sha)
@@ -174,6 +202,17 @@ class Workloads:
         if by_key in self._active_keys:
             other = self._active_keys[by_key].workload_id
             raise WorkloadAlreadyActive(f"a workload with this idempotency key ({other}) is still running")
+        used = await self._store.run(st.get_workload, tenant, req.workload_id)
+        if used is not None:
+            if used.idempotency_key_sha256 == key_sha:
+                raise Conflict(f"workload {req.workload_id} already ran with this idempotency key; fetch its receipt")
+            raise Conflict(f"workload id {req.workload_id} was used before with another idempotency key")
+        other_row = await self._store.run(st.workload_by_key, tenant, key_sha)
+        if other_row is not None:
+            raise Conflict(f"this idempotency key was used before for workload {other_row.workload_id}")
+        # The reads above awaited: check the claims again before taking them.
+        if by_id in self._active or by_key in self._active_keys:
+            raise WorkloadAlreadyActive(f"workload {req.workload_id} (or its idempotency key) is already running")
         active = ActiveWorkload(
             tenant=tenant,
             key_id=key_id,
@@ -182,29 +221,34 @@ class Workloads:
             capability=req.capability,
             alias=alias,
             model=req.model,
-            priority=req.priority,
+            priority=req.admission_priority,
             accepted_at=accepted_at,
+            request_sha256=request_sha256,
         )
-        # Claimed before the store write, so a concurrent duplicate is refused meanwhile.
+        # Claimed in memory, so a concurrent duplicate is refused until it ends.
         self._active[by_id] = self._active_keys[by_key] = active
-        row = st.WorkloadRow(
-            tenant=tenant,
-            workload_id=req.workload_id,
-            idempotency_key_sha256=key_sha,
-            key_id=key_id,
-            capability=req.capability,
-            alias=alias,
-            state=WorkloadState.QUEUED,
-            model=req.model,
-            priority=req.priority,
-            accepted_at=accepted_at,
-        )
-        try:
-            await self._store.run(st.insert_workload, row)
-        except BaseException:
-            self._forget(active)
-            raise
         return active
+
+    async def record(self, active: ActiveWorkload) -> None:
+        """Write an admitted workload (state queued) durably: from now on its id and key are used,
+        and a crash before it finishes leaves a failed receipt (`load`). The gateway calls this once
+        the workload holds its admission slot (`Gateway.call(admitted=...)`), never before: a
+        request refused before admission costs no store write."""
+        row = st.WorkloadRow(
+            tenant=active.tenant,
+            workload_id=active.workload_id,
+            idempotency_key_sha256=active.idempotency_key_sha256,
+            key_id=active.key_id,
+            capability=active.capability,
+            alias=active.alias,
+            state=WorkloadState.QUEUED,
+            model=active.model,
+            priority=active.priority,
+            accepted_at=active.accepted_at,
+            request_sha256=active.request_sha256,
+        )
+        await self._store.run(st.insert_workload, row)
+        active.recorded = True
 
     def get_active(self, tenant: TenantId, workload_id: str) -> ActiveWorkload | None:
         return self._active.get((tenant, workload_id))
@@ -215,6 +259,7 @@ class Workloads:
 
     async def finish(self, active: ActiveWorkload, receipt: Receipt) -> SignedReceipt:
         """Sign the receipt and record it with the terminal state, in one transaction; no longer active.
+        A workload never recorded (refused before admission) writes nothing: its receipt is returned only.
 
         The receipt must be this workload's and terminal (ValueError otherwise: a gateway bug).
         """
@@ -222,7 +267,8 @@ class Workloads:
             raise ValueError("the receipt does not finish this workload")
         signed = sign_receipt(self._key, receipt)
         try:
-            await self._store.run(st.finish_workloads, [signed])
+            if active.recorded:
+                await self._store.run(st.finish_workloads, [signed])
         finally:
             # Even if the store failed: an active entry that never ends would block the id forever.
             self._forget(active)
@@ -282,3 +328,14 @@ class Workloads:
 
     def active_count(self) -> int:
         return len(self._active)
+
+
+def _differs(stored: str | None, presented: str | None) -> bool:
+    return stored is not None and presented is not None and stored != presented
+
+
+def _reused() -> IdempotencyKeyReused:
+    return IdempotencyKeyReused(
+        "this idempotency key was sent before with another request body; use a new key for a new request",
+        problems=("idempotency_key: reused with another body",),
+    )

@@ -25,9 +25,11 @@ import trio
 from nexa import __version__
 from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import wire
-from nexa.errors import BadSignature, ConfigError, ContractError
+from nexa.contracts.node import ENGINE_FIELD_MAX
+from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, PodmanError
 from nexa.messaging import Uplink
 from nexa.node.artifacts import ArtifactCache
+from nexa.node.docker import DockerClient
 from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.podman import PodmanClient
@@ -37,6 +39,7 @@ from nexa.node.supervisor import Supervisor
 from nexa.oci import load_registry_credentials
 from nexa.runtimes import SIMULATION_ENV
 from nexa.s3 import load_s3_credentials
+from nexa.supervision import Supervision, supervised
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ T = TypeVar("T")
 
 #: First wait before re-dialling the controller; zmq doubles it up to `reconnect_max_s`.
 RECONNECT_FIRST_S: Final = 0.1
+#: Longest wait at start for the container engine's version (a stuck engine must not stop the agent).
+ENGINE_VERSION_S: Final = 5.0
 #: With `leave_running_on_exit = false`, how long stopping every runtime may take at exit.
 _STOP_ALL_TIMEOUT_S: Final = 60.0
 
@@ -154,6 +159,8 @@ class NodeStarted:
     epoch: int
     generation: int
     agent: Agent
+    #: The supervision of the node's loops: failures by loop in its `statistics()`.
+    supervision: Supervision | None = None
 
 
 class Runtimes(Protocol):
@@ -179,8 +186,13 @@ class Agent:
         heartbeat_interval_s: float,
         on_lease_expiry: LeaseExpiryPolicy,
         data: Callable[[wire.DataFrame], None] | None = None,
+        container_engine: str = "",
+        container_engine_version: str = "",
+        gpu_method: str = "",
     ) -> None:
         self._node_id = identity.node_id
+        # Reported in every heartbeat's inventory (`nexa nodes show`).
+        self._engine = (container_engine, container_engine_version, gpu_method)
         # The inference relay's `deliver` (never blocks); without one, data frames are dropped.
         self._deliver_data = data
         self._data_frames = 0
@@ -243,9 +255,9 @@ class Agent:
             )
         )
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._beat)
-            nursery.start_soon(self._receive)
-            nursery.start_soon(self._watch_lease)
+            nursery.start_soon(supervised, "agent.beat", self._beat)
+            nursery.start_soon(supervised, "agent.receive", self._receive)
+            nursery.start_soon(supervised, "agent.watch_lease", self._watch_lease)
             task_status.started()
         raise AssertionError("the agent's loops never return")  # pragma: no cover
 
@@ -286,6 +298,11 @@ class Agent:
 
     def _heartbeat(self, seq: int, ts: float) -> wire.Heartbeat:
         inventory = self._inventory.current()
+        engine, version, gpu_method = self._engine
+        if engine:
+            inventory = attrs.evolve(
+                inventory, container_engine=engine, container_engine_version=version, gpu_method=gpu_method
+            )
         fence = self._fence
         statuses = self._runtimes.statuses()
         if self._lease_lapsed:
@@ -318,15 +335,26 @@ class Agent:
             except ContractError:
                 self._invalid_messages += 1
                 continue
-            if isinstance(msg, wire.DataFrame):
-                # Inference traffic: authenticated by the channel, never judged as desired state.
-                self._data_frames += 1
-                if self._deliver_data is not None:
-                    self._deliver_data(msg)
-            elif isinstance(msg, wire.AssignmentSet):
-                await self._on_assignments(msg)
-            else:
-                self._on_drain(msg)
+            try:
+                await self._dispatch(msg)
+            except ChannelError:
+                raise  # the channel itself is gone: the loop's supervisor restarts it
+            except Exception as exc:
+                # Last resort: no value from the controller may end the node. Counted and
+                # logged by type only (never the message's content); the next message goes on.
+                self._invalid_messages += 1
+                log.warning("could not act on a message from the controller: %s", type(exc).__name__)
+
+    async def _dispatch(self, msg: wire.ControllerMessage | wire.DataFrame) -> None:
+        if isinstance(msg, wire.DataFrame):
+            # Inference traffic: authenticated by the channel, never judged as desired state.
+            self._data_frames += 1
+            if self._deliver_data is not None:
+                self._deliver_data(msg)
+        elif isinstance(msg, wire.AssignmentSet):
+            await self._on_assignments(msg)
+        else:
+            self._on_drain(msg)
 
     async def _on_assignments(self, offered: wire.AssignmentSet) -> None:
         verdict = judge(self._node_id, self._fence, offered, time.time())
@@ -463,6 +491,16 @@ def _load_state(state_dir: Path) -> tuple[NodeIdentity, Fence]:
     return load_identity(state_dir), load_fence(state_dir)
 
 
+async def _engine_version(engine: PodmanClient) -> str:
+    """The engine's version for the inventory; "" when it does not answer within ENGINE_VERSION_S."""
+    with trio.move_on_after(ENGINE_VERSION_S):
+        try:
+            return (await engine.version())[:ENGINE_FIELD_MAX]
+        except PodmanError as exc:
+            log.warning("the container engine did not report its version: %s", exc)
+    return ""
+
+
 async def serve_node(
     cfg: NodeConfig,
     *,
@@ -474,7 +512,19 @@ async def serve_node(
     Supports the nursery start protocol: `started = await nursery.start(partial(serve_node, cfg,
     stopping=ev))`. Raises ConfigError before starting when the node is not enrolled, its files
     are damaged or inventory.json is invalid, or `simulation = true` without NEXA_SIMULATION_ONLY=1.
+    After the start, a failing loop is logged, counted and restarted (`nexa.supervision`).
     """
+    with Supervision().installed() as supervision:
+        await _serve_node(cfg, supervision, stopping=stopping, task_status=task_status)
+
+
+async def _serve_node(
+    cfg: NodeConfig,
+    supervision: Supervision,
+    *,
+    stopping: trio.Event,
+    task_status: trio.TaskStatus[NodeStarted],
+) -> None:
     if cfg.simulation and os.environ.get(SIMULATION_ENV) != "1":
         raise ConfigError(f"simulation = true runs simulated runtimes: it needs {SIMULATION_ENV}=1 in the environment")
     state_dir = Path(cfg.state_dir)
@@ -494,11 +544,24 @@ async def serve_node(
         reconnect_ivl_s=min(RECONNECT_FIRST_S, cfg.reconnect_max_s),
         reconnect_ivl_max_s=cfg.reconnect_max_s,
     )
-    podman = PodmanClient(
-        cfg.podman.socket,
-        tls_verify=cfg.podman.registry_tls_verify,
-        credentials=await _maybe(load_registry_credentials, cfg.podman.registry_credentials_file),
-    )
+    engine_socket = cfg.container.socket_path(cfg.podman)
+    registry_credentials = await _maybe(load_registry_credentials, cfg.podman.registry_credentials_file)
+    podman: PodmanClient
+    if cfg.container.engine == "docker":
+        podman = DockerClient(
+            engine_socket,
+            tls_verify=cfg.podman.registry_tls_verify,
+            credentials=registry_credentials,
+            gpu_method=cfg.container.gpu_method,
+            network=cfg.container.docker_network,
+        )
+    else:
+        podman = PodmanClient(
+            engine_socket,
+            tls_verify=cfg.podman.registry_tls_verify,
+            credentials=registry_credentials,
+            private_network=cfg.podman.private_network,
+        )
     s3_credentials = await _maybe(load_s3_credentials, cfg.artifacts.s3_credentials_file)
     async with (
         podman,
@@ -506,7 +569,12 @@ async def serve_node(
         # Simulated runtimes are children of this process: they stop when it stops.
         open_process_driver(state_dir, enabled=cfg.simulation, host=cfg.runtime_host) as processes,
     ):
-        log.info("runtimes through podman at %s; artifacts cached in %s", cfg.podman.socket, artifacts.directory)
+        log.info(
+            "runtimes through %s at %s; artifacts cached in %s",
+            cfg.container.engine,
+            engine_socket,
+            artifacts.directory,
+        )
         if processes is not None:
             log.warning("simulation = true: sim runtimes run as local processes (never in production)")
         containers = DriverRouter(podman, processes)
@@ -526,18 +594,29 @@ async def serve_node(
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             on_lease_expiry=cfg.on_lease_expiry,
             data=relay.deliver,
+            container_engine=cfg.container.engine,
+            container_engine_version=await _engine_version(podman),
+            gpu_method=cfg.container.gpu_method,
         )
+        # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
+        # restarted; only a failed start ends the agent.
         async with trio.open_nursery() as nursery:
-            await nursery.start(watcher.run)
-            await nursery.start(supervisor.run)
-            await nursery.start(uplink.run)
-            await nursery.start(relay.run)
-            await nursery.start(agent.run)
+            await nursery.start(supervised, "inventory", watcher.run)
+            await nursery.start(supervised, "supervisor", supervisor.run)
+            await nursery.start(supervised, "uplink", uplink.run)
+            await nursery.start(supervised, "relay", relay.run)
+            await nursery.start(supervised, "agent", agent.run)
             log.info(
                 "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation
             )
             task_status.started(
-                NodeStarted(node_id=identity.node_id, epoch=fence.epoch, generation=fence.generation, agent=agent)
+                NodeStarted(
+                    node_id=identity.node_id,
+                    epoch=fence.epoch,
+                    generation=fence.generation,
+                    agent=agent,
+                    supervision=supervision,
+                )
             )
             await stopping.wait()
             log.info("node agent stopping")

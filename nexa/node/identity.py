@@ -49,6 +49,9 @@ class EnrollmentRecord:
     channel_endpoint: str
     labels: dict[str, str] = attrs.field(factory=dict)
     enrolled_at: float = 0.0
+    #: The controller's HTTP URL as given to `nexa node enroll` (`nexa node doctor` checks it);
+    #: empty in records written before it was kept.
+    controller_url: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -119,16 +122,18 @@ def _load_keys(state_dir: Path) -> tuple[security.SigningKey, messaging.CurveKey
 
 
 def enroll_request(state_dir: Path, token: str, hostname: str, agent_version: str) -> EnrollRequest:
-    """The body of `POST /api/v1/enroll`: the token and this node's public keys.
+    """The body of `POST /api/v1/enroll`: the token's secret and this node's public keys (the
+    controller fingerprint a token carries stays here: see `expected_fingerprint`).
 
     Keys already in `state_dir` (from an enrollment that did not complete) are reused; missing
     ones are created. An enrolled node is refused, as in `create_keys`.
     """
     _refuse_if_enrolled(state_dir)
+    secret, _ = _split_token(token)
     have_keys = (state_dir / SIGNING_KEY_FILE).exists() and (state_dir / f"{CURVE_KEY_NAME}.key").exists()
     signing_key, curve = _load_keys(state_dir) if have_keys else create_keys(state_dir)
     return EnrollRequest(
-        token=token,
+        token=secret,
         hostname=hostname,
         signing_public_key=signing_key.public.b64,
         curve_public_key=curve.public,
@@ -136,13 +141,44 @@ def enroll_request(state_dir: Path, token: str, hostname: str, agent_version: st
     )
 
 
-def save_enrollment(state_dir: Path, resp: EnrollResponse) -> None:
-    """Pin the controller's keys and store the node id (mode 0600). Checks the keys parse first."""
+def _split_token(token: str) -> tuple[str, str | None]:
+    try:
+        return security.split_enrollment_token(token)
+    except ContractError as exc:
+        raise ConfigError(f"the enrollment token's fingerprint part is malformed: {exc.message}") from None
+
+
+def expected_fingerprint(token: str, flag: str | None = None) -> str | None:
+    """The controller fingerprint to pin: the one the token carries (`nxb_<secret>.<fingerprint>`)
+    and/or `--controller-fingerprint`. ConfigError when either is malformed or they disagree;
+    None when neither gives one.
+    """
+    _, carried = _split_token(token)
+    given: str | None = None
+    if flag:
+        try:
+            given = security.parse_controller_fingerprint(flag)
+        except ContractError as exc:
+            raise ConfigError(f"--controller-fingerprint: {exc.message}") from None
+    if carried is not None and given is not None and carried != given:
+        raise ConfigError("--controller-fingerprint differs from the fingerprint the enrollment token carries")
+    return carried or given
+
+
+def save_enrollment(state_dir: Path, resp: EnrollResponse, *, pin: str | None = None, controller_url: str = "") -> None:
+    """Pin the controller's keys and store the node id (mode 0600). Checks the keys parse first.
+
+    With `pin` (a controller fingerprint, see `expected_fingerprint`), keys with another fingerprint
+    are refused with ControllerKeyMismatch and nothing is written. Without it the keys are trusted
+    as they came (only for callers that got them over a channel they already trust).
+    """
     try:
         security.PublicKey.from_b64(resp.controller_signing_public_key)
         messaging.check_curve_key(resp.controller_curve_public_key)
     except ContractError as exc:
         raise ConfigError(f"the controller's enrollment answer is unusable: {exc.message}") from None
+    if pin is not None:
+        security.check_controller_fingerprint(pin, resp.controller_signing_public_key, resp.controller_curve_public_key)
     record = EnrollmentRecord(
         node_id=resp.node_id,
         controller_signing_public_key=resp.controller_signing_public_key,
@@ -150,6 +186,7 @@ def save_enrollment(state_dir: Path, resp: EnrollResponse) -> None:
         channel_endpoint=resp.channel_endpoint,
         labels=dict(resp.labels),
         enrolled_at=time.time(),
+        controller_url=controller_url,
     )
     _ensure_dir(state_dir)
     atomic_write(state_dir / ENROLLMENT_FILE, codec.dumps(codec.store, record).encode("utf-8"))

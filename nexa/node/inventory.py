@@ -11,6 +11,7 @@ import csv
 import io
 import json
 import logging
+import math
 import os
 import platform
 import shutil
@@ -23,7 +24,12 @@ from typing import Any, Final, NoReturn, TypeVar
 import attrs
 import trio
 
+from nexa.contracts.bounds import MAX_BYTES, in_range
 from nexa.contracts.node import (
+    GPU_INDEX_MAX,
+    POWER_DRAW_W,
+    TEMPERATURE_C,
+    UTILIZATION_PCT,
     AcceleratorOverride,
     DiscoveredHost,
     Gpu,
@@ -96,11 +102,21 @@ def _value(raw: str) -> str | None:
 
 
 def _mib(value: str | None) -> int | None:
-    return None if value is None else int(float(value) * _MIB)
+    # A figure nvidia-smi prints that no GPU can have (negative, inf, nan, absurd) is unknown.
+    number = _number(value)
+    return int(number * _MIB) if number is not None and in_range(number * _MIB, 0, MAX_BYTES) else None
 
 
 def _number(value: str | None) -> float | None:
-    return None if value is None else float(value)
+    if value is None:
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else None
+
+
+def _figure(value: float | None, bounds: tuple[float, float]) -> float | None:
+    """A GPU figure, or None (unknown) when it lies outside the range the contract allows."""
+    return value if value is not None and in_range(value, *bounds) else None
 
 
 def parse_nvidia_smi_csv(text: str) -> list[Gpu]:
@@ -140,7 +156,7 @@ def _convert(cells: dict[str, str | None], name: str, convert: Callable[[str | N
 
 def _gpu(cells: dict[str, str | None]) -> Gpu:
     index = _convert(cells, "index", _number)
-    if index is None or index != int(index) or index < 0:
+    if index is None or index != int(index) or not 0 <= index <= GPU_INDEX_MAX:
         raise ValueError(f"index is not a GPU index: {cells['index']!r}")
     return Gpu(
         index=int(index),
@@ -149,9 +165,9 @@ def _gpu(cells: dict[str, str | None]) -> Gpu:
         memory_total_bytes=_convert(cells, "memory.total", _mib),
         memory_used_bytes=_convert(cells, "memory.used", _mib),
         memory_free_bytes=_convert(cells, "memory.free", _mib),
-        utilization_pct=_convert(cells, "utilization.gpu", _number),
-        temperature_c=_convert(cells, "temperature.gpu", _number),
-        power_draw_w=_convert(cells, "power.draw", _number),
+        utilization_pct=_figure(_convert(cells, "utilization.gpu", _number), UTILIZATION_PCT),
+        temperature_c=_figure(_convert(cells, "temperature.gpu", _number), TEMPERATURE_C),
+        power_draw_w=_figure(_convert(cells, "power.draw", _number), POWER_DRAW_W),
         driver_version=cells["driver_version"],
         pci_bus_id=cells["pci.bus_id"],
         compute_cap=cells["compute_cap"],

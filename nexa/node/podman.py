@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import builtins
 import contextlib
+import ipaddress
 import json
 import logging
 import math
@@ -19,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, ClassVar, Final
 from urllib.parse import quote
 
 import httpx
@@ -28,6 +29,10 @@ import trio
 from nexa.contracts.runtime import (
     CDI_NAME_RE,
     IMAGE_BY_DIGEST_RE,
+    NETWORK_HOST,
+    NETWORK_NONE,
+    NETWORK_PRIVATE,
+    STATUS_EXITED,
     ContainerSpec,
     ContainerState,
     HealthProbe,
@@ -64,6 +69,13 @@ SIGTERM: Final = 15
 _PODMAN_EVENT_ATTRIBUTES: Final = frozenset({"image", "name", "containerExitCode", "podId", "health_status"})
 #: Registry answers that mean "no such repository or manifest" (distribution error codes, lower-cased).
 _IMAGE_MISSING_MARKERS: Final = ("manifest unknown", "name unknown", "manifest_unknown", "name_unknown")
+#: How a runtime's own network namespace is made (`podman.private_network`). slirp4netns: a user-mode
+#: stack per container, so runtimes cannot reach each other; "bridge": netavark's default network
+#: (kernel forwarding, faster, but every runtime on it can reach the others' ports).
+PRIVATE_SLIRP4NETNS: Final = "slirp4netns"
+PRIVATE_BRIDGE: Final = "bridge"
+PRIVATE_NETWORKS: Final = (PRIVATE_SLIRP4NETNS, PRIVATE_BRIDGE)
+DEFAULT_PRIVATE_NETWORK: Final = PRIVATE_SLIRP4NETNS
 #: Go's zero time, which podman reports for "never".
 _ZERO_TIME_PREFIX: Final = "0001-01-01"
 _MAX_MESSAGE_CHARS: Final = 400
@@ -100,8 +112,15 @@ def _validate_spec(spec: ContainerSpec) -> None:
         problems.append("image: must be repository@sha256:<64 hex>")
     if not spec.command or not spec.health.command:
         problems.append("command and health.command: must not be empty")
-    if spec.network not in ("host", "none"):
-        problems.append(f"network: must be 'host' or 'none', not {spec.network!r}")
+    if spec.network not in (NETWORK_PRIVATE, NETWORK_HOST, NETWORK_NONE):
+        problems.append(f"network: must be 'private', 'host' or 'none', not {spec.network!r}")
+    if spec.network == NETWORK_PRIVATE and spec.publish_port:
+        if not 1 <= spec.publish_port <= 65535:
+            problems.append("publish_port: must be from 1 to 65535")
+        if not _is_ip(spec.publish_host):
+            problems.append(f"publish_host: must be an IP address, not {spec.publish_host[:100]!r}")
+    elif spec.publish_port or spec.publish_host:
+        problems.append("publish_host and publish_port: only with the 'private' network")
     problems.extend(f"devices: {d!r} is not a CDI device name" for d in spec.devices if not CDI_NAME_RE.match(d))
     for host, inside in spec.ro_mounts:
         if not (os.path.isabs(host) and os.path.isabs(inside)):
@@ -114,7 +133,36 @@ def _validate_spec(spec: ContainerSpec) -> None:
         raise ContractError(f"container spec {spec.name!r} is invalid: {'; '.join(problems)}", problems=tuple(problems))
 
 
-def create_body(spec: ContainerSpec) -> _Json:
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _network(spec: ContainerSpec, private_network: str) -> _Json:
+    """The namespace keys of the create body: `netns`, and for a private one its published port."""
+    if spec.network != NETWORK_PRIVATE:
+        return {"netns": {"nsmode": spec.network}}
+    body: _Json = {"netns": {"nsmode": private_network}}
+    if private_network == PRIVATE_SLIRP4NETNS:
+        # A user-mode stack per container: no path to other runtimes' namespaces, none to the node's
+        # loopback (10.0.2.2 is not the host), no IPv6.
+        body["network_options"] = {"slirp4netns": ["allow_host_loopback=false", "enable_ipv6=false"]}
+    if spec.publish_port:
+        body["portmappings"] = [
+            {
+                "host_ip": spec.publish_host,
+                "host_port": spec.publish_port,
+                "container_port": spec.publish_port,
+                "protocol": "tcp",
+            }
+        ]
+    return body
+
+
+def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_NETWORK) -> _Json:
     """The libpod `SpecGenerator` for `spec`: hardened, with nothing the spec did not ask for.
 
     libpod silently ignores keys it does not know, so the tests prove each hardening key's effect on a
@@ -123,8 +171,10 @@ def create_body(spec: ContainerSpec) -> _Json:
     * every capability dropped, no_new_privileges, podman's default seccomp profile;
     * memory (swap equal to memory: no swap), CPU quota and pids limits; /dev/shm sized when asked;
     * CDI devices by name (`vendor/class=name`) and read-only, nosuid, nodev bind mounts;
-    * network namespace "host" (the runtime must bind 127.0.0.1: the node listens on nothing else)
-      or "none"; the proxy variables of podman's own environment are not passed in (`httpproxy`);
+    * by default its own network namespace (`private_network`: slirp4netns, or netavark's bridge),
+      with the runtime's port published on the node's runtime address only (`publish_host`); the
+      node's namespace ("host") only where the runtime registration opts in, or none at all;
+      the proxy variables of podman's own environment are not passed in (`httpproxy`);
     * the env exactly as given: podman, the image and CDI devices may add their own (PATH, TERM,
       container, HOME, HOSTNAME, the device's variables), nexa adds nothing;
     * SIGTERM then, after `stop_timeout`, SIGKILL; no restart policy (the supervisor restarts with
@@ -159,7 +209,7 @@ def create_body(spec: ContainerSpec) -> _Json:
         "no_new_privileges": True,
         "resource_limits": limits,
         "devices": [{"path": name} for name in spec.devices],
-        "netns": {"nsmode": spec.network},
+        **_network(spec, private_network),
         "healthconfig": _healthconfig(spec.health),
         "stop_signal": SIGTERM,
         "stop_timeout": math.ceil(spec.stop_timeout_s),
@@ -236,6 +286,13 @@ class PodmanClient:
     missing container or image, PodmanError for every other refusal. Messages never carry credentials.
     """
 
+    #: What messages call the engine and where its API lives: `node.docker` speaks the Docker
+    #: Engine dialect over this same transport and error translation.
+    ENGINE: ClassVar[str] = "podman"
+    BASE_URL: ClassVar[str] = API_BASE
+    #: The stop request's grace-period parameter (libpod `timeout`, Docker `t`).
+    STOP_TIMEOUT_PARAM: ClassVar[str] = "timeout"
+
     def __init__(
         self,
         socket_path: str,
@@ -243,12 +300,18 @@ class PodmanClient:
         tls_verify: bool = True,
         credentials: RegistryCredentials | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        private_network: str = DEFAULT_PRIVATE_NETWORK,
     ) -> None:
+        if private_network not in PRIVATE_NETWORKS:
+            raise ContractError(
+                f"private_network must be one of {', '.join(PRIVATE_NETWORKS)}, not {private_network!r}"
+            )
+        self._private_network = private_network
         self._socket = socket_path
         self._tls_verify = tls_verify
         self._credentials = credentials
         self._http = httpx.AsyncClient(
-            base_url=API_BASE,
+            base_url=self.BASE_URL,
             transport=transport if transport is not None else httpx.AsyncHTTPTransport(uds=socket_path),
             timeout=DEFAULT_TIMEOUT,
             trust_env=False,  # no proxies, no .netrc: this is a local socket
@@ -278,14 +341,14 @@ class PodmanClient:
         if isinstance(exc, httpx.TransportError):
             # Messages reach the controller in runtime states: name no host paths (the socket
             # path is logged once when the agent starts).
-            return PodmanUnavailable(f"podman does not answer on its socket: {type(exc).__name__}")
-        return PodmanError(f"talking to podman failed: {type(exc).__name__}")
+            return PodmanUnavailable(f"{self.ENGINE} does not answer on its socket: {type(exc).__name__}")
+        return PodmanError(f"talking to {self.ENGINE} failed: {type(exc).__name__}")
 
     def _error(self, response: httpx.Response, what: str, *, missing: type[PodmanError] = PodmanError) -> PodmanError:
         message = self._scrub(_podman_message(response))
         if response.status_code == 404:
             return missing(f"{what}: {message}")
-        return PodmanError(f"{what}: podman answered {response.status_code}: {message}")
+        return PodmanError(f"{what}: {self.ENGINE} answered {response.status_code}: {message}")
 
     async def _request(
         self,
@@ -394,7 +457,9 @@ class PodmanClient:
         _validate_spec(spec)
         what = f"create container {spec.name}"
         try:
-            response = await self._http.post("/containers/create", json=create_body(spec))
+            response = await self._http.post(
+                "/containers/create", json=create_body(spec, private_network=self._private_network)
+            )
         except httpx.HTTPError as exc:
             raise self._unavailable(exc) from exc
         if response.status_code >= 400:
@@ -427,6 +492,27 @@ class PodmanClient:
     async def _state(self, data: _Json) -> ContainerState:
         state = data.get("State") or {}
         config = data.get("Config") or {}
+        image_name, image_digest = await self._image_of(data)
+        running, status = self._run_state(state)
+        finished = _timestamp(state.get("FinishedAt"))
+        # While podman stops a container it shows `stopping`, Running false and no finish time (or
+        # the finish time of an earlier run): not an exit, so no exit code until it is `exited`.
+        has_exited = not running and status in STATUS_EXITED and finished is not None
+        return ContainerState(
+            id=str(data.get("Id") or ""),
+            name=str(data.get("Name") or "").lstrip("/"),  # the Docker API names it "/name"
+            image_name=image_name,
+            image_digest=image_digest,
+            labels={str(k): str(v) for k, v in (config.get("Labels") or {}).items()},
+            running=running,
+            status=status,
+            exit_code=int(state.get("ExitCode") or 0) if has_exited else None,
+            started_at=_timestamp(state.get("StartedAt")),
+            restart_count=int(data.get("RestartCount") or 0),
+        )
+
+    async def _image_of(self, data: _Json) -> tuple[str, str]:
+        """The reference a container was created from, and the digest it proves it runs."""
         image_name = str(data.get("ImageName") or "")
         image_digest = str(data.get("ImageDigest") or "")
         wanted = _digest_of(image_name)
@@ -435,20 +521,11 @@ class PodmanClient:
             # stored under another manifest (compressed vs. not), the digest it was created by is
             # still proven when the image's RepoDigests hold exactly the reference (REAL_PARTS §2).
             image_digest = await self._verified_digest(str(data["Image"]), image_name) or image_digest
-        running = bool(state.get("Running"))
-        finished = _timestamp(state.get("FinishedAt"))
-        return ContainerState(
-            id=str(data.get("Id") or ""),
-            name=str(data.get("Name") or ""),
-            image_name=image_name,
-            image_digest=image_digest,
-            labels={str(k): str(v) for k, v in (config.get("Labels") or {}).items()},
-            running=running,
-            status=str(state.get("Status") or ""),
-            exit_code=None if running or finished is None else int(state.get("ExitCode") or 0),
-            started_at=_timestamp(state.get("StartedAt")),
-            restart_count=int(data.get("RestartCount") or 0),
-        )
+        return image_name, image_digest
+
+    def _run_state(self, state: _Json) -> tuple[bool, str]:
+        """Whether the container runs, and its status (lower case) as this driver reports it."""
+        return bool(state.get("Running")), str(state.get("Status") or "").lower()
 
     async def _verified_digest(self, image_id: str, reference: str) -> str | None:
         try:
@@ -459,9 +536,13 @@ class PodmanClient:
             return None
         data = self._json(response, "inspect image")
         repo_digests = data.get("RepoDigests") if isinstance(data, dict) else None
-        if isinstance(repo_digests, list) and reference in repo_digests:
+        if isinstance(repo_digests, list) and self._lists(repo_digests, reference):
             return _digest_of(reference)
         return None
+
+    def _lists(self, repo_digests: list[object], reference: str) -> bool:
+        """Whether an image's RepoDigests hold exactly `reference`."""
+        return reference in repo_digests
 
     async def healthcheck(self, container_id: str) -> bool:
         """Run the container's probe once, now. True when this run passed; False when it failed or
@@ -500,7 +581,7 @@ class PodmanClient:
             path,
             what=f"stop {container_id}",
             missing=ContainerNotFound,
-            params={"timeout": str(seconds)},
+            params={self.STOP_TIMEOUT_PARAM: str(seconds)},
             http_timeout=httpx.Timeout(seconds + STOP_MARGIN_S, connect=5.0),
         )
         log.info("stopped container %s", container_id[:12])

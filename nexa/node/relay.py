@@ -24,6 +24,7 @@ import trio
 
 from nexa.config import RelayConfig
 from nexa.contracts import codec, wire
+from nexa.contracts.bounds import MAX_TOKENS
 from nexa.errors import ChannelError, ContractError
 from nexa.node.http1 import Response, RuntimeClient, RuntimeHTTPError
 
@@ -83,6 +84,8 @@ class NodeRelayStatistics:
     unacknowledged: Mapping[str, int]
     #: Frames for no open request, duplicate or unreadable ones.
     dropped_frames: int
+    #: Token counts runtimes reported outside 0 … 2^31 (or not whole): not passed on.
+    usage_refused: int = 0
 
 
 @attrs.define(eq=False)
@@ -106,15 +109,22 @@ class _Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     content_events: int = 0
+    #: Counts the runtime reported outside 0 … 2^31 (or not whole numbers): not passed on.
+    refused: int = 0
 
     def take(self, obj: object) -> None:
+        """Read `usage` of a runtime's answer; only whole counts in 0 … `MAX_TOKENS` are kept."""
         usage = obj.get("usage") if isinstance(obj, dict) else None
         if isinstance(usage, dict):
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-            if isinstance(prompt, int):
-                self.prompt_tokens = prompt
-            if isinstance(completion, int):
-                self.completion_tokens = completion
+            for name in ("prompt_tokens", "completion_tokens"):
+                value = usage.get(name)
+                if value is None:
+                    continue
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
+                    # The controller then meters its own estimate (prompt) or the counted events.
+                    self.refused += 1
+                    continue
+                setattr(self, name, value)
 
 
 class NodeRelay:
@@ -135,7 +145,7 @@ class NodeRelay:
         self._client: RuntimeClient | None = None
         self._nursery: trio.Nursery | None = None
         self._accepted = self._completed = self._failed = self._cancelled = self._busy = 0
-        self._chunks_sent = self._bytes_sent = self._dropped = 0
+        self._chunks_sent = self._bytes_sent = self._dropped = self._usage_refused = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         """Own the HTTP client and the request tasks until cancelled."""
@@ -190,6 +200,7 @@ class NodeRelay:
                 {r.request_id: r.sent - (r.allowed - max(1, r.head.window)) for r in reqs}
             ),
             dropped_frames=self._dropped,
+            usage_refused=self._usage_refused,
         )
 
     # --- one request
@@ -224,7 +235,7 @@ class NodeRelay:
         try:
             with req.scope:
                 with trio.move_on_at(started + head.deadline_at - time.time()) as timer:
-                    end = await self._call(req)
+                    end = await self._call_guarded(req)
                 if timer.cancelled_caught:
                     end = _error(DEADLINE_EXCEEDED, http_status=req.http_status)
             if req.scope.cancelled_caught:
@@ -233,6 +244,16 @@ class NodeRelay:
             del self._requests[req.request_id]
         end = attrs.evolve(end, first_byte_sent=req.sent > 0, runtime_ms=(trio.current_time() - started) * 1000)
         await self._send_end(req.request_id, end)
+
+    async def _call_guarded(self, req: _Request) -> wire.EndHead:
+        """`_call`, with a last resort: nothing a runtime answers may end the node's relay."""
+        try:
+            return await self._call(req)
+        except ChannelError:
+            raise  # the channel is gone; the relay's supervisor deals with it
+        except Exception as exc:
+            log.warning("request %s failed in the relay: %s", req.request_id, type(exc).__name__)
+            return _error(RUNTIME_ERROR if req.responded else RUNTIME_UNAVAILABLE, http_status=req.http_status)
 
     async def _call(self, req: _Request) -> wire.EndHead:
         head = req.head
@@ -258,9 +279,12 @@ class NodeRelay:
         except RuntimeHTTPError:
             # Refused or reset before an answer: nothing ran. After it: the runtime broke the stream.
             return _error(RUNTIME_ERROR if req.responded else RUNTIME_UNAVAILABLE, http_status=req.http_status)
+        if usage.refused:
+            self._usage_refused += usage.refused
+            log.warning("request %s: the runtime reported %d token counts out of range", req.request_id, usage.refused)
         completion = usage.completion_tokens
         if completion is None and head.stream:
-            completion = usage.content_events  # no usage from the runtime: count the output events
+            completion = min(usage.content_events, MAX_TOKENS)  # no usage from the runtime: count the output events
         prompt = usage.prompt_tokens
         if prompt is None and head.prompt_tokens_estimate:
             prompt = head.prompt_tokens_estimate
@@ -410,9 +434,10 @@ def _event_json(event: bytes) -> object:
 
 
 def _json(raw: bytes | bytearray) -> object:
+    """A runtime's JSON through the strict decoder (API limits: answers may be large), or None."""
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):
+        return codec.parse_json(raw, codec.API_LIMITS)
+    except ContractError:
         return None
 
 

@@ -43,6 +43,7 @@ from nexa.errors import (
     PodmanUnavailable,
     SimulationDisabled,
 )
+from nexa.supervision import supervised
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ TEARDOWN_GRACE_S: Final = 10.0
 ORPHAN_STOP_TIMEOUT_S: Final = 30.0
 #: Bound on one artifact-cache eviction after an assignment is removed.
 EVICT_TIMEOUT_S: Final = 60.0
+#: Longest pause between two inspects of a container that is between states (e.g. `stopping`).
+SETTLE_POLL_S: Final = 0.5
 
 # Failures that another attempt soon will not fix (the registry or the store must change first):
 # retried at the maximum backoff rather than from the initial delay.
@@ -286,6 +289,8 @@ class Supervisor:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         """Reconcile until cancelled. The first pass lists this node's containers (to adopt what
         still matches) and starts one task per assignment before `started()`."""
+        # A restart (nexa.supervision) starts every worker again; running containers are adopted.
+        self._workers.clear()
         async with trio.open_nursery() as nursery:
             started = False
             while True:
@@ -379,7 +384,7 @@ class Supervisor:
         try:
             with trio.CancelScope() as scope:
                 task_status.started(scope)
-                await self._lifecycle(worker)
+                await supervised("supervisor.runtime", self._lifecycle, worker)
         finally:
             try:
                 if worker.removing:
@@ -475,25 +480,33 @@ class Supervisor:
             await w.previous.done.wait()
             w.previous = None
         self._set_starting(w, "")
+        return await self._adopt_or_start(w)
+
+    async def _adopt_or_start(self, w: _Worker) -> tuple[str, float]:
+        """Adopt the assignment's container or create one, and start it unless it runs (or is paused).
+
+        Only a created or exited container is started; one between states is waited out first.
+        """
+        runtime = w.runtime
+        state: ContainerState | None = None
         if w.container_id is not None:
             # Ours already (a restart after a crash, or a retry after podman failed us).
             try:
-                state = await self._podman.inspect(w.container_id)
+                state = await self._settled(w, w.container_id)
             except ContainerNotFound:
                 w.container_id = None
-            else:
-                if state.running:
-                    return w.container_id, w.start_deadline
         if w.container_id is None:
             found = await self._find_container(w)
-            if found is not None and found.running:
+            if found is not None and found.between_states:
+                found = await self._settled(w, found.id)
+            if found is not None and (found.running or found.paused):
                 w.container_id = found.id
                 w.start_deadline = self._adopted_start_deadline(found, runtime.health)
                 self._adopted += 1
                 log.info("adopted running container %s for assignment %s", found.name, w.id)
                 return found.id, w.start_deadline
             if found is not None:
-                w.container_id = found.id
+                w.container_id, state = found.id, found
             else:
                 d = w.desired
                 spec = runtimes.container_spec(
@@ -501,9 +514,36 @@ class Supervisor:
                 )
                 w.container_id = await self._podman.create(spec)
                 self._created += 1
-        await self._podman.start(w.container_id)
-        w.start_deadline = trio.current_time() + runtime.health.start_period_s
-        return w.container_id, w.start_deadline
+                return await self._start(w, w.container_id)
+        assert state is not None  # set on every path that reaches here
+        if state.running or state.paused:
+            return w.container_id, w.start_deadline
+        if not state.startable:
+            # podman would refuse with 500 "container state improper"; a later attempt inspects again.
+            raise PodmanError(f"container {w.container_id[:12]} is {state.status or 'in an unknown state'}")
+        return await self._start(w, w.container_id)
+
+    async def _start(self, w: _Worker, container_id: str) -> tuple[str, float]:
+        await self._podman.start(container_id)
+        w.start_deadline = trio.current_time() + w.runtime.health.start_period_s
+        return container_id, w.start_deadline
+
+    async def _settled(self, w: _Worker, container_id: str) -> ContainerState:
+        """Inspect until the container is no longer between states (`stopping`, `removing`, …).
+
+        podman shows `stopping` for as long as a runtime takes to exit (up to its stop timeout, then
+        SIGKILL); that is neither a crash nor a container that can be started. Bounded by the stop
+        timeout plus TEARDOWN_GRACE_S; then PodmanError, retried with the setup backoff.
+        """
+        deadline = trio.current_time() + w.runtime.stop_timeout_s + TEARDOWN_GRACE_S
+        while True:
+            state = await self._podman.inspect(container_id)
+            if not state.between_states:
+                return state
+            if trio.current_time() >= deadline:
+                raise PodmanError(f"container {container_id[:12]} stayed {state.status or 'in an unknown state'}")
+            self._set_starting(w, f"waiting for the container to finish {state.status or 'its transition'}")
+            await trio.sleep(min(w.runtime.health.interval_s, SETTLE_POLL_S))
 
     async def _find_container(self, w: _Worker) -> ContainerState | None:
         """This assignment's container with the current spec, if any; stale ones are removed."""
@@ -539,10 +579,21 @@ class Supervisor:
                 state = await self._podman.inspect(container_id)
             except ContainerNotFound:
                 return None
-            if not state.running:
+            if state.exited or state.startable:
                 return state
             self._check_identity(w, state)
-            if await self._probe(container_id, probe):
+            if state.paused:
+                # Paused from outside nexa (an operator, a checkpoint): not a crash, and not ours to undo.
+                self._set(w, State.UNHEALTHY, detail="the container is paused; waiting for it to be unpaused")
+                failures = 0
+            elif not state.running:
+                # `stopping` (a `podman stop` or a host shutdown under way) and other states in between:
+                # wait it out; it ends as exited (restarted then) or vanished.
+                self._set(w, State.STARTING, detail=f"the container is {state.status or 'between states'}")
+                next_at = trio.current_time() + min(probe.interval_s, SETTLE_POLL_S)
+                await trio.sleep_until(next_at)
+                continue
+            elif await self._probe(container_id, probe):
                 failures, started = 0, True
                 w.crash_loop = False
                 w.setup_backoff = self._backoff()

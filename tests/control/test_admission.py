@@ -10,7 +10,7 @@ import trio.testing
 from nexa.config import GatewayConfig
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import Priority
-from nexa.control.admission import Admission
+from nexa.control.admission import Admission, ModelAdmission
 from nexa.errors import DeadlineExceeded, QueueFull
 from nexa.telemetry import Metrics
 
@@ -131,7 +131,8 @@ async def test_queue_full_is_immediate_and_names_the_model(autojump_clock: trio.
         await trio.testing.wait_all_tasks_blocked()
         start = trio.current_time()
         with pytest.raises(QueueFull, match=M) as full:
-            async with adm.slot(M, B, Priority.INTERACTIVE, start + 100):
+            # The tenant holding the whole queue: its own request finds no room (another's would).
+            async with adm.slot(M, A, Priority.INTERACTIVE, start + 100):
                 pass
         assert trio.current_time() == start
         assert full.value.retry_after_s == 1
@@ -267,3 +268,70 @@ async def test_queue_time_is_reported(autojump_clock: trio.testing.MockClock) ->
 async def _grow_later(adm: Admission) -> None:
     await trio.sleep(3)
     adm.set_capacity(M, 1)
+
+
+async def test_a_tenant_flooding_the_queue_gives_way_to_another_tenant(autojump_clock: trio.testing.MockClock) -> None:
+    adm = admission(queue_depth=8)  # queue_tenant_share 0.5: a tenant may hold 4 places while others wait
+    adm.set_capacity(M, 0)
+    outcomes: dict[str, str] = {}
+
+    async def request(name: str, tenant: TenantId, priority: Priority = Priority.STANDARD) -> None:
+        try:
+            async with adm.slot(M, tenant, priority, FAR):
+                outcomes[name] = "served"
+        except QueueFull:
+            outcomes[name] = "queue_full"
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(request, f"a{i}", A)
+            await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(QueueFull):  # A's ninth finds the queue full: A alone cannot grow past it
+            async with adm.slot(M, A, Priority.STANDARD, FAR):
+                pass
+        for i in range(5):
+            nursery.start_soon(request, f"b{i}", B, Priority.BATCH)
+            await trio.testing.wait_all_tasks_blocked()
+        # B's first four took A's newest places; its fifth finds A at its share and is refused.
+        assert outcomes == {"a7": "queue_full", "a6": "queue_full", "a5": "queue_full", "a4": "queue_full"} | {
+            "b4": "queue_full"
+        }
+        assert sum(adm.depths()[M].values()) == 8
+        # C finds both at their share: refused, nobody displaced.
+        with pytest.raises(QueueFull):
+            async with adm.slot(M, C, Priority.INTERACTIVE, FAR):
+                pass
+        adm.set_capacity(M, 8)
+        await trio.testing.wait_all_tasks_blocked()
+    assert sorted(n for n, o in outcomes.items() if o == "served") == ["a0", "a1", "a2", "a3", "b0", "b1", "b2", "b3"]
+    assert adm.statistics().models[M] == ModelAdmission(capacity=8, in_use=0, waiting=dict.fromkeys(Priority, 0))
+
+
+async def test_a_displaced_waiter_cancelled_in_the_same_turn_leaks_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adm = admission(queue_depth=2)
+    adm.set_capacity(M, 0)
+    victim_scope = trio.CancelScope()
+
+    async def victim() -> None:
+        with victim_scope:
+            await _wait_in_queue_as(adm, A)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_wait_in_queue_as, adm, A)
+        nursery.start_soon(victim)
+        await trio.testing.wait_all_tasks_blocked()
+        # B displaces A's newest waiter, which is cancelled before it runs again (either order).
+        nursery.start_soon(_wait_in_queue_as, adm, B)
+        victim_scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert adm.depths()[M] == {Priority.INTERACTIVE: 0, Priority.STANDARD: 2, Priority.BATCH: 0}
+        adm.set_capacity(M, 2)
+        await trio.testing.wait_all_tasks_blocked()
+    assert adm.statistics().models[M] == ModelAdmission(capacity=2, in_use=0, waiting=dict.fromkeys(Priority, 0))
+
+
+async def _wait_in_queue_as(adm: Admission, tenant: TenantId) -> None:
+    async with adm.slot(M, tenant, Priority.STANDARD, FAR):
+        pass

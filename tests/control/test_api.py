@@ -63,6 +63,7 @@ async def test_every_route_declares_its_roles() -> None:
         metrics=None,
         started_at=0,
         controller_keys=None,
+        signing_key=None,
         quotas=None,
         meter=None,
     )
@@ -325,6 +326,7 @@ async def test_readyz_is_503_until_ready() -> None:
         metrics=Metrics(),
         started_at=0,
         controller_keys=None,
+        signing_key=None,
         quotas=None,
         meter=None,
     )

@@ -21,6 +21,7 @@ from nexa.control.service import serve_control
 from tests.conftest import Controller, start_controller
 from tests.control import test_node_channel
 from tests.control.test_api import assert_envelope, make_key
+from tests.control.test_image_platforms import push_index
 from tests.control.test_models import bring_to, ok, registry_config
 from tests.control.test_node_channel import TIMEOUT_S, RawNode, enroll, node_view, wait_for
 from tests.realparts import BuiltImages, S3Store
@@ -83,11 +84,21 @@ def names(pushed: wire.AssignmentSet) -> list[str]:
     return [a.deployment for a in pushed.assignments]
 
 
+def fleet_image(images: BuiltImages) -> str:
+    """A runtime image in the run's registry offering linux/amd64 and linux/arm64: the raw nodes here
+    report GB10 (arm64) inventories, and placement filters nodes whose architecture an image lacks.
+    Never pulled (the nodes are raw channels)."""
+    host = images.busybox.partition("/")[0]
+    arches = [{"os": "linux", "architecture": "amd64"}, {"os": "linux", "architecture": "arm64"}]
+    return push_index(host, "nexa-test/fleet-runtime", arches)
+
+
 async def registry_ready(http: httpx.AsyncClient, s3: S3Store, images: BuiltImages) -> Json:
     """A runtime, an Approved model tiny@v1 and alias `chat` pointing at it."""
     await ok(
         http.post(
-            "/api/v1/runtimes", json={"name": "llama", "kind": "llamacpp", "version": "1", "image": images.busybox}
+            "/api/v1/runtimes",
+            json={"name": "llama", "kind": "llamacpp", "version": "1", "image": fleet_image(images)},
         ),
         201,
     )
@@ -133,7 +144,7 @@ async def test_a_deployment_is_placed_and_its_nodes_get_signed_sets(
         assert pushed.generation == 2  # decoded with the controller's key by receive_set
         [a] = pushed.assignments
         spec = a.runtime
-        assert spec.image == test_images.busybox and spec.kind == "llamacpp"
+        assert spec.image == fleet_image(test_images) and spec.kind == "llamacpp"
         assert spec.artifact is not None
         assert (spec.artifact.uri, spec.artifact.sha256, spec.artifact.size_bytes) == (
             model["artifact"]["uri"],

@@ -19,7 +19,7 @@ from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, Capability, UsageReport, UsageRow
 from nexa.contracts.gateway import UsageRecord as Rec
 from nexa.control import store as st
-from nexa.control.metering import CSV_HEADER, FIRST_PRUNE_S, Meter
+from nexa.control.metering import CSV_HEADER, FIRST_PRUNE_S, MAX_TOKEN_COUNT, Meter
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
 
@@ -276,3 +276,40 @@ async def test_records_past_their_retention_are_pruned_in_batches(
         await trio.testing.wait_all_tasks_blocked()
         assert await stored_count(store) == 1
         nursery.cancel_scope.cancel()
+
+
+# --- figures out of range (issue 12 §3) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "completion", "stored"),
+    [
+        (2**63, 2**64, (MAX_TOKEN_COUNT, MAX_TOKEN_COUNT)),  # bound as int64, they ended the controller
+        (10**30, 5, (MAX_TOKEN_COUNT, 5)),
+        (-1, -(2**63), (0, 0)),  # Prometheus refused these, and the record was lost
+        (2**31 + 1, 7, (MAX_TOKEN_COUNT, 7)),
+    ],
+)
+async def test_token_counts_out_of_range_are_clamped_counted_and_still_metered(
+    store: st.Store, prompt: int, completion: int, stored: tuple[int, int]
+) -> None:
+    metrics = Metrics()
+    meter = Meter(GatewayConfig(), store, metrics)
+    meter.record(rec(1, prompt_tokens=prompt, completion_tokens=completion))
+    meter.record(rec(2))
+    assert await meter.flush() == 2  # no OverflowError: the flush (and the controller) go on
+    [row] = await store.run(st.usage_report, 0.0, 1e12, None, None)
+    assert row.requests == 2
+    assert (row.prompt_tokens, row.completion_tokens) == (stored[0] + 10, stored[1] + 20)
+    get = metrics.registry.get_sample_value
+    assert get("nexa_usage_records_refused_total", {"reason": "tokens_out_of_range"}) == 1
+    assert get("nexa_gateway_tokens_total", {"model": "chat", "kind": "prompt"}) == stored[0] + 10
+
+
+async def test_timings_that_are_not_finite_are_zeroed_and_the_record_kept(store: st.Store) -> None:
+    metrics = Metrics()
+    meter = Meter(GatewayConfig(), store, metrics)
+    meter.record(rec(1, duration_ms=float("nan"), queue_ms=float("inf"), ttft_ms=-1.0))
+    assert await meter.flush() == 1
+    assert await stored_count(store) == 1
+    assert metrics.registry.get_sample_value("nexa_usage_records_refused_total", {"reason": "timing_invalid"}) == 1

@@ -156,8 +156,10 @@ async def test_a_runtime_is_registered_for_a_digest_the_registry_holds(
     body = {"name": "busybox-httpd", "kind": "sim", "version": "1.35", "image": test_images.busybox}
     async with reg.client() as http:
         runtime = await ok(http.post("/api/v1/runtimes", json=body), 201)
+        assert runtime.pop("warnings") == []  # only the registration's answer carries warnings
         assert runtime["image"] == test_images.busybox
         assert runtime["media_type"].startswith("application/vnd.")
+        assert runtime["platforms"] and runtime["platforms"][0]["os"] == "linux"  # from the image's config
         assert (await ok(http.get("/api/v1/runtimes/busybox-httpd"))) == runtime
         assert (await ok(http.get("/api/v1/runtimes")))["runtimes"] == [runtime]
         assert_envelope(await http.post("/api/v1/runtimes", json=body), 409, "already_exists")

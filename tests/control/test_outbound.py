@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -18,9 +19,30 @@ from nexa.control.outbound import Outbound, parse_challenge
 from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, Unavailable
 from nexa.oci import MANIFEST_MEDIA_TYPES, RegistryCredentials, parse_image_reference
 
-DIGEST = "sha256:" + "ab" * 32
-IMAGE = f"registry.example.com/team/vllm@{DIGEST}"
 MANIFEST = "application/vnd.oci.image.index.v1+json"
+#: A two-platform index: what the fake registry serves for DIGEST (its bytes hash to it).
+INDEX_BODY = json.dumps(
+    {
+        "schemaVersion": 2,
+        "mediaType": MANIFEST,
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": "sha256:" + "01" * 32,
+                "size": 100,
+                "platform": {"os": "linux", "architecture": "amd64"},
+            },
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": "sha256:" + "02" * 32,
+                "size": 100,
+                "platform": {"os": "linux", "architecture": "arm64", "variant": "v8"},
+            },
+        ],
+    }
+).encode()
+DIGEST = "sha256:" + hashlib.sha256(INDEX_BODY).hexdigest()
+IMAGE = f"registry.example.com/team/vllm@{DIGEST}"
 CREDS = RegistryCredentials(username="puller", password="pa55-word")
 
 
@@ -76,7 +98,7 @@ class FakeRegistry:
             if request.headers.get("authorization") != basic:
                 return httpx.Response(401)
             return httpx.Response(200, json={"token": "tok-123", "expires_in": 300})
-        assert request.method == "HEAD"
+        assert request.method == "GET"
         assert request.url.path == f"/v2/team/vllm/manifests/{DIGEST}"
         assert request.url.scheme == "https"
         assert set(request.headers["accept"].split(", ")) == set(MANIFEST_MEDIA_TYPES)
@@ -91,7 +113,9 @@ class FakeRegistry:
             return httpx.Response(401, headers={"WWW-Authenticate": challenge})
         if not self.known:
             return httpx.Response(404)
-        return httpx.Response(200, headers={"Content-Type": MANIFEST, "Docker-Content-Digest": DIGEST})
+        return httpx.Response(
+            200, headers={"Content-Type": MANIFEST, "Docker-Content-Digest": DIGEST}, content=INDEX_BODY
+        )
 
 
 def make(handler: httpx.MockTransport, creds: RegistryCredentials | None = CREDS) -> Outbound:
@@ -110,6 +134,7 @@ async def test_a_401_challenge_is_answered_with_credentials(scheme: str) -> None
     async with make(httpx.MockTransport(registry)) as out:
         check = await out.check_image(IMAGE)
     assert (check.digest, check.media_type) == (DIGEST, MANIFEST)
+    assert [str(p) for p in check.platforms] == ["linux/amd64", "linux/arm64/v8"]
     hosts = [r.url.host for r in registry.requests]
     if scheme == "bearer":
         assert hosts == ["registry.example.com", "auth.example.com", "registry.example.com"]

@@ -196,3 +196,48 @@ async def test_set_is_audited_and_bad_input_changes_nothing(store: st.Store) -> 
     await quotas.set(ADMIN, ACME, QuotaLimits())
     assert [v.tenant for v in quotas.all(T0).quotas] == [ACME]
     assert quotas.all(T0).quotas[0].limits == QuotaLimits()
+
+
+async def test_tokens_are_reserved_at_admission_and_settled_at_finish(store: st.Store) -> None:
+    quotas = await quotas_with(store, QuotaLimits(tokens_per_minute=1000, tokens_per_day=10_000))
+    ticket = quotas.admit(ACME, T0, reserve_tokens=300)
+    use = quotas.view(ACME, T0).use
+    assert (use.tokens_last_minute, use.tokens_today) == (300, 300)
+    # It used less than it reserved: the reservation goes, the 120 used count from the finish.
+    quotas.finish(ticket, 120, T0 + 30)
+    use = quotas.view(ACME, T0 + 30).use
+    assert (use.tokens_last_minute, use.tokens_today) == (120, 120)
+    # A request that outlives the window: its reservation left with the window, its tokens count at the finish.
+    late = quotas.admit(ACME, T0 + 31, reserve_tokens=500)
+    quotas.finish(late, 700, T0 + 31 + 90)
+    use = quotas.view(ACME, T0 + 121).use
+    assert (use.tokens_last_minute, use.tokens_today) == (700, 120 + 700)
+    quotas.finish(late, 700, T0 + 122)  # a second finish changes nothing
+    assert quotas.view(ACME, T0 + 122).use.tokens_last_minute == 700
+
+
+async def test_concurrent_requests_overshoot_a_token_limit_by_at_most_one_reservation(store: st.Store) -> None:
+    limit, reservation = 1000, 130
+    quotas = await quotas_with(store, QuotaLimits(tokens_per_minute=limit))
+    admitted, refused = [], []
+    for i in range(50):  # 50 requests arrive before any finishes
+        try:
+            admitted.append(quotas.admit(ACME, T0 + i * 0.01, reserve_tokens=reservation))
+        except QuotaExceeded as exc:
+            refused.append(exc.limit)
+    assert len(admitted) == 8  # ceil(1000 / 130)
+    assert refused == ["tokens_per_minute"] * 42
+    for ticket in admitted:
+        quotas.finish(ticket, reservation, T0 + 1)  # each uses all it reserved
+    used = quotas.view(ACME, T0 + 1).use.tokens_last_minute
+    assert limit <= used <= limit + reservation
+    # Without reservations (tokens counted at finish only) all 50 would have been admitted.
+
+
+async def test_a_refused_admission_reserves_nothing(store: st.Store) -> None:
+    quotas = await quotas_with(store, QuotaLimits(concurrent_requests=1, tokens_per_minute=1000))
+    quotas.admit(ACME, T0, reserve_tokens=100)
+    with pytest.raises(QuotaExceeded):
+        quotas.admit(ACME, T0, reserve_tokens=100)
+    use = quotas.view(ACME, T0).use
+    assert (use.concurrent_requests, use.requests_last_minute, use.tokens_last_minute) == (1, 1, 100)

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 
@@ -263,3 +264,77 @@ async def test_a_restarted_agent_saying_hello_again_ends_the_streams_of_its_old_
             assert await s.receive() is None
             assert s.end is not None
             assert s.end.code == "node_lost"
+
+
+# --- what a node's frames may cost the controller (issue 12: bytes, sizes, numbers) --------------
+
+
+async def test_a_chunk_above_the_limit_ends_only_its_stream_and_buffered_bytes_are_accounted() -> None:
+    limit = 10
+    with trio.fail_after(TIMEOUT_S):
+        async with data_path(window=4, node_answers=False, chunk_limit=limit) as p:
+            async with (
+                p.relay.open("n1", "big", infer_head(), b"{}") as big,
+                p.relay.open("n1", "fine", infer_head(), b"{}") as fine,
+            ):
+                for _ in range(4):  # the window, each chunk at the limit: the most one stream may hold
+                    await p.uplink.send_data(wire.CHUNK, "fine", b"", b"x" * limit)
+                await p.uplink.send_data(wire.CHUNK, "big", b"", b"x" * (limit + 1))
+                await wait_until(lambda: p.relay.statistics().protocol_errors == 1)
+                assert big.ended and not fine.ended
+                assert fine.buffered == 4
+                assert p.relay.statistics().buffered_bytes == 4 * limit  # bounded: window x chunk limit
+                assert await fine.receive() == b"x" * limit
+                assert p.relay.statistics().buffered_bytes == 3 * limit
+                _, end = await drain(big)
+            assert (end.status, end.code) == (wire.EndStatus.ERROR, control_relay.PROTOCOL_ERROR)
+            # The consumer left with three chunks unread: nothing stays accounted.
+            assert p.relay.statistics().buffered_bytes == 0
+            assert (wire.CANCEL, "big") in [(f.kind, f.request_id) for f in p.node_frames]
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b'{"status":"ok","prompt_tokens":9223372036854775807}',
+        b'{"status":"ok","completion_tokens":-1}',
+        b'{"status":"ok","prompt_tokens":2147483649}',
+        b'{"status":"ok","runtime_ms":1e999}',
+        b'{"status":"ok","runtime_ms":NaN}',
+        b'{"status":"ok","http_status":' + b"9" * 5000 + b"}",
+        b"[" * 10_000,
+    ],
+    ids=["int64", "negative", "above-2^31", "inf", "nan", "5000-digits", "deep"],
+)
+def test_an_end_with_numbers_out_of_range_is_a_protocol_error_and_counted(head: bytes) -> None:
+    relay = control_relay.Relay(_NoLink(), window=4)
+    stream = control_relay.RelayStream(relay, "n1", "r1", window=4, deadline=float("inf"), max_bytes=100)
+    relay._streams["r1"] = stream
+    relay._by_node["n1"].add("r1")
+    frame = wire.DataFrame(kind=wire.END, request_id="r1", head=head, body=b"")
+    assert relay.deliver("n1", frame) == control_relay.MALFORMED
+    assert stream._final is not None
+    assert (stream._final.status, stream._final.code) == (wire.EndStatus.ERROR, control_relay.PROTOCOL_ERROR)
+    assert relay.statistics().protocol_errors == 1
+
+
+async def test_frames_of_no_stream_or_another_nodes_stream_are_refused_with_a_reason() -> None:
+    relay = control_relay.Relay(_NoLink(), window=4, max_chunk_bytes=8)
+    stream = control_relay.RelayStream(relay, "n1", "r1", window=4, deadline=float("inf"), max_bytes=32)
+    relay._streams["r1"] = stream
+    relay._by_node["n1"].add("r1")
+    chunk = wire.DataFrame(kind=wire.CHUNK, request_id="r1", head=b"", body=b"ok")
+    assert relay.deliver("n2", chunk) == control_relay.UNKNOWN_STREAM  # another node's stream
+    assert relay.deliver("n1", attrs.evolve(chunk, request_id="nope")) == control_relay.UNKNOWN_STREAM
+    assert relay.deliver("n2", attrs.evolve(chunk, body=b"x" * 9)) == control_relay.OVERSIZED_CHUNK
+    assert stream.buffered == 0 and not stream.ended  # none of them touched it
+    assert relay.deliver("n1", chunk) is None
+    assert stream.buffered == 1
+
+
+class _NoLink:
+    async def send_data(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None:
+        raise NotConnected(node_id=node_id)
+
+    def send_data_nowait(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None:
+        raise NotConnected(node_id=node_id)

@@ -12,7 +12,7 @@ import hypothesis.strategies as hs
 from nexa.config import GatewayConfig
 from nexa.contracts.deployments import ServingReplica, ServingSet
 from nexa.contracts.models import ModelRef
-from nexa.control.routing import Router
+from nexa.control.routing import Router, for_data_class
 
 STABLE = ModelRef(model="llama", version="1")
 CANARY = ModelRef(model="llama", version="2")
@@ -132,3 +132,13 @@ def test_property_without_affinity_the_choice_is_a_least_loaded_candidate(
     else:
         assert chosen is not None and chosen.replica_id in left
         assert router.outstanding(chosen.replica_id) == min(router.outstanding(r) for r in left)
+
+
+def test_a_data_class_keeps_only_the_replicas_on_nodes_allowed_it() -> None:
+    serving = replicas(3, canary=1)
+    allowed = {"n0": ("public",), "n1": ("public", "confidential"), "n2": (), "m0": ("confidential",)}
+    kept = for_data_class(serving, "confidential", lambda node: allowed.get(node, ()))
+    assert [r.replica_id for r in kept.replicas] == ["s1", "c0"]
+    assert kept.model == serving.model and kept.deployments == serving.deployments
+    assert for_data_class(serving, "restricted", lambda node: allowed.get(node, ())).replicas == []
+    assert for_data_class(serving, "public", lambda node: ("public",)) is serving

@@ -19,10 +19,11 @@ from nexa.contracts.gateway import (
     Receipt,
     WorkloadCreate,
     WorkloadState,
+    request_sha256,
 )
 from nexa.control import store as st
 from nexa.control.workloads import RESTARTED, ActiveWorkload, Workloads, new_receipt_id
-from nexa.errors import BadSignature, Conflict, NotFound, WorkloadAlreadyActive
+from nexa.errors import BadSignature, Conflict, IdempotencyKeyReused, NotFound, WorkloadAlreadyActive
 from nexa.security import SigningKey, generate_signing_key, verify_receipt
 
 ACME, BETA = TenantId("acme"), TenantId("beta")
@@ -84,7 +85,10 @@ def receipt_for(active: ActiveWorkload, state: WorkloadState = WorkloadState.SUC
 
 
 async def begin(workloads: Workloads, tenant: TenantId = ACME, **kw: str) -> ActiveWorkload:
-    return await workloads.begin(tenant, KEY, create(**kw), alias="chat", accepted_at=time.time())
+    """Accept a workload and record it, as the gateway does once it is admitted."""
+    active = await workloads.begin(tenant, KEY, create(**kw), alias="chat", accepted_at=time.time())
+    await workloads.record(active)
+    return active
 
 
 async def test_a_finished_workload_answers_its_key_with_the_stored_receipt(
@@ -259,3 +263,37 @@ async def test_finished_workloads_past_their_retention_are_pruned(store: st.Stor
         await workloads.receipt(ACME, "old")
     assert await workloads.lookup(ACME, "k-recent") is not None
     assert (await workloads.status(ACME, "running")).state is running.state
+
+
+async def test_a_workload_refused_before_admission_writes_nothing(store: st.Store, workloads: Workloads) -> None:
+    def rows(db: object) -> int:
+        return int(db.execute("SELECT count(*) FROM workload").fetchall()[0][0])  # type: ignore[attr-defined]
+
+    active = await workloads.begin(ACME, KEY, create(), alias="chat", accepted_at=time.time())
+    # Never recorded (the gateway refused it: quota, queue full, model not served).
+    signed = await workloads.finish(active, receipt_for(active, WorkloadState.FAILED, error="quota_exceeded"))
+    assert signed.receipt.state is WorkloadState.FAILED
+    assert await store.run(rows) == 0
+    assert workloads.active_count() == 0
+    # Its id and key are still free: the retry runs.
+    again = await begin(workloads)
+    assert again.recorded and await store.run(rows) == 1
+
+
+async def test_an_idempotency_key_replayed_with_another_body_is_refused(workloads: Workloads) -> None:
+    first, other = request_sha256(create()), request_sha256(attrs.evolve(create(), payload={"messages": []}))
+    assert first != other
+    active = await workloads.begin(ACME, KEY, create(), alias="chat", accepted_at=time.time(), request_sha256=first)
+    await workloads.record(active)
+    # While it runs, and once it finished: the same body answers as before; another is a 422.
+    with pytest.raises(IdempotencyKeyReused):
+        await workloads.lookup(ACME, "idem-1", other)
+    assert await workloads.lookup(ACME, "idem-1", first) is None  # running: no receipt yet
+    signed = await workloads.finish(active, receipt_for(active))
+    with pytest.raises(IdempotencyKeyReused) as refused:
+        await workloads.lookup(ACME, "idem-1", other)
+    assert refused.value.code == "idempotency_key_reused"
+    assert await workloads.lookup(ACME, "idem-1", first) == signed
+    assert await workloads.lookup(BETA, "idem-1", other) is None  # keys are per tenant
+    # Nothing changed: the stored workload is the first one.
+    assert (await workloads.status(ACME, "w1")).receipt == signed

@@ -10,6 +10,7 @@ their runtimes are `nexa sim-runtime` child processes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -43,6 +44,8 @@ class SimNode:
     node_id: str = ""
     proc: subprocess.Popen[bytes] | None = None
     log: Path | None = None
+    #: The `nexa` command the node runs as (an emulated arm64 binary in tests/test_binary_arm64.py).
+    nexa: tuple[str, ...] = (sys.executable, "-m", "nexa")
 
     @property
     def faults(self) -> Path:
@@ -67,7 +70,7 @@ class SimNode:
         env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"}
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nexa", "node", "--config", str(self.config)],
+                [*self.nexa, "node", "--config", str(self.config)],
                 stdout=out,
                 stderr=out,
                 env=env,
@@ -156,10 +159,8 @@ def _node_config(node_dir: Path, i: int, s3: S3Store, creds: Path) -> Path:
     return config
 
 
-def _run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "nexa", *argv], capture_output=True, text=True, timeout=60, check=False
-    )
+def _run(*argv: str, nexa: tuple[str, ...] = (sys.executable, "-m", "nexa")) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*nexa, *argv], capture_output=True, text=True, timeout=60, check=False)
 
 
 @contextlib.asynccontextmanager
@@ -171,6 +172,7 @@ async def sim_cluster(
     images: BuiltImages,
     *,
     nodes: int = 2,
+    nexa: tuple[str, ...] = (sys.executable, "-m", "nexa"),
 ) -> AsyncIterator[SimCluster]:
     """Yield a cluster with `nodes` sim nodes Ready and the `chat` alias on an Approved model."""
     controller = await start_controller(nursery, cfg)
@@ -197,11 +199,12 @@ async def sim_cluster(
         for i in range(1, nodes + 1):
             name = f"sim-{i}"
             node_dir = tmp_path / name
-            node = SimNode(name=name, state_dir=node_dir, config=_node_config(node_dir, i, s3, creds))
+            node = SimNode(name=name, state_dir=node_dir, config=_node_config(node_dir, i, s3, creds), nexa=nexa)
             async with controller.client() as http:
                 token = await ok(http.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}), 201)
             argv = ["node", "enroll", "--controller", controller.url, "--token", token["token"], "--name", name]
-            enrolled = await trio.to_thread.run_sync(_run, *argv, "--state-dir", str(node_dir))
+            enroll = functools.partial(_run, *argv, "--state-dir", str(node_dir), nexa=nexa)
+            enrolled = await trio.to_thread.run_sync(enroll)
             assert enrolled.returncode == 0, enrolled.stderr
             node.node_id = name
             node.start()

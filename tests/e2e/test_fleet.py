@@ -167,6 +167,9 @@ def test_four_nodes_enroll_heartbeat_survive_restarts_and_follow_operators(
     time.sleep(1.5)  # several polls and heartbeats
     shown = cp.cli("nodes", "show", "spark-1").stdout
     assert "zone=z9" in shown and "broken" not in shown
+    # The engine line: the default engine (no podman answers these sim nodes: no version) and GPU method.
+    assert "engine       podman -, GPUs by cdi" in shown
+    assert nodes(cp)["spark-1"]["inventory"]["container_engine"] == "podman"
     assert fleet[0].log is not None
     assert "rejected" in fleet[0].log.read_text()
 

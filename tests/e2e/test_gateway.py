@@ -199,15 +199,19 @@ async def test_a_failure_before_the_first_byte_is_retried_on_the_other_replica(c
     assert sum(r["errors"] for r in await usage_rows(cluster)) == 0
 
 
-def node_of(cluster: SimCluster, rid: str) -> SimNode:
-    """The node whose runtime journaled request `rid` (its attempts are `rid.0`, `rid.1`, …)."""
+def streaming_now(cluster: SimCluster) -> tuple[SimNode, str]:
+    """The node whose runtime is answering a stream now, and that stream's id (the relay's id,
+    made by the controller: the client's X-Request-Id never reaches a node)."""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         for node in cluster.nodes:
-            if any(e.get("id", "").startswith(rid + ".") for e in node.journal()):
-                return node
+            events = node.journal()
+            ended = {e["id"] for e in events if e["event"] != "request"}
+            for e in events:
+                if e["event"] == "request" and e.get("stream") and e["id"] not in ended:
+                    return node, e["id"]
         time.sleep(0.05)
-    raise AssertionError(f"no runtime journaled {rid}")
+    raise AssertionError("no runtime journaled a stream in progress")
 
 
 async def slow_alias(cluster: SimCluster) -> None:
@@ -221,18 +225,17 @@ async def test_a_client_that_goes_away_cancels_the_runtime_request(cluster: SimC
     client = sdk(cluster)
 
     def scenario() -> tuple[SimNode, str]:
-        raw = client.chat.completions.with_raw_response.create(model="slow", messages=MESSAGES, stream=True)
-        rid = raw.headers["x-request-id"]
-        stream = raw.parse()
+        stream = client.chat.completions.create(model="slow", messages=MESSAGES, stream=True)
         for got, _ in enumerate(stream, 1):
             if got == 3:
+                at = streaming_now(cluster)
                 break
         stream.close()
-        return node_of(cluster, rid), rid
+        return at
 
-    node, rid = await in_thread(scenario)
+    node, stream_id = await in_thread(scenario)
     with trio.fail_after(10):
-        while not any(e["event"] == "cancelled" and e["id"].startswith(rid) for e in node.journal()):  # noqa: ASYNC110
+        while not any(e["event"] == "cancelled" and e["id"] == stream_id for e in node.journal()):  # noqa: ASYNC110
             await trio.sleep(0.05)
     [row] = await usage_rows(cluster, tenant="acme")
     assert row["errors"] == 1  # metered, as cancelled
@@ -244,7 +247,6 @@ async def test_a_node_killed_mid_stream_ends_it_with_a_typed_error_and_a_usage_r
 
     def scenario() -> tuple[int, str]:
         raw = client.chat.completions.with_raw_response.create(model="slow", messages=MESSAGES, stream=True)
-        rid = raw.headers["x-request-id"]
         got = 0
 
         def read_and_kill() -> None:
@@ -252,7 +254,7 @@ async def test_a_node_killed_mid_stream_ends_it_with_a_typed_error_and_a_usage_r
             for _ in raw.parse():
                 got += 1
                 if got == 2:
-                    node_of(cluster, rid).kill()
+                    streaming_now(cluster)[0].kill()
 
         with pytest.raises(openai.APIError) as broken:
             read_and_kill()
@@ -465,3 +467,95 @@ async def test_a_canary_that_fails_its_objective_is_rolled_back_by_itself(cluste
         events = (await ok(http.get("/api/v1/audit", params={"action": "deployment.canary.auto_rollback"})))["events"]
     [event] = events
     assert event["actor_key_id"] is None and "error rate" in event["detail"]
+
+
+async def test_two_tenants_sending_the_same_request_id_at_once_both_succeed(cluster: SimCluster) -> None:
+    """The relay is keyed by ids the controller makes: a reused X-Request-Id collides with nothing
+    (it used to be the multiplex key, and the second tenant got 409)."""
+    await slow_alias(cluster)
+    other = await new_key(cluster, "inference", "beta")
+    body = {"model": "slow", "messages": MESSAGES, "stream": True, "max_tokens": 12}
+    shared = "client-chosen-id-1"
+    texts: dict[str, bytes] = {}
+
+    async def stream(key: str, opened: trio.Event, both: trio.Event) -> None:
+        headers = {"Authorization": f"Bearer {key}", "X-Request-Id": shared}
+        async with (
+            httpx.AsyncClient(base_url=cluster.controller.url, headers=headers, timeout=30) as http,
+            http.stream("POST", "/v1/chat/completions", json=body) as answer,
+        ):
+            assert answer.status_code == 200
+            assert answer.headers["x-request-id"] == shared
+            parts = answer.aiter_bytes()
+            first = await parts.__anext__()
+            opened.set()
+            await both.wait()  # both streams are open on the same replica at once
+            texts[key] = first + b"".join([p async for p in parts])
+
+    a_open, b_open, both = trio.Event(), trio.Event(), trio.Event()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            n.start_soon(stream, cluster.inference_key, a_open, both)
+            n.start_soon(stream, other, b_open, both)
+            await a_open.wait()
+            await b_open.wait()
+            both.set()
+    for text in texts.values():
+        assert b"data: [DONE]" in text and b'"error"' not in text
+    assert len(texts) == 2
+    ids = [e["id"] for node in cluster.nodes for e in node.journal() if e["event"] == "request" and e.get("stream")]
+    assert len(ids) == len(set(ids)) == 2 and shared not in ids
+    rows = await usage_rows(cluster)
+    assert {r["tenant"] for r in rows} == {"acme", "beta"} and sum(r["errors"] for r in rows) == 0
+
+
+async def test_a_runtime_answering_garbage_gives_every_caller_runtime_failed_and_the_controller_goes_on(
+    cluster: SimCluster,
+) -> None:
+    """Real nodes, real sim runtimes answering 200 with an HTML page, cut-off JSON or JSON of the
+    wrong shape: each caller gets a typed `runtime_failed` and the controller keeps serving."""
+    headers = {"Authorization": f"Bearer {cluster.inference_key}"}
+    chat_body = {"model": "chat", "messages": MESSAGES}
+    async with httpx.AsyncClient(base_url=cluster.controller.url, headers=headers, timeout=30) as http:
+        for garble in ("html", "truncated", "shape"):
+            for node in cluster.nodes:
+                node.set_faults(garble=garble, after_tokens=1)
+            await trio.sleep(0.1)  # the runtimes re-read their faults file when it changes
+            unary = await http.post("/v1/chat/completions", json=chat_body)
+            assert unary.status_code == 502, (garble, unary.text)
+            assert unary.json()["error"]["code"] == "runtime_failed"
+
+            streamed = await http.post("/v1/chat/completions", json={**chat_body, "stream": True})
+            assert streamed.status_code == 200
+            assert b'"runtime_failed"' in streamed.content, garble  # the typed error closes the stream
+            assert b"<html>" not in streamed.content and b"[1, 2, 3]" not in streamed.content
+
+            answers = await embed_concurrently(http, 6)
+            assert [a.status_code for a in answers] == [502] * 6, garble
+            assert {a.json()["error"]["code"] for a in answers} == {"runtime_failed"}
+
+        for node in cluster.nodes:
+            node.faults.unlink()
+        await trio.sleep(0.1)
+        assert (await http.get("/healthz")).status_code == 200
+        fine = await http.post("/v1/chat/completions", json=chat_body)
+        assert fine.status_code == 200 and fine.json()["choices"]
+        fine_embedding = await http.post("/v1/embeddings", json={"model": "chat", "input": "again"})
+        assert fine_embedding.status_code == 200 and fine_embedding.json()["data"][0]["index"] == 0
+    async with cluster.client() as admin:
+        metrics = (await admin.get("/metrics")).text
+    assert 'nexa_gateway_invalid_answers_total{kind="unary"}' in metrics
+    assert 'nexa_gateway_invalid_answers_total{kind="batch"}' in metrics
+
+
+async def embed_concurrently(http: httpx.AsyncClient, count: int) -> list[httpx.Response]:
+    """`count` embedding requests at once (batched: one runtime call answers them all)."""
+    answers: list[httpx.Response] = []
+
+    async def embed(i: int) -> None:
+        answers.append(await http.post("/v1/embeddings", json={"model": "chat", "input": f"t {i}"}))
+
+    async with trio.open_nursery() as n:
+        for i in range(count):
+            n.start_soon(embed, i)
+    return answers

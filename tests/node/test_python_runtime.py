@@ -29,12 +29,14 @@ PROBE_S = 0.5
 
 
 def python_runtime(image: str, port: int, artifact: ArtifactRef) -> RuntimeSpec:
-    """python's http.server on the node's loopback, serving the artifact's folder (`/models/model`)."""
-    fetch = f"import urllib.request;urllib.request.urlopen('http://127.0.0.1:{port}/model')"
+    """python's http.server in its own network namespace (`{runtime_host}` is 0.0.0.0 there, and
+    127.0.0.1 in the probe, which runs inside), published on the node's loopback, serving the
+    artifact's folder (`/models/model`)."""
+    fetch = f"import urllib.request;urllib.request.urlopen('http://{{runtime_host}}:{port}/model')"
     return RuntimeSpec(
         kind=RuntimeKind.LLAMACPP,
         image=image,
-        command=["python3", "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", "/models"],
+        command=["python3", "-m", "http.server", str(port), "--bind", "{runtime_host}", "--directory", "/models"],
         env={"MODEL_PATH": "/models/model"},
         port=port,
         artifact=artifact,

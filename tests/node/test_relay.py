@@ -166,7 +166,7 @@ class DataPath:
 
 @contextlib.asynccontextmanager
 async def data_path(
-    *, window: int = 4, relay_cfg: RelayConfig | None = None, node_answers: bool = True
+    *, window: int = 4, relay_cfg: RelayConfig | None = None, node_answers: bool = True, chunk_limit: int = 65536
 ) -> AsyncIterator[DataPath]:
     fleet = Fleet()
     n1 = fleet.enroll("n1")
@@ -176,7 +176,7 @@ async def data_path(
         port = await nursery.start(serve_runtime, runtime)
         link = fleet.link()
         endpoint = await nursery.start(link.run)
-        relay = Relay(link, window=window)
+        relay = Relay(link, window=window, max_chunk_bytes=chunk_limit)
         ports = {"a1": port}
         uplink = fleet.uplink(endpoint, n1)
         node = NodeRelay(relay_cfg or RelayConfig(), uplink, ports.get)

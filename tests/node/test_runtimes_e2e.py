@@ -14,18 +14,21 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 import trio
 
 from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
+from nexa.localparts import free_ports
 from tests.node.test_agent import FakeController, aset
-from tests.realparts import BuiltImages, FakeGpu, PodmanService, S3Store
+from tests.realparts import BuiltImages, ContainerEngine, FakeGpu, PodmanService, S3Store
 
 TIMEOUT_S = 60
 PROBE_S = 0.5
@@ -268,4 +271,121 @@ async def test_bad_images_and_artifacts_never_start_and_orphans_are_removed(
 
     with trio.fail_after(TIMEOUT_S):
         while podman(podman_service, "ps", "-aq", "--filter", "name=nexa-ghost").strip():  # noqa: ASYNC110
+            await trio.sleep(0.2)
+
+
+# --- the same agent on every engine (issue 14): libpod, podman's Docker API, dockerd -----------------
+
+
+@pytest.fixture
+async def engine_node(
+    nursery: trio.Nursery, tmp_path: Path, container_engine: ContainerEngine
+) -> AsyncIterator[tuple[FakeController, AgentProcess, str]]:
+    """`nexa node` as its own process on `container_engine`; yields the node's label value too."""
+    ctl = FakeController(nursery)
+    await ctl.start()
+    state_dir = tmp_path / "state"
+    ctl.enroll(state_dir)
+    table = "".join(f'{key} = "{value}"\n' for key, value in container_engine.container_table().items())
+    config = tmp_path / "node.toml"
+    config.write_text(
+        f'state_dir = "{state_dir}"\ninventory_path = "{tmp_path / "inventory.json"}"\n'
+        f'nvidia_smi = "{tmp_path / "no-nvidia-smi"}"\nheartbeat_interval_s = 0.2\nreconnect_max_s = 0.5\n'
+        f"[container]\n{table}"
+        f'[podman]\nsocket = "{container_engine.socket}"\nregistry_tls_verify = false\n'
+        "[supervisor]\nrestart_backoff_initial_s = 0.5\nrestart_backoff_max_s = 2\nreconcile_interval_s = 0.5\n"
+    )
+    agent = AgentProcess(config=config, log=tmp_path / "agent.log")
+    agent.start()
+    try:
+        yield ctl, agent, "n1"
+    finally:
+        agent.kill()
+        container_engine.remove_labelled("nexa.node", "n1")
+
+
+def _inspect(engine: ContainerEngine, name: str) -> dict[str, Any] | None:
+    """The engine's Docker-API inspect of `name` (podman's socket answers the Docker API too)."""
+    transport = httpx.HTTPTransport(uds=engine.socket)
+    with httpx.Client(transport=transport, base_url="http://d", trust_env=False, timeout=30) as api:
+        answer = api.get(f"/containers/{name}/json")
+        if answer.status_code == 404:
+            return None
+        answer.raise_for_status()
+        data: dict[str, Any] = answer.json()
+        return data
+
+
+@pytest.mark.slow
+async def test_the_agent_runs_a_hardened_runtime_on_every_engine(
+    engine_node: tuple[FakeController, AgentProcess, str],
+    container_engine: ContainerEngine,
+    test_images: BuiltImages,
+) -> None:
+    ctl, agent, _ = engine_node
+    await container_engine.store_image(test_images.busybox)
+    (port,) = free_ports(1, "127.0.0.1")
+    # Its own network namespace (the default): it binds {runtime_host} (0.0.0.0 inside), the engine
+    # publishes the port on the node's runtime address, 127.0.0.1.
+    spec = RuntimeSpec(
+        kind=RuntimeKind.LLAMACPP,
+        image=test_images.busybox,
+        command=["/bin/sh", "-c", f"touch /tmp/ok && exec /bin/httpd -f -p {{runtime_host}}:{port} -h /www"],
+        port=port,
+        memory_bytes=64 << 20,
+        cpus=0.5,
+        pids_limit=64,
+        health=HealthProbe(
+            command=["/bin/sh", "-c", f"wget -q -O /dev/null http://{{runtime_host}}:{port}/"],
+            interval_s=PROBE_S,
+            timeout_s=2.0,
+            start_period_s=10.0,
+            retries=1,
+        ),
+        stop_timeout_s=2.0,
+    )
+    with trio.fail_after(TIMEOUT_S):
+        await ctl.next(wire.Hello)
+        assert (
+            await ctl.answer(aset(1, 1, assignments=[wire.Assignment(id="a1", deployment="d1", runtime=spec)]))
+        ).accepted
+    beat = await beat_until(ctl, state_is("a1", RS.READY), "a1 Ready")
+    # The inventory names the engine, its version and the GPU method.
+    want_engine = "docker" if container_engine.docker else "podman"
+    assert beat.inventory.container_engine == want_engine
+    assert beat.inventory.container_engine_version[:1].isdigit()
+    assert beat.inventory.gpu_method == "cdi"
+
+    info = _inspect(container_engine, "nexa-a1")
+    assert info is not None
+    host = info["HostConfig"]
+    assert host["ReadonlyRootfs"] is True and host["Memory"] == 64 << 20 and host["PidsLimit"] == 64
+    assert host["CapDrop"]
+    assert "no-new-privileges" in " ".join(host["SecurityOpt"] or [])
+    assert info["Config"]["Labels"]["nexa.assignment"] == "a1"
+    async with httpx.AsyncClient(trust_env=False, timeout=5.0) as http:
+        with trio.fail_after(TIMEOUT_S):
+            while True:
+                try:
+                    answer = await http.get(f"http://127.0.0.1:{port}/")
+                    break
+                except httpx.TransportError:
+                    await trio.sleep(0.2)
+        assert answer.status_code == 200
+
+    # kill -9 of the agent: its successor adopts the running container without restarting it.
+    agent.kill(signal.SIGKILL)
+    agent.start()
+    restarted = time.time()
+    await beat_until(ctl, lambda b: b.ts > restarted and state_is("a1", RS.READY)(b), "a1 Ready after the restart")
+    again = _inspect(container_engine, "nexa-a1")
+    assert again is not None
+    assert (again["Id"], again["State"]["StartedAt"]) == (info["Id"], info["State"]["StartedAt"])
+
+    # Removing the assignment stops and removes the container.
+    with trio.fail_after(TIMEOUT_S):
+        assert (await ctl.answer(aset(1, 2, assignments=[]))).accepted
+    await beat_until(ctl, lambda b: not b.assignments, "nothing assigned")
+    with trio.fail_after(TIMEOUT_S):
+        while _inspect(container_engine, "nexa-a1") is not None:  # noqa: ASYNC110 - polling the engine
             await trio.sleep(0.2)

@@ -42,6 +42,7 @@ from nexa.node.supervisor import (
     Podman,
     Supervisor,
 )
+from nexa.supervision import Supervision
 from tests.conftest import sample_runtime
 
 NODE = "n1"
@@ -764,10 +765,20 @@ async def test_a_shared_artifact_is_pinned_once_and_released_with_its_last_assig
     assert podman.containers == {}
 
 
-async def test_programming_errors_propagate(
+async def test_programming_errors_are_logged_counted_and_the_runtime_retried(
     autojump_clock: trio.testing.MockClock, podman: FakePodman, artifacts: FakeArtifacts
 ) -> None:
+    # Issue 12 point 1: a bug met by one runtime's task restarts that task (nexa.supervision),
+    # it never ends the agent.
     podman.broken_inspect = KeyError("bug")
-    with pytest.RaisesGroup(KeyError, flatten_subgroups=True):
+    with Supervision(first_backoff_s=1.0, max_backoff_s=4.0).installed() as supervision:
         async with trio.open_nursery() as agent:
             await start(agent, podman, artifacts, assignment())
+            await trio.sleep(30)
+            assert supervision.statistics().failures["supervisor.runtime"] >= 3
+            podman.broken_inspect = None
+            await trio.sleep(30)
+            failures = supervision.statistics().failures["supervisor.runtime"]
+            await trio.sleep(30)
+            assert supervision.statistics().failures["supervisor.runtime"] == failures
+            agent.cancel_scope.cancel()

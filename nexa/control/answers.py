@@ -1,0 +1,117 @@
+"""Checking what a runtime answered before a client sees it. Pure functions; never log or quote an
+answer: a problem names fields only.
+
+Every answer goes through the one strict decoder (`codec.parse_json`, the northbound limits: it goes
+to a client), then its shape is checked against the OpenAI answer of its capability.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from nexa.contracts import codec
+from nexa.contracts.gateway import Capability
+from nexa.control.metering import token_count_ok
+from nexa.errors import ContractError
+
+#: Lines an SSE event may hold besides `data:` (comments start with a colon).
+_SSE_OTHER_FIELDS: Final = (b":", b"event:", b"id:", b"retry:")
+
+
+def parse_json(raw: bytes) -> object:
+    """`raw` through the one strict decoder (the northbound limits: an answer goes to a client), or
+    None when it refuses it: not UTF-8, truncated, NaN or Infinity, too deep, huge integers."""
+    try:
+        return codec.parse_json(raw, codec.API_LIMITS)
+    except ContractError:
+        return None
+
+
+def unary_answer(body: bytes, capability: Capability) -> tuple[dict[str, Any] | None, str]:
+    """The runtime's unary answer if it has the shape of its capability's OpenAI answer, else
+    (None, what is wrong): a JSON object; `choices` a list of objects (chat, completion) or
+    `data` a list of embedding objects (embeddings); `usage`, when present, whole counts."""
+    answer = parse_json(body)
+    if not isinstance(answer, dict):
+        return None, "not a JSON object" if body else "an empty body"
+    if capability is Capability.EMBEDDING:
+        data = answer.get("data")
+        if not isinstance(data, list) or not all(
+            isinstance(d, dict) and isinstance(d.get("embedding"), list | str) for d in data
+        ):
+            return None, "`data` is not a list of embedding objects"
+    else:
+        choices = answer.get("choices")
+        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+            return None, "`choices` is not a list of objects"
+    problem = usage_problem(answer)
+    if problem is not None:
+        return None, problem
+    return answer, ""
+
+
+def usage_problem(obj: dict[str, Any]) -> str | None:
+    usage = obj.get("usage")
+    if usage is None:
+        return None
+    if not isinstance(usage, dict):
+        return "`usage` is not an object"
+    for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        value = usage.get(name)
+        if value is not None and not token_count_ok(value):
+            return f"`usage.{name}` is not a token count (a whole number, 0 to 2^31)"
+    return None
+
+
+def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """The complete SSE events at the start of `buf` (each with its blank line), and the rest."""
+    events: list[bytes] = []
+    start = 0
+    while True:
+        ends = [i for i in (buf.find(b"\n\n", start), buf.find(b"\r\n\r\n", start)) if i >= 0]
+        if not ends:
+            return events, buf[start:]
+        at = min(ends)
+        stop = at + (4 if buf.startswith(b"\r\n\r\n", at) else 2)
+        events.append(buf[start:stop])
+        start = stop
+
+
+def event_problem(event: bytes) -> tuple[str | None, bool]:
+    """(what is wrong with one SSE event of an inference stream or None, whether it is `[DONE]`).
+
+    Its lines are SSE fields; its data, if any, is `[DONE]` or a JSON object with `choices` (a
+    list of objects) or an `error`, and a sane `usage` if it has one."""
+    data = []
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            data.append(line[5:].removeprefix(b" "))
+        elif line and not line.startswith(_SSE_OTHER_FIELDS):
+            return "a line that is not an SSE field", False
+    if not data:
+        return None, False
+    joined = b"\n".join(data)
+    if joined.strip() == b"[DONE]":
+        return None, True
+    obj = parse_json(joined)
+    if not isinstance(obj, dict):
+        return "an event whose data is not a JSON object", False
+    choices = obj.get("choices")
+    if "error" not in obj and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        return "an event whose `choices` is not a list of objects", False
+    return usage_problem(obj), False
+
+
+def completion_estimate(answer: dict[str, Any]) -> int:
+    """A unary answer's completion tokens when the node's figure was refused: its own `usage`
+    (already checked), else about four characters a token of the text of its choices."""
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and token_count_ok(usage.get("completion_tokens")):
+        return int(usage["completion_tokens"])
+    chars = 0
+    for choice in answer.get("choices") or []:
+        message = choice.get("message")
+        text = message.get("content") if isinstance(message, dict) else choice.get("text")
+        if isinstance(text, str):
+            chars += len(text)
+    return chars // 4

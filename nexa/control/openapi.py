@@ -1,0 +1,769 @@
+"""The OpenAPI 3.1 document of the controller's HTTP API (`GET /api/v1/openapi.json`). Pure; no I/O.
+
+Generated, never written by hand: the operations come from the route tables (`api.ROUTE_ROLES`,
+`inference.INFERENCE_ROUTES`), their roles and error statuses from those tables and
+`http.STATUS`, and every body schema from the attrs contract types, by walking their fields.
+`_OPERATIONS` below is data only: for each route, the contract types it reads and answers, its
+query parameters and the errors particular to it. A route without an entry there (or an entry
+without a route) fails `document()`, so a new route cannot go undescribed.
+
+The route answers without a credential (like `/healthz`): the document holds shapes, roles and
+error codes, which the source publishes anyway, and no state; it is built once at start
+(`service.serve_control`) and served as bytes, so a request costs no more than `/healthz`.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import json
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+import attrs
+
+from nexa import __version__
+from nexa.contracts import codec
+from nexa.contracts.api import (
+    AuditPage,
+    AuditVerdict,
+    AuditVerifyRequest,
+    EnrollmentTokenCreate,
+    EnrollmentTokenCreated,
+    EnrollRequest,
+    EnrollResponse,
+    ErrorEnvelope,
+    Health,
+    KeyCreate,
+    KeyCreated,
+    KeyList,
+    KeyView,
+    NodeList,
+    NodeView,
+    SignedAuditCheckpoint,
+    TenantCreate,
+    TenantList,
+    TenantView,
+    VersionInfo,
+)
+from nexa.contracts.deployments import (
+    CanaryCreate,
+    DeploymentCreate,
+    DeploymentList,
+    DeploymentView,
+    PlacementView,
+    RolloutResult,
+    ScaleRequest,
+)
+from nexa.contracts.domain import Role
+from nexa.contracts.gateway import (
+    MAX_CHOICES,
+    MAX_MODEL_CHARS,
+    MAX_REQUEST_TOKENS,
+    OpenAIError,
+    Priority,
+    QuotaLimits,
+    QuotaList,
+    QuotaView,
+    SignedReceipt,
+    UsageReport,
+    WorkloadCreate,
+    WorkloadView,
+)
+from nexa.contracts.models import (
+    AliasDetail,
+    AliasList,
+    AliasPromote,
+    AliasReceipt,
+    EvaluationCreate,
+    EvaluationResult,
+    LicenseSet,
+    ModelCreate,
+    ModelDetail,
+    ModelList,
+    ModelRecord,
+    ModelState,
+    RuntimeCreate,
+    RuntimeList,
+    RuntimeRecord,
+    VerifyRequest,
+)
+from nexa.contracts.placement import PlacementDecision
+from nexa.control.api import ROUTE_ROLES
+from nexa.control.http import STATUS
+from nexa.control.inference import DATA_CLASS_HEADER, DEADLINE_HEADER, INFERENCE_ROUTES, PRIORITY_HEADER
+from nexa.errors import (
+    AlreadyExists,
+    AuthError,
+    Cancelled,
+    CheckpointRejected,
+    Conflict,
+    ContractError,
+    DeadlineExceeded,
+    FieldNotSupported,
+    Forbidden,
+    IdempotencyKeyReused,
+    IllegalTransition,
+    ModelNotServed,
+    NexaError,
+    NoReadyReplica,
+    NoReplicaForDataClass,
+    NotDeployable,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    QueueFull,
+    QuotaExceeded,
+    RetentionUnavailable,
+    RuntimeFailed,
+    RuntimeRejected,
+    Unauthenticated,
+    Unavailable,
+    VerificationFailed,
+    WorkloadAlreadyActive,
+)
+
+Json = dict[str, Any]
+
+OPENAPI_VERSION: Final = "3.1.0"
+#: The route this document is served on (with no credential: it describes shapes, never state).
+DOCUMENT_ROUTE: Final = ("GET", "/api/v1/openapi.json")
+_JSON: Final = "application/json"
+_SSE: Final = "text/event-stream"
+#: Media types of answers that are not JSON.
+_TEXT: Final = "text/plain"
+_CSV: Final = "text/csv"
+
+
+@attrs.frozen(kw_only=True)
+class _Param:
+    """A query or header parameter; `schema` is a type the walker knows, or a JSON Schema."""
+
+    name: str
+    schema: Any
+    where: Literal["query", "header"] = "query"
+    description: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class _Op:
+    """What the route table lacks about one route. Types are contract classes (walked into schemas)."""
+
+    summary: str
+    tag: str
+    #: The JSON body: a contract class, or a JSON Schema (the OpenAI bodies, which are free-form).
+    body: Any = None
+    #: `optional`: no body (or `{}`) means every default; `empty`: the route takes none, or `{}`.
+    body_kind: Literal["required", "optional", "empty", "none"] = "none"
+    answer: Any = None
+    status: int = 200
+    #: Other media types the success answer may have (`text/event-stream` for streams, CSV, metrics).
+    also: tuple[str, ...] = ()
+    media: str = _JSON
+    params: tuple[_Param, ...] = ()
+    #: Errors particular to this route, over those every route of its kind can answer.
+    errors: tuple[type[NexaError], ...] = ()
+
+
+_EMPTY: Final[Json] = {"type": "object", "maxProperties": 0, "description": "no body, or an empty object"}
+_ANY_OBJECT: Final[Json] = {"type": "object"}
+_PUBLIC_KEY: Final[Json] = {
+    "type": "object",
+    "properties": {"public_key": {"type": "string", "description": "Ed25519 public key, base64"}},
+    "required": ["public_key"],
+    "additionalProperties": False,
+}
+_OPENAI_MODELS: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"const": "model"},
+                    "created": {"type": "integer"},
+                    "owned_by": {"type": "string"},
+                },
+                "required": ["id", "object", "created", "owned_by"],
+            },
+        },
+    },
+    "required": ["object", "data"],
+}
+
+
+def _openai_body(prompt: str, prompt_schema: Json, *, generates: bool) -> Json:
+    """An OpenAI request body: free-form (passed to the runtime), with the fields the gateway checks."""
+    props: Json = {
+        "model": {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS, "description": "an alias"},
+        prompt: prompt_schema,
+    }
+    if generates:
+        tokens = {"type": "integer", "minimum": 1, "maximum": MAX_REQUEST_TOKENS}
+        props |= {
+            "stream": {"type": "boolean", "default": False},
+            "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+            "max_tokens": tokens,
+            "max_completion_tokens": tokens,
+            "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+        }
+    return {"type": "object", "properties": props, "required": ["model", prompt], "additionalProperties": True}
+
+
+_CHAT_BODY: Final = _openai_body(
+    "messages", {"type": "array", "items": {"type": "object"}, "minItems": 1}, generates=True
+)
+_COMPLETION_BODY: Final = _openai_body("prompt", {"type": ["string", "array"]}, generates=True)
+_EMBEDDING_BODY: Final = _openai_body("input", {"type": ["string", "array"]}, generates=False)
+
+_UNIX_S: Final[Json] = {"type": "number", "description": "Unix seconds"}
+_AUDIT_QUERY: Final = (
+    _Param(name="limit", schema={"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}),
+    _Param(name="after", schema={"type": "integer", "minimum": 0, "maximum": 2**62}, description="a cursor: seq"),
+    _Param(name="action", schema=str),
+    _Param(name="actor", schema=str, description="an API key id"),
+    _Param(name="target", schema=str),
+    _Param(name="since", schema=_UNIX_S),
+    _Param(name="until", schema=_UNIX_S),
+)
+_USAGE_QUERY: Final = (
+    _Param(name="since", schema=_UNIX_S, description="default: 30 days before until"),
+    _Param(name="until", schema=_UNIX_S, description="default: now"),
+    _Param(name="format", schema={"enum": ["json", "csv"], "default": "json"}),
+    _Param(name="tenant", schema=str),
+    _Param(name="model", schema=str),
+)
+_INFERENCE_HEADERS: Final = (
+    _Param(name=PRIORITY_HEADER, schema=Priority, where="header", description="admission priority"),
+    _Param(
+        name=DEADLINE_HEADER,
+        schema={"type": "integer", "minimum": 1},
+        where="header",
+        description="milliseconds from now (at most the gateway's max_deadline_s)",
+    ),
+    _Param(name=DATA_CLASS_HEADER, schema=str, where="header", description="only nodes allowed it serve it"),
+)
+_SERVING: Final = (
+    ModelNotServed,
+    Overloaded,
+    QuotaExceeded,
+    QueueFull,
+    NoReadyReplica,
+    NoReplicaForDataClass,
+    RuntimeFailed,
+    RuntimeRejected,
+    DeadlineExceeded,
+    FieldNotSupported,
+)
+_NODE_ACTION: Final = (IllegalTransition,)
+
+#: Every route's bodies, parameters and particular errors (data; see the module docstring).
+_OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
+    # ---- health and meta
+    ("GET", "/healthz"): _Op(summary="Liveness", tag="meta", answer=Health),
+    ("GET", "/readyz"): _Op(summary="Readiness", tag="meta", answer=Health, errors=(Unavailable,)),
+    ("GET", "/version"): _Op(summary="Version and store epoch", tag="meta", answer=VersionInfo),
+    ("GET", "/metrics"): _Op(summary="Prometheus metrics", tag="meta", answer={"type": "string"}, media=_TEXT),
+    DOCUMENT_ROUTE: _Op(summary="This OpenAPI document", tag="meta", answer=_ANY_OBJECT),
+    # ---- keys, tenants, enrollment
+    ("POST", "/api/v1/keys"): _Op(
+        summary="Create an API key (its secret is shown once)",
+        tag="keys",
+        body=KeyCreate,
+        body_kind="required",
+        answer=KeyCreated,
+        status=201,
+        errors=(NotFound,),
+    ),
+    ("GET", "/api/v1/keys"): _Op(summary="List API keys", tag="keys", answer=KeyList),
+    ("DELETE", "/api/v1/keys/<key_id>"): _Op(
+        summary="Revoke an API key", tag="keys", answer=KeyView, errors=(Conflict,)
+    ),
+    ("POST", "/api/v1/tenants"): _Op(
+        summary="Create a tenant",
+        tag="tenants",
+        body=TenantCreate,
+        body_kind="required",
+        answer=TenantView,
+        status=201,
+        errors=(AlreadyExists,),
+    ),
+    ("GET", "/api/v1/tenants"): _Op(summary="List tenants", tag="tenants", answer=TenantList),
+    ("POST", "/api/v1/enrollment-tokens"): _Op(
+        summary="Create a one-time node enrollment token",
+        tag="nodes",
+        body=EnrollmentTokenCreate,
+        body_kind="required",
+        answer=EnrollmentTokenCreated,
+        status=201,
+    ),
+    ("POST", "/api/v1/enroll"): _Op(
+        summary="Enroll a node (authenticated by the one-time token in the body)",
+        tag="nodes",
+        body=EnrollRequest,
+        body_kind="required",
+        answer=EnrollResponse,
+        status=201,
+        errors=(AuthError,),
+    ),
+    # ---- nodes
+    ("GET", "/api/v1/nodes"): _Op(summary="List nodes", tag="nodes", answer=NodeList),
+    ("GET", "/api/v1/nodes/<node_id>"): _Op(summary="Show a node", tag="nodes", answer=NodeView),
+    ("POST", "/api/v1/nodes/<node_id>/cordon"): _Op(
+        summary="Cordon a node", tag="nodes", answer=NodeView, errors=_NODE_ACTION
+    ),
+    ("POST", "/api/v1/nodes/<node_id>/uncordon"): _Op(
+        summary="Uncordon a node", tag="nodes", answer=NodeView, errors=_NODE_ACTION
+    ),
+    ("POST", "/api/v1/nodes/<node_id>/drain"): _Op(
+        summary="Drain a node", tag="nodes", answer=NodeView, errors=_NODE_ACTION
+    ),
+    ("POST", "/api/v1/nodes/<node_id>/revoke"): _Op(
+        summary="Revoke a node's credentials", tag="nodes", answer=NodeView, errors=_NODE_ACTION
+    ),
+    # ---- audit
+    ("GET", "/api/v1/audit"): _Op(
+        summary="Page through the audit chain", tag="audit", answer=AuditPage, params=_AUDIT_QUERY
+    ),
+    ("POST", "/api/v1/audit/verify"): _Op(
+        summary="Verify the audit chain, optionally against a signed checkpoint",
+        tag="audit",
+        body=AuditVerifyRequest,
+        body_kind="optional",
+        answer=AuditVerdict,
+        errors=(CheckpointRejected,),
+    ),
+    ("GET", "/api/v1/audit/head"): _Op(
+        summary="The chain's head, signed (keep it to verify against later)", tag="audit", answer=SignedAuditCheckpoint
+    ),
+    # ---- runtimes, models, aliases
+    ("POST", "/api/v1/runtimes"): _Op(
+        summary="Register a runtime image",
+        tag="registry",
+        body=RuntimeCreate,
+        body_kind="required",
+        answer=RuntimeRecord,
+        status=201,
+        errors=(AlreadyExists, VerificationFailed, Unavailable),
+    ),
+    ("GET", "/api/v1/runtimes"): _Op(summary="List runtimes", tag="registry", answer=RuntimeList),
+    ("GET", "/api/v1/runtimes/<name>"): _Op(summary="Show a runtime", tag="registry", answer=RuntimeRecord),
+    ("POST", "/api/v1/models"): _Op(
+        summary="Register a model version",
+        tag="registry",
+        body=ModelCreate,
+        body_kind="required",
+        answer=ModelRecord,
+        status=201,
+        errors=(AlreadyExists,),
+    ),
+    ("GET", "/api/v1/models"): _Op(
+        summary="List model versions",
+        tag="registry",
+        answer=ModelList,
+        params=(_Param(name="name", schema=str), _Param(name="state", schema=ModelState)),
+    ),
+    ("GET", "/api/v1/models/<name>/<version>"): _Op(summary="Show a model version", tag="registry", answer=ModelDetail),
+    ("POST", "/api/v1/models/<name>/<version>/license"): _Op(
+        summary="Record a model's license",
+        tag="registry",
+        body=LicenseSet,
+        body_kind="required",
+        answer=ModelRecord,
+        errors=(Conflict,),
+    ),
+    ("POST", "/api/v1/models/<name>/<version>/verify"): _Op(
+        summary="Verify a model's artifact (digest, size, signature)",
+        tag="registry",
+        body=VerifyRequest,
+        body_kind="optional",
+        answer=ModelRecord,
+        errors=(Conflict, VerificationFailed, Unavailable),
+    ),
+    ("POST", "/api/v1/models/<name>/<version>/evaluations"): _Op(
+        summary="Record an evaluation",
+        tag="registry",
+        body=EvaluationCreate,
+        body_kind="required",
+        answer=EvaluationResult,
+        status=201,
+        errors=(Conflict,),
+    ),
+    ("POST", "/api/v1/models/<name>/<version>/approve"): _Op(
+        summary="Approve a model version", tag="registry", body_kind="empty", answer=ModelRecord, errors=(Conflict,)
+    ),
+    ("POST", "/api/v1/models/<name>/<version>/retire"): _Op(
+        summary="Retire a model version", tag="registry", body_kind="empty", answer=ModelRecord, errors=(Conflict,)
+    ),
+    ("GET", "/api/v1/aliases"): _Op(summary="List aliases", tag="registry", answer=AliasList),
+    ("GET", "/api/v1/aliases/<name>"): _Op(summary="Show an alias and its history", tag="registry", answer=AliasDetail),
+    ("POST", "/api/v1/aliases/<name>/promote"): _Op(
+        summary="Point an alias at an approved model version",
+        tag="registry",
+        body=AliasPromote,
+        body_kind="required",
+        answer=AliasReceipt,
+        errors=(Conflict,),
+    ),
+    ("POST", "/api/v1/aliases/<name>/rollback"): _Op(
+        summary="Point an alias back at its previous target",
+        tag="registry",
+        body_kind="empty",
+        answer=AliasReceipt,
+        errors=(Conflict,),
+    ),
+    # ---- deployments and capacity
+    ("POST", "/api/v1/deployments"): _Op(
+        summary="Create a deployment",
+        tag="deployments",
+        body=DeploymentCreate,
+        body_kind="required",
+        answer=DeploymentView,
+        status=201,
+        errors=(AlreadyExists, NotDeployable),
+    ),
+    ("GET", "/api/v1/deployments"): _Op(summary="List deployments", tag="deployments", answer=DeploymentList),
+    ("GET", "/api/v1/deployments/<name>"): _Op(summary="Show a deployment", tag="deployments", answer=DeploymentView),
+    ("DELETE", "/api/v1/deployments/<name>"): _Op(
+        summary="Delete a deployment", tag="deployments", answer=DeploymentView, errors=(Conflict,)
+    ),
+    ("GET", "/api/v1/deployments/<name>/placement"): _Op(
+        summary="Explain a deployment's placement", tag="deployments", answer=PlacementView
+    ),
+    ("POST", "/api/v1/deployments/<name>/scale"): _Op(
+        summary="Scale a deployment",
+        tag="deployments",
+        body=ScaleRequest,
+        body_kind="required",
+        answer=DeploymentView,
+        errors=(Conflict, NotDeployable),
+    ),
+    ("POST", "/api/v1/deployments/<name>/canary"): _Op(
+        summary="Start a canary",
+        tag="deployments",
+        body=CanaryCreate,
+        body_kind="required",
+        answer=DeploymentView,
+        status=201,
+        errors=(Conflict, NotDeployable),
+    ),
+    ("POST", "/api/v1/deployments/<name>/promote"): _Op(
+        summary="Promote the canary", tag="deployments", body_kind="empty", answer=RolloutResult, errors=(Conflict,)
+    ),
+    ("POST", "/api/v1/deployments/<name>/rollback"): _Op(
+        summary="Roll the deployment back",
+        tag="deployments",
+        body_kind="empty",
+        answer=RolloutResult,
+        errors=(Conflict,),
+    ),
+    ("POST", "/api/v1/capacity/forecast"): _Op(
+        summary="Where a deployment would be placed (changes nothing)",
+        tag="deployments",
+        body=DeploymentCreate,
+        body_kind="required",
+        answer=PlacementDecision,
+        errors=(NotDeployable,),
+    ),
+    # ---- usage, quotas, receipts
+    ("GET", "/api/v1/usage"): _Op(
+        summary="Usage by tenant, model and UTC day", tag="usage", answer=UsageReport, also=(_CSV,), params=_USAGE_QUERY
+    ),
+    ("GET", "/api/v1/quotas"): _Op(summary="Every tenant's quota and use", tag="usage", answer=QuotaList),
+    ("GET", "/api/v1/quotas/<tenant>"): _Op(summary="A tenant's quota and use", tag="usage", answer=QuotaView),
+    ("PUT", "/api/v1/quotas/<tenant>"): _Op(
+        summary="Set a tenant's quota", tag="usage", body=QuotaLimits, body_kind="required", answer=QuotaView
+    ),
+    ("GET", "/api/v1/receipts/public-key"): _Op(
+        summary="The key workload receipts are signed with", tag="usage", answer=_PUBLIC_KEY
+    ),
+    # ---- inference
+    ("GET", "/v1/models"): _Op(summary="Served models (OpenAI)", tag="openai", answer=_OPENAI_MODELS),
+    ("POST", "/v1/chat/completions"): _Op(
+        summary="Chat completion (OpenAI)",
+        tag="openai",
+        body=_CHAT_BODY,
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        also=(_SSE,),
+        params=_INFERENCE_HEADERS,
+        errors=_SERVING,
+    ),
+    ("POST", "/v1/completions"): _Op(
+        summary="Completion (OpenAI)",
+        tag="openai",
+        body=_COMPLETION_BODY,
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        also=(_SSE,),
+        params=_INFERENCE_HEADERS,
+        errors=_SERVING,
+    ),
+    ("POST", "/v1/embeddings"): _Op(
+        summary="Embeddings (OpenAI)",
+        tag="openai",
+        body=_EMBEDDING_BODY,
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        params=_INFERENCE_HEADERS,
+        errors=_SERVING,
+    ),
+    ("POST", "/api/v1/workloads"): _Op(
+        summary="Run a workload (the nexa.v1 envelope)",
+        tag="workloads",
+        body=WorkloadCreate,
+        body_kind="required",
+        answer=WorkloadView,
+        also=(_SSE,),
+        errors=(*_SERVING, IdempotencyKeyReused, RetentionUnavailable, WorkloadAlreadyActive, Cancelled),
+    ),
+    ("GET", "/api/v1/workloads/<workload_id>"): _Op(summary="A workload's state", tag="workloads", answer=WorkloadView),
+    ("POST", "/api/v1/workloads/<workload_id>/cancel"): _Op(
+        summary="Cancel a workload", tag="workloads", answer=WorkloadView, status=202
+    ),
+    ("GET", "/api/v1/workloads/<workload_id>/receipt"): _Op(
+        summary="A finished workload's signed receipt", tag="workloads", answer=SignedReceipt, errors=(Conflict,)
+    ),
+}
+
+
+def routes() -> dict[tuple[str, str], frozenset[Role] | None]:
+    """Every HTTP route of the controller (console pages aside) and the roles that may call it."""
+    return {**ROUTE_ROLES, **INFERENCE_ROUTES}
+
+
+def document() -> Json:
+    """The OpenAPI 3.1 document of every management and inference route."""
+    table = routes()
+    missing = sorted(set(table) - set(_OPERATIONS))
+    stale = sorted(set(_OPERATIONS) - set(table))
+    if missing or stale:
+        raise LookupError(f"openapi: routes without a description {missing}; descriptions without a route {stale}")
+    schemas = _Schemas()
+    paths: Json = {}
+    for (method, rule), roles in table.items():
+        path = _path(rule)
+        paths.setdefault(path, {})[method.lower()] = _operation(
+            method, rule, roles, _OPERATIONS[(method, rule)], schemas
+        )
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {
+            "title": "LunaNexa controller",
+            "version": __version__,
+            "description": (
+                "Management (`/api/v1`) and inference (`/v1`, OpenAI-compatible; `/api/v1/workloads`) routes."
+                " Every operation lists the roles that may call it in `x-nexa-roles` (empty: no credential)"
+                " and the error codes it can answer in each error response's `x-nexa-error-codes`."
+                " Errors come in nexa's envelope, on `/v1` in OpenAI's shape."
+            ),
+        },
+        "paths": paths,
+        "components": {
+            "schemas": schemas.components,
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "an API key (`nxk_...`)"},
+            },
+        },
+    }
+
+
+def document_json() -> bytes:
+    """`document()` as the bytes the route answers."""
+    return json.dumps(document(), sort_keys=True, separators=(",", ":")).encode()
+
+
+def _path(rule: str) -> str:
+    return "/".join(f"{{{p[1:-1]}}}" if p.startswith("<") else p for p in rule.split("/"))
+
+
+def _path_params(rule: str) -> list[str]:
+    return [p[1:-1] for p in rule.split("/") if p.startswith("<")]
+
+
+def _operation(method: str, rule: str, roles: frozenset[Role] | None, op: _Op, schemas: _Schemas) -> Json:
+    openai = rule.startswith("/v1/")
+    out: Json = {
+        "operationId": _operation_id(method, rule),
+        "summary": op.summary,
+        "tags": [op.tag],
+        "x-nexa-roles": sorted(r.value for r in roles or ()),
+        "security": [{"bearer": []}] if roles is not None else [],
+    }
+    params: list[Json] = [
+        {"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+        for name in _path_params(rule)
+    ]
+    for p in op.params:
+        param: Json = {"name": p.name, "in": p.where, "required": False, "schema": schemas.of(p.schema)}
+        if p.description:
+            param["description"] = p.description
+        params.append(param)
+    params.append(
+        {
+            "name": "X-Request-Id",
+            "in": "header",
+            "required": False,
+            "description": "a request id to echo (1-128 of A-Z a-z 0-9 . _ : -); otherwise one is made",
+            "schema": {"type": "string"},
+        }
+    )
+    out["parameters"] = params
+    if op.body_kind != "none":
+        body = _EMPTY if op.body_kind == "empty" else schemas.of(op.body)
+        out["requestBody"] = {"required": op.body_kind == "required", "content": {_JSON: {"schema": body}}}
+    success: Json = {op.media: {"schema": schemas.of(op.answer)}}
+    for media in op.also:
+        success[media] = {"schema": {"type": "string"}}
+    responses: Json = {str(op.status): {"description": op.summary, "content": success}}
+    error_schema = schemas.of(OpenAIError if openai else ErrorEnvelope)
+    for status, codes in sorted(_error_codes(method, rule, roles, op).items()):
+        responses[str(status)] = {
+            "description": "error: " + ", ".join(codes),
+            "x-nexa-error-codes": codes,
+            "content": {_JSON: {"schema": error_schema}},
+        }
+    out["responses"] = responses
+    return out
+
+
+def _operation_id(method: str, rule: str) -> str:
+    """As `api._view_name` names handlers (`get_nodes_by_node_id`); OpenAI routes get `openai_`."""
+    parts = [f"by_{p[1:-1]}" if p.startswith("<") else p for p in rule.strip("/").split("/") if p not in {"api", "v1"}]
+    prefix = ["openai"] if rule.startswith("/v1/") else []
+    return "_".join([method.lower(), *prefix, *parts]).replace("-", "_").replace(".", "_")
+
+
+def _error_codes(method: str, rule: str, roles: frozenset[Role] | None, op: _Op) -> dict[int, list[str]]:
+    """Status → the error codes a route can answer with it: those of its kind, then its own."""
+    errors: list[type[NexaError]] = []
+    if roles is not None:
+        errors += [Unauthenticated, Forbidden]
+    if op.body_kind != "none" or op.params:
+        errors += [ContractError]
+    if op.body_kind != "none" or method in {"POST", "PUT"}:
+        errors += [PayloadTooLarge]
+    if _path_params(rule):
+        errors += [NotFound]
+    errors += op.errors
+    out: dict[int, list[str]] = {}
+    for cls in errors:
+        codes = out.setdefault(_status(cls), [])
+        if cls.code not in codes:
+            codes.append(cls.code)
+    return out
+
+
+def _status(cls: type[NexaError]) -> int:
+    return next((STATUS[c] for c in cls.__mro__ if c in STATUS), 500)
+
+
+class _Schemas:
+    """Contract types → JSON Schema (2020-12, as OpenAPI 3.1 has it); classes and enums become
+    components, referred to by `$ref`."""
+
+    def __init__(self) -> None:
+        self.components: Json = {}
+        self._names: dict[type, str] = {}
+
+    def of(self, tp: Any) -> Json:  # noqa: PLR0911, PLR0912 -- one case per kind of annotation
+        if isinstance(tp, dict):
+            return tp  # a JSON Schema given as data
+        if tp is None or tp is type(None):
+            return {"type": "null"}
+        supertype = getattr(tp, "__supertype__", None)
+        if supertype is not None:  # a NewType id
+            return self.of(supertype)
+        origin = typing.get_origin(tp)
+        args = typing.get_args(tp)
+        if origin in {typing.Union, types.UnionType}:
+            return {"anyOf": [self.of(a) for a in args]}
+        if origin is Literal:
+            return {"enum": list(args)}
+        if origin in {list, tuple} and (origin is list or (len(args) == 2 and args[1] is Ellipsis)):
+            return {"type": "array", "items": self.of(args[0])}
+        if origin is tuple:
+            return {
+                "type": "array",
+                "prefixItems": [self.of(a) for a in args],
+                "minItems": len(args),
+                "maxItems": len(args),
+            }
+        if origin is dict:
+            return {"type": "object", "additionalProperties": self.of(args[1])}
+        if tp is bool:
+            return {"type": "boolean"}
+        if tp is int:
+            return {"type": "integer", "minimum": -codec.MAX_INT, "maximum": codec.MAX_INT}
+        if tp is float:
+            return {"type": "number"}
+        if tp is str:
+            return {"type": "string"}
+        if tp is object or tp is Any:
+            return {}
+        if inspect.isclass(tp) and issubclass(tp, enum.Enum):
+            return self._component(tp, lambda: {"type": "string", "enum": [m.value for m in tp]})
+        if inspect.isclass(tp) and attrs.has(tp):
+            return self._component(tp, lambda: self._object(tp))
+        raise TypeError(f"openapi: no JSON Schema for {tp!r}")
+
+    def _component(self, cls: type, build: typing.Callable[[], Json]) -> Json:
+        name = self._names.get(cls)
+        if name is None:
+            name = cls.__name__ if cls.__name__ not in self.components else f"{cls.__module__}.{cls.__name__}"
+            name = name.replace("nexa.contracts.", "").replace(".", "_")
+            self._names[cls] = name
+            self.components[name] = {}  # reserved first: a class may refer to itself
+            schema = build()
+            doc = inspect.getdoc(cls)
+            if doc and doc != inspect.getdoc(cls.__mro__[1]):
+                schema["description"] = doc.split("\n\n")[0].replace("\n", " ")
+            self.components[name] = schema
+        return {"$ref": f"#/components/schemas/{name}"}
+
+    def _object(self, cls: type) -> Json:
+        """An attrs class as the API codec reads and writes it: every field a key (renamed by
+        `JSON_NAMES`), fields without a default required, no other key allowed."""
+        hints = typing.get_type_hints(cls)
+        renamed: Mapping[str, str] = getattr(cls, "JSON_NAMES", None) or {}
+        props: Json = {}
+        required: list[str] = []
+        for field in attrs.fields(cls):
+            if not field.init:
+                continue  # cattrs neither reads nor writes these
+            key = renamed.get(field.name, field.name)
+            schema = dict(self.of(hints[field.name]))
+            default = _json_default(field)
+            if field.default is attrs.NOTHING:
+                required.append(key)
+            elif default is not _NO_DEFAULT:
+                schema = {"allOf": [schema], "default": default} if "$ref" in schema else {**schema, "default": default}
+            props[key] = schema
+        out: Json = {"type": "object", "properties": props, "additionalProperties": False}
+        if required:
+            out["required"] = required
+        return out
+
+
+_NO_DEFAULT: Final = object()
+
+
+def _json_default(field: attrs.Attribute[Any]) -> object:
+    """A field's default as JSON, or `_NO_DEFAULT` when it has none that JSON can show."""
+    default = field.default
+    if default is attrs.NOTHING:
+        return _NO_DEFAULT
+    factory = getattr(default, "factory", None)  # an `attrs.Factory` (a function to mypy)
+    if callable(factory):
+        if getattr(default, "takes_self", False):
+            return _NO_DEFAULT
+        default = factory()
+    try:
+        return json.loads(codec.dumps(codec.api, default))
+    except (TypeError, ValueError):
+        return _NO_DEFAULT

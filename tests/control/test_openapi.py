@@ -1,0 +1,306 @@
+"""The OpenAPI document (`GET /api/v1/openapi.json`): valid, complete, served, and fuzzed with
+schemathesis against a real `nexa control` process with every kind of key."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
+from openapi_spec_validator import validate
+
+from nexa.control import openapi
+from nexa.control.api import ROUTE_ROLES
+from nexa.control.inference import INFERENCE_ROUTES
+from nexa.messaging import generate_curve_keypair
+from nexa.security import generate_signing_key, split_enrollment_token
+from tests.conftest import Controller, ControllerProcess
+
+#: Examples per operation, generation mode (positive, negative) and key: with the keys the route
+#: serves, and with each other key (its refusals). ~55 operations keep the run to a few minutes.
+FUZZ_EXAMPLES = 12
+FUZZ_REFUSED_EXAMPLES = 2
+#: Reproducible in CI; set False by hand to explore further.
+FUZZ_DERANDOMIZE = True
+#: Loopback only: a registry reference the controller would dial is pinned to a closed local port.
+_LOOPBACK_REGISTRY = "127.0.0.1:1/x"
+
+
+def _operations(doc: dict[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {
+        (method.upper(), path): op
+        for path, item in doc["paths"].items()
+        for method, op in item.items()
+        if method in {"get", "put", "post", "delete", "patch"}
+    }
+
+
+def _template(rule: str) -> str:
+    return rule.replace("<", "{").replace(">", "}")
+
+
+def test_the_document_is_valid_openapi_3_1() -> None:
+    doc = openapi.document()
+    assert doc["openapi"].startswith("3.1")
+    validate(doc)  # openapi-spec-validator: raises on any violation of the 3.1 schema
+    # The generator is deterministic: the served bytes are the same document.
+    assert json.loads(openapi.document_json()) == doc
+
+
+def test_every_route_is_described_with_its_roles_and_errors() -> None:
+    doc = openapi.document()
+    ops = _operations(doc)
+    table = {**ROUTE_ROLES, **INFERENCE_ROUTES}
+    assert set(ops) == {(m, _template(r)) for m, r in table}
+    for (method, rule), roles in table.items():
+        op = ops[(method, _template(rule))]
+        assert op["x-nexa-roles"] == sorted(r.value for r in roles or ())
+        assert op["security"] == ([] if roles is None else [{"bearer": []}])
+        errors = {status: r for status, r in op["responses"].items() if int(status) >= 400}
+        if roles is not None:
+            assert "unauthenticated" in errors["401"]["x-nexa-error-codes"]
+            assert "forbidden" in errors["403"]["x-nexa-error-codes"]
+        if "<" in rule:
+            assert "not_found" in errors["404"]["x-nexa-error-codes"]
+        envelope = "OpenAIError" if rule.startswith("/v1/") else "ErrorEnvelope"
+        for response in errors.values():
+            assert response["content"]["application/json"]["schema"]["$ref"].endswith("/" + envelope)
+    # The one keyless document route is itself in the table.
+    assert ROUTE_ROLES[openapi.DOCUMENT_ROUTE] is None
+
+
+def test_a_route_without_a_description_fails_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(openapi, "ROUTE_ROLES", {**ROUTE_ROLES, ("GET", "/api/v1/new-thing"): None})
+    with pytest.raises(LookupError, match="new-thing"):
+        openapi.document()
+
+
+def test_bodies_are_generated_from_the_contract_types() -> None:
+    schemas = openapi.document()["components"]["schemas"]
+    key_create = schemas["KeyCreate"]
+    # Required = the fields without a default; unknown keys refused, as the API codec does.
+    assert key_create["required"] == ["role"]
+    assert key_create["additionalProperties"] is False
+    assert key_create["properties"]["role"] == {"$ref": "#/components/schemas/Role"}
+    assert schemas["Role"]["enum"] == ["admin", "operator", "inference", "audit", "monitoring"]
+    assert key_create["properties"]["tenant"]["anyOf"] == [{"type": "string"}, {"type": "null"}]
+    # JSON names differ from Python's where a class says so (`from_` is `from` on the wire).
+    assert "from" in schemas["AliasReceipt"]["properties"]
+    assert "from_" not in schemas["AliasReceipt"]["properties"]
+    # tuple[X, ...] is an array; dict[str, float] an object of numbers.
+    assert schemas["NodeInventory"]["properties"]["gpus"]["type"] == "array"
+    metrics = schemas["EvaluationCreate"]["properties"]["metrics"]
+    assert metrics == {"type": "object", "additionalProperties": {"type": "number"}}
+
+
+async def test_the_document_is_served_without_a_key(controller: Controller) -> None:
+    async with httpx.AsyncClient(base_url=controller.url) as http:
+        resp = await http.get("/api/v1/openapi.json")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("application/json")
+    assert resp.json() == openapi.document()
+
+
+def test_nexa_openapi_prints_the_same_document() -> None:
+    out = subprocess.run([sys.executable, "-m", "nexa", "openapi"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == openapi.document()
+
+
+# ---- what the fuzzer found (each was a 500) ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "query"),
+    [
+        ("/api/v1/usage", "since=nan"),
+        ("/api/v1/usage", "until=inf"),
+        ("/api/v1/audit", "since=-Infinity"),
+        ("/api/v1/audit", "limit=%C2%B2"),  # "²".isdigit() is true; int() refuses it
+        ("/api/v1/audit", "after=" + "9" * 5000),  # int() refuses more than 4300 digits
+    ],
+)
+async def test_bad_query_numbers_are_400(controller: Controller, path: str, query: str) -> None:
+    async with controller.client() as http:
+        resp = await http.get(f"{path}?{query}")
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize("deadline", [b"\xb2", b"1" * 5000, b"-5", b"1.5"])
+async def test_a_bad_deadline_header_is_400_in_openai_shape(controller: Controller, deadline: bytes) -> None:
+    async with controller.client() as http:
+        assert (await http.post("/api/v1/tenants", json={"id": "acme"})).status_code == 201
+        made = await http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"})
+    key = made.json()["key"]
+    async with controller.client(key) as http:
+        resp = await http.post(
+            "/v1/chat/completions",
+            headers={"x-nexa-deadline-ms": deadline},
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "invalid_request"
+    assert error["type"] == "invalid_request_error"
+
+
+# ---- fuzzing ----------------------------------------------------------------------------------------
+
+
+def _envelope_problem(case: schemathesis.Case, response: schemathesis.Response) -> str | None:
+    """Why a 4xx answer is not in its route's error shape, or None."""
+    try:
+        body = json.loads(response.content)
+    except ValueError:
+        return "not JSON"
+    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
+        return "not {'error': {...}}"
+    error = body["error"]
+    if case.path.startswith("/v1/"):
+        if not {"message", "type", "code"} <= set(error):
+            return "not OpenAI's error shape"
+        return None
+    if set(error) != {"code", "message", "retryable", "request_id"}:
+        return f"envelope keys {sorted(error)}"
+    if error["request_id"] != response.headers.get("x-request-id", [""])[0]:
+        return "request_id is not the X-Request-Id header"
+    return None
+
+
+def _loopback_only(case: schemathesis.Case) -> schemathesis.Case:
+    """Pin any image reference to a loopback registry, so no fuzzed request makes the controller
+    dial out (runtime registration fetches the image's manifest from its registry)."""
+    if isinstance(case.body, dict) and isinstance(case.body.get("image"), str):
+        case.body["image"] = _LOOPBACK_REGISTRY + case.body["image"]
+    return case
+
+
+def _make_keys(url: str, admin: str) -> dict[str, str | None]:
+    keys: dict[str, str | None] = {"admin": admin, "none": None}
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=10) as http:
+        assert http.post("/api/v1/tenants", json={"id": "fuzz"}).status_code == 201
+        for role in ("operator", "inference", "audit"):
+            body = {"role": role, "name": f"fuzz {role}", "tenant": "fuzz" if role == "inference" else None}
+            resp = http.post("/api/v1/keys", json=body)
+            assert resp.status_code == 201, resp.text
+            keys[role] = resp.json()["key"]
+    return keys
+
+
+def _seed(url: str, admin: str) -> dict[str, str]:
+    """Something for path parameters to name (an enrolled node, a spare key, the tenant), so the
+    fuzzer also reaches answers past `not_found`: their schemas are checked too."""
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=10) as http:
+        token = http.post("/api/v1/enrollment-tokens", json={}).json()["token"]
+        enrolled = http.post(
+            "/api/v1/enroll",
+            json={
+                "token": split_enrollment_token(token)[0],
+                "hostname": "fuzz-node",
+                "signing_public_key": generate_signing_key().public.b64,
+                "curve_public_key": generate_curve_keypair().public,
+            },
+        )
+        assert enrolled.status_code == 201, enrolled.text
+        spare = http.post("/api/v1/keys", json={"role": "monitoring", "name": "spare"})
+        assert spare.status_code == 201, spare.text
+    return {"node_id": enrolled.json()["node_id"], "key_id": spare.json()["info"]["id"], "tenant": "fuzz"}
+
+
+def _fuzz_operation(
+    operation: schemathesis.APIOperation,
+    mode: schemathesis.GenerationMode,
+    url: str,
+    role: str,
+    key: str | None,
+    examples: int,
+    path_parameters: dict[str, str] | None = None,
+) -> set[int]:
+    """Send `examples` generated requests with one key; every answer is checked. The statuses seen."""
+    seen: set[int] = set()
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=FUZZ_DERANDOMIZE,
+        phases=[Phase.explicit, Phase.generate],  # no shrinking: the report names the request
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(operation.as_strategy(generation_mode=mode, path_parameters=path_parameters).map(_loopback_only))
+    def run(case: schemathesis.Case) -> None:
+        response = case.call(base_url=url, headers=headers, timeout=30)
+        status = response.status_code
+        seen.add(status)
+        where = f"{case.method} {case.formatted_path} as {role} ({mode.value}) -> {status}"
+        assert status < 500, f"{where}: {response.content[:500]!r}"
+        if 400 <= status < 500:
+            problem = _envelope_problem(case, response)
+            assert problem is None, f"{where}: {problem}: {response.content[:500]!r}"
+        # The document tells the truth: the status is one it lists, a JSON answer has its schema.
+        checks = [schemathesis.checks.status_code_conformance]
+        if response.headers.get("content-type", [""])[0].startswith("application/json"):
+            checks.append(schemathesis.checks.response_schema_conformance)
+        try:
+            case.validate_response(response, checks=checks)
+        except schemathesis.errors.FailureGroup as group:
+            found = "; ".join(str(e).strip().splitlines()[0] for e in group.exceptions)
+            raise AssertionError(f"{where}: {found}") from None
+
+    run()
+    return seen
+
+
+@pytest.mark.slow
+def test_fuzz_every_route_with_every_role(controller_process: ControllerProcess, tmp_path: Path) -> None:
+    url = controller_process.url
+    assert url.startswith("http://127.0.0.1:")  # fuzzing never leaves loopback
+    assert controller_process.admin_key is not None
+    keys = _make_keys(url, controller_process.admin_key)
+    known = _seed(url, controller_process.admin_key)
+    # The schema as served, not as generated here.
+    doc = httpx.get(url + "/api/v1/openapi.json", timeout=10).json()
+    schema = schemathesis.openapi.from_dict(doc)
+    statuses: dict[str, set[int]] = {role: set() for role in keys}
+    fuzzed: set[tuple[str, str]] = set()
+    failures: list[str] = []
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        allowed = set(_operations(doc)[(operation.method.upper(), operation.path)]["x-nexa-roles"])
+        modes = [schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE]
+        for role, key in keys.items():
+            # Most examples with the keys the route serves; a few with the others (401/403 shape).
+            examples = FUZZ_EXAMPLES if role in allowed or not allowed else FUZZ_REFUSED_EXAMPLES
+            for mode in list(modes):
+                try:
+                    statuses[role] |= _fuzz_operation(operation, mode, url, role, key, examples)
+                except AssertionError as exc:
+                    failures.append(str(exc).splitlines()[0])
+                except Unsatisfiable:
+                    if mode is schemathesis.GenerationMode.POSITIVE:
+                        failures.append(f"{operation.label}: no example could be generated")
+                    # Nothing to negate (no body, no parameter with a type to break): positive only.
+                    modes.remove(mode)
+            names = {parameter.name for parameter in operation.path_parameters}
+            if names and names <= set(known) and (role in allowed or not allowed):
+                ids = {name: known[name] for name in names}
+                try:
+                    statuses[role] |= _fuzz_operation(operation, modes[0], url, role, key, examples, ids)
+                except AssertionError as exc:
+                    failures.append(str(exc).splitlines()[0])
+        fuzzed.add((operation.method.upper(), operation.path))
+    assert not failures, "\n".join(failures)
+    assert fuzzed == set(_operations(doc))
+    # Every kind of key was used, and got answers past authentication.
+    for role in ("admin", "operator", "inference", "audit"):
+        assert statuses[role] - {401, 403}, f"{role}: only {statuses[role]}"
+    assert controller_process.proc is not None and controller_process.proc.poll() is None
+    assert httpx.get(url + "/healthz", timeout=10).json() == {"status": "ok"}

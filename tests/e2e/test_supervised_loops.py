@@ -1,0 +1,229 @@
+"""Supervised loops, for real: a controller and a `serve_node` agent in this trio run, a `sim` runtime.
+
+One loop at a time is made to fail once (a method it calls raises ValueError, as outside data did in
+issue 12). Each time the failure is counted (`nexa_loop_failures_total{loop}` on the controller, the
+node's supervision statistics), and afterwards the controller still answers `/healthz`, the
+management API and inference, and the node still heartbeats and serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from functools import partial, wraps
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from nexa import config
+from nexa.control.deployments import Deployments
+from nexa.control.fleet import Fleet
+from nexa.control.metering import Meter
+from nexa.control.rollout import RolloutWatcher
+from nexa.messaging import Link, Uplink
+from nexa.node import inventory
+from nexa.node.agent import Agent, NodeStarted, serve_node
+from nexa.node.relay import NodeRelay
+from nexa.node.supervisor import Supervisor
+from tests.conftest import Controller, start_controller
+from tests.control.test_models import bring_to, ok, registry_config
+from tests.e2e.simcluster import SIM_ARGS, _node_config
+from tests.realparts import BuiltImages, S3Store
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 40
+Json = dict[str, Any]
+
+
+class Once:
+    """Replaces a callable with one that raises ValueError on its first call, then delegates."""
+
+    def __init__(self) -> None:
+        # A plain flag: the patched function may run in a worker thread (inventory's stat).
+        self.fired = False
+
+    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise TypeError(fn)
+
+        if _is_async(fn):
+
+            @wraps(fn)
+            async def async_once(*args: Any, **kwargs: Any) -> Any:
+                if not self.fired:
+                    self.fired = True
+                    raise ValueError("injected fault")
+                return await fn(*args, **kwargs)
+
+            return async_once
+
+        @wraps(fn)
+        def once(*args: Any, **kwargs: Any) -> Any:
+            if not self.fired:
+                self.fired = True
+                raise ValueError("injected fault")
+            return fn(*args, **kwargs)
+
+        return once
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
+
+
+async def _metric(http: httpx.AsyncClient, loop: str) -> float:
+    text = (await http.get("/metrics")).text
+    m = re.search(rf'^nexa_loop_failures_total\{{loop="{re.escape(loop)}"\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def _serves(controller: Controller, inference_key: str, node: NodeStarted) -> None:
+    """The controller answers /healthz, the management API and inference; the node heartbeats."""
+    beats = node.agent.statistics().heartbeats_sent
+    async with controller.client() as http:
+        assert (await http.get("/healthz")).status_code == 200
+        listed = await ok(http.get("/api/v1/nodes"))
+        assert [n["state"] for n in listed["nodes"]] == ["Ready"]
+    async with controller.client(inference_key) as http:
+        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        with trio.fail_after(TIMEOUT_S):
+            while True:
+                resp = await http.post("/v1/chat/completions", json=body, timeout=30)
+                if resp.status_code == 200:
+                    break
+                # A replica may be briefly unready after its node's loop restarted.
+                assert resp.status_code in (429, 503), resp.text
+                await trio.sleep(0.2)
+        assert resp.json()["choices"][0]["message"]["content"]
+    with trio.fail_after(TIMEOUT_S):
+        while node.agent.statistics().heartbeats_sent < beats + 2:  # noqa: ASYNC110 - a counter, no event
+            await trio.sleep(0.1)
+
+
+def _enroll(controller: Controller, token: str, state_dir: Path) -> None:
+    argv = ["node", "enroll", "--controller", controller.url, "--token", token, "--name", "sim-1"]
+    done = subprocess.run(
+        [sys.executable, "-m", "nexa", *argv, "--state-dir", str(state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+# (loop name, the class or module whose function that loop calls, the function's name)
+CONTROLLER_FAULTS = [
+    ("southbound.receive", Link, "receive_any"),
+    ("southbound.liveness", Fleet, "overdue"),
+    ("deployments", Deployments, "reconcile"),
+    ("rollout", RolloutWatcher, "check"),
+    ("metering", Meter, "flush"),
+]
+NODE_FAULTS = [
+    ("agent.beat", Agent, "_heartbeat_once"),
+    ("agent.receive", Uplink, "receive"),
+    ("inventory", inventory, "_stat_signature"),
+    ("supervisor", Supervisor, "_remove_orphans"),
+    ("relay", NodeRelay, "_serve"),
+]
+
+
+async def test_each_loop_fails_once_and_everything_still_serves(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    s3_store: S3Store,
+    test_images: BuiltImages,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("NEXA_SIMULATION_ONLY", "1")
+    controller = await start_controller(nursery, registry_config(tmp_path, s3_store))
+    async with controller.client() as http:
+        await ok(http.post("/api/v1/tenants", json={"id": "acme"}), 201)
+        created = await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201)
+        runtime = {"name": "sim", "kind": "sim", "version": "1", "image": test_images.busybox}
+        await ok(http.post("/api/v1/runtimes", json=runtime), 201)
+        await bring_to(http, s3_store, "tiny", "v1", "Approved")
+        await ok(http.post("/api/v1/aliases/chat/promote", json={"model": "tiny", "version": "v1"}))
+        token = await ok(http.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}), 201)
+    inference_key: str = created["key"]
+
+    creds = tmp_path / "node-s3.json"
+    creds.write_text(
+        json.dumps(
+            {
+                "access_key_id": s3_store.credentials.access_key_id,
+                "secret_access_key": s3_store.credentials.secret_access_key,
+            }
+        )
+    )
+    creds.chmod(0o600)
+    node_dir = tmp_path / "sim-1"
+    await trio.to_thread.run_sync(_enroll, controller, token["token"], node_dir)
+    cfg = config.load(str(_node_config(node_dir, 1, s3_store, creds)), config.NodeConfig)
+    node_stopping = trio.Event()
+    with trio.fail_after(TIMEOUT_S):
+        node: NodeStarted = await nursery.start(partial(serve_node, cfg, stopping=node_stopping))
+    assert node.supervision is not None
+
+    deployment = {
+        "name": "chat-a",
+        "runtime": "sim",
+        "alias": "chat",
+        "replicas": 1,
+        "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.5},
+        "options": {"port": 18600, "command": SIM_ARGS},
+    }
+    async with controller.client() as http:
+        with trio.fail_after(TIMEOUT_S):
+            # Placeable once the node's first heartbeat (its inventory) has arrived.
+            while (await http.post("/api/v1/deployments", json=deployment)).status_code != 201:  # noqa: ASYNC110
+                await trio.sleep(0.2)
+    await _serves(controller, inference_key, node)
+
+    fired: list[Once] = []
+    for loop, owner, attr in CONTROLLER_FAULTS:
+        once = Once()
+        fired.append(once)
+        async with controller.client() as http:
+            before = await _metric(http, loop)
+            with monkeypatch.context() as patch:
+                patch.setattr(owner, attr, once.wrap(getattr(owner, attr)))
+                with trio.fail_after(TIMEOUT_S):
+                    while await _metric(http, loop) < before + 1:  # noqa: ASYNC110 - polling /metrics
+                        await trio.sleep(0.05)
+        await _serves(controller, inference_key, node)
+
+    for loop, owner, attr in NODE_FAULTS:
+        once = Once()
+        fired.append(once)
+        before = node.supervision.statistics().failures.get(loop, 0)
+        with monkeypatch.context() as patch:
+            patch.setattr(owner, attr, once.wrap(getattr(owner, attr)))
+            with trio.fail_after(TIMEOUT_S):
+                if loop in ("relay", "agent.receive"):
+                    # These run on inference traffic: this request meets the fault (and may fail).
+                    async with controller.client(inference_key) as http:
+                        body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+                        with contextlib.suppress(httpx.TimeoutException):
+                            await http.post("/v1/chat/completions", json=body, timeout=5)
+                while node.supervision.statistics().failures.get(loop, 0) < before + 1:  # noqa: ASYNC110
+                    await trio.sleep(0.05)
+        await _serves(controller, inference_key, node)
+
+    # Nothing else failed along the way: only the loops that were made to fail are counted.
+    counted = {name for name, count in node.supervision.statistics().failures.items() if count}
+    assert counted <= {loop for loop, _, _ in NODE_FAULTS}
+    assert all(once.fired for once in fired)
+    node_stopping.set()
+    controller.stopping.set()
