@@ -7,10 +7,23 @@
 # stamp inside the venv records both); otherwise it is rebuilt from scratch.
 #
 # Usage: bash builds/build.sh            (PYTHON=/path/to/python3.11 to pick the interpreter)
+#        bash builds/build.sh --arch arm64   (dist/nexa-linux-arm64, under emulation: builds/build-arm64.sh)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+
+case "${1:-}" in
+    "") ;;
+    --arch)
+        case "${2:-}" in
+            arm64 | aarch64) exec bash "$ROOT/builds/build-arm64.sh" ;;
+            amd64 | x86_64) ;;
+            *) echo "build.sh: unknown architecture '${2:-}' (arm64 or amd64)" >&2; exit 2 ;;
+        esac
+        ;;
+    *) echo "usage: bash builds/build.sh [--arch arm64|amd64]" >&2; exit 2 ;;
+esac
 
 PYTHON="${PYTHON:-python3}"
 VENV="build/venv-runtime"

@@ -9,7 +9,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 BIN="${1:-${NEXA_BINARY:-dist/nexa}}"
-START_TIMEOUT_S=15
+# Under emulation (an arm64 binary on x86-64 through qemu-user) the start takes longer.
+START_TIMEOUT_S=${NEXA_SMOKE_START_TIMEOUT_S:-15}
 STOP_TIMEOUT_S=30
 
 fail() {

@@ -27,7 +27,7 @@ import trio
 import nexa
 from tests.conftest import FIXTURES
 from tests.control.test_models import ok, registry_config
-from tests.e2e.simcluster import SimCluster, sim_cluster
+from tests.e2e.simcluster import SIM_ARGS, SimCluster, sim_cluster
 from tests.realparts import BuiltImages, S3Store
 
 pytestmark = pytest.mark.slow
@@ -187,7 +187,18 @@ async def test_an_emulated_arm64_node_enrolls_heartbeats_and_serves_a_sim_replic
                 break
     # A `sim` replica placed on it (a `nexa sim-runtime` child of the emulated binary) answers.
     t0 = time.monotonic()
-    await cluster.deploy("chat-arm64", replicas=1, wait=False)
+    # The agent passes its children only a few variables of its own environment; the deployment's env
+    # carries QEMU_LD_PREFIX to the emulated child (on a Spark nothing of this is needed).
+    body = {
+        "name": "chat-arm64",
+        "runtime": "sim",
+        "alias": "chat",
+        "replicas": 1,
+        "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.5},
+        "options": {"port": 18600, "command": SIM_ARGS, "env": {"QEMU_LD_PREFIX": os.environ["QEMU_LD_PREFIX"]}},
+    }
+    async with cluster.client() as http:
+        await ok(http.post("/api/v1/deployments", json=body), 201)
     with trio.move_on_after(EMULATED_START_S):
         while not await cluster.ready_replicas("chat-arm64"):  # noqa: ASYNC110 - polling the API
             await trio.sleep(0.2)
