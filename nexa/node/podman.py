@@ -148,7 +148,7 @@ def _network(spec: ContainerSpec, private_network: str) -> _Json:
     body: _Json = {"netns": {"nsmode": private_network}}
     if private_network == PRIVATE_SLIRP4NETNS:
         # A user-mode stack per container: no path to other runtimes' namespaces, none to the node's
-        # loopback (10.0.2.2 is not the host), no IPv6.
+        # loopback (slirp4netns' alias for the host is turned off), no IPv6.
         body["network_options"] = {"slirp4netns": ["allow_host_loopback=false", "enable_ipv6=false"]}
     if spec.publish_port:
         body["portmappings"] = [

@@ -190,7 +190,7 @@ def test_trusted_proxies_must_be_addresses_or_networks() -> None:
     from nexa.config import structure_config
     from nexa.errors import ConfigError
 
-    assert structure_config({"trusted_proxies": ["127.0.0.1", "10.0.0.0/8", "::1"]}, HttpConfig).trusted_proxies
+    assert structure_config({"trusted_proxies": ["127.0.0.1", "198.51.100.0/24", "::1"]}, HttpConfig).trusted_proxies
     for bad in (["ingress.example"], "127.0.0.1", [1]):
         with pytest.raises(ConfigError):
             structure_config({"trusted_proxies": bad}, HttpConfig)
