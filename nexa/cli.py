@@ -82,7 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
     s.add_argument("--state-dir", help="overrides state_dir")
     s.add_argument("--listen", help="HOST:PORT, overrides http.listen")
-    s.add_argument("--channel", help="zmq endpoint for the node channel, overrides channel.listen")
+    s.add_argument("--channel", help="HOST:PORT (or tcp://HOST:PORT) of the node channel, overrides channel.listen")
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
     s.set_defaults(handler=_cmd_control)
 

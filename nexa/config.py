@@ -38,6 +38,12 @@ def _check_networks(values: tuple[str, ...]) -> None:
             raise ValueError(f"{value!r} is not an IP address or network") from None
 
 
+def _zmq_endpoint(value: object) -> str:
+    """A zmq endpoint as given, or `tcp://HOST:PORT` for a bare `HOST:PORT` (as `http.listen` takes)."""
+    text = str(value)
+    return text if not text or "://" in text else f"tcp://{text}"
+
+
 def _positive_rate(attribute: attrs.Attribute[float], value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{attribute.name} must be a positive, finite rate per second")
@@ -85,10 +91,11 @@ class LogConfig:
 class ChannelConfig:
     """The ZeroMQ ROUTER nodes dial (CurveZMQ; nodes listen on nothing)."""
 
-    #: zmq endpoint to bind, e.g. `tcp://0.0.0.0:8471` on the management network.
-    listen: str = "tcp://127.0.0.1:8471"
+    #: zmq endpoint to bind, e.g. `tcp://0.0.0.0:8471` on the management network; a bare
+    #: `HOST:PORT` (the syntax of `http.listen`) means `tcp://HOST:PORT`.
+    listen: str = attrs.field(default="tcp://127.0.0.1:8471", converter=_zmq_endpoint)
     #: The endpoint handed to nodes at enrollment; empty means the bound endpoint.
-    advertise: str = ""
+    advertise: str = attrs.field(default="", converter=_zmq_endpoint)
     #: Largest data chunk a node may send. Keep it at least the nodes' `relay.max_chunk_bytes`:
     #: a zmq frame above this plus `messaging.MESSAGE_HEADROOM_BYTES` (64 KiB) costs the node its
     #: connection (zmq MAXMSGSIZE), and a stream buffers at most `gateway.stream_window_chunks`

@@ -107,3 +107,11 @@ def test_config_objects_are_frozen() -> None:
     cfg = ControlConfig()
     with pytest.raises(AttributeError):
         cfg.state_dir = "/x"  # type: ignore[misc]
+
+
+def test_the_channel_takes_host_port_as_http_listen_does() -> None:
+    cfg = config.structure_config({"channel": {"listen": "127.0.0.1:8471", "advertise": "[::1]:8471"}}, ControlConfig)
+    assert cfg.channel.listen == "tcp://127.0.0.1:8471"
+    assert cfg.channel.advertise == "tcp://[::1]:8471"
+    unchanged = config.structure_config({"channel": {"listen": "tcp://127.0.0.1:*"}}, ControlConfig)
+    assert unchanged.channel.listen == "tcp://127.0.0.1:*" and unchanged.channel.advertise == ""

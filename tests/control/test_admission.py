@@ -320,6 +320,7 @@ async def test_a_displaced_waiter_cancelled_in_the_same_turn_leaks_nothing(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_wait_in_queue_as, adm, A)
+        await trio.testing.wait_all_tasks_blocked()  # trio runs new tasks in no fixed order
         nursery.start_soon(victim)
         await trio.testing.wait_all_tasks_blocked()
         # B displaces A's newest waiter, which is cancelled before it runs again (either order).
