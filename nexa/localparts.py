@@ -312,7 +312,7 @@ class LocalS3:
 PROJECT_CONTAINERS_CONF: Final = Path(__file__).resolve().parent.parent / ".ci" / "containers.conf"
 PODMAN_START_TIMEOUT_S: Final = 30.0
 PODMAN_STOP_TIMEOUT_S: Final = 15.0
-#: Tries of a plain unmount of a private store's mounts before a lazy one, and the wait between.
+#: Plain unmounts of a private store's busy mounts before a lazy one, and the wait between.
 UNMOUNT_ATTEMPTS: Final = 5
 UNMOUNT_RETRY_S: Final = 0.5
 #: sun_path is 108 bytes on Linux, including the terminating NUL.
@@ -360,24 +360,18 @@ def project_containers_conf() -> Path | None:
 def _mounted_below(base: Path) -> list[str]:
     prefix = str(base.resolve()) + "/"
     with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4].encode().decode("unicode_escape") for line in f]
-    return [point for point in points if point.startswith(prefix)]
+        return [p for line in f if (p := line.split()[4].encode().decode("unicode_escape")).startswith(prefix)]
 
 
 def unmount_below(base: Path) -> None:
-    """Unmount what is mounted under `base` (podman's overlay home, debootstrap's /proc), deepest first.
-
-    A mount still busy (a container's last process exiting) is tried again a few times, then
-    detached lazily (`umount -l`): nothing of a private store may stay mounted after it stops."""
+    """Unmount what is mounted under `base` (podman's overlay home, debootstrap's /proc), deepest
+    first; a mount still busy is tried again, the last time detached lazily (`umount -l`)."""
     for attempt in range(UNMOUNT_ATTEMPTS + 1):
-        points = sorted(_mounted_below(base), key=len, reverse=True)
-        if not points:
-            return
-        lazy = ["-l"] if attempt == UNMOUNT_ATTEMPTS else []
-        for point in points:
-            subprocess.run(["umount", *lazy, point], capture_output=True, timeout=30, check=False)
-        if attempt < UNMOUNT_ATTEMPTS and _mounted_below(base):
+        if attempt and _mounted_below(base):
             time.sleep(UNMOUNT_RETRY_S)
+        lazy = ["-l"] if attempt == UNMOUNT_ATTEMPTS else []
+        for point in sorted(_mounted_below(base), key=len, reverse=True):
+            subprocess.run(["umount", *lazy, point], capture_output=True, timeout=30, check=False)
 
 
 @attrs.define

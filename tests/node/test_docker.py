@@ -22,7 +22,6 @@ from nexa.contracts import codec
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.runtime import NETWORK_HOST, NETWORK_NONE, ContainerSpec, HealthProbe
 from nexa.errors import ConfigError, ContainerNotFound, ContractError, ImageNotFound, PodmanError
-from nexa.localparts import free_ports
 from nexa.node.docker import (
     GPU_NVIDIA_RUNTIME,
     LABEL_PROBE,
@@ -362,33 +361,6 @@ async def test_a_paused_container_is_paused_not_running(
             assert not await engine.healthcheck(cid)  # a paused container's probe cannot run
         finally:
             await api.post(f"http://d/containers/{cid}/unpause")
-
-
-async def test_the_port_is_published_on_the_runtime_address_only(
-    engine: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str]
-) -> None:
-    (port,) = free_ports(1, RUNTIME_HOST)
-    serve = f"mkdir -p /tmp/www && echo ok > /tmp/www/i && exec /bin/httpd -f -p 0.0.0.0:{port} -h /tmp/www"
-    spec = _spec(
-        test_images.busybox,
-        run_labels,
-        command=["/bin/sh", "-c", serve],
-        publish_host=RUNTIME_HOST,
-        publish_port=port,
-    )
-    cid = await engine.create(spec)
-    await engine.start(cid)
-    async with httpx.AsyncClient(trust_env=False, timeout=2.0) as http:
-        with trio.fail_after(TIMEOUT_S):
-            while True:
-                try:
-                    answer = await http.get(f"http://{RUNTIME_HOST}:{port}/i")
-                    break
-                except httpx.TransportError:
-                    await trio.sleep(0.1)
-        assert answer.text == "ok\n"
-        with pytest.raises(httpx.ConnectError):
-            await http.get(f"http://127.0.0.1:{port}/i")
 
 
 async def test_each_engine_reports_its_version(container_engine: ContainerEngine) -> None:
