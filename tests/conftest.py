@@ -6,12 +6,15 @@ processes they started.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
@@ -209,3 +212,17 @@ def sample_runtime(port: int = 18300, digest: str = "0" * 64) -> RuntimeSpec:
             command=["python3", "-c", f"import urllib.request as u; u.urlopen('http://127.0.0.1:{port}/v1/models')"]
         ),
     )
+
+
+@contextlib.contextmanager
+def serving_http(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded stdlib HTTP server with `handler` on 127.0.0.1 (a fake peer); yields its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()

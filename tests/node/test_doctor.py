@@ -17,7 +17,6 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +35,7 @@ from nexa.contracts.doctor import CheckResult, CheckStatus, DoctorReport
 from nexa.errors import ConfigError
 from nexa.node import doctor, identity
 from nexa.node.doctor import DoctorOptions, parse_cdi_yaml, run_doctor
-from tests.conftest import FIXTURES, Controller, ControllerProcess
+from tests.conftest import FIXTURES, Controller, ControllerProcess, serving_http
 
 NEXA = (sys.executable, "-m", "nexa")
 GB10_CSV = FIXTURES / "nvidia-smi" / "gb10_dgx_spark.csv"
@@ -195,15 +194,10 @@ class _FakeController(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_controller() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeController)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        with serving_http(_FakeController) as url:
+            yield url
     finally:
-        server.shutdown()
-        thread.join()
-        server.server_close()
         _FakeController.answer, _FakeController.skew_s = {}, 0.0
 
 

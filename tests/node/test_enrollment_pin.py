@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
@@ -19,7 +18,7 @@ from nexa import cli, messaging, security
 from nexa.contracts.api import EnrollResponse
 from nexa.errors import ConfigError, ControllerKeyMismatch
 from nexa.node import identity
-from tests.conftest import Controller
+from tests.conftest import Controller, serving_http
 
 IMPOSTOR_SIGNING = security.generate_signing_key()
 IMPOSTOR_CURVE = messaging.generate_curve_keypair()
@@ -54,15 +53,8 @@ class _Impostor(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def impostor() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Impostor)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        thread.join()
-        server.server_close()
+    with serving_http(_Impostor) as url:
+        yield url
 
 
 def _enroll(url: str, token: str, state_dir: Path, *extra: str) -> int:
