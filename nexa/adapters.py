@@ -8,12 +8,23 @@ are the same runtime kind, so a node that allows `llamacpp` may run either; the 
 which binary is there, the `server` setting tells the adapter which arguments it takes.
 
 `Adapter.launch(...)` turns (the model's registered name, the deployment's settings, the
-replica's CDI GPUs, its port) into what goes into the signed `RuntimeSpec`: command, env, the
-readiness probe and the shared-memory size. The model is the artifact mounted read-only at
-`/models/model` (`ArtifactRef.mount_path`); the runtime serves it under the model's registered
-name (the gateway sends `model = <name>`); it binds `RUNTIME_HOST` (`{runtime_host}`), which
-the node replaces by its own runtime loopback address (`runtimes.container_spec`), so the
-controller never needs to know it.
+replica's CDI GPUs, its port, the model's path) into what goes into the signed `RuntimeSpec`:
+command, env, the readiness probe and the shared-memory size. The model path is the artifact's
+`ArtifactRef.model_path`: a manifest's directory, mounted read-only at `/models/<name>`, or its
+entry file below it; for an artifact registered as one object, that file at `/models/model`.
+vLLM (`vllm serve DIR`, the positional model its documentation gives; `--model` is accepted
+too), SGLang (`--model-path DIR`) and TensorRT-LLM (`trtllm-serve DIR`: an engine or checkpoint
+directory) take the directory; llama.cpp takes the entry file: a GGUF, or a split GGUF's first
+shard, and the server opens the other shards from beside it. The runtime serves the model
+under its registered name (the gateway sends `model = <name>`); it binds `RUNTIME_HOST`
+(`{runtime_host}`), which the node replaces by its own runtime loopback address
+(`runtimes.container_spec`), so the controller never needs to know it.
+
+Unified memory. On a node whose accelerator memory is the host's pool (a GB10), the memory
+placement reserved for a replica becomes the runtime's own limit: `Adapter.memory_limit` names
+the setting that bounds it (vLLM `gpu_memory_utilization`, SGLang `mem_fraction_static`,
+TensorRT-LLM `kv_cache_free_gpu_memory_fraction`; `contracts.placement.MemoryLimit` says how
+each fraction is derived), and `launch` adds the derived value where the operator set none.
 
 Each adapter records, as data: its readiness and metrics endpoints, which Prometheus series
 give waiting requests, running requests and KV-cache use (for routing and capacity), the
@@ -41,9 +52,11 @@ import attrs
 
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
+from nexa.contracts.placement import MemoryLimit, MemoryShare, RuntimeMemory
 from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
 
-#: Where the verified model artifact is mounted in every container (read-only).
+#: Where an artifact registered as one object is mounted (read-only), as assignments have had it
+#: since the first release; a manifest's directory is mounted at `/models/<model name>`.
 MODEL_PATH: Final = "/models/model"
 #: The setting that picks the llama.cpp variant.
 SERVER_SETTING: Final = "server"
@@ -173,6 +186,11 @@ class Adapter:
     capability_settings: Mapping[Capability, str] = attrs.field(factory=dict)
     #: Streams end with a usage chunk when the request sets `stream_options.include_usage`.
     stream_usage: bool = True
+    #: The setting (one of `options`) that bounds the server's memory on a unified-memory node,
+    #: and what its fraction is a share of; None: the server has none (llama.cpp allocates what
+    #: the model and its context need).
+    memory_setting: str | None = None
+    memory_share: MemoryShare = MemoryShare.POOL
 
     def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
         """Everything wrong with `settings` (and the accelerator count) for this adapter."""
@@ -201,10 +219,38 @@ class Adapter:
         needed = self.capability_settings.get(capability)
         return needed is None or settings.get(needed) is True
 
-    def launch(self, served_name: str, settings: Mapping[str, object], gpus: Sequence[str], port: int) -> Launch:
-        """The command, env, probe and /dev/shm size of one replica (settings already validated)."""
+    def memory_limit(self, settings: Mapping[str, object], *, weights_bytes: int) -> MemoryLimit | None:
+        """How this server is held to its reservation on a unified-memory node (None: it cannot
+        be); `weights_bytes` approximates the weights (the model artifact's size)."""
+        if self.memory_setting is None:
+            return None
+        value = settings.get(self.memory_setting)
+        return MemoryLimit(
+            setting=self.memory_setting,
+            flag=self.options[self.memory_setting].flag,
+            share_of=self.memory_share,
+            operator_value=float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None,
+            weights_bytes=weights_bytes,
+        )
+
+    def launch(
+        self,
+        served_name: str,
+        settings: Mapping[str, object],
+        gpus: Sequence[str],
+        port: int,
+        *,
+        model_path: str = MODEL_PATH,
+        memory: RuntimeMemory | None = None,
+    ) -> Launch:
+        """The command, env, probe and /dev/shm size of one replica (settings already validated).
+
+        `memory`: the replica's limit on a unified-memory node; a derived value is given as the
+        setting would be had the operator set it (the operator's own value is in `settings`)."""
+        if memory is not None and memory.derived and memory.value is not None and memory.setting in self.options:
+            settings = {**settings, memory.setting: memory.value}
         command = list(self.program)
-        command += [MODEL_PATH] if self.model_flag is None else [self.model_flag, MODEL_PATH]
+        command += [model_path] if self.model_flag is None else [self.model_flag, model_path]
         command += [self.served_name_flag, served_name, self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
         command += self.fixed
         if gpus:
@@ -264,6 +310,7 @@ VLLM: Final = Adapter(
     },
     env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1"},
     default_shm_bytes=GPU_SHM_BYTES,
+    memory_setting="gpu_memory_utilization",
     readiness_path="/health",
     metrics=Metrics(
         path="/metrics",
@@ -311,6 +358,7 @@ SGLANG: Final = Adapter(
     ),
     capabilities=_ALL,
     capability_settings={Capability.EMBEDDING: "is_embedding"},
+    memory_setting="mem_fraction_static",
 )
 
 TRTLLM: Final = Adapter(
@@ -345,6 +393,8 @@ TRTLLM: Final = Adapter(
         kv_cache=("kvCacheStats.usedNumBlocks/maxNumBlocks",),
     ),
     capabilities=_TEXT,
+    memory_setting="kv_cache_free_gpu_memory_fraction",
+    memory_share=MemoryShare.FREE_AFTER_WEIGHTS,
 )
 
 LLAMA_SERVER_ADAPTER: Final = Adapter(

@@ -857,16 +857,29 @@ def _model_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     )
     s = models.add_parser("register", parents=[common], help="register a version as Candidate")
     _model_version(s)
-    s.add_argument("--uri", required=True, help="s3://bucket/key of the artifact")
-    s.add_argument("--sha256", required=True, help="the artifact's sha256 (64 hex)")
-    s.add_argument("--size", required=True, type=_size, help="the artifact's size in bytes (or 8GiB, 512MiB, …)")
-    s.add_argument("--format", required=True, choices=MODEL_FORMATS)
-    s.add_argument("--memory", required=True, type=_size, help="memory to schedule: weights plus runtime overhead")
-    s.add_argument("--source", required=True, help="provenance: where the weights come from")
-    s.add_argument("--signer", default="", help="provenance: who signed them")
-    s.add_argument("--signature", help="detached Ed25519 signature (base64) over the 32-byte sha256 digest")
-    _license_flags(s, required=False)
+    s.add_argument(
+        "--uri", required=True, help="s3://bucket/key of the artifact; with --manifest, the prefix its files are under"
+    )
+    s.add_argument("--manifest", help="a manifest file (`nexa models manifest`): register its files under --uri")
+    s.add_argument("--sha256", help="the artifact's sha256 (64 hex); not with --manifest")
+    s.add_argument("--size", type=_size, help="the artifact's size in bytes (or 8GiB, 512MiB, …); not with --manifest")
+    _model_claims(s)
     s.set_defaults(handler=_models_register)
+    s = models.add_parser(
+        "push", parents=[common], help="upload a model directory (or one file) to S3 and register it as Candidate"
+    )
+    _model_version(s)
+    s.add_argument("dir", metavar="DIR", help="the model directory, or a single file")
+    s.add_argument("--to", help="s3://bucket/prefix/ to upload under (default s3://BUCKET/models/NAME/VERSION/)")
+    s.add_argument("--bucket", default=os.environ.get("NEXA_S3_BUCKET"), help="the bucket of the default --to")
+    _entry_flag(s)
+    _model_claims(s)
+    _push_flags(s)
+    s.set_defaults(handler=_models_push)
+    s = models.add_parser("manifest", help="print the manifest of a model directory (for uploads by other tools)")
+    s.add_argument("dir", metavar="DIR", help="the model directory, or a single file")
+    _entry_flag(s)
+    s.set_defaults(handler=_models_manifest)
     s = models.add_parser("license", parents=[common], help="record the licence and who accepted it")
     _model_version(s)
     _license_flags(s, required=True)
@@ -895,6 +908,57 @@ def _model_commands(sub: Any, common: argparse.ArgumentParser) -> None:
     s = models.add_parser("show", parents=[common])
     _model_version(s)
     s.set_defaults(handler=_models_show)
+
+
+def _model_claims(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--format", required=True, choices=MODEL_FORMATS)
+    s.add_argument("--memory", required=True, type=_size, help="memory to schedule: weights plus runtime overhead")
+    s.add_argument("--source", required=True, help="provenance: where the weights come from")
+    s.add_argument("--signer", default="", help="provenance: who signed them")
+    s.add_argument(
+        "--signature",
+        help="detached Ed25519 signature (base64) over the 32-byte sha256 digest (a manifest's: see models manifest)",
+    )
+    _license_flags(s, required=False)
+
+
+def _entry_flag(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--entry",
+        help="the file or directory the runtime is given, relative ('.' = the directory); "
+        "default: the one file, else the one GGUF or a split GGUF's first shard, else '.'",
+    )
+
+
+def _push_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument(
+        "--s3-endpoint", default=os.environ.get("NEXA_S3_ENDPOINT"), help="the S3 endpoint URL ($NEXA_S3_ENDPOINT)"
+    )
+    s.add_argument("--s3-region", default=os.environ.get("NEXA_S3_REGION", "us-east-1"), help="($NEXA_S3_REGION)")
+    s.add_argument(
+        "--s3-credentials-file",
+        default=os.environ.get("NEXA_S3_CREDENTIALS_FILE"),
+        help='JSON {"access_key_id": …, "secret_access_key": …} ($NEXA_S3_CREDENTIALS_FILE); none: anonymous',
+    )
+    s.add_argument("--s3-no-tls-verify", action="store_true", help="do not verify the endpoint's TLS certificate")
+    s.add_argument(
+        "--multipart-threshold",
+        type=_size,
+        default="64MiB",
+        help="files of at least this size go up in parts (default 64MiB)",
+    )
+    s.add_argument(
+        "--part-size",
+        type=_size,
+        default="16MiB",
+        help="bytes per part of a multipart upload; at least 5MiB, S3's minimum (default 16MiB)",
+    )
+    s.add_argument("--parallel", type=int, default=4, help="uploads (files and parts) in flight at once (default 4)")
+    s.add_argument(
+        "--progress-interval",
+        type=float,
+        help="seconds between progress lines (default 0.25 on a terminal, 5 otherwise)",
+    )
 
 
 def _alias_commands(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -1131,6 +1195,9 @@ def _print_decision(args: argparse.Namespace, out: dict[str, Any]) -> None:
     for e in decision["explanations"]:
         failed = [f"{f['name']} ({f['detail']})" for f in e["filters"] if not f["passed"]]
         terms = " ".join(f"{t['name']}={t['value']:.2f}x{t['weight']:g}" for t in e["terms"])
+        if (memory := e.get("runtime_memory")) and e["eligible"]:
+            how = "derived from the reservation" if memory["derived"] else "as set"
+            terms += f"; {memory['flag']} {memory['value']} ({how})"
         rows.append(
             {
                 "node": e["node_id"],
@@ -1330,20 +1397,131 @@ def _print_model(args: argparse.Namespace, out: dict[str, Any], what: str) -> No
         print(f"model {out['name']}@{out['version']}: {out['state']}{what}")
 
 
-def _models_register(args: argparse.Namespace) -> int:
-    body = {
+def _model_body(args: argparse.Namespace, artifact: dict[str, Any]) -> dict[str, Any]:
+    return {
         "name": args.name,
         "version": args.version,
-        "artifact": {"uri": args.uri, "sha256": args.sha256, "size_bytes": args.size},
+        "artifact": artifact,
         "format": args.format,
         "memory_bytes": args.memory,
         "provenance": {"source": args.source, "signer": args.signer},
         "license": _license_body(args),
         "signature": args.signature,
     }
+
+
+def _manifest_artifact(uri: str, manifest: Any) -> dict[str, Any]:
+    """A manifest's artifact for `POST /api/v1/models`: no sha256 or size (the controller computes them)."""
+    files = [{"path": f.path, "size_bytes": f.size_bytes, "sha256": f.sha256} for f in manifest.files]
+    return {"uri": uri, "files": files, "entry": manifest.entry}
+
+
+def _read_manifest(path: str) -> Any:
+    """A manifest file as `nexa models manifest` prints it; ConfigError naming every problem."""
+    from nexa.contracts.manifest import MANIFEST_SCHEMA, ArtifactFile, Manifest, manifest_problems
+
+    try:
+        data = json.loads(Path(path).read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"cannot read --manifest {path}: {exc.strerror}") from None
+    except ValueError:
+        raise ConfigError(f"--manifest {path} is not valid JSON") from None
+    if not isinstance(data, dict) or data.get("schema") != MANIFEST_SCHEMA or not isinstance(data.get("files"), list):
+        raise ConfigError(
+            f"--manifest {path}: not a manifest (a JSON object with schema {MANIFEST_SCHEMA!r} and files)"
+        )
+    try:
+        files = [ArtifactFile(path=f["path"], size_bytes=f["size_bytes"], sha256=f["sha256"]) for f in data["files"]]
+    except (TypeError, KeyError) as exc:
+        raise ConfigError(f"--manifest {path}: every file needs path, size_bytes and sha256 ({exc})") from None
+    entry = data.get("entry")
+    if not isinstance(entry, str):
+        raise ConfigError(f"--manifest {path}: entry must be a string")
+    bad = [f"{f.path!r}" for f in files if not isinstance(f.path, str) or not isinstance(f.size_bytes, int)]
+    problems = [f"files: {b} has a bad path or size" for b in bad] or manifest_problems(files, entry, field="manifest")
+    if problems:
+        raise ConfigError(f"--manifest {path}: " + "; ".join(problems), problems=tuple(problems))
+    return Manifest(files=tuple(files), entry=entry)
+
+
+def _models_register(args: argparse.Namespace) -> int:
+    if args.manifest:
+        if args.sha256 or args.size:
+            raise ConfigError("--manifest gives the files' sha256 and size: leave out --sha256 and --size")
+        artifact = _manifest_artifact(args.uri, _read_manifest(args.manifest))
+    elif not args.sha256 or not args.size:
+        raise ConfigError("--sha256 and --size are required (or --manifest FILE for a directory's files)")
+    else:
+        artifact = {"uri": args.uri, "sha256": args.sha256, "size_bytes": args.size}
     with _client(args) as c:
-        out = c.call("POST", "/api/v1/models", body=body)
+        out = c.call("POST", "/api/v1/models", body=_model_body(args, artifact))
     _print_model(args, out, " (registered; verify it next)")
+    return EXIT_OK
+
+
+def _models_manifest(args: argparse.Namespace) -> int:
+    import trio
+
+    from nexa.push import build_manifest
+
+    manifest, _ = trio.run(partial(build_manifest, Path(args.dir), entry=args.entry))
+    sys.stdout.write(manifest.canonical_bytes().decode("utf-8") + "\n")
+    print(
+        f"manifest sha256 {manifest.digest}: {len(manifest.files)} files, {manifest.size_bytes} bytes", file=sys.stderr
+    )
+    return EXIT_OK
+
+
+def _models_push(args: argparse.Namespace) -> int:
+    import trio
+
+    from nexa.push import PushOptions, push_directory
+    from nexa.s3 import load_s3_credentials
+
+    if not args.s3_endpoint:
+        raise ConfigError("no S3 endpoint: pass --s3-endpoint or set NEXA_S3_ENDPOINT")
+    to = args.to or (f"s3://{args.bucket}/models/{args.name}/{args.version}/" if args.bucket else None)
+    if to is None:
+        raise ConfigError("where to upload: pass --to s3://bucket/prefix/ or --bucket (or set NEXA_S3_BUCKET)")
+    _license_body(args)  # refuse bad licence flags, and a missing API key, before any upload
+    if not args.token:
+        raise ConfigError("no API key: set NEXA_TOKEN or pass --token")
+    credentials = load_s3_credentials(args.s3_credentials_file) if args.s3_credentials_file else None
+    options = PushOptions(
+        multipart_threshold=args.multipart_threshold, part_size=args.part_size, parallel=args.parallel
+    )
+    result = trio.run(
+        partial(
+            push_directory,
+            Path(args.dir),
+            to,
+            endpoint=args.s3_endpoint,
+            region=args.s3_region,
+            credentials=credentials,
+            tls_verify=not args.s3_no_tls_verify,
+            entry=args.entry,
+            options=options,
+            progress_interval_s=args.progress_interval,
+        )
+    )
+    m = result.manifest
+    with _client(args) as c:
+        out = c.call("POST", "/api/v1/models", body=_model_body(args, _manifest_artifact(result.prefix_uri, m)))
+    if args.json:
+        summary = {
+            "model": out,
+            "manifest_uri": result.manifest_uri,
+            "uploaded": list(result.uploaded),
+            "skipped": list(result.skipped),
+            "multipart": result.multipart,
+        }
+        print(json.dumps(summary, indent=2, sort_keys=True))
+        return EXIT_OK
+    a = out["artifact"]
+    print(f"model {out['name']}@{out['version']}: {out['state']} (registered; verify it next)")
+    print(f"manifest     {a['sha256']} ({result.manifest_uri})")
+    print(f"files        {len(m.files)}, {_size_text(a['size_bytes'])} in all; entry {m.entry}")
+    print(f"uploaded     {len(result.uploaded)}; skipped {len(result.skipped)} (already in the store)")
     return EXIT_OK
 
 
@@ -1417,7 +1595,12 @@ def _models_show(args: argparse.Namespace) -> int:
         f"model        {m['name']}@{m['version']}",
         f"state        {m['state']} since {_cell(m['state_changed_at'])}",
         f"artifact     {a['uri']} ({m['format']}, {_size_text(a['size_bytes'])})",
-        f"sha256       {a['sha256']}",
+        f"sha256       {a['sha256']}" + (" (the manifest's digest)" if a["files"] else ""),
+    ]
+    if a["files"]:
+        lines.append(f"entry        {a['entry']} (of {len(a['files'])} files)")
+        lines += [f"  file       {f['path']}  {_size_text(f['size_bytes'])}  {f['sha256'][:16]}…" for f in a["files"]]
+    lines += [
         f"memory       {_size_text(m['memory_bytes'])}",
         f"licence      {_license_text(m['license'])}",
         f"provenance   {m['provenance']['source']}"

@@ -131,6 +131,20 @@ class NodesConfig:
 
 
 @attrs.frozen(kw_only=True)
+class PlacementConfig:
+    """How placement counts a node's resources."""
+
+    #: On a unified-memory node (a DGX Spark's GB10: the GPU and the host share 128 GB), the
+    #: memory left to the host: replicas on one such node reserve together at most its pool less
+    #: this. The OS, the node agent, the container engine and each runtime's own host processes
+    #: (the API server, the tokenizer, CUDA's own context) live in the same pool and are not
+    #: reserved by any replica; and a runtime given a share of the pool refuses to start when
+    #: less than that share is free. 8 GiB covers DGX OS with Docker and the agent at rest with a
+    #: margin; raise it on nodes that run more beside their replicas.
+    unified_host_headroom_bytes: Bytes = Bytes(8 * 2**30)
+
+
+@attrs.frozen(kw_only=True)
 class OciConfig:
     """How the controller checks runtime images in their OCI registry (named by each image reference)."""
 
@@ -213,6 +227,7 @@ class ControlConfig:
     http: HttpConfig = HttpConfig()
     channel: ChannelConfig = ChannelConfig()
     nodes: NodesConfig = NodesConfig()
+    placement: PlacementConfig = PlacementConfig()
     oci: OciConfig = OciConfig()
     artifacts: ArtifactStoreConfig = ArtifactStoreConfig()
     models: ModelsConfig = ModelsConfig()
@@ -292,6 +307,8 @@ class ArtifactsConfig:
     #: JSON file {"access_key_id": …, "secret_access_key": …}; read at start, never logged.
     s3_credentials_file: str = ""
     s3_tls_verify: bool = True
+    #: Files of one model (and of all models being fetched) downloaded at once.
+    parallel_downloads: int = attrs.field(default=4, validator=[attrs.validators.ge(1), attrs.validators.le(64)])
 
 
 @attrs.frozen(kw_only=True)

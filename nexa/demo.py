@@ -68,7 +68,7 @@ from nexa.localparts import (
 )
 from nexa.node import identity
 from nexa.node.processes import default_argv
-from nexa.s3 import S3Credentials
+from nexa.sigv4 import S3Credentials
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +209,23 @@ async def serve_demo(
             controller_stopping.set()
     finally:
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(_stop_nodes, nodes)
-            if podman is not None:
-                # The agents removed their containers; this removes anything left, then stops the service.
-                await trio.to_thread.run_sync(podman.stop)
-            await trio.to_thread.run_sync(store.stop)
-            await trio.to_thread.run_sync(registry.stop)
+            # The agents removed their containers; podman.stop removes anything left, then stops the service.
+            parts = [lambda: _stop_nodes(nodes), *([podman.stop] if podman else []), store.stop, registry.stop]
+            await trio.to_thread.run_sync(_stop_all, parts)
+
+
+def _stop_all(parts: list[Callable[[], None]]) -> None:
+    """Stop every part even when stopping another one failed (a podman that hangs must not leave
+    the S3 store and the registry running); the first failure is raised after the last part."""
+    failed: list[Exception] = []
+    for stop_part in parts:
+        try:
+            stop_part()
+        except Exception as exc:
+            log.warning("stopping a demo part failed: %s", type(exc).__name__)
+            failed.append(exc)
+    if failed:
+        raise failed[0]
 
 
 def _empty(root: Path) -> None:

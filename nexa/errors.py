@@ -38,6 +38,7 @@ Our exception hierarchy:
     - DeployModelUnknown        no such alias or model version
     - DeployRuntimeUnknown      no runtime registered (and checked) under that name
     - Unplaceable               no placement fits; the message explains every node
+    - MemoryOverReservation     a runtime memory setting claims more of a unified pool than is reserved
   + Overloaded                  shed load; carries retry_after_s (HTTP 429)
     - QuotaExceeded             a tenant limit (concurrency, requests or tokens per window) is used up
     - QueueFull                 the model's admission queue for that priority is full
@@ -70,6 +71,9 @@ Our exception hierarchy:
     - ArtifactUnavailable       the S3-compatible store refused or failed (retryable)
     - ArtifactDigestMismatch    the bytes do not match the pinned sha256 or size
       - ArtifactSizeMismatch    more or fewer bytes than declared
+    - InsufficientDisk          too little free disk for the files still to download (node side)
+    - ArtifactRefused           the S3-compatible store answered a request with a 4xx (not retryable)
+    - ArtifactInvalid           a local model directory that cannot be pushed (names the file)
   + ChannelError                the node channel (ZeroMQ) failed: bind, socket or protocol
     - ChannelClosed             the link is not running, or has stopped
     - NotConnected              no open channel to that node right now; retryable
@@ -238,6 +242,18 @@ class Unplaceable(NotDeployable):
     """No placement fits; the message carries the per-node explanation."""
 
     code = "unplaceable"
+
+
+class MemoryOverReservation(NotDeployable):
+    """An operator-set runtime memory setting (vLLM `gpu_memory_utilization`, …) would let the
+    runtime claim more of a unified-memory node's pool than the deployment reserves there."""
+
+    code = "memory_over_reservation"
+
+    def __init__(self, message: str, *, setting: str, node_id: str) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.node_id = node_id
 
 
 class VerificationFailed(NexaError):
@@ -496,8 +512,16 @@ class ArtifactError(NexaError):
 
 
 class ArtifactUnavailable(ArtifactError):
+    """The S3-compatible store cannot be reached, or failed a request (a 5xx). `status` and
+    `s3_code` are the HTTP status and S3 error code of its answer; None and "" when none came."""
+
     code = "artifact_unavailable"
     retryable = True
+
+    def __init__(self, message: str, *, status: int | None = None, s3_code: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.s3_code = s3_code
 
 
 class ArtifactDigestMismatch(ArtifactError):
@@ -506,3 +530,36 @@ class ArtifactDigestMismatch(ArtifactError):
 
 class ArtifactSizeMismatch(ArtifactDigestMismatch):
     code = "artifact_size_mismatch"
+
+
+class InsufficientDisk(ArtifactError):
+    """The files still to download need more disk than is free, even after evicting every unused
+    artifact; nothing was downloaded or evicted. Carries both figures."""
+
+    code = "insufficient_disk"
+
+    def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class ArtifactRefused(ArtifactError):
+    """The S3-compatible store refused a request (access denied, bad signature, no such bucket):
+    retrying the same request will not help. Names the status, the S3 error code and the key,
+    and carries the first two as `status` and `s3_code` (the reason phrase when the body names
+    no code), so that each caller can word its own hint."""
+
+    code = "artifact_refused"
+
+    def __init__(self, message: str, *, status: int, s3_code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.s3_code = s3_code
+
+
+class ArtifactInvalid(ArtifactError):
+    """A local file or directory that cannot be pushed as a model (a symlink leaving it, a special
+    file, no files, no bytes, a path a manifest may not hold); names the file. Nothing was uploaded."""
+
+    code = "artifact_invalid"

@@ -32,7 +32,8 @@ import attrs
 import httpx
 
 from nexa.errors import ConfigError, Unavailable
-from nexa.s3 import S3Credentials, object_url, signed_headers_for
+from nexa.s3 import object_url, signed_headers_for
+from nexa.sigv4 import S3Credentials
 
 S3_REGION: Final = "us-east-1"
 #: SeaweedFS answers its S3 port in ~3 s; allow for a loaded machine.
@@ -315,6 +316,8 @@ PODMAN_STOP_TIMEOUT_S: Final = 15.0
 #: Plain unmounts of a private store's busy mounts before a lazy one, and the wait between.
 UNMOUNT_ATTEMPTS: Final = 5
 UNMOUNT_RETRY_S: Final = 0.5
+#: How long a stopping podman store waits for conmon's `podman container cleanup` processes.
+STORE_PROCESS_WAIT_S: Final = 15.0
 #: sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH: Final = 107
 #: podman refuses a longer --runroot.
@@ -363,6 +366,32 @@ def _mounted_below(base: Path) -> list[str]:
         return [p for line in f if (p := line.split()[4].encode().decode("unicode_escape")).startswith(prefix)]
 
 
+def _wait_for_processes_naming(text: str, timeout_s: float) -> None:
+    """Wait until no process (but this one) has `text` in its command line, for at most `timeout_s`.
+    Only waits: it signals nothing."""
+    needle = text.encode()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(needle in cmdline for cmdline in _command_lines()):
+            return
+        time.sleep(0.1)
+
+
+def _command_lines() -> list[bytes]:
+    """Every other process's command line (those that end meanwhile, or that we may not read, left out)."""
+    lines = []
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    lines.append(f.read())
+            except OSError:
+                continue
+    return lines
+
+
 def unmount_below(base: Path) -> None:
     """Unmount what is mounted under `base` (podman's overlay home, debootstrap's /proc), deepest
     first; a mount still busy is tried again, the last time detached lazily (`umount -l`)."""
@@ -403,6 +432,14 @@ class LocalPodman:
         return Path("/run") / f"nexa-podman-{hashlib.sha256(str(self.base).encode()).hexdigest()[:12]}"
 
     @property
+    def tmpdir(self) -> Path:
+        """`base/tmp`, or beside a runroot kept in /run when `base` is long: podman's network helpers
+        (slirp4netns, rootlessport) keep sockets there, and a long path makes a container's start
+        hang instead of failing."""
+        inside = self.base / "tmp"
+        return inside if self.runroot.is_relative_to(self.base) else self.runroot / "tmp"
+
+    @property
     def env(self) -> dict[str, str]:
         if self.containers_conf is None:
             return dict(os.environ)
@@ -410,7 +447,7 @@ class LocalPodman:
 
     def argv(self, *args: str) -> list[str]:
         store = ("--root", str(self.base / "root"), "--runroot", str(self.runroot))
-        return ["podman", *store, "--tmpdir", str(self.base / "tmp"), *args]
+        return ["podman", *store, "--tmpdir", str(self.tmpdir), *args]
 
     def run(self, *args: str, check: bool = True, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
         """`podman <args>` on this store; Unavailable (with its stderr) if it fails and `check`."""
@@ -462,7 +499,12 @@ class LocalPodman:
 
     def release(self) -> None:
         """Unmount what the store left mounted, and remove a runroot kept outside `base` (after the last
-        `run`: each podman command makes it again)."""
+        `run`: each podman command makes it again).
+
+        First wait (bounded) for the store's last podman processes: conmon runs `podman container
+        cleanup` when a container exits, and that podman mounts the store's overlay home again. Unmounted
+        before it ran, the overlay would be left mounted."""
+        _wait_for_processes_naming(str(self.base), STORE_PROCESS_WAIT_S)
         unmount_below(self.base)
         if not self.runroot.is_relative_to(self.base):
             unmount_below(self.runroot)
@@ -709,14 +751,15 @@ def _tiny_vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
-def _write_tiny_llama(dest: Path) -> None:
+def _write_tiny_llama(dest: Path, *, split_max_tensors: int = 0, mean_pooling: bool = False) -> None:
     import gguf  # type: ignore[import-untyped,unused-ignore]
     import numpy as np
 
     shape = TINY_LLAMA
     tokens, scores, types = _tiny_vocab()
     rng = np.random.default_rng(shape["seed"])
-    writer = gguf.GGUFWriter(str(dest), "llama")
+    # With split_max_tensors, gguf writes `<stem>-00001-of-0000N.gguf` … beside `dest` instead.
+    writer = gguf.GGUFWriter(str(dest), "llama", split_max_tensors=split_max_tensors)
     writer.add_name("nexa-tiny-llama")
     writer.add_context_length(shape["context"])
     writer.add_embedding_length(shape["embedding"])
@@ -725,6 +768,8 @@ def _write_tiny_llama(dest: Path) -> None:
     writer.add_head_count(shape["heads"])
     writer.add_head_count_kv(shape["heads"])
     writer.add_layer_norm_rms_eps(1e-5)
+    if mean_pooling:  # embeddings are then one vector per input, not one per token
+        writer.add_pooling_type(gguf.PoolingType.MEAN)
     writer.add_rope_dimension_count(shape["rope_dims"])
     writer.add_file_type(1)
     writer.add_tokenizer_model("llama")
@@ -782,6 +827,22 @@ def tiny_gguf(cache: Path) -> Path:
         finally:
             staging.unlink(missing_ok=True)
     return dest
+
+
+def split_tiny_gguf(directory: Path, *, shards: int = 2) -> list[Path]:
+    """The tiny llama GGUF written as a split GGUF of `shards` files into `directory`
+    (`tiny-llama-00001-of-0000N.gguf` …, llama.cpp's `gguf-split` naming), shards in order.
+    The first shard holds the metadata (with mean pooling, so that a server started for
+    embeddings answers one vector per input); llama.cpp loads the rest from beside it."""
+    if not has_gguf_writer():
+        raise ConfigError("the gguf package is not installed in this Python (pip install gguf numpy)")
+    tensors = 3 + 9 * int(TINY_LLAMA["blocks"])
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_tiny_llama(directory / "tiny-llama.gguf", split_max_tensors=-(-tensors // shards), mean_pooling=True)
+    found = sorted(directory.glob("tiny-llama-*-of-*.gguf"))
+    if len(found) != shards:
+        raise ConfigError(f"gguf wrote {len(found)} shard(s) into {directory}, not {shards}")
+    return found
 
 
 def llama_parts_missing(cache: Path) -> str | None:

@@ -58,7 +58,14 @@ _NAME_BAD_CHARS: Final = re.compile(r"[^A-Za-z0-9_.-]+")
 
 def spec_sha256(runtime: RuntimeSpec) -> str:
     """sha256 of the runtime spec's canonical JSON: equal specs, equal digests, whatever the key order."""
-    return hashlib.sha256(codec.dumps(codec.wire, runtime).encode()).hexdigest()
+    body = codec.wire.unstructure(runtime)
+    artifact = body.get("artifact")
+    if isinstance(artifact, dict) and not artifact.get("files") and not artifact.get("entry"):
+        # One object, as before manifests: hashed as it was then, so an upgraded agent adopts
+        # the runtimes it already runs instead of replacing them.
+        artifact.pop("files", None)
+        artifact.pop("entry", None)
+    return hashlib.sha256(codec.canonical_json(body).encode()).hexdigest()
 
 
 def container_name(assignment_id: str) -> str:
@@ -111,7 +118,8 @@ def container_spec(
     node_id: str, assignment: wire.Assignment, generation: int, artifact_path: Path | None, *, host: str = "127.0.0.1"
 ) -> ContainerSpec:
     """What podman creates for `assignment`: the image by digest, the spec's command, env and
-    limits, its GPUs as CDI devices, the verified artifact mounted read-only, and the labels the
+    limits, its GPUs as CDI devices, the verified artifact (its one file, or a manifest's assembled
+    model directory) mounted read-only at `artifact.mount_path`, and the labels the
     supervisor adopts and removes by. Raises ContractError when the env holds a secret-looking name.
 
     A `sim` runtime is a process, not a container: its command is `sim_command` and it has no mounts.

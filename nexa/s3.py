@@ -1,51 +1,50 @@
-"""S3-compatible object storage: credentials and AWS Signature Version 4, shared by the node's
-artifact cache and the controller's artifact verification.
+"""S3-compatible object storage: credentials, AWS Signature Version 4 and `S3Client`, the one
+S3 client of `nexa models push`, the node's artifact cache and the controller's verification.
+This is the only module that builds an httpx client for S3.
 
-Requests are signed by `sign_v4`, a small pure function over the stdlib (`hmac`, `hashlib`).
-botocore/boto3 are deliberately not used: they would add ~60 MB to the one-file binary for a
-signed GET. Credentials come from a file and are never logged.
+Requests are signed by `nexa.sigv4.sign_v4`, a small pure function over the stdlib (`hmac`,
+`hashlib`); README "Why nexa signs S3 requests itself" says why botocore is not used.
+Credentials come from a file and are never logged.
 """
 
 from __future__ import annotations
 
 import datetime
 import hashlib
-import hmac
+import html
 import json
 import logging
 import re
+import ssl
 import stat
-from collections.abc import AsyncGenerator, Mapping
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Final, cast
 from urllib.parse import quote
 
 import attrs
+import httpcore
 import httpx
+import trio
 
-from nexa.errors import ConfigError
+from nexa.errors import (
+    ArtifactError,
+    ArtifactRefused,
+    ArtifactSizeMismatch,
+    ArtifactUnavailable,
+    ConfigError,
+)
+from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, UNSIGNED_PAYLOAD, S3Credentials, sign_v4
 
 log = logging.getLogger(__name__)
 
-#: sha256 of the empty string: the payload hash of a GET (S3 also accepts UNSIGNED-PAYLOAD).
-EMPTY_PAYLOAD_SHA256: Final = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
-UNSIGNED_PAYLOAD: Final = "UNSIGNED-PAYLOAD"
-_ALGORITHM: Final = "AWS4-HMAC-SHA256"
 #: How much of an error answer is read to find its S3 error code.
 _ERROR_BODY_LIMIT: Final = 64 * 1024
 _S3_ERROR_CODE_RE: Final = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
 
 
 # --- credentials ----------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class S3Credentials:
-    """An access key pair for the S3-compatible store. The secret never appears in a repr."""
-
-    access_key_id: str
-    secret_access_key: str = attrs.field(repr=lambda _: "'***'")
 
 
 def load_s3_credentials(path: str | Path) -> S3Credentials:
@@ -82,72 +81,6 @@ def load_s3_credentials(path: str | Path) -> S3Credentials:
     return S3Credentials(access_key_id=data["access_key_id"].strip(), secret_access_key=data["secret_access_key"])
 
 
-# --- AWS Signature Version 4 ------------------------------------------------------------------------
-
-
-def canonical_request(
-    *, method: str, raw_path: str, headers: Mapping[str, str], payload_sha256: str
-) -> tuple[str, str]:
-    """The SigV4 canonical request and its signed-headers list, for a request without a query.
-
-    `raw_path` is the path exactly as sent, already URI-encoded once (S3 does not encode twice).
-    Every header given is signed; names are lower-cased, values trimmed with inner runs of
-    spaces folded to one.
-    """
-    canonical = {name.lower().strip(): " ".join(value.split()) for name, value in headers.items()}
-    names = sorted(canonical)
-    signed_headers = ";".join(names)
-    lines = [method.upper(), raw_path, "", *(f"{name}:{canonical[name]}" for name in names), "", signed_headers]
-    return "\n".join([*lines, payload_sha256]), signed_headers
-
-
-def _hmac(key: bytes, msg: str) -> bytes:
-    return hmac.new(key, msg.encode("utf-8"), hashlib.sha256).digest()
-
-
-def sign_v4(
-    *,
-    method: str,
-    host: str,
-    raw_path: str,
-    headers: Mapping[str, str],
-    payload_sha256: str,
-    credentials: S3Credentials,
-    region: str,
-    now: datetime.datetime,
-    service: str = "s3",
-) -> dict[str, str]:
-    """Sign one request with AWS Signature Version 4; return every header to send.
-
-    The result holds `headers` plus `host`, `x-amz-date`, `x-amz-content-sha256` and
-    `authorization`, all of them signed. `host` must be what the HTTP client sends (host, and
-    `:port` unless it is the scheme's default). `payload_sha256` is the hex sha256 of the body,
-    `EMPTY_PAYLOAD_SHA256` for a GET, or `UNSIGNED_PAYLOAD`. Pure: the clock is a parameter.
-    """
-    amz_date = now.astimezone(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    day = amz_date[:8]
-    to_send = {
-        **headers,
-        "host": host,
-        "x-amz-date": amz_date,
-        "x-amz-content-sha256": payload_sha256,
-    }
-    creq, signed_headers = canonical_request(
-        method=method, raw_path=raw_path, headers=to_send, payload_sha256=payload_sha256
-    )
-    scope = f"{day}/{region}/{service}/aws4_request"
-    string_to_sign = "\n".join([_ALGORITHM, amz_date, scope, hashlib.sha256(creq.encode("utf-8")).hexdigest()])
-    key = _hmac(("AWS4" + credentials.secret_access_key).encode("utf-8"), day)
-    for part in (region, service, "aws4_request"):
-        key = _hmac(key, part)
-    signature = hmac.new(key, string_to_sign.encode("utf-8"), hashlib.sha256).hexdigest()
-    to_send["authorization"] = (
-        f"{_ALGORITHM} Credential={credentials.access_key_id}/{scope},"
-        f"SignedHeaders={signed_headers},Signature={signature}"
-    )
-    return to_send
-
-
 def object_url(endpoint: str, bucket: str, key: str) -> httpx.URL:
     """The path-style URL of an object: `<endpoint>/<bucket>/<key>`, the key URI-encoded once."""
     return httpx.URL(f"{endpoint.rstrip('/')}/{quote(bucket, safe='')}/{quote(key, safe='/')}")
@@ -162,11 +95,13 @@ def signed_headers_for(
     payload_sha256: str = EMPTY_PAYLOAD_SHA256,
     headers: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """`sign_v4` for an httpx URL with the current time (the host and path httpx will send)."""
+    """`sign_v4` for an httpx URL with the current time (the host, path and query httpx will send)."""
+    path, _, query = url.raw_path.decode("ascii").partition("?")
     return sign_v4(
         method=method,
         host=url.netloc.decode("ascii"),
-        raw_path=url.raw_path.decode("ascii"),
+        raw_path=path,
+        raw_query=query,
         headers=headers or {},
         payload_sha256=payload_sha256,
         credentials=credentials,
@@ -190,10 +125,501 @@ async def error_code(response: httpx.Response) -> str:
     """The S3 error code of a refused request (`NoSuchKey`, `SignatureDoesNotMatch`, …), read from
     at most 64 KiB of its body; the reason phrase when the body names none."""
     body = b""
-    async with aclosing(raw_chunks(response)) as chunks:
-        async for chunk in chunks:
-            body += chunk
-            if len(body) >= _ERROR_BODY_LIMIT:
-                break
+    if response.is_stream_consumed:  # an answer made whole (a test's), or already streamed
+        try:
+            body = response.content[:_ERROR_BODY_LIMIT]
+        except httpx.ResponseNotRead:
+            body = b""
+    else:
+        async with aclosing(raw_chunks(response)) as chunks:
+            async for chunk in chunks:
+                body += chunk
+                if len(body) >= _ERROR_BODY_LIMIT:
+                    break
     match = _S3_ERROR_CODE_RE.search(body)
     return match.group(1).decode("ascii") if match else response.reason_phrase or "error"
+
+
+async def body_chunks(response: httpx.Response, uri: str) -> AsyncGenerator[bytes, None]:
+    """The body of a streamed answer (`S3Client.stream`) as it arrives, undecoded; a transport
+    failure midway is ArtifactUnavailable naming `uri`. Use under `aclosing`."""
+    try:
+        async with aclosing(raw_chunks(response)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+    except httpx.HTTPError as exc:
+        raise ArtifactUnavailable(f"the S3 store did not answer for {uri} ({type(exc).__name__})") from None
+
+
+# --- large socket reads ---------------------------------------------------------------------------
+
+#: What one socket read of an S3 answer asks for. httpcore asks for 64 KiB, and at a few GB/s the
+#: per-read cost (h11 event, httpx chunk, trio checkpoint) is what limits a download. On loopback
+#: (`perf/artifacts.py`, 2 CPUs) 256 KiB reads took the node's fetch from ~56 % to ~70 % of
+#: parallel curl, as 1 MiB reads did, but with a peak RSS of 55 MiB instead of 72 MiB: each
+#: download holds a few received chunks, and a chunk is at most one read.
+S3_READ_BYTES: Final = 256 * 1024
+CONNECT_TIMEOUT_S: Final = 10.0
+#: httpx's defaults (`httpx.Limits()`), for the connection pool built here.
+_MAX_CONNECTIONS: Final = 100
+_MAX_KEEPALIVE: Final = 20
+_KEEPALIVE_EXPIRY_S: Final = 5.0
+
+
+class _LargeReadStream(httpcore.AsyncNetworkStream):
+    """A connection whose reads ask for at least `S3_READ_BYTES` (a read still returns what the
+    socket holds, so small answers are not delayed)."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
+        self._inner = inner
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's signature
+        return await self._inner.read(max(max_bytes, S3_READ_BYTES), timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's signature
+        await self._inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+    ) -> httpcore.AsyncNetworkStream:
+        return _LargeReadStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> object:
+        return self._inner.get_extra_info(info)
+
+
+class _LargeReads(httpcore.AsyncNetworkBackend):
+    """httpcore's trio backend (nexa runs under trio only), its connections `_LargeReadStream`s:
+    httpcore's documented extension point for the network layer."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.TrioBackend()
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _LargeReadStream(stream)
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return _LargeReadStream(await self._inner.connect_unix_socket(path, timeout, socket_options))
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+def _large_read_transport(*, tls_verify: bool, trust_env: bool) -> httpx.AsyncHTTPTransport:
+    """An httpx transport whose connections read `S3_READ_BYTES` at a time.
+
+    httpx has no public way to give its transport a network backend, so this replaces the
+    transport's private connection pool (`_pool`) with one built on `_LargeReads`: the one
+    private attribute used, here only. `tests/test_s3_client.py` fails if an httpx or httpcore
+    upgrade drops it (a body of several MiB must arrive in reads larger than 64 KiB).
+    """
+    # trust_env: SSL_CERT_FILE and SSL_CERT_DIR name the CA certificates, as for any httpx client.
+    ssl_context = httpx.create_ssl_context(verify=tls_verify, trust_env=trust_env)
+    transport = httpx.AsyncHTTPTransport(verify=ssl_context)
+    transport._pool = httpcore.AsyncConnectionPool(
+        ssl_context=ssl_context,
+        max_connections=_MAX_CONNECTIONS,
+        max_keepalive_connections=_MAX_KEEPALIVE,
+        keepalive_expiry=_KEEPALIVE_EXPIRY_S,
+        network_backend=_LargeReads(),
+    )
+    return transport
+
+
+# --- the client -----------------------------------------------------------------------------------
+
+#: S3's smallest part, for every part of a multipart upload but the last; and its most parts.
+MIN_PART_BYTES: Final = 5 * 1024**2
+MAX_PARTS: Final = 10_000
+#: How much of a file is read (in a worker thread) per chunk sent.
+_FILE_CHUNK: Final = 1024**2
+_XML_VALUE_RE: Final = re.compile(rb"<(UploadId|ETag)>([^<]{1,1024})</\1>")
+_ABORT_TIMEOUT_S: Final = 10.0
+
+
+@attrs.frozen
+class ObjectInfo:
+    """What a HEAD says about an object: its size, ETag (`"<md5>"`, or `"<md5>-N"` when it
+    was uploaded in N parts) and user metadata (`x-amz-meta-<name>` → name, lower-case)."""
+
+    size_bytes: int
+    etag: str
+    metadata: dict[str, str]
+
+
+ProgressFn = Callable[[int], None]
+
+
+def _ignore(_: int) -> None:
+    pass
+
+
+async def _file_chunks(path: Path, offset: int, length: int, on_bytes: ProgressFn) -> AsyncIterator[bytes]:
+    """`length` bytes of `path` from `offset`, 1 MiB at a time: the body of an upload, never
+    the whole file in memory. A file that shrank meanwhile fails the request."""
+    try:
+        f = await trio.open_file(path, "rb")
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path}: {exc.strerror or exc}") from None
+    async with f:
+        await f.seek(offset)
+        left = length
+        while left:
+            try:
+                chunk = await f.read(min(_FILE_CHUNK, left))
+            except OSError as exc:
+                raise ArtifactError(f"cannot read {path}: {exc.strerror or exc}") from None
+            if not chunk:
+                raise ArtifactSizeMismatch(f"{path} shrank while it was being uploaded")
+            left -= len(chunk)
+            on_bytes(len(chunk))
+            yield chunk
+
+
+def _xml_values(body: bytes) -> dict[str, str]:
+    """`UploadId` and `ETag` of an S3 XML answer (the only values read from one)."""
+    return {m.group(1).decode("ascii"): html.unescape(m.group(2).decode("utf-8")) for m in _XML_VALUE_RE.finditer(body)}
+
+
+def _failure(what: str, status: int, s3_code: str) -> ArtifactRefused | ArtifactUnavailable:
+    """The error for an answer with `status`: refused for a 4xx, unavailable otherwise."""
+    message = f"S3 {what}: {status} {s3_code}"
+    if 400 <= status < 500:
+        return ArtifactRefused(message, status=status, s3_code=s3_code)
+    return ArtifactUnavailable(message, status=status, s3_code=s3_code)
+
+
+def _query(**params: str | int) -> str:
+    return "&".join(f"{quote(k, safe='')}={quote(str(v), safe='')}" if v != "" else k for k, v in params.items())
+
+
+class S3Client:
+    """The one S3 client: path-style requests to one endpoint, SigV4-signed (S3 style) with the
+    credentials given, or unsigned (anonymous) without them.
+
+    An async context manager that owns one `httpx.AsyncClient`, whose connections read
+    `S3_READ_BYTES` at a time (`transport`, for fault-injection tests, replaces that). Every
+    failure is a nexa error: `ArtifactRefused` for a 4xx, `ArtifactUnavailable` for a 5xx or a
+    transport failure, both carrying the HTTP status and S3 error code (`status`, `s3_code`) so
+    that callers word their own hints. Bodies are streamed, never read whole; credentials never
+    appear in a message or a log line. `timeout_s` bounds each socket operation (connecting: at
+    most `CONNECT_TIMEOUT_S`); callers bound a whole transfer with a cancel scope. Proxies from
+    the environment are not used (the store is the operator's own).
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        region: str = "us-east-1",
+        credentials: S3Credentials | None = None,
+        tls_verify: bool = True,
+        timeout_s: float = 60.0,
+        trust_env: bool = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.endpoint = endpoint.rstrip("/")
+        self.region = region
+        self._credentials = credentials
+        self.anonymous = credentials is None
+        if transport is None:
+            transport = _large_read_transport(tls_verify=tls_verify, trust_env=trust_env)
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)),
+            transport=transport,
+            follow_redirects=False,
+            trust_env=trust_env,
+        )
+
+    async def __aenter__(self) -> S3Client:
+        await self._http.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._http.aclose()
+
+    # --- requests ---
+
+    def _url(self, bucket: str, key: str, query: str = "") -> httpx.URL:
+        url = object_url(self.endpoint, bucket, key)
+        return httpx.URL(f"{url}?{query}") if query else url
+
+    def _headers(self, method: str, url: httpx.URL, payload_sha256: str, headers: Mapping[str, str]) -> dict[str, str]:
+        if self._credentials is None:
+            return dict(headers)
+        return signed_headers_for(
+            method,
+            url,
+            credentials=self._credentials,
+            region=self.region,
+            payload_sha256=payload_sha256,
+            headers=headers,
+        )
+
+    async def _request(
+        self,
+        method: str,
+        url: httpx.URL,
+        *,
+        what: str,
+        payload_sha256: str = EMPTY_PAYLOAD_SHA256,
+        headers: Mapping[str, str] | None = None,
+        content: bytes | AsyncIterator[bytes] | None = None,
+        ok: Sequence[int] = (200,),
+    ) -> httpx.Response:
+        """Send one request; return its (read) answer if its status is in `ok`, else raise."""
+        sent = self._headers(method, url, payload_sha256, headers or {})
+        try:
+            request = self._http.build_request(method, url, headers=sent, content=content)
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise ArtifactUnavailable(f"S3 {what}: cannot reach {self.endpoint}: {type(exc).__name__}") from None
+        try:
+            if response.status_code in ok:
+                await response.aread()
+                return response
+            code = await error_code(response) if method != "HEAD" else response.reason_phrase
+        except httpx.HTTPError as exc:
+            raise ArtifactUnavailable(f"S3 {what}: the answer broke off: {type(exc).__name__}") from None
+        finally:
+            await response.aclose()
+        raise _failure(what, response.status_code, code)
+
+    async def head(self, bucket: str, key: str) -> ObjectInfo | None:
+        """The object's size, ETag and user metadata; None when there is no such object."""
+        response = await self._request("HEAD", self._url(bucket, key), what=f"HEAD {bucket}/{key}", ok=(200, 404))
+        if response.status_code == 404:
+            return None
+        metadata = {
+            name.removeprefix("x-amz-meta-"): value
+            for name, value in response.headers.items()
+            if name.startswith("x-amz-meta-")
+        }
+        return ObjectInfo(
+            size_bytes=int(response.headers.get("content-length", "0")),
+            etag=response.headers.get("etag", ""),
+            metadata=metadata,
+        )
+
+    @asynccontextmanager
+    async def stream(self, bucket: str, key: str, *, start: int = 0) -> AsyncIterator[httpx.Response]:
+        """GET an object, from byte `start` on (`Range: bytes=start-`), its body streamed: read it
+        with `body_chunks` inside the `async with`; leaving closes the connection's answer.
+
+        Gives the answer for a 200 or a 206 (a store may answer a range with the whole object:
+        the caller checks which); the body is never decoded (`accept-encoding: identity`: a
+        digest is over the stored bytes). Any other status raises `ArtifactRefused` (4xx) or
+        `ArtifactUnavailable` (5xx) with its `status` and `s3_code`; no answer at all raises
+        `ArtifactUnavailable` naming the object.
+        """
+        url = self._url(bucket, key)
+        headers = {"accept-encoding": "identity"}
+        if start:
+            headers["range"] = f"bytes={start}-"
+        uri = f"s3://{bucket}/{key}"
+        try:
+            request = self._http.build_request(
+                "GET", url, headers=self._headers("GET", url, EMPTY_PAYLOAD_SHA256, headers)
+            )
+            response = await self._http.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise ArtifactUnavailable(f"the S3 store did not answer for {uri} ({type(exc).__name__})") from None
+        try:
+            if response.status_code not in (200, 206):
+                try:
+                    code = await error_code(response)
+                except httpx.HTTPError:
+                    code = response.reason_phrase or "error"
+                raise _failure(f"GET {bucket}/{key}", response.status_code, code)
+            yield response
+        finally:
+            await response.aclose()
+
+    async def put_bytes(
+        self, bucket: str, key: str, data: bytes, *, content_type: str = "application/octet-stream"
+    ) -> str:
+        """Upload a small object held in memory (a manifest); returns its ETag."""
+        sha256 = hashlib.sha256(data).hexdigest()
+        headers = {"content-type": content_type, "x-amz-meta-sha256": sha256}
+        response = await self._request(
+            "PUT",
+            self._url(bucket, key),
+            what=f"PUT {bucket}/{key}",
+            payload_sha256=sha256,
+            headers=headers,
+            content=data,
+        )
+        return str(response.headers.get("etag", ""))
+
+    async def put_file(
+        self,
+        bucket: str,
+        key: str,
+        path: Path,
+        *,
+        size_bytes: int,
+        sha256: str | None,
+        on_bytes: ProgressFn = _ignore,
+    ) -> str:
+        """Upload a file in one PUT, streamed from disk; returns the ETag.
+
+        `sha256` (the file's, computed beforehand) is the signed payload hash, so the store
+        refuses bytes that changed since, and it is kept as `x-amz-meta-sha256`; None sends
+        `UNSIGNED-PAYLOAD`.
+        """
+        headers = {"content-length": str(size_bytes), "content-type": "application/octet-stream"}
+        if sha256:
+            headers["x-amz-meta-sha256"] = sha256
+        response = await self._request(
+            "PUT",
+            self._url(bucket, key),
+            what=f"PUT {bucket}/{key}",
+            payload_sha256=sha256 or UNSIGNED_PAYLOAD,
+            headers=headers,
+            content=_file_chunks(path, 0, size_bytes, on_bytes),
+        )
+        return str(response.headers.get("etag", ""))
+
+    # --- multipart ---
+
+    async def create_multipart(self, bucket: str, key: str, *, sha256: str | None = None) -> str:
+        """Start a multipart upload (`POST ?uploads`); returns its upload id."""
+        headers = {"content-type": "application/octet-stream"}
+        if sha256:
+            headers["x-amz-meta-sha256"] = sha256
+        response = await self._request(
+            "POST", self._url(bucket, key, "uploads"), what=f"create multipart {bucket}/{key}", headers=headers
+        )
+        upload_id = _xml_values(response.content).get("UploadId")
+        if not upload_id:
+            raise ArtifactUnavailable(f"S3 create multipart {bucket}/{key}: the answer names no UploadId")
+        return upload_id
+
+    async def upload_part(
+        self,
+        bucket: str,
+        key: str,
+        upload_id: str,
+        part_number: int,
+        path: Path,
+        *,
+        offset: int,
+        length: int,
+        on_bytes: ProgressFn = _ignore,
+    ) -> str:
+        """Upload bytes `offset … offset+length` of `path` as part `part_number`; returns its ETag."""
+        url = self._url(bucket, key, _query(partNumber=part_number, uploadId=upload_id))
+        response = await self._request(
+            "PUT",
+            url,
+            what=f"upload part {part_number} of {bucket}/{key}",
+            payload_sha256=UNSIGNED_PAYLOAD,
+            headers={"content-length": str(length)},
+            content=_file_chunks(path, offset, length, on_bytes),
+        )
+        etag = str(response.headers.get("etag", ""))
+        if not etag:
+            raise ArtifactUnavailable(f"S3 upload part {part_number} of {bucket}/{key}: no ETag in the answer")
+        return etag
+
+    async def complete_multipart(self, bucket: str, key: str, upload_id: str, etags: Sequence[str]) -> str:
+        """Join the parts (ETags in part order); returns the object's ETag."""
+        body = "".join(
+            f"<Part><PartNumber>{n}</PartNumber><ETag>{html.escape(etag)}</ETag></Part>"
+            for n, etag in enumerate(etags, start=1)
+        )
+        data = f"<CompleteMultipartUpload>{body}</CompleteMultipartUpload>".encode()
+        response = await self._request(
+            "POST",
+            self._url(bucket, key, _query(uploadId=upload_id)),
+            what=f"complete multipart {bucket}/{key}",
+            payload_sha256=hashlib.sha256(data).hexdigest(),
+            headers={"content-type": "application/xml"},
+            content=data,
+        )
+        # S3 may answer 200 and report the failure in the body.
+        if b"<Error>" in response.content:
+            match = _S3_ERROR_CODE_RE.search(response.content)
+            code = match.group(1).decode("ascii") if match else "error"
+            raise ArtifactUnavailable(f"S3 complete multipart {bucket}/{key}: {code}")
+        return _xml_values(response.content).get("ETag", "")
+
+    async def abort_multipart(self, bucket: str, key: str, upload_id: str) -> None:
+        """Drop an unfinished multipart upload and its parts."""
+        await self._request(
+            "DELETE",
+            self._url(bucket, key, _query(uploadId=upload_id)),
+            what=f"abort multipart {bucket}/{key}",
+            ok=(200, 204, 404),
+        )
+
+    async def put_file_multipart(
+        self,
+        bucket: str,
+        key: str,
+        path: Path,
+        *,
+        size_bytes: int,
+        sha256: str | None,
+        part_size: int,
+        limiter: trio.CapacityLimiter | None = None,
+        on_bytes: ProgressFn = _ignore,
+    ) -> tuple[str, int]:
+        """Upload a file as a multipart upload, its parts in parallel (each holding `limiter`);
+        returns the ETag and the number of parts. Any failure, cancellation included, aborts the
+        upload so that no parts are left behind."""
+        if part_size < MIN_PART_BYTES:
+            raise ConfigError(f"a part must hold at least {MIN_PART_BYTES} bytes (5 MiB), not {part_size}")
+        count = max(1, -(-size_bytes // part_size))
+        if count > MAX_PARTS:
+            raise ConfigError(f"{path}: {count} parts of {part_size} bytes; S3 allows {MAX_PARTS}: use larger parts")
+        limiter = limiter or trio.CapacityLimiter(4)
+        upload_id = await self.create_multipart(bucket, key, sha256=sha256)
+        etags = [""] * count
+
+        async def one(n: int) -> None:
+            offset = n * part_size
+            async with limiter:
+                etags[n] = await self.upload_part(
+                    bucket,
+                    key,
+                    upload_id,
+                    n + 1,
+                    path,
+                    offset=offset,
+                    length=min(part_size, size_bytes - offset),
+                    on_bytes=on_bytes,
+                )
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for n in range(count):
+                    nursery.start_soon(one, n)
+            etag = await self.complete_multipart(bucket, key, upload_id, etags)
+        except BaseException:
+            with trio.CancelScope(shield=True), trio.move_on_after(_ABORT_TIMEOUT_S):
+                try:
+                    await self.abort_multipart(bucket, key, upload_id)
+                except ArtifactError as exc:
+                    log.warning("could not abort the multipart upload of %s/%s: %s", bucket, key, exc.message)
+            raise
+        return etag, count

@@ -22,8 +22,8 @@ import os
 import traceback
 import types
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from typing import Final
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import Final, TypeVar
 
 import attrs
 import trio
@@ -31,6 +31,7 @@ import trio
 from nexa.errors import NexaError, StoreUnusable
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: First wait before a failed loop runs again; doubled after each failure in a row.
 FIRST_BACKOFF_S: Final = 0.1
@@ -227,3 +228,37 @@ def _log_failure(name: str, exc: BaseException, *, starting: bool) -> None:
         log.error("loop %s failed to start: %s", name, "; ".join(errors), extra={"fields": fields})
     else:
         log.error("loop %s failed: %s", name, "; ".join(errors), extra={"fields": fields})
+
+
+async def all_or_first_failure(
+    items: Iterable[T],
+    run: Callable[[T], Awaitable[None]],
+    *,
+    catch: tuple[type[Exception], ...],
+    limit: int | None = None,
+) -> None:
+    """`run(item)` for every item concurrently, at most `limit` at once (None: no limit).
+
+    The first run to fail with one of `catch` cancels the others, and its exception is raised
+    alone, never inside an exception group, so a caller catches typed errors as from one call.
+    Anything else propagates as trio's nursery raises it.
+    """
+    limiter = trio.CapacityLimiter(limit) if limit is not None else None
+    failures: list[Exception] = []
+
+    async def one(item: T) -> None:
+        try:
+            if limiter is None:
+                await run(item)
+            else:
+                async with limiter:
+                    await run(item)
+        except catch as exc:
+            failures.append(exc)
+            nursery.cancel_scope.cancel()
+
+    async with trio.open_nursery() as nursery:
+        for item in items:
+            nursery.start_soon(one, item)
+    if failures:
+        raise failures[0]

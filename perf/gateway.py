@@ -46,7 +46,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nexa.s3 import S3Credentials, object_url, signed_headers_for
+from nexa.s3 import object_url, signed_headers_for
+from nexa.sigv4 import S3Credentials
 
 Json = dict[str, Any]
 #: The node's loopback address: its agent dials from it and its runtimes listen on it.

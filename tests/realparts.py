@@ -51,7 +51,8 @@ from nexa.localparts import (
 from nexa.localparts import tiny_gguf as make_tiny_gguf
 from nexa.node.docker import DockerClient
 from nexa.node.podman import PodmanClient
-from nexa.s3 import S3Credentials, object_url, signed_headers_for
+from nexa.s3 import object_url, signed_headers_for
+from nexa.sigv4 import S3Credentials
 
 IN_CI: Final = os.environ.get("CI") == "true"
 REPO: Final = Path(__file__).resolve().parent.parent

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import attrs
 
 from nexa.contracts.domain import NAME_RE, EventId, KeyId
+from nexa.contracts.manifest import ArtifactLocation, manifest_problems
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import IMAGE_BY_DIGEST_RE, SHA256_RE
 
@@ -45,7 +46,10 @@ class ModelState(enum.StrEnum):
 
 
 class ModelFormat(enum.StrEnum):
-    """How the artifact's bytes are laid out (one object: a file, or an archive of a model directory)."""
+    """How the model's bytes are laid out. `safetensors`: a Hugging Face directory (vLLM, SGLang);
+    `gguf`: one GGUF file or a split GGUF's shards (llama.cpp); `tensorrt`: an engine or checkpoint
+    directory; `tar`: an archive, mounted as the one file it is (nothing unpacks it: push the
+    directory itself with `nexa models push`)."""
 
     GGUF = "gguf"
     SAFETENSORS = "safetensors"
@@ -130,12 +134,10 @@ class RuntimeList:
 
 
 @attrs.frozen(kw_only=True)
-class ModelArtifact:
-    """The artifact a model version claims: an object in the S3-compatible store, its sha256 and size."""
-
-    uri: str
-    sha256: str
-    size_bytes: int
+class ModelArtifact(ArtifactLocation):
+    """The artifact a model version claims: the files of a manifest under an S3 prefix, or one
+    object; `sha256` is the manifest's digest (the object's own for one object), `size_bytes`
+    the total. In a request with `files`, both may be left out: the controller computes them."""
 
 
 @attrs.frozen(kw_only=True)
@@ -390,6 +392,38 @@ def artifact_uri_problem(field: str, uri: str) -> str | None:
     return None
 
 
+def artifact_problems(artifact: ModelArtifact) -> list[str | None]:
+    """One object: its URI, sha256 and size. A manifest: the prefix, every file and the entry, and
+    a sha256 or size given beside them must be the manifest's own."""
+    problems: list[str | None] = []
+    if not artifact.files:
+        problems.append(artifact_uri_problem("artifact.uri", artifact.uri))
+        if artifact.entry:
+            problems.append("artifact.entry: an entry point needs files (one object is its own entry)")
+        problems.append(_sha256_problem("artifact.sha256", artifact.sha256))
+        problems.append(_size_problem("artifact.size_bytes", artifact.size_bytes))
+        return problems
+    prefix_problem = artifact_uri_problem("artifact.uri", artifact.uri.rstrip("/") + "/x")
+    if prefix_problem or not artifact.uri.endswith("/"):
+        problems.append(
+            "artifact.uri: with files, the prefix their paths are under, ending in '/': s3://bucket/prefix/"
+        )
+    found = manifest_problems(artifact.files, artifact.entry)
+    problems += found
+    if not found:
+        manifest = artifact.manifest()
+        if artifact.sha256 and artifact.sha256 != manifest.digest:
+            problems.append(
+                f"artifact.sha256: the manifest's digest (sha256 of its canonical bytes) is {manifest.digest}, "
+                f"not {artifact.sha256}; leave it out to have it computed"
+            )
+        if artifact.size_bytes and artifact.size_bytes != manifest.size_bytes:
+            problems.append(
+                f"artifact.size_bytes: the files hold {manifest.size_bytes} bytes in all, not {artifact.size_bytes}"
+            )
+    return problems
+
+
 def runtime_problems(req: RuntimeCreate) -> list[str]:
     problems = [name_problem("name", req.name), version_problem("version", req.version)]
     if not IMAGE_BY_DIGEST_RE.match(req.image) or len(req.image) > 512:
@@ -416,9 +450,7 @@ def model_problems(req: ModelCreate) -> list[str]:
     problems = [
         name_problem("name", req.name),
         version_problem("version", req.version),
-        artifact_uri_problem("artifact.uri", req.artifact.uri),
-        _sha256_problem("artifact.sha256", req.artifact.sha256),
-        _size_problem("artifact.size_bytes", req.artifact.size_bytes),
+        *artifact_problems(req.artifact),
         _size_problem("memory_bytes", req.memory_bytes),
         _text_problem("provenance.source", req.provenance.source, 512),
         _text_problem("provenance.signer", req.provenance.signer, 256, required=False),

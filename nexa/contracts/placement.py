@@ -13,6 +13,7 @@ import math
 import re
 import sys
 from collections.abc import Iterable
+from fractions import Fraction
 from typing import Final
 
 import attrs
@@ -56,6 +57,108 @@ def _sorted_devices(items: Iterable[str]) -> tuple[str, ...]:
 def _non_negative(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 0:
         raise ValueError(f"{attribute.name} must be 0 or more")
+
+
+class MemoryShare(enum.StrEnum):
+    """What a runtime's memory setting is a fraction of."""
+
+    #: Of the device's whole memory (on a unified node, the pool): vLLM `--gpu-memory-utilization`
+    #: (weights, activations and KV cache), SGLang `--mem-fraction-static` (weights and KV pool).
+    POOL = "pool"
+    #: Of the memory still free once the weights are loaded: TensorRT-LLM's
+    #: `--kv_cache_free_gpu_memory_fraction` (the KV cache's share of it).
+    FREE_AFTER_WEIGHTS = "free_after_weights"
+
+
+#: Derived fractions have this many decimals, rounded down (so they never claim more than reserved).
+FRACTION_DECIMALS: Final = 3
+_FRACTION_STEPS: Final = 10**FRACTION_DECIMALS
+
+
+@attrs.frozen(kw_only=True)
+class MemoryLimit:
+    """How a runtime on a unified-memory node is held to the memory placement reserved for it.
+
+    On a node whose accelerator memory is the host's pool (a GB10), a model server left alone
+    takes its default share of the whole pool (vLLM 90 %). So the reservation becomes the
+    server's own limit: `setting` (a runtime setting, `flag` on its command line) is set to the
+    largest fraction, to `FRACTION_DECIMALS` decimals rounded down, whose claim stays within
+    what was reserved. An `operator_value` (the deployment set the setting itself) is kept as
+    it is and checked instead: a claim above the reservation fails the node.
+
+    What a fraction claims, on a pool of P bytes with weights of W bytes (the model artifact's
+    size, which approximates them):
+    - `pool`: fraction * P;
+    - `free_after_weights`: W + fraction * (P - W). The free memory after loading is at most
+      P - W (less when other replicas run), so the derived (R - W) / (P - W) never lets the KV
+      cache grow past R - W; a reservation R <= W holds no KV cache at all, and fails the node.
+    """
+
+    setting: str
+    flag: str
+    share_of: MemoryShare
+    operator_value: float | None = None
+    weights_bytes: int = attrs.field(default=0, validator=_non_negative)
+
+    def on(self, reserved_bytes: int, pool_bytes: int) -> RuntimeMemory:
+        """The limit on one node: the operator's value or the derived one, and what it claims."""
+        if self.operator_value is not None:
+            value: float | None = self.operator_value
+        else:
+            value = self.derived(reserved_bytes, pool_bytes)
+        claim = None if value is None else self.claim_bytes(value, pool_bytes)
+        return RuntimeMemory(
+            setting=self.setting,
+            flag=self.flag,
+            value=value,
+            derived=self.operator_value is None,
+            reserved_bytes=reserved_bytes,
+            pool_bytes=pool_bytes,
+            claim_bytes=claim,
+        )
+
+    def derived(self, reserved_bytes: int, pool_bytes: int) -> float | None:
+        """The largest fraction (rounded down) claiming at most `reserved_bytes`; None when even
+        the smallest step claims more (or, for `free_after_weights`, the weights fill the reservation)."""
+        if self.share_of is MemoryShare.POOL:
+            room, of = reserved_bytes, pool_bytes
+        else:
+            room, of = reserved_bytes - self.weights_bytes, pool_bytes - self.weights_bytes
+        if room <= 0 or of <= 0:
+            return None
+        steps = min(_FRACTION_STEPS, room * _FRACTION_STEPS // of)
+        return steps / _FRACTION_STEPS if steps else None
+
+    def claim_bytes(self, value: float, pool_bytes: int) -> int:
+        """The bytes a runtime given `value` takes on a `pool_bytes` node (at most, for the KV share)."""
+        # The decimal as the runtime parses it from its command line, exactly: 0.7 is 7/10.
+        share = Fraction(repr(value))
+        if self.share_of is MemoryShare.POOL:
+            return math.floor(share * pool_bytes)
+        weights = min(self.weights_bytes, pool_bytes)
+        return weights + math.floor(share * (pool_bytes - weights))
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeMemory:
+    """The memory limit a replica on one unified-memory node runs under (shown in its explanation)."""
+
+    #: The runtime setting (`gpu_memory_utilization`) and its command-line flag.
+    setting: str
+    flag: str
+    #: The fraction given to the runtime; None: no fraction keeps it within the reservation.
+    value: float | None
+    #: Derived from the reservation (added to the command) rather than set by the operator.
+    derived: bool
+    reserved_bytes: int
+    pool_bytes: int
+    #: What `value` lets the runtime take; None with `value`.
+    claim_bytes: int | None
+
+    @property
+    def fits(self) -> bool:
+        """The runtime's claim stays within what placement reserved for it."""
+        return self.claim_bytes is not None and self.claim_bytes <= self.reserved_bytes
 
 
 @attrs.frozen(kw_only=True)
@@ -161,6 +264,9 @@ class PlacementRequest:
     #: The runtime's registration opted in to the node's network namespace (shown in every
     #: explanation; by default a replica gets a namespace of its own and a port on `runtime_host`).
     host_network: bool = False
+    #: On unified-memory nodes, the runtime setting that holds it to `memory_bytes` (derived per
+    #: node, or the operator's value checked); None: not limited (a CPU runtime, a full command).
+    memory_limit: MemoryLimit | None = None
 
     @property
     def network(self) -> str:
@@ -224,6 +330,9 @@ class NodeExplanation:
     score: float
     terms: tuple[ScoreTerm, ...]
     replicas_placed: int = 0
+    #: On a unified-memory node with a limited runtime: the limit a replica there runs under (its
+    #: memory filter fails when that limit would claim more than the reservation).
+    runtime_memory: RuntimeMemory | None = None
 
 
 @attrs.frozen(kw_only=True)

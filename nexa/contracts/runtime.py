@@ -12,6 +12,13 @@ from urllib.parse import urlparse
 
 import attrs
 
+from nexa.contracts.manifest import (
+    MAX_FILE_BYTES,
+    ArtifactLocation,
+    entry_path,
+    manifest_problems,
+    path_problem,
+)
 from nexa.contracts.node import RuntimeKind
 
 #: `registry[:port]/repository@sha256:<64 hex>`: images are only ever named by digest.
@@ -55,14 +62,35 @@ def _s3_uri(_: object, attribute: attrs.Attribute[str], value: str) -> None:
 
 
 @attrs.frozen(kw_only=True)
-class ArtifactRef:
-    """A model artifact in the S3-compatible store, pinned by digest and size."""
+class ArtifactRef(ArtifactLocation):
+    """A model artifact in the S3-compatible store, pinned by digest and size: one object, or the
+    files of a manifest under a prefix (`nexa.contracts.manifest`).
 
-    uri: str = attrs.field(validator=_s3_uri)
-    sha256: str = attrs.field(validator=_sha256)
-    size_bytes: int = attrs.field(validator=attrs.validators.ge(0))
-    #: Where the verified file appears inside the container, read-only.
+    With `files`, the node assembles them as a directory and mounts it read-only at `mount_path`
+    (`/models/<model name>`); without, it mounts the one verified file there (`/models/model`, as
+    assignments made before manifests have it). The runtime is given `model_path`.
+    """
+
+    #: Where the verified directory appears inside the container, read-only.
     mount_path: str = "/models/model"
+
+    def __attrs_post_init__(self) -> None:
+        _s3_uri(self, attrs.fields(ArtifactRef).uri, self.uri)
+        _sha256(self, attrs.fields(ArtifactRef).sha256, self.sha256)
+        if isinstance(self.size_bytes, bool) or not 0 <= self.size_bytes <= MAX_FILE_BYTES:
+            raise ValueError("size_bytes must be a whole number of bytes from 0 to 2^53")
+        if not self.mount_path.startswith("/models/") or path_problem(self.mount_path.removeprefix("/models/")):
+            raise ValueError("mount_path must be a path below /models/")
+        if self.files:
+            problems = manifest_problems(self.files, self.entry, field="artifact")
+            if problems:
+                raise ValueError(problems[0])
+
+    @property
+    def model_path(self) -> str:
+        """What the runtime is pointed at inside the container: for a manifest, the mounted
+        directory or its entry below it; for one object (no `files`), the mounted file itself."""
+        return entry_path(self.mount_path, self.entry) if self.files else self.mount_path
 
 
 @attrs.frozen(kw_only=True)

@@ -63,7 +63,8 @@ class AssignmentStatus:
     assignment_id: str
     state: RuntimeState
     detail: str = ""
-    #: Stable machine reason for `Failed` (e.g. `artifact_digest_mismatch`, `image_not_found`, `crash_loop`).
+    #: Stable machine reason for `Failed` (e.g. `artifact_digest_mismatch`, `insufficient_disk`,
+    #: `image_not_found`, `crash_loop`).
     reason: str | None = None
     #: Restarts after crashes since the assignment was accepted.
     restarts: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))

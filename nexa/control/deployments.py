@@ -7,7 +7,11 @@ cannot take every replica is refused (422, `Unplaceable`, the message explaining
 and nothing starts. The decision is kept, so `GET /deployments/{id}/placement` shows it.
 
 Each replica is one `wire.Assignment` in its node's desired set (`assignment_for` documents the
-mapping). A change writes the deployment, its decision and every node set it touched (each one
+mapping). On a unified-memory node (a DGX Spark) the replica's reservation becomes the runtime's
+own memory limit, and replicas there reserve together at most the pool less the configured host
+headroom (`placement.unified_host_headroom_bytes`); an operator-set memory setting that would
+claim more than the reservation on such a node is refused at creation (422,
+`MemoryOverReservation`). A change writes the deployment, its decision and every node set it touched (each one
 generation up) in one audited transaction, then pushes those sets through the node channel.
 
 The reconciler (`run`) wakes when the fleet changes (admin actions, reachability), when an
@@ -54,7 +58,7 @@ import attrs
 import trio
 
 from nexa import adapters
-from nexa.config import NodesConfig
+from nexa.config import NodesConfig, PlacementConfig
 from nexa.contracts.deployments import (
     Canary,
     CanaryCreate,
@@ -73,14 +77,14 @@ from nexa.contracts.deployments import (
 from nexa.contracts.domain import NodeState
 from nexa.contracts.models import AliasPromote, AliasReceipt, ModelRecord, ModelRef, ModelState, RuntimeRecord
 from nexa.contracts.node import LabelKey, LabelValue
-from nexa.contracts.placement import PlacementDecision, PlacementNode, PlacementRequest
+from nexa.contracts.placement import MemoryLimit, PlacementDecision, PlacementNode, PlacementRequest
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
 from nexa.control import store as st
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.models import ModelRegistry
 from nexa.control.registry import SYSTEM, Actor, audit_draft
-from nexa.control.scheduler import place
+from nexa.control.scheduler import limit_detail, place
 from nexa.control.southbound import Southbound
 from nexa.errors import (
     AlreadyExists,
@@ -90,6 +94,7 @@ from nexa.errors import (
     DeployModelNotApproved,
     DeployModelUnknown,
     DeployRuntimeUnknown,
+    MemoryOverReservation,
     NoCanary,
     NotDeployable,
     NotFound,
@@ -118,7 +123,9 @@ _EXPLAIN_NODES: Final = 20
 # ---- the fleet as placement sees it -------------------------------------------------------------
 
 
-def snapshot_from(fleet: Iterable[NodeLive], *, without: frozenset[str] = frozenset()) -> list[PlacementNode]:
+def snapshot_from(
+    fleet: Iterable[NodeLive], *, without: frozenset[str] = frozenset(), unified_headroom_bytes: int = 0
+) -> list[PlacementNode]:
     """One `PlacementNode` per enrolled node, from its inventory and what its desired set reserves.
 
     Free resources are reservations, not measurements: what the node has minus what the
@@ -132,8 +139,10 @@ def snapshot_from(fleet: Iterable[NodeLive], *, without: frozenset[str] = frozen
     - discrete GPUs: `free_gpus` are the CDI names no assignment holds; their memory is the
       sum of those GPUs' `memory_total_bytes`.
     - unified memory (any GPU reported `unified_memory`): every GPU stays free (shared); the
-      pool is the inventory's `accelerator_memory_bytes`, less the memory of every assignment,
-      and the host pool is the same pool.
+      pool is the inventory's `accelerator_memory_bytes`; what replicas may still reserve is
+      that pool less `unified_headroom_bytes` (`placement.unified_host_headroom_bytes`: the
+      OS, the agent and the container engine live in it too) less the memory of every
+      assignment; the host pool is the same pool.
     - host memory: `memory_total_bytes` less the memory of CPU-only assignments.
     - load: assignments in the desired set; cached artifacts: none known yet (reliability 1).
     """
@@ -154,7 +163,7 @@ def snapshot_from(fleet: Iterable[NodeLive], *, without: frozenset[str] = frozen
             # One pool: every GPU is shared, and accelerator and host memory are the same bytes.
             free_gpus = tuple(g.cdi_device for g in inv.gpus)
             accel_total = host_total = inv.accelerator_memory_bytes
-            accel_free = host_free = max(0, accel_total - reserved_all)
+            accel_free = host_free = max(0, accel_total - unified_headroom_bytes - reserved_all)
         else:
             free = [g for g in inv.gpus if g.cdi_device not in held]
             free_gpus = tuple(g.cdi_device for g in free)
@@ -183,28 +192,71 @@ def snapshot_from(fleet: Iterable[NodeLive], *, without: frozenset[str] = frozen
     return out
 
 
+def unified_pool_bytes(live: NodeLive) -> int | None:
+    """The node's unified memory pool (its GPU shares the host's memory), None when it has none."""
+    inv = live.inventory
+    if inv is None or not any(g.unified_memory for g in inv.gpus):
+        return None
+    return inv.accelerator_memory_bytes
+
+
+def artifact_ref(model: ModelRecord) -> ArtifactRef:
+    """What a node fetches and mounts for `model`: a manifest's files, assembled as a directory
+    at `/models/<name>`; an artifact registered as one object, that object at `/models/model`
+    (the reference assignments have had since the first release, so their spec hash holds)."""
+    artifact = model.artifact
+    if not artifact.files:
+        return ArtifactRef(uri=artifact.uri, sha256=artifact.sha256, size_bytes=artifact.size_bytes)
+    manifest = artifact.manifest()
+    return ArtifactRef(
+        uri=artifact.uri,
+        sha256=artifact.sha256 or manifest.digest,
+        size_bytes=artifact.size_bytes or manifest.size_bytes,
+        files=list(manifest.files),
+        entry=manifest.entry,
+        mount_path=f"/models/{model.name}",
+    )
+
+
 def assignment_for(
-    dep: Deployment, replica: Replica, model: ModelRecord, runtime: RuntimeRecord, port: int
+    dep: Deployment,
+    replica: Replica,
+    model: ModelRecord,
+    runtime: RuntimeRecord,
+    port: int,
+    *,
+    unified_pool_bytes: int | None = None,
 ) -> Assignment:
     """The signed unit a node runs for one replica.
 
-    Image and kind from the runtime record (pinned by digest); the model artifact by uri,
-    sha256 and size (mounted read-only at `/models/model`); memory from the deployment's
-    resources (else the model's own figure); the replica's GPUs; `port` is the loopback port
-    chosen for it on its node. The runtime kind's adapter (`nexa.adapters`) builds the command
-    (serving the model under its registered name, bound to `{runtime_host}`), the readiness
-    probe and /dev/shm from the deployment's settings; a non-empty `options.command` replaces
-    the adapter's command and a non-empty `options.health_command` its probe. `sim` runs
-    `options.command` as its flags, probed by `true`. The options' env is added to the adapter's.
+    Image and kind from the runtime record (pinned by digest); the model artifact
+    (`artifact_ref`: a manifest's directory at `/models/<name>`, or one object at
+    `/models/model`); memory from the deployment's resources (else the model's own figure);
+    the replica's GPUs; `port` is the loopback port chosen for it on its node. The runtime
+    kind's adapter (`nexa.adapters`) builds the command (the model's path, serving it under
+    its registered name, bound to `{runtime_host}`), the readiness probe and /dev/shm from the
+    deployment's settings; a non-empty `options.command` replaces the adapter's command and a
+    non-empty `options.health_command` its probe. `sim` runs `options.command` as its flags,
+    probed by `true`. The options' env is added to the adapter's.
+
+    On a unified-memory node (`unified_pool_bytes`: its pool) the replica's memory becomes the
+    runtime's own limit: the adapter's memory setting derived from the reservation and the
+    pool (`_runtime_memory`), unless the operator set it.
     """
     options = dep.options
     command = list(options.command)
     env = dict(options.env)
     health = HealthProbe(command=list(options.health_command) or ["true"])
     shm_bytes = 0
+    artifact = artifact_ref(model)
     if adapters.has_adapter(runtime.kind):
-        launch = adapters.adapter_for(runtime.kind, options.settings).launch(
-            model.name, options.settings, replica.gpus, port
+        adapter = adapters.adapter_for(runtime.kind, options.settings)
+        limit = _memory_limit(dep, model, runtime)
+        memory = None
+        if limit is not None and unified_pool_bytes is not None:
+            memory = limit.on(_memory(dep, model), unified_pool_bytes)
+        launch = adapter.launch(
+            model.name, options.settings, replica.gpus, port, model_path=artifact.model_path, memory=memory
         )
         command = command or launch.command
         env = {**launch.env, **env}
@@ -219,9 +271,7 @@ def assignment_for(
             command=command,
             env=env,
             port=port,
-            artifact=ArtifactRef(
-                uri=model.artifact.uri, sha256=model.artifact.sha256, size_bytes=model.artifact.size_bytes
-            ),
+            artifact=artifact,
             gpus=list(replica.gpus),
             memory_bytes=_memory(dep, model),
             cpus=dep.resources.cpus,
@@ -246,8 +296,38 @@ def check_settings(req: DeploymentCreate, runtime: RuntimeRecord) -> None:
         )
 
 
+def check_memory_limits(req: DeploymentCreate, decision: PlacementDecision) -> None:
+    """Raise MemoryOverReservation (422) when the operator set the runtime's memory setting and,
+    on a unified-memory node that passes every other filter, it would claim more of the pool
+    than the deployment reserves (such a node fails placement's memory filter for it; this
+    refuses the setting outright instead of quietly placing around it)."""
+    for e in decision.explanations:
+        limit = e.runtime_memory
+        if limit is None or limit.derived or limit.fits:
+            continue
+        if any(not f.passed and f.name != "memory" for f in e.filters):
+            continue
+        raise MemoryOverReservation(
+            f"deployment {req.name} cannot run on node {e.node_id}: {limit_detail(limit)} for each replica "
+            f"({limit.claim_bytes} bytes > {limit.reserved_bytes}; the reservation is resources.memory_bytes, "
+            f"else the model's memory_bytes); lower settings.{limit.setting}, or leave it out to have it "
+            "derived from the reservation",
+            setting=limit.setting,
+            node_id=e.node_id,
+        )
+
+
 def _memory(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
     return dep.resources.memory_bytes or model.memory_bytes
+
+
+def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord) -> MemoryLimit | None:
+    """The runtime's memory setting on unified-memory nodes; None without an adapter, or with a
+    full `options.command` (the operator owns that command line, flags and all)."""
+    if not adapters.has_adapter(runtime.kind) or dep.options.command:
+        return None
+    adapter = adapters.adapter_for(runtime.kind, dep.options.settings)
+    return adapter.memory_limit(dep.options.settings, weights_bytes=model.artifact.size_bytes)
 
 
 def _request(
@@ -268,6 +348,7 @@ def _request(
         tolerations=tuple(spec.tolerations),
         policy=spec.policy,
         host_network=runtime.host_network,
+        memory_limit=_memory_limit(dep, model, runtime),
     )
 
 
@@ -313,8 +394,10 @@ class Deployments:
         *,
         models: ModelRegistry,
         southbound: Southbound,
+        placement: PlacementConfig | None = None,
     ) -> None:
         self._cfg = cfg
+        self._placement = placement or PlacementConfig()
         self._store = store
         self._metrics = metrics
         self._fleet = fleet
@@ -334,6 +417,12 @@ class Deployments:
     def poke(self) -> None:
         """Ask the reconciler to look now."""
         self._wake.set()
+
+    def _snapshot(self, *, without: frozenset[str] = frozenset()) -> list[PlacementNode]:
+        """The fleet as placement sees it now (`snapshot_from`, with the configured host headroom)."""
+        return snapshot_from(
+            self._fleet, without=without, unified_headroom_bytes=self._placement.unified_host_headroom_bytes
+        )
 
     def _alias_moved(self, receipt: AliasReceipt) -> None:
         # Deployments created from the alias follow it; the reconciler compares and rolls.
@@ -467,7 +556,7 @@ class Deployments:
         _check_shape(req)
         model, runtime, _ = self._deployable(req)
         check_settings(req, runtime)
-        return place(snapshot_from(self._fleet), _request(req, model, runtime, req.replicas))
+        return place(self._snapshot(), _request(req, model, runtime, req.replicas))
 
     # ---- changes -----------------------------------------------------------------------------------
 
@@ -478,7 +567,8 @@ class Deployments:
                 raise AlreadyExists(f"deployment {req.name} exists")
             model, runtime, ref = self._deployable(req)
             check_settings(req, runtime)
-            decision = place(snapshot_from(self._fleet), _request(req, model, runtime, req.replicas))
+            decision = place(self._snapshot(), _request(req, model, runtime, req.replicas))
+            check_memory_limits(req, decision)
             if not decision.feasible:
                 raise Unplaceable(f"deployment {req.name} cannot be placed: " + explain(decision))
             now = time.time()
@@ -534,7 +624,7 @@ class Deployments:
         existing = Counter(r.node_id for r in kept)
         if dep.canary is not None:
             existing.update(r.node_id for r in dep.canary.placed)
-        return place(snapshot_from(self._fleet), _request(dep, model, runtime, count), existing=existing)
+        return place(self._snapshot(), _request(dep, model, runtime, count), existing=existing)
 
     # ---- rollout: canary, promote, rollback --------------------------------------------------------
 
@@ -557,7 +647,7 @@ class Deployments:
             runtime = self._runtime(dep.runtime)
             model = self._deployable_model(req.model)
             existing = Counter(r.node_id for r in dep.placed)
-            decision = place(snapshot_from(self._fleet), _request(dep, model, runtime, req.replicas), existing=existing)
+            decision = place(self._snapshot(), _request(dep, model, runtime, req.replicas), existing=existing)
             if not decision.feasible:
                 raise Unplaceable(f"the canary {model.key} of deployment {name} cannot be placed: " + explain(decision))
             canary = Canary(
@@ -685,7 +775,9 @@ class Deployments:
                     while port in used_ports:
                         port += 1
                     used_ports.add(port)
-                    wanted.append(assignment_for(dep, r, model, runtime, port))
+                    wanted.append(
+                        assignment_for(dep, r, model, runtime, port, unified_pool_bytes=unified_pool_bytes(live))
+                    )
             if {a.id for a in wanted} == set(mine):
                 continue
             changed[node_id] = attrs.evolve(current, generation=current.generation + 1, assignments=others + wanted)
@@ -848,7 +940,7 @@ class Deployments:
         if model is not None and runtime is not None and len(kept) < wanted:
             existing = Counter(r.node_id for r in kept + others)
             request = _request(dep, model, runtime, wanted - len(kept))
-            decision = place(snapshot_from(self._fleet), request, existing=existing)
+            decision = place(self._snapshot(), request, existing=existing)
             if decision.feasible:
                 placed = kept + [_replica(dep.name, p.node_id, p.gpus, ref) for p in decision.placements]
             else:
@@ -900,7 +992,7 @@ class Deployments:
             # Make before break when the fleet has room for one more replica: the old one keeps
             # serving until its replacement is Ready (the next step then only stops it).
             surge = place(
-                snapshot_from(self._fleet),
+                self._snapshot(),
                 _request(dep, model, runtime, 1),
                 existing=Counter(r.node_id for r in dep.placed + _canary_placed(dep)),
             )
@@ -909,7 +1001,7 @@ class Deployments:
             else:
                 # No room: stop one old replica and place its replacement where it was freed.
                 existing = Counter(r.node_id for r in rest + _canary_placed(dep))
-                snapshot = snapshot_from(self._fleet, without=frozenset({victim.id}))
+                snapshot = self._snapshot(without=frozenset({victim.id}))
                 decision = place(snapshot, _request(dep, model, runtime, 1), existing=existing)
             if not decision.feasible:
                 entry.problem = waits + explain(decision)

@@ -41,6 +41,7 @@ from nexa.contracts.models import (
     EvaluationRecord,
     LicenseRecord,
     LicenseSet,
+    ModelArtifact,
     ModelCreate,
     ModelRecord,
     ModelRef,
@@ -246,11 +247,30 @@ class ModelRegistry:
         problems = model_problems(req)
         if problems:
             raise _invalid("model", problems)
+        artifact = req.artifact
+        if artifact.files:
+            # The record carries the manifest as the controller computed it: files in path order,
+            # the digest of its canonical bytes and the total; the store must hold every file.
+            manifest = artifact.manifest()
+            artifact = ModelArtifact(
+                uri=artifact.uri,
+                sha256=manifest.digest,
+                size_bytes=manifest.size_bytes,
+                files=list(manifest.files),
+                entry=manifest.entry,
+            )
+            if (req.name, req.version) in self._models:
+                raise AlreadyExists(f"model {req.name}@{req.version} exists; register a new version instead")
+            try:
+                await self._outbound.check_artifact_objects(req.artifact)  # named as the request lists them
+            except (VerificationFailed, ArtifactDigestMismatch) as exc:
+                await self._reject(actor, "model.register", f"model/{req.name}/{req.version}", exc)
+                raise
         now = time.time()
         model = ModelRecord(
             name=req.name,
             version=req.version,
-            artifact=req.artifact,
+            artifact=artifact,
             format=req.format,
             memory_bytes=req.memory_bytes,
             provenance=req.provenance,

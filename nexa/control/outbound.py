@@ -1,10 +1,12 @@
 """The controller's own checks against the outside world: OCI registry manifests and S3 artifacts.
 
-The one httpx home in the controller. `Outbound.check_image` asks the image's registry whether it
-holds the manifest with that digest (`HEAD /v2/<repo>/manifests/<digest>`, basic auth or the
-bearer-token flow registries ask for with a 401 challenge). `Outbound.verify_artifact` streams a
-model artifact from the S3-compatible store, hashing and counting it, stopping as soon as more
-bytes than declared arrive; nothing is written to disk. Network failures become `Unavailable`
+The controller's httpx home for the registry; the S3-compatible store is asked through
+`nexa.s3.S3Client` (the one S3 client), whose failures are worded here. `Outbound.check_image`
+asks the image's registry whether it holds the manifest with that digest
+(`HEAD /v2/<repo>/manifests/<digest>`, basic auth or the bearer-token flow registries ask for
+with a 401 challenge). `Outbound.verify_artifact` streams a model artifact from the
+S3-compatible store, hashing and counting it, stopping as soon as more bytes than declared
+arrive; nothing is written to disk. Network failures become `Unavailable`
 (retryable); answers that contradict the claim become `VerificationFailed` subclasses or
 `ArtifactDigestMismatch`. Credentials are never logged, and never sent to anyone but the
 registry's own token service or the configured store.
@@ -17,7 +19,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Final, cast
 
@@ -30,10 +32,13 @@ from nexa.contracts.models import ImagePlatform, ModelArtifact
 from nexa.errors import (
     ArtifactDigestMismatch,
     ArtifactMissing,
+    ArtifactRefused,
     ArtifactSizeMismatch,
+    ArtifactUnavailable,
     DigestUnknown,
     ManifestInvalid,
     Unavailable,
+    VerificationFailed,
 )
 from nexa.oci import (
     MANIFEST_MEDIA_TYPES,
@@ -44,7 +49,9 @@ from nexa.oci import (
     parse_image_reference,
     parse_manifest,
 )
-from nexa.s3 import S3Credentials, error_code, object_url, raw_chunks, signed_headers_for, split_s3_uri
+from nexa.s3 import S3Client, body_chunks, split_s3_uri
+from nexa.sigv4 import S3Credentials
+from nexa.supervision import all_or_first_failure
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,8 @@ READ_TIMEOUT_S: Final = 60.0
 #: Received bytes are hashed in a worker thread once this much has arrived, so the event loop
 #: (which also serves the gateway) never hashes a large artifact itself.
 HASH_BLOCK_BYTES: Final = 4 * 1024 * 1024
+#: A manifest's files are checked this many at a time (each a stream or a HEAD).
+VERIFY_PARALLEL: Final = 4
 _CHALLENGE_PARAM_RE: Final = re.compile(r'([A-Za-z][A-Za-z0-9_-]*)\s*=\s*"([^"]*)"')
 
 
@@ -91,7 +100,9 @@ def parse_challenge(header: str) -> Challenge:
 
 
 class Outbound:
-    """Use as `async with Outbound(...) as outbound:`; it owns two httpx clients and starts no tasks.
+    """Use as `async with Outbound(...) as outbound:`; it owns an httpx client for registries and
+    an `S3Client` for the store, and starts no tasks. `transport` replaces both clients' HTTP
+    transport (fault-injection tests).
 
     The registry client follows `oci.tls_verify`; the store client follows `artifacts.s3_tls_verify`.
     """
@@ -111,19 +122,34 @@ class Outbound:
         self._s3_credentials = s3_credentials
         self._transport = transport
         self._registry: httpx.AsyncClient | None = None
-        self._store: httpx.AsyncClient | None = None
+        self._store: S3Client | None = None
 
     async def __aenter__(self) -> Outbound:
         timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
-        common = {"transport": self._transport, "timeout": timeout, "follow_redirects": False, "trust_env": False}
-        self._registry = httpx.AsyncClient(verify=self._oci.tls_verify, **common)  # type: ignore[arg-type]
-        self._store = httpx.AsyncClient(verify=self._artifacts.s3_tls_verify, **common)  # type: ignore[arg-type]
+        self._registry = httpx.AsyncClient(
+            verify=self._oci.tls_verify,
+            transport=self._transport,
+            timeout=timeout,
+            follow_redirects=False,
+            trust_env=False,
+        )
+        store = S3Client(
+            self._artifacts.s3_endpoint,
+            region=self._artifacts.s3_region,
+            credentials=self._s3_credentials,
+            tls_verify=self._artifacts.s3_tls_verify,
+            timeout_s=READ_TIMEOUT_S,
+            trust_env=False,
+            transport=self._transport,
+        )
+        self._store = await store.__aenter__()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for client in (self._registry, self._store):
-            if client is not None:
-                await client.aclose()
+        if self._registry is not None:
+            await self._registry.aclose()
+        if self._store is not None:
+            await self._store.__aexit__(*exc)
         self._registry = self._store = None
 
     # --- OCI registry -----------------------------------------------------------------------------
@@ -248,59 +274,111 @@ class Outbound:
     # --- S3-compatible store --------------------------------------------------------------------
 
     async def verify_artifact(self, artifact: ModelArtifact) -> ArtifactCheck:
-        """Stream the object, hash and count it; return only when sha256 and size both match.
+        """Stream every object of the artifact, hash and count it; return only when each file's
+        sha256 and size match (a single object: the artifact's own).
 
-        Raises ArtifactMissing (no such object or bucket), ArtifactSizeMismatch (more or fewer
-        bytes than declared: the stream stops at the first byte too many), ArtifactDigestMismatch
-        (other bytes), Unavailable (the store cannot be reached or refuses us).
+        Files are checked `VERIFY_PARALLEL` at a time; the first failure stops the rest. Raises
+        ArtifactMissing (no such object or bucket), ArtifactSizeMismatch (more or fewer bytes than
+        declared: the stream stops at the first byte too many), ArtifactDigestMismatch (other
+        bytes), Unavailable (the store cannot be reached or refuses us); for a manifest, each
+        message names the file.
         """
-        client = self._open(self._store)
+        store = self._open_store()
         if not self._artifacts.s3_endpoint:
             raise Unavailable("models cannot be verified: no S3 endpoint is configured (artifacts.s3_endpoint)")
-        bucket, key = split_s3_uri(artifact.uri)
-        url = object_url(self._artifacts.s3_endpoint, bucket, key)
-        # identity: the digest is over the stored bytes, so nothing may decode them on the way.
-        headers = {"accept-encoding": "identity"}
-        if self._s3_credentials is not None:
-            headers = signed_headers_for(
-                "GET", url, credentials=self._s3_credentials, region=self._artifacts.s3_region, headers=headers
-            )
         started = time.monotonic()
-        try:
-            async with client.stream("GET", url, headers=headers) as response:
-                if response.status_code != 200:
-                    raise await self._refusal(response, artifact)
-                declared = response.headers.get("content-length")
-                if declared is not None and declared.isdigit() and int(declared) != artifact.size_bytes:
-                    raise ArtifactSizeMismatch(
-                        f"{artifact.uri}: the store holds {int(declared)} bytes, the model declares "
-                        f"{artifact.size_bytes}"
-                    )
-                sha256, received = await _digest(response, artifact)
-        except httpx.HTTPError as exc:
-            raise Unavailable(f"the S3 store did not answer for {artifact.uri} ({type(exc).__name__})") from exc
-        if received != artifact.size_bytes:
-            raise ArtifactSizeMismatch(
-                f"{artifact.uri}: the store sent {received} bytes, the model declares {artifact.size_bytes}"
-            )
-        if sha256 != artifact.sha256:
-            raise ArtifactDigestMismatch(
-                f"{artifact.uri}: the bytes have sha256 {sha256}, the model declares {artifact.sha256}"
-            )
+        manifest = artifact.manifest()
+        if not artifact.files:
+            await self._verify_object(store, _Object(artifact.uri, artifact.sha256, artifact.size_bytes, ""))
+        else:
+            objects = [_Object(artifact.object_uri(f.path), f.sha256, f.size_bytes, f.path) for f in manifest.files]
+            await self._each(objects, lambda o: self._verify_object(store, o))
         seconds = time.monotonic() - started
-        log.info("artifact %s verified: %d bytes in %.2f s", artifact.sha256, received, seconds)
-        return ArtifactCheck(sha256=sha256, size_bytes=received, seconds=seconds)
+        log.info(
+            "artifact %s verified: %d file(s), %d bytes in %.2f s",
+            artifact.sha256,
+            len(manifest.files),
+            manifest.size_bytes,
+            seconds,
+        )
+        return ArtifactCheck(sha256=artifact.sha256, size_bytes=manifest.size_bytes, seconds=seconds)
 
-    async def _refusal(self, response: httpx.Response, artifact: ModelArtifact) -> Exception:
-        code = await error_code(response)
-        status = f"{response.status_code} {code}"
-        log.warning("S3 store answered %s for %s", status, artifact.uri)
-        if code in {"NoSuchKey", "NoSuchBucket"} or response.status_code == 404:
-            return ArtifactMissing(f"{artifact.uri} does not exist in the S3 store ({status})", uri=artifact.uri)
-        if code in {"SignatureDoesNotMatch", "InvalidAccessKeyId"} or response.status_code == 403:
+    async def check_artifact_objects(self, artifact: ModelArtifact) -> None:
+        """Before a manifest is registered: the store holds every file, with the declared size.
+
+        One HEAD per file, `VERIFY_PARALLEL` at a time. Raises ArtifactMissing or
+        ArtifactSizeMismatch naming the field (`artifact.files[i]`) and the file, Unavailable when the
+        store cannot be asked. Does nothing without a configured store (verification will need one).
+        """
+        store = self._open_store()
+        if not self._artifacts.s3_endpoint or not artifact.files:
+            return
+        objects = [
+            _Object(artifact.object_uri(f.path), f.sha256, f.size_bytes, f"artifact.files[{i}] ({f.path})")
+            for i, f in enumerate(artifact.files)
+        ]
+        await self._each(objects, lambda o: self._head_object(store, o))
+
+    async def _each(self, objects: list[_Object], check: Callable[[_Object], Awaitable[None]]) -> None:
+        """Run `check` on every object, a few at a time; the first failure cancels the others and
+        is raised alone (not as an exception group)."""
+        await all_or_first_failure(
+            objects, check, catch=(VerificationFailed, ArtifactDigestMismatch, Unavailable), limit=VERIFY_PARALLEL
+        )
+
+    async def _head_object(self, store: S3Client, obj: _Object) -> None:
+        bucket, key = split_s3_uri(obj.uri)
+        try:
+            info = await store.head(bucket, key)
+        except (ArtifactRefused, ArtifactUnavailable) as exc:
+            raise self._refusal(exc, obj) from None
+        if info is None:
+            raise self._refusal(ArtifactRefused("", status=404, s3_code="Not Found"), obj)
+        if info.size_bytes != obj.size_bytes:
+            raise ArtifactSizeMismatch(
+                f"{obj.name}: the store holds {info.size_bytes} bytes at {obj.uri}, the manifest says {obj.size_bytes}"
+            )
+
+    async def _verify_object(self, store: S3Client, obj: _Object) -> None:
+        what = f"file {obj.name!r} ({obj.uri})" if obj.name else obj.uri
+        declares = "the manifest declares" if obj.name else "the model declares"
+        bucket, key = split_s3_uri(obj.uri)
+        try:
+            async with store.stream(bucket, key) as response:
+                if response.status_code != 200:  # a part, though none was asked for
+                    raise Unavailable(f"the S3 store failed to serve {obj.uri} ({response.status_code})")
+                declared = response.headers.get("content-length")
+                if declared is not None and declared.isdigit() and int(declared) != obj.size_bytes:
+                    raise ArtifactSizeMismatch(
+                        f"{what}: the store holds {int(declared)} bytes, {declares} {obj.size_bytes}"
+                    )
+                sha256, received = await _digest(response, obj, what)
+        except (ArtifactRefused, ArtifactUnavailable) as exc:
+            raise self._refusal(exc, obj) from None
+        if received != obj.size_bytes:
+            raise ArtifactSizeMismatch(f"{what}: the store sent {received} bytes, {declares} {obj.size_bytes}")
+        if sha256 != obj.sha256:
+            raise ArtifactDigestMismatch(f"{what}: the bytes have sha256 {sha256}, {declares} {obj.sha256}")
+
+    def _refusal(self, exc: ArtifactRefused | ArtifactUnavailable, obj: _Object) -> Exception:
+        """The controller's error for the store's refusal (or silence) about one object."""
+        if exc.status is None:  # no answer, or it broke off
+            return Unavailable(exc.message)
+        status = f"{exc.status} {exc.s3_code}"
+        uri = obj.uri
+        log.warning("S3 store answered %s for %s", status, uri)
+        where = f"{obj.name}: " if obj.name else ""
+        if exc.s3_code in {"NoSuchKey", "NoSuchBucket"} or exc.status == 404:
+            return ArtifactMissing(f"{where}{uri} does not exist in the S3 store ({status})", uri=uri)
+        if exc.s3_code in {"SignatureDoesNotMatch", "InvalidAccessKeyId"} or exc.status == 403:
             hint = "" if self._s3_credentials else ": no artifacts.s3_credentials_file is configured"
-            return Unavailable(f"the S3 store refused the controller's request for {artifact.uri} ({status}){hint}")
-        return Unavailable(f"the S3 store failed to serve {artifact.uri} ({status})")
+            return Unavailable(f"the S3 store refused the controller's request for {uri} ({status}){hint}")
+        return Unavailable(f"the S3 store failed to serve {uri} ({status})")
+
+    def _open_store(self) -> S3Client:
+        if self._store is None:
+            raise RuntimeError("Outbound is not open: use `async with`")
+        return self._store
 
     @staticmethod
     def _open(client: httpx.AsyncClient | None) -> httpx.AsyncClient:
@@ -309,18 +387,29 @@ class Outbound:
         return client
 
 
-async def _digest(response: httpx.Response, artifact: ModelArtifact) -> tuple[str, int]:
+@attrs.frozen
+class _Object:
+    """One object to check: where it is, what it must be, and how to name it (a manifest's file
+    path or field; empty for a single-object artifact, named by its URI)."""
+
+    uri: str
+    sha256: str
+    size_bytes: int
+    name: str
+
+
+async def _digest(response: httpx.Response, obj: _Object, what: str) -> tuple[str, int]:
     """sha256 and length of the body, hashed block by block in a worker thread."""
     hasher = hashlib.sha256()
     received = 0
     block: list[bytes] = []
     block_bytes = 0
-    async with aclosing(raw_chunks(response)) as chunks:
+    async with aclosing(body_chunks(response, obj.uri)) as chunks:
         async for chunk in chunks:
             received += len(chunk)
-            if received > artifact.size_bytes:
+            if received > obj.size_bytes:
                 raise ArtifactSizeMismatch(
-                    f"{artifact.uri}: the store sent more than the declared {artifact.size_bytes} bytes; stopped"
+                    f"{what}: the store sent more than the declared {obj.size_bytes} bytes; stopped"
                 )
             block.append(chunk)
             block_bytes += len(chunk)

@@ -19,6 +19,12 @@ policy weight exceeds everything below it):
 
 Ties are broken by node id. Replicas are placed one at a time, each on the best node given
 the resources the previous ones took; fewer than requested means nothing is placed.
+
+Unified memory. On a node whose GPU shares the host's pool, a request with a `memory_limit`
+(the runtime's memory setting) gets that limit worked out for the node's pool
+(`MemoryLimit.on`): the derived fraction, or the operator's value checked. It is shown in the
+node's explanation (`NodeExplanation.runtime_memory`), and a limit that would claim more than
+the reservation fails the node's `memory` filter, saying by how much.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from nexa.contracts.placement import (
     PlacementPolicy,
     PlacementRequest,
     ReplicaPlacement,
+    RuntimeMemory,
     ScoreTerm,
 )
 from nexa.oci import normalise_arch
@@ -120,7 +127,7 @@ def place(
         )
     for i, count in counts.items():
         e = explanations[i]
-        explanations[i] = NodeExplanation(e.node_id, e.filters, e.eligible, e.score, e.terms, count)
+        explanations[i] = NodeExplanation(e.node_id, e.filters, e.eligible, e.score, e.terms, count, e.runtime_memory)
     return PlacementDecision(
         request=req,
         placements=tuple(placements),
@@ -197,21 +204,31 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
         license_ok = license_ is None or license_ in node.labels.items()
         gpus_ok = len(node.free_gpus) >= accelerators
         memory_ok = free_memory >= memory
-        if selector_ok and license_ok and gpus_ok and memory_ok:
+        # On a unified node the runtime's own memory setting must keep it within the reservation.
+        limit = need.runtime_memory(node) if node.unified_memory and need.limit is not None else None
+        limit_ok = limit is None or limit.fits
+        if selector_ok and license_ok and gpus_ok and memory_ok and limit_ok:
             if failed is None:
                 mark(i)
                 append(_PENDING)
                 continue
             filters = failed
         else:
+            if not limit_ok:
+                assert limit is not None
+                memory_result = _limit_failed(limit, memo)
+            elif not memory_ok:
+                memory_result = _memory_failed(node, need, free_memory, memo)
+            else:
+                memory_result = _PASSED[_MEMORY]
             filters = (
                 *(failed or _PASSED)[:_SELECTOR],
                 _PASSED[_SELECTOR] if selector_ok else _selector_failed(node, need, memo),
                 _PASSED[_LICENSE] if license_ok else _license_failed(node, need, memo),
                 _PASSED[_ACCELERATORS] if gpus_ok else _gpus_failed(node, need, memo),
-                _PASSED[_MEMORY] if memory_ok else _memory_failed(node, need, free_memory, memo),
+                memory_result,
             )
-        append(explain(node_id, filters, False, 0.0, (), 0))
+        append(explain(node_id, filters, False, 0.0, (), 0, limit))
     return explanations, eligible
 
 
@@ -226,6 +243,8 @@ class _Need:
         "existing",
         "image_archs",
         "license",
+        "limit",
+        "limits",
         "memory",
         "replicas",
         "runtime",
@@ -245,6 +264,9 @@ class _Need:
         self.license = req.license_label
         self.tolerated = frozenset(req.tolerations)
         self.memory = req.memory_bytes
+        self.limit = req.memory_limit
+        #: pool bytes → the runtime's limit on a unified node of that pool (nodes of one model share it).
+        self.limits: dict[int, RuntimeMemory] = {}
         self.accelerators = req.accelerators
         self.sha = req.artifact_sha256
         self.replicas = req.replicas
@@ -253,6 +275,15 @@ class _Need:
         self.w_headroom = 0.0 if self.binpack else W_HEADROOM
         self.existing = existing
         self.terms = _Terms(self.w_headroom, self.binpack)
+
+    def runtime_memory(self, node: PlacementNode) -> RuntimeMemory:
+        """The runtime's memory limit on a unified node (`limit` is set)."""
+        pool = node.accelerator_memory_total_bytes
+        found = self.limits.get(pool)
+        if found is None:
+            assert self.limit is not None
+            found = self.limits[pool] = self.limit.on(self.memory, pool)
+        return found
 
 
 class _Terms:
@@ -363,7 +394,8 @@ def _score(need: _Need, nodes: list[PlacementNode], now: int) -> list[NodeExplan
                 t_reliability[reliability],
                 t_policy[spread],
             )
-        append(NodeExplanation(node.id, _PASSED, True, score, node_terms, 0))
+        limit = need.runtime_memory(node) if node.unified_memory and need.limit is not None else None
+        append(NodeExplanation(node.id, _PASSED, True, score, node_terms, 0, limit))
     return out
 
 
@@ -479,6 +511,27 @@ def _memory_failed(
     else:
         detail = f"needs {_gib(need.memory)} of host memory, {_gib(free_memory)} free"
     return _failed(memo, _MEMORY, cause, detail)
+
+
+def _limit_failed(limit: RuntimeMemory, memo: dict[Hashable, FilterResult]) -> FilterResult:
+    found = memo.get((_MEMORY, limit))
+    if found is not None:
+        return found
+    return _failed(memo, _MEMORY, limit, limit_detail(limit))
+
+
+def limit_detail(limit: RuntimeMemory) -> str:
+    """Why a runtime's memory setting does not fit its reservation on a unified node, in words."""
+    pool = f"the {_gib(limit.pool_bytes)} unified pool"
+    if limit.value is None or limit.claim_bytes is None:
+        return (
+            f"settings.{limit.setting}: no value keeps the runtime within the {_gib(limit.reserved_bytes)} "
+            f"reserved on {pool} (the model's weights alone fill it)"
+        )
+    return (
+        f"settings.{limit.setting} {limit.value:g} claims {_gib(limit.claim_bytes)} of {pool}, "
+        f"above the {_gib(limit.reserved_bytes)} reserved"
+    )
 
 
 def _failed(memo: dict[Hashable, FilterResult], index: int, cause: Hashable, detail: str) -> FilterResult:

@@ -157,7 +157,9 @@ async def _serve_control(
                 epoch=store.epoch,
                 stream_window_chunks=cfg.gateway.stream_window_chunks,
             )
-            deployments = Deployments(cfg.nodes, store, metrics, fleet, models=models, southbound=southbound)
+            deployments = Deployments(
+                cfg.nodes, store, metrics, fleet, models=models, southbound=southbound, placement=cfg.placement
+            )
             await deployments.load()
             quotas = await Quotas.load(store, metrics, registry.tenant_exists)
             meter = Meter(cfg.gateway, store, metrics)

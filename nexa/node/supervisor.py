@@ -39,6 +39,7 @@ from nexa.errors import (
     ContainerNotFound,
     ContractError,
     ImageNotFound,
+    InsufficientDisk,
     PodmanError,
     PodmanUnavailable,
     SimulationDisabled,
@@ -61,7 +62,7 @@ SETTLE_POLL_S: Final = 0.5
 
 # Failures that another attempt soon will not fix (the registry or the store must change first):
 # retried at the maximum backoff rather than from the initial delay.
-_SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch)
+_SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch, InsufficientDisk)
 # Failures foreseen by the podman client and the artifact cache; other PodmanError/ArtifactError
 # instances are still handled, but logged with their traceback.
 _KNOWN_FAILURES: Final = (
@@ -70,6 +71,7 @@ _KNOWN_FAILURES: Final = (
     ContainerNotFound,
     ArtifactUnavailable,
     ArtifactDigestMismatch,
+    InsufficientDisk,
     SimulationDisabled,
 )
 
@@ -79,7 +81,9 @@ Podman = ContainerDriver
 
 
 class Artifacts(Protocol):
-    """The node's verified artifact cache (`nexa.node.artifacts.ArtifactCache`)."""
+    """The node's verified artifact cache (`nexa.node.artifacts.ArtifactCache`): `fetch` gives a
+    verified file, or a manifest's assembled model directory, mounted read-only at the ref's
+    `mount_path`; pins are per artifact digest (`ArtifactRef.sha256`, a manifest's digest)."""
 
     async def fetch(self, ref: ArtifactRef) -> Path: ...
     def pin(self, sha256: str) -> None: ...
@@ -309,6 +313,7 @@ class Supervisor:
     async def _reconcile(self, nursery: trio.Nursery) -> None:
         self._passes += 1
         desired = self._desired
+        fresh: list[_Worker] = []
         for aid, d in desired.items():
             current = self._workers.get(aid)
             if current is not None and current.desired.spec_sha256 == d.spec_sha256:
@@ -323,6 +328,13 @@ class Supervisor:
             previous = self._last_retired.get(aid)
             worker = _Worker(desired=d, previous=previous, setup_backoff=self._backoff(), crash_backoff=self._backoff())
             self._workers[aid] = worker
+            # Every artifact the desired set uses is pinned before any worker starts: a fetch by
+            # one worker (which may evict) can never take what another, adopting a runtime
+            # that is still running after an agent restart, has not fetched yet.
+            if d.assignment.runtime.artifact is not None:
+                self._pin(worker, d.assignment.runtime.artifact.sha256)
+            fresh.append(worker)
+        for worker in fresh:
             worker.scope = await nursery.start(self._supervise, worker)
         for aid in [aid for aid in self._workers if aid not in desired]:
             log.info("assignment %s removed; stopping its runtime", aid)
@@ -470,11 +482,9 @@ class Supervisor:
             w.image_ready = True
         if runtime.artifact is not None and w.artifact_path is None:
             self._set(w, State.FETCHING)
-            path = await self._artifacts.fetch(runtime.artifact)
-            # Pinned in the same step as the fetch returns (no checkpoint between): evict() cannot
-            # take it away while the assignment lives.
-            self._pin(w, runtime.artifact.sha256)
-            w.artifact_path = path
+            if w.pinned is None:  # pinned when the worker was made; kept until it is gone
+                self._pin(w, runtime.artifact.sha256)
+            w.artifact_path = await self._artifacts.fetch(runtime.artifact)
         if w.previous is not None:
             self._set_starting(w, "waiting for the replaced runtime to stop")
             await w.previous.done.wait()

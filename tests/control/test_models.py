@@ -10,7 +10,7 @@ import itertools
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,27 +45,6 @@ def registry_config(tmp_path: Path, s3: S3Store, *, trusted_key: str = "") -> Co
         ),
         models=ModelsConfig(trusted_signing_key=PublicKeyB64(trusted_key)),
     )
-
-
-@pytest.fixture
-async def reg(nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store) -> AsyncIterator[Controller]:
-    started = await start_controller(nursery, registry_config(tmp_path, s3_store))
-    yield started
-    started.stopping.set()
-
-
-@pytest.fixture
-def signer() -> SigningKey:
-    return generate_signing_key()
-
-
-@pytest.fixture
-async def signed_reg(
-    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, signer: SigningKey
-) -> AsyncIterator[Controller]:
-    started = await start_controller(nursery, registry_config(tmp_path, s3_store, trusted_key=signer.public.b64))
-    yield started
-    started.stopping.set()
 
 
 def unique(name: str) -> str:

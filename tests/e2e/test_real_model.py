@@ -127,6 +127,12 @@ async def register_model(controller: Controller, s3: S3Store, name: str, gguf: P
         await trio.to_thread.run_sync(cli, controller, *argv)
 
 
+async def register_llama_runtime(controller: Controller, image: str) -> None:
+    """Register the llama-cpp-python image as the `llama-cpp-python` runtime, over the CLI."""
+    argv = ["runtimes", "register", "llama-cpp-python", "--kind", "llamacpp", "--version", "0.3.36", "--image", image]
+    await trio.to_thread.run_sync(cli, controller, *argv)
+
+
 def deployment(name: str, alias: str, settings: Json) -> Json:
     return {
         "name": name,
@@ -245,19 +251,7 @@ async def test_a_real_model_served_through_podman_on_cpu_survives_a_drain(
     podman_service: PodmanService,
 ) -> None:
     controller, _nodes = cluster
-    await trio.to_thread.run_sync(
-        cli,
-        controller,
-        "runtimes",
-        "register",
-        "llama-cpp-python",
-        "--kind",
-        "llamacpp",
-        "--version",
-        "0.3.36",
-        "--image",
-        llama_image,
-    )
+    await register_llama_runtime(controller, llama_image)
     await register_model(controller, s3_store, "tiny", tiny_gguf)
     await register_model(controller, s3_store, "minilm", minilm_gguf)
     async with controller.client() as http:

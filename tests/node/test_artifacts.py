@@ -29,9 +29,11 @@ import trio
 from nexa.config import ArtifactsConfig, Bytes
 from nexa.contracts.runtime import ArtifactRef
 from nexa.errors import ArtifactDigestMismatch, ArtifactError, ArtifactUnavailable, ConfigError
-from nexa.node import artifacts
-from nexa.node.artifacts import PARTIAL_PREFIX, ArtifactCache, ArtifactStatistics
-from nexa.s3 import EMPTY_PAYLOAD_SHA256, S3Credentials, canonical_request, load_s3_credentials, sign_v4
+from nexa.node import cache_files
+from nexa.node.artifacts import ArtifactCache, ArtifactStatistics
+from nexa.node.cache_files import PARTIAL_PREFIX
+from nexa.s3 import load_s3_credentials
+from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, S3Credentials, canonical_request, sign_v4
 from tests.realparts import S3Store
 
 TIMEOUT_S = 30
@@ -74,9 +76,23 @@ def cache_listing(state_dir: Path) -> list[str]:
     return sorted(p.name for p in (state_dir / "artifacts").iterdir())
 
 
-def stats(**counts: int) -> ArtifactStatistics:
-    base = {"hits": 0, "downloads": 0, "bytes_downloaded": 0, "mismatches": 0, "evictions": 0, "cache_bytes": 0}
-    return ArtifactStatistics(**(base | counts))
+def stats(
+    *,
+    hits: int = 0,
+    downloads: int = 0,
+    bytes_downloaded: int = 0,
+    mismatches: int = 0,
+    evictions: int = 0,
+    cache_bytes: int = 0,
+) -> ArtifactStatistics:
+    return ArtifactStatistics(
+        hits=hits,
+        downloads=downloads,
+        bytes_downloaded=bytes_downloaded,
+        mismatches=mismatches,
+        evictions=evictions,
+        cache_bytes=cache_bytes,
+    )
 
 
 # --- the signer -----------------------------------------------------------------------------------
@@ -259,7 +275,9 @@ async def test_a_stream_without_length_is_cut_off_at_the_first_extra_byte(tmp_pa
     assert cache_listing(tmp_path) == []
 
 
-async def test_a_cancelled_download_leaves_no_partial_file(tmp_path: Path) -> None:
+async def test_a_download_cancelled_before_any_write_leaves_no_partial_file(tmp_path: Path) -> None:
+    # Less than one write block arrived, so nothing reached the disk; a partial file with bytes in
+    # it is kept for the next attempt to resume (test_artifact_manifests.py).
     async def stalls() -> AsyncIterator[bytes]:
         yield b"\x00" * 1000
         await trio.sleep_forever()
@@ -312,7 +330,7 @@ async def test_a_full_disk_is_an_artifact_error_and_leaves_nothing(
     def full_disk(self: object, chunks: object) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(artifacts._PartFile, "write", full_disk)
+    monkeypatch.setattr(cache_files.PartFile, "write", full_disk)
     transport = httpx.MockTransport(lambda request: httpx.Response(200, content=Chunks(data)))
     with trio.fail_after(TIMEOUT_S):
         async with ArtifactCache(config(), state_dir=tmp_path, credentials=None, transport=transport) as cache:

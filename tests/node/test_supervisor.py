@@ -341,7 +341,8 @@ async def test_missing_runtime_is_pulled_fetched_started_and_ready_once_the_prob
     podman.healthy = True
     ready_at = await wait_for(sup, S.READY)
     assert ready_at - t0 <= 8 + PROBE.interval_s + 0.05
-    assert artifacts.calls == [("fetch", SHA), ("pin", SHA)]
+    # Pinned before the fetch: no other fetch may evict what this replica is about to use.
+    assert artifacts.calls == [("pin", SHA), ("fetch", SHA)]
     assert sup.statuses() == [wire.AssignmentStatus(assignment_id="a1", state=S.READY)]
 
 
@@ -468,7 +469,7 @@ async def test_a_restarted_agent_adopts_running_containers_without_restarting_th
     assert podman.only().started_at == started_at
     stats = sup2.statistics()
     assert (stats.adopted, stats.created) == (1, 0)
-    assert artifacts.calls[-2:] == [("fetch", SHA), ("pin", SHA)]
+    assert artifacts.calls[-2:] == [("pin", SHA), ("fetch", SHA)]
 
 
 async def test_an_adopted_container_with_a_stale_spec_is_replaced(
@@ -554,7 +555,7 @@ async def test_a_removed_assignment_is_stopped_gracefully_then_removed_and_its_a
     assert podman.mutations() == [("stop", c.id, 20.0), ("remove", c.id, True)]
     assert podman.containers == {}
     assert sup.statuses() == []
-    assert artifacts.calls[-3:] == [("pin", SHA), ("unpin", SHA), ("evict",)]
+    assert artifacts.calls[-4:] == [("pin", SHA), ("fetch", SHA), ("unpin", SHA), ("evict",)]
     stats = sup.statistics()
     assert (stats.assignments, stats.stopping, stats.removed) == (0, 0, 1)
 
@@ -679,7 +680,7 @@ async def test_an_artifact_digest_mismatch_fails_and_never_creates_the_container
     assert status(sup).reason == "artifact_digest_mismatch"
     assert podman.mutations("create", "start") == []
     # Retried slowly (at the maximum backoff): 0, 60, 120, 180.
-    assert artifacts.calls == [("fetch", SHA)] * 4
+    assert artifacts.calls == [("pin", SHA)] + [("fetch", SHA)] * 4
 
 
 async def test_a_missing_image_fails_then_starts_when_the_registry_has_it(
@@ -716,7 +717,8 @@ async def test_a_secret_in_env_is_refused_before_anything_happens(
     assert "HF_TOKEN" in s.detail
     assert "hf_abcdef" not in s.detail
     assert podman.mutations() == []
-    assert artifacts.calls == []
+    # Nothing fetched (the artifact is only pinned, in memory, while the assignment is desired).
+    assert artifacts.calls == [("pin", SHA)]
 
 
 # --- reports and the artifact cache ----------------------------------------------------------------
