@@ -63,12 +63,12 @@ from nexa.localparts import (
     project_containers_conf,
     python_rootfs_name,
     stop,
-    tiny_gguf,
     unmount_below,
 )
 from nexa.node import identity
 from nexa.node.processes import default_argv
 from nexa.sigv4 import S3Credentials
+from nexa.tinymodel import tiny_gguf
 
 log = logging.getLogger(__name__)
 

@@ -48,11 +48,11 @@ from nexa.localparts import (
     s3_identities,
     weed_argv,
 )
-from nexa.localparts import tiny_gguf as make_tiny_gguf
 from nexa.node.docker import DockerClient
 from nexa.node.podman import PodmanClient
 from nexa.s3 import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
+from nexa.tinymodel import tiny_gguf as make_tiny_gguf
 
 IN_CI: Final = os.environ.get("CI") == "true"
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -509,7 +509,7 @@ def llama_image(
 
 @pytest.fixture(scope="session")
 def tiny_gguf() -> Path:
-    """A tiny random-weight llama GGUF (`nexa.localparts.tiny_gguf`: two blocks, 64 wide, a vocabulary made
+    """A tiny random-weight llama GGUF (`nexa.tinymodel.tiny_gguf`: two blocks, 64 wide, a vocabulary made
     here), generated once and kept in `cache_dir()` under a name keyed by its recipe; the same bytes every time."""
     with _failing():
         return make_tiny_gguf(cache_dir())

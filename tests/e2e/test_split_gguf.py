@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from nexa.contracts.manifest import SPLIT_GGUF_RE
-from nexa.localparts import split_tiny_gguf
+from nexa.tinymodel import split_tiny_gguf
 from tests.conftest import Controller
 from tests.control.test_models import ok
 from tests.e2e.test_real_model import (
