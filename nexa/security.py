@@ -174,7 +174,7 @@ def write_key_file(path: Path, data: bytes, *, private: bool, overwrite: bool = 
                 os.link(tmp, path)
             except FileExistsError:
                 raise Conflict(f"key file {path} already exists; refusing to overwrite it") from None
-        _fsync_dir(directory)
+        fsync_dir(directory)
     except OSError as exc:
         raise ConfigError(f"cannot write key file {path}: {exc.strerror}") from None
     finally:
@@ -197,7 +197,8 @@ def read_key_file(path: Path, *, private: bool) -> bytes:
         raise ConfigError(f"cannot read key file {path}: {exc.strerror}") from None
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or link in `directory` durable (the key files' and the node's own atomic writes)."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

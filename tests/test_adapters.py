@@ -49,16 +49,25 @@ IMAGES = {
 }
 
 
-def model(name: str = "llama-3-8b", fmt: ModelFormat = ModelFormat.SAFETENSORS) -> ModelRecord:
+def model(
+    name: str = "llama-3-8b",
+    fmt: ModelFormat = ModelFormat.SAFETENSORS,
+    *,
+    artifact: ModelArtifact | None = None,
+    memory: int = 40 * GIB,
+    source: str = "hf://meta-llama/Meta-Llama-3-8B-Instruct",
+    spdx_id: str = "llama3",
+) -> ModelRecord:
+    """An Approved model version (the artifact by default one 16 GiB object)."""
     return ModelRecord(
         name=name,
         version="v1",
-        artifact=ModelArtifact(uri=f"s3://models/{name}.tar", sha256=SHA, size_bytes=16 * GIB),
+        artifact=artifact or ModelArtifact(uri=f"s3://models/{name}.tar", sha256=SHA, size_bytes=16 * GIB),
         format=fmt,
-        memory_bytes=40 * GIB,
-        provenance=Provenance(source="hf://meta-llama/Meta-Llama-3-8B-Instruct"),
+        memory_bytes=memory,
+        provenance=Provenance(source=source),
         license=LicenseRecord(
-            spdx_id="llama3", terms_sha256=None, accepted_by="ops", expires_at=None, recorded_at=0, recorded_by=None
+            spdx_id=spdx_id, terms_sha256=None, accepted_by="ops", expires_at=None, recorded_at=0, recorded_by=None
         ),
         signature=None,
         state=ModelState.APPROVED,

@@ -33,6 +33,7 @@ import attrs
 
 from nexa.contracts.manifest import MANIFEST_SCHEMA, ArtifactFile, Manifest, manifest_problems
 from nexa.contracts.runtime import SHA256_RE
+from nexa.security import fsync_dir
 
 #: Download files are `<cache>/.partial-<sha256>` (kept to resume); older names are removed on open.
 PARTIAL_PREFIX: Final = ".partial-"
@@ -106,14 +107,6 @@ class PartFile:
     def discard(self) -> None:
         self._file.close()
         self.path.unlink(missing_ok=True)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def free_bytes(directory: Path) -> int:

@@ -268,19 +268,11 @@ def atomic_write(path: Path, data: bytes) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         tmp.replace(path)
-        _fsync_dir(directory)
+        security.fsync_dir(directory)
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror}") from None
     finally:
         tmp.unlink(missing_ok=True)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _read(path: Path) -> bytes | None:

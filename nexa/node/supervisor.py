@@ -482,8 +482,7 @@ class Supervisor:
             w.image_ready = True
         if runtime.artifact is not None and w.artifact_path is None:
             self._set(w, State.FETCHING)
-            if w.pinned is None:  # pinned when the worker was made; kept until it is gone
-                self._pin(w, runtime.artifact.sha256)
+            # Pinned since the worker was made (`_reconcile`), until it is gone.
             w.artifact_path = await self._artifacts.fetch(runtime.artifact)
         if w.previous is not None:
             self._set_starting(w, "waiting for the replaced runtime to stop")

@@ -32,13 +32,9 @@ from nexa.contracts.deployments import (
 from nexa.contracts.domain import Node, NodeId
 from nexa.contracts.manifest import ArtifactFile
 from nexa.contracts.models import (
-    LicenseRecord,
     ModelArtifact,
-    ModelFormat,
     ModelRecord,
     ModelRef,
-    ModelState,
-    Provenance,
     RuntimeRecord,
 )
 from nexa.contracts.node import RuntimeKind
@@ -66,6 +62,7 @@ from tests.control.test_models import bring_to, ok
 from tests.control.test_node_channel import node_view
 from tests.realparts import BuiltImages, S3Store
 from tests.test_adapters import IMAGES, OFFLINE, python_probe
+from tests.test_adapters import model as adapter_model
 
 # The fixtures that run a real controller and connect raw nodes reporting GB10 inventories.
 dep_reg = test_deployments.dep_reg
@@ -117,22 +114,8 @@ def model(files: list[ArtifactFile] | None = None, entry: str = ".", *, memory: 
             files=list(manifest.files),
             entry=entry,
         )
-    return ModelRecord(
-        name=NAME,
-        version="v1",
-        artifact=artifact,
-        format=ModelFormat.SAFETENSORS,
-        memory_bytes=memory,
-        provenance=Provenance(source="hf://Qwen/Qwen2-7B-Instruct"),
-        license=LicenseRecord(
-            spdx_id="Apache-2.0", terms_sha256=None, accepted_by="ops", expires_at=None, recorded_at=0, recorded_by=None
-        ),
-        signature=None,
-        state=ModelState.APPROVED,
-        registered_at=0,
-        registered_by=None,
-        state_changed_at=0,
-        state_changed_by=None,
+    return adapter_model(
+        NAME, artifact=artifact, memory=memory, source="hf://Qwen/Qwen2-7B-Instruct", spdx_id="Apache-2.0"
     )
 
 

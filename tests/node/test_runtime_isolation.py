@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -211,18 +211,15 @@ def _stubborn_runtime(image: str, port: int) -> RuntimeSpec:
     )
 
 
-async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
-    nursery: trio.Nursery,
-    podman: PodmanClient,
-    podman_service: PodmanService,
-    test_images: BuiltImages,
-    run_labels: dict[str, str],
-) -> None:
-    node_id = run_labels[runtimes.LABEL_NODE]
+async def _stubborn_under_supervision(
+    nursery: trio.Nursery, client: PodmanClient, labels: dict[str, str], image: str
+) -> tuple[Supervisor, int, Callable[[Any], Awaitable[wire.AssignmentStatus]], list[wire.AssignmentStatus]]:
+    """A supervisor running `_stubborn_runtime` on `client`: it, the runtime's port, `until(check)` (poll
+    the assignment's status until `check` holds; each status seen is kept in the list returned last)."""
     (port,) = free_ports(1, RUNTIME_HOST)
-    sup = Supervisor(CFG, podman, FakeArtifacts(), node_id=node_id, runtime_host=RUNTIME_HOST)
-    aid = f"a-{run_labels[RUN_LABEL]}"
-    sup.update(1, [wire.Assignment(id=aid, deployment="d1", runtime=_stubborn_runtime(test_images.busybox, port))])
+    sup = Supervisor(CFG, client, FakeArtifacts(), node_id=labels[runtimes.LABEL_NODE], runtime_host=RUNTIME_HOST)
+    aid = f"a-{labels[RUN_LABEL]}"
+    sup.update(1, [wire.Assignment(id=aid, deployment="d1", runtime=_stubborn_runtime(image, port))])
     await nursery.start(sup.run)
     seen: list[wire.AssignmentStatus] = []
 
@@ -235,6 +232,18 @@ async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
                     return s
                 await trio.sleep(0.05)
 
+    return sup, port, until, seen
+
+
+async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
+    nursery: trio.Nursery,
+    podman: PodmanClient,
+    podman_service: PodmanService,
+    test_images: BuiltImages,
+    run_labels: dict[str, str],
+) -> None:
+    node_id = run_labels[runtimes.LABEL_NODE]
+    sup, port, until, seen = await _stubborn_under_supervision(nursery, podman, run_labels, test_images.busybox)
     await until(lambda s: s.state is wire.RuntimeState.READY)
     (first,) = await podman.list({runtimes.LABEL_NODE: node_id})
     # The podman CLI, as an operator would: blocks until SIGKILL after 4 s.
@@ -269,22 +278,7 @@ async def test_an_outside_stop_through_the_docker_api_is_waited_out_on_every_eng
     container `running` until it is killed, podman shows `stopping`; either way no Failed, and the
     supervisor starts the same container again."""
     node_id = engine_labels[runtimes.LABEL_NODE]
-    (port,) = free_ports(1, RUNTIME_HOST)
-    sup = Supervisor(CFG, engine, FakeArtifacts(), node_id=node_id, runtime_host=RUNTIME_HOST)
-    aid = f"a-{engine_labels[RUN_LABEL]}"
-    sup.update(1, [wire.Assignment(id=aid, deployment="d1", runtime=_stubborn_runtime(test_images.busybox, port))])
-    await nursery.start(sup.run)
-    seen: list[wire.AssignmentStatus] = []
-
-    async def until(check: Any) -> wire.AssignmentStatus:
-        with trio.fail_after(TIMEOUT_S):
-            while True:
-                (s,) = [s for s in sup.statuses() if s.assignment_id == aid]
-                seen.append(s)
-                if check(s):
-                    return s
-                await trio.sleep(0.05)
-
+    sup, _, until, seen = await _stubborn_under_supervision(nursery, engine, engine_labels, test_images.busybox)
     await until(lambda s: s.state is wire.RuntimeState.READY)
     (first,) = await engine.list({runtimes.LABEL_NODE: node_id})
 
