@@ -61,7 +61,7 @@ else
 fi
 
 # The console's front-end libraries (npm ci against builds/console/package-lock.json) go into
-# nexa/control/static/vendor/, which the spec bundles with the templates.
+# nexa/control/console/static/vendor/, which the spec bundles with the templates.
 bash builds/console/vendor.sh
 
 # The spec bundles nexa from this source tree (not from the venv's installed copy), so the

@@ -1,17 +1,24 @@
 """A small synchronous client for the controller's HTTP API, used by the operator CLI.
 
-httpx failures and error envelopes become nexa errors here, so the CLI prints one clear line.
+Answers are decoded into their contract types with the one codec (`client.get(path, NodeList)`),
+so a renamed API field breaks the type check, not an operator's terminal. httpx failures and
+error envelopes become nexa errors here, so the CLI prints one clear line.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Final
+from typing import Final, TypeVar
 
 import httpx
 
 from nexa import __version__
-from nexa.errors import RemoteError, Unavailable
+from nexa.contracts import codec
+from nexa.errors import ContractError, RemoteError, Unavailable
+
+T = TypeVar("T")
+#: Query parameters: a value of None is left out.
+Params = dict[str, str | None]
 
 DEFAULT_TIMEOUT_S: Final = 30.0
 
@@ -32,24 +39,53 @@ class ApiClient:
     def __exit__(self, *exc: object) -> None:
         self._http.close()
 
-    def call(self, method: str, path: str, *, body: object | None = None, params: dict[str, str] | None = None) -> Any:
-        """Send one request; return the decoded JSON body, or raise RemoteError / Unavailable."""
-        try:
-            resp = self._http.request(method, path, json=body, params=params)
-        except httpx.TransportError as exc:
-            raise Unavailable(f"cannot reach the controller at {self._base_url}: {type(exc).__name__}") from None
-        if resp.is_success:
-            return resp.json() if resp.content else None
-        raise _remote_error(resp)
+    def get(self, path: str, answer: type[T], *, params: Params | None = None) -> T:
+        """`GET path`, its answer decoded into `answer` (a contract type)."""
+        return self.request("GET", path, answer, params=params)
 
-    def text(self, method: str, path: str, *, params: dict[str, str] | None = None) -> str:
-        """Like `call`, for answers that are not JSON (a CSV export)."""
+    def post(self, path: str, answer: type[T], *, body: object | None = None) -> T:
+        return self.request("POST", path, answer, body=body)
+
+    def put(self, path: str, answer: type[T], *, body: object | None = None) -> T:
+        return self.request("PUT", path, answer, body=body)
+
+    def delete(self, path: str, answer: type[T]) -> T:
+        return self.request("DELETE", path, answer)
+
+    def request(
+        self, method: str, path: str, answer: type[T], *, body: object | None = None, params: Params | None = None
+    ) -> T:
+        """Send one request; return its answer as `answer`, or raise RemoteError / Unavailable
+        (ContractError when the answer is not that type's JSON)."""
+        resp = self._send(method, path, body=body, params=params)
         try:
-            resp = self._http.request(method, path, params=params, headers={"Accept": "*/*"})
+            return codec.loads(codec.api, resp.content, answer)
+        except ContractError as exc:
+            raise ContractError(
+                f"the controller's answer to {method} {path} is not a {answer.__name__}: {exc.message}",
+                problems=exc.problems,
+            ) from None
+
+    def text(self, method: str, path: str, *, params: Params | None = None) -> str:
+        """Like `request`, for answers that are not JSON (a CSV export)."""
+        return self._send(method, path, params=params, headers={"Accept": "*/*"}).text
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: object | None = None,
+        params: Params | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        try:
+            resp = self._http.request(method, path, json=body, params=query, headers=headers)
         except httpx.TransportError as exc:
             raise Unavailable(f"cannot reach the controller at {self._base_url}: {type(exc).__name__}") from None
         if resp.is_success:
-            return resp.text
+            return resp
         raise _remote_error(resp)
 
 

@@ -11,6 +11,7 @@ import binascii
 import enum
 import ipaddress
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, NewType, TypeVar
@@ -38,10 +39,28 @@ def _check_networks(values: tuple[str, ...]) -> None:
             raise ValueError(f"{value!r} is not an IP address or network") from None
 
 
+#: A host in a channel endpoint: an address, a name (a host's or an interface's), or `*` (any).
+_ENDPOINT_HOST = re.compile(r"[A-Za-z0-9*][A-Za-z0-9._-]*")
+
+
 def _zmq_endpoint(value: object) -> str:
-    """A zmq endpoint as given, or `tcp://HOST:PORT` for a bare `HOST:PORT` (as `http.listen` takes)."""
+    """`tcp://HOST:PORT` for `tcp://HOST:PORT` or a bare `HOST:PORT` (as `http.listen` takes);
+    HOST may be `[v6]`, PORT `*` (any free port). Anything else is refused here, not by zmq later."""
     text = str(value)
-    return text if not text or "://" in text else f"tcp://{text}"
+    if not text:
+        return text
+    host_port = text.removeprefix("tcp://")
+    host, sep, port = host_port.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            host = ""
+    elif not _ENDPOINT_HOST.fullmatch(host):
+        host = ""
+    if not (sep and host and (port == "*" or (port.isdigit() and int(port) <= 65535))):
+        raise ValueError(f"{text!r} is not a channel address: use HOST:PORT or tcp://HOST:PORT")
+    return f"tcp://{host_port}"
 
 
 def _positive_rate(attribute: attrs.Attribute[float], value: float) -> None:

@@ -51,6 +51,7 @@ from nexa.contracts.api import EnrollResponse
 from nexa.control.service import ControlStarted, serve_control
 from nexa.errors import ConfigError, RemoteError, Unavailable
 from nexa.localparts import (
+    S3_REGION,
     LocalPodman,
     LocalRegistry,
     LocalS3,
@@ -67,6 +68,7 @@ from nexa.localparts import (
 )
 from nexa.node import identity
 from nexa.node.processes import default_argv
+from nexa.s3 import S3Client, write_s3_credentials
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf
 
@@ -76,9 +78,18 @@ log = logging.getLogger(__name__)
 MODEL_BYTES: Final = hashlib.sha256(b"nexa demo model").digest() * 256
 SIM_ARGS: Final = ["--ttft-ms", "60", "--tokens-per-s", "40", "--output-tokens", "32"]
 READY_TIMEOUT_S: Final = 60.0
+#: How to get what `demo --real` needs, said when something is missing (README, "demo --real").
+REAL_PARTS_HINT: Final = (
+    "Get it with: sudo apt-get install podman runc debootstrap debian-archive-keyring; "
+    ".venv/bin/pip install -e '.[real]' (llama-cpp-python builds from source, ~9 min on 2 cores); "
+    "then run nexa demo --real as root"
+)
 #: A real replica pulls its image, fetches and verifies the GGUF and loads it; two at once on a small machine.
 REAL_READY_TIMEOUT_S: Final = 180.0
 NODE_STOP_TIMEOUT_S: Final = 15.0
+#: Stopping every part, shielded: each bounds its own stop (the agents NODE_STOP_TIMEOUT_S, podman,
+#: the S3 store and the registry 10 to 15 s, each then a SIGKILL wait); this is their sum and more.
+STOP_PARTS_TIMEOUT_S: Final = 120.0
 
 
 @attrs.frozen(kw_only=True)
@@ -109,9 +120,9 @@ class _Plan:
 
     runtime: dict[str, str]
     model: str
-    artifact: str
-    sha256: str
-    size_bytes: int
+    #: The model's key in the demo's S3 store, and its bytes (uploaded by `_upload`).
+    artifact_key: str
+    artifact: bytes
     source: str
     #: The deployment body less its name, alias and replicas.
     deployment: dict[str, Any]
@@ -145,7 +156,7 @@ async def serve_demo(
     if not 1 <= cfg.nodes <= 4:
         raise ConfigError("--nodes: 1 to 4 (one loopback address each, 127.0.0.11 to 127.0.0.14)")
     if cfg.real and (missing := llama_parts_missing(cache_dir())):
-        raise ConfigError(f"demo --real cannot run here; missing: {missing}")
+        raise ConfigError(f"demo --real cannot run here; missing: {missing}. {REAL_PARTS_HINT}")
     root = cfg.state_dir.absolute()
     await trio.to_thread.run_sync(_empty, root)
     registry = LocalRegistry(root / "registry")
@@ -160,10 +171,11 @@ async def serve_demo(
         await trio.to_thread.run_sync(registry.start)
         await trio.to_thread.run_sync(store.start)
         if podman is None:
-            plan = await trio.to_thread.run_sync(_sim_plan, registry, store)
+            plan = await trio.to_thread.run_sync(_sim_plan, registry)
         else:
-            plan = await trio.to_thread.run_sync(_real_plan, podman, registry, store, root, progress)
-        creds = _write_credentials(root / "s3-credentials.json", store.credentials)
+            plan = await trio.to_thread.run_sync(_real_plan, podman, registry, root, progress)
+        artifact_uri = await _upload(store, plan)
+        creds = write_s3_credentials(root / "s3-credentials.json", store.credentials)
         control = ControlConfig(
             state_dir=str(root / "control"),
             http=HttpConfig(listen=HostPort(cfg.listen)),
@@ -182,7 +194,7 @@ async def serve_demo(
             async with httpx.AsyncClient(
                 base_url=url, headers={"Authorization": f"Bearer {started.admin_key}"}, timeout=30, trust_env=False
             ) as http:
-                inference_key = await _registry(http, plan)
+                inference_key = await _registry(http, plan, artifact_uri)
                 for i in range(1, cfg.nodes + 1):
                     nodes.append(await _node(http, root, i, store, creds, plan=plan))
                 await _wait_nodes(http, len(nodes))
@@ -208,10 +220,12 @@ async def serve_demo(
             await trio.to_thread.run_sync(_stop_nodes, nodes)
             controller_stopping.set()
     finally:
-        with trio.CancelScope(shield=True):
+        with trio.move_on_after(STOP_PARTS_TIMEOUT_S, shield=True) as scope:
             # The agents removed their containers; podman.stop removes anything left, then stops the service.
             parts = [lambda: _stop_nodes(nodes), *([podman.stop] if podman else []), store.stop, registry.stop]
             await trio.to_thread.run_sync(_stop_all, parts)
+        if scope.cancel_called:  # the thread is not abandoned: every part was still stopped, late
+            log.warning("stopping the demo's parts took over %g s", STOP_PARTS_TIMEOUT_S)
 
 
 def _stop_all(parts: list[Callable[[], None]]) -> None:
@@ -236,14 +250,6 @@ def _empty(root: Path) -> None:
     root.mkdir(parents=True)
 
 
-def _write_credentials(path: Path, credentials: S3Credentials) -> Path:
-    """The S3 credentials file the controller and the agents read (owner-only)."""
-    keys = {"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}
-    path.write_text(json.dumps(keys))
-    path.chmod(0o600)
-    return path
-
-
 async def _call(http: httpx.AsyncClient, method: str, path: str, body: object | None = None) -> Any:
     response = await http.request(method, path, json=body)
     if response.is_success:
@@ -255,15 +261,14 @@ async def _call(http: httpx.AsyncClient, method: str, path: str, body: object | 
         raise Unavailable(f"{method} {path}: HTTP {response.status_code}") from None
 
 
-def _sim_plan(registry: LocalRegistry, store: LocalS3) -> _Plan:
+def _sim_plan(registry: LocalRegistry) -> _Plan:
     """`sim` runtimes: a placeholder image (no layers) and a few kilobytes the runtime never reads."""
     image = registry.push_empty_image("nexa/sim-runtime")
     return _Plan(
         runtime={"name": "sim", "kind": "sim", "version": __version__, "image": image},
         model="demo-chat",
-        artifact=store.put("models/demo-chat/v1/model.bin", MODEL_BYTES),
-        sha256=hashlib.sha256(MODEL_BYTES).hexdigest(),
-        size_bytes=len(MODEL_BYTES),
+        artifact_key="models/demo-chat/v1/model.bin",
+        artifact=MODEL_BYTES,
         source="nexa demo (simulated model)",
         deployment={
             "runtime": "sim",
@@ -274,10 +279,8 @@ def _sim_plan(registry: LocalRegistry, store: LocalS3) -> _Plan:
     )
 
 
-def _real_plan(
-    podman: LocalPodman, registry: LocalRegistry, store: LocalS3, root: Path, progress: Callable[[str], None]
-) -> _Plan:
-    """The llama-cpp-python image built and pushed, the tiny GGUF uploaded (blocking: run in a thread)."""
+def _real_plan(podman: LocalPodman, registry: LocalRegistry, root: Path, progress: Callable[[str], None]) -> _Plan:
+    """The llama-cpp-python image built and pushed, the tiny GGUF made (blocking: run in a thread)."""
     cache = cache_dir()
     progress("starting a private podman service…")
     podman.start()
@@ -294,9 +297,8 @@ def _real_plan(
     return _Plan(
         runtime={"name": "llamacpp", "kind": "llamacpp", "version": llama_version(), "image": image},
         model="tiny-llama",
-        artifact=store.put("models/tiny-llama/v1/model.gguf", gguf),
-        sha256=hashlib.sha256(gguf).hexdigest(),
-        size_bytes=len(gguf),
+        artifact_key="models/tiny-llama/v1/model.gguf",
+        artifact=gguf,
         source="nexa demo (a tiny random-weight llama, generated)",
         deployment={
             "runtime": "llamacpp",
@@ -312,7 +314,14 @@ def _real_plan(
     )
 
 
-async def _registry(http: httpx.AsyncClient, plan: _Plan) -> str:
+async def _upload(store: LocalS3, plan: _Plan) -> str:
+    """The model's bytes into the demo's S3 store through the one S3 client; their `s3://` URI."""
+    async with S3Client(store.endpoint, region=S3_REGION, credentials=store.credentials, trust_env=False) as s3:
+        await s3.put_bytes(store.bucket, plan.artifact_key, plan.artifact)
+    return store.uri(plan.artifact_key)
+
+
+async def _registry(http: httpx.AsyncClient, plan: _Plan, artifact_uri: str) -> str:
     """Tenant, inference key, runtime, model through its whole lifecycle, alias. The inference key."""
     await _call(http, "POST", "/api/v1/tenants", {"id": "demo", "display_name": "Demo tenant"})
     key = await _call(http, "POST", "/api/v1/keys", {"role": "inference", "tenant": "demo", "name": "demo client"})
@@ -320,7 +329,11 @@ async def _registry(http: httpx.AsyncClient, plan: _Plan) -> str:
     model = {
         "name": plan.model,
         "version": "v1",
-        "artifact": {"uri": plan.artifact, "sha256": plan.sha256, "size_bytes": plan.size_bytes},
+        "artifact": {
+            "uri": artifact_uri,
+            "sha256": hashlib.sha256(plan.artifact).hexdigest(),
+            "size_bytes": len(plan.artifact),
+        },
         "format": "gguf",
         "memory_bytes": 256 * 2**20,
         "provenance": {"source": plan.source, "signer": "nexa-demo"},

@@ -1,82 +1,84 @@
-"""The nexa exception tree. No HTTP status codes here: `control/api.py` maps classes to statuses.
+"""The nexa exception tree. `control/http.py` maps classes to HTTP statuses (`STATUS`: the most
+specific class in an error's MRO wins); the tree shows them.
 
 Every error carries a stable machine `code` (snake_case, part of the public API), a human
 message that never contains keys, file paths of other hosts, addresses or stack traces, and
 whether retrying the same request may succeed.
 
-Our exception hierarchy:
+Our exception hierarchy. Each class shows `[code, HTTP status]` where it sets its own (a class
+without them answers its parent's); `tests/test_errors.py` checks the tree against the classes:
 
-* NexaError
-  + ConfigError                 a config file or flag is invalid (names every bad key)
-  + ContractError               a request body or message does not fit its contract
-    - PayloadTooLarge
-    - FieldNotSupported         a request field this version does not implement (named, never ignored)
-    - IdempotencyKeyReused      an idempotency key sent again with another body (HTTP 422)
-  + AuthError
-    - Unauthenticated           no credential, or one we do not know
-    - Forbidden                 a known credential whose role may not do this
-    - BadSignature              a signed message that does not verify with the sender's key
-    - Replayed                  a sequence number at or below the last one accepted
-    - ClockSkew                 a timestamp too far from our clock
-    - WrongNode                 a message naming another node than its channel's key
-    - ControllerKeyMismatch     an enrollment answer whose keys are not the controller the operator pinned
-    - NodeRateLimited           a node sent signed messages faster than its channel allows (dropped)
-  + NotFound (also LookupError)
-  + Conflict                    the request is valid but the current state forbids it
-    - AlreadyExists             a record with that name (and version) is registered already
-    - IllegalTransition         a model's lifecycle state does not allow the action
-    - LicenseInvalid            approval needs an accepted licence that has not expired
-    - ModelNotApproved          an alias may point only at an Approved model
-    - NoRollbackTarget          an alias has no earlier promotion to return to
-    - ModelInUse                a model an alias points at cannot be retired
-    - RolloutInProgress         a deployment already runs a canary or a rollout
-    - NoCanary                  promoting a deployment that runs no canary
-    - NothingToRollBack         a deployment with no canary and no earlier promotion to return to
-  + NotDeployable               a deployment the registry or the fleet does not allow (HTTP 422)
-    - DeployModelNotApproved    its model is not Approved
-    - DeployLicenseInvalid      its model's licence is not accepted or has expired
-    - DeployModelUnknown        no such alias or model version
-    - DeployRuntimeUnknown      no runtime registered (and checked) under that name
-    - Unplaceable               no placement fits; the message explains every node
-    - MemoryOverReservation     a runtime memory setting claims more of a unified pool than is reserved
-  + Overloaded                  shed load; carries retry_after_s (HTTP 429)
-    - QuotaExceeded             a tenant limit (concurrency, requests or tokens per window) is used up
-    - QueueFull                 the model's admission queue for that priority is full
-  + Unavailable                 a dependency is down; retryable
-    - NoReadyReplica            no Ready replica serves the model now (HTTP 503, answered at once)
-      - NoReplicaForDataClass   none of the model's replicas is on a node allowed the request's data class
-    - RuntimeFailed             the runtime failed the request (before any output: retried elsewhere once)
-  + DeadlineExceeded            the request's deadline passed (queued or running)
-  + Cancelled                   the client (or an operator) cancelled the request
-  + ModelNotServed              no alias or model by that name is being served (a NotFound)
-  + WorkloadAlreadyActive       that workload id is still running (a Conflict)
-  + RetentionUnavailable        retention other than `ephemeral` without an encrypted retention store
-  + RuntimeRejected             the runtime refused the request itself (e.g. too long a prompt; HTTP 400)
-  + VerificationFailed          the controller checked a claim at its source and it does not hold
-    - DigestUnknown             the OCI registry has no manifest with that digest
-    - ManifestInvalid           what the registry served for that digest is not a manifest of it
-    - ArtifactMissing           the S3-compatible store has no such object
-    - SignatureRejected         a required detached signature is missing or does not verify
-    - CheckpointRejected        an audit checkpoint that this controller's key did not sign
-  + StoreError                  the durable store failed
-    - StoreUnusable             the database cannot be used any more (ends the process)
-    - StateDirLocked            another process owns the state directory
-  + RemoteError                 an error envelope returned by a nexa controller (CLI side)
-  + PodmanError                 podman refused or failed a request (node side)
-    - PodmanUnavailable         the podman socket does not answer
-    - ImageNotFound             the registry has no image with that digest
-    - ContainerNotFound
-    - SimulationDisabled        a `sim` runtime on a node that does not run simulated runtimes
-  + ArtifactError               a model artifact could not be provided
-    - ArtifactUnavailable       the S3-compatible store refused or failed (retryable)
-    - ArtifactDigestMismatch    the bytes do not match the pinned sha256 or size
-      - ArtifactSizeMismatch    more or fewer bytes than declared
-    - InsufficientDisk          too little free disk for the files still to download (node side)
-    - ArtifactRefused           the S3-compatible store answered a request with a 4xx (not retryable)
-    - ArtifactInvalid           a local model directory that cannot be pushed (names the file)
-  + ChannelError                the node channel (ZeroMQ) failed: bind, socket or protocol
-    - ChannelClosed             the link is not running, or has stopped
-    - NotConnected              no open channel to that node right now; retryable
+* NexaError [internal, HTTP 500]: every error nexa raises on purpose
+  + ConfigError [invalid_config]: a config file or flag is invalid (names every bad key)
+  + ContractError [invalid_request, HTTP 400]: a request body or message does not fit its contract
+    - PayloadTooLarge [payload_too_large, HTTP 413]: a request body over the configured limit
+    - FieldNotSupported [field_not_supported]: a request field this version does not implement (named, never ignored)
+    - IdempotencyKeyReused [idempotency_key_reused, HTTP 422]: an idempotency key sent again with another body
+  + AuthError [unauthenticated, HTTP 401]: a credential or a signed message is not accepted
+    - Unauthenticated [unauthenticated, HTTP 401]: no credential, or one we do not know
+    - Forbidden [forbidden, HTTP 403]: a known credential whose role may not do this
+    - BadSignature [bad_signature]: a signed message that does not verify with the sender's key
+    - Replayed [replayed]: a sequence number at or below the last one accepted
+    - ClockSkew [clock_skew]: a timestamp too far from our clock
+    - WrongNode [wrong_node]: a message naming another node than its channel's key
+    - ControllerKeyMismatch [controller_key_mismatch]: an enrollment answer from another controller than the one pinned
+    - NodeRateLimited [rate_limited]: a node sent signed messages faster than its channel allows (dropped)
+  + NotFound (also LookupError) [not_found, HTTP 404]: no such record
+    - ModelNotServed [model_not_found]: no alias or model by that name is being served
+  + Conflict [conflict, HTTP 409]: the request is valid but the current state forbids it
+    - AlreadyExists [already_exists]: a record with that name (and version) is registered already
+    - IllegalTransition [illegal_transition]: a model's lifecycle state does not allow the action
+    - LicenseInvalid [license_invalid]: approval needs an accepted licence that has not expired
+    - ModelNotApproved [model_not_approved]: an alias may point only at an Approved model
+    - NoRollbackTarget [no_rollback_target]: an alias has no earlier promotion to return to
+    - ModelInUse [model_in_use]: a model an alias points at cannot be retired
+    - RolloutInProgress [rollout_in_progress]: a deployment already runs a canary or a rollout
+    - NoCanary [no_canary]: promoting a deployment that runs no canary
+    - NothingToRollBack [nothing_to_roll_back]: a deployment with no canary and no earlier promotion to return to
+    - WorkloadAlreadyActive [workload_already_active]: that workload id is still running
+  + NotDeployable [not_deployable, HTTP 422]: a deployment the registry or the fleet does not allow
+    - DeployModelNotApproved [model_not_approved]: its model is not Approved
+    - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
+    - DeployModelUnknown [model_unknown]: no such alias or model version
+    - DeployRuntimeUnknown [runtime_unknown]: no runtime registered (and checked) under that name
+    - Unplaceable [unplaceable]: no placement fits; the message explains every node
+    - MemoryOverReservation [memory_over_reservation]: a memory setting would claim more of a unified pool than reserved
+  + Overloaded [overloaded, HTTP 429]: shed load; carries retry_after_s
+    - QuotaExceeded [quota_exceeded]: a tenant limit (concurrency, requests or tokens per window) is used up
+    - QueueFull [queue_full]: the model's admission queue for that priority is full
+  + Unavailable [unavailable, HTTP 503]: a dependency is down; retryable
+    - NoReadyReplica [no_ready_replica]: no Ready replica serves the model now
+      · NoReplicaForDataClass [no_replica_for_data_class]: no replica is on a node allowed the request's data class
+    - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried elsewhere once)
+  + DeadlineExceeded [deadline_exceeded, HTTP 504]: the request's deadline passed (queued or running)
+  + Cancelled [cancelled, HTTP 499]: the client (or an operator) cancelled the request
+  + RetentionUnavailable [retention_unavailable, HTTP 422]: retention other than `ephemeral` without an encrypted store
+  + RuntimeRejected [runtime_rejected, HTTP 400]: the runtime refused the request itself (e.g. too long a prompt)
+  + VerificationFailed [verification_failed, HTTP 422]: a claim the controller checked at its source does not hold
+    - DigestUnknown [digest_unknown]: the OCI registry has no manifest with that digest
+    - ManifestInvalid [manifest_invalid]: what the registry served for that digest is not a manifest of it
+    - ArtifactMissing [artifact_missing]: the S3-compatible store has no such object
+    - SignatureRejected [signature_rejected]: a required detached signature is missing or does not verify
+    - CheckpointRejected [audit_checkpoint_rejected]: an audit checkpoint that this controller's key did not sign
+  + StoreError [store_error, HTTP 500]: the durable store failed
+    - StoreUnusable [store_unusable]: the database cannot be used any more (ends the process)
+    - StateDirLocked [state_dir_locked]: another process owns the state directory
+  + RemoteError: an error envelope returned by a nexa controller (CLI side)
+  + PodmanError [podman_error]: podman refused or failed a request (node side)
+    - PodmanUnavailable [podman_unavailable]: the podman socket does not answer
+    - ImageNotFound [image_not_found]: the registry has no image with that digest
+    - ContainerNotFound (also LookupError) [container_not_found]: no container with that id
+    - SimulationDisabled [simulation_disabled]: a `sim` runtime on a node that does not run simulated runtimes
+  + ArtifactError [artifact_error]: a model artifact could not be provided
+    - ArtifactUnavailable [artifact_unavailable]: the S3-compatible store refused or failed (retryable)
+    - ArtifactDigestMismatch [artifact_digest_mismatch, HTTP 422]: the bytes do not match the pinned sha256 or size
+      · ArtifactSizeMismatch [artifact_size_mismatch]: more or fewer bytes than declared
+    - InsufficientDisk [insufficient_disk]: too little free disk for the files still to download (node side)
+    - ArtifactRefused [artifact_refused]: the S3-compatible store answered a request with a 4xx (not retryable)
+    - ArtifactInvalid [artifact_invalid]: a local model directory that cannot be pushed (names the file)
+  + ChannelError [channel_error]: the node channel (ZeroMQ) failed: bind, socket or protocol
+    - ChannelClosed [channel_closed]: the link is not running, or has stopped
+    - NotConnected [not_connected]: no open channel to that node right now; retryable
 """
 
 from __future__ import annotations

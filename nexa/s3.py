@@ -5,6 +5,10 @@ This is the only module that builds an httpx client for S3.
 Requests are signed by `nexa.sigv4.sign_v4`, a small pure function over the stdlib (`hmac`,
 `hashlib`); README "Why nexa signs S3 requests itself" says why botocore is not used.
 Credentials come from a file and are never logged.
+
+The public names (`__all__`) are nexa's own: no httpx type is taken or given, and every httpx
+failure becomes a nexa error here. (`S3Client(transport=…)` is the one exception, a seam for
+fault-injection tests, as in httpx.)
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import ssl
 import stat
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
+from functools import partial
 from pathlib import Path
-from typing import Final, cast
+from typing import Final, TypeAlias, cast, final
 from urllib.parse import quote
 
 import attrs
@@ -36,6 +41,23 @@ from nexa.errors import (
     ConfigError,
 )
 from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, UNSIGNED_PAYLOAD, S3Credentials, sign_v4
+
+__all__ = [
+    "CONNECT_TIMEOUT_S",
+    "MAX_PARTS",
+    "MIN_PART_BYTES",
+    "S3_READ_BYTES",
+    "InjectedTransport",
+    "ObjectInfo",
+    "ObjectStream",
+    "ProgressFn",
+    "S3Client",
+    "load_s3_credentials",
+    "object_url",
+    "signed_headers_for",
+    "split_s3_uri",
+    "write_s3_credentials",
+]
 
 log = logging.getLogger(__name__)
 
@@ -81,21 +103,45 @@ def load_s3_credentials(path: str | Path) -> S3Credentials:
     return S3Credentials(access_key_id=data["access_key_id"].strip(), secret_access_key=data["secret_access_key"])
 
 
-def object_url(endpoint: str, bucket: str, key: str) -> httpx.URL:
+def write_s3_credentials(path: Path, credentials: S3Credentials) -> Path:
+    """Write `credentials` to `path` as `load_s3_credentials` reads them, owner-only (0600); `path`.
+    For the local parts nexa starts itself (`nexa demo`, tests, benchmarks). Sync."""
+    keys = {"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(json.dumps(keys))
+    return path
+
+
+def object_url(endpoint: str, bucket: str, key: str) -> str:
     """The path-style URL of an object: `<endpoint>/<bucket>/<key>`, the key URI-encoded once."""
-    return httpx.URL(f"{endpoint.rstrip('/')}/{quote(bucket, safe='')}/{quote(key, safe='/')}")
+    return f"{endpoint.rstrip('/')}/{quote(bucket, safe='')}/{quote(key, safe='/')}"
 
 
 def signed_headers_for(
     method: str,
-    url: httpx.URL,
+    url: str,
     *,
     credentials: S3Credentials,
     region: str,
     payload_sha256: str = EMPTY_PAYLOAD_SHA256,
     headers: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """`sign_v4` for an httpx URL with the current time (the host, path and query httpx will send)."""
+    """`sign_v4` for `url` with the current time (the host, path and query httpx will send)."""
+    return _signed_headers(
+        method, httpx.URL(url), credentials=credentials, region=region, payload_sha256=payload_sha256, headers=headers
+    )
+
+
+def _signed_headers(
+    method: str,
+    url: httpx.URL,
+    *,
+    credentials: S3Credentials,
+    region: str,
+    payload_sha256: str,
+    headers: Mapping[str, str] | None,
+) -> dict[str, str]:
     path, _, query = url.raw_path.decode("ascii").partition("?")
     return sign_v4(
         method=method,
@@ -116,12 +162,12 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
     return bucket, key.lstrip("/")
 
 
-def raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
+def _raw_chunks(response: httpx.Response) -> AsyncGenerator[bytes, None]:
     """`aiter_raw()` typed as what it is (an async generator), so that `aclosing` accepts it."""
     return cast("AsyncGenerator[bytes, None]", response.aiter_raw())
 
 
-async def error_code(response: httpx.Response) -> str:
+async def _error_code(response: httpx.Response) -> str:
     """The S3 error code of a refused request (`NoSuchKey`, `SignatureDoesNotMatch`, …), read from
     at most 64 KiB of its body; the reason phrase when the body names none."""
     body = b""
@@ -131,7 +177,7 @@ async def error_code(response: httpx.Response) -> str:
         except httpx.ResponseNotRead:
             body = b""
     else:
-        async with aclosing(raw_chunks(response)) as chunks:
+        async with aclosing(_raw_chunks(response)) as chunks:
             async for chunk in chunks:
                 body += chunk
                 if len(body) >= _ERROR_BODY_LIMIT:
@@ -140,11 +186,36 @@ async def error_code(response: httpx.Response) -> str:
     return match.group(1).decode("ascii") if match else response.reason_phrase or "error"
 
 
-async def body_chunks(response: httpx.Response, uri: str) -> AsyncGenerator[bytes, None]:
-    """The body of a streamed answer (`S3Client.stream`) as it arrives, undecoded; a transport
-    failure midway is ArtifactUnavailable naming `uri`. Use under `aclosing`."""
+@final
+class ObjectStream:
+    """An answer of `S3Client.stream` (a 200 or a 206) whose body is still to be read.
+
+    `headers` are the answer's, their names lower-case (`content-length`, `content-range`, …).
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        status: int,
+        reason: str,
+        headers: Mapping[str, str],
+        body: Callable[[], AsyncGenerator[bytes, None]],
+    ) -> None:
+        self.uri = uri
+        self.status = status
+        self.reason = reason
+        self.headers = headers
+        self._body = body
+
+    def chunks(self) -> AsyncGenerator[bytes, None]:
+        """The body as it arrives, undecoded; a transport failure midway is ArtifactUnavailable
+        naming the object. Use under `aclosing`, inside the `stream` block."""
+        return self._body()
+
+
+async def _body_chunks(response: httpx.Response, uri: str) -> AsyncGenerator[bytes, None]:
     try:
-        async with aclosing(raw_chunks(response)) as chunks:
+        async with aclosing(_raw_chunks(response)) as chunks:
             async for chunk in chunks:
                 yield chunk
     except httpx.HTTPError as exc:
@@ -253,6 +324,8 @@ MAX_PARTS: Final = 10_000
 #: How much of a file is read (in a worker thread) per chunk sent.
 _FILE_CHUNK: Final = 1024**2
 _XML_VALUE_RE: Final = re.compile(rb"<(UploadId|ETag)>([^<]{1,1024})</\1>")
+#: Aborting a failed multipart upload, shielded: one small request; past this the store's own
+#: lifecycle rules remove the parts.
 _ABORT_TIMEOUT_S: Final = 10.0
 
 
@@ -267,6 +340,9 @@ class ObjectInfo:
 
 
 ProgressFn = Callable[[int], None]
+#: What `S3Client(transport=…)` (and the callers that pass it on) take: an httpx transport, a seam
+#: for fault-injection tests only. Production code never passes one.
+InjectedTransport: TypeAlias = httpx.AsyncBaseTransport
 
 
 def _ignore(_: int) -> None:
@@ -335,7 +411,7 @@ class S3Client:
         tls_verify: bool = True,
         timeout_s: float = 60.0,
         trust_env: bool = True,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: InjectedTransport | None = None,
     ) -> None:
         self.endpoint = endpoint.rstrip("/")
         self.region = region
@@ -361,12 +437,12 @@ class S3Client:
 
     def _url(self, bucket: str, key: str, query: str = "") -> httpx.URL:
         url = object_url(self.endpoint, bucket, key)
-        return httpx.URL(f"{url}?{query}") if query else url
+        return httpx.URL(f"{url}?{query}" if query else url)
 
     def _headers(self, method: str, url: httpx.URL, payload_sha256: str, headers: Mapping[str, str]) -> dict[str, str]:
         if self._credentials is None:
             return dict(headers)
-        return signed_headers_for(
+        return _signed_headers(
             method,
             url,
             credentials=self._credentials,
@@ -397,7 +473,7 @@ class S3Client:
             if response.status_code in ok:
                 await response.aread()
                 return response
-            code = await error_code(response) if method != "HEAD" else response.reason_phrase
+            code = await _error_code(response) if method != "HEAD" else response.reason_phrase
         except httpx.HTTPError as exc:
             raise ArtifactUnavailable(f"S3 {what}: the answer broke off: {type(exc).__name__}") from None
         finally:
@@ -421,9 +497,9 @@ class S3Client:
         )
 
     @asynccontextmanager
-    async def stream(self, bucket: str, key: str, *, start: int = 0) -> AsyncIterator[httpx.Response]:
+    async def stream(self, bucket: str, key: str, *, start: int = 0) -> AsyncIterator[ObjectStream]:
         """GET an object, from byte `start` on (`Range: bytes=start-`), its body streamed: read it
-        with `body_chunks` inside the `async with`; leaving closes the connection's answer.
+        with `ObjectStream.chunks` inside the `async with`; leaving closes the connection's answer.
 
         Gives the answer for a 200 or a 206 (a store may answer a range with the whole object:
         the caller checks which); the body is never decoded (`accept-encoding: identity`: a
@@ -446,11 +522,17 @@ class S3Client:
         try:
             if response.status_code not in (200, 206):
                 try:
-                    code = await error_code(response)
+                    code = await _error_code(response)
                 except httpx.HTTPError:
                     code = response.reason_phrase or "error"
                 raise _failure(f"GET {bucket}/{key}", response.status_code, code)
-            yield response
+            yield ObjectStream(
+                uri,
+                response.status_code,
+                response.reason_phrase,
+                dict(response.headers.items()),
+                partial(_body_chunks, response, uri),
+            )
         finally:
             await response.aclose()
 
@@ -616,7 +698,7 @@ class S3Client:
                     nursery.start_soon(one, n)
             etag = await self.complete_multipart(bucket, key, upload_id, etags)
         except BaseException:
-            with trio.CancelScope(shield=True), trio.move_on_after(_ABORT_TIMEOUT_S):
+            with trio.move_on_after(_ABORT_TIMEOUT_S, shield=True):
                 try:
                     await self.abort_multipart(bucket, key, upload_id)
                 except ArtifactError as exc:

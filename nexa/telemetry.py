@@ -21,8 +21,9 @@ request_id: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("
 METRICS_CONTENT_TYPE: Final = CONTENT_TYPE_LATEST
 
 _LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-#: Inference takes from milliseconds (embeddings) to minutes (long generations, queueing).
-_INFERENCE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: Inference takes from milliseconds (embeddings) to minutes (long generations, queueing); the
+#: request histograms use them, and so do `Meter.statistics` (the console's charts).
+INFERENCE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class Metrics:
@@ -120,21 +121,21 @@ class Metrics:
             "nexa_gateway_request_duration_seconds",
             "Time from acceptance to the last byte of the answer, queueing included.",
             ["model"],
-            buckets=_INFERENCE_BUCKETS,
+            buckets=INFERENCE_BUCKETS,
             registry=r,
         )
         self.gateway_ttft_seconds = Histogram(
             "nexa_gateway_time_to_first_token_seconds",
             "Time from acceptance to the first output byte.",
             ["model"],
-            buckets=_INFERENCE_BUCKETS,
+            buckets=INFERENCE_BUCKETS,
             registry=r,
         )
         self.gateway_queue_seconds = Histogram(
             "nexa_gateway_queue_seconds",
             "Time requests waited in admission for a slot (granted ones only).",
             ["model"],
-            buckets=_INFERENCE_BUCKETS,
+            buckets=INFERENCE_BUCKETS,
             registry=r,
         )
         self.gateway_queue_depth = Gauge(

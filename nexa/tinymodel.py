@@ -99,19 +99,22 @@ def has_gguf_writer() -> bool:
     return importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("numpy") is not None
 
 
-def tiny_gguf(cache: Path) -> Path:
+def tiny_gguf(cache: Path, *, mean_pooling: bool = False) -> Path:
     """A tiny random-weight llama GGUF (two blocks, 64 wide, a vocabulary made here), generated once and
-    kept in `cache` under a name keyed by its recipe; the same bytes every time. ConfigError without the
-    `gguf` package."""
+    kept in `cache` under a name keyed by its recipe; the same bytes every time. With `mean_pooling` it is
+    an embedding model: a server started for embeddings answers one 64-wide vector per input. ConfigError
+    without the `gguf` package."""
     if not has_gguf_writer():
         raise ConfigError("the gguf package is not installed in this Python (pip install gguf numpy)")
-    recipe = json.dumps({"shape": TINY_LLAMA, "vocab": _tiny_vocab()}, sort_keys=True)
+    shape = {**TINY_LLAMA, "pooling": "mean"} if mean_pooling else TINY_LLAMA
+    recipe = json.dumps({"shape": shape, "vocab": _tiny_vocab()}, sort_keys=True)
     cache.mkdir(parents=True, exist_ok=True)
-    dest = cache / f"tiny-llama-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.gguf"
+    kind = "tiny-llama-embed" if mean_pooling else "tiny-llama"
+    dest = cache / f"{kind}-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.gguf"
     if not dest.is_file():
         staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
         try:
-            _write_tiny_llama(staging)
+            _write_tiny_llama(staging, mean_pooling=mean_pooling)
             staging.replace(dest)
         finally:
             staging.unlink(missing_ok=True)

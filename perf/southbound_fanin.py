@@ -15,8 +15,6 @@ import argparse
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,13 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nexa import messaging, security
 from nexa.contracts import wire
 from nexa.contracts.node import DiscoveredHost, InventoryFile
+from nexa.localparts import free_ports, stop
 from nexa.node.inventory import merge
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:
@@ -60,7 +53,7 @@ def main() -> int:
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable, *sys.argv]))
 
-    http_port, channel_port = free_port(), free_port()
+    http_port, channel_port = free_ports(2)
     base = [args.binary] if args.binary else [sys.executable, "-m", "nexa"]
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen(
@@ -185,8 +178,7 @@ def main() -> int:
                     print("  ", line)
         finally:
             ctx.destroy(linger=0)
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
+            stop(proc, grace_s=30)
     return 0
 
 

@@ -2,7 +2,7 @@
 registry, a fake CDI GPU, test images built offline and pushed to that registry (busybox, and a Debian
 python image whose debootstrap root filesystem is cached between runs: see `python_image`), and an
 S3-compatible store (SeaweedFS, `s3_store`), and a real model runtime: the llama-cpp-python image
-(`llama_image`), a generated tiny llama GGUF (`tiny_gguf`) and the real all-MiniLM-L6-v2 GGUF (`minilm_gguf`).
+(`llama_image`), a generated tiny llama GGUF (`tiny_gguf`) and its embedding form (`tiny_embedding_gguf`).
 
 Each fixture is session-scoped: it starts its part once per test run in the run's temporary folder and,
 in `finally`, stops only the processes it started (by PID) and removes only what it created. A missing
@@ -421,7 +421,7 @@ def _weed() -> str:
 
 def _wait_for_bucket(proc: subprocess.Popen[bytes], store: S3Store, log_path: Path) -> None:
     """Poll until the S3 port answers and the bucket could be created (volumes need a moment)."""
-    url = httpx.URL(f"{store.endpoint}/{store.bucket}")
+    url = f"{store.endpoint}/{store.bucket}"
     deadline = time.monotonic() + S3_START_TIMEOUT_S
     last = "no answer yet"
     while time.monotonic() < deadline:
@@ -482,10 +482,6 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Store]:
 
 # --- a real model runtime on CPU: llama-cpp-python in a container, and GGUF models ----------------------------
 
-#: What the test machine's cache holds (REAL_PARTS §5): the real all-MiniLM-L6-v2 converted to GGUF f16.
-SHARED_CACHE: Final = REPO.parent / "shared" / "cache"
-MINILM_GGUF: Final = "all-minilm-l6-v2-f16.gguf"
-
 
 @pytest.fixture(scope="session")
 def llama_image(
@@ -516,12 +512,10 @@ def tiny_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def minilm_gguf() -> Path:
-    """The real all-MiniLM-L6-v2 as GGUF f16, from ../shared/cache (converting it needs torch: not done here)."""
-    path = SHARED_CACHE / MINILM_GGUF
-    if not path.is_file():
-        _missing(f"{path} is missing (the converted all-MiniLM-L6-v2 GGUF, REAL_PARTS §5b)")
-    return path
+def tiny_embedding_gguf() -> Path:
+    """The tiny llama GGUF with mean pooling: an embedding model (64 wide), generated like `tiny_gguf`."""
+    with _failing():
+        return make_tiny_gguf(cache_dir(), mean_pooling=True)
 
 
 #: The isolated bridge the run's dockerd gives private runtimes: a /24 of the benchmarking range

@@ -18,64 +18,17 @@ from nexa import adapters, runtimes
 from nexa.contracts import codec
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
 from nexa.contracts.gateway import Capability
-from nexa.contracts.models import (
-    LicenseRecord,
-    ModelArtifact,
-    ModelFormat,
-    ModelRecord,
-    ModelRef,
-    ModelState,
-    Provenance,
-    RuntimeRecord,
-)
+from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ContainerSpec, HealthProbe
 from nexa.control.deployments import assignment_for
+from tests.support.adapters import GIB, IMAGES, OFFLINE, PORT, PROBE_HOST, model, python_probe
 
-GIB = 2**30
 SPARK_GPU = "nvidia.com/gpu=0"
 NODE_HOST = "127.0.0.11"
 #: Inside the runtime's own network namespace: it binds every address there; its probe asks loopback.
 BIND_HOST = "0.0.0.0"
-PROBE_HOST = "127.0.0.1"
-PORT = 18000
 ARTIFACT = Path("/var/lib/nexa/node/artifacts/" + "c" * 64)
-SHA = "c" * 64
-IMAGES = {
-    RuntimeKind.VLLM: "nvcr.io/nvidia/vllm@sha256:" + "1" * 64,
-    RuntimeKind.SGLANG: "docker.io/lmsysorg/sglang@sha256:" + "2" * 64,
-    RuntimeKind.TRTLLM: "nvcr.io/nvidia/tensorrt-llm/release@sha256:" + "3" * 64,
-    RuntimeKind.LLAMACPP: "ghcr.io/ggml-org/llama.cpp@sha256:" + "4" * 64,
-}
-
-
-def model(
-    name: str = "llama-3-8b",
-    fmt: ModelFormat = ModelFormat.SAFETENSORS,
-    *,
-    artifact: ModelArtifact | None = None,
-    memory: int = 40 * GIB,
-    source: str = "hf://meta-llama/Meta-Llama-3-8B-Instruct",
-    spdx_id: str = "llama3",
-) -> ModelRecord:
-    """An Approved model version (the artifact by default one 16 GiB object)."""
-    return ModelRecord(
-        name=name,
-        version="v1",
-        artifact=artifact or ModelArtifact(uri=f"s3://models/{name}.tar", sha256=SHA, size_bytes=16 * GIB),
-        format=fmt,
-        memory_bytes=memory,
-        provenance=Provenance(source=source),
-        license=LicenseRecord(
-            spdx_id=spdx_id, terms_sha256=None, accepted_by="ops", expires_at=None, recorded_at=0, recorded_by=None
-        ),
-        signature=None,
-        state=ModelState.APPROVED,
-        registered_at=0,
-        registered_by=None,
-        state_changed_at=0,
-        state_changed_by=None,
-    )
 
 
 def deployment(options: RuntimeOptions, *, accelerators: int = 1) -> Deployment:
@@ -105,20 +58,6 @@ def spark_spec(kind: RuntimeKind, settings: dict[str, object], *, name: str = "l
     # The assignment is signed and sent as JSON: what the node gets must survive the wire unchanged.
     assert codec.loads(codec.wire, codec.dumps(codec.wire, assignment), type(assignment)) == assignment
     return runtimes.container_spec("spark-1", assignment, 3, ARTIFACT, host=NODE_HOST)
-
-
-def python_probe(path: str) -> HealthProbe:
-    url = f'"http://{PROBE_HOST}:{PORT}{path}"'
-    return HealthProbe(
-        command=["python3", "-c", f"import urllib.request; urllib.request.urlopen({url}, timeout=5)"],
-        interval_s=2.0,
-        timeout_s=6.0,
-        start_period_s=600.0,
-        retries=3,
-    )
-
-
-OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
 
 
 def expect(kind: RuntimeKind, **over: Any) -> ContainerSpec:

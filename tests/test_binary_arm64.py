@@ -26,9 +26,10 @@ import trio
 
 import nexa
 from tests.conftest import FIXTURES
-from tests.control.test_models import ok, registry_config
-from tests.e2e.simcluster import SIM_ARGS, SimCluster, sim_cluster
 from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.cluster import SIM_ARGS, SimCluster, sim_cluster
+from tests.support.models import registry_config
 
 pytestmark = pytest.mark.slow
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import ControllerProcess, require_tool
 
@@ -85,8 +87,8 @@ def test_audit_list_and_verify(controller_process: ControllerProcess) -> None:
     listing = cp.cli("audit", "list", "--action", "tenant.create")
     assert listing.returncode == 0
     assert "tenant/t1" in listing.stdout and "tenant/t2" in listing.stdout
-    page = cp.cli("audit", "list", "--limit", "1", "--json")
-    assert json.loads(page.stdout)["next_cursor"] == 1
+    page = json.loads(cp.cli("audit", "list", "--limit", "1", "--json").stdout)
+    assert [e["seq"] for e in page["events"]] == [1] and isinstance(page["next_cursor"], str)
     ok = cp.cli("audit", "verify")
     assert ok.returncode == 0 and "audit chain ok: 3 events verified" in ok.stdout
 
@@ -147,3 +149,90 @@ def test_version_and_help() -> None:
     assert out.returncode == 0 and out.stdout.startswith("nexa ")
     bare = subprocess.run([sys.executable, "-m", "nexa"], capture_output=True, text=True, timeout=60)
     assert bare.returncode == 2 and "control" in bare.stderr
+
+
+def test_list_commands_page_with_cursor_and_limit(controller_process: ControllerProcess) -> None:
+    cp = controller_process
+    for name in ("p1", "p2", "p3"):
+        cp.cli("tenants", "create", name, check=True)
+    first = cp.cli("audit", "list", "--limit", "2")
+    assert first.returncode == 0, first.stderr
+    assert "tenant/p1" in first.stdout and "tenant/p2" not in first.stdout  # seq 1: the admin key
+    (more,) = [line for line in first.stderr.splitlines() if line.startswith("more: --cursor ")]
+    cursor = more.removeprefix("more: --cursor ")
+    second = json.loads(cp.cli("audit", "list", "--limit", "2", "--cursor", cursor, "--json").stdout)
+    assert [e["target"] for e in second["events"]] == ["tenant/p2", "tenant/p3"]
+    # The deprecated `--after SEQ` still reads (hidden from --help).
+    after = json.loads(cp.cli("audit", "list", "--after", "2", "--limit", "1", "--json").stdout)
+    assert [e["target"] for e in after["events"]] == ["tenant/p2"]
+    assert "--after" not in cp.cli("audit", "list", "--help").stdout
+    tenants = json.loads(cp.cli("tenants", "list", "--limit", "2", "--json").stdout)
+    assert [t["id"] for t in tenants["tenants"]] == ["p1", "p2"] and tenants["next_cursor"]
+    last = cp.cli("tenants", "list", "--cursor", tenants["next_cursor"])
+    assert [line.split()[0] for line in last.stdout.splitlines()[1:]] == ["p3"] and "more:" not in last.stderr
+
+    for _ in range(2):
+        cp.cli("keys", "create", "--role", "audit", check=True)
+    keys = cp.cli("keys", "list", "--limit", "2", "--json")
+    page = json.loads(keys.stdout)
+    assert len(page["keys"]) == 2 and page["next_cursor"]
+    rest = json.loads(cp.cli("keys", "list", "--cursor", page["next_cursor"], "--json").stdout)
+    assert len(rest["keys"]) == 1 and rest["next_cursor"] is None
+    ids = {k["id"] for k in page["keys"]} | {k["id"] for k in rest["keys"]}
+    assert len(ids) == 3
+    human = cp.cli("keys", "list", "--limit", "1")
+    assert len(human.stdout.splitlines()) == 2 and human.stderr.startswith("more: --cursor ")
+    bad = cp.cli("nodes", "list", "--cursor", "not-a-cursor")
+    assert bad.returncode == 1 and "invalid_request" in bad.stderr
+
+
+def test_every_list_and_show_renders_its_table(controller_process: ControllerProcess) -> None:
+    """Through the real CLI against a real controller: each resource's table has its columns."""
+    cp = controller_process
+    cp.cli("tenants", "create", "acme", "--display-name", "Acme", check=True)
+    cp.cli("quotas", "set", "acme", "--rpm", "60", "--tpd", "1000", check=True)
+    headers = {
+        ("nodes", "list"): "ID STATE HEARTBEAT LABELS ACCELERATORS FREE_MEMORY ASSIGNMENTS",
+        ("keys", "list"): "ID ROLE TENANT NAME STATE CREATED_AT",
+        ("tenants", "list"): "ID DISPLAY_NAME CREATED_AT",
+        ("runtimes", "list"): "NAME KIND VERSION IMAGE REGISTERED_AT",
+        ("models", "list"): "NAME VERSION STATE FORMAT SIZE MEMORY LICENSE REGISTERED_AT",
+        ("aliases", "list"): "ALIAS TARGET GENERATION UPDATED_AT",
+        ("deployments", "list"): "NAME MODEL RUNTIME REPLICAS NODES PROBLEM",
+        ("quotas", "show"): "TENANT CONCURRENT RPM TPM TPD IN_FLIGHT REQ_1M TOK_1M TOK_TODAY",
+        ("quotas", "show", "acme"): "TENANT CONCURRENT RPM TPM TPD IN_FLIGHT REQ_1M TOK_1M TOK_TODAY",
+        ("usage",): "DAY TENANT MODEL REQUESTS ERRORS PROMPT_TOKENS COMPLETION_TOKENS",
+        ("audit", "list"): "SEQ TIME ACTION TARGET ACTOR_KEY_ID ACTOR_ROLE RESULT",
+    }
+    for argv, header in headers.items():
+        out = cp.cli(*argv)
+        assert out.returncode == 0, (argv, out.stderr)
+        lines = out.stdout.splitlines()
+        assert " ".join(lines[0].split()) == header, argv
+        if argv[0] in {"nodes", "runtimes", "models", "aliases", "deployments", "usage"}:
+            assert lines[1:] == ["(none)"], argv
+        as_json = json.loads(cp.cli(*argv, "--json").stdout)
+        assert isinstance(as_json, dict), argv
+    quota = cp.cli("quotas", "show", "acme").stdout.splitlines()[1].split()
+    assert quota[:5] == ["acme", "-", "60", "-", "1000"]
+    assert "Acme" in cp.cli("tenants", "list").stdout
+    missing = cp.cli("runtimes", "show", "nope")
+    assert missing.returncode == 1 and "not_found" in missing.stderr
+    assert cp.cli("nodes", "show", "nope").returncode == 1
+
+
+def test_control_takes_the_channel_as_host_port(controller_process: ControllerProcess, tmp_path: Path) -> None:
+    cp = controller_process
+    assert cp.stop() == 0
+    cp.start("--channel", f"127.0.0.1:{cp.channel_port}")
+    with socket.create_connection(("127.0.0.1", cp.channel_port), timeout=5):
+        pass  # the node channel is bound where HOST:PORT said
+    refused = subprocess.run(
+        [sys.executable, "-m", "nexa", "control", "--state-dir", str(tmp_path / "other"), "--channel", "8471"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "use HOST:PORT or tcp://HOST:PORT" in refused.stderr and "Traceback" not in refused.stderr
+    assert not (tmp_path / "other").exists()

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from nexa import cli, config
+from nexa.cli import entry, roles
 from nexa.config import ControlConfig, LogLevel
 from nexa.errors import ConfigError
 
@@ -93,14 +94,14 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
 
 def test_flags_override_the_file_and_are_validated(tmp_path: Path) -> None:
     path = write(tmp_path, "state_dir = '/from/file'\n[http]\nlisten = '127.0.0.1:1000'\ngraceful_timeout_s = 3\n")
-    args = cli._parser().parse_args(["control", "--config", str(path), "--listen", "127.0.0.2:2000"])
-    cfg = cli._control_config(args)
+    args = entry.parser().parse_args(["control", "--config", str(path), "--listen", "127.0.0.2:2000"])
+    cfg = roles.control_config(args)
     assert cfg.http.listen == "127.0.0.2:2000"
     assert cfg.state_dir == "/from/file"
     assert cfg.http.graceful_timeout_s == 3
-    args = cli._parser().parse_args(["control", "--config", str(path), "--state-dir", "/flag", "--log-level", "nope"])
+    args = entry.parser().parse_args(["control", "--config", str(path), "--state-dir", "/flag", "--log-level", "nope"])
     with pytest.raises(ConfigError, match=r"log\.level"):
-        cli._control_config(args)
+        roles.control_config(args)
 
 
 def test_config_objects_are_frozen() -> None:
@@ -115,3 +116,13 @@ def test_the_channel_takes_host_port_as_http_listen_does() -> None:
     assert cfg.channel.advertise == "tcp://[::1]:8471"
     unchanged = config.structure_config({"channel": {"listen": "tcp://127.0.0.1:*"}}, ControlConfig)
     assert unchanged.channel.listen == "tcp://127.0.0.1:*" and unchanged.channel.advertise == ""
+
+
+@pytest.mark.parametrize(
+    "bad", ["8471", "127.0.0.1", ":8471", "127.0.0.1:70000", "127.0.0.1:x", "[zz]:8471", "ipc:///run/x", "tcp://"]
+)
+def test_a_channel_address_that_is_not_host_port_is_refused_by_name(bad: str) -> None:
+    for key in ("listen", "advertise"):
+        with pytest.raises(ConfigError, match=r"use HOST:PORT or tcp://HOST:PORT") as info:
+            config.structure_config({"channel": {key: bad}}, ControlConfig)
+        assert repr(bad) in info.value.message

@@ -169,7 +169,7 @@ def test_the_real_demo_serves_llama_cpp_from_podman_and_ctrl_c_removes_its_conta
 
 
 def test_the_real_demo_refuses_in_one_line_when_a_part_is_missing(tmp_path: Path) -> None:
-    """No podman on PATH: exit 2 before anything starts, naming it."""
+    """No podman on PATH: exit 2 before anything starts, naming it and saying how to get it."""
     bare = tmp_path / "bin"
     bare.mkdir()
     done = subprocess.run(
@@ -182,4 +182,5 @@ def test_the_real_demo_refuses_in_one_line_when_a_part_is_missing(tmp_path: Path
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "--real" in done.stderr and "podman" in done.stderr
+    assert "apt-get install podman" in done.stderr and "pip install -e '.[real]'" in done.stderr
     assert not (tmp_path / "demo").exists()

@@ -13,7 +13,6 @@ import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
@@ -34,68 +33,9 @@ from nexa.errors import (
     WrongNode,
 )
 from tests.conftest import gb10_inventory, sample_runtime
+from tests.support.messaging import LOOPBACK, Fleet, NodeIdentity, hello
 
-LOOPBACK = "tcp://127.0.0.1:*"
 TIMEOUT_S = 10
-
-
-@attrs.frozen
-class NodeIdentity:
-    node_id: str
-    curve: messaging.CurveKeyPair
-    key: security.SigningKey
-
-
-@attrs.define
-class Fleet:
-    """The controller's keys plus an in-memory enrolment table standing in for the registry."""
-
-    curve: messaging.CurveKeyPair = attrs.field(factory=messaging.generate_curve_keypair)
-    key: security.SigningKey = attrs.field(factory=security.generate_signing_key)
-    by_curve: dict[str, str] = attrs.field(factory=dict)
-    node_keys: dict[str, security.PublicKey] = attrs.field(factory=dict)
-    zap_calls: list[str] = attrs.field(factory=list)
-    zap_events: dict[str, trio.Event] = attrs.field(factory=dict)
-
-    def authorize(self, curve_public: str) -> str | None:
-        self.zap_calls.append(curve_public)
-        self.zap_event(curve_public).set()
-        return self.by_curve.get(curve_public)
-
-    def zap_event(self, curve_public: str) -> trio.Event:
-        return self.zap_events.setdefault(curve_public, trio.Event())
-
-    def enroll(self, node_id: str) -> NodeIdentity:
-        node = NodeIdentity(node_id, messaging.generate_curve_keypair(), security.generate_signing_key())
-        self.by_curve[node.curve.public] = node_id
-        self.node_keys[node_id] = node.key.public
-        return node
-
-    def stranger(self, node_id: str) -> NodeIdentity:
-        """Keys the controller has never seen."""
-        return NodeIdentity(node_id, messaging.generate_curve_keypair(), security.generate_signing_key())
-
-    def link(self, endpoint: str = LOOPBACK, **kw: Any) -> messaging.Link:
-        return messaging.Link(
-            endpoint,
-            curve=self.curve,
-            signing_key=self.key,
-            authorize=self.authorize,
-            node_key=self.node_keys.get,
-            **kw,
-        )
-
-    def uplink(self, endpoint: str, node: NodeIdentity, **kw: Any) -> messaging.Uplink:
-        kw.setdefault("controller_key", self.key.public)
-        return messaging.Uplink(
-            endpoint,
-            curve=node.curve,
-            server_curve_public=self.curve.public,
-            signing_key=node.key,
-            reconnect_ivl_s=0.05,
-            reconnect_ivl_max_s=0.2,
-            **kw,
-        )
 
 
 @pytest.fixture
@@ -122,10 +62,6 @@ async def raw_node(fleet: Fleet, node: NodeIdentity, link: messaging.Link) -> As
                 nursery.cancel_scope.cancel()
     finally:
         ctx.destroy(linger=0)
-
-
-def hello(node_id: str, seq: int = 0) -> wire.Hello:
-    return wire.Hello(node_id=node_id, seq=seq, ts=time.time(), agent_version="test")
 
 
 def heartbeat(node_id: str, seq: int) -> wire.Heartbeat:

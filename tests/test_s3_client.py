@@ -14,8 +14,9 @@ import httpx
 import pytest
 import trio
 
+from nexa import s3 as s3_module
 from nexa.errors import ArtifactRefused, ArtifactUnavailable
-from nexa.s3 import S3_READ_BYTES, S3Client, body_chunks
+from nexa.s3 import S3_READ_BYTES, S3Client
 from nexa.sigv4 import S3Credentials
 from tests.conftest import free_port
 from tests.realparts import S3Store
@@ -32,9 +33,9 @@ def client(s3: S3Store, credentials: S3Credentials | None = None) -> S3Client:
 
 async def read_all(c: S3Client, bucket: str, key: str, *, start: int = 0) -> tuple[int, dict[str, str], bytes]:
     async with c.stream(bucket, key, start=start) as response:
-        async with aclosing(body_chunks(response, f"s3://{bucket}/{key}")) as chunks:
+        async with aclosing(response.chunks()) as chunks:
             body = b"".join([chunk async for chunk in chunks])
-        return response.status_code, dict(response.headers), body
+        return response.status, dict(response.headers), body
 
 
 async def test_stream_gives_the_whole_object_or_the_rest_from_an_offset(s3_store: S3Store) -> None:
@@ -94,11 +95,11 @@ async def _chunk_sizes(port: int, s3: bool) -> list[int]:
         async with (
             S3Client(f"http://127.0.0.1:{port}") as c,
             c.stream("b", "k") as response,
-            aclosing(body_chunks(response, url)) as chunks,
+            aclosing(response.chunks()) as chunks,
         ):
             return [len(chunk) async for chunk in chunks]
-    async with httpx.AsyncClient() as plain, plain.stream("GET", url) as response:
-        return [len(chunk) async for chunk in response.aiter_raw()]
+    async with httpx.AsyncClient() as plain, plain.stream("GET", url) as plain_response:
+        return [len(chunk) async for chunk in plain_response.aiter_raw()]
 
 
 async def test_the_client_reads_the_socket_in_large_blocks() -> None:
@@ -123,3 +124,32 @@ async def test_the_client_reads_the_socket_in_large_blocks() -> None:
     assert sum(large) == sum(small) == len(body)
     assert max(small) <= HTTPCORE_READ_BYTES  # what the test tells apart
     assert HTTPCORE_READ_BYTES < max(large) <= S3_READ_BYTES, large
+
+
+def _annotations(fn: object) -> dict[str, str]:
+    """A function's annotations as written (this module's are strings: `from __future__ import annotations`)."""
+    return {arg: str(hint) for arg, hint in getattr(fn, "__annotations__", {}).items()}
+
+
+def test_the_public_api_takes_and_gives_no_httpx_types() -> None:
+    """Callers of `nexa.s3` need no httpx: no public name is an httpx type, and no public function
+    or method takes or returns one. The one exception is the fault-injection seam
+    `S3Client(transport=…)` (`InjectedTransport`)."""
+    seam = {"InjectedTransport", "transport"}
+    found: list[str] = []
+    for name in sorted(set(s3_module.__all__) - seam):
+        obj = getattr(s3_module, name)
+        if getattr(obj, "__module__", "").startswith(("httpx", "httpcore")):
+            found.append(name)
+        members = (
+            [m for attr, m in vars(obj).items() if attr == "__init__" or not attr.startswith("_")]
+            if isinstance(obj, type)
+            else [obj]
+        )
+        for member in members:
+            fn = getattr(member, "__wrapped__", member)  # asynccontextmanager keeps the function here
+            for arg, hint in _annotations(fn).items():
+                if arg not in seam and ("httpx" in hint or "httpcore" in hint):
+                    found.append(f"{name}: {arg}: {hint}")
+    assert found == []
+    assert {"ObjectStream", "S3Client", "object_url", "signed_headers_for"} <= set(s3_module.__all__)

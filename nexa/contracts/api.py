@@ -44,6 +44,13 @@ class VersionInfo:
 
 
 @attrs.frozen(kw_only=True)
+class ReceiptPublicKey:
+    """`GET /api/v1/receipts/public-key`: the Ed25519 key receipts and audit heads are signed with (base64)."""
+
+    public_key: str
+
+
+@attrs.frozen(kw_only=True)
 class KeyCreate:
     role: Role
     name: str = ""
@@ -73,7 +80,11 @@ class KeyCreated:
 
 @attrs.frozen(kw_only=True)
 class KeyList:
+    """`GET /api/v1/keys`: a page, oldest first (`contracts.pages`)."""
+
     keys: list[KeyView]
+    #: The cursor of the next page; None at the end (and from controllers that did not page).
+    next_cursor: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -91,13 +102,20 @@ class TenantView:
 
 @attrs.frozen(kw_only=True)
 class TenantList:
+    """`GET /api/v1/tenants`: a page, by tenant id (`contracts.pages`)."""
+
     tenants: list[TenantView]
+    #: The cursor of the next page; None at the end (and from controllers that did not page).
+    next_cursor: str | None = None
 
 
 @attrs.frozen(kw_only=True)
 class AuditPage:
+    """`GET /api/v1/audit`: a page of events in chain order (`contracts.pages`)."""
+
     events: list[AuditEvent]
-    next_cursor: int | None
+    #: The cursor of the next page; None at the end.
+    next_cursor: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -207,4 +225,8 @@ class NodeView:
 
 @attrs.frozen(kw_only=True)
 class NodeList:
+    """`GET /api/v1/nodes`: a page, by node id (`contracts.pages`)."""
+
     nodes: list[NodeView]
+    #: The cursor of the next page; None at the end (and from controllers that did not page).
+    next_cursor: str | None = None

@@ -237,7 +237,11 @@ class RolloutResult:
 
 @attrs.frozen(kw_only=True)
 class DeploymentList:
+    """`GET /api/v1/deployments`: a page, by name (`contracts.pages`)."""
+
     deployments: list[DeploymentView]
+    #: The cursor of the next page; None at the end (and from controllers that did not page).
+    next_cursor: str | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -4,6 +4,10 @@ Pure data and validation; no I/O. Both northbound APIs (OpenAI-compatible `/v1/*
 canonical `/api/v1/workloads`) become one `Work` item for the one pipeline in
 `control/gateway.py`. Payloads (prompts, outputs) pass through as opaque JSON and never appear in
 any record defined here: usage records and receipts carry counts, ids and timings only.
+
+What happened to one call is made once, when it ends, as a `CallOutcome`; the records made of it
+(`UsageRecord.from_outcome`, `Receipt.from_outcome`, and `WorkloadView.from_receipt` of that
+receipt) are derived from it by the constructors beside their types, never copied by hand.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import attrs
 
 from nexa.contracts import codec
 from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.models import ModelRef
 from nexa.contracts.node import data_class_problem
 
 #: The canonical envelope's version; anything else is refused.
@@ -121,6 +126,48 @@ class Api(enum.StrEnum):
     WORKLOADS = "workloads"
 
 
+# --- the outcome of a call ---------------------------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class CallOutcome:
+    """What happened to one call through the gateway, made once when it ended (also when it was
+    refused): the usage record, and a workload's receipt, are derived from it. No payload."""
+
+    request_id: str
+    workload_id: str | None
+    api: Api
+    tenant: TenantId
+    key_id: KeyId
+    capability: Capability
+    #: The alias the model was asked for by; empty for a pinned `name:version` or a name never resolved.
+    alias: str
+    #: The version that served it (or that the name resolved to); None when it never resolved.
+    model: ModelRef | None
+    #: Empty when the call never reached a replica (refused, queued past its deadline).
+    deployment: str
+    node_id: str
+    canary: bool
+    #: `ok`, or the error code the call ended with.
+    status: str
+    prompt_tokens: int
+    completion_tokens: int
+    queue_ms: float
+    ttft_ms: float | None
+    duration_ms: float
+    #: Wall-clock Unix seconds at which it ended.
+    finished_at: float
+    #: Replicas tried.
+    attempts: int
+    #: A replica answered (its first output, or a clean end) and the caller got the answer to read;
+    #: False when the call was refused or failed before that.
+    opened: bool
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
 # --- the canonical envelope ------------------------------------------------------------------------
 
 
@@ -163,6 +210,28 @@ class WorkloadCreate:
 
 
 @attrs.frozen(kw_only=True)
+class AcceptedWorkload:
+    """A canonical workload as it was accepted: whose, what it asks for, and when; fixed from then
+    on. Held while it runs (`control.workloads.ActiveWorkload`) and stored with its state and
+    receipt (`control.store.WorkloadRow`); its receipt names the same ids (`Receipt.from_outcome`)."""
+
+    tenant: TenantId
+    workload_id: str
+    #: sha256 of the idempotency key (the key itself is the client's).
+    idempotency_key_sha256: str
+    key_id: KeyId
+    capability: Capability
+    #: The alias (or `name:version`) it was sent for.
+    alias: str
+    #: What the client asked for (`WorkloadCreate.model`), as its views name it.
+    model: str
+    priority: Priority
+    accepted_at: float
+    #: sha256 of the canonical envelope (`request_sha256`); None: not checked (older rows).
+    request_sha256: str | None = None
+
+
+@attrs.frozen(kw_only=True)
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -200,6 +269,47 @@ class Receipt:
     finished_at: float
     controller_epoch: int
 
+    @classmethod
+    def from_outcome(
+        cls,
+        outcome: CallOutcome | None,
+        *,
+        accepted: AcceptedWorkload,
+        receipt_id: str,
+        state: WorkloadState,
+        error: str | None,
+        finished_at: float,
+        controller_epoch: int,
+    ) -> Receipt:
+        """The receipt of the `accepted` workload whose call ended with `outcome`. A call no replica
+        answered (refused, or failed before any output; or no call at all: None) attests no model
+        and no figures: the receipt names the workload and how it ended only."""
+        served = outcome if outcome is not None and outcome.opened else None
+        model = served.model if served is not None else None
+        return cls(
+            receipt_id=receipt_id,
+            workload_id=accepted.workload_id,
+            idempotency_key_sha256=accepted.idempotency_key_sha256,
+            tenant=accepted.tenant,
+            key_id=accepted.key_id,
+            capability=accepted.capability,
+            alias=served.alias if served is not None else "",
+            model=model.model if model is not None else UNRESOLVED_MODEL,
+            model_version=model.version if model is not None else "",
+            deployment=served.deployment if served is not None else "",
+            node_id=served.node_id if served is not None else "",
+            state=state,
+            error=error,
+            prompt_tokens=served.prompt_tokens if served is not None else 0,
+            completion_tokens=served.completion_tokens if served is not None else 0,
+            queue_ms=served.queue_ms if served is not None else 0.0,
+            ttft_ms=served.ttft_ms if served is not None else None,
+            duration_ms=served.duration_ms if served is not None else 0.0,
+            accepted_at=accepted.accepted_at,
+            finished_at=finished_at,
+            controller_epoch=controller_epoch,
+        )
+
 
 @attrs.frozen(kw_only=True)
 class SignedReceipt:
@@ -217,7 +327,7 @@ class SignedReceipt:
 
 @attrs.frozen(kw_only=True)
 class WorkloadView:
-    """`GET /api/v1/workloads/{id}` and the answer to `POST /api/v1/workloads`."""
+    """`GET /api/v1/workloads/{id}`, an item of `GET /api/v1/workloads`, and the answer to `POST /api/v1/workloads`."""
 
     version: str
     workload_id: str
@@ -231,6 +341,46 @@ class WorkloadView:
     #: The runtime's answer (unary requests, in the POST response only: never stored).
     output: dict[str, object] | None = None
     receipt: SignedReceipt | None = None
+
+    @classmethod
+    def of(cls, accepted: AcceptedWorkload, state: WorkloadState, receipt: SignedReceipt | None = None) -> WorkloadView:
+        """An accepted workload in `state`: as its signed receipt tells it once it has one."""
+        if receipt is not None:
+            return cls.from_receipt(receipt, model=accepted.model, priority=accepted.priority)
+        return cls(
+            version=API_VERSION,
+            workload_id=accepted.workload_id,
+            state=state,
+            model=accepted.model,
+            priority=accepted.priority,
+            accepted_at=accepted.accepted_at,
+        )
+
+    @classmethod
+    def from_receipt(cls, signed: SignedReceipt, *, model: str, priority: Priority) -> WorkloadView:
+        """A finished workload as its signed receipt tells it (`model`: what the client asked for)."""
+        r = signed.receipt
+        return cls(
+            version=API_VERSION,
+            workload_id=r.workload_id,
+            state=r.state,
+            model=model,
+            priority=priority,
+            accepted_at=r.accepted_at,
+            finished_at=r.finished_at,
+            error=r.error,
+            usage=Usage(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens),
+            receipt=signed,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class WorkloadList:
+    """`GET /api/v1/workloads`: a page of the caller's tenant's workloads, oldest accepted first."""
+
+    workloads: list[WorkloadView]
+    #: The cursor of the next page (`contracts.pages`); None at the end.
+    next_cursor: str | None = None
 
 
 # --- metering ----------------------------------------------------------------------------------------
@@ -264,6 +414,32 @@ class UsageRecord:
     #: Replica the request was served by was the deployment's canary.
     canary: bool = False
 
+    @classmethod
+    def from_outcome(cls, outcome: CallOutcome) -> UsageRecord:
+        ref = outcome.model
+        return cls(
+            request_id=outcome.request_id,
+            workload_id=outcome.workload_id,
+            api=outcome.api,
+            tenant=outcome.tenant,
+            key_id=outcome.key_id,
+            capability=outcome.capability,
+            # A name that never resolved is the client's free text: not stored (a marker instead).
+            alias=outcome.alias if ref else UNRESOLVED_MODEL,
+            model=ref.model if ref else "",
+            model_version=ref.version if ref else "",
+            deployment=outcome.deployment,
+            node_id=outcome.node_id,
+            status=outcome.status,
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+            queue_ms=outcome.queue_ms,
+            ttft_ms=outcome.ttft_ms,
+            duration_ms=outcome.duration_ms,
+            finished_at=outcome.finished_at,
+            canary=outcome.canary,
+        )
+
 
 @attrs.frozen(kw_only=True)
 class WindowStats:
@@ -296,7 +472,10 @@ class UsageRow:
 class UsageReport:
     since: float
     until: float
+    #: A page of groups, by day, tenant and model (`contracts.pages`); the CSV form has them all.
     rows: list[UsageRow]
+    #: The cursor of the next page; None at the end.
+    next_cursor: str | None = None
 
 
 # --- quotas ------------------------------------------------------------------------------------------

@@ -1,7 +1,14 @@
-"""The controller's HTTP API: quart-trio app, the route→roles table, the error→status table.
+"""The management HTTP API (`/api/v1`, `/healthz`, `/readyz`, `/version`, `/metrics`): a quart-trio app.
 
-The only quart importer. Bodies go through `contracts.codec` at the edge; handlers call the
-registry and store; nothing here logs a request or response body.
+`ROUTE_ROLES` is the one table of routes and the roles that may call each (`_authorize` checks it
+before any handler runs; a route missing from it is refused). `_Handlers` has one method per route,
+named after it (`get_nodes_by_node_id`), each a thin adapter: decode the body or query with
+`contracts.codec`, call the component that owns the state (registry, fleet, models, deployments,
+quotas, meter; the store only for audit reads), encode the answer. List routes page with
+`?cursor=&limit=` (`contracts.pages`). Errors answer in the nexa envelope, with statuses from
+`control.http`. The console's pages are registered on the same app (`control.console`); the
+inference routes sit in front of it (`control.inference`). One structured log line per request;
+nothing here logs a request or response body.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from werkzeug.exceptions import HTTPException
 
 from nexa import __version__, security
 from nexa.config import HttpConfig
-from nexa.contracts import codec
+from nexa.contracts import codec, pages
 from nexa.contracts.api import (
     AuditCheckpoint,
     AuditPage,
@@ -37,6 +44,7 @@ from nexa.contracts.api import (
     KeyView,
     NodeList,
     NodeView,
+    ReceiptPublicKey,
     TenantCreate,
     TenantList,
     TenantView,
@@ -63,6 +71,7 @@ from nexa.contracts.models import (
 )
 from nexa.control import console
 from nexa.control import store as st
+from nexa.control.admission import Admission
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.http import BodyLimit, bearer_key, new_request_id, status_for
@@ -151,7 +160,6 @@ _HTTP_ERRORS: Final = {
     404: ("not_found", "no such route"),
     405: ("method_not_allowed", "this route does not take that method"),
 }
-_MAX_PAGE: Final = 1000
 
 
 @attrs.frozen(kw_only=True)
@@ -183,6 +191,7 @@ class AppState:
     signing_key: SigningKey
     quotas: Quotas
     meter: Meter
+    admission: Admission
     ready: bool = False
     #: `GET /api/v1/openapi.json`'s answer (`control/openapi.py`, built by the composition root).
     openapi: bytes = b""
@@ -364,6 +373,15 @@ def _query_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
+def _page(kind: str, shape: tuple[type, ...]) -> tuple[pages.Key | None, int]:
+    """A list route's `?cursor=&limit=` (`contracts.pages`): the key to continue after, and the page size."""
+    return pages.from_query(kind, shape, request.args.get("cursor"), request.args.get("limit"))
+
+
+def _next_cursor(kind: str, last: pages.Key | None) -> str | None:
+    return None if last is None else pages.encode_cursor(kind, last)
+
+
 def _query_float(name: str) -> float | None:
     raw = request.args.get(name)
     if raw is None:
@@ -419,7 +437,9 @@ class _Handlers:
         return _json(KeyCreated(key=secret, info=_key_view(key)), 201)
 
     async def get_keys(self) -> Response:
-        return _json(KeyList(keys=[_key_view(k) for k in self._s.registry.api_keys()]))
+        after, limit = _page("keys", (float, str))
+        keys, last = pages.page_of(self._s.registry.api_keys(), lambda k: (k.created_at, k.id), after, limit)
+        return _json(KeyList(keys=[_key_view(k) for k in keys], next_cursor=_next_cursor("keys", last)))
 
     async def delete_keys_by_key_id(self, key_id: str) -> Response:
         key = await self._s.registry.revoke_key(_actor(), KeyId(key_id))
@@ -431,22 +451,31 @@ class _Handlers:
         return _json(_tenant_view(tenant), 201)
 
     async def get_tenants(self) -> Response:
-        return _json(TenantList(tenants=[_tenant_view(t) for t in self._s.registry.tenants()]))
+        after, limit = _page("tenants", (str,))
+        tenants, last = pages.page_of(self._s.registry.tenants(), lambda t: (t.id,), after, limit)
+        return _json(TenantList(tenants=[_tenant_view(t) for t in tenants], next_cursor=_next_cursor("tenants", last)))
 
     async def get_audit(self) -> Response:
-        limit = _query_int("limit", 100, 1, _MAX_PAGE)
+        after, limit = _page("audit", (int,))
+        legacy = request.args.get("after")  # deprecated alias: the seq of the last event seen, or a cursor
+        if legacy is not None:
+            if after is not None:
+                raise ContractError("send cursor, or the deprecated after, not both", problems=("after",))
+            digits = legacy.isascii() and legacy.isdigit()
+            after = (
+                (_query_int("after", 0, 0, 2**62),) if digits else pages.decode_cursor("audit", legacy, (int,), "after")
+            )
         q = st.AuditQuery(
-            after_seq=_query_int("after", 0, 0, 2**62),
-            limit=limit,
+            after_seq=0 if after is None else int(after[0]),
+            limit=limit + 1,
             action=request.args.get("action"),
             actor_key_id=request.args.get("actor"),
             target=request.args.get("target"),
             since=_query_float("since"),
             until=_query_float("until"),
         )
-        events = await self._s.store.read(st.list_audit, q)
-        cursor = events[-1].seq if len(events) == limit else None
-        return _json(AuditPage(events=events, next_cursor=cursor))
+        events, last = pages.cut(await self._s.store.read(st.list_audit, q), limit, lambda e: (e.seq,))
+        return _json(AuditPage(events=events, next_cursor=_next_cursor("audit", last)))
 
     async def post_audit_verify(self) -> Response:
         """Recompute the chain on the read-only connection (writes go on meanwhile); with
@@ -472,7 +501,9 @@ class _Handlers:
     # ---- usage, quotas and receipts ------------------------------------------------------------------
 
     async def get_usage(self) -> Response:
-        """Usage by tenant, model and UTC day; `?format=csv` for a CSV file. Default: the last 30 days."""
+        """Usage by tenant, model and UTC day; `?format=csv` for a CSV file. Default: the last 30 days.
+
+        The JSON form is a page of groups (`?cursor=&limit=`); the CSV file has every group."""
         until = _query_float("until") or time.time()
         since = _query_float("since") or until - 30 * 86400
         if since > until:
@@ -480,14 +511,25 @@ class _Handlers:
         fmt = request.args.get("format", "json")
         if fmt not in {"json", "csv"}:
             raise ContractError("format: json or csv", problems=("format",))
-        report = await self._s.meter.usage(
-            since=since, until=until, tenant=request.args.get("tenant"), model=request.args.get("model")
-        )
+        tenant, model = request.args.get("tenant"), request.args.get("model")
         if fmt == "csv":
+            if "cursor" in request.args or "limit" in request.args:
+                raise ContractError("the CSV form has every group: leave cursor and limit out", problems=("cursor",))
+            report = await self._s.meter.usage(since=since, until=until, tenant=tenant, model=model)
             response = Response(Meter.to_csv(report), content_type="text/csv; charset=utf-8")
             response.headers["Content-Disposition"] = 'attachment; filename="nexa-usage.csv"'
             return response
-        return _json(report)
+        after, limit = _page("usage", (str, str, str))
+        report = await self._s.meter.usage(
+            since=since,
+            until=until,
+            tenant=tenant,
+            model=model,
+            after=None if after is None else (str(after[0]), str(after[1]), str(after[2])),
+            limit=limit + 1,
+        )
+        rows, last = pages.cut(report.rows, limit, lambda r: (r.day, r.tenant, r.model))
+        return _json(attrs.evolve(report, rows=rows, next_cursor=_next_cursor("usage", last)))
 
     async def get_quotas(self) -> Response:
         return _json(self._s.quotas.all(time.time()))
@@ -503,7 +545,7 @@ class _Handlers:
 
     async def get_receipts_public_key(self) -> Response:
         """The key receipts are signed with (`nexa receipts verify --public-key`)."""
-        return _json({"public_key": self._s.controller_keys.signing})
+        return _json(ReceiptPublicKey(public_key=self._s.controller_keys.signing))
 
     # ---- enrollment and nodes ----------------------------------------------------------------------
 
@@ -534,7 +576,9 @@ class _Handlers:
         return _json(resp, 201)
 
     async def get_nodes(self) -> Response:
-        return _json(NodeList(nodes=[_node_view(live) for live in self._s.fleet]))
+        after, limit = _page("nodes", (str,))
+        nodes, last = pages.page_of(self._s.fleet, lambda live: (live.node.id,), after, limit)
+        return _json(NodeList(nodes=[_node_view(live) for live in nodes], next_cursor=_next_cursor("nodes", last)))
 
     async def get_nodes_by_node_id(self, node_id: str) -> Response:
         return _json(_node_view(self._s.fleet.get(node_id)))
@@ -634,7 +678,9 @@ class _Handlers:
         return _json(await self._s.deployments.create(_actor(), await _body(DeploymentCreate)), 201)
 
     async def get_deployments(self) -> Response:
-        return _json(DeploymentList(deployments=self._s.deployments.all()))
+        after, limit = _page("deployments", (str,))
+        views, last = pages.page_of(self._s.deployments.all(), lambda v: (v.deployment.name,), after, limit)
+        return _json(DeploymentList(deployments=views, next_cursor=_next_cursor("deployments", last)))
 
     async def get_deployments_by_name(self, name: str) -> Response:
         return _json(self._s.deployments.show(name))

@@ -1,17 +1,18 @@
 """The inference pipeline both northbound APIs share: resolve → quota → admission → route → relay → meter.
 
-`Gateway.call(work)` resolves the requested alias to the model version it points at and the
-replicas serving it (`Deployments.serving`: Ready replicas on Ready or Cordoned nodes, canary
-share included), refuses at once when none is Ready (`NoReadyReplica`), takes the tenant's quota
-ticket, waits for an admission slot of the model (priority classes, fair between tenants, the
-deadline covering queue time), then picks a replica (`Router`: least outstanding, prefix
-affinity, canary weight) and opens a relay stream to it over the node's channel. A failure
+`async with gateway.call(work) as answer:` resolves the requested alias to the model version it
+points at and the replicas serving it (`Deployments.serving`: Ready replicas on Ready or Cordoned
+nodes, canary share included), refuses at once when none is Ready (`NoReadyReplica`), takes the
+tenant's quota ticket, waits for an admission slot of the model (priority classes, fair between
+tenants, the deadline covering queue time), then picks a replica (`Router`: least outstanding,
+prefix affinity, canary weight) and opens a relay stream to it over the node's channel. A failure
 before the first output byte (runtime unavailable or failing, node busy or lost) is retried on
-another replica, at most `gateway.retries` times; after the first byte the call ends with a
-typed error instead. The returned `Call` is iterated for output bytes (runtime SSE events or the
-unary body, passed through untouched) and closed with `aclose()`, which releases slot and
-replica, settles the quota with the tokens used and records one usage record — also when the
-client went away (its cancellation reaches the runtime through the relay's `cancel`).
+another replica, at most `gateway.retries` times; after the first byte the call ends with a typed
+error instead. The `Answer` it yields is iterated for output bytes (`calls.Answer`). Each step
+holds what it took on one exit stack the call owns: leaving the block (also when the client went
+away, whose cancellation reaches the runtime through the relay's `cancel`) closes the relay stream,
+releases replica and slot, settles the quota with the tokens used and records one usage record,
+all from the call's one `CallOutcome` (`call.outcome` once the block is left).
 
 Embedding requests with plain text input are batched: those for the same model arriving within
 `embedding_batch_window_s` (up to `embedding_max_batch` inputs) become one runtime call, run by
@@ -30,6 +31,7 @@ import json
 import logging
 import math
 import time
+import types
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, Final, NoReturn
@@ -40,19 +42,17 @@ import trio
 from nexa.config import GatewayConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import ServingReplica, ServingSet
-from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import UNRESOLVED_MODEL, Api, Capability, Priority, UsageRecord, token_reservation
+from nexa.contracts.gateway import CallOutcome, Capability, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
-from nexa.control import answers
 from nexa.control.admission import Admission
+from nexa.control.calls import BATCH, STREAM, UNARY, Answer, Progress, Work, end_error, prompt_estimate, release
 from nexa.control.deployments import Deployments
-from nexa.control.metering import REFUSED_TOKENS, Meter, token_count_ok
+from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas, QuotaTicket
 from nexa.control.relay import Relay, RelayStream
 from nexa.control.routing import Router, for_data_class
 from nexa.errors import (
-    Cancelled,
     ChannelError,
     DeadlineExceeded,
     ModelNotServed,
@@ -60,7 +60,6 @@ from nexa.errors import (
     NoReadyReplica,
     NoReplicaForDataClass,
     RuntimeFailed,
-    RuntimeRejected,
 )
 
 log = logging.getLogger(__name__)
@@ -69,60 +68,6 @@ log = logging.getLogger(__name__)
 RETRYABLE_END_CODES: Final = frozenset(
     {"runtime_unavailable", "runtime_error", "node_busy", "node_lost", "unknown_assignment"}
 )
-#: After a stream's `[DONE]`, how long a call whose client left waits for the `end` with the usage.
-_TAIL_S: Final = 1.0
-#: Longest single SSE event of a stream held while its end arrives (events are whole in a chunk
-#: unless larger than the node's `max_chunk_bytes`); a longer one fails the stream.
-MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
-#: `nexa_gateway_invalid_answers_total` kinds.
-UNARY: Final = "unary"
-STREAM: Final = "stream"
-BATCH: Final = "batch"
-
-
-@attrs.frozen(kw_only=True)
-class Work:
-    """One inference request, whichever API it came through. The tenant comes from the key."""
-
-    request_id: str
-    api: Api
-    tenant: TenantId
-    key_id: KeyId
-    capability: Capability
-    #: An alias, or `name:version` of a model version being served.
-    model: str
-    #: The OpenAI-shaped body for the runtime, without `model` and `stream`.
-    body: dict[str, Any]
-    stream: bool
-    #: The client asked for usage in its stream (`stream_options.include_usage`).
-    include_usage: bool = False
-    priority: Priority = Priority.STANDARD
-    #: Wall-clock Unix seconds.
-    deadline_at: float
-    workload_id: str | None = None
-    #: Only replicas on nodes whose inventory allows this data class serve it; None: any.
-    data_class: str | None = None
-
-
-@attrs.define(kw_only=True)
-class Outcome:
-    """What happened to a call, filled in as it goes; the usage record and receipts are made from it."""
-
-    alias: str = ""
-    model: ModelRef | None = None
-    deployment: str = ""
-    node_id: str = ""
-    canary: bool = False
-    #: `ok`, or the error code the call ended with.
-    status: str = "ok"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    accepted_at: float = attrs.Factory(time.time)
-    queue_ms: float = 0.0
-    ttft_ms: float | None = None
-    duration_ms: float = 0.0
-    finished_at: float = 0.0
-    attempts: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -134,200 +79,48 @@ class ServedModel:
 
 
 class Call:
-    """An admitted request with a replica's first output in hand: iterate for bytes, then `aclose()`.
+    """One call through the gateway, as `async with gateway.call(work) as answer:` (see `Gateway.call`).
 
-    After iteration `error` holds the typed error the stream ended with (after the first byte), or None.
-    A unary answer comes as one piece once whole, checked to be the JSON object its capability
-    answers with (`answer` then holds it parsed); a stream as whole SSE events, each checked. An
-    answer that is not what it should be ends the call with RuntimeFailed (`error`), never passes.
+    Entering runs the pipeline up to a replica's first output; leaving releases everything it
+    took and meters the call, once. `outcome` is the call's `CallOutcome` once it was left, also
+    when entering raised (refused, or failed before any output). A call is entered once.
     """
 
-    def __init__(self, gateway: Gateway, work: Work, outcome: Outcome, started: float) -> None:
-        self._gateway = gateway
+    def __init__(self, gateway: Gateway, work: Work, admitted: Callable[[], Awaitable[None]] | None) -> None:
         self.work = work
-        self.outcome = outcome
-        self._started = started
+        self._gateway = gateway
+        self._admitted = admitted
         self._stack = contextlib.AsyncExitStack()
-        self._stream: RelayStream | None = None
-        self._pending: list[bytes] = []
-        self._replica: ServingReplica | None = None
-        self._ticket: QuotaTicket | None = None
-        self._closed = False
-        self._events = 0
-        self._done_seen = False
-        #: The start of an SSE event whose end is still to come (streams).
-        self._rest = b""
-        #: The unary answer was handed out (or refused): iteration is over.
-        self._unary_taken = False
-        #: The unary body is one the gateway made itself (a slice of an embeddings batch).
-        self._trusted = False
-        #: The node's completion count was refused: the controller estimates it.
-        self._usage_refused = False
-        #: What `nexa_gateway_invalid_answers_total` counts this call's answer as.
-        self.kind = STREAM if work.stream else UNARY
-        #: The unary answer, parsed (once iteration is over and it was valid).
-        self.answer: dict[str, Any] | None = None
-        self.error: NexaError | None = None
+        self._progress = Progress(work=work, started=trio.current_time())
+        self._answer: Answer | None = None
+        self._entered = False
+        #: What happened to the call, once it was left.
+        self.outcome: CallOutcome | None = None
 
-    def __aiter__(self) -> Call:
-        return self
+    async def __aenter__(self) -> Answer:
+        if self._entered:
+            raise RuntimeError("a call is entered once")
+        self._entered = True
+        try:
+            self._answer = await self._gateway._enter(self._stack, self._progress, self._admitted)
+        except BaseException as exc:
+            self._progress.failed(exc)
+            await self._end()
+            raise
+        self._progress.opened = True
+        return self._answer
 
-    async def __anext__(self) -> bytes:
-        if not self.work.stream:
-            return await self._next_unary()
-        while True:
-            try:
-                chunk = await self._next()
-            except StopAsyncIteration:
-                rest, self._rest = self._rest, b""
-                last = self._checked_events([rest]) if rest else b""  # a last event without its blank line
-                if last:
-                    return last
-                raise
-            events, self._rest = answers.split_events(self._rest + chunk)
-            if len(self._rest) > MAX_EVENT_BYTES:
-                self._refuse(f"an event longer than {MAX_EVENT_BYTES} bytes")
-                events = []
-            out = self._checked_events(events)
-            if out:
-                return out
-            if self._stream is None and not self._pending:
-                raise StopAsyncIteration
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: types.TracebackType | None
+    ) -> None:
+        await self._end()
 
-    def _checked_events(self, events: list[bytes]) -> bytes:
-        """The events up to the first one that is not a valid stream event (which ends the call)."""
-        kept = []
-        for event in events:
-            problem, done = answers.event_problem(event)
-            if problem is not None:
-                self._refuse(problem)
-                break
-            if done:
-                self._done_seen = True
-            elif b"data:" in event:
-                # Streamed events seen, for when the stream ends without the runtime's usage (node lost).
-                self._events += 1
-            kept.append(event)
-        return b"".join(kept)
-
-    async def _next_unary(self) -> bytes:
-        if self._unary_taken:
-            raise StopAsyncIteration
-        self._unary_taken = True
-        parts = []
-        while True:
-            try:
-                parts.append(await self._next())
-            except StopAsyncIteration:
-                break
-        body = b"".join(parts)
-        if self.error is not None:
-            raise StopAsyncIteration
-        if not self._trusted:
-            answer, problem = answers.unary_answer(body, self.work.capability)
-            if answer is None:
-                self._refuse(problem)
-                raise StopAsyncIteration
-            self.answer = answer
-            if self._usage_refused:
-                self.outcome.completion_tokens = answers.completion_estimate(answer)
-        return body
-
-    def _refuse(self, problem: str) -> None:
-        """End the call with RuntimeFailed: the runtime's answer is not what the API promises.
-        Leaving the relay stream (at `aclose`) cancels the rest at the node."""
-        self._stream = None
-        self._pending.clear()
-        self._rest = b""
-        self._gateway._meter.invalid_answer(self.kind)
-        log.warning("request %s: the runtime's %s answer is unusable: %s", self.work.request_id, self.kind, problem)
-        if self.error is None:
-            self.error = RuntimeFailed(f"the runtime's answer is unusable ({problem})")
-            self.outcome.status = self.error.code
-
-    async def _next(self) -> bytes:
-        if self._pending:
-            return self._pending.pop()
-        stream = self._stream
-        if stream is None:
-            raise StopAsyncIteration
-        # The relay ends the stream itself (deadline_exceeded) when the node stays silent past the deadline.
-        chunk = await stream.receive_all()
-        if chunk is not None:
-            return chunk
-        self._finish_stream(stream.end, None)
-        raise StopAsyncIteration
-
-    async def read_all(self) -> bytes:
-        return b"".join([chunk async for chunk in self])
-
-    def _finish_stream(self, end: wire.EndHead | None, error: NexaError | None) -> None:
-        self._stream = None
-        if end is not None:
-            self._take_usage(end)
-            if end.status is not wire.EndStatus.OK:
-                error = _end_error(end)
-        if error is not None:
-            self.error = error
-            self.outcome.status = error.code
-
-    def _take_usage(self, end: wire.EndHead) -> None:
-        """The node's token counts, checked again where they enter the controller (whatever the wire
-        contract let through). A count that is not a whole number in 0..2^31 is never used: it is
-        counted (`nexa_usage_records_refused_total{reason="tokens_out_of_range"}`), logged by
-        request id, and replaced by the controller's own estimate: about four characters a token of
-        the prompt; for the completion, the streamed events (one a token, at `aclose`), or the
-        unary answer's own `usage` (checked) or four characters a token of its text."""
-        prompt, completion = end.prompt_tokens, end.completion_tokens
-        refused = []
-        if prompt is not None:
-            if token_count_ok(prompt):
-                self.outcome.prompt_tokens = prompt
-            else:
-                refused.append("prompt_tokens")
-                self.outcome.prompt_tokens = _prompt_estimate(self.work)
-        if completion is not None:
-            if token_count_ok(completion):
-                self.outcome.completion_tokens = completion
-            else:
-                refused.append("completion_tokens")
-                self._usage_refused = True
-                self.outcome.completion_tokens = 0
-        for name in refused:
-            self._gateway._meter.refused(REFUSED_TOKENS)
-            log.warning(
-                "request %s: node %s reported %s out of range; metered with the controller's estimate",
-                self.work.request_id,
-                self.outcome.node_id,
-                name,
-            )
-
-    async def aclose(self) -> None:
-        """Release everything and meter the call. Safe to call twice, and from a cancelled task."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._stream is not None and self._done_seen:
-            # The client had the whole answer and went away before the node's `end` (it often
-            # closes right after `[DONE]`): wait briefly for the end, which carries the usage.
-            stream, self._stream = self._stream, None
-            with trio.CancelScope(shield=True), trio.move_on_after(_TAIL_S):
-                while await stream.receive() is not None:
-                    pass
-            if stream.end is not None:
-                self._finish_stream(stream.end, None)
-        if self._stream is not None:
-            # Left before the end: the client went away or the caller gave up. The relay cancels.
-            self._stream = None
-            if self.outcome.status == "ok":
-                self.outcome.status = Cancelled.code
-        with trio.CancelScope(shield=True):
-            await self._stack.aclose()
-        if self.outcome.completion_tokens == 0 and self._events:
-            # No usage came back (the node was lost, or the client left): count what was streamed,
-            # one token per event, as the runtime's own streams send them.
-            self.outcome.completion_tokens = self._events
-        self._gateway._settle(self, self._ticket)
+    async def _end(self) -> None:
+        """Make the outcome, then release what the pipeline holds; its last step records the usage."""
+        if self._answer is not None:
+            await self._answer.conclude()
+        self.outcome = self._progress.end()
+        await release(self._stack, self.work.request_id)
 
 
 class Gateway:
@@ -376,30 +169,19 @@ class Gateway:
     def trio_deadline(self, work: Work) -> float:
         return trio.current_time() + (work.deadline_at - time.time())
 
-    async def call(self, work: Work, *, admitted: Callable[[], Awaitable[None]] | None = None) -> Call:
-        """Admit and start `work`; returns once a replica produced its first output (or ended).
+    def call(self, work: Work, *, admitted: Callable[[], Awaitable[None]] | None = None) -> Call:
+        """`async with gateway.call(work) as answer:` admits and starts `work`; entering returns
+        once a replica produced its first output (or ended), with the `Answer` to read.
 
-        Raises before any output: ModelNotServed, NoReadyReplica (NoReplicaForDataClass),
+        Entering raises before any output: ModelNotServed, NoReadyReplica (NoReplicaForDataClass),
         QuotaExceeded, QueueFull, DeadlineExceeded, RuntimeFailed (every attempt failed before
-        its first byte), RuntimeRejected (the runtime refused the request itself). `admitted`,
-        when given, is awaited once the request holds its admission slot, before it is routed
-        (what must be durable about an admitted request is written there, and only there: a
-        request refused before admission costs no store write). The caller must `aclose()` the
-        Call it gets, and on an exception nothing is left to release (usage is still recorded).
+        its first byte), RuntimeRejected (the runtime refused the request itself); nothing is left
+        to release then, and the usage is still recorded. `admitted`, when given, is awaited once
+        the request holds its admission slot, before it is routed (what must be durable about an
+        admitted request is written there, and only there: a request refused before admission
+        costs no store write). `Call.outcome` tells what happened, once the block is left.
         """
-        started = trio.current_time()
-        outcome = Outcome()
-        call = Call(self, work, outcome, started)
-        try:
-            await self._start(call, admitted)
-        except BaseException as exc:
-            if isinstance(exc, NexaError):
-                outcome.status = exc.code
-            elif isinstance(exc, trio.Cancelled):
-                outcome.status = Cancelled.code
-            await call.aclose()
-            raise
-        return call
+        return Call(self, work, admitted)
 
     # ---- the pipeline ------------------------------------------------------------------------------
 
@@ -414,14 +196,23 @@ class Gateway:
             raise ModelNotServed(f"no model or alias {name!r} is served here") from None
         return name, ModelRef(model=record.name, version=record.version)
 
-    async def _start(self, call: Call, admitted: Callable[[], Awaitable[None]] | None) -> None:
-        work, outcome = call.work, call.outcome
-        outcome.alias, ref = self._resolve(work.model)
-        outcome.model = ref
-        serving = self._deployments.serving(ref, alias=outcome.alias or None)
+    async def _enter(
+        self,
+        stack: contextlib.AsyncExitStack,
+        progress: Progress,
+        admitted: Callable[[], Awaitable[None]] | None,
+    ) -> Answer:
+        """The pipeline, each step holding what it took on `stack` (the call's): closed in reverse,
+        the relay stream and replica go first, then the admission slot, the quota ticket (settled
+        with the tokens of the outcome), and last the usage record of the outcome."""
+        work = progress.work
+        stack.callback(self._record, progress)
+        progress.alias, ref = self._resolve(work.model)
+        progress.model = ref
+        serving = self._deployments.serving(ref, alias=progress.alias or None)
         if not serving.deployments:
             raise ModelNotServed(f"{work.model!r} has no deployment")
-        model_key = outcome.alias or ref.key
+        model_key = progress.alias or ref.key
         self._admission.set_capacity(model_key, len(serving.replicas) * self._cfg.max_inflight_per_replica)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
@@ -429,23 +220,25 @@ class Gateway:
         if time.time() >= work.deadline_at:
             raise DeadlineExceeded("the request's deadline has already passed")
         reserve = token_reservation(work.capability, work.body, default_completion=self._cfg.reserve_completion_tokens)
-        call._ticket = self._quotas.admit(work.tenant, time.time(), reserve_tokens=reserve)
-        queued_s = await call._stack.enter_async_context(
+        ticket = self._quotas.admit(work.tenant, time.time(), reserve_tokens=reserve)
+        stack.callback(self._settle_quota, ticket, progress)
+        queued_s = await stack.enter_async_context(
             self._admission.slot(model_key, work.tenant, work.priority, self.trio_deadline(work))
         )
-        outcome.queue_ms = queued_s * 1000.0
+        progress.queue_ms = queued_s * 1000.0
         if queued_s:
             # Replicas may have come or gone while it waited: route by the fleet as it is now.
-            serving = self._deployments.serving(ref, alias=outcome.alias or None)
+            serving = self._deployments.serving(ref, alias=progress.alias or None)
             if not serving.replicas:
                 raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
             serving = self._for_data_class(work, serving)
         if admitted is not None:
             await admitted()
         if work.capability is Capability.EMBEDDING and (inputs := _batchable_inputs(work.body)) is not None:
-            await self._embed_batched(call, serving, inputs)
-            return
-        await self._open(call, serving, _encode(work, serving))
+            return await self._embed_batched(progress, serving, inputs)
+        replica, stream, first = await self._open(progress, serving, _encode(work, serving))
+        stack.push_async_exit(replica)
+        return self._answer(progress, stream, first, kind=STREAM if work.stream else UNARY)
 
     def _for_data_class(self, work: Work, serving: ServingSet) -> ServingSet:
         """The replicas allowed the request's data class; NoReplicaForDataClass when none is."""
@@ -459,9 +252,12 @@ class Gateway:
             )
         return allowed
 
-    async def _open(self, call: Call, serving: ServingSet, body: bytes) -> None:
-        """Try replicas until one produces a first chunk (or ends cleanly); keep its stream open in the call."""
-        work, outcome = call.work, call.outcome
+    async def _open(
+        self, progress: Progress, serving: ServingSet, body: bytes
+    ) -> tuple[contextlib.AsyncExitStack, RelayStream, bytes | None]:
+        """Try replicas until one produces a first chunk (or ends cleanly): the stack holding its
+        replica and relay stream, the stream, and its first chunk (None: it ended without output)."""
+        work = progress.work
         tried: set[str] = set()
         last: NexaError | None = None
         for attempt in range(1 + self._cfg.retries):
@@ -469,7 +265,7 @@ class Gateway:
             if replica is None:
                 break
             tried.add(replica.replica_id)
-            outcome.attempts = attempt + 1
+            progress.attempts = attempt + 1
             stream_id = _new_stream_id(work, replica, attempt)
             head = wire.InferHead(
                 assignment_id=replica.replica_id,
@@ -478,7 +274,7 @@ class Gateway:
                 deadline_at=work.deadline_at,
                 window=self._cfg.stream_window_chunks,
                 strip_usage_chunk=work.stream and not work.include_usage,
-                prompt_tokens_estimate=_prompt_estimate(work),
+                prompt_tokens_estimate=prompt_estimate(work),
             )
             stack = contextlib.AsyncExitStack()
             attempt_started = trio.current_time()
@@ -489,19 +285,16 @@ class Gateway:
                 first = await self._first(stream)
             except ChannelError:
                 # No route to the node right now: nothing was sent; try another replica.
-                with trio.CancelScope(shield=True):
-                    await stack.aclose()
+                await release(stack, work.request_id)
                 last = RuntimeFailed("the node serving the replica is not connected")
                 continue
             except BaseException:
-                with trio.CancelScope(shield=True):
-                    await stack.aclose()
+                await release(stack, work.request_id)
                 raise
             end = stream.end
             if first is None and end is not None and end.status is not wire.EndStatus.OK:
-                with trio.CancelScope(shield=True):
-                    await stack.aclose()
-                error = _end_error(end)
+                await release(stack, work.request_id)
+                error = end_error(end)
                 self._meter.attempt_failed(
                     replica.deployment,
                     canary=replica.canary,
@@ -514,64 +307,39 @@ class Gateway:
                     continue
                 raise error
             # Committed to this replica.
-            outcome.deployment, outcome.node_id, outcome.canary = replica.deployment, replica.node_id, replica.canary
-            outcome.model = replica.model
-            call._replica = replica
-            call._stack.push_async_exit(stack)
-            if first is not None:
-                outcome.ttft_ms = (trio.current_time() - call._started) * 1000.0
-                call._pending.append(first)
-                call._stream = stream
-            elif end is not None:
-                call._take_usage(end)
-            return
+            progress.served_by(replica.deployment, replica.node_id, canary=replica.canary, model=replica.model)
+            return stack, stream, first
         raise last or NoReadyReplica(f"no Ready replica of {work.model!r} is left to try")
+
+    def _answer(self, progress: Progress, stream: RelayStream, first: bytes | None, *, kind: str) -> Answer:
+        """The answer of a replica's stream: its first chunk and the rest to come, or the usage of
+        a stream that ended without output."""
+        answer = Answer(progress, self._meter, kind=kind, stream=stream, first=first)
+        if first is not None:
+            progress.first_output()
+        elif stream.end is not None:
+            answer.take_usage(stream.end)
+        return answer
 
     @staticmethod
     async def _first(stream: RelayStream) -> bytes | None:
         # Bounded by the relay: past the deadline it ends the stream with deadline_exceeded.
         return await stream.receive_all()
 
-    def _settle(self, call: Call, ticket: QuotaTicket | None) -> None:
-        """Quota, metering and the outcome's timings, once per call (from `Call.aclose`)."""
-        outcome, work = call.outcome, call.work
-        now = time.time()
-        outcome.finished_at = now
-        outcome.duration_ms = (trio.current_time() - call._started) * 1000.0
-        if ticket is not None:
-            self._quotas.finish(ticket, outcome.prompt_tokens + outcome.completion_tokens, now)
-        ref = outcome.model
-        self._meter.record(
-            UsageRecord(
-                request_id=work.request_id,
-                workload_id=work.workload_id,
-                api=work.api,
-                tenant=work.tenant,
-                key_id=work.key_id,
-                capability=work.capability,
-                # A name that never resolved is the client's free text: not stored (a marker instead).
-                alias=outcome.alias if ref else UNRESOLVED_MODEL,
-                model=ref.model if ref else "",
-                model_version=ref.version if ref else "",
-                deployment=outcome.deployment,
-                node_id=outcome.node_id,
-                status=outcome.status,
-                prompt_tokens=outcome.prompt_tokens,
-                completion_tokens=outcome.completion_tokens,
-                queue_ms=outcome.queue_ms,
-                ttft_ms=outcome.ttft_ms,
-                duration_ms=outcome.duration_ms,
-                finished_at=now,
-                canary=outcome.canary,
-            )
-        )
+    def _settle_quota(self, ticket: QuotaTicket, progress: Progress) -> None:
+        outcome = _made(progress)
+        self._quotas.finish(ticket, outcome.total_tokens, outcome.finished_at)
+
+    def _record(self, progress: Progress) -> None:
+        """The usage record of the call's outcome: the last step out of every call, once."""
+        self._meter.record(UsageRecord.from_outcome(_made(progress)))
 
     # ---- embedding batches -------------------------------------------------------------------------
 
-    async def _embed_batched(self, call: Call, serving: ServingSet, inputs: list[str]) -> None:
-        work = call.work
+    async def _embed_batched(self, progress: Progress, serving: ServingSet, inputs: list[str]) -> Answer:
+        work = progress.work
         params = {k: v for k, v in work.body.items() if k != "input"}
-        key = (call.outcome.alias or serving.model.key, json.dumps(params, sort_keys=True))
+        key = (progress.alias or serving.model.key, json.dumps(params, sort_keys=True))
         item = _Item(inputs=inputs, deadline=self.trio_deadline(work))
         batch = self._batches.get(key)
         if batch is None or batch.closed or batch.size + len(inputs) > self._cfg.embedding_max_batch:
@@ -588,13 +356,11 @@ class Gateway:
             raise
         if item.error is not None:
             raise item.error
-        outcome = call.outcome
-        outcome.deployment, outcome.node_id, outcome.canary = item.deployment, item.node_id, item.canary
-        outcome.model = item.model or outcome.model
-        outcome.prompt_tokens = item.prompt_tokens
-        outcome.ttft_ms = (trio.current_time() - call._started) * 1000.0
-        call._trusted = True  # the slice was made here from a batch answer that was checked
-        call._pending.append(item.body)
+        progress.served_by(item.deployment, item.node_id, canary=item.canary, model=item.model)
+        progress.prompt_tokens = item.prompt_tokens
+        progress.first_output()
+        # The slice was made here from a batch answer that was checked.
+        return Answer(progress, self._meter, kind=UNARY, trusted_body=item.body)
 
     def _spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         if self._nursery is None:
@@ -615,16 +381,17 @@ class Gateway:
         work = attrs.evolve(
             batch.work, body={**batch.params, "input": all_inputs}, stream=False, deadline_at=deadline_at
         )
-        inner = Call(self, work, Outcome(), trio.current_time())
-        inner.kind = BATCH
+        progress = Progress(work=work, started=trio.current_time())
         error: NexaError | None = None
+        replica: contextlib.AsyncExitStack | None = None
         try:
-            await self._open(inner, batch.serving, _encode(work, batch.serving))
-            await inner.read_all()  # checks the answer's shape: `inner.answer`, or `inner.error`
-            if inner.error is not None:
-                error = inner.error
-            elif inner.answer is not None:
-                _split_embeddings(inner.answer, live, inner.outcome)
+            replica, stream, first = await self._open(progress, batch.serving, _encode(work, batch.serving))
+            answer = self._answer(progress, stream, first, kind=BATCH)
+            await answer.read_all()  # checks the answer's shape: `answer.answer`, or `answer.error`
+            if answer.error is not None:
+                error = answer.error
+            elif answer.answer is not None:
+                _split_embeddings(answer.answer, live, progress)
         except NexaError as exc:
             error = exc
         except Exception as exc:
@@ -634,8 +401,8 @@ class Gateway:
             log.error("an embedding batch of %d inputs failed: %s", len(all_inputs), type(exc).__name__)  # noqa: TRY400
             error = RuntimeFailed("the embedding batch failed")
         finally:
-            with trio.CancelScope(shield=True):
-                await inner._stack.aclose()
+            if replica is not None:
+                await release(replica, work.request_id)
             for i in live:
                 if error is not None:
                     i.error = error
@@ -674,7 +441,7 @@ class _Batch:
         self.size += len(item.inputs)
 
 
-def _split_embeddings(answer: dict[str, Any], items: list[_Item], outcome: Outcome) -> None:
+def _split_embeddings(answer: dict[str, Any], items: list[_Item], progress: Progress) -> None:
     """Give each item its slice of the runtime's `data`, re-indexed from 0, and its share of usage.
 
     `answer` passed `answers.unary_answer` (an object, `data` a list of embedding objects, `usage` sane);
@@ -702,8 +469,8 @@ def _split_embeddings(answer: dict[str, Any], items: list[_Item], outcome: Outco
         body = dict(answer, data=mine, usage={"prompt_tokens": share, "total_tokens": share})
         item.body = json.dumps(body, separators=(",", ":")).encode()
         item.prompt_tokens = share
-        item.deployment, item.node_id, item.canary = outcome.deployment, outcome.node_id, outcome.canary
-        item.model = outcome.model
+        item.deployment, item.node_id, item.canary = progress.deployment, progress.node_id, progress.canary
+        item.model = progress.model
 
 
 def _batchable_inputs(body: dict[str, Any]) -> list[str] | None:
@@ -765,31 +532,8 @@ def _prefix(work: Work, cfg: GatewayConfig) -> str | None:
     return "\x00".join(parts)[: cfg.affinity_prefix_chars] or None
 
 
-def _prompt_estimate(work: Work) -> int:
-    """About one token per four characters of the prompt: what is reported for runtimes that send no
-    usage of their own (the usual rule of thumb for English text with BPE vocabularies)."""
-    if work.capability is Capability.COMPLETION:
-        prompt = work.body.get("prompt")
-        chars = len(prompt) if isinstance(prompt, str) else len(json.dumps(prompt))
-    elif work.capability is Capability.CHAT:
-        chars = 0
-        for message in work.body.get("messages") or []:
-            content = message.get("content") if isinstance(message, dict) else None
-            chars += len(content) if isinstance(content, str) else len(json.dumps(content))
-    else:
-        return 0
-    return max(1, chars // 4)
-
-
-def _end_error(end: wire.EndHead) -> NexaError:
-    """The typed error a failed `end` means for the client (the runtime's own message only for 4xx)."""
-    code = end.code or "runtime_error"
-    if code == "runtime_rejected":
-        return RuntimeRejected(end.message or f"the runtime refused the request (HTTP {end.http_status})")
-    if code == "deadline_exceeded":
-        return DeadlineExceeded("the request's deadline passed while the runtime worked on it")
-    if code == "cancelled":
-        return Cancelled("the request was cancelled")
-    if code == "node_lost":
-        return RuntimeFailed("the node serving the request stopped answering")
-    return RuntimeFailed(f"the runtime failed the request ({code})")
+def _made(progress: Progress) -> CallOutcome:
+    """The outcome of a call being left (made before its stack is closed)."""
+    if progress.outcome is None:
+        raise RuntimeError("the call's outcome is made before what it holds is released")
+    return progress.outcome

@@ -4,7 +4,8 @@ These sit in front of the quart management app (`InferenceApp(fallback)`): every
 to quart. Plain ASGI keeps the per-request cost of the hot path small and gives full control of
 streaming and of the client going away: while a request runs, one task waits for
 `http.disconnect` and cancels the work, and that cancellation travels through the relay to the
-runtime. Both APIs build one `gateway.Work` and run it through `Gateway.call`.
+runtime. Both APIs build one `calls.Work` and run it through `Gateway.call`; a workload's terminal
+state and receipt come from the call's outcome in `Workloads.end`.
 
 OpenAI routes answer errors in OpenAI's shape (`{"error": {"message", "type", "code"}}`) with the
 statuses of `control/http.py`, so the official SDKs raise their usual exceptions; the canonical
@@ -18,6 +19,7 @@ import logging
 import math
 import re
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Final, NoReturn
@@ -27,22 +29,19 @@ import trio
 
 from nexa import supervision
 from nexa.config import GatewayConfig
-from nexa.contracts import codec
+from nexa.contracts import codec, pages
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
 from nexa.contracts.domain import ApiKey, Role, TenantId
 from nexa.contracts.gateway import (
-    API_VERSION,
-    UNRESOLVED_MODEL,
     Api,
     Capability,
     OpenAIError,
     OpenAIErrorBody,
     Priority,
-    Receipt,
     Retention,
     SignedReceipt,
-    Usage,
     WorkloadCreate,
+    WorkloadList,
     WorkloadState,
     WorkloadView,
     body_problems,
@@ -51,10 +50,11 @@ from nexa.contracts.gateway import (
     workload_problems,
 )
 from nexa.contracts.node import data_class_problem
-from nexa.control.gateway import Call, Gateway, Work
+from nexa.control.calls import Work
+from nexa.control.gateway import Call, Gateway
 from nexa.control.http import CLIENT_CLOSED, bearer_key, new_request_id, status_for
 from nexa.control.registry import Actor, Registry
-from nexa.control.workloads import ActiveWorkload, Workloads, new_receipt_id
+from nexa.control.workloads import ActiveWorkload, Workloads
 from nexa.errors import (
     Cancelled,
     ContractError,
@@ -85,6 +85,7 @@ INFERENCE_ROUTES: Final[dict[tuple[str, str], frozenset[Role]]] = {
     ("POST", "/v1/completions"): frozenset({_I}),
     ("POST", "/v1/embeddings"): frozenset({_I}),
     ("POST", "/api/v1/workloads"): frozenset({_I}),
+    ("GET", "/api/v1/workloads"): frozenset({_I}),
     ("GET", "/api/v1/workloads/<workload_id>"): frozenset({_I}),
     ("POST", "/api/v1/workloads/<workload_id>/cancel"): frozenset({_I}),
     ("GET", "/api/v1/workloads/<workload_id>/receipt"): frozenset({_I}),
@@ -194,22 +195,19 @@ class InferenceApp:
             deadline_at=self._deadline(x.header(DEADLINE_HEADER)),
             data_class=_data_class(x.header(DATA_CLASS_HEADER)),
         )
-        call = await self._gateway.call(work)
-        try:
+        async with self._gateway.call(work) as answer:
             if not stream:
-                answer = await call.read_all()
-                if call.error is not None:
-                    raise call.error
-                return await x.raw(200, answer, b"application/json")
+                body_out = await answer.read_all()
+                if answer.error is not None:
+                    raise answer.error
+                return await x.raw(200, body_out, b"application/json")
             await x.start_stream(200)
-            async for chunk in call:
+            async for chunk in answer:
                 await x.chunk(chunk)
-            if call.error is not None:
-                await x.chunk(_sse_data(_openai_error(call.error, x.rid)))
+            if answer.error is not None:
+                await x.chunk(_sse_data(_openai_error(answer.error, x.rid)))
             await x.chunk(b"", more=False)
             return 200
-        finally:
-            await call.aclose()
 
     async def submit(self, x: _Exchange) -> int:
         # Parsed strictly first (no NaN, bounded nesting), then structured: what the codec refuses is a 400.
@@ -228,7 +226,7 @@ class InferenceApp:
         # Reads only: a refusal from here to admission writes nothing to the store.
         stored = await self._workloads.lookup(x.tenant, req.idempotency_key, digest)
         if stored is not None:
-            return await x.json(200, codec.api.unstructure(_view_from_receipt(stored, req)))
+            return await x.json(200, codec.api.unstructure(_view(stored, req)))
         now = time.time()
         deadline_at = self._deadline(None) if req.deadline_at is None else req.deadline_at
         if deadline_at > now + self._cfg.max_deadline_s:
@@ -254,7 +252,7 @@ class InferenceApp:
             data_class=req.data_class,
         )
         run = await self._run(x, active, work)
-        view = _view_from_receipt(run.receipt, req)
+        view = _view(run.receipt, req)
         if run.streamed:
             if run.error is not None:
                 await x.chunk(_sse_event("error", codec.dumps(codec.api, _envelope(run.error, x.rid)).encode()))
@@ -267,21 +265,22 @@ class InferenceApp:
 
     async def _run(self, x: _Exchange, active: ActiveWorkload, work: Work) -> _Run:
         """Run a workload under its cancel scope (`POST …/cancel`); its receipt is written whatever happens."""
-        call: Call | None = None
         run = _Run()
+        call: Call | None = None
         try:
+            # The workload is written to the store once admitted, not before (see Workloads.record).
+            call = self._gateway.call(work, admitted=partial(self._workloads.record, active))
             with active.scope:
-                # The workload is written to the store once admitted, not before (see Workloads.record).
-                call = await self._gateway.call(work, admitted=partial(self._workloads.record, active))
-                active.set_state(WorkloadState.STREAMING if work.stream else WorkloadState.RUNNING)
-                if work.stream:
-                    await x.start_stream(200)
-                    run.streamed = True
-                    async for chunk in call:
-                        await x.chunk(chunk)
-                else:
-                    run.output = await call.read_all()
-                run.error = call.error
+                async with call as answer:
+                    active.set_state(WorkloadState.STREAMING if work.stream else WorkloadState.RUNNING)
+                    if work.stream:
+                        await x.start_stream(200)
+                        run.streamed = True
+                        async for chunk in answer:
+                            await x.chunk(chunk)
+                    else:
+                        run.output = await answer.read_all()
+                    run.error = answer.error
             if active.scope.cancelled_caught:
                 run.error = Cancelled("the workload was cancelled")
         except NexaError as exc:
@@ -290,49 +289,19 @@ class InferenceApp:
             run.error = Cancelled("the client went away")
             raise
         finally:
-            if call is not None:
-                await call.aclose()
-            run.receipt = await self._finish(active, call, work, run.error)
+            # Runs even when the client went away: the store write is shielded (bounded) there.
+            run.receipt = await self._workloads.end(active, call.outcome if call is not None else None, run.error)
         return run
 
-    async def _finish(
-        self, active: ActiveWorkload, call: Call | None, work: Work, error: NexaError | None
-    ) -> SignedReceipt:
-        """Sign and store the workload's receipt; runs even when the client went away."""
-        outcome = call.outcome if call is not None else None
-        if error is None:
-            state = WorkloadState.SUCCEEDED
-        elif isinstance(error, Cancelled):
-            state = WorkloadState.CANCELLED
-        else:
-            state = WorkloadState.FAILED
-        model = outcome.model if outcome is not None else None
-        receipt = Receipt(
-            receipt_id=new_receipt_id(),
-            workload_id=active.workload_id,
-            idempotency_key_sha256=active.idempotency_key_sha256,
-            tenant=work.tenant,
-            key_id=work.key_id,
-            capability=work.capability,
-            alias=outcome.alias if outcome is not None else "",
-            model=model.model if model is not None else UNRESOLVED_MODEL,
-            model_version=model.version if model is not None else "",
-            deployment=outcome.deployment if outcome is not None else "",
-            node_id=outcome.node_id if outcome is not None else "",
-            state=state,
-            error=None if error is None else error.code,
-            prompt_tokens=outcome.prompt_tokens if outcome is not None else 0,
-            completion_tokens=outcome.completion_tokens if outcome is not None else 0,
-            queue_ms=outcome.queue_ms if outcome is not None else 0.0,
-            ttft_ms=outcome.ttft_ms if outcome is not None else None,
-            duration_ms=outcome.duration_ms if outcome is not None else 0.0,
-            accepted_at=active.accepted_at,
-            finished_at=time.time(),
-            controller_epoch=self._epoch,
+    async def list_workloads(self, x: _Exchange) -> int:
+        """A page of the caller's tenant's workloads (`contracts.pages`), oldest accepted first."""
+        after, limit = pages.from_query("workloads", (float, str), x.query("cursor"), x.query("limit"))
+        views = await self._workloads.page(
+            x.tenant, None if after is None else (float(after[0]), str(after[1])), limit + 1
         )
-        with trio.CancelScope(shield=True):
-            signed = await self._workloads.finish(active, receipt)
-        return signed
+        views, last = pages.cut(views, limit, lambda v: (v.accepted_at, v.workload_id))
+        next_cursor = None if last is None else pages.encode_cursor("workloads", last)
+        return await x.json(200, codec.api.unstructure(WorkloadList(workloads=views, next_cursor=next_cursor)))
 
     async def status(self, x: _Exchange, workload_id: str) -> int:
         return await x.json(200, codec.api.unstructure(await self._workloads.status(x.tenant, workload_id)))
@@ -379,6 +348,12 @@ class _Exchange:
 
     def header(self, name: str) -> str | None:
         return self._headers.get(name)
+
+    def query(self, name: str) -> str | None:
+        """The first value of query parameter `name` (percent-decoded), or None when it is left out."""
+        raw = self._scope.get("query_string", b"").decode("latin-1")
+        values = urllib.parse.parse_qs(raw, keep_blank_values=True).get(name)
+        return values[0] if values else None
 
     async def run(self) -> None:
         request_id.set(self.rid)
@@ -468,7 +443,7 @@ class _Exchange:
         if rule in _CAPABILITY_BY_PATH:
             return await app.openai(self, _CAPABILITY_BY_PATH[rule])
         if rule == "/api/v1/workloads":
-            return await app.submit(self)
+            return await (app.submit(self) if method == "POST" else app.list_workloads(self))
         workload_id = self._scope["path"].split("/")[4]
         if rule.endswith("/cancel"):
             return await app.cancel(self, workload_id)
@@ -639,20 +614,8 @@ def _sse_event(event: str, data: bytes) -> bytes:
     return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
 
 
-def _view_from_receipt(signed: SignedReceipt, req: WorkloadCreate) -> WorkloadView:
-    r = signed.receipt
-    return WorkloadView(
-        version=API_VERSION,
-        workload_id=r.workload_id,
-        state=r.state,
-        model=req.model,
-        priority=req.admission_priority,
-        accepted_at=r.accepted_at,
-        finished_at=r.finished_at,
-        error=r.error,
-        usage=Usage(prompt_tokens=r.prompt_tokens, completion_tokens=r.completion_tokens),
-        receipt=signed,
-    )
+def _view(signed: SignedReceipt, req: WorkloadCreate) -> WorkloadView:
+    return WorkloadView.from_receipt(signed, model=req.model, priority=req.admission_priority)
 
 
 def _with_output(view: WorkloadView, output: object) -> WorkloadView:

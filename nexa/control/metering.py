@@ -17,8 +17,10 @@ version that served it, or the alias the client asked for when it never resolved
 
 from __future__ import annotations
 
+import bisect
 import csv
 import io
+import itertools
 import logging
 import math
 import time
@@ -33,11 +35,13 @@ from nexa.contracts.bounds import MAX_TOKENS
 from nexa.contracts.gateway import UsageRecord, UsageReport, WindowStats
 from nexa.control import store as st
 from nexa.errors import NexaError
-from nexa.telemetry import Metrics
+from nexa.telemetry import INFERENCE_BUCKETS, Metrics
 
 log = logging.getLogger(__name__)
 
-#: How long a clean shutdown may spend writing the last batch.
+#: How long a clean shutdown may spend writing the last batch, shielded from the cancellation that
+#: stops the controller: one transaction of at most a flush window's records, which takes well
+#: under a second; 10 s still lets a store briefly busy finish, and bounds one that hangs.
 SHUTDOWN_FLUSH_TIMEOUT_S: Final = 10.0
 #: Records kept in memory while the store cannot take them; beyond it the oldest are dropped (and logged).
 MAX_PENDING: Final = 200_000
@@ -58,6 +62,8 @@ REFUSED_TIMING: Final = "timing_invalid"
 REFUSED_BACKLOG: Final = "backlog_full"
 #: A runtime's usage object that is not an object of whole counts (the gateway fails the call).
 REFUSED_USAGE_SHAPE: Final = "usage_malformed"
+#: Upper bounds (seconds) of `MeterStatistics`' latency buckets: the request histograms' own, +Inf last.
+LATENCY_BOUNDS_S: Final = (*INFERENCE_BUCKETS, math.inf)
 
 
 def token_count_ok(value: object) -> bool:
@@ -88,6 +94,21 @@ class _Finished:
     duration_ms: float
 
 
+@attrs.frozen(kw_only=True)
+class MeterStatistics:
+    """Requests finished since the controller started, all models and tenants together."""
+
+    requests: int
+    #: Of those, the ones whose status is not `ok`.
+    errors: int
+    #: Upper bounds (seconds) of the latency buckets, ascending, +Inf last (`LATENCY_BOUNDS_S`).
+    bounds_s: tuple[float, ...]
+    #: Requests finished within each bound (cumulative), from acceptance to the last byte.
+    duration: tuple[int, ...]
+    #: The same to the first output byte, of the requests that produced one.
+    ttft: tuple[int, ...]
+
+
 class Meter:
     """Usage records: metrics and windows at once, the store in batches."""
 
@@ -98,6 +119,10 @@ class Meter:
         self._pending: list[UsageRecord] = []
         self._windows: dict[str, deque[_Finished]] = {}
         self._dropped = 0
+        self._requests = 0
+        self._errors = 0
+        self._duration = [0] * len(LATENCY_BOUNDS_S)
+        self._ttft = [0] * len(LATENCY_BOUNDS_S)
 
     # ---- the hot path --------------------------------------------------------------------------
 
@@ -177,6 +202,11 @@ class Meter:
         m.gateway_request_seconds.labels(model).observe(rec.duration_ms / 1000)
         if rec.ttft_ms is not None:
             m.gateway_ttft_seconds.labels(model).observe(rec.ttft_ms / 1000)
+        self._requests += 1
+        self._errors += rec.status != "ok"
+        self._duration[bisect.bisect_left(LATENCY_BOUNDS_S, rec.duration_ms / 1000)] += 1
+        if rec.ttft_ms is not None:
+            self._ttft[bisect.bisect_left(LATENCY_BOUNDS_S, rec.ttft_ms / 1000)] += 1
         if rec.deployment:
             self._observe(rec.deployment, _Finished(rec.finished_at, rec.canary, rec.status != "ok", rec.duration_ms))
 
@@ -208,9 +238,10 @@ class Meter:
                     next_prune = trio.current_time() + PRUNE_INTERVAL_S
                     await self._prune()
         finally:
-            with trio.CancelScope(shield=True) as final:
-                final.deadline = trio.current_time() + SHUTDOWN_FLUSH_TIMEOUT_S
+            with trio.move_on_after(SHUTDOWN_FLUSH_TIMEOUT_S, shield=True) as final:
                 await self._flush_logged()
+            if final.cancelled_caught:
+                log.error("the last usage flush took over %.0f s and was cut short", SHUTDOWN_FLUSH_TIMEOUT_S)
             if self._pending:
                 log.error("shutting down with %d usage records not written", len(self._pending))
 
@@ -248,12 +279,29 @@ class Meter:
 
     # ---- reading -------------------------------------------------------------------------------
 
+    def statistics(self) -> MeterStatistics:
+        return MeterStatistics(
+            requests=self._requests,
+            errors=self._errors,
+            bounds_s=LATENCY_BOUNDS_S,
+            duration=tuple(itertools.accumulate(self._duration)),
+            ttft=tuple(itertools.accumulate(self._ttft)),
+        )
+
     async def usage(
-        self, *, since: float, until: float, tenant: str | None = None, model: str | None = None
+        self,
+        *,
+        since: float,
+        until: float,
+        tenant: str | None = None,
+        model: str | None = None,
+        after: st.UsageKey | None = None,
+        limit: int | None = None,
     ) -> UsageReport:
-        """Usage in [since, until) by tenant, model (`name:version`) and UTC day; flushes first."""
+        """Usage in [since, until) by tenant, model (`name:version`) and UTC day; flushes first.
+        `after`/`limit`: at most `limit` groups after that (day, tenant, model) one; all by default."""
         await self.flush()
-        rows = await self._store.run(st.usage_report, since, until, tenant, model)
+        rows = await self._store.run(st.usage_report, since, until, tenant, model, after, limit)
         return UsageReport(since=since, until=until, rows=rows)
 
     @staticmethod

@@ -14,18 +14,13 @@ error codes, which the source publishes anyway, and no state; it is built once a
 
 from __future__ import annotations
 
-import enum
-import inspect
 import json
-import types
-import typing
-from collections.abc import Mapping
 from typing import Any, Final, Literal
 
 import attrs
 
 from nexa import __version__
-from nexa.contracts import codec
+from nexa.contracts import pages
 from nexa.contracts.api import (
     AuditPage,
     AuditVerdict,
@@ -42,6 +37,7 @@ from nexa.contracts.api import (
     KeyView,
     NodeList,
     NodeView,
+    ReceiptPublicKey,
     SignedAuditCheckpoint,
     TenantCreate,
     TenantList,
@@ -70,8 +66,10 @@ from nexa.contracts.gateway import (
     SignedReceipt,
     UsageReport,
     WorkloadCreate,
+    WorkloadList,
     WorkloadView,
 )
+from nexa.contracts.jsonschema import JsonSchemas
 from nexa.contracts.models import (
     AliasDetail,
     AliasList,
@@ -145,6 +143,7 @@ class _Param:
     schema: Any
     where: Literal["query", "header"] = "query"
     description: str = ""
+    deprecated: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -169,12 +168,6 @@ class _Op:
 
 _EMPTY: Final[Json] = {"type": "object", "maxProperties": 0, "description": "no body, or an empty object"}
 _ANY_OBJECT: Final[Json] = {"type": "object"}
-_PUBLIC_KEY: Final[Json] = {
-    "type": "object",
-    "properties": {"public_key": {"type": "string", "description": "Ed25519 public key, base64"}},
-    "required": ["public_key"],
-    "additionalProperties": False,
-}
 _OPENAI_MODELS: Final[Json] = {
     "type": "object",
     "properties": {
@@ -222,9 +215,27 @@ _COMPLETION_BODY: Final = _openai_body("prompt", {"type": ["string", "array"]}, 
 _EMBEDDING_BODY: Final = _openai_body("input", {"type": ["string", "array"]}, generates=False)
 
 _UNIX_S: Final[Json] = {"type": "number", "description": "Unix seconds"}
+#: Every list route that can grow pages the same way (`contracts.pages`); the answer's `next_cursor`.
+_PAGE_QUERY: Final = (
+    _Param(
+        name="cursor",
+        schema={"type": "string", "minLength": 1, "maxLength": pages.MAX_CURSOR_CHARS},
+        description="opaque: the next_cursor of the previous page; left out for the first page",
+    ),
+    _Param(
+        name="limit",
+        schema={"type": "integer", "minimum": 1, "maximum": pages.MAX_LIMIT, "default": pages.DEFAULT_LIMIT},
+        description="items per page",
+    ),
+)
 _AUDIT_QUERY: Final = (
-    _Param(name="limit", schema={"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}),
-    _Param(name="after", schema={"type": "integer", "minimum": 0, "maximum": 2**62}, description="a cursor: seq"),
+    *_PAGE_QUERY,
+    _Param(
+        name="after",
+        schema={"type": "integer", "minimum": 0, "maximum": 2**62},
+        description="deprecated (send cursor): the seq of the last event seen (a cursor is read too)",
+        deprecated=True,
+    ),
     _Param(name="action", schema=str),
     _Param(name="actor", schema=str, description="an API key id"),
     _Param(name="target", schema=str),
@@ -232,8 +243,9 @@ _AUDIT_QUERY: Final = (
     _Param(name="until", schema=_UNIX_S),
 )
 _USAGE_QUERY: Final = (
-    _Param(name="since", schema=_UNIX_S, description="default: 30 days before until"),
-    _Param(name="until", schema=_UNIX_S, description="default: now"),
+    *_PAGE_QUERY,
+    _Param(name="since", schema=_UNIX_S, description="default: 30 days before until (page with the answer's)"),
+    _Param(name="until", schema=_UNIX_S, description="default: now (page with the answer's)"),
     _Param(name="format", schema={"enum": ["json", "csv"], "default": "json"}),
     _Param(name="tenant", schema=str),
     _Param(name="model", schema=str),
@@ -280,7 +292,7 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         status=201,
         errors=(NotFound,),
     ),
-    ("GET", "/api/v1/keys"): _Op(summary="List API keys", tag="keys", answer=KeyList),
+    ("GET", "/api/v1/keys"): _Op(summary="List API keys", tag="keys", answer=KeyList, params=_PAGE_QUERY),
     ("DELETE", "/api/v1/keys/<key_id>"): _Op(
         summary="Revoke an API key", tag="keys", answer=KeyView, errors=(Conflict,)
     ),
@@ -293,7 +305,7 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         status=201,
         errors=(AlreadyExists,),
     ),
-    ("GET", "/api/v1/tenants"): _Op(summary="List tenants", tag="tenants", answer=TenantList),
+    ("GET", "/api/v1/tenants"): _Op(summary="List tenants", tag="tenants", answer=TenantList, params=_PAGE_QUERY),
     ("POST", "/api/v1/enrollment-tokens"): _Op(
         summary="Create a one-time node enrollment token",
         tag="nodes",
@@ -312,7 +324,7 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         errors=(AuthError,),
     ),
     # ---- nodes
-    ("GET", "/api/v1/nodes"): _Op(summary="List nodes", tag="nodes", answer=NodeList),
+    ("GET", "/api/v1/nodes"): _Op(summary="List nodes", tag="nodes", answer=NodeList, params=_PAGE_QUERY),
     ("GET", "/api/v1/nodes/<node_id>"): _Op(summary="Show a node", tag="nodes", answer=NodeView),
     ("POST", "/api/v1/nodes/<node_id>/cordon"): _Op(
         summary="Cordon a node", tag="nodes", answer=NodeView, errors=_NODE_ACTION
@@ -427,7 +439,9 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         status=201,
         errors=(AlreadyExists, NotDeployable),
     ),
-    ("GET", "/api/v1/deployments"): _Op(summary="List deployments", tag="deployments", answer=DeploymentList),
+    ("GET", "/api/v1/deployments"): _Op(
+        summary="List deployments", tag="deployments", answer=DeploymentList, params=_PAGE_QUERY
+    ),
     ("GET", "/api/v1/deployments/<name>"): _Op(summary="Show a deployment", tag="deployments", answer=DeploymentView),
     ("DELETE", "/api/v1/deployments/<name>"): _Op(
         summary="Delete a deployment", tag="deployments", answer=DeploymentView, errors=(Conflict,)
@@ -480,7 +494,7 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         summary="Set a tenant's quota", tag="usage", body=QuotaLimits, body_kind="required", answer=QuotaView
     ),
     ("GET", "/api/v1/receipts/public-key"): _Op(
-        summary="The key workload receipts are signed with", tag="usage", answer=_PUBLIC_KEY
+        summary="The key workload receipts are signed with", tag="usage", answer=ReceiptPublicKey
     ),
     # ---- inference
     ("GET", "/v1/models"): _Op(summary="Served models (OpenAI)", tag="openai", answer=_OPENAI_MODELS),
@@ -522,6 +536,9 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         also=(_SSE,),
         errors=(*_SERVING, IdempotencyKeyReused, RetentionUnavailable, WorkloadAlreadyActive, Cancelled),
     ),
+    ("GET", "/api/v1/workloads"): _Op(
+        summary="Your tenant's workloads, oldest first", tag="workloads", answer=WorkloadList, params=_PAGE_QUERY
+    ),
     ("GET", "/api/v1/workloads/<workload_id>"): _Op(summary="A workload's state", tag="workloads", answer=WorkloadView),
     ("POST", "/api/v1/workloads/<workload_id>/cancel"): _Op(
         summary="Cancel a workload", tag="workloads", answer=WorkloadView, status=202
@@ -544,7 +561,9 @@ def document() -> Json:
     stale = sorted(set(_OPERATIONS) - set(table))
     if missing or stale:
         raise LookupError(f"openapi: routes without a description {missing}; descriptions without a route {stale}")
-    schemas = _Schemas()
+    if unpaged := [route for route, op in _OPERATIONS.items() if not _paged_alike(op)]:
+        raise LookupError(f"openapi: answers a next_cursor without taking _PAGE_QUERY first, or the reverse: {unpaged}")
+    schemas = JsonSchemas()
     paths: Json = {}
     for (method, rule), roles in table.items():
         path = _path(rule)
@@ -573,6 +592,12 @@ def document() -> Json:
     }
 
 
+def _paged_alike(op: _Op) -> bool:
+    """Whether `op` answers a page (a `next_cursor`) exactly when it takes `_PAGE_QUERY` first."""
+    paged = attrs.has(op.answer) and "next_cursor" in attrs.fields_dict(op.answer)
+    return paged == (op.params[: len(_PAGE_QUERY)] == _PAGE_QUERY)
+
+
 def document_json() -> bytes:
     """`document()` as the bytes the route answers."""
     return json.dumps(document(), sort_keys=True, separators=(",", ":")).encode()
@@ -586,7 +611,7 @@ def _path_params(rule: str) -> list[str]:
     return [p[1:-1] for p in rule.split("/") if p.startswith("<")]
 
 
-def _operation(method: str, rule: str, roles: frozenset[Role] | None, op: _Op, schemas: _Schemas) -> Json:
+def _operation(method: str, rule: str, roles: frozenset[Role] | None, op: _Op, schemas: JsonSchemas) -> Json:
     openai = rule.startswith("/v1/")
     out: Json = {
         "operationId": _operation_id(method, rule),
@@ -603,6 +628,8 @@ def _operation(method: str, rule: str, roles: frozenset[Role] | None, op: _Op, s
         param: Json = {"name": p.name, "in": p.where, "required": False, "schema": schemas.of(p.schema)}
         if p.description:
             param["description"] = p.description
+        if p.deprecated:
+            param["deprecated"] = True
         params.append(param)
     params.append(
         {
@@ -661,109 +688,3 @@ def _error_codes(method: str, rule: str, roles: frozenset[Role] | None, op: _Op)
 
 def _status(cls: type[NexaError]) -> int:
     return next((STATUS[c] for c in cls.__mro__ if c in STATUS), 500)
-
-
-class _Schemas:
-    """Contract types → JSON Schema (2020-12, as OpenAPI 3.1 has it); classes and enums become
-    components, referred to by `$ref`."""
-
-    def __init__(self) -> None:
-        self.components: Json = {}
-        self._names: dict[type, str] = {}
-
-    def of(self, tp: Any) -> Json:  # noqa: PLR0911, PLR0912 -- one case per kind of annotation
-        if isinstance(tp, dict):
-            return tp  # a JSON Schema given as data
-        if tp is None or tp is type(None):
-            return {"type": "null"}
-        supertype = getattr(tp, "__supertype__", None)
-        if supertype is not None:  # a NewType id
-            return self.of(supertype)
-        origin = typing.get_origin(tp)
-        args = typing.get_args(tp)
-        if origin in {typing.Union, types.UnionType}:
-            return {"anyOf": [self.of(a) for a in args]}
-        if origin is Literal:
-            return {"enum": list(args)}
-        if origin in {list, tuple} and (origin is list or (len(args) == 2 and args[1] is Ellipsis)):
-            return {"type": "array", "items": self.of(args[0])}
-        if origin is tuple:
-            return {
-                "type": "array",
-                "prefixItems": [self.of(a) for a in args],
-                "minItems": len(args),
-                "maxItems": len(args),
-            }
-        if origin is dict:
-            return {"type": "object", "additionalProperties": self.of(args[1])}
-        if tp is bool:
-            return {"type": "boolean"}
-        if tp is int:
-            return {"type": "integer", "minimum": -codec.MAX_INT, "maximum": codec.MAX_INT}
-        if tp is float:
-            return {"type": "number"}
-        if tp is str:
-            return {"type": "string"}
-        if tp is object or tp is Any:
-            return {}
-        if inspect.isclass(tp) and issubclass(tp, enum.Enum):
-            return self._component(tp, lambda: {"type": "string", "enum": [m.value for m in tp]})
-        if inspect.isclass(tp) and attrs.has(tp):
-            return self._component(tp, lambda: self._object(tp))
-        raise TypeError(f"openapi: no JSON Schema for {tp!r}")
-
-    def _component(self, cls: type, build: typing.Callable[[], Json]) -> Json:
-        name = self._names.get(cls)
-        if name is None:
-            name = cls.__name__ if cls.__name__ not in self.components else f"{cls.__module__}.{cls.__name__}"
-            name = name.replace("nexa.contracts.", "").replace(".", "_")
-            self._names[cls] = name
-            self.components[name] = {}  # reserved first: a class may refer to itself
-            schema = build()
-            doc = inspect.getdoc(cls)
-            if doc and doc != inspect.getdoc(cls.__mro__[1]):
-                schema["description"] = doc.split("\n\n")[0].replace("\n", " ")
-            self.components[name] = schema
-        return {"$ref": f"#/components/schemas/{name}"}
-
-    def _object(self, cls: type) -> Json:
-        """An attrs class as the API codec reads and writes it: every field a key (renamed by
-        `JSON_NAMES`), fields without a default required, no other key allowed."""
-        hints = typing.get_type_hints(cls)
-        renamed: Mapping[str, str] = getattr(cls, "JSON_NAMES", None) or {}
-        props: Json = {}
-        required: list[str] = []
-        for field in attrs.fields(cls):
-            if not field.init:
-                continue  # cattrs neither reads nor writes these
-            key = renamed.get(field.name, field.name)
-            schema = dict(self.of(hints[field.name]))
-            default = _json_default(field)
-            if field.default is attrs.NOTHING:
-                required.append(key)
-            elif default is not _NO_DEFAULT:
-                schema = {"allOf": [schema], "default": default} if "$ref" in schema else {**schema, "default": default}
-            props[key] = schema
-        out: Json = {"type": "object", "properties": props, "additionalProperties": False}
-        if required:
-            out["required"] = required
-        return out
-
-
-_NO_DEFAULT: Final = object()
-
-
-def _json_default(field: attrs.Attribute[Any]) -> object:
-    """A field's default as JSON, or `_NO_DEFAULT` when it has none that JSON can show."""
-    default = field.default
-    if default is attrs.NOTHING:
-        return _NO_DEFAULT
-    factory = getattr(default, "factory", None)  # an `attrs.Factory` (a function to mypy)
-    if callable(factory):
-        if getattr(default, "takes_self", False):
-            return _NO_DEFAULT
-        default = factory()
-    try:
-        return json.loads(codec.dumps(codec.api, default))
-    except (TypeError, ValueError):
-        return _NO_DEFAULT

@@ -49,7 +49,7 @@ from nexa.oci import (
     parse_image_reference,
     parse_manifest,
 )
-from nexa.s3 import S3Client, body_chunks, split_s3_uri
+from nexa.s3 import ObjectStream, S3Client, split_s3_uri
 from nexa.sigv4 import S3Credentials
 from nexa.supervision import all_or_first_failure
 
@@ -345,8 +345,8 @@ class Outbound:
         bucket, key = split_s3_uri(obj.uri)
         try:
             async with store.stream(bucket, key) as response:
-                if response.status_code != 200:  # a part, though none was asked for
-                    raise Unavailable(f"the S3 store failed to serve {obj.uri} ({response.status_code})")
+                if response.status != 200:  # a part, though none was asked for
+                    raise Unavailable(f"the S3 store failed to serve {obj.uri} ({response.status})")
                 declared = response.headers.get("content-length")
                 if declared is not None and declared.isdigit() and int(declared) != obj.size_bytes:
                     raise ArtifactSizeMismatch(
@@ -398,13 +398,13 @@ class _Object:
     name: str
 
 
-async def _digest(response: httpx.Response, obj: _Object, what: str) -> tuple[str, int]:
+async def _digest(response: ObjectStream, obj: _Object, what: str) -> tuple[str, int]:
     """sha256 and length of the body, hashed block by block in a worker thread."""
     hasher = hashlib.sha256()
     received = 0
     block: list[bytes] = []
     block_bytes = 0
-    async with aclosing(body_chunks(response, obj.uri)) as chunks:
+    async with aclosing(response.chunks()) as chunks:
         async for chunk in chunks:
             received += len(chunk)
             if received > obj.size_bytes:

@@ -221,6 +221,12 @@ class Registry:
 
     # ---- audit ---------------------------------------------------------------------------------
 
+    async def record(self, actor: Actor, action: str, target: str, *, detail: str = "") -> AuditEvent:
+        """Audit an event that changes no record (a console sign-in or sign-out)."""
+        return await self._audited(
+            st.record_audit, audit_draft(actor, action, target[:AUDIT_TARGET_MAX], detail=detail)
+        )
+
     async def record_denied(self, actor: Actor, action: str, target: str, reason: str) -> AuditEvent | None:
         """Audit a refused request: at most one event per (key, route) each `DENIED_AUDIT_WINDOW_S`
         (each costs a FULL commit); None when this one was only counted."""

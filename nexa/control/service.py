@@ -39,7 +39,7 @@ from nexa.control.registry import Registry
 from nexa.control.rollout import RolloutWatcher
 from nexa.control.routing import Router
 from nexa.control.southbound import Southbound
-from nexa.control.store import open_store
+from nexa.control.store import StoreOpener, open_store
 from nexa.control.workloads import Workloads
 from nexa.messaging import CurveKeyPair, generate_curve_keypair, load_curve_keypair, save_curve_keypair
 from nexa.oci import load_registry_credentials
@@ -108,10 +108,13 @@ async def serve_control(
     cfg: ControlConfig,
     *,
     stopping: trio.Event,
-    inline_store: bool = False,
+    open_store: StoreOpener = open_store,
     task_status: trio.TaskStatus[ControlStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the controller until `stopping` is set; supports the nursery start protocol.
+
+    `open_store` opens the state dir's store (a test passes a variant, e.g. one whose store runs its
+    transactions inline for autojump_clock).
 
     A failure before it answers HTTP (a failed start) is raised; afterwards only `StoreUnusable`
     ends it (the CLI exits 3). Every other failure of a loop is logged, counted in
@@ -121,7 +124,7 @@ async def serve_control(
     metrics.build_info.info({"version": __version__})
     failures = metrics.loop_failures
     with Supervision(on_failure=lambda loop: failures.labels(loop).inc()).installed():
-        await _serve_control(cfg, metrics, stopping=stopping, inline_store=inline_store, task_status=task_status)
+        await _serve_control(cfg, metrics, stopping=stopping, open_store=open_store, task_status=task_status)
 
 
 async def _serve_control(
@@ -129,10 +132,10 @@ async def _serve_control(
     metrics: Metrics,
     *,
     stopping: trio.Event,
-    inline_store: bool,
+    open_store: StoreOpener,
     task_status: trio.TaskStatus[ControlStarted],
 ) -> None:
-    async with open_store(cfg.state_dir, inline=inline_store) as store:
+    async with open_store(cfg.state_dir) as store:
         metrics.controller_epoch.set(store.epoch)
         registry = await Registry.load(store, metrics)
         admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
@@ -164,13 +167,14 @@ async def _serve_control(
             quotas = await Quotas.load(store, metrics, registry.tenant_exists)
             meter = Meter(cfg.gateway, store, metrics)
             workloads = await Workloads.load(store, keys.signing, store.epoch)
+            admission = Admission(cfg.gateway, metrics)
             gateway = Gateway(
                 cfg.gateway,
                 models=models,
                 deployments=deployments,
                 relay=southbound.relay,
                 quotas=quotas,
-                admission=Admission(cfg.gateway, metrics),
+                admission=admission,
                 router=Router(cfg.gateway),
                 meter=meter,
             )
@@ -186,6 +190,7 @@ async def _serve_control(
                 signing_key=keys.signing,
                 quotas=quotas,
                 meter=meter,
+                admission=admission,
                 openapi=openapi.document_json(),
                 max_clock_skew_s=cfg.nodes.max_clock_skew_s,
             )

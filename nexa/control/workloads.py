@@ -9,6 +9,10 @@ never recorded. Every lookup is keyed by tenant first: one tenant can never see,
 cancel or collide with another tenant's workloads. A workload left unfinished by a crash is
 marked failed (`controller_restarted`) with a signed receipt when the controller loads.
 
+How a workload ended is decided here (`end`): succeeded when its call ended without an error,
+cancelled when it ended with Cancelled (the client, an operator, or the client going away),
+failed otherwise; its receipt is derived from the call's one outcome (`Receipt.from_outcome`).
+
 Workload ids and idempotency keys are single-use per tenant: a finished workload's key answers
 with its stored receipt (`lookup`); reusing its id under another key is a Conflict. A key comes
 with the digest of the envelope it was first sent with: sent again with another body, it is
@@ -28,24 +32,29 @@ import trio
 
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import (
-    API_VERSION,
-    Capability,
-    Priority,
+    AcceptedWorkload,
+    CallOutcome,
     Receipt,
     SignedReceipt,
-    Usage,
     WorkloadCreate,
     WorkloadState,
     WorkloadView,
 )
 from nexa.control import store as st
-from nexa.errors import Conflict, IdempotencyKeyReused, NexaError, NotFound, WorkloadAlreadyActive
+from nexa.errors import Cancelled, Conflict, IdempotencyKeyReused, NexaError, NotFound, WorkloadAlreadyActive
 from nexa.security import SigningKey, sign_receipt
 
 log = logging.getLogger(__name__)
 
 #: The error code of workloads a controller restart interrupted.
 RESTARTED: Final = "controller_restarted"
+#: How long writing a finished workload (its terminal state and receipt, one row in one
+#: transaction) may take, shielded from the caller's cancellation: it must be written even when
+#: the client went away. A write takes milliseconds; 10 s covers a store briefly busy with a
+#: large batch (the usage flush, a prune) and still bounds a store that hangs. Past it the
+#: receipt is returned unstored, and logged; the row stays unfinished, and is marked failed
+#: (`controller_restarted`) at the next load.
+FINISH_WRITE_TIMEOUT_S: Final = 10.0
 
 
 def idempotency_sha256(key: str) -> str:
@@ -60,17 +69,7 @@ def new_receipt_id() -> str:
 class ActiveWorkload:
     """A workload being served. The gateway runs its work inside `scope` and reports `set_state`."""
 
-    tenant: TenantId
-    key_id: KeyId
-    workload_id: str
-    idempotency_key_sha256: str
-    capability: Capability
-    alias: str
-    model: str
-    priority: Priority
-    accepted_at: float
-    #: sha256 of the canonical envelope (None: not checked).
-    request_sha256: str | None = None
+    accepted: AcceptedWorkload
     state: WorkloadState = WorkloadState.QUEUED
     #: Written to the store (`Workloads.record`, at admission); only then is its end written too.
     recorded: bool = False
@@ -85,14 +84,7 @@ class ActiveWorkload:
         self.state = state
 
     def view(self) -> WorkloadView:
-        return WorkloadView(
-            version=API_VERSION,
-            workload_id=self.workload_id,
-            state=self.state,
-            model=self.model,
-            priority=self.priority,
-            accepted_at=self.accepted_at,
-        )
+        return WorkloadView.of(self.accepted, self.state)
 
 
 class Workloads:
@@ -104,6 +96,8 @@ class Workloads:
         self._epoch = epoch
         self._active: dict[tuple[TenantId, str], ActiveWorkload] = {}
         self._active_keys: dict[tuple[TenantId, str], ActiveWorkload] = {}
+        #: Finished workloads whose receipt write timed out (FINISH_WRITE_TIMEOUT_S).
+        self._unstored = 0
 
     async def run(
         self,
@@ -137,29 +131,18 @@ class Workloads:
         return workloads
 
     def _restarted_receipt(self, row: st.WorkloadRow, now: float) -> Receipt:
-        return Receipt(
+        # No call outcome survived the restart: the receipt names the alias asked for, no model.
+        a = row.accepted
+        receipt = Receipt.from_outcome(
+            None,
+            accepted=a,
             receipt_id=new_receipt_id(),
-            workload_id=row.workload_id,
-            idempotency_key_sha256=row.idempotency_key_sha256,
-            tenant=row.tenant,
-            key_id=row.key_id,
-            capability=row.capability,
-            alias=row.alias,
-            model="",
-            model_version="",
-            deployment="",
-            node_id="",
             state=WorkloadState.FAILED,
             error=RESTARTED,
-            prompt_tokens=0,
-            completion_tokens=0,
-            queue_ms=0.0,
-            ttft_ms=None,
-            duration_ms=max(0.0, (now - row.accepted_at) * 1000),
-            accepted_at=row.accepted_at,
             finished_at=now,
             controller_epoch=self._epoch,
         )
+        return attrs.evolve(receipt, alias=a.alias, model="", duration_ms=max(0.0, (now - a.accepted_at) * 1000))
 
     async def lookup(
         self, tenant: TenantId, idempotency_key: str, request_sha256: str | None = None
@@ -171,12 +154,12 @@ class Workloads:
         """
         key_sha = idempotency_sha256(idempotency_key)
         active = self._active_keys.get((tenant, key_sha))
-        if active is not None and _differs(active.request_sha256, request_sha256):
+        if active is not None and _differs(active.accepted.request_sha256, request_sha256):
             raise _reused()
         row = await self._store.run(st.workload_by_key, tenant, key_sha)
         if row is None:
             return None
-        if _differs(row.request_sha256, request_sha256):
+        if _differs(row.accepted.request_sha256, request_sha256):
             raise _reused()
         return row.receipt
 
@@ -200,24 +183,24 @@ class Workloads:
         if by_id in self._active:
             raise WorkloadAlreadyActive(f"workload {req.workload_id} is still running")
         if by_key in self._active_keys:
-            other = self._active_keys[by_key].workload_id
+            other = self._active_keys[by_key].accepted.workload_id
             raise WorkloadAlreadyActive(f"a workload with this idempotency key ({other}) is still running")
         used = await self._store.run(st.get_workload, tenant, req.workload_id)
         if used is not None:
-            if used.idempotency_key_sha256 == key_sha:
+            if used.accepted.idempotency_key_sha256 == key_sha:
                 raise Conflict(f"workload {req.workload_id} already ran with this idempotency key; fetch its receipt")
             raise Conflict(f"workload id {req.workload_id} was used before with another idempotency key")
         other_row = await self._store.run(st.workload_by_key, tenant, key_sha)
         if other_row is not None:
-            raise Conflict(f"this idempotency key was used before for workload {other_row.workload_id}")
+            raise Conflict(f"this idempotency key was used before for workload {other_row.accepted.workload_id}")
         # The reads above awaited: check the claims again before taking them.
         if by_id in self._active or by_key in self._active_keys:
             raise WorkloadAlreadyActive(f"workload {req.workload_id} (or its idempotency key) is already running")
-        active = ActiveWorkload(
+        accepted = AcceptedWorkload(
             tenant=tenant,
-            key_id=key_id,
             workload_id=req.workload_id,
             idempotency_key_sha256=key_sha,
+            key_id=key_id,
             capability=req.capability,
             alias=alias,
             model=req.model,
@@ -225,6 +208,7 @@ class Workloads:
             accepted_at=accepted_at,
             request_sha256=request_sha256,
         )
+        active = ActiveWorkload(accepted)
         # Claimed in memory, so a concurrent duplicate is refused until it ends.
         self._active[by_id] = self._active_keys[by_key] = active
         return active
@@ -234,19 +218,7 @@ class Workloads:
         and a crash before it finishes leaves a failed receipt (`load`). The gateway calls this once
         the workload holds its admission slot (`Gateway.call(admitted=...)`), never before: a
         request refused before admission costs no store write."""
-        row = st.WorkloadRow(
-            tenant=active.tenant,
-            workload_id=active.workload_id,
-            idempotency_key_sha256=active.idempotency_key_sha256,
-            key_id=active.key_id,
-            capability=active.capability,
-            alias=active.alias,
-            state=WorkloadState.QUEUED,
-            model=active.model,
-            priority=active.priority,
-            accepted_at=active.accepted_at,
-            request_sha256=active.request_sha256,
-        )
+        row = st.WorkloadRow(accepted=active.accepted, state=WorkloadState.QUEUED)
         await self._store.run(st.insert_workload, row)
         active.recorded = True
 
@@ -254,21 +226,55 @@ class Workloads:
         return self._active.get((tenant, workload_id))
 
     def _forget(self, active: ActiveWorkload) -> None:
-        self._active.pop((active.tenant, active.workload_id), None)
-        self._active_keys.pop((active.tenant, active.idempotency_key_sha256), None)
+        a = active.accepted
+        self._active.pop((a.tenant, a.workload_id), None)
+        self._active_keys.pop((a.tenant, a.idempotency_key_sha256), None)
+
+    async def end(self, active: ActiveWorkload, outcome: CallOutcome | None, error: NexaError | None) -> SignedReceipt:
+        """Finish a workload whose call ended with `outcome` (None: no call was made) and `error`
+        (None: it succeeded): its terminal state is decided here, its receipt derived from the
+        outcome, then signed and stored (`finish`). Safe to call from a cancelled task."""
+        if error is None:
+            state = WorkloadState.SUCCEEDED
+        elif isinstance(error, Cancelled):
+            state = WorkloadState.CANCELLED
+        else:
+            state = WorkloadState.FAILED
+        receipt = Receipt.from_outcome(
+            outcome,
+            accepted=active.accepted,
+            receipt_id=new_receipt_id(),
+            state=state,
+            error=None if error is None else error.code,
+            finished_at=time.time(),
+            controller_epoch=self._epoch,
+        )
+        return await self.finish(active, receipt)
 
     async def finish(self, active: ActiveWorkload, receipt: Receipt) -> SignedReceipt:
         """Sign the receipt and record it with the terminal state, in one transaction; no longer active.
         A workload never recorded (refused before admission) writes nothing: its receipt is returned only.
+        The write is shielded from the caller's cancellation, for at most FINISH_WRITE_TIMEOUT_S.
 
         The receipt must be this workload's and terminal (ValueError otherwise: a gateway bug).
         """
-        if (receipt.tenant, receipt.workload_id) != (active.tenant, active.workload_id) or not receipt.state.terminal:
+        a = active.accepted
+        if (receipt.tenant, receipt.workload_id) != (a.tenant, a.workload_id) or not receipt.state.terminal:
             raise ValueError("the receipt does not finish this workload")
         signed = sign_receipt(self._key, receipt)
         try:
             if active.recorded:
-                await self._store.run(st.finish_workloads, [signed])
+                with trio.move_on_after(FINISH_WRITE_TIMEOUT_S, shield=True) as write:
+                    await self._store.run(st.finish_workloads, [signed])
+                if write.cancelled_caught:
+                    self._unstored += 1
+                    log.error(
+                        "workload %s: its receipt was not stored within %.0f s (%d so far); it is marked"
+                        " failed at the next start",
+                        a.workload_id,
+                        FINISH_WRITE_TIMEOUT_S,
+                        self._unstored,
+                    )
         finally:
             # Even if the store failed: an active entry that never ends would block the id forever.
             self._forget(active)
@@ -283,23 +289,25 @@ class Workloads:
         row = await self._store.run(st.get_workload, tenant, workload_id)
         if row is None:
             raise NotFound(f"no workload {workload_id}")
-        receipt = row.receipt.receipt if row.receipt is not None else None
-        return WorkloadView(
-            version=API_VERSION,
-            workload_id=row.workload_id,
-            state=row.state,
-            model=row.model,
-            priority=row.priority,
-            accepted_at=row.accepted_at,
-            finished_at=row.finished_at,
-            error=row.error,
-            usage=(
-                Usage(prompt_tokens=receipt.prompt_tokens, completion_tokens=receipt.completion_tokens)
-                if receipt is not None
-                else None
-            ),
-            receipt=row.receipt,
-        )
+        # A row never finished and no longer active is one whose receipt write failed.
+        return WorkloadView.of(row.accepted, row.state, row.receipt)
+
+    async def page(self, tenant: TenantId, after: st.WorkloadKey | None, limit: int) -> list[WorkloadView]:
+        """At most `limit` of this tenant's recorded workloads (admitted: one still waiting for
+        admission is listed once admitted), oldest accepted first, after the one `after` names
+        (`accepted_at`, `workload_id`); each as `status` tells it. Read only."""
+        # Active before the read or after it: one that finished meanwhile has its live state (or receipt).
+        live = dict(self._active)
+        rows = await self._store.run(st.list_workloads, tenant, after, limit)
+        live.update(self._active)
+        views = []
+        for row in rows:
+            active = live.get((tenant, row.accepted.workload_id))
+            if row.receipt is None and active is not None:
+                views.append(active.view())
+            else:
+                views.append(WorkloadView.of(row.accepted, row.state, row.receipt))
+        return views
 
     async def cancel(self, tenant: TenantId, workload_id: str) -> None:
         """Cancel an active workload's scope. Conflict when it finished already; NotFound when unknown.

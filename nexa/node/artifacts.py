@@ -39,7 +39,7 @@ import types
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 import attrs
 import trio
@@ -56,12 +56,9 @@ from nexa.errors import (
     InsufficientDisk,
 )
 from nexa.node import cache_files
-from nexa.s3 import S3Client, body_chunks, split_s3_uri
+from nexa.s3 import InjectedTransport, ObjectStream, S3Client, split_s3_uri
 from nexa.sigv4 import S3Credentials
 from nexa.supervision import all_or_first_failure
-
-if TYPE_CHECKING:
-    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +70,8 @@ WRITE_BLOCK_BYTES: Final = 512 * 1024
 WRITE_QUEUE_BLOCKS: Final = 2
 #: Bounds each socket operation; the caller's cancel scope bounds the whole fetch.
 READ_TIMEOUT_S: Final = 60.0
+#: Closing or discarding a partial download, shielded: a flush and a rename or unlink on local disk.
+PART_CLOSE_TIMEOUT_S: Final = 5.0
 _CONTENT_RANGE_RE: Final = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
@@ -149,7 +148,7 @@ class ArtifactCache:
         *,
         state_dir: Path,
         credentials: S3Credentials | None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: InjectedTransport | None = None,
     ) -> None:
         self._cfg = cfg
         self.directory = Path(cfg.cache_dir) if cfg.cache_dir else Path(state_dir) / "artifacts"
@@ -518,7 +517,7 @@ class ArtifactCache:
         finally:
             # A mismatch or a write failure leaves nothing behind; a cancelled or cut-off download
             # keeps what arrived, under its deterministic name, for the next attempt to resume.
-            with trio.move_on_after(5, shield=True):
+            with trio.move_on_after(PART_CLOSE_TIMEOUT_S, shield=True):
                 await trio.to_thread.run_sync(part.discard if discard else part.close)
         elapsed = time.monotonic() - started
         self._entries[f.sha256] = f.size_bytes
@@ -558,10 +557,10 @@ class ArtifactCache:
                 return False
             raise _refusal(exc.status, exc.s3_code, blob.uri, anonymous=client.anonymous) from None
 
-    async def _receive(self, blob: _Blob, part: cache_files.PartFile, response: httpx.Response) -> bool:
+    async def _receive(self, blob: _Blob, part: cache_files.PartFile, response: ObjectStream) -> bool:
         f = blob.file
         offset = part.size
-        status = response.status_code
+        status = response.status
         if offset and status == 206:
             if not _range_fits(response.headers.get("content-range"), offset, f.size_bytes):
                 log.warning(
@@ -573,7 +572,7 @@ class ArtifactCache:
                 return False
             self._counters.resumed += 1
         elif status == 206:
-            raise _refusal(status, response.reason_phrase, blob.uri, anonymous=False)
+            raise _refusal(status, response.reason, blob.uri, anonymous=False)
         elif offset:
             log.info("S3 store sent all of %s instead of the range: downloading it from the start", blob.uri)
             await trio.to_thread.run_sync(part.restart)
@@ -587,7 +586,7 @@ class ArtifactCache:
         await self._pipe(response, blob, part)
         return True
 
-    async def _pipe(self, response: httpx.Response, blob: _Blob, part: cache_files.PartFile) -> None:
+    async def _pipe(self, response: ObjectStream, blob: _Blob, part: cache_files.PartFile) -> None:
         """Move the body into `part`.
 
         This task reads while a second one hashes and writes the previous block in a worker
@@ -619,7 +618,7 @@ class ArtifactCache:
             raise failures[0]
 
     async def _read_blocks(
-        self, response: httpx.Response, blob: _Blob, offset: int, blocks: trio.MemorySendChannel[list[bytes]]
+        self, response: ObjectStream, blob: _Blob, offset: int, blocks: trio.MemorySendChannel[list[bytes]]
     ) -> None:
         size = blob.file.size_bytes
         received = offset
@@ -627,7 +626,7 @@ class ArtifactCache:
         block_bytes = 0
         # aclosing: an abort closes the iterator at once. (httpx's inner stream layers are async
         # generators too and are left for trio to finalize: encode/httpx#3686.)
-        async with aclosing(body_chunks(response, blob.uri)) as chunks:
+        async with aclosing(response.chunks()) as chunks:
             async for chunk in chunks:
                 received += len(chunk)
                 self._counters.bytes_downloaded += len(chunk)

@@ -18,7 +18,6 @@ import time
 from typing import Any, ClassVar, Final
 from urllib.parse import quote
 
-import httpx
 import trio
 
 from nexa.contracts.runtime import (
@@ -27,12 +26,12 @@ from nexa.contracts.runtime import (
     HealthProbe,
 )
 from nexa.errors import ContainerNotFound, ContractError, ImageNotFound, PodmanError
+from nexa.node.engine_http import EngineAnswer, EngineTransport
 from nexa.node.podman import (
     _IMAGE_MISSING_MARKERS,
     _MAX_MESSAGE_CHARS,
-    DEFAULT_TIMEOUT,
     SCRATCH_DIR,
-    STREAM_TIMEOUT,
+    STREAM_READ_TIMEOUT_S,
     PodmanClient,
     _digest_of,
     _json_objects,
@@ -216,7 +215,7 @@ class DockerClient(PodmanClient):
         *,
         tls_verify: bool = True,
         credentials: RegistryCredentials | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: EngineTransport | None = None,
         gpu_method: str = GPU_CDI,
         network: str = DEFAULT_DOCKER_NETWORK,
     ) -> None:
@@ -306,7 +305,7 @@ class DockerClient(PodmanClient):
             # tlsVerify: podman's Docker API honours it (Docker ignores it; its daemon owns TLS).
             params={"fromImage": image, "tlsVerify": "true" if self._tls_verify else "false"},
             headers=headers,
-            http_timeout=STREAM_TIMEOUT,
+            read_timeout_s=STREAM_READ_TIMEOUT_S,
         )
         # 200 first, then progress objects; a failure is an {"error": …} object in the stream.
         for item in _json_objects(response.text):
@@ -348,15 +347,12 @@ class DockerClient(PodmanClient):
                 f"{what}: this engine's API has no CDI device requests (Docker 25 and later): "
                 "upgrade it or set [container] gpu_method = nvidia-runtime"
             )
-        try:
-            response = await self._http.post("/containers/create", params={"name": spec.name}, json=body)
-        except httpx.HTTPError as exc:
-            raise self._unavailable(exc) from exc
-        if response.status_code >= 400:
+        response = await self._http.request("POST", "/containers/create", params={"name": spec.name}, body=body)
+        if response.status >= 400:
             message = self._scrub(_podman_message(response))
-            if response.status_code == 404 and "image" in message.lower():
+            if response.status == 404 and "image" in message.lower():
                 raise ImageNotFound(f"{what}: image {spec.image} is not in docker's store (pull it first)")
-            raise PodmanError(f"{what}: docker answered {response.status_code}: {message}")
+            raise PodmanError(f"{what}: docker answered {response.status}: {message}")
         data = self._json(response, what)
         container_id = data.get("Id") if isinstance(data, dict) else None
         if not isinstance(container_id, str) or not container_id:
@@ -424,29 +420,19 @@ class DockerClient(PodmanClient):
 
     async def _run_attached(self, path: str, what: str) -> bool:
         """Start an exec attached and read its output stream to the end; False on 409 (cannot run)."""
-        try:
-            async with self._http.stream(
-                "POST", path, json={"Detach": False, "Tty": False}, timeout=STREAM_TIMEOUT
-            ) as response:
-                if response.status_code == 409:
-                    return False
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise self._error(response, what, missing=ContainerNotFound)
-                async for _ in response.aiter_raw():
-                    pass
-        except httpx.HTTPError as exc:
-            raise self._unavailable(exc) from exc
+        async with self._http.stream("POST", path, body={"Detach": False, "Tty": False}) as response:
+            if response.status == 409:
+                return False
+            if response.status >= 400:
+                raise self._error(await response.read(), what, missing=ContainerNotFound)
+            await response.drain()
         return True
 
-    async def _http_checked(self, method: str, path: str, what: str, body: _Json) -> httpx.Response | None:
+    async def _http_checked(self, method: str, path: str, what: str, body: _Json) -> EngineAnswer | None:
         """A request whose 409 ("is not running", "is paused") means the probe cannot run: None."""
-        try:
-            response = await self._http.request(method, path, json=body, timeout=DEFAULT_TIMEOUT)
-        except httpx.HTTPError as exc:
-            raise self._unavailable(exc) from exc
-        if response.status_code == 409:
+        response = await self._http.request(method, path, body=body)
+        if response.status == 409:
             return None
-        if response.status_code >= 400:
+        if response.status >= 400:
             raise self._error(response, what, missing=ContainerNotFound)
         return response

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Final
 
 import attrs
-import httpx
 import trio
 
 from nexa import security
@@ -31,7 +30,9 @@ from nexa.contracts.node import CDI_NVIDIA_GPU, Gpu
 from nexa.errors import ConfigError, ContractError, PodmanError, Unavailable
 from nexa.node import identity, inventory
 from nexa.node.docker import GPU_NVIDIA_RUNTIME, DockerClient
+from nexa.node.engine_http import EngineTransport
 from nexa.node.podman import PodmanClient
+from nexa.node.probe import HttpProbe, http_url_host
 
 log = logging.getLogger(__name__)
 
@@ -89,23 +90,22 @@ FetchVersion = Callable[[str], Awaitable[ControllerAnswer]]
 
 def check_controller_url(url: str) -> str:
     """The URL without a trailing `/`; ConfigError unless it is http(s)://host[:port]."""
-    parsed = httpx.URL(url) if url.startswith(("http://", "https://")) else None
-    if parsed is None or not parsed.host:
+    if not http_url_host(url):
         raise ConfigError(f"--controller must be an http:// or https:// URL of `nexa control`, not {url[:200]!r}")
     return url.rstrip("/")
 
 
 async def fetch_version(url: str) -> ControllerAnswer:
     """`GET {url}/version`. Raises Unavailable when it cannot be reached or is not a nexa controller."""
-    async with httpx.AsyncClient(base_url=url, timeout=NETWORK_TIMEOUT_S) as http:
+    async with HttpProbe(timeout_s=NETWORK_TIMEOUT_S, trust_env=True) as probe:
         sent_at = time.time()
         try:
-            resp = await http.get("/version", headers={"Accept": "application/json"})
-        except httpx.HTTPError as exc:
-            raise Unavailable(f"cannot reach the controller at {url}: {type(exc).__name__}") from None
+            resp = await probe.get(f"{url}/version", headers={"Accept": "application/json"})
+        except Unavailable as exc:
+            raise Unavailable(f"cannot reach the controller at {url}: {exc.message}") from None
         received_at = time.time()
-    if resp.status_code != 200:
-        raise Unavailable(f"{url}/version answered {resp.status_code}: not a nexa controller?")
+    if resp.status != 200:
+        raise Unavailable(f"{url}/version answered {resp.status}: not a nexa controller?")
     try:
         version = codec.loads(codec.api, resp.content, VersionInfo)
     except ContractError as exc:
@@ -129,7 +129,7 @@ async def run_doctor(
     opts: DoctorOptions,
     *,
     fetch: FetchVersion = fetch_version,
-    engine_transport: httpx.AsyncBaseTransport | None = None,
+    engine_transport: EngineTransport | None = None,
 ) -> DoctorReport:
     """Run every check in a fixed order (one result each) and return the report."""
     state_dir = Path(cfg.state_dir)
@@ -253,7 +253,7 @@ def _engine_fix(engine: str) -> str:
 
 
 async def check_engine(  # noqa: PLR0911 - one result per way the socket can fail
-    cfg: NodeConfig, *, transport: httpx.AsyncBaseTransport | None = None
+    cfg: NodeConfig, *, transport: EngineTransport | None = None
 ) -> CheckResult:
     """The configured engine (`[container] engine`, podman by default) answers on its socket."""
     name = "engine"

@@ -12,14 +12,20 @@ its client went away.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Final, cast
 
 import h11
 import trio
 
+log = logging.getLogger(__name__)
+
 #: Bytes read from a runtime's socket at once.
 READ_BYTES: Final = 65536
+#: Closing a runtime connection, shielded: closing a loopback socket returns at once, so a second
+#: is room to spare, and no shield waits forever.
+CLOSE_TIMEOUT_S: Final = 1.0
 
 
 class RuntimeHTTPError(Exception):
@@ -30,6 +36,13 @@ class _Connection:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(our_role=h11.CLIENT)
+
+    async def aclose(self) -> None:
+        """Close the socket, even in a cancelled scope (shielded, for at most CLOSE_TIMEOUT_S)."""
+        with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True) as scope:
+            await self.stream.aclose()
+        if scope.cancelled_caught:
+            log.warning("closing a runtime connection took over %g s; it was closed abruptly", CLOSE_TIMEOUT_S)
 
     async def next_event(self) -> h11.Event | type[h11.PAUSED]:
         while True:
@@ -112,8 +125,7 @@ class RuntimeClient:
                 connection.h11.start_next_cycle()
                 self._idle[key].append(connection)
             else:
-                with trio.CancelScope(shield=True):
-                    await connection.stream.aclose()
+                await connection.aclose()
 
     async def _exchange(
         self, key: tuple[str, int], request: h11.Request, body: bytes
@@ -126,14 +138,12 @@ class RuntimeClient:
                 return connection, await self._send(connection, request, body)
             except RuntimeHTTPError:
                 # Closed by the runtime while idle (keep-alive timeout): nothing was answered, try again.
-                with trio.CancelScope(shield=True):
-                    await connection.stream.aclose()
+                await connection.aclose()
         connection = await self._connect(key)
         try:
             return connection, await self._send(connection, request, body)
         except BaseException:
-            with trio.CancelScope(shield=True):
-                await connection.stream.aclose()
+            await connection.aclose()
             raise
 
     async def _connect(self, key: tuple[str, int]) -> _Connection:
@@ -163,6 +173,5 @@ class RuntimeClient:
     async def aclose(self) -> None:
         for connections in self._idle.values():
             for connection in connections:
-                with trio.CancelScope(shield=True):
-                    await connection.stream.aclose()
+                await connection.aclose()
         self._idle.clear()

@@ -1,15 +1,15 @@
-"""PodmanClient: the node agent's only way to podman, the libpod REST API over podman's unix socket (httpx).
+"""PodmanClient: the node agent's only way to podman, the libpod REST API over podman's unix socket
+(through `node.engine_http`, which turns transport failures into `nexa.errors`).
 
 It turns a `ContainerSpec` into a hardened libpod create body and libpod answers into `contracts.runtime`
-records, and it translates every httpx failure and podman error status into `nexa.errors` here, so
-callers never see `httpx.*`. It never runs the podman CLI and never pulls anything but `repo@sha256:…`.
+records, and it translates every podman error status into `nexa.errors` here. It never runs the podman
+CLI and never pulls anything but `repo@sha256:…`.
 """
 
 from __future__ import annotations
 
 import base64
 import builtins
-import contextlib
 import ipaddress
 import json
 import logging
@@ -18,13 +18,11 @@ import os
 import re
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import aclosing
 from datetime import datetime
 from types import TracebackType
 from typing import Any, ClassVar, Final
 from urllib.parse import quote
-
-import httpx
-import trio
 
 from nexa.contracts.runtime import (
     CDI_NAME_RE,
@@ -45,19 +43,16 @@ from nexa.errors import (
     PodmanError,
     PodmanUnavailable,
 )
+from nexa.node.engine_http import READ_TIMEOUT_S, EngineAnswer, EngineHttp, EngineTransport
 from nexa.oci import RegistryCredentials
 
 log = logging.getLogger(__name__)
 
 #: The libpod API under its versioned prefix; podman 4.0 and later answer it (the host part is ignored on a UDS).
 API_BASE: Final = "http://d/v4.0.0/libpod"
-#: Connecting to a local socket is instant or broken; a request that gets no answer for a minute is stuck.
-DEFAULT_TIMEOUT: Final = httpx.Timeout(60.0, connect=5.0)
-#: Pulls and the event stream may be silent for minutes (one big layer, a quiet node): no read timeout.
-#: Their deadline is the caller's trio cancel scope.
-STREAM_TIMEOUT: Final = httpx.Timeout(None, connect=5.0)
-#: Longest wait for closing an event stream the caller stopped reading (shielded from cancellation).
-STREAM_CLOSE_S: Final = 2.0
+#: Pulls and the event stream may be silent for minutes (one big layer, a quiet node): no read timeout
+#: (None). Their deadline is the caller's trio cancel scope; other requests wait `READ_TIMEOUT_S`.
+STREAM_READ_TIMEOUT_S: Final = None
 #: Extra time a stop request may take beyond its own grace period (SIGKILL, cleanup, unmounts).
 STOP_MARGIN_S: Final = 30.0
 #: CFS period for the CPU limit: quota = cpus * period.
@@ -249,16 +244,16 @@ def _labels_match(have: Mapping[str, str], want: Mapping[str, str] | None) -> bo
     return all(have.get(key) == value for key, value in (want or {}).items())
 
 
-def _podman_message(response: httpx.Response) -> str:
+def _podman_message(response: EngineAnswer) -> str:
     try:
         data = response.json()
     except ValueError:
-        return response.text.strip()[:_MAX_MESSAGE_CHARS] or f"HTTP {response.status_code}"
+        return response.text.strip()[:_MAX_MESSAGE_CHARS] or f"HTTP {response.status}"
     if isinstance(data, dict):
         for key in ("message", "cause", "error"):
             if isinstance(data.get(key), str) and data[key]:
                 return str(data[key])[:_MAX_MESSAGE_CHARS]
-    return f"HTTP {response.status_code}"
+    return f"HTTP {response.status}"
 
 
 def _json_objects(text: str) -> Iterable[_Json]:
@@ -299,7 +294,7 @@ class PodmanClient:
         *,
         tls_verify: bool = True,
         credentials: RegistryCredentials | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: EngineTransport | None = None,
         private_network: str = DEFAULT_PRIVATE_NETWORK,
     ) -> None:
         if private_network not in PRIVATE_NETWORKS:
@@ -310,12 +305,7 @@ class PodmanClient:
         self._socket = socket_path
         self._tls_verify = tls_verify
         self._credentials = credentials
-        self._http = httpx.AsyncClient(
-            base_url=self.BASE_URL,
-            transport=transport if transport is not None else httpx.AsyncHTTPTransport(uds=socket_path),
-            timeout=DEFAULT_TIMEOUT,
-            trust_env=False,  # no proxies, no .netrc: this is a local socket
-        )
+        self._http = EngineHttp(socket_path, base_url=self.BASE_URL, engine=self.ENGINE, transport=transport)
 
     async def __aenter__(self) -> PodmanClient:
         await self._http.__aenter__()
@@ -337,18 +327,11 @@ class PodmanClient:
                 message = message.replace(secret, "***")
         return message
 
-    def _unavailable(self, exc: httpx.HTTPError) -> PodmanError:
-        if isinstance(exc, httpx.TransportError):
-            # Messages reach the controller in runtime states: name no host paths (the socket
-            # path is logged once when the agent starts).
-            return PodmanUnavailable(f"{self.ENGINE} does not answer on its socket: {type(exc).__name__}")
-        return PodmanError(f"talking to {self.ENGINE} failed: {type(exc).__name__}")
-
-    def _error(self, response: httpx.Response, what: str, *, missing: type[PodmanError] = PodmanError) -> PodmanError:
+    def _error(self, response: EngineAnswer, what: str, *, missing: type[PodmanError] = PodmanError) -> PodmanError:
         message = self._scrub(_podman_message(response))
-        if response.status_code == 404:
+        if response.status == 404:
             return missing(f"{what}: {message}")
-        return PodmanError(f"{what}: {self.ENGINE} answered {response.status_code}: {message}")
+        return PodmanError(f"{what}: {self.ENGINE} answered {response.status}: {message}")
 
     async def _request(
         self,
@@ -359,25 +342,17 @@ class PodmanClient:
         missing: type[PodmanError] = PodmanError,
         params: Mapping[str, str] | None = None,
         body: _Json | None = None,
-        http_timeout: httpx.Timeout | None = None,
+        read_timeout_s: float | None = READ_TIMEOUT_S,
         headers: Mapping[str, str] | None = None,
-    ) -> httpx.Response:
-        try:
-            response = await self._http.request(
-                method,
-                path,
-                params=params,
-                json=body,
-                headers=headers,
-                timeout=http_timeout if http_timeout is not None else DEFAULT_TIMEOUT,
-            )
-        except httpx.HTTPError as exc:
-            raise self._unavailable(exc) from exc
-        if response.status_code >= 400:
+    ) -> EngineAnswer:
+        response = await self._http.request(
+            method, path, params=params, body=body, headers=headers, read_timeout_s=read_timeout_s
+        )
+        if response.status >= 400:
             raise self._error(response, what, missing=missing)
         return response
 
-    def _json(self, response: httpx.Response, what: str) -> Any:
+    def _json(self, response: EngineAnswer, what: str) -> Any:
         try:
             return response.json()
         except ValueError:
@@ -428,7 +403,7 @@ class PodmanClient:
             missing=ImageNotFound,
             params=params,
             headers=headers,
-            http_timeout=STREAM_TIMEOUT,
+            read_timeout_s=STREAM_READ_TIMEOUT_S,
         )
         # libpod answers 200 before it pulls; a failure arrives as {"error": …} in the streamed body.
         for item in _json_objects(response.text):
@@ -456,17 +431,14 @@ class PodmanClient:
         """
         _validate_spec(spec)
         what = f"create container {spec.name}"
-        try:
-            response = await self._http.post(
-                "/containers/create", json=create_body(spec, private_network=self._private_network)
-            )
-        except httpx.HTTPError as exc:
-            raise self._unavailable(exc) from exc
-        if response.status_code >= 400:
+        response = await self._http.request(
+            "POST", "/containers/create", body=create_body(spec, private_network=self._private_network)
+        )
+        if response.status >= 400:
             message = self._scrub(_podman_message(response))
-            if response.status_code == 404 or "image not known" in message:
+            if response.status == 404 or "image not known" in message:
                 raise ImageNotFound(f"{what}: image {spec.image} is not in podman's store (pull it first)")
-            raise PodmanError(f"{what}: podman answered {response.status_code}: {message}")
+            raise PodmanError(f"{what}: podman answered {response.status}: {message}")
         data = self._json(response, what)
         container_id = data.get("Id") if isinstance(data, dict) else None
         if not isinstance(container_id, str) or not container_id:
@@ -550,13 +522,10 @@ class PodmanClient:
         """
         what = f"healthcheck {container_id}"
         path = self._container_path(container_id, "/healthcheck")
-        try:
-            response = await self._http.get(path)
-        except httpx.HTTPError as exc:
-            raise self._unavailable(exc) from exc
-        if response.status_code == 409 and "not running" in _podman_message(response):
+        response = await self._http.request("GET", path)
+        if response.status == 409 and "not running" in _podman_message(response):
             return False
-        if response.status_code >= 400:
+        if response.status >= 400:
             raise self._error(response, what, missing=ContainerNotFound)
         data = self._json(response, what)
         if not isinstance(data, dict):
@@ -582,7 +551,7 @@ class PodmanClient:
             what=f"stop {container_id}",
             missing=ContainerNotFound,
             params={self.STOP_TIMEOUT_PARAM: str(seconds)},
-            http_timeout=httpx.Timeout(seconds + STOP_MARGIN_S, connect=5.0),
+            read_timeout_s=seconds + STOP_MARGIN_S,
         )
         log.info("stopped container %s", container_id[:12])
 
@@ -627,38 +596,15 @@ class PodmanClient:
         params = {"stream": "true", "filters": json.dumps(filters)}
         if since is not None:
             params["since"] = f"{since:.9f}"
-        try:
-            async with self._http.stream("GET", "/events", params=params, timeout=STREAM_TIMEOUT) as response:
-                if response.status_code >= 400:
-                    await response.aread()
-                    raise self._error(response, "events")
-                lines = response.aiter_lines()
-                try:
-                    async for line in lines:
-                        event = _event(line)
-                        if event is not None and _labels_match(event.labels, labels):
-                            yield event
-                finally:
-                    await _finish_stream(response, lines)
-        except httpx.HTTPError as exc:
-            raise self._unavailable(exc) from exc
+        async with self._http.stream("GET", "/events", params=params) as response:
+            if response.status >= 400:
+                raise self._error(await response.read(), "events")
+            async with aclosing(response.lines()) as lines:
+                async for line in lines:
+                    event = _event(line)
+                    if event is not None and _labels_match(event.labels, labels):
+                        yield event
         raise PodmanUnavailable("podman's event stream ended")
-
-
-async def _finish_stream(response: httpx.Response, lines: AsyncIterator[str]) -> None:
-    """Close a streamed response the caller stopped reading, and end httpx's generators under it.
-
-    `aiter_lines` sits on a chain of async generators (text, bytes, raw, transport, httpcore) that
-    httpx leaves suspended when the outer one is closed early (encode/httpx#3686); trio would warn as
-    the garbage collector finds each. Once the response is closed, reading on fails inside the
-    innermost generator and so ends all of them.
-    """
-    with trio.CancelScope(deadline=trio.current_time() + STREAM_CLOSE_S, shield=True):
-        with contextlib.suppress(httpx.HTTPError):
-            await response.aclose()
-        with contextlib.suppress(Exception):
-            while True:  # lines already decoded come first; then the closed stream raises
-                await anext(lines)
 
 
 def _event(line: str) -> PodmanEvent | None:

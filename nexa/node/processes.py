@@ -24,13 +24,20 @@ from types import TracebackType
 from typing import Final
 
 import attrs
-import httpx
 import trio
 
 from nexa import runtimes
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ContainerDriver, ContainerSpec, ContainerState
-from nexa.errors import ContainerNotFound, ContractError, PodmanError, PodmanUnavailable, SimulationDisabled
+from nexa.errors import (
+    ContainerNotFound,
+    ContractError,
+    PodmanError,
+    PodmanUnavailable,
+    SimulationDisabled,
+    Unavailable,
+)
+from nexa.node.probe import HttpProbe
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +49,9 @@ SIM_DIR: Final = "sim"
 FAULTS_FILE: Final = "faults.json"
 #: When the driver closes, each child gets this long after SIGTERM before SIGKILL.
 CLOSE_TIMEOUT_S: Final = 5.0
+#: The whole of closing the driver, shielded: the children's SIGTERM wait (in parallel), then
+#: reaping the SIGKILLed ones and closing the HTTP client, which take moments.
+ACLOSE_TIMEOUT_S: Final = CLOSE_TIMEOUT_S + 5.0
 #: One `/health` request; the supervisor's probe timeout bounds it too.
 HEALTH_TIMEOUT_S: Final = 2.0
 #: The only variables of the agent's environment a child inherits (then the spec's env, then the switch).
@@ -113,7 +123,7 @@ class ProcessDriver:
         self._host = host
         self._argv = list(argv) if argv is not None else default_argv()
         self._children: dict[str, _Child] = {}
-        self._http = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S, trust_env=False)
+        self._http = HttpProbe(timeout_s=HEALTH_TIMEOUT_S)
         self._closed = False
 
     @property
@@ -134,14 +144,17 @@ class ProcessDriver:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop every child (SIGTERM, then SIGKILL after CLOSE_TIMEOUT_S) and forget them. Shielded."""
+        """Stop every child (SIGTERM, then SIGKILL after CLOSE_TIMEOUT_S) and forget them. Shielded,
+        for at most ACLOSE_TIMEOUT_S."""
         self._closed = True
-        with trio.CancelScope(shield=True):
+        with trio.move_on_after(ACLOSE_TIMEOUT_S, shield=True) as scope:
             async with trio.open_nursery() as nursery:
                 for child in self._children.values():
                     nursery.start_soon(self._terminate, child, CLOSE_TIMEOUT_S)
             self._children.clear()
             await self._http.aclose()
+        if scope.cancelled_caught:
+            log.warning("closing the process driver took over %g s; some children may not be reaped", ACLOSE_TIMEOUT_S)
 
     # --- the podman client's interface
 
@@ -219,9 +232,9 @@ class ProcessDriver:
             return False
         try:
             response = await self._http.get(f"http://{self._host}:{child.port}/health")
-        except httpx.HTTPError:
+        except Unavailable:
             return False
-        return response.status_code == 200
+        return response.status == 200
 
     async def stop(self, container_id: str, *, timeout_s: float) -> None:
         """SIGTERM to its process group, then SIGKILL after `timeout_s`; returns once it has exited."""

@@ -22,9 +22,10 @@ import pytest
 import trio
 
 from tests.conftest import Controller
-from tests.control.test_models import bring_to, ok, registry_config
-from tests.e2e.simcluster import SimCluster, sim_cluster
 from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.cluster import SimCluster, sim_cluster
+from tests.support.models import bring_to, registry_config
 
 T = TypeVar("T")
 CHROMIUM = "/usr/bin/chromium"

@@ -61,6 +61,7 @@ async def _make_app(store: st.Store, cfg: HttpConfig) -> _App:
         signing_key=None,
         quotas=None,
         meter=None,
+        admission=None,
         ready=True,
     )
     quart_app = create_app(cfg, state)
@@ -118,8 +119,8 @@ async def test_the_sign_in_form_refuses_a_token_it_did_not_issue_or_that_expired
         return int(resp.status_code)
 
     body, _, mac = token.rpartition(".")
-    expired = app.console._login_token(time.time() - con.ANON_TTL_S - 1)
-    other = app.console._login_token(time.time())
+    expired = app.console.login_forms.token(time.time() - con.ANON_TTL_S - 1)
+    other = app.console.login_forms.token(time.time())
     assert await attempt(token, None) == 403  # no cookie: a cross-site post (SameSite=Strict) has none
     assert await attempt(token, other) == 403  # the form's token is not the cookie's
     assert await attempt(body + "." + "0" * len(mac), body + "." + "0" * len(mac)) == 403  # not our MAC
@@ -194,3 +195,23 @@ def test_trusted_proxies_must_be_addresses_or_networks() -> None:
     for bad in (["ingress.example"], "127.0.0.1", [1]):
         with pytest.raises(ConfigError):
             structure_config({"trusted_proxies": bad}, HttpConfig)
+
+
+async def test_the_audit_view_pages_by_cursor(app: _App) -> None:
+    from nexa.control.registry import SYSTEM
+
+    for n in range(120):
+        await app.registry.record(SYSTEM, "test.event", f"thing/{n:03}")
+    client = app.app.test_client()
+    assert (await _sign_in(client, app.admin_key)).status_code == 303
+    first = await (await client.get("/console/audit", scope_base=_LOCAL)).get_data(as_text=True)
+    link = re.search(r'href="(/console/audit\?cursor=(\d+)&amp;[^"]*)"', first)
+    assert link, "a full page links to the next one by cursor"
+    assert "thing/000" in first and "thing/098" in first and "thing/099" not in first
+    second = await (await client.get(link.group(1).replace("&amp;", "&"), scope_base=_LOCAL)).get_data(as_text=True)
+    assert "thing/099" in second and "thing/119" in second and "thing/098" not in second
+    assert "console.sign_in" in second
+    assert "Next page" in first and "Next page" not in second  # the last page links nowhere
+    # The old parameter names nothing any more: `after` is ignored, the first page again.
+    old = await (await client.get(f"/console/audit?after={link.group(2)}", scope_base=_LOCAL)).get_data(as_text=True)
+    assert "thing/000" in old

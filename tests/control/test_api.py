@@ -14,27 +14,7 @@ from nexa.control.console import CONSOLE_ROUTES
 from nexa.control.service import serve_control
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, local_config
-
-
-def assert_envelope(resp: httpx.Response, status: int, code: str) -> dict[str, object]:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"}
-    err = body["error"]
-    assert set(err) == {"code", "message", "retryable", "request_id"}
-    assert err["code"] == code
-    assert err["request_id"] == resp.headers["X-Request-Id"]
-    assert isinstance(err["message"], str) and err["message"]
-    return err
-
-
-async def make_key(c: Controller, role: str, tenant: str | None = None) -> str:
-    async with c.client() as http:
-        if tenant:
-            await http.post("/api/v1/tenants", json={"id": tenant})
-        resp = await http.post("/api/v1/keys", json={"role": role, "tenant": tenant, "name": f"{role} key"})
-    assert resp.status_code == 201, resp.text
-    return str(resp.json()["key"])
+from tests.support.api import assert_envelope, make_key
 
 
 async def audit_count(c: Controller) -> int:
@@ -66,6 +46,7 @@ async def test_every_route_declares_its_roles() -> None:
         signing_key=None,
         quotas=None,
         meter=None,
+        admission=None,
     )
     app = create_app(HttpConfig(), state)
     registered = {
@@ -329,6 +310,7 @@ async def test_readyz_is_503_until_ready() -> None:
         signing_key=None,
         quotas=None,
         meter=None,
+        admission=None,
     )
     client = create_app(HttpConfig(), state).test_client()
     resp = await client.get("/readyz")

@@ -27,7 +27,7 @@ from nexa.control import store as st
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, ControllerProcess
-from tests.control.test_api import assert_envelope, make_key
+from tests.support.api import assert_envelope, make_key
 
 # ---- point 8: denied events are rate-limited per (key, route), their target cut ---------------------
 

@@ -6,118 +6,19 @@ decoded with the controller's public signing key.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import httpx
-import pytest
 import trio
 
-from nexa.contracts import wire
 from nexa.control.scheduler import FILTERS
 from nexa.control.service import serve_control
-from tests.conftest import Controller, start_controller
-from tests.control import test_node_channel
-from tests.control.test_api import assert_envelope, make_key
-from tests.control.test_image_platforms import push_index
-from tests.control.test_models import bring_to, ok, registry_config
-from tests.control.test_node_channel import TIMEOUT_S, RawNode, enroll, node_view, wait_for
+from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
-
-Json = dict[str, Any]
-dial = test_node_channel.dial  # the fixture that connects RawNodes to the controller's channel
-
-
-@pytest.fixture
-async def dep_reg(nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store) -> AsyncIterator[Controller]:
-    cfg = registry_config(tmp_path, s3_store)
-    cfg = attrs.evolve(cfg, nodes=attrs.evolve(cfg.nodes, replace_after_s=1.0))
-    started = await start_controller(nursery, cfg)
-    yield started
-    started.stopping.set()
-
-
-@attrs.define
-class Online:
-    node: RawNode
-    beating: trio.CancelScope
-
-
-async def _beat(node: RawNode, *, task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED) -> None:
-    with trio.CancelScope() as scope:
-        task_status.started(scope)
-        while True:
-            await node.send(node.frames(node.heartbeat()))
-            await trio.sleep(0.3)
-
-
-async def online(c: Controller, dial: Any, nursery: trio.Nursery, name: str, labels: str = "") -> Online:
-    """Enroll a node, say hello, and keep it heartbeating its inventory until the test ends."""
-    node = await dial(await enroll(c, name, labels))
-    node.seq += 1
-    await node.send(node.frames(wire.Hello(node_id=node.node_id, seq=node.seq, ts=time.time(), agent_version="test")))
-    with trio.fail_after(TIMEOUT_S):
-        first = await node.receive_set()
-    assert first.assignments == []
-    scope = await nursery.start(_beat, node)
-
-    async def ready() -> bool:
-        view = await node_view(c, node.node_id)
-        return bool(view["state"] == "Ready" and view["inventory"] is not None)
-
-    await wait_for(ready)
-    return Online(node, scope)
-
-
-async def set_where(node: RawNode, pred: Callable[[wire.AssignmentSet], bool]) -> wire.AssignmentSet:
-    """The next signed set pushed to the node that satisfies `pred` (renewals and re-pushes are skipped)."""
-    with trio.fail_after(TIMEOUT_S):
-        while True:
-            pushed = await node.receive_set()
-            if pred(pushed):
-                return pushed
-
-
-def names(pushed: wire.AssignmentSet) -> list[str]:
-    return [a.deployment for a in pushed.assignments]
-
-
-def fleet_image(images: BuiltImages) -> str:
-    """A runtime image in the run's registry offering linux/amd64 and linux/arm64: the raw nodes here
-    report GB10 (arm64) inventories, and placement filters nodes whose architecture an image lacks.
-    Never pulled (the nodes are raw channels)."""
-    host = images.busybox.partition("/")[0]
-    arches = [{"os": "linux", "architecture": "amd64"}, {"os": "linux", "architecture": "arm64"}]
-    return push_index(host, "nexa-test/fleet-runtime", arches)
-
-
-async def registry_ready(http: httpx.AsyncClient, s3: S3Store, images: BuiltImages) -> Json:
-    """A runtime, an Approved model tiny@v1 and alias `chat` pointing at it."""
-    await ok(
-        http.post(
-            "/api/v1/runtimes",
-            json={"name": "llama", "kind": "llamacpp", "version": "1", "image": fleet_image(images)},
-        ),
-        201,
-    )
-    model = await bring_to(http, s3, "tiny", "v1", "Approved")
-    await ok(http.post("/api/v1/aliases/chat/promote", json={"model": "tiny", "version": "v1"}))
-    return model
-
-
-def body(name: str = "chat-a", **over: Any) -> Json:
-    b: Json = {
-        "name": name,
-        "runtime": "llama",
-        "alias": "chat",
-        "replicas": 1,
-        "resources": {"accelerators": 1},
-        "options": {"port": 18100, "command": ["llama-server", "--model", "/models/model"]},
-    }
-    b.update(over)
-    return b
+from tests.support.api import TIMEOUT_S, assert_envelope, make_key, node_view, ok, wait_for
+from tests.support.deployments import Online, body, fleet_image, names, online, registry_ready, set_where
+from tests.support.models import bring_to, registry_config
 
 
 async def placed_on(http: httpx.AsyncClient, name: str) -> list[str]:

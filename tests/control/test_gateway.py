@@ -26,7 +26,8 @@ from nexa.contracts.gateway import Api, Capability
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
 from nexa.control.admission import Admission
-from nexa.control.gateway import Gateway, Work
+from nexa.control.calls import Work
+from nexa.control.gateway import Gateway
 from nexa.control.metering import MAX_TOKEN_COUNT, Meter
 from nexa.control.relay import Relay
 from nexa.control.routing import Router
@@ -204,19 +205,18 @@ def work(capability: Capability = Capability.CHAT, *, stream: bool = False, rid:
 
 
 async def run(rig: Rig, w: Work) -> tuple[bytes, RuntimeFailed | None, str]:
-    """Call, read everything, close: (output, the typed error it ended with, its status).
+    """Call, read everything, leave: (output, the typed error it ended with, its status).
 
-    A failure before any output (every batched embedding) is raised by `call` itself."""
+    A failure before any output (every batched embedding) is raised by entering the call itself."""
+    call = rig.gateway.call(w)
     try:
-        call = await rig.gateway.call(w)
+        async with call as answer:
+            out = await answer.read_all()
     except RuntimeFailed as exc:
         return b"", exc, exc.code
-    try:
-        out = await call.read_all()
-    finally:
-        await call.aclose()
-    assert call.error is None or isinstance(call.error, RuntimeFailed), call.error
-    return out, call.error, call.outcome.status
+    assert answer.error is None or isinstance(answer.error, RuntimeFailed), answer.error
+    assert call.outcome is not None
+    return out, answer.error, call.outcome.status
 
 
 # --- point 4: unary answers ---------------------------------------------------------------------------
@@ -279,14 +279,13 @@ async def test_a_stream_event_that_is_not_the_expected_json_ends_the_stream_with
 ) -> None:
     # No `end`: the runtime is still at work when its stream turns bad.
     rig.node.script = lambda head, _: [chunk(delta("one")), chunk(delta(" two") + bad + delta(" three"))]
-    call = await rig.gateway.call(work(stream=True))
-    try:
-        out = await call.read_all()
-    finally:
-        await call.aclose()
+    call = rig.gateway.call(work(stream=True))
+    async with call as answer:
+        out = await answer.read_all()
     # What came before the bad event reached the client; nothing after it did.
     assert out == delta("one") + delta(" two")
-    assert isinstance(call.error, RuntimeFailed) and call.outcome.status == "runtime_failed"
+    assert isinstance(answer.error, RuntimeFailed)
+    assert call.outcome is not None and call.outcome.status == "runtime_failed"
     assert rig.sample("nexa_gateway_invalid_answers_total", kind="stream") == 1
     assert rig.node.cancels == rig.node.stream_ids  # the rest is cancelled at the node
     [(_, status, _, completion)] = await rig.rows()
@@ -394,17 +393,16 @@ async def test_counts_the_wire_contract_let_through_are_still_refused_by_the_gat
         return [chunk(raw)]
 
     rig.node.script = script
-    call = await rig.gateway.call(work())
-    with attrs.validators.disabled():
-        bad_end = wire.EndHead(status=wire.EndStatus.OK, prompt_tokens=2**64, completion_tokens=-5)
-    stream = call._stream
-    assert stream is not None
-    stream._finish(bad_end)  # what the relay files once it parsed the node's end
-    try:
-        assert await call.read_all() == raw
-    finally:
-        await call.aclose()
-    assert call.error is None
+    call = rig.gateway.call(work())
+    async with call as answer:
+        with attrs.validators.disabled():
+            bad_end = wire.EndHead(status=wire.EndStatus.OK, prompt_tokens=2**64, completion_tokens=-5)
+        stream = answer._stream
+        assert stream is not None
+        stream._finish(bad_end)  # what the relay files once it parsed the node's end
+        assert await answer.read_all() == raw
+    assert answer.error is None
+    assert call.outcome is not None
     assert (call.outcome.prompt_tokens, call.outcome.completion_tokens) == (6, 2)
     assert rig.sample("nexa_usage_records_refused_total", reason="tokens_out_of_range") == 2
     assert await rig.rows() == [("rid-1", "ok", 6, 2)]

@@ -1,7 +1,7 @@
 """A hostile node, for real: an enrolled node drives its CurveZMQ channel by hand (issue 12 §15).
 
 The controller runs in this trio run with a real, well-behaved `nexa node` process (a `sim`
-runtime behind it, `tests/e2e/simcluster.py`). The hostile node is enrolled through the API like
+runtime behind it, `tests/support/cluster.py`). The hostile node is enrolled through the API like
 any other, then speaks raw zmq with its own Curve and Ed25519 keys, so everything it sends passes
 CurveZMQ and ZAP and most of it is validly signed: deep JSON, huge integers, NaN, unknown kinds,
 oversized frames, frames for streams it does not own, stale and replayed messages, a flood at
@@ -26,10 +26,11 @@ import zmq
 
 from nexa import messaging, security
 from nexa.contracts import codec, wire
-from tests.control.test_models import registry_config
-from tests.control.test_node_channel import RawNode, enroll, metric, node_view, wait_for
-from tests.e2e.simcluster import SimCluster, sim_cluster
 from tests.realparts import BuiltImages, S3Store
+from tests.support.api import metric, node_view, wait_for
+from tests.support.cluster import SimCluster, sim_cluster
+from tests.support.models import registry_config
+from tests.support.rawnode import RawNode, enroll
 
 pytestmark = pytest.mark.slow
 

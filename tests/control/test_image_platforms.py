@@ -7,15 +7,11 @@ oversized or malformed documents) use httpx.MockTransport.
 
 from __future__ import annotations
 
-import hashlib
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts import codec
@@ -36,47 +32,13 @@ from nexa.oci import (
     parse_config_platform,
     parse_manifest,
 )
-from tests.conftest import Controller, start_controller
-from tests.control.test_models import ok, registry_config
-from tests.realparts import OciRegistry, S3Store
+from tests.conftest import Controller
+from tests.realparts import OciRegistry
+from tests.support.api import ok
+from tests.support.oci import config_blob, index_of, manifest_for, push_index, sha
 
 Json = dict[str, Any]
-OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 GIB = 1024**3
-
-
-def sha(data: bytes) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
-
-
-def config_blob(arch: str, variant: str = "") -> bytes:
-    doc: Json = {"architecture": arch, "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}}
-    if variant:
-        doc["variant"] = variant
-    return json.dumps(doc).encode()
-
-
-def manifest_for(config: bytes, media_type: str = OCI_MANIFEST) -> bytes:
-    return json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": media_type,
-            "config": {"mediaType": OCI_CONFIG, "digest": sha(config), "size": len(config)},
-            "layers": [],
-        }
-    ).encode()
-
-
-def index_of(entries: list[tuple[bytes, Json]], media_type: str = OCI_INDEX) -> bytes:
-    return json.dumps(
-        {
-            "schemaVersion": 2,
-            "mediaType": media_type,
-            "manifests": [
-                {"mediaType": OCI_MANIFEST, "digest": sha(m), "size": len(m), "platform": p} for m, p in entries
-            ],
-        }
-    ).encode()
 
 
 # --- pure parsing ---------------------------------------------------------------------------------
@@ -315,29 +277,6 @@ def push(registry: OciRegistry, repository: str, platforms: list[Json]) -> str:
     return push_index(registry.host, repository, platforms)
 
 
-def push_index(host: str, repository: str, platforms: list[Json]) -> str:
-    """`push` to the plain-HTTP registry at `host` (idempotent: the same platforms give the same digest)."""
-    entries: list[tuple[bytes, Json]] = []
-    with httpx.Client(base_url=f"http://{host}", timeout=30, trust_env=False) as http:
-        for platform in platforms:
-            config = config_blob(platform["architecture"], platform.get("variant", ""))
-            started = http.post(f"/v2/{repository}/blobs/uploads/")
-            assert started.status_code == 202, started.text
-            location = httpx.URL(started.headers["Location"]).copy_merge_params({"digest": sha(config)})
-            assert http.put(location, content=config).status_code == 201
-            manifest = manifest_for(config)
-            put = http.put(
-                f"/v2/{repository}/manifests/{sha(manifest)}", content=manifest, headers={"Content-Type": OCI_MANIFEST}
-            )
-            assert put.status_code == 201, put.text
-            entries.append((manifest, platform))
-        index = index_of(entries)
-        put = http.put(f"/v2/{repository}/manifests/latest", content=index, headers={"Content-Type": OCI_INDEX})
-        assert put.status_code == 201, put.text
-        assert put.headers["Docker-Content-Digest"] == sha(index)
-    return f"{host}/{repository}@{sha(index)}"
-
-
 def push_single(registry: OciRegistry, repository: str, config: bytes) -> str:
     """Push one single-platform manifest (its config names the platform); `host/repo@digest`."""
     manifest = manifest_for(config)
@@ -348,13 +287,6 @@ def push_single(registry: OciRegistry, repository: str, config: bytes) -> str:
         put = http.put(f"/v2/{repository}/manifests/v1", content=manifest, headers={"Content-Type": OCI_MANIFEST})
         assert put.status_code == 201, put.text
     return f"{registry.host}/{repository}@{sha(manifest)}"
-
-
-@pytest.fixture
-async def reg(nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store) -> AsyncIterator[Controller]:
-    started = await start_controller(nursery, registry_config(tmp_path, s3_store))
-    yield started
-    started.stopping.set()
 
 
 async def test_a_two_platform_index_in_the_real_registry_is_recorded_and_filters_placement(

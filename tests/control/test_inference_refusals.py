@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import apsw
 import attrs
@@ -202,7 +202,7 @@ async def test_a_bug_behind_an_inference_route_answers_in_the_error_shape_and_qu
 ) -> None:
     from nexa.control.gateway import Gateway
 
-    async def broken(*_args: object, **_kwargs: object) -> None:
+    def broken(*_args: object, **_kwargs: object) -> NoReturn:
         raise ValueError("canary-7f3a quoted from the request")
 
     monkeypatch.setattr(Gateway, "call", broken)

@@ -9,19 +9,19 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import attrs
 import pytest
 import trio
 import trio.testing
 
 from nexa.config import GatewayConfig, Seconds
-from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, Capability, UsageReport, UsageRow
+from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import UsageRecord as Rec
+from nexa.contracts.gateway import UsageReport, UsageRow
 from nexa.control import store as st
 from nexa.control.metering import CSV_HEADER, FIRST_PRUNE_S, MAX_TOKEN_COUNT, Meter
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
+from tests.support.usage import usage_record
 
 #: 2023-11-14 22:13:20 UTC; the next UTC midnight is MIDNIGHT.
 T0 = 1_700_000_000.0
@@ -29,27 +29,7 @@ MIDNIGHT = (T0 // 86_400 + 1) * 86_400
 
 
 def rec(n: int, **changes: object) -> Rec:
-    base = Rec(
-        request_id=f"req{n}",
-        workload_id=None,
-        api=Api.OPENAI,
-        tenant=TenantId("acme"),
-        key_id=KeyId("k1"),
-        capability=Capability.CHAT,
-        alias="chat",
-        model="llama",
-        model_version="1",
-        deployment="chat-prod",
-        node_id="n1",
-        status="ok",
-        prompt_tokens=10,
-        completion_tokens=20,
-        queue_ms=1.0,
-        ttft_ms=50.0,
-        duration_ms=100.0,
-        finished_at=T0,
-    )
-    return attrs.evolve(base, **changes)
+    return usage_record(**{"request_id": f"req{n}", "finished_at": T0, **changes})
 
 
 @pytest.fixture

@@ -16,9 +16,9 @@ import pytest
 from nexa.contracts.manifest import ArtifactFile, Manifest
 from nexa.security import SigningKey, sign_digest
 from tests.conftest import Controller
-from tests.control.test_api import assert_envelope
-from tests.control.test_models import audit_events, get_model, ok
 from tests.realparts import S3Store
+from tests.support.api import assert_envelope, ok
+from tests.support.models import audit_events, get_model
 
 Json = dict[str, Any]
 

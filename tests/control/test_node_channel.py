@@ -1,145 +1,26 @@
 """The controller's node channel over real CurveZMQ: enrollment, refusals, liveness, signed sets.
 
-A `RawNode` is a test double for a node agent built from the real pieces (keys, Curve DEALER,
-signed frames) so a test can also send what a real agent never would.
+A `RawNode` (tests/support/rawnode.py) is a test double for a node agent built from the real pieces
+(keys, Curve DEALER, signed frames) so a test can also send what a real agent never would.
 """
 
 from __future__ import annotations
 
-import re
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
 import httpx
 import pytest
 import trio
-import zmq
 
 from nexa import messaging, security
-from nexa.contracts import codec, wire
-from nexa.contracts.api import EnrollResponse
+from nexa.contracts import wire
 from nexa.control import store as st
 from nexa.errors import Unauthenticated
-from tests.conftest import Controller, gb10_inventory, local_config
-
-TIMEOUT_S = 15
-
-
-@attrs.define
-class RawNode:
-    node_id: str
-    key: security.SigningKey
-    curve: messaging.CurveKeyPair
-    enrolled: EnrollResponse
-    pump: messaging.ZmqPump | None = None
-    seq: int = 0
-    #: Assignment ids this node reports as Ready in its heartbeats.
-    ready: set[str] = attrs.field(factory=set)
-
-    def frames(self, msg: wire.WireMessage, *, key: security.SigningKey | None = None) -> list[bytes]:
-        return messaging.encode_frames(msg, key or self.key)
-
-    def heartbeat(
-        self, *, seq: int | None = None, ts: float | None = None, node_id: str | None = None
-    ) -> wire.Heartbeat:
-        if seq is None:
-            self.seq += 1
-            seq = self.seq
-        return wire.Heartbeat(
-            node_id=node_id or self.node_id,
-            seq=seq,
-            ts=time.time() if ts is None else ts,
-            inventory=gb10_inventory(self.node_id),
-            free_memory_bytes=100 << 30,
-            free_accelerators=1,
-            assignments=[
-                wire.AssignmentStatus(assignment_id=aid, state=wire.RuntimeState.READY) for aid in sorted(self.ready)
-            ],
-        )
-
-    async def send(self, frames: list[bytes]) -> None:
-        assert self.pump is not None
-        await self.pump.send(frames)
-
-    async def receive_set(self) -> wire.AssignmentSet:
-        assert self.pump is not None
-        frames = await self.pump.receive()
-        controller = security.PublicKey.from_b64(self.enrolled.controller_signing_public_key)
-        msg = messaging.decode_frames([f.bytes for f in frames], controller, wire.FROM_CONTROLLER)
-        assert isinstance(msg, wire.AssignmentSet)
-        return msg
-
-
-async def enroll(c: Controller, name: str, labels: str = "") -> RawNode:
-    key = security.generate_signing_key()
-    curve = messaging.generate_curve_keypair()
-    async with c.client() as http:
-        token = (await http.post("/api/v1/enrollment-tokens", json={"ttl_s": 60, "labels": _labels(labels)})).json()
-        resp = await http.post(
-            "/api/v1/enroll",
-            json={
-                "token": token["token"],
-                "hostname": name,
-                "signing_public_key": key.public.b64,
-                "curve_public_key": curve.public,
-            },
-        )
-    assert resp.status_code == 201, resp.text
-    enrolled = codec.structure(codec.api, resp.json(), EnrollResponse)
-    return RawNode(node_id=enrolled.node_id, key=key, curve=curve, enrolled=enrolled)
-
-
-def _labels(text: str) -> dict[str, str]:
-    return dict(item.split("=", 1) for item in text.split(",") if item)
-
-
-@pytest.fixture
-async def dial(nursery: trio.Nursery) -> AsyncIterator[Any]:
-    """Connect a RawNode's Curve DEALER to the controller's channel (real zmq over loopback)."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-
-    async def connect(node: RawNode, *, curve: messaging.CurveKeyPair | None = None) -> RawNode:
-        pair = curve or node.curve
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.CURVE_SERVERKEY, node.enrolled.controller_curve_public_key.encode())
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public.encode())
-        sock.setsockopt(zmq.CURVE_SECRETKEY, pair.secret.encode())
-        sock.connect(node.enrolled.channel_endpoint)
-        node.pump = messaging.ZmqPump(sock)
-        await nursery.start(node.pump.run)
-        return node
-
-    try:
-        yield connect
-    finally:
-        nursery.cancel_scope.cancel()
-        ctx.destroy(linger=0)
-
-
-async def metric(c: Controller, name: str, **labels: str) -> float:
-    async with c.client() as http:
-        text = (await http.get("/metrics")).text
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    match = re.search(rf"^{name}{{{re.escape(want)}}} (\S+)$", text, re.M) if labels else None
-    if not labels:
-        match = re.search(rf"^{name} (\S+)$", text, re.M)
-    return float(match.group(1)) if match else 0.0
-
-
-async def node_view(c: Controller, node_id: str) -> dict[str, Any]:
-    async with c.client() as http:
-        resp = await http.get(f"/api/v1/nodes/{node_id}")
-    assert resp.status_code == 200, resp.text
-    return dict(resp.json())
-
-
-async def wait_for(predicate: Any, *, timeout_s: float = TIMEOUT_S) -> None:
-    with trio.fail_after(timeout_s):
-        while not await predicate():  # noqa: ASYNC110 - polling the HTTP API, as an operator would
-            await trio.sleep(0.05)
+from tests.conftest import Controller, local_config
+from tests.support.api import TIMEOUT_S, metric, node_view, wait_for
+from tests.support.rawnode import RawNode, enroll
 
 
 async def test_enrollment_gives_keys_and_endpoint_and_spends_the_token(controller: Controller) -> None:

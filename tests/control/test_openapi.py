@@ -3,12 +3,14 @@ schemathesis against a real `nexa control` process with every kind of key."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import schemathesis
@@ -16,6 +18,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from openapi_spec_validator import validate
 
+from nexa.contracts import codec
+from nexa.contracts.api import ReceiptPublicKey
 from nexa.control import openapi
 from nexa.control.api import ROUTE_ROLES
 from nexa.control.inference import INFERENCE_ROUTES
@@ -80,6 +84,55 @@ def test_a_route_without_a_description_fails_the_generator(monkeypatch: pytest.M
     monkeypatch.setattr(openapi, "ROUTE_ROLES", {**ROUTE_ROLES, ("GET", "/api/v1/new-thing"): None})
     with pytest.raises(LookupError, match="new-thing"):
         openapi.document()
+
+
+def test_every_paged_list_takes_the_same_cursor_and_limit_and_answers_next_cursor() -> None:
+    doc = openapi.document()
+    schemas = doc["components"]["schemas"]
+    paged = {}
+    for (method, path), op in _operations(doc).items():
+        query = {p["name"]: p for p in op["parameters"] if p["in"] == "query"}
+        success = next(r for status, r in op["responses"].items() if int(status) < 400)
+        ref = success["content"].get("application/json", {}).get("schema", {}).get("$ref", "")
+        answer = schemas.get(ref.rpartition("/")[2], {}).get("properties", {})
+        assert ("cursor" in query) == ("limit" in query) == ("next_cursor" in answer), (method, path)
+        if "cursor" in query:
+            paged[path] = (query["cursor"], query["limit"], answer["next_cursor"])
+    assert set(paged) >= {  # and any list added since
+        "/api/v1/keys",
+        "/api/v1/tenants",
+        "/api/v1/nodes",
+        "/api/v1/audit",
+        "/api/v1/deployments",
+        "/api/v1/usage",
+    }
+    assert len({json.dumps(v, sort_keys=True) for v in paged.values()}) == 1  # one description, not copies
+    cursor, limit, next_cursor = paged["/api/v1/keys"]
+    assert cursor["description"] and limit["schema"]["default"] == 100 and limit["schema"]["maximum"] == 1000
+    assert next_cursor == {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
+
+
+def test_a_paged_answer_without_the_page_query_fails_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    ops = dict(openapi._OPERATIONS)
+    ops[("GET", "/api/v1/tenants")] = attrs.evolve(ops[("GET", "/api/v1/tenants")], params=())
+    monkeypatch.setattr(openapi, "_OPERATIONS", ops)
+    with pytest.raises(LookupError, match="tenants"):
+        openapi.document()
+
+
+async def test_the_receipts_key_is_answered_and_described_as_its_contract_type(controller: Controller) -> None:
+    async with controller.client() as http:
+        resp = await http.get("/api/v1/receipts/public-key")
+    assert resp.status_code == 200, resp.text
+    answer = resp.json()
+    assert list(answer) == ["public_key"] and len(base64.b64decode(answer["public_key"], validate=True)) == 32
+    assert codec.loads(codec.api, resp.content, ReceiptPublicKey) == ReceiptPublicKey(public_key=answer["public_key"])
+    doc = openapi.document()
+    op = doc["paths"]["/api/v1/receipts/public-key"]["get"]
+    assert op["responses"]["200"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/ReceiptPublicKey"
+    }
+    assert doc["components"]["schemas"]["ReceiptPublicKey"]["required"] == ["public_key"]
 
 
 def test_bodies_are_generated_from_the_contract_types() -> None:

@@ -27,8 +27,8 @@ from nexa.control.southbound import Southbound
 from nexa.errors import Conflict, NotConnected
 from nexa.messaging import Uplink
 from nexa.telemetry import Metrics
-from tests.node.test_relay import TIMEOUT_S, data_path, drain, infer_head, request, wait_until
-from tests.test_messaging import hello
+from tests.support.messaging import hello
+from tests.support.relay import TIMEOUT_S, data_path, drain, infer_head, request, wait_until
 
 # --- cancellation -------------------------------------------------------------------------------
 

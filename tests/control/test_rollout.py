@@ -28,19 +28,17 @@ from nexa.contracts.deployments import CanaryObjective, Deployment
 from nexa.contracts.gateway import WindowStats
 from nexa.contracts.models import ModelRef
 from nexa.control import service
-from nexa.control.deployments import Deployments, _stamped
+from nexa.control.deployments import Deployments
+from nexa.control.deployments.records import stamped
 from nexa.control.rollout import RolloutWatcher, WindowSource, breach
 from tests.conftest import Controller, gb10_inventory, start_controller
-from tests.control import test_deployments, test_node_channel
-from tests.control.test_api import assert_envelope
-from tests.control.test_deployments import Online, online, registry_ready
-from tests.control.test_models import bring_to, ok, registry_config
-from tests.control.test_node_channel import TIMEOUT_S, wait_for
 from tests.realparts import BuiltImages, S3Store
+from tests.support.api import TIMEOUT_S, assert_envelope, ok, wait_for
+from tests.support.deployments import Online, online, registry_ready
+from tests.support.deployments import body as deployment_body
+from tests.support.models import bring_to, registry_config
 
 Json = dict[str, Any]
-dial = test_node_channel.dial
-dep_reg = test_deployments.dep_reg
 
 #: Per replica: more than half a GB10's unified pool, so one replica per node.
 BIG: Final = 70 * 2**30
@@ -50,7 +48,7 @@ V2: Final = {"model": "tiny", "version": "v2"}
 
 
 def big(name: str = "chat-a", replicas: int = 2, **over: Any) -> Json:
-    return test_deployments.body(name, replicas=replicas, resources={"accelerators": 1, "memory_bytes": BIG}, **over)
+    return deployment_body(name, replicas=replicas, resources={"accelerators": 1, "memory_bytes": BIG}, **over)
 
 
 def canary_body(replicas: int = 1, weight: float = 0.2, **objective: Any) -> Json:
@@ -568,4 +566,4 @@ def test_a_deployment_stored_before_rollouts_still_loads() -> None:
     dep = codec.loads(codec.store, json.dumps(old), Deployment)
     assert dep.canary is None and dep.rollout is None and dep.previous is None
     assert dep.placed[0].model is None
-    assert _stamped(dep).placed[0].model == ModelRef(model="tiny", version="v1")  # what it ran
+    assert stamped(dep).placed[0].model == ModelRef(model="tiny", version="v1")  # what it ran

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import apsw
 import pytest
 import trio
 
-from nexa.contracts.domain import AuditDraft, KeyId, Role
+from nexa.contracts.domain import AuditDraft, KeyId, Role, TenantId
+from nexa.contracts.gateway import AcceptedWorkload, Capability, Priority, WorkloadState
 from nexa.control import store as st
 from nexa.errors import Conflict, StateDirLocked, StoreError
 
@@ -199,23 +202,24 @@ async def test_usage_is_indexed_for_time_and_tenant_queries(tmp_path: Path) -> N
     assert "usage_tenant" in by_tenant
 
 
-async def test_workload_ids_and_keys_are_unique_per_tenant_only(tmp_path: Path) -> None:
-    from nexa.contracts.domain import TenantId
-    from nexa.contracts.gateway import Capability, Priority, WorkloadState
+def queued(tenant: TenantId, workload_id: str, key_sha256: str, accepted_at: float) -> st.WorkloadRow:
+    accepted = AcceptedWorkload(
+        tenant=tenant,
+        workload_id=workload_id,
+        idempotency_key_sha256=key_sha256,
+        key_id=KeyId("k"),
+        capability=Capability.EMBEDDING,
+        alias="emb",
+        model="emb",
+        priority=Priority.BATCH,
+        accepted_at=accepted_at,
+    )
+    return st.WorkloadRow(accepted=accepted, state=WorkloadState.QUEUED)
 
+
+async def test_workload_ids_and_keys_are_unique_per_tenant_only(tmp_path: Path) -> None:
     def row(tenant: str, workload_id: str, key: str) -> st.WorkloadRow:
-        return st.WorkloadRow(
-            tenant=TenantId(tenant),
-            workload_id=workload_id,
-            idempotency_key_sha256=key,
-            key_id=KeyId("k"),
-            capability=Capability.EMBEDDING,
-            alias="emb",
-            state=WorkloadState.QUEUED,
-            model="emb",
-            priority=Priority.BATCH,
-            accepted_at=1.0,
-        )
+        return queued(TenantId(tenant), workload_id, key, 1.0)
 
     async with st.open_store(tmp_path) as store:
         await store.run(st.insert_workload, row("a", "w1", "k1"))
@@ -225,6 +229,52 @@ async def test_workload_ids_and_keys_are_unique_per_tenant_only(tmp_path: Path) 
         with pytest.raises(Conflict, match="used before for workload w1"):
             await store.run(st.insert_workload, row("a", "w2", "k1"))
         [unfinished_a, unfinished_b] = await store.run(st.unfinished_workloads)
-        assert {unfinished_a.tenant, unfinished_b.tenant} == {"a", "b"}
+        assert {unfinished_a.accepted.tenant, unfinished_b.accepted.tenant} == {"a", "b"}
         assert await store.run(st.get_workload, TenantId("a"), "w1") == row("a", "w1", "k1")
         assert await store.run(st.get_workload, TenantId("c"), "w1") is None
+
+
+async def test_a_tenants_workloads_page_by_acceptance_and_stay_stable_under_inserts(tmp_path: Path) -> None:
+    def row(tenant: str, workload_id: str, accepted_at: float) -> st.WorkloadRow:
+        return queued(TenantId(tenant), workload_id, f"{tenant}-{workload_id}", accepted_at)
+
+    a = TenantId("a")
+    async with st.open_store(tmp_path) as store:
+        # Two accepted in the same instant: the id orders them.
+        for wid, at in (("w3", 3.0), ("w1", 1.0), ("w2b", 2.0), ("w2a", 2.0), ("w4", 4.0)):
+            await store.run(st.insert_workload, row("a", wid, at))
+        await store.run(st.insert_workload, row("b", "wb", 1.5))  # another tenant's: never listed
+        seen: list[str] = []
+        after: st.WorkloadKey | None = None
+        while True:
+            page = await store.run(st.list_workloads, a, after, 2)
+            seen += [w.accepted.workload_id for w in page]
+            if len(page) < 2:
+                break
+            after = (page[-1].accepted.accepted_at, page[-1].accepted.workload_id)
+            # Accepted meanwhile: one before the cursor (not repeated, not listed) and one after it.
+            await store.run(st.insert_workload, row("a", f"early{len(seen)}", 0.5))
+            await store.run(st.insert_workload, row("a", f"late{len(seen)}", 10.0 + len(seen)))
+        assert seen == ["w1", "w2a", "w2b", "w3", "w4", "late2", "late4", "late6", "late8"]
+        assert await store.run(st.list_workloads, TenantId("c"), None, 10) == []
+
+        def plan(db: apsw.Connection) -> str:
+            sql = "EXPLAIN QUERY PLAN SELECT workload_id FROM workload WHERE tenant = ? AND (accepted_at, workload_id) > (?, ?) ORDER BY accepted_at, workload_id LIMIT 2"  # noqa: E501
+            return repr(db.execute(sql, ("a", 1.0, "w1")).fetchall())
+
+        assert "workload_tenant_accepted" in await store.run(plan)
+
+
+def test_importing_the_store_applies_nothing_and_opening_applies_best_practice_once(tmp_path: Path) -> None:
+    script = f"""
+import apsw, trio
+from nexa.control import store as st
+assert apsw.connection_hooks == [], "applied at import"
+async def main():
+    for _ in range(2):
+        async with st.open_store({str(tmp_path)!r}) as store:
+            assert await store.run(lambda db: db.execute("PRAGMA journal_mode").fetchall()[0][0]) == "wal"
+trio.run(main)
+assert len(apsw.connection_hooks) == 1, apsw.connection_hooks
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)

@@ -42,10 +42,10 @@ from nexa.contracts.placement import MemoryLimit, MemoryShare, PlacementDecision
 from nexa.contracts.runtime import ContainerSpec, HealthProbe
 from nexa.contracts.wire import Assignment, DesiredAssignments
 from nexa.control.deployments import (
-    _request,
     artifact_ref,
     assignment_for,
     check_memory_limits,
+    placement_request,
     snapshot_from,
     unified_pool_bytes,
 )
@@ -55,19 +55,15 @@ from nexa.control.scheduler import place
 from nexa.errors import ConfigError, MemoryOverReservation
 from nexa.security import ReplayWindow
 from tests.conftest import Controller, gb10_inventory
-from tests.control import test_deployments
-from tests.control.test_api import assert_envelope
-from tests.control.test_deployments import fleet_image, names, online, set_where
-from tests.control.test_models import bring_to, ok
-from tests.control.test_node_channel import node_view
 from tests.realparts import BuiltImages, S3Store
-from tests.test_adapters import IMAGES, OFFLINE, python_probe
-from tests.test_adapters import model as adapter_model
+from tests.support.adapters import IMAGES, OFFLINE, python_probe
+from tests.support.adapters import model as adapter_model
+from tests.support.api import assert_envelope, node_view, ok
+from tests.support.deployments import fleet_image, names, online, set_where
+from tests.support.models import bring_to
 
-# The fixtures that run a real controller and connect raw nodes reporting GB10 inventories.
-dep_reg = test_deployments.dep_reg
-dial = test_deployments.dial
-
+# `dep_reg` and `dial` (tests/control/conftest.py) run a real controller and connect raw nodes
+# reporting GB10 inventories.
 GIB = 2**30
 #: The recorded GB10's pool: MemTotal of tests/fixtures/meminfo/gb10_dgx_spark.meminfo.
 POOL = 125106396 * 1024
@@ -187,10 +183,12 @@ def h100(node_id: str = "h100-1") -> PlacementNode:
 
 def deploy(fleet: list[NodeLive], dep: Deployment, mod: ModelRecord, *, headroom: int = HEADROOM) -> PlacementDecision:
     """Place `dep` over the fleet as the controller does and put its assignments into the nodes'
-    desired sets (ports from 18000 up on each node, as `Deployments._commit` chooses them)."""
+    desired sets (ports from 18000 up on each node, as `Desired.commit` chooses them)."""
     rt = runtime(RuntimeKind(dep.runtime))
     decision = place(
-        snapshot_from(fleet, unified_headroom_bytes=headroom), _request(dep, mod, rt, dep.replicas), existing=Counter()
+        snapshot_from(fleet, unified_headroom_bytes=headroom),
+        placement_request(dep, mod, rt, dep.replicas),
+        existing=Counter(),
     )
     if not decision.feasible:
         return decision
@@ -396,7 +394,7 @@ def test_tensorrt_llm_is_given_a_kv_cache_share_of_what_the_weights_leave() -> N
 def test_an_operator_value_over_the_reservation_is_a_typed_422_and_under_it_is_kept() -> None:
     fleet = [spark()]
     over = deployment("chat", RuntimeKind.VLLM, memory=48 * GIB, settings={"gpu_memory_utilization": 0.7})
-    decision = place(snapshot_from(fleet), _request(over, model(), runtime(RuntimeKind.VLLM), 1))
+    decision = place(snapshot_from(fleet), placement_request(over, model(), runtime(RuntimeKind.VLLM), 1))
     with pytest.raises(MemoryOverReservation) as caught:
         check_memory_limits(create(over), decision)
     message = caught.value.message
@@ -424,7 +422,7 @@ def test_a_node_where_the_operator_value_would_be_over_is_filtered_out_with_that
     """The deployment was accepted on discrete GPUs; a Spark enrolled later must not take it."""
     dep = deployment("chat", RuntimeKind.VLLM, memory=48 * GIB, settings={"gpu_memory_utilization": 0.7})
     nodes = [h100(), *snapshot_from([spark("spark-9")])]
-    decision = place(nodes, _request(dep, model(), runtime(RuntimeKind.VLLM), 1))
+    decision = place(nodes, placement_request(dep, model(), runtime(RuntimeKind.VLLM), 1))
     assert [p.node_id for p in decision.placements] == ["h100-1"]
     by_node = {e.node_id: e for e in decision.explanations}
     assert by_node["h100-1"].runtime_memory is None  # discrete GPUs: the reservation is theirs

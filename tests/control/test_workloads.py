@@ -15,16 +15,30 @@ import trio.testing
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import (
     API_VERSION,
+    UNRESOLVED_MODEL,
+    Api,
+    CallOutcome,
     Capability,
     Receipt,
     WorkloadCreate,
     WorkloadState,
     request_sha256,
 )
+from nexa.contracts.models import ModelRef
 from nexa.control import store as st
 from nexa.control.workloads import RESTARTED, ActiveWorkload, Workloads, new_receipt_id
-from nexa.errors import BadSignature, Conflict, IdempotencyKeyReused, NotFound, WorkloadAlreadyActive
-from nexa.security import SigningKey, generate_signing_key, verify_receipt
+from nexa.errors import (
+    BadSignature,
+    Cancelled,
+    Conflict,
+    IdempotencyKeyReused,
+    NexaError,
+    NotFound,
+    QuotaExceeded,
+    RuntimeFailed,
+    WorkloadAlreadyActive,
+)
+from nexa.security import SigningKey, generate_signing_key, sign_receipt, verify_receipt
 
 ACME, BETA = TenantId("acme"), TenantId("beta")
 KEY = KeyId("k1")
@@ -58,14 +72,15 @@ def create(workload_id: str = "w1", key: str = "idem-1") -> WorkloadCreate:
 
 
 def receipt_for(active: ActiveWorkload, state: WorkloadState = WorkloadState.SUCCEEDED, **changes: object) -> Receipt:
+    a = active.accepted
     base = Receipt(
         receipt_id=new_receipt_id(),
-        workload_id=active.workload_id,
-        idempotency_key_sha256=active.idempotency_key_sha256,
-        tenant=active.tenant,
-        key_id=active.key_id,
-        capability=active.capability,
-        alias=active.alias,
+        workload_id=a.workload_id,
+        idempotency_key_sha256=a.idempotency_key_sha256,
+        tenant=a.tenant,
+        key_id=a.key_id,
+        capability=a.capability,
+        alias=a.alias,
         model="llama",
         model_version="1",
         deployment="chat-prod",
@@ -77,8 +92,8 @@ def receipt_for(active: ActiveWorkload, state: WorkloadState = WorkloadState.SUC
         queue_ms=1.5,
         ttft_ms=20.0,
         duration_ms=80.0,
-        accepted_at=active.accepted_at,
-        finished_at=active.accepted_at + 0.08,
+        accepted_at=a.accepted_at,
+        finished_at=a.accepted_at + 0.08,
         controller_epoch=1,
     )
     return attrs.evolve(base, **changes)
@@ -240,6 +255,24 @@ async def test_the_store_never_holds_the_payload(store: st.Store, workloads: Wor
     assert "secret prompt" not in await store.run(dump)
 
 
+async def test_the_stored_state_finished_at_and_error_are_the_receipts(store: st.Store, workloads: Workloads) -> None:
+    active = await begin(workloads)
+    assert (await store.run(st.get_workload, ACME, "w1")) == st.WorkloadRow(
+        accepted=active.accepted, state=WorkloadState.QUEUED
+    )
+    signed = await workloads.finish(active, receipt_for(active, WorkloadState.CANCELLED))
+
+    def columns(db: object) -> list[tuple[object, ...]]:
+        sql = "SELECT state, finished_at, error FROM workload"
+        return list(db.execute(sql).fetchall())  # type: ignore[attr-defined]
+
+    r = signed.receipt
+    assert await store.run(columns) == [("cancelled", r.finished_at, "cancelled")]
+    row = await store.run(st.get_workload, ACME, "w1")
+    assert row is not None and row.accepted == active.accepted and row.receipt == signed
+    assert (row.state, row.finished_at, row.error) == (WorkloadState.CANCELLED, r.finished_at, "cancelled")
+
+
 async def test_finish_refuses_a_receipt_of_another_workload(workloads: Workloads) -> None:
     active = await begin(workloads)
     with pytest.raises(ValueError, match="does not finish"):
@@ -297,3 +330,89 @@ async def test_an_idempotency_key_replayed_with_another_body_is_refused(workload
     assert await workloads.lookup(BETA, "idem-1", other) is None  # keys are per tenant
     # Nothing changed: the stored workload is the first one.
     assert (await workloads.status(ACME, "w1")).receipt == signed
+
+
+def outcome_of(active: ActiveWorkload, *, opened: bool = True, status: str = "ok") -> CallOutcome:
+    a = active.accepted
+    return CallOutcome(
+        request_id="rid-1",
+        workload_id=a.workload_id,
+        api=Api.WORKLOADS,
+        tenant=a.tenant,
+        key_id=a.key_id,
+        capability=a.capability,
+        alias="chat",
+        model=ModelRef(model="llama", version="1"),
+        deployment="chat-prod",
+        node_id="n1",
+        canary=False,
+        status=status,
+        prompt_tokens=12,
+        completion_tokens=34,
+        queue_ms=1.5,
+        ttft_ms=20.0,
+        duration_ms=80.0,
+        finished_at=time.time(),
+        attempts=1,
+        opened=opened,
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "state"),
+    [
+        (None, WorkloadState.SUCCEEDED),
+        (Cancelled("the client went away"), WorkloadState.CANCELLED),
+        (RuntimeFailed("the runtime failed"), WorkloadState.FAILED),
+        (QuotaExceeded("used up", limit="concurrent", retry_after_s=1.0), WorkloadState.FAILED),
+    ],
+    ids=["ok", "cancelled", "runtime failed", "refused"],
+)
+async def test_end_decides_the_terminal_state_from_how_the_call_ended(
+    workloads: Workloads, signer: SigningKey, error: NexaError | None, state: WorkloadState
+) -> None:
+    active = await begin(workloads)
+    signed = await workloads.end(active, outcome_of(active, status="ok" if error is None else error.code), error)
+    verify_receipt(signer.public, signed)
+    r = signed.receipt
+    assert (r.state, r.error) == (state, None if error is None else error.code)
+    assert (r.model, r.model_version, r.prompt_tokens, r.completion_tokens) == ("llama", "1", 12, 34)
+    assert (await workloads.status(ACME, "w1")).state is state
+
+
+async def test_a_call_no_replica_answered_gives_a_receipt_naming_no_model(workloads: Workloads) -> None:
+    active = await begin(workloads)
+    error = QuotaExceeded("used up", limit="concurrent", retry_after_s=1.0)
+    for outcome in (outcome_of(active, opened=False, status=error.code), None):
+        again = await begin(workloads, workload_id=f"w-{outcome is None}", key=f"k-{outcome is None}")
+        r = (await workloads.end(again, outcome, error)).receipt
+        assert (r.alias, r.model, r.model_version, r.deployment, r.node_id) == ("", UNRESOLVED_MODEL, "", "", "")
+        assert (r.prompt_tokens, r.completion_tokens, r.queue_ms, r.ttft_ms, r.duration_ms) == (0, 0, 0.0, None, 0.0)
+    await workloads.finish(active, receipt_for(active))
+
+
+async def test_a_receipt_from_an_outcome_signs_the_same_bytes_as_the_field_by_field_one(
+    workloads: Workloads, signer: SigningKey
+) -> None:
+    """The receipt's fields (what is signed) are unchanged, so receipts made before still verify."""
+    assert [f.name for f in attrs.fields(Receipt)] == [
+        "receipt_id", "workload_id", "idempotency_key_sha256", "tenant", "key_id", "capability", "alias",
+        "model", "model_version", "deployment", "node_id", "state", "error", "prompt_tokens",
+        "completion_tokens", "queue_ms", "ttft_ms", "duration_ms", "accepted_at", "finished_at", "controller_epoch",
+    ]  # fmt: skip
+    active = await begin(workloads)
+    outcome = outcome_of(active)
+    by_hand = receipt_for(active, finished_at=outcome.finished_at)  # as the adapter copied it, field by field
+    derived = Receipt.from_outcome(
+        outcome,
+        accepted=active.accepted,
+        receipt_id=by_hand.receipt_id,
+        state=WorkloadState.SUCCEEDED,
+        error=None,
+        finished_at=outcome.finished_at,
+        controller_epoch=1,
+    )
+    assert attrs.evolve(derived, alias="chat") == by_hand
+    old = sign_receipt(signer, by_hand)
+    verify_receipt(signer.public, old)
+    assert sign_receipt(signer, attrs.evolve(derived, alias="chat")).signature == old.signature

@@ -18,22 +18,12 @@ import httpx
 import pytest
 import trio
 
-from tests.control.test_models import ok
-from tests.e2e.simcluster import SimCluster
-from tests.e2e.test_gateway import MESSAGES, _cluster, new_key
 from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.cluster import MESSAGES, SimCluster, gateway_cluster, new_key
 
 pytestmark = pytest.mark.slow
 Json = dict[str, Any]
-
-
-@pytest.fixture
-async def cluster(
-    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
-) -> AsyncIterator[SimCluster]:
-    async for c in _cluster(nursery, tmp_path, s3_store, test_images):
-        await c.deploy("chat-a", replicas=2)
-        yield c
 
 
 @pytest.fixture
@@ -41,7 +31,9 @@ async def narrow_cluster(
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
 ) -> AsyncIterator[SimCluster]:
     """One replica taking one request at a time, and 8 places in the queue."""
-    async for c in _cluster(nursery, tmp_path, s3_store, test_images, queue_depth=8, max_inflight_per_replica=1):
+    async with gateway_cluster(
+        nursery, tmp_path, s3_store, test_images, queue_depth=8, max_inflight_per_replica=1
+    ) as c:
         await c.deploy("chat-a", replicas=1)
         yield c
 

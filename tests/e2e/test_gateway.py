@@ -13,22 +13,21 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
-import attrs
 import httpx
 import openai
 import pytest
 import trio
 
-from nexa.config import GatewayConfig
 from nexa.telemetry import JsonFormatter
-from tests.control.test_models import bring_to, ok, registry_config
-from tests.e2e.simcluster import SimCluster, SimNode, sim_cluster
 from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.cluster import MESSAGES, SimCluster, SimNode, gateway_cluster, new_key
+from tests.support.models import bring_to
 
 pytestmark = pytest.mark.slow
 T = TypeVar("T")
@@ -36,25 +35,6 @@ T = TypeVar("T")
 Json = dict[str, Any]
 #: A slow stream: 200 tokens at 20 per second.
 SLOW_ARGS = ["--ttft-ms", "5", "--tokens-per-s", "20", "--output-tokens", "200"]
-MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
-
-
-async def _cluster(
-    nursery: trio.Nursery, tmp_path: Path, s3: S3Store, images: BuiltImages, **gateway: Any
-) -> AsyncIterator[SimCluster]:
-    cfg = registry_config(tmp_path, s3)
-    cfg = attrs.evolve(cfg, gateway=attrs.evolve(GatewayConfig(), **gateway))
-    async with sim_cluster(nursery, tmp_path, cfg, s3, images) as cluster:
-        yield cluster
-
-
-@pytest.fixture
-async def cluster(
-    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
-) -> AsyncIterator[SimCluster]:
-    async for c in _cluster(nursery, tmp_path, s3_store, test_images):
-        await c.deploy("chat-a", replicas=2)
-        yield c
 
 
 def sdk(cluster: SimCluster, key: str | None = None) -> openai.OpenAI:
@@ -68,15 +48,6 @@ def sdk(cluster: SimCluster, key: str | None = None) -> openai.OpenAI:
 
 async def in_thread(fn: Callable[[], T]) -> T:
     return await trio.to_thread.run_sync(fn)
-
-
-async def new_key(cluster: SimCluster, role: str, tenant: str | None = None) -> str:
-    async with cluster.client() as http:
-        if tenant is not None and tenant != cluster.tenant:
-            await ok(http.post("/api/v1/tenants", json={"id": tenant}), 201)
-        created = await ok(http.post("/api/v1/keys", json={"role": role, "tenant": tenant}), 201)
-    key: str = created["key"]
-    return key
 
 
 async def usage_rows(cluster: SimCluster, **params: str) -> list[Json]:
@@ -271,7 +242,7 @@ async def test_a_node_killed_mid_stream_ends_it_with_a_typed_error_and_a_usage_r
 async def test_the_deadline_covers_queue_time(
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
-    async for c in _cluster(nursery, tmp_path, s3_store, test_images, max_inflight_per_replica=1):
+    async with gateway_cluster(nursery, tmp_path, s3_store, test_images, max_inflight_per_replica=1) as c:
         await c.deploy("slow", replicas=1, alias="chat", args=SLOW_ARGS)
         assert await in_thread(partial(_queued_past_deadline, sdk(c))) < 5
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,20 +26,20 @@ import trio
 from nexa.contracts.manifest import SPLIT_GGUF_RE
 from nexa.tinymodel import split_tiny_gguf
 from tests.conftest import Controller
-from tests.control.test_models import ok
-from tests.e2e.test_real_model import (
+from tests.realparts import PodmanService, S3Store
+from tests.support.api import ok
+from tests.support.realmodel import (
     MIB,
     Node,
     cli,
-    cluster,  # noqa: F401 - a fixture
     deployment,
     in_thread,
     ready_on,
+    real_cluster,
     register_llama_runtime,
     runtime_logs,
     wait_for,
 )
-from tests.realparts import PodmanService, S3Store
 
 pytestmark = pytest.mark.slow
 Json = dict[str, Any]
@@ -57,8 +58,16 @@ async def push_directory(s3: S3Store, directory: Path) -> tuple[str, list[Json]]
     return s3.uri(prefix), files
 
 
+@pytest.fixture
+async def cluster(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, podman_service: PodmanService
+) -> AsyncIterator[tuple[Controller, list[Node]]]:
+    async with real_cluster(nursery, tmp_path, s3_store, podman_service) as c:
+        yield c
+
+
 async def test_a_split_gguf_directory_is_served_by_llama_cpp_in_podman(
-    cluster: tuple[Controller, list[Node]],  # noqa: F811 - the fixture
+    cluster: tuple[Controller, list[Node]],
     s3_store: S3Store,
     llama_image: str,
     podman_service: PodmanService,

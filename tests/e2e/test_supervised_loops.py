@@ -33,9 +33,10 @@ from nexa.node.agent import Agent, NodeStarted, serve_node
 from nexa.node.relay import NodeRelay
 from nexa.node.supervisor import Supervisor
 from tests.conftest import Controller, start_controller
-from tests.control.test_models import bring_to, ok, registry_config
-from tests.e2e.simcluster import SIM_ARGS, _node_config
 from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.cluster import SIM_ARGS, sim_node_config
+from tests.support.models import bring_to, registry_config
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +171,7 @@ async def test_each_loop_fails_once_and_everything_still_serves(
     creds.chmod(0o600)
     node_dir = tmp_path / "sim-1"
     await trio.to_thread.run_sync(_enroll, controller, token["token"], node_dir)
-    cfg = config.load(str(_node_config(node_dir, 1, s3_store, creds)), config.NodeConfig)
+    cfg = config.load(str(sim_node_config(node_dir, 1, s3_store, creds)), config.NodeConfig)
     node_stopping = trio.Event()
     with trio.fail_after(TIMEOUT_S):
         node: NodeStarted = await nursery.start(partial(serve_node, cfg, stopping=node_stopping))

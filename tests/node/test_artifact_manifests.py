@@ -34,18 +34,11 @@ from nexa.errors import ArtifactDigestMismatch, ConfigError, InsufficientDisk
 from nexa.node.artifacts import ArtifactCache
 from nexa.node.cache_files import MANIFESTS_DIR, PARTIAL_PREFIX
 from nexa.node.supervisor import Supervisor
-from tests.node.test_agent import FakeController, aset
-from tests.node.test_artifacts import Chunks
-from tests.node.test_runtimes_e2e import (  # noqa: F401 - `node` is a fixture
-    AgentProcess,
-    beat_until,
-    busybox_runtime,
-    node,
-    podman,
-    state_is,
-)
-from tests.node.test_supervisor import CFG, IMAGE, FakePodman, runtime
 from tests.realparts import IN_CI, BuiltImages, FakeGpu, PodmanService, S3Store
+from tests.support.agent_process import AgentProcess, beat_until, busybox_runtime, podman, state_is
+from tests.support.artifacts import Chunks
+from tests.support.nodes import FakeController, aset
+from tests.support.supervisor import CFG, IMAGE, FakePodman, runtime
 
 TIMEOUT_S = 60
 RS = wire.RuntimeState
@@ -622,7 +615,7 @@ async def test_the_supervisor_reports_insufficient_disk_and_never_creates_the_co
 
 
 async def test_a_real_runtime_sees_the_model_directory_read_only(
-    node: tuple[FakeController, AgentProcess],  # noqa: F811 - the fixture imported above
+    node: tuple[FakeController, AgentProcess],
     podman_service: PodmanService,
     test_images: BuiltImages,
     fake_gpu_cdi: FakeGpu,

@@ -32,9 +32,10 @@ from nexa.errors import ArtifactDigestMismatch, ArtifactError, ArtifactUnavailab
 from nexa.node import cache_files
 from nexa.node.artifacts import ArtifactCache, ArtifactStatistics
 from nexa.node.cache_files import PARTIAL_PREFIX
-from nexa.s3 import load_s3_credentials
+from nexa.s3 import load_s3_credentials, write_s3_credentials
 from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, S3Credentials, canonical_request, sign_v4
 from tests.realparts import S3Store
+from tests.support.artifacts import Chunks
 
 TIMEOUT_S = 30
 
@@ -143,6 +144,13 @@ def test_load_credentials_reads_a_good_file(tmp_path: Path, caplog: pytest.LogCa
     path = tmp_path / "s3.json"
     path.write_text(json.dumps({"access_key_id": "AKID", "secret_access_key": "s3cr3t"}))
     path.chmod(0o600)
+    assert load_s3_credentials(path) == S3Credentials("AKID", "s3cr3t")
+    assert not caplog.records
+
+
+def test_written_credentials_are_owner_only_and_read_back(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = write_s3_credentials(tmp_path / "s3.json", S3Credentials("AKID", "s3cr3t"))
+    assert path.stat().st_mode & 0o777 == 0o600
     assert load_s3_credentials(path) == S3Credentials("AKID", "s3cr3t")
     assert not caplog.records
 
@@ -303,22 +311,6 @@ async def test_a_download_cancelled_before_any_write_leaves_no_partial_file(tmp_
                 await cache.fetch(ref)
     assert requests == 2
     assert cache_listing(tmp_path) == []
-
-
-class Chunks:
-    """A streamed body in 64 KiB pieces; a plain iterator, so abandoning it warns about nothing."""
-
-    def __init__(self, data: bytes) -> None:
-        self._view = memoryview(data)
-
-    def __aiter__(self) -> Chunks:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if not self._view:
-            raise StopAsyncIteration
-        piece, self._view = self._view[:65536], self._view[65536:]
-        return bytes(piece)
 
 
 @pytest.mark.filterwarnings("ignore:Async generator 'httpx\\.:ResourceWarning")  # as above

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
-from tests.node.test_relay import closed_port
+from tests.support.relay import closed_port
 
 TIMEOUT_S = 10
 

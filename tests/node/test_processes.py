@@ -17,29 +17,14 @@ import trio
 
 from nexa import runtimes
 from nexa.contracts import wire
-from nexa.contracts.node import RuntimeKind
-from nexa.contracts.runtime import LABEL_ASSIGNMENT, ContainerSpec, HealthProbe, RuntimeSpec
+from nexa.contracts.runtime import LABEL_ASSIGNMENT, ContainerSpec
 from nexa.errors import ContainerNotFound, PodmanError, PodmanUnavailable, SimulationDisabled
 from nexa.node.podman import PodmanClient
 from nexa.node.processes import SIM_ID_PREFIX, DriverRouter, ProcessDriver
 from tests.conftest import free_port, sample_runtime
+from tests.support.nodes import sim_runtime
 
 TIMEOUT_S = 30
-SIM_IMAGE = "registry.example/nexa/sim@sha256:" + "5" * 64
-
-
-def sim_runtime(port: int, *flags: str) -> RuntimeSpec:
-    """A `sim` runtime spec as the controller would sign it (no artifact, no GPUs)."""
-    return RuntimeSpec(
-        kind=RuntimeKind.SIM,
-        image=SIM_IMAGE,
-        command=["--ttft-ms", "1", "--tokens-per-s", "1000", *flags],
-        port=port,
-        memory_bytes=256 << 20,
-        cpus=1.0,
-        health=HealthProbe(command=["true"], interval_s=0.1, timeout_s=1.0),
-        stop_timeout_s=5.0,
-    )
 
 
 def sim_spec(aid: str = "a1", *, port: int | None = None, node_id: str = "n1") -> ContainerSpec:

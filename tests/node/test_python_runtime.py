@@ -1,7 +1,7 @@
 """`nexa node` running a python runtime from the Debian python image (`python_image`: debootstrap rootfs,
 cached between runs) through real podman, a real registry and real S3: the base later runtimes
-(llama-cpp-python) build on. The agent, its controller channel and the artifact come from
-`test_runtimes_e2e`.
+(llama-cpp-python) build on. The agent, its controller channel and the artifact are the `node` and
+`artifact` fixtures of tests/node/conftest.py.
 """
 
 from __future__ import annotations
@@ -16,14 +16,9 @@ import trio
 from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
-from tests.node import test_runtimes_e2e as e2e
-from tests.node.test_agent import FakeController, aset
-from tests.node.test_runtimes_e2e import RS, TIMEOUT_S, AgentProcess, beat_until, podman, state_is
 from tests.realparts import PodmanService, _free_port
-
-# The fixtures of the busybox end-to-end test, made this module's own (pytest finds fixtures by module attribute).
-node = e2e.node
-artifact = e2e.artifact
+from tests.support.agent_process import RS, TIMEOUT_S, AgentProcess, beat_until, podman, state_is
+from tests.support.nodes import FakeController, aset
 
 PROBE_S = 0.5
 

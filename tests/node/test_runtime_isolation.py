@@ -27,8 +27,8 @@ from nexa.contracts.runtime import NETWORK_HOST, NETWORK_PRIVATE, ContainerSpec,
 from nexa.localparts import free_ports
 from nexa.node.podman import PodmanClient
 from nexa.node.supervisor import Supervisor
-from tests.node.test_supervisor import FakeArtifacts
 from tests.realparts import BuiltImages, ContainerEngine, PodmanService
+from tests.support.supervisor import FakeArtifacts
 
 RUN_LABEL = "nexa-test.run"
 #: A loopback address the node's runtimes are NOT published on; the test listens there.

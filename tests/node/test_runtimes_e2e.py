@@ -7,12 +7,9 @@ The agent runs as its own process, so it can be killed with SIGKILL and started 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,126 +24,19 @@ from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.localparts import free_ports
-from tests.node.test_agent import FakeController, aset
-from tests.realparts import BuiltImages, ContainerEngine, FakeGpu, PodmanService, S3Store
-
-TIMEOUT_S = 60
-PROBE_S = 0.5
-RS = wire.RuntimeState
-
-
-@attrs.define
-class AgentProcess:
-    config: Path
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "nexa", "node", "--config", str(self.config)], stdout=out, stderr=out
-            )
-
-    def kill(self, sig: int = signal.SIGKILL) -> int:
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=30)
-
-
-def podman(service: PodmanService, *args: str) -> str:
-    """The podman CLI on the run's store: the test looks at what the agent did (the agent never uses it)."""
-    return service.cli(*args).stdout
-
-
-def busybox_runtime(image: str, port: int, artifact: ArtifactRef, gpu: str) -> RuntimeSpec:
-    # httpd on the node's loopback; the probe checks a file on the container's tmpfs, which the
-    # test removes to make the runtime unhealthy.
-    serve = f"touch /tmp/ok && exec /bin/httpd -f -p 127.0.0.1:{port} -h /www"
-    return RuntimeSpec(
-        kind=RuntimeKind.LLAMACPP,
-        image=image,
-        command=["/bin/sh", "-c", serve],
-        env={"MODEL_PATH": "/models/model"},
-        port=port,
-        artifact=artifact,
-        gpus=[gpu],
-        memory_bytes=64 << 20,
-        cpus=0.5,
-        pids_limit=64,
-        health=HealthProbe(
-            command=["/bin/sh", "-c", f"test -f /tmp/ok && wget -q -O /dev/null http://127.0.0.1:{port}/"],
-            interval_s=PROBE_S,
-            timeout_s=2.0,
-            start_period_s=10.0,
-            retries=1,
-        ),
-        stop_timeout_s=2.0,  # busybox httpd as PID 1 ignores SIGTERM: the stop ends in a kill
-    )
-
-
-@pytest.fixture
-async def artifact(s3_store: S3Store) -> ArtifactRef:
-    data = os.urandom(1 << 20)
-    uri = await s3_store.put(f"models/tiny-{time.monotonic_ns()}.bin", data)
-    return ArtifactRef(uri=uri, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
-
-
-@pytest.fixture
-async def node(
-    nursery: trio.Nursery,
-    tmp_path: Path,
-    podman_service: PodmanService,
-    s3_store: S3Store,
-) -> tuple[FakeController, AgentProcess]:
-    ctl = FakeController(nursery)
-    await ctl.start()
-    state_dir = tmp_path / "state"
-    ctl.enroll(state_dir)
-    credentials = tmp_path / "s3.json"
-    credentials.write_text(
-        json.dumps(
-            {
-                "access_key_id": s3_store.credentials.access_key_id,
-                "secret_access_key": s3_store.credentials.secret_access_key,
-            }
-        )
-    )
-    credentials.chmod(0o600)
-    config = tmp_path / "node.toml"
-    config.write_text(
-        f'state_dir = "{state_dir}"\ninventory_path = "{tmp_path / "inventory.json"}"\n'
-        f'nvidia_smi = "{tmp_path / "no-nvidia-smi"}"\nheartbeat_interval_s = 0.2\nreconnect_max_s = 0.5\n'
-        f'[podman]\nsocket = "{podman_service.socket}"\nregistry_tls_verify = false\n'
-        f'[artifacts]\ns3_endpoint = "{s3_store.endpoint}"\ns3_region = "{s3_store.region}"\n'
-        f's3_credentials_file = "{credentials}"\n'
-        "[supervisor]\nrestart_backoff_initial_s = 0.5\nrestart_backoff_max_s = 2\nreconcile_interval_s = 0.5\n"
-    )
-    agent = AgentProcess(config=config, log=tmp_path / "agent.log")
-    agent.start()
-    try:
-        yield ctl, agent
-    finally:
-        agent.kill()
-        for cid in podman(podman_service, "ps", "-aq", "--filter", "label=nexa.node=n1").split():
-            podman(podman_service, "rm", "-f", cid)
-
-
-async def beat_until(ctl: FakeController, check: Any, what: str) -> wire.Heartbeat:
-    with trio.fail_after(TIMEOUT_S):
-        return await ctl.next(wire.Heartbeat, check)
-
-
-def status(beat: wire.Heartbeat, aid: str) -> wire.AssignmentStatus | None:
-    return next((s for s in beat.assignments if s.assignment_id == aid), None)
-
-
-def state_is(aid: str, state: wire.RuntimeState, reason: str | None = None) -> Any:
-    def check(beat: wire.Heartbeat) -> bool:
-        s = status(beat, aid)
-        return s is not None and s.state is state and (reason is None or s.reason == reason)
-
-    return check
+from tests.realparts import BuiltImages, ContainerEngine, FakeGpu, PodmanService
+from tests.support.agent_process import (
+    PROBE_S,
+    RS,
+    TIMEOUT_S,
+    AgentProcess,
+    beat_until,
+    busybox_runtime,
+    podman,
+    state_is,
+    status,
+)
+from tests.support.nodes import FakeController, aset
 
 
 @pytest.mark.slow

@@ -24,8 +24,7 @@ from nexa.errors import ConfigError
 from nexa.node.agent import serve_node
 from nexa.node.processes import SIM_DIR
 from tests.conftest import free_port
-from tests.node.test_agent import FakeController, node_config, start_node
-from tests.node.test_processes import sim_runtime
+from tests.support.nodes import FakeController, node_config, sim_runtime, start_node
 
 TIMEOUT_S = 30
 BEAT_S = 0.05

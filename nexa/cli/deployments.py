@@ -1,0 +1,222 @@
+"""`nexa deployments` and `nexa capacity`: desired state, placement, canaries and rollouts (operator)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Final
+
+from nexa.cli import common
+from nexa.cli.output import print_json, ref, table
+from nexa.cli.registry import print_alias_receipt
+from nexa.cli.tables import DEPLOYMENT, DEPLOYMENTS, Show
+from nexa.contracts.deployments import DeploymentView, PlacementView, RolloutResult
+from nexa.contracts.placement import PlacementDecision
+from nexa.errors import ConfigError
+
+EXIT_OK: Final = 0
+
+
+def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
+    deployments = sub.add_parser("deployments", help="desired state and placement (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = deployments.add_parser("create", parents=[common_flags], help="place and start a deployment")
+    _deployment_flags(s)
+    s.set_defaults(handler=_deployments_create)
+    DEPLOYMENTS.add(deployments, common_flags)
+    for verb, handler in (("show", _SHOW.run), ("placement", _deployments_placement)):
+        s = deployments.add_parser(verb, parents=[common_flags])
+        s.add_argument("name")
+        s.set_defaults(handler=handler)
+    s = deployments.add_parser("scale", parents=[common_flags])
+    s.add_argument("name")
+    s.add_argument("replicas", type=int)
+    s.set_defaults(handler=_deployments_scale)
+    s = deployments.add_parser("delete", parents=[common_flags], help="stop every replica and forget the deployment")
+    s.add_argument("name")
+    s.set_defaults(handler=_deployments_delete)
+    s = deployments.add_parser("canary", parents=[common_flags], help="run another version beside it on extra replicas")
+    s.add_argument("name")
+    s.add_argument("--model", required=True)
+    s.add_argument("--version", required=True)
+    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--weight", type=float, required=True, help="share of requests for the canary (0..1, exclusive)")
+    s.add_argument("--max-error-rate", type=float, default=0.05, help="roll back above this error rate")
+    s.add_argument("--max-p95-ms", type=float, help="roll back above this p95 latency (default: not checked)")
+    s.add_argument("--window-s", type=float, default=60.0, help="the window the figures cover")
+    s.add_argument("--min-requests", type=int, default=20, help="fewer requests in the window decide nothing")
+    s.set_defaults(handler=_deployments_canary)
+    for verb, text in (
+        ("promote", "make the canary's version the deployment's (its alias moves too)"),
+        ("rollback", "remove the canary, or return to the version before the last promotion"),
+    ):
+        s = deployments.add_parser(verb, parents=[common_flags], help=text)
+        s.add_argument("name")
+        s.set_defaults(handler=_deployment_rollout, verb=verb)
+    capacity = sub.add_parser("capacity", help="what would fit (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = capacity.add_parser("forecast", parents=[common_flags], help="would this deployment fit, and where")
+    _deployment_flags(s)
+    s.set_defaults(handler=_capacity_forecast)
+
+
+def _deployment_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("name")
+    s.add_argument("--runtime", required=True, help="a registered runtime")
+    target = s.add_mutually_exclusive_group(required=True)
+    target.add_argument("--alias", help="deploy what this alias points at")
+    target.add_argument("--model", metavar="NAME:VERSION", help="deploy a pinned, Approved model version")
+    s.add_argument("--replicas", type=int, default=1)
+    s.add_argument("--accelerators", type=int, default=0, help="GPUs per replica")
+    s.add_argument("--memory-bytes", type=int, help="memory per replica (default: the model's)")
+    s.add_argument("--cpus", type=float, default=1.0)
+    s.add_argument("--policy", choices=("spread", "binpack"), default="spread")
+    s.add_argument("--selector", default="", help="node labels: k=v,k2=v2")
+    s.add_argument("--data-classes", default="", help="comma-separated")
+    s.add_argument("--port", type=int, default=18000, help="first loopback port for the runtime")
+
+
+def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "name": args.name,
+        "runtime": args.runtime,
+        "replicas": args.replicas,
+        "resources": {"accelerators": args.accelerators, "memory_bytes": args.memory_bytes, "cpus": args.cpus},
+        "options": {"port": args.port},
+        "placement": {
+            "policy": args.policy,
+            "node_selector": common.labels(args.selector),
+            "data_classes": [c for c in args.data_classes.split(",") if c],
+        },
+    }
+    if args.alias:
+        body["alias"] = args.alias
+    else:
+        name, sep, version = args.model.partition(":")
+        if not sep:
+            raise ConfigError("--model takes NAME:VERSION")
+        body["model"] = {"model": name, "version": version}
+    return body
+
+
+def print_rollout(view: DeploymentView) -> None:
+    """The canary and the rollout of a deployment, when it has them."""
+    dep = view.deployment
+    if (canary := dep.canary) is not None:
+        o = canary.objective
+        p95 = "-" if o.max_p95_ms is None else f"{o.max_p95_ms:g} ms"
+        print(
+            f"canary   {ref(canary.model)}: {view.canary_ready}/{canary.replicas} Ready, "
+            f"weight {canary.weight:g}; objective: error rate <= {o.max_error_rate:g}, p95 <= {p95}, "
+            f"over {o.window_s:g} s, from {o.min_requests} requests"
+        )
+    if (rollout := dep.rollout) is not None:
+        print(
+            f"rollout  {ref(rollout.from_)} -> {ref(rollout.to)} ({rollout.reason}): "
+            f"{view.rollout_new} new, {view.rollout_old} old replica(s) left"
+        )
+
+
+_SHOW: Final = Show(path="/api/v1/deployments/{name}", answer=DeploymentView, view=DEPLOYMENT, after=print_rollout)
+
+
+def _deployments_create(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.post("/api/v1/deployments", DeploymentView, body=_deployment_body(args))
+    DEPLOYMENT.emit(args, out, [out])
+    return EXIT_OK
+
+
+def _deployments_canary(args: argparse.Namespace) -> int:
+    body = {
+        "model": {"model": args.model, "version": args.version},
+        "replicas": args.replicas,
+        "weight": args.weight,
+        "objective": {
+            "max_error_rate": args.max_error_rate,
+            "max_p95_ms": args.max_p95_ms,
+            "window_s": args.window_s,
+            "min_requests": args.min_requests,
+        },
+    }
+    with common.client(args) as c:
+        out = c.post(f"/api/v1/deployments/{args.name}/canary", DeploymentView, body=body)
+    DEPLOYMENT.emit(args, out, [out])
+    if not args.json:
+        print_rollout(out)
+    return EXIT_OK
+
+
+def _deployment_rollout(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.post(f"/api/v1/deployments/{args.name}/{args.verb}", RolloutResult)
+    if args.json:
+        print_json(out)
+        return EXIT_OK
+    print(table(DEPLOYMENT.rows([out.deployment]), DEPLOYMENT.columns))
+    print_rollout(out.deployment)
+    if out.alias is not None:
+        print_alias_receipt(args, out.alias)
+    return EXIT_OK
+
+
+def _deployments_scale(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.post(f"/api/v1/deployments/{args.name}/scale", DeploymentView, body={"replicas": args.replicas})
+    DEPLOYMENT.emit(args, out, [out])
+    return EXIT_OK
+
+
+def _deployments_delete(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.delete(f"/api/v1/deployments/{args.name}", DeploymentView)
+    DEPLOYMENT.emit(args, out, [out])
+    return EXIT_OK
+
+
+def _print_decision(decision: PlacementDecision | None) -> None:
+    if decision is None:
+        print("no placement decision yet")
+        return
+    verdict = "fits" if decision.feasible else f"does not fit: {decision.reason}"
+    print(f"{decision.request.deployment}: {verdict}")
+    host_network = decision.request.host_network
+    print("network: " + ("host (the runtime's opt-in)" if host_network else "private namespace per replica"))
+    rows = []
+    for e in decision.explanations:
+        failed = [f"{f.name} ({f.detail})" for f in e.filters if not f.passed]
+        terms = " ".join(f"{t.name}={t.value:.2f}x{t.weight:g}" for t in e.terms)
+        if (memory := e.runtime_memory) and e.eligible:
+            how = "derived from the reservation" if memory.derived else "as set"
+            terms += f"; {memory.flag} {memory.value} ({how})"
+        rows.append(
+            {
+                "node": e.node_id,
+                "eligible": "yes" if e.eligible else "no",
+                "score": f"{e.score:.2f}" if e.eligible else "-",
+                "replicas": e.replicas_placed,
+                "why": "; ".join(failed) or terms or "-",
+            }
+        )
+    print(table(rows, ("node", "eligible", "score", "replicas", "why")))
+
+
+def _deployments_placement(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.get(f"/api/v1/deployments/{args.name}/placement", PlacementView)
+    if args.json:
+        print_json(out)
+    else:
+        _print_decision(out.decision)
+    return EXIT_OK
+
+
+def _capacity_forecast(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.post("/api/v1/capacity/forecast", PlacementDecision, body=_deployment_body(args))
+    if args.json:
+        print_json(out)
+    else:
+        _print_decision(out)
+    return EXIT_OK

@@ -1,0 +1,111 @@
+"""The `nexa` process: `main(argv)`, the parser's top level, the tools, and the exit codes.
+
+The roles (`control`, `node`, `demo`, `sim-runtime`) are in `nexa.cli.roles`, the operator commands
+(which call the controller's HTTP API through `nexa.client`) in one module per resource.
+
+Exit codes: 0 success; 1 the operation failed (remote error, verify failed, cannot start);
+2 bad usage or invalid configuration; 3 a running role stopped because its store became unusable
+(corrupt, not a database, I/O failure, read-only). A role's loops that fail otherwise are
+restarted (`nexa.supervision`), never an exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from nexa import __version__, config
+from nexa.cli import audit, deployments, gateway, keys, models, nodes, registry, roles
+from nexa.cli.common import common_flags
+from nexa.errors import ConfigError, NexaError, RemoteError, StoreUnusable
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+EXIT_USAGE: Final = 2
+EXIT_STORE_UNUSABLE: Final = 3
+EXIT_INTERRUPTED: Final = 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
+    if handler is None:
+        p.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"nexa: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except RemoteError as exc:
+        rid = f" (request {exc.request_id})" if exc.request_id else ""
+        print(f"nexa: error: {exc.remote_code}: {exc.message}{rid}", file=sys.stderr)
+        return EXIT_FAILED
+    except NexaError as exc:
+        print(f"nexa: error: {exc.message}", file=sys.stderr)
+        # An unusable database is not fixed by a restart: its own exit code, for alerting.
+        return EXIT_STORE_UNUSABLE if isinstance(exc, StoreUnusable) else EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nexa", description="LunaNexa model and GPU-cluster control plane")
+    sub = p.add_subparsers(metavar="COMMAND")
+
+    s = sub.add_parser("version", help="print the version")
+    s.set_defaults(handler=_cmd_version)
+
+    s = sub.add_parser("check-config", help="validate a config file (exit 0 valid, 2 invalid)")
+    s.add_argument("file")
+    s.add_argument("--role", choices=("control", "node"), default="control", help="which config it is")
+    s.set_defaults(handler=_cmd_check_config)
+
+    s = sub.add_parser("keygen", help="print a new API key in nexa's format (for bootstrap.admin_key_file)")
+    s.set_defaults(handler=_cmd_keygen)
+
+    openapi_help = "print the HTTP API's OpenAPI 3.1 document (as GET /api/v1/openapi.json)"
+    sub.add_parser("openapi", help=openapi_help).set_defaults(handler=_cmd_openapi)
+
+    roles.add_commands(sub)
+
+    # The operator commands, by resource.
+    flags = common_flags()
+    keys.add_commands(sub, flags)
+    nodes.add_commands(sub, flags)
+    audit.add_commands(sub, flags)
+    registry.add_runtime_commands(sub, flags)
+    models.add_commands(sub, flags)
+    registry.add_alias_commands(sub, flags)
+    deployments.add_commands(sub, flags)
+    gateway.add_commands(sub, flags)
+    return p
+
+
+def _cmd_version(_: argparse.Namespace) -> int:
+    print(f"nexa {__version__}")
+    return EXIT_OK
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    config.load(args.file, config.ControlConfig if args.role == "control" else config.NodeConfig)
+    print(f"{args.file}: ok")
+    return EXIT_OK
+
+
+def _cmd_openapi(_: argparse.Namespace) -> int:
+    from nexa.control import openapi
+
+    print(json.dumps(openapi.document(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+def _cmd_keygen(_: argparse.Namespace) -> int:
+    from nexa.control.registry import new_api_key
+
+    print(new_api_key()[1])
+    return EXIT_OK

@@ -1,0 +1,118 @@
+"""`nexa runtimes` and `nexa aliases`: runtime images and versioned aliases (operator)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Final
+
+from nexa.cli import common
+from nexa.cli.output import emit, print_json, ref
+from nexa.cli.tables import ALIASES, RUNTIME_SHOW, RUNTIMES, platforms
+from nexa.contracts.models import AliasDetail, AliasReceipt, RuntimeRegistered
+
+EXIT_OK: Final = 0
+RUNTIME_KINDS: Final = ("vllm", "sglang", "trtllm", "llamacpp", "sim")
+
+
+def add_runtime_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
+    runtimes = sub.add_parser("runtimes", help="runtime images (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    s = runtimes.add_parser(
+        "register", parents=[common_flags], help="register an image; its registry must hold the digest"
+    )
+    s.add_argument("name")
+    s.add_argument("--kind", required=True, choices=RUNTIME_KINDS)
+    s.add_argument("--version", required=True)
+    s.add_argument("--image", required=True, help="registry/repository@sha256:<64 hex>")
+    s.add_argument(
+        "--host-network",
+        action="store_true",
+        help="run its containers in the node's network namespace (default: a namespace of their own)",
+    )
+    s.set_defaults(handler=_runtimes_register)
+    RUNTIMES.add(runtimes, common_flags)
+    s = runtimes.add_parser("show", parents=[common_flags])
+    s.add_argument("name")
+    s.set_defaults(handler=RUNTIME_SHOW.run)
+
+
+def add_alias_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
+    aliases = sub.add_parser("aliases", help="versioned aliases (operator)").add_subparsers(
+        metavar="VERB", required=True
+    )
+    ALIASES.add(aliases, common_flags)
+    s = aliases.add_parser("promote", parents=[common_flags], help="point the alias at an Approved version")
+    s.add_argument("alias")
+    s.add_argument("--model", required=True)
+    s.add_argument("--version", required=True)
+    s.set_defaults(handler=_aliases_promote)
+    s = aliases.add_parser("rollback", parents=[common_flags], help="undo the latest promotion")
+    s.add_argument("alias")
+    s.set_defaults(handler=_aliases_rollback)
+    s = aliases.add_parser("history", parents=[common_flags], help="the alias and every change, oldest first")
+    s.add_argument("alias")
+    s.set_defaults(handler=_aliases_history)
+
+
+def print_alias_receipt(args: argparse.Namespace, r: AliasReceipt) -> None:
+    if args.json:
+        print_json(r)
+    else:
+        print(
+            f"alias {r.alias}: generation {r.generation}, {ref(r.from_)} -> {ref(r.to)} "
+            f"({r.action}; audit event {r.event_id})"
+        )
+
+
+def _runtimes_register(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"name": args.name, "kind": args.kind, "version": args.version, "image": args.image}
+    if args.host_network:
+        body["host_network"] = True
+    with common.client(args) as c:
+        out = c.post("/api/v1/runtimes", RuntimeRegistered, body=body)
+    if args.json:
+        print_json(out)
+    else:
+        print(f"runtime {out.name} registered: {out.kind} {out.version}, {out.image} ({out.media_type})")
+        print(f"platforms: {platforms(out)}")
+        for warning in out.warnings:
+            print(f"warning: {warning}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _aliases_promote(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        body = {"model": args.model, "version": args.version}
+        out = c.post(f"/api/v1/aliases/{args.alias}/promote", AliasReceipt, body=body)
+    print_alias_receipt(args, out)
+    return EXIT_OK
+
+
+def _aliases_rollback(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.post(f"/api/v1/aliases/{args.alias}/rollback", AliasReceipt)
+    print_alias_receipt(args, out)
+    return EXIT_OK
+
+
+def _aliases_history(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.get(f"/api/v1/aliases/{args.alias}", AliasDetail)
+    rows = [
+        {
+            "generation": r.generation,
+            "action": r.action,
+            "from": ref(r.from_),
+            "to": ref(r.to),
+            "at": r.at,
+            "actor": r.actor,
+            "event": r.event_id,
+        }
+        for r in out.history
+    ]
+    if not args.json:
+        print(f"alias {out.alias.name} -> {ref(out.alias.target)} (generation {out.alias.generation})")
+    emit(args, out, rows, ("generation", "action", "from", "to", "at", "actor", "event"))
+    return EXIT_OK

@@ -1,0 +1,385 @@
+"""The processes `nexa` runs: `control`, `node` (and `node enroll | inventory | doctor`), `demo` and
+`sim-runtime`, each under trio until SIGTERM/SIGINT.
+
+Each role is imported lazily, so that `nexa version` and the operator commands start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
+
+from nexa import __version__, config
+from nexa.cli.output import gib
+from nexa.errors import ConfigError, NexaError
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1
+
+
+def add_commands(sub: Any) -> None:
+    s = sub.add_parser("control", help="run the controller")
+    s.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
+    s.add_argument("--state-dir", help="overrides state_dir")
+    s.add_argument("--listen", help="HOST:PORT, overrides http.listen")
+    s.add_argument("--channel", help="HOST:PORT (or tcp://HOST:PORT) of the node channel, overrides channel.listen")
+    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
+    s.set_defaults(handler=_cmd_control)
+
+    node = sub.add_parser("node", help="run the node agent, or enroll this node (`nexa node enroll`)")
+    node.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
+    node.add_argument("--state-dir", help="overrides state_dir")
+    node.add_argument("--inventory", help="overrides inventory_path")
+    node.add_argument("--source-address", help="local address to dial the controller from")
+    node.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
+    node.set_defaults(handler=_cmd_node)
+    verbs = node.add_subparsers(metavar="VERB")
+    s = verbs.add_parser("enroll", help="enroll this node with a one-time token from `nexa tokens create`")
+    s.add_argument("--controller", required=True, help="controller URL, e.g. https://control.example:8470")
+    s.add_argument("--token", required=True, help="one-time enrollment token (nxb_…)")
+    s.add_argument(
+        "--controller-fingerprint",
+        help="SHA-256 of the controller's keys, as `nexa tokens create` prints it "
+        "(needed when the token does not carry it; must match when it does)",
+    )
+    s.add_argument("--name", help="node name to ask for (default: this host's name)")
+    s.add_argument("--config", dest="enroll_config", default=None, help="node TOML config (for state_dir)")
+    s.add_argument("--state-dir", dest="enroll_state_dir", help="overrides state_dir")
+    s.set_defaults(handler=_cmd_node_enroll)
+    _node_tool_commands(verbs)
+
+    _sim_runtime_command(sub)
+
+    s = sub.add_parser("demo", help="a local cluster: registry, S3 store, controller and four sim nodes")
+    s.add_argument("--state-dir", default=".nexa/demo", help="the demo's own directory, emptied at start")
+    s.add_argument("--listen", default="127.0.0.1:8470", help="the controller's HTTP address")
+    s.add_argument("--nodes", type=int, default=4, help="node agents, 1 to 4 (127.0.0.11 to .14)")
+    s.add_argument("--replicas", type=int, default=2, help="replicas of the `chat` deployment")
+    s.add_argument("--real", action="store_true", help="the real llama.cpp runtime in podman on CPU, not `sim`")
+    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL", "warning"))
+    s.set_defaults(handler=_cmd_demo)
+
+
+# ---- roles -------------------------------------------------------------------------------------
+
+
+def control_config(args: argparse.Namespace) -> config.ControlConfig:
+    cfg = config.load(args.config, config.ControlConfig) if args.config else config.ControlConfig()
+    overrides: dict[str, Any] = {}
+    if args.state_dir:
+        overrides["state_dir"] = args.state_dir
+    http: dict[str, Any] = {}
+    if args.listen:
+        http["listen"] = args.listen
+    log: dict[str, Any] = {}
+    if args.log_level:
+        log["level"] = args.log_level
+    channel: dict[str, Any] = {}
+    if args.channel:
+        channel["listen"] = args.channel
+    if not (overrides or http or log or channel):
+        return cfg
+    # Flags go through the same validation as the file, so a bad flag is named like a bad key.
+    merged = config.unstructure_config(cfg)
+    merged.update(overrides)
+    merged["http"].update(http)
+    merged["log"].update(log)
+    merged["channel"].update(channel)
+    return config.structure_config(merged, config.ControlConfig)
+
+
+def _cmd_control(args: argparse.Namespace) -> int:
+    from nexa.control.service import ControlStarted, serve_control
+    from nexa.telemetry import setup_logging
+
+    cfg = control_config(args)
+    setup_logging(cfg.log.level.value)
+
+    def announce(started: ControlStarted) -> None:
+        if started.admin_key:
+            print("first start: the admin API key follows; it is shown only this once, store it now:")
+            print(f"  NEXA_TOKEN={started.admin_key}")
+        print(f"nexa control {__version__} listening on {', '.join(started.urls)} (epoch {started.epoch})")
+        sys.stdout.flush()
+
+    return _run_role(partial(serve_control, cfg), announce)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from nexa.demo import DemoConfig, DemoStarted, banner, serve_demo
+    from nexa.telemetry import setup_logging
+
+    setup_logging(args.log_level)
+    cfg = DemoConfig(
+        state_dir=Path(args.state_dir), listen=args.listen, nodes=args.nodes, replicas=args.replicas, real=args.real
+    )
+    print(f"starting the LunaNexa demo in {cfg.state_dir} (registry, S3 store, controller, {cfg.nodes} nodes)…")
+    sys.stdout.flush()
+
+    def announce(started: DemoStarted) -> None:
+        print(banner(started))
+        sys.stdout.flush()
+
+    return _run_role(partial(serve_demo, cfg), announce)
+
+
+def _run_role(serve: Callable[..., Awaitable[None]], announce: Callable[[Any], None]) -> int:
+    """Run a role's composition root under trio until SIGTERM/SIGINT, then let it drain.
+
+    `serve(stopping=event, task_status=...)` supports the nursery start protocol; what it reports
+    at start goes to `announce`. A second signal cancels everything at once.
+    """
+    import trio
+
+    async def run() -> None:
+        stopping = trio.Event()
+        async with trio.open_nursery() as nursery:
+
+            async def serve_then_stop(task_status: trio.TaskStatus[Any]) -> None:
+                await serve(stopping=stopping, task_status=task_status)
+                nursery.cancel_scope.cancel()  # drained and closed: stop the signal watcher too
+
+            nursery.start_soon(_stop_on_signal, stopping, nursery.cancel_scope)
+            announce(await nursery.start(serve_then_stop))
+
+    try:
+        trio.run(run)
+    except BaseExceptionGroup as group:
+        raise _single_nexa_error(group) from None
+    return EXIT_OK
+
+
+def _single_nexa_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """A start-up failure arrives wrapped by the nurseries; show the nexa error, not a traceback."""
+    matched, rest = group.split(NexaError)
+    if matched is None or rest is not None:
+        return group
+    leaf: BaseException = matched
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf
+
+
+def _node_config(args: argparse.Namespace) -> config.NodeConfig:
+    cfg = config.load(args.config, config.NodeConfig) if args.config else config.NodeConfig()
+    merged = config.unstructure_config(cfg)
+    for flag, key in (
+        ("state_dir", "state_dir"),
+        ("inventory", "inventory_path"),
+        ("source_address", "source_address"),
+    ):
+        value = getattr(args, flag, None)
+        if value:
+            merged[key] = value
+    if getattr(args, "log_level", None):
+        merged["log"]["level"] = args.log_level
+    return config.structure_config(merged, config.NodeConfig)
+
+
+def _cmd_node(args: argparse.Namespace) -> int:
+    from nexa.node.agent import NodeStarted, serve_node
+    from nexa.telemetry import setup_logging
+
+    cfg = _node_config(args)
+    setup_logging(cfg.log.level.value)
+
+    def announce(started: NodeStarted) -> None:
+        print(
+            f"nexa node {__version__} running as node {started.node_id} "
+            f"(accepted epoch {started.epoch}, generation {started.generation})"
+        )
+        sys.stdout.flush()
+
+    return _run_role(partial(serve_node, cfg), announce)
+
+
+def _cmd_node_enroll(args: argparse.Namespace) -> int:
+    import socket
+
+    from nexa.client import ApiClient
+    from nexa.contracts import codec
+    from nexa.contracts.api import EnrollResponse
+    from nexa.node import identity
+
+    cfg = config.load(args.enroll_config, config.NodeConfig) if args.enroll_config else config.NodeConfig()
+    state_dir = Path(args.enroll_state_dir or cfg.state_dir)
+    # The keys that come back are pinned only if they are the controller the operator meant.
+    pin = identity.expected_fingerprint(args.token, args.controller_fingerprint)
+    if pin is None:
+        raise ConfigError(
+            "the token carries no controller fingerprint: pass --controller-fingerprint "
+            "(`nexa tokens create` prints it)"
+        )
+    req = identity.enroll_request(state_dir, args.token, args.name or socket.gethostname(), __version__)
+    with ApiClient(args.controller, None) as client:
+        resp = client.post("/api/v1/enroll", EnrollResponse, body=codec.api.unstructure(req))
+    identity.save_enrollment(state_dir, resp, pin=pin, controller_url=args.controller)
+    print(f"enrolled as node {resp.node_id}; the channel is {resp.channel_endpoint}")
+    print(f"pinned controller fingerprint {pin}")
+    print(f"start the agent with: nexa node --state-dir {state_dir}")
+    return EXIT_OK
+
+
+def _node_tool_commands(verbs: Any) -> None:
+    """`nexa node inventory` and `nexa node doctor`: they look at this host and start nothing."""
+    s = verbs.add_parser("inventory", help="print what this node would report: discovery merged with inventory.json")
+    s.add_argument("--config", dest="inv_config", default=None, help="node TOML config")
+    s.add_argument("--inventory", dest="inv_path", help="overrides inventory_path")
+    s.add_argument("--json", action="store_true", help="print JSON")
+    s.set_defaults(handler=_cmd_node_inventory)
+    s = verbs.add_parser("doctor", help="check this host for the agent, before enrollment and after (exit 0: no FAIL)")
+    s.add_argument("--config", dest="doctor_config", default=None, help="node TOML config (default: $NEXA_CONFIG)")
+    s.add_argument("--state-dir", dest="doctor_state_dir", help="overrides state_dir")
+    s.add_argument(
+        "--controller", dest="doctor_controller", default="", help="controller URL (default: the enrolled one)"
+    )
+    s.add_argument("--controller-fingerprint", dest="doctor_fingerprint", help="the fingerprint to expect")
+    s.add_argument(
+        "--min-free-gib", type=float, default=50.0, help="free space the artifact cache needs (GiB, default 50)"
+    )
+    s.add_argument(
+        "--cdi-dir", action="append", help="where CDI specs are (repeatable; default /etc/cdi, /var/run/cdi)"
+    )
+    s.add_argument("--json", dest="doctor_json", action="store_true", help="print the report as JSON")
+    s.set_defaults(handler=_cmd_node_doctor)
+
+
+def _cmd_node_doctor(args: argparse.Namespace) -> int:
+    import math
+
+    import trio
+
+    from nexa import security
+    from nexa.contracts import codec
+    from nexa.errors import ContractError
+    from nexa.node import doctor
+
+    path = args.doctor_config or args.config
+    cfg = config.load(path, config.NodeConfig) if path else config.NodeConfig()
+    if args.doctor_state_dir:
+        cfg = config.structure_config(
+            {**config.unstructure_config(cfg), "state_dir": args.doctor_state_dir}, config.NodeConfig
+        )
+    fingerprint = None
+    if args.doctor_fingerprint:
+        try:
+            fingerprint = security.parse_controller_fingerprint(args.doctor_fingerprint)
+        except ContractError as exc:
+            raise ConfigError(f"--controller-fingerprint: {exc.message}") from None
+    if not (math.isfinite(args.min_free_gib) and args.min_free_gib >= 0):
+        raise ConfigError("--min-free-gib must be a number of GiB, 0 or more")
+    opts = doctor.DoctorOptions(
+        controller_url=doctor.check_controller_url(args.doctor_controller) if args.doctor_controller else "",
+        controller_fingerprint=fingerprint,
+        min_free_bytes=int(args.min_free_gib * 2**30),
+        cdi_dirs=tuple(args.cdi_dir) if args.cdi_dir else doctor.DEFAULT_CDI_DIRS,
+    )
+    report = trio.run(doctor.run_doctor, cfg, opts)
+    if args.doctor_json:
+        print(codec.dumps(codec.api, report))
+    else:
+        for line in doctor.render_text(report):
+            print(line)
+    return EXIT_OK if report.passed else EXIT_FAILED
+
+
+def _cmd_node_inventory(args: argparse.Namespace) -> int:
+    import trio
+
+    from nexa.contracts import codec
+    from nexa.node.inventory import probe
+
+    cfg = config.load(args.inv_config, config.NodeConfig) if args.inv_config else config.NodeConfig()
+    path = args.inv_path or cfg.inventory_path
+    inventory = trio.run(probe, path, cfg.nvidia_smi or None)
+    data = codec.store.unstructure(inventory)
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return EXIT_OK
+    print(f"host         {inventory.hostname} ({inventory.arch}, {inventory.cpu_count} CPUs)")
+    print(f"memory       {gib(inventory.memory_total_bytes)} (available {gib(inventory.memory_available_bytes)})")
+    for gpu in inventory.gpus:
+        memory = "unified with the host" if gpu.unified_memory else gib(gpu.memory_total_bytes)
+        print(f"gpu {gpu.index}        {gpu.name}, {memory}, {gpu.cdi_device}, driver {gpu.driver_version or '-'}")
+    print(f"accelerator  pool {gib(inventory.accelerator_memory_bytes)}")
+    print(f"labels       {', '.join(f'{k}={v}' for k, v in sorted(inventory.labels.items())) or '-'}")
+    print(f"runtimes     {', '.join(inventory.runtimes) or '-'}")
+    print(f"data         {', '.join(inventory.data_classes) or '-'}")
+    for problem in inventory.problems:
+        print(f"problem      {problem}")
+    return EXIT_OK
+
+
+def _sim_runtime_command(sub: Any) -> None:
+    s = sub.add_parser(
+        "sim-runtime", help="a simulated OpenAI-compatible runtime (tests and demos; needs NEXA_SIMULATION_ONLY=1)"
+    )
+    s.add_argument("--host", default="127.0.0.1", help="a loopback address")
+    s.add_argument("--port", type=int, default=0, help="0: any free port (the address is printed)")
+    s.add_argument("--model", default="sim", help="the model name /v1/models reports")
+    s.add_argument("--ttft-ms", type=float, default=20.0, help="time to the first token")
+    s.add_argument("--tokens-per-s", type=float, default=200.0, help="tokens per second after the first")
+    s.add_argument("--output-tokens", type=int, default=16, help="tokens per answer (less if max_tokens says so)")
+    s.add_argument("--embedding-dim", type=int, default=384)
+    s.add_argument("--journal", default="", help="JSON-lines journal of requests and outcomes (no payloads)")
+    s.add_argument("--faults", default="", help="JSON faults file, re-read when it changes; replaces the flags below")
+    s.add_argument("--fail", choices=("before", "after"), help="fail every request before or after the first bytes")
+    s.add_argument("--hang", choices=("before", "after"), help="stop sending, before or after the first bytes")
+    s.add_argument("--fail-status", type=int, default=500, help="the status of a failure before the first byte")
+    s.add_argument("--after-tokens", type=int, default=2, help="tokens sent before an `after` fault")
+    s.add_argument("--artifact", default="", help="the model artifact's path (checked to exist, never read)")
+    s.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process goes away")
+    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
+    s.set_defaults(handler=_cmd_sim_runtime)
+
+
+def _cmd_sim_runtime(args: argparse.Namespace) -> int:
+    from nexa import simruntime
+    from nexa.telemetry import setup_logging
+
+    cfg = simruntime.SimConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        ttft_ms=args.ttft_ms,
+        tokens_per_s=args.tokens_per_s,
+        output_tokens=args.output_tokens,
+        embedding_dim=args.embedding_dim,
+        journal=args.journal,
+        faults_path=args.faults,
+        faults=simruntime.Faults(
+            fail=None if args.fail is None else simruntime.Phase(args.fail),
+            hang=None if args.hang is None else simruntime.Phase(args.hang),
+            status=args.fail_status,
+            after_tokens=args.after_tokens,
+        ),
+        artifact=args.artifact,
+        exit_with_parent=args.exit_with_parent,
+    )
+    simruntime.check_config(cfg, os.environ)
+    setup_logging(args.log_level)
+
+    def announce(started: simruntime.SimStarted) -> None:
+        print(f"nexa sim-runtime {__version__} listening on {', '.join(started.urls)} (simulation only)")
+        sys.stdout.flush()
+
+    return _run_role(partial(simruntime.serve_sim, cfg), announce)
+
+
+async def _stop_on_signal(stopping: Any, scope: Any) -> None:
+    """First SIGTERM/SIGINT: graceful stop. A second one: cancel everything now."""
+    import trio
+
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _ in signals:
+            if stopping.is_set():
+                scope.cancel()
+                return
+            stopping.set()

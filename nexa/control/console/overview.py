@@ -1,0 +1,94 @@
+"""The overview: the fleet's size and free capacity, what serves, queues, recent changes, alerts."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from quart import Blueprint
+
+from nexa.contracts.domain import AuditEvent, NodeState
+from nexa.contracts.gateway import QuotaLimits, QuotaUse
+from nexa.contracts.models import ModelState
+from nexa.control import store as st
+from nexa.control.console.charts import RequestCharts
+from nexa.control.console.pages import Console, Context, View
+from nexa.control.console.sessions import Session
+from nexa.control.rollout import breach as rollout_breach
+
+#: Recent audit events the overview lists.
+RECENT_EVENTS: Final = 10
+#: Audit events read per page while catching up with the chain's tail.
+_AUDIT_PAGE: Final = 500
+
+
+class _RecentAudit:
+    """The newest audit events; remembers where the tail was, so each look reads only what is new."""
+
+    def __init__(self, store: st.Store) -> None:
+        self._store = store
+        self._tail = 0
+
+    async def newest(self, count: int) -> list[AuditEvent]:
+        events: list[AuditEvent] = []
+        after = max(0, self._tail - count)
+        while True:
+            page = await self._store.read(st.list_audit, st.AuditQuery(after_seq=after, limit=_AUDIT_PAGE))
+            events = (events + page)[-count:]
+            if len(page) < _AUDIT_PAGE:
+                break
+            after = page[-1].seq
+        if events:
+            self._tail = events[-1].seq
+        return events[::-1]
+
+
+def register(bp: Blueprint, console: Console, charts: RequestCharts) -> None:
+    state = console.state
+    recent = _RecentAudit(state.store)
+
+    async def context(session: Session, now: float) -> Context:
+        nodes = list(state.fleet)
+        inventories = [n.inventory for n in nodes if n.inventory is not None]
+        reachable = [n for n in nodes if n.state is not NodeState.UNREACHABLE and n.state is not NodeState.REVOKED]
+        alerts: list[str] = [f"node {n.node.id} is unreachable" for n in nodes if n.state is NodeState.UNREACHABLE]
+        for n in nodes:
+            alerts += [
+                f"replica {s.assignment_id} on {n.node.id} is crash-looping ({s.restarts} restarts)"
+                for s in n.statuses
+                if s.reason == "crash_loop" or s.restarts >= 3
+            ]
+        for name, canary in state.deployments.canaries():
+            stats = state.meter.window(name, canary=True, seconds=canary.objective.window_s, now=now)
+            breach = rollout_breach(canary.objective, stats)
+            if breach:
+                alerts.append(f"canary of {name} breaches its objective: {breach}")
+        for q in state.quotas.all(now).quotas:
+            alerts += [f"tenant {q.tenant} is at {pct}% of its {what}" for what, pct in _saturation(q.limits, q.use)]
+        admission = state.admission.statistics()
+        return {
+            "nodes": nodes,
+            "by_state": {s: sum(1 for n in nodes if n.state is s) for s in NodeState},
+            "memory_total": sum(i.memory_total_bytes for i in inventories),
+            "memory_free": sum(n.free_memory_bytes for n in reachable),
+            "gpus_total": sum(len(i.gpus) for i in inventories),
+            "gpus_free": sum(n.free_accelerators for n in reachable),
+            "approved": [m for m in state.models.models() if m.state is ModelState.APPROVED],
+            "aliases": state.models.aliases(),
+            "deployments": state.deployments.all(),
+            "queues": {model: sum(a.waiting.values()) for model, a in admission.models.items()},
+            "summary": charts.summary(60),
+            "recent": await recent.newest(RECENT_EVENTS),
+            "alerts": alerts,
+        }
+
+    console.add_view(bp, View("overview", "Overview", ("GET", "/api/v1/nodes"), context))
+
+
+def _saturation(limits: QuotaLimits, use: QuotaUse) -> list[tuple[str, int]]:
+    pairs = (
+        ("concurrent requests", limits.concurrent_requests, use.concurrent_requests),
+        ("requests per minute", limits.requests_per_minute, use.requests_last_minute),
+        ("tokens per minute", limits.tokens_per_minute, use.tokens_last_minute),
+        ("tokens per day", limits.tokens_per_day, use.tokens_today),
+    )
+    return [(what, round(100 * used / limit)) for what, limit, used in pairs if limit and used >= 0.9 * limit]

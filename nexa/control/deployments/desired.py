@@ -1,0 +1,161 @@
+"""The deployments in memory and the one way they change.
+
+`Desired` holds every deployment's `Entry` and the lock that every change to deployments and
+node sets takes. `commit` writes a change: the deployment, its decision and every node set it
+touched (each one generation up) in one audited transaction, then pushes those sets through the
+node channel. It also answers what the fleet reports of a replica (`ready`, `routable`) and the
+fleet as placement sees it now (`snapshot`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from typing import Final
+
+import attrs
+import trio
+
+from nexa.config import PlacementConfig
+from nexa.contracts.deployments import Replica
+from nexa.contracts.domain import NodeState
+from nexa.contracts.placement import PlacementNode
+from nexa.contracts.wire import DesiredAssignments, RuntimeState
+from nexa.control import store as st
+from nexa.control.deployments.assignment import assignment_for
+from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
+from nexa.control.deployments.snapshot import snapshot_from, unified_pool_bytes
+from nexa.control.fleet import Fleet
+from nexa.control.models import ModelRegistry
+from nexa.control.registry import Actor, audit_draft
+from nexa.control.southbound import Southbound
+from nexa.errors import NotFound
+from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: The longest audit detail a deployment change writes (figures first, node sets after).
+_DETAIL_MAX: Final = 600
+#: Node states whose Ready replicas take requests (cordoning stops new placements, not traffic).
+_ROUTABLE: Final = frozenset({NodeState.READY, NodeState.CORDONED})
+
+
+class Desired:
+    """Every deployment's entry (written through to the store), and what a change reads and writes."""
+
+    def __init__(
+        self,
+        store: st.Store,
+        metrics: Metrics,
+        fleet: Fleet,
+        *,
+        models: ModelRegistry,
+        southbound: Southbound,
+        placement: PlacementConfig,
+    ) -> None:
+        self._store = store
+        self._metrics = metrics
+        self.fleet = fleet
+        self.models = models
+        self._southbound = southbound
+        self._placement = placement
+        self.entries: dict[str, Entry] = {}
+        self.lock = trio.Lock()  # every change to deployments and node sets goes through it
+
+    async def load(self) -> None:
+        for dep, decision in await self._store.run(st.load_deployments):
+            self.entries[dep.name] = Entry(stamped(dep), decision)
+
+    def entry(self, name: str) -> Entry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise NotFound(f"no deployment {name}")
+        return entry
+
+    def snapshot(self, *, without: frozenset[str] = frozenset()) -> list[PlacementNode]:
+        """The fleet as placement sees it now (`snapshot_from`, with the configured host headroom)."""
+        return snapshot_from(
+            self.fleet, without=without, unified_headroom_bytes=self._placement.unified_host_headroom_bytes
+        )
+
+    def ready(self, replica: Replica) -> bool:
+        """Whether the replica's node reports its runtime Ready in its latest heartbeat."""
+        live = self.fleet.get(replica.node_id)
+        return any(s.assignment_id == replica.id and s.state is RuntimeState.READY for s in live.statuses)
+
+    def routable(self, replica: Replica) -> bool:
+        return self.fleet.get(replica.node_id).state in _ROUTABLE and self.ready(replica)
+
+    async def commit(
+        self, actor: Actor, action: str, before: Entry | None, after: Entry | None, *, detail: str = ""
+    ) -> None:
+        """Write the deployment and every node set it changes in one audited transaction, then push.
+
+        A replica new to its node gets the assignment of its own model version (callers checked
+        that it may run, and placed it).
+        """
+        name = (after or before).deployment.name  # type: ignore[union-attr]
+        old = all_replicas(before.deployment) if before else []
+        new = all_replicas(after.deployment) if after else []
+        changed: dict[str, DesiredAssignments] = {}
+        by_node: defaultdict[str, list[Replica]] = defaultdict(list)
+        for r in new:
+            by_node[r.node_id].append(r)
+        for node_id in sorted({r.node_id for r in old} | set(by_node)):
+            live = self.fleet.get(node_id)
+            current = live.desired
+            others = [a for a in current.assignments if a.deployment != name]
+            mine = {a.id: a for a in current.assignments if a.deployment == name}
+            wanted = []
+            used_ports = {a.runtime.port for a in others}
+            for r in by_node.get(node_id, []):
+                if r.id in mine:
+                    wanted.append(mine[r.id])  # unchanged replicas keep their spec
+                    used_ports.add(mine[r.id].runtime.port)
+            for r in by_node.get(node_id, []):
+                if r.id not in mine:
+                    assert after is not None
+                    dep = after.deployment
+                    ref = model_of(dep, r)
+                    model = self.models.model(ref.model, ref.version)
+                    runtime = self.models.runtime(dep.runtime)
+                    port = dep.options.port
+                    while port in used_ports:
+                        port += 1
+                    used_ports.add(port)
+                    wanted.append(
+                        assignment_for(dep, r, model, runtime, port, unified_pool_bytes=unified_pool_bytes(live))
+                    )
+            if {a.id for a in wanted} == set(mine):
+                continue
+            changed[node_id] = attrs.evolve(current, generation=current.generation + 1, assignments=others + wanted)
+        sets = ", ".join(f"{n} generation {d.generation}" for n, d in changed.items()) or "no node set changed"
+        detail = f"{detail}; {sets}" if detail else sets
+        draft = audit_draft(
+            actor,
+            action,
+            f"deployment/{name}",
+            before.deployment if before else None,
+            after.deployment if after else None,
+            detail=detail[:_DETAIL_MAX],
+        )
+        event = await self._store.run(
+            st.save_deployment,
+            name,
+            after.deployment if after else None,
+            after.decision if after and (before is None or after.decision is not before.decision) else None,
+            list(changed.values()),
+            draft,
+        )
+        self._metrics.audit_events.labels(event.result.value).inc()
+        if after is None:
+            self.entries.pop(name, None)
+        else:
+            self.entries[name] = after
+        for node_id, desired in changed.items():
+            live = self.fleet.get(node_id)
+            # Keep any acknowledgement recorded meanwhile; the set itself is ours.
+            live.desired = attrs.evolve(live.desired, generation=desired.generation, assignments=desired.assignments)
+        for node_id in changed:
+            await self._southbound.push_now(node_id)
+        log.info("%s %s: %s", action, name, detail)

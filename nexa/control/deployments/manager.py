@@ -1,0 +1,213 @@
+"""`Deployments`: the one object the rest of the controller holds (the API, the console, the
+gateway, the rollout watcher, the composition root). Its queries, its operator changes (create,
+scale, delete; canaries through `canary.Rollouts`) and the reconciler's loop (`run`)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import attrs
+import trio
+
+from nexa.config import NodesConfig, PlacementConfig
+from nexa.contracts.deployments import (
+    Canary,
+    CanaryCreate,
+    Deployment,
+    DeploymentCreate,
+    DeploymentView,
+    PlacementView,
+    Replica,
+    RolloutResult,
+    ServingSet,
+)
+from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRecord
+from nexa.contracts.placement import PlacementDecision
+from nexa.control import store as st
+from nexa.control.deployments import views
+from nexa.control.deployments.assignment import placement_request
+from nexa.control.deployments.canary import Rollouts
+from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
+from nexa.control.deployments.desired import Desired
+from nexa.control.deployments.reconciler import Reconciler
+from nexa.control.deployments.records import Entry, bump, model_of, new_replica
+from nexa.control.fleet import Fleet
+from nexa.control.models import ModelRegistry
+from nexa.control.registry import Actor
+from nexa.control.scheduler import place
+from nexa.control.southbound import Southbound
+from nexa.errors import AlreadyExists, ContractError, NotFound, Unplaceable
+from nexa.telemetry import Metrics
+
+
+class Deployments:
+    """Deployments in memory (written through to the store) and the reconciler that keeps them placed."""
+
+    def __init__(
+        self,
+        cfg: NodesConfig,
+        store: st.Store,
+        metrics: Metrics,
+        fleet: Fleet,
+        *,
+        models: ModelRegistry,
+        southbound: Southbound,
+        placement: PlacementConfig | None = None,
+    ) -> None:
+        self._fleet = fleet
+        self._desired = Desired(
+            store, metrics, fleet, models=models, southbound=southbound, placement=placement or PlacementConfig()
+        )
+        self._reconciler = Reconciler(self._desired, cfg)
+        self._rollouts = Rollouts(self._desired, self.poke)
+        fleet.on_change(self.poke)
+        models.on_alias_change(self._alias_moved)
+
+    async def load(self) -> None:
+        await self._desired.load()
+
+    def poke(self) -> None:
+        """Ask the reconciler to look now."""
+        self._reconciler.poke()
+
+    def _alias_moved(self, receipt: AliasReceipt) -> None:
+        # Deployments created from the alias follow it; the reconciler compares and rolls.
+        self.poke()
+
+    # ---- the reconciler ----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The reconciler's loop (`reconciler` says what one pass does): until cancelled."""
+        self._reconciler.start()
+        task_status.started()
+        while True:
+            next_at = await self.reconcile()
+            await self._reconciler.wait(next_at)
+
+    async def reconcile(self) -> float:
+        """Follow moved aliases, move replicas off nodes that lost them, top every deployment (and
+        canary) up, and take one step of each rollout; the next deadline to look again."""
+        return await self._reconciler.reconcile()
+
+    # ---- queries -----------------------------------------------------------------------------------
+
+    def all(self) -> list[DeploymentView]:
+        return [views.view(self._desired, e) for _, e in sorted(self._desired.entries.items())]
+
+    def show(self, name: str) -> DeploymentView:
+        return views.view(self._desired, self._desired.entry(name))
+
+    def placement(self, name: str) -> PlacementView:
+        return PlacementView(deployment=name, decision=self._desired.entry(name).decision)
+
+    def canaries(self) -> list[tuple[str, Canary]]:
+        """Every running canary, by deployment name (what `rollout.RolloutWatcher` checks)."""
+        entries = sorted(self._desired.entries.items())
+        return [(n, e.deployment.canary) for n, e in entries if e.deployment.canary is not None]
+
+    def node_data_classes(self, node_id: str) -> tuple[str, ...]:
+        """The data classes a node's inventory allows (`data_classes` of its inventory.json); none
+        for a node that has not reported an inventory. In memory, for the gateway's routing."""
+        try:
+            inventory = self._fleet.get(node_id).inventory
+        except NotFound:
+            return ()
+        return inventory.data_classes if inventory is not None else ()
+
+    def serving(self, model: ModelRef, *, alias: str | None = None) -> ServingSet:
+        """The replicas the gateway may send requests for `model` to (`views.serving`)."""
+        return views.serving(self._desired, model, alias=alias)
+
+    def forecast(self, req: DeploymentCreate) -> PlacementDecision:
+        """Whether a hypothetical deployment fits now, and where; changes nothing."""
+        check_shape(req)
+        model, runtime, _ = deployable(self._desired.models, req)
+        check_settings(req, runtime)
+        return place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
+
+    async def create(self, actor: Actor, req: DeploymentCreate) -> DeploymentView:
+        check_shape(req)
+        async with self._desired.lock:
+            if req.name in self._desired.entries:
+                raise AlreadyExists(f"deployment {req.name} exists")
+            model, runtime, ref = deployable(self._desired.models, req)
+            check_settings(req, runtime)
+            decision = place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
+            check_memory_limits(req, decision)
+            if not decision.feasible:
+                raise Unplaceable(f"deployment {req.name} cannot be placed: " + explain(decision))
+            now = time.time()
+            dep = Deployment(
+                name=req.name,
+                runtime=req.runtime,
+                alias=req.alias,
+                model=ref,
+                replicas=req.replicas,
+                resources=req.resources,
+                options=req.options,
+                placement=req.placement,
+                created_at=now,
+                created_by=actor.key_id,
+                updated_at=now,
+                placed=[new_replica(req.name, p.node_id, p.gpus, ref) for p in decision.placements],
+            )
+            entry = Entry(dep, decision)
+            await self._desired.commit(actor, "deployment.create", None, entry)
+        return views.view(self._desired, entry)
+
+    async def scale(self, actor: Actor, name: str, replicas: int) -> DeploymentView:
+        if not 1 <= replicas <= 256:
+            raise ContractError("replicas: from 1 to 256", problems=("replicas: from 1 to 256",))
+        async with self._desired.lock:
+            before = self._desired.entry(name)
+            dep = before.deployment
+            model, runtime, _ = deployable(self._desired.models, dep)
+            # The current version's replicas first, so scaling down during a rollout keeps them.
+            placed = sorted(dep.placed, key=lambda r: model_of(dep, r) != dep.model)
+            decision = before.decision
+            if replicas < len(placed):
+                placed = placed[:replicas]
+            elif replicas > len(placed):
+                decision = self._place_more(dep, placed, replicas - len(placed), model, runtime)
+                if not decision.feasible:
+                    raise Unplaceable(f"deployment {name} cannot grow to {replicas} replicas: " + explain(decision))
+                placed += [new_replica(name, p.node_id, p.gpus, dep.model) for p in decision.placements]
+            after = Entry(bump(attrs.evolve(dep, replicas=replicas, placed=placed)), decision)
+            await self._desired.commit(actor, "deployment.scale", before, after)
+        return views.view(self._desired, after)
+
+    async def delete(self, actor: Actor, name: str) -> DeploymentView:
+        """Remove the deployment and its replicas (a canary's too) from every node set; answers what was deleted."""
+        async with self._desired.lock:
+            before = self._desired.entry(name)
+            await self._desired.commit(actor, "deployment.delete", before, None)
+        return views.view(self._desired, before)
+
+    def _place_more(
+        self, dep: Deployment, kept: list[Replica], count: int, model: ModelRecord, runtime: RuntimeRecord
+    ) -> PlacementDecision:
+        existing = Counter(r.node_id for r in kept)
+        if dep.canary is not None:
+            existing.update(r.node_id for r in dep.canary.placed)
+        return place(self._desired.snapshot(), placement_request(dep, model, runtime, count), existing=existing)
+
+    # ---- rollout: canary, promote, rollback (`canary.Rollouts`) ------------------------------------
+
+    async def start_canary(self, actor: Actor, name: str, req: CanaryCreate) -> DeploymentView:
+        """Place `req.replicas` extra replicas of `req.model` beside the deployment's own, or refuse
+        (`Rollouts.start_canary` says when)."""
+        return await self._rollouts.start_canary(actor, name, req)
+
+    async def promote(self, actor: Actor, name: str) -> RolloutResult:
+        """Make the canary's version the deployment's (`Rollouts.promote`)."""
+        return await self._rollouts.promote(actor, name)
+
+    async def rollback(self, actor: Actor, name: str) -> RolloutResult:
+        """Remove a running canary, else return to the version before the last promotion (`Rollouts.rollback`)."""
+        return await self._rollouts.rollback(actor, name)
+
+    async def drop_canary(self, actor: Actor, name: str, canary: Canary, *, action: str, detail: str) -> bool:
+        """Remove `canary` from deployment `name`; False, changing nothing, when it no longer runs
+        that very canary (`Rollouts.drop_canary`)."""
+        return await self._rollouts.drop_canary(actor, name, canary, action=action, detail=detail)

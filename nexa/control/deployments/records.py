@@ -1,0 +1,61 @@
+"""A deployment's record as it changes: its in-memory entry, new replicas, and the pure steps
+(`follow` a new version, `bump` a generation) that every change is built from."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Iterable
+
+import attrs
+
+from nexa.contracts.deployments import Deployment, Replica, Rollout
+from nexa.contracts.models import ModelRef
+from nexa.contracts.placement import PlacementDecision
+
+
+@attrs.define
+class Entry:
+    """One deployment in memory: its record, the placement decision kept for it, and why it is
+    not fully placed (`DeploymentView.problem`), if it is not."""
+
+    deployment: Deployment
+    decision: PlacementDecision | None
+    problem: str | None = None
+
+
+def new_replica(deployment: str, node_id: str, gpus: Iterable[str], model: ModelRef) -> Replica:
+    return Replica(id=f"{deployment}-{secrets.token_hex(4)}", node_id=node_id, gpus=list(gpus), model=model)
+
+
+def model_of(dep: Deployment, replica: Replica) -> ModelRef:
+    return replica.model or dep.model
+
+
+def canary_placed(dep: Deployment) -> list[Replica]:
+    return list(dep.canary.placed) if dep.canary is not None else []
+
+
+def all_replicas(dep: Deployment) -> list[Replica]:
+    return dep.placed + canary_placed(dep)
+
+
+def stamped(dep: Deployment) -> Deployment:
+    """A record from before rollouts: each replica runs the deployment's model; say so."""
+    if all(r.model is not None for r in dep.placed):
+        return dep
+    return attrs.evolve(dep, placed=[attrs.evolve(r, model=model_of(dep, r)) for r in dep.placed])
+
+
+def follow(dep: Deployment, target: ModelRef, reason: str) -> Deployment:
+    """The deployment switched to `target`: a rollout from what it ran (a canary of `target` merged in)."""
+    placed, canary = dep.placed, dep.canary
+    if canary is not None and canary.model == target:
+        placed, canary = placed + canary.placed, None
+    rollout = Rollout(from_=dep.model, to=target, reason=reason, started_at=time.time())
+    return bump(attrs.evolve(dep, model=target, placed=placed, canary=canary, rollout=rollout, previous=dep.model))
+
+
+def bump(dep: Deployment) -> Deployment:
+    """A changed record: one generation up, updated now."""
+    return attrs.evolve(dep, generation=dep.generation + 1, updated_at=time.time())

@@ -1,0 +1,87 @@
+"""The fleet as placement sees it: one `PlacementNode` per enrolled node, free resources being
+what its inventory reports less what its desired set reserves."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from nexa.contracts.node import LabelKey, LabelValue
+from nexa.contracts.placement import PlacementNode
+from nexa.control.fleet import NodeLive
+
+
+def snapshot_from(
+    fleet: Iterable[NodeLive], *, without: frozenset[str] = frozenset(), unified_headroom_bytes: int = 0
+) -> list[PlacementNode]:
+    """One `PlacementNode` per enrolled node, from its inventory and what its desired set reserves.
+
+    Free resources are reservations, not measurements: what the node has minus what the
+    replicas in its desired set were given (a replica just assigned holds its share before it
+    starts, and a running one is not counted twice). Assignments whose id is in `without` are
+    left out, as if already stopped (a rollout step frees one replica and places another).
+
+    - state, labels (enrollment labels, then the inventory's), taints, data classes, runtimes,
+      arch: as the node's inventory reports them. A node that never reported one has no
+      runtimes and no resources, so every request fails on it, with the reason shown.
+    - discrete GPUs: `free_gpus` are the CDI names no assignment holds; their memory is the
+      sum of those GPUs' `memory_total_bytes`.
+    - unified memory (any GPU reported `unified_memory`): every GPU stays free (shared); the
+      pool is the inventory's `accelerator_memory_bytes`; what replicas may still reserve is
+      that pool less `unified_headroom_bytes` (`placement.unified_host_headroom_bytes`: the
+      OS, the agent and the container engine live in it too) less the memory of every
+      assignment; the host pool is the same pool.
+    - host memory: `memory_total_bytes` less the memory of CPU-only assignments.
+    - load: assignments in the desired set; cached artifacts: none known yet (reliability 1).
+    """
+    out = []
+    for live in fleet:
+        inv = live.inventory
+        assignments = [a for a in live.desired.assignments if a.id not in without]
+        labels = {LabelKey(k): LabelValue(v) for k, v in live.node.labels.items()}
+        if inv is None:
+            out.append(PlacementNode(id=live.node.id, state=live.state, arch="", labels=labels, load=len(assignments)))
+            continue
+        labels.update(inv.labels)
+        unified = any(g.unified_memory for g in inv.gpus)
+        held = {name for a in assignments for name in a.runtime.gpus}
+        reserved_all = sum(a.runtime.memory_bytes for a in assignments)
+        reserved_host = sum(a.runtime.memory_bytes for a in assignments if not a.runtime.gpus)
+        if unified:
+            # One pool: every GPU is shared, and accelerator and host memory are the same bytes.
+            free_gpus = tuple(g.cdi_device for g in inv.gpus)
+            accel_total = host_total = inv.accelerator_memory_bytes
+            accel_free = host_free = max(0, accel_total - unified_headroom_bytes - reserved_all)
+        else:
+            free = [g for g in inv.gpus if g.cdi_device not in held]
+            free_gpus = tuple(g.cdi_device for g in free)
+            accel_total = sum(g.memory_total_bytes or 0 for g in inv.gpus)
+            accel_free = sum(g.memory_total_bytes or 0 for g in free)
+            host_total = inv.memory_total_bytes
+            host_free = max(0, host_total - reserved_host)
+        node = PlacementNode(
+            id=live.node.id,
+            state=live.state,
+            arch=inv.arch,
+            labels=labels,
+            taints=inv.taints,
+            data_classes=inv.data_classes,
+            runtimes=inv.runtimes,
+            unified_memory=unified,
+            gpu_count=len(inv.gpus),
+            free_gpus=free_gpus,
+            accelerator_memory_total_bytes=accel_total,
+            accelerator_memory_free_bytes=accel_free,
+            host_memory_total_bytes=host_total,
+            host_memory_free_bytes=host_free,
+            load=len(assignments),
+        )
+        out.append(node)
+    return out
+
+
+def unified_pool_bytes(live: NodeLive) -> int | None:
+    """The node's unified memory pool (its GPU shares the host's memory), None when it has none."""
+    inv = live.inventory
+    if inv is None or not any(g.unified_memory for g in inv.gpus):
+        return None
+    return inv.accelerator_memory_bytes

@@ -1,0 +1,70 @@
+"""What the deployments look like from outside: an operator's `DeploymentView`, and the
+`ServingSet` the gateway routes a model's requests over (read on every request: in memory, no I/O)."""
+
+from __future__ import annotations
+
+from nexa.contracts.deployments import DeploymentView, ServingReplica, ServingSet
+from nexa.contracts.domain import NodeState
+from nexa.contracts.models import ModelRef
+from nexa.control.deployments.desired import Desired
+from nexa.control.deployments.records import Entry, model_of
+
+
+def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> ServingSet:
+    """The replicas the gateway may send requests for `model` to. Read on every request: in memory, no I/O.
+
+    Deployments of `model` (pinned, or following an alias that points there) and, when
+    `alias` is given, every deployment created from it: all their replicas that their node
+    reports Ready, on nodes that are Ready or Cordoned (never Unreachable or Revoked). During a
+    rollout both versions' Ready replicas serve (one deployment); a deployment rolling away
+    from `model` still serves its replicas of `model`. A running canary's Ready replicas come
+    flagged `canary=True`, and `canary_weight` is its weight (0 while no canary replica is Ready).
+
+    A Draining node takes no new requests while any other Ready replica serves the model. Only
+    when none does (its replacements, started before it stops, are not Ready yet) do its Ready
+    replicas keep serving: a drain never causes a moment without a replica that answers.
+    """
+    replicas: list[ServingReplica] = []
+    draining: list[ServingReplica] = []
+    names: list[str] = []
+    weight = 0.0
+    for name, entry in desired.entries.items():
+        dep = entry.deployment
+        mine = dep.model == model or (alias is not None and dep.alias == alias)
+        leaving = dep.rollout is not None and dep.rollout.from_ == model
+        if not (mine or leaving):
+            continue
+        names.append(name)
+        for r in dep.placed:
+            ref = model_of(dep, r)
+            if not (mine or ref == model):
+                continue
+            if desired.routable(r):
+                replicas.append(ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref))
+            elif desired.fleet.get(r.node_id).state is NodeState.DRAINING and desired.ready(r):
+                draining.append(ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref))
+        canary = dep.canary
+        if canary is None or not mine:
+            continue
+        ready = [r for r in canary.placed if desired.routable(r)]
+        replicas += [
+            ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=canary.model, canary=True)
+            for r in ready
+        ]
+        if ready:
+            weight = max(weight, canary.weight)
+    return ServingSet(model=model, replicas=replicas or draining, canary_weight=weight, deployments=names)
+
+
+def view(desired: Desired, e: Entry) -> DeploymentView:
+    dep = e.deployment
+    new = sum(1 for r in dep.placed if model_of(dep, r) == dep.model) if dep.rollout else 0
+    return DeploymentView(
+        deployment=dep,
+        ready_to_run=len(dep.placed),
+        problem=e.problem,
+        ready=sum(1 for r in dep.placed if desired.ready(r)),
+        canary_ready=sum(1 for r in dep.canary.placed if desired.ready(r)) if dep.canary else 0,
+        rollout_new=new,
+        rollout_old=len(dep.placed) - new if dep.rollout else 0,
+    )

@@ -1,0 +1,74 @@
+"""The controller's durable state: one SQLite database through apsw. The only apsw importer.
+
+Every transaction is one short sync function `verb_noun(db, ...)` wrapped whole in `with txn(db):`;
+`Store.run` executes it on a single lane (one connection, CapacityLimiter(1)) off the event loop,
+so no other task's SQL can interleave with a half-done transaction. Mutations append their audit
+event inside the same transaction.
+
+Callers use `from nexa.control import store as st` and the names re-exported here:
+- `connection`: `open_store` (lock, migrate, new epoch), `Store` and its lanes;
+- `schema`: the migrations; `sql`: what every transaction function shares (`txn`, the meta table);
+- `audit`: the hash chain; then one module per domain: `keys` (and tenants), `nodes`, `models`,
+  `deployments`, `usage` (and quotas), `workloads`.
+Swapping SQLite for PostgreSQL (DESIGN §5) touches this package only.
+"""
+
+from __future__ import annotations
+
+from nexa.control.store.audit import GENESIS_SHA256 as GENESIS_SHA256
+from nexa.control.store.audit import AuditQuery as AuditQuery
+from nexa.control.store.audit import append_audit as append_audit
+from nexa.control.store.audit import audit_head as audit_head
+from nexa.control.store.audit import event_sha256 as event_sha256
+from nexa.control.store.audit import list_audit as list_audit
+from nexa.control.store.audit import record_audit as record_audit
+from nexa.control.store.audit import verify_audit as verify_audit
+from nexa.control.store.connection import DB_FILE as DB_FILE
+from nexa.control.store.connection import LOCK_FILE as LOCK_FILE
+from nexa.control.store.connection import Store as Store
+from nexa.control.store.connection import StoreOpener as StoreOpener
+from nexa.control.store.connection import open_store as open_store
+from nexa.control.store.deployments import load_deployments as load_deployments
+from nexa.control.store.deployments import save_deployment as save_deployment
+from nexa.control.store.keys import insert_key as insert_key
+from nexa.control.store.keys import insert_tenant as insert_tenant
+from nexa.control.store.keys import load_keys as load_keys
+from nexa.control.store.keys import load_tenants as load_tenants
+from nexa.control.store.keys import revoke_key as revoke_key
+from nexa.control.store.models import insert_evaluation as insert_evaluation
+from nexa.control.store.models import insert_model as insert_model
+from nexa.control.store.models import insert_runtime as insert_runtime
+from nexa.control.store.models import load_aliases as load_aliases
+from nexa.control.store.models import load_models as load_models
+from nexa.control.store.models import load_runtimes as load_runtimes
+from nexa.control.store.models import save_alias as save_alias
+from nexa.control.store.models import update_model as update_model
+from nexa.control.store.nodes import enroll_node as enroll_node
+from nexa.control.store.nodes import insert_token as insert_token
+from nexa.control.store.nodes import load_nodes as load_nodes
+from nexa.control.store.nodes import save_desired as save_desired
+from nexa.control.store.nodes import save_inventory as save_inventory
+from nexa.control.store.nodes import update_node as update_node
+from nexa.control.store.schema import APPLICATION_ID as APPLICATION_ID
+from nexa.control.store.schema import MIGRATIONS as MIGRATIONS
+from nexa.control.store.sql import PRUNE_BATCH as PRUNE_BATCH
+from nexa.control.store.usage import QUOTA_REFUSED_STATUS as QUOTA_REFUSED_STATUS
+from nexa.control.store.usage import QuotaRecord as QuotaRecord
+from nexa.control.store.usage import UsageKey as UsageKey
+from nexa.control.store.usage import insert_usage as insert_usage
+from nexa.control.store.usage import load_quotas as load_quotas
+from nexa.control.store.usage import prune_usage as prune_usage
+from nexa.control.store.usage import save_quota as save_quota
+from nexa.control.store.usage import usage_by_second as usage_by_second
+from nexa.control.store.usage import usage_report as usage_report
+from nexa.control.store.usage import usage_tokens_since as usage_tokens_since
+from nexa.control.store.workloads import WorkloadKey as WorkloadKey
+from nexa.control.store.workloads import WorkloadRow as WorkloadRow
+from nexa.control.store.workloads import finish_workloads as finish_workloads
+from nexa.control.store.workloads import get_workload as get_workload
+from nexa.control.store.workloads import insert_workload as insert_workload
+from nexa.control.store.workloads import list_workloads as list_workloads
+from nexa.control.store.workloads import prune_workloads as prune_workloads
+from nexa.control.store.workloads import unfinished_workloads as unfinished_workloads
+from nexa.control.store.workloads import workload_by_key as workload_by_key
+from nexa.control.store.workloads import workload_receipt_by_key as workload_receipt_by_key

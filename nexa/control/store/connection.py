@@ -1,0 +1,186 @@
+"""`open_store`: lock the state dir, open and migrate the database, take an epoch; `Store`, its lanes.
+
+Every transaction is one short sync function `verb_noun(db, ...)` wrapped whole in `with txn(db):`;
+`Store.run` executes it on a single lane (one connection, CapacityLimiter(1)) off the event loop,
+so no other task's SQL can interleave with a half-done transaction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+from typing import Final, TypeAlias
+
+import apsw
+import apsw.bestpractice
+import trio
+
+from nexa.control.store.schema import migrate, take_epoch
+from nexa.control.store.sql import PRUNE_BATCH, T
+from nexa.errors import Conflict, StateDirLocked, StoreError, StoreUnusable
+
+DB_FILE: Final = "control.db"
+LOCK_FILE: Final = "control.lock"
+
+
+class Store:
+    """Async facade over one apsw connection: `await store.run(txn_fn, *args)`.
+
+    Long reads (`verify_audit`, audit pages) go to `store.read`: a second, read-only connection on
+    its own lane. WAL lets it read a consistent snapshot while the writer commits, so a long read
+    never holds the store lane.
+    """
+
+    def __init__(
+        self, db: apsw.Connection, *, epoch: int, inline: bool = False, reader: apsw.Connection | None = None
+    ) -> None:
+        self._db = db
+        self._limiter = trio.CapacityLimiter(1)
+        self._reader = reader
+        self._read_limiter = trio.CapacityLimiter(1)
+        self._inline = inline
+        #: The strictly increasing epoch this process took when it opened the store.
+        self.epoch = epoch
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """Run one transaction function on the store lane. Cancellation waits for it to finish."""
+        return await self._on(self._db, self._limiter, fn, *args)
+
+    async def read(self, fn: Callable[..., T], *args: object) -> T:
+        """Run a read-only function on the reader lane (the store lane when there is no reader).
+        A write attempted there fails with StoreError; the store lane stays free meanwhile."""
+        if self._reader is None:
+            return await self.run(fn, *args)
+        return await self._on(self._reader, self._read_limiter, fn, *args)
+
+    async def _on(self, db: apsw.Connection, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:
+        if self._inline:
+            # Tests under autojump_clock keep real threads out (trio issue #456).
+            async with limiter:
+                return _translated(fn, db, *args)
+        return await trio.to_thread.run_sync(_translated, fn, db, *args, limiter=limiter)
+
+    async def prune(self, fn: Callable[[apsw.Connection, float], int], before: float) -> int:
+        """Run a `prune_*` function batch after batch until it deletes less than a batch; the total.
+        Other transactions get the lane between batches."""
+        total = 0
+        while True:
+            deleted = await self.run(fn, before)
+            total += deleted
+            if deleted < PRUNE_BATCH:
+                return total
+
+
+def _translated(fn: Callable[..., T], db: apsw.Connection, *args: object) -> T:
+    try:
+        return fn(db, *args)
+    except apsw.ConstraintError as exc:
+        raise Conflict(f"conflicts with existing state ({_constraint(exc)})") from None
+    except _UNUSABLE as exc:
+        # The database itself is gone or damaged: retrying cannot help, the process ends (exit 3).
+        raise StoreUnusable(f"the store is unusable: {type(exc).__name__}") from exc
+    except apsw.Error as exc:
+        raise StoreError(f"store failure: {type(exc).__name__}") from exc
+
+
+_UNUSABLE: Final = (
+    apsw.CorruptError,
+    apsw.NotADBError,
+    apsw.IOError,
+    apsw.CantOpenError,
+    apsw.ReadOnlyError,
+    apsw.ConnectionClosedError,
+)
+
+
+def _constraint(exc: apsw.ConstraintError) -> str:
+    text = str(exc)
+    return text.split(":", 1)[-1].strip() if "UNIQUE" in text or "FOREIGN" in text else "constraint"
+
+
+#: What the composition root opens its store with (`service.serve_control(open_store=...)`):
+#: `open_store` itself, or a test's variant of it (`functools.partial(open_store, inline=True)`).
+StoreOpener: TypeAlias = Callable[[str | Path], AbstractAsyncContextManager[Store]]
+
+_best_practice_lock: Final = threading.Lock()
+_best_practice_applied = False
+
+
+def _apply_best_practice() -> None:
+    """apsw's recommended settings, once per process and before the first Connection: they register
+    connection hooks (WAL, busy timeout, foreign keys, no double-quoted strings) and send SQLite's
+    log into `logging`. Run from `open_store`, not at import, so importing the store changes nothing."""
+    global _best_practice_applied  # noqa: PLW0603 - a process-wide, once-only registration
+    with _best_practice_lock:
+        if not _best_practice_applied:
+            apsw.bestpractice.apply(apsw.bestpractice.recommended)
+            _best_practice_applied = True
+
+
+@contextlib.asynccontextmanager
+async def open_store(state_dir: str | Path, *, inline: bool = False) -> AsyncIterator[Store]:
+    """Lock the state dir, open and migrate the database, take a new epoch; close on exit.
+
+    Opens no tasks. Raises StateDirLocked if another process holds the state dir.
+    """
+    _apply_best_practice()
+    root = Path(state_dir)
+    lock_fd = await trio.to_thread.run_sync(_lock_state_dir, root)
+    try:
+        db, epoch = await trio.to_thread.run_sync(_open_db, root / DB_FILE)
+        try:
+            reader = await trio.to_thread.run_sync(_open_reader, root / DB_FILE)
+            try:
+                yield Store(db, epoch=epoch, inline=inline, reader=reader)
+            finally:
+                reader.close()
+        finally:
+            db.close()
+    finally:
+        os.close(lock_fd)
+
+
+def _lock_state_dir(root: Path) -> int:
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        raise StoreError(f"cannot use state directory {root}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise StateDirLocked(state_dir=str(root)) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def _open_db(path: Path) -> tuple[apsw.Connection, int]:
+    try:
+        db = apsw.Connection(str(path))
+    except apsw.Error as exc:
+        raise StoreError(f"cannot open {path}: {exc}") from None
+    try:
+        db.execute("PRAGMA synchronous=FULL")
+        migrate(db)
+        return db, take_epoch(db)
+    except apsw.Error as exc:
+        db.close()
+        raise StoreError(f"cannot prepare {path}: {type(exc).__name__}: {exc}") from None
+    except BaseException:
+        db.close()
+        raise
+
+
+def _open_reader(path: Path) -> apsw.Connection:
+    """The read-only second connection; opened after `_open_db` migrated the schema and set WAL."""
+    try:
+        return apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+    except apsw.Error as exc:
+        raise StoreError(f"cannot open {path} for reading: {type(exc).__name__}") from None

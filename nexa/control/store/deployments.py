@@ -1,0 +1,60 @@
+"""Deployments and their last placement decision, written with the node sets they change."""
+
+from __future__ import annotations
+
+import apsw
+
+from nexa.contracts import codec
+from nexa.contracts.deployments import Deployment
+from nexa.contracts.domain import AuditDraft, AuditEvent
+from nexa.contracts.placement import PlacementDecision
+from nexa.contracts.wire import DesiredAssignments
+from nexa.control.store.audit import append_audit
+from nexa.control.store.nodes import save_desired
+from nexa.control.store.sql import txn
+
+
+def save_deployment(  # noqa: PLR0917 - one transaction function, called through Store.run(fn, *args)
+    db: apsw.Connection,
+    name: str,
+    deployment: Deployment | None,
+    placement: PlacementDecision | None,
+    desired: list[DesiredAssignments],
+    draft: AuditDraft,
+) -> AuditEvent:
+    """Write a deployment (None: delete it), its last placement decision and the node sets it changed, audited.
+
+    One transaction: a node's signed set never names a replica the deployment record does not.
+    A `placement` of None keeps the decision stored before.
+    """
+    with txn(db):
+        if deployment is None:
+            db.execute("DELETE FROM deployment WHERE name = ?", (name,))
+        else:
+            db.execute(
+                "INSERT INTO deployment(name, generation, body, placement) VALUES (?,?,?,?)"
+                " ON CONFLICT(name) DO UPDATE SET generation = excluded.generation, body = excluded.body,"
+                " placement = COALESCE(excluded.placement, deployment.placement)",
+                (
+                    name,
+                    deployment.generation,
+                    codec.dumps(codec.store, deployment),
+                    None if placement is None else codec.dumps(codec.store, placement),
+                ),
+            )
+        for one in desired:
+            save_desired(db, one, None)
+        event = append_audit(db, draft)
+    return event
+
+
+def load_deployments(db: apsw.Connection) -> list[tuple[Deployment, PlacementDecision | None]]:
+    with txn(db):
+        rows = db.execute("SELECT body, placement FROM deployment ORDER BY name").fetchall()
+    return [
+        (
+            codec.loads(codec.store, str(body), Deployment),
+            None if placement is None else codec.loads(codec.store, str(placement), PlacementDecision),
+        )
+        for body, placement in rows
+    ]

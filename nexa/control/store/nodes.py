@@ -1,0 +1,142 @@
+"""Enrollment tokens, nodes, their reported inventory and their signed desired assignment sets."""
+
+from __future__ import annotations
+
+import json
+
+import apsw
+import attrs
+
+from nexa.contracts import codec
+from nexa.contracts.domain import AuditDraft, AuditEvent, EnrollmentToken, Node
+from nexa.contracts.node import NodeInventory
+from nexa.contracts.wire import DesiredAssignments
+from nexa.control.store.audit import append_audit
+from nexa.control.store.sql import txn
+from nexa.errors import NotFound, Unauthenticated
+
+
+def insert_token(db: apsw.Connection, token: EnrollmentToken, draft: AuditDraft) -> AuditEvent:
+    with txn(db):
+        db.execute(
+            "INSERT INTO enrollment_token(id, token_sha256, labels, created_at, expires_at, created_by)"
+            " VALUES (?,?,?,?,?,?)",
+            (
+                token.id,
+                token.token_sha256,
+                codec.canonical_json(token.labels),
+                token.created_at,
+                token.expires_at,
+                token.created_by,
+            ),
+        )
+        event = append_audit(db, draft)
+    return event
+
+
+def enroll_node(db: apsw.Connection, token_sha256: str, now: float, node: Node, draft: AuditDraft) -> Node:
+    """Spend a one-time token and create the node, in one transaction; refusals change nothing.
+
+    The node takes the token's labels. Raises Unauthenticated for an unknown, used or expired token.
+    """
+    with txn(db):
+        rows = db.execute(
+            "SELECT labels, expires_at, used_at FROM enrollment_token WHERE token_sha256 = ?", (token_sha256,)
+        ).fetchall()
+        if not rows:
+            raise Unauthenticated("unknown enrollment token")
+        labels_json, expires_at, used_at = rows[0]
+        if used_at is not None:
+            raise Unauthenticated("this enrollment token was already used")
+        if not isinstance(expires_at, float) or expires_at <= now:
+            raise Unauthenticated("this enrollment token has expired")
+        labels = json.loads(str(labels_json))
+        node = attrs.evolve(node, labels=labels)
+        db.execute(
+            "UPDATE enrollment_token SET used_at = ?, used_by_node = ? WHERE token_sha256 = ?",
+            (now, node.id, token_sha256),
+        )
+        db.execute(
+            "INSERT INTO node(id, hostname, signing_public_key, curve_public_key, labels, enrolled_at, admin_state,"
+            " revoked_at) VALUES (?,?,?,?,?,?,?,?)",
+            (
+                node.id,
+                node.hostname,
+                node.signing_public_key,
+                node.curve_public_key,
+                codec.canonical_json(node.labels),
+                node.enrolled_at,
+                node.admin_state.value,
+                node.revoked_at,
+            ),
+        )
+        append_audit(db, attrs.evolve(draft, next_sha256=codec.sha256_of(codec.store, node)))
+    return node
+
+
+def load_nodes(db: apsw.Connection) -> list[tuple[Node, NodeInventory | None, DesiredAssignments | None]]:
+    with txn(db):
+        rows = db.execute(
+            "SELECT n.id, n.hostname, n.signing_public_key, n.curve_public_key, n.labels, n.enrolled_at,"
+            " n.admin_state, n.revoked_at, i.body, d.body FROM node n"
+            " LEFT JOIN node_inventory i ON i.node_id = n.id LEFT JOIN node_desired d ON d.node_id = n.id"
+        ).fetchall()
+    out = []
+    for r in rows:
+        node = codec.store.structure(
+            {
+                "id": r[0],
+                "hostname": r[1],
+                "signing_public_key": r[2],
+                "curve_public_key": r[3],
+                "labels": json.loads(str(r[4])),
+                "enrolled_at": r[5],
+                "admin_state": r[6],
+                "revoked_at": r[7],
+            },
+            Node,
+        )
+        inventory = codec.loads(codec.store, str(r[8]), NodeInventory) if r[8] is not None else None
+        desired = codec.loads(codec.store, str(r[9]), DesiredAssignments) if r[9] is not None else None
+        out.append((node, inventory, desired))
+    return out
+
+
+def update_node(db: apsw.Connection, node: Node, draft: AuditDraft) -> AuditEvent:
+    with txn(db):
+        db.execute(
+            "UPDATE node SET admin_state = ?, revoked_at = ?, labels = ? WHERE id = ?",
+            (node.admin_state.value, node.revoked_at, codec.canonical_json(node.labels), node.id),
+        )
+        if db.changes() != 1:
+            raise NotFound(f"no node {node.id}")
+        event = append_audit(db, draft)
+    return event
+
+
+def save_inventory(db: apsw.Connection, node_id: str, inventory: NodeInventory, at: float) -> None:
+    """Inventory is telemetry reported by the node itself: kept, not audited."""
+    with txn(db):
+        db.execute(
+            "INSERT INTO node_inventory(node_id, body, reported_at) VALUES (?,?,?)"
+            " ON CONFLICT(node_id) DO UPDATE SET body = excluded.body, reported_at = excluded.reported_at",
+            (node_id, codec.dumps(codec.store, inventory), at),
+        )
+
+
+def save_desired(db: apsw.Connection, desired: DesiredAssignments, draft: AuditDraft | None) -> None:
+    with txn(db):
+        _upsert_desired(db, desired)
+        if draft is not None:
+            append_audit(db, draft)
+
+
+def _upsert_desired(db: apsw.Connection, desired: DesiredAssignments) -> None:
+    # Never let an older generation overwrite a newer one: an ack recorded while a deployment
+    # change for the same node is being committed may reach the store lane second.
+    db.execute(
+        "INSERT INTO node_desired(node_id, body) VALUES (?,?)"
+        " ON CONFLICT(node_id) DO UPDATE SET body = excluded.body"
+        " WHERE json_extract(node_desired.body, '$.generation') <= json_extract(excluded.body, '$.generation')",
+        (desired.node_id, codec.dumps(codec.store, desired)),
+    )

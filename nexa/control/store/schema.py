@@ -1,0 +1,221 @@
+"""The database schema: `MIGRATIONS` (append only) and `migrate`, run by `open_store`."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import apsw
+
+from nexa.control.store.sql import meta_int, pragma_int, txn
+from nexa.errors import StoreError
+
+#: "NEXA" — marks the file as ours for `file(1)` and for a sanity check at open.
+APPLICATION_ID: Final = 0x4E455841
+
+# Each entry moves the schema from version i to i+1; never edit a released entry, append.
+MIGRATIONS: Final[tuple[str, ...]] = (
+    """
+    CREATE TABLE meta (key TEXT PRIMARY KEY, value ANY) STRICT;
+    INSERT INTO meta(key, value) VALUES ('epoch', 0), ('audit_head_seq', 0), ('audit_head_sha256', '');
+    CREATE TABLE tenant (
+        id TEXT PRIMARY KEY,
+        display_name TEXT NOT NULL,
+        created_at REAL NOT NULL
+    ) STRICT;
+    CREATE TABLE api_key (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        role TEXT NOT NULL,
+        tenant TEXT REFERENCES tenant(id),
+        secret_sha256 TEXT NOT NULL UNIQUE,
+        created_at REAL NOT NULL,
+        created_by TEXT,
+        revoked_at REAL
+    ) STRICT;
+    CREATE TABLE audit (
+        seq INTEGER PRIMARY KEY,
+        id TEXT NOT NULL UNIQUE,
+        time REAL NOT NULL,
+        actor_key_id TEXT,
+        actor_role TEXT,
+        action TEXT NOT NULL,
+        target TEXT NOT NULL,
+        prior_sha256 TEXT,
+        next_sha256 TEXT,
+        result TEXT NOT NULL,
+        detail TEXT NOT NULL,
+        prev_sha256 TEXT NOT NULL,
+        sha256 TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX audit_action ON audit(action, seq);
+    CREATE INDEX audit_actor ON audit(actor_key_id, seq);
+    CREATE INDEX audit_target ON audit(target, seq);
+    """,
+    """
+    CREATE TABLE enrollment_token (
+        id TEXT PRIMARY KEY,
+        token_sha256 TEXT NOT NULL UNIQUE,
+        labels TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        created_by TEXT,
+        used_at REAL,
+        used_by_node TEXT
+    ) STRICT;
+    CREATE TABLE node (
+        id TEXT PRIMARY KEY,
+        hostname TEXT NOT NULL,
+        signing_public_key TEXT NOT NULL UNIQUE,
+        curve_public_key TEXT NOT NULL UNIQUE,
+        labels TEXT NOT NULL,
+        enrolled_at REAL NOT NULL,
+        admin_state TEXT NOT NULL,
+        revoked_at REAL
+    ) STRICT;
+    CREATE TABLE node_inventory (
+        node_id TEXT PRIMARY KEY REFERENCES node(id),
+        body TEXT NOT NULL,
+        reported_at REAL NOT NULL
+    ) STRICT;
+    CREATE TABLE node_desired (
+        node_id TEXT PRIMARY KEY REFERENCES node(id),
+        body TEXT NOT NULL
+    ) STRICT;
+    """,
+    """
+    CREATE TABLE runtime (
+        name TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        image TEXT NOT NULL,
+        body TEXT NOT NULL
+    ) STRICT;
+    CREATE TABLE model (
+        name TEXT NOT NULL,
+        version TEXT NOT NULL,
+        state TEXT NOT NULL,
+        sha256 TEXT NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (name, version)
+    ) STRICT;
+    CREATE INDEX model_sha256 ON model(sha256);
+    CREATE TABLE evaluation (
+        id TEXT PRIMARY KEY,
+        model TEXT NOT NULL,
+        version TEXT NOT NULL,
+        passed INTEGER NOT NULL,
+        recorded_at REAL NOT NULL,
+        body TEXT NOT NULL,
+        FOREIGN KEY (model, version) REFERENCES model(name, version)
+    ) STRICT;
+    CREATE INDEX evaluation_model ON evaluation(model, version, recorded_at);
+    CREATE TABLE alias (
+        name TEXT PRIMARY KEY,
+        model TEXT NOT NULL,
+        version TEXT NOT NULL,
+        generation INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        FOREIGN KEY (model, version) REFERENCES model(name, version)
+    ) STRICT;
+    CREATE TABLE alias_history (
+        alias TEXT NOT NULL REFERENCES alias(name),
+        generation INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        PRIMARY KEY (alias, generation)
+    ) STRICT;
+    """,
+    """
+    CREATE TABLE deployment (
+        name TEXT PRIMARY KEY,
+        generation INTEGER NOT NULL,
+        body TEXT NOT NULL,
+        placement TEXT
+    ) STRICT;
+    """,
+    # The gateway: tenant quotas, metered usage (metadata only, never payloads), canonical workloads.
+    """
+    CREATE TABLE quota (
+        tenant TEXT PRIMARY KEY REFERENCES tenant(id),
+        body TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        updated_by TEXT
+    ) STRICT;
+    CREATE TABLE usage (
+        seq INTEGER PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        workload_id TEXT,
+        api TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        key_id TEXT NOT NULL,
+        capability TEXT NOT NULL,
+        alias TEXT NOT NULL,
+        model TEXT NOT NULL,
+        model_version TEXT NOT NULL,
+        deployment TEXT NOT NULL,
+        node_id TEXT NOT NULL,
+        status TEXT NOT NULL,
+        prompt_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        queue_ms REAL NOT NULL,
+        ttft_ms REAL,
+        duration_ms REAL NOT NULL,
+        finished_at REAL NOT NULL,
+        canary INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX usage_finished ON usage(finished_at);
+    CREATE INDEX usage_tenant ON usage(tenant, finished_at);
+    CREATE TABLE workload (
+        tenant TEXT NOT NULL,
+        workload_id TEXT NOT NULL,
+        idempotency_key_sha256 TEXT NOT NULL,
+        key_id TEXT NOT NULL,
+        capability TEXT NOT NULL,
+        alias TEXT NOT NULL,
+        state TEXT NOT NULL,
+        model TEXT NOT NULL,
+        priority TEXT NOT NULL,
+        accepted_at REAL NOT NULL,
+        finished_at REAL,
+        error TEXT,
+        receipt TEXT,
+        PRIMARY KEY (tenant, workload_id),
+        UNIQUE (tenant, idempotency_key_sha256)
+    ) STRICT;
+    CREATE INDEX workload_unfinished ON workload(state) WHERE finished_at IS NULL;
+    """,
+    """
+    CREATE INDEX workload_finished ON workload(finished_at) WHERE finished_at IS NOT NULL;
+    """,
+    # A digest of the envelope an idempotency key came with: a replay with another body is refused.
+    """
+    ALTER TABLE workload ADD COLUMN request_sha256 TEXT;
+    """,
+    # A tenant's workloads, paged in order of acceptance (`list_workloads`).
+    """
+    CREATE INDEX workload_tenant_accepted ON workload(tenant, accepted_at, workload_id);
+    """,
+)
+
+
+def migrate(db: apsw.Connection) -> None:
+    with txn(db):
+        app_id = pragma_int(db, "application_id")
+        version = pragma_int(db, "user_version")
+        if version == 0 and app_id == 0:
+            db.execute(f"PRAGMA application_id={APPLICATION_ID}")
+        elif app_id != APPLICATION_ID:
+            raise StoreError("the database in the state directory does not belong to nexa")
+        if version > len(MIGRATIONS):
+            raise StoreError(
+                f"the state directory was written by a newer nexa (schema {version}, this build knows "
+                f"{len(MIGRATIONS)}); refusing to downgrade"
+            )
+        for number in range(version, len(MIGRATIONS)):
+            db.execute(MIGRATIONS[number])
+            db.execute(f"PRAGMA user_version={number + 1}")
+
+
+def take_epoch(db: apsw.Connection) -> int:
+    with txn(db):
+        db.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")
+        epoch = meta_int(db, "epoch")
+    return epoch

@@ -1,0 +1,180 @@
+"""The gateway's tenant quotas and metered usage (metadata only, never payloads)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import apsw
+import attrs
+
+from nexa.contracts import codec
+from nexa.contracts.domain import AuditDraft, AuditEvent, KeyId, TenantId
+from nexa.contracts.gateway import QuotaLimits, UsageRecord, UsageRow
+from nexa.control.store.audit import append_audit
+from nexa.control.store.sql import PRUNE_BATCH, as_float, as_int, txn
+
+
+@attrs.frozen(kw_only=True)
+class QuotaRecord:
+    tenant: TenantId
+    limits: QuotaLimits
+    updated_at: float
+    updated_by: KeyId | None
+
+
+def load_quotas(db: apsw.Connection) -> list[QuotaRecord]:
+    with txn(db):
+        rows = db.execute("SELECT tenant, body, updated_at, updated_by FROM quota ORDER BY tenant").fetchall()
+    return [
+        QuotaRecord(
+            tenant=TenantId(str(tenant)),
+            limits=codec.loads(codec.store, str(body), QuotaLimits),
+            updated_at=as_float(updated_at),
+            updated_by=None if updated_by is None else KeyId(str(updated_by)),
+        )
+        for tenant, body, updated_at, updated_by in rows
+    ]
+
+
+def save_quota(db: apsw.Connection, record: QuotaRecord, draft: AuditDraft) -> AuditEvent:
+    with txn(db):
+        db.execute(
+            "INSERT INTO quota(tenant, body, updated_at, updated_by) VALUES (?,?,?,?)"
+            " ON CONFLICT(tenant) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at,"
+            " updated_by = excluded.updated_by",
+            (record.tenant, codec.dumps(codec.store, record.limits), record.updated_at, record.updated_by),
+        )
+        event = append_audit(db, draft)
+    return event
+
+
+# ---- gateway: usage ----------------------------------------------------------------------------
+
+_USAGE_COLUMNS: Final = (
+    "request_id, workload_id, api, tenant, key_id, capability, alias, model, model_version, deployment, node_id,"
+    " status, prompt_tokens, completion_tokens, queue_ms, ttft_ms, duration_ms, finished_at, canary"
+)
+#: Usage rows of requests a quota refused: they never took a request slot, so a rebuild skips them.
+QUOTA_REFUSED_STATUS: Final = "quota_exceeded"
+
+
+def insert_usage(db: apsw.Connection, records: list[UsageRecord]) -> None:
+    """Write one batch of usage records in one transaction (metadata only: never payloads)."""
+    with txn(db):
+        db.executemany(
+            f"INSERT INTO usage({_USAGE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
+            [
+                (
+                    r.request_id,
+                    r.workload_id,
+                    r.api.value,
+                    r.tenant,
+                    r.key_id,
+                    r.capability.value,
+                    r.alias,
+                    r.model,
+                    r.model_version,
+                    r.deployment,
+                    r.node_id,
+                    r.status,
+                    r.prompt_tokens,
+                    r.completion_tokens,
+                    r.queue_ms,
+                    r.ttft_ms,
+                    r.duration_ms,
+                    r.finished_at,
+                    int(r.canary),
+                )
+                for r in records
+            ],
+        )
+
+
+def usage_by_second(db: apsw.Connection, since: float) -> list[tuple[TenantId, int, int, int]]:
+    """(tenant, whole second, requests, tokens) of the usage finished at or after `since`.
+
+    What quotas rebuild their sliding minute from; quota refusals are not requests there.
+    """
+    with txn(db):
+        rows = db.execute(
+            "SELECT tenant, CAST(finished_at AS INTEGER) AS second, count(*),"
+            " sum(prompt_tokens + completion_tokens) FROM usage WHERE finished_at >= ? AND status != ?"
+            " GROUP BY tenant, second ORDER BY second",
+            (since, QUOTA_REFUSED_STATUS),
+        ).fetchall()
+    return [(TenantId(str(t)), as_int(s), as_int(n), as_int(tok)) for t, s, n, tok in rows]
+
+
+def usage_tokens_since(db: apsw.Connection, since: float) -> dict[TenantId, int]:
+    """Tokens per tenant finished at or after `since` (the quota's day window)."""
+    with txn(db):
+        rows = db.execute(
+            "SELECT tenant, sum(prompt_tokens + completion_tokens) FROM usage WHERE finished_at >= ? GROUP BY tenant",
+            (since,),
+        ).fetchall()
+    return {TenantId(str(t)): as_int(tok) for t, tok in rows}
+
+
+#: Where a page of `usage_report` continues: after the group (day, tenant, model).
+UsageKey = tuple[str, str, str]
+
+
+def usage_report(  # noqa: PLR0917 - one transaction function, called through Store.run(fn, *args)
+    db: apsw.Connection,
+    since: float,
+    until: float,
+    tenant: str | None,
+    model: str | None,
+    after: UsageKey | None = None,
+    limit: int | None = None,
+) -> list[UsageRow]:
+    """Usage grouped by tenant, model (`name:version`; the alias when it never resolved) and UTC day,
+    ordered by (day, tenant, model); with `after`, only the groups after that one, and at most `limit`.
+
+    `model` filters on `name:version`, the model name or the alias the client asked for.
+    """
+    where = ["finished_at >= ?", "finished_at < ?"]
+    args: list[str | float] = [since, until]
+    if tenant is not None:
+        where.append("tenant = ?")
+        args.append(tenant)
+    if model is not None:
+        where.append("(model || ':' || model_version = ? OR model = ? OR alias = ?)")
+        args.extend((model, model, model))
+    sql = (
+        "SELECT tenant, CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"  # noqa: S608
+        " strftime('%Y-%m-%d', finished_at, 'unixepoch') AS day, count(*), sum(status != 'ok'),"
+        " sum(prompt_tokens), sum(completion_tokens)"
+        f" FROM usage WHERE {' AND '.join(where)} GROUP BY tenant, m, day"
+    )
+    if after is not None:  # keyset: a group already given out is never given again
+        sql += " HAVING (day, tenant, m) > (?, ?, ?)"
+        args.extend(after)
+    sql += " ORDER BY day, tenant, m"
+    if limit is not None:
+        sql += " LIMIT ?"
+        args.append(limit)
+    with txn(db):
+        rows = db.execute(sql, args).fetchall()
+    return [
+        UsageRow(
+            tenant=TenantId(str(t)),
+            model=str(m),
+            day=str(day),
+            requests=as_int(n),
+            errors=as_int(errors),
+            prompt_tokens=as_int(prompt),
+            completion_tokens=as_int(completion),
+        )
+        for t, m, day, n, errors, prompt, completion in rows
+    ]
+
+
+def prune_usage(db: apsw.Connection, before: float) -> int:
+    """Delete up to PRUNE_BATCH usage records that finished before `before`; how many went."""
+    with txn(db):
+        db.execute(
+            "DELETE FROM usage WHERE seq IN (SELECT seq FROM usage WHERE finished_at < ? LIMIT ?)",
+            (before, PRUNE_BATCH),
+        )
+        return db.changes()

@@ -1,0 +1,189 @@
+"""The ASGI app: routes, counters (`/metrics` in vLLM's names), the journal, and the life of one
+inference request (parse, faults, answer, and the outcome journaled, the client watched for
+going away). Counters only: every answer is computed from the request and the config."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
+from pathlib import Path
+from typing import IO, Final
+
+import trio
+
+from nexa.simruntime import answers
+from nexa.simruntime.answers import Outcome
+from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
+from nexa.simruntime.config import SimConfig
+from nexa.simruntime.faults import Faults, FaultsSource, Phase
+from nexa.simruntime.parse import Kind, Work, parse
+
+#: Longest X-Nexa-Request-Id (the relay's request id) kept in the journal.
+MAX_REQUEST_ID_CHARS: Final = 128
+OWNED_BY: Final = "nexa-sim"
+
+_INFERENCE_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+_METRICS_HEADERS: Final = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
+
+
+class Journal:
+    """JSON lines, one per event, appended and flushed as written (small line-buffered writes)."""
+
+    def __init__(self, file: IO[str] | None) -> None:
+        self._file = file
+
+    @classmethod
+    def open(cls, path: str) -> Journal:
+        if not path:
+            return cls(None)
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return cls(open(path, "a", buffering=1, encoding="utf-8"))
+
+    def write(self, event: str, rid: str, path: str, **fields: object) -> None:
+        if self._file is None:
+            return
+        record = {"event": event, "id": rid, "path": path, **fields, "at": round(time.time(), 6)}
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+def _request_id(scope: Scope) -> str:
+    for name, value in scope["headers"]:
+        if name == b"x-nexa-request-id":
+            return str(value.decode("latin-1")[:MAX_REQUEST_ID_CHARS])
+    return ""
+
+
+def _label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+class SimApp:
+    """The ASGI app. Counters only; every answer is computed from the request and the config."""
+
+    def __init__(self, cfg: SimConfig, journal: Journal) -> None:
+        self._cfg = cfg
+        self._journal = journal
+        self._faults = FaultsSource(cfg.faults_path, cfg.faults)
+        self._interval_s = 1.0 / cfg.tokens_per_s
+        self._ttft_s = cfg.ttft_ms / 1000.0
+        self._running = 0
+        self._total = 0
+        self._models_body = json.dumps(
+            {
+                "object": "list",
+                "data": [{"id": cfg.model, "object": "model", "created": int(time.time()), "owned_by": OWNED_BY}],
+            }
+        ).encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            await self._http(scope, receive, send)
+        elif kind == "lifespan":
+            await lifespan(receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if path in _INFERENCE_PATHS:
+            if method != "POST":
+                await reply(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
+                return
+            self._running += 1
+            self._total += 1
+            try:
+                await self._inference(path, _request_id(scope), receive, send)
+            finally:
+                self._running -= 1
+        elif method == "GET" and path == "/health":
+            await reply(send, 200, b'{"status":"ok"}')
+        elif method == "GET" and path == "/v1/models":
+            await reply(send, 200, self._models_body)
+        elif method == "GET" and path == "/metrics":
+            await reply(send, 200, self._metrics(), headers=_METRICS_HEADERS)
+        else:
+            await reply(send, 404, error_body(f"no route {path}", "invalid_request_error", "not_found"))
+
+    def _metrics(self) -> bytes:
+        label = f'{{model_name="{_label_value(self._cfg.model)}"}}'
+        lines = [
+            "# HELP vllm:num_requests_running Requests being answered now.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {self._running}",
+            "# HELP vllm:num_requests_waiting Requests waiting to be scheduled (the simulator never queues).",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} 0",
+            "# HELP nexa_sim_requests_total Inference requests received.",
+            "# TYPE nexa_sim_requests_total counter",
+            f"nexa_sim_requests_total{label} {self._total}",
+        ]
+        return ("\n".join(lines) + "\n").encode()
+
+    async def _inference(self, path: str, rid: str, receive: Receive, send: Send) -> None:
+        journal = self._journal
+        try:
+            work = parse(self._cfg, path, await read_body(receive))
+        except BadRequest as exc:
+            journal.write("request", rid, path, stream=False)
+            await reply(
+                send, exc.status, error_body(exc.message, "invalid_request_error", "invalid_request", exc.param)
+            )
+            journal.write("failed", rid, path, status=exc.status, reason="invalid_request")
+            return
+        journal.write("request", rid, path, stream=work.stream)
+        faults = self._faults.current()
+        if faults.fail is Phase.BEFORE or (faults.fail is Phase.AFTER and not work.stream):
+            await reply(send, faults.status, error_body("simulated failure", "server_error", "simulated_failure"))
+            journal.write("failed", rid, path, status=faults.status, reason="injected")
+            return
+        recorded = False
+        try:
+            outcome = await self._watched(receive, partial(self._produce, work, faults, send))
+            recorded = True
+            if outcome.cancelled:
+                journal.write("cancelled", rid, path, tokens=outcome.tokens)
+            elif outcome.aborted:
+                journal.write("failed", rid, path, status=200, reason="injected", tokens=outcome.tokens)
+            else:
+                journal.write("completed", rid, path, tokens=outcome.tokens)
+        finally:
+            if not recorded:  # cancelled from outside: the server is stopping
+                journal.write("failed", rid, path, reason="stopped")
+
+    async def _watched(self, receive: Receive, produce: Callable[[Outcome], Awaitable[None]]) -> Outcome:
+        """Run `produce` until it is done or the client goes away (ASGI `http.disconnect`)."""
+        outcome = Outcome()
+
+        async def watch(scope: trio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if not outcome.finished:
+                outcome.cancelled = True
+                scope.cancel()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            await produce(outcome)
+            nursery.cancel_scope.cancel()
+        return outcome
+
+    async def _produce(self, work: Work, faults: Faults, send: Send, outcome: Outcome) -> None:
+        if faults.hang is Phase.BEFORE or (faults.hang is Phase.AFTER and not work.stream):
+            await trio.sleep_forever()
+        if work.kind is Kind.EMBEDDING:
+            body = answers.embeddings(work)
+            outcome.finished = True
+            await answers.reply_garbled(send, body, faults.garble, outcome)
+        elif work.stream:
+            await answers.stream(work, faults, send, outcome, self._cfg, serial=self._total)
+        else:
+            await trio.sleep_until(trio.current_time() + self._ttft_s + max(0, work.max_tokens - 1) * self._interval_s)
+            body = answers.unary(work, self._cfg, serial=self._total)
+            outcome.tokens = work.max_tokens * len(work.texts)
+            outcome.finished = True
+            await answers.reply_garbled(send, body, faults.garble, outcome)

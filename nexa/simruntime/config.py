@@ -1,0 +1,87 @@
+"""What `nexa sim-runtime` is started with (`SimConfig`, its flags) and the check it passes first."""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import os
+from collections.abc import Mapping
+from typing import Final
+
+import attrs
+
+from nexa.errors import ConfigError
+from nexa.runtimes import SIMULATION_ENV
+from nexa.simruntime.faults import Faults
+
+#: Longest embedding asked for with `dimensions`.
+MAX_EMBEDDING_DIM: Final = 8192
+
+
+@attrs.frozen(kw_only=True)
+class SimConfig:
+    """What `nexa sim-runtime` is started with (its flags); `check_config` validates it."""
+
+    host: str = "127.0.0.1"
+    #: 0: any free port (the bound address is printed).
+    port: int = 0
+    model: str = "sim"
+    ttft_ms: float = 20.0
+    tokens_per_s: float = 200.0
+    output_tokens: int = 16
+    embedding_dim: int = 384
+    #: JSON-lines journal of requests and their outcomes; "" for none.
+    journal: str = ""
+    #: JSON faults file, re-read when it changes; when present it replaces `faults`. "" for none.
+    faults_path: str = ""
+    #: Faults in force while no faults file exists.
+    faults: Faults = attrs.field(factory=Faults)
+    #: The model artifact's host path (must exist when given); the simulator never reads it.
+    artifact: str = ""
+    #: Stop when the parent process goes away (the node agent's process driver asks for this).
+    exit_with_parent: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class SimStarted:
+    """What `serve_sim` reports once it listens."""
+
+    urls: list[str]
+
+
+def check_config(cfg: SimConfig, environ: Mapping[str, str]) -> None:
+    """Raise ConfigError unless simulation is allowed here and `cfg` makes sense."""
+    if environ.get(SIMULATION_ENV) != "1":
+        raise ConfigError(f"nexa sim-runtime is a simulation: it runs only with {SIMULATION_ENV}=1 in its environment")
+    problems: list[str] = []
+    if not _is_loopback(cfg.host):
+        problems.append(f"--host {cfg.host!r}: a simulated runtime listens on a loopback address only")
+    if not 0 <= cfg.port <= 65535:
+        problems.append("--port: must be 0 to 65535")
+    if not cfg.model:
+        problems.append("--model: must not be empty")
+    if not (math.isfinite(cfg.ttft_ms) and cfg.ttft_ms >= 0):
+        problems.append("--ttft-ms: must be 0 or more")
+    if not (math.isfinite(cfg.tokens_per_s) and cfg.tokens_per_s > 0):
+        problems.append("--tokens-per-s: must be more than 0")
+    if cfg.output_tokens < 0:
+        problems.append("--output-tokens: must be 0 or more")
+    if not 1 <= cfg.embedding_dim <= MAX_EMBEDDING_DIM:
+        problems.append(f"--embedding-dim: must be 1 to {MAX_EMBEDDING_DIM}")
+    if not 400 <= cfg.faults.status <= 599:
+        problems.append("--fail-status: must be 400 to 599")
+    if cfg.faults.after_tokens < 0:
+        problems.append("--after-tokens: must be 0 or more")
+    if cfg.artifact and not os.path.exists(cfg.artifact):
+        problems.append("--artifact: no such file")
+    if problems:
+        raise ConfigError("invalid sim-runtime flags: " + "; ".join(problems), problems=tuple(problems))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

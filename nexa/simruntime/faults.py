@@ -1,0 +1,115 @@
+"""Injected faults: what they are (`Faults`, from flags or a faults file) and the faults in force
+now (`FaultsSource`, the faults file re-read when it changes)."""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import os
+from typing import Final
+
+import attrs
+
+from nexa.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class Phase(enum.StrEnum):
+    """When an injected fault strikes: before the first byte of the response, or after some tokens."""
+
+    BEFORE = "before"
+    AFTER = "after"
+
+
+class Garble(enum.StrEnum):
+    """A 200 answer that is not what the API promises (faults file only): an HTML error page, JSON
+    cut off halfway, JSON of the wrong shape (`choices`/`data` of non-objects, a stream event that
+    is a list), or a `usage` with counts no runtime reports (2^64 and -1)."""
+
+    HTML = "html"
+    TRUNCATED = "truncated"
+    SHAPE = "shape"
+    USAGE = "usage"
+
+
+#: The counts of a `usage` garble: beyond int64, and negative.
+GARBLED_USAGE: Final = {"prompt_tokens": 2**64, "completion_tokens": -1, "total_tokens": 2**64}
+
+
+@attrs.frozen(kw_only=True)
+class Faults:
+    """Injected faults. `fail` answers `status` (before) or cuts the stream off after `after_tokens`
+    tokens (after; a unary answer fails before); `hang` stops sending, until the client goes away;
+    `garble` answers 200 with a broken body (unary), or sends one broken event after `after_tokens`
+    tokens and ends the stream (a `usage` garble: the usage event's counts instead)."""
+
+    fail: Phase | None = None
+    hang: Phase | None = None
+    status: int = 500
+    after_tokens: int = 2
+    garble: Garble | None = None
+
+    @classmethod
+    def from_json(cls, data: object) -> Faults:
+        """Parse a faults file's object; ConfigError naming every bad key."""
+        if not isinstance(data, dict):
+            raise ConfigError("a faults file holds one JSON object")
+        known = ("fail", "hang", "status", "after_tokens", "garble")
+        problems = [f"{key}: unknown key" for key in data if key not in known]
+        phases: dict[str, Phase | None] = {}
+        for key in ("fail", "hang"):
+            value = data.get(key)
+            if value is None or value in (Phase.BEFORE, Phase.AFTER):
+                phases[key] = None if value is None else Phase(value)
+            else:
+                problems.append(f"{key}: must be 'before', 'after' or null")
+        status = data.get("status", 500)
+        if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status <= 599:
+            problems.append("status: must be an HTTP error status (400 to 599)")
+        after_tokens = data.get("after_tokens", 2)
+        if not isinstance(after_tokens, int) or isinstance(after_tokens, bool) or after_tokens < 0:
+            problems.append("after_tokens: must be a whole number, 0 or more")
+        garble = data.get("garble")
+        if garble is not None and garble not in tuple(Garble):
+            problems.append("garble: must be one of " + ", ".join(g.value for g in Garble) + " or null")
+        if problems:
+            raise ConfigError("invalid faults: " + "; ".join(problems), problems=tuple(problems))
+        return cls(
+            fail=phases["fail"],
+            hang=phases["hang"],
+            status=status,
+            after_tokens=after_tokens,
+            garble=None if garble is None else Garble(garble),
+        )
+
+
+class FaultsSource:
+    """The faults in force: the faults file's, re-read when its mtime or size changes; the flags' while
+    it does not exist. A broken file counts as no faults until it is fixed (logged once per version)."""
+
+    def __init__(self, path: str, default: Faults) -> None:
+        self._path = path
+        self._default = default
+        self._seen: tuple[int, int] | None = None
+        self._faults = default
+
+    def current(self) -> Faults:
+        if not self._path:
+            return self._default
+        try:
+            st = os.stat(self._path)
+        except FileNotFoundError:
+            self._seen = None
+            return self._default
+        version = (st.st_mtime_ns, st.st_size)
+        if version != self._seen:
+            self._seen = version
+            try:
+                with open(self._path, encoding="utf-8") as f:
+                    self._faults = Faults.from_json(json.load(f))
+            except (OSError, ValueError, ConfigError) as exc:
+                log.warning("ignoring the faults file until it is fixed: %s", exc)
+                self._faults = Faults()
+        return self._faults

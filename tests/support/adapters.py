@@ -1,0 +1,63 @@
+"""What a runtime adapter is given: the images by runtime kind, an Approved model version, the
+health probe and the offline environment a Python runtime gets."""
+
+from __future__ import annotations
+
+from nexa.contracts.models import LicenseRecord, ModelArtifact, ModelFormat, ModelRecord, ModelState, Provenance
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.runtime import HealthProbe
+
+GIB = 2**30
+#: Inside the runtime's own network namespace its probe asks loopback, on the adapter's port.
+PROBE_HOST = "127.0.0.1"
+PORT = 18000
+SHA = "c" * 64
+IMAGES = {
+    RuntimeKind.VLLM: "nvcr.io/nvidia/vllm@sha256:" + "1" * 64,
+    RuntimeKind.SGLANG: "docker.io/lmsysorg/sglang@sha256:" + "2" * 64,
+    RuntimeKind.TRTLLM: "nvcr.io/nvidia/tensorrt-llm/release@sha256:" + "3" * 64,
+    RuntimeKind.LLAMACPP: "ghcr.io/ggml-org/llama.cpp@sha256:" + "4" * 64,
+}
+
+
+def model(
+    name: str = "llama-3-8b",
+    fmt: ModelFormat = ModelFormat.SAFETENSORS,
+    *,
+    artifact: ModelArtifact | None = None,
+    memory: int = 40 * GIB,
+    source: str = "hf://meta-llama/Meta-Llama-3-8B-Instruct",
+    spdx_id: str = "llama3",
+) -> ModelRecord:
+    """An Approved model version (the artifact by default one 16 GiB object)."""
+    return ModelRecord(
+        name=name,
+        version="v1",
+        artifact=artifact or ModelArtifact(uri=f"s3://models/{name}.tar", sha256=SHA, size_bytes=16 * GIB),
+        format=fmt,
+        memory_bytes=memory,
+        provenance=Provenance(source=source),
+        license=LicenseRecord(
+            spdx_id=spdx_id, terms_sha256=None, accepted_by="ops", expires_at=None, recorded_at=0, recorded_by=None
+        ),
+        signature=None,
+        state=ModelState.APPROVED,
+        registered_at=0,
+        registered_by=None,
+        state_changed_at=0,
+        state_changed_by=None,
+    )
+
+
+def python_probe(path: str) -> HealthProbe:
+    url = f'"http://{PROBE_HOST}:{PORT}{path}"'
+    return HealthProbe(
+        command=["python3", "-c", f"import urllib.request; urllib.request.urlopen({url}, timeout=5)"],
+        interval_s=2.0,
+        timeout_s=6.0,
+        start_period_s=600.0,
+        retries=3,
+    )
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}

@@ -1,0 +1,67 @@
+"""The controller's HTTP API as a client sees it: answers, error envelopes, keys, nodes, metrics."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable
+from typing import Any
+
+import httpx
+import trio
+
+from tests.conftest import Controller
+
+Json = dict[str, Any]
+#: How long `wait_for` polls, and the tests that use it wait, by default.
+TIMEOUT_S = 15
+
+
+async def ok(call: Awaitable[httpx.Response], status: int = 200) -> Json:
+    resp = await call
+    assert resp.status_code == status, resp.text
+    body: Json = resp.json()
+    return body
+
+
+def assert_envelope(resp: httpx.Response, status: int, code: str) -> dict[str, object]:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    err = body["error"]
+    assert set(err) == {"code", "message", "retryable", "request_id"}
+    assert err["code"] == code
+    assert err["request_id"] == resp.headers["X-Request-Id"]
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+async def make_key(c: Controller, role: str, tenant: str | None = None) -> str:
+    async with c.client() as http:
+        if tenant:
+            await http.post("/api/v1/tenants", json={"id": tenant})
+        resp = await http.post("/api/v1/keys", json={"role": role, "tenant": tenant, "name": f"{role} key"})
+    assert resp.status_code == 201, resp.text
+    return str(resp.json()["key"])
+
+
+async def metric(c: Controller, name: str, **labels: str) -> float:
+    async with c.client() as http:
+        text = (await http.get("/metrics")).text
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    match = re.search(rf"^{name}{{{re.escape(want)}}} (\S+)$", text, re.M) if labels else None
+    if not labels:
+        match = re.search(rf"^{name} (\S+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+async def node_view(c: Controller, node_id: str) -> dict[str, Any]:
+    async with c.client() as http:
+        resp = await http.get(f"/api/v1/nodes/{node_id}")
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+async def wait_for(predicate: Any, *, timeout_s: float = TIMEOUT_S) -> None:
+    with trio.fail_after(timeout_s):
+        while not await predicate():  # noqa: ASYNC110 - polling the HTTP API, as an operator would
+            await trio.sleep(0.05)

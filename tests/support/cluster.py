@@ -1,0 +1,249 @@
+"""A controller in this trio run plus real `nexa node` processes running `sim` runtimes.
+
+Everything an operator does goes through the HTTP API: tenant and keys, a `sim` runtime whose
+image digest the run's registry holds, a model verified against the run's S3 store, approved and
+aliased, a deployment placed on the nodes. The nodes are `python -m nexa node` processes with
+`simulation = true` (and NEXA_SIMULATION_ONLY=1), each dialling from its own loopback address;
+their runtimes are `nexa sim-runtime` child processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import trio
+
+from nexa.config import ControlConfig, GatewayConfig
+from tests.conftest import Controller, start_controller
+from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.models import bring_to, registry_config
+from tests.support.s3 import write_credentials
+
+Json = dict[str, Any]
+TIMEOUT_S = 40
+#: Fast, short answers: 8 tokens, 5 ms to the first.
+SIM_ARGS = ["--ttft-ms", "5", "--tokens-per-s", "2000", "--output-tokens", "8"]
+MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
+
+
+@attrs.define
+class SimNode:
+    name: str
+    state_dir: Path
+    config: Path
+    node_id: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    #: The `nexa` command the node runs as (an emulated arm64 binary in tests/test_binary_arm64.py).
+    nexa: tuple[str, ...] = (sys.executable, "-m", "nexa")
+
+    @property
+    def faults(self) -> Path:
+        """The sim runtimes of this node read their fault injection from here."""
+        return self.state_dir / "sim" / "faults.json"
+
+    def set_faults(self, **faults: Any) -> None:
+        self.faults.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.faults.with_suffix(".tmp")
+        tmp.write_text(json.dumps(faults))
+        tmp.replace(self.faults)
+
+    def journal(self) -> list[Json]:
+        """Every event the node's sim runtimes journaled (metadata only)."""
+        events: list[Json] = []
+        for path in sorted((self.state_dir / "sim").glob("*.jsonl")):
+            events += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return events
+
+    def start(self) -> None:
+        self.log = self.state_dir.parent / f"{self.name}-{time.monotonic_ns()}.log"
+        env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"}
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [*self.nexa, "node", "--config", str(self.config)],
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=True,
+            )
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Kill the agent and its sim runtimes (its process group), as a crashed machine would."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+
+@attrs.define
+class SimCluster:
+    controller: Controller
+    nodes: list[SimNode]
+    tenant: str
+    inference_key: str
+    tmp: Path
+    s3: S3Store
+    #: Called when the cluster stops (clients a test opened).
+    on_close: list[Callable[[], object]] = attrs.Factory(list)
+
+    async def model(self, name: str, alias: str, version: str = "v1") -> None:
+        """Register `name@version`, verify it against the S3 store, approve it and point `alias` at it."""
+        async with self.client() as http:
+            await bring_to(http, self.s3, name, version, "Approved")
+            await ok(http.post(f"/api/v1/aliases/{alias}/promote", json={"model": name, "version": version}))
+
+    def client(self, key: str | None = None) -> httpx.AsyncClient:
+        return self.controller.client(key)
+
+    @property
+    def base_url(self) -> str:
+        return self.controller.url + "/v1"
+
+    async def ready_replicas(self, deployment: str) -> dict[str, str]:
+        """replica id → node id of the deployment's replicas their node reports Ready."""
+        async with self.client() as http:
+            dep = await ok(http.get(f"/api/v1/deployments/{deployment}"))
+            nodes = {n["id"]: n for n in (await ok(http.get("/api/v1/nodes")))["nodes"]}
+        out = {}
+        for r in dep["deployment"]["placed"]:
+            node = nodes[r["node_id"]]
+            states = {s["assignment_id"]: s["state"] for s in node["assignments"]}
+            if node["state"] == "Ready" and states.get(r["id"]) == "Ready":
+                out[r["id"]] = r["node_id"]
+        return out
+
+    async def wait_ready(self, deployment: str, count: int) -> dict[str, str]:
+        with trio.fail_after(TIMEOUT_S):
+            while len(ready := await self.ready_replicas(deployment)) < count:  # noqa: ASYNC110 - polling the API
+                await trio.sleep(0.1)
+        return ready
+
+    async def deploy(
+        self, name: str, *, replicas: int, alias: str = "chat", args: list[str] | None = None, wait: bool = True
+    ) -> None:
+        body = {
+            "name": name,
+            "runtime": "sim",
+            "alias": alias,
+            "replicas": replicas,
+            "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.5},
+            "options": {"port": 18600, "command": args if args is not None else SIM_ARGS},
+        }
+        async with self.client() as http:
+            await ok(http.post("/api/v1/deployments", json=body), 201)
+        if wait:
+            await self.wait_ready(name, replicas)
+
+
+def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path) -> Path:
+    inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
+    inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
+    config = node_dir.parent / f"{node_dir.name}.toml"
+    config.write_text(
+        f'state_dir = "{node_dir}"\ninventory_path = "{inventory}"\ninventory_poll_interval_s = 0.5\n'
+        f'heartbeat_interval_s = 0.3\nsource_address = "127.0.0.1{i}"\nruntime_host = "127.0.0.1{i}"\n'
+        "reconnect_max_s = 1\nsimulation = true\n"
+        f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
+        f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
+        "[supervisor]\nreconcile_interval_s = 1\n"
+    )
+    return config
+
+
+def _run(*argv: str, nexa: tuple[str, ...] = (sys.executable, "-m", "nexa")) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*nexa, *argv], capture_output=True, text=True, timeout=60, check=False)
+
+
+@contextlib.asynccontextmanager
+async def sim_cluster(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    cfg: ControlConfig,
+    s3: S3Store,
+    images: BuiltImages,
+    *,
+    nodes: int = 2,
+    nexa: tuple[str, ...] = (sys.executable, "-m", "nexa"),
+) -> AsyncIterator[SimCluster]:
+    """Yield a cluster with `nodes` sim nodes Ready and the `chat` alias on an Approved model."""
+    controller = await start_controller(nursery, cfg)
+    sim_nodes: list[SimNode] = []
+    try:
+        async with controller.client() as http:
+            await ok(http.post("/api/v1/tenants", json={"id": "acme"}), 201)
+            created = await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201)
+            await ok(
+                http.post(
+                    "/api/v1/runtimes", json={"name": "sim", "kind": "sim", "version": "1", "image": images.busybox}
+                ),
+                201,
+            )
+            await bring_to(http, s3, "tiny", "v1", "Approved")
+            await ok(http.post("/api/v1/aliases/chat/promote", json={"model": "tiny", "version": "v1"}))
+        creds = write_credentials(tmp_path / "node-s3.json", s3)
+        for i in range(1, nodes + 1):
+            name = f"sim-{i}"
+            node_dir = tmp_path / name
+            node = SimNode(name=name, state_dir=node_dir, config=sim_node_config(node_dir, i, s3, creds), nexa=nexa)
+            async with controller.client() as http:
+                token = await ok(http.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}), 201)
+            argv = ["node", "enroll", "--controller", controller.url, "--token", token["token"], "--name", name]
+            enroll = functools.partial(_run, *argv, "--state-dir", str(node_dir), nexa=nexa)
+            enrolled = await trio.to_thread.run_sync(enroll)
+            assert enrolled.returncode == 0, enrolled.stderr
+            node.node_id = name
+            node.start()
+            sim_nodes.append(node)
+        cluster = SimCluster(
+            controller=controller, nodes=sim_nodes, tenant="acme", inference_key=created["key"], tmp=tmp_path, s3=s3
+        )
+
+        async def all_ready() -> bool:
+            async with controller.client() as http:
+                listed = (await ok(http.get("/api/v1/nodes")))["nodes"]
+            return len(listed) == nodes and all(n["state"] == "Ready" for n in listed)
+
+        with trio.fail_after(TIMEOUT_S):
+            while not await all_ready():  # noqa: ASYNC110 - polling the API
+                await trio.sleep(0.1)
+        try:
+            yield cluster
+        finally:
+            for close in cluster.on_close:
+                close()
+    finally:
+        for node in sim_nodes:
+            node.kill(signal.SIGTERM)
+        controller.stopping.set()
+
+
+@contextlib.asynccontextmanager
+async def gateway_cluster(
+    nursery: trio.Nursery, tmp_path: Path, s3: S3Store, images: BuiltImages, **gateway: Any
+) -> AsyncIterator[SimCluster]:
+    """A `sim_cluster` on the registry controller, its gateway configured with `gateway`."""
+    cfg = registry_config(tmp_path, s3)
+    cfg = attrs.evolve(cfg, gateway=attrs.evolve(GatewayConfig(), **gateway))
+    async with sim_cluster(nursery, tmp_path, cfg, s3, images) as cluster:
+        yield cluster
+
+
+async def new_key(cluster: SimCluster, role: str, tenant: str | None = None) -> str:
+    async with cluster.client() as http:
+        if tenant is not None and tenant != cluster.tenant:
+            await ok(http.post("/api/v1/tenants", json={"id": tenant}), 201)
+        created = await ok(http.post("/api/v1/keys", json={"role": role, "tenant": tenant}), 201)
+    key: str = created["key"]
+    return key

@@ -1,0 +1,81 @@
+"""A test double for a node agent on the controller's channel, built from the real pieces (keys, a
+Curve DEALER, signed frames), so a test can also send what a real agent never would."""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+from nexa import messaging, security
+from nexa.contracts import codec, wire
+from nexa.contracts.api import EnrollResponse
+from tests.conftest import Controller, gb10_inventory
+
+
+@attrs.define
+class RawNode:
+    node_id: str
+    key: security.SigningKey
+    curve: messaging.CurveKeyPair
+    enrolled: EnrollResponse
+    pump: messaging.ZmqPump | None = None
+    seq: int = 0
+    #: Assignment ids this node reports as Ready in its heartbeats.
+    ready: set[str] = attrs.field(factory=set)
+
+    def frames(self, msg: wire.WireMessage, *, key: security.SigningKey | None = None) -> list[bytes]:
+        return messaging.encode_frames(msg, key or self.key)
+
+    def heartbeat(
+        self, *, seq: int | None = None, ts: float | None = None, node_id: str | None = None
+    ) -> wire.Heartbeat:
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        return wire.Heartbeat(
+            node_id=node_id or self.node_id,
+            seq=seq,
+            ts=time.time() if ts is None else ts,
+            inventory=gb10_inventory(self.node_id),
+            free_memory_bytes=100 << 30,
+            free_accelerators=1,
+            assignments=[
+                wire.AssignmentStatus(assignment_id=aid, state=wire.RuntimeState.READY) for aid in sorted(self.ready)
+            ],
+        )
+
+    async def send(self, frames: list[bytes]) -> None:
+        assert self.pump is not None
+        await self.pump.send(frames)
+
+    async def receive_set(self) -> wire.AssignmentSet:
+        assert self.pump is not None
+        frames = await self.pump.receive()
+        controller = security.PublicKey.from_b64(self.enrolled.controller_signing_public_key)
+        msg = messaging.decode_frames([f.bytes for f in frames], controller, wire.FROM_CONTROLLER)
+        assert isinstance(msg, wire.AssignmentSet)
+        return msg
+
+
+async def enroll(c: Controller, name: str, labels: str = "") -> RawNode:
+    key = security.generate_signing_key()
+    curve = messaging.generate_curve_keypair()
+    async with c.client() as http:
+        token = (await http.post("/api/v1/enrollment-tokens", json={"ttl_s": 60, "labels": _labels(labels)})).json()
+        resp = await http.post(
+            "/api/v1/enroll",
+            json={
+                "token": token["token"],
+                "hostname": name,
+                "signing_public_key": key.public.b64,
+                "curve_public_key": curve.public,
+            },
+        )
+    assert resp.status_code == 201, resp.text
+    enrolled = codec.structure(codec.api, resp.json(), EnrollResponse)
+    return RawNode(node_id=enrolled.node_id, key=key, curve=curve, enrolled=enrolled)
+
+
+def _labels(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split(",") if item)
