@@ -444,6 +444,20 @@ class Refused:
     error: NexaError
 
 
+@attrs.frozen(kw_only=True)
+class Unverified:
+    """A signed message as it came off the socket, its signature not yet checked (`verify`).
+
+    Receive loops hand these to a control task, so that the signature check (and whatever the
+    message leads to) never holds up the data frames behind it. On a `Link`, `node_id` is the
+    channel's node (from ZAP) and the message is already within that node's signed rate.
+    """
+
+    frames: list[bytes] = attrs.field(repr=False)
+    node_id: str = ""
+    route: bytes = attrs.field(default=b"", repr=False)
+
+
 class Link:
     """The controller's end of every node channel: a CurveZMQ ROUTER plus its ZAP handler.
 
@@ -561,6 +575,15 @@ class Link:
         Signed messages above the node's rate are refused (NodeRateLimited) before they are
         verified. Nothing a node sends makes this raise: whatever fails is a `Refused`.
         """
+        got = await self.receive_unverified()
+        return self.verify(got) if isinstance(got, Unverified) else got
+
+    async def receive_unverified(self) -> DataInbound | Unverified | Refused:
+        """Like `receive_any`, but a signed message comes back `Unverified` (check it with `verify`).
+
+        What is done here is cheap and never waits: the channel's node, its enrolment, the data
+        frame's shape, the signed rate. The signature check is left to whoever handles the message.
+        """
         # A checkpoint first: when the link is being cancelled, callers see Cancelled, not ChannelClosed.
         await trio.lowlevel.checkpoint()
         frames = await self._running().receive()
@@ -570,8 +593,16 @@ class Link:
             node_id = ""
         if not isinstance(node_id, str) or not node_id or len(frames) < 2:
             return Refused(node_id="", error=Unauthenticated("a message arrived on a channel without a node identity"))
+        return self._refusing(node_id, self._accept, node_id, frames)
+
+    def verify(self, pending: Unverified) -> Inbound | Refused:
+        """Check a signed message from `receive_unverified`; on success its connection becomes the node's route."""
+        return self._refusing(pending.node_id, self._verify, pending)
+
+    def _refusing(self, node_id: str, check: Callable[..., T], *args: object) -> T | Refused:
+        """`check(*args)`, with whatever it raises turned into a logged `Refused` for `node_id`."""
         try:
-            return self._accept(node_id, frames)
+            return check(*args)
         except NexaError as exc:
             log.warning("rejected a message from node %s: %s (%s)", node_id, exc.code, exc.message)
             return Refused(node_id=node_id, error=exc)
@@ -579,12 +610,16 @@ class Link:
             log.warning("rejected a malformed message from node %s: %s", node_id, type(exc).__name__)
             return Refused(node_id=node_id, error=ContractError(f"malformed message ({type(exc).__name__})"))
 
-    def _accept(self, node_id: str, frames: list[zmq.Frame]) -> Inbound | DataInbound | Refused:
-        """Check one message of a node's channel; raises what `receive` documents."""
+    def _enrolled_key(self, node_id: str) -> security.PublicKey:
         pub = self._node_key(node_id)
         if pub is None:
             self._routes.pop(node_id, None)
             raise Unauthenticated(f"node {node_id} is not enrolled")
+        return pub
+
+    def _accept(self, node_id: str, frames: list[zmq.Frame]) -> DataInbound | Unverified | Refused:
+        """Check one message of a node's channel (not its signature); raises what `receive` documents."""
+        self._enrolled_key(node_id)
         raw = [f.bytes for f in frames[1:]]
         if _is_data(raw[0]):
             # Hot path: no log line per frame; the route is learnt only from signed messages.
@@ -592,10 +627,15 @@ class Link:
         if self._signed_rate is not None and not self._signed_rate.allow(node_id, trio.current_time()):
             # Not logged: a flood would flood the log too. Counted by the caller.
             return Refused(node_id=node_id, error=NodeRateLimited(node_id=node_id))
-        msg = decode_frames(raw, pub, wire.FROM_NODE)
+        return Unverified(frames=raw, node_id=node_id, route=frames[0].bytes)
+
+    def _verify(self, pending: Unverified) -> Inbound:
+        node_id = pending.node_id
+        # Asked again: the node may have been revoked while its message waited.
+        msg = decode_frames(pending.frames, self._enrolled_key(node_id), wire.FROM_NODE)
         if msg.node_id != node_id:
             raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
-        self._routes[node_id] = frames[0].bytes
+        self._routes[node_id] = pending.route
         return Inbound(node_id=node_id, message=msg)
 
     def connected(self, node_id: str) -> bool:
@@ -693,19 +733,26 @@ class Uplink:
     async def receive(self) -> wire.ControllerMessage | wire.DataFrame:
         """The next message from the controller: signed ones verified against its pinned key,
         data frames (`wire.DATA_FROM_CONTROLLER` kinds only) as they are."""
+        got = await self.receive_unverified()
+        return self.verify(got) if isinstance(got, Unverified) else got
+
+    async def receive_unverified(self) -> wire.DataFrame | Unverified:
+        """Like `receive`, but a signed message comes back `Unverified` (check it with `verify`)."""
         await trio.lowlevel.checkpoint()  # cancelled callers see Cancelled, not ChannelClosed
         frames = await self._running().receive()
-        try:
-            raw = [f.bytes for f in frames]
-            if raw and _is_data(raw[0]):
-                return decode_data(raw, wire.DATA_FROM_CONTROLLER)
-            return decode_frames(raw, self._controller_key, wire.FROM_CONTROLLER)
-        except NexaError as exc:
-            log.warning("rejected a message from the controller: %s (%s)", exc.code, exc.message)
-            raise
-        except Exception as exc:  # last resort: no value from the controller may end the node
-            log.warning("rejected a malformed message from the controller: %s", type(exc).__name__)
-            raise ContractError(f"malformed message ({type(exc).__name__})") from None
+        raw = [f.bytes for f in frames]
+        if raw and _is_data(raw[0]):
+            return _from_controller(decode_data, raw, wire.DATA_FROM_CONTROLLER)
+        return Unverified(frames=raw)
+
+    def verify(self, pending: Unverified) -> wire.ControllerMessage:
+        """Check a signed message from `receive_unverified` against the controller's pinned key.
+
+        Raises BadSignature or ContractError (logged)."""
+        msg: wire.ControllerMessage = _from_controller(
+            decode_frames, pending.frames, self._controller_key, wire.FROM_CONTROLLER
+        )
+        return msg
 
     def statistics(self) -> PumpStatistics:
         return self._running().statistics()
@@ -714,3 +761,15 @@ class Uplink:
         if self._pump is None:
             raise ChannelClosed("the controller channel is not running")
         return self._pump
+
+
+def _from_controller(check: Callable[..., T], *args: object) -> T:
+    """`check(*args)` on a message from the controller: what fails is logged and leaves as a NexaError."""
+    try:
+        return check(*args)
+    except NexaError as exc:
+        log.warning("rejected a message from the controller: %s (%s)", exc.code, exc.message)
+        raise
+    except Exception as exc:  # last resort: no value from the controller may end the node
+        log.warning("rejected a malformed message from the controller: %s", type(exc).__name__)
+        raise ContractError(f"malformed message ({type(exc).__name__})") from None

@@ -10,7 +10,7 @@ import contextvars
 import json
 import logging
 import sys
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -24,6 +24,32 @@ _LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 #: Inference takes from milliseconds (embeddings) to minutes (long generations, queueing); the
 #: request histograms use them, and so do `Meter.statistics` (the console's charts).
 INFERENCE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+#: Label combinations one `Children` keeps bound (beyond it, it starts over: a cache, never a leak).
+MAX_CHILDREN: Final = 4096
+
+
+class Children(Generic[_M]):
+    """`metric.labels(*values)`, bound once per combination of label values and kept.
+
+    prometheus_client's `labels` converts every value and looks the child up behind a lock on
+    every call; on the request path the same few combinations (model, tenant, status, route) come
+    back every time, so the child is kept here, in a plain dict of at most `MAX_CHILDREN`.
+    """
+
+    def __init__(self, metric: _M) -> None:
+        self._metric: _M = metric
+        self._bound: dict[tuple[str, ...], _M] = {}
+
+    def __call__(self, *values: str) -> _M:
+        child = self._bound.get(values)
+        if child is None:
+            if len(self._bound) >= MAX_CHILDREN:
+                self._bound.clear()
+            child = self._bound[values] = self._metric.labels(*values)
+        return child
 
 
 class Metrics:
@@ -78,8 +104,9 @@ class Metrics:
             "nexa_node_messages_rejected",
             "Node channel messages refused, by reason: bad_signature, replayed, clock_skew, wrong_node,"
             " unknown_key, unauthenticated, rate_limited (signed messages above the node's rate), malformed"
-            " (not the wire contract: bad JSON, depth, sizes, numbers, unknown kinds), stale_ack, and on the"
-            " data path unknown_stream (no open stream of that node), oversized_chunk, stream_overflow.",
+            " (not the wire contract: bad JSON, depth, sizes, numbers, unknown kinds), stale_ack,"
+            " control_backlog (the control loop that far behind), and on the data path unknown_stream"
+            " (no open stream of that node), oversized_chunk, stream_overflow.",
             ["reason"],
             registry=r,
         )

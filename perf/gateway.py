@@ -48,6 +48,7 @@ from nexa.localparts import S3_REGION, LocalRegistry, LocalS3, free_ports, stop,
 from nexa.s3 import S3Client, write_s3_credentials
 from nexa.sigv4 import S3Credentials
 from perf.loadgen import Point, Target, run_point
+from perf.upstream import Nginx, sse_body, unary_body, wrk_point
 
 Json = dict[str, Any]
 #: The node's loopback address: its agent dials from it and its runtimes listen on it.
@@ -56,6 +57,12 @@ START_TIMEOUT_S = 60.0
 S3_BUCKET = "nexa-models"
 LITELLM_VENV = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nexa-perf" / "litellm-venv"
 PROMPT = "say something short about the weather"
+#: The model name (an alias of the one model) each kind of request asks for: nginx answers one
+#: fixed body per port, so unary and streamed requests reach different deployments.
+ALIASES = {"unary": "chat", "stream": "chat-stream", "paced": "chat-paced"}
+#: The paced-stream test's token rate per stream, and the most streams it tries.
+PACED_TOKENS_PER_S = 20
+MAX_STREAMS = 8192
 
 
 def children_of(pid: int) -> list[int]:
@@ -122,7 +129,7 @@ class Cluster:
     inference_key: str
     controller_pid: int
     node_pid: int
-    runtime_url: str = ""
+    #: The sim runtime of the paced deployment (the others are stand-ins, see `deploy`).
     runtime_pid: int = 0
 
 
@@ -134,7 +141,12 @@ def ok(resp: httpx.Response, *status: int) -> Json:
 
 
 def start_cluster(
-    procs: Processes, base: Path, registry: LocalRegistry, s3: LocalS3, args: argparse.Namespace
+    procs: Processes,
+    base: Path,
+    registry: LocalRegistry,
+    s3: LocalS3,
+    args: argparse.Namespace,
+    upstream_ports: dict[str, int],
 ) -> Cluster:
     image = registry.push_empty_image("nexa-perf/sim")
     http_port, channel_port = free_ports(2)
@@ -148,6 +160,8 @@ def start_cluster(
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{S3_REGION}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         '[log]\nlevel = "warning"\n'
+        # The paced-stream test holds thousands of streams on one replica at once.
+        f"[gateway]\nmax_inflight_per_replica = {MAX_STREAMS}\nqueue_depth = {MAX_STREAMS}\n"
     )
     profile = ["-m", "cProfile", "-o", args.profile_controller] if args.profile_controller else []
     controller = procs.start("control", [sys.executable, *profile, "-m", "nexa", "control", "--config", str(config)])
@@ -163,24 +177,27 @@ def start_cluster(
     ok(admin.post("/api/v1/runtimes", json={"name": "sim", "kind": "sim", "version": "1", "image": image}))
     artifact = secrets.token_bytes(200_000)
     trio.run(upload, s3, "perf/tiny.gguf", artifact)
-    model = {
-        "name": "tiny",
-        "version": "v1",
-        "artifact": {
-            "uri": s3.uri("perf/tiny.gguf"),
-            "sha256": hashlib.sha256(artifact).hexdigest(),
-            "size_bytes": len(artifact),
-        },
-        "format": "gguf",
-        "memory_bytes": 2 * 2**30,
-        "provenance": {"source": "https://huggingface.co/org/tiny@abc123", "signer": "perf"},
-        "license": {"spdx_id": "Apache-2.0", "accepted_by": "perf@example.com", "expires_at": None},
-    }
-    ok(admin.post("/api/v1/models", json=model))
-    ok(admin.post("/api/v1/models/tiny/v1/verify"))
-    ok(admin.post("/api/v1/models/tiny/v1/evaluations", json={"suite": "smoke", "metrics": {"a": 1}, "passed": True}))
-    ok(admin.post("/api/v1/models/tiny/v1/approve"))
-    ok(admin.post("/api/v1/aliases/chat/promote", json={"model": "tiny", "version": "v1"}))
+    # One model per alias: a model's requests go to every deployment of it, whatever its alias.
+    for mode, alias in ALIASES.items():
+        model = {
+            "name": f"tiny-{mode}",
+            "version": "v1",
+            "artifact": {
+                "uri": s3.uri("perf/tiny.gguf"),
+                "sha256": hashlib.sha256(artifact).hexdigest(),
+                "size_bytes": len(artifact),
+            },
+            "format": "gguf",
+            "memory_bytes": 2**30,
+            "provenance": {"source": "https://huggingface.co/org/tiny@abc123", "signer": "perf"},
+            "license": {"spdx_id": "Apache-2.0", "accepted_by": "perf@example.com", "expires_at": None},
+        }
+        ok(admin.post("/api/v1/models", json=model))
+        ok(admin.post(f"/api/v1/models/tiny-{mode}/v1/verify"))
+        evaluation = {"suite": "smoke", "metrics": {"a": 1}, "passed": True}
+        ok(admin.post(f"/api/v1/models/tiny-{mode}/v1/evaluations", json=evaluation))
+        ok(admin.post(f"/api/v1/models/tiny-{mode}/v1/approve"))
+        ok(admin.post(f"/api/v1/aliases/{alias}/promote", json={"model": f"tiny-{mode}", "version": "v1"}))
 
     node_dir = base / "node"
     inventory = base / "node-inventory.json"
@@ -193,6 +210,7 @@ def start_cluster(
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{S3_REGION}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         "[supervisor]\nreconcile_interval_s = 1\n"
+        f"[relay]\nmax_inflight = {MAX_STREAMS}\n"
     )
     token = ok(admin.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}))["token"]
     enroll = [sys.executable, "-m", "nexa", "node", "enroll", "--controller", url, "--token", token]
@@ -205,31 +223,46 @@ def start_cluster(
     node = procs.start("node", [sys.executable, *profile, "-m", "nexa", "node", "--config", str(node_config)], env=env)
     procs.wait("node", lambda: any(n["state"] == "Ready" for n in ok(admin.get("/api/v1/nodes"))["nodes"]), "node")
 
-    port = free_ports(1, NODE_HOST)[0]
-    sim = ["--ttft-ms", "0", "--tokens-per-s", str(args.tokens_per_s), "--output-tokens", str(args.stream_tokens)]
-    deployment = {
-        "name": "perf",
-        "runtime": "sim",
-        "alias": "chat",
-        "replicas": 1,
-        "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.5},
-        "options": {"port": port, "command": sim},
-    }
-    ok(admin.post("/api/v1/deployments", json=deployment))
+    # The nginx deployments: the agent relays to the spec's port, where nginx listens (the upstream of
+    # every target); the sim runtime it supervises there is a stand-in that `--port` moves aside (a
+    # later flag wins over the one the node puts first), so its /health probe reaches nginx.
+    for mode in ("unary", "stream"):
+        stand_in = ["--port", str(free_ports(1, NODE_HOST)[0])]
+        deploy(admin, f"perf-{mode}", ALIASES[mode], upstream_ports[mode], stand_in)
+    paced = ["--ttft-ms", "0", "--tokens-per-s", str(PACED_TOKENS_PER_S), "--output-tokens", str(args.paced_tokens)]
+    deploy(admin, "perf-paced", ALIASES["paced"], free_ports(1, NODE_HOST)[0], paced, args.paced_replicas)
+    names = [f"perf-{mode}" for mode in ALIASES]
 
     def ready() -> bool:
-        dep = ok(admin.get("/api/v1/deployments/perf"))["deployment"]
+        deps = [ok(admin.get(f"/api/v1/deployments/{name}"))["deployment"] for name in names]
         states = {
             a["assignment_id"]: a["state"] for n in ok(admin.get("/api/v1/nodes"))["nodes"] for a in n["assignments"]
         }
-        return bool(dep["placed"]) and all(states.get(r["id"]) == "Ready" for r in dep["placed"])
+        return all(bool(d["placed"]) and all(states.get(r["id"]) == "Ready" for r in d["placed"]) for d in deps)
 
-    procs.wait("node", ready, "the sim deployment")
+    procs.wait("node", ready, "the deployments")
     cluster = Cluster(url=url, admin=admin, inference_key=key, controller_pid=controller.pid, node_pid=node.pid)
-    cluster.runtime_url = f"http://{NODE_HOST}:{port}"
-    runtimes = children_of(node.pid)
+    runtimes = [pid for pid in children_of(node.pid) if "--tokens-per-s" in proc_cmdline(pid)]
     cluster.runtime_pid = runtimes[0] if runtimes else 0
     return cluster
+
+
+def proc_cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    return []
+
+
+def deploy(admin: httpx.Client, name: str, alias: str, port: int, command: list[str], replicas: int = 1) -> None:
+    deployment = {
+        "name": name,
+        "runtime": "sim",
+        "alias": alias,
+        "replicas": replicas,
+        "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.25},
+        "options": {"port": port, "command": command},
+    }
+    ok(admin.post("/api/v1/deployments", json=deployment))
 
 
 def litellm_python() -> Path:
@@ -249,8 +282,8 @@ def litellm_python() -> Path:
     return python
 
 
-def start_litellm(procs: Processes, base: Path, upstream: str) -> tuple[str, str, int]:
-    """LiteLLM proxy (one worker) with the sim runtime as the OpenAI-compatible upstream of `chat`.
+def start_litellm(procs: Processes, base: Path, upstreams: dict[str, str]) -> tuple[str, str, int]:
+    """LiteLLM proxy (one worker) with each model name's OpenAI-compatible upstream (nginx's ports).
 
     Returns its URL, its master key (it refuses to start without one) and its PID."""
     litellm_python()
@@ -259,12 +292,12 @@ def start_litellm(procs: Processes, base: Path, upstream: str) -> tuple[str, str
     config = base / "litellm.yaml"
     config.write_text(
         "model_list:\n"
-        "  - model_name: chat\n"
-        "    litellm_params:\n"
-        "      model: openai/chat\n"
-        f"      api_base: {upstream}/v1\n"
-        "      api_key: sk-perf\n"
-        "litellm_settings:\n"
+        + "".join(
+            f"  - model_name: {model}\n    litellm_params:\n      model: openai/{model}\n"
+            f"      api_base: {upstream}/v1\n      api_key: sk-perf\n"
+            for model, upstream in upstreams.items()
+        )
+        + "litellm_settings:\n"
         "  telemetry: false\n"
         "  drop_params: true\n"
         "general_settings:\n"
@@ -295,23 +328,101 @@ def start_litellm(procs: Processes, base: Path, upstream: str) -> tuple[str, str
 # --- the points (the load generator is perf/loadgen.py) ------------------------------------------------
 
 
-def measure(target: Target, mode: str, conc: int, args: argparse.Namespace, watched: dict[str, int]) -> Point:
-    """One point against `target`: a chat completion of `chat`, streamed when `mode` is "stream"."""
-    stream = mode == "stream"
-    payload: Json = {"model": "chat", "messages": [{"role": "user", "content": PROMPT}]}
-    payload["max_tokens"] = args.stream_tokens if stream else args.unary_tokens
-    if stream:
+def request_body(mode: str, tokens: int) -> bytes:
+    """A chat completion request of `mode`'s alias; streamed (with usage asked for) unless unary."""
+    payload: Json = {"model": ALIASES[mode], "messages": [{"role": "user", "content": PROMPT}], "max_tokens": tokens}
+    if mode != "unary":
         payload["stream"] = True
+        payload["stream_options"] = {"include_usage": True}
+    return json.dumps(payload).encode()
+
+
+def measure(target: Target, mode: str, conc: int, args: argparse.Namespace, watched: dict[str, int]) -> Point:
+    """One point against `target`: unary by wrk, streamed by perf/loadgen.py (wrk cannot time a first chunk)."""
+    if mode == "unary":
+        body = request_body(mode, args.unary_tokens)
+        return wrk_point(
+            target,
+            conc,
+            body,
+            seconds=args.seconds,
+            warmup_s=args.warmup_s,
+            threads=args.wrk_threads,
+            watched=watched,
+            scripts=args.base,
+        )
+    body = request_body(mode, args.stream_tokens)
     return run_point(
         target,
         mode,
         conc,
-        json.dumps(payload).encode(),
+        body,
         seconds=args.seconds,
         warmup_s=args.warmup_s,
         client_procs=args.client_procs,
         watched=watched,
     )
+
+
+@attrs.frozen
+class PacedStep:
+    streams: int
+    point: Point
+    #: A stream is behind when it ends later than BEHIND_FACTOR x its nominal duration after it was sent.
+    behind: int
+    expected: int
+
+    @property
+    def ok(self) -> bool:
+        errors = sum(self.point.result.errors.values())
+        ttfc_ok = self.point.ttft(0.99) < PACED_TTFC_P99_MS
+        return not errors and not self.behind and self.point.count >= self.expected and ttfc_ok
+
+
+#: Pass marks of the paced-stream test.
+PACED_TTFC_P99_MS = 250.0
+BEHIND_FACTOR = 1.2
+
+
+def paced(target: Target, args: argparse.Namespace, watched: dict[str, int]) -> list[PacedStep]:
+    """N streams at once, each `--paced-tokens` tokens at 20 tokens/s, for N in `--paced-streams` until one fails.
+
+    The N connections start spread over one nominal duration (so N streams run at once, arriving
+    evenly, not in one burst), then each streams back to back; the step lasts ROUNDS + 1.5 nominal
+    durations. It passes when every stream completed its rounds (N x ROUNDS streams), none ended later than
+    BEHIND_FACTOR x its nominal duration (`--paced-tokens` / 20 s) after it was sent, the time to its
+    first chunk stayed under PACED_TTFC_P99_MS at p99, and there was no error."""
+    nominal = args.paced_tokens / PACED_TOKENS_PER_S
+    body = request_body("paced", args.paced_tokens)
+    steps = []
+    for n in [int(c) for c in args.paced_streams.split(",") if c.strip()]:
+        point = run_point(
+            target,
+            "paced",
+            n,
+            body,
+            seconds=nominal * (PACED_ROUNDS + 1.5),
+            warmup_s=args.warmup_s,
+            client_procs=args.client_procs,
+            watched=watched,
+            stagger_s=nominal,
+        )
+        behind = sum(1 for lat in point.result.latencies if lat > BEHIND_FACTOR * nominal)
+        steps.append(PacedStep(streams=n, point=point, behind=behind, expected=n * PACED_ROUNDS))
+        step = steps[-1]
+        print(
+            f"  paced N={n}: {'ok' if step.ok else 'FAILED'}: {point.count}/{step.expected} streams, "
+            f"{behind} behind, TTFC p99 {fmt(point.ttft(0.99))} ms, {point.chunks_per_s:.0f} chunks/s, "
+            f"errors {sum(point.result.errors.values())}, control CPU {point.cpu.get('control', 0) * 100:.0f} %",
+            flush=True,
+        )
+        if not step.ok:
+            break
+    return steps
+
+
+#: Streams each connection of a paced step runs back to back.
+PACED_ROUNDS = 2
 
 
 # --- report ---------------------------------------------------------------------------------------------
@@ -321,53 +432,61 @@ def fmt(value: float, spec: str = ".2f") -> str:
     return "-" if value != value else format(value, spec)  # NaN → "-"
 
 
-def report(points: list[Point], targets: list[str]) -> None:
+def cpu_ms(p: Point, name: str, per: int) -> float:
+    """`name`'s CPU milliseconds per `per` (requests or chunks) over the point's window."""
+    return p.cpu[name] * p.seconds / per * 1000 if per and name in p.cpu else float("nan")
+
+
+#: The processes whose CPU per request / per chunk is reported (the client's is a share only).
+PER_REQUEST = ("control", "node", "nginx", "sim", "litellm")
+
+
+def report(points: list[Point], targets: list[str], steps: list[PacedStep]) -> None:
     by = {(p.target, p.mode, p.conc): p for p in points}
-    cpu_names = sorted({n for p in points for n in p.cpu})
     print()
-    print("unary chat completions (latency in ms; added = minus direct at the same concurrency)")
-    head = f"{'target':<9} {'c':>3} {'req/s':>9} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8} {'errors':>8}"
-    head += "  CPU % of one core"
-    print(head)
+    print("unary chat completions by wrk (latency in ms; added = minus direct at the same concurrency)")
+    print(
+        f"{'target':<9} {'c':>3} {'req/s':>9} {'p50':>8} {'p99':>8} {'+p50':>8} {'+p99':>8} {'errors':>7}"
+        "  CPU ms per request | CPU % of one core"
+    )
     for p in points:
         if p.mode != "unary":
             continue
         d = by.get(("direct", "unary", p.conc))
         add50 = p.lat(0.5) - d.lat(0.5) if d and p.target != "direct" else float("nan")
         add99 = p.lat(0.99) - d.lat(0.99) if d and p.target != "direct" else float("nan")
-        cpu = " ".join(f"{n}={p.cpu[n] * 100:.0f}" for n in cpu_names if n in p.cpu)
-        errs = sum(p.result.errors.values())
-        if p.result.latencies:
-            n_req = len(p.result.latencies)
-            per = {n: p.cpu[n] * p.seconds / n_req * 1000 for n in ("control", "node", "sim", "litellm") if n in p.cpu}
-            cpu += "  | CPU ms/req " + " ".join(f"{n}={v:.2f}" for n, v in per.items() if v >= 0.01)
+        per = " ".join(f"{n}={cpu_ms(p, n, p.count):.3f}" for n in PER_REQUEST if cpu_ms(p, n, p.count) >= 0.001)
+        shares = " ".join(f"{n}={v * 100:.0f}" for n, v in sorted(p.cpu.items()))
         print(
             f"{p.target:<9} {p.conc:>3} {p.rps:>9.0f} {fmt(p.lat(0.5)):>8} {fmt(p.lat(0.99)):>8} "
-            f"{fmt(add50):>8} {fmt(add99):>8} {errs:>8}  {cpu}"
+            f"{fmt(add50):>8} {fmt(add99):>8} {sum(p.result.errors.values()):>7}  {per} | {shares}"
         )
     print()
-    print("streaming chat completions (TTFT = time to the first SSE event, ms; chunks = SSE events)")
     print(
-        f"{'target':<9} {'c':>3} {'TTFT p50':>9} {'TTFT p99':>9} {'+p50':>8} {'chunks/s':>10} {'streams/s':>9}"
-        f" {'errors':>7}  CPU %"
+        "streaming chat completions by perf/loadgen.py (TTFC = time to the first body bytes, ms; chunks = SSE events)"
+    )
+    print(
+        f"{'target':<9} {'c':>3} {'TTFC p50':>9} {'TTFC p99':>9} {'+p50':>8} {'chunks/s':>10} {'streams/s':>9}"
+        f" {'errors':>7}  CPU ms per chunk | CPU % of one core"
     )
     for p in points:
         if p.mode != "stream":
             continue
         d = by.get(("direct", "stream", p.conc))
         add50 = p.ttft(0.5) - d.ttft(0.5) if d and p.target != "direct" else float("nan")
-        cpu = " ".join(f"{n}={p.cpu[n] * 100:.0f}" for n in cpu_names if n in p.cpu)
+        events = p.result.events
+        per = " ".join(f"{n}={cpu_ms(p, n, events):.4f}" for n in PER_REQUEST if cpu_ms(p, n, events) >= 0.0001)
+        shares = " ".join(f"{n}={v * 100:.0f}" for n, v in sorted(p.cpu.items()))
         print(
             f"{p.target:<9} {p.conc:>3} {fmt(p.ttft(0.5)):>9} {fmt(p.ttft(0.99)):>9} {fmt(add50):>8} "
-            f"{p.chunks_per_s:>10.0f} {p.rps:>9.1f} {sum(p.result.errors.values()):>7}  {cpu}"
+            f"{p.chunks_per_s:>10.0f} {p.rps:>9.1f} {sum(p.result.errors.values()):>7}  {per} | {shares}"
         )
     errors = {f"{p.target}/{p.mode}/c{p.conc}": p.result.errors for p in points if p.result.errors}
     if errors:
         print("errors:", json.dumps(errors))
     print()
-    print("ratios (unary req/s and p50 latency; streaming chunks/s and TTFT p50)")
-    pairs = [("control", "direct"), ("litellm", "direct"), ("control", "litellm")]
-    for a, b in pairs:
+    print("ratios (unary req/s and p50 latency; streaming chunks/s and TTFC p50)")
+    for a, b in [("control", "direct"), ("litellm", "direct"), ("control", "litellm")]:
         if a not in targets or b not in targets:
             continue
         parts = []
@@ -377,17 +496,35 @@ def report(points: list[Point], targets: list[str]) -> None:
                 continue
             if mode == "unary":
                 rate = pa.rps / pb.rps if pb.rps else float("nan")
-                lat = pa.lat(0.5) / pb.lat(0.5)
-                parts.append(f"unary c{conc}: req/s x{fmt(rate)} p50 x{fmt(lat)}")
+                parts.append(f"unary c{conc}: req/s x{fmt(rate)} p50 x{fmt(pa.lat(0.5) / pb.lat(0.5))}")
             else:
                 rate = pa.chunks_per_s / pb.chunks_per_s if pb.chunks_per_s else float("nan")
-                ttft = pa.ttft(0.5) / pb.ttft(0.5)
-                parts.append(f"stream c{conc}: chunks/s x{fmt(rate)} TTFT p50 x{fmt(ttft)}")
+                parts.append(f"stream c{conc}: chunks/s x{fmt(rate)} TTFC p50 x{fmt(pa.ttft(0.5) / pb.ttft(0.5))}")
         print(f"  {a} / {b}: " + "; ".join(parts))
+    if steps:
+        print()
+        print(
+            f"paced streams through control ({PACED_TOKENS_PER_S} tokens/s each; pass: TTFC p99 < "
+            f"{PACED_TTFC_P99_MS:g} ms, no stream ending later than {BEHIND_FACTOR:g} x tokens/{PACED_TOKENS_PER_S} s, "
+            "every stream done, no error)"
+        )
+        print(
+            f"{'N':>6} {'result':>6} {'streams':>9} {'behind':>6} {'TTFC p50':>9} {'TTFC p99':>9}"
+            f" {'chunks/s':>9}  CPU %"
+        )
+        for s in steps:
+            p = s.point
+            shares = " ".join(f"{n}={v * 100:.0f}" for n, v in sorted(p.cpu.items()))
+            print(
+                f"{s.streams:>6} {'ok' if s.ok else 'FAIL':>6} {p.count:>4}/{s.expected:<4} {s.behind:>6} "
+                f"{fmt(p.ttft(0.5)):>9} {fmt(p.ttft(0.99)):>9} {p.chunks_per_s:>9.0f}  {shares}"
+            )
+        passed = [s.streams for s in steps if s.ok]
+        last = "" if steps[-1].ok else f" (N={steps[-1].streams} failed)"
+        print(f"  largest N sustained: {max(passed) if passed else 'none of those tried'}{last}")
     print()
-    print("DESIGN.md §7 targets: control adds <= 1 ms p50 at c=1; >= 2,000 req/s at c=16 through control;")
-    print("  >= 100,000 chunks/s relayed; <= 1 ms added to the first chunk p50 unloaded.")
-    print("  reference: LiteLLM proxy +17 ms, ~52 req/s per worker, ~620 chunks/s.")
+    print("issue 16 targets: controller + agent CPU <= 0.8 ms per unary request; control adds <= 1 ms p50 at c=1;")
+    print("  >= 100,000 relayed chunks/s at c=16; >= 2,000 concurrent paced streams.")
 
 
 def main() -> int:
@@ -395,12 +532,15 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per point")
     parser.add_argument("--warmup-s", type=float, default=1.0, help="unmeasured seconds before each point")
     parser.add_argument("--concurrency", default="1,16,64", help="unary concurrencies")
-    parser.add_argument("--stream-concurrency", default="1,16", help="streaming concurrencies")
-    parser.add_argument("--unary-tokens", type=int, default=16, help="max_tokens of a unary request")
-    parser.add_argument("--stream-tokens", type=int, default=128, help="tokens of a streamed answer")
-    parser.add_argument("--tokens-per-s", type=float, default=100000.0, help="the sim runtime's token rate")
-    parser.add_argument("--client-procs", type=int, default=1, help="load-generator processes (at most c)")
-    parser.add_argument("--targets", default="direct,control,litellm", help="which to measure, in order")
+    parser.add_argument("--stream-concurrency", default="1,16,64", help="streaming concurrencies")
+    parser.add_argument("--unary-tokens", type=int, default=16, help="completion tokens of nginx's unary answer")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="content chunks of nginx's streamed answer")
+    parser.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (-t; at most c)")
+    parser.add_argument("--client-procs", type=int, default=1, help="streaming load-generator processes (at most c)")
+    parser.add_argument("--targets", default="direct,control,litellm", help="which to measure (interleaved)")
+    parser.add_argument("--paced-streams", default="50,100,200,400,800,1600,3200", help="N to try, until one fails")
+    parser.add_argument("--paced-tokens", type=int, default=40, help="tokens per paced stream (at 20 tokens/s)")
+    parser.add_argument("--paced-replicas", type=int, default=1, help="sim replicas of the paced deployment")
     parser.add_argument("--profile-controller", default="", help="run the controller under cProfile, to this file")
     parser.add_argument("--profile-node", default="", help="run the node agent under cProfile, to this file")
     args = parser.parse_args()
@@ -408,10 +548,11 @@ def main() -> int:
     wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
     concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
     stream_concs = [int(c) for c in args.stream_concurrency.split(",") if c.strip()]
-    print(f"machine: {os.cpu_count()} CPUs; {args.seconds:g} s per point; client processes: {args.client_procs}")
+    print(f"machine: {os.cpu_count()} CPUs; {args.seconds:g} s per point; stream client processes: {args.client_procs}")
 
     with tempfile.TemporaryDirectory(prefix="nexa-perf-") as tmp, contextlib.ExitStack() as parts:
         base = Path(tmp)
+        args.base = base
         (base / "logs").mkdir()
         registry = LocalRegistry(base / "registry")
         parts.callback(registry.stop)
@@ -420,32 +561,37 @@ def main() -> int:
         parts.callback(s3.stop)
         procs = Processes(base / "logs")
         parts.callback(procs.stop_all)
+        nginx = Nginx(base / "nginx")
+        parts.callback(nginx.stop)
+        ports = dict(zip(("unary", "stream"), free_ports(2, NODE_HOST), strict=True))
+        nginx.serve(NODE_HOST, ports["unary"], unary_body(ALIASES["unary"], args.unary_tokens), "application/json")
+        nginx.serve(NODE_HOST, ports["stream"], sse_body(ALIASES["stream"], args.stream_tokens), "text/event-stream")
         started = time.monotonic()
+        nginx_pid = nginx.start()
+        print(f"nginx (pid {nginx_pid}) on {NODE_HOST}:{ports['unary']} (unary) and :{ports['stream']} (SSE)")
         registry.start()
         s3.start()
-        cluster = start_cluster(procs, base, registry, s3, args)
-        print(f"set up registry, S3, controller, node and sim deployment in {time.monotonic() - started:.1f} s")
-        watched = {"control": cluster.controller_pid, "node": cluster.node_pid}
-        if cluster.runtime_pid:
-            watched["sim"] = cluster.runtime_pid
-        rt = httpx.URL(cluster.runtime_url)
+        cluster = start_cluster(procs, base, registry, s3, args, ports)
+        print(f"set up nginx, registry, S3, controller, node and deployments in {time.monotonic() - started:.1f} s")
+        watched = {"control": cluster.controller_pid, "node": cluster.node_pid, "nginx": nginx_pid}
         ctl = httpx.URL(cluster.url)
-        assert rt.port is not None
         assert ctl.port is not None
+        path = "/v1/chat/completions"
         targets = {
-            "direct": Target("direct", rt.host, rt.port, "/v1/chat/completions", ""),
-            "control": Target("control", ctl.host, ctl.port, "/v1/chat/completions", cluster.inference_key),
+            "direct": {mode: Target("direct", NODE_HOST, port, path, "") for mode, port in ports.items()},
+            "control": {mode: Target("control", ctl.host, ctl.port, path, cluster.inference_key) for mode in ALIASES},
         }
         if "litellm" in wanted:
+            upstreams = {ALIASES[mode]: f"http://{NODE_HOST}:{port}" for mode, port in ports.items()}
             try:
-                url, master_key, pid = start_litellm(procs, base, cluster.runtime_url)
+                url, master_key, pid = start_litellm(procs, base, upstreams)
             except (RuntimeError, Unavailable, OSError, subprocess.SubprocessError) as exc:
                 print(f"LiteLLM proxy could not start ({exc}); measuring the others")
                 print(procs.tail("litellm", 1500))
             else:
                 lu = httpx.URL(url)
                 assert lu.port is not None
-                targets["litellm"] = Target("litellm", lu.host, lu.port, "/v1/chat/completions", master_key)
+                targets["litellm"] = {mode: Target("litellm", lu.host, lu.port, path, master_key) for mode in ports}
                 watched["litellm"] = pid
                 version = subprocess.run(
                     [
@@ -461,19 +607,25 @@ def main() -> int:
                 print(f"LiteLLM proxy {version.stdout.strip()} (1 worker) on {url}")
         order = [t for t in wanted if t in targets]
         points = []
-        for name in order:
-            for conc in concs:
-                points.append(measure(targets[name], "unary", conc, args, watched))
+        # Interleaved: every target at one (mode, c) before the next, so the machine's noise hits all alike.
+        for mode, conc in [("unary", c) for c in concs] + [("stream", c) for c in stream_concs]:
+            for name in order:
+                points.append(measure(targets[name][mode], mode, conc, args, watched))
                 p = points[-1]
-                print(f"  {name} unary c={conc}: {p.rps:.0f} req/s p50 {fmt(p.lat(0.5))} ms", flush=True)
-            for conc in stream_concs:
-                points.append(measure(targets[name], "stream", conc, args, watched))
-                p = points[-1]
-                print(
-                    f"  {name} stream c={conc}: {p.chunks_per_s:.0f} chunks/s TTFT p50 {fmt(p.ttft(0.5))} ms",
-                    flush=True,
-                )
-        report(points, order)
+                if mode == "unary":
+                    print(f"  {name} unary c={conc}: {p.rps:.0f} req/s p50 {fmt(p.lat(0.5))} ms", flush=True)
+                else:
+                    print(
+                        f"  {name} stream c={conc}: {p.chunks_per_s:.0f} chunks/s TTFC p50 {fmt(p.ttft(0.5))} ms",
+                        flush=True,
+                    )
+        steps: list[PacedStep] = []
+        if "control" in targets and args.paced_streams.strip():
+            paced_watched = {"control": cluster.controller_pid, "node": cluster.node_pid}
+            if cluster.runtime_pid:
+                paced_watched["sim"] = cluster.runtime_pid
+            steps = paced(targets["control"]["paced"], args, paced_watched)
+        report(points, order, steps)
     return 0
 
 

@@ -32,6 +32,16 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_snapshot(watched: dict[str, int]) -> dict[str, float]:
+    """The CPU seconds each watched process has used so far."""
+    return {name: cpu_seconds(pid) for name, pid in watched.items()}
+
+
+def cpu_shares(before: dict[str, float], watched: dict[str, int], seconds: float) -> dict[str, float]:
+    """Each watched process's CPU share (of one core) since `before`, over `seconds`."""
+    return {name: (cpu_seconds(pid) - before[name]) / seconds for name, pid in watched.items()}
+
+
 def machine_busy_seconds() -> float:
     """CPU seconds every CPU of the machine spent busy (not idle or iowait), from /proc/stat."""
     fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
@@ -114,18 +124,19 @@ class Result:
     cpu_s: float = 0.0
 
 
-async def _load(target: Target, body: bytes, stream: bool, conc: int, start: float, stop: float) -> Result:
+async def _load(target: Target, body: bytes, stream: bool, offsets: list[float], start: float, stop: float) -> Result:
+    """One connection per entry of `offsets`, each sending its first request that long after `start`."""
     result = Result()
     request = target.request(body)
 
-    async def worker() -> None:
+    async def worker(offset: float) -> None:
         conn: HttpConnection | None = None
         while (now := time.monotonic()) < stop:
             if conn is None:
                 conn = HttpConnection(await trio.open_tcp_stream(target.host, target.port))
                 conn.stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if now < start:  # warm-up: connect, then wait for the common start
-                await trio.sleep_until(trio.current_time() + start - now)
+            if now < start + offset:  # warm-up: connect, then wait for the common start (and its offset)
+                await trio.sleep_until(trio.current_time() + start + offset - now)
                 continue
             first = 0.0
             events = 0
@@ -164,8 +175,8 @@ async def _load(target: Target, body: bytes, stream: bool, conc: int, start: flo
             await conn.stream.aclose()
 
     async with trio.open_nursery() as nursery:
-        for _ in range(conc):
-            nursery.start_soon(worker)
+        for offset in offsets:
+            nursery.start_soon(worker, offset)
     return result
 
 
@@ -174,12 +185,12 @@ def _client_main(
     target: Target,
     body: bytes,
     stream: bool,
-    conc: int,
+    offsets: list[float],
     start: float,
     stop: float,
 ) -> None:
     cpu0 = time.process_time()
-    result = trio.run(_load, target, body, stream, conc, start, stop)
+    result = trio.run(_load, target, body, stream, offsets, start, stop)
     result.cpu_s = time.process_time() - cpu0
     out.send(attrs.asdict(result))
     out.close()
@@ -193,6 +204,10 @@ class Point:
     seconds: float
     result: Result
     cpu: dict[str, float]
+    #: Latency percentiles (ms, by quantile) measured elsewhere (wrk): used instead of `result.latencies`.
+    percentiles: dict[float, float] = attrs.Factory(dict)
+    #: Requests completed, when `result.latencies` does not hold them all (wrk); -1: count those.
+    requests: int = -1
 
     def pct(self, values: list[float], q: float) -> float:
         if not values:
@@ -201,10 +216,17 @@ class Point:
         return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
 
     @property
+    def count(self) -> int:
+        """Requests (or streams) completed with 200 in the window."""
+        return self.requests if self.requests >= 0 else len(self.result.latencies)
+
+    @property
     def rps(self) -> float:
-        return len(self.result.latencies) / self.seconds
+        return self.count / self.seconds
 
     def lat(self, q: float) -> float:
+        if self.percentiles:
+            return self.percentiles.get(q, float("nan"))
         return self.pct(self.result.latencies, q)
 
     def ttft(self, q: float) -> float:
@@ -225,11 +247,15 @@ def run_point(
     warmup_s: float,
     client_procs: int,
     watched: dict[str, int],
+    stagger_s: float = 0.0,
 ) -> Point:
-    """One point: `body` POSTed by `conc` connections (`mode` "stream": an SSE answer) for `seconds`."""
-    stream = mode == "stream"
+    """One point: `body` POSTed by `conc` connections (any `mode` but "unary": an SSE answer) for `seconds`.
+
+    With `stagger_s`, connection i of `conc` sends its first request i / conc x `stagger_s` after the
+    start (the measured window's start), so the requests arrive spread out rather than all at once."""
+    stream = mode != "unary"
     nprocs = max(1, min(client_procs, conc))
-    shares = [conc // nprocs + (1 if i < conc % nprocs else 0) for i in range(nprocs)]
+    shares = [[i / conc * stagger_s for i in range(k, conc, nprocs)] for k in range(nprocs)]
     ctx = multiprocessing.get_context("spawn")
     start = time.monotonic() + warmup_s + 1.0  # spawning a client takes a moment
     stop = start + seconds
@@ -242,10 +268,10 @@ def run_point(
         pipes.append(receiver)
         clients.append(proc)
     time.sleep(max(0.0, start - time.monotonic()))
-    cpu0 = {name: cpu_seconds(pid) for name, pid in watched.items()}
+    cpu0 = cpu_snapshot(watched)
     busy0 = machine_busy_seconds()
     time.sleep(max(0.0, stop - time.monotonic()))
-    cpu = {name: (cpu_seconds(pid) - cpu0[name]) / seconds for name, pid in watched.items()}
+    cpu = cpu_shares(cpu0, watched, seconds)
     busy = (machine_busy_seconds() - busy0) / seconds
     merged = Result()
     for receiver, proc in zip(pipes, clients, strict=True):

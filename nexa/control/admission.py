@@ -62,7 +62,11 @@ class AdmissionStatistics:
 
 
 class _ModelQueue:
-    def __init__(self) -> None:
+    def __init__(self, model_key: str, metrics: Metrics) -> None:
+        # The model's metric children, bound once with the queue (not per request).
+        self.queued_seconds = metrics.gateway_queue_seconds.labels(model_key)
+        self.displaced = metrics.gateway_queue_displaced.labels(model_key)
+        self.depth_gauges = {p: metrics.gateway_queue_depth.labels(model_key, p.value) for p in Priority}
         self.capacity = 0
         self.in_use = 0
         self.depth = 0
@@ -141,7 +145,7 @@ class Admission:
     def _queue(self, model_key: str) -> _ModelQueue:
         queue = self._queues.get(model_key)
         if queue is None:
-            queue = self._queues[model_key] = _ModelQueue()
+            queue = self._queues[model_key] = _ModelQueue(model_key, self._metrics)
         return queue
 
     @contextlib.asynccontextmanager
@@ -158,7 +162,7 @@ class Admission:
             queued = 0.0
         else:
             queued = await self._wait(model_key, queue, tenant, priority, deadline)
-        self._metrics.gateway_queue_seconds.labels(model_key).observe(queued)
+        queue.queued_seconds.observe(queued)
         try:
             yield queued
         finally:
@@ -211,7 +215,7 @@ class Admission:
         victim.displaced = True
         victim.event.set()
         self._gauge(model_key, queue, victim.priority)
-        self._metrics.gateway_queue_displaced.labels(model_key).inc()
+        queue.displaced.inc()
         log.info("a waiter of tenant %s gave its place in the %s queue to tenant %s", victim_tenant, model_key, tenant)
         return True
 
@@ -238,7 +242,7 @@ class Admission:
             self._gauge(model_key, queue, waiter.priority)
 
     def _gauge(self, model_key: str, queue: _ModelQueue, priority: Priority) -> None:
-        self._metrics.gateway_queue_depth.labels(model_key, priority.value).set(queue.counts[priority])
+        queue.depth_gauges[priority].set(queue.counts[priority])
 
     def set_capacity(self, model_key: str, slots: int) -> None:
         """Set a model's slots (Ready replicas * max_inflight_per_replica). Growing grants waiters.
@@ -247,7 +251,10 @@ class Admission:
         until their deadline (a replica may become Ready meanwhile).
         """
         queue = self._queue(model_key)
-        queue.capacity = max(0, slots)
+        slots = max(0, slots)
+        if slots == queue.capacity:
+            return  # the usual request: the fleet did not change since the last one
+        queue.capacity = slots
         self._grant(model_key, queue)
 
     def depths(self) -> dict[str, dict[Priority, int]]:

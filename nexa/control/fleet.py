@@ -31,7 +31,7 @@ from nexa.contracts.domain import (
     NodeState,
 )
 from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem
-from nexa.contracts.wire import Ack, AssignmentStatus, DesiredAssignments, Heartbeat, Hello
+from nexa.contracts.wire import Ack, AssignmentStatus, DesiredAssignments, Heartbeat, Hello, RuntimeState
 from nexa.control import store as st
 from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.errors import Conflict, ContractError, NotFound
@@ -120,6 +120,9 @@ class Fleet:
         #: Set once the node channel is bound; handed to nodes at enrollment.
         self.channel_endpoint = ""
         self._listeners: list[Callable[[], None]] = []
+        #: One up whenever what routing reads of a node changes: its state (admin, reachability)
+        #: or which of its replicas are Ready. The gateway's serving sets are cached against it.
+        self.version = 0
         # Store writes that node messages cause, per node (`limit_writes`); None: unlimited.
         self._writes: RateLimiter | None = None
 
@@ -142,6 +145,7 @@ class Fleet:
         self._listeners.append(listener)
 
     def _changed(self) -> None:
+        self.version += 1
         for listener in self._listeners:
             listener()
 
@@ -159,6 +163,7 @@ class Fleet:
             inventory_digest=_static_digest(inventory),
         )
         self._nodes[node.id] = live
+        self.version += 1
         if node.admin_state is not NodeAdminState.REVOKED:
             self._by_curve[node.curve_public_key] = node.id
         return live
@@ -305,6 +310,7 @@ class Fleet:
             )
             self._metrics.audit_events.labels(event.result.value).inc()
             live.node = after
+            self.version += 1
             if target is NodeAdminState.REVOKED:
                 self._by_curve.pop(after.curve_public_key, None)
                 live.reachable = False
@@ -328,7 +334,10 @@ class Fleet:
             live.agent_version = msg.agent_version
             live.reported_epoch, live.reported_generation = msg.epoch, msg.generation
         elif isinstance(msg, Heartbeat):
-            live.statuses = list(msg.assignments)
+            statuses = list(msg.assignments)
+            if _ready_ids(statuses) != _ready_ids(live.statuses):
+                self.version += 1
+            live.statuses = statuses
             live.reported_epoch, live.reported_generation = msg.epoch, msg.generation
             live.free_memory_bytes, live.free_accelerators = msg.free_memory_bytes, msg.free_accelerators
             await self._take_inventory(live, msg.inventory)
@@ -374,6 +383,7 @@ class Fleet:
         await self._transition(live, "node.unreachable", f"no good heartbeat for {self._cfg.lease_s:g} s")
 
     async def _transition(self, live: NodeLive, action: str, detail: str) -> None:
+        self.version += 1  # reachability changed: seen by the next request, before the audit write
         log.info("node %s: %s", live.node.id, action, extra={"fields": {"node": live.node.id}})
         draft = audit_draft(SYSTEM, action, f"node/{live.node.id}", detail=detail)
         event = await self._store.run(st.record_audit, draft)
@@ -418,6 +428,10 @@ class Fleet:
         )
         event = await self._store.run(st.record_audit, draft)
         self._metrics.audit_events.labels(event.result.value).inc()
+
+
+def _ready_ids(statuses: list[AssignmentStatus]) -> set[str]:
+    return {s.assignment_id for s in statuses if s.state is RuntimeState.READY}
 
 
 def _static_digest(inventory: NodeInventory | None) -> str | None:

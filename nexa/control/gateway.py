@@ -260,8 +260,11 @@ class Gateway:
         work = progress.work
         tried: set[str] = set()
         last: NexaError | None = None
+        # What the prompt tells routing and the node, read once per call (not per attempt).
+        prefix = _prefix(work, self._cfg)
+        estimate = prompt_estimate(work)
         for attempt in range(1 + self._cfg.retries):
-            replica = self._router.choose(serving, prefix=_prefix(work, self._cfg), exclude=tried)
+            replica = self._router.choose(serving, prefix=prefix, exclude=tried)
             if replica is None:
                 break
             tried.add(replica.replica_id)
@@ -274,7 +277,7 @@ class Gateway:
                 deadline_at=work.deadline_at,
                 window=self._cfg.stream_window_chunks,
                 strip_usage_chunk=work.stream and not work.include_usage,
-                prompt_tokens_estimate=prompt_estimate(work),
+                prompt_tokens_estimate=estimate,
             )
             stack = contextlib.AsyncExitStack()
             attempt_started = trio.current_time()

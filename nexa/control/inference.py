@@ -67,7 +67,7 @@ from nexa.errors import (
     RetentionUnavailable,
     Unauthenticated,
 )
-from nexa.telemetry import Metrics, request_id
+from nexa.telemetry import Children, Metrics, request_id
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +138,9 @@ class InferenceApp:
         self._workloads = workloads
         self._registry = registry
         self._metrics = metrics
+        # Bound once per (route, method, status), not per request.
+        self._answered = Children(metrics.http_requests)
+        self._seconds = Children(metrics.http_request_seconds)
         self._max_body = max_body_bytes
         self._epoch = epoch
 
@@ -381,8 +384,8 @@ class _Exchange:
             app._metrics.http_in_flight.dec()
             elapsed = time.perf_counter() - started
             route = self.route[1] if self.route in INFERENCE_ROUTES else "unmatched"
-            app._metrics.http_requests.labels(route, self.route[0], str(status)).inc()
-            app._metrics.http_request_seconds.labels(route, self.route[0]).observe(elapsed)
+            app._answered(route, self.route[0], str(status)).inc()
+            app._seconds(route, self.route[0]).observe(elapsed)
             log.info(
                 "request",
                 extra={

@@ -35,7 +35,7 @@ from nexa.contracts.bounds import MAX_TOKENS
 from nexa.contracts.gateway import UsageRecord, UsageReport, WindowStats
 from nexa.control import store as st
 from nexa.errors import NexaError
-from nexa.telemetry import INFERENCE_BUCKETS, Metrics
+from nexa.telemetry import INFERENCE_BUCKETS, Children, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,13 @@ class Meter:
         self._errors = 0
         self._duration = [0] * len(LATENCY_BOUNDS_S)
         self._ttft = [0] * len(LATENCY_BOUNDS_S)
+        # Bound once per label combination, not per request (`telemetry.Children`).
+        self._by_status = Children(metrics.gateway_requests)
+        self._tokens = Children(metrics.gateway_tokens)
+        self._seconds = Children(metrics.gateway_request_seconds)
+        self._ttft_seconds = Children(metrics.gateway_ttft_seconds)
+        self._refused = Children(metrics.usage_records_refused)
+        self._invalid = Children(metrics.gateway_invalid_answers)
 
     # ---- the hot path --------------------------------------------------------------------------
 
@@ -146,11 +153,11 @@ class Meter:
 
     def refused(self, reason: str) -> None:
         """Count one usage figure refused where it entered (the gateway replaced it with its own)."""
-        self._metrics.usage_records_refused.labels(reason).inc()
+        self._refused(reason).inc()
 
     def invalid_answer(self, kind: str) -> None:
         """Count one runtime answer that was not the expected JSON (`unary`, `stream` or `batch`)."""
-        self._metrics.gateway_invalid_answers.labels(kind).inc()
+        self._invalid(kind).inc()
 
     def _checked(self, rec: UsageRecord) -> UsageRecord:
         bad = [n for n in ("prompt_tokens", "completion_tokens") if not token_count_ok(getattr(rec, n))]
@@ -192,16 +199,15 @@ class Meter:
         self._metrics.metering_pending.set(len(self._pending))
 
     def _observe_request(self, rec: UsageRecord) -> None:
-        m = self._metrics
         model = rec.alias
-        m.gateway_requests.labels(model, rec.tenant, rec.status).inc()
+        self._by_status(model, rec.tenant, rec.status).inc()
         if rec.prompt_tokens:
-            m.gateway_tokens.labels(model, "prompt").inc(rec.prompt_tokens)
+            self._tokens(model, "prompt").inc(rec.prompt_tokens)
         if rec.completion_tokens:
-            m.gateway_tokens.labels(model, "completion").inc(rec.completion_tokens)
-        m.gateway_request_seconds.labels(model).observe(rec.duration_ms / 1000)
+            self._tokens(model, "completion").inc(rec.completion_tokens)
+        self._seconds(model).observe(rec.duration_ms / 1000)
         if rec.ttft_ms is not None:
-            m.gateway_ttft_seconds.labels(model).observe(rec.ttft_ms / 1000)
+            self._ttft_seconds(model).observe(rec.ttft_ms / 1000)
         self._requests += 1
         self._errors += rec.status != "ok"
         self._duration[bisect.bisect_left(LATENCY_BOUNDS_S, rec.duration_ms / 1000)] += 1

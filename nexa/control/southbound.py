@@ -1,10 +1,22 @@
 """The controller's side of the node protocol: verified node messages → fleet; signed sets → nodes.
 
-One Link (ZeroMQ ROUTER, CurveZMQ, ZAP) carries every node's channel. Three loops share it:
-receive (verify, replay-check, record), liveness (a node with no good heartbeat for `lease_s`
-becomes Unreachable) and renewal (re-sign each reachable node's set before its lease lapses).
-The same channels carry inference: data frames go straight to `self.relay` (no store, no audit),
-and a node that becomes Unreachable, is revoked or says hello again loses its open streams.
+One Link (ZeroMQ ROUTER, CurveZMQ, ZAP) carries every node's channel. Four loops share it:
+receive (the link's only reader: data frames to the relay at once, signed messages to control),
+control (verify, replay-check, record, audit), liveness (a node with no good heartbeat for
+`lease_s` becomes Unreachable) and renewal (re-sign each reachable node's set before its lease
+lapses). Data frames go straight to `self.relay` (no store, no audit, no signature check) and
+never wait behind control work; a node that becomes Unreachable, is revoked or says hello again
+loses its open streams.
+
+Control never blocks data: the receive loop hands signed messages (and refusals to audit) to the
+control loop through a bounded channel, in arrival order (so one node's messages stay in order),
+and never waits on it. When the control loop is behind, a node with `_CONTROL_PER_NODE` messages
+already waiting, or any node once the channel is full, has its message refused and counted
+(`control_backlog`), as the signed rate already refuses: one ROUTER reads every node, so the only
+backpressure that would not stall every stream is refusal. Nothing is lost for good: a heartbeat
+is superseded by the next (each carries the node's whole state), a lost ack is answered again at
+the next lease renewal, and a node whose hello was lost reports an old set in its heartbeats and
+is sent its set again (`_REPUSH_MIN_S`).
 """
 
 from __future__ import annotations
@@ -21,7 +33,16 @@ from nexa.contracts.wire import Ack, AssignmentSet, Heartbeat, Hello
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.relay import Relay
 from nexa.errors import ContractError, NexaError, NotConnected
-from nexa.messaging import MESSAGE_HEADROOM_BYTES, CurveKeyPair, DataInbound, Inbound, Link, RateLimiter, Refused
+from nexa.messaging import (
+    MESSAGE_HEADROOM_BYTES,
+    CurveKeyPair,
+    DataInbound,
+    Inbound,
+    Link,
+    RateLimiter,
+    Refused,
+    Unverified,
+)
 from nexa.security import SigningKey
 from nexa.supervision import supervised
 from nexa.telemetry import Metrics
@@ -37,6 +58,14 @@ _REFUSAL_AUDIT_EVERY_S: Final = 5.0
 #: Messages each way the link holds between its socket and our loops (chunks of many streams
 #: share it; each is at most the relay's max_chunk_bytes).
 _LINK_QUEUE: Final = 512
+#: Signed messages (and refusals to audit) waiting for the control loop, all nodes together: room
+#: for eight of each of a thousand nodes (1,000 enrolling at once with 1024 refused 16 % of their
+#: first heartbeats in perf/southbound_fanin.py; with 8192, none).
+_CONTROL_QUEUE: Final = 8192
+#: At most this many of them from one node: a node cannot crowd the others out of the queue.
+_CONTROL_PER_NODE: Final = 8
+#: The reason counted for a signed message refused because the control loop is that far behind.
+CONTROL_BACKLOG: Final = "control_backlog"
 #: The reason counted for a message that does not fit the wire contract, whatever broke it.
 MALFORMED: Final = "malformed"
 #: The reason counted for an acknowledgement of a set this controller never sent.
@@ -80,6 +109,9 @@ class Southbound:
         self._last_refusal_audit: dict[tuple[str, str], float] = {}
         # ZAP runs inside the link; refusals there are audited from this loop's nursery.
         self._zap_refusals_tx, self._zap_refusals_rx = trio.open_memory_channel[str](64)
+        # Receive loop → control loop (module docstring); with how many of each node's wait there.
+        self._control_tx, self._control_rx = trio.open_memory_channel[Unverified | Refused](_CONTROL_QUEUE)
+        self._control_waiting: dict[str, int] = {}
 
     def _authorize(self, curve_public_z85: str) -> str | None:
         node_id = self._fleet.authorize_curve(curve_public_z85)
@@ -103,6 +135,7 @@ class Southbound:
             endpoint = self._channel.advertise or bound
             self._fleet.channel_endpoint = endpoint
             nursery.start_soon(supervised, "southbound.receive", self._receive_loop)
+            nursery.start_soon(supervised, "southbound.control", self._control_loop)
             nursery.start_soon(supervised, "southbound.liveness", self._liveness_loop)
             nursery.start_soon(supervised, "southbound.renewal", self._renewal_loop)
             nursery.start_soon(supervised, "southbound.zap_audit", self._audit_zap_refusals)
@@ -119,26 +152,58 @@ class Southbound:
                 self.relay.node_lost(node_id)
 
     async def _receive_loop(self) -> None:
+        # The link's only reader. Nothing here waits but the link: no store, no audit, no signature.
         while True:
-            got = await self._link.receive_any()
+            got = await self._link.receive_unverified()
             if isinstance(got, DataInbound):
-                # Hot path: never blocks, never audits; a refused frame is only counted.
+                # Hot path: a refused frame is only counted.
                 refused = self.relay.deliver(got.node_id, got.frame)
                 if refused is not None:
                     self._metrics.node_messages_rejected.labels(refused).inc()
                 continue
-            try:
-                if isinstance(got, Refused):
-                    await self._refuse(got.node_id, got.error)
-                else:
-                    await self._handle(got)
-            except NexaError as exc:
-                await self._refuse(got.node_id, exc)
-            except Exception as exc:
-                # Last resort: no value from a node may end the controller. Counted and logged
-                # (type only, never the message's content); the loop goes on with the next one.
-                self._metrics.node_messages_rejected.labels(MALFORMED).inc()
-                log.warning("refused a message from node %s: %s", got.node_id, type(exc).__name__)
+            if isinstance(got, Refused):
+                self._count_refusal(got.error)  # at once; the audit (rate-limited) is the control loop's
+            if not self._to_control(got) and isinstance(got, Unverified):
+                # (A refusal is counted already; only its audit is skipped.)
+                self._metrics.node_messages_rejected.labels(CONTROL_BACKLOG).inc()
+
+    def _to_control(self, got: Unverified | Refused) -> bool:
+        """Queue for the control loop without waiting; False if the node's share or the queue is full."""
+        waiting = self._control_waiting.get(got.node_id, 0)
+        if waiting >= _CONTROL_PER_NODE:
+            return False
+        try:
+            self._control_tx.send_nowait(got)
+        except trio.WouldBlock:
+            return False
+        self._control_waiting[got.node_id] = waiting + 1
+        return True
+
+    async def _control_loop(self) -> None:
+        async for got in self._control_rx:
+            waiting = self._control_waiting.pop(got.node_id, 1) - 1
+            if waiting > 0:
+                self._control_waiting[got.node_id] = waiting
+            await self._control(got)
+
+    async def _control(self, got: Unverified | Refused) -> None:
+        if isinstance(got, Refused):
+            await self._refuse_audit(got.node_id, self._refusal_code(got.error), got.error.message)
+            return
+        # Verified and handled in one step up to `_handle`'s first await (a hello's node_lost).
+        checked = self._link.verify(got)
+        try:
+            if isinstance(checked, Refused):
+                await self._refuse(checked.node_id, checked.error)
+            else:
+                await self._handle(checked)
+        except NexaError as exc:
+            await self._refuse(checked.node_id, exc)
+        except Exception as exc:
+            # Last resort: no value from a node may end the controller. Counted and logged
+            # (type only, never the message's content); the loop goes on with the next one.
+            self._metrics.node_messages_rejected.labels(MALFORMED).inc()
+            log.warning("refused a message from node %s: %s", checked.node_id, type(exc).__name__)
 
     async def _handle(self, inbound: Inbound) -> None:
         msg = inbound.message
@@ -163,9 +228,16 @@ class Southbound:
             await self._fleet.record_ack(live, msg)
 
     async def _refuse(self, node_id: str, error: NexaError) -> None:
-        code = MALFORMED if isinstance(error, ContractError) else error.code
+        await self._refuse_audit(node_id, self._count_refusal(error), error.message)
+
+    @staticmethod
+    def _refusal_code(error: NexaError) -> str:
+        return MALFORMED if isinstance(error, ContractError) else error.code
+
+    def _count_refusal(self, error: NexaError) -> str:
+        code = self._refusal_code(error)
         self._metrics.node_messages_rejected.labels(code).inc()
-        await self._refuse_audit(node_id, code, error.message)
+        return code
 
     async def _refuse_audit(self, node_id: str, code: str, detail: str) -> None:
         key = (node_id, code)

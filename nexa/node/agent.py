@@ -4,6 +4,14 @@
 node's side of the protocol: it says hello, beats, judges every assignment set against the
 fence kept on disk and answers it, and watches the accepted set's lease. Nothing it sends or
 logs names keys, file paths or addresses.
+
+Control never blocks data: `agent.receive`, the uplink's only reader, hands data frames to the
+relay at once and signed messages to `agent.control` (signature check, judgement, the fsync'd
+fence save, the ack) through a bounded channel, in order. It never waits on that channel: when
+`_CONTROL_QUEUE` messages already wait, the new one is dropped and counted (`control_dropped`).
+That is safe because what the controller sends supersedes what came before (an assignment set is
+the whole desired state with its lease; a drain is a flag) and the controller sends the set again
+at every renewal (lease / 3) and whenever a heartbeat reports an older one.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import wire
 from nexa.contracts.node import ENGINE_FIELD_MAX
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, PodmanError
-from nexa.messaging import Uplink
+from nexa.messaging import Unverified, Uplink
 from nexa.node.artifacts import ArtifactCache
 from nexa.node.docker import DockerClient
 from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
@@ -49,6 +57,8 @@ T = TypeVar("T")
 RECONNECT_FIRST_S: Final = 0.1
 #: Longest wait at start for the container engine's version (a stuck engine must not stop the agent).
 ENGINE_VERSION_S: Final = 5.0
+#: Signed messages from the controller waiting for `agent.control` (it sends about one per lease / 3).
+_CONTROL_QUEUE: Final = 16
 #: With `leave_running_on_exit = false`, how long stopping every runtime may take at exit.
 _STOP_ALL_TIMEOUT_S: Final = 60.0
 
@@ -149,6 +159,8 @@ class AgentStatistics:
     draining: bool
     #: Data-path frames (infer, cancel, credit) handed to the relay.
     data_frames: int = 0
+    #: Signed messages dropped unread because `_CONTROL_QUEUE` of them already waited (module docstring).
+    control_dropped: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -195,7 +207,9 @@ class Agent:
         self._engine = (container_engine, container_engine_version, gpu_method)
         # The inference relay's `deliver` (never blocks); without one, data frames are dropped.
         self._deliver_data = data
-        self._data_frames = 0
+        self._data_frames = self._control_dropped = 0
+        # agent.receive → agent.control: signed messages, checked and acted on off the data path.
+        self._control_tx, self._control_rx = trio.open_memory_channel[Unverified](_CONTROL_QUEUE)
         # Uplink `sent` at the last beat: a full outbox that has not moved since means no connection.
         self._sent_at_beat = -1
         self._fence = fence
@@ -239,6 +253,7 @@ class Agent:
             lease_lapsed=self._lease_lapsed,
             draining=self._draining,
             data_frames=self._data_frames,
+            control_dropped=self._control_dropped,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
@@ -257,6 +272,7 @@ class Agent:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(supervised, "agent.beat", self._beat)
             nursery.start_soon(supervised, "agent.receive", self._receive)
+            nursery.start_soon(supervised, "agent.control", self._control)
             nursery.start_soon(supervised, "agent.watch_lease", self._watch_lease)
             task_status.started()
         raise AssertionError("the agent's loops never return")  # pragma: no cover
@@ -325,9 +341,30 @@ class Agent:
     # --- what the controller sends
 
     async def _receive(self) -> NoReturn:
+        # The uplink's only reader; nothing here waits but the uplink (module docstring).
         while True:
             try:
-                msg = await self._uplink.receive()
+                got = await self._uplink.receive_unverified()
+            except ContractError:
+                self._invalid_messages += 1
+                continue
+            if isinstance(got, wire.DataFrame):
+                # Inference traffic: authenticated by the channel, never judged as desired state.
+                self._data_frames += 1
+                if self._deliver_data is not None:
+                    self._deliver_data(got)
+                continue
+            try:
+                self._control_tx.send_nowait(got)
+            except trio.WouldBlock:
+                self._control_dropped += 1
+                log.warning("dropped a message from the controller: %d already wait to be handled", _CONTROL_QUEUE)
+
+    async def _control(self) -> NoReturn:
+        while True:
+            pending = await self._control_rx.receive()
+            try:
+                msg = self._uplink.verify(pending)
             except BadSignature:
                 # Not from our controller: never judged, never answered (the uplink logged it).
                 self._bad_signatures += 1
@@ -345,13 +382,8 @@ class Agent:
                 self._invalid_messages += 1
                 log.warning("could not act on a message from the controller: %s", type(exc).__name__)
 
-    async def _dispatch(self, msg: wire.ControllerMessage | wire.DataFrame) -> None:
-        if isinstance(msg, wire.DataFrame):
-            # Inference traffic: authenticated by the channel, never judged as desired state.
-            self._data_frames += 1
-            if self._deliver_data is not None:
-                self._deliver_data(msg)
-        elif isinstance(msg, wire.AssignmentSet):
+    async def _dispatch(self, msg: wire.ControllerMessage) -> None:
+        if isinstance(msg, wire.AssignmentSet):
             await self._on_assignments(msg)
         else:
             self._on_drain(msg)

@@ -60,11 +60,14 @@ class Desired:
         self._southbound = southbound
         self._placement = placement
         self.entries: dict[str, Entry] = {}
+        #: One up whenever `entries` changes (the gateway's serving sets are cached against it).
+        self.version = 0
         self.lock = trio.Lock()  # every change to deployments and node sets goes through it
 
     async def load(self) -> None:
         for dep, decision in await self._store.run(st.load_deployments):
             self.entries[dep.name] = Entry(stamped(dep), decision)
+        self.version += 1
 
     def entry(self, name: str) -> Entry:
         entry = self.entries.get(name)
@@ -152,6 +155,7 @@ class Desired:
             self.entries.pop(name, None)
         else:
             self.entries[name] = after
+        self.version += 1
         for node_id, desired in changed.items():
             live = self.fleet.get(node_id)
             # Keep any acknowledgement recorded meanwhile; the set itself is ours.

@@ -60,6 +60,7 @@ class Deployments:
             store, metrics, fleet, models=models, southbound=southbound, placement=placement or PlacementConfig()
         )
         self._reconciler = Reconciler(self._desired, cfg)
+        self._serving = views.ServingSets(self._desired)
         self._rollouts = Rollouts(self._desired, self.poke)
         fleet.on_change(self.poke)
         models.on_alias_change(self._alias_moved)
@@ -116,8 +117,8 @@ class Deployments:
         return inventory.data_classes if inventory is not None else ()
 
     def serving(self, model: ModelRef, *, alias: str | None = None) -> ServingSet:
-        """The replicas the gateway may send requests for `model` to (`views.serving`)."""
-        return views.serving(self._desired, model, alias=alias)
+        """The replicas the gateway may send requests for `model` to (`views.serving`, made once per change)."""
+        return self._serving.get(model, alias=alias)
 
     def forecast(self, req: DeploymentCreate) -> PlacementDecision:
         """Whether a hypothetical deployment fits now, and where; changes nothing."""

@@ -1,5 +1,6 @@
 """What the deployments look like from outside: an operator's `DeploymentView`, and the
-`ServingSet` the gateway routes a model's requests over (read on every request: in memory, no I/O)."""
+`ServingSet` the gateway routes a model's requests over (read on every request: in memory, no I/O,
+and made once per change: `ServingSets` keeps it until a deployment or the fleet changes)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,34 @@ from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, model_of
 
 
+class ServingSets:
+    """`serving` per (model, alias), made once per change rather than once per request.
+
+    Each set is kept until `Desired.version` (a deployment changed) or `Fleet.version` (a node's
+    state, or which of its replicas are Ready, changed) moves on; then every set is made again on
+    its next request, so the answer is always the one `serving` would give now. The sets handed
+    out are shared between requests: read them, never change them.
+    """
+
+    def __init__(self, desired: Desired) -> None:
+        self._desired = desired
+        self._versions = (-1, -1)
+        self._sets: dict[tuple[ModelRef, str | None], ServingSet] = {}
+
+    def get(self, model: ModelRef, *, alias: str | None = None) -> ServingSet:
+        versions = (self._desired.version, self._desired.fleet.version)
+        if versions != self._versions:
+            self._sets.clear()
+            self._versions = versions
+        key = (model, alias)
+        found = self._sets.get(key)
+        if found is None:
+            found = self._sets[key] = serving(self._desired, model, alias=alias)
+        return found
+
+
 def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> ServingSet:
-    """The replicas the gateway may send requests for `model` to. Read on every request: in memory, no I/O.
+    """The replicas the gateway may send requests for `model` to (kept by `ServingSets` until a change).
 
     Deployments of `model` (pinned, or following an alias that points there) and, when
     `alias` is given, every deployment created from it: all their replicas that their node
