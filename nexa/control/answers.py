@@ -67,12 +67,14 @@ def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
     """The complete SSE events at the start of `buf` (each with its blank line), and the rest."""
     events: list[bytes] = []
     start = 0
+    crlf = buf.find(b"\r\n\r\n")  # the next one at or after `start`, or -1: none (searched once, not per event)
     while True:
-        ends = [i for i in (buf.find(b"\n\n", start), buf.find(b"\r\n\r\n", start)) if i >= 0]
-        if not ends:
+        if 0 <= crlf < start:
+            crlf = buf.find(b"\r\n\r\n", start)
+        lf = buf.find(b"\n\n", start)
+        if lf < 0 and crlf < 0:
             return events, buf[start:]
-        at = min(ends)
-        stop = at + (4 if buf.startswith(b"\r\n\r\n", at) else 2)
+        stop = lf + 2 if crlf < 0 or 0 <= lf < crlf else crlf + 4
         events.append(buf[start:stop])
         start = stop
 

@@ -198,15 +198,17 @@ class Answer:
                 chunk = await self._next()
             except StopAsyncIteration:
                 rest, self._rest = self._rest, b""
-                last = self._checked_events([rest]) if rest else b""  # a last event without its blank line
+                last = self._checked_events([rest], rest) if rest else b""  # a last event without its blank line
                 if last:
                     return last
                 raise
-            events, self._rest = answers.split_events(self._rest + chunk)
+            buf = self._rest + chunk
+            events, self._rest = answers.split_events(buf)
+            whole = buf[: len(buf) - len(self._rest)] if self._rest else buf
             if len(self._rest) > MAX_EVENT_BYTES:
                 self._refuse(f"an event longer than {MAX_EVENT_BYTES} bytes")
-                events = []
-            out = self._checked_events(events)
+                events, whole = [], b""
+            out = self._checked_events(events, whole)
             if out:
                 return out
             if self._stream is None and not self._pending:
@@ -215,21 +217,20 @@ class Answer:
     async def read_all(self) -> bytes:
         return b"".join([chunk async for chunk in self])
 
-    def _checked_events(self, events: list[bytes]) -> bytes:
-        """The events up to the first one that is not a valid stream event (which ends the call)."""
-        kept = []
-        for event in events:
+    def _checked_events(self, events: list[bytes], whole: bytes) -> bytes:
+        """`whole` (the events as they came, not re-joined) when every one is a valid stream event;
+        else the events before the first that is not (which ends the call)."""
+        for at, event in enumerate(events):
             problem, done = answers.event_problem(event)
             if problem is not None:
                 self._refuse(problem)
-                break
+                return b"".join(events[:at])
             if done:
                 self._done_seen = True
             elif b"data:" in event:
                 # Streamed events seen, for when the stream ends without the runtime's usage (node lost).
                 self._events += 1
-            kept.append(event)
-        return b"".join(kept)
+        return whole
 
     async def _next_unary(self) -> bytes:
         if self._unary_taken:

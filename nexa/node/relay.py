@@ -44,6 +44,9 @@ _END_SEND_TIMEOUT_S: Final = 10.0
 _PATH: Final = re.compile(r"/[A-Za-z0-9/_.\-]*")
 # A stream event that carries output text (a non-empty `content` or `text` string).
 _CONTENT: Final = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
+#: The same, to the end of its event: one match an event, whichever of its choices carry text (the
+#: count `_CONTENT` makes event by event, for any events that are JSON).
+_CONTENT_EVENT: Final = re.compile(rb'"(?:content|text)"\s*:\s*"(?=[^"]).*?(?:\n\r?\n|\Z)', re.DOTALL)
 _NULL_USAGE: Final = (b'"usage":null', b'"usage": null')
 _DONE: Final = b"data: [DONE]"
 #: The header the relay names each request by (the runtime's own X-Request-Id is left to it).
@@ -296,11 +299,19 @@ class NodeRelay:
         )
 
     async def _forward_events(self, req: _Request, resp: Response, usage: _Usage) -> None:
-        """SSE: whole events, coalesced as they are available; read the usage, maybe drop its event."""
+        """SSE: whole events, coalesced as they are available; read the usage, maybe drop its event.
+
+        A read of whole events with nothing to read, drop or add in it goes on as it came, one chunk;
+        only the others are split into events (a partial event, the usage event, `[DONE]`)."""
         strip = req.head.strip_usage_chunk
         rest = b""
         limit = int(self._cfg.max_chunk_bytes)
         async for data in resp.aiter_bytes():
+            if not rest and len(data) <= limit and _plain_events(data):
+                # Whole content events only (the common read): relayed as read, in one chunk.
+                usage.content_events += len(_CONTENT_EVENT.findall(data))
+                await self._send_chunk(req, data)
+                continue
             events, rest = _split_events(rest + data)
             if len(rest) > limit:
                 # An event longer than a chunk: pass it on in pieces rather than hold it all.
@@ -425,6 +436,15 @@ def _split_events(buf: bytes) -> tuple[list[bytes], bytes]:
         events.append(buf[start:end])
         start = end
     return events, buf[start:]
+
+
+def _plain_events(data: bytes) -> bool:
+    """Whether `data` ends where an event ends and holds no `[DONE]` and no usage but null ones:
+    nothing in it to read, drop or add, so it can be relayed as it is."""
+    if not data.endswith((b"\n\n", b"\n\r\n")) or _DONE in data:
+        return False
+    usages = data.count(b'"usage"')
+    return usages == 0 or usages == sum(data.count(null) for null in _NULL_USAGE)
 
 
 def _event_json(event: bytes) -> object:

@@ -16,7 +16,7 @@ import trio.testing
 
 from nexa.config import Bytes, RelayConfig
 from nexa.contracts import wire
-from nexa.node.relay import _split_events
+from nexa.node.relay import _CONTENT, _CONTENT_EVENT, _plain_events, _split_events
 from tests.support import supervisor as supervised
 from tests.support.relay import CHAT, TIMEOUT_S, closed_port, data_path, drain, infer_head, request, wait_until
 
@@ -101,6 +101,18 @@ def test_events_split_on_blank_lines_and_keep_the_rest() -> None:
     assert events == [b"data: a\n\n", b"data: b\r\n\r\n", b"data: c\n\n"]
     assert rest == b"data: part"
     assert _split_events(b"data: x\n") == ([], b"data: x\n")
+
+
+def test_a_read_of_whole_content_events_is_relayed_as_it_is_and_its_events_counted_once() -> None:
+    two = b'data: {"choices":[{"delta":{"content":"a"}},{"delta":{"content":"b"}}]}\n\n'
+    role = b'data: {"choices":[{"delta":{"role":"assistant"}}],"usage":null}\r\n\r\n'
+    text = b'data: {"choices":[{"text":"c"}],"usage": null}\n\n'
+    read = role + two + text + two
+    assert _plain_events(read)
+    assert len(_CONTENT_EVENT.findall(read)) == 3 == sum(1 for e in _split_events(read)[0] if _CONTENT.search(e))
+    assert not _plain_events(read + b"data: {")  # ends inside an event
+    assert not _plain_events(read + b"data: [DONE]\n\n")
+    assert not _plain_events(read + b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n')
 
 
 # --- failures -----------------------------------------------------------------------------------
