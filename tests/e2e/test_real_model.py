@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,6 @@ from tests.support.realmodel import (
     deployment,
     in_thread,
     ready_on,
-    real_cluster,
     register_llama_runtime,
     runtime_logs,
     wait_for,
@@ -93,23 +91,15 @@ def reference_embedding(gguf: Path, text: str) -> list[float]:
     return vector
 
 
-@pytest.fixture
-async def cluster(
-    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, podman_service: PodmanService
-) -> AsyncIterator[tuple[Controller, list[Node]]]:
-    async with real_cluster(nursery, tmp_path, s3_store, podman_service) as c:
-        yield c
-
-
 async def test_a_real_model_served_through_podman_on_cpu_survives_a_drain(
-    cluster: tuple[Controller, list[Node]],
+    llama_cluster: tuple[Controller, list[Node]],
     s3_store: S3Store,
     llama_image: str,
     tiny_gguf: Path,
     tiny_embedding_gguf: Path,
     podman_service: PodmanService,
 ) -> None:
-    controller, _nodes = cluster
+    controller, _nodes = llama_cluster
     await register_llama_runtime(controller, llama_image)
     await register_model(controller, s3_store, "tiny", tiny_gguf)
     await register_model(controller, s3_store, "tiny-embed", tiny_embedding_gguf)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import secrets
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +34,6 @@ from tests.support.realmodel import (
     deployment,
     in_thread,
     ready_on,
-    real_cluster,
     register_llama_runtime,
     runtime_logs,
     wait_for,
@@ -58,22 +56,14 @@ async def push_directory(s3: S3Store, directory: Path) -> tuple[str, list[Json]]
     return s3.uri(prefix), files
 
 
-@pytest.fixture
-async def cluster(
-    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, podman_service: PodmanService
-) -> AsyncIterator[tuple[Controller, list[Node]]]:
-    async with real_cluster(nursery, tmp_path, s3_store, podman_service) as c:
-        yield c
-
-
 async def test_a_split_gguf_directory_is_served_by_llama_cpp_in_podman(
-    cluster: tuple[Controller, list[Node]],
+    llama_cluster: tuple[Controller, list[Node]],
     s3_store: S3Store,
     llama_image: str,
     podman_service: PodmanService,
     tmp_path: Path,
 ) -> None:
-    controller, _nodes = cluster
+    controller, _nodes = llama_cluster
     directory = tmp_path / "tiny-split"
     shards = await trio.to_thread.run_sync(lambda: split_tiny_gguf(directory / "weights", shards=3))
     (directory / "README.md").write_text("A tiny random-weight llama, split in three shards.\n")
