@@ -24,21 +24,24 @@ EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
 
 
-def add_commands(sub: Any) -> None:
-    s = sub.add_parser("control", help="run the controller")
+def _role_parser(sub: Any, name: str, help_text: str) -> argparse.ArgumentParser:
+    """The parser of a long-running role, with the flags every role takes."""
+    s: argparse.ArgumentParser = sub.add_parser(name, help=help_text)
     s.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
     s.add_argument("--state-dir", help="overrides state_dir")
+    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
+    return s
+
+
+def add_commands(sub: Any) -> None:
+    s = _role_parser(sub, "control", "run the controller")
     s.add_argument("--listen", help="HOST:PORT, overrides http.listen")
     s.add_argument("--channel", help="HOST:PORT (or tcp://HOST:PORT) of the node channel, overrides channel.listen")
-    s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
     s.set_defaults(handler=_cmd_control)
 
-    node = sub.add_parser("node", help="run the node agent, or enroll this node (`nexa node enroll`)")
-    node.add_argument("--config", default=os.environ.get("NEXA_CONFIG"), help="TOML config file ($NEXA_CONFIG)")
-    node.add_argument("--state-dir", help="overrides state_dir")
+    node = _role_parser(sub, "node", "run the node agent, or enroll this node (`nexa node enroll`)")
     node.add_argument("--inventory", help="overrides inventory_path")
     node.add_argument("--source-address", help="local address to dial the controller from")
-    node.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL"), help="overrides log.level")
     node.set_defaults(handler=_cmd_node)
     verbs = node.add_subparsers(metavar="VERB")
     s = verbs.add_parser("enroll", help="enroll this node with a one-time token from `nexa tokens create`")
