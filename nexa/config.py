@@ -217,8 +217,12 @@ class GatewayConfig:
     default_deadline_s: Seconds = Seconds(300.0)
     #: The longest deadline a request may ask for.
     max_deadline_s: Seconds = Seconds(3600.0)
-    #: Further attempts on another replica after a failure before the first output byte.
-    retries: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    #: Further attempts after a failure before the first output byte: on a Ready replica not tried
+    #: yet while there is one, else on those Ready by then after `retry_backoff_s` (doubling each
+    #: round), never past the request's deadline.
+    retries: int = attrs.field(default=2, validator=attrs.validators.ge(0))
+    #: The pause before trying the replicas again once every one failed a request before output.
+    retry_backoff_s: Seconds = attrs.field(default=Seconds(0.2), validator=attrs.validators.gt(0.0))
     #: Send requests with the same prompt prefix to the same replica while it is not overloaded.
     prefix_affinity: bool = True
     #: How many leading characters of the prompt make its prefix.

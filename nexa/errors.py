@@ -47,9 +47,9 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - QuotaExceeded [quota_exceeded]: a tenant limit (concurrency, requests or tokens per window) is used up
     - QueueFull [queue_full]: the model's admission queue for that priority is full
   + Unavailable [unavailable, HTTP 503]: a dependency is down; retryable
-    - NoReadyReplica [no_ready_replica]: no Ready replica serves the model now
+    - NoReadyReplica [no_ready_replica]: no Ready replica serves the model now, or none took it after retries
       · NoReplicaForDataClass [no_replica_for_data_class]: no replica is on a node allowed the request's data class
-    - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried elsewhere once)
+    - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried first)
   + DeadlineExceeded [deadline_exceeded, HTTP 504]: the request's deadline passed (queued or running)
   + Cancelled [cancelled, HTTP 499]: the client (or an operator) cancelled the request
   + RetentionUnavailable [retention_unavailable, HTTP 422]: retention other than `ephemeral` without an encrypted store

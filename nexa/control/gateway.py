@@ -6,9 +6,13 @@ nodes, canary share included), refuses at once when none is Ready (`NoReadyRepli
 tenant's quota ticket, waits for an admission slot of the model (priority classes, fair between
 tenants, the deadline covering queue time), then picks a replica (`Router`: least outstanding,
 prefix affinity, canary weight) and opens a relay stream to it over the node's channel. A failure
-before the first output byte (runtime unavailable or failing, node busy or lost) is retried on
-another replica, at most `gateway.retries` times; after the first byte the call ends with a typed
-error instead. The `Answer` it yields is iterated for output bytes (`calls.Answer`). Each step
+before the first output byte (runtime unavailable or failing, node busy or lost) is retried, at
+most `gateway.retries` times: on a Ready replica not tried yet while there is one, else on the
+replicas Ready by then after `gateway.retry_backoff_s` (doubling each round), never past the
+request's deadline. When every attempt found its replica not serving after all (the node not
+connected, the runtime not Ready there), nothing ran and the call fails with 503
+`no_ready_replica`; when a runtime failed it, with 502 `runtime_failed`. After the first byte the
+call ends with a typed error instead. The `Answer` it yields is iterated for output bytes (`calls.Answer`). Each step
 holds what it took on one exit stack the call owns: leaving the block (also when the client went
 away, whose cancellation reaches the runtime through the relay's `cancel`) closes the relay stream,
 releases replica and slot, settles the quota with the tokens used and records one usage record,
@@ -68,6 +72,8 @@ log = logging.getLogger(__name__)
 RETRYABLE_END_CODES: Final = frozenset(
     {"runtime_unavailable", "runtime_error", "node_busy", "node_lost", "unknown_assignment"}
 )
+#: Of those, the codes that mean the replica was not serving after all: nothing ran.
+NOT_SERVING_END_CODES: Final = frozenset({"runtime_unavailable", "unknown_assignment"})
 
 
 @attrs.frozen(kw_only=True)
@@ -228,10 +234,7 @@ class Gateway:
         progress.queue_ms = queued_s * 1000.0
         if queued_s:
             # Replicas may have come or gone while it waited: route by the fleet as it is now.
-            serving = self._deployments.serving(ref, alias=progress.alias or None)
-            if not serving.replicas:
-                raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
-            serving = self._for_data_class(work, serving)
+            serving = self._serving_now(work, ref, progress.alias)
         if admitted is not None:
             await admitted()
         if work.capability is Capability.EMBEDDING and (inputs := _batchable_inputs(work.body)) is not None:
@@ -239,6 +242,13 @@ class Gateway:
         replica, stream, first = await self._open(progress, serving, _encode(work, serving))
         stack.push_async_exit(replica)
         return self._answer(progress, stream, first, kind=STREAM if work.stream else UNARY)
+
+    def _serving_now(self, work: Work, ref: ModelRef, alias: str) -> ServingSet:
+        """The replicas of `ref` Ready now that may take `work`; NoReadyReplica when none is."""
+        serving = self._deployments.serving(ref, alias=alias or None)
+        if not serving.replicas:
+            raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
+        return self._for_data_class(work, serving)
 
     def _for_data_class(self, work: Work, serving: ServingSet) -> ServingSet:
         """The replicas allowed the request's data class; NoReplicaForDataClass when none is."""
@@ -256,15 +266,28 @@ class Gateway:
         self, progress: Progress, serving: ServingSet, body: bytes
     ) -> tuple[contextlib.AsyncExitStack, RelayStream, bytes | None]:
         """Try replicas until one produces a first chunk (or ends cleanly): the stack holding its
-        replica and relay stream, the stream, and its first chunk (None: it ended without output)."""
+        replica and relay stream, the stream, and its first chunk (None: it ended without output).
+
+        Each attempt goes to a Ready replica not tried yet; once every one was, the next round
+        waits `retry_backoff_s` (doubled each round) and routes by the fleet as it is then."""
         work = progress.work
         tried: set[str] = set()
         last: NexaError | None = None
+        not_serving = True  # every failure so far: the replica was not serving after all
+        backoff = float(self._cfg.retry_backoff_s)
         # What the prompt tells routing and the node, read once per call (not per attempt).
         prefix = _prefix(work, self._cfg)
         estimate = prompt_estimate(work)
         for attempt in range(1 + self._cfg.retries):
             replica = self._router.choose(serving, prefix=prefix, exclude=tried)
+            if replica is None and tried:
+                if time.time() + backoff >= work.deadline_at:
+                    break  # no time left for another round
+                await trio.sleep(backoff)
+                backoff *= 2
+                serving = self._serving_now(work, serving.model, progress.alias)
+                tried.clear()
+                replica = self._router.choose(serving, prefix=prefix, exclude=tried)
             if replica is None:
                 break
             tried.add(replica.replica_id)
@@ -305,14 +328,18 @@ class Gateway:
                     now=time.time(),
                 )
                 if end.code in RETRYABLE_END_CODES and not end.first_byte_sent:
-                    log.info("attempt %d failed before output (%s); retrying elsewhere", attempt + 1, end.code)
+                    log.info("attempt %d failed before output (%s); retrying", attempt + 1, end.code)
                     last = error
+                    not_serving = not_serving and end.code in NOT_SERVING_END_CODES
                     continue
                 raise error
             # Committed to this replica.
             progress.served_by(replica.deployment, replica.node_id, canary=replica.canary, model=replica.model)
             return stack, stream, first
-        raise last or NoReadyReplica(f"no Ready replica of {work.model!r} is left to try")
+        if last is None or not_serving:
+            # Nothing ran anywhere: the replicas counted Ready were not serving (yet) — retryable.
+            raise NoReadyReplica(f"no replica of {work.model!r} took the request (none serving now); retry shortly")
+        raise last
 
     def _answer(self, progress: Progress, stream: RelayStream, first: bytes | None, *, kind: str) -> Answer:
         """The answer of a replica's stream: its first chunk and the rest to come, or the usage of
@@ -346,7 +373,7 @@ class Gateway:
         item = _Item(inputs=inputs, deadline=self.trio_deadline(work))
         batch = self._batches.get(key)
         if batch is None or batch.closed or batch.size + len(inputs) > self._cfg.embedding_max_batch:
-            batch = _Batch(params=params, serving=serving, work=work)
+            batch = _Batch(params=params, serving=serving, work=work, alias=progress.alias)
             self._batches[key] = batch
             self._spawn(self._run_batch, key, batch)
         batch.add(item)
@@ -384,7 +411,7 @@ class Gateway:
         work = attrs.evolve(
             batch.work, body={**batch.params, "input": all_inputs}, stream=False, deadline_at=deadline_at
         )
-        progress = Progress(work=work, started=trio.current_time())
+        progress = Progress(work=work, started=trio.current_time(), alias=batch.alias)
         error: NexaError | None = None
         replica: contextlib.AsyncExitStack | None = None
         try:
@@ -434,6 +461,8 @@ class _Batch:
     params: dict[str, Any]
     serving: ServingSet
     work: Work
+    #: The alias its callers asked for ("" for a pinned version): retry rounds route by its canary share.
+    alias: str
     items: list[_Item] = attrs.Factory(list)
     size: int = 0
     closed: bool = False

@@ -34,10 +34,19 @@ from nexa.control.gateway import Gateway
 from nexa.control.metering import Meter
 from nexa.control.quotas import Quotas
 from nexa.control.routing import Router
-from nexa.errors import ChannelError, ModelNotServed, NotFound, QuotaExceeded, RuntimeRejected
+from nexa.errors import (
+    ChannelError,
+    ModelNotServed,
+    NoReadyReplica,
+    NotFound,
+    QuotaExceeded,
+    RuntimeFailed,
+    RuntimeRejected,
+)
 from nexa.telemetry import Metrics
 
 REF = ModelRef(model="tiny", version="v1")
+BACKOFF_S = 0.05
 ACME = TenantId("acme")
 ANSWER = json.dumps(
     {
@@ -79,6 +88,8 @@ class Script:
     refuse: BaseException | None = None
     #: Never end after the chunks (the runtime is still at work).
     hang: bool = False
+    #: The node's script for the next open, once this one was used.
+    then: Script | None = None
 
 
 class FakeRelay:
@@ -92,6 +103,8 @@ class FakeRelay:
     @contextlib.asynccontextmanager
     async def open(self, node_id: str, request_id: str, head: wire.InferHead, body: bytes) -> AsyncIterator[FakeStream]:
         script = self.scripts.get(node_id, Script())
+        if script.then is not None:
+            self.scripts[node_id] = script.then
         await trio.lowlevel.checkpoint()
         if script.refuse is not None:
             raise script.refuse
@@ -146,7 +159,7 @@ class Rig:
 async def rig(nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Rig]:
     async with st.open_store(tmp_path / "state") as store:
         metrics = Metrics()
-        cfg = GatewayConfig(retries=1)
+        cfg = GatewayConfig(retries=2, retry_backoff_s=BACKOFF_S)
         meter = Meter(cfg, store, metrics)
         records: list[UsageRecord] = []
         real_record = meter.record
@@ -253,6 +266,62 @@ async def test_a_node_not_connected_is_retried_on_the_other_replica(rig: Rig) ->
         assert await answer.read_all() == ANSWER
     assert call.outcome is not None and call.outcome.node_id == "n2"
     assert [r.status for r in rig.records] == ["ok"]
+    assert rig.released()
+
+
+def failed_end(code: str) -> wire.EndHead:
+    return wire.EndHead(status=wire.EndStatus.ERROR, code=code, http_status=503)
+
+
+async def test_once_every_replica_failed_before_output_the_next_round_waits_then_tries_again(rig: Rig) -> None:
+    """Both replicas fail before output (a runtime restarting, say); the third attempt, after the
+    backoff, is answered: the client sees one success."""
+    for node in ("n1", "n2"):
+        rig.relay.scripts[node] = Script(end=failed_end("runtime_error"), then=Script(chunks=[ANSWER], end=usage_end()))
+    started = trio.current_time()
+    call = rig.gateway.call(work())
+    async with call as answer:
+        assert await answer.read_all() == ANSWER
+    assert trio.current_time() - started >= BACKOFF_S
+    assert sorted(rig.relay.opened[:2]) == ["n1", "n2"] and len(rig.relay.opened) == 3
+    assert call.outcome is not None and (call.outcome.status, call.outcome.attempts) == ("ok", 3)
+    assert [r.status for r in rig.records] == ["ok"]
+    assert rig.released()
+
+
+@pytest.mark.parametrize(
+    ("code", "expected", "status"),
+    [
+        # The node had no Ready runtime for it: nothing ran anywhere, a 503 to retry.
+        ("runtime_unavailable", NoReadyReplica, "no_ready_replica"),
+        ("unknown_assignment", NoReadyReplica, "no_ready_replica"),
+        # The runtimes failed it: a 502.
+        ("runtime_error", RuntimeFailed, "runtime_failed"),
+    ],
+)
+async def test_a_call_failing_every_retry_before_output_says_whether_anything_ran(
+    rig: Rig, code: str, expected: type[Exception], status: str
+) -> None:
+    rig.relay.scripts["n1"] = rig.relay.scripts["n2"] = Script(end=failed_end(code))
+    call = rig.gateway.call(work())
+    with pytest.raises(expected):
+        async with call:
+            raise AssertionError("never entered")
+    assert len(rig.relay.opened) == 3  # the first attempt and `retries` more
+    assert call.outcome is not None and (call.outcome.status, call.outcome.attempts) == (status, 3)
+    assert [r.status for r in rig.records] == [status]
+    assert rig.released()
+
+
+async def test_no_retry_round_waits_past_the_requests_deadline(rig: Rig) -> None:
+    rig.relay.scripts["n1"] = rig.relay.scripts["n2"] = Script(end=failed_end("runtime_error"))
+    short = attrs.evolve(work(), deadline_at=time.time() + BACKOFF_S / 2)
+    call = rig.gateway.call(short)
+    with pytest.raises(RuntimeFailed):
+        async with call:
+            raise AssertionError("never entered")
+    assert sorted(rig.relay.opened) == ["n1", "n2"]  # each replica once, no round after the pause
+    assert call.outcome is not None and call.outcome.attempts == 2
     assert rig.released()
 
 
