@@ -222,7 +222,7 @@ class GatewayConfig:
     #: round), never past the request's deadline.
     retries: int = attrs.field(default=2, validator=attrs.validators.ge(0))
     #: The pause before trying the replicas again once every one failed a request before output.
-    retry_backoff_s: Seconds = attrs.field(default=Seconds(0.2), validator=attrs.validators.gt(0.0))
+    retry_backoff_s: Seconds = attrs.field(default=Seconds(0.2), validator=attrs.validators.gt(Seconds(0.0)))
     #: Send requests with the same prompt prefix to the same replica while it is not overloaded.
     prefix_affinity: bool = True
     #: How many leading characters of the prompt make its prefix.
