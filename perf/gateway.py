@@ -110,8 +110,10 @@ class Processes:
         return ""
 
     def stop_all(self) -> None:
+        # A long grace: hypercorn drains for up to its graceful timeout (10 s), and a process run
+        # under cProfile (--profile-controller/--profile-node) writes its profile only on a clean exit.
         for proc in reversed(self.started.values()):
-            stop(proc)
+            stop(proc, grace_s=60.0)
 
 
 # --- the parts ------------------------------------------------------------------------------------------

@@ -274,22 +274,16 @@ class Gateway:
         tried: set[str] = set()
         last: NexaError | None = None
         not_serving = True  # every failure so far: the replica was not serving after all
-        backoff = float(self._cfg.retry_backoff_s)
+        rounds = 0
         # What the prompt tells routing and the node, read once per call (not per attempt).
         prefix = _prefix(work, self._cfg)
         estimate = prompt_estimate(work)
         for attempt in range(1 + self._cfg.retries):
-            replica = self._router.choose(serving, prefix=prefix, exclude=tried)
-            if replica is None and tried:
-                if time.time() + backoff >= work.deadline_at:
-                    break  # no time left for another round
-                await trio.sleep(backoff)
-                backoff *= 2
-                serving = self._serving_now(work, serving.model, progress.alias)
-                tried.clear()
-                replica = self._router.choose(serving, prefix=prefix, exclude=tried)
+            serving, replica = await self._next_replica(progress, serving, prefix, tried, rounds)
             if replica is None:
                 break
+            if not tried:
+                rounds += 1
             tried.add(replica.replica_id)
             progress.attempts = attempt + 1
             stream_id = _new_stream_id(work, replica, attempt)
@@ -340,6 +334,23 @@ class Gateway:
             # Nothing ran anywhere: the replicas counted Ready were not serving (yet) — retryable.
             raise NoReadyReplica(f"no replica of {work.model!r} took the request (none serving now); retry shortly")
         raise last
+
+    async def _next_replica(
+        self, progress: Progress, serving: ServingSet, prefix: str | None, tried: set[str], rounds: int
+    ) -> tuple[ServingSet, ServingReplica | None]:
+        """The replica to try next: a Ready one not in `tried`; once every one was, after a pause
+        (`retry_backoff_s`, doubled per round after the first, never past the deadline; `tried`
+        emptied), the best of the replicas Ready by then. None: none is left to try."""
+        replica = self._router.choose(serving, prefix=prefix, exclude=tried)
+        if replica is not None or not tried:
+            return serving, replica
+        pause = self._cfg.retry_backoff_s * 2 ** (rounds - 1)
+        if time.time() + pause >= progress.work.deadline_at:
+            return serving, None  # no time left for another round
+        await trio.sleep(pause)
+        serving = self._serving_now(progress.work, serving.model, progress.alias)
+        tried.clear()
+        return serving, self._router.choose(serving, prefix=prefix, exclude=tried)
 
     def _answer(self, progress: Progress, stream: RelayStream, first: bytes | None, *, kind: str) -> Answer:
         """The answer of a replica's stream: its first chunk and the rest to come, or the usage of
