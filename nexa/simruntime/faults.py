@@ -6,7 +6,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 from typing import Final
 
 import attrs
@@ -85,31 +84,38 @@ class Faults:
         )
 
 
+#: The most of a faults file read (a valid one is far smaller).
+_FAULTS_FILE_MAX: Final = 64 * 1024
+
+
 class FaultsSource:
-    """The faults in force: the faults file's, re-read when its mtime or size changes; the flags' while
-    it does not exist. A broken file counts as no faults until it is fixed (logged once per version)."""
+    """The faults in force: the faults file's, read at every request and parsed again when its bytes
+    changed (a file's mtime and size can stay the same across a quick rewrite: a tick is coarse);
+    the flags' while it does not exist. A broken file counts as no faults until it is fixed (logged
+    once per version). A sim runtime's file is a few bytes: the read costs microseconds."""
 
     def __init__(self, path: str, default: Faults) -> None:
         self._path = path
         self._default = default
-        self._seen: tuple[int, int] | None = None
+        self._seen: bytes | None = None
         self._faults = default
 
     def current(self) -> Faults:
         if not self._path:
             return self._default
         try:
-            st = os.stat(self._path)
+            with open(self._path, "rb") as f:
+                raw = f.read(_FAULTS_FILE_MAX)
         except FileNotFoundError:
             self._seen = None
             return self._default
-        version = (st.st_mtime_ns, st.st_size)
-        if version != self._seen:
-            self._seen = version
+        except OSError as exc:
+            raw = repr(exc).encode()  # a version of its own: logged once, counts as no faults
+        if raw != self._seen:
+            self._seen = raw
             try:
-                with open(self._path, encoding="utf-8") as f:
-                    self._faults = Faults.from_json(json.load(f))
-            except (OSError, ValueError, ConfigError) as exc:
+                self._faults = Faults.from_json(json.loads(raw))
+            except (ValueError, ConfigError) as exc:
                 log.warning("ignoring the faults file until it is fixed: %s", exc)
                 self._faults = Faults()
         return self._faults
