@@ -66,6 +66,10 @@ class ApiClient:
                 problems=exc.problems,
             ) from None
 
+    def download(self, path: str) -> bytes:
+        """`GET path`'s answer as bytes (a backup file), or raise RemoteError / Unavailable."""
+        return self._send("GET", path, headers={"Accept": "application/octet-stream"}).content
+
     def text(self, method: str, path: str, *, params: Params | None = None) -> str:
         """Like `request`, for answers that are not JSON (a CSV export)."""
         return self._send(method, path, params=params, headers={"Accept": "*/*"}).text

@@ -1,4 +1,5 @@
-"""Configuration: frozen attrs classes read from TOML. Pure; no I/O beyond reading the file.
+"""Configuration: frozen attrs classes read from TOML. Pure; no I/O beyond reading the file
+(and the files config names: `WatchedFile`).
 
 Rules: unknown keys are errors, every bad key is named (dotted path), durations end in `_s`,
 sizes in `_bytes`. Command-line flags override the file with `attrs.evolve`.
@@ -10,11 +11,14 @@ import base64
 import binascii
 import enum
 import ipaddress
+import logging
 import math
+import os
 import re
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NewType, TypeVar
+from typing import Any, Generic, NewType, TypeVar
 
 import attrs
 import cattrs
@@ -29,6 +33,55 @@ HostPort = NewType("HostPort", str)
 PublicKeyB64 = NewType("PublicKeyB64", str)
 
 C = TypeVar("C")
+F = TypeVar("F")
+
+log = logging.getLogger(__name__)
+
+
+class WatchedFile(Generic[F]):
+    """A file that config names (S3 or registry credentials), re-read when it changes.
+
+    `current()` stats the file (one syscall) and parses it again only when its (mtime, size,
+    inode) moved: an operator's atomic rename or an edit in place is picked up at the next use,
+    with no restart. A file that turns unreadable or invalid keeps the last good value; the
+    problem is logged once per change (the loader's message, never the content) and reported to
+    `on_invalid` (a metric). The first load happens here, and its ConfigError is raised.
+    """
+
+    def __init__(self, path: str, load: Callable[[str], F], *, on_invalid: Callable[[], None] | None = None) -> None:
+        self.path = path
+        self._load = load
+        self._on_invalid = on_invalid
+        self._seen = self._stamp()
+        self._value = load(path)
+        #: How often a changed file was taken, and refused (`statistics`, tests).
+        self.reloads = 0
+        self.refusals = 0
+
+    def _stamp(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def current(self) -> F:
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return self._value
+        self._seen = stamp
+        try:
+            value = self._load(self.path)
+        except ConfigError as exc:
+            self.refusals += 1
+            log.warning("%s; keeping the credentials read before", exc.message)
+            if self._on_invalid is not None:
+                self._on_invalid()
+            return self._value
+        self._value = value
+        self.reloads += 1
+        log.info("re-read %s", self.path)
+        return value
 
 
 def _check_networks(values: tuple[str, ...]) -> None:
@@ -94,6 +147,21 @@ class BootstrapConfig:
     admin_key_file: str | None = None
 
 
+@attrs.frozen(kw_only=True)
+class BackupConfig:
+    """Backups of the controller's state (`nexa backup`, `POST /api/v1/backups`, the schedule)."""
+
+    #: Where backups are written; empty: `<state_dir>/backups` (mount another disk there, or copy them off).
+    dir: str = ""
+    #: Seconds between scheduled backups; 0 (the default) schedules none.
+    interval_s: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(math.inf)])
+    #: The newest this many backups in `dir` are kept; older ones are deleted after each backup.
+    keep: int = attrs.field(default=7, validator=attrs.validators.ge(1))
+    #: File holding the 32-byte backup key as base64 or hex (mode 0600; `nexa keygen --backup --out FILE`).
+    #: Empty: the key is read from $NEXA_BACKUP_KEY; neither: backups are refused (backup_not_configured).
+    key_file: str = ""
+
+
 class LogLevel(enum.StrEnum):
     DEBUG = "debug"
     INFO = "info"
@@ -115,6 +183,13 @@ class ChannelConfig:
     listen: str = attrs.field(default="tcp://127.0.0.1:8471", converter=_zmq_endpoint)
     #: The endpoint handed to nodes at enrollment; empty means the bound endpoint.
     advertise: str = attrs.field(default="", converter=_zmq_endpoint)
+    #: The second endpoint: after `nexa keys rotate-controller` the new Curve key is served there
+    #: beside the current one until `[nodes] key_overlap_s` ends; then the old key's endpoint
+    #: refuses every node and the two swap roles at the next rotation. Empty: `listen`'s port + 1.
+    rotation_listen: str = attrs.field(default="", converter=_zmq_endpoint)
+    #: What nodes are told to dial for `rotation_listen`; empty: `advertise`'s port + 1 where
+    #: `advertise` is set, else the bound endpoint.
+    rotation_advertise: str = attrs.field(default="", converter=_zmq_endpoint)
     #: Largest data chunk a node may send. Keep it at least the nodes' `relay.max_chunk_bytes`:
     #: a zmq frame above this plus `messaging.MESSAGE_HEADROOM_BYTES` (64 KiB) costs the node its
     #: connection (zmq MAXMSGSIZE), and a stream buffers at most `gateway.stream_window_chunks`
@@ -132,6 +207,18 @@ class ChannelConfig:
     node_store_writes_per_s: float = attrs.field(default=0.5, validator=lambda _i, a, v: _positive_rate(a, v))
     node_store_writes_burst: int = attrs.field(default=10, validator=attrs.validators.ge(1))
 
+    def endpoint(self, slot: int) -> tuple[str, str]:
+        """(bind, advertise) of endpoint `slot`: 0 `listen`, 1 `rotation_listen` ("" advertise: the bound)."""
+        if slot == 0:
+            return self.listen, self.advertise
+        advertise = self.rotation_advertise or (_next_port(self.advertise) if self.advertise else "")
+        return self.rotation_listen or _next_port(self.listen), advertise
+
+
+def _next_port(endpoint: str) -> str:
+    host, _, port = endpoint.rpartition(":")
+    return endpoint if port == "*" else f"{host}:{int(port) + 1}"
+
 
 @attrs.frozen(kw_only=True)
 class NodesConfig:
@@ -147,6 +234,10 @@ class NodesConfig:
     max_token_ttl_s: Seconds = Seconds(86400.0)
     #: A node Unreachable for this long (after its lease lapsed) has its replicas placed elsewhere.
     replace_after_s: Seconds = Seconds(30.0)
+    #: After `nexa keys rotate-controller`, how long nodes still accept the controller's previous
+    #: signing key beside the new one (a node offline all that time must be enrolled again: it is
+    #: marked as needing re-enrollment when it says hello pinning only the old key, sent nothing).
+    key_overlap_s: Seconds = Seconds(86400.0)
 
 
 @attrs.frozen(kw_only=True)
@@ -182,8 +273,11 @@ class ArtifactStoreConfig:
     #: e.g. https://s3.internal:8333; path-style requests. Empty: models cannot be verified.
     s3_endpoint: str = ""
     s3_region: str = "us-east-1"
-    #: JSON file {"access_key_id": …, "secret_access_key": …}; read at start, never logged.
+    #: JSON {"access_key_id": …, "secret_access_key": …} or an AWS shared-credentials (INI) file;
+    #: re-read when it changes, never logged. Empty: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, else anonymous.
     s3_credentials_file: str = ""
+    #: The profile (section) of an INI credentials file.
+    s3_profile: str = "default"
     s3_tls_verify: bool = True
 
 
@@ -256,6 +350,7 @@ class ControlConfig:
     models: ModelsConfig = ModelsConfig()
     gateway: GatewayConfig = GatewayConfig()
     bootstrap: BootstrapConfig = BootstrapConfig()
+    backup: BackupConfig = BackupConfig()
     log: LogConfig = LogConfig()
 
 
@@ -327,8 +422,11 @@ class ArtifactsConfig:
     #: e.g. https://s3.internal:8333; path-style requests.
     s3_endpoint: str = ""
     s3_region: str = "us-east-1"
-    #: JSON file {"access_key_id": …, "secret_access_key": …}; read at start, never logged.
+    #: JSON {"access_key_id": …, "secret_access_key": …} or an AWS shared-credentials (INI) file;
+    #: re-read when it changes, never logged. Empty: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, else anonymous.
     s3_credentials_file: str = ""
+    #: The profile (section) of an INI credentials file.
+    s3_profile: str = "default"
     s3_tls_verify: bool = True
     #: Files of one model (and of all models being fetched) downloaded at once.
     parallel_downloads: int = attrs.field(default=4, validator=[attrs.validators.ge(1), attrs.validators.le(64)])

@@ -16,6 +16,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - IdempotencyKeyReused [idempotency_key_reused, HTTP 422]: an idempotency key sent again with another body
   + AuthError [unauthenticated, HTTP 401]: a credential or a signed message is not accepted
     - Unauthenticated [unauthenticated, HTTP 401]: no credential, or one we do not know
+      · KeyExpired [key_expired]: an API key past its expiry (or a rotated key past its grace)
     - Forbidden [forbidden, HTTP 403]: a known credential whose role may not do this
     - BadSignature [bad_signature]: a signed message that does not verify with the sender's key
     - Replayed [replayed]: a sequence number at or below the last one accepted
@@ -23,6 +24,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - WrongNode [wrong_node]: a message naming another node than its channel's key
     - ControllerKeyMismatch [controller_key_mismatch]: an enrollment answer from another controller than the one pinned
     - NodeRateLimited [rate_limited]: a node sent signed messages faster than its channel allows (dropped)
+    - NodeNeedsReenrollment [needs_reenrollment]: a node pins only a retired controller key (sent nothing)
   + NotFound (also LookupError) [not_found, HTTP 404]: no such record
     - ModelNotServed [model_not_found]: no alias or model by that name is being served
   + Conflict [conflict, HTTP 409]: the request is valid but the current state forbids it
@@ -36,6 +38,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NoCanary [no_canary]: promoting a deployment that runs no canary
     - NothingToRollBack [nothing_to_roll_back]: a deployment with no canary and no earlier promotion to return to
     - WorkloadAlreadyActive [workload_already_active]: that workload id is still running
+    - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
   + NotDeployable [not_deployable, HTTP 422]: a deployment the registry or the fleet does not allow
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
@@ -49,6 +52,8 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
   + Unavailable [unavailable, HTTP 503]: a dependency is down; retryable
     - NoReadyReplica [no_ready_replica]: no Ready replica serves the model now, or none took it after retries
       · NoReplicaForDataClass [no_replica_for_data_class]: no replica is on a node allowed the request's data class
+    - Recovering [recovering]: a write while the controller recovers from an older state (`nexa recovery finish`)
+    - NodeUnreachable [node_unreachable]: the node has no open channel now, so it cannot be asked (`nexa nodes rotate`)
     - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried first)
   + DeadlineExceeded [deadline_exceeded, HTTP 504]: the request's deadline passed (queued or running)
   + Cancelled [cancelled, HTTP 499]: the client (or an operator) cancelled the request
@@ -63,6 +68,11 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
   + StoreError [store_error, HTTP 500]: the durable store failed
     - StoreUnusable [store_unusable]: the database cannot be used any more (ends the process)
     - StateDirLocked [state_dir_locked]: another process owns the state directory
+  + BackupError [backup_error, HTTP 422]: a backup cannot be made or restored (nothing was written)
+    - BackupNotConfigured [backup_not_configured, HTTP 409]: no backup key (`[backup] key_file` or NEXA_BACKUP_KEY)
+    - BackupKeyMismatch [backup_key_mismatch]: the key given is not the one the backup was sealed with
+    - BackupDamaged [backup_damaged]: the file is truncated, edited, or its manifest or a part does not verify
+    - RestoreTargetNotEmpty [restore_target_not_empty]: `nexa restore` writes only into an empty or absent directory
   + RemoteError: an error envelope returned by a nexa controller (CLI side)
   + PodmanError [podman_error]: podman refused or failed a request (node side)
     - PodmanUnavailable [podman_unavailable]: the podman socket does not answer
@@ -83,7 +93,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Final
 
 
 class NexaError(Exception):
@@ -143,6 +153,12 @@ class AuthError(NexaError):
 
 class Unauthenticated(AuthError):
     code = "unauthenticated"
+
+
+class KeyExpired(Unauthenticated):
+    """A known API key whose `expires_at` has passed; it changes nothing and is never served again."""
+
+    code = "key_expired"
 
 
 class Forbidden(AuthError):
@@ -340,6 +356,35 @@ class NoReplicaForDataClass(NoReadyReplica):
         self.data_class = data_class
 
 
+class NodeUnreachable(Unavailable):
+    """What needs the node itself (`nexa nodes rotate`) while its channel is not open. Changes nothing."""
+
+    code = "node_unreachable"
+
+    def __init__(self, *, node_id: str) -> None:
+        super().__init__(
+            f"node {node_id} is not connected, so it cannot be asked now: retry once it is Ready, "
+            "or run `nexa node rotate-keys` on the node (its agent sends the new keys when it connects)"
+        )
+        self.node_id = node_id
+
+
+class Recovering(Unavailable):
+    """A mutation refused while the controller recovers (started from a restored or older state).
+
+    Reads and inference go on; every write waits until recovery ends, which changes nothing now.
+    """
+
+    code = "recovering"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(
+            message
+            or "the controller is recovering from a restored or older state and accepts no changes yet: "
+            "see what it would change with `nexa recovery plan`, then end recovery with `nexa recovery finish`"
+        )
+
+
 class RuntimeFailed(Unavailable):
     code = "runtime_failed"
 
@@ -354,6 +399,10 @@ class Cancelled(NexaError):
 
 class ModelNotServed(NotFound):
     code = "model_not_found"
+
+
+class NotRecovering(Conflict):
+    code = "not_recovering"
 
 
 class WorkloadAlreadyActive(Conflict):
@@ -389,6 +438,40 @@ class StateDirLocked(StoreError):
             "stop it first or pass a different --state-dir"
         )
         self.state_dir = state_dir
+
+
+class BackupError(NexaError):
+    """A backup could not be made or restored; what was refused wrote nothing."""
+
+    code = "backup_error"
+
+
+class BackupNotConfigured(BackupError):
+    code = "backup_not_configured"
+
+
+class BackupKeyMismatch(BackupError):
+    code = "backup_key_mismatch"
+
+    def __init__(self, *, expected_id: str, got_id: str) -> None:
+        super().__init__(
+            f"this backup was sealed with backup key {expected_id}, not with the key given ({got_id}):"
+            " pass the key it was made with (--key-file or NEXA_BACKUP_KEY)"
+        )
+        self.expected_id = expected_id
+        self.got_id = got_id
+
+
+class BackupDamaged(BackupError):
+    code = "backup_damaged"
+
+
+class RestoreTargetNotEmpty(BackupError):
+    code = "restore_target_not_empty"
+
+    def __init__(self, *, target: str) -> None:
+        super().__init__(f"{target} is not empty: restore into a new or empty directory (nothing was written)")
+        self.target = target
 
 
 class RemoteError(NexaError):
@@ -457,6 +540,26 @@ class ControllerKeyMismatch(AuthError):
         )
         self.expected = expected
         self.got = got
+
+
+class NodeNeedsReenrollment(AuthError):
+    """A node that pins only a controller key retired for good (it was offline through a rotation's
+    overlap, `[nodes] key_overlap_s`): it cannot verify what the controller signs now, so its
+    messages are refused and it is sent nothing until it is enrolled again."""
+
+    code = "needs_reenrollment"
+
+    def __init__(self, *, node_id: str, key_id: str) -> None:
+        super().__init__(f"node {node_id} pins only the retired controller key {key_id}: {REENROLL_HINT}")
+        self.node_id = node_id
+        self.key_id = key_id
+
+
+#: How an operator brings back a node that needs re-enrollment (`nexa nodes list` shows it).
+REENROLL_HINT: Final = (
+    "re-enroll: nexa tokens create, then on the node remove its state directory and run nexa node enroll"
+    " (then nexa nodes revoke the old entry)"
+)
 
 
 class NodeRateLimited(AuthError):

@@ -3,9 +3,10 @@
 `Link` is the controller's ROUTER: it binds, admits node Curve keys through ZAP and tags every
 message with the node id ZAP gave its channel. `Uplink` is a node's DEALER: it dials out and
 lets zmq reconnect with capped backoff. Both sign what they send and verify what they receive
-before parsing it. The same channel carries the unsigned data-path frames `[kind, request_id,
-head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone authenticates; each side accepts only the
-data kinds of its direction. The only module that imports `zmq`; zmq errors leave it as ChannelError.
+before parsing it (the frames are `nexa.framing`'s). The same channel carries the unsigned
+data-path frames `[kind, request_id, head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone
+authenticates; each side accepts only the data kinds of its direction. The only module that
+imports `zmq`; zmq errors leave it as ChannelError.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 import errno
 import logging
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final, NoReturn, TypeVar, cast
 
@@ -24,8 +25,9 @@ import zmq
 from zmq.utils import z85
 
 from nexa import security
-from nexa.contracts import codec, wire
+from nexa.contracts import wire
 from nexa.errors import (
+    BadSignature,
     ChannelClosed,
     ChannelError,
     ConfigError,
@@ -36,6 +38,8 @@ from nexa.errors import (
     Unauthenticated,
     WrongNode,
 )
+from nexa.framing import decode_data, decode_frames, encode_data, encode_frames, is_data
+from nexa.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +50,8 @@ _Context = zmq.Context[_Socket]
 
 #: RFC 27: libzmq asks the handler bound here (in the socket's own context) about every peer.
 ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
-#: The ZAP domain of the node channel; requests for any other domain are refused.
+#: The ZAP domain of the node channel; each endpoint's is `nexa-nodes/<its Curve public key>` (so
+#: ZAP knows which key a peer dialled); requests for any other domain are refused.
 ZAP_DOMAIN: Final = b"nexa-nodes"
 _ZAP_VERSION: Final = b"1.0"
 #: Length of a Curve25519 key in Z85 text.
@@ -56,14 +61,14 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 #: What a controller's zmq frame limit (MAXMSGSIZE) allows above the largest data chunk: room for
 #: the signed messages (a heartbeat with a large inventory is a few KiB) and the data-path heads.
 MESSAGE_HEADROOM_BYTES: Final = 64 * 1024
-#: Longest request id a data frame may carry (bytes of UTF-8).
-MAX_REQUEST_ID_BYTES: Final = 128
 
 
 #: Messages a pump moves between two checkpoints when it keeps making progress.
 _BATCH: Final = 16
 #: How long a pump waits before retrying a send that zmq refused right after POLLOUT.
 _SEND_RETRY_S: Final = 0.01
+#: How long `Link.rebind` tries to bind an endpoint again after closing it.
+_REBIND_S: Final = 5.0
 
 
 def _ms(seconds: float) -> int:
@@ -126,89 +131,6 @@ def load_curve_public(path: Path) -> str:
         raise ConfigError(f"{path} does not hold a Z85 Curve public key") from None
 
 
-# --- signed framing -----------------------------------------------------------------------------
-
-
-def encode_frames(msg: wire.WireMessage, key: security.SigningKey) -> Frames:
-    """`[kind, body, signature]`, the signature over exactly the bytes sent."""
-    kind = msg.kind.encode("ascii")
-    body = codec.dumps(codec.wire, msg).encode("utf-8")
-    return [kind, body, security.sign(key, kind, body)]
-
-
-def decode_frames(frames: Sequence[bytes], peer: security.PublicKey, accept: Mapping[str, type[T]]) -> T:
-    """Verify, then parse. Raises ContractError (shape, kind, body) or BadSignature."""
-    if len(frames) != 3:
-        raise ContractError(f"a message is 3 frames (kind, body, signature), got {len(frames)}")
-    kind, body, sig = frames
-    cls = accept.get(kind.decode("ascii", "replace"))
-    if cls is None:
-        raise ContractError(f"unexpected message kind {kind[:32].decode('ascii', 'replace')!r}")
-    # Unauthenticated bytes never reach the JSON parser or cattrs.
-    security.verify(peer, sig, kind, body)
-    return codec.loads(codec.wire, body, cls)
-
-
-# --- data-path framing (unsigned: CurveZMQ authenticates the channel) ----------------------------
-
-
-def encode_data(kind: str, request_id: str, head: bytes, body: bytes) -> Frames:
-    """`[kind, request_id, head, body]`; raises ContractError for a kind or id that cannot be sent."""
-    if kind not in wire.DATA_KINDS:
-        raise ContractError(f"{kind!r} is not a data-path kind")
-    rid = request_id.encode("utf-8")
-    if not rid or len(rid) > MAX_REQUEST_ID_BYTES:
-        raise ContractError(f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes")
-    return [kind.encode("ascii"), rid, head, body]
-
-
-def decode_data(frames: Sequence[bytes], accept: frozenset[str]) -> wire.DataFrame:
-    """Check the shape and the direction of a data frame; heads stay encoded. Raises ContractError."""
-    if len(frames) != 4:
-        raise ContractError(f"a data message is 4 frames (kind, request id, head, body), got {len(frames)}")
-    kind_b, rid_b, head, body = frames
-    kind = kind_b.decode("ascii", "replace")
-    if kind not in accept:
-        raise ContractError(f"unexpected data kind {kind[:32]!r}")
-    try:
-        request_id = rid_b.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ContractError("a request id must be UTF-8") from None
-    if not request_id or len(rid_b) > MAX_REQUEST_ID_BYTES:
-        raise ContractError(f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes")
-    return wire.DataFrame(kind=kind, request_id=request_id, head=head, body=body)
-
-
-def _is_data(kind: bytes) -> bool:
-    return kind.decode("ascii", "replace") in wire.DATA_KINDS
-
-
-class RateLimiter:
-    """Token buckets, one per key: `rate_per_s` on average, up to `burst` at once. Pure and sync;
-    the caller passes the time (trio's clock), so tests can drive it."""
-
-    def __init__(self, rate_per_s: float, burst: int) -> None:
-        if not rate_per_s > 0 or burst < 1:
-            raise ValueError("a rate limit needs a positive rate and a burst of at least 1")
-        self._rate = rate_per_s
-        self._burst = float(burst)
-        # key -> (tokens left, time they were counted)
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def allow(self, key: str, now: float) -> bool:
-        """Take one token for `key` if it has one."""
-        tokens, at = self._buckets.get(key, (self._burst, now))
-        tokens = min(self._burst, tokens + max(0.0, now - at) * self._rate)
-        if tokens < 1.0:
-            self._buckets[key] = (tokens, now)
-            return False
-        self._buckets[key] = (tokens - 1.0, now)
-        return True
-
-    def forget(self, key: str) -> None:
-        self._buckets.pop(key, None)
-
-
 # --- the pump: the one task that touches a socket -----------------------------------------------
 
 
@@ -265,8 +187,16 @@ class ZmqPump:
             frames = await self._inbox_rx.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise ChannelClosed("the channel is closed") from None
-        self._idle.cancel()  # there is room in the inbox again
+        self.wake()  # there is room in the inbox again
         return frames
+
+    def wake(self) -> None:
+        """Have the pump look again (it may wait for inbox room); `share_inbox` pumps need it."""
+        self._idle.cancel()
+
+    def share_inbox(self, other: ZmqPump) -> None:
+        """Deliver into `other`'s inbox (before `run`): one queue, each pump's messages in order."""
+        self._inbox_tx, self._inbox_rx = other._inbox_tx.clone(), other._inbox_rx
 
     def statistics(self) -> PumpStatistics:
         return PumpStatistics(
@@ -367,7 +297,9 @@ def _socket(ctx: _Context, kind: int, sockets: list[_Socket]) -> _Socket:
 # --- ZAP (RFC 27): which Curve keys may open a channel ------------------------------------------
 
 
-def _zap_reply(request: list[bytes], authorize: Callable[[str], str | None]) -> Frames:
+def _zap_reply(request: list[bytes], authorize: Callable[[str, bytes], str | None]) -> Frames:
+    """The answer to one ZAP request; `authorize(client_key, domain)` names the node or refuses (None)."""
+
     def reply(status: bytes, text: bytes, user_id: bytes = b"") -> Frames:
         request_id = request[1] if len(request) > 1 else b""
         return [_ZAP_VERSION, request_id, status, text, user_id, b""]
@@ -377,24 +309,25 @@ def _zap_reply(request: list[bytes], authorize: Callable[[str], str | None]) -> 
         log.warning("refused a malformed ZAP request")
         return reply(b"400", b"malformed request")
     _, _, domain, address, _, mechanism, *credentials = request
-    if domain != ZAP_DOMAIN or mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
+    ours = domain == ZAP_DOMAIN or domain.startswith(ZAP_DOMAIN + b"/")
+    if not ours or mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
         log.warning("refused a node channel from %s: not a CURVE peer in our domain", address.decode(errors="replace"))
         return reply(b"400", b"CURVE only")
     client_key = z85.encode(credentials[0]).decode("ascii")
     try:
-        node_id = authorize(client_key)
+        node_id = authorize(client_key, domain)
     except Exception:
         log.exception("node key check failed for %s", address.decode(errors="replace"))
         return reply(b"500", b"internal error")
     if node_id is None:
         log.warning(
-            "refused a node channel from %s: Curve key %s is not enrolled", address.decode(errors="replace"), client_key
+            "refused a node channel from %s: Curve key %s is not admitted", address.decode(errors="replace"), client_key
         )
-        return reply(b"400", b"key not enrolled")
+        return reply(b"400", b"key not admitted")
     return reply(b"200", b"OK", node_id.encode("utf-8"))
 
 
-async def _serve_zap(sock: _Socket, authorize: Callable[[str], str | None]) -> NoReturn:
+async def _serve_zap(sock: _Socket, authorize: Callable[[str, bytes], str | None]) -> NoReturn:
     """Answer libzmq's ZAP requests. This task owns the REP socket (same FD rules as the pump)."""
     fd = sock.fileno()  # zmq.FD: edge-triggered
     try:
@@ -407,6 +340,10 @@ async def _serve_zap(sock: _Socket, authorize: Callable[[str], str | None]) -> N
             await trio.lowlevel.wait_readable(fd)
     except zmq.ZMQError as exc:
         raise ChannelError(f"ZAP handler socket failed: {exc.strerror}") from exc
+
+
+def _domain(curve: CurveKeyPair) -> bytes:
+    return ZAP_DOMAIN + b"/" + curve.public.encode("ascii")
 
 
 def _keepalive(sock: _Socket, heartbeat_ivl_s: float, heartbeat_timeout_s: float, max_message_bytes: int) -> None:
@@ -426,6 +363,11 @@ class Inbound:
 
     node_id: str
     message: wire.NodeMessage
+    #: Signed with the key the node had before it rotated them (`Link`'s `previous_key`).
+    previous_key: bool = False
+    #: It came on another connection than the node's last message: the node redialled (a key
+    #: switch, or zmq reconnected), and its route is this connection from now on.
+    moved: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -462,9 +404,15 @@ class Link:
     """The controller's end of every node channel: a CurveZMQ ROUTER plus its ZAP handler.
 
     `authorize(curve_public_z85)` returns the node id for an enrolled key, or None to refuse;
-    `node_key(node_id)` returns the node's Ed25519 key, or None once it is revoked. Both are
-    called on the event loop and must not block (`node_key` is asked for every message, data
-    frames included).
+    `node_key(node_id)` returns the node's Ed25519 key, or None once it is revoked;
+    `previous_key(node_id)` the key it had before it rotated them, while that one is still
+    accepted (its messages come in marked `Inbound.previous_key`). All are called on the event
+    loop and must not block (`node_key` is asked for every message, data frames included).
+
+    One socket serves every endpoint (`bind`): a controller key rotation serves its new Curve key on
+    a second endpoint beside the first, with the same routing table and ZAP handler (libzmq takes
+    the Curve key and the ZAP domain at each bind). A Curve key retired (`rebind`) is refused to every node
+    that dials it, whose Curve key goes to `retired_dial`.
 
     Sends to a node that is gone or not keeping up are dropped and counted (never queued
     without bound), so whoever waits for an answer on the data path must bound the wait.
@@ -478,6 +426,7 @@ class Link:
         signing_key: security.SigningKey,
         authorize: Callable[[str], str | None],
         node_key: Callable[[str], security.PublicKey | None],
+        previous_key: Callable[[str], security.PublicKey | None] = lambda _: None,
         inbox_size: int = 64,
         outbox_size: int = 64,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
@@ -485,17 +434,21 @@ class Link:
         heartbeat_timeout_s: float = 5.0,
         receive_hwm: int = 1000,
         signed_rate: RateLimiter | None = None,
+        retired_dial: Callable[[str], None] = lambda _: None,
     ) -> None:
         self._endpoint = endpoint
-        self._curve = curve
-        self._key = signing_key
-        self._authorize = authorize
-        self._node_key = node_key
+        self._retired_dial = retired_dial
+        self._router: _Socket | None = None
+        # Endpoint (as bound) → the Curve key it serves; bound again if the link runs again.
+        self._served: dict[str, CurveKeyPair] = {}
+        # The ZAP domains of the Curve keys no longer admitted (`rebind`).
+        self._retired: set[bytes] = set()
+        self._curve, self._key, self._authorize = curve, signing_key, authorize
+        self._node_key, self._previous_key = node_key, previous_key
         self._sizes = (inbox_size, outbox_size)
         self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes)
-        self._receive_hwm = receive_hwm
         # Signed messages per node, checked before the signature: a flood costs a dict lookup each.
-        self._signed_rate = signed_rate
+        self._receive_hwm, self._signed_rate = receive_hwm, signed_rate
         self._pump: ZmqPump | None = None
         # node id → ZMQ routing id of the connection its latest verified message came on.
         self._routes: dict[str, bytes] = {}
@@ -512,33 +465,89 @@ class Link:
                 router = _socket(ctx, zmq.ROUTER, sockets)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends fail (and are counted)
                 router.setsockopt(zmq.CURVE_SERVER, 1)
-                router.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret.encode("ascii"))
-                router.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
                 router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
                 # Per node connection: at most this many messages wait in zmq before it stops
                 # reading that node's socket (TCP then pushes back on the node alone).
                 router.setsockopt(zmq.RCVHWM, self._receive_hwm)
                 _keepalive(router, *self._limits)
-                router.bind(self._endpoint)
-                endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             except zmq.ZMQError as exc:
-                raise ChannelError(f"cannot bind the node channel on {self._endpoint}: {exc.strerror}") from exc
+                raise ChannelError(f"cannot set up the node channel: {exc.strerror}") from exc
+            served, self._served = list(self._served.items()) or [(self._endpoint, self._curve)], {}
+            endpoint, *_ = [self._bind_on(router, *each) for each in served]  # the first is the link's own
             pump = ZmqPump(router, inbox_size=self._sizes[0], outbox_size=self._sizes[1], drop_unroutable=True)
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_serve_zap, zap, self._authorize)
+                nursery.start_soon(_serve_zap, zap, self._admit)
                 await nursery.start(pump.run)
-                self._pump = pump
-                log.info("node channel bound on %s", endpoint)
+                self._pump, self._router = pump, router
                 task_status.started(endpoint)
         finally:
-            self._pump = None
+            self._pump, self._router = None, None
             self._routes.clear()
             _close(ctx, sockets)
 
-    async def send(self, node_id: str, msg: wire.ControllerMessage) -> None:
-        """Queue a signed message for a node. NotConnected if it has not spoken on this link."""
+    def _admit(self, client_key: str, domain: bytes) -> str | None:
+        if domain in self._retired:
+            self._retired_dial(client_key)
+            return None
+        return self._authorize(client_key)
+
+    def bind(self, endpoint: str, curve: CurveKeyPair) -> str:
+        """Serve `endpoint` too, with `curve` (a rotation's new Curve key); the endpoint bound."""
+        router, pump = self._running_router()
+        try:
+            return self._bind_on(router, endpoint, curve)
+        finally:
+            pump.wake()  # zmq calls may take the FD's edge: the pump reads EVENTS again
+
+    def _bind_on(self, router: _Socket, endpoint: str, curve: CurveKeyPair) -> str:
+        try:
+            router.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
+            router.setsockopt(zmq.ZAP_DOMAIN, _domain(curve))
+            router.bind(endpoint)
+            bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as exc:
+            raise ChannelError(f"cannot bind the node channel on {endpoint}: {exc.strerror}") from exc
+        self._served[bound] = curve
+        log.info("node channel bound on %s", bound)
+        return bound
+
+    def unbind(self, endpoint: str) -> None:
+        """Stop serving `endpoint` (as `bind` or `run` reported it); the connections on it close."""
+        router, pump = self._running_router()
+        try:
+            router.unbind(endpoint)
+        except zmq.ZMQError as exc:
+            raise ChannelError(f"cannot close the node channel endpoint {endpoint}: {exc.strerror}") from exc
+        finally:
+            pump.wake()
+        del self._served[endpoint]
+
+    async def rebind(self, endpoint: str, curve: CurveKeyPair, *, admit: bool = True) -> str:
+        """Serve `endpoint` with `curve` from now on, closing what it served (and its connections).
+        `admit=False` retires `curve`: whoever dials it is refused and handed to `retired_dial`."""
+        (self._retired.discard if admit else self._retired.add)(_domain(curve))
+        if endpoint in self._served:
+            self.unbind(endpoint)
+        with trio.move_on_after(_REBIND_S):
+            while True:  # libzmq frees the port in its I/O thread, a moment after `unbind`
+                with contextlib.suppress(ChannelError):
+                    return self.bind(endpoint, curve)
+                await trio.sleep(_SEND_RETRY_S)
+        return self.bind(endpoint, curve)
+
+    def _running_router(self) -> tuple[_Socket, ZmqPump]:
         pump = self._running()
-        await pump.send([self._route(node_id), *encode_frames(msg, self._key)])
+        if self._router is None:
+            raise ChannelClosed("the node channel is not running")
+        return self._router, pump
+
+    async def send(self, node_id: str, msg: wire.ControllerMessage, *, key: security.SigningKey | None = None) -> None:
+        """Queue a message for a node, signed with `key` or the link's. NotConnected if it has not spoken here."""
+        await self._running().send([self._route(node_id), *encode_frames(msg, key or self._key)])
+
+    def use_signing_key(self, key: security.SigningKey) -> None:
+        """Sign what is sent from now on with `key` (`nexa keys rotate-controller`)."""
+        self._key = key
 
     async def send_data(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None:
         """Queue a data-path frame (`wire.DATA_FROM_CONTROLLER`) for a node; NotConnected if it has no route."""
@@ -621,7 +630,7 @@ class Link:
         """Check one message of a node's channel (not its signature); raises what `receive` documents."""
         self._enrolled_key(node_id)
         raw = [f.bytes for f in frames[1:]]
-        if _is_data(raw[0]):
+        if is_data(raw[0]):
             # Hot path: no log line per frame; the route is learnt only from signed messages.
             return DataInbound(node_id=node_id, frame=decode_data(raw, wire.DATA_FROM_NODE))
         if self._signed_rate is not None and not self._signed_rate.allow(node_id, trio.current_time()):
@@ -632,11 +641,18 @@ class Link:
     def _verify(self, pending: Unverified) -> Inbound:
         node_id = pending.node_id
         # Asked again: the node may have been revoked while its message waited.
-        msg = decode_frames(pending.frames, self._enrolled_key(node_id), wire.FROM_NODE)
+        previous = False
+        try:
+            msg = decode_frames(pending.frames, self._enrolled_key(node_id), wire.FROM_NODE)
+        except BadSignature:
+            if (old := self._previous_key(node_id)) is None:
+                raise
+            msg, previous = decode_frames(pending.frames, old, wire.FROM_NODE), True
         if msg.node_id != node_id:
             raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
+        moved = self._routes.get(node_id, pending.route) != pending.route
         self._routes[node_id] = pending.route
-        return Inbound(node_id=node_id, message=msg)
+        return Inbound(node_id=node_id, message=msg, previous_key=previous, moved=moved)
 
     def connected(self, node_id: str) -> bool:
         """Whether a verified message from this node has given us a route to it."""
@@ -681,8 +697,10 @@ class Uplink:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         heartbeat_ivl_s: float = 1.0,
         heartbeat_timeout_s: float = 5.0,
+        share_inbox_of: Uplink | None = None,
     ) -> None:
         self._endpoint = endpoint
+        self._share = share_inbox_of
         self._curve = curve
         self._server_public = check_curve_key(server_curve_public)
         self._key = signing_key
@@ -710,6 +728,8 @@ class Uplink:
             except zmq.ZMQError as exc:
                 raise ChannelError(f"cannot dial the controller at {self._endpoint}: {exc.strerror}") from exc
             self._pump = ZmqPump(dealer, inbox_size=self._sizes[0], outbox_size=self._sizes[1])
+            if self._share is not None and self._share._pump is not None:  # its reader reads ours too
+                self._pump.share_inbox(self._share._pump)
             log.info("dialling the controller at %s", self._endpoint)
             await self._pump.run(task_status=task_status)
         finally:
@@ -741,7 +761,7 @@ class Uplink:
         await trio.lowlevel.checkpoint()  # cancelled callers see Cancelled, not ChannelClosed
         frames = await self._running().receive()
         raw = [f.bytes for f in frames]
-        if raw and _is_data(raw[0]):
+        if raw and is_data(raw[0]):
             return _from_controller(decode_data, raw, wire.DATA_FROM_CONTROLLER)
         return Unverified(frames=raw)
 
@@ -756,6 +776,10 @@ class Uplink:
 
     def statistics(self) -> PumpStatistics:
         return self._running().statistics()
+
+    def wake(self) -> None:
+        if self._pump is not None:
+            self._pump.wake()
 
     def _running(self) -> ZmqPump:
         if self._pump is None:

@@ -2,7 +2,7 @@
 
 Shared by the node (podman pulls with the credentials) and the controller (it checks that a
 registry holds a runtime's manifest before the runtime is registered). Pure, except for reading
-the credentials file once at start; the password is never logged and never in a repr.
+the credentials file (at start, and again when it changes); the password is never logged and never in a repr.
 """
 
 from __future__ import annotations
@@ -13,11 +13,13 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
 import attrs
 
+from nexa.config import WatchedFile
 from nexa.contracts.models import ImagePlatform
 from nexa.contracts.runtime import IMAGE_BY_DIGEST_RE
 from nexa.errors import ConfigError, ContractError, ManifestInvalid
@@ -138,6 +140,17 @@ def load_registry_credentials(path: str | os.PathLike[str]) -> RegistryCredentia
             f"the registry credentials file {where} is invalid: {'; '.join(problems)}", problems=tuple(problems)
         )
     return RegistryCredentials(username=data["username"], password=data["password"])
+
+
+def registry_credentials(
+    path: str, *, on_invalid: Callable[[], None] | None = None
+) -> Callable[[], RegistryCredentials] | None:
+    """The registry credentials in `path`, re-read whenever the file changes (a file that turns
+    invalid keeps the last good ones: `config.WatchedFile`); None when no file is configured.
+    ConfigError when the file is bad at start. Sync: call it off the event loop."""
+    if not path:
+        return None
+    return WatchedFile(path, load_registry_credentials, on_invalid=on_invalid).current
 
 
 # --- platforms: what an index or a manifest's config says the image runs on ----------------------

@@ -1,5 +1,5 @@
 """Ed25519 signing keys, message signatures, the replay window, enrollment tokens and the controller
-fingerprint they carry.
+fingerprint they carry; the backup key and AES-256-GCM sealing of backups.
 
 Sync and pure: no trio, no sockets. The only I/O is reading and writing key files through the
 explicit `*_key_file` helpers. The only module that imports `cryptography`.
@@ -17,13 +17,15 @@ import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Final
 
 import attrs
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, InvalidTag
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from nexa.contracts import codec
 from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
@@ -134,13 +136,17 @@ def save_signing_key(key: SigningKey, path: Path, *, overwrite: bool = False) ->
 
 def load_signing_key(path: Path) -> SigningKey:
     """Read a key written by `save_signing_key`; refuses files others can read."""
-    pem = read_key_file(path, private=True)
+    return signing_key_from_pem(read_key_file(path, private=True), source=str(path))
+
+
+def signing_key_from_pem(pem: bytes, *, source: str) -> SigningKey:
+    """The key in the PEM bytes `save_signing_key` writes; ConfigError naming `source` otherwise."""
     try:
         key = serialization.load_pem_private_key(pem, password=None)
     except (ValueError, TypeError):
-        raise ConfigError(f"{path} is not an unencrypted PEM private key") from None
+        raise ConfigError(f"{source} is not an unencrypted PEM private key") from None
     if not isinstance(key, Ed25519PrivateKey):
-        raise ConfigError(f"{path} holds a {type(key).__name__}, not an Ed25519 key")
+        raise ConfigError(f"{source} holds a {type(key).__name__}, not an Ed25519 key")
     return SigningKey(key)
 
 
@@ -269,7 +275,27 @@ def sign_receipt(key: SigningKey, receipt: Receipt) -> SignedReceipt:
         receipt=receipt,
         signature=base64.b64encode(signature).decode("ascii"),
         public_key=key.public.b64,
+        key_id=key.public.fingerprint,
     )
+
+
+def verify_receipt_among(keys: Mapping[str, PublicKey], signed: SignedReceipt) -> PublicKey:
+    """Check a receipt against the one of `keys` (key id → the controller's current and retired
+    keys) it names, by its `key_id` or, in a receipt from before key ids, by its embedded key's id.
+    The key that verified it; BadSignature when none of `keys` has that id, or it does not verify."""
+    wanted = signed.key_id
+    if not wanted:
+        try:
+            wanted = PublicKey.from_b64(signed.public_key).fingerprint
+        except ContractError:
+            raise BadSignature("the receipt names no key", kind="receipt") from None
+    pub = keys.get(wanted)
+    if pub is None:
+        raise BadSignature(
+            f"the receipt was signed by key {wanted[:32]!r}, not one of the controller's", kind="receipt"
+        )
+    verify_receipt(pub, signed)
+    return pub
 
 
 def verify_receipt(pub: PublicKey, signed: SignedReceipt) -> None:
@@ -431,3 +457,64 @@ def hash_token(token: str) -> str:
 def token_matches(token: str, stored_sha256: str) -> bool:
     """Constant-time comparison of a presented token against a stored hash."""
     return hmac.compare_digest(hash_token(token).encode("ascii"), stored_sha256.encode("ascii", "replace"))
+
+
+# --- backups: the key and the sealed archive (nexa.control.backup) ------------------------------
+
+#: A backup key: 32 random bytes (AES-256), written as standard base64 (44 characters) or hex (64).
+BACKUP_KEY_BYTES: Final = 32
+#: AES-GCM's nonce: 96 random bits, new for every backup sealed.
+BACKUP_NONCE_BYTES: Final = 12
+#: Hex digits of a backup key's id: tells keys apart (wrong key vs damaged file), reveals nothing.
+BACKUP_KEY_ID_HEX: Final = 16
+_BACKUP_KEY_ID_CONTEXT: Final = b"nexa.backup-key-id.v1\x00"
+#: The most bytes one AES-GCM call seals (cryptography's limit, 2 GiB - 1).
+BACKUP_MAX_BYTES: Final = 2**31 - 1
+
+
+def new_backup_key() -> str:
+    """A new backup key, standard base64 of 32 random bytes (`nexa keygen --backup`)."""
+    return base64.b64encode(secrets.token_bytes(BACKUP_KEY_BYTES)).decode("ascii")
+
+
+def parse_backup_key(text: str, *, source: str) -> bytes:
+    """The 32 bytes of a backup key written as base64 or hex; ConfigError naming `source` otherwise."""
+    cleaned = text.strip()
+    try:
+        raw = (
+            bytes.fromhex(cleaned) if len(cleaned) == 2 * BACKUP_KEY_BYTES else base64.b64decode(cleaned, validate=True)
+        )
+    except (binascii.Error, ValueError):
+        raw = b""
+    if len(raw) != BACKUP_KEY_BYTES:
+        raise ConfigError(
+            f"{source} is not a backup key: it must hold {BACKUP_KEY_BYTES} bytes as base64 or hex;"
+            " make one with `nexa keygen --backup --out FILE`"
+        )
+    return raw
+
+
+def backup_key_id(key: bytes) -> str:
+    """A short public id of a backup key (a hash, never the key), stored in each backup's header."""
+    return hashlib.sha256(_BACKUP_KEY_ID_CONTEXT + key).hexdigest()[:BACKUP_KEY_ID_HEX]
+
+
+def backup_nonce() -> bytes:
+    """A fresh random 96-bit AES-GCM nonce (one per backup sealed)."""
+    return secrets.token_bytes(BACKUP_NONCE_BYTES)
+
+
+def seal(key: bytes, header: bytes, nonce: bytes, plaintext: bytes) -> bytes:
+    """AES-256-GCM under `key` and `nonce` (`backup_nonce`, never reused), `header` as associated
+    data: the ciphertext with its 16-byte tag."""
+    if len(plaintext) > BACKUP_MAX_BYTES:
+        raise ValueError(f"AES-GCM seals at most {BACKUP_MAX_BYTES} bytes at once")
+    return AESGCM(key).encrypt(nonce, plaintext, header)
+
+
+def unseal(key: bytes, header: bytes, nonce: bytes, ciphertext: bytes) -> bytes | None:
+    """The plaintext `seal` made, or None when key, header, nonce or ciphertext is not what was sealed."""
+    try:
+        return AESGCM(key).decrypt(nonce, ciphertext, header)
+    except (InvalidTag, ValueError):
+        return None

@@ -29,6 +29,8 @@ class S3Credentials:
 
     access_key_id: str
     secret_access_key: str = attrs.field(repr=lambda _: "'***'")
+    #: A temporary credential's token (AWS_SESSION_TOKEN), sent signed as `x-amz-security-token`.
+    session_token: str | None = attrs.field(default=None, repr=lambda v: "None" if v is None else "'***'")
 
 
 # --- AWS Signature Version 4 ------------------------------------------------------------------------
@@ -231,4 +233,5 @@ def sign_v4(
         region=region,
         now=now,
         service=service,
+        session_token=credentials.session_token,
     ).headers

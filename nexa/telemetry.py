@@ -62,6 +62,11 @@ class Metrics:
         self.controller_epoch = Gauge(
             "nexa_controller_epoch", "Durable epoch this controller process took at start.", registry=r
         )
+        self.controller_recovering = Gauge(
+            "nexa_controller_recovering",
+            "1 while the controller is recovering (reconciliation only: writes refused, nothing pushed), else 0.",
+            registry=r,
+        )
         self.http_requests = Counter(
             "nexa_http_requests",
             "HTTP requests answered, by route template, method and status.",
@@ -76,6 +81,12 @@ class Metrics:
             registry=r,
         )
         self.http_in_flight = Gauge("nexa_http_requests_in_flight", "HTTP requests being handled.", registry=r)
+        self.credential_reload_failures = Counter(
+            "nexa_credential_reload_failures",
+            "Credentials files that changed but could not be read; the last good credentials stay in use.",
+            ["file"],
+            registry=r,
+        )
         self.auth_failures = Counter(
             "nexa_auth_failures", "Requests refused by authentication or role checks.", ["code"], registry=r
         )
@@ -105,7 +116,8 @@ class Metrics:
             "Node channel messages refused, by reason: bad_signature, replayed, clock_skew, wrong_node,"
             " unknown_key, unauthenticated, rate_limited (signed messages above the node's rate), malformed"
             " (not the wire contract: bad JSON, depth, sizes, numbers, unknown kinds), stale_ack,"
-            " control_backlog (the control loop that far behind), and on the data path unknown_stream"
+            " control_backlog (the control loop that far behind), needs_reenrollment (a node that pins only"
+            " a retired controller key), and on the data path unknown_stream"
             " (no open stream of that node), oversized_chunk, stream_overflow.",
             ["reason"],
             registry=r,
@@ -122,6 +134,18 @@ class Metrics:
             "nexa_assignment_acks", "Node answers to assignment sets, by result.", ["result"], registry=r
         )
         self._gateway_metrics(r)
+        self.backup_last_success = Gauge(
+            "nexa_backup_last_success_timestamp_seconds",
+            "Unix time of the newest backup written to backup.dir (0: none yet).",
+            registry=r,
+        )
+        self.backup_failures = Counter("nexa_backup_failures", "Scheduled backups that failed.", registry=r)
+        self.backup_interval = Gauge(
+            "nexa_backup_interval_seconds",
+            "backup.interval_s: seconds between scheduled backups (0: none).",
+            registry=r,
+        )
+        self.backup_size = Gauge("nexa_backup_size_bytes", "Size of the newest backup written.", registry=r)
         self.loop_failures = Counter(
             "nexa_loop_failures",
             "Failures of supervised long-running loops (each is logged and the loop restarted), by loop.",

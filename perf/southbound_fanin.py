@@ -26,7 +26,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nexa import messaging, security
+from nexa import framing, messaging, security
 from nexa.contracts import wire
 from nexa.contracts.node import DiscoveredHost, InventoryFile
 from nexa.localparts import free_ports, stop
@@ -135,7 +135,7 @@ def main() -> int:
                         free_memory_bytes=100 << 30,
                         free_accelerators=0,
                     )
-                    sock.send_multipart(messaging.encode_frames(beat, key), zmq.NOBLOCK)
+                    sock.send_multipart(framing.encode_frames(beat, key), zmq.NOBLOCK)
 
             def drain(until: float) -> None:
                 while (left := until - time.monotonic()) > 0:

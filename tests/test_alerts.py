@@ -24,7 +24,7 @@ def _promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
 def test_the_rules_are_valid() -> None:
     checked = _promtool("check", "rules", str(RULES))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 7 rules found" in checked.stdout
+    assert "SUCCESS: 8 rules found" in checked.stdout
 
 
 def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> None:
@@ -37,6 +37,13 @@ def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> No
         {"series": 'nexa_gateway_requests_total{model="embed",tenant="a",status="ok"}', "values": "0+594x10"},
         {"series": 'nexa_gateway_requests_total{model="embed",tenant="a",status="quota_exceeded"}', "values": "0+6x10"},
         {"series": "nexa_metering_pending", "values": "0 20000 20000 20000 20000 20000 20000 20000"},
+        # Backups every 2 minutes: "stale" has none since the start, "fresh" one a minute, "off" schedules none.
+        {"series": 'nexa_backup_interval_seconds{instance="stale"}', "values": "120x20"},
+        {"series": 'nexa_backup_last_success_timestamp_seconds{instance="stale"}', "values": "0x20"},
+        {"series": 'nexa_backup_interval_seconds{instance="fresh"}', "values": "120x20"},
+        {"series": 'nexa_backup_last_success_timestamp_seconds{instance="fresh"}', "values": "0+60x20"},
+        {"series": 'nexa_backup_interval_seconds{instance="off"}', "values": "0x20"},
+        {"series": 'nexa_backup_last_success_timestamp_seconds{instance="off"}', "values": "0x20"},
     ]
     tests = {
         "rule_files": [RULES.name],
@@ -74,6 +81,20 @@ def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> No
                         ],
                     },
                     {"eval_time": "10m", "alertname": "NexaNoReadyReplica", "exp_alerts": []},
+                    {
+                        "eval_time": "12m",
+                        "alertname": "NexaBackupStale",
+                        "exp_alerts": [
+                            {
+                                "exp_labels": {"severity": "warning", "instance": "stale"},
+                                "exp_annotations": {
+                                    "summary": "no new backup of stale for two backup intervals",
+                                    "description": "Scheduled backups fail (nexa_backup_failures_total, the"
+                                    " controller's log): a lost disk would lose everything since the newest backup.",
+                                },
+                            }
+                        ],
+                    },
                     {
                         "eval_time": "7m",
                         "alertname": "NexaMeteringBacklog",

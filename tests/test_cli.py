@@ -193,7 +193,7 @@ def test_every_list_and_show_renders_its_table(controller_process: ControllerPro
     cp.cli("quotas", "set", "acme", "--rpm", "60", "--tpd", "1000", check=True)
     headers = {
         ("nodes", "list"): "ID STATE HEARTBEAT LABELS ACCELERATORS FREE_MEMORY ASSIGNMENTS",
-        ("keys", "list"): "ID ROLE TENANT NAME STATE CREATED_AT",
+        ("keys", "list"): "ID ROLE TENANT NAME STATE CREATED_AT EXPIRES_AT",
         ("tenants", "list"): "ID DISPLAY_NAME CREATED_AT",
         ("runtimes", "list"): "NAME KIND VERSION IMAGE REGISTERED_AT",
         ("models", "list"): "NAME VERSION STATE FORMAT SIZE MEMORY LICENSE REGISTERED_AT",

@@ -15,10 +15,11 @@ import argparse
 import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Final
 
 from nexa import __version__, config
-from nexa.cli import audit, deployments, gateway, keys, models, nodes, registry, roles
+from nexa.cli import audit, backup, deployments, gateway, keys, models, nodes, recovery, registry, roles
 from nexa.cli.common import common_flags
 from nexa.errors import ConfigError, NexaError, RemoteError, StoreUnusable
 
@@ -66,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(handler=_cmd_check_config)
 
     s = sub.add_parser("keygen", help="print a new API key in nexa's format (for bootstrap.admin_key_file)")
+    s.add_argument("--backup", action="store_true", help="a backup key instead (32 random bytes, base64)")
+    s.add_argument("--out", metavar="FILE", help="write it to FILE (mode 0600, must not exist) instead of printing it")
     s.set_defaults(handler=_cmd_keygen)
 
     openapi_help = "print the HTTP API's OpenAPI 3.1 document (as GET /api/v1/openapi.json)"
@@ -83,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
     registry.add_alias_commands(sub, flags)
     deployments.add_commands(sub, flags)
     gateway.add_commands(sub, flags)
+    backup.add_commands(sub, flags)
+    recovery.add_commands(sub, flags)
     return p
 
 
@@ -104,8 +109,13 @@ def _cmd_openapi(_: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _cmd_keygen(_: argparse.Namespace) -> int:
+def _cmd_keygen(args: argparse.Namespace) -> int:
     from nexa.control.registry import new_api_key
+    from nexa.security import new_backup_key, write_key_file
 
-    print(new_api_key()[1])
+    key = new_backup_key() if args.backup else new_api_key()[1]
+    if args.out:
+        write_key_file(Path(args.out), (key + "\n").encode(), private=True)
+    else:
+        print(key)
     return EXIT_OK

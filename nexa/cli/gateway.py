@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from nexa.cli import common
 from nexa.cli.output import print_json, print_more
 from nexa.cli.tables import QUOTA, QUOTA_SHOW, QUOTAS, USAGE, WORKLOAD, WORKLOADS
 from nexa.contracts.api import ReceiptPublicKey
 from nexa.contracts.gateway import QuotaView, SignedReceipt, UsageReport, WorkloadView
+
+if TYPE_CHECKING:
+    from nexa.security import PublicKey
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -60,7 +63,9 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("file")
     s.add_argument(
         "--public-key",
-        help="the controller's receipt key (base64, or @FILE); offline. Without it, fetched from --url",
+        action="append",
+        help="a controller key (base64, or @FILE: a key, or the JSON of `nexa receipts key --json` with the"
+        " retired keys too); repeatable; offline, picked by the receipt's key id. Without it, fetched from --url",
     )
     s.set_defaults(handler=_receipts_verify)
     s = receipts.add_parser("key", parents=[common_flags], help="print the controller's receipt-signing public key")
@@ -115,14 +120,20 @@ def _receipts_verify(args: argparse.Namespace) -> int:
     from nexa.errors import BadSignature
 
     signed = codec.loads(codec.api, common.read_file(args.file), SignedReceipt)
-
-    def fetch() -> str:
+    keys: dict[str, PublicKey] = {}
+    for given in args.public_key or []:
+        text = common.read_file(given[1:]).decode("ascii", "replace") if given.startswith("@") else given
+        if text.lstrip().startswith("{"):  # `nexa receipts key --json`: current and retired keys
+            listed = codec.loads(codec.api, text, ReceiptPublicKey)
+            keys |= _keys_of(listed)
+        else:
+            pub = security.PublicKey.from_b64(text)
+            keys[pub.fingerprint] = pub
+    if not keys:
         with common.client(args) as c:
-            return c.get("/api/v1/receipts/public-key", ReceiptPublicKey).public_key
-
-    pub = common.public_key(args.public_key, fetch)
+            keys = _keys_of(c.get("/api/v1/receipts/public-key", ReceiptPublicKey))
     try:
-        security.verify_receipt(pub, signed)
+        pub = security.verify_receipt_among(keys, signed)
     except BadSignature as exc:
         print(f"receipt {signed.receipt.receipt_id}: INVALID ({exc.message})")
         return EXIT_FAILED
@@ -134,7 +145,20 @@ def _receipts_verify(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _keys_of(listed: ReceiptPublicKey) -> dict[str, PublicKey]:
+    """Key id → key of an answer of `GET /api/v1/receipts/public-key` (its current key at least)."""
+    from nexa import security
+
+    keys = {k.key_id: security.PublicKey.from_b64(k.public_key) for k in listed.keys}
+    current = security.PublicKey.from_b64(listed.public_key)
+    return {current.fingerprint: current, **keys}
+
+
 def _receipts_key(args: argparse.Namespace) -> int:
     with common.client(args) as c:
-        print(c.get("/api/v1/receipts/public-key", ReceiptPublicKey).public_key)
+        listed = c.get("/api/v1/receipts/public-key", ReceiptPublicKey)
+    if args.json:
+        print_json(listed)
+    else:
+        print(listed.public_key)
     return EXIT_OK

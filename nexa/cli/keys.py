@@ -8,8 +8,15 @@ from typing import Any, Final
 
 from nexa.cli import common
 from nexa.cli.output import print_json
-from nexa.cli.tables import KEY_REVOKED, KEYS, TENANT, TENANTS
-from nexa.contracts.api import EnrollmentTokenCreated, KeyCreated, KeyView, TenantView
+from nexa.cli.tables import KEY_DETAIL, KEY_REVOKED, KEYS, TENANT, TENANTS, Show
+from nexa.contracts.api import (
+    ControllerKeysRotated,
+    EnrollmentTokenCreated,
+    KeyCreated,
+    KeyRotated,
+    KeyView,
+    TenantView,
+)
 
 EXIT_OK: Final = 0
 ROLES: Final = ("admin", "operator", "inference", "audit", "monitoring")
@@ -21,8 +28,23 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("--role", required=True, choices=ROLES)
     s.add_argument("--tenant", help="required for role inference")
     s.add_argument("--name", default="")
+    s.add_argument("--expires", type=common.duration, help="lifetime, e.g. 90d, 12h (default: never expires)")
     s.set_defaults(handler=_keys_create)
     KEYS.add(keys, common_flags)
+    s = keys.add_parser("show", parents=[common_flags])
+    s.add_argument("key_id")
+    s.set_defaults(handler=Show(path="/api/v1/keys/{key_id}", answer=KeyView, view=KEY_DETAIL).run)
+    s = keys.add_parser("rotate", parents=[common_flags], help="issue a successor key; the old one works for --grace")
+    s.add_argument("key_id")
+    s.add_argument("--grace", default="1d", type=common.duration, help="how long the old key still works (default 1d)")
+    s.add_argument("--expires", type=common.duration, help="the successor's lifetime (default: the old key's)")
+    s.set_defaults(handler=_keys_rotate)
+    s = keys.add_parser(
+        "rotate-controller",
+        parents=[common_flags],
+        help="new controller signing and Curve keys, announced to every node; the old key is kept for receipts",
+    )
+    s.set_defaults(handler=_keys_rotate_controller)
     s = keys.add_parser("revoke", parents=[common_flags])
     s.add_argument("key_id")
     s.set_defaults(handler=_keys_revoke)
@@ -44,7 +66,7 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
 
 
 def _keys_create(args: argparse.Namespace) -> int:
-    body = {"role": args.role, "name": args.name, "tenant": args.tenant}
+    body = {"role": args.role, "name": args.name, "tenant": args.tenant, "expires_in_s": args.expires}
     with common.client(args) as c:
         out = c.post("/api/v1/keys", KeyCreated, body=body)
     if args.json:
@@ -52,9 +74,42 @@ def _keys_create(args: argparse.Namespace) -> int:
     else:
         info = out.info
         print(f"created key {info.id} (role {info.role}{', tenant ' + info.tenant if info.tenant else ''})")
+        print(f"expires: {_when(info.expires_at)}")
         print("secret (shown only this once):")
         print(out.key)
     return EXIT_OK
+
+
+def _keys_rotate(args: argparse.Namespace) -> int:
+    body = {"grace_s": args.grace, "expires_in_s": args.expires}
+    with common.client(args) as c:
+        out = c.post(f"/api/v1/keys/{args.key_id}/rotate", KeyRotated, body=body)
+    if args.json:
+        print_json(out)
+    else:
+        print(f"rotated key {out.previous.id}: it keeps working until {_when(out.previous.expires_at)}")
+        print(f"successor {out.info.id} (role {out.info.role}), expires: {_when(out.info.expires_at)}")
+        print("secret (shown only this once):")
+        print(out.key)
+    return EXIT_OK
+
+
+def _keys_rotate_controller(args: argparse.Namespace) -> int:
+    with common.client(args) as c:
+        out = c.post("/api/v1/controller/rotate-keys", ControllerKeysRotated)
+    if args.json:
+        print_json(out)
+    else:
+        print(f"controller keys rotated: key {out.key_id} signs from now on (was {out.previous_key_id})")
+        print(f"announced to {out.announced_to} connected nodes; the others are told when they reconnect")
+        print(f"nodes accept the previous key until {_when(out.overlap_until)} ([nodes] key_overlap_s);")
+        print("a node offline until then must be enrolled again. Receipts signed before still verify.")
+        print(f"new controller fingerprint (what new enrollment tokens carry): {out.controller_fingerprint}")
+    return EXIT_OK
+
+
+def _when(at: float | None) -> str:
+    return "never" if at is None else time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
 
 
 def _keys_revoke(args: argparse.Namespace) -> int:

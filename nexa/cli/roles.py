@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from nexa import __version__, config
+from nexa.cli import nodes
 from nexa.cli.output import gib
 from nexa.errors import ConfigError, NexaError
 
@@ -37,6 +38,12 @@ def add_commands(sub: Any) -> None:
     s = _role_parser(sub, "control", "run the controller")
     s.add_argument("--listen", help="HOST:PORT, overrides http.listen")
     s.add_argument("--channel", help="HOST:PORT (or tcp://HOST:PORT) of the node channel, overrides channel.listen")
+    s.add_argument(
+        "--recover",
+        action="store_true",
+        help="start in recovery (reads and inference only, nothing pushed) whatever the state says; "
+        "`nexa recovery plan` shows what ending it changes, `nexa recovery finish` ends it",
+    )
     s.set_defaults(handler=_cmd_control)
 
     node = _role_parser(sub, "node", "run the node agent, or enroll this node (`nexa node enroll`)")
@@ -57,6 +64,7 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--state-dir", dest="enroll_state_dir", help="overrides state_dir")
     s.set_defaults(handler=_cmd_node_enroll)
     _node_tool_commands(verbs)
+    nodes.add_node_commands(verbs)
 
     _sim_runtime_command(sub)
 
@@ -112,7 +120,7 @@ def _cmd_control(args: argparse.Namespace) -> int:
         print(f"nexa control {__version__} listening on {', '.join(started.urls)} (epoch {started.epoch})")
         sys.stdout.flush()
 
-    return _run_role(partial(serve_control, cfg), announce)
+    return _run_role(partial(serve_control, cfg, recover=args.recover), announce)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -9,6 +9,8 @@ A `Show` is one resource GET by name and printed as one row.
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final, Generic, TypeVar
 
@@ -17,6 +19,7 @@ import attrs
 from nexa.cli import common
 from nexa.cli.output import Cells, emit, gib, print_more, ref, size_text
 from nexa.contracts.api import AuditPage, KeyList, KeyView, NodeList, NodeView, TenantList, TenantView
+from nexa.contracts.backup import BackupList, BackupView
 from nexa.contracts.deployments import DeploymentList, DeploymentView
 from nexa.contracts.domain import AuditEvent
 from nexa.contracts.gateway import QuotaList, QuotaView, UsageRow, WorkloadList, WorkloadView
@@ -63,10 +66,16 @@ class Listing(Generic[P, T]):
     next_cursor: Callable[[P], str | None] | None = None
     #: `--limit`'s default (None: the server's).
     limit: int | None = None
+    #: Lines that say what to do about some of the items, printed on stderr after the table.
+    notes: Callable[[P], Iterable[str]] | None = None
 
-    def add(self, verbs: Any, common_flags: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add the `list` verb to `verbs`; return its parser, for the flags of `query`."""
-        s: argparse.ArgumentParser = verbs.add_parser("list", parents=[common_flags])
+    def add(
+        self, verbs: Any, common_flags: argparse.ArgumentParser, *, help_text: str | None = None
+    ) -> argparse.ArgumentParser:
+        """Add the `list` verb to `verbs` (listed in its command's help with `help_text`); return its
+        parser, for the flags of `query`."""
+        named = {} if help_text is None else {"help": help_text, "description": help_text}
+        s: argparse.ArgumentParser = verbs.add_parser("list", parents=[common_flags], **named)
         if self.next_cursor is not None:
             common.page_flags(s, limit=self.limit)
         s.set_defaults(handler=self.run)
@@ -82,6 +91,9 @@ class Listing(Generic[P, T]):
         with common.client(args) as c:
             page = c.get(self.path, self.page, params=params)
         self.view.emit(args, page, self.items(page))
+        if self.notes is not None and not args.json:
+            for line in self.notes(page):
+                print(line, file=sys.stderr)
         if self.next_cursor is not None and not args.json:
             print_more(self.next_cursor(page))
         return EXIT_OK
@@ -108,19 +120,32 @@ class Show(Generic[T]):
 
 # ---- keys and tenants ----------------------------------------------------------------------------
 
+
+def _key_state(k: KeyView) -> str:
+    if k.revoked_at:
+        return "revoked"
+    if k.expires_at is not None and k.expires_at <= time.time():
+        return "expired"
+    return "rotated" if k.rotated_to else "active"
+
+
 KEY: Final = View[KeyView](
-    columns=("id", "role", "tenant", "name", "state", "created_at"),
+    columns=("id", "role", "tenant", "name", "state", "created_at", "expires_at"),
     row=lambda k: {
         "id": k.id,
         "role": k.role,
         "tenant": k.tenant,
         "name": k.name,
-        "state": "revoked" if k.revoked_at else "active",
+        "state": _key_state(k),
         "created_at": k.created_at,
         "revoked_at": k.revoked_at,
+        "expires_at": k.expires_at,
+        "rotated_to": k.rotated_to,
+        "created_by": k.created_by,
     },
 )
 KEY_REVOKED: Final = attrs.evolve(KEY, columns=("id", "role", "revoked_at"))
+KEY_DETAIL: Final = attrs.evolve(KEY, columns=(*KEY.columns, "revoked_at", "rotated_to", "created_by"))
 TENANT: Final = View[TenantView](
     columns=("id", "display_name", "created_at"),
     row=lambda t: {"id": t.id, "display_name": t.display_name, "created_at": t.created_at},
@@ -150,7 +175,7 @@ def _node_row(n: NodeView) -> Cells:
     age = n.last_heartbeat_age_s
     return {
         "id": n.id,
-        "state": n.state,
+        "state": "NeedsReenrollment" if n.needs_reenrollment else n.state,
         "heartbeat": "never" if age is None else f"{age:.1f}s ago",
         "labels": ",".join(f"{k}={v}" for k, v in sorted(n.labels.items())) or "-",
         "accelerators": accelerators(n.inventory),
@@ -163,7 +188,12 @@ NODE: Final = View[NodeView](
     columns=("id", "state", "heartbeat", "labels", "accelerators", "free_memory", "assignments"), row=_node_row
 )
 NODES: Final = Listing(
-    path="/api/v1/nodes", page=NodeList, items=lambda p: p.nodes, view=NODE, next_cursor=lambda p: p.next_cursor
+    path="/api/v1/nodes",
+    page=NodeList,
+    items=lambda p: p.nodes,
+    view=NODE,
+    next_cursor=lambda p: p.next_cursor,
+    notes=lambda p: [f"node {n.id} needs re-enrollment: {n.hint}" for n in p.nodes if n.needs_reenrollment],
 )
 
 
@@ -332,4 +362,21 @@ AUDIT: Final = Listing(
     query=("action", "actor", "target", "since", "until", "after"),
     next_cursor=lambda p: p.next_cursor,
     limit=100,
+)
+
+
+# ---- backups -------------------------------------------------------------------------------------
+
+BACKUP: Final = View[BackupView](
+    columns=("name", "created_at", "epoch", "audit_head_seq", "size"),
+    row=lambda b: {
+        "name": b.name,
+        "created_at": b.created_at,
+        "epoch": b.epoch,
+        "audit_head_seq": b.audit_head_seq,
+        "size": size_text(b.size),
+    },
+)
+BACKUPS: Final = Listing(
+    path="/api/v1/backups", page=BackupList, items=lambda p: p.backups, view=BACKUP, next_cursor=lambda p: p.next_cursor
 )

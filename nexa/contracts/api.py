@@ -41,13 +41,46 @@ class VersionInfo:
     now: float = 0.0
     #: Its `nodes.max_clock_skew_s`: heartbeats further than this from `now` are refused; 0: not reported.
     max_clock_skew_s: float = 0.0
+    #: True while the controller is recovering (reconciliation only: `nexa recovery plan`, `nexa recovery finish`).
+    recovering: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class ControllerKey:
+    """One of the controller's Ed25519 keys, current or retired by `nexa keys rotate-controller`."""
+
+    #: `security.key_id` of the public key: what receipts and assignment sets name it by.
+    key_id: str
+    #: base64 of the raw 32 bytes.
+    public_key: str
+    #: When it was rotated away from (Unix seconds); 0: the current key.
+    retired_at: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
 class ReceiptPublicKey:
-    """`GET /api/v1/receipts/public-key`: the Ed25519 key receipts and audit heads are signed with (base64)."""
+    """`GET /api/v1/receipts/public-key`: the Ed25519 key receipts and audit heads are signed with
+    (base64), and every key the controller signed with (`keys`, current first, by id)."""
 
     public_key: str
+    key_id: str = ""
+    keys: list[ControllerKey] = attrs.field(factory=list)
+
+
+@attrs.frozen(kw_only=True)
+class ControllerKeysRotated:
+    """`POST /api/v1/controller/rotate-keys` (`nexa keys rotate-controller`): the new keys' ids and
+    until when nodes still accept the previous signing key."""
+
+    key_id: str
+    previous_key_id: str
+    signing_public_key: str
+    curve_public_key: str
+    overlap_until: float
+    #: Nodes the new keys were announced to now (the others get them when they next say hello).
+    announced_to: int
+    #: `security.controller_fingerprint` of the new keys (what new enrollment tokens carry).
+    controller_fingerprint: str
 
 
 @attrs.frozen(kw_only=True)
@@ -55,6 +88,17 @@ class KeyCreate:
     role: Role
     name: str = ""
     tenant: TenantId | None = None
+    #: Seconds from now (the controller's clock) until the key stops working; None: never.
+    expires_in_s: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class KeyRotate:
+    """`POST /api/v1/keys/{id}/rotate`: the old key keeps working for `grace_s`, then expires."""
+
+    grace_s: float = 86400.0
+    #: The successor's lifetime; None: the old key's (created to expiry), or never if it had none.
+    expires_in_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -68,6 +112,10 @@ class KeyView:
     created_at: float
     created_by: KeyId | None
     revoked_at: float | None
+    #: When it stops working (a 401 `key_expired` after); None: never.
+    expires_at: float | None = None
+    #: The successor a rotation issued.
+    rotated_to: KeyId | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -76,6 +124,15 @@ class KeyCreated:
 
     key: str
     info: KeyView
+
+
+@attrs.frozen(kw_only=True)
+class KeyRotated:
+    """A rotation: the successor's secret (shown once) and info, and the old key with its new expiry."""
+
+    key: str
+    info: KeyView
+    previous: KeyView
 
 
 @attrs.frozen(kw_only=True)
@@ -221,6 +278,10 @@ class NodeView:
     acked_epoch: int
     acked_generation: int
     ack_reason: RejectReason | None
+    #: The node pins only a controller key retired for good (it was offline through a rotation's
+    #: overlap): it shows Unreachable and is sent nothing until enrolled again, as `hint` says.
+    needs_reenrollment: bool = False
+    hint: str = ""
 
 
 @attrs.frozen(kw_only=True)

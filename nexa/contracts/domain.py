@@ -38,10 +38,22 @@ class ApiKey:
     created_at: float
     created_by: KeyId | None
     revoked_at: float | None = None
+    #: When the key stops working (unix seconds); None: never. A rotation sets it to the end of the grace.
+    expires_at: float | None = None
+    #: The key a rotation issued in this one's place.
+    rotated_to: KeyId | None = None
 
     @property
     def active(self) -> bool:
+        """Not revoked (an expired key is still active: it may be listed, rotated or revoked)."""
         return self.revoked_at is None
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+    def usable(self, now: float) -> bool:
+        """Neither revoked nor expired: requests with it are served."""
+        return self.active and not self.expired(now)
 
 
 @attrs.frozen(kw_only=True)

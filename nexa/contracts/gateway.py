@@ -323,6 +323,9 @@ class SignedReceipt:
     signature: str
     #: The signing key's public half (base64) — verify against the controller's published key, not this.
     public_key: str
+    #: `security.key_id` of that key (outside the signed receipt): picks it among the controller's
+    #: current and retired keys; "" in receipts signed before keys had ids.
+    key_id: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -109,6 +109,10 @@ class Hello:
     #: Highest (epoch, generation) of an assignment set the node accepted; (0, 0) if none.
     epoch: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
     generation: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
+    #: The id (`PublicKey.fingerprint`) of the controller signing key the node pins as current;
+    #: "" from agents before it was sent. A retired key here, once its overlap has ended, marks
+    #: the node as needing re-enrollment.
+    controller_key_id: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -127,6 +131,8 @@ class Heartbeat:
     #: Highest (epoch, generation) the node accepted, so the controller can re-push a newer set.
     epoch: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
     generation: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
+    #: As in `Hello`: the controller key the node pins as current ("" from older agents).
+    controller_key_id: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -160,6 +166,8 @@ class AssignmentSet:
     #: Wall-clock time (Unix seconds) after which the node must not act on this set.
     lease_expires_at: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
     assignments: list[Assignment] = attrs.field(factory=list)
+    #: The id (`PublicKey.fingerprint`) of the controller key that signed it; "": not said.
+    key_id: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -173,14 +181,77 @@ class Drain:
     reason: str = ""
 
 
-NodeMessage = Hello | Heartbeat | Ack
-ControllerMessage = AssignmentSet | Drain
+# --- node key rotation (`nexa node rotate-keys`, `nexa nodes rotate`) ------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class RotateKeys:
+    """Node → controller: "from now on, know me by these public keys". Signed with the node's
+    current signing key; sent again (the same keys) until a `KeysRotated` answers it."""
+
+    kind: ClassVar[str] = "rotate_keys"
+
+    node_id: str
+    seq: int = attrs.field(validator=whole(0, MAX_SEQ))
+    ts: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
+    #: The new Ed25519 public key (base64 of the raw 32 bytes).
+    signing_public_key: str
+    #: The new Curve25519 public key (Z85).
+    curve_public_key: str
+
+
+@attrs.frozen(kw_only=True)
+class KeysRotated:
+    """Controller → node: the answer to `RotateKeys`. Accepted: the controller stored the new keys
+    and admits them; the node switches to them. Refused: the node drops them and keeps its own."""
+
+    kind: ClassVar[str] = "keys_rotated"
+
+    node_id: str
+    signing_public_key: str
+    curve_public_key: str
+    accepted: bool = True
+    detail: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class RotateKeysRequest:
+    """Controller → node: make new keys and rotate to them (`nexa nodes rotate`)."""
+
+    kind: ClassVar[str] = "rotate_keys_request"
+
+    node_id: str
+
+
+@attrs.frozen(kw_only=True)
+class ControllerKeysAnnounced:
+    """Controller → node (`nexa keys rotate-controller`): the controller's new keys, signed with the
+    key the node pins now (`previous_key_id`). The node pins the new signing key beside it until
+    `overlap_until`, then only the new one. It redials `channel_endpoint` (served with the new Curve
+    key from the rotation on; "" from controllers that did not yet: it keeps the key for later)."""
+
+    kind: ClassVar[str] = "controller_keys"
+
+    node_id: str
+    #: `PublicKey.fingerprint` of `signing_public_key`.
+    key_id: str
+    signing_public_key: str
+    curve_public_key: str
+    previous_key_id: str
+    overlap_until: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
+    channel_endpoint: str = ""
+
+
+NodeMessage = Hello | Heartbeat | Ack | RotateKeys
+ControllerMessage = AssignmentSet | Drain | KeysRotated | RotateKeysRequest | ControllerKeysAnnounced
 WireMessage = NodeMessage | ControllerMessage
 
 #: What a controller accepts from a node, by kind.
-FROM_NODE: Final[dict[str, type[NodeMessage]]] = {cls.kind: cls for cls in (Hello, Heartbeat, Ack)}
+FROM_NODE: Final[dict[str, type[NodeMessage]]] = {cls.kind: cls for cls in (Hello, Heartbeat, Ack, RotateKeys)}
 #: What a node accepts from its controller, by kind.
-FROM_CONTROLLER: Final[dict[str, type[ControllerMessage]]] = {cls.kind: cls for cls in (AssignmentSet, Drain)}
+FROM_CONTROLLER: Final[dict[str, type[ControllerMessage]]] = {
+    cls.kind: cls for cls in (AssignmentSet, Drain, KeysRotated, RotateKeysRequest, ControllerKeysAnnounced)
+}
 
 
 # --- the data path: [kind, request_id, head, body] ----------------------------------------------

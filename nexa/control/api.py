@@ -1,14 +1,11 @@
 """The management HTTP API (`/api/v1`, `/healthz`, `/readyz`, `/version`, `/metrics`): a quart-trio app.
 
-`ROUTE_ROLES` is the one table of routes and the roles that may call each (`_authorize` checks it
+`routes.ROUTE_ROLES` is the one table of routes and the roles that may call each (`_authorize` checks it
 before any handler runs; a route missing from it is refused). `_Handlers` has one method per route,
 named after it (`get_nodes_by_node_id`), each a thin adapter: decode the body or query with
-`contracts.codec`, call the component that owns the state (registry, fleet, models, deployments,
-quotas, meter; the store only for audit reads), encode the answer. List routes page with
-`?cursor=&limit=` (`contracts.pages`). Errors answer in the nexa envelope, with statuses from
-`control.http`. The console's pages are registered on the same app (`control.console`); the
-inference routes sit in front of it (`control.inference`). One structured log line per request;
-nothing here logs a request or response body.
+`contracts.codec`, call the component that owns the state (the store only for audit reads), encode
+the answer. Lists page with `?cursor=&limit=` (`contracts.pages`). Errors: the nexa envelope
+(`control.http`). Console pages and, in front, inference routes: `control.console`, `.inference`.
 """
 
 from __future__ import annotations
@@ -41,6 +38,8 @@ from nexa.contracts.api import (
     KeyCreate,
     KeyCreated,
     KeyList,
+    KeyRotate,
+    KeyRotated,
     KeyView,
     NodeList,
     NodeView,
@@ -50,8 +49,9 @@ from nexa.contracts.api import (
     TenantView,
     VersionInfo,
 )
+from nexa.contracts.backup import BackupList
 from nexa.contracts.deployments import CanaryCreate, DeploymentCreate, DeploymentList, ScaleRequest
-from nexa.contracts.domain import ApiKey, KeyId, NodeState, Role, Tenant, TenantId
+from nexa.contracts.domain import ApiKey, KeyId, NodeState, Tenant, TenantId
 from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.models import (
     AliasDetail,
@@ -72,15 +72,20 @@ from nexa.contracts.models import (
 from nexa.control import console
 from nexa.control import store as st
 from nexa.control.admission import Admission
+from nexa.control.backup import Backups
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.http import BodyLimit, bearer_key, new_request_id, status_for
+from nexa.control.keyring import KeyRotation
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas
+from nexa.control.recovery import Recovery
 from nexa.control.registry import Actor, Registry
+from nexa.control.routes import ROUTE_ROLES
 from nexa.control.scheduler import image_platform_warnings
 from nexa.errors import (
+    REENROLL_HINT,
     BadSignature,
     CheckpointRejected,
     ContractError,
@@ -89,6 +94,7 @@ from nexa.errors import (
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    Recovering,
     Unauthenticated,
     Unavailable,
 )
@@ -97,63 +103,6 @@ from nexa.telemetry import METRICS_CONTENT_TYPE, Metrics, request_id
 
 log = logging.getLogger(__name__)
 
-_A, _O, _I, _AU, _M = Role.ADMIN, Role.OPERATOR, Role.INFERENCE, Role.AUDIT, Role.MONITORING
-
-#: Every route and the roles that may call it; `None` means no credential is needed.
-#: A route missing from this table is refused for everyone (and a test fails).
-ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
-    ("GET", "/healthz"): None,
-    ("GET", "/readyz"): None,
-    ("GET", "/version"): None,
-    ("GET", "/api/v1/openapi.json"): None,  # shapes only, no state: SDK generators fetch it keyless
-    ("GET", "/metrics"): frozenset({_M, _A}),
-    ("POST", "/api/v1/keys"): frozenset({_A}),
-    ("GET", "/api/v1/keys"): frozenset({_A}),
-    ("DELETE", "/api/v1/keys/<key_id>"): frozenset({_A}),
-    ("POST", "/api/v1/enrollment-tokens"): frozenset({_A}),
-    ("POST", "/api/v1/enroll"): None,  # authenticated by the one-time token in the body
-    ("GET", "/api/v1/nodes"): frozenset({_O, _A}),
-    ("GET", "/api/v1/nodes/<node_id>"): frozenset({_O, _A}),
-    ("POST", "/api/v1/nodes/<node_id>/cordon"): frozenset({_O, _A}),
-    ("POST", "/api/v1/nodes/<node_id>/uncordon"): frozenset({_O, _A}),
-    ("POST", "/api/v1/nodes/<node_id>/drain"): frozenset({_O, _A}),
-    ("POST", "/api/v1/nodes/<node_id>/revoke"): frozenset({_A}),
-    ("POST", "/api/v1/tenants"): frozenset({_A}),
-    ("GET", "/api/v1/tenants"): frozenset({_A}),
-    ("GET", "/api/v1/audit"): frozenset({_AU, _A}),
-    ("POST", "/api/v1/audit/verify"): frozenset({_AU, _A}),
-    ("GET", "/api/v1/audit/head"): frozenset({_AU, _A}),
-    ("POST", "/api/v1/runtimes"): frozenset({_O, _A}),
-    ("GET", "/api/v1/runtimes"): frozenset({_O, _A}),
-    ("GET", "/api/v1/runtimes/<name>"): frozenset({_O, _A}),
-    ("POST", "/api/v1/models"): frozenset({_O, _A}),
-    ("GET", "/api/v1/models"): frozenset({_O, _A}),
-    ("GET", "/api/v1/models/<name>/<version>"): frozenset({_O, _A}),
-    ("POST", "/api/v1/models/<name>/<version>/license"): frozenset({_O, _A}),
-    ("POST", "/api/v1/models/<name>/<version>/verify"): frozenset({_O, _A}),
-    ("POST", "/api/v1/models/<name>/<version>/evaluations"): frozenset({_O, _A}),
-    ("POST", "/api/v1/models/<name>/<version>/approve"): frozenset({_O, _A}),
-    ("POST", "/api/v1/models/<name>/<version>/retire"): frozenset({_O, _A}),
-    ("GET", "/api/v1/aliases"): frozenset({_O, _A}),
-    ("GET", "/api/v1/aliases/<name>"): frozenset({_O, _A}),
-    ("POST", "/api/v1/aliases/<name>/promote"): frozenset({_O, _A}),
-    ("POST", "/api/v1/aliases/<name>/rollback"): frozenset({_O, _A}),
-    ("POST", "/api/v1/deployments"): frozenset({_O, _A}),
-    ("GET", "/api/v1/deployments"): frozenset({_O, _A}),
-    ("GET", "/api/v1/deployments/<name>"): frozenset({_O, _A}),
-    ("DELETE", "/api/v1/deployments/<name>"): frozenset({_O, _A}),
-    ("GET", "/api/v1/deployments/<name>/placement"): frozenset({_O, _A}),
-    ("POST", "/api/v1/deployments/<name>/scale"): frozenset({_O, _A}),
-    ("POST", "/api/v1/deployments/<name>/canary"): frozenset({_O, _A}),
-    ("POST", "/api/v1/deployments/<name>/promote"): frozenset({_O, _A}),
-    ("POST", "/api/v1/deployments/<name>/rollback"): frozenset({_O, _A}),
-    ("POST", "/api/v1/capacity/forecast"): frozenset({_O, _A}),
-    ("GET", "/api/v1/usage"): frozenset({_AU, _A}),
-    ("GET", "/api/v1/quotas"): frozenset({_A}),
-    ("GET", "/api/v1/quotas/<tenant>"): frozenset({_A}),
-    ("PUT", "/api/v1/quotas/<tenant>"): frozenset({_A}),
-    ("GET", "/api/v1/receipts/public-key"): frozenset({_I, _AU, _O, _A}),
-}
 
 _HTTP_ERRORS: Final = {
     400: ("invalid_request", "the request is malformed"),
@@ -197,6 +146,11 @@ class AppState:
     openapi: bytes = b""
     #: `nodes.max_clock_skew_s`, reported by `GET /version` for `nexa node doctor`.
     max_clock_skew_s: float = 30.0
+    #: The controller's recovery (`control.recovery`); None: it never recovers (tests).
+    recovery: Recovery | None = None
+    #: `/api/v1/backups` (nexa.control.backup); None: refused as backup_not_configured.
+    backups: Backups | None = None
+    key_rotation: KeyRotation | None = None  # `control.keyring`; None: keys never rotate (tests)
 
 
 def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
@@ -229,6 +183,8 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
         if length is not None and length > cfg.max_body_bytes:
             raise PayloadTooLarge(limit_bytes=cfg.max_body_bytes)
         await _authorize(state)
+        if state.recovery is not None and state.recovery.refuses(request.method, request.url_rule):
+            raise Recovering()  # before the handler: nothing is read from the body, nothing changes
 
     @app.after_request
     async def _finish(response: Response) -> Response:
@@ -342,8 +298,7 @@ async def _no_body() -> None:
 
 
 def _actor() -> Actor:
-    actor: Actor = g.actor
-    return actor
+    return g.actor  # type: ignore[no-any-return]
 
 
 def _key_view(key: ApiKey) -> KeyView:
@@ -355,6 +310,8 @@ def _key_view(key: ApiKey) -> KeyView:
         created_at=key.created_at,
         created_by=key.created_by,
         revoked_at=key.revoked_at,
+        expires_at=key.expires_at,
+        rotated_to=key.rotated_to,
     )
 
 
@@ -407,7 +364,9 @@ class _Handlers:
     async def get_readyz(self) -> Response:
         if not self._s.ready:
             raise Unavailable("the controller is starting or stopping")
-        return _json(Health(status="ready"))
+        # Recovering serves reads and inference: ready for traffic, and it says so.
+        recovering = self._s.recovery is not None and self._s.recovery.active
+        return _json(Health(status="recovering" if recovering else "ready"))
 
     async def get_version(self) -> Response:
         return _json(
@@ -418,6 +377,7 @@ class _Handlers:
                 controller_fingerprint=self._s.controller_keys.fingerprint,
                 now=time.time(),
                 max_clock_skew_s=self._s.max_clock_skew_s,
+                recovering=self._s.recovery is not None and self._s.recovery.active,
             )
         )
 
@@ -440,6 +400,14 @@ class _Handlers:
         after, limit = _page("keys", (float, str))
         keys, last = pages.page_of(self._s.registry.api_keys(), lambda k: (k.created_at, k.id), after, limit)
         return _json(KeyList(keys=[_key_view(k) for k in keys], next_cursor=_next_cursor("keys", last)))
+
+    async def get_keys_by_key_id(self, key_id: str) -> Response:
+        return _json(_key_view(self._s.registry.api_key(KeyId(key_id))))
+
+    async def post_keys_by_key_id_rotate(self, key_id: str) -> Response:
+        req = await _optional_body(KeyRotate)
+        secret, successor, old = await self._s.registry.rotate_key(_actor(), KeyId(key_id), req)
+        return _json(KeyRotated(key=secret, info=_key_view(successor), previous=_key_view(old)), 201)
 
     async def delete_keys_by_key_id(self, key_id: str) -> Response:
         key = await self._s.registry.revoke_key(_actor(), KeyId(key_id))
@@ -544,8 +512,35 @@ class _Handlers:
         return _json(await self._s.quotas.set(_actor(), TenantId(tenant), req))
 
     async def get_receipts_public_key(self) -> Response:
-        """The key receipts are signed with (`nexa receipts verify --public-key`)."""
-        return _json(ReceiptPublicKey(public_key=self._s.controller_keys.signing))
+        rotation, pub = self._s.key_rotation, self._s.signing_key.public  # every key by id: `nexa receipts verify`
+        listed = rotation.keys.listed() if rotation else []
+        return _json(ReceiptPublicKey(public_key=pub.b64, key_id=pub.fingerprint, keys=listed))
+
+    async def post_controller_rotate_keys(self) -> Response:
+        await _no_body()
+        return _json(await KeyRotation.of(self._s.key_rotation).rotate(_actor()))
+
+    # ---- backups: made into [backup] dir, listed, downloaded (`nexa backup --out`) ----------------
+
+    async def post_backups(self) -> Response:
+        await _no_body()
+        return _json(await Backups.of(self._s.backups).create(_actor()), 201)
+
+    async def get_backups(self) -> Response:
+        after, limit = _page("backups", (str,))
+        views, last = await trio.to_thread.run_sync(Backups.of(self._s.backups).list_page, after, limit)
+        return _json(BackupList(backups=views, next_cursor=_next_cursor("backups", last)))
+
+    async def get_backups_by_name(self, name: str) -> Response:
+        chunks = await Backups.of(self._s.backups).download(name)
+        return Response(chunks, mimetype="application/octet-stream")
+
+    async def get_recovery_plan(self) -> Response:
+        return _json(Recovery.of(self._s.recovery).plan())
+
+    async def post_recovery_finish(self) -> Response:
+        await _no_body()
+        return _json(await Recovery.of(self._s.recovery).finish(_actor()))
 
     # ---- enrollment and nodes ----------------------------------------------------------------------
 
@@ -594,6 +589,9 @@ class _Handlers:
 
     async def post_nodes_by_node_id_revoke(self, node_id: str) -> Response:
         return _json(_node_view(await self._s.fleet.act(_actor(), node_id, "revoke")))
+
+    async def post_nodes_by_node_id_rotate_keys(self, node_id: str) -> Response:
+        return _json(_node_view(await self._s.fleet.request_rotation(_actor(), node_id)))
 
     # ---- registry: runtimes, models, aliases ---------------------------------------------------------
 
@@ -735,4 +733,6 @@ def _node_view(live: NodeLive) -> NodeView:
         acked_epoch=live.desired.acked_epoch,
         acked_generation=live.desired.acked_generation,
         ack_reason=live.desired.ack_reason,
+        needs_reenrollment=bool(live.reenroll_key_id),
+        hint=REENROLL_HINT if live.reenroll_key_id else "",
     )

@@ -12,7 +12,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Final
 
 import attrs
@@ -31,11 +31,21 @@ from nexa.contracts.domain import (
     NodeState,
 )
 from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem
-from nexa.contracts.wire import Ack, AssignmentStatus, DesiredAssignments, Heartbeat, Hello, RuntimeState
+from nexa.contracts.wire import (
+    Ack,
+    AssignmentStatus,
+    DesiredAssignments,
+    Heartbeat,
+    Hello,
+    NodeMessage,
+    RotateKeys,
+    RuntimeState,
+)
 from nexa.control import store as st
 from nexa.control.registry import SYSTEM, Actor, audit_draft
-from nexa.errors import Conflict, ContractError, NotFound
-from nexa.messaging import RateLimiter, check_curve_key
+from nexa.errors import REENROLL_HINT, Conflict, ContractError, NodeUnreachable, NotConnected, NotFound
+from nexa.messaging import check_curve_key
+from nexa.ratelimit import RateLimiter
 from nexa.security import (
     TOKEN_PIN_SEPARATOR,
     PublicKey,
@@ -73,6 +83,12 @@ class NodeLive:
     last_push: float = float("-inf")
     inventory_digest: str | None = None
     signing_key: PublicKey | None = None
+    #: The keys the node had before it rotated them, still admitted until it uses the new ones
+    #: (signing key parsed, Curve key in Z85); None outside a rotation.
+    previous_keys: tuple[PublicKey, str] | None = None
+    #: The retired controller key the node pins, when it pins no other after the overlap ended
+    #: (`needs_reenrollment`): Unreachable from then on, sent nothing; "" for every other node.
+    reenroll_key_id: str = ""
     #: A changed inventory or acknowledgement kept in memory, not yet written (above the node's write rate).
     inventory_unsaved: bool = False
     desired_unsaved: bool = False
@@ -82,7 +98,7 @@ class NodeLive:
         admin = self.node.admin_state
         if admin is NodeAdminState.REVOKED:
             return NodeState.REVOKED
-        if not self.reachable:
+        if not self.reachable or self.reenroll_key_id:
             return NodeState.UNREACHABLE
         if admin is NodeAdminState.DRAINING:
             return NodeState.DRAINING
@@ -125,6 +141,10 @@ class Fleet:
         self.version = 0
         # Store writes that node messages cause, per node (`limit_writes`); None: unlimited.
         self._writes: RateLimiter | None = None
+        # Curve keys nodes rotated away from (for the ZAP refusal's audit reason; this run only).
+        self._retired_curve: dict[str, NodeId] = {}
+        # Southbound's "ask this node to rotate its keys" (`on_rotation_request`).
+        self._ask_rotation: Callable[[str], Awaitable[None]] | None = None
 
     def limit_writes(self, limiter: RateLimiter) -> None:
         """Bound the store writes each node's messages cause (inventory saves, acknowledgements).
@@ -152,6 +172,13 @@ class Fleet:
     async def load(self) -> None:
         for node, inventory, desired in await self._store.run(st.load_nodes):
             self._add(node, inventory, desired or DesiredAssignments(node_id=node.id, generation=1))
+        for node_id, (signing, curve) in (await self._store.run(st.load_previous_keys)).items():
+            live = self._nodes.get(NodeId(node_id))
+            if live is not None and live.node.admin_state is not NodeAdminState.REVOKED:
+                live.previous_keys = (PublicKey.from_b64(signing), curve)
+                self._by_curve[curve] = live.node.id
+        for node_id, key_id in (await self._store.run(st.load_reenrollment)).items():
+            self._nodes[NodeId(node_id)].reenroll_key_id = key_id
         self._refresh_gauges()
 
     def _add(self, node: Node, inventory: NodeInventory | None, desired: DesiredAssignments) -> NodeLive:
@@ -191,6 +218,17 @@ class Fleet:
         if live.signing_key is None:  # parsed once per node, not per message
             live.signing_key = PublicKey.from_b64(live.node.signing_public_key)
         return live.signing_key
+
+    def previous_node_key(self, node_id: str) -> PublicKey | None:
+        """The signing key a node had before it rotated, while it is still accepted (`Link`)."""
+        live = self._nodes.get(NodeId(node_id))
+        if live is None or live.previous_keys is None or live.node.admin_state is NodeAdminState.REVOKED:
+            return None
+        return live.previous_keys[0]
+
+    def retired_node_with_curve(self, curve_public_z85: str) -> str | None:
+        """The node that used this Curve key before it rotated its keys (this run only)."""
+        return self._retired_curve.get(curve_public_z85)
 
     def revoked_node_with_curve(self, curve_public_z85: str) -> str | None:
         for live in self._nodes.values():
@@ -313,10 +351,126 @@ class Fleet:
             self.version += 1
             if target is NodeAdminState.REVOKED:
                 self._by_curve.pop(after.curve_public_key, None)
+                if live.previous_keys is not None:
+                    self._by_curve.pop(live.previous_keys[1], None)
                 live.reachable = False
         self._refresh_gauges()
         self._changed()
         return live
+
+    # ---- node key rotation ------------------------------------------------------------------------
+
+    def on_rotation_request(self, ask: Callable[[str], Awaitable[None]]) -> None:
+        """How to ask a node over its channel to rotate its keys (set by the node channel)."""
+        self._ask_rotation = ask
+
+    async def request_rotation(self, actor: Actor, node_id: str) -> NodeLive:
+        """`nexa nodes rotate`: ask the node to rotate its keys, audited. Refusals change nothing:
+        Conflict for a revoked node, NodeUnreachable for one with no open channel."""
+        live = self.get(node_id)
+        if live.node.admin_state is NodeAdminState.REVOKED:
+            raise Conflict(f"node {node_id} is revoked; a revoked node has no keys to rotate")
+        if not live.reachable or self._ask_rotation is None:
+            raise NodeUnreachable(node_id=node_id)
+        try:
+            await self._ask_rotation(live.node.id)
+        except NotConnected:
+            raise NodeUnreachable(node_id=node_id) from None
+        draft = audit_draft(actor, "node.rotate_keys_requested", f"node/{node_id}", detail="asked over its channel")
+        event = await self._store.run(st.record_audit, draft)
+        self._metrics.audit_events.labels(event.result.value).inc()
+        return live
+
+    async def rotate_keys(self, node_id: str, msg: RotateKeys, *, by_previous: bool) -> bool:
+        """Know the node by the public keys in `msg` from now on; the keys it signed `msg` with
+        stay admitted until it uses the new ones (`keys_in_use`). True when the keys changed; a
+        repeat of the rotation already done changes nothing. Refusals (ContractError for keys
+        that do not parse, Conflict for keys another node has) change nothing."""
+        problems = []
+        try:
+            new_signing = PublicKey.from_b64(msg.signing_public_key)
+        except ContractError:
+            problems.append("signing_public_key: not an Ed25519 public key")
+        try:
+            check_curve_key(msg.curve_public_key)
+        except ContractError:
+            problems.append("curve_public_key: not a Curve25519 public key in Z85")
+        if problems:
+            raise ContractError("invalid key rotation: " + "; ".join(problems), problems=tuple(problems))
+        async with self._lock:
+            live = self.get(node_id)
+            before = live.node
+            keys = (msg.signing_public_key, msg.curve_public_key)
+            if keys == (before.signing_public_key, before.curve_public_key):
+                return False  # answered again: the node did not get (or act on) the first answer
+            # Signed with the keys it had before the rotation under way: it never used the keys
+            # the controller holds for it now, so they are replaced and the old ones stay admitted.
+            if by_previous and live.previous_keys is not None:
+                previous = (live.previous_keys[0].b64, live.previous_keys[1])
+            else:
+                previous = (before.signing_public_key, before.curve_public_key)
+            taken = self._keys_taken(keys)
+            if taken == live.node.id:
+                raise Conflict(f"node {node_id} has had one of these keys already: a rotation needs two new keys")
+            if taken is not None:
+                raise Conflict("another node is enrolled with one of these keys")
+            after = attrs.evolve(before, signing_public_key=keys[0], curve_public_key=keys[1])
+            detail = f"signing key {new_signing.fingerprint}; the previous keys are admitted until the node uses these"
+            draft = audit_draft(SYSTEM, "node.keys_rotated", f"node/{node_id}", before, after, detail=detail)
+            event = await self._store.run(st.rotate_node_keys, node_id, keys, previous, draft)
+            self._metrics.audit_events.labels(event.result.value).inc()
+            admitted = {after.curve_public_key, previous[1]}
+            # Keys it will never use (a rotation it started again from its previous keys) go.
+            held = {before.curve_public_key} | ({live.previous_keys[1]} if live.previous_keys else set())
+            for curve in held - admitted:
+                if self._by_curve.get(curve) == live.node.id:
+                    del self._by_curve[curve]
+            self._by_curve.update(dict.fromkeys(admitted, live.node.id))
+            live.node, live.signing_key = after, new_signing
+            live.previous_keys = (PublicKey.from_b64(previous[0]), previous[1])
+        log.info("node %s rotated its keys", node_id, extra={"fields": {"node": node_id}})
+        return True
+
+    def _keys_taken(self, keys: tuple[str, str]) -> NodeId | None:
+        """The node that holds (or held, while a rotation overlaps) one of these keys."""
+        for other in self._nodes.values():
+            held = {other.node.signing_public_key, other.node.curve_public_key}
+            if other.previous_keys is not None:
+                held |= {other.previous_keys[0].b64, other.previous_keys[1]}
+            if held & set(keys):
+                return other.node.id
+        return None
+
+    async def keys_in_use(self, live: NodeLive) -> None:
+        """The node signed with its new key: its previous keys are admitted no more."""
+        previous = live.previous_keys
+        if previous is None:
+            return
+        live.previous_keys = None
+        if self._by_curve.get(previous[1]) == live.node.id:
+            del self._by_curve[previous[1]]
+        self._retired_curve[previous[1]] = live.node.id
+        await self._store.run(st.retire_previous_keys, live.node.id)
+        log.info("node %s uses its new keys; the previous ones are refused from now on", live.node.id)
+
+    async def needs_reenrollment(self, live: NodeLive, key_id: str) -> None:
+        """The node pins only `key_id`, a controller key retired for good: Unreachable from now on
+        and sent nothing (southbound refuses its messages) until it is enrolled again. Stored and
+        audited once (`node.needs_reenrollment`); marking it again changes nothing."""
+        if live.reenroll_key_id:
+            return
+        detail = f"it pins only the retired controller key {key_id}, whose overlap ended: {REENROLL_HINT}"
+        draft = audit_draft(
+            SYSTEM, "node.needs_reenrollment", f"node/{live.node.id}", result=AuditResult.REJECTED, detail=detail
+        )
+        event = await self._store.run(st.mark_needs_reenrollment, live.node.id, key_id, draft)
+        live.reenroll_key_id, live.reachable = key_id, False
+        if event is not None:
+            self._metrics.audit_events.labels(event.result.value).inc()
+        log.warning("node %s needs re-enrollment: %s", live.node.id, detail, extra={"fields": {"node": live.node.id}})
+        self.version += 1
+        self._refresh_gauges()
+        self._changed()
 
     # ---- what the node channel reports -------------------------------------------------------------
 
@@ -325,7 +479,7 @@ class Fleet:
         live = self.get(node_id)
         live.window = live.window.check(seq, ts, time.time())
 
-    async def heard(self, node_id: str, msg: Hello | Heartbeat | Ack) -> NodeLive:
+    async def heard(self, node_id: str, msg: NodeMessage) -> NodeLive:
         """Record a verified message; a node that was Unreachable becomes reachable again."""
         live = self.get(node_id)
         live.last_seen = trio.current_time()

@@ -19,6 +19,8 @@ from nexa.contracts.domain import ApiKey
 from nexa.errors import (
     ArtifactDigestMismatch,
     AuthError,
+    BackupError,
+    BackupNotConfigured,
     Cancelled,
     Conflict,
     ContractError,
@@ -67,6 +69,8 @@ STATUS: Final[dict[type[NexaError], int]] = {
     DeadlineExceeded: 504,
     Cancelled: CLIENT_CLOSED,
     StoreError: 500,
+    BackupNotConfigured: 409,
+    BackupError: 422,
     NexaError: 500,
 }
 
@@ -86,8 +90,8 @@ def bearer_key(authorization: str, keys: KeyAuthority, metrics: Metrics) -> ApiK
         raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
     try:
         return keys.authenticate(presented.strip())
-    except Unauthenticated:
-        metrics.auth_failures.labels("unauthenticated").inc()
+    except Unauthenticated as exc:
+        metrics.auth_failures.labels(exc.code).inc()  # `unauthenticated` or `key_expired`
         raise
 
 

@@ -78,7 +78,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 AsgiApp = Callable[[Any, Any, Any], Awaitable[None]]
 
 _I: Final = Role.INFERENCE
-#: Every inference route and the roles that may call it (the management routes are in `api.ROUTE_ROLES`).
+#: Every inference route and the roles that may call it (the management routes are in `routes.ROUTE_ROLES`).
 INFERENCE_ROUTES: Final[dict[tuple[str, str], frozenset[Role]]] = {
     ("GET", "/v1/models"): frozenset({_I}),
     ("POST", "/v1/chat/completions"): frozenset({_I}),
@@ -130,7 +130,6 @@ class InferenceApp:
         registry: Registry,
         metrics: Metrics,
         max_body_bytes: int,
-        epoch: int,
     ) -> None:
         self._fallback = fallback
         self._cfg = cfg
@@ -142,7 +141,6 @@ class InferenceApp:
         self._answered = Children(metrics.http_requests)
         self._seconds = Children(metrics.http_request_seconds)
         self._max_body = max_body_bytes
-        self._epoch = epoch
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":

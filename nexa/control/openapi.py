@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document of the controller's HTTP API (`GET /api/v1/openapi.json`). Pure; no I/O.
 
-Generated, never written by hand: the operations come from the route tables (`api.ROUTE_ROLES`,
+Generated, never written by hand: the operations come from the route tables (`routes.ROUTE_ROLES`,
 `inference.INFERENCE_ROUTES`), their roles and error statuses from those tables and
 `http.STATUS`, and every body schema from the attrs contract types, by walking their fields.
 `_OPERATIONS` below is data only: for each route, the contract types it reads and answers, its
@@ -25,6 +25,7 @@ from nexa.contracts.api import (
     AuditPage,
     AuditVerdict,
     AuditVerifyRequest,
+    ControllerKeysRotated,
     EnrollmentTokenCreate,
     EnrollmentTokenCreated,
     EnrollRequest,
@@ -34,6 +35,8 @@ from nexa.contracts.api import (
     KeyCreate,
     KeyCreated,
     KeyList,
+    KeyRotate,
+    KeyRotated,
     KeyView,
     NodeList,
     NodeView,
@@ -44,6 +47,7 @@ from nexa.contracts.api import (
     TenantView,
     VersionInfo,
 )
+from nexa.contracts.backup import BackupList, BackupView
 from nexa.contracts.deployments import (
     CanaryCreate,
     DeploymentCreate,
@@ -89,12 +93,15 @@ from nexa.contracts.models import (
     VerifyRequest,
 )
 from nexa.contracts.placement import PlacementDecision
-from nexa.control.api import ROUTE_ROLES
+from nexa.contracts.recovery import RecoveryFinished, RecoveryPlan
 from nexa.control.http import STATUS
 from nexa.control.inference import DATA_CLASS_HEADER, DEADLINE_HEADER, INFERENCE_ROUTES, PRIORITY_HEADER
+from nexa.control.recovery import refused_while_recovering
+from nexa.control.routes import ROUTE_ROLES
 from nexa.errors import (
     AlreadyExists,
     AuthError,
+    BackupNotConfigured,
     Cancelled,
     CheckpointRejected,
     Conflict,
@@ -106,14 +113,17 @@ from nexa.errors import (
     IllegalTransition,
     ModelNotServed,
     NexaError,
+    NodeUnreachable,
     NoReadyReplica,
     NoReplicaForDataClass,
     NotDeployable,
     NotFound,
+    NotRecovering,
     Overloaded,
     PayloadTooLarge,
     QueueFull,
     QuotaExceeded,
+    Recovering,
     RetentionUnavailable,
     RuntimeFailed,
     RuntimeRejected,
@@ -293,8 +303,18 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         errors=(NotFound,),
     ),
     ("GET", "/api/v1/keys"): _Op(summary="List API keys", tag="keys", answer=KeyList, params=_PAGE_QUERY),
+    ("GET", "/api/v1/keys/<key_id>"): _Op(summary="One API key", tag="keys", answer=KeyView, errors=(NotFound,)),
     ("DELETE", "/api/v1/keys/<key_id>"): _Op(
         summary="Revoke an API key", tag="keys", answer=KeyView, errors=(Conflict,)
+    ),
+    ("POST", "/api/v1/keys/<key_id>/rotate"): _Op(
+        summary="Issue a successor key (its secret is shown once); the old key expires after the grace period",
+        tag="keys",
+        body=KeyRotate,
+        body_kind="optional",
+        answer=KeyRotated,
+        status=201,
+        errors=(NotFound, Conflict),
     ),
     ("POST", "/api/v1/tenants"): _Op(
         summary="Create a tenant",
@@ -337,6 +357,12 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
     ),
     ("POST", "/api/v1/nodes/<node_id>/revoke"): _Op(
         summary="Revoke a node's credentials", tag="nodes", answer=NodeView, errors=_NODE_ACTION
+    ),
+    ("POST", "/api/v1/nodes/<node_id>/rotate-keys"): _Op(
+        summary="Ask a node over its channel to rotate its keys (it sends the new ones, signed with the old)",
+        tag="nodes",
+        answer=NodeView,
+        errors=(NotFound, Conflict, NodeUnreachable),
     ),
     # ---- audit
     ("GET", "/api/v1/audit"): _Op(
@@ -494,7 +520,45 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         summary="Set a tenant's quota", tag="usage", body=QuotaLimits, body_kind="required", answer=QuotaView
     ),
     ("GET", "/api/v1/receipts/public-key"): _Op(
-        summary="The key workload receipts are signed with", tag="usage", answer=ReceiptPublicKey
+        summary="The key workload receipts are signed with, and every current and retired key by id",
+        tag="usage",
+        answer=ReceiptPublicKey,
+    ),
+    ("POST", "/api/v1/controller/rotate-keys"): _Op(
+        summary="New controller keys, announced to every node signed with the current one",
+        tag="keys",
+        body_kind="empty",
+        answer=ControllerKeysRotated,
+    ),
+    # ---- backups
+    ("POST", "/api/v1/backups"): _Op(
+        summary="Back up the state now (database and controller keys, encrypted and signed) into backup.dir",
+        tag="backups",
+        body_kind="empty",
+        answer=BackupView,
+        status=201,
+        errors=(BackupNotConfigured,),
+    ),
+    ("GET", "/api/v1/backups"): _Op(
+        summary="List the backups in backup.dir, oldest first", tag="backups", answer=BackupList, params=_PAGE_QUERY
+    ),
+    ("GET", "/api/v1/backups/<name>"): _Op(
+        summary="Download one backup file (`nexa backup --out`; restore it with `nexa restore`)",
+        tag="backups",
+        answer={"type": "string", "contentMediaType": "application/octet-stream"},
+        media="application/octet-stream",
+        errors=(NotFound,),
+    ),
+    # ---- recovery
+    ("GET", "/api/v1/recovery/plan"): _Op(
+        summary="What ending recovery would change (empty outside recovery)", tag="recovery", answer=RecoveryPlan
+    ),
+    ("POST", "/api/v1/recovery/finish"): _Op(
+        summary="End recovery: an epoch above every node's, then every node's set is pushed",
+        tag="recovery",
+        body_kind="empty",
+        answer=RecoveryFinished,
+        errors=(NotRecovering,),
     ),
     # ---- inference
     ("GET", "/v1/models"): _Op(summary="Served models (OpenAI)", tag="openai", answer=_OPENAI_MODELS),
@@ -677,6 +741,8 @@ def _error_codes(method: str, rule: str, roles: frozenset[Role] | None, op: _Op)
         errors += [PayloadTooLarge]
     if _path_params(rule):
         errors += [NotFound]
+    if (method, rule) in ROUTE_ROLES and refused_while_recovering(method, rule):
+        errors += [Recovering]
     errors += op.errors
     out: dict[int, list[str]] = {}
     for cls in errors:

@@ -49,8 +49,7 @@ from nexa.oci import (
     parse_image_reference,
     parse_manifest,
 )
-from nexa.s3 import ObjectStream, S3Client, split_s3_uri
-from nexa.sigv4 import S3Credentials
+from nexa.s3 import CredentialsSource, ObjectStream, S3Client, split_s3_uri
 from nexa.supervision import all_or_first_failure
 
 log = logging.getLogger(__name__)
@@ -112,8 +111,8 @@ class Outbound:
         oci: OciConfig,
         artifacts: ArtifactStoreConfig,
         *,
-        registry_credentials: RegistryCredentials | None,
-        s3_credentials: S3Credentials | None,
+        registry_credentials: RegistryCredentials | Callable[[], RegistryCredentials] | None,
+        s3_credentials: CredentialsSource | None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._oci = oci
@@ -242,7 +241,9 @@ class Outbound:
     async def _authorization(self, client: httpx.AsyncClient, ref: ImageReference, response: httpx.Response) -> str:
         """The Authorization header a 401 asks for: Basic, or a bearer token from the registry's realm."""
         challenge = parse_challenge(response.headers.get("www-authenticate", ""))
-        creds = self._registry_credentials
+        # Asked at each use: the file is re-read when it changed (`oci.registry_credentials`).
+        source = self._registry_credentials
+        creds = source() if callable(source) else source
         if challenge.scheme == "basic":
             if creds is None:
                 raise Unavailable(

@@ -10,6 +10,7 @@ import base64
 import hashlib
 import hmac
 import logging
+import math
 import re
 import secrets
 import time
@@ -20,7 +21,7 @@ import attrs
 import trio
 
 from nexa.contracts import codec
-from nexa.contracts.api import KeyCreate, TenantCreate
+from nexa.contracts.api import KeyCreate, KeyRotate, TenantCreate
 from nexa.contracts.domain import (
     NAME_RE,
     ApiKey,
@@ -33,7 +34,7 @@ from nexa.contracts.domain import (
     TenantId,
 )
 from nexa.control import store as st
-from nexa.errors import Conflict, ContractError, NotFound, Unauthenticated
+from nexa.errors import Conflict, ContractError, KeyExpired, NotFound, Unauthenticated
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,8 @@ _KEY_RE: Final = re.compile(r"^nxk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 DENIED_AUDIT_WINDOW_S: Final = 5.0
 #: A denied event's target (the request path, chosen by the caller) is cut to this many characters.
 AUDIT_TARGET_MAX: Final = 256
+#: The longest a key may live, or a rotated key's grace last (10 years).
+MAX_KEY_LIFETIME_S: Final = 10 * 365 * 86400.0
 #: (key, route) pairs whose last denial is remembered; past it, the stalest are forgotten.
 _DENIED_TRACKED: Final = 10_000
 
@@ -119,6 +122,12 @@ class Registry:
         stored = key.secret_sha256 if key else "0" * 64
         if not hmac.compare_digest(stored, _sha256(presented)) or key is None or not key.active:
             raise Unauthenticated("unknown or revoked API key")
+        if key.expired(time.time()):
+            assert key.expires_at is not None
+            raise KeyExpired(
+                f"API key {key.id} expired at {_utc(key.expires_at)}; ask an admin for a new key "
+                "(`nexa keys create`), and rotate keys before they expire (`nexa keys rotate ID --grace 1d`)"
+            )
         return key
 
     # ---- keys ----------------------------------------------------------------------------------
@@ -126,10 +135,18 @@ class Registry:
     def api_keys(self) -> list[ApiKey]:
         return sorted(self._keys.values(), key=lambda k: (k.created_at, k.id))
 
+    def api_key(self, key_id: KeyId) -> ApiKey:
+        key = self._keys.get(key_id)
+        if key is None:
+            raise NotFound(f"no key {key_id}")
+        return key
+
     def active_keys_by_role(self) -> dict[Role, int]:
+        """Keys that work now (neither revoked nor expired), by role."""
+        now = time.time()
         counts = dict.fromkeys(Role, 0)
         for key in self._keys.values():
-            if key.active:
+            if key.usable(now):
                 counts[key.role] += 1
         return counts
 
@@ -144,6 +161,8 @@ class Registry:
             raise ContractError("only inference keys belong to a tenant", problems=("tenant: only for role inference",))
         if len(req.name) > 128:
             raise ContractError("name is too long", problems=("name: at most 128 characters",))
+        now = time.time()
+        expires_at = None if req.expires_in_s is None else now + _lifetime("expires_in_s", req.expires_in_s, 1.0)
         if secret is None:
             key_id, secret = new_api_key()
         else:
@@ -157,12 +176,56 @@ class Registry:
             role=req.role,
             tenant=req.tenant,
             secret_sha256=_sha256(secret),
-            created_at=time.time(),
+            created_at=now,
             created_by=actor.key_id,
+            expires_at=expires_at,
         )
         await self._audited(st.insert_key, key, audit_draft(actor, "key.create", f"key/{key.id}", None, key))
         self._keys[key.id] = key
         return secret, key
+
+    async def rotate_key(self, actor: Actor, key_id: KeyId, req: KeyRotate) -> tuple[str, ApiKey, ApiKey]:
+        """Issue a successor of `key_id` (same name, role and tenant) and let the old key work for
+        `req.grace_s` more; returns the successor's secret (shown once), the successor and the old key."""
+        grace_s = _lifetime("grace_s", req.grace_s, 0.0)
+        async with self._revoke_lock:  # one rotation (or revocation) of a key at a time
+            old = self._keys.get(key_id)
+            now = time.time()
+            if old is None or not old.active:
+                raise NotFound(f"no active key {key_id}")
+            if old.rotated_to is not None:
+                raise Conflict(f"key {key_id} was rotated already; its successor is {old.rotated_to}")
+            if old.expired(now):
+                raise Conflict(f"key {key_id} has expired; create a new key with `nexa keys create`")
+            if req.expires_in_s is not None:
+                lifetime: float | None = _lifetime("expires_in_s", req.expires_in_s, 1.0)
+            else:
+                lifetime = None if old.expires_at is None else old.expires_at - old.created_at
+            new_id, secret = new_api_key()
+            successor = ApiKey(
+                id=new_id,
+                name=old.name,
+                role=old.role,
+                tenant=old.tenant,
+                secret_sha256=_sha256(secret),
+                created_at=now,
+                created_by=actor.key_id,
+                expires_at=None if lifetime is None else now + lifetime,
+            )
+            ends = now + grace_s if old.expires_at is None else min(old.expires_at, now + grace_s)
+            rotated = attrs.evolve(old, expires_at=ends, rotated_to=new_id)
+            events = await self._store.run(
+                st.rotate_key,
+                rotated,
+                successor,
+                audit_draft(actor, "key.rotate", f"key/{key_id}", old, rotated, detail=f"successor {new_id}"),
+                audit_draft(actor, "key.create", f"key/{new_id}", None, successor, detail=f"rotated from {key_id}"),
+            )
+            for event in events:
+                self._metrics.audit_events.labels(event.result.value).inc()
+            self._keys[key_id] = rotated
+            self._keys[new_id] = successor
+        return secret, successor, rotated
 
     async def revoke_key(self, actor: Actor, key_id: KeyId) -> ApiKey:
         async with self._revoke_lock:
@@ -172,9 +235,11 @@ class Registry:
         key = self._keys.get(key_id)
         if key is None or not key.active:
             raise NotFound(f"no active key {key_id}")
-        if key.role is Role.ADMIN and sum(1 for k in self._keys.values() if k.active and k.role is Role.ADMIN) == 1:
+        now = time.time()
+        usable_admins = sum(1 for k in self._keys.values() if k.usable(now) and k.role is Role.ADMIN)
+        if key.role is Role.ADMIN and key.usable(now) and usable_admins == 1:
             raise Conflict("refusing to revoke the last active admin key")
-        revoked = attrs.evolve(key, revoked_at=time.time())
+        revoked = attrs.evolve(key, revoked_at=now)
         assert revoked.revoked_at is not None
         await self._audited(
             st.revoke_key,
@@ -253,6 +318,18 @@ class Registry:
             del self._denials[slot]
         while len(self._denials) >= _DENIED_TRACKED:
             del self._denials[next(iter(self._denials))]
+
+
+def _lifetime(field: str, seconds: float, lowest: float) -> float:
+    """A key lifetime or grace period from a request, checked: finite, from `lowest` to 10 years."""
+    if not (math.isfinite(seconds) and lowest <= seconds <= MAX_KEY_LIFETIME_S):
+        problem = f"{field}: must be from {lowest:g} to {MAX_KEY_LIFETIME_S:g} seconds"
+        raise ContractError(f"invalid {field}", problems=(problem,))
+    return seconds
+
+
+def _utc(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
 
 
 def audit_draft(

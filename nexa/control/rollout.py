@@ -78,7 +78,9 @@ class RolloutWatcher:
 
     async def check(self) -> list[str]:
         """One look at every running canary; the deployments whose canary was rolled back."""
-        rolled_back = []
+        rolled_back: list[str] = []
+        if self._deployments.recovering:
+            return rolled_back  # no change while the controller recovers; the next look after it
         for name, canary in self._deployments.canaries():
             if await self._check_one(name, canary):
                 rolled_back.append(name)

@@ -1,8 +1,10 @@
 """`serve_control`: the controller's composition root. The only hypercorn importer.
 
 Start order: store (lock, migrate, new epoch) → registry, fleet, keys → outbound clients and the
-model registry → deployments, quotas, metering, workloads, gateway → node channel → HTTP (the
-inference routes in front of the management app).
+model registry → deployments, quotas, metering, workloads, gateway → recovery (begins before the
+node channel serves when the store was restored or `recover` is set) → node channel → HTTP (the
+inference routes in front of the management app). The store owns the epoch; the node channel and
+receipts read it there, so the one advance a recovery's end makes reaches them all at once.
 Shutdown is the reverse: HTTP stops accepting and drains in-flight requests for
 `http.graceful_timeout_s`, then the background loops are cancelled (bounded by
 their own shielded timeouts; metering writes what is pending), then the store closes last.
@@ -11,11 +13,11 @@ their own shielded timeouts; metering writes what is pending), then the store cl
 from __future__ import annotations
 
 import logging
+import os
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Final, TypeVar
+from typing import Final
 
 import attrs
 import hypercorn.config
@@ -27,57 +29,37 @@ from nexa.config import ControlConfig, HttpConfig, parse_host_port
 from nexa.control import openapi
 from nexa.control.admission import Admission
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
+from nexa.control.backup import Backups, load_key
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet
 from nexa.control.gateway import Gateway
 from nexa.control.inference import InferenceApp
+from nexa.control.keyring import ControllerKeys, KeyRotation, load_or_create_keys, retired_signing_key
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.outbound import Outbound
 from nexa.control.quotas import Quotas
+from nexa.control.recovery import Recovery
 from nexa.control.registry import Registry
 from nexa.control.rollout import RolloutWatcher
 from nexa.control.routing import Router
 from nexa.control.southbound import Southbound
 from nexa.control.store import StoreOpener, open_store
 from nexa.control.workloads import Workloads
-from nexa.messaging import CurveKeyPair, generate_curve_keypair, load_curve_keypair, save_curve_keypair
-from nexa.oci import load_registry_credentials
-from nexa.s3 import load_s3_credentials
-from nexa.security import SigningKey, generate_signing_key, load_signing_key, save_signing_key
+from nexa.oci import registry_credentials
+from nexa.s3 import s3_credentials
 from nexa.supervision import Supervision, supervised
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
 
 KEYS_DIR: Final = "keys"
-_SIGNING_FILE: Final = "controller-signing.pem"
-_CURVE_NAME: Final = "controller-curve"
 
 
-@attrs.frozen(kw_only=True)
-class ControllerKeys:
-    """The controller's Ed25519 key (signs assignment sets) and CurveZMQ server key pair."""
-
-    signing: SigningKey
-    curve: CurveKeyPair
-
-    def public(self) -> ControllerPublicKeys:
-        return ControllerPublicKeys(signing=self.signing.public.b64, curve=self.curve.public)
-
-
-def load_or_create_keys(directory: Path) -> ControllerKeys:
-    """Read the controller's keys, creating them (private files mode 0600) on the first start."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    signing_path = directory / _SIGNING_FILE
-    if not signing_path.exists():
-        save_signing_key(generate_signing_key(), signing_path)
-    if not (directory / f"{_CURVE_NAME}.key").exists():
-        save_curve_keypair(generate_curve_keypair(), directory, name=_CURVE_NAME)
-    return ControllerKeys(signing=load_signing_key(signing_path), curve=load_curve_keypair(directory, name=_CURVE_NAME))
+def _public(keys: ControllerKeys) -> ControllerPublicKeys:
+    # The Curve key new nodes pin: a rotation's new one from the rotation on (served beside the old).
+    return ControllerPublicKeys(signing=keys.signing.public.b64, curve=keys.newest_curve.public)
 
 
 @attrs.frozen(kw_only=True)
@@ -109,9 +91,13 @@ async def serve_control(
     *,
     stopping: trio.Event,
     open_store: StoreOpener = open_store,
+    recover: bool = False,
     task_status: trio.TaskStatus[ControlStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the controller until `stopping` is set; supports the nursery start protocol.
+
+    `recover` starts it in recovery whatever the store says (`nexa control --recover`; see
+    `control.recovery`).
 
     `open_store` opens the state dir's store (a test passes a variant, e.g. one whose store runs its
     transactions inline for autojump_clock).
@@ -124,7 +110,9 @@ async def serve_control(
     metrics.build_info.info({"version": __version__})
     failures = metrics.loop_failures
     with Supervision(on_failure=lambda loop: failures.labels(loop).inc()).installed():
-        await _serve_control(cfg, metrics, stopping=stopping, open_store=open_store, task_status=task_status)
+        await _serve_control(
+            cfg, metrics, stopping=stopping, open_store=open_store, recover=recover, task_status=task_status
+        )
 
 
 async def _serve_control(
@@ -133,20 +121,37 @@ async def _serve_control(
     *,
     stopping: trio.Event,
     open_store: StoreOpener,
+    recover: bool,
     task_status: trio.TaskStatus[ControlStarted],
 ) -> None:
     async with open_store(cfg.state_dir) as store:
         metrics.controller_epoch.set(store.epoch)
         registry = await Registry.load(store, metrics)
         admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
-        keys = await trio.to_thread.run_sync(load_or_create_keys, Path(cfg.state_dir) / KEYS_DIR)
+        keys_dir = Path(cfg.state_dir) / KEYS_DIR
+        keys = await trio.to_thread.run_sync(partial(load_or_create_keys, keys_dir, overlap_s=cfg.nodes.key_overlap_s))
         fleet = Fleet(cfg.nodes, store, metrics)
         await fleet.load()
         outbound = Outbound(
             cfg.oci,
             cfg.artifacts,
-            registry_credentials=await _maybe(load_registry_credentials, cfg.oci.credentials_file),
-            s3_credentials=await _maybe(load_s3_credentials, cfg.artifacts.s3_credentials_file),
+            # Both re-read when their files change; a bad rewrite keeps the last good (and is counted).
+            registry_credentials=await trio.to_thread.run_sync(
+                partial(
+                    registry_credentials,
+                    cfg.oci.credentials_file,
+                    on_invalid=metrics.credential_reload_failures.labels("registry").inc,
+                )
+            ),
+            s3_credentials=await trio.to_thread.run_sync(
+                partial(
+                    s3_credentials,
+                    cfg.artifacts.s3_credentials_file,
+                    profile=cfg.artifacts.s3_profile,
+                    environ=os.environ,
+                    on_invalid=metrics.credential_reload_failures.labels("s3").inc,
+                )
+            ),
         )
         async with outbound:
             models = await ModelRegistry.load(cfg.models, store, metrics, outbound)
@@ -157,16 +162,20 @@ async def _serve_control(
                 metrics,
                 curve=keys.curve,
                 signing_key=keys.signing,
-                epoch=store.epoch,
+                epoch=lambda: store.epoch,
                 stream_window_chunks=cfg.gateway.stream_window_chunks,
+                retired_key_ids=[r.key_id for r in keys.retired],
+                keys=keys,
             )
             deployments = Deployments(
                 cfg.nodes, store, metrics, fleet, models=models, southbound=southbound, placement=cfg.placement
             )
             await deployments.load()
+            recovery = Recovery(store, fleet, deployments, southbound, metrics)
+            await recovery.begin(forced=recover)
             quotas = await Quotas.load(store, metrics, registry.tenant_exists)
             meter = Meter(cfg.gateway, store, metrics)
-            workloads = await Workloads.load(store, keys.signing, store.epoch)
+            workloads = await Workloads.load(store, keys.signing)
             admission = Admission(cfg.gateway, metrics)
             gateway = Gateway(
                 cfg.gateway,
@@ -186,13 +195,37 @@ async def _serve_control(
                 store=store,
                 metrics=metrics,
                 started_at=time.time(),
-                controller_keys=keys.public(),
+                controller_keys=_public(keys),
                 signing_key=keys.signing,
                 quotas=quotas,
                 meter=meter,
                 admission=admission,
                 openapi=openapi.document_json(),
                 max_clock_skew_s=cfg.nodes.max_clock_skew_s,
+                recovery=recovery,
+                backups=Backups(
+                    cfg=cfg.backup,
+                    state_dir=Path(cfg.state_dir),
+                    store=store,
+                    registry=registry,
+                    metrics=metrics,
+                    signing_key=keys.signing,
+                    key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
+                ),
+            )
+            if (prev := keys.previous) is not None and prev.overlap_until > time.time():
+                # Restarted within a rotation's overlap: nodes that say hello are still told.
+                old = await trio.to_thread.run_sync(retired_signing_key, keys_dir, prev.key_id)
+                await southbound.announce_keys(keys, old, prev.overlap_until, now=False)
+            state.key_rotation = KeyRotation(
+                keys_dir,
+                keys,
+                overlap_s=cfg.nodes.key_overlap_s,
+                registry=registry,
+                announce=southbound.announce_keys,
+                on_rotated=[lambda k: workloads.use_signing_key(k.signing), partial(_use_keys, state)],
+                lock=Backups.of(state.backups).lock,
+                switch=southbound.switch_curve,
             )
             app = InferenceApp(
                 create_app(cfg.http, state),
@@ -202,7 +235,6 @@ async def _serve_control(
                 registry=registry,
                 metrics=metrics,
                 max_body_bytes=cfg.http.max_body_bytes,
-                epoch=store.epoch,
             )
             # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
             # restarted; only an unusable store or a failed start ends the process.
@@ -213,9 +245,12 @@ async def _serve_control(
                 async with trio.open_nursery() as loops:
                     channel = await loops.start(supervised, "southbound", southbound.run)
                     await loops.start(supervised, "deployments", deployments.run)
+                    await loops.start(supervised, "recovery", recovery.run)
                     await loops.start(supervised, "rollout", RolloutWatcher(deployments, meter).run)
                     await loops.start(supervised, "gateway", gateway.run)
                     await loops.start(supervised, "workloads", partial(workloads.run, cfg.gateway.workload_retention_s))
+                    await loops.start(supervised, "backup", Backups.of(state.backups).run)
+                    await loops.start(supervised, "keys", state.key_rotation.run)
                     log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                     async with trio.open_nursery() as http:
                         serve = partial(
@@ -226,7 +261,14 @@ async def _serve_control(
                         http.start_soon(_unready_on, stopping, state)
                         log.info(
                             "controller serving",
-                            extra={"fields": {"urls": binds, "epoch": store.epoch, "version": __version__}},
+                            extra={
+                                "fields": {
+                                    "urls": binds,
+                                    "epoch": store.epoch,
+                                    "version": __version__,
+                                    "recovering": recovery.active,
+                                }
+                            },
                         )
                         task_status.started(
                             ControlStarted(urls=binds, channel=channel, epoch=store.epoch, admin_key=admin_key)
@@ -238,9 +280,11 @@ async def _serve_control(
     log.info("controller stopped")
 
 
-async def _maybe(load: Callable[[str], T], path: str) -> T | None:
-    """Read a credentials file named in config (off the event loop); None when none is named."""
-    return await trio.to_thread.run_sync(load, path) if path else None
+def _use_keys(state: AppState, keys: ControllerKeys) -> None:
+    """After a rotation: the API signs audit heads and backups with the new key, enrolls with it."""
+    state.signing_key, state.controller_keys = keys.signing, _public(keys)
+    if state.backups is not None:
+        state.backups.signing_key = keys.signing
 
 
 async def _unready_on(stopping: trio.Event, state: AppState) -> None:

@@ -17,6 +17,13 @@ backpressure that would not stall every stream is refusal. Nothing is lost for g
 is superseded by the next (each carries the node's whole state), a lost ack is answered again at
 the next lease renewal, and a node whose hello was lost reports an old set in its heartbeats and
 is sent its set again (`_REPUSH_MIN_S`).
+
+Recovery (`control.recovery`): while `recovering`, nothing is pushed (no set, no renewal, no
+re-push); nodes keep what they accepted and the fleet still records what they report. A node
+that reports an accepted epoch above this controller's, or equal to it before this process sent
+it anything at that epoch, shows the controller runs on an older state: recovery begins there.
+The epoch signed is read from its one owner (`Store.epoch`) at each push, so it moves for every
+set at once when a recovery ends (`end_recovery`).
 """
 
 from __future__ import annotations
@@ -24,25 +31,38 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Iterable
 from typing import Final
 
+import attrs
 import trio
 
 from nexa.config import ChannelConfig, NodesConfig
-from nexa.contracts.wire import Ack, AssignmentSet, Heartbeat, Hello
+from nexa.contracts.wire import (
+    Ack,
+    AssignmentSet,
+    ControllerKeysAnnounced,
+    Heartbeat,
+    Hello,
+    KeysRotated,
+    NodeMessage,
+    RotateKeys,
+    RotateKeysRequest,
+)
 from nexa.control.fleet import Fleet, NodeLive
+from nexa.control.keyring import ControllerKeys
 from nexa.control.relay import Relay
-from nexa.errors import ContractError, NexaError, NotConnected
+from nexa.errors import Conflict, ContractError, NexaError, NodeNeedsReenrollment, NotConnected
 from nexa.messaging import (
     MESSAGE_HEADROOM_BYTES,
     CurveKeyPair,
     DataInbound,
     Inbound,
     Link,
-    RateLimiter,
     Refused,
     Unverified,
 )
+from nexa.ratelimit import RateLimiter
 from nexa.security import SigningKey
 from nexa.supervision import supervised
 from nexa.telemetry import Metrics
@@ -82,33 +102,59 @@ class Southbound:
         *,
         curve: CurveKeyPair,
         signing_key: SigningKey,
-        epoch: int,
+        epoch: Callable[[], int],
         stream_window_chunks: int = 32,
+        retired_key_ids: Iterable[str] = (),
+        keys: ControllerKeys | None = None,
     ) -> None:
         self._channel = channel
         self._cfg = cfg
         self._fleet = fleet
         self._metrics = metrics
+        #: The epoch to sign with, read at each use: its owner (the store) moves it once a recovery ends.
         self._epoch = epoch
+        #: Reconciliation only: while True nothing is pushed (`begin_recovery`, `end_recovery`).
+        self.recovering = False
+        #: Why recovery began ("" when it did not).
+        self.recovery_reason = ""
+        self._recovery_listeners: list[Callable[[], None]] = []
+        # Nodes sent a set at the current epoch by this process (a node reporting that epoch
+        # without being one of them accepted it from another controller on the same epoch).
+        self._pushed: set[str] = set()
+        self._key_id = signing_key.public.fingerprint
+        # The controller keys rotated away from: a node that pins only one of them (and can no
+        # longer be told its successor) needs re-enrollment (`_pins_only_retired`).
+        self._retired = frozenset(retired_key_ids)
+        # While nodes may still pin only the previous key: what tells them the new one, and that key.
+        self._announcement: tuple[ControllerKeysAnnounced, SigningKey] | None = None
+        # The channel's two endpoints (`ChannelConfig.endpoint`): which serves the current Curve
+        # key, and what each is bound as; the other serves a rotation's next key or refuses its old.
+        self._keys = keys
+        self._slot = keys.slot if keys is not None else 0
+        self._bound: dict[int, str] = {}
         self._link = Link(
-            channel.listen,
+            channel.endpoint(self._slot)[0],
             curve=curve,
             signing_key=signing_key,
             authorize=self._authorize,
             node_key=fleet.node_key,
+            previous_key=fleet.previous_node_key,
             inbox_size=_LINK_QUEUE,
             outbox_size=_LINK_QUEUE,
             max_message_bytes=int(channel.max_chunk_bytes) + MESSAGE_HEADROOM_BYTES,
             receive_hwm=channel.receive_hwm,
             signed_rate=RateLimiter(channel.signed_messages_per_s, channel.signed_messages_burst),
+            retired_dial=self._retired_dial,
         )
         fleet.limit_writes(RateLimiter(channel.node_store_writes_per_s, channel.node_store_writes_burst))
         #: The inference data path over the same channels (the gateway opens streams on it).
         self.relay = Relay(self._link, window=stream_window_chunks, max_chunk_bytes=int(channel.max_chunk_bytes))
         fleet.on_change(self._end_streams_of_lost_nodes)
+        fleet.on_rotation_request(self._ask_rotation)
         self._last_refusal_audit: dict[tuple[str, str], float] = {}
         # ZAP runs inside the link; refusals there are audited from this loop's nursery.
-        self._zap_refusals_tx, self._zap_refusals_rx = trio.open_memory_channel[str](64)
+        # (Curve key, dialled a retired Curve key of the controller's)
+        self._zap_refusals_tx, self._zap_refusals_rx = trio.open_memory_channel[tuple[str, bool]](64)
         # Receive loop → control loop (module docstring); with how many of each node's wait there.
         self._control_tx, self._control_rx = trio.open_memory_channel[Unverified | Refused](_CONTROL_QUEUE)
         self._control_waiting: dict[str, int] = {}
@@ -119,20 +165,48 @@ class Southbound:
             self._metrics.node_messages_rejected.labels("unknown_key").inc()
             # Counted above; the audit trail takes what it can without ever blocking ZAP.
             with contextlib.suppress(trio.WouldBlock):
-                self._zap_refusals_tx.send_nowait(curve_public_z85)
+                self._zap_refusals_tx.send_nowait((curve_public_z85, False))
         return node_id
 
+    def _retired_dial(self, curve_public_z85: str) -> None:
+        # A node dialled with a Curve key the controller switched away from: it was offline through
+        # the whole overlap. Refused by ZAP; marked (and counted) from the audit loop.
+        with contextlib.suppress(trio.WouldBlock):
+            self._zap_refusals_tx.send_nowait((curve_public_z85, True))
+
+    async def _mark_retired_dial(self, curve_key: str) -> None:
+        node_id, keys = self._fleet.authorize_curve(curve_key), self._keys
+        if keys is None or keys.retired_curve is None:
+            return
+        served = keys.retired_curve.public
+        key_id = next((r.key_id for r in keys.retired if r.curve_public_key == served), "?")
+        self._count_refusal(NodeNeedsReenrollment(node_id=node_id or "", key_id=key_id))
+        if node_id is not None:
+            await self._fleet.needs_reenrollment(self._fleet.get(node_id), key_id)
+
     async def _audit_zap_refusals(self) -> None:
-        async for curve_key in self._zap_refusals_rx:
+        async for curve_key, retired_dial in self._zap_refusals_rx:
+            if retired_dial:
+                await self._mark_retired_dial(curve_key)
+                continue
             revoked = self._fleet.revoked_node_with_curve(curve_key)
-            reason = "revoked node" if revoked else "unknown node key"
-            await self._refuse_audit(revoked or "", "unknown_key", f"channel refused: {reason}")
+            retired = None if revoked else self._fleet.retired_node_with_curve(curve_key)
+            reason = (
+                "revoked node" if revoked else "a key the node rotated away from" if retired else "unknown node key"
+            )
+            await self._refuse_audit(revoked or retired or "", "unknown_key", f"channel refused: {reason}")
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind the node channel and serve it; `started` reports the endpoint nodes should dial."""
         async with trio.open_nursery() as nursery:
-            bound: str = await nursery.start(supervised, "southbound.link", self._link.run)
-            endpoint = self._channel.advertise or bound
+            self._bound[self._slot] = await nursery.start(supervised, "southbound.link", self._link.run)
+            keys = self._keys
+            if keys is not None and 1 - self._slot not in self._bound:
+                other = keys.next_curve or keys.retired_curve
+                if other is not None:
+                    bind = self._channel.endpoint(1 - self._slot)[0]
+                    self._bound[1 - self._slot] = await self._link.rebind(bind, other, admit=other is keys.next_curve)
+            endpoint = self._advertised(keys.newest_slot if keys is not None else self._slot)
             self._fleet.channel_endpoint = endpoint
             nursery.start_soon(supervised, "southbound.receive", self._receive_loop)
             nursery.start_soon(supervised, "southbound.control", self._control_loop)
@@ -140,6 +214,19 @@ class Southbound:
             nursery.start_soon(supervised, "southbound.renewal", self._renewal_loop)
             nursery.start_soon(supervised, "southbound.zap_audit", self._audit_zap_refusals)
             task_status.started(endpoint)
+
+    def _advertised(self, slot: int) -> str:
+        """What nodes are told to dial for endpoint `slot`."""
+        return self._channel.endpoint(slot)[1] or self._bound[slot]
+
+    async def switch_curve(self, keys: ControllerKeys) -> None:
+        """A rotation's overlap ended (`KeyRotation`): its Curve key is the current one, and the old
+        one's endpoint (closed, with its connections) refuses every node that dials it from now on."""
+        old = self._bound.get(keys.slot ^ 1)
+        self._keys, self._slot = keys, keys.slot
+        if old is not None and keys.retired_curve is not None:
+            self._bound[keys.slot ^ 1] = await self._link.rebind(old, keys.retired_curve, admit=False)
+        self._fleet.channel_endpoint = self._advertised(keys.slot)
 
     def _end_streams_of_lost_nodes(self) -> None:
         # Fleet listener (sync): unreachable or revoked nodes will send no more output.
@@ -209,23 +296,161 @@ class Southbound:
         msg = inbound.message
         self._fleet.check_replay(inbound.node_id, msg.seq, msg.ts)  # raises Replayed / ClockSkew
         self._metrics.node_messages.labels(msg.kind).inc()
+        if await self._needs_reenrollment(inbound.node_id, msg):
+            return
         if isinstance(msg, Hello):
             # A new agent process: whatever it was relaying before is gone with the old one. Before
             # any await, so no stream opened on the new channel can be ended by mistake.
             self.relay.node_lost(inbound.node_id)
         live = await self._fleet.heard(inbound.node_id, msg)
-        if isinstance(msg, Hello):
+        # A push on a node's new connection tells it its old one can close (it redialled).
+        moved = inbound.moved and not isinstance(msg, Hello)
+        if live.previous_keys is not None and not inbound.previous_key and not isinstance(msg, RotateKeys):
+            # The first message signed with its new key: the old keys are refused from now on.
+            await self._fleet.keys_in_use(live)
+            moved = not isinstance(msg, Hello)
+        if moved:
+            await self._push(live)
+        if isinstance(msg, Hello | Heartbeat):
+            self._check_fence(live.node.id, msg.epoch)
+        if isinstance(msg, Hello) and msg.controller_key_id != self._key_id:
+            await self._announce_to(live.node.id)  # the controller's new keys first, if it rotated them
             await self._push(live)  # a (re)connected node gets its set at once
         elif isinstance(msg, Heartbeat):
-            behind = (msg.epoch, msg.generation) < (self._epoch, live.desired.generation)
+            behind = (msg.epoch, msg.generation) < (self._epoch(), live.desired.generation)
             if behind and trio.current_time() - live.last_push >= _REPUSH_MIN_S:
                 await self._push(live)
         elif isinstance(msg, Ack):
-            if msg.epoch != self._epoch or msg.generation > live.desired.generation:
+            if msg.epoch != self._epoch() or msg.generation > live.desired.generation:
                 # Not an answer to a set this controller sent: nothing to record (and no write).
                 self._metrics.node_messages_rejected.labels(STALE_ACK).inc()
                 return
             await self._fleet.record_ack(live, msg)
+        elif isinstance(msg, RotateKeys):
+            await self._rotate_keys(live, msg, by_previous=inbound.previous_key)
+
+    async def _needs_reenrollment(self, node_id: str, msg: NodeMessage) -> bool:
+        """Refuse (counted; audited once, when the fleet marks it) every message of a node that
+        pins only a retired controller key: it is never recorded, never sent a set or traffic."""
+        live = self._fleet.get(node_id)
+        pinned = msg.controller_key_id if isinstance(msg, Hello | Heartbeat) else ""
+        if not live.reenroll_key_id and self._pins_only_retired(pinned):
+            await self._fleet.needs_reenrollment(live, pinned)
+        if not live.reenroll_key_id:
+            return False
+        self._count_refusal(NodeNeedsReenrollment(node_id=node_id, key_id=live.reenroll_key_id))
+        return True
+
+    def _pins_only_retired(self, key_id: str) -> bool:
+        """Whether a node that pins `key_id` as current can no longer follow the controller's keys:
+        a retired key, and not the one an announcement still within its overlap is signed with.
+        ("" — an agent that does not say — is never taken for one.)"""
+        if not key_id or key_id == self._key_id or key_id not in self._retired:
+            return False
+        announced = self._announcement
+        return announced is None or announced[0].previous_key_id != key_id or time.time() >= announced[0].overlap_until
+
+    async def _rotate_keys(self, live: NodeLive, msg: RotateKeys, *, by_previous: bool) -> None:
+        """Swap the node's keys (fleet: store, ZAP, audit) and answer; a refusal is answered too."""
+        answer = KeysRotated(
+            node_id=live.node.id, signing_public_key=msg.signing_public_key, curve_public_key=msg.curve_public_key
+        )
+        try:
+            await self._fleet.rotate_keys(live.node.id, msg, by_previous=by_previous)
+        except (ContractError, Conflict) as exc:
+            answer = attrs.evolve(answer, accepted=False, detail=exc.message[:300])
+            await self._refuse(live.node.id, exc)
+        with contextlib.suppress(NotConnected):  # it asks again (the same keys) until answered
+            await self._link.send(live.node.id, answer)
+
+    async def announce_keys(
+        self, keys: ControllerKeys, previous: SigningKey, overlap_until: float, *, now: bool = True
+    ) -> int:
+        """`nexa keys rotate-controller`: tell each connected node (`now`; else only those that say
+        hello from here on) the controller's new keys, in a message signed with `previous`, the key
+        they pin, then sign everything after it with the new key. Until `overlap_until`, every node
+        that says hello is told again first. The new Curve key is served on the other endpoint
+        first, the one nodes are told to redial. The number of nodes told now."""
+        newest = self._slot
+        if keys.next_curve is not None:
+            newest = self._slot ^ 1
+            if now:
+                bind = self._bound.get(newest) or self._channel.endpoint(newest)[0]
+                self._bound[newest] = await self._link.rebind(bind, keys.next_curve)
+        self._keys = keys
+        if newest in self._bound:  # else (a restart) `run` sets it
+            self._fleet.channel_endpoint = self._advertised(newest)
+        template = ControllerKeysAnnounced(
+            node_id="",
+            key_id=keys.key_id,
+            signing_public_key=keys.signing.public.b64,
+            curve_public_key=keys.next_curve_public or keys.curve.public,
+            previous_key_id=previous.public.fingerprint,
+            overlap_until=overlap_until,
+        )
+        self._announcement = (template, previous)
+        told = 0
+        for live in list(self._fleet) if now else []:
+            told += await self._announce_to(live.node.id)
+        # Queued before anything signed with the new key, so each node reads them in that order.
+        self._link.use_signing_key(keys.signing)
+        self._key_id = keys.key_id
+        self._retired = frozenset(r.key_id for r in keys.retired)
+        return told
+
+    async def _announce_to(self, node_id: str) -> int:
+        if self._announcement is None or time.time() >= self._announcement[0].overlap_until:
+            return 0
+        template, previous = self._announcement
+        try:
+            told = attrs.evolve(template, node_id=node_id, channel_endpoint=self._fleet.channel_endpoint)
+            await self._link.send(node_id, told, key=previous)
+        except NotConnected:
+            return 0  # told when it next says hello
+        return 1
+
+    async def _ask_rotation(self, node_id: str) -> None:
+        """`nexa nodes rotate`: ask the node over its channel (NotConnected without a route)."""
+        await self._link.send(node_id, RotateKeysRequest(node_id=node_id))
+
+    def _check_fence(self, node_id: str, accepted_epoch: int) -> None:
+        """Begin recovery when a node accepted a set this controller's state cannot have signed."""
+        epoch = self._epoch()
+        if self.recovering or accepted_epoch < epoch or (accepted_epoch == epoch and node_id in self._pushed):
+            return
+        self.begin_recovery(
+            f"node {node_id} accepted epoch {accepted_epoch}, not below this controller's epoch {epoch}: "
+            "the controller runs on an older state"
+        )
+
+    # ---- recovery ------------------------------------------------------------------------------------
+
+    def on_recovery(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (sync, must not block) when recovery begins."""
+        self._recovery_listeners.append(listener)
+
+    def begin_recovery(self, reason: str) -> None:
+        """Push nothing from now on, until `end_recovery`."""
+        if self.recovering:
+            return
+        self.recovering = True
+        self.recovery_reason = reason
+        log.warning("recovery: pushing nothing to nodes until it ends: %s", reason)
+        for listener in self._recovery_listeners:
+            listener()
+
+    async def end_recovery(self) -> int:
+        """Resume pushing (the store has taken the new epoch): every reachable node gets its set
+        now, signed with the new epoch; the others when they next say hello. The number pushed."""
+        self.recovering = False
+        self.recovery_reason = ""
+        self._pushed.clear()  # nothing is signed at the new epoch yet
+        pushed = 0
+        for live in list(self._fleet):
+            if live.reachable:
+                await self._push(live)
+                pushed += 1
+        return pushed
 
     async def _refuse(self, node_id: str, error: NexaError) -> None:
         await self._refuse_audit(node_id, self._count_refusal(error), error.message)
@@ -254,13 +479,18 @@ class Southbound:
             await self._push(live)
 
     async def _push(self, live: NodeLive) -> None:
+        if self.recovering or live.reenroll_key_id:
+            return  # reconciliation only: nodes keep what they accepted; or it cannot verify a set
         desired = live.desired
+        epoch = self._epoch()
+        self._pushed.add(live.node.id)  # before the send: its answer may come before `send` returns
         signed = AssignmentSet(
             node_id=live.node.id,
-            epoch=self._epoch,
+            epoch=epoch,
             generation=desired.generation,
             lease_expires_at=time.time() + self._cfg.assignment_lease_s,
             assignments=list(desired.assignments),
+            key_id=self._key_id,
         )
         try:
             await self._link.send(live.node.id, signed)

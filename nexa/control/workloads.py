@@ -90,14 +90,17 @@ class ActiveWorkload:
 class Workloads:
     """Active canonical workloads in memory; finished ones in the store."""
 
-    def __init__(self, store: st.Store, signing_key: SigningKey, epoch: int) -> None:
+    def __init__(self, store: st.Store, signing_key: SigningKey) -> None:
         self._store = store
         self._key = signing_key
-        self._epoch = epoch
         self._active: dict[tuple[TenantId, str], ActiveWorkload] = {}
         self._active_keys: dict[tuple[TenantId, str], ActiveWorkload] = {}
         #: Finished workloads whose receipt write timed out (FINISH_WRITE_TIMEOUT_S).
         self._unstored = 0
+
+    def use_signing_key(self, key: SigningKey) -> None:
+        """Sign receipts with `key` from now on (`nexa keys rotate-controller`)."""
+        self._key = key
 
     async def run(
         self,
@@ -119,9 +122,9 @@ class Workloads:
             await trio.sleep(interval_s)
 
     @classmethod
-    async def load(cls, store: st.Store, signing_key: SigningKey, epoch: int) -> Workloads:
+    async def load(cls, store: st.Store, signing_key: SigningKey) -> Workloads:
         """Mark what a crash left unfinished as failed (`controller_restarted`), with signed receipts."""
-        workloads = cls(store, signing_key, epoch)
+        workloads = cls(store, signing_key)
         unfinished = await store.run(st.unfinished_workloads)
         if unfinished:
             now = time.time()
@@ -140,7 +143,7 @@ class Workloads:
             state=WorkloadState.FAILED,
             error=RESTARTED,
             finished_at=now,
-            controller_epoch=self._epoch,
+            controller_epoch=self._store.epoch,  # read now: a recovery's end moves it
         )
         return attrs.evolve(receipt, alias=a.alias, model="", duration_ms=max(0.0, (now - a.accepted_at) * 1000))
 
@@ -247,7 +250,7 @@ class Workloads:
             state=state,
             error=None if error is None else error.code,
             finished_at=time.time(),
-            controller_epoch=self._epoch,
+            controller_epoch=self._store.epoch,  # read now: a recovery's end moves it
         )
         return await self.finish(active, receipt)
 

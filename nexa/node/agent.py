@@ -12,6 +12,12 @@ fence save, the ack) through a bounded channel, in order. It never waits on that
 That is safe because what the controller sends supersedes what came before (an assignment set is
 the whole desired state with its lease; a drain is a flag) and the controller sends the set again
 at every renewal (lease / 3) and whenever a heartbeat reports an older one.
+
+Key rotation (`nexa node rotate-keys` writes `keys.next` in the state directory; `nexa nodes
+rotate` has the controller ask): the agent sends the new public keys in a `RotateKeys` signed
+with its current key, again every `ROTATION_RETRY_S` until a `KeysRotated` answers; then it
+makes them its keys on disk and has its channel dial with them (`node.channel`, make before
+break), and its next heartbeat, signed with the new key, tells the controller to drop the old.
 """
 
 from __future__ import annotations
@@ -22,10 +28,10 @@ import logging
 import os
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Final, NoReturn, Protocol, TypeVar
+from typing import Final, NoReturn, Protocol
 
 import attrs
 import trio
@@ -37,21 +43,35 @@ from nexa.contracts.node import ENGINE_FIELD_MAX
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, PodmanError
 from nexa.messaging import Unverified, Uplink
 from nexa.node.artifacts import ArtifactCache
+from nexa.node.channel import Dial, NodeChannel
 from nexa.node.docker import DockerClient
-from nexa.node.identity import Fence, NodeIdentity, load_fence, load_identity, save_fence
+from nexa.node.identity import (
+    Fence,
+    NodeIdentity,
+    PendingKeys,
+    controller_keys,
+    discard_pending_keys,
+    load_fence,
+    load_identity,
+    load_pending_keys,
+    pin_controller_keys,
+    prepare_rotation,
+    promote_pending_keys,
+    resume_rotation,
+    save_fence,
+)
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.podman import PodmanClient
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
 from nexa.node.supervisor import Supervisor
-from nexa.oci import load_registry_credentials
+from nexa.oci import registry_credentials as registry_credentials_source
 from nexa.runtimes import SIMULATION_ENV
-from nexa.s3 import load_s3_credentials
+from nexa.s3 import s3_credentials as s3_credentials_source
 from nexa.supervision import Supervision, supervised
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 #: First wait before re-dialling the controller; zmq doubles it up to `reconnect_max_s`.
 RECONNECT_FIRST_S: Final = 0.1
@@ -61,6 +81,8 @@ ENGINE_VERSION_S: Final = 5.0
 _CONTROL_QUEUE: Final = 16
 #: With `leave_running_on_exit = false`, how long stopping every runtime may take at exit.
 _STOP_ALL_TIMEOUT_S: Final = 60.0
+#: A `RotateKeys` not answered is sent again this often (the controller answers a repeat the same way).
+ROTATION_RETRY_S: Final = 5.0
 
 
 # --- the decision (pure) ------------------------------------------------------------------------
@@ -161,6 +183,9 @@ class AgentStatistics:
     data_frames: int = 0
     #: Signed messages dropped unread because `_CONTROL_QUEUE` of them already waited (module docstring).
     control_dropped: int = 0
+    #: Key rotations completed by this agent, and whether one waits for the controller's answer.
+    keys_rotated: int = 0
+    rotation_pending: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -192,7 +217,7 @@ class Agent:
         identity: NodeIdentity,
         fence: Fence,
         state_dir: Path,
-        uplink: Uplink,
+        uplink: NodeChannel,
         inventory: InventoryWatcher,
         runtimes: Runtimes,
         heartbeat_interval_s: float,
@@ -201,8 +226,16 @@ class Agent:
         container_engine: str = "",
         container_engine_version: str = "",
         gpu_method: str = "",
+        pending_keys: PendingKeys | None = None,
+        open_requests: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self._node_id = identity.node_id
+        self._controller_key_id = identity.controller_signing_public.fingerprint
+        # A rotation under way (`keys.next`), and when its RotateKeys was last sent.
+        self._pending = pending_keys
+        self._pending_sent_at = float("-inf")
+        self._open_requests = open_requests
+        self._keys_rotated = 0
         # Reported in every heartbeat's inventory (`nexa nodes show`).
         self._engine = (container_engine, container_engine_version, gpu_method)
         # The inference relay's `deliver` (never blocks); without one, data frames are dropped.
@@ -254,6 +287,8 @@ class Agent:
             draining=self._draining,
             data_frames=self._data_frames,
             control_dropped=self._control_dropped,
+            keys_rotated=self._keys_rotated,
+            rotation_pending=self._pending is not None,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
@@ -267,6 +302,7 @@ class Agent:
                 agent_version=__version__,
                 epoch=fence.epoch,
                 generation=fence.generation,
+                controller_key_id=self._pinned_key_id(),
             )
         )
         async with trio.open_nursery() as nursery:
@@ -274,6 +310,7 @@ class Agent:
             nursery.start_soon(supervised, "agent.receive", self._receive)
             nursery.start_soon(supervised, "agent.control", self._control)
             nursery.start_soon(supervised, "agent.watch_lease", self._watch_lease)
+            nursery.start_soon(supervised, "agent.watch_rotation", self._watch_rotation)
             task_status.started()
         raise AssertionError("the agent's loops never return")  # pragma: no cover
 
@@ -336,7 +373,13 @@ class Agent:
             assignments=statuses,
             epoch=fence.epoch,
             generation=fence.generation,
+            controller_key_id=self._pinned_key_id(),
         )
+
+    def _pinned_key_id(self) -> str:
+        """The id of the controller key this node pins as current (hello and heartbeat say it)."""
+        pinned = self._uplink.controller_keys
+        return pinned[0][0].fingerprint if pinned else self._controller_key_id
 
     # --- what the controller sends
 
@@ -385,8 +428,16 @@ class Agent:
     async def _dispatch(self, msg: wire.ControllerMessage) -> None:
         if isinstance(msg, wire.AssignmentSet):
             await self._on_assignments(msg)
-        else:
+        elif isinstance(msg, wire.Drain):
             self._on_drain(msg)
+        elif isinstance(msg, wire.KeysRotated):
+            await self._on_keys_rotated(msg)
+        elif isinstance(msg, wire.ControllerKeysAnnounced):
+            await self._on_controller_keys(msg)
+        elif msg.node_id == self._node_id:  # RotateKeysRequest
+            log.info("the controller asks this node to rotate its keys")
+            self._pending = await trio.to_thread.run_sync(prepare_rotation, self._state_dir)
+            await self._send_rotation()
 
     async def _on_assignments(self, offered: wire.AssignmentSet) -> None:
         verdict = judge(self._node_id, self._fence, offered, time.time())
@@ -461,6 +512,74 @@ class Agent:
             log.info("draining at the controller's request (reason: %r)", msg.reason)
         self._draining = True
 
+    # --- key rotation
+
+    async def _watch_rotation(self) -> NoReturn:
+        # `nexa node rotate-keys` leaves the keys in the state directory; the agent picks them up.
+        while True:
+            if self._pending is None:
+                self._pending = await trio.to_thread.run_sync(load_pending_keys, self._state_dir)
+            if self._pending is not None and trio.current_time() - self._pending_sent_at >= ROTATION_RETRY_S:
+                await self._send_rotation()
+            await trio.sleep(min(self._heartbeat_interval_s, ROTATION_RETRY_S))
+
+    async def _send_rotation(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        self._pending_sent_at = trio.current_time()
+        await self._send(
+            lambda seq, ts: wire.RotateKeys(
+                node_id=self._node_id,
+                seq=seq,
+                ts=ts,
+                signing_public_key=pending.signing_key.public.b64,
+                curve_public_key=pending.curve.public,
+            )
+        )
+
+    async def _on_keys_rotated(self, answer: wire.KeysRotated) -> None:
+        pending = self._pending
+        keys = (answer.signing_public_key, answer.curve_public_key)
+        if (
+            answer.node_id != self._node_id
+            or pending is None
+            or keys != (pending.signing_key.public.b64, pending.curve.public)
+        ):
+            log.info("ignored an answer about keys this node is not rotating to")
+            return
+        if not answer.accepted:
+            log.warning("the controller refused this node's new keys (%s); it keeps its keys", answer.detail)
+            await trio.to_thread.run_sync(discard_pending_keys, self._state_dir)
+            self._pending = None
+            return
+        async with self._send_lock:
+            # On disk first: from here on a restarted agent finishes the promotion (`resume_rotation`).
+            await trio.to_thread.run_sync(promote_pending_keys, self._state_dir, pending)
+            await self._uplink.rekey(pending.curve, pending.signing_key, self._open_requests())
+            self._pending = None
+            self._keys_rotated += 1
+        log.info("node keys rotated; the channel uses the new ones")
+        await self._heartbeat_once()  # the first message with the new key: the controller drops the old
+
+    async def _on_controller_keys(self, msg: wire.ControllerKeysAnnounced) -> None:
+        # Only the key pinned now names its successor: never one it replaced, even in the overlap.
+        pinned = self._uplink.controller_keys
+        if msg.node_id != self._node_id or (pinned and self._uplink.verified_with != pinned[0][0]):
+            log.warning("ignored controller keys not announced with the key this node pins")
+            return
+        record = await trio.to_thread.run_sync(pin_controller_keys, self._state_dir, msg)
+        self._uplink.controller_keys = controller_keys(record)
+        dial = self._uplink.dial
+        if (record.controller_curve_public_key, record.channel_endpoint) != (dial.server_curve_public, dial.endpoint):
+            # The controller serves its new Curve key at its other endpoint: move there, make before break.
+            async with self._send_lock:
+                await self._uplink.redial(
+                    record.controller_curve_public_key, record.channel_endpoint, self._open_requests()
+                )
+            log.info("the controller's channel moved to %s with its new Curve key", record.channel_endpoint)
+            await self._heartbeat_once()  # on the new connection: the controller moves its route
+
     # --- the lease
 
     async def _watch_lease(self) -> NoReturn:
@@ -512,15 +631,9 @@ async def _stop_runtimes(supervisor: Supervisor, generation: int) -> None:
             await trio.sleep(0.1)
 
 
-async def _maybe(load: Callable[[str], T], path: str) -> T | None:
-    """Read a credentials file when one is configured (off the event loop); None when not."""
-    if not path:
-        return None
-    return await trio.to_thread.run_sync(load, path)
-
-
-def _load_state(state_dir: Path) -> tuple[NodeIdentity, Fence]:
-    return load_identity(state_dir), load_fence(state_dir)
+def _load_state(state_dir: Path) -> tuple[NodeIdentity, Fence, PendingKeys | None]:
+    pending = resume_rotation(state_dir)  # before the keys are read: a promotion may be unfinished
+    return load_identity(state_dir), load_fence(state_dir), pending
 
 
 async def _engine_version(engine: PodmanClient) -> str:
@@ -560,24 +673,38 @@ async def _serve_node(
     if cfg.simulation and os.environ.get(SIMULATION_ENV) != "1":
         raise ConfigError(f"simulation = true runs simulated runtimes: it needs {SIMULATION_ENV}=1 in the environment")
     state_dir = Path(cfg.state_dir)
-    identity, fence = await trio.to_thread.run_sync(_load_state, state_dir)
-    endpoint = channel_endpoint(identity.channel_endpoint, cfg.source_address)
+    identity, fence, pending = await trio.to_thread.run_sync(_load_state, state_dir)
+    channel_endpoint(identity.channel_endpoint, cfg.source_address)  # a bad source address fails the start
     watcher = InventoryWatcher(
         cfg.inventory_path,
         discover=partial(discover, cfg.nvidia_smi or None),
         poll_interval_s=cfg.inventory_poll_interval_s,
     )
-    uplink = Uplink(
-        endpoint,
+
+    def make_uplink(dial: Dial, share: Uplink | None) -> Uplink:
+        return Uplink(
+            channel_endpoint(dial.endpoint, cfg.source_address),
+            curve=dial.curve,
+            server_curve_public=dial.server_curve_public,
+            signing_key=dial.signing_key,
+            controller_key=identity.controller_signing_public,
+            reconnect_ivl_s=min(RECONNECT_FIRST_S, cfg.reconnect_max_s),
+            reconnect_ivl_max_s=cfg.reconnect_max_s,
+            share_inbox_of=share,
+        )
+
+    first = Dial(
         curve=identity.curve,
-        server_curve_public=identity.controller_curve_public,
         signing_key=identity.signing_key,
-        controller_key=identity.controller_signing_public,
-        reconnect_ivl_s=min(RECONNECT_FIRST_S, cfg.reconnect_max_s),
-        reconnect_ivl_max_s=cfg.reconnect_max_s,
+        server_curve_public=identity.controller_curve_public,
+        endpoint=identity.channel_endpoint,
     )
+    uplink = NodeChannel(make_uplink, first, identity.controller_keys)
     engine_socket = cfg.container.socket_path(cfg.podman)
-    registry_credentials = await _maybe(load_registry_credentials, cfg.podman.registry_credentials_file)
+    # Re-read at each pull when the file changed (a bad rewrite keeps the last good).
+    registry_credentials = await trio.to_thread.run_sync(
+        registry_credentials_source, cfg.podman.registry_credentials_file
+    )
     podman: PodmanClient
     if cfg.container.engine == "docker":
         podman = DockerClient(
@@ -594,7 +721,15 @@ async def _serve_node(
             credentials=registry_credentials,
             private_network=cfg.podman.private_network,
         )
-    s3_credentials = await _maybe(load_s3_credentials, cfg.artifacts.s3_credentials_file)
+    # Re-read when the file changes (a bad rewrite keeps the last good); else the AWS_* variables.
+    s3_credentials = await trio.to_thread.run_sync(
+        partial(
+            s3_credentials_source,
+            cfg.artifacts.s3_credentials_file,
+            profile=cfg.artifacts.s3_profile,
+            environ=os.environ,
+        )
+    )
     async with (
         podman,
         ArtifactCache(cfg.artifacts, state_dir=state_dir, credentials=s3_credentials) as artifacts,
@@ -629,6 +764,8 @@ async def _serve_node(
             container_engine=cfg.container.engine,
             container_engine_version=await _engine_version(podman),
             gpu_method=cfg.container.gpu_method,
+            pending_keys=pending,
+            open_requests=relay.open_requests,
         )
         # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
         # restarted; only a failed start ends the agent.

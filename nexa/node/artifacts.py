@@ -24,7 +24,8 @@ evicted or downloaded. Eviction is least-recently-used per manifest (or per sing
 never removes a pinned manifest, nor a blob that a kept manifest uses.
 
 Requests go through `nexa.s3.S3Client` (signed with AWS Signature Version 4, read 1 MiB at a
-time). Credentials come from a file named in node config and are never logged; log lines carry
+time). Credentials come from a file named in node config (re-read when it changes) or the AWS
+environment variables, and are never logged; log lines carry
 digests, sizes and durations only. This module words the store's refusals for an operator; the
 files on disk (layout, partial files, assembly, recovery on open) are `nexa.node.cache_files`.
 """
@@ -56,8 +57,7 @@ from nexa.errors import (
     InsufficientDisk,
 )
 from nexa.node import cache_files
-from nexa.s3 import InjectedTransport, ObjectStream, S3Client, split_s3_uri
-from nexa.sigv4 import S3Credentials
+from nexa.s3 import CredentialsSource, InjectedTransport, ObjectStream, S3Client, split_s3_uri
 from nexa.supervision import all_or_first_failure
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ class ArtifactCache:
         cfg: ArtifactsConfig,
         *,
         state_dir: Path,
-        credentials: S3Credentials | None,
+        credentials: CredentialsSource | None,
         transport: InjectedTransport | None = None,
     ) -> None:
         self._cfg = cfg

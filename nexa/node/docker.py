@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar, Final
 from urllib.parse import quote
 
@@ -214,7 +215,7 @@ class DockerClient(PodmanClient):
         socket_path: str,
         *,
         tls_verify: bool = True,
-        credentials: RegistryCredentials | None = None,
+        credentials: RegistryCredentials | Callable[[], RegistryCredentials] | None = None,
         transport: EngineTransport | None = None,
         gpu_method: str = GPU_CDI,
         network: str = DEFAULT_DOCKER_NETWORK,

@@ -4,8 +4,11 @@ Files (every one written atomically: temp file, fsync, rename, fsync of the dire
 
 * `node.key`         Ed25519 signing key (0600): signs heartbeats and acks
 * `curve.key/.pub`   Curve25519 key pair (0600/0644): the CurveZMQ channel identity
-* `enrollment.json`  node id, the controller's pinned keys and the channel endpoint (0600)
+* `enrollment.json`  node id, the controller's pinned keys (and, after it rotated them, its
+                     previous signing key until the overlap ends) and the channel endpoint (0600)
 * `fence.json`       the highest accepted (epoch, generation), its lease and assignments (0600)
+* `keys.next/`       a key rotation not yet confirmed by the controller: `node.key`, `curve.key/.pub`
+                     (made whole in a temp directory, then renamed; see `prepare_rotation`)
 
 Private keys never leave this directory; only their public halves go into an EnrollRequest.
 """
@@ -13,7 +16,9 @@ Private keys never leave this directory; only their public halves go into an Enr
 from __future__ import annotations
 
 import logging
+import math
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -33,6 +38,8 @@ SIGNING_KEY_FILE: Final = "node.key"
 CURVE_KEY_NAME: Final = "curve"
 ENROLLMENT_FILE: Final = "enrollment.json"
 FENCE_FILE: Final = "fence.json"
+#: The directory of the keys a rotation is moving to, until the controller confirmed them.
+NEXT_KEYS_DIR: Final = "keys.next"
 
 NOT_ENROLLED: Final = "this node is not enrolled: run `nexa node enroll --controller URL --token TOKEN`"
 
@@ -52,6 +59,14 @@ class EnrollmentRecord:
     #: The controller's HTTP URL as given to `nexa node enroll` (`nexa node doctor` checks it);
     #: empty in records written before it was kept.
     controller_url: str = ""
+    #: After the controller rotated its keys (`wire.ControllerKeysAnnounced`): the signing key it
+    #: had before, still accepted until `previous_controller_key_until` (Unix seconds). The new
+    #: Curve key and endpoint it announced replace `controller_curve_public_key` and
+    #: `channel_endpoint` (the node redials them); from a controller that named no endpoint, the
+    #: Curve key is only kept here.
+    previous_controller_signing_public_key: str = ""
+    previous_controller_key_until: float = 0.0
+    next_controller_curve_public_key: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -64,6 +79,8 @@ class NodeIdentity:
     controller_signing_public: security.PublicKey
     controller_curve_public: str
     channel_endpoint: str
+    #: Every controller key messages may be signed with and until when (Unix seconds), current first.
+    controller_keys: tuple[tuple[security.PublicKey, float], ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -211,6 +228,7 @@ def load_identity(state_dir: Path) -> NodeIdentity:
     try:
         controller_signing_public = security.PublicKey.from_b64(record.controller_signing_public_key)
         controller_curve_public = messaging.check_curve_key(record.controller_curve_public_key)
+        keys = controller_keys(record)
     except ContractError as exc:
         raise ConfigError(f"{state_dir / ENROLLMENT_FILE} is damaged: {exc.message}") from None
     return NodeIdentity(
@@ -220,7 +238,146 @@ def load_identity(state_dir: Path) -> NodeIdentity:
         controller_signing_public=controller_signing_public,
         controller_curve_public=controller_curve_public,
         channel_endpoint=record.channel_endpoint,
+        controller_keys=keys,
     )
+
+
+def controller_keys(record: EnrollmentRecord) -> tuple[tuple[security.PublicKey, float], ...]:
+    """The controller keys a record pins, current first, each with until when it is accepted."""
+    keys: tuple[tuple[security.PublicKey, float], ...] = (
+        (security.PublicKey.from_b64(record.controller_signing_public_key), math.inf),
+    )
+    if record.previous_controller_signing_public_key:
+        previous = security.PublicKey.from_b64(record.previous_controller_signing_public_key)
+        keys += ((previous, record.previous_controller_key_until),)
+    return keys
+
+
+def pin_controller_keys(state_dir: Path, announced: wire.ControllerKeysAnnounced) -> EnrollmentRecord:
+    """Pin the controller's new signing key, its current one kept until `announced.overlap_until`
+    (written atomically before the node acts on it). ContractError when the announcement does not
+    replace the key pinned now, or names its new key by another id; nothing is written then."""
+    record = load_enrollment(state_dir)
+    current = security.PublicKey.from_b64(record.controller_signing_public_key)
+    new = security.PublicKey.from_b64(announced.signing_public_key)
+    messaging.check_curve_key(announced.curve_public_key)
+    if new == current:
+        return record  # told again (each hello within the overlap)
+    if announced.previous_key_id != current.fingerprint or announced.key_id != new.fingerprint:
+        raise ContractError("the controller's new keys do not follow the key this node pins")
+    record = attrs.evolve(
+        record,
+        controller_signing_public_key=new.b64,
+        previous_controller_signing_public_key=current.b64,
+        previous_controller_key_until=announced.overlap_until,
+        next_controller_curve_public_key=announced.curve_public_key,
+    )
+    if announced.channel_endpoint:
+        record = attrs.evolve(
+            record,
+            controller_curve_public_key=announced.curve_public_key,
+            channel_endpoint=announced.channel_endpoint,
+            next_controller_curve_public_key="",
+        )
+    atomic_write(state_dir / ENROLLMENT_FILE, codec.dumps(codec.store, record).encode("utf-8"))
+    log.info(
+        "pinned the controller's new key %s; key %s accepted until the overlap ends",
+        new.fingerprint,
+        current.fingerprint,
+    )
+    return record
+
+
+# --- key rotation -------------------------------------------------------------------------------
+#
+# The node keeps its keys until the controller confirmed the new ones (`KeysRotated`), and the
+# controller accepts either until the node's first message signed with the new ones, so a crash
+# at any step leaves a node that can connect: before the promotion it still has (and the controller
+# still admits) the old keys; once promotion began, the controller has confirmed the new ones.
+
+
+@attrs.frozen(kw_only=True)
+class PendingKeys:
+    """The keys a rotation moves to. Their secrets never appear in a repr."""
+
+    signing_key: security.SigningKey
+    curve: messaging.CurveKeyPair
+
+
+def load_pending_keys(state_dir: Path) -> PendingKeys | None:
+    """The keys of a rotation not yet promoted, or None. Raises ConfigError for damaged files."""
+    directory = state_dir / NEXT_KEYS_DIR
+    if not directory.is_dir():
+        return None
+    return PendingKeys(
+        signing_key=security.load_signing_key(directory / SIGNING_KEY_FILE),
+        curve=messaging.load_curve_keypair(directory, name=CURVE_KEY_NAME),
+    )
+
+
+def prepare_rotation(state_dir: Path) -> PendingKeys:
+    """The keys to rotate to: those of a rotation already under way, else new ones.
+
+    New keys are written whole into a temp directory (0700, each file 0600/0644, fsync'd) and
+    renamed to `keys.next` in one step, so a crash leaves either no pending keys or all of them.
+    Refuses (ConfigError) a node that is not enrolled: it has no keys to rotate.
+    """
+    load_enrollment(state_dir)
+    pending = load_pending_keys(state_dir)
+    if pending is not None:
+        return pending
+    pending = PendingKeys(signing_key=security.generate_signing_key(), curve=messaging.generate_curve_keypair())
+    try:
+        tmp = Path(tempfile.mkdtemp(dir=state_dir, prefix=f".{NEXT_KEYS_DIR}.", suffix=".tmp"))  # mode 0700
+    except OSError as exc:
+        raise ConfigError(f"cannot write the new keys in {state_dir}: {exc.strerror}") from None
+    try:
+        security.save_signing_key(pending.signing_key, tmp / SIGNING_KEY_FILE)
+        messaging.save_curve_keypair(pending.curve, tmp, name=CURVE_KEY_NAME)
+        tmp.rename(state_dir / NEXT_KEYS_DIR)
+        security.fsync_dir(state_dir)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the new keys in {state_dir}: {exc.strerror}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("new node keys made; they take effect once the controller confirms them")
+    return pending
+
+
+def promote_pending_keys(state_dir: Path, pending: PendingKeys) -> None:
+    """Make `pending` this node's keys (the controller confirmed them), then drop `keys.next`.
+
+    Each file is replaced atomically; a crash in between is finished by `resume_rotation`.
+    """
+    messaging.save_curve_keypair(pending.curve, state_dir, name=CURVE_KEY_NAME, overwrite=True)
+    security.save_signing_key(pending.signing_key, state_dir / SIGNING_KEY_FILE, overwrite=True)
+    discard_pending_keys(state_dir)
+    log.info("the node's new keys are in force")
+
+
+def discard_pending_keys(state_dir: Path) -> None:
+    """Remove `keys.next` (promoted, or refused by the controller)."""
+    try:
+        shutil.rmtree(state_dir / NEXT_KEYS_DIR)
+        security.fsync_dir(state_dir)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"cannot remove {state_dir / NEXT_KEYS_DIR}: {exc.strerror}") from None
+
+
+def resume_rotation(state_dir: Path) -> PendingKeys | None:
+    """At start, before the keys are loaded: finish a promotion a crash cut short (one of the
+    node's keys already is a pending one, so the controller had confirmed them), and return the
+    pending keys still to be confirmed (None when no rotation is under way)."""
+    pending = load_pending_keys(state_dir)
+    if pending is None:
+        return None
+    signing_key, curve = _load_keys(state_dir)
+    if signing_key.public == pending.signing_key.public or curve.public == pending.curve.public:
+        promote_pending_keys(state_dir, pending)
+        return None
+    return pending
 
 
 # --- the fence ----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import math
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import aclosing
 from datetime import datetime
 from types import TracebackType
@@ -293,7 +293,7 @@ class PodmanClient:
         socket_path: str,
         *,
         tls_verify: bool = True,
-        credentials: RegistryCredentials | None = None,
+        credentials: RegistryCredentials | Callable[[], RegistryCredentials] | None = None,
         transport: EngineTransport | None = None,
         private_network: str = DEFAULT_PRIVATE_NETWORK,
     ) -> None:
@@ -304,7 +304,7 @@ class PodmanClient:
         self._private_network = private_network
         self._socket = socket_path
         self._tls_verify = tls_verify
-        self._credentials = credentials
+        self._credentials_source = credentials
         self._http = EngineHttp(socket_path, base_url=self.BASE_URL, engine=self.ENGINE, transport=transport)
 
     async def __aenter__(self) -> PodmanClient:
@@ -320,6 +320,12 @@ class PodmanClient:
         await self._http.__aexit__(exc_type, exc, tb)
 
     # -- plumbing ---------------------------------------------------------------------------------
+
+    @property
+    def _credentials(self) -> RegistryCredentials | None:
+        """Asked at each pull: a credentials file is re-read when it changed (`oci.registry_credentials`)."""
+        source = self._credentials_source
+        return source() if callable(source) else source
 
     def _scrub(self, message: str) -> str:
         if self._credentials is not None:

@@ -187,6 +187,10 @@ class NodeRelay:
         else:
             self._dropped += 1
 
+    def open_requests(self) -> list[str]:
+        """The ids of the requests running now (a key rotation finishes them on the old channel)."""
+        return list(self._requests)
+
     def statistics(self) -> NodeRelayStatistics:
         reqs = self._requests.values()
         return NodeRelayStatistics(

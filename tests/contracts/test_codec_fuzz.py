@@ -2,8 +2,8 @@
 
 Unit cases name each rule (NaN, integer bound, depth, sizes, duplicates, surrogates, UTF-8); the
 hypothesis fuzzers throw arbitrary bytes, hostile JSON and mutated real messages at the body
-decoder (`codec.parse_json`, `codec.loads`) and the frame decoders (`messaging.decode_frames`,
-`messaging.decode_data`) and accept only a value or a ContractError (or BadSignature, for frames
+decoder (`codec.parse_json`, `codec.loads`) and the frame decoders (`framing.decode_frames`,
+`framing.decode_data`) and accept only a value or a ContractError (or BadSignature, for frames
 whose signature does not verify).
 """
 
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nexa import messaging, security
+from nexa import framing, security
 from nexa.contracts import codec, wire
 from nexa.contracts.bounds import MAX_TOKENS
 from nexa.errors import BadSignature, ContractError
@@ -138,7 +138,7 @@ def test_a_heartbeat_with_nan_never_gets_past_the_decoder() -> None:
     assert "NaN" in body
     frames = [b"heartbeat", body.encode(), security.sign(KEY, b"heartbeat", body.encode())]
     with pytest.raises(ContractError, match="NaN"):
-        messaging.decode_frames(frames, KEY.public, wire.FROM_NODE)
+        framing.decode_frames(frames, KEY.public, wire.FROM_NODE)
 
 
 # --- fuzzing ------------------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_a_signed_heartbeat_with_hostile_values_is_refused_only_with_contract_er
     body = text.encode("utf-8", "surrogatepass")
     frames = [b"heartbeat", body, security.sign(KEY, b"heartbeat", body)]
     try:
-        msg = messaging.decode_frames(frames, KEY.public, wire.FROM_NODE)
+        msg = framing.decode_frames(frames, KEY.public, wire.FROM_NODE)
     except ContractError:
         return
     assert isinstance(msg, wire.Heartbeat)
@@ -246,10 +246,10 @@ def test_a_signed_heartbeat_with_hostile_values_is_refused_only_with_contract_er
 @given(st.lists(st.binary(max_size=64), max_size=6))
 def test_frame_decoders_raise_only_contract_errors_or_bad_signature(frames: list[bytes]) -> None:
     with contextlib.suppress(ContractError, BadSignature):
-        messaging.decode_frames(frames, KEY.public, wire.FROM_NODE)
-    _only_contract_errors(messaging.decode_data, frames, wire.DATA_FROM_NODE)
+        framing.decode_frames(frames, KEY.public, wire.FROM_NODE)
+    _only_contract_errors(framing.decode_data, frames, wire.DATA_FROM_NODE)
     if len(frames) == 4:
-        _only_contract_errors(messaging.decode_data, [b"end", *frames[1:]], wire.DATA_FROM_NODE)
+        _only_contract_errors(framing.decode_data, [b"end", *frames[1:]], wire.DATA_FROM_NODE)
 
 
 @FUZZ
@@ -257,7 +257,7 @@ def test_frame_decoders_raise_only_contract_errors_or_bad_signature(frames: list
 def test_signed_bodies_of_every_kind_raise_only_contract_errors(kind: str, text: str) -> None:
     body = text.encode("utf-8", "surrogatepass")
     frames = [kind.encode(), body, security.sign(KEY, kind.encode(), body)]
-    _only_contract_errors(messaging.decode_frames, frames, KEY.public, wire.FROM_NODE)
+    _only_contract_errors(framing.decode_frames, frames, KEY.public, wire.FROM_NODE)
 
 
 def test_decoded_contracts_are_plain_values() -> None:

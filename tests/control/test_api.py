@@ -9,8 +9,9 @@ import pytest
 import trio
 
 from nexa.config import HttpConfig
-from nexa.control.api import ROUTE_ROLES, AppState, create_app
+from nexa.control.api import AppState, create_app
 from nexa.control.console import CONSOLE_ROUTES
+from nexa.control.routes import ROUTE_ROLES
 from nexa.control.service import serve_control
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, local_config

@@ -199,7 +199,7 @@ class Rig:
 async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
     async with st.open_store(tmp_path / "state") as store:
         signer = generate_signing_key()
-        workloads = await Workloads.load(store, signer, store.epoch)
+        workloads = await Workloads.load(store, signer)
         gateway = FakeGateway()
         fallback_paths: list[str] = []
 
@@ -214,7 +214,6 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
             registry=Keys(),  # type: ignore[arg-type]
             metrics=Metrics(),
             max_body_bytes=1 << 20,
-            epoch=store.epoch,
         )
         yield Rig(app, gateway, workloads, signer.public, fallback_paths)
 

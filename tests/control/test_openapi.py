@@ -21,8 +21,8 @@ from openapi_spec_validator import validate
 from nexa.contracts import codec
 from nexa.contracts.api import ReceiptPublicKey
 from nexa.control import openapi
-from nexa.control.api import ROUTE_ROLES
 from nexa.control.inference import INFERENCE_ROUTES
+from nexa.control.routes import ROUTE_ROLES
 from nexa.messaging import generate_curve_keypair
 from nexa.security import generate_signing_key, split_enrollment_token
 from tests.conftest import Controller, ControllerProcess
@@ -125,8 +125,11 @@ async def test_the_receipts_key_is_answered_and_described_as_its_contract_type(c
         resp = await http.get("/api/v1/receipts/public-key")
     assert resp.status_code == 200, resp.text
     answer = resp.json()
-    assert list(answer) == ["public_key"] and len(base64.b64decode(answer["public_key"], validate=True)) == 32
-    assert codec.loads(codec.api, resp.content, ReceiptPublicKey) == ReceiptPublicKey(public_key=answer["public_key"])
+    assert sorted(answer) == ["key_id", "keys", "public_key"]
+    assert len(base64.b64decode(answer["public_key"], validate=True)) == 32
+    listed = codec.loads(codec.api, resp.content, ReceiptPublicKey)
+    # Before any rotation: one key, the current one, by its id.
+    assert [(k.key_id, k.public_key, k.retired_at) for k in listed.keys] == [(listed.key_id, listed.public_key, 0.0)]
     doc = openapi.document()
     op = doc["paths"]["/api/v1/receipts/public-key"]["get"]
     assert op["responses"]["200"]["content"]["application/json"]["schema"] == {

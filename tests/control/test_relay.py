@@ -206,7 +206,7 @@ async def southbound_with_node(tmp_path: Path) -> AsyncIterator[tuple[Southbound
             metrics,
             curve=controller_curve,
             signing_key=controller_key,
-            epoch=store.epoch,
+            epoch=lambda: store.epoch,
             stream_window_chunks=4,
         )
         async with trio.open_nursery() as nursery:

@@ -33,6 +33,8 @@ REF = ModelRef(model="tiny", version="v1")
 
 
 class NoPush:
+    recovering = False
+
     async def push_now(self, node_id: str) -> None:
         return None
 

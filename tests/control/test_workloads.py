@@ -57,7 +57,7 @@ async def store(tmp_path: Path) -> AsyncIterator[st.Store]:
 
 @pytest.fixture
 async def workloads(store: st.Store, signer: SigningKey) -> Workloads:
-    return await Workloads.load(store, signer, store.epoch)
+    return await Workloads.load(store, signer)
 
 
 def create(workload_id: str = "w1", key: str = "idem-1") -> WorkloadCreate:
@@ -217,13 +217,13 @@ async def test_a_restart_marks_unfinished_workloads_failed_with_a_signed_receipt
 ) -> None:
     state = tmp_path / "state"
     async with st.open_store(state) as store:
-        workloads = await Workloads.load(store, signer, store.epoch)
+        workloads = await Workloads.load(store, signer)
         done = await begin(workloads, workload_id="done", key="k-done")
         signed_done = await workloads.finish(done, receipt_for(done))
         await begin(workloads, workload_id="crashed", key="k-crashed")
         # The process dies here: "crashed" never finishes.
     async with st.open_store(state) as store:
-        workloads = await Workloads.load(store, signer, store.epoch)
+        workloads = await Workloads.load(store, signer)
         view = await workloads.status(ACME, "crashed")
         assert (view.state, view.error) == (WorkloadState.FAILED, RESTARTED)
         receipt = await workloads.receipt(ACME, "crashed")

@@ -34,6 +34,7 @@ from nexa.messaging import Link, Uplink
 from nexa.node import agent as agent_module
 from nexa.node import identity, inventory
 from nexa.node.agent import Agent, NodeStarted, serve_node
+from nexa.node.channel import NodeChannel
 from nexa.node.relay import NodeRelay
 from nexa.node.supervisor import Supervisor
 from tests.conftest import Controller, start_controller
@@ -139,7 +140,7 @@ CONTROLLER_FAULTS = [
 NODE_FAULTS = [
     ("agent.beat", Agent, "_heartbeat_once"),
     ("agent.receive", Uplink, "receive_unverified"),
-    ("agent.control", Uplink, "verify"),  # at the controller's next lease renewal (lease / 3)
+    ("agent.control", NodeChannel, "verify"),  # at the controller's next lease renewal (lease / 3)
     ("inventory", inventory, "_stat_signature"),
     ("supervisor", Supervisor, "_remove_orphans"),
     ("relay", NodeRelay, "_serve"),

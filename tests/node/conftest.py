@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import trio
 
+from nexa.config import NodeConfig
 from nexa.contracts.runtime import ArtifactRef
 from tests.realparts import PodmanService, S3Store
 from tests.support.agent_process import AgentProcess, podman
-from tests.support.nodes import FakeController
+from tests.support.nodes import FakeController, node_config
 from tests.support.s3 import write_credentials
 
 
@@ -56,3 +57,27 @@ async def node(
         agent.kill()
         for cid in podman(podman_service, "ps", "-aq", "--filter", "label=nexa.node=n1").split():
             podman(podman_service, "rm", "-f", cid)
+
+
+# The agent protocol tests (test_agent, test_controller_keys): a node state directory, its config
+# and a FakeController the node is enrolled with.
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def cfg(tmp_path: Path, state_dir: Path) -> NodeConfig:
+    # No podman behind its socket: these tests are about the protocol, not the runtimes.
+    return node_config(tmp_path, state_dir, {"labels": {"rack": "r1"}})
+
+
+@pytest.fixture
+async def ctl(nursery: trio.Nursery, state_dir: Path) -> FakeController:
+    controller = FakeController(nursery)
+    with trio.fail_after(60):
+        await controller.start()
+    controller.enroll(state_dir)
+    return controller

@@ -28,31 +28,11 @@ from nexa.node import identity
 from nexa.node.agent import channel_endpoint, judge, serve_node
 from nexa.node.identity import Fence, load_fence
 from tests.conftest import Controller
-from tests.support.nodes import FakeController, aset, assignment, node_config, start_node, write_inventory
+from tests.support.nodes import FakeController, aset, assignment, start_node, write_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 15
 RS = wire.RejectReason
-
-
-@pytest.fixture
-def state_dir(tmp_path: Path) -> Path:
-    return tmp_path / "state"
-
-
-@pytest.fixture
-def cfg(tmp_path: Path, state_dir: Path) -> NodeConfig:
-    # No podman behind its socket: these tests are about the protocol, not the runtimes.
-    return node_config(tmp_path, state_dir, {"labels": {"rack": "r1"}})
-
-
-@pytest.fixture
-async def ctl(nursery: trio.Nursery, state_dir: Path) -> FakeController:
-    controller = FakeController(nursery)
-    with trio.fail_after(TIMEOUT_S):
-        await controller.start()
-    controller.enroll(state_dir)
-    return controller
 
 
 def secrets_and_places(ctl: FakeController, state_dir: Path) -> list[str]:

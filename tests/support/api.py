@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import httpx
@@ -65,3 +66,19 @@ async def wait_for(predicate: Any, *, timeout_s: float = TIMEOUT_S) -> None:
     with trio.fail_after(timeout_s):
         while not await predicate():  # noqa: ASYNC110 - polling the HTTP API, as an operator would
             await trio.sleep(0.05)
+
+
+#: The console forms' CSRF field.
+CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')
+
+
+@contextlib.contextmanager
+def console_session(url: str, key: str) -> Iterator[httpx.Client]:
+    """A sync client signed in to the console at `url` with `key` (its cookie kept)."""
+    with httpx.Client(base_url=url, timeout=30) as http:
+        form = http.get("/console/login")
+        match = CSRF_RE.search(form.text)
+        assert match, form.text
+        signed = http.post("/console/login", data={"csrf_token": match.group(1), "api_key": key})
+        assert signed.status_code in (302, 303), signed.text
+        yield http

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +111,25 @@ class SimCluster:
     def base_url(self) -> str:
         return self.controller.url + "/v1"
 
+    async def cli(self, *args: str, key: str | None = None) -> subprocess.CompletedProcess[str]:
+        """`python -m nexa ARGS` against the controller (the admin key unless `key`)."""
+        env = {**os.environ, "NEXA_URL": self.controller.url, "NEXA_TOKEN": key or self.controller.admin_key}
+        run = functools.partial(
+            subprocess.run,
+            [sys.executable, "-m", "nexa", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        return await trio.to_thread.run_sync(run)
+
+    async def node_views(self) -> dict[str, Json]:
+        """node id → its `GET /api/v1/nodes` view."""
+        async with self.client() as http:
+            return {n["id"]: n for n in (await ok(http.get("/api/v1/nodes")))["nodes"]}
+
     async def ready_replicas(self, deployment: str) -> dict[str, str]:
         """replica id → node id of the deployment's replicas their node reports Ready."""
         async with self.client() as http:
@@ -147,6 +166,15 @@ class SimCluster:
             await self.wait_ready(name, replicas)
 
 
+async def wait_until(what: str, check: Callable[[], Awaitable[Any]]) -> Any:
+    """Poll `check` until it answers something true, and return that; fail naming `what` after TIMEOUT_S."""
+    with trio.move_on_after(TIMEOUT_S):
+        while not (got := await check()):  # noqa: ASYNC110 - polling the API
+            await trio.sleep(0.1)
+        return got
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path) -> Path:
     inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
     inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
@@ -179,6 +207,25 @@ async def sim_cluster(
 ) -> AsyncIterator[SimCluster]:
     """Yield a cluster with `nodes` sim nodes Ready and the `chat` alias on an Approved model."""
     controller = await start_controller(nursery, cfg)
+    try:
+        async with sim_fleet(controller, tmp_path, s3, images, nodes=nodes, nexa=nexa) as cluster:
+            yield cluster
+    finally:
+        controller.stopping.set()
+
+
+@contextlib.asynccontextmanager
+async def sim_fleet(
+    controller: Controller,
+    tmp_path: Path,
+    s3: S3Store,
+    images: BuiltImages,
+    *,
+    nodes: int = 2,
+    nexa: tuple[str, ...] = (sys.executable, "-m", "nexa"),
+) -> AsyncIterator[SimCluster]:
+    """`sim_cluster` on a controller already started (in this run or as a `nexa control` process):
+    tenant, keys, runtime, model and alias, then `nodes` sim nodes enrolled and Ready; stopped after."""
     sim_nodes: list[SimNode] = []
     try:
         async with controller.client() as http:
@@ -226,7 +273,6 @@ async def sim_cluster(
     finally:
         for node in sim_nodes:
             node.kill(signal.SIGTERM)
-        controller.stopping.set()
 
 
 @contextlib.asynccontextmanager

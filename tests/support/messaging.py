@@ -63,10 +63,10 @@ class Fleet:
 
     def uplink(self, endpoint: str, node: NodeIdentity, **kw: Any) -> messaging.Uplink:
         kw.setdefault("controller_key", self.key.public)
+        kw.setdefault("server_curve_public", self.curve.public)
         return messaging.Uplink(
             endpoint,
             curve=node.curve,
-            server_curve_public=self.curve.public,
             signing_key=node.key,
             reconnect_ivl_s=0.05,
             reconnect_ivl_max_s=0.2,

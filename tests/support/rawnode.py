@@ -7,7 +7,7 @@ import time
 
 import attrs
 
-from nexa import messaging, security
+from nexa import framing, messaging, security
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollResponse
 from tests.conftest import Controller, gb10_inventory
@@ -25,7 +25,7 @@ class RawNode:
     ready: set[str] = attrs.field(factory=set)
 
     def frames(self, msg: wire.WireMessage, *, key: security.SigningKey | None = None) -> list[bytes]:
-        return messaging.encode_frames(msg, key or self.key)
+        return framing.encode_frames(msg, key or self.key)
 
     def heartbeat(
         self, *, seq: int | None = None, ts: float | None = None, node_id: str | None = None
@@ -53,7 +53,7 @@ class RawNode:
         assert self.pump is not None
         frames = await self.pump.receive()
         controller = security.PublicKey.from_b64(self.enrolled.controller_signing_public_key)
-        msg = messaging.decode_frames([f.bytes for f in frames], controller, wire.FROM_CONTROLLER)
+        msg = framing.decode_frames([f.bytes for f in frames], controller, wire.FROM_CONTROLLER)
         assert isinstance(msg, wire.AssignmentSet)
         return msg
 

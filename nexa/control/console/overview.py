@@ -19,6 +19,11 @@ from nexa.control.rollout import breach as rollout_breach
 RECENT_EVENTS: Final = 10
 #: Audit events read per page while catching up with the chain's tail.
 _AUDIT_PAGE: Final = 500
+#: The overview's first alert while the controller recovers.
+_RECOVERING: Final = (
+    "the controller is recovering: it serves reads and inference but refuses changes and pushes nothing to nodes;"
+    " see `nexa recovery plan`, end it with `nexa recovery finish` (admin)"
+)
 
 
 class _RecentAudit:
@@ -51,6 +56,8 @@ def register(bp: Blueprint, console: Console, charts: RequestCharts) -> None:
         inventories = [n.inventory for n in nodes if n.inventory is not None]
         reachable = [n for n in nodes if n.state is not NodeState.UNREACHABLE and n.state is not NodeState.REVOKED]
         alerts: list[str] = [f"node {n.node.id} is unreachable" for n in nodes if n.state is NodeState.UNREACHABLE]
+        if state.recovery is not None and state.recovery.active:
+            alerts.insert(0, _RECOVERING)
         for n in nodes:
             alerts += [
                 f"replica {s.assignment_id} on {n.node.id} is crash-looping ({s.restarts} restarts)"

@@ -36,6 +36,7 @@ from nexa.control.http import status_for
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas
+from nexa.control.recovery import Recovery
 from nexa.control.registry import Registry
 from nexa.errors import ContractError, NexaError
 from nexa.telemetry import Metrics
@@ -63,6 +64,8 @@ class ConsoleState(Protocol):
     quotas: Quotas
     meter: Meter
     admission: Admission
+    #: The controller's recovery; None: it never recovers (tests). The overview says when it is active.
+    recovery: Recovery | None
     ready: bool
 
 
@@ -172,7 +175,7 @@ class Console:
 
     def _key_active(self, key_id: KeyId) -> bool:
         key = next((k for k in self.state.registry.api_keys() if k.id == key_id), None)
-        return key is not None and key.active
+        return key is not None and key.usable(time.time())  # revoked or expired: the session ends
 
     # ---- the session of this request -----------------------------------------------------------
 

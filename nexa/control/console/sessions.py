@@ -98,7 +98,7 @@ class Sessions:
         return sid
 
     def current(self, sid: str, *, now: float) -> Session | None:
-        """The live session of `sid`: None when unknown, expired, or its key was revoked."""
+        """The live session of `sid`: None when unknown, expired, or its key was revoked or expired."""
         session = self._by_id.get(sid)
         if session is None:
             return None
@@ -106,7 +106,7 @@ class Sessions:
             del self._by_id[sid]
             return None
         if session.key_id is not None and not self._key_active(session.key_id):
-            del self._by_id[sid]  # revoked: the session ends at once
+            del self._by_id[sid]  # revoked or expired: the session ends at once
             return None
         return session
 

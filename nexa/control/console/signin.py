@@ -11,7 +11,7 @@ from werkzeug.exceptions import NotFound as HttpNotFound
 
 from nexa.control.console.pages import STATIC_DIR, Console, html_response
 from nexa.control.console.sessions import ANON_TTL_S, COOKIE, LOGIN_COOKIE, SESSION_TTL_S, new_session
-from nexa.errors import Unauthenticated
+from nexa.errors import KeyExpired, Unauthenticated
 
 
 def register(bp: Blueprint, console: Console) -> None:
@@ -57,6 +57,9 @@ def _sign_in_routes(bp: Blueprint, console: Console) -> None:
         old_sid = found[0] if found is not None else None
         try:
             key = state.registry.authenticate((form.get("api_key") or "").strip())
+        except KeyExpired as exc:
+            state.metrics.auth_failures.labels(exc.code).inc()
+            return await login_form(error=exc.message, status=401)
         except Unauthenticated:
             state.metrics.auth_failures.labels("unauthenticated").inc()
             return await login_form(error="That key is unknown or revoked.", status=401)

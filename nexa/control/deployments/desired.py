@@ -29,7 +29,7 @@ from nexa.control.fleet import Fleet
 from nexa.control.models import ModelRegistry
 from nexa.control.registry import Actor, audit_draft
 from nexa.control.southbound import Southbound
-from nexa.errors import NotFound
+from nexa.errors import NotFound, Recovering
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -81,6 +81,15 @@ class Desired:
             self.fleet, without=without, unified_headroom_bytes=self._placement.unified_host_headroom_bytes
         )
 
+    @property
+    def recovering(self) -> bool:
+        """While the controller recovers, nothing here changes (`commit` refuses; no pass runs)."""
+        return self._southbound.recovering
+
+    def _refuse_while_recovering(self) -> None:
+        if self.recovering:
+            raise Recovering()
+
     def ready(self, replica: Replica) -> bool:
         """Whether the replica's node reports its runtime Ready in its latest heartbeat."""
         live = self.fleet.get(replica.node_id)
@@ -97,6 +106,7 @@ class Desired:
         A replica new to its node gets the assignment of its own model version (callers checked
         that it may run, and placed it).
         """
+        self._refuse_while_recovering()  # before anything is computed: a refusal changes nothing
         name = (after or before).deployment.name  # type: ignore[union-attr]
         old = all_replicas(before.deployment) if before else []
         new = all_replicas(after.deployment) if after else []

@@ -4,6 +4,7 @@ scale, delete; canaries through `canary.Rollouts`) and the reconciler's loop (`r
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 
@@ -88,8 +89,17 @@ class Deployments:
 
     async def reconcile(self) -> float:
         """Follow moved aliases, move replicas off nodes that lost them, top every deployment (and
-        canary) up, and take one step of each rollout; the next deadline to look again."""
+        canary) up, and take one step of each rollout; the next deadline to look again.
+
+        While the controller recovers, nothing is re-placed: no pass runs until the end of recovery pokes."""
+        if self._desired.recovering:
+            return math.inf
         return await self._reconciler.reconcile()
+
+    @property
+    def recovering(self) -> bool:
+        """Whether the controller recovers (`control.recovery`): every change is refused meanwhile."""
+        return self._desired.recovering
 
     # ---- queries -----------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ Callers use `from nexa.control import store as st` and the names re-exported her
 - `connection`: `open_store` (lock, migrate, new epoch), `Store` and its lanes;
 - `schema`: the migrations; `sql`: what every transaction function shares (`txn`, the meta table);
 - `audit`: the hash chain; then one module per domain: `keys` (and tenants), `nodes`, `models`,
-  `deployments`, `usage` (and quotas), `workloads`.
+  `deployments`, `usage` (and quotas), `workloads`, `recovery` (the restore marker, a recovery's epoch).
 Swapping SQLite for PostgreSQL (DESIGN §5) touches this package only.
 """
 
@@ -35,6 +35,7 @@ from nexa.control.store.keys import insert_tenant as insert_tenant
 from nexa.control.store.keys import load_keys as load_keys
 from nexa.control.store.keys import load_tenants as load_tenants
 from nexa.control.store.keys import revoke_key as revoke_key
+from nexa.control.store.keys import rotate_key as rotate_key
 from nexa.control.store.models import insert_evaluation as insert_evaluation
 from nexa.control.store.models import insert_model as insert_model
 from nexa.control.store.models import insert_runtime as insert_runtime
@@ -46,9 +47,17 @@ from nexa.control.store.models import update_model as update_model
 from nexa.control.store.nodes import enroll_node as enroll_node
 from nexa.control.store.nodes import insert_token as insert_token
 from nexa.control.store.nodes import load_nodes as load_nodes
+from nexa.control.store.nodes import load_previous_keys as load_previous_keys
+from nexa.control.store.nodes import load_reenrollment as load_reenrollment
+from nexa.control.store.nodes import mark_needs_reenrollment as mark_needs_reenrollment
+from nexa.control.store.nodes import retire_previous_keys as retire_previous_keys
+from nexa.control.store.nodes import rotate_node_keys as rotate_node_keys
 from nexa.control.store.nodes import save_desired as save_desired
 from nexa.control.store.nodes import save_inventory as save_inventory
 from nexa.control.store.nodes import update_node as update_node
+from nexa.control.store.recovery import RECOVERY_MARKER as RECOVERY_MARKER
+from nexa.control.store.recovery import end_recovery as end_recovery
+from nexa.control.store.recovery import recovery_marker as recovery_marker
 from nexa.control.store.schema import APPLICATION_ID as APPLICATION_ID
 from nexa.control.store.schema import MIGRATIONS as MIGRATIONS
 from nexa.control.store.sql import PRUNE_BATCH as PRUNE_BATCH

@@ -16,22 +16,47 @@ def load_keys(db: apsw.Connection) -> list[ApiKey]:
 
 def insert_key(db: apsw.Connection, key: ApiKey, draft: AuditDraft) -> AuditEvent:
     with txn(db):
-        db.execute(
-            "INSERT INTO api_key(id, name, role, tenant, secret_sha256, created_at, created_by, revoked_at)"
-            " VALUES (?,?,?,?,?,?,?,?)",
-            (
-                key.id,
-                key.name,
-                key.role.value,
-                key.tenant,
-                key.secret_sha256,
-                key.created_at,
-                key.created_by,
-                key.revoked_at,
-            ),
-        )
+        _insert_key_row(db, key)
         event = append_audit(db, draft)
     return event
+
+
+def _insert_key_row(db: apsw.Connection, key: ApiKey) -> None:
+    db.execute(
+        "INSERT INTO api_key(id, name, role, tenant, secret_sha256, created_at, created_by, revoked_at, expires_at,"
+        " rotated_to) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        (
+            key.id,
+            key.name,
+            key.role.value,
+            key.tenant,
+            key.secret_sha256,
+            key.created_at,
+            key.created_by,
+            key.revoked_at,
+            key.expires_at,
+            key.rotated_to,
+        ),
+    )
+
+
+def rotate_key(
+    db: apsw.Connection, rotated: ApiKey, successor: ApiKey, rotate_draft: AuditDraft, create_draft: AuditDraft
+) -> tuple[AuditEvent, AuditEvent]:
+    """Insert `successor` and store `rotated` (the old key with its new expiry and successor), with
+    both audit events, in one transaction. NotFound when the old key was revoked or rotated meanwhile."""
+    with txn(db):
+        db.execute(
+            "UPDATE api_key SET expires_at = ?, rotated_to = ? WHERE id = ? AND revoked_at IS NULL"
+            " AND rotated_to IS NULL",
+            (rotated.expires_at, successor.id, rotated.id),
+        )
+        if db.changes() != 1:
+            raise NotFound(f"no active key {rotated.id} that was not rotated already")
+        _insert_key_row(db, successor)
+        rotated_event = append_audit(db, rotate_draft)
+        created_event = append_audit(db, create_draft)
+    return rotated_event, created_event
 
 
 def revoke_key(db: apsw.Connection, key_id: KeyId, at: float, draft: AuditDraft) -> AuditEvent:

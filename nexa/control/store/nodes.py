@@ -13,7 +13,7 @@ from nexa.contracts.node import NodeInventory
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control.store.audit import append_audit
 from nexa.control.store.sql import txn
-from nexa.errors import NotFound, Unauthenticated
+from nexa.errors import Conflict, NotFound, Unauthenticated
 
 
 def insert_token(db: apsw.Connection, token: EnrollmentToken, draft: AuditDraft) -> AuditEvent:
@@ -140,3 +140,61 @@ def _upsert_desired(db: apsw.Connection, desired: DesiredAssignments) -> None:
         " WHERE json_extract(node_desired.body, '$.generation') <= json_extract(excluded.body, '$.generation')",
         (desired.node_id, codec.dumps(codec.store, desired)),
     )
+
+
+def rotate_node_keys(
+    db: apsw.Connection, node_id: str, keys: tuple[str, str], previous: tuple[str, str], draft: AuditDraft
+) -> AuditEvent:
+    """Give the node its new (signing, curve) public keys and keep `previous` admitted (the
+    node's `previous_*_public_key` columns), in one transaction with its audit event. Raises
+    Conflict when another node has one of the keys."""
+    with txn(db):
+        try:
+            db.execute(
+                "UPDATE node SET signing_public_key = ?, curve_public_key = ?, previous_signing_public_key = ?,"
+                " previous_curve_public_key = ? WHERE id = ?",
+                (*keys, *previous, node_id),
+            )
+        except apsw.ConstraintError:
+            raise Conflict("another node is enrolled with one of these keys") from None
+        if db.changes() != 1:
+            raise NotFound(f"no node {node_id}")
+        event = append_audit(db, draft)
+    return event
+
+
+def retire_previous_keys(db: apsw.Connection, node_id: str) -> None:
+    """The node uses its new keys: its previous ones are admitted no more."""
+    with txn(db):
+        db.execute(
+            "UPDATE node SET previous_signing_public_key = NULL, previous_curve_public_key = NULL WHERE id = ?",
+            (node_id,),
+        )
+
+
+def load_previous_keys(db: apsw.Connection) -> dict[str, tuple[str, str]]:
+    """node id → (signing, curve) public keys still admitted beside its new ones."""
+    with txn(db):
+        rows = db.execute(
+            "SELECT id, previous_signing_public_key, previous_curve_public_key FROM node"
+            " WHERE previous_signing_public_key IS NOT NULL AND previous_curve_public_key IS NOT NULL"
+        ).fetchall()
+    return {str(node_id): (str(signing), str(curve)) for node_id, signing, curve in rows}
+
+
+def mark_needs_reenrollment(db: apsw.Connection, node_id: str, key_id: str, draft: AuditDraft) -> AuditEvent | None:
+    """Mark the node as needing re-enrollment (it pins only the retired controller key `key_id`),
+    audited in the same transaction; None (nothing written) when it is marked already."""
+    with txn(db):
+        db.execute("UPDATE node SET reenroll_key_id = ? WHERE id = ? AND reenroll_key_id IS NULL", (key_id, node_id))
+        if db.changes() != 1:
+            return None
+        event = append_audit(db, draft)
+    return event
+
+
+def load_reenrollment(db: apsw.Connection) -> dict[str, str]:
+    """node id → the retired controller key it pins, for the nodes that need re-enrollment."""
+    with txn(db):
+        rows = db.execute("SELECT id, reenroll_key_id FROM node WHERE reenroll_key_id IS NOT NULL").fetchall()
+    return {str(node_id): str(key_id) for node_id, key_id in rows}

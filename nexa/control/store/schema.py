@@ -193,6 +193,28 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     CREATE INDEX workload_tenant_accepted ON workload(tenant, accepted_at, workload_id);
     """,
+    # API keys that expire (`nexa keys create --expires`), and the successor a rotation issued.
+    """
+    ALTER TABLE api_key ADD COLUMN expires_at REAL;
+    ALTER TABLE api_key ADD COLUMN rotated_to TEXT;
+    """,
+    # A node's keys before it rotated them, admitted until it uses the new ones (both NULL outside
+    # a rotation); they were kept in `meta` as `node_previous_keys/<id>` = [signing, curve] before.
+    """
+    ALTER TABLE node ADD COLUMN previous_signing_public_key TEXT;
+    ALTER TABLE node ADD COLUMN previous_curve_public_key TEXT;
+    UPDATE node SET
+        previous_signing_public_key =
+            (SELECT json_extract(m.value, '$[0]') FROM meta m WHERE m.key = 'node_previous_keys/' || node.id),
+        previous_curve_public_key =
+            (SELECT json_extract(m.value, '$[1]') FROM meta m WHERE m.key = 'node_previous_keys/' || node.id);
+    DELETE FROM meta WHERE substr(key, 1, 19) = 'node_previous_keys/';
+    """,
+    # A node that said it pins only a retired controller key after the overlap ended: that key's
+    # id; it is sent nothing until enrolled again (NULL: it follows the controller's keys).
+    """
+    ALTER TABLE node ADD COLUMN reenroll_key_id TEXT;
+    """,
 )
 
 

@@ -1,0 +1,76 @@
+"""The node channel's frames: signed messages `[kind, body, signature]` and the unsigned data-path
+frames `[kind, request_id, head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone authenticates.
+Pure: `nexa.messaging` moves them over its sockets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Final, TypeVar
+
+from nexa import security
+from nexa.contracts import codec, wire
+from nexa.errors import ContractError
+
+T = TypeVar("T")
+Frames = list[bytes]
+
+#: Longest request id a data frame may carry (bytes of UTF-8).
+MAX_REQUEST_ID_BYTES: Final = 128
+
+
+# --- signed framing -----------------------------------------------------------------------------
+
+
+def encode_frames(msg: wire.WireMessage, key: security.SigningKey) -> Frames:
+    """`[kind, body, signature]`, the signature over exactly the bytes sent."""
+    kind = msg.kind.encode("ascii")
+    body = codec.dumps(codec.wire, msg).encode("utf-8")
+    return [kind, body, security.sign(key, kind, body)]
+
+
+def decode_frames(frames: Sequence[bytes], peer: security.PublicKey, accept: Mapping[str, type[T]]) -> T:
+    """Verify, then parse. Raises ContractError (shape, kind, body) or BadSignature."""
+    if len(frames) != 3:
+        raise ContractError(f"a message is 3 frames (kind, body, signature), got {len(frames)}")
+    kind, body, sig = frames
+    cls = accept.get(kind.decode("ascii", "replace"))
+    if cls is None:
+        raise ContractError(f"unexpected message kind {kind[:32].decode('ascii', 'replace')!r}")
+    # Unauthenticated bytes never reach the JSON parser or cattrs.
+    security.verify(peer, sig, kind, body)
+    return codec.loads(codec.wire, body, cls)
+
+
+# --- data-path framing (unsigned: CurveZMQ authenticates the channel) ----------------------------
+
+
+def encode_data(kind: str, request_id: str, head: bytes, body: bytes) -> Frames:
+    """`[kind, request_id, head, body]`; raises ContractError for a kind or id that cannot be sent."""
+    if kind not in wire.DATA_KINDS:
+        raise ContractError(f"{kind!r} is not a data-path kind")
+    rid = request_id.encode("utf-8")
+    if not rid or len(rid) > MAX_REQUEST_ID_BYTES:
+        raise ContractError(f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes")
+    return [kind.encode("ascii"), rid, head, body]
+
+
+def decode_data(frames: Sequence[bytes], accept: frozenset[str]) -> wire.DataFrame:
+    """Check the shape and the direction of a data frame; heads stay encoded. Raises ContractError."""
+    if len(frames) != 4:
+        raise ContractError(f"a data message is 4 frames (kind, request id, head, body), got {len(frames)}")
+    kind_b, rid_b, head, body = frames
+    kind = kind_b.decode("ascii", "replace")
+    if kind not in accept:
+        raise ContractError(f"unexpected data kind {kind[:32]!r}")
+    try:
+        request_id = rid_b.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ContractError("a request id must be UTF-8") from None
+    if not request_id or len(rid_b) > MAX_REQUEST_ID_BYTES:
+        raise ContractError(f"a request id is 1 to {MAX_REQUEST_ID_BYTES} bytes")
+    return wire.DataFrame(kind=kind, request_id=request_id, head=head, body=body)
+
+
+def is_data(kind: bytes) -> bool:
+    return kind.decode("ascii", "replace") in wire.DATA_KINDS
