@@ -274,7 +274,10 @@ def _read_files(db_copy: Path, keys_dir: Path) -> dict[str, bytes]:
         if path.is_file() and not path.name.startswith("."):
             files[f"{_KEYS_DIR}/{path.name}"] = security.read_key_file(path, private=False)
     if sum(len(v) for v in files.values()) > security.BACKUP_MAX_BYTES - CHUNK_BYTES:
-        raise BackupError("the database is larger than one backup file holds (2 GiB)")
+        raise BackupError(
+            "the database is larger than one backup file holds (2 GiB): shorten gateway.usage_retention_s"
+            " or gateway.workload_retention_s, or copy the volume under state_dir with the controller stopped"
+        )
     return files
 
 

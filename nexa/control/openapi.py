@@ -529,6 +529,8 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         tag="keys",
         body_kind="empty",
         answer=ControllerKeysRotated,
+        # Conflict: a rotation's overlap is still running; Unavailable: no keyring (not configured).
+        errors=(Conflict, Unavailable),
     ),
     # ---- backups
     ("POST", "/api/v1/backups"): _Op(
