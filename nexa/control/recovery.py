@@ -17,12 +17,15 @@ holds (a newer epoch wins), and the reconciler runs again.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 from collections.abc import Iterable
 from typing import Final, Protocol
 
 import trio
 
+from nexa.contracts import codec
+from nexa.contracts.backup import BackupManifest
 from nexa.contracts.deployments import Deployment
 from nexa.contracts.domain import NodeAdminState
 from nexa.contracts.recovery import PlannedPush, PlannedReplacement, PlannedStop, RecoveryFinished, RecoveryPlan
@@ -32,7 +35,7 @@ from nexa.control.deployments.records import all_replicas
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.control.southbound import Southbound
-from nexa.errors import NotRecovering, Unavailable
+from nexa.errors import NexaError, NotRecovering, Unavailable
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,20 @@ WRITES_WHILE_RECOVERING: Final = frozenset(
 def refused_while_recovering(method: str, rule: str) -> bool:
     """Whether a recovering controller refuses this route (reads never; `WRITES_WHILE_RECOVERING`)."""
     return method not in {"GET", "HEAD", "OPTIONS"} and (method, rule) not in WRITES_WHILE_RECOVERING
+
+
+def _restored_from(marker: str) -> str:
+    """The recovery reason of a restore marker: when the backup was taken, its epoch and audit head
+    (the marker is the backup's manifest, as `nexa restore` wrote it); its text otherwise."""
+    try:
+        manifest = codec.loads(codec.api, marker.encode(), BackupManifest)
+    except (NexaError, ValueError):
+        return f"the state was restored from a backup ({marker[:200]})"
+    taken = datetime.datetime.fromtimestamp(manifest.created_at, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return (
+        f"the state was restored from a backup taken at {taken}"
+        f" (epoch {manifest.epoch}, audit head {manifest.audit_head_seq})"
+    )
 
 
 class _Rule(Protocol):
@@ -167,7 +184,7 @@ class Recovery:
         """At start, before the node channel serves: recover if the store was restored, or when `forced`."""
         marker = await self._store.run(st.recovery_marker)
         if marker is not None:
-            self._southbound.begin_recovery(f"the state was restored from a backup ({marker[:200]})")
+            self._southbound.begin_recovery(_restored_from(marker))
         elif forced:
             self._southbound.begin_recovery("the controller was started with --recover")
 

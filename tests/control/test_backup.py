@@ -20,7 +20,8 @@ from nexa.control import backup
 from nexa.control import store as st
 from nexa.control.registry import SYSTEM, Registry
 from nexa.control.service import KEYS_DIR, load_or_create_keys
-from nexa.control.store.snapshot import RECOVERY_MARKER, copy_database
+from nexa.control.store.recovery import RECOVERY_MARKER
+from nexa.control.store.snapshot import copy_database
 from nexa.errors import BackupDamaged, BackupKeyMismatch, ConfigError, RestoreTargetNotEmpty
 from nexa.telemetry import Metrics
 

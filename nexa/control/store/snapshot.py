@@ -18,14 +18,12 @@ import attrs
 from nexa.contracts.api import AuditVerdict
 from nexa.control.store.audit import audit_head, verify_audit
 from nexa.control.store.connection import Store
+from nexa.control.store.recovery import RECOVERY_MARKER
 from nexa.control.store.sql import meta_int, txn
 from nexa.errors import StoreError
 
 #: Pages copied per step (4 KiB each: 1 MiB), i.e. per turn on the store lane.
 PAGES_PER_STEP: Final = 256
-#: The meta key `nexa restore` sets in a restored database: the manifest's JSON. A controller that
-#: finds it starts in reconciliation-only mode (nexa.control.recovery).
-RECOVERY_MARKER: Final = "recovery_from_backup"
 
 
 @attrs.frozen(kw_only=True)
