@@ -133,15 +133,7 @@ async def test_the_channel_switches_to_the_new_curve_key_under_load_and_refuses_
         assert version["controller_fingerprint"] == pinned == out["controller_fingerprint"]
 
         # A node restarted after the switch connects with the new key and is sent its set.
-        lease = identity.load_fence(node.state_dir).lease_expires_at
-        node.kill()
-        node.start()
-
-        async def renewed() -> bool:
-            await trio.lowlevel.checkpoint()
-            return identity.load_fence(node.state_dir).lease_expires_at > lease
-
-        await wait_for(renewed, timeout_s=TIMEOUT_S)
+        await node.restart_until_renewed(TIMEOUT_S)
         view = await node_view(cluster.controller, node.node_id)
         assert view["state"] == "Ready" and not view["needs_reenrollment"]
         await cluster.wait_ready("chat-a", 1)

@@ -101,15 +101,7 @@ async def test_the_controller_rotates_its_keys_under_load_and_old_receipts_still
         print(f"controller keys rotated under load: {len(answers)} chat completions, none failed")
 
         # A restarted agent keeps the pinned keys and accepts the set signed with the new key.
-        lease = identity.load_fence(node.state_dir).lease_expires_at
-        node.kill()
-        node.start()
-
-        async def renewed() -> bool:
-            await trio.lowlevel.checkpoint()
-            return identity.load_fence(node.state_dir).lease_expires_at > lease
-
-        await wait_for(renewed, timeout_s=TIMEOUT_S)
+        await node.restart_until_renewed(TIMEOUT_S)
         assert (await node_view(cluster.controller, node.node_id))["state"] == "Ready"
         await cluster.wait_ready("chat-a", 1)
 

@@ -26,9 +26,10 @@ import httpx
 import trio
 
 from nexa.config import ControlConfig, GatewayConfig
+from nexa.node import identity
 from tests.conftest import Controller, start_controller
 from tests.realparts import BuiltImages, S3Store
-from tests.support.api import ok
+from tests.support.api import ok, wait_for
 from tests.support.models import bring_to, registry_config
 from tests.support.s3 import write_credentials
 
@@ -85,6 +86,18 @@ class SimNode:
         if self.proc is not None and self.proc.poll() is None:
             os.killpg(self.proc.pid, sig)
             self.proc.wait(timeout=30)
+
+    async def restart_until_renewed(self, timeout_s: float) -> None:
+        """Kill the agent, start it again, and wait until it accepted a set (its lease renewed)."""
+        lease = identity.load_fence(self.state_dir).lease_expires_at
+        self.kill()
+        self.start()
+
+        async def renewed() -> bool:
+            await trio.lowlevel.checkpoint()
+            return identity.load_fence(self.state_dir).lease_expires_at > lease
+
+        await wait_for(renewed, timeout_s=timeout_s)
 
 
 @attrs.define
