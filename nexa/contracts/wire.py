@@ -56,6 +56,93 @@ class RejectReason(enum.StrEnum):
     LEASE_EXPIRED = "lease_expired"
 
 
+#: Most buckets one reported latency histogram keeps (vLLM's TTFT histogram has 18).
+MAX_HISTOGRAM_BUCKETS: Final = 64
+#: Longest reason a node gives for a failed metrics scrape.
+METRICS_ERROR_MAX: Final = 200
+#: Largest count or queue a runtime may report (figures above it are refused as nonsense).
+MAX_COUNT: Final = float(2**53)
+
+
+def _latency_bounds(instance: LatencyHistogram, attribute: attrs.Attribute[object], value: object) -> None:
+    if not isinstance(value, tuple) or len(value) > MAX_HISTOGRAM_BUCKETS:
+        raise ValueError(f"{attribute.name} must be at most {MAX_HISTOGRAM_BUCKETS} bucket bounds")
+    check = finite(0.0, MAX_MS)
+    previous = -1.0
+    for bound in value:
+        check(instance, attribute, bound)
+        if bound <= previous:
+            raise ValueError(f"{attribute.name} must increase")
+        previous = bound
+
+
+def _cumulative_counts(instance: LatencyHistogram, attribute: attrs.Attribute[object], value: object) -> None:
+    if not isinstance(value, tuple) or len(value) != len(instance.bounds):
+        raise ValueError(f"{attribute.name} must have one count per bound")
+    check = finite(0.0, MAX_COUNT)
+    previous = 0.0
+    for count in value:
+        check(instance, attribute, count)
+        if count < previous:
+            raise ValueError(f"{attribute.name} must be cumulative (never decrease)")
+        previous = count
+
+
+@attrs.frozen(kw_only=True)
+class LatencyHistogram:
+    """A runtime's own cumulative latency histogram, as its metrics endpoint last showed it.
+
+    `bounds` are the finite `le` upper bounds in seconds, increasing; `counts[i]` the observations
+    at or under `bounds[i]` (cumulative, as Prometheus counts them); `count` all observations (the
+    `+Inf` bucket) and `sum` their total in seconds. Counted since the runtime started.
+    """
+
+    bounds: tuple[float, ...] = attrs.field(validator=_latency_bounds)
+    counts: tuple[float, ...] = attrs.field(validator=_cumulative_counts)
+    count: float = attrs.field(validator=finite(0.0, MAX_COUNT))
+    sum: float = attrs.field(validator=finite(0.0, MAX_MS))
+
+    def __attrs_post_init__(self) -> None:
+        if self.counts and self.counts[-1] > self.count:
+            raise ValueError("count must be at least the last bucket's count")
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeLoad:
+    """What one Ready replica's runtime said on its metrics endpoint (the adapter names it and the
+    series): node → controller in every heartbeat, for export and for routing.
+
+    `ok` False: the last scrape failed (`error` says why) and no figure is sent; the replica stays
+    Ready (a metrics endpoint never decides readiness). A figure is None where the runtime does not
+    export it. `age_s` is how old the figures were when the heartbeat was made, so the controller
+    can tell fresh from stale without comparing clocks.
+    """
+
+    ok: bool
+    age_s: float = attrs.field(validator=finite(0.0, MAX_MS))
+    error: str = attrs.field(default="", validator=attrs.validators.max_len(METRICS_ERROR_MAX))
+    #: Requests the runtime holds waiting for a batch slot.
+    queue_depth: float | None = attrs.field(default=None, validator=finite(0.0, MAX_COUNT, optional=True))
+    #: Requests the runtime is working on.
+    running: float | None = attrs.field(default=None, validator=finite(0.0, MAX_COUNT, optional=True))
+    #: KV-cache use, 0..1.
+    kv_cache_ratio: float | None = attrs.field(default=None, validator=finite(0.0, 1.0, optional=True))
+    #: Share of prompt tokens served from the prefix cache, 0..1 (over the runtime's lifetime).
+    prefix_cache_hit_ratio: float | None = attrs.field(default=None, validator=finite(0.0, 1.0, optional=True))
+    #: Time to first token and time per output token (seconds), where the runtime has them.
+    ttft: LatencyHistogram | None = None
+    tpot: LatencyHistogram | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CacheDisk:
+    """The node's artifact cache: what it holds and the room left on its filesystem (bytes)."""
+
+    used_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    free_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    total_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+
+
 @attrs.frozen(kw_only=True)
 class AssignmentStatus:
     """One assignment as the node sees it, reported in every heartbeat."""
@@ -68,6 +155,9 @@ class AssignmentStatus:
     reason: str | None = None
     #: Restarts after crashes since the assignment was accepted.
     restarts: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
+    #: The runtime's own load figures (Ready replicas whose adapter has a metrics endpoint; None
+    #: otherwise, and from agents before telemetry).
+    load: RuntimeLoad | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -133,6 +223,8 @@ class Heartbeat:
     generation: int = attrs.field(default=0, validator=whole(0, MAX_SEQ))
     #: As in `Hello`: the controller key the node pins as current ("" from older agents).
     controller_key_id: str = ""
+    #: The artifact cache's disk (None from older agents, or when the cache cannot be measured).
+    cache_disk: CacheDisk | None = None
 
 
 @attrs.frozen(kw_only=True)

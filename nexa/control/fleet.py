@@ -34,11 +34,13 @@ from nexa.contracts.node import NodeInventory, label_key_problem, label_value_pr
 from nexa.contracts.wire import (
     Ack,
     AssignmentStatus,
+    CacheDisk,
     DesiredAssignments,
     Heartbeat,
     Hello,
     NodeMessage,
     RotateKeys,
+    RuntimeLoad,
     RuntimeState,
 )
 from nexa.control import store as st
@@ -92,6 +94,11 @@ class NodeLive:
     #: A changed inventory or acknowledgement kept in memory, not yet written (above the node's write rate).
     inventory_unsaved: bool = False
     desired_unsaved: bool = False
+    #: The runtime load each Ready replica reported in the last heartbeat, with the trio clock
+    #: time its figures were read (the heartbeat's arrival less their `age_s`), by replica id.
+    loads: dict[str, tuple[RuntimeLoad, float]] = attrs.field(factory=dict)
+    #: The artifact cache's disk, from the last heartbeat (None: not reported).
+    cache_disk: CacheDisk | None = None
 
     @property
     def state(self) -> NodeState:
@@ -205,6 +212,18 @@ class Fleet:
         if live is None:
             raise NotFound(f"no node {node_id}")
         return live
+
+    def replica_load(self, node_id: str, replica_id: str) -> tuple[RuntimeLoad, float] | None:
+        """The load `replica_id`'s runtime reported through its node, and how many seconds old its
+        figures are now; None when the node is unknown, unreachable, or sent none for it."""
+        live = self._nodes.get(NodeId(node_id))
+        if live is None or not live.reachable:
+            return None
+        got = live.loads.get(replica_id)
+        if got is None:
+            return None
+        load, read_at = got
+        return load, max(0.0, trio.current_time() - read_at)
 
     def authorize_curve(self, curve_public_z85: str) -> str | None:
         """ZAP: the node id for an enrolled, non-revoked Curve key; None refuses the channel."""
@@ -494,6 +513,10 @@ class Fleet:
             live.statuses = statuses
             live.reported_epoch, live.reported_generation = msg.epoch, msg.generation
             live.free_memory_bytes, live.free_accelerators = msg.free_memory_bytes, msg.free_accelerators
+            live.loads = {
+                s.assignment_id: (s.load, live.last_seen - s.load.age_s) for s in statuses if s.load is not None
+            }
+            live.cache_disk = msg.cache_disk
             await self._take_inventory(live, msg.inventory)
         if not live.reachable:
             live.reachable = True
