@@ -27,7 +27,8 @@ TensorRT-LLM `kv_cache_free_gpu_memory_fraction`; `contracts.placement.MemoryLim
 each fraction is derived), and `launch` adds the derived value where the operator set none.
 
 Each adapter records, as data: its readiness and metrics endpoints, which Prometheus series
-give waiting requests, running requests and KV-cache use (for routing and capacity), the
+give waiting requests, running requests, KV-cache use, the prefix-cache hit rate and the TTFT
+and TPOT histograms (for routing, capacity and export; `metrics_for` picks them on a node), the
 OpenAI-compatible paths it serves, and whether a stream ends with a usage chunk when asked
 (`stream_options.include_usage`). All of them speak the OpenAI API, so the canonical request
 maps 1:1 onto `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings`, and usage is
@@ -139,6 +140,13 @@ class Metrics:
     running: str | None = None
     #: KV-cache use as a fraction 0..1; several names where versions renamed it (first found wins).
     kv_cache: tuple[str, ...] = ()
+    #: Prefix-cache hits over lookups: (hits, queries) counter pairs, then gauges that give the
+    #: ratio itself (first found wins, pairs before gauges).
+    prefix_cache_counters: tuple[tuple[str, str], ...] = ()
+    prefix_cache_ratio: tuple[str, ...] = ()
+    #: Histograms (seconds) of time to first token and time per output token, by base name.
+    ttft: tuple[str, ...] = ()
+    tpot: tuple[str, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -317,6 +325,15 @@ VLLM: Final = Adapter(
         waiting="vllm:num_requests_waiting",
         running="vllm:num_requests_running",
         kv_cache=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        # V1 counts prompt tokens looked up and found; 0.8-0.9 had them as gpu_…; V0 a hit-rate gauge.
+        prefix_cache_counters=(
+            ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+            ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total"),
+        ),
+        prefix_cache_ratio=("vllm:gpu_prefix_cache_hit_rate",),
+        ttft=("vllm:time_to_first_token_seconds",),
+        # Renamed to inter-token latency in later releases.
+        tpot=("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
     ),
     capabilities=_ALL,
 )
@@ -355,6 +372,9 @@ SGLANG: Final = Adapter(
         waiting="sglang:num_queue_reqs",
         running="sglang:num_running_reqs",
         kv_cache=("sglang:token_usage",),
+        prefix_cache_ratio=("sglang:cache_hit_rate",),
+        ttft=("sglang:time_to_first_token_seconds",),
+        tpot=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
     ),
     capabilities=_ALL,
     capability_settings={Capability.EMBEDDING: "is_embedding"},
@@ -425,7 +445,8 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         path="/metrics",
         waiting="llamacpp:requests_deferred",
         running="llamacpp:requests_processing",
-        # Exported by older builds only; newer ones have no KV-cache gauge.
+        # Exported by older builds only; newer ones have no KV-cache gauge. No prefix-cache
+        # figures and no latency histograms (only token-rate gauges).
         kv_cache=("llamacpp:kv_cache_usage_ratio",),
     ),
     capabilities=_ALL,
@@ -471,6 +492,23 @@ LLAMACPP_VARIANTS: Final[Mapping[str, Adapter]] = {
     LLAMA_SERVER: LLAMA_SERVER_ADAPTER,
     LLAMA_CPP_PYTHON: LLAMA_CPP_PYTHON_ADAPTER,
 }
+
+
+#: The `sim` runtime (`nexa sim-runtime`) exports vLLM's names.
+SIM_METRICS: Final = VLLM.metrics
+
+
+def metrics_for(kind: RuntimeKind, command: Sequence[str]) -> Metrics:
+    """Where a replica of `kind`, started with `command`, publishes its load: the node knows the
+    signed spec only, so the llama.cpp variant is told from its program (llama-server's otherwise)."""
+    if kind is RuntimeKind.SIM:
+        return SIM_METRICS
+    if kind is RuntimeKind.LLAMACPP:
+        for variant in LLAMACPP_VARIANTS.values():
+            if tuple(command[: len(variant.program)]) == variant.program:
+                return variant.metrics
+    adapter = ADAPTERS.get(kind)
+    return adapter.metrics if adapter is not None else Metrics(path=None)
 
 
 def has_adapter(kind: RuntimeKind) -> bool:

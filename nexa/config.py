@@ -323,6 +323,9 @@ class GatewayConfig:
     affinity_prefix_chars: int = attrs.field(default=256, validator=attrs.validators.ge(1))
     #: Affinity yields when its replica has more than this many requests beyond the least loaded one.
     affinity_slack: int = attrs.field(default=8, validator=attrs.validators.ge(0))
+    #: A replica's runtime load report (queue, KV cache) older than this is ignored by the router,
+    #: which then counts only the gateway's own requests in flight to it.
+    load_max_age_s: Seconds = attrs.field(default=Seconds(15.0), validator=attrs.validators.gt(Seconds(0.0)))
     #: Stream chunks a node may send ahead of what the client has read (per request).
     stream_window_chunks: int = attrs.field(default=32, validator=attrs.validators.ge(1))
     #: Embedding requests to one deployment arriving within this window are sent as one call.
@@ -495,6 +498,11 @@ class NodeConfig:
     #: Run `sim` runtimes as local processes (tests and demos only). Refused unless the agent's
     #: environment has NEXA_SIMULATION_ONLY=1; a node without it reports sim assignments Failed.
     simulation: bool = False
+    #: How often each Ready replica's metrics endpoint is read for the heartbeat's load figures
+    #: (seconds; 0 turns the scrape off).
+    runtime_metrics_interval_s: float = attrs.field(
+        default=5.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(math.inf)]
+    )
     log: LogConfig = LogConfig()
 
 

@@ -14,6 +14,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - PayloadTooLarge [payload_too_large, HTTP 413]: a request body over the configured limit
     - FieldNotSupported [field_not_supported]: a request field this version does not implement (named, never ignored)
     - IdempotencyKeyReused [idempotency_key_reused, HTTP 422]: an idempotency key sent again with another body
+    - MetricsUnreadable [metrics_unreadable]: a runtime's metrics answer is not in its format (node side)
   + AuthError [unauthenticated, HTTP 401]: a credential or a signed message is not accepted
     - Unauthenticated [unauthenticated, HTTP 401]: no credential, or one we do not know
       · KeyExpired [key_expired]: an API key past its expiry (or a rotated key past its grace)
@@ -145,6 +146,12 @@ class IdempotencyKeyReused(ContractError):
     """An idempotency key replayed with a body other than the one it was first sent with."""
 
     code = "idempotency_key_reused"
+
+
+class MetricsUnreadable(ContractError):
+    """What a runtime's metrics endpoint answered is not its format (too big, not text, not parsable)."""
+
+    code = "metrics_unreadable"
 
 
 class AuthError(NexaError):

@@ -1,5 +1,5 @@
 """The shipped Prometheus alert rules (`units/nexa-alerts.yml`): valid, firing when they should, and
-naming only metrics the controller exports."""
+naming only metrics the controller exports (its registry and the fleet collector)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
-from nexa.telemetry import Metrics
 from tests.conftest import require_tool
+from tests.support.metrics import exported_series
 
 RULES = Path(__file__).resolve().parents[1] / "units" / "nexa-alerts.yml"
 
@@ -24,11 +25,10 @@ def _promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
 def test_the_rules_are_valid() -> None:
     checked = _promtool("check", "rules", str(RULES))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 8 rules found" in checked.stdout
+    assert "SUCCESS: 12 rules found" in checked.stdout
 
 
 def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> None:
-    shutil.copy(RULES, tmp_path / RULES.name)
     series = [
         {"series": 'nexa_nodes{state="Unreachable"}', "values": "0 1 1 1 1 1 1"},
         # chat: 10 % errors; embed: 1 % (under the 5 % threshold).
@@ -112,17 +112,105 @@ def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> No
             }
         ],
     }
+    _test_rules(tmp_path, tests)
+
+
+def _test_rules(tmp_path: Path, tests: dict[str, Any]) -> None:
+    shutil.copy(RULES, tmp_path / RULES.name)
     # JSON is YAML: promtool reads it as the test file.
     (tmp_path / "tests.yml").write_text(json.dumps(tests))
     tested = _promtool("test", "rules", "tests.yml", cwd=tmp_path)
     assert tested.returncode == 0, tested.stdout + tested.stderr
 
 
-def test_the_rules_name_only_metrics_the_controller_exports() -> None:
-    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
-    exported = {
-        family.name + suffix for family in Metrics().registry.collect() for suffix in suffixes.get(family.type, ("",))
+def _alert(name: str, at: str, *fired: tuple[dict[str, str], dict[str, str]]) -> dict[str, Any]:
+    """One promtool alert test: at `at`, `name` fires exactly for each (labels, annotations) in `fired`."""
+    return {
+        "eval_time": at,
+        "alertname": name,
+        "exp_alerts": [
+            {"exp_labels": {"severity": "warning", **labels}, "exp_annotations": notes} for labels, notes in fired
+        ],
     }
+
+
+def test_the_fleet_rules_fire_when_sustained_and_not_otherwise(tmp_path: Path) -> None:
+    gpu = 'nexa_gpu_temperature_celsius{{node="{}",gpu="0",model="NVIDIA GB10"}}'
+    rt = '{}{{deployment="chat",replica="{}",node="n1"}}'
+    series = [
+        # n1 runs hot; n2 is warm but under the threshold; n3 had one hot minute.
+        {"series": gpu.format("n1"), "values": "70 90x12"},
+        {"series": gpu.format("n2"), "values": "80x12"},
+        {"series": gpu.format("n3"), "values": "70 95 70x11"},
+        # r1's queue stays long; r2's was long for two minutes; r3's is short.
+        {"series": rt.format("nexa_runtime_queue_depth", "r1"), "values": "0 30x12"},
+        {"series": rt.format("nexa_runtime_queue_depth", "r2"), "values": "0 30 30 0x10"},
+        {"series": rt.format("nexa_runtime_queue_depth", "r3"), "values": "5x12"},
+        # r1's KV cache is full; r2's is busy but has room.
+        {"series": rt.format("nexa_runtime_kv_cache_usage_ratio", "r1"), "values": "0.5 0.99x14"},
+        {"series": rt.format("nexa_runtime_kv_cache_usage_ratio", "r2"), "values": "0.9x14"},
+        # r1's metrics endpoint fails; r2's answers; r3's failed once.
+        {"series": rt.format("nexa_runtime_metrics_up", "r1"), "values": "1 0x12"},
+        {"series": rt.format("nexa_runtime_metrics_up", "r2"), "values": "1x12"},
+        {"series": rt.format("nexa_runtime_metrics_up", "r3"), "values": "1 0 1x11"},
+    ]
+    hot = (
+        {"node": "n1", "gpu": "0", "model": "NVIDIA GB10"},
+        {
+            "summary": "GPU 0 of node n1 is at 90 °C",
+            "description": "Above 85 °C for 5 minutes: check the node's cooling and airflow; the GPU throttles near"
+            " 90 °C. Drain the node (nexa nodes drain) if it keeps rising.",
+        },
+    )
+    r1 = {"deployment": "chat", "replica": "r1", "node": "n1"}
+    queued = (
+        r1,
+        {
+            "summary": "30 requests wait in replica r1 of chat",
+            "description": "The runtime on n1 has kept more than 16 requests waiting for 5 minutes: scale the"
+            " deployment (nexa deployments scale) or lower the load.",
+        },
+    )
+    full = (
+        r1,
+        {
+            "summary": "the KV cache of replica r1 of chat is 99% full",
+            "description": "Above 95% for 10 minutes: the runtime preempts and recomputes requests. Add replicas,"
+            " or give the runtime more memory or shorter contexts (its options).",
+        },
+    )
+    down = (
+        r1,
+        {
+            "summary": "node n1 cannot read the metrics of replica r1",
+            "description": "The runtime's metrics endpoint has failed for 5 minutes; routing falls back to"
+            " in-flight counts for it. See nexa deployments show chat and the runtime's log on the node.",
+        },
+    )
+    checks = [
+        # Pending, not yet firing: each rule waits for its `for`.
+        _alert("NexaGpuTemperatureHigh", "3m"),
+        _alert("NexaRuntimeQueueSaturated", "3m"),
+        _alert("NexaKvCacheFull", "8m"),
+        _alert("NexaRuntimeMetricsDown", "3m"),
+        # Sustained: firing for the one series that stayed past its threshold.
+        _alert("NexaGpuTemperatureHigh", "8m", hot),
+        _alert("NexaRuntimeQueueSaturated", "8m", queued),
+        _alert("NexaKvCacheFull", "13m", full),
+        _alert("NexaRuntimeMetricsDown", "8m", down),
+    ]
+    _test_rules(
+        tmp_path,
+        {
+            "rule_files": [RULES.name],
+            "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}],
+        },
+    )
+
+
+def test_the_rules_name_only_metrics_the_controller_exports() -> None:
+    exported = exported_series()
     named = set(re.findall(r"\b(nexa_[a-z_]+)\b", RULES.read_text()))
     assert named, "the rules name no nexa metric"
     assert named <= exported, f"not exported: {sorted(named - exported)}"

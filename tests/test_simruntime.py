@@ -457,3 +457,69 @@ async def test_garble_faults_answer_200_with_what_the_api_does_not_promise(sim: 
             sim.faults.write_text(json.dumps({"garble": "nonsense"}))  # refused: no faults until fixed
             fine = await http.post("/v1/chat/completions", json=chat_body)
             assert fine.json()["choices"][0]["message"]["content"]
+
+
+# --- /metrics in vLLM's names --------------------------------------------------------------------
+
+
+async def test_metrics_follow_the_faults_file_and_the_answers_given(sim: SimProcess) -> None:
+    """Parsed the way a node reads it (the vLLM adapter's series): queue and KV cache from the
+    faults file, prefix-cache hits from a repeated prompt, TTFT and TPOT from real answers."""
+    from nexa.adapters import SIM_METRICS
+    from nexa.telemetry.runtime_text import parse_runtime_metrics
+
+    sim.start("--ttft-ms", "5", "--tokens-per-s", "1000", "--output-tokens", "4")
+    async with sim.client() as client, httpx.AsyncClient(base_url=sim.url) as http:
+        with trio.fail_after(TIMEOUT_S):
+            before = parse_runtime_metrics((await http.get("/metrics")).content, SIM_METRICS)
+            for _ in range(2):
+                await client.chat.completions.create(model=MODEL, messages=chat("the same prompt"))
+            await sim.stream(lambda c: c.chat.completions.create(model=MODEL, messages=chat("other"), stream=True))
+            sim.faults.write_text(json.dumps({"queue_depth": 7, "kv_cache_usage": 0.5}))
+            after = parse_runtime_metrics((await http.get("/metrics")).content, SIM_METRICS)
+            sim.faults.write_text(json.dumps({"metrics_fail": True}))
+            failing = await http.get("/metrics")
+            still_serving = await client.chat.completions.create(model=MODEL, messages=chat("x"))
+    assert (before.queue_depth, before.running, before.kv_cache_ratio) == (0.0, 0.0, 0.0)
+    assert before.prefix_cache_hit_ratio is None  # nothing looked up yet
+    assert before.ttft is not None
+    assert before.ttft.count == 0
+    assert (after.queue_depth, after.kv_cache_ratio) == (7.0, 0.5)
+    assert after.prefix_cache_hit_ratio is not None
+    assert 0 < after.prefix_cache_hit_ratio < 1  # the second of two same prompts hit; the third missed
+    assert after.ttft is not None
+    assert after.tpot is not None
+    assert (after.ttft.count, after.tpot.count) == (3, 3)
+    assert after.ttft.sum >= 3 * 0.005  # never before the configured time to first token
+    assert failing.status_code == 503
+    assert still_serving.choices[0].finish_reason == "stop"
+
+
+async def test_bad_metrics_faults_are_named_and_ignored(sim: SimProcess) -> None:
+    from nexa.errors import ConfigError
+    from nexa.simruntime import Faults
+
+    with pytest.raises(ConfigError) as caught:
+        Faults.from_json({"queue_depth": -1, "kv_cache_usage": 1.5, "metrics_fail": "yes"})
+    assert [p.split(":")[0] for p in caught.value.problems] == ["queue_depth", "kv_cache_usage", "metrics_fail"]
+    for bad in ({"queue_depth": True}, {"queue_depth": 1.5}, {"kv_cache_usage": float("nan")}):
+        with pytest.raises(ConfigError):
+            Faults.from_json(bad)
+    sim.start("--queue-depth", "3", "--kv-cache-usage", "0.25")
+    async with httpx.AsyncClient(base_url=sim.url) as http:
+        with trio.fail_after(TIMEOUT_S):
+            flagged = (await http.get("/metrics")).text
+            sim.faults.write_text(json.dumps({"queue_depth": "lots"}))  # broken: counts as no faults
+            broken = (await http.get("/metrics")).text
+    assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 3' in flagged
+    assert f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} 0.25' in flagged
+    assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0' in broken
+
+
+def test_refuses_bad_metrics_flags() -> None:
+    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"}
+    argv = [sys.executable, "-m", "nexa", "sim-runtime", "--port", "0", "--queue-depth", "-1", "--kv-cache-usage", "2"]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert "--queue-depth" in result.stderr
+    assert "--kv-cache-usage" in result.stderr

@@ -9,7 +9,7 @@ from nexa.cli import common
 from nexa.cli.output import print_json, ref, table
 from nexa.cli.registry import print_alias_receipt
 from nexa.cli.tables import DEPLOYMENT, DEPLOYMENTS, Show
-from nexa.contracts.deployments import DeploymentView, PlacementView, RolloutResult
+from nexa.contracts.deployments import DeploymentView, PlacementView, ReplicaScore, RolloutResult
 from nexa.contracts.placement import PlacementDecision
 from nexa.errors import ConfigError
 
@@ -32,6 +32,10 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("name")
     s.add_argument("replicas", type=int)
     s.set_defaults(handler=_deployments_scale)
+    s = deployments.add_parser("update", parents=[common_flags], help="change a deployment's routing weights")
+    s.add_argument("name")
+    _routing_flags(s, default=None)
+    s.set_defaults(handler=_deployments_update)
     s = deployments.add_parser("delete", parents=[common_flags], help="stop every replica and forget the deployment")
     s.add_argument("name")
     s.set_defaults(handler=_deployments_delete)
@@ -75,6 +79,16 @@ def _deployment_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--selector", default="", help="node labels: k=v,k2=v2")
     s.add_argument("--data-classes", default="", help="comma-separated")
     s.add_argument("--port", type=int, default=18000, help="first loopback port for the runtime")
+    _routing_flags(s, default=1.0)
+
+
+def _routing_flags(s: argparse.ArgumentParser, *, default: float | None) -> None:
+    keep = " (default: unchanged)" if default is None else f" (default {default:g})"
+    s.add_argument(
+        "--routing-queue", type=float, default=default, help="weight of queued + in-flight requests, 0..100" + keep
+    )
+    s.add_argument("--routing-kv-cache", type=float, default=default, help="weight of KV-cache pressure, 0..100" + keep)
+    s.add_argument("--routing-prefix", type=float, default=default, help="weight of prefix affinity, 0..100" + keep)
 
 
 def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
@@ -89,6 +103,7 @@ def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
             "node_selector": common.labels(args.selector),
             "data_classes": [c for c in args.data_classes.split(",") if c],
         },
+        "routing": {"queue": args.routing_queue, "kv_cache": args.routing_kv_cache, "prefix": args.routing_prefix},
     }
     if args.alias:
         body["alias"] = args.alias
@@ -118,7 +133,41 @@ def print_rollout(view: DeploymentView) -> None:
         )
 
 
-_SHOW: Final = Show(path="/api/v1/deployments/{name}", answer=DeploymentView, view=DEPLOYMENT, after=print_rollout)
+def _print_show(view: DeploymentView) -> None:
+    """`deployments show`: the rollout, the routing weights and each replica's score terms now."""
+    print_rollout(view)
+    w = view.deployment.routing
+    print(f"routing  weights: queue {w.queue:g}, kv_cache {w.kv_cache:g}, prefix {w.prefix:g} (lower score wins)")
+    if view.replica_scores:
+        print(table([_score_row(s) for s in view.replica_scores], _SCORE_COLUMNS))
+
+
+_SCORE_COLUMNS: Final = ("replica", "node", "queue", "in_flight", "kv", "affinity", "score", "report")
+
+
+def _score_row(s: ReplicaScore) -> dict[str, Any]:
+    def figure(value: float | None) -> str:
+        return "-" if value is None else f"{value:g}"
+
+    if s.report == "failing":
+        report = f"metrics failing: {s.metrics_error}"
+    elif s.report_age_s is None:
+        report = s.report
+    else:
+        report = f"{s.report} ({s.report_age_s:.1f} s)"
+    return {
+        "replica": s.replica_id + (" (canary)" if s.canary else ""),
+        "node": s.node_id,
+        "queue": figure(s.queue_reported),
+        "in_flight": s.in_flight,
+        "kv": figure(s.kv_cache_ratio),
+        "affinity": f"-{s.affinity_bonus:g}",
+        "score": f"{s.score:.2f}",
+        "report": report,
+    }
+
+
+_SHOW: Final = Show(path="/api/v1/deployments/{name}", answer=DeploymentView, view=DEPLOYMENT, after=_print_show)
 
 
 def _deployments_create(args: argparse.Namespace) -> int:
@@ -164,6 +213,19 @@ def _deployment_rollout(args: argparse.Namespace) -> int:
 def _deployments_scale(args: argparse.Namespace) -> int:
     with common.client(args) as c:
         out = c.post(f"/api/v1/deployments/{args.name}/scale", DeploymentView, body={"replicas": args.replicas})
+    DEPLOYMENT.emit(args, out, [out])
+    return EXIT_OK
+
+
+def _deployments_update(args: argparse.Namespace) -> int:
+    given = {"queue": args.routing_queue, "kv_cache": args.routing_kv_cache, "prefix": args.routing_prefix}
+    if all(v is None for v in given.values()):
+        raise ConfigError("nothing to update: give --routing-queue, --routing-kv-cache or --routing-prefix")
+    with common.client(args) as c:
+        current = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment.routing
+        body = {"queue": current.queue, "kv_cache": current.kv_cache, "prefix": current.prefix}
+        body.update({k: v for k, v in given.items() if v is not None})
+        out = c.post(f"/api/v1/deployments/{args.name}/routing", DeploymentView, body=body)
     DEPLOYMENT.emit(args, out, [out])
     return EXIT_OK
 

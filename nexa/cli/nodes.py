@@ -12,7 +12,8 @@ from nexa.cli import common
 from nexa.cli.output import gib, print_json
 from nexa.cli.tables import NODE, NODES, accelerators
 from nexa.contracts.api import NodeView
-from nexa.contracts.node import NodeInventory
+from nexa.contracts.node import Gpu, NodeInventory
+from nexa.contracts.wire import CacheDisk, RuntimeLoad
 from nexa.errors import Conflict, Unavailable
 
 EXIT_OK: Final = 0
@@ -68,13 +69,16 @@ def render_node(n: NodeView) -> str:
         f"heartbeat    {row['heartbeat']}; agent {n.agent_version or '-'}",
         f"labels       {row['labels']}",
         *(_inventory_lines(inv, n.free_memory_bytes) if inv else _NO_INVENTORY),
+        f"cache disk   {cache_disk_text(n.cache_disk)}",
         f"assignments  generation {n.acked_generation} acked of {n.desired_generation} desired{ack}",
     ]
-    lines += [
-        f"  {a.assignment_id}: {a.state}{'(' + a.reason + ')' if a.reason else ''} "
-        f"restarts {a.restarts} {a.detail}".rstrip()
-        for a in n.assignments
-    ]
+    for a in n.assignments:
+        lines.append(
+            f"  {a.assignment_id}: {a.state}{'(' + a.reason + ')' if a.reason else ''} "
+            f"restarts {a.restarts} {a.detail}".rstrip()
+        )
+        if a.load is not None:
+            lines.append(f"    load: {load_text(a.load)}")
     lines += [f"problem      {p}" for p in (inv.problems if inv else ())]
     if n.needs_reenrollment:
         lines.append(f"hint         {n.hint}")
@@ -100,6 +104,7 @@ def _inventory_lines(inv: NodeInventory, free_memory_bytes: int) -> list[str]:
         f"host         {inv.arch}, {inv.cpu_count} CPUs, "
         f"memory {gib(inv.memory_total_bytes)} (free {gib(free_memory_bytes)})",
         f"accelerators {accelerators(inv)}; pool {gib(inv.accelerator_memory_bytes)}",
+        *(f"  gpu {g.index}: {gpu_figures(g)}" for g in inv.gpus),
         f"engine       {inv.container_engine or '-'} {inv.container_engine_version or '-'}, "
         f"GPUs by {inv.gpu_method or '-'}",
     ]
@@ -152,3 +157,34 @@ def _node_rotate_keys(args: argparse.Namespace) -> int:
         )
     print(f"node {node_id}: keys rotated; the controller knows it by signing key {fingerprint}")
     return EXIT_OK
+
+
+def _shown(value: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "-" if value is None else fmt.format(value * scale)
+
+
+def gpu_figures(g: Gpu) -> str:
+    """A GPU's live figures as its node last reported them ("-" for what the driver does not say)."""
+    pool = " (unified pool)" if g.unified_memory else ""
+    return (
+        f"{g.name}, utilization {_shown(g.utilization_pct, '{:.0f} %')}, "
+        f"memory {gib(g.memory_used_bytes)} of {gib(g.memory_total_bytes)}{pool}, "
+        f"{_shown(g.temperature_c, '{:.0f} °C')}, {_shown(g.power_draw_w, '{:.1f} W')}"
+    )
+
+
+def cache_disk_text(disk: CacheDisk | None) -> str:
+    if disk is None:
+        return "-"
+    return f"{gib(disk.used_bytes)} held, {gib(disk.free_bytes)} free of {gib(disk.total_bytes)}"
+
+
+def load_text(load: RuntimeLoad) -> str:
+    """What a replica's runtime last said about its load, or why its metrics could not be read."""
+    if not load.ok:
+        return f"metrics failing: {load.error or 'no reason given'}"
+    return (
+        f"queue {_shown(load.queue_depth, '{:g}')}, running {_shown(load.running, '{:g}')}, "
+        f"kv cache {_shown(load.kv_cache_ratio, '{:.0f} %', 100)}, "
+        f"prefix hits {_shown(load.prefix_cache_hit_ratio, '{:.0f} %', 100)} ({load.age_s:.1f} s old)"
+    )

@@ -345,6 +345,9 @@ def _sim_runtime_command(sub: Any) -> None:
     s.add_argument("--hang", choices=("before", "after"), help="stop sending, before or after the first bytes")
     s.add_argument("--fail-status", type=int, default=500, help="the status of a failure before the first byte")
     s.add_argument("--after-tokens", type=int, default=2, help="tokens sent before an `after` fault")
+    s.add_argument("--queue-depth", type=int, default=0, help="requests /metrics says are waiting")
+    s.add_argument("--kv-cache-usage", type=float, default=0.0, help="KV-cache use /metrics reports (0 to 1)")
+    s.add_argument("--metrics-fail", action="store_true", help="/metrics answers 503")
     s.add_argument("--artifact", default="", help="the model artifact's path (checked to exist, never read)")
     s.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process goes away")
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
@@ -370,6 +373,9 @@ def _cmd_sim_runtime(args: argparse.Namespace) -> int:
             hang=None if args.hang is None else simruntime.Phase(args.hang),
             status=args.fail_status,
             after_tokens=args.after_tokens,
+            queue_depth=args.queue_depth,
+            kv_cache_usage=args.kv_cache_usage,
+            metrics_fail=args.metrics_fail,
         ),
         artifact=args.artifact,
         exit_with_parent=args.exit_with_parent,

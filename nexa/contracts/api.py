@@ -6,7 +6,7 @@ import attrs
 
 from nexa.contracts.domain import AuditEvent, KeyId, NodeAdminState, NodeState, Role, TenantId
 from nexa.contracts.node import NodeInventory
-from nexa.contracts.wire import AssignmentStatus, RejectReason
+from nexa.contracts.wire import AssignmentStatus, CacheDisk, RejectReason
 
 
 @attrs.frozen(kw_only=True)
@@ -282,6 +282,8 @@ class NodeView:
     #: overlap): it shows Unreachable and is sent nothing until enrolled again, as `hint` says.
     needs_reenrollment: bool = False
     hint: str = ""
+    #: The artifact cache's disk, as the last heartbeat said (None: not reported).
+    cache_disk: CacheDisk | None = None
 
 
 @attrs.frozen(kw_only=True)

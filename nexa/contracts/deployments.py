@@ -25,6 +25,8 @@ from nexa.contracts.placement import PlacementDecision, PlacementPolicy
 MAX_REPLICAS: Final = 256
 #: The longest window a canary objective may cover (seconds).
 MAX_WINDOW_S: Final = 3600.0
+#: The largest routing weight (`RoutingWeights`); weights are from 0 to this.
+MAX_ROUTING_WEIGHT: Final = 100.0
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +76,22 @@ class PlacementSpec:
 
 
 @attrs.frozen(kw_only=True)
+class RoutingWeights:
+    """How the gateway's router weighs a replica's load terms (`control/routing.py`); each 0..100.
+
+    A replica's score (lower wins) is `queue * (reported queue depth + requests in flight to it)
+    + kv_cache * kv/(1 - kv)` (the KV-cache term grows sharply near full: 0.5 → 1, 0.9 → 9, at
+    most 100), less `prefix * gateway.affinity_slack` for the replica the request's prefix hashes
+    to. The defaults (1, 1, 1) weigh a queued request, a half-full KV cache and one request of
+    affinity slack alike.
+    """
+
+    queue: float = 1.0
+    kv_cache: float = 1.0
+    prefix: float = 1.0
+
+
+@attrs.frozen(kw_only=True)
 class DeploymentCreate:
     """A deployment to create, or (for `POST /api/v1/capacity/forecast`) one to try."""
 
@@ -86,6 +104,7 @@ class DeploymentCreate:
     resources: Resources = Resources()
     options: RuntimeOptions = RuntimeOptions()
     placement: PlacementSpec = PlacementSpec()
+    routing: RoutingWeights = RoutingWeights()
 
 
 @attrs.frozen(kw_only=True)
@@ -183,6 +202,7 @@ class Deployment:
     rollout: Rollout | None = None
     #: The version a deployment `rollback` returns to: what ran before the last promotion.
     previous: ModelRef | None = None
+    routing: RoutingWeights = RoutingWeights()
 
 
 @attrs.frozen(kw_only=True)
@@ -195,6 +215,8 @@ class ServingReplica:
     model: ModelRef
     #: Serves the deployment's canary version (gets the canary's share of traffic).
     canary: bool = False
+    #: Its deployment's routing weights.
+    routing: RoutingWeights = RoutingWeights()
 
 
 @attrs.frozen(kw_only=True)
@@ -211,6 +233,34 @@ class ServingSet:
 
 
 @attrs.frozen(kw_only=True)
+class ReplicaScore:
+    """One replica's routing score terms now (`control/routing.py`; lower wins), in `deployments show`."""
+
+    replica_id: str
+    node_id: str
+    canary: bool = False
+    #: The runtime's load report: `fresh`, `stale` (older than gateway.load_max_age_s: ignored),
+    #: `none` (none sent, or the node unreachable) or `failing` (its metrics endpoint fails).
+    report: str
+    #: How old the report is (seconds); None without one.
+    report_age_s: float | None = None
+    #: Why the runtime's metrics endpoint fails (`report` is `failing`); readiness is not affected.
+    metrics_error: str | None = None
+    #: What the runtime reported (used only while `fresh`).
+    queue_reported: float | None = None
+    running_reported: float | None = None
+    kv_cache_ratio: float | None = None
+    #: The gateway's own requests in flight to it (always fresh).
+    in_flight: int = 0
+    #: The weighted terms and their sum (`score`); `affinity_bonus` is taken off the score of the
+    #: replica a request's prefix hashes to.
+    queue_term: float = 0.0
+    kv_term: float = 0.0
+    affinity_bonus: float = 0.0
+    score: float = 0.0
+
+
+@attrs.frozen(kw_only=True)
 class DeploymentView:
     deployment: Deployment
     #: Replicas placed now; fewer than `deployment.replicas` while nodes cannot take the rest.
@@ -224,6 +274,8 @@ class DeploymentView:
     #: During a rollout: replicas of the new version placed, and of the old version left.
     rollout_new: int = 0
     rollout_old: int = 0
+    #: Each placed replica's routing score terms (canary's too); filled by `GET /api/v1/deployments/{name}`.
+    replica_scores: list[ReplicaScore] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -277,7 +329,17 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
     if not 1 <= req.options.port <= 65535:
         problems.append("options.port: from 1 to 65535")
     problems += [f"placement.data_classes: {p}" for d in req.placement.data_classes if (p := data_class_problem(d))]
+    problems += routing_problems(req.routing, "routing.")
     return problems
+
+
+def routing_problems(w: RoutingWeights, where: str = "") -> list[str]:
+    """Every routing weight outside 0..MAX_ROUTING_WEIGHT (or not a finite number)."""
+    return [
+        f"{where}{name}: from 0 to {MAX_ROUTING_WEIGHT:g}"
+        for name, value in (("queue", w.queue), ("kv_cache", w.kv_cache), ("prefix", w.prefix))
+        if not 0.0 <= value <= MAX_ROUTING_WEIGHT  # also False for NaN
+    ]
 
 
 def canary_problems(req: CanaryCreate) -> list[str]:

@@ -12,7 +12,8 @@ kinds in `DATA_KINDS`, multiplexed by request id. They are not Ed25519-signed: C
 authenticates and encrypts every message of the channel (the controller knows the node from its
 Curve key through ZAP, the node pinned the controller's Curve key), and signing each stream chunk
 would cost more than relaying it. `head` is canonical JSON of the kind's head class (empty for
-`chunk`); `body` is opaque bytes (the runtime request for `infer`, runtime output for `chunk`).
+`chunk`, but for a stream's first: `ChunkHead`); `body` is opaque bytes (the runtime request for
+`infer`, runtime output for `chunk`).
 """
 
 from __future__ import annotations
@@ -409,6 +410,22 @@ class EndHead:
     completion_tokens: int | None = attrs.field(default=None, validator=whole(0, MAX_TOKENS, optional=True))
     #: Time the runtime took, from the node's request to its last byte.
     runtime_ms: float = attrs.field(default=0.0, validator=finite(0.0, MAX_MS))
+    #: The node's time outside the runtime, in ms: from the `infer` frame's arrival to the runtime
+    #: request written, plus from the runtime's whole answer to this `end` (all of it when the runtime
+    #: was never asked). None from nodes before it was sent. Not validated here: the controller checks
+    #: it where it enters (`calls.node_overhead_ms`) and ignores a bad one, so it never fails a request.
+    overhead_ms: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ChunkHead:
+    """Head of a stream's first `chunk` (every other chunk's head is empty; controllers before it
+    ignore chunk heads)."""
+
+    #: The node's time outside the runtime up to this chunk, in ms: from the `infer` frame's arrival
+    #: to the runtime request written, plus from the runtime's first bytes to this chunk. Checked by
+    #: the controller where it enters, like `EndHead.overhead_ms`.
+    overhead_ms: float | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -50,7 +50,7 @@ from nexa.contracts.api import (
     VersionInfo,
 )
 from nexa.contracts.backup import BackupList
-from nexa.contracts.deployments import CanaryCreate, DeploymentCreate, DeploymentList, ScaleRequest
+from nexa.contracts.deployments import CanaryCreate, DeploymentCreate, DeploymentList, RoutingWeights, ScaleRequest
 from nexa.contracts.domain import ApiKey, KeyId, NodeState, Tenant, TenantId
 from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.models import (
@@ -693,6 +693,9 @@ class _Handlers:
         req = await _body(ScaleRequest)
         return _json(await self._s.deployments.scale(_actor(), name, req.replicas))
 
+    async def post_deployments_by_name_routing(self, name: str) -> Response:
+        return _json(await self._s.deployments.set_routing(_actor(), name, await _body(RoutingWeights)))
+
     async def post_deployments_by_name_canary(self, name: str) -> Response:
         req = await _body(CanaryCreate)
         return _json(await self._s.deployments.start_canary(_actor(), name, req), 201)
@@ -735,4 +738,5 @@ def _node_view(live: NodeLive) -> NodeView:
         ack_reason=live.desired.ack_reason,
         needs_reenrollment=bool(live.reenroll_key_id),
         hint=REENROLL_HINT if live.reenroll_key_id else "",
+        cache_disk=live.cache_disk,
     )

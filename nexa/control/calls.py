@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import time
 from typing import Any, Final
 
@@ -26,7 +27,7 @@ from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, CallOutcome, Capability, Priority
 from nexa.contracts.models import ModelRef
 from nexa.control import answers
-from nexa.control.metering import REFUSED_TOKENS, Meter, token_count_ok
+from nexa.control.metering import REFUSED_TIMING, REFUSED_TOKENS, Meter, token_count_ok
 from nexa.control.relay import RelayStream
 from nexa.errors import Cancelled, DeadlineExceeded, NexaError, RuntimeFailed, RuntimeRejected
 
@@ -46,6 +47,10 @@ MAX_EVENT_BYTES: Final = 4 * 1024 * 1024
 UNARY: Final = "unary"
 STREAM: Final = "stream"
 BATCH: Final = "batch"
+#: The largest overhead figure (ms) a node's answer may report for one request; a larger one (or a
+#: negative one, or one that is not a finite number) is ignored and counted: no real node spends a
+#: minute of its own time on one request outside the runtime.
+MAX_NODE_OVERHEAD_MS: Final = 60_000.0
 
 
 @attrs.frozen(kw_only=True)
@@ -92,6 +97,13 @@ class Progress:
     ttft_ms: float | None = None
     attempts: int = 0
     opened: bool = False
+    #: Seconds spent waiting outside nexa besides admission (`queue_ms`): for the answers of attempts
+    #: that failed, and (embeddings) for a batch's window and runtime call.
+    waited_s: float = 0.0
+    #: The relay stream of the replica that answered: how long it waited for its node.
+    answered: RelayStream | None = None
+    #: The nodes' own overhead (ms), summed over the attempts; None while none reported a usable one.
+    node_ms: float | None = None
     #: Set by `end`, once.
     outcome: CallOutcome | None = None
 
@@ -111,6 +123,29 @@ class Progress:
 
     def elapsed_ms(self) -> float:
         return (trio.current_time() - self.started) * 1000.0
+
+    def waited_total_s(self) -> float:
+        """Seconds the call spent outside nexa's code so far: queued in admission, and waiting for
+        nodes' answers (the answering stream's first frame; unary: its whole answer)."""
+        waited = self.queue_ms / 1000.0 + self.waited_s
+        if self.answered is not None:
+            waited += self.answered.waited_s(whole=not self.work.stream)
+        return waited
+
+    def add_node_overhead(self, value: float | None) -> bool:
+        """Add a node's reported overhead (ms) when usable (`node_overhead_ms`); False: refused."""
+        if value is None:
+            return True
+        usable = node_overhead_ms(value)
+        if usable is None:
+            return False
+        self.node_ms = usable + (self.node_ms or 0.0)
+        return True
+
+    def overhead_ms(self, arrived: float, now: float) -> float:
+        """`x-nexa-overhead-ms` of the call's response head written at `now` (trio clock) for a
+        request that arrived at `arrived`: see `overhead_ms`."""
+        return overhead_ms(now - arrived, self.waited_total_s(), self.node_ms)
 
     def end(self) -> CallOutcome:
         """Make the call's outcome (RuntimeError when made already: a call ends once)."""
@@ -284,9 +319,15 @@ class Answer:
         self._stream = None
         if end is not None:
             self.take_usage(end)
+            if not self.work.stream:
+                self.take_overhead(end.overhead_ms)  # a stream's figure came with its first chunk
             if end.status is not wire.EndStatus.OK:
                 self.error = end_error(end)
                 self._progress.status = self.error.code
+
+    def take_overhead(self, value: float | None) -> None:
+        """The node's overhead figure for the response head (`take_node_overhead`)."""
+        take_node_overhead(self._progress, self._meter, value)
 
     def take_usage(self, end: wire.EndHead) -> None:
         """The node's token counts, checked again where they enter the controller (whatever the wire
@@ -350,6 +391,37 @@ async def release(stack: contextlib.AsyncExitStack, request_id: str) -> None:
         await stack.aclose()
     if bounded.cancelled_caught:
         log.error("request %s: releasing the call took over %.0f s and was cut short", request_id, RELEASE_TIMEOUT_S)
+
+
+def node_overhead_ms(value: object) -> float | None:
+    """A node's reported overhead (ms) when it can be used: a finite number in 0 …
+    `MAX_NODE_OVERHEAD_MS`; None for anything else (negative, NaN, infinite, huge, not a number)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, int):
+        return float(value) if 0 <= value <= MAX_NODE_OVERHEAD_MS else None
+    return value if math.isfinite(value) and 0.0 <= value <= MAX_NODE_OVERHEAD_MS else None
+
+
+def overhead_ms(total_s: float, waited_s: float, node_ms: float | None) -> float:
+    """nexa's own time in a response, in ms (`x-nexa-overhead-ms`): the controller's part, the time
+    from the request's arrival to its response head (`total_s`) less the time it waited outside
+    nexa (`waited_s`: admission queueing, the relay waiting for nodes' answers), never below 0;
+    plus the nodes' own part (`node_ms`, already checked; None: no node reported one)."""
+    return max(0.0, total_s - waited_s) * 1000.0 + (node_ms or 0.0)
+
+
+def take_node_overhead(progress: Progress, meter: Meter, value: float | None, node_id: str = "") -> None:
+    """Add a node's overhead figure to the call's; one that is not usable is ignored, counted
+    (`nexa_usage_records_refused_total{reason="timing_invalid"}`) and logged by request id."""
+    if not progress.add_node_overhead(value):
+        meter.refused(REFUSED_TIMING)
+        log.warning(
+            "request %s: node %s reported an overhead outside 0..%g ms; ignored",
+            progress.work.request_id,
+            node_id or progress.node_id,
+            MAX_NODE_OVERHEAD_MS,
+        )
 
 
 def prompt_estimate(work: Work) -> int:

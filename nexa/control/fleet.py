@@ -57,6 +57,7 @@ from nexa.security import (
     new_enrollment_token,
 )
 from nexa.telemetry import Metrics
+from nexa.telemetry.fleet import NodeFigures, ReplicaFigures
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,35 @@ class Fleet:
             return None
         load, read_at = got
         return load, max(0.0, trio.current_time() - read_at)
+
+    def figures(self) -> list[NodeFigures]:
+        """What `/metrics` exports of the fleet now (`nexa.telemetry.fleet`): every node heard from
+        since the controller started and not revoked; live figures (inventory, cache disk, the
+        replicas' loads, each under its assignment's deployment) only from reachable nodes."""
+        now = trio.current_time()
+        out = []
+        for live in self._nodes.values():
+            if live.last_seen is None or live.node.admin_state is NodeAdminState.REVOKED:
+                continue
+            age = max(0.0, now - live.last_seen)
+            if live.state is NodeState.UNREACHABLE:
+                out.append(NodeFigures(node=live.node.id, heartbeat_age_s=age))
+                continue
+            replicas = tuple(
+                ReplicaFigures(deployment=a.deployment, replica=a.id, load=got[0], age_s=max(0.0, now - got[1]))
+                for a in live.desired.assignments
+                if (got := live.loads.get(a.id)) is not None
+            )
+            out.append(
+                NodeFigures(
+                    node=live.node.id,
+                    heartbeat_age_s=age,
+                    inventory=live.inventory,
+                    cache_disk=live.cache_disk,
+                    replicas=replicas,
+                )
+            )
+        return out
 
     def authorize_curve(self, curve_public_z85: str) -> str | None:
         """ZAP: the node id for an enrolled, non-revoked Curve key; None refuses the channel."""

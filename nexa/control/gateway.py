@@ -4,7 +4,7 @@
 points at and the replicas serving it (`Deployments.serving`: Ready replicas on Ready or Cordoned
 nodes, canary share included), refuses at once when none is Ready (`NoReadyReplica`), takes the
 tenant's quota ticket, waits for an admission slot of the model (priority classes, fair between
-tenants, the deadline covering queue time), then picks a replica (`Router`: least outstanding,
+tenants, the deadline covering queue time), then picks a replica (`Router`: lowest load score,
 prefix affinity, canary weight) and opens a relay stream to it over the node's channel. A failure
 before the first output byte (runtime unavailable or failing, node busy or lost) is retried, at
 most `gateway.retries` times: on a Ready replica not tried yet while there is one, else on the
@@ -49,7 +49,18 @@ from nexa.contracts.deployments import ServingReplica, ServingSet
 from nexa.contracts.gateway import CallOutcome, Capability, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
 from nexa.control.admission import Admission
-from nexa.control.calls import BATCH, STREAM, UNARY, Answer, Progress, Work, end_error, prompt_estimate, release
+from nexa.control.calls import (
+    BATCH,
+    STREAM,
+    UNARY,
+    Answer,
+    Progress,
+    Work,
+    end_error,
+    prompt_estimate,
+    release,
+    take_node_overhead,
+)
 from nexa.control.deployments import Deployments
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
@@ -97,7 +108,8 @@ class Call:
         self._gateway = gateway
         self._admitted = admitted
         self._stack = contextlib.AsyncExitStack()
-        self._progress = Progress(work=work, started=trio.current_time())
+        #: What is known of the call so far (its response's `x-nexa-overhead-ms` comes from it).
+        self.progress = Progress(work=work, started=trio.current_time())
         self._answer: Answer | None = None
         self._entered = False
         #: What happened to the call, once it was left.
@@ -108,12 +120,12 @@ class Call:
             raise RuntimeError("a call is entered once")
         self._entered = True
         try:
-            self._answer = await self._gateway._enter(self._stack, self._progress, self._admitted)
+            self._answer = await self._gateway._enter(self._stack, self.progress, self._admitted)
         except BaseException as exc:
-            self._progress.failed(exc)
+            self.progress.failed(exc)
             await self._end()
             raise
-        self._progress.opened = True
+        self.progress.opened = True
         return self._answer
 
     async def __aexit__(
@@ -125,7 +137,7 @@ class Call:
         """Make the outcome, then release what the pipeline holds; its last step records the usage."""
         if self._answer is not None:
             await self._answer.conclude()
-        self.outcome = self._progress.end()
+        self.outcome = self.progress.end()
         await release(self._stack, self.work.request_id)
 
 
@@ -228,9 +240,14 @@ class Gateway:
         reserve = token_reservation(work.capability, work.body, default_completion=self._cfg.reserve_completion_tokens)
         ticket = self._quotas.admit(work.tenant, time.time(), reserve_tokens=reserve)
         stack.callback(self._settle_quota, ticket, progress)
-        queued_s = await stack.enter_async_context(
-            self._admission.slot(model_key, work.tenant, work.priority, self.trio_deadline(work))
-        )
+        queue_from = trio.current_time()
+        try:
+            queued_s = await stack.enter_async_context(
+                self._admission.slot(model_key, work.tenant, work.priority, self.trio_deadline(work))
+            )
+        except BaseException:
+            progress.waited_s += trio.current_time() - queue_from  # queued, then refused: a wait too
+            raise
         progress.queue_ms = queued_s * 1000.0
         if queued_s:
             # Replicas may have come or gone while it waited: route by the fleet as it is now.
@@ -314,6 +331,9 @@ class Gateway:
             end = stream.end
             if first is None and end is not None and end.status is not wire.EndStatus.OK:
                 await release(stack, work.request_id)
+                # Its wait for the node is not nexa's time; the node's own time is.
+                progress.waited_s += stream.waited_s(whole=True)
+                take_node_overhead(progress, self._meter, end.overhead_ms, replica.node_id)
                 error = end_error(end)
                 self._meter.attempt_failed(
                     replica.deployment,
@@ -356,10 +376,14 @@ class Gateway:
         """The answer of a replica's stream: its first chunk and the rest to come, or the usage of
         a stream that ended without output."""
         answer = Answer(progress, self._meter, kind=kind, stream=stream, first=first)
+        progress.answered = stream
         if first is not None:
             progress.first_output()
+            if kind == STREAM:
+                answer.take_overhead(stream.first_overhead_ms)  # a unary answer's comes with its end
         elif stream.end is not None:
             answer.take_usage(stream.end)
+            answer.take_overhead(stream.end.overhead_ms)
         return answer
 
     @staticmethod
@@ -390,11 +414,15 @@ class Gateway:
         batch.add(item)
         if batch.size >= self._cfg.embedding_max_batch:
             batch.full.set()
+        waiting = trio.current_time()
         try:
             await item.done.wait()
         except BaseException:
             item.abandoned = True
             raise
+        # The batch's window and its runtime call are waits outside nexa; the batch's own work is not.
+        progress.waited_s += max(0.0, trio.current_time() - waiting - item.controller_s)
+        progress.add_node_overhead(item.node_ms)  # checked when the batch took it
         if item.error is not None:
             raise item.error
         progress.served_by(item.deployment, item.node_id, canary=item.canary, model=item.model)
@@ -411,6 +439,7 @@ class Gateway:
     async def _run_batch(self, key: tuple[str, str], batch: _Batch) -> None:
         with trio.move_on_after(self._cfg.embedding_batch_window_s):
             await batch.full.wait()
+        closed_at = trio.current_time()
         batch.closed = True
         if self._batches.get(key) is batch:
             del self._batches[key]
@@ -444,7 +473,10 @@ class Gateway:
         finally:
             if replica is not None:
                 await release(replica, work.request_id)
+            # The batch's own time outside its waits for the node: each caller's share of overhead.
+            controller_s = max(0.0, trio.current_time() - closed_at - progress.waited_total_s())
             for i in live:
+                i.controller_s, i.node_ms = controller_s, progress.node_ms
                 if error is not None:
                     i.error = error
                 elif not i.body:  # never released with neither an answer nor an error
@@ -465,6 +497,9 @@ class _Item:
     node_id: str = ""
     canary: bool = False
     model: ModelRef | None = None
+    #: The batch's own time (s) outside its waits for the node, and its node's overhead (ms).
+    controller_s: float = 0.0
+    node_ms: float | None = None
 
 
 @attrs.define(kw_only=True, eq=False)

@@ -33,6 +33,7 @@ from nexa.contracts import codec, pages
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
 from nexa.contracts.domain import ApiKey, Role, TenantId
 from nexa.contracts.gateway import (
+    UNRESOLVED_MODEL,
     Api,
     Capability,
     OpenAIError,
@@ -97,6 +98,9 @@ PRIORITY_HEADER: Final = "x-nexa-priority"
 DEADLINE_HEADER: Final = "x-nexa-deadline-ms"
 #: Optional: the request's data class (as the envelope's `data_class`): only nodes allowed it serve it.
 DATA_CLASS_HEADER: Final = "x-nexa-data-class"
+#: On every response of these routes: nexa's own time in it, in ms (`calls.overhead_ms`).
+OVERHEAD_HEADER: Final = "x-nexa-overhead-ms"
+_OVERHEAD_HEADER: Final = OVERHEAD_HEADER.encode()
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-store"),
@@ -140,6 +144,7 @@ class InferenceApp:
         # Bound once per (route, method, status), not per request.
         self._answered = Children(metrics.http_requests)
         self._seconds = Children(metrics.http_request_seconds)
+        self._overhead = Children(metrics.gateway_overhead_seconds)
         self._max_body = max_body_bytes
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -196,7 +201,8 @@ class InferenceApp:
             deadline_at=self._deadline(x.header(DEADLINE_HEADER)),
             data_class=_data_class(x.header(DATA_CLASS_HEADER)),
         )
-        async with self._gateway.call(work) as answer:
+        call = x.call = self._gateway.call(work)
+        async with call as answer:
             if not stream:
                 body_out = await answer.read_all()
                 if answer.error is not None:
@@ -270,7 +276,7 @@ class InferenceApp:
         call: Call | None = None
         try:
             # The workload is written to the store once admitted, not before (see Workloads.record).
-            call = self._gateway.call(work, admitted=partial(self._workloads.record, active))
+            call = x.call = self._gateway.call(work, admitted=partial(self._workloads.record, active))
             with active.scope:
                 async with call as answer:
                     active.set_state(WorkloadState.STREAMING if work.stream else WorkloadState.RUNNING)
@@ -342,6 +348,10 @@ class _Exchange:
         self.openai = route[1].startswith("/v1/")
         self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self.rid = new_request_id(self._headers.get("x-request-id", ""))
+        #: trio clock time the request arrived (its overhead counts from here).
+        self._arrived = trio.current_time()
+        #: The gateway call made for it, if any (its response head says the call's overhead).
+        self.call: Call | None = None
         self.key: ApiKey
         self.tenant: TenantId
         self._started_response = False
@@ -495,6 +505,7 @@ class _Exchange:
                     (b"content-length", str(len(payload)).encode()),
                     (b"x-request-id", self.rid.encode()),
                     (b"cache-control", b"no-store"),
+                    self._overhead_header(),
                     *(headers or ()),
                 ],
             }
@@ -512,10 +523,25 @@ class _Exchange:
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode())],
+                "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode()), self._overhead_header()],
             }
         )
         self._started_response = True
+
+    def _overhead_header(self) -> tuple[bytes, bytes]:
+        """`x-nexa-overhead-ms` of the response head written now: the call's (`Progress.overhead_ms`),
+        observed in `nexa_gateway_overhead_seconds` once a call; without a call (refused before one
+        was made, a read route) all the time since arrival, which was nexa's."""
+        now = trio.current_time()
+        call = self.call
+        if call is None:
+            ms = (now - self._arrived) * 1000.0
+        else:
+            progress = call.progress
+            ms = progress.overhead_ms(self._arrived, now)
+            # The model label as the other gateway metrics: the alias, never a name that did not resolve.
+            self._app._overhead(progress.alias if progress.model is not None else UNRESOLVED_MODEL).observe(ms / 1000)
+        return (_OVERHEAD_HEADER, b"%.2f" % ms)
 
     async def chunk(self, data: bytes, *, more: bool = True) -> None:
         await self._send({"type": "http.response.body", "body": data, "more_body": more})

@@ -126,6 +126,7 @@ class Meter:
         # Bound once per label combination, not per request (`telemetry.Children`).
         self._by_status = Children(metrics.gateway_requests)
         self._tokens = Children(metrics.gateway_tokens)
+        self._tenant_tokens = Children(metrics.gateway_tenant_tokens)
         self._seconds = Children(metrics.gateway_request_seconds)
         self._ttft_seconds = Children(metrics.gateway_ttft_seconds)
         self._refused = Children(metrics.usage_records_refused)
@@ -203,8 +204,10 @@ class Meter:
         self._by_status(model, rec.tenant, rec.status).inc()
         if rec.prompt_tokens:
             self._tokens(model, "prompt").inc(rec.prompt_tokens)
+            self._tenant_tokens(rec.tenant, "prompt").inc(rec.prompt_tokens)
         if rec.completion_tokens:
             self._tokens(model, "completion").inc(rec.completion_tokens)
+            self._tenant_tokens(rec.tenant, "completion").inc(rec.completion_tokens)
         self._seconds(model).observe(rec.duration_ms / 1000)
         if rec.ttft_ms is not None:
             self._ttft_seconds(model).observe(rec.ttft_ms / 1000)

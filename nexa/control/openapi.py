@@ -55,6 +55,7 @@ from nexa.contracts.deployments import (
     DeploymentView,
     PlacementView,
     RolloutResult,
+    RoutingWeights,
     ScaleRequest,
 )
 from nexa.contracts.domain import Role
@@ -95,7 +96,13 @@ from nexa.contracts.models import (
 from nexa.contracts.placement import PlacementDecision
 from nexa.contracts.recovery import RecoveryFinished, RecoveryPlan
 from nexa.control.http import STATUS
-from nexa.control.inference import DATA_CLASS_HEADER, DEADLINE_HEADER, INFERENCE_ROUTES, PRIORITY_HEADER
+from nexa.control.inference import (
+    DATA_CLASS_HEADER,
+    DEADLINE_HEADER,
+    INFERENCE_ROUTES,
+    OVERHEAD_HEADER,
+    PRIORITY_HEADER,
+)
 from nexa.control.recovery import refused_while_recovering
 from nexa.control.routes import ROUTE_ROLES
 from nexa.errors import (
@@ -483,6 +490,13 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         answer=DeploymentView,
         errors=(Conflict, NotDeployable),
     ),
+    ("POST", "/api/v1/deployments/<name>/routing"): _Op(
+        summary="Set a deployment's routing weights",
+        tag="deployments",
+        body=RoutingWeights,
+        body_kind="required",
+        answer=DeploymentView,
+    ),
     ("POST", "/api/v1/deployments/<name>/canary"): _Op(
         summary="Start a canary",
         tag="deployments",
@@ -721,8 +735,25 @@ def _operation(method: str, rule: str, roles: frozenset[Role] | None, op: _Op, s
             "x-nexa-error-codes": codes,
             "content": {_JSON: {"schema": error_schema}},
         }
+    if (method, rule) in INFERENCE_ROUTES:
+        for response in responses.values():
+            response["headers"] = dict(_INFERENCE_RESPONSE_HEADERS)
     out["responses"] = responses
     return out
+
+
+#: What every answer of the inference routes carries (`inference._Exchange` writes every one).
+_INFERENCE_RESPONSE_HEADERS: Final[Json] = {
+    OVERHEAD_HEADER: {
+        "description": (
+            "nexa's own time in this response, in ms (two decimals): the controller's time from the"
+            " request's arrival to this response head, less admission queueing and the time it waited"
+            " for the node's answer (a stream: its first output; otherwise the whole answer), plus the"
+            " node's own time outside the runtime. A stream's figure is the overhead up to its first byte."
+        ),
+        "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]{2}$"},
+    },
+}
 
 
 def _operation_id(method: str, rule: str) -> str:

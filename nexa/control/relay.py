@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Final, Protocol
@@ -40,6 +41,14 @@ UNKNOWN_STREAM: Final = "unknown_stream"
 OVERSIZED_CHUNK: Final = "oversized_chunk"
 STREAM_OVERFLOW: Final = "stream_overflow"
 MALFORMED: Final = "malformed"
+
+
+def _chunk_overhead(head: bytes) -> float | None:
+    """The overhead figure of a first chunk's head; NaN (refused later, and counted) when unreadable."""
+    try:
+        return codec.loads(codec.wire, head, wire.ChunkHead).overhead_ms
+    except ContractError:
+        return math.nan
 
 
 class DataLink(Protocol):
@@ -87,6 +96,14 @@ class RelayStream:
         self.end: wire.EndHead | None = None
         #: trio clock time the first chunk arrived.
         self.first_chunk_at: float | None = None
+        #: `time.perf_counter()` when the stream was opened, its first chunk came and its end was
+        #: known (`waited_s`: durations only; also outside a trio run, as in sync tests of `deliver`).
+        self._opened_at = time.perf_counter()
+        self._first_at: float | None = None
+        self._ended_at: float | None = None
+        #: The node's overhead up to its first chunk (`wire.ChunkHead`), unchecked: NaN when that head
+        #: did not parse, None when the node sent none (the gateway checks and counts it).
+        self.first_overhead_ms: float | None = None
         self._relay = relay
         self._window = window
         #: trio clock time after which the controller ends the stream itself.
@@ -174,6 +191,7 @@ class RelayStream:
             return False
         if self.first_chunk_at is None:
             self.first_chunk_at = trio.current_time()
+            self._first_at = time.perf_counter()
         self._chunks.append(chunk)
         self._bytes += len(chunk)
         self._relay._buffered += len(chunk)
@@ -186,9 +204,16 @@ class RelayStream:
         self._chunks.clear()
         self._bytes = 0
 
+    def waited_s(self, *, whole: bool) -> float:
+        """Seconds from sending `infer` until the node's first answer frame arrived (`whole`: until
+        its end, the whole answer); 0 while it has not."""
+        answered = self._ended_at if whole or self._first_at is None else self._first_at
+        return 0.0 if answered is None else answered - self._opened_at
+
     def _finish(self, end: wire.EndHead) -> None:
         if self._final is None:
             self._final = end
+            self._ended_at = time.perf_counter()
             self._arrived.set()
 
 
@@ -274,6 +299,8 @@ class Relay:
                 )
                 self._protocol_error(stream)
                 return OVERSIZED_CHUNK
+            if frame.head and stream.first_chunk_at is None:
+                stream.first_overhead_ms = _chunk_overhead(frame.head)
             if not stream._put(frame.body):
                 log.warning(
                     "node %s sent more than its window (%d chunks) ahead; ending its stream", node_id, self._window

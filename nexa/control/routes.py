@@ -61,6 +61,7 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("DELETE", "/api/v1/deployments/<name>"): frozenset({_O, _A}),
     ("GET", "/api/v1/deployments/<name>/placement"): frozenset({_O, _A}),
     ("POST", "/api/v1/deployments/<name>/scale"): frozenset({_O, _A}),
+    ("POST", "/api/v1/deployments/<name>/routing"): frozenset({_O, _A}),
     ("POST", "/api/v1/deployments/<name>/canary"): frozenset({_O, _A}),
     ("POST", "/api/v1/deployments/<name>/promote"): frozenset({_O, _A}),
     ("POST", "/api/v1/deployments/<name>/rollback"): frozenset({_O, _A}),

@@ -25,7 +25,7 @@ import hypercorn.trio
 import trio
 
 from nexa import __version__
-from nexa.config import ControlConfig, HttpConfig, parse_host_port
+from nexa.config import ControlConfig, HttpConfig, NodesConfig, parse_host_port
 from nexa.control import openapi
 from nexa.control.admission import Admission
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
@@ -44,12 +44,13 @@ from nexa.control.registry import Registry
 from nexa.control.rollout import RolloutWatcher
 from nexa.control.routing import Router
 from nexa.control.southbound import Southbound
-from nexa.control.store import StoreOpener, open_store
+from nexa.control.store import Store, StoreOpener, open_store
 from nexa.control.workloads import Workloads
 from nexa.oci import registry_credentials
 from nexa.s3 import s3_credentials
 from nexa.supervision import Supervision, supervised
 from nexa.telemetry import Metrics
+from nexa.telemetry.fleet import FleetCollector
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +131,7 @@ async def _serve_control(
         admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
         keys_dir = Path(cfg.state_dir) / KEYS_DIR
         keys = await trio.to_thread.run_sync(partial(load_or_create_keys, keys_dir, overlap_s=cfg.nodes.key_overlap_s))
-        fleet = Fleet(cfg.nodes, store, metrics)
-        await fleet.load()
+        fleet = await _load_fleet(cfg.nodes, store, metrics)
         outbound = Outbound(
             cfg.oci,
             cfg.artifacts,
@@ -168,7 +168,14 @@ async def _serve_control(
                 keys=keys,
             )
             deployments = Deployments(
-                cfg.nodes, store, metrics, fleet, models=models, southbound=southbound, placement=cfg.placement
+                cfg.nodes,
+                store,
+                metrics,
+                fleet,
+                models=models,
+                southbound=southbound,
+                placement=cfg.placement,
+                router=(router := Router(cfg.gateway, load=fleet.replica_load)),
             )
             await deployments.load()
             recovery = Recovery(store, fleet, deployments, southbound, metrics)
@@ -184,7 +191,7 @@ async def _serve_control(
                 relay=southbound.relay,
                 quotas=quotas,
                 admission=admission,
-                router=Router(cfg.gateway),
+                router=router,
                 meter=meter,
             )
             state = AppState(
@@ -278,6 +285,15 @@ async def _serve_control(
                     loops.cancel_scope.cancel()
                 metering.cancel_scope.cancel()
     log.info("controller stopped")
+
+
+async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics) -> Fleet:
+    """The fleet as the store holds it, its GPU, node and runtime series on `metrics`' registry: made
+    from the heartbeats at each scrape, so a node that goes leaves no stale series."""
+    fleet = Fleet(cfg, store, metrics)
+    await fleet.load()
+    metrics.registry.register(FleetCollector(fleet.figures))
+    return fleet
 
 
 def _use_keys(state: AppState, keys: ControllerKeys) -> None:

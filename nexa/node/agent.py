@@ -64,6 +64,7 @@ from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.podman import PodmanClient
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
+from nexa.node.runtime_metrics import RuntimeMetrics
 from nexa.node.supervisor import Supervisor
 from nexa.oci import registry_credentials as registry_credentials_source
 from nexa.runtimes import SIMULATION_ENV
@@ -228,14 +229,14 @@ class Agent:
         gpu_method: str = "",
         pending_keys: PendingKeys | None = None,
         open_requests: Callable[[], Iterable[str]] = tuple,
+        cache_disk: Callable[[], wire.CacheDisk | None] = lambda: None,
     ) -> None:
         self._node_id = identity.node_id
         self._controller_key_id = identity.controller_signing_public.fingerprint
         # A rotation under way (`keys.next`), and when its RotateKeys was last sent.
         self._pending = pending_keys
         self._pending_sent_at = float("-inf")
-        self._open_requests = open_requests
-        self._keys_rotated = 0
+        self._open_requests, self._cache_disk = open_requests, cache_disk
         # Reported in every heartbeat's inventory (`nexa nodes show`).
         self._engine = (container_engine, container_engine_version, gpu_method)
         # The inference relay's `deliver` (never blocks); without one, data frames are dropped.
@@ -259,7 +260,7 @@ class Agent:
         self._lease_lapsed = False
         self._draining = False
         self._rejected: collections.Counter[wire.RejectReason] = collections.Counter()
-        self._heartbeats_sent = self._heartbeats_skipped = 0
+        self._heartbeats_sent = self._heartbeats_skipped = self._keys_rotated = 0
         self._sets_accepted = self._leases_renewed = 0
         self._bad_signatures = self._invalid_messages = self._store_failures = 0
 
@@ -374,6 +375,7 @@ class Agent:
             epoch=fence.epoch,
             generation=fence.generation,
             controller_key_id=self._pinned_key_id(),
+            cache_disk=self._cache_disk(),
         )
 
     def _pinned_key_id(self) -> str:
@@ -748,8 +750,9 @@ async def _serve_node(
         supervisor = Supervisor(
             cfg.supervisor, containers, artifacts, node_id=identity.node_id, runtime_host=cfg.runtime_host
         )
+        metrics = RuntimeMetrics(supervisor, artifacts, cfg.runtime_metrics_interval_s, host=cfg.runtime_host)
         # Resume what the fence on disk says: running containers that still match are adopted.
-        supervisor.update(fence.generation, fence.assignments)
+        metrics.update(fence.generation, fence.assignments)
         relay = NodeRelay(cfg.relay, uplink, supervisor.endpoint, host=cfg.runtime_host)
         agent = Agent(
             identity=identity,
@@ -757,7 +760,7 @@ async def _serve_node(
             state_dir=state_dir,
             uplink=uplink,
             inventory=watcher,
-            runtimes=supervisor,
+            runtimes=metrics,
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             on_lease_expiry=cfg.on_lease_expiry,
             data=relay.deliver,
@@ -766,14 +769,15 @@ async def _serve_node(
             gpu_method=cfg.container.gpu_method,
             pending_keys=pending,
             open_requests=relay.open_requests,
+            cache_disk=metrics.cache_disk,
         )
-        # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
-        # restarted; only a failed start ends the agent.
+        # Every loop runs supervised (nexa.supervision, restarted on failure); only a failed start ends the agent.
         async with trio.open_nursery() as nursery:
             await nursery.start(supervised, "inventory", watcher.run)
             await nursery.start(supervised, "supervisor", supervisor.run)
             await nursery.start(supervised, "uplink", uplink.run)
             await nursery.start(supervised, "relay", relay.run)
+            await nursery.start(supervised, "runtime_metrics", metrics.run)
             await nursery.start(supervised, "agent", agent.run)
             log.info(
                 "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation

@@ -36,6 +36,8 @@ class _Connection:
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.h11 = h11.Connection(our_role=h11.CLIENT)
+        #: trio clock time the last request on it was written.
+        self.sent_at = 0.0
 
     async def aclose(self) -> None:
         """Close the socket, even in a cancelled scope (shielded, for at most CLOSE_TIMEOUT_S)."""
@@ -70,6 +72,8 @@ class Response:
         self._connection = connection
         self.status_code: int = head.status_code
         self.headers: list[tuple[bytes, bytes]] = list(head.headers)
+        #: trio clock time the request was written (the node's overhead ends there).
+        self.sent_at: float = connection.sent_at
         self._done = False
 
     def aiter_bytes(self) -> Response:
@@ -100,15 +104,34 @@ class RuntimeClient:
         self._max_idle = max_idle
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
 
-    @contextlib.asynccontextmanager
-    async def post(
+    def post(
         self, host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = ()
-    ) -> AsyncIterator[Response]:
+    ) -> contextlib.AbstractAsyncContextManager[Response]:
         """Send the request and yield the answer once its head arrived. RuntimeHTTPError when the
         runtime cannot be reached or breaks the exchange."""
-        key = (host, port)
+        return self._request("POST", (host, port), path, body, headers)
+
+    async def get(self, host: str, port: int, path: str, *, timeout_s: float, max_bytes: int) -> tuple[int, bytes]:
+        """GET `path` whole: its status and body. RuntimeHTTPError when the runtime cannot be
+        reached, breaks the exchange, takes over `timeout_s` in all, or sends over `max_bytes`."""
+        with trio.move_on_after(timeout_s) as scope:
+            async with self._request("GET", (host, port), path, b"", ()) as response:
+                body = bytearray()
+                async for piece in response.aiter_bytes():
+                    body += piece
+                    if len(body) > max_bytes:
+                        raise RuntimeHTTPError(f"the answer is over {max_bytes} bytes")
+                return response.status_code, bytes(body)
+        assert scope.cancelled_caught
+        raise RuntimeHTTPError(f"no whole answer within {timeout_s:g} s")
+
+    @contextlib.asynccontextmanager
+    async def _request(
+        self, method: str, key: tuple[str, int], path: str, body: bytes, headers: Sequence[tuple[str, str]]
+    ) -> AsyncIterator[Response]:
+        host, port = key
         request = h11.Request(
-            method="POST",
+            method=method,
             target=path,
             headers=[("Host", f"{host}:{port}"), ("Content-Length", str(len(body))), *headers],
         )
@@ -162,6 +185,7 @@ class RuntimeClient:
             await connection.stream.send_all(wire)
         except trio.BrokenResourceError as exc:
             raise RuntimeHTTPError(f"the runtime's connection broke: {exc}") from None
+        connection.sent_at = trio.current_time()
         while True:
             event = await connection.next_event()
             if isinstance(event, h11.Response):

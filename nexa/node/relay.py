@@ -105,6 +105,12 @@ class _Request:
     #: The runtime answered (status line received).
     responded: bool = False
     http_status: int | None = None
+    #: trio clock: the `infer` frame arrived; the runtime request was written; the runtime's first
+    #: body bytes (streams) and its whole answer were read (the node's overhead is measured from them).
+    arrived: float = 0.0
+    sent_at: float | None = None
+    first_read_at: float | None = None
+    answered_at: float | None = None
 
 
 @attrs.define
@@ -231,7 +237,13 @@ class NodeRelay:
             nursery.start_soon(self._send_end, frame.request_id, _error(NODE_BUSY))
             return
         self._accepted += 1
-        req = _Request(request_id=frame.request_id, head=head, body=frame.body, allowed=max(1, head.window))
+        req = _Request(
+            request_id=frame.request_id,
+            head=head,
+            body=frame.body,
+            allowed=max(1, head.window),
+            arrived=trio.current_time(),
+        )
         self._requests[req.request_id] = req
         nursery.start_soon(self._serve, req)
 
@@ -249,7 +261,13 @@ class NodeRelay:
                 end = wire.EndHead(status=wire.EndStatus.CANCELLED, code=CANCELLED, http_status=req.http_status)
         finally:
             del self._requests[req.request_id]
-        end = attrs.evolve(end, first_byte_sent=req.sent > 0, runtime_ms=(trio.current_time() - started) * 1000)
+        now = trio.current_time()
+        end = attrs.evolve(
+            end,
+            first_byte_sent=req.sent > 0,
+            runtime_ms=(now - started) * 1000,
+            overhead_ms=overhead_ms(req.arrived, req.sent_at, req.answered_at, now),
+        )
         await self._send_end(req.request_id, end)
 
     async def _call_guarded(self, req: _Request) -> wire.EndHead:
@@ -276,13 +294,16 @@ class NodeRelay:
         usage = _Usage()
         try:
             async with client.post(self._host, port, head.path, req.body, headers) as resp:
-                req.responded, req.http_status = True, resp.status_code
-                if resp.status_code >= 400:
-                    return await _runtime_failed(resp)
-                if head.stream:
-                    await self._forward_events(req, resp, usage)
-                else:
-                    await self._forward_body(req, resp, usage)
+                req.responded, req.http_status, req.sent_at = True, resp.status_code, resp.sent_at
+                try:
+                    if resp.status_code >= 400:
+                        return await _runtime_failed(resp)
+                    if head.stream:
+                        await self._forward_events(req, resp, usage)
+                    else:
+                        await self._forward_body(req, resp, usage)
+                finally:
+                    req.answered_at = trio.current_time()
         except RuntimeHTTPError:
             # Refused or reset before an answer: nothing ran. After it: the runtime broke the stream.
             return _error(RUNTIME_ERROR if req.responded else RUNTIME_UNAVAILABLE, http_status=req.http_status)
@@ -311,6 +332,8 @@ class NodeRelay:
         rest = b""
         limit = int(self._cfg.max_chunk_bytes)
         async for data in resp.aiter_bytes():
+            if req.first_read_at is None:
+                req.first_read_at = trio.current_time()
             if not rest and len(data) <= limit and _plain_events(data):
                 # Whole content events only (the common read): relayed as read, in one chunk.
                 usage.content_events += len(_CONTENT_EVENT.findall(data))
@@ -380,7 +403,14 @@ class NodeRelay:
             finally:
                 req.waiting = False
             req.credited = trio.Event()
-        await self._uplink.send_data(wire.CHUNK, req.request_id, b"", data)
+        head = b""
+        if req.sent == 0 and req.head.stream:
+            # A stream's first chunk says the node's overhead up to it (the client's response head
+            # is written when it arrives); the other chunks' heads stay empty.
+            now = trio.current_time()
+            spent = overhead_ms(req.arrived, req.sent_at, req.first_read_at, now)
+            head = codec.dumps(codec.wire, wire.ChunkHead(overhead_ms=spent)).encode()
+        await self._uplink.send_data(wire.CHUNK, req.request_id, head, data)
         req.sent += 1
         self._chunks_sent += 1
         self._bytes_sent += len(data)
@@ -398,6 +428,15 @@ class NodeRelay:
                 await self._uplink.send_data(wire.END, request_id, codec.dumps(codec.wire, end).encode(), b"")
             except ChannelError:
                 log.warning("could not send the end of request %s: the channel is closed", request_id)
+
+
+def overhead_ms(arrived: float, sent_at: float | None, answered_at: float | None, now: float) -> float:
+    """The node's time outside the runtime (trio clock times, in ms): from the `infer` frame's
+    arrival to the runtime request written, plus from the runtime's answer (`answered_at`: its first
+    bytes, or the whole of it) to `now`; all of it when the runtime was never asked or never answered."""
+    if sent_at is None or answered_at is None:
+        return max(0.0, now - arrived) * 1000.0
+    return (max(0.0, sent_at - arrived) + max(0.0, now - answered_at)) * 1000.0
 
 
 def _error(code: Code, *, http_status: int | None = None, message: str = "") -> wire.EndHead:

@@ -33,6 +33,9 @@ class Outcome:
     cancelled: bool = False
     #: The stream was cut off on purpose (`fail: after`).
     aborted: bool = False
+    #: When (trio time) the first and the last token went out (None: no token did).
+    first_token_at: float | None = None
+    last_token_at: float | None = None
 
 
 def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
@@ -137,6 +140,9 @@ async def stream(work: Work, faults: Faults, send: Send, outcome: Outcome, cfg: 
         data += b"".join(chunk(c, w[i] if i == 0 else " " + w[i], None) for c, w in enumerate(words))
         await send({"type": "http.response.body", "body": data, "more_body": True})
         outcome.tokens += len(words)
+        outcome.last_token_at = trio.current_time()
+        if outcome.first_token_at is None:
+            outcome.first_token_at = outcome.last_token_at
     finish = "length" if work.max_tokens < cfg.output_tokens else "stop"
     tail = b""
     if work.max_tokens == 0 and chat:

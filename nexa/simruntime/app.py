@@ -1,4 +1,4 @@
-"""The ASGI app: routes, counters (`/metrics` in vLLM's names), the journal, and the life of one
+"""The ASGI app: routes, counters (`/metrics` in vLLM's names: `metrics`), the journal, and the life of one
 inference request (parse, faults, answer, and the outcome journaled, the client watched for
 going away). Counters only: every answer is computed from the request and the config."""
 
@@ -18,6 +18,7 @@ from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
 from nexa.simruntime.faults import Faults, FaultsSource, Phase
+from nexa.simruntime.metrics import SimMetrics
 from nexa.simruntime.parse import Kind, Work, parse
 
 #: Longest X-Nexa-Request-Id (the relay's request id) kept in the journal.
@@ -72,8 +73,7 @@ class SimApp:
         self._faults = FaultsSource(cfg.faults_path, cfg.faults)
         self._interval_s = 1.0 / cfg.tokens_per_s
         self._ttft_s = cfg.ttft_ms / 1000.0
-        self._running = 0
-        self._total = 0
+        self._metrics = SimMetrics(f'model_name="{_label_value(cfg.model)}"')
         self._models_body = json.dumps(
             {
                 "object": "list",
@@ -94,35 +94,25 @@ class SimApp:
             if method != "POST":
                 await reply(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
                 return
-            self._running += 1
-            self._total += 1
+            self._metrics.running += 1
+            self._metrics.total += 1
             try:
                 await self._inference(path, _request_id(scope), receive, send)
             finally:
-                self._running -= 1
+                self._metrics.running -= 1
         elif method == "GET" and path == "/health":
             await reply(send, 200, b'{"status":"ok"}')
         elif method == "GET" and path == "/v1/models":
             await reply(send, 200, self._models_body)
         elif method == "GET" and path == "/metrics":
-            await reply(send, 200, self._metrics(), headers=_METRICS_HEADERS)
+            faults = self._faults.current()
+            if faults.metrics_fail:
+                await reply(send, 503, error_body("simulated metrics failure", "server_error", "metrics_failure"))
+            else:
+                body = self._metrics.render(waiting=faults.queue_depth, kv_cache_usage=faults.kv_cache_usage)
+                await reply(send, 200, body, headers=_METRICS_HEADERS)
         else:
             await reply(send, 404, error_body(f"no route {path}", "invalid_request_error", "not_found"))
-
-    def _metrics(self) -> bytes:
-        label = f'{{model_name="{_label_value(self._cfg.model)}"}}'
-        lines = [
-            "# HELP vllm:num_requests_running Requests being answered now.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{label} {self._running}",
-            "# HELP vllm:num_requests_waiting Requests waiting to be scheduled (the simulator never queues).",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{label} 0",
-            "# HELP nexa_sim_requests_total Inference requests received.",
-            "# TYPE nexa_sim_requests_total counter",
-            f"nexa_sim_requests_total{label} {self._total}",
-        ]
-        return ("\n".join(lines) + "\n").encode()
 
     async def _inference(self, path: str, rid: str, receive: Receive, send: Send) -> None:
         journal = self._journal
@@ -136,6 +126,9 @@ class SimApp:
             journal.write("failed", rid, path, status=exc.status, reason="invalid_request")
             return
         journal.write("request", rid, path, stream=work.stream)
+        started = trio.current_time()
+        if work.kind is not Kind.EMBEDDING:
+            self._metrics.prompt(work.texts, work.prompt_tokens)
         faults = self._faults.current()
         if faults.fail is Phase.BEFORE or (faults.fail is Phase.AFTER and not work.stream):
             await reply(send, faults.status, error_body("simulated failure", "server_error", "simulated_failure"))
@@ -145,6 +138,10 @@ class SimApp:
         try:
             outcome = await self._watched(receive, partial(self._produce, work, faults, send))
             recorded = True
+            if outcome.first_token_at is not None and outcome.last_token_at is not None:
+                per_choice = outcome.tokens // max(1, len(work.texts))
+                decode_s = outcome.last_token_at - outcome.first_token_at
+                self._metrics.answered(outcome.first_token_at - started, per_choice, decode_s)
             if outcome.cancelled:
                 journal.write("cancelled", rid, path, tokens=outcome.tokens)
             elif outcome.aborted:
@@ -180,10 +177,14 @@ class SimApp:
             outcome.finished = True
             await answers.reply_garbled(send, body, faults.garble, outcome)
         elif work.stream:
-            await answers.stream(work, faults, send, outcome, self._cfg, serial=self._total)
+            await answers.stream(work, faults, send, outcome, self._cfg, serial=self._metrics.total)
         else:
-            await trio.sleep_until(trio.current_time() + self._ttft_s + max(0, work.max_tokens - 1) * self._interval_s)
-            body = answers.unary(work, self._cfg, serial=self._total)
+            first_at = trio.current_time() + self._ttft_s
+            await trio.sleep_until(first_at + max(0, work.max_tokens - 1) * self._interval_s)
+            body = answers.unary(work, self._cfg, serial=self._metrics.total)
             outcome.tokens = work.max_tokens * len(work.texts)
+            if work.max_tokens > 0:
+                # The whole answer goes out at once: its tokens were "made" at the configured pace.
+                outcome.first_token_at, outcome.last_token_at = first_at, trio.current_time()
             outcome.finished = True
             await answers.reply_garbled(send, body, faults.garble, outcome)

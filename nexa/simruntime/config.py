@@ -68,14 +68,24 @@ def check_config(cfg: SimConfig, environ: Mapping[str, str]) -> None:
         problems.append("--output-tokens: must be 0 or more")
     if not 1 <= cfg.embedding_dim <= MAX_EMBEDDING_DIM:
         problems.append(f"--embedding-dim: must be 1 to {MAX_EMBEDDING_DIM}")
-    if not 400 <= cfg.faults.status <= 599:
-        problems.append("--fail-status: must be 400 to 599")
-    if cfg.faults.after_tokens < 0:
-        problems.append("--after-tokens: must be 0 or more")
+    problems += _fault_flag_problems(cfg.faults)
     if cfg.artifact and not os.path.exists(cfg.artifact):
         problems.append("--artifact: no such file")
     if problems:
         raise ConfigError("invalid sim-runtime flags: " + "; ".join(problems), problems=tuple(problems))
+
+
+def _fault_flag_problems(faults: Faults) -> list[str]:
+    problems = []
+    if not 400 <= faults.status <= 599:
+        problems.append("--fail-status: must be 400 to 599")
+    if faults.after_tokens < 0:
+        problems.append("--after-tokens: must be 0 or more")
+    if faults.queue_depth < 0:
+        problems.append("--queue-depth: must be 0 or more")
+    if not 0.0 <= faults.kv_cache_usage <= 1.0:
+        problems.append("--kv-cache-usage: must be 0 to 1")
+    return problems
 
 
 def _is_loopback(host: str) -> bool:

@@ -42,20 +42,27 @@ class Faults:
     """Injected faults. `fail` answers `status` (before) or cuts the stream off after `after_tokens`
     tokens (after; a unary answer fails before); `hang` stops sending, until the client goes away;
     `garble` answers 200 with a broken body (unary), or sends one broken event after `after_tokens`
-    tokens and ends the stream (a `usage` garble: the usage event's counts instead)."""
+    tokens and ends the stream (a `usage` garble: the usage event's counts instead).
+
+    What `/metrics` reports (vLLM's names): `queue_depth` requests waiting
+    (`vllm:num_requests_waiting`), `kv_cache_usage` 0..1 (`vllm:kv_cache_usage_perc`); with
+    `metrics_fail` it answers 503 instead (inference is untouched)."""
 
     fail: Phase | None = None
     hang: Phase | None = None
     status: int = 500
     after_tokens: int = 2
     garble: Garble | None = None
+    queue_depth: int = 0
+    kv_cache_usage: float = 0.0
+    metrics_fail: bool = False
 
     @classmethod
     def from_json(cls, data: object) -> Faults:
         """Parse a faults file's object; ConfigError naming every bad key."""
         if not isinstance(data, dict):
             raise ConfigError("a faults file holds one JSON object")
-        known = ("fail", "hang", "status", "after_tokens", "garble")
+        known = ("fail", "hang", "status", "after_tokens", "garble", "queue_depth", "kv_cache_usage", "metrics_fail")
         problems = [f"{key}: unknown key" for key in data if key not in known]
         phases: dict[str, Phase | None] = {}
         for key in ("fail", "hang"):
@@ -73,6 +80,15 @@ class Faults:
         garble = data.get("garble")
         if garble is not None and garble not in tuple(Garble):
             problems.append("garble: must be one of " + ", ".join(g.value for g in Garble) + " or null")
+        queue_depth = data.get("queue_depth", 0)
+        if not isinstance(queue_depth, int) or isinstance(queue_depth, bool) or not 0 <= queue_depth <= _MAX_QUEUE:
+            problems.append(f"queue_depth: must be a whole number from 0 to {_MAX_QUEUE}")
+        kv_cache_usage = data.get("kv_cache_usage", 0.0)
+        if not _fraction(kv_cache_usage):
+            problems.append("kv_cache_usage: must be a number from 0 to 1")
+        metrics_fail = data.get("metrics_fail", False)
+        if not isinstance(metrics_fail, bool):
+            problems.append("metrics_fail: must be true or false")
         if problems:
             raise ConfigError("invalid faults: " + "; ".join(problems), problems=tuple(problems))
         return cls(
@@ -81,7 +97,18 @@ class Faults:
             status=status,
             after_tokens=after_tokens,
             garble=None if garble is None else Garble(garble),
+            queue_depth=queue_depth,
+            kv_cache_usage=float(kv_cache_usage),
+            metrics_fail=metrics_fail,
         )
+
+
+#: The longest queue a faults file may claim.
+_MAX_QUEUE: Final = 1_000_000
+
+
+def _fraction(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0
 
 
 #: The most of a faults file read (a valid one is far smaller).

@@ -24,6 +24,8 @@ _LATENCY_BUCKETS: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 #: Inference takes from milliseconds (embeddings) to minutes (long generations, queueing); the
 #: request histograms use them, and so do `Meter.statistics` (the console's charts).
 INFERENCE_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: nexa's own time in one response (`x-nexa-overhead-ms`): from 50 µs to a second.
+OVERHEAD_BUCKETS: Final = (5e-5, 1e-4, 2.5e-4, 5e-4, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 _M = TypeVar("_M", Counter, Gauge, Histogram)
@@ -168,6 +170,12 @@ class Metrics:
             ["model", "kind"],
             registry=r,
         )
+        self.gateway_tenant_tokens = Counter(
+            "nexa_gateway_tenant_tokens",
+            "Tokens of finished requests, by tenant and kind (prompt, completion): the dashboard's tenants row.",
+            ["tenant", "kind"],
+            registry=r,
+        )
         self.gateway_request_seconds = Histogram(
             "nexa_gateway_request_duration_seconds",
             "Time from acceptance to the last byte of the answer, queueing included.",
@@ -187,6 +195,15 @@ class Metrics:
             "Time requests waited in admission for a slot (granted ones only).",
             ["model"],
             buckets=INFERENCE_BUCKETS,
+            registry=r,
+        )
+        self.gateway_overhead_seconds = Histogram(
+            "nexa_gateway_overhead_seconds",
+            "nexa's own time in each inference response, as its x-nexa-overhead-ms header says: the"
+            " controller's time outside admission queueing and the waits for the node, plus the node's"
+            " time outside the runtime (streams: up to the response head). By model.",
+            ["model"],
+            buckets=OVERHEAD_BUCKETS,
             registry=r,
         )
         self.gateway_queue_depth = Gauge(
@@ -216,8 +233,9 @@ class Metrics:
         self.usage_records_refused = Counter(
             "nexa_usage_records_refused",
             "Usage figures refused where they entered the controller (a token count outside 0..2^31, a"
-            " timing that is not a finite number), by reason. The call is still metered, with the"
-            " controller's own estimate (from a node) or the figure clamped into range (in metering).",
+            " timing that is not a finite number, a node's overhead figure outside 0..60000 ms: ignored),"
+            " by reason. The call is still metered, with the controller's own estimate (from a node) or the"
+            " figure clamped into range (in metering).",
             ["reason"],
             registry=r,
         )

@@ -25,6 +25,7 @@ from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SimCluster, sim_cluster
+from tests.support.console import csrf, sign_in
 from tests.support.models import bring_to, registry_config
 
 T = TypeVar("T")
@@ -40,19 +41,6 @@ CHROMIUM_ARGS = [
 ]
 #: A change must show without a reload within this many seconds (issue: two).
 LIVE_MS = 2000
-_CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')
-
-
-def _csrf(html: str) -> str:
-    match = _CSRF_RE.search(html)
-    assert match, "the page carries no CSRF token"
-    return match.group(1)
-
-
-async def _sign_in(http: httpx.AsyncClient, key: str) -> httpx.Response:
-    form = await http.get("/console/login")
-    assert form.status_code == 200
-    return await http.post("/console/login", data={"csrf_token": _csrf(form.text), "api_key": key})
 
 
 # ---- HTTP level: a real controller, no browser ------------------------------------------------------
@@ -72,7 +60,7 @@ async def test_the_request_charts_have_history_before_any_page_was_open(controll
     """The controller samples for the charts from its start, not only while a console page is open."""
     await trio.sleep(3.5)
     async with httpx.AsyncClient(base_url=controller.url) as http:
-        assert (await _sign_in(http, controller.admin_key)).status_code in {200, 303}
+        assert (await sign_in(http, controller.admin_key)).status_code in {200, 303}
         series = (await http.get("/console/requests/series")).json()
     assert len(series["t"]) >= 3  # one point per second since the start, though nobody looked
 
@@ -80,7 +68,7 @@ async def test_the_request_charts_have_history_before_any_page_was_open(controll
 async def test_session_cookie_flags_and_sign_out(controller: Controller) -> None:
     async with httpx.AsyncClient(base_url=controller.url) as http:
         assert (await http.get("/console/nodes")).headers["location"] == "/console/login"
-        resp = await _sign_in(http, controller.admin_key)
+        resp = await sign_in(http, controller.admin_key)
         assert resp.status_code == 303
         cookie = resp.headers["set-cookie"]
         assert "HttpOnly" in cookie
@@ -92,7 +80,7 @@ async def test_session_cookie_flags_and_sign_out(controller: Controller) -> None
         page = await http.get("/console/nodes")
         assert page.status_code == 200
         assert "No node has enrolled yet" in page.text
-        out = await http.post("/console/logout", data={"csrf_token": _csrf(page.text)})
+        out = await http.post("/console/logout", data={"csrf_token": csrf(page.text)})
         assert out.status_code == 303
         assert (await http.get("/console/nodes")).headers["location"] == "/console/login"
     async with controller.client() as api:
@@ -103,14 +91,14 @@ async def test_session_cookie_flags_and_sign_out(controller: Controller) -> None
 
 async def test_a_post_without_the_csrf_token_is_refused_and_changes_nothing(controller: Controller) -> None:
     async with httpx.AsyncClient(base_url=controller.url) as http:
-        await _sign_in(http, controller.admin_key)
+        await sign_in(http, controller.admin_key)
         for data in ({"role": "audit"}, {"role": "audit", "csrf_token": "not-the-token"}):
             resp = await http.post("/console/keys", data=data)
             assert resp.status_code == 403
             assert "did not come from this console" in resp.text
         keys = await http.get("/console/keys")
         # With the token the same form works (and the new key is shown once).
-        created = await http.post("/console/keys", data={"role": "audit", "csrf_token": _csrf(keys.text)})
+        created = await http.post("/console/keys", data={"role": "audit", "csrf_token": csrf(keys.text)})
         assert created.status_code == 200
         assert "shown once" in created.text
     async with controller.client() as api:
@@ -122,22 +110,22 @@ async def test_a_revoked_keys_session_ends_at_once(controller: Controller) -> No
     async with controller.client() as api:
         created = await ok(api.post("/api/v1/keys", json={"role": "operator"}), 201)
     async with httpx.AsyncClient(base_url=controller.url) as http:
-        await _sign_in(http, created["key"])
+        await sign_in(http, created["key"])
         assert (await http.get("/console/nodes")).status_code == 200
         async with controller.client() as api:
             await ok(api.delete(f"/api/v1/keys/{created['info']['id']}"))
         assert (await http.get("/console/nodes")).headers["location"] == "/console/login"
 
 
-async def test_roles_without_console_views_cannot_sign_in(controller: Controller) -> None:
+async def test_roles_without_console_views_cannotsign_in(controller: Controller) -> None:
     async with controller.client() as api:
         await ok(api.post("/api/v1/tenants", json={"id": "acme"}), 201)
         created = await ok(api.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201)
     async with httpx.AsyncClient(base_url=controller.url) as http:
-        resp = await _sign_in(http, created["key"])
+        resp = await sign_in(http, created["key"])
         assert resp.status_code == 403
         assert "no console views" in resp.text
-        assert (await _sign_in(http, "nxk_000000000000_" + "A" * 43)).status_code == 401
+        assert (await sign_in(http, "nxk_000000000000_" + "A" * 43)).status_code == 401
 
 
 # ---- in Chromium, against four sim nodes ------------------------------------------------------------

@@ -23,7 +23,7 @@ from nexa.contracts.domain import ApiKey, KeyId, Role, TenantId
 from nexa.contracts.gateway import API_VERSION, UNRESOLVED_MODEL, CallOutcome, Capability
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
-from nexa.control.calls import Work
+from nexa.control.calls import Progress, Work
 from nexa.control.inference import InferenceApp
 from nexa.control.workloads import Workloads
 from nexa.errors import NexaError, QuotaExceeded, RuntimeFailed, Unauthenticated
@@ -115,6 +115,8 @@ class FakeCall:
     def __init__(self, work: Work, script: Script, admitted: Callable[[], Awaitable[None]] | None) -> None:
         self._work, self._script, self._admitted = work, script, admitted
         self.outcome: CallOutcome | None = None
+        #: What the response's `x-nexa-overhead-ms` is computed from (nothing waited outside here).
+        self.progress = Progress(work=work, started=trio.current_time())
 
     async def __aenter__(self) -> FakeAnswer:
         if self._script.refuse is not None:

@@ -206,6 +206,8 @@ async def test_prometheus_metrics(store: st.Store) -> None:
     assert get("nexa_gateway_requests_total", {"model": "chat", "tenant": "acme", "status": "runtime_failed"}) == 1
     assert get("nexa_gateway_tokens_total", {"model": "chat", "kind": "prompt"}) == 20
     assert get("nexa_gateway_tokens_total", {"model": "chat", "kind": "completion"}) == 20
+    assert get("nexa_gateway_tenant_tokens_total", {"tenant": "acme", "kind": "prompt"}) == 20
+    assert get("nexa_gateway_tenant_tokens_total", {"tenant": "acme", "kind": "completion"}) == 20
     assert get("nexa_gateway_request_duration_seconds_count", {"model": "chat"}) == 2
     assert get("nexa_gateway_time_to_first_token_seconds_count", {"model": "chat"}) == 1
     await meter.flush()

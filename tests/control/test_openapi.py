@@ -80,6 +80,17 @@ def test_every_route_is_described_with_its_roles_and_errors() -> None:
     assert ROUTE_ROLES[openapi.DOCUMENT_ROUTE] is None
 
 
+def test_every_inference_answer_names_the_overhead_header() -> None:
+    ops = _operations(openapi.document())
+    for method, rule in INFERENCE_ROUTES:
+        for status, response in ops[(method, _template(rule))]["responses"].items():
+            header = response["headers"]["x-nexa-overhead-ms"]
+            assert header["schema"]["type"] == "string" and "ms" in header["description"], (method, rule, status)
+    for (method, path), op in ops.items():
+        if (method, path.replace("{", "<").replace("}", ">")) not in INFERENCE_ROUTES:
+            assert all("headers" not in r for r in op["responses"].values()), (method, path)
+
+
 def test_a_route_without_a_description_fails_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(openapi, "ROUTE_ROLES", {**ROUTE_ROLES, ("GET", "/api/v1/new-thing"): None})
     with pytest.raises(LookupError, match="new-thing"):

@@ -1,5 +1,6 @@
 """Replica choice: least outstanding, rotation on ties, exclusion, a deterministic canary share,
-prefix affinity that sticks and yields past its slack."""
+prefix affinity that sticks and yields past its slack; scores on the runtimes' reported load
+(queue, KV cache) with per-deployment weights, stale or failing reports ignored."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import hypothesis
 import hypothesis.strategies as hs
 
 from nexa.config import GatewayConfig
-from nexa.contracts.deployments import ServingReplica, ServingSet
+from nexa.contracts.deployments import RoutingWeights, ServingReplica, ServingSet, routing_problems
 from nexa.contracts.models import ModelRef
+from nexa.contracts.wire import RuntimeLoad
 from nexa.control.routing import Router, for_data_class
 
 STABLE = ModelRef(model="llama", version="1")
@@ -142,3 +144,121 @@ def test_a_data_class_keeps_only_the_replicas_on_nodes_allowed_it() -> None:
     assert kept.model == serving.model and kept.deployments == serving.deployments
     assert for_data_class(serving, "restricted", lambda node: allowed.get(node, ())).replicas == []
     assert for_data_class(serving, "public", lambda node: ("public",)) is serving
+
+
+# ---- scores on the runtimes' reported load ----------------------------------------------------
+
+
+class Loads:
+    """What `Fleet.replica_load` answers: (load, age_s) per replica id, None where absent."""
+
+    def __init__(self) -> None:
+        self.reports: dict[str, tuple[RuntimeLoad, float]] = {}
+
+    def set(self, replica_id: str, *, age_s: float = 1.0, **figures: object) -> None:
+        self.reports[replica_id] = (RuntimeLoad(ok=True, age_s=0.0, **figures), age_s)  # type: ignore[arg-type]
+
+    def __call__(self, node_id: str, replica_id: str) -> tuple[RuntimeLoad, float] | None:
+        return self.reports.get(replica_id)
+
+
+def weighted(serving: ServingSet, weights: RoutingWeights) -> ServingSet:
+    return attrs.evolve(serving, replicas=[attrs.evolve(r, routing=weights) for r in serving.replicas])
+
+
+def picks(router: Router, serving: ServingSet, n: int = 40, prefix: str | None = None) -> Counter[str]:
+    return Counter(router.choose(serving, prefix=prefix).replica_id for _ in range(n))  # type: ignore[union-attr]
+
+
+def test_a_replica_reporting_a_long_queue_loses() -> None:
+    loads = Loads()
+    router = Router(GatewayConfig(), load=loads)
+    serving = replicas(2)
+    loads.set("s0", queue_depth=50.0, running=4.0)
+    loads.set("s1", queue_depth=0.0, running=4.0)
+    assert picks(router, serving) == {"s1": 40}
+    # Even the prefix's own replica yields: 50 queued is far past the affinity slack (8).
+    assert {router.choose(serving, prefix=f"p{i}").replica_id for i in range(40)} == {"s1"}  # type: ignore[union-attr]
+    # The gateway's own in-flight requests count too: s1 with 51 in flight loses to s0's 50 queued.
+    for _ in range(51):
+        router.acquire("s1")
+    assert picks(router, serving, 5) == {"s0": 5}
+
+
+def test_stale_failing_and_absent_reports_fall_back_to_in_flight_counts() -> None:
+    loads = Loads()
+    cfg = GatewayConfig(load_max_age_s=15.0)
+    router = Router(cfg, load=loads)
+    serving = replicas(2)
+    loads.set("s0", queue_depth=50.0, age_s=15.5)  # older than load_max_age_s: ignored
+    assert picks(router, serving, 10) == {"s0": 5, "s1": 5}
+    terms = router.terms("s0", "n0", RoutingWeights())
+    assert terms.report == "stale" and terms.queue_term == 0.0 and terms.queue_reported == 50.0
+    loads.reports["s0"] = (RuntimeLoad(ok=False, age_s=0.0, error="503 from /metrics"), 1.0)
+    assert picks(router, serving, 10) == {"s0": 5, "s1": 5}
+    terms = router.terms("s0", "n0", RoutingWeights())
+    assert terms.report == "failing" and terms.metrics_error == "503 from /metrics" and terms.score == 0.0
+    del loads.reports["s0"]
+    router.acquire("s1")
+    assert picks(router, serving, 5) == {"s0": 5}
+    assert router.terms("s0", "n0", RoutingWeights()).report == "none"
+    loads.set("s0", queue_depth=50.0, age_s=14.0)  # fresh again: counted
+    assert picks(router, serving, 5) == {"s1": 5}
+
+
+def test_kv_cache_near_full_is_avoided() -> None:
+    loads = Loads()
+    router = Router(GatewayConfig(prefix_affinity=False), load=loads)
+    serving = replicas(2)
+    loads.set("s0", queue_depth=0.0, kv_cache_ratio=0.98)
+    loads.set("s1", queue_depth=3.0, kv_cache_ratio=0.2)
+    assert picks(router, serving, 10) == {"s1": 10}  # 49 (kv) against 3 + 0.25
+    terms = router.terms("s0", "n0", RoutingWeights())
+    assert terms.report == "fresh" and round(terms.kv_term) == 49 and terms.score == terms.kv_term
+    loads.set("s0", queue_depth=0.0, kv_cache_ratio=1.0)
+    assert router.terms("s0", "n0", RoutingWeights()).kv_term == 100.0  # capped, never infinite
+    # A half-full cache weighs like one queued request: s0 wins against s1's 3 queued.
+    loads.set("s0", queue_depth=0.0, kv_cache_ratio=0.5)
+    assert picks(router, serving, 10) == {"s0": 10}
+
+
+def test_weights_are_respected() -> None:
+    loads = Loads()
+    router = Router(GatewayConfig(prefix_affinity=False), load=loads)
+    loads.set("s0", queue_depth=4.0, kv_cache_ratio=0.0)
+    loads.set("s1", queue_depth=0.0, kv_cache_ratio=0.9)
+    assert picks(router, replicas(2), 10) == {"s0": 10}  # 4 against 9
+    assert picks(router, weighted(replicas(2), RoutingWeights(kv_cache=0.1)), 10) == {"s1": 10}  # 4 against 0.9
+    assert picks(router, weighted(replicas(2), RoutingWeights(queue=3.0)), 10) == {"s1": 10}  # 12 against 9
+    # Weight 0 on both load terms: every replica ties; they are taken in turn.
+    assert picks(router, weighted(replicas(2), RoutingWeights(queue=0.0, kv_cache=0.0)), 10) == {"s0": 5, "s1": 5}
+
+
+def test_the_prefix_weight_scales_the_affinity_bonus() -> None:
+    loads = Loads()
+    router = Router(GatewayConfig(affinity_slack=2), load=loads)
+    serving = replicas(2)
+    home = router.choose(serving, prefix="system")
+    assert home is not None
+    other = next(r.replica_id for r in serving.replicas if r != home)
+    loads.set(home.replica_id, queue_depth=5.0)
+    loads.set(other, queue_depth=0.0)
+    assert router.choose(serving, prefix="system").replica_id == other  # type: ignore[union-attr]  # 5 - 2 > 0
+    strong = weighted(serving, RoutingWeights(prefix=3.0))
+    assert router.choose(strong, prefix="system").replica_id == home.replica_id  # type: ignore[union-attr]  # 5 - 6
+    none = weighted(serving, RoutingWeights(prefix=0.0))
+    loads.set(home.replica_id, queue_depth=0.0)
+    router.acquire(home.replica_id)
+    assert router.choose(none, prefix="system").replica_id == other  # type: ignore[union-attr]  # no bonus at all
+    assert router.terms(other, "n", RoutingWeights(prefix=3.0)).affinity_bonus == 6.0
+
+
+def test_routing_weights_out_of_bounds_are_named() -> None:
+    assert routing_problems(RoutingWeights()) == []
+    assert routing_problems(RoutingWeights(queue=0.0, kv_cache=100.0, prefix=0.5)) == []
+    bad = RoutingWeights(queue=-1.0, kv_cache=float("nan"), prefix=101.0)
+    assert routing_problems(bad, "routing.") == [
+        "routing.queue: from 0 to 100",
+        "routing.kv_cache: from 0 to 100",
+        "routing.prefix: from 0 to 100",
+    ]

@@ -38,6 +38,10 @@ class Server:
             if not msg.get("more_body"):
                 break
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        if scope["method"] == "GET":
+            # GET /slow never ends its answer; GET /big sends 1000 bytes; any other path comes back.
+            path = scope["path"].encode()
+            body = b"slow" if path == b"/slow" else (b"x" * 1000 if path == b"/big" else path)[::-1]
         if body == b"slow":
             await send({"type": "http.response.body", "body": b"first", "more_body": True})
             while (await receive())["type"] != "http.disconnect":
@@ -111,3 +115,28 @@ async def test_a_runtime_that_is_not_listening_is_an_error() -> None:
     client = RuntimeClient(connect_timeout_s=2)
     with pytest.raises(RuntimeHTTPError, match="cannot connect"):
         await post(client, closed_port(), b"x")
+
+
+async def test_get_reads_the_whole_answer_and_reuses_the_connection(nursery: trio.Nursery) -> None:
+    app = Server()
+    port = await nursery.start(serve, app, 30.0)
+    client = RuntimeClient(connect_timeout_s=TIMEOUT_S)
+    with trio.fail_after(TIMEOUT_S):
+        assert await client.get("127.0.0.1", port, "/metrics", timeout_s=TIMEOUT_S, max_bytes=100) == (200, b"/metrics")
+        assert await client.get("127.0.0.1", port, "/again", timeout_s=TIMEOUT_S, max_bytes=100) == (200, b"/again")
+    assert len(app.peers) == 1
+    await client.aclose()
+
+
+async def test_get_refuses_a_long_answer_and_gives_up_on_a_slow_one(nursery: trio.Nursery) -> None:
+    app = Server()
+    port = await nursery.start(serve, app, 30.0)
+    client = RuntimeClient(connect_timeout_s=TIMEOUT_S)
+    with trio.fail_after(TIMEOUT_S):
+        with pytest.raises(RuntimeHTTPError, match="over 100 bytes"):
+            await client.get("127.0.0.1", port, "/big", timeout_s=TIMEOUT_S, max_bytes=100)
+        with pytest.raises(RuntimeHTTPError, match="no whole answer"):
+            await client.get("127.0.0.1", port, "/slow", timeout_s=0.2, max_bytes=100)
+        await app.disconnected.wait()  # the slow answer's connection was closed, not kept
+        assert await client.get("127.0.0.1", port, "/ok", timeout_s=TIMEOUT_S, max_bytes=100) == (200, b"/ok")
+    await client.aclose()

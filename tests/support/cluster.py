@@ -31,6 +31,7 @@ from tests.conftest import Controller, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok, wait_for
 from tests.support.models import bring_to, registry_config
+from tests.support.nodes import fake_gb10_smi
 from tests.support.s3 import write_credentials
 
 Json = dict[str, Any]
@@ -179,6 +180,17 @@ class SimCluster:
             await self.wait_ready(name, replicas)
 
 
+async def chat_until(cluster: SimCluster, answers: list[int], stop: trio.Event) -> None:
+    """Chat completions one after another, each status appended to `answers`, until `stop` is set.
+
+    It stops between requests: a request cancelled mid-send leaves httpx's body iterator to the
+    garbage collector, whose ResourceWarning fails whichever test runs then."""
+    async with cluster.client(cluster.inference_key) as http:
+        while not stop.is_set():
+            resp = await http.post("/v1/chat/completions", json={"model": "chat", "messages": MESSAGES})
+            answers.append(resp.status_code)
+
+
 async def wait_until(what: str, check: Callable[[], Awaitable[Any]]) -> Any:
     """Poll `check` until it answers something true, and return that; fail naming `what` after TIMEOUT_S."""
     with trio.move_on_after(TIMEOUT_S):
@@ -188,14 +200,19 @@ async def wait_until(what: str, check: Callable[[], Awaitable[Any]]) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path) -> Path:
+def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: bool = False) -> Path:
+    """The config of sim node `i`; `gb10`: its GPU inventory comes from a fake nvidia-smi (a DGX Spark)."""
     inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
     inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
     config = node_dir.parent / f"{node_dir.name}.toml"
+    smi = ""
+    if gb10:  # its own copy: rewriting a script another node is executing would fail (ETXTBSY)
+        (bin_dir := node_dir.parent / f"{node_dir.name}-bin").mkdir(exist_ok=True)
+        smi = f'nvidia_smi = "{fake_gb10_smi(bin_dir)}"\n'
     config.write_text(
         f'state_dir = "{node_dir}"\ninventory_path = "{inventory}"\ninventory_poll_interval_s = 0.5\n'
         f'heartbeat_interval_s = 0.3\nsource_address = "127.0.0.1{i}"\nruntime_host = "127.0.0.1{i}"\n'
-        "reconnect_max_s = 1\nsimulation = true\n"
+        f"reconnect_max_s = 1\nsimulation = true\nruntime_metrics_interval_s = 0.5\n{smi}"
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         "[supervisor]\nreconcile_interval_s = 1\n"
@@ -217,11 +234,13 @@ async def sim_cluster(
     *,
     nodes: int = 2,
     nexa: tuple[str, ...] = (sys.executable, "-m", "nexa"),
+    gb10: bool = False,
 ) -> AsyncIterator[SimCluster]:
-    """Yield a cluster with `nodes` sim nodes Ready and the `chat` alias on an Approved model."""
+    """Yield a cluster with `nodes` sim nodes Ready and the `chat` alias on an Approved model
+    (`gb10`: each node's GPU inventory is a DGX Spark's, from a fake nvidia-smi)."""
     controller = await start_controller(nursery, cfg)
     try:
-        async with sim_fleet(controller, tmp_path, s3, images, nodes=nodes, nexa=nexa) as cluster:
+        async with sim_fleet(controller, tmp_path, s3, images, nodes=nodes, nexa=nexa, gb10=gb10) as cluster:
             yield cluster
     finally:
         controller.stopping.set()
@@ -236,6 +255,7 @@ async def sim_fleet(
     *,
     nodes: int = 2,
     nexa: tuple[str, ...] = (sys.executable, "-m", "nexa"),
+    gb10: bool = False,
 ) -> AsyncIterator[SimCluster]:
     """`sim_cluster` on a controller already started (in this run or as a `nexa control` process):
     tenant, keys, runtime, model and alias, then `nodes` sim nodes enrolled and Ready; stopped after."""
@@ -256,7 +276,9 @@ async def sim_fleet(
         for i in range(1, nodes + 1):
             name = f"sim-{i}"
             node_dir = tmp_path / name
-            node = SimNode(name=name, state_dir=node_dir, config=sim_node_config(node_dir, i, s3, creds), nexa=nexa)
+            node = SimNode(
+                name=name, state_dir=node_dir, config=sim_node_config(node_dir, i, s3, creds, gb10=gb10), nexa=nexa
+            )
             async with controller.client() as http:
                 token = await ok(http.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}), 201)
             argv = ["node", "enroll", "--controller", controller.url, "--token", token["token"], "--name", name]

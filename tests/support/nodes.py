@@ -169,12 +169,18 @@ async def start_node(nursery: trio.Nursery, cfg: NodeConfig) -> RunningNode:
     return RunningNode(started, stopping, stopped)
 
 
+def fake_gb10_smi(directory: Path) -> Path:
+    """An executable `nvidia-smi` in `directory` that prints a DGX Spark's (GB10) recorded answer."""
+    smi = directory / "nvidia-smi"
+    smi.write_text(f'#!/bin/sh\nexec cat "{GB10_SMI}"\n')
+    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    return smi
+
+
 def node_config(tmp_path: Path, state_dir: Path, inventory: dict[str, Any], **over: Any) -> NodeConfig:
     """A fast-beating node on a GB10 (fake nvidia-smi) with `inventory` as its inventory.json and no
     podman behind its socket; `over` replaces any field."""
-    smi = tmp_path / "nvidia-smi"
-    smi.write_text(f'#!/bin/sh\nexec cat "{GB10_SMI}"\n')
-    smi.chmod(smi.stat().st_mode | stat.S_IXUSR)
+    smi = fake_gb10_smi(tmp_path)
     inventory_path = tmp_path / "inventory.json"
     write_inventory(inventory_path, inventory)
     base = NodeConfig(

@@ -8,7 +8,8 @@ Nothing here logs or renders a payload.
 - `sessions`: the signed-in sessions, their CSRF tokens, and the stateless sign-in form;
 - `pages`: what every page shares (the session of a request, role checks, rendering, the live
   stream, refusals as pages) and the tables of actions and routes;
-- `charts`: the request charts, sampled from the meter's `statistics()`;
+- `charts`: the request charts, sampled from the meter's `statistics()`; `fleet_charts`: the GPU
+  and runtime charts of the overview and nodes pages, sampled from the Fleet;
 - one module per resource, each adding its view and routes: `signin`, `overview`, `nodes`,
   `models`, `deployments`, `usage` (requests), `audit`, `keys` (keys and quotas).
 
@@ -27,6 +28,7 @@ from quart_trio import QuartTrio
 from nexa.contracts.domain import Role
 from nexa.control.console import audit, deployments, keys, models, nodes, overview, signin, usage
 from nexa.control.console.charts import RequestCharts
+from nexa.control.console.fleet_charts import FleetCharts
 from nexa.control.console.pages import (
     CONSOLE_ROUTES,
     Console,
@@ -58,6 +60,7 @@ def register(
     """Add the console's routes to `app`; every one is in `CONSOLE_ROUTES`."""
     console = Console(state, route_roles, trusted_proxies=trusted_proxies)
     charts = RequestCharts(state.meter)
+    fleet_charts = FleetCharts(state.fleet)
     app.extensions["nexa.console"] = console  # its statistics(), for tests and diagnostics
     bp = Blueprint("console", __name__, template_folder="templates")
     sampler = trio.CancelScope()
@@ -66,7 +69,9 @@ def register(
     async def _start_sampler() -> None:
         async def sample() -> None:
             with sampler:
-                await supervised("console.sample", charts.sample_forever)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(supervised, "console.sample", charts.sample_forever)
+                    nursery.start_soon(supervised, "console.sample_fleet", fleet_charts.sample_forever)
 
         app.nursery.start_soon(sample)
 
@@ -80,7 +85,7 @@ def register(
     # The navigation lists the views in this order; a signed-in key lands on the first it may see.
     signin.register(bp, console)
     overview.register(bp, console, charts)
-    nodes.register(bp, console)
+    nodes.register(bp, console, fleet_charts)
     models.register(bp, console)
     deployments.register(bp, console)
     usage.register(bp, console, charts)

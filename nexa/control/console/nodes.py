@@ -1,4 +1,4 @@
-"""Nodes: the fleet, and cordon / uncordon / drain behind a confirmation page."""
+"""Nodes: the fleet, cordon / uncordon / drain behind a confirmation page, and the fleet charts' series."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any, Final
 import trio
 from quart import Blueprint, request
 
+from nexa.control.console.fleet_charts import FleetCharts
 from nexa.control.console.pages import Console, Context, Refused, View, done
 from nexa.control.console.sessions import Session
 from nexa.control.fleet import NodeLive
@@ -24,13 +25,21 @@ def node_age(live: NodeLive) -> float | None:
     return None if live.last_seen is None else max(0.0, trio.current_time() - live.last_seen)
 
 
-def register(bp: Blueprint, console: Console) -> None:
+def register(bp: Blueprint, console: Console, charts: FleetCharts) -> None:
     state = console.state
 
     async def context(session: Session, now: float) -> Context:
         return {"nodes": list(state.fleet), "now": now}
 
     console.add_view(bp, View("nodes", "Nodes", ("GET", "/api/v1/nodes"), context))
+
+    @bp.get("/console/fleet/series")
+    @console.handler
+    async def fleet_series() -> Any:
+        """The GPU and runtime charts of the overview and nodes pages (`?node=` one node's)."""
+        session = console.signed_in()
+        console.view_allowed(session, "nodes")
+        return charts.series(request.args.get("node") or None)
 
     @bp.get("/console/nodes/<node_id>/<action>")
     @console.handler

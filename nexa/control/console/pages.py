@@ -112,6 +112,7 @@ CONSOLE_ROUTES: Final = frozenset(
         ("GET", "/console/nodes"),
         ("GET", "/console/nodes/<node_id>/<action>"),
         ("POST", "/console/nodes/<node_id>/<action>"),
+        ("GET", "/console/fleet/series"),
         ("GET", "/console/models"),
         ("POST", "/console/models/<name>/<version>/approve"),
         ("POST", "/console/aliases/<name>/promote"),

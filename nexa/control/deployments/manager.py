@@ -21,7 +21,9 @@ from nexa.contracts.deployments import (
     PlacementView,
     Replica,
     RolloutResult,
+    RoutingWeights,
     ServingSet,
+    routing_problems,
 )
 from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
@@ -36,6 +38,7 @@ from nexa.control.deployments.records import Entry, bump, model_of, new_replica
 from nexa.control.fleet import Fleet
 from nexa.control.models import ModelRegistry
 from nexa.control.registry import Actor
+from nexa.control.routing import Router
 from nexa.control.scheduler import place
 from nexa.control.southbound import Southbound
 from nexa.errors import AlreadyExists, ContractError, NotFound, Unplaceable
@@ -55,8 +58,10 @@ class Deployments:
         models: ModelRegistry,
         southbound: Southbound,
         placement: PlacementConfig | None = None,
+        router: Router | None = None,
     ) -> None:
         self._fleet = fleet
+        self._router = router
         self._desired = Desired(
             store, metrics, fleet, models=models, southbound=southbound, placement=placement or PlacementConfig()
         )
@@ -107,7 +112,15 @@ class Deployments:
         return [views.view(self._desired, e) for _, e in sorted(self._desired.entries.items())]
 
     def show(self, name: str) -> DeploymentView:
-        return views.view(self._desired, self._desired.entry(name))
+        """The deployment's view with each replica's routing score terms now (`Router.terms`)."""
+        view = views.view(self._desired, self._desired.entry(name))
+        if self._router is None:
+            return view
+        dep, terms = view.deployment, self._router.terms
+        scores = [terms(r.id, r.node_id, dep.routing) for r in dep.placed]
+        if dep.canary is not None:
+            scores += [terms(r.id, r.node_id, dep.routing, canary=True) for r in dep.canary.placed]
+        return attrs.evolve(view, replica_scores=scores)
 
     def placement(self, name: str) -> PlacementView:
         return PlacementView(deployment=name, decision=self._desired.entry(name).decision)
@@ -158,6 +171,7 @@ class Deployments:
                 resources=req.resources,
                 options=req.options,
                 placement=req.placement,
+                routing=req.routing,
                 created_at=now,
                 created_by=actor.key_id,
                 updated_at=now,
@@ -186,6 +200,16 @@ class Deployments:
                 placed += [new_replica(name, p.node_id, p.gpus, dep.model) for p in decision.placements]
             after = Entry(bump(attrs.evolve(dep, replicas=replicas, placed=placed)), decision)
             await self._desired.commit(actor, "deployment.scale", before, after)
+        return views.view(self._desired, after)
+
+    async def set_routing(self, actor: Actor, name: str, weights: RoutingWeights) -> DeploymentView:
+        """Set the deployment's routing weights (the router uses them from its next request)."""
+        if problems := routing_problems(weights):
+            raise ContractError("invalid routing weights: " + "; ".join(problems), problems=tuple(problems))
+        async with self._desired.lock:
+            before = self._desired.entry(name)
+            after = Entry(bump(attrs.evolve(before.deployment, routing=weights)), before.decision)
+            await self._desired.commit(actor, "deployment.routing", before, after)
         return views.view(self._desired, after)
 
     async def delete(self, actor: Actor, name: str) -> DeploymentView:

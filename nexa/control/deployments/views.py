@@ -67,15 +67,26 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
             if not (mine or ref == model):
                 continue
             if desired.routable(r):
-                replicas.append(ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref))
+                replicas.append(
+                    ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref, routing=dep.routing)
+                )
             elif desired.fleet.get(r.node_id).state is NodeState.DRAINING and desired.ready(r):
-                draining.append(ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref))
+                draining.append(
+                    ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref, routing=dep.routing)
+                )
         canary = dep.canary
         if canary is None or not mine:
             continue
         ready = [r for r in canary.placed if desired.routable(r)]
         replicas += [
-            ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=canary.model, canary=True)
+            ServingReplica(
+                replica_id=r.id,
+                node_id=r.node_id,
+                deployment=name,
+                model=canary.model,
+                canary=True,
+                routing=dep.routing,
+            )
             for r in ready
         ]
         if ready:

@@ -1,4 +1,4 @@
-// nexa console: live fragments over server-sent events, focus kept across swaps, request charts.
+// nexa console: live fragments over server-sent events, focus kept across swaps, request and fleet charts.
 // Vendor libraries (htmx, uPlot) are optional: without them forms post normally and charts are skipped.
 (function () {
   "use strict";
@@ -57,5 +57,49 @@
     refresh();
   }
 
-  document.addEventListener("DOMContentLoaded", function () { startLive(); startCharts(); });
+  // The GPU and runtime charts (overview, nodes): one uPlot per chart, rebuilt when its series change.
+  function startFleetCharts() {
+    var els = Array.prototype.slice.call(document.querySelectorAll(".fleet-chart"));
+    if (!els.length) return;
+    if (!window.uPlot) {
+      document.getElementById("fleet-chart-note").textContent = "Charts are unavailable: the uPlot library is missing from this build.";
+      return;
+    }
+    var colors = ["#2563eb", "#16a34a", "#ca8a04", "#dc2626", "#7c3aed", "#0891b2", "#db2777", "#65a30d"];
+    var built = {};
+    function width(el) { return Math.max(280, el.clientWidth || 600); }
+    function build(el, chart) {
+      var series = [{}].concat(chart.labels.map(function (label, i) {
+        return { label: label, stroke: colors[i % colors.length], spanGaps: false };
+      }));
+      el.innerHTML = "";
+      return new window.uPlot({ width: width(el), height: 200, series: series, axes: [{}, { label: chart.unit }] }, [[]], el);
+    }
+    function refresh() {
+      fetch("/console/fleet/series", { credentials: "same-origin" }).then(function (r) {
+        if (!r.ok) throw new Error(r.status);
+        return r.json();
+      }).then(function (s) {
+        els.forEach(function (el) {
+          var key = el.getAttribute("data-chart"), chart = s.charts[key];
+          if (!chart) return;
+          var shape = chart.labels.join("\n");
+          if (!built[key] || built[key].shape !== shape) {
+            if (built[key]) built[key].plot.destroy();
+            built[key] = { plot: build(el, chart), shape: shape };
+          }
+          built[key].plot.setData([s.t].concat(chart.values));
+        });
+      }).catch(function () {}).finally(function () { setTimeout(refresh, 1000); });
+    }
+    window.addEventListener("resize", function () {
+      els.forEach(function (el) {
+        var b = built[el.getAttribute("data-chart")];
+        if (b) b.plot.setSize({ width: width(el), height: 200 });
+      });
+    });
+    refresh();
+  }
+
+  document.addEventListener("DOMContentLoaded", function () { startLive(); startCharts(); startFleetCharts(); });
 })();
