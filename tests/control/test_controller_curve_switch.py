@@ -24,7 +24,7 @@ from nexa.control import keyring
 from nexa.node import identity
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import metric, node_view, ok, wait_for
-from tests.support.cluster import MESSAGES, SimCluster, sim_cluster
+from tests.support.cluster import chat_until, sim_cluster
 from tests.support.messaging import hello
 from tests.support.models import audit_events, registry_config
 
@@ -32,13 +32,6 @@ REJECTED = "nexa_node_messages_rejected_total"
 #: Long enough for the node to redial well within it on a loaded machine.
 OVERLAP_S = 15.0
 TIMEOUT_S = 60
-
-
-async def _chat_forever(cluster: SimCluster, answers: list[int]) -> None:
-    async with cluster.client(cluster.inference_key) as http:
-        while True:
-            resp = await http.post("/v1/chat/completions", json={"model": "chat", "messages": MESSAGES})
-            answers.append(resp.status_code)
 
 
 @pytest.mark.slow
@@ -61,8 +54,9 @@ async def test_the_channel_switches_to_the_new_curve_key_under_load_and_refuses_
             async with cluster.client() as http:
                 return any(e["action"] == "controller.curve_switched" for e in await audit_events(http))
 
+        stop = trio.Event()
         async with trio.open_nursery() as load:
-            load.start_soon(_chat_forever, cluster, answers)
+            load.start_soon(chat_until, cluster, answers, stop)
             await wait_for(lambda: served(3), timeout_s=TIMEOUT_S)
             rotated = await cluster.cli("keys", "rotate-controller", "--json")
             assert rotated.returncode == 0, rotated.stdout + rotated.stderr
@@ -83,7 +77,7 @@ async def test_the_channel_switches_to_the_new_curve_key_under_load_and_refuses_
             await wait_for(switched, timeout_s=OVERLAP_S + TIMEOUT_S)
             count = len(answers)
             await wait_for(lambda: served(count + 5), timeout_s=TIMEOUT_S)
-            load.cancel_scope.cancel()
+            stop.set()
         assert answers and set(answers) == {200}, sorted(set(answers))
         print(f"Curve key switched under load: {len(answers)} chat completions, none failed")
 

@@ -24,7 +24,7 @@ from nexa.control import keyring
 from nexa.node import identity
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, make_key, node_view, ok, wait_for
-from tests.support.cluster import MESSAGES, SimCluster, sim_cluster
+from tests.support.cluster import SimCluster, chat_until, sim_cluster
 from tests.support.models import audit_events, registry_config
 
 TIMEOUT_S = 60
@@ -35,13 +35,6 @@ def _nexa(cluster: SimCluster, *argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "nexa", *argv], capture_output=True, text=True, timeout=120, check=False, env=env
     )
-
-
-async def _chat_forever(cluster: SimCluster, answers: list[int]) -> None:
-    async with cluster.client(cluster.inference_key) as http:
-        while True:
-            resp = await http.post("/v1/chat/completions", json={"model": "chat", "messages": MESSAGES})
-            answers.append(resp.status_code)
 
 
 async def _receipt(cluster: SimCluster) -> dict[str, Any]:
@@ -78,8 +71,9 @@ async def test_the_controller_rotates_its_keys_under_load_and_old_receipts_still
             assert await ok(http.get("/api/v1/receipts/public-key")) == before  # the refusal changed nothing
 
         answers: list[int] = []
+        stop = trio.Event()
         async with trio.open_nursery() as load:
-            load.start_soon(_chat_forever, cluster, answers)
+            load.start_soon(chat_until, cluster, answers, stop)
             await wait_for(lambda: _served(answers, 3), timeout_s=TIMEOUT_S)
             rotated = await trio.to_thread.run_sync(_nexa, cluster, "keys", "rotate-controller", "--json")
             assert rotated.returncode == 0, rotated.stdout + rotated.stderr
@@ -96,7 +90,7 @@ async def test_the_controller_rotates_its_keys_under_load_and_old_receipts_still
             await wait_for(pinned, timeout_s=TIMEOUT_S)
             served = len(answers)
             await wait_for(lambda: _served(answers, served + 5), timeout_s=TIMEOUT_S)
-            load.cancel_scope.cancel()
+            stop.set()
         assert answers and set(answers) == {200}, sorted(set(answers))
         print(f"controller keys rotated under load: {len(answers)} chat completions, none failed")
 
