@@ -7,6 +7,7 @@ way `/metrics` renders them, read back with prometheus_client's parser and check
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 
 import attrs
@@ -40,7 +41,7 @@ def _l40s_x2() -> NodeInventory:
 
 def _render(*nodes: NodeFigures) -> str:
     metrics = Metrics()
-    metrics.registry.register(FleetCollector(lambda: nodes))
+    metrics.export_fleet(lambda: nodes)
     return metrics.render().decode()
 
 
@@ -219,3 +220,19 @@ def test_describe_names_every_family_without_samples() -> None:
     assert all(not f.samples for f in described)
     assert len(NAMES) == 18
     assert all(name.startswith(("nexa_gpu_", "nexa_node_", "nexa_runtime_")) for name in NAMES)
+
+
+def test_a_snapshot_pinned_on_a_worker_thread_is_what_that_scrape_exports() -> None:
+    # `/metrics` reads the fleet on the event loop and writes the text on a worker thread: the
+    # scrape there exports the snapshot it was given, and other threads still ask for theirs.
+    live = [NodeFigures(node="asked", heartbeat_age_s=1.0)]
+    metrics = Metrics()
+    metrics.export_fleet(lambda: live)
+    pinned = [NodeFigures(node="pinned", heartbeat_age_s=2.0)]
+    out: list[bytes] = []
+    worker = threading.Thread(target=lambda: out.append(metrics.render(pinned)))
+    worker.start()
+    worker.join(timeout=60)
+    ages = _of(_samples(out[0].decode()), "nexa_node_heartbeat_age_seconds")
+    assert ages == {(("node", "pinned"),): 2.0}
+    assert _of(_samples(metrics.render().decode()), "nexa_node_heartbeat_age_seconds") == {(("node", "asked"),): 1.0}

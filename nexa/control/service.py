@@ -50,7 +50,6 @@ from nexa.oci import registry_credentials
 from nexa.s3 import s3_credentials
 from nexa.supervision import Supervision, supervised
 from nexa.telemetry import Metrics
-from nexa.telemetry.fleet import FleetCollector
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +291,7 @@ async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics) -> Fleet
     from the heartbeats at each scrape, so a node that goes leaves no stale series."""
     fleet = Fleet(cfg, store, metrics)
     await fleet.load()
-    metrics.registry.register(FleetCollector(fleet.figures))
+    metrics.export_fleet(fleet.figures)
     return fleet
 
 

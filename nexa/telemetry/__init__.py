@@ -10,10 +10,13 @@ import contextvars
 import json
 import logging
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Generic, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from nexa.telemetry.fleet import FleetCollector, NodeFigures
 
 #: The request (or workload) id of the task that is logging; trio tasks inherit it.
 request_id: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("nexa_request_id", default=None)
@@ -59,6 +62,7 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.fleet: FleetCollector | None = None
         r = self.registry
         self.build_info = Info("nexa_build", "Version of the running nexa binary.", registry=r)
         self.controller_epoch = Gauge(
@@ -247,8 +251,18 @@ class Metrics:
             registry=r,
         )
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def export_fleet(self, figures: Callable[[], Iterable[NodeFigures]]) -> None:
+        """Export the fleet's GPU, node and runtime series (`telemetry.fleet`), made from `figures()`."""
+        self.fleet = FleetCollector(figures)
+        self.registry.register(self.fleet)
+
+    def render(self, fleet: Sequence[NodeFigures] | None = None) -> bytes:
+        """The exposition text. `fleet`: a snapshot of the fleet's figures taken on the event loop,
+        exported instead of asking for them, so this may run on a worker thread."""
+        if fleet is None or self.fleet is None:
+            return generate_latest(self.registry)
+        with self.fleet.pinned(fleet):
+            return generate_latest(self.registry)
 
 
 class _RequestIdFilter(logging.Filter):

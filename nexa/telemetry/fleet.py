@@ -9,8 +9,10 @@ a node that goes away (revoked, removed) leaves no stale series behind. It never
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, cast
 
 import attrs
@@ -139,11 +141,24 @@ class _Scrape:
 
 
 class FleetCollector:
-    """Exports `figures()` at each scrape. `figures` must not block (it runs on the scrape's thread)."""
+    """Exports `figures()` at each scrape, or the snapshot `pinned` gives the scraping thread.
+    `figures` must not block; it reads the controller's state, so it runs on the event loop."""
 
     def __init__(self, figures: Callable[[], Iterable[NodeFigures]]) -> None:
         self._figures = figures
         self._bucket_labels: _BucketLabels = {}
+        self._pinned = threading.local()
+
+    @contextlib.contextmanager
+    def pinned(self, figures: Sequence[NodeFigures]) -> Iterator[None]:
+        """Within it, scrapes on this thread export `figures` instead of asking for them: a snapshot
+        taken on the event loop, so the text (the long part with a large fleet) is written on a
+        worker thread while the loop goes on serving."""
+        self._pinned.figures = figures
+        try:
+            yield
+        finally:
+            del self._pinned.figures
 
     def describe(self) -> Iterator[Metric]:
         yield from _Scrape().families()
@@ -151,7 +166,8 @@ class FleetCollector:
     def collect(self) -> Iterator[Metric]:
         scrape = _Scrape(self._bucket_labels)
         add = scrape.add
-        for figures in self._figures():
+        pinned: Sequence[NodeFigures] | None = getattr(self._pinned, "figures", None)
+        for figures in self._figures() if pinned is None else pinned:
             node = {"node": figures.node}
             add("nexa_node_heartbeat_age_seconds", node, figures.heartbeat_age_s)
             inv = figures.inventory
