@@ -80,6 +80,9 @@ W_FITS_ALL: Final = _SOFT_MAX + W_FULLNESS + W_COLOCATED + 1.0
 
 _NO_EXISTING: Final[Mapping[str, int]] = MappingProxyType({})
 _PASSED: Final = tuple(FilterResult(name, True, "") for name in FILTERS)
+#: The profile filters' and the other filters' passing verdicts.
+_PASSED_HEAD: Final = _PASSED[:_SELECTOR]
+_PASSED_TAIL: Final = _PASSED[_SELECTOR:]
 _BY_ID: Final = operator.attrgetter("id")
 _DEAD: Final = frozenset({NodeState.UNREACHABLE, NodeState.REVOKED})
 _GIB: Final = 1024**3
@@ -178,7 +181,7 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
 
     # This loop runs once per node per decision: everything it touches is a local, and the
     # profile filters are decided once per distinct profile, not once per node. `profiles`
-    # maps a profile to None (passes them all) or to all ten verdicts, the other four passing.
+    # maps a profile to None (passes them all) or to the six profile verdicts.
     profiles: dict[str, tuple[FilterResult, ...] | None] = {}
     memo: dict[Hashable, FilterResult] = {}
     selector, license_, memory, accelerators = need.selector, need.license, need.memory, need.accelerators
@@ -193,26 +196,29 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
         if failed is _UNSEEN:
             failed = profiles[node._profile] = _profile_filters(node, need, memo)
         # What one replica could have: whole discrete GPUs, else the unified or host pool.
-        if node.unified_memory:
+        unified = node.unified_memory
+        free_gpus = node._free_gpu_count
+        if unified:
             free_memory = node.accelerator_memory_free_bytes
         elif accelerators:
             # With no GPU free, the accelerators filter says so; memory is not judged twice.
-            free_memory = accelerators * node._memory_per_free_gpu if node.free_gpus else memory
+            free_memory = accelerators * node._memory_per_free_gpu if free_gpus else memory
         else:
             free_memory = node.host_memory_free_bytes
-        selector_ok = not selector or node.labels.items() >= selector
-        license_ok = license_ is None or license_ in node.labels.items()
-        gpus_ok = len(node.free_gpus) >= accelerators
+        labels = node._label_items
+        selector_ok = not selector or selector <= labels
+        license_ok = license_ is None or license_ in labels
+        gpus_ok = free_gpus >= accelerators
         memory_ok = free_memory >= memory
         # On a unified node the runtime's own memory setting must keep it within the reservation.
-        limit = need.runtime_memory(node) if node.unified_memory and need.limit is not None else None
+        limit = need.runtime_memory(node) if unified and need.limit is not None else None
         limit_ok = limit is None or limit.fits
         if selector_ok and license_ok and gpus_ok and memory_ok and limit_ok:
             if failed is None:
                 mark(i)
                 append(_PENDING)
                 continue
-            filters = failed
+            filters = failed + _PASSED_TAIL
         else:
             if not limit_ok:
                 assert limit is not None
@@ -221,8 +227,7 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
                 memory_result = _memory_failed(node, need, free_memory, memo)
             else:
                 memory_result = _PASSED[_MEMORY]
-            filters = (
-                *(failed or _PASSED)[:_SELECTOR],
+            filters = (failed or _PASSED_HEAD) + (
                 _PASSED[_SELECTOR] if selector_ok else _selector_failed(node, need, memo),
                 _PASSED[_LICENSE] if license_ok else _license_failed(node, need, memo),
                 _PASSED[_ACCELERATORS] if gpus_ok else _gpus_failed(node, need, memo),
@@ -287,21 +292,30 @@ class _Need:
 
 
 class _Terms:
-    """Interned ScoreTerms for one decision: nodes with equal values share one object."""
+    """The interned ScoreTerms one decision reads: nodes with equal values share one object."""
 
     __slots__ = ("cached", "colocated", "fits_all", "headroom", "load", "policy", "reliability")
 
     def __init__(self, w_headroom: float, binpack: bool) -> None:
-        self.cached = {v: ScoreTerm("artifact_cached", v, W_ARTIFACT_CACHED) for v in (0.0, 1.0)}
-        self.colocated = {v: ScoreTerm("colocated", v, W_COLOCATED) for v in (0.0, 1.0)}
-        self.fits_all = {v: ScoreTerm("fits_all", v, W_FITS_ALL) for v in (0.0, 1.0)}
-        self.headroom = _Interned("headroom", w_headroom)
-        self.load = _Interned("load", W_LOAD)
-        self.reliability = _Interned("reliability", W_RELIABILITY)
-        self.policy = _Interned("policy", W_FULLNESS if binpack else W_SPREAD)
+        self.cached = _CACHED
+        self.colocated = _COLOCATED
+        self.fits_all = _FITS_ALL
+        self.headroom = _HEADROOM if w_headroom else _HEADROOM_SHOWN
+        self.load = _LOAD
+        self.reliability = _RELIABILITY
+        self.policy = _FULLNESS if binpack else _SPREAD
 
 
 class _Interned(dict[float, ScoreTerm]):
+    """ScoreTerms of one name and weight by value, kept from one decision to the next.
+
+    A ScoreTerm is immutable and equal to any other of the same value, so sharing one changes
+    no decision; keeping them saves building a few hundred per decision over 1,000 nodes (one
+    per distinct headroom, load and reliability). At most `_INTERNED_MAX` are kept per name.
+    The values looked up are never -0.0 (it is a key equal to 0.0 but is written `-0.0`):
+    headroom, load and policy values cannot be, and a 0 reliability is not looked up here.
+    """
+
     __slots__ = ("name", "weight")
 
     def __init__(self, name: str, weight: float) -> None:
@@ -310,8 +324,23 @@ class _Interned(dict[float, ScoreTerm]):
         self.weight = weight
 
     def __missing__(self, value: float) -> ScoreTerm:
+        if len(self) >= _INTERNED_MAX:
+            self.clear()
         term = self[value] = ScoreTerm(self.name, value, self.weight)
         return term
+
+
+_INTERNED_MAX: Final = 4096
+_CACHED: Final = {v: ScoreTerm("artifact_cached", v, W_ARTIFACT_CACHED) for v in (0.0, 1.0)}
+_COLOCATED: Final = {v: ScoreTerm("colocated", v, W_COLOCATED) for v in (0.0, 1.0)}
+_FITS_ALL: Final = {v: ScoreTerm("fits_all", v, W_FITS_ALL) for v in (0.0, 1.0)}
+_HEADROOM: Final = _Interned("headroom", W_HEADROOM)
+#: Under binpack headroom is shown with weight 0.
+_HEADROOM_SHOWN: Final = _Interned("headroom", 0.0)
+_LOAD: Final = _Interned("load", W_LOAD)
+_RELIABILITY: Final = _Interned("reliability", W_RELIABILITY)
+_FULLNESS: Final = _Interned("policy", W_FULLNESS)
+_SPREAD: Final = _Interned("policy", W_SPREAD)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +355,7 @@ def _room(need: _Need, node: PlacementNode) -> int:
     with them); the unified or host pool is shared out by `memory_bytes`.
     """
     if need.accelerators and not node.unified_memory:
-        return min(need.replicas, len(node.free_gpus) // need.accelerators)
+        return min(need.replicas, node._free_gpu_count // need.accelerators)
     if not need.memory:
         return need.replicas
     free = node.accelerator_memory_free_bytes if node.unified_memory else node.host_memory_free_bytes
@@ -346,6 +375,7 @@ def _score(need: _Need, nodes: list[PlacementNode], now: int) -> list[NodeExplan
         terms.policy,
     )
     t_colocated, t_fits_all = terms.colocated, terms.fits_all
+    limited = need.limit is not None
     used_memory = (now + 1) * memory
     used_gpus = (now + 1) * accelerators
     out: list[NodeExplanation] = []
@@ -356,7 +386,7 @@ def _score(need: _Need, nodes: list[PlacementNode], now: int) -> list[NodeExplan
             total = node.accelerator_memory_total_bytes
             headroom = (node.accelerator_memory_free_bytes - used_memory) / total if total else 0.0
         elif accelerators:
-            headroom = (len(node.free_gpus) - used_gpus) / node.gpu_count
+            headroom = (node._free_gpu_count - used_gpus) / node.gpu_count
         else:
             total = node.host_memory_total_bytes
             headroom = (node.host_memory_free_bytes - used_memory) / total if total else 0.0
@@ -369,6 +399,10 @@ def _score(need: _Need, nodes: list[PlacementNode], now: int) -> list[NodeExplan
         reliability = node.reliability
         score = cached * W_ARTIFACT_CACHED + headroom * w_headroom + load * W_LOAD + reliability * W_RELIABILITY
         here = now + existing.get(node.id, 0) if existing else now
+        # A 0 reliability may be -0.0, which the kept terms must not meet (see `_Interned`).
+        reliability_term = (
+            t_reliability[reliability] if reliability else ScoreTerm("reliability", reliability, W_RELIABILITY)
+        )
         node_terms: tuple[ScoreTerm, ...]
         if binpack:
             fullness = (100 - hundredths) / 100
@@ -379,7 +413,7 @@ def _score(need: _Need, nodes: list[PlacementNode], now: int) -> list[NodeExplan
                 t_cached[cached],
                 t_headroom[headroom],
                 t_load[load],
-                t_reliability[reliability],
+                reliability_term,
                 t_policy[fullness],
                 t_colocated[colocated],
                 t_fits_all[fits_all],
@@ -391,10 +425,10 @@ def _score(need: _Need, nodes: list[PlacementNode], now: int) -> list[NodeExplan
                 t_cached[cached],
                 t_headroom[headroom],
                 t_load[load],
-                t_reliability[reliability],
+                reliability_term,
                 t_policy[spread],
             )
-        limit = need.runtime_memory(node) if node.unified_memory and need.limit is not None else None
+        limit = need.runtime_memory(node) if limited and node.unified_memory else None
         append(NodeExplanation(node.id, _PASSED, True, score, node_terms, 0, limit))
     return out
 
@@ -434,8 +468,8 @@ def _place_many(
 def _profile_filters(
     node: PlacementNode, need: _Need, memo: dict[Hashable, FilterResult]
 ) -> tuple[FilterResult, ...] | None:
-    """None when a node passes the six profile filters, else all ten verdicts (the last four passing)."""
-    results = list(_PASSED)
+    """None when a node passes the six profile filters, else their six verdicts."""
+    results = list(_PASSED_HEAD)
     state = node.state
     if state is not NodeState.READY:
         index = _STATE if state in _DEAD else _CORDON

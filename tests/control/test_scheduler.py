@@ -9,6 +9,7 @@ with four GPUs busy, one 2x L40S with one busy, one CPU-only host.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import subprocess
@@ -349,6 +350,18 @@ def test_decision_round_trips_through_the_api_codec_and_is_byte_identical() -> N
     assert codec.dumps(codec.api, forecast(lab(), req)) == text
     for item in (req, lab()[0], first.explanations[0], first.placements[0]):
         assert codec.loads(codec.api, codec.dumps(codec.api, item), type(item)) == item
+
+
+def test_a_decision_does_not_depend_on_the_decisions_before_it() -> None:
+    # The scheduler keeps score terms from one decision to the next (`_Interned`). A reliability
+    # of -0.0 equals 0.0 as a key but is written apart, so each must come out as its node gave it.
+    req = vllm()
+    for order in ((0.0, -0.0, 0.0), (-0.0, 0.0, -0.0)):
+        for reliability in order:
+            nodes = [attrs.evolve(n, reliability=reliability) for n in lab()]
+            terms = [t for e in place(nodes, req).explanations for t in e.terms if t.name == "reliability"]
+            assert terms
+            assert all(math.copysign(1.0, t.value) == math.copysign(1.0, reliability) for t in terms)
 
 
 _DECIDE = """
