@@ -142,17 +142,11 @@ def ok(resp: httpx.Response, *status: int) -> Json:
     return body
 
 
-def start_cluster(
-    procs: Processes,
-    base: Path,
-    registry: LocalRegistry,
-    s3: LocalS3,
-    args: argparse.Namespace,
-    upstream_ports: dict[str, int],
-) -> Cluster:
-    image = registry.push_empty_image("nexa-perf/sim")
+def start_control(
+    procs: Processes, base: Path, s3: LocalS3, creds: Path, extra_toml: str = "", profile_to: str = ""
+) -> tuple[str, httpx.Client, subprocess.Popen[bytes]]:
+    """`nexa control` on free loopback ports, verifying against `s3`: its URL, an admin client, its process."""
     http_port, channel_port = free_ports(2)
-    creds = write_s3_credentials(base / "s3-credentials.json", s3.credentials)
     config = base / "control.toml"
     config.write_text(
         f'state_dir = "{base / "control"}"\n'
@@ -162,10 +156,9 @@ def start_cluster(
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{S3_REGION}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         '[log]\nlevel = "warning"\n'
-        # The paced-stream test holds thousands of streams on one replica at once.
-        f"[gateway]\nmax_inflight_per_replica = {MAX_STREAMS}\nqueue_depth = {MAX_STREAMS}\n"
+        f"{extra_toml}"
     )
-    profile = ["-m", "cProfile", "-o", args.profile_controller] if args.profile_controller else []
+    profile = ["-m", "cProfile", "-o", profile_to] if profile_to else []
     controller = procs.start("control", [sys.executable, *profile, "-m", "nexa", "control", "--config", str(config)])
     url = f"http://127.0.0.1:{http_port}"
     procs.wait("control", lambda: "listening on" in procs.tail("control"), "nexa control")
@@ -173,6 +166,45 @@ def start_cluster(
         line.split("=", 1)[1].strip() for line in procs.tail("control", 100_000).splitlines() if "NEXA_TOKEN=" in line
     )
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {admin_key}"}, timeout=60)
+    return url, admin, controller
+
+
+def register_model(admin: httpx.Client, s3: LocalS3, name: str, alias: str, artifact: bytes) -> None:
+    """`name@v1` over the artifact uploaded at `perf/tiny.gguf`: verified, evaluated, approved, aliased `alias`."""
+    model = {
+        "name": name,
+        "version": "v1",
+        "artifact": {
+            "uri": s3.uri("perf/tiny.gguf"),
+            "sha256": hashlib.sha256(artifact).hexdigest(),
+            "size_bytes": len(artifact),
+        },
+        "format": "gguf",
+        "memory_bytes": 2**30,
+        "provenance": {"source": "https://huggingface.co/org/tiny@abc123", "signer": "perf"},
+        "license": {"spdx_id": "Apache-2.0", "accepted_by": "perf@example.com", "expires_at": None},
+    }
+    ok(admin.post("/api/v1/models", json=model))
+    ok(admin.post(f"/api/v1/models/{name}/v1/verify"))
+    evaluation = {"suite": "smoke", "metrics": {"a": 1}, "passed": True}
+    ok(admin.post(f"/api/v1/models/{name}/v1/evaluations", json=evaluation))
+    ok(admin.post(f"/api/v1/models/{name}/v1/approve"))
+    ok(admin.post(f"/api/v1/aliases/{alias}/promote", json={"model": name, "version": "v1"}))
+
+
+def start_cluster(
+    procs: Processes,
+    base: Path,
+    registry: LocalRegistry,
+    s3: LocalS3,
+    args: argparse.Namespace,
+    upstream_ports: dict[str, int],
+) -> Cluster:
+    image = registry.push_empty_image("nexa-perf/sim")
+    creds = write_s3_credentials(base / "s3-credentials.json", s3.credentials)
+    # The paced-stream test holds thousands of streams on one replica at once.
+    gateway = f"[gateway]\nmax_inflight_per_replica = {MAX_STREAMS}\nqueue_depth = {MAX_STREAMS}\n"
+    url, admin, controller = start_control(procs, base, s3, creds, gateway, args.profile_controller)
 
     ok(admin.post("/api/v1/tenants", json={"id": "perf"}))
     key = ok(admin.post("/api/v1/keys", json={"role": "inference", "tenant": "perf"}))["key"]
@@ -181,25 +213,7 @@ def start_cluster(
     trio.run(upload, s3, "perf/tiny.gguf", artifact)
     # One model per alias: a model's requests go to every deployment of it, whatever its alias.
     for mode, alias in ALIASES.items():
-        model = {
-            "name": f"tiny-{mode}",
-            "version": "v1",
-            "artifact": {
-                "uri": s3.uri("perf/tiny.gguf"),
-                "sha256": hashlib.sha256(artifact).hexdigest(),
-                "size_bytes": len(artifact),
-            },
-            "format": "gguf",
-            "memory_bytes": 2**30,
-            "provenance": {"source": "https://huggingface.co/org/tiny@abc123", "signer": "perf"},
-            "license": {"spdx_id": "Apache-2.0", "accepted_by": "perf@example.com", "expires_at": None},
-        }
-        ok(admin.post("/api/v1/models", json=model))
-        ok(admin.post(f"/api/v1/models/tiny-{mode}/v1/verify"))
-        evaluation = {"suite": "smoke", "metrics": {"a": 1}, "passed": True}
-        ok(admin.post(f"/api/v1/models/tiny-{mode}/v1/evaluations", json=evaluation))
-        ok(admin.post(f"/api/v1/models/tiny-{mode}/v1/approve"))
-        ok(admin.post(f"/api/v1/aliases/{alias}/promote", json={"model": f"tiny-{mode}", "version": "v1"}))
+        register_model(admin, s3, f"tiny-{mode}", alias, artifact)
 
     node_dir = base / "node"
     inventory = base / "node-inventory.json"

@@ -1,6 +1,6 @@
-"""HTTP probes from the node: a simulated runtime's health endpoint (`ProcessDriver.healthcheck`) and
-`nexa node doctor`'s GET of the controller's /version. The one home of httpx for them: a probe that gets
-no answer raises `Unavailable` naming what failed (`ConnectError`, `ReadTimeout`, …), never an httpx error.
+"""HTTP probes from the node: `nexa node doctor`'s GET of the controller's /version. The one home of
+httpx for them: a probe that gets no answer raises `Unavailable` naming what failed (`ConnectError`,
+`ReadTimeout`, …), never an httpx error.
 """
 
 from __future__ import annotations

@@ -35,9 +35,8 @@ from nexa.errors import (
     PodmanError,
     PodmanUnavailable,
     SimulationDisabled,
-    Unavailable,
 )
-from nexa.node.probe import HttpProbe
+from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +53,8 @@ CLOSE_TIMEOUT_S: Final = 5.0
 ACLOSE_TIMEOUT_S: Final = CLOSE_TIMEOUT_S + 5.0
 #: One `/health` request; the supervisor's probe timeout bounds it too.
 HEALTH_TIMEOUT_S: Final = 2.0
+#: A `/health` answer longer than this is not a healthy one.
+HEALTH_MAX_BYTES: Final = 64 * 1024
 #: The only variables of the agent's environment a child inherits (then the spec's env, then the switch).
 PASSED_ENV: Final = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
 
@@ -123,7 +124,8 @@ class ProcessDriver:
         self._host = host
         self._argv = list(argv) if argv is not None else default_argv()
         self._children: dict[str, _Child] = {}
-        self._http = HttpProbe(timeout_s=HEALTH_TIMEOUT_S)
+        # The relay's own HTTP/1.1 client (h11, loaded anyway): a probe never loads httpx into the agent.
+        self._http = RuntimeClient(connect_timeout_s=HEALTH_TIMEOUT_S, max_idle=1)
         self._closed = False
 
     @property
@@ -231,10 +233,12 @@ class ProcessDriver:
         if not child.running:
             return False
         try:
-            response = await self._http.get(f"http://{self._host}:{child.port}/health")
-        except Unavailable:
+            status, _ = await self._http.get(
+                self._host, child.port, "/health", timeout_s=HEALTH_TIMEOUT_S, max_bytes=HEALTH_MAX_BYTES
+            )
+        except RuntimeHTTPError:
             return False
-        return response.status == 200
+        return status == 200
 
     async def stop(self, container_id: str, *, timeout_s: float) -> None:
         """SIGTERM to its process group, then SIGKILL after `timeout_s`; returns once it has exited."""
