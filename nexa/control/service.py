@@ -254,6 +254,7 @@ async def _serve_control(
                     await loops.start(supervised, "recovery", recovery.run)
                     await loops.start(supervised, "rollout", RolloutWatcher(deployments, meter).run)
                     await loops.start(supervised, "gateway", gateway.run)
+                    await loops.start(supervised, "disconnects", app.disconnects.run)
                     await loops.start(supervised, "workloads", partial(workloads.run, cfg.gateway.workload_retention_s))
                     await loops.start(supervised, "backup", Backups.of(state.backups).run)
                     await loops.start(supervised, "keys", state.key_rotation.run)

@@ -24,7 +24,7 @@ from nexa.contracts.gateway import API_VERSION, UNRESOLVED_MODEL, CallOutcome, C
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
 from nexa.control.calls import Progress, Work
-from nexa.control.inference import InferenceApp
+from nexa.control.inference import Disconnects, InferenceApp
 from nexa.control.workloads import Workloads
 from nexa.errors import NexaError, QuotaExceeded, RuntimeFailed, Unauthenticated
 from nexa.security import generate_signing_key, verify_receipt
@@ -163,18 +163,32 @@ class Rig:
     public_key: Any
     fallback_paths: list[str]
 
+    #: How many times the app called `receive` (the body is one).
+    receives: int = 0
+
     async def request(
-        self, method: str, path: str, body: object = None, headers: list[tuple[str, str]] = AUTH, query: str = ""
+        self,
+        method: str,
+        path: str,
+        body: object = None,
+        headers: list[tuple[str, str]] = AUTH,
+        query: str = "",
+        leave: trio.Event | None = None,
     ) -> Answer:
+        """One request; with `leave`, its client goes away (`http.disconnect`) once that is set."""
         raw = b"" if body is None else json.dumps(body).encode()
         sent: list[dict[str, Any]] = []
         delivered = False
 
         async def receive() -> dict[str, Any]:
             nonlocal delivered
+            self.receives += 1
             if not delivered:
                 delivered = True
                 return {"type": "http.request", "body": raw, "more_body": False}
+            if leave is not None:
+                await leave.wait()
+                return {"type": "http.disconnect"}
             await trio.sleep_forever()
             raise AssertionError("unreachable")
 
@@ -189,6 +203,8 @@ class Rig:
             "headers": [(k.encode(), v.encode()) for k, v in headers],
         }
         await self.app(scope, receive, send)
+        if not sent:
+            return Answer(status=0, headers={}, body=b"")  # the client went away: nothing was answered
         start = sent[0]
         return Answer(
             status=start["status"],
@@ -315,6 +331,52 @@ async def test_a_workload_cancelled_while_it_runs_is_cancelled(rig: Rig) -> None
     stored = (await rig.workloads.receipt(ACME, "w1")).receipt
     assert (stored.state.value, stored.error) == ("cancelled", "cancelled")
     assert stored.model != UNRESOLVED_MODEL  # the call was answered before it was cancelled
+
+
+async def test_a_client_that_goes_away_cancels_its_workload_and_a_short_request_is_never_watched(
+    rig: Rig, nursery: trio.Nursery
+) -> None:
+    await nursery.start(rig.app.disconnects.run)
+    chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await rig.request("POST", "/v1/chat/completions", chat)).status == 200
+    assert rig.receives == 1  # the body only: no task waited for that client
+    rig.gateway.script = Script(chunks=[], hang=True)
+    leave = trio.Event()
+    answers: list[Answer] = []
+    async with trio.open_nursery() as requests:
+
+        async def submit() -> None:
+            answers.append(await rig.request("POST", "/api/v1/workloads", envelope(), leave=leave))
+
+        requests.start_soon(submit)
+        with trio.fail_after(5):
+            await rig.gateway.script.hanging.wait()
+        leave.set()
+    assert answers == [Answer(status=0, headers={}, body=b"")]
+    assert rig.receives == 3  # its body, then one wait for its client
+    stored = (await rig.workloads.receipt(ACME, "w1")).receipt
+    assert (stored.state.value, stored.error) == ("cancelled", "cancelled")
+
+
+async def test_a_watched_request_that_ends_stops_the_wait_for_its_client(nursery: trio.Nursery) -> None:
+    disconnects = Disconnects(after_s=0.01)
+    await nursery.start(disconnects.run)
+    waiting, stopped = trio.Event(), trio.Event()
+
+    async def receive() -> dict[str, Any]:
+        waiting.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            stopped.set()
+        raise AssertionError("unreachable")
+
+    with trio.fail_after(5), trio.CancelScope() as request:
+        watched = disconnects.watch(receive, request)
+        await waiting.wait()
+        disconnects.forget(watched)
+        await stopped.wait()
+    assert not request.cancelled_caught
 
 
 async def test_the_list_shows_a_running_workload_live_and_a_finished_one_by_its_receipt(rig: Rig) -> None:
