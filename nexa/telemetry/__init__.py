@@ -161,7 +161,8 @@ class Metrics:
 
     def _gateway_metrics(self, r: CollectorRegistry) -> None:
         # `model` is the alias (or `name:version`) the client asked for: stable across rollouts.
-        # Only the requests counter carries `tenant` (tenants are few; operators want their usage).
+        # Only the requests counter and the tenant tokens carry `tenant` (tenants are few, made by
+        # operators; they want their usage).
         self.gateway_requests = Counter(
             "nexa_gateway_requests",
             "Finished inference requests, by requested model, tenant and status (`ok` or the error code).",
