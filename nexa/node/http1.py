@@ -162,6 +162,9 @@ class RuntimeClient:
             except RuntimeHTTPError:
                 # Closed by the runtime while idle (keep-alive timeout): nothing was answered, try again.
                 await connection.aclose()
+            except BaseException:
+                await connection.aclose()  # cancelled before the head: ours alone now, close it
+                raise
         connection = await self._connect(key)
         try:
             return connection, await self._send(connection, request, body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import warnings
 from functools import partial
 from typing import Any
 
@@ -37,6 +39,11 @@ class Server:
             body += msg.get("body", b"")
             if not msg.get("more_body"):
                 break
+        if scope["path"] == "/hang":  # never answers, not even the head
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.disconnected.set()
+            return
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
         if scope["method"] == "GET":
             # GET /slow never ends its answer; GET /big sends 1000 bytes; any other path comes back.
@@ -139,4 +146,23 @@ async def test_get_refuses_a_long_answer_and_gives_up_on_a_slow_one(nursery: tri
             await client.get("127.0.0.1", port, "/slow", timeout_s=0.2, max_bytes=100)
         await app.disconnected.wait()  # the slow answer's connection was closed, not kept
         assert await client.get("127.0.0.1", port, "/ok", timeout_s=TIMEOUT_S, max_bytes=100) == (200, b"/ok")
+    await client.aclose()
+
+
+async def test_a_reused_connection_given_up_before_its_answer_is_closed_not_dropped(nursery: trio.Nursery) -> None:
+    # A request cancelled (timed out) while it waits for the head on a connection taken from the
+    # idle pool closes that connection; dropping it left the socket to the garbage collector.
+    app = Server()
+    port = await nursery.start(serve, app, 30.0)
+    client = RuntimeClient(connect_timeout_s=TIMEOUT_S)
+    with trio.fail_after(TIMEOUT_S):
+        assert await client.get("127.0.0.1", port, "/first", timeout_s=TIMEOUT_S, max_bytes=100) == (200, b"/first")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            with pytest.raises(RuntimeHTTPError, match="no whole answer"):
+                await client.get("127.0.0.1", port, "/hang", timeout_s=0.2, max_bytes=100)
+            gc.collect()
+        assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+        await app.disconnected.wait()  # the runtime saw the connection go
+        assert len(app.peers) == 1  # the timed-out request went over the reused connection
     await client.aclose()
