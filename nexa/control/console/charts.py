@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -43,6 +44,13 @@ class Summary:
     p95_ms: float | None
 
 
+async def sample_each_second(sample: Callable[[float], None]) -> None:
+    """Call `sample(now)` once a second, for as long as the controller serves (every chart's sampler)."""
+    while True:
+        sample(trio.current_time())
+        await trio.sleep(1.0)
+
+
 class RequestCharts:
     def __init__(self, meter: Meter) -> None:
         self._meter = meter
@@ -51,9 +59,7 @@ class RequestCharts:
 
     async def sample_forever(self) -> None:
         """Sample once a second for as long as the controller serves."""
-        while True:
-            self.sample(trio.current_time())
-            await trio.sleep(1.0)
+        await sample_each_second(self.sample)
 
     def sample(self, now: float) -> None:
         """Take a sample if a second has passed since the last one (the sampler, and the live views)."""

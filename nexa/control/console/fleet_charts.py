@@ -18,7 +18,7 @@ import trio
 
 from nexa.contracts.domain import NodeState
 from nexa.contracts.node import Gpu
-from nexa.control.console.charts import SAMPLES_KEPT
+from nexa.control.console.charts import SAMPLES_KEPT, sample_each_second
 from nexa.control.fleet import Fleet, NodeLive
 
 #: The charts, in the order the pages show them, and the unit of their figures.
@@ -52,9 +52,7 @@ class FleetCharts:
 
     async def sample_forever(self) -> None:
         """Sample once a second for as long as the controller serves."""
-        while True:
-            self.sample(trio.current_time())
-            await trio.sleep(1.0)
+        await sample_each_second(self.sample)
 
     def sample(self, now: float) -> None:
         """Take a sample if a second has passed since the last one (the sampler, and the series view)."""
