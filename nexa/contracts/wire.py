@@ -378,9 +378,10 @@ class InferHead:
     #: runtime's usage-only chunk (its `choices` is empty) after reading the counts.
     strip_usage_chunk: bool = False
     #: The gateway's estimate of the prompt's tokens, for runtimes that report no usage in streams
-    #: (llama-cpp-python ignores `stream_options`): then the node reports this estimate, counts the
-    #: completion from the stream's events and, when the client asked for usage, adds a usage-only
-    #: event before `data: [DONE]`.
+    #: (llama-cpp-python ignores `stream_options`): then the node reports this estimate and no
+    #: completion count; the controller counts the stream's output events (`calls.Answer`, the one
+    #: place they are counted) and, when the client asked for usage, adds a usage-only event
+    #: before `data: [DONE]`.
     prompt_tokens_estimate: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
 
 

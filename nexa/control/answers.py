@@ -7,7 +7,9 @@ to a client), then its shape is checked against the OpenAI answer of its capabil
 
 from __future__ import annotations
 
-from typing import Any, Final
+import json
+import time
+from typing import Any, Final, NamedTuple
 
 from nexa.contracts import codec
 from nexa.contracts.gateway import Capability
@@ -79,29 +81,66 @@ def split_events(buf: bytes) -> tuple[list[bytes], bytes]:
         start = stop
 
 
-def event_problem(event: bytes) -> tuple[str | None, bool]:
-    """(what is wrong with one SSE event of an inference stream or None, whether it is `[DONE]`).
+class EventCheck(NamedTuple):
+    """What `check_event` found in one SSE event of an inference stream."""
 
-    Its lines are SSE fields; its data, if any, is `[DONE]` or a JSON object with `choices` (a
-    list of objects) or an `error`, and a sane `usage` if it has one."""
+    #: What is wrong with it, or None.
+    problem: str | None
+    #: It is `[DONE]`.
+    done: bool = False
+    #: One of its choices carries output text (a non-empty `delta.content` or `text` string).
+    text: bool = False
+    #: It carries a `usage` object (checked: whole counts).
+    usage: bool = False
+
+
+_FINE: Final = EventCheck(None)
+
+
+def check_event(event: bytes) -> EventCheck:
+    """Check one SSE event of an inference stream: its lines are SSE fields; its data, if any, is
+    `[DONE]` or a JSON object with `choices` (a list of objects) or an `error`, and a sane `usage`
+    if it has one. The answer also says whether it carries text (what the controller counts, one
+    event a token, when the runtime sends no usage) and a usage object."""
     data = []
     for line in event.splitlines():
         if line.startswith(b"data:"):
             data.append(line[5:].removeprefix(b" "))
         elif line and not line.startswith(_SSE_OTHER_FIELDS):
-            return "a line that is not an SSE field", False
+            return EventCheck("a line that is not an SSE field")
     if not data:
-        return None, False
+        return _FINE
     joined = b"\n".join(data)
     if joined.strip() == b"[DONE]":
-        return None, True
+        return EventCheck(None, done=True)
     obj = parse_json(joined)
     if not isinstance(obj, dict):
-        return "an event whose data is not a JSON object", False
+        return EventCheck("an event whose data is not a JSON object")
     choices = obj.get("choices")
     if "error" not in obj and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
-        return "an event whose `choices` is not a list of objects", False
-    return usage_problem(obj), False
+        return EventCheck("an event whose `choices` is not a list of objects")
+    problem = usage_problem(obj)
+    ok = problem is None
+    text = ok and isinstance(choices, list) and any(map(_has_text, choices))
+    return EventCheck(problem, text=text, usage=ok and obj.get("usage") is not None)
+
+
+def _has_text(choice: dict[str, Any]) -> bool:
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return isinstance(text, str) and text != ""
+
+
+def usage_event(prompt_tokens: int, completion_tokens: int) -> bytes:
+    """A usage-only stream event (OpenAI's shape: empty `choices`), for a client that asked for
+    usage (`stream_options.include_usage`) from a runtime that sends none (llama-cpp-python)."""
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    body = {"id": "nexa-usage", "object": "chat.completion.chunk", "created": int(time.time()), "choices": []}
+    return b"data: " + json.dumps({**body, "usage": usage}, separators=(",", ":")).encode() + b"\n\n"
 
 
 def completion_estimate(answer: dict[str, Any]) -> int:

@@ -23,6 +23,7 @@ import attrs
 import trio
 
 from nexa.contracts import wire
+from nexa.contracts.bounds import MAX_TOKENS
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, CallOutcome, Capability, Priority
 from nexa.contracts.models import ModelRef
@@ -210,7 +211,9 @@ class Answer:
         self._trusted = trusted_body is not None
         if trusted_body is not None:
             self._pending.append(trusted_body)
+        #: Output events streamed (`_checked_events`), and whether a usage event was among them.
         self._events = 0
+        self._usage_seen = False
         self._done_seen = False
         #: The start of an SSE event whose end is still to come (streams).
         self._rest = b""
@@ -256,15 +259,23 @@ class Answer:
         """`whole` (the events as they came, not re-joined) when every one is a valid stream event;
         else the events before the first that is not (which ends the call)."""
         for at, event in enumerate(events):
-            problem, done = answers.event_problem(event)
-            if problem is not None:
-                self._refuse(problem)
+            check = answers.check_event(event)
+            if check.problem is not None:
+                self._refuse(check.problem)
                 return b"".join(events[:at])
-            if done:
-                self._done_seen = True
-            elif b"data:" in event:
-                # Streamed events seen, for when the stream ends without the runtime's usage (node lost).
+            if check.text:
+                # The output events, counted here only (one a token): the completion count when
+                # the runtime sends no usage, or the stream ends without it (node lost, client gone).
                 self._events += 1
+            if check.usage:
+                self._usage_seen = True
+            if check.done:
+                self._done_seen = True
+                if self.work.include_usage and not self._usage_seen:
+                    # The client asked for usage and the runtime sent none: say what was counted.
+                    self._usage_seen = True
+                    made = answers.usage_event(prompt_estimate(self.work), min(self._events, MAX_TOKENS))
+                    return b"".join(events[:at]) + made + b"".join(events[at:])
         return whole
 
     async def _next_unary(self) -> bytes:
@@ -378,9 +389,9 @@ class Answer:
             if self._progress.status == "ok":
                 self._progress.status = Cancelled.code
         if self._progress.completion_tokens == 0 and self._events:
-            # No usage came back (the node was lost, or the client left): count what was streamed,
-            # one token per event, as the runtime's own streams send them.
-            self._progress.completion_tokens = self._events
+            # No usage came back (the runtime sends none, the node was lost, or the client left):
+            # count what was streamed, one token per event, as the runtime's own streams send them.
+            self._progress.completion_tokens = min(self._events, MAX_TOKENS)
 
 
 async def release(stack: contextlib.AsyncExitStack, request_id: str) -> None:

@@ -11,7 +11,6 @@ task, which closes its HTTP connection so the runtime sees the client go away. N
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -42,11 +41,6 @@ _END_SEND_TIMEOUT_S: Final = 10.0
 
 # The runtime's path: a plain absolute path, so the URL always names 127.0.0.1.
 _PATH: Final = re.compile(r"/[A-Za-z0-9/_.\-]*")
-# A stream event that carries output text (a non-empty `content` or `text` string).
-_CONTENT: Final = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
-#: The same, to the end of its event: one match an event, whichever of its choices carry text (the
-#: count `_CONTENT` makes event by event, for any events that are JSON).
-_CONTENT_EVENT: Final = re.compile(rb'"(?:content|text)"\s*:\s*"(?=[^"]).*?(?:\n\r?\n|\Z)', re.DOTALL)
 _NULL_USAGE: Final = (b'"usage":null', b'"usage": null')
 _DONE: Final = b"data: [DONE]"
 #: The header the relay names each request by (the runtime's own X-Request-Id is left to it).
@@ -117,7 +111,6 @@ class _Request:
 class _Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    content_events: int = 0
     #: Counts the runtime reported outside 0 … 2^31 (or not whole numbers): not passed on.
     refused: int = 0
 
@@ -130,7 +123,7 @@ class _Usage:
                 if value is None:
                     continue
                 if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOKENS:
-                    # The controller then meters its own estimate (prompt) or the counted events.
+                    # The controller then meters its own estimate (prompt) or the events it counted.
                     self.refused += 1
                     continue
                 setattr(self, name, value)
@@ -310,9 +303,9 @@ class NodeRelay:
         if usage.refused:
             self._usage_refused += usage.refused
             log.warning("request %s: the runtime reported %d token counts out of range", req.request_id, usage.refused)
+        # No usage from the runtime: None, and the controller, which checks every event anyway,
+        # counts the output events (events are counted once, there, not on both sides).
         completion = usage.completion_tokens
-        if completion is None and head.stream:
-            completion = min(usage.content_events, MAX_TOKENS)  # no usage from the runtime: count the output events
         prompt = usage.prompt_tokens
         if prompt is None and head.prompt_tokens_estimate:
             prompt = head.prompt_tokens_estimate
@@ -326,8 +319,10 @@ class NodeRelay:
     async def _forward_events(self, req: _Request, resp: Response, usage: _Usage) -> None:
         """SSE: whole events, coalesced as they are available; read the usage, maybe drop its event.
 
-        A read of whole events with nothing to read, drop or add in it goes on as it came, one chunk;
-        only the others are split into events (a partial event, the usage event, `[DONE]`)."""
+        A read of whole events with nothing to read or drop in it goes on as it came, one chunk; only
+        the others are split into events (a partial event, the usage event, `[DONE]`). Nothing is
+        counted here: the controller counts the output events (`calls.Answer`) and, for a runtime
+        that sends no usage to a client that asked for it, adds the usage event."""
         strip = req.head.strip_usage_chunk
         rest = b""
         limit = int(self._cfg.max_chunk_bytes)
@@ -336,7 +331,6 @@ class NodeRelay:
                 req.first_read_at = trio.current_time()
             if not rest and len(data) <= limit and _plain_events(data):
                 # Whole content events only (the common read): relayed as read, in one chunk.
-                usage.content_events += len(_CONTENT_EVENT.findall(data))
                 await self._send_chunk(req, data)
                 continue
             events, rest = _split_events(rest + data)
@@ -346,16 +340,11 @@ class NodeRelay:
                 rest = b""
             keep = []
             for event in events:
-                if event.startswith(_DONE) and not strip and usage.completion_tokens is None:
-                    # The client asked for usage and the runtime sent none: say what we counted.
-                    keep.append(_usage_event(req.head.prompt_tokens_estimate, usage.content_events))
                 if b'"usage"' in event and not any(null in event for null in _NULL_USAGE):
                     obj = _event_json(event)
                     usage.take(obj)
                     if strip and isinstance(obj, dict) and obj.get("choices") == []:
                         continue  # the usage-only event the client did not ask for
-                if _CONTENT.search(event):
-                    usage.content_events += 1
                 keep.append(event)
             await self._send_coalesced(req, keep)
         if rest:
@@ -502,20 +491,3 @@ def _json(raw: bytes | bytearray) -> object:
         return codec.parse_json(raw, codec.API_LIMITS)
     except ContractError:
         return None
-
-
-def _usage_event(prompt_tokens: int, completion_tokens: int) -> bytes:
-    """A usage-only stream event (OpenAI's shape: empty `choices`) for a runtime that sends none."""
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    body = {
-        "id": "nexa-usage",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "choices": [],
-        "usage": usage,
-    }
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"

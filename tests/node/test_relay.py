@@ -16,7 +16,7 @@ import trio.testing
 
 from nexa.config import Bytes, RelayConfig
 from nexa.contracts import wire
-from nexa.node.relay import _CONTENT, _CONTENT_EVENT, _plain_events, _split_events
+from nexa.node.relay import _plain_events, _split_events
 from tests.support import supervisor as supervised
 from tests.support.relay import CHAT, TIMEOUT_S, closed_port, data_path, drain, infer_head, request, wait_until
 
@@ -67,33 +67,20 @@ async def test_the_usage_only_event_is_dropped_when_asked_after_its_counts_are_r
     assert (end.prompt_tokens, end.completion_tokens) == (7, 6)
 
 
-async def test_without_usage_completion_tokens_count_the_content_events() -> None:
-    with trio.fail_after(TIMEOUT_S):
-        async with (
-            data_path() as p,
-            p.relay.open("n1", "r1", infer_head(stream=True, strip_usage_chunk=True), request("stream", events=4)) as s,
-        ):
-            body, end = await drain(s)
-    assert end.status is wire.EndStatus.OK
-    assert (end.prompt_tokens, end.completion_tokens) == (None, 4)  # the role-only event carries no text
-    assert b'"usage"' not in body  # the client did not ask for usage
-
-
-async def test_a_runtime_without_stream_usage_gets_one_made_from_the_counts_when_the_client_asked() -> None:
-    """llama-cpp-python ignores stream_options: the client that asked still gets a usage event."""
-    with trio.fail_after(TIMEOUT_S):
-        async with (
-            data_path() as p,
-            p.relay.open(
-                "n1", "r1", infer_head(stream=True, prompt_tokens_estimate=9), request("stream", events=4)
-            ) as s,
-        ):
-            body, end = await drain(s)
-    assert (end.prompt_tokens, end.completion_tokens) == (9, 4)
-    events = body.split(b"\n\n")
-    assert events[-2] == b"data: [DONE]"
-    usage = json.loads(events[-3].removeprefix(b"data: "))
-    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 9, "completion_tokens": 4, "total_tokens": 13}
+async def test_without_usage_from_the_runtime_the_node_counts_nothing_and_adds_nothing() -> None:
+    """The controller counts the output events (`calls.Answer`, tests/control/test_stream_usage.py):
+    the node reports the prompt estimate it was given and no completion count, and adds no usage
+    event even when the client asked for one (llama-cpp-python ignores stream_options)."""
+    for strip in (True, False):
+        with trio.fail_after(TIMEOUT_S):
+            head = infer_head(stream=True, strip_usage_chunk=strip, prompt_tokens_estimate=9)
+            async with data_path() as p, p.relay.open("n1", "r1", head, request("stream", events=4)) as s:
+                body, end = await drain(s)
+        assert end.status is wire.EndStatus.OK
+        assert (end.prompt_tokens, end.completion_tokens) == (9, None)
+        assert b'"usage"' not in body
+        assert body.count(b'"content":"tok') == 4
+        assert body.endswith(b"data: [DONE]\n\n")
 
 
 def test_events_split_on_blank_lines_and_keep_the_rest() -> None:
@@ -103,13 +90,12 @@ def test_events_split_on_blank_lines_and_keep_the_rest() -> None:
     assert _split_events(b"data: x\n") == ([], b"data: x\n")
 
 
-def test_a_read_of_whole_content_events_is_relayed_as_it_is_and_its_events_counted_once() -> None:
+def test_a_read_of_whole_content_events_is_relayed_as_it_is() -> None:
     two = b'data: {"choices":[{"delta":{"content":"a"}},{"delta":{"content":"b"}}]}\n\n'
     role = b'data: {"choices":[{"delta":{"role":"assistant"}}],"usage":null}\r\n\r\n'
     text = b'data: {"choices":[{"text":"c"}],"usage": null}\n\n'
     read = role + two + text + two
     assert _plain_events(read)
-    assert len(_CONTENT_EVENT.findall(read)) == 3 == sum(1 for e in _split_events(read)[0] if _CONTENT.search(e))
     assert not _plain_events(read + b"data: {")  # ends inside an event
     assert not _plain_events(read + b"data: [DONE]\n\n")
     assert not _plain_events(read + b'data: {"choices":[],"usage":{"completion_tokens":3}}\n\n')
