@@ -51,7 +51,15 @@ def vm_kib(pid: int, field: str) -> int:
 
 
 def start_node(
-    procs: Processes, base: Path, admin: httpx.Client, url: str, s3: LocalS3, creds: Path, i: int, tree: Path
+    procs: Processes,
+    base: Path,
+    admin: httpx.Client,
+    url: str,
+    s3: LocalS3,
+    creds: Path,
+    i: int,
+    tree: Path,
+    extra_env: dict[str, str],
 ) -> int:
     """Enroll node `i` and start its agent from `tree`; its PID."""
     name = f"mem-{i}"
@@ -66,7 +74,7 @@ def start_node(
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{S3_REGION}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
     )
-    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1", "PYTHONPATH": str(tree)}
+    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1", "PYTHONPATH": str(tree), **extra_env}
     token = ok(admin.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}))["token"]
     argv = [sys.executable, "-m", "nexa", "node"]
     enroll = procs.start(
@@ -81,10 +89,25 @@ def start_node(
     return node.pid
 
 
+def _agent_env(items: list[str], labels: list[str]) -> dict[str, dict[str, str]]:
+    """`--env LABEL:NAME=VALUE` items, by label (an unknown label is an error)."""
+    by_label: dict[str, dict[str, str]] = {label: {} for label in labels}
+    for item in items:
+        label, _, assignment = item.partition(":")
+        name, eq, value = assignment.partition("=")
+        if label not in by_label or not name or not eq:
+            raise SystemExit(f"--env {item!r}: give LABEL:NAME=VALUE with a LABEL named by --tree")
+        by_label[label][name] = value
+    return by_label
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument(
         "--tree", action="append", default=[], help="LABEL=DIR: a node agent run from that source tree (repeatable)"
+    )
+    parser.add_argument(
+        "--env", action="append", default=[], help="LABEL:NAME=VALUE: an environment variable for that tree's agent"
     )
     parser.add_argument("--requests", type=int, default=200, help="chat completions through the controller first")
     parser.add_argument("--settle-s", type=float, default=5.0, help="seconds after the requests before sampling")
@@ -96,6 +119,7 @@ def main() -> int:
     for item in args.tree or [f"this={ROOT}"]:
         label, _, where = item.partition("=")
         trees[label] = Path(where or label).resolve()
+    envs = _agent_env(args.env, list(trees))
 
     with tempfile.TemporaryDirectory(prefix="nexa-perf-mem-") as tmp, contextlib.ExitStack() as parts:
         base = Path(tmp)
@@ -121,7 +145,7 @@ def main() -> int:
         trio.run(upload, s3, "perf/tiny.gguf", artifact)
         register_model(admin, s3, "tiny", "chat", artifact)
         pids = {
-            label: start_node(procs, base, admin, url, s3, creds, i, tree)
+            label: start_node(procs, base, admin, url, s3, creds, i, tree, envs[label])
             for i, (label, tree) in enumerate(trees.items())
         }
 
