@@ -558,7 +558,7 @@ class Agent:
         async with self._send_lock:
             # On disk first: from here on a restarted agent finishes the promotion (`resume_rotation`).
             await trio.to_thread.run_sync(promote_pending_keys, self._state_dir, pending)
-            await self._uplink.rekey(pending.curve, pending.signing_key, self._open_requests())
+            await self._uplink.rekey(pending.curve, pending.signing_key, self._open_requests)
             self._pending = None
             self._keys_rotated += 1
         log.info("node keys rotated; the channel uses the new ones")
@@ -577,7 +577,7 @@ class Agent:
             # The controller serves its new Curve key at its other endpoint: move there, make before break.
             async with self._send_lock:
                 await self._uplink.redial(
-                    record.controller_curve_public_key, record.channel_endpoint, self._open_requests()
+                    record.controller_curve_public_key, record.channel_endpoint, self._open_requests
                 )
             log.info("the controller's channel moved to %s with its new Curve key", record.channel_endpoint)
             await self._heartbeat_once()  # on the new connection: the controller moves its route

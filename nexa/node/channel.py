@@ -102,22 +102,25 @@ class NodeChannel:
                 await nursery.start(uplink.run)
                 task_status.started(scope)
 
-    async def rekey(self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: Iterable[str]) -> None:
+    async def rekey(
+        self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: Callable[[], Iterable[str]]
+    ) -> None:
         """Dial with the new keys beside the current connection, then make the new one current.
 
         The caller holds its send lock, so no message signed with the old key follows this onto
-        the new connection. The `open_requests` finish on the old connection.
+        the new connection. The requests `open_requests()` names once the new connection runs
+        finish on the old one.
         """
         dial = attrs.evolve(self.dial, curve=curve, signing_key=signing_key)
         await self._switch(dial, open_requests, "the node's previous keys")
 
-    async def redial(self, server_curve_public: str, endpoint: str, open_requests: Iterable[str]) -> None:
+    async def redial(self, server_curve_public: str, endpoint: str, open_requests: Callable[[], Iterable[str]]) -> None:
         """The controller serves a new Curve key at `endpoint` (its key rotation): dial it with the
         node's own keys beside the current connection, then make it current, as `rekey` does."""
         dial = attrs.evolve(self.dial, server_curve_public=server_curve_public, endpoint=endpoint)
         await self._switch(dial, open_requests, "the controller's previous Curve key")
 
-    async def _switch(self, dial: Dial, open_requests: Iterable[str], old: str) -> None:
+    async def _switch(self, dial: Dial, open_requests: Callable[[], Iterable[str]], old: str) -> None:
         nursery = self._nursery
         if nursery is None:
             raise ChannelClosed("the controller channel is not running")
@@ -127,7 +130,9 @@ class NodeChannel:
         new_scope: trio.CancelScope = await nursery.start(self._serve, new)
         self._old, self._old_scope = self._current, self._current_scope
         self._current, self._current_scope = new, new_scope
-        self._old_requests = set(open_requests)
+        # Read now, with no wait since `_old` was set: a request that ended while the new connection
+        # started sent its end already, and would otherwise hold the old channel open to DRAIN_MAX_S.
+        self._old_requests = set(open_requests())
         self._moved = False
         self._old_idle = trio.Event()
         self.rekeyed += 1
