@@ -114,13 +114,13 @@ class DemoStarted:
 
 
 @attrs.frozen(kw_only=True)
-class _Plan:
+class Plan:
     """What differs between the `sim` demo and the real one: the runtime, the model, how it is deployed
     and what the node agents need to run it."""
 
     runtime: dict[str, str]
     model: str
-    #: The model's key in the demo's S3 store, and its bytes (uploaded by `_upload`).
+    #: The model's key in the demo's S3 store, and its bytes (uploaded by `upload_model`).
     artifact_key: str
     artifact: bytes
     source: str
@@ -133,7 +133,7 @@ class _Plan:
 
 
 @attrs.define
-class _Node:
+class Node:
     name: str
     state_dir: Path
     config: Path
@@ -158,7 +158,7 @@ async def serve_demo(
     if cfg.real and (missing := llama_parts_missing(cache_dir())):
         raise ConfigError(f"demo --real cannot run here; missing: {missing}. {REAL_PARTS_HINT}")
     root = cfg.state_dir.absolute()
-    await trio.to_thread.run_sync(_empty, root)
+    await trio.to_thread.run_sync(empty_dir, root)
     registry = LocalRegistry(root / "registry")
     store = LocalS3(
         root / "s3",
@@ -166,15 +166,15 @@ async def serve_demo(
         credentials=S3Credentials(access_key_id="nexa-demo", secret_access_key=secrets.token_urlsafe(24)),
     )
     podman = LocalPodman(root / "podman", containers_conf=project_containers_conf()) if cfg.real else None
-    nodes: list[_Node] = []
+    nodes: list[Node] = []
     try:
         await trio.to_thread.run_sync(registry.start)
         await trio.to_thread.run_sync(store.start)
         if podman is None:
-            plan = await trio.to_thread.run_sync(_sim_plan, registry)
+            plan = await trio.to_thread.run_sync(sim_plan, registry)
         else:
             plan = await trio.to_thread.run_sync(_real_plan, podman, registry, root, progress)
-        artifact_uri = await _upload(store, plan)
+        artifact_uri = await upload_model(store, plan)
         creds = write_s3_credentials(root / "s3-credentials.json", store.credentials)
         control = ControlConfig(
             state_dir=str(root / "control"),
@@ -194,16 +194,16 @@ async def serve_demo(
             async with httpx.AsyncClient(
                 base_url=url, headers={"Authorization": f"Bearer {started.admin_key}"}, timeout=30, trust_env=False
             ) as http:
-                inference_key = await _registry(http, plan, artifact_uri)
+                inference_key = await register_model(http, plan, artifact_uri)
                 for i in range(1, cfg.nodes + 1):
-                    nodes.append(await _node(http, root, i, store, creds, plan=plan))
-                await _wait_nodes(http, len(nodes))
+                    nodes.append(await enroll_node(http, root, i, store, creds, plan=plan))
+                await wait_nodes(http, len(nodes))
                 replicas = min(cfg.replicas, cfg.nodes)
                 deployment = {"name": "chat", "alias": "chat", "replicas": replicas, **plan.deployment}
-                await _call(http, "POST", "/api/v1/deployments", deployment)
+                await call(http, "POST", "/api/v1/deployments", deployment)
                 if podman is not None:
                     progress(f"deploying `chat` ({replicas} replicas: image pull, model fetch and load)…")
-                await _wait_ready(http, "chat", replicas, plan.ready_timeout_s)
+                await wait_ready(http, "chat", replicas, plan.ready_timeout_s)
             task_status.started(
                 DemoStarted(
                     url=url,
@@ -217,18 +217,18 @@ async def serve_demo(
             )
             await stopping.wait()
             log.info("demo stopping")
-            await trio.to_thread.run_sync(_stop_nodes, nodes)
+            await trio.to_thread.run_sync(stop_nodes, nodes)
             controller_stopping.set()
     finally:
         with trio.move_on_after(STOP_PARTS_TIMEOUT_S, shield=True) as scope:
             # The agents removed their containers; podman.stop removes anything left, then stops the service.
-            parts = [lambda: _stop_nodes(nodes), *([podman.stop] if podman else []), store.stop, registry.stop]
-            await trio.to_thread.run_sync(_stop_all, parts)
+            parts = [lambda: stop_nodes(nodes), *([podman.stop] if podman else []), store.stop, registry.stop]
+            await trio.to_thread.run_sync(stop_all, parts)
         if scope.cancel_called:  # the thread is not abandoned: every part was still stopped, late
             log.warning("stopping the demo's parts took over %g s", STOP_PARTS_TIMEOUT_S)
 
 
-def _stop_all(parts: list[Callable[[], None]]) -> None:
+def stop_all(parts: list[Callable[[], None]]) -> None:
     """Stop every part even when stopping another one failed (a podman that hangs must not leave
     the S3 store and the registry running); the first failure is raised after the last part."""
     failed: list[Exception] = []
@@ -242,7 +242,7 @@ def _stop_all(parts: list[Callable[[], None]]) -> None:
         raise failed[0]
 
 
-def _empty(root: Path) -> None:
+def empty_dir(root: Path) -> None:
     """A fresh, empty state dir (what a killed real demo left mounted in its podman store unmounted first)."""
     if root.exists():
         unmount_below(root)
@@ -250,7 +250,7 @@ def _empty(root: Path) -> None:
     root.mkdir(parents=True)
 
 
-async def _call(http: httpx.AsyncClient, method: str, path: str, body: object | None = None) -> Any:
+async def call(http: httpx.AsyncClient, method: str, path: str, body: object | None = None) -> Any:
     response = await http.request(method, path, json=body)
     if response.is_success:
         return response.json() if response.content else None
@@ -261,10 +261,10 @@ async def _call(http: httpx.AsyncClient, method: str, path: str, body: object | 
         raise Unavailable(f"{method} {path}: HTTP {response.status_code}") from None
 
 
-def _sim_plan(registry: LocalRegistry) -> _Plan:
+def sim_plan(registry: LocalRegistry) -> Plan:
     """`sim` runtimes: a placeholder image (no layers) and a few kilobytes the runtime never reads."""
     image = registry.push_empty_image("nexa/sim-runtime")
-    return _Plan(
+    return Plan(
         runtime={"name": "sim", "kind": "sim", "version": __version__, "image": image},
         model="demo-chat",
         artifact_key="models/demo-chat/v1/model.bin",
@@ -279,7 +279,7 @@ def _sim_plan(registry: LocalRegistry) -> _Plan:
     )
 
 
-def _real_plan(podman: LocalPodman, registry: LocalRegistry, root: Path, progress: Callable[[str], None]) -> _Plan:
+def _real_plan(podman: LocalPodman, registry: LocalRegistry, root: Path, progress: Callable[[str], None]) -> Plan:
     """The llama-cpp-python image built and pushed, the tiny GGUF made (blocking: run in a thread)."""
     cache = cache_dir()
     progress("starting a private podman service…")
@@ -294,7 +294,7 @@ def _real_plan(podman: LocalPodman, registry: LocalRegistry, root: Path, progres
     progress("building the llama-cpp-python image and pushing it to the demo registry…")
     image = build_llama_image(podman, python, f"{registry.host}/nexa-demo/llama-cpp-python", root / "images" / "llama")
     gguf = tiny_gguf(cache).read_bytes()
-    return _Plan(
+    return Plan(
         runtime={"name": "llamacpp", "kind": "llamacpp", "version": llama_version(), "image": image},
         model="tiny-llama",
         artifact_key="models/tiny-llama/v1/model.gguf",
@@ -314,18 +314,18 @@ def _real_plan(podman: LocalPodman, registry: LocalRegistry, root: Path, progres
     )
 
 
-async def _upload(store: LocalS3, plan: _Plan) -> str:
+async def upload_model(store: LocalS3, plan: Plan) -> str:
     """The model's bytes into the demo's S3 store through the one S3 client; their `s3://` URI."""
     async with S3Client(store.endpoint, region=S3_REGION, credentials=store.credentials, trust_env=False) as s3:
         await s3.put_bytes(store.bucket, plan.artifact_key, plan.artifact)
     return store.uri(plan.artifact_key)
 
 
-async def _registry(http: httpx.AsyncClient, plan: _Plan, artifact_uri: str) -> str:
+async def register_model(http: httpx.AsyncClient, plan: Plan, artifact_uri: str) -> str:
     """Tenant, inference key, runtime, model through its whole lifecycle, alias. The inference key."""
-    await _call(http, "POST", "/api/v1/tenants", {"id": "demo", "display_name": "Demo tenant"})
-    key = await _call(http, "POST", "/api/v1/keys", {"role": "inference", "tenant": "demo", "name": "demo client"})
-    await _call(http, "POST", "/api/v1/runtimes", plan.runtime)
+    await call(http, "POST", "/api/v1/tenants", {"id": "demo", "display_name": "Demo tenant"})
+    key = await call(http, "POST", "/api/v1/keys", {"role": "inference", "tenant": "demo", "name": "demo client"})
+    await call(http, "POST", "/api/v1/runtimes", plan.runtime)
     model = {
         "name": plan.model,
         "version": "v1",
@@ -339,19 +339,30 @@ async def _registry(http: httpx.AsyncClient, plan: _Plan, artifact_uri: str) -> 
         "provenance": {"source": plan.source, "signer": "nexa-demo"},
         "license": {"spdx_id": "Apache-2.0", "accepted_by": "demo operator", "expires_at": None},
     }
-    await _call(http, "POST", "/api/v1/models", model)
+    await call(http, "POST", "/api/v1/models", model)
     path = f"/api/v1/models/{plan.model}/v1"
-    await _call(http, "POST", f"{path}/verify")
-    await _call(http, "POST", f"{path}/evaluations", {"suite": "demo-smoke", "metrics": {"ok": 1.0}, "passed": True})
-    await _call(http, "POST", f"{path}/approve")
-    await _call(http, "POST", "/api/v1/aliases/chat/promote", {"model": plan.model, "version": "v1"})
+    await call(http, "POST", f"{path}/verify")
+    await call(http, "POST", f"{path}/evaluations", {"suite": "demo-smoke", "metrics": {"ok": 1.0}, "passed": True})
+    await call(http, "POST", f"{path}/approve")
+    await call(http, "POST", "/api/v1/aliases/chat/promote", {"model": plan.model, "version": "v1"})
     secret: str = key["key"]
     return secret
 
 
-async def _node(http: httpx.AsyncClient, root: Path, i: int, store: LocalS3, creds: Path, *, plan: _Plan) -> _Node:
-    """Enroll node `i` (its keys made here, its token spent) and start its agent process."""
-    name = f"demo-{i}"
+async def enroll_node(
+    http: httpx.AsyncClient,
+    root: Path,
+    i: int,
+    store: LocalS3,
+    creds: Path,
+    *,
+    plan: Plan,
+    prefix: str = "demo",
+    channel_endpoint: str | None = None,
+) -> Node:
+    """Enroll node `i` (its keys made here, its token spent) and start its agent process, named
+    `{prefix}-{i}`; with `channel_endpoint`, the agent dials that instead of what enrollment answered."""
+    name = f"{prefix}-{i}"
     state = root / "nodes" / name
     address = f"127.0.0.1{i}"
     inventory = root / "nodes" / f"{name}-inventory.json"
@@ -365,18 +376,20 @@ async def _node(http: httpx.AsyncClient, root: Path, i: int, store: LocalS3, cre
         f'[artifacts]\ns3_endpoint = "{store.endpoint}"\ns3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         f"[supervisor]\nreconcile_interval_s = 1\n{plan.node_tables}"
     )
-    token = await _call(http, "POST", "/api/v1/enrollment-tokens", {"ttl_s": 600, "labels": {"zone": f"z{i}"}})
+    token = await call(http, "POST", "/api/v1/enrollment-tokens", {"ttl_s": 600, "labels": {"zone": f"z{i}"}})
     request = await trio.to_thread.run_sync(identity.enroll_request, state, token["token"], name, __version__)
-    enrolled = await _call(http, "POST", "/api/v1/enroll", codec.api.unstructure(request))
+    enrolled = await call(http, "POST", "/api/v1/enroll", codec.api.unstructure(request))
     answer = codec.structure(codec.api, enrolled, EnrollResponse)
+    if channel_endpoint is not None:
+        answer = attrs.evolve(answer, channel_endpoint=channel_endpoint)
     pin = identity.expected_fingerprint(token["token"])
     await trio.to_thread.run_sync(partial(identity.save_enrollment, state, answer, pin=pin))
-    node = _Node(name=enrolled["node_id"], state_dir=state, config=config)
-    node.proc = _start_agent(config, root / "nodes" / f"{name}.log", simulation=plan.simulation)
+    node = Node(name=enrolled["node_id"], state_dir=state, config=config)
+    node.proc = start_agent(config, root / "nodes" / f"{name}.log", simulation=plan.simulation)
     return node
 
 
-def _start_agent(config: Path, log_path: Path, *, simulation: bool) -> subprocess.Popen[bytes]:
+def start_agent(config: Path, log_path: Path, *, simulation: bool) -> subprocess.Popen[bytes]:
     """`nexa node --config …` logging to a file; with NEXA_SIMULATION_ONLY=1 when it runs `sim` runtimes."""
     env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"} if simulation else dict(os.environ)
     with log_path.open("wb") as out:
@@ -389,24 +402,24 @@ def _start_agent(config: Path, log_path: Path, *, simulation: bool) -> subproces
         )
 
 
-async def _wait_nodes(http: httpx.AsyncClient, count: int) -> None:
+async def wait_nodes(http: httpx.AsyncClient, count: int) -> None:
     with trio.fail_after(READY_TIMEOUT_S):
         while True:
-            listed = (await _call(http, "GET", "/api/v1/nodes"))["nodes"]
+            listed = (await call(http, "GET", "/api/v1/nodes"))["nodes"]
             if sum(n["state"] == "Ready" for n in listed) >= count:
                 return
             await trio.sleep(0.2)
 
 
-async def _wait_ready(http: httpx.AsyncClient, deployment: str, replicas: int, timeout_s: float) -> None:
+async def wait_ready(http: httpx.AsyncClient, deployment: str, replicas: int, timeout_s: float) -> None:
     with trio.fail_after(timeout_s):
         while True:
-            if (await _call(http, "GET", f"/api/v1/deployments/{deployment}"))["ready"] >= replicas:
+            if (await call(http, "GET", f"/api/v1/deployments/{deployment}"))["ready"] >= replicas:
                 return
             await trio.sleep(0.2)
 
 
-def _stop_nodes(nodes: list[_Node]) -> None:
+def stop_nodes(nodes: list[Node]) -> None:
     """SIGTERM every agent (each stops its sim runtimes), then wait; SIGKILL stragglers."""
     procs = [n.proc for n in nodes if n.proc is not None and n.proc.poll() is None]
     for proc in procs:

@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from nexa.contracts import codec
 from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
+from nexa.contracts.evidence import EvidenceManifest, EvidenceSigned
 from nexa.contracts.gateway import Receipt, SignedReceipt
 from nexa.errors import (
     BadSignature,
@@ -352,6 +353,61 @@ def verify_audit_checkpoint(pub: PublicKey, signed: SignedAuditCheckpoint) -> No
         raise BadSignature("the checkpoint holds a number no checkpoint has", kind="audit-head") from None
     except InvalidSignature:
         raise BadSignature("the checkpoint's signature does not verify (edited?)", kind="audit-head") from None
+
+
+# --- release evidence ---------------------------------------------------------------------------
+
+#: The kind an evidence manifest is signed with (`sign(key, EVIDENCE_KIND, evidence_body(manifest))`).
+EVIDENCE_KIND: Final = b"nexa-evidence-v1"
+
+
+def evidence_body(manifest: EvidenceManifest) -> bytes:
+    """The bytes an evidence manifest's signature covers: its canonical JSON (API form)."""
+    return codec.canonical_json(codec.api.unstructure(manifest)).encode()
+
+
+def sign_evidence(key: SigningKey, manifest: EvidenceManifest) -> EvidenceSigned:
+    """The controller's signature over a release-evidence manifest (`POST /api/v1/evidence`)."""
+    signature = sign(key, EVIDENCE_KIND, evidence_body(manifest))
+    return EvidenceSigned(
+        manifest=manifest, signature=base64.b64encode(signature).decode("ascii"), public_key=key.public.b64
+    )
+
+
+def verify_signed(signed: EvidenceSigned, trusted_public_key: str | None) -> list[str]:
+    """What is wrong with a signed evidence manifest, offline; empty: its signature holds.
+
+    `trusted_public_key` (base64, `public_key` of GET /api/v1/receipts/public-key) must be the key that signed
+    it; None checks against the key the manifest carries, which proves integrity, not origin (the
+    problem list says so only when the signature fails). Never raises for a hostile input.
+    """
+    problems: list[str] = []
+    try:
+        embedded = PublicKey.from_b64(signed.public_key)
+    except ContractError:
+        return ["the manifest's public_key is not an Ed25519 public key in base64"]
+    pub = embedded
+    if trusted_public_key is not None:
+        try:
+            pub = PublicKey.from_b64(trusted_public_key)
+        except ContractError:
+            return ["the trusted public key is not an Ed25519 public key in base64"]
+        if pub != embedded:
+            problems.append(
+                f"signed by key {embedded.fingerprint}, not the trusted key {pub.fingerprint}: "
+                "check --public-key against `public_key` of GET /api/v1/receipts/public-key"
+            )
+    try:
+        sig = base64.b64decode(signed.signature.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        return [*problems, "the signature is not base64"]
+    try:
+        verify(pub, sig, EVIDENCE_KIND, evidence_body(signed.manifest))
+    except ValueError:  # a number canonical JSON cannot write (NaN, infinity): never signed by us
+        problems.append("the manifest holds a number no manifest has")
+    except BadSignature:
+        problems.append("the signature does not verify: the manifest was changed after it was signed")
+    return problems
 
 
 # --- replay window ------------------------------------------------------------------------------

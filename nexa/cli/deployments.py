@@ -32,9 +32,12 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("name")
     s.add_argument("replicas", type=int)
     s.set_defaults(handler=_deployments_scale)
-    s = deployments.add_parser("update", parents=[common_flags], help="change a deployment's routing weights")
+    s = deployments.add_parser(
+        "update", parents=[common_flags], help="change a deployment's routing weights or service objectives"
+    )
     s.add_argument("name")
     _routing_flags(s, default=None)
+    _objective_flags(s)
     s.set_defaults(handler=_deployments_update)
     s = deployments.add_parser("delete", parents=[common_flags], help="stop every replica and forget the deployment")
     s.add_argument("name")
@@ -80,6 +83,31 @@ def _deployment_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--data-classes", default="", help="comma-separated")
     s.add_argument("--port", type=int, default=18000, help="first loopback port for the runtime")
     _routing_flags(s, default=1.0)
+    _objective_flags(s)
+
+
+#: `--slo-*` flag → the `ServiceObjectives` field it sets.
+_SLO_FLAGS: Final = {
+    "slo_ttft_p95_ms": "ttft_p95_ms",
+    "slo_tpot_p95_ms": "tpot_p95_ms",
+    "slo_e2e_p95_ms": "e2e_p95_ms",
+    "slo_max_error_rate": "max_error_rate",
+}
+
+
+def _objective_flags(s: argparse.ArgumentParser) -> None:
+    """The service objectives `nexa bench` runs are judged against (default: unchanged, or unchecked)."""
+    for flag, what in (
+        ("--slo-ttft-p95-ms", "time to first token, p95 (ms)"),
+        ("--slo-tpot-p95-ms", "time per output token, p95 (ms)"),
+        ("--slo-e2e-p95-ms", "end-to-end latency, p95 (ms)"),
+    ):
+        s.add_argument(flag, type=float, help=f"objective: {what} at most this")
+    s.add_argument("--slo-max-error-rate", type=float, help="objective: failed share of requests at most this (0..1)")
+
+
+def _objectives_given(args: argparse.Namespace) -> dict[str, float]:
+    return {field: v for flag, field in _SLO_FLAGS.items() if (v := getattr(args, flag)) is not None}
 
 
 def _routing_flags(s: argparse.ArgumentParser, *, default: float | None) -> None:
@@ -104,6 +132,7 @@ def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
             "data_classes": [c for c in args.data_classes.split(",") if c],
         },
         "routing": {"queue": args.routing_queue, "kv_cache": args.routing_kv_cache, "prefix": args.routing_prefix},
+        "objectives": _objectives_given(args),
     }
     if args.alias:
         body["alias"] = args.alias
@@ -138,6 +167,15 @@ def _print_show(view: DeploymentView) -> None:
     print_rollout(view)
     w = view.deployment.routing
     print(f"routing  weights: queue {w.queue:g}, kv_cache {w.kv_cache:g}, prefix {w.prefix:g} (lower score wins)")
+    o = view.deployment.objectives
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:g} ms"
+
+    print(
+        f"slo      ttft p95 {ms(o.ttft_p95_ms)}, tpot p95 {ms(o.tpot_p95_ms)}, e2e p95 {ms(o.e2e_p95_ms)}, "
+        f"max error rate {o.max_error_rate:g}"
+    )
     if view.replica_scores:
         print(table([_score_row(s) for s in view.replica_scores], _SCORE_COLUMNS))
 
@@ -219,13 +257,29 @@ def _deployments_scale(args: argparse.Namespace) -> int:
 
 def _deployments_update(args: argparse.Namespace) -> int:
     given = {"queue": args.routing_queue, "kv_cache": args.routing_kv_cache, "prefix": args.routing_prefix}
-    if all(v is None for v in given.values()):
-        raise ConfigError("nothing to update: give --routing-queue, --routing-kv-cache or --routing-prefix")
+    objectives = _objectives_given(args)
+    if all(v is None for v in given.values()) and not objectives:
+        raise ConfigError(
+            "nothing to update: give --routing-queue, --routing-kv-cache, --routing-prefix or an --slo-* flag"
+        )
     with common.client(args) as c:
-        current = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment.routing
-        body = {"queue": current.queue, "kv_cache": current.kv_cache, "prefix": current.prefix}
-        body.update({k: v for k, v in given.items() if v is not None})
-        out = c.post(f"/api/v1/deployments/{args.name}/routing", DeploymentView, body=body)
+        current = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment
+        out = None
+        if any(v is not None for v in given.values()):
+            r = current.routing
+            body = {"queue": r.queue, "kv_cache": r.kv_cache, "prefix": r.prefix}
+            body.update({k: v for k, v in given.items() if v is not None})
+            out = c.post(f"/api/v1/deployments/{args.name}/routing", DeploymentView, body=body)
+        if objectives:
+            o = current.objectives
+            slo: dict[str, float | None] = {
+                "ttft_p95_ms": o.ttft_p95_ms,
+                "tpot_p95_ms": o.tpot_p95_ms,
+                "e2e_p95_ms": o.e2e_p95_ms,
+                "max_error_rate": o.max_error_rate,
+            }
+            out = c.post(f"/api/v1/deployments/{args.name}/objectives", DeploymentView, body={**slo, **objectives})
+    assert out is not None
     DEPLOYMENT.emit(args, out, [out])
     return EXIT_OK
 

@@ -19,7 +19,21 @@ from pathlib import Path
 from typing import Final
 
 from nexa import __version__, config
-from nexa.cli import audit, backup, deployments, gateway, keys, models, nodes, recovery, registry, roles
+from nexa.cli import (
+    audit,
+    backup,
+    bench,
+    deployments,
+    evidence,
+    gateway,
+    keys,
+    models,
+    nodes,
+    recovery,
+    registry,
+    roles,
+    sim,
+)
 from nexa.cli.common import common_flags
 from nexa.errors import ConfigError, NexaError, RemoteError, StoreUnusable
 
@@ -75,6 +89,7 @@ def parser() -> argparse.ArgumentParser:
     sub.add_parser("openapi", help=openapi_help).set_defaults(handler=_cmd_openapi)
 
     roles.add_commands(sub)
+    sim.add_commands(sub)
 
     # The operator commands, by resource.
     flags = common_flags()
@@ -88,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
     gateway.add_commands(sub, flags)
     backup.add_commands(sub, flags)
     recovery.add_commands(sub, flags)
+    bench.add_commands(sub, flags)
+    evidence.add_commands(sub, flags)
     return p
 
 

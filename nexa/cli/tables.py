@@ -22,6 +22,7 @@ from nexa.contracts.api import AuditPage, KeyList, KeyView, NodeList, NodeView, 
 from nexa.contracts.backup import BackupList, BackupView
 from nexa.contracts.deployments import DeploymentList, DeploymentView
 from nexa.contracts.domain import AuditEvent
+from nexa.contracts.evidence import BenchRun, BenchRunList, Job, JobList
 from nexa.contracts.gateway import QuotaList, QuotaView, UsageRow, WorkloadList, WorkloadView
 from nexa.contracts.models import AliasList, AliasRecord, ModelList, ModelRecord, RuntimeList, RuntimeRecord
 from nexa.contracts.node import NodeInventory
@@ -380,3 +381,55 @@ BACKUP: Final = View[BackupView](
 BACKUPS: Final = Listing(
     path="/api/v1/backups", page=BackupList, items=lambda p: p.backups, view=BACKUP, next_cursor=lambda p: p.next_cursor
 )
+
+
+# ---- benchmark runs and jobs (issue 19) ----------------------------------------------------------
+
+
+def _verdict(r: BenchRun) -> str:
+    return "meets objectives" if r.verdict.meets_objectives else f"broke {len(r.verdict.broken)}"
+
+
+BENCH_RUN: Final = View[BenchRun](
+    columns=("id", "deployment", "kind", "steps", "verdict", "max_conc_per_replica", "recorded_at"),
+    row=lambda r: {
+        "id": r.id,
+        "deployment": r.run.deployment,
+        "kind": r.run.kind,
+        "steps": len(r.run.points),
+        "verdict": _verdict(r),
+        "max_conc_per_replica": r.verdict.recommended_concurrency,
+        "recorded_at": r.recorded_at,
+    },
+)
+BENCH_RUNS: Final = Listing(
+    path="/api/v1/benchmarks",
+    page=BenchRunList,
+    items=lambda p: p.runs,
+    view=BENCH_RUN,
+    query=("deployment",),
+    next_cursor=lambda p: p.next_cursor,
+)
+JOB: Final = View[Job](
+    columns=("id", "kind", "state", "progress", "title", "started_at", "duration", "summary"),
+    row=lambda j: {
+        "id": j.id,
+        "kind": j.kind,
+        "state": j.state,
+        "progress": "-" if j.progress is None else f"{j.progress:.0%}",
+        "title": j.title,
+        "started_at": j.started_at,
+        "duration": f"{(j.finished_at or time.time()) - j.started_at:.1f}s",
+        "summary": j.summary or "-",
+        "link": j.link,
+    },
+)
+JOBS: Final = Listing(
+    path="/api/v1/jobs",
+    page=JobList,
+    items=lambda p: p.jobs,
+    view=JOB,
+    query=("kind", "state"),
+    next_cursor=lambda p: p.next_cursor,
+)
+JOB_SHOW: Final = Show(path="/api/v1/jobs/{job_id}", answer=Job, view=JOB.wider("link", row=lambda j: {"link": j.link}))

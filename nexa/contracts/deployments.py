@@ -17,6 +17,7 @@ from typing import ClassVar, Final
 
 import attrs
 
+from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRef, name_problem, version_problem
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, data_class_problem
 from nexa.contracts.placement import PlacementDecision, PlacementPolicy
@@ -105,6 +106,8 @@ class DeploymentCreate:
     options: RuntimeOptions = RuntimeOptions()
     placement: PlacementSpec = PlacementSpec()
     routing: RoutingWeights = RoutingWeights()
+    #: What `nexa bench` runs are judged against (`POST /api/v1/deployments/{name}/objectives` changes it).
+    objectives: ServiceObjectives = attrs.Factory(ServiceObjectives)
 
 
 @attrs.frozen(kw_only=True)
@@ -203,6 +206,8 @@ class Deployment:
     #: The version a deployment `rollback` returns to: what ran before the last promotion.
     previous: ModelRef | None = None
     routing: RoutingWeights = RoutingWeights()
+    #: Its service objectives (benchmark runs are judged against them); the defaults check errors only.
+    objectives: ServiceObjectives = attrs.Factory(ServiceObjectives)
 
 
 @attrs.frozen(kw_only=True)

@@ -126,7 +126,7 @@ class BenchRun:
 
 @attrs.frozen(kw_only=True)
 class BenchRunList:
-    items: list[BenchRun]
+    runs: list[BenchRun]
     next_cursor: str | None = None
 
 
@@ -180,7 +180,7 @@ class Job:
 
 @attrs.frozen(kw_only=True)
 class JobList:
-    items: list[Job]
+    jobs: list[Job]
     next_cursor: str | None = None
 
 

@@ -72,10 +72,19 @@ from nexa.contracts.models import (
 from nexa.control import console
 from nexa.control import store as st
 from nexa.control.admission import Admission
+from nexa.control.api_io import actor as _actor
+from nexa.control.api_io import body as _body
+from nexa.control.api_io import json_response as _json
+from nexa.control.api_io import next_cursor as _next_cursor
+from nexa.control.api_io import page as _page
+from nexa.control.api_records import RecordHandlers
 from nexa.control.backup import Backups
+from nexa.control.benchmarks import Benchmarks
 from nexa.control.deployments import Deployments
+from nexa.control.evidence import Evidence
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.http import BodyLimit, bearer_key, new_request_id, status_for
+from nexa.control.jobs import Jobs
 from nexa.control.keyring import KeyRotation
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
@@ -151,6 +160,9 @@ class AppState:
     #: `/api/v1/backups` (nexa.control.backup); None: refused as backup_not_configured.
     backups: Backups | None = None
     key_rotation: KeyRotation | None = None  # `control.keyring`; None: keys never rotate (tests)
+    benchmarks: Benchmarks | None = None  # `control.benchmarks`, `.jobs`, `.evidence`: None (tests) answers 404
+    jobs: Jobs | None = None
+    evidence: Evidence | None = None
 
 
 def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
@@ -276,15 +288,6 @@ def _envelope(status: int, code: str, message: str, *, retryable: bool) -> Respo
     return _json(body, status)
 
 
-def _json(obj: object, status: int = 200) -> Response:
-    return Response(codec.dumps(codec.api, obj), status=status, content_type="application/json")
-
-
-async def _body(cls: type[codec.T]) -> codec.T:
-    raw = await request.get_data(as_text=False)
-    return codec.loads(codec.api, raw, cls)
-
-
 async def _optional_body(cls: type[codec.T]) -> codec.T:
     """A body that may be left out: none (or `{}`) means every field's default."""
     raw = await request.get_data(as_text=False)
@@ -295,10 +298,6 @@ async def _no_body() -> None:
     raw = await request.get_data(as_text=False)
     if raw.strip() and codec.loads(codec.api, raw, dict[str, object]):
         raise ContractError("this route takes no body (or an empty object)", problems=("(body): must be empty",))
-
-
-def _actor() -> Actor:
-    return g.actor  # type: ignore[no-any-return]
 
 
 def _key_view(key: ApiKey) -> KeyView:
@@ -330,15 +329,6 @@ def _query_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
-def _page(kind: str, shape: tuple[type, ...]) -> tuple[pages.Key | None, int]:
-    """A list route's `?cursor=&limit=` (`contracts.pages`): the key to continue after, and the page size."""
-    return pages.from_query(kind, shape, request.args.get("cursor"), request.args.get("limit"))
-
-
-def _next_cursor(kind: str, last: pages.Key | None) -> str | None:
-    return None if last is None else pages.encode_cursor(kind, last)
-
-
 def _query_float(name: str) -> float | None:
     raw = request.args.get(name)
     if raw is None:
@@ -352,8 +342,10 @@ def _query_float(name: str) -> float | None:
     return value
 
 
-class _Handlers:
+class _Handlers(RecordHandlers):
     """One method per route; names derive from the route table (`post_keys` for POST /api/v1/keys)."""
+
+    _s: AppState
 
     def __init__(self, state: AppState) -> None:
         self._s = state

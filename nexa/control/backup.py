@@ -47,7 +47,9 @@ from nexa.contracts.backup import (
     BackupView,
     RestoreResult,
 )
+from nexa.contracts.evidence import JobKind, JobState
 from nexa.control import store as st
+from nexa.control.jobs import Jobs
 from nexa.control.registry import SYSTEM, Actor, Registry
 from nexa.control.store.snapshot import check_restored, copy_database
 from nexa.errors import (
@@ -345,6 +347,8 @@ class Backups:
     metrics: Metrics
     signing_key: SigningKey
     key: bytes | None
+    #: Where each backup is recorded as a `backup` job (`control.jobs`); None: not recorded.
+    jobs: Jobs | None = None
     _lock: trio.Lock = attrs.field(factory=trio.Lock)
 
     @staticmethod
@@ -372,16 +376,28 @@ class Backups:
                 " make one with `nexa keygen --backup --out FILE`"
             )
         async with self._lock:
-            sealed, manifest = await make(self.store, self.state_dir, self.signing_key, self.key)
-            name = backup_name(manifest.created_at, manifest.epoch)
-            await trio.to_thread.run_sync(self._write, name, sealed)
-            view = _view(name, sealed, manifest)
-            detail = codec.dumps(codec.api, view)
-            await self.registry.record(actor, "backup.created", name, detail=detail)
-            self.metrics.backup_last_success.set(manifest.created_at)
-            self.metrics.backup_size.set(len(sealed))
-            await trio.to_thread.run_sync(self._prune)
-        log.info("backup written", extra={"fields": {"name": name, "bytes": len(sealed), "epoch": view.epoch}})
+            job = None if self.jobs is None else await self.jobs.record(JobKind.BACKUP, "backup", progress=0.0)
+            try:
+                view = await self._make(actor, self.key)
+            except (NexaError, OSError) as exc:
+                if job is not None and self.jobs is not None:
+                    await self.jobs.finish(job, JobState.FAILED, getattr(exc, "message", None) or type(exc).__name__)
+                raise
+            if job is not None and self.jobs is not None:
+                summary = f"{view.name}: {view.size} bytes, audit head {view.audit_head_seq}"
+                await self.jobs.finish(job, JobState.SUCCEEDED, summary, link=f"/api/v1/backups/{view.name}")
+        log.info("backup written", extra={"fields": {"name": view.name, "bytes": view.size, "epoch": view.epoch}})
+        return view
+
+    async def _make(self, actor: Actor, key: bytes) -> BackupView:
+        sealed, manifest = await make(self.store, self.state_dir, self.signing_key, key)
+        name = backup_name(manifest.created_at, manifest.epoch)
+        await trio.to_thread.run_sync(self._write, name, sealed)
+        view = _view(name, sealed, manifest)
+        await self.registry.record(actor, "backup.created", name, detail=codec.dumps(codec.api, view))
+        self.metrics.backup_last_success.set(manifest.created_at)
+        self.metrics.backup_size.set(len(sealed))
+        await trio.to_thread.run_sync(self._prune)
         return view
 
     def _write(self, name: str, sealed: bytes) -> None:

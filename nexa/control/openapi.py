@@ -15,12 +15,11 @@ error codes, which the source publishes anyway, and no state; it is built once a
 from __future__ import annotations
 
 import json
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import attrs
 
 from nexa import __version__
-from nexa.contracts import pages
 from nexa.contracts.api import (
     AuditPage,
     AuditVerdict,
@@ -103,6 +102,11 @@ from nexa.control.inference import (
     OVERHEAD_HEADER,
     PRIORITY_HEADER,
 )
+from nexa.control.openapi_ops import JSON as _JSON
+from nexa.control.openapi_ops import PAGE_QUERY as _PAGE_QUERY
+from nexa.control.openapi_ops import RECORD_OPERATIONS
+from nexa.control.openapi_ops import Op as _Op
+from nexa.control.openapi_ops import Param as _Param
 from nexa.control.recovery import refused_while_recovering
 from nexa.control.routes import ROUTE_ROLES
 from nexa.errors import (
@@ -145,42 +149,10 @@ Json = dict[str, Any]
 OPENAPI_VERSION: Final = "3.1.0"
 #: The route this document is served on (with no credential: it describes shapes, never state).
 DOCUMENT_ROUTE: Final = ("GET", "/api/v1/openapi.json")
-_JSON: Final = "application/json"
 _SSE: Final = "text/event-stream"
 #: Media types of answers that are not JSON.
 _TEXT: Final = "text/plain"
 _CSV: Final = "text/csv"
-
-
-@attrs.frozen(kw_only=True)
-class _Param:
-    """A query or header parameter; `schema` is a type the walker knows, or a JSON Schema."""
-
-    name: str
-    schema: Any
-    where: Literal["query", "header"] = "query"
-    description: str = ""
-    deprecated: bool = False
-
-
-@attrs.frozen(kw_only=True)
-class _Op:
-    """What the route table lacks about one route. Types are contract classes (walked into schemas)."""
-
-    summary: str
-    tag: str
-    #: The JSON body: a contract class, or a JSON Schema (the OpenAI bodies, which are free-form).
-    body: Any = None
-    #: `optional`: no body (or `{}`) means every default; `empty`: the route takes none, or `{}`.
-    body_kind: Literal["required", "optional", "empty", "none"] = "none"
-    answer: Any = None
-    status: int = 200
-    #: Other media types the success answer may have (`text/event-stream` for streams, CSV, metrics).
-    also: tuple[str, ...] = ()
-    media: str = _JSON
-    params: tuple[_Param, ...] = ()
-    #: Errors particular to this route, over those every route of its kind can answer.
-    errors: tuple[type[NexaError], ...] = ()
 
 
 _EMPTY: Final[Json] = {"type": "object", "maxProperties": 0, "description": "no body, or an empty object"}
@@ -233,18 +205,6 @@ _EMBEDDING_BODY: Final = _openai_body("input", {"type": ["string", "array"]}, ge
 
 _UNIX_S: Final[Json] = {"type": "number", "description": "Unix seconds"}
 #: Every list route that can grow pages the same way (`contracts.pages`); the answer's `next_cursor`.
-_PAGE_QUERY: Final = (
-    _Param(
-        name="cursor",
-        schema={"type": "string", "minLength": 1, "maxLength": pages.MAX_CURSOR_CHARS},
-        description="opaque: the next_cursor of the previous page; left out for the first page",
-    ),
-    _Param(
-        name="limit",
-        schema={"type": "integer", "minimum": 1, "maximum": pages.MAX_LIMIT, "default": pages.DEFAULT_LIMIT},
-        description="items per page",
-    ),
-)
 _AUDIT_QUERY: Final = (
     *_PAGE_QUERY,
     _Param(
@@ -626,6 +586,7 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
     ("GET", "/api/v1/workloads/<workload_id>/receipt"): _Op(
         summary="A finished workload's signed receipt", tag="workloads", answer=SignedReceipt, errors=(Conflict,)
     ),
+    **RECORD_OPERATIONS,
 }
 
 

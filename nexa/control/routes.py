@@ -77,4 +77,13 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("GET", "/api/v1/backups"): frozenset({_A}),
     ("GET", "/api/v1/backups/<name>"): frozenset({_A}),
     ("POST", "/api/v1/controller/rotate-keys"): frozenset({_A}),
+    ("POST", "/api/v1/deployments/<name>/objectives"): frozenset({_O, _A}),
+    ("POST", "/api/v1/benchmarks"): frozenset({_O, _A}),
+    ("GET", "/api/v1/benchmarks"): frozenset({_O, _A}),
+    ("GET", "/api/v1/benchmarks/<run_id>"): frozenset({_O, _A}),
+    ("POST", "/api/v1/jobs"): frozenset({_O, _A}),
+    ("GET", "/api/v1/jobs"): frozenset({_O, _A}),
+    ("GET", "/api/v1/jobs/<job_id>"): frozenset({_O, _A}),
+    ("POST", "/api/v1/jobs/<job_id>"): frozenset({_O, _A}),
+    ("POST", "/api/v1/evidence"): frozenset({_O, _A}),
 }

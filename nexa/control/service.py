@@ -30,10 +30,13 @@ from nexa.control import openapi
 from nexa.control.admission import Admission
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
 from nexa.control.backup import Backups, load_key
+from nexa.control.benchmarks import Benchmarks
 from nexa.control.deployments import Deployments
+from nexa.control.evidence import Evidence
 from nexa.control.fleet import Fleet
 from nexa.control.gateway import Gateway
 from nexa.control.inference import InferenceApp
+from nexa.control.jobs import Jobs, RolloutJobs
 from nexa.control.keyring import ControllerKeys, KeyRotation, load_or_create_keys, retired_signing_key
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
@@ -219,6 +222,7 @@ async def _serve_control(
                     key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
                 ),
             )
+            _keep_records(state)
             if (prev := keys.previous) is not None and prev.overlap_until > time.time():
                 # Restarted within a rotation's overlap: nodes that say hello are still told.
                 old = await trio.to_thread.run_sync(retired_signing_key, keys_dir, prev.key_id)
@@ -294,6 +298,23 @@ async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics) -> Fleet
     await fleet.load()
     metrics.export_fleet(fleet.figures)
     return fleet
+
+
+def _keep_records(state: AppState) -> None:
+    """Jobs (each backup and rollout recorded as one), benchmark runs and evidence signing."""
+    jobs = state.jobs = Jobs(state.store, state.metrics)
+    state.deployments.on_commit(RolloutJobs(jobs).observe)
+    if state.backups is not None:
+        state.backups.jobs = jobs
+    state.benchmarks = Benchmarks(state.store, state.metrics, state.deployments, jobs)
+    state.evidence = Evidence(
+        state.store,
+        state.metrics,
+        state.deployments,
+        state.benchmarks,
+        signing_key=lambda: state.signing_key,
+        fingerprint=lambda: state.controller_keys.fingerprint,
+    )
 
 
 def _use_keys(state: AppState, keys: ControllerKeys) -> None:

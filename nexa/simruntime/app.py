@@ -101,7 +101,10 @@ class SimApp:
             finally:
                 self._metrics.running -= 1
         elif method == "GET" and path == "/health":
-            await reply(send, 200, b'{"status":"ok"}')
+            if self._faults.current().unhealthy:
+                await reply(send, 503, error_body("simulated unhealthy runtime", "server_error", "unhealthy"))
+            else:
+                await reply(send, 200, b'{"status":"ok"}')
         elif method == "GET" and path == "/v1/models":
             await reply(send, 200, self._models_body)
         elif method == "GET" and path == "/metrics":

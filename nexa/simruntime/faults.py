@@ -46,7 +46,8 @@ class Faults:
 
     What `/metrics` reports (vLLM's names): `queue_depth` requests waiting
     (`vllm:num_requests_waiting`), `kv_cache_usage` 0..1 (`vllm:kv_cache_usage_perc`); with
-    `metrics_fail` it answers 503 instead (inference is untouched)."""
+    `metrics_fail` it answers 503 instead (inference is untouched). With `unhealthy`, `/health` answers
+    503 (the node's probe then reports the replica Unhealthy; inference is untouched)."""
 
     fail: Phase | None = None
     hang: Phase | None = None
@@ -56,13 +57,24 @@ class Faults:
     queue_depth: int = 0
     kv_cache_usage: float = 0.0
     metrics_fail: bool = False
+    unhealthy: bool = False
 
     @classmethod
     def from_json(cls, data: object) -> Faults:
         """Parse a faults file's object; ConfigError naming every bad key."""
         if not isinstance(data, dict):
             raise ConfigError("a faults file holds one JSON object")
-        known = ("fail", "hang", "status", "after_tokens", "garble", "queue_depth", "kv_cache_usage", "metrics_fail")
+        known = (
+            "fail",
+            "hang",
+            "status",
+            "after_tokens",
+            "garble",
+            "queue_depth",
+            "kv_cache_usage",
+            "metrics_fail",
+            "unhealthy",
+        )
         problems = [f"{key}: unknown key" for key in data if key not in known]
         phases: dict[str, Phase | None] = {}
         for key in ("fail", "hang"):
@@ -89,6 +101,9 @@ class Faults:
         metrics_fail = data.get("metrics_fail", False)
         if not isinstance(metrics_fail, bool):
             problems.append("metrics_fail: must be true or false")
+        unhealthy = data.get("unhealthy", False)
+        if not isinstance(unhealthy, bool):
+            problems.append("unhealthy: must be true or false")
         if problems:
             raise ConfigError("invalid faults: " + "; ".join(problems), problems=tuple(problems))
         return cls(
@@ -100,6 +115,7 @@ class Faults:
             queue_depth=queue_depth,
             kv_cache_usage=float(kv_cache_usage),
             metrics_fail=metrics_fail,
+            unhealthy=unhealthy,
         )
 
 

@@ -16,14 +16,14 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import attrs
 import httpx
 import pytest
 import trio
 
-from nexa.contracts import codec, wire
+from nexa.contracts import codec
 from nexa.contracts.deployments import CanaryObjective, Deployment
 from nexa.contracts.gateway import WindowStats
 from nexa.contracts.models import ModelRef
@@ -31,120 +31,29 @@ from nexa.control import service
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.records import stamped
 from nexa.control.rollout import RolloutWatcher, WindowSource, breach
-from tests.conftest import Controller, gb10_inventory, start_controller
+from tests.conftest import Controller, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import TIMEOUT_S, assert_envelope, ok, wait_for
-from tests.support.deployments import Online, online, registry_ready
-from tests.support.deployments import body as deployment_body
 from tests.support.models import bring_to, registry_config
-
-Json = dict[str, Any]
-
-#: Per replica: more than half a GB10's unified pool, so one replica per node.
-BIG: Final = 70 * 2**30
-POOL: Final = gb10_inventory().accelerator_memory_bytes
-V1: Final = {"model": "tiny", "version": "v1"}
-V2: Final = {"model": "tiny", "version": "v2"}
-
-
-def big(name: str = "chat-a", replicas: int = 2, **over: Any) -> Json:
-    return deployment_body(name, replicas=replicas, resources={"accelerators": 1, "memory_bytes": BIG}, **over)
-
-
-def canary_body(replicas: int = 1, weight: float = 0.2, **objective: Any) -> Json:
-    return {"model": V2, "replicas": replicas, "weight": weight, "objective": objective}
-
-
-@attrs.define
-class Nodes:
-    """Online RawNodes, and every set pushed to each of them (collected, never consumed elsewhere)."""
-
-    nodes: dict[str, Online]
-    sets: dict[str, list[wire.AssignmentSet]] = attrs.Factory(dict)
-
-    def ready(self, *replicas: Json) -> None:
-        """Have each replica's node report it Ready from its next heartbeat on."""
-        for r in replicas:
-            self.nodes[r["node_id"]].node.ready.add(r["id"])
-
-    def latest(self, node_id: str) -> wire.AssignmentSet | None:
-        pushed = self.sets[node_id]
-        return pushed[-1] if pushed else None
-
-
-async def _collect(fleet: Nodes, node_id: str) -> None:
-    node = fleet.nodes[node_id].node
-    while True:
-        fleet.sets[node_id].append(await node.receive_set())
-
-
-async def fleet_of(c: Controller, dial: Any, nursery: trio.Nursery, *names: str) -> Nodes:
-    fleet = Nodes({name: await online(c, dial, nursery, name) for name in names})
-    for name in names:
-        fleet.sets[name] = []
-        nursery.start_soon(_collect, fleet, name)
-    return fleet
-
-
-async def two_versions(http: httpx.AsyncClient, s3: S3Store, images: BuiltImages) -> tuple[Json, Json]:
-    """Runtime `llama`, Approved tiny@v1 (alias `chat`) and tiny@v2."""
-    v1 = await registry_ready(http, s3, images)
-    v2 = await bring_to(http, s3, "tiny", "v2", "Approved")
-    return v1, v2
-
-
-async def view(http: httpx.AsyncClient, name: str = "chat-a") -> Json:
-    return await ok(http.get(f"/api/v1/deployments/{name}"))
-
-
-async def until(http: httpx.AsyncClient, pred: Any, name: str = "chat-a") -> Json:
-    """The deployment's view once `pred(view)` holds."""
-    seen: Json = {}
-
-    async def check() -> bool:
-        nonlocal seen
-        seen = await view(http, name)
-        return bool(pred(seen))
-
-    await wait_for(check)
-    return seen
-
-
-def versions(v: Json) -> list[tuple[str, str]]:
-    """(node, version) of each placed replica, sorted."""
-    return sorted((r["node_id"], r["model"]["version"]) for r in v["deployment"]["placed"])
-
-
-async def audit(http: httpx.AsyncClient, action: str) -> list[Json]:
-    events = (await ok(http.get("/api/v1/audit", params={"limit": 1000, "action": action})))["events"]
-    return list(events)
-
-
-@attrs.define
-class Watch:
-    """Every view of one deployment seen while polling (how a test sees a rollout's course)."""
-
-    views: list[Json] = attrs.Factory(list)
-
-
-async def _watch(c: Controller, name: str, watch: Watch) -> None:
-    async with c.client() as http:
-        while True:
-            watch.views.append(await view(http, name))
-            await trio.sleep(0.02)
-
-
-def assert_never_short(watch: Watch, fleet: Nodes, replicas: int) -> None:
-    """Never fewer than replicas-1 Ready (nor placed); no node ever asked to hold more than it has."""
-    assert watch.views
-    for v in watch.views:
-        assert v["ready"] >= replicas - 1, v
-        assert len(v["deployment"]["placed"]) >= replicas - 1, v
-    for node_id, pushed in fleet.sets.items():
-        for s in pushed:
-            assert sum(a.runtime.memory_bytes for a in s.assignments) <= POOL, (node_id, s)
-            assert len(s.assignments) <= 1, (node_id, s)
-
+from tests.support.rollout import (
+    BIG,
+    V1,
+    V2,
+    Json,
+    Nodes,
+    Watch,
+    assert_never_short,
+    audit,
+    big,
+    canary_body,
+    canary_running,
+    fleet_of,
+    two_versions,
+    until,
+    versions,
+    view,
+    watch_views,
+)
 
 # ---- canary: start and its refusals -------------------------------------------------------------
 
@@ -213,15 +122,6 @@ async def test_a_canary_is_placed_on_extra_replicas_and_refusals_place_nothing(
 # ---- promote, rollback -------------------------------------------------------------------------
 
 
-async def canary_running(http: httpx.AsyncClient, fleet: Nodes, **deployment: Any) -> Json:
-    """chat-a (two replicas, on n1 and n2) and a canary of v2 on n3, all Ready."""
-    await ok(http.post("/api/v1/deployments", json=big(**deployment)), 201)
-    await ok(http.post("/api/v1/deployments/chat-a/canary", json=canary_body()), 201)
-    v = await view(http)
-    fleet.ready(*v["deployment"]["placed"], *v["deployment"]["canary"]["placed"])
-    return await until(http, lambda v: v["ready"] == 2 and v["canary_ready"] == 1)
-
-
 async def test_promote_moves_the_alias_keeps_the_canary_and_replaces_one_at_a_time(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -231,7 +131,7 @@ async def test_promote_moves_the_alias_keeps_the_canary_and_replaces_one_at_a_ti
         before = await canary_running(http, fleet)
         [canary] = before["deployment"]["canary"]["placed"]
         watch = Watch()
-        nursery.start_soon(_watch, dep_reg, "chat-a", watch)
+        nursery.start_soon(watch_views, dep_reg, "chat-a", watch)
 
         promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
         receipt = promoted["alias"]
@@ -293,7 +193,7 @@ async def test_rollback_removes_a_canary_then_undoes_a_promotion(
         await ok(http.post("/api/v1/deployments/chat-a/promote"))
         await _finish_rollout(http, fleet)
         watch = Watch()
-        nursery.start_soon(_watch, dep_reg, "chat-a", watch)
+        nursery.start_soon(watch_views, dep_reg, "chat-a", watch)
         back = await ok(http.post("/api/v1/deployments/chat-a/rollback"))
         assert (back["alias"]["action"], back["alias"]["from"], back["alias"]["to"]) == ("rollback", V2, V1)
         assert back["deployment"]["deployment"]["rollout"]["reason"] == "rollback"
@@ -347,7 +247,7 @@ async def test_a_deployment_follows_its_alias_one_replica_at_a_time_without_spar
         fleet.ready(*(await view(http))["deployment"]["placed"])
         await until(http, lambda v: v["ready"] == 2)
         watch = Watch()
-        nursery.start_soon(_watch, dep_reg, "chat-a", watch)
+        nursery.start_soon(watch_views, dep_reg, "chat-a", watch)
 
         await ok(http.post("/api/v1/aliases/chat/promote", json=V2))
         first = await until(http, lambda v: [ver for _, ver in versions(v)].count("v2") == 1)

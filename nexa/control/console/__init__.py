@@ -11,7 +11,8 @@ Nothing here logs or renders a payload.
 - `charts`: the request charts, sampled from the meter's `statistics()`; `fleet_charts`: the GPU
   and runtime charts of the overview and nodes pages, sampled from the Fleet;
 - one module per resource, each adding its view and routes: `signin`, `overview`, `nodes`,
-  `models`, `deployments`, `usage` (requests), `audit`, `keys` (keys and quotas).
+  `models`, `deployments`, `benchmarks` (runs and their curves), `jobs` (long-running work),
+  `usage` (requests), `audit`, `keys` (keys and quotas).
 
 Its templates (`templates/console/`) and files (`static/`, the vendored libraries under
 `static/vendor/` that `builds/console/vendor.sh` installs) live beside this package.
@@ -26,7 +27,18 @@ from quart import Blueprint
 from quart_trio import QuartTrio
 
 from nexa.contracts.domain import Role
-from nexa.control.console import audit, deployments, keys, models, nodes, overview, signin, usage
+from nexa.control.console import (
+    audit,
+    benchmarks,
+    deployments,
+    jobs,
+    keys,
+    models,
+    nodes,
+    overview,
+    signin,
+    usage,
+)
 from nexa.control.console.charts import RequestCharts
 from nexa.control.console.fleet_charts import FleetCharts
 from nexa.control.console.pages import (
@@ -37,6 +49,7 @@ from nexa.control.console.pages import (
     Route,
     fmt_age,
     fmt_bytes,
+    fmt_duration,
     fmt_time,
 )
 from nexa.control.console.sessions import (
@@ -79,7 +92,7 @@ def register(
     async def _stop_sampler() -> None:
         sampler.cancel()
 
-    app.jinja_env.filters.update(bytes=fmt_bytes, time=fmt_time, age=fmt_age)
+    app.jinja_env.filters.update(bytes=fmt_bytes, time=fmt_time, age=fmt_age, duration=fmt_duration)
     app.jinja_env.globals.update(node_age=nodes.node_age, node_actions=nodes.NODE_ACTIONS)
 
     # The navigation lists the views in this order; a signed-in key lands on the first it may see.
@@ -88,6 +101,8 @@ def register(
     nodes.register(bp, console, fleet_charts)
     models.register(bp, console)
     deployments.register(bp, console)
+    benchmarks.register(bp, console)
+    jobs.register(bp, console)
     usage.register(bp, console, charts)
     audit.register(bp, console)
     keys.register(bp, console)

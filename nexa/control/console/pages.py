@@ -21,6 +21,7 @@ from werkzeug.sansio.response import Response as BaseResponse
 from nexa.contracts.domain import KeyId, Role
 from nexa.control import store as st
 from nexa.control.admission import Admission
+from nexa.control.benchmarks import Benchmarks
 from nexa.control.console.sessions import (
     COOKIE,
     LoginForms,
@@ -33,6 +34,7 @@ from nexa.control.console.sessions import (
 from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet
 from nexa.control.http import status_for
+from nexa.control.jobs import Jobs
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas
@@ -66,6 +68,9 @@ class ConsoleState(Protocol):
     admission: Admission
     #: The controller's recovery; None: it never recovers (tests). The overview says when it is active.
     recovery: Recovery | None
+    #: Benchmark runs and jobs (`control.benchmarks`, `control.jobs`); None: none are kept (tests).
+    benchmarks: Benchmarks | None
+    jobs: Jobs | None
     ready: bool
 
 
@@ -131,6 +136,9 @@ CONSOLE_ROUTES: Final = frozenset(
         ("GET", "/console/keys/<key_id>/revoke"),
         ("POST", "/console/keys/<key_id>/revoke"),
         ("POST", "/console/quotas/<tenant>"),
+        ("GET", "/console/benchmarks"),
+        ("GET", "/console/benchmarks/<run_id>"),
+        ("GET", "/console/jobs"),
     }
 )
 
@@ -389,3 +397,18 @@ def fmt_age(seconds: float | None) -> str:
     if seconds is None:
         return "never"
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """A run's or job's length: "0.8 s", "42 s", "3 min 20 s", "2 h 05 min"."""
+    if seconds is None:
+        return "—"
+    seconds = max(0.0, seconds)
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole} s"
+    if whole < 3600:
+        return f"{whole // 60} min {whole % 60:02d} s"
+    return f"{whole // 3600} h {whole % 3600 // 60:02d} min"

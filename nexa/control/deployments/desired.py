@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Final
+from collections.abc import Awaitable, Callable
+from typing import Final, TypeAlias
 
 import attrs
 import trio
 
 from nexa.config import PlacementConfig
-from nexa.contracts.deployments import Replica
+from nexa.contracts.deployments import Deployment, Replica
 from nexa.contracts.domain import NodeState
 from nexa.contracts.placement import PlacementNode
 from nexa.contracts.wire import DesiredAssignments, RuntimeState
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 _DETAIL_MAX: Final = 600
 #: Node states whose Ready replicas take requests (cordoning stops new placements, not traffic).
 _ROUTABLE: Final = frozenset({NodeState.READY, NodeState.CORDONED})
+
+#: Told of every committed change: (audit action, the record before, after); None: created or deleted.
+CommitObserver: TypeAlias = Callable[[str, Deployment | None, Deployment | None], Awaitable[None]]
 
 
 class Desired:
@@ -63,6 +67,8 @@ class Desired:
         #: One up whenever `entries` changes (the gateway's serving sets are cached against it).
         self.version = 0
         self.lock = trio.Lock()  # every change to deployments and node sets goes through it
+        #: Told of each change once it is committed (the rollout jobs, `control.jobs`); they must not raise.
+        self.observers: list[CommitObserver] = []
 
     async def load(self) -> None:
         for dep, decision in await self._store.run(st.load_deployments):
@@ -173,3 +179,8 @@ class Desired:
         for node_id in changed:
             await self._southbound.push_now(node_id)
         log.info("%s %s: %s", action, name, detail)
+        await self._tell(action, before, after)
+
+    async def _tell(self, action: str, before: Entry | None, after: Entry | None) -> None:
+        for observer in self.observers:
+            await observer(action, before.deployment if before else None, after.deployment if after else None)

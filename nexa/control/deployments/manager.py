@@ -25,6 +25,7 @@ from nexa.contracts.deployments import (
     ServingSet,
     routing_problems,
 )
+from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
 from nexa.control import store as st
@@ -32,7 +33,7 @@ from nexa.control.deployments import views
 from nexa.control.deployments.assignment import placement_request
 from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
-from nexa.control.deployments.desired import Desired
+from nexa.control.deployments.desired import CommitObserver, Desired
 from nexa.control.deployments.reconciler import Reconciler
 from nexa.control.deployments.records import Entry, bump, model_of, new_replica
 from nexa.control.fleet import Fleet
@@ -172,6 +173,7 @@ class Deployments:
                 options=req.options,
                 placement=req.placement,
                 routing=req.routing,
+                objectives=req.objectives,
                 created_at=now,
                 created_by=actor.key_id,
                 updated_at=now,
@@ -211,6 +213,18 @@ class Deployments:
             after = Entry(bump(attrs.evolve(before.deployment, routing=weights)), before.decision)
             await self._desired.commit(actor, "deployment.routing", before, after)
         return views.view(self._desired, after)
+
+    async def set_objectives(self, actor: Actor, name: str, objectives: ServiceObjectives) -> DeploymentView:
+        """Set the service objectives `nexa bench` runs of the deployment are judged against."""
+        async with self._desired.lock:
+            before = self._desired.entry(name)
+            after = Entry(bump(attrs.evolve(before.deployment, objectives=objectives)), before.decision, before.problem)
+            await self._desired.commit(actor, "deployment.objectives", before, after)
+        return views.view(self._desired, after)
+
+    def on_commit(self, observer: CommitObserver) -> None:
+        """Call `observer(action, before, after)` after every committed change (`Desired.commit`)."""
+        self._desired.observers.append(observer)
 
     async def delete(self, actor: Actor, name: str) -> DeploymentView:
         """Remove the deployment and its replicas (a canary's too) from every node set; answers what was deleted."""

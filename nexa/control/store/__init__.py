@@ -9,7 +9,8 @@ Callers use `from nexa.control import store as st` and the names re-exported her
 - `connection`: `open_store` (lock, migrate, new epoch), `Store` and its lanes;
 - `schema`: the migrations; `sql`: what every transaction function shares (`txn`, the meta table);
 - `audit`: the hash chain; then one module per domain: `keys` (and tenants), `nodes`, `models`,
-  `deployments`, `usage` (and quotas), `workloads`, `recovery` (the restore marker, a recovery's epoch).
+  `deployments`, `usage` (and quotas), `workloads`, `recovery` (the restore marker, a recovery's epoch),
+  `records` (benchmark runs and jobs).
 Swapping SQLite for PostgreSQL (DESIGN §5) touches this package only.
 """
 
@@ -55,6 +56,18 @@ from nexa.control.store.nodes import rotate_node_keys as rotate_node_keys
 from nexa.control.store.nodes import save_desired as save_desired
 from nexa.control.store.nodes import save_inventory as save_inventory
 from nexa.control.store.nodes import update_node as update_node
+from nexa.control.store.records import RUNS_KEPT_PER_DEPLOYMENT as RUNS_KEPT_PER_DEPLOYMENT
+from nexa.control.store.records import RecordKey as RecordKey
+from nexa.control.store.records import get_bench_run as get_bench_run
+from nexa.control.store.records import get_job as get_job
+from nexa.control.store.records import insert_bench_run as insert_bench_run
+from nexa.control.store.records import insert_job as insert_job
+from nexa.control.store.records import latest_bench_runs as latest_bench_runs
+from nexa.control.store.records import list_bench_runs as list_bench_runs
+from nexa.control.store.records import list_jobs as list_jobs
+from nexa.control.store.records import running_job_of as running_job_of
+from nexa.control.store.records import stale_jobs as stale_jobs
+from nexa.control.store.records import update_job as update_job
 from nexa.control.store.recovery import RECOVERY_MARKER as RECOVERY_MARKER
 from nexa.control.store.recovery import end_recovery as end_recovery
 from nexa.control.store.recovery import recovery_marker as recovery_marker

@@ -215,6 +215,30 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     ALTER TABLE node ADD COLUMN reenroll_key_id TEXT;
     """,
+    # Benchmark runs (`nexa bench`, the last runs of each deployment kept) and the Jobs page's jobs:
+    # `subject` names what a controller-run job is about (`deployment/<name>` for a rollout).
+    """
+    CREATE TABLE bench_run (
+        id TEXT PRIMARY KEY,
+        deployment TEXT NOT NULL,
+        kind TEXT NOT NULL,
+        recorded_at REAL NOT NULL,
+        body TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX bench_run_deployment ON bench_run(deployment, recorded_at, id);
+    CREATE INDEX bench_run_recorded ON bench_run(recorded_at, id);
+    CREATE TABLE job (
+        id TEXT PRIMARY KEY,
+        kind TEXT NOT NULL,
+        state TEXT NOT NULL,
+        subject TEXT,
+        started_at REAL NOT NULL,
+        updated_at REAL NOT NULL,
+        body TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX job_started ON job(started_at, id);
+    CREATE INDEX job_running ON job(updated_at) WHERE state = 'running';
+    """,
 )
 
 

@@ -1,4 +1,4 @@
-// nexa console: live fragments over server-sent events, focus kept across swaps, request and fleet charts.
+// nexa console: live fragments over server-sent events, focus kept across swaps, request, fleet and benchmark charts.
 // Vendor libraries (htmx, uPlot) are optional: without them forms post normally and charts are skipped.
 (function () {
   "use strict";
@@ -101,5 +101,34 @@
     refresh();
   }
 
-  document.addEventListener("DOMContentLoaded", function () { startLive(); startCharts(); startFleetCharts(); });
+  // A benchmark run's curves: one uPlot per `.bench-chart`, from the JSON in its data-chart attribute
+  // (x: the concurrency or offered rate of each step; a second axis for a series in tok/s).
+  function startBenchCharts() {
+    var els = Array.prototype.slice.call(document.querySelectorAll(".bench-chart"));
+    if (!els.length) return;
+    if (!window.uPlot) {
+      document.getElementById("bench-chart-note").textContent = "Charts are unavailable: the uPlot library is missing from this build.";
+      return;
+    }
+    var colors = ["#16a34a", "#ca8a04", "#dc2626", "#2563eb", "#7c3aed", "#db2777"];
+    var plots = els.map(function (el) {
+      var chart = JSON.parse(el.getAttribute("data-chart"));
+      var units = [];
+      chart.series.forEach(function (s) { if (units.indexOf(s.unit) < 0) units.push(s.unit); });
+      var series = [{ label: chart.x_label }].concat(chart.series.map(function (s, i) {
+        return { label: s.label, stroke: colors[i % colors.length], scale: s.unit, points: { show: true } };
+      }));
+      var axes = [{ label: chart.x_label }].concat(units.map(function (u, i) {
+        return { scale: u, label: u, side: i ? 1 : 3, grid: { show: !i } };
+      }));
+      var scales = { x: { time: false } };
+      var opts = { width: Math.max(280, el.clientWidth || 600), height: 220, scales: scales, series: series, axes: axes };
+      return [new window.uPlot(opts, [chart.x].concat(chart.series.map(function (s) { return s.values; })), el), el];
+    });
+    window.addEventListener("resize", function () {
+      plots.forEach(function (p) { p[0].setSize({ width: Math.max(280, p[1].clientWidth || 600), height: 220 }); });
+    });
+  }
+
+  document.addEventListener("DOMContentLoaded", function () { startLive(); startCharts(); startFleetCharts(); startBenchCharts(); });
 })();
