@@ -16,7 +16,7 @@ from nexa.errors import ConfigError
 from nexa.sim.campaign import Figures, Step, StepFailed, UnknownSteps, check, live_line, pick, run_campaign, table
 from nexa.sim.steps import NAMES
 from nexa.simruntime.faults import Faults
-from tests.conftest import require_tool
+from tests.conftest import ControllerProcess, require_tool
 
 #: The whole campaign runs in under 3 minutes here; the limit is generous for a loaded CI machine.
 CAMPAIGN_TIMEOUT_S = 400
@@ -29,11 +29,17 @@ def _nexa(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-def test_the_whole_campaign_passes_through_the_cli(tmp_path: Path) -> None:
+def test_the_whole_campaign_passes_through_the_cli(tmp_path: Path, controller_process: ControllerProcess) -> None:
     require_tool("docker-registry")
     summary_file, answers_file = tmp_path / "sim.json", tmp_path / "answers.jsonl"
+    made = controller_process.cli("keys", "create", "--role", "operator", "--name", "sim-report", "--json", check=True)
+    operator = json.loads(made.stdout)["key"]
     done = _nexa(
         "sim",
+        "--report-to",
+        controller_process.url,
+        "--report-token",
+        operator,
         "--state-dir",
         str(tmp_path / "sim"),
         "--seed",
@@ -57,6 +63,11 @@ def test_the_whole_campaign_passes_through_the_cli(tmp_path: Path) -> None:
     assert any(200 <= a["status"] < 300 for a in answers)
     # Everything it started has stopped: the sim's directory is named in no live process.
     assert not _processes_naming(str(tmp_path / "sim"))
+    # The operator's controller recorded the campaign as a finished `sim` job.
+    listed = controller_process.cli("jobs", "list", "--kind", "sim", "--json", token=operator, check=True)
+    [job] = json.loads(listed.stdout)["jobs"]
+    assert (job["state"], job["progress"], job["summary"]) == ("succeeded", 1.0, "all steps passed")
+    assert job["title"] == "sim seed 7"
 
 
 def _processes_naming(marker: str) -> list[str]:

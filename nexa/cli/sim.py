@@ -25,6 +25,13 @@ def add_commands(sub: Any) -> None:
         "--public-answers", metavar="FILE", help="write every non-2xx public answer (and a sample of 2xx) as JSON lines"
     )
     s.add_argument("--state-dir", default=".nexa/sim", help="the sim's own directory, emptied at start")
+    s.add_argument(
+        "--report-to",
+        metavar="URL",
+        help="also record the campaign as a `sim` job (progress, verdict) on this controller, e.g. "
+        "$NEXA_URL; its operator key from --report-token or $NEXA_TOKEN",
+    )
+    s.add_argument("--report-token", help="the operator key for --report-to (default $NEXA_TOKEN)")
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL", "warning"))
     s.set_defaults(handler=_cmd_sim)
 
@@ -50,8 +57,22 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigError("--seed: a whole number, 0 or more")
     setup_logging(args.log_level)
     answers = Path(args.public_answers) if args.public_answers else None
+    report_to = None
+    if args.report_to:
+        token = args.report_token or os.environ.get("NEXA_TOKEN", "")
+        if not token:
+            raise ConfigError("--report-to needs an operator key: --report-token KEY or $NEXA_TOKEN")
+        report_to = (args.report_to.rstrip("/"), token)
     summary = trio.run(
-        partial(run.campaign, Path(args.state_dir), picked, seed=args.seed, say=_say, public_answers=answers)
+        partial(
+            run.campaign,
+            Path(args.state_dir),
+            picked,
+            seed=args.seed,
+            say=_say,
+            public_answers=answers,
+            report_to=report_to,
+        )
     )
     print(table(summary))
     if args.json_file:

@@ -14,6 +14,7 @@ import httpx
 import trio
 
 from nexa.demo import call
+from nexa.errors import Unavailable
 
 #: Every this many successful answers, one is kept for the leak scan.
 SAMPLE_EVERY: Final = 25
@@ -84,10 +85,17 @@ class Api:
         )
 
     async def get(self, path: str) -> Any:
-        return await call(self.http, "GET", path)
+        return await self._call("GET", path)
 
     async def post(self, path: str, body: object | None = None) -> Any:
-        return await call(self.http, "POST", path, body)
+        return await self._call("POST", path, body)
+
+    async def _call(self, method: str, path: str, body: object | None = None) -> Any:
+        """`demo.call`, with a controller that does not answer as `Unavailable` (never an httpx error)."""
+        try:
+            return await call(self.http, method, path, body)
+        except httpx.TransportError as exc:
+            raise Unavailable(f"{method} {self.url}{path}: {type(exc).__name__}") from None
 
     async def status(self, path: str) -> int:
         """The status of a GET (whether a route exists, whether the controller answers)."""

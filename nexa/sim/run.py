@@ -1,8 +1,10 @@
-"""`nexa sim` put together: the cluster started, the campaign run (recorded as a `sim` job where the
-controller has `POST /api/v1/jobs`), the summary and public answers written, everything stopped."""
+"""`nexa sim` put together: the cluster started, the campaign run (recorded as a `sim` job on the
+sim's own controller, and on the operator's with `--report-to`), the summary and public answers
+written, everything stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import secrets
 from collections.abc import Callable, Sequence
@@ -19,23 +21,27 @@ from nexa.sim.load import Api
 from nexa.sim.steps import STEPS, Campaign
 
 
-async def _job(api: Api, seed: int) -> str | None:
-    """A `sim` job on the controller, or None where it has no jobs API (it is optional)."""
+async def _job(api: Api, seed: int, *, say: Callable[[str], None] | None = None) -> str | None:
+    """A `sim` job on the controller, or None where it has no jobs API (it is optional; `say`
+    tells the operator why, for the controller they asked to report to)."""
     body = codec.api.unstructure(JobCreate(kind=JobKind.SIM, title=f"sim seed {seed}"))
     try:
         job = await api.post("/api/v1/jobs", body)
-    except NexaError:
+    except NexaError as exc:
+        if say is not None:
+            say(f"not reporting to {api.url}: {exc.message}")
         return None
     return str(job["id"]) if isinstance(job, dict) and "id" in job else None
 
 
-async def _update(api: Api, job: str | None, update: JobUpdate) -> None:
-    if job is None:
-        return
-    try:
-        await api.post(f"/api/v1/jobs/{job}", codec.api.unstructure(update))
-    except NexaError:
-        return  # the job record is a convenience; the campaign's verdict does not depend on it
+async def _update(jobs: Sequence[tuple[Api, str | None]], update: JobUpdate) -> None:
+    for api, job in jobs:
+        if job is None:
+            continue
+        try:
+            await api.post(f"/api/v1/jobs/{job}", codec.api.unstructure(update))
+        except NexaError:
+            continue  # the job record is a convenience; the campaign's verdict does not depend on it
 
 
 async def campaign(
@@ -45,13 +51,20 @@ async def campaign(
     seed: int,
     say: Callable[[str], None],
     public_answers: Path | None = None,
+    report_to: tuple[str, str] | None = None,
 ) -> SimSummary:
-    """Start the cluster in `state_dir`, run the picked steps, stop everything (also on failure)."""
+    """Start the cluster in `state_dir`, run the picked steps, stop everything (also on failure).
+    `report_to` (url, operator key): a controller that records the campaign as a `sim` job too."""
     say(f"starting the sim cluster in {state_dir} (registry, S3, nexa control, {parts.NODES} nodes)…")
     cluster = await parts.start(state_dir)
+    reporting = contextlib.AsyncExitStack()
     try:
         api = cluster.the_api()
-        job = await _job(api, seed)
+        jobs = [(api, await _job(api, seed))]
+        if report_to is not None:
+            operator = Api(*report_to)
+            reporting.callback(operator.aclose)
+            jobs.append((operator, await _job(operator, seed, say=say)))
         context = Campaign(
             cluster=cluster,
             rng=random.Random(seed),  # noqa: S311 - reproducible load, not secrets
@@ -59,13 +72,12 @@ async def campaign(
         )
 
         async def progress(done: int, total: int, step: SimStep) -> None:
-            await _update(api, job, JobUpdate(progress=done / total, summary=f"{step.name}: {step.verdict.value}"))
+            await _update(jobs, JobUpdate(progress=done / total, summary=f"{step.name}: {step.verdict.value}"))
 
         summary = await run_campaign(STEPS, picked, context, seed=seed, say=say, progress=progress)
         failed = [s.name for s in summary.steps if s.verdict is StepVerdict.FAIL]
         await _update(
-            api,
-            job,
+            jobs,
             JobUpdate(
                 state=JobState.SUCCEEDED if summary.passed else JobState.FAILED,
                 progress=1.0,
@@ -76,4 +88,6 @@ async def campaign(
             await trio.to_thread.run_sync(cluster.answers.write, public_answers)
         return summary
     finally:
+        with trio.CancelScope(shield=True):
+            await reporting.aclose()
         await parts.stop_cluster(cluster)
