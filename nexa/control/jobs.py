@@ -4,7 +4,8 @@ Clients report their own (`benchmark`, `sim`: `create`, then `update` until a fi
 the controller records backups (`record`/`finish`, from `control.backup`) and rollouts
 (`RolloutJobs`, told of every deployment change). A finished job takes no update (409). A client
 job still `running` with no update for `STALE_AFTER_S` is failed ("no update for 10 min") the
-next time it is read, and stored so.
+next time it is read, and stored so; a backup a previous controller process left running is failed
+when the controller starts (`fail_interrupted`).
 """
 
 from __future__ import annotations
@@ -187,17 +188,27 @@ class Jobs:
         )
         await self._store.run(st.update_job, after)
 
+    async def fail_interrupted(self) -> int:
+        """At start: the backups a previous controller process left `running` (it stopped during
+        them, so they will never finish) are failed; how many. Rollout jobs carry on: the rollout
+        does, and its job is found again by its deployment."""
+        now = self._clock()
+        interrupted = await self._store.run(st.stale_jobs, (JobKind.BACKUP,), now)
+        for job in interrupted:
+            await self._fail(job, "the controller stopped during the backup: run `nexa backup` again", now)
+        return len(interrupted)
+
     async def _fail_stale(self) -> None:
         now = self._clock()
         for job in await self._store.run(st.stale_jobs, CLIENT_KINDS, now - STALE_AFTER_S):
-            minutes = round(STALE_AFTER_S / 60)
-            failed = attrs.evolve(
-                job, state=JobState.FAILED, summary=f"no update for {minutes} min", updated_at=now, finished_at=now
-            )
-            try:
-                await self._store.run(st.update_job, failed)
-            except Conflict:  # updated meanwhile: that update stands
-                log.info("job %s: updated while it was failed as stale", job.id)
+            await self._fail(job, f"no update for {round(STALE_AFTER_S / 60)} min", now)
+
+    async def _fail(self, job: Job, summary: str, now: float) -> None:
+        failed = attrs.evolve(job, state=JobState.FAILED, summary=summary, updated_at=now, finished_at=now)
+        try:
+            await self._store.run(st.update_job, failed)
+        except Conflict:  # updated meanwhile: that update stands
+            log.info("job %s: updated while it was being failed", job.id)
 
 
 class RolloutJobs:

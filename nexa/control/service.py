@@ -222,7 +222,7 @@ async def _serve_control(
                     key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
                 ),
             )
-            _keep_records(state)
+            await _keep_records(state)
             if (prev := keys.previous) is not None and prev.overlap_until > time.time():
                 # Restarted within a rotation's overlap: nodes that say hello are still told.
                 old = await trio.to_thread.run_sync(retired_signing_key, keys_dir, prev.key_id)
@@ -300,9 +300,11 @@ async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics) -> Fleet
     return fleet
 
 
-def _keep_records(state: AppState) -> None:
+async def _keep_records(state: AppState) -> None:
     """Jobs (each backup and rollout recorded as one), benchmark runs and evidence signing."""
     jobs = state.jobs = Jobs(state.store, state.metrics)
+    if interrupted := await jobs.fail_interrupted():
+        log.warning("%d backup job(s) left running by the previous controller process: failed", interrupted)
     state.deployments.on_commit(RolloutJobs(jobs).observe)
     if state.backups is not None:
         state.backups.jobs = jobs

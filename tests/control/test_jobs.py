@@ -115,6 +115,24 @@ async def test_each_backup_is_recorded_as_a_backup_job(nursery: trio.Nursery, tm
     c.stopping.set()
 
 
+async def test_a_backup_left_running_by_a_stopped_controller_is_failed_when_it_starts_again(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    cfg = local_config(tmp_path)
+    async with st.open_store(Path(cfg.state_dir), inline=True) as store:  # what a killed process left
+        jobs = Jobs(store, Metrics())
+        backup = await jobs.record(JobKind.BACKUP, "backup")
+        sim = await jobs.create(SYSTEM, JobCreate(kind=JobKind.SIM, title="sim seed 1"))
+    c = await start_controller(nursery, cfg)
+    async with c.client() as http:
+        left = await ok(http.get(f"/api/v1/jobs/{backup}"))
+        assert left["state"] == "failed" and left["finished_at"] is not None
+        assert "the controller stopped during the backup" in left["summary"] and "nexa backup" in left["summary"]
+        # A client's job is its client's to finish (or the staleness rule's); rollouts carry on.
+        assert (await ok(http.get(f"/api/v1/jobs/{sim.id}")))["state"] == "running"
+    c.stopping.set()
+
+
 async def test_a_backup_refused_for_want_of_a_key_records_no_job(controller: Controller) -> None:
     async with controller.client() as http:
         assert_envelope(await http.post("/api/v1/backups"), 409, "backup_not_configured")
