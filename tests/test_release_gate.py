@@ -213,7 +213,7 @@ def test_public_leaks_fail_on_an_empty_or_missing_file(tmp_path: Path) -> None:
     ("leak", "said"),
     [
         ({"error": {"message": "node at 127.0.0.12:18000 failed"}}, "a node address (127.0.0.12)"),
-        ({"error": {"message": "upstream 10.4.0.7 refused"}}, "a non-loopback address (10.4.0.7)"),
+        ({"error": {"message": "upstream 203.0.113.7 refused"}}, "a non-loopback address (203.0.113.7)"),
         ({"error": {"message": "cannot open /tmp/nexa-sim/state/control/db.sqlite"}}, "a file path"),
         ({"error": {"message": "cannot read /home/ops/model.gguf"}}, "a file path"),
         ({"error": {"message": "container " + "f" * 64 + " exited"}}, "a container id"),

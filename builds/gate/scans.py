@@ -27,8 +27,8 @@ like a password, token, secret or private key; an environment variable named lik
 
 Public answers (`leak_findings`). Every line of the `nexa sim --public-answers` file (JSON lines:
 status, headers, body of answers a client saw) must hold no node address (127.0.0.11-127.0.0.15 or
-any IPv4 address outside 127.0.0.0/8 and 0.0.0.0), no file path (the sim's state directory, /home/,
-/root/, /tmp/, /var/lib/nexa), no container id (64 hex digits not named as a digest: `sha256:` in
+any IPv4 address outside 127.0.0.0/8 and 0.0.0.0), no file path (the sim's state directory, a home
+directory, the temporary directory, /var/lib/nexa), no container id (64 hex digits not named as a digest: `sha256:` in
 front, or a key naming a sha256, digest, hash or signature), no key material (a PEM header, or any
 key from a `*.key` file of the sim's state directory) and no stack trace (`Traceback`, `File "`).
 """

@@ -25,20 +25,10 @@ from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SimCluster, sim_cluster
-from tests.support.console import csrf, sign_in
+from tests.support.console import CHROMIUM, CHROMIUM_ARGS, csrf, sign_in
 from tests.support.models import bring_to, registry_config
 
 T = TypeVar("T")
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 #: A change must show without a reload within this many seconds (issue: two).
 LIVE_MS = 2000
 

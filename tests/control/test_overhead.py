@@ -5,20 +5,16 @@ node's bad figure being ignored and counted, never failing the request."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import trio
 
 from nexa.config import GatewayConfig
 from nexa.contracts import codec, wire
-from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, Capability
 from nexa.control import relay as control_relay
 from nexa.control.calls import (
     MAX_NODE_OVERHEAD_MS,
     Progress,
-    Work,
     node_overhead_ms,
     overhead_ms,
     take_node_overhead,
@@ -27,22 +23,7 @@ from nexa.control.metering import REFUSED_TIMING, Meter
 from nexa.errors import NotConnected
 from nexa.node.relay import overhead_ms as node_side_overhead_ms
 from nexa.telemetry import Metrics
-from tests.support.relay import TIMEOUT_S, data_path, drain, infer_head, request
-
-
-def _work(*, stream: bool) -> Work:
-    return Work(
-        request_id="rid-1",
-        api=Api.OPENAI,
-        tenant=TenantId("acme"),
-        key_id=KeyId("k1"),
-        capability=Capability.CHAT,
-        model="chat",
-        body={"messages": []},
-        stream=stream,
-        deadline_at=time.time() + 60,
-    )
-
+from tests.support.relay import TIMEOUT_S, chat_work, data_path, drain, infer_head, request
 
 # --- the computation ----------------------------------------------------------------------------
 
@@ -54,7 +35,7 @@ def _work(*, stream: bool) -> Work:
 )
 def test_a_node_figure_that_is_not_a_finite_non_negative_bounded_number_is_ignored(value: object) -> None:
     assert node_overhead_ms(value) is None
-    progress = Progress(work=_work(stream=False), started=0.0)
+    progress = Progress(work=chat_work(stream=False), started=0.0)
     assert progress.add_node_overhead(value) is False  # type: ignore[arg-type]
     assert progress.node_ms is None
 
@@ -69,7 +50,7 @@ def test_the_controller_part_is_the_time_to_the_response_head_less_the_waits_plu
     assert overhead_ms(0.010, 0.004, 1.5) == pytest.approx(7.5)
     # Waits measured on another clock may add up to a little more than the total: never below 0.
     assert overhead_ms(0.010, 0.011, 0.25) == pytest.approx(0.25)
-    progress = Progress(work=_work(stream=False), started=0.0, queue_ms=2.0, waited_s=0.003)
+    progress = Progress(work=chat_work(stream=False), started=0.0, queue_ms=2.0, waited_s=0.003)
     assert progress.add_node_overhead(0.5) and progress.add_node_overhead(None) and progress.add_node_overhead(0.25)
     assert progress.node_ms == pytest.approx(0.75)  # summed over attempts
     # Arrived at t=100 s, head at t=100.010 s: 10 ms, less 2 ms queued and 3 ms waiting, plus 0.75 ms.
@@ -87,7 +68,7 @@ def test_the_nodes_part_is_before_the_runtime_request_and_after_its_answer() -> 
 async def test_a_refused_node_figure_is_counted_and_the_call_keeps_its_own() -> None:
     metrics = Metrics()
     meter = Meter(GatewayConfig(), None, metrics)  # type: ignore[arg-type]  # no store: nothing flushed here
-    progress = Progress(work=_work(stream=True), started=0.0)
+    progress = Progress(work=chat_work(stream=True), started=0.0)
     take_node_overhead(progress, meter, 1.25, "n1")
     take_node_overhead(progress, meter, -3.0, "n1")
     take_node_overhead(progress, meter, math.nan, "n1")

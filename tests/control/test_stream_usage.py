@@ -9,36 +9,18 @@ OpenAI-shaped runtime on 127.0.0.1 over a real Link/Uplink pair); the `Answer` i
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import trio
 
 from nexa.config import GatewayConfig
-from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, Capability
 from nexa.control import answers
 from nexa.control.calls import Answer, Progress, Work, prompt_estimate
 from nexa.control.metering import Meter
 from nexa.telemetry import Metrics
-from tests.support.relay import TIMEOUT_S, data_path, infer_head, request
+from tests.support.relay import TIMEOUT_S, chat_work, data_path, infer_head, request
 
 MESSAGES = [{"role": "user", "content": "how many tokens is this prompt, about?"}]
-
-
-def _work(*, include_usage: bool) -> Work:
-    return Work(
-        request_id="rid-1",
-        api=Api.OPENAI,
-        tenant=TenantId("acme"),
-        key_id=KeyId("k1"),
-        capability=Capability.CHAT,
-        model="chat",
-        body={"messages": MESSAGES},
-        stream=True,
-        include_usage=include_usage,
-        deadline_at=time.time() + 60,
-    )
 
 
 async def _through_the_gateway(work: Work, runtime_request: bytes, *, strip: bool) -> tuple[bytes, Progress]:
@@ -60,7 +42,7 @@ def _events(body: bytes) -> list[bytes]:
 
 
 async def test_a_runtime_without_usage_gets_one_made_from_the_controllers_count_when_the_client_asked() -> None:
-    work = _work(include_usage=True)
+    work = chat_work(stream=True, include_usage=True, messages=MESSAGES)
     body, progress = await _through_the_gateway(work, request("stream", events=4), strip=False)
     events = _events(body)
     assert events[-1] == b"data: [DONE]"
@@ -74,7 +56,9 @@ async def test_a_runtime_without_usage_gets_one_made_from_the_controllers_count_
 
 
 async def test_a_client_that_did_not_ask_gets_no_usage_and_the_count_is_metered() -> None:
-    body, progress = await _through_the_gateway(_work(include_usage=False), request("stream", events=5), strip=True)
+    body, progress = await _through_the_gateway(
+        chat_work(stream=True, messages=MESSAGES), request("stream", events=5), strip=True
+    )
     assert b'"usage"' not in body
     assert _events(body)[-1] == b"data: [DONE]"
     assert progress.completion_tokens == 5
@@ -82,7 +66,9 @@ async def test_a_client_that_did_not_ask_gets_no_usage_and_the_count_is_metered(
 
 async def test_the_runtimes_own_usage_is_kept_and_nothing_is_made() -> None:
     runtime_request = request("stream", events=6, stream_options={"include_usage": True})
-    body, progress = await _through_the_gateway(_work(include_usage=True), runtime_request, strip=False)
+    body, progress = await _through_the_gateway(
+        chat_work(stream=True, include_usage=True, messages=MESSAGES), runtime_request, strip=False
+    )
     assert body.count(b'"usage":{') == 1
     assert b"nexa-usage" not in body
     assert (progress.prompt_tokens, progress.completion_tokens) == (7, 6)  # the runtime's figures

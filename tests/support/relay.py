@@ -20,6 +20,9 @@ import trio
 
 from nexa.config import RelayConfig
 from nexa.contracts import wire
+from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.gateway import Api, Capability
+from nexa.control.calls import Work
 from nexa.control.relay import Relay, RelayStream
 from nexa.messaging import DataInbound, Link, Uplink
 from nexa.node.relay import NodeRelay
@@ -221,3 +224,19 @@ async def drain(stream: RelayStream) -> tuple[bytes, wire.EndHead]:
 async def wait_until(predicate: Any) -> None:
     while not predicate():  # noqa: ASYNC110 - polls statistics, which signal nothing
         await trio.sleep(0.005)
+
+
+def chat_work(*, stream: bool, include_usage: bool = False, messages: list[dict[str, str]] | None = None) -> Work:
+    """A chat call's `Work` as the gateway makes it (tenant acme, key k1, model `chat`)."""
+    return Work(
+        request_id="rid-1",
+        api=Api.OPENAI,
+        tenant=TenantId("acme"),
+        key_id=KeyId("k1"),
+        capability=Capability.CHAT,
+        model="chat",
+        body={"messages": messages or []},
+        stream=stream,
+        include_usage=include_usage,
+        deadline_at=time.time() + 60,
+    )
