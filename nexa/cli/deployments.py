@@ -95,6 +95,19 @@ _SLO_FLAGS: Final = {
 }
 
 
+#: What an `--slo-*-ms` flag takes to stop checking that figure.
+_OFF: Final = "off"
+
+
+def _ms_or_off(text: str) -> float | str:
+    if text == _OFF:
+        return _OFF
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: milliseconds (a number), or {_OFF} to stop checking it") from None
+
+
 def _objective_flags(s: argparse.ArgumentParser) -> None:
     """The service objectives `nexa bench` runs are judged against (default: unchanged, or unchecked)."""
     for flag, what in (
@@ -102,12 +115,15 @@ def _objective_flags(s: argparse.ArgumentParser) -> None:
         ("--slo-tpot-p95-ms", "time per output token, p95 (ms)"),
         ("--slo-e2e-p95-ms", "end-to-end latency, p95 (ms)"),
     ):
-        s.add_argument(flag, type=float, help=f"objective: {what} at most this")
+        s.add_argument(flag, type=_ms_or_off, help=f"objective: {what} at most this; `{_OFF}`: not checked")
     s.add_argument("--slo-max-error-rate", type=float, help="objective: failed share of requests at most this (0..1)")
 
 
-def _objectives_given(args: argparse.Namespace) -> dict[str, float]:
-    return {field: v for flag, field in _SLO_FLAGS.items() if (v := getattr(args, flag)) is not None}
+def _objectives_given(args: argparse.Namespace) -> dict[str, float | None]:
+    """The objectives the flags set (None: `off`, no longer checked); flags left out are not in it."""
+    return {
+        field: None if v == _OFF else v for flag, field in _SLO_FLAGS.items() if (v := getattr(args, flag)) is not None
+    }
 
 
 def _routing_flags(s: argparse.ArgumentParser, *, default: float | None) -> None:

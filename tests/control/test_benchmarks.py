@@ -162,3 +162,7 @@ async def test_the_cli_sets_objectives_on_create_and_update_and_show_shows_them(
         "e2e_p95_ms": 3000,
         "max_error_rate": 0.02,
     }
+    # `off` stops checking one figure and leaves the others as they were.
+    await _nexa(dep_reg, "deployments", "update", "chat-a", "--slo-ttft-p95-ms", "off")
+    shown = await _nexa(dep_reg, "deployments", "show", "chat-a")
+    assert "slo      ttft p95 -, tpot p95 -, e2e p95 3000 ms, max error rate 0.02" in shown
