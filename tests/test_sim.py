@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,37 @@ def test_the_whole_campaign_passes_through_the_cli(tmp_path: Path, controller_pr
     [job] = json.loads(listed.stdout)["jobs"]
     assert (job["state"], job["progress"], job["summary"]) == ("succeeded", 1.0, "all steps passed")
     assert job["title"] == "sim seed 7"
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_everything_exits_130_and_cancels_the_reported_job(
+    tmp_path: Path, controller_process: ControllerProcess
+) -> None:
+    require_tool("docker-registry")
+    made = controller_process.cli("keys", "create", "--role", "operator", "--name", "sim-report", "--json", check=True)
+    operator = json.loads(made.stdout)["key"]
+    state_dir = tmp_path / "sim"
+    argv = [sys.executable, "-m", "nexa", "sim", "--steps", "enroll,ready-routing,queue-shed,node-kill"]
+    argv += ["--state-dir", str(state_dir), "--report-to", controller_process.url, "--report-token", operator]
+    sim = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert sim.stdout is not None
+        for line in sim.stdout:  # interrupt it inside a step, with its cluster running
+            if line.startswith("[2/4]"):
+                break
+        sim.send_signal(signal.SIGINT)
+        out, err = sim.communicate(timeout=120)
+    finally:
+        if sim.poll() is None:
+            sim.kill()
+            sim.wait()
+    assert sim.returncode == 130, out + err
+    assert "interrupted; everything it started is stopped" in err
+    assert "Traceback" not in err
+    assert not _processes_naming(str(state_dir))
+    listed = controller_process.cli("jobs", "list", "--kind", "sim", "--json", token=operator, check=True)
+    [job] = json.loads(listed.stdout)["jobs"]
+    assert (job["state"], job["summary"]) == ("cancelled", "interrupted")
 
 
 def _processes_naming(marker: str) -> list[str]:

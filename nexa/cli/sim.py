@@ -14,6 +14,7 @@ from nexa.errors import ConfigError
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
+EXIT_INTERRUPTED: Final = 130
 
 
 def add_commands(sub: Any) -> None:
@@ -63,17 +64,23 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         if not token:
             raise ConfigError("--report-to needs an operator key: --report-token KEY or $NEXA_TOKEN")
         report_to = (args.report_to.rstrip("/"), token)
-    summary = trio.run(
-        partial(
-            run.campaign,
-            Path(args.state_dir),
-            picked,
-            seed=args.seed,
-            say=_say,
-            public_answers=answers,
-            report_to=report_to,
+    try:
+        summary = trio.run(
+            partial(
+                run.campaign,
+                Path(args.state_dir),
+                picked,
+                seed=args.seed,
+                say=_say,
+                public_answers=answers,
+                report_to=report_to,
+            )
         )
-    )
+    except BaseException as exc:  # Ctrl-C comes alone or wrapped by the nurseries
+        if not run.interrupted(exc):
+            raise
+        print("nexa sim: interrupted; everything it started is stopped", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(table(summary))
     if args.json_file:
         Path(args.json_file).write_text(codec.dumps(codec.api, summary) + "\n")

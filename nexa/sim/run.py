@@ -9,6 +9,7 @@ import random
 import secrets
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 import trio
 
@@ -19,6 +20,9 @@ from nexa.sim import cluster as parts
 from nexa.sim.campaign import run_campaign
 from nexa.sim.load import Api
 from nexa.sim.steps import STEPS, Campaign
+
+#: The longest the last job updates may take when the campaign is interrupted or breaks.
+REPORT_TIMEOUT_S: Final = 5.0
 
 
 async def _job(api: Api, seed: int, *, say: Callable[[str], None] | None = None) -> str | None:
@@ -44,6 +48,13 @@ async def _update(jobs: Sequence[tuple[Api, str | None]], update: JobUpdate) -> 
             continue  # the job record is a convenience; the campaign's verdict does not depend on it
 
 
+def interrupted(exc: BaseException) -> bool:
+    """Whether `exc` is Ctrl-C (SIGINT), alone or as every leaf of the nurseries' group."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split(KeyboardInterrupt)[1] is None
+    return isinstance(exc, KeyboardInterrupt)
+
+
 async def campaign(
     state_dir: Path,
     picked: Sequence[str],
@@ -58,12 +69,13 @@ async def campaign(
     say(f"starting the sim cluster in {state_dir} (registry, S3, nexa control, {parts.NODES} nodes)…")
     cluster = await parts.start(state_dir)
     reporting = contextlib.AsyncExitStack()
+    jobs: list[tuple[Api, str | None]] = []
     try:
         api = cluster.the_api()
-        jobs = [(api, await _job(api, seed))]
+        jobs.append((api, await _job(api, seed)))
         if report_to is not None:
             operator = Api(*report_to)
-            reporting.callback(operator.aclose)
+            reporting.push_async_callback(operator.aclose)
             jobs.append((operator, await _job(operator, seed, say=say)))
         context = Campaign(
             cluster=cluster,
@@ -86,6 +98,13 @@ async def campaign(
         )
         if public_answers is not None:
             await trio.to_thread.run_sync(cluster.answers.write, public_answers)
+    except BaseException as exc:
+        # Interrupted (Ctrl-C) or broken: the jobs say so before the cluster goes.
+        state = JobState.CANCELLED if interrupted(exc) else JobState.FAILED
+        with trio.CancelScope(shield=True), trio.move_on_after(REPORT_TIMEOUT_S):
+            await _update(jobs, JobUpdate(state=state, summary="interrupted" if interrupted(exc) else "the sim broke"))
+        raise
+    else:
         return summary
     finally:
         with trio.CancelScope(shield=True):
