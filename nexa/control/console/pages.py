@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Final, Protocol
 
@@ -338,7 +338,7 @@ class Console:
 
     # ---- the live stream -----------------------------------------------------------------------
 
-    async def stream(self, sid: str, session: Session, view: str) -> AsyncIterator[bytes]:
+    async def stream(self, sid: str, session: Session, view: str) -> AsyncGenerator[bytes, None]:
         """Server-sent events: the view's live fragment whenever it changes; ends when the client
         goes (quart cancels the response), the session ends, or the controller stops."""
         self._streams += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from quart import Blueprint, Response, redirect, render_template, request, send_from_directory, stream_with_context
@@ -109,8 +110,11 @@ def _file_and_event_routes(bp: Blueprint, console: Console) -> None:
 
         @stream_with_context
         async def body() -> AsyncIterator[bytes]:
-            async for chunk in console.stream(sid, session, view):
-                yield chunk
+            # aclosing: when the client goes, quart closes `body`, and this closes the stream at once
+            # (left to the garbage collector, trio warns that it was never exhausted).
+            async with aclosing(console.stream(sid, session, view)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
 
         response = Response(body(), content_type="text/event-stream")
         response.timeout = None
