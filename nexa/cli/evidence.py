@@ -26,24 +26,27 @@ import sys
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-import attrs
-
 from nexa import __version__
 from nexa.cli import common
 from nexa.contracts import codec
 from nexa.contracts.api import SignedAuditCheckpoint
 from nexa.contracts.deployments import DeploymentList
 from nexa.contracts.evidence import (
+    AuditHead,
+    Benchmarks,
     BenchRun,
     BenchRunList,
+    DeploymentObjectives,
     EvidenceFile,
     EvidenceManifest,
     EvidenceRequest,
     EvidenceSigned,
     GateReport,
-    ServiceObjectives,
+    ModelVersion,
+    RuntimeImage,
     SimSummary,
     StepVerdict,
+    Versions,
 )
 from nexa.contracts.models import ModelList, RuntimeList
 from nexa.errors import ConfigError, Conflict, ContractError, RemoteError
@@ -61,66 +64,6 @@ README: Final = "README.txt"
 MANIFEST: Final = "manifest.json"
 _FORBIDDEN: Final = 403
 _PAGE: Final = "200"
-
-
-@attrs.frozen(kw_only=True)
-class RuntimeImage:
-    """A registered runtime's image, by the digest the registry confirmed."""
-
-    runtime: str
-    kind: str
-    version: str
-    image: str
-    digest: str
-
-
-@attrs.frozen(kw_only=True)
-class ModelVersion:
-    """A model version and the digest of its artifact (a manifest's, or one object's)."""
-
-    name: str
-    version: str
-    state: str
-    artifact_sha256: str
-    artifact_size_bytes: int
-
-
-@attrs.frozen(kw_only=True)
-class Versions:
-    """`versions.json`."""
-
-    nexa_version: str
-    #: The released executable: its file name only (never the directory it was found in).
-    binary: EvidenceFile | None
-    #: Why `binary` is None (not a frozen executable and no `--binary`).
-    binary_note: str = ""
-    runtimes: list[RuntimeImage] = attrs.Factory(list)
-    models: list[ModelVersion] = attrs.Factory(list)
-
-
-@attrs.frozen(kw_only=True)
-class DeploymentObjectives:
-    """What a deployment promises now, and over how many replicas (what its runs are judged by)."""
-
-    name: str
-    replicas: int
-    objectives: ServiceObjectives
-
-
-@attrs.frozen(kw_only=True)
-class Benchmarks:
-    """`benchmarks.json`: the stored runs (newest first) and what each deployment promises now."""
-
-    runs: list[BenchRun]
-    deployments: list[DeploymentObjectives]
-
-
-@attrs.frozen(kw_only=True)
-class AuditHead:
-    """`audit-head.json`."""
-
-    checkpoint: SignedAuditCheckpoint | None
-    note: str = ""
 
 
 README_TEXT: Final = f"""LunaNexa release evidence

@@ -11,6 +11,8 @@
   the `release_ready` verdict; the controller signs it (`EvidenceSigned`) and `nexa evidence verify`
   checks it offline. It never claims acceptance on the real fleet or a human approval: those stay
   `required`.
+- The bundle's other files (`Versions`, `Benchmarks`, `AuditHead`) are defined here too, so the
+  format `nexa evidence verify` reads is documented in one place.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Final
 
 import attrs
 
+from nexa.contracts.api import SignedAuditCheckpoint
 from nexa.contracts.bounds import MAX_BYTES, MAX_MS, MAX_UNIX_S, finite, whole
 
 #: The most steps one benchmark run records.
@@ -299,3 +302,66 @@ class EvidenceRequest:
     gate: GateReport | None = None
     #: Every file of the bundle the client wrote, by digest (the manifest lists them).
     files: list[EvidenceFile] = attrs.Factory(list)
+
+
+# --- the files of a release-evidence bundle (`nexa evidence --out DIR`) besides the summaries above ---
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeImage:
+    """A registered runtime's image, by the digest the registry confirmed."""
+
+    runtime: str
+    kind: str
+    version: str
+    image: str
+    digest: str
+
+
+@attrs.frozen(kw_only=True)
+class ModelVersion:
+    """A model version and the digest of its artifact (a manifest's, or one object's)."""
+
+    name: str
+    version: str
+    state: str
+    artifact_sha256: str
+    artifact_size_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class Versions:
+    """`versions.json`."""
+
+    nexa_version: str
+    #: The released executable: its file name only (never the directory it was found in).
+    binary: EvidenceFile | None
+    #: Why `binary` is None (not a frozen executable and no `--binary`).
+    binary_note: str = ""
+    runtimes: list[RuntimeImage] = attrs.Factory(list)
+    models: list[ModelVersion] = attrs.Factory(list)
+
+
+@attrs.frozen(kw_only=True)
+class DeploymentObjectives:
+    """What a deployment promises now, and over how many replicas (what its runs are judged by)."""
+
+    name: str
+    replicas: int
+    objectives: ServiceObjectives
+
+
+@attrs.frozen(kw_only=True)
+class Benchmarks:
+    """`benchmarks.json`: the stored runs (newest first) and what each deployment promises now."""
+
+    runs: list[BenchRun]
+    deployments: list[DeploymentObjectives]
+
+
+@attrs.frozen(kw_only=True)
+class AuditHead:
+    """`audit-head.json`."""
+
+    checkpoint: SignedAuditCheckpoint | None
+    note: str = ""
