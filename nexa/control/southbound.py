@@ -228,6 +228,17 @@ class Southbound:
             self._bound[keys.slot ^ 1] = await self._link.rebind(old, keys.retired_curve, admit=False)
         self._fleet.channel_endpoint = self._advertised(keys.slot)
 
+    async def _serve_next(self, slot: int, curve: CurveKeyPair) -> str:
+        """Serve endpoint `slot` with a new rotation's Curve key. A configured port is bound again
+        once its old listener is closed; an ephemeral one (`*` or 0) gets a fresh port before the
+        old one closes, so nothing else on the host can take the port in between."""
+        configured, bound = self._channel.endpoint(slot)[0], self._bound.get(slot)
+        if bound is None or not configured.endswith((":*", ":0")):
+            return await self._link.rebind(bound or configured, curve)
+        fresh = self._link.bind(configured, curve)
+        self._link.unbind(bound)
+        return fresh
+
     def _end_streams_of_lost_nodes(self) -> None:
         # Fleet listener (sync): unreachable or revoked nodes will send no more output.
         for node_id in self.relay.nodes():
@@ -375,8 +386,7 @@ class Southbound:
         if keys.next_curve is not None:
             newest = self._slot ^ 1
             if now:
-                bind = self._bound.get(newest) or self._channel.endpoint(newest)[0]
-                self._bound[newest] = await self._link.rebind(bind, keys.next_curve)
+                self._bound[newest] = await self._serve_next(newest, keys.next_curve)
         self._keys = keys
         if newest in self._bound:  # else (a restart) `run` sets it
             self._fleet.channel_endpoint = self._advertised(newest)
