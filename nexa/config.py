@@ -340,6 +340,67 @@ class GatewayConfig:
 
 
 @attrs.frozen(kw_only=True)
+class ClusterConfig:
+    """Several controllers on one (PostgreSQL) store: the leader's lease. The embedded SQLite store
+    has one controller, always the leader, and reads none of this but the defaults' checks."""
+
+    #: A leader that has not renewed its lease for this long is replaced by another controller.
+    lease_s: Seconds = Seconds(5.0)
+    #: How often the leader renews its lease (and followers try to take an expired one). Below
+    #: `lease_s / 2`: the leader stops acting as one `lease_s - renew_s` after its last renewal.
+    renew_s: Seconds = Seconds(1.0)
+    #: This controller's name in the cluster; empty: `<hostname>:<http port>` (stable across restarts).
+    controller_id: str = ""
+    #: The base URL other controllers forward API writes to; empty: `http://<http.listen>`.
+    address: str = ""
+    #: How often each controller looks at the audit head for changes another one made, and re-reads
+    #: what they touched (`control.follow`): a write shows on every controller within about this long.
+    refresh_s: Seconds = attrs.field(default=Seconds(0.25), validator=attrs.validators.gt(Seconds(0.0)))
+
+    def __attrs_post_init__(self) -> None:
+        # ValueError, as the field validators raise: loading the file turns it into ConfigError.
+        if not self.renew_s < self.lease_s / 2:
+            raise ValueError(
+                f"renew_s ({self.renew_s:g}) must be below half of lease_s ({self.lease_s:g}): "
+                "the leader must renew at least twice per lease"
+            )
+
+
+def _store_url(_instance: object, _attribute: object, value: str) -> None:
+    """`postgresql://…` or `postgres://…` (a libpq URL), or empty; never with a password in it."""
+    if not value:
+        return
+    scheme, sep, rest = value.partition("://")
+    if not sep or scheme not in {"postgresql", "postgres"}:
+        raise ValueError("'url' must be a postgresql://USER@HOST:PORT/DATABASE URL (or empty: SQLite in state_dir)")
+    authority = rest.split("/", 1)[0].split("?", 1)[0]
+    query = rest.partition("?")[2]
+    if ":" in authority.rpartition("@")[0] or re.search(r"(^|&)password=", query):
+        raise ValueError("'url' holds a password: put it in a file named by store.password_file instead")
+
+
+@attrs.frozen(kw_only=True)
+class StoreConfig:
+    """Where the controller keeps its durable state.
+
+    Empty `url` (the default): the embedded SQLite database in `state_dir`, one controller on it.
+    A `postgresql://` URL: a PostgreSQL database that several controllers may share (DESIGN §5;
+    `[cluster]`), created empty by the operator (`createdb -O nexa nexa`); the controller creates and
+    migrates its tables there at start. Backups of it are PostgreSQL's own (pg_dump, continuous
+    archiving): `nexa backup` copies only the SQLite store.
+    """
+
+    #: A libpq URL, `postgresql://USER@HOST:PORT/DATABASE` (`postgres://` too; libpq's query
+    #: parameters such as `?sslmode=verify-full` are passed on). Never the password: see below.
+    url: str = attrs.field(default="", validator=_store_url)
+    #: A file holding the database user's password (one line; mode 0600), read at start so it
+    #: stays out of this file. Empty: libpq's own sources (PGPASSWORD, ~/.pgpass) or none.
+    password_file: str = ""
+    #: How long connecting to the database may take, at start and at each reconnect.
+    connect_timeout_s: Seconds = attrs.field(default=Seconds(10.0), validator=attrs.validators.gt(Seconds(0.0)))
+
+
+@attrs.frozen(kw_only=True)
 class ControlConfig:
     """Everything `nexa control` reads."""
 
@@ -355,6 +416,8 @@ class ControlConfig:
     bootstrap: BootstrapConfig = BootstrapConfig()
     backup: BackupConfig = BackupConfig()
     log: LogConfig = LogConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    store: StoreConfig = StoreConfig()
 
 
 class LeaseExpiryPolicy(enum.StrEnum):
@@ -470,6 +533,63 @@ class RelayConfig:
     max_chunk_bytes: Bytes = Bytes(65536)
 
 
+#: The controllers' channel endpoints a node dials (`NodeConfig.controllers`), each `tcp://HOST:PORT`.
+ControllerEndpoints = NewType("ControllerEndpoints", tuple[str, ...])
+
+
+def _dial_endpoint(value: object) -> str:
+    """One endpoint a node dials: `_zmq_endpoint`'s syntax, with a named host and port (never `*`)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a channel address: tcp://HOST:PORT")
+    endpoint = _zmq_endpoint(value)
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if "*" in (host, port):
+        raise ValueError(f"{value!r} is a listening address: a node dials a controller's host and port")
+    return endpoint
+
+
+def _endpoint_problems(values: tuple[object, ...] | list[object]) -> tuple[list[str], list[tuple[int, ValueError]]]:
+    """The endpoints, and what is wrong with the others (by index): not an address, or listed twice."""
+    endpoints: list[str] = []
+    problems: list[tuple[int, ValueError]] = []
+    for i, value in enumerate(values):
+        try:
+            endpoint = _dial_endpoint(value)
+        except ValueError as exc:
+            problems.append((i, exc))
+            continue
+        if endpoint in endpoints:
+            problems.append((i, ValueError(f"{endpoint} is listed twice: name each controller once")))
+            continue
+        endpoints.append(endpoint)
+    return endpoints, problems
+
+
+def _controller_endpoints(value: object) -> ControllerEndpoints:
+    """`NodeConfig.controllers` built in code; ValueError naming `controllers[i]`."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ValueError("controllers: expected a list of channel addresses (tcp://HOST:PORT)")
+    endpoints, problems = _endpoint_problems(value)
+    if problems:
+        i, exc = problems[0]
+        raise ValueError(f"controllers[{i}]: {exc}")
+    return ControllerEndpoints(tuple(endpoints))
+
+
+def _controllers_hook(value: object, _: type) -> ControllerEndpoints:
+    """`NodeConfig.controllers` from a file: every bad entry reported at its index (`controllers[i]`)."""
+    if isinstance(value, str) or not isinstance(value, list | tuple):
+        raise ValueError("expected a list of channel addresses (tcp://HOST:PORT)")
+    endpoints, problems = _endpoint_problems(value)
+    if problems:
+        errors = []
+        for i, exc in problems:
+            exc.add_note(cattrs.errors.IterableValidationNote(f"Structuring controllers @ index {i}", i, str))
+            errors.append(exc)
+        raise cattrs.IterableValidationError("invalid controllers", errors, tuple)
+    return ControllerEndpoints(tuple(endpoints))
+
+
 @attrs.frozen(kw_only=True)
 class NodeConfig:
     """Everything `nexa node` reads (`/etc/nexa/node.toml`)."""
@@ -490,6 +610,11 @@ class NodeConfig:
     on_lease_expiry: LeaseExpiryPolicy = LeaseExpiryPolicy.KEEP_SERVING
     #: Longest wait between reconnection attempts to the controller.
     reconnect_max_s: Seconds = Seconds(5.0)
+    #: The channel endpoints of every controller to keep a channel to (several `nexa control` on one
+    #: store, sharing their keys), each `tcp://HOST:PORT` (a bare `HOST:PORT` means the same); empty
+    #: (or `[]`): the one the node enrolled with. Heartbeats go to each; assignment sets are taken
+    #: from whichever has the highest epoch; inference is answered on the channel it came on.
+    controllers: ControllerEndpoints = attrs.field(default=ControllerEndpoints(()), converter=_controller_endpoints)
     container: ContainerConfig = ContainerConfig()
     podman: PodmanConfig = PodmanConfig()
     artifacts: ArtifactsConfig = ArtifactsConfig()
@@ -561,6 +686,7 @@ def _converter() -> cattrs.Converter:
     conv.register_structure_hook(Bytes, _bytes)
     conv.register_structure_hook(HostPort, _host_port)
     conv.register_structure_hook(PublicKeyB64, _public_key_b64)
+    conv.register_structure_hook(ControllerEndpoints, _controllers_hook)
     codec.register_strict_hooks(conv)
     return conv
 

@@ -10,6 +10,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
 
 * NexaError [internal, HTTP 500]: every error nexa raises on purpose
   + ConfigError [invalid_config]: a config file or flag is invalid (names every bad key)
+    - ControllerKeysDiffer [controller_keys_differ]: at start, keys other than those of the store's other controllers
   + ContractError [invalid_request, HTTP 400]: a request body or message does not fit its contract
     - PayloadTooLarge [payload_too_large, HTTP 413]: a request body over the configured limit
     - FieldNotSupported [field_not_supported]: a request field this version does not implement (named, never ignored)
@@ -55,6 +56,8 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
       · NoReplicaForDataClass [no_replica_for_data_class]: no replica is on a node allowed the request's data class
     - Recovering [recovering]: a write while the controller recovers from an older state (`nexa recovery finish`)
     - NodeUnreachable [node_unreachable]: the node has no open channel now, so it cannot be asked (`nexa nodes rotate`)
+    - NotLeader [not_leader]: a leader-only write on a controller that is not (or no longer) the leader; retry
+    - StoreUnavailable [store_unavailable]: the PostgreSQL store cannot be reached (also a StoreError; reconnects)
     - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried first)
   + DeadlineExceeded [deadline_exceeded, HTTP 504]: the request's deadline passed (queued or running)
   + Cancelled [cancelled, HTTP 499]: the client (or an operator) cancelled the request
@@ -74,6 +77,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - BackupKeyMismatch [backup_key_mismatch]: the key given is not the one the backup was sealed with
     - BackupDamaged [backup_damaged]: the file is truncated, edited, or its manifest or a part does not verify
     - RestoreTargetNotEmpty [restore_target_not_empty]: `nexa restore` writes only into an empty or absent directory
+    - BackupNotSupported [backup_not_supported]: the store is PostgreSQL: back it up with PostgreSQL's own tools
   + RemoteError: an error envelope returned by a nexa controller (CLI side)
   + PodmanError [podman_error]: podman refused or failed a request (node side)
     - PodmanUnavailable [podman_unavailable]: the podman socket does not answer
@@ -114,6 +118,25 @@ class ConfigError(NexaError):
     def __init__(self, message: str, *, problems: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.problems = problems
+
+
+class ControllerKeysDiffer(ConfigError):
+    """At start: the fingerprint of this controller's keys directory is not the one stored in the
+    database by the controllers before it. Several controllers on one store sign for one another
+    (nodes pin one set of keys), so they must share the same keys; the store is left as it was."""
+
+    code = "controller_keys_differ"
+
+    def __init__(self, *, stored: str, got: str, keys_dir: str = "") -> None:
+        where = f" in {keys_dir}" if keys_dir else ""
+        super().__init__(
+            f"the controller keys{where} have fingerprint {got}, but the store holds {stored}: "
+            "every controller on one store must share the same controller keys; copy the keys directory "
+            "of a controller already on this store (its <state_dir>/keys, mode 0700) over this one's and start again"
+        )
+        self.stored = stored
+        self.got = got
+        self.keys_dir = keys_dir
 
 
 class ContractError(NexaError):
@@ -392,6 +415,22 @@ class Recovering(Unavailable):
         )
 
 
+class NotLeader(Unavailable):
+    """A write only the leader may make (desired sets, placement, rollout steps), refused because this
+    controller does not hold the lease at its epoch, checked in the write's own transaction: nothing
+    was written. `leader_address` is where the leader was last seen (for forwarding, never shown)."""
+
+    code = "not_leader"
+
+    def __init__(self, message: str = "", *, leader_address: str | None = None) -> None:
+        super().__init__(
+            message
+            or "this controller is not the leader, so it refused the write and changed nothing: "
+            "retry the request (on any controller: followers pass writes to the leader)"
+        )
+        self.leader_address = leader_address
+
+
 class RuntimeFailed(Unavailable):
     code = "runtime_failed"
 
@@ -447,6 +486,15 @@ class StateDirLocked(StoreError):
         self.state_dir = state_dir
 
 
+class StoreUnavailable(Unavailable, StoreError):
+    """The PostgreSQL store did not answer: the connection is lost or refused, or a lock wait or
+    deadlock timed out. Retryable (503): the next transaction connects again, and the process goes
+    on (a damaged SQLite file is StoreUnusable instead). At start, it names the database and what
+    to check; never a password."""
+
+    code = "store_unavailable"
+
+
 class BackupError(NexaError):
     """A backup could not be made or restored; what was refused wrote nothing."""
 
@@ -455,6 +503,21 @@ class BackupError(NexaError):
 
 class BackupNotConfigured(BackupError):
     code = "backup_not_configured"
+
+
+class BackupNotSupported(BackupError):
+    """`nexa backup` copies the embedded SQLite store; a controller on PostgreSQL refuses it and
+    names PostgreSQL's own tools (pg_dump, continuous archiving), which see the shared database whole."""
+
+    code = "backup_not_supported"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(
+            message
+            or "this controller's store is PostgreSQL ([store] url), which nexa does not back up: use "
+            "PostgreSQL's own tools (pg_dump, or continuous archiving with pg_basebackup) on the database, "
+            "and copy each controller's <state_dir>/keys with them"
+        )
 
 
 class BackupKeyMismatch(BackupError):

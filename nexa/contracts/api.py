@@ -28,6 +28,52 @@ class Health:
 
 
 @attrs.frozen(kw_only=True)
+class Readiness:
+    """`GET /readyz` (no key): ready for traffic, and this controller's part in its cluster."""
+
+    #: "ready", or "recovering" (reads and inference only, `nexa recovery finish`).
+    status: str
+    #: "leader" (reconciles and signs desired state) or "follower" (serves, passes writes on).
+    role: str = "leader"
+    #: The epoch it signs with as the leader; a follower's is the last one it held (0: never).
+    epoch: int = 0
+    #: Seconds since the leader's lease was last renewed, as this controller knows it; None
+    #: without a lease (the embedded SQLite store: one controller, always the leader).
+    lease_age_s: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ClusterMember:
+    """One controller on the store, as it last wrote itself."""
+
+    id: str
+    #: Its API's base URL (where followers forward writes when it leads).
+    address: str
+    #: "leader" or "follower" as it saw itself when last seen; `leader` says who holds the lease.
+    role: str
+    epoch: int
+    #: Seconds since it last wrote its row (each `[cluster] renew_s` while it runs).
+    seen_age_s: float
+    #: Whether it holds the unexpired lease now.
+    leader: bool = False
+    #: The leader's only: seconds since it last renewed the lease.
+    lease_age_s: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class ClusterView:
+    """`GET /api/v1/cluster`: every controller on this store and which one leads."""
+
+    #: The id of the lease's holder while unexpired; None while no controller leads.
+    leader: str | None
+    #: The leader's epoch (the newest while none leads).
+    epoch: int
+    #: The controller that answered.
+    answered_by: str
+    controllers: list[ClusterMember] = attrs.field(factory=list)
+
+
+@attrs.frozen(kw_only=True)
 class VersionInfo:
     """`GET /version` (no key): also what `nexa node doctor` checks a node against. The later
     fields have defaults so that an older controller's answer still reads (as "not reported")."""

@@ -28,6 +28,7 @@ from nexa.contracts.api import (
     AuditCheckpoint,
     AuditPage,
     AuditVerifyRequest,
+    ClusterView,
     EnrollmentTokenCreate,
     EnrollmentTokenCreated,
     EnrollRequest,
@@ -43,6 +44,7 @@ from nexa.contracts.api import (
     KeyView,
     NodeList,
     NodeView,
+    Readiness,
     ReceiptPublicKey,
     TenantCreate,
     TenantList,
@@ -86,6 +88,7 @@ from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.http import BodyLimit, bearer_key, new_request_id, status_for
 from nexa.control.jobs import Jobs
 from nexa.control.keyring import KeyRotation
+from nexa.control.leadership import Leadership
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.quotas import Quotas
@@ -151,6 +154,8 @@ class AppState:
     meter: Meter
     admission: Admission
     ready: bool = False
+    #: This controller's role in its cluster (`control.leadership`); None: the only one (tests).
+    leadership: Leadership | None = None
     #: `GET /api/v1/openapi.json`'s answer (`control/openapi.py`, built by the composition root).
     openapi: bytes = b""
     #: `nodes.max_clock_skew_s`, reported by `GET /version` for `nexa node doctor`.
@@ -358,7 +363,17 @@ class _Handlers(RecordHandlers):
             raise Unavailable("the controller is starting or stopping")
         # Recovering serves reads and inference: ready for traffic, and it says so.
         recovering = self._s.recovery is not None and self._s.recovery.active
-        return _json(Health(status="recovering" if recovering else "ready"))
+        lead, status = self._s.leadership, "recovering" if recovering else "ready"
+        if lead is None:
+            return _json(Readiness(status=status, epoch=self._s.store.epoch if self._s.store is not None else 0))
+        return _json(Readiness(status=status, role=lead.role, epoch=lead.epoch, lease_age_s=lead.lease_age_s))
+
+    async def get_cluster(self) -> Response:
+        lead = self._s.leadership
+        if lead is None:
+            raise Unavailable("this controller runs without a leadership (a test's app)")
+        view: ClusterView = await lead.view()
+        return _json(view)
 
     async def get_version(self) -> Response:
         return _json(

@@ -57,6 +57,7 @@ from nexa.errors import (
     BackupError,
     BackupKeyMismatch,
     BackupNotConfigured,
+    BackupNotSupported,
     ConfigError,
     ContractError,
     NexaError,
@@ -369,7 +370,10 @@ class Backups:
         return Path(self.cfg.dir) if self.cfg.dir else self.state_dir / DEFAULT_DIR
 
     async def create(self, actor: Actor) -> BackupView:
-        """Make one backup into the directory, audited (`backup.created`); older ones past `keep` go."""
+        """Make one backup into the directory, audited (`backup.created`); older ones past `keep` go.
+        BackupNotSupported on a PostgreSQL store (its own tools back it up)."""
+        if self.store.backend != "sqlite":
+            raise BackupNotSupported()
         if self.key is None:
             raise BackupNotConfigured(
                 f"no backup key: set [backup] key_file (or {KEY_ENV}) on the controller;"
@@ -471,8 +475,10 @@ class Backups:
         if newest is not None:
             self.metrics.backup_last_success.set(newest)
         task_status.started()
-        if not self.cfg.interval_s or self.key is None:
-            if self.cfg.interval_s:
+        if not self.cfg.interval_s or self.key is None or self.store.backend != "sqlite":
+            if self.cfg.interval_s and self.store.backend != "sqlite":
+                log.warning("backup.interval_s is set but the store is PostgreSQL: back it up with its own tools")
+            elif self.cfg.interval_s:
                 log.warning("backup.interval_s is set but no backup key is configured: no scheduled backups")
             await trio.sleep_forever()
         due = (newest or 0.0) + self.cfg.interval_s

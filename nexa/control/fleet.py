@@ -44,6 +44,7 @@ from nexa.contracts.wire import (
     RuntimeState,
 )
 from nexa.control import store as st
+from nexa.control.leadership import Leadership
 from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.errors import REENROLL_HINT, Conflict, ContractError, NodeUnreachable, NotConnected, NotFound
 from nexa.messaging import check_curve_key
@@ -134,10 +135,15 @@ _ACTIONS: Final[dict[str, tuple[frozenset[NodeAdminState], NodeAdminState]]] = {
 
 
 class Fleet:
-    def __init__(self, cfg: NodesConfig, store: st.Store, metrics: Metrics) -> None:
+    def __init__(
+        self, cfg: NodesConfig, store: st.Store, metrics: Metrics, *, leadership: Leadership | None = None
+    ) -> None:
         self._cfg = cfg
         self._store = store
         self._metrics = metrics
+        #: Desired sets are leader-only writes (`Leadership.write`): a follower's or a deposed
+        #: leader's copy of a set must never overwrite the leader's. None: the only controller.
+        self._leadership = leadership or Leadership.solo(store)
         self._nodes: dict[NodeId, NodeLive] = {}
         self._by_curve: dict[str, NodeId] = {}
         self._lock = trio.Lock()  # serialises enrollment and admin-state changes
@@ -163,6 +169,10 @@ class Fleet:
         self._writes = limiter
 
     def _may_write(self, live: NodeLive, kind: str) -> bool:
+        if not self._leadership.is_leader:
+            # A follower keeps what nodes report in memory (its gateway routes by it); the leader
+            # hears the same heartbeats and is the one that writes them (DESIGN §5).
+            return False
         if self._writes is None or self._writes.allow(live.node.id, trio.current_time()):
             return True
         self._metrics.node_store_writes_deferred.labels(kind).inc()
@@ -188,6 +198,72 @@ class Fleet:
         for node_id, key_id in (await self._store.run(st.load_reenrollment)).items():
             self._nodes[NodeId(node_id)].reenroll_key_id = key_id
         self._refresh_gauges()
+
+    async def refresh(self) -> None:
+        """Re-read the node records another controller on the store changed (`follow.ChangeFeed`):
+        enrollments, admin states, rotated keys, re-enrollment marks, desired sets. What this
+        controller hears from each node itself (liveness, statuses, loads, an inventory once the
+        node reported one here) stays. Under the lock enrollment, admin actions and key rotations
+        take; a desired set is taken when it is newer, or on a follower (the leader writes them)."""
+        async with self._lock:
+            rows = await self._store.read(st.load_nodes)
+            previous = await self._store.read(st.load_previous_keys)
+            reenroll = await self._store.read(st.load_reenrollment)
+            changed = False
+            for node, inventory, stored in rows:
+                desired = stored or DesiredAssignments(node_id=node.id, generation=1)
+                live = self._nodes.get(node.id)
+                if live is None:
+                    live = self._add(node, inventory, desired)
+                    changed = True
+                elif node != live.node:
+                    self._rekeyed(live, node)
+                    changed = True
+                if desired.generation > live.desired.generation or (
+                    not self._leadership.is_leader and desired != live.desired
+                ):
+                    live.desired = desired
+                if live.last_seen is None and inventory != live.inventory:
+                    live.inventory, live.inventory_digest = inventory, _static_digest(inventory)
+                changed |= self._previous_from_store(live, previous.get(node.id))
+                mark = reenroll.get(node.id, "")
+                if mark and not live.reenroll_key_id:
+                    live.reenroll_key_id, live.reachable = mark, False
+                    changed = True
+            if changed:
+                self.version += 1
+                self._refresh_gauges()
+                self._changed()
+
+    def _rekeyed(self, live: NodeLive, node: Node) -> None:
+        """`live`'s record changed elsewhere (admin state, keys): ZAP and signature checks follow it."""
+        before = live.node
+        live.node = node
+        if before.curve_public_key != node.curve_public_key and self._by_curve.get(before.curve_public_key) == node.id:
+            del self._by_curve[before.curve_public_key]
+        if before.signing_public_key != node.signing_public_key:
+            live.signing_key = None  # parsed again at its next message
+        if node.admin_state is NodeAdminState.REVOKED:
+            self._by_curve.pop(node.curve_public_key, None)
+            if live.previous_keys is not None:
+                self._by_curve.pop(live.previous_keys[1], None)
+            live.reachable = False
+        else:
+            self._by_curve[node.curve_public_key] = node.id
+
+    def _previous_from_store(self, live: NodeLive, stored: tuple[str, str] | None) -> bool:
+        """Keys a node rotated away from, as the store holds them; True when they changed here."""
+        held = (live.previous_keys[0].b64, live.previous_keys[1]) if live.previous_keys is not None else None
+        if stored == held or live.node.admin_state is NodeAdminState.REVOKED:
+            return False
+        if held is not None and self._by_curve.get(held[1]) == live.node.id:
+            del self._by_curve[held[1]]
+            self._retired_curve[held[1]] = live.node.id
+        live.previous_keys = None
+        if stored is not None:
+            live.previous_keys = (PublicKey.from_b64(stored[0]), stored[1])
+            self._by_curve[stored[1]] = live.node.id
+        return True
 
     def _add(self, node: Node, inventory: NodeInventory | None, desired: DesiredAssignments) -> NodeLive:
         live = NodeLive(
@@ -361,7 +437,7 @@ class Fleet:
             draft = audit_draft(SYSTEM, "node.enroll", f"node/{node.id}")
             node = await self._store.run(st.enroll_node, hash_token(secret), time.time(), node, draft)
             desired = DesiredAssignments(node_id=node.id, generation=1)
-            await self._store.run(st.save_desired, desired, None)
+            await self._leadership.write(st.save_desired, desired, None)
             self._add(node, None, desired)
         self._metrics.audit_events.labels("ok").inc()
         self._refresh_gauges()
@@ -570,7 +646,7 @@ class Fleet:
             await self._store.run(st.save_inventory, live.node.id, live.inventory, time.time())
         if live.desired_unsaved and self._may_write(live, "ack"):
             live.desired_unsaved = False
-            await self._store.run(st.save_desired, live.desired, None)
+            await self._leadership.write(st.save_desired, live.desired, None)
 
     def overdue(self, now: float) -> tuple[list[NodeLive], float]:
         """Reachable nodes whose lease ran out by `now`, and the next deadline among the rest."""
@@ -624,7 +700,7 @@ class Fleet:
             draft = audit_draft(
                 SYSTEM, "assignments.rejected", f"node/{live.node.id}", result=AuditResult.REJECTED, detail=detail
             )
-        await self._store.run(st.save_desired, live.desired, draft)
+        await self._leadership.write(st.save_desired, live.desired, draft)
         if draft is not None:
             self._metrics.audit_events.labels(AuditResult.REJECTED.value).inc()
 

@@ -158,6 +158,24 @@ class ModelRegistry:
             history=history,
         )
 
+    async def refresh(self) -> None:
+        """Re-read runtimes, models, evaluations and aliases that another controller on the store
+        changed (`follow.ChangeFeed`). Under the lock every change here takes, so none is undone by
+        an older read. Alias listeners are not told: the reconciler compares state, not events."""
+        async with self._lock:
+            runtimes = await self._store.read(st.load_runtimes)
+            models, evaluations = await self._store.read(st.load_models)
+            aliases, history = await self._store.read(st.load_aliases)
+            self._runtimes = {r.name: r for r in runtimes}
+            self._models = {(m.name, m.version): m for m in models}
+            self._evaluations = defaultdict(list)
+            for evaluation in evaluations:
+                self._evaluations[(evaluation.model, evaluation.version)].append(evaluation)
+            self._aliases = {a.name: a for a in aliases}
+            self._history = defaultdict(list)
+            for receipt in history:
+                self._history[receipt.alias].append(receipt)
+
     async def _audited(self, fn: Callable[..., AuditEvent], *args: object) -> AuditEvent:
         event = await self._store.run(fn, *args)
         self._metrics.audit_events.labels(event.result.value).inc()

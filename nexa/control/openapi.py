@@ -24,6 +24,7 @@ from nexa.contracts.api import (
     AuditPage,
     AuditVerdict,
     AuditVerifyRequest,
+    ClusterView,
     ControllerKeysRotated,
     EnrollmentTokenCreate,
     EnrollmentTokenCreated,
@@ -39,6 +40,7 @@ from nexa.contracts.api import (
     KeyView,
     NodeList,
     NodeView,
+    Readiness,
     ReceiptPublicKey,
     SignedAuditCheckpoint,
     TenantCreate,
@@ -255,8 +257,11 @@ _NODE_ACTION: Final = (IllegalTransition,)
 _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
     # ---- health and meta
     ("GET", "/healthz"): _Op(summary="Liveness", tag="meta", answer=Health),
-    ("GET", "/readyz"): _Op(summary="Readiness", tag="meta", answer=Health, errors=(Unavailable,)),
+    ("GET", "/readyz"): _Op(summary="Readiness, role and epoch", tag="meta", answer=Readiness, errors=(Unavailable,)),
     ("GET", "/version"): _Op(summary="Version and store epoch", tag="meta", answer=VersionInfo),
+    ("GET", "/api/v1/cluster"): _Op(
+        summary="The controllers on this store and which one leads", tag="meta", answer=ClusterView
+    ),
     ("GET", "/metrics"): _Op(summary="Prometheus metrics", tag="meta", answer={"type": "string"}, media=_TEXT),
     DOCUMENT_ROUTE: _Op(summary="This OpenAPI document", tag="meta", answer=_ANY_OBJECT),
     # ---- keys, tenants, enrollment

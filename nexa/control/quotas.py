@@ -17,6 +17,17 @@ counted in (unless that has left the window already) and the tokens really used 
 the finish. A request is admitted while the counted tokens, reservations of running requests
 included, are below the limit, so concurrent requests overshoot a token limit by at most one
 reservation, never by one per request.
+
+Several controllers on one store (DESIGN §5; `follow.ChangeFeed` calls `share` and `refresh_day`):
+each gateway enforces its share of the concurrency and per-minute limits, the limit split among
+the live controllers (the remainder to the first by id; at least 1 each, so a limit below the
+number of controllers admits up to one request per controller). Otherwise the shares add up to
+the limit, so the tenant is never admitted over it in total; but a tenant whose requests reach
+the controllers unevenly is refused at a busy one below its limit: the ingress should balance
+round-robin. The day's token budget is not split: each refresh re-reads the day's total from the
+usage rows of every controller and adds what this process counts that the rows may not hold yet
+(reservations of running requests, tokens finished within `unflushed_s`). On the embedded store
+nothing of this runs: one controller, whole limits.
 """
 
 from __future__ import annotations
@@ -42,6 +53,9 @@ MINUTE_S: Final = 60
 DAY_S: Final = 86_400
 #: What a refusal of `concurrent` suggests: a slot frees when any running request ends.
 CONCURRENT_RETRY_S: Final = 1.0
+#: Several controllers: tokens finished here this recently count from memory at a day refresh,
+#: as the usage rows may not hold them yet (metering writes every `gateway.metering_flush_s`).
+UNFLUSHED_S: Final = 5.0
 
 _NO_LIMITS: Final = QuotaLimits()
 
@@ -114,11 +128,17 @@ class _Tenant:
     tokens: _Window = attrs.Factory(_Window)
     day: int = 0
     tokens_today: int = 0
+    #: Of `tokens_today`: the reservations of running requests admitted today (no usage row yet).
+    reserved_today: int = 0
+    #: Several controllers only: (wall time, tokens) of requests finished here lately, which the
+    #: usage rows may not hold yet (`Quotas.refresh_day`).
+    recent: deque[tuple[float, int]] = attrs.Factory(deque)
 
     def roll_day(self, now: float) -> None:
         day = _utc_day(now)
         if day != self.day:
-            self.day, self.tokens_today = day, 0
+            self.day, self.tokens_today, self.reserved_today = day, 0, 0
+            self.recent.clear()
 
 
 @attrs.define(eq=False)
@@ -154,6 +174,9 @@ class Quotas:
             )
         # Serialises `set`, so the in-memory limits follow the store's commit order.
         self._lock = trio.Lock()
+        # Several controllers (`share`): how many are live, and this one's rank among them by id.
+        self._controllers, self._rank = 1, 0
+        self._shared = False
 
     @classmethod
     async def load(
@@ -194,13 +217,16 @@ class Quotas:
         requests = state.requests.prune(now)
         tokens = state.tokens.prune(now)
         state.roll_day(now)
+        concurrent = self._share_of(limits.concurrent_requests)
+        per_minute = self._share_of(limits.requests_per_minute)
+        tokens_per_minute = self._share_of(limits.tokens_per_minute)
         refusal: tuple[str, float] | None = None
-        if limits.concurrent_requests is not None and state.concurrent >= limits.concurrent_requests:
+        if concurrent is not None and state.concurrent >= concurrent:
             refusal = ("concurrent", CONCURRENT_RETRY_S)
-        elif limits.requests_per_minute is not None and requests >= limits.requests_per_minute:
-            refusal = ("requests_per_minute", state.requests.frees_after(now, limits.requests_per_minute))
-        elif limits.tokens_per_minute is not None and tokens >= limits.tokens_per_minute:
-            refusal = ("tokens_per_minute", state.tokens.frees_after(now, limits.tokens_per_minute))
+        elif per_minute is not None and requests >= per_minute:
+            refusal = ("requests_per_minute", state.requests.frees_after(now, per_minute))
+        elif tokens_per_minute is not None and tokens >= tokens_per_minute:
+            refusal = ("tokens_per_minute", state.tokens.frees_after(now, tokens_per_minute))
         elif limits.tokens_per_day is not None and state.tokens_today >= limits.tokens_per_day:
             refusal = ("tokens_per_day", (state.day + 1) * DAY_S - now)
         if refusal is not None:
@@ -218,6 +244,7 @@ class Quotas:
             ticket.reserved = reserve_tokens
             ticket.reserved_second = state.tokens.add(now, reserve_tokens)
             state.tokens_today += reserve_tokens
+            state.reserved_today += reserve_tokens
         return ticket
 
     def finish(self, ticket: QuotaTicket, tokens: int, now: float) -> None:
@@ -234,9 +261,51 @@ class Quotas:
             state.tokens.take_back(ticket.reserved_second, ticket.reserved)
             if state.day == ticket.reserved_day:
                 state.tokens_today = max(0, state.tokens_today - ticket.reserved)
+                state.reserved_today = max(0, state.reserved_today - ticket.reserved)
         if tokens > 0:
             state.tokens.add(now, tokens)
             state.tokens_today += tokens
+            if self._shared:
+                state.recent.append((now, tokens))
+
+    def _share_of(self, limit: int | None) -> int | None:
+        """This controller's part of a concurrency or per-minute limit (the module docstring says how)."""
+        if limit is None or self._controllers == 1:
+            return limit
+        part = limit // self._controllers + (1 if self._rank < limit % self._controllers else 0)
+        return max(1, part)
+
+    # ---- several controllers (`follow.ChangeFeed`) ----------------------------------------------
+
+    def share(self, controllers: int, rank: int) -> None:
+        """Enforce this controller's share of the concurrency and per-minute limits from now on:
+        `controllers` live ones (at least 1), this one `rank`-th of them by id."""
+        self._controllers = max(1, controllers)
+        self._rank = min(max(0, rank), self._controllers - 1)
+        self._shared = True
+
+    async def refresh(self) -> None:
+        """Re-read the limits (another controller set them); the live counters stay."""
+        async with self._lock:
+            for record in await self._store.read(st.load_quotas):
+                state = self._state(record.tenant)
+                state.limits, state.updated_at, state.updated_by = record.limits, record.updated_at, record.updated_by
+
+    async def refresh_day(self, *, now: float | None = None, unflushed_s: float = UNFLUSHED_S) -> None:
+        """The UTC day's tokens of each tenant: every controller's usage rows, plus this process's
+        running reservations and the tokens it counted within `unflushed_s` (metering may not
+        have written them yet; counted twice until then, never missed)."""
+        if now is None:
+            now = time.time()
+        day = _utc_day(now)
+        totals = await self._store.read(st.usage_tokens_since, float(day * DAY_S))
+        for tenant in set(totals) | set(self._tenants):
+            state = self._state(tenant)
+            state.roll_day(now)
+            recent = state.recent
+            while recent and recent[0][0] < now - unflushed_s:
+                recent.popleft()
+            state.tokens_today = totals.get(tenant, 0) + state.reserved_today + sum(n for _, n in recent)
 
     # ---- management ----------------------------------------------------------------------------
 

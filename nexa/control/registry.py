@@ -106,6 +106,17 @@ class Registry:
         tenants = await store.run(st.load_tenants)
         return cls(store, metrics, keys, tenants)
 
+    async def refresh(self) -> None:
+        """Re-read keys and tenants that another controller on the store changed (`follow.ChangeFeed`).
+
+        Under the revocation lock, so a rotation or revocation here is never undone by an older
+        read. Keys and tenants are never deleted: one created here after the read began is kept."""
+        async with self._revoke_lock:
+            keys = await self._store.read(st.load_keys)
+            tenants = await self._store.read(st.load_tenants)
+            self._keys = self._keys | {k.id: k for k in keys}
+            self._tenants = self._tenants | {t.id: t for t in tenants}
+
     async def _audited(self, fn: Callable[..., AuditEvent], *args: object) -> AuditEvent:
         """Run a mutating transaction (which appends its audit event) and count the event."""
         event = await self._store.run(fn, *args)

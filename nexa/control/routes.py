@@ -20,6 +20,7 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("GET", "/readyz"): None,
     ("GET", "/version"): None,
     ("GET", "/api/v1/openapi.json"): None,  # shapes only, no state: SDK generators fetch it keyless
+    ("GET", "/api/v1/cluster"): frozenset({_M, _O, _A}),  # each controller's role, epoch and lease age
     ("GET", "/metrics"): frozenset({_M, _A}),
     ("POST", "/api/v1/keys"): frozenset({_A}),
     ("GET", "/api/v1/keys"): frozenset({_A}),

@@ -1,10 +1,14 @@
 """`serve_control`: the controller's composition root. The only hypercorn importer.
 
-Start order: store (lock, migrate, new epoch) → registry, fleet, keys → outbound clients and the
-model registry → deployments, quotas, metering, workloads, gateway → recovery (begins before the
-node channel serves when the store was restored or `recover` is set) → node channel → HTTP (the
-inference routes in front of the management app). The store owns the epoch; the node channel and
-receipts read it there, so the one advance a recovery's end makes reaches them all at once.
+Start order: store (lock, migrate, new epoch) → registry, keys (their fingerprint checked against
+the store's), leadership, fleet → outbound clients and the model registry → deployments, quotas,
+metering, workloads, gateway → recovery (begins before the node channel serves when the store was
+restored or `recover` is set) → the leadership's first lease round → node channel → (a shared
+store: the change feed, `control.follow`) → the loops that decide desired state (on a shared
+store only while this controller leads, `_lead`) → HTTP (the inference routes in front of the
+management app, which `control.forward` wraps: a follower passes writes to the leader). The store owns the
+epoch; receipts read it there, the node channel through the leadership (solo, on SQLite: the
+store's too, so the one advance a recovery's end makes reaches them all at once; leased: the lease's).
 Shutdown is the reverse: HTTP stops accepting and drains in-flight requests for
 `http.graceful_timeout_s`, then the background loops are cancelled (bounded by
 their own shielded timeouts; metering writes what is pending), then the store closes last.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -24,9 +29,10 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-from nexa import __version__
+from nexa import __version__, security
 from nexa.config import ControlConfig, HttpConfig, NodesConfig, parse_host_port
 from nexa.control import openapi
+from nexa.control import store as st
 from nexa.control.admission import Admission
 from nexa.control.api import AppState, ControllerPublicKeys, create_app
 from nexa.control.backup import Backups, load_key
@@ -34,14 +40,17 @@ from nexa.control.benchmarks import Benchmarks
 from nexa.control.deployments import Deployments
 from nexa.control.evidence import Evidence
 from nexa.control.fleet import Fleet
+from nexa.control.follow import ChangeFeed
+from nexa.control.forward import Forwarder
 from nexa.control.gateway import Gateway
 from nexa.control.inference import InferenceApp
 from nexa.control.jobs import Jobs, RolloutJobs
 from nexa.control.keyring import ControllerKeys, KeyRotation, load_or_create_keys, retired_signing_key
+from nexa.control.leadership import Leadership, controller_identity
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.outbound import Outbound
-from nexa.control.quotas import Quotas
+from nexa.control.quotas import UNFLUSHED_S, Quotas
 from nexa.control.recovery import Recovery
 from nexa.control.registry import Registry
 from nexa.control.rollout import RolloutWatcher
@@ -49,6 +58,7 @@ from nexa.control.routing import Router
 from nexa.control.southbound import Southbound
 from nexa.control.store import Store, StoreOpener, open_store
 from nexa.control.workloads import Workloads
+from nexa.errors import ControllerKeysDiffer
 from nexa.oci import registry_credentials
 from nexa.s3 import s3_credentials
 from nexa.supervision import Supervision, supervised
@@ -127,13 +137,15 @@ async def _serve_control(
     recover: bool,
     task_status: trio.TaskStatus[ControlStarted],
 ) -> None:
-    async with open_store(cfg.state_dir) as store:
-        metrics.controller_epoch.set(store.epoch)
+    async with open_store(cfg.state_dir, cfg.store) as store:
         registry = await Registry.load(store, metrics)
         admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
         keys_dir = Path(cfg.state_dir) / KEYS_DIR
         keys = await trio.to_thread.run_sync(partial(load_or_create_keys, keys_dir, overlap_s=cfg.nodes.key_overlap_s))
-        fleet = await _load_fleet(cfg.nodes, store, metrics)
+        # Who writes desired state (solo on SQLite), once the keys are known to be the store's.
+        fleet = await _load_fleet(
+            cfg.nodes, store, metrics, leadership := await _leadership(cfg, store, metrics, keys, keys_dir)
+        )
         outbound = Outbound(
             cfg.oci,
             cfg.artifacts,
@@ -164,10 +176,11 @@ async def _serve_control(
                 metrics,
                 curve=keys.curve,
                 signing_key=keys.signing,
-                epoch=lambda: store.epoch,
+                epoch=lambda: leadership.epoch,
                 stream_window_chunks=cfg.gateway.stream_window_chunks,
                 retired_key_ids=[r.key_id for r in keys.retired],
                 keys=keys,
+                leading=lambda: leadership.is_leader,
             )
             deployments = Deployments(
                 cfg.nodes,
@@ -178,6 +191,7 @@ async def _serve_control(
                 southbound=southbound,
                 placement=cfg.placement,
                 router=(router := Router(cfg.gateway, load=fleet.replica_load)),
+                leadership=leadership,
             )
             await deployments.load()
             recovery = Recovery(store, fleet, deployments, southbound, metrics)
@@ -204,6 +218,7 @@ async def _serve_control(
                 store=store,
                 metrics=metrics,
                 started_at=time.time(),
+                leadership=leadership,
                 controller_keys=_public(keys),
                 signing_key=keys.signing,
                 quotas=quotas,
@@ -237,8 +252,28 @@ async def _serve_control(
                 lock=Backups.of(state.backups).lock,
                 switch=southbound.switch_curve,
             )
-            app = InferenceApp(
+            # Several controllers on one store: each keeps its caches up with the store, and a
+            # follower passes management writes to the leader. Neither on the embedded store.
+            feed = _change_feed(
+                cfg,
+                store,
+                leadership,
+                registry=registry,
+                models=models,
+                fleet=fleet,
+                deployments=deployments,
+                quotas=quotas,
+            )
+            forwarder = Forwarder(
                 create_app(cfg.http, state),
+                leadership,
+                controller_id=leadership.controller_id,
+                max_body_bytes=cfg.http.max_body_bytes,
+                after_write=feed.catch_up if feed is not None else None,
+                trusted_proxies=cfg.http.trusted_proxies,
+            )
+            app = InferenceApp(
+                forwarder,
                 cfg=cfg.gateway,
                 gateway=gateway,
                 workloads=workloads,
@@ -253,15 +288,27 @@ async def _serve_control(
             async with trio.open_nursery() as metering:
                 await metering.start(supervised, "metering", meter.run)
                 async with trio.open_nursery() as loops:
+                    # First: the role is known before the node channel serves (a lease round).
+                    await loops.start(supervised, "leadership", leadership.run)
                     channel = await loops.start(supervised, "southbound", southbound.run)
-                    await loops.start(supervised, "deployments", deployments.run)
-                    await loops.start(supervised, "recovery", recovery.run)
-                    await loops.start(supervised, "rollout", RolloutWatcher(deployments, meter).run)
+                    # The loops that decide desired state run only while this controller leads.
+                    await _start_leading(
+                        loops,
+                        leadership,
+                        feed,
+                        southbound,
+                        [
+                            ("deployments", deployments.run),
+                            ("recovery", recovery.run),
+                            ("rollout", RolloutWatcher(deployments, meter).run),
+                            ("workloads", partial(workloads.run, cfg.gateway.workload_retention_s)),
+                            ("backup", Backups.of(state.backups).run),
+                            ("keys", state.key_rotation.run),
+                        ],
+                    )
                     await loops.start(supervised, "gateway", gateway.run)
                     await loops.start(supervised, "disconnects", app.disconnects.run)
-                    await loops.start(supervised, "workloads", partial(workloads.run, cfg.gateway.workload_retention_s))
-                    await loops.start(supervised, "backup", Backups.of(state.backups).run)
-                    await loops.start(supervised, "keys", state.key_rotation.run)
+                    await loops.start(supervised, "forward", forwarder.run)
                     log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                     async with trio.open_nursery() as http:
                         serve = partial(
@@ -275,14 +322,15 @@ async def _serve_control(
                             extra={
                                 "fields": {
                                     "urls": binds,
-                                    "epoch": store.epoch,
+                                    "epoch": leadership.epoch,
+                                    "role": leadership.role,
                                     "version": __version__,
                                     "recovering": recovery.active,
                                 }
                             },
                         )
                         task_status.started(
-                            ControlStarted(urls=binds, channel=channel, epoch=store.epoch, admin_key=admin_key)
+                            ControlStarted(urls=binds, channel=channel, epoch=leadership.epoch, admin_key=admin_key)
                         )
                     # hypercorn returned: in-flight requests have drained. Stop the loops; the store
                     # closes when `open_store` exits, last.
@@ -291,13 +339,103 @@ async def _serve_control(
     log.info("controller stopped")
 
 
-async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics) -> Fleet:
+async def _check_keys(store: Store, keys: ControllerKeys, keys_dir: Path) -> None:
+    """Every controller on one store shares the controller keys: the first stores their
+    fingerprint, a later one with other keys is refused (ControllerKeysDiffer). Keys this directory
+    rotated away from (`nexa keys rotate-controller`) are replaced by the current ones."""
+    replaced = tuple(security.controller_fingerprint(r.signing_public_key, r.curve_public_key) for r in keys.retired)
+    try:
+        await store.run(st.check_keys_fingerprint, _public(keys).fingerprint, replaced)
+    except ControllerKeysDiffer as exc:
+        raise ControllerKeysDiffer(stored=exc.stored, got=exc.got, keys_dir=str(keys_dir)) from None
+
+
+async def _leadership(
+    cfg: ControlConfig, store: Store, metrics: Metrics, keys: ControllerKeys, keys_dir: Path
+) -> Leadership:
+    """Once the keys are known to be the store's: solo on the embedded SQLite store (always the
+    leader, no lease), leased on a shared one; `nexa_controller_epoch` follows its epoch."""
+    await _check_keys(store, keys, keys_dir)
+    controller_id, address = controller_identity(cfg.cluster, cfg.http)
+    if getattr(store, "backend", "sqlite") == "sqlite":
+        leadership = Leadership.solo(store, controller_id=controller_id, address=address)
+    else:
+        leadership = Leadership.leased(store, cfg.cluster, controller_id=controller_id, address=address)
+    metrics.controller_epoch.set(leadership.epoch)
+    leadership.on_change(lambda lead: metrics.controller_epoch.set(lead.epoch))
+    return leadership
+
+
+async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics, leadership: Leadership) -> Fleet:
     """The fleet as the store holds it, its GPU, node and runtime series on `metrics`' registry: made
     from the heartbeats at each scrape, so a node that goes leaves no stale series."""
-    fleet = Fleet(cfg, store, metrics)
+    fleet = Fleet(cfg, store, metrics, leadership=leadership)
     await fleet.load()
     metrics.export_fleet(fleet.figures)
     return fleet
+
+
+def _change_feed(
+    cfg: ControlConfig,
+    store: Store,
+    leadership: Leadership,
+    *,
+    registry: Registry,
+    models: ModelRegistry,
+    fleet: Fleet,
+    deployments: Deployments,
+    quotas: Quotas,
+) -> ChangeFeed | None:
+    """On a shared store, what keeps this controller's caches up with the others' writes; None on
+    the embedded one (its only controller writes everything itself)."""
+    if getattr(store, "backend", "sqlite") == "sqlite":
+        return None
+    return ChangeFeed(
+        store,
+        cfg.cluster,
+        controller_id=leadership.controller_id,
+        registry=registry,
+        models=models,
+        fleet=fleet,
+        deployments=deployments,
+        quotas=quotas,
+        # Tokens not in the usage rows yet: metering writes them within one flush (and its write).
+        unflushed_s=max(UNFLUSHED_S, 3 * cfg.gateway.metering_flush_s),
+    )
+
+
+async def _start_leading(
+    loops: trio.Nursery,
+    leadership: Leadership,
+    feed: ChangeFeed | None,
+    southbound: Southbound,
+    leader_loops: list[tuple[str, Callable[..., Awaitable[object]]]],
+) -> None:
+    """Start the loops that decide desired state. The only controller (the embedded store) always
+    leads: they start here, as they always did (a failed start ends the process). On a shared
+    store: the change feed, and the loops under `Leadership.while_leader` (`_lead`)."""
+    if feed is None:
+        for name, fn in leader_loops:
+            await loops.start(supervised, name, fn)
+        return
+    await loops.start(supervised, "follow", feed.run)
+    lead = partial(_lead, feed, southbound, leader_loops)
+    await loops.start(supervised, "leader", partial(leadership.while_leader, lead))
+
+
+async def _lead(
+    feed: ChangeFeed, southbound: Southbound, loops: list[tuple[str, Callable[..., Awaitable[object]]]]
+) -> None:
+    """What runs while this controller leads (`Leadership.while_leader` cancels it when that ends).
+
+    A controller that has just taken the lease first re-reads everything from the store (the last
+    changes of the leader before it), then sends every node its set at the new epoch; only then do
+    the loops that decide desired state start."""
+    await feed.refresh_all()
+    await southbound.lead()
+    async with trio.open_nursery() as nursery:
+        for name, fn in loops:
+            await nursery.start(supervised, name, fn)
 
 
 async def _keep_records(state: AppState) -> None:

@@ -106,8 +106,14 @@ class Southbound:
         stream_window_chunks: int = 32,
         retired_key_ids: Iterable[str] = (),
         keys: ControllerKeys | None = None,
+        leading: Callable[[], bool] = lambda: True,
     ) -> None:
         self._channel = channel
+        #: Whether this controller leads now (`Leadership.is_leader`). A follower hears every node
+        #: (its gateway routes by their heartbeats) and relays inference, but signs and sends no
+        #: set and no lease renewal, and no node's epoch makes it begin recovery: the leader's
+        #: sets outrank whatever it last held.
+        self._leading = leading
         self._cfg = cfg
         self._fleet = fleet
         self._metrics = metrics
@@ -426,7 +432,9 @@ class Southbound:
     def _check_fence(self, node_id: str, accepted_epoch: int) -> None:
         """Begin recovery when a node accepted a set this controller's state cannot have signed."""
         epoch = self._epoch()
-        if self.recovering or accepted_epoch < epoch or (accepted_epoch == epoch and node_id in self._pushed):
+        if not self._leading() or self.recovering or accepted_epoch < epoch:
+            return
+        if accepted_epoch == epoch and node_id in self._pushed:
             return
         self.begin_recovery(
             f"node {node_id} accepted epoch {accepted_epoch}, not below this controller's epoch {epoch}: "
@@ -462,6 +470,17 @@ class Southbound:
                 pushed += 1
         return pushed
 
+    async def lead(self) -> int:
+        """This controller has just taken the lead (at a new epoch): every reachable node gets its
+        set now, signed at that epoch, rather than at its next renewal. The number pushed."""
+        self._pushed.clear()  # nothing is signed at the new epoch yet
+        pushed = 0
+        for live in list(self._fleet):
+            if live.reachable:
+                await self._push(live)
+                pushed += 1
+        return pushed
+
     async def _refuse(self, node_id: str, error: NexaError) -> None:
         await self._refuse_audit(node_id, self._count_refusal(error), error.message)
 
@@ -489,8 +508,10 @@ class Southbound:
             await self._push(live)
 
     async def _push(self, live: NodeLive) -> None:
-        if self.recovering or live.reenroll_key_id:
-            return  # reconciliation only: nodes keep what they accepted; or it cannot verify a set
+        if self.recovering or live.reenroll_key_id or not self._leading():
+            # Reconciliation only: nodes keep what they accepted; or it cannot verify a set; or a
+            # follower, which never signs sets (the leader sends them and renews their leases).
+            return
         desired = live.desired
         epoch = self._epoch()
         self._pushed.add(live.node.id)  # before the send: its answer may come before `send` returns

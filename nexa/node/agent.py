@@ -23,7 +23,6 @@ break), and its next heartbeat, signed with the new key, tells the controller to
 from __future__ import annotations
 
 import collections
-import ipaddress
 import logging
 import os
 import time
@@ -41,9 +40,8 @@ from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import wire
 from nexa.contracts.node import ENGINE_FIELD_MAX
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, PodmanError
-from nexa.messaging import Unverified, Uplink
+from nexa.messaging import Unverified
 from nexa.node.artifacts import ArtifactCache
-from nexa.node.channel import Dial, NodeChannel
 from nexa.node.docker import DockerClient
 from nexa.node.identity import (
     Fence,
@@ -66,6 +64,13 @@ from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
 from nexa.node.runtime_metrics import RuntimeMetrics
 from nexa.node.supervisor import Supervisor
+from nexa.node.uplinks import (
+    Channel,
+    ControllerChannels,
+    ControllerLinkStatus,
+    channel_endpoint,  # noqa: F401 - importable from here, as before
+    open_channel,
+)
 from nexa.oci import registry_credentials as registry_credentials_source
 from nexa.runtimes import SIMULATION_ENV
 from nexa.s3 import s3_credentials as s3_credentials_source
@@ -74,8 +79,6 @@ from nexa.supervision import Supervision, supervised
 log = logging.getLogger(__name__)
 
 
-#: First wait before re-dialling the controller; zmq doubles it up to `reconnect_max_s`.
-RECONNECT_FIRST_S: Final = 0.1
 #: Longest wait at start for the container engine's version (a stuck engine must not stop the agent).
 ENGINE_VERSION_S: Final = 5.0
 #: Signed messages from the controller waiting for `agent.control` (it sends about one per lease / 3).
@@ -137,21 +140,6 @@ def judge(node_id: str, fence: Fence, offered: wire.AssignmentSet, now: float) -
     return Verdict(reason=None, renewal=renewal)
 
 
-def channel_endpoint(endpoint: str, source_address: str) -> str:
-    """The endpoint to dial: with a source address, zmq's `tcp://SRC:0;HOST:PORT` form."""
-    if not source_address:
-        return endpoint
-    scheme, sep, rest = endpoint.partition("://")
-    if scheme != "tcp" or not sep:
-        raise ConfigError("source_address needs a tcp:// channel endpoint")
-    try:
-        source = ipaddress.ip_address(source_address)
-    except ValueError:
-        raise ConfigError(f"source_address {source_address!r} is not an IP address") from None
-    src = f"[{source}]" if source.version == 6 else str(source)
-    return f"tcp://{src}:0;{rest}"
-
-
 # --- the agent ----------------------------------------------------------------------------------
 
 
@@ -187,6 +175,8 @@ class AgentStatistics:
     #: Key rotations completed by this agent, and whether one waits for the controller's answer.
     keys_rotated: int = 0
     rotation_pending: bool = False
+    #: With several controllers (`NodeConfig.controllers`), each one's channel; else empty.
+    controllers: tuple[ControllerLinkStatus, ...] = ()
 
 
 @attrs.frozen(kw_only=True)
@@ -218,7 +208,7 @@ class Agent:
         identity: NodeIdentity,
         fence: Fence,
         state_dir: Path,
-        uplink: NodeChannel,
+        uplink: Channel,
         inventory: InventoryWatcher,
         runtimes: Runtimes,
         heartbeat_interval_s: float,
@@ -290,6 +280,7 @@ class Agent:
             control_dropped=self._control_dropped,
             keys_rotated=self._keys_rotated,
             rotation_pending=self._pending is not None,
+            controllers=self._uplink.statuses() if isinstance(self._uplink, ControllerChannels) else (),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
@@ -565,21 +556,23 @@ class Agent:
         await self._heartbeat_once()  # the first message with the new key: the controller drops the old
 
     async def _on_controller_keys(self, msg: wire.ControllerKeysAnnounced) -> None:
-        # Only the key pinned now names its successor: never one it replaced, even in the overlap.
-        pinned = self._uplink.controller_keys
-        if msg.node_id != self._node_id or (pinned and self._uplink.verified_with != pinned[0][0]):
+        # Only the key pinned now names its successor: never one it replaced, even in the overlap. Another
+        # controller sharing the keys may repeat it (`repeat`): that only moves its own channel, if not yet.
+        pinned, dial = self._uplink.controller_keys, self._uplink.dial
+        repeat = bool(pinned) and msg.signing_public_key == pinned[0][0].b64
+        if msg.node_id != self._node_id or (pinned and not repeat and self._uplink.verified_with != pinned[0][0]):
             log.warning("ignored controller keys not announced with the key this node pins")
             return
         record = await trio.to_thread.run_sync(pin_controller_keys, self._state_dir, msg)
         self._uplink.controller_keys = controller_keys(record)
-        dial = self._uplink.dial
-        if (record.controller_curve_public_key, record.channel_endpoint) != (dial.server_curve_public, dial.endpoint):
+        target = (msg.curve_public_key, msg.channel_endpoint)
+        if msg.channel_endpoint and target != (dial.server_curve_public, dial.endpoint):
+            if repeat and dial.server_curve_public == msg.curve_public_key:
+                return  # this channel has its new Curve key already
             # The controller serves its new Curve key at its other endpoint: move there, make before break.
             async with self._send_lock:
-                await self._uplink.redial(
-                    record.controller_curve_public_key, record.channel_endpoint, self._open_requests
-                )
-            log.info("the controller's channel moved to %s with its new Curve key", record.channel_endpoint)
+                await self._uplink.redial(msg.curve_public_key, msg.channel_endpoint, self._open_requests)
+            log.info("the controller's channel moved to %s with its new Curve key", msg.channel_endpoint)
             await self._heartbeat_once()  # on the new connection: the controller moves its route
 
     # --- the lease
@@ -676,32 +669,12 @@ async def _serve_node(
         raise ConfigError(f"simulation = true runs simulated runtimes: it needs {SIMULATION_ENV}=1 in the environment")
     state_dir = Path(cfg.state_dir)
     identity, fence, pending = await trio.to_thread.run_sync(_load_state, state_dir)
-    channel_endpoint(identity.channel_endpoint, cfg.source_address)  # a bad source address fails the start
+    uplink = await open_channel(cfg, identity, state_dir)  # a bad source address fails the start
     watcher = InventoryWatcher(
         cfg.inventory_path,
         discover=partial(discover, cfg.nvidia_smi or None),
         poll_interval_s=cfg.inventory_poll_interval_s,
     )
-
-    def make_uplink(dial: Dial, share: Uplink | None) -> Uplink:
-        return Uplink(
-            channel_endpoint(dial.endpoint, cfg.source_address),
-            curve=dial.curve,
-            server_curve_public=dial.server_curve_public,
-            signing_key=dial.signing_key,
-            controller_key=identity.controller_signing_public,
-            reconnect_ivl_s=min(RECONNECT_FIRST_S, cfg.reconnect_max_s),
-            reconnect_ivl_max_s=cfg.reconnect_max_s,
-            share_inbox_of=share,
-        )
-
-    first = Dial(
-        curve=identity.curve,
-        signing_key=identity.signing_key,
-        server_curve_public=identity.controller_curve_public,
-        endpoint=identity.channel_endpoint,
-    )
-    uplink = NodeChannel(make_uplink, first, identity.controller_keys)
     engine_socket = cfg.container.socket_path(cfg.podman)
     # Re-read at each pull when the file changed (a bad rewrite keeps the last good).
     registry_credentials = await trio.to_thread.run_sync(

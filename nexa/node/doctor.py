@@ -147,7 +147,8 @@ async def run_doctor(
     results.append(check_cdi(cfg, discovered.gpus, opts.cdi_dirs))
     results.append(check_disk(cfg, opts.min_free_bytes))
     results.extend(await check_controller(opts, record, fetch))
-    results.append(await check_channel(cfg, record))
+    # With several controllers (`controllers`), one result for each one's channel endpoint.
+    results.extend([await check_channel(cfg, record, endpoint) for endpoint in cfg.controllers or [None]])
     return report(tuple(results), node_id=record.node_id if record is not None else "")
 
 
@@ -612,12 +613,15 @@ def _check_clock(answer: ControllerAnswer) -> CheckResult:
 # --- the node channel ---------------------------------------------------------------------------
 
 
-async def check_channel(cfg: NodeConfig, record: identity.EnrollmentRecord | None) -> CheckResult:
-    """After enrollment: a TCP connection to the channel endpoint (from `source_address`, if set) opens."""
+async def check_channel(
+    cfg: NodeConfig, record: identity.EnrollmentRecord | None, listed: str | None = None
+) -> CheckResult:
+    """After enrollment: a TCP connection to the channel endpoint (from `source_address`, if set)
+    opens; to `listed` (one of `controllers`) where given, else to the enrolled one."""
     name = "channel"
     if record is None:
         return _warn(name, "not enrolled: the controller names its channel endpoint at enrollment")
-    endpoint = record.channel_endpoint
+    endpoint = listed or record.channel_endpoint
     fix = "[channel] listen/advertise on the controller must be reachable from this node over TCP; check firewalls"
     try:
         host, port = parse_host_port(endpoint.removeprefix("tcp://"))

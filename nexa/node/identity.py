@@ -9,6 +9,8 @@ Files (every one written atomically: temp file, fsync, rename, fsync of the dire
 * `fence.json`       the highest accepted (epoch, generation), its lease and assignments (0600)
 * `keys.next/`       a key rotation not yet confirmed by the controller: `node.key`, `curve.key/.pub`
                      (made whole in a temp directory, then renamed; see `prepare_rotation`)
+* `channels.json`    with several controllers (`NodeConfig.controllers`): where each listed endpoint's
+                     channel dials now, once a controller key rotation moved it (0600)
 
 Private keys never leave this directory; only their public halves go into an EnrollRequest.
 """
@@ -38,6 +40,7 @@ SIGNING_KEY_FILE: Final = "node.key"
 CURVE_KEY_NAME: Final = "curve"
 ENROLLMENT_FILE: Final = "enrollment.json"
 FENCE_FILE: Final = "fence.json"
+CHANNELS_FILE: Final = "channels.json"
 #: The directory of the keys a rotation is moving to, until the controller confirmed them.
 NEXT_KEYS_DIR: Final = "keys.next"
 
@@ -378,6 +381,50 @@ def resume_rotation(state_dir: Path) -> PendingKeys | None:
         promote_pending_keys(state_dir, pending)
         return None
     return pending
+
+
+# --- the channels to several controllers --------------------------------------------------------
+
+
+@attrs.frozen(kw_only=True)
+class ChannelTarget:
+    """What one listed controller's channel dials: its endpoint and Curve key now."""
+
+    endpoint: str
+    curve_public_key: str
+
+
+@attrs.frozen(kw_only=True)
+class _ChannelsRecord:
+    #: The endpoint as `NodeConfig.controllers` lists it → what its channel dials now.
+    channels: dict[str, ChannelTarget] = attrs.field(factory=dict)
+
+
+def load_channel_targets(state_dir: Path) -> dict[str, ChannelTarget]:
+    """Where the listed controllers' channels moved (`save_channel_targets`); empty when none did.
+
+    A damaged file is a ConfigError: dialling the listed endpoints instead could reach a Curve key the
+    controllers have retired, which marks the node for re-enrollment.
+    """
+    path = state_dir / CHANNELS_FILE
+    raw = _read(path)
+    if raw is None:
+        return {}
+    try:
+        record = codec.loads(codec.store, raw, _ChannelsRecord)
+        for target in record.channels.values():
+            messaging.check_curve_key(target.curve_public_key)
+    except ContractError as exc:
+        raise ConfigError(
+            f"{path} is damaged ({exc.message}): restore it, or delete it to dial the endpoints node.toml lists"
+        ) from None
+    return dict(record.channels)
+
+
+def save_channel_targets(state_dir: Path, targets: dict[str, ChannelTarget]) -> None:
+    """Store what every listed controller's channel dials (written before the node redials one)."""
+    record = _ChannelsRecord(channels=dict(targets))
+    atomic_write(state_dir / CHANNELS_FILE, codec.dumps(codec.store, record).encode("utf-8"))
 
 
 # --- the fence ----------------------------------------------------------------------------------

@@ -27,8 +27,9 @@ async def audit_count(c: Controller) -> int:
 async def test_health_ready_and_version_need_no_key(controller: Controller) -> None:
     async with httpx.AsyncClient(base_url=controller.url) as http:
         assert (await http.get("/healthz")).json() == {"status": "ok"}
-        assert (await http.get("/readyz")).json() == {"status": "ready"}
+        ready = (await http.get("/readyz")).json()
         version = (await http.get("/version")).json()
+    assert ready == {"status": "ready", "role": "leader", "epoch": 1, "lease_age_s": None}
     assert version["epoch"] == 1
     assert version["version"]
 

@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from nexa import security
+from nexa.config import StoreConfig
 from nexa.contracts import codec
 from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
 from nexa.contracts.domain import AuditDraft, AuditEvent, AuditResult, KeyId, Role
@@ -28,6 +29,7 @@ from nexa.errors import StoreError
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, ControllerProcess
 from tests.support.api import assert_envelope, make_key
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 # ---- point 8: denied events are rate-limited per (key, route), their target cut ---------------------
 
@@ -87,9 +89,9 @@ async def test_the_window_is_per_route_and_a_long_target_is_cut(controller: Cont
 
 
 async def test_the_next_denied_event_carries_the_count_suppressed_before_it(
-    tmp_path: Path, autojump_clock: trio.testing.MockClock
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, store_cfg: StoreConfig
 ) -> None:
-    async with st.open_store(tmp_path, inline=True) as store:
+    async with st.open_store(tmp_path, store_cfg, inline=True) as store:
         metrics = Metrics()
         registry = await reg.Registry.load(store, metrics)
         actor = reg.Actor(key_id=KeyId("k1"), role=Role.OPERATOR)
@@ -117,14 +119,16 @@ def _draft(action: str) -> AuditDraft:
     )
 
 
-async def test_a_long_read_does_not_hold_the_store_lane_and_cannot_write(tmp_path: Path) -> None:
+async def test_a_long_read_does_not_hold_the_store_lane_and_cannot_write(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
     entered, release = trio.Event(), threading.Event()
 
     def long_read(db: object) -> None:
         trio.from_thread.run_sync(entered.set)  # runs on the reader's worker thread
         release.wait(30)
 
-    async with st.open_store(tmp_path) as store:
+    async with st.open_store(tmp_path, store_cfg) as store:
         await store.run(st.record_audit, _draft("before"))
         async with trio.open_nursery() as nursery:
             nursery.start_soon(store.read, long_read)

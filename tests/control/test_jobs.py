@@ -11,7 +11,7 @@ import attrs
 import trio
 
 from nexa import security
-from nexa.config import BackupConfig
+from nexa.config import BackupConfig, StoreConfig
 from nexa.contracts.evidence import JobCreate, JobKind, JobState, JobUpdate
 from nexa.control import store as st
 from nexa.control.jobs import STALE_AFTER_S, Jobs
@@ -21,6 +21,7 @@ from tests.conftest import Controller, local_config, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, make_key, ok, wait_for
 from tests.support.models import audit_events
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 from tests.support.rollout import canary_running, fleet_of, two_versions, until, view
 
 Json = dict[str, Any]
@@ -79,9 +80,11 @@ async def test_client_jobs_are_created_updated_refused_once_finished_and_listed(
         assert_envelope(await http.get("/api/v1/jobs"), 403, "forbidden")
 
 
-async def test_a_running_client_job_with_no_update_for_ten_minutes_is_failed(tmp_path: Path) -> None:
+async def test_a_running_client_job_with_no_update_for_ten_minutes_is_failed(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
     now = [1_000_000.0]
-    async with st.open_store(tmp_path, inline=True) as store:
+    async with st.open_store(tmp_path, store_cfg, inline=True) as store:
         jobs = Jobs(store, Metrics(), clock=lambda: now[0])
         stale = await jobs.create(SYSTEM, JobCreate(kind=JobKind.SIM, title="sim seed 1"))
         fresh = await jobs.create(SYSTEM, JobCreate(kind=JobKind.BENCHMARK, title="bench"))
@@ -97,7 +100,7 @@ async def test_a_running_client_job_with_no_update_for_ten_minutes_is_failed(tmp
         assert (await jobs.get(backup)).state is JobState.RUNNING  # the controller's own jobs are not stale
         [listed] = (await jobs.page(JobKind.SIM, None, None, 10))[0]
         assert listed == failed
-    async with st.open_store(tmp_path, inline=True) as store:  # stored so, not only shown so
+    async with st.open_store(tmp_path, store_cfg, inline=True) as store:  # stored so, not only shown so
         assert (await store.run(st.get_job, stale.id)) == failed
 
 

@@ -13,7 +13,7 @@ import pytest
 import trio
 import trio.testing
 
-from nexa.config import GatewayConfig, Seconds
+from nexa.config import GatewayConfig, Seconds, StoreConfig
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import UsageRecord as Rec
 from nexa.contracts.gateway import UsageReport, UsageRow
@@ -21,6 +21,7 @@ from nexa.control import store as st
 from nexa.control.metering import CSV_HEADER, FIRST_PRUNE_S, MAX_TOKEN_COUNT, Meter
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 from tests.support.usage import usage_record
 
 #: 2023-11-14 22:13:20 UTC; the next UTC midnight is MIDNIGHT.
@@ -33,8 +34,8 @@ def rec(n: int, **changes: object) -> Rec:
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[st.Store]:
-    async with st.open_store(tmp_path / "state") as opened:
+async def store(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[st.Store]:
+    async with st.open_store(tmp_path / "state", store_cfg) as opened:
         yield opened
 
 
@@ -43,14 +44,16 @@ async def stored_count(store: st.Store) -> int:
     return sum(row.requests for row in report)
 
 
-async def test_records_are_written_in_batches(tmp_path: Path, mock_clock: trio.testing.MockClock) -> None:
+async def test_records_are_written_in_batches(
+    tmp_path: Path, mock_clock: trio.testing.MockClock, store_cfg: StoreConfig
+) -> None:
     metrics = Metrics()
 
     def flushes() -> float | None:
         return metrics.registry.get_sample_value("nexa_metering_flush_duration_seconds_count")
 
     # An inline store: its transactions run in this thread, so virtual time steps only when we say so.
-    async with st.open_store(tmp_path / "state", inline=True) as store, trio.open_nursery() as nursery:
+    async with st.open_store(tmp_path / "state", store_cfg, inline=True) as store, trio.open_nursery() as nursery:
         meter = Meter(GatewayConfig(metering_flush_s=Seconds(1.0)), store, metrics)
         await nursery.start(meter.run)
         for i in range(250):
@@ -71,10 +74,10 @@ async def test_records_are_written_in_batches(tmp_path: Path, mock_clock: trio.t
         nursery.cancel_scope.cancel()
 
 
-async def test_a_clean_shutdown_flushes_what_is_pending(tmp_path: Path) -> None:
+async def test_a_clean_shutdown_flushes_what_is_pending(tmp_path: Path, store_cfg: StoreConfig) -> None:
     state = tmp_path / "state"
     metrics = Metrics()
-    async with st.open_store(state) as store:
+    async with st.open_store(state, store_cfg) as store:
         meter = Meter(GatewayConfig(metering_flush_s=Seconds(3600)), store, metrics)
         async with trio.open_nursery() as nursery:
             await nursery.start(meter.run)
@@ -83,7 +86,7 @@ async def test_a_clean_shutdown_flushes_what_is_pending(tmp_path: Path) -> None:
             assert metrics.registry.get_sample_value("nexa_metering_pending") == 7
             nursery.cancel_scope.cancel()
         assert metrics.registry.get_sample_value("nexa_metering_pending") == 0
-    async with st.open_store(state) as store:
+    async with st.open_store(state, store_cfg) as store:
         assert await stored_count(store) == 7
 
 
@@ -147,10 +150,15 @@ async def test_usage_rows_hold_no_payload(store: st.Store) -> None:
     meter.record(rec(1))
     await meter.flush()
 
-    def columns(db: object) -> list[str]:
-        return [row[1] for row in db.execute("PRAGMA table_info(usage)")]  # type: ignore[attr-defined]
+    def columns(db: st.Db) -> list[str]:
+        if store.backend == "postgresql":
+            sql = "SELECT ordinal_position, column_name FROM information_schema.columns WHERE table_name = 'usage'"
+            return [row[1] for row in db.execute(sql)]
+        return [row[1] for row in db.execute("PRAGMA table_info(usage)")]
 
-    assert not {"prompt", "output", "payload", "messages", "body"} & set(await store.run(columns))
+    stored = set(await store.run(columns))
+    assert {"tenant", "prompt_tokens", "completion_tokens"} <= stored
+    assert not {"prompt", "output", "payload", "messages", "body"} & stored
 
 
 def test_csv_has_a_header_and_escapes_fields() -> None:
@@ -241,12 +249,12 @@ async def test_a_failed_flush_keeps_the_records_for_the_next_one(store: st.Store
 
 
 async def test_records_past_their_retention_are_pruned_in_batches(
-    tmp_path: Path, mock_clock: trio.testing.MockClock
+    tmp_path: Path, mock_clock: trio.testing.MockClock, store_cfg: StoreConfig
 ) -> None:
     """Old records go (in several transactions when there are many), recent ones stay."""
     now = time.time()
     cfg = GatewayConfig(metering_flush_s=Seconds(1.0), usage_retention_s=Seconds(86400.0))
-    async with st.open_store(tmp_path / "state", inline=True) as store, trio.open_nursery() as nursery:
+    async with st.open_store(tmp_path / "state", store_cfg, inline=True) as store, trio.open_nursery() as nursery:
         old = [rec(i, finished_at=now - 2 * 86400) for i in range(st.PRUNE_BATCH + 7)]
         await store.run(st.insert_usage, [*old, rec(99_999, finished_at=now - 60)])
         meter = Meter(cfg, store, Metrics())

@@ -15,11 +15,13 @@ import pytest
 import trio
 
 from nexa import messaging, security
+from nexa.config import StoreConfig
 from nexa.contracts import wire
 from nexa.control import store as st
 from nexa.errors import Unauthenticated
 from tests.conftest import Controller, local_config
 from tests.support.api import TIMEOUT_S, metric, node_view, wait_for
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 from tests.support.rawnode import RawNode, enroll
 
 
@@ -55,12 +57,12 @@ async def test_enrollment_gives_keys_and_endpoint_and_spends_the_token(controlle
     assert "signing_public_key" not in str(nodes) and curve.public not in str(nodes)
 
 
-async def test_an_expired_token_is_refused_and_changes_nothing(tmp_path: Any) -> None:
+async def test_an_expired_token_is_refused_and_changes_nothing(tmp_path: Any, store_cfg: StoreConfig) -> None:
     from nexa.contracts.domain import AuditDraft, EnrollmentToken, Node, NodeId
     from nexa.security import hash_token, new_enrollment_token
 
     secret = new_enrollment_token()
-    async with st.open_store(tmp_path) as store:
+    async with st.open_store(tmp_path, store_cfg) as store:
         token = EnrollmentToken(
             id="et_1", token_sha256=hash_token(secret), labels={}, created_at=0, expires_at=100, created_by=None
         )

@@ -149,6 +149,16 @@ async def test_the_receipts_key_is_answered_and_described_as_its_contract_type(c
     assert doc["components"]["schemas"]["ReceiptPublicKey"]["required"] == ["public_key"]
 
 
+def test_readiness_and_the_cluster_view_are_described_as_their_contract_types() -> None:
+    doc = openapi.document()
+    for path, schema in (("/readyz", "Readiness"), ("/api/v1/cluster", "ClusterView")):
+        answer = doc["paths"][path]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        assert answer == {"$ref": f"#/components/schemas/{schema}"}
+    assert set(doc["components"]["schemas"]["Readiness"]["properties"]) == {"status", "role", "epoch", "lease_age_s"}
+    member = doc["components"]["schemas"]["ClusterMember"]["properties"]
+    assert {"id", "address", "role", "epoch", "seen_age_s", "leader", "lease_age_s"} <= set(member)
+
+
 def test_bodies_are_generated_from_the_contract_types() -> None:
     schemas = openapi.document()["components"]["schemas"]
     key_create = schemas["KeyCreate"]

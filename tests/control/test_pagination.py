@@ -12,10 +12,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
 
+from nexa.config import StoreConfig
 from nexa.contracts import codec
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import (
@@ -34,6 +36,7 @@ from tests.conftest import Controller, local_config, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, make_key, ok
 from tests.support.deployments import body, online, registry_ready
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 from tests.support.rawnode import enroll
 from tests.support.usage import usage_record
 
@@ -204,10 +207,12 @@ def _usage(tenant: str, model: str, at: float) -> UsageRecord:
     return usage_record(request_id=f"r-{tenant}-{model}-{at}", tenant=tenant, model=model, finished_at=at)
 
 
-async def test_usage_groups_page_and_the_csv_has_them_all(tmp_path: Path, nursery: trio.Nursery) -> None:
-    cfg = local_config(tmp_path)
+async def test_usage_groups_page_and_the_csv_has_them_all(
+    tmp_path: Path, nursery: trio.Nursery, store_cfg: StoreConfig
+) -> None:
+    cfg = attrs.evolve(local_config(tmp_path), store=store_cfg)
     day0 = 1_699_920_000.0  # 2023-11-14 00:00 UTC
-    async with st.open_store(cfg.state_dir) as store:  # metered before this controller started
+    async with st.open_store(cfg.state_dir, cfg.store) as store:  # metered before this controller started
         records = [
             _usage(tenant, model, day0 + day * 86400 + 60)
             for day in range(3)
@@ -251,9 +256,10 @@ async def test_serve_control_opens_its_store_with_the_opener_it_is_given(tmp_pat
     cfg = local_config(tmp_path)
     opened: list[str] = []
 
-    def opener(state_dir: str | Path) -> Any:
+    def opener(state_dir: str | Path, store: StoreConfig) -> Any:
         opened.append(str(state_dir))
-        return st.open_store(state_dir, inline=True)  # transactions on the event loop's thread
+        assert store == cfg.store
+        return st.open_store(state_dir, store, inline=True)  # transactions on the event loop's thread
 
     stopping, stopped = trio.Event(), trio.Event()
 
@@ -286,9 +292,11 @@ def _accepted(tenant: str, workload_id: str, at: float) -> st.WorkloadRow:
     return st.WorkloadRow(accepted=accepted, state=WorkloadState.QUEUED)
 
 
-async def test_a_tenant_pages_its_own_workloads_and_never_anothers(tmp_path: Path, nursery: trio.Nursery) -> None:
-    cfg = local_config(tmp_path)
-    async with st.open_store(cfg.state_dir) as store:  # left running by a controller that crashed
+async def test_a_tenant_pages_its_own_workloads_and_never_anothers(
+    tmp_path: Path, nursery: trio.Nursery, store_cfg: StoreConfig
+) -> None:
+    cfg = attrs.evolve(local_config(tmp_path), store=store_cfg)
+    async with st.open_store(cfg.state_dir, cfg.store) as store:  # left running by a controller that crashed
         for wid, at in (("w3", 3.0), ("w1", 1.0), ("w2b", 2.0), ("w2a", 2.0), ("w4", 4.0)):
             await store.run(st.insert_workload, _accepted("acme", wid, at))
         for wid in ("b1", "b2"):

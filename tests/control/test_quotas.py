@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from nexa.config import GatewayConfig
+from nexa.config import GatewayConfig, StoreConfig
 from nexa.contracts.api import TenantCreate
 from nexa.contracts.domain import KeyId, Role, TenantId
 from nexa.contracts.gateway import Api, Capability, QuotaLimits, UsageRecord
@@ -18,6 +18,7 @@ from nexa.control.quotas import Quotas
 from nexa.control.registry import Actor, Registry
 from nexa.errors import ContractError, NotFound, QuotaExceeded
 from nexa.telemetry import Metrics
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 ADMIN = Actor(key_id=KeyId("adm"), role=Role.ADMIN)
 ACME = TenantId("acme")
@@ -27,8 +28,8 @@ T0 = 1_700_000_000.0
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[st.Store]:
-    async with st.open_store(tmp_path / "state") as opened:
+async def store(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[st.Store]:
+    async with st.open_store(tmp_path / "state", store_cfg) as opened:
         registry = await Registry.load(opened, Metrics())
         for tenant in (ACME, OTHER):
             await registry.create_tenant(ADMIN, TenantCreate(id=tenant))
@@ -145,9 +146,9 @@ async def test_refusal_counts_nothing_and_is_metered(store: st.Store) -> None:
     assert metrics.registry.get_sample_value("nexa_gateway_quota_refusals_total", {"limit": "requests_per_minute"}) == 3
 
 
-async def test_counters_are_rebuilt_from_flushed_usage_after_a_restart(tmp_path: Path) -> None:
+async def test_counters_are_rebuilt_from_flushed_usage_after_a_restart(tmp_path: Path, store_cfg: StoreConfig) -> None:
     state = tmp_path / "state"
-    async with st.open_store(state) as store:
+    async with st.open_store(state, store_cfg) as store:
         registry = await Registry.load(store, Metrics())
         await registry.create_tenant(ADMIN, TenantCreate(id=ACME))
         quotas = await Quotas.load(store, Metrics(), exists, now=T0)
@@ -159,7 +160,7 @@ async def test_counters_are_rebuilt_from_flushed_usage_after_a_restart(tmp_path:
         meter.record(usage(ACME, T0 - 10, 0, status="quota_exceeded"))  # refused: not a request
         meter.record(usage(OTHER, T0 - 10, 50))
         assert await meter.flush() == 5
-    async with st.open_store(state) as store:
+    async with st.open_store(state, store_cfg) as store:
         quotas = await Quotas.load(store, Metrics(), exists, now=T0)
         view = quotas.view(ACME, T0)
         assert view.limits == QuotaLimits(requests_per_minute=3, tokens_per_day=10_000)

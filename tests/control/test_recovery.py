@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nexa.config import StoreConfig
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
 from nexa.contracts.domain import Node, NodeAdminState, NodeId
 from nexa.contracts.models import ModelRef
@@ -18,6 +19,7 @@ from nexa.control.recovery import plan, refused_while_recovering
 from nexa.control.registry import SYSTEM, audit_draft
 from nexa.security import ReplayWindow
 from tests.conftest import sample_runtime
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 REF = ModelRef(model="tiny", version="v1")
 
@@ -137,8 +139,10 @@ def test_which_routes_a_recovering_controller_refuses(method: str, rule: str, re
     assert refused_while_recovering(method, rule) is refused
 
 
-async def test_ending_recovery_takes_an_epoch_above_and_drops_the_marker(tmp_path: Path) -> None:
-    async with st.open_store(tmp_path / "state") as store:
+async def test_ending_recovery_takes_an_epoch_above_and_drops_the_marker(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
+    async with st.open_store(tmp_path / "state", store_cfg) as store:
         assert await store.run(st.recovery_marker) is None
         await store.run(_mark, "backup of 2025-01-01")
         assert await store.run(st.recovery_marker) == "backup of 2025-01-01"
@@ -149,7 +153,7 @@ async def test_ending_recovery_takes_an_epoch_above_and_drops_the_marker(tmp_pat
         # Above the stored epoch too, when no node is ahead of it.
         epoch, _ = await store.run(st.end_recovery, 0, draft)
         assert epoch == 11
-    async with st.open_store(tmp_path / "state") as store:
+    async with st.open_store(tmp_path / "state", store_cfg) as store:
         assert store.epoch == 12  # the next start takes one more, as always
 
 

@@ -15,7 +15,7 @@ import attrs
 import pytest
 
 from nexa import messaging, security
-from nexa.config import NodesConfig, PlacementConfig
+from nexa.config import NodesConfig, PlacementConfig, StoreConfig
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
 from nexa.contracts.models import ModelRef
@@ -28,6 +28,7 @@ from nexa.control.fleet import Fleet
 from nexa.control.registry import SYSTEM, audit_draft
 from nexa.telemetry import Metrics
 from tests.conftest import gb10_inventory
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 REF = ModelRef(model="tiny", version="v1")
 
@@ -87,9 +88,9 @@ def deployment(node_id: str) -> Deployment:
 
 
 @pytest.fixture
-async def parts(tmp_path: Path) -> AsyncIterator[Parts]:
+async def parts(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[Parts]:
     metrics = Metrics()
-    async with st.open_store(tmp_path / "state") as store:
+    async with st.open_store(tmp_path / "state", store_cfg) as store:
         fleet = Fleet(NodesConfig(), store, metrics)
         await fleet.load()
         key, curve = security.generate_signing_key(), messaging.generate_curve_keypair()

@@ -1,4 +1,8 @@
-"""The durable store: SQLite settings, migrations, epochs, the state-dir lock and the audit chain."""
+"""The durable store: SQLite settings, migrations, epochs, the state-dir lock and the audit chain.
+
+Most tests run on both backends (`store_cfg`: SQLite in the state dir, then a fresh database on
+the run's PostgreSQL); the SQLite file's own settings, lock and plans stay SQLite's.
+PostgreSQL-only behaviour is in `test_store_postgres.py`."""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ import apsw
 import pytest
 import trio
 
+from nexa.config import StoreConfig
 from nexa.contracts.domain import AuditDraft, KeyId, Role, TenantId
 from nexa.contracts.gateway import AcceptedWorkload, Capability, Priority, WorkloadState
 from nexa.control import store as st
 from nexa.errors import Conflict, StateDirLocked, StoreError
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 
 def draft(action: str, target: str = "t") -> AuditDraft:
@@ -28,22 +34,30 @@ def draft(action: str, target: str = "t") -> AuditDraft:
     )
 
 
-async def fill(state_dir: Path, n: int) -> list[int]:
-    async with st.open_store(state_dir) as store:
+async def fill(state_dir: Path, n: int, cfg: StoreConfig | None = None) -> list[int]:
+    async with st.open_store(state_dir, cfg) as store:
         events = [await store.run(st.record_audit, draft(f"a.{i}", f"t/{i}")) for i in range(n)]
     return [e.seq for e in events]
 
 
-def tamper(state_dir: Path, sql: str, *args: object) -> None:
-    """Edit the database the way someone with the sqlite3 shell would."""
+def tamper(state_dir: Path, sql: str, *args: object, cfg: StoreConfig | None = None) -> None:
+    """Edit the database the way someone with the sqlite3 shell (or psql) would."""
+    if cfg is not None and cfg.url:
+        import psycopg
+
+        from nexa.control.store.pg import to_pyformat
+
+        with psycopg.connect(cfg.url, autocommit=True) as conn:
+            conn.execute(to_pyformat(sql).encode(), args)
+        return
     db = sqlite3.connect(state_dir / st.DB_FILE)
     db.execute(sql, args)
     db.commit()
     db.close()
 
 
-async def verify(state_dir: Path) -> object:
-    async with st.open_store(state_dir) as store:
+async def verify(state_dir: Path, cfg: StoreConfig | None = None) -> object:
+    async with st.open_store(state_dir, cfg) as store:
         return await store.run(st.verify_audit)
 
 
@@ -65,11 +79,12 @@ async def test_database_settings_and_schema(tmp_path: Path) -> None:
     assert (tmp_path / st.LOCK_FILE).stat().st_mode & 0o077 == 0
 
 
-async def test_each_open_takes_a_strictly_higher_epoch(tmp_path: Path) -> None:
+async def test_each_open_takes_a_strictly_higher_epoch(tmp_path: Path, store_cfg: StoreConfig) -> None:
     epochs = []
     for _ in range(4):
-        async with st.open_store(tmp_path) as store:
+        async with st.open_store(tmp_path, store_cfg) as store:
             epochs.append(store.epoch)
+            assert store.backend == ("postgresql" if store_cfg.url else "sqlite")
     assert epochs == [1, 2, 3, 4]
 
 
@@ -101,9 +116,9 @@ async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
             pass
 
 
-async def test_intact_chain_verifies(tmp_path: Path) -> None:
-    assert await fill(tmp_path, 5) == [1, 2, 3, 4, 5]
-    verdict = await verify(tmp_path)
+async def test_intact_chain_verifies(tmp_path: Path, store_cfg: StoreConfig) -> None:
+    assert await fill(tmp_path, 5, store_cfg) == [1, 2, 3, 4, 5]
+    verdict = await verify(tmp_path, store_cfg)
     assert verdict.ok and verdict.checked == 5
 
 
@@ -120,24 +135,26 @@ async def test_intact_chain_verifies(tmp_path: Path) -> None:
     ],
     ids=["edit-target", "edit-result", "edit-time", "delete-middle", "reorder", "delete-tail"],
 )
-async def test_tampering_is_found_and_named(tmp_path: Path, sql: str, bad_seq: int, verified_before: int) -> None:
-    await fill(tmp_path, 5)
+async def test_tampering_is_found_and_named(
+    tmp_path: Path, store_cfg: StoreConfig, sql: str, bad_seq: int, verified_before: int
+) -> None:
+    await fill(tmp_path, 5, store_cfg)
     if "CASE" in sql:
-        tamper(tmp_path, sql)
-        tamper(tmp_path, "UPDATE audit SET seq = -seq WHERE seq < 0")
+        tamper(tmp_path, sql, cfg=store_cfg)
+        tamper(tmp_path, "UPDATE audit SET seq = -seq WHERE seq < 0", cfg=store_cfg)
     else:
-        tamper(tmp_path, sql)
-    verdict = await verify(tmp_path)
+        tamper(tmp_path, sql, cfg=store_cfg)
+    verdict = await verify(tmp_path, store_cfg)
     assert not verdict.ok
     assert verdict.first_bad_seq == bad_seq
     assert verdict.checked == verified_before
     assert verdict.reason
 
 
-async def test_recomputed_hash_is_detected_by_the_next_link(tmp_path: Path) -> None:
+async def test_recomputed_hash_is_detected_by_the_next_link(tmp_path: Path, store_cfg: StoreConfig) -> None:
     # Someone edits event 2 and recomputes its own sha256: event 3 no longer links to it.
-    await fill(tmp_path, 4)
-    async with st.open_store(tmp_path) as store:
+    await fill(tmp_path, 4, store_cfg)
+    async with st.open_store(tmp_path, store_cfg) as store:
         events = await store.run(st.list_audit, st.AuditQuery())
     import attrs
 
@@ -147,25 +164,26 @@ async def test_recomputed_hash_is_detected_by_the_next_link(tmp_path: Path) -> N
         "UPDATE audit SET target = ?, sha256 = ? WHERE seq = 2",
         forged.target,
         st.event_sha256(forged),
+        cfg=store_cfg,
     )
-    verdict = await verify(tmp_path)
+    verdict = await verify(tmp_path, store_cfg)
     assert not verdict.ok and verdict.first_bad_seq == 3
 
 
-async def test_transactions_run_one_at_a_time(tmp_path: Path) -> None:
-    async with st.open_store(tmp_path) as store, trio.open_nursery() as nursery:
+async def test_transactions_run_one_at_a_time(tmp_path: Path, store_cfg: StoreConfig) -> None:
+    async with st.open_store(tmp_path, store_cfg) as store, trio.open_nursery() as nursery:
         for i in range(50):
             nursery.start_soon(store.run, st.record_audit, draft(f"c.{i}"))
-    assert (await verify(tmp_path)).checked == 50
+    assert (await verify(tmp_path, store_cfg)).checked == 50
 
 
-async def test_an_older_desired_set_never_overwrites_a_newer_one(tmp_path: Path) -> None:
+async def test_an_older_desired_set_never_overwrites_a_newer_one(tmp_path: Path, store_cfg: StoreConfig) -> None:
     from nexa.contracts.domain import Node, NodeId
     from nexa.contracts.wire import DesiredAssignments
     from nexa.security import hash_token, new_enrollment_token
 
     secret = new_enrollment_token()
-    async with st.open_store(tmp_path) as store:
+    async with st.open_store(tmp_path, store_cfg) as store:
         from nexa.contracts.domain import EnrollmentToken
 
         token = EnrollmentToken(
@@ -179,7 +197,10 @@ async def test_an_older_desired_set_never_overwrites_a_newer_one(tmp_path: Path)
         await store.run(st.save_desired, DesiredAssignments(node_id="n1", generation=3), None)
         await store.run(st.save_desired, DesiredAssignments(node_id="n1", generation=2, acked_generation=2), None)
         [(_, _, desired)] = await store.run(st.load_nodes)
-    assert desired is not None and desired.generation == 3
+        assert desired is not None and desired.generation == 3
+        await store.run(st.save_desired, DesiredAssignments(node_id="n1", generation=4), None)
+        [(_, _, newer)] = await store.run(st.load_nodes)
+    assert newer is not None and newer.generation == 4
 
 
 # ---- gateway tables (migration 5) ----------------------------------------------------------------
@@ -217,11 +238,11 @@ def queued(tenant: TenantId, workload_id: str, key_sha256: str, accepted_at: flo
     return st.WorkloadRow(accepted=accepted, state=WorkloadState.QUEUED)
 
 
-async def test_workload_ids_and_keys_are_unique_per_tenant_only(tmp_path: Path) -> None:
+async def test_workload_ids_and_keys_are_unique_per_tenant_only(tmp_path: Path, store_cfg: StoreConfig) -> None:
     def row(tenant: str, workload_id: str, key: str) -> st.WorkloadRow:
         return queued(TenantId(tenant), workload_id, key, 1.0)
 
-    async with st.open_store(tmp_path) as store:
+    async with st.open_store(tmp_path, store_cfg) as store:
         await store.run(st.insert_workload, row("a", "w1", "k1"))
         await store.run(st.insert_workload, row("b", "w1", "k1"))  # another tenant: no clash
         with pytest.raises(Conflict, match="another idempotency key"):
@@ -234,12 +255,14 @@ async def test_workload_ids_and_keys_are_unique_per_tenant_only(tmp_path: Path) 
         assert await store.run(st.get_workload, TenantId("c"), "w1") is None
 
 
-async def test_a_tenants_workloads_page_by_acceptance_and_stay_stable_under_inserts(tmp_path: Path) -> None:
+async def test_a_tenants_workloads_page_by_acceptance_and_stay_stable_under_inserts(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
     def row(tenant: str, workload_id: str, accepted_at: float) -> st.WorkloadRow:
         return queued(TenantId(tenant), workload_id, f"{tenant}-{workload_id}", accepted_at)
 
     a = TenantId("a")
-    async with st.open_store(tmp_path) as store:
+    async with st.open_store(tmp_path, store_cfg) as store:
         # Two accepted in the same instant: the id orders them.
         for wid, at in (("w3", 3.0), ("w1", 1.0), ("w2b", 2.0), ("w2a", 2.0), ("w4", 4.0)):
             await store.run(st.insert_workload, row("a", wid, at))
@@ -257,6 +280,8 @@ async def test_a_tenants_workloads_page_by_acceptance_and_stay_stable_under_inse
             await store.run(st.insert_workload, row("a", f"late{len(seen)}", 10.0 + len(seen)))
         assert seen == ["w1", "w2a", "w2b", "w3", "w4", "late2", "late4", "late6", "late8"]
         assert await store.run(st.list_workloads, TenantId("c"), None, 10) == []
+        if store.backend != "sqlite":
+            return  # the plan below is SQLite's (PostgreSQL's indexes: test_store_postgres.py)
 
         def plan(db: apsw.Connection) -> str:
             sql = "EXPLAIN QUERY PLAN SELECT workload_id FROM workload WHERE tenant = ? AND (accepted_at, workload_id) > (?, ?) ORDER BY accepted_at, workload_id LIMIT 2"  # noqa: E501
@@ -267,6 +292,7 @@ async def test_a_tenants_workloads_page_by_acceptance_and_stay_stable_under_inse
 
 def test_importing_the_store_applies_nothing_and_opening_applies_best_practice_once(tmp_path: Path) -> None:
     script = f"""
+import sys
 import apsw, trio
 from nexa.control import store as st
 assert apsw.connection_hooks == [], "applied at import"
@@ -276,5 +302,6 @@ async def main():
             assert await store.run(lambda db: db.execute("PRAGMA journal_mode").fetchall()[0][0]) == "wal"
 trio.run(main)
 assert len(apsw.connection_hooks) == 1, apsw.connection_hooks
+assert "psycopg" not in sys.modules, "the SQLite store loaded psycopg"
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)

@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from nexa.config import StoreConfig
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import (
     API_VERSION,
@@ -39,6 +40,7 @@ from nexa.errors import (
     WorkloadAlreadyActive,
 )
 from nexa.security import SigningKey, generate_signing_key, sign_receipt, verify_receipt
+from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 ACME, BETA = TenantId("acme"), TenantId("beta")
 KEY = KeyId("k1")
@@ -50,8 +52,8 @@ def signer() -> SigningKey:
 
 
 @pytest.fixture
-async def store(tmp_path: Path) -> AsyncIterator[st.Store]:
-    async with st.open_store(tmp_path / "state") as opened:
+async def store(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[st.Store]:
+    async with st.open_store(tmp_path / "state", store_cfg) as opened:
         yield opened
 
 
@@ -213,16 +215,16 @@ async def test_one_tenant_cannot_see_or_touch_anothers_workloads(workloads: Work
 
 
 async def test_a_restart_marks_unfinished_workloads_failed_with_a_signed_receipt(
-    tmp_path: Path, signer: SigningKey
+    tmp_path: Path, signer: SigningKey, store_cfg: StoreConfig
 ) -> None:
     state = tmp_path / "state"
-    async with st.open_store(state) as store:
+    async with st.open_store(state, store_cfg) as store:
         workloads = await Workloads.load(store, signer)
         done = await begin(workloads, workload_id="done", key="k-done")
         signed_done = await workloads.finish(done, receipt_for(done))
         await begin(workloads, workload_id="crashed", key="k-crashed")
         # The process dies here: "crashed" never finishes.
-    async with st.open_store(state) as store:
+    async with st.open_store(state, store_cfg) as store:
         workloads = await Workloads.load(store, signer)
         view = await workloads.status(ACME, "crashed")
         assert (view.state, view.error) == (WorkloadState.FAILED, RESTARTED)

@@ -27,6 +27,7 @@ from nexa.control.deployments.assignment import assignment_for
 from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
 from nexa.control.deployments.snapshot import snapshot_from, unified_pool_bytes
 from nexa.control.fleet import Fleet
+from nexa.control.leadership import Leadership
 from nexa.control.models import ModelRegistry
 from nexa.control.registry import Actor, audit_draft
 from nexa.control.southbound import Southbound
@@ -56,8 +57,12 @@ class Desired:
         models: ModelRegistry,
         southbound: Southbound,
         placement: PlacementConfig,
+        leadership: Leadership | None = None,
     ) -> None:
         self._store = store
+        #: Deployments and the node sets they change are leader-only writes (`Leadership.write`),
+        #: fenced in their own transaction; None: the only controller.
+        self._leadership = leadership or Leadership.solo(store)
         self._metrics = metrics
         self.fleet = fleet
         self.models = models
@@ -74,6 +79,22 @@ class Desired:
         for dep, decision in await self._store.run(st.load_deployments):
             self.entries[dep.name] = Entry(stamped(dep), decision)
         self.version += 1
+
+    async def refresh(self) -> None:
+        """Re-read the deployments another controller on the store changed (`follow.ChangeFeed`):
+        their records and placement decisions as stored, never placed here. Under `lock`, so no
+        change made here is undone by an older read; an unchanged deployment keeps its entry (and
+        the reconciler's `problem`). The gateway's serving sets are made again after a change."""
+        async with self.lock:
+            stored: dict[str, Entry] = {}
+            for record, decision in await self._store.read(st.load_deployments):
+                dep, current = stamped(record), self.entries.get(record.name)
+                unchanged = current is not None and current.deployment == dep
+                stored[dep.name] = current if current is not None and unchanged else Entry(dep, decision)
+            if stored.keys() != self.entries.keys() or any(e is not self.entries[n] for n, e in stored.items()):
+                self.entries.clear()
+                self.entries.update(stored)
+                self.version += 1
 
     def entry(self, name: str) -> Entry:
         entry = self.entries.get(name)
@@ -158,7 +179,7 @@ class Desired:
             after.deployment if after else None,
             detail=detail[:_DETAIL_MAX],
         )
-        event = await self._store.run(
+        event = await self._leadership.write(
             st.save_deployment,
             name,
             after.deployment if after else None,

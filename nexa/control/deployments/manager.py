@@ -37,6 +37,7 @@ from nexa.control.deployments.desired import CommitObserver, Desired
 from nexa.control.deployments.reconciler import Reconciler
 from nexa.control.deployments.records import Entry, bump, model_of, new_replica
 from nexa.control.fleet import Fleet
+from nexa.control.leadership import Leadership
 from nexa.control.models import ModelRegistry
 from nexa.control.registry import Actor
 from nexa.control.routing import Router
@@ -60,11 +61,18 @@ class Deployments:
         southbound: Southbound,
         placement: PlacementConfig | None = None,
         router: Router | None = None,
+        leadership: Leadership | None = None,
     ) -> None:
         self._fleet = fleet
         self._router = router
         self._desired = Desired(
-            store, metrics, fleet, models=models, southbound=southbound, placement=placement or PlacementConfig()
+            store,
+            metrics,
+            fleet,
+            models=models,
+            southbound=southbound,
+            placement=placement or PlacementConfig(),
+            leadership=leadership,
         )
         self._reconciler = Reconciler(self._desired, cfg)
         self._serving = views.ServingSets(self._desired)
@@ -74,6 +82,10 @@ class Deployments:
 
     async def load(self) -> None:
         await self._desired.load()
+
+    async def refresh(self) -> None:
+        """Re-read the deployments another controller changed (`Desired.refresh`); nothing is placed."""
+        await self._desired.refresh()
 
     def poke(self) -> None:
         """Ask the reconciler to look now."""

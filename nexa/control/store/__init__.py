@@ -10,8 +10,9 @@ Callers use `from nexa.control import store as st` and the names re-exported her
 - `schema`: the migrations; `sql`: what every transaction function shares (`txn`, the meta table);
 - `audit`: the hash chain; then one module per domain: `keys` (and tenants), `nodes`, `models`,
   `deployments`, `usage` (and quotas), `workloads`, `recovery` (the restore marker, a recovery's epoch),
-  `records` (benchmark runs and jobs).
-Swapping SQLite for PostgreSQL (DESIGN §5) touches this package only.
+  `records` (benchmark runs and jobs), `lease` (the leader's lease, the controllers, their keys' fingerprint).
+`[store] url` swaps SQLite for PostgreSQL (DESIGN §5) inside this package only: `pg` (the adapter
+over psycopg, imported only then) and `pg_schema` (its migrations); `sql.Db` is what both give.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nexa.control.store.audit import record_audit as record_audit
 from nexa.control.store.audit import verify_audit as verify_audit
 from nexa.control.store.connection import DB_FILE as DB_FILE
 from nexa.control.store.connection import LOCK_FILE as LOCK_FILE
+from nexa.control.store.connection import Backend as Backend
 from nexa.control.store.connection import Store as Store
 from nexa.control.store.connection import StoreOpener as StoreOpener
 from nexa.control.store.connection import open_store as open_store
@@ -37,6 +39,17 @@ from nexa.control.store.keys import load_keys as load_keys
 from nexa.control.store.keys import load_tenants as load_tenants
 from nexa.control.store.keys import revoke_key as revoke_key
 from nexa.control.store.keys import rotate_key as rotate_key
+from nexa.control.store.lease import ControllerRow as ControllerRow
+from nexa.control.store.lease import LeaseRow as LeaseRow
+from nexa.control.store.lease import acquire_lease as acquire_lease
+from nexa.control.store.lease import check_keys_fingerprint as check_keys_fingerprint
+from nexa.control.store.lease import check_lease as check_lease
+from nexa.control.store.lease import fenced_write as fenced_write
+from nexa.control.store.lease import list_controllers as list_controllers
+from nexa.control.store.lease import read_lease as read_lease
+from nexa.control.store.lease import release_lease as release_lease
+from nexa.control.store.lease import renew_lease as renew_lease
+from nexa.control.store.lease import save_controller as save_controller
 from nexa.control.store.models import insert_evaluation as insert_evaluation
 from nexa.control.store.models import insert_model as insert_model
 from nexa.control.store.models import insert_runtime as insert_runtime
@@ -74,6 +87,7 @@ from nexa.control.store.recovery import recovery_marker as recovery_marker
 from nexa.control.store.schema import APPLICATION_ID as APPLICATION_ID
 from nexa.control.store.schema import MIGRATIONS as MIGRATIONS
 from nexa.control.store.sql import PRUNE_BATCH as PRUNE_BATCH
+from nexa.control.store.sql import Db as Db
 from nexa.control.store.usage import QUOTA_REFUSED_STATUS as QUOTA_REFUSED_STATUS
 from nexa.control.store.usage import QuotaRecord as QuotaRecord
 from nexa.control.store.usage import UsageKey as UsageKey

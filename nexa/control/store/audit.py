@@ -8,13 +8,12 @@ import secrets
 import time
 from typing import Final
 
-import apsw
 import attrs
 
 from nexa.contracts import codec
 from nexa.contracts.api import AuditCheckpoint, AuditVerdict
 from nexa.contracts.domain import AuditDraft, AuditEvent, EventId
-from nexa.control.store.sql import meta, meta_int, txn
+from nexa.control.store.sql import Db, is_postgres, meta, meta_int, repeatable_read, txn
 
 GENESIS_SHA256: Final = "0" * 64
 
@@ -26,10 +25,22 @@ def event_sha256(event: AuditEvent) -> str:
     return hashlib.sha256(codec.canonical_json(data).encode()).hexdigest()
 
 
-def append_audit(db: apsw.Connection, draft: AuditDraft) -> AuditEvent:
-    """Append one event. Must be called inside the caller's `with txn(db):` transaction."""
-    seq = meta_int(db, "audit_head_seq") + 1
-    prev = str(meta(db, "audit_head_sha256")) or GENESIS_SHA256
+def append_audit(db: Db, draft: AuditDraft) -> AuditEvent:
+    """Append one event. Must be called inside the caller's `with txn(db):` transaction.
+
+    On PostgreSQL the head's rows are locked (FOR UPDATE) until the transaction ends: another
+    controller's append waits for this one and then links to it, so the chain never forks."""
+    if is_postgres(db):
+        head = dict(
+            db.execute(
+                "SELECT key, value FROM meta WHERE key IN ('audit_head_seq', 'audit_head_sha256') FOR UPDATE"
+            ).fetchall()
+        )
+        seq = int(head["audit_head_seq"]) + 1
+        prev = str(head["audit_head_sha256"]) or GENESIS_SHA256
+    else:
+        seq = meta_int(db, "audit_head_seq") + 1
+        prev = str(meta(db, "audit_head_sha256")) or GENESIS_SHA256
     unsigned = AuditEvent(
         seq=seq,
         id=EventId("ev_" + secrets.token_hex(8)),
@@ -81,7 +92,7 @@ def _event_from_row(row: tuple[object, ...]) -> AuditEvent:
     return codec.store.structure(dict(zip(names, row, strict=True)), AuditEvent)
 
 
-def record_audit(db: apsw.Connection, draft: AuditDraft) -> AuditEvent:
+def record_audit(db: Db, draft: AuditDraft) -> AuditEvent:
     """A transaction that only appends an event (refusals, transitions without other state)."""
     with txn(db):
         event = append_audit(db, draft)
@@ -99,7 +110,7 @@ class AuditQuery:
     until: float | None = None
 
 
-def list_audit(db: apsw.Connection, q: AuditQuery) -> list[AuditEvent]:
+def list_audit(db: Db, q: AuditQuery) -> list[AuditEvent]:
     where: list[str] = ["seq > ?"]
     args: list[str | float] = [q.after_seq]
     for column, value in (("action", q.action), ("actor_key_id", q.actor_key_id), ("target", q.target)):
@@ -118,16 +129,17 @@ def list_audit(db: apsw.Connection, q: AuditQuery) -> list[AuditEvent]:
     return [_event_from_row(row) for row in rows]
 
 
-def audit_head(db: apsw.Connection) -> tuple[int, str]:
+def audit_head(db: Db) -> tuple[int, str]:
     """The chain's head: the last event's seq and sha256 (0 and the genesis hash when empty)."""
     with txn(db):
+        repeatable_read(db)  # both rows of one commit
         seq = meta_int(db, "audit_head_seq")
         sha = str(meta(db, "audit_head_sha256"))
     return seq, sha or GENESIS_SHA256
 
 
 def verify_audit(  # noqa: PLR0911 - one return per way the chain can be broken
-    db: apsw.Connection, against: AuditCheckpoint | None = None
+    db: Db, against: AuditCheckpoint | None = None
 ) -> AuditVerdict:
     """Recompute the chain; name the first event that was edited, deleted, inserted or reordered.
 
@@ -137,6 +149,7 @@ def verify_audit(  # noqa: PLR0911 - one return per way the chain can be broken
     if against is not None and against.seq == 0 and against.sha256 != GENESIS_SHA256:
         return AuditVerdict(ok=False, checked=0, first_bad_seq=0, reason="the checkpoint's genesis hash is wrong")
     with txn(db):
+        repeatable_read(db)  # the head and the chain as of one commit, whatever others append meanwhile
         head_seq = meta_int(db, "audit_head_seq")
         head_sha = str(meta(db, "audit_head_sha256"))
         prev, expected_seq, checked = GENESIS_SHA256, 1, 0

@@ -3,6 +3,9 @@
 Every transaction is one short sync function `verb_noun(db, ...)` wrapped whole in `with txn(db):`;
 `Store.run` executes it on a single lane (one connection, CapacityLimiter(1)) off the event loop,
 so no other task's SQL can interleave with a half-done transaction.
+
+With `[store] url` set, `open_store` opens PostgreSQL instead (`pg.open_postgres`: imported then
+only); the Store and its lanes are the same, over `pg.PgDb` connections.
 """
 
 from __future__ import annotations
@@ -14,38 +17,55 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Final, TypeAlias
+from typing import Any, Final, Literal, TypeAlias
 
 import apsw
 import apsw.bestpractice
 import trio
 
+from nexa.config import StoreConfig
 from nexa.control.store.schema import migrate, take_epoch
-from nexa.control.store.sql import PRUNE_BATCH, T
+from nexa.control.store.sql import PRUNE_BATCH, Db, T
 from nexa.errors import Conflict, StateDirLocked, StoreError, StoreUnusable
 
 DB_FILE: Final = "control.db"
 LOCK_FILE: Final = "control.lock"
 
 
+Backend: TypeAlias = Literal["sqlite", "postgresql"]
+
+
 class Store:
-    """Async facade over one apsw connection: `await store.run(txn_fn, *args)`.
+    """Async facade over one connection: `await store.run(txn_fn, *args)`.
 
     Long reads (`verify_audit`, audit pages) go to `store.read`: a second, read-only connection on
-    its own lane. WAL lets it read a consistent snapshot while the writer commits, so a long read
-    never holds the store lane.
+    its own lane. WAL (a REPEATABLE READ transaction on PostgreSQL) lets it read a consistent
+    snapshot while the writer commits, so a long read never holds the store lane.
+
+    `call` runs a transaction function and translates its backend's failures (`_translated` for
+    apsw; `pg.call`).
     """
 
     def __init__(
-        self, db: apsw.Connection, *, epoch: int, inline: bool = False, reader: apsw.Connection | None = None
+        self,
+        db: Db,
+        *,
+        epoch: int,
+        inline: bool = False,
+        reader: Db | None = None,
+        backend: Backend = "sqlite",
+        call: Callable[..., Any] | None = None,
     ) -> None:
         self._db = db
         self._limiter = trio.CapacityLimiter(1)
         self._reader = reader
         self._read_limiter = trio.CapacityLimiter(1)
         self._inline = inline
+        self._call: Callable[..., Any] = call or _translated
         #: The strictly increasing epoch this process took when it opened the store.
         self.epoch = epoch
+        #: Which database holds the state: the embedded "sqlite" file or a shared "postgresql" one.
+        self.backend: Backend = backend
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run one transaction function on the store lane. Cancellation waits for it to finish."""
@@ -58,14 +78,17 @@ class Store:
             return await self.run(fn, *args)
         return await self._on(self._reader, self._read_limiter, fn, *args)
 
-    async def _on(self, db: apsw.Connection, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:
+    async def _on(self, db: Db, limiter: trio.CapacityLimiter, fn: Callable[..., T], *args: object) -> T:
+        call = self._call
         if self._inline:
             # Tests under autojump_clock keep real threads out (trio issue #456).
             async with limiter:
-                return _translated(fn, db, *args)
-        return await trio.to_thread.run_sync(_translated, fn, db, *args, limiter=limiter)
+                result: T = call(fn, db, *args)
+                return result
+        done: T = await trio.to_thread.run_sync(call, fn, db, *args, limiter=limiter)
+        return done
 
-    async def prune(self, fn: Callable[[apsw.Connection, float], int], before: float) -> int:
+    async def prune(self, fn: Callable[[Db, float], int], before: float) -> int:
         """Run a `prune_*` function batch after batch until it deletes less than a batch; the total.
         Other transactions get the lane between batches."""
         total = 0
@@ -80,7 +103,7 @@ def _translated(fn: Callable[..., T], db: apsw.Connection, *args: object) -> T:
     try:
         return fn(db, *args)
     except apsw.ConstraintError as exc:
-        raise Conflict(f"conflicts with existing state ({_constraint(exc)})") from None
+        raise Conflict(f"conflicts with existing state ({constraint_named(exc)})") from None
     except _UNUSABLE as exc:
         # The database itself is gone or damaged: retrying cannot help, the process ends (exit 3).
         raise StoreUnusable(f"the store is unusable: {type(exc).__name__}") from exc
@@ -98,14 +121,16 @@ _UNUSABLE: Final = (
 )
 
 
-def _constraint(exc: apsw.ConstraintError) -> str:
+def constraint_named(exc: apsw.ConstraintError) -> str:
+    """The constraint a Conflict names (`UNIQUE constraint failed: api_key.secret_sha256`), or "constraint"."""
     text = str(exc)
     return text.split(":", 1)[-1].strip() if "UNIQUE" in text or "FOREIGN" in text else "constraint"
 
 
-#: What the composition root opens its store with (`service.serve_control(open_store=...)`):
-#: `open_store` itself, or a test's variant of it (`functools.partial(open_store, inline=True)`).
-StoreOpener: TypeAlias = Callable[[str | Path], AbstractAsyncContextManager[Store]]
+#: What the composition root opens its store with (`service.serve_control(open_store=...)`), given
+#: the state dir and `[store]`: `open_store` itself, or a test's variant of it
+#: (`functools.partial(open_store, inline=True)`).
+StoreOpener: TypeAlias = Callable[[str | Path, StoreConfig], AbstractAsyncContextManager[Store]]
 
 _best_practice_lock: Final = threading.Lock()
 _best_practice_applied = False
@@ -123,11 +148,21 @@ def _apply_best_practice() -> None:
 
 
 @contextlib.asynccontextmanager
-async def open_store(state_dir: str | Path, *, inline: bool = False) -> AsyncIterator[Store]:
+async def open_store(
+    state_dir: str | Path, config: StoreConfig | None = None, *, inline: bool = False
+) -> AsyncIterator[Store]:
     """Lock the state dir, open and migrate the database, take a new epoch; close on exit.
 
-    Opens no tasks. Raises StateDirLocked if another process holds the state dir.
+    Opens no tasks. Raises StateDirLocked if another process holds the state dir. With
+    `config.url`, the PostgreSQL database there instead (`pg.open_postgres`): no state-dir lock,
+    since several controllers share it; ConfigError or StoreError (unreachable, not nexa's) at start.
     """
+    if config is not None and config.url:
+        from nexa.control.store import pg  # psycopg is loaded only for a PostgreSQL store
+
+        async with pg.open_postgres(config, inline=inline) as store:
+            yield store
+        return
     _apply_best_practice()
     root = Path(state_dir)
     lock_fd = await trio.to_thread.run_sync(_lock_state_dir, root)

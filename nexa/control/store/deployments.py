@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import apsw
-
 from nexa.contracts import codec
 from nexa.contracts.deployments import Deployment
 from nexa.contracts.domain import AuditDraft, AuditEvent
@@ -11,11 +9,11 @@ from nexa.contracts.placement import PlacementDecision
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control.store.audit import append_audit
 from nexa.control.store.nodes import save_desired
-from nexa.control.store.sql import txn
+from nexa.control.store.sql import Db, txn
 
 
 def save_deployment(  # noqa: PLR0917 - one transaction function, called through Store.run(fn, *args)
-    db: apsw.Connection,
+    db: Db,
     name: str,
     deployment: Deployment | None,
     placement: PlacementDecision | None,
@@ -48,7 +46,7 @@ def save_deployment(  # noqa: PLR0917 - one transaction function, called through
     return event
 
 
-def load_deployments(db: apsw.Connection) -> list[tuple[Deployment, PlacementDecision | None]]:
+def load_deployments(db: Db) -> list[tuple[Deployment, PlacementDecision | None]]:
     with txn(db):
         rows = db.execute("SELECT body, placement FROM deployment ORDER BY name").fetchall()
     return [

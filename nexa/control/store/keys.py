@@ -2,26 +2,24 @@
 
 from __future__ import annotations
 
-import apsw
-
 from nexa.contracts.domain import ApiKey, AuditDraft, AuditEvent, KeyId, Tenant
 from nexa.control.store.audit import append_audit
-from nexa.control.store.sql import load_all, txn
+from nexa.control.store.sql import Db, load_all, txn
 from nexa.errors import NotFound
 
 
-def load_keys(db: apsw.Connection) -> list[ApiKey]:
+def load_keys(db: Db) -> list[ApiKey]:
     return load_all(db, ApiKey, "api_key")
 
 
-def insert_key(db: apsw.Connection, key: ApiKey, draft: AuditDraft) -> AuditEvent:
+def insert_key(db: Db, key: ApiKey, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         _insert_key_row(db, key)
         event = append_audit(db, draft)
     return event
 
 
-def _insert_key_row(db: apsw.Connection, key: ApiKey) -> None:
+def _insert_key_row(db: Db, key: ApiKey) -> None:
     db.execute(
         "INSERT INTO api_key(id, name, role, tenant, secret_sha256, created_at, created_by, revoked_at, expires_at,"
         " rotated_to) VALUES (?,?,?,?,?,?,?,?,?,?)",
@@ -41,7 +39,7 @@ def _insert_key_row(db: apsw.Connection, key: ApiKey) -> None:
 
 
 def rotate_key(
-    db: apsw.Connection, rotated: ApiKey, successor: ApiKey, rotate_draft: AuditDraft, create_draft: AuditDraft
+    db: Db, rotated: ApiKey, successor: ApiKey, rotate_draft: AuditDraft, create_draft: AuditDraft
 ) -> tuple[AuditEvent, AuditEvent]:
     """Insert `successor` and store `rotated` (the old key with its new expiry and successor), with
     both audit events, in one transaction. NotFound when the old key was revoked or rotated meanwhile."""
@@ -59,7 +57,7 @@ def rotate_key(
     return rotated_event, created_event
 
 
-def revoke_key(db: apsw.Connection, key_id: KeyId, at: float, draft: AuditDraft) -> AuditEvent:
+def revoke_key(db: Db, key_id: KeyId, at: float, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         db.execute("UPDATE api_key SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, key_id))
         if db.changes() != 1:
@@ -68,11 +66,11 @@ def revoke_key(db: apsw.Connection, key_id: KeyId, at: float, draft: AuditDraft)
     return event
 
 
-def load_tenants(db: apsw.Connection) -> list[Tenant]:
+def load_tenants(db: Db) -> list[Tenant]:
     return load_all(db, Tenant, "tenant")
 
 
-def insert_tenant(db: apsw.Connection, tenant: Tenant, draft: AuditDraft) -> AuditEvent:
+def insert_tenant(db: Db, tenant: Tenant, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         db.execute(
             "INSERT INTO tenant(id, display_name, created_at) VALUES (?,?,?)",

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import apsw
 import attrs
 
 from nexa.contracts import codec
 from nexa.contracts.domain import AuditDraft, AuditEvent
 from nexa.contracts.models import AliasReceipt, AliasRecord, EvaluationRecord, ModelRecord, ModelState, RuntimeRecord
 from nexa.control.store.audit import append_audit
-from nexa.control.store.sql import txn
+from nexa.control.store.sql import Db, txn
 from nexa.errors import Conflict
 
 
-def insert_runtime(db: apsw.Connection, runtime: RuntimeRecord, draft: AuditDraft) -> AuditEvent:
+def insert_runtime(db: Db, runtime: RuntimeRecord, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         db.execute(
             "INSERT INTO runtime(name, kind, image, body) VALUES (?,?,?,?)",
@@ -23,13 +22,13 @@ def insert_runtime(db: apsw.Connection, runtime: RuntimeRecord, draft: AuditDraf
     return event
 
 
-def load_runtimes(db: apsw.Connection) -> list[RuntimeRecord]:
+def load_runtimes(db: Db) -> list[RuntimeRecord]:
     with txn(db):
         rows = db.execute("SELECT body FROM runtime ORDER BY name").fetchall()
     return [codec.loads(codec.store, str(body), RuntimeRecord) for (body,) in rows]
 
 
-def insert_model(db: apsw.Connection, model: ModelRecord, draft: AuditDraft) -> AuditEvent:
+def insert_model(db: Db, model: ModelRecord, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         db.execute(
             "INSERT INTO model(name, version, state, sha256, body) VALUES (?,?,?,?,?)",
@@ -39,7 +38,7 @@ def insert_model(db: apsw.Connection, model: ModelRecord, draft: AuditDraft) -> 
     return event
 
 
-def _update_model(db: apsw.Connection, model: ModelRecord, expected: ModelState) -> None:
+def _update_model(db: Db, model: ModelRecord, expected: ModelState) -> None:
     """Compare-and-set on the state: a model changed by someone else meanwhile is a Conflict."""
     db.execute(
         "UPDATE model SET state = ?, body = ? WHERE name = ? AND version = ? AND state = ?",
@@ -49,7 +48,7 @@ def _update_model(db: apsw.Connection, model: ModelRecord, expected: ModelState)
         raise Conflict(f"model {model.key} changed meanwhile; try again")
 
 
-def update_model(db: apsw.Connection, model: ModelRecord, expected: ModelState, draft: AuditDraft) -> AuditEvent:
+def update_model(db: Db, model: ModelRecord, expected: ModelState, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         _update_model(db, model, expected)
         event = append_audit(db, draft)
@@ -57,7 +56,7 @@ def update_model(db: apsw.Connection, model: ModelRecord, expected: ModelState, 
 
 
 def insert_evaluation(
-    db: apsw.Connection, evaluation: EvaluationRecord, model: ModelRecord, expected: ModelState, draft: AuditDraft
+    db: Db, evaluation: EvaluationRecord, model: ModelRecord, expected: ModelState, draft: AuditDraft
 ) -> AuditEvent:
     """Record an evaluation and the model state it leads to, in one transaction."""
     with txn(db):
@@ -77,7 +76,7 @@ def insert_evaluation(
     return event
 
 
-def load_models(db: apsw.Connection) -> tuple[list[ModelRecord], list[EvaluationRecord]]:
+def load_models(db: Db) -> tuple[list[ModelRecord], list[EvaluationRecord]]:
     with txn(db):
         models = db.execute("SELECT body FROM model ORDER BY name, version").fetchall()
         evaluations = db.execute("SELECT body FROM evaluation ORDER BY recorded_at, id").fetchall()
@@ -88,7 +87,7 @@ def load_models(db: apsw.Connection) -> tuple[list[ModelRecord], list[Evaluation
 
 
 def save_alias(
-    db: apsw.Connection, alias: AliasRecord, expected_generation: int, receipt: AliasReceipt, draft: AuditDraft
+    db: Db, alias: AliasRecord, expected_generation: int, receipt: AliasReceipt, draft: AuditDraft
 ) -> AliasReceipt:
     """Move an alias to its next generation and keep the receipt; the receipt gets the audit event's id.
 
@@ -129,7 +128,7 @@ def save_alias(
     return receipt
 
 
-def load_aliases(db: apsw.Connection) -> tuple[list[AliasRecord], list[AliasReceipt]]:
+def load_aliases(db: Db) -> tuple[list[AliasRecord], list[AliasReceipt]]:
     with txn(db):
         aliases = db.execute("SELECT body FROM alias ORDER BY name").fetchall()
         history = db.execute("SELECT body FROM alias_history ORDER BY alias, generation").fetchall()

@@ -12,11 +12,11 @@ from nexa.contracts.domain import AuditDraft, AuditEvent, EnrollmentToken, Node
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control.store.audit import append_audit
-from nexa.control.store.sql import txn
+from nexa.control.store.sql import Db, for_update, is_postgres, txn
 from nexa.errors import Conflict, NotFound, Unauthenticated
 
 
-def insert_token(db: apsw.Connection, token: EnrollmentToken, draft: AuditDraft) -> AuditEvent:
+def insert_token(db: Db, token: EnrollmentToken, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         db.execute(
             "INSERT INTO enrollment_token(id, token_sha256, labels, created_at, expires_at, created_by)"
@@ -34,14 +34,16 @@ def insert_token(db: apsw.Connection, token: EnrollmentToken, draft: AuditDraft)
     return event
 
 
-def enroll_node(db: apsw.Connection, token_sha256: str, now: float, node: Node, draft: AuditDraft) -> Node:
+def enroll_node(db: Db, token_sha256: str, now: float, node: Node, draft: AuditDraft) -> Node:
     """Spend a one-time token and create the node, in one transaction; refusals change nothing.
 
     The node takes the token's labels. Raises Unauthenticated for an unknown, used or expired token.
     """
     with txn(db):
+        # Locked on PostgreSQL: another controller spending the same token waits, then finds it used.
         rows = db.execute(
-            "SELECT labels, expires_at, used_at FROM enrollment_token WHERE token_sha256 = ?", (token_sha256,)
+            "SELECT labels, expires_at, used_at FROM enrollment_token WHERE token_sha256 = ?" + for_update(db),  # noqa: S608
+            (token_sha256,),
         ).fetchall()
         if not rows:
             raise Unauthenticated("unknown enrollment token")
@@ -74,7 +76,7 @@ def enroll_node(db: apsw.Connection, token_sha256: str, now: float, node: Node, 
     return node
 
 
-def load_nodes(db: apsw.Connection) -> list[tuple[Node, NodeInventory | None, DesiredAssignments | None]]:
+def load_nodes(db: Db) -> list[tuple[Node, NodeInventory | None, DesiredAssignments | None]]:
     with txn(db):
         rows = db.execute(
             "SELECT n.id, n.hostname, n.signing_public_key, n.curve_public_key, n.labels, n.enrolled_at,"
@@ -102,7 +104,7 @@ def load_nodes(db: apsw.Connection) -> list[tuple[Node, NodeInventory | None, De
     return out
 
 
-def update_node(db: apsw.Connection, node: Node, draft: AuditDraft) -> AuditEvent:
+def update_node(db: Db, node: Node, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         db.execute(
             "UPDATE node SET admin_state = ?, revoked_at = ?, labels = ? WHERE id = ?",
@@ -114,7 +116,7 @@ def update_node(db: apsw.Connection, node: Node, draft: AuditDraft) -> AuditEven
     return event
 
 
-def save_inventory(db: apsw.Connection, node_id: str, inventory: NodeInventory, at: float) -> None:
+def save_inventory(db: Db, node_id: str, inventory: NodeInventory, at: float) -> None:
     """Inventory is telemetry reported by the node itself: kept, not audited."""
     with txn(db):
         db.execute(
@@ -124,16 +126,25 @@ def save_inventory(db: apsw.Connection, node_id: str, inventory: NodeInventory, 
         )
 
 
-def save_desired(db: apsw.Connection, desired: DesiredAssignments, draft: AuditDraft | None) -> None:
+def save_desired(db: Db, desired: DesiredAssignments, draft: AuditDraft | None) -> None:
     with txn(db):
         _upsert_desired(db, desired)
         if draft is not None:
             append_audit(db, draft)
 
 
-def _upsert_desired(db: apsw.Connection, desired: DesiredAssignments) -> None:
+def _upsert_desired(db: Db, desired: DesiredAssignments) -> None:
     # Never let an older generation overwrite a newer one: an ack recorded while a deployment
     # change for the same node is being committed may reach the store lane second.
+    if is_postgres(db):  # the upsert locks the row it compares with: atomic across controllers too
+        db.execute(
+            "INSERT INTO node_desired(node_id, body) VALUES (?,?)"
+            " ON CONFLICT(node_id) DO UPDATE SET body = excluded.body"
+            " WHERE (node_desired.body::jsonb ->> 'generation')::bigint"
+            " <= (excluded.body::jsonb ->> 'generation')::bigint",
+            (desired.node_id, codec.dumps(codec.store, desired)),
+        )
+        return
     db.execute(
         "INSERT INTO node_desired(node_id, body) VALUES (?,?)"
         " ON CONFLICT(node_id) DO UPDATE SET body = excluded.body"
@@ -143,7 +154,7 @@ def _upsert_desired(db: apsw.Connection, desired: DesiredAssignments) -> None:
 
 
 def rotate_node_keys(
-    db: apsw.Connection, node_id: str, keys: tuple[str, str], previous: tuple[str, str], draft: AuditDraft
+    db: Db, node_id: str, keys: tuple[str, str], previous: tuple[str, str], draft: AuditDraft
 ) -> AuditEvent:
     """Give the node its new (signing, curve) public keys and keep `previous` admitted (the
     node's `previous_*_public_key` columns), in one transaction with its audit event. Raises
@@ -163,7 +174,7 @@ def rotate_node_keys(
     return event
 
 
-def retire_previous_keys(db: apsw.Connection, node_id: str) -> None:
+def retire_previous_keys(db: Db, node_id: str) -> None:
     """The node uses its new keys: its previous ones are admitted no more."""
     with txn(db):
         db.execute(
@@ -172,7 +183,7 @@ def retire_previous_keys(db: apsw.Connection, node_id: str) -> None:
         )
 
 
-def load_previous_keys(db: apsw.Connection) -> dict[str, tuple[str, str]]:
+def load_previous_keys(db: Db) -> dict[str, tuple[str, str]]:
     """node id → (signing, curve) public keys still admitted beside its new ones."""
     with txn(db):
         rows = db.execute(
@@ -182,7 +193,7 @@ def load_previous_keys(db: apsw.Connection) -> dict[str, tuple[str, str]]:
     return {str(node_id): (str(signing), str(curve)) for node_id, signing, curve in rows}
 
 
-def mark_needs_reenrollment(db: apsw.Connection, node_id: str, key_id: str, draft: AuditDraft) -> AuditEvent | None:
+def mark_needs_reenrollment(db: Db, node_id: str, key_id: str, draft: AuditDraft) -> AuditEvent | None:
     """Mark the node as needing re-enrollment (it pins only the retired controller key `key_id`),
     audited in the same transaction; None (nothing written) when it is marked already."""
     with txn(db):
@@ -193,7 +204,7 @@ def mark_needs_reenrollment(db: apsw.Connection, node_id: str, key_id: str, draf
     return event
 
 
-def load_reenrollment(db: apsw.Connection) -> dict[str, str]:
+def load_reenrollment(db: Db) -> dict[str, str]:
     """node id → the retired controller key it pins, for the nodes that need re-enrollment."""
     with txn(db):
         rows = db.execute("SELECT id, reenroll_key_id FROM node WHERE reenroll_key_id IS NOT NULL").fetchall()

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 from typing import Final
 
-import apsw
-
 from nexa.contracts import codec
 from nexa.contracts.domain import AuditDraft, AuditEvent
 from nexa.contracts.evidence import BenchRun, Job, JobKind, JobState
 from nexa.control.store.audit import append_audit
-from nexa.control.store.sql import txn
+from nexa.control.store.sql import Db, txn
 from nexa.errors import Conflict
 
 #: The runs of one deployment kept at least; the oldest beyond it go as new ones come.
@@ -24,7 +22,7 @@ RUNS_KEPT_PER_DEPLOYMENT: Final = 1000
 RecordKey = tuple[float, str]
 
 
-def insert_bench_run(db: apsw.Connection, run: BenchRun, draft: AuditDraft) -> AuditEvent:
+def insert_bench_run(db: Db, run: BenchRun, draft: AuditDraft) -> AuditEvent:
     """Keep a run (and drop its deployment's runs beyond the newest `RUNS_KEPT_PER_DEPLOYMENT`)."""
     with txn(db):
         db.execute(
@@ -40,13 +38,13 @@ def insert_bench_run(db: apsw.Connection, run: BenchRun, draft: AuditDraft) -> A
     return event
 
 
-def get_bench_run(db: apsw.Connection, run_id: str) -> BenchRun | None:
+def get_bench_run(db: Db, run_id: str) -> BenchRun | None:
     with txn(db):
         rows = db.execute("SELECT body FROM bench_run WHERE id = ?", (run_id,)).fetchall()
     return codec.loads(codec.store, str(rows[0][0]), BenchRun) if rows else None
 
 
-def list_bench_runs(db: apsw.Connection, deployment: str | None, after: RecordKey | None, limit: int) -> list[BenchRun]:
+def list_bench_runs(db: Db, deployment: str | None, after: RecordKey | None, limit: int) -> list[BenchRun]:
     """Runs newest first (of one deployment, or all), at most `limit`, those before `after`. Read only."""
     where, args = _newest_first(["deployment = ?"] if deployment is not None else [], after, "recorded_at")
     params: list[object] = [deployment] if deployment is not None else []
@@ -58,7 +56,7 @@ def list_bench_runs(db: apsw.Connection, deployment: str | None, after: RecordKe
     return [codec.loads(codec.store, str(body), BenchRun) for (body,) in rows]
 
 
-def latest_bench_runs(db: apsw.Connection) -> list[BenchRun]:
+def latest_bench_runs(db: Db) -> list[BenchRun]:
     """The newest run of each (deployment, kind). Read only."""
     with txn(db):
         rows = db.execute(
@@ -68,7 +66,7 @@ def latest_bench_runs(db: apsw.Connection) -> list[BenchRun]:
     return [codec.loads(codec.store, str(body), BenchRun) for (body,) in rows]
 
 
-def insert_job(db: apsw.Connection, job: Job, subject: str | None, draft: AuditDraft | None) -> AuditEvent | None:
+def insert_job(db: Db, job: Job, subject: str | None, draft: AuditDraft | None) -> AuditEvent | None:
     """Keep a new job; audited when `draft` is given (client jobs)."""
     with txn(db):
         db.execute(
@@ -79,7 +77,7 @@ def insert_job(db: apsw.Connection, job: Job, subject: str | None, draft: AuditD
     return event
 
 
-def update_job(db: apsw.Connection, job: Job) -> None:
+def update_job(db: Db, job: Job) -> None:
     """Write a running job's next state; Conflict when it finished meanwhile."""
     with txn(db):
         db.execute(
@@ -90,13 +88,13 @@ def update_job(db: apsw.Connection, job: Job) -> None:
             raise Conflict(f"job {job.id} has finished; a finished job takes no update")
 
 
-def get_job(db: apsw.Connection, job_id: str) -> Job | None:
+def get_job(db: Db, job_id: str) -> Job | None:
     with txn(db):
         rows = db.execute("SELECT body FROM job WHERE id = ?", (job_id,)).fetchall()
     return codec.loads(codec.store, str(rows[0][0]), Job) if rows else None
 
 
-def running_job_of(db: apsw.Connection, kind: JobKind, subject: str) -> Job | None:
+def running_job_of(db: Db, kind: JobKind, subject: str) -> Job | None:
     """The running job of `kind` about `subject` (a controller-run job), if any."""
     with txn(db):
         rows = db.execute(
@@ -106,9 +104,7 @@ def running_job_of(db: apsw.Connection, kind: JobKind, subject: str) -> Job | No
     return codec.loads(codec.store, str(rows[0][0]), Job) if rows else None
 
 
-def list_jobs(
-    db: apsw.Connection, kind: JobKind | None, state: JobState | None, after: RecordKey | None, limit: int
-) -> list[Job]:
+def list_jobs(db: Db, kind: JobKind | None, state: JobState | None, after: RecordKey | None, limit: int) -> list[Job]:
     """Jobs newest first, of `kind` and in `state` when given, at most `limit`, those before `after`."""
     conditions, params = [], []
     if kind is not None:
@@ -126,7 +122,7 @@ def list_jobs(
     return [codec.loads(codec.store, str(body), Job) for (body,) in rows]
 
 
-def stale_jobs(db: apsw.Connection, kinds: tuple[JobKind, ...], updated_before: float) -> list[Job]:
+def stale_jobs(db: Db, kinds: tuple[JobKind, ...], updated_before: float) -> list[Job]:
     """Running jobs of `kinds` last updated before `updated_before`."""
     marks = ",".join("?" * len(kinds))
     with txn(db):

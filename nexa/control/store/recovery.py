@@ -4,11 +4,9 @@ from __future__ import annotations
 
 from typing import Final
 
-import apsw
-
 from nexa.contracts.domain import AuditDraft, AuditEvent
 from nexa.control.store.audit import append_audit
-from nexa.control.store.sql import meta_int, txn
+from nexa.control.store.sql import Db, meta_int, txn
 
 #: The `meta` key `nexa restore` writes into a restored database (its value says what was restored):
 #: a controller that opens a store holding it starts in recovery. `end_recovery` deletes it.
@@ -17,7 +15,7 @@ from nexa.control.store.sql import meta_int, txn
 RECOVERY_MARKER: Final = "recovery_from_backup"
 
 
-def recovery_marker(db: apsw.Connection) -> str | None:
+def recovery_marker(db: Db) -> str | None:
     """The restore marker's value (what was restored, as `nexa restore` wrote it), None without one."""
     with txn(db):
         for (value,) in db.execute("SELECT value FROM meta WHERE key = ?", (RECOVERY_MARKER,)):
@@ -25,11 +23,11 @@ def recovery_marker(db: apsw.Connection) -> str | None:
     return None
 
 
-def end_recovery(db: apsw.Connection, above: int, draft: AuditDraft) -> tuple[int, AuditEvent]:
+def end_recovery(db: Db, above: int, draft: AuditDraft) -> tuple[int, AuditEvent]:
     """End a recovery in one transaction: take an epoch above `above` (and above the stored one),
     delete the restore marker and append `draft`; the new epoch and the event."""
     with txn(db):
-        epoch = max(meta_int(db, "epoch"), above) + 1
+        epoch = max(meta_int(db, "epoch", lock=True), above) + 1
         db.execute("UPDATE meta SET value = ? WHERE key = 'epoch'", (epoch,))
         db.execute("DELETE FROM meta WHERE key = ?", (RECOVERY_MARKER,))
         event = append_audit(db, draft)

@@ -1,12 +1,12 @@
-"""The database schema: `MIGRATIONS` (append only) and `migrate`, run by `open_store`."""
+"""The database schema: `MIGRATIONS` (append only) and `migrate`, run by `open_store`; `take_epoch`.
+
+This is SQLite's; PostgreSQL's twin of each migration is in `pg_schema`."""
 
 from __future__ import annotations
 
 from typing import Final
 
-import apsw
-
-from nexa.control.store.sql import meta_int, pragma_int, txn
+from nexa.control.store.sql import Db, is_postgres, meta_int, pragma_int, txn
 from nexa.errors import StoreError
 
 #: "NEXA" — marks the file as ours for `file(1)` and for a sanity check at open.
@@ -239,10 +239,34 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX job_started ON job(started_at, id);
     CREATE INDEX job_running ON job(updated_at) WHERE state = 'running';
     """,
+    # Several controllers on one store (a PostgreSQL one): the leader's lease, one row, holding the
+    # epoch it took (`meta.epoch` + 1 at each takeover) and the address followers forward writes to;
+    # every controller's row for `GET /api/v1/cluster`; the fingerprint of the controller keys every
+    # controller on this store must share ('' until the first one starts).
+    """
+    CREATE TABLE leader_lease (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        holder TEXT NOT NULL,
+        epoch INTEGER NOT NULL,
+        address TEXT NOT NULL,
+        acquired_at REAL NOT NULL,
+        renewed_at REAL NOT NULL,
+        expires_at REAL NOT NULL
+    ) STRICT;
+    CREATE TABLE controller (
+        id TEXT PRIMARY KEY,
+        address TEXT NOT NULL,
+        role TEXT NOT NULL,
+        epoch INTEGER NOT NULL,
+        started_at REAL NOT NULL,
+        seen_at REAL NOT NULL
+    ) STRICT;
+    INSERT INTO meta(key, value) VALUES ('keys_fingerprint', '');
+    """,
 )
 
 
-def migrate(db: apsw.Connection) -> None:
+def migrate(db: Db) -> None:
     with txn(db):
         app_id = pragma_int(db, "application_id")
         version = pragma_int(db, "user_version")
@@ -260,8 +284,13 @@ def migrate(db: apsw.Connection) -> None:
             db.execute(f"PRAGMA user_version={number + 1}")
 
 
-def take_epoch(db: apsw.Connection) -> int:
+def take_epoch(db: Db) -> int:
+    """The next epoch, stored: strictly above every one taken before on this store (the UPDATE
+    locks the row until the transaction ends, so two controllers never take the same one)."""
     with txn(db):
-        db.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")
+        if is_postgres(db):  # meta values are text there
+            db.execute("UPDATE meta SET value = (value::bigint + 1)::text WHERE key = 'epoch'")
+        else:
+            db.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")
         epoch = meta_int(db, "epoch")
     return epoch

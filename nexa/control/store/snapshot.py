@@ -20,7 +20,7 @@ from nexa.control.store.audit import audit_head, verify_audit
 from nexa.control.store.connection import Store
 from nexa.control.store.recovery import RECOVERY_MARKER
 from nexa.control.store.sql import meta_int, txn
-from nexa.errors import StoreError
+from nexa.errors import BackupNotSupported, StoreError
 
 #: Pages copied per step (4 KiB each: 1 MiB), i.e. per turn on the store lane.
 PAGES_PER_STEP: Final = 256
@@ -38,7 +38,9 @@ class CopyInfo:
 
 async def copy_database(store: Store, dest: Path, *, pages_per_step: int | None = None) -> CopyInfo:
     """Copy the live database into `dest` (a new file) while the controller serves; never a file copy.
-    `pages_per_step`: default PAGES_PER_STEP."""
+    `pages_per_step`: default PAGES_PER_STEP. A PostgreSQL store is refused (BackupNotSupported)."""
+    if store.backend != "sqlite":
+        raise BackupNotSupported()
     pages_per_step = pages_per_step or PAGES_PER_STEP
     target = _open_dest(dest)
     try:
@@ -63,7 +65,7 @@ def _open_dest(dest: Path) -> apsw.Connection:
 
 
 def _begin(db: apsw.Connection, target: apsw.Connection) -> apsw.Backup:
-    return target.backup("main", db, "main")
+    return target.backup("main", db, "main")  # the SQLite store's connection (`copy_database`)
 
 
 def _step(_db: apsw.Connection, backup: apsw.Backup, pages: int) -> bool:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from typing import Final
 
-import apsw
 import attrs
 
 from nexa.contracts import codec
 from nexa.contracts.domain import AuditDraft, AuditEvent, KeyId, TenantId
 from nexa.contracts.gateway import QuotaLimits, UsageRecord, UsageRow
 from nexa.control.store.audit import append_audit
-from nexa.control.store.sql import PRUNE_BATCH, as_float, as_int, txn
+from nexa.control.store.sql import PRUNE_BATCH, Db, as_float, as_int, is_postgres, txn
 
 
 @attrs.frozen(kw_only=True)
@@ -22,7 +21,7 @@ class QuotaRecord:
     updated_by: KeyId | None
 
 
-def load_quotas(db: apsw.Connection) -> list[QuotaRecord]:
+def load_quotas(db: Db) -> list[QuotaRecord]:
     with txn(db):
         rows = db.execute("SELECT tenant, body, updated_at, updated_by FROM quota ORDER BY tenant").fetchall()
     return [
@@ -36,7 +35,7 @@ def load_quotas(db: apsw.Connection) -> list[QuotaRecord]:
     ]
 
 
-def save_quota(db: apsw.Connection, record: QuotaRecord, draft: AuditDraft) -> AuditEvent:
+def save_quota(db: Db, record: QuotaRecord, draft: AuditDraft) -> AuditEvent:
     with txn(db):
         db.execute(
             "INSERT INTO quota(tenant, body, updated_at, updated_by) VALUES (?,?,?,?)"
@@ -58,7 +57,7 @@ _USAGE_COLUMNS: Final = (
 QUOTA_REFUSED_STATUS: Final = "quota_exceeded"
 
 
-def insert_usage(db: apsw.Connection, records: list[UsageRecord]) -> None:
+def insert_usage(db: Db, records: list[UsageRecord]) -> None:
     """Write one batch of usage records in one transaction (metadata only: never payloads)."""
     with txn(db):
         db.executemany(
@@ -90,14 +89,16 @@ def insert_usage(db: apsw.Connection, records: list[UsageRecord]) -> None:
         )
 
 
-def usage_by_second(db: apsw.Connection, since: float) -> list[tuple[TenantId, int, int, int]]:
+def usage_by_second(db: Db, since: float) -> list[tuple[TenantId, int, int, int]]:
     """(tenant, whole second, requests, tokens) of the usage finished at or after `since`.
 
     What quotas rebuild their sliding minute from; quota refusals are not requests there.
     """
+    # SQLite's CAST truncates; PostgreSQL's rounds, so it takes the floor (times are positive).
+    second = "floor(finished_at)::bigint" if is_postgres(db) else "CAST(finished_at AS INTEGER)"
     with txn(db):
         rows = db.execute(
-            "SELECT tenant, CAST(finished_at AS INTEGER) AS second, count(*),"
+            f"SELECT tenant, {second} AS second, count(*),"  # noqa: S608
             " sum(prompt_tokens + completion_tokens) FROM usage WHERE finished_at >= ? AND status != ?"
             " GROUP BY tenant, second ORDER BY second",
             (since, QUOTA_REFUSED_STATUS),
@@ -105,7 +106,7 @@ def usage_by_second(db: apsw.Connection, since: float) -> list[tuple[TenantId, i
     return [(TenantId(str(t)), as_int(s), as_int(n), as_int(tok)) for t, s, n, tok in rows]
 
 
-def usage_tokens_since(db: apsw.Connection, since: float) -> dict[TenantId, int]:
+def usage_tokens_since(db: Db, since: float) -> dict[TenantId, int]:
     """Tokens per tenant finished at or after `since` (the quota's day window)."""
     with txn(db):
         rows = db.execute(
@@ -120,7 +121,7 @@ UsageKey = tuple[str, str, str]
 
 
 def usage_report(  # noqa: PLR0917 - one transaction function, called through Store.run(fn, *args)
-    db: apsw.Connection,
+    db: Db,
     since: float,
     until: float,
     tenant: str | None,
@@ -141,14 +142,18 @@ def usage_report(  # noqa: PLR0917 - one transaction function, called through St
     if model is not None:
         where.append("(model || ':' || model_version = ? OR model = ? OR alias = ?)")
         args.extend((model, model, model))
-    sql = (
-        "SELECT tenant, CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"  # noqa: S608
-        " strftime('%Y-%m-%d', finished_at, 'unixepoch') AS day, count(*), sum(status != 'ok'),"
-        " sum(prompt_tokens), sum(completion_tokens)"
-        f" FROM usage WHERE {' AND '.join(where)} GROUP BY tenant, m, day"
-    )
-    if after is not None:  # keyset: a group already given out is never given again
-        sql += " HAVING (day, tenant, m) > (?, ?, ?)"
+    if is_postgres(db):
+        sql = _usage_report_pg(where, after)
+    else:
+        sql = (
+            "SELECT tenant, CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"  # noqa: S608
+            " strftime('%Y-%m-%d', finished_at, 'unixepoch') AS day, count(*), sum(status != 'ok'),"
+            " sum(prompt_tokens), sum(completion_tokens)"
+            f" FROM usage WHERE {' AND '.join(where)} GROUP BY tenant, m, day"
+        )
+        if after is not None:  # keyset: a group already given out is never given again
+            sql += " HAVING (day, tenant, m) > (?, ?, ?)"
+    if after is not None:
         args.extend(after)
     sql += " ORDER BY day, tenant, m"
     if limit is not None:
@@ -170,7 +175,23 @@ def usage_report(  # noqa: PLR0917 - one transaction function, called through St
     ]
 
 
-def prune_usage(db: apsw.Connection, before: float) -> int:
+def _usage_report_pg(where: list[str], after: UsageKey | None) -> str:
+    """`usage_report`'s query on PostgreSQL, without its ORDER BY and LIMIT: the UTC day by
+    `to_char`, errors counted by a filter, and the keyset in an outer WHERE (HAVING cannot name
+    the select list's columns there)."""
+    sql = (
+        "SELECT tenant, m, day, n, errors, prompt, completion FROM (SELECT tenant,"  # noqa: S608
+        " CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"
+        " to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS day, count(*) AS n,"
+        " count(*) FILTER (WHERE status != 'ok') AS errors, sum(prompt_tokens) AS prompt,"
+        f" sum(completion_tokens) AS completion FROM usage WHERE {' AND '.join(where)} GROUP BY 1, 2, 3) AS g"
+    )
+    if after is not None:  # keyset: a group already given out is never given again
+        sql += " WHERE (day, tenant, m) > (?, ?, ?)"
+    return sql
+
+
+def prune_usage(db: Db, before: float) -> int:
     """Delete up to PRUNE_BATCH usage records that finished before `before`; how many went."""
     with txn(db):
         db.execute(

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Final
 
-import apsw
 import attrs
 
 from nexa.contracts import codec
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import AcceptedWorkload, SignedReceipt, WorkloadState
-from nexa.control.store.sql import PRUNE_BATCH, txn
+from nexa.control.store.sql import PRUNE_BATCH, Db, is_postgres, txn
 from nexa.errors import Conflict
 
 
@@ -46,7 +45,7 @@ def _workload_from_row(row: tuple[object, ...]) -> WorkloadRow:
     )
 
 
-def insert_workload(db: apsw.Connection, row: WorkloadRow) -> None:
+def insert_workload(db: Db, row: WorkloadRow) -> None:
     """Record an accepted workload. A workload id or idempotency key this tenant used before is a Conflict."""
     a = row.accepted
     with txn(db):
@@ -76,7 +75,7 @@ def insert_workload(db: apsw.Connection, row: WorkloadRow) -> None:
         )
 
 
-def finish_workloads(db: apsw.Connection, signed: list[SignedReceipt]) -> None:
+def finish_workloads(db: Db, signed: list[SignedReceipt]) -> None:
     """Write the terminal state and signed receipt of workloads, in one transaction; each once only."""
     with txn(db):
         for one in signed:
@@ -92,7 +91,7 @@ def finish_workloads(db: apsw.Connection, signed: list[SignedReceipt]) -> None:
                 raise Conflict(f"workload {r.workload_id} is not running")
 
 
-def unfinished_workloads(db: apsw.Connection) -> list[WorkloadRow]:
+def unfinished_workloads(db: Db) -> list[WorkloadRow]:
     with txn(db):
         rows = db.execute(
             f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE finished_at IS NULL ORDER BY accepted_at"  # noqa: S608
@@ -100,7 +99,7 @@ def unfinished_workloads(db: apsw.Connection) -> list[WorkloadRow]:
     return [_workload_from_row(row) for row in rows]
 
 
-def get_workload(db: apsw.Connection, tenant: TenantId, workload_id: str) -> WorkloadRow | None:
+def get_workload(db: Db, tenant: TenantId, workload_id: str) -> WorkloadRow | None:
     with txn(db):
         rows = db.execute(
             f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE tenant = ? AND workload_id = ?",  # noqa: S608
@@ -113,7 +112,7 @@ def get_workload(db: apsw.Connection, tenant: TenantId, workload_id: str) -> Wor
 WorkloadKey = tuple[float, str]
 
 
-def list_workloads(db: apsw.Connection, tenant: TenantId, after: WorkloadKey | None, limit: int) -> list[WorkloadRow]:
+def list_workloads(db: Db, tenant: TenantId, after: WorkloadKey | None, limit: int) -> list[WorkloadRow]:
     """This tenant's workloads, finished or not, oldest accepted first (ties by id), at most `limit`;
     with `after`, only those after that one (keyset: stable while workloads are accepted). Read only."""
     where = "tenant = ?"
@@ -130,7 +129,7 @@ def list_workloads(db: apsw.Connection, tenant: TenantId, after: WorkloadKey | N
     return [_workload_from_row(row) for row in rows]
 
 
-def workload_by_key(db: apsw.Connection, tenant: TenantId, key_sha256: str) -> WorkloadRow | None:
+def workload_by_key(db: Db, tenant: TenantId, key_sha256: str) -> WorkloadRow | None:
     """This tenant's workload with that idempotency key (sha256), finished or not, if any. Read only."""
     with txn(db):
         rows = db.execute(
@@ -140,7 +139,7 @@ def workload_by_key(db: apsw.Connection, tenant: TenantId, key_sha256: str) -> W
     return _workload_from_row(rows[0]) if rows else None
 
 
-def workload_receipt_by_key(db: apsw.Connection, tenant: TenantId, key_sha256: str) -> SignedReceipt | None:
+def workload_receipt_by_key(db: Db, tenant: TenantId, key_sha256: str) -> SignedReceipt | None:
     """The receipt of this tenant's finished workload with that idempotency key (None if none finished)."""
     with txn(db):
         rows = db.execute(
@@ -150,12 +149,19 @@ def workload_receipt_by_key(db: apsw.Connection, tenant: TenantId, key_sha256: s
     return codec.loads(codec.store, str(rows[0][0]), SignedReceipt) if rows else None
 
 
-def prune_workloads(db: apsw.Connection, before: float) -> int:
+def prune_workloads(db: Db, before: float) -> int:
     """Delete up to PRUNE_BATCH finished workloads (and their receipts) older than `before`."""
     with txn(db):
-        db.execute(
-            "DELETE FROM workload WHERE rowid IN (SELECT rowid FROM workload"
-            " WHERE finished_at IS NOT NULL AND finished_at < ? LIMIT ?)",
-            (before, PRUNE_BATCH),
-        )
+        if is_postgres(db):  # no rowid there: the primary key
+            db.execute(
+                "DELETE FROM workload WHERE (tenant, workload_id) IN (SELECT tenant, workload_id FROM workload"
+                " WHERE finished_at IS NOT NULL AND finished_at < ? LIMIT ?)",
+                (before, PRUNE_BATCH),
+            )
+        else:
+            db.execute(
+                "DELETE FROM workload WHERE rowid IN (SELECT rowid FROM workload"
+                " WHERE finished_at IS NOT NULL AND finished_at < ? LIMIT ?)",
+                (before, PRUNE_BATCH),
+            )
         return db.changes()

@@ -1,0 +1,500 @@
+"""`nexa.control.follow` and the `refresh` methods it calls: two "controllers" on one SQLite file
+(the first `Store` from `open_store`, the second a second pair of apsw connections on the same
+file), each with its own registry, model registry, fleet, deployments and quotas. A write through
+one shows on the other after one poll of its change feed; events that change no record re-read
+nothing; quotas split their limits among the live controllers; a follower never writes what its
+nodes report and never signs a set."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import apsw
+import attrs
+import httpx
+import pytest
+import trio
+
+from nexa import messaging, security
+from nexa.config import (
+    ArtifactStoreConfig,
+    ChannelConfig,
+    ClusterConfig,
+    ControlConfig,
+    HostPort,
+    HttpConfig,
+    ModelsConfig,
+    NodesConfig,
+    OciConfig,
+    Seconds,
+    StoreConfig,
+)
+from nexa.contracts import wire
+from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest, KeyCreate, TenantCreate
+from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
+from nexa.contracts.domain import KeyId, NodeAdminState, Role, TenantId
+from nexa.contracts.gateway import Api, Capability, QuotaLimits, UsageRecord
+from nexa.contracts.models import ModelRef, RuntimeRecord
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.wire import DesiredAssignments
+from nexa.control import store as st
+from nexa.control.deployments import Deployments
+from nexa.control.fleet import Fleet
+from nexa.control.follow import PARTS, ChangeFeed, quota_share, touched
+from nexa.control.forward import FORWARDED_HEADER
+from nexa.control.leadership import Leadership
+from nexa.control.models import ModelRegistry
+from nexa.control.outbound import Outbound
+from nexa.control.quotas import Quotas
+from nexa.control.registry import SYSTEM, Registry, audit_draft
+from nexa.control.service import KEYS_DIR
+from nexa.control.southbound import Southbound
+from nexa.errors import QuotaExceeded, Unauthenticated
+from nexa.messaging import Uplink
+from nexa.telemetry import Metrics
+from tests.conftest import free_port, gb10_inventory, local_config, start_controller
+from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401
+from tests.support.relay import wait_until
+
+ACME = TenantId("acme")
+REF = ModelRef(model="tiny", version="v1")
+TIMEOUT_S = 10
+
+
+class NoPush:
+    recovering = False
+
+    async def push_now(self, node_id: str) -> None:
+        return None
+
+
+@attrs.define
+class Side:
+    """One controller's in-memory state over its own store connections."""
+
+    store: st.Store
+    leadership: Leadership
+    registry: Registry
+    models: ModelRegistry
+    fleet: Fleet
+    deployments: Deployments
+    quotas: Quotas
+    feed: ChangeFeed
+
+
+async def side(store: st.Store, name: str, leadership: Leadership) -> Side:
+    metrics = Metrics()
+    registry = await Registry.load(store, metrics)
+    outbound = Outbound(OciConfig(), ArtifactStoreConfig(), registry_credentials=None, s3_credentials=None)
+    models = await ModelRegistry.load(ModelsConfig(), store, metrics, outbound)
+    fleet = Fleet(NodesConfig(), store, metrics, leadership=leadership)
+    await fleet.load()
+    deployments = Deployments(
+        NodesConfig(),
+        store,
+        metrics,
+        fleet,
+        models=models,
+        southbound=NoPush(),  # type: ignore[arg-type]  # nothing is placed or pushed here
+        leadership=leadership,
+    )
+    await deployments.load()
+    quotas = await Quotas.load(store, metrics, registry.tenant_exists)
+    feed = ChangeFeed(
+        store,
+        ClusterConfig(),
+        controller_id=name,
+        registry=registry,
+        models=models,
+        fleet=fleet,
+        deployments=deployments,
+        quotas=quotas,
+    )
+    await feed.refresh_all()
+    return Side(store, leadership, registry, models, fleet, deployments, quotas, feed)
+
+
+@asynccontextmanager
+async def two_sides(tmp_path: Path) -> AsyncIterator[tuple[Side, Side]]:
+    """The leader (`a`, solo over the state dir's store) and a follower (`b`, a never-run leased
+    leadership) on one database file."""
+    async with st.open_store(tmp_path, inline=True) as first:
+        db = apsw.Connection(str(tmp_path / st.DB_FILE))
+        reader = apsw.Connection(str(tmp_path / st.DB_FILE), flags=apsw.SQLITE_OPEN_READONLY)
+        try:
+            second = st.Store(db, epoch=0, inline=True, reader=reader)
+            follower = Leadership.leased(second, ClusterConfig(), controller_id="b", address="http://b.test:8470")
+            yield await side(first, "a", Leadership.solo(first)), await side(second, "b", follower)
+        finally:
+            reader.close()
+            db.close()
+
+
+@pytest.fixture
+async def sides(tmp_path: Path) -> AsyncIterator[tuple[Side, Side]]:
+    async with two_sides(tmp_path) as pair:
+        yield pair
+
+
+async def enroll(fleet: Fleet, hostname: str = "n1") -> tuple[str, security.SigningKey, messaging.CurveKeyPair]:
+    key, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+    secret, _ = await fleet.create_token(SYSTEM, EnrollmentTokenCreate(ttl_s=60))
+    node = await fleet.enroll(
+        EnrollRequest(token=secret, hostname=hostname, signing_public_key=key.public.b64, curve_public_key=curve.public)
+    )
+    return node.id, key, curve
+
+
+def hello(node_id: str, seq: int = 1, epoch: int = 0) -> wire.Hello:
+    return wire.Hello(node_id=node_id, seq=seq, ts=time.time(), agent_version="test", epoch=epoch)
+
+
+def heartbeat(node_id: str, seq: int) -> wire.Heartbeat:
+    return wire.Heartbeat(
+        node_id=node_id,
+        seq=seq,
+        ts=time.time(),
+        inventory=gb10_inventory(),
+        free_memory_bytes=64 << 30,
+        free_accelerators=1,
+        assignments=[],
+    )
+
+
+def deployment(node_id: str) -> Deployment:
+    now = time.time()
+    return Deployment(
+        name="chat-a",
+        runtime="sim",
+        alias="chat",
+        model=REF,
+        replicas=1,
+        resources=Resources(),
+        options=RuntimeOptions(),
+        placement=PlacementSpec(),
+        created_at=now,
+        created_by=None,
+        updated_at=now,
+        placed=[Replica(id="chat-a-r1", node_id=node_id, gpus=[], model=REF)],
+    )
+
+
+def usage(tenant: TenantId, tokens: int, finished_at: float) -> UsageRecord:
+    return UsageRecord(
+        request_id=f"r{finished_at}",
+        workload_id=None,
+        api=Api.OPENAI,
+        tenant=tenant,
+        key_id=KeyId("k1"),
+        capability=Capability.CHAT,
+        alias="chat",
+        model="tiny",
+        model_version="v1",
+        deployment="chat-a",
+        node_id="n1",
+        status="ok",
+        prompt_tokens=tokens // 2,
+        completion_tokens=tokens - tokens // 2,
+        queue_ms=0.0,
+        ttft_ms=5.0,
+        duration_ms=10.0,
+        finished_at=finished_at,
+    )
+
+
+# ---- what an audit action touches -----------------------------------------------------------------
+
+
+def test_audit_actions_name_the_state_they_change() -> None:
+    assert touched(["key.create", "tenant.create"]) == {"registry"}
+    assert touched(["model.approve", "alias.promote", "runtime.register", "model.evaluate"]) == {"models"}
+    assert touched(["deployment.scale", "deployment.canary.auto_rollback"]) == {"deployments", "fleet"}
+    assert touched(["node.enroll", "node.cordon", "node.keys_rotated", "enrollment_token.create"]) == {"fleet"}
+    assert touched(["quota.set"]) == {"quotas"}
+    # What one controller saw on its own channel, and events that change no cached record.
+    local = ["node.reachable", "node.unreachable", "node.message.rejected", "node.rotate_keys_requested"]
+    assert touched([*local, "console.sign_in", "job.create", "benchmark.record", "POST /api/v1/keys"]) == set()
+    assert set(PARTS) == {"registry", "models", "fleet", "deployments", "quotas"}
+
+
+def test_quota_shares_count_the_controllers_seen_lately() -> None:
+    def row(name: str, seen_at: float) -> st.ControllerRow:
+        return st.ControllerRow(id=name, address="", role="follower", epoch=1, started_at=0.0, seen_at=seen_at)
+
+    rows = [row("c", 100.0), row("a", 99.0), row("old", 50.0)]
+    assert quota_share(rows, "b", now=100.0, lease_s=5.0) == (3, 1)  # a, b (always), c; old is gone
+    assert quota_share([], "b", now=100.0, lease_s=5.0) == (1, 0)
+
+
+# ---- a write through one store shows on the other after a poll --------------------------------------
+
+
+async def test_keys_and_tenants_follow_the_store(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    secret, key = await a.registry.create_key(SYSTEM, KeyCreate(role=Role.OPERATOR, name="ci"))
+    await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+    with pytest.raises(Unauthenticated):
+        b.registry.authenticate(secret)  # not seen yet
+    assert await b.feed.poll() == {"registry"}
+    assert b.registry.authenticate(secret).id == key.id
+    assert b.registry.tenant_exists(ACME)
+
+    await a.registry.revoke_key(SYSTEM, key.id)
+    assert await b.feed.poll() == {"registry"}
+    with pytest.raises(Unauthenticated):
+        b.registry.authenticate(secret)  # revoked on the leader: refused here too
+    assert await b.feed.poll() == set()  # nothing new: nothing re-read
+
+
+async def test_nodes_follow_the_store_and_keep_what_this_controller_hears(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    node_id, _, curve = await enroll(a.fleet)
+    assert await b.feed.poll() == {"fleet"}
+    assert b.fleet.authorize_curve(curve.public) == node_id  # its channel is admitted here too
+    await b.fleet.heard(node_id, hello(node_id))
+    await b.fleet.heard(node_id, beat := heartbeat(node_id, 2))
+    heard_at = b.fleet.get(node_id).last_seen
+
+    await a.fleet.act(SYSTEM, node_id, "cordon")
+    version = b.fleet.version
+    assert await b.feed.poll() == {"fleet"}
+    live = b.fleet.get(node_id)
+    assert live.node.admin_state is NodeAdminState.CORDONED
+    assert (live.reachable, live.last_seen, live.inventory) == (True, heard_at, beat.inventory)
+    assert b.fleet.version > version  # the gateway's serving sets are made again
+
+    await a.fleet.act(SYSTEM, node_id, "revoke")
+    await b.feed.poll()
+    assert b.fleet.authorize_curve(curve.public) is None
+    assert not b.fleet.get(node_id).reachable
+
+
+async def test_a_nodes_reachability_on_another_channel_re_reads_nothing(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    node_id, _, _ = await enroll(a.fleet)
+    await b.feed.poll()
+    await a.fleet.heard(node_id, hello(node_id))  # audited `node.reachable` by the leader
+    await a.fleet.mark_unreachable(a.fleet.get(node_id))  # and `node.unreachable`
+    assert await b.feed.poll() == set()
+    assert not b.fleet.get(node_id).reachable  # never heard here: its own view
+
+
+async def test_models_deployments_and_their_node_sets_follow_the_store(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    node_id, _, _ = await enroll(a.fleet)
+    runtime = RuntimeRecord(
+        name="sim",
+        kind=RuntimeKind.SIM,
+        version="1",
+        image="registry.test/sim@sha256:" + "0" * 64,
+        media_type="application/vnd.oci.image.index.v1+json",
+        registered_at=time.time(),
+        registered_by=None,
+    )
+    await a.store.run(st.insert_runtime, runtime, audit_draft(SYSTEM, "runtime.register", "runtime/sim"))
+    dep = deployment(node_id)
+    sets = [DesiredAssignments(node_id=node_id, generation=2)]
+    await a.store.run(st.save_deployment, dep.name, dep, None, sets, audit_draft(SYSTEM, "deployment.create", "d"))
+    assert await b.feed.poll() == {"models", "fleet", "deployments"}
+    assert b.models.runtime("sim") == runtime
+    assert [v.deployment.name for v in b.deployments.all()] == ["chat-a"]
+    assert b.fleet.get(node_id).desired.generation == 2  # a follower takes the leader's sets
+
+    # The leader's own set, newer in memory than the store's (acknowledged, not yet written), stays.
+    live = a.fleet.get(node_id)
+    live.desired = attrs.evolve(live.desired, generation=5)
+    await a.feed.poll()
+    assert a.fleet.get(node_id).desired.generation == 5
+
+    await a.store.run(st.save_deployment, dep.name, None, None, [], audit_draft(SYSTEM, "deployment.delete", "d"))
+    await b.feed.poll()
+    assert b.deployments.all() == []
+
+
+async def test_quota_limits_and_the_days_tokens_follow_the_store(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+    await a.quotas.set(SYSTEM, ACME, QuotaLimits(tokens_per_day=1000))
+    assert await b.feed.poll() == {"registry", "quotas"}
+    now = time.time()
+    assert b.quotas.view(ACME, now).limits == QuotaLimits(tokens_per_day=1000)
+
+    running = b.quotas.admit(ACME, now, reserve_tokens=100)  # in flight here: no usage row yet
+    await a.store.run(st.insert_usage, [usage(ACME, 900, now)])  # another controller's usage
+    await b.quotas.refresh_day(now=now)
+    assert b.quotas.view(ACME, now).use.tokens_today == 1000
+    with pytest.raises(QuotaExceeded) as refused:
+        b.quotas.admit(ACME, now, reserve_tokens=100)
+    assert refused.value.limit == "tokens_per_day"
+    b.quotas.finish(running, 0, now)
+    await b.quotas.refresh_day(now=now)
+    assert b.quotas.view(ACME, now).use.tokens_today == 900
+    b.quotas.admit(ACME, now)  # below the budget again
+
+
+async def test_quota_shares_split_per_minute_and_concurrency_limits(sides: tuple[Side, Side]) -> None:
+    a, _ = sides
+    await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+    now = time.time()
+
+    async def admitted(limits: QuotaLimits, controllers: int, rank: int, *, finish: bool) -> int:
+        """Requests one controller admits (each finished at once when `finish`) until refused."""
+        await a.quotas.set(SYSTEM, ACME, limits)
+        quotas = await Quotas.load(a.store, Metrics(), a.registry.tenant_exists, now=now)
+        quotas.share(controllers, rank)
+        for count in range(100):
+            try:
+                ticket = quotas.admit(ACME, now)
+            except QuotaExceeded:
+                return count
+            if finish:
+                quotas.finish(ticket, 0, now)
+        raise AssertionError("never refused")
+
+    # 10 a minute over 3 controllers: 4, 3, 3 (the remainder to the first by id): 10 in all.
+    per_minute = QuotaLimits(requests_per_minute=10)
+    assert [await admitted(per_minute, 3, rank, finish=True) for rank in range(3)] == [4, 3, 3]
+    assert await admitted(per_minute, 1, 0, finish=True) == 10
+    # 2 at once over 3 controllers: at least one each.
+    concurrent = QuotaLimits(concurrent_requests=2)
+    assert [await admitted(concurrent, 3, rank, finish=False) for rank in range(3)] == [1, 1, 1]
+    assert await admitted(concurrent, 2, 1, finish=False) == 1
+    assert await admitted(concurrent, 1, 0, finish=False) == 2
+
+
+async def test_refresh_all_then_the_loop_polls(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
+    async with two_sides(tmp_path) as (a, b):
+        await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(b.feed.run)  # starts with a full re-read
+            assert b.registry.tenant_exists(ACME)
+            secret, _ = await a.registry.create_key(SYSTEM, KeyCreate(role=Role.OPERATOR, name="ci"))
+            await trio.sleep(2 * ClusterConfig().refresh_s)
+            assert b.registry.authenticate(secret) is not None
+            nursery.cancel_scope.cancel()
+
+
+# ---- a follower hears its nodes but writes and signs nothing ----------------------------------------
+
+
+async def test_a_follower_keeps_what_nodes_report_in_memory_only(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    node_id, _, _ = await enroll(a.fleet)
+    await b.feed.poll()
+    await b.fleet.heard(node_id, hello(node_id))
+    await b.fleet.heard(node_id, beat := heartbeat(node_id, 2))  # no NotLeader, no write
+    assert b.fleet.get(node_id).inventory == beat.inventory
+    [(_, stored_inventory, _)] = await b.store.read(st.load_nodes)
+    assert stored_inventory is None
+    await a.fleet.heard(node_id, hello(node_id))
+    await a.fleet.heard(node_id, beat := heartbeat(node_id, 3))  # the leader writes it
+    [(_, stored_inventory, _)] = await a.store.read(st.load_nodes)
+    assert stored_inventory == beat.inventory
+
+
+async def test_a_follower_never_signs_a_set_nor_begins_recovery_until_it_leads(tmp_path: Path) -> None:
+    leading = False
+    with trio.fail_after(TIMEOUT_S):
+        async with st.open_store(tmp_path) as store:
+            metrics = Metrics()
+            fleet = Fleet(NodesConfig(), store, metrics)
+            await fleet.load()
+            node_id, key, curve = await enroll(fleet)
+            controller_key, controller_curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+            southbound = Southbound(
+                ChannelConfig(listen="tcp://127.0.0.1:*"),
+                NodesConfig(lease_s=Seconds(5.0)),
+                fleet,
+                metrics,
+                curve=controller_curve,
+                signing_key=controller_key,
+                epoch=lambda: 3 if leading else 0,
+                leading=lambda: leading,
+            )
+            async with trio.open_nursery() as nursery:
+                endpoint = await nursery.start(southbound.run)
+                uplink = Uplink(
+                    endpoint,
+                    curve=curve,
+                    server_curve_public=controller_curve.public,
+                    signing_key=key,
+                    controller_key=controller_key.public,
+                )
+                await nursery.start(uplink.run)
+                # It accepted epoch 2 from the leader: above this follower's 0, and no set answers.
+                await uplink.send(hello(node_id, epoch=2))
+                await wait_until(lambda: fleet.get(node_id).reachable)
+                with trio.move_on_after(0.5):
+                    got = await uplink.receive()
+                    pytest.fail(f"a follower sent {type(got).__name__}")
+                assert not southbound.recovering
+
+                leading = True  # it takes the lease at epoch 3: every reachable node gets its set
+                assert await southbound.lead() == 1
+                pushed = await uplink.receive()
+                assert isinstance(pushed, wire.AssignmentSet)
+                assert (pushed.node_id, pushed.epoch) == (node_id, 3)
+                nursery.cancel_scope.cancel()
+
+
+# ---- two real controllers on one PostgreSQL database -------------------------------------------------
+
+
+def _cluster_config(tmp_path: Path, name: str, pg_url: str) -> ControlConfig:
+    port = free_port()
+    cfg = attrs.evolve(
+        local_config(tmp_path / name),
+        http=HttpConfig(listen=HostPort(f"127.0.0.1:{port}")),
+        store=StoreConfig(url=pg_url),
+        cluster=ClusterConfig(
+            lease_s=Seconds(2.0),
+            renew_s=Seconds(0.5),
+            refresh_s=Seconds(0.1),
+            controller_id=name,
+            address=f"http://127.0.0.1:{port}",
+        ),
+    )
+    return cfg
+
+
+async def test_any_controller_takes_writes_and_shows_them_at_once(
+    nursery: trio.Nursery, tmp_path: Path, pg_url: str
+) -> None:
+    with trio.fail_after(60):
+        leader = await start_controller(nursery, _cluster_config(tmp_path, "a", pg_url))
+        # Every controller on a store shares the controller keys (copied, as an operator does).
+        shutil.copytree(leader.state_dir / KEYS_DIR, tmp_path / "b" / "state" / KEYS_DIR)
+        follower = await start_controller(nursery, _cluster_config(tmp_path, "b", pg_url), admin_key=leader.admin_key)
+
+        async with follower.client() as http:
+            made = await http.post("/api/v1/tenants", json={"id": "acme"})
+            assert made.status_code == 201, made.text
+            assert made.headers[FORWARDED_HEADER] == "a"  # the leader made it
+            listed = await http.get("/api/v1/tenants")  # read here, at once
+            assert FORWARDED_HEADER not in listed.headers
+            assert [t["id"] for t in listed.json()["tenants"]] == ["acme"]
+            key = await http.post("/api/v1/keys", json={"role": "inference", "name": "app", "tenant": "acme"})
+            assert key.status_code == 201, key.text
+            page = await http.get("/console/login")  # the console's sessions live on the leader
+            assert (page.status_code, page.headers[FORWARDED_HEADER]) == (200, "a")
+        async with follower.client(key.json()["key"]) as inference:
+            models = await inference.get("/v1/models")  # the gateway here knows the new key
+            assert models.status_code == 200, models.text
+            assert FORWARDED_HEADER not in models.headers
+
+        leader.stopping.set()  # a clean stop releases the lease: the follower takes it
+        async with follower.client() as http:
+            await _until_leads(http)
+            made = await http.post("/api/v1/tenants", json={"id": "beta"})
+            assert made.status_code == 201, made.text
+            assert FORWARDED_HEADER not in made.headers  # served by itself, now the leader
+        follower.stopping.set()
+
+
+async def _until_leads(http: httpx.AsyncClient) -> None:
+    while (await http.get("/readyz")).json().get("role") != "leader":  # noqa: ASYNC110 - polls another process
+        await trio.sleep(0.1)
