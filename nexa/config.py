@@ -16,6 +16,7 @@ import math
 import os
 import re
 import tomllib
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, NewType, TypeVar
@@ -136,6 +137,50 @@ class HttpConfig:
     #: believed: a TLS-terminating ingress there makes the console cookie `Secure`. The header is
     #: ignored from every other peer. Empty: only a direct https connection counts.
     trusted_proxies: tuple[str, ...] = attrs.field(default=(), validator=lambda _i, _a, v: _check_networks(v))
+    #: Share `listen`'s port with the other `nexa control` processes ("gateway workers") on this
+    #: host: the socket is bound with SO_REUSEPORT and the kernel spreads new connections over the
+    #: workers, so the gateway uses more than one core. Each worker is a controller of its own on
+    #: the shared store (`[store] url`, required), with its own `[cluster] controller_id`,
+    #: `[channel] listen` and an address of its own in `extra_listen` that `[cluster] address`
+    #: names (`check_workers`). Off: the port is this process's alone.
+    reuse_port: bool = False
+    #: More HOST:PORT addresses this controller serves the same API on, never shared: with
+    #: `reuse_port`, the worker's own address, where other controllers forward writes to it when
+    #: it leads and where Prometheus scrapes its /metrics.
+    extra_listen: tuple[HostPort, ...] = attrs.field(
+        default=(), validator=lambda _i, _a, v: [parse_host_port(x) for x in v]
+    )
+
+    def check_workers(self, store: StoreConfig, cluster: ClusterConfig) -> None:
+        """With `reuse_port`, what several workers on one port need; ValueError naming the key.
+
+        The shared port reaches whichever worker the kernel picks, so nothing that must reach one
+        controller in particular may point at it: its id would be every worker's default, and a
+        follower forwards management writes to the leader's own `[cluster] address`."""
+        if not self.reuse_port:
+            return
+        _, port = parse_host_port(self.listen)
+        own_ports = {parse_host_port(extra)[1] for extra in self.extra_listen}
+        try:
+            address_port = urllib.parse.urlsplit(cluster.address).port if cluster.address else None
+        except ValueError:
+            address_port = None  # not a URL with a port: refused below
+        if not store.url:
+            problem = "needs a shared store: set [store] url to a postgresql:// URL (SQLite has one controller)"
+        elif port == 0:
+            problem = "needs a fixed port in http.listen for the workers to share (not 0)"
+        elif not cluster.controller_id:
+            problem = "needs [cluster] controller_id set, one name per worker (the default is the same for all)"
+        elif not own_ports:
+            problem = "needs an address of this worker's own in [http] extra_listen, e.g. 127.0.0.1:8481"
+        elif address_port not in own_ports:
+            problem = (
+                "needs [cluster] address set to this worker's own URL with a port of [http] extra_listen, "
+                "e.g. http://10.0.0.5:8481: forwarded writes must reach the leader, not the shared port"
+            )
+        else:
+            return
+        raise ValueError(f"http.reuse_port {problem}")
 
 
 @attrs.frozen(kw_only=True)
@@ -405,7 +450,8 @@ class ControlConfig:
     """Everything `nexa control` reads."""
 
     state_dir: str = "/var/lib/nexa/control"
-    http: HttpConfig = HttpConfig()
+    #: Checked against `store` and `cluster` (`HttpConfig.check_workers`) once all are set.
+    http: HttpConfig = attrs.field(default=HttpConfig(), validator=lambda i, _a, v: v.check_workers(i.store, i.cluster))
     channel: ChannelConfig = ChannelConfig()
     nodes: NodesConfig = NodesConfig()
     placement: PlacementConfig = PlacementConfig()

@@ -326,8 +326,15 @@ async def register_model(http: httpx.AsyncClient, plan: Plan, artifact_uri: str)
     await call(http, "POST", "/api/v1/tenants", {"id": "demo", "display_name": "Demo tenant"})
     key = await call(http, "POST", "/api/v1/keys", {"role": "inference", "tenant": "demo", "name": "demo client"})
     await call(http, "POST", "/api/v1/runtimes", plan.runtime)
+    await add_model(http, plan, artifact_uri, name=plan.model, alias="chat")
+    secret: str = key["key"]
+    return secret
+
+
+async def add_model(http: httpx.AsyncClient, plan: Plan, artifact_uri: str, *, name: str, alias: str) -> None:
+    """Model `name`@v1 over the plan's artifact, verified, evaluated, approved and aliased `alias`."""
     model = {
-        "name": plan.model,
+        "name": name,
         "version": "v1",
         "artifact": {
             "uri": artifact_uri,
@@ -340,13 +347,11 @@ async def register_model(http: httpx.AsyncClient, plan: Plan, artifact_uri: str)
         "license": {"spdx_id": "Apache-2.0", "accepted_by": "demo operator", "expires_at": None},
     }
     await call(http, "POST", "/api/v1/models", model)
-    path = f"/api/v1/models/{plan.model}/v1"
+    path = f"/api/v1/models/{name}/v1"
     await call(http, "POST", f"{path}/verify")
     await call(http, "POST", f"{path}/evaluations", {"suite": "demo-smoke", "metrics": {"ok": 1.0}, "passed": True})
     await call(http, "POST", f"{path}/approve")
-    await call(http, "POST", "/api/v1/aliases/chat/promote", {"model": plan.model, "version": "v1"})
-    secret: str = key["key"]
-    return secret
+    await call(http, "POST", f"/api/v1/aliases/{alias}/promote", {"model": name, "version": "v1"})
 
 
 async def enroll_node(
@@ -359,9 +364,11 @@ async def enroll_node(
     plan: Plan,
     prefix: str = "demo",
     channel_endpoint: str | None = None,
+    controllers: tuple[str, ...] = (),
 ) -> Node:
     """Enroll node `i` (its keys made here, its token spent) and start its agent process, named
-    `{prefix}-{i}`; with `channel_endpoint`, the agent dials that instead of what enrollment answered."""
+    `{prefix}-{i}`; with `channel_endpoint`, the agent dials that instead of what enrollment answered;
+    with `controllers`, it keeps a channel to each of those (several controllers on one store)."""
     name = f"{prefix}-{i}"
     state = root / "nodes" / name
     address = f"127.0.0.1{i}"
@@ -373,7 +380,8 @@ async def enroll_node(
         f'state_dir = "{state}"\ninventory_path = "{inventory}"\nheartbeat_interval_s = 0.5\n'
         f'source_address = "{address}"\nruntime_host = "{address}"\nreconnect_max_s = 1\n'
         f"simulation = {str(plan.simulation).lower()}\n"
-        f'[artifacts]\ns3_endpoint = "{store.endpoint}"\ns3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
+        + (f"controllers = {json.dumps(list(controllers))}\n" if controllers else "")
+        + f'[artifacts]\ns3_endpoint = "{store.endpoint}"\ns3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         f"[supervisor]\nreconcile_interval_s = 1\n{plan.node_tables}"
     )
     token = await call(http, "POST", "/api/v1/enrollment-tokens", {"ttl_s": 600, "labels": {"zone": f"z{i}"}})

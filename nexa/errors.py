@@ -41,6 +41,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NothingToRollBack [nothing_to_roll_back]: a deployment with no canary and no earlier promotion to return to
     - WorkloadAlreadyActive [workload_already_active]: that workload id is still running
     - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
+    - ControllersRunning [controllers_running]: a controller key rotation while other controllers share the store
   + NotDeployable [not_deployable, HTTP 422]: a deployment the registry or the fleet does not allow
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
@@ -449,6 +450,24 @@ class ModelNotServed(NotFound):
 
 class NotRecovering(Conflict):
     code = "not_recovering"
+
+
+class ControllersRunning(Conflict):
+    """`nexa keys rotate-controller` on a shared store while other controllers run on it: a
+    rotation writes the keys directory of this host only, and the others would keep signing with
+    the old keys. Nothing was changed."""
+
+    code = "controllers_running"
+
+    def __init__(self, *, others: list[str], wait_s: float) -> None:
+        super().__init__(
+            f"{len(others)} other controller(s) run on this store (GET /api/v1/cluster lists them), and a key "
+            "rotation changes the keys directory of this controller only, so nothing was changed: stop every "
+            f"other controller (a stopped one counts as running for {wait_s:g} s more), rotate here, then copy "
+            "this controller's <state_dir>/keys (mode 0700) over each other one's before it starts again (the "
+            "store accepts the rotated keys)"
+        )
+        self.others = others
 
 
 class WorkloadAlreadyActive(Conflict):

@@ -8,6 +8,10 @@ completion JSON with `usage` (`return 200 '...'`), or an SSE stream of `data:` c
 chunk and `data: [DONE]` (a static file as `text/event-stream`, written at once). `GET /health`
 answers 200, for the node's probe. Stopped by its PID.
 
+`Ingress` is the same nginx in front of several `nexa control` HTTP ports, as an operator's ingress
+(perf/failover.py): round-robin, and a request passed on to the next controller only when it was
+not sent yet. Both run one nginx process each, configured and started the same way.
+
 `wrk_point` runs `/usr/bin/wrk` (closed loop, keep-alive, `-c` connections over `-t` threads) with
 a Lua script that POSTs the body with the auth header and, when done, prints the count, the errors
 and the latency percentiles as one JSON line; the watched processes' CPU is read from /proc over
@@ -100,9 +104,6 @@ class Nginx:
 
     def conf(self) -> str:
         b = self.base
-        temp = "\n".join(
-            f"    {kind}_temp_path {b / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
-        )
         servers = "".join(
             f"    server {{\n      listen {host}:{port} backlog=4096;\n      root {b / 'bodies'};\n"
             "      location = /health { default_type text/plain; return 200 'ok'; }\n"
@@ -111,14 +112,7 @@ class Nginx:
             "      location / { return 404; }\n    }\n"
             for host, port, body, ctype in self.servers
         )
-        return (
-            "daemon off;\nmaster_process off;\nworker_processes 1;\n"
-            f"pid {b / 'nginx.pid'};\nerror_log {b / 'error.log'} warn;\n"
-            "events { worker_connections 16384; }\n"
-            "http {\n    access_log off;\n    keepalive_requests 100000000;\n    keepalive_timeout 300s;\n"
-            "    client_body_buffer_size 64k;\n    server_tokens off;\n"
-            f"{temp}\n{servers}}}\n"
-        )
+        return nginx_conf(b, servers)
 
     def _answer(self, port: int, body: str, ctype: str) -> str:
         """`return 200 '<body>'` when it fits in one nginx token; else a file under bodies/, which the
@@ -130,29 +124,121 @@ class Nginx:
         return f"alias {self.base / 'bodies' / f'{port}.body'}; default_type {ctype}; error_page 405 =200 /{port}.body;"
 
     def start(self) -> int:
-        if not Path(NGINX).exists():
-            raise Unavailable(f"{NGINX} is not installed (apt-get install nginx)")
-        self.base.mkdir(parents=True, exist_ok=True)
-        conf = self.base / "nginx.conf"
-        conf.write_text(self.conf())
-        log = self.base / "stderr.log"
-        argv = [NGINX, "-p", str(self.base), "-c", str(conf), "-e", str(self.base / "error.log")]
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
         host, port = self.servers[0][0], self.servers[0][1]
-
-        def ready() -> bool:
-            try:
-                return httpx.get(f"http://{host}:{port}/health", timeout=2, trust_env=False).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(ready, self.proc, "nginx", log, NGINX_START_TIMEOUT_S)
+        self.proc = start_nginx(self.base, self.conf(), f"http://{host}:{port}/health")
         return self.proc.pid
 
     def stop(self) -> None:
         if self.proc is not None:
             stop(self.proc)
+
+
+class Ingress:
+    """nginx as the ingress of several controllers: `host:port`, round-robin over `upstreams`
+    (each a controller's `HOST:PORT`).
+
+    A request goes to the next controller only when the one tried refused or timed out before the
+    request was sent (`proxy_next_upstream error timeout`: nginx never sends a POST again once it
+    reached a server), so a controller that dies fails only the requests it had started; a server
+    that failed once is left out for `fail_timeout_s`. Answers stream through unbuffered (SSE).
+    Each answer, nginx's own errors too, says which controllers were tried in `X-Nexa-Upstream`
+    (`$upstream_addr`: `A:1, B:2` when A failed first).
+
+    `keepalive` > 0 keeps that many idle connections per worker to the controllers (as an ingress
+    in production would); 0 opens one per request, so a request can never be written to a
+    connection whose controller has just died without nginx knowing it yet (such a request counts
+    as sent and is not tried again), which keeps a failover's count of failed requests exact."""
+
+    def __init__(
+        self, base: Path, host: str, port: int, upstreams: list[str], *, keepalive: int = 0, fail_timeout_s: float = 5.0
+    ) -> None:
+        self.base = base
+        self.host, self.port = host, port
+        self.upstreams = upstreams
+        self.keepalive = keepalive
+        self.fail_timeout_s = fail_timeout_s
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def conf(self) -> str:
+        servers = "".join(
+            f"      server {u} max_fails=1 fail_timeout={self.fail_timeout_s:g}s;\n" for u in self.upstreams
+        )
+        pool = f"      keepalive {self.keepalive};\n" if self.keepalive else ""
+        connection = '""' if self.keepalive else "close"
+        return nginx_conf(
+            self.base,
+            f"    upstream controllers {{\n{servers}{pool}    }}\n"
+            "    server {\n"
+            f"      listen {self.host}:{self.port} backlog=4096;\n"
+            "      client_max_body_size 64m;\n"
+            "      location = /ingress-health { default_type text/plain; return 200 'ok'; }\n"
+            "      location / {\n"
+            "        proxy_pass http://controllers;\n"
+            "        proxy_http_version 1.1;\n"
+            f"        proxy_set_header Connection {connection};\n"
+            "        proxy_set_header Host $http_host;\n"
+            "        proxy_next_upstream error timeout;\n"
+            "        proxy_connect_timeout 2s;\n"
+            "        proxy_read_timeout 300s;\n"
+            "        proxy_buffering off;\n"
+            "        add_header X-Nexa-Upstream $upstream_addr always;\n"
+            "      }\n"
+            "    }\n",
+        )
+
+    def start(self) -> int:
+        self.proc = start_nginx(self.base, self.conf(), f"{self.url}/ingress-health")
+        return self.proc.pid
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def nginx_conf(base: Path, servers: str) -> str:
+    """One nginx process (foreground, no master) around `servers`, its pid, log and temp folders under `base`."""
+    temp = "\n".join(
+        f"    {kind}_temp_path {base / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    return (
+        "daemon off;\nmaster_process off;\nworker_processes 1;\n"
+        f"pid {base / 'nginx.pid'};\nerror_log {base / 'error.log'} warn;\n"
+        "events { worker_connections 16384; }\n"
+        "http {\n    access_log off;\n    keepalive_requests 100000000;\n    keepalive_timeout 300s;\n"
+        "    client_body_buffer_size 64k;\n    server_tokens off;\n"
+        f"{temp}\n{servers}}}\n"
+    )
+
+
+def start_nginx(base: Path, conf: str, ready_url: str) -> subprocess.Popen[bytes]:
+    """nginx on `conf` as a child of this process, once `ready_url` answers 200 (Unavailable, with
+    its log, if it exits or does not answer within NGINX_START_TIMEOUT_S)."""
+    if not Path(NGINX).exists():
+        raise Unavailable(f"{NGINX} is not installed (apt-get install nginx-light)")
+    base.mkdir(parents=True, exist_ok=True)
+    path = base / "nginx.conf"
+    path.write_text(conf)
+    log = base / "stderr.log"
+    argv = [NGINX, "-p", str(base), "-c", str(path), "-e", str(base / "error.log")]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        try:
+            return httpx.get(ready_url, timeout=2, trust_env=False).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(ready, proc, "nginx", log, NGINX_START_TIMEOUT_S)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc
 
 
 def wrk_script(path: Path, target: Target, body: bytes) -> Path:

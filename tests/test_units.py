@@ -252,3 +252,44 @@ def test_example_control_config_state_dir_matches_the_unit() -> None:
     node = tomllib.loads((UNITS / "node.toml").read_text(encoding="utf-8"))
     node_unit = (UNITS / "nexa-node.service").read_text(encoding="utf-8")
     assert node["state_dir"] == "/var/lib/" + _one(node_unit, "Service", "StateDirectory")
+
+
+# The template unit for several gateway workers on one host (`nexa-control@N.service`, one config each).
+TEMPLATE = "nexa-control@.service"
+
+
+def test_template_unit_instance_passes_systemd_analyze_verify_and_security(tmp_path: Path) -> None:
+    analyze = _systemd_analyze()
+    _local_copy(TEMPLATE, tmp_path)
+    instance = str(tmp_path / "nexa-control@1.service")  # loaded from the template beside it
+    proc = subprocess.run(
+        [analyze, "verify", instance], capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (0, ""), proc.stderr
+    proc = subprocess.run(
+        [analyze, "security", "--offline=true", "--no-pager", instance],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    match = re.search(r"Overall exposure level for nexa-control@1.service: (\d+(?:\.\d+)?)", proc.stdout)
+    assert match is not None, proc.stdout[-2000:]
+    assert float(match.group(1)) <= MAX_EXPOSURE, proc.stdout
+
+
+def test_template_unit_is_the_controller_unit_with_a_config_per_instance() -> None:
+    single = (UNITS / "nexa-control.service").read_text(encoding="utf-8")
+    template = (UNITS / TEMPLATE).read_text(encoding="utf-8")
+    assert _one(template, "Service", "ExecStart") == f"{INSTALLED_BINARY} control --config /etc/nexa/control-%i.toml"
+    assert "%i" in _one(template, "Unit", "Description")
+
+    def rest(text: str) -> list[tuple[str, str, str]]:
+        return [d for d in _directives(text) if d[1] not in {"ExecStart", "Description"}]
+
+    assert rest(template) == rest(single)  # the same sandbox, restart policy and state directory
+    # Every instance's state_dir is the one directory the unit leaves writable.
+    state_dir = config.load(UNITS / "control-worker.toml", config.ControlConfig).state_dir
+    assert state_dir == "/var/lib/" + _one(template, "Service", "StateDirectory")

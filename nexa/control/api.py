@@ -355,6 +355,11 @@ class _Handlers(RecordHandlers):
     def __init__(self, state: AppState) -> None:
         self._s = state
 
+    def _epoch(self) -> int:
+        """The epoch this controller signs with: its leadership's (leased: the lease's; solo: the store's)."""
+        lead = self._s.leadership
+        return lead.epoch if lead is not None else self._s.store.epoch
+
     async def get_healthz(self) -> Response:
         return _json(Health(status="ok"))
 
@@ -379,7 +384,7 @@ class _Handlers(RecordHandlers):
         return _json(
             VersionInfo(
                 version=__version__,
-                epoch=self._s.store.epoch,
+                epoch=self._epoch(),
                 started_at=self._s.started_at,
                 controller_fingerprint=self._s.controller_keys.fingerprint,
                 now=time.time(),
@@ -474,7 +479,7 @@ class _Handlers(RecordHandlers):
         """The chain's head (seq, sha256), signed with the controller's Ed25519 key: keep it, and
         `nexa audit verify --against` it later to detect a chain rebuilt after it."""
         seq, sha256 = await self._s.store.read(st.audit_head)
-        checkpoint = AuditCheckpoint(seq=seq, sha256=sha256, at=time.time(), epoch=self._s.store.epoch)
+        checkpoint = AuditCheckpoint(seq=seq, sha256=sha256, at=time.time(), epoch=self._epoch())
         return _json(sign_audit_checkpoint(self._s.signing_key, checkpoint))
 
     # ---- usage, quotas and receipts ------------------------------------------------------------------

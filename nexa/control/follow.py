@@ -14,13 +14,19 @@ runs the feed too: followers write their own events (node enrollment over their 
 Quotas on several gateways: each controller enforces its share of the per-minute and concurrency
 limits, split among the live controllers (rows seen within `LIVE_LEASES` lease periods), and
 re-reads the UTC day's tokens from every controller's usage rows (`USAGE_REFRESH_S`).
+
+A controller whose row has not been written for `LIVE_LEASES` lease periods is gone (`gone`):
+killed, or its host lost. What it left unfinished never finishes (it held the calls and ran the
+backups), so the leader fails it (`Orphans`: its workloads, with signed receipts, and its running
+backups); a controller that starts again fails its own leftovers itself (`Workloads.load`). Rows
+that name no controller (written before they were named) are failed once no other controller runs.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Final, NoReturn, Protocol
 
 import trio
@@ -81,6 +87,25 @@ def touched(actions: Iterable[str]) -> set[str]:
             if action.startswith(prefix):
                 parts |= names
     return parts
+
+
+class Orphaned(Protocol):
+    """What fails the unfinished work of gone controllers (`Workloads`, `Jobs`): how many it failed."""
+
+    async def fail_orphaned(self, controllers: Collection[str | None]) -> int: ...
+
+
+def gone(controllers: Iterable[st.ControllerRow], me: str, *, now: float, lease_s: float) -> dict[str, float]:
+    """id → last seen, of the controllers whose row was not written within `LIVE_LEASES` lease
+    periods (never `me`, which runs)."""
+    return {r.id: r.seen_at for r in controllers if r.id != me and now - r.seen_at > LIVE_LEASES * lease_s}
+
+
+async def other_live_controllers(store: st.Store, me: str, lease_s: float) -> list[str]:
+    """The other controllers on `store` not `gone`, by id (`KeyRotation`'s refusal)."""
+    rows = await store.read(st.list_controllers)
+    now = time.time()
+    return [r.id for r in rows if r.id != me and now - r.seen_at <= LIVE_LEASES * lease_s]
 
 
 def quota_share(controllers: list[st.ControllerRow], me: str, *, now: float, lease_s: float) -> tuple[int, int]:
@@ -193,3 +218,63 @@ class ChangeFeed:
         count, rank = quota_share(rows, self._controller_id, now=time.time(), lease_s=self._cfg.lease_s)
         self._quotas.share(count, rank)
         await self._quotas.refresh_day(unflushed_s=self._unflushed_s)
+
+
+class Orphans:
+    """On the leader only (`Leadership.while_leader`): every `lease_s`, fail what the `gone`
+    controllers left unfinished (`parts`, each `Orphaned`), and what names no controller once no
+    other one runs. A controller is swept once per time it was last seen (and again by each new
+    leader): gone, it writes nothing new."""
+
+    def __init__(
+        self,
+        store: st.Store,
+        cfg: ClusterConfig,
+        *,
+        controller_id: str,
+        parts: Sequence[Orphaned],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._cfg = cfg
+        self._controller_id = controller_id
+        self._parts = parts
+        self._clock = clock
+        self._swept: dict[str | None, float] = {}
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        """Sweep now, then every `lease_s`, until cancelled; a store failure is logged and the next retries."""
+        self._swept.clear()  # a new leadership: the last leader may have died in the middle of one
+        task_status.started()
+        while True:
+            try:
+                await self.sweep()
+            except StoreUnusable:
+                raise
+            except NexaError as exc:
+                log.warning("failing the work of stopped controllers failed (%s); the next round retries", exc.code)
+            await trio.sleep(self._cfg.lease_s)
+
+    async def sweep(self) -> int:
+        """One round: fail the unfinished work of controllers gone since the last; how much."""
+        rows = await self._store.read(st.list_controllers)
+        dead: dict[str | None, float] = {}
+        dead.update(gone(rows, self._controller_id, now=self._clock(), lease_s=self._cfg.lease_s))
+        if all(r.id == self._controller_id or r.id in dead for r in rows):
+            dead[None] = 0.0  # no other controller runs: rows that name none are nobody's
+        fresh = {name: seen for name, seen in dead.items() if self._swept.get(name) != seen}
+        if not fresh:
+            return 0
+        failed = 0
+        for part in self._parts:
+            failed += await part.fail_orphaned(fresh.keys())
+        self._swept.update(fresh)
+        if failed:
+            names = sorted(name or "none named" for name in fresh)
+            log.warning(
+                "failed %d unfinished workloads and jobs of stopped controllers (%s)",
+                failed,
+                ", ".join(names),
+                extra={"fields": {"controllers": names, "failed": failed}},
+            )
+        return failed

@@ -21,6 +21,7 @@ Refusals, in the error envelope and retryable (503 `not_leader`, `Retry-After`):
 leader did not answer. A leader that fails after its answer began cuts the connection (a
 truncated body must not look whole). Bodies stream both ways and keep the body limit
 (`http.max_body_bytes`). The home of httpx for this peer: its errors become nexa errors here.
+Each forwarded request is counted by how it ended: `nexa_forwarded_requests_total{result}`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from nexa.contracts.api import ErrorBody, ErrorEnvelope
 from nexa.control.console.sessions import reached_over_https, trusted_networks
 from nexa.control.http import BodyLimit, new_request_id, status_for
 from nexa.errors import NexaError, NotLeader, PayloadTooLarge, Unavailable
+from nexa.telemetry import Children, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +124,8 @@ class Forwarder:
     - `after_write` runs (bounded by `CATCH_UP_S`) once a forwarded request succeeded, before its
       answer is relayed: the change feed's catch-up, so this controller's reads show the write;
     - `trusted_proxies` (`http.trusted_proxies`) decide the `X-Forwarded-Proto` sent on, as the
-      console decides it (the leader trusts it from followers listed in its own).
+      console decides it (the leader trusts it from followers listed in its own);
+    - `metrics`: where each forwarded request is counted by result (`nexa_forwarded_requests_total`).
     """
 
     def __init__(
@@ -135,7 +138,9 @@ class Forwarder:
         after_write: Callable[[], Awaitable[object]] | None = None,
         trusted_proxies: Iterable[str] = (),
         transport: httpx.AsyncBaseTransport | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._counted = None if metrics is None else Children(metrics.forwarded_requests)
         self._app = app
         self._leadership = leadership
         self._controller_id = controller_id
@@ -146,6 +151,10 @@ class Forwarder:
         self._client: httpx.AsyncClient | None = None
         # Bodies over the limit that declare their length: drained and answered 413 without forwarding.
         self._limited = BodyLimit(self._forward, max_body_bytes)
+
+    def _count(self, result: str) -> None:
+        if self._counted is not None:
+            self._counted(result).inc()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         """Hold the client to the leader open until cancelled: start it before HTTP serves, cancel
@@ -179,6 +188,7 @@ class Forwarder:
         headers: list[tuple[bytes, bytes]] = [(k.lower(), v) for k, v in scope["headers"]]
         rid = new_request_id(_header(headers, b"x-request-id"))
         if any(k == _FORWARDED for k, _ in headers):
+            self._count("loop")
             await _refuse(send, rid, NotLeader(_LOOP))
             return
         address = self._leadership.leader_address
@@ -187,13 +197,16 @@ class Forwarder:
             if self._leadership.is_leader:
                 await self._app(scope, receive, send)
             else:
+                self._count("no_leader")
                 await _refuse(send, rid, NotLeader(_NO_LEADER))
             return
         first = await receive()
         if first["type"] != "http.request":
+            self._count("client_gone")
             return  # the client went away before sending its body
         body: bytes = first.get("body", b"")
         if len(body) > self._limit:
+            self._count("too_large")
             await _refuse(send, rid, PayloadTooLarge(limit_bytes=self._limit))
             return
         out = self._request_headers(scope, headers, rid)
@@ -210,12 +223,14 @@ class Forwarder:
         try:
             response = await self._client.send(request, stream=True)
         except _BodyRefused as refused:
+            self._count("client_gone" if refused.error is None else "too_large")
             if refused.error is not None:
                 await _refuse(send, rid, refused.error)
             return
         except httpx.HTTPError as exc:
             log.warning("the leader did not answer a forwarded %s (%s)", scope["method"], type(exc).__name__)
             unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
+            self._count("leader_unreachable" if unsent else "leader_lost")
             await _refuse(send, rid, NotLeader(_LEADER_GONE if unsent else _LEADER_LOST))
             return
         try:
@@ -291,8 +306,10 @@ class Forwarder:
         except httpx.HTTPError as exc:
             # The answer began: a truncated body must not look whole, so the connection is cut.
             log.warning("the leader stopped in the middle of a forwarded answer (%s)", type(exc).__name__)
+            self._count("answer_cut")
             raise Unavailable("the leader stopped in the middle of its answer; retry in a few seconds") from exc
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._count("ok")
 
 
 _NO_LEADER: Final = (

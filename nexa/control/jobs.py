@@ -6,6 +6,10 @@ the controller records backups (`record`/`finish`, from `control.backup`) and ro
 job still `running` with no update for `STALE_AFTER_S` is failed ("no update for 10 min") the
 next time it is read, and stored so; a backup a previous controller process left running is failed
 when the controller starts (`fail_interrupted`).
+
+Several controllers on one store: each job row names the controller that took it (`controller`;
+None on the embedded store). A controller that starts fails only its own interrupted backups; the
+leader fails those of a controller gone for good (`fail_orphaned`, from `follow.Orphans`).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Final
 
 import attrs
@@ -63,10 +67,20 @@ def update_problems(req: JobUpdate) -> list[str]:
 class Jobs:
     """Every job, in the store (see the module docstring)."""
 
-    def __init__(self, store: st.Store, metrics: Metrics, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        store: st.Store,
+        metrics: Metrics,
+        *,
+        clock: Callable[[], float] = time.time,
+        controller: str | None = None,
+    ) -> None:
+        """`controller`: this controller's id on a shared store, written with each job it takes
+        (None: the only controller)."""
         self._store = store
         self._metrics = metrics
         self._clock = clock
+        self._controller = controller
 
     @classmethod
     def of(cls, jobs: Jobs | None) -> Jobs:
@@ -85,7 +99,7 @@ class Jobs:
             raise ContractError("invalid job: " + "; ".join(problems), problems=tuple(problems))
         job = self._new(req.kind, req.title)
         draft = audit_draft(actor, "job.create", f"job/{job.id}", None, job, detail=f"{job.kind.value}: {job.title}")
-        event = await self._store.run(st.insert_job, job, None, draft)
+        event = await self._store.run(st.insert_job, job, None, draft, self._controller)
         if event is not None:
             self._metrics.audit_events.labels(event.result.value).inc()
         return job
@@ -126,7 +140,7 @@ class Jobs:
     ) -> str:
         """A job the controller runs itself (a backup, a rollout), running from now; its id."""
         job = attrs.evolve(self._new(kind, title[:MAX_TITLE_CHARS]), progress=progress, link=link)
-        await self._store.run(st.insert_job, job, subject, None)
+        await self._store.run(st.insert_job, job, subject, None, self._controller)
         return job.id
 
     async def progress(self, job_id: str, progress: float, summary: str = "") -> None:
@@ -188,14 +202,29 @@ class Jobs:
         )
         await self._store.run(st.update_job, after)
 
-    async def fail_interrupted(self) -> int:
+    async def fail_interrupted(self, *, unowned: bool = False) -> int:
         """At start: the backups a previous controller process left `running` (it stopped during
         them, so they will never finish) are failed; how many. Rollout jobs carry on: the rollout
-        does, and its job is found again by its deployment."""
+        does, and its job is found again by its deployment. On a shared store only this
+        controller's own (the others' run on), and with `unowned` (no other controller runs)
+        those no controller is named on."""
+        mine = None if self._controller is None else ((self._controller, None) if unowned else (self._controller,))
+        return await self._fail_backups(mine, "the controller stopped during the backup: run `nexa backup` again")
+
+    async def fail_orphaned(self, controllers: Collection[str | None]) -> int:
+        """The running backups of `controllers` (gone for good: `follow.Orphans`, on the leader;
+        None: no controller named) are failed; how many. Client jobs go stale by themselves;
+        rollouts carry on under the leader."""
+        names = tuple(controllers)
+        if not names:
+            return 0
+        return await self._fail_backups(names, "its controller stopped during the backup: run `nexa backup` again")
+
+    async def _fail_backups(self, controllers: tuple[str | None, ...] | None, summary: str) -> int:
         now = self._clock()
-        interrupted = await self._store.run(st.stale_jobs, (JobKind.BACKUP,), now)
+        interrupted = await self._store.run(st.stale_jobs, (JobKind.BACKUP,), now, controllers)
         for job in interrupted:
-            await self._fail(job, "the controller stopped during the backup: run `nexa backup` again", now)
+            await self._fail(job, summary[:MAX_SUMMARY_CHARS], now)
         return len(interrupted)
 
     async def _fail_stale(self) -> None:

@@ -35,7 +35,7 @@ from nexa import messaging, security
 from nexa.contracts import codec
 from nexa.contracts.api import ControllerKey, ControllerKeysRotated
 from nexa.control.registry import SYSTEM, Actor, Registry
-from nexa.errors import ConfigError, Conflict, ContractError, Unavailable
+from nexa.errors import ConfigError, Conflict, ContractError, ControllersRunning, Unavailable
 from nexa.messaging import CurveKeyPair
 from nexa.security import PublicKey, SigningKey
 
@@ -258,7 +258,12 @@ def retired_signing_key(directory: Path, key_id: str) -> SigningKey:
 class KeyRotation:
     """`nexa keys rotate-controller`: one rotation at a time, on disk first, then announced to the
     nodes (signed with the key they pin), then in force for every signer (`on_rotated`), audited.
-    `run` switches the channel's Curve key when the overlap ends (`switch_curve`, then `switch`)."""
+    `run` switches the channel's Curve key when the overlap ends (`switch_curve`, then `switch`).
+
+    On a shared store (`others`: the other controllers running on it) a rotation is refused while
+    any runs (ControllersRunning): it writes this host's keys directory only, which the others
+    must then be given before they start again (`store.check_keys_fingerprint` takes the rotated
+    keys in place of those they replace)."""
 
     def __init__(
         self,
@@ -271,8 +276,13 @@ class KeyRotation:
         on_rotated: Sequence[Callable[[ControllerKeys], None]] = (),
         lock: trio.Lock | None = None,
         switch: Callable[[ControllerKeys], Awaitable[None]] | None = None,
+        others: Callable[[], Awaitable[list[str]]] | None = None,
+        others_gone_after_s: float = 0.0,
     ) -> None:
+        """`others` (a shared store only): the other controllers running on it now;
+        `others_gone_after_s`: how long after its last row a stopped one still counts as running."""
         self.keys = keys
+        self._others, self._others_gone_after_s = others, others_gone_after_s
         self._switch = switch
         self._rotated = trio.Event()
         self._directory, self._overlap_s = directory, overlap_s
@@ -283,6 +293,8 @@ class KeyRotation:
 
     async def rotate(self, actor: Actor) -> ControllerKeysRotated:
         async with self._lock:
+            if self._others is not None and (others := await self._others()):
+                raise ControllersRunning(others=others, wait_s=self._others_gone_after_s)
             if self.keys.next_curve is not None and (prev := self.keys.previous) is not None:
                 raise Conflict(
                     f"the last rotation's overlap runs until {prev.overlap_until:.0f} (Unix time): its Curve key "

@@ -11,6 +11,9 @@ timing that is not a finite, non-negative number is zeroed before the record is 
 flush never meets a value SQLite cannot bind (an int beyond 2^63 raised OverflowError there).
 Each such record is counted in `nexa_usage_records_refused_total{reason}` and logged by id.
 
+Several controllers on one store each meter their own calls, and only the leader prunes
+(`leading`): one pruning pass per store, not one per controller racing for the same rows.
+
 Reports group by tenant, model and UTC day in SQL. The model of a row is `name:version` of the
 version that served it, or the alias the client asked for when it never resolved to one.
 """
@@ -25,6 +28,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -112,10 +116,14 @@ class MeterStatistics:
 class Meter:
     """Usage records: metrics and windows at once, the store in batches."""
 
-    def __init__(self, cfg: GatewayConfig, store: st.Store, metrics: Metrics) -> None:
+    def __init__(
+        self, cfg: GatewayConfig, store: st.Store, metrics: Metrics, *, leading: Callable[[], bool] | None = None
+    ) -> None:
+        """`leading`: whether this controller leads now (it alone prunes); None: always (the only one)."""
         self._cfg = cfg
         self._store = store
         self._metrics = metrics
+        self._leading = leading if leading is not None else lambda: True
         self._pending: list[UsageRecord] = []
         self._windows: dict[str, deque[_Finished]] = {}
         self._dropped = 0
@@ -236,7 +244,8 @@ class Meter:
     # ---- writing behind ------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Flush every `metering_flush_s` until cancelled; then flush what is left (shielded, bounded)."""
+        """Flush every `metering_flush_s` until cancelled; then flush what is left (shielded, bounded).
+        Prune past `usage_retention_s` every PRUNE_INTERVAL_S while this controller leads."""
         task_status.started()
         next_prune = trio.current_time() + FIRST_PRUNE_S
         try:
@@ -244,8 +253,11 @@ class Meter:
                 await trio.sleep(self._cfg.metering_flush_s)
                 await self._flush_logged()
                 if trio.current_time() >= next_prune:
-                    next_prune = trio.current_time() + PRUNE_INTERVAL_S
-                    await self._prune()
+                    if self._leading():
+                        next_prune = trio.current_time() + PRUNE_INTERVAL_S
+                        await self._prune()
+                    else:  # a follower looks again soon: it may lead by then
+                        next_prune = trio.current_time() + FIRST_PRUNE_S
         finally:
             with trio.move_on_after(SHUTDOWN_FLUSH_TIMEOUT_S, shield=True) as final:
                 await self._flush_logged()

@@ -12,6 +12,10 @@ Recovery ends once every enrolled node (not revoked) has reported, or on `nexa r
 one audited transaction takes an epoch above every node's and deletes the marker, then every
 reachable node is sent its restored set at the new epoch, which it accepts whatever generation it
 holds (a newer epoch wins), and the reconciler runs again.
+
+`--recover` is for the embedded store only (`refuse_forced`): recovery moves the store's epoch
+(`meta.epoch`), while controllers on a shared PostgreSQL store sign with the lease's epoch, and a
+new leader takes a higher one by itself. A PostgreSQL store is restored with PostgreSQL's tools.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from nexa.control.deployments.records import all_replicas
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.control.southbound import Southbound
-from nexa.errors import NexaError, NotRecovering, Unavailable
+from nexa.errors import ConfigError, NexaError, NotRecovering, Unavailable
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -53,6 +57,20 @@ WRITES_WHILE_RECOVERING: Final = frozenset(
         ("POST", "/console/audit/verify"),
     }
 )
+
+
+#: Why `nexa control --recover` is refused on a shared (PostgreSQL) store.
+FORCED_ON_SHARED_STORE: Final = (
+    "--recover is for the embedded SQLite store: on PostgreSQL, restore the PostgreSQL database with its own "
+    "tools; the new leader takes a higher epoch itself. Start without --recover"
+)
+
+
+def refuse_forced(recover: bool, backend: str) -> None:
+    """At start, before anything is written: ConfigError for `--recover` on a shared store (`backend`
+    other than sqlite; the module docstring says why)."""
+    if recover and backend != "sqlite":
+        raise ConfigError(FORCED_ON_SHARED_STORE, problems=("--recover: not with [store] url",))
 
 
 def refused_while_recovering(method: str, rule: str) -> bool:
@@ -181,7 +199,9 @@ class Recovery:
         self._wake.set()
 
     async def begin(self, *, forced: bool = False) -> None:
-        """At start, before the node channel serves: recover if the store was restored, or when `forced`."""
+        """At start, before the node channel serves: recover if the store was restored, or when `forced`
+        (ConfigError on a shared store: `refuse_forced`)."""
+        refuse_forced(forced, getattr(self._store, "backend", "sqlite"))
         marker = await self._store.run(st.recovery_marker)
         if marker is not None:
             self._southbound.begin_recovery(_restored_from(marker))

@@ -34,6 +34,7 @@ from nexa.contracts.domain import (
     TenantId,
 )
 from nexa.control import store as st
+from nexa.control.store.sql import Db, meta, txn
 from nexa.errors import Conflict, ContractError, KeyExpired, NotFound, Unauthenticated
 from nexa.telemetry import Metrics
 
@@ -163,6 +164,13 @@ class Registry:
 
     async def create_key(self, actor: Actor, req: KeyCreate, *, secret: str | None = None) -> tuple[str, ApiKey]:
         """Create a key; returns the secret (shown once) and the stored record."""
+        secret, key = self._new_key(actor, req, secret=secret)
+        await self._audited(st.insert_key, key, audit_draft(actor, "key.create", f"key/{key.id}", None, key))
+        self._keys[key.id] = key
+        return secret, key
+
+    def _new_key(self, actor: Actor, req: KeyCreate, *, secret: str | None) -> tuple[str, ApiKey]:
+        """The key `req` asks for (checked: ContractError, NotFound) and its secret; nothing stored."""
         if req.role is Role.INFERENCE:
             if req.tenant is None:
                 raise ContractError("an inference key needs a tenant", problems=("tenant: required for inference",))
@@ -191,8 +199,6 @@ class Registry:
             created_by=actor.key_id,
             expires_at=expires_at,
         )
-        await self._audited(st.insert_key, key, audit_draft(actor, "key.create", f"key/{key.id}", None, key))
-        self._keys[key.id] = key
         return secret, key
 
     async def rotate_key(self, actor: Actor, key_id: KeyId, req: KeyRotate) -> tuple[str, ApiKey, ApiKey]:
@@ -262,13 +268,24 @@ class Registry:
         return revoked
 
     async def ensure_admin_key(self, key_file: str | None) -> str | None:
-        """On the very first start, create the admin key. Returns its secret if it was generated here."""
+        """On the very first start, create the admin key. Returns its secret if it was generated here.
+
+        Created only while the store holds no key at all, checked in the insert's own transaction
+        (`_insert_first_key`): of several controllers starting at once on an empty shared store,
+        one creates it and the others find it (and then hold it in memory too)."""
         if self._keys:
             return None
         secret = None
         if key_file is not None:
             secret = (await trio.Path(key_file).read_text(encoding="utf-8")).strip()
-        created, _ = await self.create_key(SYSTEM, KeyCreate(role=Role.ADMIN, name="bootstrap admin"), secret=secret)
+        created, key = self._new_key(SYSTEM, KeyCreate(role=Role.ADMIN, name="bootstrap admin"), secret=secret)
+        draft = audit_draft(SYSTEM, "key.create", f"key/{key.id}", None, key)
+        event = await self._store.run(_insert_first_key, key, draft)
+        if event is None:  # another controller on the store created the keys first
+            self._keys = self._keys | {k.id: k for k in await self._store.run(st.load_keys)}
+            return None
+        self._metrics.audit_events.labels(event.result.value).inc()
+        self._keys[key.id] = key
         log.info("created the bootstrap admin key", extra={"fields": {"from_file": key_file is not None}})
         return None if key_file is not None else created
 
@@ -364,3 +381,16 @@ def audit_draft(
         result=result,
         detail=detail,
     )
+
+
+def _insert_first_key(db: Db, key: ApiKey, draft: AuditDraft) -> AuditEvent | None:
+    """Insert `key` (and its audit event) only while the store holds no key; None when it holds one.
+
+    On PostgreSQL the audit head's row is locked first (`FOR UPDATE`, as every audited write locks
+    it): a second controller's transaction waits there until the first commits, and then reads
+    the key the first inserted. SQLite has one writer at a time."""
+    with txn(db):
+        meta(db, "audit_head_seq", lock=True)
+        if st.load_keys(db):
+            return None
+        return st.insert_key(db, key, draft)

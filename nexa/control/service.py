@@ -7,8 +7,8 @@ restored or `recover` is set) → the leadership's first lease round → node ch
 store: the change feed, `control.follow`) → the loops that decide desired state (on a shared
 store only while this controller leads, `_lead`) → HTTP (the inference routes in front of the
 management app, which `control.forward` wraps: a follower passes writes to the leader). The store owns the
-epoch; receipts read it there, the node channel through the leadership (solo, on SQLite: the
-store's too, so the one advance a recovery's end makes reaches them all at once; leased: the lease's).
+epoch; receipts, `/version` and the node channel read it through the leadership (solo, on SQLite: the
+store's, so the one advance a recovery's end makes reaches them all at once; leased: the lease's).
 Shutdown is the reverse: HTTP stops accepting and drains in-flight requests for
 `http.graceful_timeout_s`, then the background loops are cancelled (bounded by
 their own shielded timeouts; metering writes what is pending), then the store closes last.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -40,7 +41,7 @@ from nexa.control.benchmarks import Benchmarks
 from nexa.control.deployments import Deployments
 from nexa.control.evidence import Evidence
 from nexa.control.fleet import Fleet
-from nexa.control.follow import ChangeFeed
+from nexa.control.follow import LIVE_LEASES, ChangeFeed, Orphans, other_live_controllers
 from nexa.control.forward import Forwarder
 from nexa.control.gateway import Gateway
 from nexa.control.inference import InferenceApp
@@ -51,7 +52,7 @@ from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.outbound import Outbound
 from nexa.control.quotas import UNFLUSHED_S, Quotas
-from nexa.control.recovery import Recovery
+from nexa.control.recovery import Recovery, refuse_forced
 from nexa.control.registry import Registry
 from nexa.control.rollout import RolloutWatcher
 from nexa.control.routing import Router
@@ -87,16 +88,54 @@ class ControlStarted:
     admin_key: str | None
 
 
-def hypercorn_config(cfg: HttpConfig) -> hypercorn.config.Config:
+def _bind(listen: str) -> str:
+    host, port = parse_host_port(listen)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def hypercorn_config(cfg: HttpConfig, *, shared_fd: int | None = None) -> hypercorn.config.Config:
+    """hypercorn's settings for `cfg`: it binds `listen` itself, or serves `shared_fd` there (a
+    socket `shared_listener` made, which hypercorn then owns and closes), and binds `extra_listen`."""
     hc = hypercorn.config.Config()
-    host, port = parse_host_port(cfg.listen)
-    hc.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    hc.bind = [_bind(cfg.listen) if shared_fd is None else f"fd://{shared_fd}", *map(_bind, cfg.extra_listen)]
     hc.graceful_timeout = cfg.graceful_timeout_s
     hc.keep_alive_timeout = cfg.keep_alive_timeout_s
     hc.accesslog = None  # nexa.control.api writes one structured line per request
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.include_server_header = False
     return hc
+
+
+def shared_listener(listen: str) -> socket.socket:
+    """A TCP socket bound to `listen` with SO_REUSEPORT and SO_REUSEADDR, not yet listening: every
+    worker on this host binds one the same way and the kernel spreads new connections over them
+    (Linux lets only sockets of the same user into one port's group)."""
+    host, port = parse_host_port(listen)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve_http(
+    app: InferenceApp,
+    cfg: HttpConfig,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """hypercorn on `cfg`'s addresses. With `reuse_port` the shared socket is made afresh at each
+    (re)start of this loop and handed over (`fd://`): while a restart waits, the kernel sends new
+    connections to the other workers instead of a backlog nobody accepts from."""
+    shared_fd = shared_listener(cfg.listen).detach() if cfg.reuse_port else None
+    hc = hypercorn_config(cfg, shared_fd=shared_fd)
+    await hypercorn.trio.serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
 async def serve_control(
@@ -137,6 +176,7 @@ async def _serve_control(
     recover: bool,
     task_status: trio.TaskStatus[ControlStarted],
 ) -> None:
+    refuse_forced(recover, "postgresql" if cfg.store.url else "sqlite")  # before anything is written
     async with open_store(cfg.state_dir, cfg.store) as store:
         registry = await Registry.load(store, metrics)
         admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
@@ -197,8 +237,11 @@ async def _serve_control(
             recovery = Recovery(store, fleet, deployments, southbound, metrics)
             await recovery.begin(forced=recover)
             quotas = await Quotas.load(store, metrics, registry.tenant_exists)
-            meter = Meter(cfg.gateway, store, metrics)
-            workloads = await Workloads.load(store, keys.signing)
+            meter = Meter(cfg.gateway, store, metrics, leading=lambda: leadership.is_leader)
+            owner, alone = await _owner(cfg, store, leadership)
+            workloads = await Workloads.load(
+                store, keys.signing, controller=owner, epoch=lambda: leadership.epoch, unowned=alone
+            )
             admission = Admission(cfg.gateway, metrics)
             gateway = Gateway(
                 cfg.gateway,
@@ -237,7 +280,7 @@ async def _serve_control(
                     key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
                 ),
             )
-            await _keep_records(state)
+            await _keep_records(state, controller=owner, unowned=alone)
             if (prev := keys.previous) is not None and prev.overlap_until > time.time():
                 # Restarted within a rotation's overlap: nodes that say hello are still told.
                 old = await trio.to_thread.run_sync(retired_signing_key, keys_dir, prev.key_id)
@@ -251,6 +294,8 @@ async def _serve_control(
                 on_rotated=[lambda k: workloads.use_signing_key(k.signing), partial(_use_keys, state)],
                 lock=Backups.of(state.backups).lock,
                 switch=southbound.switch_curve,
+                others=None if owner is None else partial(other_live_controllers, store, owner, cfg.cluster.lease_s),
+                others_gone_after_s=LIVE_LEASES * cfg.cluster.lease_s,
             )
             # Several controllers on one store: each keeps its caches up with the store, and a
             # follower passes management writes to the leader. Neither on the embedded store.
@@ -271,6 +316,7 @@ async def _serve_control(
                 max_body_bytes=cfg.http.max_body_bytes,
                 after_write=feed.catch_up if feed is not None else None,
                 trusted_proxies=cfg.http.trusted_proxies,
+                metrics=metrics,
             )
             app = InferenceApp(
                 forwarder,
@@ -304,6 +350,7 @@ async def _serve_control(
                             ("workloads", partial(workloads.run, cfg.gateway.workload_retention_s)),
                             ("backup", Backups.of(state.backups).run),
                             ("keys", state.key_rotation.run),
+                            *_orphans(cfg, store, owner, workloads, Jobs.of(state.jobs)),
                         ],
                     )
                     await loops.start(supervised, "gateway", gateway.run)
@@ -311,9 +358,7 @@ async def _serve_control(
                     await loops.start(supervised, "forward", forwarder.run)
                     log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                     async with trio.open_nursery() as http:
-                        serve = partial(
-                            hypercorn.trio.serve, app, hypercorn_config(cfg.http), shutdown_trigger=stopping.wait
-                        )
+                        serve = partial(_serve_http, app, cfg.http, shutdown_trigger=stopping.wait)
                         binds: list[str] = await http.start(supervised, "http", serve)
                         state.ready = True
                         http.start_soon(_unready_on, stopping, state)
@@ -362,7 +407,9 @@ async def _leadership(
     else:
         leadership = Leadership.leased(store, cfg.cluster, controller_id=controller_id, address=address)
     metrics.controller_epoch.set(leadership.epoch)
+    metrics.controller_role.set(1 if leadership.is_leader else 0)
     leadership.on_change(lambda lead: metrics.controller_epoch.set(lead.epoch))
+    leadership.on_change(lambda lead: metrics.controller_role.set(1 if lead.is_leader else 0))
     return leadership
 
 
@@ -423,6 +470,26 @@ async def _start_leading(
     await loops.start(supervised, "leader", partial(leadership.while_leader, lead))
 
 
+async def _owner(cfg: ControlConfig, store: Store, leadership: Leadership) -> tuple[str | None, bool]:
+    """(The controller named on each workload and job this one runs: its id on a shared store,
+    None on the embedded one; whether no other controller runs now, so that at start the rows
+    naming none, written before controllers were named, are failed too.)"""
+    if getattr(store, "backend", "sqlite") == "sqlite":
+        return None, True
+    owner = leadership.controller_id
+    return owner, not await other_live_controllers(store, owner, cfg.cluster.lease_s)
+
+
+def _orphans(
+    cfg: ControlConfig, store: Store, owner: str | None, workloads: Workloads, jobs: Jobs
+) -> list[tuple[str, Callable[..., Awaitable[object]]]]:
+    """On a shared store (`owner`: this controller's id), the leader's loop that fails what a
+    controller gone for good left unfinished (`follow.Orphans`); none on the embedded store."""
+    if owner is None:
+        return []
+    return [("orphans", Orphans(store, cfg.cluster, controller_id=owner, parts=(workloads, jobs)).run)]
+
+
 async def _lead(
     feed: ChangeFeed, southbound: Southbound, loops: list[tuple[str, Callable[..., Awaitable[object]]]]
 ) -> None:
@@ -438,10 +505,11 @@ async def _lead(
             await nursery.start(supervised, name, fn)
 
 
-async def _keep_records(state: AppState) -> None:
-    """Jobs (each backup and rollout recorded as one), benchmark runs and evidence signing."""
-    jobs = state.jobs = Jobs(state.store, state.metrics)
-    if interrupted := await jobs.fail_interrupted():
+async def _keep_records(state: AppState, *, controller: str | None, unowned: bool) -> None:
+    """Jobs (each backup and rollout recorded as one, named by `controller` on a shared store),
+    benchmark runs and evidence signing."""
+    jobs = state.jobs = Jobs(state.store, state.metrics, controller=controller)
+    if interrupted := await jobs.fail_interrupted(unowned=unowned):
         log.warning("%d backup job(s) left running by the previous controller process: failed", interrupted)
     state.deployments.on_commit(RolloutJobs(jobs).observe)
     if state.backups is not None:

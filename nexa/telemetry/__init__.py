@@ -68,6 +68,21 @@ class Metrics:
         self.controller_epoch = Gauge(
             "nexa_controller_epoch", "Durable epoch this controller process took at start.", registry=r
         )
+        self.controller_role = Gauge(
+            "nexa_controller_role",
+            "1 while this controller leads (reconciles and signs desired state), 0 while it follows;"
+            " the embedded store's only controller always leads.",
+            registry=r,
+        )
+        self.forwarded_requests = Counter(
+            "nexa_forwarded_requests",
+            "Management requests a follower passed to the leader, by result: ok (the leader's answer relayed,"
+            " whatever its status), no_leader (no lease holder known), loop (forwarded already), leader_unreachable"
+            " (not sent), leader_lost (sent, no answer), answer_cut (the answer stopped midway), too_large,"
+            " client_gone.",
+            ["result"],
+            registry=r,
+        )
         self.controller_recovering = Gauge(
             "nexa_controller_recovering",
             "1 while the controller is recovering (reconciliation only: writes refused, nothing pushed), else 0.",

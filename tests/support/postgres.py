@@ -1,10 +1,9 @@
 """A real PostgreSQL for the store's tests: one server per test run, a fresh database per test.
 
-The server is Debian's `postgresql` (initdb and pg_ctl from PATH or /usr/lib/postgresql/*/bin), in a
-temporary directory, listening on 127.0.0.1 at a free port with its unix socket in that directory.
-Loopback connections are trusted, but for `PASSWORD_USER`, which must give `PASSWORD` (scram): the
-tests of `[store] password_file`. initdb refuses to run as root, so as root the server runs as the
-`postgres` user (`runuser -u postgres --`) in a directory given to it.
+The server is `nexa.localparts.postgres.LocalPostgres` (Debian's `postgresql` in a temporary
+directory, on 127.0.0.1 at a free port, as the `postgres` user when run as root). Loopback
+connections are trusted, but for `PASSWORD_USER`, which must give `PASSWORD` (scram): the tests of
+`[store] password_file`. SQL goes through psycopg here (`PostgresServer.sql`).
 
 It starts with the first test that asks for it (`postgres_server`, `pg_url`, or the `postgresql`
 side of `store_cfg`) and stops when the run ends (`pg_ctl stop -m fast`, then the directory goes).
@@ -17,52 +16,28 @@ and asks for `store_cfg`, `pg_url` or `postgres_server`.
 
 from __future__ import annotations
 
-import contextlib
-import glob
 import os
 import secrets
-import shutil
 import socket
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Final
 
 import attrs
 import pytest
 
 from nexa.config import StoreConfig
+from nexa.errors import ConfigError
+from nexa.localparts.postgres import PG_START_TIMEOUT_S, LocalPostgres
 
 IN_CI: Final = os.environ.get("CI") == "true"
-#: The superuser initdb creates, trusted on loopback.
-SUPERUSER: Final = "nexa"
 #: A role that must authenticate with `PASSWORD` (scram-sha-256) from 127.0.0.1.
 PASSWORD_USER: Final = "nexa_pw"
 PASSWORD: Final = "s3cret-" + "pw-for-tests"
-START_TIMEOUT_S: Final = 30.0
+START_TIMEOUT_S: Final = PG_START_TIMEOUT_S
 #: Both backends of the store, for `store_cfg`'s parametrization.
 BACKENDS: Final = ("sqlite", "postgresql")
-
-
-def _tool(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
-    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"), reverse=True)
-    return candidates[0] if candidates else None
-
-
-def _need_tools() -> tuple[str, str]:
-    initdb, pg_ctl = _tool("initdb"), _tool("pg_ctl")
-    if initdb is None or pg_ctl is None:
-        reason = "PostgreSQL (initdb, pg_ctl) is not installed: apt-get install postgresql"
-        if IN_CI:
-            pytest.fail(f"{reason} (required in CI)")
-        pytest.skip(reason)
-    return initdb, pg_ctl
 
 
 def free_port() -> int:
@@ -72,25 +47,10 @@ def free_port() -> int:
 
 
 @attrs.define
-class PostgresServer:
-    """A running PostgreSQL on 127.0.0.1:`port`, its data and socket in `root`."""
+class PostgresServer(LocalPostgres):
+    """The run's server (`nexa.localparts.postgres`), with SQL through psycopg and a fresh database per test."""
 
-    root: Path
-    port: int
-    pg_ctl: str
-    as_postgres: bool
     _databases: int = 0
-
-    @property
-    def data(self) -> Path:
-        return self.root / "data"
-
-    def url(self, database: str = "postgres", *, user: str = SUPERUSER) -> str:
-        return f"postgresql://{user}@127.0.0.1:{self.port}/{database}"
-
-    def _run(self, *argv: str, timeout: float = START_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
-        prefix = ["runuser", "-u", "postgres", "--"] if self.as_postgres else []
-        return subprocess.run([*prefix, *argv], capture_output=True, text=True, timeout=timeout, check=False)
 
     def sql(self, statement: str, database: str = "postgres") -> list[tuple[object, ...]]:
         """Run one statement as the superuser, outside any transaction (CREATE DATABASE)."""
@@ -109,40 +69,18 @@ class PostgresServer:
     def drop_database(self, name: str) -> None:
         self.sql(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
-    def stop(self) -> None:
-        with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-            self._run(self.pg_ctl, "stop", "-D", str(self.data), "-m", "fast", "-w", timeout=60)
-        shutil.rmtree(self.root, ignore_errors=True)
-
 
 def start_server() -> PostgresServer:
-    """initdb into a new temporary directory and start the server; the caller stops it."""
-    initdb, pg_ctl = _need_tools()
-    as_postgres = os.geteuid() == 0
-    root = Path(tempfile.mkdtemp(prefix="nexa-pg-"))
-    server = PostgresServer(root=root, port=free_port(), pg_ctl=pg_ctl, as_postgres=as_postgres)
+    """A started server with the password role; the caller stops it. Without PostgreSQL installed the
+    test fails in CI and is skipped elsewhere."""
+    server = PostgresServer(hba=f"host all {PASSWORD_USER} 127.0.0.1/32 scram-sha-256\n")
     try:
-        if as_postgres:
-            shutil.chown(root, user="postgres", group="postgres")
-        init = server._run(initdb, "-D", str(server.data), "-U", SUPERUSER, "--auth=trust", "-E", "UTF8", "--no-sync")
-        if init.returncode != 0:
-            raise AssertionError(f"initdb failed: {init.stderr[-2000:]}")
-        (server.data / "pg_hba.conf").write_text(
-            "local all all trust\n"
-            f"host all {PASSWORD_USER} 127.0.0.1/32 scram-sha-256\n"
-            "host all all 127.0.0.1/32 trust\n"
-        )
-        options = (
-            f"-c listen_addresses=127.0.0.1 -c port={server.port} -c unix_socket_directories={root}"
-            " -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
-        )
-        started = server._run(
-            pg_ctl, "start", "-D", str(server.data), "-w", "-t", str(int(START_TIMEOUT_S)),
-            "-l", str(root / "server.log"), "-o", options,
-        )  # fmt: skip
-        if started.returncode != 0:
-            log = (root / "server.log").read_text() if (root / "server.log").exists() else ""
-            raise AssertionError(f"pg_ctl start failed: {started.stderr[-1000:]} {log[-2000:]}")
+        server.start()
+    except ConfigError as exc:
+        if IN_CI:
+            pytest.fail(f"{exc.message} (required in CI)")
+        pytest.skip(exc.message)
+    try:
         _wait_ready(server)
         server.sql(f"CREATE ROLE {PASSWORD_USER} LOGIN CREATEDB PASSWORD '{PASSWORD}'")
     except BaseException:

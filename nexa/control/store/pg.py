@@ -33,8 +33,7 @@ from psycopg import errors as pgerrors
 from nexa.config import StoreConfig
 from nexa.control.store.connection import Store, constraint_named
 from nexa.control.store.pg_schema import migrate_pg
-from nexa.control.store.schema import take_epoch
-from nexa.control.store.sql import T
+from nexa.control.store.sql import T, meta_int, txn
 from nexa.errors import ConfigError, Conflict, StoreError, StoreUnavailable
 
 #: Whole tries of a transaction that PostgreSQL aborted to break a deadlock or a serialization conflict.
@@ -285,7 +284,10 @@ def _open(cfg: StoreConfig, where: str) -> tuple[PgDb, int]:
         raise _unreachable(where, exc) from None
     try:
         migrate_pg(db, where)
-        return db, take_epoch(db)
+        # Several controllers share this store: the epoch moves only when a leader takes the lease
+        # (`acquire_lease`), so a takeover is the last epoch + 1 however many controllers started.
+        with txn(db):
+            return db, meta_int(db, "epoch")
     except psycopg.Error as exc:
         db.close()
         raise StoreError(f"cannot prepare the PostgreSQL store {where}: {type(exc).__name__}: {exc}") from None

@@ -263,6 +263,10 @@ PG_MIGRATIONS: Final[tuple[str, ...]] = tuple(
         );
         INSERT INTO meta(key, value) VALUES ('keys_fingerprint', '');
         """,
+        """
+        ALTER TABLE workload ADD COLUMN controller TEXT;
+        ALTER TABLE job ADD COLUMN controller TEXT;
+        """,
     )
 )
 

@@ -6,6 +6,7 @@ Both list newest first, keyset-paged on (time, id). A deployment keeps its last
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Final
 
 from nexa.contracts import codec
@@ -13,6 +14,7 @@ from nexa.contracts.domain import AuditDraft, AuditEvent
 from nexa.contracts.evidence import BenchRun, Job, JobKind, JobState
 from nexa.control.store.audit import append_audit
 from nexa.control.store.sql import Db, txn
+from nexa.control.store.workloads import run_by
 from nexa.errors import Conflict
 
 #: The runs of one deployment kept at least; the oldest beyond it go as new ones come.
@@ -66,12 +68,16 @@ def latest_bench_runs(db: Db) -> list[BenchRun]:
     return [codec.loads(codec.store, str(body), BenchRun) for (body,) in rows]
 
 
-def insert_job(db: Db, job: Job, subject: str | None, draft: AuditDraft | None) -> AuditEvent | None:
-    """Keep a new job; audited when `draft` is given (client jobs)."""
+def insert_job(
+    db: Db, job: Job, subject: str | None, draft: AuditDraft | None, controller: str | None = None
+) -> AuditEvent | None:
+    """Keep a new job; audited when `draft` is given (client jobs). `controller`: the one that
+    took it (None: the only controller of an embedded store)."""
     with txn(db):
         db.execute(
-            "INSERT INTO job(id, kind, state, subject, started_at, updated_at, body) VALUES (?,?,?,?,?,?,?)",
-            (job.id, job.kind.value, job.state.value, subject, job.started_at, job.updated_at, _body(job)),
+            "INSERT INTO job(id, kind, state, subject, started_at, updated_at, body, controller)"
+            " VALUES (?,?,?,?,?,?,?,?)",
+            (job.id, job.kind.value, job.state.value, subject, job.started_at, job.updated_at, _body(job), controller),
         )
         event = append_audit(db, draft) if draft is not None else None
     return event
@@ -122,13 +128,22 @@ def list_jobs(db: Db, kind: JobKind | None, state: JobState | None, after: Recor
     return [codec.loads(codec.store, str(body), Job) for (body,) in rows]
 
 
-def stale_jobs(db: Db, kinds: tuple[JobKind, ...], updated_before: float) -> list[Job]:
-    """Running jobs of `kinds` last updated before `updated_before`."""
+def stale_jobs(
+    db: Db, kinds: tuple[JobKind, ...], updated_before: float, controllers: Collection[str | None] | None = None
+) -> list[Job]:
+    """Running jobs of `kinds` last updated before `updated_before`: of any controller
+    (`controllers` None), or only of the named ones (a None among them: of no controller named)."""
     marks = ",".join("?" * len(kinds))
+    where, names = f"state = ? AND updated_at < ? AND kind IN ({marks})", tuple[str, ...]()
+    if controllers is not None:
+        if not controllers:
+            return []
+        condition, names = run_by(controllers)
+        where += f" AND {condition}"
     with txn(db):
         rows = db.execute(
-            f"SELECT body FROM job WHERE state = ? AND updated_at < ? AND kind IN ({marks})",  # noqa: S608
-            (JobState.RUNNING.value, updated_before, *(k.value for k in kinds)),
+            f"SELECT body FROM job WHERE {where}",  # noqa: S608
+            (JobState.RUNNING.value, updated_before, *(k.value for k in kinds), *names),
         ).fetchall()
     return [codec.loads(codec.store, str(body), Job) for (body,) in rows]
 

@@ -263,6 +263,13 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) STRICT;
     INSERT INTO meta(key, value) VALUES ('keys_fingerprint', '');
     """,
+    # Which controller runs each workload and job (its `[cluster] controller_id`; NULL: the only
+    # controller of an embedded store, and every row from before): at start a controller fails only
+    # its own unfinished ones, and the leader those of a controller gone for good (`follow.Orphans`).
+    """
+    ALTER TABLE workload ADD COLUMN controller TEXT;
+    ALTER TABLE job ADD COLUMN controller TEXT;
+    """,
 )
 
 

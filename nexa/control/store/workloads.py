@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Final
 
 import attrs
@@ -21,6 +22,9 @@ class WorkloadRow:
     accepted: AcceptedWorkload
     state: WorkloadState
     receipt: SignedReceipt | None = None
+    #: The controller that runs it (`[cluster] controller_id`); None: the only controller of an
+    #: embedded store (and every row from before several controllers shared one).
+    controller: str | None = None
 
     @property
     def finished_at(self) -> float | None:
@@ -33,15 +37,16 @@ class WorkloadRow:
 
 #: The columns of `AcceptedWorkload`, one each, named as its fields.
 _ACCEPTED: Final = tuple(f.name for f in attrs.fields(AcceptedWorkload))
-_WORKLOAD_COLUMNS: Final = ", ".join((*_ACCEPTED, "state", "receipt"))
+_WORKLOAD_COLUMNS: Final = ", ".join((*_ACCEPTED, "state", "receipt", "controller"))
 
 
 def _workload_from_row(row: tuple[object, ...]) -> WorkloadRow:
-    *accepted, state, receipt = row
+    *accepted, state, receipt, controller = row
     return WorkloadRow(
         accepted=codec.store.structure(dict(zip(_ACCEPTED, accepted, strict=True)), AcceptedWorkload),
         state=WorkloadState(str(state)),
         receipt=None if receipt is None else codec.loads(codec.store, str(receipt), SignedReceipt),
+        controller=None if controller is None else str(controller),
     )
 
 
@@ -62,7 +67,7 @@ def insert_workload(db: Db, row: WorkloadRow) -> None:
         ):
             raise Conflict(f"this idempotency key was used before for workload {other}")
         accepted = codec.store.unstructure(a)
-        columns = (*_ACCEPTED, "state", "finished_at", "error", "receipt")
+        columns = (*_ACCEPTED, "state", "finished_at", "error", "receipt", "controller")
         db.execute(
             f"INSERT INTO workload({', '.join(columns)}) VALUES ({', '.join('?' * len(columns))})",  # noqa: S608
             (
@@ -71,12 +76,17 @@ def insert_workload(db: Db, row: WorkloadRow) -> None:
                 row.finished_at,
                 row.error,
                 None if row.receipt is None else codec.dumps(codec.store, row.receipt),
+                row.controller,
             ),
         )
 
 
-def finish_workloads(db: Db, signed: list[SignedReceipt]) -> None:
-    """Write the terminal state and signed receipt of workloads, in one transaction; each once only."""
+def finish_workloads(db: Db, signed: list[SignedReceipt], *, skip_finished: bool = False) -> int:
+    """Write the terminal state and signed receipt of workloads, in one transaction; each once
+    only: one finished already is a Conflict (nothing written), or with `skip_finished` keeps its
+    own receipt (at start a controller and the leader may both fail a gone controller's
+    leftovers, `follow.Orphans`: the first one's receipt stands). How many were written."""
+    done = 0
     with txn(db):
         for one in signed:
             r = one.receipt
@@ -87,16 +97,39 @@ def finish_workloads(db: Db, signed: list[SignedReceipt]) -> None:
                 " WHERE tenant = ? AND workload_id = ? AND finished_at IS NULL",
                 (r.state.value, r.finished_at, r.error, codec.dumps(codec.store, one), r.tenant, r.workload_id),
             )
-            if db.changes() != 1:
+            changed = db.changes()
+            if changed != 1 and not skip_finished:
                 raise Conflict(f"workload {r.workload_id} is not running")
+            done += changed
+    return done
 
 
-def unfinished_workloads(db: Db) -> list[WorkloadRow]:
+def unfinished_workloads(db: Db, controllers: Collection[str | None] | None = None) -> list[WorkloadRow]:
+    """Workloads not finished, oldest accepted first: every one (`controllers` None: the only
+    controller of its store), or only those the named controllers run (a None among them: those
+    no controller is named on, written before controllers were). Read only."""
+    where, args = "finished_at IS NULL", tuple[str, ...]()
+    if controllers is not None:
+        if not controllers:
+            return []
+        condition, args = run_by(controllers)
+        where += f" AND {condition}"
     with txn(db):
         rows = db.execute(
-            f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE finished_at IS NULL ORDER BY accepted_at"  # noqa: S608
+            f"SELECT {_WORKLOAD_COLUMNS} FROM workload WHERE {where} ORDER BY accepted_at",  # noqa: S608
+            args,
         ).fetchall()
     return [_workload_from_row(row) for row in rows]
+
+
+def run_by(controllers: Collection[str | None]) -> tuple[str, tuple[str, ...]]:
+    """The condition (and its arguments) on the `controller` column of workloads and jobs for the
+    rows of these controllers, at least one; a None among them: the rows no controller is named on."""
+    names = tuple(c for c in controllers if c is not None)
+    either = [f"controller IN ({','.join('?' * len(names))})"] if names else []
+    if None in controllers:
+        either.append("controller IS NULL")
+    return f"({' OR '.join(either)})", names
 
 
 def get_workload(db: Db, tenant: TenantId, workload_id: str) -> WorkloadRow | None:

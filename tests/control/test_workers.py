@@ -1,0 +1,206 @@
+"""Several gateway workers on one host: `[http] reuse_port` and `extra_listen`, and the systemd
+template unit that runs them (`units/nexa-control@.service`, `units/control-worker.toml`).
+
+Two real controllers on one PostgreSQL database share one HTTP port: fresh connections to it reach
+both, a write through it succeeds whichever answers (a follower forwards it to the leader's own
+address), and each worker's own address reaches that worker alone. A config that cannot work with
+several workers is refused when it is read; the default path binds exactly as before.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+import pytest
+import trio
+
+from nexa import config
+from nexa.config import ClusterConfig, ControlConfig, HostPort, HttpConfig, Seconds, StoreConfig
+from nexa.control.forward import FORWARDED_HEADER
+from nexa.control.service import hypercorn_config, shared_listener
+from nexa.errors import ConfigError
+from tests.conftest import free_port, local_config, start_controller
+from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401
+
+UNITS = Path(__file__).resolve().parent.parent.parent / "units"
+WORKER_EXAMPLE = UNITS / "control-worker.toml"
+PG = "postgresql://nexa@db.test:5432/nexa"
+#: Fresh connections sent to the shared port; the chance that all reach one of two workers is 2**-31.
+CONNECTIONS = 32
+
+
+def _worker(**cluster: str) -> dict[str, Any]:
+    """A valid worker's config as a TOML table would give it; `cluster` overrides its [cluster]."""
+    return {
+        "http": {"listen": "127.0.0.1:8470", "reuse_port": True, "extra_listen": ["127.0.0.1:8481"]},
+        "store": {"url": PG},
+        "cluster": {"controller_id": "w1", "address": "http://127.0.0.1:8481", **cluster},
+    }
+
+
+# ---- configuration ---------------------------------------------------------------------------------
+
+
+def test_the_default_binds_listen_alone_as_before() -> None:
+    cfg = ControlConfig()
+    assert (cfg.http.reuse_port, cfg.http.extra_listen) == (False, ())
+    assert hypercorn_config(cfg.http).bind == ["127.0.0.1:8470"]
+    assert hypercorn_config(HttpConfig(listen=HostPort("[::1]:9000"))).bind == ["[::1]:9000"]
+
+
+def test_a_worker_serves_the_shared_socket_and_its_own_addresses() -> None:
+    cfg = config.structure_config(_worker(), ControlConfig)
+    assert (cfg.http.reuse_port, cfg.http.extra_listen) == (True, ("127.0.0.1:8481",))
+    assert hypercorn_config(cfg.http, shared_fd=7).bind == ["fd://7", "127.0.0.1:8481"]
+    # extra_listen binds beside listen without reuse_port too.
+    plain = HttpConfig(extra_listen=(HostPort("[::1]:8481"),))
+    assert hypercorn_config(plain).bind == ["127.0.0.1:8470", "[::1]:8481"]
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"store": {"url": ""}}, "needs a shared store: set [store] url"),
+        ({"http": {"listen": "127.0.0.1:0"}}, "needs a fixed port in http.listen"),
+        ({"cluster": {"controller_id": ""}}, "needs [cluster] controller_id set"),
+        ({"http": {"extra_listen": []}}, "needs an address of this worker's own in [http] extra_listen"),
+        ({"cluster": {"address": ""}}, "needs [cluster] address set to this worker's own URL"),
+        # The shared port reaches any worker: forwarded writes must reach the leader itself.
+        ({"cluster": {"address": "http://127.0.0.1:8470"}}, "needs [cluster] address set"),
+        ({"cluster": {"address": "http://127.0.0.1:port"}}, "needs [cluster] address set"),
+    ],
+)
+def test_reuse_port_without_what_workers_need_is_refused(change: dict[str, dict[str, Any]], problem: str) -> None:
+    data = _worker()
+    for section, values in change.items():
+        data[section] = {**data[section], **values}
+    with pytest.raises(ConfigError) as refused:
+        config.structure_config(data, ControlConfig)
+    [line] = refused.value.problems
+    assert f"http.reuse_port {problem}" in line, line
+    assert "invalid configuration" in refused.value.message
+
+
+def test_a_worker_config_built_in_code_is_checked_too() -> None:
+    """As every config validator does, with ValueError; attrs.evolve runs the check again."""
+    with pytest.raises(ValueError, match=r"http\.reuse_port needs a shared store"):
+        ControlConfig(http=HttpConfig(reuse_port=True))
+    worker = config.structure_config(_worker(), ControlConfig)
+    with pytest.raises(ValueError, match=r"\[cluster\] controller_id"):
+        attrs.evolve(worker, cluster=ClusterConfig(address="http://127.0.0.1:8481"))
+
+
+def test_extra_listen_takes_host_port_only() -> None:
+    with pytest.raises(ConfigError) as refused:
+        config.structure_config({"http": {"extra_listen": ["127.0.0.1"]}}, ControlConfig)
+    assert refused.value.problems == ("http.extra_listen[0]: expected HOST:PORT",)
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        HttpConfig(extra_listen=(HostPort("nope"),))
+
+
+def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nexa", "check-config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_the_worker_example_passes_check_config_and_sqlite_is_refused(tmp_path: Path) -> None:
+    proc = _check_config(WORKER_EXAMPLE)
+    assert proc.returncode == 0, proc.stderr
+    cfg = config.load(WORKER_EXAMPLE, ControlConfig)
+    assert cfg.http.reuse_port
+    assert cfg.cluster.address == f"http://{cfg.http.extra_listen[0]}"
+    # The same file without its PostgreSQL store: exit 2, naming what to set.
+    text = WORKER_EXAMPLE.read_text(encoding="utf-8").replace(f'url = "{cfg.store.url}"', 'url = ""')
+    (sqlite := tmp_path / "control-1.toml").write_text(text, encoding="utf-8")
+    proc = _check_config(sqlite)
+    assert proc.returncode == 2
+    assert "http.reuse_port needs a shared store: set [store] url" in proc.stderr
+
+
+def test_shared_listeners_share_a_port_that_a_plain_socket_cannot_take() -> None:
+    first = shared_listener("127.0.0.1:0")
+    try:
+        port = first.getsockname()[1]
+        assert first.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 1
+        with shared_listener(f"127.0.0.1:{port}") as second:
+            assert second.getsockname()[1] == port
+        with socket.socket() as plain, pytest.raises(OSError, match="in use"):
+            plain.bind(("127.0.0.1", port))
+    finally:
+        first.close()
+
+
+# ---- two workers on one port -------------------------------------------------------------------------
+
+
+def _worker_config(tmp_path: Path, name: str, pg_url: str, shared_port: int) -> ControlConfig:
+    own = free_port()
+    return attrs.evolve(
+        local_config(tmp_path),  # one state dir: the workers read the same controller keys
+        http=HttpConfig(
+            listen=HostPort(f"127.0.0.1:{shared_port}"),
+            reuse_port=True,
+            extra_listen=(HostPort(f"127.0.0.1:{own}"),),
+        ),
+        store=StoreConfig(url=pg_url),
+        cluster=ClusterConfig(
+            lease_s=Seconds(2.0),
+            renew_s=Seconds(0.5),
+            refresh_s=Seconds(0.1),
+            controller_id=name,
+            address=f"http://127.0.0.1:{own}",
+        ),
+    )
+
+
+async def _fresh(url: str, method: str, path: str, key: str, **kwargs: Any) -> httpx.Response:
+    """One request on a connection of its own: the kernel picks a worker per connection."""
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=10) as http:
+        return await http.request(method, path, **kwargs)
+
+
+async def test_two_workers_share_one_port_and_writes_reach_the_leader(
+    nursery: trio.Nursery, tmp_path: Path, pg_url: str
+) -> None:
+    shared = free_port()
+    cfg_a, cfg_b = (_worker_config(tmp_path, name, pg_url, shared) for name in ("a", "b"))
+    with trio.fail_after(90):
+        a = await start_controller(nursery, cfg_a)
+        b = await start_controller(nursery, cfg_b, admin_key=a.admin_key)
+        key = a.admin_key
+        assert a.url == b.url == f"http://127.0.0.1:{shared}"
+        # Each worker's own address reaches it alone: the first took the lease.
+        own_a, own_b = cfg_a.cluster.address, cfg_b.cluster.address
+        assert (await _fresh(own_a, "GET", "/readyz", key)).json()["role"] == "leader"
+        assert (await _fresh(own_b, "GET", "/readyz", key)).json()["role"] == "follower"
+
+        seen: Counter[str] = Counter()
+        for _ in range(CONNECTIONS):
+            ready = await _fresh(a.url, "GET", "/readyz", key)
+            assert ready.status_code == 200, ready.text
+            seen[ready.json()["role"]] += 1
+        assert set(seen) == {"leader", "follower"}, seen  # both workers answer on the shared port
+
+        forwarded: Counter[str | None] = Counter()
+        for i in range(CONNECTIONS):
+            made = await _fresh(a.url, "POST", "/api/v1/tenants", key, json={"id": f"t{i}"})
+            assert made.status_code == 201, made.text
+            forwarded[made.headers.get(FORWARDED_HEADER)] += 1
+        # Made by the leader either way: itself, or through the follower's forward to its own address.
+        assert set(forwarded) == {None, "a"}, forwarded
+        listed = await _fresh(own_a, "GET", "/api/v1/tenants", key, params={"limit": 100})
+        assert sorted(t["id"] for t in listed.json()["tenants"]) == sorted(f"t{i}" for i in range(CONNECTIONS))
+        b.stopping.set()
+        a.stopping.set()
