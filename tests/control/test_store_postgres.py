@@ -104,9 +104,7 @@ async def test_the_schema_has_the_tables_columns_and_indexes_of_sqlites(tmp_path
     assert collations == [("C",)]
 
 
-async def test_two_controllers_starting_at_once_migrate_once_and_take_no_epoch(
-    tmp_path: Path, pg_url: str
-) -> None:
+async def test_two_controllers_starting_at_once_migrate_once_and_take_no_epoch(tmp_path: Path, pg_url: str) -> None:
     cfg = StoreConfig(url=pg_url)
     epochs: list[int] = []
 
