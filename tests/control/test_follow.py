@@ -35,9 +35,8 @@ from nexa.config import (
 )
 from nexa.contracts import wire
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest, KeyCreate, TenantCreate
-from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
-from nexa.contracts.domain import KeyId, NodeAdminState, Role, TenantId
-from nexa.contracts.gateway import Api, Capability, QuotaLimits, UsageRecord
+from nexa.contracts.domain import NodeAdminState, Role, TenantId
+from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.wire import DesiredAssignments
@@ -57,8 +56,10 @@ from nexa.errors import QuotaExceeded, Unauthenticated
 from nexa.messaging import Uplink
 from nexa.telemetry import Metrics
 from tests.conftest import free_port, gb10_inventory, local_config, start_controller
+from tests.support.deployments import placed_deployment
 from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401
 from tests.support.relay import wait_until
+from tests.support.usage import usage_record
 
 ACME = TenantId("acme")
 REF = ModelRef(model="tiny", version="v1")
@@ -165,47 +166,6 @@ def heartbeat(node_id: str, seq: int) -> wire.Heartbeat:
     )
 
 
-def deployment(node_id: str) -> Deployment:
-    now = time.time()
-    return Deployment(
-        name="chat-a",
-        runtime="sim",
-        alias="chat",
-        model=REF,
-        replicas=1,
-        resources=Resources(),
-        options=RuntimeOptions(),
-        placement=PlacementSpec(),
-        created_at=now,
-        created_by=None,
-        updated_at=now,
-        placed=[Replica(id="chat-a-r1", node_id=node_id, gpus=[], model=REF)],
-    )
-
-
-def usage(tenant: TenantId, tokens: int, finished_at: float) -> UsageRecord:
-    return UsageRecord(
-        request_id=f"r{finished_at}",
-        workload_id=None,
-        api=Api.OPENAI,
-        tenant=tenant,
-        key_id=KeyId("k1"),
-        capability=Capability.CHAT,
-        alias="chat",
-        model="tiny",
-        model_version="v1",
-        deployment="chat-a",
-        node_id="n1",
-        status="ok",
-        prompt_tokens=tokens // 2,
-        completion_tokens=tokens - tokens // 2,
-        queue_ms=0.0,
-        ttft_ms=5.0,
-        duration_ms=10.0,
-        finished_at=finished_at,
-    )
-
-
 # ---- what an audit action touches -----------------------------------------------------------------
 
 
@@ -296,7 +256,7 @@ async def test_models_deployments_and_their_node_sets_follow_the_store(sides: tu
         registered_by=None,
     )
     await a.store.run(st.insert_runtime, runtime, audit_draft(SYSTEM, "runtime.register", "runtime/sim"))
-    dep = deployment(node_id)
+    dep = placed_deployment(node_id, REF)
     sets = [DesiredAssignments(node_id=node_id, generation=2)]
     await a.store.run(st.save_deployment, dep.name, dep, None, sets, audit_draft(SYSTEM, "deployment.create", "d"))
     assert await b.feed.poll() == {"models", "fleet", "deployments"}
@@ -324,7 +284,10 @@ async def test_quota_limits_and_the_days_tokens_follow_the_store(sides: tuple[Si
     assert b.quotas.view(ACME, now).limits == QuotaLimits(tokens_per_day=1000)
 
     running = b.quotas.admit(ACME, now, reserve_tokens=100)  # in flight here: no usage row yet
-    await a.store.run(st.insert_usage, [usage(ACME, 900, now)])  # another controller's usage
+    await a.store.run(
+        st.insert_usage,
+        [usage_record(request_id="r1", tenant=ACME, prompt_tokens=450, completion_tokens=450, finished_at=now)],
+    )  # another controller's usage
     await b.quotas.refresh_day(now=now)
     assert b.quotas.view(ACME, now).use.tokens_today == 1000
     with pytest.raises(QuotaExceeded) as refused:

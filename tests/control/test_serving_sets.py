@@ -17,7 +17,6 @@ import pytest
 from nexa import messaging, security
 from nexa.config import NodesConfig, PlacementConfig, StoreConfig
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
-from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
 from nexa.contracts.models import ModelRef
 from nexa.contracts.wire import AssignmentStatus, DesiredAssignments, Heartbeat, Hello, RuntimeState
 from nexa.control import store as st
@@ -28,6 +27,7 @@ from nexa.control.fleet import Fleet
 from nexa.control.registry import SYSTEM, audit_draft
 from nexa.telemetry import Metrics
 from tests.conftest import gb10_inventory
+from tests.support.deployments import placed_deployment
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 REF = ModelRef(model="tiny", version="v1")
@@ -69,24 +69,6 @@ class Parts:
         return [r.replica_id for r in cached.replicas]
 
 
-def deployment(node_id: str) -> Deployment:
-    now = time.time()
-    return Deployment(
-        name="chat-a",
-        runtime="sim",
-        alias="chat",
-        model=REF,
-        replicas=1,
-        resources=Resources(),
-        options=RuntimeOptions(),
-        placement=PlacementSpec(),
-        created_at=now,
-        created_by=None,
-        updated_at=now,
-        placed=[Replica(id="chat-a-r1", node_id=node_id, gpus=[], model=REF)],
-    )
-
-
 @pytest.fixture
 async def parts(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[Parts]:
     metrics = Metrics()
@@ -98,7 +80,7 @@ async def parts(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[Parts]:
         node = await fleet.enroll(
             EnrollRequest(token=secret, hostname="n1", signing_public_key=key.public.b64, curve_public_key=curve.public)
         )
-        dep = deployment(node.id)
+        dep = placed_deployment(node.id, REF)
         draft = audit_draft(SYSTEM, "deployment.create", "deployment/chat-a")
         await store.run(
             st.save_deployment, dep.name, dep, None, [DesiredAssignments(node_id=node.id, generation=1)], draft

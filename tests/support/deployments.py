@@ -13,6 +13,8 @@ import httpx
 import trio
 
 from nexa.contracts import wire
+from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
+from nexa.contracts.models import ModelRef
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import TIMEOUT_S, Json, node_view, ok, wait_for
@@ -100,3 +102,22 @@ def body(name: str = "chat-a", **over: Any) -> Json:
     }
     b.update(over)
     return b
+
+
+def placed_deployment(node_id: str, model: ModelRef) -> Deployment:
+    """Deployment chat-a (sim runtime, alias chat) of `model` with its one replica placed on `node_id`."""
+    now = time.time()
+    return Deployment(
+        name="chat-a",
+        runtime="sim",
+        alias="chat",
+        model=model,
+        replicas=1,
+        resources=Resources(),
+        options=RuntimeOptions(),
+        placement=PlacementSpec(),
+        created_at=now,
+        created_by=None,
+        updated_at=now,
+        placed=[Replica(id="chat-a-r1", node_id=node_id, gpus=[], model=model)],
+    )
