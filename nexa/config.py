@@ -176,7 +176,7 @@ class HttpConfig:
         elif address_port not in own_ports:
             problem = (
                 "needs [cluster] address set to this worker's own URL with a port of [http] extra_listen, "
-                "e.g. http://10.0.0.5:8481: forwarded writes must reach the leader, not the shared port"
+                "e.g. http://ctl-1.example.internal:8481: forwarded writes must reach the leader, not the shared port"
             )
         else:
             return

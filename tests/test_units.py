@@ -111,17 +111,20 @@ def test_unit_passes_systemd_analyze_verify(name: str, tmp_path: Path) -> None:
 def test_unit_exposure_stays_low(name: str, tmp_path: Path) -> None:
     """`systemd-analyze security --offline` rates the sandbox; loosening it should be a visible choice."""
     analyze = _systemd_analyze()
-    unit = _local_copy(name, tmp_path)
+    _assert_exposure_low(analyze, _local_copy(name, tmp_path))
+
+
+def _assert_exposure_low(analyze: str, unit: Path) -> None:
     proc = subprocess.run(
         [analyze, "security", "--offline=true", "--no-pager", str(unit)],
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
-        cwd=tmp_path,
+        cwd=unit.parent,
     )
     assert proc.returncode == 0, proc.stderr
-    match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", proc.stdout)
+    match = re.search(rf"Overall exposure level for {re.escape(unit.name)}: (\d+(?:\.\d+)?)", proc.stdout)
     assert match is not None, proc.stdout[-2000:]
     assert float(match.group(1)) <= MAX_EXPOSURE, proc.stdout
 
@@ -266,18 +269,7 @@ def test_template_unit_instance_passes_systemd_analyze_verify_and_security(tmp_p
         [analyze, "verify", instance], capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
     )
     assert (proc.returncode, proc.stderr.strip()) == (0, ""), proc.stderr
-    proc = subprocess.run(
-        [analyze, "security", "--offline=true", "--no-pager", instance],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    match = re.search(r"Overall exposure level for nexa-control@1.service: (\d+(?:\.\d+)?)", proc.stdout)
-    assert match is not None, proc.stdout[-2000:]
-    assert float(match.group(1)) <= MAX_EXPOSURE, proc.stdout
+    _assert_exposure_low(analyze, Path(instance))
 
 
 def test_template_unit_is_the_controller_unit_with_a_config_per_instance() -> None:
