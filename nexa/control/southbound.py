@@ -462,13 +462,7 @@ class Southbound:
         now, signed with the new epoch; the others when they next say hello. The number pushed."""
         self.recovering = False
         self.recovery_reason = ""
-        self._pushed.clear()  # nothing is signed at the new epoch yet
-        pushed = 0
-        for live in list(self._fleet):
-            if live.reachable:
-                await self._push(live)
-                pushed += 1
-        return pushed
+        return await self.lead()
 
     async def lead(self) -> int:
         """This controller has just taken the lead (at a new epoch): every reachable node gets its
