@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -267,11 +268,13 @@ def test_sbom_lists_the_runtime_dependencies(tmp_path: Path) -> None:
     out = tmp_path / "sbom.cdx.json"
     done = gate(ROOT, "sbom", "--sbom", str(out))
     assert done.returncode == 0, done.stdout
-    assert "all 12 runtime dependencies listed" in line_of(done.stdout, "sbom")
+    runtime = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert len(runtime) >= 12
+    assert f"all {len(runtime)} runtime dependencies listed" in line_of(done.stdout, "sbom")
     bom = json.loads(out.read_text())
     assert bom["bomFormat"] == "CycloneDX"
     names = {c["name"].lower() for c in bom["components"]}
-    assert {"trio", "hypercorn", "quart-trio", "apsw", "pyzmq", "cryptography", "prometheus-client"} <= names
+    assert {"trio", "hypercorn", "quart-trio", "apsw", "psycopg", "pyzmq", "cryptography", "prometheus-client"} <= names
     assert "pytest" not in names  # test tools are not in the binary
 
 

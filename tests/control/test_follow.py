@@ -10,53 +10,40 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
-import apsw
 import attrs
-import httpx
 import pytest
 import trio
 
 from nexa import messaging, security
 from nexa.config import (
-    ArtifactStoreConfig,
     ChannelConfig,
     ClusterConfig,
-    ControlConfig,
-    HostPort,
-    HttpConfig,
-    ModelsConfig,
     NodesConfig,
-    OciConfig,
     Seconds,
-    StoreConfig,
 )
 from nexa.contracts import wire
-from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest, KeyCreate, TenantCreate
+from nexa.contracts.api import KeyCreate, TenantCreate
 from nexa.contracts.domain import NodeAdminState, Role, TenantId
 from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control import store as st
-from nexa.control.deployments import Deployments
 from nexa.control.fleet import Fleet
-from nexa.control.follow import PARTS, ChangeFeed, quota_share, touched
+from nexa.control.follow import PARTS, quota_share, touched
 from nexa.control.forward import FORWARDED_HEADER
-from nexa.control.leadership import Leadership
-from nexa.control.models import ModelRegistry
-from nexa.control.outbound import Outbound
 from nexa.control.quotas import Quotas
-from nexa.control.registry import SYSTEM, Registry, audit_draft
+from nexa.control.registry import SYSTEM, audit_draft
 from nexa.control.service import KEYS_DIR
 from nexa.control.southbound import Southbound
 from nexa.errors import QuotaExceeded, Unauthenticated
 from nexa.messaging import Uplink
 from nexa.telemetry import Metrics
-from tests.conftest import free_port, gb10_inventory, local_config, start_controller
+from tests.conftest import gb10_inventory, start_controller
 from tests.support.deployments import placed_deployment
+from tests.support.follow import Side, cluster_config, enroll, two_sides, until_leads
 from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401
 from tests.support.relay import wait_until
 from tests.support.usage import usage_record
@@ -66,88 +53,10 @@ REF = ModelRef(model="tiny", version="v1")
 TIMEOUT_S = 10
 
 
-class NoPush:
-    recovering = False
-
-    async def push_now(self, node_id: str) -> None:
-        return None
-
-
-@attrs.define
-class Side:
-    """One controller's in-memory state over its own store connections."""
-
-    store: st.Store
-    leadership: Leadership
-    registry: Registry
-    models: ModelRegistry
-    fleet: Fleet
-    deployments: Deployments
-    quotas: Quotas
-    feed: ChangeFeed
-
-
-async def side(store: st.Store, name: str, leadership: Leadership) -> Side:
-    metrics = Metrics()
-    registry = await Registry.load(store, metrics)
-    outbound = Outbound(OciConfig(), ArtifactStoreConfig(), registry_credentials=None, s3_credentials=None)
-    models = await ModelRegistry.load(ModelsConfig(), store, metrics, outbound)
-    fleet = Fleet(NodesConfig(), store, metrics, leadership=leadership)
-    await fleet.load()
-    deployments = Deployments(
-        NodesConfig(),
-        store,
-        metrics,
-        fleet,
-        models=models,
-        southbound=NoPush(),  # type: ignore[arg-type]  # nothing is placed or pushed here
-        leadership=leadership,
-    )
-    await deployments.load()
-    quotas = await Quotas.load(store, metrics, registry.tenant_exists)
-    feed = ChangeFeed(
-        store,
-        ClusterConfig(),
-        controller_id=name,
-        registry=registry,
-        models=models,
-        fleet=fleet,
-        deployments=deployments,
-        quotas=quotas,
-    )
-    await feed.refresh_all()
-    return Side(store, leadership, registry, models, fleet, deployments, quotas, feed)
-
-
-@asynccontextmanager
-async def two_sides(tmp_path: Path) -> AsyncIterator[tuple[Side, Side]]:
-    """The leader (`a`, solo over the state dir's store) and a follower (`b`, a never-run leased
-    leadership) on one database file."""
-    async with st.open_store(tmp_path, inline=True) as first:
-        db = apsw.Connection(str(tmp_path / st.DB_FILE))
-        reader = apsw.Connection(str(tmp_path / st.DB_FILE), flags=apsw.SQLITE_OPEN_READONLY)
-        try:
-            second = st.Store(db, epoch=0, inline=True, reader=reader)
-            follower = Leadership.leased(second, ClusterConfig(), controller_id="b", address="http://b.test:8470")
-            yield await side(first, "a", Leadership.solo(first)), await side(second, "b", follower)
-        finally:
-            reader.close()
-            db.close()
-
-
 @pytest.fixture
 async def sides(tmp_path: Path) -> AsyncIterator[tuple[Side, Side]]:
     async with two_sides(tmp_path) as pair:
         yield pair
-
-
-async def enroll(fleet: Fleet, hostname: str = "n1") -> tuple[str, security.SigningKey, messaging.CurveKeyPair]:
-    key, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
-    secret, _ = await fleet.create_token(SYSTEM, EnrollmentTokenCreate(ttl_s=60))
-    node = await fleet.enroll(
-        EnrollRequest(token=secret, hostname=hostname, signing_public_key=key.public.b64, curve_public_key=curve.public)
-    )
-    return node.id, key, curve
 
 
 def hello(node_id: str, seq: int = 1, epoch: int = 0) -> wire.Hello:
@@ -407,31 +316,14 @@ async def test_a_follower_never_signs_a_set_nor_begins_recovery_until_it_leads(t
 # ---- two real controllers on one PostgreSQL database -------------------------------------------------
 
 
-def _cluster_config(tmp_path: Path, name: str, pg_url: str) -> ControlConfig:
-    port = free_port()
-    cfg = attrs.evolve(
-        local_config(tmp_path / name),
-        http=HttpConfig(listen=HostPort(f"127.0.0.1:{port}")),
-        store=StoreConfig(url=pg_url),
-        cluster=ClusterConfig(
-            lease_s=Seconds(2.0),
-            renew_s=Seconds(0.5),
-            refresh_s=Seconds(0.1),
-            controller_id=name,
-            address=f"http://127.0.0.1:{port}",
-        ),
-    )
-    return cfg
-
-
 async def test_any_controller_takes_writes_and_shows_them_at_once(
     nursery: trio.Nursery, tmp_path: Path, pg_url: str
 ) -> None:
     with trio.fail_after(60):
-        leader = await start_controller(nursery, _cluster_config(tmp_path, "a", pg_url))
+        leader = await start_controller(nursery, cluster_config(tmp_path, "a", pg_url))
         # Every controller on a store shares the controller keys (copied, as an operator does).
         shutil.copytree(leader.state_dir / KEYS_DIR, tmp_path / "b" / "state" / KEYS_DIR)
-        follower = await start_controller(nursery, _cluster_config(tmp_path, "b", pg_url), admin_key=leader.admin_key)
+        follower = await start_controller(nursery, cluster_config(tmp_path, "b", pg_url), admin_key=leader.admin_key)
 
         async with follower.client() as http:
             made = await http.post("/api/v1/tenants", json={"id": "acme"})
@@ -451,13 +343,8 @@ async def test_any_controller_takes_writes_and_shows_them_at_once(
 
         leader.stopping.set()  # a clean stop releases the lease: the follower takes it
         async with follower.client() as http:
-            await _until_leads(http)
+            await until_leads(http)
             made = await http.post("/api/v1/tenants", json={"id": "beta"})
             assert made.status_code == 201, made.text
             assert FORWARDED_HEADER not in made.headers  # served by itself, now the leader
         follower.stopping.set()
-
-
-async def _until_leads(http: httpx.AsyncClient) -> None:
-    while (await http.get("/readyz")).json().get("role") != "leader":  # noqa: ASYNC110 - polls another process
-        await trio.sleep(0.1)

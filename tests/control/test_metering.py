@@ -22,7 +22,7 @@ from nexa.control.metering import CSV_HEADER, FIRST_PRUNE_S, MAX_TOKEN_COUNT, Me
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
-from tests.support.usage import usage_record
+from tests.support.usage import stored_count, usage_record
 
 #: 2023-11-14 22:13:20 UTC; the next UTC midnight is MIDNIGHT.
 T0 = 1_700_000_000.0
@@ -37,11 +37,6 @@ def rec(n: int, **changes: object) -> Rec:
 async def store(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[st.Store]:
     async with st.open_store(tmp_path / "state", store_cfg) as opened:
         yield opened
-
-
-async def stored_count(store: st.Store) -> int:
-    report = await store.run(st.usage_report, 0.0, 1e12, None, None)
-    return sum(row.requests for row in report)
 
 
 async def test_records_are_written_in_batches(

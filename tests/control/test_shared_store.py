@@ -40,12 +40,10 @@ from nexa.errors import ConfigError, Conflict, ControllersRunning
 from nexa.security import SigningKey, generate_signing_key, verify_receipt
 from nexa.telemetry import Metrics
 from tests.conftest import start_controller
-from tests.control.test_follow import _cluster_config, _until_leads, enroll, two_sides
-from tests.control.test_metering import stored_count
-from tests.control.test_store_postgres import psql
-from tests.control.test_workloads import ACME, begin, receipt_for
-from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401 - fixtures
-from tests.support.usage import usage_record
+from tests.support.follow import cluster_config, enroll, two_sides, until_leads
+from tests.support.postgres import pg_url_fixture, postgres_fixture, psql  # noqa: F401 - fixtures
+from tests.support.usage import stored_count, usage_record
+from tests.support.workloads import ACME, begin, receipt_for
 
 LEASE_S = 2.0
 
@@ -257,7 +255,7 @@ async def test_only_the_leader_prunes_usage(tmp_path: Path, mock_clock: trio.tes
 async def test_recover_is_refused_on_postgresql_before_anything_is_written(tmp_path: Path, pg_url: str) -> None:
     refuse_forced(True, "sqlite")  # the embedded store recovers as before
     refuse_forced(False, "postgresql")
-    cfg = _cluster_config(tmp_path, "a", pg_url)
+    cfg = cluster_config(tmp_path, "a", pg_url)
     with pytest.raises(ConfigError, match="restore the PostgreSQL database with its own tools"):
         await serve_control(cfg, stopping=trio.Event(), recover=True)
     assert psql(pg_url, "SELECT count(*) FROM information_schema.tables WHERE table_schema = 'public'") == [(0,)]
@@ -328,11 +326,11 @@ async def test_two_controllers_show_the_leaders_epoch_their_role_and_refuse_a_ke
     nursery: trio.Nursery, tmp_path: Path, pg_url: str
 ) -> None:
     with trio.fail_after(60):
-        leader = await start_controller(nursery, _cluster_config(tmp_path, "a", pg_url))
+        leader = await start_controller(nursery, cluster_config(tmp_path, "a", pg_url))
         shutil.copytree(leader.state_dir / KEYS_DIR, tmp_path / "b" / "state" / KEYS_DIR)
-        follower = await start_controller(nursery, _cluster_config(tmp_path, "b", pg_url), admin_key=leader.admin_key)
+        follower = await start_controller(nursery, cluster_config(tmp_path, "b", pg_url), admin_key=leader.admin_key)
         async with leader.client() as a, follower.client() as b:
-            await _until_leads(a)
+            await until_leads(a)
             for http, role in ((a, 1.0), (b, 0.0)):
                 ready = (await http.get("/readyz")).json()
                 version = (await http.get("/version")).json()

@@ -12,7 +12,6 @@ import sqlite3
 from pathlib import Path
 
 import httpx
-import psycopg
 import pytest
 import trio
 
@@ -40,6 +39,7 @@ from tests.support.postgres import (  # noqa: F401 - fixtures
     free_port,
     pg_url_fixture,
     postgres_fixture,
+    psql,
     store_cfg_fixture,
 )
 
@@ -53,12 +53,6 @@ def draft(action: str, target: str = "t") -> AuditDraft:
         prior_sha256=None,
         next_sha256=None,
     )
-
-
-def psql(url: str, sql: str, *args: object) -> list[tuple[object, ...]]:
-    with psycopg.connect(url, autocommit=True) as conn:
-        cur = conn.execute(to_pyformat(sql).encode(), args)
-        return cur.fetchall() if cur.description else []
 
 
 def test_placeholders_become_psycopgs_and_a_literal_percent_stays_one() -> None:

@@ -13,21 +13,18 @@ import trio
 import trio.testing
 
 from nexa.config import StoreConfig
-from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import (
-    API_VERSION,
     UNRESOLVED_MODEL,
     Api,
     CallOutcome,
-    Capability,
     Receipt,
-    WorkloadCreate,
     WorkloadState,
     request_sha256,
 )
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
-from nexa.control.workloads import RESTARTED, ActiveWorkload, Workloads, new_receipt_id
+from nexa.control.workloads import RESTARTED, ActiveWorkload, Workloads
 from nexa.errors import (
     BadSignature,
     Cancelled,
@@ -41,9 +38,9 @@ from nexa.errors import (
 )
 from nexa.security import SigningKey, generate_signing_key, sign_receipt, verify_receipt
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
+from tests.support.workloads import ACME, KEY, begin, create, receipt_for
 
-ACME, BETA = TenantId("acme"), TenantId("beta")
-KEY = KeyId("k1")
+BETA = TenantId("beta")
 
 
 @pytest.fixture
@@ -60,52 +57,6 @@ async def store(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[st.Stor
 @pytest.fixture
 async def workloads(store: st.Store, signer: SigningKey) -> Workloads:
     return await Workloads.load(store, signer)
-
-
-def create(workload_id: str = "w1", key: str = "idem-1") -> WorkloadCreate:
-    return WorkloadCreate(
-        version=API_VERSION,
-        idempotency_key=key,
-        workload_id=workload_id,
-        capability=Capability.CHAT,
-        model="chat",
-        payload={"messages": [{"role": "user", "content": "secret prompt"}]},
-    )
-
-
-def receipt_for(active: ActiveWorkload, state: WorkloadState = WorkloadState.SUCCEEDED, **changes: object) -> Receipt:
-    a = active.accepted
-    base = Receipt(
-        receipt_id=new_receipt_id(),
-        workload_id=a.workload_id,
-        idempotency_key_sha256=a.idempotency_key_sha256,
-        tenant=a.tenant,
-        key_id=a.key_id,
-        capability=a.capability,
-        alias=a.alias,
-        model="llama",
-        model_version="1",
-        deployment="chat-prod",
-        node_id="n1",
-        state=state,
-        error=None if state is WorkloadState.SUCCEEDED else "cancelled",
-        prompt_tokens=12,
-        completion_tokens=34,
-        queue_ms=1.5,
-        ttft_ms=20.0,
-        duration_ms=80.0,
-        accepted_at=a.accepted_at,
-        finished_at=a.accepted_at + 0.08,
-        controller_epoch=1,
-    )
-    return attrs.evolve(base, **changes)
-
-
-async def begin(workloads: Workloads, tenant: TenantId = ACME, **kw: str) -> ActiveWorkload:
-    """Accept a workload and record it, as the gateway does once it is admitted."""
-    active = await workloads.begin(tenant, KEY, create(**kw), alias="chat", accepted_at=time.time())
-    await workloads.record(active)
-    return active
 
 
 async def test_a_finished_workload_answers_its_key_with_the_stored_receipt(

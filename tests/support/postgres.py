@@ -148,3 +148,14 @@ def store_cfg_fixture(request: pytest.FixtureRequest) -> StoreConfig:
         return StoreConfig()
     url: str = request.getfixturevalue("pg_url")
     return StoreConfig(url=url)
+
+
+def psql(url: str, sql: str, *args: object) -> list[tuple[object, ...]]:
+    """Run one statement (`?` placeholders, as the store writes them) on `url`, outside any transaction."""
+    import psycopg
+
+    from nexa.control.store.pg import to_pyformat
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute(to_pyformat(sql).encode(), args)
+        return cur.fetchall() if cur.description else []

@@ -8,6 +8,7 @@ import attrs
 
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, Capability, UsageRecord
+from nexa.control import store as st
 
 #: 2023-11-14 22:13:20 UTC: when `usage_record`'s request finished unless told otherwise.
 FINISHED_AT = 1_700_000_000.0
@@ -36,3 +37,9 @@ def usage_record(**changes: Any) -> UsageRecord:
         finished_at=FINISHED_AT,
     )
     return attrs.evolve(base, **changes)
+
+
+async def stored_count(store: st.Store) -> int:
+    """How many requests the usage table holds, over all time."""
+    report = await store.run(st.usage_report, 0.0, 1e12, None, None)
+    return sum(row.requests for row in report)
