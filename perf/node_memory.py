@@ -9,9 +9,12 @@ replica on each node (spread). After `--requests` chat completions through the c
 agent has relayed, probed and scraped), it samples each agent's VmRSS from /proc every second for
 `--seconds` and prints the median and the last VmHWM, in MiB (2**20 bytes); the agents' sim runtimes
 are their own processes and not counted. Target (issue 16): ≤ 60 MB. Stops only what it started.
+Each `--binary LABEL=PATH` adds an agent run as that PyInstaller executable (`PATH node`, from
+`bash builds/build.sh`): what runs on a node, whose bundle holds the runtime dependencies only.
 
     .venv/bin/python perf/node_memory.py
     .venv/bin/python perf/node_memory.py --tree before=/tmp/before --tree after=.
+    .venv/bin/python perf/node_memory.py --tree source=. --binary binary=dist/nexa
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
 import httpx
 import trio
 
@@ -58,10 +62,9 @@ def start_node(
     s3: LocalS3,
     creds: Path,
     i: int,
-    tree: Path,
-    extra_env: dict[str, str],
+    agent: Agent,
 ) -> int:
-    """Enroll node `i` and start its agent from `tree`; its PID."""
+    """Enroll node `i` and start `agent`; its PID."""
     name = f"mem-{i}"
     node_dir = base / name
     inventory = base / f"{name}-inventory.json"
@@ -74,9 +77,12 @@ def start_node(
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{S3_REGION}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
     )
-    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1", "PYTHONPATH": str(tree), **extra_env}
+    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1", **agent.env}
+    if agent.binary is None:
+        env["PYTHONPATH"] = str(agent.where)
     token = ok(admin.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}))["token"]
-    argv = [sys.executable, "-m", "nexa", "node"]
+    argv = [sys.executable, "-m", "nexa", "node"] if agent.binary is None else [str(agent.binary), "node"]
+    tree = agent.where if agent.binary is None else base
     enroll = procs.start(
         f"{name}-enroll",
         [*argv, "enroll", "--controller", url, "--token", token, "--name", name, "--state-dir", str(node_dir)],
@@ -89,6 +95,15 @@ def start_node(
     return node.pid
 
 
+@attrs.frozen
+class Agent:
+    """How one measured agent runs: from a source tree with this interpreter, or as a binary."""
+
+    where: Path
+    binary: Path | None
+    env: dict[str, str]
+
+
 def _agent_env(items: list[str], labels: list[str]) -> dict[str, dict[str, str]]:
     """`--env LABEL:NAME=VALUE` items, by label (an unknown label is an error)."""
     by_label: dict[str, dict[str, str]] = {label: {} for label in labels}
@@ -96,7 +111,7 @@ def _agent_env(items: list[str], labels: list[str]) -> dict[str, dict[str, str]]
         label, _, assignment = item.partition(":")
         name, eq, value = assignment.partition("=")
         if label not in by_label or not name or not eq:
-            raise SystemExit(f"--env {item!r}: give LABEL:NAME=VALUE with a LABEL named by --tree")
+            raise SystemExit(f"--env {item!r}: give LABEL:NAME=VALUE with a LABEL named by --tree or --binary")
         by_label[label][name] = value
     return by_label
 
@@ -107,6 +122,9 @@ def main() -> int:
         "--tree", action="append", default=[], help="LABEL=DIR: a node agent run from that source tree (repeatable)"
     )
     parser.add_argument(
+        "--binary", action="append", default=[], help="LABEL=PATH: a node agent run as that nexa executable"
+    )
+    parser.add_argument(
         "--env", action="append", default=[], help="LABEL:NAME=VALUE: an environment variable for that tree's agent"
     )
     parser.add_argument("--requests", type=int, default=200, help="chat completions through the controller first")
@@ -115,11 +133,18 @@ def main() -> int:
     parser.add_argument("--keep-logs", default="", help="copy the processes' logs to this directory at the end")
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
-    trees = {}
-    for item in args.tree or [f"this={ROOT}"]:
+    trees: dict[str, tuple[Path, bool]] = {}
+    for item, is_binary in [*((t, False) for t in args.tree), *((b, True) for b in args.binary)] or [
+        (f"this={ROOT}", False)
+    ]:
         label, _, where = item.partition("=")
-        trees[label] = Path(where or label).resolve()
+        if label in trees:
+            raise SystemExit(f"{item!r}: the label {label!r} is given twice")
+        trees[label] = (Path(where or label).resolve(), is_binary)
     envs = _agent_env(args.env, list(trees))
+    agents = {
+        label: Agent(where, where if is_binary else None, envs[label]) for label, (where, is_binary) in trees.items()
+    }
 
     with tempfile.TemporaryDirectory(prefix="nexa-perf-mem-") as tmp, contextlib.ExitStack() as parts:
         base = Path(tmp)
@@ -145,8 +170,8 @@ def main() -> int:
         trio.run(upload, s3, "perf/tiny.gguf", artifact)
         register_model(admin, s3, "tiny", "chat", artifact)
         pids = {
-            label: start_node(procs, base, admin, url, s3, creds, i, tree, envs[label])
-            for i, (label, tree) in enumerate(trees.items())
+            label: start_node(procs, base, admin, url, s3, creds, i, agent)
+            for i, (label, agent) in enumerate(agents.items())
         }
 
         def nodes_ready() -> bool:
@@ -180,11 +205,11 @@ def main() -> int:
                 samples[label].append(vm_kib(pid, "VmRSS"))
             time.sleep(1.0)
         print(f"{args.requests} requests, then {args.seconds} samples a second apart; MiB = 2**20 bytes")
-        print(f"{'agent':10s} {'tree':40s} {'VmRSS median':>13s} {'min':>7s} {'max':>7s} {'VmHWM':>7s}")
+        print(f"{'agent':10s} {'tree or binary':40s} {'VmRSS median':>13s} {'min':>7s} {'max':>7s} {'VmHWM':>7s}")
         for label, pid in pids.items():
             kib = samples[label]
             print(
-                f"{label:10s} {trees[label]!s:40s} {statistics.median(kib) / 1024:13.1f} "
+                f"{label:10s} {agents[label].where!s:40s} {statistics.median(kib) / 1024:13.1f} "
                 f"{min(kib) / 1024:7.1f} {max(kib) / 1024:7.1f} {vm_kib(pid, 'VmHWM') / 1024:7.1f}"
             )
     return 0
