@@ -81,7 +81,15 @@ def test_ctrl_c_stops_everything_exits_130_and_cancels_the_reported_job(
     state_dir = tmp_path / "sim"
     argv = [sys.executable, "-m", "nexa", "sim", "--steps", "enroll,ready-routing,queue-shed,node-kill"]
     argv += ["--state-dir", str(state_dir), "--report-to", controller_process.url, "--report-token", operator]
-    sim = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT at its default in the child: a suite started in the background (`cmd &`) inherits it
+    # ignored, and Python then installs no Ctrl-C handler, so the SIGINT below would change nothing.
+    sim = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509 - takes no lock
+    )
     try:
         assert sim.stdout is not None
         for line in sim.stdout:  # interrupt it inside a step, with its cluster running
