@@ -54,6 +54,17 @@ def vm_kib(pid: int, field: str) -> int:
     return 0
 
 
+def agent_kib(pid: int, field: str, *, binary: bool) -> int:
+    """`field` of the agent started as `pid`. A one-file PyInstaller executable is two processes: its
+    bootloader unpacks the bundle and runs the agent as its child, so both count (the agent's own
+    children, the sim runtimes, do not)."""
+    pids = [pid]
+    if binary:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        pids += [int(c) for c in children]
+    return sum(vm_kib(p, field) for p in pids)
+
+
 def start_node(
     procs: Processes,
     base: Path,
@@ -202,15 +213,16 @@ def main() -> int:
         samples: dict[str, list[int]] = {label: [] for label in pids}
         for _ in range(args.seconds):
             for label, pid in pids.items():
-                samples[label].append(vm_kib(pid, "VmRSS"))
+                samples[label].append(agent_kib(pid, "VmRSS", binary=agents[label].binary is not None))
             time.sleep(1.0)
         print(f"{args.requests} requests, then {args.seconds} samples a second apart; MiB = 2**20 bytes")
         print(f"{'agent':10s} {'tree or binary':40s} {'VmRSS median':>13s} {'min':>7s} {'max':>7s} {'VmHWM':>7s}")
         for label, pid in pids.items():
             kib = samples[label]
+            hwm = agent_kib(pid, "VmHWM", binary=agents[label].binary is not None)
             print(
                 f"{label:10s} {agents[label].where!s:40s} {statistics.median(kib) / 1024:13.1f} "
-                f"{min(kib) / 1024:7.1f} {max(kib) / 1024:7.1f} {vm_kib(pid, 'VmHWM') / 1024:7.1f}"
+                f"{min(kib) / 1024:7.1f} {max(kib) / 1024:7.1f} {hwm / 1024:7.1f}"
             )
     return 0
 
