@@ -160,8 +160,13 @@ def main() -> int:
                 ticks += 1
                 drain(next_tick)
             cpu = (cpu_seconds(proc.pid) - cpu0) / (time.monotonic() - wall0)
-            listed = http.get("/api/v1/nodes").json()["nodes"]
-            ready = sum(1 for n in listed if n["state"] == "Ready")
+            ready, cursor = 0, None
+            while True:  # every page: the list is paginated (100 a page by default)
+                query = {"limit": 1000} | ({"cursor": cursor} if cursor else {})
+                page = http.get("/api/v1/nodes", params=query).json()
+                ready += sum(1 for n in page["nodes"] if n["state"] == "Ready")
+                if not (cursor := page.get("next_cursor")):
+                    break
             print(f"nodes: {args.nodes}; heartbeats sent: {ticks * args.nodes} over {ticks} s")
             print(f"controller CPU: {cpu * 100:.1f} % of one core (target <= 25 % at 1000 nodes)")
             print(f"controller RSS: {rss_mib(proc.pid):.1f} MiB (target <= 150 MB at 1000 nodes)")
