@@ -42,6 +42,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - WorkloadAlreadyActive [workload_already_active]: that workload id is still running
     - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
     - ControllersRunning [controllers_running]: a controller key rotation while other controllers share the store
+    - RotationEndpointInUse [rotation_endpoint_in_use]: a key rotation whose second channel endpoint cannot be bound
   + NotDeployable [not_deployable, HTTP 422]: a deployment the registry or the fleet does not allow
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
@@ -468,6 +469,22 @@ class ControllersRunning(Conflict):
             "store accepts the rotated keys)"
         )
         self.others = others
+
+
+class RotationEndpointInUse(Conflict):
+    """`nexa keys rotate-controller` serves the new Curve key on the channel's second endpoint
+    before it writes a key file; that endpoint could not be bound, so nothing was changed."""
+
+    code = "rotation_endpoint_in_use"
+    retryable = True
+
+    def __init__(self, *, endpoint: str, reason: str) -> None:
+        super().__init__(
+            f"the key rotation serves the new Curve key on {endpoint} first, and it cannot be bound ({reason}), so "
+            "the keys were not changed: free that port, or set [channel] rotation_listen (and rotation_advertise) to "
+            "a free one and restart the controller, then rotate again"
+        )
+        self.endpoint = endpoint
 
 
 class WorkloadAlreadyActive(Conflict):

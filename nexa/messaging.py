@@ -526,8 +526,9 @@ class Link:
         """Serve `endpoint` with `curve` from now on, closing what it served (and its connections).
         `admit=False` retires `curve`: whoever dials it is refused and handed to `retired_dial`."""
         (self._retired.discard if admit else self._retired.add)(_domain(curve))
-        if endpoint in self._served:
-            self.unbind(endpoint)
+        if endpoint not in self._served:
+            return self.bind(endpoint, curve)  # nothing of ours held it: a refusal is final
+        self.unbind(endpoint)
         with trio.move_on_after(_REBIND_S):
             while True:  # libzmq frees the port in its I/O thread, a moment after `unbind`
                 with contextlib.suppress(ChannelError):

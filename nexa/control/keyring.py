@@ -141,11 +141,12 @@ def load_or_create_keys(directory: Path, *, overlap_s: float = 86400.0) -> Contr
     return keys
 
 
-def rotate(directory: Path, *, now: float, overlap_s: float) -> ControllerKeys:
+def rotate(directory: Path, *, now: float, overlap_s: float, curve: CurveKeyPair | None = None) -> ControllerKeys:
     """A new signing key becomes current; the current one is retired (kept on disk), accepted by
-    nodes until `now + overlap_s`. A new Curve key is made and kept to be announced. The keys as
-    they are now on disk."""
-    messaging.save_curve_keypair(messaging.generate_curve_keypair(), directory, name=CURVE_NEXT_NAME, overwrite=True)
+    nodes until `now + overlap_s`. A new Curve key (`curve`, or one made here) is kept to be
+    announced. The keys as they are now on disk."""
+    next_curve = curve if curve is not None else messaging.generate_curve_keypair()
+    messaging.save_curve_keypair(next_curve, directory, name=CURVE_NEXT_NAME, overwrite=True)
     security.save_signing_key(security.generate_signing_key(), directory / _NEXT_SIGNING, overwrite=True)
     _finish_rotation(directory, now, overlap_s)
     keys = _load(directory)
@@ -256,8 +257,10 @@ def retired_signing_key(directory: Path, key_id: str) -> SigningKey:
 
 
 class KeyRotation:
-    """`nexa keys rotate-controller`: one rotation at a time, on disk first, then announced to the
-    nodes (signed with the key they pin), then in force for every signer (`on_rotated`), audited.
+    """`nexa keys rotate-controller`: one rotation at a time. Its new Curve key is served first
+    (`prepare`: a channel endpoint that cannot be bound refuses it with nothing changed), then
+    the keys are written to disk, announced to the nodes (signed with the key they pin), put in
+    force for every signer (`on_rotated`) and audited.
     `run` switches the channel's Curve key when the overlap ends (`switch_curve`, then `switch`).
 
     On a shared store (`others`: the other controllers running on it) a rotation is refused while
@@ -273,6 +276,7 @@ class KeyRotation:
         overlap_s: float,
         registry: Registry,
         announce: Callable[[ControllerKeys, SigningKey, float], Awaitable[int]],
+        prepare: Callable[[CurveKeyPair], Awaitable[None]] | None = None,
         on_rotated: Sequence[Callable[[ControllerKeys], None]] = (),
         lock: trio.Lock | None = None,
         switch: Callable[[ControllerKeys], Awaitable[None]] | None = None,
@@ -287,6 +291,7 @@ class KeyRotation:
         self._rotated = trio.Event()
         self._directory, self._overlap_s = directory, overlap_s
         self._registry, self._announce, self._on_rotated = registry, announce, on_rotated
+        self._prepare = prepare
         #: One rotation at a time; the backups' lock where there are backups (`Backups.lock`): a
         #: backup is never made between the key files changing and its signer taking the new key.
         self._lock = lock if lock is not None else trio.Lock()
@@ -300,8 +305,13 @@ class KeyRotation:
                     f"the last rotation's overlap runs until {prev.overlap_until:.0f} (Unix time): its Curve key "
                     "switch comes first. Rotate again after it ([nodes] key_overlap_s)"
                 )
-            previous, now = self.keys.signing, time.time()
-            keys = await trio.to_thread.run_sync(partial(rotate, self._directory, now=now, overlap_s=self._overlap_s))
+            previous, curve = self.keys.signing, messaging.generate_curve_keypair()
+            if self._prepare is not None:
+                await self._prepare(curve)
+            now = time.time()
+            keys = await trio.to_thread.run_sync(
+                partial(rotate, self._directory, now=now, overlap_s=self._overlap_s, curve=curve)
+            )
             until = now + self._overlap_s
             told = await self._announce(keys, previous, until)
             self.keys = keys

@@ -508,7 +508,8 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         tag="keys",
         body_kind="empty",
         answer=ControllerKeysRotated,
-        # Conflict: a rotation's overlap is still running; Unavailable: no keyring (not configured).
+        # Conflict: a rotation's overlap is still running, other controllers run on the store, or the second
+        # channel endpoint cannot be bound (nothing changed); Unavailable: no keyring (not configured).
         errors=(Conflict, Unavailable),
     ),
     # ---- backups

@@ -52,7 +52,16 @@ from nexa.contracts.wire import (
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.keyring import ControllerKeys
 from nexa.control.relay import Relay
-from nexa.errors import Conflict, ContractError, NexaError, NodeNeedsReenrollment, NotConnected
+from nexa.errors import (
+    ChannelClosed,
+    ChannelError,
+    Conflict,
+    ContractError,
+    NexaError,
+    NodeNeedsReenrollment,
+    NotConnected,
+    RotationEndpointInUse,
+)
 from nexa.messaging import (
     MESSAGE_HEADROOM_BYTES,
     CurveKeyPair,
@@ -133,6 +142,8 @@ class Southbound:
         self._retired = frozenset(retired_key_ids)
         # While nodes may still pin only the previous key: what tells them the new one, and that key.
         self._announcement: tuple[ControllerKeysAnnounced, SigningKey] | None = None
+        #: The Curve key `prepare_rotation` serves already, for the `announce_keys` that follows.
+        self._prepared: CurveKeyPair | None = None
         # The channel's two endpoints (`ChannelConfig.endpoint`): which serves the current Curve
         # key, and what each is bound as; the other serves a rotation's next key or refuses its old.
         self._keys = keys
@@ -233,6 +244,20 @@ class Southbound:
         if old is not None and keys.retired_curve is not None:
             self._bound[keys.slot ^ 1] = await self._link.rebind(old, keys.retired_curve, admit=False)
         self._fleet.channel_endpoint = self._advertised(keys.slot)
+
+    async def prepare_rotation(self, curve: CurveKeyPair) -> None:
+        """Serve a rotation's new Curve key on the other endpoint before any key file is written
+        (`KeyRotation`), so that a port that cannot be bound refuses the rotation with the keys
+        unchanged (RotationEndpointInUse). `announce_keys` then finds it served."""
+        slot = self._slot ^ 1
+        try:
+            self._bound[slot] = await self._serve_next(slot, curve)
+        except ChannelClosed:
+            raise
+        except ChannelError as exc:
+            reason = exc.message.rpartition(": ")[2].partition(" (addr=")[0] or "refused"
+            raise RotationEndpointInUse(endpoint=self._channel.endpoint(slot)[0], reason=reason) from exc
+        self._prepared = curve
 
     async def _serve_next(self, slot: int, curve: CurveKeyPair) -> str:
         """Serve endpoint `slot` with a new rotation's Curve key. A configured port is bound again
@@ -391,7 +416,8 @@ class Southbound:
         newest = self._slot
         if keys.next_curve is not None:
             newest = self._slot ^ 1
-            if now:
+            prepared, self._prepared = self._prepared, None
+            if now and (prepared is None or prepared.public != keys.next_curve.public):
                 self._bound[newest] = await self._serve_next(newest, keys.next_curve)
         self._keys = keys
         if newest in self._bound:  # else (a restart) `run` sets it

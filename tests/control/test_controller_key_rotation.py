@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
 from nexa.control import keyring
 from nexa.node import identity
+from tests.conftest import ControllerProcess
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, make_key, node_view, ok, wait_for
 from tests.support.cluster import SimCluster, chat_until, sim_cluster
@@ -140,3 +143,32 @@ async def test_the_controller_rotates_its_keys_under_load_and_old_receipts_still
 async def _served(answers: list[int], n: int) -> bool:
     await trio.lowlevel.checkpoint()
     return len(answers) >= n
+
+
+def _key_files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_a_rotation_whose_second_endpoint_is_taken_changes_nothing_and_succeeds_once_it_is_free(
+    controller_process: ControllerProcess,
+) -> None:
+    # The rotation serves its new Curve key on the channel's second endpoint (here the channel's
+    # port + 1) before it writes a key file: another socket holding that port refuses it whole.
+    url, keys_dir = controller_process.url, controller_process.state_dir / "keys"
+    headers = {"Authorization": f"Bearer {controller_process.admin_key}"}
+    before, pinned = _key_files(keys_dir), httpx.get(f"{url}/version").json()["controller_fingerprint"]
+    second = controller_process.channel_port + 1
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", second))
+        holder.listen()
+        refused = httpx.post(f"{url}/api/v1/controller/rotate-keys", headers=headers, timeout=30)
+        error = assert_envelope(refused, 409, "rotation_endpoint_in_use")
+        assert error["retryable"] is True
+        assert f"tcp://127.0.0.1:{second}" in error["message"] and "rotation_listen" in error["message"]
+        assert _key_files(keys_dir) == before
+        assert httpx.get(f"{url}/version").json()["controller_fingerprint"] == pinned
+    rotated = httpx.post(f"{url}/api/v1/controller/rotate-keys", headers=headers, timeout=30)
+    assert rotated.status_code == 200, rotated.text
+    assert rotated.json()["controller_fingerprint"] != pinned
+    assert _key_files(keys_dir) != before
+    assert controller_process.proc is not None and controller_process.proc.poll() is None
