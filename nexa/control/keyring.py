@@ -258,7 +258,7 @@ def retired_signing_key(directory: Path, key_id: str) -> SigningKey:
 
 class KeyRotation:
     """`nexa keys rotate-controller`: one rotation at a time. Its new Curve key is served first
-    (`prepare`: a channel endpoint that cannot be bound refuses it with nothing changed), then
+    (`serve_next_curve`: a channel endpoint that cannot be bound refuses it with nothing changed), then
     the keys are written to disk, announced to the nodes (signed with the key they pin), put in
     force for every signer (`on_rotated`) and audited.
     `run` switches the channel's Curve key when the overlap ends (`switch_curve`, then `switch`).
@@ -276,7 +276,7 @@ class KeyRotation:
         overlap_s: float,
         registry: Registry,
         announce: Callable[[ControllerKeys, SigningKey, float], Awaitable[int]],
-        prepare: Callable[[CurveKeyPair], Awaitable[None]] | None = None,
+        serve_next_curve: Callable[[CurveKeyPair], Awaitable[None]] | None = None,
         on_rotated: Sequence[Callable[[ControllerKeys], None]] = (),
         lock: trio.Lock | None = None,
         switch: Callable[[ControllerKeys], Awaitable[None]] | None = None,
@@ -291,7 +291,7 @@ class KeyRotation:
         self._rotated = trio.Event()
         self._directory, self._overlap_s = directory, overlap_s
         self._registry, self._announce, self._on_rotated = registry, announce, on_rotated
-        self._prepare = prepare
+        self._serve_next_curve = serve_next_curve
         #: One rotation at a time; the backups' lock where there are backups (`Backups.lock`): a
         #: backup is never made between the key files changing and its signer taking the new key.
         self._lock = lock if lock is not None else trio.Lock()
@@ -306,8 +306,8 @@ class KeyRotation:
                     "switch comes first. Rotate again after it ([nodes] key_overlap_s)"
                 )
             previous, curve = self.keys.signing, messaging.generate_curve_keypair()
-            if self._prepare is not None:
-                await self._prepare(curve)
+            if self._serve_next_curve is not None:
+                await self._serve_next_curve(curve)
             now = time.time()
             keys = await trio.to_thread.run_sync(
                 partial(rotate, self._directory, now=now, overlap_s=self._overlap_s, curve=curve)

@@ -291,7 +291,7 @@ async def _serve_control(
                 overlap_s=cfg.nodes.key_overlap_s,
                 registry=registry,
                 announce=southbound.announce_keys,
-                prepare=southbound.prepare_rotation,
+                serve_next_curve=southbound.serve_next_curve,
                 on_rotated=[lambda k: workloads.use_signing_key(k.signing), partial(_use_keys, state)],
                 lock=Backups.of(state.backups).lock,
                 switch=southbound.switch_curve,

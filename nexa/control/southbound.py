@@ -142,8 +142,6 @@ class Southbound:
         self._retired = frozenset(retired_key_ids)
         # While nodes may still pin only the previous key: what tells them the new one, and that key.
         self._announcement: tuple[ControllerKeysAnnounced, SigningKey] | None = None
-        #: The Curve key `prepare_rotation` serves already, for the `announce_keys` that follows.
-        self._prepared: CurveKeyPair | None = None
         # The channel's two endpoints (`ChannelConfig.endpoint`): which serves the current Curve
         # key, and what each is bound as; the other serves a rotation's next key or refuses its old.
         self._keys = keys
@@ -245,10 +243,10 @@ class Southbound:
             self._bound[keys.slot ^ 1] = await self._link.rebind(old, keys.retired_curve, admit=False)
         self._fleet.channel_endpoint = self._advertised(keys.slot)
 
-    async def prepare_rotation(self, curve: CurveKeyPair) -> None:
+    async def serve_next_curve(self, curve: CurveKeyPair) -> None:
         """Serve a rotation's new Curve key on the other endpoint before any key file is written
         (`KeyRotation`), so that a port that cannot be bound refuses the rotation with the keys
-        unchanged (RotationEndpointInUse). `announce_keys` then finds it served."""
+        unchanged (RotationEndpointInUse); `announce_keys` then tells the nodes to redial there."""
         slot = self._slot ^ 1
         try:
             self._bound[slot] = await self._serve_next(slot, curve)
@@ -257,7 +255,6 @@ class Southbound:
         except ChannelError as exc:
             reason = exc.message.rpartition(": ")[2].partition(" (addr=")[0] or "refused"
             raise RotationEndpointInUse(endpoint=self._channel.endpoint(slot)[0], reason=reason) from exc
-        self._prepared = curve
 
     async def _serve_next(self, slot: int, curve: CurveKeyPair) -> str:
         """Serve endpoint `slot` with a new rotation's Curve key. A configured port is bound again
@@ -412,13 +409,9 @@ class Southbound:
         hello from here on) the controller's new keys, in a message signed with `previous`, the key
         they pin, then sign everything after it with the new key. Until `overlap_until`, every node
         that says hello is told again first. The new Curve key is served on the other endpoint
-        first, the one nodes are told to redial. The number of nodes told now."""
-        newest = self._slot
-        if keys.next_curve is not None:
-            newest = self._slot ^ 1
-            prepared, self._prepared = self._prepared, None
-            if now and (prepared is None or prepared.public != keys.next_curve.public):
-                self._bound[newest] = await self._serve_next(newest, keys.next_curve)
+        already (`serve_next_curve`, or `run` at a restart): the one nodes are told to redial. The
+        number of nodes told now."""
+        newest = self._slot if keys.next_curve is None else self._slot ^ 1
         self._keys = keys
         if newest in self._bound:  # else (a restart) `run` sets it
             self._fleet.channel_endpoint = self._advertised(newest)
