@@ -133,6 +133,9 @@ class HttpConfig:
     graceful_timeout_s: Seconds = Seconds(10.0)
     #: Longest time a client may take to send its request line and headers.
     keep_alive_timeout_s: Seconds = Seconds(5.0)
+    #: Longest time a client may take to send a request's body once its head arrived; past it the
+    #: request is answered 408 (`request_timeout`) and its connection closed.
+    body_timeout_s: Seconds = Seconds(60.0)
     #: Peers (addresses or networks, e.g. `["127.0.0.1"]`) whose `X-Forwarded-Proto: https` is
     #: believed: a TLS-terminating ingress there makes the console cookie `Secure`. The header is
     #: ignored from every other peer. Empty: only a direct https connection counts.

@@ -13,6 +13,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ControllerKeysDiffer [controller_keys_differ]: at start, keys other than those of the store's other controllers
   + ContractError [invalid_request, HTTP 400]: a request body or message does not fit its contract
     - PayloadTooLarge [payload_too_large, HTTP 413]: a request body over the configured limit
+    - BodyTimeout [request_timeout, HTTP 408]: a request body that did not arrive within `[http] body_timeout_s`
     - FieldNotSupported [field_not_supported]: a request field this version does not implement (named, never ignored)
     - IdempotencyKeyReused [idempotency_key_reused, HTTP 422]: an idempotency key sent again with another body
     - MetricsUnreadable [metrics_unreadable]: a runtime's metrics answer is not in its format (node side)
@@ -28,6 +29,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NodeRateLimited [rate_limited]: a node sent signed messages faster than its channel allows (dropped)
     - NodeNeedsReenrollment [needs_reenrollment]: a node pins only a retired controller key (sent nothing)
   + NotFound (also LookupError) [not_found, HTTP 404]: no such record
+    - MethodNotAllowed [method_not_allowed, HTTP 405]: the route exists but not for that method (names the allowed ones)
     - ModelNotServed [model_not_found]: no alias or model by that name is being served
   + Conflict [conflict, HTTP 409]: the request is valid but the current state forbids it
     - AlreadyExists [already_exists]: a record with that name (and version) is registered already
@@ -96,6 +98,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
   + ChannelError [channel_error]: the node channel (ZeroMQ) failed: bind, socket or protocol
     - ChannelClosed [channel_closed]: the link is not running, or has stopped
     - NotConnected [not_connected]: no open channel to that node right now; retryable
+    - MessageTooLarge [message_too_large]: a node sent a message over the channel's size limit (dropped)
 """
 
 from __future__ import annotations
@@ -149,6 +152,17 @@ class ContractError(NexaError):
         self.problems = problems
 
 
+class BodyTimeout(ContractError):
+    """A request's body did not arrive within `[http] body_timeout_s` of its head."""
+
+    code = "request_timeout"
+
+    def __init__(self, *, timeout_s: float) -> None:
+        super().__init__(
+            f"the request body did not arrive within {timeout_s:g} s ([http] body_timeout_s); send it again"
+        )
+
+
 class PayloadTooLarge(ContractError):
     code = "payload_too_large"
 
@@ -199,6 +213,16 @@ class Forbidden(AuthError):
 
 class NotFound(NexaError, LookupError):
     code = "not_found"
+
+
+class MethodNotAllowed(NotFound):
+    """The path is a route, but not for this method; `allowed` are the methods it takes (`Allow`)."""
+
+    code = "method_not_allowed"
+
+    def __init__(self, allowed: tuple[str, ...]) -> None:
+        super().__init__(f"this route takes {', '.join(allowed)}")
+        self.allowed = allowed
 
 
 class Conflict(NexaError):
@@ -684,6 +708,15 @@ class ChannelError(NexaError):
 
 class ChannelClosed(ChannelError):
     code = "channel_closed"
+
+
+class MessageTooLarge(ChannelError):
+    """A node's message over the channel's limit; dropped, the connection kept (up to the transport's own bound)."""
+
+    code = "message_too_large"
+
+    def __init__(self, *, size: int, limit: int) -> None:
+        super().__init__(f"a message of {size} bytes is over the channel's limit of {limit} bytes")
 
 
 class NotConnected(ChannelError):

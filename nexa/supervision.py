@@ -19,11 +19,14 @@ import contextlib
 import contextvars
 import logging
 import os
+import sys
+import threading
+import time
 import traceback
 import types
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Final, TypeVar
+from typing import Final, NoReturn, TypeVar
 
 import attrs
 import trio
@@ -45,6 +48,8 @@ MESSAGE_MAX_CHARS: Final = 200
 FRAMES_LOGGED: Final = 6
 #: At most this many leaves of an exception group are described.
 LEAVES_LOGGED: Final = 3
+#: The event loop not running for this long is a stall: logged with where it was, and counted.
+STALL_AFTER_S: Final = 1.0
 
 
 @attrs.frozen(kw_only=True)
@@ -262,3 +267,45 @@ async def all_or_first_failure(
             nursery.start_soon(one, item)
     if failures:
         raise failures[0]
+
+
+async def watch_event_loop(
+    on_stall: Callable[[float], None] | None = None,
+    *,
+    stall_after_s: float = STALL_AFTER_S,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Report every stall of this event loop: a time it ran no task for `stall_after_s` or more.
+
+    A task notes the time every quarter of `stall_after_s`; a daemon thread checks the note, and
+    once per stall logs how long the loop has been stuck with the loop thread's stack (code
+    locations only, never locals) and calls `on_stall(seconds)` (the controller counts
+    `nexa_event_loop_stalls_total`). Something that blocks the loop (a sync call, a long
+    computation) is then found from the log instead of from clients' time-outs."""
+    loop_thread = threading.get_ident()
+    tick = stall_after_s / 4
+    noted = time.monotonic()
+    stop = threading.Event()
+
+    def watch() -> None:
+        reported = None
+        while not stop.wait(tick):
+            behind, seen = time.monotonic() - noted, noted
+            if behind < stall_after_s or reported == seen:
+                continue
+            reported = seen  # one report per stall
+            frame = sys._current_frames().get(loop_thread)
+            where = "".join(traceback.format_stack(frame, limit=FRAMES_LOGGED * 2)) if frame else "(unknown)\n"
+            log.warning("the event loop has run no task for %.1f s; it is at:\n%s", behind, where.rstrip())
+            if on_stall is not None:
+                on_stall(behind)
+
+    watcher = threading.Thread(target=watch, name="nexa-event-loop-watchdog", daemon=True)
+    watcher.start()
+    try:
+        task_status.started()
+        while True:
+            noted = time.monotonic()
+            await trio.sleep(tick)
+    finally:
+        stop.set()

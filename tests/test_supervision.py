@@ -1,9 +1,11 @@
-"""nexa.supervision in virtual time: restarts with capped backoff, what passes through, the start protocol."""
+"""nexa.supervision: restarts with capped backoff, what passes through, the start protocol (in virtual time); the
+event-loop watchdog (in real time)."""
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from functools import partial
 from typing import NoReturn
 
@@ -13,7 +15,7 @@ import trio.lowlevel
 import trio.testing
 
 from nexa.errors import StoreError, StoreUnusable
-from nexa.supervision import MESSAGE_MAX_CHARS, Supervision, supervised
+from nexa.supervision import MESSAGE_MAX_CHARS, Supervision, supervised, watch_event_loop
 
 
 class Flaky:
@@ -217,3 +219,26 @@ async def test_without_an_installed_supervision_loops_are_still_restarted(
         await loop.healthy.wait()
         nursery.cancel_scope.cancel()
     assert len(loop.runs) == 3
+
+
+def _block_the_event_loop(seconds: float) -> None:
+    """A sync call that holds the event loop (what `watch_event_loop` must find)."""
+    time.sleep(seconds)
+
+
+async def test_a_blocked_event_loop_is_logged_with_where_it_was_and_counted_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Real time and a real thread: the watchdog must see through a loop that runs no task at all.
+    stalls: list[float] = []
+    with caplog.at_level(logging.WARNING, logger="nexa.supervision"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(partial(watch_event_loop, stalls.append, stall_after_s=0.2))
+            await trio.sleep(0.3)  # running freely: no stall
+            assert stalls == []
+            _block_the_event_loop(0.8)
+            await trio.sleep(0.3)  # the loop runs again: the stall is reported once, not per tick
+            nursery.cancel_scope.cancel()
+    assert len(stalls) == 1 and 0.2 <= stalls[0] < 0.8
+    [record] = [r for r in caplog.records if "event loop" in r.getMessage()]
+    assert "_block_the_event_loop" in record.getMessage()  # the stack names the blocking call

@@ -70,6 +70,7 @@ def render_node(n: NodeView) -> str:
         f"labels       {row['labels']}",
         *(_inventory_lines(inv, n.free_memory_bytes) if inv else _NO_INVENTORY),
         f"cache disk   {cache_disk_text(n.cache_disk)}",
+        f"channel      {channel_text(n.channel)}",
         f"assignments  generation {n.acked_generation} acked of {n.desired_generation} desired{ack}",
     ]
     for a in n.assignments:
@@ -171,6 +172,13 @@ def gpu_figures(g: Gpu) -> str:
         f"memory {gib(g.memory_used_bytes)} of {gib(g.memory_total_bytes)}{pool}, "
         f"{_shown(g.temperature_c, '{:.0f} °C')}, {_shown(g.power_draw_w, '{:.1f} W')}"
     )
+
+
+def channel_text(counts: dict[str, int]) -> str:
+    """A node channel's refusals and disconnects since the controller started, or that there were none."""
+    if not counts:
+        return "no refusals or disconnects"
+    return ", ".join(f"{what} {n}" for what, n in sorted(counts.items()))
 
 
 def cache_disk_text(disk: CacheDisk | None) -> str:

@@ -330,6 +330,9 @@ class NodeView:
     hint: str = ""
     #: The artifact cache's disk, as the last heartbeat said (None: not reported).
     cache_disk: CacheDisk | None = None
+    #: Its channel since this controller started: refused messages by reason, and `disconnected`
+    #: (connections closed: it left or went silent, or the transport dropped an oversized message).
+    channel: dict[str, int] = attrs.field(factory=dict)
 
 
 @attrs.frozen(kw_only=True)

@@ -19,7 +19,7 @@ import attrs
 import trio
 from quart import Response, g, request
 from quart_trio import QuartTrio
-from werkzeug.exceptions import HTTPException
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from nexa import __version__, security
 from nexa.config import HttpConfig
@@ -85,7 +85,7 @@ from nexa.control.benchmarks import Benchmarks
 from nexa.control.deployments import Deployments
 from nexa.control.evidence import Evidence
 from nexa.control.fleet import Fleet, NodeLive
-from nexa.control.http import BodyLimit, bearer_key, new_request_id, status_for
+from nexa.control.http import BodyLimit, bearer_key, method_label, new_request_id, status_for
 from nexa.control.jobs import Jobs
 from nexa.control.keyring import KeyRotation
 from nexa.control.leadership import Leadership
@@ -120,6 +120,7 @@ _HTTP_ERRORS: Final = {
     400: ("invalid_request", "the request is malformed"),
     404: ("not_found", "no such route"),
     405: ("method_not_allowed", "this route does not take that method"),
+    408: ("request_timeout", "the request body did not arrive in time ([http] body_timeout_s); send it again"),
 }
 
 
@@ -173,7 +174,7 @@ class AppState:
 def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
     app = QuartTrio("nexa.control", static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = cfg.max_body_bytes
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = cfg.body_timeout_s
     app.config["RESPONSE_TIMEOUT"] = None
     handlers = _Handlers(state)
     app.asgi_app = BodyLimit(app.asgi_app, cfg.max_body_bytes)  # type: ignore[method-assign]
@@ -210,8 +211,9 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
         response.headers.setdefault("Cache-Control", "no-store")
         route = request.url_rule.rule if request.url_rule is not None else "unmatched"
         elapsed = time.perf_counter() - getattr(g, "started", time.perf_counter())
-        state.metrics.http_requests.labels(route, request.method, str(response.status_code)).inc()
-        state.metrics.http_request_seconds.labels(route, request.method).observe(elapsed)
+        method = method_label(request.method)
+        state.metrics.http_requests.labels(route, method, str(response.status_code)).inc()
+        state.metrics.http_request_seconds.labels(route, method).observe(elapsed)
         log.info(
             "request",
             extra={
@@ -237,7 +239,10 @@ def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
         if status == 413:
             return _error_response(PayloadTooLarge(limit_bytes=cfg.max_body_bytes))
         code, message = _HTTP_ERRORS.get(status, ("http_error", f"HTTP {status}"))
-        return _envelope(status, code, message, retryable=False)
+        response = _envelope(status, code, message, retryable=False)
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
+            response.headers["Allow"] = ", ".join(sorted(exc.valid_methods))  # RFC 9110 §15.5.6
+        return response
 
     @app.errorhandler(Exception)
     async def _unexpected(exc: Exception) -> Response:
@@ -755,4 +760,5 @@ def _node_view(live: NodeLive) -> NodeView:
         needs_reenrollment=bool(live.reenroll_key_id),
         hint=REENROLL_HINT if live.reenroll_key_id else "",
         cache_disk=live.cache_disk,
+        channel=dict(live.channel),
     )

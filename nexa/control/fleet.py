@@ -93,6 +93,9 @@ class NodeLive:
     #: The retired controller key the node pins, when it pins no other after the overlap ended
     #: (`needs_reenrollment`): Unreachable from then on, sent nothing; "" for every other node.
     reenroll_key_id: str = ""
+    #: Its channel's refusals since this controller started, by reason (`nexa_node_messages_rejected_total`'s
+    #: reasons), and `disconnected`: its connections libzmq closed (`nexa_node_disconnects_total`).
+    channel: dict[str, int] = attrs.field(factory=dict)
     #: A changed inventory or acknowledgement kept in memory, not yet written (above the node's write rate).
     inventory_unsaved: bool = False
     desired_unsaved: bool = False
@@ -289,6 +292,12 @@ class Fleet:
         if live is None:
             raise NotFound(f"no node {node_id}")
         return live
+
+    def count_channel(self, node_id: str, what: str) -> None:
+        """One more refusal (by reason) or `disconnected` on a node's channel; nothing for an unknown node."""
+        live = self._nodes.get(NodeId(node_id))
+        if live is not None:
+            live.channel[what] = live.channel.get(what, 0) + 1
 
     def replica_load(self, node_id: str, replica_id: str) -> tuple[RuntimeLoad, float] | None:
         """The load `replica_id`'s runtime reported through its node, and how many seconds old its

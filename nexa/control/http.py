@@ -21,12 +21,14 @@ from nexa.errors import (
     AuthError,
     BackupError,
     BackupNotConfigured,
+    BodyTimeout,
     Cancelled,
     Conflict,
     ContractError,
     DeadlineExceeded,
     Forbidden,
     IdempotencyKeyReused,
+    MethodNotAllowed,
     NexaError,
     NotDeployable,
     NotFound,
@@ -51,11 +53,13 @@ CLIENT_CLOSED: Final = 499
 #: Error class → HTTP status; the most specific class in an error's MRO wins.
 STATUS: Final[dict[type[NexaError], int]] = {
     PayloadTooLarge: 413,
+    BodyTimeout: 408,
     IdempotencyKeyReused: 422,
     ContractError: 400,
     Unauthenticated: 401,
     Forbidden: 403,
     AuthError: 401,
+    MethodNotAllowed: 405,
     NotFound: 404,
     Conflict: 409,
     VerificationFailed: 422,
@@ -107,12 +111,35 @@ def new_request_id(presented: str) -> str:
     return presented if _REQUEST_ID_RE.match(presented) else "req_" + secrets.token_hex(8)
 
 
+#: The HTTP methods metrics name; every other method a client sends is counted as `other`, so no
+#: client's string becomes a label (each label value is a series the controller keeps for ever).
+METRIC_METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+def method_label(method: str) -> str:
+    return method if method in METRIC_METHODS else "other"
+
+
+def declares_body(headers: dict[str, str]) -> bool:
+    """Whether a request head (lower-case names) announces a body still to come."""
+    return headers.get("content-length", "") not in ("", "0") or "transfer-encoding" in headers
+
+
 class BodyLimit:
-    """ASGI middleware: answer an oversized body with 413, after discarding what the client sends.
+    """ASGI middleware: answer an oversized body with 413, after discarding what the client sends;
+    and end every exchange whole, however early its answer.
 
     Clients such as httpx write the whole body before they read the answer, so replying without
     reading would leave them blocked on a full socket. The discarded bytes are capped; past the
     cap the connection is dropped.
+
+    An answer sent before the request's body has arrived (a 401, 403 or 405 decided from the
+    head alone) leaves hypercorn unable to reuse the connection: it closes it once the answer is
+    out. quart-trio cancels the request's tasks as soon as hypercorn reports the answer done, which
+    used to cancel that close half-way, leaving a connection that read the late body and the next
+    request but never answered it (a keep-alive client waited for its timeout). So the answer's
+    last message is sent shielded, and an answer that leaves body unread says `Connection: close`,
+    so the client opens a new connection instead of reusing this one.
     """
 
     def __init__(self, app: Any, limit: int) -> None:
@@ -131,9 +158,10 @@ class BodyLimit:
             await self._reply_413(send, new_request_id(headers.get("x-request-id", "")))
             return
         seen = 0
+        whole = not declares_body(headers)
 
         async def counting_receive() -> Any:
-            nonlocal seen
+            nonlocal seen, whole
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
@@ -141,9 +169,19 @@ class BodyLimit:
                     # Quart refuses the body (413) on its own; make sure the client can read that.
                     await self._drain(receive, self._drain_cap)
                     message = {**message, "more_body": False}
+                whole = whole or not message.get("more_body")
             return message
 
-        await self._app(scope, counting_receive, send)
+        async def whole_send(message: Any) -> None:
+            if message["type"] == "http.response.start" and not whole:
+                message = {**message, "headers": [*message.get("headers", ()), (b"connection", b"close")]}
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                with trio.CancelScope(shield=True):  # hypercorn recycles or closes the connection in it
+                    await send(message)
+                return
+            await send(message)
+
+        await self._app(scope, counting_receive, whole_send)
 
     async def _drain(self, receive: Any, expected: int) -> None:
         discarded = 0

@@ -54,14 +54,23 @@ from nexa.contracts.gateway import (
 from nexa.contracts.node import data_class_problem
 from nexa.control.calls import Work
 from nexa.control.gateway import Call, Gateway
-from nexa.control.http import CLIENT_CLOSED, bearer_key, new_request_id, status_for
+from nexa.control.http import (
+    CLIENT_CLOSED,
+    bearer_key,
+    declares_body,
+    method_label,
+    new_request_id,
+    status_for,
+)
 from nexa.control.registry import Actor, Registry
 from nexa.control.workloads import ActiveWorkload, Workloads
 from nexa.errors import (
+    BodyTimeout,
     Cancelled,
     ContractError,
     FieldNotSupported,
     Forbidden,
+    MethodNotAllowed,
     NexaError,
     NotFound,
     Overloaded,
@@ -138,6 +147,7 @@ class InferenceApp:
         registry: Registry,
         metrics: Metrics,
         max_body_bytes: int,
+        body_timeout_s: float = 60.0,
     ) -> None:
         self._fallback = fallback
         self._cfg = cfg
@@ -150,6 +160,7 @@ class InferenceApp:
         self._seconds = Children(metrics.http_request_seconds)
         self._overhead = Children(metrics.gateway_overhead_seconds)
         self._max_body = max_body_bytes
+        self._body_timeout_s = body_timeout_s
         self.disconnects = Disconnects()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -397,8 +408,9 @@ class _Exchange:
             app._metrics.http_in_flight.dec()
             elapsed = time.perf_counter() - started
             route = self.route[1] if self.route in INFERENCE_ROUTES else "unmatched"
-            app._answered(route, self.route[0], str(status)).inc()
-            app._seconds(route, self.route[0]).observe(elapsed)
+            method = method_label(self.route[0])
+            app._answered(route, method, str(status)).inc()
+            app._seconds(route, method).observe(elapsed)
             log.info(
                 "request",
                 extra={
@@ -417,7 +429,8 @@ class _Exchange:
         app = self._app
         roles = INFERENCE_ROUTES.get(self.route)
         if roles is None:
-            raise _no_route(self.route)
+            allowed = tuple(sorted(m for m, rule in INFERENCE_ROUTES if rule == self.route[1]))
+            raise MethodNotAllowed(allowed) if allowed else _no_route(self.route)
         key = bearer_key(self._headers.get("authorization", ""), app._registry, app._metrics)
         self.key = key
         if key.role not in roles or key.tenant is None:
@@ -470,17 +483,20 @@ class _Exchange:
             return self._body
         parts: list[bytes] = []
         size = 0
-        while True:
-            message = await self._receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self._app._max_body:
-                raise PayloadTooLarge(limit_bytes=self._app._max_body)
-            parts.append(chunk)
-            if not message.get("more_body"):
-                break
+        with trio.move_on_after(self._app._body_timeout_s) as waiting:
+            while True:
+                message = await self._receive()
+                if message["type"] == "http.disconnect":
+                    raise _ClientGone
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > self._app._max_body:
+                    raise PayloadTooLarge(limit_bytes=self._app._max_body)
+                parts.append(chunk)
+                if not message.get("more_body"):
+                    break
+        if waiting.cancelled_caught:
+            raise BodyTimeout(timeout_s=self._app._body_timeout_s)
         self._bytes_in = size
         self._body = b"".join(parts)
         return self._body
@@ -551,6 +567,11 @@ class _Exchange:
             headers.append((b"retry-after", str(max(1, round(exc.retry_after_s))).encode()))
         if isinstance(exc, Unauthenticated):
             headers.append((b"www-authenticate", b'Bearer realm="nexa"'))
+        if isinstance(exc, MethodNotAllowed):
+            headers.append((b"allow", ", ".join(exc.allowed).encode()))  # RFC 9110 §15.5.6
+        if self._body is None and declares_body(self._headers):
+            # Answered from the head: the unread body ends this connection (see `http.BodyLimit`).
+            headers.append((b"connection", b"close"))
         if self.openai:
             body = codec.dumps(codec.api, _openai_error(exc, self.rid)).encode()
         else:

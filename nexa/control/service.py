@@ -62,7 +62,7 @@ from nexa.control.workloads import Workloads
 from nexa.errors import ControllerKeysDiffer
 from nexa.oci import registry_credentials
 from nexa.s3 import s3_credentials
-from nexa.supervision import Supervision, supervised
+from nexa.supervision import Supervision, supervised, watch_event_loop
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -327,6 +327,7 @@ async def _serve_control(
                 registry=registry,
                 metrics=metrics,
                 max_body_bytes=cfg.http.max_body_bytes,
+                body_timeout_s=cfg.http.body_timeout_s,
             )
             # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
             # restarted; only an unusable store or a failed start ends the process.
@@ -354,9 +355,14 @@ async def _serve_control(
                             *_orphans(cfg, store, owner, workloads, Jobs.of(state.jobs)),
                         ],
                     )
-                    await loops.start(supervised, "gateway", gateway.run)
-                    await loops.start(supervised, "disconnects", app.disconnects.run)
-                    await loops.start(supervised, "forward", forwarder.run)
+                    always: list[tuple[str, Callable[..., Awaitable[object]]]] = [
+                        ("gateway", gateway.run),
+                        ("disconnects", app.disconnects.run),
+                        ("watchdog", partial(watch_event_loop, metrics.count_stall)),
+                        ("forward", forwarder.run),
+                    ]
+                    for name, loop in always:
+                        await loops.start(supervised, name, loop)
                     log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                     async with trio.open_nursery() as http:
                         serve = partial(_serve_http, app, cfg.http, shutdown_trigger=stopping.wait)

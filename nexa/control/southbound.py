@@ -97,6 +97,8 @@ _CONTROL_PER_NODE: Final = 8
 CONTROL_BACKLOG: Final = "control_backlog"
 #: The reason counted for a message that does not fit the wire contract, whatever broke it.
 MALFORMED: Final = "malformed"
+#: `Fleet.count_channel` of a node whose channel connection closed.
+DISCONNECTED: Final = "disconnected"
 #: The reason counted for an acknowledgement of a set this controller never sent.
 STALE_ACK: Final = "stale_ack"
 
@@ -160,6 +162,7 @@ class Southbound:
             receive_hwm=channel.receive_hwm,
             signed_rate=RateLimiter(channel.signed_messages_per_s, channel.signed_messages_burst),
             retired_dial=self._retired_dial,
+            on_disconnect=self._disconnected,
         )
         fleet.limit_writes(RateLimiter(channel.node_store_writes_per_s, channel.node_store_writes_burst))
         #: The inference data path over the same channels (the gateway opens streams on it).
@@ -183,6 +186,10 @@ class Southbound:
                 self._zap_refusals_tx.send_nowait((curve_public_z85, False))
         return node_id
 
+    def _disconnected(self, node_id: str) -> None:
+        self._metrics.node_disconnects.inc()
+        self._fleet.count_channel(node_id, DISCONNECTED)
+
     def _retired_dial(self, curve_public_z85: str) -> None:
         # A node dialled with a Curve key the controller switched away from: it was offline through
         # the whole overlap. Refused by ZAP; marked (and counted) from the audit loop.
@@ -195,7 +202,7 @@ class Southbound:
             return
         served = keys.retired_curve.public
         key_id = next((r.key_id for r in keys.retired if r.curve_public_key == served), "?")
-        self._count_refusal(NodeNeedsReenrollment(node_id=node_id or "", key_id=key_id))
+        self._count_refusal(NodeNeedsReenrollment(node_id=node_id or "", key_id=key_id), node_id or "")
         if node_id is not None:
             await self._fleet.needs_reenrollment(self._fleet.get(node_id), key_id)
 
@@ -288,7 +295,7 @@ class Southbound:
                     self._metrics.node_messages_rejected.labels(refused).inc()
                 continue
             if isinstance(got, Refused):
-                self._count_refusal(got.error)  # at once; the audit (rate-limited) is the control loop's
+                self._count_refusal(got.error, got.node_id)  # at once; the audit (rate-limited) is the control loop's
             if not self._to_control(got) and isinstance(got, Unverified):
                 # (A refusal is counted already; only its audit is skipped.)
                 self._metrics.node_messages_rejected.labels(CONTROL_BACKLOG).inc()
@@ -377,7 +384,7 @@ class Southbound:
             await self._fleet.needs_reenrollment(live, pinned)
         if not live.reenroll_key_id:
             return False
-        self._count_refusal(NodeNeedsReenrollment(node_id=node_id, key_id=live.reenroll_key_id))
+        self._count_refusal(NodeNeedsReenrollment(node_id=node_id, key_id=live.reenroll_key_id), node_id)
         return True
 
     def _pins_only_retired(self, key_id: str) -> bool:
@@ -495,15 +502,16 @@ class Southbound:
         return pushed
 
     async def _refuse(self, node_id: str, error: NexaError) -> None:
-        await self._refuse_audit(node_id, self._count_refusal(error), error.message)
+        await self._refuse_audit(node_id, self._count_refusal(error, node_id), error.message)
 
     @staticmethod
     def _refusal_code(error: NexaError) -> str:
         return MALFORMED if isinstance(error, ContractError) else error.code
 
-    def _count_refusal(self, error: NexaError) -> str:
+    def _count_refusal(self, error: NexaError, node_id: str = "") -> str:
         code = self._refusal_code(error)
         self._metrics.node_messages_rejected.labels(code).inc()
+        self._fleet.count_channel(node_id, code)
         return code
 
     async def _refuse_audit(self, node_id: str, code: str, detail: str) -> None:

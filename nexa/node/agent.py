@@ -74,7 +74,7 @@ from nexa.node.uplinks import (
 from nexa.oci import registry_credentials as registry_credentials_source
 from nexa.runtimes import SIMULATION_ENV
 from nexa.s3 import s3_credentials as s3_credentials_source
-from nexa.supervision import Supervision, supervised
+from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)
 
@@ -303,6 +303,7 @@ class Agent:
             nursery.start_soon(supervised, "agent.control", self._control)
             nursery.start_soon(supervised, "agent.watch_lease", self._watch_lease)
             nursery.start_soon(supervised, "agent.watch_rotation", self._watch_rotation)
+            nursery.start_soon(supervised, "agent.watchdog", watch_event_loop)
             task_status.started()
         raise AssertionError("the agent's loops never return")  # pragma: no cover
 

@@ -90,7 +90,8 @@ class Metrics:
         )
         self.http_requests = Counter(
             "nexa_http_requests",
-            "HTTP requests answered, by route template, method and status.",
+            "HTTP requests answered, by route template, method (GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS,"
+            " other) and status.",
             ["route", "method", "status"],
             registry=r,
         )
@@ -139,8 +140,15 @@ class Metrics:
             " (not the wire contract: bad JSON, depth, sizes, numbers, unknown kinds), stale_ack,"
             " control_backlog (the control loop that far behind), needs_reenrollment (a node that pins only"
             " a retired controller key), and on the data path unknown_stream"
-            " (no open stream of that node), oversized_chunk, stream_overflow.",
+            " (no open stream of that node), oversized_chunk, stream_overflow; message_too_large (over the"
+            " channel's size limit: dropped, the connection kept).",
             ["reason"],
+            registry=r,
+        )
+        self.node_disconnects = Counter(
+            "nexa_node_disconnects",
+            "Node channel connections closed under an enrolled node: it left or went silent, or libzmq dropped"
+            " it (a message over 4 times the channel's limit, a protocol error). By node: `nexa nodes show`.",
             registry=r,
         )
         self.node_store_writes_deferred = Counter(
@@ -173,6 +181,15 @@ class Metrics:
             ["loop"],
             registry=r,
         )
+        self.event_loop_stalls = Counter(
+            "nexa_event_loop_stalls",
+            "Times the controller's event loop ran no task for 1 s or more (each is logged with where it was).",
+            registry=r,
+        )
+
+    def count_stall(self, _seconds: float) -> None:
+        """`supervision.watch_event_loop`'s report of one stall of the event loop."""
+        self.event_loop_stalls.inc()
 
     def _gateway_metrics(self, r: CollectorRegistry) -> None:
         # `model` is the alias (or `name:version`) the client asked for: stable across rollouts.

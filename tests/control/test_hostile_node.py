@@ -270,14 +270,40 @@ async def _inventory_churn(cluster: SimCluster, evil: RawNode) -> None:
     await _serving(cluster)
 
 
+async def _channel_counts(cluster: SimCluster, node: str) -> dict[str, int]:
+    return dict((await node_view(cluster.controller, node))["channel"])
+
+
 async def _beyond_the_frame_limit(cluster: SimCluster, evil: RawNode) -> None:
-    """A frame above MAXMSGSIZE never reaches nexa: zmq drops the connection, the node re-dials."""
+    """A message over the channel's limit is refused and counted by node, its connection kept; one over
+    the transport's own bound (libzmq's MAXMSGSIZE) costs the node its connection, counted by node too."""
     c = cluster.controller
+    limit = 65536 + messaging.MESSAGE_HEADROOM_BYTES
     oversized_before = await metric(c, REJECTED, reason="oversized_chunk")
-    malformed_before = await metric(c, REJECTED, reason="malformed")
-    await evil.send([b"chunk", b"r-none", b"", b"x" * (65536 + messaging.MESSAGE_HEADROOM_BYTES + 1)])
+    too_large_before = await metric(c, REJECTED, reason="message_too_large")
+    disconnects_before = await metric(c, "nexa_node_disconnects_total")
+    counts_before = await _channel_counts(cluster, "evil")
+    # Over the limit: a data frame one byte too long, and a signed frame nested 100,000 levels deep.
+    await evil.send([b"chunk", b"r-none", b"", b"x" * (limit + 1)])
+    await evil.send(_signed(evil, b"heartbeat", b"[" * 100_000 + b"]" * 100_000))
+    await _counted(cluster, "message_too_large", too_large_before + 2)
+    assert await metric(c, REJECTED, reason="oversized_chunk") == oversized_before  # never read as a chunk
+    counts = await _channel_counts(cluster, "evil")
+    assert counts.get("message_too_large", 0) == counts_before.get("message_too_large", 0) + 2
+    assert counts.get("disconnected", 0) == counts_before.get("disconnected", 0)  # the connection stayed
     await _serving(cluster)
+    # Over the transport's bound: libzmq drops the connection before nexa sees a byte; counted as
+    # the node's disconnect, and the DEALER re-dials on its own.
+    await evil.send([b"chunk", b"r-none", b"", b"x" * (messaging.TRANSPORT_LIMIT_FACTOR * limit + 1)])
+
+    async def dropped() -> bool:
+        return (await _channel_counts(cluster, "evil")).get("disconnected", 0) > counts.get("disconnected", 0)
+
+    await wait_for(dropped)
+    assert await metric(c, "nexa_node_disconnects_total") >= disconnects_before + 1
+    await _serving(cluster)
+    malformed_before = await metric(c, REJECTED, reason="malformed")
     await trio.sleep(0.5)  # the DEALER reconnects on its own
     await evil.send(_signed(evil, b"heartbeat", json.dumps({"not": "a heartbeat"}).encode()))
     await _counted(cluster, "malformed", malformed_before + 1)  # the re-dialled channel works
-    assert await metric(c, REJECTED, reason="oversized_chunk") == oversized_before  # never read
+    assert await metric(c, REJECTED, reason="message_too_large") == too_large_before + 2

@@ -12,17 +12,17 @@ imports `zmq`; zmq errors leave it as ChannelError.
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Final, NoReturn, TypeVar, cast
+from typing import Final, NoReturn, TypeVar
 
 import attrs
 import trio
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import parse_monitor_message
 
 from nexa import security
 from nexa.contracts import wire
@@ -32,6 +32,7 @@ from nexa.errors import (
     ChannelError,
     ConfigError,
     ContractError,
+    MessageTooLarge,
     NexaError,
     NodeRateLimited,
     NotConnected,
@@ -39,14 +40,24 @@ from nexa.errors import (
     WrongNode,
 )
 from nexa.framing import decode_data, decode_frames, encode_data, encode_frames, is_data
+from nexa.messaging.pump import (
+    SEND_RETRY_S,
+    Frames,
+    ZmqPump,
+    _Context,
+    _Socket,
+    close_all,
+    new_socket,
+    read_events,
+)
+from nexa.messaging.pump import (
+    PumpStatistics as PumpStatistics,
+)
 from nexa.ratelimit import RateLimiter
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Frames = list[bytes]
-_Socket = zmq.Socket[bytes]
-_Context = zmq.Context[_Socket]
 
 #: RFC 27: libzmq asks the handler bound here (in the socket's own context) about every peer.
 ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
@@ -61,12 +72,12 @@ DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 #: What a controller's zmq frame limit (MAXMSGSIZE) allows above the largest data chunk: room for
 #: the signed messages (a heartbeat with a large inventory is a few KiB) and the data-path heads.
 MESSAGE_HEADROOM_BYTES: Final = 64 * 1024
+#: A `Link` refuses (and counts, by node) a message over its limit and keeps the connection; libzmq
+#: itself drops only messages over this many times the limit, closing the node's connection (each
+#: such disconnect is counted by node too: `on_disconnect`).
+TRANSPORT_LIMIT_FACTOR: Final = 4
 
 
-#: Messages a pump moves between two checkpoints when it keeps making progress.
-_BATCH: Final = 16
-#: How long a pump waits before retrying a send that zmq refused right after POLLOUT.
-_SEND_RETRY_S: Final = 0.01
 #: How long `Link.rebind` tries to bind an endpoint again after closing it.
 _REBIND_S: Final = 5.0
 
@@ -131,169 +142,6 @@ def load_curve_public(path: Path) -> str:
         raise ConfigError(f"{path} does not hold a Z85 Curve public key") from None
 
 
-# --- the pump: the one task that touches a socket -----------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class PumpStatistics:
-    received: int
-    sent: int
-    #: Messages a ROUTER could not route (peer gone or not keeping up); never silent.
-    dropped: int
-    inbox_depth: int
-    outbox_depth: int
-
-
-class ZmqPump:
-    """Moves frames between one zmq socket and two bounded memory channels.
-
-    Only `run` calls into zmq. Other tasks use `send`/`receive`, which wake the pump by
-    cancelling its idle scope. zmq's FD is edge-triggered, so EVENTS is re-read after every
-    operation and the pump only sleeps when nothing can progress.
-    """
-
-    def __init__(
-        self, sock: _Socket, *, inbox_size: int = 64, outbox_size: int = 64, drop_unroutable: bool = False
-    ) -> None:
-        self._sock = sock
-        self._inbox_tx, self._inbox_rx = trio.open_memory_channel[list[zmq.Frame]](inbox_size)
-        self._outbox_tx, self._outbox_rx = trio.open_memory_channel[Frames](outbox_size)
-        # ROUTER: always try to send and drop what cannot be routed, so one slow or vanished
-        # node never blocks the others. DEALER: wait for POLLOUT (backpressure to producers).
-        self._drop_unroutable = drop_unroutable
-        self._idle = trio.CancelScope()
-        # At most one message held by the pump in each direction (counted in statistics()).
-        self._incoming: list[zmq.Frame] | None = None
-        self._outgoing: Frames | None = None
-        self._received = self._sent = self._dropped = 0
-
-    async def send(self, frames: Frames) -> None:
-        try:
-            await self._outbox_tx.send(frames)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ChannelClosed("the channel is closed") from None
-        self._idle.cancel()
-
-    def send_nowait(self, frames: Frames) -> None:
-        """Queue without waiting; raises trio.WouldBlock when the outbox is full."""
-        try:
-            self._outbox_tx.send_nowait(frames)
-        except (trio.ClosedResourceError, trio.BrokenResourceError):
-            raise ChannelClosed("the channel is closed") from None
-        self._idle.cancel()
-
-    async def receive(self) -> list[zmq.Frame]:
-        try:
-            frames = await self._inbox_rx.receive()
-        except (trio.EndOfChannel, trio.ClosedResourceError):
-            raise ChannelClosed("the channel is closed") from None
-        self.wake()  # there is room in the inbox again
-        return frames
-
-    def wake(self) -> None:
-        """Have the pump look again (it may wait for inbox room); `share_inbox` pumps need it."""
-        self._idle.cancel()
-
-    def share_inbox(self, other: ZmqPump) -> None:
-        """Deliver into `other`'s inbox (before `run`): one queue, each pump's messages in order."""
-        self._inbox_tx, self._inbox_rx = other._inbox_tx.clone(), other._inbox_rx
-
-    def statistics(self) -> PumpStatistics:
-        return PumpStatistics(
-            received=self._received,
-            sent=self._sent,
-            dropped=self._dropped,
-            inbox_depth=self._inbox_rx.statistics().current_buffer_used + (self._incoming is not None),
-            outbox_depth=self._outbox_rx.statistics().current_buffer_used + (self._outgoing is not None),
-        )
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
-        sock = self._sock
-        fd = sock.fileno()  # zmq.FD: edge-triggered
-        task_status.started()
-        streak = 0
-        try:
-            while True:
-                events = _events(sock)
-                progressed = False
-                if self._incoming is None and events & zmq.POLLIN:
-                    self._incoming = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    self._received += 1
-                if self._incoming is not None:
-                    try:
-                        # Never block on delivery: the pump must keep sending, or a consumer
-                        # that replies would deadlock against it. A full inbox stops reading
-                        # and zmq's high-water mark pushes back on the peer.
-                        self._inbox_tx.send_nowait(self._incoming)
-                        self._incoming, progressed = None, True
-                    except trio.WouldBlock:
-                        pass
-                if self._outgoing is None:
-                    with contextlib.suppress(trio.WouldBlock):
-                        self._outgoing = self._outbox_rx.receive_nowait()
-                if self._outgoing is not None and (self._drop_unroutable or events & zmq.POLLOUT):
-                    if self._send(self._outgoing):
-                        self._outgoing, progressed = None, True
-                    else:
-                        # POLLOUT said yes, then the peer went away (its handshake was refused,
-                        # or it disconnected): keep the message and look again shortly.
-                        await trio.sleep(_SEND_RETRY_S)
-                        continue
-                if progressed:
-                    # Let consumers and producers run now and then, not after every message: a
-                    # task switch per frame was most of the channel's cost under load.
-                    streak += 1
-                    if streak >= _BATCH:
-                        streak = 0
-                        await trio.lowlevel.checkpoint()
-                    continue
-                streak = 0
-                # No zmq call between the EVENTS read above and this wait (edge-triggered FD).
-                self._idle = trio.CancelScope()
-                with self._idle:
-                    await trio.lowlevel.wait_readable(fd)
-        except zmq.ZMQError as exc:
-            raise ChannelError(f"node channel socket failed: {exc.strerror}") from exc
-        finally:
-            self._inbox_tx.close()
-            self._outbox_rx.close()
-
-    def _send(self, frames: Frames) -> bool:
-        """Send now; False means "not now, keep it" (a DEALER whose connection just went away)."""
-        try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK)
-            self._sent += 1
-        except zmq.Again:
-            if not self._drop_unroutable:
-                return False
-            self._dropped += 1
-            log.warning("dropped a %d-frame message: the peer is not keeping up", len(frames))
-        except zmq.ZMQError as exc:
-            if not (self._drop_unroutable and exc.errno == errno.EHOSTUNREACH):
-                raise
-            self._dropped += 1
-            log.warning("dropped a %d-frame message: the peer is no longer connected", len(frames))
-        return True
-
-
-def _events(sock: _Socket) -> int:
-    """Read (and so reset) the socket's event state; the FD fires again only after this."""
-    return cast("int", sock.getsockopt(zmq.EVENTS))
-
-
-def _close(ctx: _Context, sockets: list[_Socket]) -> None:
-    for sock in reversed(sockets):
-        sock.close(linger=0)
-    ctx.term()  # immediate: every socket is closed with linger 0
-
-
-def _socket(ctx: _Context, kind: int, sockets: list[_Socket]) -> _Socket:
-    sock = ctx.socket(kind)
-    sockets.append(sock)
-    sock.setsockopt(zmq.LINGER, 0)
-    return sock
-
-
 # --- ZAP (RFC 27): which Curve keys may open a channel ------------------------------------------
 
 
@@ -332,7 +180,7 @@ async def _serve_zap(sock: _Socket, authorize: Callable[[str, bytes], str | None
     fd = sock.fileno()  # zmq.FD: edge-triggered
     try:
         while True:
-            if _events(sock) & zmq.POLLIN:
+            if read_events(sock) & zmq.POLLIN:
                 request = sock.recv_multipart(zmq.NOBLOCK)
                 sock.send_multipart(_zap_reply(request, authorize), zmq.NOBLOCK)
                 await trio.lowlevel.checkpoint()
@@ -398,6 +246,8 @@ class Unverified:
     frames: list[bytes] = attrs.field(repr=False)
     node_id: str = ""
     route: bytes = attrs.field(default=b"", repr=False)
+    #: The file descriptor of the zmq connection it came on (-1: not known).
+    fd: int = -1
 
 
 class Link:
@@ -435,9 +285,14 @@ class Link:
         receive_hwm: int = 1000,
         signed_rate: RateLimiter | None = None,
         retired_dial: Callable[[str], None] = lambda _: None,
+        on_disconnect: Callable[[str], None] = lambda _: None,
     ) -> None:
         self._endpoint = endpoint
         self._retired_dial = retired_dial
+        self._on_disconnect = on_disconnect
+        self._max_message_bytes = max_message_bytes
+        # zmq connection (file descriptor) → the node whose verified message last came on it.
+        self._node_by_fd: dict[int, str] = {}
         self._router: _Socket | None = None
         # Endpoint (as bound) → the Curve key it serves; bound again if the link runs again.
         self._served: dict[str, CurveKeyPair] = {}
@@ -446,7 +301,7 @@ class Link:
         self._curve, self._key, self._authorize = curve, signing_key, authorize
         self._node_key, self._previous_key = node_key, previous_key
         self._sizes = (inbox_size, outbox_size)
-        self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes)
+        self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes * TRANSPORT_LIMIT_FACTOR)
         # Signed messages per node, checked before the signature: a flood costs a dict lookup each.
         self._receive_hwm, self._signed_rate = receive_hwm, signed_rate
         self._pump: ZmqPump | None = None
@@ -460,9 +315,9 @@ class Link:
         try:
             try:
                 # ZAP first: with no handler bound, libzmq would admit every Curve client.
-                zap = _socket(ctx, zmq.REP, sockets)
+                zap = new_socket(ctx, zmq.REP, sockets)
                 zap.bind(ZAP_ENDPOINT)
-                router = _socket(ctx, zmq.ROUTER, sockets)
+                router = new_socket(ctx, zmq.ROUTER, sockets)
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable sends fail (and are counted)
                 router.setsockopt(zmq.CURVE_SERVER, 1)
                 router.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
@@ -470,6 +325,8 @@ class Link:
                 # reading that node's socket (TCP then pushes back on the node alone).
                 router.setsockopt(zmq.RCVHWM, self._receive_hwm)
                 _keepalive(router, *self._limits)
+                monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+                sockets.insert(0, monitor)  # closed before the router (`close_all` goes backwards)
             except zmq.ZMQError as exc:
                 raise ChannelError(f"cannot set up the node channel: {exc.strerror}") from exc
             served, self._served = list(self._served.items()) or [(self._endpoint, self._curve)], {}
@@ -477,13 +334,28 @@ class Link:
             pump = ZmqPump(router, inbox_size=self._sizes[0], outbox_size=self._sizes[1], drop_unroutable=True)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_serve_zap, zap, self._admit)
+                nursery.start_soon(self._watch_disconnects, monitor)
                 await nursery.start(pump.run)
                 self._pump, self._router = pump, router
                 task_status.started(endpoint)
         finally:
             self._pump, self._router = None, None
             self._routes.clear()
-            _close(ctx, sockets)
+            self._node_by_fd.clear()
+            close_all(ctx, sockets)
+
+    async def _watch_disconnects(self, monitor: _Socket) -> NoReturn:
+        """Tell `on_disconnect` which node's connection libzmq closed: the peer left or went silent,
+        or libzmq dropped it (a message over its own bound, a protocol error)."""
+        fd = monitor.fileno()  # edge-triggered, as the pump's
+        while True:
+            while read_events(monitor) & zmq.POLLIN:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+                # The fd may be reused at once by another connection; the node's next message names it again.
+                node_id = self._node_by_fd.pop(int(event["value"]), None)
+                if node_id is not None:
+                    self._on_disconnect(node_id)
+            await trio.lowlevel.wait_readable(fd)
 
     def _admit(self, client_key: str, domain: bytes) -> str | None:
         if domain in self._retired:
@@ -533,7 +405,7 @@ class Link:
             while True:  # libzmq frees the port in its I/O thread, a moment after `unbind`
                 with contextlib.suppress(ChannelError):
                     return self.bind(endpoint, curve)
-                await trio.sleep(_SEND_RETRY_S)
+                await trio.sleep(SEND_RETRY_S)
         return self.bind(endpoint, curve)
 
     def _running_router(self) -> tuple[_Socket, ZmqPump]:
@@ -630,6 +502,9 @@ class Link:
     def _accept(self, node_id: str, frames: list[zmq.Frame]) -> DataInbound | Unverified | Refused:
         """Check one message of a node's channel (not its signature); raises what `receive` documents."""
         self._enrolled_key(node_id)
+        size = sum(len(f) for f in frames)
+        if size > self._max_message_bytes:
+            raise MessageTooLarge(size=size, limit=self._max_message_bytes)
         raw = [f.bytes for f in frames[1:]]
         if is_data(raw[0]):
             # Hot path: no log line per frame; the route is learnt only from signed messages.
@@ -637,7 +512,7 @@ class Link:
         if self._signed_rate is not None and not self._signed_rate.allow(node_id, trio.current_time()):
             # Not logged: a flood would flood the log too. Counted by the caller.
             return Refused(node_id=node_id, error=NodeRateLimited(node_id=node_id))
-        return Unverified(frames=raw, node_id=node_id, route=frames[0].bytes)
+        return Unverified(frames=raw, node_id=node_id, route=frames[0].bytes, fd=int(frames[-1].get(zmq.SRCFD)))
 
     def _verify(self, pending: Unverified) -> Inbound:
         node_id = pending.node_id
@@ -653,6 +528,8 @@ class Link:
             raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
         moved = self._routes.get(node_id, pending.route) != pending.route
         self._routes[node_id] = pending.route
+        if pending.fd >= 0:
+            self._node_by_fd[pending.fd] = node_id
         return Inbound(node_id=node_id, message=msg, previous_key=previous, moved=moved)
 
     def connected(self, node_id: str) -> bool:
@@ -717,7 +594,7 @@ class Uplink:
         sockets: list[_Socket] = []
         try:
             try:
-                dealer = _socket(ctx, zmq.DEALER, sockets)
+                dealer = new_socket(ctx, zmq.DEALER, sockets)
                 dealer.setsockopt(zmq.CURVE_SERVERKEY, self._server_public.encode("ascii"))
                 dealer.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public.encode("ascii"))
                 dealer.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret.encode("ascii"))
@@ -735,7 +612,7 @@ class Uplink:
             await self._pump.run(task_status=task_status)
         finally:
             self._pump = None
-            _close(ctx, sockets)
+            close_all(ctx, sockets)
 
     async def send(self, msg: wire.NodeMessage) -> None:
         await self._running().send(encode_frames(msg, self._key))

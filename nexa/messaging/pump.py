@@ -1,0 +1,185 @@
+"""The pump: the one task that moves a zmq socket's messages, and the socket helpers of `nexa.messaging`."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+from typing import Final, NoReturn, cast
+
+import attrs
+import trio
+import zmq
+
+from nexa.errors import ChannelClosed, ChannelError
+
+log = logging.getLogger("nexa.messaging")
+
+Frames = list[bytes]
+_Socket = zmq.Socket[bytes]
+_Context = zmq.Context[_Socket]
+
+#: Messages a pump moves between two checkpoints when it keeps making progress.
+_BATCH: Final = 16
+#: How long a pump waits before retrying a send that zmq refused right after POLLOUT.
+SEND_RETRY_S: Final = 0.01
+
+
+@attrs.frozen(kw_only=True)
+class PumpStatistics:
+    received: int
+    sent: int
+    #: Messages a ROUTER could not route (peer gone or not keeping up); never silent.
+    dropped: int
+    inbox_depth: int
+    outbox_depth: int
+
+
+class ZmqPump:
+    """Moves frames between one zmq socket and two bounded memory channels.
+
+    Only `run` calls into zmq. Other tasks use `send`/`receive`, which wake the pump by
+    cancelling its idle scope. zmq's FD is edge-triggered, so EVENTS is re-read after every
+    operation and the pump only sleeps when nothing can progress.
+    """
+
+    def __init__(
+        self, sock: _Socket, *, inbox_size: int = 64, outbox_size: int = 64, drop_unroutable: bool = False
+    ) -> None:
+        self._sock = sock
+        self._inbox_tx, self._inbox_rx = trio.open_memory_channel[list[zmq.Frame]](inbox_size)
+        self._outbox_tx, self._outbox_rx = trio.open_memory_channel[Frames](outbox_size)
+        # ROUTER: always try to send and drop what cannot be routed, so one slow or vanished
+        # node never blocks the others. DEALER: wait for POLLOUT (backpressure to producers).
+        self._drop_unroutable = drop_unroutable
+        self._idle = trio.CancelScope()
+        # At most one message held by the pump in each direction (counted in statistics()).
+        self._incoming: list[zmq.Frame] | None = None
+        self._outgoing: Frames | None = None
+        self._received = self._sent = self._dropped = 0
+
+    async def send(self, frames: Frames) -> None:
+        try:
+            await self._outbox_tx.send(frames)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ChannelClosed("the channel is closed") from None
+        self._idle.cancel()
+
+    def send_nowait(self, frames: Frames) -> None:
+        """Queue without waiting; raises trio.WouldBlock when the outbox is full."""
+        try:
+            self._outbox_tx.send_nowait(frames)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise ChannelClosed("the channel is closed") from None
+        self._idle.cancel()
+
+    async def receive(self) -> list[zmq.Frame]:
+        try:
+            frames = await self._inbox_rx.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise ChannelClosed("the channel is closed") from None
+        self.wake()  # there is room in the inbox again
+        return frames
+
+    def wake(self) -> None:
+        """Have the pump look again (it may wait for inbox room); `share_inbox` pumps need it."""
+        self._idle.cancel()
+
+    def share_inbox(self, other: ZmqPump) -> None:
+        """Deliver into `other`'s inbox (before `run`): one queue, each pump's messages in order."""
+        self._inbox_tx, self._inbox_rx = other._inbox_tx.clone(), other._inbox_rx
+
+    def statistics(self) -> PumpStatistics:
+        return PumpStatistics(
+            received=self._received,
+            sent=self._sent,
+            dropped=self._dropped,
+            inbox_depth=self._inbox_rx.statistics().current_buffer_used + (self._incoming is not None),
+            outbox_depth=self._outbox_rx.statistics().current_buffer_used + (self._outgoing is not None),
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        sock = self._sock
+        fd = sock.fileno()  # zmq.FD: edge-triggered
+        task_status.started()
+        streak = 0
+        try:
+            while True:
+                events = read_events(sock)
+                progressed = False
+                if self._incoming is None and events & zmq.POLLIN:
+                    self._incoming = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    self._received += 1
+                if self._incoming is not None:
+                    try:
+                        # Never block on delivery: the pump must keep sending, or a consumer
+                        # that replies would deadlock against it. A full inbox stops reading
+                        # and zmq's high-water mark pushes back on the peer.
+                        self._inbox_tx.send_nowait(self._incoming)
+                        self._incoming, progressed = None, True
+                    except trio.WouldBlock:
+                        pass
+                if self._outgoing is None:
+                    with contextlib.suppress(trio.WouldBlock):
+                        self._outgoing = self._outbox_rx.receive_nowait()
+                if self._outgoing is not None and (self._drop_unroutable or events & zmq.POLLOUT):
+                    if self._send(self._outgoing):
+                        self._outgoing, progressed = None, True
+                    else:
+                        # POLLOUT said yes, then the peer went away (its handshake was refused,
+                        # or it disconnected): keep the message and look again shortly.
+                        await trio.sleep(SEND_RETRY_S)
+                        continue
+                if progressed:
+                    # Let consumers and producers run now and then, not after every message: a
+                    # task switch per frame was most of the channel's cost under load.
+                    streak += 1
+                    if streak >= _BATCH:
+                        streak = 0
+                        await trio.lowlevel.checkpoint()
+                    continue
+                streak = 0
+                # No zmq call between the EVENTS read above and this wait (edge-triggered FD).
+                self._idle = trio.CancelScope()
+                with self._idle:
+                    await trio.lowlevel.wait_readable(fd)
+        except zmq.ZMQError as exc:
+            raise ChannelError(f"node channel socket failed: {exc.strerror}") from exc
+        finally:
+            self._inbox_tx.close()
+            self._outbox_rx.close()
+
+    def _send(self, frames: Frames) -> bool:
+        """Send now; False means "not now, keep it" (a DEALER whose connection just went away)."""
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK)
+            self._sent += 1
+        except zmq.Again:
+            if not self._drop_unroutable:
+                return False
+            self._dropped += 1
+            log.warning("dropped a %d-frame message: the peer is not keeping up", len(frames))
+        except zmq.ZMQError as exc:
+            if not (self._drop_unroutable and exc.errno == errno.EHOSTUNREACH):
+                raise
+            self._dropped += 1
+            log.warning("dropped a %d-frame message: the peer is no longer connected", len(frames))
+        return True
+
+
+def read_events(sock: _Socket) -> int:
+    """Read (and so reset) the socket's event state; the FD fires again only after this."""
+    return cast("int", sock.getsockopt(zmq.EVENTS))
+
+
+def close_all(ctx: _Context, sockets: list[_Socket]) -> None:
+    for sock in reversed(sockets):
+        sock.close(linger=0)
+    ctx.term()  # immediate: every socket is closed with linger 0
+
+
+def new_socket(ctx: _Context, kind: int, sockets: list[_Socket]) -> _Socket:
+    sock = ctx.socket(kind)
+    sockets.append(sock)
+    sock.setsockopt(zmq.LINGER, 0)
+    return sock
