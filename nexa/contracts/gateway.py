@@ -633,6 +633,34 @@ def token_reservation(capability: Capability, body: dict[str, object], *, defaul
     return _chars(prompt) // 4 + 1 + completion * n
 
 
+#: What a chat template adds around each message and the prompt (role tokens, separators, a system
+#: preamble), in tokens: generous, so that only a count no tokenizer could produce is clamped.
+_TEMPLATE_TOKENS_PER_MESSAGE: Final = 64
+_TEMPLATE_TOKENS: Final = 1024
+
+
+def usage_bounds(capability: Capability, body: dict[str, object]) -> tuple[int, int]:
+    """The most (prompt, completion) tokens a request could produce: a tokenizer makes at most one
+    token per byte of the prompt (plus a chat template's own tokens); the completion is at most what
+    the request allowed (`max_completion_tokens`, else `max_tokens`, times `n`), or the largest count
+    a request may ask for when it set none. Usage a runtime or node reports above them is clamped."""
+    if capability is Capability.EMBEDDING:
+        return _bytes(body.get("input")) + _TEMPLATE_TOKENS, 0
+    prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
+    messages = len(prompt) if isinstance(prompt, list) else 1
+    prompt_max = _bytes(prompt) + messages * _TEMPLATE_TOKENS_PER_MESSAGE + _TEMPLATE_TOKENS
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    completion = asked if isinstance(asked, int) and _int_in(asked, 1, MAX_REQUEST_TOKENS) else MAX_REQUEST_TOKENS
+    choices = body.get("n")
+    n = choices if isinstance(choices, int) and _int_in(choices, 1, MAX_CHOICES) else 1
+    return prompt_max, completion * n
+
+
+def _bytes(value: object) -> int:
+    """UTF-8 bytes of the strings in parsed JSON (at most 4 a character)."""
+    return 4 * _chars(value)
+
+
 def _chars(value: object) -> int:
     """Characters of the strings in parsed JSON (what a prompt's length is estimated from)."""
     total = 0

@@ -25,10 +25,10 @@ import trio
 from nexa.contracts import wire
 from nexa.contracts.bounds import MAX_TOKENS
 from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, CallOutcome, Capability, Priority
+from nexa.contracts.gateway import Api, CallOutcome, Capability, Priority, usage_bounds
 from nexa.contracts.models import ModelRef
 from nexa.control import answers
-from nexa.control.metering import REFUSED_TIMING, REFUSED_TOKENS, Meter, token_count_ok
+from nexa.control.metering import REFUSED_OVER_REQUEST, REFUSED_TIMING, REFUSED_TOKENS, Meter, token_count_ok
 from nexa.control.relay import RelayStream
 from nexa.errors import Cancelled, DeadlineExceeded, NexaError, RuntimeFailed, RuntimeRejected
 
@@ -372,6 +372,27 @@ class Answer:
                 name,
             )
 
+    def _clamp_to_request(self) -> None:
+        """No more tokens than the request could produce are billed or taken from its quota: a count
+        above `usage_bounds` is clamped to it and counted
+        (`nexa_usage_records_refused_total{reason="tokens_over_request"}`), logged by request id."""
+        progress = self._progress
+        prompt_max, completion_max = usage_bounds(self.work.capability, self.work.body)
+        for name, bound in (("prompt_tokens", prompt_max), ("completion_tokens", completion_max)):
+            reported = getattr(progress, name)
+            if reported > bound:
+                setattr(progress, name, bound)
+                self._meter.refused(REFUSED_OVER_REQUEST)
+                log.warning(
+                    "request %s: node %s reported %d %s, more than the request allows (%d); metered as %d",
+                    self.work.request_id,
+                    progress.node_id,
+                    reported,
+                    name,
+                    bound,
+                    bound,
+                )
+
     async def conclude(self) -> None:
         """The call is being left: take what the node still owes, and what was streamed."""
         if self._stream is not None and self._done_seen:
@@ -392,6 +413,7 @@ class Answer:
             # No usage came back (the runtime sends none, the node was lost, or the client left):
             # count what was streamed, one token per event, as the runtime's own streams send them.
             self._progress.completion_tokens = min(self._events, MAX_TOKENS)
+        self._clamp_to_request()
 
 
 async def release(stack: contextlib.AsyncExitStack, request_id: str) -> None:

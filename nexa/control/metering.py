@@ -62,6 +62,8 @@ CSV_HEADER: Final = ("tenant", "model", "day", "requests", "errors", "prompt_tok
 MAX_TOKEN_COUNT: Final = MAX_TOKENS
 #: Reasons of `nexa_usage_records_refused_total`.
 REFUSED_TOKENS: Final = "tokens_out_of_range"
+#: A count above what the request could produce (`usage_bounds`): clamped to that bound.
+REFUSED_OVER_REQUEST: Final = "tokens_over_request"
 REFUSED_TIMING: Final = "timing_invalid"
 REFUSED_BACKLOG: Final = "backlog_full"
 #: A runtime's usage object that is not an object of whole counts (the gateway fails the call).

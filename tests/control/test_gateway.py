@@ -22,7 +22,7 @@ from nexa.config import GatewayConfig
 from nexa.contracts import codec, wire
 from nexa.contracts.deployments import ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, Capability
+from nexa.contracts.gateway import Api, Capability, usage_bounds
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
 from nexa.control.admission import Admission
@@ -383,6 +383,21 @@ async def test_a_node_reporting_tokens_out_of_range_is_metered_with_the_controll
         assert out == raw
         assert (prompt, completion) == (6, 2)  # the prompt's estimate, the answer's own usage
         assert rig.sample("nexa_usage_records_refused_total", reason="tokens_out_of_range") == 2
+
+
+async def test_usage_above_what_the_request_allows_is_clamped_and_counted(rig: Rig) -> None:
+    """Issue 30 point 3: 2^31 completion tokens against `max_tokens: 1`, and a prompt count no
+    tokenizer could make of the prompt, bill (and take from the quota) only what the request allows."""
+    raw = json.dumps(CHAT_ANSWER).encode()
+    rig.node.script = lambda head, _: [chunk(raw), end(prompt_tokens=2**31, completion_tokens=2**31)]
+    out, error, _ = await run(rig, work(messages=MESSAGES, max_tokens=1))
+    assert error is None and out == raw
+    [(_, _, prompt, completion)] = await rig.rows()
+    prompt_max, completion_max = usage_bounds(Capability.CHAT, {"messages": MESSAGES, "max_tokens": 1})
+    assert (prompt, completion) == (prompt_max, 1) and completion_max == 1
+    assert prompt_max < 2_000  # a few hundred bytes of prompt, not 2^31
+    assert all(t <= prompt_max + 1 for t in rig.quotas.settled)
+    assert rig.sample("nexa_usage_records_refused_total", reason="tokens_over_request") == 2
 
 
 async def test_counts_the_wire_contract_let_through_are_still_refused_by_the_gateway(rig: Rig) -> None:
