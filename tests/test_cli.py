@@ -45,6 +45,27 @@ def test_keys_and_tenants_round_trip(controller_process: ControllerProcess) -> N
     assert next(k for k in keys if k["id"] == key_id)["revoked_at"] is not None
 
 
+def test_control_characters_a_client_chose_never_reach_the_terminal_raw(controller_process: ControllerProcess) -> None:
+    """Issue 30 point 8: a tenant's display name and a key's name with an escape sequence that would
+    retitle or clear the terminal, a bell and a right-to-left override are printed as escapes."""
+    cp = controller_process
+    evil = "Evil\x1b]0;pwned\x07\u202eName\x1b[2J"
+    assert cp.cli("tenants", "create", "evil", "--display-name", evil).returncode == 0
+    assert cp.cli("keys", "create", "--role", "audit", "--name", evil).returncode == 0
+    for argv in (("tenants", "list"), ("keys", "list"), ("tenants", "list", "--json"), ("audit", "list")):
+        out = cp.cli(*argv)
+        assert out.returncode == 0, out.stderr
+        assert not any(c in out.stdout for c in "\x1b\x07\u202e"), argv
+    table = cp.cli("tenants", "list").stdout
+    assert "Evil\\x1b]0;pwned\\x07\\u202eName\\x1b[2J" in table
+    # JSON keeps the value itself (escaped the JSON way), for a program to read back.
+    tenants = json.loads(cp.cli("tenants", "list", "--json").stdout)["tenants"]
+    assert [t["display_name"] for t in tenants] == [evil]
+    # An error that quotes what a client sent is escaped too.
+    refused = cp.cli("tenants", "create", "evil", "--display-name", evil)
+    assert refused.returncode != 0 and "\x1b" not in refused.stderr
+
+
 def test_errors_are_one_clear_line_with_a_nonzero_exit(controller_process: ControllerProcess) -> None:
     cp = controller_process
     wrong = cp.cli("keys", "list", token="nxk_000000000000_" + "A" * 43)
