@@ -46,15 +46,17 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Final
 
 import attrs
 
 from nexa.contracts.gateway import Capability
+from nexa.contracts.manifest import path_problem
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import MemoryLimit, MemoryShare, RuntimeMemory
-from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
+from nexa.contracts.runtime import RUNTIME_CACHE_PATH, RUNTIME_HOST, HealthProbe
 
 #: Where an artifact registered as one object is mounted (read-only), as assignments have had it
 #: since the first release; a manifest's directory is mounted at `/models/<model name>`.
@@ -71,6 +73,44 @@ SHM_SETTING: Final = "shm_bytes"
 _OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
 #: A big model on a slow disk takes minutes to load: failures this long after start keep it `Starting`.
 _START_PERIOD_S: Final = 600.0
+#: The replica's writable cache (`RUNTIME_CACHE_PATH`, kept on the node's disk across restarts): the
+#: root is read-only and /tmp a small tmpfs, so every cache a runtime writes at warm-up is pointed
+#: there. `HOME` and `XDG_CACHE_HOME` catch what is written under `~` or `~/.cache` (Hugging Face,
+#: FlashInfer's default, SGLang's `~/.cache/sglang`); the rest are each library's own variable:
+#: Triton `TRITON_CACHE_DIR`, PyTorch Inductor `TORCHINDUCTOR_CACHE_DIR` and its C++ extensions
+#: `TORCH_EXTENSIONS_DIR`, the CUDA driver's JIT cache `CUDA_CACHE_PATH`, FlashInfer's JIT
+#: `FLASHINFER_WORKSPACE_BASE` (it appends `.cache/flashinfer`), Hugging Face `HF_HOME` (its
+#: `trust_remote_code` modules).
+_CACHE_ENV: Final = {
+    "HOME": RUNTIME_CACHE_PATH,
+    "XDG_CACHE_HOME": f"{RUNTIME_CACHE_PATH}/xdg",
+    "TRITON_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/torchinductor",
+    "TORCH_EXTENSIONS_DIR": f"{RUNTIME_CACHE_PATH}/torch_extensions",
+    "CUDA_CACHE_PATH": f"{RUNTIME_CACHE_PATH}/cuda",
+    "FLASHINFER_WORKSPACE_BASE": RUNTIME_CACHE_PATH,
+    "HF_HOME": f"{RUNTIME_CACHE_PATH}/huggingface",
+}
+#: vLLM: `VLLM_CACHE_ROOT` (vllm/envs.py; torch.compile artefacts and its own kernels' caches).
+_VLLM_CACHE_ENV: Final = {**_CACHE_ENV, "VLLM_CACHE_ROOT": f"{RUNTIME_CACHE_PATH}/vllm"}
+#: SGLang: DeepGEMM's JIT kernels, `SGLANG_DG_CACHE_DIR` (python/sglang/srt/environ.py, default
+#: `~/.cache/deep_gemm`), which it copies to DeepGEMM's own `DG_JIT_CACHE_DIR`.
+_SGLANG_CACHE_ENV: Final = {
+    **_CACHE_ENV,
+    "SGLANG_DG_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/deep_gemm",
+    "DG_JIT_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/deep_gemm",
+}
+#: llama.cpp writes no cache of its own; `HOME` still is somewhere writable.
+_LLAMA_CACHE_ENV: Final = {"HOME": RUNTIME_CACHE_PATH, "XDG_CACHE_HOME": f"{RUNTIME_CACHE_PATH}/xdg"}
+#: What `extra_args` may hold: this many arguments, each at most this long.
+MAX_EXTRA_ARGS: Final = 64
+MAX_EXTRA_ARG_CHARS: Final = 4096
+#: Why a flag nexa owns is refused in `extra_args` (`Adapter.refused_flags` maps flags to these).
+_HUB: Final = "it would reach a model hub; runtimes load only the signed, mounted artifact"
+_AUTH: Final = "the node's relay talks to the runtime without a key (the gateway authenticates clients)"
+_TLS: Final = "the node talks plain HTTP to the runtime on its own loopback"
+_CONFIG_FILE: Final = "a config file can set anything, the memory bound included; use settings and extra_args"
+_MEMORY: Final = "it would bypass the memory bound nexa derives from the reservation"
 
 
 class Style(enum.Enum):
@@ -82,6 +122,9 @@ class Style(enum.Enum):
     SWITCH = "switch"
     #: `--flag true|false` (llama-cpp-python's pydantic settings).
     BOOLEAN = "boolean"
+    #: `--flag <model directory>/<value>`: a file of the model's own directory (a chat template
+    #: shipped with it), named relative to it; absolute paths and `..` are refused.
+    MODEL_FILE = "model_file"
 
 
 @attrs.frozen(kw_only=True)
@@ -111,6 +154,8 @@ class Option:
             reason = f"one of {', '.join(self.choices)}"
         elif isinstance(value, str) and (not value or value.startswith("-") or "\x00" in value):
             reason = "a non-empty value that does not start with '-'"
+        elif isinstance(value, str) and self.style is Style.MODEL_FILE and (bad := path_problem(value)):
+            reason = f"a path inside the model's directory ({bad})"
         return None if reason is None else f"settings.{name}: {reason}"
 
     def _typed(self, value: object) -> bool:
@@ -121,11 +166,13 @@ class Option:
             return isinstance(value, int | float) and math.isfinite(value)
         return isinstance(value, self.type)
 
-    def args(self, value: object) -> list[str]:
+    def args(self, value: object, *, model_dir: str = "") -> list[str]:
         if self.style is Style.SWITCH:
             return [self.flag] if value else []
         if self.style is Style.BOOLEAN:
             return [self.flag, "true" if value else "false"]
+        if self.style is Style.MODEL_FILE:
+            return [self.flag, f"{model_dir}/{value}"]
         return [self.flag, str(value)]
 
 
@@ -199,6 +246,55 @@ class Adapter:
     #: the model and its context need).
     memory_setting: str | None = None
     memory_share: MemoryShare = MemoryShare.POOL
+    #: Flags `extra_args` may not give, besides those nexa sets itself (`owned_flags`), each with why.
+    refused_flags: Mapping[str, str] = attrs.field(factory=dict)
+    #: The server's parser takes a long flag's unambiguous prefix for it (Python's argparse does,
+    #: click and llama.cpp's own parser do not), so a prefix of an owned flag is refused as well.
+    abbreviates: bool = False
+    #: The first release whose server takes `served_name_flag` (None: every release). Before it,
+    #: the flag is left out and the server names the model after its directory, which nexa mounts
+    #: at `/models/<model name>`.
+    served_name_since: str | None = None
+
+    def owned_flags(self) -> dict[str, str]:
+        """Every flag `extra_args` may not give, with why: what nexa sets itself, the memory bound,
+        the typed settings (set them as settings), and `refused_flags`."""
+        owned = {option.flag: f"a typed setting: give settings.{name} instead" for name, option in self.options.items()}
+        nexa_sets = {
+            self.model_flag: "nexa gives the mounted model's path",
+            self.served_name_flag: "nexa serves the model under its registered name",
+            self.host_flag: "nexa binds the runtime to the node's runtime address",
+            self.port_flag: "nexa gives each replica its port",
+            self.tensor_parallel_flag: "nexa spreads a replica over the GPUs placement gave it",
+        }
+        owned.update({flag: why for flag, why in nexa_sets.items() if flag is not None})
+        if self.memory_setting is not None:
+            owned[self.options[self.memory_setting].flag] = (
+                f"it is the memory bound (set settings.{self.memory_setting}, or leave it to be derived)"
+            )
+        owned.update(self.refused_flags)
+        return owned
+
+    def flag_refusals(self, extra_args: Sequence[str]) -> list[tuple[str, str]]:
+        """(flag, why) for each argument of `extra_args` that gives a flag nexa owns, as
+        `--flag value`, `--flag=value`, with `_` for `-` or, where the parser abbreviates, a prefix."""
+        owned = {_spelling(flag): (flag, why) for flag, why in self.owned_flags().items()}
+        known = {_spelling(option.flag) for option in self.options.values()}
+        out = []
+        for arg in extra_args:
+            if not arg.startswith("-") or _is_number(arg):
+                continue
+            given = _spelling(arg.partition("=")[0])
+            hit = owned.get(given)
+            if hit is None and self.abbreviates and given.startswith("--") and len(given) > 3 and given not in known:
+                hit = next((owned[f] for f in sorted(owned) if f.startswith(given)), None)
+            if hit is None and self.abbreviates and not given.startswith("--"):
+                # argparse reads `-tp4` as `-tp 4`.
+                hit = next((owned[f] for f in sorted(owned) if not f.startswith("--") and given.startswith(f)), None)
+            if hit is not None:
+                flag = arg.partition("=")[0]
+                out.append((flag, hit[1] if _spelling(hit[0]) == given else f"{hit[1]} (it is taken as {hit[0]})"))
+        return out
 
     def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
         """Everything wrong with `settings` (and the accelerator count) for this adapter."""
@@ -250,16 +346,24 @@ class Adapter:
         *,
         model_path: str = MODEL_PATH,
         memory: RuntimeMemory | None = None,
+        extra_args: Sequence[str] = (),
+        version: str = "",
+        model_dir: str = "",
     ) -> Launch:
-        """The command, env, probe and /dev/shm size of one replica (settings already validated).
+        """The command, env, probe and /dev/shm size of one replica (settings and `extra_args`
+        already validated); `extra_args` come last, after every flag nexa and the settings give.
 
         `memory`: the replica's limit on a unified-memory node; a derived value is given as the
-        setting would be had the operator set it (the operator's own value is in `settings`)."""
+        setting would be had the operator set it (the operator's own value is in `settings`).
+        `version`: the runtime's registered version (`served_name_since`). `model_dir`: where the
+        model's directory is mounted, for settings naming one of its files (default `model_path`)."""
         if memory is not None and memory.derived and memory.value is not None and memory.setting in self.options:
             settings = {**settings, memory.setting: memory.value}
         command = list(self.program)
         command += [model_path] if self.model_flag is None else [self.model_flag, model_path]
-        command += [self.served_name_flag, served_name, self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
+        if self.served_name_since is None or version_at_least(version, self.served_name_since):
+            command += [self.served_name_flag, served_name]
+        command += [self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
         command += self.fixed
         if gpus:
             command += self.gpu_args
@@ -267,7 +371,8 @@ class Adapter:
                 command += [self.tensor_parallel_flag, str(len(gpus))]
         for name, value in sorted(settings.items()):
             if option := self.options.get(name):
-                command += option.args(value)
+                command += option.args(value, model_dir=model_dir or model_path)
+        command += extra_args
         shm = settings.get(SHM_SETTING, self.default_shm_bytes)
         assert isinstance(shm, int)
         return Launch(command=command, env=dict(self.env), health=self.probe(port), shm_bytes=shm)
@@ -283,6 +388,8 @@ class Adapter:
 
 
 _DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
+#: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).
+_GGML_KV_TYPES: Final = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 _TEXT: Final = frozenset({Capability.COMPLETION, Capability.CHAT})
 _ALL: Final = frozenset(Capability)
 
@@ -315,8 +422,38 @@ VLLM: Final = Adapter(
         "enforce_eager": Option(flag="--enforce-eager", type=bool, style=Style.SWITCH, help="no CUDA graphs"),
         "tokenizer": Option(flag="--tokenizer", type=str, help="tokenizer path inside the container"),
         "trust_remote_code": Option(flag="--trust-remote-code", type=bool, style=Style.SWITCH, help=""),
+        # vllm/entrypoints/openai/cli_args.py (FrontendArgs).
+        "enable_auto_tool_choice": Option(
+            flag="--enable-auto-tool-choice", type=bool, style=Style.SWITCH, help="needs tool_call_parser"
+        ),
+        "tool_call_parser": Option(flag="--tool-call-parser", type=str, help="e.g. hermes, llama3_json, mistral"),
+        "chat_template": Option(
+            flag="--chat-template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
+        ),
+        # vllm/engine/arg_utils.py: StructuredOutputsConfig, ModelConfig and SchedulerConfig fields.
+        "reasoning_parser": Option(flag="--reasoning-parser", type=str, help="e.g. deepseek_r1, qwen3"),
+        "generation_config": Option(
+            flag="--generation-config", type=str, help="auto (the model's), vllm (none), or a folder path"
+        ),
+        "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
     },
-    env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1"},
+    env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", **_VLLM_CACHE_ENV},
+    abbreviates=True,
+    refused_flags={
+        "--model": "nexa gives the mounted model's path",
+        "-tp": "nexa spreads a replica over the GPUs placement gave it",
+        "--download-dir": _HUB,
+        "--hf-token": _HUB,
+        "--revision": _HUB,
+        "--code-revision": _HUB,
+        "--tokenizer-revision": _HUB,
+        "--api-key": _AUTH,
+        "--ssl-keyfile": _TLS,
+        "--ssl-certfile": _TLS,
+        "--uds": "nexa reaches the runtime on its port",
+        "--kv-cache-memory-bytes": _MEMORY,
+        "--config": _CONFIG_FILE,
+    },
     default_shm_bytes=GPU_SHM_BYTES,
     memory_setting="gpu_memory_utilization",
     readiness_path="/health",
@@ -363,8 +500,28 @@ SGLANG: Final = Adapter(
         "is_embedding": Option(flag="--is-embedding", type=bool, style=Style.SWITCH, help="serve embeddings"),
         "tokenizer": Option(flag="--tokenizer-path", type=str, help="tokenizer path inside the container"),
         "trust_remote_code": Option(flag="--trust-remote-code", type=bool, style=Style.SWITCH, help=""),
+        # python/sglang/srt/server_args.py (ServerArgs.add_cli_args).
+        "tool_call_parser": Option(flag="--tool-call-parser", type=str, help="e.g. qwen25, llama3, mistral"),
+        "reasoning_parser": Option(flag="--reasoning-parser", type=str, help="e.g. deepseek-r1, qwen3"),
+        "chat_template": Option(
+            flag="--chat-template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
+        ),
+        "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
+        "max_total_tokens": Option(flag="--max-total-tokens", type=int, minimum=1, help="KV pool size (tokens)"),
     },
-    env=dict(_OFFLINE_ENV),
+    env={**_OFFLINE_ENV, **_SGLANG_CACHE_ENV},
+    abbreviates=True,
+    refused_flags={
+        "--model": "nexa gives the mounted model's path",
+        "--tp": "nexa spreads a replica over the GPUs placement gave it",
+        "--tensor-parallel-size": "nexa spreads a replica over the GPUs placement gave it",
+        "--download-dir": _HUB,
+        "--revision": _HUB,
+        "--api-key": _AUTH,
+        "--ssl-keyfile": _TLS,
+        "--ssl-certfile": _TLS,
+        "--config": _CONFIG_FILE,
+    },
     default_shm_bytes=GPU_SHM_BYTES,
     readiness_path="/health",
     metrics=Metrics(
@@ -400,15 +557,39 @@ TRTLLM: Final = Adapter(
         ),
         "tokenizer": Option(flag="--tokenizer", type=str, help="tokenizer path (for an engine directory)"),
         "trust_remote_code": Option(flag="--trust_remote_code", type=bool, style=Style.SWITCH, help=""),
+        # tensorrt_llm/commands/serve.py (the `serve` command's click options).
+        "max_beam_width": Option(flag="--max_beam_width", type=int, minimum=1, help="beams for beam search"),
+        "reasoning_parser": Option(flag="--reasoning_parser", type=str, help="e.g. deepseek-r1, qwen3"),
+        "tool_parser": Option(flag="--tool_parser", type=str, help="tool-call parser (recent releases)"),
+        "enable_chunked_prefill": Option(flag="--enable_chunked_prefill", type=bool, style=Style.SWITCH, help=""),
+        "chat_template": Option(
+            flag="--chat_template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
+        ),
     },
-    env=dict(_OFFLINE_ENV),
+    env={**_OFFLINE_ENV, **_CACHE_ENV},
+    refused_flags={
+        "--tensor_parallel_size": "nexa spreads a replica over the GPUs placement gave it",
+        "--free_gpu_memory_fraction": _MEMORY,
+        "--revision": _HUB,
+        "--config": _CONFIG_FILE,
+        "--extra_llm_api_options": _CONFIG_FILE,
+    },
+    # `--served_model_name` came with TensorRT-LLM 1.3.0rc7 (NVIDIA/TensorRT-LLM#11711, in the
+    # v1.3.0rc7 release notes, 10 March 2026); before it the served name is the model directory's
+    # base name (tensorrt_llm/serve/openai_server.py: `Path(model).name` for a directory).
+    served_name_since="1.3.0rc7",
     default_shm_bytes=GPU_SHM_BYTES,
     readiness_path="/health",
-    # trtllm-serve's /metrics is JSON, one object per engine iteration (inflight-batching stats).
+    # trtllm-serve's /metrics (tensorrt_llm/serve/openai_server.py `get_iteration_stats`) is a JSON
+    # list of the iteration statistics gathered since the last read (`get_stats_async(2)`), each the
+    # executor's `IterationStats` as JSON: `numQueuedRequests` and `numActiveRequests` at the top,
+    # `kvCacheStats.{usedNumBlocks,maxNumBlocks}`. With the PyTorch backend the list stays empty
+    # unless `enable_iter_perf_stats` is set, and an idle engine adds none: then every figure is
+    # unknown and routing counts the controller's own requests in flight.
     metrics=Metrics(
         path="/metrics",
         format="json",
-        waiting="inflightBatchingStats.numQueuedRequests",
+        waiting="numQueuedRequests",
         running="numActiveRequests",
         kv_cache=("kvCacheStats.usedNumBlocks/maxNumBlocks",),
     ),
@@ -438,6 +619,40 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         "embedding": Option(flag="--embedding", type=bool, style=Style.SWITCH, help="serve /v1/embeddings only"),
         "pooling": Option(flag="--pooling", type=str, choices=("none", "mean", "cls", "last", "rank"), help=""),
         "chat_template": Option(flag="--chat-template", type=str, help="a built-in template name"),
+        # common/arg.cpp (the options llama-server takes).
+        "jinja": Option(flag="--jinja", type=bool, style=Style.SWITCH, help="the model's Jinja chat template"),
+        "chat_template_file": Option(
+            flag="--chat-template-file", type=str, style=Style.MODEL_FILE, help="a template file beside the model"
+        ),
+        "reasoning_format": Option(
+            flag="--reasoning-format", type=str, choices=("none", "deepseek", "deepseek-legacy", "auto"), help=""
+        ),
+        "cont_batching": Option(flag="--cont-batching", type=bool, style=Style.SWITCH, help="(on by default)"),
+        "cache_type_k": Option(flag="--cache-type-k", type=str, choices=_GGML_KV_TYPES, help="K cache type"),
+        "cache_type_v": Option(flag="--cache-type-v", type=str, choices=_GGML_KV_TYPES, help="V cache type"),
+    },
+    env=dict(_LLAMA_CACHE_ENV),
+    refused_flags={
+        "-m": "nexa gives the mounted model's path",
+        "-a": "nexa serves the model under its registered name",
+        "-hf": _HUB,
+        "-hfr": _HUB,
+        "--hf-repo": _HUB,
+        "-hff": _HUB,
+        "--hf-file": _HUB,
+        "-hft": _HUB,
+        "--hf-token": _HUB,
+        "-hfd": _HUB,
+        "-hfrd": _HUB,
+        "--hf-repo-draft": _HUB,
+        "-mu": _HUB,
+        "--model-url": _HUB,
+        "-dr": _HUB,
+        "--docker-repo": _HUB,
+        "--api-key": _AUTH,
+        "--api-key-file": _AUTH,
+        "--ssl-key-file": _TLS,
+        "--ssl-cert-file": _TLS,
     },
     readiness_path="/health",
     probe_tool="curl",
@@ -471,6 +686,19 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
         "embedding": Option(flag="--embedding", type=bool, style=Style.BOOLEAN, help="serve /v1/embeddings"),
         "chat_format": Option(flag="--chat_format", type=str, help="chat template name (default: the model's)"),
         "seed": Option(flag="--seed", type=int, minimum=0, help="sampling seed"),
+        # llama_cpp/server/settings.py (ModelSettings).
+        "n_ubatch": Option(flag="--n_ubatch", type=int, minimum=1, help="physical batch size"),
+        "flash_attn": Option(flag="--flash_attn", type=bool, style=Style.BOOLEAN, help="flash attention"),
+    },
+    env=dict(_LLAMA_CACHE_ENV),
+    abbreviates=True,
+    refused_flags={
+        "--hf_pretrained_model_name_or_path": _HUB,
+        "--hf_model_repo_id": _HUB,
+        "--api_key": _AUTH,
+        "--ssl_keyfile": _TLS,
+        "--ssl_certfile": _TLS,
+        "--config_file": _CONFIG_FILE,
     },
     # /v1/models answers once the model is loaded (the server loads it before listening).
     readiness_path="/v1/models",
@@ -533,16 +761,23 @@ def settings_problems(
     *,
     accelerators: int,
     command: Sequence[str] = (),
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """Everything wrong with a deployment's runtime settings for `kind`.
+    """Everything wrong with a deployment's runtime settings and `extra_args` for `kind` (the
+    flags `extra_args` may not give are `extra_args_refusals`', a 422 of their own).
 
     `sim` takes no settings. A non-empty `command` replaces the adapter's command line entirely
-    (the operator's escape hatch), so settings beside it would be silently ignored: refused.
+    (the operator's escape hatch), so settings or extra_args beside it would be silently
+    ignored: refused.
     """
     if not has_adapter(kind):
-        return [f"settings.{name}: the {kind} runtime takes no settings" for name in sorted(settings)]
-    if command and settings:
-        return ["settings: give either settings or a full command, not both"]
+        return [f"settings.{name}: the {kind} runtime takes no settings" for name in sorted(settings)] + (
+            [f"extra_args: the {kind} runtime takes its flags from command"] if extra_args else []
+        )
+    if command and (settings or extra_args):
+        return ["settings, extra_args: give settings and extra_args, or a full command, not both"]
+    if problems := extra_args_problems(extra_args):
+        return problems
     if kind is RuntimeKind.LLAMACPP and SERVER_SETTING in settings:
         variant = settings[SERVER_SETTING]
         if not isinstance(variant, str) or variant not in LLAMACPP_VARIANTS:
@@ -552,3 +787,60 @@ def settings_problems(
         # A full command says nothing the adapter could check about GPUs: the operator owns it.
         problems = [p for p in problems if not p.startswith("resources.")]
     return problems
+
+
+def extra_args_problems(extra_args: Sequence[str]) -> list[str]:
+    """What is wrong with `extra_args`' shape: too many, too long, empty or with a NUL."""
+    if len(extra_args) > MAX_EXTRA_ARGS:
+        return [f"extra_args: at most {MAX_EXTRA_ARGS} arguments"]
+    return [
+        f"extra_args[{i}]: a non-empty argument of at most {MAX_EXTRA_ARG_CHARS} characters, without NUL"
+        for i, arg in enumerate(extra_args)
+        if not arg or len(arg) > MAX_EXTRA_ARG_CHARS or "\x00" in arg
+    ]
+
+
+def extra_args_refusals(kind: RuntimeKind, settings: Mapping[str, object], extra_args: Sequence[str]) -> list[str]:
+    """Each argument of `extra_args` that gives a flag nexa owns, as `FLAG: why` (see
+    `Adapter.flag_refusals`); empty for `sim` and for a llama.cpp variant that does not exist
+    (`settings_problems` says so)."""
+    if not has_adapter(kind) or not extra_args:
+        return []
+    try:
+        adapter = adapter_for(kind, settings)
+    except ValueError:
+        return []
+    return [f"{flag}: {why}" for flag, why in adapter.flag_refusals(extra_args)]
+
+
+def version_at_least(version: str, first: str) -> bool:
+    """Whether release `version` (`1.2.0`, `1.3.0rc7`, `v1.3.0.post1`) is `first` or later;
+    a version that reads as no release (`latest`, empty) counts as earlier."""
+    mine, theirs = _release(version), _release(first)
+    return mine is not None and theirs is not None and mine >= theirs
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """(major, minor, patch, pre): a final release sorts after its release candidates."""
+    match = _VERSION_RE.match(version.strip().lower())
+    if match is None:
+        return None
+    major, minor, patch, rc = match.groups()
+    return (int(major), int(minor), int(patch or 0), int(rc) if rc is not None else 1 << 30)
+
+
+_VERSION_RE: Final = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?(?:rc|pre)(\d+))?")
+
+
+def _spelling(flag: str) -> str:
+    """A flag as the servers compare it: vLLM's parser takes `_` for `-` and so does the check."""
+    return flag.replace("_", "-")
+
+
+def _is_number(arg: str) -> bool:
+    """`-1` is a value, not a flag."""
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True

@@ -50,6 +50,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - DeployRuntimeUnknown [runtime_unknown]: no runtime registered (and checked) under that name
     - Unplaceable [unplaceable]: no placement fits; the message explains every node
     - MemoryOverReservation [memory_over_reservation]: a memory setting would claim more of a unified pool than reserved
+    - RuntimeFlagOwned [runtime_flag_owned]: `options.extra_args` gives a flag nexa sets itself (named)
   + Overloaded [overloaded, HTTP 429]: shed load; carries retry_after_s
     - QuotaExceeded [quota_exceeded]: a tenant limit (concurrency, requests or tokens per window) is used up
     - QueueFull [queue_full]: the model's admission queue for that priority is full
@@ -304,6 +305,18 @@ class MemoryOverReservation(NotDeployable):
         super().__init__(message)
         self.setting = setting
         self.node_id = node_id
+
+
+class RuntimeFlagOwned(NotDeployable):
+    """A deployment's `options.extra_args` gives a flag nexa owns: the model path, the served name,
+    the bind address or port, the memory bound, tensor parallelism, a typed setting's flag, or one
+    that would reach a hub; `flags` names each."""
+
+    code = "runtime_flag_owned"
+
+    def __init__(self, message: str, *, flags: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.flags = flags
 
 
 class VerificationFailed(NexaError):

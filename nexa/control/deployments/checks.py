@@ -21,6 +21,7 @@ from nexa.errors import (
     MemoryOverReservation,
     NotFound,
     RolloutInProgress,
+    RuntimeFlagOwned,
 )
 
 #: How many nodes an Unplaceable message explains one by one.
@@ -37,13 +38,24 @@ def check_settings(req: DeploymentCreate, runtime: RuntimeRecord) -> None:
     """Raise ContractError (400) listing every problem of the request's runtime settings for the
     runtime's adapter: an unknown option, a value of the wrong type or out of range, a GPU
     server without accelerators."""
+    options = req.options
     problems = adapters.settings_problems(
-        runtime.kind, req.options.settings, accelerators=req.resources.accelerators, command=req.options.command
+        runtime.kind,
+        options.settings,
+        accelerators=req.resources.accelerators,
+        command=options.command,
+        extra_args=options.extra_args,
     )
     if problems:
         raise ContractError(
             f"invalid runtime options for {runtime.name} ({runtime.kind}): " + "; ".join(problems),
             problems=tuple(problems),
+        )
+    refused = adapters.extra_args_refusals(runtime.kind, options.settings, options.extra_args)
+    if refused:
+        raise RuntimeFlagOwned(
+            f"options.extra_args for {runtime.name} ({runtime.kind}) gives flags nexa owns: " + "; ".join(refused),
+            flags=tuple(r.partition(":")[0] for r in refused),
         )
 
 
