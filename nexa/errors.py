@@ -92,6 +92,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ArtifactDigestMismatch [artifact_digest_mismatch, HTTP 422]: the bytes do not match the pinned sha256 or size
       · ArtifactSizeMismatch [artifact_size_mismatch]: more or fewer bytes than declared
     - InsufficientDisk [insufficient_disk]: too little free disk for the files still to download (node side)
+    - RuntimeCacheNoRoom [runtime_cache_no_room]: too little free disk for a replica's cache after eviction (node side)
     - ArtifactRefused [artifact_refused]: the S3-compatible store answered a request with a 4xx (not retryable)
     - ArtifactInvalid [artifact_invalid]: a local model directory that cannot be pushed (names the file)
   + ChannelError [channel_error]: the node channel (ZeroMQ) failed: bind, socket or protocol
@@ -761,6 +762,19 @@ class InsufficientDisk(ArtifactError):
     artifact; nothing was downloaded or evicted. Carries both figures."""
 
     code = "insufficient_disk"
+
+    def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class RuntimeCacheNoRoom(ArtifactError):
+    """A replica cannot start: its writable cache's filesystem has less free disk than a start
+    needs (`[cache] runtime_cache_start_free_bytes`), even with every unused runtime cache removed.
+    Carries both figures."""
+
+    code = "runtime_cache_no_room"
 
     def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
         super().__init__(message)

@@ -169,6 +169,8 @@ class ContainerSpec:
     publish_host: str = ""
     #: With NETWORK_PRIVATE: the port published, the same inside and on `publish_host`; 0: none.
     publish_port: int = 0
+    #: (host path, container path) pairs mounted read-write, nosuid, nodev: the replica's cache.
+    rw_mounts: list[tuple[str, str]] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
