@@ -180,6 +180,7 @@ class RuntimeCaches:
         return free
 
     def _measure_and_evict(self) -> None:
+        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._sizes = {key: _du(self._root / key) for key in self._keys()}
         self._evict(target_bytes=self._max_bytes)
         try:
