@@ -789,6 +789,28 @@ def settings_problems(
     return problems
 
 
+def model_file_problems(kind: RuntimeKind, settings: Mapping[str, object], files: Sequence[str] | None) -> list[str]:
+    """Each setting naming a file of the model's directory (`Style.MODEL_FILE`) whose file the
+    model version does not have; `files`: the manifest's paths, None for a model registered as one
+    object (no directory to hold one)."""
+    if not has_adapter(kind):
+        return []
+    try:
+        adapter = adapter_for(kind, settings)
+    except ValueError:
+        return []
+    out = []
+    for name, value in sorted(settings.items()):
+        option = adapter.options.get(name)
+        if option is None or option.style is not Style.MODEL_FILE or not isinstance(value, str):
+            continue
+        if files is None:
+            out.append(f"settings.{name}: the model is one file, not a directory; register it as a manifest")
+        elif value not in files:
+            out.append(f"settings.{name}: the model version has no file {value!r} (its manifest lists {len(files)})")
+    return out
+
+
 def extra_args_problems(extra_args: Sequence[str]) -> list[str]:
     """What is wrong with `extra_args`' shape: too many, too long, empty or with a NUL."""
     if len(extra_args) > MAX_EXTRA_ARGS:

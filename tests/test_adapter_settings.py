@@ -191,3 +191,15 @@ def test_trtllm_gets_the_served_name_flag_only_from_the_release_that_has_it(vers
     assert ("--served_model_name" in command) is named
     # Without it trtllm-serve names the model after its directory, which is the model's name.
     assert command[:2] == ["trtllm-serve", MODEL]
+
+
+def test_a_template_must_be_a_file_of_the_model_version() -> None:
+    files = ["config.json", "tokenizer.json", "templates/tool_use.jinja", "model.safetensors"]
+    ok_settings: dict[str, object] = {"chat_template": "templates/tool_use.jinja", "max_model_len": 4096}
+    assert adapters.model_file_problems(RuntimeKind.VLLM, ok_settings, files) == []
+    [missing] = adapters.model_file_problems(RuntimeKind.VLLM, {"chat_template": "chat.jinja"}, files)
+    assert missing == "settings.chat_template: the model version has no file 'chat.jinja' (its manifest lists 4)"
+    [one_file] = adapters.model_file_problems(RuntimeKind.LLAMACPP, {"chat_template_file": "t.jinja"}, None)
+    assert one_file.startswith("settings.chat_template_file: the model is one file, not a directory")
+    # A built-in template name (llama-server's --chat-template) is no file of the model.
+    assert adapters.model_file_problems(RuntimeKind.LLAMACPP, {"chat_template": "chatml"}, None) == []

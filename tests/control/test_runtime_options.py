@@ -85,6 +85,10 @@ async def test_extra_args_giving_a_flag_nexa_owns_is_a_422_naming_it_and_nothing
         )
         both = _body("chat-v", "vllm", 18100, extra_args=["--max-log-len=1"], command=["vllm", "serve", "/m"])
         assert_envelope(await http.post("/api/v1/deployments", json=both), 400, "invalid_request")
+        # A chat template names a file of the model's directory: tiny@v1 is one object, it has none.
+        template = _body("chat-v", "vllm", 18100, settings={"chat_template": "chat.jinja"})
+        err = assert_envelope(await http.post("/api/v1/deployments", json=template), 400, "invalid_request")
+        assert "settings.chat_template: the model is one file, not a directory" in str(err["message"])
         assert (await ok(http.get("/api/v1/deployments")))["deployments"] == []
     assert (await node_view(dep_reg, "n1"))["desired_generation"] == 1
 

@@ -34,10 +34,12 @@ def check_shape(req: DeploymentCreate) -> None:
         raise ContractError("invalid deployment: " + "; ".join(problems), problems=tuple(problems))
 
 
-def check_settings(req: DeploymentCreate, runtime: RuntimeRecord) -> None:
+def check_settings(req: DeploymentCreate, runtime: RuntimeRecord, model: ModelRecord | None = None) -> None:
     """Raise ContractError (400) listing every problem of the request's runtime settings for the
     runtime's adapter: an unknown option, a value of the wrong type or out of range, a GPU
-    server without accelerators."""
+    server without accelerators, extra_args of the wrong shape, a setting naming a file `model`
+    does not have (a chat template of its directory); then RuntimeFlagOwned (422) naming each
+    flag of `options.extra_args` that nexa owns."""
     options = req.options
     problems = adapters.settings_problems(
         runtime.kind,
@@ -46,6 +48,9 @@ def check_settings(req: DeploymentCreate, runtime: RuntimeRecord) -> None:
         command=options.command,
         extra_args=options.extra_args,
     )
+    if not problems and model is not None:
+        files = [f.path for f in model.artifact.files] if model.artifact.files else None
+        problems = adapters.model_file_problems(runtime.kind, options.settings, files)
     if problems:
         raise ContractError(
             f"invalid runtime options for {runtime.name} ({runtime.kind}): " + "; ".join(problems),
