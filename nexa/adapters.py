@@ -46,17 +46,32 @@ from __future__ import annotations
 import enum
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from typing import Final
 
 import attrs
 
+from nexa.adapter_args import (
+    CACHE_ENV,
+    LLAMA_CACHE_ENV,
+    SGLANG_CACHE_ENV,
+    VLLM_CACHE_ENV,
+    WHY_AUTH,
+    WHY_CONFIG_FILE,
+    WHY_GPUS,
+    WHY_HUB,
+    WHY_MEMORY,
+    WHY_TLS,
+    extra_args_problems,
+    is_value,
+    spelling,
+    version_at_least,
+)
 from nexa.contracts.gateway import Capability
 from nexa.contracts.manifest import path_problem
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import MemoryLimit, MemoryShare, RuntimeMemory
-from nexa.contracts.runtime import RUNTIME_CACHE_PATH, RUNTIME_HOST, HealthProbe
+from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
 
 #: Where an artifact registered as one object is mounted (read-only), as assignments have had it
 #: since the first release; a manifest's directory is mounted at `/models/<model name>`.
@@ -73,44 +88,6 @@ SHM_SETTING: Final = "shm_bytes"
 _OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
 #: A big model on a slow disk takes minutes to load: failures this long after start keep it `Starting`.
 _START_PERIOD_S: Final = 600.0
-#: The replica's writable cache (`RUNTIME_CACHE_PATH`, kept on the node's disk across restarts): the
-#: root is read-only and /tmp a small tmpfs, so every cache a runtime writes at warm-up is pointed
-#: there. `HOME` and `XDG_CACHE_HOME` catch what is written under `~` or `~/.cache` (Hugging Face,
-#: FlashInfer's default, SGLang's `~/.cache/sglang`); the rest are each library's own variable:
-#: Triton `TRITON_CACHE_DIR`, PyTorch Inductor `TORCHINDUCTOR_CACHE_DIR` and its C++ extensions
-#: `TORCH_EXTENSIONS_DIR`, the CUDA driver's JIT cache `CUDA_CACHE_PATH`, FlashInfer's JIT
-#: `FLASHINFER_WORKSPACE_BASE` (it appends `.cache/flashinfer`), Hugging Face `HF_HOME` (its
-#: `trust_remote_code` modules).
-_CACHE_ENV: Final = {
-    "HOME": RUNTIME_CACHE_PATH,
-    "XDG_CACHE_HOME": f"{RUNTIME_CACHE_PATH}/xdg",
-    "TRITON_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/triton",
-    "TORCHINDUCTOR_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/torchinductor",
-    "TORCH_EXTENSIONS_DIR": f"{RUNTIME_CACHE_PATH}/torch_extensions",
-    "CUDA_CACHE_PATH": f"{RUNTIME_CACHE_PATH}/cuda",
-    "FLASHINFER_WORKSPACE_BASE": RUNTIME_CACHE_PATH,
-    "HF_HOME": f"{RUNTIME_CACHE_PATH}/huggingface",
-}
-#: vLLM: `VLLM_CACHE_ROOT` (vllm/envs.py; torch.compile artefacts and its own kernels' caches).
-_VLLM_CACHE_ENV: Final = {**_CACHE_ENV, "VLLM_CACHE_ROOT": f"{RUNTIME_CACHE_PATH}/vllm"}
-#: SGLang: DeepGEMM's JIT kernels, `SGLANG_DG_CACHE_DIR` (python/sglang/srt/environ.py, default
-#: `~/.cache/deep_gemm`), which it copies to DeepGEMM's own `DG_JIT_CACHE_DIR`.
-_SGLANG_CACHE_ENV: Final = {
-    **_CACHE_ENV,
-    "SGLANG_DG_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/deep_gemm",
-    "DG_JIT_CACHE_DIR": f"{RUNTIME_CACHE_PATH}/deep_gemm",
-}
-#: llama.cpp writes no cache of its own; `HOME` still is somewhere writable.
-_LLAMA_CACHE_ENV: Final = {"HOME": RUNTIME_CACHE_PATH, "XDG_CACHE_HOME": f"{RUNTIME_CACHE_PATH}/xdg"}
-#: What `extra_args` may hold: this many arguments, each at most this long.
-MAX_EXTRA_ARGS: Final = 64
-MAX_EXTRA_ARG_CHARS: Final = 4096
-#: Why a flag nexa owns is refused in `extra_args` (`Adapter.refused_flags` maps flags to these).
-_HUB: Final = "it would reach a model hub; runtimes load only the signed, mounted artifact"
-_AUTH: Final = "the node's relay talks to the runtime without a key (the gateway authenticates clients)"
-_TLS: Final = "the node talks plain HTTP to the runtime on its own loopback"
-_CONFIG_FILE: Final = "a config file can set anything, the memory bound included; use settings and extra_args"
-_MEMORY: Final = "it would bypass the memory bound nexa derives from the reservation"
 
 
 class Style(enum.Enum):
@@ -265,7 +242,7 @@ class Adapter:
             self.served_name_flag: "nexa serves the model under its registered name",
             self.host_flag: "nexa binds the runtime to the node's runtime address",
             self.port_flag: "nexa gives each replica its port",
-            self.tensor_parallel_flag: "nexa spreads a replica over the GPUs placement gave it",
+            self.tensor_parallel_flag: WHY_GPUS,
         }
         owned.update({flag: why for flag, why in nexa_sets.items() if flag is not None})
         if self.memory_setting is not None:
@@ -278,13 +255,13 @@ class Adapter:
     def flag_refusals(self, extra_args: Sequence[str]) -> list[tuple[str, str]]:
         """(flag, why) for each argument of `extra_args` that gives a flag nexa owns, as
         `--flag value`, `--flag=value`, with `_` for `-` or, where the parser abbreviates, a prefix."""
-        owned = {_spelling(flag): (flag, why) for flag, why in self.owned_flags().items()}
-        known = {_spelling(option.flag) for option in self.options.values()}
+        owned = {spelling(flag): (flag, why) for flag, why in self.owned_flags().items()}
+        known = {spelling(option.flag) for option in self.options.values()}
         out = []
         for arg in extra_args:
-            if not arg.startswith("-") or _is_number(arg):
+            if not arg.startswith("-") or is_value(arg):
                 continue
-            given = _spelling(arg.partition("=")[0])
+            given = spelling(arg.partition("=")[0])
             hit = owned.get(given)
             if hit is None and self.abbreviates and given.startswith("--") and len(given) > 3 and given not in known:
                 hit = next((owned[f] for f in sorted(owned) if f.startswith(given)), None)
@@ -293,7 +270,7 @@ class Adapter:
                 hit = next((owned[f] for f in sorted(owned) if not f.startswith("--") and given.startswith(f)), None)
             if hit is not None:
                 flag = arg.partition("=")[0]
-                out.append((flag, hit[1] if _spelling(hit[0]) == given else f"{hit[1]} (it is taken as {hit[0]})"))
+                out.append((flag, hit[1] if spelling(hit[0]) == given else f"{hit[1]} (it is taken as {hit[0]})"))
         return out
 
     def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
@@ -437,23 +414,16 @@ VLLM: Final = Adapter(
         ),
         "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
     },
-    env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", **_VLLM_CACHE_ENV},
+    env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", **VLLM_CACHE_ENV},
     abbreviates=True,
-    refused_flags={
-        "--model": "nexa gives the mounted model's path",
-        "-tp": "nexa spreads a replica over the GPUs placement gave it",
-        "--download-dir": _HUB,
-        "--hf-token": _HUB,
-        "--revision": _HUB,
-        "--code-revision": _HUB,
-        "--tokenizer-revision": _HUB,
-        "--api-key": _AUTH,
-        "--ssl-keyfile": _TLS,
-        "--ssl-certfile": _TLS,
-        "--uds": "nexa reaches the runtime on its port",
-        "--kv-cache-memory-bytes": _MEMORY,
-        "--config": _CONFIG_FILE,
-    },
+    refused_flags={"--model": "nexa gives the mounted model's path"}
+    | dict.fromkeys(("-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp"), WHY_GPUS)
+    | dict.fromkeys(("--download-dir", "--hf-token", "--revision", "--code-revision", "--tokenizer-revision"), WHY_HUB)
+    | {"--api-key": WHY_AUTH}
+    | dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), WHY_TLS)
+    | {"--uds": "nexa reaches the runtime on its port"}
+    | {"--kv-cache-memory-bytes": WHY_MEMORY}
+    | {"--config": WHY_CONFIG_FILE},
     default_shm_bytes=GPU_SHM_BYTES,
     memory_setting="gpu_memory_utilization",
     readiness_path="/health",
@@ -509,19 +479,24 @@ SGLANG: Final = Adapter(
         "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
         "max_total_tokens": Option(flag="--max-total-tokens", type=int, minimum=1, help="KV pool size (tokens)"),
     },
-    env={**_OFFLINE_ENV, **_SGLANG_CACHE_ENV},
+    env={**_OFFLINE_ENV, **SGLANG_CACHE_ENV},
     abbreviates=True,
-    refused_flags={
-        "--model": "nexa gives the mounted model's path",
-        "--tp": "nexa spreads a replica over the GPUs placement gave it",
-        "--tensor-parallel-size": "nexa spreads a replica over the GPUs placement gave it",
-        "--download-dir": _HUB,
-        "--revision": _HUB,
-        "--api-key": _AUTH,
-        "--ssl-keyfile": _TLS,
-        "--ssl-certfile": _TLS,
-        "--config": _CONFIG_FILE,
-    },
+    refused_flags={"--model": "nexa gives the mounted model's path"}
+    | dict.fromkeys(
+        (
+            "--tp",
+            "--tensor-parallel-size",
+            "--pp-size",
+            "--pipeline-parallel-size",
+            "--dp-size",
+            "--data-parallel-size",
+        ),
+        WHY_GPUS,
+    )
+    | dict.fromkeys(("--download-dir", "--revision"), WHY_HUB)
+    | {"--api-key": WHY_AUTH}
+    | dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), WHY_TLS)
+    | {"--config": WHY_CONFIG_FILE},
     default_shm_bytes=GPU_SHM_BYTES,
     readiness_path="/health",
     metrics=Metrics(
@@ -566,14 +541,14 @@ TRTLLM: Final = Adapter(
             flag="--chat_template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
         ),
     },
-    env={**_OFFLINE_ENV, **_CACHE_ENV},
-    refused_flags={
-        "--tensor_parallel_size": "nexa spreads a replica over the GPUs placement gave it",
-        "--free_gpu_memory_fraction": _MEMORY,
-        "--revision": _HUB,
-        "--config": _CONFIG_FILE,
-        "--extra_llm_api_options": _CONFIG_FILE,
-    },
+    env={**_OFFLINE_ENV, **CACHE_ENV},
+    refused_flags=dict.fromkeys(
+        ("--tensor_parallel_size", "--pp_size", "--pipeline_parallel_size", "--cp_size", "--context_parallel_size"),
+        WHY_GPUS,
+    )
+    | {"--free_gpu_memory_fraction": WHY_MEMORY}
+    | {"--revision": WHY_HUB}
+    | dict.fromkeys(("--config", "--extra_llm_api_options"), WHY_CONFIG_FILE),
     # `--served_model_name` came with TensorRT-LLM 1.3.0rc7 (NVIDIA/TensorRT-LLM#11711, in the
     # v1.3.0rc7 release notes, 10 March 2026); before it the served name is the model directory's
     # base name (tensorrt_llm/serve/openai_server.py: `Path(model).name` for a directory).
@@ -631,29 +606,30 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         "cache_type_k": Option(flag="--cache-type-k", type=str, choices=_GGML_KV_TYPES, help="K cache type"),
         "cache_type_v": Option(flag="--cache-type-v", type=str, choices=_GGML_KV_TYPES, help="V cache type"),
     },
-    env=dict(_LLAMA_CACHE_ENV),
-    refused_flags={
-        "-m": "nexa gives the mounted model's path",
-        "-a": "nexa serves the model under its registered name",
-        "-hf": _HUB,
-        "-hfr": _HUB,
-        "--hf-repo": _HUB,
-        "-hff": _HUB,
-        "--hf-file": _HUB,
-        "-hft": _HUB,
-        "--hf-token": _HUB,
-        "-hfd": _HUB,
-        "-hfrd": _HUB,
-        "--hf-repo-draft": _HUB,
-        "-mu": _HUB,
-        "--model-url": _HUB,
-        "-dr": _HUB,
-        "--docker-repo": _HUB,
-        "--api-key": _AUTH,
-        "--api-key-file": _AUTH,
-        "--ssl-key-file": _TLS,
-        "--ssl-cert-file": _TLS,
-    },
+    env=dict(LLAMA_CACHE_ENV),
+    refused_flags={"-m": "nexa gives the mounted model's path"}
+    | {"-a": "nexa serves the model under its registered name"}
+    | dict.fromkeys(
+        (
+            "-hf",
+            "-hfr",
+            "--hf-repo",
+            "-hff",
+            "--hf-file",
+            "-hft",
+            "--hf-token",
+            "-hfd",
+            "-hfrd",
+            "--hf-repo-draft",
+            "-mu",
+            "--model-url",
+            "-dr",
+            "--docker-repo",
+        ),
+        WHY_HUB,
+    )
+    | dict.fromkeys(("--api-key", "--api-key-file"), WHY_AUTH)
+    | dict.fromkeys(("--ssl-key-file", "--ssl-cert-file"), WHY_TLS),
     readiness_path="/health",
     probe_tool="curl",
     metrics=Metrics(
@@ -690,16 +666,12 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
         "n_ubatch": Option(flag="--n_ubatch", type=int, minimum=1, help="physical batch size"),
         "flash_attn": Option(flag="--flash_attn", type=bool, style=Style.BOOLEAN, help="flash attention"),
     },
-    env=dict(_LLAMA_CACHE_ENV),
+    env=dict(LLAMA_CACHE_ENV),
     abbreviates=True,
-    refused_flags={
-        "--hf_pretrained_model_name_or_path": _HUB,
-        "--hf_model_repo_id": _HUB,
-        "--api_key": _AUTH,
-        "--ssl_keyfile": _TLS,
-        "--ssl_certfile": _TLS,
-        "--config_file": _CONFIG_FILE,
-    },
+    refused_flags=dict.fromkeys(("--hf_pretrained_model_name_or_path", "--hf_model_repo_id"), WHY_HUB)
+    | {"--api_key": WHY_AUTH}
+    | dict.fromkeys(("--ssl_keyfile", "--ssl_certfile"), WHY_TLS)
+    | {"--config_file": WHY_CONFIG_FILE},
     # /v1/models answers once the model is loaded (the server loads it before listening).
     readiness_path="/v1/models",
     # No metrics endpoint: routing falls back to the gateway's own in-flight counts.
@@ -811,17 +783,6 @@ def model_file_problems(kind: RuntimeKind, settings: Mapping[str, object], files
     return out
 
 
-def extra_args_problems(extra_args: Sequence[str]) -> list[str]:
-    """What is wrong with `extra_args`' shape: too many, too long, empty or with a NUL."""
-    if len(extra_args) > MAX_EXTRA_ARGS:
-        return [f"extra_args: at most {MAX_EXTRA_ARGS} arguments"]
-    return [
-        f"extra_args[{i}]: a non-empty argument of at most {MAX_EXTRA_ARG_CHARS} characters, without NUL"
-        for i, arg in enumerate(extra_args)
-        if not arg or len(arg) > MAX_EXTRA_ARG_CHARS or "\x00" in arg
-    ]
-
-
 def extra_args_refusals(kind: RuntimeKind, settings: Mapping[str, object], extra_args: Sequence[str]) -> list[str]:
     """Each argument of `extra_args` that gives a flag nexa owns, as `FLAG: why` (see
     `Adapter.flag_refusals`); empty for `sim` and for a llama.cpp variant that does not exist
@@ -833,36 +794,3 @@ def extra_args_refusals(kind: RuntimeKind, settings: Mapping[str, object], extra
     except ValueError:
         return []
     return [f"{flag}: {why}" for flag, why in adapter.flag_refusals(extra_args)]
-
-
-def version_at_least(version: str, first: str) -> bool:
-    """Whether release `version` (`1.2.0`, `1.3.0rc7`, `v1.3.0.post1`) is `first` or later;
-    a version that reads as no release (`latest`, empty) counts as earlier."""
-    mine, theirs = _release(version), _release(first)
-    return mine is not None and theirs is not None and mine >= theirs
-
-
-def _release(version: str) -> tuple[int, ...] | None:
-    """(major, minor, patch, pre): a final release sorts after its release candidates."""
-    match = _VERSION_RE.match(version.strip().lower())
-    if match is None:
-        return None
-    major, minor, patch, rc = match.groups()
-    return (int(major), int(minor), int(patch or 0), int(rc) if rc is not None else 1 << 30)
-
-
-_VERSION_RE: Final = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?(?:\.?(?:rc|pre)(\d+))?")
-
-
-def _spelling(flag: str) -> str:
-    """A flag as the servers compare it: vLLM's parser takes `_` for `-` and so does the check."""
-    return flag.replace("_", "-")
-
-
-def _is_number(arg: str) -> bool:
-    """`-1` is a value, not a flag."""
-    try:
-        float(arg)
-    except ValueError:
-        return False
-    return True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nexa import adapters
+from nexa.adapter_args import MAX_EXTRA_ARGS
 from nexa.contracts.node import RuntimeKind
 
 GPU = ["nvidia.com/gpu=0"]
@@ -145,6 +146,7 @@ def test_a_template_outside_the_model_directory_is_refused(path: str) -> None:
         (RuntimeKind.VLLM, ["--gpu-memory-util", "0.99"], "--gpu-memory-util"),  # argparse takes a prefix
         (RuntimeKind.VLLM, ["-tp", "2"], "-tp"),
         (RuntimeKind.VLLM, ["-tp2"], "-tp2"),
+        (RuntimeKind.VLLM, ["--pipeline-parallel-size", "2"], "--pipeline-parallel-size"),
         (RuntimeKind.VLLM, ["--kv-cache-memory-bytes=1"], "--kv-cache-memory-bytes"),
         (RuntimeKind.VLLM, ["--api-key", "k"], "--api-key"),
         (RuntimeKind.VLLM, ["--model", "hub/model"], "--model"),
@@ -168,7 +170,7 @@ def test_other_extra_args_pass_as_given_after_everything_else() -> None:
     extra = ["--max-log-len", "100", "--enable-prompt-tokens-details", "--seed=-1", "-1"]
     assert adapters.extra_args_refusals(RuntimeKind.VLLM, {}, extra) == []
     assert adapters.extra_args_refusals(RuntimeKind.LLAMACPP, {}, ["--mlock", "-md", "/models/d.gguf"]) == []
-    assert adapters.extra_args_problems(["--x"] * (adapters.MAX_EXTRA_ARGS + 1)) == ["extra_args: at most 64 arguments"]
+    assert adapters.extra_args_problems(["--x"] * (MAX_EXTRA_ARGS + 1)) == ["extra_args: at most 64 arguments"]
     assert adapters.extra_args_problems(["--ok", "", "a\x00b"])[0].startswith("extra_args[1]: ")
     # extra_args never take the memory bound off: the derived flag is still there, before them.
     memory = adapters.VLLM.memory_limit({}, weights_bytes=16 * 2**30)
