@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Final, NoReturn
 
@@ -92,31 +93,37 @@ class RuntimeCaches:
         """Whether a replica of `runtime` gets a cache directory (a container does; `sim` does not)."""
         return not is_simulated(runtime)
 
-    async def acquire(self, assignment_id: str, runtime: RuntimeSpec) -> Path:
-        """The replica's cache directory, created if new and marked in use; older unused
+    async def acquire(self, holder: str, runtime: RuntimeSpec) -> Path:
+        """The replica's cache directory, created if new and marked held by `holder`; older unused
         directories are evicted to keep the cache within its bound. Raises RuntimeCacheNoRoom
         (and holds nothing) when the filesystem has less than `start_free_bytes` free even then."""
         key = cache_key(runtime)
         async with self._lock:
-            self._holders[assignment_id] = key
+            self._holders[holder] = key
             try:
-                path = await trio.to_thread.run_sync(self._make, key)
-                await trio.to_thread.run_sync(self._evict_for_start)
+                path = await trio.to_thread.run_sync(_make, self._root, key)
+                start_free = self._start_free_bytes
+                self._take(
+                    await trio.to_thread.run_sync(
+                        partial(_measure, self._root, self._max_bytes, self._in_use(), start_free_bytes=start_free)
+                    )
+                )
+                self._check_room()
             except BaseException:
-                del self._holders[assignment_id]
+                del self._holders[holder]
                 raise
         return path
 
-    def release(self, assignment_id: str) -> None:
+    def release(self, holder: str) -> None:
         """The replica is gone: its directory stays (for the next replica of the same thing), unused."""
-        key = self._holders.pop(assignment_id, None)
+        key = self._holders.pop(holder, None)
         if key is not None:
             _touch(self._root / key)
 
     async def measure(self) -> None:
         """Sizes of every directory and the filesystem's free and total bytes; evicts above the bound."""
         async with self._lock:
-            await trio.to_thread.run_sync(self._measure_and_evict)
+            self._take(await trio.to_thread.run_sync(_measure, self._root, self._max_bytes, self._in_use()))
 
     async def run(
         self, interval_s: float, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -131,12 +138,11 @@ class RuntimeCaches:
         if self._disk is None:
             return None
         free, total = self._disk
-        in_use = set(self._holders.values())
         return wire.RuntimeCacheDisk(
             used_bytes=sum(self._sizes.values()),
             max_bytes=self._max_bytes,
             directories=len(self._sizes),
-            in_use=len(in_use),
+            in_use=len(self._in_use()),
             free_bytes=free,
             total_bytes=total,
         )
@@ -144,86 +150,107 @@ class RuntimeCaches:
     def statistics(self) -> RuntimeCacheStatistics:
         return RuntimeCacheStatistics(
             directories=len(self._sizes),
-            in_use=len(set(self._holders.values())),
+            in_use=len(self._in_use()),
             used_bytes=sum(self._sizes.values()),
             evicted=self._evicted,
             evict_failures=self._evict_failures,
         )
 
-    # --- in a worker thread
-
-    def _make(self, key: str) -> Path:
-        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self._root / key
-        path.mkdir(exist_ok=True)
-        # Writable by the image's user, whoever it is; the 0700 root keeps other host users out.
-        path.chmod(0o777)
-        _touch(path)
-        self._sizes.setdefault(key, 0)
-        return path
-
-    def _evict_for_start(self) -> int:
-        """Evict down to the bound, then (if the disk is short) every unused directory; the free bytes."""
-        self._measure_and_evict()
-        free = self._free()
-        if free < self._start_free_bytes:
-            self._evict(target_bytes=0)
-            free = self._free()
+    def _check_room(self) -> None:
+        free = self._disk[0] if self._disk is not None else 0
         if free < self._start_free_bytes:
             raise RuntimeCacheNoRoom(
                 f"the runtime cache's disk ({self._root}) has {free} bytes free, less than the "
-                f"{self._start_free_bytes} a start needs ([cache] runtime_cache_start_free_bytes), even "
-                "with every unused runtime cache removed; free disk there or lower the setting",
+                f"{self._start_free_bytes} a start needs ([cache] runtime_cache_start_free_bytes), "
+                "even with every unused runtime cache removed; free disk there or lower the setting",
                 needed_bytes=self._start_free_bytes,
                 free_bytes=free,
             )
-        return free
 
-    def _measure_and_evict(self) -> None:
-        self._root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._sizes = {key: _du(self._root / key) for key in self._keys()}
-        self._evict(target_bytes=self._max_bytes)
+    def _in_use(self) -> frozenset[str]:
+        return frozenset(self._holders.values())
+
+    def _take(self, measured: _Measured) -> None:
+        """A worker thread's figures, taken on the trio thread (the thread touches no attribute)."""
+        self._sizes, self._disk = measured.sizes, measured.disk
+        self._evicted += measured.evicted
+        self._evict_failures += measured.failures
+
+
+@attrs.frozen(kw_only=True)
+class _Measured:
+    #: key -> bytes on disk, after eviction.
+    sizes: dict[str, int]
+    #: (free, total) bytes of the filesystem; None when it cannot be read.
+    disk: tuple[int, int] | None
+    evicted: int
+    failures: int
+
+
+# --- in a worker thread: the file system only, never the cache object's attributes
+
+
+def _make(root: Path, key: str) -> Path:
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = root / key
+    path.mkdir(exist_ok=True)
+    # Writable by the image's user, whoever it is; the 0700 root keeps other host users out.
+    path.chmod(0o777)
+    _touch(path)
+    return path
+
+
+def _measure(root: Path, max_bytes: int, in_use: frozenset[str], *, start_free_bytes: int = 0) -> _Measured:
+    """Every directory's size, eviction down to `max_bytes` (least recently used first, none in
+    `in_use`) and, when the filesystem then has less than `start_free_bytes` free, of every unused one."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    sizes = {key: _du(root / key) for key in _keys(root)}
+    evicted, failures = _evict(root, sizes, in_use, target_bytes=max_bytes)
+    disk = _statvfs(root)
+    if start_free_bytes and (disk is None or disk[0] < start_free_bytes):
+        more, more_failures = _evict(root, sizes, in_use, target_bytes=0)
+        evicted, failures, disk = evicted + more, failures + more_failures, _statvfs(root)
+    return _Measured(sizes=sizes, disk=disk, evicted=evicted, failures=failures)
+
+
+def _evict(root: Path, sizes: dict[str, int], in_use: frozenset[str], *, target_bytes: int) -> tuple[int, int]:
+    """Remove the least recently used directories not `in_use` until at most `target_bytes`
+    remain (`sizes` is updated); (removed, failed)."""
+    total = sum(sizes.values())
+    removed = failed = 0
+    for key in sorted((k for k in sizes if k not in in_use), key=lambda k: _mtime(root / k)):
+        if total <= target_bytes:
+            break
+        size = sizes[key]
         try:
-            st = os.statvfs(self._root)
-        except OSError:
-            self._disk = None
-        else:
-            self._disk = (st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize)
+            shutil.rmtree(root / key)
+        except OSError as exc:
+            failed += 1
+            log.warning("runtime cache %s could not be removed: %s", key[:12], exc)
+            continue
+        removed += 1
+        total -= size
+        del sizes[key]
+        log.info("runtime cache %s evicted (%d bytes, least recently used)", key[:12], size)
+    return removed, failed
 
-    def _evict(self, *, target_bytes: int) -> None:
-        """Remove the least recently used directories no replica holds until at most `target_bytes` remain."""
-        in_use = set(self._holders.values())
-        total = sum(self._sizes.values())
-        for key in sorted((k for k in self._sizes if k not in in_use), key=lambda k: _mtime(self._root / k)):
-            if total <= target_bytes:
-                break
-            size = self._sizes[key]
-            try:
-                shutil.rmtree(self._root / key)
-            except OSError as exc:
-                self._evict_failures += 1
-                log.warning("runtime cache %s could not be removed: %s", key[:12], exc)
-                continue
-            self._evicted += 1
-            total -= size
-            del self._sizes[key]
-            log.info("runtime cache %s evicted (%d bytes, least recently used)", key[:12], size)
 
-    def _keys(self) -> Iterator[str]:
-        try:
-            names = os.listdir(self._root)
-        except FileNotFoundError:
-            return
-        for name in names:
-            if len(name) == 64 and set(name) <= _KEY_CHARS and (self._root / name).is_dir():
-                yield name
+def _keys(root: Path) -> Iterator[str]:
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if len(name) == 64 and set(name) <= _KEY_CHARS and (root / name).is_dir():
+            yield name
 
-    def _free(self) -> int:
-        try:
-            st = os.statvfs(self._root)
-        except OSError:
-            return 0
-        return st.f_bavail * st.f_frsize
+
+def _statvfs(root: Path) -> tuple[int, int] | None:
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def _du(path: Path) -> int:
