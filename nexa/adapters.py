@@ -38,9 +38,8 @@ Settings are validated against the adapter's schema (`Adapter.problems`): an unk
 a value of the wrong type or range is a problem, and `settings_problems` lists them all. A
 deployment's `extra_args` follow every flag nexa and the settings give, as written; the flags
 nexa owns (`Adapter.owned_flags`: model, served name, host, port, parallelism, the memory bound,
-a typed setting's flag, anything reaching a hub) are refused there (`extra_args_refusals`).
-Every adapter points its runtime's caches at the replica's writable cache (`RUNTIME_CACHE_PATH`,
-`nexa.adapter_args.CACHE_ENV`).
+a typed setting's flag, anything reaching a hub) are refused there (`extra_args_refusals`);
+each runtime's caches go to the replica's writable cache (`nexa.adapter_args.CACHE_ENV`).
 Flags and endpoints are from each project's documentation: vLLM "Engine arguments" and
 "Production metrics"; SGLang "Server arguments" and "Production metrics"; TensorRT-LLM
 "trtllm-serve"; llama.cpp `tools/server/README.md`; llama-cpp-python "OpenAI compatible server".
