@@ -35,7 +35,11 @@ maps 1:1 onto `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings`, an
 read back from the response's `usage` object (streams: the last chunk's).
 
 Settings are validated against the adapter's schema (`Adapter.problems`): an unknown name or
-a value of the wrong type or range is a problem, and `settings_problems` lists them all.
+a value of the wrong type or range is a problem, and `settings_problems` lists them all. A
+deployment's `extra_args` follow every flag nexa and the settings give, as written; the flags
+nexa owns (`Adapter.owned_flags`: model, served name, host, port, parallelism, the memory bound,
+a typed setting's flag, anything reaching a hub) are refused there (`extra_args_refusals`);
+each runtime's caches go to the replica's writable cache (`nexa.adapter_args.CACHE_ENV`).
 Flags and endpoints are from each project's documentation: vLLM "Engine arguments" and
 "Production metrics"; SGLang "Server arguments" and "Production metrics"; TensorRT-LLM
 "trtllm-serve"; llama.cpp `tools/server/README.md`; llama-cpp-python "OpenAI compatible server".
@@ -51,7 +55,24 @@ from typing import Final
 
 import attrs
 
+from nexa.adapter_args import (
+    CACHE_ENV,
+    LLAMA_CACHE_ENV,
+    SGLANG_CACHE_ENV,
+    VLLM_CACHE_ENV,
+    WHY_AUTH,
+    WHY_CONFIG_FILE,
+    WHY_GPUS,
+    WHY_HUB,
+    WHY_MEMORY,
+    WHY_TLS,
+    extra_args_problems,
+    is_value,
+    spelling,
+    version_at_least,
+)
 from nexa.contracts.gateway import Capability
+from nexa.contracts.manifest import path_problem
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import MemoryLimit, MemoryShare, RuntimeMemory
 from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
@@ -82,6 +103,9 @@ class Style(enum.Enum):
     SWITCH = "switch"
     #: `--flag true|false` (llama-cpp-python's pydantic settings).
     BOOLEAN = "boolean"
+    #: `--flag <model directory>/<value>`: a file of the model's own directory (a chat template
+    #: shipped with it), named relative to it; absolute paths and `..` are refused.
+    MODEL_FILE = "model_file"
 
 
 @attrs.frozen(kw_only=True)
@@ -111,6 +135,8 @@ class Option:
             reason = f"one of {', '.join(self.choices)}"
         elif isinstance(value, str) and (not value or value.startswith("-") or "\x00" in value):
             reason = "a non-empty value that does not start with '-'"
+        elif isinstance(value, str) and self.style is Style.MODEL_FILE and (bad := path_problem(value)):
+            reason = f"a path inside the model's directory ({bad})"
         return None if reason is None else f"settings.{name}: {reason}"
 
     def _typed(self, value: object) -> bool:
@@ -121,11 +147,13 @@ class Option:
             return isinstance(value, int | float) and math.isfinite(value)
         return isinstance(value, self.type)
 
-    def args(self, value: object) -> list[str]:
+    def args(self, value: object, *, model_dir: str = "") -> list[str]:
         if self.style is Style.SWITCH:
             return [self.flag] if value else []
         if self.style is Style.BOOLEAN:
             return [self.flag, "true" if value else "false"]
+        if self.style is Style.MODEL_FILE:
+            return [self.flag, f"{model_dir}/{value}"]
         return [self.flag, str(value)]
 
 
@@ -199,6 +227,55 @@ class Adapter:
     #: the model and its context need).
     memory_setting: str | None = None
     memory_share: MemoryShare = MemoryShare.POOL
+    #: Flags `extra_args` may not give, besides those nexa sets itself (`owned_flags`), each with why.
+    refused_flags: Mapping[str, str] = attrs.field(factory=dict)
+    #: The server's parser takes a long flag's unambiguous prefix for it (Python's argparse does,
+    #: click and llama.cpp's own parser do not), so a prefix of an owned flag is refused as well.
+    abbreviates: bool = False
+    #: The first release whose server takes `served_name_flag` (None: every release). Before it,
+    #: the flag is left out and the server names the model after its directory, which nexa mounts
+    #: at `/models/<model name>`.
+    served_name_since: str | None = None
+
+    def owned_flags(self) -> dict[str, str]:
+        """Every flag `extra_args` may not give, with why: what nexa sets itself, the memory bound,
+        the typed settings (set them as settings), and `refused_flags`."""
+        owned = {option.flag: f"a typed setting: give settings.{name} instead" for name, option in self.options.items()}
+        nexa_sets = {
+            self.model_flag: "nexa gives the mounted model's path",
+            self.served_name_flag: "nexa serves the model under its registered name",
+            self.host_flag: "nexa binds the runtime to the node's runtime address",
+            self.port_flag: "nexa gives each replica its port",
+            self.tensor_parallel_flag: WHY_GPUS,
+        }
+        owned.update({flag: why for flag, why in nexa_sets.items() if flag is not None})
+        if self.memory_setting is not None:
+            owned[self.options[self.memory_setting].flag] = (
+                f"it is the memory bound (set settings.{self.memory_setting}, or leave it to be derived)"
+            )
+        owned.update(self.refused_flags)
+        return owned
+
+    def flag_refusals(self, extra_args: Sequence[str]) -> list[tuple[str, str]]:
+        """(flag, why) for each argument of `extra_args` that gives a flag nexa owns, as
+        `--flag value`, `--flag=value`, with `_` for `-` or, where the parser abbreviates, a prefix."""
+        owned = {spelling(flag): (flag, why) for flag, why in self.owned_flags().items()}
+        known = {spelling(option.flag) for option in self.options.values()}
+        out = []
+        for arg in extra_args:
+            if not arg.startswith("-") or is_value(arg):
+                continue
+            given = spelling(arg.partition("=")[0])
+            hit = owned.get(given)
+            if hit is None and self.abbreviates and given.startswith("--") and len(given) > 3 and given not in known:
+                hit = next((owned[f] for f in sorted(owned) if f.startswith(given)), None)
+            if hit is None and self.abbreviates and not given.startswith("--"):
+                # argparse reads `-tp4` as `-tp 4`.
+                hit = next((owned[f] for f in sorted(owned) if not f.startswith("--") and given.startswith(f)), None)
+            if hit is not None:
+                flag = arg.partition("=")[0]
+                out.append((flag, hit[1] if spelling(hit[0]) == given else f"{hit[1]} (it is taken as {hit[0]})"))
+        return out
 
     def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
         """Everything wrong with `settings` (and the accelerator count) for this adapter."""
@@ -250,16 +327,24 @@ class Adapter:
         *,
         model_path: str = MODEL_PATH,
         memory: RuntimeMemory | None = None,
+        extra_args: Sequence[str] = (),
+        version: str = "",
+        model_dir: str = "",
     ) -> Launch:
-        """The command, env, probe and /dev/shm size of one replica (settings already validated).
+        """The command, env, probe and /dev/shm size of one replica (settings and `extra_args`
+        already validated); `extra_args` come last, after every flag nexa and the settings give.
 
         `memory`: the replica's limit on a unified-memory node; a derived value is given as the
-        setting would be had the operator set it (the operator's own value is in `settings`)."""
+        setting would be had the operator set it (the operator's own value is in `settings`).
+        `version`: the runtime's registered version (`served_name_since`). `model_dir`: where the
+        model's directory is mounted, for settings naming one of its files (default `model_path`)."""
         if memory is not None and memory.derived and memory.value is not None and memory.setting in self.options:
             settings = {**settings, memory.setting: memory.value}
         command = list(self.program)
         command += [model_path] if self.model_flag is None else [self.model_flag, model_path]
-        command += [self.served_name_flag, served_name, self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
+        if self.served_name_since is None or version_at_least(version, self.served_name_since):
+            command += [self.served_name_flag, served_name]
+        command += [self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
         command += self.fixed
         if gpus:
             command += self.gpu_args
@@ -267,7 +352,8 @@ class Adapter:
                 command += [self.tensor_parallel_flag, str(len(gpus))]
         for name, value in sorted(settings.items()):
             if option := self.options.get(name):
-                command += option.args(value)
+                command += option.args(value, model_dir=model_dir or model_path)
+        command += extra_args
         shm = settings.get(SHM_SETTING, self.default_shm_bytes)
         assert isinstance(shm, int)
         return Launch(command=command, env=dict(self.env), health=self.probe(port), shm_bytes=shm)
@@ -283,6 +369,8 @@ class Adapter:
 
 
 _DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
+#: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).
+_GGML_KV_TYPES: Final = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
 _TEXT: Final = frozenset({Capability.COMPLETION, Capability.CHAT})
 _ALL: Final = frozenset(Capability)
 
@@ -315,8 +403,31 @@ VLLM: Final = Adapter(
         "enforce_eager": Option(flag="--enforce-eager", type=bool, style=Style.SWITCH, help="no CUDA graphs"),
         "tokenizer": Option(flag="--tokenizer", type=str, help="tokenizer path inside the container"),
         "trust_remote_code": Option(flag="--trust-remote-code", type=bool, style=Style.SWITCH, help=""),
+        # vllm/entrypoints/openai/cli_args.py (FrontendArgs).
+        "enable_auto_tool_choice": Option(
+            flag="--enable-auto-tool-choice", type=bool, style=Style.SWITCH, help="needs tool_call_parser"
+        ),
+        "tool_call_parser": Option(flag="--tool-call-parser", type=str, help="e.g. hermes, llama3_json, mistral"),
+        "chat_template": Option(
+            flag="--chat-template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
+        ),
+        # vllm/engine/arg_utils.py: StructuredOutputsConfig, ModelConfig and SchedulerConfig fields.
+        "reasoning_parser": Option(flag="--reasoning-parser", type=str, help="e.g. deepseek_r1, qwen3"),
+        "generation_config": Option(
+            flag="--generation-config", type=str, help="auto (the model's), vllm (none), or a folder path"
+        ),
+        "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
     },
-    env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1"},
+    env={**_OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", **VLLM_CACHE_ENV},
+    abbreviates=True,
+    refused_flags={"--model": "nexa gives the mounted model's path"}
+    | dict.fromkeys(("-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp"), WHY_GPUS)
+    | dict.fromkeys(("--download-dir", "--hf-token", "--revision", "--code-revision", "--tokenizer-revision"), WHY_HUB)
+    | {"--api-key": WHY_AUTH}
+    | dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), WHY_TLS)
+    | {"--uds": "nexa reaches the runtime on its port"}
+    | {"--kv-cache-memory-bytes": WHY_MEMORY}
+    | {"--config": WHY_CONFIG_FILE},
     default_shm_bytes=GPU_SHM_BYTES,
     memory_setting="gpu_memory_utilization",
     readiness_path="/health",
@@ -363,8 +474,33 @@ SGLANG: Final = Adapter(
         "is_embedding": Option(flag="--is-embedding", type=bool, style=Style.SWITCH, help="serve embeddings"),
         "tokenizer": Option(flag="--tokenizer-path", type=str, help="tokenizer path inside the container"),
         "trust_remote_code": Option(flag="--trust-remote-code", type=bool, style=Style.SWITCH, help=""),
+        # python/sglang/srt/server_args.py (ServerArgs.add_cli_args).
+        "tool_call_parser": Option(flag="--tool-call-parser", type=str, help="e.g. qwen25, llama3, mistral"),
+        "reasoning_parser": Option(flag="--reasoning-parser", type=str, help="e.g. deepseek-r1, qwen3"),
+        "chat_template": Option(
+            flag="--chat-template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
+        ),
+        "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
+        "max_total_tokens": Option(flag="--max-total-tokens", type=int, minimum=1, help="KV pool size (tokens)"),
     },
-    env=dict(_OFFLINE_ENV),
+    env={**_OFFLINE_ENV, **SGLANG_CACHE_ENV},
+    abbreviates=True,
+    refused_flags={"--model": "nexa gives the mounted model's path"}
+    | dict.fromkeys(
+        (
+            "--tp",
+            "--tensor-parallel-size",
+            "--pp-size",
+            "--pipeline-parallel-size",
+            "--dp-size",
+            "--data-parallel-size",
+        ),
+        WHY_GPUS,
+    )
+    | dict.fromkeys(("--download-dir", "--revision"), WHY_HUB)
+    | {"--api-key": WHY_AUTH}
+    | dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), WHY_TLS)
+    | {"--config": WHY_CONFIG_FILE},
     default_shm_bytes=GPU_SHM_BYTES,
     readiness_path="/health",
     metrics=Metrics(
@@ -400,15 +536,39 @@ TRTLLM: Final = Adapter(
         ),
         "tokenizer": Option(flag="--tokenizer", type=str, help="tokenizer path (for an engine directory)"),
         "trust_remote_code": Option(flag="--trust_remote_code", type=bool, style=Style.SWITCH, help=""),
+        # tensorrt_llm/commands/serve.py (the `serve` command's click options).
+        "max_beam_width": Option(flag="--max_beam_width", type=int, minimum=1, help="beams for beam search"),
+        "reasoning_parser": Option(flag="--reasoning_parser", type=str, help="e.g. deepseek-r1, qwen3"),
+        "tool_parser": Option(flag="--tool_parser", type=str, help="tool-call parser (recent releases)"),
+        "enable_chunked_prefill": Option(flag="--enable_chunked_prefill", type=bool, style=Style.SWITCH, help=""),
+        "chat_template": Option(
+            flag="--chat_template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
+        ),
     },
-    env=dict(_OFFLINE_ENV),
+    env={**_OFFLINE_ENV, **CACHE_ENV},
+    refused_flags=dict.fromkeys(
+        ("--tensor_parallel_size", "--pp_size", "--pipeline_parallel_size", "--cp_size", "--context_parallel_size"),
+        WHY_GPUS,
+    )
+    | {"--free_gpu_memory_fraction": WHY_MEMORY}
+    | {"--revision": WHY_HUB}
+    | dict.fromkeys(("--config", "--extra_llm_api_options"), WHY_CONFIG_FILE),
+    # `--served_model_name` came with TensorRT-LLM 1.3.0rc7 (NVIDIA/TensorRT-LLM#11711, in the
+    # v1.3.0rc7 release notes, 10 March 2026); before it the served name is the model directory's
+    # base name (tensorrt_llm/serve/openai_server.py: `Path(model).name` for a directory).
+    served_name_since="1.3.0rc7",
     default_shm_bytes=GPU_SHM_BYTES,
     readiness_path="/health",
-    # trtllm-serve's /metrics is JSON, one object per engine iteration (inflight-batching stats).
+    # trtllm-serve's /metrics (tensorrt_llm/serve/openai_server.py `get_iteration_stats`) is a JSON
+    # list of the iteration statistics gathered since the last read (`get_stats_async(2)`), each the
+    # executor's `IterationStats` as JSON: `numQueuedRequests` and `numActiveRequests` at the top,
+    # `kvCacheStats.{usedNumBlocks,maxNumBlocks}`. With the PyTorch backend the list stays empty
+    # unless `enable_iter_perf_stats` is set, and an idle engine adds none: then every figure is
+    # unknown and routing counts the controller's own requests in flight.
     metrics=Metrics(
         path="/metrics",
         format="json",
-        waiting="inflightBatchingStats.numQueuedRequests",
+        waiting="numQueuedRequests",
         running="numActiveRequests",
         kv_cache=("kvCacheStats.usedNumBlocks/maxNumBlocks",),
     ),
@@ -438,7 +598,42 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         "embedding": Option(flag="--embedding", type=bool, style=Style.SWITCH, help="serve /v1/embeddings only"),
         "pooling": Option(flag="--pooling", type=str, choices=("none", "mean", "cls", "last", "rank"), help=""),
         "chat_template": Option(flag="--chat-template", type=str, help="a built-in template name"),
+        # common/arg.cpp (the options llama-server takes).
+        "jinja": Option(flag="--jinja", type=bool, style=Style.SWITCH, help="the model's Jinja chat template"),
+        "chat_template_file": Option(
+            flag="--chat-template-file", type=str, style=Style.MODEL_FILE, help="a template file beside the model"
+        ),
+        "reasoning_format": Option(
+            flag="--reasoning-format", type=str, choices=("none", "deepseek", "deepseek-legacy", "auto"), help=""
+        ),
+        "cont_batching": Option(flag="--cont-batching", type=bool, style=Style.SWITCH, help="(on by default)"),
+        "cache_type_k": Option(flag="--cache-type-k", type=str, choices=_GGML_KV_TYPES, help="K cache type"),
+        "cache_type_v": Option(flag="--cache-type-v", type=str, choices=_GGML_KV_TYPES, help="V cache type"),
     },
+    env=dict(LLAMA_CACHE_ENV),
+    refused_flags={"-m": "nexa gives the mounted model's path"}
+    | {"-a": "nexa serves the model under its registered name"}
+    | dict.fromkeys(
+        (
+            "-hf",
+            "-hfr",
+            "--hf-repo",
+            "-hff",
+            "--hf-file",
+            "-hft",
+            "--hf-token",
+            "-hfd",
+            "-hfrd",
+            "--hf-repo-draft",
+            "-mu",
+            "--model-url",
+            "-dr",
+            "--docker-repo",
+        ),
+        WHY_HUB,
+    )
+    | dict.fromkeys(("--api-key", "--api-key-file"), WHY_AUTH)
+    | dict.fromkeys(("--ssl-key-file", "--ssl-cert-file"), WHY_TLS),
     readiness_path="/health",
     probe_tool="curl",
     metrics=Metrics(
@@ -471,7 +666,16 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
         "embedding": Option(flag="--embedding", type=bool, style=Style.BOOLEAN, help="serve /v1/embeddings"),
         "chat_format": Option(flag="--chat_format", type=str, help="chat template name (default: the model's)"),
         "seed": Option(flag="--seed", type=int, minimum=0, help="sampling seed"),
+        # llama_cpp/server/settings.py (ModelSettings).
+        "n_ubatch": Option(flag="--n_ubatch", type=int, minimum=1, help="physical batch size"),
+        "flash_attn": Option(flag="--flash_attn", type=bool, style=Style.BOOLEAN, help="flash attention"),
     },
+    env=dict(LLAMA_CACHE_ENV),
+    abbreviates=True,
+    refused_flags=dict.fromkeys(("--hf_pretrained_model_name_or_path", "--hf_model_repo_id"), WHY_HUB)
+    | {"--api_key": WHY_AUTH}
+    | dict.fromkeys(("--ssl_keyfile", "--ssl_certfile"), WHY_TLS)
+    | {"--config_file": WHY_CONFIG_FILE},
     # /v1/models answers once the model is loaded (the server loads it before listening).
     readiness_path="/v1/models",
     # No metrics endpoint: routing falls back to the gateway's own in-flight counts.
@@ -533,16 +737,23 @@ def settings_problems(
     *,
     accelerators: int,
     command: Sequence[str] = (),
+    extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """Everything wrong with a deployment's runtime settings for `kind`.
+    """Everything wrong with a deployment's runtime settings and `extra_args` for `kind` (the
+    flags `extra_args` may not give are `extra_args_refusals`', a 422 of their own).
 
     `sim` takes no settings. A non-empty `command` replaces the adapter's command line entirely
-    (the operator's escape hatch), so settings beside it would be silently ignored: refused.
+    (the operator's escape hatch), so settings or extra_args beside it would be silently
+    ignored: refused.
     """
     if not has_adapter(kind):
-        return [f"settings.{name}: the {kind} runtime takes no settings" for name in sorted(settings)]
-    if command and settings:
-        return ["settings: give either settings or a full command, not both"]
+        return [f"settings.{name}: the {kind} runtime takes no settings" for name in sorted(settings)] + (
+            [f"extra_args: the {kind} runtime takes its flags from command"] if extra_args else []
+        )
+    if command and (settings or extra_args):
+        return ["settings, extra_args: give settings and extra_args, or a full command, not both"]
+    if problems := extra_args_problems(extra_args):
+        return problems
     if kind is RuntimeKind.LLAMACPP and SERVER_SETTING in settings:
         variant = settings[SERVER_SETTING]
         if not isinstance(variant, str) or variant not in LLAMACPP_VARIANTS:
@@ -552,3 +763,38 @@ def settings_problems(
         # A full command says nothing the adapter could check about GPUs: the operator owns it.
         problems = [p for p in problems if not p.startswith("resources.")]
     return problems
+
+
+def model_file_problems(kind: RuntimeKind, settings: Mapping[str, object], files: Sequence[str] | None) -> list[str]:
+    """Each setting naming a file of the model's directory (`Style.MODEL_FILE`) whose file the
+    model version does not have; `files`: the manifest's paths, None for a model registered as one
+    object (no directory to hold one)."""
+    if not has_adapter(kind):
+        return []
+    try:
+        adapter = adapter_for(kind, settings)
+    except ValueError:
+        return []
+    out = []
+    for name, value in sorted(settings.items()):
+        option = adapter.options.get(name)
+        if option is None or option.style is not Style.MODEL_FILE or not isinstance(value, str):
+            continue
+        if files is None:
+            out.append(f"settings.{name}: the model is one file, not a directory; register it as a manifest")
+        elif value not in files:
+            out.append(f"settings.{name}: the model version has no file {value!r} (its manifest lists {len(files)})")
+    return out
+
+
+def extra_args_refusals(kind: RuntimeKind, settings: Mapping[str, object], extra_args: Sequence[str]) -> list[str]:
+    """Each argument of `extra_args` that gives a flag nexa owns, as `FLAG: why` (see
+    `Adapter.flag_refusals`); empty for `sim` and for a llama.cpp variant that does not exist
+    (`settings_problems` says so)."""
+    if not has_adapter(kind) or not extra_args:
+        return []
+    try:
+        adapter = adapter_for(kind, settings)
+    except ValueError:
+        return []
+    return [f"{flag}: {why}" for flag, why in adapter.flag_refusals(extra_args)]

@@ -548,6 +548,20 @@ class ArtifactsConfig:
 
 
 @attrs.frozen(kw_only=True)
+class CacheConfig:
+    """Each replica's writable cache (`node.runtime_cache`), kept on the node's disk across restarts."""
+
+    #: Empty means `<state_dir>/runtime-cache`.
+    runtime_cache_dir: str = ""
+    #: Least-recently-used caches no replica holds are removed above this size.
+    runtime_cache_max_bytes: Bytes = Bytes(100 * 1024**3)
+    #: A replica starts only with this much free on the caches' filesystem (after eviction).
+    runtime_cache_start_free_bytes: Bytes = Bytes(2 * 1024**3)
+    #: How often the caches are measured (and evicted above the bound).
+    runtime_cache_measure_interval_s: Seconds = Seconds(30.0)
+
+
+@attrs.frozen(kw_only=True)
 class SupervisorConfig:
     """Runtime supervision: probes, restarts, crash loops."""
 
@@ -678,6 +692,7 @@ class NodeConfig:
         default=5.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(math.inf)]
     )
     log: LogConfig = LogConfig()
+    cache: CacheConfig = CacheConfig()
 
 
 def _seconds(value: object, _: type) -> Seconds:

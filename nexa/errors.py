@@ -52,6 +52,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - DeployRuntimeUnknown [runtime_unknown]: no runtime registered (and checked) under that name
     - Unplaceable [unplaceable]: no placement fits; the message explains every node
     - MemoryOverReservation [memory_over_reservation]: a memory setting would claim more of a unified pool than reserved
+    - RuntimeFlagOwned [runtime_flag_owned]: `options.extra_args` gives a flag nexa sets itself (named)
   + Overloaded [overloaded, HTTP 429]: shed load; carries retry_after_s
     - QuotaExceeded [quota_exceeded]: a tenant limit (concurrency, requests or tokens per window) is used up
     - QueueFull [queue_full]: the model's admission queue for that priority is full
@@ -93,6 +94,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ArtifactDigestMismatch [artifact_digest_mismatch, HTTP 422]: the bytes do not match the pinned sha256 or size
       · ArtifactSizeMismatch [artifact_size_mismatch]: more or fewer bytes than declared
     - InsufficientDisk [insufficient_disk]: too little free disk for the files still to download (node side)
+    - RuntimeCacheNoRoom [runtime_cache_no_room]: too little free disk for a replica's cache after eviction (node side)
     - ArtifactRefused [artifact_refused]: the S3-compatible store answered a request with a 4xx (not retryable)
     - ArtifactInvalid [artifact_invalid]: a local model directory that cannot be pushed (names the file)
   + ChannelError [channel_error]: the node channel (ZeroMQ) failed: bind, socket or protocol
@@ -328,6 +330,18 @@ class MemoryOverReservation(NotDeployable):
         super().__init__(message)
         self.setting = setting
         self.node_id = node_id
+
+
+class RuntimeFlagOwned(NotDeployable):
+    """A deployment's `options.extra_args` gives a flag nexa owns: the model path, the served name,
+    the bind address or port, the memory bound, tensor parallelism, a typed setting's flag, or one
+    that would reach a hub; `flags` names each."""
+
+    code = "runtime_flag_owned"
+
+    def __init__(self, message: str, *, flags: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.flags = flags
 
 
 class VerificationFailed(NexaError):
@@ -781,6 +795,19 @@ class InsufficientDisk(ArtifactError):
     artifact; nothing was downloaded or evicted. Carries both figures."""
 
     code = "insufficient_disk"
+
+    def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.free_bytes = free_bytes
+
+
+class RuntimeCacheNoRoom(ArtifactError):
+    """A replica cannot start: its writable cache's filesystem has less free disk than a start
+    needs (`[cache] runtime_cache_start_free_bytes`), even with every unused runtime cache removed.
+    Carries both figures."""
+
+    code = "runtime_cache_no_room"
 
     def __init__(self, message: str, *, needed_bytes: int, free_bytes: int) -> None:
         super().__init__(message)

@@ -26,6 +26,7 @@ from nexa.contracts.runtime import (
     LABEL_SPEC,
     NETWORK_HOST,
     NETWORK_PRIVATE,
+    RUNTIME_CACHE_PATH,
     RUNTIME_HOST,
     ContainerSpec,
     ContainerState,
@@ -115,7 +116,13 @@ def with_host(args: list[str], host: str) -> list[str]:
 
 
 def container_spec(
-    node_id: str, assignment: wire.Assignment, generation: int, artifact_path: Path | None, *, host: str = "127.0.0.1"
+    node_id: str,
+    assignment: wire.Assignment,
+    generation: int,
+    artifact_path: Path | None,
+    *,
+    host: str = "127.0.0.1",
+    cache_dir: Path | None = None,
 ) -> ContainerSpec:
     """What podman creates for `assignment`: the image by digest, the spec's command, env and
     limits, its GPUs as CDI devices, the verified artifact (its one file, or a manifest's assembled
@@ -123,6 +130,8 @@ def container_spec(
     supervisor adopts and removes by. Raises ContractError when the env holds a secret-looking name.
 
     A `sim` runtime is a process, not a container: its command is `sim_command` and it has no mounts.
+    `cache_dir`: the replica's writable cache on the node (`node.runtime_cache`), mounted
+    read-write at `RUNTIME_CACHE_PATH`.
 
     Networking: by default the container gets its own network namespace, `{runtime_host}` in the
     command becomes `0.0.0.0` (every address of that namespace, nothing of the node's) and in the
@@ -136,6 +145,7 @@ def container_spec(
         # The supervisor fetches exactly the artifact the spec names: a mismatch is a bug.
         raise ValueError("artifact_path must be given exactly when the runtime has an artifact")
     ro_mounts: list[tuple[str, str]] = []
+    rw_mounts: list[tuple[str, str]] = []
     private = not runtime.host_network and not is_simulated(runtime)
     bind_host, probe_host = (PRIVATE_BIND_HOST, PRIVATE_PROBE_HOST) if private else (host, host)
     if is_simulated(runtime):
@@ -144,6 +154,8 @@ def container_spec(
         command = with_host(runtime.command, bind_host)
         if runtime.artifact is not None and artifact_path is not None:
             ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
+        if cache_dir is not None:
+            rw_mounts.append((str(cache_dir), RUNTIME_CACHE_PATH))
     return ContainerSpec(
         name=container_name(assignment.id),
         image=runtime.image,
@@ -169,6 +181,7 @@ def container_spec(
         network=NETWORK_PRIVATE if private else NETWORK_HOST,
         publish_host=host if private else "",
         publish_port=runtime.port if private else 0,
+        rw_mounts=rw_mounts,
     )
 
 

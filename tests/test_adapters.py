@@ -22,7 +22,18 @@ from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ContainerSpec, HealthProbe
 from nexa.control.deployments import assignment_for
-from tests.support.adapters import GIB, IMAGES, OFFLINE, PORT, PROBE_HOST, model, python_probe
+from tests.support.adapters import (
+    GIB,
+    IMAGES,
+    LLAMA_ENV,
+    PORT,
+    PROBE_HOST,
+    SGLANG_ENV,
+    TRTLLM_ENV,
+    VLLM_ENV,
+    model,
+    python_probe,
+)
 
 SPARK_GPU = "nvidia.com/gpu=0"
 NODE_HOST = "127.0.0.11"
@@ -47,11 +58,18 @@ def deployment(options: RuntimeOptions, *, accelerators: int = 1) -> Deployment:
     )
 
 
-def spark_spec(kind: RuntimeKind, settings: dict[str, object], *, name: str = "llama-3-8b") -> ContainerSpec:
+def spark_spec(
+    kind: RuntimeKind,
+    settings: dict[str, object],
+    *,
+    name: str = "llama-3-8b",
+    version: str = "1",
+    extra_args: list[str] | None = None,
+) -> ContainerSpec:
     """The container spec a DGX Spark node creates for one replica of `kind` with `settings`."""
-    dep = deployment(RuntimeOptions(port=PORT, settings=settings))
+    dep = deployment(RuntimeOptions(port=PORT, settings=settings, extra_args=extra_args or []))
     runtime = RuntimeRecord(
-        name="rt", kind=kind, version="1", image=IMAGES[kind], media_type="", registered_at=0, registered_by=None
+        name="rt", kind=kind, version=version, image=IMAGES[kind], media_type="", registered_at=0, registered_by=None
     )
     replica = Replica(id="chat-r1", node_id="spark-1", gpus=[SPARK_GPU], model=dep.model)
     assignment = assignment_for(dep, replica, model(name), runtime, PORT)
@@ -115,7 +133,7 @@ def test_vllm_on_a_dgx_spark() -> None:
             "--max-model-len",
             "8192",
         ],
-        env={**OFFLINE, "VLLM_NO_USAGE_STATS": "1"},
+        env=VLLM_ENV,
     )
     same(got, want)
 
@@ -142,14 +160,16 @@ def test_sglang_on_a_dgx_spark() -> None:
             "--mem-fraction-static",
             "0.6",
         ],
-        env=OFFLINE,
+        env=SGLANG_ENV,
         shm_bytes=4 * GIB,
     )
     same(got, want)
 
 
 def test_trtllm_on_a_dgx_spark() -> None:
-    got = spark_spec(RuntimeKind.TRTLLM, {"backend": "pytorch", "kv_cache_free_gpu_memory_fraction": 0.5})
+    got = spark_spec(
+        RuntimeKind.TRTLLM, {"backend": "pytorch", "kv_cache_free_gpu_memory_fraction": 0.5}, version="1.3.0rc7"
+    )
     want = expect(
         RuntimeKind.TRTLLM,
         command=[
@@ -166,7 +186,7 @@ def test_trtllm_on_a_dgx_spark() -> None:
             "--kv_cache_free_gpu_memory_fraction",
             "0.5",
         ],
-        env=OFFLINE,
+        env=TRTLLM_ENV,
     )
     same(got, want)
 
@@ -195,6 +215,7 @@ def test_llama_server_on_a_dgx_spark() -> None:
             "--parallel",
             "4",
         ],
+        env=LLAMA_ENV,
         shm_bytes=0,
         health=HealthProbe(
             command=["curl", "-fsS", "-o", "/dev/null", "--max-time", "5", f"http://{PROBE_HOST}:{PORT}/health"],
@@ -232,6 +253,7 @@ def test_llama_cpp_python_on_a_dgx_spark() -> None:
             "--n_ctx",
             "4096",
         ],
+        env=LLAMA_ENV,
         shm_bytes=0,
         health=python_probe("/v1/models"),
     )

@@ -52,6 +52,8 @@ def test_llamacpp_has_no_histograms_or_cache_figures() -> None:
 
 
 def test_trtllm_json_takes_the_last_iteration() -> None:
+    """`numQueuedRequests` sits at the top of an iteration's statistics (not under
+    `inflightBatchingStats`, which has no such field), as trtllm-serve's serializer writes it."""
     load = parse_runtime_metrics(_read("trtllm.json"), adapters.TRTLLM.metrics)
     assert (load.queue_depth, load.running, load.kv_cache_ratio) == (3.0, 5.0, 0.4)
     idle = parse_runtime_metrics(b"[]", adapters.TRTLLM.metrics)  # no iteration since the last read

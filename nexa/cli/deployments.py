@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any, Final
 
 from nexa.cli import common
@@ -82,6 +83,22 @@ def _deployment_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--selector", default="", help="node labels: k=v,k2=v2")
     s.add_argument("--data-classes", default="", help="comma-separated")
     s.add_argument("--port", type=int, default=18000, help="first loopback port for the runtime")
+    s.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a runtime setting (repeat; VALUE read as JSON: 8192, true, 0.5, else text), e.g. tool_call_parser=hermes",
+    )
+    s.add_argument(
+        "--extra-arg",
+        dest="extra_args",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for the runtime, after the adapter's (repeat; write a flag as --extra-arg=--flag)",
+    )
     _routing_flags(s, default=1.0)
     _objective_flags(s)
 
@@ -135,13 +152,29 @@ def _routing_flags(s: argparse.ArgumentParser, *, default: float | None) -> None
     s.add_argument("--routing-prefix", type=float, default=default, help="weight of prefix affinity, 0..100" + keep)
 
 
+def _settings(given: list[str]) -> dict[str, object]:
+    """`--set NAME=VALUE` flags as settings: a VALUE that reads as a JSON scalar is that (8192,
+    0.5, true), anything else is text (`hermes`)."""
+    out: dict[str, object] = {}
+    for item in given:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--set takes NAME=VALUE, not {item!r}")
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        out[name] = value if isinstance(value, bool | int | float | str) else text
+    return out
+
+
 def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {
         "name": args.name,
         "runtime": args.runtime,
         "replicas": args.replicas,
         "resources": {"accelerators": args.accelerators, "memory_bytes": args.memory_bytes, "cpus": args.cpus},
-        "options": {"port": args.port},
+        "options": {"port": args.port, "settings": _settings(args.settings), "extra_args": list(args.extra_args)},
         "placement": {
             "policy": args.policy,
             "node_selector": common.labels(args.selector),

@@ -13,7 +13,7 @@ from nexa.cli.output import gib, print_json
 from nexa.cli.tables import NODE, NODES, accelerators
 from nexa.contracts.api import NodeView
 from nexa.contracts.node import Gpu, NodeInventory
-from nexa.contracts.wire import CacheDisk, RuntimeLoad
+from nexa.contracts.wire import CacheDisk, RuntimeCacheDisk, RuntimeLoad
 from nexa.errors import Conflict, Unavailable
 
 EXIT_OK: Final = 0
@@ -71,6 +71,7 @@ def render_node(n: NodeView) -> str:
         *(_inventory_lines(inv, n.free_memory_bytes) if inv else _NO_INVENTORY),
         f"cache disk   {cache_disk_text(n.cache_disk)}",
         f"channel      {channel_text(n.channel)}",
+        f"runtime cache {runtime_cache_text(n.runtime_cache)}",
         f"assignments  generation {n.acked_generation} acked of {n.desired_generation} desired{ack}",
     ]
     for a in n.assignments:
@@ -185,6 +186,16 @@ def cache_disk_text(disk: CacheDisk | None) -> str:
     if disk is None:
         return "-"
     return f"{gib(disk.used_bytes)} held, {gib(disk.free_bytes)} free of {gib(disk.total_bytes)}"
+
+
+def runtime_cache_text(cache: RuntimeCacheDisk | None) -> str:
+    """The replicas' writable caches: what they take of their bound, how many, and the disk's room."""
+    if cache is None:
+        return "-"
+    return (
+        f"{gib(cache.used_bytes)} of {gib(cache.max_bytes)} ({cache.directories} directories, "
+        f"{cache.in_use} in use), {gib(cache.free_bytes)} free of {gib(cache.total_bytes)}"
+    )
 
 
 def load_text(load: RuntimeLoad) -> str:

@@ -6,7 +6,7 @@ import attrs
 
 from nexa.contracts.domain import AuditEvent, KeyId, NodeAdminState, NodeState, Role, TenantId
 from nexa.contracts.node import NodeInventory
-from nexa.contracts.wire import AssignmentStatus, CacheDisk, RejectReason
+from nexa.contracts.wire import AssignmentStatus, CacheDisk, RejectReason, RuntimeCacheDisk
 
 
 @attrs.frozen(kw_only=True)
@@ -333,6 +333,8 @@ class NodeView:
     #: Its channel since this controller started: refused messages by reason, and `disconnected`
     #: (connections closed: it left or went silent, or the transport dropped an oversized message).
     channel: dict[str, int] = attrs.field(factory=dict)
+    #: The replicas' writable caches, as the last heartbeat said (None: not reported).
+    runtime_cache: RuntimeCacheDisk | None = None
 
 
 @attrs.frozen(kw_only=True)

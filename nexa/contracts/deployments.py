@@ -47,9 +47,12 @@ class RuntimeOptions:
 
     For every runtime kind but `sim`, the runtime adapter (`nexa.adapters`) builds the command
     line, readiness probe and /dev/shm size from `settings`, checked against its schema when the
-    deployment is created (an unknown name or a bad value is refused, 400). `command`, when not
-    empty, replaces the adapter's command line entirely (then `settings` must be empty); a `sim`
-    runtime takes its flags from `command` and no settings.
+    deployment is created (an unknown name or a bad value is refused, 400), then appends
+    `extra_args`: any other flag of the runtime, passed as given, except the flags nexa owns
+    (refused, 422 `runtime_flag_owned` naming each). `command`, when not empty, replaces the
+    adapter's command line entirely and drops the unified-memory bound (then `settings` and
+    `extra_args` must be empty): prefer settings and extra_args. A `sim` runtime takes its
+    flags from `command` and no settings.
     """
 
     #: The first loopback port to try; each replica on a node gets the lowest port from here not in use there.
@@ -61,6 +64,8 @@ class RuntimeOptions:
     health_command: list[str] = attrs.Factory(list)
     #: The runtime adapter's settings (JSON scalars), e.g. {"max_model_len": 8192}; see `nexa.adapters`.
     settings: dict[str, object] = attrs.Factory(dict)
+    #: More arguments for the runtime, after the adapter's and the settings' (`--flag value` or `--flag=value`).
+    extra_args: list[str] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)

@@ -43,6 +43,10 @@ NETWORK_NONE: Final = "none"
 #: Written by the controller where a runtime's bind address goes (its command and health probe);
 #: the node replaces it with its own `runtime_host` (several nodes may share one host's loopback).
 RUNTIME_HOST: Final = "{runtime_host}"
+#: Where each replica's writable cache is mounted (read-write, nosuid, nodev): a directory on the
+#: node's disk kept across restarts (`node.runtime_cache`); the adapters point the runtimes'
+#: caches there (`HOME`, `XDG_CACHE_HOME`, Triton's, Inductor's, …). The root stays read-only.
+RUNTIME_CACHE_PATH: Final = "/var/cache/nexa-runtime"
 
 
 def _image(_: object, attribute: attrs.Attribute[str], value: str) -> None:
@@ -165,6 +169,8 @@ class ContainerSpec:
     publish_host: str = ""
     #: With NETWORK_PRIVATE: the port published, the same inside and on `publish_host`; 0: none.
     publish_port: int = 0
+    #: (host path, container path) pairs mounted read-write, nosuid, nodev: the replica's cache.
+    rw_mounts: list[tuple[str, str]] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)

@@ -145,6 +145,19 @@ class CacheDisk:
 
 
 @attrs.frozen(kw_only=True)
+class RuntimeCacheDisk:
+    """The replicas' writable caches (`node.runtime_cache`): their bytes on disk, the bound they are
+    evicted to, how many directories there are and how many replicas hold, the filesystem's room."""
+
+    used_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    max_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    directories: int = attrs.field(validator=whole(0, MAX_SEQ))
+    in_use: int = attrs.field(validator=whole(0, MAX_SEQ))
+    free_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    total_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+
+
+@attrs.frozen(kw_only=True)
 class AssignmentStatus:
     """One assignment as the node sees it, reported in every heartbeat."""
 
@@ -226,6 +239,8 @@ class Heartbeat:
     controller_key_id: str = ""
     #: The artifact cache's disk (None from older agents, or when the cache cannot be measured).
     cache_disk: CacheDisk | None = None
+    #: The replicas' writable caches (None from older agents, or before they are first measured).
+    runtime_cache: RuntimeCacheDisk | None = None
 
 
 @attrs.frozen(kw_only=True)

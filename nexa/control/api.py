@@ -761,4 +761,5 @@ def _node_view(live: NodeLive) -> NodeView:
         hint=REENROLL_HINT if live.reenroll_key_id else "",
         cache_disk=live.cache_disk,
         channel=dict(live.channel),
+        runtime_cache=live.runtime_cache,
     )

@@ -40,6 +40,7 @@ from nexa.contracts.wire import (
     Hello,
     NodeMessage,
     RotateKeys,
+    RuntimeCacheDisk,
     RuntimeLoad,
     RuntimeState,
 )
@@ -104,6 +105,8 @@ class NodeLive:
     loads: dict[str, tuple[RuntimeLoad, float]] = attrs.field(factory=dict)
     #: The artifact cache's disk, from the last heartbeat (None: not reported).
     cache_disk: CacheDisk | None = None
+    #: The replicas' writable caches, from the last heartbeat (None: not reported).
+    runtime_cache: RuntimeCacheDisk | None = None
 
     @property
     def state(self) -> NodeState:
@@ -632,6 +635,7 @@ class Fleet:
                 s.assignment_id: (s.load, live.last_seen - s.load.age_s) for s in statuses if s.load is not None
             }
             live.cache_disk = msg.cache_disk
+            live.runtime_cache = msg.runtime_cache
             await self._take_inventory(live, msg.inventory)
         if not live.reachable:
             live.reachable = True

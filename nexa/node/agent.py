@@ -62,6 +62,7 @@ from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.podman import PodmanClient
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
+from nexa.node.runtime_cache import RuntimeCaches
 from nexa.node.runtime_metrics import RuntimeMetrics
 from nexa.node.supervisor import Supervisor
 from nexa.node.uplinks import (
@@ -220,6 +221,7 @@ class Agent:
         pending_keys: PendingKeys | None = None,
         open_requests: Callable[[], Iterable[str]] = tuple,
         cache_disk: Callable[[], wire.CacheDisk | None] = lambda: None,
+        runtime_cache: Callable[[], wire.RuntimeCacheDisk | None] = lambda: None,
     ) -> None:
         self._node_id = identity.node_id
         self._controller_key_id = identity.controller_signing_public.fingerprint
@@ -227,6 +229,7 @@ class Agent:
         self._pending = pending_keys
         self._pending_sent_at = float("-inf")
         self._open_requests, self._cache_disk = open_requests, cache_disk
+        self._runtime_cache = runtime_cache
         # Reported in every heartbeat's inventory (`nexa nodes show`).
         self._engine = (container_engine, container_engine_version, gpu_method)
         # The inference relay's `deliver` (never blocks); without one, data frames are dropped.
@@ -368,6 +371,7 @@ class Agent:
             generation=fence.generation,
             controller_key_id=self._pinned_key_id(),
             cache_disk=self._cache_disk(),
+            runtime_cache=self._runtime_cache(),
         )
 
     def _pinned_key_id(self) -> str:
@@ -721,8 +725,18 @@ async def _serve_node(
         if processes is not None:
             log.warning("simulation = true: sim runtimes run as local processes (never in production)")
         containers = DriverRouter(podman, processes)
+        caches = RuntimeCaches(
+            Path(cfg.cache.runtime_cache_dir) if cfg.cache.runtime_cache_dir else state_dir / "runtime-cache",
+            max_bytes=cfg.cache.runtime_cache_max_bytes,
+            start_free_bytes=cfg.cache.runtime_cache_start_free_bytes,
+        )
         supervisor = Supervisor(
-            cfg.supervisor, containers, artifacts, node_id=identity.node_id, runtime_host=cfg.runtime_host
+            cfg.supervisor,
+            containers,
+            artifacts,
+            node_id=identity.node_id,
+            runtime_host=cfg.runtime_host,
+            caches=caches,
         )
         metrics = RuntimeMetrics(supervisor, artifacts, cfg.runtime_metrics_interval_s, host=cfg.runtime_host)
         # Resume what the fence on disk says: running containers that still match are adopted.
@@ -744,6 +758,7 @@ async def _serve_node(
             pending_keys=pending,
             open_requests=relay.open_requests,
             cache_disk=metrics.cache_disk,
+            runtime_cache=caches.disk,
         )
         # Every loop runs supervised (nexa.supervision, restarted on failure); only a failed start ends the agent.
         async with trio.open_nursery() as nursery:
@@ -752,6 +767,9 @@ async def _serve_node(
             await nursery.start(supervised, "uplink", uplink.run)
             await nursery.start(supervised, "relay", relay.run)
             await nursery.start(supervised, "runtime_metrics", metrics.run)
+            await nursery.start(
+                supervised, "runtime_cache", partial(caches.run, cfg.cache.runtime_cache_measure_interval_s)
+            )
             await nursery.start(supervised, "agent", agent.run)
             log.info(
                 "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation

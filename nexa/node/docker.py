@@ -138,7 +138,8 @@ def docker_create_body(
     * image by digest only; read-only root with a tmpfs /tmp (rw, nosuid, nodev) as the only scratch;
     * every capability dropped, `no-new-privileges`, not privileged, the engine's default seccomp;
     * memory with swap equal to it (no swap), NanoCpus, PidsLimit; ShmSize when asked;
-    * read-only bind mounts for the model; no init, no restart policy, no auto-remove;
+    * read-only bind mounts for the model, a read-write one for the replica's cache (`rw_mounts`);
+      no init, no restart policy, no auto-remove;
     * GPUs as device requests: CDI names (`Driver: cdi`, Docker ≥ 25) or the NVIDIA runtime's
       (`Driver: nvidia`, `Capabilities: [[gpu]]`), as `gpu_method` says;
     * by default the Docker network `network` (its own namespace), the port published on
@@ -151,6 +152,19 @@ def docker_create_body(
         "Mounts": [
             {"Type": "bind", "Source": src, "Target": dst, "ReadOnly": True, "BindOptions": {"Propagation": "rprivate"}}
             for src, dst in spec.ro_mounts
+        ]
+        + [
+            # The Engine API takes no nosuid/nodev for a bind mount; with every capability dropped
+            # (no CAP_MKNOD) and no-new-privileges, no device node can be made there and no set-uid
+            # file gains anything.
+            {
+                "Type": "bind",
+                "Source": src,
+                "Target": dst,
+                "ReadOnly": False,
+                "BindOptions": {"Propagation": "rprivate"},
+            }
+            for src, dst in spec.rw_mounts
         ],
         "CapDrop": ["ALL"],
         "CapAdd": [],

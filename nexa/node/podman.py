@@ -117,9 +117,12 @@ def _validate_spec(spec: ContainerSpec) -> None:
     elif spec.publish_port or spec.publish_host:
         problems.append("publish_host and publish_port: only with the 'private' network")
     problems.extend(f"devices: {d!r} is not a CDI device name" for d in spec.devices if not CDI_NAME_RE.match(d))
-    for host, inside in spec.ro_mounts:
-        if not (os.path.isabs(host) and os.path.isabs(inside)):
-            problems.append(f"ro_mounts: {host!r} -> {inside!r} must both be absolute paths")
+    problems.extend(
+        f"{field}: {host!r} -> {inside!r} must both be absolute paths"
+        for field, pairs in (("ro_mounts", spec.ro_mounts), ("rw_mounts", spec.rw_mounts))
+        for host, inside in pairs
+        if not (os.path.isabs(host) and os.path.isabs(inside))
+    )
     if spec.memory_bytes <= 0 or spec.cpus <= 0 or spec.pids_limit <= 0 or spec.shm_bytes < 0:
         problems.append("memory_bytes, cpus and pids_limit must be positive; shm_bytes must not be negative")
     if spec.stop_timeout_s < 0:
@@ -162,7 +165,8 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
 
     libpod silently ignores keys it does not know, so the tests prove each hardening key's effect on a
     running container (inspect, /proc, cgroups), not just that podman accepted the body.
-    * image by digest only; the read-only root filesystem with a tmpfs /tmp as the only scratch space;
+    * image by digest only; the read-only root filesystem with a tmpfs /tmp as scratch space, and
+      the replica's cache directory (`rw_mounts`: read-write, nosuid, nodev) where the spec has one;
     * every capability dropped, no_new_privileges, podman's default seccomp profile;
     * memory (swap equal to memory: no swap), CPU quota and pids limits; /dev/shm sized when asked;
     * CDI devices by name (`vendor/class=name`) and read-only, nosuid, nodev bind mounts;
@@ -186,6 +190,10 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
     mounts.extend(
         {"destination": inside, "type": "bind", "source": host, "options": ["ro", "rbind", "nosuid", "nodev"]}
         for host, inside in spec.ro_mounts
+    )
+    mounts.extend(
+        {"destination": inside, "type": "bind", "source": host, "options": ["rw", "rbind", "nosuid", "nodev"]}
+        for host, inside in spec.rw_mounts
     )
     body: _Json = {
         "name": spec.name,

@@ -10,6 +10,7 @@ supervisor (the agent stopping) leaves containers running for the next agent to 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import time
 import types
@@ -42,6 +43,7 @@ from nexa.errors import (
     InsufficientDisk,
     PodmanError,
     PodmanUnavailable,
+    RuntimeCacheNoRoom,
     SimulationDisabled,
 )
 from nexa.supervision import supervised
@@ -62,7 +64,7 @@ SETTLE_POLL_S: Final = 0.5
 
 # Failures that another attempt soon will not fix (the registry or the store must change first):
 # retried at the maximum backoff rather than from the initial delay.
-_SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch, InsufficientDisk)
+_SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch, InsufficientDisk, RuntimeCacheNoRoom)
 # Failures foreseen by the podman client and the artifact cache; other PodmanError/ArtifactError
 # instances are still handled, but logged with their traceback.
 _KNOWN_FAILURES: Final = (
@@ -72,6 +74,7 @@ _KNOWN_FAILURES: Final = (
     ArtifactUnavailable,
     ArtifactDigestMismatch,
     InsufficientDisk,
+    RuntimeCacheNoRoom,
     SimulationDisabled,
 )
 
@@ -89,6 +92,16 @@ class Artifacts(Protocol):
     def pin(self, sha256: str) -> None: ...
     def unpin(self, sha256: str) -> None: ...
     async def evict(self) -> int: ...
+
+
+class RuntimeCaches(Protocol):
+    """Each replica's writable cache (`nexa.node.runtime_cache.RuntimeCaches`): a directory per
+    (image, model, settings), held by each worker from before its container is created until it is
+    torn down."""
+
+    def wants(self, runtime: RuntimeSpec) -> bool: ...
+    async def acquire(self, holder: str, runtime: RuntimeSpec) -> Path: ...
+    def release(self, holder: str) -> None: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -168,6 +181,9 @@ class _Worker:
     image_ready: bool = False
     artifact_path: Path | None = None
     pinned: str | None = None
+    #: The replica's cache directory and this worker's hold on it (`RuntimeCaches`).
+    cache_dir: Path | None = None
+    cache_hold: str | None = None
     state: wire.RuntimeState = wire.RuntimeState.PENDING
     reason: str | None = None
     detail: str = ""
@@ -208,8 +224,11 @@ class Supervisor:
         *,
         node_id: str,
         runtime_host: str = "127.0.0.1",
+        caches: RuntimeCaches | None = None,
     ) -> None:
         self._cfg = cfg
+        self._caches = caches
+        self._holds = itertools.count(1)
         self._runtime_host = runtime_host
         self._podman = podman
         self._artifacts = artifacts
@@ -402,6 +421,10 @@ class Supervisor:
                 if worker.removing:
                     await self._teardown(worker)
             finally:
+                if self._caches is not None and worker.cache_hold is not None:
+                    # Held until the container is gone (or the supervisor stops): then evictable.
+                    self._caches.release(worker.cache_hold)
+                    worker.cache_hold = None
                 self._retiring.discard(worker)
                 if self._last_retired.get(worker.id) is worker:
                     del self._last_retired[worker.id]
@@ -484,6 +507,10 @@ class Supervisor:
             self._set(w, State.FETCHING)
             # Pinned since the worker was made (`_reconcile`), until it is gone.
             w.artifact_path = await self._artifacts.fetch(runtime.artifact)
+        if self._caches is not None and w.cache_hold is None and self._caches.wants(runtime):
+            hold = f"{w.id}#{next(self._holds)}"
+            w.cache_dir = await self._caches.acquire(hold, runtime)
+            w.cache_hold = hold
         if w.previous is not None:
             self._set_starting(w, "waiting for the replaced runtime to stop")
             await w.previous.done.wait()
@@ -519,7 +546,12 @@ class Supervisor:
             else:
                 d = w.desired
                 spec = runtimes.container_spec(
-                    self._node_id, d.assignment, d.generation, w.artifact_path, host=self._runtime_host
+                    self._node_id,
+                    d.assignment,
+                    d.generation,
+                    w.artifact_path,
+                    host=self._runtime_host,
+                    cache_dir=w.cache_dir,
                 )
                 w.container_id = await self._podman.create(spec)
                 self._created += 1

@@ -56,7 +56,7 @@ from nexa.errors import ConfigError, MemoryOverReservation
 from nexa.security import ReplayWindow
 from tests.conftest import Controller, gb10_inventory
 from tests.realparts import BuiltImages, S3Store
-from tests.support.adapters import IMAGES, OFFLINE, python_probe
+from tests.support.adapters import IMAGES, OFFLINE, SGLANG_ENV, VLLM_ENV, python_probe
 from tests.support.adapters import model as adapter_model
 from tests.support.api import assert_envelope, node_view, ok
 from tests.support.deployments import fleet_image, names, online, set_where
@@ -303,7 +303,7 @@ def test_vllm_and_sglang_share_one_spark_each_held_to_its_reservation() -> None:
 
     for index, port in ((0, 18000), (1, 18001)):
         got = container(fleet[0], index)
-        assert got == expect(index, vllm_command(port), 40 * GIB, {**OFFLINE, "VLLM_NO_USAGE_STATS": "1"})
+        assert got == expect(index, vllm_command(port), 40 * GIB, VLLM_ENV)
     got = container(fleet[0], 2)
     sglang_command = [
         "python3", "-m", "sglang.launch_server", "--model-path", f"/models/{NAME}", "--served-model-name", NAME,
@@ -311,7 +311,7 @@ def test_vllm_and_sglang_share_one_spark_each_held_to_its_reservation() -> None:
         # 24 GiB of the pool = 0.20115 -> 0.201.
         "--mem-fraction-static", "0.201",
     ]  # fmt: skip
-    assert got == expect(2, sglang_command, 24 * GIB, OFFLINE)
+    assert got == expect(2, sglang_command, 24 * GIB, SGLANG_ENV)
 
     # The placement explanation shows the derived value, and the API carries it as data.
     [e] = vllm.explanations

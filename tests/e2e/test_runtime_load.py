@@ -1,6 +1,7 @@
 """A real `nexa node` scrapes its sim replica's `/metrics` and reports the load in its heartbeats
 (issue 18 point 2, the node side): the controller's node view shows the queue the faults file
-sets, and a failing metrics endpoint reads `ok: false` while the replica stays Ready and serving.
+sets, and a failing metrics endpoint reads `ok: false` while the replica stays Ready and serving;
+the replicas' writable caches are reported beside the artifact cache (issue 29 point 2).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ async def test_the_node_view_shows_the_runtimes_queue_and_a_failing_metrics_endp
         assert "load: queue 9, running 0, kv cache 75 %" in shown.stdout, shown.stdout
         assert "gpu 0: NVIDIA GB10, utilization 0 %" in shown.stdout and "(unified pool)" in shown.stdout
         assert "cache disk   " in shown.stdout and " held, " in shown.stdout, shown.stdout
+        # The replicas' writable caches are measured and reported too (a sim replica, a process, has none).
+        assert "runtime cache " in shown.stdout and "(0 directories, 0 in use)" in shown.stdout, shown.stdout
+        async with cluster.client() as http:
+            view = await ok(http.get(f"/api/v1/nodes/{node.node_id}"))
+        runtime_cache = view.get("node", view)["runtime_cache"]
+        assert runtime_cache["max_bytes"] == 100 * 2**30 and runtime_cache["free_bytes"] > 0, runtime_cache
 
         node.set_faults(metrics_fail=True)
         await wait_for(lambda: load_is(ok=False), timeout_s=TIMEOUT_S)

@@ -1,6 +1,7 @@
 """Runtime containers against real rootful podman (tests/realparts.py): their own network namespace
 by default (issue 12, point 11), on every engine (libpod, podman's Docker API, dockerd: issue 14),
-and a container between states is not a crashed one (point 16).
+a container between states is not a crashed one (point 16), and each replica's writable cache on a
+read-only root, kept for the next container of the same thing (issue 29, point 2).
 
 The supervisor runs with the real `PodmanClient`; only the artifact cache is a fake (no artifact).
 """
@@ -12,6 +13,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -19,13 +21,21 @@ import httpx
 import pytest
 import trio
 
-from nexa import runtimes
+from nexa import adapters, runtimes
 from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
-from nexa.contracts.runtime import NETWORK_HOST, NETWORK_PRIVATE, ContainerSpec, HealthProbe, RuntimeSpec
+from nexa.contracts.runtime import (
+    NETWORK_HOST,
+    NETWORK_PRIVATE,
+    RUNTIME_CACHE_PATH,
+    ContainerSpec,
+    HealthProbe,
+    RuntimeSpec,
+)
 from nexa.localparts import free_ports
 from nexa.node.podman import PodmanClient
+from nexa.node.runtime_cache import RuntimeCaches, cache_key
 from nexa.node.supervisor import Supervisor
 from tests.realparts import BuiltImages, ContainerEngine, PodmanService
 from tests.support.supervisor import FakeArtifacts
@@ -294,3 +304,105 @@ async def test_an_outside_stop_through_the_docker_api_is_waited_out_on_every_eng
     assert not failed, failed
     (again,) = await engine.list({runtimes.LABEL_NODE: node_id})
     assert again.id == first.id and again.running
+
+
+# --- each replica's writable cache (issue 29, point 2) ------------------------------------------
+
+
+def _cache_writing_runtime(image: str, port: int) -> RuntimeSpec:
+    """A runtime that, like vLLM at warm-up, writes under $HOME and each cache variable the vLLM
+    adapter sets, notes whether it found its first start's file, and tries the read-only root. Its
+    port is an argument of its own, as the adapters give it (the cache key leaves it out)."""
+    script = (
+        "set -e; mkdir -p /tmp/www; "
+        'for d in "$HOME" "$XDG_CACHE_HOME" "$TRITON_CACHE_DIR" "$TORCHINDUCTOR_CACHE_DIR" "$CUDA_CACHE_PATH" '
+        '"$VLLM_CACHE_ROOT" "$HF_HOME" "$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer"; do '
+        'mkdir -p "$d"; echo compiled > "$d/kernel.bin"; done; '
+        'if [ -f "$HOME/first-start" ]; then echo warm > /tmp/www/state; '
+        'else echo cold > /tmp/www/state; echo once > "$HOME/first-start"; fi; '
+        "if touch /root-is-writable 2>/dev/null; then echo writable > /tmp/www/root; "
+        "else echo read-only > /tmp/www/root; fi; "
+        f"grep ' {RUNTIME_CACHE_PATH} ' /proc/mounts > /tmp/www/mount || true; "
+        'exec /bin/httpd -f -p "$1:$2" -h /tmp/www'
+    )
+    return RuntimeSpec(
+        kind=RuntimeKind.VLLM,
+        image=image,
+        command=["/bin/sh", "-c", script, "sh", "{runtime_host}", str(port)],
+        env={k: v for k, v in adapters.VLLM.env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")},
+        port=port,
+        memory_bytes=64 * MiB,
+        cpus=0.5,
+        pids_limit=64,
+        health=HealthProbe(
+            command=["/bin/sh", "-c", f"wget -q -O /dev/null http://{{runtime_host}}:{port}/state"],
+            interval_s=0.2,
+            timeout_s=2.0,
+            start_period_s=10.0,
+            retries=1,
+        ),
+        stop_timeout_s=1.0,
+    )
+
+
+@pytest.mark.slow
+async def test_a_runtime_writes_its_caches_on_a_read_only_root_and_its_replacement_finds_them(
+    nursery: trio.Nursery,
+    engine: PodmanClient,
+    container_engine: ContainerEngine,
+    test_images: BuiltImages,
+    engine_labels: dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """On each engine: the replica writes $HOME and every cache variable, its root stays read-only,
+    and a new container for the same (image, model, settings) — here a replacement assignment on
+    another port — starts warm from what the first one wrote."""
+    (port, port2) = free_ports(2, RUNTIME_HOST)
+    caches = RuntimeCaches(tmp_path / "runtime-cache", max_bytes=2**30, start_free_bytes=1)
+    node_id = engine_labels[runtimes.LABEL_NODE]
+    sup = Supervisor(CFG, engine, FakeArtifacts(), node_id=node_id, runtime_host=RUNTIME_HOST, caches=caches)
+    first = wire.Assignment(
+        id=f"a-{engine_labels[RUN_LABEL]}", deployment="d1", runtime=_cache_writing_runtime(test_images.busybox, port)
+    )
+    sup.update(1, [first])
+    await nursery.start(sup.run)
+
+    async def ready(aid: str) -> None:
+        with trio.fail_after(TIMEOUT_S):
+            while not any(s.assignment_id == aid and s.state is wire.RuntimeState.READY for s in sup.statuses()):  # noqa: ASYNC110 - polling statuses
+                await trio.sleep(0.05)
+
+    async def page(p: int, name: str) -> str:
+        async with httpx.AsyncClient(trust_env=False, timeout=2.0) as http:
+            return (await http.get(f"http://{RUNTIME_HOST}:{p}/{name}")).text.strip()
+
+    await ready(first.id)
+    assert await page(port, "state") == "cold"
+    assert await page(port, "root") == "read-only"
+    mount = await page(port, "mount")
+    assert " rw," in f" {mount.split()[3]}," or mount.split()[3].startswith("rw"), mount
+    if container_engine.name == "podman-libpod":
+        assert {"nosuid", "nodev"} <= set(mount.split()[3].split(",")), mount
+    [directory] = [d for d in (tmp_path / "runtime-cache").iterdir()]
+    assert directory.name == cache_key(first.runtime)
+    written = {p.relative_to(directory).as_posix() for p in directory.rglob("kernel.bin")}
+    assert written == {
+        "kernel.bin", "xdg/kernel.bin", "triton/kernel.bin", "torchinductor/kernel.bin", "cuda/kernel.bin",
+        "vllm/kernel.bin", "huggingface/kernel.bin", ".cache/flashinfer/kernel.bin",
+    }  # fmt: skip
+    await caches.measure()
+    disk = caches.disk()
+    assert disk is not None and disk.directories == 1 and disk.in_use == 1 and disk.used_bytes > 0
+
+    # The same thing again on another port (a replacement): a new container, the same directory, warm.
+    again = wire.Assignment(
+        id=f"b-{engine_labels[RUN_LABEL]}", deployment="d1", runtime=_cache_writing_runtime(test_images.busybox, port2)
+    )
+    assert cache_key(again.runtime) == cache_key(first.runtime)
+    sup.update(2, [again])
+    await ready(again.id)
+    assert await page(port2, "state") == "warm"
+    with trio.fail_after(TIMEOUT_S):
+        while len(await engine.list({runtimes.LABEL_NODE: node_id})) != 1:  # noqa: ASYNC110 - polling the engine
+            await trio.sleep(0.05)
+    assert [d.name for d in (tmp_path / "runtime-cache").iterdir()] == [directory.name]

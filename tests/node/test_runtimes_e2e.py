@@ -72,6 +72,10 @@ async def test_a_runtime_runs_hardened_survives_an_agent_kill_and_reports_truthf
     assert not [k for k in env if any(word in k.upper() for word in ("KEY", "TOKEN", "SECRET", "PASSWORD"))]
     [model] = [m for m in info["Mounts"] if m["Destination"] == "/models/model"]
     assert model["RW"] is False
+    # Its writable cache: a directory of the agent's state dir, read-write, nosuid and nodev.
+    [cache] = [m for m in info["Mounts"] if m["Destination"] == "/var/cache/nexa-runtime"]
+    assert cache["RW"] is True and {"nosuid", "nodev"} <= set(cache["Options"]), cache
+    assert "/runtime-cache/" in cache["Source"]
     inside = podman(podman_service, "exec", "nexa-a1", "sha256sum", "/models/model")
     assert inside.split()[0] == artifact.sha256
     assert "nvidia0" in podman(podman_service, "exec", "nexa-a1", "ls", "/dev").split()
@@ -82,6 +86,11 @@ async def test_a_runtime_runs_hardened_survives_an_agent_kill_and_reports_truthf
     agent.start()
     restarted = time.time()  # heartbeats the killed agent left queued are older than this
     await beat_until(ctl, lambda b: b.ts > restarted and state_is("a1", RS.READY)(b), "a1 Ready after the restart")
+    # The adopting agent holds the replica's cache again, and says so in its heartbeats.
+    held = await beat_until(
+        ctl, lambda b: b.runtime_cache is not None and b.runtime_cache.in_use == 1, "runtime cache in use"
+    )
+    assert held.runtime_cache is not None and held.runtime_cache.directories == 1
     [again] = json.loads(podman(podman_service, "inspect", "nexa-a1"))
     assert again["State"]["StartedAt"] == started_at
     assert again["Id"] == info["Id"]
@@ -268,6 +277,11 @@ async def test_the_agent_runs_a_hardened_runtime_on_every_engine(
     agent.start()
     restarted = time.time()
     await beat_until(ctl, lambda b: b.ts > restarted and state_is("a1", RS.READY)(b), "a1 Ready after the restart")
+    # The adopting agent holds the replica's cache again, and says so in its heartbeats.
+    held = await beat_until(
+        ctl, lambda b: b.runtime_cache is not None and b.runtime_cache.in_use == 1, "runtime cache in use"
+    )
+    assert held.runtime_cache is not None and held.runtime_cache.directories == 1
     again = _inspect(container_engine, "nexa-a1")
     assert again is not None
     assert (again["Id"], again["State"]["StartedAt"]) == (info["Id"], info["State"]["StartedAt"])

@@ -19,7 +19,9 @@ import trio.testing
 from nexa import runtimes
 from nexa.config import Seconds
 from nexa.contracts import wire
-from nexa.contracts.runtime import LABEL_ASSIGNMENT, LABEL_GENERATION, LABEL_SPEC
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.runtime import LABEL_ASSIGNMENT, LABEL_GENERATION, LABEL_SPEC, RuntimeSpec
+from nexa.errors import RuntimeCacheNoRoom
 from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Backoff, Supervisor
 from nexa.supervision import Supervision
 from tests.support.supervisor import (
@@ -540,3 +542,54 @@ async def test_programming_errors_are_logged_counted_and_the_runtime_retried(
             await trio.sleep(30)
             assert supervision.statistics().failures["supervisor.runtime"] == failures
             agent.cancel_scope.cancel()
+
+
+# --- each replica's writable cache (issue 29 point 2; `node.runtime_cache` has its own tests) ----
+
+
+@attrs.define
+class FakeCaches:
+    """The supervisor's `RuntimeCaches` in memory, with a disk that can be full (fault injection)."""
+
+    full: bool = False
+    holders: dict[str, str] = attrs.Factory(dict)
+    calls: list[tuple[str, str]] = attrs.Factory(list)
+
+    def wants(self, runtime: RuntimeSpec) -> bool:
+        return runtime.kind is not RuntimeKind.SIM
+
+    async def acquire(self, holder: str, runtime: RuntimeSpec) -> Path:
+        self.calls.append(("acquire", holder))
+        if self.full:
+            raise RuntimeCacheNoRoom("no room for the runtime cache", needed_bytes=2, free_bytes=1)
+        self.holders[holder] = runtime.image
+        return Path("/var/lib/nexa/node/runtime-cache") / ("k" * 64)
+
+    def release(self, holder: str) -> None:
+        self.calls.append(("release", holder))
+        del self.holders[holder]
+
+
+async def test_a_replica_without_room_for_its_cache_fails_typed_then_starts_with_it_mounted(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    caches = FakeCaches(full=True)
+    sup = Supervisor(CFG, podman, artifacts, node_id=NODE, caches=caches)
+    sup.update(1, [assignment()])
+    await nursery.start(sup.run)
+    await wait_for(sup, S.FAILED, "runtime_cache_no_room")
+    assert podman.mutations("create", "start") == []  # never started without room
+    caches.full = False
+    await wait_for(sup, S.READY)
+    spec = podman.only().spec
+    assert spec.rw_mounts == [("/var/lib/nexa/node/runtime-cache/" + "k" * 64, "/var/cache/nexa-runtime")]
+    [holder] = caches.holders
+    # A crash restarts the same container: the hold is kept; removal gives it back.
+    podman.crash(podman.only().id)
+    await wait_for(sup, S.READY)
+    assert list(caches.holders) == [holder]
+    sup.update(2, [])
+    with trio.fail_after(120):
+        while caches.holders:  # noqa: ASYNC110 - virtual time
+            await trio.sleep(1)
+    assert caches.calls[-1] == ("release", holder)

@@ -61,3 +61,25 @@ def python_probe(path: str) -> HealthProbe:
 
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+#: The replica's writable cache and the variables pointing each runtime's caches there
+#: (`nexa.adapters`), written out so that a change shows in the pinned specs.
+CACHE = "/var/cache/nexa-runtime"
+CACHE_ENV = {
+    "HOME": CACHE,
+    "XDG_CACHE_HOME": f"{CACHE}/xdg",
+    "TRITON_CACHE_DIR": f"{CACHE}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{CACHE}/torchinductor",
+    "TORCH_EXTENSIONS_DIR": f"{CACHE}/torch_extensions",
+    "CUDA_CACHE_PATH": f"{CACHE}/cuda",
+    "FLASHINFER_WORKSPACE_BASE": CACHE,
+    "HF_HOME": f"{CACHE}/huggingface",
+}
+VLLM_ENV = {**OFFLINE, "VLLM_NO_USAGE_STATS": "1", **CACHE_ENV, "VLLM_CACHE_ROOT": f"{CACHE}/vllm"}
+SGLANG_ENV = {
+    **OFFLINE,
+    **CACHE_ENV,
+    "SGLANG_DG_CACHE_DIR": f"{CACHE}/deep_gemm",
+    "DG_JIT_CACHE_DIR": f"{CACHE}/deep_gemm",
+}
+TRTLLM_ENV = {**OFFLINE, **CACHE_ENV}
+LLAMA_ENV = {"HOME": CACHE, "XDG_CACHE_HOME": f"{CACHE}/xdg"}

@@ -46,9 +46,9 @@ def assignment_for(
     the replica's GPUs; `port` is the loopback port chosen for it on its node. The runtime
     kind's adapter (`nexa.adapters`) builds the command (the model's path, serving it under
     its registered name, bound to `{runtime_host}`), the readiness probe and /dev/shm from the
-    deployment's settings; a non-empty `options.command` replaces the adapter's command and a
-    non-empty `options.health_command` its probe. `sim` runs `options.command` as its flags,
-    probed by `true`. The options' env is added to the adapter's.
+    deployment's settings and extra_args (and the runtime's registered version); a non-empty
+    `options.command` replaces the adapter's command and a non-empty `options.health_command`
+    its probe. `sim` runs `options.command` as its flags, probed by `true`. The options' env is added to the adapter's.
 
     On a unified-memory node (`unified_pool_bytes`: its pool) the replica's memory becomes the
     runtime's own limit: the adapter's memory setting derived from the reservation and the
@@ -67,7 +67,15 @@ def assignment_for(
         if limit is not None and unified_pool_bytes is not None:
             memory = limit.on(_memory(dep, model), unified_pool_bytes)
         launch = adapter.launch(
-            model.name, options.settings, replica.gpus, port, model_path=artifact.model_path, memory=memory
+            model.name,
+            options.settings,
+            replica.gpus,
+            port,
+            model_path=artifact.model_path,
+            memory=memory,
+            extra_args=options.extra_args,
+            version=runtime.version,
+            model_dir=artifact.mount_path,
         )
         command = command or launch.command
         env = {**launch.env, **env}

@@ -21,6 +21,7 @@ from nexa.errors import (
     MemoryOverReservation,
     NotFound,
     RolloutInProgress,
+    RuntimeFlagOwned,
 )
 
 #: How many nodes an Unplaceable message explains one by one.
@@ -33,17 +34,33 @@ def check_shape(req: DeploymentCreate) -> None:
         raise ContractError("invalid deployment: " + "; ".join(problems), problems=tuple(problems))
 
 
-def check_settings(req: DeploymentCreate, runtime: RuntimeRecord) -> None:
+def check_settings(req: DeploymentCreate, runtime: RuntimeRecord, model: ModelRecord | None = None) -> None:
     """Raise ContractError (400) listing every problem of the request's runtime settings for the
     runtime's adapter: an unknown option, a value of the wrong type or out of range, a GPU
-    server without accelerators."""
+    server without accelerators, extra_args of the wrong shape, a setting naming a file `model`
+    does not have (a chat template of its directory); then RuntimeFlagOwned (422) naming each
+    flag of `options.extra_args` that nexa owns."""
+    options = req.options
     problems = adapters.settings_problems(
-        runtime.kind, req.options.settings, accelerators=req.resources.accelerators, command=req.options.command
+        runtime.kind,
+        options.settings,
+        accelerators=req.resources.accelerators,
+        command=options.command,
+        extra_args=options.extra_args,
     )
+    if not problems and model is not None:
+        files = [f.path for f in model.artifact.files] if model.artifact.files else None
+        problems = adapters.model_file_problems(runtime.kind, options.settings, files)
     if problems:
         raise ContractError(
             f"invalid runtime options for {runtime.name} ({runtime.kind}): " + "; ".join(problems),
             problems=tuple(problems),
+        )
+    refused = adapters.extra_args_refusals(runtime.kind, options.settings, options.extra_args)
+    if refused:
+        raise RuntimeFlagOwned(
+            f"options.extra_args for {runtime.name} ({runtime.kind}) gives flags nexa owns: " + "; ".join(refused),
+            flags=tuple(r.partition(":")[0] for r in refused),
         )
 
 

@@ -160,7 +160,7 @@ class Deployments:
         """Whether a hypothetical deployment fits now, and where; changes nothing."""
         check_shape(req)
         model, runtime, _ = deployable(self._desired.models, req)
-        check_settings(req, runtime)
+        check_settings(req, runtime, model)
         return place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
 
     async def create(self, actor: Actor, req: DeploymentCreate) -> DeploymentView:
@@ -169,7 +169,7 @@ class Deployments:
             if req.name in self._desired.entries:
                 raise AlreadyExists(f"deployment {req.name} exists")
             model, runtime, ref = deployable(self._desired.models, req)
-            check_settings(req, runtime)
+            check_settings(req, runtime, model)
             decision = place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
             check_memory_limits(req, decision)
             if not decision.feasible:
