@@ -35,7 +35,8 @@ from nexa.cli import (
     sim,
 )
 from nexa.cli.common import common_flags
-from nexa.cli.output import terminal_safe_stdout, terminal_text
+from nexa.cli.output import terminal_safe_stdout
+from nexa.contracts.text import visible_text
 from nexa.errors import ConfigError, NexaError, RemoteError, StoreUnusable
 
 EXIT_OK: Final = 0
@@ -56,14 +57,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with terminal_safe_stdout():
             return handler(args)
     except ConfigError as exc:
-        print(f"nexa: {terminal_text(exc.message)}", file=sys.stderr)
+        print(f"nexa: {visible_text(exc.message)}", file=sys.stderr)
         return EXIT_USAGE
     except RemoteError as exc:
         rid = f" (request {exc.request_id})" if exc.request_id else ""
-        print(f"nexa: error: {exc.remote_code}: {terminal_text(exc.message)}{rid}", file=sys.stderr)
+        print(f"nexa: error: {exc.remote_code}: {visible_text(exc.message)}{rid}", file=sys.stderr)
         return EXIT_FAILED
     except NexaError as exc:
-        print(f"nexa: error: {terminal_text(exc.message)}", file=sys.stderr)
+        print(f"nexa: error: {visible_text(exc.message)}", file=sys.stderr)
         # An unusable database is not fixed by a restart: its own exit code, for alerting.
         return EXIT_STORE_UNUSABLE if isinstance(exc, StoreUnusable) else EXIT_FAILED
     except KeyboardInterrupt:

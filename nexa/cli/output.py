@@ -4,39 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Final, TextIO
+from typing import TextIO
 
 from nexa.contracts import codec
 from nexa.contracts.models import ModelRef
+from nexa.contracts.text import visible_text
 
 #: One table row: column name -> value (None prints as `-`, Unix times as UTC).
 Cells = Mapping[str, object]
 
 
-#: What must never reach a terminal raw: C0 controls but newline and tab (ESC starts escape
-#: sequences that move the cursor, recolour or retitle), DEL, C1 controls, and the invisible and
-#: bidirectional formatting characters that make text read other than it is.
-_UNSAFE: Final = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff]")
-
-
-def terminal_text(text: str) -> str:
-    """`text` with every character `_UNSAFE` names shown as its escape (`\\x1b`, `\\u202e`)."""
-    return _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
-
-
 class _TerminalSafe:
-    """A text stream that writes `terminal_text` of everything to the stream it wraps."""
+    """A text stream that writes `visible_text` of everything to the stream it wraps."""
 
     def __init__(self, stream: TextIO) -> None:
         self._stream = stream
 
     def write(self, text: str) -> int:
-        self._stream.write(terminal_text(text))
+        self._stream.write(visible_text(text))
         return len(text)
 
     def __getattr__(self, name: str) -> object:

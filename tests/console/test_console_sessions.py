@@ -215,3 +215,16 @@ async def test_the_audit_view_pages_by_cursor(app: _App) -> None:
     # The old parameter names nothing any more: `after` is ignored, the first page again.
     old = await (await client.get(f"/console/audit?after={link.group(2)}", scope_base=_LOCAL)).get_data(as_text=True)
     assert "thing/000" in old
+
+
+async def test_control_characters_in_what_a_page_shows_are_escaped(app: _App) -> None:
+    """Issue 30 point 8: an audit target (what a client or node chose) with a terminal escape, a bell
+    and a right-to-left override reaches the page as visible escapes, never raw."""
+    from nexa.control.registry import SYSTEM
+
+    await app.registry.record(SYSTEM, "test.event", "thing/evil\x1b]0;x\x07\u202eliam")
+    client = app.app.test_client()
+    assert (await _sign_in(client, app.admin_key)).status_code == 303
+    page = await (await client.get("/console/audit", scope_base=_LOCAL)).get_data(as_text=True)
+    assert "thing/evil\\x1b]0;x\\x07\\u202eliam" in page
+    assert not any(c in page for c in "\x1b\x07\u202e")

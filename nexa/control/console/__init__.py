@@ -27,6 +27,7 @@ from quart import Blueprint
 from quart_trio import QuartTrio
 
 from nexa.contracts.domain import Role
+from nexa.contracts.text import visible_text
 from nexa.control.console import (
     audit,
     benchmarks,
@@ -93,6 +94,8 @@ def register(
         sampler.cancel()
 
     app.jinja_env.filters.update(bytes=fmt_bytes, time=fmt_time, age=fmt_age, duration=fmt_duration)
+    # Every `{{ value }}` a page shows: control and bidi characters as visible escapes (then HTML-escaped).
+    app.jinja_env.finalize = _visible
     app.jinja_env.globals.update(node_age=nodes.node_age, node_actions=nodes.NODE_ACTIONS)
 
     # The navigation lists the views in this order; a signed-in key lands on the first it may see.
@@ -124,3 +127,9 @@ __all__ = [
     "ConsoleStatistics",
     "register",
 ]
+
+
+def _visible(value: object) -> object:
+    """Jinja's `finalize`: text anyone chose shows its control characters escaped; markup the
+    console made itself (`Markup`) and other values pass as they are."""
+    return visible_text(value) if type(value) is str else value
