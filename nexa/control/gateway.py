@@ -591,7 +591,14 @@ def _encode(work: Work, serving: ServingSet) -> bytes:
 
 
 def _prefix(work: Work, cfg: GatewayConfig) -> str | None:
-    """The leading characters of the prompt (for prefix affinity); None for embeddings."""
+    """The affinity key of a request: its tenant and the leading characters of its prompt; None for
+    embeddings or an empty prompt. The tenant keeps one tenant's requests from being steered to the
+    replica that holds another's prompt in its prefix cache (whose hits a timing probe could see)."""
+    text = _prompt_prefix(work, cfg)
+    return None if text is None else f"{work.tenant}\x00{text}"
+
+
+def _prompt_prefix(work: Work, cfg: GatewayConfig) -> str | None:
     if not cfg.prefix_affinity or work.capability is Capability.EMBEDDING:
         return None
     if work.capability is Capability.COMPLETION:

@@ -446,3 +446,16 @@ async def test_the_relay_is_keyed_by_ids_the_controller_makes_not_the_clients(ri
     first, second = rig.node.stream_ids
     assert first != second and "same-id" not in (first, second)
     assert [r[0] for r in await rig.rows()] == ["same-id", "same-id"]  # the client's id is what is metered
+
+
+def test_the_prefix_affinity_key_holds_the_tenant() -> None:
+    """Issue 30 point 14: one prompt from two tenants gives two affinity keys, so one tenant's requests
+    are never steered to the replica holding another's prompt in its prefix cache."""
+    from nexa.control.gateway import _prefix
+
+    cfg = GatewayConfig(prefix_affinity=True)
+    mine = work(messages=MESSAGES)
+    theirs = attrs.evolve(mine, tenant=TenantId("globex"))
+    assert _prefix(mine, cfg) != _prefix(theirs, cfg)
+    assert _prefix(mine, cfg) == _prefix(work(messages=MESSAGES, rid="rid-2"), cfg)  # stable per tenant
+    assert _prefix(work(Capability.EMBEDDING), cfg) is None
