@@ -40,6 +40,8 @@ LEGACY_FILE: Final = "model"
 #: carries the manifest, and must stay far below a wire frame's limits.
 MAX_FILES: Final = 1024
 MAX_PATH_CHARS: Final = 512
+#: A path segment becomes a file or directory name on a node: Linux file systems take 255 bytes.
+MAX_SEGMENT_BYTES: Final = 255
 MAX_FILE_BYTES: Final = 2**53
 _SHA256_RE: Final = re.compile(r"^[0-9a-f]{64}$")
 #: A split GGUF's shards: `<name>-00001-of-00003.gguf` (llama.cpp's `gguf-split` naming).
@@ -137,6 +139,10 @@ def path_problem(path: str) -> str | None:
         (
             any(p in ("", ".", "..") for p in path.split("/")),
             "no empty, '.' or '..' segments (the file must stay inside the directory)",
+        ),
+        (
+            any(len(p.encode("utf-8", "surrogatepass")) > MAX_SEGMENT_BYTES for p in path.split("/")),
+            f"each segment at most {MAX_SEGMENT_BYTES} bytes of UTF-8 (a file name on the node)",
         ),
     )
     return next((problem for failed, problem in checks if failed), None)

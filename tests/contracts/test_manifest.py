@@ -57,6 +57,8 @@ def test_the_canonical_bytes_are_exactly_the_documented_encoding() -> None:
         ("a\\b", "'/'"),
         ("a\nb", "control"),
         ("x" * 513, "at most"),
+        ("weights/" + "w" * 256, "255 bytes"),
+        ("ü" * 128 + "/config.json", "255 bytes"),  # 256 bytes of UTF-8 in 128 characters
     ],
 )
 def test_unsafe_paths_are_refused_with_the_reason(path: str, problem: str) -> None:
@@ -65,7 +67,7 @@ def test_unsafe_paths_are_refused_with_the_reason(path: str, problem: str) -> No
 
 
 def test_good_paths_pass() -> None:
-    for path in ("config.json", "weights/model-00001-of-00002.safetensors", ".gitattributes", "a b/ü.txt"):
+    for path in ("config.json", "weights/model-00001-of-00002.safetensors", ".gitattributes", "a b/ü.txt", "x" * 255):
         assert path_problem(path) is None
 
 

@@ -126,6 +126,7 @@ async def test_a_signature_signs_the_manifest_digest(
         ("wrong_size", 422, "artifact_size_mismatch", "artifact.files[0]"),
         ("outside", 400, "invalid_request", "artifact.files[0].path"),
         ("absolute", 400, "invalid_request", "artifact.files[0].path"),
+        ("long_segment", 400, "invalid_request", "artifact.files[0].path"),
         ("duplicate", 400, "invalid_request", "artifact.files[1].path"),
         ("entry", 400, "invalid_request", "artifact.entry"),
         ("digest", 400, "invalid_request", "artifact.sha256"),
@@ -149,6 +150,8 @@ async def test_a_bad_manifest_is_typed_naming_the_field_and_changes_nothing(
         files[0] = {**first, "path": "../other-model/config.json"}
     elif change == "absolute":
         files[0] = {**first, "path": "/etc/passwd"}
+    elif change == "long_segment":  # a name no node's file system takes
+        files[0] = {**first, "path": "weights/" + "w" * 256}
     elif change == "duplicate":
         files[1] = {**files[1], "path": first["path"]}
     elif change == "entry":
