@@ -312,6 +312,7 @@ def _cmd_node_doctor(args: argparse.Namespace) -> int:
         controller_fingerprint=fingerprint,
         min_free_bytes=int(args.min_free_gib * 2**30),
         cdi_dirs=tuple(args.cdi_dir) if args.cdi_dir else doctor.DEFAULT_CDI_DIRS,
+        meminfo_path=cfg.meminfo_path,
     )
     report = trio.run(doctor.run_doctor, cfg, opts)
     if args.doctor_json:
@@ -330,7 +331,7 @@ def _cmd_node_inventory(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.inv_config, config.NodeConfig) if args.inv_config else config.NodeConfig()
     path = args.inv_path or cfg.inventory_path
-    inventory = trio.run(probe, path, cfg.nvidia_smi or None)
+    inventory = trio.run(partial(probe, path, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path))
     data = codec.store.unstructure(inventory)
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))

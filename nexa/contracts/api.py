@@ -6,7 +6,7 @@ import attrs
 
 from nexa.contracts.domain import AuditEvent, KeyId, NodeAdminState, NodeState, Role, TenantId
 from nexa.contracts.node import NodeInventory
-from nexa.contracts.wire import AssignmentStatus, CacheDisk, RejectReason
+from nexa.contracts.wire import AssignmentStatus, CacheDisk, MemoryPressure, RejectReason
 
 
 @attrs.frozen(kw_only=True)
@@ -330,6 +330,8 @@ class NodeView:
     hint: str = ""
     #: The artifact cache's disk, as the last heartbeat said (None: not reported).
     cache_disk: CacheDisk | None = None
+    #: Set while the node reports memory pressure: placement puts nothing more on it.
+    memory_pressure: MemoryPressure | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -755,4 +755,5 @@ def _node_view(live: NodeLive) -> NodeView:
         needs_reenrollment=bool(live.reenroll_key_id),
         hint=REENROLL_HINT if live.reenroll_key_id else "",
         cache_disk=live.cache_disk,
+        memory_pressure=live.memory_pressure,
     )

@@ -37,7 +37,9 @@ from nexa.contracts.wire import (
     CacheDisk,
     DesiredAssignments,
     Heartbeat,
+    MEMORY_PRESSURE,
     Hello,
+    MemoryPressure,
     NodeMessage,
     RotateKeys,
     RuntimeLoad,
@@ -58,7 +60,7 @@ from nexa.security import (
     new_enrollment_token,
 )
 from nexa.telemetry import Metrics
-from nexa.telemetry.fleet import NodeFigures, ReplicaFigures
+from nexa.telemetry.fleet import NodeFigures, ReplicaFigures, ReplicaMemoryFigures
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +103,9 @@ class NodeLive:
     loads: dict[str, tuple[RuntimeLoad, float]] = attrs.field(factory=dict)
     #: The artifact cache's disk, from the last heartbeat (None: not reported).
     cache_disk: CacheDisk | None = None
+    #: Set while the node reports memory pressure (placement skips it); and the replicas its guard stopped.
+    memory_pressure: MemoryPressure | None = None
+    memory_pressure_stops: int = 0
 
     @property
     def state(self) -> NodeState:
@@ -320,6 +325,12 @@ class Fleet:
                 for a in live.desired.assignments
                 if (got := live.loads.get(a.id)) is not None
             )
+            measured = {s.assignment_id: s.memory for s in live.statuses if s.memory is not None}
+            memory = tuple(
+                ReplicaMemoryFigures(deployment=a.deployment, replica=a.id, memory=m)
+                for a in live.desired.assignments
+                if (m := measured.get(a.id)) is not None
+            )
             out.append(
                 NodeFigures(
                     node=live.node.id,
@@ -327,6 +338,9 @@ class Fleet:
                     inventory=live.inventory,
                     cache_disk=live.cache_disk,
                     replicas=replicas,
+                    memory_pressure=live.memory_pressure,
+                    memory_pressure_stops=live.memory_pressure_stops,
+                    replica_memory=memory,
                 )
             )
         return out
@@ -623,6 +637,11 @@ class Fleet:
                 s.assignment_id: (s.load, live.last_seen - s.load.age_s) for s in statuses if s.load is not None
             }
             live.cache_disk = msg.cache_disk
+            if msg.memory_pressure != live.memory_pressure:
+                await self._memory_pressure(live, msg.memory_pressure)
+            if msg.memory_pressure_stops > live.memory_pressure_stops:
+                await self._pressure_stops(live, msg)
+            live.memory_pressure_stops = msg.memory_pressure_stops
             await self._take_inventory(live, msg.inventory)
         if not live.reachable:
             live.reachable = True
@@ -664,6 +683,21 @@ class Fleet:
     async def mark_unreachable(self, live: NodeLive) -> None:
         live.reachable = False
         await self._transition(live, "node.unreachable", f"no good heartbeat for {self._cfg.lease_s:g} s")
+
+    async def _memory_pressure(self, live: NodeLive, pressure: MemoryPressure | None) -> None:
+        """The node's memory-pressure condition came or went: placement follows, and the audit says so."""
+        live.memory_pressure = pressure
+        if pressure is None:
+            await self._transition(live, "node.memory_pressure_cleared", "MemAvailable is back above the floor")
+        else:
+            await self._transition(live, "node.memory_pressure", pressure.describe())
+
+    async def _pressure_stops(self, live: NodeLive, msg: Heartbeat) -> None:
+        stopped = [s.assignment_id for s in msg.assignments if s.reason == MEMORY_PRESSURE]
+        detail = f"the node's memory guard stopped {', '.join(stopped) or 'a replica'}"
+        draft = audit_draft(SYSTEM, "replica.memory_pressure", f"node/{live.node.id}", detail=detail)
+        event = await self._store.run(st.record_audit, draft)
+        self._metrics.audit_events.labels(event.result.value).inc()
 
     async def _transition(self, live: NodeLive, action: str, detail: str) -> None:
         self.version += 1  # reachability changed: seen by the next request, before the audit write

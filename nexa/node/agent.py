@@ -672,8 +672,9 @@ async def _serve_node(
     uplink = await open_channel(cfg, identity, state_dir)  # a bad source address fails the start
     watcher = InventoryWatcher(
         cfg.inventory_path,
-        discover=partial(discover, cfg.nvidia_smi or None),
+        discover=partial(discover, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path),
         poll_interval_s=cfg.inventory_poll_interval_s,
+        rediscover_interval_s=cfg.discovery_interval_s,
     )
     engine_socket = cfg.container.socket_path(cfg.podman)
     # Re-read at each pull when the file changed (a bad rewrite keeps the last good).
