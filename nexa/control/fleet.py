@@ -32,12 +32,12 @@ from nexa.contracts.domain import (
 )
 from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem
 from nexa.contracts.wire import (
+    MEMORY_PRESSURE,
     Ack,
     AssignmentStatus,
     CacheDisk,
     DesiredAssignments,
     Heartbeat,
-    MEMORY_PRESSURE,
     Hello,
     MemoryPressure,
     NodeMessage,
