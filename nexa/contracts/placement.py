@@ -196,6 +196,8 @@ class PlacementNode:
     load: int = attrs.field(default=0, validator=_non_negative)
     #: 0..1, for example the share of the last day the node was Ready.
     reliability: float = attrs.field(default=1.0, converter=float)
+    #: Set (both figures, in words) while the node reports memory pressure: its memory filter fails.
+    memory_pressure: str = ""
 
     # Set views of the tuples above, built once per snapshot so that placing over a thousand
     # nodes does set algebra in C instead of scanning tuples. Not part of equality or JSON.

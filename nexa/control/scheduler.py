@@ -65,6 +65,9 @@ FILTERS: Final = (
 )
 _STATE, _CORDON, _RUNTIME, _ARCH, _DATA, _TAINTS, _SELECTOR, _LICENSE, _ACCELERATORS, _MEMORY = range(len(FILTERS))
 
+#: What a node under memory pressure is told in its explanation, after both figures.
+PRESSURE_WAIT: Final = "nothing more is placed on this node until MemAvailable is back above the floor"
+
 #: Soft score weights (each term's value lies in 0..1).
 W_ARTIFACT_CACHED: Final = 3.0
 W_HEADROOM: Final = 2.0
@@ -209,7 +212,7 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
         selector_ok = not selector or selector <= labels
         license_ok = license_ is None or license_ in labels
         gpus_ok = free_gpus >= accelerators
-        memory_ok = free_memory >= memory
+        memory_ok = free_memory >= memory and not node.memory_pressure
         # On a unified node the runtime's own memory setting must keep it within the reservation.
         limit = need.runtime_memory(node) if unified and need.limit is not None else None
         limit_ok = limit is None or limit.fits
@@ -220,7 +223,11 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
                 continue
             filters = failed + _PASSED_TAIL
         else:
-            if not limit_ok:
+            if node.memory_pressure:
+                memory_result = _failed(
+                    memo, _MEMORY, ("pressure", node.memory_pressure), f"{node.memory_pressure}; {PRESSURE_WAIT}"
+                )
+            elif not limit_ok:
                 assert limit is not None
                 memory_result = _limit_failed(limit, memo)
             elif not memory_ok:

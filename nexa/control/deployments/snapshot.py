@@ -74,6 +74,7 @@ def snapshot_from(
             host_memory_total_bytes=host_total,
             host_memory_free_bytes=host_free,
             load=len(assignments),
+            memory_pressure="" if live.memory_pressure is None else live.memory_pressure.describe(),
         )
         out.append(node)
     return out
