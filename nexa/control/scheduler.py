@@ -223,17 +223,11 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
                 continue
             filters = failed + _PASSED_TAIL
         else:
-            if node.memory_pressure:
-                memory_result = _failed(
-                    memo, _MEMORY, ("pressure", node.memory_pressure), f"{node.memory_pressure}; {PRESSURE_WAIT}"
-                )
-            elif not limit_ok:
-                assert limit is not None
-                memory_result = _limit_failed(limit, memo)
-            elif not memory_ok:
-                memory_result = _memory_failed(node, need, free_memory, memo)
-            else:
-                memory_result = _PASSED[_MEMORY]
+            memory_result = (
+                _memory_result(node, need, free_memory, limit, memo)
+                if not memory_ok or not limit_ok
+                else _PASSED[_MEMORY]
+            )
             filters = (failed or _PASSED_HEAD) + (
                 _PASSED[_SELECTOR] if selector_ok else _selector_failed(node, need, memo),
                 _PASSED[_LICENSE] if license_ok else _license_failed(node, need, memo),
@@ -535,6 +529,18 @@ def _gpus_failed(node: PlacementNode, need: _Need, memo: dict[Hashable, FilterRe
     if node.unified_memory:
         return _failed(memo, _ACCELERATORS, cause, f"needs {need.accelerators} shared GPU(s), node has {have}")
     return _failed(memo, _ACCELERATORS, cause, f"needs {need.accelerators} GPU(s), {have} free")
+
+
+def _memory_result(
+    node: PlacementNode, need: _Need, free_memory: int, limit: RuntimeMemory | None, memo: dict[Hashable, FilterResult]
+) -> FilterResult:
+    """The memory filter's verdict on a node that fails it: pressure, then the runtime's limit, then room."""
+    if node.memory_pressure:
+        cause = ("pressure", node.memory_pressure)
+        return memo.get((_MEMORY, cause)) or _failed(memo, _MEMORY, cause, f"{node.memory_pressure}; {PRESSURE_WAIT}")
+    if limit is not None and not limit.fits:
+        return _limit_failed(limit, memo)
+    return _memory_failed(node, need, free_memory, memo)
 
 
 def _memory_failed(
