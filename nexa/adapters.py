@@ -200,6 +200,11 @@ class Adapter:
     memory_setting: str | None = None
     memory_share: MemoryShare = MemoryShare.POOL
 
+    @property
+    def overhead_bytes(self) -> int:
+        """The engine's own memory beyond its share (`ENGINE_OVERHEAD_BYTES`)."""
+        return ENGINE_OVERHEAD_BYTES.get(self.name, 0)
+
     def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
         """Everything wrong with `settings` (and the accelerator count) for this adapter."""
         out = []
@@ -491,6 +496,19 @@ ADAPTERS: Final[Mapping[RuntimeKind, Adapter]] = {
 LLAMACPP_VARIANTS: Final[Mapping[str, Adapter]] = {
     LLAMA_SERVER: LLAMA_SERVER_ADAPTER,
     LLAMA_CPP_PYTHON: LLAMA_CPP_PYTHON_ADAPTER,
+}
+
+
+#: Each engine's own memory beyond the share its memory setting bounds (the CUDA context, CUDA
+#: graphs, activations and sampler buffers; llama.cpp's compute buffers), by adapter name. Placement
+#: reserves it on top of a replica's memory (`Adapter.overhead_bytes`); a deployment's
+#: `resources.overhead_bytes` replaces it.
+ENGINE_OVERHEAD_BYTES: Final[Mapping[str, int]] = {
+    "vllm": 2 * 1024**3,
+    "sglang": 2 * 1024**3,
+    "trtllm": 2 * 1024**3,
+    LLAMA_SERVER: 1024**3,
+    LLAMA_CPP_PYTHON: 1024**3,
 }
 
 

@@ -17,6 +17,7 @@ from typing import ClassVar, Final
 
 import attrs
 
+from nexa.contracts.bounds import MAX_BYTES
 from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRef, name_problem, version_problem
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, data_class_problem
@@ -39,6 +40,9 @@ class Resources:
     #: Memory reserved per replica; None: the model's own `memory_bytes`.
     memory_bytes: int | None = None
     cpus: float = 1.0
+    #: The engine's own memory beyond `memory_bytes` (CUDA context, graphs, activations), reserved
+    #: by placement on top of it; None: the runtime adapter's figure (`nexa.adapters.ENGINE_OVERHEAD_BYTES`).
+    overhead_bytes: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -329,6 +333,8 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
         problems.append("resources.accelerators: 0 or more")
     if r.memory_bytes is not None and r.memory_bytes <= 0:
         problems.append("resources.memory_bytes: a positive number of bytes")
+    if r.overhead_bytes is not None and not 0 <= r.overhead_bytes <= MAX_BYTES:
+        problems.append("resources.overhead_bytes: 0 or more bytes")
     if not r.cpus > 0:
         problems.append("resources.cpus: more than 0")
     if not 1 <= req.options.port <= 65535:

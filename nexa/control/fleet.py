@@ -106,6 +106,8 @@ class NodeLive:
     #: Set while the node reports memory pressure (placement skips it); and the replicas its guard stopped.
     memory_pressure: MemoryPressure | None = None
     memory_pressure_stops: int = 0
+    #: Each replica's measured memory in the last heartbeat that changed it, by assignment id.
+    measured: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def state(self) -> NodeState:
@@ -155,6 +157,7 @@ class Fleet:
         #: Set once the node channel is bound; handed to nodes at enrollment.
         self.channel_endpoint = ""
         self._listeners: list[Callable[[], None]] = []
+        self._measured_hooks: list[Callable[[NodeLive, dict[str, int]], Awaitable[None]]] = []
         #: One up whenever what routing reads of a node changes: its state (admin, reachability)
         #: or which of its replicas are Ready. The gateway's serving sets are cached against it.
         self.version = 0
@@ -186,6 +189,10 @@ class Fleet:
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener` (sync, must not block) after a node's state changes: admin action or reachability."""
         self._listeners.append(listener)
+
+    def on_measured(self, hook: Callable[[NodeLive, dict[str, int]], Awaitable[None]]) -> None:
+        """Await `hook(node, measured bytes by assignment id)` when a node's measured replicas change."""
+        self._measured_hooks.append(hook)
 
     def _changed(self) -> None:
         self.version += 1
@@ -642,6 +649,11 @@ class Fleet:
             if msg.memory_pressure_stops > live.memory_pressure_stops:
                 await self._pressure_stops(live, msg)
             live.memory_pressure_stops = msg.memory_pressure_stops
+            measured = {s.assignment_id: s.memory.measured_bytes for s in statuses if s.memory is not None}
+            if measured != live.measured:
+                live.measured = measured
+                for hook in self._measured_hooks:
+                    await hook(live, measured)
             await self._take_inventory(live, msg.inventory)
         if not live.reachable:
             live.reachable = True

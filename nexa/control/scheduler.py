@@ -256,6 +256,7 @@ class _Need:
         "runtime",
         "selector",
         "sha",
+        "share",
         "terms",
         "tolerated",
         "w_headroom",
@@ -269,7 +270,9 @@ class _Need:
         self.selector = frozenset(req.node_selector.items())
         self.license = req.license_label
         self.tolerated = frozenset(req.tolerations)
-        self.memory = req.memory_bytes
+        self.memory = req.reserved
+        #: What the runtime's own memory setting is derived from (without its overhead).
+        self.share = req.memory_bytes
         self.limit = req.memory_limit
         #: pool bytes → the runtime's limit on a unified node of that pool (nodes of one model share it).
         self.limits: dict[int, RuntimeMemory] = {}
@@ -288,7 +291,7 @@ class _Need:
         found = self.limits.get(pool)
         if found is None:
             assert self.limit is not None
-            found = self.limits[pool] = self.limit.on(self.memory, pool)
+            found = self.limits[pool] = self.limit.on(self.share, pool)
         return found
 
 

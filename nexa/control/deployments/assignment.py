@@ -106,8 +106,30 @@ def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtim
     return adapter.memory_limit(dep.options.settings, weights_bytes=model.artifact.size_bytes)
 
 
+def overhead_bytes(dep: Deployment | DeploymentCreate, runtime: RuntimeRecord) -> int:
+    """The engine's own memory beyond the replica's: the deployment's figure, else its adapter's."""
+    if dep.resources.overhead_bytes is not None:
+        return dep.resources.overhead_bytes
+    if not adapters.has_adapter(runtime.kind):
+        return 0
+    return adapters.adapter_for(runtime.kind, dep.options.settings).overhead_bytes
+
+
+def reservation_bytes(
+    dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, measured: int | None
+) -> int:
+    """What placement reserves for one replica: its memory plus the engine's overhead, or what a
+    replica of the same runtime, model and settings was measured to hold, whichever is larger."""
+    return max(_memory(dep, model) + overhead_bytes(dep, runtime), measured or 0)
+
+
 def placement_request(
-    dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, replicas: int
+    dep: Deployment | DeploymentCreate,
+    model: ModelRecord,
+    runtime: RuntimeRecord,
+    replicas: int,
+    *,
+    measured: int | None = None,
 ) -> PlacementRequest:
     spec = dep.placement
     return PlacementRequest(
@@ -125,4 +147,5 @@ def placement_request(
         policy=spec.policy,
         host_network=runtime.host_network,
         memory_limit=_memory_limit(dep, model, runtime),
+        reserve_bytes=reservation_bytes(dep, model, runtime, measured),
     )
