@@ -270,6 +270,31 @@ class ReplicaScore:
 
 
 @attrs.frozen(kw_only=True)
+class ReplicaMeasured:
+    """What one replica's node measured it to hold (`wire.ReplicaMemory.measured_bytes`)."""
+
+    replica_id: str
+    node_id: str
+    measured_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class DeploymentMemory:
+    """A deployment's memory, declared against measured (`deployments show`)."""
+
+    #: Per replica: `resources.memory_bytes` (else the model's), what the runtime's own setting bounds.
+    declared_bytes: int
+    #: The engine's own memory beyond it (the deployment's `resources.overhead_bytes`, else its adapter's).
+    overhead_bytes: int
+    #: The most any replica of this runtime, model and settings was measured to hold; None: never measured.
+    measured_bytes: int | None
+    #: What placement reserves per replica: declared plus overhead, or the measured figure when larger.
+    reserved_bytes: int
+    #: What each replica reported in its node's last heartbeat.
+    replicas: list[ReplicaMeasured] = attrs.Factory(list)
+
+
+@attrs.frozen(kw_only=True)
 class DeploymentView:
     deployment: Deployment
     #: Replicas placed now; fewer than `deployment.replicas` while nodes cannot take the rest.
@@ -285,6 +310,8 @@ class DeploymentView:
     rollout_old: int = 0
     #: Each placed replica's routing score terms (canary's too); filled by `GET /api/v1/deployments/{name}`.
     replica_scores: list[ReplicaScore] = attrs.Factory(list)
+    #: Declared against measured memory; filled by `GET /api/v1/deployments/{name}`.
+    memory: DeploymentMemory | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -93,8 +93,12 @@ def assignment_for(
     )
 
 
-def _memory(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
+def declared_bytes(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
+    """A replica's declared memory: the deployment's `resources.memory_bytes`, else the model's."""
     return dep.resources.memory_bytes or model.memory_bytes
+
+
+_memory = declared_bytes
 
 
 def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord) -> MemoryLimit | None:

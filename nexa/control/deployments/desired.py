@@ -18,13 +18,19 @@ import attrs
 import trio
 
 from nexa.config import PlacementConfig
-from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
+from nexa.contracts.deployments import Deployment, DeploymentCreate, DeploymentMemory, Replica, ReplicaMeasured
 from nexa.contracts.domain import NodeState
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementNode, PlacementRequest
 from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
 from nexa.control import store as st
-from nexa.control.deployments.assignment import assignment_for, overhead_bytes, placement_request
+from nexa.control.deployments.assignment import (
+    assignment_for,
+    declared_bytes,
+    overhead_bytes,
+    placement_request,
+    reservation_bytes,
+)
 from nexa.control.deployments.measured import MeasuredMemory
 from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
 from nexa.control.deployments.snapshot import snapshot_from, unified_pool_bytes
@@ -125,6 +131,33 @@ class Desired:
         ref = ModelRef(model=model.name, version=model.version)
         measured = self.measured.get(dep.runtime, ref, dep.options.settings)
         return placement_request(dep, model, runtime, replicas, measured=measured)
+
+    def memory_of(self, dep: Deployment) -> DeploymentMemory | None:
+        """`dep`'s memory, declared against measured (None while its model or runtime is unknown)."""
+        try:
+            model = self.models.model(dep.model.model, dep.model.version)
+            runtime = self.models.runtime(dep.runtime)
+        except NotFound:
+            return None
+        measured = self.measured.of(dep)
+        replicas = [
+            ReplicaMeasured(replica_id=r.id, node_id=r.node_id, measured_bytes=got)
+            for r in all_replicas(dep)
+            if (got := self._measured_now(r)) is not None
+        ]
+        return DeploymentMemory(
+            declared_bytes=declared_bytes(dep, model),
+            overhead_bytes=overhead_bytes(dep, runtime),
+            measured_bytes=measured,
+            reserved_bytes=reservation_bytes(dep, model, runtime, measured),
+            replicas=replicas,
+        )
+
+    def _measured_now(self, replica: Replica) -> int | None:
+        try:
+            return self.fleet.get(replica.node_id).measured.get(replica.id)
+        except NotFound:
+            return None
 
     def reservation(self, assignment: Assignment) -> int:
         """What one assigned replica holds for placement: its memory plus its engine's overhead, or

@@ -124,8 +124,10 @@ class Deployments:
         return [views.view(self._desired, e) for _, e in sorted(self._desired.entries.items())]
 
     def show(self, name: str) -> DeploymentView:
-        """The deployment's view with each replica's routing score terms now (`Router.terms`)."""
+        """The deployment's view with its memory, declared against measured, and each replica's
+        routing score terms now (`Router.terms`)."""
         view = views.view(self._desired, self._desired.entry(name))
+        view = attrs.evolve(view, memory=self._desired.memory_of(view.deployment))
         if self._router is None:
             return view
         dep, terms = view.deployment, self._router.terms
