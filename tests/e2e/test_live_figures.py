@@ -12,12 +12,13 @@ kept, marked stale.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -63,14 +64,17 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-@pytest.fixture
-def live_node(controller_process: ControllerProcess, tmp_path: Path) -> Iterator[dict[str, Path]]:
-    cp = controller_process
+@contextlib.contextmanager
+def running_node(
+    cp: ControllerProcess, tmp_path: Path, name: str, answer: str, meminfo_text: str, extra: str = ""
+) -> Iterator[dict[str, Path]]:
+    """`nexa node` enrolled as `name`, its nvidia-smi on PATH printing `answer` (a file the test may
+    rewrite; `hang` makes it hang), its meminfo the file `meminfo`; killed at the end."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     reading, meminfo, hang = tmp_path / "reading.csv", tmp_path / "meminfo", tmp_path / "hang"
-    reading.write_text(H200)
-    meminfo.write_text(meminfo_with(1500 * GIB))
+    reading.write_text(answer)
+    meminfo.write_text(meminfo_text)
     smi = bin_dir / "nvidia-smi"
     smi.write_text(
         "#!/bin/sh\n"
@@ -84,11 +88,11 @@ def live_node(controller_process: ControllerProcess, tmp_path: Path) -> Iterator
     config.write_text(
         f'state_dir = "{state_dir}"\ninventory_path = "{tmp_path / "inventory.json"}"\n'
         f'meminfo_path = "{meminfo}"\ndiscovery_interval_s = 0.3\nheartbeat_interval_s = 0.3\n'
-        'source_address = "127.0.0.1"\nreconnect_max_s = 1\n'
+        f'source_address = "127.0.0.1"\nreconnect_max_s = 1\n{extra}'
     )
     token = json.loads(cp.cli("tokens", "create", "--ttl", "15m", "--json", check=True).stdout)["token"]
     enrolled = cp.cli(
-        "node", "enroll", "--controller", cp.url, "--token", token, "--name", "h200-1", "--state-dir", str(state_dir)
+        "node", "enroll", "--controller", cp.url, "--token", token, "--name", name, "--state-dir", str(state_dir)
     )
     assert enrolled.returncode == 0, enrolled.stderr
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
@@ -105,17 +109,29 @@ def live_node(controller_process: ControllerProcess, tmp_path: Path) -> Iterator
         proc.wait(timeout=30)
 
 
-@pytest.mark.slow
-def test_changed_nvidia_smi_and_meminfo_readings_reach_metrics_and_nodes_show(
-    controller_process: ControllerProcess, live_node: dict[str, Path]
-) -> None:
-    cp = controller_process
+@pytest.fixture
+def live_node(controller_process: ControllerProcess, tmp_path: Path) -> Iterator[dict[str, Path]]:
+    with running_node(controller_process, tmp_path, "h200-1", H200, meminfo_with(1500 * GIB)) as files:
+        yield files
+
+
+def scraper(cp: ControllerProcess) -> Callable[[], str]:
     key = json.loads(cp.cli("keys", "create", "--role", "monitoring", "--json", check=True).stdout)["key"]
 
     def scrape() -> str:
         got = httpx.get(f"{cp.url}/metrics", headers={"Authorization": f"Bearer {key}"}, timeout=10, trust_env=False)
         assert got.status_code == 200
         return got.text
+
+    return scrape
+
+
+@pytest.mark.slow
+def test_changed_nvidia_smi_and_meminfo_readings_reach_metrics_and_nodes_show(
+    controller_process: ControllerProcess, live_node: dict[str, Path]
+) -> None:
+    cp = controller_process
+    scrape = scraper(cp)
 
     gpu = {"node": "h200-1", "gpu": "0", "model": "NVIDIA H200"}
     # The first reading: the recorded, idle H200 and 1500 GiB available.
@@ -158,3 +174,40 @@ def test_changed_nvidia_smi_and_meminfo_readings_reach_metrics_and_nodes_show(
     shown = cp.cli("nodes", "show", "h200-1", check=True).stdout
     assert "figures are stale: nvidia-smi stopped answering" in shown
     assert "nvidia-smi did not answer within 10 s" in shown
+
+
+GB10 = (FIXTURES / "nvidia-smi" / "gb10_dgx_spark.csv").read_text()
+GB10_MEMINFO = (FIXTURES / "meminfo" / "gb10_dgx_spark.meminfo").read_text()
+
+
+@pytest.mark.slow
+def test_a_spark_under_its_memory_floor_reports_pressure_until_it_is_gone(
+    controller_process: ControllerProcess, tmp_path: Path
+) -> None:
+    """A DGX Spark (the recorded GB10 answer and meminfo) whose MemAvailable falls under `[memory]
+    pressure_floor_bytes`: the controller shows the pressure (/metrics, `nexa nodes show`, the audit)
+    until MemAvailable is back above the floor."""
+    cp = controller_process
+    scrape = scraper(cp)
+
+    def spark_meminfo(available_bytes: int) -> str:
+        line = f"MemAvailable:   {available_bytes // 1024} kB"
+        return re.sub(r"^MemAvailable:\s+\d+ kB$", line, GB10_MEMINFO, flags=re.M)
+
+    extra = f"[memory]\npressure_floor_bytes = {8 * GIB}\n"
+    with running_node(cp, tmp_path, "spark-1", GB10, spark_meminfo(100 * GIB), extra) as files:
+        wait_until(lambda: metric(scrape(), "nexa_node_memory_pressure", node="spark-1") == 0.0, "no pressure")
+        replace(files["meminfo"], spark_meminfo(3 * GIB))
+        wait_until(lambda: metric(scrape(), "nexa_node_memory_pressure", node="spark-1") == 1.0, "the pressure")
+        assert metric(scrape(), "nexa_node_memory_pressure_floor_bytes", node="spark-1") == 8 * GIB
+        shown = cp.cli("nodes", "show", "spark-1", check=True).stdout
+        assert (
+            "pressure     memory pressure: MemAvailable 3.00 GiB is under the node's floor of 8.00 GiB; "
+            "nothing more is placed here until it is gone"
+        ) in shown
+        audit = cp.cli("audit", "list", "--json", check=True).stdout
+        assert "node.memory_pressure" in audit
+        replace(files["meminfo"], spark_meminfo(50 * GIB))
+        wait_until(lambda: metric(scrape(), "nexa_node_memory_pressure", node="spark-1") == 0.0, "the pressure gone")
+        assert "pressure     " not in cp.cli("nodes", "show", "spark-1", check=True).stdout
+        assert "node.memory_pressure_cleared" in cp.cli("audit", "list", "--json", check=True).stdout
