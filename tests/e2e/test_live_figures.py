@@ -26,6 +26,7 @@ import pytest
 
 from tests.conftest import FIXTURES, ControllerProcess
 from tests.e2e.test_fleet import wait_until
+from tests.support.console import csrf
 
 H200 = (FIXTURES / "nvidia-smi" / "h200_141g_x1.csv").read_text()
 MEMINFO = (FIXTURES / "meminfo" / "h100_dgx_2t.meminfo").read_text()
@@ -207,6 +208,15 @@ def test_a_spark_under_its_memory_floor_reports_pressure_until_it_is_gone(
         ) in shown
         audit = cp.cli("audit", "list", "--json", check=True).stdout
         assert "node.memory_pressure" in audit
+        # The console's nodes page says it too.
+        with httpx.Client(base_url=cp.url, trust_env=False, timeout=10) as http:
+            form = http.get("/console/login")
+            assert cp.admin_key is not None
+            signed = http.post("/console/login", data={"csrf_token": csrf(form.text), "api_key": cp.admin_key})
+            assert signed.status_code == 303
+            page = http.get("/console/nodes")
+        assert page.status_code == 200, page.text[:300]
+        assert "data-memory-pressure>memory pressure: MemAvailable 3.00 GiB is under" in page.text
         replace(files["meminfo"], spark_meminfo(50 * GIB))
         wait_until(lambda: metric(scrape(), "nexa_node_memory_pressure", node="spark-1") == 0.0, "the pressure gone")
         assert "pressure     " not in cp.cli("nodes", "show", "spark-1", check=True).stdout
