@@ -301,7 +301,8 @@ class ReplicaMemoryMeter:
         replicas = self._supervisor.replicas()
         if unified and available is not None:
             await self._guard(available, replicas)
-        gpu = await self._gpu_by_pid() if not unified else {}
+        running = any(r.pid is not None and not r.held for r in replicas)
+        gpu = await self._gpu_by_pid() if running and not unified else {}
         live: dict[str, wire.ReplicaMemory] = {}
         for replica in replicas:
             aid = replica.assignment_id

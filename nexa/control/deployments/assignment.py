@@ -65,7 +65,7 @@ def assignment_for(
         limit = _memory_limit(dep, model, runtime)
         memory = None
         if limit is not None and unified_pool_bytes is not None:
-            memory = limit.on(_memory(dep, model), unified_pool_bytes)
+            memory = limit.on(declared_bytes(dep, model), unified_pool_bytes)
         launch = adapter.launch(
             model.name, options.settings, replica.gpus, port, model_path=artifact.model_path, memory=memory
         )
@@ -84,7 +84,7 @@ def assignment_for(
             port=port,
             artifact=artifact,
             gpus=list(replica.gpus),
-            memory_bytes=_memory(dep, model),
+            memory_bytes=declared_bytes(dep, model),
             cpus=dep.resources.cpus,
             shm_bytes=shm_bytes,
             health=health,
@@ -96,9 +96,6 @@ def assignment_for(
 def declared_bytes(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
     """A replica's declared memory: the deployment's `resources.memory_bytes`, else the model's."""
     return dep.resources.memory_bytes or model.memory_bytes
-
-
-_memory = declared_bytes
 
 
 def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord) -> MemoryLimit | None:
@@ -124,7 +121,7 @@ def reservation_bytes(
 ) -> int:
     """What placement reserves for one replica: its memory plus the engine's overhead, or what a
     replica of the same runtime, model and settings was measured to hold, whichever is larger."""
-    return max(_memory(dep, model) + overhead_bytes(dep, runtime), measured or 0)
+    return max(declared_bytes(dep, model) + overhead_bytes(dep, runtime), measured or 0)
 
 
 def placement_request(
@@ -142,7 +139,7 @@ def placement_request(
         runtime=runtime.kind,
         arch=spec.arch,
         image_archs=runtime.image_archs,
-        memory_bytes=_memory(dep, model),
+        memory_bytes=declared_bytes(dep, model),
         accelerators=dep.resources.accelerators,
         artifact_sha256=model.artifact.sha256,
         data_classes=tuple(spec.data_classes),

@@ -8,6 +8,7 @@ store; placement then reserves, for every replica of that triple, the larger of 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -18,6 +19,7 @@ from nexa.contracts.deployments import Deployment
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
 from nexa.control.deployments.records import all_replicas, model_of
+from nexa.errors import StoreError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +29,13 @@ GROWTH: Final = 0.05
 
 def memory_key(runtime: str, model: ModelRef, settings: Mapping[str, object]) -> str:
     """The key of a (runtime, model version, settings) triple: a sha256 of their canonical JSON."""
-    text = json.dumps([runtime, model.model, model.version, dict(settings)], sort_keys=True, separators=(",", ":"))
+    return _key(runtime, model.model, model.version, json.dumps(dict(settings), sort_keys=True, separators=(",", ":")))
+
+
+@functools.lru_cache(maxsize=4096)
+def _key(runtime: str, model: str, version: str, settings: str) -> str:
+    # Placement asks once per assigned replica per decision: the hash is made once per triple.
+    text = json.dumps([runtime, model, version], separators=(",", ":")) + settings
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -59,4 +67,8 @@ class MeasuredMemory:
             return
         self._by_key[key] = measured_bytes
         log.info("deployment %s: replica %s measured at %d bytes", dep.name, replica_id, measured_bytes)
-        await self._store.run(st.save_measured_memory, key, measured_bytes)
+        try:
+            await self._store.run(st.save_measured_memory, key, measured_bytes)
+        except StoreError as exc:
+            # Kept in memory (placement uses it now); written again when a larger figure comes.
+            log.warning("could not keep the measured memory of deployment %s: %s", dep.name, exc)
