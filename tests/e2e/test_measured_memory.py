@@ -13,7 +13,7 @@ import pytest
 
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok, wait_for
-from tests.support.cluster import SIM_ARGS, sim_cluster
+from tests.support.cluster import SIM_ARGS, new_key, sim_cluster
 from tests.support.models import registry_config
 
 TIMEOUT_S = 60
@@ -59,6 +59,13 @@ async def test_a_measured_replica_shows_in_deployments_show_and_placement_reserv
         assert shown.returncode == 0, shown.stderr
         assert "memory   declared 1.0 MiB + engine overhead 0 B, measured " in shown.stdout, shown.stdout
         assert f"  {replica['replica_id']} on {replica['node_id']}: measured " in shown.stdout
+
+        # /metrics exports it per replica.
+        async with cluster.client(await new_key(cluster, "monitoring")) as http:
+            exposition = (await http.get("/metrics")).text
+        [sample] = [line for line in exposition.splitlines() if line.startswith("nexa_runtime_memory_measured_bytes{")]
+        assert 'deployment="small"' in sample and f'replica="{replica["replica_id"]}"' in sample
+        assert float(sample.rpartition(" ")[2]) > 10 * MIB
 
         # A second replica of the same runtime, model and settings is placed against the measured figure.
         async with cluster.client() as http:
