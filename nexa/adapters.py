@@ -277,6 +277,11 @@ class Adapter:
                 out.append((flag, hit[1] if spelling(hit[0]) == given else f"{hit[1]} (it is taken as {hit[0]})"))
         return out
 
+    @property
+    def overhead_bytes(self) -> int:
+        """The engine's own memory beyond its share (`ENGINE_OVERHEAD_BYTES`)."""
+        return ENGINE_OVERHEAD_BYTES.get(self.name, 0)
+
     def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
         """Everything wrong with `settings` (and the accelerator count) for this adapter."""
         out = []
@@ -695,6 +700,19 @@ ADAPTERS: Final[Mapping[RuntimeKind, Adapter]] = {
 LLAMACPP_VARIANTS: Final[Mapping[str, Adapter]] = {
     LLAMA_SERVER: LLAMA_SERVER_ADAPTER,
     LLAMA_CPP_PYTHON: LLAMA_CPP_PYTHON_ADAPTER,
+}
+
+
+#: Each engine's own memory beyond the share its memory setting bounds (the CUDA context, CUDA
+#: graphs, activations and sampler buffers; llama.cpp's compute buffers), by adapter name. Placement
+#: reserves it on top of a replica's memory (`Adapter.overhead_bytes`); a deployment's
+#: `resources.overhead_bytes` replaces it.
+ENGINE_OVERHEAD_BYTES: Final[Mapping[str, int]] = {
+    "vllm": 2 * 1024**3,
+    "sglang": 2 * 1024**3,
+    "trtllm": 2 * 1024**3,
+    LLAMA_SERVER: 1024**3,
+    LLAMA_CPP_PYTHON: 1024**3,
 }
 
 

@@ -654,6 +654,18 @@ def _controllers_hook(value: object, _: type) -> ControllerEndpoints:
 
 
 @attrs.frozen(kw_only=True)
+class MemoryConfig:
+    """The memory-pressure guard of a unified-memory node (a GB10: GPU allocations come out of
+    the host's pool, invisible to the container's memory limit)."""
+
+    #: When MemAvailable falls under this, the most recently started replica is stopped
+    #: (`Failed(memory_pressure)`) and the node reports the pressure, so nothing more is placed on
+    #: it until MemAvailable is back above. 0 turns the guard off. Nodes with discrete GPUs only
+    #: are never guarded (their runtimes' memory is the GPUs').
+    pressure_floor_bytes: int = attrs.field(default=4 * 1024**3, validator=attrs.validators.ge(0))
+
+
+@attrs.frozen(kw_only=True)
 class NodeConfig:
     """Everything `nexa node` reads (`/etc/nexa/node.toml`)."""
 
@@ -693,6 +705,13 @@ class NodeConfig:
     )
     log: LogConfig = LogConfig()
     cache: CacheConfig = CacheConfig()
+    #: How often nvidia-smi and meminfo are read again (GPU utilisation, temperature, power and
+    #: memory, the host's MemAvailable), for heartbeats, placement and the memory guard. A hung
+    #: nvidia-smi is killed after its timeout; the last GPU figures are kept, marked stale.
+    discovery_interval_s: Seconds = Seconds(5.0)
+    #: The meminfo file read for host memory (a test points it at a file it rewrites).
+    meminfo_path: str = "/proc/meminfo"
+    memory: MemoryConfig = MemoryConfig()
 
 
 def _seconds(value: object, _: type) -> Seconds:

@@ -25,7 +25,7 @@ def _promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
 def test_the_rules_are_valid() -> None:
     checked = _promtool("check", "rules", str(RULES))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 12 rules found" in checked.stdout
+    assert "SUCCESS: 14 rules found" in checked.stdout
 
 
 def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> None:
@@ -198,6 +198,53 @@ def test_the_fleet_rules_fire_when_sustained_and_not_otherwise(tmp_path: Path) -
         _alert("NexaRuntimeQueueSaturated", "8m", queued),
         _alert("NexaKvCacheFull", "13m", full),
         _alert("NexaRuntimeMetricsDown", "8m", down),
+    ]
+    _test_rules(
+        tmp_path,
+        {
+            "rule_files": [RULES.name],
+            "evaluation_interval": "1m",
+            "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": checks}],
+        },
+    )
+
+
+def test_the_memory_pressure_and_stale_gpu_rules_fire_when_sustained(tmp_path: Path) -> None:
+    series = [
+        # n1 falls under its floor and stays there; n2 dips under it for a minute only.
+        {"series": 'nexa_node_memory_pressure{node="n1"}', "values": "0 1x10"},
+        {"series": 'nexa_node_memory_pressure{node="n2"}', "values": "0 1 0x9"},
+        # n1's nvidia-smi hangs from the second minute on; n2's once.
+        {"series": 'nexa_node_gpu_figures_stale{node="n1"}', "values": "0 1x10"},
+        {"series": 'nexa_node_gpu_figures_stale{node="n2"}', "values": "0 1 0x9"},
+    ]
+    pressure = (
+        {"node": "n1"},
+        {
+            "summary": "node n1 is under memory pressure",
+            "description": "Its MemAvailable has been under its [memory] pressure_floor_bytes for a minute: the node"
+            " stops its newest replica (Failed(memory_pressure)) and nothing more is placed on it. See nexa nodes"
+            " show n1; move or shrink deployments (nexa deployments show) before the host stalls.",
+        },
+    )
+    stale = (
+        {"node": "n1"},
+        {
+            "summary": "nvidia-smi on node n1 has not answered for 5 minutes",
+            "description": "The node keeps its last GPU figures (utilisation, temperature, power, memory) and kills"
+            " each hung nvidia-smi: the driver may be wedged. Check nvidia-smi on the node; drain it (nexa nodes"
+            " drain) if the GPU is lost.",
+        },
+    )
+    checks = [
+        _alert("NexaNodeMemoryPressure", "1m"),
+        {  # critical: the host may stall
+            "eval_time": "3m",
+            "alertname": "NexaNodeMemoryPressure",
+            "exp_alerts": [{"exp_labels": {"severity": "critical", **pressure[0]}, "exp_annotations": pressure[1]}],
+        },
+        _alert("NexaGpuFiguresStale", "4m"),
+        _alert("NexaGpuFiguresStale", "7m", stale),
     ]
     _test_rules(
         tmp_path,

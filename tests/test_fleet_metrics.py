@@ -218,7 +218,7 @@ def test_describe_names_every_family_without_samples() -> None:
     described = list(FleetCollector(tuple).describe())
     assert tuple(f.name for f in described) == NAMES
     assert all(not f.samples for f in described)
-    assert len(NAMES) == 18
+    assert len(NAMES) == 24
     assert all(name.startswith(("nexa_gpu_", "nexa_node_", "nexa_runtime_")) for name in NAMES)
 
 

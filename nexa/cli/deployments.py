@@ -7,7 +7,7 @@ import json
 from typing import Any, Final
 
 from nexa.cli import common
-from nexa.cli.output import print_json, ref, table
+from nexa.cli.output import print_json, ref, size_text, table
 from nexa.cli.registry import print_alias_receipt
 from nexa.cli.tables import DEPLOYMENT, DEPLOYMENTS, Show
 from nexa.contracts.deployments import DeploymentView, PlacementView, ReplicaScore, RolloutResult
@@ -225,6 +225,14 @@ def _print_show(view: DeploymentView) -> None:
         f"slo      ttft p95 {ms(o.ttft_p95_ms)}, tpot p95 {ms(o.tpot_p95_ms)}, e2e p95 {ms(o.e2e_p95_ms)}, "
         f"max error rate {o.max_error_rate:g}"
     )
+    if (m := view.memory) is not None:
+        measured = "not measured yet" if m.measured_bytes is None else f"measured {size_text(m.measured_bytes)}"
+        print(
+            f"memory   declared {size_text(m.declared_bytes)} + engine overhead {size_text(m.overhead_bytes)}, "
+            f"{measured}; placement reserves {size_text(m.reserved_bytes)} per replica"
+        )
+        for r in m.replicas:
+            print(f"  {r.replica_id} on {r.node_id}: measured {size_text(r.measured_bytes)}")
     if view.replica_scores:
         print(table([_score_row(s) for s in view.replica_scores], _SCORE_COLUMNS))
 

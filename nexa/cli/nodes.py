@@ -9,11 +9,11 @@ from typing import Any, Final
 
 from nexa import config
 from nexa.cli import common
-from nexa.cli.output import gib, print_json
+from nexa.cli.output import gib, print_json, size_text
 from nexa.cli.tables import NODE, NODES, accelerators
 from nexa.contracts.api import NodeView
 from nexa.contracts.node import Gpu, NodeInventory
-from nexa.contracts.wire import CacheDisk, RuntimeCacheDisk, RuntimeLoad
+from nexa.contracts.wire import CacheDisk, ReplicaMemory, RuntimeCacheDisk, RuntimeLoad
 from nexa.errors import Conflict, Unavailable
 
 EXIT_OK: Final = 0
@@ -81,6 +81,14 @@ def render_node(n: NodeView) -> str:
         )
         if a.load is not None:
             lines.append(f"    load: {load_text(a.load)}")
+        if a.memory is not None:
+            lines.append(f"    memory: {replica_memory_text(a.memory)}")
+    if n.memory_pressure is not None:
+        lines.append(f"pressure     {n.memory_pressure.describe()}; nothing more is placed here until it is gone")
+    if inv is not None and inv.gpus_stale:
+        lines.append(
+            f"gpus         figures are stale: nvidia-smi stopped answering ({inv.nvidia_smi_timeouts} runs killed)"
+        )
     lines += [f"problem      {p}" for p in (inv.problems if inv else ())]
     if n.needs_reenrollment:
         lines.append(f"hint         {n.hint}")
@@ -180,6 +188,20 @@ def channel_text(counts: dict[str, int]) -> str:
     if not counts:
         return "no refusals or disconnects"
     return ", ".join(f"{what} {n}" for what, n in sorted(counts.items()))
+
+
+def replica_memory_text(m: ReplicaMemory) -> str:
+    """A replica's measured memory and where the figure came from."""
+    parts = [
+        f"{name} {size_text(value)}"
+        for name, value in (
+            ("cgroup", m.cgroup_bytes),
+            ("GPU processes", m.gpu_bytes),
+            ("MemAvailable drop", m.available_drop_bytes),
+        )
+        if value is not None
+    ]
+    return f"{size_text(m.measured_bytes)} measured" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def cache_disk_text(disk: CacheDisk | None) -> str:

@@ -277,6 +277,12 @@ def _node_tool_commands(verbs: Any) -> None:
         "--min-free-gib", type=float, default=50.0, help="free space the artifact cache needs (GiB, default 50)"
     )
     s.add_argument(
+        "--min-cache-free-gib",
+        type=float,
+        default=10.0,
+        help="free space the runtime caches (in state_dir) need (GiB, default 10)",
+    )
+    s.add_argument(
         "--cdi-dir", action="append", help="where CDI specs are (repeatable; default /etc/cdi, /var/run/cdi)"
     )
     s.add_argument("--json", dest="doctor_json", action="store_true", help="print the report as JSON")
@@ -307,11 +313,15 @@ def _cmd_node_doctor(args: argparse.Namespace) -> int:
             raise ConfigError(f"--controller-fingerprint: {exc.message}") from None
     if not (math.isfinite(args.min_free_gib) and args.min_free_gib >= 0):
         raise ConfigError("--min-free-gib must be a number of GiB, 0 or more")
+    if not (math.isfinite(args.min_cache_free_gib) and args.min_cache_free_gib >= 0):
+        raise ConfigError("--min-cache-free-gib must be a number of GiB, 0 or more")
     opts = doctor.DoctorOptions(
         controller_url=doctor.check_controller_url(args.doctor_controller) if args.doctor_controller else "",
         controller_fingerprint=fingerprint,
         min_free_bytes=int(args.min_free_gib * 2**30),
         cdi_dirs=tuple(args.cdi_dir) if args.cdi_dir else doctor.DEFAULT_CDI_DIRS,
+        meminfo_path=cfg.meminfo_path,
+        min_cache_free_bytes=int(args.min_cache_free_gib * 2**30),
     )
     report = trio.run(doctor.run_doctor, cfg, opts)
     if args.doctor_json:
@@ -330,7 +340,7 @@ def _cmd_node_inventory(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.inv_config, config.NodeConfig) if args.inv_config else config.NodeConfig()
     path = args.inv_path or cfg.inventory_path
-    inventory = trio.run(probe, path, cfg.nvidia_smi or None)
+    inventory = trio.run(partial(probe, path, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path))
     data = codec.store.unstructure(inventory)
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))

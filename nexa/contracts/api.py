@@ -6,7 +6,7 @@ import attrs
 
 from nexa.contracts.domain import AuditEvent, KeyId, NodeAdminState, NodeState, Role, TenantId
 from nexa.contracts.node import NodeInventory
-from nexa.contracts.wire import AssignmentStatus, CacheDisk, RejectReason, RuntimeCacheDisk
+from nexa.contracts.wire import AssignmentStatus, CacheDisk, MemoryPressure, RejectReason, RuntimeCacheDisk
 
 
 @attrs.frozen(kw_only=True)
@@ -335,6 +335,8 @@ class NodeView:
     channel: dict[str, int] = attrs.field(factory=dict)
     #: The replicas' writable caches, as the last heartbeat said (None: not reported).
     runtime_cache: RuntimeCacheDisk | None = None
+    #: Set while the node reports memory pressure: placement puts nothing more on it.
+    memory_pressure: MemoryPressure | None = None
 
 
 @attrs.frozen(kw_only=True)

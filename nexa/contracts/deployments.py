@@ -17,6 +17,7 @@ from typing import ClassVar, Final
 
 import attrs
 
+from nexa.contracts.bounds import MAX_BYTES
 from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRef, name_problem, version_problem
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, data_class_problem
@@ -39,6 +40,9 @@ class Resources:
     #: Memory reserved per replica; None: the model's own `memory_bytes`.
     memory_bytes: int | None = None
     cpus: float = 1.0
+    #: The engine's own memory beyond `memory_bytes` (CUDA context, graphs, activations), reserved
+    #: by placement on top of it; None: the runtime adapter's figure (`nexa.adapters.ENGINE_OVERHEAD_BYTES`).
+    overhead_bytes: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -271,6 +275,31 @@ class ReplicaScore:
 
 
 @attrs.frozen(kw_only=True)
+class ReplicaMeasured:
+    """What one replica's node measured it to hold (`wire.ReplicaMemory.measured_bytes`)."""
+
+    replica_id: str
+    node_id: str
+    measured_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class DeploymentMemory:
+    """A deployment's memory, declared against measured (`deployments show`)."""
+
+    #: Per replica: `resources.memory_bytes` (else the model's), what the runtime's own setting bounds.
+    declared_bytes: int
+    #: The engine's own memory beyond it (the deployment's `resources.overhead_bytes`, else its adapter's).
+    overhead_bytes: int
+    #: The most any replica of this runtime, model and settings was measured to hold; None: never measured.
+    measured_bytes: int | None
+    #: What placement reserves per replica: declared plus overhead, or the measured figure when larger.
+    reserved_bytes: int
+    #: What each replica reported in its node's last heartbeat.
+    replicas: list[ReplicaMeasured] = attrs.Factory(list)
+
+
+@attrs.frozen(kw_only=True)
 class DeploymentView:
     deployment: Deployment
     #: Replicas placed now; fewer than `deployment.replicas` while nodes cannot take the rest.
@@ -286,6 +315,8 @@ class DeploymentView:
     rollout_old: int = 0
     #: Each placed replica's routing score terms (canary's too); filled by `GET /api/v1/deployments/{name}`.
     replica_scores: list[ReplicaScore] = attrs.Factory(list)
+    #: Declared against measured memory; filled by `GET /api/v1/deployments/{name}`.
+    memory: DeploymentMemory | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -334,6 +365,8 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
         problems.append("resources.accelerators: 0 or more")
     if r.memory_bytes is not None and r.memory_bytes <= 0:
         problems.append("resources.memory_bytes: a positive number of bytes")
+    if r.overhead_bytes is not None and not 0 <= r.overhead_bytes <= MAX_BYTES:
+        problems.append("resources.overhead_bytes: 0 or more bytes")
     if not r.cpus > 0:
         problems.append("resources.cpus: more than 0")
     if not 1 <= req.options.port <= 65535:

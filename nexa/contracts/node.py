@@ -153,6 +153,10 @@ class DiscoveredHost:
     discovered_at: float
     #: Why part of the discovery failed (nvidia-smi missing at a configured path, timed out, ...).
     problems: tuple[str, ...] = ()
+    #: nvidia-smi did not answer in time (it was killed): `gpus` is empty, not "no GPUs".
+    gpu_probe_timed_out: bool = False
+    #: The GPU figures are the last good ones, kept because nvidia-smi stopped answering.
+    gpus_stale: bool = False
 
 
 #: Longest engine name, version or GPU method a node may report.
@@ -183,6 +187,11 @@ class NodeInventory:
     container_engine: str = attrs.field(default="", validator=attrs.validators.max_len(ENGINE_FIELD_MAX))
     container_engine_version: str = attrs.field(default="", validator=attrs.validators.max_len(ENGINE_FIELD_MAX))
     gpu_method: str = attrs.field(default="", validator=attrs.validators.max_len(ENGINE_FIELD_MAX))
+    #: The GPU figures are the last good ones: nvidia-smi stopped answering (it is killed at its
+    #: timeout and tried again at the next rediscovery).
+    gpus_stale: bool = False
+    #: How many times nvidia-smi hung and was killed since the agent started.
+    nvidia_smi_timeouts: int = attrs.field(default=0, validator=whole(0, MAX_BYTES))
 
 
 def label_key_problem(key: str) -> str | None:

@@ -196,6 +196,8 @@ class PlacementNode:
     load: int = attrs.field(default=0, validator=_non_negative)
     #: 0..1, for example the share of the last day the node was Ready.
     reliability: float = attrs.field(default=1.0, converter=float)
+    #: Set (both figures, in words) while the node reports memory pressure: its memory filter fails.
+    memory_pressure: str = ""
 
     # Set views of the tuples above, built once per snapshot so that placing over a thousand
     # nodes does set algebra in C instead of scanning tuples. Not part of equality or JSON.
@@ -272,6 +274,16 @@ class PlacementRequest:
     #: On unified-memory nodes, the runtime setting that holds it to `memory_bytes` (derived per
     #: node, or the operator's value checked); None: not limited (a CPU runtime, a full command).
     memory_limit: MemoryLimit | None = None
+    #: Per replica, what the memory filter reserves when more than `memory_bytes`: the runtime's
+    #: share plus the engine's own overhead, or what a replica of the same runtime, model and
+    #: settings was measured to hold, whichever is larger. None: `memory_bytes`. The runtime's own
+    #: memory setting (`memory_limit`) is still derived from `memory_bytes`.
+    reserve_bytes: int | None = None
+
+    @property
+    def reserved(self) -> int:
+        """What each replica reserves (`reserve_bytes`, else `memory_bytes`)."""
+        return self.memory_bytes if self.reserve_bytes is None else max(self.memory_bytes, self.reserve_bytes)
 
     @property
     def network(self) -> str:

@@ -192,6 +192,9 @@ class ContainerState:
     #: Unix seconds, None if never started.
     started_at: float | None = None
     restart_count: int = 0
+    #: The host pid of its main process while it runs (podman and Docker inspect `State.Pid`);
+    #: None when stopped or unknown. The node measures the replica's memory through it.
+    pid: int | None = None
 
     @property
     def exited(self) -> bool:

@@ -158,6 +158,43 @@ class RuntimeCacheDisk:
 
 
 @attrs.frozen(kw_only=True)
+class ReplicaMemory:
+    """What one replica was measured to hold on its node (bytes; None: not measurable there).
+
+    `measured_bytes` is the largest of the others: the container's cgroup memory (less its
+    inactive page cache, as `docker stats` counts it), the GPU memory nvidia-smi reports for its
+    processes (discrete GPUs), and, on a unified-memory node, the drop in the host's MemAvailable
+    from the start to Ready (what its GPU allocations took from the shared pool, which the cgroup
+    does not see).
+    """
+
+    measured_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    cgroup_bytes: int | None = attrs.field(default=None, validator=whole(0, MAX_BYTES, optional=True))
+    gpu_bytes: int | None = attrs.field(default=None, validator=whole(0, MAX_BYTES, optional=True))
+    available_drop_bytes: int | None = attrs.field(default=None, validator=whole(0, MAX_BYTES, optional=True))
+
+
+@attrs.frozen(kw_only=True)
+class MemoryPressure:
+    """A unified-memory node whose MemAvailable is under its `[memory] pressure_floor_bytes`."""
+
+    available_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+    floor_bytes: int = attrs.field(validator=whole(0, MAX_BYTES))
+
+    def describe(self) -> str:
+        """Both figures, in words (the scheduler's explanation and the audit event say this)."""
+        gib = 1024**3
+        return (
+            f"memory pressure: MemAvailable {self.available_bytes / gib:.2f} GiB is under the node's "
+            f"floor of {self.floor_bytes / gib:.2f} GiB"
+        )
+
+
+#: The `AssignmentStatus.reason` of a replica the node's memory-pressure guard stopped.
+MEMORY_PRESSURE: Final = "memory_pressure"
+
+
+@attrs.frozen(kw_only=True)
 class AssignmentStatus:
     """One assignment as the node sees it, reported in every heartbeat."""
 
@@ -172,6 +209,8 @@ class AssignmentStatus:
     #: The runtime's own load figures (Ready replicas whose adapter has a metrics endpoint; None
     #: otherwise, and from agents before telemetry).
     load: RuntimeLoad | None = None
+    #: What the replica was measured to hold (None until measured, and from older agents).
+    memory: ReplicaMemory | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -241,6 +280,10 @@ class Heartbeat:
     cache_disk: CacheDisk | None = None
     #: The replicas' writable caches (None from older agents, or before they are first measured).
     runtime_cache: RuntimeCacheDisk | None = None
+    #: Set while the node is under memory pressure: the controller places nothing more on it.
+    memory_pressure: MemoryPressure | None = None
+    #: Replicas the memory-pressure guard stopped since the agent started.
+    memory_pressure_stops: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
 
 
 @attrs.frozen(kw_only=True)

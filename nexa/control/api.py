@@ -762,4 +762,5 @@ def _node_view(live: NodeLive) -> NodeView:
         cache_disk=live.cache_disk,
         channel=dict(live.channel),
         runtime_cache=live.runtime_cache,
+        memory_pressure=live.memory_pressure,
     )

@@ -32,12 +32,14 @@ from nexa.contracts.domain import (
 )
 from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem
 from nexa.contracts.wire import (
+    MEMORY_PRESSURE,
     Ack,
     AssignmentStatus,
     CacheDisk,
     DesiredAssignments,
     Heartbeat,
     Hello,
+    MemoryPressure,
     NodeMessage,
     RotateKeys,
     RuntimeCacheDisk,
@@ -59,7 +61,7 @@ from nexa.security import (
     new_enrollment_token,
 )
 from nexa.telemetry import Metrics
-from nexa.telemetry.fleet import NodeFigures, ReplicaFigures
+from nexa.telemetry.fleet import NodeFigures, ReplicaFigures, ReplicaMemoryFigures
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +109,11 @@ class NodeLive:
     cache_disk: CacheDisk | None = None
     #: The replicas' writable caches, from the last heartbeat (None: not reported).
     runtime_cache: RuntimeCacheDisk | None = None
+    #: Set while the node reports memory pressure (placement skips it); and the replicas its guard stopped.
+    memory_pressure: MemoryPressure | None = None
+    memory_pressure_stops: int = 0
+    #: Each replica's measured memory in the last heartbeat that changed it, by assignment id.
+    measured: dict[str, int] = attrs.field(factory=dict)
 
     @property
     def state(self) -> NodeState:
@@ -156,6 +163,7 @@ class Fleet:
         #: Set once the node channel is bound; handed to nodes at enrollment.
         self.channel_endpoint = ""
         self._listeners: list[Callable[[], None]] = []
+        self._measured_hooks: list[Callable[[NodeLive, dict[str, int]], Awaitable[None]]] = []
         #: One up whenever what routing reads of a node changes: its state (admin, reachability)
         #: or which of its replicas are Ready. The gateway's serving sets are cached against it.
         self.version = 0
@@ -187,6 +195,10 @@ class Fleet:
     def on_change(self, listener: Callable[[], None]) -> None:
         """Call `listener` (sync, must not block) after a node's state changes: admin action or reachability."""
         self._listeners.append(listener)
+
+    def on_measured(self, hook: Callable[[NodeLive, dict[str, int]], Awaitable[None]]) -> None:
+        """Await `hook(node, measured bytes by assignment id)` when a node's measured replicas change."""
+        self._measured_hooks.append(hook)
 
     def _changed(self) -> None:
         self.version += 1
@@ -332,6 +344,12 @@ class Fleet:
                 for a in live.desired.assignments
                 if (got := live.loads.get(a.id)) is not None
             )
+            measured = {s.assignment_id: s.memory for s in live.statuses if s.memory is not None}
+            memory = tuple(
+                ReplicaMemoryFigures(deployment=a.deployment, replica=a.id, memory=m)
+                for a in live.desired.assignments
+                if (m := measured.get(a.id)) is not None
+            )
             out.append(
                 NodeFigures(
                     node=live.node.id,
@@ -339,6 +357,9 @@ class Fleet:
                     inventory=live.inventory,
                     cache_disk=live.cache_disk,
                     replicas=replicas,
+                    memory_pressure=live.memory_pressure,
+                    memory_pressure_stops=live.memory_pressure_stops,
+                    replica_memory=memory,
                 )
             )
         return out
@@ -636,6 +657,16 @@ class Fleet:
             }
             live.cache_disk = msg.cache_disk
             live.runtime_cache = msg.runtime_cache
+            if msg.memory_pressure != live.memory_pressure:
+                await self._memory_pressure(live, msg.memory_pressure)
+            if msg.memory_pressure_stops > live.memory_pressure_stops:
+                await self._pressure_stops(live, msg)
+            live.memory_pressure_stops = msg.memory_pressure_stops
+            measured = {s.assignment_id: s.memory.measured_bytes for s in statuses if s.memory is not None}
+            if measured != live.measured:
+                live.measured = measured
+                for hook in self._measured_hooks:
+                    await hook(live, measured)
             await self._take_inventory(live, msg.inventory)
         if not live.reachable:
             live.reachable = True
@@ -677,6 +708,21 @@ class Fleet:
     async def mark_unreachable(self, live: NodeLive) -> None:
         live.reachable = False
         await self._transition(live, "node.unreachable", f"no good heartbeat for {self._cfg.lease_s:g} s")
+
+    async def _memory_pressure(self, live: NodeLive, pressure: MemoryPressure | None) -> None:
+        """The node's memory-pressure condition came or went: placement follows, and the audit says so."""
+        live.memory_pressure = pressure
+        if pressure is None:
+            await self._transition(live, "node.memory_pressure_cleared", "MemAvailable is back above the floor")
+        else:
+            await self._transition(live, "node.memory_pressure", pressure.describe())
+
+    async def _pressure_stops(self, live: NodeLive, msg: Heartbeat) -> None:
+        stopped = [s.assignment_id for s in msg.assignments if s.reason == MEMORY_PRESSURE]
+        detail = f"the node's memory guard stopped {', '.join(stopped) or 'a replica'}"
+        draft = audit_draft(SYSTEM, "replica.memory_pressure", f"node/{live.node.id}", detail=detail)
+        event = await self._store.run(st.record_audit, draft)
+        self._metrics.audit_events.labels(event.result.value).inc()
 
     async def _transition(self, live: NodeLive, action: str, detail: str) -> None:
         self.version += 1  # reachability changed: seen by the next request, before the audit write

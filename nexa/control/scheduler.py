@@ -65,6 +65,9 @@ FILTERS: Final = (
 )
 _STATE, _CORDON, _RUNTIME, _ARCH, _DATA, _TAINTS, _SELECTOR, _LICENSE, _ACCELERATORS, _MEMORY = range(len(FILTERS))
 
+#: What a node under memory pressure is told in its explanation, after both figures.
+PRESSURE_WAIT: Final = "nothing more is placed on this node until MemAvailable is back above the floor"
+
 #: Soft score weights (each term's value lies in 0..1).
 W_ARTIFACT_CACHED: Final = 3.0
 W_HEADROOM: Final = 2.0
@@ -209,7 +212,7 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
         selector_ok = not selector or selector <= labels
         license_ok = license_ is None or license_ in labels
         gpus_ok = free_gpus >= accelerators
-        memory_ok = free_memory >= memory
+        memory_ok = free_memory >= memory and not node.memory_pressure
         # On a unified node the runtime's own memory setting must keep it within the reservation.
         limit = need.runtime_memory(node) if unified and need.limit is not None else None
         limit_ok = limit is None or limit.fits
@@ -220,13 +223,11 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
                 continue
             filters = failed + _PASSED_TAIL
         else:
-            if not limit_ok:
-                assert limit is not None
-                memory_result = _limit_failed(limit, memo)
-            elif not memory_ok:
-                memory_result = _memory_failed(node, need, free_memory, memo)
-            else:
-                memory_result = _PASSED[_MEMORY]
+            memory_result = (
+                _memory_result(node, need, free_memory, limit, memo)
+                if not memory_ok or not limit_ok
+                else _PASSED[_MEMORY]
+            )
             filters = (failed or _PASSED_HEAD) + (
                 _PASSED[_SELECTOR] if selector_ok else _selector_failed(node, need, memo),
                 _PASSED[_LICENSE] if license_ok else _license_failed(node, need, memo),
@@ -255,6 +256,7 @@ class _Need:
         "runtime",
         "selector",
         "sha",
+        "share",
         "terms",
         "tolerated",
         "w_headroom",
@@ -268,7 +270,9 @@ class _Need:
         self.selector = frozenset(req.node_selector.items())
         self.license = req.license_label
         self.tolerated = frozenset(req.tolerations)
-        self.memory = req.memory_bytes
+        self.memory = req.reserved
+        #: What the runtime's own memory setting is derived from (without its overhead).
+        self.share = req.memory_bytes
         self.limit = req.memory_limit
         #: pool bytes → the runtime's limit on a unified node of that pool (nodes of one model share it).
         self.limits: dict[int, RuntimeMemory] = {}
@@ -287,7 +291,7 @@ class _Need:
         found = self.limits.get(pool)
         if found is None:
             assert self.limit is not None
-            found = self.limits[pool] = self.limit.on(self.memory, pool)
+            found = self.limits[pool] = self.limit.on(self.share, pool)
         return found
 
 
@@ -528,6 +532,18 @@ def _gpus_failed(node: PlacementNode, need: _Need, memo: dict[Hashable, FilterRe
     if node.unified_memory:
         return _failed(memo, _ACCELERATORS, cause, f"needs {need.accelerators} shared GPU(s), node has {have}")
     return _failed(memo, _ACCELERATORS, cause, f"needs {need.accelerators} GPU(s), {have} free")
+
+
+def _memory_result(
+    node: PlacementNode, need: _Need, free_memory: int, limit: RuntimeMemory | None, memo: dict[Hashable, FilterResult]
+) -> FilterResult:
+    """The memory filter's verdict on a node that fails it: pressure, then the runtime's limit, then room."""
+    if node.memory_pressure:
+        cause = ("pressure", node.memory_pressure)
+        return memo.get((_MEMORY, cause)) or _failed(memo, _MEMORY, cause, f"{node.memory_pressure}; {PRESSURE_WAIT}")
+    if limit is not None and not limit.fits:
+        return _limit_failed(limit, memo)
+    return _memory_failed(node, need, free_memory, memo)
 
 
 def _memory_failed(

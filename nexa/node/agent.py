@@ -59,6 +59,7 @@ from nexa.node.identity import (
     save_fence,
 )
 from nexa.node.inventory import InventoryWatcher, discover
+from nexa.node.memory import ReplicaMemoryMeter, default_nvidia_smi
 from nexa.node.podman import PodmanClient
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
@@ -222,7 +223,9 @@ class Agent:
         open_requests: Callable[[], Iterable[str]] = tuple,
         cache_disk: Callable[[], wire.CacheDisk | None] = lambda: None,
         runtime_cache: Callable[[], wire.RuntimeCacheDisk | None] = lambda: None,
+        memory_pressure: Callable[[], tuple[wire.MemoryPressure | None, int]] = lambda: (None, 0),
     ) -> None:
+        self._memory_pressure = memory_pressure
         self._node_id = identity.node_id
         self._controller_key_id = identity.controller_signing_public.fingerprint
         # A rotation under way (`keys.next`), and when its RotateKeys was last sent.
@@ -359,6 +362,7 @@ class Agent:
             note = f"lease lapsed ({self._on_lease_expiry})"
             statuses = [attrs.evolve(s, detail=f"{s.detail}; {note}" if s.detail else note) for s in statuses]
         in_use = {gpu for a in fence.assignments for gpu in a.runtime.gpus}
+        pressure, stops = self._memory_pressure()
         return wire.Heartbeat(
             node_id=self._node_id,
             seq=seq,
@@ -372,6 +376,8 @@ class Agent:
             controller_key_id=self._pinned_key_id(),
             cache_disk=self._cache_disk(),
             runtime_cache=self._runtime_cache(),
+            memory_pressure=pressure,
+            memory_pressure_stops=stops,
         )
 
     def _pinned_key_id(self) -> str:
@@ -677,8 +683,9 @@ async def _serve_node(
     uplink = await open_channel(cfg, identity, state_dir)  # a bad source address fails the start
     watcher = InventoryWatcher(
         cfg.inventory_path,
-        discover=partial(discover, cfg.nvidia_smi or None),
+        discover=partial(discover, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path),
         poll_interval_s=cfg.inventory_poll_interval_s,
+        rediscover_interval_s=cfg.discovery_interval_s,
     )
     engine_socket = cfg.container.socket_path(cfg.podman)
     # Re-read at each pull when the file changed (a bad rewrite keeps the last good).
@@ -737,10 +744,20 @@ async def _serve_node(
             node_id=identity.node_id,
             runtime_host=cfg.runtime_host,
             caches=caches,
+            on_start=lambda aid: meter.on_start(aid),  # noqa: PLW0108 - the meter is made below
         )
         metrics = RuntimeMetrics(supervisor, artifacts, cfg.runtime_metrics_interval_s, host=cfg.runtime_host)
+        meter = ReplicaMemoryMeter(
+            metrics,
+            supervisor,
+            inventory=watcher.current,
+            interval_s=cfg.discovery_interval_s,
+            floor_bytes=cfg.memory.pressure_floor_bytes,
+            meminfo_path=cfg.meminfo_path,
+            nvidia_smi=default_nvidia_smi(cfg.nvidia_smi),
+        )
         # Resume what the fence on disk says: running containers that still match are adopted.
-        metrics.update(fence.generation, fence.assignments)
+        meter.update(fence.generation, fence.assignments)
         relay = NodeRelay(cfg.relay, uplink, supervisor.endpoint, host=cfg.runtime_host)
         agent = Agent(
             identity=identity,
@@ -748,7 +765,7 @@ async def _serve_node(
             state_dir=state_dir,
             uplink=uplink,
             inventory=watcher,
-            runtimes=metrics,
+            runtimes=meter,
             heartbeat_interval_s=cfg.heartbeat_interval_s,
             on_lease_expiry=cfg.on_lease_expiry,
             data=relay.deliver,
@@ -759,6 +776,7 @@ async def _serve_node(
             open_requests=relay.open_requests,
             cache_disk=metrics.cache_disk,
             runtime_cache=caches.disk,
+            memory_pressure=lambda: (meter.pressure, meter.stops),
         )
         # Every loop runs supervised (nexa.supervision, restarted on failure); only a failed start ends the agent.
         async with trio.open_nursery() as nursery:
@@ -770,6 +788,7 @@ async def _serve_node(
             await nursery.start(
                 supervised, "runtime_cache", partial(caches.run, cfg.cache.runtime_cache_measure_interval_s)
             )
+            await nursery.start(supervised, "replica_memory", meter.run)
             await nursery.start(supervised, "agent", agent.run)
             log.info(
                 "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation

@@ -451,3 +451,12 @@ class DockerClient(PodmanClient):
         if response.status >= 400:
             raise self._error(response, what, missing=ContainerNotFound)
         return response
+
+    async def cdi_spec_dirs(self) -> list[str] | None:
+        """`CDISpecDirs` of `GET /info`: where the daemon reads CDI specs, empty when CDI is off
+        (Docker 25-27 without `"features": {"cdi": true}`); None from a daemon that predates it."""
+        data = self._json(await self._request("GET", "/info", what="info"), "info")
+        dirs = data.get("CDISpecDirs") if isinstance(data, dict) else None
+        if not isinstance(dirs, list):
+            return None
+        return [str(d) for d in dirs]

@@ -40,6 +40,16 @@ log = logging.getLogger(__name__)
 DEFAULT_CDI_DIRS: Final = ("/etc/cdi", "/var/run/cdi")
 #: Free space the artifact cache's filesystem must have (`--min-free-gib`): one large model.
 DEFAULT_MIN_FREE_BYTES: Final = 50 * 1024**3
+#: Free space the runtime caches' filesystem must have (`--min-cache-free-gib`): what vLLM and SGLang
+#: write at warm-up (torch.compile, Triton, FlashInfer, CUDA) for a few models, with room to spare.
+DEFAULT_MIN_CACHE_FREE_BYTES: Final = 10 * 1024**3
+#: The runtime caches live in the state directory (one directory per image, model and settings).
+RUNTIME_CACHE_DIR: Final = "runtime-cache"
+#: How to turn CDI on in Docker 25 to 27 (28 and later have it on by default).
+DOCKER_CDI_FIX: Final = (
+    'add "features": {"cdi": true} to /etc/docker/daemon.json and `sudo systemctl restart docker` '
+    '(Docker 25 or later), or set [container] gpu_method = "nvidia-runtime"'
+)
 #: Reaching the controller or its channel over the management network.
 NETWORK_TIMEOUT_S: Final = 5.0
 #: A local engine socket answers at once or is broken.
@@ -72,6 +82,7 @@ class DoctorOptions:
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES
     cdi_dirs: tuple[str, ...] = DEFAULT_CDI_DIRS
     meminfo_path: str = inventory.DEFAULT_MEMINFO_PATH
+    min_cache_free_bytes: int = DEFAULT_MIN_CACHE_FREE_BYTES
 
 
 @attrs.frozen(kw_only=True)
@@ -142,10 +153,13 @@ async def run_doctor(
         damaged = exc.message
     results = [check_state_dir(state_dir, record=record, damaged=damaged)]
     results.append(await check_engine(cfg, transport=engine_transport))
+    if cfg.container.engine == "docker" and cfg.container.gpu_method == "cdi":
+        results.append(await check_docker_cdi(cfg, transport=engine_transport))
     discovered = await inventory.discover(cfg.nvidia_smi or None, meminfo_path=opts.meminfo_path)
     results.append(check_nvidia(cfg, discovered.gpus, discovered.problems))
     results.append(check_cdi(cfg, discovered.gpus, opts.cdi_dirs))
     results.append(check_disk(cfg, opts.min_free_bytes))
+    results.append(check_cache_disk(cfg, opts.min_cache_free_bytes))
     results.extend(await check_controller(opts, record, fetch))
     # With several controllers (`controllers`), one result for each one's channel endpoint.
     results.extend([await check_channel(cfg, record, endpoint) for endpoint in cfg.controllers or [None]])
@@ -291,6 +305,37 @@ async def check_engine(  # noqa: PLR0911 - one result per way the socket can fai
     if scope.cancelled_caught:
         return _fail(name, f"{engine} on {socket_path} did not answer within {ENGINE_TIMEOUT_S:g} s", fix)
     return _ok(name, f"{engine} {version} answers on {socket_path}")
+
+
+async def check_docker_cdi(cfg: NodeConfig, *, transport: EngineTransport | None = None) -> CheckResult:
+    """With `gpu_method = "cdi"`, Docker has CDI on: `GET /info` lists its `CDISpecDirs`."""
+    name = "docker_cdi"
+    socket_path = cfg.container.socket_path(cfg.podman)
+    client = DockerClient(
+        socket_path, transport=transport, gpu_method=cfg.container.gpu_method, network=cfg.container.docker_network
+    )
+    dirs: list[str] | None = None
+    with trio.move_on_after(ENGINE_TIMEOUT_S) as scope:
+        try:
+            async with client:
+                version = await client.version()
+                dirs = await client.cdi_spec_dirs()
+        except PodmanError as exc:
+            return _fail(name, f"docker on {socket_path}: {exc.message}", _engine_fix("docker"))
+    if scope.cancelled_caught:
+        return _fail(
+            name, f"docker on {socket_path} did not answer within {ENGINE_TIMEOUT_S:g} s", _engine_fix("docker")
+        )
+    if dirs is None:
+        return _fail(
+            name,
+            f"docker {version} reports no CDISpecDirs in GET /info: it predates CDI, or has it off, and "
+            'gpu_method = "cdi" gives runtimes their GPUs by CDI name',
+            DOCKER_CDI_FIX,
+        )
+    if not dirs:
+        return _fail(name, f"docker {version} has CDI off (GET /info: CDISpecDirs is empty)", DOCKER_CDI_FIX)
+    return _ok(name, f"docker {version} reads CDI specs from {', '.join(dirs)}")
 
 
 # --- GPUs ---------------------------------------------------------------------------------------
@@ -488,6 +533,37 @@ def check_cdi(cfg: NodeConfig, gpus: tuple[Gpu, ...], dirs: tuple[str, ...]) -> 
 
 
 # --- disk ---------------------------------------------------------------------------------------
+
+
+def _free_bytes(path: Path) -> tuple[Path, int] | str:
+    """(the nearest existing directory, its filesystem's free bytes), or why it cannot be read."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        vfs = os.statvfs(probe)
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return probe, vfs.f_bavail * vfs.f_frsize
+
+
+def check_cache_disk(cfg: NodeConfig, min_free_bytes: int) -> CheckResult:
+    """The runtime caches' filesystem (`<state_dir>/runtime-cache`) has `min_free_bytes` free."""
+    name = "cache_disk"
+    cache = Path(cfg.state_dir) / RUNTIME_CACHE_DIR
+    got = _free_bytes(cache)
+    if isinstance(got, str):
+        return _fail(name, f"cannot look at the filesystem of {cache}: {got}")
+    _, free = got
+    where = f"{_gib(free)} free for the runtime caches {cache}"
+    if free < min_free_bytes:
+        return _fail(
+            name,
+            f"{where}, less than the {_gib(min_free_bytes)} required (--min-cache-free-gib): runtimes rebuild "
+            "their compile and kernel caches at every start without it",
+            "free space on that filesystem, or move [node] state_dir to a larger one",
+        )
+    return _ok(name, where)
 
 
 def check_disk(cfg: NodeConfig, min_free_bytes: int) -> CheckResult:

@@ -2,7 +2,8 @@
 
 Parsing and merging are pure functions; the async functions do the I/O with trio. A failed GPU
 probe never raises: it becomes a `problems` line in the inventory and the node reports no GPUs.
-`InventoryWatcher` re-reads inventory.json when it changes and keeps the last good version.
+`InventoryWatcher` re-reads inventory.json when it changes and keeps the last good version, and
+looks at the host again every rediscovery interval (the agent's `[node] discovery_interval_s`).
 """
 
 from __future__ import annotations
@@ -283,6 +284,7 @@ def merge(discovered: DiscoveredHost, file: InventoryFile) -> NodeInventory:
         accelerator_memory_bytes=discrete + unified,
         discovered_at=discovered.discovered_at,
         problems=tuple(problems),
+        gpus_stale=discovered.gpus_stale,
     )
 
 
@@ -324,7 +326,11 @@ async def query_gpus(nvidia_smi: str) -> list[Gpu]:
     """
     try:
         proc = await trio.run_process(
-            [nvidia_smi, *NVIDIA_SMI_ARGS], capture_stdout=True, capture_stderr=True, check=False
+            [nvidia_smi, *NVIDIA_SMI_ARGS],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            deliver_cancel=_kill,
         )
     except OSError as exc:
         # Problems travel to the controller: name the tool, never the path it was found at.
@@ -337,6 +343,21 @@ async def query_gpus(nvidia_smi: str) -> list[Gpu]:
     return parse_nvidia_smi_csv(proc.stdout.decode(errors="replace"))
 
 
+async def _kill(proc: trio.Process) -> None:
+    # A hung nvidia-smi (a wedged driver) is not asked twice: SIGKILL at once, never SIGTERM first.
+    proc.kill()
+
+
+async def read_host_memory(meminfo_path: str = DEFAULT_MEMINFO_PATH) -> HostMemory:
+    """Total and available memory now. Raises Unavailable naming why meminfo could not be read."""
+    try:
+        return parse_meminfo(await trio.Path(meminfo_path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise Unavailable(f"cannot read meminfo: {exc.strerror}") from None
+    except Unavailable as exc:
+        raise Unavailable(f"cannot read meminfo: {exc.message}") from None
+
+
 async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINFO_PATH) -> DiscoveredHost:
     """Look at this host: CPUs, memory, architecture, hostname and NVIDIA GPUs.
 
@@ -345,12 +366,12 @@ async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINF
     """
     problems: list[str] = []
     try:
-        memory = parse_meminfo(await trio.Path(meminfo_path).read_text(encoding="utf-8"))
-    except (OSError, Unavailable) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else exc.message
-        problems.append(f"memory: cannot read meminfo: {reason}")
+        memory = await read_host_memory(meminfo_path)
+    except Unavailable as exc:
+        problems.append(f"memory: {exc.message}")
         memory = HostMemory(total_bytes=0, available_bytes=0)
     gpus: list[Gpu] = []
+    timed_out = False
     executable = nvidia_smi if nvidia_smi is not None else shutil.which("nvidia-smi")
     if executable is not None:
         with trio.move_on_after(NVIDIA_SMI_TIMEOUT_S) as scope:
@@ -358,7 +379,8 @@ async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINF
                 gpus = await query_gpus(executable)
             except Unavailable as exc:
                 problems.append(f"gpus: {exc.message}")
-        if scope.cancelled_caught:
+        timed_out = scope.cancelled_caught
+        if timed_out:
             problems.append(f"gpus: nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S:g} s")
     for problem in problems:
         # Callers decide how loudly to report (the watcher logs each new problem once).
@@ -372,6 +394,7 @@ async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINF
         gpus=tuple(gpus),
         discovered_at=time.time(),
         problems=tuple(problems),
+        gpu_probe_timed_out=timed_out,
     )
 
 
@@ -433,6 +456,7 @@ class InventoryWatcher:
         self._rejected: tuple[str, ...] = ()
         self._inventory: NodeInventory | None = None
         self._changed = trio.Event()
+        self._nvidia_smi_timeouts = 0
 
     def current(self) -> NodeInventory:
         """The inventory now in force. Raises Unavailable before `run` has started."""
@@ -451,26 +475,41 @@ class InventoryWatcher:
         return self._inventory
 
     async def run(self, *, task_status: trio.TaskStatus[NodeInventory] = trio.TASK_STATUS_IGNORED) -> NoReturn:
-        """Read, report started with the first inventory, then follow the file until cancelled."""
-        self._host = await self._discover()
+        """Read, report started with the first inventory, then follow the file (and, with a
+        rediscovery interval, the host) until cancelled. Rediscovery is a task of its own: a
+        discovery that takes long (nvidia-smi up to its timeout) never holds up the file's edits."""
+        self._host = self._stale_kept(await self._discover())
         signature = await trio.to_thread.run_sync(_stat_signature, self._path)
         await self._reload(signature, initial=True)
         task_status.started(self.current())
-        next_discovery = self._next_discovery()
-        while True:
-            await trio.sleep(self._poll_interval_s)
-            signature = await trio.to_thread.run_sync(_stat_signature, self._path)
-            if signature != self._signature:
-                await self._reload(signature, initial=False)
-            if trio.current_time() >= next_discovery:
-                self._host = await self._discover()
-                self._publish(merge(self._host, self._file))
-                next_discovery = self._next_discovery()
+        async with trio.open_nursery() as nursery:
+            if self._rediscover_interval_s is not None:
+                nursery.start_soon(self._rediscover, self._rediscover_interval_s)
+            while True:
+                await trio.sleep(self._poll_interval_s)
+                signature = await trio.to_thread.run_sync(_stat_signature, self._path)
+                if signature != self._signature:
+                    await self._reload(signature, initial=False)
+        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _next_discovery(self) -> float:
-        if self._rediscover_interval_s is None:
-            return float("inf")
-        return trio.current_time() + self._rediscover_interval_s
+    async def _rediscover(self, interval_s: float) -> NoReturn:
+        next_at = trio.current_time() + interval_s
+        while True:
+            await trio.sleep_until(next_at)
+            self._host = self._stale_kept(await self._discover())
+            self._publish(merge(self._host, self._file))
+            # The next look is an interval after this one began, or at once after a long one.
+            next_at = max(next_at + interval_s, trio.current_time())
+
+    def _stale_kept(self, host: DiscoveredHost) -> DiscoveredHost:
+        """A look whose nvidia-smi hung keeps the last GPU figures, marked stale (and is counted)."""
+        if not host.gpu_probe_timed_out:
+            return host
+        self._nvidia_smi_timeouts += 1
+        last = self._host
+        if last is None or not last.gpus:
+            return host
+        return attrs.evolve(host, gpus=last.gpus, gpus_stale=True)
 
     async def _reload(self, polled: _Signature, *, initial: bool) -> None:
         assert self._host is not None
@@ -521,6 +560,8 @@ class InventoryWatcher:
         for problem in inventory.problems:
             if problem not in already:
                 log.warning("node inventory: %s", problem)
+        if self._nvidia_smi_timeouts:
+            inventory = attrs.evolve(inventory, nvidia_smi_timeouts=self._nvidia_smi_timeouts)
         self._inventory = inventory
         self._changed.set()
         self._changed = trio.Event()

@@ -231,6 +231,13 @@ def _label_filters(labels: Mapping[str, str] | None) -> list[str]:
     return [f"{key}={value}" for key, value in sorted((labels or {}).items())]
 
 
+def _pid(value: object) -> int | None:
+    """inspect's `State.Pid`: a positive int, else None (0 while not running; nonsense is unknown)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 1 << 22:
+        return None
+    return value
+
+
 def _timestamp(value: object) -> float | None:
     """Go's RFC 3339 (nanoseconds, `Z` or an offset) as Unix seconds; None for the zero time."""
     if not isinstance(value, str) or not value or value.startswith(_ZERO_TIME_PREFIX):
@@ -495,6 +502,7 @@ class PodmanClient:
             exit_code=int(state.get("ExitCode") or 0) if has_exited else None,
             started_at=_timestamp(state.get("StartedAt")),
             restart_count=int(data.get("RestartCount") or 0),
+            pid=_pid(state.get("Pid")) if running else None,
         )
 
     async def _image_of(self, data: _Json) -> tuple[str, str]:

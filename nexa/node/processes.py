@@ -109,6 +109,7 @@ class _Child:
             status=status,
             exit_code=None if running else self.exit_code,
             started_at=self.started_at,
+            pid=self.process.pid if running and self.process is not None else None,
         )
 
 

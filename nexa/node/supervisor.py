@@ -10,11 +10,12 @@ supervisor (the agent stopping) leaves containers running for the next agent to 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import time
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, NoReturn, Protocol
 
@@ -123,6 +124,20 @@ class Backoff:
 
 
 @attrs.frozen(kw_only=True)
+class Replica:
+    """One assignment's runtime as the supervisor last saw it (`Supervisor.replicas`)."""
+
+    assignment_id: str
+    state: wire.RuntimeState
+    #: Its container's main process on the host, while it runs.
+    pid: int | None
+    #: When its container started (Unix seconds); 0 before it has.
+    started_at: float
+    #: Stopped and kept stopped by the node (`stop_held`).
+    held: bool
+
+
+@attrs.frozen(kw_only=True)
 class SupervisorStatistics:
     """A snapshot of the supervisor (trio's `statistics()` convention)."""
 
@@ -193,6 +208,12 @@ class _Worker:
     crashes: collections.deque[float] = attrs.field(factory=collections.deque)
     #: The last problem logged, so a retried failure is logged once, not once per attempt.
     logged_problem: tuple[wire.RuntimeState, str | None] | None = None
+    #: Its container's main process (host pid) at the last inspect, while it runs.
+    pid: int | None = None
+    #: When its container was started (Unix seconds; an adopted one: as the engine says).
+    started_at: float = 0.0
+    #: Why the node stopped it and keeps it stopped (the memory guard), None otherwise.
+    held: str | None = None
 
     @property
     def id(self) -> str:
@@ -225,10 +246,13 @@ class Supervisor:
         node_id: str,
         runtime_host: str = "127.0.0.1",
         caches: RuntimeCaches | None = None,
+        on_start: Callable[[str], None] | None = None,
     ) -> None:
         self._cfg = cfg
         self._caches = caches
         self._holds = itertools.count(1)
+        #: Told each assignment id just before its container starts (the memory meter's baseline).
+        self._on_start = on_start
         self._runtime_host = runtime_host
         self._podman = podman
         self._artifacts = artifacts
@@ -291,6 +315,26 @@ class Supervisor:
         if w is None or w.removing or w.state is not State.READY or w.desired is not self._desired.get(assignment_id):
             return None
         return w.runtime.port
+
+    def replicas(self) -> list[Replica]:
+        """The desired assignments' containers as last inspected (the memory meter's view)."""
+        return [
+            Replica(assignment_id=w.id, state=w.state, pid=w.pid, started_at=w.started_at, held=w.held is not None)
+            for aid, w in self._workers.items()
+            if not w.removing and w.desired is self._desired.get(aid)
+        ]
+
+    async def stop_held(self, assignment_id: str, reason: str, detail: str) -> bool:
+        """Stop that assignment's runtime and keep it stopped, `Failed(reason)` with `detail`, until
+        the assignment is replaced or removed (the memory guard). False when there is none to stop."""
+        w = self._workers.get(assignment_id)
+        if w is None or w.removing or w.held is not None or w.container_id is None:
+            return False
+        self._set(w, State.FAILED, reason=reason, detail=detail)
+        w.held = reason
+        with contextlib.suppress(ContainerNotFound):
+            await self._podman.stop(w.container_id, timeout_s=w.runtime.stop_timeout_s)
+        return True
 
     def statistics(self) -> SupervisorStatistics:
         counts = collections.Counter(s.state for s in self.statuses() if s.assignment_id in self._desired)
@@ -441,6 +485,9 @@ class Supervisor:
             try:
                 container_id, start_deadline = await self._bring_up(w)
                 exited = await self._watch(w, container_id, start_deadline)
+                if w.held is not None:
+                    w.pid = None
+                    await trio.sleep_forever()  # stopped on purpose: until replaced or removed
             except _Mismatch as exc:
                 await self._discard_container(w)
                 self._set(w, State.FAILED, reason=exc.reason, detail=f"{exc.detail}; container removed")
@@ -539,6 +586,7 @@ class Supervisor:
                 w.container_id = found.id
                 w.start_deadline = self._adopted_start_deadline(found, runtime.health)
                 self._adopted += 1
+                w.started_at = found.started_at or time.time()
                 log.info("adopted running container %s for assignment %s", found.name, w.id)
                 return found.id, w.start_deadline
             if found is not None:
@@ -565,6 +613,9 @@ class Supervisor:
         return await self._start(w, w.container_id)
 
     async def _start(self, w: _Worker, container_id: str) -> tuple[str, float]:
+        if self._on_start is not None:
+            self._on_start(w.id)
+        w.started_at = time.time()
         await self._podman.start(container_id)
         w.start_deadline = trio.current_time() + w.runtime.health.start_period_s
         return container_id, w.start_deadline
@@ -623,6 +674,7 @@ class Supervisor:
             if state.exited or state.startable:
                 return state
             self._check_identity(w, state)
+            w.pid = state.pid
             if state.paused:
                 # Paused from outside nexa (an operator, a checkpoint): not a crash, and not ours to undo.
                 self._set(w, State.UNHEALTHY, detail="the container is paused; waiting for it to be unpaused")
@@ -753,6 +805,8 @@ class Supervisor:
         pass through the progress states without repeating it); progress is logged at debug."""
         if w.removing:
             return  # Stopped until torn down, whatever a last probe still reports
+        if w.held is not None and reason != w.held:
+            return  # stopped on purpose: what a last probe or the stop itself shows is not news
         changed = (w.state, w.reason) != (state, reason)
         w.state, w.reason, w.detail = state, reason, detail
         if state in (State.FAILED, State.UNHEALTHY):

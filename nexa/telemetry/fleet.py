@@ -20,7 +20,7 @@ from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Met
 from prometheus_client.utils import floatToGoString
 
 from nexa.contracts.node import Gpu, NodeInventory
-from nexa.contracts.wire import CacheDisk, LatencyHistogram, RuntimeLoad
+from nexa.contracts.wire import CacheDisk, LatencyHistogram, MemoryPressure, ReplicaMemory, RuntimeLoad
 
 #: The longest GPU model name kept as a label value (nvidia-smi names are far shorter).
 MODEL_LABEL_MAX: Final = 64
@@ -46,6 +46,15 @@ class ReplicaFigures:
 
 
 @attrs.frozen(kw_only=True)
+class ReplicaMemoryFigures:
+    """What one replica was measured to hold, as its node reported it."""
+
+    deployment: str
+    replica: str
+    memory: ReplicaMemory
+
+
+@attrs.frozen(kw_only=True)
 class NodeFigures:
     """What one node's heartbeats say, at the scrape. `inventory` None: no live figures (the node is
     unreachable, or has not sent its inventory): only the heartbeat age is exported."""
@@ -56,6 +65,9 @@ class NodeFigures:
     inventory: NodeInventory | None = None
     cache_disk: CacheDisk | None = None
     replicas: tuple[ReplicaFigures, ...] = ()
+    memory_pressure: MemoryPressure | None = None
+    memory_pressure_stops: int = 0
+    replica_memory: tuple[ReplicaMemoryFigures, ...] = ()
 
 
 #: The gauges: (name, labels, help). A unified pool (GB10) is reported once per node, gpu="unified".
@@ -88,6 +100,28 @@ _GAUGES: Final = (
         "1 when the node's last scrape of the runtime's metrics endpoint worked, 0 when it failed.",
     ),
     ("nexa_runtime_metrics_age_seconds", _REPLICA, "Seconds since the runtime's figures were read."),
+    (
+        "nexa_node_gpu_figures_stale",
+        _NODE,
+        "1 while the node's GPU figures are its last good ones (nvidia-smi stopped answering), else 0.",
+    ),
+    ("nexa_node_nvidia_smi_timeouts", _NODE, "Runs of nvidia-smi that hung and were killed since the agent started."),
+    (
+        "nexa_node_memory_pressure",
+        _NODE,
+        "1 while a unified-memory node's MemAvailable is under its [memory] pressure_floor_bytes, else 0.",
+    ),
+    ("nexa_node_memory_pressure_floor_bytes", _NODE, "The floor a node under memory pressure reported."),
+    (
+        "nexa_node_memory_pressure_stops",
+        _NODE,
+        "Replicas the node's memory-pressure guard stopped since the agent started.",
+    ),
+    (
+        "nexa_runtime_memory_measured_bytes",
+        _REPLICA,
+        "The memory the node measured the replica to hold (cgroup, GPU processes, MemAvailable drop).",
+    ),
 )
 _TTFT: Final = "nexa_runtime_time_to_first_token_seconds"
 _TPOT: Final = "nexa_runtime_time_per_output_token_seconds"
@@ -179,6 +213,15 @@ class FleetCollector:
                 add("nexa_node_artifact_cache_used_bytes", node, disk.used_bytes)
                 add("nexa_node_artifact_cache_free_bytes", node, disk.free_bytes)
             _gpus(add, figures.node, inv.gpus)
+            add("nexa_node_gpu_figures_stale", node, 1.0 if inv.gpus_stale else 0.0)
+            add("nexa_node_nvidia_smi_timeouts", node, inv.nvidia_smi_timeouts)
+            pressure = figures.memory_pressure
+            add("nexa_node_memory_pressure", node, 0.0 if pressure is None else 1.0)
+            add("nexa_node_memory_pressure_floor_bytes", node, None if pressure is None else pressure.floor_bytes)
+            add("nexa_node_memory_pressure_stops", node, figures.memory_pressure_stops)
+            for measured in figures.replica_memory:
+                labels = {"deployment": measured.deployment, "replica": measured.replica, "node": figures.node}
+                add("nexa_runtime_memory_measured_bytes", labels, measured.memory.measured_bytes)
             for replica in figures.replicas:
                 labels = {"deployment": replica.deployment, "replica": replica.replica, "node": figures.node}
                 load = replica.load

@@ -84,6 +84,9 @@ async def test_refusals_are_422_naming_the_reason_and_place_nothing(
         err = assert_envelope(await http.post("/api/v1/deployments", json=body()), 422, "license_invalid")
         assert "expired" in str(err["message"])
         assert_envelope(await http.post("/api/v1/deployments", json=body(name="Bad Name!")), 400, "invalid_request")
+        negative = body(resources={"accelerators": 1, "overhead_bytes": -1})
+        err = assert_envelope(await http.post("/api/v1/deployments", json=negative), 400, "invalid_request")
+        assert "resources.overhead_bytes: 0 or more bytes" in str(err["message"])
         assert (await ok(http.get("/api/v1/deployments")))["deployments"] == []
     assert (await node_view(dep_reg, "n1"))["desired_generation"] == 1
 

@@ -118,6 +118,15 @@ FILTER_CASES = [
         "needs 120.0 GiB of unified memory, 113.4 GiB free",
     ),
     (
+        "memory pressure",
+        "spark-1",
+        {"memory_pressure": "memory pressure: MemAvailable 3.00 GiB is under the node's floor of 8.00 GiB"},
+        {"memory_bytes": GIB},
+        "memory",
+        "memory pressure: MemAvailable 3.00 GiB is under the node's floor of 8.00 GiB; nothing more is placed "
+        "on this node until MemAvailable is back above the floor",
+    ),
+    (
         "host memory",
         "cpu-1",
         {},

@@ -309,3 +309,15 @@ assert len(apsw.connection_hooks) == 1, apsw.connection_hooks
 assert "psycopg" not in sys.modules, "the SQLite store loaded psycopg"
 """
     subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+
+
+async def test_measured_memory_survives_a_reopen_and_only_the_latest_figure_is_kept(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
+    async with st.open_store(tmp_path, store_cfg) as store:
+        assert await store.run(st.load_measured_memory) == {}
+        await store.run(st.save_measured_memory, "a" * 64, 3 * 1024**3)
+        await store.run(st.save_measured_memory, "a" * 64, 5 * 1024**3)
+        await store.run(st.save_measured_memory, "b" * 64, 1024)
+    async with st.open_store(tmp_path, store_cfg) as store:
+        assert await store.run(st.load_measured_memory) == {"a" * 64: 5 * 1024**3, "b" * 64: 1024}

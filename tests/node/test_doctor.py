@@ -36,6 +36,7 @@ from nexa.errors import ConfigError
 from nexa.node import doctor, identity
 from nexa.node.doctor import DoctorOptions, parse_cdi_yaml, run_doctor
 from tests.conftest import FIXTURES, Controller, ControllerProcess, serving_http
+from tests.realparts import DockerService
 
 NEXA = (sys.executable, "-m", "nexa")
 GB10_CSV = FIXTURES / "nvidia-smi" / "gb10_dgx_spark.csv"
@@ -134,6 +135,7 @@ async def test_an_enrolled_node_with_everything_in_place_passes(
         "nvidia": "ok",
         "cdi": "ok",
         "disk": "ok",
+        "cache_disk": "ok",
         "controller": "ok",
         "fingerprint": "warn",
         "clock": "ok",
@@ -329,6 +331,46 @@ async def test_the_docker_engine_is_asked_through_its_own_api(tmp_path: Path) ->
     assert old.status is CheckStatus.FAIL and "older than 1.41" in old.detail
 
 
+async def test_docker_with_gpu_method_cdi_must_have_cdi_on(tmp_path: Path) -> None:
+    """`GET /info` lists `CDISpecDirs` when CDI is on (Docker Engine API, SystemInfo); an empty list means off."""
+
+    def info(answer: dict[str, object]) -> httpx.MockTransport:
+        def handler(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/version":
+                return httpx.Response(200, json={"Version": "27.5.1", "ApiVersion": "1.47"})
+            assert request.url.path == "/info"
+            return httpx.Response(200, json=answer)
+
+        return httpx.MockTransport(handler)
+
+    cfg = _cfg(tmp_path, "", container=ContainerConfig(engine="docker", socket="/run/docker-test.sock"))
+    on = await doctor.check_docker_cdi(cfg, transport=info({"CDISpecDirs": ["/etc/cdi", "/var/run/cdi"]}))
+    assert on.status is CheckStatus.OK and on.detail == "docker 27.5.1 reads CDI specs from /etc/cdi, /var/run/cdi"
+    off = await doctor.check_docker_cdi(cfg, transport=info({"CDISpecDirs": []}))
+    assert off.status is CheckStatus.FAIL and "CDI off" in off.detail
+    assert off.fix.startswith('add "features": {"cdi": true} to /etc/docker/daemon.json')
+
+
+@pytest.mark.slow
+async def test_an_old_real_docker_daemon_fails_the_cdi_check_with_the_daemon_json_fix(
+    dockerd_service: DockerService, tmp_path: Path
+) -> None:
+    """Debian's dockerd (20.10) predates CDI: its `GET /info` has no CDISpecDirs at all."""
+    container = ContainerConfig(engine="docker", socket=dockerd_service.socket, docker_network=dockerd_service.network)
+    cfg = _cfg(tmp_path, "", container=container)
+    got = await doctor.check_docker_cdi(cfg)
+    assert got.status is CheckStatus.FAIL, got
+    assert got.detail.startswith(f"docker {dockerd_service.version} reports no CDISpecDirs in GET /info")
+    assert 'add "features": {"cdi": true} to /etc/docker/daemon.json' in got.fix
+    assert 'gpu_method = "nvidia-runtime"' in got.fix
+    # The NVIDIA runtime's device requests need no CDI: the check is not run then.
+    runtime_cfg = attrs.evolve(cfg, container=attrs.evolve(container, gpu_method="nvidia-runtime"))
+    report = await run_doctor(runtime_cfg, _opts(tmp_path, controller_url=""))
+    assert "docker_cdi" not in _by_name(report)
+    report = await run_doctor(cfg, _opts(tmp_path, controller_url=""))
+    assert _by_name(report)["docker_cdi"].status is CheckStatus.FAIL and not report.passed
+
+
 # --- GPUs: nvidia-smi and CDI ---------------------------------------------------------------------
 
 
@@ -415,6 +457,15 @@ def test_low_disk_fails_and_a_cache_larger_than_the_disk_warns(tmp_path: Path) -
     assert doctor.check_disk(cfg, 1).status is CheckStatus.OK
     huge_cache = attrs.evolve(cfg, artifacts=ArtifactsConfig(cache_max_bytes=Bytes(1 << 60)))
     assert doctor.check_disk(huge_cache, 1).status is CheckStatus.WARN
+
+
+def test_low_disk_for_the_runtime_caches_fails(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "/nonexistent.sock")
+    low = doctor.check_cache_disk(cfg, 1 << 60)
+    assert low.status is CheckStatus.FAIL and low.name == "cache_disk"
+    assert f"for the runtime caches {tmp_path / 'node' / 'runtime-cache'}" in low.detail
+    assert "--min-cache-free-gib" in low.detail and "state_dir" in low.fix
+    assert doctor.check_cache_disk(cfg, 1).status is CheckStatus.OK
 
 
 def test_bad_modes_in_the_state_directory_fail_with_the_chmod(tmp_path: Path) -> None:
@@ -528,7 +579,18 @@ def test_nexa_node_doctor_against_nexa_control_and_podman(
     assert report.passed and report.node_id
     assert {c.name: c.status.value for c in report.checks} == {
         name: "ok"
-        for name in ("state_dir", "engine", "nvidia", "cdi", "disk", "controller", "fingerprint", "clock", "channel")
+        for name in (
+            "state_dir",
+            "engine",
+            "nvidia",
+            "cdi",
+            "disk",
+            "cache_disk",
+            "controller",
+            "fingerprint",
+            "clock",
+            "channel",
+        )
     }
 
     wrong = _doctor_cli(*common, "--controller-fingerprint", "0" * 64)

@@ -759,3 +759,45 @@ async def test_wait_changed_returns_at_once_when_caller_is_behind(tmp_path: Path
         first = await nursery.start(watcher.run)
         assert await watcher.wait_changed() is first
         assert await watcher.wait_changed(attrs.evolve(first)) is first
+
+
+async def test_watcher_keeps_stale_gpu_figures_when_nvidia_smi_hangs(
+    tmp_path: Path, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung nvidia-smi is killed at its timeout and counted; the last GPU figures stay, marked
+    stale; inventory.json edits are still picked up meanwhile; a later answer clears the mark."""
+    monkeypatch.setattr(inventory, "NVIDIA_SMI_TIMEOUT_S", 0.3)
+    hang, pids = tmp_path / "hang", tmp_path / "pids"
+    exe = fake_nvidia_smi(
+        tmp_path,
+        f'echo $$ >> "{pids}"\nif [ -e "{hang}" ]; then exec sleep 30; fi\nexec cat "{SMI / "h100_80g_x8.csv"}"',
+    )
+    path = tmp_path / "inventory.json"
+    write(path, {})
+
+    async def discover_real() -> DiscoveredHost:
+        return await discover(exe, meminfo_path=str(MEMINFO / "h100_dgx_2t.meminfo"))
+
+    watcher = InventoryWatcher(path, discover=discover_real, poll_interval_s=POLL_S, rediscover_interval_s=0.05)
+    with trio.fail_after(20):
+        first = await nursery.start(watcher.run)
+        assert len(first.gpus) == 8 and not first.gpus_stale
+        hang.touch()
+        inv = first
+        while not inv.gpus_stale:
+            inv = await watcher.wait_changed(inv)
+        assert inv.gpus == first.gpus  # the last good figures, kept
+        assert inv.nvidia_smi_timeouts >= 1
+        assert "gpus: nvidia-smi did not answer within 0.3 s" in inv.problems
+        # The file is followed while a discovery hangs.
+        write(path, {"labels": {"zone": "z1"}})
+        await wait_until(lambda: watcher.current().labels == {"zone": "z1"})
+        hang.unlink()
+        inv = watcher.current()
+        while inv.gpus_stale:
+            inv = await watcher.wait_changed(inv)
+    assert len(inv.gpus) == 8 and inv.problems == ()
+    # Every hung nvidia-smi was killed (and reaped): none is left running.
+    for pid in pids.read_text().split():
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid), 0)

@@ -65,7 +65,7 @@ def assignment_for(
         limit = _memory_limit(dep, model, runtime)
         memory = None
         if limit is not None and unified_pool_bytes is not None:
-            memory = limit.on(_memory(dep, model), unified_pool_bytes)
+            memory = limit.on(declared_bytes(dep, model), unified_pool_bytes)
         launch = adapter.launch(
             model.name,
             options.settings,
@@ -92,7 +92,7 @@ def assignment_for(
             port=port,
             artifact=artifact,
             gpus=list(replica.gpus),
-            memory_bytes=_memory(dep, model),
+            memory_bytes=declared_bytes(dep, model),
             cpus=dep.resources.cpus,
             shm_bytes=shm_bytes,
             health=health,
@@ -101,7 +101,8 @@ def assignment_for(
     )
 
 
-def _memory(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
+def declared_bytes(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
+    """A replica's declared memory: the deployment's `resources.memory_bytes`, else the model's."""
     return dep.resources.memory_bytes or model.memory_bytes
 
 
@@ -114,8 +115,30 @@ def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtim
     return adapter.memory_limit(dep.options.settings, weights_bytes=model.artifact.size_bytes)
 
 
+def overhead_bytes(dep: Deployment | DeploymentCreate, runtime: RuntimeRecord) -> int:
+    """The engine's own memory beyond the replica's: the deployment's figure, else its adapter's."""
+    if dep.resources.overhead_bytes is not None:
+        return dep.resources.overhead_bytes
+    if not adapters.has_adapter(runtime.kind):
+        return 0
+    return adapters.adapter_for(runtime.kind, dep.options.settings).overhead_bytes
+
+
+def reservation_bytes(
+    dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, measured: int | None
+) -> int:
+    """What placement reserves for one replica: its memory plus the engine's overhead, or what a
+    replica of the same runtime, model and settings was measured to hold, whichever is larger."""
+    return max(declared_bytes(dep, model) + overhead_bytes(dep, runtime), measured or 0)
+
+
 def placement_request(
-    dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, replicas: int
+    dep: Deployment | DeploymentCreate,
+    model: ModelRecord,
+    runtime: RuntimeRecord,
+    replicas: int,
+    *,
+    measured: int | None = None,
 ) -> PlacementRequest:
     spec = dep.placement
     return PlacementRequest(
@@ -124,7 +147,7 @@ def placement_request(
         runtime=runtime.kind,
         arch=spec.arch,
         image_archs=runtime.image_archs,
-        memory_bytes=_memory(dep, model),
+        memory_bytes=declared_bytes(dep, model),
         accelerators=dep.resources.accelerators,
         artifact_sha256=model.artifact.sha256,
         data_classes=tuple(spec.data_classes),
@@ -133,4 +156,5 @@ def placement_request(
         policy=spec.policy,
         host_network=runtime.host_network,
         memory_limit=_memory_limit(dep, model, runtime),
+        reserve_bytes=reservation_bytes(dep, model, runtime, measured),
     )

@@ -18,15 +18,23 @@ import attrs
 import trio
 
 from nexa.config import PlacementConfig
-from nexa.contracts.deployments import Deployment, Replica
+from nexa.contracts.deployments import Deployment, DeploymentCreate, DeploymentMemory, Replica, ReplicaMeasured
 from nexa.contracts.domain import NodeState
-from nexa.contracts.placement import PlacementNode
-from nexa.contracts.wire import DesiredAssignments, RuntimeState
+from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
+from nexa.contracts.placement import PlacementNode, PlacementRequest
+from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
 from nexa.control import store as st
-from nexa.control.deployments.assignment import assignment_for
+from nexa.control.deployments.assignment import (
+    assignment_for,
+    declared_bytes,
+    overhead_bytes,
+    placement_request,
+    reservation_bytes,
+)
+from nexa.control.deployments.measured import MeasuredMemory
 from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
 from nexa.control.deployments.snapshot import snapshot_from, unified_pool_bytes
-from nexa.control.fleet import Fleet
+from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.leadership import Leadership
 from nexa.control.models import ModelRegistry
 from nexa.control.registry import Actor, audit_draft
@@ -74,8 +82,12 @@ class Desired:
         self.lock = trio.Lock()  # every change to deployments and node sets goes through it
         #: Told of each change once it is committed (the rollout jobs, `control.jobs`); they must not raise.
         self.observers: list[CommitObserver] = []
+        #: What replicas of each (runtime, model, settings) were measured to hold.
+        self.measured = MeasuredMemory(store)
+        fleet.on_measured(self._measured)
 
     async def load(self) -> None:
+        await self.measured.load()
         for dep, decision in await self._store.run(st.load_deployments):
             self.entries[dep.name] = Entry(stamped(dep), decision)
         self.version += 1
@@ -105,8 +117,70 @@ class Desired:
     def snapshot(self, *, without: frozenset[str] = frozenset()) -> list[PlacementNode]:
         """The fleet as placement sees it now (`snapshot_from`, with the configured host headroom)."""
         return snapshot_from(
-            self.fleet, without=without, unified_headroom_bytes=self._placement.unified_host_headroom_bytes
+            self.fleet,
+            without=without,
+            unified_headroom_bytes=self._placement.unified_host_headroom_bytes,
+            reservation=self.reservation,
         )
+
+    def request(
+        self, dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, replicas: int
+    ) -> PlacementRequest:
+        """What placement is asked for `replicas` of `dep` (`placement_request`), with what a replica
+        of its runtime, model and settings was measured to hold."""
+        ref = ModelRef(model=model.name, version=model.version)
+        measured = self.measured.get(dep.runtime, ref, dep.options.settings)
+        return placement_request(dep, model, runtime, replicas, measured=measured)
+
+    def memory_of(self, dep: Deployment) -> DeploymentMemory | None:
+        """`dep`'s memory, declared against measured (None while its model or runtime is unknown)."""
+        try:
+            model = self.models.model(dep.model.model, dep.model.version)
+            runtime = self.models.runtime(dep.runtime)
+        except NotFound:
+            return None
+        measured = self.measured.of(dep)
+        replicas = [
+            ReplicaMeasured(replica_id=r.id, node_id=r.node_id, measured_bytes=got)
+            for r in all_replicas(dep)
+            if (got := self._measured_now(r)) is not None
+        ]
+        return DeploymentMemory(
+            declared_bytes=declared_bytes(dep, model),
+            overhead_bytes=overhead_bytes(dep, runtime),
+            measured_bytes=measured,
+            reserved_bytes=reservation_bytes(dep, model, runtime, measured),
+            replicas=replicas,
+        )
+
+    def _measured_now(self, replica: Replica) -> int | None:
+        try:
+            return self.fleet.get(replica.node_id).measured.get(replica.id)
+        except NotFound:
+            return None
+
+    def reservation(self, assignment: Assignment) -> int:
+        """What one assigned replica holds for placement: its memory plus its engine's overhead, or
+        what a replica of its runtime, model and settings was measured to hold, whichever is larger."""
+        entry = self.entries.get(assignment.deployment)
+        declared = assignment.runtime.memory_bytes
+        if entry is None:
+            return declared
+        dep = entry.deployment
+        replica = next((r for r in all_replicas(dep) if r.id == assignment.id), None)
+        measured = self.measured.of(dep, None if replica is None else model_of(dep, replica))
+        try:
+            runtime = self.models.runtime(dep.runtime)
+        except NotFound:
+            return max(declared, measured or 0)
+        return max(declared + overhead_bytes(dep, runtime), measured or 0)
+
+    async def _measured(self, live: NodeLive, measured: dict[str, int]) -> None:
+        by_id = {a.id: a.deployment for a in live.desired.assignments}
+        for assignment_id, measured_bytes in measured.items():
+            entry = self.entries.get(by_id.get(assignment_id, ""))
+            if entry is not None:
+                await self.measured.observe(entry.deployment, assignment_id, measured_bytes)
 
     @property
     def recovering(self) -> bool:

@@ -30,7 +30,6 @@ from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRe
 from nexa.contracts.placement import PlacementDecision
 from nexa.control import store as st
 from nexa.control.deployments import views
-from nexa.control.deployments.assignment import placement_request
 from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
@@ -125,8 +124,10 @@ class Deployments:
         return [views.view(self._desired, e) for _, e in sorted(self._desired.entries.items())]
 
     def show(self, name: str) -> DeploymentView:
-        """The deployment's view with each replica's routing score terms now (`Router.terms`)."""
+        """The deployment's view with its memory, declared against measured, and each replica's
+        routing score terms now (`Router.terms`)."""
         view = views.view(self._desired, self._desired.entry(name))
+        view = attrs.evolve(view, memory=self._desired.memory_of(view.deployment))
         if self._router is None:
             return view
         dep, terms = view.deployment, self._router.terms
@@ -161,7 +162,7 @@ class Deployments:
         check_shape(req)
         model, runtime, _ = deployable(self._desired.models, req)
         check_settings(req, runtime, model)
-        return place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
+        return place(self._desired.snapshot(), self._desired.request(req, model, runtime, req.replicas))
 
     async def create(self, actor: Actor, req: DeploymentCreate) -> DeploymentView:
         check_shape(req)
@@ -170,7 +171,7 @@ class Deployments:
                 raise AlreadyExists(f"deployment {req.name} exists")
             model, runtime, ref = deployable(self._desired.models, req)
             check_settings(req, runtime, model)
-            decision = place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
+            decision = place(self._desired.snapshot(), self._desired.request(req, model, runtime, req.replicas))
             check_memory_limits(req, decision)
             if not decision.feasible:
                 raise Unplaceable(f"deployment {req.name} cannot be placed: " + explain(decision))
@@ -251,7 +252,7 @@ class Deployments:
         existing = Counter(r.node_id for r in kept)
         if dep.canary is not None:
             existing.update(r.node_id for r in dep.canary.placed)
-        return place(self._desired.snapshot(), placement_request(dep, model, runtime, count), existing=existing)
+        return place(self._desired.snapshot(), self._desired.request(dep, model, runtime, count), existing=existing)
 
     # ---- rollout: canary, promote, rollback (`canary.Rollouts`) ------------------------------------
 

@@ -3,15 +3,20 @@ what its inventory reports less what its desired set reserves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from nexa.contracts.node import LabelKey, LabelValue
 from nexa.contracts.placement import PlacementNode
+from nexa.contracts.wire import Assignment
 from nexa.control.fleet import NodeLive
 
 
 def snapshot_from(
-    fleet: Iterable[NodeLive], *, without: frozenset[str] = frozenset(), unified_headroom_bytes: int = 0
+    fleet: Iterable[NodeLive],
+    *,
+    without: frozenset[str] = frozenset(),
+    unified_headroom_bytes: int = 0,
+    reservation: Callable[[Assignment], int] | None = None,
 ) -> list[PlacementNode]:
     """One `PlacementNode` per enrolled node, from its inventory and what its desired set reserves.
 
@@ -32,7 +37,11 @@ def snapshot_from(
       assignment; the host pool is the same pool.
     - host memory: `memory_total_bytes` less the memory of CPU-only assignments.
     - load: assignments in the desired set; cached artifacts: none known yet (reliability 1).
+    - what an assignment reserves: `reservation(assignment)` (the deployments add the engine's
+      overhead and what replicas were measured to hold), else its `memory_bytes`.
+    - a node reporting memory pressure keeps it in `memory_pressure` (its memory filter fails).
     """
+    reserve = reservation or _declared
     out = []
     for live in fleet:
         inv = live.inventory
@@ -44,8 +53,8 @@ def snapshot_from(
         labels.update(inv.labels)
         unified = any(g.unified_memory for g in inv.gpus)
         held = {name for a in assignments for name in a.runtime.gpus}
-        reserved_all = sum(a.runtime.memory_bytes for a in assignments)
-        reserved_host = sum(a.runtime.memory_bytes for a in assignments if not a.runtime.gpus)
+        reserved_all = sum(reserve(a) for a in assignments)
+        reserved_host = sum(reserve(a) for a in assignments if not a.runtime.gpus)
         if unified:
             # One pool: every GPU is shared, and accelerator and host memory are the same bytes.
             free_gpus = tuple(g.cdi_device for g in inv.gpus)
@@ -74,9 +83,14 @@ def snapshot_from(
             host_memory_total_bytes=host_total,
             host_memory_free_bytes=host_free,
             load=len(assignments),
+            memory_pressure="" if live.memory_pressure is None else live.memory_pressure.describe(),
         )
         out.append(node)
     return out
+
+
+def _declared(assignment: Assignment) -> int:
+    return assignment.runtime.memory_bytes
 
 
 def unified_pool_bytes(live: NodeLive) -> int | None:

@@ -50,6 +50,8 @@ from nexa.control.store.lease import read_lease as read_lease
 from nexa.control.store.lease import release_lease as release_lease
 from nexa.control.store.lease import renew_lease as renew_lease
 from nexa.control.store.lease import save_controller as save_controller
+from nexa.control.store.measured import load_measured_memory as load_measured_memory
+from nexa.control.store.measured import save_measured_memory as save_measured_memory
 from nexa.control.store.models import insert_evaluation as insert_evaluation
 from nexa.control.store.models import insert_model as insert_model
 from nexa.control.store.models import insert_runtime as insert_runtime
