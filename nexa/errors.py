@@ -97,6 +97,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - RuntimeCacheNoRoom [runtime_cache_no_room]: too little free disk for a replica's cache after eviction (node side)
     - ArtifactRefused [artifact_refused]: the S3-compatible store answered a request with a 4xx (not retryable)
     - ArtifactInvalid [artifact_invalid]: a local model directory that cannot be pushed (names the file)
+    - ArtifactInUse [artifact_in_use]: a push would overwrite a registered version's file with other bytes
   + ChannelError [channel_error]: the node channel (ZeroMQ) failed: bind, socket or protocol
     - ChannelClosed [channel_closed]: the link is not running, or has stopped
     - NotConnected [not_connected]: no open channel to that node right now; retryable
@@ -827,6 +828,13 @@ class ArtifactRefused(ArtifactError):
         super().__init__(message)
         self.status = status
         self.s3_code = s3_code
+
+
+class ArtifactInUse(ArtifactError):
+    """A push would put other bytes where a registered model version's file is (its manifest names
+    that object): refused before anything is uploaded, naming the file and the version."""
+
+    code = "artifact_in_use"
 
 
 class ArtifactInvalid(ArtifactError):

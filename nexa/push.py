@@ -16,7 +16,9 @@ Empty sub-directories hold no file and are not part of the manifest; a top-level
 of one, named by its file name.
 
 Every file is hashed in a worker thread, streamed (never read whole). A re-run HEADs each key and
-skips a file the store holds with the same size and `x-amz-meta-sha256`. Files of at least
+skips a file the store holds with the same size and `x-amz-meta-sha256`. A push never breaks a
+registered version: one that would put other bytes where a registered manifest names a file
+(`held`, from the controller) is refused before anything is uploaded, naming the file and the version. Files of at least
 `multipart_threshold` bytes go up as multipart uploads of `part_size` parts; `parallel` bounds
 the requests in flight (whole files and parts together). Progress goes to stderr: bytes, rate
 and ETA, rewritten in place on a terminal, one line every few seconds otherwise.
@@ -30,7 +32,7 @@ import os
 import stat
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final, TextIO
 
@@ -45,7 +47,7 @@ from nexa.contracts.manifest import (
     manifest_problems,
     path_problem,
 )
-from nexa.errors import ArtifactInvalid, ArtifactSizeMismatch, ConfigError
+from nexa.errors import ArtifactInUse, ArtifactInvalid, ArtifactSizeMismatch, ConfigError
 from nexa.s3 import MIN_PART_BYTES, S3Client, split_s3_uri
 from nexa.sigv4 import S3Credentials
 
@@ -297,6 +299,29 @@ def prefix_problem(uri: str) -> str | None:
     return None
 
 
+@attrs.frozen
+class Held:
+    """An object a registered model version's manifest names: the sha256 it must keep, and whose it is."""
+
+    sha256: str
+    version: str
+
+
+def check_overwrites(manifest: Manifest, prefix_uri: str, held: Mapping[str, Held]) -> None:
+    """Raise ArtifactInUse when a file of `manifest` would go, with other bytes, where `held` (the
+    `s3://bucket/key` of every file a registered version names) says a version's file is."""
+    bucket, prefix = split_s3_uri(prefix_uri)
+    for entry in manifest.files:
+        uri = f"s3://{bucket}/{prefix}{entry.path}"
+        holder = held.get(uri)
+        if holder is not None and holder.sha256 != entry.sha256:
+            raise ArtifactInUse(
+                f"cannot push {entry.path} to {uri}: model {holder.version} holds other bytes there, and"
+                " overwriting them would break it; push this version under a prefix of its own (--to"
+                " s3://BUCKET/models/NAME/VERSION/, the default with --bucket). Nothing was uploaded"
+            )
+
+
 async def push(
     s3: S3Client,
     manifest: Manifest,
@@ -305,13 +330,16 @@ async def push(
     *,
     options: PushOptions = PushOptions(),
     progress: Progress | None = None,
+    held: Mapping[str, Held] | None = None,
 ) -> PushResult:
     """Upload every file of `manifest` under `prefix_uri` (skipping those the store holds with the
-    same size and sha256), then the manifest object beside the prefix."""
+    same size and sha256), then the manifest object beside the prefix. Refused, before any upload,
+    when it would overwrite a file `held` says a registered version names (`check_overwrites`)."""
     if problem := prefix_problem(prefix_uri):
         raise ConfigError(problem)
     if problems := options_problems(options):
         raise ConfigError("; ".join(problems), problems=tuple(problems))
+    check_overwrites(manifest, prefix_uri, held or {})
     bucket, prefix = split_s3_uri(prefix_uri)
     by_path = {f.path: f for f in files}
     progress = progress or Progress(manifest.size_bytes, tty=False)
@@ -377,6 +405,7 @@ async def push_directory(
     options: PushOptions = PushOptions(),
     progress_interval_s: float | None = None,
     stream: TextIO | None = None,
+    held: Mapping[str, Held] | None = None,
 ) -> PushResult:
     """Walk, hash and upload `top` (the whole of `nexa models push` but the registration)."""
     if problem := prefix_problem(prefix_uri):
@@ -386,4 +415,4 @@ async def push_directory(
     manifest, files = await build_manifest(top, entry=entry, parallel=options.parallel)
     progress = Progress(manifest.size_bytes, stream=stream, interval_s=progress_interval_s)
     async with S3Client(endpoint, region=region, credentials=credentials, tls_verify=tls_verify) as s3:
-        return await push(s3, manifest, files, prefix_uri, options=options, progress=progress)
+        return await push(s3, manifest, files, prefix_uri, options=options, progress=progress, held=held)

@@ -390,18 +390,34 @@ def test_push_uploads_registers_and_a_rerun_uploads_only_the_change(cluster: Clu
     assert head.etag.strip('"').endswith("-3")  # it really went up in parts
     assert manifest_object == local.canonical_bytes()
 
+    # Issue 30 point 13: version 2 with one changed file, pushed to version 1's prefix, would overwrite a
+    # file version 1's manifest names (and break it): refused, naming the file and the version, and
+    # nothing is uploaded or registered.
+    config = (model / "config.json").read_bytes()
     (model / "config.json").write_bytes(b'{"architectures": ["LlamaForCausalLM"], "hidden_size": 128}')
-    second = cluster.push(model, "v2", "--to", to, "--json")
+    before = cluster.models()
+    refused = cluster.push(model, "v2", "--to", to, "--json")
+    assert refused.returncode == 1, refused.stdout
+    assert refused.stderr.startswith("nexa: error: cannot push config.json") and "model llama@v1" in refused.stderr
+    assert "Nothing was uploaded" in refused.stderr
+    assert cluster.models() == before
+    assert trio.run(object_bytes, cluster.s3, bucket_prefix + "config.json") == config
+    verified = cluster.cp.cli("models", "verify", "llama", "v1")
+    assert verified.returncode == 0, verified.stderr  # version 1 still verifies, byte for byte
+    # Under a prefix of its own it goes up whole, and shares nothing it could break.
+    to2 = f"s3://{cluster.s3.bucket}/{secrets.token_hex(4)}/models/llama/v2/"
+    second = cluster.push(model, "v2", "--to", to2, "--json")
     assert second.returncode == 0, second.stderr
     again = json.loads(second.stdout)
-    assert again["uploaded"] == ["config.json"]
-    assert again["skipped"] == sorted(set(files) - {"config.json"})
-    assert second.stderr.count("skipped ") == 6
+    assert again["uploaded"] == sorted(files) and again["skipped"] == []
     assert again["model"]["artifact"]["sha256"] == trio.run(build_manifest, model)[0].digest != local.digest
 
+    # A re-run with the same bytes as a registered version (here v1's) skips every file.
+    (model / "config.json").write_bytes(config)
     human = cluster.push(model, "v3", "--to", to)
     assert human.returncode == 0, human.stderr
     assert "Candidate" in human.stdout and "uploaded     0; skipped 7" in human.stdout
+    assert human.stderr.count("skipped ") == 7
 
     shown = cluster.cp.cli("models", "show", "llama", "v3")
     assert shown.returncode == 0, shown.stderr

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any, Final
 from nexa.cli import common
 from nexa.cli.output import cell, print_json, size_text
 from nexa.cli.tables import MODELS
-from nexa.contracts.models import EvaluationResult, LicenseRecord, ModelDetail, ModelRecord
+from nexa.contracts.models import EvaluationResult, LicenseRecord, ModelDetail, ModelList, ModelRecord
 from nexa.errors import ConfigError
 
 if TYPE_CHECKING:
     from nexa.contracts.manifest import Manifest
+    from nexa.push import Held
 
 EXIT_OK: Final = 0
 MODEL_FORMATS: Final = ("gguf", "safetensors", "onnx", "tensorrt", "tar")
@@ -285,6 +286,8 @@ def _models_push(args: argparse.Namespace) -> int:
     _license_body(args)  # refuse bad licence flags, and a missing API key, before any upload
     common.require_token(args)
     credentials = load_s3_credentials(args.s3_credentials_file) if args.s3_credentials_file else None
+    with common.client(args) as c:
+        held = _held_objects(c.get("/api/v1/models", ModelList).models)
     options = PushOptions(
         multipart_threshold=args.multipart_threshold, part_size=args.part_size, parallel=args.parallel
     )
@@ -300,6 +303,7 @@ def _models_push(args: argparse.Namespace) -> int:
             entry=args.entry,
             options=options,
             progress_interval_s=args.progress_interval,
+            held=held,
         )
     )
     m = result.manifest
@@ -324,6 +328,23 @@ def _models_push(args: argparse.Namespace) -> int:
     print(f"files        {len(m.files)}, {size_text(a.size_bytes)} in all; entry {m.entry}")
     print(f"uploaded     {len(result.uploaded)}; skipped {len(result.skipped)} (already in the store)")
     return EXIT_OK
+
+
+def _held_objects(models: list[ModelRecord]) -> dict[str, Held]:
+    """`s3://bucket/key` → what must stay there, for every file a registered version names."""
+    from nexa.push import Held
+    from nexa.s3 import split_s3_uri
+
+    held: dict[str, Held] = {}
+    for record in models:
+        artifact = record.artifact
+        if not artifact.files:
+            held[artifact.uri] = Held(artifact.sha256, record.key)
+            continue
+        bucket, prefix = split_s3_uri(artifact.uri)
+        for f in artifact.files:
+            held[f"s3://{bucket}/{prefix}{f.path}"] = Held(f.sha256, record.key)
+    return held
 
 
 def _models_license(args: argparse.Namespace) -> int:
