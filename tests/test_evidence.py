@@ -189,3 +189,52 @@ def test_verify_names_a_manifest_it_cannot_read(tmp_path: Path, body: str) -> No
     done = offline("evidence", "verify", str(tmp_path))
     assert done.returncode == 1
     assert "FAIL manifest.json: not a signed evidence manifest" in done.stderr
+
+
+def test_out_is_never_written_through_a_symlink(controller_process: ControllerProcess, tmp_path: Path) -> None:
+    """Issue 30 point 14: `--out` that is a symlink is refused; a symlink planted inside it after the
+    checks makes the write fail (the directory is written by its handle, each file created, never followed)."""
+    from nexa.cli.evidence import _BundleDir
+    from nexa.errors import Conflict
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (tmp_path / "link").symlink_to(empty)
+    done = controller_process.cli("evidence", "--out", str(tmp_path / "link"))
+    assert done.returncode == 1 and "is not an empty directory" in done.stderr
+    assert list(empty.iterdir()) == []
+
+    out = tmp_path / "bundle"
+    bundle = _BundleDir(out)
+    try:
+        (out / "versions.json").symlink_to(victim)  # planted between the checks and the write
+        with pytest.raises(Conflict, match="something else put it there"):
+            bundle.write("versions.json", b"{}")
+        bundle.write("gate.json", b"{}")
+    finally:
+        bundle.close()
+    assert victim.read_text() == "keep me" and (out / "gate.json").read_bytes() == b"{}"
+
+
+def test_verify_reads_no_more_than_the_manifest_says(controller_process: ControllerProcess, tmp_path: Path) -> None:
+    """A file grown to 8 GiB (sparse) is named, not read; a symlinked file counts as missing; a
+    manifest over 4 MiB is refused unread."""
+    out, _ = make_bundle(controller_process, tmp_path, sim_summary())
+    grown = shutil.copytree(out, tmp_path / "grown")
+    with (grown / "gate.json").open("r+b") as f:
+        f.truncate(8 * 2**30)
+    done = offline("evidence", "verify", str(grown))
+    assert done.returncode == 1 and "FAIL gate.json: over the manifest's" in done.stderr
+    linked = shutil.copytree(out, tmp_path / "linked")
+    (linked / "gate.json").unlink()
+    (linked / "gate.json").symlink_to(out / "gate.json")
+    done = offline("evidence", "verify", str(linked))
+    assert done.returncode == 1 and "FAIL gate.json: missing" in done.stderr
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    with (huge / "manifest.json").open("wb") as f:
+        f.truncate(64 * 2**20)
+    done = offline("evidence", "verify", str(huge))
+    assert done.returncode == 1 and "FAIL manifest.json: missing or unreadable" in done.stderr

@@ -20,8 +20,10 @@ stay required: the bundle never claims them.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Final, TypeVar
@@ -62,6 +64,10 @@ GATE: Final = "gate.json"
 AUDIT_HEAD: Final = "audit-head.json"
 README: Final = "README.txt"
 MANIFEST: Final = "manifest.json"
+#: `evidence verify` reads no bundle file past this (its JSON files are kilobytes to a few MiB) ...
+MAX_BUNDLE_FILE_BYTES: Final = 64 * 2**20
+#: ... and no manifest past this.
+MAX_MANIFEST_BYTES: Final = 4 * 2**20
 _FORBIDDEN: Final = 403
 _PAGE: Final = "200"
 
@@ -131,9 +137,35 @@ def _out_dir(text: str | None) -> Path:
             "name the directory to write: nexa evidence --out DIR (or check one: nexa evidence verify DIR)"
         )
     out = Path(text)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise Conflict(f"{out} exists and is not an empty directory: name a new or empty one for --out")
     return out
+
+
+class _BundleDir:
+    """The `--out` directory, opened once (never through a symlink) and written by that handle: a
+    file is created there, never replaced (`O_EXCL`) nor followed (`O_NOFOLLOW`), so a symlink
+    planted after the checks makes the write fail instead of writing elsewhere."""
+
+    def __init__(self, out: Path) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        try:
+            self._fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise Conflict(f"cannot use {out} for --out ({exc.strerror}): name a new or empty directory") from None
+        self._out = out
+
+    def write(self, name: str, data: bytes) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, 0o644, dir_fd=self._fd)
+        except OSError as exc:
+            raise Conflict(f"cannot write {self._out / name} ({exc.strerror}): something else put it there") from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _binary(given: str | None) -> tuple[EvidenceFile | None, str]:
@@ -226,16 +258,19 @@ def _write(args: argparse.Namespace) -> int:
             files[GATE] = _dump(gate)
         files[AUDIT_HEAD] = _dump(head)
         files[README] = README_TEXT.encode()
-        out.mkdir(parents=True, exist_ok=True)
+        bundle = _BundleDir(out)
         for name, data in files.items():
-            (out / name).write_bytes(data)
+            bundle.write(name, data)
         listed = [
             EvidenceFile(path=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data))
             for name, data in sorted(files.items())
         ]
         request = EvidenceRequest(sim=sim, gate=gate, files=listed)
         signed = c.post("/api/v1/evidence", EvidenceSigned, body=codec.api.unstructure(request))
-    (out / MANIFEST).write_bytes(_dump(signed))
+    try:
+        bundle.write(MANIFEST, _dump(signed))
+    finally:
+        bundle.close()
     m = signed.manifest
     key = security.PublicKey.from_b64(signed.public_key)
     if args.json:
@@ -262,6 +297,16 @@ def _trusted_key(given: str | None) -> str | None:
     return given.strip()
 
 
+def _read_bounded(path: Path, limit: int = MAX_BUNDLE_FILE_BYTES) -> bytes:
+    """A bundle file's bytes, never through a symlink and never more than `limit` (OSError past it)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise OSError(errno.EFBIG, f"over {limit} bytes")
+    return data
+
+
 def _bundle_files(root: Path) -> set[str]:
     return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink()}
 
@@ -275,7 +320,11 @@ def _file_problems(root: Path, manifest: EvidenceManifest) -> list[str]:
         if f.path not in present or not path.is_file() or path.is_symlink():
             problems.append(f"{f.path}: missing (the manifest lists it)")
             continue
-        data = path.read_bytes()
+        try:
+            data = _read_bounded(path, min(f.size, MAX_BUNDLE_FILE_BYTES))
+        except OSError:
+            problems.append(f"{f.path}: over the manifest's {f.size} bytes, or unreadable (changed after signing)")
+            continue
         if len(data) != f.size:
             problems.append(f"{f.path}: {len(data)} bytes, the manifest says {f.size} (changed after signing)")
         elif hashlib.sha256(data).hexdigest() != f.sha256:
@@ -288,7 +337,10 @@ def _load_listed(root: Path, manifest: EvidenceManifest, name: str, kind: type[T
     if name not in {f.path for f in manifest.files} or not (root / name).is_file():
         return None
     try:
-        return codec.loads(codec.api, (root / name).read_bytes(), kind)
+        return codec.loads(codec.api, _read_bounded(root / name), kind)
+    except OSError:
+        problems.append(f"{name}: unreadable or over {MAX_BUNDLE_FILE_BYTES} bytes")
+        return None
     except ContractError as exc:
         problems.append(f"{name}: not a {kind.__name__} ({exc.message})")
         return None
@@ -331,7 +383,7 @@ def verify_bundle(root: Path, trusted_public_key: str | None) -> tuple[EvidenceS
     if not root.is_dir():
         return None, [f"{root}: no such directory"]
     try:
-        signed = codec.loads(codec.api, (root / MANIFEST).read_bytes(), EvidenceSigned)
+        signed = codec.loads(codec.api, _read_bounded(root / MANIFEST, MAX_MANIFEST_BYTES), EvidenceSigned)
     except OSError:
         return None, [f"{MANIFEST}: missing or unreadable"]
     except ContractError as exc:
