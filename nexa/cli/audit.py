@@ -84,7 +84,14 @@ def _checked_audit_head(
     from nexa.errors import BadSignature
 
     signed = codec.loads(codec.api, common.read_file(args.against), SignedAuditCheckpoint)
-    pub = common.public_key(args.public_key, lambda: fetch().public_key)
+
+    def controller_key() -> str:
+        # The current key, or the retired one that signed it (the controller lists both).
+        known = fetch()
+        embedded = signed.public_key.strip()
+        return next((k.public_key for k in known.keys if k.public_key == embedded), known.public_key)
+
+    pub = common.public_key(args.public_key, controller_key)
     try:
         security.verify_audit_checkpoint(pub, signed)
     except BadSignature as exc:

@@ -472,8 +472,13 @@ class _Handlers(RecordHandlers):
         req = await _optional_body(AuditVerifyRequest)
         checkpoint = None
         if req.against is not None:
+            # Signed by the current key, or by one it rotated away from (its public half is kept).
+            rotation, pub = self._s.key_rotation, self._s.signing_key.public
+            keys = rotation.keys.verifying_keys() if rotation else {pub.fingerprint: pub}
+            embedded = req.against.public_key.strip()
+            signer = next((k for k in keys.values() if k.b64 == embedded), pub)
             try:
-                verify_audit_checkpoint(self._s.signing_key.public, req.against)
+                verify_audit_checkpoint(signer, req.against)
             except BadSignature as exc:
                 raise CheckpointRejected(f"the checkpoint is not this controller's: {exc.message}") from None
             checkpoint = req.against.checkpoint

@@ -7,14 +7,17 @@ atomically (`security.write_key_file`), private ones 0600:
 
 * `controller-signing.pem`, `controller-curve.key/.pub`      the current keys
 * `retired-<id>-signing.pem`  a signing key rotated away from, named by its id
-  (`PublicKey.fingerprint`): receipts it signed still verify
+  (`PublicKey.fingerprint`), kept only through its overlap (it signs the announcement of its
+  successor) and deleted at the switch; receipts and audit checkpoints it signed still verify
+  against its public half in keyring.json
 * `keyring.json`  the retired keys: ids, public halves, when retired, until when nodes accept them;
   which of the channel's two endpoints serves the current Curve key (`slot`) and its public half
 * `controller-curve-next.key/.pub`  the Curve key a rotation made and announced to the nodes,
   served on the other endpoint from the rotation on; at the overlap's end it becomes the current
   one (`switch_curve`) and the endpoint of the old one refuses every node
 * `retired-<id>-curve.key/.pub`  the Curve key served with the signing key `<id>`, once switched
-  away from: its endpoint still does the Curve handshake, to refuse (and mark) who dials it
+  away from: its endpoint still does the Curve handshake, to refuse (and mark) who dials it; only
+  the newest one is served, so the private halves of older ones are deleted
 * `next-signing.pem`  a rotation under way: written before the current files change, so a crash at
   any step is finished at the next start
 """
@@ -136,6 +139,8 @@ def load_or_create_keys(directory: Path, *, overlap_s: float = 86400.0) -> Contr
         _finish_rotation(directory, time.time(), overlap_s)
     _finish_switch(directory)
     keys = _load(directory)
+    if keys.next_curve is None:  # no overlap under way: no retired private key is needed any more
+        _drop_retired_private(directory, _read_keyring(directory))
     if keys.next_curve is not None and keys.previous is not None and keys.previous.overlap_until <= time.time():
         return switch_curve(directory)  # the overlap ended while the controller was stopped
     return keys
@@ -206,7 +211,18 @@ def _finish_switch(directory: Path) -> None:
     messaging.save_curve_keypair(new, directory, name=CURVE_NAME, overwrite=True)
     nxt.unlink()
     (directory / f"{CURVE_NEXT_NAME}.pub").unlink(missing_ok=True)
+    _drop_retired_private(directory, keyring)
     security.fsync_dir(directory)
+
+
+def _drop_retired_private(directory: Path, keyring: _Keyring) -> None:
+    """Delete the private halves no longer used once an overlap ended: every retired signing key
+    (its successor is announced; what it signed verifies with its public half) and every retired
+    Curve key but the newest (the one whose endpoint still refuses the nodes that dial it)."""
+    for i, r in enumerate(keyring.retired):
+        (directory / f"retired-{r.key_id}-signing.pem").unlink(missing_ok=True)
+        if i > 0:
+            (directory / f"{_retired_curve(r.key_id)}.key").unlink(missing_ok=True)
 
 
 def _retired_curve(key_id: str) -> str:

@@ -172,3 +172,23 @@ def test_a_rotation_whose_second_endpoint_is_taken_changes_nothing_and_succeeds_
     assert rotated.json()["controller_fingerprint"] != pinned
     assert _key_files(keys_dir) != before
     assert controller_process.proc is not None and controller_process.proc.poll() is None
+
+
+def test_an_audit_checkpoint_signed_before_a_rotation_still_verifies(controller_process: ControllerProcess) -> None:
+    """Issue 30 point 14: `nexa audit verify --against` a head kept from before a rotation verifies
+    against the retired key's public half; one signed by a key the controller never had is refused."""
+    cp = controller_process
+    head_file = cp.state_dir.parent / "head.json"
+    kept = cp.cli("audit", "head", "--json")
+    assert kept.returncode == 0, kept.stderr
+    head_file.write_text(kept.stdout)
+    headers = {"Authorization": f"Bearer {cp.admin_key}"}
+    rotated = httpx.post(f"{cp.url}/api/v1/controller/rotate-keys", headers=headers, timeout=30)
+    assert rotated.status_code == 200, rotated.text
+    checked = cp.cli("audit", "verify", "--against", str(head_file))
+    assert checked.returncode == 0, checked.stderr
+    forged = json.loads(kept.stdout)
+    forged["public_key"] = "A" * 43 + "="
+    head_file.write_text(json.dumps(forged))
+    refused = cp.cli("audit", "verify", "--against", str(head_file))
+    assert refused.returncode == 1 and "INVALID (the checkpoint was signed by another key" in refused.stderr

@@ -51,8 +51,18 @@ def test_the_curve_switch_swaps_the_endpoints_and_keeps_the_old_key_to_refuse_wi
         1,
         first.curve,
     )
+    # The retired signing key's private half went with its overlap (issue 30 point 14); its public half stays.
+    assert not (tmp_path / f"retired-{first.key_id}-signing.pem").exists()
+    assert switched.verifying_keys()[first.key_id] == first.signing.public
     # The next rotation's new key goes on endpoint 0 again.
-    assert keyring.rotate(tmp_path, now=time.time(), overlap_s=600.0).newest_slot == 0
+    third = keyring.rotate(tmp_path, now=time.time(), overlap_s=600.0)
+    assert third.newest_slot == 0
+    assert (tmp_path / f"retired-{switched.key_id}-signing.pem").exists()  # it signs the announcement meanwhile
+    keyring.switch_curve(tmp_path)
+    # After the second switch: no retired signing key, and only the newest retired Curve key's private half.
+    assert not list(tmp_path.glob("retired-*-signing.pem"))
+    assert not (tmp_path / f"retired-{first.key_id}-curve.key").exists()
+    assert (tmp_path / f"retired-{switched.key_id}-curve.key").exists()
 
 
 def test_a_switch_cut_short_is_finished_and_one_whose_overlap_ended_is_made_at_the_start(tmp_path: Path) -> None:
