@@ -327,6 +327,27 @@ class ArtifactStoreConfig:
     #: The profile (section) of an INI credentials file.
     s3_profile: str = "default"
     s3_tls_verify: bool = True
+    #: Where a model's artifact may be, as `bucket` or `bucket/prefix/` (e.g. `["nexa-models/models/"]`):
+    #: a model naming any other object is refused at registration and verification, before the store
+    #: is asked, so no answer quotes what lies outside. Empty: any object of the store.
+    allowed_prefixes: tuple[str, ...] = attrs.field(default=(), validator=lambda _i, _a, v: _check_prefixes(v))
+
+    def artifact_problem(self, uri: str) -> str | None:
+        """Why an artifact at `uri` (`s3://bucket/key`) is outside `allowed_prefixes`, or None."""
+        if not self.allowed_prefixes:
+            return None
+        where = uri.removeprefix("s3://")
+        allowed = tuple(p if "/" in p else f"{p}/" for p in self.allowed_prefixes)  # a bucket: all of it
+        if uri.startswith("s3://") and "/../" not in f"/{where}/" and where.startswith(allowed):
+            return None
+        return f"artifact.uri: outside [artifacts] allowed_prefixes ({', '.join(self.allowed_prefixes)})"
+
+
+def _check_prefixes(prefixes: tuple[str, ...]) -> None:
+    for prefix in prefixes:
+        bucket = prefix.split("/", 1)[0]
+        if prefix.startswith("s3://") or not bucket or ".." in prefix.split("/"):
+            raise ValueError(f"allowed_prefixes: {prefix!r} is not `bucket` or `bucket/prefix/` (no s3://, no '..')")
 
 
 @attrs.frozen(kw_only=True)

@@ -97,7 +97,7 @@ class NodeLive:
     #: (`needs_reenrollment`): Unreachable from then on, sent nothing; "" for every other node.
     reenroll_key_id: str = ""
     #: Its channel's refusals since this controller started, by reason (`nexa_node_messages_rejected_total`'s
-    #: reasons), and `disconnected`: its connections libzmq closed (`nexa_node_disconnects_total`).
+    #: reasons), and `disconnected`: its connections libzmq closed (`nexa_channel_disconnects_total`).
     channel: dict[str, int] = attrs.field(factory=dict)
     #: A changed inventory or acknowledgement kept in memory, not yet written (above the node's write rate).
     inventory_unsaved: bool = False

@@ -263,6 +263,8 @@ class ModelRegistry:
 
     async def register_model(self, actor: Actor, req: ModelCreate) -> ModelRecord:
         problems = model_problems(req)
+        if problem := self._outbound.artifact_problem(req.artifact):
+            problems.append(problem)
         if problems:
             raise _invalid("model", problems)
         artifact = req.artifact
@@ -351,6 +353,8 @@ class ModelRegistry:
         async with self._lock:
             model = self.model(name, version)
             self._allowed(model, "verify")
+            if problem := self._outbound.artifact_problem(model.artifact):
+                raise _invalid(f"verification of {model.key}", [problem])
             if key in self._verifying:
                 raise Conflict(f"model {model.key} is being verified already")
             self._verifying.add(key)

@@ -274,6 +274,10 @@ class Outbound:
 
     # --- S3-compatible store --------------------------------------------------------------------
 
+    def artifact_problem(self, artifact: ModelArtifact) -> str | None:
+        """Why the artifact lies outside `[artifacts] allowed_prefixes` (asked before the store is), or None."""
+        return self._artifacts.artifact_problem(artifact.uri)
+
     async def verify_artifact(self, artifact: ModelArtifact) -> ArtifactCheck:
         """Stream every object of the artifact, hash and count it; return only when each file's
         sha256 and size match (a single object: the artifact's own).

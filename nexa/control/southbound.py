@@ -187,7 +187,7 @@ class Southbound:
         return node_id
 
     def _disconnected(self, node_id: str) -> None:
-        self._metrics.node_disconnects.inc()
+        self._metrics.channel_disconnects.inc()
         self._fleet.count_channel(node_id, DISCONNECTED)
 
     def _retired_dial(self, curve_public_z85: str) -> None:

@@ -145,8 +145,8 @@ class Metrics:
             ["reason"],
             registry=r,
         )
-        self.node_disconnects = Counter(
-            "nexa_node_disconnects",
+        self.channel_disconnects = Counter(
+            "nexa_channel_disconnects",
             "Node channel connections closed under an enrolled node: it left or went silent, or libzmq dropped"
             " it (a message over 4 times the channel's limit, a protocol error). By node: `nexa nodes show`.",
             registry=r,

@@ -281,7 +281,7 @@ async def _beyond_the_frame_limit(cluster: SimCluster, evil: RawNode) -> None:
     limit = 65536 + messaging.MESSAGE_HEADROOM_BYTES
     oversized_before = await metric(c, REJECTED, reason="oversized_chunk")
     too_large_before = await metric(c, REJECTED, reason="message_too_large")
-    disconnects_before = await metric(c, "nexa_node_disconnects_total")
+    disconnects_before = await metric(c, "nexa_channel_disconnects_total")
     counts_before = await _channel_counts(cluster, "evil")
     # Over the limit: a data frame one byte too long, and a signed frame nested 100,000 levels deep.
     await evil.send([b"chunk", b"r-none", b"", b"x" * (limit + 1)])
@@ -300,7 +300,7 @@ async def _beyond_the_frame_limit(cluster: SimCluster, evil: RawNode) -> None:
         return (await _channel_counts(cluster, "evil")).get("disconnected", 0) > counts.get("disconnected", 0)
 
     await wait_for(dropped)
-    assert await metric(c, "nexa_node_disconnects_total") >= disconnects_before + 1
+    assert await metric(c, "nexa_channel_disconnects_total") >= disconnects_before + 1
     await _serving(cluster)
     malformed_before = await metric(c, REJECTED, reason="malformed")
     await trio.sleep(0.5)  # the DEALER reconnects on its own

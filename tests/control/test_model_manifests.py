@@ -8,17 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
+import trio
 
 from nexa.contracts.manifest import ArtifactFile, Manifest
 from nexa.security import SigningKey, sign_digest
-from tests.conftest import Controller
+from tests.conftest import Controller, start_controller
 from tests.realparts import S3Store
 from tests.support.api import assert_envelope, ok
-from tests.support.models import audit_events, get_model
+from tests.support.models import audit_events, get_model, registry_config
 
 Json = dict[str, Any]
 
@@ -187,3 +190,34 @@ async def test_a_single_object_registered_the_old_way_still_verifies(reg: Contro
         assert (model["artifact"]["files"], model["artifact"]["entry"]) == ([], "")
         verified = await ok(http.post("/api/v1/models/tiny/v1/verify"))
     assert verified["state"] == "Verified"
+
+
+async def test_an_artifact_outside_the_allowed_prefixes_is_refused_before_the_store_is_asked(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store
+) -> None:
+    """Issue 30 point 7: `[artifacts] allowed_prefixes` bounds what a model may name. A model outside
+    it is refused at registration (and verification) without the store being asked: the answer quotes
+    no digest or size of the object it named, even one that exists with other bytes."""
+    uri, files = await upload_dir(s3_store, HF_FILES)  # under <random>/models/llama/v1/
+    inside = uri.removeprefix("s3://").split("/models/")[0] + "/models/"
+    cfg = registry_config(tmp_path, s3_store)
+    cfg = attrs.evolve(cfg, artifacts=attrs.evolve(cfg.artifacts, allowed_prefixes=(inside,)))
+    c = await start_controller(nursery, cfg)
+    try:
+        async with c.client() as http:
+            await ok(http.post("/api/v1/models", json=manifest_body("llama", "v1", uri, files)), 201)
+            await ok(http.post("/api/v1/models/llama/v1/verify"))
+            outside = f"s3://{s3_store.bucket}/elsewhere/"
+            wrong = [{**files[0], "size_bytes": 1, "sha256": "0" * 64}]  # the store holds other bytes there
+            await s3_store.put("elsewhere/" + files[0]["path"], HF_FILES[files[0]["path"]])
+            for bad in (outside, uri.replace("/models/", "/models/../secret/")):
+                err = assert_envelope(
+                    await http.post("/api/v1/models", json=manifest_body("llama", "v2", bad, wrong)),
+                    400,
+                    "invalid_request",
+                )
+                assert "allowed_prefixes" in str(err["message"]) and inside in str(err["message"])
+                assert str(len(HF_FILES[files[0]["path"]])) not in str(err["message"])
+            assert [m["version"] for m in (await ok(http.get("/api/v1/models")))["models"]] == ["v1"]
+    finally:
+        c.stopping.set()
