@@ -18,7 +18,7 @@ import platform
 import shutil
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn, TypeVar
 
@@ -324,9 +324,15 @@ async def query_gpus(nvidia_smi: str) -> list[Gpu]:
 
     No deadline here: callers put one around the call (`discover` uses NVIDIA_SMI_TIMEOUT_S).
     """
+    return parse_nvidia_smi_csv(await run_nvidia_smi(nvidia_smi, NVIDIA_SMI_ARGS))
+
+
+async def run_nvidia_smi(nvidia_smi: str, args: Sequence[str]) -> str:
+    """nvidia-smi's output for `args`; Unavailable, with its first line, when it cannot run or fails.
+    A cancelled run (the caller's deadline) is killed at once."""
     try:
         proc = await trio.run_process(
-            [nvidia_smi, *NVIDIA_SMI_ARGS],
+            [nvidia_smi, *args],
             capture_stdout=True,
             capture_stderr=True,
             check=False,
@@ -340,7 +346,7 @@ async def query_gpus(nvidia_smi: str) -> list[Gpu]:
         said = (proc.stderr or b"").decode(errors="replace").strip() or proc.stdout.decode(errors="replace").strip()
         detail = said.splitlines()[0][:_MAX_DETAIL] if said else "no output"
         raise Unavailable(f"nvidia-smi exited with status {proc.returncode}: {detail}")
-    return parse_nvidia_smi_csv(proc.stdout.decode(errors="replace"))
+    return str(proc.stdout.decode(errors="replace"))
 
 
 async def _kill(proc: trio.Process) -> None:

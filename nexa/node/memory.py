@@ -36,7 +36,7 @@ from nexa.contracts import wire
 from nexa.contracts.bounds import MAX_BYTES
 from nexa.contracts.node import NodeInventory
 from nexa.errors import Unavailable
-from nexa.node.inventory import NVIDIA_SMI_TIMEOUT_S, parse_meminfo
+from nexa.node.inventory import NVIDIA_SMI_TIMEOUT_S, parse_meminfo, run_nvidia_smi
 from nexa.node.supervisor import Replica
 
 log = logging.getLogger(__name__)
@@ -190,23 +190,7 @@ def cgroup_pids(pid: int, *, root: Path = CGROUP_ROOT, proc: Path = Path("/proc"
 
 async def query_compute_apps(nvidia_smi: str) -> dict[int, int]:
     """GPU memory by host pid; raises Unavailable when nvidia-smi cannot say (no deadline here)."""
-    try:
-        proc = await trio.run_process(
-            [nvidia_smi, *COMPUTE_APPS_ARGS],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-            deliver_cancel=_kill,
-        )
-    except OSError as exc:
-        raise Unavailable(f"cannot run nvidia-smi: {exc.strerror or type(exc).__name__}") from None
-    if proc.returncode != 0:
-        raise Unavailable(f"nvidia-smi --query-compute-apps exited with status {proc.returncode}")
-    return parse_compute_apps(proc.stdout.decode(errors="replace"))
-
-
-async def _kill(process: trio.Process) -> None:
-    process.kill()
+    return parse_compute_apps(await run_nvidia_smi(nvidia_smi, COMPUTE_APPS_ARGS))
 
 
 # ---------------------------------------------------------------------------------------------
