@@ -54,7 +54,7 @@ async def test_a_deployment_is_placed_and_its_nodes_get_signed_sets(
         )
         assert spec.gpus == ["nvidia.com/gpu=0"] and spec.port == 18100
         assert spec.memory_bytes == model["memory_bytes"]
-        assert spec.command == ["llama-server", "--model", "/models/model"]
+        assert spec.process == ["llama-server", "--model", "/models/model"]
     decision = placement["decision"]
     assert decision["feasible"] is True
     assert [e["node_id"] for e in decision["explanations"]] == ["n1", "n2"]
