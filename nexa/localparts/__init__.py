@@ -23,6 +23,7 @@ from nexa.localparts.children import (
 )
 from nexa.localparts.images import (
     LLAMA_DIST,
+    build_image,
     build_llama_image,
     build_python_image,
     cache_dir,
@@ -69,6 +70,7 @@ __all__ = [
     "LocalRegistry",
     "LocalS3",
     "WeedPorts",
+    "build_image",
     "build_llama_image",
     "build_python_image",
     "cache_dir",

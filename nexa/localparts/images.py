@@ -251,13 +251,20 @@ def build_llama_image(podman: LocalPodman, python_image: str, remote: str, work:
         "ENV PYTHONPATH=/opt/llama-site PYTHONDONTWRITEBYTECODE=1\n"
         'CMD ["python3", "-m", "llama_cpp.server", "--help"]\n'
     )
-    local = f"localhost/nexa-local/llama-cpp-python:{os.getpid()}"
-    containerfile = str(work / "Containerfile")
-    build = ("build", "--tls-verify=false", "--format", "docker", "-t", local, "-f", containerfile, str(work))
-    podman.run(*build, timeout_s=IMAGE_STEP_TIMEOUT_S)
-    pushed = podman.push(local, f"{remote}:latest", work)
+    pushed = build_image(podman, work, remote)
     podman.run("rmi", "--ignore", python_image, check=False)
     return pushed
+
+
+def build_image(podman: LocalPodman, context: Path, remote: str) -> str:
+    """`podman build` of `context`/Containerfile (its FROM image pulled over plain HTTP), in Docker's
+    format (it keeps HEALTHCHECK), pushed to `remote` (`host/repo`): `host/repo@sha256:…`. The local
+    image is removed."""
+    local = f"localhost/nexa-local/{remote.rpartition('/')[2]}:{os.getpid()}"
+    containerfile = str(context / "Containerfile")
+    build = ("build", "--tls-verify=false", "--format", "docker", "-t", local, "-f", containerfile, str(context))
+    podman.run(*build, timeout_s=IMAGE_STEP_TIMEOUT_S)
+    return podman.push(local, f"{remote}:latest", context)
 
 
 def llama_version() -> str:
