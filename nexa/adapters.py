@@ -447,8 +447,11 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         path="/metrics",
         waiting="llamacpp:requests_deferred",
         running="llamacpp:requests_processing",
-        # Exported by older builds only; newer ones have no KV-cache gauge. No prefix-cache
-        # figures and no latency histograms (only token-rate gauges).
+        # As llama.cpp's tools/server/server-task.cpp names them (checked against the source the
+        # llama-cpp-python 0.3.36 sdist vendors): `llamacpp:` + requests_processing, requests_deferred,
+        # prompt_tokens_total, tokens_predicted_total, …. The KV-cache gauge is exported by older
+        # builds only. No prefix-cache pair (cached prompt tokens are counted apart from the
+        # processed ones, not as hits over lookups) and no latency histograms (token-rate gauges).
         kv_cache=("llamacpp:kv_cache_usage_ratio",),
     ),
     capabilities=_ALL,
@@ -546,6 +549,19 @@ def entrypoint_for(command: Sequence[str], config: ImageConfig | None) -> Entryp
     if "/" not in program and image_entry and posixpath.basename(image_entry[0]) == program:
         program, how = image_entry[0], "program"
     return Entrypoint(entrypoint=[program], command=list(command[1:]), how=how)
+
+
+def image_runs(kind: RuntimeKind, config: ImageConfig | None) -> list[tuple[str, list[str]]]:
+    """What a replica of `kind` runs in the image `config` describes, for each of its adapter's
+    variants: (the variant, the process: entrypoint, then the program's fixed arguments and `…`)."""
+    if not has_adapter(kind):
+        return []
+    variants = LLAMACPP_VARIANTS.values() if kind is RuntimeKind.LLAMACPP else [ADAPTERS[kind]]
+    out = []
+    for variant in variants:
+        split = entrypoint_for([*variant.program, "…"], config)
+        out.append((variant.name, [*split.entrypoint, *split.command]))
+    return out
 
 
 def program_of(entrypoint: Sequence[str], command: Sequence[str]) -> str:

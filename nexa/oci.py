@@ -245,23 +245,27 @@ def parse_image_config(body: bytes, *, image: str) -> ImageConfig:
     platform = _platform(doc, image)
     if platform is None:
         raise ManifestInvalid(f"the config of {image} names no os and architecture", image=image)
-    run = doc.get("config") or {}
+    run = doc.get("config")
+    run = {} if run is None else run
     if not isinstance(run, dict):
         raise ManifestInvalid(f"the config of {image} has a `config` that is not an object", image=image)
 
     def strings(key: str) -> list[str]:
-        value = run.get(key) or []
+        value = run.get(key)
+        value = [] if value is None else value
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or len(value) > MAX_CONFIG_LIST:
             raise ManifestInvalid(f"the config of {image} has a {key} that is not a list of strings", image=image)
         return [_bounded(v, key, image) for v in value]
 
     def text(key: str) -> str:
-        value = run.get(key) or ""
+        value = run.get(key)
+        value = "" if value is None else value
         if not isinstance(value, str):
             raise ManifestInvalid(f"the config of {image} has a {key} that is not a string", image=image)
         return _bounded(value, key, image)
 
-    ports = run.get("ExposedPorts") or {}
+    ports = run.get("ExposedPorts")
+    ports = {} if ports is None else ports
     if not isinstance(ports, dict) or len(ports) > MAX_CONFIG_LIST:
         raise ManifestInvalid(f"the config of {image} has ExposedPorts that are not an object", image=image)
     return ImageConfig(

@@ -31,7 +31,11 @@ from nexa.tinymodel import has_gguf_writer
 DEBIAN_SUITE: Final = "bookworm"
 DEBIAN_MIRROR: Final = "http://deb.debian.org/debian"
 DEBIAN_KEYRING: Final = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
-DEBOOTSTRAP_ARGS: Final = ("--variant=minbase", "--include=python3-minimal,python3", f"--keyring={DEBIAN_KEYRING}")
+DEBOOTSTRAP_ARGS: Final = (
+    "--variant=minbase",
+    "--include=python3-minimal,python3,curl,libgomp1",
+    f"--keyring={DEBIAN_KEYRING}",
+)
 #: Removed from the root filesystem before it is packed: apt's downloaded packages and package lists.
 ROOTFS_PRUNE: Final = ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*")
 #: debootstrap takes 45-50 s on a 2-core machine; a slow mirror gets this long.
