@@ -450,7 +450,8 @@ class Supervisor:
             except (PodmanError, ArtifactError) as exc:
                 await trio.sleep(self._on_failure(w, exc))
             else:
-                if exited is not None and exited.exit_code == EXIT_PROGRAM_MISSING:
+                if exited is not None and exited.exit_code == EXIT_PROGRAM_MISSING and w.state is State.STARTING:
+                    # 127 before it was ever Ready: the program (behind an exec wrapper) was not found.
                     missing = self._program_missing(w, f"exited with code {EXIT_PROGRAM_MISSING} (command not found)")
                     self._set(w, State.FAILED, reason="runtime_program_missing", detail=missing.detail)
                     await trio.sleep_forever()
