@@ -99,6 +99,19 @@ def test_malformed_documents_are_manifest_invalid(body: bytes) -> None:
         parse_manifest(body, OCI_INDEX, image="x")
 
 
+def test_an_index_entry_without_a_digest_is_manifest_invalid() -> None:
+    """Its config cannot be read (what runs there is unknown): the index is refused, not half recorded."""
+    body = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_INDEX,
+            "manifests": [{"platform": {"os": "linux", "architecture": "amd64"}}],
+        }
+    ).encode()
+    with pytest.raises(ManifestInvalid, match="without a sha256 digest"):
+        parse_manifest(body, "", image="x")
+
+
 def test_a_config_without_a_platform_is_manifest_invalid() -> None:
     with pytest.raises(ManifestInvalid):
         parse_config_platform(json.dumps({"rootfs": {}}).encode(), image="x")
