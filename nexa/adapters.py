@@ -50,6 +50,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -73,6 +74,7 @@ from nexa.adapter_args import (
 )
 from nexa.contracts.gateway import Capability
 from nexa.contracts.manifest import path_problem
+from nexa.contracts.models import ImageConfig
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import MemoryLimit, MemoryShare, RuntimeMemory
 from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
@@ -645,8 +647,11 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         path="/metrics",
         waiting="llamacpp:requests_deferred",
         running="llamacpp:requests_processing",
-        # Exported by older builds only; newer ones have no KV-cache gauge. No prefix-cache
-        # figures and no latency histograms (only token-rate gauges).
+        # As llama.cpp's tools/server/server-task.cpp names them (checked against the source the
+        # llama-cpp-python 0.3.36 sdist vendors): `llamacpp:` + requests_processing, requests_deferred,
+        # prompt_tokens_total, tokens_predicted_total, …. The KV-cache gauge is exported by older
+        # builds only. No prefix-cache pair (cached prompt tokens are counted apart from the
+        # processed ones, not as hits over lookups) and no latency histograms (token-rate gauges).
         kv_cache=("llamacpp:kv_cache_usage_ratio",),
     ),
     capabilities=_ALL,
@@ -719,16 +724,92 @@ ENGINE_OVERHEAD_BYTES: Final[Mapping[str, int]] = {
 #: The `sim` runtime (`nexa sim-runtime`) exports vLLM's names.
 SIM_METRICS: Final = VLLM.metrics
 
+#: Image entrypoints that only prepare the environment and `exec` their arguments: they stay in
+#: front of the adapter's command (every other entrypoint is replaced by the adapter's program).
+#: NVIDIA's NGC images (vLLM, SGLang, TensorRT-LLM, PyTorch) have `/opt/nvidia/nvidia_entrypoint.sh`;
+#: tini and dumb-init are init processes that run their arguments as their child.
+EXEC_WRAPPERS: Final = frozenset(
+    {
+        ("/opt/nvidia/nvidia_entrypoint.sh",),
+        ("/usr/bin/tini", "--"),
+        ("/tini", "--"),
+        ("tini", "--"),
+        ("/usr/bin/dumb-init", "--"),
+        ("dumb-init", "--"),
+    }
+)
 
-def metrics_for(kind: RuntimeKind, command: Sequence[str]) -> Metrics:
-    """Where a replica of `kind`, started with `command`, publishes its load: the node knows the
-    signed spec only, so the llama.cpp variant is told from its program (llama-server's otherwise)."""
+
+@attrs.frozen(kw_only=True)
+class Entrypoint:
+    """How a command is given to a container: its entrypoint and its command (`entrypoint + command`
+    is the process), and why."""
+
+    entrypoint: list[str]
+    command: list[str]
+    #: `wrapper` (the image's exec wrapper stays in front), `program` (the command's program as the
+    #: image names it in its entrypoint), `set` (the command's program, set over the image's
+    #: entrypoint, or where it has none), `unknown` (no image config was read at registration).
+    how: str
+
+
+def entrypoint_for(command: Sequence[str], config: ImageConfig | None) -> Entrypoint:
+    """The container entrypoint that makes `command` (a program and its arguments) exactly the
+    process, whatever `config` (the image's config for the node's platform; None: unknown) says.
+
+    An entrypoint in `EXEC_WRAPPERS` stays, with the whole command after it. Otherwise the
+    command's program is the entrypoint and the rest its command: a bare program name that the
+    image's entrypoint names by path (llama.cpp's `/app/llama-server`, which is not on PATH) takes
+    that path; any other bare name is looked up on the image's PATH by the container engine.
+    """
+    if not command:
+        return Entrypoint(entrypoint=[], command=[], how="set")
+    image_entry = tuple(config.entrypoint) if config is not None else ()
+    if image_entry in EXEC_WRAPPERS:
+        return Entrypoint(entrypoint=list(image_entry), command=list(command), how="wrapper")
+    program, how = command[0], "set" if config is not None else "unknown"
+    if "/" not in program and image_entry and posixpath.basename(image_entry[0]) == program:
+        program, how = image_entry[0], "program"
+    return Entrypoint(entrypoint=[program], command=list(command[1:]), how=how)
+
+
+def image_runs(kind: RuntimeKind, config: ImageConfig | None) -> list[tuple[str, list[str]]]:
+    """What a replica of `kind` runs in the image `config` describes, for each of its adapter's
+    variants: (the variant, the process: entrypoint, then the program's fixed arguments and `…`)."""
+    if not has_adapter(kind):
+        return []
+    variants = LLAMACPP_VARIANTS.values() if kind is RuntimeKind.LLAMACPP else [ADAPTERS[kind]]
+    out = []
+    for variant in variants:
+        split = entrypoint_for([*variant.program, "…"], config)
+        out.append((variant.name, [*split.entrypoint, *split.command]))
+    return out
+
+
+def program_of(entrypoint: Sequence[str], command: Sequence[str]) -> str:
+    """The program a container runs with `entrypoint` and `command`: the first word, or the word after
+    an image's exec wrapper (NVIDIA's); "" for none (the image's own entrypoint runs then)."""
+    if command and tuple(entrypoint) in EXEC_WRAPPERS:
+        return command[0]
+    process = [*entrypoint, *command]
+    return process[0] if process else ""
+
+
+def metrics_for(kind: RuntimeKind, process: Sequence[str]) -> Metrics:
+    """Where a replica of `kind`, running `process` (entrypoint and command), publishes its load: the
+    node knows the signed spec only, so the llama.cpp variant is told from its program, by name or
+    path, first or after an exec wrapper (llama-server's otherwise)."""
     if kind is RuntimeKind.SIM:
         return SIM_METRICS
     if kind is RuntimeKind.LLAMACPP:
         for variant in LLAMACPP_VARIANTS.values():
-            if tuple(command[: len(variant.program)]) == variant.program:
-                return variant.metrics
+            first, rest = variant.program[0], variant.program[1:]
+            for at in range(min(2, len(process))):
+                if (
+                    posixpath.basename(process[at]) == first
+                    and tuple(process[at + 1 : at + len(variant.program)]) == rest
+                ):
+                    return variant.metrics
     adapter = ADAPTERS.get(kind)
     return adapter.metrics if adapter is not None else Metrics(path=None)
 

@@ -20,7 +20,7 @@ from typing import Final
 import attrs
 
 from nexa.config import WatchedFile
-from nexa.contracts.models import ImagePlatform
+from nexa.contracts.models import ImageConfig, ImagePlatform
 from nexa.contracts.runtime import IMAGE_BY_DIGEST_RE
 from nexa.errors import ConfigError, ContractError, ManifestInvalid
 
@@ -184,6 +184,8 @@ class ParsedManifest:
     platforms: list[ImagePlatform]
     #: A single manifest: the digest of its config blob, which names the platform.
     config_digest: str | None = None
+    #: An index: each platform's manifest digest, in the index's order (the first per platform).
+    manifests: list[tuple[ImagePlatform, str]] = attrs.Factory(list)
 
 
 def parse_manifest(body: bytes, header_media_type: str, *, image: str) -> ParsedManifest:
@@ -200,6 +202,7 @@ def parse_manifest(body: bytes, header_media_type: str, *, image: str) -> Parsed
         if not isinstance(entries, list):
             raise ManifestInvalid(f"the index of {image} has no list of manifests", image=image)
         platforms: list[ImagePlatform] = []
+        manifests: list[tuple[ImagePlatform, str]] = []
         for entry in entries:
             platform = entry.get("platform") if isinstance(entry, dict) else None
             if platform is None:
@@ -207,7 +210,11 @@ def parse_manifest(body: bytes, header_media_type: str, *, image: str) -> Parsed
             found = _platform(platform, image)
             if found is not None and found not in platforms:
                 platforms.append(found)
-        return ParsedManifest(media_type=media_type or OCI_INDEX, platforms=platforms)
+                digest = entry.get("digest") if isinstance(entry, dict) else None
+                if not isinstance(digest, str) or not _DIGEST_RE.match(digest):
+                    raise ManifestInvalid(f"the index of {image} names {found} without a sha256 digest", image=image)
+                manifests.append((found, digest))
+        return ParsedManifest(media_type=media_type or OCI_INDEX, platforms=platforms, manifests=manifests)
     if media_type in SINGLE_MEDIA_TYPES or (not declared and "config" in doc):
         config = doc.get("config")
         digest = config.get("digest") if isinstance(config, dict) else None
@@ -223,6 +230,59 @@ def parse_config_platform(body: bytes, *, image: str) -> ImagePlatform:
     if found is None:
         raise ManifestInvalid(f"the config of {image} names no os and architecture", image=image)
     return found
+
+
+#: Bounds on what an image config may hold for nexa to keep it (a registry's config is untrusted input).
+MAX_CONFIG_LIST: Final = 1024
+MAX_CONFIG_STRING: Final = 8192
+
+
+def parse_image_config(body: bytes, *, image: str) -> ImageConfig:
+    """The platform and what runs, from an image config blob (OCI image config, Docker's alike):
+    `config.Entrypoint`, `Cmd`, `User`, `Env`, `WorkingDir`, `ExposedPorts`. ManifestInvalid when the
+    config names no platform or holds a field of the wrong type."""
+    doc = _json_object(body, image, "config")
+    platform = _platform(doc, image)
+    if platform is None:
+        raise ManifestInvalid(f"the config of {image} names no os and architecture", image=image)
+    run = doc.get("config")
+    run = {} if run is None else run
+    if not isinstance(run, dict):
+        raise ManifestInvalid(f"the config of {image} has a `config` that is not an object", image=image)
+
+    def strings(key: str) -> list[str]:
+        value = run.get(key)
+        value = [] if value is None else value
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value) or len(value) > MAX_CONFIG_LIST:
+            raise ManifestInvalid(f"the config of {image} has a {key} that is not a list of strings", image=image)
+        return [_bounded(v, key, image) for v in value]
+
+    def text(key: str) -> str:
+        value = run.get(key)
+        value = "" if value is None else value
+        if not isinstance(value, str):
+            raise ManifestInvalid(f"the config of {image} has a {key} that is not a string", image=image)
+        return _bounded(value, key, image)
+
+    ports = run.get("ExposedPorts")
+    ports = {} if ports is None else ports
+    if not isinstance(ports, dict) or len(ports) > MAX_CONFIG_LIST:
+        raise ManifestInvalid(f"the config of {image} has ExposedPorts that are not an object", image=image)
+    return ImageConfig(
+        platform=platform,
+        entrypoint=strings("Entrypoint"),
+        cmd=strings("Cmd"),
+        user=text("User"),
+        env=strings("Env"),
+        working_dir=text("WorkingDir"),
+        exposed_ports=sorted(_bounded(str(p), "ExposedPorts", image) for p in ports),
+    )
+
+
+def _bounded(value: str, key: str, image: str) -> str:
+    if len(value) > MAX_CONFIG_STRING or "\x00" in value:
+        raise ManifestInvalid(f"the config of {image} has a {key} entry too long or with a NUL", image=image)
+    return value
 
 
 def _json_object(body: bytes, image: str, what: str) -> dict[str, object]:

@@ -66,6 +66,8 @@ def spec_sha256(runtime: RuntimeSpec) -> str:
         # the runtimes it already runs instead of replacing them.
         artifact.pop("files", None)
         artifact.pop("entry", None)
+    if not body.get("entrypoint"):
+        body.pop("entrypoint", None)  # sets signed before entrypoints were set hash as they did
     return hashlib.sha256(codec.canonical_json(body).encode()).hexdigest()
 
 
@@ -182,6 +184,7 @@ def container_spec(
         publish_host=host if private else "",
         publish_port=runtime.port if private else 0,
         rw_mounts=rw_mounts,
+        entrypoint=[] if is_simulated(runtime) else with_host(runtime.entrypoint, bind_host),
     )
 
 

@@ -40,6 +40,7 @@ from nexa.localparts import (
     LocalPodman,
     WeedPorts,
     build_llama_image,
+    build_llama_server_image,
     build_python_image,
     cache_dir,
     find_weed,
@@ -501,6 +502,27 @@ def llama_image(
     remote = f"{oci_registry.host}/nexa-test/llama-cpp-python"
     with _failing():
         return build_llama_image(podman_service.local, python_image, remote, work)
+
+
+@pytest.fixture(scope="session")
+def llama_server_image(
+    podman_service: PodmanService,
+    oci_registry: OciRegistry,
+    python_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> str:
+    """llama.cpp's own C++ `llama-server` on the python image, laid out as llama.cpp's published server
+    image (`/app/llama-server` and its libraries, `WORKDIR /app`, `ENTRYPOINT ["/app/llama-server"]`, a
+    curl HEALTHCHECK: `.devops/cpu.Dockerfile` in llama.cpp's source), pushed: `repo@sha256:…`.
+
+    Built offline from the llama.cpp source the llama-cpp-python sdist vendors (`nexa.localparts.
+    build_llama_server_image`): cmake builds the server alone (about 15 minutes on 2 cores), packed into
+    `cache_dir()` under a name keyed by the recipe, so later runs only unpack it. Needs cmake and g++.
+    """
+    work = tmp_path_factory.mktemp("llama-server-image")
+    remote = f"{oci_registry.host}/nexa-test/llama-server"
+    with _failing():
+        return build_llama_server_image(podman_service.local, python_image, remote, work, cache_dir())
 
 
 @pytest.fixture(scope="session")

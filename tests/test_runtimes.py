@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -9,7 +10,7 @@ import attrs
 import pytest
 
 from nexa import runtimes
-from nexa.contracts import wire
+from nexa.contracts import codec, wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import (
     LABEL_ASSIGNMENT,
@@ -192,10 +193,22 @@ def test_spec_hash_is_stable() -> None:
         {"memory_bytes": 4 << 30},
         {"image": "127.0.0.1:5000/nexa/llamacpp@sha256:" + "2" * 64},
         {"stop_timeout_s": 5.0},
+        {"entrypoint": ["/app/llama-server"]},
     ],
 )
 def test_spec_hash_detects_changes(change: dict[str, Any]) -> None:
     assert runtimes.spec_sha256(attrs.evolve(sample_runtime(), **change)) != runtimes.spec_sha256(sample_runtime())
+
+
+def test_a_set_signed_before_entrypoints_decodes_and_keeps_its_hash() -> None:
+    """Its JSON has no `entrypoint`: the image's entrypoint stays, and the running container is adopted."""
+    rt = sample_runtime()
+    body = codec.wire.unstructure(rt)
+    del body["entrypoint"]
+    old = codec.loads(codec.wire, json.dumps(body), RuntimeSpec)
+    assert old == rt and old.entrypoint == [] and old.process == rt.command
+    assert runtimes.spec_sha256(old) == runtimes.spec_sha256(rt)
+    assert runtimes.container_spec("n", assignment(old), 1, ARTIFACT).entrypoint == []
 
 
 def test_names_are_sanitised_without_collisions() -> None:

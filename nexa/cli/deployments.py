@@ -382,6 +382,8 @@ def _deployments_placement(args: argparse.Namespace) -> int:
         print_json(out)
     else:
         _print_decision(out.decision)
+        if out.process:
+            print("runs: " + " ".join(out.process))
     return EXIT_OK
 
 

@@ -8,7 +8,7 @@ from typing import Any, Final
 
 from nexa.cli import common
 from nexa.cli.output import emit, print_json, ref
-from nexa.cli.tables import ALIASES, RUNTIME_SHOW, RUNTIMES, platforms
+from nexa.cli.tables import ALIASES, RUNTIME_SHOW, RUNTIMES, platforms, print_image_configs
 from nexa.contracts.models import AliasDetail, AliasReceipt, RuntimeRegistered
 
 EXIT_OK: Final = 0
@@ -77,6 +77,7 @@ def _runtimes_register(args: argparse.Namespace) -> int:
     else:
         print(f"runtime {out.name} registered: {out.kind} {out.version}, {out.image} ({out.media_type})")
         print(f"platforms: {platforms(out)}")
+        print_image_configs(out)
         for warning in out.warnings:
             print(f"warning: {warning}", file=sys.stderr)
     return EXIT_OK

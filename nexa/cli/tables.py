@@ -16,6 +16,7 @@ from typing import Any, Final, Generic, TypeVar
 
 import attrs
 
+from nexa import adapters
 from nexa.cli import common
 from nexa.cli.output import Cells, emit, gib, print_more, ref, size_text
 from nexa.contracts.api import AuditPage, KeyList, KeyView, NodeList, NodeView, TenantList, TenantView
@@ -229,7 +230,28 @@ RUNTIME_DETAIL: Final = RUNTIME.wider(
     },
 )
 RUNTIMES: Final = Listing(path="/api/v1/runtimes", page=RuntimeList, items=lambda p: p.runtimes, view=RUNTIME)
-RUNTIME_SHOW: Final = Show(path="/api/v1/runtimes/{name}", answer=RuntimeRecord, view=RUNTIME_DETAIL)
+
+
+def print_image_configs(runtime: RuntimeRecord) -> None:
+    """Below `runtimes show`: each platform's image config, and the process a replica runs there."""
+    if not runtime.image_configs:
+        print("image config: unknown (registered before configs were read); the adapter's program is set as is")
+    for config in runtime.image_configs:
+        words = {
+            "entrypoint": " ".join(config.entrypoint) or "-",
+            "cmd": " ".join(config.cmd) or "-",
+            "user": config.user or "-",
+            "workdir": config.working_dir or "-",
+            "ports": ", ".join(config.exposed_ports) or "-",
+        }
+        print(f"{config.platform}: " + "; ".join(f"{k} {v}" for k, v in words.items()))
+        for variant, process in adapters.image_runs(runtime.kind, config):
+            print(f"  runs ({variant}): {' '.join(process)}")
+
+
+RUNTIME_SHOW: Final = Show(
+    path="/api/v1/runtimes/{name}", answer=RuntimeRecord, view=RUNTIME_DETAIL, after=print_image_configs
+)
 
 MODEL: Final = View[ModelRecord](
     columns=("name", "version", "state", "format", "size", "memory", "license", "registered_at"),

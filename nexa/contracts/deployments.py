@@ -343,6 +343,9 @@ class PlacementView:
 
     deployment: str
     decision: PlacementDecision | None
+    #: What its first placed replica runs, as signed: the container's entrypoint and command
+    #: (`{runtime_host}` where the node puts its runtime address); empty before a replica is placed.
+    process: list[str] = attrs.Factory(list)
 
 
 def deployment_problems(req: DeploymentCreate) -> list[str]:

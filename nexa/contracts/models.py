@@ -74,6 +74,33 @@ class ImagePlatform:
 
 
 @attrs.frozen(kw_only=True)
+class ImageConfig:
+    """What one platform's image config says runs (the OCI image config's `config` object), as the
+    registry served it by digest when the runtime was registered. Empty fields: the image sets none."""
+
+    platform: ImagePlatform
+    #: `Entrypoint`: what a container runs before its command unless the entrypoint is set.
+    entrypoint: list[str] = attrs.Factory(list)
+    #: `Cmd`: the default arguments (nexa always replaces them).
+    cmd: list[str] = attrs.Factory(list)
+    #: `User` (`uid`, `uid:gid` or a name); "": root.
+    user: str = ""
+    #: `Env`, `NAME=value` each, in the image's order.
+    env: list[str] = attrs.Factory(list)
+    working_dir: str = ""
+    #: `ExposedPorts`' keys (`8080/tcp`), sorted.
+    exposed_ports: list[str] = attrs.Factory(list)
+
+    def env_value(self, name: str) -> str | None:
+        """The image's value of environment variable `name`, None if it sets none."""
+        for item in self.env:
+            key, sep, value = item.partition("=")
+            if sep and key == name:
+                return value
+        return None
+
+
+@attrs.frozen(kw_only=True)
 class RuntimeCreate:
     name: str
     kind: RuntimeKind
@@ -104,6 +131,19 @@ class RuntimeRecord:
     #: served them when the digest was checked. Empty: unknown (records from before platforms
     #: were read), which filters no node.
     platforms: list[ImagePlatform] = attrs.Factory(list)
+    #: What each platform's image config says runs (entrypoint, command, user, env, working
+    #: directory, exposed ports), read from the registry at registration. Empty: unknown (records
+    #: from before configs were read); the adapter's program is then set as the entrypoint as is.
+    image_configs: list[ImageConfig] = attrs.Factory(list)
+
+    def image_config(self, arch: str | None = None) -> ImageConfig | None:
+        """The image config of the linux platform with architecture `arch` (any, if None or none
+        matches: the first); None when no config is known."""
+        linux = [c for c in self.image_configs if c.platform.os == "linux"] or list(self.image_configs)
+        for config in linux:
+            if arch is not None and config.platform.architecture == arch:
+                return config
+        return linux[0] if linux else None
 
     @property
     def image_archs(self) -> tuple[str, ...] | None:

@@ -141,6 +141,19 @@ class RuntimeSpec:
     #: The runtime registration's explicit opt-in to the node's own network namespace (it can then
     #: bind any address of the node and reach everything the node reaches). Off by default.
     host_network: bool = False
+    #: The container's entrypoint, set explicitly so the process is exactly `entrypoint + command`
+    #: whatever the image's own entrypoint: the adapter's program as the image has it (`command`
+    #: is then its arguments), or a wrapper of the image that only `exec`s its arguments, such as
+    #: NVIDIA's (`command` is then the program and its arguments). The controller decides it from
+    #: the image config it read at registration (`adapters.entrypoint_for`). Empty: the image's
+    #: entrypoint stays and `command` replaces its command (sets signed before entrypoints were
+    #: set, and `sim`, which is a process).
+    entrypoint: list[str] = attrs.field(factory=list)
+
+    @property
+    def process(self) -> list[str]:
+        """What runs (the image's own entrypoint in front when `entrypoint` is empty)."""
+        return [*self.entrypoint, *self.command]
 
 
 @attrs.frozen(kw_only=True)
@@ -171,6 +184,13 @@ class ContainerSpec:
     publish_port: int = 0
     #: (host path, container path) pairs mounted read-write, nosuid, nodev: the replica's cache.
     rw_mounts: list[tuple[str, str]] = attrs.Factory(list)
+    #: The container's entrypoint (libpod `entrypoint`, Docker `Entrypoint`); empty: the image's.
+    entrypoint: list[str] = attrs.field(factory=list)
+
+    @property
+    def process(self) -> list[str]:
+        """What runs (the image's own entrypoint in front when `entrypoint` is empty)."""
+        return [*self.entrypoint, *self.command]
 
 
 @attrs.frozen(kw_only=True)

@@ -202,7 +202,7 @@ class AssignmentStatus:
     state: RuntimeState
     detail: str = ""
     #: Stable machine reason for `Failed` (e.g. `artifact_digest_mismatch`, `insufficient_disk`,
-    #: `image_not_found`, `crash_loop`).
+    #: `image_not_found`, `crash_loop`, `runtime_program_missing`).
     reason: str | None = None
     #: Restarts after crashes since the assignment was accepted.
     restarts: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))

@@ -225,6 +225,7 @@ class ModelRegistry:
                 registered_by=actor.key_id,
                 host_network=req.host_network,
                 platforms=list(manifest.platforms),
+                image_configs=list(manifest.configs),
             )
             await self._audited(
                 st.insert_runtime, runtime, audit_draft(actor, "runtime.register", target, None, runtime)

@@ -28,7 +28,7 @@ import httpx
 import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
-from nexa.contracts.models import ImagePlatform, ModelArtifact
+from nexa.contracts.models import ImageConfig, ImagePlatform, ModelArtifact
 from nexa.errors import (
     ArtifactDigestMismatch,
     ArtifactMissing,
@@ -45,7 +45,7 @@ from nexa.oci import (
     MAX_MANIFEST_BYTES,
     ImageReference,
     RegistryCredentials,
-    parse_config_platform,
+    parse_image_config,
     parse_image_reference,
     parse_manifest,
 )
@@ -74,6 +74,8 @@ class ManifestCheck:
     media_type: str
     #: What the index or the manifest's config names; empty when an index names none.
     platforms: list[ImagePlatform] = attrs.Factory(list)
+    #: Each platform's image config (what runs: entrypoint, command, user, env, …), in `platforms`' order.
+    configs: list[ImageConfig] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -159,44 +161,39 @@ class Outbound:
         return f"{scheme}://{ref.registry}/v2/{ref.repository}/manifests/{ref.digest}"
 
     async def check_image(self, image: str) -> ManifestCheck:
-        """Confirm the image's registry holds the manifest with its digest, and read its platforms.
+        """Confirm the image's registry holds the manifest with its digest, and read what each
+        platform runs.
 
         The manifest is fetched (`GET`) and its bytes must hash to the digest. An index (OCI or
-        Docker manifest list) names its platforms; a single manifest's config blob (fetched and
-        hashed too) names its one platform. Raises ContractError for a reference not pinned by
-        digest, DigestUnknown when the registry answers that it has no such manifest (or
-        repository, or config), ManifestInvalid when what it serves is not that manifest,
-        Unavailable when the registry cannot be reached or refuses our credentials.
+        Docker manifest list) names its platforms, and each platform's manifest is fetched by the
+        digest the index names (hashed too); a single manifest is its one platform's. Each
+        platform's config blob (fetched and hashed) gives its platform and what runs: entrypoint,
+        command, user, env, working directory, exposed ports. Raises ContractError for a
+        reference not pinned by digest, DigestUnknown when the registry answers that it has no
+        such manifest (or repository, or config), ManifestInvalid when what it serves is not that
+        manifest, Unavailable when the registry cannot be reached or refuses our credentials.
         """
         client = self._open(self._registry)
         ref = parse_image_reference(image)
-        url = self.manifest_url(ref)
         headers = {"Accept": ", ".join(MANIFEST_MEDIA_TYPES)}
-        try:
-            response, body = await _get_capped(client, url, headers, image)
-            if response.status_code == 401:
-                headers["Authorization"] = await self._authorization(client, ref, response)
-                response, body = await _get_capped(client, url, headers, image)
-        except httpx.HTTPError as exc:
-            raise Unavailable(f"the registry {ref.registry} did not answer ({type(exc).__name__})") from exc
-        self._refused(response, ref, image, f"manifest {ref.digest} in {ref.repository}")
-        served = response.headers.get("docker-content-digest", ref.digest)
-        if served != ref.digest:
-            # A registry that answers a digest request with another manifest cannot be trusted.
-            raise DigestUnknown(
-                f"the registry {ref.registry} answered {ref.repository}@{ref.digest} with {served}", image=image
-            )
-        if _sha256(body) != ref.digest:
-            raise ManifestInvalid(
-                f"the registry {ref.registry} served bytes for {ref.repository}@{ref.digest} that have another digest",
-                image=image,
-            )
+        response, body = await self._manifest(client, ref, ref.digest, headers, image)
         header_type = response.headers.get("content-type", "").partition(";")[0].strip()
         parsed = parse_manifest(body, header_type, image=image)
-        platforms = parsed.platforms
+        auth = {"Authorization": headers["Authorization"]} if "Authorization" in headers else {}
         if parsed.config_digest is not None:
-            auth = {"Authorization": headers["Authorization"]} if "Authorization" in headers else {}
-            platforms = [await self._config_platform(client, ref, parsed.config_digest, auth, image)]
+            configs = [await self._config(client, ref, parsed.config_digest, auth, image)]
+            platforms = [configs[0].platform]
+        else:
+            platforms = parsed.platforms
+            configs = []
+            for platform, digest in parsed.manifests:
+                _, one = await self._manifest(client, ref, digest, dict(headers), image)
+                single = parse_manifest(one, "", image=image)
+                if single.config_digest is None:
+                    raise ManifestInvalid(f"the index of {image} names an index for {platform}", image=image)
+                config = await self._config(client, ref, single.config_digest, auth, image)
+                # The index's platform decides (a config may leave the variant out).
+                configs.append(attrs.evolve(config, platform=platform))
         media_type = header_type or parsed.media_type
         log.info(
             "registry %s holds %s@%s (%s; %s)",
@@ -206,12 +203,41 @@ class Outbound:
             media_type,
             ", ".join(map(str, platforms)) or "no platform named",
         )
-        return ManifestCheck(image=image, digest=ref.digest, media_type=media_type, platforms=platforms)
+        return ManifestCheck(
+            image=image, digest=ref.digest, media_type=media_type, platforms=platforms, configs=configs
+        )
 
-    async def _config_platform(
+    async def _manifest(
         self, client: httpx.AsyncClient, ref: ImageReference, digest: str, headers: dict[str, str], image: str
-    ) -> ImagePlatform:
-        """Fetch a single manifest's config blob (registries may redirect to their storage), check its digest."""
+    ) -> tuple[httpx.Response, bytes]:
+        """GET the manifest (or index) with `digest` (answering a 401 challenge into `headers`) and
+        check that its bytes hash to it."""
+        url = self.manifest_url(ref).rsplit("/manifests/", 1)[0] + f"/manifests/{digest}"
+        try:
+            response, body = await _get_capped(client, url, headers, image)
+            if response.status_code == 401:
+                headers["Authorization"] = await self._authorization(client, ref, response)
+                response, body = await _get_capped(client, url, headers, image)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"the registry {ref.registry} did not answer ({type(exc).__name__})") from exc
+        self._refused(response, ref, image, f"manifest {digest} in {ref.repository}")
+        served = response.headers.get("docker-content-digest", digest)
+        if served != digest:
+            # A registry that answers a digest request with another manifest cannot be trusted.
+            raise DigestUnknown(
+                f"the registry {ref.registry} answered {ref.repository}@{digest} with {served}", image=image
+            )
+        if _sha256(body) != digest:
+            raise ManifestInvalid(
+                f"the registry {ref.registry} served bytes for {ref.repository}@{digest} that have another digest",
+                image=image,
+            )
+        return response, body
+
+    async def _config(
+        self, client: httpx.AsyncClient, ref: ImageReference, digest: str, headers: dict[str, str], image: str
+    ) -> ImageConfig:
+        """Fetch a manifest's config blob (registries may redirect to their storage), check its digest."""
         url = self.manifest_url(ref).rsplit("/manifests/", 1)[0] + f"/blobs/{digest}"
         try:
             # httpx drops the Authorization header when a redirect leaves the registry's origin.
@@ -224,7 +250,7 @@ class Outbound:
                 f"the registry {ref.registry} served a config for {ref.repository}@{ref.digest} with another digest",
                 image=image,
             )
-        return parse_config_platform(body, image=image)
+        return parse_image_config(body, image=image)
 
     def _refused(self, response: httpx.Response, ref: ImageReference, image: str, what: str) -> None:
         """Raise for anything but 200: DigestUnknown for 404, Unavailable otherwise."""

@@ -23,6 +23,7 @@ from nexa.localparts.children import (
 )
 from nexa.localparts.images import (
     LLAMA_DIST,
+    build_image,
     build_llama_image,
     build_python_image,
     cache_dir,
@@ -33,6 +34,12 @@ from nexa.localparts.images import (
     llama_version,
     python_rootfs,
     python_rootfs_name,
+)
+from nexa.localparts.llamaserver import (
+    build_llama_server_image,
+    llama_server_build,
+    llama_server_name,
+    llama_server_parts_missing,
 )
 from nexa.localparts.podman import (
     PROJECT_CONTAINERS_CONF,
@@ -69,7 +76,9 @@ __all__ = [
     "LocalRegistry",
     "LocalS3",
     "WeedPorts",
+    "build_image",
     "build_llama_image",
+    "build_llama_server_image",
     "build_python_image",
     "cache_dir",
     "dist_closure",
@@ -79,6 +88,9 @@ __all__ = [
     "find_weed",
     "free_ports",
     "llama_parts_missing",
+    "llama_server_build",
+    "llama_server_name",
+    "llama_server_parts_missing",
     "llama_version",
     "postgres_missing",
     "project_containers_conf",

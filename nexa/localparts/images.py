@@ -31,7 +31,11 @@ from nexa.tinymodel import has_gguf_writer
 DEBIAN_SUITE: Final = "bookworm"
 DEBIAN_MIRROR: Final = "http://deb.debian.org/debian"
 DEBIAN_KEYRING: Final = Path("/usr/share/keyrings/debian-archive-keyring.gpg")
-DEBOOTSTRAP_ARGS: Final = ("--variant=minbase", "--include=python3-minimal,python3", f"--keyring={DEBIAN_KEYRING}")
+DEBOOTSTRAP_ARGS: Final = (
+    "--variant=minbase",
+    "--include=python3-minimal,python3,curl,libgomp1",
+    f"--keyring={DEBIAN_KEYRING}",
+)
 #: Removed from the root filesystem before it is packed: apt's downloaded packages and package lists.
 ROOTFS_PRUNE: Final = ("var/cache/apt/archives/*.deb", "var/cache/apt/*.bin", "var/lib/apt/lists/*")
 #: debootstrap takes 45-50 s on a 2-core machine; a slow mirror gets this long.
@@ -251,13 +255,20 @@ def build_llama_image(podman: LocalPodman, python_image: str, remote: str, work:
         "ENV PYTHONPATH=/opt/llama-site PYTHONDONTWRITEBYTECODE=1\n"
         'CMD ["python3", "-m", "llama_cpp.server", "--help"]\n'
     )
-    local = f"localhost/nexa-local/llama-cpp-python:{os.getpid()}"
-    containerfile = str(work / "Containerfile")
-    build = ("build", "--tls-verify=false", "--format", "docker", "-t", local, "-f", containerfile, str(work))
-    podman.run(*build, timeout_s=IMAGE_STEP_TIMEOUT_S)
-    pushed = podman.push(local, f"{remote}:latest", work)
+    pushed = build_image(podman, work, remote)
     podman.run("rmi", "--ignore", python_image, check=False)
     return pushed
+
+
+def build_image(podman: LocalPodman, context: Path, remote: str) -> str:
+    """`podman build` of `context`/Containerfile (its FROM image pulled over plain HTTP), in Docker's
+    format (it keeps HEALTHCHECK), pushed to `remote` (`host/repo`): `host/repo@sha256:…`. The local
+    image is removed."""
+    local = f"localhost/nexa-local/{remote.rpartition('/')[2]}:{os.getpid()}"
+    containerfile = str(context / "Containerfile")
+    build = ("build", "--tls-verify=false", "--format", "docker", "-t", local, "-f", containerfile, str(context))
+    podman.run(*build, timeout_s=IMAGE_STEP_TIMEOUT_S)
+    return podman.push(local, f"{remote}:latest", context)
 
 
 def llama_version() -> str:

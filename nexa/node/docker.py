@@ -197,6 +197,8 @@ def docker_create_body(
         "AttachStdin": False,
         "HostConfig": host,
     }
+    if spec.entrypoint:
+        body["Entrypoint"] = list(spec.entrypoint)
     if spec.network == NETWORK_PRIVATE and spec.publish_port:
         port = f"{spec.publish_port}/tcp"
         body["ExposedPorts"] = {port: {}}

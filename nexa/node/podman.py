@@ -165,8 +165,9 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
 
     libpod silently ignores keys it does not know, so the tests prove each hardening key's effect on a
     running container (inspect, /proc, cgroups), not just that podman accepted the body.
-    * image by digest only; the read-only root filesystem with a tmpfs /tmp as scratch space, and
-      the replica's cache directory (`rw_mounts`: read-write, nosuid, nodev) where the spec has one;
+    * image by digest only, with the spec's entrypoint where it sets one (then the image's own never
+      runs in front of the command); the read-only root filesystem with a tmpfs /tmp as scratch space,
+      and the replica's cache directory (`rw_mounts`: read-write, nosuid, nodev) where the spec has one;
     * every capability dropped, no_new_privileges, podman's default seccomp profile;
     * memory (swap equal to memory: no swap), CPU quota and pids limits; /dev/shm sized when asked;
     * CDI devices by name (`vendor/class=name`) and read-only, nosuid, nodev bind mounts;
@@ -224,6 +225,8 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
     }
     if spec.shm_bytes:
         body["shm_size"] = spec.shm_bytes
+    if spec.entrypoint:
+        body["entrypoint"] = list(spec.entrypoint)
     return body
 
 

@@ -88,7 +88,7 @@ class RuntimeMetrics:
     # --- what the agent calls
 
     def update(self, generation: int, assignments: Sequence[wire.Assignment]) -> None:
-        self._specs = {a.id: metrics_for(a.runtime.kind, a.runtime.command) for a in assignments}
+        self._specs = {a.id: metrics_for(a.runtime.kind, a.runtime.process) for a in assignments}
         self._replicas.update(generation, assignments)
 
     def statuses(self) -> list[wire.AssignmentStatus]:

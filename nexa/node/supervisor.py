@@ -13,6 +13,7 @@ import collections
 import contextlib
 import itertools
 import logging
+import re
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -22,7 +23,7 @@ from typing import Final, NoReturn, Protocol
 import attrs
 import trio
 
-from nexa import runtimes
+from nexa import adapters, runtimes
 from nexa.config import SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import (
@@ -166,6 +167,25 @@ class _Mismatch(Exception):
         super().__init__(detail)
         self.reason = reason
         self.detail = detail
+
+
+class _ProgramMissing(Exception):
+    """The runtime's program is not where its command names it in the image: the OCI runtime could not
+    exec it (podman/docker start fails, exit code 127), or the image's exec wrapper could not."""
+
+    def __init__(self, program: str, detail: str) -> None:
+        super().__init__(detail)
+        self.program = program
+        self.detail = detail
+
+
+#: The exit code for "command not found": the OCI runtimes' (crun, runc) when exec finds no such
+#: program, and a shell's (an exec wrapper's) when `exec "$@"` cannot.
+EXIT_PROGRAM_MISSING: Final = 127
+#: How the container engines word a start whose program could not be found (crun, runc, Docker).
+_PROGRAM_NOT_FOUND: Final = re.compile(
+    r"executable file .{0,300}not found|command that was not found|exec: .{0,300}no such file or directory", re.I
+)
 
 
 @attrs.frozen
@@ -492,9 +512,18 @@ class Supervisor:
                 await self._discard_container(w)
                 self._set(w, State.FAILED, reason=exc.reason, detail=f"{exc.detail}; container removed")
                 await trio.sleep(self._cfg.restart_backoff_max_s)
+            except _ProgramMissing as exc:
+                # The image is pinned and the spec signed: starting it again would fail the same way.
+                self._set(w, State.FAILED, reason="runtime_program_missing", detail=exc.detail)
+                await trio.sleep_forever()
             except (PodmanError, ArtifactError) as exc:
                 await trio.sleep(self._on_failure(w, exc))
             else:
+                if exited is not None and exited.exit_code == EXIT_PROGRAM_MISSING and w.state is State.STARTING:
+                    # 127 before it was ever Ready: the program (behind an exec wrapper) was not found.
+                    missing = self._program_missing(w, f"exited with code {EXIT_PROGRAM_MISSING} (command not found)")
+                    self._set(w, State.FAILED, reason="runtime_program_missing", detail=missing.detail)
+                    await trio.sleep_forever()
                 await trio.sleep(self._on_exit(w, exited))
                 w.restarts += 1
                 self._restarts += 1
@@ -616,9 +645,30 @@ class Supervisor:
         if self._on_start is not None:
             self._on_start(w.id)
         w.started_at = time.time()
-        await self._podman.start(container_id)
+        try:
+            await self._podman.start(container_id)
+        except PodmanError as exc:
+            if isinstance(exc, PodmanUnavailable | ContainerNotFound):
+                raise
+            state = None
+            with contextlib.suppress(PodmanError):
+                state = await self._podman.inspect(container_id)
+            if _PROGRAM_NOT_FOUND.search(exc.message) or (
+                state is not None and state.exit_code == EXIT_PROGRAM_MISSING
+            ):
+                raise self._program_missing(w, f"the container engine could not start it: {exc.message[:300]}") from exc
+            raise
         w.start_deadline = trio.current_time() + w.runtime.health.start_period_s
         return container_id, w.start_deadline
+
+    @staticmethod
+    def _program_missing(w: _Worker, what: str) -> _ProgramMissing:
+        program = adapters.program_of(w.runtime.entrypoint, w.runtime.command)
+        return _ProgramMissing(
+            program,
+            f"the runtime's program {program} is not in the image {w.runtime.image} ({what}); register an image "
+            "that has it where the adapter runs it (on PATH, or at the path the image's entrypoint names)",
+        )
 
     async def _settled(self, w: _Worker, container_id: str) -> ContainerState:
         """Inspect until the container is no longer between states (`stopping`, `removing`, …).

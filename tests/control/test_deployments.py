@@ -54,7 +54,11 @@ async def test_a_deployment_is_placed_and_its_nodes_get_signed_sets(
         )
         assert spec.gpus == ["nvidia.com/gpu=0"] and spec.port == 18100
         assert spec.memory_bytes == model["memory_bytes"]
-        assert spec.command == ["llama-server", "--model", "/models/model"]
+        assert spec.process == ["llama-server", "--model", "/models/model"]
+        # The busybox image has no ENTRYPOINT (its config, read from the registry): the program is set as one.
+        assert spec.entrypoint == ["llama-server"]
+    # The placement explanation shows what the replica runs, as signed.
+    assert placement["process"] == ["llama-server", "--model", "/models/model"]
     decision = placement["decision"]
     assert decision["feasible"] is True
     assert [e["node_id"] for e in decision["explanations"]] == ["n1", "n2"]

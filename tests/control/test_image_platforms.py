@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from nexa.cli.tables import print_image_configs
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts import codec
 from nexa.contracts.domain import NodeState
@@ -30,6 +31,7 @@ from nexa.oci import (
     OCI_MANIFEST,
     normalise_arch,
     parse_config_platform,
+    parse_image_config,
     parse_manifest,
 )
 from tests.conftest import Controller
@@ -97,9 +99,38 @@ def test_malformed_documents_are_manifest_invalid(body: bytes) -> None:
         parse_manifest(body, OCI_INDEX, image="x")
 
 
+def test_an_index_entry_without_a_digest_is_manifest_invalid() -> None:
+    """Its config cannot be read (what runs there is unknown): the index is refused, not half recorded."""
+    body = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": OCI_INDEX,
+            "manifests": [{"platform": {"os": "linux", "architecture": "amd64"}}],
+        }
+    ).encode()
+    with pytest.raises(ManifestInvalid, match="without a sha256 digest"):
+        parse_manifest(body, "", image="x")
+
+
 def test_a_config_without_a_platform_is_manifest_invalid() -> None:
     with pytest.raises(ManifestInvalid):
         parse_config_platform(json.dumps({"rootfs": {}}).encode(), image="x")
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        {"Entrypoint": "/app/llama-server"},
+        {"Cmd": [1]},
+        {"User": 0},
+        {"ExposedPorts": ["8080/tcp"]},
+        {"Env": ["A\x00"]},
+    ],
+)
+def test_an_image_config_with_a_field_of_the_wrong_shape_is_manifest_invalid(run: Json) -> None:
+    body = json.dumps({"os": "linux", "architecture": "amd64", "config": run}).encode()
+    with pytest.raises(ManifestInvalid):
+        parse_image_config(body, image="x")
 
 
 def test_old_runtime_records_load_with_unknown_platforms_and_filter_nothing() -> None:
@@ -116,6 +147,7 @@ def test_old_runtime_records_load_with_unknown_platforms_and_filter_nothing() ->
     record = codec.loads(codec.store, json.dumps(old), RuntimeRecord)
     assert record.platforms == []
     assert record.image_archs is None
+    assert record.image_configs == [] and record.image_config("amd64") is None
 
 
 def test_sim_runtimes_run_as_processes_and_are_never_filtered_by_their_placeholder_image() -> None:
@@ -310,9 +342,60 @@ async def test_a_two_platform_index_in_the_real_registry_is_recorded_and_filters
     assert {k: v for k, v in answer.items() if k != "warnings"} == stored
     record = codec.loads(codec.api, json.dumps(stored), RuntimeRecord)
     assert record.image_archs == ("amd64", "s390x")
+    # Each platform's config was read from its own manifest (by the digest the index names).
+    assert [str(c.platform) for c in record.image_configs] == ["linux/amd64", "linux/s390x"]
+    assert record.image_config("s390x") == record.image_configs[1]
     # What the deployments module asks placement for this runtime: the arm64 node is filtered.
     assert arch_verdicts(record.image_archs)["spark-1"] == "image has no linux/arm64 variant"
     assert arch_verdicts(record.image_archs)["x86-1"] == "ok"
+
+
+LLAMA_CONFIG = {
+    "architecture": "arm64",
+    "os": "linux",
+    "config": {
+        "Entrypoint": ["/app/llama-server"],
+        "Cmd": ["--help"],
+        "User": "1000:1000",
+        "Env": ["PATH=/usr/bin:/bin", "LLAMA_ARG_HOST=0.0.0.0"],
+        "WorkingDir": "/app",
+        "ExposedPorts": {"8080/tcp": {}},
+    },
+    "rootfs": {"type": "layers", "diff_ids": []},
+}
+
+
+async def test_registration_keeps_the_image_config_and_runtimes_show_prints_what_runs(
+    reg: Controller, oci_registry: OciRegistry, capsys: pytest.CaptureFixture[str]
+) -> None:
+    image = push_single(oci_registry, "nexa-test/llama-config", json.dumps(LLAMA_CONFIG).encode())
+    body = {"name": "llama", "kind": "llamacpp", "version": "1", "image": image}
+    async with reg.client() as http:
+        answer = await ok(http.post("/api/v1/runtimes", json=body), 201)
+        stored = await ok(http.get("/api/v1/runtimes/llama"))
+    assert (
+        answer["image_configs"]
+        == stored["image_configs"]
+        == [
+            {
+                "platform": {"os": "linux", "architecture": "arm64", "variant": ""},
+                "entrypoint": ["/app/llama-server"],
+                "cmd": ["--help"],
+                "user": "1000:1000",
+                "env": ["PATH=/usr/bin:/bin", "LLAMA_ARG_HOST=0.0.0.0"],
+                "working_dir": "/app",
+                "exposed_ports": ["8080/tcp"],
+            }
+        ]
+    )
+    record = codec.loads(codec.api, json.dumps(stored), RuntimeRecord)
+    assert record.image_config("arm64") == record.image_config(None) == record.image_configs[0]
+    print_image_configs(record)
+    out = capsys.readouterr().out
+    assert "linux/arm64: entrypoint /app/llama-server; cmd --help; user 1000:1000; workdir /app; ports 8080/tcp" in out
+    # The default variant's bare `llama-server` is the image's /app/llama-server; the other's python3 is set.
+    assert "runs (llama-server): /app/llama-server …" in out
+    assert "runs (llama-cpp-python): python3 -m llama_cpp.server …" in out
 
 
 async def test_a_single_platform_image_in_the_real_registry_records_its_config_platform(

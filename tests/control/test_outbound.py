@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 from collections.abc import AsyncIterator
 
 import httpx
@@ -17,30 +16,24 @@ from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts.models import ModelArtifact
 from nexa.control.outbound import Outbound, parse_challenge
 from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, Unavailable
-from nexa.oci import MANIFEST_MEDIA_TYPES, RegistryCredentials, parse_image_reference
+from nexa.oci import MANIFEST_MEDIA_TYPES, OCI_MANIFEST, RegistryCredentials, parse_image_reference
+from tests.support.oci import config_blob, index_of, manifest_for, sha
 
 MANIFEST = "application/vnd.oci.image.index.v1+json"
-#: A two-platform index: what the fake registry serves for DIGEST (its bytes hash to it).
-INDEX_BODY = json.dumps(
-    {
-        "schemaVersion": 2,
-        "mediaType": MANIFEST,
-        "manifests": [
-            {
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "digest": "sha256:" + "01" * 32,
-                "size": 100,
-                "platform": {"os": "linux", "architecture": "amd64"},
-            },
-            {
-                "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                "digest": "sha256:" + "02" * 32,
-                "size": 100,
-                "platform": {"os": "linux", "architecture": "arm64", "variant": "v8"},
-            },
-        ],
-    }
-).encode()
+#: A two-platform index, its manifests and their configs: what the fake registry serves (by digest).
+CONFIGS = [config_blob("amd64"), config_blob("arm64", "v8")]
+MANIFESTS = [manifest_for(c) for c in CONFIGS]
+INDEX_BODY = index_of(
+    [
+        (MANIFESTS[0], {"os": "linux", "architecture": "amd64"}),
+        (MANIFESTS[1], {"os": "linux", "architecture": "arm64", "variant": "v8"}),
+    ]
+)
+SERVED = {
+    f"/v2/team/vllm/manifests/{sha(INDEX_BODY)}": (MANIFEST, INDEX_BODY),
+    **{f"/v2/team/vllm/manifests/{sha(m)}": (OCI_MANIFEST, m) for m in MANIFESTS},
+    **{f"/v2/team/vllm/blobs/{sha(c)}": ("application/octet-stream", c) for c in CONFIGS},
+}
 DIGEST = "sha256:" + hashlib.sha256(INDEX_BODY).hexdigest()
 IMAGE = f"registry.example.com/team/vllm@{DIGEST}"
 CREDS = RegistryCredentials(username="puller", password="pa55-word")
@@ -99,9 +92,10 @@ class FakeRegistry:
                 return httpx.Response(401)
             return httpx.Response(200, json={"token": "tok-123", "expires_in": 300})
         assert request.method == "GET"
-        assert request.url.path == f"/v2/team/vllm/manifests/{DIGEST}"
+        assert request.url.path in SERVED
         assert request.url.scheme == "https"
-        assert set(request.headers["accept"].split(", ")) == set(MANIFEST_MEDIA_TYPES)
+        if "/manifests/" in request.url.path:
+            assert set(request.headers["accept"].split(", ")) == set(MANIFEST_MEDIA_TYPES)
         wanted = "Bearer tok-123" if self.scheme == "bearer" else basic
         if request.headers.get("authorization") != wanted:
             challenge = (
@@ -113,8 +107,9 @@ class FakeRegistry:
             return httpx.Response(401, headers={"WWW-Authenticate": challenge})
         if not self.known:
             return httpx.Response(404)
+        media_type, body = SERVED[request.url.path]
         return httpx.Response(
-            200, headers={"Content-Type": MANIFEST, "Docker-Content-Digest": DIGEST}, content=INDEX_BODY
+            200, headers={"Content-Type": media_type, "Docker-Content-Digest": sha(body)}, content=body
         )
 
 
@@ -135,11 +130,14 @@ async def test_a_401_challenge_is_answered_with_credentials(scheme: str) -> None
         check = await out.check_image(IMAGE)
     assert (check.digest, check.media_type) == (DIGEST, MANIFEST)
     assert [str(p) for p in check.platforms] == ["linux/amd64", "linux/arm64/v8"]
+    assert [str(c.platform) for c in check.configs] == ["linux/amd64", "linux/arm64/v8"]
     hosts = [r.url.host for r in registry.requests]
+    # The index, then each platform's manifest and config blob, all with the one authorization.
+    then = ["registry.example.com"] * 5
     if scheme == "bearer":
-        assert hosts == ["registry.example.com", "auth.example.com", "registry.example.com"]
+        assert hosts == ["registry.example.com", "auth.example.com", *then]
     else:
-        assert hosts == ["registry.example.com", "registry.example.com"]
+        assert hosts == ["registry.example.com", *then]
 
 
 async def test_a_digest_unknown_behind_auth_is_still_digest_unknown() -> None:

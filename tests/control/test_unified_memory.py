@@ -236,7 +236,7 @@ def test_each_server_is_pointed_at_the_directory_or_its_entry_file() -> None:
     deploy(fleet, deployment("s", RuntimeKind.SGLANG, memory=20 * GIB), model())
     deploy(fleet, deployment("t", RuntimeKind.TRTLLM, memory=20 * GIB), model())
     deploy(fleet, deployment("l", RuntimeKind.LLAMACPP, memory=10 * GIB), model(GGUF_FILES, GGUF_FILES[0].path))
-    vllm, sglang, trtllm, llama = (container(fleet[0], i).command for i in range(4))
+    vllm, sglang, trtllm, llama = (container(fleet[0], i).process for i in range(4))
     assert vllm[:3] == ["vllm", "serve", f"/models/{NAME}"]
     assert vllm[vllm.index("--served-model-name") + 1] == NAME
     assert sglang[sglang.index("--model-path") + 1] == f"/models/{NAME}"
@@ -269,7 +269,9 @@ def test_vllm_and_sglang_share_one_spark_each_held_to_its_reservation() -> None:
         return ContainerSpec(
             name=f"nexa-{a.id}",
             image=a.runtime.image,
-            command=command,
+            # The adapter's program is the container's entrypoint (no image config is known here).
+            entrypoint=command[:1],
+            command=command[1:],
             env=env,
             labels={
                 "nexa.node": "spark-1",
@@ -368,7 +370,7 @@ def test_the_replicas_on_one_spark_never_reserve_more_than_the_pool_less_the_hos
     deploy(fleet, deployment("embed", RuntimeKind.SGLANG, memory=24 * GIB), model())
     claims = []
     for a in fleet[0].desired.assignments:
-        command = a.runtime.command
+        command = a.runtime.process
         flag = "--gpu-memory-utilization" if "vllm" in command else "--mem-fraction-static"
         claims.append(int(float(command[command.index(flag) + 1]) * POOL))
     assert sum(claims) <= POOL - HEADROOM
@@ -378,7 +380,7 @@ def test_tensorrt_llm_is_given_a_kv_cache_share_of_what_the_weights_leave() -> N
     fleet = [spark()]
     weights = model().artifact.size_bytes  # 11.4 GB of shards, tokenizer and config
     decision = deploy(fleet, deployment("t", RuntimeKind.TRTLLM, memory=40 * GIB), model())
-    command = fleet[0].desired.assignments[0].runtime.command
+    command = fleet[0].desired.assignments[0].runtime.process
     fraction = float(command[command.index("--kv_cache_free_gpu_memory_fraction") + 1])
     # (reserved - weights) / (pool - weights), rounded down to 3 decimals.
     assert fraction == (40 * GIB - weights) * 1000 // (POOL - weights) / 1000 == 0.27
@@ -414,7 +416,7 @@ def test_an_operator_value_over_the_reservation_is_a_typed_422_and_under_it_is_k
     check_memory_limits(create(under), decision)
     assert decision.feasible and decision.explanations[0].runtime_memory is not None
     assert decision.explanations[0].runtime_memory.derived is False
-    command = fleet[0].desired.assignments[0].runtime.command
+    command = fleet[0].desired.assignments[0].runtime.process
     assert command.count("--gpu-memory-utilization") == 1
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.4"
 
@@ -445,7 +447,7 @@ def test_a_full_command_is_the_operators_and_gets_no_derived_flag() -> None:
     fleet = [spark()]
     decision = deploy(fleet, dep, model())
     assert decision.feasible and decision.explanations[0].runtime_memory is None
-    assert fleet[0].desired.assignments[0].runtime.command == ["vllm", "serve", "/models/x"]
+    assert fleet[0].desired.assignments[0].runtime.process == ["vllm", "serve", "/models/x"]
 
 
 def test_a_legacy_artifact_keeps_its_mount_and_command_off_unified_nodes() -> None:
@@ -455,7 +457,7 @@ def test_a_legacy_artifact_keeps_its_mount_and_command_off_unified_nodes() -> No
         dep, Replica(id="chat-r0", node_id="h100-1", gpus=[SPARK_GPU]), model([]), runtime(RuntimeKind.VLLM), 18000
     )
     assert a.runtime.artifact is not None and a.runtime.artifact.mount_path == "/models/model"
-    assert a.runtime.command == [
+    assert a.runtime.process == [
         "vllm", "serve", "/models/model", "--served-model-name", NAME, "--host", "{runtime_host}", "--port", "18000",
     ]  # fmt: skip
     body = codec.wire.unstructure(a.runtime)["artifact"]
@@ -540,6 +542,6 @@ async def test_over_the_api_an_operator_value_over_the_reservation_is_refused_an
     }
     pushed = await set_where(n1.node, lambda s: "chat-v" in names(s))
     [a] = pushed.assignments
-    command = a.runtime.command
+    command = a.runtime.process
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.402"
     assert a.runtime.memory_bytes == 48 * GIB

@@ -29,6 +29,7 @@ from nexa.node.docker import (
     docker_create_body,
 )
 from nexa.node.podman import PodmanClient
+from nexa.node.podman import create_body as libpod_create_body
 from nexa.oci import RegistryCredentials
 from tests.realparts import BuiltImages, ContainerEngine
 
@@ -95,6 +96,15 @@ def test_the_create_body_is_hardened_like_the_libpod_one() -> None:
     # No engine-run health checks (nor the image's): the agent runs the labelled probe itself.
     assert body["Healthcheck"] == {"Test": ["NONE"]}
     assert host["DeviceRequests"] == []
+
+
+def test_the_entrypoint_is_set_only_where_the_spec_sets_one() -> None:
+    """Both engines' bodies: Docker `Entrypoint`, libpod `entrypoint` (the image's own where it is empty)."""
+    spec = _spec(entrypoint=["/app/llama-server"], command=["--model", "/models/model"])
+    assert docker_create_body(spec)["Entrypoint"] == ["/app/llama-server"]
+    assert docker_create_body(spec)["Cmd"] == ["--model", "/models/model"]
+    assert libpod_create_body(spec)["entrypoint"] == ["/app/llama-server"]
+    assert "Entrypoint" not in docker_create_body(_spec()) and "entrypoint" not in libpod_create_body(_spec())
 
 
 def test_host_and_none_networks_publish_nothing() -> None:

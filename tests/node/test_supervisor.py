@@ -163,6 +163,21 @@ async def test_crashed_runtime_restarts_with_capped_exponential_backoff(
     assert sup.statistics().restarts == 14
 
 
+async def test_a_ready_runtime_that_exits_127_is_restarted_not_taken_for_a_missing_program(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    """127 is "command not found" only before the runtime was ever Ready (tests/node/test_entrypoints.py
+    has the real missing programs); later it is a crash like any other."""
+    sup = await start(nursery, podman, artifacts, assignment())
+    await wait_for(sup, S.READY)
+    podman.crash(podman.only().id, code=127)
+    with trio.fail_after(100):
+        while status(sup).restarts < 1:  # noqa: ASYNC110 - polling the supervisor in virtual time
+            await trio.sleep(0.05)
+    await wait_for(sup, S.READY)
+    assert status(sup).restarts == 1
+
+
 async def test_crash_loop_is_reported_and_retried_at_the_maximum_backoff(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
 ) -> None:

@@ -37,6 +37,7 @@ def assignment_for(
     port: int,
     *,
     unified_pool_bytes: int | None = None,
+    arch: str | None = None,
 ) -> Assignment:
     """The signed unit a node runs for one replica.
 
@@ -53,6 +54,11 @@ def assignment_for(
     On a unified-memory node (`unified_pool_bytes`: its pool) the replica's memory becomes the
     runtime's own limit: the adapter's memory setting derived from the reservation and the
     pool (`_runtime_memory`), unless the operator set it.
+
+    The container's entrypoint is set so the process is exactly that command, whatever the image's
+    own entrypoint (`adapters.entrypoint_for`, from the image config of the node's architecture
+    `arch` that the controller read at registration): the command's program, or the image's exec
+    wrapper in front of the whole command.
     """
     options = dep.options
     command = list(options.command)
@@ -81,6 +87,10 @@ def assignment_for(
         env = {**launch.env, **env}
         health = HealthProbe(command=list(options.health_command)) if options.health_command else launch.health
         shm_bytes = launch.shm_bytes
+    entrypoint: list[str] = []
+    if adapters.has_adapter(runtime.kind):
+        split = adapters.entrypoint_for(command, runtime.image_config(arch))
+        entrypoint, command = split.entrypoint, split.command
     return Assignment(
         id=replica.id,
         deployment=dep.name,
@@ -97,6 +107,7 @@ def assignment_for(
             shm_bytes=shm_bytes,
             health=health,
             host_network=runtime.host_network,
+            entrypoint=entrypoint,
         ),
     )
 

@@ -237,8 +237,11 @@ class Desired:
                     while port in used_ports:
                         port += 1
                     used_ports.add(port)
+                    arch = live.inventory.arch if live.inventory is not None else None
                     wanted.append(
-                        assignment_for(dep, r, model, runtime, port, unified_pool_bytes=unified_pool_bytes(live))
+                        assignment_for(
+                            dep, r, model, runtime, port, unified_pool_bytes=unified_pool_bytes(live), arch=arch
+                        )
                     )
             if {a.id for a in wanted} == set(mine):
                 continue

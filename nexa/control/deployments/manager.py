@@ -4,6 +4,7 @@ scale, delete; canaries through `canary.Rollouts`) and the reconciler's loop (`r
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import Counter
@@ -137,7 +138,13 @@ class Deployments:
         return attrs.evolve(view, replica_scores=scores)
 
     def placement(self, name: str) -> PlacementView:
-        return PlacementView(deployment=name, decision=self._desired.entry(name).decision)
+        entry = self._desired.entry(name)
+        process: list[str] = []
+        for replica in entry.deployment.placed[:1]:
+            with contextlib.suppress(NotFound):
+                signed = self._fleet.get(replica.node_id).desired.assignments
+                process = next((a.runtime.process for a in signed if a.id == replica.id), [])
+        return PlacementView(deployment=name, decision=entry.decision, process=process)
 
     def canaries(self) -> list[tuple[str, Canary]]:
         """Every running canary, by deployment name (what `rollout.RolloutWatcher` checks)."""

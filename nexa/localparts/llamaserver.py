@@ -1,0 +1,188 @@
+"""llama.cpp's own C++ `llama-server`, built here from source and cached, and its runtime image laid out
+as llama.cpp's published server image (`ghcr.io/ggml-org/llama.cpp:server`, `.devops/cpu.Dockerfile` in
+llama.cpp's source): the binary and its shared libraries in /app, `WORKDIR /app`,
+`ENTRYPOINT ["/app/llama-server"]`, a HEALTHCHECK that asks `/health` with curl.
+
+The source is the llama.cpp that the llama-cpp-python sdist on PyPI vendors (`vendor/llama.cpp`, with
+`tools/server`), fetched with pip (PyPI is the one package index the build machines reach). It is built
+with cmake for the CPU (no native tuning, no TLS, no curl, no web UI download), `llama-server` only, and
+packed into `cache_dir()` under a name keyed by the recipe: the first run builds it (about 15 minutes
+on a 2-core machine), later runs unpack it. The image is built on the cached Debian python image
+(`images.build_python_image`), which carries curl and libgomp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from typing import Final
+
+from nexa.errors import ConfigError, Unavailable
+from nexa.localparts.children import tail
+from nexa.localparts.images import build_image
+from nexa.localparts.podman import PODMAN_STOP_TIMEOUT_S, LocalPodman
+
+#: The sdist whose `vendor/llama.cpp` is built (the version the llama-cpp-python runtime image carries).
+LLAMA_SERVER_SDIST: Final = ("llama-cpp-python", "0.3.36")
+#: cmake's cache arguments: a portable CPU build of the server alone, nothing fetched while building.
+#: `CMAKE_BUILD_RPATH_USE_ORIGIN`: the binary finds its libraries beside it ($ORIGIN), wherever it lies.
+CMAKE_ARGS: Final = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+)
+BUILD_TARGET: Final = "llama-server"
+BUILD_JOBS: Final = 2
+#: 15 minutes on a 2-core machine shared with other work; a slower one gets this long.
+BUILD_TIMEOUT_S: Final = 3600.0
+DOWNLOAD_TIMEOUT_S: Final = 900.0
+#: Where the published image has the server, and where the adapter's bare `llama-server` is found.
+APP_DIR: Final = "/app"
+
+
+def llama_server_name() -> str:
+    """The cache file of the built server, named by a hash of its whole recipe (the sdist, cmake's
+    arguments and target, the machine's architecture): a changed recipe is a cache miss."""
+    recipe = {
+        "sdist": LLAMA_SERVER_SDIST,
+        "source": "vendor/llama.cpp",
+        "cmake": CMAKE_ARGS,
+        "target": BUILD_TARGET,
+        "arch": platform.machine(),
+        "pack": "bin/llama-server bin/lib*.so*",
+    }
+    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+    return f"llama-server-{LLAMA_SERVER_SDIST[1]}-{platform.machine()}-{key}.tar.gz"
+
+
+def llama_server_parts_missing() -> str | None:
+    """What building the server here lacks, in one line; None if nothing."""
+    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
+    return f"{' and '.join(missing)} (apt-get install cmake g++)" if missing else None
+
+
+def llama_server_build(cache: Path, *, rebuild: bool = False) -> tuple[Path, bool]:
+    """The cached tarball of the built server (`llama-server` and its shared libraries), built first if
+    it is missing (or `rebuild`). Returns the path and whether it was built now. Runs that share the
+    cache wait for each other's build (a file lock) and clear what a killed build left behind."""
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / llama_server_name()
+    with (cache / f".{dest.name}.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for leftover in cache.glob(f".{dest.name}.*"):
+            if leftover.name.endswith(".tmp"):
+                leftover.unlink(missing_ok=True)
+            elif ".build." in leftover.name:
+                shutil.rmtree(leftover, ignore_errors=True)
+        if rebuild:
+            dest.unlink(missing_ok=True)
+        if dest.is_file():
+            os.utime(dest)  # last used: lets whoever prunes the cache go by age
+            return dest, False
+        _build(dest)
+        return dest, True
+
+
+def _build(dest: Path) -> None:
+    if problem := llama_server_parts_missing():
+        raise ConfigError(f"building llama-server needs {problem}")
+    work = dest.with_name(f".{dest.name}.build.{os.getpid()}")
+    packed = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    try:
+        work.mkdir()
+        name, version = LLAMA_SERVER_SDIST
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                "--dest",
+                str(work),
+                "--disable-pip-version-check",
+                f"{name}=={version}",
+            ],
+            work / "download.log",
+            DOWNLOAD_TIMEOUT_S,
+        )
+        (sdist,) = work.glob("*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(work / "src", filter="data")
+        (source,) = (work / "src").glob("*/vendor/llama.cpp")
+        build = work / "build"
+        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+        _run(["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_ARGS], work / "cmake.log", 600)
+        _run(
+            ["cmake", "--build", str(build), "--target", BUILD_TARGET, f"-j{BUILD_JOBS}"],
+            work / "build.log",
+            BUILD_TIMEOUT_S,
+        )
+        binaries = build / "bin"
+        with tarfile.open(packed, "w:gz") as archive:
+            for path in sorted([binaries / BUILD_TARGET, *binaries.glob("lib*.so*")]):
+                archive.add(path, arcname=path.name)  # symbolic links stay links
+        with packed.open("rb") as f:
+            os.fsync(f.fileno())
+        packed.replace(dest)
+    finally:
+        packed.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(argv: list[str], log: Path, timeout_s: float) -> None:
+    """`argv` in its own process group (a timeout or an interrupt ends it and its children), output to `log`."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        returncode = proc.wait(timeout=timeout_s)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=PODMAN_STOP_TIMEOUT_S)
+        raise
+    if returncode != 0:
+        raise Unavailable(f"{' '.join(argv[:4])} … failed ({returncode}):\n{tail(log)}")
+
+
+def build_llama_server_image(podman: LocalPodman, python_image: str, remote: str, work: Path, cache: Path) -> str:
+    """`python_image` with the cached `llama-server` (built first if need be) laid out as llama.cpp's
+    published server image, pushed to `remote` (`host/repo`): `host/repo@sha256:…`. The local image and
+    the local copy of `python_image` are removed."""
+    tarball, _ = llama_server_build(cache)
+    app = work / "app"
+    app.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(tarball) as archive:
+        archive.extractall(app, filter="data")
+    (work / "Containerfile").write_text(
+        f"FROM {python_image}\n"
+        f"COPY app {APP_DIR}\n"
+        "ENV LLAMA_ARG_HOST=0.0.0.0\n"
+        f"WORKDIR {APP_DIR}\n"
+        'HEALTHCHECK CMD ["curl", "-f", "http://localhost:8080/health"]\n'
+        f'ENTRYPOINT ["{APP_DIR}/llama-server"]\n'
+    )
+    pushed = build_image(podman, work, remote)
+    podman.run("rmi", "--ignore", python_image, check=False)
+    return pushed

@@ -1,0 +1,111 @@
+"""llama.cpp's own C++ `llama-server`, the default variant of the `llamacpp` runtime, end to end through
+real podman on CPU (issue 29, point 5).
+
+The image (`llama_server_image`) is built here: the server compiled from the llama.cpp source that the
+llama-cpp-python sdist vendors (cached in `cache_dir()`), laid out as llama.cpp's published server image
+(`ENTRYPOINT ["/app/llama-server"]`). It is registered as a `llamacpp` runtime with no `server` setting,
+so the adapter is llama-server's (`--alias`, `--metrics`, `--embedding`, …). The tiny generated GGUFs
+are deployed on two enrolled `nexa node` agents; the official `openai` SDK asks the controller for a chat
+completion and embeddings, and the runtime's `/metrics` series (llamacpp:requests_deferred,
+llamacpp:requests_processing) reach `nexa deployments show`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import openai
+import pytest
+import trio
+
+from tests.conftest import Controller
+from tests.e2e.test_real_model import cosine, reference_embedding, register_model
+from tests.realparts import PodmanService, S3Store
+from tests.support.api import Json, ok
+from tests.support.realmodel import MIB, Node, cli, in_thread, ready_on, runtime_logs, wait_for
+
+pytestmark = pytest.mark.slow
+RUNTIME = "llama-server"
+
+
+def deployment(name: str, alias: str, settings: Json) -> Json:
+    """A deployment of the `llama-server` runtime: no `server` setting, so the default variant."""
+    return {
+        "name": name,
+        "runtime": RUNTIME,
+        "alias": alias,
+        "replicas": 1,
+        "resources": {"accelerators": 0, "memory_bytes": 512 * MIB, "cpus": 1.0},
+        "options": {"port": 18800, "settings": settings},
+    }
+
+
+async def test_the_cpp_llama_server_serves_chat_and_embeddings_and_its_metrics_reach_deployments_show(
+    llama_cluster: tuple[Controller, list[Node]],
+    s3_store: S3Store,
+    llama_server_image: str,
+    tiny_gguf: Path,
+    tiny_embedding_gguf: Path,
+    podman_service: PodmanService,
+) -> None:
+    controller, _nodes = llama_cluster
+    argv = ["runtimes", "register", RUNTIME, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
+    await trio.to_thread.run_sync(cli, controller, *argv, llama_server_image)
+    # What the registry's image config says, and what a replica will run.
+    shown = await trio.to_thread.run_sync(cli, controller, "runtimes", "show", RUNTIME)
+    assert "entrypoint /app/llama-server;" in shown and "workdir /app;" in shown, shown
+    assert "runs (llama-server): /app/llama-server …" in shown, shown
+    await register_model(controller, s3_store, "tiny", tiny_gguf)
+    await register_model(controller, s3_store, "tiny-embed", tiny_embedding_gguf)
+    async with controller.client() as http:
+        await ok(http.post("/api/v1/tenants", json={"id": "acme"}), 201)
+        key = (await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201))["key"]
+        chat = deployment("chat", "tiny", {"ctx_size": 512, "parallel": 1, "flash_attn": "off"})
+        await ok(http.post("/api/v1/deployments", json=chat), 201)
+        await ok(http.post("/api/v1/deployments", json=deployment("embed", "tiny-embed", {"embedding": True})), 201)
+        placement = await ok(http.get("/api/v1/deployments/chat/placement"))
+    # The image's entrypoint names the program by path: that path runs it, with the adapter's arguments once.
+    process = placement["process"]
+    assert process[:3] == ["/app/llama-server", "--model", "/models/model"], process
+    assert process.count("--alias") == 1 and "--metrics" in process
+    await wait_for(lambda: ready_on(controller, "chat"), "chat Ready")
+    await wait_for(lambda: ready_on(controller, "embed"), "embed Ready")
+
+    client = openai.OpenAI(base_url=controller.url + "/v1", api_key=key, max_retries=0, timeout=60)
+    try:
+
+        def chat_completion() -> None:
+            got = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=8, temperature=0
+            )
+            assert got.usage is not None and got.usage.prompt_tokens > 0
+            assert 1 <= got.usage.completion_tokens <= 8
+            assert got.choices[0].finish_reason in {"length", "stop"}
+
+        text = "The quick brown fox jumps over the lazy dog."
+
+        def embedding() -> list[float]:
+            return client.embeddings.create(model="tiny-embed", input=text).data[0].embedding
+
+        try:
+            await in_thread(chat_completion)
+        except openai.OpenAIError:
+            pytest.fail(runtime_logs(podman_service))
+        served = await in_thread(embedding)
+        reference = await trio.to_thread.run_sync(reference_embedding, tiny_embedding_gguf, text)
+        assert len(served) == len(reference) == 64
+        assert cosine(served, reference) > 0.999
+    finally:
+        client.close()
+
+    # llama-server's /metrics, scraped by the node and sent in its heartbeats, in `nexa deployments show`.
+    async def reported() -> Json | None:
+        out = json.loads(await trio.to_thread.run_sync(cli, controller, "deployments", "show", "chat", "--json"))
+        scores = out.get("replica_scores") or []
+        fresh = [s for s in scores if s["report"] == "fresh" and s["running_reported"] is not None]
+        return fresh[0] if fresh else None
+
+    score = await wait_for(reported, "llama-server's metrics in deployments show", 60)
+    assert score["queue_reported"] == 0 and score["running_reported"] == 0, score
+    assert score["metrics_error"] in ("", None), score
