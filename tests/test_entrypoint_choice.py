@@ -1,4 +1,4 @@
-"""`adapters.entrypoint_for`: which container entrypoint makes the adapter's command exactly the process,
+"""`entrypoints.entrypoint_for`: which container entrypoint makes the adapter's command exactly the process,
 from the image config the controller read at registration (issue 29, point 1). Pure; the real
 containers are in tests/node/test_entrypoints.py.
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from nexa import adapters
+from nexa import adapters, entrypoints
 from nexa.contracts.models import ImageConfig, ImagePlatform
 from nexa.contracts.node import RuntimeKind
 
@@ -52,12 +52,12 @@ def image(*entrypoint: str) -> ImageConfig:
 def test_the_process_is_the_command_once(
     command: list[str], config: ImageConfig | None, entrypoint: list[str], rest: list[str], how: str
 ) -> None:
-    got = adapters.entrypoint_for(command, config)
+    got = entrypoints.entrypoint_for(command, config)
     assert (got.entrypoint, got.command, got.how) == (entrypoint, rest, how)
     process = [*got.entrypoint, *got.command]
     assert process.count(command[-1]) == 1
     # The program the supervisor names when it is missing.
-    assert adapters.program_of(got.entrypoint, got.command) in {command[0], entrypoint[0]}
+    assert entrypoints.program_of(got.entrypoint, got.command) in {command[0], entrypoint[0]}
 
 
 def test_the_metrics_variant_is_told_from_the_process_by_name_path_or_after_a_wrapper() -> None:

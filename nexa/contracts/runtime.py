@@ -145,7 +145,7 @@ class RuntimeSpec:
     #: whatever the image's own entrypoint: the adapter's program as the image has it (`command`
     #: is then its arguments), or a wrapper of the image that only `exec`s its arguments, such as
     #: NVIDIA's (`command` is then the program and its arguments). The controller decides it from
-    #: the image config it read at registration (`adapters.entrypoint_for`). Empty: the image's
+    #: the image config it read at registration (`entrypoints.entrypoint_for`). Empty: the image's
     #: entrypoint stays and `command` replaces its command (sets signed before entrypoints were
     #: set, and `sim`, which is a process).
     entrypoint: list[str] = attrs.field(factory=list)

@@ -23,7 +23,7 @@ from typing import Final, NoReturn, Protocol
 import attrs
 import trio
 
-from nexa import adapters, runtimes
+from nexa import entrypoints, runtimes
 from nexa.config import SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import (
@@ -663,7 +663,7 @@ class Supervisor:
 
     @staticmethod
     def _program_missing(w: _Worker, what: str) -> _ProgramMissing:
-        program = adapters.program_of(w.runtime.entrypoint, w.runtime.command)
+        program = entrypoints.program_of(w.runtime.entrypoint, w.runtime.command)
         return _ProgramMissing(
             program,
             f"the runtime's program {program} is not in the image {w.runtime.image} ({what}); register an image "

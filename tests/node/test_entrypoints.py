@@ -28,7 +28,7 @@ import httpx
 import pytest
 import trio
 
-from nexa import adapters, runtimes
+from nexa import adapters, entrypoints, runtimes
 from nexa.config import ArtifactStoreConfig, OciConfig, Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
@@ -232,7 +232,7 @@ async def test_the_process_is_the_adapters_command_exactly_once_whatever_the_ent
     wanted = adapter.launch("tiny", {}, [], port, model_path="/models/model").command
     # The signed spec: the entrypoint is set, and it and the command are the adapter's command once.
     assert a.runtime.entrypoint == entrypoint
-    assert adapters.entrypoint_for(wanted, config).how == how
+    assert entrypoints.entrypoint_for(wanted, config).how == how
     process = [w for w in a.runtime.process if w != WRAPPER]
     assert [posixpath.basename(process[0]), *process[1:]] == wanted
     sup, until = await supervised(nursery, engine, engine_labels, a)

@@ -3,7 +3,7 @@ runs (`assignment_for`) and the `PlacementRequest` a deployment's replicas make 
 
 from __future__ import annotations
 
-from nexa import adapters
+from nexa import adapters, entrypoints
 from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
 from nexa.contracts.models import ModelRecord, RuntimeRecord
 from nexa.contracts.placement import MemoryLimit, PlacementRequest
@@ -89,7 +89,7 @@ def assignment_for(
         shm_bytes = launch.shm_bytes
     entrypoint: list[str] = []
     if adapters.has_adapter(runtime.kind):
-        split = adapters.entrypoint_for(command, runtime.image_config(arch))
+        split = entrypoints.entrypoint_for(command, runtime.image_config(arch))
         entrypoint, command = split.entrypoint, split.command
     return Assignment(
         id=replica.id,
