@@ -37,6 +37,10 @@ def _sorted_unique(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(set(items)))
 
 
+def _sorted_pairs(items: Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...] | None:
+    return None if items is None else tuple(sorted({(a, b) for a, b in items}))
+
+
 def _sorted_runtimes(items: Iterable[RuntimeKind]) -> tuple[RuntimeKind, ...]:
     return tuple(sorted(set(items)))
 
@@ -196,6 +200,8 @@ class PlacementNode:
     load: int = attrs.field(default=0, validator=_non_negative)
     #: 0..1, for example the share of the last day the node was Ready.
     reliability: float = attrs.field(default=1.0, converter=float)
+    #: The node's GPU model as qualifications name it (`qualification.gpu_model`; `none`: no GPU).
+    gpu_model: str = ""
 
     # Set views of the tuples above, built once per snapshot so that placing over a thousand
     # nodes does set algebra in C instead of scanning tuples. Not part of equality or JSON.
@@ -272,6 +278,11 @@ class PlacementRequest:
     #: On unified-memory nodes, the runtime setting that holds it to `memory_bytes` (derived per
     #: node, or the operator's value checked); None: not limited (a CPU runtime, a full command).
     memory_limit: MemoryLimit | None = None
+    #: `[placement] require_qualified`: the (architecture, GPU model) pairs the runtime's image
+    #: digest passed a qualification on (`nexa runtimes qualify`); None: qualification not required.
+    qualified: tuple[tuple[str, str], ...] | None = attrs.field(default=None, converter=_sorted_pairs)
+    #: The runtime image's digest, named by the `qualified` filter's explanation.
+    image_digest: str = ""
 
     @property
     def network(self) -> str:

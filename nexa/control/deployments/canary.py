@@ -20,7 +20,6 @@ import attrs
 
 from nexa.contracts.deployments import Canary, CanaryCreate, DeploymentView, RolloutResult, canary_problems
 from nexa.contracts.models import AliasPromote
-from nexa.control.deployments.assignment import placement_request
 from nexa.control.deployments.checks import deployable_model, explain, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, follow, new_replica
@@ -57,7 +56,7 @@ class Rollouts:
             model = deployable_model(self._desired.models, req.model)
             existing = Counter(r.node_id for r in dep.placed)
             decision = place(
-                self._desired.snapshot(), placement_request(dep, model, runtime, req.replicas), existing=existing
+                self._desired.snapshot(), self._desired.request(dep, model, runtime, req.replicas), existing=existing
             )
             if not decision.feasible:
                 raise Unplaceable(f"the canary {model.key} of deployment {name} cannot be placed: " + explain(decision))

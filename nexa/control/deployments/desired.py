@@ -18,12 +18,13 @@ import attrs
 import trio
 
 from nexa.config import PlacementConfig
-from nexa.contracts.deployments import Deployment, Replica
+from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
 from nexa.contracts.domain import NodeState
-from nexa.contracts.placement import PlacementNode
-from nexa.contracts.wire import DesiredAssignments, RuntimeState
+from nexa.contracts.models import ModelRecord, RuntimeRecord
+from nexa.contracts.placement import PlacementNode, PlacementRequest
+from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
 from nexa.control import store as st
-from nexa.control.deployments.assignment import assignment_for
+from nexa.control.deployments.assignment import assignment_for, placement_request
 from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
 from nexa.control.deployments.snapshot import snapshot_from, unified_pool_bytes
 from nexa.control.fleet import Fleet
@@ -74,6 +75,9 @@ class Desired:
         self.lock = trio.Lock()  # every change to deployments and node sets goes through it
         #: Told of each change once it is committed (the rollout jobs, `control.jobs`); they must not raise.
         self.observers: list[CommitObserver] = []
+        #: The (arch, GPU model) pairs a runtime's image passed a qualification on
+        #: (`control.qualification`); read only with `[placement] require_qualified`.
+        self.qualified: Callable[[RuntimeRecord], frozenset[tuple[str, str]]] | None = None
 
     async def load(self) -> None:
         for dep, decision in await self._store.run(st.load_deployments):
@@ -107,6 +111,16 @@ class Desired:
         return snapshot_from(
             self.fleet, without=without, unified_headroom_bytes=self._placement.unified_host_headroom_bytes
         )
+
+    def request(
+        self, dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, replicas: int
+    ) -> PlacementRequest:
+        """What placement is asked for `replicas` of `dep` (`placement_request`); with `[placement]
+        require_qualified`, only on the pairs its runtime's image qualified on (none known: none)."""
+        qualified = None
+        if self._placement.require_qualified:
+            qualified = self.qualified(runtime) if self.qualified is not None else frozenset()
+        return placement_request(dep, model, runtime, replicas, qualified=qualified)
 
     @property
     def recovering(self) -> bool:
@@ -201,6 +215,33 @@ class Desired:
             await self._southbound.push_now(node_id)
         log.info("%s %s: %s", action, name, detail)
         await self._tell(action, before, after)
+
+    async def change_node_set(
+        self,
+        actor: Actor,
+        action: str,
+        target: str,
+        node_id: str,
+        change: Callable[[list[Assignment]], list[Assignment]],
+        *,
+        detail: str,
+    ) -> DesiredAssignments:
+        """Give one node the set `change(its assignments)`, outside any deployment (a runtime
+        qualification's replica, `control.qualification`): one generation up, audited, pushed.
+        Takes `lock`; a deployment's commit keeps assignments that are not its own."""
+        async with self.lock:
+            self._refuse_while_recovering()
+            live = self.fleet.get(node_id)
+            before = live.desired
+            after = attrs.evolve(before, generation=before.generation + 1, assignments=change(list(before.assignments)))
+            detail = f"{detail}; {node_id} generation {after.generation}"
+            draft = audit_draft(actor, action, target, before, after, detail=detail[:_DETAIL_MAX])
+            await self._leadership.write(st.save_desired, after, draft)
+            live.desired = attrs.evolve(live.desired, generation=after.generation, assignments=after.assignments)
+            self.version += 1
+            log.info("%s %s: %s", action, target, detail)
+        await self._southbound.push_now(node_id)
+        return after
 
     async def _tell(self, action: str, before: Entry | None, after: Entry | None) -> None:
         for observer in self.observers:

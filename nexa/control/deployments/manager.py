@@ -30,7 +30,6 @@ from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRe
 from nexa.contracts.placement import PlacementDecision
 from nexa.control import store as st
 from nexa.control.deployments import views
-from nexa.control.deployments.assignment import placement_request
 from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
@@ -161,7 +160,7 @@ class Deployments:
         check_shape(req)
         model, runtime, _ = deployable(self._desired.models, req)
         check_settings(req, runtime)
-        return place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
+        return place(self._desired.snapshot(), self._desired.request(req, model, runtime, req.replicas))
 
     async def create(self, actor: Actor, req: DeploymentCreate) -> DeploymentView:
         check_shape(req)
@@ -170,7 +169,7 @@ class Deployments:
                 raise AlreadyExists(f"deployment {req.name} exists")
             model, runtime, ref = deployable(self._desired.models, req)
             check_settings(req, runtime)
-            decision = place(self._desired.snapshot(), placement_request(req, model, runtime, req.replicas))
+            decision = place(self._desired.snapshot(), self._desired.request(req, model, runtime, req.replicas))
             check_memory_limits(req, decision)
             if not decision.feasible:
                 raise Unplaceable(f"deployment {req.name} cannot be placed: " + explain(decision))
@@ -234,6 +233,13 @@ class Deployments:
             await self._desired.commit(actor, "deployment.objectives", before, after)
         return views.view(self._desired, after)
 
+    @property
+    def desired(self) -> Desired:
+        """The deployments' desired state: what a runtime qualification (`control.qualification`)
+        places through, writes its replica's node set with (`Desired.change_node_set`), and tells
+        placement which pairs are qualified (`Desired.qualified`)."""
+        return self._desired
+
     def on_commit(self, observer: CommitObserver) -> None:
         """Call `observer(action, before, after)` after every committed change (`Desired.commit`)."""
         self._desired.observers.append(observer)
@@ -251,7 +257,7 @@ class Deployments:
         existing = Counter(r.node_id for r in kept)
         if dep.canary is not None:
             existing.update(r.node_id for r in dep.canary.placed)
-        return place(self._desired.snapshot(), placement_request(dep, model, runtime, count), existing=existing)
+        return place(self._desired.snapshot(), self._desired.request(dep, model, runtime, count), existing=existing)
 
     # ---- rollout: canary, promote, rollback (`canary.Rollouts`) ------------------------------------
 

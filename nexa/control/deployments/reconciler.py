@@ -45,7 +45,6 @@ from nexa.contracts.deployments import Deployment, Replica
 from nexa.contracts.domain import NodeState
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
-from nexa.control.deployments.assignment import placement_request
 from nexa.control.deployments.checks import deployable_model, explain, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, canary_placed, follow, model_of, new_replica
@@ -206,7 +205,7 @@ class Reconciler:
                 return Healed(group, None, problem, next_at)
         if model is not None and runtime is not None and len(kept) < wanted:
             existing = Counter(r.node_id for r in kept + others)
-            request = placement_request(dep, model, runtime, wanted - len(kept))
+            request = self._desired.request(dep, model, runtime, wanted - len(kept))
             decision = place(self._desired.snapshot(), request, existing=existing)
             if decision.feasible:
                 placed = kept + [new_replica(dep.name, p.node_id, p.gpus, ref) for p in decision.placements]
@@ -260,7 +259,7 @@ class Reconciler:
             # serving until its replacement is Ready (the next step then only stops it).
             surge = place(
                 self._desired.snapshot(),
-                placement_request(dep, model, runtime, 1),
+                self._desired.request(dep, model, runtime, 1),
                 existing=Counter(r.node_id for r in dep.placed + canary_placed(dep)),
             )
             if len(dep.placed) <= dep.replicas and surge.feasible:
@@ -269,7 +268,7 @@ class Reconciler:
                 # No room: stop one old replica and place its replacement where it was freed.
                 existing = Counter(r.node_id for r in rest + canary_placed(dep))
                 snapshot = self._desired.snapshot(without=frozenset({victim.id}))
-                decision = place(snapshot, placement_request(dep, model, runtime, 1), existing=existing)
+                decision = place(snapshot, self._desired.request(dep, model, runtime, 1), existing=existing)
             if not decision.feasible:
                 entry.problem = waits + explain(decision)
                 return again

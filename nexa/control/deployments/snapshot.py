@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 from nexa.contracts.node import LabelKey, LabelValue
 from nexa.contracts.placement import PlacementNode
+from nexa.contracts.qualification import gpu_model
 from nexa.control.fleet import NodeLive
 
 
@@ -32,6 +33,7 @@ def snapshot_from(
       assignment; the host pool is the same pool.
     - host memory: `memory_total_bytes` less the memory of CPU-only assignments.
     - load: assignments in the desired set; cached artifacts: none known yet (reliability 1).
+    - gpu_model: the GPUs' names as qualifications name them (`qualification.gpu_model`).
     """
     out = []
     for live in fleet:
@@ -74,6 +76,7 @@ def snapshot_from(
             host_memory_total_bytes=host_total,
             host_memory_free_bytes=host_free,
             load=len(assignments),
+            gpu_model=gpu_model(inv.gpus),
         )
         out.append(node)
     return out
