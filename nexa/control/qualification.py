@@ -17,8 +17,10 @@ leader loop) and the job follows it, step by step (`contracts.qualification.STEP
 - `metrics`: the series the router reads (the adapter's `Metrics`: waiting, running, KV cache)
   present in what the node scraped (a figure the node reports is a series it found);
 - `cache`, `memory`: the cache the replica wrote and its measured memory against the
-  reservation, from the node's reports where it makes them (`_reported`: else `unknown`);
+  reservation, from the node's reports where it makes them (else `unknown`);
 - `stop`: the replica removed from the node's set, and the node no longer reporting it.
+
+The steps themselves are `qualify_steps.Steps`.
 
 The result is a `Qualification` signed with the controller's key and kept (audited
 `runtime.qualify`); the newest one of each (image digest, arch, GPU model) decides placement
@@ -28,17 +30,16 @@ to do; the job's summary starts with `qualification_failed` and the step.
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Awaitable, Callable
+from typing import Final
 
 import attrs
 import trio
 
-from nexa import __version__, adapters, security
+from nexa import __version__, security
 from nexa.contracts import pages
 from nexa.contracts.deployments import (
     Deployment,
@@ -47,11 +48,9 @@ from nexa.contracts.deployments import (
     Replica,
     Resources,
     RuntimeOptions,
-    ServingReplica,
 )
 from nexa.contracts.domain import NodeState
 from nexa.contracts.evidence import JobKind, JobState
-from nexa.contracts.gateway import Capability
 from nexa.contracts.models import ModelFormat, ModelRecord, ModelRef, ModelState, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.qualification import (
@@ -64,10 +63,9 @@ from nexa.contracts.qualification import (
     StepOutcome,
     gpu_model,
     image_digest,
-    memory_text,
     request_problems,
 )
-from nexa.contracts.wire import Assignment, AssignmentStatus, EndStatus, RuntimeState
+from nexa.contracts.wire import Assignment
 from nexa.control import store as st
 from nexa.control.deployments import Deployments, assignment_for, check_settings, explain, placement_request
 from nexa.control.deployments.checks import deployable_model, runtime_of
@@ -75,64 +73,27 @@ from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.gateway import Gateway
 from nexa.control.jobs import Jobs
 from nexa.control.models import ModelRegistry
+from nexa.control.qualify_steps import DEPLOYMENT_PREFIX, FIRST_PORT, POLL_S, QualifyRun, StepFailed, StepResult, Steps
 from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.control.scheduler import place
-from nexa.errors import Conflict, ContractError, DeployModelUnknown, NexaError, NotFound, Unavailable, Unplaceable
+from nexa.errors import (
+    Conflict,
+    ContractError,
+    DeployModelUnknown,
+    NexaError,
+    NotFound,
+    Recovering,
+    Unavailable,
+    Unplaceable,
+)
 from nexa.oci import normalise_arch
 from nexa.security import SigningKey
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
-#: The assignments of qualifications name this "deployment" (a colon: never a deployment's name).
-DEPLOYMENT_PREFIX: Final = "qualify:"
-#: The first loopback port a qualification replica tries on its node.
-FIRST_PORT: Final = 18900
-#: How often the node's reports are looked at.
-POLL_S: Final = 0.25
-#: How long the answer may take, and how long the node may take to report the metrics it scraped.
-ANSWER_TIMEOUT_S: Final = 120.0
-METRICS_WAIT_S: Final = 20.0
-#: How long the node may take to drop the replica after its removal was pushed.
-STOP_TIMEOUT_S: Final = 60.0
 #: Queued qualifications waiting for the runner.
 _QUEUE: Final = 16
-
-
-@attrs.define(kw_only=True, eq=False)
-class _Run:
-    """One qualification while it runs."""
-
-    id: str
-    runtime: RuntimeRecord
-    node_id: str
-    arch: str
-    gpu_model: str
-    model: ModelRecord
-    request: QualifyRequest
-    actor: Actor
-    job_id: str
-    assignment: Assignment
-    started_at: float
-    steps: list[QualificationStep] = attrs.Factory(list)
-    #: trio clock when the set carrying the replica was pushed, and when it was Ready.
-    pushed_at: float = 0.0
-    ready_at: float | None = None
-    status: AssignmentStatus | None = None
-
-    @property
-    def failed(self) -> str | None:
-        return next((s.name for s in self.steps if s.outcome is StepOutcome.FAIL), None)
-
-
-class StepFailed(Exception):
-    """A step failed: what was seen and what to do (caught by the runner, recorded in the step)."""
-
-    def __init__(self, detail: str, fix: str, **figures: float | int | str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.fix = fix
-        self.figures = figures
 
 
 class Qualifications:
@@ -157,11 +118,11 @@ class Qualifications:
         self._models = models
         self._deployments = deployments
         self._desired = deployments.desired
-        self._gateway = gateway
+        self._steps = Steps(fleet, self._desired, gateway)
         self._jobs = jobs
         self._signing_key = signing_key
         self._clock = clock
-        self._send, self._receive = trio.open_memory_channel[_Run](_QUEUE)
+        self._send, self._receive = trio.open_memory_channel[QualifyRun](_QUEUE)
         self._running: dict[tuple[str, str], str] = {}
         #: image digest → the (arch, GPU model) pairs whose newest qualification passed.
         self._passed: dict[str, frozenset[tuple[str, str]]] = {}
@@ -219,6 +180,8 @@ class Qualifications:
                 f"runtime {runtime.name} is being qualified on node {req.node} already "
                 f"(job {self._running[(runtime.name, req.node)]}): follow it with `nexa jobs show`"
             )
+        if self._desired.recovering:
+            raise Recovering()
         if not self._accepting:
             raise Unavailable("this controller does not run qualifications now (it is not leading, or stopping)")
         model = self._model(runtime, req.model)
@@ -237,7 +200,7 @@ class Qualifications:
             JobKind.QUALIFICATION, title, subject=f"runtime/{runtime.name}", progress=0.0, link=None
         )
         assert live.inventory is not None
-        run = _Run(
+        run = QualifyRun(
             id=run_id,
             runtime=runtime,
             node_id=req.node,
@@ -283,7 +246,12 @@ class Qualifications:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run queued qualifications, each in its own task, until cancelled (a leader loop). At
-        start, what a previous leader left is cleaned up: its replicas removed, its jobs failed."""
+        start (once the controller is not recovering), the qualified pairs are read again (another
+        controller may have led meanwhile), and what a previous leader left is cleaned up: its
+        replicas removed, its jobs failed."""
+        while self._desired.recovering:  # noqa: ASYNC110 - it ends by an operator command; nothing may change node sets until then
+            await trio.sleep(POLL_S * 4)
+        await self.load()
         await self._clean_up()
         async with trio.open_nursery() as nursery:
             self._accepting = True
@@ -311,18 +279,19 @@ class Qualifications:
         ):
             log.warning("%d qualification job(s) left running by a previous controller: failed", failed)
 
-    async def _qualify(self, run: _Run) -> None:
+    async def _qualify(self, run: QualifyRun) -> None:
         try:
             assigned = False
             try:
-                assigned = await self._assign(run)
+                assigned = await self._steps.assign(run)
+                steps = self._steps
                 for name, step in (
-                    ("process", self._process),
-                    ("ready", self._ready),
-                    ("answer", self._answer),
-                    ("metrics", self._metrics_step),
-                    ("cache", self._cache),
-                    ("memory", self._memory),
+                    ("process", steps.process),
+                    ("ready", steps.ready),
+                    ("answer", steps.answer),
+                    ("metrics", steps.metrics),
+                    ("cache", steps.cache),
+                    ("memory", steps.memory),
                 ):
                     if run.failed is not None:
                         run.steps.append(QualificationStep(name=name, outcome=StepOutcome.SKIPPED))
@@ -331,7 +300,7 @@ class Qualifications:
             finally:
                 with trio.CancelScope(shield=True):
                     if assigned:
-                        await self._step(run, "stop", self._stop)
+                        await self._step(run, "stop", self._steps.stop)
                     else:
                         run.steps.append(QualificationStep(name="stop", outcome=StepOutcome.SKIPPED))
             await self._record(run)
@@ -343,7 +312,7 @@ class Qualifications:
         finally:
             self._running.pop((run.runtime.name, run.node_id), None)
 
-    async def _step(self, run: _Run, name: str, fn: Callable[[_Run], Any]) -> None:
+    async def _step(self, run: QualifyRun, name: str, fn: Callable[[QualifyRun], Awaitable[StepResult]]) -> None:
         started = trio.current_time()
         index = STEPS.index(name)
         await self._jobs.progress(run.job_id, round(index / len(STEPS), 3), f"step {name}")
@@ -363,224 +332,7 @@ class Qualifications:
             )
         )
 
-    async def _assign(self, run: _Run) -> bool:
-        """Put the replica into the node's set (a free loopback port from `FIRST_PORT`) and push it."""
-
-        def add(current: list[Assignment]) -> list[Assignment]:
-            used = {a.runtime.port for a in current}
-            port = FIRST_PORT
-            while port in used:
-                port += 1
-            run.assignment = attrs.evolve(run.assignment, runtime=attrs.evolve(run.assignment.runtime, port=port))
-            return [*current, run.assignment]
-
-        await self._desired.change_node_set(
-            run.actor,
-            "runtime.qualify.start",
-            f"runtime/{run.runtime.name}",
-            run.node_id,
-            add,
-            detail=f"qualification {run.id}: replica {run.assignment.id} of {run.model.key}",
-        )
-        run.pushed_at = trio.current_time()
-        return True
-
-    def _status(self, run: _Run) -> AssignmentStatus | None:
-        try:
-            live = self._fleet.get(run.node_id)
-        except NotFound:
-            return None
-        return next((s for s in live.statuses if s.assignment_id == run.assignment.id), None)
-
-    async def _process(self, run: _Run) -> tuple[StepOutcome, str, dict[str, float | int | str]]:
-        """Until the replica is Ready (its process answers its probe), failed, or exited; at the
-        deadline, a replica still Starting without a failure counts as a process that runs."""
-        program = _program(run)
-        command = " ".join(run.assignment.runtime.command)
-        deadline = run.pushed_at + run.request.timeout_s
-        fix = (
-            f"check that image {run.runtime.image} runs the {run.runtime.kind} adapter's program "
-            f"`{program}` (`nexa runtimes show {run.runtime.name}` shows the command), or register the "
-            "runtime's own image; `podman logs` on the node shows the process's output"
-        )
-        while trio.current_time() < deadline:
-            status = run.status = self._status(run)
-            if status is not None:
-                if status.state is RuntimeState.FAILED:
-                    raise StepFailed(
-                        f"program {program}: the replica failed ({status.reason or 'no reason'}): {status.detail}",
-                        fix,
-                        reason=status.reason or "",
-                        restarts=status.restarts,
-                    )
-                if status.restarts:
-                    raise StepFailed(
-                        f"program {program}: the runtime's process exited {status.restarts} time(s) before it "
-                        f"was Ready ({status.detail or 'no detail'})",
-                        fix,
-                        restarts=status.restarts,
-                    )
-                if status.state is RuntimeState.READY:
-                    run.ready_at = trio.current_time()
-                    return StepOutcome.PASS, f"ran: {command}", {"program": program}
-            await trio.sleep(POLL_S)
-        if run.status is not None and run.status.state in {RuntimeState.STARTING, RuntimeState.UNHEALTHY}:
-            return StepOutcome.PASS, f"runs (not Ready yet): {command}", {"program": program}
-        state = "not reported" if run.status is None else f"{run.status.state}: {run.status.detail}"
-        raise StepFailed(
-            f"program {program}: the replica did not start within {run.request.timeout_s:g} s ({state})",
-            "check that the node can pull the image and fetch the model (`nexa nodes show NODE`), "
-            "or give more time with --timeout",
-        )
-
-    async def _ready(self, run: _Run) -> tuple[StepOutcome, str, dict[str, float | int | str]]:
-        if run.ready_at is not None:
-            took = round(run.ready_at - run.pushed_at, 3)
-            return StepOutcome.PASS, f"Ready {took:g} s after its set was pushed", {"time_to_ready_s": took}
-        state = "not reported" if run.status is None else f"{run.status.state}: {run.status.detail}"
-        raise StepFailed(
-            f"the replica was not Ready within {run.request.timeout_s:g} s ({state})",
-            "give more time with --timeout (a large model loads slowly), or check the runtime's log "
-            "and its readiness endpoint",
-        )
-
-    async def _answer(self, run: _Run) -> tuple[StepOutcome, str, dict[str, float | int | str]]:
-        capability, body = _probe_request(run)
-        replica = ServingReplica(
-            replica_id=run.assignment.id,
-            node_id=run.node_id,
-            deployment=run.assignment.deployment,
-            model=ModelRef(model=run.model.name, version=run.model.version),
-        )
-        started = trio.current_time()
-        try:
-            raw, end = await self._gateway.probe(replica, capability, body, deadline_at=time.time() + ANSWER_TIMEOUT_S)
-        except NexaError as exc:
-            raise StepFailed(
-                f"the {capability} request through the gateway failed: {exc.code}: {exc.message}",
-                "check the runtime's log on the node; the adapter's request path is " + capability.path,
-                code=exc.code,
-            ) from None
-        took_ms = round((trio.current_time() - started) * 1000.0, 1)
-        problem, figures = _answer_problem(capability, raw)
-        figures["latency_ms"] = took_ms
-        if end is not None and end.status is not EndStatus.OK:
-            problem = problem or f"the node ended the answer with {end.code or end.status.value}"
-        if problem:
-            raise StepFailed(
-                f"{capability.path}: {problem}", "the runtime does not answer in OpenAI's shape", **figures
-            )
-        return StepOutcome.PASS, f"{capability.path} answered in {took_ms:g} ms", figures
-
-    async def _metrics_step(self, run: _Run) -> tuple[StepOutcome, str, dict[str, float | int | str]]:
-        spec = adapters.metrics_for(run.runtime.kind, run.assignment.runtime.command)
-        if spec.path is None:
-            return (
-                StepOutcome.UNKNOWN,
-                "the runtime exposes no metrics endpoint: routing uses the controller's own in-flight counts",
-                {},
-            )
-        deadline = trio.current_time() + METRICS_WAIT_S
-        status = None
-        while trio.current_time() < deadline:
-            status = self._status(run)
-            if status is not None and status.load is not None:
-                break
-            await trio.sleep(POLL_S)
-        if status is None or status.load is None:
-            return (
-                StepOutcome.UNKNOWN,
-                f"the node reported no scrape of {spec.path} within {METRICS_WAIT_S:g} s "
-                "(its runtime_metrics_interval_s may be 0)",
-                {},
-            )
-        load = status.load
-        if not load.ok:
-            raise StepFailed(
-                f"the node could not read {spec.path}: {load.error}",
-                "check the runtime serves Prometheus text at that path (the adapter's `fixed` flags enable it)",
-            )
-        series = {
-            "waiting": (spec.waiting, load.queue_depth),
-            "running": (spec.running, load.running),
-            "kv_cache": (" or ".join(spec.kv_cache) or None, load.kv_cache_ratio),
-        }
-        named = {k: v for k, v in series.items() if v[0] is not None}
-        found = [f"{k} ({name})" for k, (name, figure) in named.items() if figure is not None]
-        missing = [f"{k} ({name})" for k, (name, figure) in named.items() if figure is None]
-        figures: dict[str, float | int | str] = {"found": ", ".join(found), "missing": ", ".join(missing)}
-        if not named:
-            return StepOutcome.UNKNOWN, f"{spec.path} was read; the adapter names no series the router reads", figures
-        if not found:
-            raise StepFailed(
-                f"{spec.path} holds none of the series the router reads ({', '.join(missing)})",
-                "check the runtime's version exports them (the adapter names them), or routing falls "
-                "back to the controller's own counts",
-                **figures,
-            )
-        if missing:
-            return (
-                StepOutcome.UNKNOWN,
-                f"{spec.path}: found {', '.join(found)}; missing {', '.join(missing)} "
-                "(routing falls back to the controller's own counts for those)",
-                figures,
-            )
-        return StepOutcome.PASS, f"{spec.path}: found {', '.join(found)}", figures
-
-    async def _cache(self, run: _Run) -> tuple[StepOutcome, str, dict[str, float | int | str]]:
-        written = _reported(self._status(run), "cache_bytes")
-        if written is None:
-            return StepOutcome.UNKNOWN, "the node does not report the replica's runtime cache", {}
-        if written == 0:
-            return StepOutcome.UNKNOWN, "the runtime wrote nothing to its cache", {"cache_bytes": 0}
-        return StepOutcome.PASS, f"the runtime wrote {memory_text(written)} to its cache", {"cache_bytes": written}
-
-    async def _memory(self, run: _Run) -> tuple[StepOutcome, str, dict[str, float | int | str]]:
-        reserved = run.assignment.runtime.memory_bytes
-        measured = _reported(self._status(run), "memory_bytes")
-        if measured is None:
-            return (
-                StepOutcome.UNKNOWN,
-                f"the node does not measure the replica's memory; {memory_text(reserved)} reserved",
-                {"reserved_bytes": reserved},
-            )
-        figures: dict[str, float | int | str] = {"reserved_bytes": reserved, "measured_bytes": measured}
-        if measured > reserved:
-            raise StepFailed(
-                f"measured {memory_text(measured)}, above the {memory_text(reserved)} reserved",
-                f"reserve at least {measured} bytes (the deployment's resources.memory_bytes, or the "
-                "model's memory_bytes), or lower the runtime's context and batch settings",
-                **figures,
-            )
-        return StepOutcome.PASS, f"measured {memory_text(measured)} of {memory_text(reserved)} reserved", figures
-
-    async def _stop(self, run: _Run) -> tuple[StepOutcome, str, dict[str, float | int | str]]:
-        started = trio.current_time()
-        after = await self._desired.change_node_set(
-            run.actor,
-            "runtime.qualify.stop",
-            f"runtime/{run.runtime.name}",
-            run.node_id,
-            lambda current: [a for a in current if a.id != run.assignment.id],
-            detail=f"qualification {run.id}: replica {run.assignment.id} removed",
-        )
-        deadline = started + STOP_TIMEOUT_S
-        while trio.current_time() < deadline:
-            live = self._fleet.get(run.node_id)
-            if live.desired.acked_generation >= after.generation and self._status(run) is None:
-                took = round(trio.current_time() - started, 3)
-                return (
-                    StepOutcome.PASS,
-                    f"removed: the node accepted generation {after.generation} and dropped the replica in {took:g} s",
-                    {"stop_s": took},
-                )
-            await trio.sleep(POLL_S)
-        raise StepFailed(
-            f"the node did not drop the replica within {STOP_TIMEOUT_S:g} s",
-            "check the node is connected (`nexa nodes show NODE`); its agent removes the container at its next set",
-        )
-
-    async def _record(self, run: _Run) -> None:
+    async def _record(self, run: QualifyRun) -> None:
         failed = run.failed
         record = Qualification(
             id=run.id,
@@ -702,13 +454,6 @@ def _as_create(dep: Deployment) -> DeploymentCreate:
     )
 
 
-def _program(run: _Run) -> str:
-    """The program the adapter runs (`python3 -m llama_cpp.server`, `/app/llama-server`), as words."""
-    if adapters.has_adapter(run.runtime.kind):
-        return " ".join(adapters.adapter_for(run.runtime.kind, run.request.settings).program)
-    return run.assignment.runtime.command[0] if run.assignment.runtime.command else "(the image's own)"
-
-
 def _without_qualifications(current: list[Assignment]) -> list[Assignment]:
     return [a for a in current if not a.deployment.startswith(DEPLOYMENT_PREFIX)]
 
@@ -718,54 +463,3 @@ def _gpus(live: NodeLive, count: int) -> list[str]:
     if inv is None or not count:
         return []
     return [g.cdi_device for g in inv.gpus][:count]
-
-
-def _reported(status: AssignmentStatus | None, field: str) -> int | None:
-    """A figure the node reports of the replica where its agent measures it (`cache_bytes`: the
-    runtime cache written; `memory_bytes`: measured memory); None from agents that do not."""
-    value = getattr(status, field, None) if status is not None else None
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value
-
-
-def _probe_request(run: _Run) -> tuple[Capability, dict[str, Any]]:
-    """A chat request where the replica serves chat, else an embedding one."""
-    settings = run.request.settings
-    if adapters.has_adapter(run.runtime.kind):
-        adapter = adapters.adapter_for(run.runtime.kind, settings)
-        if not adapter.serves(Capability.CHAT, settings) and adapter.serves(Capability.EMBEDDING, settings):
-            return Capability.EMBEDDING, {"input": "nexa qualification"}
-    return Capability.CHAT, {
-        "messages": [{"role": "user", "content": "Say hello."}],
-        "max_tokens": 8,
-        "temperature": 0,
-    }
-
-
-def _answer_problem(capability: Capability, raw: bytes) -> tuple[str, dict[str, float | int | str]]:
-    """What is wrong with an answer's shape ("" when nothing is), and its figures."""
-    try:
-        answer = json.loads(raw)
-    except ValueError:
-        return f"the answer is not JSON ({len(raw)} bytes)", {"bytes": len(raw)}
-    if not isinstance(answer, dict):
-        return "the answer is not a JSON object", {}
-    usage = answer.get("usage")
-    figures: dict[str, float | int | str] = {}
-    if isinstance(usage, dict):
-        figures = {k: v for k, v in usage.items() if k in {"prompt_tokens", "completion_tokens"} and isinstance(v, int)}
-    if capability is Capability.EMBEDDING:
-        data = answer.get("data")
-        vector = data[0].get("embedding") if isinstance(data, list) and data and isinstance(data[0], dict) else None
-        if not isinstance(vector, list) or not vector:
-            return "no embedding in `data[0].embedding`", figures
-        figures["dimensions"] = len(vector)
-        return "", figures
-    choices = answer.get("choices")
-    first = choices[0] if isinstance(choices, list) and choices else None
-    message = first.get("message") if isinstance(first, dict) else None
-    if not isinstance(message, dict) or not isinstance(message.get("content"), str | None):
-        return "no message in `choices[0].message`", figures
-    figures["content_chars"] = len(message.get("content") or "")
-    return "", figures

@@ -8,16 +8,22 @@ import json
 from pathlib import Path
 
 import attrs
+import httpx
 import trio
 
 from nexa import security
 from nexa.config import PlacementConfig
 from nexa.contracts import codec
-from nexa.contracts.qualification import SignedQualification
+from nexa.contracts.models import ModelRef
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.qualification import Qualification, QualificationStep, SignedQualification, StepOutcome
+from nexa.control.scheduler import place
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, ok
 from tests.support.cluster import sim_cluster
+from tests.support.console import sign_in
 from tests.support.models import registry_config
+from tests.support.scheduler import explanation, failures, lab, vllm, where
 
 MIB = 2**20
 
@@ -103,6 +109,22 @@ async def test_a_runtime_qualified_on_a_node_is_placed_only_once_qualified_and_i
             [explained] = placement["decision"]["explanations"]
             assert {f["name"]: f["passed"] for f in explained["filters"]}["qualified"] is True
 
+        # The console's models page shows it beside the runtime.
+        async with httpx.AsyncClient(base_url=cluster.controller.url) as browser:
+            assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+            page = await browser.get("/console/models")
+        assert page.status_code == 200
+        assert f'id="qualification-{q.id}">qualified</span> on sim-1 (amd64, GPU none)' in page.text
+
+        # The evidence bundle carries it, and `nexa evidence verify` checks its signature.
+        bundle = tmp_path / "bundle"
+        written = await cluster.cli("evidence", "--out", str(bundle))
+        assert written.returncode == 0, written.stderr
+        [carried] = json.loads((bundle / "qualifications.json").read_text())["qualifications"]
+        assert carried == raw
+        checked = await cluster.cli("evidence", "verify", str(bundle), "--public-key", key)
+        assert checked.returncode == 0, checked.stderr
+
         # `nexa runtimes show` lists it.
         show = await cluster.cli("runtimes", "show", "sim")
         assert show.returncode == 0, show.stderr
@@ -113,10 +135,6 @@ async def test_a_runtime_qualified_on_a_node_is_placed_only_once_qualified_and_i
 
 
 def test_a_qualification_signature_holds_only_for_the_key_and_bytes_it_covers() -> None:
-    from nexa.contracts.models import ModelRef
-    from nexa.contracts.node import RuntimeKind
-    from nexa.contracts.qualification import Qualification, QualificationStep, StepOutcome
-
     record = Qualification(
         id="qual_0123456789abcdef",
         runtime="llama",
@@ -143,3 +161,23 @@ def test_a_qualification_signature_holds_only_for_the_key_and_bytes_it_covers() 
         "the signature does not verify: the qualification was changed after it was signed"
     ]
     assert security.verify_qualification(attrs.evolve(signed, signature="!!"), None) == ["the signature is not base64"]
+
+
+def test_require_qualified_places_only_qualified_pairs_and_names_the_failing_filter() -> None:
+    nodes = lab()
+    spark = explanation(place(nodes, vllm()), "spark-1")
+    assert spark.eligible  # not required: every pair passes `qualified`
+    digest = "sha256:" + "b" * 64
+    sparks_only = vllm(qualified=(("arm64", "NVIDIA GB10"),), image_digest=digest)
+    decision = place(nodes, sparks_only)
+    assert decision.feasible and where(decision) == ["spark-1"]
+    assert failures(explanation(decision, "h100-1")) == [
+        (
+            "qualified",
+            f"vllm image {digest[:19]} is not qualified on amd64 with GPU NVIDIA H100 80GB HBM3 "
+            "([placement] require_qualified): run `nexa runtimes qualify RUNTIME --node h100-1`",
+        )
+    ]
+    nothing = place(nodes, vllm(qualified=(), image_digest=digest))
+    assert not nothing.feasible and not nothing.placements
+    assert nothing.reason is not None and "most often failed: qualified" in nothing.reason
