@@ -23,10 +23,9 @@ import trio
 from nexa import adapters
 from nexa.contracts.node import RuntimeKind
 from tests.conftest import Controller
-from tests.e2e.test_real_model import register_model
 from tests.realparts import BuiltImages, PodmanService, S3Store
 from tests.support.api import ok
-from tests.support.realmodel import Node, runtime_logs
+from tests.support.realmodel import Node, register_model, runtime_logs
 
 pytestmark = pytest.mark.slow
 
