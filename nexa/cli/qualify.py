@@ -20,7 +20,7 @@ from nexa.cli.output import emit, print_json
 from nexa.cli.tables import RUNTIME_SHOW
 from nexa.contracts.evidence import Job, JobState
 from nexa.contracts.qualification import DEFAULT_TIMEOUT_S, QualificationList, SignedQualification, StepOutcome
-from nexa.errors import ConfigError
+from nexa.errors import ConfigError, QualificationFailed
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -94,7 +94,7 @@ def _qualify(args: argparse.Namespace) -> int:
         return EXIT_OK
     step = next(s for s in q.steps if s.name == q.failed_step)
     print(
-        f"nexa: error: qualification_failed: step {q.failed_step}: {step.detail}; what to do: {step.fix}",
+        f"nexa: error: {QualificationFailed.code}: step {q.failed_step}: {step.detail}; what to do: {step.fix}",
         file=sys.stderr,
     )
     return EXIT_FAILED

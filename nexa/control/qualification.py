@@ -82,6 +82,7 @@ from nexa.errors import (
     DeployModelUnknown,
     NexaError,
     NotFound,
+    QualificationFailed,
     Recovering,
     Unavailable,
     Unplaceable,
@@ -94,6 +95,8 @@ log = logging.getLogger(__name__)
 
 #: Queued qualifications waiting for the runner.
 _QUEUE: Final = 16
+#: The longest a qualification cut short (the controller stopping) spends taking its replica out.
+REMOVE_TIMEOUT_S: Final = 5.0
 
 
 class Qualifications:
@@ -280,11 +283,10 @@ class Qualifications:
             log.warning("%d qualification job(s) left running by a previous controller: failed", failed)
 
     async def _qualify(self, run: QualifyRun) -> None:
+        steps = self._steps
         try:
-            assigned = False
             try:
-                assigned = await self._steps.assign(run)
-                steps = self._steps
+                await steps.assign(run)
                 for name, step in (
                     ("process", steps.process),
                     ("ready", steps.ready),
@@ -297,12 +299,16 @@ class Qualifications:
                         run.steps.append(QualificationStep(name=name, outcome=StepOutcome.SKIPPED))
                         continue
                     await self._step(run, name, step)
-            finally:
-                with trio.CancelScope(shield=True):
-                    if assigned:
-                        await self._step(run, "stop", self._steps.stop)
-                    else:
-                        run.steps.append(QualificationStep(name="stop", outcome=StepOutcome.SKIPPED))
+            except BaseException:
+                # Cancelled (the controller stops) or a bug: the replica leaves the node's set at
+                # least; the job is failed below, or by the next leader (`_clean_up`).
+                with trio.move_on_after(REMOVE_TIMEOUT_S, shield=True):
+                    await steps.remove(run)
+                raise
+            if steps.assigned(run):
+                await self._step(run, "stop", steps.stop)
+            else:
+                run.steps.append(QualificationStep(name="stop", outcome=StepOutcome.SKIPPED))
             await self._record(run)
         except Exception as exc:  # the runner must outlive any one qualification
             log.exception("qualification %s of %s on %s", run.id, run.runtime.name, run.node_id)
@@ -366,7 +372,7 @@ class Qualifications:
             await self._jobs.finish(run.job_id, JobState.SUCCEEDED, f"qualified: {detail}", link=link)
             return
         step = next(s for s in run.steps if s.name == failed)
-        summary = f"qualification_failed at step {failed}: {step.detail}; what to do: {step.fix}"
+        summary = f"{QualificationFailed.code} at step {failed}: {step.detail}; what to do: {step.fix}"
         await self._jobs.finish(run.job_id, JobState.FAILED, summary, link=link)
 
     # ---- what a request resolves to ---------------------------------------------------------------

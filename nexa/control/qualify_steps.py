@@ -90,7 +90,7 @@ class Steps:
         self._desired = desired
         self._gateway = gateway
 
-    async def assign(self, run: QualifyRun) -> bool:
+    async def assign(self, run: QualifyRun) -> None:
         """Put the replica into the node's set (a free loopback port from `FIRST_PORT`) and push it."""
 
         def add(current: list[Assignment]) -> list[Assignment]:
@@ -110,7 +110,26 @@ class Steps:
             detail=f"qualification {run.id}: replica {run.assignment.id} of {run.model.key}",
         )
         run.pushed_at = trio.current_time()
-        return True
+
+    def assigned(self, run: QualifyRun) -> bool:
+        """Whether the replica is in its node's desired set now."""
+        try:
+            live = self._fleet.get(run.node_id)
+        except NotFound:
+            return False
+        return any(a.id == run.assignment.id for a in live.desired.assignments)
+
+    async def remove(self, run: QualifyRun) -> None:
+        """Take the replica out of its node's set, if it is there (without waiting for the node)."""
+        if self.assigned(run):
+            await self._desired.change_node_set(
+                run.actor,
+                "runtime.qualify.stop",
+                f"runtime/{run.runtime.name}",
+                run.node_id,
+                lambda current: [a for a in current if a.id != run.assignment.id],
+                detail=f"qualification {run.id} cut short: replica {run.assignment.id} removed",
+            )
 
     def status(self, run: QualifyRun) -> AssignmentStatus | None:
         try:
