@@ -252,13 +252,13 @@ class Qualifications:
         start (once the controller is not recovering), the qualified pairs are read again (another
         controller may have led meanwhile), and what a previous leader left is cleaned up: its
         replicas removed, its jobs failed."""
+        task_status.started()  # at once: the controller serves (and recovers) meanwhile
         while self._desired.recovering:  # noqa: ASYNC110 - it ends by an operator command; nothing may change node sets until then
             await trio.sleep(POLL_S * 4)
         await self.load()
         await self._clean_up()
         async with trio.open_nursery() as nursery:
             self._accepting = True
-            task_status.started()
             try:
                 async for run in self._receive:
                     nursery.start_soon(self._qualify, run)
