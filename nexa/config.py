@@ -300,6 +300,10 @@ class PlacementConfig:
     #: less than that share is free. 8 GiB covers DGX OS with Docker and the agent at rest with a
     #: margin; raise it on nodes that run more beside their replicas.
     unified_host_headroom_bytes: Bytes = Bytes(8 * 2**30)
+    #: Place a runtime only on nodes whose (architecture, GPU model) its image (by digest) passed
+    #: a qualification on (`nexa runtimes qualify RUNTIME --node NODE`); a node that did not fails
+    #: placement's `qualified` filter, which names the pair. Off: no qualification is needed.
+    require_qualified: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -53,6 +53,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - Unplaceable [unplaceable]: no placement fits; the message explains every node
     - MemoryOverReservation [memory_over_reservation]: a memory setting would claim more of a unified pool than reserved
     - RuntimeFlagOwned [runtime_flag_owned]: `options.extra_args` gives a flag nexa sets itself (named)
+    - QualificationFailed [qualification_failed]: a runtime qualification failed a step (named, with what to do)
   + Overloaded [overloaded, HTTP 429]: shed load; carries retry_after_s
     - QuotaExceeded [quota_exceeded]: a tenant limit (concurrency, requests or tokens per window) is used up
     - QueueFull [queue_full]: the model's admission queue for that priority is full
@@ -343,6 +344,17 @@ class RuntimeFlagOwned(NotDeployable):
     def __init__(self, message: str, *, flags: tuple[str, ...]) -> None:
         super().__init__(message)
         self.flags = flags
+
+
+class QualificationFailed(NotDeployable):
+    """A runtime qualification (`nexa runtimes qualify`) failed a step: `step` names it, the
+    message says what was seen and what to do."""
+
+    code = "qualification_failed"
+
+    def __init__(self, message: str, *, step: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class VerificationFailed(NexaError):

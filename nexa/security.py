@@ -17,7 +17,7 @@ import os
 import secrets
 import stat
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Final
 
@@ -31,6 +31,7 @@ from nexa.contracts import codec
 from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
 from nexa.contracts.evidence import EvidenceManifest, EvidenceSigned
 from nexa.contracts.gateway import Receipt, SignedReceipt
+from nexa.contracts.qualification import Qualification, SignedQualification
 from nexa.errors import (
     BadSignature,
     ClockSkew,
@@ -381,11 +382,31 @@ def verify_signed(signed: EvidenceSigned, trusted_public_key: str | None) -> lis
     it; None checks against the key the manifest carries, which proves integrity, not origin (the
     problem list says so only when the signature fails). Never raises for a hostile input.
     """
+    return _signed_problems(
+        signed.public_key,
+        signed.signature,
+        trusted_public_key,
+        kind=EVIDENCE_KIND,
+        body=lambda: evidence_body(signed.manifest),
+        noun="manifest",
+    )
+
+
+def _signed_problems(
+    public_key: str,
+    signature: str,
+    trusted_public_key: str | None,
+    *,
+    kind: bytes,
+    body: Callable[[], bytes],
+    noun: str,
+) -> list[str]:
+    """What is wrong with a detached signature (`sign(key, kind, body())`) over a `noun`, offline."""
     problems: list[str] = []
     try:
-        embedded = PublicKey.from_b64(signed.public_key)
+        embedded = PublicKey.from_b64(public_key)
     except ContractError:
-        return ["the manifest's public_key is not an Ed25519 public key in base64"]
+        return [f"the {noun}'s public_key is not an Ed25519 public key in base64"]
     pub = embedded
     if trusted_public_key is not None:
         try:
@@ -398,16 +419,48 @@ def verify_signed(signed: EvidenceSigned, trusted_public_key: str | None) -> lis
                 "check --public-key against `public_key` of GET /api/v1/receipts/public-key"
             )
     try:
-        sig = base64.b64decode(signed.signature.strip(), validate=True)
+        sig = base64.b64decode(signature.strip(), validate=True)
     except (binascii.Error, ValueError):
         return [*problems, "the signature is not base64"]
     try:
-        verify(pub, sig, EVIDENCE_KIND, evidence_body(signed.manifest))
+        verify(pub, sig, kind, body())
     except ValueError:  # a number canonical JSON cannot write (NaN, infinity): never signed by us
-        problems.append("the manifest holds a number no manifest has")
+        problems.append(f"the {noun} holds a number no {noun} has")
     except BadSignature:
-        problems.append("the signature does not verify: the manifest was changed after it was signed")
+        problems.append(f"the signature does not verify: the {noun} was changed after it was signed")
     return problems
+
+
+# --- runtime qualifications ---------------------------------------------------------------------
+
+#: The kind a qualification record is signed with (`sign(key, QUALIFICATION_KIND, qualification_body(q))`).
+QUALIFICATION_KIND: Final = b"nexa-qualification-v1"
+
+
+def qualification_body(record: Qualification) -> bytes:
+    """The bytes a qualification's signature covers: its canonical JSON (API form)."""
+    return codec.canonical_json(codec.api.unstructure(record)).encode()
+
+
+def sign_qualification(key: SigningKey, record: Qualification) -> SignedQualification:
+    """The controller's signature over a runtime qualification (`nexa runtimes qualify`)."""
+    signature = sign(key, QUALIFICATION_KIND, qualification_body(record))
+    return SignedQualification(
+        qualification=record, signature=base64.b64encode(signature).decode("ascii"), public_key=key.public.b64
+    )
+
+
+def verify_qualification(signed: SignedQualification, trusted_public_key: str | None) -> list[str]:
+    """What is wrong with a signed qualification, offline; empty: its signature holds (as
+    `verify_signed`: None checks against the key it carries, proving integrity, not origin)."""
+    return _signed_problems(
+        signed.public_key,
+        signed.signature,
+        trusted_public_key,
+        kind=QUALIFICATION_KIND,
+        body=lambda: qualification_body(signed.qualification),
+        noun="qualification",
+    )
 
 
 # --- replay window ------------------------------------------------------------------------------

@@ -18,7 +18,15 @@ from nexa.contracts import codec
 from nexa.contracts.evidence import GateCheck, GateReport, SimStep, SimSummary, StepVerdict
 from tests.conftest import ControllerProcess
 
-BUNDLE = {"versions.json", "sim-summary.json", "benchmarks.json", "gate.json", "audit-head.json", "README.txt"}
+BUNDLE = {
+    "versions.json",
+    "sim-summary.json",
+    "benchmarks.json",
+    "gate.json",
+    "audit-head.json",
+    "qualifications.json",
+    "README.txt",
+}
 
 
 def offline(*args: str) -> subprocess.CompletedProcess[str]:

@@ -10,6 +10,8 @@ A bundle is a directory of JSON files and a README, listed by size and sha256 in
   runs the controller stored, newest first, and each deployment's objectives and replicas);
 - `audit-head.json`: the audit chain's head signed by the controller, when the key may read it
   (audit or admin role; the manifest carries the head either way);
+- `qualifications.json`: every runtime qualification (`nexa runtimes qualify`), newest first, each
+  signed by the controller (`nexa evidence verify` checks each signature too);
 - `README.txt`: what `release_ready` covers, and what it never does.
 
 `release_ready` holds only when the sim passed, every deployment's latest run of each kind meets
@@ -51,6 +53,7 @@ from nexa.contracts.evidence import (
     Versions,
 )
 from nexa.contracts.models import ModelList, RuntimeList
+from nexa.contracts.qualification import QualificationList
 from nexa.errors import ConfigError, Conflict, ContractError, RemoteError
 
 T = TypeVar("T")
@@ -62,6 +65,7 @@ SIM: Final = "sim-summary.json"
 BENCHMARKS: Final = "benchmarks.json"
 GATE: Final = "gate.json"
 AUDIT_HEAD: Final = "audit-head.json"
+QUALIFICATIONS: Final = "qualifications.json"
 README: Final = "README.txt"
 MANIFEST: Final = "manifest.json"
 #: `evidence verify` reads no bundle file past this (its JSON files are kilobytes to a few MiB) ...
@@ -88,6 +92,11 @@ fingerprint it prints with the controller_fingerprint of GET /version.)
 release_ready covers three things only: the `nexa sim` campaign passed ({SIM}), every
 deployment's latest benchmark of each kind meets its service objectives ({BENCHMARKS}), and the
 release gate is clean ({GATE}).
+
+{QUALIFICATIONS} holds every runtime qualification (`nexa runtimes qualify`): which runtime
+image digest passed or failed which step on which node architecture and GPU model, each record
+signed by the controller (kind nexa-qualification-v1; `nexa evidence verify` checks them). They
+inform release_ready's reader; they are not part of it.
 
 It does NOT cover acceptance on the real fleet, and it is NOT a release approval. Both are still
 required: acceptance tests on the production hardware, and a named human who approves the
@@ -204,6 +213,7 @@ def _write(args: argparse.Namespace) -> int:
         models = c.get("/api/v1/models", ModelList).models
         deployments = _all_pages(c, "/api/v1/deployments", DeploymentList, "deployments", {"limit": _PAGE})
         runs = _all_pages(c, "/api/v1/benchmarks", BenchRunList, "runs", {"limit": _PAGE})
+        qualified = _all_pages(c, "/api/v1/qualifications", QualificationList, "qualifications", {"limit": _PAGE})
         try:
             head = AuditHead(checkpoint=c.get("/api/v1/audit/head", SignedAuditCheckpoint))
         except RemoteError as exc:
@@ -257,6 +267,7 @@ def _write(args: argparse.Namespace) -> int:
         if gate is not None:
             files[GATE] = _dump(gate)
         files[AUDIT_HEAD] = _dump(head)
+        files[QUALIFICATIONS] = _dump(QualificationList(qualifications=qualified))
         files[README] = README_TEXT.encode()
         bundle = _BundleDir(out)
         for name, data in files.items():
@@ -405,6 +416,10 @@ def verify_bundle(root: Path, trusted_public_key: str | None) -> tuple[EvidenceS
             f"release rule: release_ready is {str(ready).lower()} from the files, the manifest says"
             f" {str(manifest.release_ready).lower()}"
         )
+    qualified = _load_listed(root, manifest, QUALIFICATIONS, QualificationList, problems)
+    for q in qualified.qualifications if qualified is not None else []:
+        key = trusted_public_key or signed.public_key
+        problems += [f"{QUALIFICATIONS}: {q.qualification.id}: {p}" for p in security.verify_qualification(q, key)]
     if (root / AUDIT_HEAD).is_file() and AUDIT_HEAD in {f.path for f in manifest.files}:
         head = _load_listed(root, manifest, AUDIT_HEAD, AuditHead, problems)
         if head is not None and head.checkpoint is not None:

@@ -6,9 +6,9 @@ import argparse
 import sys
 from typing import Any, Final
 
-from nexa.cli import common
+from nexa.cli import common, qualify
 from nexa.cli.output import emit, print_json, ref
-from nexa.cli.tables import ALIASES, RUNTIME_SHOW, RUNTIMES, platforms, print_image_configs
+from nexa.cli.tables import ALIASES, RUNTIMES, platforms, print_image_configs
 from nexa.contracts.models import AliasDetail, AliasReceipt, RuntimeRegistered
 
 EXIT_OK: Final = 0
@@ -33,9 +33,10 @@ def add_runtime_commands(sub: Any, common_flags: argparse.ArgumentParser) -> Non
     )
     s.set_defaults(handler=_runtimes_register)
     RUNTIMES.add(runtimes, common_flags)
-    s = runtimes.add_parser("show", parents=[common_flags])
+    s = runtimes.add_parser("show", parents=[common_flags], help="the runtime and its newest qualifications")
     s.add_argument("name")
-    s.set_defaults(handler=RUNTIME_SHOW.run)
+    s.set_defaults(handler=qualify.show_runtime)
+    qualify.add_qualify_command(runtimes, common_flags)
 
 
 def add_alias_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:

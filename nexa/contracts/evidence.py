@@ -138,6 +138,8 @@ class JobKind(enum.StrEnum):
     SIM = "sim"
     BACKUP = "backup"
     ROLLOUT = "rollout"
+    #: A runtime qualification (`nexa runtimes qualify`), run by the controller.
+    QUALIFICATION = "qualification"
 
 
 class JobState(enum.StrEnum):

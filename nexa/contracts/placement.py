@@ -37,6 +37,10 @@ def _sorted_unique(items: Iterable[str]) -> tuple[str, ...]:
     return tuple(sorted(set(items)))
 
 
+def _sorted_pairs(items: Iterable[tuple[str, str]] | None) -> tuple[tuple[str, str], ...] | None:
+    return None if items is None else tuple(sorted({(a, b) for a, b in items}))
+
+
 def _sorted_runtimes(items: Iterable[RuntimeKind]) -> tuple[RuntimeKind, ...]:
     return tuple(sorted(set(items)))
 
@@ -198,6 +202,8 @@ class PlacementNode:
     reliability: float = attrs.field(default=1.0, converter=float)
     #: Set (both figures, in words) while the node reports memory pressure: its memory filter fails.
     memory_pressure: str = ""
+    #: The node's GPU model as qualifications name it (`qualification.gpu_model`; `none`: no GPU).
+    gpu_model: str = ""
 
     # Set views of the tuples above, built once per snapshot so that placing over a thousand
     # nodes does set algebra in C instead of scanning tuples. Not part of equality or JSON.
@@ -284,6 +290,12 @@ class PlacementRequest:
     def reserved(self) -> int:
         """What each replica reserves (`reserve_bytes`, else `memory_bytes`)."""
         return self.memory_bytes if self.reserve_bytes is None else max(self.memory_bytes, self.reserve_bytes)
+
+    #: `[placement] require_qualified`: the (architecture, GPU model) pairs the runtime's image
+    #: digest passed a qualification on (`nexa runtimes qualify`); None: qualification not required.
+    qualified: tuple[tuple[str, str], ...] | None = attrs.field(default=None, converter=_sorted_pairs)
+    #: The runtime image's digest, named by the `qualified` filter's explanation.
+    image_digest: str = ""
 
     @property
     def network(self) -> str:

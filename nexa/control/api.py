@@ -91,6 +91,7 @@ from nexa.control.keyring import KeyRotation
 from nexa.control.leadership import Leadership
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
+from nexa.control.qualification import Qualifications
 from nexa.control.quotas import Quotas
 from nexa.control.recovery import Recovery
 from nexa.control.registry import Actor, Registry
@@ -169,6 +170,8 @@ class AppState:
     benchmarks: Benchmarks | None = None  # `control.benchmarks`, `.jobs`, `.evidence`: None (tests) answers 404
     jobs: Jobs | None = None
     evidence: Evidence | None = None
+    #: `control.qualification`; None (tests): its routes answer 404.
+    qualifications: Qualifications | None = None
 
 
 def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:

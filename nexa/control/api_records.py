@@ -1,6 +1,7 @@
-"""The management API's record routes: benchmark runs, jobs, release evidence and a deployment's
-service objectives. `RecordHandlers` is a mixin of `api._Handlers` (one method per route, named
-after it, as there); each is a thin adapter onto `Benchmarks`, `Jobs`, `Evidence`, `Deployments`.
+"""The management API's record routes: benchmark runs, jobs, release evidence, a deployment's
+service objectives and runtime qualifications. `RecordHandlers` is a mixin of `api._Handlers` (one
+method per route, named after it, as there); each is a thin adapter onto `Benchmarks`, `Jobs`,
+`Evidence`, `Deployments`, `Qualifications`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from nexa.contracts.evidence import (
     ServiceObjectives,
 )
 from nexa.contracts.models import name_problem
+from nexa.contracts.qualification import QualificationList, QualifyRequest
 from nexa.control.api_io import actor, body, json_response, next_cursor, page, query_enum
 from nexa.control.benchmarks import Benchmarks
 from nexa.control.deployments import Deployments
 from nexa.control.evidence import Evidence
 from nexa.control.jobs import Jobs
+from nexa.control.qualification import Qualifications
 from nexa.errors import ContractError, NotFound
 
 
@@ -36,6 +39,7 @@ class RecordState(Protocol):
     benchmarks: Benchmarks | None
     jobs: Jobs | None
     evidence: Evidence | None
+    qualifications: Qualifications | None
 
 
 class RecordHandlers:
@@ -86,3 +90,21 @@ class RecordHandlers:
     async def post_deployments_by_name_objectives(self, name: str) -> Response:
         objectives = await body(ServiceObjectives)
         return json_response(await self._s.deployments.set_objectives(actor(), name, objectives))
+
+    # ---- runtime qualifications ----------------------------------------------------------------
+
+    async def post_runtimes_by_name_qualify(self, name: str) -> Response:
+        req = await body(QualifyRequest)
+        job_id = await Qualifications.of(self._s.qualifications).start(actor(), name, req)
+        return json_response(await Jobs.of(self._s.jobs).get(job_id), 202)
+
+    async def get_qualifications(self) -> Response:
+        runtime = request.args.get("runtime")
+        if runtime is not None and (problem := name_problem("runtime", runtime)):
+            raise ContractError(f"query {problem}", problems=("runtime: invalid",))
+        after, limit = page("qualifications", (float, str))
+        found, last = await Qualifications.of(self._s.qualifications).page(runtime, after, limit)
+        return json_response(QualificationList(qualifications=found, next_cursor=next_cursor("qualifications", last)))
+
+    async def get_qualifications_by_qualification_id(self, qualification_id: str) -> Response:
+        return json_response(await Qualifications.of(self._s.qualifications).get(qualification_id))

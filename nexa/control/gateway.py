@@ -46,7 +46,8 @@ import trio
 from nexa.config import GatewayConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import ServingReplica, ServingSet
-from nexa.contracts.gateway import CallOutcome, Capability, UsageRecord, token_reservation
+from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.gateway import Api, CallOutcome, Capability, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
 from nexa.control.admission import Admission
 from nexa.control.calls import (
@@ -200,6 +201,36 @@ class Gateway:
         costs no store write). `Call.outcome` tells what happened, once the block is left.
         """
         return Call(self, work, admitted)
+
+    async def probe(
+        self, replica: ServingReplica, capability: Capability, body: dict[str, Any], *, deadline_at: float
+    ) -> tuple[bytes, wire.EndHead | None]:
+        """One unary request to `replica` alone, the way a routed call reaches it (the router's
+        in-flight count, a relay stream over the node's channel, the node's relay, the runtime), but
+        outside any tenant: no quota, admission or metering (`nexa runtimes qualify`'s answer step).
+        The whole answer and the node's end; raises as entering `call` does once routed
+        (RuntimeFailed, RuntimeRejected, NoReadyReplica, DeadlineExceeded)."""
+        work = Work(
+            request_id="qualify-" + uuid.uuid4().hex[:16],
+            api=Api.OPENAI,
+            tenant=TenantId("controller"),
+            key_id=KeyId("controller"),
+            capability=capability,
+            model=replica.model.key,
+            body=body,
+            stream=False,
+            deadline_at=deadline_at,
+        )
+        serving = ServingSet(model=replica.model, replicas=[replica], deployments=[replica.deployment])
+        progress = Progress(work=work, started=trio.current_time())
+        stack, stream, first = await self._open(progress, serving, _encode(work, serving))
+        parts = [] if first is None else [first]
+        try:
+            while (more := await stream.receive()) is not None:
+                parts.append(more)
+        finally:
+            await release(stack, work.request_id)
+        return b"".join(parts), stream.end
 
     # ---- the pipeline ------------------------------------------------------------------------------
 

@@ -220,6 +220,15 @@ class Jobs:
             return 0
         return await self._fail_backups(names, "its controller stopped during the backup: run `nexa backup` again")
 
+    async def fail_running(self, kind: JobKind, summary: str) -> int:
+        """Every running job of `kind` (controller-run work a previous leader left unfinished, such
+        as a runtime qualification) is failed with `summary`; how many."""
+        now = self._clock()
+        left = await self._store.run(st.stale_jobs, (kind,), now, None)
+        for job in left:
+            await self._fail(job, summary[:MAX_SUMMARY_CHARS], now)
+        return len(left)
+
     async def _fail_backups(self, controllers: tuple[str | None, ...] | None, summary: str) -> int:
         now = self._clock()
         interrupted = await self._store.run(st.stale_jobs, (JobKind.BACKUP,), now, controllers)

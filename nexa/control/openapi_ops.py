@@ -1,5 +1,6 @@
 """The parts of the OpenAPI document's route descriptions (`Op`, `Param`, the page query) and the
-descriptions of the record routes (benchmark runs, jobs, release evidence, service objectives).
+descriptions of the record routes (benchmark runs, jobs, release evidence, service objectives,
+runtime qualifications).
 Data only; `openapi` builds the document from them."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from nexa.contracts.evidence import (
     JobUpdate,
     ServiceObjectives,
 )
-from nexa.errors import Conflict, NexaError, NotFound
+from nexa.contracts.qualification import QualificationList, QualifyRequest, SignedQualification
+from nexa.errors import Conflict, NexaError, NotDeployable, NotFound, Unavailable
 
 JSON: Final = "application/json"
 
@@ -118,5 +120,22 @@ RECORD_OPERATIONS: Final[dict[tuple[str, str], Op]] = {
     ),
     ("POST", "/api/v1/evidence"): _takes(
         "evidence", "Sign a release-evidence manifest (`nexa evidence`)", EvidenceRequest, EvidenceSigned, status=_MADE
+    ),
+    ("POST", "/api/v1/runtimes/<name>/qualify"): _takes(
+        "registry",
+        "Qualify a runtime on a node (`nexa runtimes qualify`): answers the job that follows it",
+        QualifyRequest,
+        Job,
+        status=202,
+        errors=(NotFound, Conflict, NotDeployable, Unavailable),
+    ),
+    ("GET", "/api/v1/qualifications"): Op(
+        summary="Signed runtime qualifications, newest first",
+        tag="registry",
+        answer=QualificationList,
+        params=(*PAGE_QUERY, Param(name="runtime", schema=str, description="only this runtime's")),
+    ),
+    ("GET", "/api/v1/qualifications/<qualification_id>"): Op(
+        summary="One signed runtime qualification", tag="registry", answer=SignedQualification
     ),
 }

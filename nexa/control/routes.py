@@ -87,4 +87,7 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("GET", "/api/v1/jobs/<job_id>"): frozenset({_O, _A}),
     ("POST", "/api/v1/jobs/<job_id>"): frozenset({_O, _A}),
     ("POST", "/api/v1/evidence"): frozenset({_O, _A}),
+    ("POST", "/api/v1/runtimes/<name>/qualify"): frozenset({_O, _A}),
+    ("GET", "/api/v1/qualifications"): frozenset({_O, _A}),
+    ("GET", "/api/v1/qualifications/<qualification_id>"): frozenset({_O, _A}),
 }

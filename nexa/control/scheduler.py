@@ -20,6 +20,11 @@ policy weight exceeds everything below it):
 Ties are broken by node id. Replicas are placed one at a time, each on the best node given
 the resources the previous ones took; fewer than requested means nothing is placed.
 
+Qualification. With `[placement] require_qualified = true` the request carries the (architecture,
+GPU model) pairs on which its runtime image's digest passed `nexa runtimes qualify`
+(`PlacementRequest.qualified`); a node whose pair is not among them fails the `qualified` filter,
+which names the pair and the command that qualifies it. None: not required, every node passes.
+
 Unified memory. On a node whose GPU shares the host's pool, a request with a `memory_limit`
 (the runtime's memory setting) gets that limit worked out for the node's pool
 (`MemoryLimit.on`): the derived fraction, or the operator's value checked. It is shown in the
@@ -62,8 +67,11 @@ FILTERS: Final = (
     "license_allowance",
     "accelerators",
     "memory",
+    "qualified",
 )
-_STATE, _CORDON, _RUNTIME, _ARCH, _DATA, _TAINTS, _SELECTOR, _LICENSE, _ACCELERATORS, _MEMORY = range(len(FILTERS))
+_STATE, _CORDON, _RUNTIME, _ARCH, _DATA, _TAINTS, _SELECTOR, _LICENSE, _ACCELERATORS, _MEMORY, _QUALIFIED = range(
+    len(FILTERS)
+)
 
 #: What a node under memory pressure is told in its explanation, after both figures.
 PRESSURE_WAIT: Final = "nothing more is placed on this node until MemAvailable is back above the floor"
@@ -188,6 +196,7 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
     profiles: dict[str, tuple[FilterResult, ...] | None] = {}
     memo: dict[Hashable, FilterResult] = {}
     selector, license_, memory, accelerators = need.selector, need.license, need.memory, need.accelerators
+    qualified = need.qualified
     append, mark, explain = explanations.append, eligible.append, NodeExplanation
     previous = None
     for i, node in enumerate(ordered):
@@ -216,7 +225,9 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
         # On a unified node the runtime's own memory setting must keep it within the reservation.
         limit = need.runtime_memory(node) if unified and need.limit is not None else None
         limit_ok = limit is None or limit.fits
-        if selector_ok and license_ok and gpus_ok and memory_ok and limit_ok:
+        # `[placement] require_qualified`: the node's (arch, GPU model) passed a qualification.
+        qualified_ok = qualified is None or (normalise_arch(node.arch), node.gpu_model) in qualified
+        if selector_ok and license_ok and gpus_ok and memory_ok and limit_ok and qualified_ok:
             if failed is None:
                 mark(i)
                 append(_PENDING)
@@ -233,6 +244,7 @@ def _filter(need: _Need, ordered: list[PlacementNode]) -> tuple[list[NodeExplana
                 _PASSED[_LICENSE] if license_ok else _license_failed(node, need, memo),
                 _PASSED[_ACCELERATORS] if gpus_ok else _gpus_failed(node, need, memo),
                 memory_result,
+                _PASSED[_QUALIFIED] if qualified_ok else _qualified_failed(node, need, memo),
             )
         append(explain(node_id, filters, False, 0.0, (), 0, limit))
     return explanations, eligible
@@ -248,10 +260,12 @@ class _Need:
         "data_classes",
         "existing",
         "image_archs",
+        "image_digest",
         "license",
         "limit",
         "limits",
         "memory",
+        "qualified",
         "replicas",
         "runtime",
         "selector",
@@ -284,6 +298,8 @@ class _Need:
         self.w_headroom = 0.0 if self.binpack else W_HEADROOM
         self.existing = existing
         self.terms = _Terms(self.w_headroom, self.binpack)
+        self.qualified = None if req.qualified is None else frozenset(req.qualified)
+        self.image_digest = req.image_digest
 
     def runtime_memory(self, node: PlacementNode) -> RuntimeMemory:
         """The runtime's memory limit on a unified node (`limit` is set)."""
@@ -519,6 +535,21 @@ def _license_failed(node: PlacementNode, need: _Need, memo: dict[Hashable, Filte
     if found is None:
         found = _failed(
             memo, _LICENSE, has, f"needs label {key}={value} (node has {'none' if has is None else f'{key}={has}'})"
+        )
+    return found
+
+
+def _qualified_failed(node: PlacementNode, need: _Need, memo: dict[Hashable, FilterResult]) -> FilterResult:
+    pair = (normalise_arch(node.arch) or "(unreported)", node.gpu_model or "(unreported)")
+    found = memo.get((_QUALIFIED, pair))
+    if found is None:
+        digest = need.image_digest or "(no digest)"
+        found = _failed(
+            memo,
+            _QUALIFIED,
+            pair,
+            f"{need.runtime} image {digest[:19]} is not qualified on {pair[0]} with GPU {pair[1]} "
+            f"([placement] require_qualified): run `nexa runtimes qualify RUNTIME --node {node.id}`",
         )
     return found
 

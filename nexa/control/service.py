@@ -51,6 +51,7 @@ from nexa.control.leadership import Leadership, controller_identity
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
 from nexa.control.outbound import Outbound
+from nexa.control.qualification import Qualifications
 from nexa.control.quotas import UNFLUSHED_S, Quotas
 from nexa.control.recovery import Recovery, refuse_forced
 from nexa.control.registry import Registry
@@ -280,7 +281,7 @@ async def _serve_control(
                     key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
                 ),
             )
-            await _keep_records(state, controller=owner, unowned=alone)
+            await _keep_records(state, gateway, controller=owner, unowned=alone)
             if (prev := keys.previous) is not None and prev.overlap_until > time.time():
                 # Restarted within a rotation's overlap: nodes that say hello are still told.
                 old = await trio.to_thread.run_sync(retired_signing_key, keys_dir, prev.key_id)
@@ -352,6 +353,7 @@ async def _serve_control(
                             ("workloads", partial(workloads.run, cfg.gateway.workload_retention_s)),
                             ("backup", Backups.of(state.backups).run),
                             ("keys", state.key_rotation.run),
+                            ("qualifications", Qualifications.of(state.qualifications).run),
                             *_orphans(cfg, store, owner, workloads, Jobs.of(state.jobs)),
                         ],
                     )
@@ -512,9 +514,9 @@ async def _lead(
             await nursery.start(supervised, name, fn)
 
 
-async def _keep_records(state: AppState, *, controller: str | None, unowned: bool) -> None:
+async def _keep_records(state: AppState, gateway: Gateway, *, controller: str | None, unowned: bool) -> None:
     """Jobs (each backup and rollout recorded as one, named by `controller` on a shared store),
-    benchmark runs and evidence signing."""
+    benchmark runs, evidence signing and runtime qualifications (which answer through `gateway`)."""
     jobs = state.jobs = Jobs(state.store, state.metrics, controller=controller)
     if interrupted := await jobs.fail_interrupted(unowned=unowned):
         log.warning("%d backup job(s) left running by the previous controller process: failed", interrupted)
@@ -530,6 +532,17 @@ async def _keep_records(state: AppState, *, controller: str | None, unowned: boo
         signing_key=lambda: state.signing_key,
         fingerprint=lambda: state.controller_keys.fingerprint,
     )
+    state.qualifications = Qualifications(
+        state.store,
+        state.metrics,
+        fleet=state.fleet,
+        models=state.models,
+        deployments=state.deployments,
+        gateway=gateway,
+        jobs=jobs,
+        signing_key=lambda: state.signing_key,
+    )
+    await state.qualifications.load()
 
 
 def _use_keys(state: AppState, keys: ControllerKeys) -> None:

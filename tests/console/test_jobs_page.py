@@ -37,6 +37,13 @@ SCRIPT_TITLE = '<script>document.title="owned"</script> bench "chat" & co'
         ("/api/v1/deployments/chat-a", Record(href="/console/deployments/chat-a", text="/api/v1/deployments/chat-a")),
         ("/api/v1/backups/nexa-1700000000.nxb", Record(text="/api/v1/backups/nexa-1700000000.nxb")),
         ("/api/v1/backups", Record(text="/api/v1/backups")),
+        (
+            "/api/v1/qualifications/qual_0123456789abcdef",
+            Record(
+                href="/console/models#qualification-qual_0123456789abcdef",
+                text="/api/v1/qualifications/qual_0123456789abcdef",
+            ),
+        ),
         # Anything else stays text: no other path, no scheme, no way out of the segment.
         ("/api/v1/benchmarks/../keys", Record(text="/api/v1/benchmarks/../keys")),
         ("/api/v1/benchmarks/a/b", Record(text="/api/v1/benchmarks/a/b")),

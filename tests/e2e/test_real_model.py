@@ -25,15 +25,14 @@ import trio
 from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
 from tests.support.api import ok
-from tests.support.models import upload
 from tests.support.realmodel import (
-    MIB,
     Node,
     cli,
     deployment,
     in_thread,
     ready_on,
     register_llama_runtime,
+    register_model,
     runtime_logs,
     wait_for,
 )
@@ -41,38 +40,6 @@ from tests.support.realmodel import (
 pytestmark = pytest.mark.slow
 Json = dict[str, Any]
 TIMEOUT_S = 120
-
-
-async def register_model(controller: Controller, s3: S3Store, name: str, gguf: Path) -> None:
-    """Upload the GGUF, then over the CLI: register, licence, verify, evaluate, approve, alias."""
-    art = await upload(s3, await trio.to_thread.run_sync(gguf.read_bytes))
-    steps = [
-        [
-            "models",
-            "register",
-            name,
-            "v1",
-            "--uri",
-            art.uri,
-            "--sha256",
-            art.sha256,
-            "--size",
-            str(art.size),
-            "--format",
-            "gguf",
-            "--memory",
-            str(256 * MIB),
-            "--source",
-            f"file://{gguf.name}",
-        ],
-        ["models", "license", name, "v1", "--spdx", "Apache-2.0", "--accepted-by", "legal@example.com"],
-        ["models", "verify", name, "v1"],
-        ["models", "evaluate", name, "v1", "--suite", "smoke", "--metric", "loads=1", "--passed"],
-        ["models", "approve", name, "v1"],
-        ["aliases", "promote", name, "--model", name, "--version", "v1"],
-    ]
-    for argv in steps:
-        await trio.to_thread.run_sync(cli, controller, *argv)
 
 
 def cosine(a: list[float], b: list[float]) -> float:

@@ -21,7 +21,7 @@ import trio
 from tests.conftest import Controller, start_controller
 from tests.realparts import PodmanService, S3Store
 from tests.support.api import Json, ok
-from tests.support.models import registry_config
+from tests.support.models import registry_config, upload
 from tests.support.s3 import write_credentials
 
 T = TypeVar("T")
@@ -83,6 +83,38 @@ async def register_llama_runtime(controller: Controller, image: str) -> None:
     """Register the llama-cpp-python image as the `llama-cpp-python` runtime, over the CLI."""
     argv = ["runtimes", "register", "llama-cpp-python", "--kind", "llamacpp", "--version", "0.3.36", "--image", image]
     await trio.to_thread.run_sync(cli, controller, *argv)
+
+
+async def register_model(controller: Controller, s3: S3Store, name: str, gguf: Path) -> None:
+    """Upload the GGUF, then over the CLI: register, licence, verify, evaluate, approve, alias."""
+    art = await upload(s3, await trio.to_thread.run_sync(gguf.read_bytes))
+    steps = [
+        [
+            "models",
+            "register",
+            name,
+            "v1",
+            "--uri",
+            art.uri,
+            "--sha256",
+            art.sha256,
+            "--size",
+            str(art.size),
+            "--format",
+            "gguf",
+            "--memory",
+            str(256 * MIB),
+            "--source",
+            f"file://{gguf.name}",
+        ],
+        ["models", "license", name, "v1", "--spdx", "Apache-2.0", "--accepted-by", "legal@example.com"],
+        ["models", "verify", name, "v1"],
+        ["models", "evaluate", name, "v1", "--suite", "smoke", "--metric", "loads=1", "--passed"],
+        ["models", "approve", name, "v1"],
+        ["aliases", "promote", name, "--model", name, "--version", "v1"],
+    ]
+    for argv in steps:
+        await trio.to_thread.run_sync(cli, controller, *argv)
 
 
 def deployment(name: str, alias: str, settings: Json) -> Json:

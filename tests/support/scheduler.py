@@ -21,6 +21,7 @@ from nexa.contracts.node import (
     Taint,
 )
 from nexa.contracts.placement import NodeExplanation, PlacementDecision, PlacementNode, PlacementRequest
+from nexa.contracts.qualification import gpu_model
 from nexa.node.inventory import merge, parse_meminfo, parse_nvidia_smi_csv
 from tests.conftest import FIXTURES
 
@@ -83,6 +84,7 @@ def to_placement(
         cached_artifacts=cached,
         load=load,
         reliability=reliability,
+        gpu_model=gpu_model(inv.gpus),
     )
 
 

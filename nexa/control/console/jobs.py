@@ -35,6 +35,8 @@ _RECORDS: Final = (
     (re.compile(rf"/api/v1/benchmarks/({_SEGMENT})"), "/console/benchmarks/{}"),
     (re.compile(rf"/api/v1/deployments/({_SEGMENT})"), "/console/deployments/{}"),
     (re.compile(rf"/api/v1/backups(?:/({_SEGMENT}))?"), None),  # admin-only API, no console page
+    # A runtime qualification: its line beside the runtime on the Models page.
+    (re.compile(rf"/api/v1/qualifications/({_SEGMENT})"), "/console/models#qualification-{}"),
 )
 
 

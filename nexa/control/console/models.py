@@ -1,4 +1,5 @@
-"""Models and aliases: versions with their evaluations and licences; approve, promote, roll back."""
+"""Runtimes, models and aliases: runtime images with their newest qualifications (`nexa runtimes
+qualify`); model versions with their evaluations and licences; approve, promote, roll back."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any, Final
 from quart import Blueprint, request
 
 from nexa.contracts.models import AliasPromote, LicenseRecord, ModelState
+from nexa.contracts.qualification import Qualification
 from nexa.control.console.pages import Console, Context, View, done
 from nexa.control.console.sessions import Session
 from nexa.control.models import ALLOWED_FROM
@@ -16,6 +18,9 @@ from nexa.control.models import ALLOWED_FROM
 LICENSE_WARN_S: Final = 30 * 86400.0
 #: Alias changes shown per alias, newest first.
 ALIAS_HISTORY: Final = 10
+#: Qualifications read for the runtimes' table (newest first), and shown per runtime.
+QUALIFICATIONS_READ: Final = 200
+QUALIFICATIONS_SHOWN: Final = 5
 
 
 def license_warning(lic: LicenseRecord | None, now: float) -> str | None:
@@ -44,7 +49,17 @@ def register(bp: Blueprint, console: Console) -> None:
             for m in models.models()
         ]
         aliases = [{"a": a, "history": models.alias(a.name)[1][-ALIAS_HISTORY:][::-1]} for a in models.aliases()]
-        return {"models": rows, "aliases": aliases}
+        return {"models": rows, "aliases": aliases, "runtimes": await runtimes()}
+
+    async def runtimes() -> list[dict[str, Any]]:
+        qualifications = console.state.qualifications
+        found = [] if qualifications is None else (await qualifications.page(None, None, QUALIFICATIONS_READ))[0]
+        by_runtime: dict[str, list[Qualification]] = {}
+        for signed in found:
+            by_runtime.setdefault(signed.qualification.runtime, []).append(signed.qualification)
+        return [
+            {"r": r, "qualifications": by_runtime.get(r.name, [])[:QUALIFICATIONS_SHOWN]} for r in models.runtimes()
+        ]
 
     console.add_view(bp, View("models", "Models", ("GET", "/api/v1/models"), context))
 

@@ -37,6 +37,7 @@ from nexa.control.http import status_for
 from nexa.control.jobs import Jobs
 from nexa.control.metering import Meter
 from nexa.control.models import ModelRegistry
+from nexa.control.qualification import Qualifications
 from nexa.control.quotas import Quotas
 from nexa.control.recovery import Recovery
 from nexa.control.registry import Registry
@@ -72,6 +73,8 @@ class ConsoleState(Protocol):
     benchmarks: Benchmarks | None
     jobs: Jobs | None
     ready: bool
+    #: Runtime qualifications (`control.qualification`), shown beside the runtimes; None: none (tests).
+    qualifications: Qualifications | None
 
 
 @attrs.frozen

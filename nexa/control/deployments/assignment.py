@@ -3,10 +3,13 @@ runs (`assignment_for`) and the `PlacementRequest` a deployment's replicas make 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from nexa import adapters, entrypoints
 from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
 from nexa.contracts.models import ModelRecord, RuntimeRecord
 from nexa.contracts.placement import MemoryLimit, PlacementRequest
+from nexa.contracts.qualification import image_digest
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.contracts.wire import Assignment
 
@@ -150,7 +153,11 @@ def placement_request(
     replicas: int,
     *,
     measured: int | None = None,
+    qualified: Iterable[tuple[str, str]] | None = None,
 ) -> PlacementRequest:
+    """What placement is asked for `replicas` of `dep`. `qualified`: with `[placement]
+    require_qualified`, the (arch, GPU model) pairs the runtime's image passed a qualification on
+    (None: not required)."""
     spec = dep.placement
     return PlacementRequest(
         deployment=dep.name,
@@ -168,4 +175,6 @@ def placement_request(
         host_network=runtime.host_network,
         memory_limit=_memory_limit(dep, model, runtime),
         reserve_bytes=reservation_bytes(dep, model, runtime, measured),
+        qualified=None if qualified is None else tuple(qualified),
+        image_digest="" if qualified is None else image_digest(runtime.image),
     )

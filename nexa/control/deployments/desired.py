@@ -85,6 +85,9 @@ class Desired:
         #: What replicas of each (runtime, model, settings) were measured to hold.
         self.measured = MeasuredMemory(store)
         fleet.on_measured(self._measured)
+        #: The (arch, GPU model) pairs a runtime's image passed a qualification on
+        #: (`control.qualification`); read only with `[placement] require_qualified`.
+        self.qualified: Callable[[RuntimeRecord], frozenset[tuple[str, str]]] | None = None
 
     async def load(self) -> None:
         await self.measured.load()
@@ -127,10 +130,14 @@ class Desired:
         self, dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, replicas: int
     ) -> PlacementRequest:
         """What placement is asked for `replicas` of `dep` (`placement_request`), with what a replica
-        of its runtime, model and settings was measured to hold."""
+        of its runtime, model and settings was measured to hold; with `[placement] require_qualified`,
+        only on the pairs its runtime's image qualified on (none known: none)."""
         ref = ModelRef(model=model.name, version=model.version)
         measured = self.measured.get(dep.runtime, ref, dep.options.settings)
-        return placement_request(dep, model, runtime, replicas, measured=measured)
+        qualified = None
+        if self._placement.require_qualified:
+            qualified = self.qualified(runtime) if self.qualified is not None else frozenset()
+        return placement_request(dep, model, runtime, replicas, measured=measured, qualified=qualified)
 
     def memory_of(self, dep: Deployment) -> DeploymentMemory | None:
         """`dep`'s memory, declared against measured (None while its model or runtime is unknown)."""
@@ -278,6 +285,33 @@ class Desired:
             await self._southbound.push_now(node_id)
         log.info("%s %s: %s", action, name, detail)
         await self._tell(action, before, after)
+
+    async def change_node_set(
+        self,
+        actor: Actor,
+        action: str,
+        target: str,
+        node_id: str,
+        change: Callable[[list[Assignment]], list[Assignment]],
+        *,
+        detail: str,
+    ) -> DesiredAssignments:
+        """Give one node the set `change(its assignments)`, outside any deployment (a runtime
+        qualification's replica, `control.qualification`): one generation up, audited, pushed.
+        Takes `lock`; a deployment's commit keeps assignments that are not its own."""
+        async with self.lock:
+            self._refuse_while_recovering()
+            live = self.fleet.get(node_id)
+            before = live.desired
+            after = attrs.evolve(before, generation=before.generation + 1, assignments=change(list(before.assignments)))
+            detail = f"{detail}; {node_id} generation {after.generation}"
+            draft = audit_draft(actor, action, target, before, after, detail=detail[:_DETAIL_MAX])
+            await self._leadership.write(st.save_desired, after, draft)
+            live.desired = attrs.evolve(live.desired, generation=after.generation, assignments=after.assignments)
+            self.version += 1
+            log.info("%s %s: %s", action, target, detail)
+        await self._southbound.push_now(node_id)
+        return after
 
     async def _tell(self, action: str, before: Entry | None, after: Entry | None) -> None:
         for observer in self.observers:

@@ -242,6 +242,13 @@ class Deployments:
             await self._desired.commit(actor, "deployment.objectives", before, after)
         return views.view(self._desired, after)
 
+    @property
+    def desired(self) -> Desired:
+        """The deployments' desired state: what a runtime qualification (`control.qualification`)
+        places through, writes its replica's node set with (`Desired.change_node_set`), and tells
+        placement which pairs are qualified (`Desired.qualified`)."""
+        return self._desired
+
     def on_commit(self, observer: CommitObserver) -> None:
         """Call `observer(action, before, after)` after every committed change (`Desired.commit`)."""
         self._desired.observers.append(observer)

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 from nexa.contracts.node import LabelKey, LabelValue
 from nexa.contracts.placement import PlacementNode
+from nexa.contracts.qualification import gpu_model
 from nexa.contracts.wire import Assignment
 from nexa.control.fleet import NodeLive
 
@@ -40,6 +41,7 @@ def snapshot_from(
     - what an assignment reserves: `reservation(assignment)` (the deployments add the engine's
       overhead and what replicas were measured to hold), else its `memory_bytes`.
     - a node reporting memory pressure keeps it in `memory_pressure` (its memory filter fails).
+    - gpu_model: the GPUs' names as qualifications name them (`qualification.gpu_model`).
     """
     reserve = reservation or _declared
     out = []
@@ -84,6 +86,7 @@ def snapshot_from(
             host_memory_free_bytes=host_free,
             load=len(assignments),
             memory_pressure="" if live.memory_pressure is None else live.memory_pressure.describe(),
+            gpu_model=gpu_model(inv.gpus),
         )
         out.append(node)
     return out

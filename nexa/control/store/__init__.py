@@ -71,6 +71,10 @@ from nexa.control.store.nodes import rotate_node_keys as rotate_node_keys
 from nexa.control.store.nodes import save_desired as save_desired
 from nexa.control.store.nodes import save_inventory as save_inventory
 from nexa.control.store.nodes import update_node as update_node
+from nexa.control.store.qualifications import get_qualification as get_qualification
+from nexa.control.store.qualifications import insert_qualification as insert_qualification
+from nexa.control.store.qualifications import latest_qualifications as latest_qualifications
+from nexa.control.store.qualifications import list_qualifications as list_qualifications
 from nexa.control.store.records import RUNS_KEPT_PER_DEPLOYMENT as RUNS_KEPT_PER_DEPLOYMENT
 from nexa.control.store.records import RecordKey as RecordKey
 from nexa.control.store.records import get_bench_run as get_bench_run

@@ -267,6 +267,20 @@ PG_MIGRATIONS: Final[tuple[str, ...]] = tuple(
         ALTER TABLE workload ADD COLUMN controller TEXT;
         ALTER TABLE job ADD COLUMN controller TEXT;
         """,
+        """
+        CREATE TABLE qualification (
+            id TEXT PRIMARY KEY,
+            runtime TEXT NOT NULL,
+            image_digest TEXT NOT NULL,
+            arch TEXT NOT NULL,
+            gpu_model TEXT NOT NULL,
+            passed BIGINT NOT NULL,
+            finished_at DOUBLE PRECISION NOT NULL,
+            body TEXT NOT NULL
+        );
+        CREATE INDEX qualification_runtime ON qualification(runtime, finished_at, id);
+        CREATE INDEX qualification_finished ON qualification(finished_at, id);
+        """,
     )
 )
 

@@ -270,6 +270,22 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ALTER TABLE workload ADD COLUMN controller TEXT;
     ALTER TABLE job ADD COLUMN controller TEXT;
     """,
+    # Runtime qualifications (`nexa runtimes qualify`): each signed record, by the runtime image's
+    # digest and the (architecture, GPU model) pair it qualified; the newest of a triple decides.
+    """
+    CREATE TABLE qualification (
+        id TEXT PRIMARY KEY,
+        runtime TEXT NOT NULL,
+        image_digest TEXT NOT NULL,
+        arch TEXT NOT NULL,
+        gpu_model TEXT NOT NULL,
+        passed INTEGER NOT NULL,
+        finished_at REAL NOT NULL,
+        body TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX qualification_runtime ON qualification(runtime, finished_at, id);
+    CREATE INDEX qualification_finished ON qualification(finished_at, id);
+    """,
 )
 
 
