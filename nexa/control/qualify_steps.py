@@ -4,8 +4,8 @@ node's signed set; `process`, `ready`, `answer`, `metrics`, `cache`, `memory` an
 (outcome, what was seen, figures) or raise `StepFailed` with what was seen and what to do.
 
 What the node reports is all a step reads: the replica's status in its heartbeats (state, restarts,
-the runtime's load figures) and, where an agent reports them, the runtime cache written and the
-memory measured (`_reported`; `unknown` from agents that do not).
+the runtime's load figures, the memory it was measured to hold) and the node's runtime caches
+(`unknown` from agents that do not report them).
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ ANSWER_TIMEOUT_S: Final = 120.0
 METRICS_WAIT_S: Final = 20.0
 #: How long the node may take to drop the replica after its removal was pushed.
 STOP_TIMEOUT_S: Final = 60.0
+#: How long the node may take to report the replica's measured memory (its agent measures every
+#: `[node] discovery_interval_s`, 5 s by default).
+MEASURE_WAIT_S: Final = 15.0
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -142,7 +145,8 @@ class Steps:
         """Until the replica is Ready (its process answers its probe), failed, or exited; at the
         deadline, a replica still Starting without a failure counts as a process that runs."""
         program = _program(run)
-        command = " ".join(run.assignment.runtime.command)
+        spec = run.assignment.runtime
+        command = " ".join([*spec.entrypoint, *spec.command])  # the process, as the node runs it
         deadline = run.pushed_at + run.request.timeout_s
         fix = (
             f"check that image {run.runtime.image} runs the {run.runtime.kind} adapter's program "
@@ -274,16 +278,34 @@ class Steps:
         return StepOutcome.PASS, f"{spec.path}: found {', '.join(found)}", figures
 
     async def cache(self, run: QualifyRun) -> StepResult:
-        written = _reported(self.status(run), "cache_bytes")
-        if written is None:
-            return StepOutcome.UNKNOWN, "the node does not report the replica's runtime cache", {}
-        if written == 0:
-            return StepOutcome.UNKNOWN, "the runtime wrote nothing to its cache", {"cache_bytes": 0}
-        return StepOutcome.PASS, f"the runtime wrote {memory_text(written)} to its cache", {"cache_bytes": written}
+        """The replica holds a writable cache on the node (`node.runtime_cache`): the node's caches as
+        its last heartbeat reported them."""
+        disk = self._fleet.get(run.node_id).runtime_cache
+        if disk is None:
+            return StepOutcome.UNKNOWN, "the node does not report its runtime caches", {}
+        figures: dict[str, float | int | str] = {
+            "cache_bytes": disk.used_bytes,
+            "cache_directories": disk.directories,
+            "cache_in_use": disk.in_use,
+            "cache_free_bytes": disk.free_bytes,
+        }
+        if disk.in_use == 0:
+            return StepOutcome.UNKNOWN, "no runtime cache is held on the node (a runtime run as a process)", figures
+        return (
+            StepOutcome.PASS,
+            f"the replica's cache is mounted; the node's caches hold {memory_text(disk.used_bytes)} in "
+            f"{disk.directories} directories ({disk.in_use} in use), {memory_text(disk.free_bytes)} free",
+            figures,
+        )
 
     async def memory(self, run: QualifyRun) -> StepResult:
         reserved = run.assignment.runtime.memory_bytes
-        measured = _reported(self.status(run), "memory_bytes")
+        deadline = trio.current_time() + MEASURE_WAIT_S
+        while True:  # polled: the figure arrives in a heartbeat, which signals nothing of its own
+            measured = _measured(self.status(run))
+            if measured is not None or trio.current_time() >= deadline:
+                break
+            await trio.sleep(POLL_S)
         if measured is None:
             return (
                 StepOutcome.UNKNOWN,
@@ -334,13 +356,9 @@ def _program(run: QualifyRun) -> str:
     return run.assignment.runtime.command[0] if run.assignment.runtime.command else "(the image's own)"
 
 
-def _reported(status: AssignmentStatus | None, field: str) -> int | None:
-    """A figure the node reports of the replica where its agent measures it (`cache_bytes`: the
-    runtime cache written; `memory_bytes`: measured memory); None from agents that do not."""
-    value = getattr(status, field, None) if status is not None else None
-    if isinstance(value, bool) or not isinstance(value, int):
-        return None
-    return value
+def _measured(status: AssignmentStatus | None) -> int | None:
+    """What the node measured the replica to hold (None: not yet, or an agent that does not measure)."""
+    return None if status is None or status.memory is None else status.memory.measured_bytes
 
 
 def _probe_request(run: QualifyRun) -> tuple[Capability, dict[str, Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,8 @@ pytestmark = pytest.mark.slow
 
 #: (image fixture, the replica's settings for that llama.cpp variant).
 LLAMA_IMAGES = [
+    # llama.cpp's own C++ server (the default variant), laid out as its published image.
+    pytest.param("llama_server_image", {"ctx_size": 512}, id="llama-server"),
     pytest.param("llama_image", {"server": "llama-cpp-python", "n_ctx": 512, "seed": 1}, id="llama-cpp-python"),
 ]
 
@@ -82,8 +85,14 @@ async def test_a_real_llama_cpp_image_qualifies_on_a_real_node(
     assert list(steps) == ["placement", "process", "ready", "answer", "metrics", "cache", "memory", "stop"]
     for name in ("placement", "process", "ready", "answer", "stop"):
         assert steps[name] == "pass", out
-    program = " ".join(adapters.adapter_for(RuntimeKind.LLAMACPP, settings).program)
-    assert f"ran: {program} " in out, out
+    # The process as it ran: the adapter's program (as the image names it by path, llama.cpp's
+    # `/app/llama-server`) and its arguments, exactly once.
+    program = adapters.adapter_for(RuntimeKind.LLAMACPP, settings).program
+    words = next(line for line in out.splitlines() if "ran: " in line).split("ran: ", 1)[1].split()
+    assert posixpath.basename(words[0]) == program[0] and words[1 : len(program)] == list(program[1:]), out
+    assert [posixpath.basename(w) for w in words].count(posixpath.basename(program[-1])) == 1, out
+    assert words.count("--model") == 1, out
+    assert steps["cache"] == "pass" and steps["memory"] == "pass", out  # its cache mounted, its memory measured
     async with controller.client() as http:
         [q] = (await ok(http.get("/api/v1/qualifications", params={"runtime": "llama"})))["qualifications"]
         record = q["qualification"]
