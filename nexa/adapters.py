@@ -345,6 +345,8 @@ class Adapter:
         model's directory is mounted, for settings naming one of its files (default `model_path`)."""
         if memory is not None and memory.derived and memory.value is not None and memory.setting in self.options:
             settings = {**settings, memory.setting: memory.value}
+            if memory.batch is not None and memory.batch_setting in self.options:  # with a derived context
+                settings = {memory.batch_setting: memory.batch, **settings}
         command = list(self.program)
         command += [model_path] if self.model_flag is None else [self.model_flag, model_path]
         if self.served_name_since is None or version_at_least(version, self.served_name_since):

@@ -71,6 +71,15 @@ HEADROOM = PlacementConfig().unified_host_headroom_bytes
 SPARK_GPU = "nvidia.com/gpu=0"
 NODE_HOST = "127.0.0.11"
 NAME = "qwen2-7b"
+#: What a fraction's `runtime_memory` holds besides (llama.cpp's context figures, unset).
+FRACTION: dict[str, object] = {
+    "batch_setting": "",
+    "batch_flag": "",
+    "batch": None,
+    "kv_cache_bytes": None,
+    "unbounded": "",
+    "share_of": "pool",
+}
 #: Where the node assembled the manifest's directory (its digest names it).
 ASSEMBLED = Path("/var/lib/nexa/node/models/" + "d" * 64)
 
@@ -332,6 +341,7 @@ def test_vllm_and_sglang_share_one_spark_each_held_to_its_reservation() -> None:
         "reserved_bytes": 24 * GIB,
         "pool_bytes": POOL,
         "claim_bytes": POOL * 201 // 1000,
+        **FRACTION,
     }
     assert codec.loads(codec.api, codec.dumps(codec.api, sglang), PlacementDecision) == sglang
 
@@ -537,6 +547,7 @@ async def test_over_the_api_an_operator_value_over_the_reservation_is_refused_an
         "reserved_bytes": 48 * GIB,
         "pool_bytes": POOL,
         "claim_bytes": POOL * 402 // 1000,
+        **FRACTION,
     }
     pushed = await set_where(n1.node, lambda s: "chat-v" in names(s))
     [a] = pushed.assignments
