@@ -378,6 +378,8 @@ class Adapter:
 _DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
 #: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).
 _GGML_KV_TYPES: Final = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: llama-server's short flags for typed settings (common/arg.cpp).
+_LLAMA_SHORT: Final = {"-c": "ctx_size", "-b": "batch_size", "-ctk": "cache_type_k", "-ctv": "cache_type_v"}
 _TEXT: Final = frozenset({Capability.COMPLETION, Capability.CHAT})
 _ALL: Final = frozenset(Capability)
 
@@ -640,7 +642,9 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         WHY_HUB,
     )
     | dict.fromkeys(("--api-key", "--api-key-file"), WHY_AUTH)
-    | dict.fromkeys(("--ssl-key-file", "--ssl-cert-file"), WHY_TLS),
+    | dict.fromkeys(("--ssl-key-file", "--ssl-cert-file"), WHY_TLS)
+    # The short spellings of the settings that size the KV cache (the context bounds its memory).
+    | {f: f"a typed setting: give settings.{n} instead" for f, n in _LLAMA_SHORT.items()},
     readiness_path="/health",
     probe_tool="curl",
     metrics=Metrics(
