@@ -159,6 +159,12 @@ def test_a_template_outside_the_model_directory_is_refused(path: str) -> None:
         (RuntimeKind.LLAMACPP, ["--model-url=https://example.com/m.gguf"], "--model-url"),
         (RuntimeKind.LLAMACPP, ["-m", "/m.gguf"], "-m"),
         (RuntimeKind.LLAMACPP, ["--alias", "x"], "--alias"),
+        # The context bounds llama.cpp's memory on a unified node: no short way around it.
+        (RuntimeKind.LLAMACPP, ["-c", "131072"], "-c"),
+        (RuntimeKind.LLAMACPP, ["--ctx-size=131072"], "--ctx-size"),
+        (RuntimeKind.LLAMACPP, ["-b", "8192"], "-b"),
+        (RuntimeKind.LLAMACPP, ["-ctk", "f32"], "-ctk"),
+        (RuntimeKind.LLAMACPP, ["-ctv=f32"], "-ctv"),
     ],
 )
 def test_extra_args_giving_an_owned_flag_are_refused_naming_it(kind: RuntimeKind, extra: list[str], flag: str) -> None:
