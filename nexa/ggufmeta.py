@@ -26,6 +26,8 @@ from nexa.contracts.kvcache import ARCHITECTURE_RE, MAX_BLOCKS, GgufFigures
 from nexa.errors import GgufInvalid
 
 MAGIC: Final = b"GGUF"
+#: The magic, the version and the two counts.
+HEADER_MIN_BYTES: Final = 24
 VERSIONS: Final = (2, 3)
 #: How much of a file the controller reads for its header: the metadata of the largest
 #: vocabularies (a 256k-token SentencePiece vocabulary with its scores and types, or BPE merges)

@@ -12,7 +12,7 @@ from nexa.contracts.kvcache import GgufFigures
 from nexa.contracts.models import ModelFormat, ModelRecord
 from nexa.control.outbound import Outbound
 from nexa.errors import GgufInvalid
-from nexa.ggufmeta import MAX_HEADER_BYTES, attention_figures, read_header
+from nexa.ggufmeta import HEADER_MIN_BYTES, MAX_HEADER_BYTES, attention_figures, read_header
 
 
 async def read_figures(outbound: Outbound, model: ModelRecord) -> tuple[GgufFigures | None, str]:
@@ -30,6 +30,8 @@ async def read_figures(outbound: Outbound, model: ModelRecord) -> tuple[GgufFigu
         if entry is None:
             return None, f"the manifest's entry {artifact.entry!r} is a directory, not a GGUF file"
         uri, size, name = artifact.object_uri(entry.path), entry.size_bytes, f"the entry file {entry.path!r}"
+    if size < HEADER_MIN_BYTES:
+        return None, f"{name}: {size} bytes, too few for a GGUF header"
     head = await outbound.read_head(uri, MAX_HEADER_BYTES)
     try:
         header = await trio.to_thread.run_sync(functools.partial(read_header, head, file_bytes=size))

@@ -321,20 +321,22 @@ class Outbound:
         await self._each(objects, lambda o: self._head_object(store, o))
 
     async def read_head(self, uri: str, limit: int) -> bytes:
-        """The first `limit` bytes of an object (all of it when smaller): streamed, and the stream
-        closed once they arrived. Raises ArtifactMissing or Unavailable as `verify_artifact` does."""
+        """The first `limit` bytes of an object (all of it when smaller), asked for as a range (a
+        store that sends more is cut off there). Raises ArtifactMissing or Unavailable as
+        `verify_artifact` does."""
         store = self._open_store()
         if not self._artifacts.s3_endpoint:
             raise Unavailable("no S3 endpoint is configured (artifacts.s3_endpoint)")
         bucket, key = split_s3_uri(uri)
         head = bytearray()
         try:
-            async with store.stream(bucket, key) as response, aclosing(response.chunks()) as chunks:
-                if response.status != 200:
-                    raise Unavailable(f"the S3 store failed to serve {uri} ({response.status})")
+            async with store.stream(bucket, key, end=limit - 1) as response, aclosing(response.chunks()) as chunks:
+                received = 0
                 async for chunk in chunks:
                     head += chunk[: limit - len(head)]
-                    if len(head) >= limit:
+                    received += len(chunk)
+                    # The range is read to its end; a store that ignored it, or sends more, is cut off.
+                    if received > limit or (len(head) >= limit and response.status != 206):
                         break
         except (ArtifactRefused, ArtifactUnavailable) as exc:
             raise self._refusal(exc, _Object(uri, "", 0, "")) from None

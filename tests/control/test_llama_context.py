@@ -10,26 +10,32 @@ too large for the reservation fails the node, saying why.
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from nexa.cli.models import render_model
+from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts import codec
 from nexa.contracts.deployments import Replica
 from nexa.contracts.kvcache import CONTEXT_STEP, GgufFigures, largest_context
 from nexa.contracts.models import ModelDetail, ModelRecord, Verification
 from nexa.contracts.node import RuntimeKind
 from nexa.control.deployments import assignment_for
-from nexa.tinymodel import TINY_LLAMA
+from nexa.control.outbound import Outbound
+from nexa.errors import ArtifactMissing
+from nexa.tinymodel import TINY_LLAMA, split_tiny_gguf
 from tests.conftest import Controller
+from tests.control import test_model_manifests as tm
 from tests.control import test_unified_memory as um
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, node_view, ok
 from tests.support.deployments import fleet_image, names, online, set_where
-from tests.support.models import bring_to
+from tests.support.models import bring_to, unique
 
 GIB = 2**30
 #: The recorded GB10's pool (tests/fixtures/meminfo/gb10_dgx_spark.meminfo).
@@ -211,3 +217,34 @@ def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does()
     replica = Replica(id="l-r0", node_id="h100-1", gpus=["nvidia.com/gpu=0"])
     a = assignment_for(dep, replica, mod, um.runtime(RuntimeKind.LLAMACPP), 18000)
     assert "--ctx-size" not in a.runtime.command and "--batch-size" not in a.runtime.command
+
+
+async def test_the_header_is_read_from_a_split_ggufs_first_shard(
+    reg: Controller, s3_store: S3Store, tmp_path: Path
+) -> None:
+    shards = split_tiny_gguf(tmp_path / "split")
+    uri, files = await tm.upload_dir(s3_store, {p.name: await trio.Path(p).read_bytes() for p in shards})
+    body = tm.manifest_body("tiny", "v1", uri, files, entry=shards[0].name, format="gguf")
+    async with reg.client() as http:
+        await ok(http.post("/api/v1/models", json=body), 201)
+        verified = await ok(http.post("/api/v1/models/tiny/v1/verify"))
+        # A GGUF manifest pointed at its directory has no file to read: verified, without figures.
+        uri2, files2 = await tm.upload_dir(s3_store, {p.name: await trio.Path(p).read_bytes() for p in shards})
+        await ok(http.post("/api/v1/models", json=tm.manifest_body("tiny", "v2", uri2, files2, format="gguf")), 201)
+        directory = await ok(http.post("/api/v1/models/tiny/v2/verify"))
+    figures = verified["verification"]["gguf"]
+    assert (figures["architecture"], figures["context_length"], figures["block_count"]) == ("llama", 512, 2)
+    assert directory["state"] == "Verified" and directory["verification"]["gguf"] is None
+    assert directory["verification"]["gguf_problem"] == "the manifest's entry '.' is a directory, not a GGUF file"
+
+
+async def test_only_the_head_of_the_file_is_read(s3_store: S3Store) -> None:
+    """`Outbound.read_head` against the run's S3 store: the bytes asked for, or the whole of a smaller object."""
+    data = secrets.token_bytes(3 * 2**20)
+    uri = await s3_store.put(unique("big.gguf"), data)
+    store = ArtifactStoreConfig(s3_endpoint=s3_store.endpoint, s3_region=s3_store.region, s3_tls_verify=False)
+    async with Outbound(OciConfig(), store, registry_credentials=None, s3_credentials=s3_store.credentials) as out:
+        assert await out.read_head(uri, 5000) == data[:5000]
+        assert await out.read_head(uri, 2**30) == data
+        with pytest.raises(ArtifactMissing, match="does not exist in the S3 store"):
+            await out.read_head(s3_store.uri(unique("none.gguf")), 5000)
