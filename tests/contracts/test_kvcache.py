@@ -3,9 +3,12 @@ reservation leaves room for, and the limit placement works out per unified node 
 
 from __future__ import annotations
 
+import json
+
 import attrs
 import pytest
 
+from nexa.contracts import codec
 from nexa.contracts.kvcache import (
     CONTEXT_STEP,
     KV_TYPE_BYTES_PER_32,
@@ -13,7 +16,9 @@ from nexa.contracts.kvcache import (
     kv_cache_bytes,
     largest_context,
 )
+from nexa.contracts.models import Verification
 from nexa.contracts.placement import MemoryLimit, MemoryShare
+from nexa.errors import ContractError
 
 GIB = 2**30
 MIB = 2**20
@@ -118,3 +123,18 @@ def test_without_the_models_figures_nothing_is_bounded_and_the_node_is_not_faile
     on = _limit(kv_bytes_per_token=0.0, context_max=0, unbounded=why).on(8 * GIB, POOL)
     assert (on.value, on.claim_bytes, on.batch, on.unbounded) == (None, None, None, why)
     assert on.fits
+
+
+def test_figures_are_kept_with_the_verification_and_older_records_load_without() -> None:
+    check = Verification(
+        verified_at=1.0, verified_by=None, sha256="a" * 64, size_bytes=1, signature_key=None, seconds=0.1, gguf=LLAMA_8B
+    )
+    body = codec.dumps(codec.store, check)
+    assert codec.loads(codec.store, body, Verification) == check
+    # A verification stored before nexa read GGUF headers: no figures, no problem recorded.
+    old = {k: v for k, v in json.loads(body).items() if k not in {"gguf", "gguf_problem"}}
+    loaded = codec.loads(codec.store, json.dumps(old), Verification)
+    assert (loaded.gguf, loaded.gguf_problem) == (None, "")
+    # Figures out of bounds are refused as any invalid body is.
+    with pytest.raises(ContractError, match="block_count must be an integer from 1 to 65536"):
+        codec.loads(codec.store, body.replace('"block_count":32', '"block_count":0'), Verification)
