@@ -10,32 +10,27 @@ too large for the reservation fails the node, saying why.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import trio
 
 from nexa.cli.models import render_model
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts import codec
-from nexa.contracts.deployments import Replica
-from nexa.contracts.kvcache import CONTEXT_STEP, GgufFigures, largest_context
-from nexa.contracts.models import ModelDetail, ModelRecord, Verification
-from nexa.contracts.node import RuntimeKind
-from nexa.control.deployments import assignment_for
+from nexa.contracts.kvcache import CONTEXT_STEP, largest_context
+from nexa.contracts.models import ModelDetail
 from nexa.control.outbound import Outbound
 from nexa.errors import ArtifactMissing
 from nexa.tinymodel import TINY_LLAMA, split_tiny_gguf
 from tests.conftest import Controller
-from tests.control import test_model_manifests as tm
-from tests.control import test_unified_memory as um
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, node_view, ok
 from tests.support.deployments import fleet_image, names, online, set_where
-from tests.support.models import bring_to, unique
+from tests.support.models import Artifact, bring_to, model_body, unique
 
 GIB = 2**30
 #: The recorded GB10's pool (tests/fixtures/meminfo/gb10_dgx_spark.meminfo).
@@ -163,74 +158,23 @@ async def test_a_model_without_gguf_figures_runs_unbounded_and_the_explanation_s
     assert "--ctx-size" not in a.runtime.command and "--batch-size" not in a.runtime.command
 
 
-def _with_figures(mod: ModelRecord, figures: GgufFigures) -> ModelRecord:
-    check = Verification(
-        verified_at=0, verified_by=None, sha256="", size_bytes=0, signature_key=None, seconds=0.0, gguf=figures
-    )
-    return attrs.evolve(mod, verification=check)
-
-
-#: Llama-3.1-8B's figures (its config.json): 32 layers, 8 KV heads of 128, 128 KiB a token with f16.
-LLAMA_8B = GgufFigures(
-    architecture="llama",
-    context_length=131072,
-    block_count=32,
-    embedding_length=4096,
-    head_count=32,
-    head_count_kv=8,
-    key_length=128,
-    value_length=128,
-)
-
-
-def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does() -> None:
-    """Placement and the signed command, for a split 7 GiB GGUF with a 128k context, on a Spark."""
-    mod = _with_figures(um.model(um.GGUF_FILES, um.GGUF_FILES[0].path), LLAMA_8B)
-    weights = mod.artifact.size_bytes
-    assert weights == 7 * GIB
-    cases = [
-        # 10 GiB declared: 3 GiB of f16 KV cache at 128 KiB a token = 24576 tokens.
-        ({}, "--ctx-size", 24576, "--batch-size", 2048),
-        # q8_0 keys and values take 34/64 of that a token: 46080 of 46261 tokens, rounded down to 256.
-        ({"cache_type_k": "q8_0", "cache_type_v": "q8_0"}, "--ctx-size", 46080, "--batch-size", 2048),
-        ({"server": "llama-cpp-python"}, "--n_ctx", 24576, "--n_batch", 512),
-        # An operator's batch is kept; only the context is derived.
-        ({"batch_size": 4096}, "--ctx-size", 24576, "--batch-size", 4096),
-    ]
-    for settings, ctx_flag, ctx, batch_flag, batch in cases:
-        fleet = [um.spark()]
-        decision = um.deploy(fleet, um.deployment("l", RuntimeKind.LLAMACPP, memory=10 * GIB, settings=settings), mod)
-        assert decision.feasible, settings
-        command = fleet[0].desired.assignments[0].runtime.command
-        assert command[command.index(ctx_flag) + 1] == str(ctx), settings
-        assert command[command.index(batch_flag) + 1] == str(batch), settings
-        memory = decision.explanations[0].runtime_memory
-        assert memory is not None and memory.fits and memory.claim_bytes is not None
-        assert memory.claim_bytes <= memory.reserved_bytes == 10 * GIB + OVERHEAD
-    # The weights alone fill 7 GiB: no context fits, and the Spark is filtered out, saying so.
-    small = um.deploy([um.spark()], um.deployment("l", RuntimeKind.LLAMACPP, memory=7 * GIB), mod)
-    assert not small.feasible
-    [failed] = [f for f in small.explanations[0].filters if not f.passed]
-    assert failed.name == "memory" and failed.detail.startswith("settings.ctx_size: no context keeps llama.cpp within")
-    # On a discrete-GPU node nothing is derived: the reservation is its GPUs'.
-    dep = um.deployment("l", RuntimeKind.LLAMACPP, memory=10 * GIB)
-    replica = Replica(id="l-r0", node_id="h100-1", gpus=["nvidia.com/gpu=0"])
-    a = assignment_for(dep, replica, mod, um.runtime(RuntimeKind.LLAMACPP), 18000)
-    assert "--ctx-size" not in a.runtime.command and "--batch-size" not in a.runtime.command
-
-
 async def test_the_header_is_read_from_a_split_ggufs_first_shard(
     reg: Controller, s3_store: S3Store, tmp_path: Path
 ) -> None:
     shards = split_tiny_gguf(tmp_path / "split")
-    uri, files = await tm.upload_dir(s3_store, {p.name: await trio.Path(p).read_bytes() for p in shards})
-    body = tm.manifest_body("tiny", "v1", uri, files, entry=shards[0].name, format="gguf")
+    prefix = unique("tiny/")
+    files = []
+    for shard in shards:
+        data = await trio.Path(shard).read_bytes()
+        await s3_store.put(prefix + shard.name, data)
+        files.append({"path": shard.name, "size_bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    art = Artifact(uri=s3_store.uri(prefix), sha256="", size=0)
     async with reg.client() as http:
-        await ok(http.post("/api/v1/models", json=body), 201)
+        for version, entry in (("v1", shards[0].name), ("v2", ".")):
+            body = model_body("tiny", version, art, artifact={"uri": art.uri, "files": files, "entry": entry})
+            await ok(http.post("/api/v1/models", json=body), 201)
         verified = await ok(http.post("/api/v1/models/tiny/v1/verify"))
         # A GGUF manifest pointed at its directory has no file to read: verified, without figures.
-        uri2, files2 = await tm.upload_dir(s3_store, {p.name: await trio.Path(p).read_bytes() for p in shards})
-        await ok(http.post("/api/v1/models", json=tm.manifest_body("tiny", "v2", uri2, files2, format="gguf")), 201)
         directory = await ok(http.post("/api/v1/models/tiny/v2/verify"))
     figures = verified["verification"]["gguf"]
     assert (figures["architecture"], figures["context_length"], figures["block_count"]) == ("llama", 512, 2)
