@@ -686,7 +686,8 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
     refused_flags=dict.fromkeys(("--hf_pretrained_model_name_or_path", "--hf_model_repo_id"), WHY_HUB)
     | {"--api_key": WHY_AUTH}
     | dict.fromkeys(("--ssl_keyfile", "--ssl_certfile"), WHY_TLS)
-    | {"--config_file": WHY_CONFIG_FILE},
+    | {"--config_file": WHY_CONFIG_FILE}
+    | dict.fromkeys(("--type_k", "--type_v"), "the KV cache's type sizes the context nexa derives (f16 is taken)"),
     # /v1/models answers once the model is loaded (the server loads it before listening).
     readiness_path="/v1/models",
     # No metrics endpoint: routing falls back to the gateway's own in-flight counts.

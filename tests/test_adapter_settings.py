@@ -172,6 +172,14 @@ def test_extra_args_giving_an_owned_flag_are_refused_naming_it(kind: RuntimeKind
     assert len(refused) == 1 and refused[0].startswith(f"{flag}: "), refused
 
 
+def test_llama_cpp_pythons_kv_cache_type_is_refused_in_extra_args() -> None:
+    """Its f16 cache sizes the derived context; argparse would also take a prefix of the flag."""
+    python = {"server": "llama-cpp-python"}
+    for extra in (["--type_k", "0"], ["--type-v=1"], ["--type_", "0"]):
+        [refused] = adapters.extra_args_refusals(RuntimeKind.LLAMACPP, python, extra)
+        assert "the KV cache's type sizes the context nexa derives" in refused, refused
+
+
 def test_other_extra_args_pass_as_given_after_everything_else() -> None:
     extra = ["--max-log-len", "100", "--enable-prompt-tokens-details", "--seed=-1", "-1"]
     assert adapters.extra_args_refusals(RuntimeKind.VLLM, {}, extra) == []
