@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 import trio
 
+from nexa.cli.deployments import _print_decision as print_decision
 from nexa.cli.models import render_model
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts import codec
 from nexa.contracts.kvcache import CONTEXT_STEP, largest_context
 from nexa.contracts.models import ModelDetail
+from nexa.contracts.placement import PlacementDecision
 from nexa.control.outbound import Outbound
 from nexa.errors import ArtifactMissing
 from nexa.tinymodel import TINY_LLAMA, split_tiny_gguf
@@ -126,7 +128,12 @@ async def test_a_llamacpp_replica_on_a_spark_gets_a_context_that_fits_its_reserv
 
 
 async def test_a_model_without_gguf_figures_runs_unbounded_and_the_explanation_says_why(
-    dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
+    dep_reg: Controller,
+    dial: Any,
+    nursery: trio.Nursery,
+    s3_store: S3Store,
+    test_images: BuiltImages,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Random bytes registered as a GGUF: verified (the digest holds), but no figures can be read."""
     n1 = await online(dep_reg, dial, nursery, "n1")
@@ -153,6 +160,9 @@ async def test_a_model_without_gguf_figures_runs_unbounded_and_the_explanation_s
         "llama.cpp's context is not bounded by the reservation: its GGUF header could not be read "
         "(the artifact: not a GGUF file"
     )
+    # `nexa deployments placement` says so on the node's line.
+    print_decision(codec.api.structure(placement["decision"], PlacementDecision))
+    assert "; llama.cpp's context is not bounded by the reservation: its GGUF header" in capsys.readouterr().out
     pushed = await set_where(n1.node, lambda s: "chat-u" in names(s))
     [a] = pushed.assignments
     assert "--ctx-size" not in a.runtime.command and "--batch-size" not in a.runtime.command

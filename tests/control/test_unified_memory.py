@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from nexa import adapters, config, runtimes
+from nexa.cli.deployments import _print_decision as print_decision
 from nexa.config import ControlConfig, PlacementConfig
 from nexa.contracts import codec
 from nexa.contracts.deployments import (
@@ -581,7 +582,9 @@ LLAMA_8B = GgufFigures(
 )
 
 
-def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does() -> None:
+def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """Placement and the signed command, for a split 7 GiB GGUF with a 128k context, on a Spark."""
     mod = _with_figures(model(GGUF_FILES, GGUF_FILES[0].path), LLAMA_8B)
     weights = mod.artifact.size_bytes
@@ -609,6 +612,11 @@ def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does()
             <= memory.reserved_bytes
             == 10 * GIB + adapters.ENGINE_OVERHEAD_BYTES[adapters.LLAMA_SERVER]
         )
+        # `nexa deployments placement` prints the flags given, with the KV cache they leave room for.
+        print_decision(decision)
+        line = capsys.readouterr().out.splitlines()[-1]
+        derived_batch = "" if "batch_size" in settings else f" {batch_flag} {batch}"  # an operator's is in settings
+        assert f"; {ctx_flag} {ctx}{derived_batch} (derived from the reservation, a " in line
     # The weights alone fill 7 GiB: no context fits, and the Spark is filtered out, saying so.
     small = deploy([spark()], deployment("l", RuntimeKind.LLAMACPP, memory=7 * GIB), mod)
     assert not small.feasible
