@@ -348,6 +348,8 @@ class Adapter:
         model's directory is mounted, for settings naming one of its files (default `model_path`)."""
         if memory is not None and memory.derived and memory.value is not None and memory.setting in self.options:
             settings = {**settings, memory.setting: memory.value}
+            if memory.batch is not None and memory.batch_setting in self.options:  # with a derived context
+                settings = {memory.batch_setting: memory.batch, **settings}
         command = list(self.program)
         command += [model_path] if self.model_flag is None else [self.model_flag, model_path]
         if self.served_name_since is None or version_at_least(version, self.served_name_since):
@@ -379,6 +381,8 @@ class Adapter:
 _DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
 #: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).
 _GGML_KV_TYPES: Final = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: llama-server's short flags for typed settings (common/arg.cpp).
+_LLAMA_SHORT: Final = {"-c": "ctx_size", "-b": "batch_size", "-ctk": "cache_type_k", "-ctv": "cache_type_v"}
 _TEXT: Final = frozenset({Capability.COMPLETION, Capability.CHAT})
 _ALL: Final = frozenset(Capability)
 
@@ -641,7 +645,9 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         WHY_HUB,
     )
     | dict.fromkeys(("--api-key", "--api-key-file"), WHY_AUTH)
-    | dict.fromkeys(("--ssl-key-file", "--ssl-cert-file"), WHY_TLS),
+    | dict.fromkeys(("--ssl-key-file", "--ssl-cert-file"), WHY_TLS)
+    # The short spellings of the settings that size the KV cache (the context bounds its memory).
+    | {f: f"a typed setting: give settings.{n} instead" for f, n in _LLAMA_SHORT.items()},
     readiness_path="/health",
     probe_tool="curl",
     metrics=Metrics(
@@ -686,7 +692,8 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
     refused_flags=dict.fromkeys(("--hf_pretrained_model_name_or_path", "--hf_model_repo_id"), WHY_HUB)
     | {"--api_key": WHY_AUTH}
     | dict.fromkeys(("--ssl_keyfile", "--ssl_certfile"), WHY_TLS)
-    | {"--config_file": WHY_CONFIG_FILE},
+    | {"--config_file": WHY_CONFIG_FILE}
+    | dict.fromkeys(("--type_k", "--type_v"), "the KV cache's type sizes the context nexa derives (f16 is taken)"),
     # /v1/models answers once the model is loaded (the server loads it before listening).
     readiness_path="/v1/models",
     # No metrics endpoint: routing falls back to the gateway's own in-flight counts.

@@ -99,6 +99,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ArtifactRefused [artifact_refused]: the S3-compatible store answered a request with a 4xx (not retryable)
     - ArtifactInvalid [artifact_invalid]: a local model directory that cannot be pushed (names the file)
     - ArtifactInUse [artifact_in_use]: a push would overwrite a registered version's file with other bytes
+    - GgufInvalid [gguf_invalid]: a model file whose GGUF header cannot be read within bounds (names the entry)
   + ChannelError [channel_error]: the node channel (ZeroMQ) failed: bind, socket or protocol
     - ChannelClosed [channel_closed]: the link is not running, or has stopped
     - NotConnected [not_connected]: no open channel to that node right now; retryable
@@ -854,3 +855,11 @@ class ArtifactInvalid(ArtifactError):
     file, no files, no bytes, a path a manifest may not hold); names the file. Nothing was uploaded."""
 
     code = "artifact_invalid"
+
+
+class GgufInvalid(ArtifactError):
+    """A model file whose GGUF header is not one, or claims more than nexa reads (a count, a
+    length, a nesting), or lacks the figures llama.cpp sizes its KV cache by; names the entry
+    and its offset. Nothing is taken from such a header."""
+
+    code = "gguf_invalid"

@@ -590,9 +590,9 @@ class S3Client:
         )
 
     @asynccontextmanager
-    async def stream(self, bucket: str, key: str, *, start: int = 0) -> AsyncIterator[ObjectStream]:
-        """GET an object, from byte `start` on (`Range: bytes=start-`), its body streamed: read it
-        with `ObjectStream.chunks` inside the `async with`; leaving closes the connection's answer.
+    async def stream(self, bucket: str, key: str, *, start: int = 0, end: int = 0) -> AsyncIterator[ObjectStream]:
+        """GET an object from byte `start` on, to byte `end` (included; 0: its last) (`Range`), its body
+        streamed: read it with `ObjectStream.chunks` in the `async with`; leaving closes the answer.
 
         Gives the answer for a 200 or a 206 (a store may answer a range with the whole object:
         the caller checks which); the body is never decoded (`accept-encoding: identity`: a
@@ -602,8 +602,8 @@ class S3Client:
         """
         url = self._url(bucket, key)
         headers = {"accept-encoding": "identity"}
-        if start:
-            headers["range"] = f"bytes={start}-"
+        if start or end:
+            headers["range"] = f"bytes={start}-{end or ''}"
         uri = f"s3://{bucket}/{key}"
         try:
             request = self._http.build_request(

@@ -159,11 +159,25 @@ def test_a_template_outside_the_model_directory_is_refused(path: str) -> None:
         (RuntimeKind.LLAMACPP, ["--model-url=https://example.com/m.gguf"], "--model-url"),
         (RuntimeKind.LLAMACPP, ["-m", "/m.gguf"], "-m"),
         (RuntimeKind.LLAMACPP, ["--alias", "x"], "--alias"),
+        # The context bounds llama.cpp's memory on a unified node: no short way around it.
+        (RuntimeKind.LLAMACPP, ["-c", "131072"], "-c"),
+        (RuntimeKind.LLAMACPP, ["--ctx-size=131072"], "--ctx-size"),
+        (RuntimeKind.LLAMACPP, ["-b", "8192"], "-b"),
+        (RuntimeKind.LLAMACPP, ["-ctk", "f32"], "-ctk"),
+        (RuntimeKind.LLAMACPP, ["-ctv=f32"], "-ctv"),
     ],
 )
 def test_extra_args_giving_an_owned_flag_are_refused_naming_it(kind: RuntimeKind, extra: list[str], flag: str) -> None:
     refused = adapters.extra_args_refusals(kind, {}, extra)
     assert len(refused) == 1 and refused[0].startswith(f"{flag}: "), refused
+
+
+def test_llama_cpp_pythons_kv_cache_type_is_refused_in_extra_args() -> None:
+    """Its f16 cache sizes the derived context; argparse would also take a prefix of the flag."""
+    python = {"server": "llama-cpp-python"}
+    for extra in (["--type_k", "0"], ["--type-v=1"], ["--type_", "0"]):
+        [refused] = adapters.extra_args_refusals(RuntimeKind.LLAMACPP, python, extra)
+        assert "the KV cache's type sizes the context nexa derives" in refused, refused
 
 
 def test_other_extra_args_pass_as_given_after_everything_else() -> None:

@@ -362,7 +362,11 @@ def _print_decision(decision: PlacementDecision | None) -> None:
         terms = " ".join(f"{t.name}={t.value:.2f}x{t.weight:g}" for t in e.terms)
         if (memory := e.runtime_memory) and e.eligible:
             how = "derived from the reservation" if memory.derived else "as set"
-            terms += f"; {memory.flag} {memory.value} ({how})"
+            batch = f" {memory.batch_flag} {memory.batch}" if memory.batch is not None else ""
+            kv = f", a {size_text(memory.kv_cache_bytes)} KV cache" if memory.kv_cache_bytes is not None else ""
+            terms += (
+                f"; {memory.unbounded}" if memory.unbounded else f"; {memory.flag} {memory.value}{batch} ({how}{kv})"
+            )
         rows.append(
             {
                 "node": e.node_id,

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Final
 from nexa.cli import common
 from nexa.cli.output import cell, print_json, size_text
 from nexa.cli.tables import MODELS
-from nexa.contracts.models import EvaluationResult, LicenseRecord, ModelDetail, ModelList, ModelRecord
+from nexa.contracts.kvcache import kv_cache_bytes
+from nexa.contracts.models import EvaluationResult, LicenseRecord, ModelDetail, ModelList, ModelRecord, Verification
 from nexa.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -410,6 +411,21 @@ def _models_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _gguf_lines(v: Verification | None) -> list[str]:
+    """A GGUF model's attention figures, as its verification read them (or why it could not)."""
+    if v is None or (v.gguf is None and not v.gguf_problem):
+        return []
+    g = v.gguf
+    if g is None:
+        return [f"gguf         no figures: {v.gguf_problem}"]
+    return [
+        f"gguf         {g.architecture}: trained context {g.context_length} tokens, {g.block_count} layers, "
+        f"{g.head_count} heads ({g.head_count_kv} KV) of {g.key_length}/{g.value_length}, width {g.embedding_length}",
+        f"kv cache     {size_text(kv_cache_bytes(1, g.kv_bytes_per_token()))} a token (f16), "
+        f"{size_text(kv_cache_bytes(g.context_length, g.kv_bytes_per_token()))} for the trained context",
+    ]
+
+
 def render_model(out: ModelDetail) -> str:
     m, v = out.model, out.model.verification
     a = m.artifact
@@ -427,6 +443,7 @@ def render_model(out: ModelDetail) -> str:
         f"licence      {_license_text(m.license)}",
         f"provenance   {m.provenance.source}" + (f", signed by {m.provenance.signer}" if m.provenance.signer else ""),
         "verified     " + (f"{cell(v.verified_at)} ({v.size_bytes} bytes, {v.seconds:.2f} s)" if v else "no"),
+        *_gguf_lines(v),
         f"aliases      {', '.join(out.aliases) or '-'}",
     ]
     for e in out.evaluations:

@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import attrs
 
 from nexa.contracts.domain import NAME_RE, EventId, KeyId
+from nexa.contracts.kvcache import GgufFigures
 from nexa.contracts.manifest import ArtifactLocation, manifest_problems
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import IMAGE_BY_DIGEST_RE, SHA256_RE
@@ -229,6 +230,11 @@ class Verification:
     #: Fingerprint of the trusted key whose signature over the digest verified; None: no key is configured.
     signature_key: str | None
     seconds: float
+    #: A GGUF model's attention figures, read from its (entry) file's header once the bytes
+    #: verified: what llama.cpp's context is sized by on unified-memory nodes. None: not a GGUF
+    #: model, or `gguf_problem` says why they could not be read.
+    gguf: GgufFigures | None = None
+    gguf_problem: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -19,6 +19,7 @@ from typing import Final
 import attrs
 
 from nexa.contracts.domain import NodeState
+from nexa.contracts.kvcache import kv_cache_bytes, largest_context
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, RuntimeKind, Taint, TaintEffect
 
 _DIGITS: Final = re.compile(r"(\d+)")
@@ -72,6 +73,9 @@ class MemoryShare(enum.StrEnum):
     #: Of the memory still free once the weights are loaded: TensorRT-LLM's
     #: `--kv_cache_free_gpu_memory_fraction` (the KV cache's share of it).
     FREE_AFTER_WEIGHTS = "free_after_weights"
+    #: Not a fraction: llama.cpp's context (tokens), whose KV cache is what the reservation
+    #: leaves once the weights and the engine's overhead are counted (`MemoryLimit.kv_bytes_per_token`).
+    CONTEXT = "context"
 
 
 #: Derived fractions have this many decimals, rounded down (so they never claim more than reserved).
@@ -90,6 +94,14 @@ class MemoryLimit:
     what was reserved. An `operator_value` (the deployment set the setting itself) is kept as
     it is and checked instead: a claim above the reservation fails the node.
 
+    llama.cpp has no such fraction: what it allocates follows from its context. With `context`
+    the setting is the context (`--ctx-size`) and the reservation R is the runtime's share S
+    plus the engine's overhead O: the derived context is the largest whose KV cache fits in
+    R - W - O = S - W (`kvcache.largest_context`: capped at the model's trained context, else a
+    multiple of 256 tokens), and `batch_setting` is set with it, to at most `batch_max` and never
+    above the context. An operator's context claims W + O + its KV cache. Without the model's
+    figures (`unbounded` says why) nothing is derived or checked, and the node is not failed.
+
     What a fraction claims, on a pool of P bytes with weights of W bytes (the model artifact's
     size, which approximates them):
     - `pool`: fraction * P;
@@ -103,9 +115,23 @@ class MemoryLimit:
     share_of: MemoryShare
     operator_value: float | None = None
     weights_bytes: int = attrs.field(default=0, validator=_non_negative)
+    #: `context` only: the KV cache one token holds (for the cache types set), the model's
+    #: trained context, the engine's overhead (reserved beside the share), the batch setting
+    #: derived with the context and its largest value, and why nothing can be bounded ("" when
+    #: the model's figures are known).
+    kv_bytes_per_token: float = 0.0
+    context_max: int = attrs.field(default=0, validator=_non_negative)
+    overhead_bytes: int = attrs.field(default=0, validator=_non_negative)
+    batch_setting: str = ""
+    batch_flag: str = ""
+    batch_max: int = attrs.field(default=0, validator=_non_negative)
+    unbounded: str = ""
 
     def on(self, reserved_bytes: int, pool_bytes: int) -> RuntimeMemory:
-        """The limit on one node: the operator's value or the derived one, and what it claims."""
+        """The limit on one node: the operator's value or the derived one, and what it claims
+        (`reserved_bytes`: the runtime's share; for `context` the overhead is added to it)."""
+        if self.share_of is MemoryShare.CONTEXT:
+            return self._context_on(reserved_bytes, pool_bytes)
         if self.operator_value is not None:
             value: float | None = self.operator_value
         else:
@@ -119,6 +145,38 @@ class MemoryLimit:
             reserved_bytes=reserved_bytes,
             pool_bytes=pool_bytes,
             claim_bytes=claim,
+            share_of=self.share_of,
+        )
+
+    def _context_on(self, share_bytes: int, pool_bytes: int) -> RuntimeMemory:
+        batch: int | None = None
+        kv: int | None = None
+        if self.unbounded:
+            context: int | None = None
+        elif self.operator_value is not None:
+            # 0 is the model's own context.
+            context = int(self.operator_value) or self.context_max
+        else:
+            room = share_bytes - self.weights_bytes
+            context = largest_context(room, self.kv_bytes_per_token, self.context_max)
+            if context is not None and self.batch_setting:
+                batch = min(self.batch_max, context)
+        if context is not None:
+            kv = kv_cache_bytes(context, self.kv_bytes_per_token)
+        return RuntimeMemory(
+            setting=self.setting,
+            flag=self.flag,
+            value=context,
+            derived=self.operator_value is None,
+            reserved_bytes=share_bytes + self.overhead_bytes,
+            pool_bytes=pool_bytes,
+            claim_bytes=None if kv is None else self.weights_bytes + self.overhead_bytes + kv,
+            batch_setting=self.batch_setting if batch is not None else "",
+            batch_flag=self.batch_flag if batch is not None else "",
+            batch=batch,
+            kv_cache_bytes=kv,
+            unbounded=self.unbounded,
+            share_of=self.share_of,
         )
 
     def derived(self, reserved_bytes: int, pool_bytes: int) -> float | None:
@@ -150,18 +208,33 @@ class RuntimeMemory:
     #: The runtime setting (`gpu_memory_utilization`) and its command-line flag.
     setting: str
     flag: str
-    #: The fraction given to the runtime; None: no fraction keeps it within the reservation.
-    value: float | None
+    #: The fraction given to the runtime (for a `context` limit, the context in tokens); None: no
+    #: value keeps it within the reservation (or, with `unbounded`, none could be worked out).
+    value: float | int | None
     #: Derived from the reservation (added to the command) rather than set by the operator.
     derived: bool
     reserved_bytes: int
     pool_bytes: int
     #: What `value` lets the runtime take; None with `value`.
     claim_bytes: int | None
+    #: A derived context's batch setting (`batch_size`), its flag and value (never above the
+    #: context); "" and None otherwise.
+    batch_setting: str = ""
+    batch_flag: str = ""
+    batch: int | None = None
+    #: A context's KV cache (part of `claim_bytes`, with the weights and the engine's overhead).
+    kv_cache_bytes: int | None = None
+    #: Why the runtime's memory is not bounded on this node (llama.cpp without its model's GGUF
+    #: figures); the node is not failed for it, and the explanation says so.
+    unbounded: str = ""
+    #: What `value` is: a fraction (of the pool, or of what the weights leave) or a context.
+    share_of: MemoryShare = MemoryShare.POOL
 
     @property
     def fits(self) -> bool:
-        """The runtime's claim stays within what placement reserved for it."""
+        """The runtime's claim stays within what placement reserved for it (or cannot be known)."""
+        if self.unbounded:
+            return True
         return self.claim_bytes is not None and self.claim_bytes <= self.reserved_bytes
 
 

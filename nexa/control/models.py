@@ -59,6 +59,7 @@ from nexa.contracts.models import (
     version_problem,
 )
 from nexa.control import store as st
+from nexa.control.gguf_figures import read_figures
 from nexa.control.outbound import Outbound
 from nexa.control.registry import Actor, audit_draft
 from nexa.errors import (
@@ -365,6 +366,7 @@ class ModelRegistry:
                 fingerprint = self._check_signature(model, signature)
                 with trio.fail_after(self._cfg.verify_timeout_s):
                     check = await self._outbound.verify_artifact(model.artifact)
+                    gguf, gguf_problem = await read_figures(self._outbound, model)
             except (VerificationFailed, ArtifactDigestMismatch) as exc:
                 await self._reject(actor, "model.verify", _target(model), exc)
                 log.warning("model %s failed verification: %s", model.key, exc.code)
@@ -390,11 +392,17 @@ class ModelRegistry:
                         size_bytes=check.size_bytes,
                         signature_key=fingerprint,
                         seconds=round(check.seconds, 3),
+                        gguf=gguf,
+                        gguf_problem=gguf_problem,
                     ),
                 )
                 detail = f"sha256 {check.sha256}, {check.size_bytes} bytes" + (
                     f", signed by key {fingerprint}" if fingerprint else ""
                 )
+                if gguf is not None:
+                    detail += f", GGUF {gguf.architecture} of {gguf.context_length} tokens' context"
+                elif gguf_problem:
+                    detail += ", no GGUF figures (its header could not be read)"
                 await self._commit(actor, "verify", before, after, detail)
         finally:
             self._verifying.discard(key)

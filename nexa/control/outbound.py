@@ -350,6 +350,28 @@ class Outbound:
         ]
         await self._each(objects, lambda o: self._head_object(store, o))
 
+    async def read_head(self, uri: str, limit: int) -> bytes:
+        """The first `limit` bytes of an object (all of it when smaller), asked for as a range (a
+        store that sends more is cut off there). Raises ArtifactMissing or Unavailable as
+        `verify_artifact` does."""
+        store = self._open_store()
+        if not self._artifacts.s3_endpoint:
+            raise Unavailable("no S3 endpoint is configured (artifacts.s3_endpoint)")
+        bucket, key = split_s3_uri(uri)
+        head = bytearray()
+        try:
+            async with store.stream(bucket, key, end=limit - 1) as response, aclosing(response.chunks()) as chunks:
+                received = 0
+                async for chunk in chunks:
+                    head += chunk[: limit - len(head)]
+                    received += len(chunk)
+                    # The range is read to its end; a store that ignored it, or sends more, is cut off.
+                    if received > limit or (len(head) >= limit and response.status != 206):
+                        break
+        except (ArtifactRefused, ArtifactUnavailable) as exc:
+            raise self._refusal(exc, _Object(uri, "", 0, "")) from None
+        return bytes(head)
+
     async def _each(self, objects: list[_Object], check: Callable[[_Object], Awaitable[None]]) -> None:
         """Run `check` on every object, a few at a time; the first failure cancels the others and
         is raised alone (not as an exception group)."""

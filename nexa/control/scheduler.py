@@ -41,8 +41,10 @@ from types import MappingProxyType
 from typing import Final
 
 from nexa.contracts.domain import NodeState
+from nexa.contracts.kvcache import CONTEXT_STEP
 from nexa.contracts.placement import (
     FilterResult,
+    MemoryShare,
     NodeExplanation,
     PlacementDecision,
     PlacementNode,
@@ -604,6 +606,20 @@ def _limit_failed(limit: RuntimeMemory, memo: dict[Hashable, FilterResult]) -> F
 def limit_detail(limit: RuntimeMemory) -> str:
     """Why a runtime's memory setting does not fit its reservation on a unified node, in words."""
     pool = f"the {_gib(limit.pool_bytes)} unified pool"
+    if limit.share_of is MemoryShare.CONTEXT:
+        if limit.value is None or limit.claim_bytes is None:
+            return (
+                f"settings.{limit.setting}: no context keeps llama.cpp within the {_gib(limit.reserved_bytes)} "
+                f"reserved on {pool} (the model's weights and the engine's overhead leave no room for "
+                f"{CONTEXT_STEP} tokens of KV cache)"
+            )
+        kv = limit.kv_cache_bytes or 0
+        room = limit.reserved_bytes - (limit.claim_bytes - kv)
+        return (
+            f"settings.{limit.setting} {limit.value} needs a {_amount(kv)} KV cache, more than the "
+            f"{_amount(max(room, 0))} that the {_gib(limit.reserved_bytes)} reserved on {pool} leaves beside "
+            "the weights and the engine's overhead"
+        )
     if limit.value is None or limit.claim_bytes is None:
         return (
             f"settings.{limit.setting}: no value keeps the runtime within the {_gib(limit.reserved_bytes)} "
@@ -625,6 +641,13 @@ def _failed(memo: dict[Hashable, FilterResult], index: int, cause: Hashable, det
 
 def _gib(n: int) -> str:
     return f"{n / _GIB:.1f} GiB"
+
+
+def _amount(n: int) -> str:
+    """GiB, or MiB or KiB below it (a small model's KV cache)."""
+    if n >= _GIB:
+        return _gib(n)
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 1024:.1f} KiB"
 
 
 def _reason(req: PlacementRequest, explanations: list[NodeExplanation], eligible: int, placed: int) -> str:

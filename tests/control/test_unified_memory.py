@@ -19,6 +19,7 @@ import pytest
 import trio
 
 from nexa import adapters, config, runtimes
+from nexa.cli.deployments import _print_decision as print_decision
 from nexa.config import ControlConfig, PlacementConfig
 from nexa.contracts import codec
 from nexa.contracts.deployments import (
@@ -30,12 +31,14 @@ from nexa.contracts.deployments import (
     RuntimeOptions,
 )
 from nexa.contracts.domain import Node, NodeId
+from nexa.contracts.kvcache import GgufFigures
 from nexa.contracts.manifest import ArtifactFile
 from nexa.contracts.models import (
     ModelArtifact,
     ModelRecord,
     ModelRef,
     RuntimeRecord,
+    Verification,
 )
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import MemoryLimit, MemoryShare, PlacementDecision, PlacementNode
@@ -71,6 +74,15 @@ HEADROOM = PlacementConfig().unified_host_headroom_bytes
 SPARK_GPU = "nvidia.com/gpu=0"
 NODE_HOST = "127.0.0.11"
 NAME = "qwen2-7b"
+#: What a fraction's `runtime_memory` holds besides (llama.cpp's context figures, unset).
+FRACTION: dict[str, object] = {
+    "batch_setting": "",
+    "batch_flag": "",
+    "batch": None,
+    "kv_cache_bytes": None,
+    "unbounded": "",
+    "share_of": "pool",
+}
 #: Where the node assembled the manifest's directory (its digest names it).
 ASSEMBLED = Path("/var/lib/nexa/node/models/" + "d" * 64)
 
@@ -334,6 +346,7 @@ def test_vllm_and_sglang_share_one_spark_each_held_to_its_reservation() -> None:
         "reserved_bytes": 24 * GIB,
         "pool_bytes": POOL,
         "claim_bytes": POOL * 201 // 1000,
+        **FRACTION,
     }
     assert codec.loads(codec.api, codec.dumps(codec.api, sglang), PlacementDecision) == sglang
 
@@ -539,9 +552,80 @@ async def test_over_the_api_an_operator_value_over_the_reservation_is_refused_an
         "reserved_bytes": 48 * GIB,
         "pool_bytes": POOL,
         "claim_bytes": POOL * 402 // 1000,
+        **FRACTION,
     }
     pushed = await set_where(n1.node, lambda s: "chat-v" in names(s))
     [a] = pushed.assignments
     command = a.runtime.process
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.402"
     assert a.runtime.memory_bytes == 48 * GIB
+
+
+# --- point 6: llama.cpp's context, sized by the model's GGUF figures (tests/control/test_llama_context.py) --
+
+
+def _with_figures(mod: ModelRecord, figures: GgufFigures) -> ModelRecord:
+    check = Verification(
+        verified_at=0, verified_by=None, sha256="", size_bytes=0, signature_key=None, seconds=0.0, gguf=figures
+    )
+    return attrs.evolve(mod, verification=check)
+
+
+#: Llama-3.1-8B's figures (its config.json): 32 layers, 8 KV heads of 128, 128 KiB a token with f16.
+LLAMA_8B = GgufFigures(
+    architecture="llama",
+    context_length=131072,
+    block_count=32,
+    embedding_length=4096,
+    head_count=32,
+    head_count_kv=8,
+    key_length=128,
+    value_length=128,
+)
+
+
+def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Placement and the signed command, for a split 7 GiB GGUF with a 128k context, on a Spark."""
+    mod = _with_figures(model(GGUF_FILES, GGUF_FILES[0].path), LLAMA_8B)
+    weights = mod.artifact.size_bytes
+    assert weights == 7 * GIB
+    cases = [
+        # 10 GiB declared: 3 GiB of f16 KV cache at 128 KiB a token = 24576 tokens.
+        ({}, "--ctx-size", 24576, "--batch-size", 2048),
+        # q8_0 keys and values take 34/64 of that a token: 46080 of 46261 tokens, rounded down to 256.
+        ({"cache_type_k": "q8_0", "cache_type_v": "q8_0"}, "--ctx-size", 46080, "--batch-size", 2048),
+        ({"server": "llama-cpp-python"}, "--n_ctx", 24576, "--n_batch", 512),
+        # An operator's batch is kept; only the context is derived.
+        ({"batch_size": 4096}, "--ctx-size", 24576, "--batch-size", 4096),
+    ]
+    for settings, ctx_flag, ctx, batch_flag, batch in cases:
+        fleet = [spark()]
+        decision = deploy(fleet, deployment("l", RuntimeKind.LLAMACPP, memory=10 * GIB, settings=settings), mod)
+        assert decision.feasible, settings
+        command = fleet[0].desired.assignments[0].runtime.command
+        assert command[command.index(ctx_flag) + 1] == str(ctx), settings
+        assert command[command.index(batch_flag) + 1] == str(batch), settings
+        memory = decision.explanations[0].runtime_memory
+        assert memory is not None and memory.fits and memory.claim_bytes is not None
+        assert (
+            memory.claim_bytes
+            <= memory.reserved_bytes
+            == 10 * GIB + adapters.ENGINE_OVERHEAD_BYTES[adapters.LLAMA_SERVER]
+        )
+        # `nexa deployments placement` prints the flags given, with the KV cache they leave room for.
+        print_decision(decision)
+        line = capsys.readouterr().out.splitlines()[-1]
+        derived_batch = "" if "batch_size" in settings else f" {batch_flag} {batch}"  # an operator's is in settings
+        assert f"; {ctx_flag} {ctx}{derived_batch} (derived from the reservation, a " in line
+    # The weights alone fill 7 GiB: no context fits, and the Spark is filtered out, saying so.
+    small = deploy([spark()], deployment("l", RuntimeKind.LLAMACPP, memory=7 * GIB), mod)
+    assert not small.feasible
+    [failed] = [f for f in small.explanations[0].filters if not f.passed]
+    assert failed.name == "memory" and failed.detail.startswith("settings.ctx_size: no context keeps llama.cpp within")
+    # On a discrete-GPU node nothing is derived: the reservation is its GPUs'.
+    dep = deployment("l", RuntimeKind.LLAMACPP, memory=10 * GIB)
+    replica = Replica(id="l-r0", node_id="h100-1", gpus=["nvidia.com/gpu=0"])
+    a = assignment_for(dep, replica, mod, runtime(RuntimeKind.LLAMACPP), 18000)
+    assert "--ctx-size" not in a.runtime.command and "--batch-size" not in a.runtime.command

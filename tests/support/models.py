@@ -82,9 +82,11 @@ async def get_model(http: httpx.AsyncClient, name: str, version: str) -> Json:
     return model
 
 
-async def bring_to(http: httpx.AsyncClient, s3: S3Store, name: str, version: str, state: str) -> Json:
-    """Register a model and move it through the lifecycle to `state`, over the API."""
-    art = await upload(s3)
+async def bring_to(
+    http: httpx.AsyncClient, s3: S3Store, name: str, version: str, state: str, *, data: bytes | None = None
+) -> Json:
+    """Register a model (`data`, else random bytes) and move it through the lifecycle to `state`, over the API."""
+    art = await upload(s3, data)
     model = await ok(http.post("/api/v1/models", json=model_body(name, version, art)), 201)
     path = f"/api/v1/models/{name}/{version}"
     order = ["Candidate", "Verified", "Evaluated", "Approved"]

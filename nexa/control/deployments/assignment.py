@@ -4,11 +4,15 @@ runs (`assignment_for`) and the `PlacementRequest` a deployment's replicas make 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Final
+
+import attrs
 
 from nexa import adapters, entrypoints
 from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
-from nexa.contracts.models import ModelRecord, RuntimeRecord
-from nexa.contracts.placement import MemoryLimit, PlacementRequest
+from nexa.contracts.kvcache import DEFAULT_KV_TYPE, KV_TYPE_BYTES_PER_32, GgufFigures
+from nexa.contracts.models import ModelFormat, ModelRecord, RuntimeRecord
+from nexa.contracts.placement import MemoryLimit, MemoryShare, PlacementRequest
 from nexa.contracts.qualification import image_digest
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.contracts.wire import Assignment
@@ -121,12 +125,84 @@ def declared_bytes(dep: Deployment | DeploymentCreate, model: ModelRecord) -> in
 
 
 def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord) -> MemoryLimit | None:
-    """The runtime's memory setting on unified-memory nodes; None without an adapter, or with a
-    full `options.command` (the operator owns that command line, flags and all)."""
+    """The runtime's memory setting on unified-memory nodes (llama.cpp's: its context); None
+    without an adapter, or with a full `options.command` (the operator owns that command line,
+    flags and all)."""
     if not adapters.has_adapter(runtime.kind) or dep.options.command:
         return None
     adapter = adapters.adapter_for(runtime.kind, dep.options.settings)
-    return adapter.memory_limit(dep.options.settings, weights_bytes=model.artifact.size_bytes)
+    limit = adapter.memory_limit(dep.options.settings, weights_bytes=model.artifact.size_bytes)
+    return limit if limit is not None else _context_limit(dep, model, runtime, adapter)
+
+
+@attrs.frozen
+class _ContextSettings:
+    """The settings of a llama.cpp variant that size its KV cache, and the batch it takes by default."""
+
+    context: str
+    batch: str
+    batch_default: int
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+
+
+#: llama-server (`common/common.h`: `n_batch` 2048) and llama-cpp-python (`ModelSettings.n_batch`
+#: 512). llama.cpp holds the physical batch (`--ubatch-size`, 512) to the logical one itself.
+_CONTEXT_SETTINGS: Final = {
+    adapters.LLAMA_SERVER: _ContextSettings("ctx_size", "batch_size", 2048, "cache_type_k", "cache_type_v"),
+    adapters.LLAMA_CPP_PYTHON: _ContextSettings("n_ctx", "n_batch", 512),
+}
+
+
+def _context_limit(
+    dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, adapter: adapters.Adapter
+) -> MemoryLimit | None:
+    """llama.cpp's context as its memory bound (`MemoryShare.CONTEXT`), from the KV cache per token
+    of the model's GGUF figures and the cache types set; None for a runtime that has no context."""
+    names = _CONTEXT_SETTINGS.get(adapter.name)
+    if names is None:
+        return None
+    settings = dep.options.settings
+    given = settings.get(names.context)
+    operator = float(given) if isinstance(given, int) and not isinstance(given, bool) else None
+    figures, why = gguf_figures(model)
+    per_token = 0.0
+    if figures is not None:
+        types = [
+            settings.get(name, DEFAULT_KV_TYPE) if name else DEFAULT_KV_TYPE
+            for name in (names.cache_type_k, names.cache_type_v)
+        ]
+        type_k, type_v = (t if isinstance(t, str) and t in KV_TYPE_BYTES_PER_32 else DEFAULT_KV_TYPE for t in types)
+        per_token = figures.kv_bytes_per_token(type_k, type_v)
+    batch = "" if names.batch in settings else names.batch
+    return MemoryLimit(
+        setting=names.context,
+        flag=adapter.options[names.context].flag,
+        share_of=MemoryShare.CONTEXT,
+        operator_value=operator,
+        weights_bytes=model.artifact.size_bytes,
+        kv_bytes_per_token=per_token,
+        context_max=figures.context_length if figures is not None else 0,
+        overhead_bytes=overhead_bytes(dep, runtime),
+        batch_setting=batch,
+        batch_flag=adapter.options[batch].flag if batch else "",
+        batch_max=names.batch_default,
+        unbounded="" if figures is not None else f"llama.cpp's context is not bounded by the reservation: {why}",
+    )
+
+
+def gguf_figures(model: ModelRecord) -> tuple[GgufFigures | None, str]:
+    """The model's GGUF figures, read at verification, or None and why there are none."""
+    v = model.verification
+    if v is not None and v.gguf is not None:
+        return v.gguf, ""
+    if model.format is not ModelFormat.GGUF:
+        return None, f"the model is {model.format}, not a GGUF"
+    if v is None:
+        return None, "the model version is not verified, so its GGUF header was not read"
+    if v.gguf_problem:
+        return None, f"its GGUF header could not be read ({v.gguf_problem})"
+    return None, "it was verified before nexa read GGUF headers (register it again as a new version to have it read)"
 
 
 def overhead_bytes(dep: Deployment | DeploymentCreate, runtime: RuntimeRecord) -> int:

@@ -9,7 +9,7 @@ from typing import Final
 from nexa import adapters
 from nexa.contracts.deployments import Deployment, DeploymentCreate, deployment_problems
 from nexa.contracts.models import ModelRecord, ModelRef, ModelState, RuntimeRecord
-from nexa.contracts.placement import PlacementDecision
+from nexa.contracts.placement import MemoryShare, PlacementDecision
 from nexa.control.models import ModelRegistry
 from nexa.control.scheduler import limit_detail
 from nexa.errors import (
@@ -75,10 +75,11 @@ def check_memory_limits(req: DeploymentCreate, decision: PlacementDecision) -> N
             continue
         if any(not f.passed and f.name != "memory" for f in e.filters):
             continue
+        overhead = " plus the engine's overhead" if limit.share_of is MemoryShare.CONTEXT else ""
         raise MemoryOverReservation(
             f"deployment {req.name} cannot run on node {e.node_id}: {limit_detail(limit)} for each replica "
             f"({limit.claim_bytes} bytes > {limit.reserved_bytes}; the reservation is resources.memory_bytes, "
-            f"else the model's memory_bytes); lower settings.{limit.setting}, or leave it out to have it "
+            f"else the model's memory_bytes{overhead}); lower settings.{limit.setting}, or leave it out to have it "
             "derived from the reservation",
             setting=limit.setting,
             node_id=e.node_id,
