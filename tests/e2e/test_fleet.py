@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import attrs
 import pytest
 
 from tests.conftest import FIXTURES, ControllerProcess
+from tests.support.api import wait_until
 
 NODES = 4
 TIMEOUT_S = 30
@@ -44,17 +45,6 @@ class NodeProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         return self.proc.wait(timeout=30)
-
-
-def wait_until(check: Callable[[], Any], what: str, timeout_s: float = TIMEOUT_S) -> Any:
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last saw {last!r}")
 
 
 def nodes(cp: ControllerProcess) -> dict[str, dict[str, Any]]:

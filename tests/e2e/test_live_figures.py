@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from tests.conftest import FIXTURES, ControllerProcess
-from tests.e2e.test_fleet import wait_until
+from tests.support.api import wait_until
 from tests.support.console import csrf
 
 H200 = (FIXTURES / "nvidia-smi" / "h200_141g_x1.csv").read_text()

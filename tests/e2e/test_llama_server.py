@@ -20,10 +20,20 @@ import pytest
 import trio
 
 from tests.conftest import Controller
-from tests.e2e.test_real_model import cosine, reference_embedding, register_model
 from tests.realparts import PodmanService, S3Store
 from tests.support.api import Json, ok
-from tests.support.realmodel import MIB, Node, cli, in_thread, ready_on, runtime_logs, wait_for
+from tests.support.realmodel import (
+    MIB,
+    Node,
+    cli,
+    cosine,
+    in_thread,
+    ready_on,
+    reference_embedding,
+    register_model,
+    runtime_logs,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 RUNTIME = "llama-server"

@@ -12,8 +12,6 @@ its replica comes up on the other node while requests keep succeeding.
 
 from __future__ import annotations
 
-import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,9 +26,11 @@ from tests.support.api import ok
 from tests.support.realmodel import (
     Node,
     cli,
+    cosine,
     deployment,
     in_thread,
     ready_on,
+    reference_embedding,
     register_llama_runtime,
     register_model,
     runtime_logs,
@@ -40,22 +40,6 @@ from tests.support.realmodel import (
 pytestmark = pytest.mark.slow
 Json = dict[str, Any]
 TIMEOUT_S = 120
-
-
-def cosine(a: list[float], b: list[float]) -> float:
-    dot = sum(x * y for x, y in zip(a, b, strict=True))
-    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
-
-
-def reference_embedding(gguf: Path, text: str) -> list[float]:
-    """The same GGUF through llama-cpp-python directly, in this process."""
-    llama_cpp = pytest.importorskip("llama_cpp") if os.environ.get("CI") != "true" else __import__("llama_cpp")
-    model = llama_cpp.Llama(str(gguf), embedding=True, verbose=False)
-    try:
-        vector: list[float] = model.create_embedding(text)["data"][0]["embedding"]
-    finally:
-        model.close()
-    return vector
 
 
 async def test_a_real_model_served_through_podman_on_cpu_survives_a_drain(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Awaitable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -82,3 +83,15 @@ def console_session(url: str, key: str) -> Iterator[httpx.Client]:
         signed = http.post("/console/login", data={"csrf_token": match.group(1), "api_key": key})
         assert signed.status_code in (302, 303), signed.text
         yield http
+
+
+def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> Any:
+    """Call `check` (sync) every 0.2 s until it returns something true; that, or AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}; last saw {last!r}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -207,3 +208,19 @@ async def real_cluster(
 
 async def in_thread(fn: Callable[[], T]) -> T:
     return await trio.to_thread.run_sync(fn)
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=True))
+    return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))
+
+
+def reference_embedding(gguf: Path, text: str) -> list[float]:
+    """The same GGUF through llama-cpp-python directly, in this process."""
+    llama_cpp = pytest.importorskip("llama_cpp") if os.environ.get("CI") != "true" else __import__("llama_cpp")
+    model = llama_cpp.Llama(str(gguf), embedding=True, verbose=False)
+    try:
+        vector: list[float] = model.create_embedding(text)["data"][0]["embedding"]
+    finally:
+        model.close()
+    return vector
