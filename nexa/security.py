@@ -364,7 +364,12 @@ EVIDENCE_KIND: Final = b"nexa-evidence-v1"
 
 def evidence_body(manifest: EvidenceManifest) -> bytes:
     """The bytes an evidence manifest's signature covers: its canonical JSON (API form)."""
-    return codec.canonical_json(codec.api.unstructure(manifest)).encode()
+    return _canonical_body(manifest)
+
+
+def _canonical_body(record: object) -> bytes:
+    """The bytes a signed contract record's signature covers: its canonical JSON (API form)."""
+    return codec.canonical_json(codec.api.unstructure(record)).encode()
 
 
 def sign_evidence(key: SigningKey, manifest: EvidenceManifest) -> EvidenceSigned:
@@ -439,7 +444,7 @@ QUALIFICATION_KIND: Final = b"nexa-qualification-v1"
 
 def qualification_body(record: Qualification) -> bytes:
     """The bytes a qualification's signature covers: its canonical JSON (API form)."""
-    return codec.canonical_json(codec.api.unstructure(record)).encode()
+    return _canonical_body(record)
 
 
 def sign_qualification(key: SigningKey, record: Qualification) -> SignedQualification:

@@ -58,18 +58,23 @@ def cache_dir() -> Path:
     return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "nexa-test"
 
 
+def recipe_name(stem: str, recipe: dict[str, object]) -> str:
+    """A cache file's name: `stem`, the machine's architecture and a hash of the whole `recipe` (the
+    architecture in it too), so that a changed recipe is a cache miss."""
+    key = hashlib.sha256(json.dumps({**recipe, "arch": platform.machine()}, sort_keys=True).encode()).hexdigest()
+    return f"{stem}-{platform.machine()}-{key[:16]}.tar.gz"
+
+
 def python_rootfs_name() -> str:
-    """The cache file of the python root filesystem, named by a hash of its whole recipe: a changed recipe
-    (debootstrap arguments, suite, mirror, what is pruned, the machine's architecture) is a cache miss."""
-    recipe = {
+    """The cache file of the python root filesystem, named by its recipe (debootstrap arguments, suite,
+    mirror, what is pruned)."""
+    recipe: dict[str, object] = {
         "debootstrap": ["debootstrap", *DEBOOTSTRAP_ARGS, DEBIAN_SUITE, "<target>", DEBIAN_MIRROR],
         "suite": DEBIAN_SUITE,
         "prune": ROOTFS_PRUNE,
-        "arch": platform.machine(),
         "pack": "tar --numeric-owner --one-file-system -cz",
     }
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    return f"debian-{DEBIAN_SUITE}-python3-{platform.machine()}-{key}.tar.gz"
+    return recipe_name(f"debian-{DEBIAN_SUITE}-python3", recipe)
 
 
 def find_debootstrap() -> str | None:

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
-import json
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -29,7 +26,7 @@ from typing import Final
 
 from nexa.errors import ConfigError, Unavailable
 from nexa.localparts.children import tail
-from nexa.localparts.images import build_image
+from nexa.localparts.images import build_image, recipe_name
 from nexa.localparts.podman import PODMAN_STOP_TIMEOUT_S, LocalPodman
 
 #: The sdist whose `vendor/llama.cpp` is built (the version the llama-cpp-python runtime image carries).
@@ -58,18 +55,15 @@ APP_DIR: Final = "/app"
 
 
 def llama_server_name() -> str:
-    """The cache file of the built server, named by a hash of its whole recipe (the sdist, cmake's
-    arguments and target, the machine's architecture): a changed recipe is a cache miss."""
-    recipe = {
+    """The cache file of the built server, named by its recipe (the sdist, cmake's arguments and target)."""
+    recipe: dict[str, object] = {
         "sdist": LLAMA_SERVER_SDIST,
         "source": "vendor/llama.cpp",
         "cmake": CMAKE_ARGS,
         "target": BUILD_TARGET,
-        "arch": platform.machine(),
         "pack": "bin/llama-server bin/lib*.so*",
     }
-    key = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
-    return f"llama-server-{LLAMA_SERVER_SDIST[1]}-{platform.machine()}-{key}.tar.gz"
+    return recipe_name(f"llama-server-{LLAMA_SERVER_SDIST[1]}", recipe)
 
 
 def llama_server_parts_missing() -> str | None:
