@@ -550,6 +550,19 @@ class StoreUnusable(StoreError):
     code = "store_unusable"
 
 
+class EpochExhausted(StoreError):
+    """The store's epoch is at `bounds.MAX_EPOCH`: no controller can take a higher one."""
+
+    code = "epoch_exhausted"
+
+    def __init__(self, *, epoch: int) -> None:
+        super().__init__(
+            f"the store's epoch is {epoch}, the highest there is: no controller can take a new one. Start"
+            " the controller on a new state directory (or database) and enroll the nodes again"
+        )
+        self.epoch = epoch
+
+
 class StateDirLocked(StoreError):
     code = "state_dir_locked"
 
@@ -715,6 +728,22 @@ class NodeRateLimited(AuthError):
     def __init__(self, *, node_id: str) -> None:
         super().__init__(f"node {node_id} sends signed messages faster than its channel allows")
         self.node_id = node_id
+
+
+class UnprovenEpoch(AuthError):
+    """A node's claimed (epoch, generation) above every epoch this controller issued, without a set
+    one of its signing keys signed at it: the claim is ignored (counted, audited, shown on the node)."""
+
+    code = "unproven_epoch"
+
+    def __init__(self, *, node_id: str, epoch: int, issued: int, why: str) -> None:
+        super().__init__(
+            f"node {node_id} claims it accepted epoch {epoch}, above the highest this controller issued"
+            f" ({issued}), {why}: the claim is ignored; if the node is not compromised, restart its agent"
+            " (it then sends the signed set it accepted), else revoke it"
+        )
+        self.node_id = node_id
+        self.epoch = epoch
 
 
 class ChannelError(NexaError):
