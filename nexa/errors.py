@@ -28,6 +28,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ControllerKeyMismatch [controller_key_mismatch]: an enrollment answer from another controller than the one pinned
     - NodeRateLimited [rate_limited]: a node sent signed messages faster than its channel allows (dropped)
     - NodeNeedsReenrollment [needs_reenrollment]: a node pins only a retired controller key (sent nothing)
+    - UnprovenEpoch [unproven_epoch]: a node's epoch claim above what was issued, without proof (ignored)
   + NotFound (also LookupError) [not_found, HTTP 404]: no such record
     - MethodNotAllowed [method_not_allowed, HTTP 405]: the route exists but not for that method (names the allowed ones)
     - ModelNotServed [model_not_found]: no alias or model by that name is being served
@@ -77,6 +78,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
   + StoreError [store_error, HTTP 500]: the durable store failed
     - StoreUnusable [store_unusable]: the database cannot be used any more (ends the process)
     - StateDirLocked [state_dir_locked]: another process owns the state directory
+    - EpochExhausted [epoch_exhausted]: the store's epoch is at the highest there is
   + BackupError [backup_error, HTTP 422]: a backup cannot be made or restored (nothing was written)
     - BackupNotConfigured [backup_not_configured, HTTP 409]: no backup key (`[backup] key_file` or NEXA_BACKUP_KEY)
     - BackupKeyMismatch [backup_key_mismatch]: the key given is not the one the backup was sealed with

@@ -265,8 +265,8 @@ class Hello:
     #: came (its body, and the controller's signature over it in base64). "" from older agents and
     #: for a set over `MAX_PROOF_BYTES`. The controller trusts an epoch above what it issued only
     #: with a proof that one of its signing keys, current or retired, verifies (`control.claims`).
-    accepted_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
-    accepted_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
+    proof_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
+    proof_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
 
 
 @attrs.frozen(kw_only=True)
@@ -297,8 +297,8 @@ class Heartbeat:
     memory_pressure_stops: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
     #: As in `Hello`: the signed set behind (epoch, generation), so that a controller restored from
     #: an older backup while the agent kept running can trust it.
-    accepted_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
-    accepted_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
+    proof_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
+    proof_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
 
 
 @attrs.frozen(kw_only=True)

@@ -7,8 +7,8 @@ put the controller into recovery, or push its epochs to the top of the range. A 
 
 - it is within what this controller issued: at most its epoch (the store's `meta.epoch`, or the
   lease's on PostgreSQL), as before; or
-- it comes with its proof, the signed `AssignmentSet` the node accepted there (`accepted_set`,
-  `accepted_signature`), which one of the controller's signing keys, current or retired, verifies,
+- it comes with its proof, the signed `AssignmentSet` the node accepted there (`proof_set`,
+  `proof_signature`), which one of the controller's signing keys, current or retired, verifies,
   naming this node and exactly this (epoch, generation); or
 - it is not above a claim of the same node proven before (a heartbeat after a proven hello).
 
@@ -39,10 +39,10 @@ _KIND = AssignmentSet.kind.encode("ascii")
 def proof_problem(node_id: str, msg: Hello | Heartbeat, keys: Mapping[str, PublicKey]) -> str | None:
     """Why `msg`'s proof does not back its (epoch, generation), or None when one of `keys` signed
     a set at exactly that (epoch, generation) for `node_id`. Pure; never raises for a node's input."""
-    if not msg.accepted_set or not msg.accepted_signature:
+    if not msg.proof_set or not msg.proof_signature:
         return "without the signed set it accepted there (an agent that does not send it)"
-    body = msg.accepted_set.encode("utf-8")
-    if not _signed_by_any(keys, msg.accepted_signature, body):
+    body = msg.proof_set.encode("utf-8")
+    if not _signed_by_any(keys, msg.proof_signature, body):
         return "with a set no signing key of this controller signed"
     try:
         signed = codec.loads(codec.wire, body, AssignmentSet)
@@ -90,13 +90,13 @@ class EpochClaims:
         refusal = None
         if msg.epoch <= issued or (
             (proven := self._proven.get(node_id)) is not None
-            and (claim <= proven[:2] and msg.accepted_signature in ("", proven[2]))
+            and (claim <= proven[:2] and msg.proof_signature in ("", proven[2]))
         ):
             pass
         elif (why := proof_problem(node_id, msg, self.keys())) is not None:
             refusal = UnprovenEpoch(node_id=node_id, epoch=msg.epoch, issued=issued, why=why)
         elif proven is None or claim > proven[:2]:
-            self._proven[node_id] = (*claim, msg.accepted_signature)
+            self._proven[node_id] = (*claim, msg.proof_signature)
         if refusal is not None:
             return self._trusted.get(node_id, (0, 0)), refusal
         self._trusted[node_id] = claim

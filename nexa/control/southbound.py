@@ -388,7 +388,7 @@ class Southbound:
         if refusal is None:
             return msg
         await self._refuse(node_id, refusal)
-        return attrs.evolve(msg, epoch=epoch, generation=generation, accepted_set="", accepted_signature="")
+        return attrs.evolve(msg, epoch=epoch, generation=generation, proof_set="", proof_signature="")
 
     def _verifying_keys(self) -> dict[str, PublicKey]:
         """The controller's signing keys, current and retired: what a node's accepted set may be signed with."""

@@ -301,8 +301,8 @@ class Agent:
                 epoch=fence.epoch,
                 generation=fence.generation,
                 controller_key_id=self._pinned_key_id(),
-                accepted_set=fence.signed_body,
-                accepted_signature=fence.signature,
+                proof_set=fence.signed_body,
+                proof_signature=fence.signature,
             )
         )
         async with trio.open_nursery() as nursery:
@@ -380,8 +380,8 @@ class Agent:
             runtime_cache=self._runtime_cache(),
             memory_pressure=pressure,
             memory_pressure_stops=stops,
-            accepted_set=fence.signed_body,
-            accepted_signature=fence.signature,
+            proof_set=fence.signed_body,
+            proof_signature=fence.signature,
         )
 
     def _pinned_key_id(self) -> str:

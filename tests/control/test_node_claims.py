@@ -50,10 +50,10 @@ def _beat(node: RawNode, epoch: int, generation: int = 1) -> list[bytes]:
 
 
 def _proof(node_id: str, epoch: int, key: security.SigningKey) -> dict[str, str]:
-    """A set signed at `epoch` for `node_id`, as a node keeps it and sends it (`accepted_set`)."""
+    """A set signed at `epoch` for `node_id`, as a node keeps it and sends it (`proof_set`)."""
     signed = AssignmentSet(node_id=node_id, epoch=epoch, generation=1, lease_expires_at=time.time() + 60)
     _, body, sig = framing.encode_frames(signed, key)
-    return {"accepted_set": body.decode(), "accepted_signature": base64.b64encode(sig).decode()}
+    return {"proof_set": body.decode(), "proof_signature": base64.b64encode(sig).decode()}
 
 
 async def _status(c: Controller) -> tuple[str, int]:

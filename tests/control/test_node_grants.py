@@ -15,7 +15,9 @@ from typing import Any
 import attrs
 import trio
 
-from nexa.contracts import wire
+from nexa.cli.nodes import render_node
+from nexa.contracts import codec, wire
+from nexa.contracts.api import NodeView
 from nexa.control.grants import data_classes, granted_data_classes, labels
 from tests.conftest import Controller, gb10_inventory
 from tests.realparts import BuiltImages, S3Store
@@ -47,6 +49,8 @@ async def test_a_node_claiming_confidential_without_the_grant_gets_no_replica_an
     granted = await online(dep_reg, dial, nursery, "granted", GRANT, claims=CONFIDENTIAL)
     shown = await node_view(dep_reg, "claimer")
     assert shown["data_classes"] == ["public"] and shown["labels"] == {"zone": "a"}
+    text = render_node(codec.structure(codec.api, shown, NodeView))  # `nexa nodes show`
+    assert "data         public (listed by the node, not granted: confidential)" in text
     assert (await node_view(dep_reg, "granted"))["data_classes"] == ["public", "confidential"]
 
     async with dep_reg.client() as http:

@@ -133,7 +133,7 @@ async def test_a_set_is_stored_then_acked_renewed_and_replaced_by_a_newer_epoch(
         assert beat.epoch == 2
         # Hello and heartbeats carry it: the controller's key verifies it, at this (epoch, generation).
         assert claims.proof_problem("n1", beat, {"k": ctl.key.public}) is None
-        assert (beat.accepted_set, beat.accepted_signature) == (stored.signed_body, stored.signature)
+        assert (beat.proof_set, beat.proof_signature) == (stored.signed_body, stored.signature)
         # The supervisor reports the accepted assignment (no podman here, so it cannot get far).
         assert [s.assignment_id for s in beat.assignments] == ["a1"]
         assert beat.assignments[0].state is not wire.RuntimeState.READY
