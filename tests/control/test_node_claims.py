@@ -24,6 +24,7 @@ from nexa import framing, security
 from nexa.config import ChannelConfig
 from nexa.contracts.bounds import MAX_EPOCH, MAX_SEQ
 from nexa.contracts.wire import AssignmentSet, Hello
+from nexa.control import claims
 from nexa.control import store as st
 from nexa.control.keyring import SIGNING_FILE
 from nexa.control.registry import SYSTEM, audit_draft
@@ -176,3 +177,28 @@ async def test_a_store_at_the_highest_epoch_says_so_and_changes_nothing(tmp_path
     with pytest.raises(EpochExhausted, match="new state directory"):
         async with st.open_store(tmp_path):
             pass
+
+
+def test_a_proof_counts_only_for_exactly_what_was_signed() -> None:
+    key, other = security.generate_signing_key(), security.generate_signing_key()
+    keys = {"current": other.public, "retired": key.public}  # a retired key's sets still count
+    proof = _proof("n1", 9, key)
+
+    def hello(**over: Any) -> Hello:
+        base = Hello(node_id="n1", seq=1, ts=time.time(), agent_version="t", epoch=9, generation=1, **proof)
+        return attrs.evolve(base, **over)
+
+    assert claims.proof_problem("n1", hello(), keys) is None
+    problems = {
+        "none": claims.proof_problem("n1", hello(proof_set="", proof_signature=""), keys),
+        "not base64": claims.proof_problem("n1", hello(proof_signature="%%%"), keys),
+        "edited": claims.proof_problem("n1", hello(proof_set=proof["proof_set"].replace("9", "8")), keys),
+        "unknown key": claims.proof_problem("n1", hello(), {"current": other.public}),
+        "other node": claims.proof_problem("n2", hello(node_id="n2"), keys),
+        "other generation": claims.proof_problem("n1", hello(generation=2), keys),
+        "other epoch": claims.proof_problem("n1", hello(epoch=10), keys),
+    }
+    assert all(problems.values()), problems
+    unsigned = framing.encode_frames(Hello(node_id="n1", seq=1, ts=1.0, agent_version="t"), key)
+    not_a_set = {"proof_set": unsigned[1].decode(), "proof_signature": base64.b64encode(unsigned[2]).decode()}
+    assert claims.proof_problem("n1", hello(**not_a_set), keys) is not None  # signed, but not as a set
