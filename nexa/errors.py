@@ -28,6 +28,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ControllerKeyMismatch [controller_key_mismatch]: an enrollment answer from another controller than the one pinned
     - NodeRateLimited [rate_limited]: a node sent signed messages faster than its channel allows (dropped)
     - NodeNeedsReenrollment [needs_reenrollment]: a node pins only a retired controller key (sent nothing)
+    - UnprovenEpoch [unproven_epoch]: a node's epoch claim above what was issued, without proof (ignored)
   + NotFound (also LookupError) [not_found, HTTP 404]: no such record
     - MethodNotAllowed [method_not_allowed, HTTP 405]: the route exists but not for that method (names the allowed ones)
     - ModelNotServed [model_not_found]: no alias or model by that name is being served
@@ -78,6 +79,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
   + StoreError [store_error, HTTP 500]: the durable store failed
     - StoreUnusable [store_unusable]: the database cannot be used any more (ends the process)
     - StateDirLocked [state_dir_locked]: another process owns the state directory
+    - EpochExhausted [epoch_exhausted]: the store's epoch is at the highest there is
   + BackupError [backup_error, HTTP 422]: a backup cannot be made or restored (nothing was written)
     - BackupNotConfigured [backup_not_configured, HTTP 409]: no backup key (`[backup] key_file` or NEXA_BACKUP_KEY)
     - BackupKeyMismatch [backup_key_mismatch]: the key given is not the one the backup was sealed with
@@ -563,6 +565,19 @@ class StoreUnusable(StoreError):
     code = "store_unusable"
 
 
+class EpochExhausted(StoreError):
+    """The store's epoch is at `bounds.MAX_EPOCH`: no controller can take a higher one."""
+
+    code = "epoch_exhausted"
+
+    def __init__(self, *, epoch: int) -> None:
+        super().__init__(
+            f"the store's epoch is {epoch}, the highest there is: no controller can take a new one. Start"
+            " the controller on a new state directory (or database) and enroll the nodes again"
+        )
+        self.epoch = epoch
+
+
 class StateDirLocked(StoreError):
     code = "state_dir_locked"
 
@@ -728,6 +743,22 @@ class NodeRateLimited(AuthError):
     def __init__(self, *, node_id: str) -> None:
         super().__init__(f"node {node_id} sends signed messages faster than its channel allows")
         self.node_id = node_id
+
+
+class UnprovenEpoch(AuthError):
+    """A node's claimed (epoch, generation) above every epoch this controller issued, without a set
+    one of its signing keys signed at it: the claim is ignored (counted, audited, shown on the node)."""
+
+    code = "unproven_epoch"
+
+    def __init__(self, *, node_id: str, epoch: int, issued: int, why: str) -> None:
+        super().__init__(
+            f"node {node_id} claims it accepted epoch {epoch}, above the highest this controller issued"
+            f" ({issued}), {why}: the claim is ignored; if the node is not compromised, restart its agent"
+            " (it then sends the signed set it accepted), else revoke it"
+        )
+        self.node_id = node_id
+        self.epoch = epoch
 
 
 class ChannelError(NexaError):

@@ -68,7 +68,7 @@ def render_node(n: NodeView) -> str:
         f"state        {n.state} (admin: {n.admin_state})",
         f"heartbeat    {row['heartbeat']}; agent {n.agent_version or '-'}",
         f"labels       {row['labels']}",
-        *(_inventory_lines(inv, n.free_memory_bytes) if inv else _NO_INVENTORY),
+        *(_inventory_lines(inv, n.free_memory_bytes, n.data_classes) if inv else _NO_INVENTORY),
         f"cache disk   {cache_disk_text(n.cache_disk)}",
         f"channel      {channel_text(n.channel)}",
         f"runtime cache {runtime_cache_text(n.runtime_cache)}",
@@ -105,11 +105,13 @@ _NO_INVENTORY: Final = (
 )
 
 
-def _inventory_lines(inv: NodeInventory, free_memory_bytes: int) -> list[str]:
+def _inventory_lines(inv: NodeInventory, free_memory_bytes: int, granted: list[str]) -> list[str]:
     taints = ", ".join(f"{t.key}={t.value}:{t.effect}" for t in inv.taints)
+    ungranted = [c for c in inv.data_classes if c not in granted]
+    refused = f" (listed by the node, not granted: {', '.join(ungranted)})" if ungranted else ""
     return [
         f"taints       {taints or '-'}",
-        f"data         {', '.join(inv.data_classes) or '-'}",
+        f"data         {', '.join(granted) or '-'}{refused}",
         f"runtimes     {', '.join(inv.runtimes) or '-'}",
         f"host         {inv.arch}, {inv.cpu_count} CPUs, "
         f"memory {gib(inv.memory_total_bytes)} (free {gib(free_memory_bytes)})",

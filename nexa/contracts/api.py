@@ -310,7 +310,8 @@ class NodeView:
     hostname: str
     state: NodeState
     admin_state: NodeAdminState
-    #: Enrollment labels, then the node's own inventory.json labels over them.
+    #: Enrollment (admin) labels, plus the node's own inventory.json labels for keys the admin did
+    #: not set, never a reserved `nexa.io` key (`control.grants`).
     labels: dict[str, str]
     enrolled_at: float
     last_heartbeat_at: float | None
@@ -337,6 +338,8 @@ class NodeView:
     runtime_cache: RuntimeCacheDisk | None = None
     #: Set while the node reports memory pressure: placement puts nothing more on it.
     memory_pressure: MemoryPressure | None = None
+    #: The data classes it may process: its inventory's that the admin granted (`control.grants`).
+    data_classes: list[str] = attrs.field(factory=list)
 
 
 @attrs.frozen(kw_only=True)

@@ -20,6 +20,9 @@ MAX_BYTES: Final = 2**62
 MAX_UNIX_S: Final = float(2**40)
 #: A sequence number, epoch or generation: a signed 64-bit integer.
 MAX_SEQ: Final = 2**63 - 1
+#: The highest epoch a controller takes: one below `MAX_SEQ`, so that "one above" any epoch a
+#: controller issued or a signed set carries still fits (`EpochExhausted` at the limit).
+MAX_EPOCH: Final = MAX_SEQ - 1
 #: A duration in milliseconds: about 285 years.
 MAX_MS: Final = float(2**53)
 

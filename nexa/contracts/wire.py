@@ -33,6 +33,11 @@ PROTOCOL_VERSION: Final = 1
 MAX_GPUS: Final = 4096
 #: The largest flow-control window (chunks) and credit one frame carries.
 MAX_WINDOW: Final = 1 << 20
+#: The largest accepted set a node attaches as its epoch's proof (bytes of its body); a larger
+#: one is not attached (its epoch then counts only within what the controller issued).
+MAX_PROOF_BYTES: Final = 32 * 1024
+#: An Ed25519 signature in base64, with room to spare.
+MAX_SIGNATURE_CHARS: Final = 128
 
 
 class RuntimeState(enum.StrEnum):
@@ -256,6 +261,12 @@ class Hello:
     #: "" from agents before it was sent. A retired key here, once its overlap has ended, marks
     #: the node as needing re-enrollment.
     controller_key_id: str = ""
+    #: The proof of (epoch, generation): the signed `AssignmentSet` the node accepted there, as it
+    #: came (its body, and the controller's signature over it in base64). "" from older agents and
+    #: for a set over `MAX_PROOF_BYTES`. The controller trusts an epoch above what it issued only
+    #: with a proof that one of its signing keys, current or retired, verifies (`control.claims`).
+    proof_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
+    proof_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
 
 
 @attrs.frozen(kw_only=True)
@@ -284,6 +295,10 @@ class Heartbeat:
     memory_pressure: MemoryPressure | None = None
     #: Replicas the memory-pressure guard stopped since the agent started.
     memory_pressure_stops: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
+    #: As in `Hello`: the signed set behind (epoch, generation), so that a controller restored from
+    #: an older backup while the agent kept running can trust it.
+    proof_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
+    proof_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
 
 
 @attrs.frozen(kw_only=True)

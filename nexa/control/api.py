@@ -71,7 +71,7 @@ from nexa.contracts.models import (
     RuntimeRegistered,
     VerifyRequest,
 )
-from nexa.control import console
+from nexa.control import console, grants
 from nexa.control import store as st
 from nexa.control.admission import Admission
 from nexa.control.api_io import actor as _actor
@@ -743,9 +743,8 @@ class _Handlers(RecordHandlers):
 
 def _node_view(live: NodeLive) -> NodeView:
     inventory = live.inventory
-    labels = dict(live.node.labels)
-    if inventory is not None:
-        labels.update({str(k): str(v) for k, v in inventory.labels.items()})
+    merged = grants.labels(live.node.labels, inventory.labels.items() if inventory else ())
+    labels = {str(k): str(v) for k, v in merged.items()}
     age = None if live.last_seen is None else max(0.0, trio.current_time() - live.last_seen)
     return NodeView(
         id=live.node.id,
@@ -771,4 +770,5 @@ def _node_view(live: NodeLive) -> NodeView:
         channel=dict(live.channel),
         runtime_cache=live.runtime_cache,
         memory_pressure=live.memory_pressure,
+        data_classes=list(grants.data_classes(live.node.labels, inventory)),
     )

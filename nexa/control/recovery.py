@@ -2,11 +2,13 @@
 
 It begins when the store holds the restore marker (`nexa restore` writes it), when the operator
 starts `nexa control --recover`, or when a node reports an accepted epoch this state cannot have
-signed (`Southbound._check_fence`). Meanwhile reads and inference go on over the replicas nodes
-report Ready (the gateway routes on their heartbeats, as always), every management write is
-refused with 503 `recovering` (`api`), nothing is pushed to nodes (`Southbound`) and nothing is
-re-placed (`Deployments.reconcile`). The controller learns each node's accepted (epoch,
-generation) from its hello or heartbeats; `plan` says what ending recovery would change.
+signed (`Southbound._check_fence`; above the epoch it issued, only with the signed set behind it:
+`control.claims`, so no node can put it into recovery, or its epochs out of range, by saying so).
+Meanwhile reads and inference go on over the replicas nodes report Ready (the gateway routes on
+their heartbeats, as always), every management write is refused with 503 `recovering` (`api`),
+nothing is pushed to nodes (`Southbound`) and nothing is re-placed (`Deployments.reconcile`). The
+controller learns each node's accepted (epoch, generation) from its hello or heartbeats; `plan` says
+what ending recovery would change.
 
 Recovery ends once every enrolled node (not revoked) has reported, or on `nexa recovery finish`:
 one audited transaction takes an epoch above every node's and deletes the marker, then every
@@ -231,7 +233,15 @@ class Recovery:
             if not self.active:
                 raise NotRecovering("the controller is not recovering: there is nothing to finish")
             unheard = self.unheard()
-            above = max((live.reported_epoch for live in self._fleet if live.last_seen is not None), default=0)
+            # What nodes proved they hold (`control.claims`); a revoked node's counts no more.
+            above = max(
+                (
+                    live.reported_epoch
+                    for live in self._fleet
+                    if live.last_seen is not None and live.node.admin_state is not NodeAdminState.REVOKED
+                ),
+                default=0,
+            )
             before = self._store.epoch
             how = "every node reported" if actor is SYSTEM else "finished by an operator"
             detail = f"{how}; epoch above {max(before, above)}; not heard from: {', '.join(unheard) or 'none'}"

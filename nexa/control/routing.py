@@ -5,8 +5,9 @@ Pure and fast: no I/O, no awaits. The gateway calls `acquire`/`release` around e
 lookup the composition root passes (`Fleet.replica_load`: what each node last sent in its
 heartbeat, and how old it is).
 
-0. A request with a data class is routed only to replicas on nodes whose inventory allows it
-   (`for_data_class`, before the steps below; `data_classes` in the node's inventory.json).
+0. A request with a data class is routed only to replicas on nodes that may process it
+   (`for_data_class`, before the steps below; the node's inventory.json `data_classes` that the
+   admin granted, `control.grants`).
 
 1. Candidates are the serving set's replicas minus those already tried (`exclude`).
 2. While both canary and stable candidates exist, the canary group gets `canary_weight` of the

@@ -49,6 +49,7 @@ from nexa.contracts.wire import (
     RotateKeys,
     RotateKeysRequest,
 )
+from nexa.control.claims import EpochClaims
 from nexa.control.fleet import Fleet, NodeLive
 from nexa.control.keyring import ControllerKeys
 from nexa.control.relay import Relay
@@ -72,7 +73,7 @@ from nexa.messaging import (
     Unverified,
 )
 from nexa.ratelimit import RateLimiter
-from nexa.security import SigningKey
+from nexa.security import PublicKey, SigningKey
 from nexa.supervision import supervised
 from nexa.telemetry import Metrics
 
@@ -139,6 +140,9 @@ class Southbound:
         # without being one of them accepted it from another controller on the same epoch).
         self._pushed: set[str] = set()
         self._key_id = signing_key.public.fingerprint
+        self._signing_public = signing_key.public
+        # What nodes say they accepted counts only within what was issued or signed (`control.claims`).
+        self._claims = EpochClaims(issued=epoch, keys=self._verifying_keys)
         # The controller keys rotated away from: a node that pins only one of them (and can no
         # longer be told its successor) needs re-enrollment (`_pins_only_retired`).
         self._retired = frozenset(retired_key_ids)
@@ -348,6 +352,8 @@ class Southbound:
             # A new agent process: whatever it was relaying before is gone with the old one. Before
             # any await, so no stream opened on the new channel can be ended by mistake.
             self.relay.node_lost(inbound.node_id)
+        if isinstance(msg, Hello | Heartbeat) and self._leading():
+            msg = await self._judged(inbound.node_id, msg)
         live = await self._fleet.heard(inbound.node_id, msg)
         # A push on a node's new connection tells it its old one can close (it redialled).
         moved = inbound.moved and not isinstance(msg, Hello)
@@ -374,6 +380,21 @@ class Southbound:
             await self._fleet.record_ack(live, msg)
         elif isinstance(msg, RotateKeys):
             await self._rotate_keys(live, msg, by_previous=inbound.previous_key)
+
+    async def _judged(self, node_id: str, msg: Hello | Heartbeat) -> Hello | Heartbeat:
+        """`msg` with the (epoch, generation) that counts (`EpochClaims`); a refused claim is
+        counted, audited and shown on the node, and the rest of the message is taken as usual."""
+        (epoch, generation), refusal = self._claims.judge(node_id, msg)
+        if refusal is None:
+            return msg
+        await self._refuse(node_id, refusal)
+        return attrs.evolve(msg, epoch=epoch, generation=generation, proof_set="", proof_signature="")
+
+    def _verifying_keys(self) -> dict[str, PublicKey]:
+        """The controller's signing keys, current and retired: what a node's accepted set may be signed with."""
+        if self._keys is not None:
+            return self._keys.verifying_keys()
+        return {self._key_id: self._signing_public}
 
     async def _needs_reenrollment(self, node_id: str, msg: NodeMessage) -> bool:
         """Refuse (counted; audited once, when the fleet marks it) every message of a node that

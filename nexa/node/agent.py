@@ -301,6 +301,8 @@ class Agent:
                 epoch=fence.epoch,
                 generation=fence.generation,
                 controller_key_id=self._pinned_key_id(),
+                proof_set=fence.signed_body,
+                proof_signature=fence.signature,
             )
         )
         async with trio.open_nursery() as nursery:
@@ -378,6 +380,8 @@ class Agent:
             runtime_cache=self._runtime_cache(),
             memory_pressure=pressure,
             memory_pressure_stops=stops,
+            proof_set=fence.signed_body,
+            proof_signature=fence.signature,
         )
 
     def _pinned_key_id(self) -> str:
@@ -420,7 +424,7 @@ class Agent:
                 self._invalid_messages += 1
                 continue
             try:
-                await self._dispatch(msg)
+                await self._dispatch(msg, pending.frames)
             except ChannelError:
                 raise  # the channel itself is gone: the loop's supervisor restarts it
             except Exception as exc:
@@ -429,9 +433,9 @@ class Agent:
                 self._invalid_messages += 1
                 log.warning("could not act on a message from the controller: %s", type(exc).__name__)
 
-    async def _dispatch(self, msg: wire.ControllerMessage) -> None:
+    async def _dispatch(self, msg: wire.ControllerMessage, frames: Sequence[bytes] = ()) -> None:
         if isinstance(msg, wire.AssignmentSet):
-            await self._on_assignments(msg)
+            await self._on_assignments(msg, frames)
         elif isinstance(msg, wire.Drain):
             self._on_drain(msg)
         elif isinstance(msg, wire.KeysRotated):
@@ -443,7 +447,7 @@ class Agent:
             self._pending = await trio.to_thread.run_sync(prepare_rotation, self._state_dir)
             await self._send_rotation()
 
-    async def _on_assignments(self, offered: wire.AssignmentSet) -> None:
+    async def _on_assignments(self, offered: wire.AssignmentSet, frames: Sequence[bytes] = ()) -> None:
         verdict = judge(self._node_id, self._fence, offered, time.time())
         accepted = verdict.accepted
         detail = verdict.detail
@@ -462,7 +466,7 @@ class Agent:
                 generation=offered.generation,
                 lease_expires_at=offered.lease_expires_at,
                 assignments=list(offered.assignments),
-            )
+            ).with_proof(frames)
             try:
                 # On disk before the ack: a crash after acking must not forget what was accepted.
                 await trio.to_thread.run_sync(save_fence, self._state_dir, new)

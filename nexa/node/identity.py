@@ -6,7 +6,8 @@ Files (every one written atomically: temp file, fsync, rename, fsync of the dire
 * `curve.key/.pub`   Curve25519 key pair (0600/0644): the CurveZMQ channel identity
 * `enrollment.json`  node id, the controller's pinned keys (and, after it rotated them, its
                      previous signing key until the overlap ends) and the channel endpoint (0600)
-* `fence.json`       the highest accepted (epoch, generation), its lease and assignments (0600)
+* `fence.json`       the highest accepted (epoch, generation), its lease and assignments, and the
+                     signed set itself, the node's proof of that epoch to a restored controller (0600)
 * `keys.next/`       a key rotation not yet confirmed by the controller: `node.key`, `curve.key/.pub`
                      (made whole in a temp directory, then renamed; see `prepare_rotation`)
 * `channels.json`    with several controllers (`NodeConfig.controllers`): where each listed endpoint's
@@ -17,12 +18,14 @@ Private keys never leave this directory; only their public halves go into an Enr
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -98,10 +101,23 @@ class Fence:
     #: Wall-clock time (Unix seconds) after which the accepted set is no longer renewed.
     lease_expires_at: float = 0.0
     assignments: list[wire.Assignment] = attrs.field(factory=list)
+    #: The set as it came (its body) and the controller's signature over it (base64): the node's
+    #: proof of this (epoch, generation) in hello and heartbeats. "" in fences from before, and
+    #: for a set over `wire.MAX_PROOF_BYTES`.
+    signed_body: str = ""
+    signature: str = ""
 
     @property
     def accepted_any(self) -> bool:
         return (self.epoch, self.generation) != (0, 0)
+
+    def with_proof(self, frames: Sequence[bytes]) -> Fence:
+        """This fence with the signed message it was accepted from (`[kind, body, signature]`)
+        as its proof, when the body is small enough to send (else without one)."""
+        if len(frames) != 3 or len(frames[1]) > wire.MAX_PROOF_BYTES:
+            return attrs.evolve(self, signed_body="", signature="")
+        body = frames[1].decode("utf-8")
+        return attrs.evolve(self, signed_body=body, signature=base64.b64encode(frames[2]).decode("ascii"))
 
 
 # --- keys and enrollment ------------------------------------------------------------------------

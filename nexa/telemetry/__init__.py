@@ -139,7 +139,8 @@ class Metrics:
             " unknown_key, unauthenticated, rate_limited (signed messages above the node's rate), malformed"
             " (not the wire contract: bad JSON, depth, sizes, numbers, unknown kinds), stale_ack,"
             " control_backlog (the control loop that far behind), needs_reenrollment (a node that pins only"
-            " a retired controller key), and on the data path unknown_stream"
+            " a retired controller key), unproven_epoch (an epoch claim above what the controller issued,"
+            " without the signed set behind it: the claim is ignored), and on the data path unknown_stream"
             " (no open stream of that node), oversized_chunk, stream_overflow; message_too_large (over the"
             " channel's size limit: dropped, the connection kept).",
             ["reason"],

@@ -22,6 +22,7 @@ from nexa import __version__, security
 from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollResponse
+from nexa.control import claims
 from nexa.errors import ConfigError
 from nexa.node import agent as agent_module
 from nexa.node import identity
@@ -123,12 +124,16 @@ async def test_a_set_is_stored_then_acked_renewed_and_replaced_by_a_newer_epoch(
         offered = aset(2, 5)
         ack = await ctl.answer(offered)
         assert (ack.node_id, ack.epoch, ack.generation, ack.accepted, ack.reason) == ("n1", 2, 5, True, None)
-        # The fence was on disk before the ack left.
-        assert load_fence(state_dir) == Fence(
+        # The fence was on disk before the ack left, with the signed set as the epoch's proof.
+        stored = load_fence(state_dir)
+        assert attrs.evolve(stored, signed_body="", signature="") == Fence(
             epoch=2, generation=5, lease_expires_at=offered.lease_expires_at, assignments=[assignment()]
         )
         beat = await ctl.next(wire.Heartbeat, lambda b: b.generation == 5)
         assert beat.epoch == 2
+        # Hello and heartbeats carry it: the controller's key verifies it, at this (epoch, generation).
+        assert claims.proof_problem("n1", beat, {"k": ctl.key.public}) is None
+        assert (beat.proof_set, beat.proof_signature) == (stored.signed_body, stored.signature)
         # The supervisor reports the accepted assignment (no podman here, so it cannot get far).
         assert [s.assignment_id for s in beat.assignments] == ["a1"]
         assert beat.assignments[0].state is not wire.RuntimeState.READY

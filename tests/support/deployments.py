@@ -37,9 +37,13 @@ async def _beat(node: RawNode, *, task_status: trio.TaskStatus[trio.CancelScope]
             await trio.sleep(0.3)
 
 
-async def online(c: Controller, dial: Any, nursery: trio.Nursery, name: str, labels: str = "") -> Online:
-    """Enroll a node, say hello, and keep it heartbeating its inventory until the test ends."""
+async def online(
+    c: Controller, dial: Any, nursery: trio.Nursery, name: str, labels: str = "", claims: Json | None = None
+) -> Online:
+    """Enroll a node, say hello, and keep it heartbeating its inventory (with `claims` over its
+    fields) until the test ends."""
     node = await dial(await enroll(c, name, labels))
+    node.claims = claims or {}
     node.seq += 1
     await node.send(node.frames(wire.Hello(node_id=node.node_id, seq=node.seq, ts=time.time(), agent_version="test")))
     with trio.fail_after(TIMEOUT_S):

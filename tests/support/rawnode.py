@@ -4,6 +4,7 @@ Curve DEALER, signed frames), so a test can also send what a real agent never wo
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import attrs
 
@@ -23,6 +24,8 @@ class RawNode:
     seq: int = 0
     #: Assignment ids this node reports as Ready in its heartbeats.
     ready: set[str] = attrs.field(factory=set)
+    #: Inventory fields this node reports over the GB10 one's (what its inventory.json claims).
+    claims: dict[str, Any] = attrs.field(factory=dict)
 
     def frames(self, msg: wire.WireMessage, *, key: security.SigningKey | None = None) -> list[bytes]:
         return framing.encode_frames(msg, key or self.key)
@@ -37,7 +40,7 @@ class RawNode:
             node_id=node_id or self.node_id,
             seq=seq,
             ts=time.time() if ts is None else ts,
-            inventory=gb10_inventory(self.node_id),
+            inventory=attrs.evolve(gb10_inventory(self.node_id), **self.claims),
             free_memory_bytes=100 << 30,
             free_accelerators=1,
             assignments=[

@@ -29,6 +29,7 @@ from nexa.contracts.deployments import (
 from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
+from nexa.control import grants
 from nexa.control import store as st
 from nexa.control.deployments import views
 from nexa.control.deployments.canary import Rollouts
@@ -152,13 +153,14 @@ class Deployments:
         return [(n, e.deployment.canary) for n, e in entries if e.deployment.canary is not None]
 
     def node_data_classes(self, node_id: str) -> tuple[str, ...]:
-        """The data classes a node's inventory allows (`data_classes` of its inventory.json); none
-        for a node that has not reported an inventory. In memory, for the gateway's routing."""
+        """The data classes a node may process: those of its inventory.json the admin granted
+        (`control.grants`); none for a node that has not reported an inventory. In memory, for the
+        gateway's routing."""
         try:
-            inventory = self._fleet.get(node_id).inventory
+            live = self._fleet.get(node_id)
         except NotFound:
             return ()
-        return inventory.data_classes if inventory is not None else ()
+        return grants.data_classes(live.node.labels, live.inventory)
 
     def serving(self, model: ModelRef, *, alias: str | None = None) -> ServingSet:
         """The replicas the gateway may send requests for `model` to (`views.serving`, made once per change)."""

@@ -9,6 +9,7 @@ from nexa.contracts.node import LabelKey, LabelValue
 from nexa.contracts.placement import PlacementNode
 from nexa.contracts.qualification import gpu_model
 from nexa.contracts.wire import Assignment
+from nexa.control import grants
 from nexa.control.fleet import NodeLive
 
 
@@ -26,8 +27,8 @@ def snapshot_from(
     starts, and a running one is not counted twice). Assignments whose id is in `without` are
     left out, as if already stopped (a rollout step frees one replica and places another).
 
-    - state, labels (enrollment labels, then the inventory's), taints, data classes, runtimes,
-      arch: as the node's inventory reports them. A node that never reported one has no
+    - labels and data classes: the admin's grant, narrowed by the inventory (`control.grants`);
+      state, taints, runtimes, arch: as the node's inventory reports them. A node that never reported one has no
       runtimes and no resources, so every request fails on it, with the reason shown.
     - discrete GPUs: `free_gpus` are the CDI names no assignment holds; their memory is the
       sum of those GPUs' `memory_total_bytes`.
@@ -52,7 +53,7 @@ def snapshot_from(
         if inv is None:
             out.append(PlacementNode(id=live.node.id, state=live.state, arch="", labels=labels, load=len(assignments)))
             continue
-        labels.update(inv.labels)
+        labels = grants.labels(live.node.labels, inv.labels.items())
         unified = any(g.unified_memory for g in inv.gpus)
         held = {name for a in assignments for name in a.runtime.gpus}
         reserved_all = sum(reserve(a) for a in assignments)
@@ -75,7 +76,7 @@ def snapshot_from(
             arch=inv.arch,
             labels=labels,
             taints=inv.taints,
-            data_classes=inv.data_classes,
+            data_classes=grants.data_classes(live.node.labels, inv),
             runtimes=inv.runtimes,
             unified_memory=unified,
             gpu_count=len(inv.gpus),

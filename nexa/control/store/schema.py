@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Final
 
+from nexa.contracts.bounds import MAX_EPOCH
 from nexa.control.store.sql import Db, is_postgres, meta_int, pragma_int, txn
-from nexa.errors import StoreError
+from nexa.errors import EpochExhausted, StoreError
 
 #: "NEXA" — marks the file as ours for `file(1)` and for a sanity check at open.
 APPLICATION_ID: Final = 0x4E455841
@@ -309,8 +310,12 @@ def migrate(db: Db) -> None:
 
 def take_epoch(db: Db) -> int:
     """The next epoch, stored: strictly above every one taken before on this store (the UPDATE
-    locks the row until the transaction ends, so two controllers never take the same one)."""
+    locks the row until the transaction ends, so two controllers never take the same one).
+    EpochExhausted, nothing written, when the stored one is `MAX_EPOCH` already."""
     with txn(db):
+        current = meta_int(db, "epoch", lock=True)
+        if current >= MAX_EPOCH:
+            raise EpochExhausted(epoch=current)
         if is_postgres(db):  # meta values are text there
             db.execute("UPDATE meta SET value = (value::bigint + 1)::text WHERE key = 'epoch'")
         else:
