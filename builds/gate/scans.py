@@ -15,9 +15,10 @@ The node's boundary (`isolation_findings`). What a node runs or stores may name 
 - the product's own paths: /etc/nexa/ (node.toml, inventory.json), /var/lib/nexa/ (state: keys,
   enrollment, fence, the artifact cache), the binary /usr/local/bin/nexa;
 - the container engine's socket: /run/podman/podman.sock, /var/run/docker.sock, /run/docker.sock;
-- the GPUs: /dev/nvidia*; and /dev/null;
-- inside a runtime container: /models/ (the verified artifact, mounted read-only) and nothing
-  else of the host.
+- the GPUs: /dev/nvidia*; and /dev/null; the host's memory figures, /proc/meminfo (read only);
+- inside a runtime container: /models/ (the verified artifact, mounted read-only) and
+  /var/cache/nexa-runtime/ (the replica's own writable cache, a directory under the node's state
+  directory mounted there), and nothing else of the host.
 Checked: every string value of units/node.toml (the node's config example); every directive (not
 comments) of units/nexa-node.service and units/nexa-node.service.d/*.conf; and each runtime
 adapter's command line, environment and health probe as `nexa.adapters` builds them. A finding is
@@ -138,7 +139,9 @@ ALLOWED_PATHS: Final = (
     "/run/docker.sock",
     "/dev/nvidia*",
     "/dev/null",
+    "/proc/meminfo",
     "/models/",
+    "/var/cache/nexa-runtime/",
 )
 _ABS_PATH: Final = re.compile(r"(?<![\w.:/~-])(/[\w.@%+-]+(?:/[\w.@%*+-]*)*)")
 _HOME: Final = re.compile(r"(?<![\w/])~[\w.-]*/")
