@@ -267,6 +267,9 @@ PG_MIGRATIONS: Final[tuple[str, ...]] = tuple(
         ALTER TABLE workload ADD COLUMN controller TEXT;
         ALTER TABLE job ADD COLUMN controller TEXT;
         """,
+        """
+        ALTER TABLE api_key ADD COLUMN priorities TEXT;
+        """,
     )
 )
 

@@ -270,6 +270,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ALTER TABLE workload ADD COLUMN controller TEXT;
     ALTER TABLE job ADD COLUMN controller TEXT;
     """,
+    # The priority classes a key may ask for, a JSON list (NULL: the default, standard and batch).
+    """
+    ALTER TABLE api_key ADD COLUMN priorities TEXT;
+    """,
 )
 
 
