@@ -182,11 +182,13 @@ class Registry:
             raise ContractError("name is too long", problems=("name: at most 128 characters",))
         if req.priorities is not None and req.role is not Role.INFERENCE:
             raise ContractError(
-                "only inference keys are granted priority classes", problems=("priorities: only for role inference",)
+                "priorities: only inference keys are granted priority classes; leave it out for this role",
+                problems=("priorities: only for role inference",),
             )
         if req.priorities is not None and not req.priorities:
             raise ContractError(
-                "a key needs at least one priority class", problems=("priorities: at least one, or leave it out",)
+                "priorities: a key needs at least one priority class; leave it out for standard and batch",
+                problems=("priorities: at least one, or leave it out",),
             )
         now = time.time()
         expires_at = None if req.expires_in_s is None else now + _lifetime("expires_in_s", req.expires_in_s, 1.0)
