@@ -22,6 +22,7 @@ import openai
 import pytest
 import trio
 
+from nexa.config import PriorityOverGrant
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import MESSAGES, SimCluster, gateway_cluster, new_key
@@ -216,3 +217,32 @@ async def test_an_interactive_flood_cannot_time_out_another_tenants_standard_req
     assert set(flood_answers) == {200} and len(flood_answers) >= 10
     # The interactive flood held the queue the whole time: it was served throughout.
     assert await metric(cluster, "nexa_gateway_queue_depth", model="chat", priority="interactive") == 0
+
+
+async def test_with_priority_over_grant_lower_an_ungranted_class_is_served_lower(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    async with gateway_cluster(
+        nursery, tmp_path, s3_store, test_images, priority_over_grant=PriorityOverGrant.LOWER
+    ) as cluster:
+        await cluster.deploy("chat-a", replicas=1)
+        plain = await new_key(cluster, "inference", "beta")  # standard and batch
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key=plain, max_retries=0, timeout=30)
+        answer = await client.chat.completions.create(
+            model="chat", messages=MESSAGES, extra_headers={"x-nexa-priority": "interactive"}
+        )
+        assert answer.choices[0].message.content
+        await client.close()
+        envelope: Json = {
+            "version": "nexa.v1",
+            "idempotency_key": "lower-1",
+            "workload_id": "wl-lower",
+            "capability": "chat",
+            "model": "chat",
+            "payload": {"messages": MESSAGES},
+            "latency_class": "realtime",
+        }
+        async with inference(cluster, plain) as http:
+            ran = await ok(http.post("/api/v1/workloads", json=envelope))
+            assert (ran["state"], ran["priority"]) == ("succeeded", "standard")  # lowered, and shown so
+            assert (await ok(http.get("/api/v1/workloads/wl-lower")))["priority"] == "standard"
