@@ -365,6 +365,15 @@ class ModelsConfig:
     verify_timeout_s: Seconds = Seconds(3600.0)
 
 
+class PriorityOverGrant(enum.StrEnum):
+    """What the gateway does with a request asking for a priority class its key is not granted."""
+
+    #: 403 priority_not_granted.
+    REFUSE = "refuse"
+    #: Served at the highest class the key is granted below the one asked for (else its lowest).
+    LOWER = "lower"
+
+
 @attrs.frozen(kw_only=True)
 class GatewayConfig:
     """The inference gateway: admission, routing, relay, batching and metering."""
@@ -410,6 +419,9 @@ class GatewayConfig:
     usage_retention_s: Seconds = Seconds(400 * 86400.0)
     #: Finished workloads (their idempotency keys and receipts) older than this are deleted (hourly).
     workload_retention_s: Seconds = Seconds(90 * 86400.0)
+    #: A request asking for a priority class its key is not granted (`nexa keys create --priorities`):
+    #: `refuse` (403 priority_not_granted) or `lower` (served at a class the key is granted).
+    priority_over_grant: PriorityOverGrant = PriorityOverGrant.REFUSE
 
 
 @attrs.frozen(kw_only=True)

@@ -21,6 +21,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - Unauthenticated [unauthenticated, HTTP 401]: no credential, or one we do not know
       · KeyExpired [key_expired]: an API key past its expiry (or a rotated key past its grace)
     - Forbidden [forbidden, HTTP 403]: a known credential whose role may not do this
+      · PriorityNotGranted [priority_not_granted]: a priority class the key is not granted
     - BadSignature [bad_signature]: a signed message that does not verify with the sender's key
     - Replayed [replayed]: a sequence number at or below the last one accepted
     - ClockSkew [clock_skew]: a timestamp too far from our clock
@@ -216,6 +217,12 @@ class KeyExpired(Unauthenticated):
 
 class Forbidden(AuthError):
     code = "forbidden"
+
+
+class PriorityNotGranted(Forbidden):
+    """A request asking for a priority class its key is not granted (`[gateway] priority_over_grant = "refuse"`)."""
+
+    code = "priority_not_granted"
 
 
 class NotFound(NexaError, LookupError):

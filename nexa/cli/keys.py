@@ -17,6 +17,7 @@ from nexa.contracts.api import (
     KeyView,
     TenantView,
 )
+from nexa.contracts.domain import Priority
 
 EXIT_OK: Final = 0
 ROLES: Final = ("admin", "operator", "inference", "audit", "monitoring")
@@ -29,6 +30,11 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("--tenant", help="required for role inference")
     s.add_argument("--name", default="")
     s.add_argument("--expires", type=common.duration, help="lifetime, e.g. 90d, 12h (default: never expires)")
+    s.add_argument(
+        "--priorities",
+        type=_priorities,
+        help="priority classes an inference key may ask for, e.g. interactive,standard,batch (default: standard,batch)",
+    )
     s.set_defaults(handler=_keys_create)
     KEYS.add(keys, common_flags)
     s = keys.add_parser("show", parents=[common_flags])
@@ -65,8 +71,23 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.set_defaults(handler=_tokens_create)
 
 
+def _priorities(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    known = [p.value for p in Priority]
+    if not names or any(n not in known for n in names):
+        raise argparse.ArgumentTypeError(f"a comma-separated list of {', '.join(known)}")
+    return names
+
+
 def _keys_create(args: argparse.Namespace) -> int:
-    body = {"role": args.role, "name": args.name, "tenant": args.tenant, "expires_in_s": args.expires}
+    body: dict[str, object] = {
+        "role": args.role,
+        "name": args.name,
+        "tenant": args.tenant,
+        "expires_in_s": args.expires,
+    }
+    if args.priorities is not None:
+        body["priorities"] = args.priorities
     with common.client(args) as c:
         out = c.post("/api/v1/keys", KeyCreated, body=body)
     if args.json:
@@ -75,6 +96,8 @@ def _keys_create(args: argparse.Namespace) -> int:
         info = out.info
         print(f"created key {info.id} (role {info.role}{', tenant ' + info.tenant if info.tenant else ''})")
         print(f"expires: {_when(info.expires_at)}")
+        if info.role == "inference":
+            print(f"priorities: {', '.join(info.priorities)}")
         print("secret (shown only this once):")
         print(out.key)
     return EXIT_OK

@@ -144,10 +144,11 @@ KEY: Final = View[KeyView](
         "expires_at": k.expires_at,
         "rotated_to": k.rotated_to,
         "created_by": k.created_by,
+        "priorities": ",".join(k.priorities),
     },
 )
 KEY_REVOKED: Final = attrs.evolve(KEY, columns=("id", "role", "revoked_at"))
-KEY_DETAIL: Final = attrs.evolve(KEY, columns=(*KEY.columns, "revoked_at", "rotated_to", "created_by"))
+KEY_DETAIL: Final = attrs.evolve(KEY, columns=(*KEY.columns, "revoked_at", "rotated_to", "created_by", "priorities"))
 TENANT: Final = View[TenantView](
     columns=("id", "display_name", "created_at"),
     row=lambda t: {"id": t.id, "display_name": t.display_name, "created_at": t.created_at},

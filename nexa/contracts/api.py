@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from nexa.contracts.domain import AuditEvent, KeyId, NodeAdminState, NodeState, Role, TenantId
+from nexa.contracts.domain import AuditEvent, KeyId, NodeAdminState, NodeState, Priority, Role, TenantId
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.wire import AssignmentStatus, CacheDisk, MemoryPressure, RejectReason, RuntimeCacheDisk
 
@@ -136,6 +136,9 @@ class KeyCreate:
     tenant: TenantId | None = None
     #: Seconds from now (the controller's clock) until the key stops working; None: never.
     expires_in_s: float | None = None
+    #: The priority classes requests with the key may ask for (inference keys); None: standard
+    #: and batch. `interactive` is granted only here.
+    priorities: list[Priority] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -162,6 +165,8 @@ class KeyView:
     expires_at: float | None = None
     #: The successor a rotation issued.
     rotated_to: KeyId | None = None
+    #: The priority classes requests with the key may ask for.
+    priorities: list[Priority] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)

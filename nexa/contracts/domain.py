@@ -26,6 +26,31 @@ class Role(enum.StrEnum):
     MONITORING = "monitoring"
 
 
+class Priority(enum.StrEnum):
+    """An admission class. Waiting requests are granted slots by weight (`weight`: of every 7
+    grants while all three classes wait, 4 go to `interactive`, 2 to `standard`, 1 to `batch`), so
+    a higher class goes first and a lower one is never starved; within a class, round-robin over
+    tenants. Which classes a key may ask for is its grant (`ApiKey.priorities`)."""
+
+    INTERACTIVE = "interactive"
+    STANDARD = "standard"
+    BATCH = "batch"
+
+    @property
+    def rank(self) -> int:
+        return _RANKS[self]
+
+    @property
+    def weight(self) -> int:
+        return _WEIGHTS[self]
+
+
+_RANKS: Final = {Priority.INTERACTIVE: 0, Priority.STANDARD: 1, Priority.BATCH: 2}
+_WEIGHTS: Final = {Priority.INTERACTIVE: 4, Priority.STANDARD: 2, Priority.BATCH: 1}
+#: The classes a key may ask for when its grant names none (`interactive` needs a grant).
+DEFAULT_PRIORITIES: Final = (Priority.STANDARD, Priority.BATCH)
+
+
 @attrs.frozen(kw_only=True)
 class ApiKey:
     """An API key as the controller keeps it: never the secret, only its SHA-256."""
@@ -42,6 +67,13 @@ class ApiKey:
     expires_at: float | None = None
     #: The key a rotation issued in this one's place.
     rotated_to: KeyId | None = None
+    #: The priority classes requests with this key may ask for; None: `DEFAULT_PRIORITIES`.
+    priorities: tuple[Priority, ...] | None = None
+
+    @property
+    def granted(self) -> tuple[Priority, ...]:
+        """The priority classes this key may ask for."""
+        return DEFAULT_PRIORITIES if self.priorities is None else self.priorities
 
     @property
     def active(self) -> bool:

@@ -22,6 +22,7 @@ import attrs
 
 from nexa.contracts import codec
 from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.domain import Priority as Priority  # noqa: PLC0414 - re-exported: it lives in domain
 from nexa.contracts.models import ModelRef
 from nexa.contracts.node import data_class_problem
 
@@ -61,21 +62,6 @@ _PATHS: Final = {
     Capability.COMPLETION: "/v1/completions",
     Capability.EMBEDDING: "/v1/embeddings",
 }
-
-
-class Priority(enum.StrEnum):
-    """Admission order: every queued `interactive` request goes before any `standard`, and so on."""
-
-    INTERACTIVE = "interactive"
-    STANDARD = "standard"
-    BATCH = "batch"
-
-    @property
-    def rank(self) -> int:
-        return _RANKS[self]
-
-
-_RANKS: Final = {Priority.INTERACTIVE: 0, Priority.STANDARD: 1, Priority.BATCH: 2}
 
 
 class LatencyClass(enum.StrEnum):

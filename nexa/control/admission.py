@@ -3,9 +3,14 @@
 A model has `capacity` slots (Ready replicas * `max_inflight_per_replica`, set by the gateway).
 A request takes a free slot at once unless someone of equal or higher priority is waiting;
 otherwise it waits — at most `queue_depth` requests per model, beyond that `QueueFull` at once.
-Slots are granted by priority rank (interactive, standard, batch) and, within one priority,
-round-robin over the tenants that wait (each tenant first-in first-out), so one tenant's burst
-cannot starve another tenant of the same class. Nor can it fill the queue against the others:
+Slots are granted across the priority classes that wait by their weights (smooth weighted
+round-robin: of every 7 grants while all three wait, 4 go to interactive, 2 to standard, 1 to
+batch; `Priority.weight`), so a higher class goes first and no class starves, and within one
+class round-robin over the tenants that wait (each tenant first-in first-out), so one tenant's
+burst cannot starve another tenant, of its class or of a lower one (a tenant's interactive flood
+slows another's standard requests, it cannot hold them past their deadline). Which class a
+request may ask for is its key's grant (checked before admission, `inference.InferenceApp`).
+Nor can one tenant's burst fill the queue against the others:
 when the queue is full, a request of a tenant below its share (`queue_tenant_share` of
 `queue_depth`) takes the place of the newest, lowest-priority waiter of the tenant holding the
 most places, if that tenant holds more than its share (the displaced waiter gets QueueFull).
@@ -75,6 +80,8 @@ class _ModelQueue:
         self.counts: dict[Priority, int] = dict.fromkeys(Priority, 0)
         #: Places each tenant holds, all priorities together (tenants with none are absent).
         self.held: dict[TenantId, int] = {}
+        #: Smooth weighted round-robin across classes: each class's current credit.
+        self.credit: dict[Priority, int] = dict.fromkeys(Priority, 0)
 
     def _count(self, waiter: _Waiter, n: int) -> None:
         self.counts[waiter.priority] += n
@@ -118,20 +125,34 @@ class _ModelQueue:
                 return waiter
         return None
 
+    def _next_class(self) -> Priority | None:
+        """The class whose turn it is (smooth weighted round-robin over the classes that wait): each
+        adds its weight to its credit, the richest (the higher on a tie) goes and pays the total."""
+        waiting = [p for p in _BY_RANK if self.waiting[p]]
+        for p in Priority:
+            if p not in waiting:
+                self.credit[p] = 0  # a class that waits again starts afresh
+        if not waiting:
+            return None
+        for p in waiting:
+            self.credit[p] += p.weight
+        chosen = max(waiting, key=lambda p: (self.credit[p], -p.rank))
+        self.credit[chosen] -= sum(p.weight for p in waiting)
+        return chosen
+
     def pop_next(self) -> _Waiter | None:
-        for priority in _BY_RANK:
-            tenants = self.waiting[priority]
-            if not tenants:
-                continue
-            tenant, queue = next(iter(tenants.items()))
-            waiter = queue.popleft()
-            if queue:
-                tenants.move_to_end(tenant)  # this tenant had its turn
-            else:
-                del tenants[tenant]
-            self._count(waiter, -1)
-            return waiter
-        return None
+        priority = self._next_class()
+        if priority is None:
+            return None
+        tenants = self.waiting[priority]
+        tenant, queue = next(iter(tenants.items()))
+        waiter = queue.popleft()
+        if queue:
+            tenants.move_to_end(tenant)  # this tenant had its turn
+        else:
+            del tenants[tenant]
+        self._count(waiter, -1)
+        return waiter
 
 
 class Admission:

@@ -324,6 +324,7 @@ def _key_view(key: ApiKey) -> KeyView:
         revoked_at=key.revoked_at,
         expires_at=key.expires_at,
         rotated_to=key.rotated_to,
+        priorities=list(key.granted),
     )
 
 

@@ -103,8 +103,7 @@ def gone(controllers: Iterable[st.ControllerRow], me: str, *, now: float, lease_
 
 async def other_live_controllers(store: st.Store, me: str, lease_s: float) -> list[str]:
     """The other controllers on `store` not `gone`, by id (`KeyRotation`'s refusal)."""
-    rows = await store.read(st.list_controllers)
-    now = time.time()
+    rows, now = await store.read(st.controllers_now, time.time())
     return [r.id for r in rows if r.id != me and now - r.seen_at <= LIVE_LEASES * lease_s]
 
 
@@ -214,8 +213,8 @@ class ChangeFeed:
         if not force and now - self._usage_at < USAGE_REFRESH_S:
             return
         self._usage_at = now
-        rows = await self._store.read(st.list_controllers)
-        count, rank = quota_share(rows, self._controller_id, now=time.time(), lease_s=self._cfg.lease_s)
+        rows, now_s = await self._store.read(st.controllers_now, time.time())
+        count, rank = quota_share(rows, self._controller_id, now=now_s, lease_s=self._cfg.lease_s)
         self._quotas.share(count, rank)
         await self._quotas.refresh_day(unflushed_s=self._unflushed_s)
 
@@ -257,9 +256,10 @@ class Orphans:
 
     async def sweep(self) -> int:
         """One round: fail the unfinished work of controllers gone since the last; how much."""
-        rows = await self._store.read(st.list_controllers)
+        # `seen_at` and now on the store's clock (the database server's on PostgreSQL).
+        rows, now = await self._store.read(st.controllers_now, self._clock())
         dead: dict[str | None, float] = {}
-        dead.update(gone(rows, self._controller_id, now=self._clock(), lease_s=self._cfg.lease_s))
+        dead.update(gone(rows, self._controller_id, now=now, lease_s=self._cfg.lease_s))
         if all(r.id == self._controller_id or r.id in dead for r in rows):
             dead[None] = 0.0  # no other controller runs: rows that name none are nobody's
         fresh = {name: seen for name, seen in dead.items() if self._swept.get(name) != seen}

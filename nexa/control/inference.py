@@ -29,7 +29,7 @@ import attrs
 import trio
 
 from nexa import supervision
-from nexa.config import GatewayConfig
+from nexa.config import GatewayConfig, PriorityOverGrant
 from nexa.contracts import codec, pages
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
 from nexa.contracts.domain import ApiKey, Role, TenantId
@@ -75,6 +75,7 @@ from nexa.errors import (
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    PriorityNotGranted,
     RetentionUnavailable,
     Unauthenticated,
 )
@@ -213,7 +214,7 @@ class InferenceApp:
             body=body,
             stream=stream,
             include_usage=include_usage,
-            priority=_priority(x.header(PRIORITY_HEADER)),
+            priority=self._entitled(x.key, _priority(x.header(PRIORITY_HEADER))),
             deadline_at=self._deadline(x.header(DEADLINE_HEADER)),
             data_class=_data_class(x.header(DATA_CLASS_HEADER)),
         )
@@ -246,6 +247,9 @@ class InferenceApp:
         if req.stream and req.capability is Capability.EMBEDDING:
             raise FieldNotSupported("stream: embeddings do not stream; send stream: false", field="stream")
         digest = request_sha256(req)
+        priority = self._entitled(x.key, req.admission_priority)
+        if priority is not req.admission_priority:  # lowered ("lower"): stored and answered as run
+            req = attrs.evolve(req, priority=priority, latency_class=None)
         # Reads only: a refusal from here to admission writes nothing to the store.
         stored = await self._workloads.lookup(x.tenant, req.idempotency_key, digest)
         if stored is not None:
@@ -336,6 +340,22 @@ class InferenceApp:
 
     async def receipt(self, x: _Exchange, workload_id: str) -> int:
         return await x.json(200, codec.api.unstructure(await self._workloads.receipt(x.tenant, workload_id)))
+
+    def _entitled(self, key: ApiKey, asked: Priority) -> Priority:
+        """The class a request asking for `asked` runs at: `asked` when the key is granted it; else
+        PriorityNotGranted, or (`priority_over_grant = "lower"`) the highest granted class below it
+        (the lowest granted when none is below)."""
+        granted = key.granted
+        if asked in granted:
+            return asked
+        if self._cfg.priority_over_grant is PriorityOverGrant.REFUSE:
+            raise PriorityNotGranted(
+                f"priority {asked.value}: this key may ask for "
+                + ", ".join(p.value for p in granted)
+                + "; send one of those, or have an admin create a key granted it (nexa keys create --priorities)"
+            )
+        below = [p for p in granted if p.rank > asked.rank]
+        return min(below, key=lambda p: p.rank) if below else max(granted, key=lambda p: p.rank)
 
     def _deadline(self, header: str | None) -> float:
         now = time.time()

@@ -78,6 +78,9 @@ class Leadership:
         self._renewed_at = 0.0  # leased: `clock()` of the last renewal that succeeded
         self._deadline = -math.inf  # leased: trio time at which the leader stops acting as one
         self._seen: st.LeaseRow | None = None  # the lease as this controller last read it
+        #: The store's clock minus `clock()`, as measured at this controller's last round (0 on
+        #: SQLite): lease times are the store's (the database server's on PostgreSQL).
+        self._offset = 0.0
         self._term = 0  # one up at each start of a leadership
         self._changed = trio.Event()  # set (and replaced) at each change of role or epoch
         self._scopes: set[trio.CancelScope] = set()
@@ -131,7 +134,7 @@ class Leadership:
         if self._leading:
             return self.address
         seen = self._seen
-        return seen.address if seen is not None and not seen.expired(self._clock()) else None
+        return seen.address if seen is not None and not seen.expired(self.store_clock()) else None
 
     @property
     def leader_id(self) -> str | None:
@@ -139,7 +142,7 @@ class Leadership:
         if self._leading:
             return self.controller_id
         seen = self._seen
-        return seen.holder if seen is not None and not seen.expired(self._clock()) else None
+        return seen.holder if seen is not None and not seen.expired(self.store_clock()) else None
 
     @property
     def lease_age_s(self) -> float | None:
@@ -147,9 +150,13 @@ class Leadership:
         if self._cfg is None:
             return None
         if self._leading:
-            return max(0.0, self._clock() - self._renewed_at)
+            return max(0.0, self.store_clock() - self._renewed_at)
         seen = self._seen
-        return None if seen is None else max(0.0, self._clock() - seen.renewed_at)
+        return None if seen is None else max(0.0, self.store_clock() - seen.renewed_at)
+
+    def store_clock(self) -> float:
+        """Now on the store's clock, as this host's clock and the last round's offset tell."""
+        return self._clock() + self._offset
 
     def on_change(self, callback: Callable[[Leadership], None]) -> None:
         """Call `callback` (sync, must not block) when the role or the epoch changes."""
@@ -182,7 +189,7 @@ class Leadership:
                 await self.step_down()
 
     async def _round(self, cfg: ClusterConfig, *, first: bool) -> None:
-        began, now = trio.current_time(), self._clock()
+        began, now = trio.current_time(), self.store_clock()
         try:
             if self._leading:
                 epoch = self._epoch
@@ -198,7 +205,9 @@ class Leadership:
                     self._take(row, began, cfg)
                 else:
                     self._seen = await self._store.run(st.read_lease)
-            await self._store.run(st.save_controller, self._row(now))
+            local = self._clock()
+            stored = await self._store.run(st.save_controller, self._row(local + self._offset))
+            self._offset = stored - local
         except StoreUnusable:
             raise
         except StoreError as exc:
@@ -287,7 +296,7 @@ class Leadership:
         try:
             # Conditional on (holder, epoch): a lease another controller took meanwhile stays.
             await self._store.run(st.release_lease, self.controller_id, self._epoch)
-            await self._store.run(st.save_controller, self._row(self._clock()))
+            await self._store.run(st.save_controller, self._row(self.store_clock()))
         except StoreError as exc:
             log.warning("could not release the leader's lease (%s): it expires by itself", exc.message)
 
@@ -348,7 +357,7 @@ class Leadership:
             )
         lease = await self._store.run(st.read_lease)
         rows = await self._store.run(st.list_controllers)
-        now = self._clock()
+        now = self.store_clock()
         holder = lease.holder if lease is not None and not lease.expired(now) else None
         members = [
             ClusterMember(

@@ -180,6 +180,16 @@ class Registry:
             raise ContractError("only inference keys belong to a tenant", problems=("tenant: only for role inference",))
         if len(req.name) > 128:
             raise ContractError("name is too long", problems=("name: at most 128 characters",))
+        if req.priorities is not None and req.role is not Role.INFERENCE:
+            raise ContractError(
+                "priorities: only inference keys are granted priority classes; leave it out for this role",
+                problems=("priorities: only for role inference",),
+            )
+        if req.priorities is not None and not req.priorities:
+            raise ContractError(
+                "priorities: a key needs at least one priority class; leave it out for standard and batch",
+                problems=("priorities: at least one, or leave it out",),
+            )
         now = time.time()
         expires_at = None if req.expires_in_s is None else now + _lifetime("expires_in_s", req.expires_in_s, 1.0)
         if secret is None:
@@ -198,6 +208,7 @@ class Registry:
             created_at=now,
             created_by=actor.key_id,
             expires_at=expires_at,
+            priorities=None if req.priorities is None else tuple(sorted(set(req.priorities), key=lambda p: p.rank)),
         )
         return secret, key
 
@@ -228,6 +239,7 @@ class Registry:
                 created_at=now,
                 created_by=actor.key_id,
                 expires_at=None if lifetime is None else now + lifetime,
+                priorities=old.priorities,
             )
             ends = now + grace_s if old.expires_at is None else min(old.expires_at, now + grace_s)
             rotated = attrs.evolve(old, expires_at=ends, rotated_to=new_id)

@@ -1,4 +1,4 @@
-"""Admission in virtual time: priority order, tenant fairness within a priority, bounded queues,
+"""Admission in virtual time: priority order by class weight, tenant fairness within a priority, bounded queues,
 deadlines and cancellation without slot leaks, capacity changes."""
 
 from __future__ import annotations
@@ -104,6 +104,38 @@ async def test_one_tenants_burst_does_not_starve_another_of_the_same_class(nurse
         step.release()
         await trio.testing.wait_all_tasks_blocked()
     assert granted.count(A) == 51 and granted.count(B) == 1
+
+
+async def test_a_flood_of_a_higher_class_does_not_starve_a_lower_one(nursery: trio.Nursery) -> None:
+    adm = admission()
+    adm.set_capacity(M, 1)
+    granted: list[Priority] = []
+    step = trio.Semaphore(0)
+
+    async def request(tenant: TenantId, priority: Priority) -> None:
+        async with adm.slot(M, tenant, priority, FAR):
+            granted.append(priority)
+            await step.acquire()
+
+    for _ in range(40):
+        nursery.start_soon(request, A, Priority.INTERACTIVE)
+    await trio.testing.wait_all_tasks_blocked()
+    for tenant, priority in ((B, Priority.STANDARD), (B, Priority.STANDARD), (C, Priority.BATCH)):
+        nursery.start_soon(request, tenant, priority)
+    await trio.testing.wait_all_tasks_blocked()
+    for _ in range(7):
+        step.release()
+        await trio.testing.wait_all_tasks_blocked()
+    # After A's first (which took the free slot): of every 7 grants while all three classes wait,
+    # 4 interactive, 2 standard, 1 batch; interactive first.
+    assert granted[1] is Priority.INTERACTIVE
+    assert sorted(granted[1:8], key=lambda p: p.rank) == [Priority.INTERACTIVE] * 4 + [Priority.STANDARD] * 2 + [
+        Priority.BATCH
+    ]
+    for _ in range(36):
+        step.release()
+        await trio.testing.wait_all_tasks_blocked()
+    assert len(granted) == 43
 
 
 async def test_round_robin_over_three_tenants(nursery: trio.Nursery) -> None:

@@ -94,7 +94,7 @@ def test_a_key_with_an_expiry_is_shown_works_and_then_is_refused_as_key_expired(
     assert forever["info"]["expires_at"] is None
     assert _cli_json(cp, "keys", "show", later["info"]["id"])["expires_at"] == later["info"]["expires_at"]
     table = cp.cli("keys", "show", key_id).stdout.splitlines()
-    assert table[0].split()[-4:] == ["EXPIRES_AT", "REVOKED_AT", "ROTATED_TO", "CREATED_BY"]
+    assert table[0].split()[-5:] == ["EXPIRES_AT", "REVOKED_AT", "ROTATED_TO", "CREATED_BY", "PRIORITIES"]
     rows = {row.split()[0]: row.split() for row in cp.cli("keys", "list").stdout.splitlines()[1:]}
     assert "expired" in rows[key_id] and "expired" in rows[inference["info"]["id"]]
     assert "active" in rows[forever["info"]["id"]] and "active" in rows[later["info"]["id"]]

@@ -3,7 +3,9 @@ each workload and job names the controller that runs it, so a controller that st
 its own leftovers and the leader those of a controller gone for good (`follow.Orphans`); one admin
 key however many controllers start at once; no key rotation while other controllers run; only the
 leader prunes usage; no `--recover` on PostgreSQL; the epoch of `/version` is the leadership's;
-forwarded requests and the role are counted; a node's rotated keys reach the other controllers.
+forwarded requests and the role are counted; a node's rotated keys reach the other controllers;
+time is the store's: a controller whose clock runs ahead neither takes the lease early nor fails the
+leader's live work (issue 30 point 9).
 
 Two `Store`s on one PostgreSQL database stand for two controllers (tests/support/postgres.py).
 """
@@ -31,6 +33,7 @@ from nexa.control import store as st
 from nexa.control.follow import LIVE_LEASES, Orphans, gone, other_live_controllers
 from nexa.control.forward import FORWARDED_HEADER, Forwarder
 from nexa.control.jobs import Jobs
+from nexa.control.leadership import Leadership
 from nexa.control.metering import FIRST_PRUNE_S, PRUNE_INTERVAL_S, Meter
 from nexa.control.recovery import refuse_forced
 from nexa.control.registry import SYSTEM, Registry
@@ -65,6 +68,12 @@ def controller_row(name: str, seen_at: float) -> st.ControllerRow:
     return st.ControllerRow(
         id=name, address=f"http://{name}.test", role="follower", epoch=0, started_at=0.0, seen_at=seen_at
     )
+
+
+def write_seen(db: st.Db, row: st.ControllerRow) -> None:
+    """A controller's row as if it was last written at `row.seen_at` (the store stamps its own time)."""
+    st.save_controller(db, row)
+    db.execute("UPDATE controller SET seen_at = ? WHERE id = ?", (row.seen_at, row.id))
 
 
 async def unfinished(store: st.Store) -> dict[str, str | None]:
@@ -118,9 +127,9 @@ async def test_the_leader_fails_what_a_gone_controller_left_unfinished(
     live_backup = await live_jobs.record(JobKind.BACKUP, "backup")
 
     now = time.time()
-    await a_store.run(st.save_controller, controller_row("a", now))
-    await a_store.run(st.save_controller, controller_row("b", now - LIVE_LEASES * LEASE_S - 1))
-    await a_store.run(st.save_controller, controller_row("c", now - LEASE_S))  # late, not gone
+    await a_store.run(write_seen, controller_row("a", now))
+    await a_store.run(write_seen, controller_row("b", now - LIVE_LEASES * LEASE_S - 1))
+    await a_store.run(write_seen, controller_row("c", now - LEASE_S))  # late, not gone
     assert gone(await a_store.run(st.list_controllers), "a", now=now, lease_s=LEASE_S).keys() == {"b"}
 
     jobs = Jobs(a_store, Metrics(), controller="a")
@@ -136,7 +145,7 @@ async def test_the_leader_fails_what_a_gone_controller_left_unfinished(
     assert (await jobs.get(live_backup)).state is JobState.RUNNING
     assert await orphans.sweep() == 0  # swept once while b stays gone
     unnamed = await begin(Workloads(b_store, signer), workload_id="w0", key="k0")
-    await a_store.run(st.save_controller, controller_row("c", now - LIVE_LEASES * LEASE_S - 1))
+    await a_store.run(write_seen, controller_row("c", now - LIVE_LEASES * LEASE_S - 1))
     assert await orphans.sweep() == 3  # c gone too: its work, and what names no controller
     assert await unfinished(a_store) == {}
     assert (await leader.receipt(ACME, unnamed.accepted.workload_id)).receipt.error == LOST
@@ -212,8 +221,8 @@ async def test_a_controller_key_rotation_is_refused_while_other_controllers_run(
         others_gone_after_s=LIVE_LEASES * LEASE_S,
     )
     now = time.time()
-    await store.run(st.save_controller, controller_row("a", now))
-    await store.run(st.save_controller, controller_row("b", now))
+    await store.run(write_seen, controller_row("a", now))
+    await store.run(write_seen, controller_row("b", now))
     head = await store.run(st.audit_head)
     with pytest.raises(ControllersRunning) as refused:
         await rotation.rotate(SYSTEM)
@@ -223,7 +232,7 @@ async def test_a_controller_key_rotation_is_refused_while_other_controllers_run(
     assert (rotation.keys, announced, await store.run(st.audit_head)) == (keys, [], head)
 
     # b stopped long enough ago: this is the only controller left, and it rotates.
-    await store.run(st.save_controller, controller_row("b", now - LIVE_LEASES * LEASE_S - 1))
+    await store.run(write_seen, controller_row("b", now - LIVE_LEASES * LEASE_S - 1))
     rotated = await rotation.rotate(SYSTEM)
     assert rotated.key_id != keys.key_id == rotation.keys.previous.key_id  # type: ignore[union-attr]
 
@@ -380,3 +389,40 @@ async def test_a_node_rotated_through_one_controller_is_admitted_by_another_afte
         assert b.fleet.authorize_curve(old_curve.public) is None
         assert b.fleet.previous_node_key(node_id) is None
         assert b.fleet.authorize_curve(new_curve.public) == node_id
+
+
+# ---- time is the store's ---------------------------------------------------------------------------------------------
+
+
+async def test_a_controller_with_a_skewed_clock_neither_takes_the_lease_early_nor_fails_live_work(
+    pair: tuple[st.Store, st.Store], signer: SigningKey, nursery: trio.Nursery
+) -> None:
+    a_store, b_store = pair
+    cfg = ClusterConfig(lease_s=Seconds(LEASE_S), renew_s=Seconds(0.5))
+    a = Leadership.leased(a_store, cfg, controller_id="a", address="http://a.test", clock=time.time)
+    await nursery.start(a.run)
+    assert a.is_leader
+    epoch = a.epoch
+    running = await begin(await Workloads.load(a_store, signer, controller="a"), workload_id="wa", key="ka")
+
+    # The fault: b's clock runs 10 lease periods ahead. By it, a's lease and a's row are long expired.
+    skew_s = 10 * LEASE_S
+
+    def skewed() -> float:
+        return time.time() + skew_s
+
+    b = Leadership.leased(b_store, cfg, controller_id="b", address="http://b.test", clock=skewed)
+    await nursery.start(b.run)
+    await trio.sleep(2 * LEASE_S)  # several rounds of both
+    assert (a.is_leader, a.epoch) == (True, epoch)  # a keeps leading, at its epoch
+    assert not b.is_leader
+    assert (b.leader_id, b.leader_address) == ("a", "http://a.test")  # b forwards to a
+    assert (await b_store.run(st.read_lease)).holder == "a"  # type: ignore[union-attr]
+    # a is live to b, and b's sweep (were b to lead) fails nothing of a's.
+    assert await other_live_controllers(b_store, "b", LEASE_S) == ["a"]
+    b_workloads = await Workloads.load(b_store, signer, controller="b")
+    orphans = Orphans(b_store, cfg, controller_id="b", parts=(b_workloads,), clock=skewed)
+    assert await orphans.sweep() == 0
+    assert await unfinished(a_store) == {running.accepted.workload_id: "a"}
+    # a's leader-only writes pass the fence.
+    await a.write(st.save_controller, controller_row("probe", 0.0))

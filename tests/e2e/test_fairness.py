@@ -3,6 +3,9 @@ controller's HTTP front end, real `nexa node` agents on 127.0.0.11 and .12 and t
 
 - 50 concurrent requests overshoot a tenant's tokens-per-minute limit by at most one reservation;
 - a tenant flooding a model's queue cannot keep another tenant's request out of it;
+- priority is an entitlement: a key not granted `interactive` asking for it gets 403
+  priority_not_granted, and a granted tenant's interactive flood cannot time out another
+  tenant's standard requests;
 - an idempotency key replayed with another body is refused (422), and `data_class` routes only to
   nodes whose inventory allows it (typed 503 when none does).
 """
@@ -15,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import trio
 
+from nexa.config import PriorityOverGrant
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import MESSAGES, SimCluster, gateway_cluster, new_key
@@ -156,3 +161,88 @@ async def test_replayed_keys_and_data_classes_through_the_envelope(cluster: SimC
             headers={"x-nexa-data-class": "confidential"},
         )
         assert header.status_code == 503 and header.json()["error"]["code"] == "no_replica_for_data_class"
+
+
+async def test_an_interactive_flood_cannot_time_out_another_tenants_standard_requests(
+    narrow_cluster: SimCluster,
+) -> None:
+    cluster = narrow_cluster
+    flooder = await new_key(cluster, "inference", "alpha", priorities=["interactive", "standard"])
+    plain = await new_key(cluster, "inference", "beta")  # the default grant: standard and batch
+    # Not granted interactive: a typed 403 through the official SDK, and nothing is run.
+    client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key=plain, max_retries=0, timeout=30)
+    with pytest.raises(openai.PermissionDeniedError) as refused:
+        await client.chat.completions.create(
+            model="chat", messages=MESSAGES, extra_headers={"x-nexa-priority": "interactive"}
+        )
+    assert refused.value.code == "priority_not_granted"
+    assert "standard, batch" in refused.value.message
+    await client.close()
+
+    flood_answers: list[int] = []
+    beta: list[tuple[int, str]] = []
+    beta_done = trio.Event()
+
+    async def flood(http: httpx.AsyncClient) -> None:
+        # Each of A's loopers keeps one interactive request waiting or running until B is done:
+        # with strict priority B would get no slot until its deadline.
+        while not beta_done.is_set():
+            resp = await http.post(
+                "/v1/chat/completions",
+                json={"model": "chat", "messages": MESSAGES},
+                headers={"x-nexa-priority": "interactive"},
+            )
+            flood_answers.append(resp.status_code)
+
+    async def standard(http: httpx.AsyncClient) -> None:
+        resp = await http.post(
+            "/v1/chat/completions",
+            json={"model": "chat", "messages": MESSAGES},
+            headers={"x-nexa-deadline-ms": "5000"},  # standard: the default class
+        )
+        beta.append((resp.status_code, "" if resp.status_code == 200 else resp.json()["error"]["code"]))
+
+    async with inference(cluster, flooder) as a, inference(cluster, plain) as b, trio.open_nursery() as nursery:
+        for _ in range(5):  # with 3 of B's: 7 waiting at most, below queue_depth 8
+            nursery.start_soon(flood, a)
+        with trio.fail_after(20):
+            while len(flood_answers) < 10:  # noqa: ASYNC110 - the flood is under way
+                await trio.sleep(0.05)
+        for _ in range(3):  # three rounds of three concurrent standard requests
+            async with trio.open_nursery() as round_:
+                for _ in range(3):
+                    round_.start_soon(standard, b)
+        beta_done.set()
+    assert beta == [(200, "")] * 9
+    assert set(flood_answers) == {200} and len(flood_answers) >= 10
+    # The interactive flood held the queue the whole time: it was served throughout.
+    assert await metric(cluster, "nexa_gateway_queue_depth", model="chat", priority="interactive") == 0
+
+
+async def test_with_priority_over_grant_lower_an_ungranted_class_is_served_lower(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    async with gateway_cluster(
+        nursery, tmp_path, s3_store, test_images, priority_over_grant=PriorityOverGrant.LOWER
+    ) as cluster:
+        await cluster.deploy("chat-a", replicas=1)
+        plain = await new_key(cluster, "inference", "beta")  # standard and batch
+        client = openai.AsyncOpenAI(base_url=cluster.base_url, api_key=plain, max_retries=0, timeout=30)
+        answer = await client.chat.completions.create(
+            model="chat", messages=MESSAGES, extra_headers={"x-nexa-priority": "interactive"}
+        )
+        assert answer.choices[0].message.content
+        await client.close()
+        envelope: Json = {
+            "version": "nexa.v1",
+            "idempotency_key": "lower-1",
+            "workload_id": "wl-lower",
+            "capability": "chat",
+            "model": "chat",
+            "payload": {"messages": MESSAGES},
+            "latency_class": "realtime",
+        }
+        async with inference(cluster, plain) as http:
+            ran = await ok(http.post("/api/v1/workloads", json=envelope))
+            assert (ran["state"], ran["priority"]) == ("succeeded", "standard")  # lowered, and shown so
+            assert (await ok(http.get("/api/v1/workloads/wl-lower")))["priority"] == "standard"

@@ -263,7 +263,9 @@ async def sim_fleet(
     try:
         async with controller.client() as http:
             await ok(http.post("/api/v1/tenants", json={"id": "acme"}), 201)
-            created = await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201)
+            # Granted every priority class (realtime envelopes ask for interactive).
+            key = {"role": "inference", "tenant": "acme", "priorities": ["interactive", "standard", "batch"]}
+            created = await ok(http.post("/api/v1/keys", json=key), 201)
             await ok(
                 http.post(
                     "/api/v1/runtimes", json={"name": "sim", "kind": "sim", "version": "1", "image": images.busybox}
@@ -321,10 +323,14 @@ async def gateway_cluster(
         yield cluster
 
 
-async def new_key(cluster: SimCluster, role: str, tenant: str | None = None) -> str:
+async def new_key(
+    cluster: SimCluster, role: str, tenant: str | None = None, *, priorities: list[str] | None = None
+) -> str:
+    """A new key; `priorities`: the classes it is granted (None: the default, standard and batch)."""
+    body: Json = {"role": role, "tenant": tenant} | ({} if priorities is None else {"priorities": priorities})
     async with cluster.client() as http:
         if tenant is not None and tenant != cluster.tenant:
             await ok(http.post("/api/v1/tenants", json={"id": tenant}), 201)
-        created = await ok(http.post("/api/v1/keys", json={"role": role, "tenant": tenant}), 201)
+        created = await ok(http.post("/api/v1/keys", json=body), 201)
     key: str = created["key"]
     return key

@@ -44,12 +44,14 @@ from nexa.control.store.lease import LeaseRow as LeaseRow
 from nexa.control.store.lease import acquire_lease as acquire_lease
 from nexa.control.store.lease import check_keys_fingerprint as check_keys_fingerprint
 from nexa.control.store.lease import check_lease as check_lease
+from nexa.control.store.lease import controllers_now as controllers_now
 from nexa.control.store.lease import fenced_write as fenced_write
 from nexa.control.store.lease import list_controllers as list_controllers
 from nexa.control.store.lease import read_lease as read_lease
 from nexa.control.store.lease import release_lease as release_lease
 from nexa.control.store.lease import renew_lease as renew_lease
 from nexa.control.store.lease import save_controller as save_controller
+from nexa.control.store.lease import store_now as store_now
 from nexa.control.store.measured import load_measured_memory as load_measured_memory
 from nexa.control.store.measured import save_measured_memory as save_measured_memory
 from nexa.control.store.models import insert_evaluation as insert_evaluation

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import json
+
+import attrs
+
+from nexa.contracts import codec
 from nexa.contracts.domain import ApiKey, AuditDraft, AuditEvent, KeyId, Tenant
 from nexa.control.store.audit import append_audit
 from nexa.control.store.sql import Db, load_all, txn
 from nexa.errors import NotFound
 
+_KEY_COLUMNS = tuple(f.name for f in attrs.fields(ApiKey))
+
 
 def load_keys(db: Db) -> list[ApiKey]:
-    return load_all(db, ApiKey, "api_key")
+    with txn(db):
+        rows = db.execute(f"SELECT {', '.join(_KEY_COLUMNS)} FROM api_key").fetchall()  # noqa: S608
+    keys = []
+    for row in rows:
+        fields = dict(zip(_KEY_COLUMNS, row, strict=True))
+        # The grant is a JSON list in its column (NULL: the default).
+        fields["priorities"] = None if fields["priorities"] is None else json.loads(str(fields["priorities"]))
+        keys.append(codec.store.structure(fields, ApiKey))
+    return keys
 
 
 def insert_key(db: Db, key: ApiKey, draft: AuditDraft) -> AuditEvent:
@@ -22,7 +37,7 @@ def insert_key(db: Db, key: ApiKey, draft: AuditDraft) -> AuditEvent:
 def _insert_key_row(db: Db, key: ApiKey) -> None:
     db.execute(
         "INSERT INTO api_key(id, name, role, tenant, secret_sha256, created_at, created_by, revoked_at, expires_at,"
-        " rotated_to) VALUES (?,?,?,?,?,?,?,?,?,?)",
+        " rotated_to, priorities) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
         (
             key.id,
             key.name,
@@ -34,6 +49,7 @@ def _insert_key_row(db: Db, key: ApiKey) -> None:
             key.revoked_at,
             key.expires_at,
             key.rotated_to,
+            None if key.priorities is None else json.dumps([p.value for p in key.priorities]),
         ),
     )
 

@@ -8,8 +8,10 @@ PostgreSQL the lease row is read `FOR SHARE`, so a takeover (which locks it `FOR
 until that write has committed, and a write after the takeover sees the new holder and fails. On
 SQLite writers are serialised by the database itself.
 
-Times are the controllers' wall clocks (Unix seconds, given by the caller): a lease is expired
-when `expires_at < now`.
+Times are the store's (Unix seconds): on PostgreSQL the database server's clock, read in each
+lease transaction (`store_now`), so controllers whose clocks disagree still agree on when a lease
+expires and when a controller was last seen; on SQLite (one host) the caller's clock, the host's.
+A lease is expired when `expires_at < now`.
 """
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ def _lease(db: Db, *, lock: str = "") -> LeaseRow | None:
     )
 
 
+def store_now(db: Db, host_now: float) -> float:
+    """The store's clock: the PostgreSQL server's (`clock_timestamp()`, Unix seconds), or on SQLite
+    `host_now`, the clock of the one host the database lives on."""
+    if not is_postgres(db):
+        return host_now
+    return as_float(db.execute("SELECT extract(epoch FROM clock_timestamp())::float8").fetchall()[0][0])
+
+
 def read_lease(db: Db) -> LeaseRow | None:
     """The lease as stored now; None before any controller took it."""
     with txn(db):
@@ -88,6 +98,7 @@ def acquire_lease(db: Db, holder: str, address: str, now: float, lease_s: float)
     """
     with txn(db):
         row = _lease(db, lock="FOR UPDATE")
+        now = store_now(db, now)  # read once the row is ours: a wait for the lock is not counted
         if row is not None and not row.expired(now):
             if row.holder != holder:
                 return None
@@ -125,6 +136,7 @@ def renew_lease(db: Db, holder: str, epoch: int, now: float, lease_s: float) -> 
     """Push the lease's expiry to `now + lease_s`; False (nothing changed) unless `holder` holds it
     at `epoch`, unexpired: an expired lease is not renewed, it is taken again at a new epoch."""
     with txn(db):
+        now = store_now(db, now)
         db.execute(
             "UPDATE leader_lease SET renewed_at = ?, expires_at = ?"
             " WHERE id = 1 AND holder = ? AND epoch = ? AND expires_at >= ?",
@@ -151,6 +163,7 @@ def check_lease(db: Db, holder: str, epoch: int, now: float) -> None:
     """
     with txn(db):
         row = _lease(db, lock="FOR SHARE")
+        now = store_now(db, now)
         if row is None or row.holder != holder or row.epoch != epoch or row.expired(now):
             address = row.address if row is not None and row.holder != holder and not row.expired(now) else None
             raise NotLeader(leader_address=address)
@@ -172,15 +185,24 @@ def fenced_write(
         return fn(db, *args)
 
 
-def save_controller(db: Db, row: ControllerRow) -> None:
-    """Write (or refresh) this controller's row: each round of its leadership loop."""
+def save_controller(db: Db, row: ControllerRow) -> float:
+    """Write (or refresh) this controller's row: each round of its leadership loop. `seen_at` is
+    the store's time (`store_now`, `row.seen_at` on SQLite), which is returned."""
     with txn(db):
+        row = attrs.evolve(row, seen_at=store_now(db, row.seen_at))
         db.execute(
             "INSERT INTO controller(id, address, role, epoch, started_at, seen_at) VALUES (?,?,?,?,?,?)"
             " ON CONFLICT(id) DO UPDATE SET address = excluded.address, role = excluded.role,"
             " epoch = excluded.epoch, started_at = excluded.started_at, seen_at = excluded.seen_at",
             (row.id, row.address, row.role, row.epoch, row.started_at, row.seen_at),
         )
+    return row.seen_at
+
+
+def controllers_now(db: Db, host_now: float) -> tuple[list[ControllerRow], float]:
+    """Every controller's row and the store's time (`store_now`) to compare their `seen_at` with."""
+    with txn(db):
+        return list_controllers(db), store_now(db, host_now)
 
 
 def list_controllers(db: Db) -> list[ControllerRow]:

@@ -281,6 +281,9 @@ PG_MIGRATIONS: Final[tuple[str, ...]] = tuple(
         CREATE INDEX qualification_runtime ON qualification(runtime, finished_at, id);
         CREATE INDEX qualification_finished ON qualification(finished_at, id);
         """,
+        """
+        ALTER TABLE api_key ADD COLUMN priorities TEXT;
+        """,
     )
 )
 

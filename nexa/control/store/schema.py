@@ -287,6 +287,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX qualification_runtime ON qualification(runtime, finished_at, id);
     CREATE INDEX qualification_finished ON qualification(finished_at, id);
     """,
+    # The priority classes a key may ask for, a JSON list (NULL: the default, standard and batch).
+    """
+    ALTER TABLE api_key ADD COLUMN priorities TEXT;
+    """,
 )
 
 
