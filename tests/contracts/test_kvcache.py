@@ -12,27 +12,16 @@ from nexa.contracts import codec
 from nexa.contracts.kvcache import (
     CONTEXT_STEP,
     KV_TYPE_BYTES_PER_32,
-    GgufFigures,
     kv_cache_bytes,
     largest_context,
 )
 from nexa.contracts.models import Verification
 from nexa.contracts.placement import MemoryLimit, MemoryShare
 from nexa.errors import ContractError
+from tests.support.models import LLAMA_8B
 
 GIB = 2**30
 MIB = 2**20
-#: Llama-3.1-8B (its config.json): 32 layers, 8 KV heads of 128, trained on 128k tokens.
-LLAMA_8B = GgufFigures(
-    architecture="llama",
-    context_length=131072,
-    block_count=32,
-    embedding_length=4096,
-    head_count=32,
-    head_count_kv=8,
-    key_length=128,
-    value_length=128,
-)
 POOL = 119 * GIB
 
 

@@ -63,7 +63,7 @@ from tests.support.adapters import IMAGES, OFFLINE, SGLANG_ENV, VLLM_ENV, python
 from tests.support.adapters import model as adapter_model
 from tests.support.api import assert_envelope, node_view, ok
 from tests.support.deployments import fleet_image, names, online, set_where
-from tests.support.models import bring_to
+from tests.support.models import LLAMA_8B, bring_to
 
 # `dep_reg` and `dial` (tests/control/conftest.py) run a real controller and connect raw nodes
 # reporting GB10 inventories.
@@ -569,19 +569,6 @@ def _with_figures(mod: ModelRecord, figures: GgufFigures) -> ModelRecord:
         verified_at=0, verified_by=None, sha256="", size_bytes=0, signature_key=None, seconds=0.0, gguf=figures
     )
     return attrs.evolve(mod, verification=check)
-
-
-#: Llama-3.1-8B's figures (its config.json): 32 layers, 8 KV heads of 128, 128 KiB a token with f16.
-LLAMA_8B = GgufFigures(
-    architecture="llama",
-    context_length=131072,
-    block_count=32,
-    embedding_length=4096,
-    head_count=32,
-    head_count_kv=8,
-    key_length=128,
-    value_length=128,
-)
 
 
 def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does(

@@ -13,6 +13,7 @@ import attrs
 import httpx
 
 from nexa.config import ArtifactStoreConfig, ControlConfig, ModelsConfig, OciConfig, PublicKeyB64
+from nexa.contracts.kvcache import GgufFigures
 from tests.conftest import local_config
 from tests.realparts import S3Store
 from tests.support.api import Json, ok
@@ -104,3 +105,17 @@ async def bring_to(
     model = await get_model(http, name, version)
     assert model["state"] == state
     return model
+
+
+#: Llama-3.1-8B's figures (its config.json): 32 layers, 8 KV heads of 128, trained on 128k tokens;
+#: 128 KiB of f16 KV cache a token.
+LLAMA_8B = GgufFigures(
+    architecture="llama",
+    context_length=131072,
+    block_count=32,
+    embedding_length=4096,
+    head_count=32,
+    head_count_kv=8,
+    key_length=128,
+    value_length=128,
+)
