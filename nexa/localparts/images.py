@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -160,26 +161,40 @@ def _build_python_rootfs(dest: Path) -> None:
 
 def python_rootfs(cache: Path, *, rebuild: bool = False) -> tuple[Path, bool]:
     """The cached python root filesystem tarball, built first if it is missing (or `rebuild`; about a
-    minute, needs root and Debian's mirror). Returns the path and whether it was built now. Runs that share
-    the cache wait for each other's build (a file lock, released by the kernel if its holder dies) and
-    clear what a killed build left behind."""
+    minute, needs root and Debian's mirror). Returns the path and whether it was built now."""
+    # Best effort: a killed run's debootstrap may still be finishing its last step in its build
+    # directory (it runs in its own session); a later run removes what is left.
+    return cached_build(
+        cache,
+        python_rootfs_name(),
+        _build_python_rootfs,
+        rebuild=rebuild,
+        clear=lambda leftover: _remove_build_dir(leftover, strict=False),
+    )
+
+
+def cached_build(
+    cache: Path, name: str, build: Callable[[Path], None], *, rebuild: bool, clear: Callable[[Path], None]
+) -> tuple[Path, bool]:
+    """`cache/name`, made first by `build(dest)` if it is missing (or `rebuild`); the path and whether it
+    was built now. Runs that share the cache wait for each other's build (a file lock, released by the
+    kernel if its holder dies) and clear what a killed build left behind: its `.tmp` files, and its
+    `.build.` directories with `clear`."""
     cache.mkdir(parents=True, exist_ok=True)
-    dest = cache / python_rootfs_name()
+    dest = cache / name
     with (cache / f".{dest.name}.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         for leftover in cache.glob(f".{dest.name}.*"):
             if leftover.name.endswith(".tmp"):
                 leftover.unlink(missing_ok=True)
             elif ".build." in leftover.name:
-                # Best effort: a killed run's debootstrap may still be finishing its last step in there
-                # (it runs in its own session); a later run removes what is left.
-                _remove_build_dir(leftover, strict=False)
+                clear(leftover)
         if rebuild:
             dest.unlink(missing_ok=True)
         if dest.is_file():
             os.utime(dest)  # last used: lets whoever prunes the cache go by age
             return dest, False
-        _build_python_rootfs(dest)
+        build(dest)
         return dest, True
 
 

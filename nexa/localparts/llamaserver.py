@@ -14,7 +14,6 @@ on a 2-core machine), later runs unpack it. The image is built on the cached Deb
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -26,7 +25,7 @@ from typing import Final
 
 from nexa.errors import ConfigError, Unavailable
 from nexa.localparts.children import tail
-from nexa.localparts.images import build_image, recipe_name
+from nexa.localparts.images import build_image, cached_build, recipe_name
 from nexa.localparts.podman import PODMAN_STOP_TIMEOUT_S, LocalPodman
 
 #: The sdist whose `vendor/llama.cpp` is built (the version the llama-cpp-python runtime image carries).
@@ -74,24 +73,10 @@ def llama_server_parts_missing() -> str | None:
 
 def llama_server_build(cache: Path, *, rebuild: bool = False) -> tuple[Path, bool]:
     """The cached tarball of the built server (`llama-server` and its shared libraries), built first if
-    it is missing (or `rebuild`). Returns the path and whether it was built now. Runs that share the
-    cache wait for each other's build (a file lock) and clear what a killed build left behind."""
-    cache.mkdir(parents=True, exist_ok=True)
-    dest = cache / llama_server_name()
-    with (cache / f".{dest.name}.lock").open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        for leftover in cache.glob(f".{dest.name}.*"):
-            if leftover.name.endswith(".tmp"):
-                leftover.unlink(missing_ok=True)
-            elif ".build." in leftover.name:
-                shutil.rmtree(leftover, ignore_errors=True)
-        if rebuild:
-            dest.unlink(missing_ok=True)
-        if dest.is_file():
-            os.utime(dest)  # last used: lets whoever prunes the cache go by age
-            return dest, False
-        _build(dest)
-        return dest, True
+    it is missing (or `rebuild`). Returns the path and whether it was built now."""
+    return cached_build(
+        cache, llama_server_name(), _build, rebuild=rebuild, clear=lambda d: shutil.rmtree(d, ignore_errors=True)
+    )
 
 
 def _build(dest: Path) -> None:
