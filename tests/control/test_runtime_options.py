@@ -120,7 +120,7 @@ async def test_a_tool_call_parser_reaches_the_signed_vllm_and_sglang_command_lin
         await ok(http.post("/api/v1/deployments", json=vllm), 201)
         pushed = await set_where(n1.node, lambda s: "chat-v" in names(s))
     [a] = pushed.assignments
-    command = a.runtime.command
+    command = [*a.runtime.entrypoint, *a.runtime.command]  # the process: `vllm` is the container's entrypoint
     assert command[:3] == ["vllm", "serve", "/models/model"]  # tiny@v1 is one object
     # Settings in name order after nexa's flags (the derived memory bound among them), extra_args last.
     assert command[command.index("--port") + 2 :] == [
