@@ -100,17 +100,7 @@ def _run_debootstrap(debootstrap: str, target: Path, log: Path) -> None:
     """debootstrap in its own process group, so a timeout or an interrupt ends it and every child it started."""
     argv = [debootstrap, *DEBOOTSTRAP_ARGS, DEBIAN_SUITE, str(target), DEBIAN_MIRROR]
     env = {**os.environ, "LC_ALL": "C", "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        returncode = proc.wait(timeout=DEBOOTSTRAP_TIMEOUT_S)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=PODMAN_STOP_TIMEOUT_S)
-        raise
+    returncode = run_grouped(argv, log, DEBOOTSTRAP_TIMEOUT_S, env=env)
     if returncode != 0:
         details = tail(target / "debootstrap" / "debootstrap.log") if target.exists() else ""
         raise Unavailable(f"{' '.join(argv)} failed ({returncode}):\n{details or tail(log)}")
@@ -157,6 +147,22 @@ def _build_python_rootfs(dest: Path) -> None:
     finally:
         packed.unlink(missing_ok=True)
         _remove_build_dir(work)
+
+
+def run_grouped(argv: list[str], log: Path, timeout_s: float, *, env: dict[str, str] | None = None) -> int:
+    """`argv` in its own process group, its output to `log`; its exit status. A timeout or an interrupt
+    ends it and every child it started (SIGKILL to the group), then raises."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            argv, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        return proc.wait(timeout=timeout_s)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=PODMAN_STOP_TIMEOUT_S)
+        raise
 
 
 def python_rootfs(cache: Path, *, rebuild: bool = False) -> tuple[Path, bool]:

@@ -13,11 +13,8 @@ on a 2-core machine), later runs unpack it. The image is built on the cached Deb
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -25,8 +22,8 @@ from typing import Final
 
 from nexa.errors import ConfigError, Unavailable
 from nexa.localparts.children import tail
-from nexa.localparts.images import build_image, cached_build, recipe_name
-from nexa.localparts.podman import PODMAN_STOP_TIMEOUT_S, LocalPodman
+from nexa.localparts.images import build_image, cached_build, recipe_name, run_grouped
+from nexa.localparts.podman import LocalPodman
 
 #: The sdist whose `vendor/llama.cpp` is built (the version the llama-cpp-python runtime image carries).
 LLAMA_SERVER_SDIST: Final = ("llama-cpp-python", "0.3.36")
@@ -130,17 +127,7 @@ def _build(dest: Path) -> None:
 
 def _run(argv: list[str], log: Path, timeout_s: float) -> None:
     """`argv` in its own process group (a timeout or an interrupt ends it and its children), output to `log`."""
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    try:
-        returncode = proc.wait(timeout=timeout_s)
-    except BaseException:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=PODMAN_STOP_TIMEOUT_S)
-        raise
+    returncode = run_grouped(argv, log, timeout_s)
     if returncode != 0:
         raise Unavailable(f"{' '.join(argv[:4])} … failed ({returncode}):\n{tail(log)}")
 
