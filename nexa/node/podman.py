@@ -274,6 +274,22 @@ def _podman_message(response: EngineAnswer) -> str:
     return f"HTTP {response.status}"
 
 
+#: libpod's `define.ErrNoSuchCtr`: podman answers it with 500, not 404, for a container it is
+#: removing at that moment ("container … does not exist in database: no such container").
+_NO_SUCH_CONTAINER = "no such container"
+
+
+def _vanished(response: EngineAnswer) -> bool:
+    """A 500 whose cause is libpod's "no such container": the container went while we asked."""
+    if response.status != 500:
+        return False
+    try:
+        data = response.json()
+    except ValueError:
+        return False
+    return isinstance(data, dict) and data.get("cause") == _NO_SUCH_CONTAINER
+
+
 def _json_objects(text: str) -> Iterable[_Json]:
     """Each JSON object in a stream of them (newline-separated or not); other values are skipped."""
     decoder = json.JSONDecoder()
@@ -353,7 +369,7 @@ class PodmanClient:
 
     def _error(self, response: EngineAnswer, what: str, *, missing: type[PodmanError] = PodmanError) -> PodmanError:
         message = self._scrub(_podman_message(response))
-        if response.status == 404:
+        if response.status == 404 or _vanished(response):
             return missing(f"{what}: {message}")
         return PodmanError(f"{what}: {self.ENGINE} answered {response.status}: {message}")
 

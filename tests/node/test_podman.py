@@ -36,6 +36,7 @@ from nexa.errors import (
     PodmanError,
     PodmanUnavailable,
 )
+from nexa.node.engine_http import EngineAnswer
 from nexa.node.podman import API_BASE, PodmanClient
 from nexa.oci import RegistryCredentials, load_registry_credentials
 from tests.realparts import BuiltImages, FakeGpu, PodmanService
@@ -457,6 +458,47 @@ async def test_list_returns_every_container_with_all_the_labels(
         assert await podman.list({RUN_LABEL: f"nobody-{uuid.uuid4().hex}"}) == []
         everything = {state.id for state in await podman.list()}
         assert {a, b} <= everything
+
+
+#: What podman 4 answered in CI when `list` inspected a container that was being removed at that
+#: moment: a 500 (not a 404) whose cause is libpod's `define.ErrNoSuchCtr`.
+_REMOVING_ANSWER = {
+    "cause": "no such container",
+    "message": "container {id} does not exist in database: no such container",
+    "response": 500,
+}
+
+
+async def test_a_container_removed_while_listing_is_left_out_even_when_podman_answers_500(
+    podman: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with trio.fail_after(60):
+        await podman.pull(test_images.busybox)
+        kept = await podman.create(make_spec(test_images.busybox, {**run_labels, "nexa-test.role": "kept"}))
+        going = await podman.create(make_spec(test_images.busybox, {**run_labels, "nexa-test.role": "going"}))
+        real_request = podman._http.request
+
+        async def removing(method: str, path: str, **kwargs: Any) -> EngineAnswer:
+            if method == "GET" and path == f"/containers/{going}/json":
+                body = {**_REMOVING_ANSWER, "message": _REMOVING_ANSWER["message"].format(id=going)}
+                return EngineAnswer(500, json.dumps(body).encode())
+            return await real_request(method, path, **kwargs)
+
+        monkeypatch.setattr(podman._http, "request", removing)
+        assert [state.id for state in await podman.list(run_labels)] == [kept]
+        with pytest.raises(ContainerNotFound, match="no such container"):
+            await podman.inspect(going)
+        # Any other 500 is still an engine failure, not a missing container.
+        monkeypatch.setattr(
+            podman._http, "request", lambda *a, **k: _answer(EngineAnswer(500, b'{"cause": "database is locked"}'))
+        )
+        with pytest.raises(PodmanError, match="answered 500") as failed:
+            await podman.inspect(kept)
+        assert not isinstance(failed.value, ContainerNotFound)
+
+
+async def _answer(answer: EngineAnswer) -> EngineAnswer:
+    return answer
 
 
 async def test_events_stream_start_and_died_for_the_labelled_container_only(
