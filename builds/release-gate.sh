@@ -3,10 +3,11 @@
 # image pinning, the node's isolation boundary and a public-answer leak scan of a `nexa sim` run.
 # One line per check (`PASS name — detail` / `FAIL name — detail`); exit 0 only when all pass.
 #
-#   bash builds/release-gate.sh [--json FILE] [--sim-answers FILE [--sim-state-dir DIR]]
+#   bash builds/release-gate.sh [--json FILE [--sign-key KEY]] [--sim-answers FILE [--sim-state-dir DIR]]
 #                               [--sbom FILE] [--only CHECK,CHECK]
 #
-# --json writes a GateReport for `nexa evidence --gate FILE`. Without --sim-answers the gate runs
+# --json writes a GateReport for `nexa evidence --gate FILE`; with --sign-key (an Ed25519 key,
+# `nexa keygen --signing`) a SignedGateReport, which a controller trusting the key counts as verified. Without --sim-answers the gate runs
 # `nexa sim --public-answers` itself (a few minutes). The checks and the boundary are defined in
 # builds/gate/gate.py and builds/gate/scans.py. Runs from a fresh clone: it needs the project's
 # .venv with the test extra (`bash .ci/dev test` makes it), or PYTHON naming such an interpreter.

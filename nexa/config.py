@@ -485,6 +485,23 @@ class StoreConfig:
     connect_timeout_s: Seconds = attrs.field(default=Seconds(10.0), validator=attrs.validators.gt(Seconds(0.0)))
 
 
+def _check_report_keys(keys: tuple[PublicKeyB64, ...]) -> None:
+    if any(not k for k in keys):
+        raise ValueError("trusted_report_keys: an empty key; list base64 Ed25519 public keys, or none")
+
+
+@attrs.frozen(kw_only=True)
+class EvidenceConfig:
+    """Release evidence (`nexa evidence`)."""
+
+    #: Ed25519 public keys (base64 of the raw 32 bytes) of the release pipeline: a sim summary or
+    #: gate report signed by one of them (`nexa sim --sign-key`, `release-gate.sh --sign-key`) counts
+    #: as verified; anything else is asserted, and `release_ready` is false over an asserted part.
+    trusted_report_keys: tuple[PublicKeyB64, ...] = attrs.field(
+        default=(), validator=lambda _i, _a, v: _check_report_keys(v)
+    )
+
+
 @attrs.frozen(kw_only=True)
 class ControlConfig:
     """Everything `nexa control` reads."""
@@ -504,6 +521,7 @@ class ControlConfig:
     log: LogConfig = LogConfig()
     cluster: ClusterConfig = ClusterConfig()
     store: StoreConfig = StoreConfig()
+    evidence: EvidenceConfig = EvidenceConfig()
 
 
 class LeaseExpiryPolicy(enum.StrEnum):

@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from nexa.contracts import codec
 from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
-from nexa.contracts.evidence import EvidenceManifest, EvidenceSigned
+from nexa.contracts.evidence import EvidenceManifest, EvidenceSigned, GateReport, ReportSignature, SimSummary
 from nexa.contracts.gateway import Receipt, SignedReceipt
 from nexa.contracts.qualification import Qualification, SignedQualification
 from nexa.errors import (
@@ -363,8 +363,12 @@ EVIDENCE_KIND: Final = b"nexa-evidence-v1"
 
 
 def evidence_body(manifest: EvidenceManifest) -> bytes:
-    """The bytes an evidence manifest's signature covers: its canonical JSON (API form)."""
-    return _canonical_body(manifest)
+    """The bytes an evidence manifest's signature covers: its canonical JSON (API form), without
+    `provenance` when it has none (as manifests signed before provenance existed were)."""
+    data = codec.api.unstructure(manifest)
+    if data.get("provenance") is None:
+        data.pop("provenance", None)
+    return codec.canonical_json(data).encode()
 
 
 def _canonical_body(record: object) -> bytes:
@@ -434,6 +438,52 @@ def _signed_problems(
     except BadSignature:
         problems.append(f"the signature does not verify: the {noun} was changed after it was signed")
     return problems
+
+
+# --- signed sim summaries and gate reports ---------------------------------------------------
+
+#: The kinds a sim summary (`nexa sim --sign-key`) and a gate report (`release-gate.sh --sign-key`) are signed with.
+SIM_REPORT_KIND: Final = b"nexa-sim-report-v1"
+GATE_REPORT_KIND: Final = b"nexa-gate-report-v1"
+
+
+def _report_kind(report: SimSummary | GateReport) -> bytes:
+    return SIM_REPORT_KIND if isinstance(report, SimSummary) else GATE_REPORT_KIND
+
+
+def report_body(report: SimSummary | GateReport) -> bytes:
+    """The bytes a report's signature covers: its canonical JSON (API form)."""
+    return _canonical_body(report)
+
+
+def sign_report(key: SigningKey, report: SimSummary | GateReport) -> ReportSignature:
+    """A detached signature over a sim summary or gate report, by the release pipeline's key."""
+    signature = sign(key, _report_kind(report), report_body(report))
+    return ReportSignature(public_key=key.public.b64, signature=base64.b64encode(signature).decode("ascii"))
+
+
+def parse_report_signature(signed: ReportSignature) -> tuple[PublicKey, bytes]:
+    """The key and raw signature of `signed`, or ContractError when either is malformed."""
+    key = PublicKey.from_b64(signed.public_key)
+    try:
+        raw = base64.b64decode(signed.signature.strip(), validate=True)
+    except (binascii.Error, ValueError):
+        raise ContractError("the signature is not base64") from None
+    if len(raw) != SIGNATURE_BYTES:
+        raise ContractError(f"an Ed25519 signature is {SIGNATURE_BYTES} bytes, got {len(raw)}")
+    return key, raw
+
+
+def verify_report(signed: ReportSignature, report: SimSummary | GateReport) -> PublicKey:
+    """The key whose signature over `report` holds (it proves integrity; whether that key is trusted
+    is the caller's question). ContractError when malformed, BadSignature when it does not verify."""
+    key, raw = parse_report_signature(signed)
+    try:
+        body = report_body(report)
+    except ValueError:  # a number canonical JSON cannot write: never signed
+        raise BadSignature("the report holds a number no signed report has", kind="report") from None
+    verify(key, raw, _report_kind(report), body)
+    return key
 
 
 # --- runtime qualifications ---------------------------------------------------------------------

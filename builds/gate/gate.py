@@ -2,7 +2,9 @@
 
 One line per check, `PASS name — detail` or `FAIL name — detail` (a failure's findings follow,
 indented), then a closing line; exit 0 only when every check passed, 1 otherwise, 2 on bad usage.
-`--json FILE` writes the `GateReport` (nexa.contracts.evidence) that `nexa evidence --gate` takes.
+`--json FILE` writes the `GateReport` (nexa.contracts.evidence) that `nexa evidence --gate` takes;
+with `--sign-key KEY` a `SignedGateReport` (the report and an Ed25519 signature by KEY), which a
+controller listing KEY's public half in `[evidence] trusted_report_keys` counts as verified.
 
 Checks, in order (`--only a,b` runs some, for development and the gate's own tests):
   ruff-check, ruff-format, mypy, lint-imports   the quality gates
@@ -37,8 +39,10 @@ from typing import Final
 import scans
 import tools
 
+from nexa import security
 from nexa.contracts import codec
-from nexa.contracts.evidence import GateCheck, GateReport
+from nexa.contracts.evidence import GateCheck, GateReport, SignedGateReport
+from nexa.errors import ConfigError
 
 QUALITY: Final = ("ruff-check", "ruff-format", "mypy", "lint-imports")
 CHECKS: Final = (*QUALITY, "sbom", "secrets", "images-pinned", "isolation", "public-leaks")
@@ -110,6 +114,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-state-dir", metavar="DIR", help="that sim's --state-dir (its keys are looked for)")
     p.add_argument("--sbom", metavar="FILE", help="where to write the SBOM (default dist/sbom.cdx.json)")
     p.add_argument("--only", metavar="A,B", help=f"run only these checks ({', '.join(CHECKS)})")
+    p.add_argument(
+        "--sign-key",
+        metavar="FILE",
+        help="with --json: sign the report with this Ed25519 key (nexa keygen --signing), writing a"
+        " SignedGateReport that a controller trusting the key counts as verified",
+    )
     return p
 
 
@@ -123,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             print(f"release-gate: unknown check {', '.join(unknown)} (known: {', '.join(CHECKS)})", file=sys.stderr)
             return EXIT_USAGE
+    try:
+        key = _signing_key(args)
+    except ConfigError as exc:
+        print(f"release-gate: {exc.message}", file=sys.stderr)
+        return EXIT_USAGE
     cache: list[list[str]] = []
 
     def files() -> list[str]:
@@ -151,8 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"release gate: {'clean' if report.clean else 'NOT clean'} ({len(checks) - failed}/{len(checks)} passed)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(codec.api.unstructure(report), indent=2, sort_keys=True) + "\n")
+        written: GateReport | SignedGateReport = report
+        if key is not None:
+            written = SignedGateReport(report=report, signature=security.sign_report(key, report))
+        Path(args.json).write_text(json.dumps(codec.api.unstructure(written), indent=2, sort_keys=True) + "\n")
     return 0 if report.clean else 1
+
+
+def _signing_key(args: argparse.Namespace) -> security.SigningKey | None:
+    if args.sign_key is None:
+        return None
+    if not args.json:
+        raise ConfigError("--sign-key signs the --json report: give --json FILE too")
+    return security.load_signing_key(Path(args.sign_key))
 
 
 if __name__ == "__main__":

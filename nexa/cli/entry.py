@@ -85,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("keygen", help="print a new API key in nexa's format (for bootstrap.admin_key_file)")
     s.add_argument("--backup", action="store_true", help="a backup key instead (32 random bytes, base64)")
+    s.add_argument(
+        "--signing",
+        action="store_true",
+        help="an Ed25519 signing key instead, written to --out (PEM, 0600); prints its public key for"
+        " [evidence] trusted_report_keys (nexa sim --sign-key, release-gate.sh --sign-key)",
+    )
     s.add_argument("--out", metavar="FILE", help="write it to FILE (mode 0600, must not exist) instead of printing it")
     s.set_defaults(handler=_cmd_keygen)
 
@@ -131,8 +137,15 @@ def _cmd_openapi(_: argparse.Namespace) -> int:
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
     from nexa.control.registry import new_api_key
-    from nexa.security import new_backup_key, write_key_file
+    from nexa.security import generate_signing_key, new_backup_key, save_signing_key, write_key_file
 
+    if args.signing:
+        if not args.out or args.backup:
+            raise ConfigError("--signing writes a private key: give --out FILE (and not --backup)")
+        signing = generate_signing_key()
+        save_signing_key(signing, Path(args.out))
+        print(signing.public.b64)
+        return EXIT_OK
     key = new_backup_key() if args.backup else new_api_key()[1]
     if args.out:
         write_key_file(Path(args.out), (key + "\n").encode(), private=True)

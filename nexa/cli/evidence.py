@@ -15,8 +15,13 @@ A bundle is a directory of JSON files and a README, listed by size and sha256 in
 - `README.txt`: what `release_ready` covers, and what it never does.
 
 `release_ready` holds only when the sim passed, every deployment's latest run of each kind meets
-its objectives, and the gate is clean. Acceptance on the real fleet and a named human approval
-stay required: the bundle never claims them.
+its objectives, and the gate is clean, and the sim summary and gate report are both `verified`:
+signed (`nexa sim --sign-key`, `release-gate.sh --sign-key`, giving a `SignedSimSummary` or
+`SignedGateReport` file) by a key the controller trusts. The manifest's `provenance` says which
+part is `verified` and which only `asserted` (a bare report, or one signed by another key or changed
+after signing); `verify` prints it and checks each verified part's signature against the bundle's
+file. A manifest signed before provenance existed reads as asserted, never as ready. Acceptance on
+the real fleet and a named human approval stay required: the bundle never claims them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -36,6 +42,7 @@ from nexa.contracts import codec
 from nexa.contracts.api import SignedAuditCheckpoint
 from nexa.contracts.deployments import DeploymentList
 from nexa.contracts.evidence import (
+    MAX_REPORT_BYTES,
     AuditHead,
     Benchmarks,
     BenchRun,
@@ -47,7 +54,12 @@ from nexa.contracts.evidence import (
     EvidenceSigned,
     GateReport,
     ModelVersion,
+    Origin,
+    PartProvenance,
+    ReportSignature,
     RuntimeImage,
+    SignedGateReport,
+    SignedSimSummary,
     SimSummary,
     StepVerdict,
     Versions,
@@ -57,6 +69,7 @@ from nexa.contracts.qualification import QualificationList
 from nexa.errors import ConfigError, Conflict, ContractError, RemoteError
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
@@ -72,6 +85,8 @@ MANIFEST: Final = "manifest.json"
 MAX_BUNDLE_FILE_BYTES: Final = 64 * 2**20
 #: ... and no manifest past this.
 MAX_MANIFEST_BYTES: Final = 4 * 2**20
+#: The largest `--sim` or `--gate` file read (the controller takes a report of at most MAX_REPORT_BYTES of JSON).
+_MAX_REPORT_FILE_BYTES: Final = 4 * MAX_REPORT_BYTES
 _FORBIDDEN: Final = 403
 _PAGE: Final = "200"
 
@@ -92,6 +107,17 @@ fingerprint it prints with the controller_fingerprint of GET /version.)
 release_ready covers three things only: the `nexa sim` campaign passed ({SIM}), every
 deployment's latest benchmark of each kind meets its service objectives ({BENCHMARKS}), and the
 release gate is clean ({GATE}).
+
+The controller signs release_ready true only over what it could verify. The manifest's provenance
+names, for the sim summary and the gate report, where each comes from:
+  verified  signed by the release pipeline's key (`nexa sim --sign-key`, `release-gate.sh
+            --sign-key`), a key the controller trusts ([evidence] trusted_report_keys); the
+            signature is in the manifest and `nexa evidence verify` checks it against the file;
+  asserted  the client's word only: unsigned, signed by a key the controller does not trust, or
+            changed after it was signed (the note says which). It is recorded and signed as
+            given, and release_ready is false;
+  absent    not given.
+A manifest without provenance (signed before it existed) reads as asserted, never as ready.
 
 {QUALIFICATIONS} holds every runtime qualification (`nexa runtimes qualify`): which runtime
 image digest passed or failed which step on which node architecture and GPU model, each record
@@ -133,11 +159,27 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
 # --- nexa evidence --out DIR --------------------------------------------------------------------
 
 
-def _decoded(path: str, kind: type[T], flag: str) -> T:
+def _decoded(path: str, kind: type[T], flag: str, data: bytes) -> T:
     try:
-        return codec.loads(codec.api, common.read_file(path), kind)
+        return codec.loads(codec.api, data, kind)
     except ContractError as exc:
         raise ConfigError(f"{flag} {path}: not a {kind.__name__} ({exc.message})") from None
+
+
+def _report(
+    path: str, kind: type[T], signed_kind: type[S], unwrap: Callable[[S], tuple[T, ReportSignature]], flag: str
+) -> tuple[T, ReportSignature | None]:
+    """A report file: bare (`kind`, only asserted) or signed (`signed_kind`: the report and its signature)."""
+    data = common.read_file(path)
+    if len(data) > _MAX_REPORT_FILE_BYTES:
+        raise ConfigError(f"{flag} {path}: over {_MAX_REPORT_FILE_BYTES} bytes, not a report nexa writes")
+    try:
+        parsed = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        parsed = None
+    if isinstance(parsed, dict) and "signature" in parsed:
+        return unwrap(_decoded(path, signed_kind, flag, data))
+    return _decoded(path, kind, flag, data), None
 
 
 def _out_dir(text: str | None) -> Path:
@@ -200,12 +242,41 @@ def _dump(value: object) -> bytes:
     return (json.dumps(codec.api.unstructure(value), indent=2, sort_keys=True) + "\n").encode()
 
 
+def _signed_into(c: Any, out: Path, request: EvidenceRequest, files: dict[str, bytes]) -> EvidenceSigned:
+    """Has the controller sign `request`, then writes `files` and the manifest into `out`; a refusal
+    leaves nothing behind."""
+    made = not out.exists()
+    bundle = _BundleDir(out)
+    try:
+        signed: EvidenceSigned = c.post("/api/v1/evidence", EvidenceSigned, body=codec.api.unstructure(request))
+    except BaseException:
+        bundle.close()
+        if made:
+            out.rmdir()  # still empty
+        raise
+    try:
+        for name, data in files.items():
+            bundle.write(name, data)
+        bundle.write(MANIFEST, _dump(signed))
+    finally:
+        bundle.close()
+    return signed
+
+
 def _write(args: argparse.Namespace) -> int:
     from nexa import security
 
     out = _out_dir(args.out)
-    sim = _decoded(args.sim, SimSummary, "--sim") if args.sim else None
-    gate = _decoded(args.gate, GateReport, "--gate") if args.gate else None
+    sim, sim_signature = (
+        _report(args.sim, SimSummary, SignedSimSummary, lambda s: (s.summary, s.signature), "--sim")
+        if args.sim
+        else (None, None)
+    )
+    gate, gate_signature = (
+        _report(args.gate, GateReport, SignedGateReport, lambda g: (g.report, g.signature), "--gate")
+        if args.gate
+        else (None, None)
+    )
     binary, note = _binary(args.binary)
     files: dict[str, bytes] = {}
     with common.client(args) as c:
@@ -269,19 +340,14 @@ def _write(args: argparse.Namespace) -> int:
         files[AUDIT_HEAD] = _dump(head)
         files[QUALIFICATIONS] = _dump(QualificationList(qualifications=qualified))
         files[README] = README_TEXT.encode()
-        bundle = _BundleDir(out)
-        for name, data in files.items():
-            bundle.write(name, data)
         listed = [
             EvidenceFile(path=name, sha256=hashlib.sha256(data).hexdigest(), size=len(data))
             for name, data in sorted(files.items())
         ]
-        request = EvidenceRequest(sim=sim, gate=gate, files=listed)
-        signed = c.post("/api/v1/evidence", EvidenceSigned, body=codec.api.unstructure(request))
-    try:
-        bundle.write(MANIFEST, _dump(signed))
-    finally:
-        bundle.close()
+        request = EvidenceRequest(
+            sim=sim, gate=gate, files=listed, sim_signature=sim_signature, gate_signature=gate_signature
+        )
+        signed = _signed_into(c, out, request, files)
     m = signed.manifest
     key = security.PublicKey.from_b64(signed.public_key)
     if args.json:
@@ -292,8 +358,18 @@ def _write(args: argparse.Namespace) -> int:
     print(f"release_ready: {str(m.release_ready).lower()}")
     for reason in m.checks.reasons:
         print(f"  - {reason}")
+    _print_provenance(m)
     print(m.statement)
     return EXIT_OK
+
+
+def _print_provenance(m: EvidenceManifest) -> None:
+    if m.provenance is None:
+        print("provenance: none recorded (signed before provenance existed): sim and gate read as asserted")
+        return
+    for name, part in (("sim", m.provenance.sim), ("gate", m.provenance.gate)):
+        by = f" (signed by key {part.signed_by})" if part.signed_by else ""
+        print(f"{name}: {part.provenance.value}{by}")
 
 
 # --- nexa evidence verify DIR -------------------------------------------------------------------
@@ -387,6 +463,34 @@ def recompute(root: Path, manifest: EvidenceManifest) -> tuple[dict[str, bool], 
     return {"sim_passed": sim_passed, "benchmarks_meet_objectives": benchmarks_ok, "gate_clean": gate_clean}, problems
 
 
+def _provenance_problems(root: Path, manifest: EvidenceManifest) -> list[str]:
+    """Each `verified` part's signature checked again, over the bundle's file."""
+    from nexa import security
+    from nexa.errors import BadSignature
+
+    assert manifest.provenance is not None
+    problems: list[str] = []
+    parts: tuple[tuple[str, PartProvenance, type[SimSummary] | type[GateReport]], ...] = (
+        (SIM, manifest.provenance.sim, SimSummary),
+        (GATE, manifest.provenance.gate, GateReport),
+    )
+    for name, part, kind in parts:
+        if part.provenance is not Origin.VERIFIED:
+            continue
+        report = _load_listed(root, manifest, name, kind, [])
+        if part.signature is None or report is None:
+            problems.append(f"provenance: {name} is verified in the manifest, but its signature or file is missing")
+            continue
+        try:
+            key = security.verify_report(part.signature, report)
+        except (BadSignature, ContractError):
+            problems.append(f"provenance: {name}: the signature in the manifest does not verify over the file")
+            continue
+        if key.fingerprint != part.signed_by:
+            problems.append(f"provenance: {name}: signed by key {key.fingerprint}, the manifest says {part.signed_by}")
+    return problems
+
+
 def verify_bundle(root: Path, trusted_public_key: str | None) -> tuple[EvidenceSigned | None, list[str]]:
     """Every problem of the bundle in `root` (empty: it holds), offline."""
     from nexa import security
@@ -411,6 +515,11 @@ def verify_bundle(root: Path, trusted_public_key: str | None) -> tuple[EvidenceS
                 f"release rule: {name} is {str(value).lower()} from the files, the manifest says {str(claimed).lower()}"
             )
     ready = all(checks.values())
+    if manifest.provenance is not None:
+        problems += _provenance_problems(root, manifest)
+        ready = ready and all(
+            p.provenance is Origin.VERIFIED for p in (manifest.provenance.sim, manifest.provenance.gate)
+        )
     if manifest.release_ready != ready:
         problems.append(
             f"release rule: release_ready is {str(ready).lower()} from the files, the manifest says"
@@ -458,9 +567,16 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"controller fingerprint {m.controller_fingerprint}: compare it with GET /version's")
         if trusted is None:
             print("no --public-key: this proves the bundle is intact, not who signed it")
-        print(f"release_ready: {str(m.release_ready).lower()} (sim, benchmarks and gate only)")
+        if m.provenance is None and m.release_ready:
+            print(
+                "release_ready: false: the manifest says true, but it records no provenance (signed before it"
+                " existed), so its sim and gate are only asserted"
+            )
+        else:
+            print(f"release_ready: {str(m.release_ready).lower()} (sim, benchmarks and gate only)")
         for reason in m.checks.reasons:
             print(f"  - {reason}")
+        _print_provenance(m)
         print("real-fleet acceptance: required; human approval: required (the bundle claims neither)")
     if problems:
         for problem in problems:

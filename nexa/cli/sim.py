@@ -25,6 +25,12 @@ def add_commands(sub: Any) -> None:
     s.add_argument(
         "--public-answers", metavar="FILE", help="write every non-2xx public answer (and a sample of 2xx) as JSON lines"
     )
+    s.add_argument(
+        "--sign-key",
+        metavar="FILE",
+        help="with --json: sign the summary with this Ed25519 key (nexa keygen --signing), writing a"
+        " SignedSimSummary that a controller trusting the key counts as verified in nexa evidence",
+    )
     s.add_argument("--state-dir", default=".nexa/sim", help="the sim's own directory, emptied at start")
     s.add_argument(
         "--report-to",
@@ -44,7 +50,9 @@ def _say(line: str) -> None:
 def _cmd_sim(args: argparse.Namespace) -> int:
     import trio
 
+    from nexa import security
     from nexa.contracts import codec
+    from nexa.contracts.evidence import SignedSimSummary, SimSummary
     from nexa.sim import run
     from nexa.sim.campaign import UnknownSteps, pick, table
     from nexa.sim.steps import NAMES
@@ -56,6 +64,11 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps: {exc}") from None
     if args.seed < 0:
         raise ConfigError("--seed: a whole number, 0 or more")
+    key = None
+    if args.sign_key:
+        if not args.json_file:
+            raise ConfigError("--sign-key signs the --json summary: give --json FILE too")
+        key = security.load_signing_key(Path(args.sign_key))
     setup_logging(args.log_level)
     answers = Path(args.public_answers) if args.public_answers else None
     report_to = None
@@ -83,6 +96,9 @@ def _cmd_sim(args: argparse.Namespace) -> int:
         return EXIT_INTERRUPTED
     print(table(summary))
     if args.json_file:
-        Path(args.json_file).write_text(codec.dumps(codec.api, summary) + "\n")
+        written: SimSummary | SignedSimSummary = summary
+        if key is not None:
+            written = SignedSimSummary(summary=summary, signature=security.sign_report(key, summary))
+        Path(args.json_file).write_text(codec.dumps(codec.api, written) + "\n")
     sys.stdout.flush()
     return EXIT_OK if summary.passed else EXIT_FAILED

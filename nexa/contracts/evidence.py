@@ -13,6 +13,10 @@
   `required`.
 - The bundle's other files (`Versions`, `Benchmarks`, `AuditHead`) are defined here too, so the
   format `nexa evidence verify` reads is documented in one place.
+- A sim summary or gate report may come **signed** (`SignedSimSummary`, `SignedGateReport`: `nexa
+  sim --sign-key`, `builds/release-gate.sh --sign-key`). The controller counts it as `verified` only
+  when the signature holds and its key is one it trusts (`[evidence] trusted_report_keys`); anything
+  else is `asserted` (`EvidenceProvenance`), and `release_ready` is never true over an asserted part.
 """
 
 from __future__ import annotations
@@ -31,6 +35,10 @@ MAX_POINTS: Final = 64
 MAX_SUMMARY_CHARS: Final = 500
 #: A concurrency or rate step's bound.
 MAX_CONCURRENCY: Final = 100_000
+#: The most steps of a sim summary, and checks of a gate report, an evidence request may carry ...
+MAX_REPORT_ITEMS: Final = 256
+#: ... and the largest either may be (its canonical JSON).
+MAX_REPORT_BYTES: Final = 256 * 1024
 
 
 class BenchKind(enum.StrEnum):
@@ -233,6 +241,51 @@ class EvidenceManifest:
         "release_ready covers the simulation, the benchmarks and the release gate only. Acceptance on "
         "the real fleet and a named human approval are still required; this bundle does not claim them."
     )
+    #: Where the sim summary and the gate report come from. None: a manifest signed before
+    #: provenance existed; it reads as both asserted, never as ready (and its signature leaves it out).
+    provenance: EvidenceProvenance | None = None
+
+
+class Origin(enum.StrEnum):
+    """Where a part of `release_ready` comes from."""
+
+    #: Signed by a key the controller trusts (`[evidence] trusted_report_keys`), and the signature holds.
+    VERIFIED = "verified"
+    #: The client's word only: unsigned, signed by a key the controller does not trust, or changed after signing.
+    ASSERTED = "asserted"
+    #: Not given.
+    ABSENT = "absent"
+
+
+@attrs.frozen(kw_only=True)
+class ReportSignature:
+    """A detached Ed25519 signature over a sim summary's or gate report's canonical JSON (API
+    form), with kind `nexa-sim-report-v1` or `nexa-gate-report-v1` (`security.sign_report`)."""
+
+    #: The signer's Ed25519 public key (base64 of the raw 32 bytes).
+    public_key: str
+    #: base64 of the 64-byte signature.
+    signature: str
+
+
+@attrs.frozen(kw_only=True)
+class PartProvenance:
+    provenance: Origin
+    #: `verified`: the signature the controller checked (`nexa evidence verify` checks it again
+    #: against the bundle's file).
+    signature: ReportSignature | None = None
+    #: The signing key's fingerprint, where the part was signed.
+    signed_by: str = ""
+    #: Why it is only asserted, and what to do.
+    note: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class EvidenceProvenance:
+    """Per part of `release_ready`: `release_ready` needs both `verified`."""
+
+    sim: PartProvenance
+    gate: PartProvenance
 
 
 @attrs.frozen(kw_only=True)
@@ -292,6 +345,23 @@ class GateReport:
 
 
 @attrs.frozen(kw_only=True)
+class SignedSimSummary:
+    """What `nexa sim --json FILE --sign-key KEY` writes (`nexa evidence --sim` takes it or a bare `SimSummary`)."""
+
+    summary: SimSummary
+    signature: ReportSignature
+
+
+@attrs.frozen(kw_only=True)
+class SignedGateReport:
+    """What `builds/release-gate.sh --json FILE --sign-key KEY` writes (`nexa evidence --gate` takes
+    it or a bare `GateReport`)."""
+
+    report: GateReport
+    signature: ReportSignature
+
+
+@attrs.frozen(kw_only=True)
 class EvidenceRequest:
     """`POST /api/v1/evidence`: the client's parts; the controller adds its own and signs.
 
@@ -304,6 +374,10 @@ class EvidenceRequest:
     gate: GateReport | None = None
     #: Every file of the bundle the client wrote, by digest (the manifest lists them).
     files: list[EvidenceFile] = attrs.Factory(list)
+    #: `sim`'s signature (`SignedSimSummary.signature`); without it the summary is only asserted.
+    sim_signature: ReportSignature | None = None
+    #: `gate`'s signature (`SignedGateReport.signature`); without it the report is only asserted.
+    gate_signature: ReportSignature | None = None
 
 
 # --- the files of a release-evidence bundle (`nexa evidence --out DIR`) besides the summaries above ---

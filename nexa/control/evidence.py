@@ -5,6 +5,12 @@ holds; the controller adds what only it knows (its version and fingerprint, the 
 benchmark check from the runs it stored), decides `release_ready`, and signs the manifest
 (`security.sign_evidence`; `security.verify_signed` checks it offline). The manifest never
 claims acceptance on the real fleet or a human approval.
+
+The controller does not take the client's word for the sim and the gate: each is `verified` only
+when it comes with a signature that holds by a key in `[evidence] trusted_report_keys` (the
+release pipeline's, `nexa sim --sign-key`, `release-gate.sh --sign-key`). Anything else (no
+signature, another key, a report changed after signing) is recorded and signed as `asserted`,
+with why, and `release_ready` is false. A malformed signature or an oversize report is refused.
 """
 
 from __future__ import annotations
@@ -12,29 +18,76 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final
 
 from nexa import __version__, security
-from nexa.contracts.evidence import EvidenceManifest, EvidenceRequest, EvidenceSigned, ReleaseChecks, StepVerdict
+from nexa.contracts.evidence import (
+    MAX_REPORT_BYTES,
+    MAX_REPORT_ITEMS,
+    EvidenceManifest,
+    EvidenceProvenance,
+    EvidenceRequest,
+    EvidenceSigned,
+    GateReport,
+    Origin,
+    PartProvenance,
+    ReleaseChecks,
+    ReportSignature,
+    SimSummary,
+    StepVerdict,
+)
 from nexa.control import store as st
 from nexa.control.benchmarks import Benchmarks, judge
 from nexa.control.deployments import Deployments
 from nexa.control.registry import Actor, audit_draft
-from nexa.errors import ContractError
-from nexa.security import SigningKey
+from nexa.errors import BadSignature, ContractError
+from nexa.security import PublicKey, SigningKey
 from nexa.telemetry import Metrics
 
 #: The most files one manifest lists, and the longest path of one.
 MAX_FILES: Final = 1000
 MAX_PATH_CHARS: Final = 255
 _SHA256_RE: Final = re.compile(r"[0-9a-f]{64}")
+_SIGNED_RUN: Final = {
+    "sim": "nexa sim --json FILE --sign-key KEY",
+    "gate": "builds/release-gate.sh --json FILE --sign-key KEY",
+}
 _NO_RUN: Final = "no benchmark recorded: run nexa bench concurrency --deployment NAME against each deployment"
 
 
-def request_problems(req: EvidenceRequest) -> list[str]:
-    """What is wrong with an evidence request's file list (relative paths, each once, sha256 hex)."""
+def _report_problems(
+    name: str, report: SimSummary | GateReport | None, items: int, signature: ReportSignature | None
+) -> list[str]:
+    """What is wrong with a report's size, or its signature's form (whether it holds is checked later)."""
     problems: list[str] = []
+    if report is None:
+        if signature is not None:
+            problems.append(f"{name}_signature: a signature without its {name} report")
+        return problems
+    if items > MAX_REPORT_ITEMS:
+        problems.append(f"{name}: at most {MAX_REPORT_ITEMS} steps or checks")
+    else:
+        try:
+            size = len(security.report_body(report))
+        except ValueError:
+            size = 0
+            problems.append(f"{name}: holds a number JSON cannot carry")
+        if size > MAX_REPORT_BYTES:
+            problems.append(f"{name}: at most {MAX_REPORT_BYTES} bytes of JSON, this is {size}")
+    if signature is not None:
+        try:
+            security.parse_report_signature(signature)
+        except ContractError as exc:
+            problems.append(f"{name}_signature: {exc.message} (write the report again with --sign-key)")
+    return problems
+
+
+def request_problems(req: EvidenceRequest) -> list[str]:
+    """What is wrong with an evidence request: its file list (relative paths, each once, sha256
+    hex), an oversize report, a malformed signature."""
+    problems = _report_problems("sim", req.sim, len(req.sim.steps) if req.sim else 0, req.sim_signature)
+    problems += _report_problems("gate", req.gate, len(req.gate.checks) if req.gate else 0, req.gate_signature)
     if len(req.files) > MAX_FILES:
         problems.append(f"files: at most {MAX_FILES}")
     seen: set[str] = set()
@@ -69,6 +122,7 @@ class Evidence:
         *,
         signing_key: Callable[[], SigningKey],
         fingerprint: Callable[[], str],
+        report_keys: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._store = store
@@ -78,6 +132,38 @@ class Evidence:
         self._signing_key = signing_key
         self._fingerprint = fingerprint
         self._clock = clock
+        self._report_keys = frozenset(PublicKey.from_b64(k) for k in report_keys)
+
+    def provenance(
+        self, name: str, report: SimSummary | GateReport | None, signed: ReportSignature | None
+    ) -> PartProvenance:
+        """Whether `report` is verified (a trusted key's signature holds over it) or only asserted, and why."""
+        flag = _SIGNED_RUN[name]
+        if report is None:
+            return PartProvenance(provenance=Origin.ABSENT)
+        if signed is None:
+            return PartProvenance(
+                provenance=Origin.ASSERTED,
+                note=f"the {name} report is not signed: write it with {flag}, a key in [evidence] trusted_report_keys",
+            )
+        key, _ = security.parse_report_signature(signed)  # its form was checked by request_problems
+        if key not in self._report_keys:
+            return PartProvenance(
+                provenance=Origin.ASSERTED,
+                signed_by=key.fingerprint,
+                note=f"the {name} report is signed by key {key.fingerprint}, which this controller does not trust:"
+                " add its public key to [evidence] trusted_report_keys, or sign with a trusted one",
+            )
+        try:
+            security.verify_report(signed, report)
+        except BadSignature:
+            return PartProvenance(
+                provenance=Origin.ASSERTED,
+                signed_by=key.fingerprint,
+                note=f"the {name} report's signature by key {key.fingerprint} does not verify: the report was"
+                f" changed after it was signed; run it again with {flag}",
+            )
+        return PartProvenance(provenance=Origin.VERIFIED, signature=signed, signed_by=key.fingerprint)
 
     async def benchmark_check(self) -> tuple[bool, list[str]]:
         """Whether every deployment's latest run of each kind meets the deployment's objectives now."""
@@ -111,6 +197,13 @@ class Evidence:
         elif not req.gate.clean:
             failed = [c.name for c in req.gate.checks if not c.ok]
             reasons.append("the release gate is not clean" + (f": {', '.join(failed[:8])} failed" if failed else ""))
+        provenance = EvidenceProvenance(
+            sim=self.provenance("sim", req.sim, req.sim_signature),
+            gate=self.provenance("gate", req.gate, req.gate_signature),
+        )
+        parts = (provenance.sim, provenance.gate)
+        reasons += [f"asserted, not verified: {p.note}" for p in parts if p.provenance is Origin.ASSERTED]
+        verified = all(p.provenance is Origin.VERIFIED for p in parts)
         seq, head = await self._store.run(st.audit_head)
         checks = ReleaseChecks(
             sim_passed=sim_passed, benchmarks_meet_objectives=benchmarks_ok, gate_clean=gate_clean, reasons=reasons
@@ -123,7 +216,8 @@ class Evidence:
             audit_head_hash=head,
             files=list(req.files),
             checks=checks,
-            release_ready=sim_passed and benchmarks_ok and gate_clean,
+            release_ready=sim_passed and benchmarks_ok and gate_clean and verified,
+            provenance=provenance,
         )
         signed = security.sign_evidence(self._signing_key(), manifest)
         digest = hashlib.sha256(security.evidence_body(manifest)).hexdigest()

@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -281,7 +281,9 @@ async def _serve_control(
                     key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
                 ),
             )
-            await _keep_records(state, gateway, controller=owner, unowned=alone)
+            await _keep_records(
+                state, gateway, controller=owner, unowned=alone, report_keys=cfg.evidence.trusted_report_keys
+            )
             if (prev := keys.previous) is not None and prev.overlap_until > time.time():
                 # Restarted within a rotation's overlap: nodes that say hello are still told.
                 old = await trio.to_thread.run_sync(retired_signing_key, keys_dir, prev.key_id)
@@ -514,9 +516,12 @@ async def _lead(
             await nursery.start(supervised, name, fn)
 
 
-async def _keep_records(state: AppState, gateway: Gateway, *, controller: str | None, unowned: bool) -> None:
+async def _keep_records(
+    state: AppState, gateway: Gateway, *, controller: str | None, unowned: bool, report_keys: Sequence[str] = ()
+) -> None:
     """Jobs (each backup and rollout recorded as one, named by `controller` on a shared store),
-    benchmark runs, evidence signing and runtime qualifications (which answer through `gateway`)."""
+    benchmark runs, evidence signing (trusting sim and gate reports signed by `report_keys`) and
+    runtime qualifications (which answer through `gateway`)."""
     jobs = state.jobs = Jobs(state.store, state.metrics, controller=controller)
     if interrupted := await jobs.fail_interrupted(unowned=unowned):
         log.warning("%d backup job(s) left running by the previous controller process: failed", interrupted)
@@ -531,6 +536,7 @@ async def _keep_records(state: AppState, gateway: Gateway, *, controller: str | 
         state.benchmarks,
         signing_key=lambda: state.signing_key,
         fingerprint=lambda: state.controller_keys.fingerprint,
+        report_keys=report_keys,
     )
     state.qualifications = Qualifications(
         state.store,

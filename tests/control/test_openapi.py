@@ -178,6 +178,20 @@ def test_bodies_are_generated_from_the_contract_types() -> None:
     assert metrics == {"type": "object", "additionalProperties": {"type": "number"}}
 
 
+def test_evidence_describes_report_signatures_and_provenance() -> None:
+    """Issue 30 point 10: the request carries each report's signature, the signed manifest where each part comes from."""
+    schemas = openapi.document()["components"]["schemas"]
+    request = schemas["EvidenceRequest"]["properties"]
+    for name in ("sim_signature", "gate_signature"):
+        assert request[name]["anyOf"] == [{"$ref": "#/components/schemas/ReportSignature"}, {"type": "null"}]
+    assert schemas["ReportSignature"]["required"] == ["public_key", "signature"]
+    manifest = schemas["EvidenceManifest"]["properties"]
+    assert manifest["provenance"]["anyOf"] == [{"$ref": "#/components/schemas/EvidenceProvenance"}, {"type": "null"}]
+    assert schemas["EvidenceProvenance"]["required"] == ["sim", "gate"]
+    assert schemas["PartProvenance"]["properties"]["provenance"] == {"$ref": "#/components/schemas/Origin"}
+    assert schemas["Origin"]["enum"] == ["verified", "asserted", "absent"]
+
+
 async def test_the_document_is_served_without_a_key(controller: Controller) -> None:
     async with httpx.AsyncClient(base_url=controller.url) as http:
         resp = await http.get("/api/v1/openapi.json")
