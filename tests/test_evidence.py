@@ -1,22 +1,48 @@
 """`nexa evidence --out DIR` against a real controller process, and `nexa evidence verify DIR`
 offline: the bundle verifies; a changed byte of any file or of the manifest, an extra or a missing
-file fails it, named; release_ready is false with its reasons when the sim failed."""
+file fails it, named; release_ready is false with its reasons when the sim failed. A real sim run
+and gate report signed by the key the controller trusts are verified; a bare one, or one edited by
+a byte, is signed as asserted; `verify` shows each part's provenance and reads a manifest without
+it as asserted (issue 30 point 10)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import attrs
 import httpx
 import pytest
 
+from nexa import security
 from nexa.contracts import codec
-from nexa.contracts.evidence import GateCheck, GateReport, SimStep, SimSummary, StepVerdict
-from tests.conftest import ControllerProcess
+from nexa.contracts.evidence import (
+    Benchmarks,
+    BenchRun,
+    BenchRunCreate,
+    BenchVerdict,
+    DeploymentObjectives,
+    EvidenceManifest,
+    EvidenceSigned,
+    GateCheck,
+    GateReport,
+    ServiceObjectives,
+    SimStep,
+    SimSummary,
+    StepVerdict,
+)
+from tests.conftest import ControllerProcess, free_port
+from tests.support.bench import bench_run
+from tests.support.evidence import SignedReports, one_byte_edited, signed_reports
+
+__all__ = ["signed_reports"]  # the session fixture, used here
 
 BUNDLE = {
     "versions.json",
@@ -246,3 +272,178 @@ def test_verify_reads_no_more_than_the_manifest_says(controller_process: Control
         f.truncate(64 * 2**20)
     done = offline("evidence", "verify", str(huge))
     assert done.returncode == 1 and "FAIL manifest.json: missing or unreadable" in done.stderr
+
+
+# --- provenance: what the controller saw (issue 30 point 10) ------------------------------------
+
+
+@pytest.fixture
+def trusting(tmp_path: Path, signed_reports: SignedReports) -> Iterator[ControllerProcess]:
+    """`nexa control` that trusts the release key of `signed_reports` (`[evidence] trusted_report_keys`)."""
+    config = tmp_path / "control.toml"
+    config.write_text(f'[evidence]\ntrusted_report_keys = ["{signed_reports.public_key}"]\n')
+    cp = ControllerProcess(state_dir=tmp_path / "state", port=free_port())
+    try:
+        cp.start("--config", str(config))
+        yield cp
+    finally:
+        cp.kill()
+
+
+def evidence(cp: ControllerProcess, out: Path, sim: Path, gate: Path) -> subprocess.CompletedProcess[str]:
+    return cp.cli("evidence", "--out", str(out), "--sim", str(sim), "--gate", str(gate), token=operator_key(cp))
+
+
+def test_signed_reports_are_verified_and_verify_shows_each_parts_provenance(
+    trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
+) -> None:
+    out = tmp_path / "bundle"
+    done = evidence(trusting, out, signed_reports.sim_file, signed_reports.gate_file)
+    assert done.returncode == 0, done.stderr
+    release = security.PublicKey.from_b64(signed_reports.public_key).fingerprint
+    assert f"sim: verified (signed by key {release})" in done.stdout
+    assert f"gate: verified (signed by key {release})" in done.stdout
+    manifest = json.loads((out / "manifest.json").read_text())["manifest"]
+    # Only the benchmarks are missing (this controller has no deployment): sim and gate count.
+    assert manifest["checks"]["reasons"] == [
+        "no benchmark recorded: run nexa bench concurrency --deployment NAME against each deployment"
+    ]
+    assert manifest["checks"]["sim_passed"] is True and manifest["checks"]["gate_clean"] is True
+    signed_sim = json.loads(signed_reports.sim_file.read_text())
+    assert manifest["provenance"]["sim"]["signature"] == signed_sim["signature"]
+    assert json.loads((out / "sim-summary.json").read_text()) == signed_sim["summary"]  # the bare report
+    readme = (out / "README.txt").read_text()
+    assert "verified  signed by the release pipeline's key" in readme and "asserted  the client's word" in readme
+
+    verified = offline("evidence", "verify", str(out), "--public-key", public_key(trusting))
+    assert verified.returncode == 0, verified.stderr
+    assert f"sim: verified (signed by key {release})" in verified.stdout
+    assert f"gate: verified (signed by key {release})" in verified.stdout
+
+
+def test_a_bare_or_edited_report_is_signed_as_asserted_never_ready(
+    trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
+) -> None:
+    edited = one_byte_edited(signed_reports.sim_file, tmp_path / "edited-sim.json")
+    _, bare_gate = write_inputs(tmp_path, sim_summary())  # `clean: true`, claimed, unsigned
+    out = tmp_path / "bundle"
+    done = evidence(trusting, out, edited, bare_gate)
+    assert done.returncode == 0, done.stderr
+    release = security.PublicKey.from_b64(signed_reports.public_key).fingerprint
+    assert "release_ready: false" in done.stdout
+    assert f"  - asserted, not verified: the sim report's signature by key {release} does not verify" in done.stdout
+    assert "  - asserted, not verified: the gate report is not signed" in done.stdout
+    assert f"sim: asserted (signed by key {release})" in done.stdout and "gate: asserted\n" in done.stdout
+    manifest = json.loads((out / "manifest.json").read_text())["manifest"]
+    assert manifest["release_ready"] is False
+    assert manifest["checks"]["sim_passed"] is True and manifest["checks"]["gate_clean"] is True  # as claimed
+    assert {p: manifest["provenance"][p]["provenance"] for p in ("sim", "gate")} == {
+        "sim": "asserted",
+        "gate": "asserted",
+    }
+
+    verified = offline("evidence", "verify", str(out), "--public-key", public_key(trusting))
+    assert verified.returncode == 0, verified.stderr  # consistent: signed as asserted
+    assert "release_ready: false" in verified.stdout and "sim: asserted" in verified.stdout
+
+
+def test_a_malformed_signature_or_oversize_report_is_refused_and_writes_nothing(
+    trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
+) -> None:
+    forged = json.loads(signed_reports.sim_file.read_text())
+    forged["signature"]["signature"] = "AAAA"
+    forged_file = tmp_path / "forged.json"
+    forged_file.write_text(json.dumps(forged))
+    out = tmp_path / "bundle"
+    done = evidence(trusting, out, forged_file, signed_reports.gate_file)
+    assert done.returncode == 1
+    assert "sim_signature: an Ed25519 signature is 64 bytes, got 3" in done.stderr
+    assert not out.exists()
+
+    huge = tmp_path / "huge.json"
+    huge.write_text(json.dumps({"padding": "x" * 2**20}))
+    done = evidence(trusting, out, huge, signed_reports.gate_file)
+    assert done.returncode == 2 and f"--sim {huge}: over" in done.stderr
+    assert not out.exists()
+    signs = trusting.cli("audit", "list", "--action", "evidence.sign", "--json", check=True)
+    assert json.loads(signs.stdout)["events"] == []
+
+
+def _resigned(src: Path, dst: Path, key: security.SigningKey, edit: Any, **files: bytes) -> Path:
+    """A copy of bundle `src` with `files` replaced, listed again, and the manifest `edit`ed and
+    signed by `key` (a forger's, or a controller's before provenance existed)."""
+    shutil.copytree(src, dst)
+    signed = codec.loads(codec.api, (src / "manifest.json").read_text(), EvidenceSigned)
+    listed = []
+    for f in signed.manifest.files:
+        data = files.get(f.path.replace(".", "_").replace("-", "_"))
+        if data is not None:
+            (dst / f.path).write_bytes(data)
+        listed.append(f if data is None else attrs.evolve(f, size=len(data), sha256=hashlib.sha256(data).hexdigest()))
+    manifest: EvidenceManifest = edit(attrs.evolve(signed.manifest, files=listed))
+    (dst / "manifest.json").write_text(codec.dumps(codec.api, security.sign_evidence(key, manifest)))
+    return dst
+
+
+def test_verify_checks_a_verified_parts_signature_against_the_bundles_file(
+    trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
+) -> None:
+    """A forger re-signs a bundle whose sim summary they edited, keeping the release key's
+    signature in the provenance: without --public-key the manifest holds, the sim's signature does not."""
+    out = tmp_path / "bundle"
+    assert evidence(trusting, out, signed_reports.sim_file, signed_reports.gate_file).returncode == 0
+    edited = json.loads(one_byte_edited(signed_reports.sim_file, tmp_path / "edited.json").read_text())["summary"]
+    forger = security.generate_signing_key()
+    forged = _resigned(out, tmp_path / "forged", forger, lambda m: m, sim_summary_json=json.dumps(edited).encode())
+    done = offline("evidence", "verify", str(forged))
+    assert done.returncode == 1
+    assert "FAIL provenance: sim-summary.json: the signature in the manifest does not verify over the file" in (
+        done.stderr
+    )
+
+
+def test_a_manifest_without_provenance_verifies_and_reads_as_asserted_never_ready(
+    trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
+) -> None:
+    """A bundle signed before provenance existed, whose benchmarks met their objectives and whose
+    manifest says release_ready true: it still verifies, and reads as not ready."""
+    out = tmp_path / "bundle"
+    assert evidence(trusting, out, signed_reports.sim_file, signed_reports.gate_file).returncode == 0
+    create = codec.structure(codec.api, bench_run(), BenchRunCreate)
+    run = BenchRun(
+        id="b1",
+        recorded_at=1.0,
+        recorded_by="k",
+        replicas=1,
+        objectives=ServiceObjectives(),
+        verdict=BenchVerdict(meets_objectives=True),
+        run=create,
+    )
+    met = Benchmarks(
+        runs=[run], deployments=[DeploymentObjectives(name="chat-a", replicas=1, objectives=ServiceObjectives())]
+    )
+    old_controller = security.generate_signing_key()
+
+    def before_provenance(m: EvidenceManifest) -> EvidenceManifest:
+        checks = attrs.evolve(m.checks, benchmarks_meet_objectives=True, reasons=[])
+        return attrs.evolve(m, checks=checks, release_ready=True, provenance=None)
+
+    old = _resigned(
+        out,
+        tmp_path / "old",
+        old_controller,
+        before_provenance,
+        benchmarks_json=codec.dumps(codec.api, met).encode(),
+    )
+    assert (
+        "provenance"
+        not in security.evidence_body(
+            codec.loads(codec.api, (old / "manifest.json").read_text(), EvidenceSigned).manifest
+        ).decode()
+    )
+    done = offline("evidence", "verify", str(old), "--public-key", old_controller.public.b64)
+    assert done.returncode == 0, done.stderr
+    assert "release_ready: false: the manifest says true, but it records no provenance" in done.stdout
+    assert "provenance: none recorded (signed before provenance existed): sim and gate read as asserted" in (
+        done.stdout
+    )
