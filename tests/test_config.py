@@ -126,3 +126,21 @@ def test_a_channel_address_that_is_not_host_port_is_refused_by_name(bad: str) ->
         with pytest.raises(ConfigError, match=r"use HOST:PORT or tcp://HOST:PORT") as info:
             config.structure_config({"channel": {key: bad}}, ControlConfig)
         assert repr(bad) in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("['']", "evidence: trusted_report_keys: an empty key"),
+        ("['not base64!']", r"evidence\.trusted_report_keys\[0\]: not valid base64"),
+        ("['AAAA']", r"evidence\.trusted_report_keys\[0\]: an Ed25519 public key is 32 bytes"),
+        ("'x'", r"evidence\.trusted_report_keys: expected a list"),
+    ],
+)
+def test_trusted_report_keys_must_be_public_keys(tmp_path: Path, value: str, needle: str) -> None:
+    """Issue 30 point 10: the release pipeline's keys, each named when it is not an Ed25519 public key."""
+    with pytest.raises(ConfigError, match=needle):
+        config.load(write(tmp_path, f"[evidence]\ntrusted_report_keys = {value}\n"), ControlConfig)
+    key = "A" * 43 + "="
+    loaded = config.load(write(tmp_path, f"[evidence]\ntrusted_report_keys = ['{key}']\n"), ControlConfig)
+    assert loaded.evidence.trusted_report_keys == (key,)

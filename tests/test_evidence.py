@@ -447,3 +447,15 @@ def test_a_manifest_without_provenance_verifies_and_reads_as_asserted_never_read
     assert "provenance: none recorded (signed before provenance existed): sim and gate read as asserted" in (
         done.stdout
     )
+
+
+def test_keygen_signing_writes_a_private_key_and_prints_its_public_half(tmp_path: Path) -> None:
+    key_file = tmp_path / "release.pem"
+    done = offline("keygen", "--signing", "--out", str(key_file))
+    assert done.returncode == 0, done.stderr
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert security.load_signing_key(key_file).public.b64 == done.stdout.strip()
+    again = offline("keygen", "--signing", "--out", str(key_file))
+    assert again.returncode != 0 and security.load_signing_key(key_file).public.b64 == done.stdout.strip()
+    missing = offline("keygen", "--signing")
+    assert missing.returncode == 2 and "--signing writes a private key: give --out FILE" in missing.stderr

@@ -307,3 +307,25 @@ def test_an_unknown_check_is_a_usage_error(tmp_path: Path) -> None:
     done = gate(tmp_path, "images-pinned,nonsense")
     assert done.returncode == 2
     assert "unknown check nonsense (known: ruff-check," in done.stderr
+
+
+# --- a signed report (issue 30 point 10) ----------------------------------------------------------
+
+
+def test_sign_key_signs_the_json_report_and_needs_json(tmp_path: Path) -> None:
+    from nexa import security
+    from nexa.contracts import codec
+    from nexa.contracts.evidence import SignedGateReport
+
+    key = security.generate_signing_key()
+    security.save_signing_key(key, tmp_path / "release.pem")
+    done = gate(tmp_path, "images-pinned", "--sign-key", str(tmp_path / "release.pem"))
+    assert done.returncode == 2 and "--sign-key signs the --json report: give --json FILE too" in done.stderr
+    assert "PASS" not in done.stdout  # refused before any check ran
+
+    report_file = tmp_path / "gate.json"
+    done = gate(tmp_path, "images-pinned", "--json", str(report_file), "--sign-key", str(tmp_path / "release.pem"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    signed = codec.loads(codec.api, report_file.read_text(), SignedGateReport)
+    assert signed.report.clean and [c.name for c in signed.report.checks] == ["images-pinned"]
+    assert security.verify_report(signed.signature, signed.report) == key.public

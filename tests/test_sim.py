@@ -231,3 +231,15 @@ def test_the_unhealthy_fault_is_parsed_and_checked() -> None:
     with pytest.raises(ConfigError) as caught:
         Faults.from_json({"unhealthy": "yes"})
     assert caught.value.problems == ("unhealthy: must be true or false",)
+
+
+def test_sign_key_without_json_or_with_an_unreadable_key_is_bad_usage(tmp_path: Path) -> None:
+    """Issue 30 point 10: `--sign-key` signs the `--json` summary; either wrong, nothing is started."""
+    done = _nexa("sim", "--steps", "enroll", "--sign-key", str(tmp_path / "k.pem"), "--state-dir", str(tmp_path / "s"))
+    assert done.returncode == 2 and "--sign-key signs the --json summary: give --json FILE too" in done.stderr
+    (tmp_path / "bad.pem").write_text("not a key")
+    (tmp_path / "bad.pem").chmod(0o600)
+    args = ("--json", str(tmp_path / "sim.json"), "--sign-key", str(tmp_path / "bad.pem"))
+    done = _nexa("sim", "--steps", "enroll", "--state-dir", str(tmp_path / "s"), *args)
+    assert done.returncode == 2 and "is not an unencrypted PEM private key" in done.stderr
+    assert not (tmp_path / "s").exists() and not (tmp_path / "sim.json").exists()
