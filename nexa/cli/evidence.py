@@ -138,11 +138,22 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
         help="write a release-evidence bundle signed by the controller (operator); `nexa evidence verify DIR`",
         description="Writes versions, the sim summary, benchmark runs, the gate report and the audit head into"
         " DIR, has the controller sign their digests (POST /api/v1/evidence) and prints release_ready with each"
-        " failing reason. `nexa evidence verify DIR` checks a bundle offline.",
+        " failing reason and where the sim and gate reports come from: verified (signed by a key in the"
+        " controller's [evidence] trusted_report_keys) or asserted (never release-ready)."
+        " `nexa evidence verify DIR` checks a bundle offline.",
     )
     evidence.add_argument("--out", metavar="DIR", help="a new or empty directory to write the bundle into")
-    evidence.add_argument("--sim", metavar="FILE", help="the summary `nexa sim --json FILE` wrote")
-    evidence.add_argument("--gate", metavar="FILE", help="the report `builds/release-gate.sh --json FILE` wrote")
+    evidence.add_argument(
+        "--sim",
+        metavar="FILE",
+        help="the summary `nexa sim --json FILE` wrote; verified only when signed (--sign-key) by a trusted key",
+    )
+    evidence.add_argument(
+        "--gate",
+        metavar="FILE",
+        help="the report `builds/release-gate.sh --json FILE` wrote; verified only when signed (--sign-key) by a"
+        " trusted key",
+    )
     evidence.add_argument("--binary", metavar="PATH", help="the nexa executable released (default: this one if frozen)")
     evidence.set_defaults(handler=_write)
     verbs = evidence.add_subparsers(metavar="VERB", prog="nexa evidence")

@@ -221,7 +221,10 @@ class Evidence:
         )
         signed = security.sign_evidence(self._signing_key(), manifest)
         digest = hashlib.sha256(security.evidence_body(manifest)).hexdigest()
-        detail = f"release_ready {str(manifest.release_ready).lower()}; {len(req.files)} file(s); manifest {digest}"
+        detail = (
+            f"release_ready {str(manifest.release_ready).lower()}; sim {provenance.sim.provenance.value}, gate"
+            f" {provenance.gate.provenance.value}; {len(req.files)} file(s); manifest {digest}"
+        )
         draft = audit_draft(actor, "evidence.sign", f"evidence/{digest[:16]}", None, manifest, detail=detail)
         event = await self._store.run(st.record_audit, draft)
         self._metrics.audit_events.labels(event.result.value).inc()

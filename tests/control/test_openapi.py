@@ -179,7 +179,7 @@ def test_bodies_are_generated_from_the_contract_types() -> None:
 
 
 def test_evidence_describes_report_signatures_and_provenance() -> None:
-    """Issue 30 point 10: the request carries each report's signature, the signed manifest where each part comes from."""
+    """Issue 30 point 10: the request carries each report's signature; the manifest, where each part comes from."""
     schemas = openapi.document()["components"]["schemas"]
     request = schemas["EvidenceRequest"]["properties"]
     for name in ("sim_signature", "gate_signature"):
