@@ -16,7 +16,7 @@ from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts.models import ModelArtifact
 from nexa.control.outbound import Outbound, parse_challenge
 from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, Unavailable
-from nexa.oci import MANIFEST_MEDIA_TYPES, OCI_MANIFEST, RegistryCredentials, parse_image_reference
+from nexa.oci import MANIFEST_MEDIA_TYPES, OCI_MANIFEST, RegistryAuths, RegistryCredentials, parse_image_reference
 from tests.support.oci import config_blob, index_of, manifest_for, sha
 
 MANIFEST = "application/vnd.oci.image.index.v1+json"
@@ -36,7 +36,15 @@ SERVED = {
 }
 DIGEST = "sha256:" + hashlib.sha256(INDEX_BODY).hexdigest()
 IMAGE = f"registry.example.com/team/vllm@{DIGEST}"
-CREDS = RegistryCredentials(username="puller", password="pa55-word")
+#: The realm is on another host: named in `token_realms`, it may be sent the credentials.
+CREDS = RegistryAuths.of(
+    RegistryCredentials(
+        registry="registry.example.com",
+        username="puller",
+        password="pa55-word",
+        token_realms=frozenset({"auth.example.com"}),
+    )
+)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +121,7 @@ class FakeRegistry:
         )
 
 
-def make(handler: httpx.MockTransport, creds: RegistryCredentials | None = CREDS) -> Outbound:
+def make(handler: httpx.MockTransport, creds: RegistryAuths | None = CREDS) -> Outbound:
     return Outbound(
         OciConfig(),
         ArtifactStoreConfig(s3_endpoint="https://s3.example.com"),
