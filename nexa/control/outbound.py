@@ -232,6 +232,9 @@ class Outbound:
                     continue
                 if response.status_code != 200:
                     return response, b""
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise too_large()  # refused before a byte of the body is read
                 chunks: list[bytes] = []
                 size = 0
                 # httpx's iterator is an async generator: close it here, not when trio finalizes it.
