@@ -14,8 +14,8 @@ import pytest
 
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts.models import ModelArtifact
-from nexa.control.outbound import Outbound, parse_challenge
-from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, Unavailable
+from nexa.control.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound, parse_challenge
+from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, RegistryAnswerRefused, Unavailable
 from nexa.oci import MANIFEST_MEDIA_TYPES, OCI_MANIFEST, RegistryAuths, RegistryCredentials, parse_image_reference
 from tests.support.oci import config_blob, index_of, manifest_for, sha
 
@@ -169,6 +169,28 @@ async def test_a_registry_answering_another_digest_is_not_trusted() -> None:
 
     async with make(httpx.MockTransport(handler)) as out:
         with pytest.raises(DigestUnknown):
+            await out.check_image(IMAGE)
+
+
+# httpx leaves its inner stream iterator to the garbage collector when one stops early
+# (encode/httpx#3686), as in the artifact test below.
+@pytest.mark.filterwarnings("ignore:Async generator 'httpx\\.:ResourceWarning")
+async def test_a_streamed_token_answer_is_cut_off_at_its_bound() -> None:
+    """Without a Content-Length the answer is read until the bound, then refused."""
+
+    async def endless() -> AsyncIterator[bytes]:
+        yield b'{"token": "'
+        for _ in range(MAX_TOKEN_ANSWER_BYTES // 1024 + 1):
+            yield b"x" * 1024
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "auth.example.com":
+            return httpx.Response(200, content=endless())
+        challenge = 'Bearer realm="https://auth.example.com/token",service="x"'
+        return httpx.Response(401, headers={"WWW-Authenticate": challenge})
+
+    async with make(httpx.MockTransport(handler)) as out:
+        with pytest.raises(RegistryAnswerRefused, match=f"more than {MAX_TOKEN_ANSWER_BYTES} bytes"):
             await out.check_image(IMAGE)
 
 
