@@ -60,13 +60,17 @@ class ImageReference:
     @property
     def loopback(self) -> bool:
         """Whether the registry is on this machine (localhost, 127.0.0.0/8 or ::1)."""
-        host = self.host
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback_host(self.host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or address (without port or brackets) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_image_reference(image: str) -> ImageReference:

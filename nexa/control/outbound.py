@@ -55,6 +55,7 @@ from nexa.oci import (
     ImageReference,
     RegistryAuths,
     RegistryCredentials,
+    is_loopback_host,
     parse_image_config,
     parse_image_reference,
     parse_manifest,
@@ -185,9 +186,7 @@ class Outbound:
 
     def _plain_http_allowed(self, url: httpx.URL) -> bool:
         """Plain HTTP only to a loopback host with `oci.tls_verify` off (as `manifest_url`)."""
-        host = url.host
-        loopback = ImageReference(registry=f"[{host}]" if ":" in host else host, repository="", digest="").loopback
-        return not self._oci.tls_verify and loopback
+        return not self._oci.tls_verify and is_loopback_host(url.host)
 
     async def _get_capped(
         self,
@@ -294,7 +293,8 @@ class Outbound:
         command, user, env, working directory, exposed ports. Raises ContractError for a
         reference not pinned by digest, DigestUnknown when the registry answers that it has no
         such manifest (or repository, or config), ManifestInvalid when what it serves is not that
-        manifest, Unavailable when the registry cannot be reached or refuses our credentials.
+        manifest, RegistryAnswerRefused for a redirect to another host or a token answer over its
+        bound, Unavailable when the registry cannot be reached or refuses our credentials.
         """
         client = self._open(self._registry)
         ref = parse_image_reference(image)

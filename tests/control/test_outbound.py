@@ -223,3 +223,24 @@ async def test_an_artifact_streamed_without_a_length_is_cut_off_at_the_first_byt
         with pytest.raises(ArtifactSizeMismatch, match="more than the declared"):
             await out.verify_artifact(declared)
     assert len(sent) < 10  # stopped reading: never pulled the rest of the stream
+
+
+@pytest.mark.parametrize(
+    ("location", "refusal"),
+    [
+        ("http://registry.example.com/v2/team/vllm/plain", "which is not https"),  # a downgrade
+        ("/v2/team/vllm/again", "more than 5 times"),  # a loop on the registry's own host
+    ],
+)
+async def test_a_manifest_redirect_to_plain_http_or_in_a_loop_is_refused(location: str, refusal: str) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(307, headers={"Location": location})
+
+    async with make(httpx.MockTransport(handler)) as out:
+        with pytest.raises(RegistryAnswerRefused, match=refusal):
+            await out.check_image(IMAGE)
+    assert all(r.url.scheme == "https" for r in seen)
+    assert len(seen) <= 6
