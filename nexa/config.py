@@ -314,7 +314,8 @@ class OciConfig:
     #: 127.0.0.0/8, ::1) is reached over plain HTTP and any other over HTTPS without certificate
     #: checks. Turn it off only for a test registry.
     tls_verify: bool = True
-    #: Optional JSON file {"username": …, "password": …}; read at start, never logged.
+    #: Optional JSON file {"auths": {"HOST[:PORT]": {"username": …, "password": …, "token_realms": […]}}}
+    #: (`oci.load_registry_credentials`); an entry goes only to its registry. Never logged.
     credentials_file: str = ""
 
 
@@ -539,7 +540,8 @@ class PodmanConfig:
     socket: str = "/run/podman/podman.sock"
     #: Verify the registry's TLS certificate when pulling (turn off only for a loopback test registry).
     registry_tls_verify: bool = True
-    #: Optional JSON file {"username": …, "password": …} for the registry; read at start, never logged.
+    #: Optional JSON file {"auths": {"HOST[:PORT]": {"username": …, "password": …}}} (as `[oci]
+    #: credentials_file`); podman is handed an entry only to pull from that registry. Never logged.
     registry_credentials_file: str = ""
     #: Leave runtime containers running when the agent stops (they are adopted on its next start).
     leave_running_on_exit: bool = True

@@ -77,6 +77,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ArtifactMissing [artifact_missing]: the S3-compatible store has no such object
     - SignatureRejected [signature_rejected]: a required detached signature is missing or does not verify
     - CheckpointRejected [audit_checkpoint_rejected]: an audit checkpoint that this controller's key did not sign
+    - RegistryAnswerRefused [registry_answer_refused]: a registry answer too large, or a redirect to another host
   + StoreError [store_error, HTTP 500]: the durable store failed
     - StoreUnusable [store_unusable]: the database cannot be used any more (ends the process)
     - StateDirLocked [state_dir_locked]: another process owns the state directory
@@ -408,6 +409,18 @@ class CheckpointRejected(VerificationFailed):
     """`audit verify --against`: the checkpoint's signature is not the controller's (HTTP 422)."""
 
     code = "audit_checkpoint_rejected"
+
+
+class RegistryAnswerRefused(VerificationFailed):
+    """An OCI registry (or its token service) answered in a way nexa does not follow: more bytes
+    than a token answer or manifest may hold, or a redirect for a manifest or a token to another
+    host (where the request's credentials must not go). The message says what to check."""
+
+    code = "registry_answer_refused"
+
+    def __init__(self, message: str, *, registry: str) -> None:
+        super().__init__(message)
+        self.registry = registry
 
 
 class Overloaded(NexaError):

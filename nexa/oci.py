@@ -7,6 +7,7 @@ the credentials file (at start, and again when it changes); the password is neve
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import logging
@@ -59,13 +60,17 @@ class ImageReference:
     @property
     def loopback(self) -> bool:
         """Whether the registry is on this machine (localhost, 127.0.0.0/8 or ::1)."""
-        host = self.host
-        if host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback_host(self.host)
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether a host name or address (without port or brackets) is this machine's loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def parse_image_reference(image: str) -> ImageReference:
@@ -100,17 +105,107 @@ def parse_image_reference(image: str) -> ImageReference:
 
 # --- registry credentials -----------------------------------------------------------------------
 
+#: Names that mean Docker Hub in a credentials file (Docker's own config.json keys it by the first);
+#: all of them stand for the host its API answers on.
+_DOCKER_HUB_NAMES: Final = frozenset(
+    {"index.docker.io", "docker.io", "registry-1.docker.io", "registry.hub.docker.com"}
+)
+_HOST_RE: Final = re.compile(r"^(?:[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?\.)*[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?$")
+#: What a credentials entry may hold: Docker's `auth` (base64 of user:password) or the two apart.
+_ENTRY_KEYS: Final = frozenset({"username", "password", "auth", "token_realms"})
+_FORMAT_HINT: Final = (
+    'write it as {"auths": {"REGISTRY-HOST[:PORT]": {"username": "…", "password": "…"}}} '
+    "(Docker's config.json shape), one entry per registry the credentials belong to"
+)
 
-@attrs.frozen
+
+def registry_authority(name: str) -> str:
+    """`host[:port]` as credentials are matched: lower-case, without a scheme, path or the
+    default port 443; IPv6 in brackets; Docker Hub's names (`docker.io`, `index.docker.io`, …)
+    as the host its API answers on. ValueError for anything that names no host."""
+    text = name.strip().lower()
+    for scheme in ("https://", "http://"):
+        text = text.removeprefix(scheme)
+    text = text.partition("/")[0]
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest.removeprefix(":") if rest.startswith(":") else ("" if not rest else "x")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ValueError(f"{name!r} is not a registry host") from None
+        host = f"[{host}]"
+    else:
+        host, _, port = text.partition(":")
+        if not _HOST_RE.match(host):
+            raise ValueError(f"{name!r} is not a registry host")
+    if port and (not port.isdigit() or not 0 < int(port) < 65536):
+        raise ValueError(f"{name!r} has an invalid port")
+    if port == "443":
+        port = ""
+    if host in _DOCKER_HUB_NAMES and not port:
+        host = DOCKER_HUB_API
+    return f"{host}:{port}" if port else host
+
+
+def url_authority(host: str, port: int | None) -> str:
+    """The authority (as `registry_authority` writes it) of a URL's host and explicit port."""
+    bracketed = f"[{host}]" if ":" in host else host
+    return registry_authority(f"{bracketed}:{port}" if port is not None else bracketed)
+
+
+@attrs.frozen(kw_only=True)
 class RegistryCredentials:
-    """A username and password for an OCI registry. The password is never shown."""
+    """A username and password for one OCI registry. The password is never shown.
 
+    They are sent to `registry` only, and to a token service (the realm of a registry's
+    `WWW-Authenticate: Bearer` challenge) on another host only when that host is in `token_realms`.
+    """
+
+    #: `host[:port]`, as `registry_authority` writes it.
+    registry: str
     username: str
     password: str = attrs.field(repr=False)
+    #: Token services on other hosts (`host[:port]`) that may be sent these credentials.
+    token_realms: frozenset[str] = frozenset()
+
+    def may_get_token_from(self, authority: str) -> bool:
+        """Whether these credentials may go to the token service at `authority` (`host[:port]`)."""
+        return authority == self.registry or authority in self.token_realms
 
 
-def load_registry_credentials(path: str | os.PathLike[str]) -> RegistryCredentials:
-    """Read a JSON file `{"username": …, "password": …}`; ConfigError (never quoting the file) when it is bad."""
+@attrs.frozen
+class RegistryAuths:
+    """A credentials file: credentials per registry host. `for_registry` is the only way to one."""
+
+    entries: tuple[RegistryCredentials, ...] = ()
+
+    @classmethod
+    def of(cls, *entries: RegistryCredentials) -> RegistryAuths:
+        return cls(tuple(entries))
+
+    def for_registry(self, registry: str) -> RegistryCredentials | None:
+        """The credentials of the registry at `registry` (`host[:port]` in any form
+        `registry_authority` reads), or None: no credential is ever lent to another host."""
+        try:
+            authority = registry_authority(registry)
+        except ValueError:
+            return None
+        return next((e for e in self.entries if e.registry == authority), None)
+
+    def for_image(self, image: str) -> RegistryCredentials | None:
+        """The credentials of the registry an image reference names (`parse_image_reference`), or None."""
+        return self.for_registry(parse_image_reference(image).registry)
+
+    def secrets(self) -> list[str]:
+        """Every username and password, for scrubbing messages that may echo them."""
+        return [s for e in self.entries for s in (e.password, e.username)]
+
+
+def load_registry_credentials(path: str | os.PathLike[str]) -> RegistryAuths:
+    """Read a JSON file `{"auths": {"HOST[:PORT]": {"username": …, "password": …}}}` (or Docker's
+    `"auth": base64(user:password)`; `"token_realms": ["HOST[:PORT]", …]` names token services on
+    other hosts that may be sent them); ConfigError (never quoting a secret) when it is bad."""
     where = os.fspath(path)
     try:
         raw = Path(where).read_bytes()
@@ -126,31 +221,112 @@ def load_registry_credentials(path: str | os.PathLike[str]) -> RegistryCredentia
         line = getattr(exc, "lineno", None)
         at = f" (line {line})" if line is not None else ""
         raise ConfigError(f"the registry credentials file {where} is not valid JSON{at}") from None
+    if isinstance(data, dict) and "auths" not in data and {"username", "password"} & set(data):
+        raise ConfigError(
+            f"the registry credentials file {where} names no registry, so nexa cannot tell where its "
+            f"credentials may go: {_FORMAT_HINT}",
+            problems=("auths: required (credentials are sent only to the registry hosts named there)",),
+        )
     problems: list[str] = []
+    entries: list[RegistryCredentials] = []
+    auths = data.get("auths") if isinstance(data, dict) else None
     if not isinstance(data, dict):
-        problems.append("expected a JSON object with username and password")
+        problems.append(f"expected a JSON object: {_FORMAT_HINT}")
+    elif not isinstance(auths, dict) or not auths:
+        problems.append("auths: an object keyed by registry host with at least one entry is required")
     else:
-        for key in ("username", "password"):
-            value = data.get(key)
-            if not isinstance(value, str) or not value:
-                problems.append(f"{key}: a non-empty string is required")
-        problems.extend(f"{key}: unknown key" for key in sorted(set(data) - {"username", "password"}))
+        problems.extend(f"{key}: unknown key (only auths is read)" for key in sorted(set(data) - {"auths"}))
+        seen: dict[str, str] = {}
+        for name, entry in auths.items():
+            found = _credentials_entry(name, entry, problems)
+            if found is None:
+                continue
+            if found.registry in seen:
+                problems.append(f"auths.{name}: the same registry as auths.{seen[found.registry]}")
+                continue
+            seen[found.registry] = name
+            entries.append(found)
     if problems:
         raise ConfigError(
             f"the registry credentials file {where} is invalid: {'; '.join(problems)}", problems=tuple(problems)
         )
-    return RegistryCredentials(username=data["username"], password=data["password"])
+    return RegistryAuths(tuple(entries))
+
+
+def _credentials_entry(name: str, entry: object, problems: list[str]) -> RegistryCredentials | None:
+    """One `auths` entry, or None with its problems added (never quoting a secret)."""
+    at = f"auths.{name}"
+    before = len(problems)
+    try:
+        registry = registry_authority(name)
+    except ValueError:
+        problems.append(f"{at}: the key must be a registry host[:port] (e.g. registry.example.com:5000)")
+        registry = ""
+    if not isinstance(entry, dict):
+        problems.append(f"{at}: expected an object with username and password")
+        return None
+    problems.extend(f"{at}.{key}: unknown key" for key in sorted(set(entry) - _ENTRY_KEYS))
+    username, password = _entry_secret(entry, at, problems)
+    realms = _token_realms(entry.get("token_realms", []), at, problems)
+    if len(problems) > before:
+        return None
+    return RegistryCredentials(registry=registry, username=username, password=password, token_realms=realms)
+
+
+def _entry_secret(entry: dict[str, object], at: str, problems: list[str]) -> tuple[str, str]:
+    """The username and password of an entry: Docker's `auth` or the two keys."""
+    if "auth" in entry:
+        if "username" in entry or "password" in entry:
+            problems.append(f"{at}: give auth or username and password, not both")
+        try:
+            decoded = base64.b64decode(str(entry["auth"]), validate=True).decode()
+        except (ValueError, UnicodeDecodeError):
+            decoded = ""
+        username, _, password = decoded.partition(":")
+        if not username or not password:
+            problems.append(f"{at}.auth: must be the base64 of username:password")
+        return username, password
+    found: list[str] = []
+    for key in ("username", "password"):
+        value = entry.get(key)
+        if not isinstance(value, str) or not value:
+            problems.append(f"{at}.{key}: a non-empty string is required")
+        found.append(value if isinstance(value, str) else "")
+    return found[0], found[1]
+
+
+def _token_realms(raw: object, at: str, problems: list[str]) -> frozenset[str]:
+    """The hosts of an entry's `token_realms`, as `registry_authority` writes them."""
+    if not isinstance(raw, list) or not all(isinstance(r, str) for r in raw):
+        problems.append(f"{at}.token_realms: a list of token service hosts (host[:port]) is required")
+        return frozenset()
+    realms: set[str] = set()
+    for realm in raw:
+        try:
+            realms.add(registry_authority(realm))
+        except ValueError:
+            problems.append(f"{at}.token_realms: {realm!r} is not a host[:port]")
+    return frozenset(realms)
 
 
 def registry_credentials(
     path: str, *, on_invalid: Callable[[], None] | None = None
-) -> Callable[[], RegistryCredentials] | None:
+) -> Callable[[], RegistryAuths] | None:
     """The registry credentials in `path`, re-read whenever the file changes (a file that turns
     invalid keeps the last good ones: `config.WatchedFile`); None when no file is configured.
     ConfigError when the file is bad at start. Sync: call it off the event loop."""
     if not path:
         return None
     return WatchedFile(path, load_registry_credentials, on_invalid=on_invalid).current
+
+
+def pull_credentials(
+    source: RegistryAuths | Callable[[], RegistryAuths] | None, image: str
+) -> RegistryCredentials | None:
+    """The credentials a node hands its engine (podman, dockerd) to pull `image`: those of the
+    registry the reference names, or None (no credential ever goes to another registry)."""
+    auths = source() if callable(source) else source
+    return None if auths is None else auths.for_image(image)
 
 
 # --- platforms: what an index or a manifest's config says the image runs on ----------------------

@@ -215,13 +215,13 @@ def sample_runtime(port: int = 18300, digest: str = "0" * 64) -> RuntimeSpec:
 
 
 @contextlib.contextmanager
-def serving_http(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
-    """A threaded stdlib HTTP server with `handler` on 127.0.0.1 (a fake peer); yields its URL."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def serving_http(handler: type[http.server.BaseHTTPRequestHandler], host: str = "127.0.0.1") -> Iterator[str]:
+    """A threaded stdlib HTTP server with `handler` on `host` (a loopback address: a fake peer); yields its URL."""
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://{host}:{server.server_address[1]}"
     finally:
         server.shutdown()
         thread.join()

@@ -1,8 +1,9 @@
 """Real parts for tests (a pytest plugin, loaded by `tests/conftest.py`): a rootful podman service, an OCI
-registry, a fake CDI GPU, test images built offline and pushed to that registry (busybox, and a Debian
-python image whose debootstrap root filesystem is cached between runs: see `python_image`), and an
-S3-compatible store (SeaweedFS, `s3_store`), and a real model runtime: the llama-cpp-python image
-(`llama_image`), a generated tiny llama GGUF (`tiny_gguf`) and its embedding form (`tiny_embedding_gguf`).
+registry (and a second one that demands basic auth: `authed_oci_registry`), a fake CDI GPU, test images
+built offline and pushed to that registry (busybox, and a Debian python image whose debootstrap root
+filesystem is cached between runs: see `python_image`), and an S3-compatible store (SeaweedFS,
+`s3_store`), and a real model runtime: the llama-cpp-python image (`llama_image`), a generated tiny
+llama GGUF (`tiny_gguf`) and its embedding form (`tiny_embedding_gguf`).
 
 Each fixture is session-scoped: it starts its part once per test run in the run's temporary folder and,
 in `finally`, stops only the processes it started (by PID) and removes only what it created. A missing
@@ -27,6 +28,7 @@ import struct
 import subprocess
 import tarfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final, NoReturn
@@ -234,32 +236,74 @@ def podman_socket(podman_service: PodmanService) -> str:
     return podman_service.socket
 
 
-@pytest.fixture(scope="session")
-def oci_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OciRegistry]:
-    """`docker-registry serve` on 127.0.0.1:<free port>, storing in the run's temporary folder."""
-    need("docker-registry")
-    base = tmp_path_factory.mktemp("registry")
-    registry = OciRegistry(host=f"127.0.0.1:{_free_port()}")
-    config = base / "registry.yml"
-    config.write_text(registry_config(registry.host, base / "data"))
+@contextlib.contextmanager
+def _serving_registry(base: Path, host: str, config: str, ready_status: int) -> Iterator[float]:
+    """`docker-registry serve` with `config` until the block ends; yields its start-up seconds."""
+    path = base / "registry.yml"
+    path.write_text(config)
     log = base / "registry.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            ["docker-registry", "serve", str(config)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            ["docker-registry", "serve", str(path)], stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
         )
     try:
 
         def answers() -> bool:
             with httpx.Client(trust_env=False, timeout=2) as http:
                 try:
-                    return http.get(f"{registry.url}/v2/").status_code == 200
+                    return http.get(f"http://{host}/v2/").status_code == ready_status
                 except httpx.TransportError:
                     return False
 
-        yield attrs.evolve(registry, startup_s=_wait_until(answers, proc, "docker-registry", log))
+        yield _wait_until(answers, proc, "docker-registry", log)
     finally:
         _stop(proc)
         shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def oci_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OciRegistry]:
+    """`docker-registry serve` on 127.0.0.1:<free port>, storing in the run's temporary folder."""
+    need("docker-registry")
+    base = tmp_path_factory.mktemp("registry")
+    registry = OciRegistry(host=f"127.0.0.1:{_free_port()}")
+    with _serving_registry(base, registry.host, registry_config(registry.host, base / "data"), 200) as startup_s:
+        yield attrs.evolve(registry, startup_s=startup_s)
+
+
+@attrs.frozen
+class AuthedRegistry:
+    """A second distribution registry on 127.0.0.1 that demands basic auth (its htpasswd file)."""
+
+    host: str
+    username: str
+    password: str = attrs.field(repr=False)
+
+    @property
+    def auth(self) -> tuple[str, str]:
+        return (self.username, self.password)
+
+
+@pytest.fixture(scope="session")
+def authed_oci_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AuthedRegistry]:
+    """`docker-registry serve` with `auth: htpasswd` (bcrypt, as the registry requires; made by
+    libcrypt through Python's `crypt`) on 127.0.0.1:<free port>: every request needs Basic auth."""
+    need("docker-registry")
+    base = tmp_path_factory.mktemp("authed-registry")
+    registry = AuthedRegistry(host=f"127.0.0.1:{_free_port()}", username="puller", password=os.urandom(9).hex())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # `crypt` is deprecated, and the one bcrypt at hand
+        import crypt
+
+        hashed = crypt.crypt(registry.password, crypt.mksalt(crypt.METHOD_BLOWFISH, rounds=16))
+    if not hashed or not hashed.startswith("$2"):
+        _missing("libcrypt cannot make bcrypt hashes (needed for the registry's htpasswd)")
+    (base / "htpasswd").write_text(f"{registry.username}:{hashed}\n")
+    config = registry_config(registry.host, base / "data") + (
+        f"auth: {{htpasswd: {{realm: nexa-test, path: {base / 'htpasswd'}}}}}\n"
+    )
+    with _serving_registry(base, registry.host, config, 401):
+        yield registry
 
 
 @pytest.fixture(scope="session")

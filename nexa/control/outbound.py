@@ -9,13 +9,21 @@ S3-compatible store, hashing and counting it, stopping as soon as more bytes tha
 arrive; nothing is written to disk. Network failures become `Unavailable`
 (retryable); answers that contradict the claim become `VerificationFailed` subclasses or
 `ArtifactDigestMismatch`. Credentials are never logged, and never sent to anyone but the
-registry's own token service or the configured store.
+configured store and the registry they are configured for (`oci.RegistryAuths`): a token service
+on another host gets them only when the credentials file names it (`token_realms`).
+
+Redirects: a manifest or token request follows a redirect only on the host it was sent to (with
+its Authorization); one to another host is refused (`RegistryAnswerRefused`). A config blob
+(content-addressed, its bytes checked against the digest) follows a redirect to another host, as
+registries send blobs to their storage, but without the Authorization header. Token answers,
+manifests and configs are read up to a bound.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import re
 import time
@@ -37,6 +45,7 @@ from nexa.errors import (
     ArtifactUnavailable,
     DigestUnknown,
     ManifestInvalid,
+    RegistryAnswerRefused,
     Unavailable,
     VerificationFailed,
 )
@@ -44,10 +53,13 @@ from nexa.oci import (
     MANIFEST_MEDIA_TYPES,
     MAX_MANIFEST_BYTES,
     ImageReference,
+    RegistryAuths,
     RegistryCredentials,
+    is_loopback_host,
     parse_image_config,
     parse_image_reference,
     parse_manifest,
+    url_authority,
 )
 from nexa.s3 import CredentialsSource, ObjectStream, S3Client, split_s3_uri
 from nexa.supervision import all_or_first_failure
@@ -62,6 +74,11 @@ READ_TIMEOUT_S: Final = 60.0
 HASH_BLOCK_BYTES: Final = 4 * 1024 * 1024
 #: A manifest's files are checked this many at a time (each a stream or a HEAD).
 VERIFY_PARALLEL: Final = 4
+#: A token service's answer is a small JSON document (a JWT or two); more is refused.
+MAX_TOKEN_ANSWER_BYTES: Final = 64 * 1024
+#: Redirects followed for one registry request.
+MAX_REDIRECTS: Final = 5
+_REDIRECTS: Final = frozenset({301, 302, 303, 307, 308})
 _CHALLENGE_PARAM_RE: Final = re.compile(r'([A-Za-z][A-Za-z0-9_-]*)\s*=\s*"([^"]*)"')
 
 
@@ -113,7 +130,7 @@ class Outbound:
         oci: OciConfig,
         artifacts: ArtifactStoreConfig,
         *,
-        registry_credentials: RegistryCredentials | Callable[[], RegistryCredentials] | None,
+        registry_credentials: RegistryAuths | Callable[[], RegistryAuths] | None,
         s3_credentials: CredentialsSource | None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
@@ -160,6 +177,111 @@ class Outbound:
         scheme = "http" if not self._oci.tls_verify and ref.loopback else "https"
         return f"{scheme}://{ref.registry}/v2/{ref.repository}/manifests/{ref.digest}"
 
+    def _credentials(self, ref: ImageReference) -> RegistryCredentials | None:
+        """The credentials of `ref`'s registry, or None. Asked at each use: the file is re-read
+        when it changed (`oci.registry_credentials`)."""
+        source = self._registry_credentials
+        auths = source() if callable(source) else source
+        return None if auths is None else auths.for_registry(ref.registry)
+
+    def _plain_http_allowed(self, url: httpx.URL) -> bool:
+        """Plain HTTP only to a loopback host with `oci.tls_verify` off (as `manifest_url`)."""
+        return not self._oci.tls_verify and is_loopback_host(url.host)
+
+    async def _get_capped(
+        self,
+        client: httpx.AsyncClient,
+        url: str | httpx.URL,
+        headers: dict[str, str],
+        *,
+        registry: str,
+        what: str,
+        limit: int,
+        too_large: Callable[[], Exception],
+        params: dict[str, str] | None = None,
+        cross_host: bool = False,
+    ) -> tuple[httpx.Response, bytes]:
+        """GET, following redirects by hand, reading at most `limit` bytes of a 200's body
+        (`too_large()` is raised beyond). A redirect on the first request's host keeps the headers;
+        one to another host is followed only with `cross_host`, and then without Authorization;
+        otherwise RegistryAnswerRefused. Never from https to plain http, save to a test registry."""
+        target = httpx.URL(url).copy_merge_params(params) if params else httpx.URL(url)
+        origin = url_authority(target.host, target.port)
+        for _ in range(MAX_REDIRECTS + 1):
+            async with client.stream("GET", target, headers=headers, follow_redirects=False) as response:
+                location = response.headers.get("location")
+                if response.status_code in _REDIRECTS and location:
+                    target = response.url.join(location)
+                    authority = url_authority(target.host, target.port)
+                    if target.scheme != "https" and not (target.scheme == "http" and self._plain_http_allowed(target)):
+                        raise RegistryAnswerRefused(
+                            f"the registry {registry} redirected {what} to {target.scheme}://{authority}, "
+                            "which is not https; nexa follows registry redirects over https only",
+                            registry=registry,
+                        )
+                    if authority != origin:
+                        if not cross_host:
+                            raise RegistryAnswerRefused(
+                                f"the registry {registry} redirected {what} to another host ({authority}); "
+                                "nexa follows such redirects only on the same host, so that no credential "
+                                "leaves it: if that host serves the registry, name it in the image reference",
+                                registry=registry,
+                            )
+                        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+                    continue
+                if response.status_code != 200:
+                    return response, b""
+                declared = response.headers.get("content-length", "")
+                if declared.isdigit() and int(declared) > limit:
+                    raise too_large()  # refused before a byte of the body is read
+                chunks: list[bytes] = []
+                size = 0
+                # httpx's iterator is an async generator: close it here, not when trio finalizes it.
+                async with aclosing(cast("AsyncGenerator[bytes, None]", response.aiter_bytes())) as body:
+                    async for chunk in body:
+                        size += len(chunk)
+                        if size > limit:
+                            raise too_large()
+                        chunks.append(chunk)
+            return response, b"".join(chunks)
+        raise RegistryAnswerRefused(
+            f"the registry {registry} redirected {what} more than {MAX_REDIRECTS} times; "
+            "check the registry's configuration",
+            registry=registry,
+        )
+
+    async def _get_document(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        headers: dict[str, str],
+        ref: ImageReference,
+        image: str,
+        *,
+        what: str,
+        cross_host: bool = False,
+    ) -> tuple[httpx.Response, bytes]:
+        """GET a manifest or config blob, at most MAX_MANIFEST_BYTES (ManifestInvalid beyond)."""
+
+        def too_large() -> Exception:
+            return ManifestInvalid(
+                f"the registry {ref.registry} served more than {MAX_MANIFEST_BYTES} bytes for the {what} "
+                f"of {image}; registries refuse manifests that large, so check that the reference "
+                "names the registry you mean",
+                image=image,
+            )
+
+        return await self._get_capped(
+            client,
+            url,
+            headers,
+            registry=ref.registry,
+            what=f"the {what} of {image}",
+            limit=MAX_MANIFEST_BYTES,
+            too_large=too_large,
+            cross_host=cross_host,
+        )
+
     async def check_image(self, image: str) -> ManifestCheck:
         """Confirm the image's registry holds the manifest with its digest, and read what each
         platform runs.
@@ -171,7 +293,8 @@ class Outbound:
         command, user, env, working directory, exposed ports. Raises ContractError for a
         reference not pinned by digest, DigestUnknown when the registry answers that it has no
         such manifest (or repository, or config), ManifestInvalid when what it serves is not that
-        manifest, Unavailable when the registry cannot be reached or refuses our credentials.
+        manifest, RegistryAnswerRefused for a redirect to another host or a token answer over its
+        bound, Unavailable when the registry cannot be reached or refuses our credentials.
         """
         client = self._open(self._registry)
         ref = parse_image_reference(image)
@@ -214,10 +337,10 @@ class Outbound:
         check that its bytes hash to it."""
         url = self.manifest_url(ref).rsplit("/manifests/", 1)[0] + f"/manifests/{digest}"
         try:
-            response, body = await _get_capped(client, url, headers, image)
+            response, body = await self._get_document(client, url, headers, ref, image, what="manifest")
             if response.status_code == 401:
                 headers["Authorization"] = await self._authorization(client, ref, response)
-                response, body = await _get_capped(client, url, headers, image)
+                response, body = await self._get_document(client, url, headers, ref, image, what="manifest")
         except httpx.HTTPError as exc:
             raise Unavailable(f"the registry {ref.registry} did not answer ({type(exc).__name__})") from exc
         self._refused(response, ref, image, f"manifest {digest} in {ref.repository}")
@@ -240,8 +363,8 @@ class Outbound:
         """Fetch a manifest's config blob (registries may redirect to their storage), check its digest."""
         url = self.manifest_url(ref).rsplit("/manifests/", 1)[0] + f"/blobs/{digest}"
         try:
-            # httpx drops the Authorization header when a redirect leaves the registry's origin.
-            response, body = await _get_capped(client, url, headers, image, follow_redirects=True)
+            # Registries may send blobs to their storage: followed, without the Authorization header.
+            response, body = await self._get_document(client, url, headers, ref, image, what="config", cross_host=True)
         except httpx.HTTPError as exc:
             raise Unavailable(f"the registry {ref.registry} did not answer ({type(exc).__name__})") from exc
         self._refused(response, ref, image, f"config blob {digest} in {ref.repository}")
@@ -260,20 +383,27 @@ class Outbound:
         if status == 404:
             raise DigestUnknown(f"the registry {ref.registry} has no {what}", image=image)
         if status in {401, 403}:
-            hint = "" if self._registry_credentials else " (no oci.credentials_file is configured)"
+            hint = (
+                ""
+                if self._credentials(ref) is not None
+                else f" (the controller has no credentials for {ref.registry}: add it under auths in the file "
+                "oci.credentials_file names)"
+            )
             raise Unavailable(f"the registry {ref.registry} refused access to {ref.repository} ({status}){hint}")
         raise Unavailable(f"the registry {ref.registry} answered {status} for {what}")
 
     async def _authorization(self, client: httpx.AsyncClient, ref: ImageReference, response: httpx.Response) -> str:
-        """The Authorization header a 401 asks for: Basic, or a bearer token from the registry's realm."""
+        """The Authorization header a 401 asks for: Basic, or a bearer token from the registry's
+        realm. Only the credentials of `ref`'s registry are used, and they go to a realm on another
+        host only when the credentials file names it (`token_realms`); else the token is asked
+        for without them."""
         challenge = parse_challenge(response.headers.get("www-authenticate", ""))
-        # Asked at each use: the file is re-read when it changed (`oci.registry_credentials`).
-        source = self._registry_credentials
-        creds = source() if callable(source) else source
+        creds = self._credentials(ref)
         if challenge.scheme == "basic":
             if creds is None:
                 raise Unavailable(
-                    f"the registry {ref.registry} requires credentials; set oci.credentials_file in the controller"
+                    f"the registry {ref.registry} requires credentials and the controller has none for it: "
+                    "add it under auths in the file oci.credentials_file names"
                 )
             return _basic(creds)
         if challenge.scheme != "bearer" or not challenge.params.get("realm"):
@@ -281,16 +411,51 @@ class Outbound:
         realm = httpx.URL(challenge.params["realm"])
         if realm.scheme != "https" and not (realm.scheme == "http" and not self._oci.tls_verify):
             raise Unavailable(f"the registry {ref.registry} named a token service that is not https")
+        realm_host = url_authority(realm.host, realm.port)
         params = {"scope": challenge.params.get("scope") or f"repository:{ref.repository}:pull"}
         if challenge.params.get("service"):
             params["service"] = challenge.params["service"]
-        headers = {"Authorization": _basic(creds)} if creds else {}
-        answer = await client.get(realm, params=params, headers=headers)
+        headers: dict[str, str] = {}
+        withheld = ""
+        if creds is not None and creds.may_get_token_from(realm_host):
+            headers["Authorization"] = _basic(creds)
+        elif creds is not None:
+            withheld = (
+                f"; the credentials of {ref.registry} were not sent to the token service at {realm_host}: if it "
+                f'is that registry\'s, add it to auths["{ref.registry}"].token_realms in oci.credentials_file'
+            )
+            log.warning(
+                "registry %s names a token service on another host (%s) not in its token_realms; asking it "
+                "for a token without credentials",
+                ref.registry,
+                realm_host,
+            )
+
+        def too_large() -> Exception:
+            return RegistryAnswerRefused(
+                f"the token service at {realm_host} (named by the registry {ref.registry}) answered with more "
+                f"than {MAX_TOKEN_ANSWER_BYTES} bytes; a token answer is a small JSON document: check that the "
+                "registry is the one you mean",
+                registry=ref.registry,
+            )
+
+        answer, body = await self._get_capped(
+            client,
+            realm,
+            headers,
+            params=params,
+            registry=ref.registry,
+            what=f"a token request to {realm_host}",
+            limit=MAX_TOKEN_ANSWER_BYTES,
+            too_large=too_large,
+        )
         if answer.status_code != 200:
-            hint = "" if creds else "; it may need credentials (no oci.credentials_file is configured)"
+            hint = withheld or (
+                "" if creds else f"; it may need credentials (the controller has none for {ref.registry})"
+            )
             raise Unavailable(f"the token service of {ref.registry} refused a token ({answer.status_code}){hint}")
         try:
-            data = answer.json()
+            data = json.loads(body)
             token = data.get("token") or data.get("access_token")
         except (ValueError, AttributeError):
             token = None
@@ -477,28 +642,6 @@ async def _digest(response: ObjectStream, obj: _Object, what: str) -> tuple[str,
 def _update(hasher: hashlib._Hash, block: list[bytes]) -> None:
     for chunk in block:
         hasher.update(chunk)  # releases the GIL for large buffers
-
-
-async def _get_capped(
-    client: httpx.AsyncClient, url: str, headers: dict[str, str], image: str, *, follow_redirects: bool = False
-) -> tuple[httpx.Response, bytes]:
-    """GET, reading at most MAX_MANIFEST_BYTES of the body (ManifestInvalid beyond that)."""
-    async with client.stream("GET", url, headers=headers, follow_redirects=follow_redirects) as response:
-        if response.status_code != 200:
-            return response, b""
-        chunks: list[bytes] = []
-        size = 0
-        # httpx's iterator is an async generator: close it here, not when trio finalizes it.
-        async with aclosing(cast("AsyncGenerator[bytes, None]", response.aiter_bytes())) as body:
-            async for chunk in body:
-                size += len(chunk)
-                if size > MAX_MANIFEST_BYTES:
-                    raise ManifestInvalid(
-                        f"the registry served more than {MAX_MANIFEST_BYTES} bytes for a manifest of {image}",
-                        image=image,
-                    )
-                chunks.append(chunk)
-    return response, b"".join(chunks)
 
 
 def _sha256(body: bytes) -> str:

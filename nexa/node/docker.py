@@ -40,7 +40,7 @@ from nexa.node.podman import (
     _require_digest_reference,
     _validate_spec,
 )
-from nexa.oci import RegistryCredentials
+from nexa.oci import RegistryAuths
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class DockerClient(PodmanClient):
         socket_path: str,
         *,
         tls_verify: bool = True,
-        credentials: RegistryCredentials | Callable[[], RegistryCredentials] | None = None,
+        credentials: RegistryAuths | Callable[[], RegistryAuths] | None = None,
         transport: EngineTransport | None = None,
         gpu_method: str = GPU_CDI,
         network: str = DEFAULT_DOCKER_NETWORK,
@@ -303,11 +303,13 @@ class DockerClient(PodmanClient):
         if self._tls_verify:
             await self._refuse_insecure(image)
         headers: dict[str, str] = {}
-        if self._credentials is not None:
+        # Only the credentials of the image's own registry (dockerd does the token exchange itself).
+        credentials = self._pull_credentials(image)
+        if credentials is not None:
             auth = json.dumps(
                 {
-                    "username": self._credentials.username,
-                    "password": self._credentials.password,
+                    "username": credentials.username,
+                    "password": credentials.password,
                     "serveraddress": _registry_of(image),
                 }
             )

@@ -44,7 +44,7 @@ from nexa.errors import (
     PodmanUnavailable,
 )
 from nexa.node.engine_http import READ_TIMEOUT_S, EngineAnswer, EngineHttp, EngineTransport
-from nexa.oci import RegistryCredentials
+from nexa.oci import RegistryAuths, RegistryCredentials, pull_credentials
 
 log = logging.getLogger(__name__)
 
@@ -327,7 +327,7 @@ class PodmanClient:
         socket_path: str,
         *,
         tls_verify: bool = True,
-        credentials: RegistryCredentials | Callable[[], RegistryCredentials] | None = None,
+        credentials: RegistryAuths | Callable[[], RegistryAuths] | None = None,
         transport: EngineTransport | None = None,
         private_network: str = DEFAULT_PRIVATE_NETWORK,
     ) -> None:
@@ -355,16 +355,16 @@ class PodmanClient:
 
     # -- plumbing ---------------------------------------------------------------------------------
 
-    @property
-    def _credentials(self) -> RegistryCredentials | None:
-        """Asked at each pull: a credentials file is re-read when it changed (`oci.registry_credentials`)."""
-        source = self._credentials_source
-        return source() if callable(source) else source
+    def _pull_credentials(self, image: str) -> RegistryCredentials | None:
+        """The credentials of `image`'s own registry, or None (`oci.pull_credentials`). Asked at
+        each pull: a credentials file is re-read when it changed (`oci.registry_credentials`)."""
+        return pull_credentials(self._credentials_source, image)
 
     def _scrub(self, message: str) -> str:
-        if self._credentials is not None:
-            for secret in (self._credentials.password, self._credentials.username):
-                message = message.replace(secret, "***")
+        source = self._credentials_source
+        auths = source() if callable(source) else source
+        for secret in auths.secrets() if auths is not None else ():
+            message = message.replace(secret, "***")
         return message
 
     def _error(self, response: EngineAnswer, what: str, *, missing: type[PodmanError] = PodmanError) -> PodmanError:
@@ -431,8 +431,10 @@ class PodmanClient:
             "policy": "always",
         }
         headers: dict[str, str] = {}
-        if self._credentials is not None:
-            auth = json.dumps({"username": self._credentials.username, "password": self._credentials.password})
+        # Only the credentials of the image's own registry (podman does the token exchange itself).
+        credentials = self._pull_credentials(image)
+        if credentials is not None:
+            auth = json.dumps({"username": credentials.username, "password": credentials.password})
             headers["X-Registry-Auth"] = base64.urlsafe_b64encode(auth.encode()).decode()
         started = time.monotonic()
         what = f"pull {image}"

@@ -14,9 +14,9 @@ import pytest
 
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts.models import ModelArtifact
-from nexa.control.outbound import Outbound, parse_challenge
-from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, Unavailable
-from nexa.oci import MANIFEST_MEDIA_TYPES, OCI_MANIFEST, RegistryCredentials, parse_image_reference
+from nexa.control.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound, parse_challenge
+from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, RegistryAnswerRefused, Unavailable
+from nexa.oci import MANIFEST_MEDIA_TYPES, OCI_MANIFEST, RegistryAuths, RegistryCredentials, parse_image_reference
 from tests.support.oci import config_blob, index_of, manifest_for, sha
 
 MANIFEST = "application/vnd.oci.image.index.v1+json"
@@ -36,7 +36,15 @@ SERVED = {
 }
 DIGEST = "sha256:" + hashlib.sha256(INDEX_BODY).hexdigest()
 IMAGE = f"registry.example.com/team/vllm@{DIGEST}"
-CREDS = RegistryCredentials(username="puller", password="pa55-word")
+#: The realm is on another host: named in `token_realms`, it may be sent the credentials.
+CREDS = RegistryAuths.of(
+    RegistryCredentials(
+        registry="registry.example.com",
+        username="puller",
+        password="pa55-word",
+        token_realms=frozenset({"auth.example.com"}),
+    )
+)
 
 
 @pytest.mark.parametrize(
@@ -113,7 +121,7 @@ class FakeRegistry:
         )
 
 
-def make(handler: httpx.MockTransport, creds: RegistryCredentials | None = CREDS) -> Outbound:
+def make(handler: httpx.MockTransport, creds: RegistryAuths | None = CREDS) -> Outbound:
     return Outbound(
         OciConfig(),
         ArtifactStoreConfig(s3_endpoint="https://s3.example.com"),
@@ -164,6 +172,28 @@ async def test_a_registry_answering_another_digest_is_not_trusted() -> None:
             await out.check_image(IMAGE)
 
 
+# httpx leaves its inner stream iterator to the garbage collector when one stops early
+# (encode/httpx#3686), as in the artifact test below.
+@pytest.mark.filterwarnings("ignore:Async generator 'httpx\\.:ResourceWarning")
+async def test_a_streamed_token_answer_is_cut_off_at_its_bound() -> None:
+    """Without a Content-Length the answer is read until the bound, then refused."""
+
+    async def endless() -> AsyncIterator[bytes]:
+        yield b'{"token": "'
+        for _ in range(MAX_TOKEN_ANSWER_BYTES // 1024 + 1):
+            yield b"x" * 1024
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "auth.example.com":
+            return httpx.Response(200, content=endless())
+        challenge = 'Bearer realm="https://auth.example.com/token",service="x"'
+        return httpx.Response(401, headers={"WWW-Authenticate": challenge})
+
+    async with make(httpx.MockTransport(handler)) as out:
+        with pytest.raises(RegistryAnswerRefused, match=f"more than {MAX_TOKEN_ANSWER_BYTES} bytes"):
+            await out.check_image(IMAGE)
+
+
 async def test_a_token_service_over_plain_http_is_refused_when_tls_is_verified() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         challenge = 'Bearer realm="http://auth.example.com/token",service="x"'
@@ -193,3 +223,24 @@ async def test_an_artifact_streamed_without_a_length_is_cut_off_at_the_first_byt
         with pytest.raises(ArtifactSizeMismatch, match="more than the declared"):
             await out.verify_artifact(declared)
     assert len(sent) < 10  # stopped reading: never pulled the rest of the stream
+
+
+@pytest.mark.parametrize(
+    ("location", "refusal"),
+    [
+        ("http://registry.example.com/v2/team/vllm/plain", "which is not https"),  # a downgrade
+        ("/v2/team/vllm/again", "more than 5 times"),  # a loop on the registry's own host
+    ],
+)
+async def test_a_manifest_redirect_to_plain_http_or_in_a_loop_is_refused(location: str, refusal: str) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(307, headers={"Location": location})
+
+    async with make(httpx.MockTransport(handler)) as out:
+        with pytest.raises(RegistryAnswerRefused, match=refusal):
+            await out.check_image(IMAGE)
+    assert all(r.url.scheme == "https" for r in seen)
+    assert len(seen) <= 6

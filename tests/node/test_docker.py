@@ -30,7 +30,7 @@ from nexa.node.docker import (
 )
 from nexa.node.podman import PodmanClient
 from nexa.node.podman import create_body as libpod_create_body
-from nexa.oci import RegistryCredentials
+from nexa.oci import RegistryAuths, RegistryCredentials
 from tests.realparts import BuiltImages, ContainerEngine
 
 MiB = 1024 * 1024
@@ -209,13 +209,24 @@ async def test_with_tls_verify_a_registry_docker_treats_as_insecure_is_refused()
 async def test_the_pull_sends_credentials_in_x_registry_auth_and_never_in_errors() -> None:
     fake = FakeDocker()
     fake.pull_stream = [{"error": "unauthorized: user s3cret-user with s3cret-pass"}]
-    creds = RegistryCredentials(username="s3cret-user", password="s3cret-pass")
+    creds = RegistryAuths.of(
+        RegistryCredentials(registry="registry.example:5000", username="s3cret-user", password="s3cret-pass")
+    )
     async with DockerClient("/x.sock", transport=httpx.MockTransport(fake), credentials=creds) as docker:
         with pytest.raises(PodmanError) as failed:
             await docker.pull(IMAGE)
     assert "s3cret" not in str(failed.value)
     auth = json.loads(base64.urlsafe_b64decode(fake.requests[-1].headers["X-Registry-Auth"]))
     assert auth == {"username": "s3cret-user", "password": "s3cret-pass", "serveraddress": "registry.example:5000"}
+    # An image on another registry: dockerd is handed no credentials for it.
+    fake.pull_stream = []
+    other = IMAGE.replace("registry.example:5000", "127.0.0.2:5000")
+    async with DockerClient(
+        "/x.sock", transport=httpx.MockTransport(fake), credentials=creds, tls_verify=False
+    ) as docker:
+        await docker.pull(other)
+    assert fake.requests[-1].url.params["fromImage"] == other
+    assert "X-Registry-Auth" not in fake.requests[-1].headers
     fake.pull_stream = [{"error": "manifest unknown: manifest unknown"}]
     async with DockerClient("/x.sock", transport=httpx.MockTransport(fake), tls_verify=False) as docker:
         with pytest.raises(ImageNotFound):

@@ -38,7 +38,7 @@ from nexa.errors import (
 )
 from nexa.node.engine_http import EngineAnswer
 from nexa.node.podman import API_BASE, PodmanClient
-from nexa.oci import RegistryCredentials, load_registry_credentials
+from nexa.oci import RegistryAuths, RegistryCredentials, load_registry_credentials
 from tests.realparts import BuiltImages, FakeGpu, PodmanService
 
 RUN_LABEL = "nexa-test.run"
@@ -596,7 +596,9 @@ async def test_version_answers(podman: PodmanClient) -> None:
 
 
 async def test_credentials_go_only_into_the_pull_auth_header_and_never_into_errors() -> None:
-    credentials = RegistryCredentials(username="puller", password="s3cr3t-Pa55word")
+    credentials = RegistryAuths.of(
+        RegistryCredentials(registry="registry.example:5000", username="puller", password="s3cr3t-Pa55word")
+    )
     seen: list[httpx.Request] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -628,16 +630,51 @@ async def test_credentials_go_only_into_the_pull_auth_header_and_never_into_erro
 
 def test_load_registry_credentials(tmp_path: Path) -> None:
     good = tmp_path / "registry.json"
-    good.write_text(json.dumps({"username": "puller", "password": "pw-123"}))
+    docker_auth = base64.b64encode(b"hub-user:hub-pw-9").decode()
+    good.write_text(
+        json.dumps(
+            {
+                "auths": {
+                    "Registry.Example:5000": {"username": "puller", "password": "pw-123"},
+                    "https://index.docker.io/v1/": {"auth": docker_auth, "token_realms": ["auth.docker.io"]},
+                    "[::1]:5000": {"username": "v6", "password": "pw-6"},
+                }
+            }
+        )
+    )
     good.chmod(0o600)
-    assert load_registry_credentials(good) == RegistryCredentials("puller", "pw-123")
+    auths = load_registry_credentials(good)
+    assert auths.for_registry("registry.example:5000") == RegistryCredentials(
+        registry="registry.example:5000", username="puller", password="pw-123"
+    )
+    hub = auths.for_image(f"busybox@sha256:{'a' * 64}")
+    assert hub is not None
+    assert (hub.registry, hub.username, hub.password) == ("registry-1.docker.io", "hub-user", "hub-pw-9")
+    assert hub.may_get_token_from("auth.docker.io")
+    assert not hub.may_get_token_from("auth.example.com")
+    assert auths.for_registry("[::1]:5000") is not None
+    # Another port, or another name for the same address, is another registry.
+    assert auths.for_registry("registry.example") is None
+    assert auths.for_registry("registry.example:5001") is None
+    assert "pw-123" not in repr(auths)
 
     bad = {
-        "not-json.json": '{"username": "puller", "password": "pw-123"',
-        "no-password.json": json.dumps({"username": "puller"}),
-        "empty-user.json": json.dumps({"username": "", "password": "pw-123"}),
-        "extra.json": json.dumps({"username": "puller", "password": "pw-123", "token": "t"}),
+        "not-json.json": '{"auths": {"r.example": {"username": "puller", "password": "pw-123"}}',
+        "no-password.json": json.dumps({"auths": {"r.example": {"username": "puller"}}}),
+        "empty-user.json": json.dumps({"auths": {"r.example": {"username": "", "password": "pw-123"}}}),
+        "extra.json": json.dumps({"auths": {"r.example": {"username": "u", "password": "pw-123", "token": "t"}}}),
         "list.json": json.dumps(["puller", "pw-123"]),
+        "no-auths.json": json.dumps({"auths": {}}),
+        "bad-host.json": json.dumps({"auths": {"r example/x": {"username": "u", "password": "pw-123"}}}),
+        "wildcard.json": json.dumps({"auths": {"*.example.com": {"username": "u", "password": "pw-123"}}}),
+        "bad-auth.json": json.dumps({"auths": {"r.example": {"auth": "pw-123"}}}),
+        "bad-realms.json": json.dumps(
+            {"auths": {"r.example": {"username": "u", "password": "pw-123", "token_realms": "a"}}}
+        ),
+        "twice.json": json.dumps(
+            {"auths": {"docker.io": {"username": "u", "password": "pw-123"}, "index.docker.io": {"auth": docker_auth}}}
+        ),
+        "other-top.json": json.dumps({"auths": {"r.example": {"username": "u", "password": "p"}}, "credsStore": "x"}),
     }
     for name, text in bad.items():
         path = tmp_path / name
@@ -645,5 +682,48 @@ def test_load_registry_credentials(tmp_path: Path) -> None:
         with pytest.raises(ConfigError) as caught:
             load_registry_credentials(path)
         assert "pw-123" not in str(caught.value), name
+        assert "hub-pw-9" not in str(caught.value), name
     with pytest.raises(ConfigError, match="cannot read"):
         load_registry_credentials(tmp_path / "absent.json")
+
+
+def test_a_credentials_file_naming_no_registry_is_refused_saying_how_to_name_one(tmp_path: Path) -> None:
+    """The older `{"username", "password"}` file cannot say where its credentials may go."""
+    old = tmp_path / "registry.json"
+    old.write_text(json.dumps({"username": "puller", "password": "pw-123"}))
+    with pytest.raises(ConfigError) as caught:
+        load_registry_credentials(old)
+    assert "names no registry" in caught.value.message
+    assert '{"auths": {"REGISTRY-HOST[:PORT]"' in caught.value.message
+    assert "pw-123" not in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("image", "sent"),
+    [
+        (f"registry.example:5000/nexa/busybox@sha256:{'b' * 64}", True),
+        (f"registry.example:5001/nexa/busybox@sha256:{'b' * 64}", False),  # another port
+        (f"registry.example/nexa/busybox@sha256:{'b' * 64}", False),  # another port (443)
+        (f"evil.example/registry.example:5000/busybox@sha256:{'b' * 64}", False),  # another host
+        (f"127.0.0.2:5000/nexa/busybox@sha256:{'b' * 64}", False),
+        (f"busybox@sha256:{'b' * 64}", False),  # Docker Hub
+    ],
+)
+async def test_a_pull_carries_credentials_only_for_their_own_registry(image: str, sent: bool) -> None:
+    """The decision both engines make (podman's libpod and the Docker API): X-Registry-Auth only
+    when the image's registry is the credentials' host."""
+    credentials = RegistryAuths.of(
+        RegistryCredentials(registry="registry.example:5000", username="puller", password="s3cr3t-Pa55word")
+    )
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, text='{"images":["abc"],"id":"abc"}\n')
+
+    async with PodmanClient(
+        "/unused.sock", credentials=lambda: credentials, transport=httpx.MockTransport(handler)
+    ) as client:
+        with trio.fail_after(5):
+            await client.pull(image)
+    assert ("X-Registry-Auth" in seen[-1].headers) is sent

@@ -47,10 +47,11 @@ def index_of(entries: list[tuple[bytes, Json]], media_type: str = OCI_INDEX) -> 
     ).encode()
 
 
-def push_index(host: str, repository: str, platforms: list[Json]) -> str:
-    """`push` to the plain-HTTP registry at `host` (idempotent: the same platforms give the same digest)."""
+def push_index(host: str, repository: str, platforms: list[Json], *, auth: tuple[str, str] | None = None) -> str:
+    """`push` to the plain-HTTP registry at `host` (idempotent: the same platforms give the same digest),
+    with basic `auth` when given."""
     entries: list[tuple[bytes, Json]] = []
-    with httpx.Client(base_url=f"http://{host}", timeout=30, trust_env=False) as http:
+    with httpx.Client(base_url=f"http://{host}", timeout=30, trust_env=False, auth=auth) as http:
         for platform in platforms:
             config = config_blob(platform["architecture"], platform.get("variant", ""))
             started = http.post(f"/v2/{repository}/blobs/uploads/")
