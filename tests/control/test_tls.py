@@ -1,0 +1,240 @@
+"""`nexa control` serving https itself (`[http] tls_cert_file`, `tls_key_file`), with a CA and a
+certificate this test makes (`tests.support.tls`): the official `openai` SDK and the `nexa` CLI
+against it with the CA (served) and without it or with another CA (refused, saying what to set);
+the console cookie `Secure`; the certificate re-read when its files change; a bad pair refused at
+start; `nexa node doctor`'s controller check.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from functools import partial
+from pathlib import Path
+
+import attrs
+import httpx
+import openai
+import pytest
+import trio
+
+from nexa.config import HttpConfig
+from nexa.errors import CertificateNotTrusted, ConfigError
+from nexa.node.doctor import DoctorOptions, check_controller, fetch_version
+from nexa.tls import CA_FILE_ENV, ClientTls, ServerTls
+from tests.conftest import Controller, local_config, start_controller
+from tests.support.api import make_key, metric
+from tests.support.tls import Ca, ServerCert, issue, make_ca
+
+
+@attrs.frozen
+class HttpsController(Controller):
+    """A controller serving https; its clients trust `ca`."""
+
+    ca: Path
+
+    def client(self, key: str | None = None) -> httpx.AsyncClient:
+        headers = {"Authorization": f"Bearer {key or self.admin_key}"}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=10, verify=trusting(self.ca))
+
+
+@attrs.frozen
+class Pki:
+    ca: Ca
+    server: ServerCert
+    #: Another CA, which issued nothing this controller serves.
+    other: Ca
+
+
+def trusting(ca: Path) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=str(ca))
+
+
+def tls_http(cfg: HttpConfig, server: ServerCert) -> HttpConfig:
+    return attrs.evolve(cfg, tls_cert_file=str(server.cert_path), tls_key_file=str(server.key_path))
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    ca = make_ca(tmp_path / "pki")
+    return Pki(ca, issue(ca, tmp_path / "pki"), make_ca(tmp_path / "pki", "another CA"))
+
+
+@pytest.fixture
+async def https(nursery: trio.Nursery, tmp_path: Path, pki: Pki) -> AsyncIterator[HttpsController]:
+    cfg = local_config(tmp_path)
+    started = await start_controller(nursery, attrs.evolve(cfg, http=tls_http(cfg.http, pki.server)))
+    yield HttpsController(**attrs.asdict(started, recurse=False), ca=pki.ca.path)
+    started.stopping.set()
+
+
+def _cli_env(controller: Controller, ca_file: Path | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {CA_FILE_ENV, "SSL_CERT_FILE", "SSL_CERT_DIR"}}
+    env |= {"NEXA_URL": controller.url, "NEXA_TOKEN": controller.admin_key}
+    if ca_file is not None:
+        env[CA_FILE_ENV] = str(ca_file)
+    return env
+
+
+async def _cli(controller: Controller, ca_file: Path | None, *argv: str) -> subprocess.CompletedProcess[str]:
+    run = partial(
+        subprocess.run,
+        [sys.executable, "-m", "nexa", *argv],
+        env=_cli_env(controller, ca_file),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return await trio.to_thread.run_sync(run)
+
+
+async def test_the_controller_serves_https_and_the_openai_sdk_needs_its_ca(https: HttpsController, pki: Pki) -> None:
+    assert https.url.startswith("https://127.0.0.1:")
+    key = await make_key(https, "inference", tenant="acme")
+
+    def models(http_client: httpx.Client | None) -> list[str]:
+        client = openai.OpenAI(base_url=f"{https.url}/v1", api_key=key, http_client=http_client, max_retries=0)
+        try:
+            return [m.id for m in client.models.list()]
+        finally:
+            client.close()
+
+    # With the CA: served (an empty list: nothing is deployed).
+    assert await trio.to_thread.run_sync(models, httpx.Client(verify=trusting(pki.ca.path))) == []
+    # The SDK's own trust store, and another CA: the handshake is refused, nothing is served.
+    for http_client in (None, httpx.Client(verify=trusting(pki.other.path))):
+        with pytest.raises(openai.APIConnectionError) as refused:
+            await trio.to_thread.run_sync(models, http_client)
+        assert isinstance(ClientTls.load().not_trusted(refused.value, https.url), CertificateNotTrusted)
+    # Plain http on the https port is not answered as http.
+    async with httpx.AsyncClient(base_url=https.url.replace("https:", "http:"), timeout=5) as plain:
+        with pytest.raises(httpx.HTTPError):
+            await plain.get("/healthz")
+
+
+async def test_the_cli_verifies_the_controller_against_nexa_ca_file(https: HttpsController, pki: Pki) -> None:
+    served = await _cli(https, pki.ca.path, "tenants", "list", "--json")
+    assert served.returncode == 0, served.stderr
+
+    for ca_file in (pki.other.path, None):
+        refused = await _cli(https, ca_file, "tenants", "list")
+        assert refused.returncode == 2, refused.stderr  # a configuration to fix, as for a bad config file
+        assert f"the certificate of {https.url} is not trusted" in refused.stderr
+        assert "set NEXA_CA_FILE to the PEM file of the CA" in refused.stderr
+        against = f"the CA file {pki.other.path}" if ca_file else "the system's CA store"
+        assert against in refused.stderr
+        assert refused.stdout == ""
+
+    unreadable = await _cli(https, pki.ca.path.parent / "missing.pem", "tenants", "list")
+    assert unreadable.returncode == 2
+    assert "cannot read NEXA_CA_FILE" in unreadable.stderr
+
+
+async def test_the_console_cookies_are_secure_over_https(https: HttpsController) -> None:
+    async with https.client() as http:
+        form = await http.get("/console/login")  # no proxy header: the connection itself is https
+    assert form.status_code == 200
+    assert "; Secure" in form.headers["set-cookie"]
+
+
+def _served_certificate(port: int, ca: Path) -> bytes:
+    """The certificate a new connection to 127.0.0.1:`port` is served (DER), verified against `ca`."""
+    context = trusting(ca)
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def _replace(src: Path, dst: Path) -> None:
+    tmp = dst.with_suffix(".new")
+    tmp.write_bytes(src.read_bytes())
+    tmp.replace(dst)  # as certbot's or an operator's atomic rename
+
+
+async def test_a_renewed_certificate_is_served_to_new_connections(
+    https: HttpsController, pki: Pki, tmp_path: Path
+) -> None:
+    port = int(https.url.rsplit(":", 1)[1])
+    assert await trio.to_thread.run_sync(_served_certificate, port, pki.ca.path) == pki.server.der
+    async with https.client() as kept:  # a connection open before the renewal keeps working
+        assert (await kept.get("/healthz")).status_code == 200
+
+        # Renewed by another CA (the hardest case: the old CA no longer verifies it).
+        ca2 = make_ca(tmp_path / "renewed", "renewed CA")
+        renewed = issue(ca2, tmp_path / "renewed")
+        _replace(renewed.key_path, pki.server.key_path)
+        _replace(renewed.cert_path, pki.server.cert_path)
+        assert await trio.to_thread.run_sync(_served_certificate, port, ca2.path) == renewed.der
+        assert (await kept.get("/healthz")).status_code == 200
+
+    # A broken rewrite (a key that is not the certificate's) keeps the last good pair, counted.
+    _replace(issue(ca2, tmp_path / "stray", "stray").key_path, pki.server.key_path)
+    assert await trio.to_thread.run_sync(_served_certificate, port, ca2.path) == renewed.der
+    https2 = attrs.evolve(https, ca=ca2.path)
+    assert await metric(https2, "nexa_credential_reload_failures_total", file="tls") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        ("missing", "cannot read http.tls_cert_file"),
+        ("garbage", "are not a PEM certificate"),
+        ("mismatched", "is not the private key of the certificate in http.tls_cert_file"),
+        ("encrypted", "is encrypted with a passphrase"),
+    ],
+)
+def test_a_bad_certificate_or_key_is_refused_at_start(pki: Pki, tmp_path: Path, damage: str, says: str) -> None:
+    cert, key = pki.server.cert_path, pki.server.key_path
+    if damage == "missing":
+        cert = tmp_path / "nowhere.pem"
+    elif damage == "garbage":
+        cert.write_text("not a certificate\n")
+    elif damage == "mismatched":
+        key = issue(pki.ca, tmp_path / "other").key_path
+    else:
+        key.write_text("-----BEGIN ENCRYPTED PRIVATE KEY-----\nAAAA\n-----END ENCRYPTED PRIVATE KEY-----\n")
+    state = tmp_path / "state"
+    config = tmp_path / "control.toml"
+    config.write_text(f'[http]\nlisten = "127.0.0.1:0"\ntls_cert_file = "{cert}"\ntls_key_file = "{key}"\n')
+    with pytest.raises(ConfigError, match=says):
+        ServerTls(HttpConfig(tls_cert_file=str(cert), tls_key_file=str(key)))
+    # Through the real interface: exit 2 (a configuration to fix), the reason on stderr, nothing written.
+    done = subprocess.run(
+        [sys.executable, "-m", "nexa", "control", "--config", str(config), "--state-dir", str(state)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr
+    assert not state.exists()
+
+
+def test_only_one_of_certificate_and_key_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"http\.tls_cert_file is set but http\.tls_key_file is not"):
+        HttpConfig(tls_cert_file="/etc/nexa/tls/cert.pem")
+
+
+async def test_node_doctor_checks_the_controller_certificate(
+    https: HttpsController, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opts = DoctorOptions(controller_url=https.url)
+    monkeypatch.setenv(CA_FILE_ENV, str(pki.ca.path))
+    answered = await check_controller(opts, None, fetch_version)
+    assert answered[0].status == "ok", answered[0]
+
+    monkeypatch.setenv(CA_FILE_ENV, str(pki.other.path))
+    refused = await check_controller(opts, None, fetch_version)
+    assert refused[0].status == "fail"
+    assert f"the certificate of {https.url} is not trusted" in refused[0].detail
+    assert refused[0].fix is not None and "set NEXA_CA_FILE" in refused[0].fix
