@@ -8,6 +8,7 @@ start; `nexa node doctor`'s controller check.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import ssl
 import subprocess
@@ -22,12 +23,16 @@ import openai
 import pytest
 import trio
 
-from nexa.config import HttpConfig
+from nexa.config import ControlConfig, HttpConfig
+from nexa.control.forward import FORWARDED_HEADER
+from nexa.control.service import KEYS_DIR
 from nexa.errors import CertificateNotTrusted, ConfigError
 from nexa.node.doctor import DoctorOptions, check_controller, fetch_version
 from nexa.tls import CA_FILE_ENV, ClientTls, ServerTls
 from tests.conftest import Controller, local_config, start_controller
 from tests.support.api import make_key, metric
+from tests.support.follow import cluster_config, until_leads
+from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401 - fixtures
 from tests.support.tls import Ca, ServerCert, issue, make_ca
 
 
@@ -238,3 +243,55 @@ async def test_node_doctor_checks_the_controller_certificate(
     assert refused[0].status == "fail"
     assert f"the certificate of {https.url} is not trusted" in refused[0].detail
     assert refused[0].fix is not None and "set NEXA_CA_FILE" in refused[0].fix
+
+
+# ---- controllers forwarding to the leader over https --------------------------------------------------------------
+
+
+def _https_member(tmp_path: Path, name: str, pg_url: str, ca: Ca, peer_ca: Path) -> ControlConfig:
+    """Controller `name` of a cluster on `pg_url`, serving https with a certificate from `ca`, its
+    address https://, verifying the leader's certificate with `peer_ca`."""
+    cfg = cluster_config(tmp_path, name, pg_url)
+    server = issue(ca, tmp_path / name / "tls")
+    return attrs.evolve(
+        cfg,
+        http=tls_http(cfg.http, server),
+        cluster=attrs.evolve(
+            cfg.cluster, address=cfg.cluster.address.replace("http:", "https:"), peer_ca_file=str(peer_ca)
+        ),
+    )
+
+
+async def test_a_follower_forwards_writes_to_the_leader_over_verified_https(
+    nursery: trio.Nursery, tmp_path: Path, pg_url: str, pki: Pki
+) -> None:
+    with trio.fail_after(90):
+        a = await start_controller(nursery, _https_member(tmp_path, "a", pg_url, pki.ca, pki.ca.path))
+        leader = HttpsController(**attrs.asdict(a, recurse=False), ca=pki.ca.path)
+        for name in ("b", "c"):
+            shutil.copytree(leader.state_dir / KEYS_DIR, tmp_path / name / "state" / KEYS_DIR)
+        # b trusts the controllers' CA; c was given another CA for its peers.
+        b = await start_controller(
+            nursery, _https_member(tmp_path, "b", pg_url, pki.ca, pki.ca.path), admin_key=leader.admin_key
+        )
+        c = await start_controller(
+            nursery, _https_member(tmp_path, "c", pg_url, pki.ca, pki.other.path), admin_key=leader.admin_key
+        )
+        follower, mistrusting = (HttpsController(**attrs.asdict(x, recurse=False), ca=pki.ca.path) for x in (b, c))
+        async with leader.client() as http:
+            await until_leads(http)
+        async with follower.client() as http:
+            made = await http.post("/api/v1/tenants", json={"id": "acme"})
+            assert made.status_code == 201, made.text
+            assert made.headers[FORWARDED_HEADER] == "a"  # the leader answered, over https
+        async with mistrusting.client() as http:
+            refused = await http.post("/api/v1/tenants", json={"id": "globex"})
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["code"] == "not_leader"
+        assert "certificate is not trusted" in refused.json()["error"]["message"]
+        assert await metric(mistrusting, "nexa_forwarded_requests_total", result="leader_untrusted") == 1.0
+        async with leader.client() as http:
+            tenants = {t["id"] for t in (await http.get("/api/v1/tenants")).json()["tenants"]}
+        assert "acme" in tenants and "globex" not in tenants
+        for x in (c, b, a):
+            x.stopping.set()
