@@ -23,7 +23,7 @@ import openai
 import pytest
 import trio
 
-from nexa.config import ControlConfig, HttpConfig
+from nexa.config import ControlConfig, HttpConfig, TlsVersion
 from nexa.control.forward import FORWARDED_HEADER
 from nexa.control.service import KEYS_DIR
 from nexa.errors import CertificateNotTrusted, ConfigError
@@ -186,6 +186,28 @@ async def test_a_renewed_certificate_is_served_to_new_connections(
     assert await trio.to_thread.run_sync(_served_certificate, port, ca2.path) == renewed.der
     https2 = attrs.evolve(https, ca=ca2.path)
     assert await metric(https2, "nexa_credential_reload_failures_total", file="tls") == 1.0
+
+
+def _handshake(port: int, ca: Path, version: ssl.TLSVersion) -> str | None:
+    """The TLS version a client limited to `version` agrees with 127.0.0.1:`port`."""
+    context = trusting(ca)
+    context.minimum_version = context.maximum_version = version
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+    ):
+        return tls.version()
+
+
+async def test_tls_min_version_refuses_older_clients(nursery: trio.Nursery, tmp_path: Path, pki: Pki) -> None:
+    cfg = local_config(tmp_path)
+    http = attrs.evolve(tls_http(cfg.http, pki.server), tls_min_version=TlsVersion.TLS_1_3)
+    controller = await start_controller(nursery, attrs.evolve(cfg, http=http))
+    port = int(controller.url.rsplit(":", 1)[1])
+    assert await trio.to_thread.run_sync(_handshake, port, pki.ca.path, ssl.TLSVersion.TLSv1_3) == "TLSv1.3"
+    with pytest.raises(ssl.SSLError):
+        await trio.to_thread.run_sync(_handshake, port, pki.ca.path, ssl.TLSVersion.TLSv1_2)
+    controller.stopping.set()
 
 
 @pytest.mark.parametrize(
