@@ -23,10 +23,12 @@ import openai
 import pytest
 import trio
 
+from nexa import cli
 from nexa.config import ControlConfig, HttpConfig, TlsVersion
 from nexa.control.forward import FORWARDED_HEADER
 from nexa.control.service import KEYS_DIR
 from nexa.errors import CertificateNotTrusted, ConfigError
+from nexa.node import identity
 from nexa.node.doctor import DoctorOptions, check_controller, fetch_version
 from nexa.tls import CA_FILE_ENV, ClientTls, ServerTls
 from tests.conftest import Controller, local_config, start_controller
@@ -250,6 +252,28 @@ def test_a_bad_certificate_or_key_is_refused_at_start(pki: Pki, tmp_path: Path, 
 def test_only_one_of_certificate_and_key_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"http\.tls_cert_file is set but http\.tls_key_file is not"):
         HttpConfig(tls_cert_file="/etc/nexa/tls/cert.pem")
+
+
+async def test_a_node_enrolls_only_with_a_controller_whose_certificate_verifies(
+    https: HttpsController,
+    pki: Pki,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    async with https.client() as http:
+        token = (await http.post("/api/v1/enrollment-tokens", json={"ttl_s": 60})).json()["token"]
+    state_dir = tmp_path / "node"
+    argv = ["node", "enroll", "--controller", https.url, "--token", token, "--state-dir", str(state_dir)]
+
+    monkeypatch.setenv(CA_FILE_ENV, str(pki.other.path))
+    assert await trio.to_thread.run_sync(cli.main, argv) == 2  # the token's secret never left the handshake
+    assert "set NEXA_CA_FILE" in capsys.readouterr().err
+    assert not identity.is_enrolled(state_dir)
+
+    monkeypatch.setenv(CA_FILE_ENV, str(pki.ca.path))
+    assert await trio.to_thread.run_sync(cli.main, argv) == 0
+    assert identity.load_enrollment(state_dir).controller_url == https.url
 
 
 async def test_node_doctor_checks_the_controller_certificate(
