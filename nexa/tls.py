@@ -147,20 +147,16 @@ class _CertificatePair(WatchedFile[ssl.SSLContext]):
         super().__init__(cfg.tls_cert_file, load, on_invalid=on_invalid)
 
     def _stamp(self) -> tuple[int, int, int] | None:
-        cert, key = super()._stamp(), _file_stamp(self._key_file)
-        if cert is None or key is None:
+        cert = super()._stamp()
+        try:
+            key = os.stat(self._key_file)
+        except OSError:
+            return None
+        if cert is None:
             return None
         # One stamp for both (WatchedFile compares stamps for equality only): a key replaced under
         # an unchanged certificate is noticed too.
-        return (hash((cert, key)), 0, 0)
-
-
-def _file_stamp(path: str) -> tuple[int, int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size, st.st_ino)
+        return (hash((cert, key.st_mtime_ns, key.st_size, key.st_ino)), 0, 0)
 
 
 class ServerTls:
@@ -178,11 +174,6 @@ class ServerTls:
         self._pair = _CertificatePair(cfg, on_invalid=on_invalid)
         self.context = self._pair.current()
         self.context.sni_callback = self._choose
-
-    @property
-    def reloads(self) -> int:
-        """How often changed files were taken (tests, statistics)."""
-        return self._pair.reloads
 
     def _choose(self, conn: ssl.SSLObject | ssl.SSLSocket, _server_name: str | None, _ctx: ssl.SSLContext) -> None:
         newest = self._pair.current()
