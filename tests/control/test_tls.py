@@ -32,8 +32,11 @@ from nexa.node import identity
 from nexa.node.doctor import DoctorOptions, check_controller, fetch_version
 from nexa.tls import CA_FILE_ENV, ClientTls, ServerTls
 from tests.conftest import Controller, local_config, start_controller
+from tests.realparts import BuiltImages, S3Store
 from tests.support.api import make_key, metric
+from tests.support.cluster import MESSAGES, sim_fleet
 from tests.support.follow import cluster_config, until_leads
+from tests.support.models import registry_config
 from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401 - fixtures
 from tests.support.tls import Ca, ServerCert, issue, make_ca
 
@@ -344,3 +347,34 @@ async def test_a_follower_forwards_writes_to_the_leader_over_verified_https(
         assert "acme" in tenants and "globex" not in tenants
         for x in (c, b, a):
             x.stopping.set()
+
+
+async def test_a_streamed_completion_is_encrypted_from_the_sdk_to_the_node(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    s3_store: S3Store,
+    test_images: BuiltImages,
+    pki: Pki,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The official SDK over https to the controller, CurveZMQ on to a real `nexa node` (which
+    enrolled over https, verifying the controller with NEXA_CA_FILE) and its sim runtime."""
+    cfg = registry_config(tmp_path, s3_store)
+    monkeypatch.setenv(CA_FILE_ENV, str(pki.ca.path))  # for `nexa node enroll`
+    started = await start_controller(nursery, attrs.evolve(cfg, http=tls_http(cfg.http, pki.server)))
+    controller = HttpsController(**attrs.asdict(started, recurse=False), ca=pki.ca.path)
+    try:
+        async with sim_fleet(controller, tmp_path, s3_store, test_images, nodes=1) as cluster:
+            await cluster.deploy("chat-a", replicas=1)
+
+            def chat() -> str:
+                with httpx.Client(verify=trusting(pki.ca.path)) as http_client:
+                    client = openai.OpenAI(
+                        base_url=cluster.base_url, api_key=cluster.inference_key, http_client=http_client
+                    )
+                    stream = client.chat.completions.create(model="chat", messages=MESSAGES, stream=True)
+                    return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+            assert await trio.to_thread.run_sync(chat)
+    finally:
+        controller.stopping.set()
