@@ -3,6 +3,10 @@
 Answers are decoded into their contract types with the one codec (`client.get(path, NodeList)`),
 so a renamed API field breaks the type check, not an operator's terminal. httpx failures and
 error envelopes become nexa errors here, so the CLI prints one clear line.
+
+An https controller's certificate is verified against the system's CA store, or the CA file
+`NEXA_CA_FILE` names (`tls.ClientTls`); one that does not verify is `CertificateNotTrusted`,
+saying what to set, never skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import httpx
 from nexa import __version__
 from nexa.contracts import codec
 from nexa.errors import ContractError, RemoteError, Unavailable
+from nexa.tls import ClientTls
 
 T = TypeVar("T")
 #: Query parameters: a value of None is left out.
@@ -24,13 +29,26 @@ DEFAULT_TIMEOUT_S: Final = 30.0
 
 
 class ApiClient:
-    def __init__(self, base_url: str, token: str | None, *, transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        tls: ClientTls | None = None,
+    ) -> None:
+        """`tls`: how an https controller is verified; default `NEXA_CA_FILE` or the system's store."""
         headers = {"User-Agent": f"nexa-cli/{__version__}", "Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._base_url = base_url.rstrip("/")
+        self._tls = tls if tls is not None or not self._base_url.startswith("https:") else ClientTls.from_env()
         self._http = httpx.Client(
-            base_url=self._base_url, headers=headers, timeout=DEFAULT_TIMEOUT_S, transport=transport
+            base_url=self._base_url,
+            headers=headers,
+            timeout=DEFAULT_TIMEOUT_S,
+            transport=transport,
+            verify=self._tls.context if self._tls is not None else True,
         )
 
     def __enter__(self) -> ApiClient:
@@ -87,6 +105,8 @@ class ApiClient:
         try:
             resp = self._http.request(method, path, json=body, params=query, headers=headers)
         except httpx.TransportError as exc:
+            if self._tls is not None and (untrusted := self._tls.not_trusted(exc, self._base_url)) is not None:
+                raise untrusted from None
             raise Unavailable(f"cannot reach the controller at {self._base_url}: {type(exc).__name__}") from None
         if resp.is_success:
             return resp

@@ -122,6 +122,13 @@ def _positive_rate(attribute: attrs.Attribute[float], value: float) -> None:
         raise ValueError(f"{attribute.name} must be a positive, finite rate per second")
 
 
+class TlsVersion(enum.StrEnum):
+    """The oldest TLS version `nexa control` accepts (`http.tls_min_version`)."""
+
+    TLS_1_2 = "1.2"
+    TLS_1_3 = "1.3"
+
+
 @attrs.frozen(kw_only=True)
 class HttpConfig:
     """The controller's HTTP listener."""
@@ -153,6 +160,24 @@ class HttpConfig:
     extra_listen: tuple[HostPort, ...] = attrs.field(
         default=(), validator=lambda _i, _a, v: [parse_host_port(x) for x in v]
     )
+    #: Serve HTTPS with this certificate (PEM: the server's certificate first, then its chain) and
+    #: its private key (PEM, unencrypted, mode 0600): both set or neither (plain http, for an
+    #: ingress that terminates TLS). Read at start (a bad or mismatched pair is refused there) and
+    #: again when either file changes: new connections get the new certificate, open ones keep theirs.
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    #: The oldest TLS version served: "1.2" or "1.3".
+    tls_min_version: TlsVersion = TlsVersion.TLS_1_2
+
+    def __attrs_post_init__(self) -> None:
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, missing = (
+                ("tls_cert_file", "tls_key_file") if self.tls_cert_file else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(
+                f"http.{given} is set but http.{missing} is not: give both the certificate and its key to serve "
+                "https, or neither (plain http behind a TLS-terminating ingress)"
+            )
 
     def check_workers(self, store: StoreConfig, cluster: ClusterConfig) -> None:
         """With `reuse_port`, what several workers on one port need; ValueError naming the key.
@@ -437,11 +462,19 @@ class ClusterConfig:
     renew_s: Seconds = Seconds(1.0)
     #: This controller's name in the cluster; empty: `<hostname>:<http port>` (stable across restarts).
     controller_id: str = ""
-    #: The base URL other controllers forward API writes to; empty: `http://<http.listen>`.
+    #: The base URL other controllers forward API writes to; empty: `http://<http.listen>` (`https://`
+    #: when `[http] tls_cert_file` is set).
     address: str = ""
     #: How often each controller looks at the audit head for changes another one made, and re-reads
     #: what they touched (`control.follow`): a write shows on every controller within about this long.
     refresh_s: Seconds = attrs.field(default=Seconds(0.25), validator=attrs.validators.gt(Seconds(0.0)))
+    #: The CA file (PEM) that verifies the other controllers' https certificates when a follower
+    #: forwards writes to the leader; empty: the system's CA store.
+    peer_ca_file: str = ""
+    #: Forward writes over plain http to a leader on another host (its `address` is http://). Off:
+    #: refused (`plain_http_peer`, logged): API keys and bodies would cross the network in clear.
+    #: Loopback addresses are always allowed.
+    allow_plain_http_peers: bool = False
 
     def __attrs_post_init__(self) -> None:
         # ValueError, as the field validators raise: loading the file turns it into ConfigError.

@@ -11,6 +11,8 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
 * NexaError [internal, HTTP 500]: every error nexa raises on purpose
   + ConfigError [invalid_config]: a config file or flag is invalid (names every bad key)
     - ControllerKeysDiffer [controller_keys_differ]: at start, keys other than those of the store's other controllers
+    - CertificateNotTrusted [certificate_not_trusted]: an https peer's certificate does not verify against our CAs
+    - PlainHttpPeer [plain_http_peer]: a write to forward to a controller off this host over plain http (not allowed)
   + ContractError [invalid_request, HTTP 400]: a request body or message does not fit its contract
     - PayloadTooLarge [payload_too_large, HTTP 413]: a request body over the configured limit
     - BodyTimeout [request_timeout, HTTP 408]: a request body that did not arrive within `[http] body_timeout_s`
@@ -151,6 +153,37 @@ class ControllerKeysDiffer(ConfigError):
         self.stored = stored
         self.got = got
         self.keys_dir = keys_dir
+
+
+class CertificateNotTrusted(ConfigError):
+    """An https peer (the controller, for the CLI and `nexa node doctor`; the leader, for a follower)
+    presented a certificate that does not verify against the CAs in use: the system's store, or
+    the CA file named (`ca_file`: NEXA_CA_FILE, `[cluster] peer_ca_file`). Never skipped."""
+
+    code = "certificate_not_trusted"
+
+    def __init__(self, *, url: str, reason: str, ca_file: str, fix: str) -> None:
+        against = f"the CA file {ca_file}" if ca_file else "the system's CA store"
+        super().__init__(f"the certificate of {url} is not trusted ({reason}) by {against}: {fix}")
+        self.url = url
+        self.reason = reason
+        self.ca_file = ca_file
+
+
+class PlainHttpPeer(ConfigError):
+    """A follower would forward a write (API keys, cookies, bodies) to a leader off this host over
+    plain http; refused unless `[cluster] allow_plain_http_peers` says the network is trusted."""
+
+    code = "plain_http_peer"
+
+    def __init__(self, *, url: str) -> None:
+        super().__init__(
+            f"the leader's address {url} is plain http to another host, and writes are not forwarded "
+            "unencrypted: serve https on every controller ([http] tls_cert_file and tls_key_file) and give "
+            "[cluster] address as an https:// URL, or set [cluster] allow_plain_http_peers = true on a "
+            "network you trust"
+        )
+        self.url = url
 
 
 class ContractError(NexaError):

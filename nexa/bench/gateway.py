@@ -18,6 +18,7 @@ import httpx
 
 from nexa import __version__
 from nexa.bench.stats import TIMEOUT, TRANSPORT, Sample
+from nexa.tls import ClientTls
 
 #: One request may take this long before it counts as `timeout`.
 REQUEST_TIMEOUT_S: Final = 120.0
@@ -30,7 +31,11 @@ class Gateway:
     def __init__(self, base_url: str, key: str, *, connections: int, timeout_s: float = REQUEST_TIMEOUT_S) -> None:
         headers = {"User-Agent": f"nexa-bench/{__version__}", "Authorization": f"Bearer {key}"}
         limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits)
+        # An https gateway's certificate is verified as the CLI does: the system's CAs, or NEXA_CA_FILE.
+        verify = ClientTls.from_env().context if base_url.startswith("https:") else True
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), headers=headers, timeout=timeout_s, limits=limits, verify=verify
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()

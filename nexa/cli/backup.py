@@ -59,7 +59,9 @@ def _after_verb_flags() -> argparse.ArgumentParser:
     """`--url`, `--token`, `--json` again after a verb, left unset when not given there: an argparse
     sub-parser's defaults would overwrite the values given before the verb (`nexa backup --json list`)."""
     flags = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
-    flags.add_argument("--url", help="controller URL ($NEXA_URL)")
+    flags.add_argument(
+        "--url", help="controller URL ($NEXA_URL; https: checked against the system's CAs or $NEXA_CA_FILE)"
+    )
     flags.add_argument("--token", help="API key ($NEXA_TOKEN)")
     flags.add_argument("--json", action="store_true", help="print JSON for scripts")
     return flags

@@ -21,7 +21,12 @@ DEFAULT_URL: Final = "http://127.0.0.1:8470"
 def common_flags() -> argparse.ArgumentParser:
     """`--url`, `--token` and `--json`: the parent parser of every operator command."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default=os.environ.get("NEXA_URL", DEFAULT_URL), help="controller URL ($NEXA_URL)")
+    common.add_argument(
+        "--url",
+        default=os.environ.get("NEXA_URL", DEFAULT_URL),
+        help="controller URL ($NEXA_URL); an https controller's certificate is checked against the system's "
+        "CAs, or the CA file $NEXA_CA_FILE names",
+    )
     common.add_argument("--token", default=os.environ.get("NEXA_TOKEN"), help="API key ($NEXA_TOKEN)")
     common.add_argument("--json", action="store_true", help="print JSON for scripts")
     return common

@@ -71,7 +71,12 @@ def add_commands(sub: Any) -> None:
     node.set_defaults(handler=_cmd_node)
     verbs = node.add_subparsers(metavar="VERB")
     s = verbs.add_parser("enroll", help="enroll this node with a one-time token from `nexa tokens create`")
-    s.add_argument("--controller", required=True, help="controller URL, e.g. https://control.example:8470")
+    s.add_argument(
+        "--controller",
+        required=True,
+        help="controller URL, e.g. https://control.example:8470 (its certificate is checked against the "
+        "system's CAs, or $NEXA_CA_FILE)",
+    )
     s.add_argument("--token", required=True, help="one-time enrollment token (nxb_…)")
     s.add_argument(
         "--controller-fingerprint",
@@ -270,7 +275,11 @@ def _node_tool_commands(verbs: Any) -> None:
     s.add_argument("--config", dest="doctor_config", default=None, help="node TOML config (default: $NEXA_CONFIG)")
     s.add_argument("--state-dir", dest="doctor_state_dir", help="overrides state_dir")
     s.add_argument(
-        "--controller", dest="doctor_controller", default="", help="controller URL (default: the enrolled one)"
+        "--controller",
+        dest="doctor_controller",
+        default="",
+        help="controller URL (default: the enrolled one); an https one's certificate is checked against the "
+        "system's CAs, or $NEXA_CA_FILE",
     )
     s.add_argument("--controller-fingerprint", dest="doctor_fingerprint", help="the fingerprint to expect")
     s.add_argument(

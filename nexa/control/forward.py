@@ -22,13 +22,22 @@ leader did not answer. A leader that fails after its answer began cuts the conne
 truncated body must not look whole). Bodies stream both ways and keep the body limit
 (`http.max_body_bytes`). The home of httpx for this peer: its errors become nexa errors here.
 Each forwarded request is counted by how it ended: `nexa_forwarded_requests_total{result}`.
+
+Encrypted between hosts: a leader whose address is https:// is reached over TLS, its certificate
+verified against `[cluster] peer_ca_file` (or the system's CA store); one that does not verify is
+refused (`leader_untrusted`, logged with what to set). A leader on another host whose address is
+plain http:// is not sent the write at all (`plain_http_refused`, logged once per address) unless
+`[cluster] allow_plain_http_peers` is set: API keys, cookies and bodies would cross the network in
+clear. Loopback addresses (one host, several workers) may stay plain.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from functools import partial
 from typing import Any, Final, NoReturn, Protocol
 
 import httpx
@@ -38,8 +47,9 @@ from nexa.contracts import codec
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
 from nexa.control.console.sessions import reached_over_https, trusted_networks
 from nexa.control.http import BodyLimit, new_request_id, status_for
-from nexa.errors import NexaError, NotLeader, PayloadTooLarge, Unavailable
+from nexa.errors import NexaError, NotLeader, PayloadTooLarge, PlainHttpPeer, Unavailable
 from nexa.telemetry import Children, Metrics
+from nexa.tls import PEER_FIX, ClientTls
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +106,24 @@ class LeaderView(Protocol):
     def leader_id(self) -> str | None: ...
 
 
+def check_peer(address: str, *, allow_plain_http: bool) -> None:
+    """PlainHttpPeer unless the leader at `address` is reached over https, on this host (a loopback
+    address or `localhost`), or plain http to other hosts is allowed (`allow_plain_http`)."""
+    url = httpx.URL(address)
+    if url.scheme == "https" or allow_plain_http or _loopback(url.host):
+        return
+    raise PlainHttpPeer(url=address)
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
 def forwarded(method: str, path: str) -> bool:
     """Whether a follower sends this request to the leader (the module docstring says which)."""
     if path in _LOCAL_PATHS or path.startswith("/v1/") or path.startswith("/api/v1/workloads"):
@@ -125,7 +153,10 @@ class Forwarder:
       answer is relayed: the change feed's catch-up, so this controller's reads show the write;
     - `trusted_proxies` (`http.trusted_proxies`) decide the `X-Forwarded-Proto` sent on, as the
       console decides it (the leader trusts it from followers listed in its own);
-    - `metrics`: where each forwarded request is counted by result (`nexa_forwarded_requests_total`).
+    - `metrics`: where each forwarded request is counted by result (`nexa_forwarded_requests_total`);
+    - `peer_tls`: how an https leader's certificate is verified (default: the system's CA store);
+    - `allow_plain_http_peers`: forward over plain http to a leader on another host too
+      (`[cluster] allow_plain_http_peers`; `check_peer`).
     """
 
     def __init__(
@@ -139,6 +170,8 @@ class Forwarder:
         trusted_proxies: Iterable[str] = (),
         transport: httpx.AsyncBaseTransport | None = None,
         metrics: Metrics | None = None,
+        peer_tls: ClientTls | None = None,
+        allow_plain_http_peers: bool = False,
     ) -> None:
         self._counted = None if metrics is None else Children(metrics.forwarded_requests)
         self._app = app
@@ -151,6 +184,10 @@ class Forwarder:
         self._client: httpx.AsyncClient | None = None
         # Bodies over the limit that declare their length: drained and answered 413 without forwarding.
         self._limited = BodyLimit(self._forward, max_body_bytes)
+        self._peer_tls = peer_tls
+        self._allow_plain = allow_plain_http_peers
+        #: The plain-http leader address last refused (logged once per address, not per request).
+        self._refused_plain: str | None = None
 
     def _count(self, result: str) -> None:
         if self._counted is not None:
@@ -160,6 +197,8 @@ class Forwarder:
         """Hold the client to the leader open until cancelled: start it before HTTP serves, cancel
         it after HTTP has drained (the composition root's loop order). Until then requests that
         would be forwarded are refused (`not_leader`)."""
+        if self._peer_tls is None:
+            self._peer_tls = await trio.to_thread.run_sync(partial(ClientTls.load, fix=PEER_FIX))
         async with httpx.AsyncClient(
             timeout=httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S, pool=CONNECT_TIMEOUT_S),
             # No idle connection kept to the leader: hypercorn's graceful shutdown waits for open
@@ -167,6 +206,7 @@ class Forwarder:
             # lease by up to `http.graceful_timeout_s`. Writes are few; a connection each is cheap.
             limits=httpx.Limits(max_keepalive_connections=0),
             transport=self._transport,
+            verify=self._peer_tls.context,
             follow_redirects=False,
             trust_env=False,
         ) as client:
@@ -191,14 +231,15 @@ class Forwarder:
             self._count("loop")
             await _refuse(send, rid, NotLeader(_LOOP))
             return
-        address = self._leadership.leader_address
-        if self._leadership.is_leader or not address or self._client is None:
+        address, client = self._leadership.leader_address, self._client
+        plain = address is not None and self._plain_refused(address)
+        if self._leadership.is_leader or not address or client is None or plain:
             # Leading after all (it took the lease meanwhile): the request is ours to serve.
             if self._leadership.is_leader:
                 await self._app(scope, receive, send)
             else:
-                self._count("no_leader")
-                await _refuse(send, rid, NotLeader(_NO_LEADER))
+                self._count("plain_http_refused" if plain else "no_leader")
+                await _refuse(send, rid, NotLeader(_PLAIN_REFUSED if plain else _NO_LEADER))
             return
         first = await receive()
         if first["type"] != "http.request":
@@ -219,19 +260,18 @@ class Forwarder:
         raw_path: bytes = scope.get("raw_path") or scope["path"].encode()
         query: bytes = scope.get("query_string", b"")
         url = httpx.URL(address.rstrip("/")).copy_with(raw_path=raw_path + (b"?" + query if query else b""))
-        request = self._client.build_request(scope["method"], url, headers=out, content=content)
+        request = client.build_request(scope["method"], url, headers=out, content=content)
         try:
-            response = await self._client.send(request, stream=True)
+            response = await client.send(request, stream=True)
         except _BodyRefused as refused:
             self._count("client_gone" if refused.error is None else "too_large")
             if refused.error is not None:
                 await _refuse(send, rid, refused.error)
             return
         except httpx.HTTPError as exc:
-            log.warning("the leader did not answer a forwarded %s (%s)", scope["method"], type(exc).__name__)
-            unsent = isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout)
-            self._count("leader_unreachable" if unsent else "leader_lost")
-            await _refuse(send, rid, NotLeader(_LEADER_GONE if unsent else _LEADER_LOST))
+            result, error = self._not_answered(exc, scope["method"], address)
+            self._count(result)
+            await _refuse(send, rid, error)
             return
         try:
             await self._relay(response, send, rid)
@@ -248,6 +288,30 @@ class Forwarder:
                 }
             },
         )
+
+    def _plain_refused(self, address: str) -> bool:
+        """Whether the leader at `address` is refused for plain http (`check_peer`; logged once per address)."""
+        try:
+            check_peer(address, allow_plain_http=self._allow_plain)
+        except PlainHttpPeer as exc:
+            refused = exc
+        else:
+            return False
+        if self._refused_plain != address:  # once per address, not once per request
+            self._refused_plain = address
+            log.error("%s", refused.message)
+        return True
+
+    def _not_answered(self, exc: httpx.HTTPError, method: str, address: str) -> tuple[str, NexaError]:
+        """A forwarded request the leader did not answer: its result and the error answered."""
+        untrusted = None if self._peer_tls is None else self._peer_tls.not_trusted(exc, address)
+        if untrusted is not None:
+            log.warning("a forwarded %s was not sent: %s", method, untrusted.message)
+            return "leader_untrusted", NotLeader(_LEADER_UNTRUSTED)
+        log.warning("the leader did not answer a forwarded %s (%s)", method, type(exc).__name__)
+        if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
+            return "leader_unreachable", NotLeader(_LEADER_GONE)
+        return "leader_lost", NotLeader(_LEADER_LOST)
 
     def _request_headers(self, scope: Scope, headers: list[tuple[bytes, bytes]], rid: str) -> list[tuple[bytes, bytes]]:
         """The end-to-end fields as the client sent them, and what the leader must know of it."""
@@ -323,6 +387,14 @@ _LOOP: Final = (
 _LEADER_GONE: Final = (
     "the leader could not be reached, so this change was not made: retry in a few seconds, once another "
     "controller has taken the lease"
+)
+_PLAIN_REFUSED: Final = (
+    "the leader is on another host and reachable only over plain http, which this controller does not "
+    "forward writes over (its log says what to configure), so this change was not made"
+)
+_LEADER_UNTRUSTED: Final = (
+    "the leader's https certificate is not trusted by this controller (its log says what to configure), "
+    "so this change was not made"
 )
 _LEADER_LOST: Final = (
     "the leader stopped answering after it was sent this request, so the change may or may not have been "

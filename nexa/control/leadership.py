@@ -44,11 +44,12 @@ _RELEASE_TIMEOUT_S: Final = 2.0
 
 
 def controller_identity(cluster: ClusterConfig, http: HttpConfig) -> tuple[str, str]:
-    """(controller id, address) as configured, else `<hostname>:<http port>` and `http://<http.listen>`:
-    both from configuration, so they stay the same across restarts."""
+    """(controller id, address) as configured, else `<hostname>:<http port>` and `http://<http.listen>`
+    (`https://` when it serves TLS): both from configuration, so they stay the same across restarts."""
     host, port = parse_host_port(http.listen)
     controller_id = cluster.controller_id or f"{socket.gethostname()}:{port}"
-    address = cluster.address or f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    scheme = "https" if http.tls_cert_file else "http"
+    address = cluster.address or f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
     return controller_id, address
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
@@ -30,7 +31,7 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
-from nexa import __version__, security
+from nexa import __version__, security, tls
 from nexa.config import ControlConfig, HttpConfig, NodesConfig, parse_host_port
 from nexa.control import openapi
 from nexa.control import store as st
@@ -94,10 +95,29 @@ def _bind(listen: str) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def hypercorn_config(cfg: HttpConfig, *, shared_fd: int | None = None) -> hypercorn.config.Config:
+class _HttpsConfig(hypercorn.config.Config):
+    """hypercorn serving https with nexa's context (`tls.ServerTls`: re-read when its files change)
+    instead of one hypercorn would make once from file names."""
+
+    def __init__(self, context: ssl.SSLContext) -> None:
+        super().__init__()
+        self._context = context
+
+    @property
+    def ssl_enabled(self) -> bool:
+        return True
+
+    def create_ssl_context(self) -> ssl.SSLContext:
+        return self._context
+
+
+def hypercorn_config(
+    cfg: HttpConfig, *, shared_fd: int | None = None, server_tls: tls.ServerTls | None = None
+) -> hypercorn.config.Config:
     """hypercorn's settings for `cfg`: it binds `listen` itself, or serves `shared_fd` there (a
-    socket `shared_listener` made, which hypercorn then owns and closes), and binds `extra_listen`."""
-    hc = hypercorn.config.Config()
+    socket `shared_listener` made, which hypercorn then owns and closes), and binds `extra_listen`;
+    every address serves https with `server_tls` when it is given."""
+    hc = hypercorn.config.Config() if server_tls is None else _HttpsConfig(server_tls.context)
     hc.bind = [_bind(cfg.listen) if shared_fd is None else f"fd://{shared_fd}", *map(_bind, cfg.extra_listen)]
     hc.graceful_timeout = cfg.graceful_timeout_s
     hc.keep_alive_timeout = cfg.keep_alive_timeout_s
@@ -129,13 +149,14 @@ async def _serve_http(
     cfg: HttpConfig,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
+    server_tls: tls.ServerTls | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """hypercorn on `cfg`'s addresses. With `reuse_port` the shared socket is made afresh at each
     (re)start of this loop and handed over (`fd://`): while a restart waits, the kernel sends new
     connections to the other workers instead of a backlog nobody accepts from."""
     shared_fd = shared_listener(cfg.listen).detach() if cfg.reuse_port else None
-    hc = hypercorn_config(cfg, shared_fd=shared_fd)
+    hc = hypercorn_config(cfg, shared_fd=shared_fd, server_tls=server_tls)
     await hypercorn.trio.serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
@@ -178,6 +199,9 @@ async def _serve_control(
     task_status: trio.TaskStatus[ControlStarted],
 ) -> None:
     refuse_forced(recover, "postgresql" if cfg.store.url else "sqlite")  # before anything is written
+    # https's files, and the CA that verifies the other controllers, are checked before anything is
+    # written too: a bad certificate or key stops the start with what to fix (ConfigError).
+    server_tls, peer_tls = await trio.to_thread.run_sync(partial(_tls, cfg, metrics))
     async with open_store(cfg.state_dir, cfg.store) as store:
         registry = await Registry.load(store, metrics)
         admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
@@ -321,6 +345,8 @@ async def _serve_control(
                 after_write=feed.catch_up if feed is not None else None,
                 trusted_proxies=cfg.http.trusted_proxies,
                 metrics=metrics,
+                peer_tls=peer_tls,
+                allow_plain_http_peers=cfg.cluster.allow_plain_http_peers,
             )
             app = InferenceApp(
                 forwarder,
@@ -369,7 +395,9 @@ async def _serve_control(
                         await loops.start(supervised, name, loop)
                     log.info("node channel bound", extra={"fields": {"endpoint": channel}})
                     async with trio.open_nursery() as http:
-                        serve = partial(_serve_http, app, cfg.http, shutdown_trigger=stopping.wait)
+                        serve = partial(
+                            _serve_http, app, cfg.http, shutdown_trigger=stopping.wait, server_tls=server_tls
+                        )
                         binds: list[str] = await http.start(supervised, "http", serve)
                         state.ready = True
                         http.start_soon(_unready_on, stopping, state)
@@ -393,6 +421,16 @@ async def _serve_control(
                     loops.cancel_scope.cancel()
                 metering.cancel_scope.cancel()
     log.info("controller stopped")
+
+
+def _tls(cfg: ControlConfig, metrics: Metrics) -> tuple[tls.ServerTls | None, tls.ClientTls]:
+    """The https listener's certificate (None: plain http), re-read when its files change (a bad
+    rewrite keeps the last good pair and is counted); how the leader's certificate is verified."""
+    server = None
+    if cfg.http.tls_cert_file:
+        server = tls.ServerTls(cfg.http, on_invalid=metrics.credential_reload_failures.labels("tls").inc)
+    peer = tls.ClientTls.load(cfg.cluster.peer_ca_file, named_by="cluster.peer_ca_file", fix=tls.PEER_FIX)
+    return server, peer
 
 
 async def _check_keys(store: Store, keys: ControllerKeys, keys_dir: Path) -> None:

@@ -27,12 +27,13 @@ from nexa.contracts import codec
 from nexa.contracts.api import VersionInfo
 from nexa.contracts.doctor import CheckResult, CheckStatus, DoctorReport, report
 from nexa.contracts.node import CDI_NVIDIA_GPU, Gpu
-from nexa.errors import ConfigError, ContractError, PodmanError, Unavailable
+from nexa.errors import CertificateNotTrusted, ConfigError, ContractError, NexaError, PodmanError, Unavailable
 from nexa.node import identity, inventory
 from nexa.node.docker import GPU_NVIDIA_RUNTIME, DockerClient
 from nexa.node.engine_http import EngineTransport
 from nexa.node.podman import PodmanClient
 from nexa.node.probe import HttpProbe, http_url_host
+from nexa.tls import CLIENT_FIX
 
 log = logging.getLogger(__name__)
 
@@ -609,14 +610,16 @@ async def check_controller(
     try:
         with trio.fail_after(2 * NETWORK_TIMEOUT_S):
             answer = await fetch(url)
-    except (Unavailable, trio.TooSlowError) as exc:
+    except (Unavailable, CertificateNotTrusted, trio.TooSlowError) as exc:
         detail = (
-            exc.message if isinstance(exc, Unavailable) else f"{url} did not answer within {2 * NETWORK_TIMEOUT_S:g} s"
+            exc.message if isinstance(exc, NexaError) else f"{url} did not answer within {2 * NETWORK_TIMEOUT_S:g} s"
         )
         fix = (
             "check the URL and that `nexa control` runs and listens there ([http] listen); "
             "firewalls must let this node reach it"
         )
+        if isinstance(exc, CertificateNotTrusted):
+            detail, fix = f"the certificate of {url} is not trusted ({exc.reason})", CLIENT_FIX
         skipped = "not checked: the controller did not answer"
         return [_fail("controller", detail, fix), _warn("fingerprint", skipped), _warn("clock", skipped)]
     v = answer.version

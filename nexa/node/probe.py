@@ -12,6 +12,7 @@ import attrs
 import httpx
 
 from nexa.errors import Unavailable
+from nexa.tls import ClientTls
 
 
 @attrs.frozen
@@ -36,11 +37,13 @@ def http_url_host(url: str) -> str:
 @final
 class HttpProbe:
     """GETs with one timeout, over pooled connections. Use as `async with HttpProbe(…) as probe:`, or
-    call `aclose()`. `trust_env`: proxies and CA settings from the environment (an operator's network,
-    not loopback)."""
+    call `aclose()`. `trust_env`: proxies from the environment (an operator's network, not loopback).
+    `tls`: how https servers are verified (default: `NEXA_CA_FILE`, or the system's CA store); a
+    certificate that does not verify raises `CertificateNotTrusted`, never skipped."""
 
-    def __init__(self, *, timeout_s: float, trust_env: bool = False) -> None:
-        self._http = httpx.AsyncClient(timeout=timeout_s, trust_env=trust_env)
+    def __init__(self, *, timeout_s: float, trust_env: bool = False, tls: ClientTls | None = None) -> None:
+        self._tls = tls if tls is not None else ClientTls.from_env()
+        self._http = httpx.AsyncClient(timeout=timeout_s, trust_env=trust_env, verify=self._tls.context)
 
     async def __aenter__(self) -> HttpProbe:
         await self._http.__aenter__()
@@ -58,5 +61,7 @@ class HttpProbe:
         try:
             response = await self._http.get(url, headers=headers)
         except httpx.HTTPError as exc:
+            if (untrusted := self._tls.not_trusted(exc, url)) is not None:
+                raise untrusted from None
             raise Unavailable(type(exc).__name__) from None
         return ProbeAnswer(response.status_code, response.content, dict(response.headers.items()))

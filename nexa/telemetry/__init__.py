@@ -79,7 +79,8 @@ class Metrics:
             "Management requests a follower passed to the leader, by result: ok (the leader's answer relayed,"
             " whatever its status), no_leader (no lease holder known), loop (forwarded already), leader_unreachable"
             " (not sent), leader_lost (sent, no answer), answer_cut (the answer stopped midway), too_large,"
-            " client_gone.",
+            " client_gone, plain_http_refused (a leader on another host over plain http), leader_untrusted"
+            " (its certificate did not verify).",
             ["result"],
             registry=r,
         )

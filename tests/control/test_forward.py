@@ -5,6 +5,7 @@ way: what reaches the leader, what comes back, streaming both ways, and every re
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
@@ -16,7 +17,9 @@ import hypercorn.trio
 import pytest
 import trio
 
-from nexa.control.forward import FORWARDED_HEADER, Forwarder, forwarded
+from nexa.control.forward import FORWARDED_HEADER, Forwarder, check_peer, forwarded
+from nexa.errors import PlainHttpPeer
+from nexa.telemetry import Metrics
 
 LIMIT = 64 * 1024
 
@@ -347,3 +350,64 @@ async def test_the_body_limit_holds_for_forwarded_writes(cluster: Cluster) -> No
         assert response.json()["error"]["code"] == "payload_too_large"
     assert cluster.leader.seen == []  # neither reached the leader
     assert cluster.writes == []
+
+
+# ---- encrypted between hosts -------------------------------------------------------------------
+
+
+def test_plain_http_is_refused_only_to_a_leader_on_another_host() -> None:
+    for address in ("http://10.20.0.5:8470", "http://ctl-b.example.internal:8470", "http://[2001:db8::5]:8470"):
+        with pytest.raises(PlainHttpPeer, match="allow_plain_http_peers") as refused:
+            check_peer(address, allow_plain_http=False)
+        assert refused.value.code == "plain_http_peer"
+        check_peer(address, allow_plain_http=True)  # the operator said this network is trusted
+        check_peer(address.replace("http:", "https:"), allow_plain_http=False)
+    for address in ("http://127.0.0.1:8481", "http://127.0.0.7:8481", "http://[::1]:8481", "http://localhost:8481"):
+        check_peer(address, allow_plain_http=False)  # one host: several workers on loopback
+
+
+async def test_a_write_is_not_sent_in_clear_to_a_leader_on_another_host(
+    nursery: trio.Nursery, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decision only: the address is never connected to (the transport fails the test if it is)."""
+    sent: list[httpx.Request] = []
+
+    def leader(request: httpx.Request) -> httpx.Response:
+        sent.append(request)
+        return httpx.Response(201, stream=httpx.ByteStream(b"{}"))
+
+    async def local(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("a follower served a write itself")
+
+    metrics = Metrics()
+    lead = FakeLeadership(leader_address="http://10.20.0.5:8470")
+    refusing = Forwarder(
+        local, lead, controller_id="b", max_body_bytes=1024, transport=httpx.MockTransport(leader), metrics=metrics
+    )
+    allowed = Forwarder(
+        local,
+        lead,
+        controller_id="b",
+        max_body_bytes=1024,
+        transport=httpx.MockTransport(leader),
+        allow_plain_http_peers=True,
+    )
+    for forwarder in (refusing, allowed):
+        await nursery.start(forwarder.run)
+    refusing_url, allowed_url = await nursery.start(_serve, refusing), await nursery.start(_serve, allowed)
+
+    async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
+        with caplog.at_level(logging.ERROR, logger="nexa.control.forward"):
+            for _ in range(2):
+                answer = await client.post(f"{refusing_url}/api/v1/tenants", json={"id": "acme"})
+                assert answer.status_code == 503
+                assert answer.json()["error"]["code"] == "not_leader"
+                assert "plain http" in answer.json()["error"]["message"]
+        assert sent == []
+        [line] = [r for r in caplog.records if "plain http" in r.getMessage()]  # once per address, not per request
+        assert "http://10.20.0.5:8470" in line.getMessage() and "tls_cert_file" in line.getMessage()
+        refused = metrics.registry.get_sample_value("nexa_forwarded_requests_total", {"result": "plain_http_refused"})
+        assert refused == 2.0
+
+        assert (await client.post(f"{allowed_url}/api/v1/tenants", json={"id": "acme"})).status_code == 201
+    assert [str(r.url) for r in sent] == ["http://10.20.0.5:8470/api/v1/tenants"]

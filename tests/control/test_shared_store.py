@@ -275,7 +275,7 @@ async def test_recover_is_refused_on_postgresql_before_anything_is_written(tmp_p
 
 class _Lead:
     is_leader = False
-    leader_address: str | None = "http://leader.test"
+    leader_address: str | None = "https://leader.test"  # a mock transport answers it
     leader_id: str | None = "a"
 
 

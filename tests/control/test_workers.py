@@ -120,7 +120,7 @@ def test_the_worker_example_passes_check_config_and_sqlite_is_refused(tmp_path: 
     assert proc.returncode == 0, proc.stderr
     cfg = config.load(WORKER_EXAMPLE, ControlConfig)
     assert cfg.http.reuse_port
-    assert cfg.cluster.address == f"http://{cfg.http.extra_listen[0]}"
+    assert cfg.cluster.address == f"https://{cfg.http.extra_listen[0]}"
     # The same file without its PostgreSQL store: exit 2, naming what to set.
     text = WORKER_EXAMPLE.read_text(encoding="utf-8").replace(f'url = "{cfg.store.url}"', 'url = ""')
     (sqlite := tmp_path / "control-1.toml").write_text(text, encoding="utf-8")
