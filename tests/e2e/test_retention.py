@@ -23,7 +23,7 @@ import openai
 import pytest
 import trio
 
-from nexa.config import RetentionConfig
+from nexa.config import RetentionConfig, Seconds
 from nexa.control.retention import MAGIC
 from nexa.errors import ConfigError
 from nexa.telemetry import JsonFormatter
@@ -38,7 +38,7 @@ pytestmark = pytest.mark.slow
 
 Json = dict[str, Any]
 #: The purge loop's period here: a 1-second TTL is purged within about a second of expiring.
-PURGE_INTERVAL_S = 0.2
+PURGE_INTERVAL_S = Seconds(0.2)
 
 
 def write_key(tmp_path: Path) -> Path:
@@ -85,7 +85,7 @@ async def test_retained_payloads_are_sealed_read_by_the_reader_and_purged(
     caplog.set_level(logging.DEBUG)
     cluster, prefix = kept
     canary = "canary-" + secrets.token_hex(8)
-    messages = [{"role": "user", "content": f"remember {canary} please"}]
+    messages: list[Any] = [{"role": "user", "content": f"remember {canary} please"}]
     beta = await new_key(cluster, "inference", "beta")
     reader = await new_key(cluster, "retention-reader")
     async with cluster.client() as http:
