@@ -9,6 +9,7 @@ role asks, decrypted in memory, and never stored).
 
 from __future__ import annotations
 
+import re
 from typing import Final
 
 import attrs
@@ -22,6 +23,8 @@ MIN_TTL_S: Final = 1.0
 MAX_TTL_S: Final = 10 * 366 * 86400.0
 #: How many tenants one policy may name.
 MAX_POLICY_TENANTS: Final = 1000
+#: What a purge may select by: request ids and tenant ids are of these characters.
+_SELECTOR_RE: Final = re.compile(r"^[A-Za-z0-9._:@+=-]{1,256}$")
 
 
 @attrs.frozen(kw_only=True)
@@ -128,4 +131,8 @@ def purge_problems(req: RetentionPurge) -> list[str]:
     given = [v for v in (req.request_id, req.tenant, req.policy) if v is not None]
     if len(given) != 1:
         return ["give exactly one of request_id, tenant, policy"]
+    if req.policy is not None and req.policy != EPHEMERAL and (problem := policy_name_problem(req.policy)):
+        return [problem.replace("name:", "policy:", 1)]
+    if not _SELECTOR_RE.match(given[0]):
+        return ["request_id, tenant: 1 to 256 characters of A-Z a-z 0-9 . _ : @ + = -"]
     return []

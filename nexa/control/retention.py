@@ -132,7 +132,7 @@ class Capture:
     the writer once the answer is complete; `drop` (an error, a client gone) keeps nothing. Either
     frees its place among the pending writes, once."""
 
-    __slots__ = ("_done", "_owner", "_size", "answer", "api", "policy", "request", "request_id", "tenant")
+    __slots__ = ("_done", "_owner", "answer", "api", "policy", "request", "request_id", "size", "tenant")
 
     def __init__(
         self, owner: Retention, policy: RetentionPolicy, tenant: TenantId, *, request_id: str, api: str, request: bytes
@@ -144,13 +144,15 @@ class Capture:
         self.api = api
         self.request = request
         self.answer: list[bytes] = []
-        self._size = 0
+        self.size = 0
         self._done = False
 
     def add(self, chunk: bytes) -> None:
-        """Append part of the answer (the bytes the client is sent); O(1)."""
-        self._size += len(chunk)
-        self.answer.append(chunk)
+        """Append part of the answer (the bytes the client is sent); O(1). Past MAX_ANSWER_BYTES
+        nothing more is held (the answer is then not kept)."""
+        self.size += len(chunk)
+        if self.size <= MAX_ANSWER_BYTES:
+            self.answer.append(chunk)
 
     def keep(self) -> None:
         if not self._done:
@@ -308,7 +310,8 @@ class Retention:
 
     async def _write(self, capture: Capture) -> None:
         try:
-            with trio.fail_after(self._cfg.write_timeout_s):
+            # Shielded (bounded): an answer already given is written even while the controller stops.
+            with trio.CancelScope(shield=True), trio.fail_after(self._cfg.write_timeout_s):
                 record = await self._store_capture(capture)
         except (NexaError, trio.TooSlowError) as exc:
             self._metrics.retention_writes.labels("failed").inc()
@@ -323,10 +326,10 @@ class Retention:
             self._release()
 
     async def _store_capture(self, capture: Capture) -> RetainedRecord | None:
+        if capture.size > MAX_ANSWER_BYTES:
+            raise Unavailable(f"an answer over {MAX_ANSWER_BYTES} bytes is not retained")
         answer = b"".join(capture.answer)
         capture.answer.clear()
-        if len(answer) > MAX_ANSWER_BYTES:
-            raise Unavailable(f"an answer over {MAX_ANSWER_BYTES} bytes is not retained")
         now = time.time()
         record = RetainedRecord(
             id="ret_" + secrets.token_hex(12),

@@ -95,6 +95,17 @@ async def test_retained_payloads_are_sealed_read_by_the_reader_and_purged(
         bad = await http.put("/api/v1/retention/policies/nobody", json={"ttl_s": 60, "tenants": ["ghost"]})
         assert_envelope(bad, 400, "invalid_request")
         assert "ghost" in bad.json()["error"]["message"]
+        for name, body in (
+            ("ephemeral", {"ttl_s": 60, "tenants": ["acme"]}),
+            ("zero", {"ttl_s": 0, "tenants": ["acme"]}),
+            ("none", {"ttl_s": 60, "tenants": []}),
+            ("twice", {"ttl_s": 60, "tenants": ["acme", "acme"]}),
+        ):
+            assert_envelope(await http.put(f"/api/v1/retention/policies/{name}", json=body), 400, "invalid_request")
+        listed = await ok(http.get("/api/v1/retention/policies"))
+        assert [p["name"] for p in listed["policies"]] == ["audit-30d", "short"]
+        for purge in ({"tenant": "acme", "policy": "short"}, {"tenant": "bad tenant\u001b"}):
+            assert_envelope(await http.post("/api/v1/retention/purge", json=purge), 400, "invalid_request")
     sdk = openai.OpenAI(base_url=cluster.base_url, api_key=cluster.inference_key, max_retries=0, timeout=30)
     cluster.on_close.append(sdk.close)
     beta_sdk = openai.OpenAI(base_url=cluster.base_url, api_key=beta, max_retries=0, timeout=30)
@@ -155,7 +166,8 @@ async def test_retained_payloads_are_sealed_read_by_the_reader_and_purged(
             assert_envelope(await http.get(f"/api/v1/retention/records/{unary['id']}"), 403, "forbidden")
     reads = await audit(cluster, "retention.read")
     assert len(reads) == 1 + 3 + 1 and {e["target"] for e in reads} == {f"retained/{r['id']}" for r in found}
-    assert {e["action"] for e in await audit(cluster, "retention.policy.set")} == {"retention.policy.set"}
+    policy_events = await audit(cluster, "retention.policy.set")
+    assert sorted(e["target"] for e in policy_events) == ["retention-policy/audit-30d", "retention-policy/short"]
     cli = await cluster.cli("retention", "show", unary["id"], key=reader)
     assert cli.returncode == 0, cli.stderr
     assert canary in json.loads(cli.stdout)["request"]
