@@ -106,6 +106,13 @@ async def test_retained_payloads_are_sealed_read_by_the_reader_and_purged(
         assert [p["name"] for p in listed["policies"]] == ["audit-30d", "short"]
         for purge in ({"tenant": "acme", "policy": "short"}, {"tenant": "bad tenant\u001b"}):
             assert_envelope(await http.post("/api/v1/retention/purge", json=purge), 400, "invalid_request")
+    made = await cluster.cli("retention", "set-policy", "by-cli", "--ttl", "60", "--tenant", "acme", "--json")
+    assert made.returncode == 0 and json.loads(made.stdout)["tenants"] == ["acme"], made.stderr
+    gone = await cluster.cli("retention", "delete-policy", "by-cli")
+    assert gone.returncode == 0, gone.stderr
+    listed_cli = await cluster.cli("retention", "policies", "--json")
+    assert [p["name"] for p in json.loads(listed_cli.stdout)["policies"]] == ["audit-30d", "short"]
+    assert [e["target"] for e in await audit(cluster, "retention.policy.delete")] == ["retention-policy/by-cli"]
     sdk = openai.OpenAI(base_url=cluster.base_url, api_key=cluster.inference_key, max_retries=0, timeout=30)
     cluster.on_close.append(sdk.close)
     beta_sdk = openai.OpenAI(base_url=cluster.base_url, api_key=beta, max_retries=0, timeout=30)
@@ -140,14 +147,17 @@ async def test_retained_payloads_are_sealed_read_by_the_reader_and_purged(
     async with cluster.client(cluster.inference_key) as http:
         done = await ok(http.post("/api/v1/workloads", json=envelope))
         assert done["state"] == "succeeded"
+        streamed_envelope = {**envelope, "idempotency_key": "k-s", "workload_id": "w-s", "stream": True}
+        sse = await http.post("/api/v1/workloads", json=streamed_envelope)
+        assert sse.status_code == 200 and "event: end" in sse.text
     async with cluster.client(beta) as http:
         refused = await http.post("/api/v1/workloads", json={**envelope, "idempotency_key": "k-beta"})
         assert_envelope(refused, 403, "retention_not_permitted")
 
     # Written after each answer, off the token path: three records, all the tenant's, none of beta.
-    found = await wait_until("three retained records", lambda: _count(cluster, 3))
+    found = await wait_until("four retained records", lambda: _count(cluster, 4))
     assert {r["tenant"] for r in found} == {"acme"} and {r["policy"] for r in found} == {"audit-30d"}
-    assert sorted(r["api"] for r in found) == ["openai", "openai", "workloads"]
+    assert sorted(r["api"] for r in found) == ["openai", "openai", "workloads", "workloads"]
     assert await records(cluster, tenant="beta") == []
     unary = next(r for r in found if r["request_id"] == unary_id)
 
@@ -165,9 +175,13 @@ async def test_retained_payloads_are_sealed_read_by_the_reader_and_purged(
         async with cluster.client(key) as http:
             assert_envelope(await http.get(f"/api/v1/retention/records/{unary['id']}"), 403, "forbidden")
     reads = await audit(cluster, "retention.read")
-    assert len(reads) == 1 + 3 + 1 and {e["target"] for e in reads} == {f"retained/{r['id']}" for r in found}
+    assert len(reads) == 1 + 4 + 1 and {e["target"] for e in reads} == {f"retained/{r['id']}" for r in found}
     policy_events = await audit(cluster, "retention.policy.set")
-    assert sorted(e["target"] for e in policy_events) == ["retention-policy/audit-30d", "retention-policy/short"]
+    assert sorted(e["target"] for e in policy_events) == [
+        "retention-policy/audit-30d",
+        "retention-policy/by-cli",
+        "retention-policy/short",
+    ]
     cli = await cluster.cli("retention", "show", unary["id"], key=reader)
     assert cli.returncode == 0, cli.stderr
     assert canary in json.loads(cli.stdout)["request"]
@@ -197,7 +211,7 @@ async def test_retained_payloads_are_sealed_read_by_the_reader_and_purged(
         assert_envelope(await http.get(f"/api/v1/retention/records/{unary['id']}"), 404, "not_found")
     async with cluster.client() as http:
         purged = await ok(http.post("/api/v1/retention/purge", json={"policy": "audit-30d"}))
-        assert purged == {"purged": 2}
+        assert purged == {"purged": 3}
         assert_envelope(await http.post("/api/v1/retention/purge", json={}), 400, "invalid_request")
     assert await records(cluster) == [] and await bucket_objects(s3_store, prefix) == {}
     purges = await audit(cluster, "retention.purge")
