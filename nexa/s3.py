@@ -645,20 +645,8 @@ class S3Client:
         )
         return str(response.headers.get("etag", ""))
 
-    async def get_bytes(self, bucket: str, key: str, *, max_bytes: int) -> bytes | None:
-        """A small object whole (a retained payload), or None when there is none; ArtifactRefused
-        when it is larger than `max_bytes`."""
-        response = await self._request("GET", self._url(bucket, key), what=f"GET {bucket}/{key}", ok=(200, 404))
-        if response.status_code == 404:
-            return None
-        if len(response.content) > max_bytes:
-            raise ArtifactRefused(
-                f"S3 GET {bucket}/{key}: larger than {max_bytes} bytes", status=200, s3_code="TooLarge"
-            )
-        return response.content
-
     async def delete(self, bucket: str, key: str) -> None:
-        """Delete an object; one that is not there is no error (S3 answers 204 either way)."""
+        """Delete an object (retention's purges); one that is not there is no error."""
         await self._request("DELETE", self._url(bucket, key), what=f"DELETE {bucket}/{key}", ok=(200, 204, 404))
 
     async def put_file(

@@ -54,6 +54,7 @@ from nexa.contracts.retention import (
 from nexa.control import store as st
 from nexa.control.registry import SYSTEM, Actor, audit_draft
 from nexa.errors import (
+    ArtifactRefused,
     ConfigError,
     ContractError,
     NexaError,
@@ -397,7 +398,7 @@ class Retention:
         if record is None:
             raise NotFound(f"no retained record {record_id}")
         key = self._object_key(record)
-        blob = await self._client().get_bytes(self._cfg.bucket, key, max_bytes=2 * MAX_ANSWER_BYTES)
+        blob = await self._fetch(key)
         if blob is None:
             raise NotFound(f"retained record {record_id} has no object in the store (purged meanwhile?)")
         plaintext = open_payload(await self._data_key(record.tenant), key, blob)
@@ -408,6 +409,22 @@ class Retention:
         self._metrics.audit_events.labels(event.result.value).inc()
         parts = json.loads(plaintext)
         return RetainedPayload(record=record, request=str(parts["request"]), answer=str(parts["answer"]))
+
+    async def _fetch(self, key: str) -> bytes | None:
+        """The sealed object `key`, whole (bounded), or None when the store has none."""
+        parts, size = [], 0
+        try:
+            async with self._client().stream(self._cfg.bucket, key) as answer:
+                async for chunk in answer.chunks():
+                    size += len(chunk)
+                    if size > 2 * MAX_ANSWER_BYTES:
+                        raise Unavailable(f"retained object {key} is larger than any this controller writes")
+                    parts.append(chunk)
+        except ArtifactRefused as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return b"".join(parts)
 
     # ---- purges -----------------------------------------------------------------------------------
 
