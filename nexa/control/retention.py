@@ -305,7 +305,10 @@ class Retention:
                 while True:
                     await trio.sleep(REFRESH_S if shared else 3600.0)
                     if shared:
-                        await self.refresh()
+                        try:
+                            await self.refresh()
+                        except NexaError as exc:  # the writes go on; the next round re-reads
+                            log.warning("re-reading retention policies failed (%s)", exc.code)
             finally:
                 self._nursery = None
 
