@@ -537,6 +537,33 @@ class EvidenceConfig:
 
 
 @attrs.frozen(kw_only=True)
+class RetentionConfig:
+    """Payload retention (`nexa retention`): requests naming a policy their tenant may use are kept
+    encrypted in the S3-compatible store of `[artifacts]` (its endpoint and credentials)."""
+
+    #: File holding the 32-byte retention master key as base64 or hex (mode 0600; `nexa keygen
+    #: --backup --out FILE` writes one). It wraps each tenant's data key. Empty: retention is off and
+    #: every retention but `ephemeral` is refused (retention_unavailable).
+    key_file: str = ""
+    #: The bucket retained payloads are written to (it must exist), and the key prefix inside it.
+    bucket: str = ""
+    prefix: str = "retention/"
+    #: How often payloads past their policy's TTL are purged (the leader does it).
+    purge_interval_s: Seconds = attrs.field(default=Seconds(60.0), validator=attrs.validators.gt(Seconds(0.0)))
+    #: Retained answers waiting to be written at most; a request asking for retention while this
+    #: many wait is refused (overloaded) before it runs, so nothing it asked to keep is dropped.
+    max_pending: int = attrs.field(default=256, validator=attrs.validators.ge(1))
+    #: How long one payload's write to the store may take before it is given up (logged, counted).
+    write_timeout_s: Seconds = attrs.field(default=Seconds(30.0), validator=attrs.validators.gt(Seconds(0.0)))
+
+    def check(self, artifacts: ArtifactStoreConfig) -> None:
+        if self.key_file and not (self.bucket and artifacts.s3_endpoint):
+            raise ValueError("key_file: retention needs [retention] bucket and [artifacts] s3_endpoint too")
+        if self.prefix.startswith("/") or ".." in self.prefix.split("/"):
+            raise ValueError(f"prefix: {self.prefix!r} must not start with / or hold '..'")
+
+
+@attrs.frozen(kw_only=True)
 class ControlConfig:
     """Everything `nexa control` reads."""
 
@@ -556,6 +583,7 @@ class ControlConfig:
     cluster: ClusterConfig = ClusterConfig()
     store: StoreConfig = StoreConfig()
     evidence: EvidenceConfig = EvidenceConfig()
+    retention: RetentionConfig = attrs.field(default=RetentionConfig(), validator=lambda i, _a, v: v.check(i.artifacts))
 
 
 class LeaseExpiryPolicy(enum.StrEnum):

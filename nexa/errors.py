@@ -24,6 +24,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
       · KeyExpired [key_expired]: an API key past its expiry (or a rotated key past its grace)
     - Forbidden [forbidden, HTTP 403]: a known credential whose role may not do this
       · PriorityNotGranted [priority_not_granted]: a priority class the key is not granted
+      · RetentionNotPermitted [retention_not_permitted]: a retention policy that is unknown or not open to the tenant
     - BadSignature [bad_signature]: a signed message that does not verify with the sender's key
     - Replayed [replayed]: a sequence number at or below the last one accepted
     - ClockSkew [clock_skew]: a timestamp too far from our clock
@@ -257,6 +258,13 @@ class PriorityNotGranted(Forbidden):
     """A request asking for a priority class its key is not granted (`[gateway] priority_over_grant = "refuse"`)."""
 
     code = "priority_not_granted"
+
+
+class RetentionNotPermitted(Forbidden):
+    """A request naming a retention policy that does not exist or that its tenant may not use;
+    nothing of it is stored."""
+
+    code = "retention_not_permitted"
 
 
 class NotFound(NexaError, LookupError):

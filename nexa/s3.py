@@ -645,6 +645,10 @@ class S3Client:
         )
         return str(response.headers.get("etag", ""))
 
+    async def delete(self, bucket: str, key: str) -> None:
+        """Delete an object (retention's purges); one that is not there is no error."""
+        await self._request("DELETE", self._url(bucket, key), what=f"DELETE {bucket}/{key}", ok=(200, 204, 404))
+
     async def put_file(
         self,
         bucket: str,

@@ -31,6 +31,7 @@ from nexa.cli import (
     nodes,
     recovery,
     registry,
+    retention,
     roles,
     sim,
 )
@@ -114,6 +115,7 @@ def parser() -> argparse.ArgumentParser:
     recovery.add_commands(sub, flags)
     bench.add_commands(sub, flags)
     evidence.add_commands(sub, flags)
+    retention.add_commands(sub, flags)
     return p
 
 

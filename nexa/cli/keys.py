@@ -20,7 +20,7 @@ from nexa.contracts.api import (
 from nexa.contracts.domain import Priority
 
 EXIT_OK: Final = 0
-ROLES: Final = ("admin", "operator", "inference", "audit", "monitoring")
+ROLES: Final = ("admin", "operator", "inference", "audit", "monitoring", "retention-reader")
 
 
 def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:

@@ -24,6 +24,8 @@ class Role(enum.StrEnum):
     INFERENCE = "inference"
     AUDIT = "audit"
     MONITORING = "monitoring"
+    #: Reads retained payloads (`nexa retention show`), decrypted by the controller; every read is audited.
+    RETENTION_READER = "retention-reader"
 
 
 class Priority(enum.StrEnum):

@@ -25,6 +25,7 @@ from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.domain import Priority as Priority  # noqa: PLC0414 - re-exported: it lives in domain
 from nexa.contracts.models import ModelRef
 from nexa.contracts.node import data_class_problem
+from nexa.contracts.retention import EPHEMERAL, retention_problem
 
 #: The canonical envelope's version; anything else is refused.
 API_VERSION: Final = "nexa.v1"
@@ -81,15 +82,6 @@ _LATENCY_PRIORITY: Final = {
     LatencyClass.STANDARD: Priority.STANDARD,
     LatencyClass.BATCH: Priority.BATCH,
 }
-
-
-class Retention(enum.StrEnum):
-    """What may be kept of a request's payload. Only `ephemeral` is served without an encrypted
-    retention store (none is configured in this version: the others are refused)."""
-
-    EPHEMERAL = "ephemeral"
-    RETAIN_UNTIL = "retain_until"
-    EVALUATION_CAPTURE = "evaluation_capture"
 
 
 class WorkloadState(enum.StrEnum):
@@ -175,7 +167,9 @@ class WorkloadCreate:
     #: The payload's data classification: only replicas on nodes whose inventory lists it in
     #: `data_classes` serve it (503 `no_replica_for_data_class` when none does). None: any node.
     data_class: str | None = None
-    retention: Retention = Retention.EPHEMERAL
+    #: `ephemeral` (keep nothing), or the name of a retention policy the tenant may use: its
+    #: request and answer are then kept encrypted (`contracts.retention`).
+    retention: str = EPHEMERAL
     #: Wall-clock Unix seconds; None: the gateway's default deadline. Queue time counts.
     deadline_at: float | None = None
     #: The admission priority; None: the one `latency_class` maps to (realtime → interactive,
@@ -543,6 +537,8 @@ def workload_problems(req: WorkloadCreate) -> list[str]:
         problems.append("workload_id: 1 to 256 characters of A-Z a-z 0-9 . _ : @ + = - (no /)")
     problem = model_problem(req.model)
     if problem is not None:
+        problems.append(problem)
+    if (problem := retention_problem(req.retention)) is not None:
         problems.append(problem)
     if "model" in req.payload or "stream" in req.payload:
         problems.append("payload: must not hold `model` or `stream` (they are envelope fields)")

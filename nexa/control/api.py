@@ -80,6 +80,7 @@ from nexa.control.api_io import json_response as _json
 from nexa.control.api_io import next_cursor as _next_cursor
 from nexa.control.api_io import page as _page
 from nexa.control.api_records import RecordHandlers
+from nexa.control.api_retention import RetentionHandlers
 from nexa.control.backup import Backups
 from nexa.control.benchmarks import Benchmarks
 from nexa.control.deployments import Deployments
@@ -95,6 +96,7 @@ from nexa.control.qualification import Qualifications
 from nexa.control.quotas import Quotas
 from nexa.control.recovery import Recovery
 from nexa.control.registry import Actor, Registry
+from nexa.control.retention import Retention
 from nexa.control.routes import ROUTE_ROLES
 from nexa.control.scheduler import image_platform_warnings
 from nexa.errors import (
@@ -172,6 +174,8 @@ class AppState:
     evidence: Evidence | None = None
     #: `control.qualification`; None (tests): its routes answer 404.
     qualifications: Qualifications | None = None
+    #: `control.retention`; None (tests): its routes answer 404.
+    retention: Retention | None = None
 
 
 def create_app(cfg: HttpConfig, state: AppState) -> QuartTrio:
@@ -356,7 +360,7 @@ def _query_float(name: str) -> float | None:
     return value
 
 
-class _Handlers(RecordHandlers):
+class _Handlers(RecordHandlers, RetentionHandlers):
     """One method per route; names derive from the route table (`post_keys` for POST /api/v1/keys)."""
 
     _s: AppState

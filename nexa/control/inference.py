@@ -40,7 +40,6 @@ from nexa.contracts.gateway import (
     OpenAIError,
     OpenAIErrorBody,
     Priority,
-    Retention,
     SignedReceipt,
     WorkloadCreate,
     WorkloadList,
@@ -52,6 +51,7 @@ from nexa.contracts.gateway import (
     workload_problems,
 )
 from nexa.contracts.node import data_class_problem
+from nexa.contracts.retention import EPHEMERAL, retention_problem
 from nexa.control.calls import Work
 from nexa.control.gateway import Call, Gateway
 from nexa.control.http import (
@@ -63,6 +63,7 @@ from nexa.control.http import (
     status_for,
 )
 from nexa.control.registry import Actor, Registry
+from nexa.control.retention import Capture, Retention
 from nexa.control.workloads import ActiveWorkload, Workloads
 from nexa.errors import (
     BodyTimeout,
@@ -109,6 +110,8 @@ PRIORITY_HEADER: Final = "x-nexa-priority"
 DEADLINE_HEADER: Final = "x-nexa-deadline-ms"
 #: Optional: the request's data class (as the envelope's `data_class`): only nodes allowed it serve it.
 DATA_CLASS_HEADER: Final = "x-nexa-data-class"
+#: Optional: the request's retention (as the envelope's `retention`): `ephemeral` or a policy's name.
+RETENTION_HEADER: Final = "x-nexa-retention"
 #: On every response of these routes: nexa's own time in it, in ms (`calls.overhead_ms`).
 OVERHEAD_HEADER: Final = "x-nexa-overhead-ms"
 _OVERHEAD_HEADER: Final = OVERHEAD_HEADER.encode()
@@ -149,6 +152,7 @@ class InferenceApp:
         metrics: Metrics,
         max_body_bytes: int,
         body_timeout_s: float = 60.0,
+        retention: Retention | None = None,
     ) -> None:
         self._fallback = fallback
         self._cfg = cfg
@@ -162,6 +166,7 @@ class InferenceApp:
         self._overhead = Children(metrics.gateway_overhead_seconds)
         self._max_body = max_body_bytes
         self._body_timeout_s = body_timeout_s
+        self._retention = retention
         self.disconnects = Disconnects()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -204,6 +209,7 @@ class InferenceApp:
         problems = body_problems(capability, body)
         if problems:
             raise ContractError("invalid request: " + "; ".join(problems), problems=tuple(problems))
+        self._retain(x, x.header(RETENTION_HEADER) or EPHEMERAL, Api.OPENAI)
         work = Work(
             request_id=x.rid,
             api=Api.OPENAI,
@@ -239,13 +245,9 @@ class InferenceApp:
         problems = workload_problems(req)
         if problems:
             raise ContractError("invalid workload: " + "; ".join(problems), problems=tuple(problems))
-        if req.retention is not Retention.EPHEMERAL:
-            raise RetentionUnavailable(
-                f"retention {req.retention.value} needs an encrypted retention store, and none is configured;"
-                " send retention: ephemeral"
-            )
         if req.stream and req.capability is Capability.EMBEDDING:
             raise FieldNotSupported("stream: embeddings do not stream; send stream: false", field="stream")
+        self._retain(x, req.retention, Api.WORKLOADS)
         digest = request_sha256(req)
         priority = self._entitled(x.key, req.admission_priority)
         if priority is not req.admission_priority:  # lowered ("lower"): stored and answered as run
@@ -341,6 +343,17 @@ class InferenceApp:
     async def receipt(self, x: _Exchange, workload_id: str) -> int:
         return await x.json(200, codec.api.unstructure(await self._workloads.receipt(x.tenant, workload_id)))
 
+    def _retain(self, x: _Exchange, retention: str, api: Api) -> None:
+        """Capture the request and what it is answered (`control.retention`) when it names a policy
+        its tenant may use; the typed refusal (nothing kept, nothing run) otherwise."""
+        if retention == EPHEMERAL:
+            return
+        if (problem := retention_problem(retention)) is not None:
+            raise ContractError(f"{RETENTION_HEADER}: {problem}", problems=(problem,))
+        if self._retention is None:
+            raise RetentionUnavailable(f"retention {retention}: this controller keeps nothing; send ephemeral")
+        x.capture = self._retention.capture(x.tenant, retention, x.rid, api.value, x.body_read())
+
     def _entitled(self, key: ApiKey, asked: Priority) -> Priority:
         """The class a request asking for `asked` runs at: `asked` when the key is granted it; else
         PriorityNotGranted, or (`priority_over_grant = "lower"`) the highest granted class below it
@@ -392,6 +405,8 @@ class _Exchange:
         self.tenant: TenantId
         self._started_response = False
         self._bytes_in = 0
+        #: What this request asked to keep (`control.retention`): its answer is added as it is sent.
+        self.capture: Capture | None = None
 
     def header(self, name: str) -> str | None:
         return self._headers.get(name)
@@ -425,6 +440,8 @@ class _Exchange:
                 status = CLIENT_CLOSED
                 raise
         finally:
+            if self.capture is not None:  # kept once answered in full; else nothing is
+                self.capture.keep() if status == 200 else self.capture.drop()
             app._metrics.http_in_flight.dec()
             elapsed = time.perf_counter() - started
             route = self.route[1] if self.route in INFERENCE_ROUTES else "unmatched"
@@ -521,6 +538,9 @@ class _Exchange:
         self._body = b"".join(parts)
         return self._body
 
+    def body_read(self) -> bytes:
+        return self._body or b""
+
     # ---- answering
 
     async def raw(
@@ -541,6 +561,8 @@ class _Exchange:
             }
         )
         self._started_response = True
+        if self.capture is not None:
+            self.capture.add(payload)
         await self._send({"type": "http.response.body", "body": payload, "more_body": False})
         return status
 
@@ -574,6 +596,8 @@ class _Exchange:
         return (_OVERHEAD_HEADER, b"%.2f" % ms)
 
     async def chunk(self, data: bytes, *, more: bool = True) -> None:
+        if self.capture is not None:
+            self.capture.add(data)
         await self._send({"type": "http.response.body", "body": data, "more_body": more})
 
     async def _error(self, exc: NexaError) -> int:

@@ -103,6 +103,7 @@ from nexa.control.inference import (
     INFERENCE_ROUTES,
     OVERHEAD_HEADER,
     PRIORITY_HEADER,
+    RETENTION_HEADER,
 )
 from nexa.control.openapi_ops import JSON as _JSON
 from nexa.control.openapi_ops import PAGE_QUERY as _PAGE_QUERY
@@ -137,6 +138,7 @@ from nexa.errors import (
     QueueFull,
     QuotaExceeded,
     Recovering,
+    RetentionNotPermitted,
     RetentionUnavailable,
     RuntimeFailed,
     RuntimeRejected,
@@ -238,6 +240,12 @@ _INFERENCE_HEADERS: Final = (
         description="milliseconds from now (at most the gateway's max_deadline_s)",
     ),
     _Param(name=DATA_CLASS_HEADER, schema=str, where="header", description="only nodes allowed it serve it"),
+    _Param(
+        name=RETENTION_HEADER,
+        schema=str,
+        where="header",
+        description="ephemeral (default: nothing kept), or a retention policy the tenant may use",
+    ),
 )
 _SERVING: Final = (
     ModelNotServed,
@@ -250,6 +258,8 @@ _SERVING: Final = (
     RuntimeRejected,
     DeadlineExceeded,
     FieldNotSupported,
+    RetentionNotPermitted,
+    RetentionUnavailable,
 )
 _NODE_ACTION: Final = (IllegalTransition,)
 
@@ -580,7 +590,7 @@ _OPERATIONS: Final[dict[tuple[str, str], _Op]] = {
         body_kind="required",
         answer=WorkloadView,
         also=(_SSE,),
-        errors=(*_SERVING, IdempotencyKeyReused, RetentionUnavailable, WorkloadAlreadyActive, Cancelled),
+        errors=(*_SERVING, IdempotencyKeyReused, WorkloadAlreadyActive, Cancelled),
     ),
     ("GET", "/api/v1/workloads"): _Op(
         summary="Your tenant's workloads, oldest first", tag="workloads", answer=WorkloadList, params=_PAGE_QUERY

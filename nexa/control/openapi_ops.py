@@ -1,6 +1,6 @@
 """The parts of the OpenAPI document's route descriptions (`Op`, `Param`, the page query) and the
 descriptions of the record routes (benchmark runs, jobs, release evidence, service objectives,
-runtime qualifications).
+runtime qualifications) and of the retention routes.
 Data only; `openapi` builds the document from them."""
 
 from __future__ import annotations
@@ -26,6 +26,15 @@ from nexa.contracts.evidence import (
     ServiceObjectives,
 )
 from nexa.contracts.qualification import QualificationList, QualifyRequest, SignedQualification
+from nexa.contracts.retention import (
+    RetainedList,
+    RetainedPayload,
+    RetentionPolicy,
+    RetentionPolicyList,
+    RetentionPolicySet,
+    RetentionPurge,
+    RetentionPurged,
+)
 from nexa.errors import Conflict, NexaError, NotDeployable, NotFound, Unavailable
 
 JSON: Final = "application/json"
@@ -137,5 +146,41 @@ RECORD_OPERATIONS: Final[dict[tuple[str, str], Op]] = {
     ),
     ("GET", "/api/v1/qualifications/<qualification_id>"): Op(
         summary="One signed runtime qualification", tag="registry", answer=SignedQualification
+    ),
+    # ---- payload retention (`api_retention`)
+    ("GET", "/api/v1/retention/policies"): Op(
+        summary="Retention policies", tag="retention", answer=RetentionPolicyList
+    ),
+    ("GET", "/api/v1/retention/policies/<name>"): Op(
+        summary="One retention policy", tag="retention", answer=RetentionPolicy
+    ),
+    ("PUT", "/api/v1/retention/policies/<name>"): _takes(
+        "retention", "Create or replace a retention policy (TTL, tenants)", RetentionPolicySet, RetentionPolicy
+    ),
+    ("DELETE", "/api/v1/retention/policies/<name>"): Op(
+        summary="Delete a retention policy (what it kept stays until its TTL)", tag="retention", answer=RetentionPolicy
+    ),
+    ("GET", "/api/v1/retention/records"): Op(
+        summary="Retained records (ids, sizes, times; never a payload), oldest first",
+        tag="retention",
+        answer=RetainedList,
+        params=(
+            *PAGE_QUERY,
+            Param(name="request_id", schema=str, description="only this request id's"),
+            Param(name="tenant", schema=str, description="only this tenant's"),
+            Param(name="policy", schema=str, description="only this policy's"),
+        ),
+    ),
+    ("GET", "/api/v1/retention/records/<record_id>"): Op(
+        summary="A retained request and its answer, decrypted (audited)",
+        tag="retention",
+        answer=RetainedPayload,
+        errors=(Unavailable,),
+    ),
+    ("POST", "/api/v1/retention/purge"): _takes(
+        "retention",
+        "Purge retained payloads now, by request id, tenant or policy (audited)",
+        RetentionPurge,
+        RetentionPurged,
     ),
 }

@@ -12,6 +12,7 @@ from typing import Final
 from nexa.contracts.domain import Role
 
 _A, _O, _I, _AU, _M = Role.ADMIN, Role.OPERATOR, Role.INFERENCE, Role.AUDIT, Role.MONITORING
+_R = Role.RETENTION_READER
 
 #: Every route and the roles that may call it; `None` means no credential is needed.
 #: A route missing from this table is refused for everyone (and a test fails).
@@ -90,4 +91,11 @@ ROUTE_ROLES: Final[dict[tuple[str, str], frozenset[Role] | None]] = {
     ("POST", "/api/v1/runtimes/<name>/qualify"): frozenset({_O, _A}),
     ("GET", "/api/v1/qualifications"): frozenset({_O, _A}),
     ("GET", "/api/v1/qualifications/<qualification_id>"): frozenset({_O, _A}),
+    ("GET", "/api/v1/retention/policies"): frozenset({_A}),
+    ("GET", "/api/v1/retention/policies/<name>"): frozenset({_A}),
+    ("PUT", "/api/v1/retention/policies/<name>"): frozenset({_A}),
+    ("DELETE", "/api/v1/retention/policies/<name>"): frozenset({_A}),
+    ("GET", "/api/v1/retention/records"): frozenset({_R, _A}),  # ids, sizes, times: never a payload
+    ("GET", "/api/v1/retention/records/<record_id>"): frozenset({_R}),  # the payload, decrypted; audited
+    ("POST", "/api/v1/retention/purge"): frozenset({_A}),
 }

@@ -16,12 +16,13 @@ their own shielded timeouts; metering writes what is pending), then the store cl
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Final
@@ -56,6 +57,7 @@ from nexa.control.qualification import Qualifications
 from nexa.control.quotas import UNFLUSHED_S, Quotas
 from nexa.control.recovery import Recovery, refuse_forced
 from nexa.control.registry import Registry
+from nexa.control.retention import Retention, load_retention_key
 from nexa.control.rollout import RolloutWatcher
 from nexa.control.routing import Router
 from nexa.control.southbound import Southbound
@@ -63,7 +65,7 @@ from nexa.control.store import Store, StoreOpener, open_store
 from nexa.control.workloads import Workloads
 from nexa.errors import ControllerKeysDiffer
 from nexa.oci import registry_credentials
-from nexa.s3 import s3_credentials
+from nexa.s3 import S3Client, s3_credentials
 from nexa.supervision import Supervision, supervised, watch_event_loop
 from nexa.telemetry import Metrics
 
@@ -232,7 +234,7 @@ async def _serve_control(
                 )
             ),
         )
-        async with outbound:
+        async with outbound, _retention(cfg, store, metrics, registry) as retention:
             models = await ModelRegistry.load(cfg.models, store, metrics, outbound)
             southbound = Southbound(
                 cfg.channel,
@@ -304,6 +306,7 @@ async def _serve_control(
                     signing_key=keys.signing,
                     key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
                 ),
+                retention=retention,
             )
             await _keep_records(
                 state, gateway, controller=owner, unowned=alone, report_keys=cfg.evidence.trusted_report_keys
@@ -357,6 +360,7 @@ async def _serve_control(
                 metrics=metrics,
                 max_body_bytes=cfg.http.max_body_bytes,
                 body_timeout_s=cfg.http.body_timeout_s,
+                retention=retention,
             )
             # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
             # restarted; only an unusable store or a failed start ends the process.
@@ -382,6 +386,7 @@ async def _serve_control(
                             ("backup", Backups.of(state.backups).run),
                             ("keys", state.key_rotation.run),
                             ("qualifications", Qualifications.of(state.qualifications).run),
+                            ("retention-purge", retention.run_purges),
                             *_orphans(cfg, store, owner, workloads, Jobs.of(state.jobs)),
                         ],
                     )
@@ -390,6 +395,7 @@ async def _serve_control(
                         ("disconnects", app.disconnects.run),
                         ("watchdog", partial(watch_event_loop, metrics.count_stall)),
                         ("forward", forwarder.run),
+                        ("retention", retention.run),
                     ]
                     for name, loop in always:
                         await loops.start(supervised, name, loop)
@@ -431,6 +437,40 @@ def _tls(cfg: ControlConfig, metrics: Metrics) -> tuple[tls.ServerTls | None, tl
         server = tls.ServerTls(cfg.http, on_invalid=metrics.credential_reload_failures.labels("tls").inc)
     peer = tls.ClientTls.load(cfg.cluster.peer_ca_file, named_by="cluster.peer_ca_file", fix=tls.PEER_FIX)
     return server, peer
+
+
+@contextlib.asynccontextmanager
+async def _retention(
+    cfg: ControlConfig, store: Store, metrics: Metrics, registry: Registry
+) -> AsyncIterator[Retention]:
+    """Payload retention (`control.retention`): its policies, and with `[retention] key_file` its
+    master key (a bad key file fails the start, saying what to do) and a client of the `[artifacts]`
+    store; without one, every retention but `ephemeral` is refused."""
+    policies = await store.run(st.load_retention_policies)
+    rc = cfg.retention
+    if not rc.key_file:
+        yield Retention(
+            rc, store, metrics, s3=None, master_key=None, policies=policies, tenant_exists=registry.tenant_exists
+        )
+        return
+    master = await trio.to_thread.run_sync(load_retention_key, rc.key_file)
+    art = cfg.artifacts
+    credentials = await trio.to_thread.run_sync(
+        partial(
+            s3_credentials,
+            art.s3_credentials_file,
+            profile=art.s3_profile,
+            environ=os.environ,
+            on_invalid=metrics.credential_reload_failures.labels("s3").inc,
+        )
+    )
+    client = S3Client(
+        art.s3_endpoint, region=art.s3_region, credentials=credentials, tls_verify=art.s3_tls_verify, trust_env=False
+    )
+    async with client:
+        yield Retention(
+            rc, store, metrics, s3=client, master_key=master, policies=policies, tenant_exists=registry.tenant_exists
+        )
 
 
 async def _check_keys(store: Store, keys: ControllerKeys, keys_dir: Path) -> None:

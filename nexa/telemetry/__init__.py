@@ -188,6 +188,15 @@ class Metrics:
             "Times the controller's event loop ran no task for 1 s or more (each is logged with where it was).",
             registry=r,
         )
+        self.retention_writes = Counter(
+            "nexa_retention_writes",
+            "Retained payloads: written (ok), given up (failed), or refused before running (busy), by result.",
+            ["result"],
+            registry=r,
+        )
+        self.retention_purged = Counter(
+            "nexa_retention_purged", "Retained payloads purged, at their TTL or on demand.", registry=r
+        )
 
     def count_stall(self, _seconds: float) -> None:
         """`supervision.watch_event_loop`'s report of one stall of the event loop."""

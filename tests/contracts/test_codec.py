@@ -31,7 +31,10 @@ class Sample:
         ({"count": 1, "names": "abc"}, "names: expected a list, got str"),
         ({"count": 1, "tags": "abc"}, "tags: expected a list, got str"),
         ({"count": 1, "names": [1]}, "names[0]: expected a string, got int"),
-        ({"count": 1, "role": "root"}, "role: must be one of admin, operator, inference, audit, monitoring"),
+        (
+            {"count": 1, "role": "root"},
+            "role: must be one of admin, operator, inference, audit, monitoring, retention-reader",
+        ),
         ({"count": 1, "extra": 2}, "extra: unknown key"),
         ({}, "count: required key is missing"),
     ],

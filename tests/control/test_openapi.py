@@ -167,7 +167,7 @@ def test_bodies_are_generated_from_the_contract_types() -> None:
     assert key_create["required"] == ["role"]
     assert key_create["additionalProperties"] is False
     assert key_create["properties"]["role"] == {"$ref": "#/components/schemas/Role"}
-    assert schemas["Role"]["enum"] == ["admin", "operator", "inference", "audit", "monitoring"]
+    assert schemas["Role"]["enum"] == ["admin", "operator", "inference", "audit", "monitoring", "retention-reader"]
     assert key_create["properties"]["tenant"]["anyOf"] == [{"type": "string"}, {"type": "null"}]
     # JSON names differ from Python's where a class says so (`from_` is `from` on the wire).
     assert "from" in schemas["AliasReceipt"]["properties"]

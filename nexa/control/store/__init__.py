@@ -9,7 +9,8 @@ Callers use `from nexa.control import store as st` and the names re-exported her
 - `connection`: `open_store` (lock, migrate, new epoch), `Store` and its lanes;
 - `schema`: the migrations; `sql`: what every transaction function shares (`txn`, the meta table);
 - `audit`: the hash chain; then one module per domain: `keys` (and tenants), `nodes`, `models`,
-  `deployments`, `usage` (and quotas), `workloads`, `recovery` (the restore marker, a recovery's epoch),
+  `deployments`, `usage` (and quotas), `workloads`, `retention` (policies, data keys, what is kept),
+  `recovery` (the restore marker, a recovery's epoch),
   `records` (benchmark runs and jobs), `lease` (the leader's lease, the controllers, their keys' fingerprint).
 `[store] url` swaps SQLite for PostgreSQL (DESIGN §5) inside this package only: `pg` (the adapter
 over psycopg, imported only then) and `pg_schema` (its migrations); `sql.Db` is what both give.
@@ -92,6 +93,14 @@ from nexa.control.store.records import update_job as update_job
 from nexa.control.store.recovery import RECOVERY_MARKER as RECOVERY_MARKER
 from nexa.control.store.recovery import end_recovery as end_recovery
 from nexa.control.store.recovery import recovery_marker as recovery_marker
+from nexa.control.store.retention import delete_retained as delete_retained
+from nexa.control.store.retention import delete_retention_policy as delete_retention_policy
+from nexa.control.store.retention import get_retained as get_retained
+from nexa.control.store.retention import insert_retained as insert_retained
+from nexa.control.store.retention import load_retention_policies as load_retention_policies
+from nexa.control.store.retention import save_retention_policy as save_retention_policy
+from nexa.control.store.retention import select_retained as select_retained
+from nexa.control.store.retention import tenant_data_key as tenant_data_key
 from nexa.control.store.schema import APPLICATION_ID as APPLICATION_ID
 from nexa.control.store.schema import MIGRATIONS as MIGRATIONS
 from nexa.control.store.sql import PRUNE_BATCH as PRUNE_BATCH

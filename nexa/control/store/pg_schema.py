@@ -284,6 +284,35 @@ PG_MIGRATIONS: Final[tuple[str, ...]] = tuple(
         """
         ALTER TABLE api_key ADD COLUMN priorities TEXT;
         """,
+        """
+        CREATE TABLE retention_policy (
+            name TEXT PRIMARY KEY,
+            body TEXT NOT NULL,
+            updated_at DOUBLE PRECISION NOT NULL,
+            updated_by TEXT
+        );
+        CREATE TABLE retention_key (
+            tenant TEXT PRIMARY KEY,
+            wrapped TEXT NOT NULL,
+            created_at DOUBLE PRECISION NOT NULL
+        );
+        CREATE TABLE retained (
+            id TEXT PRIMARY KEY,
+            request_id TEXT NOT NULL,
+            tenant TEXT NOT NULL,
+            policy TEXT NOT NULL,
+            api TEXT NOT NULL,
+            stored_at DOUBLE PRECISION NOT NULL,
+            expires_at DOUBLE PRECISION NOT NULL,
+            request_bytes BIGINT NOT NULL,
+            answer_bytes BIGINT NOT NULL
+        );
+        CREATE INDEX retained_stored ON retained(stored_at, id);
+        CREATE INDEX retained_expires ON retained(expires_at);
+        CREATE INDEX retained_request ON retained(request_id);
+        CREATE INDEX retained_tenant ON retained(tenant);
+        CREATE INDEX retained_policy ON retained(policy);
+        """,
     )
 )
 

@@ -291,6 +291,38 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     ALTER TABLE api_key ADD COLUMN priorities TEXT;
     """,
+    # Payload retention (`control.retention`): the policies, each tenant's data key wrapped by the
+    # `[retention] key_file` key, and what is kept where until when (never a payload: those are
+    # sealed in the S3-compatible store).
+    """
+    CREATE TABLE retention_policy (
+        name TEXT PRIMARY KEY,
+        body TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        updated_by TEXT
+    ) STRICT;
+    CREATE TABLE retention_key (
+        tenant TEXT PRIMARY KEY,
+        wrapped TEXT NOT NULL,
+        created_at REAL NOT NULL
+    ) STRICT;
+    CREATE TABLE retained (
+        id TEXT PRIMARY KEY,
+        request_id TEXT NOT NULL,
+        tenant TEXT NOT NULL,
+        policy TEXT NOT NULL,
+        api TEXT NOT NULL,
+        stored_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        request_bytes INTEGER NOT NULL,
+        answer_bytes INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX retained_stored ON retained(stored_at, id);
+    CREATE INDEX retained_expires ON retained(expires_at);
+    CREATE INDEX retained_request ON retained(request_id);
+    CREATE INDEX retained_tenant ON retained(tenant);
+    CREATE INDEX retained_policy ON retained(policy);
+    """,
 )
 
 
