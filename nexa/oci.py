@@ -21,6 +21,7 @@ from typing import Final
 import attrs
 
 from nexa.config import WatchedFile
+from nexa.contracts.hosts import is_loopback_host
 from nexa.contracts.models import ImageConfig, ImagePlatform
 from nexa.contracts.runtime import IMAGE_BY_DIGEST_RE
 from nexa.errors import ConfigError, ContractError, ManifestInvalid
@@ -61,16 +62,6 @@ class ImageReference:
     def loopback(self) -> bool:
         """Whether the registry is on this machine (localhost, 127.0.0.0/8 or ::1)."""
         return is_loopback_host(self.host)
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether a host name or address (without port or brackets) is this machine's loopback."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def parse_image_reference(image: str) -> ImageReference:

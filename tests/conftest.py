@@ -187,14 +187,25 @@ class ControllerProcess:
         )
 
 
-@pytest.fixture
-def controller_process(tmp_path: Path) -> Iterator[ControllerProcess]:
+@contextlib.contextmanager
+def running_controller(tmp_path: Path, config: str | None = None) -> Iterator[ControllerProcess]:
+    """`nexa control` in its own process for the `with` block, reading `config` (TOML) when given."""
+    extra: tuple[str, ...] = ()
+    if config is not None:
+        (config_file := tmp_path / "control.toml").write_text(config)
+        extra = ("--config", str(config_file))
     cp = ControllerProcess(state_dir=tmp_path / "state", port=free_port())
     try:
-        cp.start()
+        cp.start(*extra)
         yield cp
     finally:
         cp.kill()
+
+
+@pytest.fixture
+def controller_process(tmp_path: Path) -> Iterator[ControllerProcess]:
+    with running_controller(tmp_path) as cp:
+        yield cp
 
 
 def sample_runtime(port: int = 18300, digest: str = "0" * 64) -> RuntimeSpec:

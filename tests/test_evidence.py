@@ -38,7 +38,7 @@ from nexa.contracts.evidence import (
     SimSummary,
     StepVerdict,
 )
-from tests.conftest import ControllerProcess, free_port
+from tests.conftest import ControllerProcess, running_controller
 from tests.support.bench import bench_run
 from tests.support.evidence import SignedReports, one_byte_edited, signed_reports
 
@@ -280,14 +280,8 @@ def test_verify_reads_no_more_than_the_manifest_says(controller_process: Control
 @pytest.fixture
 def trusting(tmp_path: Path, signed_reports: SignedReports) -> Iterator[ControllerProcess]:
     """`nexa control` that trusts the release key of `signed_reports` (`[evidence] trusted_report_keys`)."""
-    config = tmp_path / "control.toml"
-    config.write_text(f'[evidence]\ntrusted_report_keys = ["{signed_reports.public_key}"]\n')
-    cp = ControllerProcess(state_dir=tmp_path / "state", port=free_port())
-    try:
-        cp.start("--config", str(config))
+    with running_controller(tmp_path, f'[evidence]\ntrusted_report_keys = ["{signed_reports.public_key}"]\n') as cp:
         yield cp
-    finally:
-        cp.kill()
 
 
 def evidence(cp: ControllerProcess, out: Path, sim: Path, gate: Path) -> subprocess.CompletedProcess[str]:

@@ -33,7 +33,6 @@ clear. Loopback addresses (one host, several workers) may stay plain.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -45,6 +44,7 @@ import trio
 
 from nexa.contracts import codec
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
+from nexa.contracts.hosts import is_loopback_host
 from nexa.control.console.sessions import reached_over_https, trusted_networks
 from nexa.control.http import BodyLimit, new_request_id, status_for
 from nexa.errors import NexaError, NotLeader, PayloadTooLarge, PlainHttpPeer, Unavailable
@@ -110,18 +110,9 @@ def check_peer(address: str, *, allow_plain_http: bool) -> None:
     """PlainHttpPeer unless the leader at `address` is reached over https, on this host (a loopback
     address or `localhost`), or plain http to other hosts is allowed (`allow_plain_http`)."""
     url = httpx.URL(address)
-    if url.scheme == "https" or allow_plain_http or _loopback(url.host):
+    if url.scheme == "https" or allow_plain_http or is_loopback_host(url.host):
         return
     raise PlainHttpPeer(url=address)
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a name: it may resolve anywhere
 
 
 def forwarded(method: str, path: str) -> bool:

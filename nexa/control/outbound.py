@@ -36,6 +36,7 @@ import httpx
 import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
+from nexa.contracts.hosts import is_loopback_host
 from nexa.contracts.models import ImageConfig, ImagePlatform, ModelArtifact
 from nexa.errors import (
     ArtifactDigestMismatch,
@@ -55,7 +56,6 @@ from nexa.oci import (
     ImageReference,
     RegistryAuths,
     RegistryCredentials,
-    is_loopback_host,
     parse_image_config,
     parse_image_reference,
     parse_manifest,

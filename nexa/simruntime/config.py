@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 from collections.abc import Mapping
@@ -10,6 +9,7 @@ from typing import Final
 
 import attrs
 
+from nexa.contracts.hosts import is_loopback_host
 from nexa.errors import ConfigError
 from nexa.runtimes import SIMULATION_ENV
 from nexa.simruntime.faults import Faults
@@ -54,7 +54,7 @@ def check_config(cfg: SimConfig, environ: Mapping[str, str]) -> None:
     if environ.get(SIMULATION_ENV) != "1":
         raise ConfigError(f"nexa sim-runtime is a simulation: it runs only with {SIMULATION_ENV}=1 in its environment")
     problems: list[str] = []
-    if not _is_loopback(cfg.host):
+    if not is_loopback_host(cfg.host):
         problems.append(f"--host {cfg.host!r}: a simulated runtime listens on a loopback address only")
     if not 0 <= cfg.port <= 65535:
         problems.append("--port: must be 0 to 65535")
@@ -86,12 +86,3 @@ def _fault_flag_problems(faults: Faults) -> list[str]:
     if not 0.0 <= faults.kv_cache_usage <= 1.0:
         problems.append("--kv-cache-usage: must be 0 to 1")
     return problems
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

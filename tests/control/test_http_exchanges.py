@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import ControllerProcess, free_port
+from tests.conftest import ControllerProcess, running_controller
 
 #: How long a test waits for an answer; the controller answers these in milliseconds.
 ANSWER_S = 5.0
@@ -143,14 +143,8 @@ def test_a_method_the_inference_route_does_not_take_is_405_with_allow(controller
 
 @pytest.fixture(name="impatient_controller")
 def _impatient_controller(tmp_path: Path) -> Iterator[ControllerProcess]:
-    config = tmp_path / "control.toml"
-    config.write_text("[http]\nbody_timeout_s = 1.0\nkeep_alive_timeout_s = 1.0\n")
-    cp = ControllerProcess(state_dir=tmp_path / "state", port=free_port())
-    try:
-        cp.start("--config", str(config))
+    with running_controller(tmp_path, "[http]\nbody_timeout_s = 1.0\nkeep_alive_timeout_s = 1.0\n") as cp:
         yield cp
-    finally:
-        cp.kill()
 
 
 @pytest.mark.parametrize("path", ["/api/v1/tenants", "/v1/chat/completions"])
