@@ -143,9 +143,16 @@ def test_a_watched_file_is_reread_on_change_and_keeps_the_last_good_one(
     assert "s3cr3t" not in caplog.text
 
 
+def _auths(registry: str, username: str, password: str) -> str:
+    """A registry credentials file (`oci.load_registry_credentials`: Docker's config.json shape)."""
+    return json.dumps({"auths": {registry: {"username": username, "password": password}}})
+
+
 def test_an_edit_in_place_is_seen_too(tmp_path: Path) -> None:
     path = _file(tmp_path, json.dumps({"username": "robot", "password": "pw-1"}))
-    watched = WatchedFile(str(path), lambda p: RegistryCredentials(**json.loads(Path(p).read_text())))
+    watched = WatchedFile(
+        str(path), lambda p: RegistryCredentials(registry="r.example", **json.loads(Path(p).read_text()))
+    )
     path.write_text(json.dumps({"username": "robot", "password": "pw-two"}))  # same inode, new size
     assert watched.current().password == "pw-two"
     assert watched.reloads == 1
@@ -153,19 +160,26 @@ def test_an_edit_in_place_is_seen_too(tmp_path: Path) -> None:
 
 def test_registry_credentials_follow_their_file(tmp_path: Path) -> None:
     assert registry_credentials("") is None
-    path = _file(tmp_path, json.dumps({"username": "robot", "password": "pw-1"}))
+    path = _file(tmp_path, _auths("r.example", "robot", "pw-1"))
     source = registry_credentials(str(path))
-    assert source is not None and source().password == "pw-1"
-    _replace(path, json.dumps({"username": "robot", "password": "pw-2"}))
-    assert source().password == "pw-2"
+
+    def password() -> str:
+        assert source is not None
+        entry = source().for_registry("r.example")
+        assert entry is not None
+        return entry.password
+
+    assert password() == "pw-1"
+    _replace(path, _auths("r.example", "robot", "pw-2"))
+    assert password() == "pw-2"
     _replace(path, "{broken")
-    assert source().password == "pw-2"
+    assert password() == "pw-2"
     with pytest.raises(ConfigError, match="not valid JSON"):
         registry_credentials(str(path))  # bad at start: refused, as before
 
 
 async def test_the_node_pulls_with_the_registry_credentials_its_file_holds_now(tmp_path: Path) -> None:
-    path = _file(tmp_path, json.dumps({"username": "puller", "password": "pw-1"}))
+    path = _file(tmp_path, _auths("registry.example:5000", "puller", "pw-1"))
     pulls: list[dict[str, str]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -177,6 +191,6 @@ async def test_the_node_pulls_with_the_registry_credentials_its_file_holds_now(t
     async with PodmanClient("/unused.sock", credentials=source, transport=httpx.MockTransport(handler)) as client:
         with trio.fail_after(10):
             await client.pull(image)
-            _replace(path, json.dumps({"username": "puller", "password": "pw-2"}))
+            _replace(path, _auths("registry.example:5000", "puller", "pw-2"))
             await client.pull(image)
     assert [p["password"] for p in pulls] == ["pw-1", "pw-2"]
