@@ -149,13 +149,18 @@ class NodeAdminState(enum.StrEnum):
 
 
 class NodeState(enum.StrEnum):
-    """The state operators see: admin state combined with liveness (Revoked > Unreachable > the rest)."""
+    """The state operators see: admin state combined with liveness (Revoked > Unreachable > the rest).
+
+    `Joining`: heard from, but its inventory (what it has, what it may run) has not arrived yet, so
+    nothing can be placed on it; it is `Ready` with its first good heartbeat.
+    """
 
     READY = "Ready"
     CORDONED = "Cordoned"
     DRAINING = "Draining"
     UNREACHABLE = "Unreachable"
     REVOKED = "Revoked"
+    JOINING = "Joining"
 
 
 @attrs.frozen(kw_only=True)

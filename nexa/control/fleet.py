@@ -126,6 +126,8 @@ class NodeLive:
             return NodeState.DRAINING
         if admin is NodeAdminState.CORDONED:
             return NodeState.CORDONED
+        if self.inventory is None:
+            return NodeState.JOINING  # its hello came, its first heartbeat (the inventory) not yet
         return NodeState.READY
 
 

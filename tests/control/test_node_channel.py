@@ -140,6 +140,28 @@ async def test_hello_gets_a_signed_set_and_the_ack_is_recorded(controller: Contr
     assert [e["target"] for e in events] == ["node/n1"]
 
 
+async def test_a_node_is_joining_until_its_inventory_arrives_then_ready(controller: Controller, dial: Any) -> None:
+    """Its hello makes it reachable; only its first heartbeat (the inventory) makes it Ready, so no
+    client or test sees a Ready node with nothing known about it."""
+    node = await dial(await enroll(controller, "n1"))
+    with trio.fail_after(TIMEOUT_S):
+        await node.send(node.frames(wire.Hello(node_id="n1", seq=1, ts=time.time(), agent_version="test")))
+        node.seq = 1
+        await node.receive_set()  # the hello was taken
+        view = await node_view(controller, "n1")
+        assert (view["state"], view["inventory"]) == ("Joining", None)
+        async with controller.client() as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'nexa_nodes{state="Joining"} 1.0' in metrics
+        await node.send(node.frames(node.heartbeat()))
+
+        async def ready() -> bool:
+            return (await node_view(controller, "n1"))["state"] == "Ready"
+
+        await wait_for(ready)
+    assert (await node_view(controller, "n1"))["inventory"]["gpus"]
+
+
 def _craft(kind: str) -> Any:
     """Each case returns the frames to send (or a special marker) and the rejection reason counted."""
 

@@ -53,7 +53,7 @@ async def online(
 
     async def ready() -> bool:
         view = await node_view(c, node.node_id)
-        return bool(view["state"] == "Ready" and view["inventory"] is not None)
+        return bool(view["state"] == "Ready")  # Ready: its inventory arrived
 
     await wait_for(ready)
     return Online(node, scope)
