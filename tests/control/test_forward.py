@@ -356,7 +356,7 @@ async def test_the_body_limit_holds_for_forwarded_writes(cluster: Cluster) -> No
 
 
 def test_plain_http_is_refused_only_to_a_leader_on_another_host() -> None:
-    for address in ("http://10.20.0.5:8470", "http://ctl-b.example.internal:8470", "http://[2001:db8::5]:8470"):
+    for address in ("http://192.0.2.5:8470", "http://ctl-b.example.internal:8470", "http://[2001:db8::5]:8470"):
         with pytest.raises(PlainHttpPeer, match="allow_plain_http_peers") as refused:
             check_peer(address, allow_plain_http=False)
         assert refused.value.code == "plain_http_peer"
@@ -380,7 +380,7 @@ async def test_a_write_is_not_sent_in_clear_to_a_leader_on_another_host(
         raise AssertionError("a follower served a write itself")
 
     metrics = Metrics()
-    lead = FakeLeadership(leader_address="http://10.20.0.5:8470")
+    lead = FakeLeadership(leader_address="http://ctl-a.example:8470")
     refusing = Forwarder(
         local, lead, controller_id="b", max_body_bytes=1024, transport=httpx.MockTransport(leader), metrics=metrics
     )
@@ -405,9 +405,9 @@ async def test_a_write_is_not_sent_in_clear_to_a_leader_on_another_host(
                 assert "plain http" in answer.json()["error"]["message"]
         assert sent == []
         [line] = [r for r in caplog.records if "plain http" in r.getMessage()]  # once per address, not per request
-        assert "http://10.20.0.5:8470" in line.getMessage() and "tls_cert_file" in line.getMessage()
+        assert "http://ctl-a.example:8470" in line.getMessage() and "tls_cert_file" in line.getMessage()
         refused = metrics.registry.get_sample_value("nexa_forwarded_requests_total", {"result": "plain_http_refused"})
         assert refused == 2.0
 
         assert (await client.post(f"{allowed_url}/api/v1/tenants", json={"id": "acme"})).status_code == 201
-    assert [str(r.url) for r in sent] == ["http://10.20.0.5:8470/api/v1/tenants"]
+    assert [str(r.url) for r in sent] == ["http://ctl-a.example:8470/api/v1/tenants"]
