@@ -126,9 +126,7 @@ class NodeLive:
             return NodeState.DRAINING
         if admin is NodeAdminState.CORDONED:
             return NodeState.CORDONED
-        if self.inventory is None:
-            return NodeState.JOINING  # its hello came, its first heartbeat (the inventory) not yet
-        return NodeState.READY
+        return NodeState.READY if self.inventory is not None else NodeState.JOINING  # no heartbeat yet
 
 
 #: Operator action → (admin states it may start from, the state it leads to).
