@@ -97,7 +97,8 @@ _PASSED: Final = tuple(FilterResult(name, True, "") for name in FILTERS)
 _PASSED_HEAD: Final = _PASSED[:_SELECTOR]
 _PASSED_TAIL: Final = _PASSED[_SELECTOR:]
 _BY_ID: Final = operator.attrgetter("id")
-_DEAD: Final = frozenset({NodeState.UNREACHABLE, NodeState.REVOKED})
+#: The states that fail `state_ready` (the others but Ready fail `not_cordoned_or_draining`).
+_NOT_READY: Final = frozenset({NodeState.UNREACHABLE, NodeState.REVOKED, NodeState.JOINING})
 _GIB: Final = 1024**3
 _UNSEEN: Final = ()
 #: Holds an eligible node's place in the list until it is scored.
@@ -494,7 +495,7 @@ def _profile_filters(
     results = list(_PASSED_HEAD)
     state = node.state
     if state is not NodeState.READY:
-        index = _STATE if state in _DEAD else _CORDON
+        index = _STATE if state in _NOT_READY else _CORDON
         results[index] = _failed(memo, index, state, f"node is {state}")
     if need.runtime not in node._runtime_set:
         allowed = ", ".join(node.runtimes) or "none"

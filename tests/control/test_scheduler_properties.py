@@ -144,7 +144,7 @@ def existing_counts(draw: st.DrawFn) -> dict[str, int]:
 def oracle_failures(node: PlacementNode, req: PlacementRequest) -> set[str]:
     """Which hard filters the node fails for the request's first replica, from their definitions."""
     failed = set()
-    if node.state in (NodeState.UNREACHABLE, NodeState.REVOKED):
+    if node.state in (NodeState.UNREACHABLE, NodeState.REVOKED, NodeState.JOINING):
         failed.add("state_ready")
     if node.state in (NodeState.CORDONED, NodeState.DRAINING):
         failed.add("not_cordoned_or_draining")
