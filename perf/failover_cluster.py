@@ -219,7 +219,10 @@ async def readiness(http: httpx.AsyncClient, c: ControlProcess) -> Json | None:
         return None
     if r.status_code != 200:
         return None
-    body: Json = r.json()
+    try:
+        body: Json = r.json()
+    except ValueError:
+        return None  # not its answer (yet): waited on until START_TIMEOUT_S, which names its log
     return body
 
 
