@@ -22,8 +22,8 @@ import pytest
 
 from nexa import config, docs
 from nexa.cli.entry import parser
-from nexa.control import openapi
 from nexa.control.console.docs import slug
+from nexa.control.http import openapi
 from nexa.errors import NotFound
 from tests.support.metrics import exported_series
 

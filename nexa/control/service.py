@@ -1,12 +1,12 @@
 """`serve_control`: the controller's composition root. The only hypercorn importer.
 
-Start order: store (lock, migrate, new epoch) → registry, keys (their fingerprint checked against
+Start order: store (lock, migrate, new epoch) → accounts, keys (their fingerprint checked against
 the store's), leadership, fleet → outbound clients and the model registry → deployments, quotas,
 metering, workloads, gateway → recovery (begins before the node channel serves when the store was
 restored or `recover` is set) → the leadership's first lease round → node channel → (a shared
-store: the change feed, `control.follow`) → the loops that decide desired state (on a shared
+store: the change feed, `control.cluster.follow`) → the loops that decide desired state (on a shared
 store only while this controller leads, `_lead`) → HTTP (the inference routes in front of the
-management app, which `control.forward` wraps: a follower passes writes to the leader). The store owns the
+management app, which `control.cluster.forward` wraps: a follower passes writes to the leader). The store owns the
 epoch; receipts, `/version` and the node channel read it through the leadership (solo, on SQLite: the
 store's, so the one advance a recovery's end makes reaches them all at once; leased: the lease's).
 Shutdown is the reverse: HTTP stops accepting and drains in-flight requests for
@@ -34,35 +34,35 @@ import trio
 
 from nexa import __version__, security, tls
 from nexa.config import ControlConfig, HttpConfig, NodesConfig, parse_host_port
-from nexa.control import openapi
 from nexa.control import store as st
-from nexa.control.admission import Admission
-from nexa.control.api import AppState, ControllerPublicKeys, create_app
-from nexa.control.backup import Backups, load_key
-from nexa.control.benchmarks import Benchmarks
+from nexa.control.access.accounts import Accounts
+from nexa.control.cluster.follow import LIVE_LEASES, ChangeFeed, Orphans, other_live_controllers
+from nexa.control.cluster.forward import Forwarder
+from nexa.control.cluster.leadership import Leadership, controller_identity
+from nexa.control.datapath.admission import Admission
+from nexa.control.datapath.gateway import Gateway
+from nexa.control.datapath.inference import InferenceApp
+from nexa.control.datapath.metering import Meter
+from nexa.control.datapath.quotas import UNFLUSHED_S, Quotas
+from nexa.control.datapath.retention import Retention, load_retention_key
+from nexa.control.datapath.routing import Router
+from nexa.control.datapath.workloads import Workloads
 from nexa.control.deployments import Deployments
-from nexa.control.evidence import Evidence
-from nexa.control.fleet import Fleet
-from nexa.control.follow import LIVE_LEASES, ChangeFeed, Orphans, other_live_controllers
-from nexa.control.forward import Forwarder
-from nexa.control.gateway import Gateway
-from nexa.control.inference import InferenceApp
-from nexa.control.jobs import Jobs, RolloutJobs
-from nexa.control.keyring import ControllerKeys, KeyRotation, load_or_create_keys, retired_signing_key
-from nexa.control.leadership import Leadership, controller_identity
-from nexa.control.metering import Meter
-from nexa.control.models import ModelRegistry
-from nexa.control.outbound import Outbound
-from nexa.control.qualification import Qualifications
-from nexa.control.quotas import UNFLUSHED_S, Quotas
-from nexa.control.recovery import Recovery, refuse_forced
-from nexa.control.registry import Registry
-from nexa.control.retention import Retention, load_retention_key
-from nexa.control.rollout import RolloutWatcher
-from nexa.control.routing import Router
-from nexa.control.southbound import Southbound
+from nexa.control.deployments.rollout import RolloutWatcher
+from nexa.control.fleet.keyring import ControllerKeys, KeyRotation, load_or_create_keys, retired_signing_key
+from nexa.control.fleet.nodes import Fleet
+from nexa.control.fleet.southbound import Southbound
+from nexa.control.http import openapi
+from nexa.control.http.api import AppState, ControllerPublicKeys, create_app
+from nexa.control.operations.backup import Backups, load_key
+from nexa.control.operations.benchmarks import Benchmarks
+from nexa.control.operations.evidence import Evidence
+from nexa.control.operations.jobs import Jobs, RolloutJobs
+from nexa.control.operations.qualification import Qualifications
+from nexa.control.operations.recovery import Recovery, refuse_forced
+from nexa.control.registry.models import ModelRegistry
+from nexa.control.registry.outbound import Outbound
 from nexa.control.store import Store, StoreOpener, open_store
-from nexa.control.workloads import Workloads
 from nexa.errors import ControllerKeysDiffer
 from nexa.oci import registry_credentials
 from nexa.s3 import S3Client, s3_credentials
@@ -123,7 +123,7 @@ def hypercorn_config(
     hc.bind = [_bind(cfg.listen) if shared_fd is None else f"fd://{shared_fd}", *map(_bind, cfg.extra_listen)]
     hc.graceful_timeout = cfg.graceful_timeout_s
     hc.keep_alive_timeout = cfg.keep_alive_timeout_s
-    hc.accesslog = None  # nexa.control.api writes one structured line per request
+    hc.accesslog = None  # nexa.control.http.api writes one structured line per request
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.include_server_header = False
     return hc
@@ -173,7 +173,7 @@ async def serve_control(
     """Run the controller until `stopping` is set; supports the nursery start protocol.
 
     `recover` starts it in recovery whatever the store says (`nexa control --recover`; see
-    `control.recovery`).
+    `control.operations.recovery`).
 
     `open_store` opens the state dir's store (a test passes a variant, e.g. one whose store runs its
     transactions inline for autojump_clock).
@@ -205,8 +205,8 @@ async def _serve_control(
     # written too: a bad certificate or key stops the start with what to fix (ConfigError).
     server_tls, peer_tls = await trio.to_thread.run_sync(partial(_tls, cfg, metrics))
     async with open_store(cfg.state_dir, cfg.store) as store:
-        registry = await Registry.load(store, metrics)
-        admin_key = await registry.ensure_admin_key(cfg.bootstrap.admin_key_file)
+        accounts = await Accounts.load(store, metrics)
+        admin_key = await accounts.ensure_admin_key(cfg.bootstrap.admin_key_file)
         keys_dir = Path(cfg.state_dir) / KEYS_DIR
         keys = await trio.to_thread.run_sync(partial(load_or_create_keys, keys_dir, overlap_s=cfg.nodes.key_overlap_s))
         # Who writes desired state (solo on SQLite), once the keys are known to be the store's.
@@ -234,7 +234,7 @@ async def _serve_control(
                 )
             ),
         )
-        async with outbound, _retention(cfg, store, metrics, registry) as retention:
+        async with outbound, _retention(cfg, store, metrics, accounts) as retention:
             models = await ModelRegistry.load(cfg.models, store, metrics, outbound)
             southbound = Southbound(
                 cfg.channel,
@@ -263,7 +263,7 @@ async def _serve_control(
             await deployments.load()
             recovery = Recovery(store, fleet, deployments, southbound, metrics)
             await recovery.begin(forced=recover)
-            quotas = await Quotas.load(store, metrics, registry.tenant_exists)
+            quotas = await Quotas.load(store, metrics, accounts.tenant_exists)
             meter = Meter(cfg.gateway, store, metrics, leading=lambda: leadership.is_leader)
             owner, alone = await _owner(cfg, store, leadership)
             workloads = await Workloads.load(
@@ -281,7 +281,7 @@ async def _serve_control(
                 meter=meter,
             )
             state = AppState(
-                registry=registry,
+                accounts=accounts,
                 fleet=fleet,
                 models=models,
                 deployments=deployments,
@@ -301,7 +301,7 @@ async def _serve_control(
                     cfg=cfg.backup,
                     state_dir=Path(cfg.state_dir),
                     store=store,
-                    registry=registry,
+                    accounts=accounts,
                     metrics=metrics,
                     signing_key=keys.signing,
                     key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
@@ -319,7 +319,7 @@ async def _serve_control(
                 keys_dir,
                 keys,
                 overlap_s=cfg.nodes.key_overlap_s,
-                registry=registry,
+                accounts=accounts,
                 announce=southbound.announce_keys,
                 serve_next_curve=southbound.serve_next_curve,
                 on_rotated=[lambda k: workloads.use_signing_key(k.signing), partial(_use_keys, state)],
@@ -334,7 +334,7 @@ async def _serve_control(
                 cfg,
                 store,
                 leadership,
-                registry=registry,
+                accounts=accounts,
                 models=models,
                 fleet=fleet,
                 deployments=deployments,
@@ -356,7 +356,7 @@ async def _serve_control(
                 cfg=cfg.gateway,
                 gateway=gateway,
                 workloads=workloads,
-                registry=registry,
+                accounts=accounts,
                 metrics=metrics,
                 max_body_bytes=cfg.http.max_body_bytes,
                 body_timeout_s=cfg.http.body_timeout_s,
@@ -441,16 +441,16 @@ def _tls(cfg: ControlConfig, metrics: Metrics) -> tuple[tls.ServerTls | None, tl
 
 @contextlib.asynccontextmanager
 async def _retention(
-    cfg: ControlConfig, store: Store, metrics: Metrics, registry: Registry
+    cfg: ControlConfig, store: Store, metrics: Metrics, accounts: Accounts
 ) -> AsyncIterator[Retention]:
-    """Payload retention (`control.retention`): its policies, and with `[retention] key_file` its
+    """Payload retention (`control.datapath.retention`): its policies, and with `[retention] key_file` its
     master key (a bad key file fails the start, saying what to do) and a client of the `[artifacts]`
     store; without one, every retention but `ephemeral` is refused."""
     policies = await store.run(st.load_retention_policies)
     rc = cfg.retention
     if not rc.key_file:
         yield Retention(
-            rc, store, metrics, s3=None, master_key=None, policies=policies, tenant_exists=registry.tenant_exists
+            rc, store, metrics, s3=None, master_key=None, policies=policies, tenant_exists=accounts.tenant_exists
         )
         return
     master = await trio.to_thread.run_sync(load_retention_key, rc.key_file)
@@ -469,7 +469,7 @@ async def _retention(
     )
     async with client:
         yield Retention(
-            rc, store, metrics, s3=client, master_key=master, policies=policies, tenant_exists=registry.tenant_exists
+            rc, store, metrics, s3=client, master_key=master, policies=policies, tenant_exists=accounts.tenant_exists
         )
 
 
@@ -516,7 +516,7 @@ def _change_feed(
     store: Store,
     leadership: Leadership,
     *,
-    registry: Registry,
+    accounts: Accounts,
     models: ModelRegistry,
     fleet: Fleet,
     deployments: Deployments,
@@ -530,7 +530,7 @@ def _change_feed(
         store,
         cfg.cluster,
         controller_id=leadership.controller_id,
-        registry=registry,
+        accounts=accounts,
         models=models,
         fleet=fleet,
         deployments=deployments,
