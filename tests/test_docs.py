@@ -97,7 +97,11 @@ def documented_keys(text: str, heading: str) -> dict[str, str]:
 def test_every_config_key_is_in_the_manual_with_its_default(heading: str, cls: type[Any]) -> None:
     shown = documented_keys(docs.topic("config").text, heading)
     defaults = _leaves(config.unstructure_config(cls()))
-    assert sorted(set(defaults) - set(shown)) == [], f"add to nexa/docs/config.md under {heading}"
+    missing = sorted(set(defaults) - set(shown))
+    assert missing == [], (
+        f"add to nexa/docs/config.md under {heading}, in its section, a line such as "
+        f"- `{missing[0].rpartition('.')[2]}` = `<default as TOML>`: <what it does> (unset when it has none)"
+    )
     assert sorted(set(shown) - set(defaults)) == [], "config.md names keys the schema does not have"
     for key, default in defaults.items():
         if default is None:
