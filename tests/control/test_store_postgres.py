@@ -19,7 +19,7 @@ from nexa.config import ControlConfig, StoreConfig, structure_config
 from nexa.contracts.domain import AuditDraft, EnrollmentToken, KeyId, Node, NodeId, Role, Tenant, TenantId
 from nexa.control import store as st
 from nexa.control.store.pg import to_pyformat
-from nexa.control.store.pg_schema import PG_MIGRATIONS, SCHEMA_TABLE
+from nexa.control.store.schema import SCHEMA_TABLE, postgresql
 from nexa.control.store.snapshot import copy_database
 from nexa.control.store.sql import txn
 from nexa.errors import (
@@ -60,33 +60,66 @@ def test_placeholders_become_psycopgs_and_a_literal_percent_stays_one() -> None:
     assert to_pyformat("SELECT 'it''s ?', ?") == "SELECT 'it''s ?', %s"
 
 
-# ---- the schema: one PostgreSQL migration per SQLite one, the same tables, columns and indexes ----------------
+# ---- the schema: SQLite's migrations, translated: the same tables, columns, types and indexes ----------------
+
+#: The class of each column type: SQLite's declared type, PostgreSQL's `data_type`. The meta table's
+#: ANY value is text on PostgreSQL (`sql.meta_int` reads it).
+LITE_CLASS = {"INTEGER": "integer", "REAL": "real", "TEXT": "text", "ANY": "text"}
+PG_CLASS = {"bigint": "integer", "double precision": "real", "text": "text"}
 
 
-async def test_the_schema_has_the_tables_columns_and_indexes_of_sqlites(tmp_path: Path, pg_url: str) -> None:
-    assert len(PG_MIGRATIONS) == len(st.MIGRATIONS)
+def sqlite_schema(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, tuple[str, ...]]]]:
+    """{table: {column: type class}}, {index: (table, its columns)} from SQLite's pragmas."""
+    lite = sqlite3.connect(path)
+    try:
+        tables = {
+            name: {str(row[1]): LITE_CLASS[row[2]] for row in lite.execute(f"PRAGMA table_info({name})")}
+            for (name,) in lite.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+        indexes = {
+            str(name): (str(table), tuple(str(row[2]) for row in lite.execute(f"PRAGMA index_info({name})")))
+            for name, table in lite.execute(
+                "SELECT name, tbl_name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            )
+        }
+    finally:
+        lite.close()
+    return tables, indexes
+
+
+def postgres_schema(url: str) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, tuple[str, ...]]]]:
+    """The same from PostgreSQL's information_schema and catalog."""
+    tables: dict[str, dict[str, str]] = {}
+    for table, column, data_type in psql(
+        url,
+        "SELECT table_name, column_name, data_type FROM information_schema.columns WHERE table_schema = 'public'",
+    ):
+        tables.setdefault(str(table), {})[str(column)] = PG_CLASS[str(data_type)]
+    indexes: dict[str, list[tuple[int, str, str]]] = {}
+    for index, table, position, column in psql(
+        url,
+        "SELECT i.relname, t.relname, k.n, a.attname FROM pg_index x"
+        " JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid"
+        " JOIN pg_namespace s ON s.oid = t.relnamespace AND s.nspname = 'public'"
+        " CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, n)"
+        " JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum",
+    ):
+        indexes.setdefault(str(index), []).append((int(str(position)), str(table), str(column)))
+    return tables, {
+        name: (columns[0][1], tuple(column for _, _, column in sorted(columns))) for name, columns in indexes.items()
+    }
+
+
+async def test_the_schema_has_the_tables_columns_types_and_indexes_of_sqlites(tmp_path: Path, pg_url: str) -> None:
     async with st.open_store(tmp_path / "sqlite"):
         pass
-    lite = sqlite3.connect(tmp_path / "sqlite" / st.DB_FILE)
-    lite_tables = {
-        name: {row[1] for row in lite.execute(f"PRAGMA table_info({name})")}
-        for (name,) in lite.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-    }
-    lite_indexes = {
-        name for (name,) in lite.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
-    }
-    lite.close()
+    lite_tables, lite_indexes = sqlite_schema(tmp_path / "sqlite" / st.DB_FILE)
     async with st.open_store(tmp_path / "pg", StoreConfig(url=pg_url)):
         pass
-    pg_tables: dict[str, set[str]] = {}
-    for table, column in psql(
-        pg_url, "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'"
-    ):
-        pg_tables.setdefault(str(table), set()).add(str(column))
-    pg_indexes = {str(name) for (name,) in psql(pg_url, "SELECT indexname FROM pg_indexes WHERE schemaname = 'public'")}
-    assert pg_tables.pop(SCHEMA_TABLE) == {"id", "application_id", "version"}
-    assert pg_tables == lite_tables
-    assert lite_indexes <= pg_indexes  # and PostgreSQL names its primary keys' and uniques' own
+    pg_tables, pg_indexes = postgres_schema(pg_url)
+    assert pg_tables.pop(SCHEMA_TABLE) == {"id": "integer", "application_id": "integer", "version": "integer"}
+    assert pg_tables == lite_tables  # every table, column and its type class, and no other
+    assert {name: pg_indexes.get(name) for name in lite_indexes} == lite_indexes  # each on the same columns
     assert psql(pg_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(len(st.MIGRATIONS),)]
     # Text sorts bytewise, as in SQLite: keyset pages come in the same order on both.
     collations = psql(
@@ -96,6 +129,30 @@ async def test_the_schema_has_the_tables_columns_and_indexes_of_sqlites(tmp_path
         SCHEMA_TABLE,
     )
     assert collations == [("C",)]
+    # The rows SQLite numbers itself (an insert leaves `seq` out) PostgreSQL numbers too; the audit
+    # chain's seq nexa writes, as the schema before the one migration list made it.
+    identities = psql(
+        pg_url,
+        "SELECT table_name, column_name FROM information_schema.columns"
+        " WHERE table_schema = 'public' AND is_identity = 'YES'",
+    )
+    assert identities == [("usage", "seq")]
+
+
+def test_sqlites_migrations_in_postgresqls_words() -> None:
+    """The translation's rules (`schema.postgresql`), on migrations that use each of them."""
+    first = postgresql(0)
+    assert "STRICT" not in first and "ANY" not in first
+    assert 'CREATE TABLE meta (key TEXT COLLATE "C" PRIMARY KEY, value TEXT COLLATE "C");' in first
+    assert "seq BIGINT PRIMARY KEY," in first  # audit: nexa numbers the chain itself
+    assert "time DOUBLE PRECISION NOT NULL" in first
+    assert "seq BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY," in postgresql(4)  # usage
+    moved = st.MIGRATIONS.index(next(m for m in st.MIGRATIONS if "previous_signing_public_key" in m))
+    assert "json_extract" in st.MIGRATIONS[moved] and "json_extract" not in postgresql(moved)
+    assert postgresql(moved).count("ALTER TABLE node ADD COLUMN") == 2
+    assert [postgresql(n).count(";") for n in range(len(st.MIGRATIONS)) if n != moved] == [
+        m.count(";") for n, m in enumerate(st.MIGRATIONS) if n != moved
+    ]
 
 
 async def test_two_controllers_starting_at_once_migrate_once_and_take_no_epoch(tmp_path: Path, pg_url: str) -> None:
