@@ -1,7 +1,8 @@
-"""The store on PostgreSQL (`[store] url`), what only that backend does: its migrations beside
-SQLite's, its refusals at start, several controllers (Store objects, each with its connections) on
-one database at once, a lost connection, and the refusal of `nexa backup`. The behaviour both
-backends share runs parametrized in the other store tests (`store_cfg`).
+"""The store on PostgreSQL (`[store] url`), what only that backend does: SQLite's migrations in
+its words (the same tables, columns, types and indexes), its refusals at start, several controllers
+(Store objects, each with its connections) on one database at once, a lost connection, a deadlock,
+and the refusal of `nexa backup`. The behaviour both backends share runs parametrized in the other
+store tests (`store_cfg`).
 
 A real PostgreSQL (tests/support/postgres.py), one fresh database per test.
 """
@@ -26,6 +27,7 @@ from nexa.errors import (
     BackupNotSupported,
     ConfigError,
     Conflict,
+    StoreBusy,
     StoreError,
     StoreUnavailable,
     Unauthenticated,
@@ -341,6 +343,30 @@ async def test_a_unique_violation_is_a_conflict_and_writes_nothing(tmp_path: Pat
             await store.run(st.insert_tenant, tenant, draft("tenant again"))
         assert await store.run(st.load_tenants) == [tenant]
         assert (await store.run(st.audit_head))[0] == 1  # the refused insert's event went with it
+
+
+async def test_a_transaction_the_server_aborts_for_a_deadlock_runs_again_whole_then_is_store_busy(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The server's own deadlock error (SQLSTATE 40P01, raised by PL/pgSQL where a deadlock would be)."""
+    tries: list[int] = []
+
+    def deadlocked_until(db: st.Db, ok_at: int) -> int:
+        with txn(db):
+            tries.append(1)
+            st.append_audit(db, draft(f"try {len(tries)}"))
+            if len(tries) < ok_at:
+                db.execute("DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = '40P01'; END $$")
+        return len(tries)
+
+    async with st.open_store(tmp_path, StoreConfig(url=pg_url)) as store:
+        assert await store.run(deadlocked_until, 3) == 3  # two aborted tries, then it commits
+        assert (await store.run(st.audit_head))[0] == 1  # once: the aborted tries wrote nothing
+        tries.clear()
+        with pytest.raises(StoreBusy, match="aborted the transaction 3 times") as caught:
+            await store.run(deadlocked_until, 99)
+        assert len(tries) == 3 and caught.value.retryable and isinstance(caught.value, StoreUnavailable)
+        assert (await store.run(st.audit_head))[0] == 1
 
 
 async def test_a_lost_connection_is_retryable_and_the_next_transaction_reconnects(tmp_path: Path, pg_url: str) -> None:

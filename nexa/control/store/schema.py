@@ -32,7 +32,8 @@ from nexa.errors import EpochExhausted, StoreError
 #: "NEXA" — marks the file as ours for `file(1)` and for a sanity check at open.
 APPLICATION_ID: Final = 0x4E455841
 
-# Each entry moves the schema from version i to i+1; never edit a released entry, append.
+# Each entry moves the schema from version i to i+1 on either backend (`postgresql` translates it); never
+# edit a released entry, append. Write what both read (the module docstring), or add its rule there.
 MIGRATIONS: Final[tuple[str, ...]] = (
     """
     CREATE TABLE meta (key TEXT PRIMARY KEY, value ANY) STRICT;
