@@ -157,6 +157,34 @@ def test_sqlites_migrations_in_postgresqls_words() -> None:
     ]
 
 
+async def test_a_store_an_older_nexa_left_migrates_on_to_the_schema_a_new_one_gets(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    """Versions count the same list on PostgreSQL as on SQLite: one left at version 9 (before the
+    node keys' columns) takes migrations 9 on, keeps its rows, and ends as a fresh store starts."""
+    older, fresh = postgres_server.create_database(), postgres_server.create_database()
+    older_url, fresh_url = postgres_server.url(older), postgres_server.url(fresh)
+    try:
+        psql(
+            older_url,
+            f"CREATE TABLE {SCHEMA_TABLE} (id BIGINT PRIMARY KEY CHECK (id = 1),"
+            " application_id BIGINT NOT NULL, version BIGINT NOT NULL)",
+        )
+        psql(older_url, f"INSERT INTO {SCHEMA_TABLE} VALUES (1, ?, 9)", st.APPLICATION_ID)
+        for number in range(9):
+            psql(older_url, postgresql(number))
+        psql(older_url, "INSERT INTO tenant(id, display_name, created_at) VALUES ('acme', 'Acme', 1.0)")
+        async with st.open_store(tmp_path / "older", StoreConfig(url=older_url)) as store:
+            assert [t.id for t in await store.run(st.load_tenants)] == ["acme"]
+        async with st.open_store(tmp_path / "fresh", StoreConfig(url=fresh_url)):
+            pass
+        assert psql(older_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(len(st.MIGRATIONS),)]
+        assert postgres_schema(older_url) == postgres_schema(fresh_url)
+    finally:
+        postgres_server.drop_database(older)
+        postgres_server.drop_database(fresh)
+
+
 async def test_two_controllers_starting_at_once_migrate_once_and_take_no_epoch(tmp_path: Path, pg_url: str) -> None:
     cfg = StoreConfig(url=pg_url)
     epochs: list[int] = []
