@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
-from nexa.control.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound
+from nexa.control.registry.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound
 from nexa.errors import DigestUnknown, ManifestInvalid, PodmanError, RegistryAnswerRefused, Unavailable
 from nexa.node.podman import PodmanClient
 from nexa.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST, RegistryAuths, registry_credentials
