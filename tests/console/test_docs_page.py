@@ -48,6 +48,9 @@ async def test_the_docs_are_public_and_get_the_navigation_once_signed_in(control
         assert listing.status_code == 200 and listing.headers["content-type"].startswith("text/html")
         for t in docs.topics():
             assert f'<a href="/console/docs/{t.name}" id="doc-{t.name}">' in listing.text, t.name
+        topic_list = listing.text.split('<ul id="doc-topics"', 1)[1].split("</ul>", 1)[0]
+        assert "`" not in topic_list  # the summaries' markdown is rendered, not shown raw
+        assert ": <code>GET /metrics</code>, the fleet's series" in listing.text
         assert 'aria-label="Primary"' not in listing.text and 'href="/console/login"' in listing.text
         page = await http.get("/console/docs/config")
         assert page.status_code == 200

@@ -41,7 +41,8 @@ def register(bp: Blueprint, console: Console) -> None:
     @bp.get("/console/docs")
     @console.handler
     async def topics() -> Any:
-        return await page("docs.html", "Docs", topics=docs.topics())
+        listed = [(t, summary(t.name)) for t in docs.topics()]
+        return await page("docs.html", "Docs", topics=listed)
 
     @bp.get("/console/docs/<name>")
     @console.handler
@@ -55,6 +56,13 @@ def render(name: str) -> str:
     """The topic `name` as HTML (the template marks it safe: markdown-it escapes all text, and raw
     HTML is off): headings carry ids (GitHub's slugs), links stay in the console."""
     html: str = _markdown().render(docs.topic(name).text, {"slugs": {}})
+    return html
+
+
+@functools.cache
+def summary(name: str) -> str:
+    """The topic's one-line summary as inline HTML (its `code` spans rendered)."""
+    html: str = _markdown().renderInline(docs.topic(name).summary)
     return html
 
 
