@@ -51,8 +51,8 @@ from nexa.localparts import (
     s3_identities,
     weed_argv,
 )
-from nexa.node.docker import DockerClient
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.docker import DockerClient
+from nexa.node.engines.libpod import PodmanClient
 from nexa.s3 import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf as make_tiny_gguf

@@ -25,7 +25,7 @@ import trio
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.control.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound
 from nexa.errors import DigestUnknown, ManifestInvalid, PodmanError, RegistryAnswerRefused, Unavailable
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.libpod import PodmanClient
 from nexa.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST, RegistryAuths, registry_credentials
 from tests.conftest import serving_http
 from tests.realparts import AuthedRegistry, BuiltImages, PodmanService

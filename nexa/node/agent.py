@@ -42,7 +42,8 @@ from nexa.contracts.node import ENGINE_FIELD_MAX
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, PodmanError
 from nexa.messaging import Unverified
 from nexa.node.artifacts import ArtifactCache
-from nexa.node.docker import DockerClient
+from nexa.node.engines.docker import DockerClient
+from nexa.node.engines.libpod import PodmanClient
 from nexa.node.identity import (
     Fence,
     NodeIdentity,
@@ -60,7 +61,6 @@ from nexa.node.identity import (
 )
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.memory import ReplicaMemoryMeter, default_nvidia_smi
-from nexa.node.podman import PodmanClient
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
 from nexa.node.runtime_cache import RuntimeCaches

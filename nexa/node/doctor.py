@@ -29,9 +29,9 @@ from nexa.contracts.doctor import CheckResult, CheckStatus, DoctorReport, report
 from nexa.contracts.node import CDI_NVIDIA_GPU, Gpu
 from nexa.errors import CertificateNotTrusted, ConfigError, ContractError, NexaError, PodmanError, Unavailable
 from nexa.node import identity, inventory
-from nexa.node.docker import GPU_NVIDIA_RUNTIME, DockerClient
-from nexa.node.engine_http import EngineTransport
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.docker import GPU_NVIDIA_RUNTIME, DockerClient
+from nexa.node.engines.http import EngineTransport
+from nexa.node.engines.libpod import PodmanClient
 from nexa.node.probe import HttpProbe, http_url_host
 from nexa.tls import CLIENT_FIX
 

@@ -38,7 +38,7 @@ from nexa.contracts.runtime import RUNTIME_HOST as HOST_PLACEHOLDER
 from nexa.control.deployments import assignment_for
 from nexa.control.outbound import Outbound
 from nexa.localparts import build_image, free_ports
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.libpod import PodmanClient
 from nexa.node.supervisor import Supervisor
 from tests.realparts import BuiltImages, ContainerEngine, OciRegistry, PodmanService
 from tests.support.adapters import model

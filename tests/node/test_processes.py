@@ -19,7 +19,7 @@ from nexa import runtimes
 from nexa.contracts import wire
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, ContainerSpec
 from nexa.errors import ContainerNotFound, PodmanError, PodmanUnavailable, SimulationDisabled
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.libpod import PodmanClient
 from nexa.node.processes import SIM_ID_PREFIX, DriverRouter, ProcessDriver
 from tests.conftest import free_port, sample_runtime
 from tests.support.nodes import sim_runtime

@@ -34,7 +34,7 @@ from nexa.contracts.runtime import (
     RuntimeSpec,
 )
 from nexa.localparts import free_ports
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.libpod import PodmanClient
 from nexa.node.runtime_cache import RuntimeCaches, cache_key
 from nexa.node.supervisor import Supervisor
 from tests.realparts import BuiltImages, ContainerEngine, PodmanService

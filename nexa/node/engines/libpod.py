@@ -43,7 +43,7 @@ from nexa.errors import (
     PodmanError,
     PodmanUnavailable,
 )
-from nexa.node.engine_http import READ_TIMEOUT_S, EngineAnswer, EngineHttp, EngineTransport
+from nexa.node.engines.http import READ_TIMEOUT_S, EngineAnswer, EngineHttp, EngineTransport
 from nexa.oci import RegistryAuths, RegistryCredentials, pull_credentials
 
 log = logging.getLogger(__name__)

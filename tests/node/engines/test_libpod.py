@@ -36,8 +36,8 @@ from nexa.errors import (
     PodmanError,
     PodmanUnavailable,
 )
-from nexa.node.engine_http import EngineAnswer
-from nexa.node.podman import API_BASE, PodmanClient
+from nexa.node.engines.http import EngineAnswer
+from nexa.node.engines.libpod import API_BASE, PodmanClient
 from nexa.oci import RegistryAuths, RegistryCredentials, load_registry_credentials
 from tests.realparts import BuiltImages, FakeGpu, PodmanService
 

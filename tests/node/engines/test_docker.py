@@ -22,14 +22,14 @@ from nexa.contracts import codec
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.runtime import NETWORK_HOST, NETWORK_NONE, ContainerSpec, HealthProbe
 from nexa.errors import ConfigError, ContainerNotFound, ContractError, ImageNotFound, PodmanError
-from nexa.node.docker import (
+from nexa.node.engines.docker import (
     GPU_NVIDIA_RUNTIME,
     LABEL_PROBE,
     DockerClient,
     docker_create_body,
 )
-from nexa.node.podman import PodmanClient
-from nexa.node.podman import create_body as libpod_create_body
+from nexa.node.engines.libpod import PodmanClient
+from nexa.node.engines.libpod import create_body as libpod_create_body
 from nexa.oci import RegistryAuths, RegistryCredentials
 from tests.realparts import BuiltImages, ContainerEngine
 
@@ -159,7 +159,7 @@ def test_a_bad_container_table_is_a_config_error(tmp_path: Path, table: str) -> 
 
 
 def test_units_node_toml_names_the_container_table() -> None:
-    cfg = config.load(str(Path(__file__).resolve().parents[2] / "units" / "node.toml"), config.NodeConfig)
+    cfg = config.load(str(Path(__file__).resolve().parents[3] / "units" / "node.toml"), config.NodeConfig)
     assert cfg.container == config.ContainerConfig()
 
 

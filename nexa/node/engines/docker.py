@@ -27,8 +27,8 @@ from nexa.contracts.runtime import (
     HealthProbe,
 )
 from nexa.errors import ContainerNotFound, ContractError, ImageNotFound, PodmanError
-from nexa.node.engine_http import EngineAnswer, EngineTransport
-from nexa.node.podman import (
+from nexa.node.engines.http import EngineAnswer, EngineTransport
+from nexa.node.engines.libpod import (
     _IMAGE_MISSING_MARKERS,
     _MAX_MESSAGE_CHARS,
     SCRATCH_DIR,

@@ -1,0 +1,1 @@
+"""The container engine drivers (libpod, Docker Engine) and their HTTP transport."""
