@@ -593,26 +593,6 @@ class LeaseExpiryPolicy(enum.StrEnum):
     STOP = "stop"
 
 
-@attrs.frozen(kw_only=True)
-class PodmanConfig:
-    """How the agent reaches podman and the OCI registry it pulls runtime images from."""
-
-    #: libpod REST API on a unix socket (rootful podman: /run/podman/podman.sock).
-    socket: str = "/run/podman/podman.sock"
-    #: Verify the registry's TLS certificate when pulling (turn off only for a loopback test registry).
-    registry_tls_verify: bool = True
-    #: Optional JSON file {"auths": {"HOST[:PORT]": {"username": …, "password": …}}} (as `[oci]
-    #: credentials_file`); podman is handed an entry only to pull from that registry. Never logged.
-    registry_credentials_file: str = ""
-    #: Leave runtime containers running when the agent stops (they are adopted on its next start).
-    leave_running_on_exit: bool = True
-    #: How each runtime's own network namespace is made: "slirp4netns" (a user-mode stack per
-    #: container: runtimes cannot reach each other) or "bridge" (netavark's default network: kernel
-    #: forwarding, but runtimes on it reach each other's ports). Runtimes registered with
-    #: `host_network` use the node's namespace instead.
-    private_network: str = attrs.field(default="slirp4netns", validator=attrs.validators.in_(("slirp4netns", "bridge")))
-
-
 def _gpu_method(instance: ContainerConfig, attribute: attrs.Attribute[str], value: str) -> None:
     if value not in ("cdi", "nvidia-runtime"):
         raise ValueError(f"{attribute.name} must be 'cdi' or 'nvidia-runtime', not {value!r}")
@@ -622,12 +602,13 @@ def _gpu_method(instance: ContainerConfig, attribute: attrs.Attribute[str], valu
 
 @attrs.frozen(kw_only=True)
 class ContainerConfig:
-    """Which container engine runs the runtimes, and how GPUs reach them. Registry, TLS and
-    leave-running settings stay in `[podman]` and apply to either engine."""
+    """The container engine that runs the runtimes (`[container]`): which one, where its socket is,
+    how GPUs and networks reach runtimes, and the registry it pulls their images from. The keys of
+    the old `[podman]` table are read too (`_moved_podman_keys`)."""
 
     #: "podman" (libpod REST API) or "docker" (Docker Engine API; also podman's Docker-compatible one).
     engine: str = attrs.field(default="podman", validator=attrs.validators.in_(("podman", "docker")))
-    #: The engine's unix socket. Empty: `[podman] socket` for podman, /var/run/docker.sock for docker.
+    #: The engine's unix socket. Empty: /run/podman/podman.sock for podman (rootful), /var/run/docker.sock for docker.
     socket: str = ""
     #: "cdi" (CDI device names; Docker 25 or later with CDI enabled) or "nvidia-runtime" (Docker's
     #: NVIDIA runtime device requests, `nvidia.com/gpu=<index|uuid|all>` names only). docker only.
@@ -638,10 +619,72 @@ class ContainerConfig:
         default="bridge", validator=attrs.validators.not_(attrs.validators.in_(("", "host", "none")))
     )
 
-    def socket_path(self, podman: PodmanConfig) -> str:
+    #: Verify the registry's TLS certificate when pulling (turn off only for a loopback test registry).
+    registry_tls_verify: bool = True
+    #: Optional JSON file {"auths": {"HOST[:PORT]": {"username": …, "password": …}}} (as `[oci]
+    #: credentials_file`); the engine is handed an entry only to pull from that registry. Never logged.
+    registry_credentials_file: str = ""
+    #: Leave runtime containers running when the agent stops (they are adopted on its next start).
+    leave_running_on_exit: bool = True
+    #: podman only: how each runtime's own network namespace is made: "slirp4netns" (a user-mode
+    #: stack per container: runtimes cannot reach each other) or "bridge" (netavark's default
+    #: network: kernel forwarding, but runtimes on it reach each other's ports). Runtimes registered
+    #: with `host_network` use the node's namespace instead.
+    private_network: str = attrs.field(default="slirp4netns", validator=attrs.validators.in_(("slirp4netns", "bridge")))
+
+    @property
+    def socket_path(self) -> str:
         if self.socket:
             return self.socket
-        return podman.socket if self.engine == "podman" else "/var/run/docker.sock"
+        return PODMAN_SOCKET if self.engine == "podman" else DOCKER_SOCKET
+
+
+#: The engines' sockets where `[container] socket` is empty.
+PODMAN_SOCKET = "/run/podman/podman.sock"
+DOCKER_SOCKET = "/var/run/docker.sock"
+#: The keys of the deprecated `[podman]` table, each now a `[container]` key of the same name.
+_PODMAN_KEYS = (
+    "socket",
+    "registry_tls_verify",
+    "registry_credentials_file",
+    "leave_running_on_exit",
+    "private_network",
+)
+
+
+def _moved_podman_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A node config with the deprecated `[podman]` table's keys moved into `[container]`, logging
+    one deprecation line per key. ConfigError for a key set in both tables, or one `[podman]` never had.
+
+    `[podman] socket` was podman's socket only: with `engine = "docker"` it was never read, so it
+    is dropped (with a line saying so) rather than pointing Docker at podman's socket.
+    """
+    if "podman" not in data:
+        return data
+    podman, container = data["podman"], data.get("container", {})
+    if not isinstance(podman, dict) or not isinstance(container, dict):
+        return data  # not tables: structuring names the bad value
+    problems = [
+        f"podman.{key}: unknown key ([podman] is deprecated: write the engine's settings in [container])"
+        for key in podman
+        if key not in _PODMAN_KEYS
+    ]
+    problems.extend(
+        f"podman.{key}: also set as container.{key}: [podman] is deprecated, keep only [container] {key}"
+        for key in podman
+        if key in _PODMAN_KEYS and key in container
+    )
+    if problems:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems), problems=tuple(problems))
+    moved = dict(container)
+    for key, value in podman.items():
+        if key == "socket" and container.get("engine") == "docker":
+            log.warning('[podman] socket is deprecated and not read with [container] engine = "docker": delete it')
+            continue
+        log.warning("[podman] %s is deprecated: write it as [container] %s", key, key)
+        moved[key] = value
+    rest = {key: value for key, value in data.items() if key != "podman"}
+    return {**rest, "container": moved}
 
 
 @attrs.frozen(kw_only=True)
@@ -809,7 +852,6 @@ class NodeConfig:
     #: from whichever has the highest epoch; inference is answered on the channel it came on.
     controllers: ControllerEndpoints = attrs.field(default=ControllerEndpoints(()), converter=_controller_endpoints)
     container: ContainerConfig = ContainerConfig()
-    podman: PodmanConfig = PodmanConfig()
     artifacts: ArtifactsConfig = ArtifactsConfig()
     supervisor: SupervisorConfig = SupervisorConfig()
     relay: RelayConfig = RelayConfig()
@@ -897,6 +939,8 @@ _CONV = _converter()
 
 def structure_config(data: dict[str, Any], cls: type[C]) -> C:
     """Structure a parsed TOML table into `cls`, or raise ConfigError naming every bad key."""
+    if cls is NodeConfig:
+        data = _moved_podman_keys(data)
     try:
         return _CONV.structure(data, cls)
     except Exception as exc:

@@ -1,9 +1,9 @@
 """The container engines' HTTP APIs on their unix sockets (libpod, Docker Engine): the one home of
-httpx for the node's engine drivers (`node.podman`, and `node.docker` built on it).
+httpx for the node's engine drivers (`engines.libpod`, `engines.docker`; `engines.common` holds what they share).
 
 `EngineHttp.request` gives an answer read whole (`EngineAnswer`), `EngineHttp.stream` one read as it
 arrives (`EngineStream`: a pull, an attached exec, the event stream). Every transport failure becomes
-`PodmanUnavailable` (the socket does not answer) or `PodmanError` here, httpcore's `map_exceptions`
+`EngineUnavailable` (the socket does not answer) or `EngineError` here, httpcore's `map_exceptions`
 way, so the drivers never see httpx; what an engine's error status means is theirs to say.
 """
 
@@ -18,7 +18,7 @@ import attrs
 import httpx
 import trio
 
-from nexa.errors import PodmanError, PodmanUnavailable
+from nexa.errors import EngineError, EngineUnavailable
 
 #: Connecting to a local socket is instant or broken.
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -93,9 +93,9 @@ class _Failure:
         try:
             yield
         except httpx.TransportError as exc:
-            raise PodmanUnavailable(f"{self.engine} does not answer on its socket: {type(exc).__name__}") from exc
+            raise EngineUnavailable(f"{self.engine} does not answer on its socket: {type(exc).__name__}") from exc
         except httpx.HTTPError as exc:
-            raise PodmanError(f"talking to {self.engine} failed: {type(exc).__name__}") from exc
+            raise EngineError(f"talking to {self.engine} failed: {type(exc).__name__}") from exc
 
 
 def _timeout(read_timeout_s: float | None) -> httpx.Timeout:
