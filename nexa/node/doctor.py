@@ -31,7 +31,7 @@ from nexa.errors import CertificateNotTrusted, ConfigError, ContractError, Engin
 from nexa.node import identity, inventory
 from nexa.node.engines.configured import configured_engine
 from nexa.node.engines.docker import GPU_NVIDIA_RUNTIME, DockerEngine
-from nexa.node.engines.http import EngineTransport
+from nexa.node.engines.interface import EngineTransport
 from nexa.node.probe import HttpProbe, http_url_host
 from nexa.tls import CLIENT_FIX
 

@@ -1,4 +1,4 @@
-"""Simulated runtimes as local processes, behind the podman client's interface. Simulation only.
+"""Simulated runtimes as local processes, behind the container engines' interface (`ContainerDriver`). Simulation only.
 
 `ProcessDriver` runs one `nexa sim-runtime` child per `sim` "container" on the node's loopback, with
 a journal and a faults file under `<state_dir>/sim/`; `DriverRouter` sends `sim` specs and ids there
@@ -114,7 +114,7 @@ class _Child:
 
 
 class ProcessDriver:
-    """`nexa sim-runtime` children with the podman client's interface (see `ContainerDriver`).
+    """`nexa sim-runtime` children with the container engines' interface (see `ContainerDriver`).
 
     `argv` is how to run nexa (default: `default_argv()`). Use as an async context manager, or call
     `aclose()`: it stops every child.
@@ -159,7 +159,7 @@ class ProcessDriver:
         if scope.cancelled_caught:
             log.warning("closing the process driver took over %g s; some children may not be reaped", ACLOSE_TIMEOUT_S)
 
-    # --- the podman client's interface
+    # --- the container engines' interface
 
     async def pull(self, image: str) -> None:
         """Nothing to pull: a simulated runtime is this nexa."""

@@ -67,8 +67,8 @@ SETTLE_POLL_S: Final = 0.5
 # Failures that another attempt soon will not fix (the registry or the store must change first):
 # retried at the maximum backoff rather than from the initial delay.
 _SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch, InsufficientDisk, RuntimeCacheNoRoom)
-# Failures foreseen by the podman client and the artifact cache; other EngineError/ArtifactError
-# instances are still handled, but logged with their traceback.
+# Failures foreseen by the container engine (`node.engines`) and the artifact cache; other
+# EngineError/ArtifactError instances are still handled, but logged with their traceback.
 _KNOWN_FAILURES: Final = (
     ImageNotFound,
     EngineUnavailable,

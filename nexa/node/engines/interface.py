@@ -1,5 +1,5 @@
 """`ContainerEngine`: what the node uses of a container engine, whichever answers (`engines.libpod`,
-`engines.docker`). Pure typing; no I/O."""
+`engines.docker`), and `EngineTransport`, the drivers' fault-injection seam. Pure typing; no I/O."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ from types import TracebackType
 from typing import Protocol, Self
 
 from nexa.contracts.runtime import ContainerDriver, EngineEvent
+from nexa.node.engines.http import EngineTransport
+
+__all__ = ["ContainerEngine", "EngineTransport"]
 
 
 class ContainerEngine(ContainerDriver, Protocol):
