@@ -36,6 +36,7 @@ from nexa.errors import (
     EngineUnavailable,
     ImageNotFound,
 )
+from nexa.node.engines import http as engine_http
 from nexa.node.engines.http import EngineAnswer
 from nexa.node.engines.libpod import API_BASE, LibpodEngine
 from nexa.oci import RegistryAuths, RegistryCredentials, load_registry_credentials
@@ -593,6 +594,25 @@ async def test_version_answers(podman: LibpodEngine) -> None:
 
 
 # -- registry credentials ----------------------------------------------------------------------
+
+
+async def test_an_answer_larger_than_the_bound_is_refused_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runaway answer (fault injection: a socket that never stops talking) ends as an EngineError."""
+    monkeypatch.setattr(engine_http, "MAX_ANSWER_BYTES", 4096)
+    sizes = {"/v4.0.0/libpod/version": 4096, "/v4.0.0/libpod/containers/json": 4097}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        size = sizes[request.url.path]
+        body = json.dumps({"Version": "4.3.1"} if "version" in request.url.path else []).encode()
+        return httpx.Response(200, content=b" " * (size - len(body)) + body)  # JSON may start with spaces
+
+    async with LibpodEngine("/unused.sock", transport=httpx.MockTransport(handler)) as client:
+        with trio.fail_after(5):
+            assert await client.version() == "4.3.1"  # exactly at the bound: read
+            with pytest.raises(
+                EngineError, match=r"podman answered GET /v4.0.0/libpod/containers/json with more than 4096 bytes"
+            ):
+                await client.list()
 
 
 async def test_credentials_go_only_into_the_pull_auth_header_and_never_into_errors() -> None:
