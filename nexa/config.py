@@ -466,7 +466,7 @@ class ClusterConfig:
     #: when `[http] tls_cert_file` is set).
     address: str = ""
     #: How often each controller looks at the audit head for changes another one made, and re-reads
-    #: what they touched (`control.follow`): a write shows on every controller within about this long.
+    #: what they touched (`control.cluster.follow`): a write shows on every controller within about this long.
     refresh_s: Seconds = attrs.field(default=Seconds(0.25), validator=attrs.validators.gt(Seconds(0.0)))
     #: The CA file (PEM) that verifies the other controllers' https certificates when a follower
     #: forwards writes to the leader; empty: the system's CA store.

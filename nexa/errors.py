@@ -1,4 +1,4 @@
-"""The nexa exception tree. `control/http.py` maps classes to HTTP statuses (`STATUS`: the most
+"""The nexa exception tree. `control/http/common.py` maps classes to HTTP statuses (`STATUS`: the most
 specific class in an error's MRO wins); the tree shows them.
 
 Every error carries a stable machine `code` (snake_case, part of the public API), a human

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
-from nexa.control.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound
+from nexa.control.registry.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound
 from nexa.errors import DigestUnknown, EngineError, ManifestInvalid, RegistryAnswerRefused, Unavailable
 from nexa.node.engines.libpod import LibpodEngine
 from nexa.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST, RegistryAuths, registry_credentials

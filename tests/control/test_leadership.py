@@ -26,7 +26,7 @@ from nexa.config import ClusterConfig, ConfigError, ControlConfig, Seconds, stru
 from nexa.contracts.domain import AuditDraft, EnrollmentToken, KeyId, Node, NodeId, Role
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control import store as st
-from nexa.control.leadership import FOLLOWER, LEADER, Leadership
+from nexa.control.cluster.leadership import FOLLOWER, LEADER, Leadership
 from nexa.control.store.sql import meta
 from nexa.errors import ControllerKeysDiffer, NotLeader
 from nexa.security import hash_token, new_enrollment_token

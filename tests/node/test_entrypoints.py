@@ -36,7 +36,7 @@ from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import RUNTIME_HOST as HOST_PLACEHOLDER
 from nexa.control.deployments import assignment_for
-from nexa.control.outbound import Outbound
+from nexa.control.registry.outbound import Outbound
 from nexa.localparts import build_image, free_ports
 from nexa.node.engines.interface import ContainerEngine
 from nexa.node.supervisor import Supervisor

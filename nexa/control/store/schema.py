@@ -291,7 +291,7 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     ALTER TABLE api_key ADD COLUMN priorities TEXT;
     """,
-    # Payload retention (`control.retention`): the policies, each tenant's data key wrapped by the
+    # Payload retention (`control.datapath.retention`): the policies, each tenant's data key wrapped by the
     # `[retention] key_file` key, and what is kept where until when (never a payload: those are
     # sealed in the S3-compatible store).
     """
