@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from nexa.config import HttpConfig
 from nexa.contracts.api import KeyCreate
 from nexa.contracts.domain import SYSTEM, KeyId, Role
 from nexa.control import store as st
 from nexa.control.access.accounts import Accounts
 from nexa.control.console.sessions import new_session
-from nexa.control.http import openapi, resources
+from nexa.control.http import nodes, openapi, records, resources
 from nexa.control.http.api import AppState, create_app
 from nexa.control.http.declare import collect
 from nexa.telemetry import Metrics
@@ -82,3 +84,28 @@ async def test_one_declaration_gives_the_route_its_handler_roles_console_check_a
 
 def _key_id(accounts: Accounts, role: Role) -> KeyId:
     return next(k.id for k in accounts.api_keys() if k.role is role)
+
+
+def test_the_console_refuses_to_start_on_an_action_or_view_whose_route_is_not_declared() -> None:
+    state = AppState(  # type: ignore[arg-type]  # nothing is served: the app is only built
+        accounts=None,
+        fleet=None,
+        models=None,
+        deployments=None,
+        store=None,
+        metrics=Metrics(),
+        started_at=0,
+        controller_keys=None,
+        signing_key=None,
+        quotas=None,
+        meter=None,
+        admission=None,
+    )
+    # The console's cordon action mirrors a route of the nodes module; without it, no app.
+    without_nodes = [m for m in resources.MODULES if m is not nodes]
+    with pytest.raises(LookupError, match=r"/api/v1/nodes/<node_id>/cordon"):
+        create_app(HttpConfig(), state, without_nodes)
+    # Its benchmarks view mirrors GET /api/v1/benchmarks (of the records module).
+    without_records = [m for m in resources.MODULES if m is not records]
+    with pytest.raises(LookupError, match=r"console view benchmarks names a route no resource module declares"):
+        create_app(HttpConfig(), state, without_records)

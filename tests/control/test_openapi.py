@@ -21,7 +21,7 @@ from openapi_spec_validator import validate
 
 from nexa.contracts import codec
 from nexa.contracts.api import ReceiptPublicKey
-from nexa.control.datapath.inference import INFERENCE_ROUTES
+from nexa.control.datapath.inference_routes import INFERENCE_ROUTES
 from nexa.control.http import health, openapi
 from nexa.control.http.declare import Route, collect, route
 from nexa.control.http.resources import ROLES as ROUTE_ROLES
