@@ -10,7 +10,8 @@ the call's outcome in `Workloads.end`.
 
 OpenAI routes answer errors in OpenAI's shape (`{"error": {"message", "type", "code"}}`) with the
 statuses of `control/http/common.py`, so the official SDKs raise their usual exceptions; the canonical
-routes answer in nexa's error envelope. Request logs carry metadata only, never bodies.
+routes answer in nexa's error envelope. Request logs carry metadata only, never bodies. Each route
+(its roles, bodies, headers and description) is declared once in `inference_routes`.
 """
 
 from __future__ import annotations

@@ -126,8 +126,13 @@ def route(
 
 
 def declared(module: ModuleType) -> list[Route]:
-    """The routes a module declares (its `Route` globals), in the order it declares them."""
-    return [value for value in vars(module).values() if isinstance(value, Route)]
+    """The routes a module declares (its `Route` globals whose handler it defines), in the order it
+    declares them; a route it imports from another module is that module's."""
+    return [
+        value
+        for value in vars(module).values()
+        if isinstance(value, Route) and getattr(value.handler, "__module__", module.__name__) == module.__name__
+    ]
 
 
 def collect(modules: Iterable[ModuleType]) -> tuple[Route, ...]:
