@@ -53,7 +53,8 @@ from nexa.control.fleet.keyring import ControllerKeys, KeyRotation, load_or_crea
 from nexa.control.fleet.nodes import Fleet
 from nexa.control.fleet.southbound import Southbound
 from nexa.control.http import openapi
-from nexa.control.http.api import AppState, ControllerPublicKeys, create_app
+from nexa.control.http.api import create_app
+from nexa.control.http.state import AppState, ControllerPublicKeys
 from nexa.control.operations.backup import Backups, load_key
 from nexa.control.operations.benchmarks import Benchmarks
 from nexa.control.operations.evidence import Evidence

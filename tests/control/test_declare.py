@@ -14,8 +14,9 @@ from nexa.control import store as st
 from nexa.control.access.accounts import Accounts
 from nexa.control.console.sessions import new_session
 from nexa.control.http import nodes, openapi, records, resources
-from nexa.control.http.api import AppState, create_app
+from nexa.control.http.api import create_app
 from nexa.control.http.declare import collect
+from nexa.control.http.state import AppState
 from nexa.telemetry import Metrics
 from tests.control import declared_route
 

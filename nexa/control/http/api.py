@@ -29,13 +29,13 @@ from nexa.control.http import resources
 from nexa.control.http.api_io import json_response as _json
 from nexa.control.http.common import BodyLimit, bearer_key, method_label, new_request_id, status_for
 from nexa.control.http.declare import Handler, RouteKey, collect, role_table
-from nexa.control.http.state import AppState, ControllerPublicKeys
+from nexa.control.http.state import AppState
 from nexa.errors import Forbidden, NexaError, Overloaded, PayloadTooLarge, Recovering, Unauthenticated
 from nexa.telemetry import request_id
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AppState", "ControllerPublicKeys", "create_app"]
+__all__ = ["create_app"]
 
 
 _HTTP_ERRORS: Final = {
