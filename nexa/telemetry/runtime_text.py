@@ -22,7 +22,7 @@ from typing import Final
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
-from nexa.adapters import Metrics
+from nexa.adapters.base import Metrics
 from nexa.contracts.wire import LatencyHistogram, RuntimeLoad
 from nexa.errors import MetricsUnreadable
 
