@@ -53,7 +53,7 @@ from nexa.localparts import (
 )
 from nexa.node.docker import DockerClient
 from nexa.node.podman import PodmanClient
-from nexa.s3 import object_url, signed_headers_for
+from nexa.s3.client import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf as make_tiny_gguf
 

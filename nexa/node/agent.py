@@ -75,7 +75,7 @@ from nexa.node.uplinks import (
     open_channel,
 )
 from nexa.oci import registry_credentials as registry_credentials_source
-from nexa.s3 import s3_credentials as s3_credentials_source
+from nexa.s3.credentials import s3_credentials as s3_credentials_source
 from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)
