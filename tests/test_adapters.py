@@ -113,7 +113,7 @@ def expect(kind: RuntimeKind, **over: Any) -> ContainerSpec:
 
 
 def same(got: ContainerSpec, want: ContainerSpec) -> None:
-    assert got.labels.pop("nexa.spec-sha256")  # a digest of the signed spec, pinned in test_runtimes
+    assert got.labels.pop("nexa.spec-sha256")  # a digest of the signed spec, pinned in test_container_spec
     want.labels.pop("nexa.spec-sha256")
     # The process is exactly the adapter's command: its program is set as the container's entrypoint
     # (no image config is known here), its arguments are the container's command.
