@@ -50,6 +50,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
     - ControllersRunning [controllers_running]: a controller key rotation while other controllers share the store
     - RotationEndpointInUse [rotation_endpoint_in_use]: a key rotation whose second channel endpoint cannot be bound
+    - StoreConflict: a write the store refused by a constraint (unique, foreign key, check): names it
   + NotDeployable [not_deployable, HTTP 422]: a deployment the registry or the fleet does not allow
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
@@ -69,6 +70,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NodeUnreachable [node_unreachable]: the node has no open channel now, so it cannot be asked (`nexa nodes rotate`)
     - NotLeader [not_leader]: a leader-only write on a controller that is not (or no longer) the leader; retry
     - StoreUnavailable [store_unavailable]: the PostgreSQL store cannot be reached (also a StoreError; reconnects)
+      · StoreBusy [store_busy]: another writer holds the lock too long, or a deadlock (either backend)
     - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried first)
   + DeadlineExceeded [deadline_exceeded, HTTP 504]: the request's deadline passed (queued or running)
   + Cancelled [cancelled, HTTP 499]: the client (or an operator) cancelled the request
@@ -222,6 +224,8 @@ from nexa.errors.store import BackupNotSupported as BackupNotSupported
 from nexa.errors.store import EpochExhausted as EpochExhausted
 from nexa.errors.store import RestoreTargetNotEmpty as RestoreTargetNotEmpty
 from nexa.errors.store import StateDirLocked as StateDirLocked
+from nexa.errors.store import StoreBusy as StoreBusy
+from nexa.errors.store import StoreConflict as StoreConflict
 from nexa.errors.store import StoreError as StoreError
 from nexa.errors.store import StoreUnavailable as StoreUnavailable
 from nexa.errors.store import StoreUnusable as StoreUnusable

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nexa.errors.base import NexaError, Unavailable
+from nexa.errors.base import Conflict, NexaError, Unavailable
 
 
 class StoreError(NexaError):
@@ -48,6 +48,25 @@ class StoreUnavailable(Unavailable, StoreError):
     to check; never a password."""
 
     code = "store_unavailable"
+
+
+class StoreBusy(StoreUnavailable):
+    """The store's lock stayed taken past its wait: SQLite's busy timeout (another process writes
+    the file), PostgreSQL's `lock_timeout`, or a deadlock or serialization conflict that tries did
+    not resolve. Retryable (503); nothing of the transaction was written."""
+
+    code = "store_busy"
+
+
+class StoreConflict(Conflict):
+    """A write the store refused by one of its constraints (a unique key, a foreign key, NOT NULL, a
+    check), raised by either backend in the statement that violated it; the transaction is undone.
+    `constraint`: the unique or foreign key by the database's name for it (`api_key.secret_sha256` on
+    SQLite, `tenant_pkey` on PostgreSQL), else "constraint"."""
+
+    def __init__(self, *, constraint: str) -> None:
+        super().__init__(f"conflicts with existing state ({constraint})")
+        self.constraint = constraint
 
 
 class BackupError(NexaError):
