@@ -15,12 +15,7 @@ from typing import Final
 
 import attrs
 
-from nexa.adapters.args import (
-    WHY_GPUS,
-    is_value,
-    spelling,
-    version_at_least,
-)
+from nexa.adapters.args import WHY_GPUS, is_value, spelling, version_at_least
 from nexa.contracts.gateway import Capability
 from nexa.contracts.manifest import path_problem
 from nexa.contracts.node import RuntimeKind
@@ -40,6 +35,8 @@ GPU_SHM_BYTES: Final = 8 * 2**30
 SHM_SETTING: Final = "shm_bytes"
 #: Model servers load from the mounted artifact and must never reach a hub for weights or tokenizers.
 OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+#: The weight and activation types vLLM and SGLang take (`--dtype`).
+DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
 #: A big model on a slow disk takes minutes to load: failures this long after start keep it `Starting`.
 _START_PERIOD_S: Final = 600.0
 
@@ -323,10 +320,6 @@ class Adapter:
         else:
             command = ["python3", "-c", f"import urllib.request; urllib.request.urlopen({json.dumps(url)}, timeout=5)"]
         return HealthProbe(command=command, interval_s=2.0, timeout_s=6.0, start_period_s=_START_PERIOD_S, retries=3)
-
-
-#: The weight and activation types vLLM and SGLang take (`--dtype`).
-DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
 
 
 #: Each engine's own memory beyond the share its memory setting bounds (the CUDA context, CUDA

@@ -9,21 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-from nexa.adapters.args import (
-    LLAMA_CACHE_ENV,
-    WHY_AUTH,
-    WHY_CONFIG_FILE,
-    WHY_HUB,
-    WHY_TLS,
-)
-from nexa.adapters.base import (
-    LLAMA_CPP_PYTHON,
-    LLAMA_SERVER,
-    Adapter,
-    Metrics,
-    Option,
-    Style,
-)
+from nexa.adapters.args import LLAMA_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_HUB, WHY_TLS
+from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter, Metrics, Option, Style
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
 

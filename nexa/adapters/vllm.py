@@ -4,24 +4,8 @@ from __future__ import annotations
 
 from typing import Final
 
-from nexa.adapters.args import (
-    VLLM_CACHE_ENV,
-    WHY_AUTH,
-    WHY_CONFIG_FILE,
-    WHY_GPUS,
-    WHY_HUB,
-    WHY_MEMORY,
-    WHY_TLS,
-)
-from nexa.adapters.base import (
-    DTYPES,
-    GPU_SHM_BYTES,
-    OFFLINE_ENV,
-    Adapter,
-    Metrics,
-    Option,
-    Style,
-)
+from nexa.adapters.args import VLLM_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GPUS, WHY_HUB, WHY_MEMORY, WHY_TLS
+from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
 
