@@ -94,8 +94,8 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - RestoreTargetNotEmpty [restore_target_not_empty]: `nexa restore` writes only into an empty or absent directory
     - BackupNotSupported [backup_not_supported]: the store is PostgreSQL: back it up with PostgreSQL's own tools
   + RemoteError: an error envelope returned by a nexa controller (CLI side)
-  + PodmanError [podman_error]: podman refused or failed a request (node side)
-    - PodmanUnavailable [podman_unavailable]: the podman socket does not answer
+  + EngineError [engine_error]: the container engine (podman or Docker) refused or failed a request (node side)
+    - EngineUnavailable [engine_unavailable]: the engine's socket does not answer
     - ImageNotFound [image_not_found]: the registry has no image with that digest
     - ContainerNotFound (also LookupError) [container_not_found]: no container with that id
     - SimulationDisabled [simulation_disabled]: a `sim` runtime on a node that does not run simulated runtimes
@@ -178,9 +178,9 @@ from nexa.errors.config import ConfigError as ConfigError
 from nexa.errors.config import ControllerKeysDiffer as ControllerKeysDiffer
 from nexa.errors.config import PlainHttpPeer as PlainHttpPeer
 from nexa.errors.engine import ContainerNotFound as ContainerNotFound
+from nexa.errors.engine import EngineError as EngineError
+from nexa.errors.engine import EngineUnavailable as EngineUnavailable
 from nexa.errors.engine import ImageNotFound as ImageNotFound
-from nexa.errors.engine import PodmanError as PodmanError
-from nexa.errors.engine import PodmanUnavailable as PodmanUnavailable
 from nexa.errors.engine import SimulationDisabled as SimulationDisabled
 from nexa.errors.registry import AlreadyExists as AlreadyExists
 from nexa.errors.registry import ArtifactMissing as ArtifactMissing

@@ -5,24 +5,27 @@ from __future__ import annotations
 from nexa.errors.base import NexaError
 
 
-class PodmanError(NexaError):
-    code = "podman_error"
+class EngineError(NexaError):
+    """What a container engine driver (`nexa.node.engines`) raises: each driver translates its own
+    engine's answers into this tree, so callers never learn which engine answered."""
+
+    code = "engine_error"
 
 
-class PodmanUnavailable(PodmanError):
-    code = "podman_unavailable"
+class EngineUnavailable(EngineError):
+    code = "engine_unavailable"
     retryable = True
 
 
-class ImageNotFound(PodmanError):
+class ImageNotFound(EngineError):
     code = "image_not_found"
 
 
-class ContainerNotFound(PodmanError, LookupError):
+class ContainerNotFound(EngineError, LookupError):
     code = "container_not_found"
 
 
-class SimulationDisabled(PodmanError):
+class SimulationDisabled(EngineError):
     """A `sim` runtime assigned to a node without `simulation = true` (and NEXA_SIMULATION_ONLY=1)."""
 
     code = "simulation_disabled"
