@@ -22,7 +22,8 @@ from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, LABEL_GENERATION, LABEL_SPEC, RuntimeSpec
 from nexa.errors import RuntimeCacheNoRoom
-from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Backoff, Supervisor
+from nexa.node.replicas import Backoff
+from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Supervisor
 from nexa.supervision import Supervision
 from tests.support.supervisor import (
     CFG,

@@ -19,7 +19,8 @@ from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import ArtifactRef, ContainerSpec, ContainerState, HealthProbe, RuntimeSpec
 from nexa.errors import ArtifactDigestMismatch, ContainerNotFound, EngineError, EngineUnavailable, ImageNotFound
-from nexa.node.supervisor import Artifacts, Podman, Supervisor
+from nexa.node.replicas import Artifacts
+from nexa.node.supervisor import Podman, Supervisor
 from tests.conftest import sample_runtime
 
 NODE = "n1"
