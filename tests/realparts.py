@@ -54,7 +54,7 @@ from nexa.localparts import (
 from nexa.node.engines.docker import DockerEngine
 from nexa.node.engines.interface import ContainerEngine
 from nexa.node.engines.libpod import LibpodEngine
-from nexa.s3 import object_url, signed_headers_for
+from nexa.s3.client import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf as make_tiny_gguf
 

@@ -66,7 +66,8 @@ from nexa.control.registry.outbound import Outbound
 from nexa.control.store import Store, StoreOpener, open_store
 from nexa.errors import ControllerKeysDiffer
 from nexa.oci import registry_credentials
-from nexa.s3 import S3Client, s3_credentials
+from nexa.s3.client import S3Client
+from nexa.s3.credentials import s3_credentials
 from nexa.supervision import Supervision, supervised, watch_event_loop
 from nexa.telemetry import Metrics
 
