@@ -298,6 +298,8 @@ async def sim_fleet(
         async def all_ready() -> bool:
             async with controller.client() as http:
                 listed = (await ok(http.get("/api/v1/nodes")))["nodes"]
+            # A node is Joining until its inventory arrives: no poll ever sees it Ready without one.
+            assert all(n["inventory"] is not None for n in listed if n["state"] == "Ready"), listed
             return len(listed) == nodes and all(n["state"] == "Ready" for n in listed)
 
         with trio.fail_after(TIMEOUT_S):
