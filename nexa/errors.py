@@ -1,4 +1,4 @@
-"""The nexa exception tree. `control/http.py` maps classes to HTTP statuses (`STATUS`: the most
+"""The nexa exception tree. `control/http/common.py` maps classes to HTTP statuses (`STATUS`: the most
 specific class in an error's MRO wins); the tree shows them.
 
 Every error carries a stable machine `code` (snake_case, part of the public API), a human
@@ -50,6 +50,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
     - ControllersRunning [controllers_running]: a controller key rotation while other controllers share the store
     - RotationEndpointInUse [rotation_endpoint_in_use]: a key rotation whose second channel endpoint cannot be bound
+    - StoreConflict: a write the store refused by a constraint (unique, foreign key, check): names it
   + NotDeployable [not_deployable, HTTP 422]: a deployment the registry or the fleet does not allow
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
@@ -69,6 +70,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NodeUnreachable [node_unreachable]: the node has no open channel now, so it cannot be asked (`nexa nodes rotate`)
     - NotLeader [not_leader]: a leader-only write on a controller that is not (or no longer) the leader; retry
     - StoreUnavailable [store_unavailable]: the PostgreSQL store cannot be reached (also a StoreError; reconnects)
+      · StoreBusy [store_busy]: another writer holds the lock too long, or a deadlock (either backend)
     - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried first)
   + DeadlineExceeded [deadline_exceeded, HTTP 504]: the request's deadline passed (queued or running)
   + Cancelled [cancelled, HTTP 499]: the client (or an operator) cancelled the request
@@ -92,8 +94,8 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - RestoreTargetNotEmpty [restore_target_not_empty]: `nexa restore` writes only into an empty or absent directory
     - BackupNotSupported [backup_not_supported]: the store is PostgreSQL: back it up with PostgreSQL's own tools
   + RemoteError: an error envelope returned by a nexa controller (CLI side)
-  + PodmanError [podman_error]: podman refused or failed a request (node side)
-    - PodmanUnavailable [podman_unavailable]: the podman socket does not answer
+  + EngineError [engine_error]: the container engine (podman or Docker) refused or failed a request (node side)
+    - EngineUnavailable [engine_unavailable]: the engine's socket does not answer
     - ImageNotFound [image_not_found]: the registry has no image with that digest
     - ContainerNotFound (also LookupError) [container_not_found]: no container with that id
     - SimulationDisabled [simulation_disabled]: a `sim` runtime on a node that does not run simulated runtimes
@@ -602,6 +604,17 @@ class RotationEndpointInUse(Conflict):
         self.endpoint = endpoint
 
 
+class StoreConflict(Conflict):
+    """A write the store refused by one of its constraints (a unique key, a foreign key, NOT NULL, a
+    check), raised by either backend in the statement that violated it; the transaction is undone.
+    `constraint`: the unique or foreign key by the database's name for it (`api_key.secret_sha256` on
+    SQLite, `tenant_pkey` on PostgreSQL), else "constraint"."""
+
+    def __init__(self, *, constraint: str) -> None:
+        super().__init__(f"conflicts with existing state ({constraint})")
+        self.constraint = constraint
+
+
 class WorkloadAlreadyActive(Conflict):
     code = "workload_already_active"
 
@@ -657,6 +670,14 @@ class StoreUnavailable(Unavailable, StoreError):
     to check; never a password."""
 
     code = "store_unavailable"
+
+
+class StoreBusy(StoreUnavailable):
+    """The store's lock stayed taken past its wait: SQLite's busy timeout (another process writes
+    the file), PostgreSQL's `lock_timeout`, or a deadlock or serialization conflict that tries did
+    not resolve. Retryable (503); nothing of the transaction was written."""
+
+    code = "store_busy"
 
 
 class BackupError(NexaError):
@@ -848,24 +869,27 @@ class NotConnected(ChannelError):
         self.node_id = node_id
 
 
-class PodmanError(NexaError):
-    code = "podman_error"
+class EngineError(NexaError):
+    """What a container engine driver (`nexa.node.engines`) raises: each driver translates its own
+    engine's answers into this tree, so callers never learn which engine answered."""
+
+    code = "engine_error"
 
 
-class PodmanUnavailable(PodmanError):
-    code = "podman_unavailable"
+class EngineUnavailable(EngineError):
+    code = "engine_unavailable"
     retryable = True
 
 
-class ImageNotFound(PodmanError):
+class ImageNotFound(EngineError):
     code = "image_not_found"
 
 
-class ContainerNotFound(PodmanError, LookupError):
+class ContainerNotFound(EngineError, LookupError):
     code = "container_not_found"
 
 
-class SimulationDisabled(PodmanError):
+class SimulationDisabled(EngineError):
     """A `sim` runtime assigned to a node without `simulation = true` (and NEXA_SIMULATION_ONLY=1)."""
 
     code = "simulation_disabled"

@@ -623,7 +623,7 @@ def token_matches(token: str, stored_sha256: str) -> bool:
     return hmac.compare_digest(hash_token(token).encode("ascii"), stored_sha256.encode("ascii", "replace"))
 
 
-# --- backups: the key and the sealed archive (nexa.control.backup) ------------------------------
+# --- backups: the key and the sealed archive (nexa.control.operations.backup) ------------------------------
 
 #: A backup key: 32 random bytes (AES-256), written as standard base64 (44 characters) or hex (64).
 BACKUP_KEY_BYTES: Final = 32

@@ -3,7 +3,7 @@
 Builds a seeded, mixed fleet shaped like the hardware fixtures (8x H100, 2x L40S, 1x H200,
 DGX Spark GB10 with unified memory, CPU-only), with cordoned, draining and unreachable nodes,
 labels, license allowances, data classes, taints, cached artifacts, load and reliability.
-Times `nexa.control.scheduler.place` for a realistic vLLM deployment (1 GPU, 40 GiB, an
+Times `nexa.control.deployments.scheduler.place` for a realistic vLLM deployment (1 GPU, 40 GiB, an
 internal data class, a license label) with 1 and 4 replicas under spread and binpack, and for
 a request nearly every node passes (the most scoring). Prints p50/p99 in ms. Never part of
 the test run. Target (DESIGN.md §7): <= 1 ms p50 over 1,000 nodes, explanation included.
@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nexa.contracts.domain import NodeState
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, RuntimeKind, Taint, TaintEffect
 from nexa.contracts.placement import PlacementNode, PlacementPolicy, PlacementRequest
-from nexa.control.scheduler import place
+from nexa.control.deployments.scheduler import place
 
 GIB = 1024**3
 MIB = 1024**2

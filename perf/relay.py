@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nexa import messaging, security
 from nexa.config import Bytes, RelayConfig
 from nexa.contracts import wire
-from nexa.control.relay import Relay
+from nexa.control.datapath.relay import Relay
 from nexa.node.relay import NodeRelay
 
 EVENT = b'data: {"choices":[{"index":0,"delta":{"content":"token"}}]}\n\n'

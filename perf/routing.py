@@ -24,7 +24,7 @@ from nexa.config import GatewayConfig
 from nexa.contracts.deployments import ServingReplica, ServingSet
 from nexa.contracts.models import ModelRef
 from nexa.contracts.wire import RuntimeLoad
-from nexa.control.routing import Router
+from nexa.control.datapath.routing import Router
 
 
 def serving_set(n: int) -> ServingSet:

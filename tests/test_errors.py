@@ -8,7 +8,7 @@ import re
 import attrs
 
 from nexa import errors
-from nexa.control.http import STATUS
+from nexa.control.http.common import STATUS
 
 # "  + NotFound (also LookupError) [not_found, HTTP 404]: no such record"
 _LINE = re.compile(

@@ -92,7 +92,7 @@ def _backup(args: argparse.Namespace) -> int:
 
 
 def _restore(args: argparse.Namespace) -> int:
-    from nexa.control.backup import check_key_source, restore
+    from nexa.control.operations.backup import check_key_source, restore
 
     key = check_key_source(args.key_file)
     trusted = None if args.public_key is None else common.public_key(args.public_key, lambda: "")

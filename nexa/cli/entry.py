@@ -131,14 +131,14 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_openapi(_: argparse.Namespace) -> int:
-    from nexa.control import openapi
+    from nexa.control.http import openapi
 
     print(json.dumps(openapi.document(), indent=2, sort_keys=True))
     return EXIT_OK
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from nexa.control.registry import new_api_key
+    from nexa.control.access.accounts import new_api_key
     from nexa.security import generate_signing_key, new_backup_key, save_signing_key, write_key_file
 
     if args.signing:

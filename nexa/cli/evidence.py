@@ -447,7 +447,7 @@ def _load_listed(root: Path, manifest: EvidenceManifest, name: str, kind: type[T
 def recompute(root: Path, manifest: EvidenceManifest) -> tuple[dict[str, bool], list[str]]:
     """The three release checks from the bundle's own files (as the controller decides them), and
     the files that could not be read."""
-    from nexa.control.benchmarks import judge
+    from nexa.control.operations.benchmarks import judge
 
     problems: list[str] = []
     sim = _load_listed(root, manifest, SIM, SimSummary, problems)

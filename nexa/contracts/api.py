@@ -316,7 +316,7 @@ class NodeView:
     state: NodeState
     admin_state: NodeAdminState
     #: Enrollment (admin) labels, plus the node's own inventory.json labels for keys the admin did
-    #: not set, never a reserved `nexa.io` key (`control.grants`).
+    #: not set, never a reserved `nexa.io` key (`control.fleet.grants`).
     labels: dict[str, str]
     enrolled_at: float
     last_heartbeat_at: float | None
@@ -343,7 +343,7 @@ class NodeView:
     runtime_cache: RuntimeCacheDisk | None = None
     #: Set while the node reports memory pressure: placement puts nothing more on it.
     memory_pressure: MemoryPressure | None = None
-    #: The data classes it may process: its inventory's that the admin granted (`control.grants`).
+    #: The data classes it may process: its inventory's that the admin granted (`control.fleet.grants`).
     data_classes: list[str] = attrs.field(factory=list)
 
 

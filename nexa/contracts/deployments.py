@@ -3,7 +3,7 @@
 Pure data and validation; no I/O. A deployment's name is its id. It names its model either by
 alias (which it follows: when the alias moves, the deployment rolls to the new version) or by a
 pinned version, and its runtime by the name it was registered under. `control/deployments.py`
-validates a request against the model registry and the fleet, places it (`control/scheduler.py`)
+validates a request against the model registry and the fleet, places it (`control/deployments/scheduler.py`)
 and keeps the result.
 
 A new version rolls out as a canary (`CanaryCreate`: extra replicas and a share of traffic,
@@ -87,7 +87,7 @@ class PlacementSpec:
 
 @attrs.frozen(kw_only=True)
 class RoutingWeights:
-    """How the gateway's router weighs a replica's load terms (`control/routing.py`); each 0..100.
+    """How the gateway's router weighs a replica's load terms (`control/datapath/routing.py`); each 0..100.
 
     A replica's score (lower wins) is `queue * (reported queue depth + requests in flight to it)
     + kv_cache * kv/(1 - kv)` (the KV-cache term grows sharply near full: 0.5 → 1, 0.9 → 9, at
@@ -248,7 +248,7 @@ class ServingSet:
 
 @attrs.frozen(kw_only=True)
 class ReplicaScore:
-    """One replica's routing score terms now (`control/routing.py`; lower wins), in `deployments show`."""
+    """One replica's routing score terms now (`control/datapath/routing.py`; lower wins), in `deployments show`."""
 
     replica_id: str
     node_id: str

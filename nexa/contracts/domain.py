@@ -91,6 +91,18 @@ class ApiKey:
 
 
 @attrs.frozen(kw_only=True)
+class Actor:
+    """Who is asking: the authenticated key, or the controller itself (key_id None)."""
+
+    key_id: KeyId | None
+    role: Role | None
+    tenant: TenantId | None = None
+
+
+SYSTEM: Final = Actor(key_id=None, role=None)
+
+
+@attrs.frozen(kw_only=True)
 class Tenant:
     id: TenantId
     display_name: str

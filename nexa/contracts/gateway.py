@@ -2,7 +2,7 @@
 
 Pure data and validation; no I/O. Both northbound APIs (OpenAI-compatible `/v1/*` and the
 canonical `/api/v1/workloads`) become one `Work` item for the one pipeline in
-`control/gateway.py`. Payloads (prompts, outputs) pass through as opaque JSON and never appear in
+`control/datapath/gateway.py`. Payloads (prompts, outputs) pass through as opaque JSON and never appear in
 any record defined here: usage records and receipts carry counts, ids and timings only.
 
 What happened to one call is made once, when it ends, as a `CallOutcome`; the records made of it
@@ -192,7 +192,7 @@ class WorkloadCreate:
 @attrs.frozen(kw_only=True)
 class AcceptedWorkload:
     """A canonical workload as it was accepted: whose, what it asks for, and when; fixed from then
-    on. Held while it runs (`control.workloads.ActiveWorkload`) and stored with its state and
+    on. Held while it runs (`control.datapath.workloads.ActiveWorkload`) and stored with its state and
     receipt (`control.store.WorkloadRow`); its receipt names the same ids (`Receipt.from_outcome`)."""
 
     tenant: TenantId

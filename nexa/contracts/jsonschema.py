@@ -1,5 +1,5 @@
 """JSON Schema (2020-12, as OpenAPI 3.1 has it) of the contract types, as the API codec reads and
-writes them: the OpenAPI document (`control/openapi.py`) describes every body with it. Pure; no I/O."""
+writes them: the OpenAPI document (`control/http/openapi.py`) describes every body with it. Pure; no I/O."""
 
 from __future__ import annotations
 

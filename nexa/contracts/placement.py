@@ -1,6 +1,6 @@
 """Placement records: the fleet snapshot the scheduler reads, the request, and the explained decision.
 
-Pure data. `control/scheduler.py` turns a `PlacementRequest` and a sequence of `PlacementNode`
+Pure data. `control/deployments/scheduler.py` turns a `PlacementRequest` and a sequence of `PlacementNode`
 snapshots into a `PlacementDecision`; the API shows the decision as it is (`codec.api`).
 Collections that are sets in meaning are stored as sorted tuples, so equal inputs compare
 equal and encode to the same bytes whatever order they were given in.

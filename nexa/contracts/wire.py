@@ -264,7 +264,7 @@ class Hello:
     #: The proof of (epoch, generation): the signed `AssignmentSet` the node accepted there, as it
     #: came (its body, and the controller's signature over it in base64). "" from older agents and
     #: for a set over `MAX_PROOF_BYTES`. The controller trusts an epoch above what it issued only
-    #: with a proof that one of its signing keys, current or retired, verifies (`control.claims`).
+    #: with a proof that one of its signing keys, current or retired, verifies (`control.fleet.claims`).
     proof_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
     proof_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
 

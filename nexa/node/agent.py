@@ -39,10 +39,11 @@ from nexa import __version__
 from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import wire
 from nexa.contracts.node import ENGINE_FIELD_MAX
-from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, PodmanError
+from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, EngineError
 from nexa.messaging import Unverified
 from nexa.node.artifacts import ArtifactCache
-from nexa.node.docker import DockerClient
+from nexa.node.engines.configured import configured_engine
+from nexa.node.engines.interface import ContainerEngine
 from nexa.node.identity import (
     Fence,
     NodeIdentity,
@@ -60,7 +61,6 @@ from nexa.node.identity import (
 )
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.memory import ReplicaMemoryMeter, default_nvidia_smi
-from nexa.node.podman import PodmanClient
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
 from nexa.node.runtime_cache import RuntimeCaches
@@ -646,12 +646,12 @@ def _load_state(state_dir: Path) -> tuple[NodeIdentity, Fence, PendingKeys | Non
     return load_identity(state_dir), load_fence(state_dir), pending
 
 
-async def _engine_version(engine: PodmanClient) -> str:
+async def _engine_version(engine: ContainerEngine) -> str:
     """The engine's version for the inventory; "" when it does not answer within ENGINE_VERSION_S."""
     with trio.move_on_after(ENGINE_VERSION_S):
         try:
             return (await engine.version())[:ENGINE_FIELD_MAX]
-        except PodmanError as exc:
+        except EngineError as exc:
             log.warning("the container engine did not report its version: %s", exc)
     return ""
 
@@ -691,27 +691,11 @@ async def _serve_node(
         poll_interval_s=cfg.inventory_poll_interval_s,
         rediscover_interval_s=cfg.discovery_interval_s,
     )
-    engine_socket = cfg.container.socket_path(cfg.podman)
     # Re-read at each pull when the file changed (a bad rewrite keeps the last good).
     registry_credentials = await trio.to_thread.run_sync(
-        registry_credentials_source, cfg.podman.registry_credentials_file
+        registry_credentials_source, cfg.container.registry_credentials_file
     )
-    podman: PodmanClient
-    if cfg.container.engine == "docker":
-        podman = DockerClient(
-            engine_socket,
-            tls_verify=cfg.podman.registry_tls_verify,
-            credentials=registry_credentials,
-            gpu_method=cfg.container.gpu_method,
-            network=cfg.container.docker_network,
-        )
-    else:
-        podman = PodmanClient(
-            engine_socket,
-            tls_verify=cfg.podman.registry_tls_verify,
-            credentials=registry_credentials,
-            private_network=cfg.podman.private_network,
-        )
+    engine = configured_engine(cfg.container, credentials=registry_credentials)
     # Re-read when the file changes (a bad rewrite keeps the last good); else the AWS_* variables.
     s3_credentials = await trio.to_thread.run_sync(
         partial(
@@ -722,20 +706,20 @@ async def _serve_node(
         )
     )
     async with (
-        podman,
+        engine,
         ArtifactCache(cfg.artifacts, state_dir=state_dir, credentials=s3_credentials) as artifacts,
         # Simulated runtimes are children of this process: they stop when it stops.
         open_process_driver(state_dir, enabled=cfg.simulation, host=cfg.runtime_host) as processes,
     ):
         log.info(
             "runtimes through %s at %s; artifacts cached in %s",
-            cfg.container.engine,
-            engine_socket,
+            engine.name,
+            cfg.container.socket_path,
             artifacts.directory,
         )
         if processes is not None:
             log.warning("simulation = true: sim runtimes run as local processes (never in production)")
-        containers = DriverRouter(podman, processes)
+        containers = DriverRouter(engine, processes)
         caches = RuntimeCaches(
             Path(cfg.cache.runtime_cache_dir) if cfg.cache.runtime_cache_dir else state_dir / "runtime-cache",
             max_bytes=cfg.cache.runtime_cache_max_bytes,
@@ -774,7 +758,7 @@ async def _serve_node(
             on_lease_expiry=cfg.on_lease_expiry,
             data=relay.deliver,
             container_engine=cfg.container.engine,
-            container_engine_version=await _engine_version(podman),
+            container_engine_version=await _engine_version(engine),
             gpu_method=cfg.container.gpu_method,
             pending_keys=pending,
             open_requests=relay.open_requests,
@@ -808,7 +792,7 @@ async def _serve_node(
             )
             await stopping.wait()
             log.info("node agent stopping")
-            if not cfg.podman.leave_running_on_exit:
+            if not cfg.container.leave_running_on_exit:
                 await _stop_runtimes(supervisor, agent.fence.generation)
             # The loops and the watcher stop; the uplink closes its socket as its task ends.
             # Runtime containers keep running (unless configured otherwise): the next agent adopts them.

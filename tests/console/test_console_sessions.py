@@ -1,7 +1,7 @@
 """Issue 12, points 9 and 13: the sign-in form keeps no server-side state, so anonymous visitors
 cannot evict signed-in sessions; the session cookie is `Secure` behind a trusted TLS ingress only.
 
-The app is the real one (`create_app`, a real store and registry) driven in process by quart's test
+The app is the real one (`create_app`, a real store and accounts) driven in process by quart's test
 client, so 20,000 requests take seconds; one check goes through a real hypercorn listener.
 """
 
@@ -21,8 +21,8 @@ import trio
 from nexa.config import HttpConfig
 from nexa.control import console as con
 from nexa.control import store as st
-from nexa.control.api import AppState, create_app
-from nexa.control.registry import Registry
+from nexa.control.access.accounts import Accounts
+from nexa.control.http.api import AppState, create_app
 from nexa.telemetry import Metrics
 from tests.conftest import local_config, start_controller
 
@@ -34,7 +34,7 @@ _LOCAL = {"client": ("127.0.0.1", 40000)}
 class _App:
     app: Any
     console: con.Console
-    registry: Registry
+    accounts: Accounts
     admin_key: str
 
 
@@ -46,11 +46,11 @@ async def app(tmp_path: Path) -> AsyncIterator[_App]:
 
 async def _make_app(store: st.Store, cfg: HttpConfig) -> _App:
     metrics = Metrics()
-    registry = await Registry.load(store, metrics)
-    admin_key = await registry.ensure_admin_key(None)
+    accounts = await Accounts.load(store, metrics)
+    admin_key = await accounts.ensure_admin_key(None)
     assert admin_key is not None
     state = AppState(  # type: ignore[arg-type]  # the console's sign-in and audit view need only these
-        registry=registry,
+        accounts=accounts,
         fleet=None,
         models=None,
         deployments=None,
@@ -65,7 +65,7 @@ async def _make_app(store: st.Store, cfg: HttpConfig) -> _App:
         ready=True,
     )
     quart_app = create_app(cfg, state)
-    return _App(quart_app, quart_app.extensions["nexa.console"], registry, admin_key)
+    return _App(quart_app, quart_app.extensions["nexa.console"], accounts, admin_key)
 
 
 def _csrf(html: str) -> str:
@@ -133,10 +133,9 @@ async def test_one_key_signing_in_again_and_again_drops_only_its_own_oldest_sess
     first = app.app.test_client()
     assert (await _sign_in(first, app.admin_key)).status_code == 303
     from nexa.contracts.api import KeyCreate
-    from nexa.contracts.domain import Role
-    from nexa.control.registry import SYSTEM
+    from nexa.contracts.domain import SYSTEM, Role
 
-    other_key, _ = await app.registry.create_key(SYSTEM, KeyCreate(role=Role.AUDIT, name="auditor"))
+    other_key, _ = await app.accounts.create_key(SYSTEM, KeyCreate(role=Role.AUDIT, name="auditor"))
     other = app.app.test_client()
     assert (await _sign_in(other, other_key)).status_code == 303
     for _ in range(con.MAX_SESSIONS_PER_KEY):
@@ -198,10 +197,10 @@ def test_trusted_proxies_must_be_addresses_or_networks() -> None:
 
 
 async def test_the_audit_view_pages_by_cursor(app: _App) -> None:
-    from nexa.control.registry import SYSTEM
+    from nexa.contracts.domain import SYSTEM
 
     for n in range(120):
-        await app.registry.record(SYSTEM, "test.event", f"thing/{n:03}")
+        await app.accounts.record(SYSTEM, "test.event", f"thing/{n:03}")
     client = app.app.test_client()
     assert (await _sign_in(client, app.admin_key)).status_code == 303
     first = await (await client.get("/console/audit", scope_base=_LOCAL)).get_data(as_text=True)
@@ -220,9 +219,9 @@ async def test_the_audit_view_pages_by_cursor(app: _App) -> None:
 async def test_control_characters_in_what_a_page_shows_are_escaped(app: _App) -> None:
     """Issue 30 point 8: an audit target (what a client or node chose) with a terminal escape, a bell
     and a right-to-left override reaches the page as visible escapes, never raw."""
-    from nexa.control.registry import SYSTEM
+    from nexa.contracts.domain import SYSTEM
 
-    await app.registry.record(SYSTEM, "test.event", "thing/evil\x1b]0;x\x07\u202eliam")
+    await app.accounts.record(SYSTEM, "test.event", "thing/evil\x1b]0;x\x07\u202eliam")
     client = app.app.test_client()
     assert (await _sign_in(client, app.admin_key)).status_code == 303
     page = await (await client.get("/console/audit", scope_base=_LOCAL)).get_data(as_text=True)

@@ -20,7 +20,7 @@ from nexa.contracts.gateway import Api, Capability, UsageRecord
 from nexa.control import store as st
 from nexa.control.console import charts as ch
 from nexa.control.console import sessions as se
-from nexa.control.metering import LATENCY_BOUNDS_S, Meter
+from nexa.control.datapath.metering import LATENCY_BOUNDS_S, Meter
 from nexa.telemetry import Metrics
 
 NOW = 1_700_000_000.0

@@ -19,7 +19,7 @@ from nexa.contracts import wire
 from nexa.contracts.domain import NodeState
 from nexa.contracts.node import Gpu, NodeInventory
 from nexa.control.console.fleet_charts import FLEET_CHARTS, MAX_SERIES, FleetCharts
-from nexa.control.fleet import Fleet
+from nexa.control.fleet.nodes import Fleet
 from tests.conftest import gb10_inventory, sample_runtime
 from tests.realparts import BuiltImages, S3Store
 from tests.support.cluster import new_key, sim_cluster, wait_until

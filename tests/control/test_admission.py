@@ -10,7 +10,7 @@ import trio.testing
 from nexa.config import GatewayConfig
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import Priority
-from nexa.control.admission import Admission, ModelAdmission
+from nexa.control.datapath.admission import Admission, ModelAdmission
 from nexa.errors import DeadlineExceeded, QueueFull
 from nexa.telemetry import Metrics
 

@@ -9,9 +9,9 @@ import pytest
 import trio
 
 from nexa.config import HttpConfig
-from nexa.control.api import AppState, create_app
 from nexa.control.console import CONSOLE_ROUTES
-from nexa.control.routes import ROUTE_ROLES
+from nexa.control.http.api import AppState, create_app
+from nexa.control.http.routes import ROUTE_ROLES
 from nexa.control.service import serve_control
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, local_config
@@ -37,7 +37,7 @@ async def test_health_ready_and_version_need_no_key(controller: Controller) -> N
 async def test_every_route_declares_its_roles() -> None:
     # The table is the single source: every registered rule is in it, and nothing else is.
     state = AppState(  # type: ignore[arg-type]
-        registry=None,
+        accounts=None,
         fleet=None,
         models=None,
         deployments=None,
@@ -301,7 +301,7 @@ async def test_restart_keeps_state_and_takes_a_higher_epoch(tmp_path: object, nu
 
 async def test_readyz_is_503_until_ready() -> None:
     state = AppState(  # type: ignore[arg-type]
-        registry=None,
+        accounts=None,
         fleet=None,
         models=None,
         deployments=None,

@@ -22,9 +22,9 @@ from nexa import security
 from nexa.config import StoreConfig
 from nexa.contracts import codec
 from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
-from nexa.contracts.domain import AuditDraft, AuditEvent, AuditResult, KeyId, Role
-from nexa.control import registry as reg
+from nexa.contracts.domain import Actor, AuditDraft, AuditEvent, AuditResult, KeyId, Role
 from nexa.control import store as st
+from nexa.control.access import accounts as reg
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, ControllerProcess
@@ -93,14 +93,14 @@ async def test_the_next_denied_event_carries_the_count_suppressed_before_it(
 ) -> None:
     async with st.open_store(tmp_path, store_cfg, inline=True) as store:
         metrics = Metrics()
-        registry = await reg.Registry.load(store, metrics)
-        actor = reg.Actor(key_id=KeyId("k1"), role=Role.OPERATOR)
-        other = reg.Actor(key_id=KeyId("k2"), role=Role.OPERATOR)
-        written = [await registry.record_denied(actor, "POST /x", "/x", "role operator may not") for _ in range(4)]
+        accounts = await reg.Accounts.load(store, metrics)
+        actor = Actor(key_id=KeyId("k1"), role=Role.OPERATOR)
+        other = Actor(key_id=KeyId("k2"), role=Role.OPERATOR)
+        written = [await accounts.record_denied(actor, "POST /x", "/x", "role operator may not") for _ in range(4)]
         assert [e is not None for e in written] == [True, False, False, False]
-        assert await registry.record_denied(other, "POST /x", "/x", "role operator may not") is not None
+        assert await accounts.record_denied(other, "POST /x", "/x", "role operator may not") is not None
         await trio.sleep(reg.DENIED_AUDIT_WINDOW_S)
-        later = await registry.record_denied(actor, "POST /x", "/x", "role operator may not")
+        later = await accounts.record_denied(actor, "POST /x", "/x", "role operator may not")
         assert later is not None
         assert later.result is AuditResult.DENIED
         assert "3 more denied" in later.detail

@@ -1,4 +1,4 @@
-"""Backups (`nexa.control.backup`): the sealed format, its refusals, and the online copy while writes go on."""
+"""Backups (`nexa.control.operations.backup`): the sealed format, its refusals, the online copy while writes go on."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import trio
 from nexa import security
 from nexa.config import BackupConfig
 from nexa.contracts.backup import BackupManifest
-from nexa.contracts.domain import AuditDraft, AuditResult
-from nexa.control import backup
+from nexa.contracts.domain import SYSTEM, AuditDraft, AuditResult
 from nexa.control import store as st
-from nexa.control.registry import SYSTEM, Registry
+from nexa.control.access.accounts import Accounts
+from nexa.control.operations import backup
 from nexa.control.service import KEYS_DIR, load_or_create_keys
 from nexa.control.store.recovery import RECOVERY_MARKER
 from nexa.control.store.snapshot import copy_database
@@ -242,7 +242,7 @@ async def test_the_listing_pages_past_an_unreadable_file_and_create_prunes_to_ke
             cfg=BackupConfig(keep=3),
             state_dir=state,
             store=store,
-            registry=Registry(store, metrics, [], []),
+            accounts=Accounts(store, metrics, [], []),
             metrics=metrics,
             signing_key=keys.signing,
             key=KEY,

@@ -1,4 +1,4 @@
-"""Benchmark runs (`nexa.control.benchmarks`): the verdict rule (pure), then recorded, listed,
+"""Benchmark runs (`nexa.control.operations.benchmarks`): the verdict rule (pure), then recorded, listed,
 paged and read back through the real API of a controller with a deployment on RawNodes; its
 refusals (400 changing nothing, 404), audit rows, and a run finishing the job it names."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from nexa.contracts.evidence import BenchPoint, Percentiles, ServiceObjectives
-from nexa.control.benchmarks import judge
+from nexa.control.operations.benchmarks import judge
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, make_key, ok

@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from nexa import messaging, security
-from nexa.control import keyring
+from nexa.control.fleet import keyring
 from nexa.node import identity
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import metric, node_view, ok, wait_for

@@ -22,7 +22,7 @@ import httpx
 import pytest
 import trio
 
-from nexa.control import keyring
+from nexa.control.fleet import keyring
 from nexa.node import identity
 from tests.conftest import ControllerProcess
 from tests.realparts import BuiltImages, S3Store

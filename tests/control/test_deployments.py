@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import trio
 
-from nexa.control.scheduler import FILTERS
+from nexa.control.deployments.scheduler import FILTERS
 from nexa.control.service import serve_control
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store

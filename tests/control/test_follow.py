@@ -1,6 +1,6 @@
-"""`nexa.control.follow` and the `refresh` methods it calls: two "controllers" on one SQLite file
+"""`nexa.control.cluster.follow` and the `refresh` methods it calls: two "controllers" on one SQLite file
 (the first `Store` from `open_store`, the second a second pair of apsw connections on the same
-file), each with its own registry, model registry, fleet, deployments and quotas. A write through
+file), each with its own accounts, model registry, fleet, deployments and quotas. A write through
 one shows on the other after one poll of its change feed; events that change no record re-read
 nothing; quotas split their limits among the live controllers; a follower never writes what its
 nodes report and never signs a set."""
@@ -25,19 +25,19 @@ from nexa.config import (
 )
 from nexa.contracts import wire
 from nexa.contracts.api import KeyCreate, TenantCreate
-from nexa.contracts.domain import NodeAdminState, Role, TenantId
+from nexa.contracts.domain import SYSTEM, NodeAdminState, Role, TenantId
 from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control import store as st
-from nexa.control.fleet import Fleet
-from nexa.control.follow import PARTS, quota_share, touched
-from nexa.control.forward import FORWARDED_HEADER
-from nexa.control.quotas import Quotas
-from nexa.control.registry import SYSTEM, audit_draft
+from nexa.control.access.accounts import audit_draft
+from nexa.control.cluster.follow import PARTS, quota_share, touched
+from nexa.control.cluster.forward import FORWARDED_HEADER
+from nexa.control.datapath.quotas import Quotas
+from nexa.control.fleet.nodes import Fleet
+from nexa.control.fleet.southbound import Southbound
 from nexa.control.service import KEYS_DIR
-from nexa.control.southbound import Southbound
 from nexa.errors import QuotaExceeded, Unauthenticated
 from nexa.messaging import Uplink
 from nexa.telemetry import Metrics
@@ -79,7 +79,7 @@ def heartbeat(node_id: str, seq: int) -> wire.Heartbeat:
 
 
 def test_audit_actions_name_the_state_they_change() -> None:
-    assert touched(["key.create", "tenant.create"]) == {"registry"}
+    assert touched(["key.create", "tenant.create"]) == {"accounts"}
     assert touched(["model.approve", "alias.promote", "runtime.register", "model.evaluate"]) == {"models"}
     assert touched(["deployment.scale", "deployment.canary.auto_rollback"]) == {"deployments", "fleet"}
     assert touched(["node.enroll", "node.cordon", "node.keys_rotated", "enrollment_token.create"]) == {"fleet"}
@@ -87,7 +87,7 @@ def test_audit_actions_name_the_state_they_change() -> None:
     # What one controller saw on its own channel, and events that change no cached record.
     local = ["node.reachable", "node.unreachable", "node.message.rejected", "node.rotate_keys_requested"]
     assert touched([*local, "console.sign_in", "job.create", "benchmark.record", "POST /api/v1/keys"]) == set()
-    assert set(PARTS) == {"registry", "models", "fleet", "deployments", "quotas"}
+    assert set(PARTS) == {"accounts", "models", "fleet", "deployments", "quotas"}
 
 
 def test_quota_shares_count_the_controllers_seen_lately() -> None:
@@ -104,18 +104,18 @@ def test_quota_shares_count_the_controllers_seen_lately() -> None:
 
 async def test_keys_and_tenants_follow_the_store(sides: tuple[Side, Side]) -> None:
     a, b = sides
-    secret, key = await a.registry.create_key(SYSTEM, KeyCreate(role=Role.OPERATOR, name="ci"))
-    await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+    secret, key = await a.accounts.create_key(SYSTEM, KeyCreate(role=Role.OPERATOR, name="ci"))
+    await a.accounts.create_tenant(SYSTEM, TenantCreate(id=ACME))
     with pytest.raises(Unauthenticated):
-        b.registry.authenticate(secret)  # not seen yet
-    assert await b.feed.poll() == {"registry"}
-    assert b.registry.authenticate(secret).id == key.id
-    assert b.registry.tenant_exists(ACME)
+        b.accounts.authenticate(secret)  # not seen yet
+    assert await b.feed.poll() == {"accounts"}
+    assert b.accounts.authenticate(secret).id == key.id
+    assert b.accounts.tenant_exists(ACME)
 
-    await a.registry.revoke_key(SYSTEM, key.id)
-    assert await b.feed.poll() == {"registry"}
+    await a.accounts.revoke_key(SYSTEM, key.id)
+    assert await b.feed.poll() == {"accounts"}
     with pytest.raises(Unauthenticated):
-        b.registry.authenticate(secret)  # revoked on the leader: refused here too
+        b.accounts.authenticate(secret)  # revoked on the leader: refused here too
     assert await b.feed.poll() == set()  # nothing new: nothing re-read
 
 
@@ -186,9 +186,9 @@ async def test_models_deployments_and_their_node_sets_follow_the_store(sides: tu
 
 async def test_quota_limits_and_the_days_tokens_follow_the_store(sides: tuple[Side, Side]) -> None:
     a, b = sides
-    await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+    await a.accounts.create_tenant(SYSTEM, TenantCreate(id=ACME))
     await a.quotas.set(SYSTEM, ACME, QuotaLimits(tokens_per_day=1000))
-    assert await b.feed.poll() == {"registry", "quotas"}
+    assert await b.feed.poll() == {"accounts", "quotas"}
     now = time.time()
     assert b.quotas.view(ACME, now).limits == QuotaLimits(tokens_per_day=1000)
 
@@ -210,13 +210,13 @@ async def test_quota_limits_and_the_days_tokens_follow_the_store(sides: tuple[Si
 
 async def test_quota_shares_split_per_minute_and_concurrency_limits(sides: tuple[Side, Side]) -> None:
     a, _ = sides
-    await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+    await a.accounts.create_tenant(SYSTEM, TenantCreate(id=ACME))
     now = time.time()
 
     async def admitted(limits: QuotaLimits, controllers: int, rank: int, *, finish: bool) -> int:
         """Requests one controller admits (each finished at once when `finish`) until refused."""
         await a.quotas.set(SYSTEM, ACME, limits)
-        quotas = await Quotas.load(a.store, Metrics(), a.registry.tenant_exists, now=now)
+        quotas = await Quotas.load(a.store, Metrics(), a.accounts.tenant_exists, now=now)
         quotas.share(controllers, rank)
         for count in range(100):
             try:
@@ -240,13 +240,13 @@ async def test_quota_shares_split_per_minute_and_concurrency_limits(sides: tuple
 
 async def test_refresh_all_then_the_loop_polls(tmp_path: Path, autojump_clock: trio.abc.Clock) -> None:
     async with two_sides(tmp_path) as (a, b):
-        await a.registry.create_tenant(SYSTEM, TenantCreate(id=ACME))
+        await a.accounts.create_tenant(SYSTEM, TenantCreate(id=ACME))
         async with trio.open_nursery() as nursery:
             await nursery.start(b.feed.run)  # starts with a full re-read
-            assert b.registry.tenant_exists(ACME)
-            secret, _ = await a.registry.create_key(SYSTEM, KeyCreate(role=Role.OPERATOR, name="ci"))
+            assert b.accounts.tenant_exists(ACME)
+            secret, _ = await a.accounts.create_key(SYSTEM, KeyCreate(role=Role.OPERATOR, name="ci"))
             await trio.sleep(2 * ClusterConfig().refresh_s)
-            assert b.registry.authenticate(secret) is not None
+            assert b.accounts.authenticate(secret) is not None
             nursery.cancel_scope.cancel()
 
 

@@ -1,4 +1,4 @@
-"""`nexa.control.forward`: a follower passes management writes to the leader, a fake leader app
+"""`nexa.control.cluster.forward`: a follower passes management writes to the leader, a fake leader app
 served by hypercorn on loopback, the follower's forwarder in front of a "local" app served the same
 way: what reaches the leader, what comes back, streaming both ways, and every refusal."""
 
@@ -17,7 +17,7 @@ import hypercorn.trio
 import pytest
 import trio
 
-from nexa.control.forward import FORWARDED_HEADER, Forwarder, check_peer, forwarded
+from nexa.control.cluster.forward import FORWARDED_HEADER, Forwarder, check_peer, forwarded
 from nexa.errors import PlainHttpPeer
 from nexa.telemetry import Metrics
 
@@ -397,7 +397,7 @@ async def test_a_write_is_not_sent_in_clear_to_a_leader_on_another_host(
     refusing_url, allowed_url = await nursery.start(_serve, refusing), await nursery.start(_serve, allowed)
 
     async with httpx.AsyncClient(timeout=10, trust_env=False) as client:
-        with caplog.at_level(logging.ERROR, logger="nexa.control.forward"):
+        with caplog.at_level(logging.ERROR, logger="nexa.control.cluster.forward"):
             for _ in range(2):
                 answer = await client.post(f"{refusing_url}/api/v1/tenants", json={"id": "acme"})
                 assert answer.status_code == 503

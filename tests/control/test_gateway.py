@@ -25,12 +25,12 @@ from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, Capability, usage_bounds
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
-from nexa.control.admission import Admission
-from nexa.control.calls import Work
-from nexa.control.gateway import Gateway
-from nexa.control.metering import MAX_TOKEN_COUNT, Meter
-from nexa.control.relay import Relay
-from nexa.control.routing import Router
+from nexa.control.datapath.admission import Admission
+from nexa.control.datapath.calls import Work
+from nexa.control.datapath.gateway import Gateway
+from nexa.control.datapath.metering import MAX_TOKEN_COUNT, Meter
+from nexa.control.datapath.relay import Relay
+from nexa.control.datapath.routing import Router
 from nexa.errors import NotFound, RuntimeFailed
 from nexa.telemetry import Metrics
 
@@ -451,7 +451,7 @@ async def test_the_relay_is_keyed_by_ids_the_controller_makes_not_the_clients(ri
 def test_the_prefix_affinity_key_holds_the_tenant() -> None:
     """Issue 30 point 14: one prompt from two tenants gives two affinity keys, so one tenant's requests
     are never steered to the replica holding another's prompt in its prefix cache."""
-    from nexa.control.gateway import _prefix
+    from nexa.control.datapath.gateway import _prefix
 
     cfg = GatewayConfig(prefix_affinity=True)
     mine = work(messages=MESSAGES)

@@ -28,12 +28,12 @@ from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, Capability, Priority, QuotaLimits, UsageRecord
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
-from nexa.control.admission import Admission
-from nexa.control.calls import Progress, Work
-from nexa.control.gateway import Gateway
-from nexa.control.metering import Meter
-from nexa.control.quotas import Quotas
-from nexa.control.routing import Router
+from nexa.control.datapath.admission import Admission
+from nexa.control.datapath.calls import Progress, Work
+from nexa.control.datapath.gateway import Gateway
+from nexa.control.datapath.metering import Meter
+from nexa.control.datapath.quotas import Quotas
+from nexa.control.datapath.routing import Router
 from nexa.errors import (
     ChannelError,
     ModelNotServed,

@@ -20,8 +20,8 @@ from nexa.contracts.domain import NodeState
 from nexa.contracts.models import ImagePlatform, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import PlacementNode, PlacementRequest
-from nexa.control.outbound import Outbound
-from nexa.control.scheduler import image_platform_warnings, place
+from nexa.control.deployments.scheduler import image_platform_warnings, place
+from nexa.control.registry.outbound import Outbound
 from nexa.errors import DigestUnknown, ManifestInvalid
 from nexa.oci import (
     DOCKER_LIST,

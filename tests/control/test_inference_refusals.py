@@ -200,7 +200,7 @@ def _with(raw_field: bytes) -> bytes:
 async def test_a_bug_behind_an_inference_route_answers_in_the_error_shape_and_quotes_nothing(
     ctl: Controller, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from nexa.control.gateway import Gateway
+    from nexa.control.datapath.gateway import Gateway
 
     def broken(*_args: object, **_kwargs: object) -> NoReturn:
         raise ValueError("canary-7f3a quoted from the request")

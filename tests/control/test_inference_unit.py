@@ -23,9 +23,9 @@ from nexa.contracts.domain import ApiKey, KeyId, Role, TenantId
 from nexa.contracts.gateway import API_VERSION, UNRESOLVED_MODEL, CallOutcome, Capability
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
-from nexa.control.calls import Progress, Work
-from nexa.control.inference import Disconnects, InferenceApp
-from nexa.control.workloads import Workloads
+from nexa.control.datapath.calls import Progress, Work
+from nexa.control.datapath.inference import Disconnects, InferenceApp
+from nexa.control.datapath.workloads import Workloads
 from nexa.errors import NexaError, QuotaExceeded, RuntimeFailed, Unauthenticated
 from nexa.security import generate_signing_key, verify_receipt
 from nexa.telemetry import Metrics
@@ -229,7 +229,7 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
             cfg=GatewayConfig(),
             gateway=gateway,  # type: ignore[arg-type]
             workloads=workloads,
-            registry=Keys(),  # type: ignore[arg-type]
+            accounts=Keys(),  # type: ignore[arg-type]
             metrics=Metrics(),
             max_body_bytes=1 << 20,
         )

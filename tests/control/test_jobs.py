@@ -1,4 +1,4 @@
-"""Jobs (`nexa.control.jobs`) through the real API: client jobs created, updated, refused once
+"""Jobs (`nexa.control.operations.jobs`) through the real API: client jobs created, updated, refused once
 finished, listed with filters and pages; a backup recorded as a `backup` job; a canary rollout as
 a `rollout` job that finishes. The staleness rule runs on a store with a clock the test moves."""
 
@@ -12,10 +12,10 @@ import trio
 
 from nexa import security
 from nexa.config import BackupConfig, StoreConfig
+from nexa.contracts.domain import SYSTEM
 from nexa.contracts.evidence import JobCreate, JobKind, JobState, JobUpdate
 from nexa.control import store as st
-from nexa.control.jobs import STALE_AFTER_S, Jobs
-from nexa.control.registry import SYSTEM
+from nexa.control.operations.jobs import STALE_AFTER_S, Jobs
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, local_config, start_controller
 from tests.realparts import BuiltImages, S3Store

@@ -1,4 +1,4 @@
-"""The controller's key files across rotations (`control.keyring`): retired keys are kept, each
+"""The controller's key files across rotations (`control.fleet.keyring`): retired keys are kept, each
 with its id, and a rotation a crash cut short is finished at the next start."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import trio
 import trio.testing
 
 from nexa import security
-from nexa.control import keyring
-from nexa.control.registry import SYSTEM
+from nexa.contracts.domain import SYSTEM
+from nexa.control.fleet import keyring
 
 
 def test_a_rotation_retires_the_current_key_and_keeps_it(tmp_path: Path) -> None:
@@ -104,7 +104,7 @@ async def test_a_rotation_waits_for_a_backup_under_way(tmp_path: Path) -> None:
         tmp_path,
         keys,
         overlap_s=60.0,
-        registry=_NoAudit(),
+        accounts=_NoAudit(),
         announce=announce,
         lock=lock,  # type: ignore[arg-type]
     )

@@ -25,7 +25,7 @@ from nexa.contracts import codec
 from nexa.contracts.kvcache import CONTEXT_STEP, largest_context
 from nexa.contracts.models import ModelDetail
 from nexa.contracts.placement import PlacementDecision
-from nexa.control.outbound import Outbound
+from nexa.control.registry.outbound import Outbound
 from nexa.errors import ArtifactMissing
 from nexa.tinymodel import TINY_LLAMA, split_tiny_gguf
 from tests.conftest import Controller

@@ -18,7 +18,7 @@ from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import UsageRecord as Rec
 from nexa.contracts.gateway import UsageReport, UsageRow
 from nexa.control import store as st
-from nexa.control.metering import CSV_HEADER, FIRST_PRUNE_S, MAX_TOKEN_COUNT, Meter
+from nexa.control.datapath.metering import CSV_HEADER, FIRST_PRUNE_S, MAX_TOKEN_COUNT, Meter
 from nexa.errors import StoreError
 from nexa.telemetry import Metrics
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401

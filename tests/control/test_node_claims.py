@@ -23,11 +23,12 @@ import trio
 from nexa import framing, security
 from nexa.config import ChannelConfig
 from nexa.contracts.bounds import MAX_EPOCH, MAX_SEQ
+from nexa.contracts.domain import SYSTEM
 from nexa.contracts.wire import AssignmentSet, Hello
-from nexa.control import claims
 from nexa.control import store as st
-from nexa.control.keyring import SIGNING_FILE
-from nexa.control.registry import SYSTEM, audit_draft
+from nexa.control.access.accounts import audit_draft
+from nexa.control.fleet import claims
+from nexa.control.fleet.keyring import SIGNING_FILE
 from nexa.control.service import KEYS_DIR, serve_control
 from nexa.control.store.sql import Db, txn
 from nexa.errors import EpochExhausted

@@ -18,7 +18,7 @@ import trio
 from nexa.cli.nodes import render_node
 from nexa.contracts import codec, wire
 from nexa.contracts.api import NodeView
-from nexa.control.grants import data_classes, granted_data_classes, labels
+from nexa.control.fleet.grants import data_classes, granted_data_classes, labels
 from tests.conftest import Controller, gb10_inventory
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import TIMEOUT_S, make_key, node_view, ok, wait_for

@@ -14,7 +14,7 @@ import pytest
 
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.contracts.models import ModelArtifact
-from nexa.control.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound, parse_challenge
+from nexa.control.registry.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound, parse_challenge
 from nexa.errors import ArtifactSizeMismatch, ContractError, DigestUnknown, RegistryAnswerRefused, Unavailable
 from nexa.oci import MANIFEST_MEDIA_TYPES, OCI_MANIFEST, RegistryAuths, RegistryCredentials, parse_image_reference
 from tests.support.oci import config_blob, index_of, manifest_for, sha

@@ -11,15 +11,15 @@ import trio
 
 from nexa.config import GatewayConfig
 from nexa.contracts import codec, wire
-from nexa.control import relay as control_relay
-from nexa.control.calls import (
+from nexa.control.datapath import relay as control_relay
+from nexa.control.datapath.calls import (
     MAX_NODE_OVERHEAD_MS,
     Progress,
     node_overhead_ms,
     overhead_ms,
     take_node_overhead,
 )
-from nexa.control.metering import REFUSED_TIMING, Meter
+from nexa.control.datapath.metering import REFUSED_TIMING, Meter
 from nexa.errors import NotConnected
 from nexa.node.relay import overhead_ms as node_side_overhead_ms
 from nexa.telemetry import Metrics

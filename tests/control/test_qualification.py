@@ -17,7 +17,7 @@ from nexa.contracts import codec
 from nexa.contracts.models import ModelRef
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.qualification import Qualification, QualificationStep, SignedQualification, StepOutcome
-from nexa.control.scheduler import place
+from nexa.control.deployments.scheduler import place
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, ok
 from tests.support.cluster import sim_cluster

@@ -10,12 +10,12 @@ import pytest
 
 from nexa.config import GatewayConfig, StoreConfig
 from nexa.contracts.api import TenantCreate
-from nexa.contracts.domain import KeyId, Role, TenantId
+from nexa.contracts.domain import Actor, KeyId, Role, TenantId
 from nexa.contracts.gateway import Api, Capability, QuotaLimits, UsageRecord
 from nexa.control import store as st
-from nexa.control.metering import Meter
-from nexa.control.quotas import Quotas
-from nexa.control.registry import Actor, Registry
+from nexa.control.access.accounts import Accounts
+from nexa.control.datapath.metering import Meter
+from nexa.control.datapath.quotas import Quotas
 from nexa.errors import ContractError, NotFound, QuotaExceeded
 from nexa.telemetry import Metrics
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
@@ -30,9 +30,9 @@ T0 = 1_700_000_000.0
 @pytest.fixture
 async def store(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[st.Store]:
     async with st.open_store(tmp_path / "state", store_cfg) as opened:
-        registry = await Registry.load(opened, Metrics())
+        accounts = await Accounts.load(opened, Metrics())
         for tenant in (ACME, OTHER):
-            await registry.create_tenant(ADMIN, TenantCreate(id=tenant))
+            await accounts.create_tenant(ADMIN, TenantCreate(id=tenant))
         yield opened
 
 
@@ -149,8 +149,8 @@ async def test_refusal_counts_nothing_and_is_metered(store: st.Store) -> None:
 async def test_counters_are_rebuilt_from_flushed_usage_after_a_restart(tmp_path: Path, store_cfg: StoreConfig) -> None:
     state = tmp_path / "state"
     async with st.open_store(state, store_cfg) as store:
-        registry = await Registry.load(store, Metrics())
-        await registry.create_tenant(ADMIN, TenantCreate(id=ACME))
+        accounts = await Accounts.load(store, Metrics())
+        await accounts.create_tenant(ADMIN, TenantCreate(id=ACME))
         quotas = await Quotas.load(store, Metrics(), exists, now=T0)
         await quotas.set(ADMIN, ACME, QuotaLimits(requests_per_minute=3, tokens_per_day=10_000))
         meter = Meter(GatewayConfig(), store, Metrics())

@@ -10,13 +10,13 @@ import pytest
 
 from nexa.config import StoreConfig
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
-from nexa.contracts.domain import Node, NodeAdminState, NodeId
+from nexa.contracts.domain import SYSTEM, Node, NodeAdminState, NodeId
 from nexa.contracts.models import ModelRef
 from nexa.contracts.wire import Assignment, AssignmentStatus, DesiredAssignments, RuntimeState
 from nexa.control import store as st
-from nexa.control.fleet import NodeLive
-from nexa.control.recovery import plan, refused_while_recovering
-from nexa.control.registry import SYSTEM, audit_draft
+from nexa.control.access.accounts import audit_draft
+from nexa.control.fleet.nodes import NodeLive
+from nexa.control.operations.recovery import plan, refused_while_recovering
 from nexa.security import ReplayWindow
 from tests.conftest import sample_runtime
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401

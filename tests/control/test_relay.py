@@ -19,11 +19,11 @@ from nexa import messaging, security
 from nexa.config import Bytes, ChannelConfig, NodesConfig, RelayConfig, Seconds
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
-from nexa.control import relay as control_relay
+from nexa.contracts.domain import SYSTEM
 from nexa.control import store as st
-from nexa.control.fleet import Fleet
-from nexa.control.registry import SYSTEM
-from nexa.control.southbound import Southbound
+from nexa.control.datapath import relay as control_relay
+from nexa.control.fleet.nodes import Fleet
+from nexa.control.fleet.southbound import Southbound
 from nexa.errors import Conflict, NotConnected
 from nexa.messaging import Uplink
 from nexa.telemetry import Metrics

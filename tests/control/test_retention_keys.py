@@ -1,4 +1,4 @@
-"""Retention's keys and sealed objects (`control.retention`): the `[retention] key_file` format and
+"""Retention's keys and sealed objects (`control.datapath.retention`): the `[retention] key_file` format and
 its refusals, each tenant's data key wrapped by it, and payloads sealed to their object key."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from nexa import config
 from nexa.config import ControlConfig
-from nexa.control.retention import (
+from nexa.control.datapath.retention import (
     MAGIC,
     load_retention_key,
     open_payload,

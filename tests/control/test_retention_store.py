@@ -1,4 +1,4 @@
-"""`control.retention.Retention` on both stores (`store_cfg`: SQLite, then a real PostgreSQL) and the
+"""`control.datapath.retention.Retention` on both stores (`store_cfg`: SQLite, then a real PostgreSQL) and the
 run's real SeaweedFS: a capture kept is sealed into the bucket and recorded, read back (audited),
 and purged at its TTL; the bound on waiting writes refuses before anything runs."""
 
@@ -13,11 +13,10 @@ import pytest
 import trio
 
 from nexa.config import RetentionConfig, StoreConfig
-from nexa.contracts.domain import KeyId, Role, TenantId
+from nexa.contracts.domain import Actor, KeyId, Role, TenantId
 from nexa.contracts.retention import RetentionPolicySet
 from nexa.control import store as st
-from nexa.control.registry import Actor
-from nexa.control.retention import MAGIC, Retention
+from nexa.control.datapath.retention import MAGIC, Retention
 from nexa.errors import Overloaded, RetentionNotPermitted, RetentionUnavailable
 from nexa.s3 import S3Client
 from nexa.telemetry import Metrics

@@ -30,7 +30,7 @@ from nexa.contracts.models import ModelRef
 from nexa.control import service
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.records import stamped
-from nexa.control.rollout import RolloutWatcher, WindowSource, breach
+from nexa.control.deployments.rollout import RolloutWatcher, WindowSource, breach
 from tests.conftest import Controller, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import TIMEOUT_S, assert_envelope, ok, wait_for

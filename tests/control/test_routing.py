@@ -14,7 +14,7 @@ from nexa.config import GatewayConfig
 from nexa.contracts.deployments import RoutingWeights, ServingReplica, ServingSet, routing_problems
 from nexa.contracts.models import ModelRef
 from nexa.contracts.wire import RuntimeLoad
-from nexa.control.routing import Router, for_data_class
+from nexa.control.datapath.routing import Router, for_data_class
 
 STABLE = ModelRef(model="llama", version="1")
 CANARY = ModelRef(model="llama", version="2")

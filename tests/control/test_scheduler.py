@@ -23,7 +23,7 @@ from nexa.contracts import codec
 from nexa.contracts.domain import NodeState
 from nexa.contracts.node import DEFAULT_RUNTIMES, LabelKey, RuntimeKind, Taint, TaintEffect
 from nexa.contracts.placement import PlacementDecision, PlacementPolicy, PlacementRequest
-from nexa.control.scheduler import FILTERS, forecast, place
+from nexa.control.deployments.scheduler import FILTERS, forecast, place
 from tests.support.scheduler import GIB, LICENSE, SPARKS, by_id, explanation, failures, lab, vllm, where
 
 # --- the fixtures read as their hardware -------------------------------------------------------
@@ -377,7 +377,7 @@ _DECIDE = """
 from nexa.contracts import codec
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import PlacementPolicy
-from nexa.control.scheduler import place
+from nexa.control.deployments.scheduler import place
 from tests.support.scheduler import GIB, lab, vllm
 
 for policy in PlacementPolicy:

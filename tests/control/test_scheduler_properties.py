@@ -19,7 +19,7 @@ from nexa.contracts import codec
 from nexa.contracts.domain import NodeState
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, RuntimeKind, Taint, TaintEffect
 from nexa.contracts.placement import PlacementDecision, PlacementNode, PlacementPolicy, PlacementRequest
-from nexa.control.scheduler import FILTERS, place
+from nexa.control.deployments.scheduler import FILTERS, place
 
 GIB = 1024**3
 SHAS = ("a" * 64, "b" * 64, "c" * 64)

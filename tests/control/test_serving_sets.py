@@ -17,14 +17,15 @@ import pytest
 from nexa import messaging, security
 from nexa.config import NodesConfig, PlacementConfig, StoreConfig
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
+from nexa.contracts.domain import SYSTEM
 from nexa.contracts.models import ModelRef
 from nexa.contracts.wire import AssignmentStatus, DesiredAssignments, Heartbeat, Hello, RuntimeState
 from nexa.control import store as st
+from nexa.control.access.accounts import audit_draft
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry
 from nexa.control.deployments.views import ServingSets, serving
-from nexa.control.fleet import Fleet
-from nexa.control.registry import SYSTEM, audit_draft
+from nexa.control.fleet.nodes import Fleet
 from nexa.telemetry import Metrics
 from tests.conftest import gb10_inventory
 from tests.support.deployments import placed_deployment

@@ -25,20 +25,21 @@ import trio.testing
 
 from nexa import messaging, security
 from nexa.config import ClusterConfig, GatewayConfig, Seconds, StoreConfig
+from nexa.contracts.domain import SYSTEM
 from nexa.contracts.evidence import JobKind, JobState
 from nexa.contracts.gateway import WorkloadState
 from nexa.contracts.wire import RotateKeys
-from nexa.control import keyring
 from nexa.control import store as st
-from nexa.control.follow import LIVE_LEASES, Orphans, gone, other_live_controllers
-from nexa.control.forward import FORWARDED_HEADER, Forwarder
-from nexa.control.jobs import Jobs
-from nexa.control.leadership import Leadership
-from nexa.control.metering import FIRST_PRUNE_S, PRUNE_INTERVAL_S, Meter
-from nexa.control.recovery import refuse_forced
-from nexa.control.registry import SYSTEM, Registry
+from nexa.control.access.accounts import Accounts
+from nexa.control.cluster.follow import LIVE_LEASES, Orphans, gone, other_live_controllers
+from nexa.control.cluster.forward import FORWARDED_HEADER, Forwarder
+from nexa.control.cluster.leadership import Leadership
+from nexa.control.datapath.metering import FIRST_PRUNE_S, PRUNE_INTERVAL_S, Meter
+from nexa.control.datapath.workloads import LOST, RESTARTED, Workloads
+from nexa.control.fleet import keyring
+from nexa.control.operations.jobs import Jobs
+from nexa.control.operations.recovery import refuse_forced
 from nexa.control.service import KEYS_DIR, serve_control
-from nexa.control.workloads import LOST, RESTARTED, Workloads
 from nexa.errors import ConfigError, Conflict, ControllersRunning
 from nexa.security import SigningKey, generate_signing_key, verify_receipt
 from nexa.telemetry import Metrics
@@ -177,21 +178,21 @@ async def test_a_starting_controller_fails_only_its_own_interrupted_backups(pair
 async def test_two_controllers_starting_at_once_on_an_empty_store_create_one_admin_key(
     pair: tuple[st.Store, st.Store],
 ) -> None:
-    registries = [await Registry.load(store, Metrics()) for store in pair]
+    accounts_pair = [await Accounts.load(store, Metrics()) for store in pair]
     secrets: list[str | None] = []
 
-    async def ensure(registry: Registry) -> None:
-        secrets.append(await registry.ensure_admin_key(None))
+    async def ensure(accounts: Accounts) -> None:
+        secrets.append(await accounts.ensure_admin_key(None))
 
     async with trio.open_nursery() as nursery:
-        for registry in registries:
-            nursery.start_soon(ensure, registry)
+        for accounts in accounts_pair:
+            nursery.start_soon(ensure, accounts)
     [secret] = [s for s in secrets if s is not None]
     assert len(secrets) == 2
     [key] = await pair[0].run(st.load_keys)
     assert [e.action for e in await pair[0].run(st.list_audit, st.AuditQuery())] == ["key.create"]
-    for registry in registries:  # both know it (the one that lost read it back)
-        assert registry.authenticate(secret).id == key.id
+    for accounts in accounts_pair:  # both know it (the one that lost read it back)
+        assert accounts.authenticate(secret).id == key.id
 
 
 # ---- 3. no controller key rotation while others run ----------------------------------------------------------------
@@ -204,7 +205,7 @@ async def test_a_controller_key_rotation_is_refused_while_other_controllers_run(
     keys_dir = tmp_path / "keys"
     keys = keyring.load_or_create_keys(keys_dir)
     before = {p.name: p.read_bytes() for p in keys_dir.iterdir()}
-    registry = await Registry.load(store, Metrics())
+    accounts = await Accounts.load(store, Metrics())
     announced: list[int] = []
 
     async def announce(_keys: keyring.ControllerKeys, _old: security.SigningKey, _until: float) -> int:
@@ -215,7 +216,7 @@ async def test_a_controller_key_rotation_is_refused_while_other_controllers_run(
         keys_dir,
         keys,
         overlap_s=60.0,
-        registry=registry,
+        accounts=accounts,
         announce=announce,
         others=lambda: other_live_controllers(store, "a", LEASE_S),
         others_gone_after_s=LIVE_LEASES * LEASE_S,

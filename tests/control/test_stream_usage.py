@@ -14,9 +14,9 @@ import pytest
 import trio
 
 from nexa.config import GatewayConfig
-from nexa.control import answers
-from nexa.control.calls import Answer, Progress, Work, prompt_estimate
-from nexa.control.metering import Meter
+from nexa.control.datapath import answers
+from nexa.control.datapath.calls import Answer, Progress, Work, prompt_estimate
+from nexa.control.datapath.metering import Meter
 from nexa.telemetry import Metrics
 from tests.support.relay import TIMEOUT_S, chat_work, data_path, infer_head, request
 

@@ -25,7 +25,7 @@ import trio
 
 from nexa import cli
 from nexa.config import ControlConfig, HttpConfig, TlsVersion
-from nexa.control.forward import FORWARDED_HEADER
+from nexa.control.cluster.forward import FORWARDED_HEADER
 from nexa.control.service import KEYS_DIR
 from nexa.errors import CertificateNotTrusted, ConfigError
 from nexa.node import identity

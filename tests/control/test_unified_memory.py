@@ -52,9 +52,9 @@ from nexa.control.deployments import (
     snapshot_from,
     unified_pool_bytes,
 )
-from nexa.control.fleet import NodeLive
-from nexa.control.http import status_for
-from nexa.control.scheduler import place
+from nexa.control.deployments.scheduler import place
+from nexa.control.fleet.nodes import NodeLive
+from nexa.control.http.common import status_for
 from nexa.errors import ConfigError, MemoryOverReservation
 from nexa.security import ReplayWindow
 from tests.conftest import Controller, gb10_inventory

@@ -23,7 +23,7 @@ import trio
 
 from nexa import config
 from nexa.config import ClusterConfig, ControlConfig, HostPort, HttpConfig, Seconds, StoreConfig
-from nexa.control.forward import FORWARDED_HEADER
+from nexa.control.cluster.forward import FORWARDED_HEADER
 from nexa.control.service import hypercorn_config, shared_listener
 from nexa.errors import ConfigError
 from tests.conftest import free_port, local_config, start_controller

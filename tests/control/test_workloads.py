@@ -24,7 +24,7 @@ from nexa.contracts.gateway import (
 )
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
-from nexa.control.workloads import RESTARTED, ActiveWorkload, Workloads
+from nexa.control.datapath.workloads import RESTARTED, ActiveWorkload, Workloads
 from nexa.errors import (
     BadSignature,
     Cancelled,

@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from nexa.config import RetentionConfig, Seconds
-from nexa.control.retention import MAGIC
+from nexa.control.datapath.retention import MAGIC
 from nexa.errors import ConfigError
 from nexa.telemetry import JsonFormatter
 from tests.conftest import start_controller

@@ -26,10 +26,10 @@ import pytest
 import trio
 
 from nexa import config
+from nexa.control.datapath.metering import Meter
 from nexa.control.deployments import Deployments
-from nexa.control.fleet import Fleet
-from nexa.control.metering import Meter
-from nexa.control.rollout import RolloutWatcher
+from nexa.control.deployments.rollout import RolloutWatcher
+from nexa.control.fleet.nodes import Fleet
 from nexa.messaging import Link, Uplink
 from nexa.node import agent as agent_module
 from nexa.node import identity, inventory

@@ -22,7 +22,7 @@ from nexa import __version__, security
 from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollResponse
-from nexa.control import claims
+from nexa.control.fleet import claims
 from nexa.errors import ConfigError
 from nexa.node import agent as agent_module
 from nexa.node import identity

@@ -1,7 +1,7 @@
 """The node's inference relay against a real HTTP runtime on 127.0.0.1, over a real Link/Uplink pair.
 
 The "runtime" is a small OpenAI-shaped ASGI app served by hypercorn in this test's trio run: it is
-the far end, not the thing under test. The controller side is the real `nexa.control.relay.Relay`.
+the far end, not the thing under test. The controller side is the real `nexa.control.datapath.relay.Relay`.
 Every I/O test runs under an absolute `trio.fail_after`. The harness is tests/support/relay.py (the
 controller relay tests, tests/control/test_relay.py, use it too).
 """

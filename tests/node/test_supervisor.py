@@ -22,7 +22,8 @@ from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, LABEL_GENERATION, LABEL_SPEC, RuntimeSpec
 from nexa.errors import RuntimeCacheNoRoom
-from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Backoff, Supervisor
+from nexa.node.replicas import Backoff
+from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Supervisor
 from nexa.supervision import Supervision
 from tests.support.supervisor import (
     CFG,
@@ -433,7 +434,7 @@ async def test_podman_going_away_is_reported_and_the_running_runtime_kept(
     await wait_for(sup, S.READY)
     podman.calls.clear()
     podman.unavailable = True
-    await wait_for(sup, S.FAILED, "podman_unavailable")
+    await wait_for(sup, S.FAILED, "engine_unavailable")
     await trio.sleep(20)
     podman.unavailable = False
     await wait_for(sup, S.READY)

@@ -1,6 +1,6 @@
-"""Two "controllers" on one store for the tests of `nexa.control.follow`: the leader over the state
+"""Two "controllers" on one store for the tests of `nexa.control.cluster.follow`: the leader over the state
 dir's store and a follower over a second pair of apsw connections on the same SQLite file, each with
-its own registry, model registry, fleet, deployments, quotas and change feed; and the config of one
+its own accounts, model registry, fleet, deployments, quotas and change feed; and the config of one
 real controller of a cluster on PostgreSQL."""
 
 from __future__ import annotations
@@ -28,15 +28,17 @@ from nexa.config import (
     StoreConfig,
 )
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
+from nexa.contracts.domain import SYSTEM
 from nexa.control import store as st
+from nexa.control.access.accounts import Accounts
+from nexa.control.cluster.follow import ChangeFeed
+from nexa.control.cluster.leadership import Leadership
+from nexa.control.datapath.quotas import Quotas
 from nexa.control.deployments import Deployments
-from nexa.control.fleet import Fleet
-from nexa.control.follow import ChangeFeed
-from nexa.control.leadership import Leadership
-from nexa.control.models import ModelRegistry
-from nexa.control.outbound import Outbound
-from nexa.control.quotas import Quotas
-from nexa.control.registry import SYSTEM, Registry
+from nexa.control.fleet.nodes import Fleet
+from nexa.control.registry.models import ModelRegistry
+from nexa.control.registry.outbound import Outbound
+from nexa.control.store.sqlite import LiteDb
 from nexa.telemetry import Metrics
 from tests.conftest import free_port, local_config
 
@@ -56,7 +58,7 @@ class Side:
 
     store: st.Store
     leadership: Leadership
-    registry: Registry
+    accounts: Accounts
     models: ModelRegistry
     fleet: Fleet
     deployments: Deployments
@@ -67,7 +69,7 @@ class Side:
 async def side(store: st.Store, name: str, leadership: Leadership) -> Side:
     """Load one controller's views over `store`, as `serve_control` does."""
     metrics = Metrics()
-    registry = await Registry.load(store, metrics)
+    accounts = await Accounts.load(store, metrics)
     outbound = Outbound(OciConfig(), ArtifactStoreConfig(), registry_credentials=None, s3_credentials=None)
     models = await ModelRegistry.load(ModelsConfig(), store, metrics, outbound)
     fleet = Fleet(NodesConfig(), store, metrics, leadership=leadership)
@@ -82,19 +84,19 @@ async def side(store: st.Store, name: str, leadership: Leadership) -> Side:
         leadership=leadership,
     )
     await deployments.load()
-    quotas = await Quotas.load(store, metrics, registry.tenant_exists)
+    quotas = await Quotas.load(store, metrics, accounts.tenant_exists)
     feed = ChangeFeed(
         store,
         ClusterConfig(),
         controller_id=name,
-        registry=registry,
+        accounts=accounts,
         models=models,
         fleet=fleet,
         deployments=deployments,
         quotas=quotas,
     )
     await feed.refresh_all()
-    return Side(store, leadership, registry, models, fleet, deployments, quotas, feed)
+    return Side(store, leadership, accounts, models, fleet, deployments, quotas, feed)
 
 
 @asynccontextmanager
@@ -105,7 +107,7 @@ async def two_sides(tmp_path: Path) -> AsyncIterator[tuple[Side, Side]]:
         db = apsw.Connection(str(tmp_path / st.DB_FILE))
         reader = apsw.Connection(str(tmp_path / st.DB_FILE), flags=apsw.SQLITE_OPEN_READONLY)
         try:
-            second = st.Store(db, epoch=0, inline=True, reader=reader)
+            second = st.Store(LiteDb(db), epoch=0, inline=True, reader=LiteDb(reader))
             follower = Leadership.leased(second, ClusterConfig(), controller_id="b", address="http://b.test:8470")
             yield await side(first, "a", Leadership.solo(first)), await side(second, "b", follower)
         finally:

@@ -1,4 +1,4 @@
-"""Canonical workloads as the gateway begins and finishes them, for the tests of `nexa.control.workloads`."""
+"""Canonical workloads as the gateway begins and finishes them, for the tests of `nexa.control.datapath.workloads`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import attrs
 
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import API_VERSION, Capability, Receipt, WorkloadCreate, WorkloadState
-from nexa.control.workloads import ActiveWorkload, Workloads, new_receipt_id
+from nexa.control.datapath.workloads import ActiveWorkload, Workloads, new_receipt_id
 
 ACME: Final = TenantId("acme")
 KEY: Final = KeyId("k1")

@@ -16,7 +16,7 @@ from typing import Final
 import attrs
 import trio
 
-from nexa.control.metering import Meter
+from nexa.control.datapath.metering import Meter
 
 #: Samples kept for the request charts: one a second, ten minutes.
 SAMPLES_KEPT: Final = 600

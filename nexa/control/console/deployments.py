@@ -12,7 +12,7 @@ from nexa.contracts.domain import NodeState
 from nexa.contracts.wire import RuntimeState
 from nexa.control.console.pages import Console, Context, Refused, View, done, int_field
 from nexa.control.console.sessions import Session
-from nexa.control.rollout import breach as rollout_breach
+from nexa.control.deployments.rollout import breach as rollout_breach
 
 _ACTIONS = frozenset({"scale", "delete"})
 

@@ -19,7 +19,7 @@ import trio
 from nexa.contracts.domain import NodeState
 from nexa.contracts.node import Gpu
 from nexa.control.console.charts import SAMPLES_KEPT, sample_each_second
-from nexa.control.fleet import Fleet, NodeLive
+from nexa.control.fleet.nodes import Fleet, NodeLive
 
 #: The charts, in the order the pages show them, and the unit of their figures.
 FLEET_CHARTS: Final = {

@@ -19,8 +19,8 @@ def register(bp: Blueprint, console: Console) -> None:
 
     async def context(session: Session, now: float) -> Context:
         return {
-            "keys": state.registry.api_keys(),
-            "tenants": state.registry.tenants(),
+            "keys": state.accounts.api_keys(),
+            "tenants": state.accounts.tenants(),
             "quotas": {q.tenant: q for q in state.quotas.all(now).quotas},
             "roles": list(Role),
         }
@@ -39,7 +39,7 @@ def register(bp: Blueprint, console: Console) -> None:
             raise ContractError("role: unknown", problems=("role: unknown",)) from None
         tenant = (form.get("tenant") or "").strip() or None
         req = KeyCreate(role=role, name=(form.get("name") or "").strip(), tenant=TenantId(tenant) if tenant else None)
-        secret, key = await state.registry.create_key(session.actor, req)
+        secret, key = await state.accounts.create_key(session.actor, req)
         return await console.show("keys", created=(secret, key))
 
     @bp.get("/console/keys/<key_id>/revoke")
@@ -47,7 +47,7 @@ def register(bp: Blueprint, console: Console) -> None:
     async def key_revoke_confirm(key_id: str) -> Any:
         session = console.signed_in()
         await console.require(session, "key_revoke", f"key/{key_id}")
-        key = next((k for k in state.registry.api_keys() if k.id == key_id), None)
+        key = next((k for k in state.accounts.api_keys() if k.id == key_id), None)
         if key is None:
             raise Refused(404, f"no key {key_id}")
         named = f", {key.name}" if key.name else ""
@@ -60,7 +60,7 @@ def register(bp: Blueprint, console: Console) -> None:
     @console.handler
     async def key_revoke(key_id: str) -> Any:
         session = await console.confirmed("key_revoke", "key", key_id)
-        await state.registry.revoke_key(session.actor, KeyId(key_id))
+        await state.accounts.revoke_key(session.actor, KeyId(key_id))
         return await done(session, f"Key {key_id} revoked.", "/console/keys")
 
     @bp.post("/console/quotas/<tenant>")

@@ -12,7 +12,7 @@ from nexa.contracts.models import AliasPromote, LicenseRecord, ModelState
 from nexa.contracts.qualification import Qualification
 from nexa.control.console.pages import Console, Context, View, done
 from nexa.control.console.sessions import Session
-from nexa.control.models import ALLOWED_FROM
+from nexa.control.registry.models import ALLOWED_FROM
 
 #: Licences expiring within this many seconds are flagged.
 LICENSE_WARN_S: Final = 30 * 86400.0

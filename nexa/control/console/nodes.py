@@ -10,7 +10,7 @@ from quart import Blueprint, request
 from nexa.control.console.fleet_charts import FleetCharts
 from nexa.control.console.pages import Console, Context, Refused, View, done
 from nexa.control.console.sessions import Session
-from nexa.control.fleet import NodeLive
+from nexa.control.fleet.nodes import NodeLive
 
 #: The node actions and what each does, as the confirmation page says it.
 NODE_ACTIONS: Final = {

@@ -13,7 +13,7 @@ from nexa.control import store as st
 from nexa.control.console.charts import RequestCharts
 from nexa.control.console.pages import Console, Context, View
 from nexa.control.console.sessions import Session
-from nexa.control.rollout import breach as rollout_breach
+from nexa.control.deployments.rollout import breach as rollout_breach
 
 #: Recent audit events the overview lists.
 RECENT_EVENTS: Final = 10

@@ -20,8 +20,7 @@ from werkzeug.sansio.response import Response as BaseResponse
 
 from nexa.contracts.domain import KeyId, Role
 from nexa.control import store as st
-from nexa.control.admission import Admission
-from nexa.control.benchmarks import Benchmarks
+from nexa.control.access.accounts import Accounts
 from nexa.control.console.sessions import (
     COOKIE,
     LoginForms,
@@ -31,16 +30,17 @@ from nexa.control.console.sessions import (
     reached_over_https,
     trusted_networks,
 )
+from nexa.control.datapath.admission import Admission
+from nexa.control.datapath.metering import Meter
+from nexa.control.datapath.quotas import Quotas
 from nexa.control.deployments import Deployments
-from nexa.control.fleet import Fleet
-from nexa.control.http import status_for
-from nexa.control.jobs import Jobs
-from nexa.control.metering import Meter
-from nexa.control.models import ModelRegistry
-from nexa.control.qualification import Qualifications
-from nexa.control.quotas import Quotas
-from nexa.control.recovery import Recovery
-from nexa.control.registry import Registry
+from nexa.control.fleet.nodes import Fleet
+from nexa.control.http.common import status_for
+from nexa.control.operations.benchmarks import Benchmarks
+from nexa.control.operations.jobs import Jobs
+from nexa.control.operations.qualification import Qualifications
+from nexa.control.operations.recovery import Recovery
+from nexa.control.registry.models import ModelRegistry
 from nexa.errors import ContractError, NexaError
 from nexa.telemetry import Metrics
 
@@ -58,7 +58,7 @@ Context = dict[str, Any]
 class ConsoleState(Protocol):
     """What the console reads from the app state (`api.AppState` satisfies it)."""
 
-    registry: Registry
+    accounts: Accounts
     fleet: Fleet
     models: ModelRegistry
     deployments: Deployments
@@ -69,11 +69,11 @@ class ConsoleState(Protocol):
     admission: Admission
     #: The controller's recovery; None: it never recovers (tests). The overview says when it is active.
     recovery: Recovery | None
-    #: Benchmark runs and jobs (`control.benchmarks`, `control.jobs`); None: none are kept (tests).
+    #: Benchmark runs and jobs (`control.operations.benchmarks`, `.jobs`); None: none are kept (tests).
     benchmarks: Benchmarks | None
     jobs: Jobs | None
     ready: bool
-    #: Runtime qualifications (`control.qualification`), shown beside the runtimes; None: none (tests).
+    #: Runtime qualifications (`control.operations.qualification`), shown beside the runtimes; None: none (tests).
     qualifications: Qualifications | None
 
 
@@ -186,7 +186,7 @@ class Console:
         return ConsoleStatistics(sessions=len(self.sessions), live_streams=self._streams)
 
     def _key_active(self, key_id: KeyId) -> bool:
-        key = next((k for k in self.state.registry.api_keys() if k.id == key_id), None)
+        key = next((k for k in self.state.accounts.api_keys() if k.id == key_id), None)
         return key is not None and key.usable(time.time())  # revoked or expired: the session ends
 
     # ---- the session of this request -----------------------------------------------------------
@@ -237,8 +237,8 @@ class Console:
         )
 
     async def audit(self, session: Session, action: str) -> None:
-        """A console event of the signed-in key (sign-in, sign-out), through the registry."""
-        await self.state.registry.record(session.actor, action, f"key/{session.key_id}", detail="console")
+        """A console event of the signed-in key (sign-in, sign-out), through the accounts."""
+        await self.state.accounts.record(session.actor, action, f"key/{session.key_id}", detail="console")
 
     # ---- roles ---------------------------------------------------------------------------------
 
@@ -257,7 +257,7 @@ class Console:
         route = ACTIONS[action]
         if not self.may(session, route):
             if route[0] != "GET":
-                await self.state.registry.record_denied(
+                await self.state.accounts.record_denied(
                     session.actor, f"{route[0]} {route[1]}", target, f"role {session.role} may not call this route"
                 )
             raise Refused(403, f"role {session.role} may not do this")

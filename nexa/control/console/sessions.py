@@ -24,8 +24,7 @@ from typing import Final
 
 import attrs
 
-from nexa.contracts.domain import KeyId, Role, TenantId
-from nexa.control.registry import Actor
+from nexa.contracts.domain import Actor, KeyId, Role, TenantId
 
 #: The session cookie: a random id, nothing else.
 COOKIE: Final = "nexa_console"
@@ -74,7 +73,7 @@ def csrf_ok(session: Session, presented: str) -> bool:
 
 
 class Sessions:
-    """The signed-in sessions, by id. `key_active` says whether a key still works (the registry's)."""
+    """The signed-in sessions, by id. `key_active` says whether a key still works (the accounts')."""
 
     def __init__(self, key_active: Callable[[KeyId], bool]) -> None:
         self._key_active = key_active

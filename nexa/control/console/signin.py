@@ -57,7 +57,7 @@ def _sign_in_routes(bp: Blueprint, console: Console) -> None:
         found = console.lookup()
         old_sid = found[0] if found is not None else None
         try:
-            key = state.registry.authenticate((form.get("api_key") or "").strip())
+            key = state.accounts.authenticate((form.get("api_key") or "").strip())
         except KeyExpired as exc:
             state.metrics.auth_failures.labels(exc.code).inc()
             return await login_form(error=exc.message, status=401)

@@ -19,13 +19,13 @@ from collections.abc import Callable
 import attrs
 
 from nexa.contracts.deployments import Canary, CanaryCreate, DeploymentView, RolloutResult, canary_problems
+from nexa.contracts.domain import Actor
 from nexa.contracts.models import AliasPromote
 from nexa.control.deployments.checks import deployable_model, explain, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, follow, new_replica
+from nexa.control.deployments.scheduler import place
 from nexa.control.deployments.views import view
-from nexa.control.registry import Actor
-from nexa.control.scheduler import place
 from nexa.errors import Conflict, ContractError, NoCanary, NothingToRollBack, Unplaceable
 
 

@@ -10,8 +10,8 @@ from nexa import adapters
 from nexa.contracts.deployments import Deployment, DeploymentCreate, deployment_problems
 from nexa.contracts.models import ModelRecord, ModelRef, ModelState, RuntimeRecord
 from nexa.contracts.placement import MemoryShare, PlacementDecision
-from nexa.control.models import ModelRegistry
-from nexa.control.scheduler import limit_detail
+from nexa.control.deployments.scheduler import limit_detail
+from nexa.control.registry.models import ModelRegistry
 from nexa.errors import (
     ContractError,
     DeployLicenseInvalid,

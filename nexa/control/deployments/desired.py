@@ -19,11 +19,13 @@ import trio
 
 from nexa.config import PlacementConfig
 from nexa.contracts.deployments import Deployment, DeploymentCreate, DeploymentMemory, Replica, ReplicaMeasured
-from nexa.contracts.domain import NodeState
+from nexa.contracts.domain import Actor, NodeState
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementNode, PlacementRequest
 from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
 from nexa.control import store as st
+from nexa.control.access.accounts import audit_draft
+from nexa.control.cluster.leadership import Leadership
 from nexa.control.deployments.assignment import (
     assignment_for,
     declared_bytes,
@@ -34,11 +36,9 @@ from nexa.control.deployments.assignment import (
 from nexa.control.deployments.measured import MeasuredMemory
 from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
 from nexa.control.deployments.snapshot import snapshot_from, unified_pool_bytes
-from nexa.control.fleet import Fleet, NodeLive
-from nexa.control.leadership import Leadership
-from nexa.control.models import ModelRegistry
-from nexa.control.registry import Actor, audit_draft
-from nexa.control.southbound import Southbound
+from nexa.control.fleet.nodes import Fleet, NodeLive
+from nexa.control.fleet.southbound import Southbound
+from nexa.control.registry.models import ModelRegistry
 from nexa.errors import NotFound, Recovering
 from nexa.telemetry import Metrics
 
@@ -80,13 +80,13 @@ class Desired:
         #: One up whenever `entries` changes (the gateway's serving sets are cached against it).
         self.version = 0
         self.lock = trio.Lock()  # every change to deployments and node sets goes through it
-        #: Told of each change once it is committed (the rollout jobs, `control.jobs`); they must not raise.
+        #: Told of each change once it is committed (the rollout jobs, `control.operations.jobs`); they must not raise.
         self.observers: list[CommitObserver] = []
         #: What replicas of each (runtime, model, settings) were measured to hold.
         self.measured = MeasuredMemory(store)
         fleet.on_measured(self._measured)
         #: The (arch, GPU model) pairs a runtime's image passed a qualification on
-        #: (`control.qualification`); read only with `[placement] require_qualified`.
+        #: (`control.operations.qualification`); read only with `[placement] require_qualified`.
         self.qualified: Callable[[RuntimeRecord], frozenset[tuple[str, str]]] | None = None
 
     async def load(self) -> None:
@@ -297,7 +297,7 @@ class Desired:
         detail: str,
     ) -> DesiredAssignments:
         """Give one node the set `change(its assignments)`, outside any deployment (a runtime
-        qualification's replica, `control.qualification`): one generation up, audited, pushed.
+        qualification's replica, `control.operations.qualification`): one generation up, audited, pushed.
         Takes `lock`; a deployment's commit keeps assignments that are not its own."""
         async with self.lock:
             self._refuse_while_recovering()

@@ -26,24 +26,24 @@ from nexa.contracts.deployments import (
     ServingSet,
     routing_problems,
 )
+from nexa.contracts.domain import Actor
 from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
-from nexa.control import grants
 from nexa.control import store as st
+from nexa.control.cluster.leadership import Leadership
+from nexa.control.datapath.routing import Router
 from nexa.control.deployments import views
 from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
 from nexa.control.deployments.reconciler import Reconciler
 from nexa.control.deployments.records import Entry, bump, model_of, new_replica
-from nexa.control.fleet import Fleet
-from nexa.control.leadership import Leadership
-from nexa.control.models import ModelRegistry
-from nexa.control.registry import Actor
-from nexa.control.routing import Router
-from nexa.control.scheduler import place
-from nexa.control.southbound import Southbound
+from nexa.control.deployments.scheduler import place
+from nexa.control.fleet import grants
+from nexa.control.fleet.nodes import Fleet
+from nexa.control.fleet.southbound import Southbound
+from nexa.control.registry.models import ModelRegistry
 from nexa.errors import AlreadyExists, ContractError, NotFound, Unplaceable
 from nexa.telemetry import Metrics
 
@@ -117,7 +117,7 @@ class Deployments:
 
     @property
     def recovering(self) -> bool:
-        """Whether the controller recovers (`control.recovery`): every change is refused meanwhile."""
+        """Whether the controller recovers (`control.operations.recovery`): every change is refused meanwhile."""
         return self._desired.recovering
 
     # ---- queries -----------------------------------------------------------------------------------
@@ -154,7 +154,7 @@ class Deployments:
 
     def node_data_classes(self, node_id: str) -> tuple[str, ...]:
         """The data classes a node may process: those of its inventory.json the admin granted
-        (`control.grants`); none for a node that has not reported an inventory. In memory, for the
+        (`control.fleet.grants`); none for a node that has not reported an inventory. In memory, for the
         gateway's routing."""
         try:
             live = self._fleet.get(node_id)
@@ -246,7 +246,7 @@ class Deployments:
 
     @property
     def desired(self) -> Desired:
-        """The deployments' desired state: what a runtime qualification (`control.qualification`)
+        """The deployments' desired state: what a runtime qualification (`control.operations.qualification`)
         places through, writes its replica's node set with (`Desired.change_node_set`), and tells
         placement which pairs are qualified (`Desired.qualified`)."""
         return self._desired

@@ -42,15 +42,14 @@ import trio
 
 from nexa.config import NodesConfig
 from nexa.contracts.deployments import Deployment, Replica
-from nexa.contracts.domain import NodeState
+from nexa.contracts.domain import SYSTEM, NodeState
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
 from nexa.control.deployments.checks import deployable_model, explain, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, canary_placed, follow, model_of, new_replica
-from nexa.control.fleet import NodeLive
-from nexa.control.registry import SYSTEM
-from nexa.control.scheduler import place
+from nexa.control.deployments.scheduler import place
+from nexa.control.fleet.nodes import NodeLive
 from nexa.errors import NotDeployable, NotFound
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from nexa.contracts.node import LabelKey, LabelValue
 from nexa.contracts.placement import PlacementNode
 from nexa.contracts.qualification import gpu_model
 from nexa.contracts.wire import Assignment
-from nexa.control import grants
-from nexa.control.fleet import NodeLive
+from nexa.control.fleet import grants
+from nexa.control.fleet.nodes import NodeLive
 
 
 def snapshot_from(
@@ -27,7 +27,7 @@ def snapshot_from(
     starts, and a running one is not counted twice). Assignments whose id is in `without` are
     left out, as if already stopped (a rollout step frees one replica and places another).
 
-    - labels and data classes: the admin's grant, narrowed by the inventory (`control.grants`);
+    - labels and data classes: the admin's grant, narrowed by the inventory (`control.fleet.grants`);
       state, taints, runtimes, arch: as the node's inventory reports them. A node that never reported one has no
       runtimes and no resources, so every request fails on it, with the reason shown.
     - discrete GPUs: `free_gpus` are the CDI names no assignment holds; their memory is the

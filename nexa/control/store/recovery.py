@@ -13,7 +13,7 @@ from nexa.errors import EpochExhausted
 #: The `meta` key `nexa restore` writes into a restored database (its value says what was restored):
 #: a controller that opens a store holding it starts in recovery. `end_recovery` deletes it.
 #: The meta key `nexa restore` sets in a restored database: the backup's manifest, as JSON. A
-#: controller that finds it starts in reconciliation-only mode (nexa.control.recovery).
+#: controller that finds it starts in reconciliation-only mode (nexa.control.operations.recovery).
 RECOVERY_MARKER: Final = "recovery_from_backup"
 
 

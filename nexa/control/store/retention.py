@@ -1,7 +1,7 @@
 """Payload retention: the policies, each tenant's wrapped data key and the records of what is kept.
 
 Never a payload: a retained request and its answer live sealed in the S3-compatible store
-(`control.retention`); these rows say whose they are, under which policy and until when.
+(`control.datapath.retention`); these rows say whose they are, under which policy and until when.
 """
 
 from __future__ import annotations

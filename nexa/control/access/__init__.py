@@ -1,0 +1,1 @@
+"""The access plane: who may call the controller. API keys, their roles and tenants (`accounts`)."""
