@@ -37,6 +37,7 @@ import trio
 
 from nexa import __version__
 from nexa.config import LeaseExpiryPolicy, NodeConfig
+from nexa.container_spec import SIMULATION_ENV
 from nexa.contracts import wire
 from nexa.contracts.node import ENGINE_FIELD_MAX
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, EngineError
@@ -74,8 +75,7 @@ from nexa.node.uplinks import (
     open_channel,
 )
 from nexa.oci import registry_credentials as registry_credentials_source
-from nexa.runtimes import SIMULATION_ENV
-from nexa.s3 import s3_credentials as s3_credentials_source
+from nexa.s3.credentials import s3_credentials as s3_credentials_source
 from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from typing import Final, NoReturn
 
 import trio
 
-from nexa import entrypoints, runtimes
+from nexa import container_spec
+from nexa.adapters import entrypoints
 from nexa.config import SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import (
@@ -144,7 +145,7 @@ class Supervisor:
         previous = self._desired
         desired: dict[str, Desired] = {}
         for a in assignments:
-            sha = runtimes.spec_sha256(a.runtime)
+            sha = container_spec.spec_sha256(a.runtime)
             old = previous.get(a.id)
             # An unchanged assignment keeps the generation its container was created at.
             desired[a.id] = old if old is not None and old.spec_sha256 == sha else Desired(a, generation, sha)
@@ -280,7 +281,7 @@ class Supervisor:
         if not self._desired_known:
             return  # before the first update(), every container would look like an orphan
         try:
-            actual = await self._podman.list({runtimes.LABEL_NODE: self._node_id})
+            actual = await self._podman.list({container_spec.LABEL_NODE: self._node_id})
         except EngineError as exc:
             if not self._list_failed:
                 log.warning(
@@ -340,7 +341,7 @@ class Supervisor:
 
     async def _lifecycle(self, w: Worker) -> NoReturn:
         try:
-            runtimes.check_env(w.runtime.env)
+            container_spec.check_env(w.runtime.env)
         except ContractError as exc:
             # The spec is signed and cannot change without a replacement: never retried.
             self._set(w, State.FAILED, reason="secret_in_env", detail=exc.message)
@@ -418,7 +419,7 @@ class Supervisor:
         runtime = w.runtime
         if not w.image_ready:
             # A simulated runtime is a local process: it has no image to pull.
-            if not runtimes.is_simulated(runtime) and not await self._podman.image_exists(runtime.image):
+            if not container_spec.is_simulated(runtime) and not await self._podman.image_exists(runtime.image):
                 self._set(w, State.PULLING)
                 await self._podman.pull(runtime.image)
                 self._pulls += 1
@@ -466,7 +467,7 @@ class Supervisor:
                 w.container_id, state = found.id, found
             else:
                 d = w.desired
-                spec = runtimes.container_spec(
+                spec = container_spec.container_spec(
                     self._node_id,
                     d.assignment,
                     d.generation,
@@ -531,7 +532,7 @@ class Supervisor:
 
     async def _find_container(self, w: Worker) -> ContainerState | None:
         """This assignment's container with the current spec, if any; stale ones are removed."""
-        labels = {runtimes.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
+        labels = {container_spec.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
         found: ContainerState | None = None
         for state in await self._podman.list(labels):
             if found is None and state.labels.get(LABEL_SPEC) == w.desired.spec_sha256:
@@ -594,11 +595,11 @@ class Supervisor:
 
     def _check_identity(self, w: Worker, state: ContainerState) -> None:
         image = w.runtime.image
-        if not runtimes.image_matches(state, image):
+        if not container_spec.image_matches(state, image):
             raise Mismatch(
                 "digest_mismatch",
                 f"container runs {state.image_name} ({state.image_digest or 'digest unknown'}), "
-                f"assigned {runtimes.image_digest(image)}",
+                f"assigned {container_spec.image_digest(image)}",
             )
         if state.labels.get(LABEL_ASSIGNMENT) != w.id or state.labels.get(LABEL_SPEC) != w.desired.spec_sha256:
             raise Mismatch("label_mismatch", "container labels do not name this assignment and spec")
@@ -635,7 +636,7 @@ class Supervisor:
                 if w.container_id is not None:
                     ids = [w.container_id]
                 else:
-                    labels = {runtimes.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
+                    labels = {container_spec.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
                     mine = await self._podman.list(labels)
                     ids = [s.id for s in mine if s.labels.get(LABEL_SPEC) == w.desired.spec_sha256]
                 for container_id in ids:

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 import trio
 
-from nexa import runtimes
+from nexa import container_spec
 from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import ArtifactRef, ContainerSpec, ContainerState, HealthProbe, RuntimeSpec
@@ -135,7 +135,7 @@ class FakePodman:
         return self._state(c)
 
     def _state(self, c: FakeContainer) -> ContainerState:
-        name, digest = self.reported_image or (c.spec.image, runtimes.image_digest(c.spec.image))
+        name, digest = self.reported_image or (c.spec.image, container_spec.image_digest(c.spec.image))
         return ContainerState(
             id=c.id,
             name=c.spec.name,
