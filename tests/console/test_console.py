@@ -46,6 +46,7 @@ async def test_vendor_libraries_are_bundled_and_served(controller: Controller) -
         assert (await http.get("/console/static/../api.py")).status_code == 404
 
 
+@pytest.mark.slow
 async def test_the_request_charts_have_history_before_any_page_was_open(controller: Controller) -> None:
     """The controller samples for the charts from its start, not only while a console page is open."""
     await trio.sleep(3.5)

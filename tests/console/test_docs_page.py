@@ -9,6 +9,7 @@ import re
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from nexa import docs
@@ -97,6 +98,7 @@ def _browse(controller: Controller) -> list[str]:
         return requested
 
 
+@pytest.mark.slow  # about 4.5 s: a Chromium start
 async def test_reading_the_docs_in_chromium_stays_on_the_controller(controller: Controller) -> None:
     requested: Any = await trio.to_thread.run_sync(_browse, controller)
     assert requested, "the browser made no request"
