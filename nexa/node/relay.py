@@ -57,7 +57,7 @@ CANCELLED: Final[Code] = "cancelled"
 
 
 class DataUplink(Protocol):
-    """What the relay needs of the channel to the controller (`nexa.messaging.Uplink`)."""
+    """What the relay needs of the channel to the controller (`nexa.channel.links.Uplink`)."""
 
     async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
 

@@ -34,11 +34,12 @@ from typing import Final, NoReturn
 import attrs
 import trio
 
+from nexa.channel.endpoints import Dial, NodeChannel, UplinkFactory
+from nexa.channel.links import CurveKeyPair, Unverified, Uplink
+from nexa.channel.pump import PumpStatistics
 from nexa.config import NodeConfig
 from nexa.contracts import wire
 from nexa.errors import ChannelClosed, ConfigError, ContractError
-from nexa.messaging import CurveKeyPair, PumpStatistics, Unverified, Uplink
-from nexa.node.channel import Dial, NodeChannel, UplinkFactory
 from nexa.node.identity import ChannelTarget, NodeIdentity, load_channel_targets, save_channel_targets
 from nexa.security import PublicKey, SigningKey
 from nexa.supervision import supervised

@@ -13,9 +13,9 @@ import attrs
 import trio
 import trio.testing
 
+from nexa.channel.endpoints import DRAIN_GRACE_S, DRAIN_MAX_S, Dial, NodeChannel
+from nexa.channel.links import generate_curve_keypair
 from nexa.contracts import wire
-from nexa.messaging import generate_curve_keypair
-from nexa.node.channel import DRAIN_GRACE_S, DRAIN_MAX_S, Dial, NodeChannel
 from nexa.security import generate_signing_key
 
 

@@ -24,14 +24,16 @@ import pytest
 import trio
 import trio.testing
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
+from nexa.channel.endpoints import Dial
+from nexa.channel.links import Unverified, generate_curve_keypair
+from nexa.channel.pump import PumpStatistics
 from nexa.config import NodeConfig, Seconds, SupervisorConfig, structure_config
 from nexa.contracts import codec, wire
 from nexa.errors import ChannelClosed, ConfigError
-from nexa.messaging import PumpStatistics, Unverified, generate_curve_keypair
 from nexa.node import identity
 from nexa.node.agent import serve_node
-from nexa.node.channel import Dial
 from nexa.node.uplinks import ControllerChannels
 from nexa.security import generate_signing_key
 from tests.conftest import free_port, gb10_inventory
@@ -64,9 +66,9 @@ class Tap:
         with contextlib.suppress(ChannelClosed):
             while True:
                 got = await link.receive_any()
-                if isinstance(got, messaging.DataInbound):
+                if isinstance(got, links.DataInbound):
                     self.data.append(got.frame)
-                elif isinstance(got, messaging.Inbound):
+                elif isinstance(got, links.Inbound):
                     self.signed.append(got.message)
                 self.changed.set()
                 self.changed = trio.Event()
@@ -249,7 +251,7 @@ async def test_a_controller_key_rotation_moves_each_channel_where_its_controller
     nursery: trio.Nursery, pair: tuple[FakeController, FakeController], cfg: NodeConfig, state_dir: Path
 ) -> None:
     a0, b0 = pair
-    old, new, new_curve = a0.key, security.generate_signing_key(), messaging.generate_curve_keypair()
+    old, new, new_curve = a0.key, security.generate_signing_key(), links.generate_curve_keypair()
     cfg = attrs.evolve(cfg, controllers=(a0.endpoint, b0.endpoint))
     with trio.fail_after(TIMEOUT_S):
         # Each controller serves the shared new Curve key on its rotation endpoint.

@@ -52,7 +52,7 @@ def _chunk_overhead(head: bytes) -> float | None:
 
 
 class DataLink(Protocol):
-    """What the relay needs of the node channel (`nexa.messaging.Link`)."""
+    """What the relay needs of the node channel (`nexa.channel.links.Link`)."""
 
     async def send_data(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
 
@@ -322,7 +322,7 @@ class Relay:
             stream._node_busy = False  # the node is done with it, whatever it said
             self._end(stream, end)
             return refused
-        self._dropped += 1  # messaging admits only DATA_FROM_NODE kinds
+        self._dropped += 1  # the link admits only DATA_FROM_NODE kinds
         return MALFORMED
 
     def _protocol_error(self, stream: RelayStream) -> None:

@@ -1,6 +1,12 @@
-"""The node's channel to its controller across a key rotation: make before break.
+"""Curve-key endpoints and their rotation, make before break, on both ends of the channel.
 
-`NodeChannel` is what the agent and the relay send and receive through: one `Uplink`, until
+The controller's side (`ServedEndpoints`): one `Link` serves two endpoints (`[channel] listen`
+and `rotation_listen`). One serves the current Curve key; a rotation serves its next key on the
+other before any node is told of it, and at the switch the old key's endpoint is bound again to
+refuse (and report) whoever still dials it. Which key that is, and when, is the keyring's and
+`Southbound`'s decision; here is only how.
+
+The node's side: `NodeChannel` is what the agent and the relay send and receive through: one `Uplink`, until
 `rekey` opens a second one with the node's new keys beside it (or `redial`, with the controller's
 new Curve key at its new endpoint, after a controller key rotation) (sharing its inbox, so one reader still
 sees every message in order per connection). From then on every signed message (signed with the
@@ -21,10 +27,11 @@ from typing import Final, NoReturn
 import attrs
 import trio
 
+from nexa.channel.framing import decode_frames
+from nexa.channel.links import CurveKeyPair, Link, Unverified, Uplink
+from nexa.channel.pump import PumpStatistics
 from nexa.contracts import wire
-from nexa.errors import BadSignature, ChannelClosed, NexaError
-from nexa.framing import decode_frames
-from nexa.messaging import CurveKeyPair, PumpStatistics, Unverified, Uplink
+from nexa.errors import BadSignature, ChannelClosed, ChannelError, NexaError, RotationEndpointInUse
 from nexa.security import PublicKey, SigningKey
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,75 @@ DRAIN_MAX_S: Final = 600.0
 #: How long the old connection stays open once it has nothing left to do: frames the controller
 #: sent on it just before it moved its route to the new one are still read.
 DRAIN_GRACE_S: Final = 1.0
+
+
+# --- the controller's two endpoints ------------------------------------------------------------
+
+
+class ServedEndpoints:
+    """The controller's two channel endpoints on one `Link`: which serves the current Curve key
+    (`slot`), and what each is bound as. `endpoint(slot)` is `(bind, advertise)` as configured
+    (`ChannelConfig.endpoint`; "" advertise: what was bound)."""
+
+    def __init__(self, link: Link, endpoint: Callable[[int], tuple[str, str]], *, slot: int = 0) -> None:
+        self._link = link
+        self._endpoint = endpoint
+        #: The endpoint that serves the current Curve key; the other serves a rotation's next key
+        #: or refuses the one the last switch retired.
+        self.slot = slot
+        self._bound: dict[int, str] = {}
+
+    def started(self, bound: str) -> None:
+        """The link runs and serves the current Curve key as `bound` (what `Link.run` reported)."""
+        self._bound[self.slot] = bound
+
+    def bound(self, slot: int) -> bool:
+        return slot in self._bound
+
+    def advertised(self, slot: int) -> str:
+        """What nodes are told to dial for endpoint `slot` (bound already)."""
+        return self._endpoint(slot)[1] or self._bound[slot]
+
+    async def serve_other(self, curve: CurveKeyPair, *, admit: bool) -> None:
+        """Serve `curve` on the other endpoint (at a start, mid-rotation) unless it serves one already.
+        `admit=False`: a retired key, refused to every node that dials it (`Link.rebind`)."""
+        other = 1 - self.slot
+        if other not in self._bound:
+            self._bound[other] = await self._link.rebind(self._endpoint(other)[0], curve, admit=admit)
+
+    async def switch(self, slot: int, retired: CurveKeyPair | None) -> None:
+        """Endpoint `slot` serves the current Curve key from now on; the other one (closed, with its
+        connections) serves `retired` to refuse whoever dials it."""
+        old = self._bound.get(slot ^ 1)
+        self.slot = slot
+        if old is not None and retired is not None:
+            self._bound[slot ^ 1] = await self._link.rebind(old, retired, admit=False)
+
+    async def serve_next(self, curve: CurveKeyPair) -> None:
+        """Serve a rotation's new Curve key on the other endpoint. An endpoint that cannot be bound
+        raises RotationEndpointInUse (nothing else changed)."""
+        slot = self.slot ^ 1
+        try:
+            self._bound[slot] = await self._serve_next(slot, curve)
+        except ChannelClosed:
+            raise
+        except ChannelError as exc:
+            reason = exc.message.rpartition(": ")[2].partition(" (addr=")[0] or "refused"
+            raise RotationEndpointInUse(endpoint=self._endpoint(slot)[0], reason=reason) from exc
+
+    async def _serve_next(self, slot: int, curve: CurveKeyPair) -> str:
+        """A configured port is bound again once its old listener is closed; an ephemeral one (`*` or
+        0) gets a fresh port before the old one closes, so nothing else on the host can take the port
+        in between."""
+        configured, bound = self._endpoint(slot)[0], self._bound.get(slot)
+        if bound is None or not configured.endswith((":*", ":0")):
+            return await self._link.rebind(bound or configured, curve)
+        fresh = self._link.bind(configured, curve)
+        self._link.unbind(bound)
+        return fresh
+
+
+# --- the node's channel -------------------------------------------------------------------------
 
 
 @attrs.frozen(kw_only=True)
