@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, NoReturn
+from typing import Final, NoReturn, Protocol
 
 import attrs
 import trio
@@ -112,6 +112,21 @@ class ServedEndpoints:
 # --- the node's channel -------------------------------------------------------------------------
 
 
+class DataSender(Protocol):
+    """What answers a data-path request: the channel its `infer` came on."""
+
+    async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class Routed:
+    """A data frame, and the channel that answers its request (a node with several controllers
+    answers each request on the channel it came on; the node relay keeps it with the request)."""
+
+    frame: wire.DataFrame
+    reply: DataSender
+
+
 @attrs.frozen(kw_only=True)
 class Dial:
     """What one connection is made with: the node's keys, the controller's Curve key and endpoint."""
@@ -124,6 +139,8 @@ class Dial:
 
 #: Makes an Uplink for a `Dial`; the second argument is the uplink whose inbox it shares.
 UplinkFactory = Callable[[Dial, Uplink | None], Uplink]
+#: The requests open now whose answers go on the channel given (the node relay's `open_requests`).
+OpenRequests = Callable[["DataSender"], Iterable[str]]
 
 
 class NodeChannel:
@@ -178,25 +195,23 @@ class NodeChannel:
                 await nursery.start(uplink.run)
                 task_status.started(scope)
 
-    async def rekey(
-        self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: Callable[[], Iterable[str]]
-    ) -> None:
+    async def rekey(self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: OpenRequests) -> None:
         """Dial with the new keys beside the current connection, then make the new one current.
 
         The caller holds its send lock, so no message signed with the old key follows this onto
-        the new connection. The requests `open_requests()` names once the new connection runs
+        the new connection. The requests `open_requests(self)` names once the new connection runs
         finish on the old one.
         """
         dial = attrs.evolve(self.dial, curve=curve, signing_key=signing_key)
         await self._switch(dial, open_requests, "the node's previous keys")
 
-    async def redial(self, server_curve_public: str, endpoint: str, open_requests: Callable[[], Iterable[str]]) -> None:
+    async def redial(self, server_curve_public: str, endpoint: str, open_requests: OpenRequests) -> None:
         """The controller serves a new Curve key at `endpoint` (its key rotation): dial it with the
         node's own keys beside the current connection, then make it current, as `rekey` does."""
         dial = attrs.evolve(self.dial, server_curve_public=server_curve_public, endpoint=endpoint)
         await self._switch(dial, open_requests, "the controller's previous Curve key")
 
-    async def _switch(self, dial: Dial, open_requests: Callable[[], Iterable[str]], old: str) -> None:
+    async def _switch(self, dial: Dial, open_requests: OpenRequests, old: str) -> None:
         nursery = self._nursery
         if nursery is None:
             raise ChannelClosed("the controller channel is not running")
@@ -208,7 +223,7 @@ class NodeChannel:
         self._current, self._current_scope = new, new_scope
         # Read now, with no wait since `_old` was set: a request that ended while the new connection
         # started sent its end already, and would otherwise hold the old channel open to DRAIN_MAX_S.
-        self._old_requests = set(open_requests())
+        self._old_requests = set(open_requests(self))
         self._moved = False
         self._old_idle = trio.Event()
         self.rekeyed += 1
@@ -259,15 +274,16 @@ class NodeChannel:
     def send_data_nowait(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
         self._data_uplink(kind, request_id).send_data_nowait(kind, request_id, head, body)
 
-    async def receive_unverified(self) -> wire.DataFrame | Unverified:
-        """The next message on either connection (they share one inbox)."""
+    async def receive_unverified(self) -> Routed | Unverified:
+        """The next message on either connection (they share one inbox); a data frame comes `Routed`
+        back on this channel."""
         got = await self._current.receive_unverified()
         if self._old is not None:
             self._old.wake()  # there is room in the shared inbox for the old pump too
             if not self._moved and self._current.statistics().received:
                 self._moved = True
                 self._check_idle()
-        return got
+        return Routed(frame=got, reply=self) if isinstance(got, wire.DataFrame) else got
 
     def verify(self, pending: Unverified) -> wire.ControllerMessage:
         """Check a signed message against the controller keys in force now; BadSignature (counted

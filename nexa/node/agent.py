@@ -28,7 +28,7 @@ import logging
 import os
 import time
 import types
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Final, NoReturn, Protocol
@@ -37,6 +37,7 @@ import attrs
 import trio
 
 from nexa import __version__
+from nexa.channel.endpoints import DataSender, OpenRequests, Routed
 from nexa.channel.links import Unverified
 from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.contracts import wire
@@ -211,12 +212,12 @@ class Agent:
         runtimes: Runtimes,
         heartbeat_interval_s: float,
         on_lease_expiry: LeaseExpiryPolicy,
-        data: Callable[[wire.DataFrame], None] | None = None,
+        data: Callable[[wire.DataFrame, DataSender], None] | None = None,
         container_engine: str = "",
         container_engine_version: str = "",
         gpu_method: str = "",
         pending_keys: PendingKeys | None = None,
-        open_requests: Callable[[], Iterable[str]] = tuple,
+        open_requests: OpenRequests = lambda _: (),
         cache_disk: Callable[[], wire.CacheDisk | None] = lambda: None,
         runtime_cache: Callable[[], wire.RuntimeCacheDisk | None] = lambda: None,
         memory_pressure: Callable[[], tuple[wire.MemoryPressure | None, int]] = lambda: (None, 0),
@@ -395,11 +396,12 @@ class Agent:
             except ContractError:
                 self._invalid_messages += 1
                 continue
-            if isinstance(got, wire.DataFrame):
+            if isinstance(got, Routed):
                 # Inference traffic: authenticated by the channel, never judged as desired state.
+                # The relay keeps the channel it came on with the request (its one routing table).
                 self._data_frames += 1
                 if self._deliver_data is not None:
-                    self._deliver_data(got)
+                    self._deliver_data(got.frame, got.reply)
                 continue
             try:
                 self._control_tx.send_nowait(got)
@@ -678,7 +680,8 @@ async def _serve_node(
         runtimes = runtimes_of(cfg, identity, watcher, DriverRouter(engine, processes), artifacts, state_dir=state_dir)
         # Resume what the fence on disk says: running containers that still match are adopted.
         runtimes.meter.update(fence.generation, fence.assignments)
-        relay = NodeRelay(cfg.relay, uplink, runtimes.supervisor.endpoint, host=cfg.runtime_host)
+        # Each data frame is delivered with the channel it came on (`_agent`'s `data`).
+        relay = NodeRelay(cfg.relay, None, runtimes.supervisor.endpoint, host=cfg.runtime_host)
         version = await engine_version(engine)
         agent = _agent(
             cfg,

@@ -88,7 +88,7 @@ async def test_a_request_that_ends_while_the_new_connection_starts_does_not_hold
         rotation_done = trio.Event()
 
         async def rotate() -> None:
-            await channel.rekey(generate_curve_keypair(), generate_signing_key(), lambda: sorted(running))
+            await channel.rekey(generate_curve_keypair(), generate_signing_key(), lambda _: sorted(running))
             rotation_done.set()
 
         nursery.start_soon(rotate)
