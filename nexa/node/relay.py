@@ -28,6 +28,7 @@ import attrs
 import trio
 
 from nexa.channel.endpoints import DataSender
+from nexa.channel.flow import SendWindow
 from nexa.config import RelayConfig
 from nexa.contracts import codec, wire
 from nexa.contracts.bounds import MAX_TOKENS
@@ -95,12 +96,9 @@ class _Request:
     body: bytes
     #: The channel the request's `infer` came on: its chunks and its end go back there.
     reply: DataSender
+    #: Chunks it may send ahead of the controller's credit.
+    flow: SendWindow
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    #: Chunks it may have sent in all: the window plus every credit since.
-    allowed: int = 0
-    sent: int = 0
-    credited: trio.Event = attrs.field(factory=trio.Event)
-    waiting: bool = False
     #: The runtime answered (status line received).
     responded: bool = False
     http_status: int | None = None
@@ -200,9 +198,7 @@ class NodeRelay:
             except ContractError:
                 self._dropped += 1
                 return
-            if credit.chunks > 0:
-                req.allowed += credit.chunks
-                req.credited.set()
+            req.flow.credit(credit.chunks)
         else:
             self._dropped += 1
 
@@ -222,10 +218,8 @@ class NodeRelay:
             busy=self._busy,
             chunks_sent=self._chunks_sent,
             bytes_sent=self._bytes_sent,
-            waiting_for_credit=sum(1 for r in reqs if r.waiting),
-            unacknowledged=types.MappingProxyType(
-                {r.request_id: r.sent - (r.allowed - max(1, r.head.window)) for r in reqs}
-            ),
+            waiting_for_credit=sum(1 for r in reqs if r.flow.waiting),
+            unacknowledged=types.MappingProxyType({r.request_id: r.flow.unacknowledged for r in reqs}),
             dropped_frames=self._dropped,
             usage_refused=self._usage_refused,
             foreign_frames=self._foreign,
@@ -257,7 +251,7 @@ class NodeRelay:
             head=head,
             body=frame.body,
             reply=reply,
-            allowed=max(1, head.window),
+            flow=SendWindow(head.window),
             arrived=trio.current_time(),
         )
         self._requests[req.request_id] = req
@@ -280,7 +274,7 @@ class NodeRelay:
         now = trio.current_time()
         end = attrs.evolve(
             end,
-            first_byte_sent=req.sent > 0,
+            first_byte_sent=req.flow.sent > 0,
             runtime_ms=(now - started) * 1000,
             overhead_ms=overhead_ms(req.arrived, req.sent_at, req.answered_at, now),
         )
@@ -408,22 +402,16 @@ class NodeRelay:
             await self._send_chunk(req, bytes(frame))
 
     async def _send_chunk(self, req: _Request, data: bytes) -> None:
-        while req.sent >= req.allowed:  # the window is used up: wait for the controller's credit
-            req.waiting = True
-            try:
-                await req.credited.wait()
-            finally:
-                req.waiting = False
-            req.credited = trio.Event()
+        await req.flow.room()  # the window used up: wait for the controller's credit
         head = b""
-        if req.sent == 0 and req.head.stream:
+        if req.flow.sent == 0 and req.head.stream:
             # A stream's first chunk says the node's overhead up to it (the client's response head
             # is written when it arrives); the other chunks' heads stay empty.
             now = trio.current_time()
             spent = overhead_ms(req.arrived, req.sent_at, req.first_read_at, now)
             head = codec.dumps(codec.wire, wire.ChunkHead(overhead_ms=spent)).encode()
         await req.reply.send_data(wire.CHUNK, req.request_id, head, data)
-        req.sent += 1
+        req.flow.sent_one()
         self._chunks_sent += 1
         self._bytes_sent += len(data)
 
