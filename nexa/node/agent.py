@@ -3,8 +3,7 @@
 `serve_node` wires the parts (`node.builders`: inventory watcher, engine, runtimes; the channel,
 the relay, the agent) in one nursery; `Agent` owns the node's side of the protocol: it says
 hello, beats, judges every assignment set against the fence kept on disk and answers it, and
-watches the accepted set's lease. Nothing it sends or
-logs names keys, file paths or addresses.
+watches the accepted set's lease. Nothing it sends or logs names keys, file paths or addresses.
 
 Control never blocks data: `agent.receive`, the uplink's only reader, hands data frames to the
 relay at once and signed messages to `agent.control` (signature check, judgement, the fsync'd
