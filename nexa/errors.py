@@ -50,6 +50,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
     - ControllersRunning [controllers_running]: a controller key rotation while other controllers share the store
     - RotationEndpointInUse [rotation_endpoint_in_use]: a key rotation whose second channel endpoint cannot be bound
+    - StoreConflict: a write the store refused by a constraint (unique, foreign key, check): names it
   + NotDeployable [not_deployable, HTTP 422]: a deployment the registry or the fleet does not allow
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
@@ -69,6 +70,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - NodeUnreachable [node_unreachable]: the node has no open channel now, so it cannot be asked (`nexa nodes rotate`)
     - NotLeader [not_leader]: a leader-only write on a controller that is not (or no longer) the leader; retry
     - StoreUnavailable [store_unavailable]: the PostgreSQL store cannot be reached (also a StoreError; reconnects)
+      · StoreBusy [store_busy]: another writer holds the lock too long, or a deadlock (either backend)
     - RuntimeFailed [runtime_failed, HTTP 502]: the runtime failed it (before any output: retried first)
   + DeadlineExceeded [deadline_exceeded, HTTP 504]: the request's deadline passed (queued or running)
   + Cancelled [cancelled, HTTP 499]: the client (or an operator) cancelled the request
@@ -602,6 +604,17 @@ class RotationEndpointInUse(Conflict):
         self.endpoint = endpoint
 
 
+class StoreConflict(Conflict):
+    """A write the store refused by one of its constraints (a unique key, a foreign key, NOT NULL, a
+    check), raised by either backend in the statement that violated it; the transaction is undone.
+    `constraint`: the unique or foreign key by the database's name for it (`api_key.secret_sha256` on
+    SQLite, `tenant_pkey` on PostgreSQL), else "constraint"."""
+
+    def __init__(self, *, constraint: str) -> None:
+        super().__init__(f"conflicts with existing state ({constraint})")
+        self.constraint = constraint
+
+
 class WorkloadAlreadyActive(Conflict):
     code = "workload_already_active"
 
@@ -657,6 +670,14 @@ class StoreUnavailable(Unavailable, StoreError):
     to check; never a password."""
 
     code = "store_unavailable"
+
+
+class StoreBusy(StoreUnavailable):
+    """The store's lock stayed taken past its wait: SQLite's busy timeout (another process writes
+    the file), PostgreSQL's `lock_timeout`, or a deadlock or serialization conflict that tries did
+    not resolve. Retryable (503); nothing of the transaction was written."""
+
+    code = "store_busy"
 
 
 class BackupError(NexaError):

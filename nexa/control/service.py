@@ -191,6 +191,42 @@ async def serve_control(
         )
 
 
+@attrs.define(kw_only=True)
+class _Controller:
+    """The controller's parts, built in start order by the builders below (each one step of the
+    module docstring's order); `_run` then starts their loops and HTTP."""
+
+    cfg: ControlConfig
+    store: Store
+    metrics: Metrics
+    accounts: Accounts
+    admin_key: str | None
+    keys: ControllerKeys
+    keys_dir: Path
+    leadership: Leadership
+    fleet: Fleet
+    #: Set by `_planes`.
+    models: ModelRegistry = attrs.field(init=False)
+    southbound: Southbound = attrs.field(init=False)
+    deployments: Deployments = attrs.field(init=False)
+    router: Router = attrs.field(init=False)
+    recovery: Recovery = attrs.field(init=False)
+    retention: Retention = attrs.field(init=False)
+    #: Set by `_data_path`.
+    quotas: Quotas = attrs.field(init=False)
+    meter: Meter = attrs.field(init=False)
+    owner: str | None = attrs.field(init=False)
+    alone: bool = attrs.field(init=False)
+    workloads: Workloads = attrs.field(init=False)
+    admission: Admission = attrs.field(init=False)
+    gateway: Gateway = attrs.field(init=False)
+    #: Set by `_app_state` and `_front`.
+    state: AppState = attrs.field(init=False)
+    feed: ChangeFeed | None = attrs.field(init=False)
+    forwarder: Forwarder = attrs.field(init=False)
+    app: InferenceApp = attrs.field(init=False)
+
+
 async def _serve_control(
     cfg: ControlConfig,
     metrics: Metrics,
@@ -204,229 +240,302 @@ async def _serve_control(
     # https's files, and the CA that verifies the other controllers, are checked before anything is
     # written too: a bad certificate or key stops the start with what to fix (ConfigError).
     server_tls, peer_tls = await trio.to_thread.run_sync(partial(_tls, cfg, metrics))
-    async with open_store(cfg.state_dir, cfg.store) as store:
-        accounts = await Accounts.load(store, metrics)
-        admin_key = await accounts.ensure_admin_key(cfg.bootstrap.admin_key_file)
-        keys_dir = Path(cfg.state_dir) / KEYS_DIR
-        keys = await trio.to_thread.run_sync(partial(load_or_create_keys, keys_dir, overlap_s=cfg.nodes.key_overlap_s))
-        # Who writes desired state (solo on SQLite), once the keys are known to be the store's.
-        fleet = await _load_fleet(
-            cfg.nodes, store, metrics, leadership := await _leadership(cfg, store, metrics, keys, keys_dir)
+    async with open_store(cfg.state_dir, cfg.store) as store, contextlib.AsyncExitStack() as stack:
+        c = await _core(cfg, store, metrics)
+        outbound = await _outbound(cfg, metrics)
+        await stack.enter_async_context(outbound)
+        c.retention = await stack.enter_async_context(_retention(cfg, store, metrics, c.accounts))
+        await _planes(c, outbound, recover=recover)
+        await _data_path(c)
+        await _app_state(c)
+        await _keep_records(
+            c.state, c.gateway, controller=c.owner, unowned=c.alone, report_keys=cfg.evidence.trusted_report_keys
         )
-        outbound = Outbound(
-            cfg.oci,
-            cfg.artifacts,
-            # Both re-read when their files change; a bad rewrite keeps the last good (and is counted).
-            registry_credentials=await trio.to_thread.run_sync(
-                partial(
-                    registry_credentials,
-                    cfg.oci.credentials_file,
-                    on_invalid=metrics.credential_reload_failures.labels("registry").inc,
-                )
-            ),
-            s3_credentials=await trio.to_thread.run_sync(
-                partial(
-                    s3_credentials,
-                    cfg.artifacts.s3_credentials_file,
-                    profile=cfg.artifacts.s3_profile,
-                    environ=os.environ,
-                    on_invalid=metrics.credential_reload_failures.labels("s3").inc,
-                )
-            ),
-        )
-        async with outbound, _retention(cfg, store, metrics, accounts) as retention:
-            models = await ModelRegistry.load(cfg.models, store, metrics, outbound)
-            southbound = Southbound(
-                cfg.channel,
-                cfg.nodes,
-                fleet,
-                metrics,
-                curve=keys.curve,
-                signing_key=keys.signing,
-                epoch=lambda: leadership.epoch,
-                stream_window_chunks=cfg.gateway.stream_window_chunks,
-                retired_key_ids=[r.key_id for r in keys.retired],
-                keys=keys,
-                leading=lambda: leadership.is_leader,
-            )
-            deployments = Deployments(
-                cfg.nodes,
-                store,
-                metrics,
-                fleet,
-                models=models,
-                southbound=southbound,
-                placement=cfg.placement,
-                router=(router := Router(cfg.gateway, load=fleet.replica_load)),
-                leadership=leadership,
-            )
-            await deployments.load()
-            recovery = Recovery(store, fleet, deployments, southbound, metrics)
-            await recovery.begin(forced=recover)
-            quotas = await Quotas.load(store, metrics, accounts.tenant_exists)
-            meter = Meter(cfg.gateway, store, metrics, leading=lambda: leadership.is_leader)
-            owner, alone = await _owner(cfg, store, leadership)
-            workloads = await Workloads.load(
-                store, keys.signing, controller=owner, epoch=lambda: leadership.epoch, unowned=alone
-            )
-            admission = Admission(cfg.gateway, metrics)
-            gateway = Gateway(
-                cfg.gateway,
-                models=models,
-                deployments=deployments,
-                relay=southbound.relay,
-                quotas=quotas,
-                admission=admission,
-                router=router,
-                meter=meter,
-            )
-            state = AppState(
-                accounts=accounts,
-                fleet=fleet,
-                models=models,
-                deployments=deployments,
-                store=store,
-                metrics=metrics,
-                started_at=time.time(),
-                leadership=leadership,
-                controller_keys=_public(keys),
-                signing_key=keys.signing,
-                quotas=quotas,
-                meter=meter,
-                admission=admission,
-                openapi=openapi.document_json(),
-                max_clock_skew_s=cfg.nodes.max_clock_skew_s,
-                recovery=recovery,
-                backups=Backups(
-                    cfg=cfg.backup,
-                    state_dir=Path(cfg.state_dir),
-                    store=store,
-                    accounts=accounts,
-                    metrics=metrics,
-                    signing_key=keys.signing,
-                    key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
-                ),
-                retention=retention,
-            )
-            await _keep_records(
-                state, gateway, controller=owner, unowned=alone, report_keys=cfg.evidence.trusted_report_keys
-            )
-            if (prev := keys.previous) is not None and prev.overlap_until > time.time():
-                # Restarted within a rotation's overlap: nodes that say hello are still told.
-                old = await trio.to_thread.run_sync(retired_signing_key, keys_dir, prev.key_id)
-                await southbound.announce_keys(keys, old, prev.overlap_until, now=False)
-            state.key_rotation = KeyRotation(
-                keys_dir,
-                keys,
-                overlap_s=cfg.nodes.key_overlap_s,
-                accounts=accounts,
-                announce=southbound.announce_keys,
-                serve_next_curve=southbound.serve_next_curve,
-                on_rotated=[lambda k: workloads.use_signing_key(k.signing), partial(_use_keys, state)],
-                lock=Backups.of(state.backups).lock,
-                switch=southbound.switch_curve,
-                others=None if owner is None else partial(other_live_controllers, store, owner, cfg.cluster.lease_s),
-                others_gone_after_s=LIVE_LEASES * cfg.cluster.lease_s,
-            )
-            # Several controllers on one store: each keeps its caches up with the store, and a
-            # follower passes management writes to the leader. Neither on the embedded store.
-            feed = _change_feed(
-                cfg,
-                store,
-                leadership,
-                accounts=accounts,
-                models=models,
-                fleet=fleet,
-                deployments=deployments,
-                quotas=quotas,
-            )
-            forwarder = Forwarder(
-                create_app(cfg.http, state),
-                leadership,
-                controller_id=leadership.controller_id,
-                max_body_bytes=cfg.http.max_body_bytes,
-                after_write=feed.catch_up if feed is not None else None,
-                trusted_proxies=cfg.http.trusted_proxies,
-                metrics=metrics,
-                peer_tls=peer_tls,
-                allow_plain_http_peers=cfg.cluster.allow_plain_http_peers,
-            )
-            app = InferenceApp(
-                forwarder,
-                cfg=cfg.gateway,
-                gateway=gateway,
-                workloads=workloads,
-                accounts=accounts,
-                metrics=metrics,
-                max_body_bytes=cfg.http.max_body_bytes,
-                body_timeout_s=cfg.http.body_timeout_s,
-                retention=retention,
-            )
-            # Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
-            # restarted; only an unusable store or a failed start ends the process.
-            # Metering has its own nursery, outside the other loops: it stops last, so the usage of
-            # every call those loops end (embedding batches, streams cut at shutdown) is written.
-            async with trio.open_nursery() as metering:
-                await metering.start(supervised, "metering", meter.run)
-                async with trio.open_nursery() as loops:
-                    # First: the role is known before the node channel serves (a lease round).
-                    await loops.start(supervised, "leadership", leadership.run)
-                    channel = await loops.start(supervised, "southbound", southbound.run)
-                    # The loops that decide desired state run only while this controller leads.
-                    await _start_leading(
-                        loops,
-                        leadership,
-                        feed,
-                        southbound,
-                        [
-                            ("deployments", deployments.run),
-                            ("recovery", recovery.run),
-                            ("rollout", RolloutWatcher(deployments, meter).run),
-                            ("workloads", partial(workloads.run, cfg.gateway.workload_retention_s)),
-                            ("backup", Backups.of(state.backups).run),
-                            ("keys", state.key_rotation.run),
-                            ("qualifications", Qualifications.of(state.qualifications).run),
-                            ("retention-purge", retention.run_purges),
-                            *_orphans(cfg, store, owner, workloads, Jobs.of(state.jobs)),
-                        ],
-                    )
-                    always: list[tuple[str, Callable[..., Awaitable[object]]]] = [
-                        ("gateway", gateway.run),
-                        ("disconnects", app.disconnects.run),
-                        ("watchdog", partial(watch_event_loop, metrics.count_stall)),
-                        ("forward", forwarder.run),
-                        ("retention", retention.run),
-                    ]
-                    for name, loop in always:
-                        await loops.start(supervised, name, loop)
-                    log.info("node channel bound", extra={"fields": {"endpoint": channel}})
-                    async with trio.open_nursery() as http:
-                        serve = partial(
-                            _serve_http, app, cfg.http, shutdown_trigger=stopping.wait, server_tls=server_tls
-                        )
-                        binds: list[str] = await http.start(supervised, "http", serve)
-                        state.ready = True
-                        http.start_soon(_unready_on, stopping, state)
-                        log.info(
-                            "controller serving",
-                            extra={
-                                "fields": {
-                                    "urls": binds,
-                                    "epoch": leadership.epoch,
-                                    "role": leadership.role,
-                                    "version": __version__,
-                                    "recovering": recovery.active,
-                                }
-                            },
-                        )
-                        task_status.started(
-                            ControlStarted(urls=binds, channel=channel, epoch=leadership.epoch, admin_key=admin_key)
-                        )
-                    # hypercorn returned: in-flight requests have drained. Stop the loops; the store
-                    # closes when `open_store` exits, last.
-                    loops.cancel_scope.cancel()
-                metering.cancel_scope.cancel()
+        await _key_rotation(c)
+        _front(c, peer_tls)
+        await _run(c, stopping=stopping, server_tls=server_tls, task_status=task_status)
     log.info("controller stopped")
+
+
+async def _core(cfg: ControlConfig, store: Store, metrics: Metrics) -> _Controller:
+    """API keys (the bootstrap admin key made on a first start), the controller keys, who leads
+    (once the keys are known to be the store's) and the fleet."""
+    accounts = await Accounts.load(store, metrics)
+    admin_key = await accounts.ensure_admin_key(cfg.bootstrap.admin_key_file)
+    keys_dir = Path(cfg.state_dir) / KEYS_DIR
+    keys = await trio.to_thread.run_sync(partial(load_or_create_keys, keys_dir, overlap_s=cfg.nodes.key_overlap_s))
+    leadership = await _leadership(cfg, store, metrics, keys, keys_dir)
+    fleet = await _load_fleet(cfg.nodes, store, metrics, leadership)
+    return _Controller(
+        cfg=cfg,
+        store=store,
+        metrics=metrics,
+        accounts=accounts,
+        admin_key=admin_key,
+        keys=keys,
+        keys_dir=keys_dir,
+        leadership=leadership,
+        fleet=fleet,
+    )
+
+
+async def _outbound(cfg: ControlConfig, metrics: Metrics) -> Outbound:
+    """The clients of OCI registries and the S3 store. Their credentials are re-read when their
+    files change; a bad rewrite keeps the last good (and is counted)."""
+    registry = await trio.to_thread.run_sync(
+        partial(
+            registry_credentials,
+            cfg.oci.credentials_file,
+            on_invalid=metrics.credential_reload_failures.labels("registry").inc,
+        )
+    )
+    s3 = await trio.to_thread.run_sync(
+        partial(
+            s3_credentials,
+            cfg.artifacts.s3_credentials_file,
+            profile=cfg.artifacts.s3_profile,
+            environ=os.environ,
+            on_invalid=metrics.credential_reload_failures.labels("s3").inc,
+        )
+    )
+    return Outbound(cfg.oci, cfg.artifacts, registry_credentials=registry, s3_credentials=s3)
+
+
+async def _planes(c: _Controller, outbound: Outbound, *, recover: bool) -> None:
+    """The model registry, the node protocol, deployments, and recovery (begun before the node
+    channel serves when the store was restored or `recover` is set)."""
+    cfg, leadership, keys = c.cfg, c.leadership, c.keys
+    c.models = await ModelRegistry.load(cfg.models, c.store, c.metrics, outbound)
+    c.southbound = Southbound(
+        cfg.channel,
+        cfg.nodes,
+        c.fleet,
+        c.metrics,
+        curve=keys.curve,
+        signing_key=keys.signing,
+        epoch=lambda: leadership.epoch,
+        stream_window_chunks=cfg.gateway.stream_window_chunks,
+        retired_key_ids=[r.key_id for r in keys.retired],
+        keys=keys,
+        leading=lambda: leadership.is_leader,
+    )
+    c.router = Router(cfg.gateway, load=c.fleet.replica_load)
+    c.deployments = Deployments(
+        cfg.nodes,
+        c.store,
+        c.metrics,
+        c.fleet,
+        models=c.models,
+        southbound=c.southbound,
+        placement=cfg.placement,
+        router=c.router,
+        leadership=leadership,
+    )
+    await c.deployments.load()
+    c.recovery = Recovery(c.store, c.fleet, c.deployments, c.southbound, c.metrics)
+    await c.recovery.begin(forced=recover)
+
+
+async def _data_path(c: _Controller) -> None:
+    """Quotas, metering, workloads, admission and the gateway that runs each inference call."""
+    cfg, leadership = c.cfg, c.leadership
+    c.quotas = await Quotas.load(c.store, c.metrics, c.accounts.tenant_exists)
+    c.meter = Meter(cfg.gateway, c.store, c.metrics, leading=lambda: leadership.is_leader)
+    c.owner, c.alone = await _owner(cfg, c.store, leadership)
+    c.workloads = await Workloads.load(
+        c.store, c.keys.signing, controller=c.owner, epoch=lambda: leadership.epoch, unowned=c.alone
+    )
+    c.admission = Admission(cfg.gateway, c.metrics)
+    c.gateway = Gateway(
+        cfg.gateway,
+        models=c.models,
+        deployments=c.deployments,
+        relay=c.southbound.relay,
+        quotas=c.quotas,
+        admission=c.admission,
+        router=c.router,
+        meter=c.meter,
+    )
+
+
+async def _app_state(c: _Controller) -> None:
+    """What the management API and the console read and act on."""
+    cfg = c.cfg
+    backups = Backups(
+        cfg=cfg.backup,
+        state_dir=Path(cfg.state_dir),
+        store=c.store,
+        accounts=c.accounts,
+        metrics=c.metrics,
+        signing_key=c.keys.signing,
+        key=await trio.to_thread.run_sync(load_key, cfg.backup.key_file),
+    )
+    c.state = AppState(
+        accounts=c.accounts,
+        fleet=c.fleet,
+        models=c.models,
+        deployments=c.deployments,
+        store=c.store,
+        metrics=c.metrics,
+        started_at=time.time(),
+        leadership=c.leadership,
+        controller_keys=_public(c.keys),
+        signing_key=c.keys.signing,
+        quotas=c.quotas,
+        meter=c.meter,
+        admission=c.admission,
+        openapi=openapi.document_json(),
+        max_clock_skew_s=cfg.nodes.max_clock_skew_s,
+        recovery=c.recovery,
+        backups=backups,
+        retention=c.retention,
+    )
+
+
+async def _key_rotation(c: _Controller) -> None:
+    """The controller keys' rotation (`nexa keys rotate-controller`). Restarted within a rotation's
+    overlap, nodes that say hello are still told of it."""
+    cfg, keys, state, southbound = c.cfg, c.keys, c.state, c.southbound
+    if (prev := keys.previous) is not None and prev.overlap_until > time.time():
+        old = await trio.to_thread.run_sync(retired_signing_key, c.keys_dir, prev.key_id)
+        await southbound.announce_keys(keys, old, prev.overlap_until, now=False)
+    workloads, owner, store = c.workloads, c.owner, c.store
+    state.key_rotation = KeyRotation(
+        c.keys_dir,
+        keys,
+        overlap_s=cfg.nodes.key_overlap_s,
+        accounts=c.accounts,
+        announce=southbound.announce_keys,
+        serve_next_curve=southbound.serve_next_curve,
+        on_rotated=[lambda k: workloads.use_signing_key(k.signing), partial(_use_keys, state)],
+        lock=Backups.of(state.backups).lock,
+        switch=southbound.switch_curve,
+        others=None if owner is None else partial(other_live_controllers, store, owner, cfg.cluster.lease_s),
+        others_gone_after_s=LIVE_LEASES * cfg.cluster.lease_s,
+    )
+
+
+def _front(c: _Controller, peer_tls: tls.ClientTls) -> None:
+    """The HTTP front: the inference routes in front of the management app. Several controllers on
+    one store: each keeps its caches up with the store (the change feed), and a follower passes
+    management writes to the leader (the forwarder). Neither on the embedded store."""
+    cfg = c.cfg
+    c.feed = _change_feed(
+        cfg,
+        c.store,
+        c.leadership,
+        accounts=c.accounts,
+        models=c.models,
+        fleet=c.fleet,
+        deployments=c.deployments,
+        quotas=c.quotas,
+    )
+    c.forwarder = Forwarder(
+        create_app(cfg.http, c.state),
+        c.leadership,
+        controller_id=c.leadership.controller_id,
+        max_body_bytes=cfg.http.max_body_bytes,
+        after_write=c.feed.catch_up if c.feed is not None else None,
+        trusted_proxies=cfg.http.trusted_proxies,
+        metrics=c.metrics,
+        peer_tls=peer_tls,
+        allow_plain_http_peers=cfg.cluster.allow_plain_http_peers,
+    )
+    c.app = InferenceApp(
+        c.forwarder,
+        cfg=cfg.gateway,
+        gateway=c.gateway,
+        workloads=c.workloads,
+        accounts=c.accounts,
+        metrics=c.metrics,
+        max_body_bytes=cfg.http.max_body_bytes,
+        body_timeout_s=cfg.http.body_timeout_s,
+        retention=c.retention,
+    )
+
+
+_Loops = list[tuple[str, Callable[..., Awaitable[object]]]]
+
+
+def _leader_loops(c: _Controller) -> _Loops:
+    """The loops that decide desired state: on a shared store they run only while this one leads."""
+    state = c.state
+    return [
+        ("deployments", c.deployments.run),
+        ("recovery", c.recovery.run),
+        ("rollout", RolloutWatcher(c.deployments, c.meter).run),
+        ("workloads", partial(c.workloads.run, c.cfg.gateway.workload_retention_s)),
+        ("backup", Backups.of(state.backups).run),
+        ("keys", KeyRotation.of(state.key_rotation).run),
+        ("qualifications", Qualifications.of(state.qualifications).run),
+        ("retention-purge", c.retention.run_purges),
+        *_orphans(c.cfg, c.store, c.owner, c.workloads, Jobs.of(state.jobs)),
+    ]
+
+
+def _always_loops(c: _Controller) -> _Loops:
+    """The loops every controller runs, leading or not."""
+    return [
+        ("gateway", c.gateway.run),
+        ("disconnects", c.app.disconnects.run),
+        ("watchdog", partial(watch_event_loop, c.metrics.count_stall)),
+        ("forward", c.forwarder.run),
+        ("retention", c.retention.run),
+    ]
+
+
+async def _run(
+    c: _Controller,
+    *,
+    stopping: trio.Event,
+    server_tls: tls.ServerTls | None,
+    task_status: trio.TaskStatus[ControlStarted],
+) -> None:
+    """Every loop runs supervised (nexa.supervision): a failure is logged, counted and the loop
+    restarted; only an unusable store or a failed start ends the process. Metering has its own
+    nursery, outside the other loops: it stops last, so the usage of every call those loops end
+    (embedding batches, streams cut at shutdown) is written."""
+    async with trio.open_nursery() as metering:
+        await metering.start(supervised, "metering", c.meter.run)
+        async with trio.open_nursery() as loops:
+            # First: the role is known before the node channel serves (a lease round).
+            await loops.start(supervised, "leadership", c.leadership.run)
+            channel = await loops.start(supervised, "southbound", c.southbound.run)
+            await _start_leading(loops, c.leadership, c.feed, c.southbound, _leader_loops(c))
+            for name, loop in _always_loops(c):
+                await loops.start(supervised, name, loop)
+            log.info("node channel bound", extra={"fields": {"endpoint": channel}})
+            await _serve_until_stopped(c, channel, stopping=stopping, server_tls=server_tls, task_status=task_status)
+            # hypercorn returned: in-flight requests have drained. Stop the loops; the store
+            # closes when `open_store` exits, last.
+            loops.cancel_scope.cancel()
+        metering.cancel_scope.cancel()
+
+
+async def _serve_until_stopped(
+    c: _Controller,
+    channel: str,
+    *,
+    stopping: trio.Event,
+    server_tls: tls.ServerTls | None,
+    task_status: trio.TaskStatus[ControlStarted],
+) -> None:
+    """HTTP until `stopping` is set and in-flight requests have drained."""
+    leadership = c.leadership
+    async with trio.open_nursery() as http:
+        serve = partial(_serve_http, c.app, c.cfg.http, shutdown_trigger=stopping.wait, server_tls=server_tls)
+        binds: list[str] = await http.start(supervised, "http", serve)
+        c.state.ready = True
+        http.start_soon(_unready_on, stopping, c.state)
+        fields = {
+            "urls": binds,
+            "epoch": leadership.epoch,
+            "role": leadership.role,
+            "version": __version__,
+            "recovering": c.recovery.active,
+        }
+        log.info("controller serving", extra={"fields": fields})
+        task_status.started(ControlStarted(urls=binds, channel=channel, epoch=leadership.epoch, admin_key=c.admin_key))
 
 
 def _tls(cfg: ControlConfig, metrics: Metrics) -> tuple[tls.ServerTls | None, tls.ClientTls]:

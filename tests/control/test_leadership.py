@@ -28,6 +28,7 @@ from nexa.contracts.wire import DesiredAssignments
 from nexa.control import store as st
 from nexa.control.cluster.leadership import FOLLOWER, LEADER, Leadership
 from nexa.control.store.sql import meta
+from nexa.control.store.sqlite import LiteDb
 from nexa.errors import ControllerKeysDiffer, NotLeader
 from nexa.security import hash_token, new_enrollment_token
 from tests.conftest import Controller, local_config, start_controller
@@ -68,7 +69,7 @@ async def two_stores(tmp_path: Path) -> AsyncIterator[tuple[st.Store, st.Store]]
     async with st.open_store(tmp_path, inline=True) as first:
         db = apsw.Connection(str(tmp_path / st.DB_FILE))
         try:
-            yield first, st.Store(db, epoch=0, inline=True)
+            yield first, st.Store(LiteDb(db), epoch=0, inline=True)
         finally:
             db.close()
 

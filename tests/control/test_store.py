@@ -6,9 +6,11 @@ PostgreSQL-only behaviour is in `test_store_postgres.py`."""
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import apsw
@@ -16,10 +18,11 @@ import pytest
 import trio
 
 from nexa.config import StoreConfig
-from nexa.contracts.domain import AuditDraft, KeyId, Role, TenantId
+from nexa.contracts.domain import AuditDraft, KeyId, Role, Tenant, TenantId
 from nexa.contracts.gateway import AcceptedWorkload, Capability, Priority, WorkloadState
 from nexa.control import store as st
-from nexa.errors import Conflict, StateDirLocked, StoreError
+from nexa.control.store.sql import txn
+from nexa.errors import Conflict, StateDirLocked, StoreBusy, StoreConflict, StoreError, StoreUnavailable
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 
@@ -321,3 +324,69 @@ async def test_measured_memory_survives_a_reopen_and_only_the_latest_figure_is_k
         await store.run(st.save_measured_memory, "b" * 64, 1024)
     async with st.open_store(tmp_path, store_cfg) as store:
         assert await store.run(st.load_measured_memory) == {"a" * 64: 5 * 1024**3, "b" * 64: 1024}
+
+
+# ---- the backend seam: a transaction function and the store's callers see nexa's errors, never apsw's or psycopg's
+
+
+async def test_a_violated_constraint_is_store_conflict_inside_the_function_and_at_the_lane(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
+    tenant = Tenant(id=TenantId("acme"), display_name="Acme", created_at=1.0)
+
+    def insert_again(db: st.Db) -> StoreConflict | None:
+        try:
+            with txn(db):
+                db.execute("INSERT INTO tenant(id, display_name, created_at) VALUES (?, ?, ?)", ("acme", "Other", 2.0))
+        except StoreConflict as exc:  # what a transaction function catches (`rotate_node_keys`)
+            return exc
+        return None
+
+    async with st.open_store(tmp_path, store_cfg) as store:
+        await store.run(st.insert_tenant, tenant, draft("tenant"))
+        caught = await store.run(insert_again)
+        assert isinstance(caught, Conflict) and not caught.retryable
+        assert caught.constraint == ("tenant_pkey" if store_cfg.url else "tenant.id")
+        assert caught.message == f"conflicts with existing state ({caught.constraint})"
+        with pytest.raises(StoreConflict):  # and what the store's callers get from the lane
+            await store.run(st.insert_tenant, tenant, draft("tenant again"))
+        assert await store.run(st.load_tenants) == [tenant]
+        assert (await store.run(st.audit_head))[0] == 1  # nothing of either refused write stayed
+
+
+@contextlib.contextmanager
+def another_writer(state_dir: Path, cfg: StoreConfig) -> Iterator[None]:
+    """Another connection's open transaction that has written the audit head. On SQLite through
+    apsw, as the store: a second SQLite library in this process (sqlite3's) would not see its locks."""
+    hold = "UPDATE meta SET value = value WHERE key = 'audit_head_seq'"
+    if cfg.url:
+        import psycopg
+
+        with psycopg.connect(cfg.url) as conn:  # not autocommit: the UPDATE opens a transaction
+            conn.execute(hold.encode())
+            yield
+            conn.rollback()
+        return
+    db = apsw.Connection(str(state_dir / st.DB_FILE))
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute(hold)
+        yield
+        db.execute("ROLLBACK")
+    finally:
+        db.close()
+
+
+async def test_a_lock_another_writer_holds_past_the_wait_is_store_busy_and_writes_nothing(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
+    async with st.open_store(tmp_path, store_cfg) as store:
+        await store.run(st.record_audit, draft("first"))
+        if store_cfg.url:  # PostgreSQL waits `lock_timeout` (10 s): shorter here, for this session
+            await store.run(lambda db: db.execute("SET lock_timeout = '200ms'"))
+        with another_writer(tmp_path, store_cfg):
+            with pytest.raises(StoreBusy) as caught:  # SQLite: past apsw's busy timeout (100 ms)
+                await store.run(st.record_audit, draft("blocked"))
+            assert caught.value.retryable and isinstance(caught.value, StoreUnavailable)
+        assert (await store.run(st.record_audit, draft("after"))).seq == 2  # the blocked one wrote nothing
+    assert (await verify(tmp_path, store_cfg)).checked == 2

@@ -1,7 +1,8 @@
-"""The store on PostgreSQL (`[store] url`), what only that backend does: its migrations beside
-SQLite's, its refusals at start, several controllers (Store objects, each with its connections) on
-one database at once, a lost connection, and the refusal of `nexa backup`. The behaviour both
-backends share runs parametrized in the other store tests (`store_cfg`).
+"""The store on PostgreSQL (`[store] url`), what only that backend does: SQLite's migrations in
+its words (the same tables, columns, types and indexes), its refusals at start, several controllers
+(Store objects, each with its connections) on one database at once, a lost connection, a deadlock,
+and the refusal of `nexa backup`. The behaviour both backends share runs parametrized in the other
+store tests (`store_cfg`).
 
 A real PostgreSQL (tests/support/postgres.py), one fresh database per test.
 """
@@ -19,13 +20,14 @@ from nexa.config import ControlConfig, StoreConfig, structure_config
 from nexa.contracts.domain import AuditDraft, EnrollmentToken, KeyId, Node, NodeId, Role, Tenant, TenantId
 from nexa.control import store as st
 from nexa.control.store.pg import to_pyformat
-from nexa.control.store.pg_schema import PG_MIGRATIONS, SCHEMA_TABLE
+from nexa.control.store.schema import SCHEMA_TABLE, postgresql
 from nexa.control.store.snapshot import copy_database
 from nexa.control.store.sql import txn
 from nexa.errors import (
     BackupNotSupported,
     ConfigError,
     Conflict,
+    StoreBusy,
     StoreError,
     StoreUnavailable,
     Unauthenticated,
@@ -60,33 +62,66 @@ def test_placeholders_become_psycopgs_and_a_literal_percent_stays_one() -> None:
     assert to_pyformat("SELECT 'it''s ?', ?") == "SELECT 'it''s ?', %s"
 
 
-# ---- the schema: one PostgreSQL migration per SQLite one, the same tables, columns and indexes ----------------
+# ---- the schema: SQLite's migrations, translated: the same tables, columns, types and indexes ----------------
+
+#: The class of each column type: SQLite's declared type, PostgreSQL's `data_type`. The meta table's
+#: ANY value is text on PostgreSQL (`sql.meta_int` reads it).
+LITE_CLASS = {"INTEGER": "integer", "REAL": "real", "TEXT": "text", "ANY": "text"}
+PG_CLASS = {"bigint": "integer", "double precision": "real", "text": "text"}
 
 
-async def test_the_schema_has_the_tables_columns_and_indexes_of_sqlites(tmp_path: Path, pg_url: str) -> None:
-    assert len(PG_MIGRATIONS) == len(st.MIGRATIONS)
+def sqlite_schema(path: Path) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, tuple[str, ...]]]]:
+    """{table: {column: type class}}, {index: (table, its columns)} from SQLite's pragmas."""
+    lite = sqlite3.connect(path)
+    try:
+        tables = {
+            name: {str(row[1]): LITE_CLASS[row[2]] for row in lite.execute(f"PRAGMA table_info({name})")}
+            for (name,) in lite.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+        indexes = {
+            str(name): (str(table), tuple(str(row[2]) for row in lite.execute(f"PRAGMA index_info({name})")))
+            for name, table in lite.execute(
+                "SELECT name, tbl_name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+            )
+        }
+    finally:
+        lite.close()
+    return tables, indexes
+
+
+def postgres_schema(url: str) -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, tuple[str, ...]]]]:
+    """The same from PostgreSQL's information_schema and catalog."""
+    tables: dict[str, dict[str, str]] = {}
+    for table, column, data_type in psql(
+        url,
+        "SELECT table_name, column_name, data_type FROM information_schema.columns WHERE table_schema = 'public'",
+    ):
+        tables.setdefault(str(table), {})[str(column)] = PG_CLASS[str(data_type)]
+    indexes: dict[str, list[tuple[int, str, str]]] = {}
+    for index, table, position, column in psql(
+        url,
+        "SELECT i.relname, t.relname, k.n, a.attname FROM pg_index x"
+        " JOIN pg_class i ON i.oid = x.indexrelid JOIN pg_class t ON t.oid = x.indrelid"
+        " JOIN pg_namespace s ON s.oid = t.relnamespace AND s.nspname = 'public'"
+        " CROSS JOIN LATERAL unnest(x.indkey) WITH ORDINALITY AS k(attnum, n)"
+        " JOIN pg_attribute a ON a.attrelid = x.indrelid AND a.attnum = k.attnum",
+    ):
+        indexes.setdefault(str(index), []).append((int(str(position)), str(table), str(column)))
+    return tables, {
+        name: (columns[0][1], tuple(column for _, _, column in sorted(columns))) for name, columns in indexes.items()
+    }
+
+
+async def test_the_schema_has_the_tables_columns_types_and_indexes_of_sqlites(tmp_path: Path, pg_url: str) -> None:
     async with st.open_store(tmp_path / "sqlite"):
         pass
-    lite = sqlite3.connect(tmp_path / "sqlite" / st.DB_FILE)
-    lite_tables = {
-        name: {row[1] for row in lite.execute(f"PRAGMA table_info({name})")}
-        for (name,) in lite.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-    }
-    lite_indexes = {
-        name for (name,) in lite.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL")
-    }
-    lite.close()
+    lite_tables, lite_indexes = sqlite_schema(tmp_path / "sqlite" / st.DB_FILE)
     async with st.open_store(tmp_path / "pg", StoreConfig(url=pg_url)):
         pass
-    pg_tables: dict[str, set[str]] = {}
-    for table, column in psql(
-        pg_url, "SELECT table_name, column_name FROM information_schema.columns WHERE table_schema = 'public'"
-    ):
-        pg_tables.setdefault(str(table), set()).add(str(column))
-    pg_indexes = {str(name) for (name,) in psql(pg_url, "SELECT indexname FROM pg_indexes WHERE schemaname = 'public'")}
-    assert pg_tables.pop(SCHEMA_TABLE) == {"id", "application_id", "version"}
-    assert pg_tables == lite_tables
-    assert lite_indexes <= pg_indexes  # and PostgreSQL names its primary keys' and uniques' own
+    pg_tables, pg_indexes = postgres_schema(pg_url)
+    assert pg_tables.pop(SCHEMA_TABLE) == {"id": "integer", "application_id": "integer", "version": "integer"}
+    assert pg_tables == lite_tables  # every table, column and its type class, and no other
+    assert {name: pg_indexes.get(name) for name in lite_indexes} == lite_indexes  # each on the same columns
     assert psql(pg_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(len(st.MIGRATIONS),)]
     # Text sorts bytewise, as in SQLite: keyset pages come in the same order on both.
     collations = psql(
@@ -96,6 +131,58 @@ async def test_the_schema_has_the_tables_columns_and_indexes_of_sqlites(tmp_path
         SCHEMA_TABLE,
     )
     assert collations == [("C",)]
+    # The rows SQLite numbers itself (an insert leaves `seq` out) PostgreSQL numbers too; the audit
+    # chain's seq nexa writes, as the schema before the one migration list made it.
+    identities = psql(
+        pg_url,
+        "SELECT table_name, column_name FROM information_schema.columns"
+        " WHERE table_schema = 'public' AND is_identity = 'YES'",
+    )
+    assert identities == [("usage", "seq")]
+
+
+def test_sqlites_migrations_in_postgresqls_words() -> None:
+    """The translation's rules (`schema.postgresql`), on migrations that use each of them."""
+    first = postgresql(0)
+    assert "STRICT" not in first and "ANY" not in first
+    assert 'CREATE TABLE meta (key TEXT COLLATE "C" PRIMARY KEY, value TEXT COLLATE "C");' in first
+    assert "seq BIGINT PRIMARY KEY," in first  # audit: nexa numbers the chain itself
+    assert "time DOUBLE PRECISION NOT NULL" in first
+    assert "seq BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY," in postgresql(4)  # usage
+    moved = st.MIGRATIONS.index(next(m for m in st.MIGRATIONS if "previous_signing_public_key" in m))
+    assert "json_extract" in st.MIGRATIONS[moved] and "json_extract" not in postgresql(moved)
+    assert postgresql(moved).count("ALTER TABLE node ADD COLUMN") == 2
+    assert [postgresql(n).count(";") for n in range(len(st.MIGRATIONS)) if n != moved] == [
+        m.count(";") for n, m in enumerate(st.MIGRATIONS) if n != moved
+    ]
+
+
+async def test_a_store_an_older_nexa_left_migrates_on_to_the_schema_a_new_one_gets(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    """Versions count the same list on PostgreSQL as on SQLite: one left at version 9 (before the
+    node keys' columns) takes migrations 9 on, keeps its rows, and ends as a fresh store starts."""
+    older, fresh = postgres_server.create_database(), postgres_server.create_database()
+    older_url, fresh_url = postgres_server.url(older), postgres_server.url(fresh)
+    try:
+        psql(
+            older_url,
+            f"CREATE TABLE {SCHEMA_TABLE} (id BIGINT PRIMARY KEY CHECK (id = 1),"
+            " application_id BIGINT NOT NULL, version BIGINT NOT NULL)",
+        )
+        psql(older_url, f"INSERT INTO {SCHEMA_TABLE} VALUES (1, ?, 9)", st.APPLICATION_ID)
+        for number in range(9):
+            psql(older_url, postgresql(number))
+        psql(older_url, "INSERT INTO tenant(id, display_name, created_at) VALUES ('acme', 'Acme', 1.0)")
+        async with st.open_store(tmp_path / "older", StoreConfig(url=older_url)) as store:
+            assert [t.id for t in await store.run(st.load_tenants)] == ["acme"]
+        async with st.open_store(tmp_path / "fresh", StoreConfig(url=fresh_url)):
+            pass
+        assert psql(older_url, f"SELECT version FROM {SCHEMA_TABLE}") == [(len(st.MIGRATIONS),)]
+        assert postgres_schema(older_url) == postgres_schema(fresh_url)
+    finally:
+        postgres_server.drop_database(older)
+        postgres_server.drop_database(fresh)
 
 
 async def test_two_controllers_starting_at_once_migrate_once_and_take_no_epoch(tmp_path: Path, pg_url: str) -> None:
@@ -284,6 +371,30 @@ async def test_a_unique_violation_is_a_conflict_and_writes_nothing(tmp_path: Pat
             await store.run(st.insert_tenant, tenant, draft("tenant again"))
         assert await store.run(st.load_tenants) == [tenant]
         assert (await store.run(st.audit_head))[0] == 1  # the refused insert's event went with it
+
+
+async def test_a_transaction_the_server_aborts_for_a_deadlock_runs_again_whole_then_is_store_busy(
+    tmp_path: Path, pg_url: str
+) -> None:
+    """The server's own deadlock error (SQLSTATE 40P01, raised by PL/pgSQL where a deadlock would be)."""
+    tries: list[int] = []
+
+    def deadlocked_until(db: st.Db, ok_at: int) -> int:
+        with txn(db):
+            tries.append(1)
+            st.append_audit(db, draft(f"try {len(tries)}"))
+            if len(tries) < ok_at:
+                db.execute("DO $$ BEGIN RAISE EXCEPTION 'deadlock' USING ERRCODE = '40P01'; END $$")
+        return len(tries)
+
+    async with st.open_store(tmp_path, StoreConfig(url=pg_url)) as store:
+        assert await store.run(deadlocked_until, 3) == 3  # two aborted tries, then it commits
+        assert (await store.run(st.audit_head))[0] == 1  # once: the aborted tries wrote nothing
+        tries.clear()
+        with pytest.raises(StoreBusy, match="aborted the transaction 3 times") as caught:
+            await store.run(deadlocked_until, 99)
+        assert len(tries) == 3 and caught.value.retryable and isinstance(caught.value, StoreUnavailable)
+        assert (await store.run(st.audit_head))[0] == 1
 
 
 async def test_a_lost_connection_is_retryable_and_the_next_transaction_reconnects(tmp_path: Path, pg_url: str) -> None:

@@ -39,6 +39,7 @@ from nexa.control.deployments import Deployments
 from nexa.control.fleet.nodes import Fleet
 from nexa.control.registry.models import ModelRegistry
 from nexa.control.registry.outbound import Outbound
+from nexa.control.store.sqlite import LiteDb
 from nexa.telemetry import Metrics
 from tests.conftest import free_port, local_config
 
@@ -107,7 +108,7 @@ async def two_sides(tmp_path: Path) -> AsyncIterator[tuple[Side, Side]]:
         db = apsw.Connection(str(tmp_path / st.DB_FILE))
         reader = apsw.Connection(str(tmp_path / st.DB_FILE), flags=apsw.SQLITE_OPEN_READONLY)
         try:
-            second = st.Store(db, epoch=0, inline=True, reader=reader)
+            second = st.Store(LiteDb(db), epoch=0, inline=True, reader=LiteDb(reader))
             follower = Leadership.leased(second, ClusterConfig(), controller_id="b", address="http://b.test:8470")
             yield await side(first, "a", Leadership.solo(first)), await side(second, "b", follower)
         finally:

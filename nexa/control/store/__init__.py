@@ -1,4 +1,4 @@
-"""The controller's durable state: one SQLite database through apsw. The only apsw importer.
+"""The controller's durable state: one SQLite database through apsw, or a shared PostgreSQL one.
 
 Every transaction is one short sync function `verb_noun(db, ...)` wrapped whole in `with txn(db):`;
 `Store.run` executes it on a single lane (one connection, CapacityLimiter(1)) off the event loop,
@@ -7,13 +7,17 @@ event inside the same transaction.
 
 Callers use `from nexa.control import store as st` and the names re-exported here:
 - `connection`: `open_store` (lock, migrate, new epoch), `Store` and its lanes;
-- `schema`: the migrations; `sql`: what every transaction function shares (`txn`, the meta table);
+- `schema`: the migrations, one list for both backends; `sql`: what every transaction function
+  shares (`Db`, `txn`, the meta table);
 - `audit`: the hash chain; then one module per domain: `keys` (and tenants), `nodes`, `models`,
   `deployments`, `usage` (and quotas), `workloads`, `retention` (policies, data keys, what is kept),
   `recovery` (the restore marker, a recovery's epoch),
   `records` (benchmark runs and jobs), `lease` (the leader's lease, the controllers, their keys' fingerprint).
-`[store] url` swaps SQLite for PostgreSQL (DESIGN §5) inside this package only: `pg` (the adapter
-over psycopg, imported only then) and `pg_schema` (its migrations); `sql.Db` is what both give.
+The backends: `sqlite` (the adapter over apsw, with `snapshot` the only apsw importers) and, with
+`[store] url` set (DESIGN §5), `pg` (the adapter over psycopg, imported only then). Each gives the
+transaction functions a `sql.Db` and translates its library's errors into nexa's at home
+(`StoreConflict`, `StoreBusy`, `StoreUnavailable`, `StoreUnusable`, `StoreError`): callers catch
+only those.
 """
 
 from __future__ import annotations

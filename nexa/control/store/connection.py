@@ -4,8 +4,9 @@ Every transaction is one short sync function `verb_noun(db, ...)` wrapped whole 
 `Store.run` executes it on a single lane (one connection, CapacityLimiter(1)) off the event loop,
 so no other task's SQL can interleave with a half-done transaction.
 
-With `[store] url` set, `open_store` opens PostgreSQL instead (`pg.open_postgres`: imported then
-only); the Store and its lanes are the same, over `pg.PgDb` connections.
+The SQLite file (the default) is opened by `sqlite`; with `[store] url` set, `open_store` opens
+PostgreSQL instead (`pg.open_postgres`: imported then only). The Store and its lanes are the same
+over either backend's connections (`sqlite.LiteDb`, `pg.PgDb`).
 """
 
 from __future__ import annotations
@@ -13,20 +14,17 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
 
-import apsw
-import apsw.bestpractice
 import trio
 
 from nexa.config import StoreConfig
-from nexa.control.store.schema import migrate, take_epoch
+from nexa.control.store import sqlite
 from nexa.control.store.sql import PRUNE_BATCH, Db, T
-from nexa.errors import Conflict, StateDirLocked, StoreError, StoreUnusable
+from nexa.errors import StateDirLocked, StoreError
 
 DB_FILE: Final = "control.db"
 LOCK_FILE: Final = "control.lock"
@@ -42,8 +40,9 @@ class Store:
     its own lane. WAL (a REPEATABLE READ transaction on PostgreSQL) lets it read a consistent
     snapshot while the writer commits, so a long read never holds the store lane.
 
-    `call` runs a transaction function and translates its backend's failures (`_translated` for
-    apsw; `pg.call`).
+    `call` runs a transaction function on its backend's connection (`sqlite.call`, `pg.call`): each
+    backend raises nexa's errors (`StoreConflict`, `StoreBusy`, `StoreUnavailable`, `StoreUnusable`,
+    `StoreError`), never its library's.
     """
 
     def __init__(
@@ -61,7 +60,7 @@ class Store:
         self._reader = reader
         self._read_limiter = trio.CapacityLimiter(1)
         self._inline = inline
-        self._call: Callable[..., Any] = call or _translated
+        self._call: Callable[..., Any] = call or sqlite.call
         #: The strictly increasing epoch this process took when it opened the store.
         self.epoch = epoch
         #: Which database holds the state: the embedded "sqlite" file or a shared "postgresql" one.
@@ -99,52 +98,10 @@ class Store:
                 return total
 
 
-def _translated(fn: Callable[..., T], db: apsw.Connection, *args: object) -> T:
-    try:
-        return fn(db, *args)
-    except apsw.ConstraintError as exc:
-        raise Conflict(f"conflicts with existing state ({constraint_named(exc)})") from None
-    except _UNUSABLE as exc:
-        # The database itself is gone or damaged: retrying cannot help, the process ends (exit 3).
-        raise StoreUnusable(f"the store is unusable: {type(exc).__name__}") from exc
-    except apsw.Error as exc:
-        raise StoreError(f"store failure: {type(exc).__name__}") from exc
-
-
-_UNUSABLE: Final = (
-    apsw.CorruptError,
-    apsw.NotADBError,
-    apsw.IOError,
-    apsw.CantOpenError,
-    apsw.ReadOnlyError,
-    apsw.ConnectionClosedError,
-)
-
-
-def constraint_named(exc: apsw.ConstraintError) -> str:
-    """The constraint a Conflict names (`UNIQUE constraint failed: api_key.secret_sha256`), or "constraint"."""
-    text = str(exc)
-    return text.split(":", 1)[-1].strip() if "UNIQUE" in text or "FOREIGN" in text else "constraint"
-
-
 #: What the composition root opens its store with (`service.serve_control(open_store=...)`), given
 #: the state dir and `[store]`: `open_store` itself, or a test's variant of it
 #: (`functools.partial(open_store, inline=True)`).
 StoreOpener: TypeAlias = Callable[[str | Path, StoreConfig], AbstractAsyncContextManager[Store]]
-
-_best_practice_lock: Final = threading.Lock()
-_best_practice_applied = False
-
-
-def _apply_best_practice() -> None:
-    """apsw's recommended settings, once per process and before the first Connection: they register
-    connection hooks (WAL, busy timeout, foreign keys, no double-quoted strings) and send SQLite's
-    log into `logging`. Run from `open_store`, not at import, so importing the store changes nothing."""
-    global _best_practice_applied  # noqa: PLW0603 - a process-wide, once-only registration
-    with _best_practice_lock:
-        if not _best_practice_applied:
-            apsw.bestpractice.apply(apsw.bestpractice.recommended)
-            _best_practice_applied = True
 
 
 @contextlib.asynccontextmanager
@@ -163,13 +120,13 @@ async def open_store(
         async with pg.open_postgres(config, inline=inline) as store:
             yield store
         return
-    _apply_best_practice()
+    sqlite.apply_best_practice()
     root = Path(state_dir)
     lock_fd = await trio.to_thread.run_sync(_lock_state_dir, root)
     try:
-        db, epoch = await trio.to_thread.run_sync(_open_db, root / DB_FILE)
+        db, epoch = await trio.to_thread.run_sync(sqlite.open_db, root / DB_FILE)
         try:
-            reader = await trio.to_thread.run_sync(_open_reader, root / DB_FILE)
+            reader = await trio.to_thread.run_sync(sqlite.open_reader, root / DB_FILE)
             try:
                 yield Store(db, epoch=epoch, inline=inline, reader=reader)
             finally:
@@ -194,28 +151,3 @@ def _lock_state_dir(root: Path) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd
-
-
-def _open_db(path: Path) -> tuple[apsw.Connection, int]:
-    try:
-        db = apsw.Connection(str(path))
-    except apsw.Error as exc:
-        raise StoreError(f"cannot open {path}: {exc}") from None
-    try:
-        db.execute("PRAGMA synchronous=FULL")
-        migrate(db)
-        return db, take_epoch(db)
-    except apsw.Error as exc:
-        db.close()
-        raise StoreError(f"cannot prepare {path}: {type(exc).__name__}: {exc}") from None
-    except BaseException:
-        db.close()
-        raise
-
-
-def _open_reader(path: Path) -> apsw.Connection:
-    """The read-only second connection; opened after `_open_db` migrated the schema and set WAL."""
-    try:
-        return apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
-    except apsw.Error as exc:
-        raise StoreError(f"cannot open {path} for reading: {type(exc).__name__}") from None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import apsw
 import attrs
 
 from nexa.contracts import codec
@@ -13,7 +12,7 @@ from nexa.contracts.node import NodeInventory
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control.store.audit import append_audit
 from nexa.control.store.sql import Db, for_update, is_postgres, txn
-from nexa.errors import Conflict, NotFound, Unauthenticated
+from nexa.errors import Conflict, NotFound, StoreConflict, Unauthenticated
 
 
 def insert_token(db: Db, token: EnrollmentToken, draft: AuditDraft) -> AuditEvent:
@@ -166,7 +165,7 @@ def rotate_node_keys(
                 " previous_curve_public_key = ? WHERE id = ?",
                 (*keys, *previous, node_id),
             )
-        except apsw.ConstraintError:
+        except StoreConflict:
             raise Conflict("another node is enrolled with one of these keys") from None
         if db.changes() != 1:
             raise NotFound(f"no node {node_id}")

@@ -2,16 +2,18 @@
 their `db`, and `open_postgres`, what `open_store` does with a URL. The only psycopg importer, and
 imported only when a URL is set: the SQLite store's start never loads psycopg.
 
-`PgDb` speaks as apsw.Connection does (`sql.Db`): `?` placeholders (turned into psycopg's `%s`,
-literal `%` escaped), `with db:` a transaction and a savepoint when nested, `changes()` the rows of
-the last INSERT, UPDATE or DELETE, a violated constraint apsw.ConstraintError
-(`ConstraintViolation`). Transactions are READ COMMITTED; the functions lock what they read to
-write (`sql.for_update`, the audit head) and ask for one snapshot where they read in several
-statements (`sql.repeatable_read`). The reader lane's connection is read only, REPEATABLE READ.
+`PgDb` gives the calls `sql.Db` names, as `sqlite.LiteDb` does: `?` placeholders (turned into
+psycopg's `%s`, literal `%` escaped), `with db:` a transaction and a savepoint when nested,
+`changes()` the rows of the last INSERT, UPDATE or DELETE. Transactions are READ COMMITTED; the
+functions lock what they read to write (`sql.for_update`, the audit head) and ask for one snapshot
+where they read in several statements (`sql.repeatable_read`). The reader lane's connection is read
+only, REPEATABLE READ. The schema is SQLite's migrations, translated (`schema.postgresql`).
 
-Failures (`call`): a lost or refused connection, a lock or deadlock timeout is `StoreUnavailable`
-(retryable, 503), and the next transaction connects again; it never ends the process, unlike a
-damaged SQLite file (StoreUnusable). A deadlock or serialization failure is retried first, whole.
+Failures speak nexa's errors (`translated`; psycopg's never leave this module): a violated
+constraint is `StoreConflict`; a lock waited on past `lock_timeout` `StoreBusy`; a lost or refused
+connection `StoreUnavailable` (retryable, 503), and the next transaction connects again; it never
+ends the process, unlike a damaged SQLite file (StoreUnusable). A deadlock or serialization failure
+is retried first, whole (`call`), then is `StoreBusy`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Final
 
-import apsw
 import psycopg
 import psycopg.adapt
 import psycopg.conninfo
@@ -31,10 +32,10 @@ import trio
 from psycopg import errors as pgerrors
 
 from nexa.config import StoreConfig
-from nexa.control.store.connection import Store, constraint_named
-from nexa.control.store.pg_schema import migrate_pg
+from nexa.control.store.connection import Store
+from nexa.control.store.schema import migrate_pg
 from nexa.control.store.sql import T, meta_int, txn
-from nexa.errors import ConfigError, Conflict, StoreError, StoreUnavailable
+from nexa.errors import ConfigError, NexaError, StoreBusy, StoreConflict, StoreError, StoreUnavailable
 
 #: Whole tries of a transaction that PostgreSQL aborted to break a deadlock or a serialization conflict.
 TRIES: Final = 3
@@ -56,8 +57,29 @@ _KEEPALIVE: Final = {
 _CHANGING: Final = ("INSERT", "UPDATE", "DELETE")
 
 
-class ConstraintViolation(apsw.ConstraintError):
-    """A PostgreSQL integrity error, raised as the apsw error the transaction functions catch."""
+class _Aborted(StoreBusy):
+    """PostgreSQL aborted the transaction to break a deadlock or a serialization conflict: `call`
+    runs it again, whole, up to `TRIES` times."""
+
+
+def translated(exc: psycopg.Error) -> NexaError:
+    """psycopg's error in nexa's words (module docstring)."""
+    if isinstance(exc, pgerrors.IntegrityError):
+        # As SQLite's are named (`sqlite.constraint_named`): a unique or foreign key by its name.
+        named = exc.sqlstate in ("23505", "23503") and exc.diag.constraint_name
+        return StoreConflict(constraint=named or "constraint")
+    if isinstance(exc, pgerrors.DeadlockDetected | pgerrors.SerializationFailure):
+        return _Aborted(f"the PostgreSQL store aborted the transaction ({type(exc).__name__}); retry")
+    if isinstance(exc, pgerrors.LockNotAvailable):
+        return StoreBusy(
+            "the PostgreSQL store's lock stayed taken past lock_timeout (another controller holds the rows); retry"
+        )
+    if isinstance(exc, psycopg.OperationalError):
+        return StoreUnavailable(
+            f"the PostgreSQL store cannot be reached or timed out ({type(exc).__name__}); retry: "
+            "it is connected again at the next transaction"
+        )
+    return StoreError(f"store failure: {type(exc).__name__}")
 
 
 class _NumericLoader(psycopg.adapt.Loader):
@@ -112,8 +134,8 @@ class PgDb:
                 cur = self._conn.execute(statements.encode())
             else:
                 cur = self._conn.execute(to_pyformat(statements).encode(), tuple(bindings))
-        except pgerrors.IntegrityError as exc:
-            raise _violation(exc) from exc
+        except psycopg.Error as exc:
+            raise translated(exc) from exc
         if (cur.statusmessage or "").startswith(_CHANGING):
             self._changes = cur.rowcount
         return cur
@@ -123,8 +145,8 @@ class PgDb:
         with self._conn.cursor() as cur:
             try:
                 cur.executemany(to_pyformat(statements).encode(), [tuple(b) for b in sequenceofbindings])
-            except pgerrors.IntegrityError as exc:
-                raise _violation(exc) from exc
+            except psycopg.Error as exc:
+                raise translated(exc) from exc
             self._changes = cur.rowcount
 
     def changes(self) -> int:
@@ -138,6 +160,13 @@ class PgDb:
             self._fresh = False
 
     def __enter__(self) -> PgDb:
+        try:
+            self._begin()
+        except psycopg.Error as exc:
+            raise translated(exc) from exc
+        return self
+
+    def _begin(self) -> None:
         if not self._stack:
             if self._conn.closed or self._conn.broken:
                 self._reconnect()
@@ -155,7 +184,6 @@ class PgDb:
             tx = self._conn.transaction()
             tx.__enter__()
         self._stack.append(tx)
-        return self
 
     def __exit__(
         self, etype: type[BaseException] | None, evalue: BaseException | None, etraceback: TracebackType | None, /
@@ -164,10 +192,10 @@ class PgDb:
         self._fresh = False
         try:
             return bool(tx.__exit__(etype, evalue, etraceback))
-        except psycopg.OperationalError:
-            if evalue is not None:
+        except psycopg.Error as exc:
+            if evalue is not None and isinstance(exc, psycopg.OperationalError):
                 return False  # the transaction's own error says more than the failed ROLLBACK
-            raise
+            raise translated(exc) from exc
 
     def _reconnect(self) -> None:
         self._stack.clear()
@@ -179,35 +207,18 @@ class PgDb:
         self._conn.close()
 
 
-def _violation(exc: pgerrors.IntegrityError) -> ConstraintViolation:
-    kind = {
-        "23505": "UNIQUE",
-        "23503": "FOREIGN KEY",
-        "23502": "NOT NULL",
-        "23514": "CHECK",
-    }.get(exc.sqlstate or "", "constraint")
-    return ConstraintViolation(f"{kind} constraint failed: {exc.diag.constraint_name or exc.diag.column_name or ''}")
-
-
 def call(fn: Callable[..., T], db: PgDb, *args: object) -> T:
-    """`Store`'s translation of a transaction function's failures on PostgreSQL."""
+    """`Store`'s lane on PostgreSQL: run a transaction function, again whole where the server
+    aborted it to break a deadlock (`_Aborted`), at most `TRIES` times; then StoreBusy."""
     for attempt in range(1, TRIES + 1):
         try:
             return fn(db, *args)
-        except apsw.ConstraintError as exc:
-            raise Conflict(f"conflicts with existing state ({constraint_named(exc)})") from None
-        except (pgerrors.DeadlockDetected, pgerrors.SerializationFailure) as exc:
+        except _Aborted as exc:
             if attempt == TRIES:
-                raise StoreUnavailable(
-                    f"the PostgreSQL store aborted the transaction {TRIES} times ({type(exc).__name__}); retry"
-                ) from exc
-        except psycopg.OperationalError as exc:
-            raise StoreUnavailable(
-                f"the PostgreSQL store cannot be reached or timed out ({type(exc).__name__}); retry: "
-                "it is connected again at the next transaction"
-            ) from exc
-        except psycopg.Error as exc:
-            raise StoreError(f"store failure: {type(exc).__name__}") from exc
+                cause = type(exc.__cause__).__name__
+                raise StoreBusy(f"the PostgreSQL store aborted the transaction {TRIES} times ({cause}); retry") from exc
+        except psycopg.Error as exc:  # not from a PgDb call: a psycopg object the function used itself
+            raise translated(exc) from exc
     raise AssertionError("unreachable")
 
 
@@ -288,9 +299,12 @@ def _open(cfg: StoreConfig, where: str) -> tuple[PgDb, int]:
         # (`acquire_lease`), so a takeover is the last epoch + 1 however many controllers started.
         with txn(db):
             return db, meta_int(db, "epoch")
-    except psycopg.Error as exc:
+    except StoreError as exc:
         db.close()
-        raise StoreError(f"cannot prepare the PostgreSQL store {where}: {type(exc).__name__}: {exc}") from None
+        cause = exc.__cause__
+        if type(exc) is StoreError and isinstance(cause, psycopg.Error):  # a statement failed: the server's words
+            raise StoreError(f"cannot prepare the PostgreSQL store {where}: {type(cause).__name__}: {cause}") from None
+        raise
     except BaseException:
         db.close()
         raise

@@ -20,6 +20,7 @@ from nexa.control.store.audit import audit_head, verify_audit
 from nexa.control.store.connection import Store
 from nexa.control.store.recovery import RECOVERY_MARKER
 from nexa.control.store.sql import meta_int, txn
+from nexa.control.store.sqlite import LiteDb
 from nexa.errors import BackupNotSupported, StoreError
 
 #: Pages copied per step (4 KiB each: 1 MiB), i.e. per turn on the store lane.
@@ -64,16 +65,16 @@ def _open_dest(dest: Path) -> apsw.Connection:
     return apsw.Connection(str(dest))
 
 
-def _begin(db: apsw.Connection, target: apsw.Connection) -> apsw.Backup:
-    return target.backup("main", db, "main")  # the SQLite store's connection (`copy_database`)
+def _begin(db: LiteDb, target: apsw.Connection) -> apsw.Backup:
+    return target.backup("main", db.connection, "main")  # the SQLite store's connection (`copy_database`)
 
 
-def _step(_db: apsw.Connection, backup: apsw.Backup, pages: int) -> bool:
+def _step(_db: LiteDb, backup: apsw.Backup, pages: int) -> bool:
     backup.step(pages)
     return bool(backup.done)
 
 
-def _finish(_db: apsw.Connection, backup: apsw.Backup) -> None:
+def _finish(_db: LiteDb, backup: apsw.Backup) -> None:
     backup.finish()
 
 

@@ -1,8 +1,10 @@
 """What every transaction function of the store shares: `Db`, `txn`, the meta table, column checks.
 
-The seam between the two backends: a transaction function takes a `Db`, an apsw.Connection (SQLite)
-or `pg.PgDb` (PostgreSQL, the same calls over a psycopg connection), writes `?` placeholders, and
-asks `is_postgres(db)` where the two dialects differ (a row lock, a date format, a JSON field).
+The seam between the two backends: a transaction function takes a `Db`, `sqlite.LiteDb` (over an
+apsw.Connection) or `pg.PgDb` (over a psycopg one), writes `?` placeholders, and asks
+`is_postgres(db)` where the two dialects differ (a row lock, a date format, a JSON field). It sees
+only nexa's errors: each backend translates its library's at home (`StoreConflict` for a violated
+constraint, `StoreBusy`, `StoreUnavailable`, `StoreUnusable`, `StoreError`).
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ class Rows(Protocol):
 
 
 class Db(Protocol):
-    """A connection as the transaction functions use it; apsw.Connection and `pg.PgDb` are both one.
+    """A connection as the transaction functions use it; `sqlite.LiteDb` and `pg.PgDb` are both one
+    (and so is a bare apsw.Connection, which tools and tests on a copy of the file pass).
 
     `with db:` is a transaction (a savepoint when nested); `changes()` counts the rows the last
-    INSERT, UPDATE or DELETE touched; a violated constraint raises apsw.ConstraintError."""
+    INSERT, UPDATE or DELETE touched; a violated constraint raises `nexa.errors.StoreConflict`."""
 
     def execute(self, statements: str, bindings: Any = None, /) -> Rows: ...
 
