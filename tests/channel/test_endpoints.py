@@ -1,4 +1,4 @@
-"""`NodeChannel` across a key rotation, with fake uplinks (the real ones are in the e2e rotation
+"""`nexa.channel.endpoints.NodeChannel` across a key rotation, with fake uplinks (the real ones are in the e2e rotation
 tests): which requests finish on the old connection, and when that connection closes.
 
 Virtual time (`trio.testing.MockClock` with autojump): a closing time is read off the clock, so
