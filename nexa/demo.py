@@ -308,7 +308,7 @@ def _real_plan(podman: LocalPodman, registry: LocalRegistry, root: Path, progres
         simulation=False,
         # The agents remove their containers when they stop, so Ctrl-C leaves nothing running.
         node_tables=(
-            f'[podman]\nsocket = "{podman.socket}"\nregistry_tls_verify = false\nleave_running_on_exit = false\n'
+            f'[container]\nsocket = "{podman.socket}"\nregistry_tls_verify = false\nleave_running_on_exit = false\n'
         ),
         ready_timeout_s=REAL_READY_TIMEOUT_S,
     )

@@ -94,8 +94,8 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - RestoreTargetNotEmpty [restore_target_not_empty]: `nexa restore` writes only into an empty or absent directory
     - BackupNotSupported [backup_not_supported]: the store is PostgreSQL: back it up with PostgreSQL's own tools
   + RemoteError: an error envelope returned by a nexa controller (CLI side)
-  + PodmanError [podman_error]: podman refused or failed a request (node side)
-    - PodmanUnavailable [podman_unavailable]: the podman socket does not answer
+  + EngineError [engine_error]: the container engine (podman or Docker) refused or failed a request (node side)
+    - EngineUnavailable [engine_unavailable]: the engine's socket does not answer
     - ImageNotFound [image_not_found]: the registry has no image with that digest
     - ContainerNotFound (also LookupError) [container_not_found]: no container with that id
     - SimulationDisabled [simulation_disabled]: a `sim` runtime on a node that does not run simulated runtimes
@@ -869,24 +869,27 @@ class NotConnected(ChannelError):
         self.node_id = node_id
 
 
-class PodmanError(NexaError):
-    code = "podman_error"
+class EngineError(NexaError):
+    """What a container engine driver (`nexa.node.engines`) raises: each driver translates its own
+    engine's answers into this tree, so callers never learn which engine answered."""
+
+    code = "engine_error"
 
 
-class PodmanUnavailable(PodmanError):
-    code = "podman_unavailable"
+class EngineUnavailable(EngineError):
+    code = "engine_unavailable"
     retryable = True
 
 
-class ImageNotFound(PodmanError):
+class ImageNotFound(EngineError):
     code = "image_not_found"
 
 
-class ContainerNotFound(PodmanError, LookupError):
+class ContainerNotFound(EngineError, LookupError):
     code = "container_not_found"
 
 
-class SimulationDisabled(PodmanError):
+class SimulationDisabled(EngineError):
     """A `sim` runtime assigned to a node without `simulation = true` (and NEXA_SIMULATION_ONLY=1)."""
 
     code = "simulation_disabled"

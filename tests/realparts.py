@@ -51,8 +51,9 @@ from nexa.localparts import (
     s3_identities,
     weed_argv,
 )
-from nexa.node.docker import DockerClient
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.docker import DockerEngine
+from nexa.node.engines.interface import ContainerEngine
+from nexa.node.engines.libpod import LibpodEngine
 from nexa.s3 import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf as make_tiny_gguf
@@ -232,7 +233,7 @@ def podman_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodmanS
 
 @pytest.fixture(scope="session")
 def podman_socket(podman_service: PodmanService) -> str:
-    """The unix socket of the run's podman service (what `PodmanClient` takes)."""
+    """The unix socket of the run's podman service (what `LibpodEngine` takes)."""
     return podman_service.socket
 
 
@@ -613,7 +614,7 @@ def _routed(subnet: str) -> bool:
 
 @attrs.frozen
 class DockerService:
-    """The run's own `dockerd` (Debian `docker.io`): `socket` for `DockerClient`, `network` for its
+    """The run's own `dockerd` (Debian `docker.io`): `socket` for `DockerEngine`, `network` for its
     private runtimes (`[container] docker_network`)."""
 
     socket: str
@@ -728,23 +729,23 @@ ENGINES: Final = ("podman-libpod", "podman-docker-api", "dockerd")
 
 
 @attrs.frozen
-class ContainerEngine:
+class EngineUnderTest:
     """One engine for a parametrized test: its driver (`client()`), the node.toml `[container]` table
     that selects it, and `remove_labelled` to clean up after a test."""
 
     name: str
     socket: str
-    #: The Docker network private runtimes join ("" for libpod: its own `[podman] private_network`).
+    #: The Docker network private runtimes join ("" for libpod: its own `[container] private_network`).
     network: str = ""
 
     @property
     def docker(self) -> bool:
         return self.name != "podman-libpod"
 
-    def client(self, *, tls_verify: bool = False) -> PodmanClient:
+    def client(self, *, tls_verify: bool = False) -> ContainerEngine:
         if self.docker:
-            return DockerClient(self.socket, tls_verify=tls_verify, network=self.network)
-        return PodmanClient(self.socket, tls_verify=tls_verify)
+            return DockerEngine(self.socket, tls_verify=tls_verify, network=self.network)
+        return LibpodEngine(self.socket, tls_verify=tls_verify)
 
     def container_table(self) -> dict[str, str]:
         if not self.docker:
@@ -759,7 +760,7 @@ class ContainerEngine:
         through libpod, into the same store; dockerd pulls it itself (loopback is insecure there).
         """
         via_libpod = self.name == "podman-docker-api"
-        async with PodmanClient(self.socket, tls_verify=False) if via_libpod else self.client() as client:
+        async with LibpodEngine(self.socket, tls_verify=False) if via_libpod else self.client() as client:
             await client.pull(image)
 
     def remove_labelled(self, key: str, value: str) -> None:
@@ -773,14 +774,14 @@ class ContainerEngine:
 
 
 @pytest.fixture(params=ENGINES)
-def container_engine(request: pytest.FixtureRequest) -> ContainerEngine:
+def container_engine(request: pytest.FixtureRequest) -> EngineUnderTest:
     """Each engine in turn; only the services the engine needs are started (once per run)."""
     name = str(request.param)
     if name == "dockerd":
         service: DockerService = request.getfixturevalue("dockerd_service")
-        return ContainerEngine(name=name, socket=service.socket, network=service.network)
+        return EngineUnderTest(name=name, socket=service.socket, network=service.network)
     podman: PodmanService = request.getfixturevalue("podman_service")
     if name == "podman-docker-api":
         # podman's Docker API takes podman's network modes; slirp4netns as the libpod driver's default.
-        return ContainerEngine(name=name, socket=podman.socket, network="slirp4netns")
-    return ContainerEngine(name=name, socket=podman.socket)
+        return EngineUnderTest(name=name, socket=podman.socket, network="slirp4netns")
+    return EngineUnderTest(name=name, socket=podman.socket)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,74 @@ def test_trusted_report_keys_must_be_public_keys(tmp_path: Path, value: str, nee
     key = "A" * 43 + "="
     loaded = config.load(write(tmp_path, f"[evidence]\ntrusted_report_keys = ['{key}']\n"), ControlConfig)
     assert loaded.evidence.trusted_report_keys == (key,)
+
+
+# --- the engine's settings: [container], and the deprecated [podman] table --------------------------
+
+_OLD_PODMAN = (
+    '[podman]\nsocket = "/run/p.sock"\nregistry_tls_verify = false\nregistry_credentials_file = "/etc/nexa/r.json"\n'
+    'leave_running_on_exit = false\nprivate_network = "bridge"\n'
+)
+
+
+def _engine_settings(cfg: config.NodeConfig) -> tuple[object, ...]:
+    c = cfg.container
+    return (
+        c.socket_path,
+        c.registry_tls_verify,
+        c.registry_credentials_file,
+        c.leave_running_on_exit,
+        c.private_network,
+    )
+
+
+def test_the_engine_settings_are_read_from_the_container_table(tmp_path: Path) -> None:
+    new = _OLD_PODMAN.replace("[podman]", "[container]")
+    cfg = config.load(write(tmp_path, new), config.NodeConfig)
+    assert _engine_settings(cfg) == ("/run/p.sock", False, "/etc/nexa/r.json", False, "bridge")
+    assert config.NodeConfig().container.socket_path == "/run/podman/podman.sock"
+
+
+def test_the_old_podman_table_still_works_and_logs_each_deprecation_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="nexa.config"):
+        cfg = config.load(write(tmp_path, _OLD_PODMAN), config.NodeConfig)
+    assert _engine_settings(cfg) == ("/run/p.sock", False, "/etc/nexa/r.json", False, "bridge")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines.count("[podman] socket is deprecated: write it as [container] socket") == 1
+    for key in ("registry_tls_verify", "registry_credentials_file", "leave_running_on_exit", "private_network"):
+        assert lines.count(f"[podman] {key} is deprecated: write it as [container] {key}") == 1, key
+    assert len(lines) == 5
+    # The same file read as the node agent reads it (its flags merged in) says so once, not twice.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="nexa.config"):
+        args = entry.parser().parse_args(["node", "--config", str(tmp_path / "control.toml")])
+        assert roles._node_config(args).container.socket_path == "/run/p.sock"
+    assert len(caplog.records) == 5
+
+
+def test_podman_s_socket_is_not_docker_s(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """`[podman] socket` was never read with engine = "docker": it does not become Docker's socket."""
+    with caplog.at_level(logging.WARNING, logger="nexa.config"):
+        cfg = config.load(
+            write(tmp_path, '[container]\nengine = "docker"\n[podman]\nsocket = "/run/podman/podman.sock"\n'),
+            config.NodeConfig,
+        )
+    assert cfg.container.socket_path == "/var/run/docker.sock"
+    assert [r.getMessage() for r in caplog.records] == [
+        '[podman] socket is deprecated and not read with [container] engine = "docker": delete it'
+    ]
+
+
+@pytest.mark.parametrize("key", ["socket = '/a.sock'", "registry_tls_verify = false", "private_network = 'bridge'"])
+def test_a_key_in_both_tables_is_a_config_error(tmp_path: Path, key: str) -> None:
+    name = key.partition(" ")[0]
+    with pytest.raises(ConfigError, match=rf"podman\.{name}: also set as container\.{name}") as info:
+        config.load(write(tmp_path, f"[container]\n{key}\n[podman]\n{key}\n"), config.NodeConfig)
+    assert f"keep only [container] {name}" in info.value.message
+
+
+def test_a_key_the_podman_table_never_had_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"podman\.engine: unknown key"):
+        config.load(write(tmp_path, "[podman]\nengine = 'docker'\n"), config.NodeConfig)

@@ -24,8 +24,8 @@ import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
 from nexa.control.registry.outbound import MAX_TOKEN_ANSWER_BYTES, Outbound
-from nexa.errors import DigestUnknown, ManifestInvalid, PodmanError, RegistryAnswerRefused, Unavailable
-from nexa.node.podman import PodmanClient
+from nexa.errors import DigestUnknown, EngineError, ManifestInvalid, RegistryAnswerRefused, Unavailable
+from nexa.node.engines.libpod import LibpodEngine
 from nexa.oci import MAX_MANIFEST_BYTES, OCI_MANIFEST, RegistryAuths, registry_credentials
 from tests.conftest import serving_http
 from tests.realparts import AuthedRegistry, BuiltImages, PodmanService
@@ -269,11 +269,11 @@ async def test_podman_is_handed_the_credentials_only_for_their_registry(
     podman_service.cli("rmi", "--force", test_images.busybox, check=False)
     spy.answer = lambda _seen: (401, {"WWW-Authenticate": 'Basic realm="spy"'}, b"")
     source = credentials_file(tmp_path, {registry.host: {"username": registry.username, "password": registry.password}})
-    async with PodmanClient(podman_service.socket, tls_verify=False, credentials=source) as podman:
+    async with LibpodEngine(podman_service.socket, tls_verify=False, credentials=source) as podman:
         with trio.fail_after(120):
             await podman.pull(image)
             assert await podman.image_exists(image)
-            with pytest.raises(PodmanError):
+            with pytest.raises(EngineError):
                 await podman.pull(f"{spy.second}/nexa-test/authed-busybox@{image.partition('@')[2]}")
     podman_service.cli("rmi", "--force", image, check=False)
     assert spy.at(spy.second), "podman never asked the spy"

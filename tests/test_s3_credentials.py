@@ -17,7 +17,7 @@ import trio
 
 from nexa.config import WatchedFile
 from nexa.errors import ConfigError
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.libpod import LibpodEngine
 from nexa.oci import RegistryCredentials, registry_credentials
 from nexa.s3 import load_s3_credentials, s3_credentials
 from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, S3Credentials, sign_v4
@@ -188,7 +188,7 @@ async def test_the_node_pulls_with_the_registry_credentials_its_file_holds_now(t
 
     image = f"registry.example:5000/nexa/busybox@sha256:{'b' * 64}"
     source = registry_credentials(str(path))
-    async with PodmanClient("/unused.sock", credentials=source, transport=httpx.MockTransport(handler)) as client:
+    async with LibpodEngine("/unused.sock", credentials=source, transport=httpx.MockTransport(handler)) as client:
         with trio.fail_after(10):
             await client.pull(image)
             _replace(path, _auths("registry.example:5000", "puller", "pw-2"))

@@ -224,6 +224,7 @@ def _cmd_node(args: argparse.Namespace) -> int:
     from nexa.node.agent import NodeStarted, serve_node
     from nexa.telemetry import setup_logging
 
+    setup_logging("warning")  # what reading the config warns of (a deprecated key) is logged as JSON too
     cfg = _node_config(args)
     setup_logging(cfg.log.level.value)
 

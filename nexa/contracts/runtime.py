@@ -237,8 +237,8 @@ class ContainerState:
 
 
 @attrs.frozen(kw_only=True)
-class PodmanEvent:
-    """One event from podman's event stream (container events only)."""
+class EngineEvent:
+    """One event from a container engine's event stream (container events only)."""
 
     container_id: str
     #: create, init, start, died, stop, remove, health_status, …
@@ -247,8 +247,9 @@ class PodmanEvent:
 
 
 class ContainerDriver(Protocol):
-    """What the node supervisor drives: the podman client (`node.podman`), the simulation-only
-    process driver or the router between them (`node.processes`)."""
+    """What the node supervisor drives: a container engine (`node.engines`, whose
+    `ContainerEngine` adds what only an engine has), the simulation-only process driver or the
+    router between them (`node.processes`)."""
 
     async def pull(self, image: str) -> None: ...
     async def image_exists(self, image: str) -> bool: ...

@@ -672,8 +672,8 @@ async def _serve_node(
         # Simulated runtimes are children of this process: they stop when it stops.
         open_process_driver(state_dir, enabled=cfg.simulation, host=cfg.runtime_host) as processes,
     ):
-        where = cfg.container.socket_path(cfg.podman)
-        log.info("runtimes through %s at %s; artifacts cached in %s", cfg.container.engine, where, artifacts.directory)
+        where = cfg.container.socket_path
+        log.info("runtimes through %s at %s; artifacts cached in %s", engine.name, where, artifacts.directory)
         if processes is not None:
             log.warning("simulation = true: sim runtimes run as local processes (never in production)")
         runtimes = runtimes_of(cfg, identity, watcher, DriverRouter(engine, processes), artifacts, state_dir=state_dir)
@@ -709,7 +709,7 @@ async def _serve_node(
             task_status.started(started)
             await stopping.wait()
             log.info("node agent stopping")
-            if not cfg.podman.leave_running_on_exit:
+            if not cfg.container.leave_running_on_exit:
                 await _stop_runtimes(runtimes.supervisor, agent.fence.generation)
             # The loops and the watcher stop; the uplink closes its socket as its task ends.
             # Runtime containers keep running (unless configured otherwise): the next agent adopts them.

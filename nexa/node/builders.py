@@ -17,13 +17,13 @@ import trio
 
 from nexa.config import NodeConfig
 from nexa.contracts.node import ENGINE_FIELD_MAX
-from nexa.errors import PodmanError
+from nexa.errors import EngineError
 from nexa.node.artifacts import ArtifactCache
-from nexa.node.docker import DockerClient
+from nexa.node.engines.configured import configured_engine
+from nexa.node.engines.interface import ContainerEngine
 from nexa.node.identity import Fence, NodeIdentity, PendingKeys, load_fence, load_identity, resume_rotation
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.memory import ReplicaMemoryMeter, default_nvidia_smi
-from nexa.node.podman import PodmanClient
 from nexa.node.processes import DriverRouter
 from nexa.node.runtime_cache import RuntimeCaches
 from nexa.node.runtime_metrics import RuntimeMetrics
@@ -42,19 +42,19 @@ def load_state(state_dir: Path) -> tuple[NodeIdentity, Fence, PendingKeys | None
     return load_identity(state_dir), load_fence(state_dir), pending
 
 
-async def engine_version(engine: PodmanClient) -> str:
+async def engine_version(engine: ContainerEngine) -> str:
     """The engine's version for the inventory; "" when it does not answer within ENGINE_VERSION_S."""
     with trio.move_on_after(ENGINE_VERSION_S):
         try:
             return (await engine.version())[:ENGINE_FIELD_MAX]
-        except PodmanError as exc:
+        except EngineError as exc:
             log.warning("the container engine did not report its version: %s", exc)
     return ""
 
 
 @attrs.frozen(kw_only=True)
 class NodeRuntimes:
-    """What runs the node's replicas and measures them (`_runtimes`)."""
+    """What runs the node's replicas and measures them (`runtimes_of`)."""
 
     supervisor: Supervisor
     caches: RuntimeCaches
@@ -71,25 +71,11 @@ def inventory(cfg: NodeConfig) -> InventoryWatcher:
     )
 
 
-async def container_engine(cfg: NodeConfig) -> PodmanClient:
-    """The container engine's client (`[container] engine`), with the registry credentials."""
-    engine_socket = cfg.container.socket_path(cfg.podman)
+async def container_engine(cfg: NodeConfig) -> ContainerEngine:
+    """The driver of `[container] engine`, with the registry credentials."""
     # Re-read at each pull when the file changed (a bad rewrite keeps the last good).
-    credentials = await trio.to_thread.run_sync(registry_credentials_source, cfg.podman.registry_credentials_file)
-    if cfg.container.engine == "docker":
-        return DockerClient(
-            engine_socket,
-            tls_verify=cfg.podman.registry_tls_verify,
-            credentials=credentials,
-            gpu_method=cfg.container.gpu_method,
-            network=cfg.container.docker_network,
-        )
-    return PodmanClient(
-        engine_socket,
-        tls_verify=cfg.podman.registry_tls_verify,
-        credentials=credentials,
-        private_network=cfg.podman.private_network,
-    )
+    credentials = await trio.to_thread.run_sync(registry_credentials_source, cfg.container.registry_credentials_file)
+    return configured_engine(cfg.container, credentials=credentials)
 
 
 async def artifact_cache(cfg: NodeConfig, state_dir: Path) -> ArtifactCache:

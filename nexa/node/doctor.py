@@ -27,11 +27,11 @@ from nexa.contracts import codec
 from nexa.contracts.api import VersionInfo
 from nexa.contracts.doctor import CheckResult, CheckStatus, DoctorReport, report
 from nexa.contracts.node import CDI_NVIDIA_GPU, Gpu
-from nexa.errors import CertificateNotTrusted, ConfigError, ContractError, NexaError, PodmanError, Unavailable
+from nexa.errors import CertificateNotTrusted, ConfigError, ContractError, EngineError, NexaError, Unavailable
 from nexa.node import identity, inventory
-from nexa.node.docker import GPU_NVIDIA_RUNTIME, DockerClient
-from nexa.node.engine_http import EngineTransport
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.configured import configured_engine
+from nexa.node.engines.docker import GPU_NVIDIA_RUNTIME, DockerEngine
+from nexa.node.engines.interface import EngineTransport
 from nexa.node.probe import HttpProbe, http_url_host
 from nexa.tls import CLIENT_FIX
 
@@ -274,7 +274,7 @@ async def check_engine(  # noqa: PLR0911 - one result per way the socket can fai
     """The configured engine (`[container] engine`, podman by default) answers on its socket."""
     name = "engine"
     engine = cfg.container.engine
-    socket_path = cfg.container.socket_path(cfg.podman)
+    socket_path = cfg.container.socket_path
     fix = _engine_fix(engine)
     if transport is None:
         try:
@@ -287,21 +287,12 @@ async def check_engine(  # noqa: PLR0911 - one result per way the socket can fai
             return _fail(name, f"{engine}: {socket_path} is not a unix socket", fix)
         if not os.access(socket_path, os.R_OK | os.W_OK):
             return _fail(name, f"{engine}: this user (uid {os.geteuid()}) may not use {socket_path}", fix)
-    client: PodmanClient
-    if engine == "docker":
-        client = DockerClient(
-            socket_path,
-            transport=transport,
-            gpu_method=cfg.container.gpu_method,
-            network=cfg.container.docker_network,
-        )
-    else:
-        client = PodmanClient(socket_path, transport=transport, private_network=cfg.podman.private_network)
+    client = configured_engine(cfg.container, transport=transport)
     with trio.move_on_after(ENGINE_TIMEOUT_S) as scope:
         try:
             async with client:
                 version = await client.version()
-        except PodmanError as exc:
+        except EngineError as exc:
             return _fail(name, f"{engine} on {socket_path}: {exc.message}", fix)
     if scope.cancelled_caught:
         return _fail(name, f"{engine} on {socket_path} did not answer within {ENGINE_TIMEOUT_S:g} s", fix)
@@ -311,8 +302,8 @@ async def check_engine(  # noqa: PLR0911 - one result per way the socket can fai
 async def check_docker_cdi(cfg: NodeConfig, *, transport: EngineTransport | None = None) -> CheckResult:
     """With `gpu_method = "cdi"`, Docker has CDI on: `GET /info` lists its `CDISpecDirs`."""
     name = "docker_cdi"
-    socket_path = cfg.container.socket_path(cfg.podman)
-    client = DockerClient(
+    socket_path = cfg.container.socket_path
+    client = DockerEngine(
         socket_path, transport=transport, gpu_method=cfg.container.gpu_method, network=cfg.container.docker_network
     )
     dirs: list[str] | None = None
@@ -321,7 +312,7 @@ async def check_docker_cdi(cfg: NodeConfig, *, transport: EngineTransport | None
             async with client:
                 version = await client.version()
                 dirs = await client.cdi_spec_dirs()
-        except PodmanError as exc:
+        except EngineError as exc:
             return _fail(name, f"docker on {socket_path}: {exc.message}", _engine_fix("docker"))
     if scope.cancelled_caught:
         return _fail(

@@ -1,4 +1,4 @@
-"""Simulated runtimes as local processes, behind the podman client's interface. Simulation only.
+"""Simulated runtimes as local processes, behind the container engines' interface (`ContainerDriver`). Simulation only.
 
 `ProcessDriver` runs one `nexa sim-runtime` child per `sim` "container" on the node's loopback, with
 a journal and a faults file under `<state_dir>/sim/`; `DriverRouter` sends `sim` specs and ids there
@@ -32,8 +32,8 @@ from nexa.contracts.runtime import ContainerDriver, ContainerSpec, ContainerStat
 from nexa.errors import (
     ContainerNotFound,
     ContractError,
-    PodmanError,
-    PodmanUnavailable,
+    EngineError,
+    EngineUnavailable,
     SimulationDisabled,
 )
 from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
@@ -114,7 +114,7 @@ class _Child:
 
 
 class ProcessDriver:
-    """`nexa sim-runtime` children with the podman client's interface (see `ContainerDriver`).
+    """`nexa sim-runtime` children with the container engines' interface (see `ContainerDriver`).
 
     `argv` is how to run nexa (default: `default_argv()`). Use as an async context manager, or call
     `aclose()`: it stops every child.
@@ -159,7 +159,7 @@ class ProcessDriver:
         if scope.cancelled_caught:
             log.warning("closing the process driver took over %g s; some children may not be reaped", ACLOSE_TIMEOUT_S)
 
-    # --- the podman client's interface
+    # --- the container engines' interface
 
     async def pull(self, image: str) -> None:
         """Nothing to pull: a simulated runtime is this nexa."""
@@ -169,7 +169,7 @@ class ProcessDriver:
 
     async def create(self, spec: ContainerSpec) -> str:
         if self._closed:
-            raise PodmanError("the process driver is closed")
+            raise EngineError("the process driver is closed")
         if spec.labels.get(runtimes.LABEL_KIND) != RuntimeKind.SIM:
             raise ContractError(f"{spec.name}: the process driver runs sim runtimes only")
         try:
@@ -179,7 +179,7 @@ class ProcessDriver:
                 f"{spec.name}: a sim runtime needs its port in the {runtimes.LABEL_PORT} label"
             ) from None
         if any(c.spec.name == spec.name for c in self._children.values()):
-            raise PodmanError(f"the name {spec.name} is already in use")
+            raise EngineError(f"the name {spec.name} is already in use")
         child = _Child(id=SIM_ID_PREFIX + secrets.token_hex(16), spec=spec, port=port)
         self._children[child.id] = child
         log.info("created simulated runtime %s (%s)", spec.name, child.id)
@@ -218,7 +218,7 @@ class ProcessDriver:
                 start_new_session=True,
             )
         except OSError as exc:
-            raise PodmanError(f"could not start simulated runtime {spec.name}: {exc.strerror}") from exc
+            raise EngineError(f"could not start simulated runtime {spec.name}: {exc.strerror}") from exc
         finally:
             os.close(output)
         child.started_at = time.time()
@@ -252,7 +252,7 @@ class ProcessDriver:
         child = self._child(container_id)
         if child.running:
             if not force:
-                raise PodmanError(f"simulated runtime {child.spec.name} is running; stop it first")
+                raise EngineError(f"simulated runtime {child.spec.name} is running; stop it first")
             await self._terminate(child, 0.0)
         del self._children[container_id]
         log.info("removed simulated runtime %s", child.spec.name)
@@ -367,7 +367,7 @@ class DriverRouter:
         sims = await self._processes.list(labels)
         try:
             containers = await self._podman.list(labels)
-        except PodmanUnavailable as exc:
+        except EngineUnavailable as exc:
             if not self._podman_down:
                 log.warning("podman does not answer (%s); listing the simulated runtimes alone", exc)
             self._podman_down = True

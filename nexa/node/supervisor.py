@@ -41,10 +41,10 @@ from nexa.errors import (
     ArtifactUnavailable,
     ContainerNotFound,
     ContractError,
+    EngineError,
+    EngineUnavailable,
     ImageNotFound,
     InsufficientDisk,
-    PodmanError,
-    PodmanUnavailable,
     RuntimeCacheNoRoom,
     SimulationDisabled,
 )
@@ -67,11 +67,11 @@ SETTLE_POLL_S: Final = 0.5
 # Failures that another attempt soon will not fix (the registry or the store must change first):
 # retried at the maximum backoff rather than from the initial delay.
 _SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch, InsufficientDisk, RuntimeCacheNoRoom)
-# Failures foreseen by the podman client and the artifact cache; other PodmanError/ArtifactError
-# instances are still handled, but logged with their traceback.
+# Failures foreseen by the container engine (`node.engines`) and the artifact cache; other
+# EngineError/ArtifactError instances are still handled, but logged with their traceback.
 _KNOWN_FAILURES: Final = (
     ImageNotFound,
-    PodmanUnavailable,
+    EngineUnavailable,
     ContainerNotFound,
     ArtifactUnavailable,
     ArtifactDigestMismatch,
@@ -437,7 +437,7 @@ class Supervisor:
             return  # before the first update(), every container would look like an orphan
         try:
             actual = await self._podman.list({runtimes.LABEL_NODE: self._node_id})
-        except PodmanError as exc:
+        except EngineError as exc:
             if not self._list_failed:
                 log.warning(
                     "cannot list this node's containers: %s", exc, exc_info=not isinstance(exc, _KNOWN_FAILURES)
@@ -459,7 +459,7 @@ class Supervisor:
             )
             await self._stop_and_remove(state.id, ORPHAN_STOP_TIMEOUT_S, running=state.running)
             self._orphans_removed += 1
-        except PodmanError as exc:
+        except EngineError as exc:
             log.warning("could not remove orphan container %s: %s", state.name, exc)
         finally:
             self._orphans_removing.discard(state.id)
@@ -516,7 +516,7 @@ class Supervisor:
                 # The image is pinned and the spec signed: starting it again would fail the same way.
                 self._set(w, State.FAILED, reason="runtime_program_missing", detail=exc.detail)
                 await trio.sleep_forever()
-            except (PodmanError, ArtifactError) as exc:
+            except (EngineError, ArtifactError) as exc:
                 await trio.sleep(self._on_failure(w, exc))
             else:
                 if exited is not None and exited.exit_code == EXIT_PROGRAM_MISSING and w.state is State.STARTING:
@@ -528,7 +528,7 @@ class Supervisor:
                 w.restarts += 1
                 self._restarts += 1
 
-    def _on_failure(self, w: _Worker, exc: PodmanError | ArtifactError) -> float:
+    def _on_failure(self, w: _Worker, exc: EngineError | ArtifactError) -> float:
         """Report a failed step; the delay before trying again."""
         if isinstance(exc, ImageNotFound):
             w.image_ready = False
@@ -638,7 +638,7 @@ class Supervisor:
             return w.container_id, w.start_deadline
         if not state.startable:
             # podman would refuse with 500 "container state improper"; a later attempt inspects again.
-            raise PodmanError(f"container {w.container_id[:12]} is {state.status or 'in an unknown state'}")
+            raise EngineError(f"container {w.container_id[:12]} is {state.status or 'in an unknown state'}")
         return await self._start(w, w.container_id)
 
     async def _start(self, w: _Worker, container_id: str) -> tuple[str, float]:
@@ -647,11 +647,11 @@ class Supervisor:
         w.started_at = time.time()
         try:
             await self._podman.start(container_id)
-        except PodmanError as exc:
-            if isinstance(exc, PodmanUnavailable | ContainerNotFound):
+        except EngineError as exc:
+            if isinstance(exc, EngineUnavailable | ContainerNotFound):
                 raise
             state = None
-            with contextlib.suppress(PodmanError):
+            with contextlib.suppress(EngineError):
                 state = await self._podman.inspect(container_id)
             if _PROGRAM_NOT_FOUND.search(exc.message) or (
                 state is not None and state.exit_code == EXIT_PROGRAM_MISSING
@@ -675,7 +675,7 @@ class Supervisor:
 
         podman shows `stopping` for as long as a runtime takes to exit (up to its stop timeout, then
         SIGKILL); that is neither a crash nor a container that can be started. Bounded by the stop
-        timeout plus TEARDOWN_GRACE_S; then PodmanError, retried with the setup backoff.
+        timeout plus TEARDOWN_GRACE_S; then EngineError, retried with the setup backoff.
         """
         deadline = trio.current_time() + w.runtime.stop_timeout_s + TEARDOWN_GRACE_S
         while True:
@@ -683,7 +683,7 @@ class Supervisor:
             if not state.between_states:
                 return state
             if trio.current_time() >= deadline:
-                raise PodmanError(f"container {container_id[:12]} stayed {state.status or 'in an unknown state'}")
+                raise EngineError(f"container {container_id[:12]} stayed {state.status or 'in an unknown state'}")
             self._set_starting(w, f"waiting for the container to finish {state.status or 'its transition'}")
             await trio.sleep(min(w.runtime.health.interval_s, SETTLE_POLL_S))
 
@@ -765,7 +765,7 @@ class Supervisor:
         with trio.move_on_after(probe.timeout_s):
             try:
                 return await self._podman.healthcheck(container_id)
-            except PodmanError as exc:
+            except EngineError as exc:
                 # Counts as a failed probe; a vanished container shows at the next inspect.
                 log.debug("health probe of %s failed: %s", container_id, exc)
                 return False
@@ -779,7 +779,7 @@ class Supervisor:
             await self._podman.remove(container_id, force=True)
         except ContainerNotFound:
             pass
-        except PodmanError as exc:
+        except EngineError as exc:
             log.warning("could not remove container %s of assignment %s: %s", container_id, w.id, exc)
 
     async def _teardown(self, w: _Worker) -> None:
@@ -801,7 +801,7 @@ class Supervisor:
                     self._removed += 1
                     log.info("assignment %s: container %s stopped and removed", w.id, container_id)
                 w.container_id = None
-            except PodmanError as exc:
+            except EngineError as exc:
                 # Left behind, it is an orphan (or a stale container) for a later pass.
                 log.warning("could not stop and remove the runtime of assignment %s: %s", w.id, exc)
         if scope.cancelled_caught:

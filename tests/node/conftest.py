@@ -44,7 +44,7 @@ async def node(
     config.write_text(
         f'state_dir = "{state_dir}"\ninventory_path = "{tmp_path / "inventory.json"}"\n'
         f'nvidia_smi = "{tmp_path / "no-nvidia-smi"}"\nheartbeat_interval_s = 0.2\nreconnect_max_s = 0.5\n'
-        f'[podman]\nsocket = "{podman_service.socket}"\nregistry_tls_verify = false\n'
+        f'[container]\nsocket = "{podman_service.socket}"\nregistry_tls_verify = false\n'
         f'[artifacts]\ns3_endpoint = "{s3_store.endpoint}"\ns3_region = "{s3_store.region}"\n'
         f's3_credentials_file = "{credentials}"\n'
         "[supervisor]\nrestart_backoff_initial_s = 0.5\nrestart_backoff_max_s = 2\nreconcile_interval_s = 0.5\n"

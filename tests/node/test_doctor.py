@@ -29,7 +29,7 @@ import trio
 
 from nexa import cli, security
 from nexa.channel import links
-from nexa.config import ArtifactsConfig, Bytes, ContainerConfig, NodeConfig, PodmanConfig
+from nexa.config import ArtifactsConfig, Bytes, ContainerConfig, NodeConfig
 from nexa.contracts import codec
 from nexa.contracts.api import EnrollResponse
 from nexa.contracts.doctor import CheckResult, CheckStatus, DoctorReport
@@ -94,7 +94,7 @@ def _cfg(tmp_path: Path, socket_path: str, **kw: Any) -> NodeConfig:
     base = NodeConfig(
         state_dir=str(tmp_path / "node"),
         nvidia_smi=_fake_smi(tmp_path),
-        podman=PodmanConfig(socket=socket_path),
+        container=ContainerConfig(socket=socket_path),
         artifacts=ArtifactsConfig(cache_max_bytes=Bytes(1024**2)),
     )
     return attrs.evolve(base, **kw)
@@ -557,7 +557,7 @@ def test_nexa_node_doctor_against_nexa_control_and_podman(
     config = tmp_path / "node.toml"
     config.write_text(
         f'state_dir = "{state_dir}"\nnvidia_smi = "{_fake_smi(tmp_path)}"\nsimulation = true\n'
-        f'[podman]\nsocket = "{podman_socket}"\n[artifacts]\ncache_max_bytes = 1048576\n'
+        f'[container]\nsocket = "{podman_socket}"\n[artifacts]\ncache_max_bytes = 1048576\n'
     )
     cdi = _cdi_dir(tmp_path)
     common = ("--config", str(config), "--cdi-dir", cdi, "--min-free-gib", "0.001")

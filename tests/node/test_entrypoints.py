@@ -38,9 +38,9 @@ from nexa.contracts.runtime import RUNTIME_HOST as HOST_PLACEHOLDER
 from nexa.control.deployments import assignment_for
 from nexa.control.registry.outbound import Outbound
 from nexa.localparts import build_image, free_ports
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.interface import ContainerEngine
 from nexa.node.supervisor import Supervisor
-from tests.realparts import BuiltImages, ContainerEngine, OciRegistry, PodmanService
+from tests.realparts import BuiltImages, EngineUnderTest, OciRegistry, PodmanService
 from tests.support.adapters import model
 from tests.support.supervisor import FakeArtifacts
 
@@ -111,7 +111,7 @@ def entrypoint_images(
 
 
 @pytest.fixture
-def engine_labels(container_engine: ContainerEngine) -> Iterator[dict[str, str]]:
+def engine_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
     value = uuid.uuid4().hex[:12]
     try:
         yield {RUN_LABEL: value, runtimes.LABEL_NODE: f"n-{value}"}
@@ -120,7 +120,9 @@ def engine_labels(container_engine: ContainerEngine) -> Iterator[dict[str, str]]
 
 
 @pytest.fixture
-async def engine(container_engine: ContainerEngine, entrypoint_images: dict[str, str]) -> AsyncIterator[PodmanClient]:
+async def engine(
+    container_engine: EngineUnderTest, entrypoint_images: dict[str, str]
+) -> AsyncIterator[ContainerEngine]:
     """The driver of each engine in turn (libpod, podman's Docker API, dockerd), every image stored."""
     for image in entrypoint_images.values():
         await container_engine.store_image(image)
@@ -169,7 +171,7 @@ def assignment(runtime: RuntimeRecord, port: int, aid: str) -> wire.Assignment:
     return attrs.evolve(signed, runtime=attrs.evolve(spec, health=attrs.evolve(spec.health, start_period_s=20.0)))
 
 
-def read_file(engine: ContainerEngine, container_id: str, path: str) -> bytes:
+def read_file(engine: EngineUnderTest, container_id: str, path: str) -> bytes:
     """`cat path` inside the container through the Docker API on the engine's socket (all three speak it),
     with a TTY so the answer is the raw bytes."""
     transport = httpx.HTTPTransport(uds=engine.socket)
@@ -184,7 +186,7 @@ def read_file(engine: ContainerEngine, container_id: str, path: str) -> bytes:
 
 
 async def supervised(
-    nursery: trio.Nursery, client: PodmanClient, labels: dict[str, str], a: wire.Assignment
+    nursery: trio.Nursery, client: ContainerEngine, labels: dict[str, str], a: wire.Assignment
 ) -> tuple[Supervisor, Any]:
     sup = Supervisor(CFG, client, FakeArtifacts(), node_id=labels[runtimes.LABEL_NODE], runtime_host=RUNTIME_HOST)
     sup.update(1, [a])
@@ -212,8 +214,8 @@ async def supervised(
 )
 async def test_the_process_is_the_adapters_command_exactly_once_whatever_the_entrypoint(
     nursery: trio.Nursery,
-    engine: PodmanClient,
-    container_engine: ContainerEngine,
+    engine: ContainerEngine,
+    container_engine: EngineUnderTest,
     entrypoint_images: dict[str, str],
     engine_labels: dict[str, str],
     image: str,
@@ -259,7 +261,7 @@ async def test_the_process_is_the_adapters_command_exactly_once_whatever_the_ent
 )
 async def test_an_image_without_the_adapters_program_fails_with_a_typed_reason_not_a_restart_loop(
     nursery: trio.Nursery,
-    engine: PodmanClient,
+    engine: ContainerEngine,
     entrypoint_images: dict[str, str],
     engine_labels: dict[str, str],
     image: str,

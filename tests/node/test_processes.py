@@ -18,8 +18,8 @@ import trio
 from nexa import runtimes
 from nexa.contracts import wire
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, ContainerSpec
-from nexa.errors import ContainerNotFound, PodmanError, PodmanUnavailable, SimulationDisabled
-from nexa.node.podman import PodmanClient
+from nexa.errors import ContainerNotFound, EngineError, EngineUnavailable, SimulationDisabled
+from nexa.node.engines.libpod import LibpodEngine
 from nexa.node.processes import SIM_ID_PREFIX, DriverRouter, ProcessDriver
 from tests.conftest import free_port, sample_runtime
 from tests.support.nodes import sim_runtime
@@ -54,7 +54,7 @@ async def test_a_sim_runtime_is_created_started_probed_stopped_restarted_and_rem
             created = await driver.inspect(cid)
             assert (created.running, created.status, created.started_at) == (False, "created", None)
             assert not await driver.healthcheck(cid)
-            with pytest.raises(PodmanError, match="in use"):
+            with pytest.raises(EngineError, match="in use"):
                 await driver.create(spec)  # one name, one runtime (as podman)
 
             await driver.start(cid)
@@ -79,7 +79,7 @@ async def test_a_sim_runtime_is_created_started_probed_stopped_restarted_and_rem
             assert (await http.post("/v1/chat/completions", json=body)).status_code == 503
             driver.faults_path.unlink()
 
-            with pytest.raises(PodmanError, match="running"):
+            with pytest.raises(EngineError, match="running"):
                 await driver.remove(cid)  # as podman: stop first, or force
             await driver.stop(cid, timeout_s=5)
             stopped = await driver.inspect(cid)
@@ -110,7 +110,7 @@ async def test_closing_the_driver_stops_every_child(tmp_path: Path) -> None:
     finally:
         await driver.aclose()
     assert not any(answers(port) for port in ports)
-    with pytest.raises(PodmanError, match="closed"):
+    with pytest.raises(EngineError, match="closed"):
         await driver.create(sim_spec("a3"))
 
 
@@ -144,7 +144,7 @@ async def test_only_sim_specs_are_taken(tmp_path: Path) -> None:
 
 
 async def test_without_simulation_a_sim_spec_is_refused_as_simulation_disabled(tmp_path: Path) -> None:
-    async with PodmanClient(str(tmp_path / "nobody.sock")) as podman:
+    async with LibpodEngine(str(tmp_path / "nobody.sock")) as podman:
         router = DriverRouter(podman, None)
         with pytest.raises(SimulationDisabled) as info:
             await router.create(sim_spec())
@@ -152,7 +152,7 @@ async def test_without_simulation_a_sim_spec_is_refused_as_simulation_disabled(t
         assert "simulation = true" in info.value.message
         with pytest.raises(ContainerNotFound):
             await router.inspect("sim-0123")
-        with pytest.raises(PodmanUnavailable):
+        with pytest.raises(EngineUnavailable):
             await router.list()  # without simulation, podman's answer is the answer
 
 
@@ -160,7 +160,7 @@ async def test_sim_specs_and_ids_go_to_processes_the_rest_to_podman(tmp_path: Pa
     llama = runtimes.container_spec(
         "n1", wire.Assignment(id="a2", deployment="d2", runtime=sample_runtime()), 1, Path("/m")
     )
-    async with PodmanClient(str(tmp_path / "nobody.sock")) as podman, ProcessDriver(tmp_path) as processes:
+    async with LibpodEngine(str(tmp_path / "nobody.sock")) as podman, ProcessDriver(tmp_path) as processes:
         router = DriverRouter(podman, processes)
         with trio.fail_after(TIMEOUT_S):
             cid = await router.create(sim_spec("a1"))
@@ -168,9 +168,9 @@ async def test_sim_specs_and_ids_go_to_processes_the_rest_to_podman(tmp_path: Pa
             await wait_healthy(router, cid)
             assert (await router.inspect(cid)).running
             # Podman is down: its specs and ids fail as podman fails...
-            with pytest.raises(PodmanUnavailable):
+            with pytest.raises(EngineUnavailable):
                 await router.create(llama)
-            with pytest.raises(PodmanUnavailable):
+            with pytest.raises(EngineUnavailable):
                 await router.inspect("0" * 64)
             # ...while listing still reports the simulated runtimes (a demo machine without podman).
             assert [s.id for s in await router.list({runtimes.LABEL_NODE: "n1"})] == [cid]

@@ -3,7 +3,7 @@ by default (issue 12, point 11), on every engine (libpod, podman's Docker API, d
 a container between states is not a crashed one (point 16), and each replica's writable cache on a
 read-only root, kept for the next container of the same thing (issue 29, point 2).
 
-The supervisor runs with the real `PodmanClient`; only the artifact cache is a fake (no artifact).
+The supervisor runs with the real `LibpodEngine`; only the artifact cache is a fake (no artifact).
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ from nexa.contracts.runtime import (
     RuntimeSpec,
 )
 from nexa.localparts import free_ports
-from nexa.node.podman import PodmanClient
+from nexa.node.engines.interface import ContainerEngine
+from nexa.node.engines.libpod import LibpodEngine
 from nexa.node.runtime_cache import RuntimeCaches, cache_key
 from nexa.node.supervisor import Supervisor
-from tests.realparts import BuiltImages, ContainerEngine, PodmanService
+from tests.realparts import BuiltImages, EngineUnderTest, PodmanService
 from tests.support.supervisor import FakeArtifacts
 
 RUN_LABEL = "nexa-test.run"
@@ -59,14 +60,14 @@ def run_labels(podman_service: PodmanService) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-async def podman(podman_socket: str, test_images: BuiltImages) -> AsyncIterator[PodmanClient]:
-    async with PodmanClient(podman_socket, tls_verify=False) as client:
+async def podman(podman_socket: str, test_images: BuiltImages) -> AsyncIterator[ContainerEngine]:
+    async with LibpodEngine(podman_socket, tls_verify=False) as client:
         await client.pull(test_images.busybox)
         yield client
 
 
 @pytest.fixture
-def engine_labels(container_engine: ContainerEngine) -> Iterator[dict[str, str]]:
+def engine_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
     value = uuid.uuid4().hex[:12]
     try:
         yield {RUN_LABEL: value, runtimes.LABEL_NODE: f"n-{value}"}
@@ -75,7 +76,7 @@ def engine_labels(container_engine: ContainerEngine) -> Iterator[dict[str, str]]
 
 
 @pytest.fixture
-async def engine(container_engine: ContainerEngine, test_images: BuiltImages) -> AsyncIterator[PodmanClient]:
+async def engine(container_engine: EngineUnderTest, test_images: BuiltImages) -> AsyncIterator[ContainerEngine]:
     """The driver of each engine in turn (libpod, podman's Docker API, dockerd), the image stored."""
     await container_engine.store_image(test_images.busybox)
     async with container_engine.client() as client:
@@ -129,7 +130,7 @@ def _spec(image: str, labels: dict[str, str], command: list[str], **changes: Any
     return attrs.evolve(spec, **changes)
 
 
-async def _exit_code(podman: PodmanClient, container_id: str) -> int:
+async def _exit_code(podman: ContainerEngine, container_id: str) -> int:
     with trio.fail_after(TIMEOUT_S):
         while True:
             state = await podman.inspect(container_id)
@@ -145,7 +146,7 @@ def _probe_command(port: int) -> list[str]:
 
 
 async def test_a_runtime_in_its_own_namespace_cannot_reach_another_loopback_address_of_the_node(
-    engine: PodmanClient, test_images: BuiltImages, engine_labels: dict[str, str], outside_listener: int
+    engine: ContainerEngine, test_images: BuiltImages, engine_labels: dict[str, str], outside_listener: int
 ) -> None:
     podman = engine
     spec = _spec(test_images.busybox, engine_labels, _probe_command(outside_listener))
@@ -162,7 +163,7 @@ async def test_a_runtime_in_its_own_namespace_cannot_reach_another_loopback_addr
 
 
 async def test_the_port_is_published_on_the_runtime_address_only(
-    engine: PodmanClient, test_images: BuiltImages, engine_labels: dict[str, str]
+    engine: ContainerEngine, test_images: BuiltImages, engine_labels: dict[str, str]
 ) -> None:
     podman = engine
     (port,) = free_ports(1, RUNTIME_HOST)
@@ -222,7 +223,7 @@ def _stubborn_runtime(image: str, port: int) -> RuntimeSpec:
 
 
 async def _stubborn_under_supervision(
-    nursery: trio.Nursery, client: PodmanClient, labels: dict[str, str], image: str
+    nursery: trio.Nursery, client: ContainerEngine, labels: dict[str, str], image: str
 ) -> tuple[Supervisor, int, Callable[[Any], Awaitable[wire.AssignmentStatus]], list[wire.AssignmentStatus]]:
     """A supervisor running `_stubborn_runtime` on `client`: it, the runtime's port, `until(check)` (poll
     the assignment's status until `check` holds; each status seen is kept in the list returned last)."""
@@ -247,7 +248,7 @@ async def _stubborn_under_supervision(
 
 async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
     nursery: trio.Nursery,
-    podman: PodmanClient,
+    podman: ContainerEngine,
     podman_service: PodmanService,
     test_images: BuiltImages,
     run_labels: dict[str, str],
@@ -279,8 +280,8 @@ async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
 
 async def test_an_outside_stop_through_the_docker_api_is_waited_out_on_every_engine(
     nursery: trio.Nursery,
-    engine: PodmanClient,
-    container_engine: ContainerEngine,
+    engine: ContainerEngine,
+    container_engine: EngineUnderTest,
     test_images: BuiltImages,
     engine_labels: dict[str, str],
 ) -> None:
@@ -348,8 +349,8 @@ def _cache_writing_runtime(image: str, port: int) -> RuntimeSpec:
 @pytest.mark.slow
 async def test_a_runtime_writes_its_caches_on_a_read_only_root_and_its_replacement_finds_them(
     nursery: trio.Nursery,
-    engine: PodmanClient,
-    container_engine: ContainerEngine,
+    engine: ContainerEngine,
+    container_engine: EngineUnderTest,
     test_images: BuiltImages,
     engine_labels: dict[str, str],
     tmp_path: Path,

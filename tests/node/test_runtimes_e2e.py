@@ -24,7 +24,7 @@ from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.localparts import free_ports
-from tests.realparts import BuiltImages, ContainerEngine, FakeGpu, PodmanService
+from tests.realparts import BuiltImages, EngineUnderTest, FakeGpu, PodmanService
 from tests.support.agent_process import (
     PROBE_S,
     RS,
@@ -178,7 +178,7 @@ async def test_bad_images_and_artifacts_never_start_and_orphans_are_removed(
 
 @pytest.fixture
 async def engine_node(
-    nursery: trio.Nursery, tmp_path: Path, container_engine: ContainerEngine
+    nursery: trio.Nursery, tmp_path: Path, container_engine: EngineUnderTest
 ) -> AsyncIterator[tuple[FakeController, AgentProcess, str]]:
     """`nexa node` as its own process on `container_engine`; yields the node's label value too."""
     ctl = FakeController(nursery)
@@ -190,8 +190,7 @@ async def engine_node(
     config.write_text(
         f'state_dir = "{state_dir}"\ninventory_path = "{tmp_path / "inventory.json"}"\n'
         f'nvidia_smi = "{tmp_path / "no-nvidia-smi"}"\nheartbeat_interval_s = 0.2\nreconnect_max_s = 0.5\n'
-        f"[container]\n{table}"
-        f'[podman]\nsocket = "{container_engine.socket}"\nregistry_tls_verify = false\n'
+        f"[container]\n{table}registry_tls_verify = false\n"
         "[supervisor]\nrestart_backoff_initial_s = 0.5\nrestart_backoff_max_s = 2\nreconcile_interval_s = 0.5\n"
     )
     agent = AgentProcess(config=config, log=tmp_path / "agent.log")
@@ -203,7 +202,7 @@ async def engine_node(
         container_engine.remove_labelled("nexa.node", "n1")
 
 
-def _inspect(engine: ContainerEngine, name: str) -> dict[str, Any] | None:
+def _inspect(engine: EngineUnderTest, name: str) -> dict[str, Any] | None:
     """The engine's Docker-API inspect of `name` (podman's socket answers the Docker API too)."""
     transport = httpx.HTTPTransport(uds=engine.socket)
     with httpx.Client(transport=transport, base_url="http://d", trust_env=False, timeout=30) as api:
@@ -218,7 +217,7 @@ def _inspect(engine: ContainerEngine, name: str) -> dict[str, Any] | None:
 @pytest.mark.slow
 async def test_the_agent_runs_a_hardened_runtime_on_every_engine(
     engine_node: tuple[FakeController, AgentProcess, str],
-    container_engine: ContainerEngine,
+    container_engine: EngineUnderTest,
     test_images: BuiltImages,
 ) -> None:
     ctl, agent, _ = engine_node

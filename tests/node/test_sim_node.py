@@ -18,7 +18,7 @@ import httpx
 import pytest
 import trio
 
-from nexa.config import NodeConfig, PodmanConfig, Seconds, SupervisorConfig
+from nexa.config import ContainerConfig, NodeConfig, Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.errors import ConfigError
 from nexa.node.agent import serve_node
@@ -132,7 +132,7 @@ async def test_a_node_without_simulation_reports_a_sim_assignment_failed(
 ) -> None:
     # The switch alone does not make a node run simulations: its config must say so too.
     monkeypatch.setenv("NEXA_SIMULATION_ONLY", "1")
-    cfg = attrs.evolve(cfg, simulation=False, podman=PodmanConfig(socket=podman_socket))
+    cfg = attrs.evolve(cfg, simulation=False, container=ContainerConfig(socket=podman_socket))
     port = free_port()
     assignment = wire.Assignment(id="a1", deployment="d1", runtime=sim_runtime(port))
     with trio.fail_after(TIMEOUT_S):

@@ -433,7 +433,7 @@ async def test_podman_going_away_is_reported_and_the_running_runtime_kept(
     await wait_for(sup, S.READY)
     podman.calls.clear()
     podman.unavailable = True
-    await wait_for(sup, S.FAILED, "podman_unavailable")
+    await wait_for(sup, S.FAILED, "engine_unavailable")
     await trio.sleep(20)
     podman.unavailable = False
     await wait_for(sup, S.READY)

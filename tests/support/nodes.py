@@ -17,7 +17,7 @@ import trio
 
 from nexa import security
 from nexa.channel import links
-from nexa.config import NodeConfig, PodmanConfig, Seconds
+from nexa.config import ContainerConfig, NodeConfig, Seconds
 from nexa.contracts import wire
 from nexa.contracts.api import EnrollResponse
 from nexa.contracts.node import RuntimeKind
@@ -191,7 +191,7 @@ def node_config(tmp_path: Path, state_dir: Path, inventory: dict[str, Any], **ov
         nvidia_smi=str(smi),
         heartbeat_interval_s=Seconds(BEAT_S),
         reconnect_max_s=Seconds(0.2),
-        podman=PodmanConfig(socket=str(tmp_path / "no-podman.sock")),
+        container=ContainerConfig(socket=str(tmp_path / "no-podman.sock")),
     )
     return attrs.evolve(base, **over)
 

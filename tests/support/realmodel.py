@@ -63,7 +63,7 @@ def node_config(tmp: Path, name: str, host: str, s3: S3Store, podman: PodmanServ
     config.write_text(
         f'state_dir = "{state}"\ninventory_path = "{inventory}"\ninventory_poll_interval_s = 0.5\n'
         f'heartbeat_interval_s = 0.3\nsource_address = "{host}"\nruntime_host = "{host}"\nreconnect_max_s = 1\n'
-        f'[podman]\nsocket = "{podman.socket}"\nregistry_tls_verify = false\nleave_running_on_exit = false\n'
+        f'[container]\nsocket = "{podman.socket}"\nregistry_tls_verify = false\nleave_running_on_exit = false\n'
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         "[supervisor]\nreconcile_interval_s = 1\n"

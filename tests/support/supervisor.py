@@ -18,7 +18,7 @@ from nexa import runtimes
 from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import ArtifactRef, ContainerSpec, ContainerState, HealthProbe, RuntimeSpec
-from nexa.errors import ArtifactDigestMismatch, ContainerNotFound, ImageNotFound, PodmanError, PodmanUnavailable
+from nexa.errors import ArtifactDigestMismatch, ContainerNotFound, EngineError, EngineUnavailable, ImageNotFound
 from nexa.node.supervisor import Artifacts, Podman, Supervisor
 from tests.conftest import sample_runtime
 
@@ -85,7 +85,7 @@ class FakePodman:
     async def _enter(self) -> None:
         await trio.lowlevel.checkpoint()
         if self.unavailable:
-            raise PodmanUnavailable("podman socket does not answer")
+            raise EngineUnavailable("podman socket does not answer")
 
     def _get(self, ref: str) -> FakeContainer:
         for c in self.containers.values():
@@ -112,7 +112,7 @@ class FakePodman:
         if spec.image not in self.images:
             raise ImageNotFound(f"{spec.image}: image not known")
         if any(c.spec.name == spec.name for c in self.containers.values()):
-            raise PodmanError(f"the container name {spec.name} is already in use")
+            raise EngineError(f"the container name {spec.name} is already in use")
         return self.add(spec, running=False).id
 
     async def start(self, container_id: str) -> None:
@@ -163,7 +163,7 @@ class FakePodman:
         self.calls.append(("remove", container_id, force))
         c = self._get(container_id)
         if c.running and not force:
-            raise PodmanError(f"container {container_id} is running")
+            raise EngineError(f"container {container_id} is running")
         del self.containers[c.id]
 
     async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]:

@@ -1,4 +1,4 @@
-"""PodmanClient against the real thing: rootful podman's libpod API, a registry, a CDI fake GPU.
+"""LibpodEngine against the real thing: rootful podman's libpod API, a registry, a CDI fake GPU.
 
 The parts come from `tests/realparts.py` (one podman service, one registry per run). Every test labels
 its containers with a value of its own, so runs and tests never see each other's containers, and removes
@@ -27,17 +27,18 @@ import httpx
 import pytest
 import trio
 
-from nexa.contracts.runtime import LABEL_ASSIGNMENT, ContainerSpec, HealthProbe, PodmanEvent
+from nexa.contracts.runtime import LABEL_ASSIGNMENT, ContainerSpec, EngineEvent, HealthProbe
 from nexa.errors import (
     ConfigError,
     ContainerNotFound,
     ContractError,
+    EngineError,
+    EngineUnavailable,
     ImageNotFound,
-    PodmanError,
-    PodmanUnavailable,
 )
-from nexa.node.engine_http import EngineAnswer
-from nexa.node.podman import API_BASE, PodmanClient
+from nexa.node.engines import http as engine_http
+from nexa.node.engines.http import EngineAnswer
+from nexa.node.engines.libpod import API_BASE, LibpodEngine
 from nexa.oci import RegistryAuths, RegistryCredentials, load_registry_credentials
 from tests.realparts import BuiltImages, FakeGpu, PodmanService
 
@@ -64,8 +65,8 @@ def run_labels(podman_service: PodmanService) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-async def podman(podman_socket: str) -> AsyncIterator[PodmanClient]:
-    async with PodmanClient(podman_socket, tls_verify=False) as client:
+async def podman(podman_socket: str) -> AsyncIterator[LibpodEngine]:
+    async with LibpodEngine(podman_socket, tls_verify=False) as client:
         yield client
 
 
@@ -115,7 +116,7 @@ async def run_in(service: PodmanService, container_id: str, *argv: str) -> subpr
 
 
 async def raw_inspect(socket_path: str, container_id: str) -> dict[str, Any]:
-    """podman's own inspect document, to check what `PodmanClient.create` asked for took effect."""
+    """podman's own inspect document, to check what `LibpodEngine.create` asked for took effect."""
     transport = httpx.AsyncHTTPTransport(uds=socket_path)
     async with httpx.AsyncClient(transport=transport, base_url=API_BASE, trust_env=False) as http:
         response = await http.get(f"/containers/{container_id}/json")
@@ -167,7 +168,7 @@ def proc_environ(pid: int) -> dict[str, str]:
 
 
 async def test_pull_by_digest_then_create_start_inspect_shows_that_digest_and_labels(
-    podman: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str]
+    podman: LibpodEngine, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     with trio.fail_after(60):
         await podman.pull(test_images.busybox)
@@ -201,7 +202,7 @@ async def test_pull_by_digest_then_create_start_inspect_shows_that_digest_and_la
 
 
 async def test_a_digest_the_registry_does_not_have_is_image_not_found(
-    podman: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str]
+    podman: LibpodEngine, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     repository = test_images.busybox.partition("@")[0]
     absent = f"{repository}@sha256:{'0' * 64}"
@@ -215,13 +216,13 @@ async def test_a_digest_the_registry_does_not_have_is_image_not_found(
             await podman.create(make_spec(absent, run_labels))
 
 
-async def test_an_unreachable_registry_is_a_podman_error_not_image_not_found(podman: PodmanClient) -> None:
+async def test_an_unreachable_registry_is_an_engine_error_not_image_not_found(podman: LibpodEngine) -> None:
     with socket.socket() as s:  # a loopback port nothing listens on: bound by the OS, then released
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    with trio.fail_after(30), pytest.raises(PodmanError) as caught:
+    with trio.fail_after(30), pytest.raises(EngineError) as caught:
         await podman.pull(f"127.0.0.1:{port}/nexa-test/busybox@sha256:{'1' * 64}")
-    assert not isinstance(caught.value, ImageNotFound | PodmanUnavailable)
+    assert not isinstance(caught.value, ImageNotFound | EngineUnavailable)
 
 
 async def test_a_reference_not_by_digest_is_refused_before_any_request() -> None:
@@ -232,7 +233,7 @@ async def test_a_reference_not_by_digest_is_refused_before_any_request() -> None
         return httpx.Response(500, json={"message": "must not be reached"})
 
     digest = "a" * 64
-    async with PodmanClient("/nonexistent.sock", transport=httpx.MockTransport(handler)) as client:
+    async with LibpodEngine("/nonexistent.sock", transport=httpx.MockTransport(handler)) as client:
         with trio.fail_after(5):
             for image in (
                 "busybox",
@@ -262,7 +263,7 @@ async def test_a_reference_not_by_digest_is_refused_before_any_request() -> None
 
 
 async def test_a_running_container_is_hardened_as_the_spec_says(
-    podman: PodmanClient,
+    podman: LibpodEngine,
     podman_service: PodmanService,
     test_images: BuiltImages,
     fake_gpu_cdi: FakeGpu,
@@ -377,7 +378,7 @@ async def test_a_running_container_is_hardened_as_the_spec_says(
 
 
 async def test_healthcheck_runs_the_probe_now_and_follows_what_it_checks(
-    podman: PodmanClient, podman_service: PodmanService, test_images: BuiltImages, run_labels: dict[str, str]
+    podman: LibpodEngine, podman_service: PodmanService, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     probe = HealthProbe(command=["test", "-f", "/tmp/ok"], timeout_s=5, start_period_s=0, retries=1)
     with trio.fail_after(60):
@@ -395,7 +396,7 @@ async def test_healthcheck_runs_the_probe_now_and_follows_what_it_checks(
 
 
 async def test_stop_honours_its_timeout_then_remove_removes(
-    podman: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str]
+    podman: LibpodEngine, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     with trio.fail_after(90):
         await podman.pull(test_images.busybox)
@@ -426,7 +427,7 @@ async def test_stop_honours_its_timeout_then_remove_removes(
             await podman.remove(graceful)
 
         await podman.start(stubborn)
-        with pytest.raises(PodmanError, match="running"):
+        with pytest.raises(EngineError, match="running"):
             await podman.remove(stubborn)  # running, and not forced
         started = time.monotonic()
         await podman.remove(stubborn, force=True)
@@ -439,7 +440,7 @@ async def test_stop_honours_its_timeout_then_remove_removes(
 
 
 async def test_list_returns_every_container_with_all_the_labels(
-    podman: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str]
+    podman: LibpodEngine, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     with trio.fail_after(60):
         await podman.pull(test_images.busybox)
@@ -470,7 +471,7 @@ _REMOVING_ANSWER = {
 
 
 async def test_a_container_removed_while_listing_is_left_out_even_when_podman_answers_500(
-    podman: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str], monkeypatch: pytest.MonkeyPatch
+    podman: LibpodEngine, test_images: BuiltImages, run_labels: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with trio.fail_after(60):
         await podman.pull(test_images.busybox)
@@ -492,7 +493,7 @@ async def test_a_container_removed_while_listing_is_left_out_even_when_podman_an
         monkeypatch.setattr(
             podman._http, "request", lambda *a, **k: _answer(EngineAnswer(500, b'{"cause": "database is locked"}'))
         )
-        with pytest.raises(PodmanError, match="answered 500") as failed:
+        with pytest.raises(EngineError, match="answered 500") as failed:
             await podman.inspect(kept)
         assert not isinstance(failed.value, ContainerNotFound)
 
@@ -502,13 +503,13 @@ async def _answer(answer: EngineAnswer) -> EngineAnswer:
 
 
 async def test_events_stream_start_and_died_for_the_labelled_container_only(
-    podman: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str]
+    podman: LibpodEngine, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     watched_labels = {**run_labels, "nexa-test.role": "watched"}
     since = time.time() - 1  # replays anything between subscribing and podman streaming
     with trio.fail_after(60):
         await podman.pull(test_images.busybox)
-        send, receive = trio.open_memory_channel[PodmanEvent](100)
+        send, receive = trio.open_memory_channel[EngineEvent](100)
 
         async def watch() -> None:
             async with aclosing(podman.events(watched_labels, since=since)) as events, send:
@@ -527,7 +528,7 @@ async def test_events_stream_start_and_died_for_the_labelled_container_only(
             )
             await podman.start(watched)
 
-            seen: list[PodmanEvent] = []
+            seen: list[EngineEvent] = []
             async for event in receive:
                 seen.append(event)
                 if event.action == "died":
@@ -554,23 +555,23 @@ async def test_events_stream_start_and_died_for_the_labelled_container_only(
 # -- failures ----------------------------------------------------------------------------------
 
 
-async def test_a_socket_that_does_not_exist_is_podman_unavailable(tmp_path: Path) -> None:
-    async with PodmanClient(str(tmp_path / "absent.sock")) as client:
+async def test_a_socket_that_does_not_exist_is_engine_unavailable(tmp_path: Path) -> None:
+    async with LibpodEngine(str(tmp_path / "absent.sock")) as client:
         with trio.fail_after(10):
-            with pytest.raises(PodmanUnavailable, match="does not answer"):
+            with pytest.raises(EngineUnavailable, match="does not answer"):
                 await client.version()
-            with pytest.raises(PodmanUnavailable):
+            with pytest.raises(EngineUnavailable):
                 await client.pull(f"127.0.0.1:5000/nexa/busybox@sha256:{'a' * 64}")
-            with pytest.raises(PodmanUnavailable):
+            with pytest.raises(EngineUnavailable):
                 await client.inspect("anything")
-            with pytest.raises(PodmanUnavailable):
+            with pytest.raises(EngineUnavailable):
                 await client.list()
-            with pytest.raises(PodmanUnavailable):
+            with pytest.raises(EngineUnavailable):
                 async with aclosing(client.events({RUN_LABEL: "x"})) as events:
                     await events.__anext__()
 
 
-async def test_an_unknown_container_is_container_not_found(podman: PodmanClient) -> None:
+async def test_an_unknown_container_is_container_not_found(podman: LibpodEngine) -> None:
     absent = f"nexa-test-absent-{uuid.uuid4().hex}"
     with trio.fail_after(20):
         with pytest.raises(ContainerNotFound):
@@ -587,12 +588,31 @@ async def test_an_unknown_container_is_container_not_found(podman: PodmanClient)
             await podman.inspect(absent)
 
 
-async def test_version_answers(podman: PodmanClient) -> None:
+async def test_version_answers(podman: LibpodEngine) -> None:
     with trio.fail_after(10):
         assert re.match(r"^\d+\.\d+", await podman.version())
 
 
 # -- registry credentials ----------------------------------------------------------------------
+
+
+async def test_an_answer_larger_than_the_bound_is_refused_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A runaway answer (fault injection: a socket that never stops talking) ends as an EngineError."""
+    monkeypatch.setattr(engine_http, "MAX_ANSWER_BYTES", 4096)
+    sizes = {"/v4.0.0/libpod/version": 4096, "/v4.0.0/libpod/containers/json": 4097}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        size = sizes[request.url.path]
+        body = json.dumps({"Version": "4.3.1"} if "version" in request.url.path else []).encode()
+        return httpx.Response(200, content=b" " * (size - len(body)) + body)  # JSON may start with spaces
+
+    async with LibpodEngine("/unused.sock", transport=httpx.MockTransport(handler)) as client:
+        with trio.fail_after(5):
+            assert await client.version() == "4.3.1"  # exactly at the bound: read
+            with pytest.raises(
+                EngineError, match=r"podman answered GET /v4.0.0/libpod/containers/json with more than 4096 bytes"
+            ):
+                await client.list()
 
 
 async def test_credentials_go_only_into_the_pull_auth_header_and_never_into_errors() -> None:
@@ -610,10 +630,10 @@ async def test_credentials_go_only_into_the_pull_auth_header_and_never_into_erro
 
     image = f"registry.example:5000/nexa/busybox@sha256:{'b' * 64}"
     transport = httpx.MockTransport(handler)
-    async with PodmanClient("/unused.sock", credentials=credentials, transport=transport) as client:
+    async with LibpodEngine("/unused.sock", credentials=credentials, transport=transport) as client:
         with trio.fail_after(5):
             await client.pull(image)
-            with pytest.raises(PodmanError) as caught:
+            with pytest.raises(EngineError) as caught:
                 await client.pull(image.replace("busybox", "broken"))
             await client.image_exists(image)
 
@@ -721,7 +741,7 @@ async def test_a_pull_carries_credentials_only_for_their_own_registry(image: str
         seen.append(request)
         return httpx.Response(200, text='{"images":["abc"],"id":"abc"}\n')
 
-    async with PodmanClient(
+    async with LibpodEngine(
         "/unused.sock", credentials=lambda: credentials, transport=httpx.MockTransport(handler)
     ) as client:
         with trio.fail_after(5):

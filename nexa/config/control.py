@@ -1,125 +1,25 @@
-"""Configuration: frozen attrs classes read from TOML. Pure; no I/O beyond reading the file
-(and the files config names: `WatchedFile`).
-
-Rules: unknown keys are errors, every bad key is named (dotted path), durations end in `_s`,
-sizes in `_bytes`. Command-line flags override the file with `attrs.evolve`.
-"""
+"""The controller's configuration (`nexa control --config`): `ControlConfig` and its sections."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import enum
-import ipaddress
-import logging
 import math
-import os
 import re
-import tomllib
 import urllib.parse
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any, Generic, NewType, TypeVar
 
 import attrs
-import cattrs
 
-from nexa.contracts import codec
-from nexa.errors import ConfigError
-
-Seconds = NewType("Seconds", float)
-Bytes = NewType("Bytes", int)
-HostPort = NewType("HostPort", str)
-#: An Ed25519 public key: standard base64 of its raw 32 bytes ("" where none is configured).
-PublicKeyB64 = NewType("PublicKeyB64", str)
-
-C = TypeVar("C")
-F = TypeVar("F")
-
-log = logging.getLogger(__name__)
-
-
-class WatchedFile(Generic[F]):
-    """A file that config names (S3 or registry credentials), re-read when it changes.
-
-    `current()` stats the file (one syscall) and parses it again only when its (mtime, size,
-    inode) moved: an operator's atomic rename or an edit in place is picked up at the next use,
-    with no restart. A file that turns unreadable or invalid keeps the last good value; the
-    problem is logged once per change (the loader's message, never the content) and reported to
-    `on_invalid` (a metric). The first load happens here, and its ConfigError is raised.
-    """
-
-    def __init__(self, path: str, load: Callable[[str], F], *, on_invalid: Callable[[], None] | None = None) -> None:
-        self.path = path
-        self._load = load
-        self._on_invalid = on_invalid
-        self._seen = self._stamp()
-        self._value = load(path)
-        #: How often a changed file was taken, and refused (`statistics`, tests).
-        self.reloads = 0
-        self.refusals = 0
-
-    def _stamp(self) -> tuple[int, int, int] | None:
-        try:
-            st = os.stat(self.path)
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino)
-
-    def current(self) -> F:
-        stamp = self._stamp()
-        if stamp == self._seen:
-            return self._value
-        self._seen = stamp
-        try:
-            value = self._load(self.path)
-        except ConfigError as exc:
-            self.refusals += 1
-            log.warning("%s; keeping the credentials read before", exc.message)
-            if self._on_invalid is not None:
-                self._on_invalid()
-            return self._value
-        self._value = value
-        self.reloads += 1
-        log.info("re-read %s", self.path)
-        return value
-
-
-def _check_networks(values: tuple[str, ...]) -> None:
-    for value in values:
-        try:
-            ipaddress.ip_network(value, strict=False)
-        except ValueError:
-            raise ValueError(f"{value!r} is not an IP address or network") from None
-
-
-#: A host in a channel endpoint: an address, a name (a host's or an interface's), or `*` (any).
-_ENDPOINT_HOST = re.compile(r"[A-Za-z0-9*][A-Za-z0-9._-]*")
-
-
-def _zmq_endpoint(value: object) -> str:
-    """`tcp://HOST:PORT` for `tcp://HOST:PORT` or a bare `HOST:PORT` (as `http.listen` takes);
-    HOST may be `[v6]`, PORT `*` (any free port). Anything else is refused here, not by zmq later."""
-    text = str(value)
-    if not text:
-        return text
-    host_port = text.removeprefix("tcp://")
-    host, sep, port = host_port.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            host = ""
-    elif not _ENDPOINT_HOST.fullmatch(host):
-        host = ""
-    if not (sep and host and (port == "*" or (port.isdigit() and int(port) <= 65535))):
-        raise ValueError(f"{text!r} is not a channel address: use HOST:PORT or tcp://HOST:PORT")
-    return f"tcp://{host_port}"
-
-
-def _positive_rate(attribute: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{attribute.name} must be a positive, finite rate per second")
+from nexa.config.common import (
+    Bytes,
+    HostPort,
+    LogConfig,
+    PublicKeyB64,
+    Seconds,
+    check_networks,
+    parse_host_port,
+    positive_rate,
+    zmq_endpoint,
+)
 
 
 class TlsVersion(enum.StrEnum):
@@ -146,7 +46,7 @@ class HttpConfig:
     #: Peers (addresses or networks, e.g. `["127.0.0.1"]`) whose `X-Forwarded-Proto: https` is
     #: believed: a TLS-terminating ingress there makes the console cookie `Secure`. The header is
     #: ignored from every other peer. Empty: only a direct https connection counts.
-    trusted_proxies: tuple[str, ...] = attrs.field(default=(), validator=lambda _i, _a, v: _check_networks(v))
+    trusted_proxies: tuple[str, ...] = attrs.field(default=(), validator=lambda _i, _a, v: check_networks(v))
     #: Share `listen`'s port with the other `nexa control` processes ("gateway workers") on this
     #: host: the socket is bound with SO_REUSEPORT and the kernel spreads new connections over the
     #: workers, so the gateway uses more than one core. Each worker is a controller of its own on
@@ -235,34 +135,22 @@ class BackupConfig:
     key_file: str = ""
 
 
-class LogLevel(enum.StrEnum):
-    DEBUG = "debug"
-    INFO = "info"
-    WARNING = "warning"
-    ERROR = "error"
-
-
-@attrs.frozen(kw_only=True)
-class LogConfig:
-    level: LogLevel = LogLevel.INFO
-
-
 @attrs.frozen(kw_only=True)
 class ChannelConfig:
     """The ZeroMQ ROUTER nodes dial (CurveZMQ; nodes listen on nothing)."""
 
     #: zmq endpoint to bind, e.g. `tcp://0.0.0.0:8471` on the management network; a bare
     #: `HOST:PORT` (the syntax of `http.listen`) means `tcp://HOST:PORT`.
-    listen: str = attrs.field(default="tcp://127.0.0.1:8471", converter=_zmq_endpoint)
+    listen: str = attrs.field(default="tcp://127.0.0.1:8471", converter=zmq_endpoint)
     #: The endpoint handed to nodes at enrollment; empty means the bound endpoint.
-    advertise: str = attrs.field(default="", converter=_zmq_endpoint)
+    advertise: str = attrs.field(default="", converter=zmq_endpoint)
     #: The second endpoint: after `nexa keys rotate-controller` the new Curve key is served there
     #: beside the current one until `[nodes] key_overlap_s` ends; then the old key's endpoint
     #: refuses every node and the two swap roles at the next rotation. Empty: `listen`'s port + 1.
-    rotation_listen: str = attrs.field(default="", converter=_zmq_endpoint)
+    rotation_listen: str = attrs.field(default="", converter=zmq_endpoint)
     #: What nodes are told to dial for `rotation_listen`; empty: `advertise`'s port + 1 where
     #: `advertise` is set, else the bound endpoint.
-    rotation_advertise: str = attrs.field(default="", converter=_zmq_endpoint)
+    rotation_advertise: str = attrs.field(default="", converter=zmq_endpoint)
     #: Largest data chunk a node may send. Keep it at least the nodes' `relay.max_chunk_bytes`:
     #: a zmq frame above this plus `channel.links.MESSAGE_HEADROOM_BYTES` (64 KiB) costs the node its
     #: connection (zmq MAXMSGSIZE), and a stream buffers at most `gateway.stream_window_chunks`
@@ -272,12 +160,12 @@ class ChannelConfig:
     receive_hwm: int = attrs.field(default=64, validator=attrs.validators.ge(1))
     #: Signed messages (hello, heartbeat, ack) one node may send per second, and in a burst; the
     #: excess is dropped before it is verified and counted as `rate_limited`.
-    signed_messages_per_s: float = attrs.field(default=20.0, validator=lambda _i, a, v: _positive_rate(a, v))
+    signed_messages_per_s: float = attrs.field(default=20.0, validator=lambda _i, a, v: positive_rate(a, v))
     signed_messages_burst: int = attrs.field(default=40, validator=attrs.validators.ge(1))
     #: Store writes one node's messages may cause (inventory saves, acknowledgement records) per
     #: second, and in a burst. Above it the newest state is kept in memory and written with a later
     #: message (counted in `nexa_node_store_writes_deferred_total`).
-    node_store_writes_per_s: float = attrs.field(default=0.5, validator=lambda _i, a, v: _positive_rate(a, v))
+    node_store_writes_per_s: float = attrs.field(default=0.5, validator=lambda _i, a, v: positive_rate(a, v))
     node_store_writes_burst: int = attrs.field(default=10, validator=attrs.validators.ge(1))
 
     def endpoint(self, slot: int) -> tuple[str, str]:
@@ -584,340 +472,3 @@ class ControlConfig:
     store: StoreConfig = StoreConfig()
     evidence: EvidenceConfig = EvidenceConfig()
     retention: RetentionConfig = attrs.field(default=RetentionConfig(), validator=lambda i, _a, v: v.check(i.artifacts))
-
-
-class LeaseExpiryPolicy(enum.StrEnum):
-    """What a node does with its runtimes when its assignment lease lapses without renewal."""
-
-    KEEP_SERVING = "keep_serving"
-    STOP = "stop"
-
-
-@attrs.frozen(kw_only=True)
-class PodmanConfig:
-    """How the agent reaches podman and the OCI registry it pulls runtime images from."""
-
-    #: libpod REST API on a unix socket (rootful podman: /run/podman/podman.sock).
-    socket: str = "/run/podman/podman.sock"
-    #: Verify the registry's TLS certificate when pulling (turn off only for a loopback test registry).
-    registry_tls_verify: bool = True
-    #: Optional JSON file {"auths": {"HOST[:PORT]": {"username": …, "password": …}}} (as `[oci]
-    #: credentials_file`); podman is handed an entry only to pull from that registry. Never logged.
-    registry_credentials_file: str = ""
-    #: Leave runtime containers running when the agent stops (they are adopted on its next start).
-    leave_running_on_exit: bool = True
-    #: How each runtime's own network namespace is made: "slirp4netns" (a user-mode stack per
-    #: container: runtimes cannot reach each other) or "bridge" (netavark's default network: kernel
-    #: forwarding, but runtimes on it reach each other's ports). Runtimes registered with
-    #: `host_network` use the node's namespace instead.
-    private_network: str = attrs.field(default="slirp4netns", validator=attrs.validators.in_(("slirp4netns", "bridge")))
-
-
-def _gpu_method(instance: ContainerConfig, attribute: attrs.Attribute[str], value: str) -> None:
-    if value not in ("cdi", "nvidia-runtime"):
-        raise ValueError(f"{attribute.name} must be 'cdi' or 'nvidia-runtime', not {value!r}")
-    if instance.engine == "podman" and value != "cdi":
-        raise ValueError(f"{attribute.name}: podman takes GPUs by CDI name only (gpu_method = 'cdi')")
-
-
-@attrs.frozen(kw_only=True)
-class ContainerConfig:
-    """Which container engine runs the runtimes, and how GPUs reach them. Registry, TLS and
-    leave-running settings stay in `[podman]` and apply to either engine."""
-
-    #: "podman" (libpod REST API) or "docker" (Docker Engine API; also podman's Docker-compatible one).
-    engine: str = attrs.field(default="podman", validator=attrs.validators.in_(("podman", "docker")))
-    #: The engine's unix socket. Empty: `[podman] socket` for podman, /var/run/docker.sock for docker.
-    socket: str = ""
-    #: "cdi" (CDI device names; Docker 25 or later with CDI enabled) or "nvidia-runtime" (Docker's
-    #: NVIDIA runtime device requests, `nvidia.com/gpu=<index|uuid|all>` names only). docker only.
-    gpu_method: str = attrs.field(default="cdi", validator=_gpu_method)
-    #: With docker: the Docker network private runtimes join (their own namespace; the port is
-    #: published on runtime_host only). Not "host" or "none".
-    docker_network: str = attrs.field(
-        default="bridge", validator=attrs.validators.not_(attrs.validators.in_(("", "host", "none")))
-    )
-
-    def socket_path(self, podman: PodmanConfig) -> str:
-        if self.socket:
-            return self.socket
-        return podman.socket if self.engine == "podman" else "/var/run/docker.sock"
-
-
-@attrs.frozen(kw_only=True)
-class ArtifactsConfig:
-    """Where model artifacts come from (an S3-compatible store) and where they are cached."""
-
-    #: Empty means `<state_dir>/artifacts`.
-    cache_dir: str = ""
-    #: Least-recently-used artifacts are evicted above this size (ones in use are kept).
-    cache_max_bytes: Bytes = Bytes(500 * 1024**3)
-    #: e.g. https://s3.internal:8333; path-style requests.
-    s3_endpoint: str = ""
-    s3_region: str = "us-east-1"
-    #: JSON {"access_key_id": …, "secret_access_key": …} or an AWS shared-credentials (INI) file;
-    #: re-read when it changes, never logged. Empty: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, else anonymous.
-    s3_credentials_file: str = ""
-    #: The profile (section) of an INI credentials file.
-    s3_profile: str = "default"
-    s3_tls_verify: bool = True
-    #: Files of one model (and of all models being fetched) downloaded at once.
-    parallel_downloads: int = attrs.field(default=4, validator=[attrs.validators.ge(1), attrs.validators.le(64)])
-
-
-@attrs.frozen(kw_only=True)
-class CacheConfig:
-    """Each replica's writable cache (`node.runtime_cache`), kept on the node's disk across restarts."""
-
-    #: Empty means `<state_dir>/runtime-cache`.
-    runtime_cache_dir: str = ""
-    #: Least-recently-used caches no replica holds are removed above this size.
-    runtime_cache_max_bytes: Bytes = Bytes(100 * 1024**3)
-    #: A replica starts only with this much free on the caches' filesystem (after eviction).
-    runtime_cache_start_free_bytes: Bytes = Bytes(2 * 1024**3)
-    #: How often the caches are measured (and evicted above the bound).
-    runtime_cache_measure_interval_s: Seconds = Seconds(30.0)
-
-
-@attrs.frozen(kw_only=True)
-class SupervisorConfig:
-    """Runtime supervision: probes, restarts, crash loops."""
-
-    #: First wait before restarting a crashed runtime; doubles up to the maximum.
-    restart_backoff_initial_s: Seconds = Seconds(1.0)
-    restart_backoff_max_s: Seconds = Seconds(60.0)
-    #: This many crashes within `crash_loop_window_s` is reported as a crash loop.
-    crash_loop_restarts: int = 5
-    crash_loop_window_s: Seconds = Seconds(300.0)
-    #: How often desired and actual containers are compared even without a change.
-    reconcile_interval_s: Seconds = Seconds(5.0)
-
-
-def _loopback(_: object, attribute: attrs.Attribute[str], value: str) -> None:
-    try:
-        loopback = ipaddress.ip_address(value).is_loopback
-    except ValueError:
-        loopback = False
-    if not loopback:
-        raise ValueError(f"{attribute.name} must be a loopback IP address (127.0.0.0/8 or ::1)")
-
-
-@attrs.frozen(kw_only=True)
-class RelayConfig:
-    """The node's inference relay: controller requests to local runtimes over loopback HTTP."""
-
-    #: Requests the node relays at once; more are refused with `node_busy` (the controller retries elsewhere).
-    max_inflight: int = attrs.field(default=1024, validator=attrs.validators.ge(1))
-    #: Connecting to a local runtime.
-    connect_timeout_s: Seconds = Seconds(2.0)
-    #: Most bytes of runtime output coalesced into one chunk frame.
-    max_chunk_bytes: Bytes = Bytes(65536)
-
-
-#: The controllers' channel endpoints a node dials (`NodeConfig.controllers`), each `tcp://HOST:PORT`.
-ControllerEndpoints = NewType("ControllerEndpoints", tuple[str, ...])
-
-
-def _dial_endpoint(value: object) -> str:
-    """One endpoint a node dials: `_zmq_endpoint`'s syntax, with a named host and port (never `*`)."""
-    if not isinstance(value, str) or not value:
-        raise ValueError("expected a channel address: tcp://HOST:PORT")
-    endpoint = _zmq_endpoint(value)
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if "*" in (host, port):
-        raise ValueError(f"{value!r} is a listening address: a node dials a controller's host and port")
-    return endpoint
-
-
-def _endpoint_problems(values: tuple[object, ...] | list[object]) -> tuple[list[str], list[tuple[int, ValueError]]]:
-    """The endpoints, and what is wrong with the others (by index): not an address, or listed twice."""
-    endpoints: list[str] = []
-    problems: list[tuple[int, ValueError]] = []
-    for i, value in enumerate(values):
-        try:
-            endpoint = _dial_endpoint(value)
-        except ValueError as exc:
-            problems.append((i, exc))
-            continue
-        if endpoint in endpoints:
-            problems.append((i, ValueError(f"{endpoint} is listed twice: name each controller once")))
-            continue
-        endpoints.append(endpoint)
-    return endpoints, problems
-
-
-def _controller_endpoints(value: object) -> ControllerEndpoints:
-    """`NodeConfig.controllers` built in code; ValueError naming `controllers[i]`."""
-    if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise ValueError("controllers: expected a list of channel addresses (tcp://HOST:PORT)")
-    endpoints, problems = _endpoint_problems(value)
-    if problems:
-        i, exc = problems[0]
-        raise ValueError(f"controllers[{i}]: {exc}")
-    return ControllerEndpoints(tuple(endpoints))
-
-
-def _controllers_hook(value: object, _: type) -> ControllerEndpoints:
-    """`NodeConfig.controllers` from a file: every bad entry reported at its index (`controllers[i]`)."""
-    if isinstance(value, str) or not isinstance(value, list | tuple):
-        raise ValueError("expected a list of channel addresses (tcp://HOST:PORT)")
-    endpoints, problems = _endpoint_problems(value)
-    if problems:
-        errors = []
-        for i, exc in problems:
-            exc.add_note(cattrs.errors.IterableValidationNote(f"Structuring controllers @ index {i}", i, str))
-            errors.append(exc)
-        raise cattrs.IterableValidationError("invalid controllers", errors, tuple)
-    return ControllerEndpoints(tuple(endpoints))
-
-
-@attrs.frozen(kw_only=True)
-class MemoryConfig:
-    """The memory-pressure guard of a unified-memory node (a GB10: GPU allocations come out of
-    the host's pool, invisible to the container's memory limit)."""
-
-    #: When MemAvailable falls under this, the most recently started replica is stopped
-    #: (`Failed(memory_pressure)`) and the node reports the pressure, so nothing more is placed on
-    #: it until MemAvailable is back above. 0 turns the guard off. Nodes with discrete GPUs only
-    #: are never guarded (their runtimes' memory is the GPUs').
-    pressure_floor_bytes: int = attrs.field(default=4 * 1024**3, validator=attrs.validators.ge(0))
-
-
-@attrs.frozen(kw_only=True)
-class NodeConfig:
-    """Everything `nexa node` reads (`/etc/nexa/node.toml`)."""
-
-    #: Keys, the enrollment record and the accepted (epoch, generation) live here.
-    state_dir: str = "/var/lib/nexa/node"
-    inventory_path: str = "/etc/nexa/inventory.json"
-    #: How often inventory.json is checked for edits.
-    inventory_poll_interval_s: Seconds = Seconds(2.0)
-    #: Path of nvidia-smi; empty means look it up on PATH (none found: no GPUs).
-    nvidia_smi: str = ""
-    heartbeat_interval_s: Seconds = Seconds(1.0)
-    #: Local address to dial the controller from (e.g. one of several loopback addresses).
-    source_address: str = ""
-    #: The loopback address runtimes listen on and the relay reaches them at. Several nodes sharing
-    #: one host (tests, demos) each take their own, e.g. 127.0.0.11; a real node keeps 127.0.0.1.
-    runtime_host: str = attrs.field(default="127.0.0.1", validator=_loopback)
-    on_lease_expiry: LeaseExpiryPolicy = LeaseExpiryPolicy.KEEP_SERVING
-    #: Longest wait between reconnection attempts to the controller.
-    reconnect_max_s: Seconds = Seconds(5.0)
-    #: The channel endpoints of every controller to keep a channel to (several `nexa control` on one
-    #: store, sharing their keys), each `tcp://HOST:PORT` (a bare `HOST:PORT` means the same); empty
-    #: (or `[]`): the one the node enrolled with. Heartbeats go to each; assignment sets are taken
-    #: from whichever has the highest epoch; inference is answered on the channel it came on.
-    controllers: ControllerEndpoints = attrs.field(default=ControllerEndpoints(()), converter=_controller_endpoints)
-    container: ContainerConfig = ContainerConfig()
-    podman: PodmanConfig = PodmanConfig()
-    artifacts: ArtifactsConfig = ArtifactsConfig()
-    supervisor: SupervisorConfig = SupervisorConfig()
-    relay: RelayConfig = RelayConfig()
-    #: Run `sim` runtimes as local processes (tests and demos only). Refused unless the agent's
-    #: environment has NEXA_SIMULATION_ONLY=1; a node without it reports sim assignments Failed.
-    simulation: bool = False
-    #: How often each Ready replica's metrics endpoint is read for the heartbeat's load figures
-    #: (seconds; 0 turns the scrape off).
-    runtime_metrics_interval_s: float = attrs.field(
-        default=5.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(math.inf)]
-    )
-    log: LogConfig = LogConfig()
-    cache: CacheConfig = CacheConfig()
-    #: How often nvidia-smi and meminfo are read again (GPU utilisation, temperature, power and
-    #: memory, the host's MemAvailable), for heartbeats, placement and the memory guard. A hung
-    #: nvidia-smi is killed after its timeout; the last GPU figures are kept, marked stale.
-    discovery_interval_s: Seconds = Seconds(5.0)
-    #: The meminfo file read for host memory (a test points it at a file it rewrites).
-    meminfo_path: str = "/proc/meminfo"
-    memory: MemoryConfig = MemoryConfig()
-
-
-def _seconds(value: object, _: type) -> Seconds:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError("expected a duration in seconds (a number)")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError("must be a positive number of seconds")
-    return Seconds(float(value))
-
-
-def _bytes(value: object, _: type) -> Bytes:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError("expected a size in bytes (an integer)")
-    if value <= 0:
-        raise ValueError("must be a positive number of bytes")
-    return Bytes(value)
-
-
-def parse_host_port(value: str) -> tuple[str, int]:
-    """Split `host:port` or `[v6]:port`; raise ValueError with the reason."""
-    host, sep, port_s = value.rpartition(":")
-    if not sep or not host:
-        raise ValueError("expected HOST:PORT")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        ipaddress.IPv6Address(host)
-    if not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-        raise ValueError("port must be a number from 0 to 65535")
-    return host, int(port_s)
-
-
-def _host_port(value: object, _: type) -> HostPort:
-    if not isinstance(value, str):
-        raise ValueError("expected a string HOST:PORT")
-    parse_host_port(value)
-    return HostPort(value)
-
-
-def _public_key_b64(value: object, _: type) -> PublicKeyB64:
-    if not isinstance(value, str):
-        raise ValueError("expected a string: an Ed25519 public key in base64")
-    if value:
-        try:
-            raw = base64.b64decode(value.strip(), validate=True)
-        except (binascii.Error, ValueError):
-            raise ValueError("not valid base64") from None
-        if len(raw) != 32:
-            raise ValueError(f"an Ed25519 public key is 32 bytes, this is {len(raw)}")
-    return PublicKeyB64(value.strip())
-
-
-def _converter() -> cattrs.Converter:
-    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
-    conv.register_structure_hook(Seconds, _seconds)
-    conv.register_structure_hook(Bytes, _bytes)
-    conv.register_structure_hook(HostPort, _host_port)
-    conv.register_structure_hook(PublicKeyB64, _public_key_b64)
-    conv.register_structure_hook(ControllerEndpoints, _controllers_hook)
-    codec.register_strict_hooks(conv)
-    return conv
-
-
-_CONV = _converter()
-
-
-def structure_config(data: dict[str, Any], cls: type[C]) -> C:
-    """Structure a parsed TOML table into `cls`, or raise ConfigError naming every bad key."""
-    try:
-        return _CONV.structure(data, cls)
-    except Exception as exc:
-        problems = codec.describe(exc)
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(problems), problems=problems) from None
-
-
-def unstructure_config(cfg: object) -> dict[str, Any]:
-    """The plain-dict form of a config object (the inverse of `structure_config`)."""
-    data: dict[str, Any] = _CONV.unstructure(cfg)
-    return data
-
-
-def load(path: str | Path, cls: type[C]) -> C:
-    """Read a TOML file into `cls`. Raises ConfigError on unreadable, malformed or invalid files."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path} is not valid TOML: {exc}", problems=(str(exc),)) from None
-    return structure_config(data, cls)

@@ -1,22 +1,25 @@
-"""DockerClient: the node agent's way to Docker Engine (and to podman's Docker-compatible API) over the
+"""DockerEngine: the node agent's way to Docker Engine (and to podman's Docker-compatible API) over the
 engine's unix socket.
 
-It shares `PodmanClient`'s transport, error translation, listing, adoption and stop/remove calls and
-speaks the Docker Engine dialect where the two APIs differ: the create body, pulls (`/images/create`),
-inspect (digest proven from the image's RepoDigests), and health probes run through `exec`. It asks
-for nothing the libpod driver would not: a spec podman would refuse is refused here too.
+It shares the libpod driver's transport (`engines.http`) and what both APIs say alike (`engines.common`:
+error translation, listing, start/stop/remove, events) and speaks the Docker Engine dialect where the
+two differ: the create body, pulls (`/images/create`), inspect (digest proven from the image's
+RepoDigests), and health probes run through `exec`. It asks for nothing the libpod driver would not:
+a spec podman would refuse is refused here too.
 """
 
 from __future__ import annotations
 
 import base64
+import builtins
 import ipaddress
 import json
 import logging
 import math
 import time
-from collections.abc import Callable
-from typing import Any, ClassVar, Final
+from collections.abc import AsyncGenerator, Mapping
+from types import TracebackType
+from typing import Final
 from urllib.parse import quote
 
 import trio
@@ -24,26 +27,32 @@ import trio
 from nexa.contracts.runtime import (
     NETWORK_PRIVATE,
     ContainerSpec,
+    ContainerState,
+    EngineEvent,
     HealthProbe,
 )
-from nexa.errors import ContainerNotFound, ContractError, ImageNotFound, PodmanError
-from nexa.node.engine_http import EngineAnswer, EngineTransport
-from nexa.node.podman import (
-    _IMAGE_MISSING_MARKERS,
-    _MAX_MESSAGE_CHARS,
+from nexa.errors import ContainerNotFound, ContractError, EngineError, ImageNotFound
+from nexa.node.engines.common import (
+    IMAGE_MISSING_MARKERS,
     SCRATCH_DIR,
     STREAM_READ_TIMEOUT_S,
-    PodmanClient,
-    _digest_of,
-    _json_objects,
-    _podman_message,
-    _require_digest_reference,
-    _validate_spec,
+    Credentials,
+    EngineApi,
+    Json,
+    container_path,
+    container_state,
+    digest_of,
+    message_of,
+    require_digest_reference,
+    states_of,
+    validate_spec,
 )
-from nexa.oci import RegistryAuths
+from nexa.node.engines.http import EngineAnswer, EngineHttp, EngineTransport
 
 log = logging.getLogger(__name__)
 
+#: What messages call this engine.
+ENGINE: Final = "docker"
 #: Unversioned paths: the engine answers in its own newest dialect (Docker and podman both do).
 DOCKER_BASE: Final = "http://d"
 #: The oldest Docker Engine API this driver speaks (Docker 20.10, Debian 12's docker.io).
@@ -65,8 +74,6 @@ LABEL_PROBE: Final = "nexa.probe"
 EXEC_POLL_S: Final = 0.05
 DEFAULT_DOCKER_NETWORK: Final = "bridge"
 
-_Json = dict[str, Any]
-
 
 def _api_version(text: str) -> tuple[int, int]:
     major, _, minor = text.partition(".")
@@ -83,7 +90,7 @@ def _registry_of(image: str) -> str:
     return "docker.io"
 
 
-def _nvidia_request(devices: list[str]) -> _Json:
+def _nvidia_request(devices: list[str]) -> Json:
     """The NVIDIA runtime's device request for CDI names `nvidia.com/gpu=<index|uuid|all>`."""
     ids: list[str] = []
     for device in devices:
@@ -93,7 +100,7 @@ def _nvidia_request(devices: list[str]) -> _Json:
                 f"devices: {device!r} is not an NVIDIA GPU (the nvidia runtime takes {NVIDIA_CDI_KIND}=…)"
             )
         ids.append(name)
-    request: _Json = {"Driver": "nvidia", "Capabilities": [["gpu"]]}
+    request: Json = {"Driver": "nvidia", "Capabilities": [["gpu"]]}
     if "all" in ids:
         request["Count"] = -1
     else:
@@ -101,7 +108,7 @@ def _nvidia_request(devices: list[str]) -> _Json:
     return request
 
 
-def _device_requests(spec: ContainerSpec, gpu_method: str) -> list[_Json]:
+def _device_requests(spec: ContainerSpec, gpu_method: str) -> list[Json]:
     if not spec.devices:
         return []
     if gpu_method == GPU_NVIDIA_RUNTIME:
@@ -132,7 +139,7 @@ def _probe_of(labels: object) -> tuple[list[str], float] | None:
 
 def docker_create_body(
     spec: ContainerSpec, *, gpu_method: str = GPU_CDI, network: str = DEFAULT_DOCKER_NETWORK
-) -> _Json:
+) -> Json:
     """The Docker Engine `ContainerCreateRequest` for `spec`, key for key what `podman.create_body` asks:
 
     * image by digest only; read-only root with a tmpfs /tmp (rw, nosuid, nodev) as the only scratch;
@@ -146,7 +153,7 @@ def docker_create_body(
       `publish_host` only; `host` or `none` where the spec says so;
     * the env exactly as given; SIGTERM, then SIGKILL after the stop timeout.
     """
-    host: _Json = {
+    host: Json = {
         "ReadonlyRootfs": True,
         "Tmpfs": {SCRATCH_DIR: "rw,nosuid,nodev"},
         "Mounts": [
@@ -183,7 +190,7 @@ def docker_create_body(
     }
     if spec.shm_bytes:
         host["ShmSize"] = spec.shm_bytes
-    body: _Json = {
+    body: Json = {
         "Image": spec.image,
         "Cmd": list(spec.command),
         "Env": [f"{key}={value}" for key, value in spec.env.items()],
@@ -214,24 +221,21 @@ def _familiar(reference: str) -> str:
     return reference
 
 
-class DockerClient(PodmanClient):
-    """Docker Engine over its unix socket. Use as `async with DockerClient(socket) as docker:`.
+class DockerEngine:
+    """Docker Engine over its unix socket. Use as `async with DockerEngine(socket) as docker:`.
 
-    Raises only `nexa.errors`, exactly as `PodmanClient`. `tls_verify` cannot be passed per pull (the
-    daemon owns TLS: `insecure-registries`, `/etc/docker/certs.d`), so with it on a pull from a
-    registry the daemon treats as insecure is refused instead of made.
+    A `ContainerEngine` (`engines.interface`) raising only `nexa.errors`, exactly as `LibpodEngine`.
+    `tls_verify` cannot be passed per pull (the daemon owns TLS: `insecure-registries`,
+    `/etc/docker/certs.d`), so with it on a pull from a registry the daemon treats as insecure is
+    refused instead of made.
     """
-
-    ENGINE: ClassVar[str] = "docker"
-    BASE_URL: ClassVar[str] = DOCKER_BASE
-    STOP_TIMEOUT_PARAM: ClassVar[str] = "t"
 
     def __init__(
         self,
         socket_path: str,
         *,
         tls_verify: bool = True,
-        credentials: RegistryAuths | Callable[[], RegistryAuths] | None = None,
+        credentials: Credentials = None,
         transport: EngineTransport | None = None,
         gpu_method: str = GPU_CDI,
         network: str = DEFAULT_DOCKER_NETWORK,
@@ -240,42 +244,60 @@ class DockerClient(PodmanClient):
             raise ContractError(f"gpu_method must be one of {', '.join(GPU_METHODS)}, not {gpu_method!r}")
         if not network or network in ("host", "none"):
             raise ContractError(f"network must name a Docker network for private runtimes, not {network!r}")
-        super().__init__(socket_path, tls_verify=tls_verify, credentials=credentials, transport=transport)
+        self._tls_verify = tls_verify
+        self._http = EngineHttp(socket_path, base_url=DOCKER_BASE, engine=ENGINE, transport=transport)
+        self._api = EngineApi(self._http, engine=ENGINE, credentials=credentials, stop_timeout_param="t")
         self._gpu_method = gpu_method
         self._network = network
-        self._api: tuple[int, int] | None = None
+        self._api_seen: tuple[int, int] | None = None
         self._is_podman = False
+
+    @property
+    def name(self) -> str:
+        return ENGINE
 
     @property
     def gpu_method(self) -> str:
         return self._gpu_method
 
+    async def __aenter__(self) -> DockerEngine:
+        await self._http.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
+        await self._http.__aexit__(exc_type, exc, tb)
+
     async def version(self) -> str:
-        """The engine's version (e.g. "20.10.24"); PodmanError for an API older than 1.41."""
-        data = self._json(await self._request("GET", "/version", what="version"), "version")
+        """The engine's version (e.g. "20.10.24"); EngineError for an API older than 1.41."""
+        data = self._api.json(await self._api.request("GET", "/version", what="version"), "version")
         version = data.get("Version") if isinstance(data, dict) else None
         api = data.get("ApiVersion") if isinstance(data, dict) else None
         if not isinstance(version, str) or not isinstance(api, str):
-            raise PodmanError("version: docker's answer has no Version and ApiVersion")
-        self._api = _api_version(api)
+            raise EngineError("version: docker's answer has no Version and ApiVersion")
+        self._api_seen = _api_version(api)
         components = data.get("Components")
         self._is_podman = isinstance(components, list) and any(
             isinstance(c, dict) and c.get("Name") == PODMAN_COMPONENT for c in components
         )
-        if self._api < MIN_API_VERSION:
-            raise PodmanError(f"version: Docker Engine API {api} is older than 1.41 (Docker 20.10)")
+        if self._api_seen < MIN_API_VERSION:
+            raise EngineError(f"version: Docker Engine API {api} is older than 1.41 (Docker 20.10)")
         return version
 
     async def _api_version(self) -> tuple[int, int]:
-        if self._api is None:
+        if self._api_seen is None:
             await self.version()
-        assert self._api is not None
-        return self._api
+        assert self._api_seen is not None
+        return self._api_seen
 
     async def _refuse_insecure(self, image: str) -> None:
         """With tls_verify on, refuse a registry the daemon would reach without verified TLS."""
         registry = _registry_of(image)
-        data = self._json(await self._request("GET", "/info", what="info"), "info")
+        data = self._api.json(await self._api.request("GET", "/info", what="info"), "info")
         config = (data.get("RegistryConfig") or {}) if isinstance(data, dict) else {}
         index = (config.get("IndexConfigs") or {}).get(registry)
         insecure = isinstance(index, dict) and index.get("Secure") is False
@@ -292,19 +314,19 @@ class DockerClient(PodmanClient):
                     if address.version == with_cidr.version and address in with_cidr:
                         insecure = True
         if insecure:
-            raise PodmanError(
+            raise EngineError(
                 f"pull {image}: docker treats registry {registry} as insecure (plain HTTP or unverified TLS) "
                 "but registry_tls_verify is on"
             )
 
     async def pull(self, image: str) -> None:
         """Pull `repo@sha256:<64 hex>` (the registry is always asked, as with podman's `policy=always`)."""
-        _require_digest_reference(image)
+        require_digest_reference(image)
         if self._tls_verify:
             await self._refuse_insecure(image)
         headers: dict[str, str] = {}
         # Only the credentials of the image's own registry (dockerd does the token exchange itself).
-        credentials = self._pull_credentials(image)
+        credentials = self._api.pull_credentials(image)
         if credentials is not None:
             auth = json.dumps(
                 {
@@ -316,7 +338,7 @@ class DockerClient(PodmanClient):
             headers["X-Registry-Auth"] = base64.urlsafe_b64encode(auth.encode()).decode()
         started = time.monotonic()
         what = f"pull {image}"
-        response = await self._request(
+        response = await self._api.request(
             "POST",
             "/images/create",
             what=what,
@@ -327,31 +349,25 @@ class DockerClient(PodmanClient):
             read_timeout_s=STREAM_READ_TIMEOUT_S,
         )
         # 200 first, then progress objects; a failure is an {"error": …} object in the stream.
-        for item in _json_objects(response.text):
-            error = item.get("error")
-            if isinstance(error, str) and error:
-                message = self._scrub(error)[:_MAX_MESSAGE_CHARS]
-                if any(marker in error.lower() for marker in (*_IMAGE_MISSING_MARKERS, "not found")):
-                    raise ImageNotFound(f"{what}: the registry has no such image: {message}")
-                raise PodmanError(f"{what} failed: {message}")
+        self._api.pull_failure(response.text, what, missing_markers=(*IMAGE_MISSING_MARKERS, "not found"))
         log.info("pulled %s in %.2f s", image, time.monotonic() - started)
 
     async def image_exists(self, image: str) -> bool:
         """Whether the engine stores `repo@sha256:…` under exactly that reference (no registry is asked)."""
-        _require_digest_reference(image)
+        require_digest_reference(image)
         try:
-            response = await self._request(
+            response = await self._api.request(
                 "GET", f"/images/{quote(image, safe='')}/json", what=f"image {image}", missing=ImageNotFound
             )
         except ImageNotFound:
             return False
-        data = self._json(response, f"image {image}")
+        data = self._api.json(response, f"image {image}")
         digests = data.get("RepoDigests") if isinstance(data, dict) else None
         return isinstance(digests, list) and _familiar(image) in {_familiar(str(d)) for d in digests}
 
     async def create(self, spec: ContainerSpec) -> str:
         """Create (not start) the hardened container `docker_create_body(spec)` describes; returns its id."""
-        _validate_spec(spec)
+        validate_spec(spec)
         what = f"create container {spec.name}"
         body = docker_create_body(spec, gpu_method=self._gpu_method, network=self._network)
         if spec.devices:
@@ -359,71 +375,78 @@ class DockerClient(PodmanClient):
         if spec.devices and self._is_podman:
             # podman's Docker API drops NVIDIA device requests and has no CDI ones: the runtime would
             # run without its GPU. libpod takes CDI names.
-            raise PodmanError(f'{what}: podman\'s Docker API cannot give GPUs: set [container] engine = "podman"')
+            raise EngineError(f'{what}: podman\'s Docker API cannot give GPUs: set [container] engine = "podman"')
         if spec.devices and self._gpu_method == GPU_CDI and await self._api_version() < CDI_API_VERSION:
             # An older engine would refuse the driver, or (podman's Docker API) drop the devices.
-            raise PodmanError(
+            raise EngineError(
                 f"{what}: this engine's API has no CDI device requests (Docker 25 and later): "
                 "upgrade it or set [container] gpu_method = nvidia-runtime"
             )
         response = await self._http.request("POST", "/containers/create", params={"name": spec.name}, body=body)
         if response.status >= 400:
-            message = self._scrub(_podman_message(response))
+            message = self._api.scrub(message_of(response))
             if response.status == 404 and "image" in message.lower():
                 raise ImageNotFound(f"{what}: image {spec.image} is not in docker's store (pull it first)")
-            raise PodmanError(f"{what}: docker answered {response.status}: {message}")
-        data = self._json(response, what)
+            raise EngineError(f"{what}: docker answered {response.status}: {message}")
+        data = self._api.json(response, what)
         container_id = data.get("Id") if isinstance(data, dict) else None
         if not isinstance(container_id, str) or not container_id:
-            raise PodmanError(f"{what}: docker's answer has no Id")
+            raise EngineError(f"{what}: docker's answer has no Id")
         log.info("created container %s (%s) from %s", spec.name, container_id[:12], spec.image)
         return container_id
 
-    async def _image_of(self, data: _Json) -> tuple[str, str]:
+    async def start(self, container_id: str) -> None:
+        """Start a created or stopped container; starting a running one does nothing."""
+        await self._api.start(container_id)
+
+    async def inspect(self, container_id: str) -> ContainerState:
+        """The container's state, with the image digest it runs where the image proves it."""
+        data = await self._api.inspect_data(container_id)
+        state = data.get("State") or {}
         image_name = str((data.get("Config") or {}).get("Image") or "")
         image_digest = ""
-        if _digest_of(image_name) and data.get("Image"):
+        if digest_of(image_name) and data.get("Image"):
             # Docker keeps no manifest digest on the container: it is proven only when the image it
-            # runs (by id) is stored under exactly the reference it was created from.
-            image_digest = await self._verified_digest(str(data["Image"]), image_name) or ""
-        return image_name, image_digest
-
-    def _run_state(self, state: _Json) -> tuple[bool, str]:
+            # runs (by id) is stored under exactly the reference it was created from (Docker Hub
+            # references come back in their short, "familiar", form).
+            repo_digests = await self._api.repo_digests(str(data["Image"]))
+            if repo_digests is not None and _familiar(image_name) in {_familiar(str(d)) for d in repo_digests}:
+                image_digest = digest_of(image_name)
         # Docker counts a paused container as running; podman (and the supervisor) do not.
-        if state.get("Paused"):
-            return False, "paused"
-        return bool(state.get("Running")), str(state.get("Status") or "").lower()
-
-    def _lists(self, repo_digests: list[object], reference: str) -> bool:
-        # Docker Hub references come back in their short ("familiar") form.
-        return _familiar(reference) in {_familiar(str(d)) for d in repo_digests}
+        paused = bool(state.get("Paused"))
+        return container_state(
+            data,
+            image_name=image_name,
+            image_digest=image_digest,
+            running=bool(state.get("Running")) and not paused,
+            status="paused" if paused else str(state.get("Status") or "").lower(),
+        )
 
     async def healthcheck(self, container_id: str) -> bool:
         """Run the container's stored probe once, now, through `exec`: True when it exited 0 within
         its timeout; False when it failed, timed out or the container is not running.
         """
         what = f"healthcheck {container_id}"
-        path = self._container_path(container_id, "/json")
-        data = self._json(await self._request("GET", path, what=what, missing=ContainerNotFound), what)
-        config = (data.get("Config") or {}) if isinstance(data, dict) else {}
+        data = await self._api.inspect_data(container_id)
+        config = data.get("Config") or {}
         probe = _probe_of(config.get("Labels"))
         if probe is None:
-            raise PodmanError(f"{what}: the container has no {LABEL_PROBE} label (not created by this driver)")
+            raise EngineError(f"{what}: the container has no {LABEL_PROBE} label (not created by this driver)")
         command, timeout_s = probe
         state = data.get("State") or {}
         if not state.get("Running") or state.get("Paused"):
             return False
         response = await self._http_checked(
             "POST",
-            self._container_path(container_id, "/exec"),
+            container_path(container_id, "/exec"),
             what,
             {"Cmd": command, "AttachStdout": True, "AttachStderr": True, "Tty": False},
         )
         if response is None:
             return False
-        exec_id = self._json(response, what).get("Id")
+        exec_id = self._api.json(response, what).get("Id")
         if not isinstance(exec_id, str) or not exec_id:
-            raise PodmanError(f"{what}: docker's answer has no exec Id")
+            raise EngineError(f"{what}: docker's answer has no exec Id")
         exec_path = f"/exec/{quote(exec_id, safe='')}"
         with trio.move_on_after(timeout_s):
             # Attached (not detached): the answer ends when the probe does (podman 4.3's Docker API
@@ -431,7 +454,7 @@ class DockerClient(PodmanClient):
             if not await self._run_attached(f"{exec_path}/start", what):
                 return False
             while True:
-                result = self._json(await self._request("GET", f"{exec_path}/json", what=what), what)
+                result = self._api.json(await self._api.request("GET", f"{exec_path}/json", what=what), what)
                 if isinstance(result, dict) and not result.get("Running") and result.get("ExitCode") is not None:
                     return result.get("ExitCode") == 0
                 await trio.sleep(EXEC_POLL_S)
@@ -443,24 +466,50 @@ class DockerClient(PodmanClient):
             if response.status == 409:
                 return False
             if response.status >= 400:
-                raise self._error(await response.read(), what, missing=ContainerNotFound)
+                raise self._api.error(await response.read(), what, missing=ContainerNotFound)
             await response.drain()
         return True
 
-    async def _http_checked(self, method: str, path: str, what: str, body: _Json) -> EngineAnswer | None:
+    async def _http_checked(self, method: str, path: str, what: str, body: Json) -> EngineAnswer | None:
         """A request whose 409 ("is not running", "is paused") means the probe cannot run: None."""
         response = await self._http.request(method, path, body=body)
         if response.status == 409:
             return None
         if response.status >= 400:
-            raise self._error(response, what, missing=ContainerNotFound)
+            raise self._api.error(response, what, missing=ContainerNotFound)
         return response
 
     async def cdi_spec_dirs(self) -> list[str] | None:
         """`CDISpecDirs` of `GET /info`: where the daemon reads CDI specs, empty when CDI is off
         (Docker 25-27 without `"features": {"cdi": true}`); None from a daemon that predates it."""
-        data = self._json(await self._request("GET", "/info", what="info"), "info")
+        data = self._api.json(await self._api.request("GET", "/info", what="info"), "info")
         dirs = data.get("CDISpecDirs") if isinstance(data, dict) else None
         if not isinstance(dirs, list):
             return None
         return [str(d) for d in dirs]
+
+    async def stop(self, container_id: str, *, timeout_s: float) -> None:
+        """SIGTERM (the stop signal), then SIGKILL after `timeout_s`; returns once it has exited.
+        Stopping a stopped container does nothing.
+        """
+        if timeout_s < 0:
+            raise ContractError("timeout_s must not be negative")
+        await self._api.stop(container_id, seconds=math.ceil(timeout_s))
+
+    async def remove(self, container_id: str, *, force: bool = False) -> None:
+        """Remove a stopped container (and its anonymous volumes). `force` kills a running one at once."""
+        await self._api.remove(container_id, force=force)
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]:
+        """Every container (running or not) carrying all of `labels`, each as `inspect` would report it.
+        A container removed while listing is left out.
+        """
+        return await states_of(await self._api.container_ids(labels), self.inspect)
+
+    def events(self, labels: Mapping[str, str], *, since: float | None = None) -> AsyncGenerator[EngineEvent, None]:
+        """Container events of containers carrying all of `labels`, as the engine streams them.
+
+        Runs until the caller stops iterating (use `contextlib.aclosing`) or the engine goes away
+        (EngineUnavailable). `since` (Unix seconds) replays events from then on first.
+        """
+        return self._api.events(labels, since=since)

@@ -1,4 +1,4 @@
-"""The Docker Engine driver (`nexa.node.docker`): its create body (pure), its refusals (fault injection
+"""The Docker Engine driver (`nexa.node.engines.docker`): its create body (pure), its refusals (fault injection
 with httpx.MockTransport), and the driver against the real engines (tests/realparts.py): Debian's
 dockerd, podman's Docker-compatible API and, for the driver-neutral checks, libpod.
 """
@@ -21,17 +21,17 @@ from nexa import config
 from nexa.contracts import codec
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.runtime import NETWORK_HOST, NETWORK_NONE, ContainerSpec, HealthProbe
-from nexa.errors import ConfigError, ContainerNotFound, ContractError, ImageNotFound, PodmanError
-from nexa.node.docker import (
+from nexa.errors import ConfigError, ContainerNotFound, ContractError, EngineError, ImageNotFound
+from nexa.node.engines.docker import (
     GPU_NVIDIA_RUNTIME,
     LABEL_PROBE,
-    DockerClient,
+    DockerEngine,
     docker_create_body,
 )
-from nexa.node.podman import PodmanClient
-from nexa.node.podman import create_body as libpod_create_body
+from nexa.node.engines.interface import ContainerEngine
+from nexa.node.engines.libpod import create_body as libpod_create_body
 from nexa.oci import RegistryAuths, RegistryCredentials
-from tests.realparts import BuiltImages, ContainerEngine
+from tests.realparts import BuiltImages, EngineUnderTest
 
 MiB = 1024 * 1024
 DIGEST = "sha256:" + "ab" * 32
@@ -133,11 +133,11 @@ def test_the_container_table_selects_the_engine_and_old_configs_stay_valid(tmp_p
     old = tmp_path / "old.toml"
     old.write_text('[podman]\nsocket = "/run/p.sock"\n')
     cfg = config.load(str(old), config.NodeConfig)
-    assert cfg.container.engine == "podman" and cfg.container.socket_path(cfg.podman) == "/run/p.sock"
+    assert cfg.container.engine == "podman" and cfg.container.socket_path == "/run/p.sock"
     new = tmp_path / "new.toml"
     new.write_text('[container]\nengine = "docker"\ngpu_method = "nvidia-runtime"\n')
     cfg = config.load(str(new), config.NodeConfig)
-    assert cfg.container.socket_path(cfg.podman) == "/var/run/docker.sock"
+    assert cfg.container.socket_path == "/var/run/docker.sock"
     assert cfg.container.gpu_method == "nvidia-runtime" and cfg.container.docker_network == "bridge"
 
 
@@ -159,7 +159,7 @@ def test_a_bad_container_table_is_a_config_error(tmp_path: Path, table: str) -> 
 
 
 def test_units_node_toml_names_the_container_table() -> None:
-    cfg = config.load(str(Path(__file__).resolve().parents[2] / "units" / "node.toml"), config.NodeConfig)
+    cfg = config.load(str(Path(__file__).resolve().parents[3] / "units" / "node.toml"), config.NodeConfig)
     assert cfg.container == config.ContainerConfig()
 
 
@@ -196,8 +196,8 @@ class FakeDocker:
 
 async def test_with_tls_verify_a_registry_docker_treats_as_insecure_is_refused() -> None:
     fake = FakeDocker()
-    async with DockerClient("/x.sock", transport=httpx.MockTransport(fake)) as docker:
-        with pytest.raises(PodmanError, match="insecure"):
+    async with DockerEngine("/x.sock", transport=httpx.MockTransport(fake)) as docker:
+        with pytest.raises(EngineError, match="insecure"):
             await docker.pull(f"127.0.0.1:5000/nexa/r@{DIGEST}")
         assert "/images/create" not in fake.paths()
         # A registry the daemon verifies is pulled.
@@ -212,8 +212,8 @@ async def test_the_pull_sends_credentials_in_x_registry_auth_and_never_in_errors
     creds = RegistryAuths.of(
         RegistryCredentials(registry="registry.example:5000", username="s3cret-user", password="s3cret-pass")
     )
-    async with DockerClient("/x.sock", transport=httpx.MockTransport(fake), credentials=creds) as docker:
-        with pytest.raises(PodmanError) as failed:
+    async with DockerEngine("/x.sock", transport=httpx.MockTransport(fake), credentials=creds) as docker:
+        with pytest.raises(EngineError) as failed:
             await docker.pull(IMAGE)
     assert "s3cret" not in str(failed.value)
     auth = json.loads(base64.urlsafe_b64decode(fake.requests[-1].headers["X-Registry-Auth"]))
@@ -221,21 +221,21 @@ async def test_the_pull_sends_credentials_in_x_registry_auth_and_never_in_errors
     # An image on another registry: dockerd is handed no credentials for it.
     fake.pull_stream = []
     other = IMAGE.replace("registry.example:5000", "127.0.0.2:5000")
-    async with DockerClient(
+    async with DockerEngine(
         "/x.sock", transport=httpx.MockTransport(fake), credentials=creds, tls_verify=False
     ) as docker:
         await docker.pull(other)
     assert fake.requests[-1].url.params["fromImage"] == other
     assert "X-Registry-Auth" not in fake.requests[-1].headers
     fake.pull_stream = [{"error": "manifest unknown: manifest unknown"}]
-    async with DockerClient("/x.sock", transport=httpx.MockTransport(fake), tls_verify=False) as docker:
+    async with DockerEngine("/x.sock", transport=httpx.MockTransport(fake), tls_verify=False) as docker:
         with pytest.raises(ImageNotFound):
             await docker.pull(IMAGE)
 
 
 async def test_bad_input_is_refused_before_any_request() -> None:
     fake = FakeDocker()
-    async with DockerClient("/x.sock", transport=httpx.MockTransport(fake)) as docker:
+    async with DockerEngine("/x.sock", transport=httpx.MockTransport(fake)) as docker:
         with pytest.raises(ContractError):
             await docker.pull("busybox:latest")
         with pytest.raises(ContractError):
@@ -244,20 +244,20 @@ async def test_bad_input_is_refused_before_any_request() -> None:
             await docker.create(_spec(publish_host="localhost", publish_port=80))
     assert fake.requests == []
     with pytest.raises(ContractError):
-        DockerClient("/x.sock", gpu_method="magic")
+        DockerEngine("/x.sock", gpu_method="magic")
     with pytest.raises(ContractError):
-        DockerClient("/x.sock", network="host")
+        DockerEngine("/x.sock", network="host")
 
 
 async def test_cdi_gpus_on_an_engine_without_cdi_device_requests_are_refused() -> None:
     fake = FakeDocker(api="1.43")
-    async with DockerClient("/x.sock", transport=httpx.MockTransport(fake)) as docker:
-        with pytest.raises(PodmanError, match="gpu_method = nvidia-runtime"):
+    async with DockerEngine("/x.sock", transport=httpx.MockTransport(fake)) as docker:
+        with pytest.raises(EngineError, match="gpu_method = nvidia-runtime"):
             await docker.create(_spec(devices=["nvidia.com/gpu=0"]))
         assert "/containers/create" not in fake.paths()
         await docker.create(_spec())  # no GPUs: no CDI needed
     fake = FakeDocker(api="1.44")
-    async with DockerClient("/x.sock", transport=httpx.MockTransport(fake)) as docker:
+    async with DockerEngine("/x.sock", transport=httpx.MockTransport(fake)) as docker:
         await docker.create(_spec(devices=["nvidia.com/gpu=0"]))
     body = json.loads(fake.requests[-1].content)
     assert body["HostConfig"]["DeviceRequests"] == [{"Driver": "cdi", "DeviceIDs": ["nvidia.com/gpu=0"]}]
@@ -267,7 +267,7 @@ async def test_cdi_gpus_on_an_engine_without_cdi_device_requests_are_refused() -
 
 
 @pytest.fixture
-def run_labels(container_engine: ContainerEngine) -> Iterator[dict[str, str]]:
+def run_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
     value = uuid.uuid4().hex[:12]
     try:
         yield {RUN_LABEL: value}
@@ -276,13 +276,13 @@ def run_labels(container_engine: ContainerEngine) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture
-async def engine(container_engine: ContainerEngine, test_images: BuiltImages) -> AsyncIterator[PodmanClient]:
+async def engine(container_engine: EngineUnderTest, test_images: BuiltImages) -> AsyncIterator[ContainerEngine]:
     await container_engine.store_image(test_images.busybox)
     async with container_engine.client() as client:
         yield client
 
 
-async def _wait_exit(client: PodmanClient, container_id: str) -> int:
+async def _wait_exit(client: ContainerEngine, container_id: str) -> int:
     with trio.fail_after(TIMEOUT_S):
         while True:
             state = await client.inspect(container_id)
@@ -293,13 +293,13 @@ async def _wait_exit(client: PodmanClient, container_id: str) -> int:
 
 
 async def test_pull_by_digest_and_digest_exact_readiness(
-    engine: PodmanClient, container_engine: ContainerEngine, test_images: BuiltImages, run_labels: dict[str, str]
+    engine: ContainerEngine, container_engine: EngineUnderTest, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     assert await engine.image_exists(test_images.busybox)
     other = test_images.busybox.rpartition("@")[0] + "@sha256:" + "0" * 64
     assert not await engine.image_exists(other)
-    # podman 4.3's Docker API cannot pull from a plain-HTTP registry (`ContainerEngine.store_image`).
-    with pytest.raises(PodmanError if container_engine.name == "podman-docker-api" else ImageNotFound):
+    # podman 4.3's Docker API cannot pull from a plain-HTTP registry (`EngineUnderTest.store_image`).
+    with pytest.raises(EngineError if container_engine.name == "podman-docker-api" else ImageNotFound):
         await engine.pull(other)
     with pytest.raises(ImageNotFound):
         await engine.create(_spec(other, run_labels))
@@ -312,7 +312,7 @@ async def test_pull_by_digest_and_digest_exact_readiness(
 
 
 async def test_a_container_runs_hardened(
-    engine: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str], tmp_path: Path
+    engine: ContainerEngine, test_images: BuiltImages, run_labels: dict[str, str], tmp_path: Path
 ) -> None:
     models = tmp_path / "models"
     models.mkdir()
@@ -341,7 +341,7 @@ async def test_a_container_runs_hardened(
 
 
 async def test_probe_list_stop_and_remove(
-    engine: PodmanClient, test_images: BuiltImages, run_labels: dict[str, str]
+    engine: ContainerEngine, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     probe = HealthProbe(command=["/bin/sh", "-c", "test -e /tmp/ready"], timeout_s=5, start_period_s=0, retries=1)
     spec = _spec(
@@ -370,7 +370,7 @@ async def test_probe_list_stop_and_remove(
 
 
 async def test_a_paused_container_is_paused_not_running(
-    engine: PodmanClient, container_engine: ContainerEngine, test_images: BuiltImages, run_labels: dict[str, str]
+    engine: ContainerEngine, container_engine: EngineUnderTest, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     cid = await engine.create(_spec(test_images.busybox, run_labels, network=NETWORK_NONE))
     await engine.start(cid)
@@ -384,7 +384,7 @@ async def test_a_paused_container_is_paused_not_running(
             await api.post(f"http://d/containers/{cid}/unpause")
 
 
-async def test_each_engine_reports_its_version(container_engine: ContainerEngine) -> None:
+async def test_each_engine_reports_its_version(container_engine: EngineUnderTest) -> None:
     async with container_engine.client() as client:
         assert (await client.version())[0].isdigit()
 
@@ -419,12 +419,12 @@ def test_inventory_records_from_before_load_and_engine_fields_round_trip() -> No
         codec.structure(codec.wire, {**_inventory_record(), "container_engine_version": "9" * 65}, NodeInventory)
 
 
-async def _create_and_start(client: PodmanClient, spec: ContainerSpec) -> None:
+async def _create_and_start(client: ContainerEngine, spec: ContainerSpec) -> None:
     await client.start(await client.create(spec))
 
 
 async def test_a_gpu_the_engine_cannot_give_is_refused_never_dropped(
-    container_engine: ContainerEngine, test_images: BuiltImages, run_labels: dict[str, str]
+    container_engine: EngineUnderTest, test_images: BuiltImages, run_labels: dict[str, str]
 ) -> None:
     """No NVIDIA runtime and no CDI device requests here: each GPU method must fail the create (or the
     start), never run the runtime without its GPU."""
@@ -432,12 +432,12 @@ async def test_a_gpu_the_engine_cannot_give_is_refused_never_dropped(
         return  # libpod takes CDI names: tests/node/test_runtimes_e2e.py runs one with a CDI fake GPU
     await container_engine.store_image(test_images.busybox)
     for method in ("cdi", GPU_NVIDIA_RUNTIME):
-        client = DockerClient(
+        client = DockerEngine(
             container_engine.socket, tls_verify=False, gpu_method=method, network=container_engine.network
         )
         async with client:
             spec = _spec(test_images.busybox, run_labels, devices=["nvidia.com/gpu=0"], network=NETWORK_NONE)
-            with pytest.raises(PodmanError) as refused:
+            with pytest.raises(EngineError) as refused:
                 await _create_and_start(client, spec)
             if container_engine.name == "podman-docker-api":
                 assert 'engine = "podman"' in str(refused.value)

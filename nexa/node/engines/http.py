@@ -1,10 +1,12 @@
 """The container engines' HTTP APIs on their unix sockets (libpod, Docker Engine): the one home of
-httpx for the node's engine drivers (`node.podman`, and `node.docker` built on it).
+httpx for the node's engine drivers (`engines.libpod`, `engines.docker`; `engines.common` holds
+what they share).
 
-`EngineHttp.request` gives an answer read whole (`EngineAnswer`), `EngineHttp.stream` one read as it
-arrives (`EngineStream`: a pull, an attached exec, the event stream). Every transport failure becomes
-`PodmanUnavailable` (the socket does not answer) or `PodmanError` here, httpcore's `map_exceptions`
-way, so the drivers never see httpx; what an engine's error status means is theirs to say.
+`EngineHttp.request` gives an answer read whole, bounded (`EngineAnswer`), `EngineHttp.stream` one
+read as it arrives (`EngineStream`: a pull, an attached exec, the event stream). Every transport
+failure becomes `EngineUnavailable` (the socket does not answer) or `EngineError` here, httpcore's
+`map_exceptions` way, so the drivers never see httpx; what an engine's error status means is theirs
+to say.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import attrs
 import httpx
 import trio
 
-from nexa.errors import PodmanError, PodmanUnavailable
+from nexa.errors import EngineError, EngineUnavailable
 
 #: Connecting to a local socket is instant or broken.
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -26,6 +28,9 @@ CONNECT_TIMEOUT_S: Final = 5.0
 READ_TIMEOUT_S: Final = 60.0
 #: Longest wait for closing a stream the caller stopped reading (shielded from cancellation).
 STREAM_CLOSE_S: Final = 2.0
+#: The most an answer read whole may hold (a listing of thousands of containers, a long pull's
+#: progress stream are far smaller); beyond it the answer is refused, not kept in memory.
+MAX_ANSWER_BYTES: Final = 64 * 1024 * 1024
 
 #: What the drivers' `transport=` takes: an httpx transport, a seam for fault-injection tests only.
 EngineTransport: TypeAlias = httpx.AsyncBaseTransport
@@ -59,9 +64,9 @@ class EngineStream:
         self.status: int = response.status_code
 
     async def read(self) -> EngineAnswer:
-        """The rest of the body, read whole (an error answer's message)."""
+        """The rest of the body, read whole up to MAX_ANSWER_BYTES (an error answer's message)."""
         with self._failure.mapped():
-            return EngineAnswer(self.status, await self._response.aread())
+            return EngineAnswer(self.status, await _read_bounded(self._response, self._failure))
 
     async def drain(self) -> None:
         """Read the body to its end and drop it (an attached exec's output: never kept)."""
@@ -93,9 +98,9 @@ class _Failure:
         try:
             yield
         except httpx.TransportError as exc:
-            raise PodmanUnavailable(f"{self.engine} does not answer on its socket: {type(exc).__name__}") from exc
+            raise EngineUnavailable(f"{self.engine} does not answer on its socket: {type(exc).__name__}") from exc
         except httpx.HTTPError as exc:
-            raise PodmanError(f"talking to {self.engine} failed: {type(exc).__name__}") from exc
+            raise EngineError(f"talking to {self.engine} failed: {type(exc).__name__}") from exc
 
 
 def _timeout(read_timeout_s: float | None) -> httpx.Timeout:
@@ -139,13 +144,13 @@ class EngineHttp:
         headers: Mapping[str, str] | None = None,
         read_timeout_s: float | None = READ_TIMEOUT_S,
     ) -> EngineAnswer:
-        """Send one request and read its answer whole; None as `read_timeout_s` waits for as long as
-        the caller's cancel scope allows."""
+        """Send one request and read its answer whole, up to MAX_ANSWER_BYTES (EngineError beyond);
+        None as `read_timeout_s` waits for as long as the caller's cancel scope allows."""
         with self._failure.mapped():
-            response = await self._http.request(
+            async with self._http.stream(
                 method, path, params=params, json=body, headers=headers, timeout=_timeout(read_timeout_s)
-            )
-        return EngineAnswer(response.status_code, response.content)
+            ) as response:
+                return EngineAnswer(response.status_code, await _read_bounded(response, self._failure))
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -166,7 +171,25 @@ class EngineHttp:
                 yield EngineStream(response, self._failure)
 
 
-async def _finish_stream(response: httpx.Response, lines: AsyncIterator[str]) -> None:
+async def _read_bounded(response: httpx.Response, failure: _Failure) -> bytes:
+    """A body read whole, or EngineError once it holds more than MAX_ANSWER_BYTES (what was read is dropped)."""
+    content = bytearray()
+    chunks = response.aiter_bytes()
+    try:
+        async for chunk in chunks:
+            content += chunk
+            if len(content) > MAX_ANSWER_BYTES:
+                request = response.request
+                raise EngineError(
+                    f"{failure.engine} answered {request.method} {request.url.path[:200]} with more than "
+                    f"{MAX_ANSWER_BYTES} bytes: refused"
+                )
+    finally:
+        await _finish_stream(response, chunks)
+    return bytes(content)
+
+
+async def _finish_stream(response: httpx.Response, lines: AsyncIterator[object]) -> None:
     """Close a streamed response the caller stopped reading, and end httpx's generators under it.
 
     `aiter_lines` sits on a chain of async generators (text, bytes, raw, transport, httpcore) that
