@@ -14,7 +14,9 @@
 #   - the root, in a folder named by a hash of its recipe (suite, mirror, packages, flags);
 #   - the venv inside it, rebuilt when the dependency list (pyproject.toml) changes;
 # and the binary itself is reused while nothing that goes into it changed (the sources under nexa/,
-# builds/nexa.spec, the root and the venv: a hash in dist/.nexa-linux-arm64.stamp).
+# builds/nexa.spec, the root and the venv: a hash in dist/.nexa-linux-arm64.stamp), also from another
+# checkout of the same sources on this machine: the last few binaries are kept in the cache folder,
+# named by that hash (a fresh clone then skips PyInstaller's few emulated minutes).
 # The binary's glibc requirement (the bootloader and every bundled ELF file) is checked to be no
 # newer than Ubuntu 24.04's (DGX OS 7: glibc 2.39); a newer one fails the build.
 #
@@ -49,6 +51,8 @@ AARCH64_MAGIC='\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x02\x00\x
 AARCH64_MASK='\xff\xff\xff\xff\xff\xff\xff\x00\xff\xff\xff\xff\xff\xff\xff\xff\xfe\xff\xff\xff'
 
 STAMP_OUT="dist/.nexa-linux-arm64.stamp"
+#: Built binaries kept in the cache folder (the newest; each is about 30 MiB).
+KEEP_BINARIES=3
 
 log() { echo "build-arm64.sh: $*" >&2; }
 fail() {
@@ -125,6 +129,10 @@ fi
 
 # 3. The arm64 root, cached by its recipe.
 mkdir -p "$cache_base"
+# The cache folder is shared by every checkout on this machine (the root, its /src, the kept binaries):
+# one build at a time uses it.
+exec 8>"$cache_base/.build.lock"
+flock 8
 
 # Run a command in the root: a private mount namespace with /proc and /dev, no host environment.
 in_root() {
@@ -204,6 +212,15 @@ if [[ -x "$OUT" ]] && read -r have_hash have_glibc <"$STAMP_OUT" 2>/dev/null && 
     exit 0
 fi
 rm -f "$STAMP_OUT"
+kept="$cache_base/nexa-linux-arm64-${src_hash:0:16}"
+if [[ -x "$kept" ]] && read -r have_hash have_glibc <"$kept.stamp" 2>/dev/null && [[ "$have_hash" == "$src_hash" ]]; then
+    log "reusing $kept (built from the same sources, root and venv)"
+    install -m 0755 "$kept" "$OUT"
+    cp "$kept.stamp" "$STAMP_OUT"
+    touch "$kept" # last used: the pruning below goes by age
+    report "$have_glibc" " (cached)"
+    exit 0
+fi
 src="$rootfs/src"
 rm -rf "$src"
 mkdir -p "$src/builds"
@@ -251,4 +268,9 @@ log "glibc: the bootloader and ${#elfs[@]} ELF files need at most GLIBC_$highest
 
 install -m 0755 "$src/dist/nexa" "$OUT"
 printf '%s %s\n' "$src_hash" "$highest" >"$STAMP_OUT"
+# Kept for other checkouts (stamp last: a binary without its stamp is never reused), the oldest pruned.
+install -m 0755 "$OUT" "$kept.tmp" && mv "$kept.tmp" "$kept"
+cp "$STAMP_OUT" "$kept.stamp"
+ls -1t "$cache_base"/nexa-linux-arm64-???????????????? 2>/dev/null | tail -n +$((KEEP_BINARIES + 1)) |
+    while read -r old; do rm -f "$old" "$old.stamp"; done
 report "$highest" " (pyinstaller ${pyi_s}s)"

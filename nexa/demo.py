@@ -68,7 +68,8 @@ from nexa.localparts import (
 )
 from nexa.node import identity
 from nexa.node.processes import default_argv
-from nexa.s3 import S3Client, write_s3_credentials
+from nexa.s3.client import S3Client
+from nexa.s3.credentials import write_s3_credentials
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf
 

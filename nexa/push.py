@@ -48,7 +48,7 @@ from nexa.contracts.manifest import (
     path_problem,
 )
 from nexa.errors import ArtifactInUse, ArtifactInvalid, ArtifactSizeMismatch, ConfigError
-from nexa.s3 import MIN_PART_BYTES, S3Client, split_s3_uri
+from nexa.s3.client import MIN_PART_BYTES, S3Client, split_s3_uri
 from nexa.sigv4 import S3Credentials
 
 log = logging.getLogger(__name__)

@@ -47,7 +47,7 @@ from nexa.contracts.manifest import ArtifactFile, Manifest
 from nexa.contracts.runtime import ArtifactRef
 from nexa.localparts import LocalS3
 from nexa.push import Progress, PushOptions, build_manifest, push
-from nexa.s3 import S3Client
+from nexa.s3.client import S3Client
 from nexa.sigv4 import S3Credentials
 
 MiB = 1024**2

@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nexa.errors import Unavailable
 from nexa.localparts import S3_REGION, LocalRegistry, LocalS3, free_ports, stop, wait_until
-from nexa.s3 import S3Client, write_s3_credentials
+from nexa.s3.client import S3Client
+from nexa.s3.credentials import write_s3_credentials
 from nexa.sigv4 import S3Credentials
 from perf.loadgen import Point, Target, run_point
 from perf.upstream import Nginx, sse_body, unary_body, wrk_point

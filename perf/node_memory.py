@@ -39,7 +39,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nexa.localparts import S3_REGION, LocalRegistry, LocalS3, free_ports
-from nexa.s3 import write_s3_credentials
+from nexa.s3.credentials import write_s3_credentials
 from nexa.sigv4 import S3Credentials
 from perf.gateway import S3_BUCKET, Processes, deploy, ok, register_model, start_control, upload
 

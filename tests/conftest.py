@@ -37,6 +37,24 @@ pytest_plugins = ["tests.realparts"]
 
 IN_CI = os.environ.get("CI") == "true"
 FIXTURES = Path(__file__).parent / "fixtures"
+#: Session fixtures that take 20 s or more to make: the arm64 binary (an emulated Debian root, pip and
+#: PyInstaller), the llama-cpp-python image (its wheel), llama.cpp's C++ server (builds of minutes on a
+#: fresh machine) and the signed release reports (a `nexa sim` run). A test that uses one must be marked
+#: `slow`, so the fast lane (`-m "not slow"`) never starts them.
+SLOW_FIXTURES = frozenset({"arm64_binary", "llama_image", "llama_server_image", "signed_reports"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    unmarked = [
+        item.nodeid
+        for item in items
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("slow") is None
+    ]
+    if unmarked:
+        raise pytest.UsageError(
+            f"mark these tests `slow`, each uses a fixture that takes 20 s or more "
+            f"({', '.join(sorted(SLOW_FIXTURES))}): {', '.join(unmarked)}"
+        )
 
 
 def gb10_inventory(hostname: str = "spark-1") -> NodeInventory:

@@ -16,6 +16,7 @@ from the cache (import ~7 s, push ~3.5 s); teardown 0.05 to 0.2 s.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import ipaddress
@@ -54,7 +55,7 @@ from nexa.localparts import (
 from nexa.node.engines.docker import DockerEngine
 from nexa.node.engines.interface import ContainerEngine
 from nexa.node.engines.libpod import LibpodEngine
-from nexa.s3 import object_url, signed_headers_for
+from nexa.s3.client import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf as make_tiny_gguf
 
@@ -63,6 +64,8 @@ REPO: Final = Path(__file__).resolve().parent.parent
 CONTAINERS_CONF: Final = REPO / ".ci" / "containers.conf"
 #: The CDI spec the fake GPU lives in (podman reads /etc/cdi; REAL_PARTS §1d).
 CDI_SPEC: Final = Path("/etc/cdi/nexa-test-fakegpu.yaml")
+#: Each test run that uses CDI_SPEC holds this file locked (shared); the last one to leave removes the spec.
+CDI_USERS: Final = Path("/run/nexa-test-fakegpu.lock")
 CDI_KIND: Final = "nexa-test.test/gpu"
 CDI_SPEC_TEXT: Final = f"""\
 # Written by nexa's tests (tests/realparts.py) for this test run; removed when it ends.
@@ -138,6 +141,12 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=STOP_TIMEOUT_S)
+
+
+def worker_number() -> int:
+    """This process's number among pytest-xdist's workers (`gw0` is 0, `gw1` is 1, …; 0 without xdist).
+    What a test binds at a fixed address (a sim node's 127.0.0.1x) moves by it, so workers never meet."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 
 
 def _free_port() -> int:
@@ -313,18 +322,27 @@ def fake_gpu_cdi() -> Iterator[FakeGpu]:
     _need_root(f"writing {CDI_SPEC}")
     created_dir = not CDI_SPEC.parent.exists()
     CDI_SPEC.parent.mkdir(parents=True, exist_ok=True)
-    staging = CDI_SPEC.with_name(f".{CDI_SPEC.name}.{os.getpid()}")
-    staging.write_text(CDI_SPEC_TEXT)
-    staging.replace(CDI_SPEC)  # atomic: podman never reads half a spec
-    try:
-        yield FakeGpu()
-    finally:
-        with contextlib.suppress(OSError):
-            if CDI_SPEC.read_text() == CDI_SPEC_TEXT:
-                CDI_SPEC.unlink()
-        if created_dir:
-            with contextlib.suppress(OSError):
-                CDI_SPEC.parent.rmdir()
+    # Other test runs (pytest-xdist's workers, another checkout's run) may use the same spec: each holds
+    # CDI_USERS shared while it does, and only the last to leave (the one that gets it exclusively) removes it.
+    with CDI_USERS.open("a") as users:
+        fcntl.flock(users, fcntl.LOCK_SH)
+        staging = CDI_SPEC.with_name(f".{CDI_SPEC.name}.{os.getpid()}")
+        staging.write_text(CDI_SPEC_TEXT)
+        staging.replace(CDI_SPEC)  # atomic: podman never reads half a spec
+        try:
+            yield FakeGpu()
+        finally:
+            try:
+                fcntl.flock(users, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass  # still in use by another run, which removes it
+            else:
+                with contextlib.suppress(OSError):
+                    if CDI_SPEC.read_text() == CDI_SPEC_TEXT:
+                        CDI_SPEC.unlink()
+                if created_dir:
+                    with contextlib.suppress(OSError):
+                        CDI_SPEC.parent.rmdir()
 
 
 def _is_static_elf(path: Path) -> bool:
@@ -686,7 +704,9 @@ def dockerd_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Docker
         version = str(api.get("/version").json()["Version"])
         answer: httpx.Response | None = None
         # dockerd checks overlaps with its own networks only: skip subnets the host routes already.
-        for subnet in [s for s in DOCKER_SUBNETS if not _routed(s)]:
+        # Each pytest-xdist worker starts at its own subnet, so two starting together never pick the same.
+        first = worker_number() % len(DOCKER_SUBNETS)
+        for subnet in [s for s in DOCKER_SUBNETS[first:] + DOCKER_SUBNETS[:first] if not _routed(s)]:
             answer = api.post(
                 "/networks/create",
                 json={

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 
 from nexa import adapters
-from nexa.adapter_args import MAX_EXTRA_ARGS
+from nexa.adapters.args import MAX_EXTRA_ARGS, extra_args_problems
+from nexa.adapters.base import Adapter
+from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER
+from nexa.adapters.sglang import SGLANG
+from nexa.adapters.trtllm import TRTLLM
+from nexa.adapters.vllm import VLLM
 from nexa.contracts.node import RuntimeKind
 
 GPU = ["nvidia.com/gpu=0"]
@@ -17,7 +22,7 @@ MODEL = "/models/qwen3-8b"
 
 
 def _tail(
-    adapter: adapters.Adapter,
+    adapter: Adapter,
     settings: dict[str, object],
     *,
     model_path: str = MODEL,
@@ -53,7 +58,7 @@ def test_vllm_tool_calling_reasoning_and_a_template_of_the_model() -> None:
         "quantization": "fp8",
     }
     assert adapters.settings_problems(RuntimeKind.VLLM, settings, accelerators=1) == []
-    assert _tail(adapters.VLLM, settings, extra_args=("--max-log-len", "100")) == [
+    assert _tail(VLLM, settings, extra_args=("--max-log-len", "100")) == [
         "--chat-template", f"{MODEL}/templates/tool_use.jinja",
         "--enable-auto-tool-choice",
         "--generation-config", "vllm",
@@ -76,7 +81,7 @@ def test_sglang_tool_calling_and_reasoning() -> None:
         "max_total_tokens": 65536,
     }
     assert adapters.settings_problems(RuntimeKind.SGLANG, settings, accelerators=1) == []
-    assert _tail(adapters.SGLANG, settings) == [
+    assert _tail(SGLANG, settings) == [
         "--chat-template", f"{MODEL}/chat_template.jinja",
         "--max-total-tokens", "65536",
         "--reasoning-parser", "qwen3",
@@ -93,7 +98,7 @@ def test_trtllm_parsers_beams_and_chunked_prefill() -> None:
         "enable_chunked_prefill": True,
     }
     assert adapters.settings_problems(RuntimeKind.TRTLLM, settings, accelerators=1) == []
-    assert _tail(adapters.TRTLLM, settings, version="1.3.0") == [
+    assert _tail(TRTLLM, settings, version="1.3.0") == [
         "--enable_chunked_prefill",
         "--max_beam_width", "2",
         "--reasoning_parser", "deepseek-r1",
@@ -112,7 +117,7 @@ def test_llama_server_jinja_reasoning_template_file_and_kv_cache_types() -> None
     }
     assert adapters.settings_problems(RuntimeKind.LLAMACPP, settings, accelerators=1) == []
     # llama.cpp is given the entry file; a template file is named in the mounted directory.
-    tail = _tail(adapters.LLAMA_SERVER_ADAPTER, settings, model_path=f"{MODEL}/q4.gguf", model_dir=MODEL)
+    tail = _tail(LLAMA_SERVER_ADAPTER, settings, model_path=f"{MODEL}/q4.gguf", model_dir=MODEL)
     assert tail == [
         "--cache-type-k", "q8_0",
         "--cache-type-v", "q8_0",
@@ -184,13 +189,13 @@ def test_other_extra_args_pass_as_given_after_everything_else() -> None:
     extra = ["--max-log-len", "100", "--enable-prompt-tokens-details", "--seed=-1", "-1"]
     assert adapters.extra_args_refusals(RuntimeKind.VLLM, {}, extra) == []
     assert adapters.extra_args_refusals(RuntimeKind.LLAMACPP, {}, ["--mlock", "-md", "/models/d.gguf"]) == []
-    assert adapters.extra_args_problems(["--x"] * (MAX_EXTRA_ARGS + 1)) == ["extra_args: at most 64 arguments"]
-    assert adapters.extra_args_problems(["--ok", "", "a\x00b"])[0].startswith("extra_args[1]: ")
+    assert extra_args_problems(["--x"] * (MAX_EXTRA_ARGS + 1)) == ["extra_args: at most 64 arguments"]
+    assert extra_args_problems(["--ok", "", "a\x00b"])[0].startswith("extra_args[1]: ")
     # extra_args never take the memory bound off: the derived flag is still there, before them.
-    memory = adapters.VLLM.memory_limit({}, weights_bytes=16 * 2**30)
+    memory = VLLM.memory_limit({}, weights_bytes=16 * 2**30)
     assert memory is not None
     limit = memory.on(40 * 2**30, 119 * 2**30)
-    command = adapters.VLLM.launch("m", {}, GPU, PORT, memory=limit, extra_args=["--max-log-len", "1"]).command
+    command = VLLM.launch("m", {}, GPU, PORT, memory=limit, extra_args=["--max-log-len", "1"]).command
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.336"
     assert command[-2:] == ["--max-log-len", "1"]
     # Beside a full command they would be ignored: refused; `sim` takes its flags from its command.
@@ -203,7 +208,7 @@ def test_other_extra_args_pass_as_given_after_everything_else() -> None:
     [("1.3.0rc7", True), ("1.3.0", True), ("v1.4.1", True), ("1.3.0rc6", False), ("1.2.0", False), ("latest", False)],
 )
 def test_trtllm_gets_the_served_name_flag_only_from_the_release_that_has_it(version: str, named: bool) -> None:
-    command = adapters.TRTLLM.launch("qwen3-8b", {}, GPU, PORT, model_path=MODEL, version=version).command
+    command = TRTLLM.launch("qwen3-8b", {}, GPU, PORT, model_path=MODEL, version=version).command
     assert ("--served_model_name" in command) is named
     # Without it trtllm-serve names the model after its directory, which is the model's name.
     assert command[:2] == ["trtllm-serve", MODEL]

@@ -3,7 +3,7 @@
 A DGX Spark is a GB10: one GPU sharing 128 GB of unified memory with the arm64 host, so a replica
 gets the single CDI device `nvidia.com/gpu=0` and no tensor parallelism. The spec goes the whole
 way a real one does: the controller's `assignment_for` (adapter → signed `RuntimeSpec`), then the
-node's `runtimes.container_spec` (the node's runtime address filled in, the artifact mounted).
+node's `container_spec.container_spec` (the node's runtime address filled in, the artifact mounted).
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ from typing import Any
 import attrs
 import pytest
 
-from nexa import adapters, runtimes
+from nexa import adapters, container_spec
+from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER
+from nexa.adapters.sglang import SGLANG
+from nexa.adapters.trtllm import TRTLLM
+from nexa.adapters.vllm import VLLM
 from nexa.contracts import codec
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
 from nexa.contracts.gateway import Capability
@@ -75,7 +79,7 @@ def spark_spec(
     assignment = assignment_for(dep, replica, model(name), runtime, PORT)
     # The assignment is signed and sent as JSON: what the node gets must survive the wire unchanged.
     assert codec.loads(codec.wire, codec.dumps(codec.wire, assignment), type(assignment)) == assignment
-    return runtimes.container_spec("spark-1", assignment, 3, ARTIFACT, host=NODE_HOST)
+    return container_spec.container_spec("spark-1", assignment, 3, ARTIFACT, host=NODE_HOST)
 
 
 def expect(kind: RuntimeKind, **over: Any) -> ContainerSpec:
@@ -109,7 +113,7 @@ def expect(kind: RuntimeKind, **over: Any) -> ContainerSpec:
 
 
 def same(got: ContainerSpec, want: ContainerSpec) -> None:
-    assert got.labels.pop("nexa.spec-sha256")  # a digest of the signed spec, pinned in test_runtimes
+    assert got.labels.pop("nexa.spec-sha256")  # a digest of the signed spec, pinned in test_container_spec
     want.labels.pop("nexa.spec-sha256")
     # The process is exactly the adapter's command: its program is set as the container's entrypoint
     # (no image config is known here), its arguments are the container's command.
@@ -272,7 +276,7 @@ def test_the_signed_spec_keeps_the_placeholder_and_each_node_fills_in_its_own_ad
     replica = Replica(id="r", node_id="n", gpus=[SPARK_GPU])
     signed = assignment_for(dep, replica, model(), runtime, PORT).runtime
     assert "{runtime_host}" in signed.command and "{runtime_host}" in signed.health.command[-1]
-    a = runtimes.container_spec(
+    a = container_spec.container_spec(
         "n", assignment_for(dep, replica, model(), runtime, PORT), 1, ARTIFACT, host="127.0.0.12"
     )
     # In its own namespace it binds every address there; podman publishes the port on the node's.
@@ -283,14 +287,14 @@ def test_the_signed_spec_keeps_the_placeholder_and_each_node_fills_in_its_own_ad
 
 def test_several_gpus_are_tensor_parallel() -> None:
     gpus = [f"nvidia.com/gpu={i}" for i in range(4)]
-    for adapter, flag in ((adapters.VLLM, "--tensor-parallel-size"), (adapters.SGLANG, "--tp-size")):
+    for adapter, flag in ((VLLM, "--tensor-parallel-size"), (SGLANG, "--tp-size")):
         command = adapter.launch("m", {}, gpus, PORT).command
         assert command[command.index(flag) + 1] == "4"
-    assert "--tp_size" in adapters.TRTLLM.launch("m", {}, gpus, PORT).command
+    assert "--tp_size" in TRTLLM.launch("m", {}, gpus, PORT).command
     # One GPU: no flag at all (the server's default is 1).
-    assert "--tensor-parallel-size" not in adapters.VLLM.launch("m", {}, gpus[:1], PORT).command
+    assert "--tensor-parallel-size" not in VLLM.launch("m", {}, gpus[:1], PORT).command
     # llama.cpp on the CPU: no offload arguments.
-    assert "--n-gpu-layers" not in adapters.LLAMA_SERVER_ADAPTER.launch("m", {}, [], PORT).command
+    assert "--n-gpu-layers" not in LLAMA_SERVER_ADAPTER.launch("m", {}, [], PORT).command
 
 
 def test_an_explicit_command_and_probe_replace_the_adapters() -> None:
@@ -354,7 +358,7 @@ def test_each_adapter_knows_its_endpoints_metrics_and_capabilities() -> None:
     # Embeddings only where the server was started for them.
     assert not llama.serves(Capability.EMBEDDING, {}) and llama.serves(Capability.EMBEDDING, {"embedding": True})
     assert vllm.serves(Capability.EMBEDDING, {})
-    assert not adapters.TRTLLM.serves(Capability.EMBEDDING, {})
+    assert not TRTLLM.serves(Capability.EMBEDDING, {})
     assert all(a.serves(Capability.CHAT, {}) for a in adapters.ADAPTERS.values())
     with pytest.raises(KeyError):
         adapters.adapter_for(RuntimeKind.SIM, {})

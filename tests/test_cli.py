@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ControllerProcess, require_tool
 
 
@@ -172,6 +174,7 @@ def test_version_and_help() -> None:
     assert bare.returncode == 2 and "control" in bare.stderr
 
 
+@pytest.mark.slow  # about 20 CLI runs: 28 s on a busy 2-core machine
 def test_list_commands_page_with_cursor_and_limit(controller_process: ControllerProcess) -> None:
     cp = controller_process
     for name in ("p1", "p2", "p3"):
@@ -207,6 +210,7 @@ def test_list_commands_page_with_cursor_and_limit(controller_process: Controller
     assert bad.returncode == 1 and "invalid_request" in bad.stderr
 
 
+@pytest.mark.slow  # every list and show through the CLI: 21-27 s
 def test_every_list_and_show_renders_its_table(controller_process: ControllerProcess) -> None:
     """Through the real CLI against a real controller: each resource's table has its columns."""
     cp = controller_process

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import pytest
 
-from nexa import adapters, entrypoints
+from nexa import adapters
+from nexa.adapters import entrypoints
+from nexa.adapters.llamacpp import LLAMA_CPP_PYTHON_ADAPTER, LLAMA_SERVER_ADAPTER
 from nexa.contracts.models import ImageConfig, ImagePlatform
 from nexa.contracts.node import RuntimeKind
 
@@ -61,7 +63,7 @@ def test_the_process_is_the_command_once(
 
 
 def test_the_metrics_variant_is_told_from_the_process_by_name_path_or_after_a_wrapper() -> None:
-    server, python = adapters.LLAMA_SERVER_ADAPTER.metrics, adapters.LLAMA_CPP_PYTHON_ADAPTER.metrics
+    server, python = LLAMA_SERVER_ADAPTER.metrics, LLAMA_CPP_PYTHON_ADAPTER.metrics
     kind = RuntimeKind.LLAMACPP
     assert adapters.metrics_for(kind, ["/app/llama-server", "--model", "m"]) is server
     assert (

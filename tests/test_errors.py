@@ -1,8 +1,11 @@
-"""`nexa.errors`: the tree its docstring draws is the tree its classes form."""
+"""`nexa.errors`: the tree its docstring draws is the tree its classes form, and the package re-exports
+every class its family modules define."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import pkgutil
 import re
 
 import attrs
@@ -50,16 +53,21 @@ def _drawn_tree(doc: str | None = errors.__doc__) -> list[_Drawn]:
     return drawn
 
 
+def _ours(cls: type) -> bool:
+    """Defined in one of the package's family modules (`nexa.errors.base`, …)."""
+    return cls.__module__.startswith(errors.__name__ + ".")
+
+
 def _defined() -> dict[str, type[BaseException]]:
     return {
         name: cls
         for name, cls in inspect.getmembers(errors, inspect.isclass)
-        if cls.__module__ == errors.__name__ and issubclass(cls, BaseException)
+        if _ours(cls) and issubclass(cls, BaseException)
     }
 
 
 def _actual(cls: type[BaseException]) -> _Drawn:
-    ours = [b for b in cls.__bases__ if b.__module__ == errors.__name__]
+    ours = [b for b in cls.__bases__ if _ours(b)]
     also = tuple(b.__name__ for b in cls.__bases__ if b not in ours and b is not Exception)
     code = cls.__dict__.get("code")
     return _Drawn(
@@ -75,6 +83,17 @@ def test_the_docstring_draws_every_class_once_and_nothing_else() -> None:
     names = [d.name for d in _drawn_tree()]
     assert len(names) == len(set(names)), "a class drawn twice"
     assert sorted(names) == sorted(_defined())
+
+
+def test_the_package_re_exports_every_class_of_its_modules() -> None:
+    """`from nexa.errors import X` is the one way in: a class added to a family module but not to
+    the package's imports would be missing from it (and from the drawn tree's check)."""
+    modules = [importlib.import_module(m.name) for m in pkgutil.iter_modules(errors.__path__, errors.__name__ + ".")]
+    assert len(modules) > 1
+    for module in modules:
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__:
+                assert getattr(errors, name, None) is cls, f"{module.__name__}.{name} is not re-exported by nexa.errors"
 
 
 def test_each_class_sits_under_its_parent_with_its_own_code_and_status() -> None:

@@ -288,6 +288,7 @@ def evidence(cp: ControllerProcess, out: Path, sim: Path, gate: Path) -> subproc
     return cp.cli("evidence", "--out", str(out), "--sim", str(sim), "--gate", str(gate), token=operator_key(cp))
 
 
+@pytest.mark.slow  # signed_reports: a `nexa sim` run, about 25 s
 def test_signed_reports_are_verified_and_verify_shows_each_parts_provenance(
     trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
 ) -> None:
@@ -315,6 +316,7 @@ def test_signed_reports_are_verified_and_verify_shows_each_parts_provenance(
     assert f"gate: verified (signed by key {release})" in verified.stdout
 
 
+@pytest.mark.slow  # signed_reports: a `nexa sim` run, about 25 s
 def test_a_bare_or_edited_report_is_signed_as_asserted_never_ready(
     trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
 ) -> None:
@@ -341,6 +343,7 @@ def test_a_bare_or_edited_report_is_signed_as_asserted_never_ready(
     assert "release_ready: false" in verified.stdout and "sim: asserted" in verified.stdout
 
 
+@pytest.mark.slow  # signed_reports: a `nexa sim` run, about 25 s
 def test_a_malformed_signature_or_oversize_report_is_refused_and_writes_nothing(
     trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
 ) -> None:
@@ -379,6 +382,7 @@ def _resigned(src: Path, dst: Path, key: security.SigningKey, edit: Any, **files
     return dst
 
 
+@pytest.mark.slow  # signed_reports: a `nexa sim` run, about 25 s
 def test_verify_checks_a_verified_parts_signature_against_the_bundles_file(
     trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
 ) -> None:
@@ -396,6 +400,7 @@ def test_verify_checks_a_verified_parts_signature_against_the_bundles_file(
     )
 
 
+@pytest.mark.slow  # signed_reports: a `nexa sim` run, about 25 s
 def test_a_manifest_without_provenance_verifies_and_reads_as_asserted_never_ready(
     trusting: ControllerProcess, signed_reports: SignedReports, tmp_path: Path
 ) -> None:

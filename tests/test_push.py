@@ -24,7 +24,7 @@ import trio
 from nexa.contracts.manifest import ROOT_ENTRY
 from nexa.errors import ArtifactInvalid, ArtifactRefused, ArtifactSizeMismatch
 from nexa.push import MANIFEST_SUFFIX, LocalFile, Progress, PushOptions, build_manifest, options_problems, walk
-from nexa.s3 import S3Client
+from nexa.s3.client import S3Client
 from nexa.sigv4 import S3Credentials
 from tests.conftest import ControllerProcess, free_port
 from tests.realparts import S3Store

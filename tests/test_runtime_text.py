@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 
 from nexa import adapters
+from nexa.adapters.base import Metrics
+from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER
+from nexa.adapters.sglang import SGLANG
+from nexa.adapters.trtllm import TRTLLM
+from nexa.adapters.vllm import VLLM
 from nexa.contracts.node import RuntimeKind
 from nexa.errors import ContractError, MetricsUnreadable
 from nexa.telemetry.runtime_text import MAX_METRICS_BYTES, parse_runtime_metrics
@@ -19,7 +24,7 @@ def _read(name: str) -> bytes:
 
 
 def test_vllm_exposition_gives_every_figure() -> None:
-    load = parse_runtime_metrics(_read("vllm.prom"), adapters.VLLM.metrics)
+    load = parse_runtime_metrics(_read("vllm.prom"), VLLM.metrics)
     assert load.ok
     assert (load.queue_depth, load.running, load.kv_cache_ratio) == (7.0, 3.0, 0.42)
     assert load.prefix_cache_hit_ratio == 0.25  # 500 hit tokens of 2000 looked up
@@ -33,7 +38,7 @@ def test_vllm_exposition_gives_every_figure() -> None:
 
 
 def test_sglang_exposition() -> None:
-    load = parse_runtime_metrics(_read("sglang.prom"), adapters.SGLANG.metrics)
+    load = parse_runtime_metrics(_read("sglang.prom"), SGLANG.metrics)
     assert (load.queue_depth, load.running, load.kv_cache_ratio) == (2826.0, 162.0, 0.28)
     assert load.prefix_cache_hit_ratio == pytest.approx(0.0075075526)
     assert load.ttft is not None
@@ -43,7 +48,7 @@ def test_sglang_exposition() -> None:
 
 
 def test_llamacpp_has_no_histograms_or_cache_figures() -> None:
-    load = parse_runtime_metrics(_read("llamacpp.prom"), adapters.LLAMA_SERVER_ADAPTER.metrics)
+    load = parse_runtime_metrics(_read("llamacpp.prom"), LLAMA_SERVER_ADAPTER.metrics)
     assert (load.queue_depth, load.running) == (2.0, 1.0)
     assert load.kv_cache_ratio is None
     assert load.prefix_cache_hit_ratio is None
@@ -54,16 +59,16 @@ def test_llamacpp_has_no_histograms_or_cache_figures() -> None:
 def test_trtllm_json_takes_the_last_iteration() -> None:
     """`numQueuedRequests` sits at the top of an iteration's statistics (not under
     `inflightBatchingStats`, which has no such field), as trtllm-serve's serializer writes it."""
-    load = parse_runtime_metrics(_read("trtllm.json"), adapters.TRTLLM.metrics)
+    load = parse_runtime_metrics(_read("trtllm.json"), TRTLLM.metrics)
     assert (load.queue_depth, load.running, load.kv_cache_ratio) == (3.0, 5.0, 0.4)
-    idle = parse_runtime_metrics(b"[]", adapters.TRTLLM.metrics)  # no iteration since the last read
+    idle = parse_runtime_metrics(b"[]", TRTLLM.metrics)  # no iteration since the last read
     assert (idle.ok, idle.queue_depth, idle.running, idle.kv_cache_ratio) == (True, None, None, None)
 
 
 @pytest.mark.parametrize("body", [b"{", b'"just a string"', b"[" * 100_000, b'{"numActiveRequests": true}'])
 def test_trtllm_hostile_json(body: bytes) -> None:
     try:
-        load = parse_runtime_metrics(body, adapters.TRTLLM.metrics)
+        load = parse_runtime_metrics(body, TRTLLM.metrics)
     except MetricsUnreadable:
         return
     assert load.running is None
@@ -71,7 +76,7 @@ def test_trtllm_hostile_json(body: bytes) -> None:
 
 def test_only_the_adapters_series_are_kept() -> None:
     """A runtime's other series (vLLM's e2e latency, cache config info) never reach the load."""
-    spec = adapters.Metrics(path="/metrics", waiting="vllm:num_preemptions_total")
+    spec = Metrics(path="/metrics", waiting="vllm:num_preemptions_total")
     load = parse_runtime_metrics(_read("vllm.prom"), spec)
     assert load.queue_depth == 0.0
     assert (load.running, load.kv_cache_ratio, load.ttft, load.tpot) == (None, None, None, None)
@@ -80,7 +85,7 @@ def test_only_the_adapters_series_are_kept() -> None:
 def test_bad_values_drop_their_figure_only() -> None:
     """NaN, negative, a ratio over 1, buckets that shrink, +Inf counts: each such figure is None;
     nothing is clamped and the parse itself succeeds."""
-    load = parse_runtime_metrics(_read("hostile-values.prom"), adapters.VLLM.metrics)
+    load = parse_runtime_metrics(_read("hostile-values.prom"), VLLM.metrics)
     assert load.ok
     assert load.queue_depth is None  # NaN
     assert load.running is None  # negative
@@ -91,7 +96,7 @@ def test_bad_values_drop_their_figure_only() -> None:
 
 
 def test_label_sets_are_combined_and_duplicates_dropped() -> None:
-    load = parse_runtime_metrics(_read("hostile-duplicates.prom"), adapters.VLLM.metrics)
+    load = parse_runtime_metrics(_read("hostile-duplicates.prom"), VLLM.metrics)
     assert load.queue_depth is None  # the same series twice with other values: which is meant is unknown
     assert load.running == 3.0  # one per model name: summed
     assert load.kv_cache_ratio == 0.75  # ratios: the most pressed
@@ -104,7 +109,7 @@ def test_histograms_of_several_label_sets_are_summed() -> None:
         f'h_count{{m="{m}"}} {n + 1}\nh_sum{{m="{m}"}} 0.5\n'.encode()
         for m, n in (("a", 1), ("b", 2))
     )
-    load = parse_runtime_metrics(text, adapters.Metrics(path="/metrics", ttft=("h",)))
+    load = parse_runtime_metrics(text, Metrics(path="/metrics", ttft=("h",)))
     assert load.ttft is not None
     assert (load.ttft.bounds, load.ttft.counts, load.ttft.count, load.ttft.sum) == ((0.1,), (3.0,), 5.0, 1.0)
 
@@ -112,7 +117,7 @@ def test_histograms_of_several_label_sets_are_summed() -> None:
 def test_too_many_buckets_drop_the_histogram() -> None:
     lines = [f'h_bucket{{le="{i / 10}"}} {i}' for i in range(1, 100)]
     text = "\n".join([*lines, 'h_bucket{le="+Inf"} 99', "h_count 99", "h_sum 3"]).encode()
-    assert parse_runtime_metrics(text, adapters.Metrics(path="/m", ttft=("h",))).ttft is None
+    assert parse_runtime_metrics(text, Metrics(path="/m", ttft=("h",))).ttft is None
 
 
 @pytest.mark.parametrize(
@@ -127,19 +132,19 @@ def test_too_many_buckets_drop_the_histogram() -> None:
 )
 def test_text_that_is_not_the_format_raises_a_typed_error(body: bytes) -> None:
     with pytest.raises(MetricsUnreadable) as caught:
-        parse_runtime_metrics(body, adapters.VLLM.metrics)
+        parse_runtime_metrics(body, VLLM.metrics)
     assert isinstance(caught.value, ContractError)
     assert caught.value.code == "metrics_unreadable"
 
 
 def test_an_empty_exposition_has_no_figures() -> None:
-    load = parse_runtime_metrics(b"", adapters.VLLM.metrics)
+    load = parse_runtime_metrics(b"", VLLM.metrics)
     assert load.ok
     assert (load.queue_depth, load.running, load.ttft) == (None, None, None)
 
 
 def test_metrics_for_picks_the_variant_and_the_sim() -> None:
-    assert adapters.metrics_for(RuntimeKind.SIM, ["nexa", "sim-runtime"]) is adapters.VLLM.metrics
+    assert adapters.metrics_for(RuntimeKind.SIM, ["nexa", "sim-runtime"]) is VLLM.metrics
     assert adapters.metrics_for(RuntimeKind.LLAMACPP, ["python3", "-m", "llama_cpp.server"]).path is None
     assert adapters.metrics_for(RuntimeKind.LLAMACPP, ["llama-server", "--model", "m"]).path == "/metrics"
     assert adapters.metrics_for(RuntimeKind.SGLANG, []).waiting == "sglang:num_queue_reqs"

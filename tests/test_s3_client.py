@@ -14,9 +14,11 @@ import httpx
 import pytest
 import trio
 
-from nexa import s3 as s3_module
 from nexa.errors import ArtifactRefused, ArtifactUnavailable
-from nexa.s3 import S3_READ_BYTES, S3Client
+from nexa.s3 import client as s3_client
+from nexa.s3 import credentials as s3_credentials
+from nexa.s3.client import S3Client
+from nexa.s3.transport import S3_READ_BYTES
 from nexa.sigv4 import S3Credentials
 from tests.conftest import free_port
 from tests.realparts import S3Store
@@ -104,7 +106,7 @@ async def _chunk_sizes(port: int, s3: bool) -> list[int]:
 
 async def test_the_client_reads_the_socket_in_large_blocks() -> None:
     """httpcore reads 64 KiB at a time; `S3Client` reads up to `S3_READ_BYTES` through its own network
-    backend, wired in through httpx's private `_pool` (`nexa.s3._large_read_transport`). If an
+    backend, wired in through httpx's private `_pool` (`nexa.s3.transport.large_read_transport`). If an
     upgrade drops that wiring, the S3 client's chunks shrink back to 64 KiB and this fails."""
     body = os.urandom(8 * MiB)
 
@@ -132,13 +134,16 @@ def _annotations(fn: object) -> dict[str, str]:
 
 
 def test_the_public_api_takes_and_gives_no_httpx_types() -> None:
-    """Callers of `nexa.s3` need no httpx: no public name is an httpx type, and no public function
-    or method takes or returns one. The one exception is the fault-injection seam
-    `S3Client(transport=…)` (`InjectedTransport`)."""
+    """Callers of `nexa.s3` need no httpx: no public name of its client or credentials module is an
+    httpx type, and no public function or method takes or returns one. The one exception is the
+    fault-injection seam `S3Client(transport=…)` (`InjectedTransport`)."""
     seam = {"InjectedTransport", "transport"}
     found: list[str] = []
-    for name in sorted(set(s3_module.__all__) - seam):
-        obj = getattr(s3_module, name)
+    public = [(module, name) for module in (s3_client, s3_credentials) for name in module.__all__]
+    for module, name in public:
+        if name in seam:
+            continue
+        obj = getattr(module, name)
         if getattr(obj, "__module__", "").startswith(("httpx", "httpcore")):
             found.append(name)
         members = (
@@ -152,4 +157,4 @@ def test_the_public_api_takes_and_gives_no_httpx_types() -> None:
                 if arg not in seam and ("httpx" in hint or "httpcore" in hint):
                     found.append(f"{name}: {arg}: {hint}")
     assert found == []
-    assert {"ObjectStream", "S3Client", "object_url", "signed_headers_for"} <= set(s3_module.__all__)
+    assert {"ObjectStream", "S3Client", "object_url", "signed_headers_for"} <= set(s3_client.__all__)

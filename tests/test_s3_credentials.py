@@ -19,7 +19,7 @@ from nexa.config import WatchedFile
 from nexa.errors import ConfigError
 from nexa.node.engines.libpod import LibpodEngine
 from nexa.oci import RegistryCredentials, registry_credentials
-from nexa.s3 import load_s3_credentials, s3_credentials
+from nexa.s3.credentials import load_s3_credentials, s3_credentials
 from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, S3Credentials, sign_v4
 
 INI = """\

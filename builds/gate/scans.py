@@ -223,11 +223,13 @@ def _unit_findings(root: Path) -> list[str]:
 
 def _adapter_findings() -> list[str]:
     from nexa import adapters
+    from nexa.adapters.base import MODEL_PATH
+    from nexa.adapters.llamacpp import LLAMACPP_VARIANTS
 
     out = []
-    variants = {**{str(k): a for k, a in adapters.ADAPTERS.items()}, **adapters.LLAMACPP_VARIANTS}
+    variants = {**{str(k): a for k, a in adapters.ADAPTERS.items()}, **LLAMACPP_VARIANTS}
     for name, adapter in sorted(variants.items()):
-        launch = adapter.launch("model", {}, ["nvidia.com/gpu=0"], 18000, model_path=adapters.MODEL_PATH)
+        launch = adapter.launch("model", {}, ["nvidia.com/gpu=0"], 18000, model_path=MODEL_PATH)
         where = f"adapter {name}"
         for arg in [*launch.command, *launch.health.command]:
             out += _value_findings(f"{where}: command", arg)

@@ -277,7 +277,7 @@ def _models_push(args: argparse.Namespace) -> int:
     import trio
 
     from nexa.push import PushOptions, push_directory
-    from nexa.s3 import load_s3_credentials
+    from nexa.s3.credentials import load_s3_credentials
 
     if not args.s3_endpoint:
         raise ConfigError("no S3 endpoint: pass --s3-endpoint or set NEXA_S3_ENDPOINT")
@@ -334,7 +334,7 @@ def _models_push(args: argparse.Namespace) -> int:
 def _held_objects(models: list[ModelRecord]) -> dict[str, Held]:
     """`s3://bucket/key` → what must stay there, for every file a registered version names."""
     from nexa.push import Held
-    from nexa.s3 import split_s3_uri
+    from nexa.s3.client import split_s3_uri
 
     held: dict[str, Held] = {}
     for record in models:

@@ -41,7 +41,7 @@ class Resources:
     memory_bytes: int | None = None
     cpus: float = 1.0
     #: The engine's own memory beyond `memory_bytes` (CUDA context, graphs, activations), reserved
-    #: by placement on top of it; None: the runtime adapter's figure (`nexa.adapters.ENGINE_OVERHEAD_BYTES`).
+    #: by placement on top of it; None: the runtime adapter's figure (`nexa.adapters.base.ENGINE_OVERHEAD_BYTES`).
     overhead_bytes: int | None = None
 
 

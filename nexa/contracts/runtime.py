@@ -117,7 +117,7 @@ class RuntimeSpec:
     `command` and `health.command` may hold `RUNTIME_HOST` (`{runtime_host}`) where the runtime's
     bind address goes: the controller does not know which loopback address a node gives its
     runtimes, so the node substitutes its `runtime_host` when it builds the container spec
-    (`runtimes.container_spec`). The spec is signed and hashed with the placeholder in it.
+    (`nexa.container_spec`). The spec is signed and hashed with the placeholder in it.
     """
 
     kind: RuntimeKind

@@ -53,7 +53,8 @@ from nexa.control.fleet.keyring import ControllerKeys, KeyRotation, load_or_crea
 from nexa.control.fleet.nodes import Fleet
 from nexa.control.fleet.southbound import Southbound
 from nexa.control.http import openapi
-from nexa.control.http.api import AppState, ControllerPublicKeys, create_app
+from nexa.control.http.api import create_app
+from nexa.control.http.state import AppState, ControllerPublicKeys
 from nexa.control.operations.backup import Backups, load_key
 from nexa.control.operations.benchmarks import Benchmarks
 from nexa.control.operations.evidence import Evidence
@@ -65,7 +66,8 @@ from nexa.control.registry.outbound import Outbound
 from nexa.control.store import Store, StoreOpener, open_store
 from nexa.errors import ControllerKeysDiffer
 from nexa.oci import registry_credentials
-from nexa.s3 import S3Client, s3_credentials
+from nexa.s3.client import S3Client
+from nexa.s3.credentials import s3_credentials
 from nexa.supervision import Supervision, supervised, watch_event_loop
 from nexa.telemetry import Metrics
 

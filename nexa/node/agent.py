@@ -39,6 +39,7 @@ from nexa import __version__
 from nexa.channel.endpoints import DataSender, OpenRequests, Routed
 from nexa.channel.links import Unverified
 from nexa.config import LeaseExpiryPolicy, NodeConfig
+from nexa.container_spec import SIMULATION_ENV
 from nexa.contracts import wire
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError
 from nexa.node.builders import (
@@ -73,7 +74,6 @@ from nexa.node.uplinks import (
     channel_endpoint,  # noqa: F401 - importable from here, as before
     open_channel,
 )
-from nexa.runtimes import SIMULATION_ENV
 from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ unused artifact would not free enough, `InsufficientDisk` names both figures and
 evicted or downloaded. Eviction is least-recently-used per manifest (or per single object) and
 never removes a pinned manifest, nor a blob that a kept manifest uses.
 
-Requests go through `nexa.s3.S3Client` (signed with AWS Signature Version 4, read 1 MiB at a
+Requests go through `nexa.s3.client.S3Client` (signed with AWS Signature Version 4, read 1 MiB at a
 time). Credentials come from a file named in node config (re-read when it changes) or the AWS
 environment variables, and are never logged; log lines carry
 digests, sizes and durations only. This module words the store's refusals for an operator; the
@@ -57,7 +57,8 @@ from nexa.errors import (
     InsufficientDisk,
 )
 from nexa.node import cache_files
-from nexa.s3 import CredentialsSource, InjectedTransport, ObjectStream, S3Client, split_s3_uri
+from nexa.s3.client import InjectedTransport, ObjectStream, S3Client, split_s3_uri
+from nexa.s3.credentials import CredentialsSource
 from nexa.supervision import all_or_first_failure
 
 log = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from nexa.node.runtime_cache import RuntimeCaches
 from nexa.node.runtime_metrics import RuntimeMetrics
 from nexa.node.supervisor import Supervisor
 from nexa.oci import registry_credentials as registry_credentials_source
-from nexa.s3 import s3_credentials as s3_credentials_source
+from nexa.s3.credentials import s3_credentials as s3_credentials_source
 
 log = logging.getLogger(__name__)
 

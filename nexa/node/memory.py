@@ -37,7 +37,7 @@ from nexa.contracts.bounds import MAX_BYTES
 from nexa.contracts.node import NodeInventory
 from nexa.errors import Unavailable
 from nexa.node.inventory import NVIDIA_SMI_TIMEOUT_S, parse_meminfo, run_nvidia_smi
-from nexa.node.supervisor import Replica
+from nexa.node.replicas import Replica
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Final
 import attrs
 import trio
 
-from nexa import runtimes
+from nexa import container_spec
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ContainerDriver, ContainerSpec, ContainerState
 from nexa.errors import (
@@ -103,7 +103,7 @@ class _Child:
             name=self.spec.name,
             image_name=self.spec.image,
             # Nothing is pulled: the process runs "the image" it was created with, by definition.
-            image_digest=runtimes.image_digest(self.spec.image),
+            image_digest=container_spec.image_digest(self.spec.image),
             labels=dict(self.spec.labels),
             running=running,
             status=status,
@@ -170,13 +170,13 @@ class ProcessDriver:
     async def create(self, spec: ContainerSpec) -> str:
         if self._closed:
             raise EngineError("the process driver is closed")
-        if spec.labels.get(runtimes.LABEL_KIND) != RuntimeKind.SIM:
+        if spec.labels.get(container_spec.LABEL_KIND) != RuntimeKind.SIM:
             raise ContractError(f"{spec.name}: the process driver runs sim runtimes only")
         try:
-            port = int(spec.labels[runtimes.LABEL_PORT])
+            port = int(spec.labels[container_spec.LABEL_PORT])
         except (KeyError, ValueError):
             raise ContractError(
-                f"{spec.name}: a sim runtime needs its port in the {runtimes.LABEL_PORT} label"
+                f"{spec.name}: a sim runtime needs its port in the {container_spec.LABEL_PORT} label"
             ) from None
         if any(c.spec.name == spec.name for c in self._children.values()):
             raise EngineError(f"the name {spec.name} is already in use")
@@ -204,7 +204,7 @@ class ProcessDriver:
         ]
         env = {name: os.environ[name] for name in PASSED_ENV if name in os.environ}
         env.update(spec.env)
-        env[runtimes.SIMULATION_ENV] = "1"
+        env[container_spec.SIMULATION_ENV] = "1"
         output = await trio.to_thread.run_sync(_open_output, self._dir / f"{spec.name}.log")
         try:
             child.process = await trio.lowlevel.open_process(
@@ -342,7 +342,7 @@ class DriverRouter:
         return await self._podman.image_exists(image)
 
     async def create(self, spec: ContainerSpec) -> str:
-        if spec.labels.get(runtimes.LABEL_KIND) == RuntimeKind.SIM:
+        if spec.labels.get(container_spec.LABEL_KIND) == RuntimeKind.SIM:
             return await self._sims().create(spec)
         return await self._podman.create(spec)
 

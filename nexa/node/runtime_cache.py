@@ -33,10 +33,10 @@ from typing import Final, NoReturn
 import attrs
 import trio
 
+from nexa.container_spec import image_digest, is_simulated
 from nexa.contracts import wire
 from nexa.contracts.runtime import RuntimeSpec
 from nexa.errors import RuntimeCacheNoRoom
-from nexa.runtimes import image_digest, is_simulated
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,8 @@ from typing import Final, NoReturn, Protocol
 import attrs
 import trio
 
-from nexa.adapters import Metrics, metrics_for
+from nexa.adapters import metrics_for
+from nexa.adapters.base import Metrics
 from nexa.contracts import wire
 from nexa.errors import MetricsUnreadable
 from nexa.node.artifacts import ArtifactStatistics

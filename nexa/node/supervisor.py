@@ -13,27 +13,23 @@ import collections
 import contextlib
 import itertools
 import logging
-import re
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
-from typing import Final, NoReturn, Protocol
+from collections.abc import Callable, Sequence
+from typing import Final, NoReturn
 
-import attrs
 import trio
 
-from nexa import entrypoints, runtimes
+from nexa import container_spec
+from nexa.adapters import entrypoints
 from nexa.config import SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import (
     LABEL_ASSIGNMENT,
     LABEL_SPEC,
-    ArtifactRef,
     ContainerDriver,
     ContainerState,
     HealthProbe,
-    RuntimeSpec,
 )
 from nexa.errors import (
     ArtifactDigestMismatch,
@@ -47,6 +43,19 @@ from nexa.errors import (
     InsufficientDisk,
     RuntimeCacheNoRoom,
     SimulationDisabled,
+)
+from nexa.node.replicas import (
+    EXIT_PROGRAM_MISSING,
+    PROGRAM_NOT_FOUND,
+    Artifacts,
+    Backoff,
+    Desired,
+    Mismatch,
+    ProgramMissing,
+    Replica,
+    RuntimeCaches,
+    SupervisorStatistics,
+    Worker,
 )
 from nexa.supervision import supervised
 
@@ -85,170 +94,6 @@ _KNOWN_FAILURES: Final = (
 Podman = ContainerDriver
 
 
-class Artifacts(Protocol):
-    """The node's verified artifact cache (`nexa.node.artifacts.ArtifactCache`): `fetch` gives a
-    verified file, or a manifest's assembled model directory, mounted read-only at the ref's
-    `mount_path`; pins are per artifact digest (`ArtifactRef.sha256`, a manifest's digest)."""
-
-    async def fetch(self, ref: ArtifactRef) -> Path: ...
-    def pin(self, sha256: str) -> None: ...
-    def unpin(self, sha256: str) -> None: ...
-    async def evict(self) -> int: ...
-
-
-class RuntimeCaches(Protocol):
-    """Each replica's writable cache (`nexa.node.runtime_cache.RuntimeCaches`): a directory per
-    (image, model, settings), held by each worker from before its container is created until it is
-    torn down."""
-
-    def wants(self, runtime: RuntimeSpec) -> bool: ...
-    async def acquire(self, holder: str, runtime: RuntimeSpec) -> Path: ...
-    def release(self, holder: str) -> None: ...
-
-
-@attrs.frozen(kw_only=True)
-class Backoff:
-    """Capped exponential delay as an immutable value: `next()` returns the following step."""
-
-    initial_s: float
-    max_s: float
-    attempt: int = 0
-
-    @property
-    def delay_s(self) -> float:
-        return min(self.initial_s * 2.0**self.attempt, self.max_s)
-
-    def next(self) -> Backoff:
-        if self.delay_s >= self.max_s:
-            return self  # capped: stop counting, so the exponent never overflows
-        return attrs.evolve(self, attempt=self.attempt + 1)
-
-
-@attrs.frozen(kw_only=True)
-class Replica:
-    """One assignment's runtime as the supervisor last saw it (`Supervisor.replicas`)."""
-
-    assignment_id: str
-    state: wire.RuntimeState
-    #: Its container's main process on the host, while it runs.
-    pid: int | None
-    #: When its container started (Unix seconds); 0 before it has.
-    started_at: float
-    #: Stopped and kept stopped by the node (`stop_held`).
-    held: bool
-
-
-@attrs.frozen(kw_only=True)
-class SupervisorStatistics:
-    """A snapshot of the supervisor (trio's `statistics()` convention)."""
-
-    generation: int
-    #: Assignments currently desired.
-    assignments: int
-    #: Desired assignments by observed state; every state is present.
-    states: Mapping[wire.RuntimeState, int]
-    #: Removed or replaced assignments whose containers are still being stopped.
-    stopping: int
-    created: int
-    adopted: int
-    restarts: int
-    pulls: int
-    probes_failed: int
-    #: Containers stopped and removed because their assignment was removed or replaced.
-    removed: int
-    orphans_removed: int
-    reconcile_passes: int
-
-
-class _Mismatch(Exception):
-    """Inspect shows a container that is not exactly the assigned one."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-class _ProgramMissing(Exception):
-    """The runtime's program is not where its command names it in the image: the OCI runtime could not
-    exec it (podman/docker start fails, exit code 127), or the image's exec wrapper could not."""
-
-    def __init__(self, program: str, detail: str) -> None:
-        super().__init__(detail)
-        self.program = program
-        self.detail = detail
-
-
-#: The exit code for "command not found": the OCI runtimes' (crun, runc) when exec finds no such
-#: program, and a shell's (an exec wrapper's) when `exec "$@"` cannot.
-EXIT_PROGRAM_MISSING: Final = 127
-#: How the container engines word a start whose program could not be found (crun, runc, Docker).
-_PROGRAM_NOT_FOUND: Final = re.compile(
-    r"executable file .{0,300}not found|command that was not found|exec: .{0,300}no such file or directory", re.I
-)
-
-
-@attrs.frozen
-class _Desired:
-    assignment: wire.Assignment
-    generation: int
-    spec_sha256: str
-
-
-@attrs.define(eq=False)
-class _Worker:
-    """One assignment's task: what it knows of its container and what it reports."""
-
-    desired: _Desired
-    #: The worker this one replaces: its container must be gone before ours is created.
-    previous: _Worker | None
-    #: Delay between attempts after failed steps (pull, fetch, create, …); reset when Ready.
-    setup_backoff: Backoff
-    #: The restart delay reached by crashes that follow each other within the crash-loop window.
-    crash_backoff: Backoff
-    scope: trio.CancelScope | None = None
-    done: trio.Event = attrs.field(factory=trio.Event)
-    #: Set before the scope is cancelled when the assignment was removed or replaced: tear down.
-    removing: bool = False
-    container_id: str | None = None
-    #: When failing probes start to count (trio clock), for the container in `container_id`.
-    start_deadline: float = 0.0
-    image_ready: bool = False
-    artifact_path: Path | None = None
-    pinned: str | None = None
-    #: The replica's cache directory and this worker's hold on it (`RuntimeCaches`).
-    cache_dir: Path | None = None
-    cache_hold: str | None = None
-    state: wire.RuntimeState = wire.RuntimeState.PENDING
-    reason: str | None = None
-    detail: str = ""
-    restarts: int = 0
-    crash_loop: bool = False
-    #: Crash times (trio clock) within the crash-loop window.
-    crashes: collections.deque[float] = attrs.field(factory=collections.deque)
-    #: The last problem logged, so a retried failure is logged once, not once per attempt.
-    logged_problem: tuple[wire.RuntimeState, str | None] | None = None
-    #: Its container's main process (host pid) at the last inspect, while it runs.
-    pid: int | None = None
-    #: When its container was started (Unix seconds; an adopted one: as the engine says).
-    started_at: float = 0.0
-    #: Why the node stopped it and keeps it stopped (the memory guard), None otherwise.
-    held: str | None = None
-
-    @property
-    def id(self) -> str:
-        return self.desired.assignment.id
-
-    @property
-    def runtime(self) -> RuntimeSpec:
-        return self.desired.assignment.runtime
-
-    def status(self) -> wire.AssignmentStatus:
-        return wire.AssignmentStatus(
-            assignment_id=self.id, state=self.state, detail=self.detail, reason=self.reason, restarts=self.restarts
-        )
-
-
 class Supervisor:
     """Keeps the node's runtime containers equal to its verified assignments, and reports their states.
 
@@ -278,14 +123,14 @@ class Supervisor:
         self._artifacts = artifacts
         self._node_id = node_id
         self._generation = 0
-        self._desired: dict[str, _Desired] = {}
+        self._desired: dict[str, Desired] = {}
         self._desired_known = False
         self._changed = trio.Event()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[str, Worker] = {}
         #: Removed or replaced workers still tearing down.
-        self._retiring: set[_Worker] = set()
+        self._retiring: set[Worker] = set()
         #: The newest retiring worker of each assignment id (each one waits for its predecessor).
-        self._last_retired: dict[str, _Worker] = {}
+        self._last_retired: dict[str, Worker] = {}
         self._orphans_removing: set[str] = set()
         self._pins: collections.Counter[str] = collections.Counter()
         self._list_failed = False
@@ -298,12 +143,12 @@ class Supervisor:
         """Replace the desired set (a newly accepted assignment set) and wake the reconcile loop."""
         self._generation = generation
         previous = self._desired
-        desired: dict[str, _Desired] = {}
+        desired: dict[str, Desired] = {}
         for a in assignments:
-            sha = runtimes.spec_sha256(a.runtime)
+            sha = container_spec.spec_sha256(a.runtime)
             old = previous.get(a.id)
             # An unchanged assignment keeps the generation its container was created at.
-            desired[a.id] = old if old is not None and old.spec_sha256 == sha else _Desired(a, generation, sha)
+            desired[a.id] = old if old is not None and old.spec_sha256 == sha else Desired(a, generation, sha)
         self._desired = desired
         self._desired_known = True
         self._changed.set()
@@ -396,7 +241,7 @@ class Supervisor:
     async def _reconcile(self, nursery: trio.Nursery) -> None:
         self._passes += 1
         desired = self._desired
-        fresh: list[_Worker] = []
+        fresh: list[Worker] = []
         for aid, d in desired.items():
             current = self._workers.get(aid)
             if current is not None and current.desired.spec_sha256 == d.spec_sha256:
@@ -409,7 +254,7 @@ class Supervisor:
             # Its container must be gone before ours is created (same name, same port): wait for
             # the last worker of this id still tearing down, if any.
             previous = self._last_retired.get(aid)
-            worker = _Worker(desired=d, previous=previous, setup_backoff=self._backoff(), crash_backoff=self._backoff())
+            worker = Worker(desired=d, previous=previous, setup_backoff=self._backoff(), crash_backoff=self._backoff())
             self._workers[aid] = worker
             # Every artifact the desired set uses is pinned before any worker starts: a fetch by
             # one worker (which may evict) can never take what another, adopting a runtime
@@ -424,7 +269,7 @@ class Supervisor:
             self._retire(self._workers.pop(aid))
         await self._remove_orphans(nursery)
 
-    def _retire(self, worker: _Worker) -> None:
+    def _retire(self, worker: Worker) -> None:
         self._set(worker, State.STOPPED, detail="stopping")
         worker.removing = True
         self._retiring.add(worker)
@@ -436,7 +281,7 @@ class Supervisor:
         if not self._desired_known:
             return  # before the first update(), every container would look like an orphan
         try:
-            actual = await self._podman.list({runtimes.LABEL_NODE: self._node_id})
+            actual = await self._podman.list({container_spec.LABEL_NODE: self._node_id})
         except EngineError as exc:
             if not self._list_failed:
                 log.warning(
@@ -475,7 +320,7 @@ class Supervisor:
 
     # --- one assignment
 
-    async def _supervise(self, worker: _Worker, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+    async def _supervise(self, worker: Worker, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
         try:
             with trio.CancelScope() as scope:
                 task_status.started(scope)
@@ -494,9 +339,9 @@ class Supervisor:
                     del self._last_retired[worker.id]
                 worker.done.set()
 
-    async def _lifecycle(self, w: _Worker) -> NoReturn:
+    async def _lifecycle(self, w: Worker) -> NoReturn:
         try:
-            runtimes.check_env(w.runtime.env)
+            container_spec.check_env(w.runtime.env)
         except ContractError as exc:
             # The spec is signed and cannot change without a replacement: never retried.
             self._set(w, State.FAILED, reason="secret_in_env", detail=exc.message)
@@ -508,11 +353,11 @@ class Supervisor:
                 if w.held is not None:
                     w.pid = None
                     await trio.sleep_forever()  # stopped on purpose: until replaced or removed
-            except _Mismatch as exc:
+            except Mismatch as exc:
                 await self._discard_container(w)
                 self._set(w, State.FAILED, reason=exc.reason, detail=f"{exc.detail}; container removed")
                 await trio.sleep(self._cfg.restart_backoff_max_s)
-            except _ProgramMissing as exc:
+            except ProgramMissing as exc:
                 # The image is pinned and the spec signed: starting it again would fail the same way.
                 self._set(w, State.FAILED, reason="runtime_program_missing", detail=exc.detail)
                 await trio.sleep_forever()
@@ -528,7 +373,7 @@ class Supervisor:
                 w.restarts += 1
                 self._restarts += 1
 
-    def _on_failure(self, w: _Worker, exc: EngineError | ArtifactError) -> float:
+    def _on_failure(self, w: Worker, exc: EngineError | ArtifactError) -> float:
         """Report a failed step; the delay before trying again."""
         if isinstance(exc, ImageNotFound):
             w.image_ready = False
@@ -541,7 +386,7 @@ class Supervisor:
         self._set(w, State.FAILED, reason=exc.code, detail=f"{exc.message}; retrying in {delay:g} s", exc=exc)
         return delay
 
-    def _on_exit(self, w: _Worker, exited: ContainerState | None) -> float:
+    def _on_exit(self, w: Worker, exited: ContainerState | None) -> float:
         """Count a crash (the runtime exited, or its container vanished); the delay before restarting."""
         cfg = self._cfg
         now = trio.current_time()
@@ -569,12 +414,12 @@ class Supervisor:
     def _backoff(self) -> Backoff:
         return Backoff(initial_s=self._cfg.restart_backoff_initial_s, max_s=self._cfg.restart_backoff_max_s)
 
-    async def _bring_up(self, w: _Worker) -> tuple[str, float]:
+    async def _bring_up(self, w: Worker) -> tuple[str, float]:
         """Pull, fetch, then adopt or create and start the container; its id and the start-period end."""
         runtime = w.runtime
         if not w.image_ready:
             # A simulated runtime is a local process: it has no image to pull.
-            if not runtimes.is_simulated(runtime) and not await self._podman.image_exists(runtime.image):
+            if not container_spec.is_simulated(runtime) and not await self._podman.image_exists(runtime.image):
                 self._set(w, State.PULLING)
                 await self._podman.pull(runtime.image)
                 self._pulls += 1
@@ -594,7 +439,7 @@ class Supervisor:
         self._set_starting(w, "")
         return await self._adopt_or_start(w)
 
-    async def _adopt_or_start(self, w: _Worker) -> tuple[str, float]:
+    async def _adopt_or_start(self, w: Worker) -> tuple[str, float]:
         """Adopt the assignment's container or create one, and start it unless it runs (or is paused).
 
         Only a created or exited container is started; one between states is waited out first.
@@ -622,7 +467,7 @@ class Supervisor:
                 w.container_id, state = found.id, found
             else:
                 d = w.desired
-                spec = runtimes.container_spec(
+                spec = container_spec.container_spec(
                     self._node_id,
                     d.assignment,
                     d.generation,
@@ -641,7 +486,7 @@ class Supervisor:
             raise EngineError(f"container {w.container_id[:12]} is {state.status or 'in an unknown state'}")
         return await self._start(w, w.container_id)
 
-    async def _start(self, w: _Worker, container_id: str) -> tuple[str, float]:
+    async def _start(self, w: Worker, container_id: str) -> tuple[str, float]:
         if self._on_start is not None:
             self._on_start(w.id)
         w.started_at = time.time()
@@ -653,24 +498,22 @@ class Supervisor:
             state = None
             with contextlib.suppress(EngineError):
                 state = await self._podman.inspect(container_id)
-            if _PROGRAM_NOT_FOUND.search(exc.message) or (
-                state is not None and state.exit_code == EXIT_PROGRAM_MISSING
-            ):
+            if PROGRAM_NOT_FOUND.search(exc.message) or (state is not None and state.exit_code == EXIT_PROGRAM_MISSING):
                 raise self._program_missing(w, f"the container engine could not start it: {exc.message[:300]}") from exc
             raise
         w.start_deadline = trio.current_time() + w.runtime.health.start_period_s
         return container_id, w.start_deadline
 
     @staticmethod
-    def _program_missing(w: _Worker, what: str) -> _ProgramMissing:
+    def _program_missing(w: Worker, what: str) -> ProgramMissing:
         program = entrypoints.program_of(w.runtime.entrypoint, w.runtime.command)
-        return _ProgramMissing(
+        return ProgramMissing(
             program,
             f"the runtime's program {program} is not in the image {w.runtime.image} ({what}); register an image "
             "that has it where the adapter runs it (on PATH, or at the path the image's entrypoint names)",
         )
 
-    async def _settled(self, w: _Worker, container_id: str) -> ContainerState:
+    async def _settled(self, w: Worker, container_id: str) -> ContainerState:
         """Inspect until the container is no longer between states (`stopping`, `removing`, …).
 
         podman shows `stopping` for as long as a runtime takes to exit (up to its stop timeout, then
@@ -687,9 +530,9 @@ class Supervisor:
             self._set_starting(w, f"waiting for the container to finish {state.status or 'its transition'}")
             await trio.sleep(min(w.runtime.health.interval_s, SETTLE_POLL_S))
 
-    async def _find_container(self, w: _Worker) -> ContainerState | None:
+    async def _find_container(self, w: Worker) -> ContainerState | None:
         """This assignment's container with the current spec, if any; stale ones are removed."""
-        labels = {runtimes.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
+        labels = {container_spec.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
         found: ContainerState | None = None
         for state in await self._podman.list(labels):
             if found is None and state.labels.get(LABEL_SPEC) == w.desired.spec_sha256:
@@ -709,9 +552,9 @@ class Supervisor:
         left = state.started_at + probe.start_period_s - time.time()
         return trio.current_time() + max(0.0, left)
 
-    async def _watch(self, w: _Worker, container_id: str, start_deadline: float) -> ContainerState | None:
+    async def _watch(self, w: Worker, container_id: str, start_deadline: float) -> ContainerState | None:
         """Inspect and probe every `interval_s` until the container stops running; return its
-        last state (None if it disappeared). Raises _Mismatch when it is not the assigned one."""
+        last state (None if it disappeared). Raises Mismatch when it is not the assigned one."""
         probe = w.runtime.health
         failures = 0
         started = False  # the start period ends early at the first passing probe
@@ -750,16 +593,16 @@ class Supervisor:
             next_at = max(next_at + probe.interval_s, trio.current_time())
             await trio.sleep_until(next_at)
 
-    def _check_identity(self, w: _Worker, state: ContainerState) -> None:
+    def _check_identity(self, w: Worker, state: ContainerState) -> None:
         image = w.runtime.image
-        if not runtimes.image_matches(state, image):
-            raise _Mismatch(
+        if not container_spec.image_matches(state, image):
+            raise Mismatch(
                 "digest_mismatch",
                 f"container runs {state.image_name} ({state.image_digest or 'digest unknown'}), "
-                f"assigned {runtimes.image_digest(image)}",
+                f"assigned {container_spec.image_digest(image)}",
             )
         if state.labels.get(LABEL_ASSIGNMENT) != w.id or state.labels.get(LABEL_SPEC) != w.desired.spec_sha256:
-            raise _Mismatch("label_mismatch", "container labels do not name this assignment and spec")
+            raise Mismatch("label_mismatch", "container labels do not name this assignment and spec")
 
     async def _probe(self, container_id: str, probe: HealthProbe) -> bool:
         with trio.move_on_after(probe.timeout_s):
@@ -771,7 +614,7 @@ class Supervisor:
                 return False
         return False
 
-    async def _discard_container(self, w: _Worker) -> None:
+    async def _discard_container(self, w: Worker) -> None:
         if w.container_id is None:
             return
         container_id, w.container_id = w.container_id, None
@@ -782,7 +625,7 @@ class Supervisor:
         except EngineError as exc:
             log.warning("could not remove container %s of assignment %s: %s", container_id, w.id, exc)
 
-    async def _teardown(self, w: _Worker) -> None:
+    async def _teardown(self, w: Worker) -> None:
         """Stop gracefully, then remove, the removed (or replaced) assignment's container; release
         its artifact. Shielded and bounded: it also runs while the supervisor is cancelled."""
         stop_timeout_s = w.runtime.stop_timeout_s
@@ -793,7 +636,7 @@ class Supervisor:
                 if w.container_id is not None:
                     ids = [w.container_id]
                 else:
-                    labels = {runtimes.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
+                    labels = {container_spec.LABEL_NODE: self._node_id, LABEL_ASSIGNMENT: w.id}
                     mine = await self._podman.list(labels)
                     ids = [s.id for s in mine if s.labels.get(LABEL_SPEC) == w.desired.spec_sha256]
                 for container_id in ids:
@@ -815,13 +658,13 @@ class Supervisor:
 
     # --- artifacts are pinned once per sha256, however many assignments share them
 
-    def _pin(self, w: _Worker, sha256: str) -> None:
+    def _pin(self, w: Worker, sha256: str) -> None:
         if self._pins[sha256] == 0:
             self._artifacts.pin(sha256)
         self._pins[sha256] += 1
         w.pinned = sha256
 
-    def _unpin(self, w: _Worker) -> bool:
+    def _unpin(self, w: Worker) -> bool:
         """Drop the worker's pin; True when the artifact is no longer pinned at all."""
         sha256, w.pinned = w.pinned, None
         if sha256 is None:
@@ -835,7 +678,7 @@ class Supervisor:
 
     # --- state
 
-    def _set_starting(self, w: _Worker, detail: str) -> None:
+    def _set_starting(self, w: Worker, detail: str) -> None:
         if w.crash_loop:
             # Keep reporting the crash loop through the restart, until the runtime is Ready again.
             w.detail = "restarting" + (f": {detail}" if detail else "")
@@ -844,7 +687,7 @@ class Supervisor:
 
     def _set(
         self,
-        w: _Worker,
+        w: Worker,
         state: wire.RuntimeState,
         *,
         reason: str | None = None,

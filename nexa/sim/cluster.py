@@ -36,7 +36,7 @@ from nexa.demo import (
 from nexa.errors import Unavailable
 from nexa.localparts import LocalRegistry, LocalS3, free_ports, stop
 from nexa.node.processes import default_argv
-from nexa.s3 import write_s3_credentials
+from nexa.s3.credentials import write_s3_credentials
 from nexa.sigv4 import S3Credentials
 from nexa.sim.load import Answers, Api, Gateway
 

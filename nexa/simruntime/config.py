@@ -9,9 +9,9 @@ from typing import Final
 
 import attrs
 
+from nexa.container_spec import SIMULATION_ENV
 from nexa.contracts.hosts import is_loopback_host
 from nexa.errors import ConfigError
-from nexa.runtimes import SIMULATION_ENV
 from nexa.simruntime.faults import Faults
 
 #: Longest embedding asked for with `dimensions`.

@@ -1,6 +1,6 @@
 """A runtime's metrics endpoint, read: its exposition turned into one `RuntimeLoad`. Pure: no I/O.
 
-The adapter (`nexa.adapters.Metrics`) names the series; only those are kept, everything else in
+The adapter (`nexa.adapters.base.Metrics`) names the series; only those are kept, everything else in
 the text is skipped unread. Prometheus text goes through `prometheus_client`'s own parser; the
 JSON form is TensorRT-LLM's list of per-iteration statistics (the last one counts).
 
@@ -22,7 +22,7 @@ from typing import Final
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 
-from nexa.adapters import Metrics
+from nexa.adapters.base import Metrics
 from nexa.contracts.wire import LatencyHistogram, RuntimeLoad
 from nexa.errors import MetricsUnreadable
 

@@ -610,7 +610,10 @@ def test_curve_keypair_files(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", " " * 40, "#" * 40, "é" * 40, "short", links.generate_curve_keypair().public + "A"]
+    "text",
+    ["", " " * 40, "#" * 40, "é" * 40, "short", links.generate_curve_keypair().public + "A"],
+    # Named, not by value: a fresh key each run, and pytest-xdist's workers must collect the same ids.
+    ids=["empty", "spaces", "not-z85", "not-ascii", "short", "a-key-and-one-more"],
 )
 def test_malformed_curve_keys_are_rejected(text: str) -> None:
     with pytest.raises(ContractError):

@@ -22,7 +22,8 @@ from nexa.config import HttpConfig
 from nexa.control import console as con
 from nexa.control import store as st
 from nexa.control.access.accounts import Accounts
-from nexa.control.http.api import AppState, create_app
+from nexa.control.http.api import create_app
+from nexa.control.http.state import AppState
 from nexa.telemetry import Metrics
 from tests.conftest import local_config, start_controller
 

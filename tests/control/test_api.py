@@ -10,8 +10,9 @@ import trio
 
 from nexa.config import HttpConfig
 from nexa.control.console import CONSOLE_ROUTES
-from nexa.control.http.api import AppState, create_app
-from nexa.control.http.routes import ROUTE_ROLES
+from nexa.control.http.api import create_app
+from nexa.control.http.resources import ROLES as ROUTE_ROLES
+from nexa.control.http.state import AppState
 from nexa.control.service import serve_control
 from nexa.telemetry import Metrics
 from tests.conftest import Controller, local_config

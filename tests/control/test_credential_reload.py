@@ -14,7 +14,7 @@ from nexa.config import ArtifactsConfig
 from nexa.contracts.runtime import ArtifactRef
 from nexa.errors import ArtifactUnavailable
 from nexa.node.artifacts import ArtifactCache
-from nexa.s3 import s3_credentials
+from nexa.s3.credentials import s3_credentials
 from tests.conftest import start_controller
 from tests.realparts import S3Store
 from tests.support.api import assert_envelope, metric, ok

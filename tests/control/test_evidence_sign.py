@@ -88,6 +88,7 @@ def _tampered(signed: EvidenceSigned) -> list[EvidenceSigned]:
     return [attrs.evolve(signed, manifest=e) for e in edits]
 
 
+@pytest.mark.slow  # signed_reports: a `nexa sim` run, about 25 s
 async def test_evidence_is_signed_verifies_and_says_why_it_is_not_release_ready(
     ev_reg: Controller,
     dial: Any,

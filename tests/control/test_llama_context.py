@@ -39,7 +39,7 @@ GIB = 2**30
 POOL = 125106396 * 1024
 #: The tiny llama's KV cache: 2 (K and V) x 2 layers x 4 KV heads x 16 x 2 bytes (f16) a token.
 PER_TOKEN = 2 * TINY_LLAMA["blocks"] * TINY_LLAMA["heads"] * (TINY_LLAMA["embedding"] // TINY_LLAMA["heads"]) * 2
-#: llama-server's engine overhead (adapters.ENGINE_OVERHEAD_BYTES), reserved beside the share.
+#: llama-server's engine overhead (adapters.base.ENGINE_OVERHEAD_BYTES), reserved beside the share.
 OVERHEAD = GIB
 
 

@@ -489,6 +489,7 @@ async def test_every_transition_is_in_the_audit_chain_and_the_chain_verifies(
 # --- the CLI, as an operator runs it -------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the whole model lifecycle through the CLI: about 25 s
 def test_cli_register_license_verify_evaluate_approve_promote_rollback(
     tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
 ) -> None:

@@ -22,9 +22,10 @@ from openapi_spec_validator import validate
 from nexa.channel.links import generate_curve_keypair
 from nexa.contracts import codec
 from nexa.contracts.api import ReceiptPublicKey
-from nexa.control.datapath.inference import INFERENCE_ROUTES
-from nexa.control.http import openapi
-from nexa.control.http.routes import ROUTE_ROLES
+from nexa.control.datapath.inference_routes import INFERENCE_ROUTES
+from nexa.control.http import health, openapi
+from nexa.control.http.declare import Route, collect, route
+from nexa.control.http.resources import ROLES as ROUTE_ROLES
 from nexa.security import generate_signing_key, split_enrollment_token
 from tests.conftest import Controller, ControllerProcess
 
@@ -92,10 +93,14 @@ def test_every_inference_answer_names_the_overhead_header() -> None:
             assert all("headers" not in r for r in op["responses"].values()), (method, path)
 
 
-def test_a_route_without_a_description_fails_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(openapi, "ROUTE_ROLES", {**ROUTE_ROLES, ("GET", "/api/v1/new-thing"): None})
-    with pytest.raises(LookupError, match="new-thing"):
-        openapi.document()
+def test_a_route_cannot_be_declared_without_its_roles_or_description_nor_twice() -> None:
+    # The one declaration is the description: a route without one does not exist.
+    with pytest.raises(TypeError, match="new-thing"):
+        route("GET", "/api/v1/new-thing", summary="A new thing", tag="meta")  # no roles named
+    with pytest.raises(TypeError, match="summary"):
+        route("GET", "/api/v1/new-thing", roles=None, tag="meta")  # type: ignore[call-arg]
+    with pytest.raises(LookupError, match=r"GET /healthz is declared in nexa\.control\.http\.health and in"):
+        collect([health, health])
 
 
 def test_every_paged_list_takes_the_same_cursor_and_limit_and_answers_next_cursor() -> None:
@@ -124,12 +129,12 @@ def test_every_paged_list_takes_the_same_cursor_and_limit_and_answers_next_curso
     assert next_cursor == {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None}
 
 
-def test_a_paged_answer_without_the_page_query_fails_the_generator(monkeypatch: pytest.MonkeyPatch) -> None:
-    ops = dict(openapi._OPERATIONS)
-    ops[("GET", "/api/v1/tenants")] = attrs.evolve(ops[("GET", "/api/v1/tenants")], params=())
-    monkeypatch.setattr(openapi, "_OPERATIONS", ops)
+def test_a_paged_answer_without_the_page_query_fails_the_generator() -> None:
+    declared: list[Route] = list(openapi.routes())
+    at = next(i for i, r in enumerate(declared) if r.key == ("GET", "/api/v1/tenants"))
+    declared[at] = attrs.evolve(declared[at], params=())
     with pytest.raises(LookupError, match="tenants"):
-        openapi.document()
+        openapi.document(declared)
 
 
 async def test_the_receipts_key_is_answered_and_described_as_its_contract_type(controller: Controller) -> None:

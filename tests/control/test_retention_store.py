@@ -18,7 +18,7 @@ from nexa.contracts.retention import RetentionPolicySet
 from nexa.control import store as st
 from nexa.control.datapath.retention import MAGIC, Retention
 from nexa.errors import Overloaded, RetentionNotPermitted, RetentionUnavailable
-from nexa.s3 import S3Client
+from nexa.s3.client import S3Client
 from nexa.telemetry import Metrics
 from tests.realparts import S3Store
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401

@@ -3,7 +3,7 @@
 A GB10's GPU shares the host's LPDDR5x pool (the recorded fixture: MemTotal 125106396 KiB, the
 "128 GB" of the data sheet). The fleet side is the real one: `snapshot_from` over `NodeLive`s
 holding that inventory, `scheduler.place`, `assignment_for` (adapter -> signed spec) and the
-node's `runtimes.container_spec`. The model is a Hugging Face directory, registered as a
+node's `container_spec.container_spec`. The model is a Hugging Face directory, registered as a
 manifest: three `*.safetensors` shards, their index, config and tokenizer files.
 """
 
@@ -18,7 +18,8 @@ import attrs
 import pytest
 import trio
 
-from nexa import adapters, config, runtimes
+from nexa import adapters, config, container_spec
+from nexa.adapters.base import ENGINE_OVERHEAD_BYTES, LLAMA_SERVER
 from nexa.cli.deployments import _print_decision as print_decision
 from nexa.config import ControlConfig, PlacementConfig
 from nexa.contracts import codec
@@ -218,7 +219,7 @@ def deploy(fleet: list[NodeLive], dep: Deployment, mod: ModelRecord, *, headroom
 
 def container(live: NodeLive, index: int) -> ContainerSpec:
     a = live.desired.assignments[index]
-    return runtimes.container_spec(live.node.id, a, 2, ASSEMBLED, host=NODE_HOST)
+    return container_spec.container_spec(live.node.id, a, 2, ASSEMBLED, host=NODE_HOST)
 
 
 # --- point 5: the adapters take the directory ----------------------------------------------------
@@ -290,7 +291,7 @@ def test_vllm_and_sglang_share_one_spark_each_held_to_its_reservation() -> None:
                 "nexa.assignment": a.id,
                 "nexa.deployment": a.deployment,
                 "nexa.generation": "2",
-                "nexa.spec-sha256": runtimes.spec_sha256(a.runtime),
+                "nexa.spec-sha256": container_spec.spec_sha256(a.runtime),
                 "nexa.kind": a.runtime.kind.value,
                 "nexa.port": str(port),
             },
@@ -368,7 +369,7 @@ def test_the_replicas_on_one_spark_never_reserve_more_than_the_pool_less_the_hos
     assert not more.feasible
     [e] = more.explanations
     assert [(f.name, f.detail) for f in e.filters if not f.passed] == [
-        # 8 GiB and vLLM's own 2 GiB overhead (adapters.ENGINE_OVERHEAD_BYTES).
+        # 8 GiB and vLLM's own 2 GiB overhead (ENGINE_OVERHEAD_BYTES).
         ("memory", "needs 10.0 GiB of unified memory, 7.3 GiB free")
     ]
     # Without the headroom the same replica would have fitted: the headroom is what refused it.
@@ -596,11 +597,7 @@ def test_cache_types_and_the_python_variant_size_the_context_as_llama_cpp_does(
         assert command[command.index(batch_flag) + 1] == str(batch), settings
         memory = decision.explanations[0].runtime_memory
         assert memory is not None and memory.fits and memory.claim_bytes is not None
-        assert (
-            memory.claim_bytes
-            <= memory.reserved_bytes
-            == 10 * GIB + adapters.ENGINE_OVERHEAD_BYTES[adapters.LLAMA_SERVER]
-        )
+        assert memory.claim_bytes <= memory.reserved_bytes == 10 * GIB + ENGINE_OVERHEAD_BYTES[LLAMA_SERVER]
         # `nexa deployments placement` prints the flags given, with the KV cache they leave room for.
         print_decision(decision)
         line = capsys.readouterr().out.splitlines()[-1]

@@ -32,7 +32,7 @@ from nexa.errors import ArtifactDigestMismatch, ArtifactError, ArtifactUnavailab
 from nexa.node import cache_files
 from nexa.node.artifacts import ArtifactCache, ArtifactStatistics
 from nexa.node.cache_files import PARTIAL_PREFIX
-from nexa.s3 import load_s3_credentials, write_s3_credentials
+from nexa.s3.credentials import load_s3_credentials, write_s3_credentials
 from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, S3Credentials, canonical_request, sign_v4
 from tests.realparts import S3Store
 from tests.support.artifacts import Chunks

@@ -28,7 +28,8 @@ import httpx
 import pytest
 import trio
 
-from nexa import adapters, entrypoints, runtimes
+from nexa import adapters, container_spec
+from nexa.adapters import entrypoints
 from nexa.config import ArtifactStoreConfig, OciConfig, Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
@@ -114,9 +115,9 @@ def entrypoint_images(
 def engine_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
     value = uuid.uuid4().hex[:12]
     try:
-        yield {RUN_LABEL: value, runtimes.LABEL_NODE: f"n-{value}"}
+        yield {RUN_LABEL: value, container_spec.LABEL_NODE: f"n-{value}"}
     finally:
-        container_engine.remove_labelled(runtimes.LABEL_NODE, f"n-{value}")
+        container_engine.remove_labelled(container_spec.LABEL_NODE, f"n-{value}")
 
 
 @pytest.fixture
@@ -188,7 +189,7 @@ def read_file(engine: EngineUnderTest, container_id: str, path: str) -> bytes:
 async def supervised(
     nursery: trio.Nursery, client: ContainerEngine, labels: dict[str, str], a: wire.Assignment
 ) -> tuple[Supervisor, Any]:
-    sup = Supervisor(CFG, client, FakeArtifacts(), node_id=labels[runtimes.LABEL_NODE], runtime_host=RUNTIME_HOST)
+    sup = Supervisor(CFG, client, FakeArtifacts(), node_id=labels[container_spec.LABEL_NODE], runtime_host=RUNTIME_HOST)
     sup.update(1, [a])
     await nursery.start(sup.run)
 
@@ -239,13 +240,13 @@ async def test_the_process_is_the_adapters_command_exactly_once_whatever_the_ent
     assert [posixpath.basename(process[0]), *process[1:]] == wanted
     sup, until = await supervised(nursery, engine, engine_labels, a)
     await until(lambda s: s.state is wire.RuntimeState.READY)
-    (state,) = await engine.list({runtimes.LABEL_NODE: engine_labels[runtimes.LABEL_NODE]})
+    (state,) = await engine.list({container_spec.LABEL_NODE: engine_labels[container_spec.LABEL_NODE]})
     cmdline = read_file(container_engine, state.id, "/proc/1/cmdline").rstrip(b"\0").split(b"\0")
     # The kernel runs the script as `/bin/sh <its path> <arguments>`: its path is the adapter's program
     # (by PATH or as the image's entrypoint names it), then exactly the adapter's arguments, once.
     argv = [w.decode() for w in cmdline]
     assert argv[0] == "/bin/sh" and posixpath.basename(argv[1]) == wanted[0], argv
-    assert argv[2:] == [w.replace(HOST_PLACEHOLDER, runtimes.PRIVATE_BIND_HOST) for w in wanted[1:]], argv
+    assert argv[2:] == [w.replace(HOST_PLACEHOLDER, container_spec.PRIVATE_BIND_HOST) for w in wanted[1:]], argv
     assert argv.count("/models/model") == 1
     assert sup.statistics().restarts == 0
 

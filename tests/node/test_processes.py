@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from nexa import runtimes
+from nexa import container_spec
 from nexa.contracts import wire
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, ContainerSpec
 from nexa.errors import ContainerNotFound, EngineError, EngineUnavailable, SimulationDisabled
@@ -29,7 +29,7 @@ TIMEOUT_S = 30
 
 def sim_spec(aid: str = "a1", *, port: int | None = None, node_id: str = "n1") -> ContainerSpec:
     assignment = wire.Assignment(id=aid, deployment="d1", runtime=sim_runtime(port or free_port()))
-    return runtimes.container_spec(node_id, assignment, 1, None)
+    return container_spec.container_spec(node_id, assignment, 1, None)
 
 
 async def wait_healthy(driver: ProcessDriver | DriverRouter, container_id: str) -> None:
@@ -44,7 +44,7 @@ def answers(port: int) -> bool:
 
 async def test_a_sim_runtime_is_created_started_probed_stopped_restarted_and_removed(tmp_path: Path) -> None:
     spec = sim_spec()
-    port = int(spec.labels[runtimes.LABEL_PORT])
+    port = int(spec.labels[container_spec.LABEL_PORT])
     async with ProcessDriver(tmp_path) as driver, httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
         with trio.fail_after(TIMEOUT_S):
             assert await driver.image_exists(spec.image)
@@ -64,7 +64,7 @@ async def test_a_sim_runtime_is_created_started_probed_stopped_restarted_and_rem
             assert (state.running, state.status, state.name) == (True, "running", "nexa-a1")
             assert state.started_at is not None
             # The supervisor's identity check: the "image" is the digest it was created with.
-            assert runtimes.image_matches(state, spec.image)
+            assert container_spec.image_matches(state, spec.image)
             assert state.labels == spec.labels
             assert await driver.list({LABEL_ASSIGNMENT: "a1"}) == [state]
             assert await driver.list({LABEL_ASSIGNMENT: "other"}) == []
@@ -98,7 +98,7 @@ async def test_a_sim_runtime_is_created_started_probed_stopped_restarted_and_rem
 
 async def test_closing_the_driver_stops_every_child(tmp_path: Path) -> None:
     specs = [sim_spec("a1"), sim_spec("a2")]
-    ports = [int(s.labels[runtimes.LABEL_PORT]) for s in specs]
+    ports = [int(s.labels[container_spec.LABEL_PORT]) for s in specs]
     driver = ProcessDriver(tmp_path)
     try:
         with trio.fail_after(TIMEOUT_S):
@@ -130,7 +130,7 @@ async def test_a_child_that_ignores_sigterm_is_killed_after_the_timeout(tmp_path
 
 
 async def test_only_sim_specs_are_taken(tmp_path: Path) -> None:
-    llama = runtimes.container_spec(
+    llama = container_spec.container_spec(
         "n1", wire.Assignment(id="a1", deployment="d1", runtime=sample_runtime()), 1, Path("/m")
     )
     async with ProcessDriver(tmp_path) as driver:
@@ -157,7 +157,7 @@ async def test_without_simulation_a_sim_spec_is_refused_as_simulation_disabled(t
 
 
 async def test_sim_specs_and_ids_go_to_processes_the_rest_to_podman(tmp_path: Path) -> None:
-    llama = runtimes.container_spec(
+    llama = container_spec.container_spec(
         "n1", wire.Assignment(id="a2", deployment="d2", runtime=sample_runtime()), 1, Path("/m")
     )
     async with LibpodEngine(str(tmp_path / "nobody.sock")) as podman, ProcessDriver(tmp_path) as processes:
@@ -173,7 +173,7 @@ async def test_sim_specs_and_ids_go_to_processes_the_rest_to_podman(tmp_path: Pa
             with pytest.raises(EngineUnavailable):
                 await router.inspect("0" * 64)
             # ...while listing still reports the simulated runtimes (a demo machine without podman).
-            assert [s.id for s in await router.list({runtimes.LABEL_NODE: "n1"})] == [cid]
+            assert [s.id for s in await router.list({container_spec.LABEL_NODE: "n1"})] == [cid]
             await router.stop(cid, timeout_s=5)
             await router.remove(cid)
             assert await router.list() == []

@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from nexa import adapters
+from nexa.adapters.vllm import VLLM
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.errors import RuntimeCacheNoRoom
@@ -21,7 +21,7 @@ MiB = 2**20
 
 
 def _runtime(port: int = 18000, *, settings: dict[str, object] | None = None, model: str = "a" * 64) -> RuntimeSpec:
-    launch = adapters.VLLM.launch("m", settings or {}, ["nvidia.com/gpu=0"], port)
+    launch = VLLM.launch("m", settings or {}, ["nvidia.com/gpu=0"], port)
     return RuntimeSpec(
         kind=RuntimeKind.VLLM,
         image=IMAGE,

@@ -21,7 +21,8 @@ import httpx
 import pytest
 import trio
 
-from nexa import adapters, runtimes
+from nexa import container_spec
+from nexa.adapters.vllm import VLLM
 from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
@@ -54,7 +55,7 @@ MiB = 1024 * 1024
 def run_labels(podman_service: PodmanService) -> Iterator[dict[str, str]]:
     value = uuid.uuid4().hex[:12]
     try:
-        yield {RUN_LABEL: value, runtimes.LABEL_NODE: f"n-{value}"}
+        yield {RUN_LABEL: value, container_spec.LABEL_NODE: f"n-{value}"}
     finally:
         podman_service.cli("rm", "--force", "--time", "0", "--filter", f"label={RUN_LABEL}={value}", check=False)
 
@@ -70,7 +71,7 @@ async def podman(podman_socket: str, test_images: BuiltImages) -> AsyncIterator[
 def engine_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
     value = uuid.uuid4().hex[:12]
     try:
-        yield {RUN_LABEL: value, runtimes.LABEL_NODE: f"n-{value}"}
+        yield {RUN_LABEL: value, container_spec.LABEL_NODE: f"n-{value}"}
     finally:
         container_engine.remove_labelled(RUN_LABEL, value)
 
@@ -228,7 +229,7 @@ async def _stubborn_under_supervision(
     """A supervisor running `_stubborn_runtime` on `client`: it, the runtime's port, `until(check)` (poll
     the assignment's status until `check` holds; each status seen is kept in the list returned last)."""
     (port,) = free_ports(1, RUNTIME_HOST)
-    sup = Supervisor(CFG, client, FakeArtifacts(), node_id=labels[runtimes.LABEL_NODE], runtime_host=RUNTIME_HOST)
+    sup = Supervisor(CFG, client, FakeArtifacts(), node_id=labels[container_spec.LABEL_NODE], runtime_host=RUNTIME_HOST)
     aid = f"a-{labels[RUN_LABEL]}"
     sup.update(1, [wire.Assignment(id=aid, deployment="d1", runtime=_stubborn_runtime(image, port))])
     await nursery.start(sup.run)
@@ -253,10 +254,10 @@ async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
     test_images: BuiltImages,
     run_labels: dict[str, str],
 ) -> None:
-    node_id = run_labels[runtimes.LABEL_NODE]
+    node_id = run_labels[container_spec.LABEL_NODE]
     sup, port, until, seen = await _stubborn_under_supervision(nursery, podman, run_labels, test_images.busybox)
     await until(lambda s: s.state is wire.RuntimeState.READY)
-    (first,) = await podman.list({runtimes.LABEL_NODE: node_id})
+    (first,) = await podman.list({container_spec.LABEL_NODE: node_id})
     # The podman CLI, as an operator would: blocks until SIGKILL after 4 s.
     nursery.start_soon(
         partial(trio.run_process, podman_service.argv("stop", "--time", "4", first.id), env=podman_service.env)
@@ -272,7 +273,7 @@ async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
     failed = [s for s in seen if s.state is wire.RuntimeState.FAILED]
     assert not failed, failed
     assert not any("improper" in (s.detail or "") for s in seen)
-    (again,) = await podman.list({runtimes.LABEL_NODE: node_id})
+    (again,) = await podman.list({container_spec.LABEL_NODE: node_id})
     assert again.id == first.id and again.running
     async with httpx.AsyncClient(trust_env=False, timeout=2.0) as http:
         assert (await http.get(f"http://{RUNTIME_HOST}:{port}/i")).text == "ok\n"
@@ -288,10 +289,10 @@ async def test_an_outside_stop_through_the_docker_api_is_waited_out_on_every_eng
     """`docker stop` as an operator would (the Docker API on each engine's socket): dockerd keeps the
     container `running` until it is killed, podman shows `stopping`; either way no Failed, and the
     supervisor starts the same container again."""
-    node_id = engine_labels[runtimes.LABEL_NODE]
+    node_id = engine_labels[container_spec.LABEL_NODE]
     sup, _, until, seen = await _stubborn_under_supervision(nursery, engine, engine_labels, test_images.busybox)
     await until(lambda s: s.state is wire.RuntimeState.READY)
-    (first,) = await engine.list({runtimes.LABEL_NODE: node_id})
+    (first,) = await engine.list({container_spec.LABEL_NODE: node_id})
 
     def docker_stop() -> None:
         transport = httpx.HTTPTransport(uds=container_engine.socket)
@@ -303,7 +304,7 @@ async def test_an_outside_stop_through_the_docker_api_is_waited_out_on_every_eng
     await until(lambda s: s.state is wire.RuntimeState.READY and sup.statistics().restarts >= 1)
     failed = [s for s in seen if s.state is wire.RuntimeState.FAILED]
     assert not failed, failed
-    (again,) = await engine.list({runtimes.LABEL_NODE: node_id})
+    (again,) = await engine.list({container_spec.LABEL_NODE: node_id})
     assert again.id == first.id and again.running
 
 
@@ -330,7 +331,7 @@ def _cache_writing_runtime(image: str, port: int) -> RuntimeSpec:
         kind=RuntimeKind.VLLM,
         image=image,
         command=["/bin/sh", "-c", script, "sh", "{runtime_host}", str(port)],
-        env={k: v for k, v in adapters.VLLM.env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")},
+        env={k: v for k, v in VLLM.env.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")},
         port=port,
         memory_bytes=64 * MiB,
         cpus=0.5,
@@ -360,7 +361,7 @@ async def test_a_runtime_writes_its_caches_on_a_read_only_root_and_its_replaceme
     another port — starts warm from what the first one wrote."""
     (port, port2) = free_ports(2, RUNTIME_HOST)
     caches = RuntimeCaches(tmp_path / "runtime-cache", max_bytes=2**30, start_free_bytes=1)
-    node_id = engine_labels[runtimes.LABEL_NODE]
+    node_id = engine_labels[container_spec.LABEL_NODE]
     sup = Supervisor(CFG, engine, FakeArtifacts(), node_id=node_id, runtime_host=RUNTIME_HOST, caches=caches)
     first = wire.Assignment(
         id=f"a-{engine_labels[RUN_LABEL]}", deployment="d1", runtime=_cache_writing_runtime(test_images.busybox, port)
@@ -404,6 +405,6 @@ async def test_a_runtime_writes_its_caches_on_a_read_only_root_and_its_replaceme
     await ready(again.id)
     assert await page(port2, "state") == "warm"
     with trio.fail_after(TIMEOUT_S):
-        while len(await engine.list({runtimes.LABEL_NODE: node_id})) != 1:  # noqa: ASYNC110 - polling the engine
+        while len(await engine.list({container_spec.LABEL_NODE: node_id})) != 1:  # noqa: ASYNC110 - polling the engine
             await trio.sleep(0.05)
     assert [d.name for d in (tmp_path / "runtime-cache").iterdir()] == [directory.name]

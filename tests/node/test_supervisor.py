@@ -16,13 +16,14 @@ import pytest
 import trio
 import trio.testing
 
-from nexa import runtimes
+from nexa import container_spec
 from nexa.config import Seconds
 from nexa.contracts import wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, LABEL_GENERATION, LABEL_SPEC, RuntimeSpec
 from nexa.errors import RuntimeCacheNoRoom
-from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Backoff, Supervisor
+from nexa.node.replicas import Backoff
+from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Supervisor
 from nexa.supervision import Supervision
 from tests.support.supervisor import (
     CFG,
@@ -90,8 +91,8 @@ async def test_missing_runtime_is_pulled_fetched_started_and_ready_once_the_prob
     c = podman.only()
     assert podman.mutations() == [("pull", IMAGE), ("create", "nexa-a1"), ("start", c.id)]
     assert c.spec.labels[LABEL_ASSIGNMENT] == "a1"
-    assert c.spec.labels[LABEL_SPEC] == runtimes.spec_sha256(runtime())
-    assert c.spec.labels[runtimes.LABEL_NODE] == NODE
+    assert c.spec.labels[LABEL_SPEC] == container_spec.spec_sha256(runtime())
+    assert c.spec.labels[container_spec.LABEL_NODE] == NODE
     assert c.spec.ro_mounts == [(f"/var/cache/nexa/artifacts/{SHA}", "/models/model")]
     # Running, right image, right labels, but the probe fails: not Ready (still in the start period).
     await trio.sleep(8)
@@ -133,7 +134,7 @@ async def test_a_wrong_digest_in_inspect_fails_and_removes_the_container(
     await wait_for(sup, S.FAILED, "digest_mismatch")
     s = status(sup)
     assert OTHER_DIGEST in s.detail
-    assert runtimes.image_digest(IMAGE) in s.detail
+    assert container_spec.image_digest(IMAGE) in s.detail
     (created,) = podman.mutations("start")
     assert podman.mutations("remove") == [("remove", created[1], True)]
     assert podman.containers == {}
@@ -249,7 +250,7 @@ async def test_an_adopted_container_with_a_stale_spec_is_replaced(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
 ) -> None:
     podman.images.add(IMAGE)
-    old = podman.add(runtimes.container_spec(NODE, assignment(command=["old"]), 1, Path("/x")))
+    old = podman.add(container_spec.container_spec(NODE, assignment(command=["old"]), 1, Path("/x")))
     sup = await start(nursery, podman, artifacts, assignment())
     await wait_for(sup, S.READY)
     new = podman.only()
@@ -293,8 +294,8 @@ async def test_orphans_are_removed_once_the_desired_set_is_known(
     autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
 ) -> None:
     podman.images.add(IMAGE)
-    ghost = podman.add(runtimes.container_spec(NODE, assignment("ghost"), 1, Path("/x")))
-    other_node = podman.add(runtimes.container_spec("n2", assignment("b1"), 1, Path("/x")))
+    ghost = podman.add(container_spec.container_spec(NODE, assignment("ghost"), 1, Path("/x")))
+    other_node = podman.add(container_spec.container_spec("n2", assignment("b1"), 1, Path("/x")))
     not_ours = podman.add(attrs.evolve(ghost.spec, name="postgres", labels={"app": "db"}))
     sup = Supervisor(CFG, podman, artifacts, node_id=NODE)
     await nursery.start(sup.run)

@@ -28,7 +28,7 @@ import trio
 from nexa.config import ControlConfig, GatewayConfig
 from nexa.node import identity
 from tests.conftest import Controller, start_controller
-from tests.realparts import BuiltImages, S3Store
+from tests.realparts import BuiltImages, S3Store, worker_number
 from tests.support.api import ok, wait_for
 from tests.support.models import bring_to, registry_config
 from tests.support.nodes import fake_gb10_smi
@@ -205,13 +205,14 @@ def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: b
     inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
     inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
     config = node_dir.parent / f"{node_dir.name}.toml"
+    host = f"127.0.{worker_number()}.1{i}"  # 127.0.0.1i, one /24 further per pytest-xdist worker
     smi = ""
     if gb10:  # its own copy: rewriting a script another node is executing would fail (ETXTBSY)
         (bin_dir := node_dir.parent / f"{node_dir.name}-bin").mkdir(exist_ok=True)
         smi = f'nvidia_smi = "{fake_gb10_smi(bin_dir)}"\n'
     config.write_text(
         f'state_dir = "{node_dir}"\ninventory_path = "{inventory}"\ninventory_poll_interval_s = 0.5\n'
-        f'heartbeat_interval_s = 0.3\nsource_address = "127.0.0.1{i}"\nruntime_host = "127.0.0.1{i}"\n'
+        f'heartbeat_interval_s = 0.3\nsource_address = "{host}"\nruntime_host = "{host}"\n'
         f"reconnect_max_s = 1\nsimulation = true\nruntime_metrics_interval_s = 0.5\n{smi}"
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
@@ -297,6 +298,8 @@ async def sim_fleet(
         async def all_ready() -> bool:
             async with controller.client() as http:
                 listed = (await ok(http.get("/api/v1/nodes")))["nodes"]
+            # A node is Joining until its inventory arrives: no poll ever sees it Ready without one.
+            assert all(n["inventory"] is not None for n in listed if n["state"] == "Ready"), listed
             return len(listed) == nodes and all(n["state"] == "Ready" for n in listed)
 
         with trio.fail_after(TIMEOUT_S):

@@ -8,7 +8,8 @@ from xml.etree import ElementTree
 
 import httpx
 
-from nexa.s3 import object_url, signed_headers_for, write_s3_credentials
+from nexa.s3.client import object_url, signed_headers_for
+from nexa.s3.credentials import write_s3_credentials
 from tests.realparts import S3Store
 
 

@@ -14,12 +14,13 @@ from typing import Any
 import attrs
 import trio
 
-from nexa import runtimes
+from nexa import container_spec
 from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import ArtifactRef, ContainerSpec, ContainerState, HealthProbe, RuntimeSpec
 from nexa.errors import ArtifactDigestMismatch, ContainerNotFound, EngineError, EngineUnavailable, ImageNotFound
-from nexa.node.supervisor import Artifacts, Podman, Supervisor
+from nexa.node.replicas import Artifacts
+from nexa.node.supervisor import Podman, Supervisor
 from tests.conftest import sample_runtime
 
 NODE = "n1"
@@ -134,7 +135,7 @@ class FakePodman:
         return self._state(c)
 
     def _state(self, c: FakeContainer) -> ContainerState:
-        name, digest = self.reported_image or (c.spec.image, runtimes.image_digest(c.spec.image))
+        name, digest = self.reported_image or (c.spec.image, container_spec.image_digest(c.spec.image))
         return ContainerState(
             id=c.id,
             name=c.spec.name,

@@ -2,7 +2,7 @@
 
 It calls the same registry, fleet, model, deployment, quota and meter methods the API handlers call,
 with the signed-in key's `Actor`, so role checks and audit events are the API's own: each view and
-action names the API route it mirrors, and `ROUTE_ROLES` (handed in by `api.create_app`) decides.
+action names the API route it mirrors, and its declared roles (handed in by `api.create_app`) decide.
 Nothing here logs or renders a payload.
 
 - `sessions`: the signed-in sessions, their CSRF tokens, and the stateless sign-in form;

@@ -1,8 +1,8 @@
 """What every console page shares: the tables of views and actions, the signed-in session of a
 request, role checks, rendering, the live stream, and turning refusals into pages.
 
-A view or action names the API route it mirrors; `ROUTE_ROLES` (handed in by `api.create_app`)
-decides who may, so the console's role checks and audit events are the API's own.
+A view or action names the API route it mirrors; the roles declared with it (handed in by `api.create_app`)
+decide who may, so the console's role checks and audit events are the API's own.
 """
 
 from __future__ import annotations
@@ -173,6 +173,8 @@ class Console:
     ) -> None:
         self.state = state
         self._roles = route_roles
+        if undeclared := sorted(set(ACTIONS.values()) - set(route_roles)):
+            raise LookupError(f"console actions name routes no resource module declares: {undeclared}")
         self._proxies = trusted_networks(trusted_proxies)
         self.sessions = Sessions(self._key_active)
         self.login_forms = LoginForms()
@@ -266,6 +268,8 @@ class Console:
 
     def add_view(self, bp: Blueprint, view: View) -> None:
         """Add `view` to the navigation (in the order added) and its page, `GET /console/<name>`."""
+        if view.route not in self._roles:
+            raise LookupError(f"console view {view.name} names a route no resource module declares: {view.route}")
         self._views[view.name] = view
 
         async def show() -> Response:

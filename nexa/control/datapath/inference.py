@@ -10,7 +10,8 @@ the call's outcome in `Workloads.end`.
 
 OpenAI routes answer errors in OpenAI's shape (`{"error": {"message", "type", "code"}}`) with the
 statuses of `control/http/common.py`, so the official SDKs raise their usual exceptions; the canonical
-routes answer in nexa's error envelope. Request logs carry metadata only, never bodies.
+routes answer in nexa's error envelope. Request logs carry metadata only, never bodies. Each route
+(its roles, bodies, headers and description) is declared once in `inference_routes`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from nexa import supervision
 from nexa.config import GatewayConfig, PriorityOverGrant
 from nexa.contracts import codec, pages
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
-from nexa.contracts.domain import Actor, ApiKey, Role, TenantId
+from nexa.contracts.domain import Actor, ApiKey, TenantId
 from nexa.contracts.gateway import (
     UNRESOLVED_MODEL,
     Api,
@@ -55,6 +56,14 @@ from nexa.contracts.retention import EPHEMERAL, retention_problem
 from nexa.control.access.accounts import Accounts
 from nexa.control.datapath.calls import Work
 from nexa.control.datapath.gateway import Call, Gateway
+from nexa.control.datapath.inference_routes import (
+    DATA_CLASS_HEADER,
+    DEADLINE_HEADER,
+    INFERENCE_ROUTES,
+    OVERHEAD_HEADER,
+    PRIORITY_HEADER,
+    RETENTION_HEADER,
+)
 from nexa.control.datapath.retention import Capture, Retention
 from nexa.control.datapath.workloads import ActiveWorkload, Workloads
 from nexa.control.http.common import (
@@ -90,30 +99,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 AsgiApp = Callable[[Any, Any, Any], Awaitable[None]]
 
-_I: Final = Role.INFERENCE
-#: Every inference route and the roles that may call it (the management routes are in `routes.ROUTE_ROLES`).
-INFERENCE_ROUTES: Final[dict[tuple[str, str], frozenset[Role]]] = {
-    ("GET", "/v1/models"): frozenset({_I}),
-    ("POST", "/v1/chat/completions"): frozenset({_I}),
-    ("POST", "/v1/completions"): frozenset({_I}),
-    ("POST", "/v1/embeddings"): frozenset({_I}),
-    ("POST", "/api/v1/workloads"): frozenset({_I}),
-    ("GET", "/api/v1/workloads"): frozenset({_I}),
-    ("GET", "/api/v1/workloads/<workload_id>"): frozenset({_I}),
-    ("POST", "/api/v1/workloads/<workload_id>/cancel"): frozenset({_I}),
-    ("GET", "/api/v1/workloads/<workload_id>/receipt"): frozenset({_I}),
-}
 _CAPABILITY_BY_PATH: Final = {c.path: c for c in Capability}
 _WORKLOAD_PATH: Final = re.compile(r"^/api/v1/workloads/([^/]{1,256})(/cancel|/receipt)?$")
-#: Optional request headers of the OpenAI routes: priority class and deadline.
-PRIORITY_HEADER: Final = "x-nexa-priority"
-DEADLINE_HEADER: Final = "x-nexa-deadline-ms"
-#: Optional: the request's data class (as the envelope's `data_class`): only nodes allowed it serve it.
-DATA_CLASS_HEADER: Final = "x-nexa-data-class"
-#: Optional: the request's retention (as the envelope's `retention`): `ephemeral` or a policy's name.
-RETENTION_HEADER: Final = "x-nexa-retention"
-#: On every response of these routes: nexa's own time in it, in ms (`calls.overhead_ms`).
-OVERHEAD_HEADER: Final = "x-nexa-overhead-ms"
 _OVERHEAD_HEADER: Final = OVERHEAD_HEADER.encode()
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"),

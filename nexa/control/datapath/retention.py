@@ -64,7 +64,7 @@ from nexa.errors import (
     RetentionUnavailable,
     Unavailable,
 )
-from nexa.s3 import S3Client
+from nexa.s3.client import S3Client
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,9 @@ from typing import Final
 
 import attrs
 
-from nexa import adapters, entrypoints
+from nexa import adapters
+from nexa.adapters import entrypoints
+from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter
 from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
 from nexa.contracts.kvcache import DEFAULT_KV_TYPE, KV_TYPE_BYTES_PER_32, GgufFigures
 from nexa.contracts.models import ModelFormat, ModelRecord, RuntimeRecord
@@ -63,7 +65,7 @@ def assignment_for(
     pool (`_runtime_memory`), unless the operator set it.
 
     The container's entrypoint is set so the process is exactly that command, whatever the image's
-    own entrypoint (`adapters.entrypoint_for`, from the image config of the node's architecture
+    own entrypoint (`entrypoints.entrypoint_for`, from the image config of the node's architecture
     `arch` that the controller read at registration): the command's program, or the image's exec
     wrapper in front of the whole command.
     """
@@ -149,13 +151,13 @@ class _ContextSettings:
 #: llama-server (`common/common.h`: `n_batch` 2048) and llama-cpp-python (`ModelSettings.n_batch`
 #: 512). llama.cpp holds the physical batch (`--ubatch-size`, 512) to the logical one itself.
 _CONTEXT_SETTINGS: Final = {
-    adapters.LLAMA_SERVER: _ContextSettings("ctx_size", "batch_size", 2048, "cache_type_k", "cache_type_v"),
-    adapters.LLAMA_CPP_PYTHON: _ContextSettings("n_ctx", "n_batch", 512),
+    LLAMA_SERVER: _ContextSettings("ctx_size", "batch_size", 2048, "cache_type_k", "cache_type_v"),
+    LLAMA_CPP_PYTHON: _ContextSettings("n_ctx", "n_batch", 512),
 }
 
 
 def _context_limit(
-    dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, adapter: adapters.Adapter
+    dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, adapter: Adapter
 ) -> MemoryLimit | None:
     """llama.cpp's context as its memory bound (`MemoryShare.CONTEXT`), from the KV cache per token
     of the model's GGUF figures and the cache types set; None for a runtime that has no context."""

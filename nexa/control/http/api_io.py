@@ -1,12 +1,13 @@
 """What the management API's handlers share to read a request and answer it (quart's `request`).
 
 The body and query decoders (`contracts.codec`, `contracts.pages`), the JSON answer and the
-caller (`Actor`, set by `api._authorize`). Used by `api` and `api_records`.
+caller (`Actor`, set by `api._authorize`). Used by `api` and every resource module (`http.resources`).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from typing import TypeVar
 
 from quart import Response, g, request
@@ -25,6 +26,18 @@ def json_response(obj: object, status: int = 200) -> Response:
 async def body(cls: type[codec.T]) -> codec.T:
     raw = await request.get_data(as_text=False)
     return codec.loads(codec.api, raw, cls)
+
+
+async def optional_body(cls: type[codec.T]) -> codec.T:
+    """A body that may be left out: none (or `{}`) means every field's default."""
+    raw = await request.get_data(as_text=False)
+    return codec.loads(codec.api, raw, cls) if raw.strip() else cls()
+
+
+async def no_body() -> None:
+    raw = await request.get_data(as_text=False)
+    if raw.strip() and codec.loads(codec.api, raw, dict[str, object]):
+        raise ContractError("this route takes no body (or an empty object)", problems=("(body): must be empty",))
 
 
 def actor() -> Actor:
@@ -50,3 +63,27 @@ def query_enum(name: str, cls: type[E]) -> E | None:
     except ValueError:
         values = ", ".join(v.value for v in cls)
         raise ContractError(f"query {name} must be one of {values}", problems=(f"{name}: unknown",)) from None
+
+
+def query_int(name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    # ASCII digits only ("²".isdigit() is true, and int() refuses it), and few of them: int() of
+    # thousands of digits raises ValueError (found by the OpenAPI fuzzer).
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > len(str(hi)) or not lo <= int(raw) <= hi:
+        raise ContractError(f"query {name} must be an integer from {lo} to {hi}", problems=(f"{name}: out of range",))
+    return int(raw)
+
+
+def query_float(name: str) -> float | None:
+    raw = request.args.get(name)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):  # `nan` and `inf` parse, and then cannot be answered in JSON
+        raise ContractError(f"query {name} must be a number (unix seconds)", problems=(f"{name}: not a number",))
+    return value

@@ -1,7 +1,7 @@
 """The controller's own checks against the outside world: OCI registry manifests and S3 artifacts.
 
 The controller's httpx home for the registry; the S3-compatible store is asked through
-`nexa.s3.S3Client` (the one S3 client), whose failures are worded here. `Outbound.check_image`
+`nexa.s3.client.S3Client` (the one S3 client), whose failures are worded here. `Outbound.check_image`
 asks the image's registry whether it holds the manifest with that digest
 (`HEAD /v2/<repo>/manifests/<digest>`, basic auth or the bearer-token flow registries ask for
 with a 401 challenge). `Outbound.verify_artifact` streams a model artifact from the
@@ -61,7 +61,8 @@ from nexa.oci import (
     parse_manifest,
     url_authority,
 )
-from nexa.s3 import CredentialsSource, ObjectStream, S3Client, split_s3_uri
+from nexa.s3.client import ObjectStream, S3Client, split_s3_uri
+from nexa.s3.credentials import CredentialsSource
 from nexa.supervision import all_or_first_failure
 
 log = logging.getLogger(__name__)

@@ -1,11 +1,11 @@
-"""S3-compatible object storage: credentials, AWS Signature Version 4 and `S3Client`, the one
-S3 client of `nexa models push`, the node's artifact cache and the controller's verification.
-This is the only module that builds an httpx client for S3.
+"""`S3Client`, the one S3 client of `nexa models push`, the node's artifact cache and the controller's
+verification, and the signed requests it makes. With `nexa.s3.transport`, the only module that
+builds an httpx client for S3.
 
 Requests are signed by `nexa.sigv4.sign_v4`, a small pure function over the stdlib (`hmac`,
 `hashlib`); README "Why nexa signs S3 requests itself" says why botocore is not used.
-Credentials come from a file (JSON or the AWS shared-credentials INI, re-read when it changes)
-or the standard AWS environment variables, and are never logged.
+Credentials (`nexa.s3.credentials`) come from a file (JSON or the AWS shared-credentials INI,
+re-read when it changes) or the standard AWS environment variables, and are never logged.
 
 The public names (`__all__`) are nexa's own: no httpx type is taken or given, and every httpx
 failure becomes a nexa error here. (`S3Client(transport=…)` is the one exception, a seam for
@@ -14,16 +14,12 @@ fault-injection tests, as in httpx.)
 
 from __future__ import annotations
 
-import configparser
 import datetime
 import hashlib
 import html
-import json
 import logging
 import re
-import ssl
-import stat
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -31,38 +27,26 @@ from typing import Final, TypeAlias, cast, final
 from urllib.parse import quote
 
 import attrs
-import httpcore
 import httpx
 import trio
 
-from nexa.config import WatchedFile
-from nexa.errors import (
-    ArtifactError,
-    ArtifactRefused,
-    ArtifactSizeMismatch,
-    ArtifactUnavailable,
-    ConfigError,
-)
-from nexa.security import write_key_file
+from nexa.errors import ArtifactError, ArtifactRefused, ArtifactSizeMismatch, ArtifactUnavailable, ConfigError
+from nexa.s3.credentials import CredentialsSource
+from nexa.s3.transport import large_read_transport
 from nexa.sigv4 import EMPTY_PAYLOAD_SHA256, UNSIGNED_PAYLOAD, S3Credentials, sign_v4
 
 __all__ = [
     "CONNECT_TIMEOUT_S",
     "MAX_PARTS",
     "MIN_PART_BYTES",
-    "S3_READ_BYTES",
-    "CredentialsSource",
     "InjectedTransport",
     "ObjectInfo",
     "ObjectStream",
     "ProgressFn",
     "S3Client",
-    "load_s3_credentials",
     "object_url",
-    "s3_credentials",
     "signed_headers_for",
     "split_s3_uri",
-    "write_s3_credentials",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,139 +54,8 @@ log = logging.getLogger(__name__)
 #: How much of an error answer is read to find its S3 error code.
 _ERROR_BODY_LIMIT: Final = 64 * 1024
 _S3_ERROR_CODE_RE: Final = re.compile(rb"<Code>([A-Za-z0-9.]{1,64})</Code>")
-
-
-# --- credentials ----------------------------------------------------------------------------------
-
-
-#: The standard variables read when no credentials file is configured (`s3_credentials`).
-ENV_ACCESS_KEY_ID: Final = "AWS_ACCESS_KEY_ID"
-ENV_SECRET_ACCESS_KEY: Final = "AWS_SECRET_ACCESS_KEY"  # noqa: S105 (a variable's name, not a secret)
-ENV_SESSION_TOKEN: Final = "AWS_SESSION_TOKEN"  # noqa: S105
-#: Credentials as `S3Client` takes them: fixed, or a function asked before each request (a file
-#: re-read when it changes, `config.WatchedFile.current`).
-CredentialsSource: TypeAlias = "S3Credentials | Callable[[], S3Credentials]"
-
-
-def load_s3_credentials(path: str | Path, profile: str = "default") -> S3Credentials:
-    """Read S3 credentials from `path`: JSON `{"access_key_id": …, "secret_access_key": …}` (a file
-    that starts with `{`, or parses as JSON), else an AWS shared-credentials file (INI: `[profile]`
-    with `aws_access_key_id`, `aws_secret_access_key`, optionally `aws_session_token`).
-
-    Raises ConfigError naming the file and the problem (unreadable, not JSON or INI, no such
-    profile, a missing, empty or unknown key); the message never quotes the file's content. Sync.
-    """
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-        mode = path.stat().st_mode
-    except OSError as exc:
-        raise ConfigError(f"cannot read S3 credentials file {path}: {exc.strerror}") from None
-    credentials = _json_credentials(path, raw) if _is_json(raw) else _ini_credentials(path, raw, profile)
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("S3 credentials file %s is readable by other users (mode %o); use 0600", path, mode & 0o777)
-    return credentials
-
-
-def _is_json(raw: bytes) -> bool:
-    start = raw.lstrip()[:1]
-    if start == b"{":
-        return True
-    if start != b"[":  # `[profile]` starts an INI file, and `[...]` a JSON array
-        return False
-    try:
-        json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return True
-
-
-def _json_credentials(path: Path, raw: bytes) -> S3Credentials:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        # JSONDecodeError's message gives the position only, never the text around it.
-        where = f" (line {exc.lineno}, column {exc.colno})" if isinstance(exc, json.JSONDecodeError) else ""
-        raise ConfigError(f"S3 credentials file {path} is not valid JSON{where}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"S3 credentials file {path} must hold a JSON object")
-    problems = [f"unknown key {key!r}" for key in sorted(data) if key not in {"access_key_id", "secret_access_key"}]
-    for key in ("access_key_id", "secret_access_key"):
-        value = data.get(key)
-        if value is None:
-            problems.append(f"{key} is missing")
-        elif not isinstance(value, str) or not value.strip():
-            problems.append(f"{key} must be a non-empty string")
-    if problems:
-        raise ConfigError(f"S3 credentials file {path}: " + "; ".join(problems), problems=tuple(problems))
-    return S3Credentials(access_key_id=data["access_key_id"].strip(), secret_access_key=data["secret_access_key"])
-
-
-def _ini_credentials(path: Path, raw: bytes, profile: str) -> S3Credentials:
-    """The AWS CLI's shared-credentials format, read by `configparser` (no interpolation: a `%`
-    in a secret is the secret's)."""
-    parser = configparser.ConfigParser(interpolation=None)
-    try:
-        parser.read_string(raw.decode("utf-8"), source=str(path))
-    except (configparser.Error, UnicodeDecodeError) as exc:
-        line = getattr(exc, "lineno", None)
-        where = f" (line {line})" if line is not None else ""
-        raise ConfigError(
-            f"S3 credentials file {path} is neither JSON nor an AWS shared-credentials (INI) file{where}"
-        ) from None
-    if not parser.has_section(profile):
-        # The sections it has are not named: a mangled file could hold a secret in a header.
-        raise ConfigError(f"S3 credentials file {path} has no profile [{profile}]; set artifacts.s3_profile")
-    section = parser[profile]
-    keys = ("aws_access_key_id", "aws_secret_access_key")
-    problems = [f"[{profile}] {key} is missing or empty" for key in keys if not section.get(key, "").strip()]
-    if problems:
-        raise ConfigError(f"S3 credentials file {path}: " + "; ".join(problems), problems=tuple(problems))
-    token = section.get("aws_session_token", "").strip() or None
-    return S3Credentials(
-        access_key_id=section["aws_access_key_id"].strip(),
-        secret_access_key=section["aws_secret_access_key"].strip(),
-        session_token=token,
-    )
-
-
-def s3_credentials(
-    path: str,
-    *,
-    profile: str = "default",
-    environ: Mapping[str, str],
-    on_invalid: Callable[[], None] | None = None,
-) -> CredentialsSource | None:
-    """The credentials an S3 client should use, as config and the environment give them.
-
-    A file (`path`): re-read whenever it changes; a file that turns invalid keeps the last good
-    credentials (`config.WatchedFile`). No file: `AWS_ACCESS_KEY_ID` and `AWS_SECRET_ACCESS_KEY`
-    (with `AWS_SESSION_TOKEN` if set), read once. Neither: None (anonymous requests). Raises
-    ConfigError when the file is bad at start, or when only one of the two variables is set.
-    Sync: call it off the event loop.
-    """
-    if path:
-        return WatchedFile(path, partial(load_s3_credentials, profile=profile), on_invalid=on_invalid).current
-    key_id = environ.get(ENV_ACCESS_KEY_ID, "").strip()
-    secret = environ.get(ENV_SECRET_ACCESS_KEY, "").strip()
-    if not key_id and not secret:
-        return None
-    if not (key_id and secret):
-        present, missing = (
-            (ENV_ACCESS_KEY_ID, ENV_SECRET_ACCESS_KEY) if key_id else (ENV_SECRET_ACCESS_KEY, ENV_ACCESS_KEY_ID)
-        )
-        raise ConfigError(f"{present} is set but {missing} is not; set both, or neither (then requests are anonymous)")
-    token = environ.get(ENV_SESSION_TOKEN, "").strip() or None
-    return S3Credentials(access_key_id=key_id, secret_access_key=secret, session_token=token)
-
-
-def write_s3_credentials(path: Path, credentials: S3Credentials) -> Path:
-    """Write `credentials` to `path` as `load_s3_credentials` reads them, owner-only (0600); `path`.
-    For the local parts nexa starts itself (`nexa demo`, tests, benchmarks). Sync."""
-    keys = {"access_key_id": credentials.access_key_id, "secret_access_key": credentials.secret_access_key}
-    # Atomic (a reader, such as a running controller's `WatchedFile`, never sees half a file), 0600 from the start.
-    write_key_file(path, json.dumps(keys).encode(), private=True, overwrite=True)
-    return path
+#: How long connecting to the store may take (at most the client's `timeout_s`).
+CONNECT_TIMEOUT_S: Final = 10.0
 
 
 def object_url(endpoint: str, bucket: str, key: str) -> str:
@@ -314,100 +167,6 @@ async def _body_chunks(response: httpx.Response, uri: str) -> AsyncGenerator[byt
         raise ArtifactUnavailable(f"the S3 store did not answer for {uri} ({type(exc).__name__})") from None
 
 
-# --- large socket reads ---------------------------------------------------------------------------
-
-#: What one socket read of an S3 answer asks for. httpcore asks for 64 KiB, and at a few GB/s the
-#: per-read cost (h11 event, httpx chunk, trio checkpoint) is what limits a download. On loopback
-#: (`perf/artifacts.py`, 2 CPUs) 256 KiB reads took the node's fetch from ~56 % to ~70 % of
-#: parallel curl, as 1 MiB reads did, but with a peak RSS of 55 MiB instead of 72 MiB: each
-#: download holds a few received chunks, and a chunk is at most one read.
-S3_READ_BYTES: Final = 256 * 1024
-CONNECT_TIMEOUT_S: Final = 10.0
-#: httpx's defaults (`httpx.Limits()`), for the connection pool built here.
-_MAX_CONNECTIONS: Final = 100
-_MAX_KEEPALIVE: Final = 20
-_KEEPALIVE_EXPIRY_S: Final = 5.0
-
-
-class _LargeReadStream(httpcore.AsyncNetworkStream):
-    """A connection whose reads ask for at least `S3_READ_BYTES` (a read still returns what the
-    socket holds, so small answers are not delayed)."""
-
-    def __init__(self, inner: httpcore.AsyncNetworkStream) -> None:
-        self._inner = inner
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109 - httpcore's signature
-        return await self._inner.read(max(max_bytes, S3_READ_BYTES), timeout)
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109 - httpcore's signature
-        await self._inner.write(buffer, timeout)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    async def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-    ) -> httpcore.AsyncNetworkStream:
-        return _LargeReadStream(await self._inner.start_tls(ssl_context, server_hostname, timeout))
-
-    def get_extra_info(self, info: str) -> object:
-        return self._inner.get_extra_info(info)
-
-
-class _LargeReads(httpcore.AsyncNetworkBackend):
-    """httpcore's trio backend (nexa runs under trio only), its connections `_LargeReadStream`s:
-    httpcore's documented extension point for the network layer."""
-
-    def __init__(self) -> None:
-        self._inner = httpcore.TrioBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-        local_address: str | None = None,
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        stream = await self._inner.connect_tcp(host, port, timeout, local_address, socket_options)
-        return _LargeReadStream(stream)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's signature
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        return _LargeReadStream(await self._inner.connect_unix_socket(path, timeout, socket_options))
-
-    async def sleep(self, seconds: float) -> None:
-        await self._inner.sleep(seconds)
-
-
-def _large_read_transport(*, tls_verify: bool, trust_env: bool) -> httpx.AsyncHTTPTransport:
-    """An httpx transport whose connections read `S3_READ_BYTES` at a time.
-
-    httpx has no public way to give its transport a network backend, so this replaces the
-    transport's private connection pool (`_pool`) with one built on `_LargeReads`: the one
-    private attribute used, here only. `tests/test_s3_client.py` fails if an httpx or httpcore
-    upgrade drops it (a body of several MiB must arrive in reads larger than 64 KiB).
-    """
-    # trust_env: SSL_CERT_FILE and SSL_CERT_DIR name the CA certificates, as for any httpx client.
-    ssl_context = httpx.create_ssl_context(verify=tls_verify, trust_env=trust_env)
-    transport = httpx.AsyncHTTPTransport(verify=ssl_context)
-    transport._pool = httpcore.AsyncConnectionPool(
-        ssl_context=ssl_context,
-        max_connections=_MAX_CONNECTIONS,
-        max_keepalive_connections=_MAX_KEEPALIVE,
-        keepalive_expiry=_KEEPALIVE_EXPIRY_S,
-        network_backend=_LargeReads(),
-    )
-    return transport
-
-
 # --- the client -----------------------------------------------------------------------------------
 
 #: S3's smallest part, for every part of a multipart upload but the last; and its most parts.
@@ -485,7 +244,7 @@ class S3Client:
     credentials given (or asked for before each request), or unsigned (anonymous) without them.
 
     An async context manager that owns one `httpx.AsyncClient`, whose connections read
-    `S3_READ_BYTES` at a time (`transport`, for fault-injection tests, replaces that). Every
+    `nexa.s3.transport.S3_READ_BYTES` at a time (`transport`, for fault-injection tests, replaces that). Every
     failure is a nexa error: `ArtifactRefused` for a 4xx, `ArtifactUnavailable` for a 5xx or a
     transport failure, both carrying the HTTP status and S3 error code (`status`, `s3_code`) so
     that callers word their own hints. Bodies are streamed, never read whole; credentials never
@@ -510,7 +269,7 @@ class S3Client:
         self._credentials = credentials
         self.anonymous = credentials is None
         if transport is None:
-            transport = _large_read_transport(tls_verify=tls_verify, trust_env=trust_env)
+            transport = large_read_transport(tls_verify=tls_verify, trust_env=trust_env)
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, CONNECT_TIMEOUT_S)),
             transport=transport,

@@ -42,7 +42,7 @@ LLAMA_CACHE_ENV: Final = {"HOME": RUNTIME_CACHE_PATH, "XDG_CACHE_HOME": f"{RUNTI
 #: What `extra_args` may hold: this many arguments, each at most this long.
 MAX_EXTRA_ARGS: Final = 64
 MAX_EXTRA_ARG_CHARS: Final = 4096
-#: Why a flag nexa owns is refused in `extra_args` (`adapters.Adapter.refused_flags` maps flags to these).
+#: Why a flag nexa owns is refused in `extra_args` (`base.Adapter.refused_flags` maps flags to these).
 WHY_HUB: Final = "it would reach a model hub; runtimes load only the signed, mounted artifact"
 WHY_AUTH: Final = "the node's relay talks to the runtime without a key (the gateway authenticates clients)"
 WHY_TLS: Final = "the node talks plain HTTP to the runtime on its own loopback"

@@ -1,4 +1,4 @@
-"""`nexa.runtimes`: assignment → container spec. Pure functions, plain sync tests."""
+"""`nexa.container_spec`: assignment → container spec. Pure functions, plain sync tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import pytest
 
-from nexa import runtimes
+from nexa import container_spec
 from nexa.contracts import codec, wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import (
@@ -42,7 +42,7 @@ def state(**kw: object) -> ContainerState:
         "id": "c1",
         "name": "nexa-a1",
         "image_name": image,
-        "image_digest": runtimes.image_digest(image),
+        "image_digest": container_spec.image_digest(image),
         "labels": {},
         "running": True,
         "status": "running",
@@ -53,18 +53,18 @@ def state(**kw: object) -> ContainerState:
 
 def test_container_spec_carries_the_runtime_and_its_labels() -> None:
     rt = sample_runtime()
-    spec = runtimes.container_spec("n1", assignment(rt), 7, ARTIFACT)
+    spec = container_spec.container_spec("n1", assignment(rt), 7, ARTIFACT)
     assert spec.name == "nexa-a1"
     assert spec.image == rt.image
     assert spec.command == rt.command
     assert spec.labels == {
-        runtimes.LABEL_NODE: "n1",
+        container_spec.LABEL_NODE: "n1",
         LABEL_ASSIGNMENT: "a1",
         LABEL_DEPLOYMENT: "d1",
         LABEL_GENERATION: "7",
-        LABEL_SPEC: runtimes.spec_sha256(rt),
-        runtimes.LABEL_KIND: "llamacpp",
-        runtimes.LABEL_PORT: "18300",
+        LABEL_SPEC: container_spec.spec_sha256(rt),
+        container_spec.LABEL_KIND: "llamacpp",
+        container_spec.LABEL_PORT: "18300",
     }
     assert spec.devices == ["nvidia.com/gpu=0"]
     assert spec.ro_mounts == [(str(ARTIFACT), "/models/model")]
@@ -81,30 +81,30 @@ def test_runtime_host_binds_every_address_inside_a_private_namespace_and_the_nod
         command=["--host", "{runtime_host}", "--port", "18300"],
         health=attrs.evolve(sample_runtime().health, command=["curl", "http://{runtime_host}:18300/health"]),
     )
-    private = runtimes.container_spec("n1", assignment(rt), 1, ARTIFACT, host="127.0.0.12")
+    private = container_spec.container_spec("n1", assignment(rt), 1, ARTIFACT, host="127.0.0.12")
     assert private.command == ["--host", "0.0.0.0", "--port", "18300"]
     assert private.health.command == ["curl", "http://127.0.0.1:18300/health"]
     assert (private.network, private.publish_host, private.publish_port) == ("private", "127.0.0.12", 18300)
 
-    opted_in = runtimes.container_spec(
+    opted_in = container_spec.container_spec(
         "n1", assignment(attrs.evolve(rt, host_network=True)), 1, ARTIFACT, host="127.0.0.12"
     )
     assert opted_in.command == ["--host", "127.0.0.12", "--port", "18300"]
     assert opted_in.health.command == ["curl", "http://127.0.0.12:18300/health"]
     assert (opted_in.network, opted_in.publish_host, opted_in.publish_port) == ("host", "", 0)
     # The opt-in is part of the signed spec: changing it replaces the container.
-    assert runtimes.spec_sha256(rt) != runtimes.spec_sha256(attrs.evolve(rt, host_network=True))
+    assert container_spec.spec_sha256(rt) != container_spec.spec_sha256(attrs.evolve(rt, host_network=True))
 
 
 def test_env_is_exactly_the_specs() -> None:
     rt = attrs.evolve(sample_runtime(), env={"OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1"})
-    spec = runtimes.container_spec("n1", assignment(rt), 1, ARTIFACT)
+    spec = container_spec.container_spec("n1", assignment(rt), 1, ARTIFACT)
     assert spec.env == {"OMP_NUM_THREADS": "4", "HF_HUB_OFFLINE": "1"}
 
 
 def test_no_artifact_no_mount() -> None:
     rt = attrs.evolve(sample_runtime(), artifact=None, gpus=[])
-    spec = runtimes.container_spec("n1", assignment(rt), 1, None)
+    spec = container_spec.container_spec("n1", assignment(rt), 1, None)
     assert spec.ro_mounts == []
     assert spec.devices == []
 
@@ -116,29 +116,29 @@ def sim_runtime(**change: Any) -> RuntimeSpec:
 
 def test_a_sim_spec_runs_the_simulator_on_loopback_with_the_host_artifact_path() -> None:
     rt = sim_runtime()
-    spec = runtimes.container_spec("n1", assignment(rt), 3, ARTIFACT)
-    assert runtimes.is_simulated(rt)
-    assert not runtimes.is_simulated(sample_runtime())
+    spec = container_spec.container_spec("n1", assignment(rt), 3, ARTIFACT)
+    assert container_spec.is_simulated(rt)
+    assert not container_spec.is_simulated(sample_runtime())
     # The deployment is the model name; the spec's flags follow; a process has no mounts.
     assert spec.command == [
         "--host", "127.0.0.1", "--port", "18400", "--model", "d1", "--ttft-ms", "5", "--artifact", str(ARTIFACT),
     ]  # fmt: skip
     assert spec.ro_mounts == []
-    assert spec.labels[runtimes.LABEL_KIND] == "sim"
-    assert spec.labels[runtimes.LABEL_PORT] == "18400"
-    assert spec.labels[LABEL_SPEC] == runtimes.spec_sha256(rt)
+    assert spec.labels[container_spec.LABEL_KIND] == "sim"
+    assert spec.labels[container_spec.LABEL_PORT] == "18400"
+    assert spec.labels[LABEL_SPEC] == container_spec.spec_sha256(rt)
 
 
 def test_a_sim_spec_without_artifact_names_none() -> None:
-    spec = runtimes.container_spec("n1", assignment(sim_runtime(artifact=None, command=[])), 1, None)
+    spec = container_spec.container_spec("n1", assignment(sim_runtime(artifact=None, command=[])), 1, None)
     assert spec.command == ["--host", "127.0.0.1", "--port", "18400", "--model", "d1"]
 
 
 def test_artifact_path_must_match_the_spec() -> None:
     with pytest.raises(ValueError, match="artifact_path"):
-        runtimes.container_spec("n1", assignment(), 1, None)
+        container_spec.container_spec("n1", assignment(), 1, None)
     with pytest.raises(ValueError, match="artifact_path"):
-        runtimes.container_spec("n1", assignment(attrs.evolve(sample_runtime(), artifact=None)), 1, ARTIFACT)
+        container_spec.container_spec("n1", assignment(attrs.evolve(sample_runtime(), artifact=None)), 1, ARTIFACT)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +148,7 @@ def test_artifact_path_must_match_the_spec() -> None:
 def test_secret_looking_env_is_refused(name: str) -> None:
     rt = attrs.evolve(sample_runtime(), env={"PLAIN": "1", name: "x"})
     with pytest.raises(ContractError) as info:
-        runtimes.container_spec("n1", assignment(rt), 1, ARTIFACT)
+        container_spec.container_spec("n1", assignment(rt), 1, ARTIFACT)
     assert name in info.value.message
     assert info.value.problems == (f"runtime.env.{name}: looks like a secret",)
     assert "x" not in info.value.message.split(name)[-1]  # the value is never repeated
@@ -156,10 +156,10 @@ def test_secret_looking_env_is_refused(name: str) -> None:
 
 def test_every_secret_name_is_named() -> None:
     env = {"B_TOKEN": "1", "A_KEY": "2", "PLAIN": "3"}
-    assert runtimes.secret_env_names(env) == ["A_KEY", "B_TOKEN"]
+    assert container_spec.secret_env_names(env) == ["A_KEY", "B_TOKEN"]
     with pytest.raises(ContractError, match="A_KEY, B_TOKEN"):
-        runtimes.check_env(env)
-    runtimes.check_env({"PLAIN": "3", "MODEL_PATH": "/models/model"})
+        container_spec.check_env(env)
+    container_spec.check_env({"PLAIN": "3", "MODEL_PATH": "/models/model"})
 
 
 def test_spec_hash_is_stable() -> None:
@@ -177,9 +177,9 @@ def test_spec_hash_is_stable() -> None:
         cpus=4.0,
         health=HealthProbe(command=["true"]),
     )
-    assert runtimes.spec_sha256(golden) == GOLDEN_SPEC_SHA256
+    assert container_spec.spec_sha256(golden) == GOLDEN_SPEC_SHA256
     reordered = attrs.evolve(sample_runtime(), env={"B": "2", "A": "1"})
-    assert runtimes.spec_sha256(reordered) == runtimes.spec_sha256(
+    assert container_spec.spec_sha256(reordered) == container_spec.spec_sha256(
         attrs.evolve(sample_runtime(), env={"A": "1", "B": "2"})
     )
 
@@ -197,7 +197,9 @@ def test_spec_hash_is_stable() -> None:
     ],
 )
 def test_spec_hash_detects_changes(change: dict[str, Any]) -> None:
-    assert runtimes.spec_sha256(attrs.evolve(sample_runtime(), **change)) != runtimes.spec_sha256(sample_runtime())
+    assert container_spec.spec_sha256(attrs.evolve(sample_runtime(), **change)) != container_spec.spec_sha256(
+        sample_runtime()
+    )
 
 
 def test_a_set_signed_before_entrypoints_decodes_and_keeps_its_hash() -> None:
@@ -207,28 +209,28 @@ def test_a_set_signed_before_entrypoints_decodes_and_keeps_its_hash() -> None:
     del body["entrypoint"]
     old = codec.loads(codec.wire, json.dumps(body), RuntimeSpec)
     assert old == rt and old.entrypoint == [] and old.process == rt.command
-    assert runtimes.spec_sha256(old) == runtimes.spec_sha256(rt)
-    assert runtimes.container_spec("n", assignment(old), 1, ARTIFACT).entrypoint == []
+    assert container_spec.spec_sha256(old) == container_spec.spec_sha256(rt)
+    assert container_spec.container_spec("n", assignment(old), 1, ARTIFACT).entrypoint == []
 
 
 def test_names_are_sanitised_without_collisions() -> None:
-    assert runtimes.container_name("a-1.b_2") == "nexa-a-1.b_2"
-    slash, colon = runtimes.container_name("dep/a:1"), runtimes.container_name("dep:a/1")
+    assert container_spec.container_name("a-1.b_2") == "nexa-a-1.b_2"
+    slash, colon = container_spec.container_name("dep/a:1"), container_spec.container_name("dep:a/1")
     assert slash.startswith("nexa-dep-a-1-")
     assert slash != colon
-    for name in (slash, colon, runtimes.container_name("/"), runtimes.container_name("")):
-        assert runtimes._NAME_OK.match(name), name
+    for name in (slash, colon, container_spec.container_name("/"), container_spec.container_name("")):
+        assert container_spec._NAME_OK.match(name), name
 
 
 def test_image_identity() -> None:
     image = sample_runtime().image
-    assert runtimes.image_digest(image) == "sha256:" + "0" * 64
-    assert runtimes.image_matches(state(), image)
+    assert container_spec.image_digest(image) == "sha256:" + "0" * 64
+    assert container_spec.image_matches(state(), image)
     # The digest is what counts, under whatever name podman shows.
-    assert runtimes.image_matches(state(image_name="other@sha256:" + "0" * 64), image)
+    assert container_spec.image_matches(state(image_name="other@sha256:" + "0" * 64), image)
     # A name is no proof: an unknown digest or another one does not match.
-    assert not runtimes.image_matches(state(image_digest=""), image)
-    assert not runtimes.image_matches(state(image_digest="sha256:" + "f" * 64), image)
-    assert not runtimes.image_matches(
+    assert not container_spec.image_matches(state(image_digest=""), image)
+    assert not container_spec.image_matches(state(image_digest="sha256:" + "f" * 64), image)
+    assert not container_spec.image_matches(
         state(image_name="127.0.0.1:5000/evil@sha256:" + "f" * 64, image_digest="sha256:" + "f" * 64), image
     )

@@ -1,6 +1,6 @@
-"""Runtime adapters: turn a verified assignment into the container spec podman creates. Pure.
+"""The container spec builder: turn a verified assignment into the container spec podman creates. Pure.
 
-No trio and no I/O here: the node supervisor calls these functions. The runtime-kind adapters
+No trio and no I/O here: the node supervisor calls these functions. The runtime adapters
 (vLLM flags, llama.cpp arguments, …: `nexa.adapters`) run on the controller, which signs what they
 build; here the node only fills in its own runtime address where the spec says `{runtime_host}`.
 A container never receives a key, token or credential: environment variables with secret-looking

@@ -1,0 +1,335 @@
+"""The runtime adapters' common part: `Adapter` (one model server's command line, settings schema,
+endpoints and what it can serve), its `Option`s, `Metrics` and `Launch`. Pure: no I/O, no trio.
+
+Each model server family is one module of this package that builds its `Adapter` from these
+(`vllm`, `sglang`, `trtllm`, `llamacpp`); the package (`nexa.adapters`) picks one (`adapter_for`).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+import attrs
+
+from nexa.adapters.args import WHY_GPUS, is_value, spelling, version_at_least
+from nexa.contracts.gateway import Capability
+from nexa.contracts.manifest import path_problem
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.placement import MemoryLimit, MemoryShare, RuntimeMemory
+from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
+
+#: Where an artifact registered as one object is mounted (read-only), as assignments have had it
+#: since the first release; a manifest's directory is mounted at `/models/<model name>`.
+MODEL_PATH: Final = "/models/model"
+#: The setting that picks the llama.cpp variant.
+SERVER_SETTING: Final = "server"
+LLAMA_SERVER: Final = "llama-server"
+LLAMA_CPP_PYTHON: Final = "llama-cpp-python"
+#: Shared memory for the GPU servers' worker processes (NCCL, torch IPC); podman's default is 64 MiB.
+GPU_SHM_BYTES: Final = 8 * 2**30
+#: Every adapter takes this setting: the container's /dev/shm size in bytes (0: podman's default).
+SHM_SETTING: Final = "shm_bytes"
+#: Model servers load from the mounted artifact and must never reach a hub for weights or tokenizers.
+OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
+#: The weight and activation types vLLM and SGLang take (`--dtype`).
+DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
+#: A big model on a slow disk takes minutes to load: failures this long after start keep it `Starting`.
+_START_PERIOD_S: Final = 600.0
+
+
+class Style(enum.Enum):
+    """How a setting becomes arguments."""
+
+    #: `--flag value`.
+    VALUE = "value"
+    #: `--flag` when true, nothing when false (argparse `store_true`).
+    SWITCH = "switch"
+    #: `--flag true|false` (llama-cpp-python's pydantic settings).
+    BOOLEAN = "boolean"
+    #: `--flag <model directory>/<value>`: a file of the model's own directory (a chat template
+    #: shipped with it), named relative to it; absolute paths and `..` are refused.
+    MODEL_FILE = "model_file"
+
+
+@attrs.frozen(kw_only=True)
+class Option:
+    """One runtime setting: its JSON type, bounds or choices, and the flag it becomes."""
+
+    flag: str
+    type: type[int] | type[float] | type[str] | type[bool]
+    help: str
+    style: Style = Style.VALUE
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+
+    def problem(self, name: str, value: object) -> str | None:
+        """Why `value` is not acceptable for this option, or None."""
+        wanted = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.type]
+        reason = None
+        if not self._typed(value):
+            reason = wanted
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            if self.minimum is not None and value < self.minimum:
+                reason = f"at least {self.minimum:g}"
+            elif self.maximum is not None and value > self.maximum:
+                reason = f"at most {self.maximum:g}"
+        elif self.choices and value not in self.choices:
+            reason = f"one of {', '.join(self.choices)}"
+        elif isinstance(value, str) and (not value or value.startswith("-") or "\x00" in value):
+            reason = "a non-empty value that does not start with '-'"
+        elif isinstance(value, str) and self.style is Style.MODEL_FILE and (bad := path_problem(value)):
+            reason = f"a path inside the model's directory ({bad})"
+        return None if reason is None else f"settings.{name}: {reason}"
+
+    def _typed(self, value: object) -> bool:
+        """JSON types, strictly: `true` is no number, `1` no boolean, `1.5` no integer."""
+        if isinstance(value, bool) or self.type is bool:
+            return isinstance(value, bool) and self.type is bool
+        if self.type is float:
+            return isinstance(value, int | float) and math.isfinite(value)
+        return isinstance(value, self.type)
+
+    def args(self, value: object, *, model_dir: str = "") -> list[str]:
+        if self.style is Style.SWITCH:
+            return [self.flag] if value else []
+        if self.style is Style.BOOLEAN:
+            return [self.flag, "true" if value else "false"]
+        if self.style is Style.MODEL_FILE:
+            return [self.flag, f"{model_dir}/{value}"]
+        return [self.flag, str(value)]
+
+
+@attrs.frozen(kw_only=True)
+class Metrics:
+    """Where a runtime publishes its load, and which series feed routing and capacity (None: not exposed)."""
+
+    path: str | None
+    #: `prometheus` (text exposition) or `json` (TensorRT-LLM's per-iteration statistics).
+    format: str = "prometheus"
+    waiting: str | None = None
+    running: str | None = None
+    #: KV-cache use as a fraction 0..1; several names where versions renamed it (first found wins).
+    kv_cache: tuple[str, ...] = ()
+    #: Prefix-cache hits over lookups: (hits, queries) counter pairs, then gauges that give the
+    #: ratio itself (first found wins, pairs before gauges).
+    prefix_cache_counters: tuple[tuple[str, str], ...] = ()
+    prefix_cache_ratio: tuple[str, ...] = ()
+    #: Histograms (seconds) of time to first token and time per output token, by base name.
+    ttft: tuple[str, ...] = ()
+    tpot: tuple[str, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class Launch:
+    """What an adapter puts into one replica's `RuntimeSpec`."""
+
+    command: list[str]
+    env: dict[str, str]
+    health: HealthProbe
+    shm_bytes: int
+
+
+@attrs.frozen(kw_only=True)
+class Adapter:
+    """One model server: its command line, settings schema, endpoints and what it can serve."""
+
+    kind: RuntimeKind
+    #: The variant's name (`vllm`, `sglang`, `trtllm`, `llama-server`, `llama-cpp-python`).
+    name: str
+    #: The program and its fixed first arguments.
+    program: tuple[str, ...]
+    #: The flag that names the model (None: the path is positional, right after `program`).
+    model_flag: str | None
+    served_name_flag: str
+    host_flag: str
+    port_flag: str
+    #: Arguments always given (e.g. enabling the metrics endpoint).
+    fixed: tuple[str, ...] = ()
+    #: The setting and the arguments that spread a replica over its GPUs, given the GPU count.
+    tensor_parallel_flag: str | None = None
+    #: Arguments added when the replica has any GPU (offloading every layer).
+    gpu_args: tuple[str, ...] = ()
+    #: The replica must have at least one GPU.
+    needs_gpu: bool = True
+    options: Mapping[str, Option]
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    default_shm_bytes: int = 0
+    #: The HTTP path answering 200 once the model is loaded.
+    readiness_path: str
+    #: How the probe fetches it inside the image: `python` (urllib) or `curl`.
+    probe_tool: str = "python"
+    metrics: Metrics
+    capabilities: frozenset[Capability]
+    #: A capability that needs a setting (llama.cpp serves embeddings only with `embedding: true`).
+    capability_settings: Mapping[Capability, str] = attrs.field(factory=dict)
+    #: Streams end with a usage chunk when the request sets `stream_options.include_usage`.
+    stream_usage: bool = True
+    #: The setting (one of `options`) that bounds the server's memory on a unified-memory node,
+    #: and what its fraction is a share of; None: the server has none (llama.cpp allocates what
+    #: the model and its context need).
+    memory_setting: str | None = None
+    memory_share: MemoryShare = MemoryShare.POOL
+    #: Flags `extra_args` may not give, besides those nexa sets itself (`owned_flags`), each with why.
+    refused_flags: Mapping[str, str] = attrs.field(factory=dict)
+    #: The server's parser takes a long flag's unambiguous prefix for it (Python's argparse does,
+    #: click and llama.cpp's own parser do not), so a prefix of an owned flag is refused as well.
+    abbreviates: bool = False
+    #: The first release whose server takes `served_name_flag` (None: every release). Before it,
+    #: the flag is left out and the server names the model after its directory, which nexa mounts
+    #: at `/models/<model name>`.
+    served_name_since: str | None = None
+
+    def owned_flags(self) -> dict[str, str]:
+        """Every flag `extra_args` may not give, with why: what nexa sets itself, the memory bound,
+        the typed settings (set them as settings), and `refused_flags`."""
+        owned = {option.flag: f"a typed setting: give settings.{name} instead" for name, option in self.options.items()}
+        nexa_sets = {
+            self.model_flag: "nexa gives the mounted model's path",
+            self.served_name_flag: "nexa serves the model under its registered name",
+            self.host_flag: "nexa binds the runtime to the node's runtime address",
+            self.port_flag: "nexa gives each replica its port",
+            self.tensor_parallel_flag: WHY_GPUS,
+        }
+        owned.update({flag: why for flag, why in nexa_sets.items() if flag is not None})
+        if self.memory_setting is not None:
+            owned[self.options[self.memory_setting].flag] = (
+                f"it is the memory bound (set settings.{self.memory_setting}, or leave it to be derived)"
+            )
+        owned.update(self.refused_flags)
+        return owned
+
+    def flag_refusals(self, extra_args: Sequence[str]) -> list[tuple[str, str]]:
+        """(flag, why) for each argument of `extra_args` that gives a flag nexa owns, as
+        `--flag value`, `--flag=value`, with `_` for `-` or, where the parser abbreviates, a prefix."""
+        owned = {spelling(flag): (flag, why) for flag, why in self.owned_flags().items()}
+        known = {spelling(option.flag) for option in self.options.values()}
+        out = []
+        for arg in extra_args:
+            if not arg.startswith("-") or is_value(arg):
+                continue
+            given = spelling(arg.partition("=")[0])
+            hit = owned.get(given)
+            if hit is None and self.abbreviates and given.startswith("--") and len(given) > 3 and given not in known:
+                hit = next((owned[f] for f in sorted(owned) if f.startswith(given)), None)
+            if hit is None and self.abbreviates and not given.startswith("--"):
+                # argparse reads `-tp4` as `-tp 4`.
+                hit = next((owned[f] for f in sorted(owned) if not f.startswith("--") and given.startswith(f)), None)
+            if hit is not None:
+                flag = arg.partition("=")[0]
+                out.append((flag, hit[1] if spelling(hit[0]) == given else f"{hit[1]} (it is taken as {hit[0]})"))
+        return out
+
+    @property
+    def overhead_bytes(self) -> int:
+        """The engine's own memory beyond its share (`ENGINE_OVERHEAD_BYTES`)."""
+        return ENGINE_OVERHEAD_BYTES.get(self.name, 0)
+
+    def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
+        """Everything wrong with `settings` (and the accelerator count) for this adapter."""
+        out = []
+        for name, value in sorted(settings.items()):
+            if name == SERVER_SETTING and self.kind is RuntimeKind.LLAMACPP:
+                continue
+            if name == SHM_SETTING:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    out.append(f"settings.{SHM_SETTING}: 0 or more bytes (an integer)")
+                continue
+            option = self.options.get(name)
+            if option is None:
+                known = ", ".join(sorted([*self.options, SHM_SETTING]))
+                out.append(f"settings.{name}: unknown option for {self.name} (known: {known})")
+            elif problem := option.problem(name, value):
+                out.append(problem)
+        if self.needs_gpu and accelerators < 1:
+            out.append(f"resources.accelerators: {self.name} needs at least 1 GPU")
+        return out
+
+    def serves(self, capability: Capability, settings: Mapping[str, object]) -> bool:
+        """Whether a replica started with `settings` answers `capability`'s path."""
+        if capability not in self.capabilities:
+            return False
+        needed = self.capability_settings.get(capability)
+        return needed is None or settings.get(needed) is True
+
+    def memory_limit(self, settings: Mapping[str, object], *, weights_bytes: int) -> MemoryLimit | None:
+        """How this server is held to its reservation on a unified-memory node (None: it cannot
+        be); `weights_bytes` approximates the weights (the model artifact's size)."""
+        if self.memory_setting is None:
+            return None
+        value = settings.get(self.memory_setting)
+        return MemoryLimit(
+            setting=self.memory_setting,
+            flag=self.options[self.memory_setting].flag,
+            share_of=self.memory_share,
+            operator_value=float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None,
+            weights_bytes=weights_bytes,
+        )
+
+    def launch(
+        self,
+        served_name: str,
+        settings: Mapping[str, object],
+        gpus: Sequence[str],
+        port: int,
+        *,
+        model_path: str = MODEL_PATH,
+        memory: RuntimeMemory | None = None,
+        extra_args: Sequence[str] = (),
+        version: str = "",
+        model_dir: str = "",
+    ) -> Launch:
+        """The command, env, probe and /dev/shm size of one replica (settings and `extra_args`
+        already validated); `extra_args` come last, after every flag nexa and the settings give.
+
+        `memory`: the replica's limit on a unified-memory node; a derived value is given as the
+        setting would be had the operator set it (the operator's own value is in `settings`).
+        `version`: the runtime's registered version (`served_name_since`). `model_dir`: where the
+        model's directory is mounted, for settings naming one of its files (default `model_path`)."""
+        if memory is not None and memory.derived and memory.value is not None and memory.setting in self.options:
+            settings = {**settings, memory.setting: memory.value}
+            if memory.batch is not None and memory.batch_setting in self.options:  # with a derived context
+                settings = {memory.batch_setting: memory.batch, **settings}
+        command = list(self.program)
+        command += [model_path] if self.model_flag is None else [self.model_flag, model_path]
+        if self.served_name_since is None or version_at_least(version, self.served_name_since):
+            command += [self.served_name_flag, served_name]
+        command += [self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
+        command += self.fixed
+        if gpus:
+            command += self.gpu_args
+            if self.tensor_parallel_flag is not None and len(gpus) > 1:
+                command += [self.tensor_parallel_flag, str(len(gpus))]
+        for name, value in sorted(settings.items()):
+            if option := self.options.get(name):
+                command += option.args(value, model_dir=model_dir or model_path)
+        command += extra_args
+        shm = settings.get(SHM_SETTING, self.default_shm_bytes)
+        assert isinstance(shm, int)
+        return Launch(command=command, env=dict(self.env), health=self.probe(port), shm_bytes=shm)
+
+    def probe(self, port: int) -> HealthProbe:
+        """GET the readiness path from inside the container, with what the image has."""
+        url = f"http://{RUNTIME_HOST}:{port}{self.readiness_path}"
+        if self.probe_tool == "curl":
+            command = ["curl", "-fsS", "-o", "/dev/null", "--max-time", "5", url]
+        else:
+            command = ["python3", "-c", f"import urllib.request; urllib.request.urlopen({json.dumps(url)}, timeout=5)"]
+        return HealthProbe(command=command, interval_s=2.0, timeout_s=6.0, start_period_s=_START_PERIOD_S, retries=3)
+
+
+#: Each engine's own memory beyond the share its memory setting bounds (the CUDA context, CUDA
+#: graphs, activations and sampler buffers; llama.cpp's compute buffers), by adapter name. Placement
+#: reserves it on top of a replica's memory (`Adapter.overhead_bytes`); a deployment's
+#: `resources.overhead_bytes` replaces it.
+ENGINE_OVERHEAD_BYTES: Final[Mapping[str, int]] = {
+    "vllm": 2 * 1024**3,
+    "sglang": 2 * 1024**3,
+    "trtllm": 2 * 1024**3,
+    LLAMA_SERVER: 1024**3,
+    LLAMA_CPP_PYTHON: 1024**3,
+}

@@ -1,0 +1,85 @@
+"""vLLM (`vllm serve`): its adapter. Flags and series from vLLM's "Engine arguments" and "Production metrics"."""
+
+from __future__ import annotations
+
+from typing import Final
+
+from nexa.adapters.args import VLLM_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GPUS, WHY_HUB, WHY_MEMORY, WHY_TLS
+from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
+from nexa.contracts.gateway import Capability
+from nexa.contracts.node import RuntimeKind
+
+VLLM: Final = Adapter(
+    kind=RuntimeKind.VLLM,
+    name="vllm",
+    program=("vllm", "serve"),
+    model_flag=None,
+    served_name_flag="--served-model-name",
+    host_flag="--host",
+    port_flag="--port",
+    tensor_parallel_flag="--tensor-parallel-size",
+    options={
+        "max_model_len": Option(flag="--max-model-len", type=int, minimum=1, help="context length (tokens)"),
+        "gpu_memory_utilization": Option(
+            flag="--gpu-memory-utilization",
+            type=float,
+            minimum=0.05,
+            maximum=1.0,
+            help="share of GPU memory for weights and KV cache (set it below 1 on unified memory)",
+        ),
+        "max_num_seqs": Option(flag="--max-num-seqs", type=int, minimum=1, help="sequences per iteration"),
+        "max_num_batched_tokens": Option(flag="--max-num-batched-tokens", type=int, minimum=1, help="tokens/step"),
+        "dtype": Option(flag="--dtype", type=str, choices=DTYPES, help="weight and activation type"),
+        "kv_cache_dtype": Option(
+            flag="--kv-cache-dtype", type=str, choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), help="KV cache type"
+        ),
+        "quantization": Option(flag="--quantization", type=str, help="quantization method (e.g. fp8, awq)"),
+        "enable_prefix_caching": Option(flag="--enable-prefix-caching", type=bool, style=Style.SWITCH, help=""),
+        "enforce_eager": Option(flag="--enforce-eager", type=bool, style=Style.SWITCH, help="no CUDA graphs"),
+        "tokenizer": Option(flag="--tokenizer", type=str, help="tokenizer path inside the container"),
+        "trust_remote_code": Option(flag="--trust-remote-code", type=bool, style=Style.SWITCH, help=""),
+        # vllm/entrypoints/openai/cli_args.py (FrontendArgs).
+        "enable_auto_tool_choice": Option(
+            flag="--enable-auto-tool-choice", type=bool, style=Style.SWITCH, help="needs tool_call_parser"
+        ),
+        "tool_call_parser": Option(flag="--tool-call-parser", type=str, help="e.g. hermes, llama3_json, mistral"),
+        "chat_template": Option(
+            flag="--chat-template", type=str, style=Style.MODEL_FILE, help="a template file of the model's directory"
+        ),
+        # vllm/engine/arg_utils.py: StructuredOutputsConfig, ModelConfig and SchedulerConfig fields.
+        "reasoning_parser": Option(flag="--reasoning-parser", type=str, help="e.g. deepseek_r1, qwen3"),
+        "generation_config": Option(
+            flag="--generation-config", type=str, help="auto (the model's), vllm (none), or a folder path"
+        ),
+        "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
+    },
+    env={**OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", **VLLM_CACHE_ENV},
+    abbreviates=True,
+    refused_flags={"--model": "nexa gives the mounted model's path"}
+    | dict.fromkeys(("-tp", "--pipeline-parallel-size", "-pp", "--data-parallel-size", "-dp"), WHY_GPUS)
+    | dict.fromkeys(("--download-dir", "--hf-token", "--revision", "--code-revision", "--tokenizer-revision"), WHY_HUB)
+    | {"--api-key": WHY_AUTH}
+    | dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), WHY_TLS)
+    | {"--uds": "nexa reaches the runtime on its port"}
+    | {"--kv-cache-memory-bytes": WHY_MEMORY}
+    | {"--config": WHY_CONFIG_FILE},
+    default_shm_bytes=GPU_SHM_BYTES,
+    memory_setting="gpu_memory_utilization",
+    readiness_path="/health",
+    metrics=Metrics(
+        path="/metrics",
+        waiting="vllm:num_requests_waiting",
+        running="vllm:num_requests_running",
+        kv_cache=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        # V1 counts prompt tokens looked up and found; 0.8-0.9 had them as gpu_…; V0 a hit-rate gauge.
+        prefix_cache_counters=(
+            ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"),
+            ("vllm:gpu_prefix_cache_hits_total", "vllm:gpu_prefix_cache_queries_total"),
+        ),
+        prefix_cache_ratio=("vllm:gpu_prefix_cache_hit_rate",),
+        ttft=("vllm:time_to_first_token_seconds",),
+        # Renamed to inter-token latency in later releases.
+        tpot=("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
+    ),
+    capabilities=frozenset(Capability),
+)

@@ -1,0 +1,228 @@
+"""The inference routes, each declared once (`http.declare.Route`): method, path, roles, bodies,
+headers, errors and description. `inference` serves them (plain ASGI: its own dispatch, not the
+management app's router) and checks these roles; `http.openapi` describes them. No I/O here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+from nexa.contracts.domain import Role
+from nexa.contracts.gateway import (
+    MAX_CHOICES,
+    MAX_MODEL_CHARS,
+    MAX_REQUEST_TOKENS,
+    Priority,
+    SignedReceipt,
+    WorkloadCreate,
+    WorkloadList,
+    WorkloadView,
+)
+from nexa.control.http.declare import INFERENCE, PAGE_QUERY, Param, Route, RouteKey
+from nexa.errors import (
+    Cancelled,
+    Conflict,
+    DeadlineExceeded,
+    FieldNotSupported,
+    IdempotencyKeyReused,
+    ModelNotServed,
+    NoReadyReplica,
+    NoReplicaForDataClass,
+    Overloaded,
+    QueueFull,
+    QuotaExceeded,
+    RetentionNotPermitted,
+    RetentionUnavailable,
+    RuntimeFailed,
+    RuntimeRejected,
+    WorkloadAlreadyActive,
+)
+
+Json = dict[str, Any]
+
+#: Optional request headers of the OpenAI routes: priority class and deadline.
+PRIORITY_HEADER: Final = "x-nexa-priority"
+DEADLINE_HEADER: Final = "x-nexa-deadline-ms"
+#: Optional: the request's data class (as the envelope's `data_class`): only nodes allowed it serve it.
+DATA_CLASS_HEADER: Final = "x-nexa-data-class"
+#: Optional: the request's retention (as the envelope's `retention`): `ephemeral` or a policy's name.
+RETENTION_HEADER: Final = "x-nexa-retention"
+#: On every response of these routes: nexa's own time in it, in ms (`calls.overhead_ms`).
+OVERHEAD_HEADER: Final = "x-nexa-overhead-ms"
+
+_SSE: Final = "text/event-stream"
+_ANY_OBJECT: Final[Json] = {"type": "object"}
+_OPENAI_MODELS: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "object": {"const": "list"},
+        "data": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "string"},
+                    "object": {"const": "model"},
+                    "created": {"type": "integer"},
+                    "owned_by": {"type": "string"},
+                },
+                "required": ["id", "object", "created", "owned_by"],
+            },
+        },
+    },
+    "required": ["object", "data"],
+}
+
+
+def _openai_body(prompt: str, prompt_schema: Json, *, generates: bool) -> Json:
+    """An OpenAI request body: free-form (passed to the runtime), with the fields the gateway checks."""
+    props: Json = {
+        "model": {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS, "description": "an alias"},
+        prompt: prompt_schema,
+    }
+    if generates:
+        tokens = {"type": "integer", "minimum": 1, "maximum": MAX_REQUEST_TOKENS}
+        props |= {
+            "stream": {"type": "boolean", "default": False},
+            "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+            "max_tokens": tokens,
+            "max_completion_tokens": tokens,
+            "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES},
+        }
+    return {"type": "object", "properties": props, "required": ["model", prompt], "additionalProperties": True}
+
+
+_HEADERS: Final = (
+    Param(name=PRIORITY_HEADER, schema=Priority, where="header", description="admission priority"),
+    Param(
+        name=DEADLINE_HEADER,
+        schema={"type": "integer", "minimum": 1},
+        where="header",
+        description="milliseconds from now (at most the gateway's max_deadline_s)",
+    ),
+    Param(name=DATA_CLASS_HEADER, schema=str, where="header", description="only nodes allowed it serve it"),
+    Param(
+        name=RETENTION_HEADER,
+        schema=str,
+        where="header",
+        description="ephemeral (default: nothing kept), or a retention policy the tenant may use",
+    ),
+)
+_SERVING: Final = (
+    ModelNotServed,
+    Overloaded,
+    QuotaExceeded,
+    QueueFull,
+    NoReadyReplica,
+    NoReplicaForDataClass,
+    RuntimeFailed,
+    RuntimeRejected,
+    DeadlineExceeded,
+    FieldNotSupported,
+    RetentionNotPermitted,
+    RetentionUnavailable,
+)
+
+
+def _generate(path: str, summary: str, prompt: str, prompt_schema: Json, *, stream: bool) -> Route:
+    """An OpenAI route that runs a prompt on a served model."""
+    return Route(
+        method="POST",
+        path=path,
+        roles=INFERENCE,
+        summary=summary,
+        tag="openai",
+        body=_openai_body(prompt, prompt_schema, generates=stream),
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        also=(_SSE,) if stream else (),
+        params=_HEADERS,
+        errors=_SERVING,
+    )
+
+
+_WORKLOAD: Final = "/api/v1/workloads/<workload_id>"
+
+#: Every inference route, declared once.
+ROUTES: Final[tuple[Route, ...]] = (
+    Route(
+        method="GET",
+        path="/v1/models",
+        roles=INFERENCE,
+        summary="Served models (OpenAI)",
+        tag="openai",
+        answer=_OPENAI_MODELS,
+    ),
+    _generate(
+        "/v1/chat/completions",
+        "Chat completion (OpenAI)",
+        "messages",
+        {"type": "array", "items": {"type": "object"}, "minItems": 1},
+        stream=True,
+    ),
+    _generate("/v1/completions", "Completion (OpenAI)", "prompt", {"type": ["string", "array"]}, stream=True),
+    _generate("/v1/embeddings", "Embeddings (OpenAI)", "input", {"type": ["string", "array"]}, stream=False),
+    Route(
+        method="POST",
+        path="/api/v1/workloads",
+        roles=INFERENCE,
+        summary="Run a workload (the nexa.v1 envelope)",
+        tag="workloads",
+        body=WorkloadCreate,
+        body_kind="required",
+        answer=WorkloadView,
+        also=(_SSE,),
+        errors=(*_SERVING, IdempotencyKeyReused, WorkloadAlreadyActive, Cancelled),
+    ),
+    Route(
+        method="GET",
+        path="/api/v1/workloads",
+        roles=INFERENCE,
+        summary="Your tenant's workloads, oldest first",
+        tag="workloads",
+        answer=WorkloadList,
+        params=PAGE_QUERY,
+    ),
+    Route(
+        method="GET",
+        path=_WORKLOAD,
+        roles=INFERENCE,
+        summary="A workload's state",
+        tag="workloads",
+        answer=WorkloadView,
+    ),
+    Route(
+        method="POST",
+        path=_WORKLOAD + "/cancel",
+        roles=INFERENCE,
+        summary="Cancel a workload",
+        tag="workloads",
+        answer=WorkloadView,
+        status=202,
+    ),
+    Route(
+        method="GET",
+        path=_WORKLOAD + "/receipt",
+        roles=INFERENCE,
+        summary="A finished workload's signed receipt",
+        tag="workloads",
+        answer=SignedReceipt,
+        errors=(Conflict,),
+    ),
+)
+
+#: Every inference route and the roles that may call it (the management routes: `http.resources.ROLES`).
+INFERENCE_ROUTES: Final[dict[RouteKey, frozenset[Role]]] = {r.key: r.roles for r in ROUTES if r.roles is not None}
+
+#: What every answer of the inference routes carries (`inference._Exchange` writes every one).
+RESPONSE_HEADERS: Final[Json] = {
+    OVERHEAD_HEADER: {
+        "description": (
+            "nexa's own time in this response, in ms (two decimals): the controller's time from the"
+            " request's arrival to this response head, less admission queueing and the time it waited"
+            " for the node's answer (a stream: its first output; otherwise the whole answer), plus the"
+            " node's own time outside the runtime. A stream's figure is the overhead up to its first byte."
+        ),
+        "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]{2}$"},
+    },
+}

@@ -1,0 +1,50 @@
+"""Errors of the data path: quotas and queues, replicas, the runtime's own answer, workloads and retention."""
+
+from __future__ import annotations
+
+from nexa.errors.base import Conflict, NexaError, NotFound, Overloaded, Unavailable
+
+
+class QuotaExceeded(Overloaded):
+    code = "quota_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: float) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        #: Which limit: `concurrent`, `requests_per_minute`, `tokens_per_minute` or `tokens_per_day`.
+        self.limit = limit
+
+
+class QueueFull(Overloaded):
+    code = "queue_full"
+
+
+class NoReadyReplica(Unavailable):
+    code = "no_ready_replica"
+
+
+class NoReplicaForDataClass(NoReadyReplica):
+    code = "no_replica_for_data_class"
+
+    def __init__(self, message: str, *, data_class: str) -> None:
+        super().__init__(message)
+        self.data_class = data_class
+
+
+class RuntimeFailed(Unavailable):
+    code = "runtime_failed"
+
+
+class ModelNotServed(NotFound):
+    code = "model_not_found"
+
+
+class WorkloadAlreadyActive(Conflict):
+    code = "workload_already_active"
+
+
+class RetentionUnavailable(NexaError):
+    code = "retention_unavailable"
+
+
+class RuntimeRejected(NexaError):
+    code = "runtime_rejected"
