@@ -23,6 +23,7 @@ import attrs
 import pytest
 
 import nexa
+from nexa import docs
 
 pytestmark = pytest.mark.slow
 
@@ -150,6 +151,21 @@ def test_version(nexa_binary: Path) -> None:
     assert proc.stdout == f"nexa {nexa.__version__}\n"
 
 
+def test_the_manual_ships_in_the_binary(nexa_binary: Path, tmp_path: Path) -> None:
+    """`nexa docs` reads the topics bundled in the binary, not the source tree (run from elsewhere)."""
+    proc = subprocess.run(
+        [str(nexa_binary), "docs", "config"], capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == docs.topic("config").text
+    listing = subprocess.run(
+        [str(nexa_binary), "docs"], capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
+    )
+    assert listing.returncode == 0 and all(f"  {name} " in listing.stdout for name in docs.TOPICS)
+    unknown = _run(nexa_binary, "docs", "nope")
+    assert unknown.returncode == 2 and "nexa docs TOPIC" in unknown.stderr
+
+
 @pytest.mark.parametrize(("path", "role"), [("units/control.toml", ()), ("units/node.toml", ("--role", "node"))])
 def test_check_config_accepts_the_examples(nexa_binary: Path, path: str, role: tuple[str, ...]) -> None:
     proc = _run(nexa_binary, "check-config", *role, path)
@@ -190,6 +206,9 @@ def test_controller_starts_serves_and_stops_on_sigterm(nexa_binary: Path, tmp_pa
         for name in ("console.css", "vendor/htmx.min.js", "vendor/uPlot.iife.min.js"):
             status, body = _get(f"{ctl.url}/console/static/{name}")
             assert status == 200 and body, name
+        # The manual is in the binary too, and the console renders it (markdown-it-py bundled).
+        status, body = _get(ctl.url + "/console/docs/metrics")
+        assert status == 200 and b'<h1 id="metrics-and-alerts">Metrics and alerts</h1>' in body
         assert ctl.stop() == 0
         # Logs are JSON lines on stderr: nothing else (no traceback, no warning) may appear there.
         lines = ctl.stderr().splitlines()

@@ -22,6 +22,7 @@ def test_first_start_prints_url_and_admin_key(controller_process: ControllerProc
     assert "bootstrap admin" in out.stdout and "admin" in out.stdout
 
 
+@pytest.mark.slow
 def test_keys_and_tenants_round_trip(controller_process: ControllerProcess) -> None:
     cp = controller_process
     assert cp.cli("tenants", "create", "acme", "--display-name", "Acme Corp").returncode == 0
@@ -47,6 +48,7 @@ def test_keys_and_tenants_round_trip(controller_process: ControllerProcess) -> N
     assert next(k for k in keys if k["id"] == key_id)["revoked_at"] is not None
 
 
+@pytest.mark.slow
 def test_control_characters_a_client_chose_never_reach_the_terminal_raw(controller_process: ControllerProcess) -> None:
     """Issue 30 point 8: a tenant's display name and a key's name with an escape sequence that would
     retitle or clear the terminal, a bell and a right-to-left override are printed as escapes."""
@@ -68,6 +70,7 @@ def test_control_characters_a_client_chose_never_reach_the_terminal_raw(controll
     assert refused.returncode != 0 and "\x1b" not in refused.stderr
 
 
+@pytest.mark.slow
 def test_errors_are_one_clear_line_with_a_nonzero_exit(controller_process: ControllerProcess) -> None:
     cp = controller_process
     wrong = cp.cli("keys", "list", token="nxk_000000000000_" + "A" * 43)
@@ -103,6 +106,7 @@ def test_errors_are_one_clear_line_with_a_nonzero_exit(controller_process: Contr
     assert no_token.returncode == 2 and "NEXA_TOKEN" in no_token.stderr
 
 
+@pytest.mark.slow
 def test_audit_list_and_verify(controller_process: ControllerProcess) -> None:
     cp = controller_process
     cp.cli("tenants", "create", "t1", check=True)
@@ -116,6 +120,7 @@ def test_audit_list_and_verify(controller_process: ControllerProcess) -> None:
     assert ok.returncode == 0 and "audit chain ok: 3 events verified" in ok.stdout
 
 
+@pytest.mark.slow
 def test_an_audit_row_edited_with_the_sqlite3_shell_is_named(controller_process: ControllerProcess) -> None:
     cp = controller_process
     for name in ("a", "b", "c"):
@@ -140,6 +145,7 @@ def test_an_audit_row_edited_with_the_sqlite3_shell_is_named(controller_process:
     assert verdict["ok"] is False and verdict["first_bad_id"] == victim["id"]
 
 
+@pytest.mark.slow
 def test_a_second_controller_on_the_same_state_dir_is_refused(controller_process: ControllerProcess) -> None:
     out = subprocess.run(
         [
@@ -161,6 +167,7 @@ def test_a_second_controller_on_the_same_state_dir_is_refused(controller_process
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_sigterm_exits_zero_and_sigint_too(controller_process: ControllerProcess) -> None:
     assert controller_process.stop(signal.SIGTERM) == 0
     controller_process.start()
@@ -246,6 +253,7 @@ def test_every_list_and_show_renders_its_table(controller_process: ControllerPro
     assert cp.cli("nodes", "show", "nope").returncode == 1
 
 
+@pytest.mark.slow
 def test_control_takes_the_channel_as_host_port(controller_process: ControllerProcess, tmp_path: Path) -> None:
     cp = controller_process
     assert cp.stop() == 0

@@ -100,6 +100,7 @@ def make_bundle(
     return out, done
 
 
+@pytest.mark.slow
 def test_a_bundle_is_written_signed_and_verifies_offline(controller_process: ControllerProcess, tmp_path: Path) -> None:
     cp = controller_process
     out, done = make_bundle(cp, tmp_path, sim_summary())
@@ -154,6 +155,7 @@ def _tampered(src: Path, dst: Path, name: str) -> Path:
     return dst
 
 
+@pytest.mark.slow
 def test_any_changed_byte_extra_or_missing_file_fails_verify(
     controller_process: ControllerProcess, tmp_path: Path
 ) -> None:
@@ -183,6 +185,7 @@ def test_any_changed_byte_extra_or_missing_file_fails_verify(
     assert done.returncode == 1 and "FAIL manifest.json: signed by key" in done.stderr
 
 
+@pytest.mark.slow
 def test_release_ready_is_false_with_reasons_when_the_sim_failed(
     controller_process: ControllerProcess, tmp_path: Path
 ) -> None:
@@ -197,6 +200,7 @@ def test_release_ready_is_false_with_reasons_when_the_sim_failed(
     assert "release_ready: false" in verified.stdout and "nexa sim did not pass" in verified.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_is_refused_and_writes_nothing(controller_process: ControllerProcess, tmp_path: Path) -> None:
     cp = controller_process
     busy = tmp_path / "busy"
@@ -252,6 +256,7 @@ def test_out_is_never_written_through_a_symlink(controller_process: ControllerPr
     assert victim.read_text() == "keep me" and (out / "gate.json").read_bytes() == b"{}"
 
 
+@pytest.mark.slow
 def test_verify_reads_no_more_than_the_manifest_says(controller_process: ControllerProcess, tmp_path: Path) -> None:
     """A file grown to 8 GiB (sparse) is named, not read; a symlinked file counts as missing; a
     manifest over 4 MiB is refused unread."""

@@ -357,6 +357,7 @@ async def object_bytes(s3: S3Store, key: str) -> bytes:
     return response.content
 
 
+@pytest.mark.slow
 def test_push_uploads_registers_and_a_rerun_uploads_only_the_change(cluster: Cluster, tmp_path: Path) -> None:
     model = tmp_path / "llama"
     files = write_model(model)
@@ -452,6 +453,7 @@ def test_a_refused_push_names_the_file_and_uploads_and_registers_nothing(
     trio.run(nothing_stored)
 
 
+@pytest.mark.slow
 def test_manifest_then_register_with_it_for_other_upload_tools(cluster: Cluster, tmp_path: Path) -> None:
     model = tmp_path / "own-tools"
     files = write_model(model)

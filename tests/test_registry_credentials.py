@@ -243,6 +243,7 @@ async def test_oversized_token_answers_and_manifests_are_refused(tmp_path: Path,
 # --- the node --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_podman_is_handed_the_credentials_only_for_their_registry(
     tmp_path: Path,
     podman_service: PodmanService,

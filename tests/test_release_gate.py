@@ -264,6 +264,7 @@ def test_quality_gates_fail_on_a_lint_error_and_bad_formatting(tmp_path: Path) -
     assert "nexa/bad.py" in done.stdout
 
 
+@pytest.mark.slow
 def test_sbom_lists_the_runtime_dependencies(tmp_path: Path) -> None:
     out = tmp_path / "sbom.cdx.json"
     done = gate(ROOT, "sbom", "--sbom", str(out))

@@ -233,6 +233,7 @@ def test_the_unhealthy_fault_is_parsed_and_checked() -> None:
     assert caught.value.problems == ("unhealthy: must be true or false",)
 
 
+@pytest.mark.slow
 def test_sign_key_without_json_or_with_an_unreadable_key_is_bad_usage(tmp_path: Path) -> None:
     """Issue 30 point 10: `--sign-key` signs the `--json` summary; either wrong, nothing is started."""
     done = _nexa("sim", "--steps", "enroll", "--sign-key", str(tmp_path / "k.pem"), "--state-dir", str(tmp_path / "s"))

@@ -272,6 +272,7 @@ def test_template_unit_instance_passes_systemd_analyze_verify_and_security(tmp_p
     _assert_exposure_low(analyze, Path(instance))
 
 
+@pytest.mark.slow
 def test_template_unit_is_the_controller_unit_with_a_config_per_instance() -> None:
     single = (UNITS / "nexa-control.service").read_text(encoding="utf-8")
     template = (UNITS / TEMPLATE).read_text(encoding="utf-8")

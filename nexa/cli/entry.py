@@ -24,6 +24,7 @@ from nexa.cli import (
     backup,
     bench,
     deployments,
+    docs,
     evidence,
     gateway,
     keys,
@@ -97,6 +98,7 @@ def parser() -> argparse.ArgumentParser:
 
     openapi_help = "print the HTTP API's OpenAPI 3.1 document (as GET /api/v1/openapi.json)"
     sub.add_parser("openapi", help=openapi_help).set_defaults(handler=_cmd_openapi)
+    docs.add_commands(sub)
 
     roles.add_commands(sub)
     sim.add_commands(sub)

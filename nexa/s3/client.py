@@ -3,7 +3,7 @@ verification, and the signed requests it makes. With `nexa.s3.transport`, the on
 builds an httpx client for S3.
 
 Requests are signed by `nexa.sigv4.sign_v4`, a small pure function over the stdlib (`hmac`,
-`hashlib`); README "Why nexa signs S3 requests itself" says why botocore is not used.
+`hashlib`); the manual (`nexa docs models`, "Why nexa signs S3 requests itself") says why botocore is not used.
 Credentials (`nexa.s3.credentials`) come from a file (JSON or the AWS shared-credentials INI,
 re-read when it changes) or the standard AWS environment variables, and are never logged.
 

@@ -124,6 +124,7 @@ async def test_messages_round_trip_in_both_directions(fleet: Fleet) -> None:
             nursery.cancel_scope.cancel()
 
 
+@pytest.mark.slow
 async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet: Fleet) -> None:
     """The consumer answers every message with two while the producer keeps sending. A pump
     that blocked on delivery would stop sending and deadlock against it."""

@@ -164,6 +164,7 @@ async def _update(controller: Controller, job_id: str, body: dict[str, Any]) -> 
         await ok(api.post(f"/api/v1/jobs/{job_id}", json=body))
 
 
+@pytest.mark.slow
 async def test_the_jobs_page_in_chromium(controller: Controller) -> None:
     assert await trio.Path(CHROMIUM).exists(), "Debian's chromium is required (apt-get install chromium)"
     async with controller.client() as api:

@@ -191,6 +191,7 @@ def test_arbitrary_bytes_raise_only_contract_errors(raw: bytes) -> None:
         _only_contract_errors(codec.loads, codec.wire, raw, cls)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(HOSTILE_JSON, st.sampled_from(WIRE_TYPES))
 def test_hostile_json_raises_only_contract_errors(text: str, cls: type) -> None:

@@ -46,6 +46,7 @@ async def _denied_events(c: Controller, action: str) -> list[dict[str, object]]:
     return [e for e in resp.json()["events"] if e["result"] == "denied"]
 
 
+@pytest.mark.slow
 async def test_a_key_hammering_a_route_it_may_not_call_writes_a_handful_of_audit_events(
     controller: Controller,
 ) -> None:
@@ -244,6 +245,7 @@ async def test_only_audit_and_admin_keys_read_the_head(controller: Controller) -
         assert_envelope(await http.get("/api/v1/audit/head"), 403, "forbidden")
 
 
+@pytest.mark.slow
 def test_cli_audit_head_and_verify_against(controller_process: ControllerProcess, tmp_path: Path) -> None:
     admin = controller_process.admin_key
     assert admin is not None

@@ -140,6 +140,7 @@ def test_backup_restore_and_a_controller_on_the_restored_state(tmp_path: Path) -
             restored.kill()
 
 
+@pytest.mark.slow
 def test_backup_without_a_key_is_refused_and_needs_admin(controller_process: ControllerProcess, tmp_path: Path) -> None:
     refused = controller_process.cli("backup", "--out", str(tmp_path / "b.nxbk"))
     assert refused.returncode == 1 and "backup_not_configured" in refused.stderr
@@ -157,6 +158,7 @@ def test_backup_without_a_key_is_refused_and_needs_admin(controller_process: Con
     assert missing.status_code == 404
 
 
+@pytest.mark.slow
 def test_backup_without_out_or_a_verb_is_a_usage_error_and_list_takes_flags_either_side(
     controller_process: ControllerProcess,
 ) -> None:
@@ -208,6 +210,7 @@ async def _metric(cp: ControllerProcess, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+@pytest.mark.slow
 async def test_the_schedule_writes_backups_prunes_to_keep_and_advances_the_metric(tmp_path: Path) -> None:
     key_file = tmp_path / "backup.key"
     assert _nexa("keygen", "--backup", "--out", str(key_file)).returncode == 0
@@ -256,6 +259,7 @@ async def test_the_schedule_writes_backups_prunes_to_keep_and_advances_the_metri
         cp.kill()
 
 
+@pytest.mark.slow
 async def test_a_failed_scheduled_backup_is_audited_with_its_code_and_counted(tmp_path: Path) -> None:
     key_file = tmp_path / "backup.key"
     assert _nexa("keygen", "--backup", "--out", str(key_file)).returncode == 0

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Any
 
+import pytest
 import trio
 
 from nexa.contracts.evidence import BenchPoint, Percentiles, ServiceObjectives
@@ -56,6 +57,7 @@ def test_each_set_objective_is_checked_per_step_and_the_concurrency_is_per_repli
     assert rated.broken == ["rate 20/s: e2e p95 2500 ms > 2000 ms"] and rated.recommended_concurrency is None
 
 
+@pytest.mark.slow
 async def test_runs_are_judged_kept_listed_and_refused_when_bad(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -142,6 +144,7 @@ async def _nexa(c: Controller, *args: str) -> str:
     return done.stdout.decode()
 
 
+@pytest.mark.slow
 async def test_the_cli_sets_objectives_on_create_and_update_and_show_shows_them(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:

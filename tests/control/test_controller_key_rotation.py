@@ -174,6 +174,7 @@ def test_a_rotation_whose_second_endpoint_is_taken_changes_nothing_and_succeeds_
     assert controller_process.proc is not None and controller_process.proc.poll() is None
 
 
+@pytest.mark.slow
 def test_an_audit_checkpoint_signed_before_a_rotation_still_verifies(controller_process: ControllerProcess) -> None:
     """Issue 30 point 14: `nexa audit verify --against` a head kept from before a rotation verifies
     against the retired key's public half; one signed by a key the controller never had is refused."""

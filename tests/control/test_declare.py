@@ -18,7 +18,7 @@ from nexa.control.http.api import create_app
 from nexa.control.http.declare import collect
 from nexa.control.http.state import AppState
 from nexa.telemetry import Metrics
-from tests.control import declared_route
+from tests.support import declared_route
 
 _ROUTE = ("POST", "/api/v1/test-echo/<word>")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from nexa.control.deployments.scheduler import FILTERS
@@ -171,6 +172,7 @@ async def test_a_revoked_node_loses_its_replica_to_another(
     assert revoked["desired_generation"] == generation + 1  # its own set emptied
 
 
+@pytest.mark.slow
 async def test_a_drained_node_keeps_its_replica_until_the_replacement_is_ready(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -191,6 +193,7 @@ async def test_a_drained_node_keeps_its_replica_until_the_replacement_is_ready(
         assert await placed_on(http, "chat-a") == [other]
 
 
+@pytest.mark.slow
 async def test_an_unreachable_node_is_replaced_after_the_grace_period(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:

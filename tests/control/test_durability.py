@@ -70,6 +70,7 @@ def test_kill_9_during_a_burst_of_500_key_creations_loses_no_acknowledged_key(
     assert json.loads(verify.stdout)["checked"] >= len(acknowledged) + 1
 
 
+@pytest.mark.slow
 def test_metrics_pass_promtool(controller_process: ControllerProcess) -> None:
     promtool = require_tool("promtool")
     cp = controller_process

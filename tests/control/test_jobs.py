@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import pytest
 import trio
 
 from nexa import security
@@ -142,6 +143,7 @@ async def test_a_backup_refused_for_want_of_a_key_records_no_job(controller: Con
         assert (await ok(http.get("/api/v1/jobs")))["jobs"] == []
 
 
+@pytest.mark.slow
 async def test_a_canary_rollout_is_a_rollout_job_that_finishes(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:

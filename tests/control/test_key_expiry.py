@@ -58,6 +58,7 @@ def _expired(resp: httpx.Response) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_a_key_with_an_expiry_is_shown_works_and_then_is_refused_as_key_expired(
     controller_process: ControllerProcess,
 ) -> None:
@@ -105,6 +106,7 @@ def test_a_key_with_an_expiry_is_shown_works_and_then_is_refused_as_key_expired(
     assert re.search(r'nexa_auth_failures_total\{code="key_expired"\} [1-9]', text), text
 
 
+@pytest.mark.slow
 def test_rotate_issues_a_successor_and_the_old_key_works_through_its_grace_then_expires(
     controller_process: ControllerProcess,
 ) -> None:
@@ -138,6 +140,7 @@ def test_rotate_issues_a_successor_and_the_old_key_works_through_its_grace_then_
         assert fresh.get("/api/v1/nodes").status_code == 200
 
 
+@pytest.mark.slow
 def test_refused_rotations_and_lifetimes_are_typed_and_change_nothing(controller_process: ControllerProcess) -> None:
     cp = controller_process
     key = _cli_json(cp, "keys", "create", "--role", "audit")

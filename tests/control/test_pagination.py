@@ -292,6 +292,7 @@ def _accepted(tenant: str, workload_id: str, at: float) -> st.WorkloadRow:
     return st.WorkloadRow(accepted=accepted, state=WorkloadState.QUEUED)
 
 
+@pytest.mark.slow
 async def test_a_tenant_pages_its_own_workloads_and_never_anothers(
     tmp_path: Path, nursery: trio.Nursery, store_cfg: StoreConfig
 ) -> None:

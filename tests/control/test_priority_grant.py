@@ -34,6 +34,7 @@ def _audit_head(cp: ControllerProcess) -> int:
     return seq
 
 
+@pytest.mark.slow
 def test_a_key_asks_only_for_the_priority_classes_it_is_granted(controller_process: ControllerProcess) -> None:
     cp = controller_process
     with _client(cp) as http:
@@ -77,6 +78,7 @@ def test_a_key_asks_only_for_the_priority_classes_it_is_granted(controller_proce
     assert rotated["info"]["priorities"] == ["interactive", "standard"]
 
 
+@pytest.mark.slow
 def test_a_grant_that_makes_no_sense_is_refused_and_changes_nothing(controller_process: ControllerProcess) -> None:
     cp = controller_process
     with _client(cp) as http:

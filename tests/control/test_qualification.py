@@ -9,6 +9,7 @@ from pathlib import Path
 
 import attrs
 import httpx
+import pytest
 import trio
 
 from nexa import security
@@ -39,6 +40,7 @@ def _deployment(name: str) -> dict[str, object]:
     }
 
 
+@pytest.mark.slow
 async def test_a_runtime_qualified_on_a_node_is_placed_only_once_qualified_and_its_record_is_signed(
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
 ) -> None:

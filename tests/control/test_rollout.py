@@ -122,6 +122,7 @@ async def test_a_canary_is_placed_on_extra_replicas_and_refusals_place_nothing(
 # ---- promote, rollback -------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_promote_moves_the_alias_keeps_the_canary_and_replaces_one_at_a_time(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -163,6 +164,7 @@ async def test_promote_moves_the_alias_keeps_the_canary_and_replaces_one_at_a_ti
     assert_never_short(watch, fleet, 2)
 
 
+@pytest.mark.slow
 async def test_rollback_removes_a_canary_then_undoes_a_promotion(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -215,6 +217,7 @@ async def _finish_rollout(http: httpx.AsyncClient, fleet: Nodes, name: str = "ch
             await trio.sleep(0.1)
 
 
+@pytest.mark.slow
 async def test_a_pinned_deployment_promotes_and_rolls_back_without_an_alias(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -237,6 +240,7 @@ async def test_a_pinned_deployment_promotes_and_rolls_back_without_an_alias(
 # ---- following the alias -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_deployment_follows_its_alias_one_replica_at_a_time_without_spare_room(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -413,6 +417,7 @@ async def nexa_cli(c: Controller, *args: str) -> tuple[int, str, str]:
     return done.returncode, done.stdout.decode(), done.stderr.decode()
 
 
+@pytest.mark.slow
 async def test_the_cli_starts_shows_promotes_and_rolls_back_a_canary(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:

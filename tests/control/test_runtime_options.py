@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+import pytest
 import trio
 
 from tests.conftest import Controller
@@ -49,6 +50,7 @@ async def _cli(c: Controller, *args: str) -> tuple[int, str, str]:
     return done.returncode, done.stdout.decode(), done.stderr.decode()
 
 
+@pytest.mark.slow
 async def test_extra_args_giving_a_flag_nexa_owns_is_a_422_naming_it_and_nothing_changes(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -104,6 +106,7 @@ async def test_extra_args_giving_a_flag_nexa_owns_is_a_422_naming_it_and_nothing
         assert (await ok(http.get("/api/v1/deployments")))["deployments"] == []
 
 
+@pytest.mark.slow
 async def test_a_tool_call_parser_reaches_the_signed_vllm_and_sglang_command_lines(
     dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
 ) -> None:

@@ -389,6 +389,7 @@ print(codec.dumps(codec.api, place(lab(), vllm(memory_bytes=500 * GIB, runtime=R
 """
 
 
+@pytest.mark.slow
 def test_decisions_do_not_depend_on_string_hashing() -> None:
     # Sets and dicts of strings iterate in an order that changes with PYTHONHASHSEED.
     root = Path(__file__).resolve().parents[2]

@@ -12,6 +12,7 @@ import random
 from collections import Counter
 
 import attrs
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -195,6 +196,7 @@ def eligible(fleet: list[PlacementNode], req: PlacementRequest) -> list[Placemen
 # --- properties -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(fleet=fleets(), req=requests(), existing=existing_counts(), seed=st.integers(0, 2**32 - 1))
 def test_same_snapshot_same_decision_byte_for_byte(
@@ -212,6 +214,7 @@ def test_same_snapshot_same_decision_byte_for_byte(
     assert codec.loads(codec.api, text, PlacementDecision) == first
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(fleet=fleets(), req=requests(), existing=existing_counts())
 def test_explanations_match_the_filters_definitions(
@@ -232,6 +235,7 @@ def test_explanations_match_the_filters_definitions(
             assert (e.score, e.terms, e.replicas_placed) == (0.0, (), 0)
 
 
+@pytest.mark.slow
 @PROPERTY
 @given(fleet=fleets(), req=requests(), existing=existing_counts())
 def test_placement_never_breaks_a_hard_filter_nor_overcommits(

@@ -396,6 +396,7 @@ async def test_a_node_rotated_through_one_controller_is_admitted_by_another_afte
 # ---- time is the store's ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_controller_with_a_skewed_clock_neither_takes_the_lease_early_nor_fails_live_work(
     pair: tuple[st.Store, st.Store], signer: SigningKey, nursery: trio.Nursery
 ) -> None:

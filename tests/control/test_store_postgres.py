@@ -426,6 +426,7 @@ async def test_backups_are_refused_with_postgresqls_own_tools_named(tmp_path: Pa
 # ---- through the real binary path: `nexa control` with `[store] url` --------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_controller_process_on_postgresql_keeps_its_state_across_a_restart(tmp_path: Path, pg_url: str) -> None:
     config = tmp_path / "control.toml"
     config.write_text(f'[store]\nurl = "{pg_url}"\n')

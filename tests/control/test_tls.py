@@ -127,6 +127,7 @@ async def test_the_controller_serves_https_and_the_openai_sdk_needs_its_ca(https
             await plain.get("/healthz")
 
 
+@pytest.mark.slow
 async def test_the_cli_verifies_the_controller_against_nexa_ca_file(https: HttpsController, pki: Pki) -> None:
     served = await _cli(https, pki.ca.path, "tenants", "list", "--json")
     assert served.returncode == 0, served.stderr
@@ -349,6 +350,7 @@ async def test_a_follower_forwards_writes_to_the_leader_over_verified_https(
             x.stopping.set()
 
 
+@pytest.mark.slow
 async def test_a_streamed_completion_is_encrypted_from_the_sdk_to_the_node(
     nursery: trio.Nursery,
     tmp_path: Path,

@@ -171,6 +171,7 @@ async def _fresh(url: str, method: str, path: str, key: str, **kwargs: Any) -> h
         return await http.request(method, path, **kwargs)
 
 
+@pytest.mark.slow
 async def test_two_workers_share_one_port_and_writes_reach_the_leader(
     nursery: trio.Nursery, tmp_path: Path, pg_url: str
 ) -> None:

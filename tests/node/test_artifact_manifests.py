@@ -614,6 +614,7 @@ async def test_the_supervisor_reports_insufficient_disk_and_never_creates_the_co
 # --- a real agent and podman ----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_a_real_runtime_sees_the_model_directory_read_only(
     node: tuple[FakeController, AgentProcess],
     podman_service: PodmanService,
@@ -680,6 +681,7 @@ trio.run(main)
 """
 
 
+@pytest.mark.slow
 async def test_four_parallel_downloads_stream_to_disk_in_little_memory(s3_store: S3Store, tmp_path: Path) -> None:
     files = {f"model-{i:05d}-of-00004.safetensors": os.urandom(16 * MiB) for i in range(1, 5)}
     with trio.fail_after(TIMEOUT_S):

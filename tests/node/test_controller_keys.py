@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from nexa import security
@@ -41,6 +42,7 @@ async def _bad_signatures_above(node: object, n: int) -> None:
         await trio.sleep(0.01)
 
 
+@pytest.mark.slow
 async def test_the_node_pins_the_new_controller_key_then_refuses_the_old_after_the_overlap(
     nursery: trio.Nursery, ctl: FakeController, cfg: NodeConfig, state_dir: Path
 ) -> None:

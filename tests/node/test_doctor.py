@@ -546,6 +546,7 @@ def _doctor_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*NEXA, "node", "doctor", *args], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_nexa_node_doctor_against_nexa_control_and_podman(
     controller_process: ControllerProcess, podman_socket: str, tmp_path: Path
 ) -> None:

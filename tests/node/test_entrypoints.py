@@ -204,6 +204,7 @@ async def supervised(
     return sup, until
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("image", "kind", "entrypoint", "how"),
     [
@@ -251,6 +252,7 @@ async def test_the_process_is_the_adapters_command_exactly_once_whatever_the_ent
     assert sup.statistics().restarts == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("image", "kind", "program"),
     [

@@ -92,6 +92,7 @@ def is_ready(aid: str) -> object:
     return lambda b: (s := status(b, aid)) is not None and s.state is State.READY
 
 
+@pytest.mark.slow
 async def test_the_guard_stops_the_newest_replica_when_memavailable_falls_under_the_floor(
     nursery: trio.Nursery, ctl: FakeController, cfg: NodeConfig, meminfo: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -247,6 +247,7 @@ async def _stubborn_under_supervision(
     return sup, port, until, seen
 
 
+@pytest.mark.slow
 async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
     nursery: trio.Nursery,
     podman: ContainerEngine,
@@ -279,6 +280,7 @@ async def test_an_outside_podman_stop_is_waited_out_and_the_runtime_restarted(
         assert (await http.get(f"http://{RUNTIME_HOST}:{port}/i")).text == "ok\n"
 
 
+@pytest.mark.slow
 async def test_an_outside_stop_through_the_docker_api_is_waited_out_on_every_engine(
     nursery: trio.Nursery,
     engine: ContainerEngine,

@@ -165,6 +165,7 @@ async def test_heartbeats_reach_every_controller_and_a_lower_epoch_is_refused_on
         await node.stop()
 
 
+@pytest.mark.slow
 async def test_inference_asked_on_one_channel_is_answered_on_it_while_the_other_controller_restarts(
     nursery: trio.Nursery,
     pair: tuple[FakeController, FakeController],

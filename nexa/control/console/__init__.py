@@ -12,7 +12,7 @@ Nothing here logs or renders a payload.
   and runtime charts of the overview and nodes pages, sampled from the Fleet;
 - one module per resource, each adding its view and routes: `signin`, `overview`, `nodes`,
   `models`, `deployments`, `benchmarks` (runs and their curves), `jobs` (long-running work),
-  `usage` (requests), `audit`, `keys` (keys and quotas).
+  `usage` (requests), `audit`, `keys` (keys and quotas), `docs` (the manual, rendered).
 
 Its templates (`templates/console/`) and files (`static/`, the vendored libraries under
 `static/vendor/` that `builds/console/vendor.sh` installs) live beside this package.
@@ -32,6 +32,7 @@ from nexa.control.console import (
     audit,
     benchmarks,
     deployments,
+    docs,
     jobs,
     keys,
     models,
@@ -109,6 +110,7 @@ def register(
     usage.register(bp, console, charts)
     audit.register(bp, console)
     keys.register(bp, console)
+    docs.register(bp, console)
 
     app.register_blueprint(bp)
     return console

@@ -142,6 +142,8 @@ CONSOLE_ROUTES: Final = frozenset(
         ("GET", "/console/benchmarks"),
         ("GET", "/console/benchmarks/<run_id>"),
         ("GET", "/console/jobs"),
+        ("GET", "/console/docs"),
+        ("GET", "/console/docs/<name>"),
     }
 )
 

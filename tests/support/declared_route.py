@@ -1,4 +1,5 @@
-"""A resource module for tests only: one route, declared once (`tests/control/test_declare.py`)."""
+"""A resource module for tests only: one route, declared once
+(`tests/control/test_declare.py` builds an app of it)."""
 
 from __future__ import annotations
 
