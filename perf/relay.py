@@ -23,7 +23,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.config import Bytes, RelayConfig
 from nexa.contracts import wire
 from nexa.control.datapath.relay import Relay
@@ -57,9 +58,9 @@ async def main(args: argparse.Namespace) -> None:
     config = hypercorn.config.Config()
     config.bind = ["127.0.0.1:0"]
     config.accesslog = config.errorlog = None
-    ctl_curve, node_curve = messaging.generate_curve_keypair(), messaging.generate_curve_keypair()
+    ctl_curve, node_curve = links.generate_curve_keypair(), links.generate_curve_keypair()
     ctl_key, node_key = security.generate_signing_key(), security.generate_signing_key()
-    link = messaging.Link(
+    link = links.Link(
         "tcp://127.0.0.1:*",
         curve=ctl_curve,
         signing_key=ctl_key,
@@ -72,7 +73,7 @@ async def main(args: argparse.Namespace) -> None:
         binds = await nursery.start(lambda task_status: hypercorn.trio.serve(runtime, config, task_status=task_status))
         port = int(binds[0].rsplit(":", 1)[1])
         endpoint = await nursery.start(link.run)
-        uplink = messaging.Uplink(
+        uplink = links.Uplink(
             endpoint, curve=node_curve, server_curve_public=ctl_curve.public, signing_key=node_key,
             controller_key=ctl_key.public,
         )  # fmt: skip
@@ -84,7 +85,7 @@ async def main(args: argparse.Namespace) -> None:
         async def controller() -> None:
             while True:
                 got = await link.receive_any()
-                if isinstance(got, messaging.DataInbound):
+                if isinstance(got, links.DataInbound):
                     relay.deliver(got.node_id, got.frame)
 
         async def node_side() -> None:

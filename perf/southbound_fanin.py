@@ -26,7 +26,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nexa import framing, messaging, security
+from nexa import security
+from nexa.channel import framing, links
 from nexa.contracts import wire
 from nexa.contracts.node import DiscoveredHost, InventoryFile
 from nexa.localparts import free_ports, stop
@@ -86,7 +87,7 @@ def main() -> int:
             started = time.perf_counter()
             nodes = []
             for i in range(args.nodes):
-                key, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+                key, curve = security.generate_signing_key(), links.generate_curve_keypair()
                 token = http.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}).json()["token"]
                 enrolled = http.post(
                     "/api/v1/enroll",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import random
 import shutil
 import signal
 import socket
@@ -127,13 +128,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: Where `free_channel_port` looks: below Linux's default ephemeral range (32768-60999), which the
+#: kernel never hands to a connection's local end.
+_CHANNEL_PORTS = range(20000, 32000, 2)
+
+
+def free_channel_port() -> int:
+    """A channel port `p` with `p + 1` free too, outside the ephemeral range: a key rotation serves
+    its new Curve key on `p + 1` (`rotation_listen`'s default). `free_port`'s `p + 1` is an
+    ephemeral port, which any outgoing connection on the host (the test's own HTTP request to the
+    controller among them) may be using when the rotation binds it."""
+    for port in random.sample(_CHANNEL_PORTS, len(_CHANNEL_PORTS)):
+        with contextlib.ExitStack() as held:
+            try:
+                for each in (port, port + 1):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", each))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports below the ephemeral range on 127.0.0.1")
+
+
 @attrs.define
 class ControllerProcess:
     """`python -m nexa control` as a separate process (what an operator runs)."""
 
     state_dir: Path
     port: int
-    channel_port: int = attrs.field(factory=free_port)
+    channel_port: int = attrs.field(factory=free_channel_port)
     proc: subprocess.Popen[str] | None = None
     admin_key: str | None = None
     stderr_path: Path | None = None

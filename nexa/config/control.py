@@ -152,7 +152,7 @@ class ChannelConfig:
     #: `advertise` is set, else the bound endpoint.
     rotation_advertise: str = attrs.field(default="", converter=zmq_endpoint)
     #: Largest data chunk a node may send. Keep it at least the nodes' `relay.max_chunk_bytes`:
-    #: a zmq frame above this plus `messaging.MESSAGE_HEADROOM_BYTES` (64 KiB) costs the node its
+    #: a zmq frame above this plus `channel.links.MESSAGE_HEADROOM_BYTES` (64 KiB) costs the node its
     #: connection (zmq MAXMSGSIZE), and a stream buffers at most `gateway.stream_window_chunks`
     #: times this many bytes.
     max_chunk_bytes: Bytes = Bytes(65536)

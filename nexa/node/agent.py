@@ -1,9 +1,9 @@
 """`nexa node`: the agent's composition root, heartbeats and the signed-assignment fence.
 
-`serve_node` wires the parts (inventory watcher, uplink, agent) in one nursery; `Agent` owns the
-node's side of the protocol: it says hello, beats, judges every assignment set against the
-fence kept on disk and answers it, and watches the accepted set's lease. Nothing it sends or
-logs names keys, file paths or addresses.
+`serve_node` wires the parts (`node.builders`: inventory watcher, engine, runtimes; the channel,
+the relay, the agent) in one nursery; `Agent` owns the node's side of the protocol: it says
+hello, beats, judges every assignment set against the fence kept on disk and answers it, and
+watches the accepted set's lease. Nothing it sends or logs names keys, file paths or addresses.
 
 Control never blocks data: `agent.receive`, the uplink's only reader, hands data frames to the
 relay at once and signed messages to `agent.control` (signature check, judgement, the fsync'd
@@ -16,7 +16,7 @@ at every renewal (lease / 3) and whenever a heartbeat reports an older one.
 Key rotation (`nexa node rotate-keys` writes `keys.next` in the state directory; `nexa nodes
 rotate` has the controller ask): the agent sends the new public keys in a `RotateKeys` signed
 with its current key, again every `ROTATION_RETRY_S` until a `KeysRotated` answers; then it
-makes them its keys on disk and has its channel dial with them (`node.channel`, make before
+makes them its keys on disk and has its channel dial with them (`channel.endpoints`, make before
 break), and its next heartbeat, signed with the new key, tells the controller to drop the old.
 """
 
@@ -27,7 +27,7 @@ import logging
 import os
 import time
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Final, NoReturn, Protocol
@@ -36,36 +36,36 @@ import attrs
 import trio
 
 from nexa import __version__
+from nexa.channel.endpoints import DataSender, OpenRequests, Routed
+from nexa.channel.links import Unverified
 from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.container_spec import SIMULATION_ENV
 from nexa.contracts import wire
-from nexa.contracts.node import ENGINE_FIELD_MAX
-from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError, EngineError
-from nexa.messaging import Unverified
-from nexa.node.artifacts import ArtifactCache
-from nexa.node.engines.configured import configured_engine
-from nexa.node.engines.interface import ContainerEngine
+from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError
+from nexa.node.builders import (
+    NodeRuntimes,
+    artifact_cache,
+    container_engine,
+    engine_version,
+    inventory,
+    load_state,
+    runtimes_of,
+)
 from nexa.node.identity import (
     Fence,
     NodeIdentity,
     PendingKeys,
     controller_keys,
     discard_pending_keys,
-    load_fence,
-    load_identity,
     load_pending_keys,
     pin_controller_keys,
     prepare_rotation,
     promote_pending_keys,
-    resume_rotation,
     save_fence,
 )
-from nexa.node.inventory import InventoryWatcher, discover
-from nexa.node.memory import ReplicaMemoryMeter, default_nvidia_smi
+from nexa.node.inventory import InventoryWatcher
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
-from nexa.node.runtime_cache import RuntimeCaches
-from nexa.node.runtime_metrics import RuntimeMetrics
 from nexa.node.supervisor import Supervisor
 from nexa.node.uplinks import (
     Channel,
@@ -74,15 +74,11 @@ from nexa.node.uplinks import (
     channel_endpoint,  # noqa: F401 - importable from here, as before
     open_channel,
 )
-from nexa.oci import registry_credentials as registry_credentials_source
-from nexa.s3.credentials import s3_credentials as s3_credentials_source
 from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)
 
 
-#: Longest wait at start for the container engine's version (a stuck engine must not stop the agent).
-ENGINE_VERSION_S: Final = 5.0
 #: Signed messages from the controller waiting for `agent.control` (it sends about one per lease / 3).
 _CONTROL_QUEUE: Final = 16
 #: With `leave_running_on_exit = false`, how long stopping every runtime may take at exit.
@@ -215,12 +211,12 @@ class Agent:
         runtimes: Runtimes,
         heartbeat_interval_s: float,
         on_lease_expiry: LeaseExpiryPolicy,
-        data: Callable[[wire.DataFrame], None] | None = None,
+        data: Callable[[wire.DataFrame, DataSender], None] | None = None,
         container_engine: str = "",
         container_engine_version: str = "",
         gpu_method: str = "",
         pending_keys: PendingKeys | None = None,
-        open_requests: Callable[[], Iterable[str]] = tuple,
+        open_requests: OpenRequests = lambda _: (),
         cache_disk: Callable[[], wire.CacheDisk | None] = lambda: None,
         runtime_cache: Callable[[], wire.RuntimeCacheDisk | None] = lambda: None,
         memory_pressure: Callable[[], tuple[wire.MemoryPressure | None, int]] = lambda: (None, 0),
@@ -399,11 +395,12 @@ class Agent:
             except ContractError:
                 self._invalid_messages += 1
                 continue
-            if isinstance(got, wire.DataFrame):
+            if isinstance(got, Routed):
                 # Inference traffic: authenticated by the channel, never judged as desired state.
+                # The relay keeps the channel it came on with the request (its one routing table).
                 self._data_frames += 1
                 if self._deliver_data is not None:
-                    self._deliver_data(got)
+                    self._deliver_data(got.frame, got.reply)
                 continue
             try:
                 self._control_tx.send_nowait(got)
@@ -641,21 +638,6 @@ async def _stop_runtimes(supervisor: Supervisor, generation: int) -> None:
             await trio.sleep(0.1)
 
 
-def _load_state(state_dir: Path) -> tuple[NodeIdentity, Fence, PendingKeys | None]:
-    pending = resume_rotation(state_dir)  # before the keys are read: a promotion may be unfinished
-    return load_identity(state_dir), load_fence(state_dir), pending
-
-
-async def _engine_version(engine: ContainerEngine) -> str:
-    """The engine's version for the inventory; "" when it does not answer within ENGINE_VERSION_S."""
-    with trio.move_on_after(ENGINE_VERSION_S):
-        try:
-            return (await engine.version())[:ENGINE_FIELD_MAX]
-        except EngineError as exc:
-            log.warning("the container engine did not report its version: %s", exc)
-    return ""
-
-
 async def serve_node(
     cfg: NodeConfig,
     *,
@@ -674,126 +656,117 @@ async def serve_node(
 
 
 async def _serve_node(
-    cfg: NodeConfig,
-    supervision: Supervision,
-    *,
-    stopping: trio.Event,
-    task_status: trio.TaskStatus[NodeStarted],
+    cfg: NodeConfig, supervision: Supervision, *, stopping: trio.Event, task_status: trio.TaskStatus[NodeStarted]
 ) -> None:
+    """The composition root: each part from its builder, then every loop in one nursery."""
     if cfg.simulation and os.environ.get(SIMULATION_ENV) != "1":
         raise ConfigError(f"simulation = true runs simulated runtimes: it needs {SIMULATION_ENV}=1 in the environment")
     state_dir = Path(cfg.state_dir)
-    identity, fence, pending = await trio.to_thread.run_sync(_load_state, state_dir)
+    identity, fence, pending = await trio.to_thread.run_sync(load_state, state_dir)
     uplink = await open_channel(cfg, identity, state_dir)  # a bad source address fails the start
-    watcher = InventoryWatcher(
-        cfg.inventory_path,
-        discover=partial(discover, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path),
-        poll_interval_s=cfg.inventory_poll_interval_s,
-        rediscover_interval_s=cfg.discovery_interval_s,
-    )
-    # Re-read at each pull when the file changed (a bad rewrite keeps the last good).
-    registry_credentials = await trio.to_thread.run_sync(
-        registry_credentials_source, cfg.container.registry_credentials_file
-    )
-    engine = configured_engine(cfg.container, credentials=registry_credentials)
-    # Re-read when the file changes (a bad rewrite keeps the last good); else the AWS_* variables.
-    s3_credentials = await trio.to_thread.run_sync(
-        partial(
-            s3_credentials_source,
-            cfg.artifacts.s3_credentials_file,
-            profile=cfg.artifacts.s3_profile,
-            environ=os.environ,
-        )
-    )
+    watcher = inventory(cfg)
+    engine = await container_engine(cfg)
     async with (
         engine,
-        ArtifactCache(cfg.artifacts, state_dir=state_dir, credentials=s3_credentials) as artifacts,
+        await artifact_cache(cfg, state_dir) as artifacts,
         # Simulated runtimes are children of this process: they stop when it stops.
         open_process_driver(state_dir, enabled=cfg.simulation, host=cfg.runtime_host) as processes,
     ):
-        log.info(
-            "runtimes through %s at %s; artifacts cached in %s",
-            engine.name,
-            cfg.container.socket_path,
-            artifacts.directory,
-        )
+        where = cfg.container.socket_path
+        log.info("runtimes through %s at %s; artifacts cached in %s", engine.name, where, artifacts.directory)
         if processes is not None:
             log.warning("simulation = true: sim runtimes run as local processes (never in production)")
-        containers = DriverRouter(engine, processes)
-        caches = RuntimeCaches(
-            Path(cfg.cache.runtime_cache_dir) if cfg.cache.runtime_cache_dir else state_dir / "runtime-cache",
-            max_bytes=cfg.cache.runtime_cache_max_bytes,
-            start_free_bytes=cfg.cache.runtime_cache_start_free_bytes,
-        )
-        supervisor = Supervisor(
-            cfg.supervisor,
-            containers,
-            artifacts,
-            node_id=identity.node_id,
-            runtime_host=cfg.runtime_host,
-            caches=caches,
-            on_start=lambda aid: meter.on_start(aid),  # noqa: PLW0108 - the meter is made below
-        )
-        metrics = RuntimeMetrics(supervisor, artifacts, cfg.runtime_metrics_interval_s, host=cfg.runtime_host)
-        meter = ReplicaMemoryMeter(
-            metrics,
-            supervisor,
-            inventory=watcher.current,
-            interval_s=cfg.discovery_interval_s,
-            floor_bytes=cfg.memory.pressure_floor_bytes,
-            meminfo_path=cfg.meminfo_path,
-            nvidia_smi=default_nvidia_smi(cfg.nvidia_smi),
-        )
+        runtimes = runtimes_of(cfg, identity, watcher, DriverRouter(engine, processes), artifacts, state_dir=state_dir)
         # Resume what the fence on disk says: running containers that still match are adopted.
-        meter.update(fence.generation, fence.assignments)
-        relay = NodeRelay(cfg.relay, uplink, supervisor.endpoint, host=cfg.runtime_host)
-        agent = Agent(
+        runtimes.meter.update(fence.generation, fence.assignments)
+        # Each data frame is delivered with the channel it came on (`_agent`'s `data`).
+        relay = NodeRelay(cfg.relay, None, runtimes.supervisor.endpoint, host=cfg.runtime_host)
+        version = await engine_version(engine)
+        agent = _agent(
+            cfg,
             identity=identity,
-            fence=fence,
-            state_dir=state_dir,
+            state=(fence, pending),
             uplink=uplink,
-            inventory=watcher,
-            runtimes=meter,
-            heartbeat_interval_s=cfg.heartbeat_interval_s,
-            on_lease_expiry=cfg.on_lease_expiry,
-            data=relay.deliver,
-            container_engine=cfg.container.engine,
-            container_engine_version=await _engine_version(engine),
-            gpu_method=cfg.container.gpu_method,
-            pending_keys=pending,
-            open_requests=relay.open_requests,
-            cache_disk=metrics.cache_disk,
-            runtime_cache=caches.disk,
-            memory_pressure=lambda: (meter.pressure, meter.stops),
+            watcher=watcher,
+            runtimes=runtimes,
+            relay=relay,
+            engine_version=version,
         )
         # Every loop runs supervised (nexa.supervision, restarted on failure); only a failed start ends the agent.
         async with trio.open_nursery() as nursery:
-            await nursery.start(supervised, "inventory", watcher.run)
-            await nursery.start(supervised, "supervisor", supervisor.run)
-            await nursery.start(supervised, "uplink", uplink.run)
-            await nursery.start(supervised, "relay", relay.run)
-            await nursery.start(supervised, "runtime_metrics", metrics.run)
-            await nursery.start(
-                supervised, "runtime_cache", partial(caches.run, cfg.cache.runtime_cache_measure_interval_s)
-            )
-            await nursery.start(supervised, "replica_memory", meter.run)
-            await nursery.start(supervised, "agent", agent.run)
+            for name, run in _loops(cfg, watcher=watcher, runtimes=runtimes, uplink=uplink, relay=relay, agent=agent):
+                await nursery.start(supervised, name, run)
             log.info(
                 "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation
             )
-            task_status.started(
-                NodeStarted(
-                    node_id=identity.node_id,
-                    epoch=fence.epoch,
-                    generation=fence.generation,
-                    agent=agent,
-                    supervision=supervision,
-                )
+            started = NodeStarted(
+                node_id=identity.node_id,
+                epoch=fence.epoch,
+                generation=fence.generation,
+                agent=agent,
+                supervision=supervision,
             )
+            task_status.started(started)
             await stopping.wait()
             log.info("node agent stopping")
             if not cfg.container.leave_running_on_exit:
-                await _stop_runtimes(supervisor, agent.fence.generation)
+                await _stop_runtimes(runtimes.supervisor, agent.fence.generation)
             # The loops and the watcher stop; the uplink closes its socket as its task ends.
             # Runtime containers keep running (unless configured otherwise): the next agent adopts them.
             nursery.cancel_scope.cancel()
+
+
+def _agent(
+    cfg: NodeConfig,
+    *,
+    identity: NodeIdentity,
+    state: tuple[Fence, PendingKeys | None],
+    uplink: Channel,
+    watcher: InventoryWatcher,
+    runtimes: NodeRuntimes,
+    relay: NodeRelay,
+    engine_version: str,
+) -> Agent:
+    fence, pending = state
+    return Agent(
+        identity=identity,
+        fence=fence,
+        state_dir=Path(cfg.state_dir),
+        uplink=uplink,
+        inventory=watcher,
+        runtimes=runtimes.meter,
+        heartbeat_interval_s=cfg.heartbeat_interval_s,
+        on_lease_expiry=cfg.on_lease_expiry,
+        data=relay.deliver,
+        container_engine=cfg.container.engine,
+        container_engine_version=engine_version,
+        gpu_method=cfg.container.gpu_method,
+        pending_keys=pending,
+        open_requests=relay.open_requests,
+        cache_disk=runtimes.metrics.cache_disk,
+        runtime_cache=runtimes.caches.disk,
+        memory_pressure=lambda: (runtimes.meter.pressure, runtimes.meter.stops),
+    )
+
+
+def _loops(
+    cfg: NodeConfig,
+    *,
+    watcher: InventoryWatcher,
+    runtimes: NodeRuntimes,
+    uplink: Channel,
+    relay: NodeRelay,
+    agent: Agent,
+) -> list[tuple[str, Callable[..., Awaitable[object]]]]:
+    """The node's loops by name, in their start order (the agent last: its hello goes out once all run)."""
+    caches_every = cfg.cache.runtime_cache_measure_interval_s
+    return [
+        ("inventory", watcher.run),
+        ("supervisor", runtimes.supervisor.run),
+        ("uplink", uplink.run),
+        ("relay", relay.run),
+        ("runtime_metrics", runtimes.metrics.run),
+        ("runtime_cache", partial(runtimes.caches.run, caches_every)),
+        ("replica_memory", runtimes.meter.run),
+        ("agent", agent.run),
+    ]

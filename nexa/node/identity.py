@@ -31,7 +31,8 @@ from typing import Final
 
 import attrs
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollRequest, EnrollResponse
 from nexa.errors import ConfigError, ContractError
@@ -39,7 +40,7 @@ from nexa.errors import ConfigError, ContractError
 log = logging.getLogger(__name__)
 
 SIGNING_KEY_FILE: Final = "node.key"
-#: `curve.key` (secret) and `curve.pub` (public), as `messaging.save_curve_keypair` names them.
+#: `curve.key` (secret) and `curve.pub` (public), as `links.save_curve_keypair` names them.
 CURVE_KEY_NAME: Final = "curve"
 ENROLLMENT_FILE: Final = "enrollment.json"
 FENCE_FILE: Final = "fence.json"
@@ -81,7 +82,7 @@ class NodeIdentity:
 
     node_id: str
     signing_key: security.SigningKey
-    curve: messaging.CurveKeyPair
+    curve: links.CurveKeyPair
     controller_signing_public: security.PublicKey
     controller_curve_public: str
     channel_endpoint: str
@@ -127,7 +128,7 @@ def is_enrolled(state_dir: Path) -> bool:
     return (state_dir / ENROLLMENT_FILE).exists()
 
 
-def create_keys(state_dir: Path) -> tuple[security.SigningKey, messaging.CurveKeyPair]:
+def create_keys(state_dir: Path) -> tuple[security.SigningKey, links.CurveKeyPair]:
     """Generate and store a new signing key and Curve key pair.
 
     Refuses (ConfigError) when the node is enrolled: its keys are what the controller knows it
@@ -136,9 +137,9 @@ def create_keys(state_dir: Path) -> tuple[security.SigningKey, messaging.CurveKe
     _ensure_dir(state_dir)
     _refuse_if_enrolled(state_dir)
     signing_key = security.generate_signing_key()
-    curve = messaging.generate_curve_keypair()
+    curve = links.generate_curve_keypair()
     security.save_signing_key(signing_key, state_dir / SIGNING_KEY_FILE, overwrite=True)
-    messaging.save_curve_keypair(curve, state_dir, name=CURVE_KEY_NAME, overwrite=True)
+    links.save_curve_keypair(curve, state_dir, name=CURVE_KEY_NAME, overwrite=True)
     return signing_key, curve
 
 
@@ -150,10 +151,10 @@ def _refuse_if_enrolled(state_dir: Path) -> None:
         )
 
 
-def _load_keys(state_dir: Path) -> tuple[security.SigningKey, messaging.CurveKeyPair]:
+def _load_keys(state_dir: Path) -> tuple[security.SigningKey, links.CurveKeyPair]:
     return (
         security.load_signing_key(state_dir / SIGNING_KEY_FILE),
-        messaging.load_curve_keypair(state_dir, name=CURVE_KEY_NAME),
+        links.load_curve_keypair(state_dir, name=CURVE_KEY_NAME),
     )
 
 
@@ -210,7 +211,7 @@ def save_enrollment(state_dir: Path, resp: EnrollResponse, *, pin: str | None = 
     """
     try:
         security.PublicKey.from_b64(resp.controller_signing_public_key)
-        messaging.check_curve_key(resp.controller_curve_public_key)
+        links.check_curve_key(resp.controller_curve_public_key)
     except ContractError as exc:
         raise ConfigError(f"the controller's enrollment answer is unusable: {exc.message}") from None
     if pin is not None:
@@ -246,7 +247,7 @@ def load_identity(state_dir: Path) -> NodeIdentity:
     signing_key, curve = _load_keys(state_dir)
     try:
         controller_signing_public = security.PublicKey.from_b64(record.controller_signing_public_key)
-        controller_curve_public = messaging.check_curve_key(record.controller_curve_public_key)
+        controller_curve_public = links.check_curve_key(record.controller_curve_public_key)
         keys = controller_keys(record)
     except ContractError as exc:
         raise ConfigError(f"{state_dir / ENROLLMENT_FILE} is damaged: {exc.message}") from None
@@ -279,7 +280,7 @@ def pin_controller_keys(state_dir: Path, announced: wire.ControllerKeysAnnounced
     record = load_enrollment(state_dir)
     current = security.PublicKey.from_b64(record.controller_signing_public_key)
     new = security.PublicKey.from_b64(announced.signing_public_key)
-    messaging.check_curve_key(announced.curve_public_key)
+    links.check_curve_key(announced.curve_public_key)
     if new == current:
         return record  # told again (each hello within the overlap)
     if announced.previous_key_id != current.fingerprint or announced.key_id != new.fingerprint:
@@ -320,7 +321,7 @@ class PendingKeys:
     """The keys a rotation moves to. Their secrets never appear in a repr."""
 
     signing_key: security.SigningKey
-    curve: messaging.CurveKeyPair
+    curve: links.CurveKeyPair
 
 
 def load_pending_keys(state_dir: Path) -> PendingKeys | None:
@@ -330,7 +331,7 @@ def load_pending_keys(state_dir: Path) -> PendingKeys | None:
         return None
     return PendingKeys(
         signing_key=security.load_signing_key(directory / SIGNING_KEY_FILE),
-        curve=messaging.load_curve_keypair(directory, name=CURVE_KEY_NAME),
+        curve=links.load_curve_keypair(directory, name=CURVE_KEY_NAME),
     )
 
 
@@ -345,14 +346,14 @@ def prepare_rotation(state_dir: Path) -> PendingKeys:
     pending = load_pending_keys(state_dir)
     if pending is not None:
         return pending
-    pending = PendingKeys(signing_key=security.generate_signing_key(), curve=messaging.generate_curve_keypair())
+    pending = PendingKeys(signing_key=security.generate_signing_key(), curve=links.generate_curve_keypair())
     try:
         tmp = Path(tempfile.mkdtemp(dir=state_dir, prefix=f".{NEXT_KEYS_DIR}.", suffix=".tmp"))  # mode 0700
     except OSError as exc:
         raise ConfigError(f"cannot write the new keys in {state_dir}: {exc.strerror}") from None
     try:
         security.save_signing_key(pending.signing_key, tmp / SIGNING_KEY_FILE)
-        messaging.save_curve_keypair(pending.curve, tmp, name=CURVE_KEY_NAME)
+        links.save_curve_keypair(pending.curve, tmp, name=CURVE_KEY_NAME)
         tmp.rename(state_dir / NEXT_KEYS_DIR)
         security.fsync_dir(state_dir)
     except OSError as exc:
@@ -368,7 +369,7 @@ def promote_pending_keys(state_dir: Path, pending: PendingKeys) -> None:
 
     Each file is replaced atomically; a crash in between is finished by `resume_rotation`.
     """
-    messaging.save_curve_keypair(pending.curve, state_dir, name=CURVE_KEY_NAME, overwrite=True)
+    links.save_curve_keypair(pending.curve, state_dir, name=CURVE_KEY_NAME, overwrite=True)
     security.save_signing_key(pending.signing_key, state_dir / SIGNING_KEY_FILE, overwrite=True)
     discard_pending_keys(state_dir)
     log.info("the node's new keys are in force")
@@ -429,7 +430,7 @@ def load_channel_targets(state_dir: Path) -> dict[str, ChannelTarget]:
     try:
         record = codec.loads(codec.store, raw, _ChannelsRecord)
         for target in record.channels.values():
-            messaging.check_curve_key(target.curve_public_key)
+            links.check_curve_key(target.curve_public_key)
     except ContractError as exc:
         raise ConfigError(
             f"{path} is damaged ({exc.message}): restore it, or delete it to dial the endpoints node.toml lists"

@@ -7,6 +7,12 @@ more than the request's window ahead of the credit the controller returned: a sl
 only its own request, and the runtime feels it as TCP backpressure. A streamed chunk holds whole
 SSE events (only an event larger than `max_chunk_bytes` is split). `cancel` cancels the request's
 task, which closes its HTTP connection so the runtime sees the client go away. Never logs bodies.
+
+One table routes the data path on the node: `_requests`, request id → the request's task state
+(its credit and its cancel scope: the task's inbox) and the channel its answer goes back on (the
+one its `infer` came on, `nexa.channel.endpoints.Routed`). A `credit` or `cancel` is looked up
+there, once; one from another channel than its request's is dropped and counted
+(`foreign_frames`); `chunk` and `end` go out on the request's own channel with no lookup.
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ import re
 import time
 import types
 from collections.abc import Callable, Mapping
-from typing import Final, NoReturn, Protocol
+from typing import Final, NoReturn
 
 import attrs
 import trio
 
+from nexa.channel.endpoints import DataSender
+from nexa.channel.flow import SendWindow
 from nexa.config import RelayConfig
 from nexa.contracts import codec, wire
 from nexa.contracts.bounds import MAX_TOKENS
@@ -56,12 +64,6 @@ INVALID_REQUEST: Final[Code] = "invalid_request"
 CANCELLED: Final[Code] = "cancelled"
 
 
-class DataUplink(Protocol):
-    """What the relay needs of the channel to the controller (`nexa.messaging.Uplink`)."""
-
-    async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
-
-
 @attrs.frozen(kw_only=True)
 class NodeRelayStatistics:
     """A snapshot of the node's relay (trio's `statistics()` convention)."""
@@ -83,6 +85,8 @@ class NodeRelayStatistics:
     dropped_frames: int
     #: Token counts runtimes reported outside 0 … 2^31 (or not whole): not passed on.
     usage_refused: int = 0
+    #: `credit` and `cancel` frames from another channel than their request's (dropped).
+    foreign_frames: int = 0
 
 
 @attrs.define(eq=False)
@@ -90,12 +94,11 @@ class _Request:
     request_id: str
     head: wire.InferHead
     body: bytes
+    #: The channel the request's `infer` came on: its chunks and its end go back there.
+    reply: DataSender
+    #: Chunks it may send ahead of the controller's credit.
+    flow: SendWindow
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    #: Chunks it may have sent in all: the window plus every credit since.
-    allowed: int = 0
-    sent: int = 0
-    credited: trio.Event = attrs.field(factory=trio.Event)
-    waiting: bool = False
     #: The runtime answered (status line received).
     responded: bool = False
     http_status: int | None = None
@@ -133,11 +136,17 @@ class NodeRelay:
     """Runs the controller's inference requests against this node's runtimes.
 
     `endpoint(assignment_id)` gives the loopback port of a Ready runtime, or None. `deliver` is
-    called by the agent's receive loop for every data frame and never blocks.
+    called by the agent's receive loop for every data frame and never blocks. `send`: the channel
+    a frame delivered without one came on (a node with one channel).
     """
 
     def __init__(
-        self, cfg: RelayConfig, send: DataUplink, endpoint: Callable[[str], int | None], *, host: str = "127.0.0.1"
+        self,
+        cfg: RelayConfig,
+        send: DataSender | None,
+        endpoint: Callable[[str], int | None],
+        *,
+        host: str = "127.0.0.1",
     ) -> None:
         self._cfg = cfg
         self._host = host
@@ -147,7 +156,7 @@ class NodeRelay:
         self._client: RuntimeClient | None = None
         self._nursery: trio.Nursery | None = None
         self._accepted = self._completed = self._failed = self._cancelled = self._busy = 0
-        self._chunks_sent = self._bytes_sent = self._dropped = self._usage_refused = 0
+        self._chunks_sent = self._bytes_sent = self._dropped = self._usage_refused = self._foreign = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         """Own the HTTP client and the request tasks until cancelled."""
@@ -163,14 +172,23 @@ class NodeRelay:
             self._requests.clear()
             await client.aclose()
 
-    def deliver(self, frame: wire.DataFrame) -> None:
-        """Act on one data frame from the controller: `infer`, `cancel` or `credit`. Never blocks."""
+    def deliver(self, frame: wire.DataFrame, reply: DataSender | None = None) -> None:
+        """Act on one data frame from the controller that came on channel `reply` (None: the
+        relay's own): `infer`, `cancel` or `credit`. Never blocks."""
+        reply = reply or self._uplink
         if frame.kind == wire.INFER:
-            self._infer(frame)
+            if reply is None:
+                self._dropped += 1  # no channel to answer on
+            else:
+                self._infer(frame, reply)
             return
         req = self._requests.get(frame.request_id)
         if req is None:
             self._dropped += 1  # already ended (its end crossed the cancel), or never ours
+            return
+        if req.reply is not reply:
+            self._foreign += 1
+            log.warning("dropped a %s frame of request %s: it came on another channel", frame.kind, frame.request_id)
             return
         if frame.kind == wire.CANCEL:
             req.scope.cancel()
@@ -180,15 +198,14 @@ class NodeRelay:
             except ContractError:
                 self._dropped += 1
                 return
-            if credit.chunks > 0:
-                req.allowed += credit.chunks
-                req.credited.set()
+            req.flow.credit(credit.chunks)
         else:
             self._dropped += 1
 
-    def open_requests(self) -> list[str]:
-        """The ids of the requests running now (a key rotation finishes them on the old channel)."""
-        return list(self._requests)
+    def open_requests(self, on: DataSender | None = None) -> list[str]:
+        """The ids of the requests running now (on channel `on`, if given): a key rotation finishes
+        them on the old connection."""
+        return [r.request_id for r in self._requests.values() if on is None or r.reply is on]
 
     def statistics(self) -> NodeRelayStatistics:
         reqs = self._requests.values()
@@ -201,17 +218,16 @@ class NodeRelay:
             busy=self._busy,
             chunks_sent=self._chunks_sent,
             bytes_sent=self._bytes_sent,
-            waiting_for_credit=sum(1 for r in reqs if r.waiting),
-            unacknowledged=types.MappingProxyType(
-                {r.request_id: r.sent - (r.allowed - max(1, r.head.window)) for r in reqs}
-            ),
+            waiting_for_credit=sum(1 for r in reqs if r.flow.waiting),
+            unacknowledged=types.MappingProxyType({r.request_id: r.flow.unacknowledged for r in reqs}),
             dropped_frames=self._dropped,
             usage_refused=self._usage_refused,
+            foreign_frames=self._foreign,
         )
 
     # --- one request
 
-    def _infer(self, frame: wire.DataFrame) -> None:
+    def _infer(self, frame: wire.DataFrame, reply: DataSender) -> None:
         nursery = self._nursery
         if nursery is None or frame.request_id in self._requests:
             self._dropped += 1
@@ -223,18 +239,19 @@ class NodeRelay:
         # The request id becomes an HTTP header value: printable ASCII only.
         if head is None or not (frame.request_id.isascii() and frame.request_id.isprintable()):
             self._dropped += 1
-            nursery.start_soon(self._send_end, frame.request_id, _error(INVALID_REQUEST))
+            nursery.start_soon(self._send_end, reply, frame.request_id, _error(INVALID_REQUEST))
             return
         if len(self._requests) >= self._cfg.max_inflight:
             self._busy += 1
-            nursery.start_soon(self._send_end, frame.request_id, _error(NODE_BUSY))
+            nursery.start_soon(self._send_end, reply, frame.request_id, _error(NODE_BUSY))
             return
         self._accepted += 1
         req = _Request(
             request_id=frame.request_id,
             head=head,
             body=frame.body,
-            allowed=max(1, head.window),
+            reply=reply,
+            flow=SendWindow(head.window),
             arrived=trio.current_time(),
         )
         self._requests[req.request_id] = req
@@ -257,11 +274,11 @@ class NodeRelay:
         now = trio.current_time()
         end = attrs.evolve(
             end,
-            first_byte_sent=req.sent > 0,
+            first_byte_sent=req.flow.sent > 0,
             runtime_ms=(now - started) * 1000,
             overhead_ms=overhead_ms(req.arrived, req.sent_at, req.answered_at, now),
         )
-        await self._send_end(req.request_id, end)
+        await self._send_end(req.reply, req.request_id, end)
 
     async def _call_guarded(self, req: _Request) -> wire.EndHead:
         """`_call`, with a last resort: nothing a runtime answers may end the node's relay."""
@@ -385,26 +402,20 @@ class NodeRelay:
             await self._send_chunk(req, bytes(frame))
 
     async def _send_chunk(self, req: _Request, data: bytes) -> None:
-        while req.sent >= req.allowed:  # the window is used up: wait for the controller's credit
-            req.waiting = True
-            try:
-                await req.credited.wait()
-            finally:
-                req.waiting = False
-            req.credited = trio.Event()
+        await req.flow.room()  # the window used up: wait for the controller's credit
         head = b""
-        if req.sent == 0 and req.head.stream:
+        if req.flow.sent == 0 and req.head.stream:
             # A stream's first chunk says the node's overhead up to it (the client's response head
             # is written when it arrives); the other chunks' heads stay empty.
             now = trio.current_time()
             spent = overhead_ms(req.arrived, req.sent_at, req.first_read_at, now)
             head = codec.dumps(codec.wire, wire.ChunkHead(overhead_ms=spent)).encode()
-        await self._uplink.send_data(wire.CHUNK, req.request_id, head, data)
-        req.sent += 1
+        await req.reply.send_data(wire.CHUNK, req.request_id, head, data)
+        req.flow.sent_one()
         self._chunks_sent += 1
         self._bytes_sent += len(data)
 
-    async def _send_end(self, request_id: str, end: wire.EndHead) -> None:
+    async def _send_end(self, reply: DataSender, request_id: str, end: wire.EndHead) -> None:
         if end.status is wire.EndStatus.OK:
             self._completed += 1
         elif end.status is wire.EndStatus.CANCELLED:
@@ -414,7 +425,7 @@ class NodeRelay:
             log.debug("request %s ended: %s (runtime status %s)", request_id, end.code, end.http_status)
         with trio.move_on_after(_END_SEND_TIMEOUT_S):
             try:
-                await self._uplink.send_data(wire.END, request_id, codec.dumps(codec.wire, end).encode(), b"")
+                await reply.send_data(wire.END, request_id, codec.dumps(codec.wire, end).encode(), b"")
             except ChannelError:
                 log.warning("could not send the end of request %s: the channel is closed", request_id)
 

@@ -13,7 +13,9 @@ interface), so that nothing in the agent's protocol changes:
 * signed messages from every channel reach the agent's one fence: a set from a lower epoch than
   one already accepted is refused whichever channel brings it (a deposed leader's);
 * a data-path request (`infer`) is answered (`chunk`, `end`) on the channel it came on and never
-  on another; `credit` and `cancel` count only from that channel.
+  on another; `credit` and `cancel` count only from that channel. Each data frame leaves here as
+  `Routed`, with its channel; the node relay keeps that channel with the request (its one table,
+  `nexa.node.relay`), so nothing here is keyed by request.
 
 One controller never holds up another: each channel runs and reconnects (the usual backoff) under
 its own supervision, and with more than one channel signed messages are queued without waiting
@@ -23,22 +25,21 @@ its own supervision, and with more than one channel signed messages are queued w
 
 from __future__ import annotations
 
-import collections
 import ipaddress
 import logging
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final, NoReturn
 
 import attrs
 import trio
 
+from nexa.channel.endpoints import Dial, NodeChannel, OpenRequests, Routed, UplinkFactory
+from nexa.channel.links import CurveKeyPair, Unverified, Uplink
+from nexa.channel.pump import PumpStatistics
 from nexa.config import NodeConfig
 from nexa.contracts import wire
 from nexa.errors import ChannelClosed, ConfigError, ContractError
-from nexa.messaging import CurveKeyPair, PumpStatistics, Unverified, Uplink
-from nexa.node.channel import Dial, NodeChannel, UplinkFactory
 from nexa.node.identity import ChannelTarget, NodeIdentity, load_channel_targets, save_channel_targets
 from nexa.security import PublicKey, SigningKey
 from nexa.supervision import supervised
@@ -50,9 +51,6 @@ RECONNECT_FIRST_S: Final = 0.1
 #: Messages from all the channels waiting for the agent's receive loop (each channel's own inbox
 #: is behind it: a full one stops reading that connection, and zmq pushes back on that controller).
 _INBOX: Final = 64
-#: Request routes kept per relay slot: an `infer` the relay drops unanswered (it was not running)
-#: leaves its route behind; past `_ROUTES_PER_SLOT * max_inflight` the oldest are forgotten.
-_ROUTES_PER_SLOT: Final = 4
 
 
 def channel_endpoint(endpoint: str, source_address: str) -> str:
@@ -113,7 +111,6 @@ class ControllerChannels:
         controller_keys: Sequence[tuple[PublicKey, float]] = (),
         *,
         state_dir: Path | None = None,
-        max_routes: int = _ROUTES_PER_SLOT * 1024,
     ) -> None:
         """`dials`: (the endpoint as listed, what its channel dials) for each controller, in order.
         With `state_dir`, where a rotation moves a channel is stored (`identity.save_channel_targets`)."""
@@ -131,16 +128,9 @@ class ControllerChannels:
         #: The key the last verified message was signed with.
         self.verified_with: PublicKey | None = None
         # Every member's receive loop → the agent's one reader: (member, what came).
-        self._inbox_tx, self._inbox_rx = trio.open_memory_channel[
-            tuple[_Member, wire.DataFrame | Unverified | ContractError]
-        ](_INBOX)
-        #: Request id → the channel its `infer` came on (until its `end` leaves).
-        self._routes: collections.OrderedDict[str, _Member] = collections.OrderedDict()
-        self._max_routes = max(1, max_routes)
-        #: Data frames refused because they came on another channel than their request's.
-        self.foreign_frames = 0
-        #: Data frames for a request with no channel to answer on (its route was forgotten).
-        self.unrouted_frames = 0
+        self._inbox_tx, self._inbox_rx = trio.open_memory_channel[tuple[_Member, Routed | Unverified | ContractError]](
+            _INBOX
+        )
 
     # --- running
 
@@ -157,7 +147,7 @@ class ControllerChannels:
             await nursery.start(member.channel.run)
             task_status.started()
             while True:
-                got: wire.DataFrame | Unverified | ContractError
+                got: Routed | Unverified | ContractError
                 try:
                     got = await member.channel.receive_unverified()
                 except ContractError as exc:  # a malformed data frame: the agent counts it
@@ -237,72 +227,17 @@ class ControllerChannels:
                 log.warning("the channel to the controller at %s is not connected; redialling", member.configured)
         member.connected = connected
 
-    # --- the data path
-
-    def _data_member(self, kind: str, request_id: str) -> _Member | None:
-        member = self._routes.get(request_id)
-        if member is None:
-            self.unrouted_frames += 1
-            log.debug("dropped a %s frame of request %s: no channel to answer it on", kind, request_id)
-        return member
-
-    async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
-        """Send on the channel the request came on (a forgotten route: dropped, counted)."""
-        member = self._data_member(kind, request_id)
-        if member is None:
-            await trio.lowlevel.checkpoint()
-            return
-        try:
-            await member.channel.send_data(kind, request_id, head, body)
-        finally:
-            if kind == wire.END:
-                self._routes.pop(request_id, None)
-
-    def send_data_nowait(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
-        member = self._data_member(kind, request_id)
-        if member is None:
-            return
-        member.channel.send_data_nowait(kind, request_id, head, body)
-        if kind == wire.END:
-            self._routes.pop(request_id, None)
-
-    def open_on(self, member: _Member, open_requests: Callable[[], Iterable[str]]) -> list[str]:
-        """The requests of `open_requests()` that came on `member`'s channel."""
-        return [r for r in open_requests() if self._routes.get(r) is member]
-
-    def _admit(self, member: _Member, frame: wire.DataFrame) -> bool:
-        """Note where an `infer` came from; refuse `credit`/`cancel` from another channel than its request's."""
-        origin = self._routes.get(frame.request_id)
-        if frame.kind == wire.INFER and origin is None:
-            if len(self._routes) >= self._max_routes:
-                forgotten, _ = self._routes.popitem(last=False)
-                log.warning("forgot the channel of request %s: %d requests are routed", forgotten, len(self._routes))
-            self._routes[frame.request_id] = member
-            return True
-        if origin is None or origin is member:
-            return True  # unknown requests are the relay's to count
-        self.foreign_frames += 1
-        log.warning(
-            "dropped a %s frame of request %s from the controller at %s: the request came on another channel",
-            frame.kind,
-            frame.request_id,
-            member.configured,
-        )
-        return False
-
     # --- receiving
 
-    async def receive_unverified(self) -> wire.DataFrame | Unverified:
+    async def receive_unverified(self) -> Routed | Unverified:
         """The next message from any controller. A signed one carries its channel in `route` (so
-        `verify` knows it); a data frame is admitted by `_admit`. ContractError: a malformed frame."""
+        `verify` knows it); a data frame comes `Routed` with its channel. ContractError: a malformed frame."""
         while True:
             member, got = await self._inbox_rx.receive()
             if isinstance(got, ContractError):
                 raise got
-            if isinstance(got, wire.DataFrame):
-                if self._admit(member, got):
-                    return got
-                continue
+            if isinstance(got, Routed):
+                return got  # its channel is the member's
             return attrs.evolve(got, route=member.route)
 
     def verify(self, pending: Unverified) -> wire.ControllerMessage:
@@ -355,15 +290,13 @@ class ControllerChannels:
 
     # --- key rotations
 
-    async def rekey(
-        self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: Callable[[], Iterable[str]]
-    ) -> None:
+    async def rekey(self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: OpenRequests) -> None:
         """The node's new keys on every channel (`NodeChannel.rekey`, make before break): the
         requests open on each finish on its old connection."""
         for member in self._members:
-            await member.channel.rekey(curve, signing_key, partial(self.open_on, member, open_requests))
+            await member.channel.rekey(curve, signing_key, open_requests)
 
-    async def redial(self, server_curve_public: str, endpoint: str, open_requests: Callable[[], Iterable[str]]) -> None:
+    async def redial(self, server_curve_public: str, endpoint: str, open_requests: OpenRequests) -> None:
         """The controller whose announcement was verified last serves its new Curve key at
         `endpoint`: move its channel there (`NodeChannel.redial`), storing that first."""
         member = self._replying
@@ -376,7 +309,7 @@ class ControllerChannels:
             }
             targets[member.configured] = ChannelTarget(endpoint=endpoint, curve_public_key=server_curve_public)
             await trio.to_thread.run_sync(save_channel_targets, self._state_dir, targets)
-        await member.channel.redial(server_curve_public, endpoint, partial(self.open_on, member, open_requests))
+        await member.channel.redial(server_curve_public, endpoint, open_requests)
 
 
 #: What the agent and the relay talk to the controllers through.
@@ -418,10 +351,4 @@ async def open_channel(cfg: NodeConfig, identity: NodeIdentity, state_dir: Path)
         channel_endpoint(dial.endpoint, cfg.source_address)
         dials.append((configured, dial))
     log.info("keeping a channel to each of %d controllers", len(dials))
-    return ControllerChannels(
-        make_uplink,
-        dials,
-        identity.controller_keys,
-        state_dir=state_dir,
-        max_routes=_ROUTES_PER_SLOT * cfg.relay.max_inflight,
-    )
+    return ControllerChannels(make_uplink, dials, identity.controller_keys, state_dir=state_dir)

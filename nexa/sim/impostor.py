@@ -1,5 +1,5 @@
 """The `signed-sets` step's impostor: a fifth `nexa node` agent (127.0.0.15), enrolled with the sim's
-controller, whose enrollment names an endpoint the sim serves itself with `nexa.messaging`. The
+controller, whose enrollment names an endpoint the sim serves itself with `nexa.channel.links`. The
 impostor holds the sim controller's Curve keys (from the sim's own state dir, as anyone who copied
 that directory would), so the agent connects; what it offers is judged by the real agent:
 
@@ -16,7 +16,8 @@ from typing import Final
 
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.contracts import wire
 from nexa.demo import Node, enroll_node
 from nexa.localparts import free_ports
@@ -38,17 +39,17 @@ def _offer(node_id: str, epoch: int, generation: int) -> wire.AssignmentSet:
     )
 
 
-async def _next_ack(link: messaging.Link, node_id: str) -> wire.Ack:
+async def _next_ack(link: links.Link, node_id: str) -> wire.Ack:
     while True:
         got = await link.receive()
-        if isinstance(got, messaging.Inbound) and got.node_id == node_id and isinstance(got.message, wire.Ack):
+        if isinstance(got, links.Inbound) and got.node_id == node_id and isinstance(got.message, wire.Ack):
             return got.message
 
 
-async def _next_beat(link: messaging.Link, node_id: str) -> None:
+async def _next_beat(link: links.Link, node_id: str) -> None:
     while True:
         got = await link.receive()
-        if isinstance(got, messaging.Inbound) and got.node_id == node_id:
+        if isinstance(got, links.Inbound) and got.node_id == node_id:
             return
 
 
@@ -58,7 +59,7 @@ def _logged(node: Node, text: str) -> bool:
 
 async def signed_sets(cluster: Cluster) -> Figures:
     control_dir = cluster.control_dir / "keys"
-    curve = messaging.load_curve_keypair(control_dir, name="controller-curve")
+    curve = links.load_curve_keypair(control_dir, name="controller-curve")
     signing = security.signing_key_from_pem(
         (control_dir / "controller-signing.pem").read_bytes(), source="the sim controller's signing key"
     )
@@ -76,9 +77,9 @@ async def signed_sets(cluster: Cluster) -> Figures:
     cluster.extra.append(node)
     state: Path = node.state_dir
     node_id = identity.load_enrollment(state).node_id
-    curve_public = messaging.load_curve_public(state / "curve.pub")
+    curve_public = links.load_curve_public(state / "curve.pub")
     node_key = security.load_signing_key(state / identity.SIGNING_KEY_FILE).public
-    link = messaging.Link(
+    link = links.Link(
         endpoint,
         curve=curve,
         signing_key=signing,

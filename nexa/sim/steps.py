@@ -16,7 +16,8 @@ from typing import Any, Final
 import attrs
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.demo import Node
 from nexa.node import identity
 from nexa.node.processes import default_argv
@@ -110,7 +111,7 @@ async def enroll(c: Campaign) -> Figures:
     ready = [n for n in listed if n["state"] == "Ready"]
     ids = {n["id"] for n in ready}
     check(len(ready) == NODES and len(ids) == NODES, f"expected {NODES} distinct Ready nodes, saw {sorted(ids)}")
-    curve = {messaging.load_curve_public(n.state_dir / "curve.pub") for n in c.cluster.nodes}
+    curve = {links.load_curve_public(n.state_dir / "curve.pub") for n in c.cluster.nodes}
     signing = {security.load_signing_key(n.state_dir / identity.SIGNING_KEY_FILE).public.b64 for n in c.cluster.nodes}
     check(len(curve) == NODES and len(signing) == NODES, "the nodes do not each have their own keys")
     return {"nodes_ready": len(ready), "distinct_ids": len(ids), "distinct_keys": len(curve) + len(signing)}

@@ -20,7 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nexa import framing, security
+from nexa import security
+from nexa.channel import framing
 from nexa.contracts import codec, wire
 from nexa.contracts.bounds import MAX_TOKENS
 from nexa.errors import BadSignature, ContractError

@@ -14,7 +14,7 @@ import pytest
 import trio
 import zmq
 
-from nexa import messaging
+from nexa.channel import links
 from nexa.security import SigningKey, generate_signing_key
 from tests.conftest import Controller, start_controller
 from tests.realparts import S3Store
@@ -57,7 +57,7 @@ async def dial(nursery: trio.Nursery) -> AsyncIterator[Any]:
     """Connect a RawNode's Curve DEALER to the controller's channel (real zmq over loopback)."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
-    async def connect(node: RawNode, *, curve: messaging.CurveKeyPair | None = None) -> RawNode:
+    async def connect(node: RawNode, *, curve: links.CurveKeyPair | None = None) -> RawNode:
         pair = curve or node.curve
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -65,7 +65,7 @@ async def dial(nursery: trio.Nursery) -> AsyncIterator[Any]:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, pair.public.encode())
         sock.setsockopt(zmq.CURVE_SECRETKEY, pair.secret.encode())
         sock.connect(node.enrolled.channel_endpoint)
-        node.pump = messaging.ZmqPump(sock)
+        node.pump = links.ZmqPump(sock)
         await nursery.start(node.pump.run)
         return node
 

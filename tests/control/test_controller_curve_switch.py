@@ -19,7 +19,8 @@ import attrs
 import pytest
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.control.fleet import keyring
 from nexa.node import identity
 from tests.realparts import BuiltImages, S3Store
@@ -96,8 +97,8 @@ async def test_the_channel_switches_to_the_new_curve_key_under_load_and_refuses_
 
         # A peer that dials the old endpoint with the old server key gets no channel: refused, counted.
         refused = await metric(cluster.controller, REJECTED, reason="needs_reenrollment")
-        stranger = messaging.generate_curve_keypair()
-        old = messaging.Uplink(
+        stranger = links.generate_curve_keypair()
+        old = links.Uplink(
             before.channel_endpoint,
             curve=stranger,
             server_curve_public=before.controller_curve_public_key,

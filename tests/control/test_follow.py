@@ -16,7 +16,9 @@ import attrs
 import pytest
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
+from nexa.channel.links import Uplink
 from nexa.config import (
     ChannelConfig,
     ClusterConfig,
@@ -39,7 +41,6 @@ from nexa.control.fleet.nodes import Fleet
 from nexa.control.fleet.southbound import Southbound
 from nexa.control.service import KEYS_DIR
 from nexa.errors import QuotaExceeded, Unauthenticated
-from nexa.messaging import Uplink
 from nexa.telemetry import Metrics
 from tests.conftest import gb10_inventory, start_controller
 from tests.support.deployments import placed_deployment
@@ -276,7 +277,7 @@ async def test_a_follower_never_signs_a_set_nor_begins_recovery_until_it_leads(t
             fleet = Fleet(NodesConfig(), store, metrics)
             await fleet.load()
             node_id, key, curve = await enroll(fleet)
-            controller_key, controller_curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+            controller_key, controller_curve = security.generate_signing_key(), links.generate_curve_keypair()
             southbound = Southbound(
                 ChannelConfig(listen="tcp://127.0.0.1:*"),
                 NodesConfig(lease_s=Seconds(5.0)),

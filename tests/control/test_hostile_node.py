@@ -24,7 +24,8 @@ import pytest
 import trio
 import zmq
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.contracts import codec, wire
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import metric, node_view, wait_for
@@ -114,7 +115,7 @@ async def _connect(nursery: trio.Nursery, ctx: zmq.Context[zmq.Socket[bytes]], n
     sock.setsockopt(zmq.CURVE_SECRETKEY, node.curve.secret.encode())
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
     sock.connect(node.enrolled.channel_endpoint)
-    node.pump = messaging.ZmqPump(sock, outbox_size=1024)
+    node.pump = links.ZmqPump(sock, outbox_size=1024)
     await nursery.start(node.pump.run)
 
 
@@ -278,7 +279,7 @@ async def _beyond_the_frame_limit(cluster: SimCluster, evil: RawNode) -> None:
     """A message over the channel's limit is refused and counted by node, its connection kept; one over
     the transport's own bound (libzmq's MAXMSGSIZE) costs the node its connection, counted by node too."""
     c = cluster.controller
-    limit = 65536 + messaging.MESSAGE_HEADROOM_BYTES
+    limit = 65536 + links.MESSAGE_HEADROOM_BYTES
     oversized_before = await metric(c, REJECTED, reason="oversized_chunk")
     too_large_before = await metric(c, REJECTED, reason="message_too_large")
     disconnects_before = await metric(c, "nexa_channel_disconnects_total")
@@ -294,7 +295,7 @@ async def _beyond_the_frame_limit(cluster: SimCluster, evil: RawNode) -> None:
     await _serving(cluster)
     # Over the transport's bound: libzmq drops the connection before nexa sees a byte; counted as
     # the node's disconnect, and the DEALER re-dials on its own.
-    await evil.send([b"chunk", b"r-none", b"", b"x" * (messaging.TRANSPORT_LIMIT_FACTOR * limit + 1)])
+    await evil.send([b"chunk", b"r-none", b"", b"x" * (links.TRANSPORT_LIMIT_FACTOR * limit + 1)])
 
     async def dropped() -> bool:
         return (await _channel_counts(cluster, "evil")).get("disconnected", 0) > counts.get("disconnected", 0)

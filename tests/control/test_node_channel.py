@@ -14,7 +14,8 @@ import httpx
 import pytest
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.config import StoreConfig
 from nexa.contracts import wire
 from nexa.control import store as st
@@ -27,7 +28,7 @@ from tests.support.rawnode import RawNode, enroll
 
 async def test_enrollment_gives_keys_and_endpoint_and_spends_the_token(controller: Controller) -> None:
     key = security.generate_signing_key()
-    curve = messaging.generate_curve_keypair()
+    curve = links.generate_curve_keypair()
     async with controller.client() as http:
         token = (await http.post("/api/v1/enrollment-tokens", json={"ttl_s": 900, "labels": {"rack": "r7"}})).json()
         assert token["token"].startswith("nxb_")
@@ -40,7 +41,7 @@ async def test_enrollment_gives_keys_and_endpoint_and_spends_the_token(controlle
         async with httpx.AsyncClient(base_url=controller.url) as anonymous:
             first = await anonymous.post("/api/v1/enroll", json=body)
             again = await anonymous.post(
-                "/api/v1/enroll", json={**body, "curve_public_key": messaging.generate_curve_keypair().public}
+                "/api/v1/enroll", json={**body, "curve_public_key": links.generate_curve_keypair().public}
             )
             unknown = await anonymous.post("/api/v1/enroll", json={**body, "token": "nxb_" + "A" * 43})
         nodes = (await http.get("/api/v1/nodes")).json()["nodes"]
@@ -94,7 +95,7 @@ async def test_malformed_enrollment_is_a_400_naming_the_field(
         "token": "nxb_" + "A" * 43,
         "hostname": "h",
         "signing_public_key": security.generate_signing_key().public.b64,
-        "curve_public_key": messaging.generate_curve_keypair().public,
+        "curve_public_key": links.generate_curve_keypair().public,
     } | bad_request
     async with httpx.AsyncClient(base_url=controller.url) as anonymous:
         resp = await anonymous.post("/api/v1/enroll", json=body)
@@ -219,7 +220,7 @@ async def test_each_bad_message_is_refused_counted_and_audited(
             await node.send(node.frames(node.heartbeat(seq=100)))
             await node.send(node.frames(node.heartbeat(seq=50)))
         elif case == "unknown_key":
-            stranger = attrs.evolve(other, curve=messaging.generate_curve_keypair(), pump=None)
+            stranger = attrs.evolve(other, curve=links.generate_curve_keypair(), pump=None)
             await dial(stranger)
             await stranger.send(stranger.frames(stranger.heartbeat()))
         elif case == "revoked":

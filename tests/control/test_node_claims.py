@@ -20,7 +20,8 @@ import attrs
 import pytest
 import trio
 
-from nexa import framing, security
+from nexa import security
+from nexa.channel import framing
 from nexa.config import ChannelConfig
 from nexa.contracts.bounds import MAX_EPOCH, MAX_SEQ
 from nexa.contracts.domain import SYSTEM

@@ -20,7 +20,8 @@ import apsw
 import pytest
 import trio
 
-from nexa import framing, messaging, security
+from nexa import security
+from nexa.channel import framing, links
 from nexa.contracts import wire
 from nexa.contracts.api import EnrollResponse
 from nexa.control import store as st
@@ -47,8 +48,8 @@ def _nexa(*argv: str, env: dict[str, str] | None = None) -> subprocess.Completed
     )
 
 
-def _disk_keys(state_dir: Path) -> tuple[security.SigningKey, messaging.CurveKeyPair]:
-    return security.load_signing_key(state_dir / "node.key"), messaging.load_curve_keypair(state_dir)
+def _disk_keys(state_dir: Path) -> tuple[security.SigningKey, links.CurveKeyPair]:
+    return security.load_signing_key(state_dir / "node.key"), links.load_curve_keypair(state_dir)
 
 
 def _stored_keys(cluster: SimCluster, node_id: str) -> tuple[str, str]:
@@ -179,9 +180,9 @@ async def _old_keys_are_refused(
     dial: Any,
     node_id: str,
     old_key: security.SigningKey,
-    old_curve: messaging.CurveKeyPair,
+    old_curve: links.CurveKeyPair,
     key: security.SigningKey,
-    curve: messaging.CurveKeyPair,
+    curve: links.CurveKeyPair,
 ) -> None:
     c = cluster.controller
     record = identity.load_enrollment(cluster.nodes[0].state_dir)
@@ -220,7 +221,7 @@ async def _old_keys_are_refused(
         seq=time.time_ns() // 1000,
         ts=time.time(),
         signing_public_key=stranger.public.b64,
-        curve_public_key=messaging.generate_curve_keypair().public,
+        curve_public_key=links.generate_curve_keypair().public,
     )
     before = await metric(c, REJECTED, reason="bad_signature")
     await forged.send(framing.encode_frames(bogus, stranger))

@@ -19,13 +19,13 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from openapi_spec_validator import validate
 
+from nexa.channel.links import generate_curve_keypair
 from nexa.contracts import codec
 from nexa.contracts.api import ReceiptPublicKey
 from nexa.control.datapath.inference_routes import INFERENCE_ROUTES
 from nexa.control.http import health, openapi
 from nexa.control.http.declare import Route, collect, route
 from nexa.control.http.resources import ROLES as ROUTE_ROLES
-from nexa.messaging import generate_curve_keypair
 from nexa.security import generate_signing_key, split_enrollment_token
 from tests.conftest import Controller, ControllerProcess
 

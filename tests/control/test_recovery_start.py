@@ -12,7 +12,8 @@ import apsw
 import httpx
 import pytest
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.control import store as st
 from tests.conftest import ControllerProcess
 from tests.support.api import console_session
@@ -24,7 +25,7 @@ def _enroll_absent_node(cp: ControllerProcess) -> str:
         "token": token,
         "hostname": "away-1",
         "signing_public_key": security.generate_signing_key().public.b64,
-        "curve_public_key": messaging.generate_curve_keypair().public,
+        "curve_public_key": links.generate_curve_keypair().public,
     }
     answer = httpx.post(f"{cp.url}/api/v1/enroll", json=body, timeout=30)
     assert answer.status_code == 201, answer.text

@@ -15,7 +15,9 @@ import attrs
 import pytest
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
+from nexa.channel.links import Uplink
 from nexa.config import Bytes, ChannelConfig, NodesConfig, RelayConfig, Seconds
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
@@ -25,7 +27,6 @@ from nexa.control.datapath import relay as control_relay
 from nexa.control.fleet.nodes import Fleet
 from nexa.control.fleet.southbound import Southbound
 from nexa.errors import Conflict, NotConnected
-from nexa.messaging import Uplink
 from nexa.telemetry import Metrics
 from tests.support.messaging import hello
 from tests.support.relay import TIMEOUT_S, data_path, drain, infer_head, request, wait_until
@@ -193,8 +194,8 @@ async def southbound_with_node(tmp_path: Path) -> AsyncIterator[tuple[Southbound
     async with st.open_store(tmp_path) as store:
         fleet_ = Fleet(nodes, store, metrics)
         await fleet_.load()
-        key, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
-        controller_key, controller_curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+        key, curve = security.generate_signing_key(), links.generate_curve_keypair()
+        controller_key, controller_curve = security.generate_signing_key(), links.generate_curve_keypair()
         secret, _ = await fleet_.create_token(SYSTEM, EnrollmentTokenCreate(ttl_s=60))
         node = await fleet_.enroll(
             EnrollRequest(token=secret, hostname="n1", signing_public_key=key.public.b64, curve_public_key=curve.public)

@@ -14,7 +14,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.config import NodesConfig, PlacementConfig, StoreConfig
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
 from nexa.contracts.domain import SYSTEM
@@ -76,7 +77,7 @@ async def parts(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[Parts]:
     async with st.open_store(tmp_path / "state", store_cfg) as store:
         fleet = Fleet(NodesConfig(), store, metrics)
         await fleet.load()
-        key, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+        key, curve = security.generate_signing_key(), links.generate_curve_keypair()
         secret, _ = await fleet.create_token(SYSTEM, EnrollmentTokenCreate(ttl_s=60))
         node = await fleet.enroll(
             EnrollRequest(token=secret, hostname="n1", signing_public_key=key.public.b64, curve_public_key=curve.public)

@@ -23,7 +23,8 @@ import pytest
 import trio
 import trio.testing
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.config import ClusterConfig, GatewayConfig, Seconds, StoreConfig
 from nexa.contracts.domain import SYSTEM
 from nexa.contracts.evidence import JobKind, JobState
@@ -369,7 +370,7 @@ async def test_a_node_rotated_through_one_controller_is_admitted_by_another_afte
     async with two_sides(tmp_path) as (a, b):
         node_id, old_key, old_curve = await enroll(a.fleet)
         await b.feed.poll()
-        new_key, new_curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+        new_key, new_curve = security.generate_signing_key(), links.generate_curve_keypair()
         msg = RotateKeys(
             node_id=node_id,
             seq=5,

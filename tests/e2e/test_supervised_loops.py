@@ -26,15 +26,15 @@ import pytest
 import trio
 
 from nexa import config
+from nexa.channel.endpoints import NodeChannel
+from nexa.channel.links import Link, Uplink
 from nexa.control.datapath.metering import Meter
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.rollout import RolloutWatcher
 from nexa.control.fleet.nodes import Fleet
-from nexa.messaging import Link, Uplink
 from nexa.node import agent as agent_module
 from nexa.node import identity, inventory
 from nexa.node.agent import Agent, NodeStarted, serve_node
-from nexa.node.channel import NodeChannel
 from nexa.node.relay import NodeRelay
 from nexa.node.supervisor import Supervisor
 from tests.conftest import Controller, start_controller

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.config import NodeConfig
 from nexa.contracts import wire
 from nexa.node import identity
@@ -30,7 +31,7 @@ def _announce(old: security.SigningKey, new: security.SigningKey, until: float) 
         node_id="n1",
         key_id=new.public.fingerprint,
         signing_public_key=new.public.b64,
-        curve_public_key=messaging.generate_curve_keypair().public,
+        curve_public_key=links.generate_curve_keypair().public,
         previous_key_id=old.public.fingerprint,
         overlap_until=until,
     )

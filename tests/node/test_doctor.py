@@ -27,7 +27,8 @@ import httpx
 import pytest
 import trio
 
-from nexa import cli, messaging, security
+from nexa import cli, security
+from nexa.channel import links
 from nexa.config import ArtifactsConfig, Bytes, ContainerConfig, NodeConfig
 from nexa.contracts import codec
 from nexa.contracts.api import EnrollResponse
@@ -230,7 +231,7 @@ async def test_a_skewed_controller_clock_fails_with_the_ntp_fix(fake_controller:
 
 
 async def test_a_controller_with_other_keys_fails_the_fingerprint_check(fake_controller: str, tmp_path: Path) -> None:
-    signing, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+    signing, curve = security.generate_signing_key(), links.generate_curve_keypair()
     pinned = security.controller_fingerprint(signing.public.b64, curve.public)
     other = security.controller_fingerprint(security.generate_signing_key().public.b64, curve.public)
     _FakeController.answer = _answer(controller_fingerprint=other, now=time.time())
@@ -510,7 +511,7 @@ async def test_a_channel_endpoint_that_refuses_fails(tmp_path: Path) -> None:
     record = identity.EnrollmentRecord(
         node_id="n1",
         controller_signing_public_key=security.generate_signing_key().public.b64,
-        controller_curve_public_key=messaging.generate_curve_keypair().public,
+        controller_curve_public_key=links.generate_curve_keypair().public,
         channel_endpoint=f"tcp://127.0.0.1:{port}",
     )
     refused = await doctor.check_channel(cfg, record)

@@ -14,14 +14,15 @@ from typing import ClassVar
 import pytest
 import trio
 
-from nexa import cli, messaging, security
+from nexa import cli, security
+from nexa.channel import links
 from nexa.contracts.api import EnrollResponse
 from nexa.errors import ConfigError, ControllerKeyMismatch
 from nexa.node import identity
 from tests.conftest import Controller, serving_http
 
 IMPOSTOR_SIGNING = security.generate_signing_key()
-IMPOSTOR_CURVE = messaging.generate_curve_keypair()
+IMPOSTOR_CURVE = links.generate_curve_keypair()
 
 
 class _Impostor(http.server.BaseHTTPRequestHandler):
@@ -110,7 +111,7 @@ async def test_the_fingerprint_flag_pins_a_token_that_carries_none(
     assert identity.is_enrolled(state_dir)
 
 
-def _answer(signing: security.SigningKey, curve: messaging.CurveKeyPair) -> EnrollResponse:
+def _answer(signing: security.SigningKey, curve: links.CurveKeyPair) -> EnrollResponse:
     return EnrollResponse(
         node_id="n1",
         controller_signing_public_key=signing.public.b64,
@@ -121,11 +122,11 @@ def _answer(signing: security.SigningKey, curve: messaging.CurveKeyPair) -> Enro
 
 
 def test_save_enrollment_with_a_pin_refuses_other_keys_even_if_only_one_differs(tmp_path: Path) -> None:
-    signing, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+    signing, curve = security.generate_signing_key(), links.generate_curve_keypair()
     pin = security.controller_fingerprint(signing.public.b64, curve.public)
     identity.create_keys(tmp_path)
     for wrong in (
-        _answer(signing, messaging.generate_curve_keypair()),
+        _answer(signing, links.generate_curve_keypair()),
         _answer(security.generate_signing_key(), curve),
     ):
         with pytest.raises(ControllerKeyMismatch) as info:

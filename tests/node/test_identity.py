@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.contracts import wire
 from nexa.contracts.api import EnrollResponse
 from nexa.errors import ConfigError
@@ -26,7 +27,7 @@ from nexa.node.identity import (
 from tests.conftest import sample_runtime
 
 CONTROLLER_KEY = security.generate_signing_key()
-CONTROLLER_CURVE = messaging.generate_curve_keypair()
+CONTROLLER_CURVE = links.generate_curve_keypair()
 
 
 def mode(path: Path) -> int:
@@ -58,7 +59,7 @@ def test_create_keys_writes_private_files_0600(tmp_path: Path) -> None:
     assert mode(state / "curve.key") == 0o600
     assert mode(state / "curve.pub") == 0o644
     assert security.load_signing_key(state / "node.key").public == signing_key.public
-    assert messaging.load_curve_keypair(state) == curve
+    assert links.load_curve_keypair(state) == curve
     assert leftovers(state) == []
 
 
@@ -68,13 +69,13 @@ def test_enroll_request_creates_keys_once_and_reuses_them(tmp_path: Path) -> Non
     assert (
         security.PublicKey.from_b64(first.signing_public_key) == security.load_signing_key(tmp_path / "node.key").public
     )
-    assert first.curve_public_key == messaging.load_curve_keypair(tmp_path).public
+    assert first.curve_public_key == links.load_curve_keypair(tmp_path).public
     # The answer was lost, say: a retry with a new token offers the same keys.
     again = enroll_request(tmp_path, "nxb_other", "spark-1", "0.1.0")
     assert (again.signing_public_key, again.curve_public_key) == (first.signing_public_key, first.curve_public_key)
     # Nothing private travels in the request.
     assert "PRIVATE" not in repr(first)
-    assert messaging.load_curve_keypair(tmp_path).secret not in repr(first)
+    assert links.load_curve_keypair(tmp_path).secret not in repr(first)
 
 
 def test_save_enrollment_and_load_identity(tmp_path: Path) -> None:

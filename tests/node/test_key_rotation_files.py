@@ -10,19 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.contracts.api import EnrollResponse
 from nexa.errors import ConfigError
 from nexa.node import identity
 
 
-def _enrolled(tmp_path: Path) -> tuple[Path, security.SigningKey, messaging.CurveKeyPair]:
+def _enrolled(tmp_path: Path) -> tuple[Path, security.SigningKey, links.CurveKeyPair]:
     state = tmp_path / "state"
     signing_key, curve = identity.create_keys(state)
     answer = EnrollResponse(
         node_id="n-1",
         controller_signing_public_key=security.generate_signing_key().public.b64,
-        controller_curve_public_key=messaging.generate_curve_keypair().public,
+        controller_curve_public_key=links.generate_curve_keypair().public,
         channel_endpoint="tcp://127.0.0.1:8471",
         labels={},
     )
@@ -57,7 +58,7 @@ def test_promotion_cut_short_by_a_crash_is_finished_at_start(tmp_path: Path) -> 
     state, _, _ = _enrolled(tmp_path)
     pending = identity.prepare_rotation(state)
     # The crash: the Curve key was replaced (so the controller had confirmed), the signing key not.
-    messaging.save_curve_keypair(pending.curve, state, name=identity.CURVE_KEY_NAME, overwrite=True)
+    links.save_curve_keypair(pending.curve, state, name=identity.CURVE_KEY_NAME, overwrite=True)
     assert identity.resume_rotation(state) is None
     loaded = identity.load_identity(state)
     assert loaded.signing_key.public == pending.signing_key.public and loaded.curve == pending.curve

@@ -24,18 +24,22 @@ import pytest
 import trio
 import trio.testing
 
-from nexa import messaging, security
-from nexa.config import NodeConfig, Seconds, SupervisorConfig, structure_config
+from nexa import security
+from nexa.channel import links
+from nexa.channel.endpoints import Dial, Routed
+from nexa.channel.links import Unverified, generate_curve_keypair
+from nexa.channel.pump import PumpStatistics
+from nexa.config import NodeConfig, RelayConfig, Seconds, SupervisorConfig, structure_config
 from nexa.contracts import codec, wire
 from nexa.errors import ChannelClosed, ConfigError
-from nexa.messaging import PumpStatistics, Unverified, generate_curve_keypair
 from nexa.node import identity
 from nexa.node.agent import serve_node
-from nexa.node.channel import Dial
+from nexa.node.relay import NodeRelay
 from nexa.node.uplinks import ControllerChannels
 from nexa.security import generate_signing_key
 from tests.conftest import free_port, gb10_inventory
 from tests.support.nodes import FakeController, RunningNode, aset, node_config, sim_runtime, start_node
+from tests.support.relay import infer_head
 
 TIMEOUT_S = 60
 M = TypeVar("M", bound=wire.NodeMessage)
@@ -64,9 +68,9 @@ class Tap:
         with contextlib.suppress(ChannelClosed):
             while True:
                 got = await link.receive_any()
-                if isinstance(got, messaging.DataInbound):
+                if isinstance(got, links.DataInbound):
                     self.data.append(got.frame)
-                elif isinstance(got, messaging.Inbound):
+                elif isinstance(got, links.Inbound):
                     self.signed.append(got.message)
                 self.changed.set()
                 self.changed = trio.Event()
@@ -250,7 +254,7 @@ async def test_a_controller_key_rotation_moves_each_channel_where_its_controller
     nursery: trio.Nursery, pair: tuple[FakeController, FakeController], cfg: NodeConfig, state_dir: Path
 ) -> None:
     a0, b0 = pair
-    old, new, new_curve = a0.key, security.generate_signing_key(), messaging.generate_curve_keypair()
+    old, new, new_curve = a0.key, security.generate_signing_key(), links.generate_curve_keypair()
     cfg = attrs.evolve(cfg, controllers=(a0.endpoint, b0.endpoint))
     with trio.fail_after(TIMEOUT_S):
         # Each controller serves the shared new Curve key on its rotation endpoint.
@@ -494,25 +498,39 @@ async def test_each_request_is_answered_on_its_channel_and_a_full_channel_holds_
         await nursery.start(channels.run)
         a, b = uplinks["tcp://a:1"], uplinks["tcp://b:1"]
 
-        # r1 is asked on B, r2 on A; a credit for r1 on A is not A's to give: dropped, counted.
+        # r1 is asked on B, r2 on A: each frame comes with the channel it came on, and the node's
+        # one routing table (the relay's requests) keeps it with the request.
+        head = codec.dumps(codec.wire, infer_head()).encode()
         for uplink, frame in (
-            (b, _frame(wire.INFER, "r1")),
-            (a, _frame(wire.INFER, "r2")),
+            (b, attrs.evolve(_frame(wire.INFER, "r1"), head=head)),
+            (a, attrs.evolve(_frame(wire.INFER, "r2"), head=head)),
             (a, _frame(wire.CREDIT, "r1")),
+            (a, _frame(wire.CREDIT, "r2")),
         ):
             await uplink.put(frame)
-        await a.put(_frame(wire.CREDIT, "r2"))
-        got = [await channels.receive_unverified() for _ in range(3)]
-        assert [(g.kind, g.request_id) for g in got] == [(wire.INFER, "r1"), (wire.INFER, "r2"), (wire.CREDIT, "r2")]  # type: ignore[union-attr]
-        assert channels.foreign_frames == 1
-
-        await channels.send_data(wire.CHUNK, "r1", b"", b"x")
-        await channels.send_data(wire.END, "r1", b"", b"")
-        channels.send_data_nowait(wire.END, "r2", b"", b"")
-        await channels.send_data(wire.CHUNK, "r1", b"", b"x")  # r1 has ended: no channel answers it
-        assert b.data == [(wire.CHUNK, "r1"), (wire.END, "r1")]
+        got = [await channels.receive_unverified() for _ in range(4)]
+        assert all(isinstance(g, Routed) for g in got)
+        routed = [(g.frame.kind, g.frame.request_id, g.reply.dial.endpoint) for g in got]  # type: ignore[union-attr]
+        assert routed == [
+            (wire.INFER, "r1", "tcp://b:1"),
+            (wire.INFER, "r2", "tcp://a:1"),
+            (wire.CREDIT, "r1", "tcp://a:1"),
+            (wire.CREDIT, "r2", "tcp://a:1"),
+        ]
+        # A credit for r1 on A is not A's to give: dropped, counted. Each request is answered (here
+        # its end: no runtime is ready) on its own channel, and nothing more once it has ended.
+        relay = NodeRelay(RelayConfig(), None, lambda _: None)
+        await nursery.start(relay.run)
+        for g in got:
+            relay.deliver(g.frame, g.reply)  # type: ignore[union-attr]
+        assert relay.statistics().foreign_frames == 1
+        while relay.open_requests():  # noqa: ASYNC110 - virtual time
+            await trio.sleep(0.01)
+        assert b.data == [(wire.END, "r1")]
         assert a.data == [(wire.END, "r2")]
-        assert channels.unrouted_frames == 1
+        dropped = relay.statistics().dropped_frames
+        relay.deliver(_frame(wire.CREDIT, "r1"), got[0].reply)  # type: ignore[union-attr]
+        assert relay.statistics().dropped_frames == dropped + 1 and b.data == [(wire.END, "r1")]
 
         # A has no connection (its outbox is full): beats still go to B at once, none wait on A.
         a.full = True

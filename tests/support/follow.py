@@ -14,7 +14,8 @@ import attrs
 import httpx
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.config import (
     ArtifactStoreConfig,
     ClusterConfig,
@@ -115,9 +116,9 @@ async def two_sides(tmp_path: Path) -> AsyncIterator[tuple[Side, Side]]:
             db.close()
 
 
-async def enroll(fleet: Fleet, hostname: str = "n1") -> tuple[str, security.SigningKey, messaging.CurveKeyPair]:
+async def enroll(fleet: Fleet, hostname: str = "n1") -> tuple[str, security.SigningKey, links.CurveKeyPair]:
     """Enroll a node through `fleet` with fresh keys: (its id, its signing key, its Curve keys)."""
-    key, curve = security.generate_signing_key(), messaging.generate_curve_keypair()
+    key, curve = security.generate_signing_key(), links.generate_curve_keypair()
     secret, _ = await fleet.create_token(SYSTEM, EnrollmentTokenCreate(ttl_s=60))
     node = await fleet.enroll(
         EnrollRequest(token=secret, hostname=hostname, signing_public_key=key.public.b64, curve_public_key=curve.public)

@@ -9,7 +9,8 @@ from typing import Any
 import attrs
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.contracts import wire
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -18,7 +19,7 @@ LOOPBACK = "tcp://127.0.0.1:*"
 @attrs.frozen
 class NodeIdentity:
     node_id: str
-    curve: messaging.CurveKeyPair
+    curve: links.CurveKeyPair
     key: security.SigningKey
 
 
@@ -26,7 +27,7 @@ class NodeIdentity:
 class Fleet:
     """The controller's keys plus an in-memory enrolment table standing in for the registry."""
 
-    curve: messaging.CurveKeyPair = attrs.field(factory=messaging.generate_curve_keypair)
+    curve: links.CurveKeyPair = attrs.field(factory=links.generate_curve_keypair)
     key: security.SigningKey = attrs.field(factory=security.generate_signing_key)
     by_curve: dict[str, str] = attrs.field(factory=dict)
     node_keys: dict[str, security.PublicKey] = attrs.field(factory=dict)
@@ -42,17 +43,17 @@ class Fleet:
         return self.zap_events.setdefault(curve_public, trio.Event())
 
     def enroll(self, node_id: str) -> NodeIdentity:
-        node = NodeIdentity(node_id, messaging.generate_curve_keypair(), security.generate_signing_key())
+        node = NodeIdentity(node_id, links.generate_curve_keypair(), security.generate_signing_key())
         self.by_curve[node.curve.public] = node_id
         self.node_keys[node_id] = node.key.public
         return node
 
     def stranger(self, node_id: str) -> NodeIdentity:
         """Keys the controller has never seen."""
-        return NodeIdentity(node_id, messaging.generate_curve_keypair(), security.generate_signing_key())
+        return NodeIdentity(node_id, links.generate_curve_keypair(), security.generate_signing_key())
 
-    def link(self, endpoint: str = LOOPBACK, **kw: Any) -> messaging.Link:
-        return messaging.Link(
+    def link(self, endpoint: str = LOOPBACK, **kw: Any) -> links.Link:
+        return links.Link(
             endpoint,
             curve=self.curve,
             signing_key=self.key,
@@ -61,10 +62,10 @@ class Fleet:
             **kw,
         )
 
-    def uplink(self, endpoint: str, node: NodeIdentity, **kw: Any) -> messaging.Uplink:
+    def uplink(self, endpoint: str, node: NodeIdentity, **kw: Any) -> links.Uplink:
         kw.setdefault("controller_key", self.key.public)
         kw.setdefault("server_curve_public", self.curve.public)
-        return messaging.Uplink(
+        return links.Uplink(
             endpoint,
             curve=node.curve,
             signing_key=node.key,

@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
 from nexa.config import ContainerConfig, NodeConfig, Seconds
 from nexa.contracts import wire
 from nexa.contracts.api import EnrollResponse
@@ -62,7 +63,7 @@ def aset(
 
 
 async def _serve_link(
-    link: messaging.Link, *, task_status: trio.TaskStatus[tuple[trio.CancelScope, str, trio.Event]]
+    link: links.Link, *, task_status: trio.TaskStatus[tuple[trio.CancelScope, str, trio.Event]]
 ) -> None:
     # Hands back its own cancel scope (STYLE §2.1) and an event set once the socket is closed.
     closed = trio.Event()
@@ -80,17 +81,17 @@ class FakeController:
     """A controller reduced to its channel: real keys, an enrolment table and one Link at a time."""
 
     nursery: trio.Nursery
-    curve: messaging.CurveKeyPair = attrs.field(factory=messaging.generate_curve_keypair)
+    curve: links.CurveKeyPair = attrs.field(factory=links.generate_curve_keypair)
     key: security.SigningKey = attrs.field(factory=security.generate_signing_key)
     by_curve: dict[str, str] = attrs.field(factory=dict)
     node_keys: dict[str, security.PublicKey] = attrs.field(factory=dict)
     endpoint: str = LOOPBACK
-    link: messaging.Link | None = None
+    link: links.Link | None = None
     _running: tuple[trio.CancelScope, trio.Event] | None = None
 
     async def start(self, *, signing_key: security.SigningKey | None = None) -> None:
         """Bind (the same port again after the first time), signing with `signing_key` if given."""
-        link = messaging.Link(
+        link = links.Link(
             self.endpoint,
             curve=self.curve,
             signing_key=signing_key or self.key,

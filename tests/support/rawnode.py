@@ -8,7 +8,8 @@ from typing import Any
 
 import attrs
 
-from nexa import framing, messaging, security
+from nexa import security
+from nexa.channel import framing, links
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollResponse
 from tests.conftest import Controller, gb10_inventory
@@ -18,9 +19,9 @@ from tests.conftest import Controller, gb10_inventory
 class RawNode:
     node_id: str
     key: security.SigningKey
-    curve: messaging.CurveKeyPair
+    curve: links.CurveKeyPair
     enrolled: EnrollResponse
-    pump: messaging.ZmqPump | None = None
+    pump: links.ZmqPump | None = None
     seq: int = 0
     #: Assignment ids this node reports as Ready in its heartbeats.
     ready: set[str] = attrs.field(factory=set)
@@ -63,7 +64,7 @@ class RawNode:
 
 async def enroll(c: Controller, name: str, labels: str = "") -> RawNode:
     key = security.generate_signing_key()
-    curve = messaging.generate_curve_keypair()
+    curve = links.generate_curve_keypair()
     async with c.client() as http:
         token = (await http.post("/api/v1/enrollment-tokens", json={"ttl_s": 60, "labels": _labels(labels)})).json()
         resp = await http.post(

@@ -18,13 +18,13 @@ import hypercorn.config
 import hypercorn.trio
 import trio
 
+from nexa.channel.links import DataInbound, Link, Uplink
 from nexa.config import RelayConfig
 from nexa.contracts import wire
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, Capability
 from nexa.control.datapath.calls import Work
 from nexa.control.datapath.relay import Relay, RelayStream
-from nexa.messaging import DataInbound, Link, Uplink
 from nexa.node.relay import NodeRelay
 from tests.support.messaging import Fleet, hello
 

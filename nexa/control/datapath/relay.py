@@ -20,6 +20,7 @@ from typing import Final, Protocol
 import attrs
 import trio
 
+from nexa.channel.flow import CreditReturn
 from nexa.contracts import codec, wire
 from nexa.errors import ChannelError, Conflict, ContractError
 
@@ -52,7 +53,7 @@ def _chunk_overhead(head: bytes) -> float | None:
 
 
 class DataLink(Protocol):
-    """What the relay needs of the node channel (`nexa.messaging.Link`)."""
+    """What the relay needs of the node channel (`nexa.channel.links.Link`)."""
 
     async def send_data(self, node_id: str, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
 
@@ -114,9 +115,8 @@ class RelayStream:
         self._max_bytes = max_bytes
         self._final: wire.EndHead | None = None
         self._arrived = trio.Event()
-        #: Chunks taken by the consumer and not yet credited back to the node.
-        self._uncredited = 0
-        self._credit_every = max(1, window // 2)
+        #: Chunks taken by the consumer, credited back to the node every half window.
+        self._credits = CreditReturn(window)
         #: The node is (as far as we know) still working on it: leaving must send `cancel`.
         self._node_busy = False
 
@@ -143,9 +143,7 @@ class RelayStream:
                 self._relay._expire(self)
             self._arrived = trio.Event()
         chunk = self._take()
-        self._uncredited += 1
-        if self._uncredited >= self._credit_every and self._final is None:
-            credit, self._uncredited = self._uncredited, 0
+        if (credit := self._credits.took()) and self._final is None:
             await self._relay._credit(self, credit)
         else:
             await trio.lowlevel.checkpoint()
@@ -168,9 +166,7 @@ class RelayStream:
         parts = [first]
         while self._chunks:
             parts.append(self._take())
-            self._uncredited += 1
-        if self._uncredited >= self._credit_every and self._final is None:
-            credit, self._uncredited = self._uncredited, 0
+        if (credit := self._credits.took(len(parts) - 1)) and self._final is None:
             await self._relay._credit(self, credit)
         return b"".join(parts)
 
@@ -322,7 +318,7 @@ class Relay:
             stream._node_busy = False  # the node is done with it, whatever it said
             self._end(stream, end)
             return refused
-        self._dropped += 1  # messaging admits only DATA_FROM_NODE kinds
+        self._dropped += 1  # the link admits only DATA_FROM_NODE kinds
         return MALFORMED
 
     def _protocol_error(self, stream: RelayStream) -> None:

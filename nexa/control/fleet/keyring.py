@@ -34,13 +34,14 @@ from typing import Final
 import attrs
 import trio
 
-from nexa import messaging, security
+from nexa import security
+from nexa.channel import links
+from nexa.channel.links import CurveKeyPair
 from nexa.contracts import codec
 from nexa.contracts.api import ControllerKey, ControllerKeysRotated
 from nexa.contracts.domain import SYSTEM, Actor
 from nexa.control.access.accounts import Accounts
 from nexa.errors import ConfigError, Conflict, ContractError, ControllersRunning, Unavailable
-from nexa.messaging import CurveKeyPair
 from nexa.security import PublicKey, SigningKey
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def load_or_create_keys(directory: Path, *, overlap_s: float = 86400.0) -> Contr
     if not signing_path.exists():
         security.save_signing_key(security.generate_signing_key(), signing_path)
     if not (directory / f"{CURVE_NAME}.key").exists():
-        messaging.save_curve_keypair(messaging.generate_curve_keypair(), directory, name=CURVE_NAME)
+        links.save_curve_keypair(links.generate_curve_keypair(), directory, name=CURVE_NAME)
     if (directory / _NEXT_SIGNING).exists():
         _finish_rotation(directory, time.time(), overlap_s)
     _finish_switch(directory)
@@ -151,8 +152,8 @@ def rotate(directory: Path, *, now: float, overlap_s: float, curve: CurveKeyPair
     """A new signing key becomes current; the current one is retired (kept on disk), accepted by
     nodes until `now + overlap_s`. A new Curve key (`curve`, or one made here) is kept to be
     announced. The keys as they are now on disk."""
-    next_curve = curve if curve is not None else messaging.generate_curve_keypair()
-    messaging.save_curve_keypair(next_curve, directory, name=CURVE_NEXT_NAME, overwrite=True)
+    next_curve = curve if curve is not None else links.generate_curve_keypair()
+    links.save_curve_keypair(next_curve, directory, name=CURVE_NEXT_NAME, overwrite=True)
     security.save_signing_key(security.generate_signing_key(), directory / _NEXT_SIGNING, overwrite=True)
     _finish_rotation(directory, now, overlap_s)
     keys = _load(directory)
@@ -166,7 +167,7 @@ def _finish_rotation(directory: Path, now: float, overlap_s: float) -> None:
     keyring = _read_keyring(directory)
     if current.public != new_signing.public and all(r.key_id != current.public.fingerprint for r in keyring.retired):
         # Retire the current key first: until this is on disk, the current file is untouched.
-        served = messaging.load_curve_keypair(directory, name=CURVE_NAME)
+        served = links.load_curve_keypair(directory, name=CURVE_NAME)
         key_id = current.public.fingerprint
         security.save_signing_key(current, directory / f"retired-{key_id}-signing.pem", overwrite=True)
         entry = RetiredKey(
@@ -188,12 +189,12 @@ def switch_curve(directory: Path) -> ControllerKeys:
     so a crash at any step is finished at the next start (`_finish_switch`). The keys now."""
     keyring = _read_keyring(directory)
     if (directory / f"{CURVE_NEXT_NAME}.key").exists():
-        new = messaging.load_curve_keypair(directory, name=CURVE_NEXT_NAME)
+        new = links.load_curve_keypair(directory, name=CURVE_NEXT_NAME)
         if keyring.curve_public_key != new.public:
-            current = messaging.load_curve_keypair(directory, name=CURVE_NAME)
+            current = links.load_curve_keypair(directory, name=CURVE_NAME)
             for r in keyring.retired:
                 if r.curve_public_key == current.public:
-                    messaging.save_curve_keypair(current, directory, name=_retired_curve(r.key_id), overwrite=True)
+                    links.save_curve_keypair(current, directory, name=_retired_curve(r.key_id), overwrite=True)
                     break
             _write_keyring(directory, attrs.evolve(keyring, slot=1 - keyring.slot, curve_public_key=new.public))
         _finish_switch(directory)
@@ -206,10 +207,10 @@ def _finish_switch(directory: Path) -> None:
     keyring, nxt = _read_keyring(directory), directory / f"{CURVE_NEXT_NAME}.key"
     if not keyring.curve_public_key or not nxt.exists():
         return
-    new = messaging.load_curve_keypair(directory, name=CURVE_NEXT_NAME)
+    new = links.load_curve_keypair(directory, name=CURVE_NEXT_NAME)
     if new.public != keyring.curve_public_key:
         return  # a later rotation's next key: not switched to yet
-    messaging.save_curve_keypair(new, directory, name=CURVE_NAME, overwrite=True)
+    links.save_curve_keypair(new, directory, name=CURVE_NAME, overwrite=True)
     nxt.unlink()
     (directory / f"{CURVE_NEXT_NAME}.pub").unlink(missing_ok=True)
     _drop_retired_private(directory, keyring)
@@ -249,19 +250,19 @@ def _read_keyring(directory: Path) -> _Keyring:
 def _load(directory: Path) -> ControllerKeys:
     keyring = _read_keyring(directory)
     nxt = (
-        messaging.load_curve_keypair(directory, name=CURVE_NEXT_NAME)
+        links.load_curve_keypair(directory, name=CURVE_NEXT_NAME)
         if (directory / f"{CURVE_NEXT_NAME}.key").exists()
         else None
     )
     old = _retired_curve(keyring.retired[0].key_id) if keyring.retired else ""
     return ControllerKeys(
         signing=security.load_signing_key(directory / SIGNING_FILE),
-        curve=messaging.load_curve_keypair(directory, name=CURVE_NAME),
+        curve=links.load_curve_keypair(directory, name=CURVE_NAME),
         retired=tuple(keyring.retired),
         slot=keyring.slot,
         next_curve=nxt,
         retired_curve=(
-            messaging.load_curve_keypair(directory, name=old)
+            links.load_curve_keypair(directory, name=old)
             if nxt is None and old and (directory / f"{old}.key").exists()
             else None
         ),
@@ -322,7 +323,7 @@ class KeyRotation:
                     f"the last rotation's overlap runs until {prev.overlap_until:.0f} (Unix time): its Curve key "
                     "switch comes first. Rotate again after it ([nodes] key_overlap_s)"
                 )
-            previous, curve = self.keys.signing, messaging.generate_curve_keypair()
+            previous, curve = self.keys.signing, links.generate_curve_keypair()
             if self._serve_next_curve is not None:
                 await self._serve_next_curve(curve)
             now = time.time()

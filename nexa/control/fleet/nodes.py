@@ -18,6 +18,7 @@ from typing import Final
 import attrs
 import trio
 
+from nexa.channel.links import check_curve_key
 from nexa.config import NodesConfig
 from nexa.contracts import codec
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
@@ -52,7 +53,6 @@ from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
 from nexa.control.cluster.leadership import Leadership
 from nexa.errors import REENROLL_HINT, Conflict, ContractError, NodeUnreachable, NotConnected, NotFound
-from nexa.messaging import check_curve_key
 from nexa.ratelimit import RateLimiter
 from nexa.security import (
     TOKEN_PIN_SEPARATOR,

@@ -37,6 +37,16 @@ from typing import Final
 import attrs
 import trio
 
+from nexa.channel.endpoints import ServedEndpoints
+from nexa.channel.links import (
+    MESSAGE_HEADROOM_BYTES,
+    CurveKeyPair,
+    DataInbound,
+    Inbound,
+    Link,
+    Refused,
+    Unverified,
+)
 from nexa.config import ChannelConfig, NodesConfig
 from nexa.contracts.wire import (
     Ack,
@@ -54,23 +64,11 @@ from nexa.control.fleet.claims import EpochClaims
 from nexa.control.fleet.keyring import ControllerKeys
 from nexa.control.fleet.nodes import Fleet, NodeLive
 from nexa.errors import (
-    ChannelClosed,
-    ChannelError,
     Conflict,
     ContractError,
     NexaError,
     NodeNeedsReenrollment,
     NotConnected,
-    RotationEndpointInUse,
-)
-from nexa.messaging import (
-    MESSAGE_HEADROOM_BYTES,
-    CurveKeyPair,
-    DataInbound,
-    Inbound,
-    Link,
-    Refused,
-    Unverified,
 )
 from nexa.ratelimit import RateLimiter
 from nexa.security import PublicKey, SigningKey
@@ -120,7 +118,6 @@ class Southbound:
         keys: ControllerKeys | None = None,
         leading: Callable[[], bool] = lambda: True,
     ) -> None:
-        self._channel = channel
         #: Whether this controller leads now (`Leadership.is_leader`). A follower hears every node
         #: (its gateway routes by their heartbeats) and relays inference, but signs and sends no
         #: set and no lease renewal, and no node's epoch makes it begin recovery: the leader's
@@ -148,13 +145,11 @@ class Southbound:
         self._retired = frozenset(retired_key_ids)
         # While nodes may still pin only the previous key: what tells them the new one, and that key.
         self._announcement: tuple[ControllerKeysAnnounced, SigningKey] | None = None
-        # The channel's two endpoints (`ChannelConfig.endpoint`): which serves the current Curve
-        # key, and what each is bound as; the other serves a rotation's next key or refuses its old.
+        # The controller's keys: which Curve key each of the channel's two endpoints serves.
         self._keys = keys
-        self._slot = keys.slot if keys is not None else 0
-        self._bound: dict[int, str] = {}
+        slot = keys.slot if keys is not None else 0
         self._link = Link(
-            channel.endpoint(self._slot)[0],
+            channel.endpoint(slot)[0],
             curve=curve,
             signing_key=signing_key,
             authorize=self._authorize,
@@ -168,6 +163,8 @@ class Southbound:
             retired_dial=self._retired_dial,
             on_disconnect=self._disconnected,
         )
+        # The channel's two endpoints (`ChannelConfig.endpoint`) and their rotation's mechanics.
+        self._endpoints = ServedEndpoints(self._link, channel.endpoint, slot=slot)
         fleet.limit_writes(RateLimiter(channel.node_store_writes_per_s, channel.node_store_writes_burst))
         #: The inference data path over the same channels (the gateway opens streams on it).
         self.relay = Relay(self._link, window=stream_window_chunks, max_chunk_bytes=int(channel.max_chunk_bytes))
@@ -225,14 +222,11 @@ class Southbound:
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind the node channel and serve it; `started` reports the endpoint nodes should dial."""
         async with trio.open_nursery() as nursery:
-            self._bound[self._slot] = await nursery.start(supervised, "southbound.link", self._link.run)
+            self._endpoints.started(await nursery.start(supervised, "southbound.link", self._link.run))
             keys = self._keys
-            if keys is not None and 1 - self._slot not in self._bound:
-                other = keys.next_curve or keys.retired_curve
-                if other is not None:
-                    bind = self._channel.endpoint(1 - self._slot)[0]
-                    self._bound[1 - self._slot] = await self._link.rebind(bind, other, admit=other is keys.next_curve)
-            endpoint = self._advertised(keys.newest_slot if keys is not None else self._slot)
+            if keys is not None and (other := keys.next_curve or keys.retired_curve) is not None:
+                await self._endpoints.serve_other(other, admit=other is keys.next_curve)
+            endpoint = self._endpoints.advertised(keys.newest_slot if keys is not None else self._endpoints.slot)
             self._fleet.channel_endpoint = endpoint
             nursery.start_soon(supervised, "southbound.receive", self._receive_loop)
             nursery.start_soon(supervised, "southbound.control", self._control_loop)
@@ -241,42 +235,18 @@ class Southbound:
             nursery.start_soon(supervised, "southbound.zap_audit", self._audit_zap_refusals)
             task_status.started(endpoint)
 
-    def _advertised(self, slot: int) -> str:
-        """What nodes are told to dial for endpoint `slot`."""
-        return self._channel.endpoint(slot)[1] or self._bound[slot]
-
     async def switch_curve(self, keys: ControllerKeys) -> None:
         """A rotation's overlap ended (`KeyRotation`): its Curve key is the current one, and the old
         one's endpoint (closed, with its connections) refuses every node that dials it from now on."""
-        old = self._bound.get(keys.slot ^ 1)
-        self._keys, self._slot = keys, keys.slot
-        if old is not None and keys.retired_curve is not None:
-            self._bound[keys.slot ^ 1] = await self._link.rebind(old, keys.retired_curve, admit=False)
-        self._fleet.channel_endpoint = self._advertised(keys.slot)
+        self._keys = keys
+        await self._endpoints.switch(keys.slot, keys.retired_curve)
+        self._fleet.channel_endpoint = self._endpoints.advertised(keys.slot)
 
     async def serve_next_curve(self, curve: CurveKeyPair) -> None:
         """Serve a rotation's new Curve key on the other endpoint before any key file is written
         (`KeyRotation`), so that a port that cannot be bound refuses the rotation with the keys
         unchanged (RotationEndpointInUse); `announce_keys` then tells the nodes to redial there."""
-        slot = self._slot ^ 1
-        try:
-            self._bound[slot] = await self._serve_next(slot, curve)
-        except ChannelClosed:
-            raise
-        except ChannelError as exc:
-            reason = exc.message.rpartition(": ")[2].partition(" (addr=")[0] or "refused"
-            raise RotationEndpointInUse(endpoint=self._channel.endpoint(slot)[0], reason=reason) from exc
-
-    async def _serve_next(self, slot: int, curve: CurveKeyPair) -> str:
-        """Serve endpoint `slot` with a new rotation's Curve key. A configured port is bound again
-        once its old listener is closed; an ephemeral one (`*` or 0) gets a fresh port before the
-        old one closes, so nothing else on the host can take the port in between."""
-        configured, bound = self._channel.endpoint(slot)[0], self._bound.get(slot)
-        if bound is None or not configured.endswith((":*", ":0")):
-            return await self._link.rebind(bound or configured, curve)
-        fresh = self._link.bind(configured, curve)
-        self._link.unbind(bound)
-        return fresh
+        await self._endpoints.serve_next(curve)
 
     def _end_streams_of_lost_nodes(self) -> None:
         # Fleet listener (sync): unreachable or revoked nodes will send no more output.
@@ -439,10 +409,11 @@ class Southbound:
         that says hello is told again first. The new Curve key is served on the other endpoint
         already (`serve_next_curve`, or `run` at a restart): the one nodes are told to redial. The
         number of nodes told now."""
-        newest = self._slot if keys.next_curve is None else self._slot ^ 1
+        slot = self._endpoints.slot
+        newest = slot if keys.next_curve is None else slot ^ 1
         self._keys = keys
-        if newest in self._bound:  # else (a restart) `run` sets it
-            self._fleet.channel_endpoint = self._advertised(newest)
+        if self._endpoints.bound(newest):  # else (a restart) `run` sets it
+            self._fleet.channel_endpoint = self._endpoints.advertised(newest)
         template = ControllerKeysAnnounced(
             node_id="",
             key_id=keys.key_id,

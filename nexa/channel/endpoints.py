@@ -1,6 +1,12 @@
-"""The node's channel to its controller across a key rotation: make before break.
+"""Curve-key endpoints and their rotation, make before break, on both ends of the channel.
 
-`NodeChannel` is what the agent and the relay send and receive through: one `Uplink`, until
+The controller's side (`ServedEndpoints`): one `Link` serves two endpoints (`[channel] listen`
+and `rotation_listen`). One serves the current Curve key; a rotation serves its next key on the
+other before any node is told of it, and at the switch the old key's endpoint is bound again to
+refuse (and report) whoever still dials it. Which key that is, and when, is the keyring's and
+`Southbound`'s decision; here is only how.
+
+The node's side: `NodeChannel` is what the agent and the relay send and receive through: one `Uplink`, until
 `rekey` opens a second one with the node's new keys beside it (or `redial`, with the controller's
 new Curve key at its new endpoint, after a controller key rotation) (sharing its inbox, so one reader still
 sees every message in order per connection). From then on every signed message (signed with the
@@ -16,15 +22,16 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Final, NoReturn
+from typing import Final, NoReturn, Protocol
 
 import attrs
 import trio
 
+from nexa.channel.framing import decode_frames
+from nexa.channel.links import CurveKeyPair, Link, Unverified, Uplink
+from nexa.channel.pump import PumpStatistics
 from nexa.contracts import wire
-from nexa.errors import BadSignature, ChannelClosed, NexaError
-from nexa.framing import decode_frames
-from nexa.messaging import CurveKeyPair, PumpStatistics, Unverified, Uplink
+from nexa.errors import BadSignature, ChannelClosed, ChannelError, NexaError, RotationEndpointInUse
 from nexa.security import PublicKey, SigningKey
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,90 @@ DRAIN_MAX_S: Final = 600.0
 #: How long the old connection stays open once it has nothing left to do: frames the controller
 #: sent on it just before it moved its route to the new one are still read.
 DRAIN_GRACE_S: Final = 1.0
+
+
+# --- the controller's two endpoints ------------------------------------------------------------
+
+
+class ServedEndpoints:
+    """The controller's two channel endpoints on one `Link`: which serves the current Curve key
+    (`slot`), and what each is bound as. `endpoint(slot)` is `(bind, advertise)` as configured
+    (`ChannelConfig.endpoint`; "" advertise: what was bound)."""
+
+    def __init__(self, link: Link, endpoint: Callable[[int], tuple[str, str]], *, slot: int = 0) -> None:
+        self._link = link
+        self._endpoint = endpoint
+        #: The endpoint that serves the current Curve key; the other serves a rotation's next key
+        #: or refuses the one the last switch retired.
+        self.slot = slot
+        self._bound: dict[int, str] = {}
+
+    def started(self, bound: str) -> None:
+        """The link runs and serves the current Curve key as `bound` (what `Link.run` reported)."""
+        self._bound[self.slot] = bound
+
+    def bound(self, slot: int) -> bool:
+        return slot in self._bound
+
+    def advertised(self, slot: int) -> str:
+        """What nodes are told to dial for endpoint `slot` (bound already)."""
+        return self._endpoint(slot)[1] or self._bound[slot]
+
+    async def serve_other(self, curve: CurveKeyPair, *, admit: bool) -> None:
+        """Serve `curve` on the other endpoint (at a start, mid-rotation) unless it serves one already.
+        `admit=False`: a retired key, refused to every node that dials it (`Link.rebind`)."""
+        other = 1 - self.slot
+        if other not in self._bound:
+            self._bound[other] = await self._link.rebind(self._endpoint(other)[0], curve, admit=admit)
+
+    async def switch(self, slot: int, retired: CurveKeyPair | None) -> None:
+        """Endpoint `slot` serves the current Curve key from now on; the other one (closed, with its
+        connections) serves `retired` to refuse whoever dials it."""
+        old = self._bound.get(slot ^ 1)
+        self.slot = slot
+        if old is not None and retired is not None:
+            self._bound[slot ^ 1] = await self._link.rebind(old, retired, admit=False)
+
+    async def serve_next(self, curve: CurveKeyPair) -> None:
+        """Serve a rotation's new Curve key on the other endpoint. An endpoint that cannot be bound
+        raises RotationEndpointInUse (nothing else changed)."""
+        slot = self.slot ^ 1
+        try:
+            self._bound[slot] = await self._serve_next(slot, curve)
+        except ChannelClosed:
+            raise
+        except ChannelError as exc:
+            reason = exc.message.rpartition(": ")[2].partition(" (addr=")[0] or "refused"
+            raise RotationEndpointInUse(endpoint=self._endpoint(slot)[0], reason=reason) from exc
+
+    async def _serve_next(self, slot: int, curve: CurveKeyPair) -> str:
+        """A configured port is bound again once its old listener is closed; an ephemeral one (`*` or
+        0) gets a fresh port before the old one closes, so nothing else on the host can take the port
+        in between."""
+        configured, bound = self._endpoint(slot)[0], self._bound.get(slot)
+        if bound is None or not configured.endswith((":*", ":0")):
+            return await self._link.rebind(bound or configured, curve)
+        fresh = self._link.bind(configured, curve)
+        self._link.unbind(bound)
+        return fresh
+
+
+# --- the node's channel -------------------------------------------------------------------------
+
+
+class DataSender(Protocol):
+    """What answers a data-path request: the channel its `infer` came on."""
+
+    async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
+
+
+@attrs.frozen(kw_only=True)
+class Routed:
+    """A data frame, and the channel that answers its request (a node with several controllers
+    answers each request on the channel it came on; the node relay keeps it with the request)."""
+
+    frame: wire.DataFrame
+    reply: DataSender
 
 
 @attrs.frozen(kw_only=True)
@@ -48,6 +139,8 @@ class Dial:
 
 #: Makes an Uplink for a `Dial`; the second argument is the uplink whose inbox it shares.
 UplinkFactory = Callable[[Dial, Uplink | None], Uplink]
+#: The requests open now whose answers go on the channel given (the node relay's `open_requests`).
+OpenRequests = Callable[["DataSender"], Iterable[str]]
 
 
 class NodeChannel:
@@ -102,25 +195,23 @@ class NodeChannel:
                 await nursery.start(uplink.run)
                 task_status.started(scope)
 
-    async def rekey(
-        self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: Callable[[], Iterable[str]]
-    ) -> None:
+    async def rekey(self, curve: CurveKeyPair, signing_key: SigningKey, open_requests: OpenRequests) -> None:
         """Dial with the new keys beside the current connection, then make the new one current.
 
         The caller holds its send lock, so no message signed with the old key follows this onto
-        the new connection. The requests `open_requests()` names once the new connection runs
+        the new connection. The requests `open_requests(self)` names once the new connection runs
         finish on the old one.
         """
         dial = attrs.evolve(self.dial, curve=curve, signing_key=signing_key)
         await self._switch(dial, open_requests, "the node's previous keys")
 
-    async def redial(self, server_curve_public: str, endpoint: str, open_requests: Callable[[], Iterable[str]]) -> None:
+    async def redial(self, server_curve_public: str, endpoint: str, open_requests: OpenRequests) -> None:
         """The controller serves a new Curve key at `endpoint` (its key rotation): dial it with the
         node's own keys beside the current connection, then make it current, as `rekey` does."""
         dial = attrs.evolve(self.dial, server_curve_public=server_curve_public, endpoint=endpoint)
         await self._switch(dial, open_requests, "the controller's previous Curve key")
 
-    async def _switch(self, dial: Dial, open_requests: Callable[[], Iterable[str]], old: str) -> None:
+    async def _switch(self, dial: Dial, open_requests: OpenRequests, old: str) -> None:
         nursery = self._nursery
         if nursery is None:
             raise ChannelClosed("the controller channel is not running")
@@ -132,7 +223,7 @@ class NodeChannel:
         self._current, self._current_scope = new, new_scope
         # Read now, with no wait since `_old` was set: a request that ended while the new connection
         # started sent its end already, and would otherwise hold the old channel open to DRAIN_MAX_S.
-        self._old_requests = set(open_requests())
+        self._old_requests = set(open_requests(self))
         self._moved = False
         self._old_idle = trio.Event()
         self.rekeyed += 1
@@ -183,15 +274,16 @@ class NodeChannel:
     def send_data_nowait(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
         self._data_uplink(kind, request_id).send_data_nowait(kind, request_id, head, body)
 
-    async def receive_unverified(self) -> wire.DataFrame | Unverified:
-        """The next message on either connection (they share one inbox)."""
+    async def receive_unverified(self) -> Routed | Unverified:
+        """The next message on either connection (they share one inbox); a data frame comes `Routed`
+        back on this channel."""
         got = await self._current.receive_unverified()
         if self._old is not None:
             self._old.wake()  # there is room in the shared inbox for the old pump too
             if not self._moved and self._current.statistics().received:
                 self._moved = True
                 self._check_idle()
-        return got
+        return Routed(frame=got, reply=self) if isinstance(got, wire.DataFrame) else got
 
     def verify(self, pending: Unverified) -> wire.ControllerMessage:
         """Check a signed message against the controller keys in force now; BadSignature (counted

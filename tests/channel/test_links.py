@@ -1,4 +1,4 @@
-"""nexa.messaging over real ZeroMQ on 127.0.0.1.
+"""nexa.channel.links over real ZeroMQ on 127.0.0.1.
 
 Policy: loopback only; servers bind port 0 (`tcp://127.0.0.1:*`) and report the real endpoint
 through `nursery.start`; every I/O test runs under an absolute `trio.fail_after`.
@@ -20,7 +20,8 @@ import trio
 import zmq
 from zmq.utils import z85
 
-from nexa import framing, messaging, security
+from nexa import security
+from nexa.channel import framing, links
 from nexa.contracts import codec, wire
 from nexa.errors import (
     BadSignature,
@@ -44,7 +45,7 @@ def fleet() -> Fleet:
 
 
 @contextlib.asynccontextmanager
-async def raw_node(fleet: Fleet, node: NodeIdentity, link: messaging.Link) -> AsyncIterator[messaging.ZmqPump]:
+async def raw_node(fleet: Fleet, node: NodeIdentity, link: links.Link) -> AsyncIterator[links.ZmqPump]:
     """A raw Curve DEALER with an enrolled node's keys, connected to `link` (run here), behind a pump:
     it sends whatever frames a test gives it, as no node agent would."""
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -56,7 +57,7 @@ async def raw_node(fleet: Fleet, node: NodeIdentity, link: messaging.Link) -> As
             dealer.setsockopt(zmq.CURVE_SECRETKEY, node.curve.secret.encode())
             async with trio.open_nursery() as nursery:
                 dealer.connect(await nursery.start(link.run))
-                pump = messaging.ZmqPump(dealer)
+                pump = links.ZmqPump(dealer)
                 await nursery.start(pump.run)
                 yield pump
                 nursery.cancel_scope.cancel()
@@ -103,8 +104,8 @@ async def test_messages_round_trip_in_both_directions(fleet: Fleet) -> None:
             sent_hello, sent_beat = hello("n1"), heartbeat("n1", 1)
             await uplink.send(sent_hello)
             await uplink.send(sent_beat)
-            assert await link.receive() == messaging.Inbound(node_id="n1", message=sent_hello)
-            assert await link.receive() == messaging.Inbound(node_id="n1", message=sent_beat)
+            assert await link.receive() == links.Inbound(node_id="n1", message=sent_hello)
+            assert await link.receive() == links.Inbound(node_id="n1", message=sent_beat)
 
             down: list[wire.ControllerMessage] = [
                 assignment_set("n1", 1),
@@ -201,12 +202,12 @@ async def test_data_frames_travel_both_ways_beside_signed_messages(fleet: Fleet)
             await uplink.send_data(wire.CHUNK, "r1", b"", b"data: x\n\n")
             await uplink.send(heartbeat("n1", 1))
             uplink.send_data_nowait(wire.END, "r1", b'{"status":"ok"}', b"")
-            assert await link.receive() == messaging.DataInbound(
+            assert await link.receive() == links.DataInbound(
                 node_id="n1", frame=wire.DataFrame(kind=wire.CHUNK, request_id="r1", head=b"", body=b"data: x\n\n")
             )
             assert isinstance((await link.receive()).message, wire.Heartbeat)  # type: ignore[union-attr]
             got = await link.receive()
-            assert isinstance(got, messaging.DataInbound)
+            assert isinstance(got, links.DataInbound)
             assert (got.frame.kind, got.frame.head) == (wire.END, b'{"status":"ok"}')
             nursery.cancel_scope.cancel()
 
@@ -227,18 +228,18 @@ async def test_data_frames_of_the_wrong_direction_or_shape_are_refused(fleet: Fl
             for frames in bad.values():
                 await pump.send(frames)
                 got = await link.receive_any()
-                assert isinstance(got, messaging.Refused)
+                assert isinstance(got, links.Refused)
                 assert got.node_id == "n1"
                 assert isinstance(got.error, ContractError)
             await pump.send([b"chunk", b"r1", b"", b"x"])
             got = await link.receive_any()
-            assert isinstance(got, messaging.DataInbound)
+            assert isinstance(got, links.DataInbound)
             assert not link.connected("n1")  # data frames never give a route
 
             del fleet.node_keys["n1"]  # revoked: its channel's data is refused too
             await pump.send([b"chunk", b"r1", b"", b"x"])
             got = await link.receive_any()
-            assert isinstance(got, messaging.Refused)
+            assert isinstance(got, links.Refused)
             assert isinstance(got.error, Unauthenticated)
 
 
@@ -312,7 +313,7 @@ async def test_a_failing_key_check_refuses_the_peer_and_zap_keeps_serving(fleet:
             raise RuntimeError("registry unavailable")
         return fleet.authorize(curve_public)
 
-    link = messaging.Link(
+    link = links.Link(
         LOOPBACK, curve=fleet.curve, signing_key=fleet.key, authorize=authorize, node_key=fleet.node_keys.get
     )
     with trio.fail_after(TIMEOUT_S):
@@ -330,9 +331,7 @@ async def test_a_failing_key_check_refuses_the_peer_and_zap_keeps_serving(fleet:
             nursery.cancel_scope.cancel()
 
 
-def _zap_request(
-    mechanism: bytes = b"CURVE", domain: bytes = messaging.ZAP_DOMAIN, key: bytes = b"k" * 32
-) -> list[bytes]:
+def _zap_request(mechanism: bytes = b"CURVE", domain: bytes = links.ZAP_DOMAIN, key: bytes = b"k" * 32) -> list[bytes]:
     return [b"1.0", b"7", domain, b"127.0.0.1", b"", mechanism, key]
 
 
@@ -344,13 +343,13 @@ def _zap_request(
         (_zap_request(mechanism=b"PLAIN"), b"400", b""),
         (_zap_request(domain=b"other"), b"400", b""),
         (_zap_request(key=b"short"), b"400", b""),
-        ([b"2.0", b"7", messaging.ZAP_DOMAIN, b"", b"", b"CURVE", b"k" * 32], b"400", b""),
+        ([b"2.0", b"7", links.ZAP_DOMAIN, b"", b"", b"CURVE", b"k" * 32], b"400", b""),
     ],
 )
 def test_zap_replies_follow_rfc_27(request_frames: list[bytes], status: bytes, user_id: bytes) -> None:
 
     enrolled = {z85.encode(b"k" * 32).decode(): "n1"}
-    reply = messaging._zap_reply(request_frames, lambda key, _domain: enrolled.get(key))
+    reply = links._zap_reply(request_frames, lambda key, _domain: enrolled.get(key))
     assert len(reply) == 6
     assert (reply[0], reply[1], reply[2], reply[4], reply[5]) == (b"1.0", b"7", status, user_id, b"")
 
@@ -595,31 +594,31 @@ def test_signed_but_invalid_body_is_a_contract_error(fleet: Fleet) -> None:
 
 
 def test_curve_keypair_files(tmp_path: Path) -> None:
-    pair = messaging.generate_curve_keypair()
+    pair = links.generate_curve_keypair()
     assert pair.secret not in repr(pair)
-    messaging.save_curve_keypair(pair, tmp_path, name="node")
+    links.save_curve_keypair(pair, tmp_path, name="node")
     assert stat.S_IMODE((tmp_path / "node.key").stat().st_mode) == 0o600
     assert stat.S_IMODE((tmp_path / "node.pub").stat().st_mode) == 0o644
-    assert messaging.load_curve_keypair(tmp_path, name="node") == pair
-    assert messaging.load_curve_public(tmp_path / "node.pub") == pair.public
+    assert links.load_curve_keypair(tmp_path, name="node") == pair
+    assert links.load_curve_public(tmp_path / "node.pub") == pair.public
 
     (tmp_path / "node.key").chmod(0o640)
     with pytest.raises(ConfigError, match="chmod 600"):
-        messaging.load_curve_keypair(tmp_path, name="node")
+        links.load_curve_keypair(tmp_path, name="node")
     security.write_key_file(tmp_path / "bad.key", b"not a key\n", private=True)
     with pytest.raises(ConfigError, match="Z85"):
-        messaging.load_curve_keypair(tmp_path, name="bad")
+        links.load_curve_keypair(tmp_path, name="bad")
 
 
 @pytest.mark.parametrize(
     "text",
-    ["", " " * 40, "#" * 40, "é" * 40, "short", messaging.generate_curve_keypair().public + "A"],
+    ["", " " * 40, "#" * 40, "é" * 40, "short", links.generate_curve_keypair().public + "A"],
     # Named, not by value: a fresh key each run, and pytest-xdist's workers must collect the same ids.
     ids=["empty", "spaces", "not-z85", "not-ascii", "short", "a-key-and-one-more"],
 )
 def test_malformed_curve_keys_are_rejected(text: str) -> None:
     with pytest.raises(ContractError):
-        messaging.check_curve_key(text)
+        links.check_curve_key(text)
 
 
 async def test_one_link_serves_a_second_curve_key_on_a_second_endpoint_and_retires_the_first(fleet: Fleet) -> None:
@@ -627,7 +626,7 @@ async def test_one_link_serves_a_second_curve_key_on_a_second_endpoint_and_retir
     endpoint with the new key; each endpoint admits only the key it was bound with; a node that
     moves is `Inbound.moved`; once the first is retired, whoever dials it is refused and reported."""
     n1 = fleet.enroll("n1")
-    new = messaging.generate_curve_keypair()
+    new = links.generate_curve_keypair()
     reported: list[str] = []
     link = fleet.link(retired_dial=reported.append)
     with trio.fail_after(TIMEOUT_S):
@@ -646,7 +645,7 @@ async def test_one_link_serves_a_second_curve_key_on_a_second_endpoint_and_retir
             await nursery.start(new_uplink.run)
             await new_uplink.send(hello("n1", seq=3))
             got = await link.receive()
-            assert isinstance(got, messaging.Inbound) and got.message.seq == 3 and got.moved
+            assert isinstance(got, links.Inbound) and got.message.seq == 3 and got.moved
             await link.send("n1", wire.Drain(node_id="n1", epoch=1))  # the route is the new connection
             assert isinstance(await new_uplink.receive(), wire.Drain)
             assert wrong.statistics().sent == 0

@@ -3,10 +3,10 @@
 `Link` is the controller's ROUTER: it binds, admits node Curve keys through ZAP and tags every
 message with the node id ZAP gave its channel. `Uplink` is a node's DEALER: it dials out and
 lets zmq reconnect with capped backoff. Both sign what they send and verify what they receive
-before parsing it (the frames are `nexa.framing`'s). The same channel carries the unsigned
+before parsing it (the frames are `nexa.channel.framing`'s). The same channel carries the unsigned
 data-path frames `[kind, request_id, head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone
-authenticates; each side accepts only the data kinds of its direction. The only module that
-imports `zmq`; zmq errors leave it as ChannelError.
+authenticates; each side accepts only the data kinds of its direction. With `pump`, the only
+module that imports `zmq`; zmq errors leave it as ChannelError.
 """
 
 from __future__ import annotations
@@ -25,6 +25,18 @@ from zmq.utils import z85
 from zmq.utils.monitor import parse_monitor_message
 
 from nexa import security
+from nexa.channel.framing import decode_data, decode_frames, encode_data, encode_frames, is_data
+from nexa.channel.pump import (
+    SEND_RETRY_S,
+    Frames,
+    PumpStatistics,
+    ZmqPump,
+    _Context,
+    _Socket,
+    close_all,
+    new_socket,
+    read_events,
+)
 from nexa.contracts import wire
 from nexa.errors import (
     BadSignature,
@@ -38,20 +50,6 @@ from nexa.errors import (
     NotConnected,
     Unauthenticated,
     WrongNode,
-)
-from nexa.framing import decode_data, decode_frames, encode_data, encode_frames, is_data
-from nexa.messaging.pump import (
-    SEND_RETRY_S,
-    Frames,
-    ZmqPump,
-    _Context,
-    _Socket,
-    close_all,
-    new_socket,
-    read_events,
-)
-from nexa.messaging.pump import (
-    PumpStatistics as PumpStatistics,
 )
 from nexa.ratelimit import RateLimiter
 

@@ -1,4 +1,4 @@
-"""The pump: the one task that moves a zmq socket's messages, and the socket helpers of `nexa.messaging`."""
+"""The pump: the one task that moves a zmq socket's messages, and the socket helpers of `nexa.channel.links`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import zmq
 
 from nexa.errors import ChannelClosed, ChannelError
 
-log = logging.getLogger("nexa.messaging")
+log = logging.getLogger(__name__)
 
 Frames = list[bytes]
 _Socket = zmq.Socket[bytes]

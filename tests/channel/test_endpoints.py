@@ -1,4 +1,4 @@
-"""`NodeChannel` across a key rotation, with fake uplinks (the real ones are in the e2e rotation
+"""`nexa.channel.endpoints.NodeChannel` across a key rotation, with fake uplinks (the real ones are in the e2e rotation
 tests): which requests finish on the old connection, and when that connection closes.
 
 Virtual time (`trio.testing.MockClock` with autojump): a closing time is read off the clock, so
@@ -13,9 +13,9 @@ import attrs
 import trio
 import trio.testing
 
+from nexa.channel.endpoints import DRAIN_GRACE_S, DRAIN_MAX_S, Dial, NodeChannel
+from nexa.channel.links import generate_curve_keypair
 from nexa.contracts import wire
-from nexa.messaging import generate_curve_keypair
-from nexa.node.channel import DRAIN_GRACE_S, DRAIN_MAX_S, Dial, NodeChannel
 from nexa.security import generate_signing_key
 
 
@@ -88,7 +88,7 @@ async def test_a_request_that_ends_while_the_new_connection_starts_does_not_hold
         rotation_done = trio.Event()
 
         async def rotate() -> None:
-            await channel.rekey(generate_curve_keypair(), generate_signing_key(), lambda: sorted(running))
+            await channel.rekey(generate_curve_keypair(), generate_signing_key(), lambda _: sorted(running))
             rotation_done.set()
 
         nursery.start_soon(rotate)

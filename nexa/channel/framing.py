@@ -1,6 +1,6 @@
 """The node channel's frames: signed messages `[kind, body, signature]` and the unsigned data-path
 frames `[kind, request_id, head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone authenticates.
-Pure: `nexa.messaging` moves them over its sockets.
+Pure: `nexa.channel.links` moves them over its sockets.
 """
 
 from __future__ import annotations
