@@ -23,9 +23,9 @@ from nexa.control import console as con
 from nexa.control import store as st
 from nexa.control.access.accounts import Accounts
 from nexa.control.http.api import create_app
-from nexa.control.http.state import AppState
 from nexa.telemetry import Metrics
 from tests.conftest import local_config, start_controller
+from tests.support.api import bare_state
 
 _CSRF_RE = re.compile(r'name="csrf_token" value="([^"]+)"')
 _LOCAL = {"client": ("127.0.0.1", 40000)}
@@ -50,21 +50,7 @@ async def _make_app(store: st.Store, cfg: HttpConfig) -> _App:
     accounts = await Accounts.load(store, metrics)
     admin_key = await accounts.ensure_admin_key(None)
     assert admin_key is not None
-    state = AppState(  # type: ignore[arg-type]  # the console's sign-in and audit view need only these
-        accounts=accounts,
-        fleet=None,
-        models=None,
-        deployments=None,
-        store=store,
-        metrics=metrics,
-        started_at=0,
-        controller_keys=None,
-        signing_key=None,
-        quotas=None,
-        meter=None,
-        admission=None,
-        ready=True,
-    )
+    state = bare_state(accounts=accounts, store=store, metrics=metrics, ready=True)
     quart_app = create_app(cfg, state)
     return _App(quart_app, quart_app.extensions["nexa.console"], accounts, admin_key)
 

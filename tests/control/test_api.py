@@ -12,11 +12,9 @@ from nexa.config import HttpConfig
 from nexa.control.console import CONSOLE_ROUTES
 from nexa.control.http.api import create_app
 from nexa.control.http.resources import ROLES as ROUTE_ROLES
-from nexa.control.http.state import AppState
 from nexa.control.service import serve_control
-from nexa.telemetry import Metrics
 from tests.conftest import Controller, local_config
-from tests.support.api import assert_envelope, make_key
+from tests.support.api import assert_envelope, bare_state, make_key
 
 
 async def audit_count(c: Controller) -> int:
@@ -37,20 +35,7 @@ async def test_health_ready_and_version_need_no_key(controller: Controller) -> N
 
 async def test_every_route_declares_its_roles() -> None:
     # The table is the single source: every registered rule is in it, and nothing else is.
-    state = AppState(  # type: ignore[arg-type]
-        accounts=None,
-        fleet=None,
-        models=None,
-        deployments=None,
-        store=None,
-        metrics=None,
-        started_at=0,
-        controller_keys=None,
-        signing_key=None,
-        quotas=None,
-        meter=None,
-        admission=None,
-    )
+    state = bare_state(metrics=None)
     app = create_app(HttpConfig(), state)
     registered = {
         (m, r.rule) for r in app.url_map.iter_rules() for m in r.methods or () if m not in {"HEAD", "OPTIONS"}
@@ -301,20 +286,7 @@ async def test_restart_keeps_state_and_takes_a_higher_epoch(tmp_path: object, nu
 
 
 async def test_readyz_is_503_until_ready() -> None:
-    state = AppState(  # type: ignore[arg-type]
-        accounts=None,
-        fleet=None,
-        models=None,
-        deployments=None,
-        store=None,
-        metrics=Metrics(),
-        started_at=0,
-        controller_keys=None,
-        signing_key=None,
-        quotas=None,
-        meter=None,
-        admission=None,
-    )
+    state = bare_state()
     client = create_app(HttpConfig(), state).test_client()
     resp = await client.get("/readyz")
     assert resp.status_code == 503

@@ -16,9 +16,9 @@ from nexa.control.console.sessions import new_session
 from nexa.control.http import nodes, openapi, records, resources
 from nexa.control.http.api import create_app
 from nexa.control.http.declare import collect
-from nexa.control.http.state import AppState
 from nexa.telemetry import Metrics
 from tests.support import declared_route
+from tests.support.api import bare_state
 
 _ROUTE = ("POST", "/api/v1/test-echo/<word>")
 
@@ -29,21 +29,7 @@ async def test_one_declaration_gives_the_route_its_handler_roles_console_check_a
         accounts = await Accounts.load(store, metrics)
         auditor, _ = await accounts.create_key(SYSTEM, KeyCreate(role=Role.AUDIT))
         operator, _ = await accounts.create_key(SYSTEM, KeyCreate(role=Role.OPERATOR))
-        state = AppState(  # type: ignore[arg-type]  # the route reads only the caller
-            accounts=accounts,
-            fleet=None,
-            models=None,
-            deployments=None,
-            store=store,
-            metrics=metrics,
-            started_at=0,
-            controller_keys=None,
-            signing_key=None,
-            quotas=None,
-            meter=None,
-            admission=None,
-            ready=True,
-        )
+        state = bare_state(accounts=accounts, store=store, metrics=metrics, ready=True)
         app = create_app(HttpConfig(), state, (*resources.MODULES, declared_route))
         client = app.test_client()
 
@@ -88,20 +74,7 @@ def _key_id(accounts: Accounts, role: Role) -> KeyId:
 
 
 def test_the_console_refuses_to_start_on_an_action_or_view_whose_route_is_not_declared() -> None:
-    state = AppState(  # type: ignore[arg-type]  # nothing is served: the app is only built
-        accounts=None,
-        fleet=None,
-        models=None,
-        deployments=None,
-        store=None,
-        metrics=Metrics(),
-        started_at=0,
-        controller_keys=None,
-        signing_key=None,
-        quotas=None,
-        meter=None,
-        admission=None,
-    )
+    state = bare_state()
     # The console's cordon action mirrors a route of the nodes module; without it, no app.
     without_nodes = [m for m in resources.MODULES if m is not nodes]
     with pytest.raises(LookupError, match=r"/api/v1/nodes/<node_id>/cordon"):

@@ -1,4 +1,5 @@
-"""The controller's HTTP API as a client sees it: answers, error envelopes, keys, nodes, metrics."""
+"""The controller's HTTP API as a client sees it: answers, error envelopes, keys, nodes, metrics; and
+the app state of a management app built in process with only the parts a test needs (`bare_state`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import httpx
 import trio
 
+from nexa.control.http.state import AppState
+from nexa.telemetry import Metrics
 from tests.conftest import Controller
 
 Json = dict[str, Any]
@@ -95,3 +98,23 @@ def wait_until(check: Callable[[], Any], what: str, timeout_s: float = 30.0) -> 
             return last
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}; last saw {last!r}")
+
+
+def bare_state(**parts: Any) -> AppState:
+    """An `AppState` with every part None but those given (`accounts=…, store=…, ready=True`): for a
+    management app built in process whose routes under test read only those parts."""
+    fields: dict[str, Any] = dict(
+        accounts=None,
+        fleet=None,
+        models=None,
+        deployments=None,
+        store=None,
+        metrics=Metrics(),
+        started_at=0,
+        controller_keys=None,
+        signing_key=None,
+        quotas=None,
+        meter=None,
+        admission=None,
+    )
+    return AppState(**(fields | parts))
