@@ -1,9 +1,7 @@
 """The fleet: enrollment tokens, enrolled nodes, their liveness and desired assignment sets.
 
-Authoritative in memory (the node channel asks it on every message), written through to the
-store. Operator actions and liveness transitions are audited; heartbeats are not written to
-SQLite except when a node's inventory really changes.
-"""
+Authoritative in memory (the node channel asks it on every message), written through to the store. Operator
+actions and liveness transitions are audited; heartbeats are written only when a node's inventory changes."""
 
 from __future__ import annotations
 
