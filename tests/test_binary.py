@@ -170,7 +170,7 @@ def test_the_manual_ships_in_the_binary(nexa_binary: Path, tmp_path: Path) -> No
 def test_check_config_accepts_the_examples(nexa_binary: Path, path: str, role: tuple[str, ...]) -> None:
     proc = _run(nexa_binary, "check-config", *role, path)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == f"{path}: ok"
+    assert proc.stdout.strip() == f"{path}: ok" + ("" if role else " (control config)")  # no --role: found
 
 
 def test_check_config_names_every_unknown_key(nexa_binary: Path, tmp_path: Path) -> None:

@@ -93,6 +93,30 @@ def test_check_config_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "cannot read" in capsys.readouterr().err
 
 
+def test_check_config_without_a_role_checks_the_file_as_the_role_it_reads_as(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`nexa check-config units/node.toml` works as `--role node` does; a file neither role reads is
+    reported as the closer one, with how to choose; `--role` still forces one."""
+    node = tmp_path / "node.toml"
+    node.write_text("inventory_path = '/etc/nexa/inventory.json'\n[container]\nengine = 'podman'\n")
+    assert cli.main(["check-config", str(node)]) == 0
+    assert "ok (node config)" in capsys.readouterr().out
+    assert cli.main(["check-config", "--role", "control", str(node)]) == 2
+    assert "inventory_path: unknown key" in capsys.readouterr().err
+    bad = tmp_path / "bad-node.toml"
+    bad.write_text("inventory_path = '/etc/nexa/inventory.json'\nheartbeat_interval_s = 1\nheartbeat_intervl_s = 2\n")
+    assert cli.main(["check-config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "heartbeat_intervl_s: unknown key" in err and "read as a node config" in err and "--role" in err
+    assert "inventory_path" not in err  # the node reading's problems only, not the controller's
+    not_toml = tmp_path / "broken.toml"
+    not_toml.write_text("[http\n")
+    assert cli.main(["check-config", str(not_toml)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid TOML" in err and "closer" not in err
+
+
 def test_flags_override_the_file_and_are_validated(tmp_path: Path) -> None:
     path = write(tmp_path, "state_dir = '/from/file'\n[http]\nlisten = '127.0.0.1:1000'\ngraceful_timeout_s = 3\n")
     args = entry.parser().parse_args(["control", "--config", str(path), "--listen", "127.0.0.2:2000"])

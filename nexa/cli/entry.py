@@ -82,7 +82,11 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("check-config", help="validate a config file (exit 0 valid, 2 invalid)")
     s.add_argument("file")
-    s.add_argument("--role", choices=("control", "node"), default="control", help="which config it is")
+    s.add_argument(
+        "--role",
+        choices=("control", "node"),
+        help="which config it is (default: whichever the file is; a file neither reads as is reported as the closer)",
+    )
     s.set_defaults(handler=_cmd_check_config)
 
     s = sub.add_parser("keygen", help="print a new API key in nexa's format (for bootstrap.admin_key_file)")
@@ -127,9 +131,32 @@ def _cmd_version(_: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    config.load(args.file, config.ControlConfig if args.role == "control" else config.NodeConfig)
-    print(f"{args.file}: ok")
-    return EXIT_OK
+    roles: dict[str, type[config.ControlConfig] | type[config.NodeConfig]] = {
+        "control": config.ControlConfig,
+        "node": config.NodeConfig,
+    }
+    if args.role is not None:
+        config.load(args.file, roles[args.role])
+        print(f"{args.file}: ok")
+        return EXIT_OK
+    refusals: dict[str, ConfigError] = {}
+    for role, cls in roles.items():
+        try:
+            config.load(args.file, cls)
+        except ConfigError as exc:
+            if not exc.problems:  # unreadable: the same for either role
+                raise
+            refusals[role] = exc
+        else:
+            print(f"{args.file}: ok ({role} config)")
+            return EXIT_OK
+    if refusals["control"].problems == refusals["node"].problems:  # not TOML: the same either way
+        raise refusals["control"]
+    role, closer = min(refusals.items(), key=lambda item: len(item[1].problems))
+    raise ConfigError(
+        f"{closer} (read as a {role} config, the closer of the two; give --role control or --role node to choose)",
+        problems=closer.problems,
+    ) from None
 
 
 def _cmd_openapi(_: argparse.Namespace) -> int:
