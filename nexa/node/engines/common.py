@@ -9,15 +9,18 @@ that names a missing image) the driver says itself, with the helpers here.
 
 from __future__ import annotations
 
+import builtins
 import ipaddress
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
 from contextlib import aclosing
 from datetime import datetime
-from typing import Any, Final, TypeAlias
+from types import TracebackType
+from typing import Any, Final, Self, TypeAlias
 from urllib.parse import quote
 
 from nexa.contracts.runtime import (
@@ -390,3 +393,54 @@ class EngineApi:
                     if event is not None and labels_match(event.labels, labels):
                         yield event
         raise EngineUnavailable(f"{self.engine}'s event stream ended")
+
+
+class EngineDriver:
+    """What both drivers do through their transport and `EngineApi` alone: enter and leave the
+    transport, stop, remove, list and stream events. A driver sets `_http` and `_api` and defines
+    `inspect` (each engine reads a container its own way)."""
+
+    _http: EngineHttp
+    _api: EngineApi
+
+    async def inspect(self, container_id: str) -> ContainerState:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self._http.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc: BaseException | None = None,
+        tb: TracebackType | None = None,
+    ) -> None:
+        await self._http.__aexit__(exc_type, exc, tb)
+
+    async def stop(self, container_id: str, *, timeout_s: float) -> None:
+        """SIGTERM (the stop signal), then SIGKILL after `timeout_s`; returns once it has exited.
+        Stopping a stopped container does nothing.
+        """
+        if timeout_s < 0:
+            raise ContractError("timeout_s must not be negative")
+        await self._api.stop(container_id, seconds=math.ceil(timeout_s))
+
+    async def remove(self, container_id: str, *, force: bool = False) -> None:
+        """Remove a stopped container (and its anonymous volumes). `force` kills a running one at once."""
+        await self._api.remove(container_id, force=force)
+
+    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]:
+        """Every container (running or not) carrying all of `labels`, each as `inspect` would report it.
+        A container removed while listing is left out.
+        """
+        return await states_of(await self._api.container_ids(labels), self.inspect)
+
+    def events(self, labels: Mapping[str, str], *, since: float | None = None) -> AsyncGenerator[EngineEvent, None]:
+        """Container events of containers carrying all of `labels`, as the engine streams them.
+
+        Runs until the caller stops iterating (use `contextlib.aclosing`) or the engine goes away
+        (EngineUnavailable). `since` (Unix seconds) replays events from then on first, so a caller
+        that resubscribes misses nothing.
+        """
+        return self._api.events(labels, since=since)

@@ -11,14 +11,11 @@ a spec podman would refuse is refused here too.
 from __future__ import annotations
 
 import base64
-import builtins
 import ipaddress
 import json
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Mapping
-from types import TracebackType
 from typing import Final
 from urllib.parse import quote
 
@@ -28,7 +25,6 @@ from nexa.contracts.runtime import (
     NETWORK_PRIVATE,
     ContainerSpec,
     ContainerState,
-    EngineEvent,
     HealthProbe,
 )
 from nexa.errors import ContainerNotFound, ContractError, EngineError, ImageNotFound
@@ -38,13 +34,13 @@ from nexa.node.engines.common import (
     STREAM_READ_TIMEOUT_S,
     Credentials,
     EngineApi,
+    EngineDriver,
     Json,
     container_path,
     container_state,
     digest_of,
     message_of,
     require_digest_reference,
-    states_of,
     validate_spec,
 )
 from nexa.node.engines.http import EngineAnswer, EngineHttp, EngineTransport
@@ -221,7 +217,7 @@ def _familiar(reference: str) -> str:
     return reference
 
 
-class DockerEngine:
+class DockerEngine(EngineDriver):
     """Docker Engine over its unix socket. Use as `async with DockerEngine(socket) as docker:`.
 
     A `ContainerEngine` (`engines.interface`) raising only `nexa.errors`, exactly as `LibpodEngine`.
@@ -259,18 +255,6 @@ class DockerEngine:
     @property
     def gpu_method(self) -> str:
         return self._gpu_method
-
-    async def __aenter__(self) -> DockerEngine:
-        await self._http.__aenter__()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc: BaseException | None = None,
-        tb: TracebackType | None = None,
-    ) -> None:
-        await self._http.__aexit__(exc_type, exc, tb)
 
     async def version(self) -> str:
         """The engine's version (e.g. "20.10.24"); EngineError for an API older than 1.41."""
@@ -487,29 +471,3 @@ class DockerEngine:
         if not isinstance(dirs, list):
             return None
         return [str(d) for d in dirs]
-
-    async def stop(self, container_id: str, *, timeout_s: float) -> None:
-        """SIGTERM (the stop signal), then SIGKILL after `timeout_s`; returns once it has exited.
-        Stopping a stopped container does nothing.
-        """
-        if timeout_s < 0:
-            raise ContractError("timeout_s must not be negative")
-        await self._api.stop(container_id, seconds=math.ceil(timeout_s))
-
-    async def remove(self, container_id: str, *, force: bool = False) -> None:
-        """Remove a stopped container (and its anonymous volumes). `force` kills a running one at once."""
-        await self._api.remove(container_id, force=force)
-
-    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]:
-        """Every container (running or not) carrying all of `labels`, each as `inspect` would report it.
-        A container removed while listing is left out.
-        """
-        return await states_of(await self._api.container_ids(labels), self.inspect)
-
-    def events(self, labels: Mapping[str, str], *, since: float | None = None) -> AsyncGenerator[EngineEvent, None]:
-        """Container events of containers carrying all of `labels`, as the engine streams them.
-
-        Runs until the caller stops iterating (use `contextlib.aclosing`) or the engine goes away
-        (EngineUnavailable). `since` (Unix seconds) replays events from then on first.
-        """
-        return self._api.events(labels, since=since)

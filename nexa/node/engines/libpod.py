@@ -9,20 +9,16 @@ never runs the podman CLI and never pulls anything but `repo@sha256:…`.
 from __future__ import annotations
 
 import base64
-import builtins
 import json
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Mapping
-from types import TracebackType
 from typing import Final
 
 from nexa.contracts.runtime import (
     NETWORK_PRIVATE,
     ContainerSpec,
     ContainerState,
-    EngineEvent,
     HealthProbe,
 )
 from nexa.errors import ContainerNotFound, ContractError, EngineError, ImageNotFound
@@ -31,13 +27,13 @@ from nexa.node.engines.common import (
     STREAM_READ_TIMEOUT_S,
     Credentials,
     EngineApi,
+    EngineDriver,
     Json,
     container_path,
     container_state,
     digest_of,
     message_of,
     require_digest_reference,
-    states_of,
     validate_spec,
 )
 from nexa.node.engines.http import EngineHttp, EngineTransport
@@ -169,7 +165,7 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
     return body
 
 
-class LibpodEngine:
+class LibpodEngine(EngineDriver):
     """libpod over its unix socket. Use as `async with LibpodEngine(socket) as podman:`.
 
     A `ContainerEngine` (`engines.interface`). Every method raises only `nexa.errors`: ContractError
@@ -199,18 +195,6 @@ class LibpodEngine:
     @property
     def name(self) -> str:
         return ENGINE
-
-    async def __aenter__(self) -> LibpodEngine:
-        await self._http.__aenter__()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc: BaseException | None = None,
-        tb: TracebackType | None = None,
-    ) -> None:
-        await self._http.__aexit__(exc_type, exc, tb)
 
     async def version(self) -> str:
         """Podman's version (e.g. "4.3.1"); also the cheapest "is podman there" check."""
@@ -333,30 +317,3 @@ class LibpodEngine:
         if isinstance(log_entries, list) and log_entries and isinstance(log_entries[-1], dict):
             return log_entries[-1].get("ExitCode") == 0
         return data.get("Status") == "healthy"
-
-    async def stop(self, container_id: str, *, timeout_s: float) -> None:
-        """SIGTERM (the stop signal), then SIGKILL after `timeout_s`; returns once it has exited.
-        Stopping a stopped container does nothing.
-        """
-        if timeout_s < 0:
-            raise ContractError("timeout_s must not be negative")
-        await self._api.stop(container_id, seconds=math.ceil(timeout_s))
-
-    async def remove(self, container_id: str, *, force: bool = False) -> None:
-        """Remove a stopped container (and its anonymous volumes). `force` kills a running one at once."""
-        await self._api.remove(container_id, force=force)
-
-    async def list(self, labels: Mapping[str, str] | None = None) -> builtins.list[ContainerState]:
-        """Every container (running or not) carrying all of `labels`, each as `inspect` would report it.
-        A container removed while listing is left out.
-        """
-        return await states_of(await self._api.container_ids(labels), self.inspect)
-
-    def events(self, labels: Mapping[str, str], *, since: float | None = None) -> AsyncGenerator[EngineEvent, None]:
-        """Container events of containers carrying all of `labels`, as podman streams them (NDJSON).
-
-        Runs until the caller stops iterating (use `contextlib.aclosing`) or podman goes away
-        (EngineUnavailable). `since` (Unix seconds) replays events from then on first, so a caller
-        that resubscribes misses nothing.
-        """
-        return self._api.events(labels, since=since)
