@@ -40,7 +40,7 @@ from nexa.node.engines.libpod import LibpodEngine
 from nexa.node.runtime_cache import RuntimeCaches, cache_key
 from nexa.node.supervisor import Supervisor
 from tests.realparts import BuiltImages, EngineUnderTest, PodmanService
-from tests.support.supervisor import FakeArtifacts
+from tests.support.supervisor import FakeArtifacts, small_spec
 
 RUN_LABEL = "nexa-test.run"
 #: A loopback address the node's runtimes are NOT published on; the test listens there.
@@ -113,22 +113,7 @@ def outside_listener() -> Iterator[int]:
 
 
 def _spec(image: str, labels: dict[str, str], command: list[str], **changes: Any) -> ContainerSpec:
-    spec = ContainerSpec(
-        name=f"nexa-test-{uuid.uuid4().hex[:12]}",
-        image=image,
-        command=command,
-        env={},
-        labels=labels,
-        memory_bytes=64 * MiB,
-        cpus=0.5,
-        pids_limit=64,
-        shm_bytes=0,
-        devices=[],
-        ro_mounts=[],
-        health=HealthProbe(command=["true"], timeout_s=5, start_period_s=0, retries=1),
-        stop_timeout_s=1.0,
-    )
-    return attrs.evolve(spec, **changes)
+    return small_spec(image, command=command, labels=labels, **changes)
 
 
 async def _exit_code(podman: ContainerEngine, container_id: str) -> int:

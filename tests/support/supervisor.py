@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import itertools
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -259,3 +260,26 @@ async def wait_for(sup: Supervisor, state: wire.RuntimeState, reason: str | None
             if (s.state, s.reason) == (state, reason):
                 return trio.current_time()
             await trio.sleep(0.05)
+
+
+def small_spec(
+    image: str, *, command: list[str], labels: dict[str, str], env: dict[str, str] | None = None, **changes: Any
+) -> ContainerSpec:
+    """A small container spec a test runs on a real engine: a fresh name, 64 MiB, half a CPU, 64
+    pids, no devices or mounts, a probe that always passes, a 1 s stop; `changes` override fields."""
+    spec = ContainerSpec(
+        name=f"nexa-test-{uuid.uuid4().hex[:12]}",
+        image=image,
+        command=command,
+        env=env or {},
+        labels=labels,
+        memory_bytes=64 * 1024 * 1024,
+        cpus=0.5,
+        pids_limit=64,
+        shm_bytes=0,
+        devices=[],
+        ro_mounts=[],
+        health=HealthProbe(command=["true"], timeout_s=5, start_period_s=0, retries=1),
+        stop_timeout_s=1.0,
+    )
+    return attrs.evolve(spec, **changes)

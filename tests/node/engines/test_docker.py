@@ -32,6 +32,7 @@ from nexa.node.engines.interface import ContainerEngine
 from nexa.node.engines.libpod import create_body as libpod_create_body
 from nexa.oci import RegistryAuths, RegistryCredentials
 from tests.realparts import BuiltImages, EngineUnderTest
+from tests.support.supervisor import small_spec
 
 MiB = 1024 * 1024
 DIGEST = "sha256:" + "ab" * 32
@@ -42,22 +43,8 @@ TIMEOUT_S = 60
 
 
 def _spec(image: str = IMAGE, labels: dict[str, str] | None = None, **changes: Any) -> ContainerSpec:
-    spec = ContainerSpec(
-        name=f"nexa-test-{uuid.uuid4().hex[:12]}",
-        image=image,
-        command=["/bin/sh", "-c", "exec sleep 600"],
-        env={"A": "1"},
-        labels=labels or {"nexa.assignment": "a1"},
-        memory_bytes=64 * MiB,
-        cpus=0.5,
-        pids_limit=64,
-        shm_bytes=0,
-        devices=[],
-        ro_mounts=[],
-        health=HealthProbe(command=["true"], timeout_s=5, start_period_s=0, retries=1),
-        stop_timeout_s=1.0,
-    )
-    return attrs.evolve(spec, **changes)
+    fields: dict[str, Any] = {"command": ["/bin/sh", "-c", "exec sleep 600"], "env": {"A": "1"}} | changes
+    return small_spec(image, labels=labels or {"nexa.assignment": "a1"}, **fields)
 
 
 # --- the create body: hardening, key for key --------------------------------------------------------
