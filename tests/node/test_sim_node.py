@@ -24,6 +24,7 @@ from nexa.errors import ConfigError
 from nexa.node.agent import serve_node
 from nexa.node.processes import SIM_DIR
 from tests.conftest import free_port
+from tests.support.api import wait_for
 from tests.support.nodes import FakeController, node_config, sim_runtime, start_node
 
 TIMEOUT_S = 30
@@ -96,6 +97,12 @@ async def test_a_signed_sim_assignment_becomes_ready_answers_and_stops_with_an_e
         assert [m["id"] for m in models["data"]] == ["chat-small"]
         assert answer.json()["usage"]["completion_tokens"] == 3
         journal = state_dir / SIM_DIR / "nexa-a1.jsonl"
+
+        # The sim writes "completed" once the answer is sent: the client may read it first.
+        async def both_written() -> bool:
+            return len(journal.read_text().splitlines()) >= 2
+
+        await wait_for(both_written)
         assert [json.loads(line)["event"] for line in journal.read_text().splitlines()] == ["request", "completed"]
 
         # An empty set stops the process; the report drops the assignment once it is gone.
