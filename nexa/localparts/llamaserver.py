@@ -9,11 +9,17 @@ with cmake for the CPU (no native tuning, no TLS, no curl, no web UI download), 
 packed into `cache_dir()` under a name keyed by the recipe: the first run builds it (about 15 minutes
 on a 2-core machine), later runs unpack it. The image is built on the cached Debian python image
 (`images.build_python_image`), which carries curl and libgomp.
+
+The same build also gives llama-cpp-python its shared libraries (`llama_cpp_python_wheel`): the sdist's
+Python package is made into a wheel without compiling anything, and the libraries this build made from the
+very same source go into its `llama_cpp/lib`, so a machine compiles llama.cpp once, not twice.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
+import platform
 import shutil
 import sys
 import tarfile
@@ -46,6 +52,9 @@ BUILD_JOBS: Final = 2
 #: 15 minutes on a 2-core machine shared with other work; a slower one gets this long.
 BUILD_TIMEOUT_S: Final = 3600.0
 DOWNLOAD_TIMEOUT_S: Final = 900.0
+#: The built shared libraries llama-cpp-python loads (its CMakeLists installs `llama`, the `ggml` family and
+#: `mtmd` into `llama_cpp/lib`); the server's own (`llama-common`, `llama-server-impl`) are left out.
+PYTHON_LIBS: Final = ("libllama.so*", "libggml*.so*", "libmtmd.so*")
 #: Where the published image has the server, and where the adapter's bare `llama-server` is found.
 APP_DIR: Final = "/app"
 
@@ -125,9 +134,65 @@ def _build(dest: Path) -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _run(argv: list[str], log: Path, timeout_s: float) -> None:
+def llama_cpp_python_wheel(cache: Path) -> Path:
+    """llama-cpp-python's wheel for this machine (`LLAMA_SERVER_SDIST`), cached: its Python package from
+    the sdist, packed with `LLAMA_BUILD=OFF` (nothing compiled), and in its `llama_cpp/lib` the shared
+    libraries of the cached server build (`llama_server_build`, built first if need be), which is the
+    same llama.cpp source. Install it with `pip install "WHEEL[server]"`."""
+    name, version = LLAMA_SERVER_SDIST
+    folder = cache / recipe_name(f"{name}-{version}-wheel", {"server": llama_server_name(), "libs": PYTHON_LIBS})
+    folder = folder.with_name(folder.name.removesuffix(".tar.gz"))
+    wheel = f"{name.replace('-', '_')}-{version}-py3-none-linux_{platform.machine()}.whl"
+
+    def build(dest: Path) -> None:
+        tarball, _ = llama_server_build(cache)
+        work = dest.with_name(f".{dest.name}.build.{os.getpid()}")
+        try:
+            work.mkdir()
+            env = {**os.environ, "CMAKE_ARGS": "-DLLAMA_BUILD=OFF"}
+            pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+            # No pip cache: a wheel without libraries must never be handed to another install.
+            _run(
+                [
+                    *pip,
+                    "wheel",
+                    "--no-deps",
+                    "--no-cache-dir",
+                    "--no-binary",
+                    name,
+                    "--wheel-dir",
+                    str(work / "bare"),
+                    f"{name}=={version}",
+                ],
+                work / "wheel.log",
+                DOWNLOAD_TIMEOUT_S,
+                env=env,
+            )
+            (bare,) = (work / "bare").glob("*.whl")
+            _run(
+                [sys.executable, "-m", "wheel", "unpack", "-d", str(work / "tree"), str(bare)], work / "unpack.log", 120
+            )
+            (tree,) = (work / "tree").iterdir()
+            libs = tree / "llama_cpp" / "lib"
+            libs.mkdir(parents=True, exist_ok=True)
+            with tarfile.open(tarball) as archive:
+                members = [m for m in archive.getmembers() if any(fnmatch.fnmatch(m.name, p) for p in PYTHON_LIBS)]
+                archive.extractall(work / "libs", members=members, filter="data")
+            for lib in sorted((work / "libs").iterdir()):
+                shutil.copyfile(lib, libs / lib.name)  # a wheel holds no links: each name is a copy, as upstream's
+            (work / "out").mkdir()
+            _run([sys.executable, "-m", "wheel", "pack", "-d", str(work / "out"), str(tree)], work / "pack.log", 120)
+            (work / "out" / wheel).replace(dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    path, _ = cached_build(folder, wheel, build, rebuild=False, clear=lambda d: shutil.rmtree(d, ignore_errors=True))
+    return path
+
+
+def _run(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> None:
     """`argv` in its own process group (a timeout or an interrupt ends it and its children), output to `log`."""
-    returncode = run_grouped(argv, log, timeout_s)
+    returncode = run_grouped(argv, log, timeout_s, env=env)
     if returncode != 0:
         raise Unavailable(f"{' '.join(argv[:4])} … failed ({returncode}):\n{tail(log)}")
 
