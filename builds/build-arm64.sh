@@ -2,11 +2,16 @@
 # Build the one-file `dist/nexa-linux-arm64` executable (DGX Spark: GB10, arm64) on an x86-64
 # Debian 12 machine, under emulation.
 #
-# The build runs inside a Debian 12 (bookworm) arm64 root made by `debootstrap --arch=arm64
-# --foreign` and finished (second stage) under qemu-user-static through binfmt_misc. Inside it:
+# The build runs inside a Debian 12 (bookworm) arm64 root, under qemu-user-static through binfmt_misc.
+# `debootstrap --arch=arm64 --foreign` fetches the packages and lays out the essential ones; the rest
+# are unpacked on the host (`dpkg-deb -x`, native speed) instead of debootstrap's emulated second
+# stage, which runs every package's maintainer scripts through qemu (minutes) for nothing this build
+# uses (users, alternatives, byte-compiling); `ldconfig` then runs once in the root. Inside it:
 # Debian's python3, python3-venv, binutils and libpython3.11 (PyInstaller bundles the shared
-# libpython), then a venv with the project's runtime dependencies and PyInstaller (aarch64 wheels
-# from PyPI), then the same PyInstaller one-file build as builds/build.sh, from builds/nexa.spec.
+# libpython), then a venv with the project's runtime dependencies and PyInstaller: aarch64 wheels
+# from PyPI, fetched and unpacked into the venv by the host's pip (`--target --platform`, native
+# speed; only wheels, nothing is compiled), then the same PyInstaller one-file build as
+# builds/build.sh, from builds/nexa.spec: the one step that runs emulated.
 # The console's vendored files are architecture-independent data: builds/console/vendor.sh puts
 # them into the source tree on the host, and the copied tree carries them in.
 #
@@ -63,7 +68,7 @@ fail() {
 # The root's place: a hash of its recipe, under the cache folder.
 cache_base="${NEXA_BUILD_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/nexa-build}"
 [[ "$cache_base" == /* ]] || fail "the cache folder must be an absolute path: $cache_base"
-recipe="debootstrap ${DEBOOTSTRAP_ARGS[*]} $SUITE <target> $MIRROR; second-stage under qemu-user-static; v1"
+recipe="debootstrap ${DEBOOTSTRAP_ARGS[*]} $SUITE <target> $MIRROR; every .deb unpacked on the host; ldconfig; v2"
 key="$(printf '%s\n' "$recipe" | sha256sum | cut -c1-16)"
 rootfs="$cache_base/debian-$SUITE-arm64-$key"
 
@@ -94,7 +99,12 @@ report() { # $1: the glibc version the binary needs
 }
 
 # 1. What this script needs from Debian, installed when missing.
-apt_packages=(debootstrap debian-archive-keyring qemu-user-static binfmt-support binutils python3 curl)
+# The caller's python3 when it has pip (a project venv), else Debian's with python3-pip.
+host_python="$(command -v python3 || true)"
+if [[ -z "$host_python" ]] || ! "$host_python" -m pip --version >/dev/null 2>&1; then
+    host_python=/usr/bin/python3
+fi
+apt_packages=(debootstrap debian-archive-keyring qemu-user-static binfmt-support binutils python3 python3-pip curl)
 missing=()
 for p in "${apt_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -134,15 +144,14 @@ mkdir -p "$cache_base"
 exec 8>"$cache_base/.build.lock"
 flock 8
 
-# Run a command in the root: a private mount namespace with /proc and /dev, no host environment.
+# Run a command in the root: a private mount namespace with /proc and /dev, no host environment (and
+# nothing in it needs the network: pip runs on the host).
 in_root() {
     unshare --mount --propagation private -- /bin/sh -euc '
         r=$1; shift
         mount -t proc proc "$r/proc"
         mount --rbind /dev "$r/dev"
-        exec chroot "$r" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C.UTF-8 \
-            PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 PIP_CERT=/etc/ssl/certs/nexa-build-host-ca.crt \
-            ${HTTPS_PROXY:+HTTPS_PROXY=$HTTPS_PROXY} ${https_proxy:+https_proxy=$https_proxy} "$@"
+        exec chroot "$r" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LC_ALL=C.UTF-8 "$@"
     ' in_root "$rootfs" "$@"
 }
 
@@ -156,23 +165,20 @@ else
     log "debootstrap (first stage) into $tmp"
     LC_ALL=C debootstrap "${DEBOOTSTRAP_ARGS[@]}" "$SUITE" "$tmp" "$MIRROR" >"$cache_base/debootstrap-$key.log" 2>&1 ||
         fail "debootstrap first stage failed; see $cache_base/debootstrap-$key.log"
-    log "debootstrap (second stage, emulated)"
+    # The second stage's work that matters here, natively: every fetched package's files (the
+    # essential ones again: the same files), then the loader's cache.
+    log "unpacking $(find "$tmp/var/cache/apt/archives" -name '*.deb' | wc -l) packages on the host"
+    for deb in "$tmp"/var/cache/apt/archives/*.deb; do
+        dpkg-deb -x "$deb" "$tmp" || fail "dpkg-deb -x $deb failed"
+    done
     unshare --mount --propagation private -- chroot "$tmp" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
-        LC_ALL=C /debootstrap/debootstrap --second-stage >>"$cache_base/debootstrap-$key.log" 2>&1 ||
-        fail "debootstrap second stage failed; see $cache_base/debootstrap-$key.log"
+        /sbin/ldconfig || fail "ldconfig in the arm64 root failed"
     rm -rf "$tmp"/var/cache/apt/archives/*.deb "$tmp"/var/lib/apt/lists/*
     touch "$tmp/.nexa-root-done"
     rm -rf "$rootfs"
     mv "$tmp" "$rootfs"
     log "arm64 root made in $(($(date +%s) - t0))s"
 fi
-# DNS for pip (the root has no resolver of its own), and the host's CA bundle, so pip trusts what
-# the host trusts (a TLS-inspecting proxy's CA, too).
-cp -L /etc/resolv.conf "$rootfs/etc/resolv.conf"
-host_ca="${SSL_CERT_FILE:-/etc/ssl/certs/ca-certificates.crt}"
-[[ -s "$host_ca" ]] || host_ca="/etc/ssl/certs/ca-certificates.crt"
-install -m 0644 "$host_ca" "$rootfs/etc/ssl/certs/nexa-build-host-ca.crt"
-
 # 4. The venv in the root: the runtime dependencies and PyInstaller, from pyproject.toml.
 mapfile -t deps < <(python3 -c '
 import sys, tomllib
@@ -190,10 +196,15 @@ else
     t0=$(date +%s)
     log "creating the root's venv $VENV_IN_ROOT: ${deps[*]}"
     rm -rf "${rootfs:?}$VENV_IN_ROOT"
-    in_root /usr/bin/python3 -m venv "$VENV_IN_ROOT"
-    in_root "$VENV_IN_ROOT/bin/python" -m pip install --quiet --upgrade pip
-    # Wheels only: nothing is compiled under emulation (every dependency has aarch64 wheels).
-    in_root "$VENV_IN_ROOT/bin/python" -m pip install --quiet --only-binary=:all: "${deps[@]}"
+    in_root /usr/bin/python3 -m venv --without-pip "$VENV_IN_ROOT"
+    site="$rootfs$VENV_IN_ROOT/lib/$(in_root "$VENV_IN_ROOT/bin/python" -c 'import sys; print(f"python{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages"
+    pyver="$(basename "$(dirname "$site")" | sed 's/^python//')"
+    # Wheels for the root's interpreter and glibc (bookworm: 2.36), aarch64; nothing is compiled.
+    platforms=(--platform manylinux2014_aarch64 --platform linux_aarch64)
+    for minor in $(seq 17 36); do platforms+=(--platform "manylinux_2_${minor}_aarch64"); done
+    "$host_python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-compile --only-binary=:all: \
+        --target "$site" "${platforms[@]}" --python-version "$pyver" --implementation cp --abi "cp${pyver/./}" \
+        "${deps[@]}" || fail "pip could not fetch the aarch64 wheels into $site"
     printf '%s\n' "$want" >"$stamp"
     log "venv made in $(($(date +%s) - t0))s"
 fi
@@ -228,7 +239,7 @@ tar -C "$ROOT" --exclude=__pycache__ -cf - nexa | tar -C "$src" -xf -
 cp builds/nexa.spec "$src/builds/nexa.spec"
 
 t_build=$(date +%s)
-in_root "$VENV_IN_ROOT/bin/pyinstaller" /src/builds/nexa.spec \
+in_root "$VENV_IN_ROOT/bin/python" -m PyInstaller /src/builds/nexa.spec \
     --distpath /src/dist --workpath /src/build/pyinstaller --noconfirm --clean --log-level WARN
 [[ -x "$src/dist/nexa" ]] || fail "pyinstaller finished but the binary is missing"
 pyi_s=$(($(date +%s) - t_build))

@@ -34,7 +34,7 @@ from tests.support.models import registry_config
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-#: A cold build (debootstrap's second stage, pip and PyInstaller, all emulated) on a 2-core machine.
+#: A cold build on a 2-core machine (debootstrap, then PyInstaller emulated; minutes more when the machine is busy).
 BUILD_TIMEOUT_S = 3600
 #: Everything is slower under emulation; a start of the one-file binary takes a few seconds.
 EMULATED_START_S = 60
