@@ -19,7 +19,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 from cryptography.exceptions import InvalidSignature, InvalidTag
@@ -28,10 +28,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from nexa.contracts import codec
-from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
-from nexa.contracts.evidence import EvidenceManifest, EvidenceSigned, GateReport, ReportSignature, SimSummary
-from nexa.contracts.gateway import Receipt, SignedReceipt
-from nexa.contracts.qualification import Qualification, SignedQualification
 from nexa.errors import (
     BadSignature,
     ClockSkew,
@@ -41,6 +37,12 @@ from nexa.errors import (
     ControllerKeyMismatch,
     Replayed,
 )
+
+if TYPE_CHECKING:  # the controller's and the release tools' signed records: imported where they are built
+    from nexa.contracts.api import AuditCheckpoint, SignedAuditCheckpoint
+    from nexa.contracts.evidence import EvidenceManifest, EvidenceSigned, GateReport, ReportSignature, SimSummary
+    from nexa.contracts.gateway import Receipt, SignedReceipt
+    from nexa.contracts.qualification import Qualification, SignedQualification
 
 log = logging.getLogger(__name__)
 
@@ -272,6 +274,8 @@ def _receipt_bytes(receipt: Receipt) -> bytes:
 
 def sign_receipt(key: SigningKey, receipt: Receipt) -> SignedReceipt:
     """Sign a receipt's canonical JSON (`codec.wire`); signature and public key in standard base64."""
+    from nexa.contracts.gateway import SignedReceipt
+
     signature = key._key.sign(_receipt_bytes(receipt))
     return SignedReceipt(
         receipt=receipt,
@@ -331,6 +335,8 @@ def _checkpoint_bytes(checkpoint: AuditCheckpoint) -> bytes:
 
 def sign_audit_checkpoint(key: SigningKey, checkpoint: AuditCheckpoint) -> SignedAuditCheckpoint:
     """Sign the audit head (`nexa audit head`); signature and public key in standard base64."""
+    from nexa.contracts.api import SignedAuditCheckpoint
+
     signature = key._key.sign(_checkpoint_bytes(checkpoint))
     return SignedAuditCheckpoint(
         checkpoint=checkpoint, signature=base64.b64encode(signature).decode("ascii"), public_key=key.public.b64
@@ -378,6 +384,8 @@ def _canonical_body(record: object) -> bytes:
 
 def sign_evidence(key: SigningKey, manifest: EvidenceManifest) -> EvidenceSigned:
     """The controller's signature over a release-evidence manifest (`POST /api/v1/evidence`)."""
+    from nexa.contracts.evidence import EvidenceSigned
+
     signature = sign(key, EVIDENCE_KIND, evidence_body(manifest))
     return EvidenceSigned(
         manifest=manifest, signature=base64.b64encode(signature).decode("ascii"), public_key=key.public.b64
@@ -448,6 +456,8 @@ GATE_REPORT_KIND: Final = b"nexa-gate-report-v1"
 
 
 def _report_kind(report: SimSummary | GateReport) -> bytes:
+    from nexa.contracts.evidence import SimSummary
+
     return SIM_REPORT_KIND if isinstance(report, SimSummary) else GATE_REPORT_KIND
 
 
@@ -458,6 +468,8 @@ def report_body(report: SimSummary | GateReport) -> bytes:
 
 def sign_report(key: SigningKey, report: SimSummary | GateReport) -> ReportSignature:
     """A detached signature over a sim summary or gate report, by the release pipeline's key."""
+    from nexa.contracts.evidence import ReportSignature
+
     signature = sign(key, _report_kind(report), report_body(report))
     return ReportSignature(public_key=key.public.b64, signature=base64.b64encode(signature).decode("ascii"))
 
@@ -499,6 +511,8 @@ def qualification_body(record: Qualification) -> bytes:
 
 def sign_qualification(key: SigningKey, record: Qualification) -> SignedQualification:
     """The controller's signature over a runtime qualification (`nexa runtimes qualify`)."""
+    from nexa.contracts.qualification import SignedQualification
+
     signature = sign(key, QUALIFICATION_KIND, qualification_body(record))
     return SignedQualification(
         qualification=record, signature=base64.b64encode(signature).decode("ascii"), public_key=key.public.b64

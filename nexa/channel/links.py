@@ -22,7 +22,6 @@ import attrs
 import trio
 import zmq
 from zmq.utils import z85
-from zmq.utils.monitor import parse_monitor_message
 
 from nexa import security
 from nexa.channel.framing import decode_data, decode_frames, encode_data, encode_frames, is_data
@@ -345,6 +344,10 @@ class Link:
     async def _watch_disconnects(self, monitor: _Socket) -> NoReturn:
         """Tell `on_disconnect` which node's connection libzmq closed: the peer left or went silent,
         or libzmq dropped it (a message over its own bound, a protocol error)."""
+        # Here, not at the top: zmq.utils.monitor imports zmq.asyncio (all of asyncio), and only the
+        # controller's Link watches; a node's Uplink never loads it (perf/node_memory.py).
+        from zmq.utils.monitor import parse_monitor_message
+
         fd = monitor.fileno()  # edge-triggered, as the pump's
         while True:
             while read_events(monitor) & zmq.POLLIN:

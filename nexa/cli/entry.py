@@ -19,24 +19,7 @@ from pathlib import Path
 from typing import Final
 
 from nexa import __version__, config
-from nexa.cli import (
-    audit,
-    backup,
-    bench,
-    deployments,
-    docs,
-    evidence,
-    gateway,
-    keys,
-    models,
-    nodes,
-    recovery,
-    registry,
-    retention,
-    roles,
-    sim,
-)
-from nexa.cli.common import common_flags
+from nexa.cli import roles
 from nexa.cli.output import terminal_safe_stdout
 from nexa.contracts.text import visible_text
 from nexa.errors import ConfigError, NexaError, RemoteError, StoreUnusable
@@ -47,9 +30,15 @@ EXIT_USAGE: Final = 2
 EXIT_STORE_UNUSABLE: Final = 3
 EXIT_INTERRUPTED: Final = 130
 
+#: The commands `roles.add_commands` registers: a process started as one of them runs that role to
+#: its end, so its parser holds the roles alone and the operator commands (and all they import:
+#: tables, API contracts, the HTTP client) stay out of a node agent's memory.
+ROLE_COMMANDS: Final = frozenset({"control", "node", "demo", "sim-runtime"})
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = parser(roles_only=bool(argv) and argv[0] in ROLE_COMMANDS)
     args = p.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
     if handler is None:
@@ -73,9 +62,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def parser() -> argparse.ArgumentParser:
+def parser(*, roles_only: bool = False) -> argparse.ArgumentParser:
+    """The `nexa` command line; with `roles_only`, the long-running roles' commands alone (`ROLE_COMMANDS`)."""
     p = argparse.ArgumentParser(prog="nexa", description="LunaNexa model and GPU-cluster control plane")
     sub = p.add_subparsers(metavar="COMMAND")
+    if roles_only:
+        roles.add_commands(sub)
+        return p
+    from nexa.cli import (
+        audit,
+        backup,
+        bench,
+        deployments,
+        docs,
+        evidence,
+        gateway,
+        keys,
+        models,
+        nodes,
+        recovery,
+        registry,
+        retention,
+        sim,
+    )
+    from nexa.cli.common import common_flags
 
     s = sub.add_parser("version", help="print the version")
     s.set_defaults(handler=_cmd_version)

@@ -1,24 +1,18 @@
-"""`nexa nodes`: the fleet (operator; revoke, rotate: admin); and `nexa node rotate-keys`, on the node."""
+"""`nexa nodes`: the fleet (operator; revoke, rotate: admin). `nexa node rotate-keys`, on the node, is in `roles`."""
 
 from __future__ import annotations
 
 import argparse
-import time
-from pathlib import Path
 from typing import Any, Final
 
-from nexa import config
 from nexa.cli import common
 from nexa.cli.output import gib, print_json, size_text
 from nexa.cli.tables import NODE, NODES, accelerators
 from nexa.contracts.api import NodeView
 from nexa.contracts.node import Gpu, NodeInventory
 from nexa.contracts.wire import CacheDisk, ReplicaMemory, RuntimeCacheDisk, RuntimeLoad
-from nexa.errors import Conflict, Unavailable
 
 EXIT_OK: Final = 0
-#: How often `nexa node rotate-keys` looks whether the agent has switched to the new keys.
-_ROTATE_POLL_S: Final = 0.2
 
 
 def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
@@ -36,17 +30,6 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s = nodes.add_parser("rotate", parents=[common_flags], help="ask a node over its channel to rotate its keys")
     s.add_argument("node_id")
     s.set_defaults(handler=_nodes_rotate)
-
-
-def add_node_commands(verbs: Any) -> None:
-    """`nexa node rotate-keys` (registered under `nexa node` by cli/roles.py)."""
-    s = verbs.add_parser("rotate-keys", help="make new node keys and have the running agent rotate to them")
-    s.add_argument("--config", dest="rotate_config", default=None, help="node TOML config (for state_dir)")
-    s.add_argument("--state-dir", dest="rotate_state_dir", help="overrides state_dir")
-    s.add_argument(
-        "--wait", type=float, default=60.0, help="seconds to wait for the agent to finish (0: do not wait; default 60)"
-    )
-    s.set_defaults(handler=_node_rotate_keys)
 
 
 def _nodes_show(args: argparse.Namespace) -> int:
@@ -139,35 +122,6 @@ def _nodes_rotate(args: argparse.Namespace) -> int:
         print_json(n)
     else:
         print(f"node {n.id}: asked to rotate its keys; `node.keys_rotated` in `nexa audit list` shows when it has")
-    return EXIT_OK
-
-
-def _node_rotate_keys(args: argparse.Namespace) -> int:
-    from nexa.node import identity
-
-    path = args.rotate_config or args.config
-    cfg = config.load(path, config.NodeConfig) if path else config.NodeConfig()
-    state_dir = Path(args.rotate_state_dir or args.state_dir or cfg.state_dir)
-    node_id = identity.load_enrollment(state_dir).node_id
-    pending = identity.prepare_rotation(state_dir)
-    fingerprint = pending.signing_key.public.fingerprint
-    print(f"node {node_id}: new keys made (signing key {fingerprint}); the running agent sends them to the controller")
-    if args.wait <= 0:
-        return EXIT_OK
-    deadline = time.monotonic() + args.wait
-    while identity.load_pending_keys(state_dir) is not None:
-        if time.monotonic() >= deadline:
-            raise Unavailable(
-                f"the agent has not rotated to the new keys within {args.wait:g} s: is `nexa node` running and "
-                "connected? The new keys stay in the state directory and take effect once the controller confirms them"
-            )
-        time.sleep(_ROTATE_POLL_S)
-    if identity.load_identity(state_dir).signing_key.public != pending.signing_key.public:
-        raise Conflict(
-            "the controller refused the new keys (the agent's log and `node.message.rejected` in the audit say why); "
-            "the node keeps its keys"
-        )
-    print(f"node {node_id}: keys rotated; the controller knows it by signing key {fingerprint}")
     return EXIT_OK
 
 

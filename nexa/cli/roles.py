@@ -1,7 +1,9 @@
-"""The processes `nexa` runs: `control`, `node` (and `node enroll | inventory | doctor`), `demo` and
-`sim-runtime`, each under trio until SIGTERM/SIGINT.
+"""The processes `nexa` runs: `control`, `node` (and `node enroll | inventory | doctor | rotate-keys`), `demo`
+and `sim-runtime`, each under trio until SIGTERM/SIGINT.
 
-Each role is imported lazily, so that `nexa version` and the operator commands start fast.
+Each role is imported lazily, so that `nexa version` and the operator commands start fast; and this module
+imports no operator command, so that `nexa node` (whose parser `entry` builds from this module alone) does
+not load them either: the node agent's memory is what the agent uses (`perf/node_memory.py`).
 """
 
 from __future__ import annotations
@@ -12,18 +14,26 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
 
 from nexa import __version__, config
-from nexa.cli import nodes
 from nexa.cli.output import gib
-from nexa.errors import ConfigError, NexaError
+from nexa.errors import ConfigError, Conflict, NexaError, Unavailable
 
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1
+#: How often `nexa node rotate-keys` looks whether the agent has switched to the new keys.
+_ROTATE_POLL_S: Final = 0.2
+
+#: Optional parts of the HTTP libraries the node agent never uses: httpcore's HTTP/2 (h2, hpack,
+#: hyperframe) and SOCKS support, and its asyncio backend (anyio). `nexa node` marks them absent
+#: before it imports the agent (`None` in sys.modules), so httpcore takes its not-installed path and
+#: the agent's memory holds none of them. The controller, in its own process, serves HTTP/2 with h2.
+NODE_ABSENT_MODULES: Final = ("h2", "socksio", "anyio")
 
 #: The controller's young-generation GC threshold, in allocations (CPython's default is 700).
 CONTROLLER_GC_GEN0: Final = 10_000
@@ -88,7 +98,7 @@ def add_commands(sub: Any) -> None:
     s.add_argument("--state-dir", dest="enroll_state_dir", help="overrides state_dir")
     s.set_defaults(handler=_cmd_node_enroll)
     _node_tool_commands(verbs)
-    nodes.add_node_commands(verbs)
+    _node_rotate_command(verbs)
 
     _sim_runtime_command(sub)
 
@@ -221,6 +231,9 @@ def _node_config(args: argparse.Namespace) -> config.NodeConfig:
 
 
 def _cmd_node(args: argparse.Namespace) -> int:
+    for name in NODE_ABSENT_MODULES:
+        if name not in sys.modules:
+            sys.modules[name] = None  # type: ignore[assignment]
     from nexa.node.agent import NodeStarted, serve_node
     from nexa.telemetry import setup_logging
 
@@ -366,6 +379,46 @@ def _cmd_node_inventory(args: argparse.Namespace) -> int:
     print(f"data         {', '.join(inventory.data_classes) or '-'}")
     for problem in inventory.problems:
         print(f"problem      {problem}")
+    return EXIT_OK
+
+
+def _node_rotate_command(verbs: Any) -> None:
+    """`nexa node rotate-keys`: new keys on this node, which the running agent sends to the controller."""
+    s = verbs.add_parser("rotate-keys", help="make new node keys and have the running agent rotate to them")
+    s.add_argument("--config", dest="rotate_config", default=None, help="node TOML config (for state_dir)")
+    s.add_argument("--state-dir", dest="rotate_state_dir", help="overrides state_dir")
+    s.add_argument(
+        "--wait", type=float, default=60.0, help="seconds to wait for the agent to finish (0: do not wait; default 60)"
+    )
+    s.set_defaults(handler=_node_rotate_keys)
+
+
+def _node_rotate_keys(args: argparse.Namespace) -> int:
+    from nexa.node import identity
+
+    path = args.rotate_config or args.config
+    cfg = config.load(path, config.NodeConfig) if path else config.NodeConfig()
+    state_dir = Path(args.rotate_state_dir or args.state_dir or cfg.state_dir)
+    node_id = identity.load_enrollment(state_dir).node_id
+    pending = identity.prepare_rotation(state_dir)
+    fingerprint = pending.signing_key.public.fingerprint
+    print(f"node {node_id}: new keys made (signing key {fingerprint}); the running agent sends them to the controller")
+    if args.wait <= 0:
+        return EXIT_OK
+    deadline = time.monotonic() + args.wait
+    while identity.load_pending_keys(state_dir) is not None:
+        if time.monotonic() >= deadline:
+            raise Unavailable(
+                f"the agent has not rotated to the new keys within {args.wait:g} s: is `nexa node` running and "
+                "connected? The new keys stay in the state directory and take effect once the controller confirms them"
+            )
+        time.sleep(_ROTATE_POLL_S)
+    if identity.load_identity(state_dir).signing_key.public != pending.signing_key.public:
+        raise Conflict(
+            "the controller refused the new keys (the agent's log and `node.message.rejected` in the audit say why); "
+            "the node keeps its keys"
+        )
+    print(f"node {node_id}: keys rotated; the controller knows it by signing key {fingerprint}")
     return EXIT_OK
 
 

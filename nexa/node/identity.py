@@ -27,15 +27,17 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import attrs
 
 from nexa import security
 from nexa.channel import links
 from nexa.contracts import codec, wire
-from nexa.contracts.api import EnrollRequest, EnrollResponse
 from nexa.errors import ConfigError, ContractError
+
+if TYPE_CHECKING:  # `nexa node enroll`'s request and answer: the running agent never needs them
+    from nexa.contracts.api import EnrollRequest, EnrollResponse
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +171,8 @@ def enroll_request(state_dir: Path, token: str, hostname: str, agent_version: st
     secret, _ = _split_token(token)
     have_keys = (state_dir / SIGNING_KEY_FILE).exists() and (state_dir / f"{CURVE_KEY_NAME}.key").exists()
     signing_key, curve = _load_keys(state_dir) if have_keys else create_keys(state_dir)
+    from nexa.contracts.api import EnrollRequest
+
     return EnrollRequest(
         token=secret,
         hostname=hostname,
