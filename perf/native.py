@@ -175,6 +175,7 @@ def run_loadgen(
     with tempfile.NamedTemporaryFile(prefix="nexa-perf-body-") as f:
         f.write(body)
         f.flush()
+        build("sse_loadgen", cache)  # before the clock starts: a first build takes seconds
         now = time.monotonic()
         argv = loadgen_argv(target, Path(f.name), conc, (now, now, now + timeout_s), 0.0, max_requests, cache)
         limit = timeout_s + REQUEST_TIMEOUT_S + 10
@@ -207,6 +208,7 @@ def c_point(
     then `seconds` are measured: each watched process's CPU share, the load generator's, the rest."""
     body_file = scratch / f"body-{mode}.json"
     body_file.write_bytes(body)
+    build("sse_loadgen")  # before the clock starts: a first build takes seconds
     begin = time.monotonic() + warmup_s
     start = begin + ramp_s
     stop = start + seconds

@@ -1,7 +1,7 @@
 /* The paced upstream of perf/gateway.py's native mode: an OpenAI-compatible chat server that answers every
  * `POST /v1/chat/completions` asking `"stream": true` with an SSE stream of EVENTS content chunks, one every
  * 1/RATE s, then a usage chunk and `data: [DONE]`; a request without it gets one chat completion (JSON, with
- * `usage`). `GET /health` answers 200 (the node agent's probe), `GET /v1/models` the one model.
+ * `usage`). A request's `max_tokens`, when given, is its number of content chunks (tokens) instead of EVENTS. `GET /health` answers 200 (the node agent's probe), `GET /v1/models` the one model.
  *
  * The wire shapes are the OpenAI API reference's (Chat Completions, "The chat completion chunk object" and
  * "stream_options.include_usage": chunks of `object` "chat.completion.chunk" with `choices[].delta`, the last
@@ -53,6 +53,7 @@ typedef struct conn {
     /* the stream being answered, if any */
     int streaming;
     int sent;      /* content chunks written */
+    int events;    /* content chunks to write: max_tokens, else EVENTS */
     int64_t start; /* ns */
     int64_t due;   /* tick of the next event */
     long id;
@@ -167,7 +168,7 @@ static void write_event(conn *c, const char *payload, int len) {
 /* The next content chunk; after the last one the usage chunk, [DONE] and the chunked body's end. */
 static void emit(conn *c) {
     char buf[1024];
-    int last = c->sent == events_per_stream - 1;
+    int last = c->sent == c->events - 1;
     int n = snprintf(buf, sizeof buf,
                      "{\"id\":\"chatcmpl-perf-%ld\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
                      "\"model\":\"%s\",\"choices\":[{\"index\":0,\"delta\":{%s\"content\":\"tok \"},"
@@ -181,7 +182,7 @@ static void emit(conn *c) {
                  "{\"id\":\"chatcmpl-perf-%ld\",\"object\":\"chat.completion.chunk\",\"created\":%ld,"
                  "\"model\":\"%s\",\"choices\":[],\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,"
                  "\"total_tokens\":%d}}",
-                 c->id, (long)time(NULL), c->model, events_per_stream, 8 + events_per_stream);
+                 c->id, (long)time(NULL), c->model, c->events, 8 + c->events);
     write_event(c, buf, n);
     write_event(c, "[DONE]", 6);
     out_append(c, "0\r\n\r\n", 5);
@@ -223,6 +224,20 @@ static int asks_stream(const char *body, size_t len) {
     return end - p >= 4 && memcmp(p, "true", 4) == 0;
 }
 
+/* The request's `max_tokens` when it is a positive integer (at most MAX_TOKENS), else EVENTS. */
+#define MAX_TOKENS 100000
+static int request_events(const char *body, size_t len) {
+    const char *p = memmem(body, len, "\"max_tokens\"", 12);
+    if (!p) return events_per_stream;
+    const char *end = body + len;
+    p += 12;
+    while (p < end && (*p == ' ' || *p == ':')) p++;
+    long n = 0;
+    int digits = 0;
+    while (p < end && *p >= '0' && *p <= '9' && n <= MAX_TOKENS) n = n * 10 + (*p++ - '0'), digits++;
+    return digits && n > 0 && n <= MAX_TOKENS ? (int)n : events_per_stream;
+}
+
 static void answer_plain(conn *c, const char *status, const char *ctype, const char *body) {
     char head[256];
     int n = snprintf(head, sizeof head, "HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %zu\r\n\r\n", status,
@@ -235,13 +250,15 @@ static void answer_unary(conn *c) {
     char body[1024];
     char content[512] = "";
     size_t off = 0;
-    for (int i = 0; i < events_per_stream && off + 5 < sizeof content; i++) off += (size_t)sprintf(content + off, "%stok", i ? " " : "");
+    int tokens = 0;
+    for (; tokens < c->events && off + 5 < sizeof content; tokens++)
+        off += (size_t)sprintf(content + off, "%stok", tokens ? " " : "");
     snprintf(body, sizeof body,
              "{\"id\":\"chatcmpl-perf-%ld\",\"object\":\"chat.completion\",\"created\":%ld,\"model\":\"%s\","
              "\"choices\":[{\"index\":0,\"message\":{\"role\":\"assistant\",\"content\":\"%s\"},"
              "\"logprobs\":null,\"finish_reason\":\"stop\"}],"
              "\"usage\":{\"prompt_tokens\":8,\"completion_tokens\":%d,\"total_tokens\":%d}}",
-             c->id, (long)time(NULL), c->model, content, events_per_stream, 8 + events_per_stream);
+             c->id, (long)time(NULL), c->model, content, tokens, 8 + tokens);
     answer_plain(c, "200 OK", "application/json", body);
     n_unary++;
 }
@@ -263,6 +280,7 @@ static int handle_requests(conn *c) {
         c->id = next_id++;
         if (strncmp(c->in, "POST /v1/chat/completions ", 26) == 0) {
             request_model(body, body_len, c->model, sizeof c->model);
+            c->events = request_events(body, body_len);
             if (asks_stream(body, body_len)) {
                 static const char head[] =
                     "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
@@ -272,7 +290,7 @@ static int handle_requests(conn *c) {
                 c->start = now_ns();
                 if (!active_streams) last_tick = c->start / TICK_NS; /* the wheel idled: nothing to catch up */
                 emit(c); /* the first event at once */
-                if (c->sent < events_per_stream) {
+                if (c->sent < c->events) {
                     c->streaming = 1;
                     active_streams++;
                     c->due = due_tick(c);
@@ -322,7 +340,7 @@ static void advance(int64_t now_tick) {
             if (c->due <= t) {
                 wheel_remove(c);
                 emit(c);
-                if (c->sent < events_per_stream) {
+                if (c->sent < c->events) {
                     c->due = due_tick(c);
                     if (c->due <= t) c->due = t + 1;
                     wheel_add(c);

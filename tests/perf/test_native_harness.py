@@ -76,12 +76,18 @@ def test_the_paced_stream_parses_with_the_openai_sdk_as_chunks_usage_and_done(up
         assert chunks[-1].choices == [] and chunks[-1].usage is not None
         assert chunks[-1].usage.completion_tokens == EVENTS
 
+        # max_tokens, when given, is the number of content chunks (as a model's tokens)
+        short = client.chat.completions.create(
+            model="perf-model", messages=[{"role": "user", "content": "hi"}], stream=True, max_tokens=2
+        )
+        assert [c.choices[0].delta.content for c in short if c.choices] == ["tok ", "tok "]
+
         unary = client.chat.completions.create(model="perf-model", messages=[{"role": "user", "content": "hi"}])
         assert unary.choices[0].message.content == " ".join(["tok"] * EVENTS)
         assert unary.usage is not None and unary.usage.total_tokens == 8 + EVENTS
     sent = upstream.stop()
-    assert sent is not None and (sent.streams, sent.unary) == (1, 1)
-    assert sent.events == EVENTS + 2  # the content chunks, the usage chunk, [DONE]
+    assert sent is not None and (sent.streams, sent.unary) == (2, 1)
+    assert sent.events == EVENTS + 2 + 2 + 2  # each stream's content chunks, its usage chunk and [DONE]
 
 
 def test_the_load_generator_counts_exactly_the_events_the_upstream_sent(upstream: PacedUpstream, cache: Path) -> None:
