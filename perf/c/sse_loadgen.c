@@ -14,8 +14,9 @@
  * [START, STOP]. KEY "" sends no Authorization; MAX_REQUESTS > 0 stops each connection after that many
  * requests. Prints one JSON line: "latencies" and "ttfts" (s) of the 200 answers that ended in the
  * window, "events" (their events), "window_events" (events received in the window, whatever answer),
- * "completed", "errors" by kind, "cpu_s" (this process's CPU time in the window), "requests" and
- * "all_events" (every 200 answer and its events, in the window or not). Built by perf/native.py. */
+ * "completed", "errors" by kind ("connect", "io", "parse", "timeout", "status N" for an answer other than
+ * 200), "cpu_s" (this process's CPU time in the window), "requests" and "all_events" (every 200 answer and
+ * its events, in the window or not). Built by perf/native.py. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -74,6 +75,7 @@ static int epfd;
 static vec latencies, ttfts;
 static long long events_done, window_events, completed, requests_done, all_events;
 static long long errors[E_COUNT];
+static long long statuses[600]; /* answers other than 200, by status */
 static double cpu_start = -1, cpu_stop = -1;
 static int active;
 static double now;
@@ -232,6 +234,7 @@ static void answer_done(conn *c) {
         }
     } else {
         errors[E_STATUS]++;
+        statuses[c->status > 0 && c->status < 600 ? c->status : 0]++;
     }
     next(c);
 }
@@ -541,8 +544,13 @@ int main(int argc, char **argv) {
            events_done, window_events, completed, requests_done, all_events, cpu_stop - cpu_start);
     int first = 1;
     for (int k = 0; k < E_COUNT; k++) {
-        if (!errors[k]) continue;
+        if (!errors[k] || k == E_STATUS) continue; /* those by status, below */
         printf("%s\"%s\": %lld", first ? "" : ", ", error_names[k], errors[k]);
+        first = 0;
+    }
+    for (int k = 0; k < 600; k++) {
+        if (!statuses[k]) continue;
+        printf("%s\"status %d\": %lld", first ? "" : ", ", k, statuses[k]);
         first = 0;
     }
     printf("}}\n");

@@ -106,5 +106,5 @@ def test_the_load_generator_counts_exactly_the_events_the_upstream_sent(upstream
 def test_the_load_generator_counts_answers_other_than_200_as_errors(upstream: PacedUpstream, cache: Path) -> None:
     target = Target("direct", HOST, upstream.port, "/v1/nothing-here", "")
     loaded = run_loadgen(target, BODY, 2, max_requests=2, cache=cache)
-    assert loaded.result.errors == {"status": 4}
+    assert loaded.result.errors == {"status 404": 4}
     assert loaded.result.latencies == [] and loaded.all_events == 0
