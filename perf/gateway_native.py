@@ -170,6 +170,8 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
             f"{r.target:<12} {r.conc:>5} {p.rps:>9.1f} {rate:>9.0f} {rate / (r.conc * args.native_rate):>7.0%} "
             f"{fmt(p.ttft(0.5)):>9} {fmt(p.ttft(0.99)):>9} {behind:>6}  {errors}"
         )
+        if r.native.error_body:
+            print(f"{'':<18} the first answer other than 200 began: {r.native.error_body[:200]}")
     print()
     print("CPU per process: µs per relayed event / µs per request (stream) / % of one core")
     for r in paced:

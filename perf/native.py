@@ -154,6 +154,8 @@ class Loaded:
     #: Every 200 answer, and its events, in the window or not.
     requests: int
     all_events: int
+    #: The start of the first answer other than 200 ("" when none).
+    error_body: str = ""
 
 
 def parse_loadgen(out: str) -> Loaded:
@@ -165,7 +167,7 @@ def parse_loadgen(out: str) -> Loaded:
         errors={str(k): int(v) for k, v in got["errors"].items()},
         cpu_s=got["cpu_s"],
     )
-    return Loaded(result, got["window_events"], got["requests"], got["all_events"])
+    return Loaded(result, got["window_events"], got["requests"], got["all_events"], got["error_body"])
 
 
 def run_loadgen(
@@ -188,8 +190,10 @@ def run_loadgen(
 @attrs.frozen
 class NativePoint:
     point: Point
-    #: SSE events received in the window (the "per event" divisor), and the streams ended in it.
+    #: SSE events received in the window (the "per event" divisor).
     window_events: int
+    #: The start of the first answer other than 200 ("" when none).
+    error_body: str = ""
 
 
 def c_point(
@@ -227,4 +231,4 @@ def c_point(
     cpu["loadgen"] = loaded.result.cpu_s / seconds  # its own CPU clock over the window
     cpu["other"] = max(0.0, busy - sum(cpu.values()))
     point = Point(target=target.name, mode=mode, conc=conc, seconds=seconds, result=loaded.result, cpu=cpu)
-    return NativePoint(point=point, window_events=loaded.window_events)
+    return NativePoint(point=point, window_events=loaded.window_events, error_body=loaded.error_body)

@@ -16,7 +16,7 @@
  * window, "events" (their events), "window_events" (events received in the window, whatever answer),
  * "completed", "errors" by kind ("connect", "io", "parse", "timeout", "status N" for an answer other than
  * 200), "cpu_s" (this process's CPU time in the window), "requests" and "all_events" (every 200 answer and
- * its events, in the window or not). Built by perf/native.py. */
+ * its events, in the window or not), "error_body" (the start of the first answer other than 200). Built by perf/native.py. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -76,6 +76,9 @@ static vec latencies, ttfts;
 static long long events_done, window_events, completed, requests_done, all_events;
 static long long errors[E_COUNT];
 static long long statuses[600]; /* answers other than 200, by status */
+static char error_body[300];     /* the start of the first answer other than 200 */
+static size_t error_body_len;
+static int error_body_done;
 static double cpu_start = -1, cpu_stop = -1;
 static int active;
 static double now;
@@ -200,6 +203,8 @@ static void fail(conn *c, enum error kind) {
 static void feed(conn *c, const char *p, size_t n) {
     static const char prefix[] = "data:";
     if (!c->first) c->first = now;
+    if (c->status != 200 && !error_body_done)
+        for (size_t i = 0; i < n && error_body_len < sizeof error_body - 1; i++) error_body[error_body_len++] = p[i];
     for (size_t i = 0; i < n; i++) {
         char ch = p[i];
         if (ch == '\n') {
@@ -235,6 +240,7 @@ static void answer_done(conn *c) {
     } else {
         errors[E_STATUS]++;
         statuses[c->status > 0 && c->status < 600 ? c->status : 0]++;
+        error_body_done = 1;
     }
     next(c);
 }
@@ -553,6 +559,12 @@ int main(int argc, char **argv) {
         printf("%s\"status %d\": %lld", first ? "" : ", ", k, statuses[k]);
         first = 0;
     }
-    printf("}}\n");
+    printf("}, \"error_body\": \"");
+    for (size_t i = 0; i < error_body_len; i++) {
+        unsigned char ch = (unsigned char)error_body[i];
+        if (ch == '"' || ch == '\\') printf("\\%c", ch);
+        else putchar(ch < 0x20 || ch > 0x7e ? '?' : ch);
+    }
+    printf("\"}\n");
     return 0;
 }

@@ -107,4 +107,5 @@ def test_the_load_generator_counts_answers_other_than_200_as_errors(upstream: Pa
     target = Target("direct", HOST, upstream.port, "/v1/nothing-here", "")
     loaded = run_loadgen(target, BODY, 2, max_requests=2, cache=cache)
     assert loaded.result.errors == {"status 404": 4}
+    assert loaded.error_body.startswith('{"error":')
     assert loaded.result.latencies == [] and loaded.all_events == 0
