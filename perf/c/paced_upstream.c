@@ -12,8 +12,8 @@
  * `Transfer-Encoding: chunked` answer).
  *
  * One thread, epoll, non-blocking sockets; the streams' next events wait on a timer wheel of 1 ms slots
- * (no thread and no timer per stream): the loop sleeps until the next tick while a stream is due, and each
- * tick writes every event due in it. Event i of a stream is due at its start + i/RATE s (no drift).
+ * (no thread and no timer per stream): the loop sleeps until the next slot that holds a stream, and writes
+ * every event due up to then. Event i of a stream is due at its start + i/RATE s (no drift).
  *
  *   paced_upstream HOST PORT EVENTS RATE
  *
@@ -42,6 +42,7 @@
 #define TICK_NS 1000000LL /* one wheel slot: 1 ms */
 #define WHEEL 8192        /* slots: 8.2 s ahead, more than any interval between two events */
 #define MAX_EVENTS 512
+#define SCAN_SLOTS 1000   /* the loop looks this far ahead for the next stream due (then wakes anyway) */
 
 typedef struct conn {
     int fd;
@@ -405,9 +406,11 @@ int main(int argc, char **argv) {
     struct epoll_event evs[MAX_EVENTS];
     while (!stopping) {
         int timeout = -1;
-        if (active_streams) {
+        if (active_streams) { /* sleep until the next slot that holds a stream, not tick by tick */
+            int64_t slot = last_tick + 1;
+            while (slot < last_tick + SCAN_SLOTS && !wheel[slot % WHEEL]) slot++;
             int64_t now = now_ns();
-            int64_t next = (last_tick + 1) * TICK_NS;
+            int64_t next = slot * TICK_NS;
             timeout = next > now ? (int)((next - now + 999999) / 1000000) : 0;
         }
         int n = epoll_wait(epfd, evs, MAX_EVENTS, timeout);

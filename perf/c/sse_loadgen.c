@@ -170,7 +170,7 @@ static void send_request(conn *c) {
         c->woff += (size_t)n;
         if (c->woff == request_len) break;
     }
-    c->sent = now;
+    c->sent = now = mono(); /* the answer may be read before the loop reads the clock again */
     c->st = HEAD;
     watch(c, EPOLLIN, EPOLL_CTL_MOD);
 }
@@ -396,6 +396,7 @@ static void on_readable(conn *c) {
             return;
         }
         c->len += (size_t)n;
+        now = mono();
         /* an answer may end, and the next request go out, in the middle of what was read */
         while (!parse(c) && c->st == HEAD && c->len) {
         }
@@ -431,7 +432,7 @@ static void on_writable(conn *c) {
             }
             c->woff += (size_t)n;
         }
-        c->sent = now;
+        c->sent = now = mono();
         c->st = HEAD;
         watch(c, EPOLLIN, EPOLL_CTL_MOD);
     }
