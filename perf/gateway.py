@@ -17,7 +17,13 @@ The load generator (`perf/loadgen.py`) is raw HTTP/1.1 keep-alive over trio sock
 agent, the sim runtime, LiteLLM and the client during each point. Bounded in time; stops only what it
 started, by PID.
 
+`--modes native` (perf/gateway_native.py) measures the gateways with a C load generator and a paced C
+upstream (perf/c/, built by perf/native.py) that cost tens of µs per event at most where a Python gateway
+costs hundreds, vllm-router too: CPU µs per relayed event and per request by process, the added p50 at
+c=1 and the TTFC.
+
     .venv/bin/python perf/gateway.py --seconds 5
+    .venv/bin/python perf/gateway.py --modes native --native-streams 1000 --native-seconds 10
 """
 
 from __future__ import annotations

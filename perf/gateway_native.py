@@ -1,4 +1,4 @@
-"""`perf/gateway.py --modes native`: the gateways measured with load that costs a few µs per event.
+"""`perf/gateway.py --modes native`: the gateways measured with load that costs little per event.
 
 The upstream is perf/c/paced_upstream.c (every stream `--native-events` content chunks at
 `--native-rate` events/s, then a usage chunk and `data: [DONE]`), the client perf/c/sse_loadgen.c (one
@@ -145,9 +145,10 @@ def report(rows: list[Row], args: argparse.Namespace) -> None:
         up, sp = u.native.point, s.native.point
         add_u = up.lat(0.5) - du.native.point.lat(0.5) if du and name != "direct" else float("nan")
         add_s = sp.ttft(0.5) - ds.native.point.ttft(0.5) if ds and name != "direct" else float("nan")
+        ms = ".3f"
         print(
-            f"{name:<12} {fmt(up.lat(0.5)):>9} {fmt(add_u):>7} {fmt(up.lat(0.99)):>7} {fmt(sp.ttft(0.5)):>9} "
-            f"{fmt(add_s):>7} {fmt(sp.ttft(0.99)):>9}"
+            f"{name:<12} {fmt(up.lat(0.5), ms):>9} {fmt(add_u, ms):>7} {fmt(up.lat(0.99), ms):>7} "
+            f"{fmt(sp.ttft(0.5), ms):>9} {fmt(add_s, ms):>7} {fmt(sp.ttft(0.99), ms):>9}"
         )
     paced = [r for r in rows if r.kind == "paced"]
     if not paced:

@@ -2,8 +2,8 @@
 
 Both are C sources under perf/c/, built with the system's C compiler (Debian's gcc as `cc`) into
 `~/.cache/nexa-perf/c/NAME-HASH`, HASH being the source's and the flags' SHA-256, so a changed source
-builds anew and an unchanged one is built once. They cost a few µs of CPU per event, so what the
-benchmark measures is the gateway, not its load.
+builds anew and an unchanged one is built once. They cost little CPU per event (mostly the kernel's), so
+what the benchmark measures is the gateway, not its load.
 
 - `PacedUpstream` runs `paced_upstream` (perf/c/paced_upstream.c): every streamed chat completion is
   `events` content chunks at `rate` events/s, a usage chunk and `data: [DONE]`; a unary one is one JSON
