@@ -17,7 +17,13 @@ The load generator (`perf/loadgen.py`) is raw HTTP/1.1 keep-alive over trio sock
 agent, the sim runtime, LiteLLM and the client during each point. Bounded in time; stops only what it
 started, by PID.
 
+`--modes native` (perf/gateway_native.py) measures the gateways with a C load generator and a paced C
+upstream (perf/c/, built by perf/native.py) that cost tens of µs per event at most where a Python gateway
+costs hundreds, vllm-router too: CPU µs per relayed event and per request by process, the added p50 at
+c=1 and the TTFC.
+
     .venv/bin/python perf/gateway.py --seconds 5
+    .venv/bin/python perf/gateway.py --modes native --native-streams 1000 --native-seconds 10
 """
 
 from __future__ import annotations
@@ -48,19 +54,25 @@ from nexa.localparts import S3_REGION, LocalRegistry, LocalS3, free_ports, stop,
 from nexa.s3.client import S3Client
 from nexa.s3.credentials import write_s3_credentials
 from nexa.sigv4 import S3Credentials
+from perf import gateway_native
 from perf.loadgen import Point, Target, run_point
+from perf.native import PacedUpstream
 from perf.upstream import Nginx, sse_body, unary_body, wrk_point
 
 Json = dict[str, Any]
 #: The node's loopback address: its agent dials from it and its runtimes listen on it.
 NODE_HOST = "127.0.0.7"
 START_TIMEOUT_S = 60.0
+#: LiteLLM proxy imports for a minute or more on a busy 2-core machine.
+LITELLM_START_TIMEOUT_S = 300.0
 S3_BUCKET = "nexa-models"
-LITELLM_VENV = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nexa-perf" / "litellm-venv"
+PERF_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nexa-perf"
+LITELLM_VENV = PERF_CACHE / "litellm-venv"
+VLLM_ROUTER_VENV = PERF_CACHE / "vllm-router-venv"
 PROMPT = "say something short about the weather"
 #: The model name (an alias of the one model) each kind of request asks for: nginx answers one
 #: fixed body per port, so unary and streamed requests reach different deployments.
-ALIASES = {"unary": "chat", "stream": "chat-stream", "paced": "chat-paced"}
+ALIASES = {"unary": "chat", "stream": "chat-stream", "paced": "chat-paced", "native": gateway_native.ALIAS}
 #: The paced-stream test's token rate per stream, and the most streams it tries.
 PACED_TOKENS_PER_S = 20
 MAX_STREAMS = 8192
@@ -94,16 +106,16 @@ class Processes:
         self.started[name] = proc
         return proc
 
-    def wait(self, name: str, ready: Callable[[], bool], what: str) -> None:
+    def wait(self, name: str, ready: Callable[[], bool], what: str, timeout_s: float = START_TIMEOUT_S) -> None:
         """Poll `ready` (a refused connection counts as not yet) until it holds: Unavailable, with the
-        log's tail, if `name` exits first or START_TIMEOUT_S passes."""
+        log's tail, if `name` exits first or `timeout_s` passes."""
 
         def check() -> bool:
             with contextlib.suppress(httpx.HTTPError, OSError):
                 return ready()
             return False
 
-        wait_until(check, self.started[name], what, self.logs / f"{name}.log", START_TIMEOUT_S)
+        wait_until(check, self.started[name], what, self.logs / f"{name}.log", timeout_s)
 
     def tail(self, name: str, chars: int = 2000) -> str:
         with contextlib.suppress(OSError):
@@ -240,15 +252,15 @@ def start_cluster(
     node = procs.start("node", [sys.executable, *profile, "-m", "nexa", "node", "--config", str(node_config)], env=env)
     procs.wait("node", lambda: any(n["state"] == "Ready" for n in ok(admin.get("/api/v1/nodes"))["nodes"]), "node")
 
-    # The nginx deployments: the agent relays to the spec's port, where nginx listens (the upstream of
-    # every target); the sim runtime it supervises there is a stand-in that `--port` moves aside (a
-    # later flag wins over the one the node puts first), so its /health probe reaches nginx.
-    for mode in ("unary", "stream"):
+    # The nginx (and paced C upstream) deployments: the agent relays to the spec's port, where the
+    # upstream of every target listens; the sim runtime it supervises there is a stand-in that `--port`
+    # moves aside (a later flag wins over the one the node puts first), so its /health probe reaches the upstream.
+    for mode, port in upstream_ports.items():
         stand_in = ["--port", str(free_ports(1, NODE_HOST)[0])]
-        deploy(admin, f"perf-{mode}", ALIASES[mode], upstream_ports[mode], stand_in)
+        deploy(admin, f"perf-{mode}", ALIASES[mode], port, stand_in)
     paced = ["--ttft-ms", "0", "--tokens-per-s", str(PACED_TOKENS_PER_S), "--output-tokens", str(args.paced_tokens)]
     deploy(admin, "perf-paced", ALIASES["paced"], free_ports(1, NODE_HOST)[0], paced, args.paced_replicas)
-    names = [f"perf-{mode}" for mode in ALIASES]
+    names = [f"perf-{mode}" for mode in (*upstream_ports, "paced")]
 
     def ready() -> bool:
         deps = [ok(admin.get(f"/api/v1/deployments/{name}"))["deployment"] for name in names]
@@ -282,21 +294,27 @@ def deploy(admin: httpx.Client, name: str, alias: str, port: int, command: list[
     ok(admin.post("/api/v1/deployments", json=deployment))
 
 
-def litellm_python() -> Path:
-    """The venv with `litellm[proxy]`, created on first use."""
-    python = LITELLM_VENV / "bin" / "python"
-    if (LITELLM_VENV / "bin" / "litellm").exists():
-        return python
-    print(f"installing litellm[proxy] into {LITELLM_VENV} (first use) ...", flush=True)
-    LITELLM_VENV.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["python3", "-m", "venv", str(LITELLM_VENV)], check=True, timeout=300)
+def cached_venv(venv: Path, requirement: str, executable: str) -> Path:
+    """The venv at `venv` with `requirement` installed (on first use, from PyPI); its `executable`."""
+    found = venv / "bin" / executable
+    if found.exists():
+        return found
+    print(f"installing {requirement} into {venv} (first use) ...", flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["python3", "-m", "venv", str(venv)], check=True, timeout=300)
     subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", "litellm[proxy]"],
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", requirement],
         check=True,
         timeout=900,
         stdout=subprocess.DEVNULL,
     )
-    return python
+    return found
+
+
+def litellm_python() -> Path:
+    """The venv with `litellm[proxy]`, created on first use."""
+    cached_venv(LITELLM_VENV, "litellm[proxy]", "litellm")
+    return LITELLM_VENV / "bin" / "python"
 
 
 def start_litellm(procs: Processes, base: Path, upstreams: dict[str, str]) -> tuple[str, str, int]:
@@ -338,8 +356,40 @@ def start_litellm(procs: Processes, base: Path, upstreams: dict[str, str]) -> tu
         "litellm",
         lambda: httpx.post(f"{url}/v1/chat/completions", json=body, headers=auth, timeout=10).status_code == 200,
         "litellm",
+        LITELLM_START_TIMEOUT_S,
     )
     return url, master_key, proc.pid
+
+
+def package_version(venv: Path, package: str) -> str:
+    done = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", f"import importlib.metadata as m; print(m.version({package!r}))"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    return done.stdout.strip()
+
+
+def start_vllm_router(procs: Processes, upstream: str) -> tuple[str, int]:
+    """vllm-router (the vLLM project's Rust router, PyPI `vllm-router`, installed on first use into its own
+    venv) with `upstream` as its one worker; its URL and PID. It routes by worker, not by model name."""
+    router = cached_venv(VLLM_ROUTER_VENV, "vllm-router", "vllm-router")
+    port = free_ports(1)[0]
+    argv = [str(router), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", upstream]
+    argv += ["--policy", "round_robin", "--log-level", "warning"]
+    argv += ["--max-concurrent-requests", str(MAX_STREAMS), "--queue-size", str(MAX_STREAMS)]
+    argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_ports(1)[0])]
+    proc = procs.start("vllm-router", argv)
+    url = f"http://127.0.0.1:{port}"
+    body = {"model": gateway_native.ALIAS, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4}
+    procs.wait(
+        "vllm-router",
+        lambda: httpx.post(f"{url}/v1/chat/completions", json=body, timeout=10).status_code == 200,
+        "vllm-router",
+    )
+    return url, proc.pid
 
 
 # --- the points (the load generator is perf/loadgen.py) ------------------------------------------------
@@ -554,17 +604,30 @@ def main() -> int:
     parser.add_argument("--stream-tokens", type=int, default=64, help="content chunks of nginx's streamed answer")
     parser.add_argument("--wrk-threads", type=int, default=1, help="wrk threads (-t; at most c)")
     parser.add_argument("--client-procs", type=int, default=1, help="streaming load-generator processes (at most c)")
-    parser.add_argument("--targets", default="direct,control,litellm", help="which to measure (interleaved)")
+    parser.add_argument(
+        "--targets", default="direct,control,litellm,vllm-router", help="which to measure (interleaved)"
+    )
+    parser.add_argument(
+        "--modes",
+        default="unary,stream,paced",
+        help="unary and stream (nginx, wrk, perf/loadgen.py), paced (the sim runtime, through control), "
+        "native (the C load generator and paced C upstream; vllm-router is measured only here)",
+    )
     parser.add_argument("--paced-streams", default="50,100,200,400,800,1600,3200", help="N to try, until one fails")
     parser.add_argument("--paced-tokens", type=int, default=40, help="tokens per paced stream (at 20 tokens/s)")
     parser.add_argument("--paced-replicas", type=int, default=1, help="sim replicas of the paced deployment")
+    parser.add_argument("--native-streams", default="1000", help="native: concurrent paced streams, N[,N...]")
+    parser.add_argument("--native-events", type=int, default=40, help="native: content chunks per stream")
+    parser.add_argument("--native-rate", type=float, default=20.0, help="native: events per second per stream")
+    parser.add_argument("--native-seconds", type=float, default=10.0, help="native: measured seconds per N")
     parser.add_argument("--profile-controller", default="", help="run the controller under cProfile, to this file")
     parser.add_argument("--profile-node", default="", help="run the node agent under cProfile, to this file")
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable, *sys.argv]), flush=True)
     wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
-    concs = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    stream_concs = [int(c) for c in args.stream_concurrency.split(",") if c.strip()]
+    modes = {m.strip() for m in args.modes.split(",") if m.strip()}
+    concs = [int(c) for c in args.concurrency.split(",") if c.strip()] if "unary" in modes else []
+    stream_concs = [int(c) for c in args.stream_concurrency.split(",") if c.strip()] if "stream" in modes else []
     print(f"machine: {os.cpu_count()} CPUs; {args.seconds:g} s per point; stream client processes: {args.client_procs}")
 
     with tempfile.TemporaryDirectory(prefix="nexa-perf-") as tmp, contextlib.ExitStack() as parts:
@@ -586,11 +649,19 @@ def main() -> int:
         started = time.monotonic()
         nginx_pid = nginx.start()
         print(f"nginx (pid {nginx_pid}) on {NODE_HOST}:{ports['unary']} (unary) and :{ports['stream']} (SSE)")
+        upstream = None
+        if "native" in modes:
+            ports["native"] = free_ports(1, NODE_HOST)[0]
+            upstream = PacedUpstream(NODE_HOST, ports["native"], args.native_events, args.native_rate)
+            parts.callback(upstream.stop)
+            print(f"paced C upstream (pid {upstream.start()}) on {NODE_HOST}:{ports['native']}")
         registry.start()
         s3.start()
         cluster = start_cluster(procs, base, registry, s3, args, ports)
         print(f"set up nginx, registry, S3, controller, node and deployments in {time.monotonic() - started:.1f} s")
         watched = {"control": cluster.controller_pid, "node": cluster.node_pid, "nginx": nginx_pid}
+        if upstream is not None and upstream.proc is not None:
+            watched["upstream"] = upstream.proc.pid
         ctl = httpx.URL(cluster.url)
         assert ctl.port is not None
         path = "/v1/chat/completions"
@@ -610,23 +681,26 @@ def main() -> int:
                 assert lu.port is not None
                 targets["litellm"] = {mode: Target("litellm", lu.host, lu.port, path, master_key) for mode in ports}
                 watched["litellm"] = pid
-                version = subprocess.run(
-                    [
-                        str(LITELLM_VENV / "bin" / "python"),
-                        "-c",
-                        "import importlib.metadata as m; print(m.version('litellm'))",
-                    ],
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                    check=False,
-                )
-                print(f"LiteLLM proxy {version.stdout.strip()} (1 worker) on {url}")
+                print(f"LiteLLM proxy {package_version(LITELLM_VENV, 'litellm')} (1 worker) on {url}")
+        if upstream is not None and "vllm-router" in wanted:
+            try:
+                url, pid = start_vllm_router(procs, upstream.url)
+            except (RuntimeError, Unavailable, OSError, subprocess.SubprocessError) as exc:
+                print(f"vllm-router could not start ({exc}); measuring the others")
+                print(procs.tail("vllm-router", 1500))
+            else:
+                vu = httpx.URL(url)
+                assert vu.port is not None
+                targets["vllm-router"] = {"native": Target("vllm-router", vu.host, vu.port, path, "")}
+                watched["vllm-router"] = pid
+                print(f"vllm-router {package_version(VLLM_ROUTER_VENV, 'vllm-router')} on {url}")
         order = [t for t in wanted if t in targets]
         points = []
         # Interleaved: every target at one (mode, c) before the next, so the machine's noise hits all alike.
         for mode, conc in [("unary", c) for c in concs] + [("stream", c) for c in stream_concs]:
             for name in order:
+                if mode not in targets[name]:
+                    continue
                 points.append(measure(targets[name][mode], mode, conc, args, watched))
                 p = points[-1]
                 if mode == "unary":
@@ -637,12 +711,19 @@ def main() -> int:
                         flush=True,
                     )
         steps: list[PacedStep] = []
-        if "control" in targets and args.paced_streams.strip():
+        if "paced" in modes and "control" in targets and args.paced_streams.strip():
             paced_watched = {"control": cluster.controller_pid, "node": cluster.node_pid}
             if cluster.runtime_pid:
                 paced_watched["sim"] = cluster.runtime_pid
             steps = paced(targets["control"]["paced"], args, paced_watched)
-        report(points, order, steps)
+        rows = []
+        if upstream is not None:
+            native = [name for name in order if "native" in targets[name]]
+            rows = gateway_native.measure({n: targets[n]["native"] for n in native}, native, args, watched, base)
+        if points or steps:
+            report(points, order, steps)
+        if rows:
+            gateway_native.report(rows, args)
     return 0
 
 
