@@ -30,6 +30,7 @@ COALESCE_BYTES: Final = 64 * 1024
 
 @attrs.frozen(kw_only=True)
 class PumpStatistics:
+    #: zmq messages (several data messages a node joined count as one: `ZmqPump`'s coalesce).
     received: int
     sent: int
     #: Messages a ROUTER could not route (peer gone or not keeping up); never silent.
