@@ -117,6 +117,10 @@ class DataSender(Protocol):
 
     async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None: ...
 
+    def send_data_nowait(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
+        """Queue without waiting; trio.WouldBlock when the outbox is full."""
+        ...
+
 
 @attrs.frozen(kw_only=True)
 class Routed:

@@ -1,6 +1,9 @@
 """The node channel's frames: signed messages `[kind, body, signature]` and the unsigned data-path
 frames `[kind, request_id, head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone authenticates.
-Pure: `nexa.channel.links` moves them over its sockets.
+A node joins the data messages queued at once into one zmq message, its groups of four frames in
+order (`joins_data`, `decode_data_batch`): several streams' frames cost the two ends one send and
+one receive. Signed messages always travel alone. Pure: `nexa.channel.links` moves them over its
+sockets.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ Frames = list[bytes]
 
 #: Longest request id a data frame may carry (bytes of UTF-8).
 MAX_REQUEST_ID_BYTES: Final = 128
+#: Most data messages (groups of four frames) one zmq message may carry.
+MAX_DATA_BATCH: Final = 256
+_DATA_KINDS: Final = frozenset(kind.encode("ascii") for kind in wire.DATA_KINDS)
 
 
 # --- signed framing -----------------------------------------------------------------------------
@@ -72,5 +78,21 @@ def decode_data(frames: Sequence[bytes], accept: frozenset[str]) -> wire.DataFra
     return wire.DataFrame(kind=kind, request_id=request_id, head=head, body=body)
 
 
+def decode_data_batch(frames: Sequence[bytes], accept: frozenset[str]) -> list[wire.DataFrame]:
+    """`decode_data` of each group of four frames of a data message, in order: one bad group
+    refuses the whole message (ContractError)."""
+    if len(frames) <= 4 or len(frames) % 4:
+        return [decode_data(frames, accept)]
+    if len(frames) > 4 * MAX_DATA_BATCH:
+        raise ContractError(f"a data message carries at most {MAX_DATA_BATCH} frames of four, got {len(frames) // 4}")
+    return [decode_data(frames[i : i + 4], accept) for i in range(0, len(frames), 4)]
+
+
+def joins_data(joined: Sequence[bytes], frames: Sequence[bytes]) -> bool:
+    """Whether the data message `frames` may travel in one zmq message after `joined` (a node's
+    uplink: `ZmqPump`'s coalesce); signed messages never join."""
+    return joined[0] in _DATA_KINDS and frames[0] in _DATA_KINDS
+
+
 def is_data(kind: bytes) -> bool:
-    return kind.decode("ascii", "replace") in wire.DATA_KINDS
+    return kind in _DATA_KINDS

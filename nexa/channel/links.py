@@ -11,6 +11,7 @@ module that imports `zmq`; zmq errors leave it as ChannelError.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import struct
@@ -24,7 +25,15 @@ import zmq
 from zmq.utils import z85
 
 from nexa import security
-from nexa.channel.framing import decode_data, decode_frames, encode_data, encode_frames, is_data
+from nexa.channel.framing import (
+    decode_data,
+    decode_data_batch,
+    decode_frames,
+    encode_data,
+    encode_frames,
+    is_data,
+    joins_data,
+)
 from nexa.channel.pump import (
     SEND_RETRY_S,
     Frames,
@@ -304,6 +313,8 @@ class Link:
         self._pump: ZmqPump | None = None
         # node id → ZMQ routing id of the connection its latest verified message came on.
         self._routes: dict[str, bytes] = {}
+        # The data frames of a node's joined message not yet returned (`receive_unverified`).
+        self._batched: collections.deque[DataInbound] = collections.deque()
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind and serve until cancelled. Supports `endpoint = await nursery.start(link.run)`."""
@@ -339,6 +350,7 @@ class Link:
             self._pump, self._router = None, None
             self._routes.clear()
             self._node_by_fd.clear()
+            self._batched.clear()
             close_all(ctx, sockets)
 
     async def _watch_disconnects(self, monitor: _Socket) -> NoReturn:
@@ -466,7 +478,10 @@ class Link:
 
         What is done here is cheap and never waits: the channel's node, its enrolment, the data
         frame's shape, the signed rate. The signature check is left to whoever handles the message.
+        The data frames a node joined into one message come back one a call, with no wait between.
         """
+        if self._batched:
+            return self._batched.popleft()
         # A checkpoint first: when the link is being cancelled, callers see Cancelled, not ChannelClosed.
         await trio.lowlevel.checkpoint()
         frames = await self._running().receive()
@@ -509,7 +524,11 @@ class Link:
         raw = [f.bytes for f in frames[1:]]
         if is_data(raw[0]):
             # Hot path: no log line per frame; the route is learnt only from signed messages.
-            return DataInbound(node_id=node_id, frame=decode_data(raw, wire.DATA_FROM_NODE))
+            if len(raw) == 4:
+                return DataInbound(node_id=node_id, frame=decode_data(raw, wire.DATA_FROM_NODE))
+            first, *rest = decode_data_batch(raw, wire.DATA_FROM_NODE)  # all checked before any is filed
+            self._batched.extend(DataInbound(node_id=node_id, frame=frame) for frame in rest)
+            return DataInbound(node_id=node_id, frame=first)
         if self._signed_rate is not None and not self._signed_rate.allow(node_id, trio.current_time()):
             # Not logged: a flood would flood the log too. Counted by the caller.
             return Refused(node_id=node_id, error=NodeRateLimited(node_id=node_id))
@@ -606,7 +625,8 @@ class Uplink:
                 dealer.connect(self._endpoint)
             except zmq.ZMQError as exc:
                 raise ChannelError(f"cannot dial the controller at {self._endpoint}: {exc.strerror}") from exc
-            self._pump = ZmqPump(dealer, inbox_size=self._sizes[0], outbox_size=self._sizes[1])
+            # Data messages queued together leave as one zmq message (`framing.joins_data`).
+            self._pump = ZmqPump(dealer, inbox_size=self._sizes[0], outbox_size=self._sizes[1], coalesce=joins_data)
             if self._share is not None and self._share._pump is not None:  # its reader reads ours too
                 self._pump.share_inbox(self._share._pump)
             log.info("dialling the controller at %s", self._endpoint)

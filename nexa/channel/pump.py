@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import logging
+from collections.abc import Callable
 from typing import Final, NoReturn, cast
 
 import attrs
@@ -23,10 +23,14 @@ _Context = zmq.Context[_Socket]
 _BATCH: Final = 16
 #: How long a pump waits before retrying a send that zmq refused right after POLLOUT.
 SEND_RETRY_S: Final = 0.01
+#: Most messages, and most bytes, a pump joins into one (`coalesce`): far below any peer's limit.
+COALESCE_MESSAGES: Final = 64
+COALESCE_BYTES: Final = 64 * 1024
 
 
 @attrs.frozen(kw_only=True)
 class PumpStatistics:
+    #: zmq messages (several data messages a node joined count as one: `ZmqPump`'s coalesce).
     received: int
     sent: int
     #: Messages a ROUTER could not route (peer gone or not keeping up); never silent.
@@ -41,10 +45,21 @@ class ZmqPump:
     Only `run` calls into zmq. Other tasks use `send`/`receive`, which wake the pump by
     cancelling its idle scope. zmq's FD is edge-triggered, so EVENTS is re-read after every
     operation and the pump only sleeps when nothing can progress.
+
+    `coalesce(joined, message)` (optional) says whether a queued message may be sent as part of the
+    one before it: the pump then appends its frames, so several queued messages cost one zmq send
+    (and the peer one receive). At most `COALESCE_MESSAGES` and `COALESCE_BYTES` go in one; order
+    is kept, and a message that may not join waits for the next send.
     """
 
     def __init__(
-        self, sock: _Socket, *, inbox_size: int = 64, outbox_size: int = 64, drop_unroutable: bool = False
+        self,
+        sock: _Socket,
+        *,
+        inbox_size: int = 64,
+        outbox_size: int = 64,
+        drop_unroutable: bool = False,
+        coalesce: Callable[[Frames, Frames], bool] | None = None,
     ) -> None:
         self._sock = sock
         self._inbox_tx, self._inbox_rx = trio.open_memory_channel[list[zmq.Frame]](inbox_size)
@@ -56,6 +71,9 @@ class ZmqPump:
         # At most one message held by the pump in each direction (counted in statistics()).
         self._incoming: list[zmq.Frame] | None = None
         self._outgoing: Frames | None = None
+        self._coalesce = coalesce
+        # The message taken from the outbox that could not join the one before it (sent next).
+        self._lookahead: Frames | None = None
         self._received = self._sent = self._dropped = 0
 
     async def send(self, frames: Frames) -> None:
@@ -95,7 +113,9 @@ class ZmqPump:
             sent=self._sent,
             dropped=self._dropped,
             inbox_depth=self._inbox_rx.statistics().current_buffer_used + (self._incoming is not None),
-            outbox_depth=self._outbox_rx.statistics().current_buffer_used + (self._outgoing is not None),
+            outbox_depth=self._outbox_rx.statistics().current_buffer_used
+            + (self._outgoing is not None)
+            + (self._lookahead is not None),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
@@ -120,8 +140,7 @@ class ZmqPump:
                     except trio.WouldBlock:
                         pass
                 if self._outgoing is None:
-                    with contextlib.suppress(trio.WouldBlock):
-                        self._outgoing = self._outbox_rx.receive_nowait()
+                    self._outgoing = self._next_outgoing()
                 if self._outgoing is not None and (self._drop_unroutable or events & zmq.POLLOUT):
                     if self._send(self._outgoing):
                         self._outgoing, progressed = None, True
@@ -148,6 +167,36 @@ class ZmqPump:
         finally:
             self._inbox_tx.close()
             self._outbox_rx.close()
+
+    def _next_outgoing(self) -> Frames | None:
+        """The next message to send (joined with those after it that may join it), or None."""
+        first, self._lookahead = self._lookahead, None
+        if first is None:
+            try:
+                first = self._outbox_rx.receive_nowait()
+            except trio.WouldBlock:
+                return None
+        return first if self._coalesce is None else self._joined(first)
+
+    def _joined(self, first: Frames) -> Frames:
+        """`first` with the queued messages after it that may join it (`coalesce`)."""
+        coalesce = self._coalesce
+        assert coalesce is not None
+        joined, count, size = first, 1, sum(map(len, first))
+        while count < COALESCE_MESSAGES:
+            try:
+                nxt = self._outbox_rx.receive_nowait()
+            except trio.WouldBlock:
+                break
+            more = sum(map(len, nxt))
+            if size + more > COALESCE_BYTES or not coalesce(joined, nxt):
+                self._lookahead = nxt
+                break
+            if joined is first:
+                joined = list(first)  # the sender's list stays as it was
+            joined += nxt
+            count, size = count + 1, size + more
+        return joined
 
     def _send(self, frames: Frames) -> bool:
         """Send now; False means "not now, keep it" (a DEALER whose connection just went away)."""

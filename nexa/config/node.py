@@ -187,6 +187,10 @@ class RelayConfig:
     connect_timeout_s: Seconds = Seconds(2.0)
     #: Most bytes of runtime output coalesced into one chunk frame.
     max_chunk_bytes: Bytes = Bytes(65536)
+    #: Streams: how long runtime output that arrives after a stream's first chunk is held, to go on
+    #: with what follows it in one chunk (seconds; 0: every read goes on at once). The first chunk
+    #: always goes at once. Fewer, larger chunks cost the node and the controller less CPU per token.
+    flush_window_s: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
 
 
 #: The controllers' channel endpoints a node dials (`NodeConfig.controllers`), each `tcp://HOST:PORT`.

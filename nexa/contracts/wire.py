@@ -13,7 +13,8 @@ authenticates and encrypts every message of the channel (the controller knows th
 Curve key through ZAP, the node pinned the controller's Curve key), and signing each stream chunk
 would cost more than relaying it. `head` is canonical JSON of the kind's head class (empty for
 `chunk`, but for a stream's first: `ChunkHead`); `body` is opaque bytes (the runtime request for
-`infer`, runtime output for `chunk`).
+`infer`, runtime output for `chunk`). A node joins the data messages it has queued at once into
+one zmq message of several such groups of four, in order (`nexa.channel.framing.decode_data_batch`).
 """
 
 from __future__ import annotations

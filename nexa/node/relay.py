@@ -111,6 +111,14 @@ class _Request:
 
 
 @attrs.define
+class _Held:
+    """A stream's reads held for its flush window (`RelayConfig.flush_window_s`), and until when."""
+
+    data: bytearray = attrs.Factory(bytearray)
+    flush_at: float = 0.0
+
+
+@attrs.define
 class _Usage:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -343,13 +351,16 @@ class NodeRelay:
         strip = req.head.strip_usage_chunk
         rest = b""
         limit = int(self._cfg.max_chunk_bytes)
-        async for data in resp.aiter_bytes():
+        held = _Held()
+        reads = resp.aiter_bytes()
+        while (data := await self._read(req, reads, held)) is not None:
             if req.first_read_at is None:
                 req.first_read_at = trio.current_time()
             if not rest and len(data) <= limit and _plain_events(data):
                 # Whole content events only (the common read): relayed as read, in one chunk.
-                await self._send_chunk(req, data)
+                await self._send_plain(req, data, held)
                 continue
+            await self._flush(req, held)  # before what follows it
             events, rest = _split_events(rest + data)
             if len(rest) > limit:
                 # An event longer than a chunk: pass it on in pieces rather than hold it all.
@@ -364,8 +375,36 @@ class NodeRelay:
                         continue  # the usage-only event the client did not ask for
                 keep.append(event)
             await self._send_coalesced(req, keep)
+        await self._flush(req, held)
         if rest:
             await self._send_coalesced(req, [rest])  # a last event without its blank line
+
+    async def _read(self, req: _Request, reads: Response, held: _Held) -> bytes | None:
+        """The runtime's next read (None: the end of its answer); what is held goes on when its
+        flush window ends first."""
+        while held.data:
+            with trio.move_on_at(held.flush_at):
+                return await anext(reads, None)
+            await self._flush(req, held)
+        return await anext(reads, None)
+
+    async def _send_plain(self, req: _Request, data: bytes, held: _Held) -> None:
+        """A read of whole content events: one chunk now, or (after the stream's first chunk, with
+        a flush window) held to go on with the reads that follow it within the window."""
+        window = float(self._cfg.flush_window_s)
+        if not (window and req.flow.sent):
+            await self._send_chunk(req, data)
+            return
+        if len(held.data) + len(data) > int(self._cfg.max_chunk_bytes):
+            await self._flush(req, held)
+        if not held.data:
+            held.flush_at = trio.current_time() + window
+        held.data += data
+
+    async def _flush(self, req: _Request, held: _Held) -> None:
+        if held.data:
+            await self._send_chunk(req, bytes(held.data))
+            held.data.clear()
 
     async def _forward_body(self, req: _Request, resp: Response, usage: _Usage) -> None:
         """Unary: the body in chunks of at most max_chunk_bytes; usage from the whole body."""
@@ -410,7 +449,11 @@ class NodeRelay:
             now = trio.current_time()
             spent = overhead_ms(req.arrived, req.sent_at, req.first_read_at, now)
             head = codec.dumps(codec.wire, wire.ChunkHead(overhead_ms=spent)).encode()
-        await req.reply.send_data(wire.CHUNK, req.request_id, head, data)
+        try:
+            # No wait where nothing blocks: the runtime's read before this was the checkpoint.
+            req.reply.send_data_nowait(wire.CHUNK, req.request_id, head, data)
+        except trio.WouldBlock:
+            await req.reply.send_data(wire.CHUNK, req.request_id, head, data)
         req.flow.sent_one()
         self._chunks_sent += 1
         self._bytes_sent += len(data)

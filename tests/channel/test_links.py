@@ -658,3 +658,52 @@ async def test_one_link_serves_a_second_curve_key_on_a_second_endpoint_and_retir
                 await trio.sleep(0.01)
             assert again.statistics().sent == 0
             nursery.cancel_scope.cancel()
+
+
+async def test_a_nodes_data_frames_queued_together_travel_as_one_message_in_order(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink = fleet.uplink(endpoint, n1)
+            await nursery.start(uplink.run)
+            # Queued with no wait between: the pump joins the data frames, never the signed message.
+            for i in range(10):
+                uplink.send_data_nowait(wire.CHUNK, f"r{i}", b"", b"data: %d\n\n" % i)
+            uplink.send_nowait(heartbeat("n1", 1))
+            for i in range(10, 15):
+                uplink.send_data_nowait(wire.CHUNK, f"r{i}", b"", b"data: %d\n\n" % i)
+            got = [await link.receive() for _ in range(16)]
+            frames = [g.frame for g in got if isinstance(g, links.DataInbound)]
+            assert [f.request_id for f in frames] == [f"r{i}" for i in range(15)]
+            assert [f.body for f in frames] == [b"data: %d\n\n" % i for i in range(15)]
+            assert isinstance(got[10], links.Inbound) and isinstance(got[10].message, wire.Heartbeat)
+            assert link.statistics().received == 3  # ten frames, the heartbeat, five frames
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_joined_data_message_is_refused_whole_when_one_of_its_frames_is_bad(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    good = [b"chunk", b"r1", b"", b"x"]
+    with trio.fail_after(TIMEOUT_S):
+        async with raw_node(fleet, n1, link) as pump:
+            bad = {
+                "a controller kind among them": [*good, b"infer", b"r2", b"{}", b""],
+                "a frame short": [*good, b"chunk", b"r2", b""],
+                "an empty id among them": [*good, b"chunk", b"", b"", b"x"],
+                "too many": good * (framing.MAX_DATA_BATCH + 1),
+            }
+            for frames in bad.values():
+                await pump.send(frames)
+                got = await link.receive_any()
+                assert isinstance(got, links.Refused)
+                assert isinstance(got.error, ContractError)
+            await pump.send([*good, b"end", b"r1", b'{"status":"ok"}', b""])
+            first, second = await link.receive_any(), await link.receive_any()
+            assert isinstance(first, links.DataInbound) and isinstance(second, links.DataInbound)
+            assert (first.frame.kind, second.frame.kind) == (wire.CHUNK, wire.END)
+            # Nothing of the refused messages was filed: the next message is the next frame.
+            await pump.send(good)
+            assert isinstance(await link.receive_any(), links.DataInbound)

@@ -270,6 +270,11 @@ GARBAGE_EVENTS = {
     "usage count beyond 2^63": event({"choices": [], "usage": {"prompt_tokens": 2**64}}),
     "usage negative": event({"choices": [], "usage": {"completion_tokens": -3}}),
     "NaN": b'data: {"choices": [], "x": NaN}\n\n',
+    # What the compiled decoder (`answers.event_json`) refuses as the strict one does.
+    "not UTF-8": b'data: {"choices": [], "x": "\xff\xfe"}\n\n',
+    "lone surrogate": b'data: {"choices": [], "x": "\\ud800"}\n\n',
+    "Infinity": b'data: {"choices": [], "x": -Infinity}\n\n',
+    "deep nesting": b'data: {"choices": [], "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}\n\n",
 }
 
 

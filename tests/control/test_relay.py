@@ -146,6 +146,41 @@ async def test_a_node_that_never_answers_is_ended_by_the_controller_after_the_de
             assert [f.kind for f in p.node_frames] == [wire.INFER, wire.CANCEL]
 
 
+async def test_the_relays_expiry_task_ends_a_silent_stream_and_once_it_stops_a_wait_times_out_on_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the southbound runs it: one task ends the streams past their deadline; once it stops, a
+    waiting consumer falls back on its own timeout."""
+    monkeypatch.setattr(control_relay, "DEADLINE_GRACE_S", 0.1)
+    with trio.fail_after(TIMEOUT_S):
+        async with data_path(node_answers=False) as p, trio.open_nursery() as nursery:
+            expiry = trio.CancelScope()
+
+            async def expire() -> None:
+                with expiry:
+                    await p.relay.expire()
+
+            nursery.start_soon(expire)
+            await wait_until(lambda: p.relay._expiring)
+            async with p.relay.open("n1", "r1", infer_head(deadline_s=0.2), b"{}") as s:
+                _, end = await drain(s)
+            assert (end.status, end.code) == (wire.EndStatus.ERROR, "deadline_exceeded")
+            assert p.relay.statistics().expired == 1
+
+            ends: list[wire.EndHead] = []
+
+            async def consume() -> None:
+                async with p.relay.open("n1", "r2", infer_head(deadline_s=0.3), b"{}") as s:
+                    ends.append((await drain(s))[1])
+
+            nursery.start_soon(consume)
+            await trio.sleep(0.05)
+            expiry.cancel()  # the task stops while the consumer waits: its own timeout ends it
+            await wait_until(lambda: ends)
+            assert ends[0].code == "deadline_exceeded" and not p.relay._expiring
+            assert p.relay.statistics().expired == 2
+
+
 async def test_frames_from_another_node_or_for_unknown_requests_are_dropped() -> None:
     with trio.fail_after(TIMEOUT_S):
         async with data_path(node_answers=False) as p, trio.open_nursery() as nursery:
@@ -291,7 +326,7 @@ async def test_a_chunk_above_the_limit_ends_only_its_stream_and_buffered_bytes_a
             assert (end.status, end.code) == (wire.EndStatus.ERROR, control_relay.PROTOCOL_ERROR)
             # The consumer left with three chunks unread: nothing stays accounted.
             assert p.relay.statistics().buffered_bytes == 0
-            assert (wire.CANCEL, "big") in [(f.kind, f.request_id) for f in p.node_frames]
+            await wait_until(lambda: (wire.CANCEL, "big") in [(f.kind, f.request_id) for f in p.node_frames])
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ controller relay tests, tests/control/test_relay.py, use it too).
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import trio
@@ -193,6 +194,31 @@ async def test_an_event_longer_than_a_chunk_is_passed_on_in_pieces() -> None:
     assert body.endswith(b"data: [DONE]\n\n")
     assert s.end is not None
     assert s.end.status is wire.EndStatus.OK
+
+
+async def test_a_flush_window_sends_the_first_chunk_at_once_and_joins_the_reads_after_it() -> None:
+    """The runtime sends an event every 10 ms: with a 0.3 s window, the first read goes on at once
+    and the ones after it in chunks of many events, one a window; all in order, none lost."""
+    window = 0.3
+    cfg = RelayConfig(flush_window_s=window)
+    with trio.fail_after(TIMEOUT_S):
+        async with (
+            data_path(relay_cfg=cfg) as p,
+            p.relay.open("n1", "r1", infer_head(stream=True), request("endless")) as s,
+        ):
+            opened = trio.current_time()
+            chunks = []
+            while len(chunks) < 4:
+                chunk = await s.receive()
+                assert chunk is not None
+                chunks.append((trio.current_time() - opened, chunk))
+    first_at, first = chunks[0]
+    assert first_at < window  # not held
+    assert first.count(b"\n\n") <= 2  # the role event, maybe the first token with it
+    later = [chunk.count(b"\n\n") for _, chunk in chunks[1:]]
+    assert min(later) >= 5, later  # ~30 events a window; one each without it
+    tokens = re.findall(rb"tok(\d+)", b"".join(chunk for _, chunk in chunks))
+    assert [int(t) for t in tokens] == list(range(len(tokens)))
 
 
 # --- where the relay finds a runtime ------------------------------------------------------------

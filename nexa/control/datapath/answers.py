@@ -1,8 +1,14 @@
 """Checking what a runtime answered before a client sees it. Pure functions; never log or quote an
 answer: a problem names fields only.
 
-Every answer goes through the one strict decoder (`codec.parse_json`, the northbound limits: it goes
-to a client), then its shape is checked against the OpenAI answer of its capability.
+A unary answer goes through the one strict decoder (`codec.parse_json`, the northbound limits: it
+goes to a client), then its shape is checked against the OpenAI answer of its capability. A stream
+event, checked one by one as it is relayed, goes through msgspec's compiled JSON decoder instead
+(`event_json`): about 25 times cheaper, and as strict on what a client could choke on (valid UTF-8,
+no lone surrogates, no NaN or Infinity, no truncation); what it lets through that the strict decoder
+refuses is duplicate keys (the last one counts, as in most clients' parsers), integers beyond
+±2^63 in fields nexa does not read, and nesting between 64 and the interpreter's recursion limit.
+The counts nexa does read (`usage`) are checked as in a unary answer.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ import json
 import time
 from typing import Any, Final, NamedTuple
 
+import msgspec
+
 from nexa.contracts import codec
 from nexa.contracts.gateway import Capability
 from nexa.control.datapath.metering import token_count_ok
@@ -18,6 +26,8 @@ from nexa.errors import ContractError
 
 #: Lines an SSE event may hold besides `data:` (comments start with a colon).
 _SSE_OTHER_FIELDS: Final = (b":", b"event:", b"id:", b"retry:")
+#: Stream events' data (`event_json`): msgspec's JSON decoder, to Python objects.
+_EVENT_DECODER: Final = msgspec.json.Decoder()
 
 
 def parse_json(raw: bytes) -> object:
@@ -26,6 +36,15 @@ def parse_json(raw: bytes) -> object:
     try:
         return codec.parse_json(raw, codec.API_LIMITS)
     except ContractError:
+        return None
+
+
+def event_json(raw: bytes) -> object:
+    """A stream event's data through the compiled decoder (module docstring), or None when it
+    refuses it: not UTF-8, a lone surrogate, truncated, NaN or Infinity, nested too deep."""
+    try:
+        return _EVENT_DECODER.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
         return None
 
 
@@ -113,7 +132,7 @@ def check_event(event: bytes) -> EventCheck:
     joined = b"\n".join(data)
     if joined.strip() == b"[DONE]":
         return EventCheck(None, done=True)
-    obj = parse_json(joined)
+    obj = event_json(joined)
     if not isinstance(obj, dict):
         return EventCheck("an event whose data is not a JSON object")
     choices = obj.get("choices")

@@ -15,7 +15,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from typing import Final, Protocol
+from typing import Final, NoReturn, Protocol
 
 import attrs
 import trio
@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 #: controller waits for the node's `end` before ending the stream itself: an `infer`, `credit`
 #: or `end` frame dropped on the way (a vanished or congested peer) must not hang a stream.
 DEADLINE_GRACE_S: Final = 5.0
+
+#: How often `Relay.expire` looks for streams past their deadline (so they end up to this late).
+EXPIRY_TICK_S: Final = 0.25
 
 #: Codes of the ends the controller makes up itself (the node's own codes are in `wire.EndHead`).
 NODE_LOST: Final = "node_lost"
@@ -131,22 +134,27 @@ class RelayStream:
         return self._final is not None
 
     async def receive(self) -> bytes | None:
-        """The next chunk body; None once the stream has ended, and then `end` says how."""
+        """The next chunk body; None once the stream has ended, and then `end` says how.
+
+        A chunk already here is taken with no checkpoint (nothing can block: the consumer's write
+        to its client is the next one). While the relay's `expire` task runs it ends streams past
+        their deadline, so a wait here is a bare wait, with no timeout of its own."""
         while not self._chunks:
             if self._final is not None:
                 self.end = self._final
                 await trio.lowlevel.checkpoint()
                 return None
-            with trio.move_on_at(self._deadline):
+            if self._relay._expiring:
                 await self._arrived.wait()
-            if not self._chunks and self._final is None and trio.current_time() >= self._deadline:
-                self._relay._expire(self)
+            else:
+                with trio.move_on_at(self._deadline):
+                    await self._arrived.wait()
+                if not self._chunks and self._final is None and trio.current_time() >= self._deadline:
+                    self._relay._expire(self)
             self._arrived = trio.Event()
         chunk = self._take()
         if (credit := self._credits.took()) and self._final is None:
             await self._relay._credit(self, credit)
-        else:
-            await trio.lowlevel.checkpoint()
         return chunk
 
     def _take(self) -> bytes:
@@ -234,6 +242,24 @@ class Relay:
         self._by_node: dict[str, set[str]] = collections.defaultdict(set)
         self._opened = self._frames_in = self._frames_out = self._dropped = 0
         self._protocol_errors = self._lost = self._expired = self._cancels_sent = self._cancels_lost = 0
+        #: `expire` runs: it ends the streams past their deadline (else each wait has a timeout).
+        self._expiring = False
+
+    async def expire(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+        """End every open stream past its deadline (`deadline_exceeded`), every `EXPIRY_TICK_S`:
+        one task for all streams instead of a timeout on each wait for a chunk."""
+        self._expiring = True
+        try:
+            task_status.started()
+            while True:
+                await trio.sleep(EXPIRY_TICK_S)
+                now = trio.current_time()
+                for stream in [s for s in self._streams.values() if s._deadline <= now]:
+                    self._expire(stream)
+        finally:
+            self._expiring = False
+            for stream in self._streams.values():
+                stream._arrived.set()  # its consumer waits again, with the stream's own timeout
 
     @contextlib.asynccontextmanager
     async def open(

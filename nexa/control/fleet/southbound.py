@@ -233,6 +233,7 @@ class Southbound:
             nursery.start_soon(supervised, "southbound.liveness", self._liveness_loop)
             nursery.start_soon(supervised, "southbound.renewal", self._renewal_loop)
             nursery.start_soon(supervised, "southbound.zap_audit", self._audit_zap_refusals)
+            nursery.start_soon(supervised, "southbound.expiry", self.relay.expire)
             task_status.started(endpoint)
 
     async def switch_curve(self, keys: ControllerKeys) -> None:
