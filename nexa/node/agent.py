@@ -8,7 +8,7 @@ watches the accepted set's lease. Nothing it sends or logs names keys, file path
 Beats are of two kinds. Every `heartbeat_interval_s` the agent sends either a liveness beat (a
 few bytes the channel authenticates: "this agent runs", with the seq of its last state) or, when
 that is due, its state: the signed `Heartbeat` (inventory, free memory and accelerators, every
-replica's state and load, the accepted set). The state goes at once when it changes (`_steady`:
+replica's state and load, the accepted set). The state goes at once when it changes (`beats`:
 what moves by itself between reads, a load's age, discovery's clock, GPU telemetry and small
 drifts of free memory, does not count as a change), when the controller asks (`StateRequest`) and
 at least every `state_interval_s`.
@@ -50,6 +50,7 @@ from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.container_spec import SIMULATION_ENV
 from nexa.contracts import wire
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError
+from nexa.node.beats import Sent, changed, sent
 from nexa.node.builders import (
     NodeRuntimes,
     artifact_cache,
@@ -82,6 +83,7 @@ from nexa.node.uplinks import (
     channel_endpoint,  # noqa: F401 - importable from here, as before
     open_channel,
 )
+from nexa.node.verdicts import Verdict, judge  # noqa: F401 - importable from here, as before
 from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)
@@ -93,61 +95,6 @@ _CONTROL_QUEUE: Final = 16
 _STOP_ALL_TIMEOUT_S: Final = 60.0
 #: A `RotateKeys` not answered is sent again this often (the controller answers a repeat the same way).
 ROTATION_RETRY_S: Final = 5.0
-#: Free memory that moves by less than this share of the node's memory (or `_MEMORY_STEP_MIN_BYTES`,
-#: whichever is more) since the last state sent is not a change of state by itself.
-_MEMORY_STEP_SHARE: Final = 0.01
-_MEMORY_STEP_MIN_BYTES: Final = 256 * 1024**2
-
-
-# --- the decision (pure) ------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class Verdict:
-    """What the node makes of one verified assignment set."""
-
-    reason: wire.RejectReason | None
-    #: Why, for the Ack and the log: ids and numbers only.
-    detail: str = ""
-    #: Accepted as a lease renewal of the set already in force.
-    renewal: bool = False
-
-    @property
-    def accepted(self) -> bool:
-        return self.reason is None
-
-
-def judge(node_id: str, fence: Fence, offered: wire.AssignmentSet, now: float) -> Verdict:
-    """Check a verified set against this node's id, its fence and the clock. Pure.
-
-    Newer epoch: accepted whatever its generation. Same epoch: a higher generation replaces the
-    set; the same generation is only a lease renewal of identical assignments.
-    """
-    reject = wire.RejectReason
-    if offered.node_id != node_id:
-        return Verdict(reason=reject.WRONG_NODE, detail="the set is addressed to another node")
-    if offered.epoch < fence.epoch:
-        return Verdict(
-            reason=reject.STALE_EPOCH, detail=f"epoch {offered.epoch} is older than the accepted epoch {fence.epoch}"
-        )
-    renewal = False
-    if offered.epoch == fence.epoch and fence.accepted_any:
-        if offered.generation < fence.generation:
-            return Verdict(
-                reason=reject.STALE_GENERATION,
-                detail=f"generation {offered.generation} is older than the accepted generation {fence.generation}",
-            )
-        if offered.generation == fence.generation:
-            if offered.assignments != fence.assignments:
-                return Verdict(
-                    reason=reject.STALE_GENERATION,
-                    detail=f"generation {offered.generation} is already accepted with other assignments",
-                )
-            renewal = True
-    if not offered.lease_expires_at > now:
-        ago = now - offered.lease_expires_at
-        return Verdict(reason=reject.LEASE_EXPIRED, detail=f"the lease expired {ago:.3f} s ago")
-    return Verdict(reason=None, renewal=renewal)
 
 
 # --- the agent ----------------------------------------------------------------------------------
@@ -239,11 +186,11 @@ class Agent:
         state_interval_s: float = 0.0,
     ) -> None:
         self._memory_pressure = memory_pressure
-        # Liveness and state (module docstring): the state last sent, as `_steady` compares it, and
+        # Liveness and state (module docstring): the state last sent, as `beats.changed` compares it, and
         # when (trio clock); its seq, which every liveness beat carries; a wake-up for the beat loop
         # when the state must go before its time (a new set, a lapsed lease, a controller asks).
         self._state_interval_s = state_interval_s
-        self._last_state: tuple[wire.Heartbeat, int] | None = None
+        self._last_state: Sent | None = None
         self._last_state_at = float("-inf")
         self._state_seq = 0
         self._state_wanted, self._wake = False, trio.Event()
@@ -384,7 +331,7 @@ class Agent:
         self._sent_at_beat = stats.sent
         state = self._heartbeat(0, 0.0)
         due = trio.current_time() - self._last_state_at >= self._state_interval_s
-        if due or self._state_wanted or self._changed(state):
+        if due or self._state_wanted or changed(self._last_state, state):
             await self._send_state(state)
             return
         async with self._send_lock:
@@ -401,17 +348,9 @@ class Agent:
             seq = self._next_seq()
             await self._uplink.send(attrs.evolve(state, seq=seq, ts=time.time()))
             self._state_seq = seq
-        self._last_state = (_steady(state), state.free_memory_bytes)
+        self._last_state = sent(state)
         self._last_state_at = trio.current_time()
         self._heartbeats_sent += 1
-
-    def _changed(self, state: wire.Heartbeat) -> bool:
-        """Whether `state` differs from the last one sent in more than what moves by itself."""
-        if self._last_state is None:
-            return True
-        steady, free = self._last_state
-        step = max(_MEMORY_STEP_MIN_BYTES, int(state.inventory.memory_total_bytes * _MEMORY_STEP_SHARE))
-        return _steady(state) != steady or abs(state.free_memory_bytes - free) >= step
 
     def _heartbeat(self, seq: int, ts: float) -> wire.Heartbeat:
         inventory = self._inventory.current()
@@ -700,25 +639,6 @@ class Agent:
             len(fence.assignments),
             self._on_lease_expiry,
         )
-
-
-def _steady(state: wire.Heartbeat) -> wire.Heartbeat:
-    """`state` without what moves by itself between two reads: the clock of discovery, GPU
-    telemetry, free memory (compared with a step: `Agent._changed`) and each load's age."""
-    inventory = state.inventory
-    gpus = tuple(
-        attrs.evolve(g, memory_used_bytes=None, memory_free_bytes=None, utilization_pct=None) for g in inventory.gpus
-    )
-    gpus = tuple(attrs.evolve(g, temperature_c=None, power_draw_w=None) for g in gpus)
-    return attrs.evolve(
-        state,
-        inventory=attrs.evolve(inventory, memory_available_bytes=0, discovered_at=0.0, gpus=gpus),
-        free_memory_bytes=0,
-        assignments=[
-            attrs.evolve(s, load=attrs.evolve(s.load, age_s=0.0)) if s.load is not None else s
-            for s in state.assignments
-        ],
-    )
 
 
 # --- composition root ---------------------------------------------------------------------------
