@@ -55,6 +55,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             f"mark these tests `slow`, each uses a fixture that takes 20 s or more "
             f"({', '.join(sorted(SLOW_FIXTURES))}): {', '.join(unmarked)}"
         )
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        _heaviest_modules_first(items)
+
+
+def _heaviest_modules_first(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, whole modules in the order: those using a build of minutes, then those with
+    `slow` tests, then the rest (each module's own order kept). The builds then start at once, beside
+    other tests, and the run does not end waiting on one long test a worker took last. Every worker
+    sorts the same way, as xdist requires."""
+    rank: dict[str, int] = {}
+    for item in items:
+        module = item.nodeid.partition("::")[0]
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            weight = 0
+        elif item.get_closest_marker("slow") is not None:
+            weight = 1
+        else:
+            weight = 2
+        rank[module] = min(rank.get(module, 2), weight)
+    items.sort(key=lambda item: rank[item.nodeid.partition("::")[0]])
 
 
 def gb10_inventory(hostname: str = "spark-1") -> NodeInventory:

@@ -263,6 +263,12 @@ class NodeChannel:
     def send_nowait(self, msg: wire.NodeMessage) -> None:
         self._current.send_nowait(msg)
 
+    async def send_liveness(self, node_id: str, state_seq: int) -> None:
+        await self._current.send_liveness(node_id, state_seq)
+
+    def send_liveness_nowait(self, node_id: str, state_seq: int) -> None:
+        self._current.send_liveness_nowait(node_id, state_seq)
+
     def _data_uplink(self, kind: str, request_id: str) -> Uplink:
         if self._old is None or request_id not in self._old_requests:
             return self._current

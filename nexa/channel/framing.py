@@ -1,8 +1,9 @@
-"""The node channel's frames: signed messages `[kind, body, signature]` and the unsigned data-path
-frames `[kind, request_id, head, body]` (`wire.DATA_KINDS`), which CurveZMQ alone authenticates.
-A node joins the data messages queued at once into one zmq message, its groups of four frames in
-order (`joins_data`, `decode_data_batch`): several streams' frames cost the two ends one send and
-one receive. Signed messages always travel alone. Pure: `nexa.channel.links` moves them over its
+"""The node channel's frames: signed messages `[kind, body, signature]`, the unsigned data-path
+frames `[kind, request_id, head, body]` (`wire.DATA_KINDS`) and the node's unsigned liveness beat
+`[alive, node_id, state_seq]`, which CurveZMQ alone authenticates. A node joins the data messages
+queued at once into one zmq message, its groups of four frames in order (`joins_data`,
+`decode_data_batch`): several streams' frames cost the two ends one send and one receive. Signed
+messages and liveness beats always travel alone. Pure: `nexa.channel.links` moves them over its
 sockets.
 """
 
@@ -23,6 +24,9 @@ MAX_REQUEST_ID_BYTES: Final = 128
 #: Most data messages (groups of four frames) one zmq message may carry.
 MAX_DATA_BATCH: Final = 256
 _DATA_KINDS: Final = frozenset(kind.encode("ascii") for kind in wire.DATA_KINDS)
+#: Longest node id a liveness beat may carry (bytes of UTF-8).
+MAX_NODE_ID_BYTES: Final = 256
+_LIVENESS_KIND: Final = wire.LIVENESS.encode("ascii")
 
 
 # --- signed framing -----------------------------------------------------------------------------
@@ -96,3 +100,29 @@ def joins_data(joined: Sequence[bytes], frames: Sequence[bytes]) -> bool:
 
 def is_data(kind: bytes) -> bool:
     return kind in _DATA_KINDS
+
+
+# --- liveness (unsigned: CurveZMQ authenticates the channel; the node id must be the channel's) --
+
+
+def encode_liveness(node_id: str, state_seq: int) -> Frames:
+    """`[alive, node_id, state_seq]`: the seq as 8 bytes, big-endian."""
+    return [_LIVENESS_KIND, node_id.encode("utf-8"), state_seq.to_bytes(8, "big")]
+
+
+def decode_liveness(frames: Sequence[bytes]) -> wire.Liveness:
+    """Check a liveness beat's shape (kind already known to be `alive`). Raises ContractError."""
+    if len(frames) != 3:
+        raise ContractError(f"a liveness message is 3 frames (kind, node id, state seq), got {len(frames)}")
+    _, node_b, seq_b = frames
+    if not node_b or len(node_b) > MAX_NODE_ID_BYTES or len(seq_b) != 8:
+        raise ContractError(f"a liveness message carries a node id of 1 to {MAX_NODE_ID_BYTES} bytes and 8 seq bytes")
+    try:
+        node_id = node_b.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ContractError("a node id must be UTF-8") from None
+    return wire.Liveness(node_id=node_id, state_seq=int.from_bytes(seq_b, "big"))
+
+
+def is_liveness(kind: bytes) -> bool:
+    return kind == _LIVENESS_KIND

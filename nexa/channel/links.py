@@ -29,9 +29,12 @@ from nexa.channel.framing import (
     decode_data,
     decode_data_batch,
     decode_frames,
+    decode_liveness,
     encode_data,
     encode_frames,
+    encode_liveness,
     is_data,
+    is_liveness,
     joins_data,
 )
 from nexa.channel.pump import (
@@ -230,6 +233,17 @@ class DataInbound:
 
     node_id: str
     frame: wire.DataFrame
+
+
+@attrs.frozen(kw_only=True)
+class Alive:
+    """A node's liveness beat (`wire.Liveness`), from the node whose channel carried it."""
+
+    node_id: str
+    #: `seq` of the node's last signed state (`wire.Liveness.state_seq`).
+    state_seq: int
+    #: It came on another connection than the node's last message (as `Inbound.moved`).
+    moved: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -451,8 +465,8 @@ class Link:
             raise NotConnected(node_id=node_id)
         return route
 
-    async def receive(self) -> Inbound | DataInbound:
-        """The next message from a node: a verified signed message, or a data frame.
+    async def receive(self) -> Inbound | DataInbound | Alive:
+        """The next message from a node: a verified signed message, a data frame or a liveness beat.
 
         A rejected message raises (Unauthenticated, BadSignature, WrongNode, ContractError)
         and is logged with its node; the next call goes on with the next message.
@@ -462,7 +476,7 @@ class Link:
             raise got.error
         return got
 
-    async def receive_any(self) -> Inbound | DataInbound | Refused:
+    async def receive_any(self) -> Inbound | DataInbound | Alive | Refused:
         """Like `receive`, but a rejected message comes back as `Refused` naming its channel's node.
 
         A data frame is accepted from an enrolled, non-revoked node's channel and only in the
@@ -473,12 +487,15 @@ class Link:
         got = await self.receive_unverified()
         return self.verify(got) if isinstance(got, Unverified) else got
 
-    async def receive_unverified(self) -> DataInbound | Unverified | Refused:
+    async def receive_unverified(self) -> DataInbound | Alive | Unverified | Refused:
         """Like `receive_any`, but a signed message comes back `Unverified` (check it with `verify`).
 
         What is done here is cheap and never waits: the channel's node, its enrolment, the data
-        frame's shape, the signed rate. The signature check is left to whoever handles the message.
-        The data frames a node joined into one message come back one a call, with no wait between.
+        frame's shape, the signed rate, a liveness beat's node id. The signature check is left to
+        whoever handles the message. The data frames a node joined into one message come back one a
+        call, with no wait between. A liveness beat, authenticated by the channel as data frames
+        are, moves the node's route to its connection (so a node whose connection zmq re-made is
+        reachable again before its next signed message); it is never rate-limited or logged.
         """
         if self._batched:
             return self._batched.popleft()
@@ -515,7 +532,7 @@ class Link:
             raise Unauthenticated(f"node {node_id} is not enrolled")
         return pub
 
-    def _accept(self, node_id: str, frames: list[zmq.Frame]) -> DataInbound | Unverified | Refused:
+    def _accept(self, node_id: str, frames: list[zmq.Frame]) -> DataInbound | Alive | Unverified | Refused:
         """Check one message of a node's channel (not its signature); raises what `receive` documents."""
         self._enrolled_key(node_id)
         size = sum(len(f) for f in frames)
@@ -529,6 +546,11 @@ class Link:
             first, *rest = decode_data_batch(raw, wire.DATA_FROM_NODE)  # all checked before any is filed
             self._batched.extend(DataInbound(node_id=node_id, frame=frame) for frame in rest)
             return DataInbound(node_id=node_id, frame=first)
+        if is_liveness(raw[0]):
+            beat = decode_liveness(raw)
+            if beat.node_id != node_id:
+                raise WrongNode(channel_node=node_id, claimed_node=beat.node_id)
+            return Alive(node_id=node_id, state_seq=beat.state_seq, moved=self._learn_route(node_id, frames))
         if self._signed_rate is not None and not self._signed_rate.allow(node_id, trio.current_time()):
             # Not logged: a flood would flood the log too. Counted by the caller.
             return Refused(node_id=node_id, error=NodeRateLimited(node_id=node_id))
@@ -551,6 +573,16 @@ class Link:
         if pending.fd >= 0:
             self._node_by_fd[pending.fd] = node_id
         return Inbound(node_id=node_id, message=msg, previous_key=previous, moved=moved)
+
+    def _learn_route(self, node_id: str, frames: list[zmq.Frame]) -> bool:
+        """The node's route is the connection `frames` came on from now on; whether it moved."""
+        route = frames[0].bytes
+        known = self._routes.get(node_id)
+        if known == route:
+            return False
+        self._routes[node_id] = route
+        self._node_by_fd[int(frames[-1].get(zmq.SRCFD))] = node_id
+        return known is not None
 
     def connected(self, node_id: str) -> bool:
         """Whether a verified message from this node has given us a route to it."""
@@ -640,6 +672,14 @@ class Uplink:
 
     def send_nowait(self, msg: wire.NodeMessage) -> None:
         self._running().send_nowait(encode_frames(msg, self._key))
+
+    async def send_liveness(self, node_id: str, state_seq: int) -> None:
+        """Queue a liveness beat (`wire.LIVENESS`; backpressure when the outbox is full)."""
+        await self._running().send(encode_liveness(node_id, state_seq))
+
+    def send_liveness_nowait(self, node_id: str, state_seq: int) -> None:
+        """Like `send_liveness` without waiting; raises trio.WouldBlock when the outbox is full."""
+        self._running().send_nowait(encode_liveness(node_id, state_seq))
 
     async def send_data(self, kind: str, request_id: str, head: bytes, body: bytes) -> None:
         """Queue a data-path frame (`wire.DATA_FROM_NODE`) for the controller (backpressure when full)."""

@@ -96,7 +96,8 @@ class ZmqPump:
             frames = await self._inbox_rx.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise ChannelClosed("the channel is closed") from None
-        self.wake()  # there is room in the inbox again
+        if self._incoming is not None:
+            self.wake()  # it holds a message for want of inbox room, and there is room again
         return frames
 
     def wake(self) -> None:

@@ -273,7 +273,14 @@ class NodeConfig:
     inventory_poll_interval_s: Seconds = Seconds(2.0)
     #: Path of nvidia-smi; empty means look it up on PATH (none found: no GPUs).
     nvidia_smi: str = ""
+    #: How often the agent says it is alive: a tiny beat the channel authenticates, or its signed
+    #: state when that is due. The controller marks a node Unreachable after `[nodes] lease_s`
+    #: without either.
     heartbeat_interval_s: Seconds = Seconds(1.0)
+    #: The longest the agent goes without sending its signed state (inventory, free memory,
+    #: replicas and their load, the accepted set); it sends it at once when it changes. At most
+    #: `wire.MAX_STATE_INTERVAL_S`; at or under `heartbeat_interval_s`, with every beat.
+    state_interval_s: Seconds = attrs.field(default=Seconds(30.0), validator=attrs.validators.le(Seconds(3600.0)))
     #: Local address to dial the controller from (e.g. one of several loopback addresses).
     source_address: str = ""
     #: The loopback address runtimes listen on and the relay reaches them at. Several nodes sharing

@@ -15,6 +15,12 @@ would cost more than relaying it. `head` is canonical JSON of the kind's head cl
 `chunk`, but for a stream's first: `ChunkHead`); `body` is opaque bytes (the runtime request for
 `infer`, runtime output for `chunk`). A node joins the data messages it has queued at once into
 one zmq message of several such groups of four, in order (`nexa.channel.framing.decode_data_batch`).
+
+Liveness (`LIVENESS`) is the third shape, node → controller only: `[alive, node_id, state_seq]`,
+not signed either (CurveZMQ authenticates it as it does data frames; `node_id` must be the
+channel's). It says only "this node's agent runs and its channel works" and changes nothing the
+node reports: `state_seq` is the `seq` of the last signed `Heartbeat` (the node's state) it sent,
+so that a controller that missed that state asks for it again (`StateRequest`).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ MAX_WINDOW: Final = 1 << 20
 MAX_PROOF_BYTES: Final = 32 * 1024
 #: An Ed25519 signature in base64, with room to spare.
 MAX_SIGNATURE_CHARS: Final = 128
+#: The longest state interval a node may announce (`Heartbeat.state_interval_s`).
+MAX_STATE_INTERVAL_S: Final = 3600.0
 
 
 class RuntimeState(enum.StrEnum):
@@ -300,6 +308,10 @@ class Heartbeat:
     #: an older backup while the agent kept running can trust it.
     proof_set: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_PROOF_BYTES))
     proof_signature: str = attrs.field(default="", validator=attrs.validators.max_len(MAX_SIGNATURE_CHARS))
+    #: The longest the node goes without sending its state again (`[node] state_interval_s`); the
+    #: controller holds this state current that long plus its lease. 0 (agents before liveness was
+    #: split from state, which sent it with every beat): only for the lease, as before.
+    state_interval_s: float = attrs.field(default=0.0, validator=finite(0.0, MAX_STATE_INTERVAL_S))
 
 
 @attrs.frozen(kw_only=True)
@@ -409,16 +421,43 @@ class ControllerKeysAnnounced:
     channel_endpoint: str = ""
 
 
+@attrs.frozen(kw_only=True)
+class StateRequest:
+    """Controller → node: send your state (a `Heartbeat`) now. Sent when a node's liveness comes but
+    the controller holds no current state of it: it has just started, it missed the node's last
+    state (`Liveness.state_seq`), or the node was Unreachable. Changes nothing on the node."""
+
+    kind: ClassVar[str] = "state_request"
+
+    node_id: str
+
+
 NodeMessage = Hello | Heartbeat | Ack | RotateKeys
-ControllerMessage = AssignmentSet | Drain | KeysRotated | RotateKeysRequest | ControllerKeysAnnounced
+ControllerMessage = AssignmentSet | Drain | KeysRotated | RotateKeysRequest | ControllerKeysAnnounced | StateRequest
 WireMessage = NodeMessage | ControllerMessage
 
 #: What a controller accepts from a node, by kind.
 FROM_NODE: Final[dict[str, type[NodeMessage]]] = {cls.kind: cls for cls in (Hello, Heartbeat, Ack, RotateKeys)}
 #: What a node accepts from its controller, by kind.
 FROM_CONTROLLER: Final[dict[str, type[ControllerMessage]]] = {
-    cls.kind: cls for cls in (AssignmentSet, Drain, KeysRotated, RotateKeysRequest, ControllerKeysAnnounced)
+    cls.kind: cls
+    for cls in (AssignmentSet, Drain, KeysRotated, RotateKeysRequest, ControllerKeysAnnounced, StateRequest)
 }
+
+
+# --- liveness: [alive, node_id, state_seq] (node → controller, authenticated by the channel) -----
+
+#: The kind frame of a liveness message.
+LIVENESS: Final = "alive"
+
+
+@attrs.frozen(kw_only=True)
+class Liveness:
+    """A node's liveness beat as received (`nexa.channel.framing.decode_liveness`)."""
+
+    node_id: str
+    #: `seq` of the last signed `Heartbeat` the node sent (0: none yet).
+    state_seq: int
 
 
 # --- the data path: [kind, request_id, head, body] ----------------------------------------------

@@ -5,6 +5,14 @@ the relay, the agent) in one nursery; `Agent` owns the node's side of the protoc
 hello, beats, judges every assignment set against the fence kept on disk and answers it, and
 watches the accepted set's lease. Nothing it sends or logs names keys, file paths or addresses.
 
+Beats are of two kinds. Every `heartbeat_interval_s` the agent sends either a liveness beat (a
+few bytes the channel authenticates: "this agent runs", with the seq of its last state) or, when
+that is due, its state: the signed `Heartbeat` (inventory, free memory and accelerators, every
+replica's state and load, the accepted set). The state goes at once when it changes (`beats`:
+what moves by itself between reads, a load's age, discovery's clock, GPU telemetry and small
+drifts of free memory, does not count as a change), when the controller asks (`StateRequest`) and
+at least every `state_interval_s`.
+
 Control never blocks data: `agent.receive`, the uplink's only reader, hands data frames to the
 relay at once and signed messages to `agent.control` (signature check, judgement, the fsync'd
 fence save, the ack) through a bounded channel, in order. It never waits on that channel: when
@@ -42,6 +50,7 @@ from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.container_spec import SIMULATION_ENV
 from nexa.contracts import wire
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError
+from nexa.node.beats import Sent, changed, sent
 from nexa.node.builders import (
     NodeRuntimes,
     artifact_cache,
@@ -74,6 +83,7 @@ from nexa.node.uplinks import (
     channel_endpoint,  # noqa: F401 - importable from here, as before
     open_channel,
 )
+from nexa.node.verdicts import Verdict, judge  # noqa: F401 - importable from here, as before
 from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)
@@ -85,57 +95,6 @@ _CONTROL_QUEUE: Final = 16
 _STOP_ALL_TIMEOUT_S: Final = 60.0
 #: A `RotateKeys` not answered is sent again this often (the controller answers a repeat the same way).
 ROTATION_RETRY_S: Final = 5.0
-
-
-# --- the decision (pure) ------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class Verdict:
-    """What the node makes of one verified assignment set."""
-
-    reason: wire.RejectReason | None
-    #: Why, for the Ack and the log: ids and numbers only.
-    detail: str = ""
-    #: Accepted as a lease renewal of the set already in force.
-    renewal: bool = False
-
-    @property
-    def accepted(self) -> bool:
-        return self.reason is None
-
-
-def judge(node_id: str, fence: Fence, offered: wire.AssignmentSet, now: float) -> Verdict:
-    """Check a verified set against this node's id, its fence and the clock. Pure.
-
-    Newer epoch: accepted whatever its generation. Same epoch: a higher generation replaces the
-    set; the same generation is only a lease renewal of identical assignments.
-    """
-    reject = wire.RejectReason
-    if offered.node_id != node_id:
-        return Verdict(reason=reject.WRONG_NODE, detail="the set is addressed to another node")
-    if offered.epoch < fence.epoch:
-        return Verdict(
-            reason=reject.STALE_EPOCH, detail=f"epoch {offered.epoch} is older than the accepted epoch {fence.epoch}"
-        )
-    renewal = False
-    if offered.epoch == fence.epoch and fence.accepted_any:
-        if offered.generation < fence.generation:
-            return Verdict(
-                reason=reject.STALE_GENERATION,
-                detail=f"generation {offered.generation} is older than the accepted generation {fence.generation}",
-            )
-        if offered.generation == fence.generation:
-            if offered.assignments != fence.assignments:
-                return Verdict(
-                    reason=reject.STALE_GENERATION,
-                    detail=f"generation {offered.generation} is already accepted with other assignments",
-                )
-            renewal = True
-    if not offered.lease_expires_at > now:
-        ago = now - offered.lease_expires_at
-        return Verdict(reason=reject.LEASE_EXPIRED, detail=f"the lease expired {ago:.3f} s ago")
-    return Verdict(reason=None, renewal=renewal)
 
 
 # --- the agent ----------------------------------------------------------------------------------
@@ -175,6 +134,10 @@ class AgentStatistics:
     rotation_pending: bool = False
     #: With several controllers (`NodeConfig.controllers`), each one's channel; else empty.
     controllers: tuple[ControllerLinkStatus, ...] = ()
+    #: Liveness beats sent (`heartbeats_sent` counts the signed states), and the states sent
+    #: because a controller asked for them.
+    liveness_sent: int = 0
+    states_requested: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -220,8 +183,18 @@ class Agent:
         cache_disk: Callable[[], wire.CacheDisk | None] = lambda: None,
         runtime_cache: Callable[[], wire.RuntimeCacheDisk | None] = lambda: None,
         memory_pressure: Callable[[], tuple[wire.MemoryPressure | None, int]] = lambda: (None, 0),
+        state_interval_s: float = 0.0,
     ) -> None:
         self._memory_pressure = memory_pressure
+        # Liveness and state (module docstring): the state last sent, as `beats.changed` compares it, and
+        # when (trio clock); its seq, which every liveness beat carries; a wake-up for the beat loop
+        # when the state must go before its time (a new set, a lapsed lease, a controller asks).
+        self._state_interval_s = state_interval_s
+        self._last_state: Sent | None = None
+        self._last_state_at = float("-inf")
+        self._state_seq = 0
+        self._state_wanted, self._wake = False, trio.Event()
+        self._liveness_sent = self._states_requested = 0
         self._node_id = identity.node_id
         self._controller_key_id = identity.controller_signing_public.fingerprint
         # A rotation under way (`keys.next`), and when its RotateKeys was last sent.
@@ -283,6 +256,8 @@ class Agent:
             keys_rotated=self._keys_rotated,
             rotation_pending=self._pending is not None,
             controllers=self._uplink.statuses() if isinstance(self._uplink, ControllerChannels) else (),
+            liveness_sent=self._liveness_sent,
+            states_requested=self._states_requested,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
@@ -328,13 +303,24 @@ class Agent:
     async def _beat(self) -> NoReturn:
         next_at = trio.current_time()
         while True:
-            await self._heartbeat_once()
-            next_at += self._heartbeat_interval_s
-            if next_at < trio.current_time():  # fell behind (a slow send): do not burst to catch up
-                next_at = trio.current_time() + self._heartbeat_interval_s
-            await trio.sleep_until(next_at)
+            if trio.current_time() >= next_at:
+                await self._beat_once()
+                next_at += self._heartbeat_interval_s
+                if next_at < trio.current_time():  # fell behind (a slow send): do not burst to catch up
+                    next_at = trio.current_time() + self._heartbeat_interval_s
+            elif self._state_wanted:
+                await self._beat_once()  # the state, before its beat: the next beat keeps its time
+            with trio.move_on_at(next_at):
+                await self._wake.wait()
+                self._wake = trio.Event()
 
-    async def _heartbeat_once(self) -> None:
+    def _want_state(self) -> None:
+        """Have the beat loop send the state now rather than at its next beat."""
+        self._state_wanted = True
+        self._wake.set()
+
+    async def _beat_once(self) -> None:
+        """One beat: the state when it changed, is wanted or is due; else a liveness beat."""
         stats = self._uplink.statistics()
         if stats.outbox_depth > 0 and stats.sent == self._sent_at_beat:
             # Nothing has left since the last beat: there is no connection. Queueing more beats
@@ -343,7 +329,27 @@ class Agent:
             self._heartbeats_skipped += 1
             return
         self._sent_at_beat = stats.sent
-        await self._send(self._heartbeat)
+        state = self._heartbeat(0, 0.0)
+        due = trio.current_time() - self._last_state_at >= self._state_interval_s
+        if due or self._state_wanted or changed(self._last_state, state):
+            await self._send_state(state)
+            return
+        async with self._send_lock:
+            await self._uplink.send_liveness(self._node_id, self._state_seq)
+        self._liveness_sent += 1
+
+    async def _heartbeat_once(self) -> None:
+        """Send the state now (the first message on a new connection or with a new key)."""
+        await self._send_state(self._heartbeat(0, 0.0))
+
+    async def _send_state(self, state: wire.Heartbeat) -> None:
+        self._state_wanted = False  # set again by whatever wants a newer one from here on
+        async with self._send_lock:
+            seq = self._next_seq()
+            await self._uplink.send(attrs.evolve(state, seq=seq, ts=time.time()))
+            self._state_seq = seq
+        self._last_state = sent(state)
+        self._last_state_at = trio.current_time()
         self._heartbeats_sent += 1
 
     def _heartbeat(self, seq: int, ts: float) -> wire.Heartbeat:
@@ -378,6 +384,7 @@ class Agent:
             memory_pressure_stops=stops,
             proof_set=fence.signed_body,
             proof_signature=fence.signature,
+            state_interval_s=self._state_interval_s,
         )
 
     def _pinned_key_id(self) -> str:
@@ -439,6 +446,10 @@ class Agent:
             await self._on_keys_rotated(msg)
         elif isinstance(msg, wire.ControllerKeysAnnounced):
             await self._on_controller_keys(msg)
+        elif isinstance(msg, wire.StateRequest):
+            if msg.node_id == self._node_id:
+                self._states_requested += 1
+                self._want_state()
         elif msg.node_id == self._node_id:  # RotateKeysRequest
             log.info("the controller asks this node to rotate its keys")
             self._pending = await trio.to_thread.run_sync(prepare_rotation, self._state_dir)
@@ -503,6 +514,8 @@ class Agent:
             self._runtimes.update(new.generation, new.assignments)
         if self._lease_lapsed:
             log.info("assignment lease in force again (epoch %d, generation %d)", new.epoch, new.generation)
+        if not renewal or self._lease_lapsed:
+            self._want_state()  # the controller learns the set it runs (or that it runs again) now
         self._lease_lapsed = False
         self._fence = new
         self._fence_changed.set()
@@ -610,6 +623,7 @@ class Agent:
         runtime (a renewal or a newer set brings them back).
         """
         self._lease_lapsed = True
+        self._want_state()
         fence = self._fence
         if self._on_lease_expiry is LeaseExpiryPolicy.STOP:
             self._runtimes.update(fence.generation, [])
@@ -736,6 +750,7 @@ def _agent(
         inventory=watcher,
         runtimes=runtimes.meter,
         heartbeat_interval_s=cfg.heartbeat_interval_s,
+        state_interval_s=cfg.state_interval_s,
         on_lease_expiry=cfg.on_lease_expiry,
         data=relay.deliver,
         container_engine=cfg.container.engine,

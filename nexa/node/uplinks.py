@@ -5,8 +5,9 @@ node keeps a channel (one CurveZMQ connection, its own keys, the same pinned con
 every one of them, and shows them to the agent and the relay as one channel (`NodeChannel`'s
 interface), so that nothing in the agent's protocol changes:
 
-* hello and heartbeats go on every channel; a beat is not queued on a channel whose previous one
-  has not left (no connection there: it would only deliver stale beats in a burst later);
+* hello, heartbeats (the node's signed state) and liveness beats go on every channel; a beat of
+  either kind is not queued on a channel whose previous one has not left (no connection there: it
+  would only deliver stale beats in a burst later);
 * every other signed message (an ack, a key rotation) goes to the controller whose message was
   verified last: the agent's control loop handles one message at a time, so an ack answers the set
   it acknowledges on the channel that set came on;
@@ -187,6 +188,20 @@ class ControllerChannels:
                     self._offer(member, msg)
         else:
             self._offer(self._replying, msg)
+
+    async def send_liveness(self, node_id: str, state_seq: int) -> None:
+        """A liveness beat on every channel whose last beat has left (one channel: waits, as `send`)."""
+        if len(self._members) == 1:
+            self._beat_due(self._members[0])
+            await self._members[0].channel.send_liveness(node_id, state_seq)
+            return
+        await trio.lowlevel.checkpoint()
+        for member in self._members:
+            if self._beat_due(member):
+                try:
+                    member.channel.send_liveness_nowait(node_id, state_seq)
+                except (trio.WouldBlock, ChannelClosed):
+                    member.dropped += 1
 
     def send_nowait(self, msg: wire.NodeMessage) -> None:
         if isinstance(msg, wire.Hello | wire.Heartbeat):

@@ -19,7 +19,8 @@ import pytest
 import trio
 
 from nexa import __version__, security
-from nexa.config import LeaseExpiryPolicy, NodeConfig
+from nexa.channel import links
+from nexa.config import LeaseExpiryPolicy, NodeConfig, Seconds
 from nexa.contracts import codec, wire
 from nexa.contracts.api import EnrollResponse
 from nexa.control.fleet import claims
@@ -28,7 +29,7 @@ from nexa.node import agent as agent_module
 from nexa.node import identity
 from nexa.node.agent import channel_endpoint, judge, serve_node
 from nexa.node.identity import Fence, load_fence
-from tests.conftest import Controller
+from tests.conftest import FIXTURES, Controller
 from tests.support.nodes import FakeController, aset, assignment, start_node, write_inventory
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,6 +106,71 @@ async def test_inventory_edits_reach_heartbeats_and_a_bad_edit_keeps_the_last_go
 
         write_inventory(path, {"labels": {"rack": "r4"}})  # still watched after the bad edit
         await ctl.next(wire.Heartbeat, lambda b: b.inventory.labels == {"rack": "r4"})
+
+
+# --- liveness and state -------------------------------------------------------------------------
+
+
+async def _received(ctl: FakeController, count: int) -> list[links.Alive | wire.NodeMessage]:
+    """The next `count` things n1 sends (liveness beats and signed messages), in order."""
+    assert ctl.link is not None
+    got: list[links.Alive | wire.NodeMessage] = []
+    while len(got) < count:
+        inbound = await ctl.link.receive()
+        if isinstance(inbound, links.Alive | links.Inbound):
+            got.append(inbound if isinstance(inbound, links.Alive) else inbound.message)
+    return got
+
+
+@pytest.fixture
+def split_cfg(tmp_path: Path, cfg: NodeConfig) -> NodeConfig:
+    """A node whose state goes only when it changes (or every 30 s), its memory read from a recorded
+    meminfo (so that nothing but the test changes its state)."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text((FIXTURES / "meminfo" / "gb10_dgx_spark.meminfo").read_text())
+    return attrs.evolve(cfg, state_interval_s=Seconds(30.0), meminfo_path=str(meminfo))
+
+
+async def test_between_states_the_agent_beats_liveness_and_a_changed_state_goes_at_once(
+    nursery: trio.Nursery, ctl: FakeController, split_cfg: NodeConfig
+) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        node = await start_node(nursery, split_cfg)
+        state = await ctl.next(wire.Heartbeat)
+        assert state.state_interval_s == 30.0  # what the controller holds it current for (plus its lease)
+        quiet = await _received(ctl, 10)
+        # Ten beats, all liveness: nothing changed and the interval is far off. Each names the state.
+        assert quiet == [links.Alive(node_id="n1", state_seq=state.seq)] * 10
+        write_inventory(Path(split_cfg.inventory_path), {"labels": {"rack": "r2"}})
+        edited = trio.current_time()
+        changed = await ctl.next(wire.Heartbeat)
+        # At the next beat after the watcher read the edit (polled every 0.02 s), not at the interval.
+        assert trio.current_time() - edited < 1.0
+        assert changed.inventory.labels == {"rack": "r2"} and changed.seq > state.seq
+        after = await _received(ctl, 3)
+        assert after == [links.Alive(node_id="n1", state_seq=changed.seq)] * 3
+    stats = node.agent.statistics()
+    assert stats.liveness_sent >= 13 and stats.heartbeats_sent >= 2
+
+
+async def test_the_agent_sends_its_state_when_the_controller_asks_and_when_a_set_is_accepted(
+    nursery: trio.Nursery, ctl: FakeController, split_cfg: NodeConfig
+) -> None:
+    with trio.fail_after(TIMEOUT_S):
+        node = await start_node(nursery, split_cfg)
+        await ctl.next(wire.Heartbeat)
+        await _received(ctl, 2)  # beating liveness now
+        await ctl.push(wire.StateRequest(node_id="n1"))
+        asked = await _received(ctl, 1)
+        assert isinstance(asked[0], wire.Heartbeat)  # the next thing sent
+        await ctl.push(wire.StateRequest(node_id="someone-else"))  # not for this node: ignored
+        await ctl.push(aset(1, 1, assignments=[]))
+        assert (await ctl.next(wire.Ack)).accepted
+        acked = trio.current_time()
+        state = await ctl.next(wire.Heartbeat)  # the set it runs now, at once: not at the interval
+        assert (state.epoch, state.generation) == (1, 1)
+        assert trio.current_time() - acked < 1.0
+    assert node.agent.statistics().states_requested == 1
 
 
 # --- assignment sets ----------------------------------------------------------------------------

@@ -30,7 +30,8 @@ M = TypeVar("M", bound=wire.NodeMessage)
 
 GB10_SMI = FIXTURES / "nvidia-smi" / "gb10_dgx_spark.csv"
 LOOPBACK = "tcp://127.0.0.1:*"
-#: The heartbeat interval `node_config` gives the node.
+#: The heartbeat interval `node_config` gives the node; by default it sends its state with every beat
+#: (`state_interval_s`), as agents did before liveness was split from state.
 BEAT_S = 0.05
 
 
@@ -130,7 +131,7 @@ class FakeController:
         while True:
             inbound = await self.link.receive()
             assert inbound.node_id == "n1"
-            if isinstance(inbound.message, cls) and where(inbound.message):
+            if isinstance(inbound, links.Inbound) and isinstance(inbound.message, cls) and where(inbound.message):
                 return inbound.message
 
     async def push(self, msg: wire.ControllerMessage) -> None:
@@ -190,6 +191,7 @@ def node_config(tmp_path: Path, state_dir: Path, inventory: dict[str, Any], **ov
         inventory_poll_interval_s=Seconds(0.02),
         nvidia_smi=str(smi),
         heartbeat_interval_s=Seconds(BEAT_S),
+        state_interval_s=Seconds(BEAT_S),
         reconnect_max_s=Seconds(0.2),
         container=ContainerConfig(socket=str(tmp_path / "no-podman.sock")),
     )

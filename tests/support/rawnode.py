@@ -31,8 +31,17 @@ class RawNode:
     def frames(self, msg: wire.WireMessage, *, key: security.SigningKey | None = None) -> list[bytes]:
         return framing.encode_frames(msg, key or self.key)
 
+    def liveness(self, *, node_id: str | None = None, state_seq: int | None = None) -> list[bytes]:
+        """A liveness beat's frames (unsigned: the channel authenticates it), naming the last seq sent."""
+        return framing.encode_liveness(node_id or self.node_id, self.seq if state_seq is None else state_seq)
+
     def heartbeat(
-        self, *, seq: int | None = None, ts: float | None = None, node_id: str | None = None
+        self,
+        *,
+        seq: int | None = None,
+        ts: float | None = None,
+        node_id: str | None = None,
+        state_interval_s: float = 0.0,
     ) -> wire.Heartbeat:
         if seq is None:
             self.seq += 1
@@ -47,6 +56,7 @@ class RawNode:
             assignments=[
                 wire.AssignmentStatus(assignment_id=aid, state=wire.RuntimeState.READY) for aid in sorted(self.ready)
             ],
+            state_interval_s=state_interval_s,
         )
 
     async def send(self, frames: list[bytes]) -> None:
@@ -54,11 +64,16 @@ class RawNode:
         await self.pump.send(frames)
 
     async def receive_set(self) -> wire.AssignmentSet:
+        msg = await self.receive()
+        assert isinstance(msg, wire.AssignmentSet)
+        return msg
+
+    async def receive(self) -> wire.ControllerMessage:
+        """The next signed message from the controller, verified against its key."""
         assert self.pump is not None
         frames = await self.pump.receive()
         controller = security.PublicKey.from_b64(self.enrolled.controller_signing_public_key)
-        msg = framing.decode_frames([f.bytes for f in frames], controller, wire.FROM_CONTROLLER)
-        assert isinstance(msg, wire.AssignmentSet)
+        msg: wire.ControllerMessage = framing.decode_frames([f.bytes for f in frames], controller, wire.FROM_CONTROLLER)
         return msg
 
 

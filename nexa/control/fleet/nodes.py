@@ -1,7 +1,13 @@
 """The fleet: enrollment tokens, enrolled nodes, their liveness and desired assignment sets.
 
 Authoritative in memory (the node channel asks it on every message), written through to the store. Operator
-actions and liveness transitions are audited; heartbeats are written only when a node's inventory changes."""
+actions and liveness transitions are audited; heartbeats are written only when a node's inventory changes.
+
+A node is reachable while two things hold: something good came from it within `lease_s` (a signed
+message or a liveness beat, `alive`), and its state (the signed `Heartbeat`) is current: it came
+within the state interval the node announced plus `lease_s` (`state_current`). A liveness beat
+changes nothing the node reports and never makes a node reachable whose state is not current: the
+control loop then asks the node for its state (`Southbound`), and that state makes it reachable."""
 
 from __future__ import annotations
 
@@ -36,20 +42,19 @@ from nexa.contracts.wire import (
     MEMORY_PRESSURE,
     Ack,
     AssignmentStatus,
-    CacheDisk,
     DesiredAssignments,
     Heartbeat,
     Hello,
     MemoryPressure,
     NodeMessage,
     RotateKeys,
-    RuntimeCacheDisk,
     RuntimeLoad,
     RuntimeState,
 )
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
 from nexa.control.cluster.leadership import Leadership
+from nexa.control.fleet.live import NodeLive
 from nexa.errors import REENROLL_HINT, Conflict, ContractError, NodeUnreachable, NotConnected, NotFound
 from nexa.ratelimit import RateLimiter
 from nexa.security import (
@@ -63,70 +68,13 @@ from nexa.security import (
 from nexa.telemetry import Metrics
 from nexa.telemetry.fleet import NodeFigures, ReplicaFigures, ReplicaMemoryFigures
 
+#: `NodeLive` lives in `fleet.live` and is imported from here as before.
+__all__ = ["Fleet", "NodeLive"]
+
 log = logging.getLogger(__name__)
 
 _MIN_TOKEN_TTL_S: Final = 10.0
 _NODE_ID_RE: Final = re.compile(r"[^a-z0-9.-]+")
-
-
-@attrs.define
-class NodeLive:
-    """A node as the controller knows it right now (mutable; owned by Fleet)."""
-
-    node: Node
-    inventory: NodeInventory | None
-    desired: DesiredAssignments
-    window: ReplayWindow
-    #: trio clock time of the last good message, None if never heard from since start.
-    last_seen: float | None = None
-    last_seen_wall: float | None = None
-    reachable: bool = False
-    agent_version: str = ""
-    statuses: list[AssignmentStatus] = attrs.field(factory=list)
-    reported_epoch: int = 0
-    reported_generation: int = 0
-    free_memory_bytes: int = 0
-    free_accelerators: int = 0
-    last_push: float = float("-inf")
-    inventory_digest: str | None = None
-    signing_key: PublicKey | None = None
-    #: The keys the node had before it rotated them, still admitted until it uses the new ones
-    #: (signing key parsed, Curve key in Z85); None outside a rotation.
-    previous_keys: tuple[PublicKey, str] | None = None
-    #: The retired controller key the node pins, when it pins no other after the overlap ended
-    #: (`needs_reenrollment`): Unreachable from then on, sent nothing; "" for every other node.
-    reenroll_key_id: str = ""
-    #: Its channel's refusals since this controller started, by reason (`nexa_node_messages_rejected_total`'s
-    #: reasons), and `disconnected`: its connections libzmq closed (`nexa_channel_disconnects_total`).
-    channel: dict[str, int] = attrs.field(factory=dict)
-    #: A changed inventory or acknowledgement kept in memory, not yet written (above the node's write rate).
-    inventory_unsaved: bool = False
-    desired_unsaved: bool = False
-    #: The runtime load each Ready replica reported in the last heartbeat, with the trio clock
-    #: time its figures were read (the heartbeat's arrival less their `age_s`), by replica id.
-    loads: dict[str, tuple[RuntimeLoad, float]] = attrs.field(factory=dict)
-    #: The artifact cache's disk, from the last heartbeat (None: not reported).
-    cache_disk: CacheDisk | None = None
-    #: The replicas' writable caches, from the last heartbeat (None: not reported).
-    runtime_cache: RuntimeCacheDisk | None = None
-    #: Set while the node reports memory pressure (placement skips it); and the replicas its guard stopped.
-    memory_pressure: MemoryPressure | None = None
-    memory_pressure_stops: int = 0
-    #: Each replica's measured memory in the last heartbeat that changed it, by assignment id.
-    measured: dict[str, int] = attrs.field(factory=dict)
-
-    @property
-    def state(self) -> NodeState:
-        admin = self.node.admin_state
-        if admin is NodeAdminState.REVOKED:
-            return NodeState.REVOKED
-        if not self.reachable or self.reenroll_key_id:
-            return NodeState.UNREACHABLE
-        if admin is NodeAdminState.DRAINING:
-            return NodeState.DRAINING
-        if admin is NodeAdminState.CORDONED:
-            return NodeState.CORDONED
-        return NodeState.READY if self.inventory is not None else NodeState.JOINING  # no heartbeat yet
 
 
 #: Operator action → (admin states it may start from, the state it leads to).
@@ -637,11 +585,47 @@ class Fleet:
         live = self.get(node_id)
         live.window = live.window.check(seq, ts, time.time())
 
+    def alive(self, node_id: str, state_seq: int) -> bool:
+        """A liveness beat (never waits; the receive loop's hot path): a reachable node's `last_seen`
+        moves, and nothing else. True when the control loop must see it: the node is not
+        reachable, its state is not current, or it sent a state (`state_seq`) that never came here."""
+        live = self._nodes.get(NodeId(node_id))
+        if live is None:
+            return False
+        if not live.reachable:
+            return True  # only a current state makes it reachable again (`alive_again`)
+        now = trio.current_time()
+        live.last_seen, live.last_seen_wall = now, time.time()
+        return state_seq > live.state_seq or not self.state_current(live, now)
+
+    def state_current(self, live: NodeLive, now: float) -> bool:
+        """Whether the node's last state came within the interval it announced plus `lease_s`."""
+        return live.state_current(now, self._cfg.lease_s)
+
+    async def alive_again(self, live: NodeLive) -> bool:
+        """A liveness beat from an Unreachable node: reachable again (audited) when its state is
+        current, else nothing changes. Whether it is reachable now."""
+        now = trio.current_time()
+        if live.reachable or live.reenroll_key_id or not self.state_current(live, now):
+            return live.reachable
+        if live.node.admin_state is NodeAdminState.REVOKED:
+            return False
+        live.last_seen, live.last_seen_wall = now, time.time()
+        live.reachable = True
+        await self._transition(live, "node.reachable", "liveness resumed; its state is current")
+        return True
+
     async def heard(self, node_id: str, msg: NodeMessage) -> NodeLive:
         """Record a verified message; a node that was Unreachable becomes reachable again."""
         live = self.get(node_id)
         live.last_seen = trio.current_time()
         live.last_seen_wall = time.time()
+        if live.last_state is None or isinstance(msg, Heartbeat):
+            # The state's clock: a Heartbeat, or the first signed message, which starts it with no
+            # interval (the state must come within `lease_s`, as every heartbeat had to before).
+            live.last_state = live.last_seen
+            live.state_interval_s = msg.state_interval_s if isinstance(msg, Heartbeat) else 0.0
+            live.state_seq = msg.seq if isinstance(msg, Heartbeat) else live.state_seq
         if isinstance(msg, Hello):
             live.agent_version = msg.agent_version
             live.reported_epoch, live.reported_generation = msg.epoch, msg.generation
@@ -693,12 +677,13 @@ class Fleet:
             await self._leadership.write(st.save_desired, live.desired, None)
 
     def overdue(self, now: float) -> tuple[list[NodeLive], float]:
-        """Reachable nodes whose lease ran out by `now`, and the next deadline among the rest."""
+        """Reachable nodes whose lease (liveness, or state: `state_current`) ran out by `now`, and
+        the next deadline among the rest."""
         lapsed, next_deadline = [], now + self._cfg.lease_s
         for live in self._nodes.values():
-            if not live.reachable or live.last_seen is None:
+            deadline = live.deadline(self._cfg.lease_s)
+            if not live.reachable or deadline is None:
                 continue
-            deadline = live.last_seen + self._cfg.lease_s
             if deadline <= now:
                 lapsed.append(live)
             else:
@@ -707,7 +692,12 @@ class Fleet:
 
     async def mark_unreachable(self, live: NodeLive) -> None:
         live.reachable = False
-        await self._transition(live, "node.unreachable", f"no good heartbeat for {self._cfg.lease_s:g} s")
+        if live.last_seen is not None and trio.current_time() - live.last_seen < self._cfg.lease_s:
+            waited = live.state_interval_s + self._cfg.lease_s
+            detail = f"alive, but no state for {waited:g} s (its state interval and the lease)"
+        else:
+            detail = f"no good heartbeat for {self._cfg.lease_s:g} s"
+        await self._transition(live, "node.unreachable", detail)
 
     async def _memory_pressure(self, live: NodeLive, pressure: MemoryPressure | None) -> None:
         """The node's memory-pressure condition came or went: placement follows, and the audit says so."""

@@ -1,7 +1,9 @@
 """The controller's side of the node protocol: verified node messages → fleet; signed sets → nodes.
 
 One Link (ZeroMQ ROUTER, CurveZMQ, ZAP) carries every node's channel. Four loops share it:
-receive (the link's only reader: data frames to the relay at once, signed messages to control),
+receive (the link's only reader: data frames to the relay at once, a liveness beat of a node in
+good standing to the fleet's in-memory clock (`Fleet.alive`: no signature, no store, no wait),
+signed messages and every other liveness beat to control),
 control (verify, replay-check, record, audit), liveness (a node with no good heartbeat for
 `lease_s` becomes Unreachable) and renewal (re-sign each reachable node's set before its lease
 lapses). Data frames go straight to `self.relay` (no store, no audit, no signature check) and
@@ -17,6 +19,13 @@ backpressure that would not stall every stream is refusal. Nothing is lost for g
 is superseded by the next (each carries the node's whole state), a lost ack is answered again at
 the next lease renewal, and a node whose hello was lost reports an old set in its heartbeats and
 is sent its set again (`_REPUSH_MIN_S`).
+
+Liveness and state: a node's liveness beats (authenticated by the channel, `wire.LIVENESS`) keep
+it reachable between its signed states, which it sends when they change and at least every
+`state_interval_s`. A beat changes nothing the node reports. When one comes from a node whose state
+this controller does not hold current (it just started, missed the node's last state, or the node
+was Unreachable), the control loop asks the node for its state (`StateRequest`, at most every
+`_STATE_REQUEST_MIN_S`); the state that answers makes it reachable as any heartbeat does.
 
 Recovery (`control.operations.recovery`): while `recovering`, nothing is pushed (no set, no renewal, no
 re-push); nodes keep what they accepted and the fleet still records what they report. A node
@@ -40,6 +49,7 @@ import trio
 from nexa.channel.endpoints import ServedEndpoints
 from nexa.channel.links import (
     MESSAGE_HEADROOM_BYTES,
+    Alive,
     CurveKeyPair,
     DataInbound,
     Inbound,
@@ -49,6 +59,7 @@ from nexa.channel.links import (
 )
 from nexa.config import ChannelConfig, NodesConfig
 from nexa.contracts.wire import (
+    LIVENESS,
     Ack,
     AssignmentSet,
     ControllerKeysAnnounced,
@@ -58,6 +69,7 @@ from nexa.contracts.wire import (
     NodeMessage,
     RotateKeys,
     RotateKeysRequest,
+    StateRequest,
 )
 from nexa.control.datapath.relay import Relay
 from nexa.control.fleet.claims import EpochClaims
@@ -100,6 +112,8 @@ MALFORMED: Final = "malformed"
 DISCONNECTED: Final = "disconnected"
 #: The reason counted for an acknowledgement of a set this controller never sent.
 STALE_ACK: Final = "stale_ack"
+#: A node is asked for its state (`StateRequest`) at most this often.
+_STATE_REQUEST_MIN_S: Final = 1.0
 
 
 class Southbound:
@@ -175,8 +189,9 @@ class Southbound:
         # (Curve key, dialled a retired Curve key of the controller's)
         self._zap_refusals_tx, self._zap_refusals_rx = trio.open_memory_channel[tuple[str, bool]](64)
         # Receive loop → control loop (module docstring); with how many of each node's wait there.
-        self._control_tx, self._control_rx = trio.open_memory_channel[Unverified | Refused](_CONTROL_QUEUE)
+        self._control_tx, self._control_rx = trio.open_memory_channel[Unverified | Alive | Refused](_CONTROL_QUEUE)
         self._control_waiting: dict[str, int] = {}
+        self._liveness_counted = metrics.node_messages.labels(LIVENESS)
 
     def _authorize(self, curve_public_z85: str) -> str | None:
         node_id = self._fleet.authorize_curve(curve_public_z85)
@@ -269,13 +284,19 @@ class Southbound:
                 if refused is not None:
                     self._metrics.node_messages_rejected.labels(refused).inc()
                 continue
+            if isinstance(got, Alive):
+                # Hot path too: a node in good standing only moves its clock, in memory.
+                self._liveness_counted.inc()
+                if (self._fleet.alive(got.node_id, got.state_seq) or got.moved) and not self._to_control(got):
+                    self._metrics.node_messages_rejected.labels(CONTROL_BACKLOG).inc()
+                continue
             if isinstance(got, Refused):
                 self._count_refusal(got.error, got.node_id)  # at once; the audit (rate-limited) is the control loop's
             if not self._to_control(got) and isinstance(got, Unverified):
                 # (A refusal is counted already; only its audit is skipped.)
                 self._metrics.node_messages_rejected.labels(CONTROL_BACKLOG).inc()
 
-    def _to_control(self, got: Unverified | Refused) -> bool:
+    def _to_control(self, got: Unverified | Alive | Refused) -> bool:
         """Queue for the control loop without waiting; False if the node's share or the queue is full."""
         waiting = self._control_waiting.get(got.node_id, 0)
         if waiting >= _CONTROL_PER_NODE:
@@ -294,9 +315,12 @@ class Southbound:
                 self._control_waiting[got.node_id] = waiting
             await self._control(got)
 
-    async def _control(self, got: Unverified | Refused) -> None:
+    async def _control(self, got: Unverified | Alive | Refused) -> None:
         if isinstance(got, Refused):
             await self._refuse_audit(got.node_id, self._refusal_code(got.error), got.error.message)
+            return
+        if isinstance(got, Alive):
+            await self._alive(got)
             return
         # Verified and handled in one step up to `_handle`'s first await (a hello's node_lost).
         checked = self._link.verify(got)
@@ -351,6 +375,28 @@ class Southbound:
             await self._fleet.record_ack(live, msg)
         elif isinstance(msg, RotateKeys):
             await self._rotate_keys(live, msg, by_previous=inbound.previous_key)
+
+    async def _alive(self, got: Alive) -> None:
+        """A liveness beat the receive loop could not settle (`Fleet.alive`). It changes nothing the
+        node reports: it makes the node reachable again only if its state is current, and asks for
+        the state when this controller does not hold it current or missed the one the beat names."""
+        try:
+            live = self._fleet.get(got.node_id)
+        except NexaError:
+            return
+        if live.reenroll_key_id:
+            self._count_refusal(NodeNeedsReenrollment(node_id=got.node_id, key_id=live.reenroll_key_id), got.node_id)
+            return
+        if got.moved:
+            await self._push(live)  # as for a signed message on a new connection: the old one may close
+        if not live.reachable:
+            await self._fleet.alive_again(live)
+        now = trio.current_time()
+        wanted = got.state_seq > live.state_seq or not self._fleet.state_current(live, now) or not live.reachable
+        if wanted and now - live.state_asked >= _STATE_REQUEST_MIN_S:
+            live.state_asked = now
+            with contextlib.suppress(NotConnected):
+                await self._link.send(live.node.id, StateRequest(node_id=live.node.id))
 
     async def _judged(self, node_id: str, msg: Hello | Heartbeat) -> Hello | Heartbeat:
         """`msg` with the (epoch, generation) that counts (`EpochClaims`); a refused claim is

@@ -1,0 +1,58 @@
+"""When a node's signed state is a change worth sending at once (`nexa.node.agent` beats the rest of
+the time: a liveness beat, or the state at its interval). Pure."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+
+from nexa.contracts import wire
+
+#: Free memory that moves by less than this share of the node's memory (or `_MEMORY_STEP_MIN_BYTES`,
+#: whichever is more) since the last state sent is not a change of state by itself.
+_MEMORY_STEP_SHARE: Final = 0.01
+_MEMORY_STEP_MIN_BYTES: Final = 256 * 1024**2
+
+#: What `changed` compares a new state with: the last one sent, `steady`, and its free memory.
+Sent = tuple[wire.Heartbeat, int]
+
+
+def sent(state: wire.Heartbeat) -> Sent:
+    """What to keep of a state just sent, for `changed`."""
+    return steady(state), state.free_memory_bytes
+
+
+def changed(last: Sent | None, state: wire.Heartbeat) -> bool:
+    """Whether `state` differs from the last one sent (None: none yet) in more than what moves by itself."""
+    if last is None:
+        return True
+    before, free = last
+    step = max(_MEMORY_STEP_MIN_BYTES, int(state.inventory.memory_total_bytes * _MEMORY_STEP_SHARE))
+    return steady(state) != before or abs(state.free_memory_bytes - free) >= step
+
+
+def steady(state: wire.Heartbeat) -> wire.Heartbeat:
+    """`state` without what moves by itself between two reads: the clock of discovery, GPU
+    telemetry, free memory (compared with a step: `changed`) and each load's age."""
+    inventory = state.inventory
+    gpus = tuple(
+        attrs.evolve(
+            g,
+            memory_used_bytes=None,
+            memory_free_bytes=None,
+            utilization_pct=None,
+            temperature_c=None,
+            power_draw_w=None,
+        )
+        for g in inventory.gpus
+    )
+    return attrs.evolve(
+        state,
+        inventory=attrs.evolve(inventory, memory_available_bytes=0, discovered_at=0.0, gpus=gpus),
+        free_memory_bytes=0,
+        assignments=[
+            attrs.evolve(s, load=attrs.evolve(s.load, age_s=0.0)) if s.load is not None else s
+            for s in state.assignments
+        ],
+    )
