@@ -34,7 +34,8 @@ def changed(last: Sent | None, state: wire.Heartbeat) -> bool:
 
 def steady(state: wire.Heartbeat) -> wire.Heartbeat:
     """`state` without what moves by itself between two reads: the clock of discovery, GPU
-    telemetry, free memory (compared with a step: `changed`) and each load's age."""
+    telemetry, free memory (compared with a step: `changed`), each load's age and the free room of
+    the runtime cache's filesystem (other programs write there too)."""
     inventory = state.inventory
     gpus = tuple(
         attrs.evolve(
@@ -51,6 +52,7 @@ def steady(state: wire.Heartbeat) -> wire.Heartbeat:
         state,
         inventory=attrs.evolve(inventory, memory_available_bytes=0, discovered_at=0.0, gpus=gpus),
         free_memory_bytes=0,
+        runtime_cache=attrs.evolve(state.runtime_cache, free_bytes=0) if state.runtime_cache is not None else None,
         assignments=[
             attrs.evolve(s, load=attrs.evolve(s.load, age_s=0.0)) if s.load is not None else s
             for s in state.assignments
