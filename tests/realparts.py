@@ -149,6 +149,13 @@ def worker_number() -> int:
     return int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
 
 
+def loopback_net() -> str:
+    """The first three parts of this process's loopback addresses for nodes it starts: `127.0.0` in a
+    run of one process, `127.0.N` (N = worker + 1) in pytest-xdist's workers, so no worker meets
+    another, nor `nexa demo`'s fixed 127.0.0.11-14 (tests/test_demo.py) in whichever worker runs it."""
+    return f"127.0.{worker_number() + 1}" if os.environ.get("PYTEST_XDIST_WORKER") else "127.0.0"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -25,7 +26,12 @@ REAL_START_TIMEOUT_S = 600
 
 def _ours(marker: str) -> list[str]:
     """Command lines of live processes that mention `marker` (the demo's own directory)."""
-    found = []
+    return list(_our_processes(marker).values())
+
+
+def _our_processes(marker: str) -> dict[int, str]:
+    """Live processes that mention `marker`, by PID: the parts of the demo this test started."""
+    found = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -34,7 +40,7 @@ def _ours(marker: str) -> list[str]:
         except OSError:
             continue
         if marker in cmdline:
-            found.append(cmdline)
+            found[int(proc.name)] = cmdline
     return found
 
 
@@ -94,10 +100,19 @@ def _ctrl_c(proc: subprocess.Popen[str], state: Path) -> None:
     assert _ours(str(state)) == []
 
 
-def _finish(proc: subprocess.Popen[str]) -> None:
+def _finish(proc: subprocess.Popen[str], state: Path) -> None:
+    """After a test that failed half-way: Ctrl-C first (the demo stops its parts), then SIGKILL to the
+    demo and to any part of it still running (by PID: each was started by this test's demo)."""
     if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid in _our_processes(str(state)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     if proc.stdout is not None:
         proc.stdout.close()
 
@@ -130,7 +145,7 @@ def test_the_demo_runs_a_cluster_that_answers_and_stops_everything_on_ctrl_c(tmp
         assert _ours(str(state)), "the demo's parts should be running"
         _ctrl_c(proc, state)  # nodes, sim runtimes, registry and S3 store all stopped
     finally:
-        _finish(proc)
+        _finish(proc, state)
 
 
 def test_the_real_demo_serves_llama_cpp_from_podman_and_ctrl_c_removes_its_containers(tmp_path: Path) -> None:
@@ -162,7 +177,7 @@ def test_the_real_demo_serves_llama_cpp_from_podman_and_ctrl_c_removes_its_conta
         _ctrl_c(proc, state)  # nodes, the podman service, conmon, registry and S3 store all stopped
         assert podman.run("ps", "--all", "--quiet").stdout.split() == []
     finally:
-        _finish(proc)
+        _finish(proc, state)
         if state.exists():  # what the demo could not remove, and what the podman CLI made here
             podman.run("rm", "--all", "--force", "--time", "0", check=False)
             podman.release()

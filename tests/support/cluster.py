@@ -28,7 +28,7 @@ import trio
 from nexa.config import ControlConfig, GatewayConfig
 from nexa.node import identity
 from tests.conftest import Controller, start_controller
-from tests.realparts import BuiltImages, S3Store, worker_number
+from tests.realparts import BuiltImages, S3Store, loopback_net
 from tests.support.api import ok, wait_for
 from tests.support.models import bring_to, registry_config
 from tests.support.nodes import fake_gb10_smi
@@ -205,7 +205,7 @@ def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: b
     inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
     inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
     config = node_dir.parent / f"{node_dir.name}.toml"
-    host = f"127.0.{worker_number()}.1{i}"  # 127.0.0.1i, one /24 further per pytest-xdist worker
+    host = f"{loopback_net()}.1{i}"  # 127.0.0.1i, in a /24 of its own per pytest-xdist worker
     smi = ""
     if gb10:  # its own copy: rewriting a script another node is executing would fail (ETXTBSY)
         (bin_dir := node_dir.parent / f"{node_dir.name}-bin").mkdir(exist_ok=True)

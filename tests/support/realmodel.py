@@ -20,7 +20,7 @@ import pytest
 import trio
 
 from tests.conftest import Controller, start_controller
-from tests.realparts import PodmanService, S3Store
+from tests.realparts import PodmanService, S3Store, loopback_net
 from tests.support.api import Json, ok
 from tests.support.models import registry_config, upload
 from tests.support.s3 import write_credentials
@@ -168,7 +168,7 @@ async def real_cluster(
     """A controller and two enrolled `nexa node` agents (cpu-1 on 127.0.0.11, cpu-2 on .12) on the
     run's podman, both Ready."""
     controller = await start_controller(nursery, registry_config(tmp_path, s3_store))
-    hosts = {f"cpu-{i}": f"127.0.0.1{i}" for i in (1, 2)}
+    hosts = {f"cpu-{i}": f"{loopback_net()}.1{i}" for i in (1, 2)}
     nodes = [
         Node(name=name, host=host, config=node_config(tmp_path, name, host, s3_store, podman_service))
         for name, host in hosts.items()
