@@ -495,8 +495,8 @@ class ControlConfig:
     http: HttpConfig = attrs.field(
         default=HttpConfig(),
         validator=[
-            lambda i, _a, v: v.check_workers(i.store, i.cluster),
             lambda i, _a, v: v.check_worker_processes(i.store, i.cluster, i.channel),
+            lambda i, _a, v: v.check_workers(i.store, i.cluster),
         ],
     )
     channel: ChannelConfig = ChannelConfig()

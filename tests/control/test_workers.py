@@ -205,3 +205,112 @@ async def test_two_workers_share_one_port_and_writes_reach_the_leader(
         assert sorted(t["id"] for t in listed.json()["tenants"]) == sorted(f"t{i}" for i in range(CONNECTIONS))
         b.stopping.set()
         a.stopping.set()
+
+
+# ---- [http] workers: gateway worker processes on the embedded store ------------------------------------
+
+
+def _processes(**http: Any) -> dict[str, Any]:
+    """A valid `[http] workers = 2` config as a TOML table would give it; `http` overrides its [http]."""
+    return {
+        "http": {"listen": "127.0.0.1:8470", "workers": 2, **http},
+        "channel": {"listen": "tcp://127.0.0.1:8471"},
+    }
+
+
+def test_workers_on_the_embedded_store_derive_each_workers_own_parts() -> None:
+    from nexa.control.cluster.workers import channel_endpoints, worker_config
+
+    cfg = config.structure_config(_processes(), ControlConfig)
+    assert (cfg.http.workers, ControlConfig().http.workers) == (2, 1)
+    assert channel_endpoints(cfg) == ["tcp://127.0.0.1:8471", "tcp://127.0.0.1:8473"]
+    one = worker_config(cfg, 1, 40001)
+    assert one.http.workers == 1 and not one.http.reuse_port
+    assert one.cluster.address == "http://127.0.0.1:40001"
+    assert one.cluster.controller_id.endswith(":8470/1")
+    assert one.channel.endpoint(0) == ("tcp://127.0.0.1:8473", "")
+    assert one.channel.endpoint(1) == ("tcp://127.0.0.1:8474", "")  # its key rotation endpoint
+    named = config.structure_config({**_processes(), "cluster": {"controller_id": "gw"}}, ControlConfig)
+    assert worker_config(named, 0, 40000).cluster.controller_id == "gw/0"
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        ({"http": {"workers": 2}, "store": {"url": PG}}, "runs workers on the embedded SQLite store"),
+        ({"http": {"workers": 2, "reuse_port": True}}, "remove [http] reuse_port and extra_listen"),
+        ({"http": {"workers": 2, "extra_listen": ["127.0.0.1:8481"]}}, "remove [http] reuse_port and extra_listen"),
+        ({"http": {"workers": 2, "listen": "127.0.0.1:0"}}, "needs a fixed port in http.listen"),
+        (
+            {"http": {"workers": 2}, "channel": {"listen": "tcp://127.0.0.1:*"}},
+            "needs a fixed port in [channel] listen",
+        ),
+        ({"http": {"workers": 2}, "cluster": {"address": "http://127.0.0.1:1"}}, "remove [cluster] address"),
+    ],
+)
+def test_workers_without_what_they_need_are_refused(change: dict[str, dict[str, Any]], problem: str) -> None:
+    data = _processes()
+    for section, values in change.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(ConfigError) as refused:
+        config.structure_config(data, ControlConfig)
+    [line] = refused.value.problems
+    assert line.startswith("(top level): http.workers = 2 ") and problem in line, line
+
+
+@pytest.mark.parametrize("workers", [0, -1, 65])
+def test_a_worker_count_out_of_range_is_refused(workers: int) -> None:
+    with pytest.raises(ConfigError) as refused:
+        config.structure_config(_processes(workers=workers), ControlConfig)
+    [line] = refused.value.problems
+    assert line.startswith("http: 'workers' must be"), line
+    with pytest.raises(ValueError, match="workers"):
+        HttpConfig(workers=workers)
+
+
+def test_nexa_control_help_names_the_workers_and_recover_is_refused_with_them(tmp_path: Path) -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "nexa", "control", "--help"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "[http] workers = N" in shown.stdout
+    assert "--worker" not in shown.stdout  # the supervisor's own flag
+    path = tmp_path / "control.toml"
+    path.write_text(
+        f'state_dir = "{tmp_path / "state"}"\n[http]\nlisten = "127.0.0.1:{free_port()}"\nworkers = 2\n'
+        '[channel]\nlisten = "tcp://127.0.0.1:28471"\n'
+    )
+    refused = subprocess.run(
+        [sys.executable, "-m", "nexa", "control", "--config", str(path), "--recover"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert "--recover runs one controller: set [http] workers = 1" in refused.stderr
+    assert not (tmp_path / "state").exists()  # nothing was written
+
+
+def test_a_shared_sqlite_writer_takes_the_write_lock_when_its_transaction_begins(tmp_path: Path) -> None:
+    """Gateway workers write one file: a transaction that read before another process committed
+    must not fail when it then writes (SQLITE_BUSY_SNAPSHOT), so each takes the lock first."""
+    from nexa.control.store import sqlite
+    from nexa.errors import StoreBusy
+
+    sqlite.apply_best_practice()
+    path = tmp_path / "control.db"
+    first, _ = sqlite.open_db(path, shared=True)
+    second, _ = sqlite.open_db(path, shared=True)
+    try:
+        second.connection.set_busy_timeout(0)
+        with first:
+            first.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchall()  # a read, then
+            with pytest.raises(StoreBusy), second:  # another worker's write waits (here: gives up)
+                second.execute("UPDATE meta SET value = value WHERE key = 'epoch'")
+            first.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")  # the write goes through
+        assert not first.connection.in_transaction and not second.connection.in_transaction
+        with second:  # the lock is free again
+            second.execute("UPDATE meta SET value = value + 1 WHERE key = 'epoch'")
+    finally:
+        first.close()
+        second.close()

@@ -200,8 +200,11 @@ async def wait_until(what: str, check: Callable[[], Awaitable[Any]]) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: bool = False) -> Path:
-    """The config of sim node `i`; `gb10`: its GPU inventory comes from a fake nvidia-smi (a DGX Spark)."""
+def sim_node_config(
+    node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: bool = False, controllers: tuple[str, ...] = ()
+) -> Path:
+    """The config of sim node `i`; `gb10`: its GPU inventory comes from a fake nvidia-smi (a DGX Spark);
+    `controllers`: the channel endpoints it dials (node.toml `controllers`; empty: the enrolled one)."""
     inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
     inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
     config = node_dir.parent / f"{node_dir.name}.toml"
@@ -210,10 +213,11 @@ def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: b
     if gb10:  # its own copy: rewriting a script another node is executing would fail (ETXTBSY)
         (bin_dir := node_dir.parent / f"{node_dir.name}-bin").mkdir(exist_ok=True)
         smi = f'nvidia_smi = "{fake_gb10_smi(bin_dir)}"\n'
+    dials = f"controllers = {json.dumps(list(controllers))}\n" if controllers else ""
     config.write_text(
         f'state_dir = "{node_dir}"\ninventory_path = "{inventory}"\ninventory_poll_interval_s = 0.5\n'
         f'heartbeat_interval_s = 0.3\nsource_address = "{host}"\nruntime_host = "{host}"\n'
-        f"reconnect_max_s = 1\nsimulation = true\nruntime_metrics_interval_s = 0.5\n{smi}"
+        f"reconnect_max_s = 1\nsimulation = true\nruntime_metrics_interval_s = 0.5\n{smi}{dials}"
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         "[supervisor]\nreconcile_interval_s = 1\n"
@@ -257,9 +261,11 @@ async def sim_fleet(
     nodes: int = 2,
     nexa: tuple[str, ...] = (sys.executable, "-m", "nexa"),
     gb10: bool = False,
+    controllers: tuple[str, ...] = (),
 ) -> AsyncIterator[SimCluster]:
     """`sim_cluster` on a controller already started (in this run or as a `nexa control` process):
-    tenant, keys, runtime, model and alias, then `nodes` sim nodes enrolled and Ready; stopped after."""
+    tenant, keys, runtime, model and alias, then `nodes` sim nodes enrolled and Ready; stopped after.
+    `controllers`: every channel endpoint each node dials (gateway workers); empty: the enrolled one."""
     sim_nodes: list[SimNode] = []
     try:
         async with controller.client() as http:
@@ -280,7 +286,10 @@ async def sim_fleet(
             name = f"sim-{i}"
             node_dir = tmp_path / name
             node = SimNode(
-                name=name, state_dir=node_dir, config=sim_node_config(node_dir, i, s3, creds, gb10=gb10), nexa=nexa
+                name=name,
+                state_dir=node_dir,
+                config=sim_node_config(node_dir, i, s3, creds, gb10=gb10, controllers=controllers),
+                nexa=nexa,
             )
             async with controller.client() as http:
                 token = await ok(http.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}), 201)
