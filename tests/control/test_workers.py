@@ -9,10 +9,13 @@ several workers is refused when it is read; the default path binds exactly as be
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import subprocess
 import sys
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +25,11 @@ import pytest
 import trio
 
 from nexa import config
-from nexa.config import ClusterConfig, ControlConfig, HostPort, HttpConfig, Seconds, StoreConfig
+from nexa.config import ChannelConfig, ClusterConfig, ControlConfig, HostPort, HttpConfig, Seconds, StoreConfig
+from nexa.control import store as st
 from nexa.control.cluster.forward import FORWARDED_HEADER
 from nexa.control.service import hypercorn_config, shared_listener
-from nexa.errors import ConfigError
+from nexa.errors import ConfigError, NexaError, StoreUnusable
 from tests.conftest import free_port, local_config, start_controller
 from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401
 
@@ -314,3 +318,69 @@ def test_a_shared_sqlite_writer_takes_the_write_lock_when_its_transaction_begins
     finally:
         first.close()
         second.close()
+
+
+# ---- the supervisor of gateway workers, with stand-in worker programs (fault injection) -----------------
+
+#: A stand-in for `nexa control --worker I`: appends its run to RUNS, prints the line a worker prints
+#: once it serves (unless told to fail first), then exits with the status EXITS names for that run.
+_STAND_IN = """
+import json, pathlib, sys, time
+index = int(sys.argv[-1]); runs = pathlib.Path(sys.argv[1]); plan = json.loads(sys.argv[2])
+runs.open("a").write(f"{index}\\n")
+run = runs.read_text().split().count(str(index))
+step = plan.get(f"{index}:{run}", plan.get("default"))
+if step == "fail-start":
+    sys.exit(1)
+print("nexa control test listening on http://127.0.0.1:1", flush=True)
+if step == "serve":
+    time.sleep(600)
+sys.exit(int(step))
+"""
+
+
+def _stand_in(tmp_path: Path, plan: dict[str, str]) -> tuple[list[str], Path]:
+    runs = tmp_path / "runs"
+    return [sys.executable, "-c", _STAND_IN, str(runs), json.dumps(plan)], runs
+
+
+def _supervised(tmp_path: Path, workers: int = 2) -> ControlConfig:
+    return attrs.evolve(
+        local_config(tmp_path),
+        http=HttpConfig(listen=HostPort("127.0.0.1:18470"), workers=workers),
+        channel=ChannelConfig(listen="tcp://127.0.0.1:28471"),
+    )
+
+
+async def test_a_worker_that_never_serves_fails_the_start_and_frees_the_state_dir(tmp_path: Path) -> None:
+    from nexa.control.cluster.workers import serve_workers
+
+    command, runs = _stand_in(tmp_path, {"default": "serve", "1:1": "fail-start"})
+    cfg = _supervised(tmp_path)
+    with trio.fail_after(60), pytest.raises(NexaError, match="gateway worker 1 exited with status 1 before it served"):
+        await serve_workers(cfg, command, stopping=trio.Event())
+    assert runs.read_text().split() == ["0", "1"]  # worker 0 first, alone; then 1, which failed
+    fd = st.lock_state_dir(Path(cfg.state_dir))  # released: a next start may take it
+    os.close(fd)
+
+
+async def test_a_worker_that_exits_is_started_again_and_one_exiting_3_stops_them_all(tmp_path: Path) -> None:
+    from nexa.control.cluster import workers
+
+    # Worker 1 exits 0 once it served, is started again and then exits 3: the store is unusable.
+    command, runs = _stand_in(tmp_path, {"default": "serve", "1:1": "0", "1:2": "3"})
+    cfg = _supervised(tmp_path)
+    stopping = trio.Event()
+    seen: list[workers.WorkersStarted] = []
+
+    async def supervise() -> None:
+        async with trio.open_nursery() as nursery:
+            seen.append(await nursery.start(partial(workers.serve_workers, cfg, command, stopping=stopping)))
+
+    with trio.fail_after(60), pytest.raises(ExceptionGroup) as caught:  # from supervise's nursery
+        await supervise()
+    [error] = caught.value.exceptions
+    assert isinstance(error, StoreUnusable) and "exit 3" in error.message, error
+    assert seen[0].channels == ["tcp://127.0.0.1:28471", "tcp://127.0.0.1:28473"]
+    assert runs.read_text().split() == ["0", "1", "1"]
+    assert stopping.is_set()  # worker 0 was stopped with them (SIGTERM)

@@ -190,6 +190,7 @@ class _Supervisor:
         self._stopping = stopping
         self._procs: dict[int, trio.Process] = {}
         self._fatal: int | None = None  # the exit status that stopped them all
+        self._failed: NexaError | None = None  # a worker that exited before it first served
 
     async def run(self, task_status: trio.TaskStatus[WorkersStarted]) -> None:
         count = self._cfg.http.workers
@@ -198,11 +199,17 @@ class _Supervisor:
             async with trio.open_nursery() as nursery:
                 for index in range(count):  # one at a time: each starts once the one before serves
                     await nursery.start(self._keep, index)
-                host, port = parse_host_port(self._cfg.http.listen)
-                scheme = "https" if self._cfg.http.tls_cert_file else "http"
-                url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
-                task_status.started(WorkersStarted(urls=[url], workers=count, channels=channel_endpoints(self._cfg)))
+                    if self._failed is not None:
+                        break
+                else:
+                    host, port = parse_host_port(self._cfg.http.listen)
+                    scheme = "https" if self._cfg.http.tls_cert_file else "http"
+                    url = f"{scheme}://{f'[{host}]' if ':' in host else host}:{port}"
+                    channels = channel_endpoints(self._cfg)
+                    task_status.started(WorkersStarted(urls=[url], workers=count, channels=channels))
             outer.cancel_scope.cancel()  # every worker has stopped
+        if self._failed is not None:
+            raise self._failed
         if self._fatal == EXIT_STORE_UNUSABLE:
             raise StoreUnusable("a gateway worker found the store unusable (exit 3): see its log lines above")
         if self._fatal == EXIT_CONFIG:
@@ -224,8 +231,10 @@ class _Supervisor:
             status = await self._run_once(index, announce)
             if self._stopping.is_set():
                 break
-            if not announced:
-                raise _failed_start(index, status)
+            if not announced:  # the others are stopped, then `run` raises it
+                self._failed = _failed_start(index, status)
+                self._stopping.set()
+                break
             if status in (EXIT_CONFIG, EXIT_STORE_UNUSABLE):
                 log.error("gateway worker %d exited with status %d: stopping every worker", index, status)
                 self._fatal = status
