@@ -177,15 +177,18 @@ def _cmd_workers(args: argparse.Namespace, cfg: config.ControlConfig) -> int:
 
 async def _serve_worker(cfg: config.ControlConfig, index: int, *, stopping: Any, task_status: Any) -> None:
     """Gateway worker `index` (`--worker`): a controller on the shared SQLite file that stops when
-    its supervisor is gone."""
+    its supervisor is gone. Each of its log lines names it (`worker`, `pid`): every worker writes
+    to the stderr of `nexa control`."""
     import trio
 
     from nexa.control.cluster.workers import stop_when_orphaned
     from nexa.control.service import serve_control
     from nexa.control.store import open_store
+    from nexa.telemetry import stamp_logs
 
     if not 0 <= index < cfg.http.workers:
         raise ConfigError(f"--worker {index}: [http] workers is {cfg.http.workers} (it is set by `nexa control`)")
+    stamp_logs(worker=index, pid=os.getpid())
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stop_when_orphaned, stopping, os.getppid())
         opener = partial(open_store, worker=True)

@@ -9,7 +9,9 @@ several workers is refused when it is read; the default path binds exactly as be
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -236,6 +238,27 @@ def test_workers_on_the_embedded_store_derive_each_workers_own_parts() -> None:
     assert one.channel.endpoint(1) == ("tcp://127.0.0.1:8474", "")  # its key rotation endpoint
     named = config.structure_config({**_processes(), "cluster": {"controller_id": "gw"}}, ControlConfig)
     assert worker_config(named, 0, 40000).cluster.controller_id == "gw/0"
+
+
+def test_a_workers_log_lines_name_the_worker_and_its_pid() -> None:
+    """Every worker writes to the stderr of `nexa control`: `stamp_logs` (what `--worker` calls)
+    puts its index and pid on each of its lines, beside the line's own fields."""
+    from nexa.telemetry import JsonFormatter, stamp_logs
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        logging.getLogger("nexa.test").warning("before")
+        stamp_logs(worker=1, pid=4242)
+        logging.getLogger("nexa.test").warning("answered", extra={"fields": {"status": 503}})
+    finally:
+        root.removeHandler(handler)
+    before, after = (json.loads(line) for line in out.getvalue().splitlines())
+    assert "worker" not in before
+    assert (after["msg"], after["worker"], after["pid"], after["status"]) == ("answered", 1, 4242, 503)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,9 @@ TIMEOUT_S = 40
 #: Fast, short answers: 8 tokens, 5 ms to the first.
 SIM_ARGS = ["--ttft-ms", "5", "--tokens-per-s", "2000", "--output-tokens", "8"]
 MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
+#: Where `free_runtime_port` looks: below the channel ports (`tests.conftest.free_channel_port`) and
+#: Linux's ephemeral range, clear of 18600, the port `nexa demo` and other tests fix.
+_RUNTIME_PORTS = range(18601, 20000)
 
 
 @attrs.define
@@ -164,15 +169,26 @@ class SimCluster:
         return ready
 
     async def deploy(
-        self, name: str, *, replicas: int, alias: str = "chat", args: list[str] | None = None, wait: bool = True
+        self,
+        name: str,
+        *,
+        replicas: int,
+        alias: str = "chat",
+        args: list[str] | None = None,
+        wait: bool = True,
+        port: int | None = None,
     ) -> None:
+        """Deploy `replicas` sim runtimes of `alias` on `port` (None: one free on every node's address,
+        `free_runtime_port`); `wait`: until every replica is Ready."""
+        if port is None:
+            port = free_runtime_port([node_host(i) for i in range(1, len(self.nodes) + 1)])
         body = {
             "name": name,
             "runtime": "sim",
             "alias": alias,
             "replicas": replicas,
             "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.5},
-            "options": {"port": 18600, "command": args if args is not None else SIM_ARGS},
+            "options": {"port": port, "command": args if args is not None else SIM_ARGS},
         }
         async with self.client() as http:
             await ok(http.post("/api/v1/deployments", json=body), 201)
@@ -200,6 +216,29 @@ async def wait_until(what: str, check: Callable[[], Awaitable[Any]]) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def node_host(i: int) -> str:
+    """The loopback address sim node `i` dials from and runs its runtimes on: 127.0.0.1i, one /24
+    further per pytest-xdist worker."""
+    return f"127.0.{worker_number()}.1{i}"
+
+
+def free_runtime_port(hosts: list[str]) -> int:
+    """A port free on each of `hosts` (sim nodes' addresses) for a deployment's runtimes. A fixed
+    port is not enough on a shared machine: a sim runtime of another run on the same address and
+    port (`nexa demo`'s nodes run on 127.0.0.11 to .14:18600 whatever the xdist worker, and a run
+    killed midway leaves them behind) answers the node's health probe for the replica, whose own
+    runtime cannot bind and exits, again and again: the replica flaps between Ready and restarting."""
+    for port in random.sample(_RUNTIME_PORTS, len(_RUNTIME_PORTS)):
+        with contextlib.ExitStack() as held:
+            try:
+                for host in hosts:
+                    held.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no port free on {', '.join(hosts)} in {_RUNTIME_PORTS}")
+
+
 def sim_node_config(
     node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: bool = False, controllers: tuple[str, ...] = ()
 ) -> Path:
@@ -208,7 +247,7 @@ def sim_node_config(
     inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
     inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
     config = node_dir.parent / f"{node_dir.name}.toml"
-    host = f"127.0.{worker_number()}.1{i}"  # 127.0.0.1i, one /24 further per pytest-xdist worker
+    host = node_host(i)
     smi = ""
     if gb10:  # its own copy: rewriting a script another node is executing would fail (ETXTBSY)
         (bin_dir := node_dir.parent / f"{node_dir.name}-bin").mkdir(exist_ok=True)
