@@ -153,21 +153,22 @@ def free_port() -> int:
 _CHANNEL_PORTS = range(20000, 32000, 2)
 
 
-def free_channel_port() -> int:
+def free_channel_port(span: int = 2) -> int:
     """A channel port `p` with `p + 1` free too, outside the ephemeral range: a key rotation serves
     its new Curve key on `p + 1` (`rotation_listen`'s default). `free_port`'s `p + 1` is an
     ephemeral port, which any outgoing connection on the host (the test's own HTTP request to the
-    controller among them) may be using when the rotation binds it."""
+    controller among them) may be using when the rotation binds it. `span`: the ports from `p` on
+    that must be free (`[http] workers = N` serves worker i's channel on `p + 2i`: 2N)."""
     for port in random.sample(_CHANNEL_PORTS, len(_CHANNEL_PORTS)):
         with contextlib.ExitStack() as held:
             try:
-                for each in (port, port + 1):
+                for each in range(port, port + span):
                     s = held.enter_context(socket.socket())
                     s.bind(("127.0.0.1", each))
             except OSError:
                 continue
             return port
-    raise RuntimeError("no two adjacent free ports below the ephemeral range on 127.0.0.1")
+    raise RuntimeError(f"no {span} adjacent free ports below the ephemeral range on 127.0.0.1")
 
 
 @attrs.define

@@ -73,6 +73,14 @@ def add_commands(sub: Any) -> None:
         help="start in recovery (reads and inference only, nothing pushed) whatever the state says; "
         "`nexa recovery plan` shows what ending it changes, `nexa recovery finish` ends it",
     )
+    # `nexa control` with [http] workers = N above 1 supervises N gateway worker processes on the
+    # shared port and the state dir's database (`control.cluster.workers`); it starts each with this.
+    s.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    s.epilog = (
+        "With [http] workers = N above 1 (the embedded SQLite store), it runs N gateway worker processes "
+        "sharing the HTTP port and restarts one that dies; worker i serves nodes on [channel] listen's port + 2i "
+        "(`nexa docs config`)."
+    )
     s.set_defaults(handler=_cmd_control)
 
     node = _role_parser(sub, "node", "run the node agent, or enroll this node (`nexa node enroll`)")
@@ -140,6 +148,64 @@ def control_config(args: argparse.Namespace) -> config.ControlConfig:
     return config.structure_config(merged, config.ControlConfig)
 
 
+def _worker_command(args: argparse.Namespace) -> list[str]:
+    """How the supervisor starts a gateway worker: this nexa, `control` and the flags it was given."""
+    from nexa.node.processes import default_argv
+
+    command = [*default_argv(), "control"]
+    for flag, value in (
+        ("--config", args.config),
+        ("--state-dir", args.state_dir),
+        ("--log-level", args.log_level),
+        ("--listen", args.listen),
+        ("--channel", args.channel),
+    ):
+        if value:
+            command += [flag, value]
+    return command
+
+
+def _cmd_workers(args: argparse.Namespace, cfg: config.ControlConfig) -> int:
+    """`nexa control` with [http] workers above 1: the supervisor of the gateway workers."""
+    from nexa.control.cluster.workers import WorkersStarted, serve_workers
+
+    if args.recover:
+        raise ConfigError(
+            "--recover runs one controller: set [http] workers = 1 for the recovery, and back once it has ended",
+            problems=("--recover: not with [http] workers above 1",),
+        )
+
+    def announce(started: WorkersStarted) -> None:
+        print(
+            f"nexa control {__version__} listening on {', '.join(started.urls)} with {started.workers} gateway "
+            f"workers (node channels {', '.join(started.channels)})"
+        )
+        sys.stdout.flush()
+
+    return _run_role(partial(serve_workers, cfg, _worker_command(args)), announce)
+
+
+async def _serve_worker(cfg: config.ControlConfig, index: int, *, stopping: Any, task_status: Any) -> None:
+    """Gateway worker `index` (`--worker`): a controller on the shared SQLite file that stops when
+    its supervisor is gone. Each of its log lines names it (`worker`, `pid`): every worker writes
+    to the stderr of `nexa control`."""
+    import trio
+
+    from nexa.control.cluster.workers import stop_when_orphaned
+    from nexa.control.service import serve_control
+    from nexa.control.store import open_store
+    from nexa.telemetry import stamp_logs
+
+    if not 0 <= index < cfg.http.workers:
+        raise ConfigError(f"--worker {index}: [http] workers is {cfg.http.workers} (it is set by `nexa control`)")
+    stamp_logs(worker=index, pid=os.getpid())
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stop_when_orphaned, stopping, os.getppid())
+        opener = partial(open_store, worker=True)
+        await serve_control(cfg, stopping=stopping, open_store=opener, worker=index, task_status=task_status)
+        nursery.cancel_scope.cancel()
+
+
 def _cmd_control(args: argparse.Namespace) -> int:
     from nexa.control.service import ControlStarted, serve_control
     from nexa.telemetry import setup_logging
@@ -147,6 +213,8 @@ def _cmd_control(args: argparse.Namespace) -> int:
     cfg = control_config(args)
     setup_logging(cfg.log.level.value)
     controller_gc()
+    if args.worker is None and cfg.http.workers > 1:
+        return _cmd_workers(args, cfg)
 
     def announce(started: ControlStarted) -> None:
         gc.freeze()  # see controller_gc
@@ -156,6 +224,8 @@ def _cmd_control(args: argparse.Namespace) -> int:
         print(f"nexa control {__version__} listening on {', '.join(started.urls)} (epoch {started.epoch})")
         sys.stdout.flush()
 
+    if args.worker is not None:
+        return _run_role(partial(_serve_worker, cfg, args.worker), announce)
     return _run_role(partial(serve_control, cfg, recover=args.recover), announce)
 
 

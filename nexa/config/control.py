@@ -21,6 +21,9 @@ from nexa.config.common import (
     zmq_endpoint,
 )
 
+#: The most gateway worker processes `[http] workers` runs.
+MAX_WORKERS = 64
+
 
 class TlsVersion(enum.StrEnum):
     """The oldest TLS version `nexa control` accepts (`http.tls_min_version`)."""
@@ -68,6 +71,13 @@ class HttpConfig:
     tls_key_file: str = ""
     #: The oldest TLS version served: "1.2" or "1.3".
     tls_min_version: TlsVersion = TlsVersion.TLS_1_2
+    #: Gateway worker processes `nexa control` runs on this host with the embedded SQLite store
+    #: (`control.cluster.workers`), sharing `listen`'s port (SO_REUSEPORT) and the state dir's
+    #: database: the one holding the leader's lease makes the leader-only writes and the node
+    #: channel's control work, the others serve inference and reads and forward management writes
+    #: to it over loopback. Worker i serves the node channel on `[channel] listen`'s port + 2i.
+    #: 1: one process, as before (`check_worker_processes`).
+    workers: int = attrs.field(default=1, validator=[attrs.validators.ge(1), attrs.validators.le(MAX_WORKERS)])
 
     def __attrs_post_init__(self) -> None:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -109,6 +119,30 @@ class HttpConfig:
         else:
             return
         raise ValueError(f"http.reuse_port {problem}")
+
+    def check_worker_processes(self, store: StoreConfig, cluster: ClusterConfig, channel: ChannelConfig) -> None:
+        """With `workers` above 1, what one supervisor running them needs; ValueError naming the key.
+        Each worker's own address, id suffix and channel ports are derived (`control.cluster.workers`),
+        so nothing that names one process may be set."""
+        if self.workers == 1:
+            return
+        _, port = parse_host_port(self.listen)
+        if store.url:
+            problem = (
+                "runs workers on the embedded SQLite store: with [store] url, run one `nexa control` per worker "
+                "with [http] reuse_port instead (units/nexa-control@.service), or set workers = 1"
+            )
+        elif self.reuse_port or self.extra_listen:
+            problem = "sets reuse_port and each worker's own address itself: remove [http] reuse_port and extra_listen"
+        elif port == 0:
+            problem = "needs a fixed port in http.listen for the workers to share (not 0)"
+        elif channel.listen.endswith(":*"):
+            problem = "needs a fixed port in [channel] listen: worker i serves nodes on its port + 2i (not *)"
+        elif cluster.address:
+            problem = "chooses each worker's own address itself: remove [cluster] address"
+        else:
+            return
+        raise ValueError(f"http.workers = {self.workers} {problem}")
 
 
 @attrs.frozen(kw_only=True)
@@ -456,8 +490,15 @@ class ControlConfig:
     """Everything `nexa control` reads."""
 
     state_dir: str = "/var/lib/nexa/control"
-    #: Checked against `store` and `cluster` (`HttpConfig.check_workers`) once all are set.
-    http: HttpConfig = attrs.field(default=HttpConfig(), validator=lambda i, _a, v: v.check_workers(i.store, i.cluster))
+    #: Checked against `store`, `cluster` and `channel` (`HttpConfig.check_workers`,
+    #: `check_worker_processes`) once all are set.
+    http: HttpConfig = attrs.field(
+        default=HttpConfig(),
+        validator=[
+            lambda i, _a, v: v.check_worker_processes(i.store, i.cluster, i.channel),
+            lambda i, _a, v: v.check_workers(i.store, i.cluster),
+        ],
+    )
     channel: ChannelConfig = ChannelConfig()
     nodes: NodesConfig = NodesConfig()
     placement: PlacementConfig = PlacementConfig()

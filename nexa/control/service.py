@@ -39,6 +39,7 @@ from nexa.control.access.accounts import Accounts
 from nexa.control.cluster.follow import LIVE_LEASES, ChangeFeed, Orphans, other_live_controllers
 from nexa.control.cluster.forward import Forwarder
 from nexa.control.cluster.leadership import Leadership, controller_identity
+from nexa.control.cluster.workers import own_listener, worker_config
 from nexa.control.datapath.admission import Admission
 from nexa.control.datapath.gateway import Gateway
 from nexa.control.datapath.inference import InferenceApp
@@ -116,13 +117,20 @@ class _HttpsConfig(hypercorn.config.Config):
 
 
 def hypercorn_config(
-    cfg: HttpConfig, *, shared_fd: int | None = None, server_tls: tls.ServerTls | None = None
+    cfg: HttpConfig,
+    *,
+    shared_fd: int | None = None,
+    server_tls: tls.ServerTls | None = None,
+    own_fd: int | None = None,
 ) -> hypercorn.config.Config:
     """hypercorn's settings for `cfg`: it binds `listen` itself, or serves `shared_fd` there (a
     socket `shared_listener` made, which hypercorn then owns and closes), and binds `extra_listen`;
-    every address serves https with `server_tls` when it is given."""
+    every address serves https with `server_tls` when it is given, but `own_fd` (a gateway worker's
+    own loopback address, `workers.own_listener`), always plain http."""
     hc = hypercorn.config.Config() if server_tls is None else _HttpsConfig(server_tls.context)
     hc.bind = [_bind(cfg.listen) if shared_fd is None else f"fd://{shared_fd}", *map(_bind, cfg.extra_listen)]
+    if own_fd is not None:
+        (hc.bind if server_tls is None else hc.insecure_bind).append(f"fd://{own_fd}")
     hc.graceful_timeout = cfg.graceful_timeout_s
     hc.keep_alive_timeout = cfg.keep_alive_timeout_s
     hc.accesslog = None  # nexa.control.http.api writes one structured line per request
@@ -154,13 +162,16 @@ async def _serve_http(
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
     server_tls: tls.ServerTls | None = None,
+    own: socket.socket | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """hypercorn on `cfg`'s addresses. With `reuse_port` the shared socket is made afresh at each
+    """hypercorn on `cfg`'s addresses. With `reuse_port` (or as a gateway worker: `own`, its own
+    address, kept open and handed over as a duplicate) the shared socket is made afresh at each
     (re)start of this loop and handed over (`fd://`): while a restart waits, the kernel sends new
     connections to the other workers instead of a backlog nobody accepts from."""
-    shared_fd = shared_listener(cfg.listen).detach() if cfg.reuse_port else None
-    hc = hypercorn_config(cfg, shared_fd=shared_fd, server_tls=server_tls)
+    shared_fd = shared_listener(cfg.listen).detach() if cfg.reuse_port or own is not None else None
+    own_fd = None if own is None else os.dup(own.fileno())
+    hc = hypercorn_config(cfg, shared_fd=shared_fd, server_tls=server_tls, own_fd=own_fd)
     await hypercorn.trio.serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)
 
 
@@ -170,9 +181,13 @@ async def serve_control(
     stopping: trio.Event,
     open_store: StoreOpener = open_store,
     recover: bool = False,
+    worker: int | None = None,
     task_status: trio.TaskStatus[ControlStarted] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the controller until `stopping` is set; supports the nursery start protocol.
+
+    `worker`: run as gateway worker `worker` of `[http] workers` (`control.cluster.workers`: its
+    `open_store` opens the shared SQLite file, `open_store(worker=True)`).
 
     `recover` starts it in recovery whatever the store says (`nexa control --recover`; see
     `control.operations.recovery`).
@@ -189,7 +204,13 @@ async def serve_control(
     failures = metrics.loop_failures
     with Supervision(on_failure=lambda loop: failures.labels(loop).inc()).installed():
         await _serve_control(
-            cfg, metrics, stopping=stopping, open_store=open_store, recover=recover, task_status=task_status
+            cfg,
+            metrics,
+            stopping=stopping,
+            open_store=open_store,
+            recover=recover,
+            worker=worker,
+            task_status=task_status,
         )
 
 
@@ -227,6 +248,8 @@ class _Controller:
     feed: ChangeFeed | None = attrs.field(init=False)
     forwarder: Forwarder = attrs.field(init=False)
     app: InferenceApp = attrs.field(init=False)
+    #: A gateway worker's own address (`workers.own_listener`); None: not a worker.
+    own: socket.socket | None = None
 
 
 async def _serve_control(
@@ -236,14 +259,21 @@ async def _serve_control(
     stopping: trio.Event,
     open_store: StoreOpener,
     recover: bool,
+    worker: int | None = None,
     task_status: trio.TaskStatus[ControlStarted],
 ) -> None:
     refuse_forced(recover, "postgresql" if cfg.store.url else "sqlite")  # before anything is written
+    own = None if worker is None else own_listener()
+    if own is not None:
+        cfg = worker_config(cfg, worker or 0, own.getsockname()[1])
     # https's files, and the CA that verifies the other controllers, are checked before anything is
     # written too: a bad certificate or key stops the start with what to fix (ConfigError).
     server_tls, peer_tls = await trio.to_thread.run_sync(partial(_tls, cfg, metrics))
     async with open_store(cfg.state_dir, cfg.store) as store, contextlib.AsyncExitStack() as stack:
+        if own is not None:
+            stack.callback(own.close)
         c = await _core(cfg, store, metrics)
+        c.own = own
         outbound = await _outbound(cfg, metrics)
         await stack.enter_async_context(outbound)
         c.retention = await stack.enter_async_context(_retention(cfg, store, metrics, c.accounts))
@@ -525,7 +555,9 @@ async def _serve_until_stopped(
     """HTTP until `stopping` is set and in-flight requests have drained."""
     leadership = c.leadership
     async with trio.open_nursery() as http:
-        serve = partial(_serve_http, c.app, c.cfg.http, shutdown_trigger=stopping.wait, server_tls=server_tls)
+        serve = partial(
+            _serve_http, c.app, c.cfg.http, shutdown_trigger=stopping.wait, server_tls=server_tls, own=c.own
+        )
         binds: list[str] = await http.start(supervised, "http", serve)
         c.state.ready = True
         http.start_soon(_unready_on, stopping, c.state)
@@ -598,11 +630,12 @@ async def _check_keys(store: Store, keys: ControllerKeys, keys_dir: Path) -> Non
 async def _leadership(
     cfg: ControlConfig, store: Store, metrics: Metrics, keys: ControllerKeys, keys_dir: Path
 ) -> Leadership:
-    """Once the keys are known to be the store's: solo on the embedded SQLite store (always the
-    leader, no lease), leased on a shared one; `nexa_controller_epoch` follows its epoch."""
+    """Once the keys are known to be the store's: solo on a store of its own (the embedded SQLite
+    store: always the leader, no lease), leased on a shared one (PostgreSQL, or the SQLite file of
+    gateway workers); `nexa_controller_epoch` follows its epoch."""
     await _check_keys(store, keys, keys_dir)
     controller_id, address = controller_identity(cfg.cluster, cfg.http)
-    if getattr(store, "backend", "sqlite") == "sqlite":
+    if not getattr(store, "shared", False):
         leadership = Leadership.solo(store, controller_id=controller_id, address=address)
     else:
         leadership = Leadership.leased(store, cfg.cluster, controller_id=controller_id, address=address)
@@ -635,7 +668,7 @@ def _change_feed(
 ) -> ChangeFeed | None:
     """On a shared store, what keeps this controller's caches up with the others' writes; None on
     the embedded one (its only controller writes everything itself)."""
-    if getattr(store, "backend", "sqlite") == "sqlite":
+    if not getattr(store, "shared", False):
         return None
     return ChangeFeed(
         store,
@@ -674,7 +707,7 @@ async def _owner(cfg: ControlConfig, store: Store, leadership: Leadership) -> tu
     """(The controller named on each workload and job this one runs: its id on a shared store,
     None on the embedded one; whether no other controller runs now, so that at start the rows
     naming none, written before controllers were named, are failed too.)"""
-    if getattr(store, "backend", "sqlite") == "sqlite":
+    if not getattr(store, "shared", False):
         return None, True
     owner = leadership.controller_id
     return owner, not await other_live_controllers(store, owner, cfg.cluster.lease_s)

@@ -316,7 +316,12 @@ class _RequestIdFilter(logging.Filter):
 
 
 class JsonFormatter(logging.Formatter):
-    """One JSON object per line. Extra fields come from `extra={"fields": {...}}` only."""
+    """One JSON object per line. Extra fields come from `extra={"fields": {...}}` only, and from
+    `stamped` (`stamp_logs`: on every line of the process)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stamped: dict[str, object] = {}
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
@@ -324,6 +329,7 @@ class JsonFormatter(logging.Formatter):
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
+            **self.stamped,
         }
         rid = getattr(record, "request_id", None)
         if rid:
@@ -334,6 +340,14 @@ class JsonFormatter(logging.Formatter):
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out, default=str, separators=(",", ":"))
+
+
+def stamp_logs(**fields: object) -> None:
+    """Put `fields` on every line this process logs from now on (after `setup_logging`): a gateway
+    worker's `worker` and `pid`, since every worker writes to the stderr of `nexa control`."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler.formatter, JsonFormatter):
+            handler.formatter.stamped.update(fields)
 
 
 def setup_logging(level: str) -> None:

@@ -13,7 +13,9 @@ import contextlib
 import functools
 import json
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,6 +41,9 @@ TIMEOUT_S = 40
 #: Fast, short answers: 8 tokens, 5 ms to the first.
 SIM_ARGS = ["--ttft-ms", "5", "--tokens-per-s", "2000", "--output-tokens", "8"]
 MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
+#: Where `free_runtime_port` looks: below the channel ports (`tests.conftest.free_channel_port`) and
+#: Linux's ephemeral range, clear of 18600, the port `nexa demo` and other tests fix.
+_RUNTIME_PORTS = range(18601, 20000)
 
 
 @attrs.define
@@ -164,15 +169,26 @@ class SimCluster:
         return ready
 
     async def deploy(
-        self, name: str, *, replicas: int, alias: str = "chat", args: list[str] | None = None, wait: bool = True
+        self,
+        name: str,
+        *,
+        replicas: int,
+        alias: str = "chat",
+        args: list[str] | None = None,
+        wait: bool = True,
+        port: int | None = None,
     ) -> None:
+        """Deploy `replicas` sim runtimes of `alias` on `port` (None: one free on every node's address,
+        `free_runtime_port`); `wait`: until every replica is Ready."""
+        if port is None:
+            port = free_runtime_port([node_host(i) for i in range(1, len(self.nodes) + 1)])
         body = {
             "name": name,
             "runtime": "sim",
             "alias": alias,
             "replicas": replicas,
             "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.5},
-            "options": {"port": 18600, "command": args if args is not None else SIM_ARGS},
+            "options": {"port": port, "command": args if args is not None else SIM_ARGS},
         }
         async with self.client() as http:
             await ok(http.post("/api/v1/deployments", json=body), 201)
@@ -200,20 +216,47 @@ async def wait_until(what: str, check: Callable[[], Awaitable[Any]]) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def sim_node_config(node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: bool = False) -> Path:
-    """The config of sim node `i`; `gb10`: its GPU inventory comes from a fake nvidia-smi (a DGX Spark)."""
+def node_host(i: int) -> str:
+    """The loopback address sim node `i` dials from and runs its runtimes on: 127.0.0.1i, in a /24 of
+    its own per pytest-xdist worker (`loopback_net`)."""
+    return f"{loopback_net()}.1{i}"
+
+
+def free_runtime_port(hosts: list[str]) -> int:
+    """A port free on each of `hosts` (sim nodes' addresses) for a deployment's runtimes. A fixed
+    port is not enough on a shared machine: a sim runtime of another run on the same address and
+    port (`nexa demo`'s nodes run on 127.0.0.11 to .14:18600 whatever the xdist worker, and a run
+    killed midway leaves them behind) answers the node's health probe for the replica, whose own
+    runtime cannot bind and exits, again and again: the replica flaps between Ready and restarting."""
+    for port in random.sample(_RUNTIME_PORTS, len(_RUNTIME_PORTS)):
+        with contextlib.ExitStack() as held:
+            try:
+                for host in hosts:
+                    held.enter_context(socket.socket()).bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no port free on {', '.join(hosts)} in {_RUNTIME_PORTS}")
+
+
+def sim_node_config(
+    node_dir: Path, i: int, s3: S3Store, creds: Path, *, gb10: bool = False, controllers: tuple[str, ...] = ()
+) -> Path:
+    """The config of sim node `i`; `gb10`: its GPU inventory comes from a fake nvidia-smi (a DGX Spark);
+    `controllers`: the channel endpoints it dials (node.toml `controllers`; empty: the enrolled one)."""
     inventory = node_dir.parent / f"{node_dir.name}-inventory.json"
     inventory.write_text(json.dumps({"labels": {"board": "sim"}, "runtimes": ["sim"]}))
     config = node_dir.parent / f"{node_dir.name}.toml"
-    host = f"{loopback_net()}.1{i}"  # 127.0.0.1i, in a /24 of its own per pytest-xdist worker
+    host = node_host(i)
     smi = ""
     if gb10:  # its own copy: rewriting a script another node is executing would fail (ETXTBSY)
         (bin_dir := node_dir.parent / f"{node_dir.name}-bin").mkdir(exist_ok=True)
         smi = f'nvidia_smi = "{fake_gb10_smi(bin_dir)}"\n'
+    dials = f"controllers = {json.dumps(list(controllers))}\n" if controllers else ""
     config.write_text(
         f'state_dir = "{node_dir}"\ninventory_path = "{inventory}"\ninventory_poll_interval_s = 0.5\n'
         f'heartbeat_interval_s = 0.3\nsource_address = "{host}"\nruntime_host = "{host}"\n'
-        f"reconnect_max_s = 1\nsimulation = true\nruntime_metrics_interval_s = 0.5\n{smi}"
+        f"reconnect_max_s = 1\nsimulation = true\nruntime_metrics_interval_s = 0.5\n{smi}{dials}"
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         "[supervisor]\nreconcile_interval_s = 1\n"
@@ -257,9 +300,11 @@ async def sim_fleet(
     nodes: int = 2,
     nexa: tuple[str, ...] = (sys.executable, "-m", "nexa"),
     gb10: bool = False,
+    controllers: tuple[str, ...] = (),
 ) -> AsyncIterator[SimCluster]:
     """`sim_cluster` on a controller already started (in this run or as a `nexa control` process):
-    tenant, keys, runtime, model and alias, then `nodes` sim nodes enrolled and Ready; stopped after."""
+    tenant, keys, runtime, model and alias, then `nodes` sim nodes enrolled and Ready; stopped after.
+    `controllers`: every channel endpoint each node dials (gateway workers); empty: the enrolled one."""
     sim_nodes: list[SimNode] = []
     try:
         async with controller.client() as http:
@@ -280,7 +325,10 @@ async def sim_fleet(
             name = f"sim-{i}"
             node_dir = tmp_path / name
             node = SimNode(
-                name=name, state_dir=node_dir, config=sim_node_config(node_dir, i, s3, creds, gb10=gb10), nexa=nexa
+                name=name,
+                state_dir=node_dir,
+                config=sim_node_config(node_dir, i, s3, creds, gb10=gb10, controllers=controllers),
+                nexa=nexa,
             )
             async with controller.client() as http:
                 token = await ok(http.post("/api/v1/enrollment-tokens", json={"ttl_s": 600}), 201)

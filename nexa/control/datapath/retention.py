@@ -297,7 +297,7 @@ class Retention:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The writer: each kept capture is written in a task of this nursery. On a shared store the
         policies are re-read every REFRESH_S."""
-        shared = getattr(self._store, "backend", "sqlite") != "sqlite"
+        shared = getattr(self._store, "shared", False)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:

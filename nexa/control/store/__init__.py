@@ -35,6 +35,7 @@ from nexa.control.store.connection import LOCK_FILE as LOCK_FILE
 from nexa.control.store.connection import Backend as Backend
 from nexa.control.store.connection import Store as Store
 from nexa.control.store.connection import StoreOpener as StoreOpener
+from nexa.control.store.connection import lock_state_dir as lock_state_dir
 from nexa.control.store.connection import open_store as open_store
 from nexa.control.store.deployments import load_deployments as load_deployments
 from nexa.control.store.deployments import save_deployment as save_deployment

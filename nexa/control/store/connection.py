@@ -16,6 +16,7 @@ import fcntl
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal, TypeAlias
 
@@ -54,6 +55,7 @@ class Store:
         reader: Db | None = None,
         backend: Backend = "sqlite",
         call: Callable[..., Any] | None = None,
+        shared: bool | None = None,
     ) -> None:
         self._db = db
         self._limiter = trio.CapacityLimiter(1)
@@ -65,6 +67,10 @@ class Store:
         self.epoch = epoch
         #: Which database holds the state: the embedded "sqlite" file or a shared "postgresql" one.
         self.backend: Backend = backend
+        #: Whether other controller processes write this store too (several controllers on
+        #: PostgreSQL, or gateway workers sharing the SQLite file): the leadership is then leased
+        #: and each process follows the others' writes (`control.cluster`). None: PostgreSQL's.
+        self.shared: bool = backend == "postgresql" if shared is None else shared
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run one transaction function on the store lane. Cancellation waits for it to finish."""
@@ -106,13 +112,15 @@ StoreOpener: TypeAlias = Callable[[str | Path, StoreConfig], AbstractAsyncContex
 
 @contextlib.asynccontextmanager
 async def open_store(
-    state_dir: str | Path, config: StoreConfig | None = None, *, inline: bool = False
+    state_dir: str | Path, config: StoreConfig | None = None, *, inline: bool = False, worker: bool = False
 ) -> AsyncIterator[Store]:
     """Lock the state dir, open and migrate the database, take a new epoch; close on exit.
 
     Opens no tasks. Raises StateDirLocked if another process holds the state dir. With
     `config.url`, the PostgreSQL database there instead (`pg.open_postgres`): no state-dir lock,
     since several controllers share it; ConfigError or StoreError (unreachable, not nexa's) at start.
+    `worker`: a gateway worker's (`[http] workers`): the SQLite file is shared with the other
+    workers (`Store.shared`) and the state dir is locked by the `nexa control` that supervises them.
     """
     if config is not None and config.url:
         from nexa.control.store import pg  # psycopg is loaded only for a PostgreSQL store
@@ -122,22 +130,25 @@ async def open_store(
         return
     sqlite.apply_best_practice()
     root = Path(state_dir)
-    lock_fd = await trio.to_thread.run_sync(_lock_state_dir, root)
+    lock_fd = None if worker else await trio.to_thread.run_sync(lock_state_dir, root)
     try:
-        db, epoch = await trio.to_thread.run_sync(sqlite.open_db, root / DB_FILE)
+        db, epoch = await trio.to_thread.run_sync(partial(sqlite.open_db, root / DB_FILE, shared=worker))
         try:
-            reader = await trio.to_thread.run_sync(sqlite.open_reader, root / DB_FILE)
+            reader = await trio.to_thread.run_sync(partial(sqlite.open_reader, root / DB_FILE, shared=worker))
             try:
-                yield Store(db, epoch=epoch, inline=inline, reader=reader)
+                yield Store(db, epoch=epoch, inline=inline, reader=reader, shared=worker)
             finally:
                 reader.close()
         finally:
             db.close()
     finally:
-        os.close(lock_fd)
+        if lock_fd is not None:
+            os.close(lock_fd)
 
 
-def _lock_state_dir(root: Path) -> int:
+def lock_state_dir(root: Path) -> int:
+    """Lock `root` for this process (created 0700 if missing): the fd to close to release it.
+    StateDirLocked if another process holds it."""
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -56,14 +56,21 @@ def constraint_named(exc: apsw.ConstraintError) -> str:
 
 class LiteDb:
     """One apsw.Connection behind the calls the store's functions make (`sql.Db`), its failures
-    translated (`translated`). `connection`: the apsw.Connection itself, for `snapshot`'s backup."""
+    translated (`translated`). `connection`: the apsw.Connection itself, for `snapshot`'s backup.
 
-    __slots__ = ("connection",)
+    `immediate` (the file shared by gateway worker processes): every outermost transaction begins
+    with BEGIN IMMEDIATE, so it takes the write lock first, waiting up to the busy timeout. A
+    deferred one that read and then wrote while another process committed would fail at once
+    (SQLITE_BUSY_SNAPSHOT, which waits for nothing)."""
+
+    __slots__ = ("_began", "connection", "immediate")
 
     dialect: Final = "sqlite"
 
-    def __init__(self, connection: apsw.Connection) -> None:
+    def __init__(self, connection: apsw.Connection, *, immediate: bool = False) -> None:
         self.connection = connection
+        self.immediate = immediate
+        self._began: list[bool] = []  # per open `with`: whether it issued the BEGIN IMMEDIATE
 
     def execute(self, statements: str, bindings: Any = None, /) -> apsw.Cursor:
         try:
@@ -81,19 +88,31 @@ class LiteDb:
         return self.connection.changes()
 
     def __enter__(self) -> LiteDb:
+        began = self.immediate and self.connection.get_autocommit()
         try:
-            self.connection.__enter__()
+            if began:
+                self.connection.execute("BEGIN IMMEDIATE")
+            self.connection.__enter__()  # a savepoint inside it
         except apsw.Error as exc:
+            if began and not self.connection.get_autocommit():
+                self.connection.execute("ROLLBACK")
             raise translated(exc) from exc
+        self._began.append(began)
         return self
 
     def __exit__(
         self, etype: type[BaseException] | None, evalue: BaseException | None, etraceback: TracebackType | None, /
     ) -> bool | None:
+        began = self._began.pop()
         try:
-            return self.connection.__exit__(etype, evalue, etraceback)
+            result = self.connection.__exit__(etype, evalue, etraceback)
+            if began:
+                self.connection.execute("COMMIT" if etype is None else "ROLLBACK")
         except apsw.Error as exc:
+            if began and not self.connection.get_autocommit():
+                self.connection.execute("ROLLBACK")
             raise translated(exc) from exc
+        return result
 
     def close(self) -> None:
         self.connection.close()
@@ -123,16 +142,25 @@ def apply_best_practice() -> None:
             _best_practice_applied = True
 
 
-def open_db(path: Path) -> tuple[LiteDb, int]:
-    """The writer connection, its schema migrated (`schema.migrate`), and the new epoch it took."""
+#: The busy timeout of a file shared by gateway worker processes: another worker's transaction
+#: (a usage batch, a lease round, a management write) is waited for this long before StoreBusy.
+SHARED_BUSY_TIMEOUT_MS: Final = 5000
+
+
+def open_db(path: Path, *, shared: bool = False) -> tuple[LiteDb, int]:
+    """The writer connection, its schema migrated (`schema.migrate`), and the new epoch it took.
+    `shared`: other processes write the file too (`LiteDb.immediate`, a longer busy timeout)."""
     try:
         db = apsw.Connection(str(path))
     except apsw.Error as exc:
         raise StoreError(f"cannot open {path}: {exc}") from None
     try:
         db.execute("PRAGMA synchronous=FULL")
+        if shared:
+            db.set_busy_timeout(SHARED_BUSY_TIMEOUT_MS)
         migrate(db)
-        return LiteDb(db), take_epoch(db)
+        lite = LiteDb(db, immediate=shared)
+        return lite, take_epoch(lite)
     except apsw.Error as exc:
         db.close()
         raise StoreError(f"cannot prepare {path}: {type(exc).__name__}: {exc}") from None
@@ -141,9 +169,12 @@ def open_db(path: Path) -> tuple[LiteDb, int]:
         raise
 
 
-def open_reader(path: Path) -> LiteDb:
+def open_reader(path: Path, *, shared: bool = False) -> LiteDb:
     """The read-only second connection; opened after `open_db` migrated the schema and set WAL."""
     try:
-        return LiteDb(apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY))
+        connection = apsw.Connection(str(path), flags=apsw.SQLITE_OPEN_READONLY)
+        if shared:
+            connection.set_busy_timeout(SHARED_BUSY_TIMEOUT_MS)
+        return LiteDb(connection)
     except apsw.Error as exc:
         raise StoreError(f"cannot open {path} for reading: {type(exc).__name__}") from None

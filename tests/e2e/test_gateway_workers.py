@@ -1,0 +1,205 @@
+"""Gateway workers on the embedded store (issue 32, point 6): `nexa control` with `[http] workers = 2`
+as an operator runs it, a `sim` node with a channel to each worker (node.toml `controllers`).
+
+Asserted: both workers answer on the one shared port, inference included; a management write that
+reached the worker that does not hold the lease was forwarded to the one that does, and each
+worker's own address lists it; the owner of the store's writes, killed with SIGKILL, is started
+again by `nexa control`, the other worker takes the lease, and no acknowledged write or usage
+record is lost; writes and inference go on; SIGTERM stops everything, exit 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import signal
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import trio
+
+from tests.conftest import Controller, ControllerProcess, free_channel_port, free_port
+from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.cluster import MESSAGES, SimCluster, sim_fleet, wait_until
+from tests.support.s3 import write_credentials
+
+#: Fresh connections sent to the shared port; the chance that all reach one of two workers is 2**-23.
+CONNECTIONS = 24
+_STARTED = re.compile(r"gateway worker (\d+) started \(pid (\d+)\)")
+
+
+def _config(tmp_path: Path, s3: S3Store) -> Path:
+    """Two workers; what `registry_config` sets; a short lease, so the hand-over is quick."""
+    creds = write_credentials(tmp_path / "s3-credentials.json", s3)
+    config = tmp_path / "control.toml"
+    config.write_text(
+        "[http]\nworkers = 2\n"
+        "[cluster]\nlease_s = 2.0\nrenew_s = 0.5\nrefresh_s = 0.1\n"
+        "[gateway]\nmetering_flush_s = 0.2\n"
+        "[oci]\ntls_verify = false\n"
+        f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
+        f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
+    )
+    return config
+
+
+def _pids(cp: ControllerProcess) -> dict[int, int]:
+    """worker → the pid it was last started with, from the supervisor's log."""
+    assert cp.stderr_path is not None
+    return {int(m[1]): int(m[2]) for m in _STARTED.finditer(cp.stderr_path.read_text())}
+
+
+async def _fresh(url: str, method: str, path: str, key: str, **kwargs: Any) -> httpx.Response:
+    """One request on a connection of its own: the kernel picks a worker per connection."""
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=30) as http:
+        return await http.request(method, path, **kwargs)
+
+
+async def _cluster(url: str, key: str) -> dict[str, Any]:
+    view: dict[str, Any] = (await ok(_fresh(url, "GET", "/api/v1/cluster", key))) or {}
+    return view
+
+
+async def _ready_on(address: str, key: str, inference_key: str, calls: Counter[str]) -> bool:
+    """Whether the worker at `address` (its own) sees the replica of `chat-a` Ready on a Ready node,
+    and its gateway answers a completion through it (counted in `calls`: every call is metered)."""
+    dep = await ok(_fresh(address, "GET", "/api/v1/deployments/chat-a", key))
+    nodes = {n["id"]: n for n in (await ok(_fresh(address, "GET", "/api/v1/nodes", key)))["nodes"]}
+    for replica in dep["deployment"]["placed"]:
+        node = nodes.get(replica["node_id"])
+        states = {a["assignment_id"]: a["state"] for a in (node or {}).get("assignments", [])}
+        if node is not None and node["state"] == "Ready" and states.get(replica["id"]) == "Ready":
+            body = {"model": "chat", "messages": MESSAGES}
+            calls["made"] += 1
+            return (await _fresh(address, "POST", "/v1/chat/completions", inference_key, json=body)).status_code == 200
+    return False
+
+
+async def _completions(c: SimCluster, count: int, calls: Counter[str]) -> None:
+    """`count` chat completions through the official SDK, each on a connection of its own (counted in `calls`)."""
+    for _ in range(count):
+        calls["made"] += 1
+        async with openai.AsyncOpenAI(base_url=c.base_url, api_key=c.inference_key, max_retries=0) as client:
+            done = await client.chat.completions.create(model="chat", messages=MESSAGES)
+        assert done.choices[0].message.content
+
+
+async def _requests_metered(c: SimCluster, url: str) -> int:
+    """Requests in the usage records of the whole store (every worker's rows)."""
+    report = await ok(_fresh(url, "GET", "/api/v1/usage", c.controller.admin_key))
+    return sum(row["requests"] for row in report["rows"])
+
+
+async def _gateway_requests(address: str, key: str) -> float:
+    """`nexa_gateway_requests_total` of the one worker at `address` (its own)."""
+    text = (await _fresh(address, "GET", "/metrics", key)).text
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("nexa_gateway_requests_total{")
+    )
+
+
+@pytest.mark.slow
+async def test_two_gateway_workers_share_the_port_and_a_killed_owner_loses_nothing_acknowledged(
+    tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    # Worker i serves nodes on the channel port + 2i (its key rotation on the next): four free ports.
+    cp = ControllerProcess(state_dir=tmp_path / "state", port=free_port(), channel_port=free_channel_port(4))
+    channels = (f"tcp://127.0.0.1:{cp.channel_port}", f"tcp://127.0.0.1:{cp.channel_port + 2}")
+    await trio.to_thread.run_sync(
+        functools.partial(cp.start, "--config", str(_config(tmp_path, s3_store)), timeout_s=180)
+    )
+    assert cp.admin_key is not None
+    key = cp.admin_key
+    controller = Controller(cp.url, key, cp.state_dir, trio.Event())
+    calls: Counter[str] = Counter()  # chat completions sent, each metered whatever its answer
+    try:
+        async with sim_fleet(controller, tmp_path, s3_store, test_images, nodes=1, controllers=channels) as c:
+            await c.deploy("chat-a", replicas=1)
+            view = await _cluster(cp.url, key)
+            own = {m["id"]: m["address"] for m in view["controllers"]}
+            owner = view["leader"]
+            [other] = [name for name in own if name != owner]
+            assert owner.endswith("/0") and other.endswith("/1"), view  # worker 0 started alone, took the lease
+
+            # Each worker learns the replica's state from the node's heartbeats on its own channel.
+            for address in own.values():
+                ready = functools.partial(_ready_on, address, key, c.inference_key, calls)
+                await wait_until(f"the replica Ready as {address} sees it", ready)
+            before = {name: await _gateway_requests(address, key) for name, address in own.items()}
+
+            # Both workers answer on the shared port: reads, and inference through the node's channel to each.
+            answered = Counter([(await _cluster(cp.url, key))["answered_by"] for _ in range(CONNECTIONS)])
+            assert set(answered) == {owner, other}, answered
+            await _completions(c, CONNECTIONS, calls)
+            served = {name: await _gateway_requests(address, key) - before[name] for name, address in own.items()}
+            assert all(n > 0 for n in served.values()) and sum(served.values()) == CONNECTIONS, served
+
+            # A write that reached the other worker was forwarded to the owner; both list every write.
+            forwarded: Counter[str | None] = Counter()
+            for i in range(CONNECTIONS):
+                made = await _fresh(cp.url, "POST", "/api/v1/tenants", key, json={"id": f"t{i}"})
+                assert made.status_code == 201, made.text
+                forwarded[made.headers.get("x-nexa-forwarded")] += 1
+            assert set(forwarded) == {None, owner}, forwarded
+            written = {f"t{i}" for i in range(CONNECTIONS)}
+            for address in own.values():
+                listed = await ok(_fresh(address, "GET", "/api/v1/tenants", key, params={"limit": 100}))
+                assert written <= {t["id"] for t in listed["tenants"]}, address
+
+            # Every usage record is acknowledged (in the store) once the report shows it.
+            async def all_metered() -> bool:
+                return await _requests_metered(c, cp.url) == calls["made"]
+
+            await wait_until("every usage record written", all_metered)
+
+            # The owner of the store's writes is killed: started again, the other takes the lease.
+            pids = _pids(cp)
+            killed = pids[0]
+            os.kill(killed, signal.SIGKILL)
+
+            async def handed_over() -> dict[str, Any] | None:
+                if _pids(cp).get(0) in (None, killed):
+                    return None
+                try:
+                    view = await _cluster(own[other], key)
+                except (httpx.HTTPError, AssertionError):
+                    return None
+                members = {m["id"]: m for m in view["controllers"]}
+                # the restarted worker writes its row again, with its new own address, as a follower
+                back = members[owner]["address"] != own[owner] and members[owner]["seen_age_s"] < 2
+                return view if view["leader"] == other and back else None
+
+            after = await wait_until("the other worker leading and worker 0 back", handed_over)
+            assert after["epoch"] > view["epoch"]
+            restarted = {m["id"]: m["address"] for m in after["controllers"]}[owner]
+
+            # Nothing acknowledged was lost: every write, every usage record, through either worker.
+            for address in (own[other], restarted):
+                listed = await ok(_fresh(address, "GET", "/api/v1/tenants", key, params={"limit": 100}))
+                assert written <= {t["id"] for t in listed["tenants"]}, address
+                assert await _requests_metered(c, address) == calls["made"]
+            # And both go on: writes (now made by worker 1) and inference, once the restarted worker
+            # has heard the node on its channel (until then it knows of no Ready replica).
+            await wait_until(
+                "the replica Ready as the restarted worker sees it",
+                functools.partial(_ready_on, restarted, key, c.inference_key, calls),
+            )
+            for i in range(4):
+                made = await _fresh(cp.url, "POST", "/api/v1/tenants", key, json={"id": f"after-{i}"})
+                assert made.status_code == 201, made.text
+            await _completions(c, 4, calls)
+    finally:
+        code = await trio.to_thread.run_sync(cp.stop)
+    assert code == 0, cp.stderr_path.read_text()[-3000:] if cp.stderr_path else code
+    log = [json.loads(line) for line in cp.stderr_path.read_text().splitlines() if line.startswith("{")]
+    assert any(e["msg"].startswith("gateway worker 0 exited (status -9)") for e in log)
+    # Each worker's lines name it: which worker answered each completion (both did).
+    answering = {e.get("worker") for e in log if e["msg"] == "request" and e.get("route") == "/v1/chat/completions"}
+    assert answering == {0, 1}, answering
