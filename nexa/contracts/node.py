@@ -194,6 +194,24 @@ class NodeInventory:
     nvidia_smi_timeouts: int = attrs.field(default=0, validator=whole(0, MAX_BYTES))
 
 
+def steady_inventory(inventory: NodeInventory) -> NodeInventory:
+    """`inventory` without what moves by itself between two reads: free memory, the clock of
+    discovery and the GPUs' telemetry (used and free memory, utilisation, temperature, power). What
+    is left changes only when the node does (placement's view; whether a node's state changed)."""
+    gpus = tuple(
+        attrs.evolve(
+            g,
+            memory_used_bytes=None,
+            memory_free_bytes=None,
+            utilization_pct=None,
+            temperature_c=None,
+            power_draw_w=None,
+        )
+        for g in inventory.gpus
+    )
+    return attrs.evolve(inventory, memory_available_bytes=0, discovered_at=0.0, gpus=gpus)
+
+
 def label_key_problem(key: str) -> str | None:
     """Why `key` is not a valid label or taint key, or None when it is."""
     prefix, slash, name = key.rpartition("/")

@@ -8,6 +8,7 @@ from typing import Final
 import attrs
 
 from nexa.contracts import wire
+from nexa.contracts.node import steady_inventory
 
 #: Free memory that moves by less than this share of the node's memory (or `_MEMORY_STEP_MIN_BYTES`,
 #: whichever is more) since the last state sent is not a change of state by itself.
@@ -36,21 +37,9 @@ def steady(state: wire.Heartbeat) -> wire.Heartbeat:
     """`state` without what moves by itself between two reads: the clock of discovery, GPU
     telemetry, free memory (compared with a step: `changed`), each load's age and the free room of
     the runtime cache's filesystem (other programs write there too)."""
-    inventory = state.inventory
-    gpus = tuple(
-        attrs.evolve(
-            g,
-            memory_used_bytes=None,
-            memory_free_bytes=None,
-            utilization_pct=None,
-            temperature_c=None,
-            power_draw_w=None,
-        )
-        for g in inventory.gpus
-    )
     return attrs.evolve(
         state,
-        inventory=attrs.evolve(inventory, memory_available_bytes=0, discovered_at=0.0, gpus=gpus),
+        inventory=steady_inventory(state.inventory),
         free_memory_bytes=0,
         runtime_cache=attrs.evolve(state.runtime_cache, free_bytes=0) if state.runtime_cache is not None else None,
         assignments=[

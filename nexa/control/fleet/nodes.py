@@ -37,7 +37,7 @@ from nexa.contracts.domain import (
     NodeId,
     NodeState,
 )
-from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem
+from nexa.contracts.node import NodeInventory, label_key_problem, label_value_problem, steady_inventory
 from nexa.contracts.wire import (
     MEMORY_PRESSURE,
     Ack,
@@ -770,20 +770,5 @@ def _static_digest(inventory: NodeInventory | None) -> str | None:
     """Digest of what placement cares about, without the values that move every second."""
     if inventory is None:
         return None
-    steady = attrs.evolve(
-        inventory,
-        memory_available_bytes=0,
-        discovered_at=0.0,
-        gpus=tuple(
-            attrs.evolve(
-                g,
-                memory_used_bytes=None,
-                memory_free_bytes=None,
-                utilization_pct=None,
-                temperature_c=None,
-                power_draw_w=None,
-            )
-            for g in inventory.gpus
-        ),
-    )
+    steady = steady_inventory(inventory)
     return hashlib.sha256(codec.dumps(codec.store, steady).encode()).hexdigest()
