@@ -105,6 +105,28 @@ class Supervision:
 _current: Final[contextvars.ContextVar[Supervision | None]] = contextvars.ContextVar("nexa_supervision", default=None)
 
 
+@attrs.define
+class Backoff:
+    """Capped exponential backoff between the runs of something that keeps failing: `first_s`, then
+    twice as long each time, up to `max_s`; a run that lasted `healthy_after_s` starts it over."""
+
+    first_s: float
+    max_s: float
+    healthy_after_s: float
+    _next_s: float = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self._next_s = self.first_s
+
+    def wait_after(self, ran_s: float) -> float:
+        """How long to wait before the next run, after one that lasted `ran_s`."""
+        if ran_s >= self.healthy_after_s:
+            self._next_s = self.first_s
+        wait = self._next_s
+        self._next_s = min(wait * 2, self.max_s)
+        return wait
+
+
 def current() -> Supervision:
     """The supervision installed for this task; a log-only one where none is (component tests)."""
     installed = _current.get()
@@ -130,7 +152,7 @@ async def supervised(
     sup = current()
     protocol = task_status is not trio.TASK_STATUS_IGNORED
     starting = protocol
-    backoff = sup.first_backoff_s
+    backoff = Backoff(sup.first_backoff_s, sup.max_backoff_s, sup.healthy_after_s)
     while True:
         began = trio.current_time()
         try:
@@ -157,12 +179,10 @@ async def supervised(
         else:
             log.info("loop %s returned; it is not restarted", name)
             return
-        if trio.current_time() - began >= sup.healthy_after_s:
-            backoff = sup.first_backoff_s
-        log.warning("loop %s restarts in %.3g s", name, backoff)
-        await trio.sleep(backoff)
+        wait = backoff.wait_after(trio.current_time() - began)
+        log.warning("loop %s restarts in %.3g s", name, wait)
+        await trio.sleep(wait)
         sup._restarting()
-        backoff = min(backoff * 2, sup.max_backoff_s)
 
 
 def _restartable(fatal: tuple[type[BaseException], ...]) -> Callable[[BaseException], bool]:

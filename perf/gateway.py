@@ -35,6 +35,7 @@ import json
 import os
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -130,6 +131,24 @@ class Processes:
 
 
 # --- the parts ------------------------------------------------------------------------------------------
+
+
+def local_parts(
+    base: Path, parts: contextlib.ExitStack, keep_logs: str = ""
+) -> tuple[LocalRegistry, LocalS3, Processes]:
+    """A run's OCI registry, SeaweedFS S3 (a fresh key) and process table under `base`, logs in `base/logs`; none
+    started yet. `parts` stops them: the processes first, then (with `keep_logs`) copies their logs there."""
+    (base / "logs").mkdir()
+    registry = LocalRegistry(base / "registry")
+    parts.callback(registry.stop)
+    credentials = S3Credentials(access_key_id="nexa-perf", secret_access_key=secrets.token_hex(16))
+    s3 = LocalS3(root=base / "seaweedfs", bucket=S3_BUCKET, credentials=credentials)
+    parts.callback(s3.stop)
+    procs = Processes(base / "logs")
+    if keep_logs:
+        parts.callback(shutil.copytree, base / "logs", keep_logs, dirs_exist_ok=True)
+    parts.callback(procs.stop_all)
+    return registry, s3, procs
 
 
 async def upload(s3: LocalS3, key: str, data: bytes) -> None:
@@ -633,14 +652,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="nexa-perf-") as tmp, contextlib.ExitStack() as parts:
         base = Path(tmp)
         args.base = base
-        (base / "logs").mkdir()
-        registry = LocalRegistry(base / "registry")
-        parts.callback(registry.stop)
-        credentials = S3Credentials(access_key_id="nexa-perf", secret_access_key=secrets.token_hex(16))
-        s3 = LocalS3(root=base / "seaweedfs", bucket=S3_BUCKET, credentials=credentials)
-        parts.callback(s3.stop)
-        procs = Processes(base / "logs")
-        parts.callback(procs.stop_all)
+        registry, s3, procs = local_parts(base, parts)
         nginx = Nginx(base / "nginx")
         parts.callback(nginx.stop)
         ports = dict(zip(("unary", "stream"), free_ports(2, NODE_HOST), strict=True))

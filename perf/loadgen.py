@@ -48,6 +48,17 @@ def machine_busy_seconds() -> float:
     return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_window(watched: dict[str, int], start: float, seconds: float) -> tuple[dict[str, float], float]:
+    """Sleep until `start` (`time.monotonic()`), then through `seconds`: each watched process's CPU share
+    (of one core) over them, and the machine's busy CPUs (busy CPU seconds per second)."""
+    stop = start + seconds
+    time.sleep(max(0.0, start - time.monotonic()))
+    cpu0 = cpu_snapshot(watched)
+    busy0 = machine_busy_seconds()
+    time.sleep(max(0.0, stop - time.monotonic()))
+    return cpu_shares(cpu0, watched, seconds), (machine_busy_seconds() - busy0) / seconds
+
+
 @attrs.frozen
 class Target:
     name: str
@@ -267,12 +278,7 @@ def run_point(
         sender.close()
         pipes.append(receiver)
         clients.append(proc)
-    time.sleep(max(0.0, start - time.monotonic()))
-    cpu0 = cpu_snapshot(watched)
-    busy0 = machine_busy_seconds()
-    time.sleep(max(0.0, stop - time.monotonic()))
-    cpu = cpu_shares(cpu0, watched, seconds)
-    busy = (machine_busy_seconds() - busy0) / seconds
+    cpu, busy = cpu_window(watched, start, seconds)
     merged = Result()
     for receiver, proc in zip(pipes, clients, strict=True):
         if not receiver.poll(REQUEST_TIMEOUT_S + 10):

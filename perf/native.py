@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 
 from nexa.errors import Unavailable
-from perf.loadgen import Point, Result, Target, cpu_shares, cpu_snapshot, machine_busy_seconds
+from perf.loadgen import Point, Result, Target, cpu_window
 
 SOURCES = Path(__file__).resolve().parent / "c"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nexa-perf" / "c"
@@ -218,12 +218,7 @@ def c_point(
     stop = start + seconds
     argv = loadgen_argv(target, body_file, conc, (begin, start, stop), ramp_s, 0)
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        time.sleep(max(0.0, start - time.monotonic()))
-        cpu0 = cpu_snapshot(watched)
-        busy0 = machine_busy_seconds()
-        time.sleep(max(0.0, stop - time.monotonic()))
-        cpu = cpu_shares(cpu0, watched, seconds)
-        busy = (machine_busy_seconds() - busy0) / seconds
+        cpu, busy = cpu_window(watched, start, seconds)
         out, err = proc.communicate(timeout=REQUEST_TIMEOUT_S + 30)
     if proc.returncode != 0:
         raise RuntimeError(f"sse_loadgen failed ({proc.returncode}): {err[-2000:]}")

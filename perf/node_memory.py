@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import shlex
-import shutil
 import statistics
 import sys
 import tempfile
@@ -38,10 +37,9 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nexa.localparts import S3_REGION, LocalRegistry, LocalS3, free_ports
+from nexa.localparts import S3_REGION, LocalS3, free_ports
 from nexa.s3.credentials import write_s3_credentials
-from nexa.sigv4 import S3Credentials
-from perf.gateway import S3_BUCKET, Processes, deploy, ok, register_model, start_control, upload
+from perf.gateway import Processes, deploy, local_parts, ok, register_model, start_control, upload
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 2**20
@@ -159,16 +157,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="nexa-perf-mem-") as tmp, contextlib.ExitStack() as parts:
         base = Path(tmp)
-        (base / "logs").mkdir()
-        registry = LocalRegistry(base / "registry")
-        parts.callback(registry.stop)
-        credentials = S3Credentials(access_key_id="nexa-perf", secret_access_key=secrets.token_hex(16))
-        s3 = LocalS3(root=base / "seaweedfs", bucket=S3_BUCKET, credentials=credentials)
-        parts.callback(s3.stop)
-        procs = Processes(base / "logs")
-        if args.keep_logs:
-            parts.callback(shutil.copytree, base / "logs", args.keep_logs, dirs_exist_ok=True)
-        parts.callback(procs.stop_all)
+        registry, s3, procs = local_parts(base, parts, args.keep_logs)
         registry.start()
         s3.start()
         creds = write_s3_credentials(base / "s3-credentials.json", s3.credentials)

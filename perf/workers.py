@@ -36,10 +36,19 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nexa.localparts import S3_REGION, LocalRegistry, LocalS3, free_ports
+from nexa.localparts import S3_REGION, LocalS3, free_ports
 from nexa.s3.credentials import write_s3_credentials
-from nexa.sigv4 import S3Credentials
-from perf.gateway import NODE_HOST, S3_BUCKET, Processes, children_of, deploy, ok, register_model, request_body, upload
+from perf.gateway import (
+    NODE_HOST,
+    Processes,
+    children_of,
+    deploy,
+    local_parts,
+    ok,
+    register_model,
+    request_body,
+    upload,
+)
 from perf.loadgen import Point, Target, machine_busy_seconds
 from perf.upstream import Nginx, unary_body, wrk_point
 
@@ -226,14 +235,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="nexa-perf-") as tmp, contextlib.ExitStack() as parts:
         base = Path(tmp)
         args.base = base
-        (base / "logs").mkdir()
-        registry = LocalRegistry(base / "registry")
-        parts.callback(registry.stop)
-        credentials = S3Credentials(access_key_id="nexa-perf", secret_access_key=secrets.token_hex(16))
-        s3 = LocalS3(root=base / "seaweedfs", bucket=S3_BUCKET, credentials=credentials)
-        parts.callback(s3.stop)
-        procs = Processes(base / "logs")
-        parts.callback(procs.stop_all)
+        registry, s3, procs = local_parts(base, parts)
         nginx = Nginx(base / "nginx")
         parts.callback(nginx.stop)
         [port] = free_ports(1, NODE_HOST)

@@ -13,6 +13,7 @@ import stat
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -63,6 +64,18 @@ async def raw_node(fleet: Fleet, node: NodeIdentity, link: links.Link) -> AsyncI
                 nursery.cancel_scope.cancel()
     finally:
         ctx.destroy(linger=0)
+
+
+@contextlib.asynccontextmanager
+async def uplinked(fleet: Fleet, node: NodeIdentity, link: links.Link, **uplink_kw: Any) -> AsyncIterator[links.Uplink]:
+    """`link` run here and an enrolled node's uplink (`uplink_kw` for `Fleet.uplink`) running against it;
+    both are cancelled when the block ends."""
+    async with trio.open_nursery() as nursery:
+        endpoint = await nursery.start(link.run)
+        uplink = fleet.uplink(endpoint, node, **uplink_kw)
+        await nursery.start(uplink.run)
+        yield uplink
+        nursery.cancel_scope.cancel()
 
 
 def heartbeat(node_id: str, seq: int) -> wire.Heartbeat:
@@ -133,10 +146,7 @@ async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet:
     link = fleet.link(inbox_size=2, outbox_size=2)
     generations: list[int] = []
     with trio.fail_after(TIMEOUT_S):
-        async with trio.open_nursery() as nursery:
-            endpoint = await nursery.start(link.run)
-            uplink = fleet.uplink(endpoint, n1, inbox_size=2, outbox_size=2)
-            await nursery.start(uplink.run)
+        async with uplinked(fleet, n1, link, inbox_size=2, outbox_size=2) as uplink:
 
             async def controller() -> None:
                 window = security.ReplayWindow()
@@ -164,7 +174,6 @@ async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet:
                 work.start_soon(node_sender)
                 work.start_soon(node_receiver)
             stats = link.statistics()
-            nursery.cancel_scope.cancel()
     assert generations == list(range(count))
     assert (stats.received, stats.sent, stats.dropped) == (count, 2 * count, 0)
 
@@ -176,10 +185,7 @@ async def test_data_frames_travel_both_ways_beside_signed_messages(fleet: Fleet)
     n1 = fleet.enroll("n1")
     link = fleet.link()
     with trio.fail_after(TIMEOUT_S):
-        async with trio.open_nursery() as nursery:
-            endpoint = await nursery.start(link.run)
-            uplink = fleet.uplink(endpoint, n1)
-            await nursery.start(uplink.run)
+        async with uplinked(fleet, n1, link) as uplink:
             with pytest.raises(NotConnected):  # a route comes only from a verified signed message
                 await link.send_data("n1", wire.INFER, "r1", b"{}", b"")
             await uplink.send(hello("n1"))
@@ -209,7 +215,6 @@ async def test_data_frames_travel_both_ways_beside_signed_messages(fleet: Fleet)
             got = await link.receive()
             assert isinstance(got, links.DataInbound)
             assert (got.frame.kind, got.frame.head) == (wire.END, b'{"status":"ok"}')
-            nursery.cancel_scope.cancel()
 
 
 async def test_data_frames_of_the_wrong_direction_or_shape_are_refused(fleet: Fleet) -> None:
@@ -247,10 +252,7 @@ async def test_a_node_refuses_data_kinds_only_nodes_send(fleet: Fleet) -> None:
     n1 = fleet.enroll("n1")
     link = fleet.link()
     with trio.fail_after(TIMEOUT_S):
-        async with trio.open_nursery() as nursery:
-            endpoint = await nursery.start(link.run)
-            uplink = fleet.uplink(endpoint, n1)
-            await nursery.start(uplink.run)
+        async with uplinked(fleet, n1, link) as uplink:
             await uplink.send(hello("n1"))
             await link.receive()
             await link.send_data("n1", wire.CHUNK, "r1", b"", b"x")
@@ -258,7 +260,6 @@ async def test_a_node_refuses_data_kinds_only_nodes_send(fleet: Fleet) -> None:
                 await uplink.receive()
             await link.send_data("n1", wire.CANCEL, "r1", b"{}", b"")
             assert (await uplink.receive()).kind == wire.CANCEL  # type: ignore[union-attr]
-            nursery.cancel_scope.cancel()
 
 
 def test_data_frames_are_encoded_only_for_data_kinds_and_sane_ids() -> None:
@@ -423,10 +424,7 @@ async def test_a_revoked_node_is_refused_on_an_open_channel(fleet: Fleet) -> Non
     n1 = fleet.enroll("n1")
     link = fleet.link()
     with trio.fail_after(TIMEOUT_S):
-        async with trio.open_nursery() as nursery:
-            endpoint = await nursery.start(link.run)
-            uplink = fleet.uplink(endpoint, n1)
-            await nursery.start(uplink.run)
+        async with uplinked(fleet, n1, link) as uplink:
             await uplink.send(hello("n1"))
             await link.receive()
             del fleet.node_keys["n1"]
@@ -435,24 +433,19 @@ async def test_a_revoked_node_is_refused_on_an_open_channel(fleet: Fleet) -> Non
                 await link.receive()
             with pytest.raises(NotConnected):  # and its route is forgotten
                 await link.send("n1", assignment_set("n1", 1))
-            nursery.cancel_scope.cancel()
 
 
 async def test_node_rejects_a_message_not_signed_by_its_pinned_controller(fleet: Fleet) -> None:
     n1 = fleet.enroll("n1")
     link = fleet.link()
     with trio.fail_after(TIMEOUT_S):
-        async with trio.open_nursery() as nursery:
-            endpoint = await nursery.start(link.run)
-            uplink = fleet.uplink(endpoint, n1, controller_key=security.generate_signing_key().public)
-            await nursery.start(uplink.run)
+        async with uplinked(fleet, n1, link, controller_key=security.generate_signing_key().public) as uplink:
             await uplink.send(hello("n1"))
             await link.receive()
             await link.send("n1", assignment_set("n1", 1))
             with pytest.raises(BadSignature) as info:
                 await uplink.receive()
             assert info.value.kind == "assignments"
-            nursery.cancel_scope.cancel()
 
 
 # --- connection loss ----------------------------------------------------------------------------
@@ -664,10 +657,7 @@ async def test_a_nodes_data_frames_queued_together_travel_as_one_message_in_orde
     n1 = fleet.enroll("n1")
     link = fleet.link()
     with trio.fail_after(TIMEOUT_S):
-        async with trio.open_nursery() as nursery:
-            endpoint = await nursery.start(link.run)
-            uplink = fleet.uplink(endpoint, n1)
-            await nursery.start(uplink.run)
+        async with uplinked(fleet, n1, link) as uplink:
             # Queued with no wait between: the pump joins the data frames, never the signed message.
             for i in range(10):
                 uplink.send_data_nowait(wire.CHUNK, f"r{i}", b"", b"data: %d\n\n" % i)
@@ -680,7 +670,6 @@ async def test_a_nodes_data_frames_queued_together_travel_as_one_message_in_orde
             assert [f.body for f in frames] == [b"data: %d\n\n" % i for i in range(15)]
             assert isinstance(got[10], links.Inbound) and isinstance(got[10].message, wire.Heartbeat)
             assert link.statistics().received == 3  # ten frames, the heartbeat, five frames
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_joined_data_message_is_refused_whole_when_one_of_its_frames_is_bad(fleet: Fleet) -> None:

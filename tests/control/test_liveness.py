@@ -33,6 +33,18 @@ def _state_is(c: Controller, node_id: str, expected: str) -> Callable[[], Awaita
     return check
 
 
+async def _ready_node(
+    nursery: trio.Nursery, tmp_path: Path, dial: Any, *, state_interval_s: float = 30.0, **nodes: float
+) -> tuple[Controller, RawNode]:
+    """A controller (`nodes`: its [nodes] settings) and node n1 on it, enrolled, dialled and Ready on its
+    first state, which announces `state_interval_s`."""
+    c = await _controller(nursery, tmp_path, **nodes)
+    node = await dial(await enroll(c, "n1"))
+    await node.send(node.frames(node.heartbeat(state_interval_s=state_interval_s)))
+    await wait_for(_state_is(c, "n1", "Ready"))
+    return c, node
+
+
 async def _beat(node: RawNode, every_s: float, *, task_status: trio.TaskStatus[trio.CancelScope]) -> None:
     """Liveness beats until cancelled (what an agent sends between its states)."""
     with trio.CancelScope() as scope:
@@ -59,10 +71,7 @@ async def _audit_actions(c: Controller, node_id: str) -> list[str]:
 async def test_liveness_keeps_a_node_ready_without_state_for_less_than_its_interval(
     nursery: trio.Nursery, tmp_path: Path, dial: Any
 ) -> None:
-    c = await _controller(nursery, tmp_path, lease_s=LEASE_S)
-    node = await dial(await enroll(c, "n1"))
-    await node.send(node.frames(node.heartbeat(state_interval_s=30.0)))
-    await wait_for(_state_is(c, "n1", "Ready"))
+    c, node = await _ready_node(nursery, tmp_path, dial, lease_s=LEASE_S)
     heartbeats = await metric(c, "nexa_node_messages_total", kind="heartbeat")
     beating = await nursery.start(_beat, node, LEASE_S / 5)
     await trio.sleep(LEASE_S * 3)  # three leases on liveness alone, far within its state interval
@@ -82,10 +91,7 @@ async def test_liveness_keeps_a_node_ready_without_state_for_less_than_its_inter
 async def test_a_node_that_stops_its_liveness_is_down_within_3_s(
     nursery: trio.Nursery, tmp_path: Path, dial: Any
 ) -> None:
-    c = await _controller(nursery, tmp_path)  # the default lease: 3 s
-    node = await dial(await enroll(c, "n1"))
-    await node.send(node.frames(node.heartbeat(state_interval_s=30.0)))
-    await wait_for(_state_is(c, "n1", "Ready"))
+    c, node = await _ready_node(nursery, tmp_path, dial)  # the default lease: 3 s
     beating = await nursery.start(_beat, node, 1.0)  # the agent's default heartbeat_interval_s
     await trio.sleep(1.5)
     beating.cancel()
@@ -100,10 +106,7 @@ async def test_liveness_never_changes_state_nor_makes_a_node_with_stale_state_re
     """A node that keeps beating but sends no state past its interval is Unreachable, as a node
     without heartbeats always was; beats alone never bring it back; the controller asks for the
     state, and that state does."""
-    c = await _controller(nursery, tmp_path, lease_s=LEASE_S)
-    node = await dial(await enroll(c, "n1"))
-    await node.send(node.frames(node.heartbeat(state_interval_s=1.0)))
-    await wait_for(_state_is(c, "n1", "Ready"))
+    c, node = await _ready_node(nursery, tmp_path, dial, state_interval_s=1.0, lease_s=LEASE_S)
     before = await node_view(c, "n1")
     beating = await nursery.start(_beat, node, LEASE_S / 5)
     with trio.fail_after(TIMEOUT_S):
@@ -126,10 +129,7 @@ async def test_liveness_never_changes_state_nor_makes_a_node_with_stale_state_re
 async def test_a_beat_naming_a_state_that_never_came_gets_it_asked_for_and_changes_nothing(
     nursery: trio.Nursery, tmp_path: Path, dial: Any
 ) -> None:
-    c = await _controller(nursery, tmp_path, lease_s=LEASE_S)
-    node = await dial(await enroll(c, "n1"))
-    await node.send(node.frames(node.heartbeat(state_interval_s=30.0)))
-    await wait_for(_state_is(c, "n1", "Ready"))
+    c, node = await _ready_node(nursery, tmp_path, dial, lease_s=LEASE_S)
     before = await node_view(c, "n1")
     await node.send(node.liveness(state_seq=node.seq + 5))  # a state the controller never got
     with trio.fail_after(TIMEOUT_S):

@@ -55,6 +55,7 @@ import trio
 from nexa.config import ClusterConfig, ControlConfig, HttpConfig, parse_host_port
 from nexa.control import store as st
 from nexa.errors import ConfigError, NexaError, StoreUnusable
+from nexa.supervision import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,7 @@ class _Supervisor:
                 announced = True
                 task_status.started()
 
-        backoff = RESTART_FIRST_S
+        backoff = Backoff(RESTART_FIRST_S, RESTART_MAX_S, RESTART_RESET_AFTER_S)
         while not self._stopping.is_set():
             began = trio.current_time()
             status = await self._run_once(index, announce)
@@ -240,18 +241,16 @@ class _Supervisor:
                 self._fatal = status
                 self._stopping.set()
                 break
-            if trio.current_time() - began >= RESTART_RESET_AFTER_S:
-                backoff = RESTART_FIRST_S
+            wait = backoff.wait_after(trio.current_time() - began)
             log.warning(
                 "gateway worker %d exited (status %s): starting it again in %.0f s",
                 index,
                 status,
-                backoff,
+                wait,
                 extra={"fields": {"worker": index, "status": status}},
             )
-            with trio.move_on_after(backoff):
+            with trio.move_on_after(wait):
                 await self._stopping.wait()
-            backoff = min(backoff * 2, RESTART_MAX_S)
         announce()  # stopped before it served: nothing more to wait for
 
     async def _run_once(self, index: int, served: Callable[[], None]) -> int | None:
