@@ -138,7 +138,7 @@ CONTROLLER_FAULTS = [
     ("metering", Meter, "flush"),
 ]
 NODE_FAULTS = [
-    ("agent.beat", Agent, "_heartbeat_once"),
+    ("agent.beat", Agent, "_beat_once"),  # every beat, liveness or state
     ("agent.receive", Uplink, "receive_unverified"),
     ("agent.control", NodeChannel, "verify"),  # at the controller's next lease renewal (lease / 3)
     ("inventory", inventory, "_stat_signature"),
