@@ -121,7 +121,18 @@ async def test_two_gateway_workers_share_the_port_and_a_killed_owner_loses_nothi
     calls: Counter[str] = Counter()  # chat completions sent, each metered whatever its answer
     try:
         async with sim_fleet(controller, tmp_path, s3_store, test_images, nodes=1, controllers=channels) as c:
-            await c.deploy("chat-a", replicas=1)
+            await c.deploy("chat-a", replicas=1, wait=False)
+            # Through the shared port the next read may come from the worker that did not take the
+            # write and has not applied it yet (its change feed, every [cluster] refresh_s): a 404.
+            with trio.fail_after(120):
+                while True:
+                    try:
+                        if await c.ready_replicas("chat-a"):
+                            break
+                    except AssertionError as exc:
+                        if "no deployment chat-a" not in str(exc):
+                            raise
+                    await trio.sleep(0.1)
             view = await _cluster(cp.url, key)
             own = {m["id"]: m["address"] for m in view["controllers"]}
             owner = view["leader"]

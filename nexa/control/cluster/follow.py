@@ -1,5 +1,6 @@
 """`ChangeFeed`: each controller on a shared store keeps its in-memory state up with what the others
-write (DESIGN §5). Never used on the embedded SQLite store, where one controller writes everything.
+write (DESIGN §5). On the embedded SQLite store only with gateway workers (`[http] workers`): one
+controller alone writes everything there.
 
 Every mutation appends its audit event in its own transaction, so the audit head is the change
 feed: every `cluster.refresh_s` the head's seq is read on the reader lane and, when it moved, the
