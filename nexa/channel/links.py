@@ -550,7 +550,8 @@ class Link:
             beat = decode_liveness(raw)
             if beat.node_id != node_id:
                 raise WrongNode(channel_node=node_id, claimed_node=beat.node_id)
-            return Alive(node_id=node_id, state_seq=beat.state_seq, moved=self._learn_route(node_id, frames))
+            moved = self._learn_route(node_id, frames[0].bytes, int(frames[-1].get(zmq.SRCFD)))
+            return Alive(node_id=node_id, state_seq=beat.state_seq, moved=moved)
         if self._signed_rate is not None and not self._signed_rate.allow(node_id, trio.current_time()):
             # Not logged: a flood would flood the log too. Counted by the caller.
             return Refused(node_id=node_id, error=NodeRateLimited(node_id=node_id))
@@ -568,20 +569,18 @@ class Link:
             msg, previous = decode_frames(pending.frames, old, wire.FROM_NODE), True
         if msg.node_id != node_id:
             raise WrongNode(channel_node=node_id, claimed_node=msg.node_id)
-        moved = self._routes.get(node_id, pending.route) != pending.route
-        self._routes[node_id] = pending.route
-        if pending.fd >= 0:
-            self._node_by_fd[pending.fd] = node_id
+        moved = self._learn_route(node_id, pending.route, pending.fd)
         return Inbound(node_id=node_id, message=msg, previous_key=previous, moved=moved)
 
-    def _learn_route(self, node_id: str, frames: list[zmq.Frame]) -> bool:
-        """The node's route is the connection `frames` came on from now on; whether it moved."""
-        route = frames[0].bytes
+    def _learn_route(self, node_id: str, route: bytes, fd: int) -> bool:
+        """The node's route is `route` (its connection, socket `fd`; -1: unknown) from now on;
+        whether it moved from another one."""
         known = self._routes.get(node_id)
         if known == route:
             return False
         self._routes[node_id] = route
-        self._node_by_fd[int(frames[-1].get(zmq.SRCFD))] = node_id
+        if fd >= 0:
+            self._node_by_fd[fd] = node_id
         return known is not None
 
     def connected(self, node_id: str) -> bool:
