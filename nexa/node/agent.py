@@ -83,7 +83,7 @@ from nexa.node.uplinks import (
     channel_endpoint,  # noqa: F401 - importable from here, as before
     open_channel,
 )
-from nexa.node.verdicts import Verdict, judge  # noqa: F401 - importable from here, as before
+from nexa.node.verdicts import judge
 from nexa.supervision import Supervision, supervised, watch_event_loop
 
 log = logging.getLogger(__name__)

@@ -27,8 +27,9 @@ from nexa.control.fleet import claims
 from nexa.errors import ConfigError
 from nexa.node import agent as agent_module
 from nexa.node import identity
-from nexa.node.agent import channel_endpoint, judge, serve_node
+from nexa.node.agent import channel_endpoint, serve_node
 from nexa.node.identity import Fence, load_fence
+from nexa.node.verdicts import judge
 from tests.conftest import FIXTURES, Controller
 from tests.support.nodes import FakeController, aset, assignment, start_node, write_inventory
 
