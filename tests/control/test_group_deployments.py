@@ -19,6 +19,7 @@ from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, node_view, ok, wait_for
 from tests.support.deployments import body, online, registry_ready
+from tests.support.models import bring_to
 from tests.support.realmodel import cli
 
 GIB = 2**30
@@ -127,4 +128,43 @@ async def test_a_group_is_placed_on_one_fabric_shown_held_back_from_the_nodes_an
     # Only the single-node replica was sent to a node.
     assert (await node_view(dep_reg, "n1"))["desired_generation"] == 2
     for name in ("n2", "n3", "n4", "n5"):
+        assert (await node_view(dep_reg, name))["desired_generation"] == 1
+
+
+async def test_scaling_a_canary_and_a_lost_member_work_in_whole_groups(
+    dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    for name in ("n1", "n2", "n3", "n4"):
+        await online(dep_reg, dial, nursery, name, labels=f"fabric={FABRICS[name]}")
+    async with dep_reg.client() as http:
+        await registry_ready(http, s3_store, test_images)
+        await bring_to(http, s3_store, "tiny", "v2", "Approved")
+        group = body(name="big", nodes_per_replica=2, resources={"accelerators": 1, "memory_bytes": 60 * GIB})
+        await ok(http.post("/api/v1/deployments", json=group), 201)
+        # Scaling adds a whole group, spread to the fabric the deployment is not on yet.
+        scaled = await ok(http.post("/api/v1/deployments/big/scale", json={"replicas": 2}))
+        assert members(scaled) == [[(0, "n1"), (1, "n2")], [(0, "n3"), (1, "n4")]]
+        assert [g["state"] for g in scaled["groups"]] == [GROUP_PENDING, GROUP_PENDING]
+        # A canary's replicas are extra groups (on one fabric each), shown as the canary's.
+        canary = {"model": {"model": "tiny", "version": "v2"}, "replicas": 1, "weight": 0.1}
+        started = await ok(http.post("/api/v1/deployments/big/canary", json=canary), 201)
+        [canary_group] = started["deployment"]["canary"]["placed"]
+        on = [m["node_id"] for m in canary_group["members"]]
+        assert len(on) == 2 and len({FABRICS[n] for n in on}) == 1
+        assert [g["canary"] for g in started["groups"]] == [False, False, True]
+        await ok(http.post("/api/v1/deployments/big/rollback"))  # the canary removed
+        # A lost member takes its group with it: placed again, whole, on the other fabric.
+        await ok(http.post("/api/v1/nodes/n4/revoke"))
+
+        async def moved() -> bool:
+            return members(await ok(http.get("/api/v1/deployments/big"))) == [
+                [(0, "n1"), (1, "n2")],
+                [(0, "n1"), (1, "n2")],
+            ]
+
+        await wait_for(moved)
+        # Scaling down drops whole groups.
+        down = await ok(http.post("/api/v1/deployments/big/scale", json={"replicas": 1}))
+        assert members(down) == [[(0, "n1"), (1, "n2")]]
+    for name in ("n1", "n2", "n3"):
         assert (await node_view(dep_reg, name))["desired_generation"] == 1
