@@ -165,7 +165,7 @@ class Runner:
                 f"deployment {plan.deployment!r} is not Ready ({view.ready} of {dep.replicas} replicas Ready): "
                 f"wait until `nexa deployments show {plan.deployment}` shows a Ready replica, then run it again"
             )
-        self._nodes = {r.node_id for r in dep.placed}
+        self._nodes = {n for r in dep.placed for n in r.node_ids}
         if plan.record:
             title = f"bench {plan.kind.value} {plan.deployment} {_steps_text(plan.steps)}"
             created = JobCreate(kind=JobKind.BENCHMARK, title=title)
@@ -265,6 +265,7 @@ class Runner:
             placement=source.placement,
             routing=source.routing,
             objectives=source.objectives,
+            nodes_per_replica=source.nodes_per_replica,
         )
         self._progress.note(f"cold start: creating {copy} (one replica of {source.name}); it is deleted after")
         t0 = time.monotonic()
@@ -273,7 +274,7 @@ class Runner:
             with trio.move_on_after(self._plan.ready_timeout_s) as waited:
                 while True:
                     copied = await self._deployment(copy)
-                    self._nodes |= {r.node_id for r in copied.deployment.placed}
+                    self._nodes |= {n for r in copied.deployment.placed for n in r.node_ids}
                     if copied.ready >= 1:
                         break
                     await trio.sleep(READY_POLL_S)

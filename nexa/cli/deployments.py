@@ -76,7 +76,14 @@ def _deployment_flags(s: argparse.ArgumentParser) -> None:
     target.add_argument("--alias", help="deploy what this alias points at")
     target.add_argument("--model", metavar="NAME:VERSION", help="deploy a pinned, Approved model version")
     s.add_argument("--replicas", type=int, default=1)
-    s.add_argument("--accelerators", type=int, default=0, help="GPUs per replica")
+    s.add_argument(
+        "--nodes-per-replica",
+        type=int,
+        default=1,
+        metavar="N",
+        help="nodes each replica spans (1..16): above 1, a group of N ranks on nodes sharing a fabric",
+    )
+    s.add_argument("--accelerators", type=int, default=0, help="GPUs per replica (per rank, on its node, for a group)")
     s.add_argument("--memory-bytes", type=int, help="memory per replica (default: the model's)")
     s.add_argument("--cpus", type=float, default=1.0)
     s.add_argument("--policy", choices=("spread", "binpack"), default="spread")
@@ -182,6 +189,7 @@ def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
         },
         "routing": {"queue": args.routing_queue, "kv_cache": args.routing_kv_cache, "prefix": args.routing_prefix},
         "objectives": _objectives_given(args),
+        "nodes_per_replica": args.nodes_per_replica,
     }
     if args.alias:
         body["alias"] = args.alias
@@ -211,9 +219,26 @@ def print_rollout(view: DeploymentView) -> None:
         )
 
 
+def print_groups(view: DeploymentView) -> None:
+    """Each group replica of a deployment: its state, then its members by rank (rank 0 the head)."""
+    dep = view.deployment
+    states = {g.replica_id: g for g in view.groups}
+    for replica in dep.placed + (dep.canary.placed if dep.canary else []):
+        if not replica.members:
+            continue
+        status = states.get(replica.id)
+        state = f"{status.state}: {status.detail}" if status is not None else "-"
+        canary = " (canary)" if status is not None and status.canary else ""
+        print(f"group    {replica.id}{canary}, {len(replica.members)} nodes: {state}")
+        for m in replica.members:
+            head = " (head)" if m.rank == 0 else ""
+            print(f"  rank {m.rank}{head}: {m.node_id}, GPUs {', '.join(m.gpus) or '-'}")
+
+
 def _print_show(view: DeploymentView) -> None:
-    """`deployments show`: the rollout, the routing weights and each replica's score terms now."""
+    """`deployments show`: the rollout, the groups, the routing weights and each replica's score terms now."""
     print_rollout(view)
+    print_groups(view)
     w = view.deployment.routing
     print(f"routing  weights: queue {w.queue:g}, kv_cache {w.kv_cache:g}, prefix {w.prefix:g} (lower score wins)")
     o = view.deployment.objectives
@@ -377,6 +402,8 @@ def _print_decision(decision: PlacementDecision | None) -> None:
             }
         )
     print(table(rows, ("node", "eligible", "score", "replicas", "why")))
+    for f in decision.fabrics:
+        print(f.detail if f.fabric is not None else f"no fabric: {', '.join(f.nodes)}: never grouped")
 
 
 def _deployments_placement(args: argparse.Namespace) -> int:

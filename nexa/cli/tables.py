@@ -288,7 +288,7 @@ def _deployment_row(view: DeploymentView) -> Cells:
         "model": f"{dep.model.model}:{dep.model.version}",
         "runtime": dep.runtime,
         "replicas": f"{len(dep.placed)}/{dep.replicas}",
-        "nodes": ",".join(sorted(r.node_id for r in dep.placed)) or "-",
+        "nodes": ",".join(sorted(n for r in dep.placed for n in r.node_ids)) or "-",
         "problem": view.problem or "-",
     }
 

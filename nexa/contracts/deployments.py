@@ -29,6 +29,16 @@ MAX_REPLICAS: Final = 256
 MAX_WINDOW_S: Final = 3600.0
 #: The largest routing weight (`RoutingWeights`); weights are from 0 to this.
 MAX_ROUTING_WEIGHT: Final = 100.0
+#: The most nodes one replica may span (`DeploymentCreate.nodes_per_replica`).
+MAX_NODES_PER_REPLICA: Final = 16
+#: The state of a group replica while nodes cannot start groups yet: placed and reserved, held back
+#: from every node's signed set (`GroupStatus`).
+GROUP_PENDING: Final = "pending"
+#: Why, in words (`GroupStatus.detail`).
+GROUP_START_NOT_SUPPORTED: Final = (
+    "group start not yet supported: the group is placed and its nodes' resources reserved, but no "
+    "member is sent to its node until nodes start groups together"
+)
 
 
 @attrs.frozen(kw_only=True)
@@ -117,6 +127,11 @@ class DeploymentCreate:
     routing: RoutingWeights = RoutingWeights()
     #: What `nexa bench` runs are judged against (`POST /api/v1/deployments/{name}/objectives` changes it).
     objectives: ServiceObjectives = attrs.Factory(ServiceObjectives)
+    #: The nodes each replica spans (1..`MAX_NODES_PER_REPLICA`): above 1, a replica is a group of
+    #: that many ranks, one per node, all on nodes that share one fabric. Each rank gets
+    #: `resources.accelerators` GPUs on its own node and an even share of the replica's memory
+    #: (plus the engine's overhead); the tensor and pipeline parallel sizes are runtime settings.
+    nodes_per_replica: int = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -134,6 +149,23 @@ class Replica:
     #: The model version it runs; None only in records written before rollouts existed (the
     #: deployment's `model` then; the controller fills it in when it loads them).
     model: ModelRef | None = None
+    #: A group replica's ranks (`nodes_per_replica` above 1), by rank; rank 0 is the head, on
+    #: `node_id` with `gpus`. Empty for a replica on one node.
+    members: list[ReplicaMember] = attrs.Factory(list)
+
+    @property
+    def node_ids(self) -> list[str]:
+        """The nodes it runs on: its members' by rank, else its one node."""
+        return [m.node_id for m in self.members] or [self.node_id]
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaMember:
+    """One rank of a group replica: the node it runs on and the GPUs it is given there."""
+
+    rank: int
+    node_id: str
+    gpus: list[str] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -217,6 +249,8 @@ class Deployment:
     routing: RoutingWeights = RoutingWeights()
     #: Its service objectives (benchmark runs are judged against them); the defaults check errors only.
     objectives: ServiceObjectives = attrs.Factory(ServiceObjectives)
+    #: The nodes each replica spans (`DeploymentCreate.nodes_per_replica`).
+    nodes_per_replica: int = 1
 
 
 @attrs.frozen(kw_only=True)
@@ -317,6 +351,20 @@ class DeploymentView:
     replica_scores: list[ReplicaScore] = attrs.Factory(list)
     #: Declared against measured memory; filled by `GET /api/v1/deployments/{name}`.
     memory: DeploymentMemory | None = None
+    #: Each group replica's state (a deployment with `nodes_per_replica` above 1), the canary's too.
+    groups: list[GroupStatus] = attrs.Factory(list)
+
+
+@attrs.frozen(kw_only=True)
+class GroupStatus:
+    """Where one group replica stands (its members are the replica's `members`)."""
+
+    replica_id: str
+    #: `GROUP_PENDING`: placed and reserved, not sent to its nodes.
+    state: str
+    #: Why, in words.
+    detail: str = ""
+    canary: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -363,6 +411,8 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
         ]
     if not 1 <= req.replicas <= MAX_REPLICAS:
         problems.append(f"replicas: from 1 to {MAX_REPLICAS}")
+    if not 1 <= req.nodes_per_replica <= MAX_NODES_PER_REPLICA:
+        problems.append(f"nodes_per_replica: from 1 to {MAX_NODES_PER_REPLICA}")
     r = req.resources
     if r.accelerators < 0:
         problems.append("resources.accelerators: 0 or more")

@@ -24,6 +24,10 @@ from nexa.contracts.node import DataClassName, LabelKey, LabelValue, RuntimeKind
 
 _DIGITS: Final = re.compile(r"(\d+)")
 
+#: The node label naming the fabric a node's high-speed links sit on (`fabric=ib0`): a group
+#: replica's nodes all carry the same one (`PlacementNode.fabric`).
+FABRIC_LABEL: Final = "fabric"
+
 
 class PlacementPolicy(enum.StrEnum):
     """How replicas of one deployment are laid over the nodes that pass every filter."""
@@ -277,6 +281,9 @@ class PlacementNode:
     memory_pressure: str = ""
     #: The node's GPU model as qualifications name it (`qualification.gpu_model`; `none`: no GPU).
     gpu_model: str = ""
+    #: The fabric its high-speed links sit on (`snapshot.node_fabric`); None: none, so it is never
+    #: part of a group replica.
+    fabric: str | None = None
 
     # Set views of the tuples above, built once per snapshot so that placing over a thousand
     # nodes does set algebra in C instead of scanning tuples. Not part of equality or JSON.
@@ -369,6 +376,10 @@ class PlacementRequest:
     qualified: tuple[tuple[str, str], ...] | None = attrs.field(default=None, converter=_sorted_pairs)
     #: The runtime image's digest, named by the `qualified` filter's explanation.
     image_digest: str = ""
+    #: The nodes each replica spans: above 1, each replica is a group of that many ranks, one per
+    #: node, on nodes that share one fabric; `memory_bytes`, `reserve_bytes` and `accelerators`
+    #: are then each rank's, on its own node.
+    nodes_per_replica: int = 1
 
     @property
     def network(self) -> str:
@@ -380,6 +391,8 @@ class PlacementRequest:
     def __attrs_post_init__(self) -> None:
         if self.replicas < 1:
             raise ValueError("replicas must be 1 or more")
+        if self.nodes_per_replica < 1:
+            raise ValueError("nodes_per_replica must be 1 or more")
         if self.license_allowance is not None:
             key, eq, _ = self.license_allowance.partition("=")
             if not key or not eq:
@@ -449,6 +462,25 @@ class ReplicaPlacement:
     replica: int
     #: CDI device names (shared ones for unified memory); empty for CPU replicas.
     gpus: tuple[str, ...] = ()
+    #: A group replica's rank on this node (0: the head); a group has one placement per rank.
+    rank: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class FabricCandidates:
+    """A group placement's candidate set on one fabric: its nodes, those that pass every filter,
+    and why the set was taken or refused."""
+
+    #: None: the nodes that name no fabric (never grouped).
+    fabric: str | None
+    #: Every node on the fabric, by id.
+    nodes: tuple[str, ...]
+    #: Of `nodes`, those that pass every filter.
+    fit: tuple[str, ...]
+    #: Groups this decision placed on it.
+    groups_placed: int = 0
+    #: Why it was taken or refused, in words.
+    detail: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -463,3 +495,6 @@ class PlacementDecision:
     #: Why it does not fit; on a feasible decision None, or the note that the runtime uses the
     #: node's network namespace (`request.network`), which every explanation shows.
     reason: str | None = None
+    #: For group replicas (`request.nodes_per_replica` above 1): each fabric's candidate set, by
+    #: name, then the nodes with none. Empty otherwise.
+    fabrics: tuple[FabricCandidates, ...] = ()

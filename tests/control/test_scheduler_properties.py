@@ -295,3 +295,83 @@ def test_binpack_uses_one_node_when_one_node_can_take_them_all(
         # Never more nodes than spread would use.
         spread = place(fleet, attrs.evolve(req, policy=PlacementPolicy.SPREAD), existing=existing)
         assert len({p.node_id for p in decision.placements}) <= len({p.node_id for p in spread.placements})
+
+
+# --- group replicas (`nodes_per_replica` above 1) --------------------------------------------------
+
+_FABRIC = st.sampled_from(("ib0", "ib0", "ib1", None))
+_GROUP_SIZE = st.integers(2, 3)
+_GROUPS = st.integers(1, 3)
+
+
+_GROUP_IDS = st.lists(st.integers(0, 99), unique=True, min_size=3, max_size=10)
+
+
+@st.composite
+def group_fleets(draw: st.DrawFn) -> list[PlacementNode]:
+    # Bigger than `fleets`, mostly Ready: a group needs several nodes that fit on one fabric.
+    fleet = [draw(_NODES[i]) for i in draw(_GROUP_IDS)]
+    return [attrs.evolve(n, fabric=draw(_FABRIC), state=NodeState.READY if draw(_MOSTLY) else n.state) for n in fleet]
+
+
+@st.composite
+def group_requests(draw: st.DrawFn) -> PlacementRequest:
+    # Mostly without the rarer constraints, so that enough examples place a group.
+    req = draw(requests())
+    if draw(_MOSTLY):
+        req = attrs.evolve(req, arch=None, node_selector={}, license_allowance=None, data_classes=())
+    return attrs.evolve(req, replicas=draw(_GROUPS), nodes_per_replica=draw(_GROUP_SIZE))
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(fleet=group_fleets(), req=group_requests(), existing=existing_counts())
+def test_a_group_is_whole_on_one_fabric_and_never_overcommits(
+    fleet: list[PlacementNode], req: PlacementRequest, existing: dict[str, int]
+) -> None:
+    decision = place(fleet, req, existing=existing)
+    nodes = {n.id: n for n in fleet}
+    size = req.nodes_per_replica
+    # Every node is explained as for a single-node replica: the filters are each rank's.
+    for e in decision.explanations:
+        assert {f.name for f in e.filters if not f.passed} == oracle_failures(nodes[e.node_id], req)
+    # One fabric's candidate set per fabric (by name), then the nodes without one.
+    named = sorted({n.fabric for n in fleet if n.fabric})
+    assert [f.fabric for f in decision.fabrics] == named + ([None] if any(not n.fabric for n in fleet) else [])
+    if not decision.feasible:
+        assert decision.placements == () and decision.reason  # never half a group
+        assert all(e.replicas_placed == 0 for e in decision.explanations)
+        if req.replicas == 1:  # one group: refused only when no fabric has `size` nodes that fit
+            fit = Counter(n.fabric for n in eligible(fleet, req) if n.fabric)
+            assert all(count < size for count in fit.values())
+        return
+    assert len(decision.placements) == req.replicas * size
+    for group in range(req.replicas):
+        ranks = [p for p in decision.placements if p.replica == group]
+        assert [p.rank for p in ranks] == list(range(size))
+        ids = [p.node_id for p in ranks]
+        assert ids == sorted(set(ids))  # distinct nodes, rank 0 on the smallest id
+        assert len({nodes[i].fabric for i in ids}) == 1 and nodes[ids[0]].fabric  # one fabric, a named one
+    per_node = Counter(p.node_id for p in decision.placements)
+    for node_id, count in per_node.items():
+        node = nodes[node_id]
+        assert not oracle_failures(node, req)
+        assert room(node, req, 0) >= count
+        gpus = [g for p in decision.placements if p.node_id == node_id for g in p.gpus]
+        if not node.unified_memory:
+            assert len(gpus) == len(set(gpus)) == count * req.accelerators
+    assert {e.node_id: e.replicas_placed for e in decision.explanations if e.replicas_placed} == dict(per_node)
+    assert sum(f.groups_placed for f in decision.fabrics) == req.replicas
+
+
+@pytest.mark.slow
+@PROPERTY
+@given(fleet=group_fleets(), req=group_requests(), existing=existing_counts(), seed=st.integers(0, 2**32 - 1))
+def test_a_group_decision_is_the_same_for_the_same_input(
+    fleet: list[PlacementNode], req: PlacementRequest, existing: dict[str, int], seed: int
+) -> None:
+    text = codec.dumps(codec.api, place(fleet, req, existing=existing))
+    shuffled = list(fleet)
+    random.Random(seed).shuffle(shuffled)
+    assert codec.dumps(codec.api, place(shuffled, req, existing=dict(reversed(existing.items())))) == text
+    assert codec.loads(codec.api, text, PlacementDecision) == place(fleet, req, existing=existing)

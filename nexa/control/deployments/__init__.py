@@ -16,6 +16,8 @@ generation up) in one audited transaction, then pushes those sets through the no
 
 The package, one module per job (each imports only those above it in this list):
 
+- `groups`: group replicas (`nodes_per_replica` above 1) laid over fabrics, for `scheduler`.
+- `scheduler`: placement, pure (`place`).
 - `snapshot`: the fleet as placement sees it (`snapshot_from`).
 - `assignment`: what a replica runs (`assignment_for`) and what placement is asked (`placement_request`).
 - `checks`: what a change must pass first, each refusal a typed error; `explain` for Unplaceable.

@@ -80,7 +80,7 @@ def assignment_for(
         limit = _memory_limit(dep, model, runtime)
         memory = None
         if limit is not None and unified_pool_bytes is not None:
-            memory = limit.on(declared_bytes(dep, model), unified_pool_bytes)
+            memory = limit.on(rank_bytes(dep, model), unified_pool_bytes)
         launch = adapter.launch(
             model.name,
             options.settings,
@@ -111,7 +111,7 @@ def assignment_for(
             port=port,
             artifact=artifact,
             gpus=list(replica.gpus),
-            memory_bytes=declared_bytes(dep, model),
+            memory_bytes=rank_bytes(dep, model),
             cpus=dep.resources.cpus,
             shm_bytes=shm_bytes,
             health=health,
@@ -126,6 +126,17 @@ def declared_bytes(dep: Deployment | DeploymentCreate, model: ModelRecord) -> in
     return dep.resources.memory_bytes or model.memory_bytes
 
 
+def rank_share(total: int, dep: Deployment | DeploymentCreate) -> int:
+    """One rank's even share of a replica's `total` bytes (rounded up); the whole on one node."""
+    return -(-total // dep.nodes_per_replica)
+
+
+def rank_bytes(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:
+    """What each rank of a replica declares on its own node: an even share of `declared_bytes`
+    over the replica's `nodes_per_replica` (all of it for a replica on one node)."""
+    return rank_share(declared_bytes(dep, model), dep)
+
+
 def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord) -> MemoryLimit | None:
     """The runtime's memory setting on unified-memory nodes (llama.cpp's: its context); None
     without an adapter, or with a full `options.command` (the operator owns that command line,
@@ -133,7 +144,8 @@ def _memory_limit(dep: Deployment | DeploymentCreate, model: ModelRecord, runtim
     if not adapters.has_adapter(runtime.kind) or dep.options.command:
         return None
     adapter = adapters.adapter_for(runtime.kind, dep.options.settings)
-    limit = adapter.memory_limit(dep.options.settings, weights_bytes=model.artifact.size_bytes)
+    # Each rank holds its share of the weights.
+    limit = adapter.memory_limit(dep.options.settings, weights_bytes=rank_share(model.artifact.size_bytes, dep))
     return limit if limit is not None else _context_limit(dep, model, runtime, adapter)
 
 
@@ -182,7 +194,7 @@ def _context_limit(
         flag=adapter.options[names.context].flag,
         share_of=MemoryShare.CONTEXT,
         operator_value=operator,
-        weights_bytes=model.artifact.size_bytes,
+        weights_bytes=rank_share(model.artifact.size_bytes, dep),
         kv_bytes_per_token=per_token,
         context_max=figures.context_length if figures is not None else 0,
         overhead_bytes=overhead_bytes(dep, runtime),
@@ -219,9 +231,10 @@ def overhead_bytes(dep: Deployment | DeploymentCreate, runtime: RuntimeRecord) -
 def reservation_bytes(
     dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, measured: int | None
 ) -> int:
-    """What placement reserves for one replica: its memory plus the engine's overhead, or what a
-    replica of the same runtime, model and settings was measured to hold, whichever is larger."""
-    return max(declared_bytes(dep, model) + overhead_bytes(dep, runtime), measured or 0)
+    """What placement reserves for one replica (each rank of a group, on its own node): its memory
+    plus the engine's overhead, or what a replica of the same runtime, model and settings was
+    measured to hold, whichever is larger."""
+    return max(rank_bytes(dep, model) + overhead_bytes(dep, runtime), measured or 0)
 
 
 def placement_request(
@@ -233,7 +246,8 @@ def placement_request(
     measured: int | None = None,
     qualified: Iterable[tuple[str, str]] | None = None,
 ) -> PlacementRequest:
-    """What placement is asked for `replicas` of `dep`. `qualified`: with `[placement]
+    """What placement is asked for `replicas` of `dep` (each a group of `dep.nodes_per_replica`
+    ranks, asking what each rank needs on its own node). `qualified`: with `[placement]
     require_qualified`, the (arch, GPU model) pairs the runtime's image passed a qualification on
     (None: not required)."""
     spec = dep.placement
@@ -243,7 +257,7 @@ def placement_request(
         runtime=runtime.kind,
         arch=spec.arch,
         image_archs=runtime.image_archs,
-        memory_bytes=declared_bytes(dep, model),
+        memory_bytes=rank_bytes(dep, model),
         accelerators=dep.resources.accelerators,
         artifact_sha256=model.artifact.sha256,
         data_classes=tuple(spec.data_classes),
@@ -255,4 +269,5 @@ def placement_request(
         reserve_bytes=reservation_bytes(dep, model, runtime, measured),
         qualified=None if qualified is None else tuple(qualified),
         image_digest="" if qualified is None else image_digest(runtime.image),
+        nodes_per_replica=dep.nodes_per_replica,
     )

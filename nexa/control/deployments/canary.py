@@ -23,7 +23,7 @@ from nexa.contracts.domain import Actor
 from nexa.contracts.models import AliasPromote
 from nexa.control.deployments.checks import deployable_model, explain, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
-from nexa.control.deployments.records import Entry, bump, follow, new_replica
+from nexa.control.deployments.records import Entry, bump, follow, new_replicas, replica_nodes
 from nexa.control.deployments.scheduler import place
 from nexa.control.deployments.views import view
 from nexa.errors import Conflict, ContractError, NoCanary, NothingToRollBack, Unplaceable
@@ -54,7 +54,7 @@ class Rollouts:
                 raise Conflict(f"deployment {name} runs {dep.model.key} already; a canary runs another version")
             runtime = runtime_of(self._desired.models, dep.runtime)
             model = deployable_model(self._desired.models, req.model)
-            existing = Counter(r.node_id for r in dep.placed)
+            existing = Counter(replica_nodes(dep.placed))
             decision = place(
                 self._desired.snapshot(), self._desired.request(dep, model, runtime, req.replicas), existing=existing
             )
@@ -65,7 +65,7 @@ class Rollouts:
                 weight=req.weight,
                 objective=req.objective,
                 replicas=req.replicas,
-                placed=[new_replica(name, p.node_id, p.gpus, req.model) for p in decision.placements],
+                placed=new_replicas(name, decision, req.model),
                 started_at=time.time(),
                 started_by=actor.key_id,
             )

@@ -35,7 +35,7 @@ from nexa.control.deployments.assignment import (
 )
 from nexa.control.deployments.measured import MeasuredMemory
 from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
-from nexa.control.deployments.snapshot import snapshot_from, unified_pool_bytes
+from nexa.control.deployments.snapshot import Hold, snapshot_from, unified_pool_bytes
 from nexa.control.fleet.nodes import Fleet, NodeLive
 from nexa.control.fleet.southbound import Southbound
 from nexa.control.registry.models import ModelRegistry
@@ -118,13 +118,42 @@ class Desired:
         return entry
 
     def snapshot(self, *, without: frozenset[str] = frozenset()) -> list[PlacementNode]:
-        """The fleet as placement sees it now (`snapshot_from`, with the configured host headroom)."""
+        """The fleet as placement sees it now (`snapshot_from`, with the configured host headroom
+        and what the group replicas held back from the node sets reserve, `group_holds`)."""
         return snapshot_from(
             self.fleet,
             without=without,
             unified_headroom_bytes=self._placement.unified_host_headroom_bytes,
             reservation=self.reservation,
+            held=self.group_holds(without),
         )
+
+    def group_holds(self, without: frozenset[str] = frozenset()) -> dict[str, list[Hold]]:
+        """By node id, what the members of group replicas hold there (each rank its reservation and
+        GPUs): they are in no node's desired set (`commit` holds them back), yet their resources
+        are taken. Replicas whose id is in `without` are left out."""
+        out: defaultdict[str, list[Hold]] = defaultdict(list)
+        for entry in self.entries.values():
+            dep = entry.deployment
+            if dep.nodes_per_replica <= 1:
+                continue
+            for r in all_replicas(dep):
+                if not r.members or r.id in without:
+                    continue
+                reserved = self._rank_reservation(dep, r)
+                for m in r.members:
+                    out[m.node_id].append(Hold(reserved, tuple(m.gpus)))
+        return out
+
+    def _rank_reservation(self, dep: Deployment, replica: Replica) -> int:
+        """What each rank of a group replica reserves on its node (`reservation_bytes`)."""
+        ref = model_of(dep, replica)
+        try:
+            model = self.models.model(ref.model, ref.version)
+            runtime = self.models.runtime(dep.runtime)
+        except NotFound:
+            return dep.resources.memory_bytes or 0
+        return reservation_bytes(dep, model, runtime, self.measured.of(dep, ref))
 
     def request(
         self, dep: Deployment | DeploymentCreate, model: ModelRecord, runtime: RuntimeRecord, replicas: int
@@ -216,8 +245,11 @@ class Desired:
         """
         self._refuse_while_recovering()  # before anything is computed: a refusal changes nothing
         name = (after or before).deployment.name  # type: ignore[union-attr]
-        old = all_replicas(before.deployment) if before else []
-        new = all_replicas(after.deployment) if after else []
+        # A group replica (one with members) is held back from its nodes' sets: nodes cannot start
+        # a group's ranks together yet, and each alone is no replica (`group_holds` keeps its
+        # resources taken; the deployment's view shows it pending).
+        old = [r for r in all_replicas(before.deployment) if not r.members] if before else []
+        new = [r for r in all_replicas(after.deployment) if not r.members] if after else []
         changed: dict[str, DesiredAssignments] = {}
         by_node: defaultdict[str, list[Replica]] = defaultdict(list)
         for r in new:

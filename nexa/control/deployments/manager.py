@@ -38,7 +38,7 @@ from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
 from nexa.control.deployments.reconciler import Reconciler
-from nexa.control.deployments.records import Entry, bump, model_of, new_replica
+from nexa.control.deployments.records import Entry, bump, model_of, new_replicas, replica_nodes
 from nexa.control.deployments.scheduler import place
 from nexa.control.fleet import grants
 from nexa.control.fleet.nodes import Fleet
@@ -199,7 +199,8 @@ class Deployments:
                 created_at=now,
                 created_by=actor.key_id,
                 updated_at=now,
-                placed=[new_replica(req.name, p.node_id, p.gpus, ref) for p in decision.placements],
+                placed=new_replicas(req.name, decision, ref),
+                nodes_per_replica=req.nodes_per_replica,
             )
             entry = Entry(dep, decision)
             await self._desired.commit(actor, "deployment.create", None, entry)
@@ -221,7 +222,7 @@ class Deployments:
                 decision = self._place_more(dep, placed, replicas - len(placed), model, runtime)
                 if not decision.feasible:
                     raise Unplaceable(f"deployment {name} cannot grow to {replicas} replicas: " + explain(decision))
-                placed += [new_replica(name, p.node_id, p.gpus, dep.model) for p in decision.placements]
+                placed += new_replicas(name, decision, dep.model)
             after = Entry(bump(attrs.evolve(dep, replicas=replicas, placed=placed)), decision)
             await self._desired.commit(actor, "deployment.scale", before, after)
         return views.view(self._desired, after)
@@ -265,9 +266,9 @@ class Deployments:
     def _place_more(
         self, dep: Deployment, kept: list[Replica], count: int, model: ModelRecord, runtime: RuntimeRecord
     ) -> PlacementDecision:
-        existing = Counter(r.node_id for r in kept)
+        existing = Counter(replica_nodes(kept))
         if dep.canary is not None:
-            existing.update(r.node_id for r in dep.canary.placed)
+            existing.update(replica_nodes(dep.canary.placed))
         return place(self._desired.snapshot(), self._desired.request(dep, model, runtime, count), existing=existing)
 
     # ---- rollout: canary, promote, rollback (`canary.Rollouts`) ------------------------------------

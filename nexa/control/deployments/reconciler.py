@@ -47,7 +47,15 @@ from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
 from nexa.control.deployments.checks import deployable_model, explain, runtime_of
 from nexa.control.deployments.desired import Desired
-from nexa.control.deployments.records import Entry, bump, canary_placed, follow, model_of, new_replica
+from nexa.control.deployments.records import (
+    Entry,
+    bump,
+    canary_placed,
+    follow,
+    model_of,
+    new_replicas,
+    replica_nodes,
+)
 from nexa.control.deployments.scheduler import place
 from nexa.control.fleet.nodes import NodeLive
 from nexa.errors import NotDeployable, NotFound
@@ -112,20 +120,20 @@ class Reconciler:
 
     def _triage(self, group: list[Replica], now: float) -> tuple[list[Replica], list[Replica], float]:
         """Split replicas into those that stay and those on draining nodes (dropping lost ones);
-        also the next time one of the kept replicas' nodes will count as lost."""
+        also the next time one of the kept replicas' nodes will count as lost. A group replica
+        goes as a unit: lost when any member's node is, draining when any member's node drains."""
         kept: list[Replica] = []
         draining: list[Replica] = []
         next_at = float("inf")
         for r in group:
-            live = self._desired.fleet.get(r.node_id)
-            if live.state is NodeState.DRAINING:
+            lives = [self._desired.fleet.get(n) for n in r.node_ids]
+            gone_at = [g for live in lives if (g := self._gone_at(live)) is not None]
+            if any(g <= now for g in gone_at):
+                continue
+            if any(live.state is NodeState.DRAINING for live in lives):
                 draining.append(r)
                 continue
-            gone = self._gone_at(live)
-            if gone is not None and gone <= now:
-                continue
-            if gone is not None:
-                next_at = min(next_at, gone)
+            next_at = min([next_at, *gone_at])
             kept.append(r)
         return kept, draining, next_at
 
@@ -203,21 +211,27 @@ class Reconciler:
             if len(kept) == len(group):
                 return Healed(group, None, problem, next_at)
         if model is not None and runtime is not None and len(kept) < wanted:
-            existing = Counter(r.node_id for r in kept + others)
+            existing = Counter(replica_nodes(kept + others))
             request = self._desired.request(dep, model, runtime, wanted - len(kept))
             decision = place(self._desired.snapshot(), request, existing=existing)
             if decision.feasible:
-                placed = kept + [new_replica(dep.name, p.node_id, p.gpus, ref) for p in decision.placements]
+                placed = kept + new_replicas(dep.name, decision, ref)
             else:
                 problem = explain(decision)
         if draining:
             # Make before break: a draining node's replicas stop only once the others cover the
-            # group and every one of them reports Ready.
+            # group and every one of them reports Ready. A group replica that is not Ready itself
+            # serves nothing to keep: once its replacement is placed it goes at once, whole.
             if len(placed) >= wanted and all(self._desired.ready(r) for r in placed):
                 log.info("deployment %s: replacements Ready; stopping %d on draining nodes", dep.name, len(draining))
             else:
-                placed = placed + draining
-                next_at = min(next_at, now + _DRAIN_CHECK_S)
+                replaced = decision is not None and decision.feasible
+                stay = [r for r in draining if not (replaced and r.members and not self._desired.ready(r))]
+                if len(stay) < len(draining):
+                    log.info("deployment %s: %d group(s) on draining nodes moved", dep.name, len(draining) - len(stay))
+                placed = placed + stay
+                if stay:
+                    next_at = min(next_at, now + _DRAIN_CHECK_S)
         return Healed(placed, decision, problem, next_at)
 
     async def _step(self, entry: Entry, now: float) -> float:
@@ -259,22 +273,22 @@ class Reconciler:
             surge = place(
                 self._desired.snapshot(),
                 self._desired.request(dep, model, runtime, 1),
-                existing=Counter(r.node_id for r in dep.placed + canary_placed(dep)),
+                existing=Counter(replica_nodes(dep.placed + canary_placed(dep))),
             )
             if len(dep.placed) <= dep.replicas and surge.feasible:
                 decision, rest, stopped = surge, dep.placed, "the old replica stays until it is Ready"
             else:
                 # No room: stop one old replica and place its replacement where it was freed.
-                existing = Counter(r.node_id for r in rest + canary_placed(dep))
+                existing = Counter(replica_nodes(rest + canary_placed(dep)))
                 snapshot = self._desired.snapshot(without=frozenset({victim.id}))
                 decision = place(snapshot, self._desired.request(dep, model, runtime, 1), existing=existing)
             if not decision.feasible:
                 entry.problem = waits + explain(decision)
                 return again
-            [p] = decision.placements
-            fresh = new_replica(dep.name, p.node_id, p.gpus, dep.model)
+            [fresh] = new_replicas(dep.name, decision, dep.model)
             placed = [*rest, fresh]
-            detail = f"{rollout.from_.key} -> {rollout.to.key}: started {fresh.id} on {fresh.node_id}; {stopped}"
+            on = ", ".join(fresh.node_ids)
+            detail = f"{rollout.from_.key} -> {rollout.to.key}: started {fresh.id} on {on}; {stopped}"
         after = Entry(bump(attrs.evolve(dep, placed=placed)), decision)
         await self._desired.commit(SYSTEM, "deployment.rollout.step", entry, after, detail=detail)
         return again

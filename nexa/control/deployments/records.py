@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from nexa.contracts.deployments import Deployment, Replica, Rollout
+from nexa.contracts.deployments import Deployment, Replica, ReplicaMember, Rollout
 from nexa.contracts.models import ModelRef
 from nexa.contracts.placement import PlacementDecision
 
@@ -26,6 +26,28 @@ class Entry:
 
 def new_replica(deployment: str, node_id: str, gpus: Iterable[str], model: ModelRef) -> Replica:
     return Replica(id=f"{deployment}-{secrets.token_hex(4)}", node_id=node_id, gpus=list(gpus), model=model)
+
+
+def new_replicas(deployment: str, decision: PlacementDecision, model: ModelRef) -> list[Replica]:
+    """The replicas a feasible decision placed: one per placement, or for a group replica
+    (placements sharing a `replica` index, one per rank) one whose `members` are its ranks,
+    rank 0 (the head) giving its node and GPUs."""
+    if decision.request.nodes_per_replica <= 1:
+        return [new_replica(deployment, p.node_id, p.gpus, model) for p in decision.placements]
+    ranks: dict[int, list[ReplicaMember]] = {}
+    for p in decision.placements:
+        ranks.setdefault(p.replica, []).append(ReplicaMember(rank=p.rank, node_id=p.node_id, gpus=list(p.gpus)))
+    out = []
+    for _, members in sorted(ranks.items()):
+        members.sort(key=lambda m: m.rank)
+        head = new_replica(deployment, members[0].node_id, members[0].gpus, model)
+        out.append(attrs.evolve(head, members=members))
+    return out
+
+
+def replica_nodes(replicas: Iterable[Replica]) -> list[str]:
+    """Every node the replicas run on, once per replica on it (what spread counts)."""
+    return [n for r in replicas for n in r.node_ids]
 
 
 def model_of(dep: Deployment, replica: Replica) -> ModelRef:

@@ -20,6 +20,11 @@ policy weight exceeds everything below it):
 Ties are broken by node id. Replicas are placed one at a time, each on the best node given
 the resources the previous ones took; fewer than requested means nothing is placed.
 
+Groups. A request with `nodes_per_replica` above 1 places each replica as a group of that many
+ranks on nodes sharing one fabric (`groups.place_groups`, which explains every fabric's
+candidate set in `PlacementDecision.fabrics`): every node is filtered and scored as above, each
+rank needing on its own node what one replica would.
+
 Qualification. With `[placement] require_qualified = true` the request carries the (architecture,
 GPU model) pairs on which its runtime image's digest passed `nexa runtimes qualify`
 (`PlacementRequest.qualified`); a node whose pair is not among them fails the `qualified` filter,
@@ -54,6 +59,7 @@ from nexa.contracts.placement import (
     RuntimeMemory,
     ScoreTerm,
 )
+from nexa.control.deployments.groups import Rater, place_groups
 from nexa.oci import normalise_arch
 
 #: The hard filters, in the order they are evaluated and shown. The first six read only the
@@ -126,6 +132,8 @@ def place(
         if scored.score > best_score:  # strictly: on a tie the earlier (smaller) id stays
             best, best_score = i, scored.score
 
+    if req.nodes_per_replica > 1:
+        return _place_groups(need, req, ordered, explanations)
     if req.replicas == 1 and best >= 0:
         chosen = ordered[best]
         placements = [ReplicaPlacement(node_id=chosen.id, replica=0, gpus=chosen.free_gpus[: req.accelerators])]
@@ -151,6 +159,43 @@ def place(
         explanations=tuple(explanations),
         feasible=True,
         reason=req.network if req.host_network else None,
+    )
+
+
+def _place_groups(
+    need: _Need, req: PlacementRequest, ordered: list[PlacementNode], explanations: list[NodeExplanation]
+) -> PlacementDecision:
+    """Groups of `req.nodes_per_replica` nodes on one fabric each (`groups.place_groups`), every node
+    filtered and scored as for a single-node replica (each rank needs what one replica would)."""
+
+    def score(i: int, now: int) -> float:
+        return _score(need, [ordered[i]], now)[0].score
+
+    def gpus(i: int, now: int) -> tuple[str, ...]:
+        return _gpus_of(need, ordered[i], now)
+
+    grouped = place_groups(
+        ordered,
+        explanations,
+        groups=req.replicas,
+        size=req.nodes_per_replica,
+        spread=not need.binpack,
+        existing=need.existing,
+        rate=Rater(score=score, room=lambda i: _room(need, ordered[i]), gpus=gpus),
+    )
+    for i, count in grouped.counts.items():
+        e = explanations[i]
+        explanations[i] = NodeExplanation(e.node_id, e.filters, e.eligible, e.score, e.terms, count, e.runtime_memory)
+    reason = grouped.reason if grouped.reason is not None else req.network if req.host_network else None
+    if grouped.reason is not None and req.host_network:
+        reason = f"{reason}; {req.network}"
+    return PlacementDecision(
+        request=req,
+        placements=grouped.placements,
+        explanations=tuple(explanations),
+        feasible=grouped.reason is None,
+        reason=reason,
+        fabrics=grouped.fabrics,
     )
 
 
@@ -481,6 +526,14 @@ def _place_many(
             [again] = _score(need, [node], now)
             heapq.heappush(heap, (-again.score, node_id, i))
     return placements, counts
+
+
+def _gpus_of(need: _Need, node: PlacementNode, now: int) -> tuple[str, ...]:
+    """The GPUs `node` gives the replica it takes after `now` others of this decision (as `_place_many` does)."""
+    accelerators = need.accelerators
+    if node.unified_memory:
+        return node.free_gpus[:accelerators]  # shared, never used up
+    return node.free_gpus[now * accelerators : (now + 1) * accelerators]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,14 +3,36 @@ what its inventory reports less what its desired set reserves."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import attrs
 
 from nexa.contracts.node import LabelKey, LabelValue
-from nexa.contracts.placement import PlacementNode
+from nexa.contracts.placement import FABRIC_LABEL, PlacementNode
 from nexa.contracts.qualification import gpu_model
 from nexa.contracts.wire import Assignment
 from nexa.control.fleet import grants
 from nexa.control.fleet.nodes import NodeLive
+
+
+@attrs.frozen
+class Hold:
+    """What a placed replica holds on a node without being in its desired set (a group replica's
+    member, while nodes cannot start groups): its reservation and its GPUs."""
+
+    reserved_bytes: int
+    gpus: tuple[str, ...] = ()
+
+
+_NO_HOLDS: Mapping[str, Sequence[Hold]] = {}
+
+
+def node_fabric(live: NodeLive) -> str | None:
+    """The fabric the node's high-speed links sit on, which a group replica's nodes share: its
+    `fabric` label (the admin's, else its inventory.json's); None when it names none."""
+    inv = live.inventory
+    labels = grants.labels(live.node.labels, inv.labels.items() if inv is not None else ())
+    return labels.get(LabelKey(FABRIC_LABEL)) or None
 
 
 def snapshot_from(
@@ -19,6 +41,7 @@ def snapshot_from(
     without: frozenset[str] = frozenset(),
     unified_headroom_bytes: int = 0,
     reservation: Callable[[Assignment], int] | None = None,
+    held: Mapping[str, Sequence[Hold]] = _NO_HOLDS,
 ) -> list[PlacementNode]:
     """One `PlacementNode` per enrolled node, from its inventory and what its desired set reserves.
 
@@ -43,28 +66,34 @@ def snapshot_from(
       overhead and what replicas were measured to hold), else its `memory_bytes`.
     - a node reporting memory pressure keeps it in `memory_pressure` (its memory filter fails).
     - gpu_model: the GPUs' names as qualifications name them (`qualification.gpu_model`).
+    - fabric: `node_fabric`.
+    - `held`, by node id: what replicas placed there but not in its desired set hold (`Hold`),
+      counted as assignments are.
     """
     reserve = reservation or _declared
     out = []
     for live in fleet:
         inv = live.inventory
         assignments = [a for a in live.desired.assignments if a.id not in without]
+        holds = held.get(live.node.id, ())
         labels = {LabelKey(k): LabelValue(v) for k, v in live.node.labels.items()}
         if inv is None:
-            out.append(PlacementNode(id=live.node.id, state=live.state, arch="", labels=labels, load=len(assignments)))
+            load = len(assignments) + len(holds)
+            out.append(PlacementNode(id=live.node.id, state=live.state, arch="", labels=labels, load=load))
             continue
         labels = grants.labels(live.node.labels, inv.labels.items())
         unified = any(g.unified_memory for g in inv.gpus)
-        held = {name for a in assignments for name in a.runtime.gpus}
-        reserved_all = sum(reserve(a) for a in assignments)
+        taken = {name for a in assignments for name in a.runtime.gpus} | {name for h in holds for name in h.gpus}
+        reserved_all = sum(reserve(a) for a in assignments) + sum(h.reserved_bytes for h in holds)
         reserved_host = sum(reserve(a) for a in assignments if not a.runtime.gpus)
+        reserved_host += sum(h.reserved_bytes for h in holds if not h.gpus)
         if unified:
             # One pool: every GPU is shared, and accelerator and host memory are the same bytes.
             free_gpus = tuple(g.cdi_device for g in inv.gpus)
             accel_total = host_total = inv.accelerator_memory_bytes
             accel_free = host_free = max(0, accel_total - unified_headroom_bytes - reserved_all)
         else:
-            free = [g for g in inv.gpus if g.cdi_device not in held]
+            free = [g for g in inv.gpus if g.cdi_device not in taken]
             free_gpus = tuple(g.cdi_device for g in free)
             accel_total = sum(g.memory_total_bytes or 0 for g in inv.gpus)
             accel_free = sum(g.memory_total_bytes or 0 for g in free)
@@ -85,9 +114,10 @@ def snapshot_from(
             accelerator_memory_free_bytes=accel_free,
             host_memory_total_bytes=host_total,
             host_memory_free_bytes=host_free,
-            load=len(assignments),
+            load=len(assignments) + len(holds),
             memory_pressure="" if live.memory_pressure is None else live.memory_pressure.describe(),
             gpu_model=gpu_model(inv.gpus),
+            fabric=node_fabric(live),
         )
         out.append(node)
     return out

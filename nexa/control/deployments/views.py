@@ -4,7 +4,14 @@ and made once per change: `ServingSets` keeps it until a deployment or the fleet
 
 from __future__ import annotations
 
-from nexa.contracts.deployments import DeploymentView, ServingReplica, ServingSet
+from nexa.contracts.deployments import (
+    GROUP_PENDING,
+    GROUP_START_NOT_SUPPORTED,
+    DeploymentView,
+    GroupStatus,
+    ServingReplica,
+    ServingSet,
+)
 from nexa.contracts.domain import NodeState
 from nexa.contracts.models import ModelRef
 from nexa.control.deployments.desired import Desired
@@ -105,4 +112,10 @@ def view(desired: Desired, e: Entry) -> DeploymentView:
         canary_ready=sum(1 for r in dep.canary.placed if desired.ready(r)) if dep.canary else 0,
         rollout_new=new,
         rollout_old=len(dep.placed) - new if dep.rollout else 0,
+        groups=[
+            GroupStatus(replica_id=r.id, state=GROUP_PENDING, detail=GROUP_START_NOT_SUPPORTED, canary=canary)
+            for replicas, canary in ((dep.placed, False), (dep.canary.placed if dep.canary else [], True))
+            for r in replicas
+            if r.members
+        ],
     )
