@@ -196,8 +196,9 @@ class Fabric:
         return next((i for i in self.interfaces if i.name == name), None)
 
 
-def effective_fabric(labels: Mapping[str, str], fabric: Fabric | None) -> str | None:
-    """The fabric a node is on: its `fabric` label when set and not empty, else the discovered name."""
+def effective_fabric(labels: Mapping[Any, str], fabric: Fabric | None) -> str | None:
+    """The fabric a node is on: its `fabric` label when set and not empty, else the discovered name.
+    `labels` are the node's merged labels (`control.fleet.grants.labels`; keys are str or LabelKey)."""
     label = labels.get(FABRIC_LABEL)
     if label:
         return label
