@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import attrs
@@ -77,7 +77,7 @@ def address_problem(value: str) -> str | None:
     return None
 
 
-def _checked(problem_of: Any, *, optional: bool = False) -> Validator:
+def _checked(problem_of: Callable[[str], str | None], *, optional: bool = False) -> Validator:
     def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if value is None and optional:
             return
@@ -90,7 +90,7 @@ def _checked(problem_of: Any, *, optional: bool = False) -> Validator:
     return check
 
 
-def _each(limit: int, problem_of: Any) -> Validator:
+def _each(limit: int, problem_of: Callable[[str], str | None]) -> Validator:
     def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if not isinstance(value, list) or len(value) > limit:
             raise ValueError(f"{attribute.name} must be a list of at most {limit}")
@@ -110,7 +110,8 @@ def _at_most(limit: int) -> Validator:
     return check
 
 
-def _guid_problem(value: str) -> str | None:
+def guid_problem(value: str) -> str | None:
+    """Why `value` is not a node GUID as sysfs prints it, or None when it is."""
     return None if _GUID_RE.match(value) else "a node GUID is four groups of four hex digits (b83f:d203:00a1:2b3c)"
 
 
@@ -160,7 +161,7 @@ class RdmaDevice:
     """One RDMA device (`/sys/class/infiniband/<name>`), its ports and the netdevs it sits on."""
 
     name: str = attrs.field(validator=_checked(name_problem))
-    node_guid: str | None = attrs.field(default=None, validator=_checked(_guid_problem, optional=True))
+    node_guid: str | None = attrs.field(default=None, validator=_checked(guid_problem, optional=True))
     ports: list[RdmaPort] = attrs.field(factory=list, validator=_at_most(MAX_RDMA_PORTS))
     #: Its network interfaces (RoCE: the Ethernet netdev; InfiniBand: the IPoIB one), by name.
     netdevs: list[str] = attrs.field(factory=list, validator=_each(MAX_NETDEVS, name_problem))

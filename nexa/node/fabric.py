@@ -38,6 +38,7 @@ from nexa.contracts.fabric import (
     RdmaDevice,
     RdmaPort,
     address_problem,
+    guid_problem,
     name_problem,
     text_problem,
 )
@@ -157,7 +158,7 @@ def _device(dev_dir: Path, problems: list[str]) -> RdmaDevice:
     guid = read_attr(dev_dir / "node_guid")
     return RdmaDevice(
         name=dev_dir.name,
-        node_guid=guid if guid is not None and re.fullmatch(r"[0-9a-fA-F]{4}(?::[0-9a-fA-F]{4}){3}", guid) else None,
+        node_guid=guid if guid is not None and guid_problem(guid) is None else None,
         ports=[_port(dev_dir / "ports" / p, int(p)) for p in port_names],
         netdevs=_netdevs(dev_dir, port_names),
     )
