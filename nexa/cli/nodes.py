@@ -9,6 +9,7 @@ from nexa.cli import common
 from nexa.cli.output import gib, print_json, size_text
 from nexa.cli.tables import NODE, NODES, accelerators
 from nexa.contracts.api import NodeView
+from nexa.contracts.fabric import FABRIC_LABEL, Fabric
 from nexa.contracts.node import Gpu, NodeInventory
 from nexa.contracts.wire import CacheDisk, ReplicaMemory, RuntimeCacheDisk, RuntimeLoad
 
@@ -72,6 +73,7 @@ def render_node(n: NodeView) -> str:
         lines.append(
             f"gpus         figures are stale: nvidia-smi stopped answering ({inv.nvidia_smi_timeouts} runs killed)"
         )
+    lines += fabric_lines(inv.fabric if inv else Fabric(), n.fabric)
     lines += [f"problem      {p}" for p in (inv.problems if inv else ())]
     if n.needs_reenrollment:
         lines.append(f"hint         {n.hint}")
@@ -103,6 +105,37 @@ def _inventory_lines(inv: NodeInventory, free_memory_bytes: int, granted: list[s
         f"engine       {inv.container_engine or '-'} {inv.container_engine_version or '-'}, "
         f"GPUs by {inv.gpu_method or '-'}",
     ]
+
+
+def fabric_lines(fabric: Fabric, effective: str | None) -> list[str]:
+    """The fabric a node is on (`effective`: its label's, else the discovered one), its RDMA
+    devices' ports and the interfaces they sit on."""
+    discovered = f"{fabric.name} at {fabric.address}" if fabric.name else "none discovered"
+    if effective is not None and effective != fabric.name:
+        head = f"{effective} (label {FABRIC_LABEL}; discovered: {discovered})"
+    elif fabric.name:
+        head = discovered
+    else:
+        head = (
+            "- (no RDMA devices)" if not fabric.devices else "- (no ACTIVE RDMA port on an interface with an address)"
+        )
+    lines = [f"fabric       {head}"]
+    for d in fabric.devices:
+        on = f"; on {', '.join(d.netdevs)}" if d.netdevs else "; no network interface"
+        for p in d.ports:
+            lines.append(
+                f"  rdma {d.name} port {p.number}: {p.state or '-'} ({p.physical_state or '-'}), "
+                f"{p.rate or 'rate -'}, {p.link_layer or '-'}{on}"
+            )
+        if not d.ports:
+            lines.append(f"  rdma {d.name}: no ports{on}")
+    for i in fabric.interfaces:
+        speed = f"{i.speed_mbps} Mb/s" if i.speed_mbps is not None else "speed -"
+        lines.append(
+            f"  interface {i.name}: {i.operstate}, {speed}, mtu {i.mtu if i.mtu is not None else '-'}, "
+            f"{' '.join(i.addresses) or 'no address'}"
+        )
+    return lines
 
 
 def _nodes_action(args: argparse.Namespace) -> int:

@@ -428,12 +428,16 @@ def _cmd_node_doctor(args: argparse.Namespace) -> int:
 def _cmd_node_inventory(args: argparse.Namespace) -> int:
     import trio
 
+    from nexa.cli.nodes import fabric_lines
     from nexa.contracts import codec
+    from nexa.contracts.fabric import effective_fabric
     from nexa.node.inventory import probe
 
     cfg = config.load(args.inv_config, config.NodeConfig) if args.inv_config else config.NodeConfig()
     path = args.inv_path or cfg.inventory_path
-    inventory = trio.run(partial(probe, path, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path))
+    inventory = trio.run(
+        partial(probe, path, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path, sysfs_path=cfg.sysfs_path)
+    )
     data = codec.store.unstructure(inventory)
     if args.json:
         print(json.dumps(data, indent=2, sort_keys=True))
@@ -447,6 +451,8 @@ def _cmd_node_inventory(args: argparse.Namespace) -> int:
     print(f"labels       {', '.join(f'{k}={v}' for k, v in sorted(inventory.labels.items())) or '-'}")
     print(f"runtimes     {', '.join(inventory.runtimes) or '-'}")
     print(f"data         {', '.join(inventory.data_classes) or '-'}")
+    for line in fabric_lines(inventory.fabric, effective_fabric(inventory.labels, inventory.fabric)):
+        print(line)
     for problem in inventory.problems:
         print(f"problem      {problem}")
     return EXIT_OK

@@ -315,3 +315,6 @@ class NodeConfig:
     #: The meminfo file read for host memory (a test points it at a file it rewrites).
     meminfo_path: str = "/proc/meminfo"
     memory: MemoryConfig = MemoryConfig()
+    #: Where sysfs is mounted: the RDMA devices (`class/infiniband`) and the interfaces they sit on
+    #: (`class/net`) are read under it at every discovery (tests point it at a fixture tree).
+    sysfs_path: str = "/sys"

@@ -345,6 +345,9 @@ class NodeView:
     memory_pressure: MemoryPressure | None = None
     #: The data classes it may process: its inventory's that the admin granted (`control.fleet.grants`).
     data_classes: list[str] = attrs.field(factory=list)
+    #: The fabric it is on (`contracts.fabric.effective_fabric`): its `fabric` label, else the name
+    #: its inventory's fabric discovery gave; None without either.
+    fabric: str | None = None
 
 
 @attrs.frozen(kw_only=True)

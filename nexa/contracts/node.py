@@ -17,6 +17,7 @@ import cattrs
 from nexa.contracts import codec
 from nexa.contracts.bounds import MAX_BYTES, MAX_UNIX_S, finite, whole
 from nexa.contracts.domain import NAME_RE
+from nexa.contracts.fabric import Fabric
 from nexa.errors import ConfigError, ContractError
 
 T = TypeVar("T")
@@ -157,6 +158,8 @@ class DiscoveredHost:
     gpu_probe_timed_out: bool = False
     #: The GPU figures are the last good ones, kept because nvidia-smi stopped answering.
     gpus_stale: bool = False
+    #: RDMA devices, their ports and interfaces (`nexa.node.fabric`); empty without any.
+    fabric: Fabric = attrs.Factory(Fabric)
 
 
 #: Longest engine name, version or GPU method a node may report.
@@ -192,6 +195,9 @@ class NodeInventory:
     gpus_stale: bool = False
     #: How many times nvidia-smi hung and was killed since the agent started.
     nvidia_smi_timeouts: int = attrs.field(default=0, validator=whole(0, MAX_BYTES))
+    #: The RDMA devices, their ports, the interfaces they sit on and the fabric's identity
+    #: (`contracts.fabric`); empty on a node without RDMA devices and from agents before it.
+    fabric: Fabric = attrs.Factory(Fabric)
 
 
 def steady_inventory(inventory: NodeInventory) -> NodeInventory:

@@ -65,7 +65,7 @@ class NodeRuntimes:
 def inventory(cfg: NodeConfig) -> InventoryWatcher:
     return InventoryWatcher(
         cfg.inventory_path,
-        discover=partial(discover, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path),
+        discover=partial(discover, cfg.nvidia_smi or None, meminfo_path=cfg.meminfo_path, sysfs_path=cfg.sysfs_path),
         poll_interval_s=cfg.inventory_poll_interval_s,
         rediscover_interval_s=cfg.discovery_interval_s,
     )

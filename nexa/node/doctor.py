@@ -156,7 +156,9 @@ async def run_doctor(
     results.append(await check_engine(cfg, transport=engine_transport))
     if cfg.container.engine == "docker" and cfg.container.gpu_method == "cdi":
         results.append(await check_docker_cdi(cfg, transport=engine_transport))
-    discovered = await inventory.discover(cfg.nvidia_smi or None, meminfo_path=opts.meminfo_path)
+    discovered = await inventory.discover(
+        cfg.nvidia_smi or None, meminfo_path=opts.meminfo_path, sysfs_path=cfg.sysfs_path
+    )
     results.append(check_nvidia(cfg, discovered.gpus, discovered.problems))
     results.append(check_cdi(cfg, discovered.gpus, opts.cdi_dirs))
     results.append(check_disk(cfg, opts.min_free_bytes))

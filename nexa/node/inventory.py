@@ -1,4 +1,5 @@
-"""Host and GPU inventory: discovery (nvidia-smi, /proc/meminfo) merged with the host-owned inventory.json.
+"""Host, GPU and fabric inventory: discovery (nvidia-smi, /proc/meminfo, sysfs: `nexa.node.fabric`)
+merged with the host-owned inventory.json.
 
 Parsing and merging are pure functions; the async functions do the I/O with trio. A failed GPU
 probe never raises: it becomes a `problems` line in the inventory and the node reports no GPUs.
@@ -39,6 +40,7 @@ from nexa.contracts.node import (
     structure_inventory_file,
 )
 from nexa.errors import ConfigError, Unavailable
+from nexa.node.fabric import DEFAULT_SYSFS_PATH, discover_fabric
 
 log = logging.getLogger(__name__)
 
@@ -285,6 +287,7 @@ def merge(discovered: DiscoveredHost, file: InventoryFile) -> NodeInventory:
         discovered_at=discovered.discovered_at,
         problems=tuple(problems),
         gpus_stale=discovered.gpus_stale,
+        fabric=discovered.fabric,
     )
 
 
@@ -364,8 +367,10 @@ async def read_host_memory(meminfo_path: str = DEFAULT_MEMINFO_PATH) -> HostMemo
         raise Unavailable(f"cannot read meminfo: {exc.message}") from None
 
 
-async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINFO_PATH) -> DiscoveredHost:
-    """Look at this host: CPUs, memory, architecture, hostname and NVIDIA GPUs.
+async def discover(
+    nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINFO_PATH, sysfs_path: str = DEFAULT_SYSFS_PATH
+) -> DiscoveredHost:
+    """Look at this host: CPUs, memory, architecture, hostname, NVIDIA GPUs and the RDMA fabric.
 
     `nvidia_smi` None means whichever nvidia-smi is on PATH; none there means a host without
     NVIDIA GPUs. A configured path that does not work is reported in `problems`.
@@ -388,6 +393,8 @@ async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINF
         timed_out = scope.cancelled_caught
         if timed_out:
             problems.append(f"gpus: nvidia-smi did not answer within {NVIDIA_SMI_TIMEOUT_S:g} s")
+    fabric, fabric_problems = await trio.to_thread.run_sync(discover_fabric, sysfs_path)
+    problems += fabric_problems
     for problem in problems:
         # Callers decide how loudly to report (the watcher logs each new problem once).
         log.debug("inventory discovery: %s", problem)
@@ -401,6 +408,7 @@ async def discover(nvidia_smi: str | None, *, meminfo_path: str = DEFAULT_MEMINF
         discovered_at=time.time(),
         problems=tuple(problems),
         gpu_probe_timed_out=timed_out,
+        fabric=fabric,
     )
 
 
@@ -409,10 +417,11 @@ async def probe(
     nvidia_smi: str | None,
     *,
     meminfo_path: str = DEFAULT_MEMINFO_PATH,
+    sysfs_path: str = DEFAULT_SYSFS_PATH,
 ) -> NodeInventory:
     """One look at the host plus inventory.json (for `nexa node inventory`). Raises ConfigError."""
     file = await trio.to_thread.run_sync(load_inventory_file, inventory_path)
-    return merge(await discover(nvidia_smi, meminfo_path=meminfo_path), file)
+    return merge(await discover(nvidia_smi, meminfo_path=meminfo_path, sysfs_path=sysfs_path), file)
 
 
 def _stat_signature(path: str) -> _Signature:

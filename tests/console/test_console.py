@@ -175,6 +175,9 @@ def _browse(cluster: SimCluster, shots: _Shots, audit_key: str, trio_call: Calla
             rows = page.locator("#nodes-table tbody tr")
             expect(rows).to_have_count(4)
             expect(page.locator("#nodes-table [data-state=Ready]")).to_have_count(4)
+            # Each node's fabric has its cell (sim nodes read this host's sysfs: no RDMA devices here).
+            expect(page.locator("#nodes-table thead th")).to_contain_text(["Fabric"])
+            expect(page.locator("#nodes-table td[data-fabric]")).to_have_count(4)
             shots.take(page, "nodes")
             page.locator("#drain-sim-2").click()
             expect(page.locator(".scope")).to_contain_text("Node sim-2")

@@ -70,6 +70,24 @@ def _nan(node: RawNode) -> list[list[bytes]]:
     return [_signed(node, b"heartbeat", text.encode()) for text in (nan, inf, hot)]
 
 
+def _oversized_fabric(node: RawNode) -> list[list[bytes]]:
+    """Validly signed heartbeats whose inventory's fabric is beyond the contract's bounds: 65 RDMA
+    devices, a device named with a terminal escape, an interface with an address that is not one."""
+    port = {"number": 1, "state": "ACTIVE", "rate": "200 Gb/sec (4X HDR)", "link_layer": "Ethernet"}
+    device = {"name": "rocep1s0f0", "ports": [port], "netdevs": ["enp1s0f0np0"]}
+    fabrics = [
+        {"devices": [device] * 65},
+        {"devices": [{**device, "name": "roce\x1b]0;owned\x07"}]},
+        {"interfaces": [{"name": "enp1s0f0np0", "addresses": ["192.168.100.10/24", "x" * 60000]}]},
+    ]
+    frames = []
+    for fabric in fabrics:
+        beat = json.loads(_heartbeat_json(node))
+        beat["inventory"]["fabric"] = fabric
+        frames.append(_signed(node, b"heartbeat", json.dumps(beat).encode()))
+    return frames
+
+
 def _unknown_kind(node: RawNode) -> list[list[bytes]]:
     body = _heartbeat_json(node).encode()
     return [_signed(node, b"launch", body), [b"heartbeat", body], [b"\xff\xfe", body, b"sig"]]
@@ -100,6 +118,7 @@ CASES: list[tuple[str, str, Callable[[RawNode], list[list[bytes]]], int]] = [
     ("huge integers", "malformed", _huge_integer, 2),
     ("nan and out-of-range figures", "malformed", _nan, 3),
     ("unknown kinds and shapes", "malformed", _unknown_kind, 3),
+    ("oversized fabric", "malformed", _oversized_fabric, 3),
     ("oversized chunk", "oversized_chunk", _oversized_chunk, 1),
     ("ack for a set never sent", "stale_ack", _stale_ack, 1),
     ("stale", "clock_skew", _skewed, 1),

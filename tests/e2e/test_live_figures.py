@@ -16,10 +16,12 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -221,3 +223,81 @@ def test_a_spark_under_its_memory_floor_reports_pressure_until_it_is_gone(
         wait_until(lambda: metric(scrape(), "nexa_node_memory_pressure", node="spark-1") == 0.0, "the pressure gone")
         assert "pressure     " not in cp.cli("nodes", "show", "spark-1", check=True).stdout
         assert "node.memory_pressure_cleared" in cp.cli("audit", "list", "--json", check=True).stdout
+
+
+SPARK_SYSFS = FIXTURES / "sysfs" / "dgx-spark"
+
+
+def _spark_sysfs_on_loopback(tmp_path: Path) -> Path:
+    """The DGX Spark fixture tree (tests/fixtures/sysfs/README.md) with its first ConnectX-7 function's
+    netdev renamed to this host's `lo`, so that its address comes from the kernel, as on a Spark."""
+    root = tmp_path / "sys"
+    shutil.copytree(SPARK_SYSFS, root)
+    dev = root / "class/infiniband/rocep1s0f0"
+    (dev / "device/net/enp1s0f0np0").rename(dev / "device/net/lo")
+    (dev / "ports/1/gid_attrs/ndevs/0").write_text("lo\n")
+    (root / "class/net/enp1s0f0np0").rename(root / "class/net/lo")
+    return root
+
+
+def _console_nodes_page(cp: ControllerProcess) -> str:
+    with httpx.Client(base_url=cp.url, trust_env=False, timeout=10) as http:
+        form = http.get("/console/login")
+        assert cp.admin_key is not None
+        signed = http.post("/console/login", data={"csrf_token": csrf(form.text), "api_key": cp.admin_key})
+        assert signed.status_code == 303
+        page = http.get("/console/nodes")
+    assert page.status_code == 200, page.text[:300]
+    return page.text
+
+
+@pytest.mark.slow
+def test_the_fabric_a_node_discovers_reaches_nodes_show_the_api_and_the_console(
+    controller_process: ControllerProcess, tmp_path: Path
+) -> None:
+    """A real `nexa node` reads a Spark's sysfs (`[node] sysfs_path`) and the kernel's addresses; its
+    heartbeats carry the fabric to a real `nexa control`; a port going down and the `fabric` label in
+    its inventory.json reach `nexa nodes show`, `GET /api/v1/nodes/{id}` and the console."""
+    cp = controller_process
+    sysfs = _spark_sysfs_on_loopback(tmp_path)
+    extra = f'sysfs_path = "{sysfs}"\n'
+    with running_node(cp, tmp_path, "spark-1", GB10, GB10_MEMINFO, extra) as files:
+
+        def view() -> dict[str, Any]:
+            return dict(json.loads(cp.cli("nodes", "show", "spark-1", "--json", check=True).stdout))
+
+        def fabric_is(name: str | None) -> bool:
+            v = view()
+            return v["inventory"] is not None and v["fabric"] == name
+
+        wait_until(lambda: fabric_is("ipv4:127.0.0.0/8"), "the discovered fabric in the node's view")
+        reported = view()["inventory"]["fabric"]
+        assert (reported["name"], reported["address"]) == ("ipv4:127.0.0.0/8", "127.0.0.1")
+        assert [d["name"] for d in reported["devices"]] == ["roceP2p1s0f0", "roceP2p1s0f1", "rocep1s0f0", "rocep1s0f1"]
+        lo = next(i for i in reported["interfaces"] if i["name"] == "lo")
+        assert lo["addresses"][0] == "127.0.0.1/8" and lo["mtu"] == 9000 and lo["speed_mbps"] == 200000
+        shown = cp.cli("nodes", "show", "spark-1", check=True).stdout
+        assert "fabric       ipv4:127.0.0.0/8 at 127.0.0.1\n" in shown
+        assert "  rdma rocep1s0f0 port 1: ACTIVE (LinkUp), 200 Gb/sec (4X HDR), Ethernet; on lo\n" in shown
+        assert "  rdma roceP2p1s0f0 port 1: DOWN (Disabled), 40 Gb/sec (4X QDR), Ethernet; on enP2p1s0f0np0\n" in shown
+        assert "  interface enP2p1s0f0np0: down, speed -, mtu 1500, no address\n" in shown
+        page = _console_nodes_page(cp)
+        assert "<strong>ipv4:127.0.0.0/8</strong> at 127.0.0.1" in page
+        assert 'data-rdma-port="rocep1s0f0/1">rocep1s0f0/1: ACTIVE, 200 Gb/sec (4X HDR), Ethernet on lo' in page
+
+        # The cable is pulled: at the next discovery the port is down and no fabric is discovered.
+        replace(sysfs / "class/infiniband/rocep1s0f0/ports/1/state", "1: DOWN\n")
+        wait_until(lambda: fabric_is(None), "the fabric gone with its port")
+        shown = cp.cli("nodes", "show", "spark-1", check=True).stdout
+        assert "fabric       - (no ACTIVE RDMA port on an interface with an address)\n" in shown
+        assert "  rdma rocep1s0f0 port 1: DOWN (LinkUp)" in shown
+
+        # The host names its fabric itself (the admin set no `fabric` label): the label wins.
+        replace(sysfs / "class/infiniband/rocep1s0f0/ports/1/state", "4: ACTIVE\n")
+        (tmp_path / "inventory.json").write_text(json.dumps({"labels": {"fabric": "spark-pair-a"}}))
+        wait_until(lambda: fabric_is("spark-pair-a") and view()["inventory"]["fabric"]["name"], "the label's fabric")
+        shown = cp.cli("nodes", "show", "spark-1", check=True).stdout
+        assert "fabric       spark-pair-a (label fabric; discovered: ipv4:127.0.0.0/8 at 127.0.0.1)\n" in shown
+        page = _console_nodes_page(cp)
+        assert "<strong>spark-pair-a</strong><br><small>label; discovered ipv4:127.0.0.0/8 at 127.0.0.1</small>" in page
+        assert files["log"].exists()

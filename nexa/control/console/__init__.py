@@ -97,7 +97,9 @@ def register(
     app.jinja_env.filters.update(bytes=fmt_bytes, time=fmt_time, age=fmt_age, duration=fmt_duration)
     # Every `{{ value }}` a page shows: control and bidi characters as visible escapes (then HTML-escaped).
     app.jinja_env.finalize = _visible
-    app.jinja_env.globals.update(node_age=nodes.node_age, node_actions=nodes.NODE_ACTIONS)
+    app.jinja_env.globals.update(
+        node_age=nodes.node_age, node_actions=nodes.NODE_ACTIONS, node_fabric=nodes.node_fabric
+    )
 
     # The navigation lists the views in this order; a signed-in key lands on the first it may see.
     signin.register(bp, console)

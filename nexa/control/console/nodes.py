@@ -7,9 +7,11 @@ from typing import Any, Final
 import trio
 from quart import Blueprint, request
 
+from nexa.contracts.fabric import effective_fabric
 from nexa.control.console.fleet_charts import FleetCharts
 from nexa.control.console.pages import Console, Context, Refused, View, done
 from nexa.control.console.sessions import Session
+from nexa.control.fleet import grants
 from nexa.control.fleet.nodes import NodeLive
 
 #: The node actions and what each does, as the confirmation page says it.
@@ -23,6 +25,13 @@ NODE_ACTIONS: Final = {
 def node_age(live: NodeLive) -> float | None:
     """Seconds since the node was last heard from (a template global)."""
     return None if live.last_seen is None else max(0.0, trio.current_time() - live.last_seen)
+
+
+def node_fabric(live: NodeLive) -> str | None:
+    """The fabric the node is on: its `fabric` label, else the discovered one (a template global)."""
+    inventory = live.inventory
+    labels = grants.labels(live.node.labels, inventory.labels.items() if inventory else ())
+    return effective_fabric(labels, inventory.fabric if inventory else None)
 
 
 def register(bp: Blueprint, console: Console, charts: FleetCharts) -> None:

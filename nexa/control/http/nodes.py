@@ -16,6 +16,7 @@ from nexa.contracts.api import (
     NodeList,
     NodeView,
 )
+from nexa.contracts.fabric import effective_fabric
 from nexa.control.fleet import grants
 from nexa.control.fleet.nodes import NodeLive
 from nexa.control.http.api_io import actor, body, json_response, next_cursor, page
@@ -183,4 +184,5 @@ def _node_view(live: NodeLive) -> NodeView:
         runtime_cache=live.runtime_cache,
         memory_pressure=live.memory_pressure,
         data_classes=list(grants.data_classes(live.node.labels, inventory)),
+        fabric=effective_fabric(labels, inventory.fabric if inventory else None),
     )
