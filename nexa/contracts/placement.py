@@ -24,10 +24,6 @@ from nexa.contracts.node import DataClassName, LabelKey, LabelValue, RuntimeKind
 
 _DIGITS: Final = re.compile(r"(\d+)")
 
-#: The node label naming the fabric a node's high-speed links sit on (`fabric=ib0`): a group
-#: replica's nodes all carry the same one (`PlacementNode.fabric`).
-FABRIC_LABEL: Final = "fabric"
-
 
 class PlacementPolicy(enum.StrEnum):
     """How replicas of one deployment are laid over the nodes that pass every filter."""

@@ -19,6 +19,7 @@ from nexa.adapters.base import ENGINE_OVERHEAD_BYTES
 from nexa.config import PlacementConfig
 from nexa.contracts.deployments import Deployment, PlacementSpec, Resources, RuntimeOptions
 from nexa.contracts.domain import Node, NodeId, NodeState
+from nexa.contracts.fabric import Fabric
 from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.placement import (
@@ -167,23 +168,30 @@ def test_a_group_needs_every_rank_on_its_own_node_and_the_other_filters_per_rank
 # --- through the fleet side: the fabric label, held members, unified memory per rank -------------
 
 
-def live_spark(node_id: str, labels: dict[str, str]) -> NodeLive:
+def live_spark(node_id: str, labels: dict[str, str], fabric: Fabric | None = None) -> NodeLive:
     node = Node(
         id=NodeId(node_id), hostname=node_id, signing_public_key="", curve_public_key="", labels=labels, enrolled_at=0
     )
+    inventory = gb10_inventory(node_id)
     return NodeLive(
         node=node,
-        inventory=gb10_inventory(node_id),
+        inventory=inventory if fabric is None else attrs.evolve(inventory, fabric=fabric),
         desired=DesiredAssignments(node_id=node_id, generation=1),
         window=ReplayWindow(),
         reachable=True,
     )
 
 
-def test_the_fabric_is_the_nodes_fabric_label() -> None:
-    fleet = [live_spark("spark-1", {"fabric": "ib0"}), live_spark("spark-2", {})]
-    assert [node_fabric(live) for live in fleet] == ["ib0", None]
-    assert [n.fabric for n in snapshot_from(fleet)] == ["ib0", None]
+def test_the_fabric_is_the_nodes_fabric_label_else_the_one_it_discovered() -> None:
+    discovered = Fabric(name="ipv4:192.168.100.0/24", address="192.168.100.11")
+    fleet = [
+        live_spark("spark-1", {"fabric": "ib0"}),
+        live_spark("spark-2", {}),
+        live_spark("spark-3", {}, discovered),
+        live_spark("spark-4", {"fabric": "ib1"}, discovered),  # the admin's label wins
+    ]
+    assert [node_fabric(live) for live in fleet] == ["ib0", None, "ipv4:192.168.100.0/24", "ib1"]
+    assert [n.fabric for n in snapshot_from(fleet)] == ["ib0", None, "ipv4:192.168.100.0/24", "ib1"]
 
 
 def test_members_held_back_from_node_sets_still_take_their_nodes_resources() -> None:

@@ -35,7 +35,10 @@ from nexa.contracts.placement import FabricCandidates, NodeExplanation, Placemen
 #: How many nodes a fabric's refusal names one by one.
 _NAMED_MAX: Final = 8
 #: What the nodes without a fabric are told.
-NO_FABRIC: Final = "no fabric: never part of a group (a group's nodes share one fabric; set the node's `fabric` label)"
+NO_FABRIC: Final = (
+    "no fabric: never part of a group (a group's nodes share one fabric; set the node's `fabric` label, "
+    "or link an RDMA port so the node discovers one)"
+)
 
 
 @attrs.frozen

@@ -7,8 +7,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import attrs
 
+from nexa.contracts.fabric import effective_fabric
 from nexa.contracts.node import LabelKey, LabelValue
-from nexa.contracts.placement import FABRIC_LABEL, PlacementNode
+from nexa.contracts.placement import PlacementNode
 from nexa.contracts.qualification import gpu_model
 from nexa.contracts.wire import Assignment
 from nexa.control.fleet import grants
@@ -29,10 +30,11 @@ _NO_HOLDS: Mapping[str, Sequence[Hold]] = {}
 
 def node_fabric(live: NodeLive) -> str | None:
     """The fabric the node's high-speed links sit on, which a group replica's nodes share: its
-    `fabric` label (the admin's, else its inventory.json's); None when it names none."""
+    `fabric` label (the admin's, else its inventory.json's), else the one it discovered
+    (`contracts.fabric.effective_fabric`); None when it has neither."""
     inv = live.inventory
     labels = grants.labels(live.node.labels, inv.labels.items() if inv is not None else ())
-    return labels.get(LabelKey(FABRIC_LABEL)) or None
+    return effective_fabric(labels, inv.fabric if inv is not None else None)
 
 
 def snapshot_from(
