@@ -13,6 +13,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from nexa.simruntime import tools
 from nexa.simruntime.asgi import Send, reply, sse
 from nexa.simruntime.config import SimConfig
 from nexa.simruntime.faults import GARBLED_USAGE, Faults, Garble, Phase
@@ -43,6 +44,8 @@ def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
     finish = "length" if work.max_tokens < cfg.output_tokens else "stop"
     created = int(time.time())
     usage = _usage(work.prompt_tokens, work.max_tokens * len(work.texts))
+    if work.tool is not None:
+        usage = _usage(work.prompt_tokens, len(work.tool[1]) // 4 + 1)
     if work.kind is Kind.CHAT:
         text = " ".join(output_words(work.texts[0], work.max_tokens))
         choice = {
@@ -51,6 +54,8 @@ def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
             "logprobs": None,
             "finish_reason": finish,
         }
+        if work.tool is not None:
+            choice |= {"message": tools.message(work.tool, serial), "finish_reason": "tool_calls"}
         data = {
             "id": f"chatcmpl-sim{serial}",
             "object": "chat.completion",
@@ -154,6 +159,23 @@ async def stream(work: Work, faults: Faults, send: Send, outcome: Outcome, cfg: 
             usage = dict(GARBLED_USAGE)
             outcome.aborted = True
         tail += sse({**base, "choices": [], "usage": usage})
+    outcome.finished = True
+    await send({"type": "http.response.body", "body": tail + _DONE, "more_body": False})
+
+
+async def tool_stream(work: Work, call: tuple[str, str], send: Send, outcome: Outcome, *, serial: int) -> None:
+    """A tool call's stream (`tools.deltas`) at once, the finish, the usage if asked, `[DONE]`."""
+    base = {"id": f"chatcmpl-sim{serial}", "object": "chat.completion.chunk", "created": int(time.time())}
+    base["model"] = work.model
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    choices: list[dict[str, Any]] = [
+        {"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in tools.deltas(call, serial)
+    ]
+    choices.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"})
+    tail = sse({**base, "choices": [_role_choice()]}) + b"".join(sse({**base, "choices": [c]}) for c in choices)
+    outcome.tokens = len(call[1]) // 4 + 1
+    if work.include_usage:
+        tail += sse({**base, "choices": [], "usage": _usage(work.prompt_tokens, outcome.tokens)})
     outcome.finished = True
     await send({"type": "http.response.body", "body": tail + _DONE, "more_body": False})
 

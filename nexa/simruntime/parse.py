@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from nexa.simruntime import tools
 from nexa.simruntime.asgi import BadRequest
 from nexa.simruntime.config import MAX_EMBEDDING_DIM, SimConfig
 from nexa.simruntime.tokens import count_words
@@ -37,6 +38,8 @@ class Work:
     #: Embeddings only.
     dim: int = 0
     base64: bool = False
+    #: Chat only: the tool call (name, arguments) that answers it (`tools.tool_call`), or None.
+    tool: tuple[str, str] | None = None
 
 
 def _message_text(message: object) -> str:
@@ -114,6 +117,7 @@ def parse(cfg: SimConfig, path: str, body: bytes) -> Work:
         texts=texts,
         prompt_tokens=prompt_tokens,
         max_tokens=out,
+        tool=tools.tool_call(payload) if kind is Kind.CHAT else None,
     )
 
 
