@@ -161,6 +161,8 @@ async def test_bad_input_is_a_typed_4xx_and_nothing_is_metered(cluster: SimClust
         too_big = await in_thread(lambda: httpx.post(url, content=big, headers=headers, timeout=30))
         assert too_big.status_code == 413
         assert too_big.json()["error"]["type"] == "request_too_large"
+        counting = await http.post("/v1/messages/count_tokens", json={"model": "chat", "messages": ASK})
+        assert counting.status_code == 404 and counting.json()["error"]["type"] == "not_found_error"
         # The controller serves on.
         served = await http.post("/v1/messages", json={"model": "chat", "max_tokens": 8, "messages": ASK})
         assert served.status_code == 200 and served.json()["content"][0]["type"] == "text"
