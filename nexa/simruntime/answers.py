@@ -41,7 +41,7 @@ class Outcome:
 
 def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
     """The whole answer at once; `serial` numbers its id."""
-    finish = "length" if work.max_tokens < cfg.output_tokens else "stop"
+    finish = _finish(work, cfg)
     created = int(time.time())
     usage = _usage(work.prompt_tokens, work.max_tokens * len(work.texts))
     if work.tool is not None:
@@ -54,6 +54,8 @@ def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
             "logprobs": None,
             "finish_reason": finish,
         }
+        if work.stopped is not None:
+            choice["stop_reason"] = work.stopped
         if work.tool is not None:
             choice |= {"message": tools.message(work.tool, serial), "finish_reason": "tool_calls"}
         data = {
@@ -110,8 +112,7 @@ async def stream(work: Work, faults: Faults, send: Send, outcome: Outcome, cfg: 
 
     def chunk(index: int, piece: str | None, finish: str | None) -> bytes:
         if chat:
-            delta = {} if piece is None else {"content": piece}
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = _delta_choice(index, piece, finish, work.stopped)
         else:
             choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
         return sse({**base, "choices": [choice]})
@@ -148,7 +149,7 @@ async def stream(work: Work, faults: Faults, send: Send, outcome: Outcome, cfg: 
         outcome.last_token_at = trio.current_time()
         if outcome.first_token_at is None:
             outcome.first_token_at = outcome.last_token_at
-    finish = "length" if work.max_tokens < cfg.output_tokens else "stop"
+    finish = _finish(work, cfg)
     tail = b""
     if work.max_tokens == 0 and chat:
         tail = sse({**base, "choices": [_role_choice()]})
@@ -178,6 +179,19 @@ async def tool_stream(work: Work, call: tuple[str, str], send: Send, outcome: Ou
         tail += sse({**base, "choices": [], "usage": _usage(work.prompt_tokens, outcome.tokens)})
     outcome.finished = True
     await send({"type": "http.response.body", "body": tail + _DONE, "more_body": False})
+
+
+def _delta_choice(index: int, piece: str | None, finish: str | None, stopped: str | None) -> dict[str, Any]:
+    """A chat stream's choice: a piece, or the finish (with vLLM's `stop_reason` when a stop string ended it)."""
+    delta = {} if piece is None else {"content": piece}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if finish is not None and stopped is not None:
+        choice["stop_reason"] = stopped
+    return choice
+
+
+def _finish(work: Work, cfg: SimConfig) -> str:
+    return "length" if work.max_tokens < cfg.output_tokens and work.stopped is None else "stop"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -37,10 +37,9 @@ def sdk(cluster: SimCluster, key: str | None = None) -> anthropic.Anthropic:
 async def test_unary_streamed_and_system_prompt_answers_and_usage_is_metered(cluster: SimCluster) -> None:
     client = sdk(cluster)
 
-    def scenario() -> None:
-        message = client.messages.create(
-            model="chat", max_tokens=64, system="answer briefly", messages=[{"role": "user", "content": "hello there"}]
-        )
+    def scenario() -> int:
+        asked: Any = {"system": "answer briefly", "messages": [{"role": "user", "content": "hello there"}]}
+        message = client.messages.create(model="chat", max_tokens=64, **asked)
         assert message.type == "message" and message.role == "assistant" and message.model == "chat"
         [block] = message.content
         assert block.type == "text" and block.text
@@ -50,16 +49,28 @@ async def test_unary_streamed_and_system_prompt_answers_and_usage_is_metered(clu
         short = client.messages.create(model="chat", max_tokens=3, messages=ASK)
         assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
 
+        # A stop sequence the output reaches: the sim runtime stops before it and says which (as vLLM does).
+        words = block.text.split()
+        stop = words[3]
+        before = " ".join(words[: words.index(stop)])
+        stopped = client.messages.create(model="chat", max_tokens=64, stop_sequences=["zzz", stop], **asked)
+        assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", stop)
+        assert "".join(b.text for b in stopped.content if b.type == "text") == before
+        with client.messages.stream(model="chat", max_tokens=64, stop_sequences=[stop], **asked) as stream:
+            assert "".join(stream.text_stream) == before
+            assert stream.get_final_message().stop_sequence == stop
+
         with client.messages.stream(model="chat", max_tokens=64, messages=ASK) as stream:
             text = "".join(stream.text_stream)
             final = stream.get_final_message()
         assert text and final.content[0].type == "text" and final.content[0].text == text
         assert final.stop_reason == "end_turn" and final.usage.output_tokens == 8 and final.usage.input_tokens > 0
+        return len(before.split())
 
-    await in_thread(scenario)
+    n = await in_thread(scenario)
     [row] = await usage_rows(cluster, tenant="acme")
-    assert row["requests"] == 3 and row["errors"] == 0
-    assert row["completion_tokens"] == 8 + 3 + 8
+    assert row["requests"] == 5 and row["errors"] == 0
+    assert row["completion_tokens"] == 8 + 3 + n + n + 8
 
 
 async def test_a_tool_call_and_its_result_round_trip_unary_and_streamed(cluster: SimCluster) -> None:
