@@ -217,8 +217,10 @@ def test_a_unary_answer_becomes_a_message_with_its_stop_reason_tools_and_usage()
     ],
 )
 def test_a_unary_answer_that_does_not_translate_is_runtime_failed(answer: Json | None) -> None:
+    call = progress()
     with pytest.raises(RuntimeFailed):
-        messages.to_message(answer, messages.to_chat(BASE), "req_1", progress())
+        messages.to_message(answer, messages.to_chat(BASE), "req_1", call)
+    assert call.status == "runtime_failed"
 
 
 def test_a_stream_becomes_anthropics_event_grammar() -> None:
@@ -275,9 +277,9 @@ def test_a_stream_becomes_anthropics_event_grammar() -> None:
 )
 def test_a_hostile_stream_ends_with_an_error_event_never_an_exception(hostile: bytes) -> None:
     ev = messages.Events(messages.to_chat(BASE | {"stream": True}), "req_h")
-    out = (
-        ev.start() + ev.feed(chunk(content="ok") + hostile) + ev.feed(chunk(content="more")) + ev.end(None, progress())
-    )
+    call = progress()
+    out = ev.start() + ev.feed(chunk(content="ok") + hostile) + ev.feed(chunk(content="more")) + ev.end(None, call)
+    assert call.status == "runtime_failed"  # metered as the client saw it end
     got = events(out)
     name, error = got[-1]
     assert name == "error" and error["type"] == "error" and error["error"]["type"] == "api_error"

@@ -213,8 +213,7 @@ class InferenceApp:
             await x.chunk(b"", more=False)
             return 200
 
-    async def messages(self, x: _Exchange) -> int:
-        """Anthropic's Messages API, translated to a chat completion and back (`datapath.messages`)."""
+    async def messages(self, x: _Exchange) -> int:  # Anthropic's, to a chat completion and back (`messages`)
         req = anthropic.to_chat(_json_object(await x.body()))
         work = self._work(x, Api.MESSAGES, Capability.CHAT, req.model, req.chat, stream=req.stream, include_usage=True)
         call = x.call = self._gateway.call(work)
@@ -230,6 +229,8 @@ class InferenceApp:
             async for chunk in answer:
                 if out := events.feed(chunk):
                     await x.chunk(out)
+                if events.failed:
+                    break  # what the runtime sent does not translate: the rest is cancelled
             await x.chunk(events.end(answer.error, call.progress), more=False)
             return 200
 

@@ -170,6 +170,7 @@ _MESSAGES_BODY: Final[Json] = {
         "metadata": {"type": "object"},
         "thinking": {"type": "object", "description": "only {type: disabled}: extended thinking does not translate"},
         "service_tier": {"enum": ["auto", "standard_only"]},
+        "cache_control": {"type": "object", "description": "a prompt-caching hint: taken and ignored"},
     },
     "required": ["model", "max_tokens", "messages"],
     "additionalProperties": False,

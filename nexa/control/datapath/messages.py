@@ -72,6 +72,7 @@ _KNOWN: Final = frozenset(
         "metadata",
         "thinking",
         "service_tier",
+        "cache_control",
     }
 )
 #: Tool types a runtime can run as functions (absent, or `custom`); Anthropic's server tools cannot.
@@ -145,7 +146,8 @@ def to_chat(body: Json) -> Request:
 
 
 def _ignored(body: Json) -> None:
-    """Check the fields that change nothing the runtime does (metadata, service tier, thinking off)."""
+    """Check the fields that change nothing the runtime does (metadata, service tier, thinking off,
+    prompt-caching hints: `cache_control` here and on blocks is taken and ignored)."""
     if (metadata := body.get("metadata")) is not None and not isinstance(metadata, dict):
         raise _refuse("metadata", "an object")
     if body.get("service_tier") not in (None, "auto", "standard_only"):
@@ -357,7 +359,16 @@ def _tool_input(arguments: object) -> Json:
 
 def to_message(answer: Json | None, req: Request, request_id: str, progress: Progress) -> Json:
     """The Messages answer for a checked unary chat completion (`calls.Answer.answer`); the
-    call's token counts (`progress`, as metered) when the answer carries no usage."""
+    call's token counts (`progress`, as metered) when the answer carries no usage. An answer that
+    does not translate is RuntimeFailed, and the call's status (what is metered) says so."""
+    try:
+        return _to_message(answer, req, request_id, progress)
+    except RuntimeFailed as exc:
+        progress.status = exc.code
+        raise
+
+
+def _to_message(answer: Json | None, req: Request, request_id: str, progress: Progress) -> Json:
     choices = (answer or {}).get("choices") or []
     if not choices:
         raise RuntimeFailed("the runtime's answer is unusable (no choice)")
@@ -464,6 +475,8 @@ class Events:
         if error is None and self.failed is None and self._rest.strip():
             self._rest, tail = b"", self._rest + b"\n\n"  # a last event without its blank line
             out = self.feed(tail)
+        if self.failed is not None and progress.status == "ok":
+            progress.status = self.failed.code  # the call ends as the client saw it end
         if self.failed is not None or self._ended:
             return out
         if error is not None:
@@ -471,6 +484,7 @@ class Events:
         try:
             out += b"".join(self._close())
         except NexaError as exc:
+            progress.status = exc.code
             return out + self._fail(exc)
         reason, sequence = stop_reason(self._finish, self._matched, self._req.stop_sequences)
         prompt, completion = self._usage or (progress.prompt_tokens, progress.completion_tokens)
