@@ -230,6 +230,38 @@ async def test_chat_stream_follows_openai_framing_with_and_without_usage(sim: Si
     assert plain.text() == with_usage.text()
 
 
+async def test_chat_tool_calls_and_stop_strings_as_vllm_answers_them(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "5", "--tokens-per-s", "1000", "--output-tokens", "8")
+    params = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}
+    tools: Any = [{"type": "function", "function": {"name": "weather", "parameters": params}}]
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            called = await client.chat.completions.create(model=MODEL, messages=chat("rain?"), tools=tools)
+            streamed = await sim.stream(
+                lambda c: c.chat.completions.create(model=MODEL, messages=chat("rain?"), tools=tools, stream=True)
+            )
+            answered = await client.chat.completions.create(
+                model=MODEL,
+                tools=tools,
+                messages=[*chat("rain?"), {"role": "tool", "tool_call_id": "call_1", "content": "yes"}],  # type: ignore[list-item]
+            )
+            full = await client.chat.completions.create(model=MODEL, messages=chat("stop me"))
+            words = (full.choices[0].message.content or "").split()
+            stopped = await client.chat.completions.create(model=MODEL, messages=chat("stop me"), stop=[words[2]])
+    [call] = called.choices[0].message.tool_calls or []
+    assert called.choices[0].finish_reason == "tool_calls" and called.choices[0].message.content is None
+    assert call.function.name == "weather" and json.loads(call.function.arguments) == {"city": "sim", "days": 1}  # type: ignore[union-attr]
+    pieces = [tc for c in streamed.chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert pieces[0].id and pieces[0].function.name == "weather"  # type: ignore[union-attr]
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments  # type: ignore[union-attr]
+    assert streamed.chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert answered.choices[0].finish_reason == "stop" and answered.choices[0].message.content  # a tool result: text
+    # vLLM's `stop_reason`: the stop string that ended the output, which leaves it out.
+    choice = stopped.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra == {"stop_reason": words[2]}
+    assert choice.message.content == " ".join(words[: words.index(words[2])])
+
+
 async def test_completions_unary_and_streamed(sim: SimProcess) -> None:
     sim.start("--ttft-ms", "5", "--tokens-per-s", "1000", "--output-tokens", "4")
     async with sim.client() as client:

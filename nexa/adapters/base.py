@@ -183,6 +183,10 @@ class Adapter:
     #: the flag is left out and the server names the model after its directory, which nexa mounts
     #: at `/models/<model name>`.
     served_name_since: str | None = None
+    #: APIs besides chat, completions and embeddings the server answers itself, by path, with the
+    #: first release serving each (from its own source). The gateway translates `/v1/messages` to chat
+    #: completions for every runtime today; these are the runtimes it can pass it through to instead.
+    native_apis: Mapping[str, str] = attrs.field(factory=dict)
 
     def owned_flags(self) -> dict[str, str]:
         """Every flag `extra_args` may not give, with why: what nexa sets itself, the memory bound,

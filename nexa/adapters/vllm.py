@@ -65,6 +65,9 @@ VLLM: Final = Adapter(
     | {"--config": WHY_CONFIG_FILE},
     default_shm_bytes=GPU_SHM_BYTES,
     memory_setting="gpu_memory_utilization",
+    # vllm/entrypoints/anthropic/api_router.py: POST /v1/messages and /v1/messages/count_tokens
+    # (Anthropic's Messages API, translated by vLLM to its chat serving), since 0.11.0.
+    native_apis={"/v1/messages": "0.11.0", "/v1/messages/count_tokens": "0.11.0"},
     readiness_path="/health",
     metrics=Metrics(
         path="/metrics",

@@ -102,6 +102,7 @@ class Api(enum.StrEnum):
 
     OPENAI = "openai"
     WORKLOADS = "workloads"
+    MESSAGES = "messages"
 
 
 # --- the outcome of a call ---------------------------------------------------------------------------
@@ -513,6 +514,23 @@ class OpenAIError:
     """The error shape of OpenAI's API, so its SDKs raise their usual exceptions."""
 
     error: OpenAIErrorBody
+
+
+@attrs.frozen(kw_only=True)
+class AnthropicErrorBody:
+    #: invalid_request_error, authentication_error, permission_error, not_found_error,
+    #: request_too_large, rate_limit_error, api_error or overloaded_error.
+    type: str
+    message: str
+
+
+@attrs.frozen(kw_only=True)
+class AnthropicError:
+    """The error shape of Anthropic's API (on `/v1/messages`), so its SDKs raise their usual exceptions."""
+
+    error: AnthropicErrorBody
+    request_id: str
+    type: str = "error"
 
 
 # --- validation --------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from nexa.simruntime import tools
 from nexa.simruntime.asgi import Send, reply, sse
 from nexa.simruntime.config import SimConfig
 from nexa.simruntime.faults import GARBLED_USAGE, Faults, Garble, Phase
@@ -40,9 +41,11 @@ class Outcome:
 
 def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
     """The whole answer at once; `serial` numbers its id."""
-    finish = "length" if work.max_tokens < cfg.output_tokens else "stop"
+    finish = _finish(work, cfg)
     created = int(time.time())
     usage = _usage(work.prompt_tokens, work.max_tokens * len(work.texts))
+    if work.tool is not None:
+        usage = _usage(work.prompt_tokens, len(work.tool[1]) // 4 + 1)
     if work.kind is Kind.CHAT:
         text = " ".join(output_words(work.texts[0], work.max_tokens))
         choice = {
@@ -51,6 +54,10 @@ def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
             "logprobs": None,
             "finish_reason": finish,
         }
+        if work.stopped is not None:
+            choice["stop_reason"] = work.stopped
+        if work.tool is not None:
+            choice |= {"message": tools.message(work.tool, serial), "finish_reason": "tool_calls"}
         data = {
             "id": f"chatcmpl-sim{serial}",
             "object": "chat.completion",
@@ -105,8 +112,7 @@ async def stream(work: Work, faults: Faults, send: Send, outcome: Outcome, cfg: 
 
     def chunk(index: int, piece: str | None, finish: str | None) -> bytes:
         if chat:
-            delta = {} if piece is None else {"content": piece}
-            choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = _delta_choice(index, piece, finish, work.stopped)
         else:
             choice = {"index": index, "text": piece or "", "logprobs": None, "finish_reason": finish}
         return sse({**base, "choices": [choice]})
@@ -143,7 +149,7 @@ async def stream(work: Work, faults: Faults, send: Send, outcome: Outcome, cfg: 
         outcome.last_token_at = trio.current_time()
         if outcome.first_token_at is None:
             outcome.first_token_at = outcome.last_token_at
-    finish = "length" if work.max_tokens < cfg.output_tokens else "stop"
+    finish = _finish(work, cfg)
     tail = b""
     if work.max_tokens == 0 and chat:
         tail = sse({**base, "choices": [_role_choice()]})
@@ -156,6 +162,36 @@ async def stream(work: Work, faults: Faults, send: Send, outcome: Outcome, cfg: 
         tail += sse({**base, "choices": [], "usage": usage})
     outcome.finished = True
     await send({"type": "http.response.body", "body": tail + _DONE, "more_body": False})
+
+
+async def tool_stream(work: Work, call: tuple[str, str], send: Send, outcome: Outcome, *, serial: int) -> None:
+    """A tool call's stream (`tools.deltas`) at once, the finish, the usage if asked, `[DONE]`."""
+    base = {"id": f"chatcmpl-sim{serial}", "object": "chat.completion.chunk", "created": int(time.time())}
+    base["model"] = work.model
+    await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+    choices: list[dict[str, Any]] = [
+        {"index": 0, "delta": d, "logprobs": None, "finish_reason": None} for d in tools.deltas(call, serial)
+    ]
+    choices.append({"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"})
+    tail = sse({**base, "choices": [_role_choice()]}) + b"".join(sse({**base, "choices": [c]}) for c in choices)
+    outcome.tokens = len(call[1]) // 4 + 1
+    if work.include_usage:
+        tail += sse({**base, "choices": [], "usage": _usage(work.prompt_tokens, outcome.tokens)})
+    outcome.finished = True
+    await send({"type": "http.response.body", "body": tail + _DONE, "more_body": False})
+
+
+def _delta_choice(index: int, piece: str | None, finish: str | None, stopped: str | None) -> dict[str, Any]:
+    """A chat stream's choice: a piece, or the finish (with vLLM's `stop_reason` when a stop string ended it)."""
+    delta = {} if piece is None else {"content": piece}
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    if finish is not None and stopped is not None:
+        choice["stop_reason"] = stopped
+    return choice
+
+
+def _finish(work: Work, cfg: SimConfig) -> str:
+    return "length" if work.max_tokens < cfg.output_tokens and work.stopped is None else "stop"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -179,6 +179,9 @@ class SimApp:
             body = answers.embeddings(work)
             outcome.finished = True
             await answers.reply_garbled(send, body, faults.garble, outcome)
+        elif work.stream and work.tool is not None:
+            await trio.sleep(self._ttft_s)
+            await answers.tool_stream(work, work.tool, send, outcome, serial=self._metrics.total)
         elif work.stream:
             await answers.stream(work, faults, send, outcome, self._cfg, serial=self._metrics.total)
         else:

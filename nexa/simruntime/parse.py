@@ -10,9 +10,10 @@ from typing import Any
 
 import attrs
 
+from nexa.simruntime import tools
 from nexa.simruntime.asgi import BadRequest
 from nexa.simruntime.config import MAX_EMBEDDING_DIM, SimConfig
-from nexa.simruntime.tokens import count_words
+from nexa.simruntime.tokens import count_words, output_words
 
 
 class Kind(enum.Enum):
@@ -37,6 +38,11 @@ class Work:
     #: Embeddings only.
     dim: int = 0
     base64: bool = False
+    #: Chat only: the tool call (name, arguments) that answers it (`tools.tool_call`), or None.
+    tool: tuple[str, str] | None = None
+    #: Chat only: the stop string (one of the output's words) that ended the output before it, as
+    #: vLLM reports it in a choice's `stop_reason`; `max_tokens` is then the words before it.
+    stopped: str | None = None
 
 
 def _message_text(message: object) -> str:
@@ -106,6 +112,11 @@ def parse(cfg: SimConfig, path: str, body: bytes) -> Work:
         limit = _whole(payload, "max_tokens", None)
         kind = Kind.COMPLETION
     out = cfg.output_tokens if limit is None else min(limit, cfg.output_tokens)
+    stopped = None
+    if kind is Kind.CHAT and (stops := _stops(payload.get("stop"))):
+        words = output_words(texts[0], out)
+        at = next((i for i, w in enumerate(words) if w in stops), None)
+        out, stopped = (out, None) if at is None else (at, words[at])
     return Work(
         kind=kind,
         model=model,
@@ -114,7 +125,20 @@ def parse(cfg: SimConfig, path: str, body: bytes) -> Work:
         texts=texts,
         prompt_tokens=prompt_tokens,
         max_tokens=out,
+        tool=tools.tool_call(payload) if kind is Kind.CHAT else None,
+        stopped=stopped,
     )
+
+
+def _stops(value: object) -> frozenset[str]:
+    """The request's stop strings (`stop`: a string or a list of them)."""
+    if value is None:
+        return frozenset()
+    if isinstance(value, str):
+        return frozenset({value})
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return frozenset(value)
+    raise BadRequest("stop must be a string or a list of strings", param="stop")
 
 
 def _parse_embeddings(cfg: SimConfig, payload: Mapping[str, Any], model: str) -> Work:

@@ -76,6 +76,8 @@ def test_every_route_is_described_with_its_roles_and_errors() -> None:
         if "<" in rule:
             assert "not_found" in errors["404"]["x-nexa-error-codes"]
         envelope = "OpenAIError" if rule.startswith("/v1/") else "ErrorEnvelope"
+        if rule.startswith("/v1/messages"):
+            envelope = "AnthropicError"  # Anthropic's SDKs read their own shape
         for response in errors.values():
             assert response["content"]["application/json"]["schema"]["$ref"].endswith("/" + envelope)
     # The one keyless document route is itself in the table.
@@ -257,6 +259,11 @@ def _envelope_problem(case: schemathesis.Case, response: schemathesis.Response) 
         body = json.loads(response.content)
     except ValueError:
         return "not JSON"
+    if case.path.startswith("/v1/messages"):  # Anthropic's shape
+        error = body.get("error") if isinstance(body, dict) else None
+        if set(body) != {"type", "error", "request_id"} or body["type"] != "error" or not isinstance(error, dict):
+            return "not Anthropic's {'type': 'error', 'error': {...}}"
+        return None if set(error) == {"type", "message"} else "not Anthropic's error shape"
     if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
         return "not {'error': {...}}"
     error = body["error"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+import anthropic
 import openai
 import pytest
 import trio
@@ -98,9 +100,23 @@ async def test_the_cpp_llama_server_serves_chat_and_embeddings_and_its_metrics_r
         def embedding() -> list[float]:
             return client.embeddings.create(model="tiny-embed", input=text).data[0].embedding
 
+        def message() -> None:
+            """Anthropic's Messages API, translated to llama-server's chat completions and back."""
+            with anthropic.Anthropic(base_url=controller.url, api_key=key, max_retries=0, timeout=60) as claude:
+                asked: Any = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]}
+                got = claude.messages.create(system="be brief", **asked)
+                assert got.stop_reason in {"max_tokens", "end_turn"} and 1 <= got.usage.output_tokens <= 8
+                assert got.usage.input_tokens > 0
+                with claude.messages.stream(**asked) as stream:
+                    text = "".join(stream.text_stream)
+                    final = stream.get_final_message()
+                assert final.stop_reason in {"max_tokens", "end_turn"} and final.usage.output_tokens >= 1
+                assert text == "".join(b.text for b in final.content if b.type == "text")
+
         try:
             await in_thread(chat_completion)
-        except openai.OpenAIError:
+            await in_thread(message)
+        except (openai.OpenAIError, anthropic.APIError):
             pytest.fail(runtime_logs(podman_service))
         served = await in_thread(embedding)
         reference = await trio.to_thread.run_sync(reference_embedding, tiny_embedding_gguf, text)

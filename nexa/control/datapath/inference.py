@@ -54,6 +54,7 @@ from nexa.contracts.gateway import (
 from nexa.contracts.node import data_class_problem
 from nexa.contracts.retention import EPHEMERAL, retention_problem
 from nexa.control.access.accounts import Accounts
+from nexa.control.datapath import messages as anthropic
 from nexa.control.datapath.calls import Work
 from nexa.control.datapath.gateway import Call, Gateway
 from nexa.control.datapath.inference_routes import (
@@ -196,21 +197,7 @@ class InferenceApp:
         problems = body_problems(capability, body)
         if problems:
             raise ContractError("invalid request: " + "; ".join(problems), problems=tuple(problems))
-        self._retain(x, x.header(RETENTION_HEADER) or EPHEMERAL, Api.OPENAI)
-        work = Work(
-            request_id=x.rid,
-            api=Api.OPENAI,
-            tenant=x.tenant,
-            key_id=x.key.id,
-            capability=capability,
-            model=model,
-            body=body,
-            stream=stream,
-            include_usage=include_usage,
-            priority=self._entitled(x.key, _priority(x.header(PRIORITY_HEADER))),
-            deadline_at=self._deadline(x.header(DEADLINE_HEADER)),
-            data_class=_data_class(x.header(DATA_CLASS_HEADER)),
-        )
+        work = self._work(x, Api.OPENAI, capability, model, body, stream=stream, include_usage=include_usage)
         call = x.call = self._gateway.call(work)
         async with call as answer:
             if not stream:
@@ -225,6 +212,45 @@ class InferenceApp:
                 await x.chunk(_sse_data(_openai_error(answer.error, x.rid)))
             await x.chunk(b"", more=False)
             return 200
+
+    async def messages(self, x: _Exchange) -> int:  # Anthropic's, to a chat completion and back (`messages`)
+        req = anthropic.to_chat(_json_object(await x.body()))
+        work = self._work(x, Api.MESSAGES, Capability.CHAT, req.model, req.chat, stream=req.stream, include_usage=True)
+        call = x.call = self._gateway.call(work)
+        async with call as answer:
+            if not req.stream:
+                await answer.read_all()
+                if answer.error is not None:
+                    raise answer.error
+                return await x.json(200, anthropic.to_message(answer.answer, req, x.rid, call.progress))
+            events = anthropic.Events(req, x.rid)
+            await x.start_stream(200)
+            await x.chunk(events.start())
+            async for chunk in answer:
+                if out := events.feed(chunk):
+                    await x.chunk(out)
+                if events.failed:
+                    break  # what the runtime sent does not translate: the rest is cancelled
+            await x.chunk(events.end(answer.error, call.progress), more=False)
+            return 200
+
+    def _work(self, x: _Exchange, api: Api, cap: Capability, model: str, body: dict[str, Any], **how: bool) -> Work:
+        """The call an OpenAI-shaped request makes (headers: retention, priority, deadline, data class)."""
+        self._retain(x, x.header(RETENTION_HEADER) or EPHEMERAL, api)
+        return Work(
+            request_id=x.rid,
+            api=api,
+            tenant=x.tenant,
+            key_id=x.key.id,
+            capability=cap,
+            model=model,
+            body=body,
+            priority=self._entitled(x.key, _priority(x.header(PRIORITY_HEADER))),
+            deadline_at=self._deadline(x.header(DEADLINE_HEADER)),
+            data_class=_data_class(x.header(DATA_CLASS_HEADER)),
+            stream=how["stream"],
+            include_usage=how["include_usage"],
+        )
 
     async def submit(self, x: _Exchange) -> int:
         # Parsed strictly first (no NaN, bounded nesting), then structured: what the codec refuses is a 400.
@@ -382,6 +408,7 @@ class _Exchange:
         self._send = send
         self.route = route
         self.openai = route[1].startswith("/v1/")
+        self.anthropic = route[1].startswith(anthropic.MESSAGES_PATH)
         self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self.rid = new_request_id(self._headers.get("x-request-id", ""))
         #: trio clock time the request arrived (its overhead counts from here).
@@ -455,7 +482,10 @@ class _Exchange:
         if roles is None:
             allowed = tuple(sorted(m for m, rule in INFERENCE_ROUTES if rule == self.route[1]))
             raise MethodNotAllowed(allowed) if allowed else _no_route(self.route)
-        key = bearer_key(self._headers.get("authorization", ""), app._accounts, app._metrics)
+        authorization = self._headers.get("authorization", "")
+        if self.anthropic and not authorization and (api_key := self._headers.get("x-api-key")):
+            authorization = "Bearer " + api_key
+        key = bearer_key(authorization, app._accounts, app._metrics)
         self.key = key
         if key.role not in roles or key.tenant is None:
             app._metrics.auth_failures.labels("forbidden").inc()
@@ -487,8 +517,8 @@ class _Exchange:
         return status
 
     async def _handle(self, app: InferenceApp, method: str, rule: str) -> int:
-        if rule == "/v1/models":
-            return await app.models(self)
+        if rule in {"/v1/models", anthropic.MESSAGES_PATH}:
+            return await (app.models(self) if rule == "/v1/models" else app.messages(self))
         if rule in _CAPABILITY_BY_PATH:
             return await app.openai(self, _CAPABILITY_BY_PATH[rule])
         if rule == "/api/v1/workloads":
@@ -603,7 +633,9 @@ class _Exchange:
         if self._body is None and declares_body(self._headers):
             # Answered from the head: the unread body ends this connection (see `http.BodyLimit`).
             headers.append((b"connection", b"close"))
-        if self.openai:
+        if self.anthropic:
+            body = codec.dumps(codec.api, anthropic.error_body(exc, self.rid)).encode()
+        elif self.openai:
             body = codec.dumps(codec.api, _openai_error(exc, self.rid)).encode()
         else:
             body = codec.dumps(codec.api, _envelope(exc, self.rid)).encode()

@@ -12,6 +12,7 @@ from nexa.contracts.gateway import (
     MAX_CHOICES,
     MAX_MODEL_CHARS,
     MAX_REQUEST_TOKENS,
+    AnthropicError,
     Priority,
     SignedReceipt,
     WorkloadCreate,
@@ -143,6 +144,47 @@ def _generate(path: str, summary: str, prompt: str, prompt_schema: Json, *, stre
 
 _WORKLOAD: Final = "/api/v1/workloads/<workload_id>"
 
+_CONTENT: Final[Json] = {"type": ["string", "array"], "description": "a string, or a list of content blocks"}
+_MESSAGES_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS, "description": "an alias"},
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_REQUEST_TOKENS},
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "properties": {"role": {"enum": ["user", "assistant"]}, "content": _CONTENT},
+                "required": ["role", "content"],
+            },
+        },
+        "system": _CONTENT,
+        "stream": {"type": "boolean", "default": False},
+        "stop_sequences": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "top_k": {"type": "integer", "minimum": 0},
+        "tools": {"type": "array", "items": {"type": "object"}},
+        "tool_choice": {"type": "object"},
+        "metadata": {"type": "object"},
+        "thinking": {"type": "object", "description": "only {type: disabled}: extended thinking does not translate"},
+        "service_tier": {"enum": ["auto", "standard_only"]},
+        "cache_control": {"type": "object", "description": "a prompt-caching hint: taken and ignored"},
+    },
+    "required": ["model", "max_tokens", "messages"],
+    "additionalProperties": False,
+}
+_ANTHROPIC_HEADERS: Final = (
+    Param(
+        name="x-api-key",
+        schema=str,
+        where="header",
+        description="the API key, as Anthropic's clients send it (Authorization: Bearer works too)",
+    ),
+    Param(name="anthropic-version", schema=str, where="header", description="accepted, not checked"),
+)
+
 #: Every inference route, declared once.
 ROUTES: Final[tuple[Route, ...]] = (
     Route(
@@ -162,6 +204,20 @@ ROUTES: Final[tuple[Route, ...]] = (
     ),
     _generate("/v1/completions", "Completion (OpenAI)", "prompt", {"type": ["string", "array"]}, stream=True),
     _generate("/v1/embeddings", "Embeddings (OpenAI)", "input", {"type": ["string", "array"]}, stream=False),
+    Route(
+        method="POST",
+        path="/v1/messages",
+        roles=INFERENCE,
+        summary="Message (Anthropic's Messages API, translated to a chat completion; errors in Anthropic's shape)",
+        tag="anthropic",
+        body=_MESSAGES_BODY,
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        also=(_SSE,),
+        params=(*_ANTHROPIC_HEADERS, *_HEADERS),
+        errors=_SERVING,
+        error_shape=AnthropicError,
+    ),
     Route(
         method="POST",
         path="/api/v1/workloads",

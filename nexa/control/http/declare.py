@@ -73,6 +73,8 @@ class Route:
     errors: tuple[type[NexaError], ...] = ()
     #: What serves it (`handler(state, **path_params)`); None: served by another front end (inference).
     handler: Handler | None = attrs.field(default=None, eq=False, repr=False)
+    #: The error body's JSON Schema when it is not the shape of the route's kind (Anthropic's on `/v1/messages`).
+    error_shape: Any = None
 
     @property
     def key(self) -> RouteKey:

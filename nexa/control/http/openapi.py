@@ -72,7 +72,7 @@ def document(declared: Iterable[Route] | None = None) -> Json:
                 "Management (`/api/v1`) and inference (`/v1`, OpenAI-compatible; `/api/v1/workloads`) routes."
                 " Every operation lists the roles that may call it in `x-nexa-roles` (empty: no credential)"
                 " and the error codes it can answer in each error response's `x-nexa-error-codes`."
-                " Errors come in nexa's envelope, on `/v1` in OpenAI's shape."
+                " Errors come in nexa's envelope, on `/v1` in OpenAI's shape (on `/v1/messages`, Anthropic's)."
             ),
         },
         "paths": paths,
@@ -142,7 +142,7 @@ def _operation(op: Route, schemas: JsonSchemas) -> Json:
     for media in op.also:
         success[media] = {"schema": {"type": "string"}}
     responses: Json = {str(op.status): {"description": op.summary, "content": success}}
-    error_schema = schemas.of(OpenAIError if openai else ErrorEnvelope)
+    error_schema = schemas.of(op.error_shape or (OpenAIError if openai else ErrorEnvelope))
     for status, codes in sorted(_error_codes(op).items()):
         responses[str(status)] = {
             "description": "error: " + ", ".join(codes),
