@@ -121,6 +121,9 @@ async def test_nexa_errors_reach_the_sdk_as_its_typed_exceptions(cluster: SimClu
         with pytest.raises(anthropic.AuthenticationError) as bad_key:
             ask("nxk_not_a_key")
         assert bad_key.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+        keyless = httpx.post(f"{cluster.controller.url}/v1/messages", json={}, timeout=30)
+        assert keyless.status_code == 401
+        assert "x-api-key: <key>" in keyless.json()["error"]["message"]  # says how Anthropic clients present one
         with pytest.raises(anthropic.PermissionDeniedError):
             ask(operator)
         with pytest.raises(anthropic.NotFoundError) as unknown:

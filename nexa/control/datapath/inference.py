@@ -485,7 +485,8 @@ class _Exchange:
         authorization = self._headers.get("authorization", "")
         if self.anthropic and not authorization and (api_key := self._headers.get("x-api-key")):
             authorization = "Bearer " + api_key
-        key = bearer_key(authorization, app._accounts, app._metrics)
+        how = "x-api-key: <key> (or Authorization: Bearer <key>)" if self.anthropic else "Authorization: Bearer <key>"
+        key = bearer_key(authorization, app._accounts, app._metrics, how=how)
         self.key = key
         if key.role not in roles or key.tenant is None:
             app._metrics.auth_failures.labels("forbidden").inc()

@@ -85,13 +85,15 @@ class KeyAuthority(Protocol):
     def authenticate(self, presented: str) -> ApiKey: ...
 
 
-def bearer_key(authorization: str, keys: KeyAuthority, metrics: Metrics) -> ApiKey:
+def bearer_key(
+    authorization: str, keys: KeyAuthority, metrics: Metrics, *, how: str = "Authorization: Bearer <key>"
+) -> ApiKey:
     """The active key an `Authorization: Bearer <key>` header presents; Unauthenticated otherwise
-    (counted in `nexa_auth_failures`)."""
+    (counted in `nexa_auth_failures`), its message saying `how` to present one."""
     scheme, _, presented = authorization.partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
         metrics.auth_failures.labels("unauthenticated").inc()
-        raise Unauthenticated("an API key is required: Authorization: Bearer <key>")
+        raise Unauthenticated(f"an API key is required: {how}")
     try:
         return keys.authenticate(presented.strip())
     except Unauthenticated as exc:
