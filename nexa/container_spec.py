@@ -68,6 +68,8 @@ def spec_sha256(runtime: RuntimeSpec) -> str:
         artifact.pop("entry", None)
     if not body.get("entrypoint"):
         body.pop("entrypoint", None)  # sets signed before entrypoints were set hash as they did
+    if body.get("group") is None:
+        body.pop("group", None)  # a replica on one node hashes as it did before groups
     return hashlib.sha256(codec.canonical_json(body).encode()).hexdigest()
 
 

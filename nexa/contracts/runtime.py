@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import attrs
 
+from nexa.contracts.groups import GroupRole
 from nexa.contracts.manifest import (
     MAX_FILE_BYTES,
     ArtifactLocation,
@@ -149,6 +150,10 @@ class RuntimeSpec:
     #: entrypoint stays and `command` replaces its command (sets signed before entrypoints were
     #: set, and `sim`, which is a process).
     entrypoint: list[str] = attrs.field(factory=list)
+    #: This replica's rank in a replica group (one model over several nodes): the group, its
+    #: members' fabric addresses and ports, and the fabric access the runtime opted into. None: a
+    #: replica on one node (sets signed before groups existed decode and hash as they did).
+    group: GroupRole | None = None
 
     @property
     def process(self) -> list[str]:
