@@ -24,6 +24,7 @@ from nexa import container_spec
 from nexa.adapters import entrypoints
 from nexa.config import SupervisorConfig
 from nexa.contracts import wire
+from nexa.contracts.groups import FabricAccess
 from nexa.contracts.runtime import (
     LABEL_ASSIGNMENT,
     LABEL_SPEC,
@@ -44,6 +45,7 @@ from nexa.errors import (
     RuntimeCacheNoRoom,
     SimulationDisabled,
 )
+from nexa.node.rdma import rdma_device_nodes
 from nexa.node.replicas import (
     EXIT_PROGRAM_MISSING,
     PROGRAM_NOT_FOUND,
@@ -467,6 +469,7 @@ class Supervisor:
                 w.container_id, state = found.id, found
             else:
                 d = w.desired
+                group = d.assignment.runtime.group
                 spec = container_spec.container_spec(
                     self._node_id,
                     d.assignment,
@@ -474,6 +477,7 @@ class Supervisor:
                     w.artifact_path,
                     host=self._runtime_host,
                     cache_dir=w.cache_dir,
+                    rdma_devices=rdma_device_nodes() if group is not None and group.fabric is FabricAccess.RDMA else (),
                 )
                 w.container_id = await self._podman.create(spec)
                 self._created += 1
