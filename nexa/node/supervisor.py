@@ -363,6 +363,11 @@ class Supervisor:
                 # The image is pinned and the spec signed: starting it again would fail the same way.
                 self._set(w, State.FAILED, reason="runtime_program_missing", detail=exc.detail)
                 await trio.sleep_forever()
+            except ContractError as exc:
+                # This node cannot give what the signed spec asks (a group's RDMA devices it lacks):
+                # asked again after the longest backoff, in case the driver gets loaded meanwhile.
+                self._set(w, State.FAILED, reason="spec_refused", detail=exc.message)
+                await trio.sleep(self._cfg.restart_backoff_max_s)
             except (EngineError, ArtifactError) as exc:
                 await trio.sleep(self._on_failure(w, exc))
             else:
