@@ -216,6 +216,8 @@ def test_tensorrt_llm_and_llama_cpp_python_groups_are_refused_saying_what_to_do(
             "settings.rpc_server: a program name or an absolute path",
         ),
         (RuntimeKind.LLAMACPP, {"rpc_server": "/app/rpc-server"}, 1, "settings.rpc_server: only a replica group"),
+        (RuntimeKind.LLAMACPP, {"rpc_server": ".."}, 2, "settings.rpc_server: a program name or an absolute path"),
+        (RuntimeKind.LLAMACPP, {"rpc_server": "rpc server"}, 2, "settings.rpc_server: a program name"),
     ],
 )
 def test_bad_group_settings_are_named(kind: RuntimeKind, settings: dict[str, object], nodes: int, problem: str) -> None:

@@ -94,7 +94,7 @@ def group_problems(adapter: Adapter, settings: Mapping[str, object], *, nodes: i
             f"settings.server: a llama.cpp group runs {LLAMA_SERVER} and RPC servers; {LLAMA_CPP_PYTHON}'s "
             f"server takes no RPC servers (set settings.server to {LLAMA_SERVER})"
         ]
-    if isinstance(rpc, str) and (not _PROGRAM_RE.match(rpc) or "/../" in f"{rpc}/" or "/./" in f"{rpc}/"):
+    if isinstance(rpc, str) and (not _PROGRAM_RE.match(rpc) or {".", ".."} & set(rpc.split("/"))):
         return [f"settings.{RPC_SERVER_SETTING}: a program name or an absolute path, without . or .. parts"]
     return []
 
