@@ -11,21 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
 import attrs
 
 from nexa.contracts import codec, wire
+from nexa.contracts.groups import FabricAccess
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import (
+    CAP_IPC_LOCK,
     LABEL_ASSIGNMENT,
     LABEL_DEPLOYMENT,
     LABEL_GENERATION,
     LABEL_SPEC,
     NETWORK_HOST,
     NETWORK_PRIVATE,
+    RDMA_DEVICE_RE,
     RUNTIME_CACHE_PATH,
     RUNTIME_HOST,
     ContainerSpec,
@@ -49,6 +52,11 @@ PRIVATE_BIND_HOST: Final = "0.0.0.0"  # noqa: S104 - inside the runtime's own ne
 PRIVATE_PROBE_HOST: Final = "127.0.0.1"
 #: Every container the agent creates is named `nexa-<assignment id>`.
 NAME_PREFIX: Final = "nexa-"
+#: /dev/shm of a group's containers with fabric access (at least): NCCL's and Ray's shared memory
+#: live there; vLLM's docs give 16G for multi-node GPUDirect RDMA (serving/parallelism_scaling.md).
+FABRIC_SHM_BYTES: Final = 16 * 2**30
+#: Where the kernel puts the RDMA device nodes (`uverbsN`, `rdma_cm`) a group with `--fabric rdma` gets.
+RDMA_DEVICE_DIR: Final = "/dev/infiniband"
 #: An environment variable whose name contains one of these (any case) is refused.
 SECRET_NAME_MARKERS: Final = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 
@@ -68,6 +76,8 @@ def spec_sha256(runtime: RuntimeSpec) -> str:
         artifact.pop("entry", None)
     if not body.get("entrypoint"):
         body.pop("entrypoint", None)  # sets signed before entrypoints were set hash as they did
+    if body.get("group") is None:
+        body.pop("group", None)  # a replica on one node hashes as it did before groups
     return hashlib.sha256(codec.canonical_json(body).encode()).hexdigest()
 
 
@@ -125,6 +135,7 @@ def container_spec(
     *,
     host: str = "127.0.0.1",
     cache_dir: Path | None = None,
+    rdma_devices: Sequence[str] = (),
 ) -> ContainerSpec:
     """What podman creates for `assignment`: the image by digest, the spec's command, env and
     limits, its GPUs as CDI devices, the verified artifact (its one file, or a manifest's assembled
@@ -140,15 +151,23 @@ def container_spec(
     health probe (run inside) `127.0.0.1`; podman publishes the port on `host` (the node's
     `runtime_host`) only. With the runtime's `host_network` opt-in both become `host`, in the
     node's own namespace.
+
+    Fabric access (a replica group whose runtime registration opted in, `RuntimeSpec.group.fabric`):
+    with `tcp` the node's namespace (the group's ranks reach each other on their fabric addresses)
+    and /dev/shm of at least `FABRIC_SHM_BYTES`; with `rdma` also the node's RDMA device nodes
+    (`rdma_devices`, what the node found under `RDMA_DEVICE_DIR`: ContractError when it has no
+    verbs device), `IPC_LOCK` and an unlimited locked-memory limit. Every other hardening key stays.
     """
     runtime = assignment.runtime
     check_env(runtime.env)
+    fabric = runtime.group.fabric if runtime.group is not None else FabricAccess.NONE
+    device_nodes = _rdma_device_nodes(rdma_devices) if fabric is FabricAccess.RDMA else []
     if (runtime.artifact is None) != (artifact_path is None):
         # The supervisor fetches exactly the artifact the spec names: a mismatch is a bug.
         raise ValueError("artifact_path must be given exactly when the runtime has an artifact")
     ro_mounts: list[tuple[str, str]] = []
     rw_mounts: list[tuple[str, str]] = []
-    private = not runtime.host_network and not is_simulated(runtime)
+    private = not runtime.host_network and fabric is FabricAccess.NONE and not is_simulated(runtime)
     bind_host, probe_host = (PRIVATE_BIND_HOST, PRIVATE_PROBE_HOST) if private else (host, host)
     if is_simulated(runtime):
         command = sim_command(assignment, artifact_path, host=host)
@@ -175,7 +194,7 @@ def container_spec(
         memory_bytes=runtime.memory_bytes,
         cpus=runtime.cpus,
         pids_limit=runtime.pids_limit,
-        shm_bytes=runtime.shm_bytes,
+        shm_bytes=runtime.shm_bytes if fabric is FabricAccess.NONE else max(runtime.shm_bytes, FABRIC_SHM_BYTES),
         devices=list(runtime.gpus),
         ro_mounts=ro_mounts,
         health=attrs.evolve(runtime.health, command=with_host(runtime.health.command, probe_host)),
@@ -185,7 +204,24 @@ def container_spec(
         publish_port=runtime.port if private else 0,
         rw_mounts=rw_mounts,
         entrypoint=[] if is_simulated(runtime) else with_host(runtime.entrypoint, bind_host),
+        device_nodes=device_nodes,
+        cap_add=[CAP_IPC_LOCK] if fabric is FabricAccess.RDMA else [],
+        memlock_unlimited=fabric is FabricAccess.RDMA,
     )
+
+
+def _rdma_device_nodes(found: Sequence[str]) -> list[tuple[str, str]]:
+    """The RDMA device nodes of `found` a group's container gets, each at its own path; ContractError
+    when there is no verbs device among them (the node has no RDMA device, or its driver is not loaded)."""
+    nodes = sorted({path for path in found if RDMA_DEVICE_RE.match(path)})
+    if not any("/uverbs" in path for path in nodes):
+        problem = f"runtime.group.fabric: rdma, but this node has no RDMA verbs device under {RDMA_DEVICE_DIR}"
+        raise ContractError(
+            f"{problem}; load the RDMA driver (rdma_ucm, ib_uverbs) on the node, or register the runtime "
+            "with --fabric tcp",
+            problems=(problem,),
+        )
+    return [(path, path) for path in nodes]
 
 
 def image_digest(image: str) -> str:

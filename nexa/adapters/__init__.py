@@ -48,7 +48,8 @@ The package, one module per job (each imports only those below it in this list):
 the catalog (`ADAPTERS`, `adapter_for` and the checks made through it); one module per model
 server family, `vllm`, `sglang`, `trtllm` and `llamacpp` (both variants); `base`, the `Adapter`
 they are built from; `args` (caches, `extra_args` limits, flag spelling, versions) and
-`entrypoints` (which image entrypoint a command runs behind). "Runtime adapters" names this
+`entrypoints` (which image entrypoint a command runs behind). `groups` (each rank's command line in
+a replica group over several nodes) sits between the families and this module. "Runtime adapters" names this
 package only; the container spec a node creates from a signed assignment is `nexa.container_spec`.
 """
 
@@ -61,6 +62,7 @@ from typing import Final
 from nexa.adapters.args import extra_args_problems
 from nexa.adapters.base import SERVER_SETTING, Adapter, Metrics, Style
 from nexa.adapters.entrypoints import entrypoint_for
+from nexa.adapters.groups import group_problems
 from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER, LLAMACPP_VARIANTS
 from nexa.adapters.sglang import SGLANG
 from nexa.adapters.trtllm import TRTLLM
@@ -136,9 +138,11 @@ def settings_problems(
     accelerators: int,
     command: Sequence[str] = (),
     extra_args: Sequence[str] = (),
+    nodes: int = 1,
 ) -> list[str]:
     """Everything wrong with a deployment's runtime settings and `extra_args` for `kind` (the
-    flags `extra_args` may not give are `extra_args_refusals`', a 422 of their own).
+    flags `extra_args` may not give are `extra_args_refusals`', a 422 of their own), for a replica
+    on `nodes` nodes (a replica group when more than one: `groups.group_problems`).
 
     `sim` takes no settings. A non-empty `command` replaces the adapter's command line entirely
     (the operator's escape hatch), so settings or extra_args beside it would be silently
@@ -156,7 +160,10 @@ def settings_problems(
         variant = settings[SERVER_SETTING]
         if not isinstance(variant, str) or variant not in LLAMACPP_VARIANTS:
             return [f"settings.{SERVER_SETTING}: one of {', '.join(LLAMACPP_VARIANTS)}"]
-    problems = adapter_for(kind, settings).problems(settings, accelerators=accelerators)
+    adapter = adapter_for(kind, settings)
+    problems = adapter.problems(settings, accelerators=accelerators, nodes=nodes) + group_problems(
+        adapter, settings, nodes=nodes
+    )
     if command:
         # A full command says nothing the adapter could check about GPUs: the operator owns it.
         problems = [p for p in problems if not p.startswith("resources.")]

@@ -49,6 +49,7 @@ WHY_TLS: Final = "the node talks plain HTTP to the runtime on its own loopback"
 WHY_CONFIG_FILE: Final = "a config file can set anything, the memory bound included; use settings and extra_args"
 WHY_MEMORY: Final = "it would bypass the memory bound nexa derives from the reservation"
 WHY_GPUS: Final = "nexa spreads a replica over the GPUs placement gave it"
+WHY_GROUP: Final = "nexa sets it for each rank of a replica group, from the group's placement"
 
 
 def extra_args_problems(extra_args: Sequence[str]) -> list[str]:

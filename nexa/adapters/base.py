@@ -33,6 +33,13 @@ LLAMA_CPP_PYTHON: Final = "llama-cpp-python"
 GPU_SHM_BYTES: Final = 8 * 2**30
 #: Every adapter takes this setting: the container's /dev/shm size in bytes (0: podman's default).
 SHM_SETTING: Final = "shm_bytes"
+#: The parallel sizes, settings of the adapters whose server takes them (`tensor_parallel_flag`,
+#: `pipeline_parallel_flag`). Unset, a replica is tensor parallel over all its GPUs, on every node
+#: of its group (NVIDIA's DGX Spark playbooks run TP 2 over two Sparks); set, their product must be
+#: the replica's GPUs (per node, times its nodes).
+TENSOR_PARALLEL_SETTING: Final = "tensor_parallel_size"
+PIPELINE_PARALLEL_SETTING: Final = "pipeline_parallel_size"
+MAX_PARALLEL: Final = 1024
 #: Model servers load from the mounted artifact and must never reach a hub for weights or tokenizers.
 OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1"}
 #: The weight and activation types vLLM and SGLang take (`--dtype`).
@@ -183,6 +190,11 @@ class Adapter:
     #: the flag is left out and the server names the model after its directory, which nexa mounts
     #: at `/models/<model name>`.
     served_name_since: str | None = None
+    #: The flag of the pipeline parallel size (`PIPELINE_PARALLEL_SETTING`); None: the server has none.
+    pipeline_parallel_flag: str | None = None
+    #: Settings that shape the command of a replica group's other ranks rather than the server's
+    #: own flags (llama.cpp: the RPC server's program); checked with the rest, never rendered as flags.
+    group_settings: Mapping[str, Option] = attrs.field(factory=dict)
     #: APIs besides chat, completions and embeddings the server answers itself, by path, with the
     #: first release serving each (from its own source). The gateway translates `/v1/messages` to chat
     #: completions for every runtime today; these are the runtimes it can pass it through to instead.
@@ -197,7 +209,8 @@ class Adapter:
             self.served_name_flag: "nexa serves the model under its registered name",
             self.host_flag: "nexa binds the runtime to the node's runtime address",
             self.port_flag: "nexa gives each replica its port",
-            self.tensor_parallel_flag: WHY_GPUS,
+            self.tensor_parallel_flag: f"{WHY_GPUS} (or give settings.{TENSOR_PARALLEL_SETTING})",
+            self.pipeline_parallel_flag: f"{WHY_GPUS} (or give settings.{PIPELINE_PARALLEL_SETTING})",
         }
         owned.update({flag: why for flag, why in nexa_sets.items() if flag is not None})
         if self.memory_setting is not None:
@@ -233,9 +246,11 @@ class Adapter:
         """The engine's own memory beyond its share (`ENGINE_OVERHEAD_BYTES`)."""
         return ENGINE_OVERHEAD_BYTES.get(self.name, 0)
 
-    def problems(self, settings: Mapping[str, object], *, accelerators: int) -> list[str]:
-        """Everything wrong with `settings` (and the accelerator count) for this adapter."""
+    def problems(self, settings: Mapping[str, object], *, accelerators: int, nodes: int = 1) -> list[str]:
+        """Everything wrong with `settings` (and the accelerator count, per node of the replica's
+        `nodes`) for this adapter."""
         out = []
+        parallel = self.parallel_options()
         for name, value in sorted(settings.items()):
             if name == SERVER_SETTING and self.kind is RuntimeKind.LLAMACPP:
                 continue
@@ -243,15 +258,45 @@ class Adapter:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     out.append(f"settings.{SHM_SETTING}: 0 or more bytes (an integer)")
                 continue
-            option = self.options.get(name)
+            option = self.options.get(name) or parallel.get(name) or self.group_settings.get(name)
             if option is None:
-                known = ", ".join(sorted([*self.options, SHM_SETTING]))
+                known = ", ".join(sorted([*self.options, *parallel, *self.group_settings, SHM_SETTING]))
                 out.append(f"settings.{name}: unknown option for {self.name} (known: {known})")
             elif problem := option.problem(name, value):
                 out.append(problem)
         if self.needs_gpu and accelerators < 1:
             out.append(f"resources.accelerators: {self.name} needs at least 1 GPU")
+        given = [name for name in parallel if name in settings]
+        if given and not out and accelerators >= 1:
+            tp, pp = self.parallel_sizes(settings, gpus=accelerators, nodes=nodes)
+            if tp * pp != accelerators * nodes:
+                out.append(
+                    f"settings.{', settings.'.join(given)}: tensor x pipeline parallel ({tp} x {pp}) must be the "
+                    f"replica's {accelerators * nodes} GPUs ({accelerators} per node on {nodes} node(s))"
+                )
         return out
+
+    def parallel_options(self) -> dict[str, Option]:
+        """The parallel-size settings this server takes (its flag for each)."""
+        out = {}
+        for name, flag in (
+            (TENSOR_PARALLEL_SETTING, self.tensor_parallel_flag),
+            (PIPELINE_PARALLEL_SETTING, self.pipeline_parallel_flag),
+        ):
+            if flag is not None:
+                out[name] = Option(flag=flag, type=int, minimum=1, maximum=MAX_PARALLEL, help="parallel size")
+        return out
+
+    def parallel_sizes(self, settings: Mapping[str, object], *, gpus: int, nodes: int = 1) -> tuple[int, int]:
+        """(tensor, pipeline) parallel sizes of a replica with `gpus` GPUs on each of its `nodes`:
+        the settings' where given, else every GPU of the replica in tensor parallel (divided by the
+        pipeline size where only that is given)."""
+        pp = settings.get(PIPELINE_PARALLEL_SETTING, 1)
+        pp = pp if isinstance(pp, int) and not isinstance(pp, bool) and pp >= 1 else 1
+        tp = settings.get(TENSOR_PARALLEL_SETTING)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            tp = max(1, (gpus * nodes) // pp)
+        return tp, pp
 
     def serves(self, capability: Capability, settings: Mapping[str, object]) -> bool:
         """Whether a replica started with `settings` answers `capability`'s path."""
@@ -286,6 +331,7 @@ class Adapter:
         extra_args: Sequence[str] = (),
         version: str = "",
         model_dir: str = "",
+        nodes: int = 1,
     ) -> Launch:
         """The command, env, probe and /dev/shm size of one replica (settings and `extra_args`
         already validated); `extra_args` come last, after every flag nexa and the settings give.
@@ -293,7 +339,8 @@ class Adapter:
         `memory`: the replica's limit on a unified-memory node; a derived value is given as the
         setting would be had the operator set it (the operator's own value is in `settings`).
         `version`: the runtime's registered version (`served_name_since`). `model_dir`: where the
-        model's directory is mounted, for settings naming one of its files (default `model_path`)."""
+        model's directory is mounted, for settings naming one of its files (default `model_path`).
+        `nodes`: the replica's nodes (a group's size), over which the parallel sizes spread."""
         if memory is not None and memory.derived and memory.value is not None and memory.setting in self.options:
             settings = {**settings, memory.setting: memory.value}
             if memory.batch is not None and memory.batch_setting in self.options:  # with a derived context
@@ -306,8 +353,11 @@ class Adapter:
         command += self.fixed
         if gpus:
             command += self.gpu_args
-            if self.tensor_parallel_flag is not None and len(gpus) > 1:
-                command += [self.tensor_parallel_flag, str(len(gpus))]
+            tp, pp = self.parallel_sizes(settings, gpus=len(gpus), nodes=nodes)
+            if self.tensor_parallel_flag is not None and tp > 1:
+                command += [self.tensor_parallel_flag, str(tp)]
+            if self.pipeline_parallel_flag is not None and pp > 1:
+                command += [self.pipeline_parallel_flag, str(pp)]
         for name, value in sorted(settings.items()):
             if option := self.options.get(name):
                 command += option.args(value, model_dir=model_dir or model_path)

@@ -9,13 +9,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Final
 
-from nexa.adapters.args import LLAMA_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_HUB, WHY_TLS
+from nexa.adapters.args import LLAMA_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GROUP, WHY_HUB, WHY_TLS
 from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter, Metrics, Option, Style
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
 
 #: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).
 _GGML_KV_TYPES: Final = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+#: The setting naming the program a llama.cpp replica group's other ranks run, and its default.
+RPC_SERVER_SETTING: Final = "rpc_server"
+RPC_SERVER_PROGRAM: Final = "/app/ggml-rpc-server"
 #: llama-server's short flags for typed settings (common/arg.cpp).
 _LLAMA_SHORT: Final = {"-c": "ctx_size", "-b": "batch_size", "-ctk": "cache_type_k", "-ctv": "cache_type_v"}
 
@@ -77,7 +80,8 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
     | dict.fromkeys(("--api-key", "--api-key-file"), WHY_AUTH)
     | dict.fromkeys(("--ssl-key-file", "--ssl-cert-file"), WHY_TLS)
     # The short spellings of the settings that size the KV cache (the context bounds its memory).
-    | {f: f"a typed setting: give settings.{n} instead" for f, n in _LLAMA_SHORT.items()},
+    | {f: f"a typed setting: give settings.{n} instead" for f, n in _LLAMA_SHORT.items()}
+    | {"--rpc": WHY_GROUP},
     readiness_path="/health",
     probe_tool="curl",
     metrics=Metrics(
@@ -93,6 +97,14 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
     ),
     capabilities=frozenset(Capability),
     capability_settings={Capability.EMBEDDING: "embedding"},
+    group_settings={
+        # The program a group's other ranks run (`nexa.adapters.groups`): `ggml-rpc-server` since
+        # llama.cpp renamed `rpc-server` (ggml-org/llama.cpp#25045, June 2026; the llama.cpp that
+        # llama-cpp-python 0.3.36 vendors builds it as `ggml-rpc-server`, tools/rpc/CMakeLists.txt).
+        # llama.cpp's images copy every built binary to /app (.devops/*.Dockerfile, `full`), which is
+        # not on PATH: give the path (`/app/rpc-server` for images built before the rename).
+        RPC_SERVER_SETTING: Option(flag="", type=str, help="the RPC server's program (a path or a name on PATH)"),
+    },
 )
 
 LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from nexa.adapters.args import SGLANG_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GPUS, WHY_HUB, WHY_TLS
+from nexa.adapters.args import SGLANG_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GPUS, WHY_GROUP, WHY_HUB, WHY_TLS
 from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
@@ -61,7 +61,9 @@ SGLANG: Final = Adapter(
     | dict.fromkeys(("--download-dir", "--revision"), WHY_HUB)
     | {"--api-key": WHY_AUTH}
     | dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), WHY_TLS)
-    | {"--config": WHY_CONFIG_FILE},
+    | {"--config": WHY_CONFIG_FILE}
+    # python/sglang/srt/server_args.py: dist_init_addr (alias --nccl-init-addr), nnodes, node_rank.
+    | dict.fromkeys(("--nnodes", "--node-rank", "--dist-init-addr", "--nccl-init-addr"), WHY_GROUP),
     default_shm_bytes=GPU_SHM_BYTES,
     readiness_path="/health",
     metrics=Metrics(
@@ -76,4 +78,5 @@ SGLANG: Final = Adapter(
     capabilities=frozenset(Capability),
     capability_settings={Capability.EMBEDDING: "is_embedding"},
     memory_setting="mem_fraction_static",
+    pipeline_parallel_flag="--pp-size",
 )

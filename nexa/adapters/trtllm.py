@@ -68,4 +68,5 @@ TRTLLM: Final = Adapter(
     capabilities=frozenset({Capability.COMPLETION, Capability.CHAT}),
     memory_setting="kv_cache_free_gpu_memory_fraction",
     memory_share=MemoryShare.FREE_AFTER_WEIGHTS,
+    pipeline_parallel_flag="--pp_size",
 )

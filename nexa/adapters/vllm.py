@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Final
 
-from nexa.adapters.args import VLLM_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GPUS, WHY_HUB, WHY_MEMORY, WHY_TLS
+from nexa.adapters.args import (
+    VLLM_CACHE_ENV,
+    WHY_AUTH,
+    WHY_CONFIG_FILE,
+    WHY_GPUS,
+    WHY_GROUP,
+    WHY_HUB,
+    WHY_MEMORY,
+    WHY_TLS,
+)
 from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
@@ -62,7 +71,13 @@ VLLM: Final = Adapter(
     | dict.fromkeys(("--ssl-keyfile", "--ssl-certfile"), WHY_TLS)
     | {"--uds": "nexa reaches the runtime on its port"}
     | {"--kv-cache-memory-bytes": WHY_MEMORY}
-    | {"--config": WHY_CONFIG_FILE},
+    | {"--config": WHY_CONFIG_FILE}
+    # vllm/config/parallel.py (ParallelConfig: nnodes, node_rank, master_addr, master_port,
+    # distributed_executor_backend) and `--headless` (vllm/entrypoints/cli/serve.py).
+    | dict.fromkeys(
+        ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--headless", "--distributed-executor-backend"),
+        WHY_GROUP,
+    ),
     default_shm_bytes=GPU_SHM_BYTES,
     memory_setting="gpu_memory_utilization",
     # vllm/entrypoints/anthropic/api_router.py: POST /v1/messages and /v1/messages/count_tokens
@@ -85,4 +100,5 @@ VLLM: Final = Adapter(
         tpot=("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
     ),
     capabilities=frozenset(Capability),
+    pipeline_parallel_flag="--pipeline-parallel-size",
 )

@@ -9,10 +9,12 @@ from typing import Any, Final
 from nexa.cli import common, qualify
 from nexa.cli.output import emit, print_json, ref
 from nexa.cli.tables import ALIASES, RUNTIMES, platforms, print_image_configs
+from nexa.contracts.groups import FabricAccess
 from nexa.contracts.models import AliasDetail, AliasReceipt, RuntimeRegistered
 
 EXIT_OK: Final = 0
 RUNTIME_KINDS: Final = ("vllm", "sglang", "trtllm", "llamacpp", "sim")
+FABRIC_CHOICES: Final = tuple(str(f) for f in FabricAccess)
 
 
 def add_runtime_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
@@ -30,6 +32,14 @@ def add_runtime_commands(sub: Any, common_flags: argparse.ArgumentParser) -> Non
         "--host-network",
         action="store_true",
         help="run its containers in the node's network namespace (default: a namespace of their own)",
+    )
+    s.add_argument(
+        "--fabric",
+        choices=FABRIC_CHOICES,
+        default="none",
+        help="what a replica group's containers get for the fabric between its nodes: tcp (the node's network "
+        "namespace, a larger /dev/shm), rdma (also its RDMA devices, IPC_LOCK, unlimited locked memory); "
+        "default none",
     )
     s.set_defaults(handler=_runtimes_register)
     RUNTIMES.add(runtimes, common_flags)
@@ -71,12 +81,16 @@ def _runtimes_register(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"name": args.name, "kind": args.kind, "version": args.version, "image": args.image}
     if args.host_network:
         body["host_network"] = True
+    if args.fabric != "none":
+        body["fabric"] = args.fabric
     with common.client(args) as c:
         out = c.post("/api/v1/runtimes", RuntimeRegistered, body=body)
     if args.json:
         print_json(out)
     else:
         print(f"runtime {out.name} registered: {out.kind} {out.version}, {out.image} ({out.media_type})")
+        if out.fabric is not FabricAccess.NONE:
+            print(f"fabric: {out.fabric} (a replica group's containers get it; see `nexa runtimes show`)")
         print(f"platforms: {platforms(out)}")
         print_image_configs(out)
         for warning in out.warnings:

@@ -25,6 +25,7 @@ from nexa.contracts.deployments import DeploymentList, DeploymentView
 from nexa.contracts.domain import AuditEvent
 from nexa.contracts.evidence import BenchRun, BenchRunList, Job, JobList
 from nexa.contracts.gateway import QuotaList, QuotaView, UsageRow, WorkloadList, WorkloadView
+from nexa.contracts.groups import FabricAccess
 from nexa.contracts.models import AliasList, AliasRecord, ModelList, ModelRecord, RuntimeList, RuntimeRecord
 from nexa.contracts.node import NodeInventory
 
@@ -203,6 +204,15 @@ NODES: Final = Listing(
 # ---- the registry: runtimes, models, aliases -----------------------------------------------------
 
 
+#: How `runtimes show` says what a replica group's containers get (`RuntimeRecord.fabric`).
+_FABRIC_WORDS: Final = {
+    FabricAccess.NONE: "none (groups keep a namespace of their own)",
+    FabricAccess.TCP: "tcp (opt-in: groups get the node's network namespace, a larger /dev/shm)",
+    FabricAccess.RDMA: "rdma (opt-in: groups get the node's network namespace, RDMA devices, IPC_LOCK, "
+    "unlimited memlock, a larger /dev/shm)",
+}
+
+
 def platforms(runtime: RuntimeRecord) -> str:
     """`linux/amd64, linux/arm64/v8`, or `unknown` for records that name none."""
     return ", ".join(str(p) for p in runtime.platforms) or "unknown (no node is filtered)"
@@ -223,8 +233,10 @@ RUNTIME_DETAIL: Final = RUNTIME.wider(
     "platforms",
     "media_type",
     "registered_by",
+    "fabric",
     row=lambda r: {
         "network": "host (opt-in)" if r.host_network else "private",
+        "fabric": _FABRIC_WORDS[r.fabric],
         "platforms": platforms(r),
         "media_type": r.media_type,
         "registered_by": r.registered_by,

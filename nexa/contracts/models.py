@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 import attrs
 
 from nexa.contracts.domain import NAME_RE, EventId, KeyId
+from nexa.contracts.groups import FabricAccess
 from nexa.contracts.kvcache import GgufFigures
 from nexa.contracts.manifest import ArtifactLocation, manifest_problems
 from nexa.contracts.node import RuntimeKind
@@ -112,6 +113,11 @@ class RuntimeCreate:
     #: own (they can then bind any node address and reach whatever the node reaches). An explicit,
     #: audited opt-in, for runtimes that need it (e.g. multi-node collectives); off by default.
     host_network: bool = False
+    #: What a replica group's containers of this runtime get to use the fabric between its nodes
+    #: (`contracts.groups.FabricAccess`): `tcp` the node's network namespace and a larger /dev/shm,
+    #: `rdma` also the node's RDMA devices, IPC_LOCK and unlimited locked memory. An explicit,
+    #: audited opt-in; `none` by default, and never for a replica on one node.
+    fabric: FabricAccess = FabricAccess.NONE
 
 
 @attrs.frozen(kw_only=True)
@@ -136,6 +142,8 @@ class RuntimeRecord:
     #: directory, exposed ports), read from the registry at registration. Empty: unknown (records
     #: from before configs were read); the adapter's program is then set as the entrypoint as is.
     image_configs: list[ImageConfig] = attrs.Factory(list)
+    #: See RuntimeCreate.fabric (records from before it: none).
+    fabric: FabricAccess = FabricAccess.NONE
 
     def image_config(self, arch: str | None = None) -> ImageConfig | None:
         """The image config of the linux platform with architecture `arch` (any, if None or none
@@ -474,6 +482,8 @@ def runtime_problems(req: RuntimeCreate) -> list[str]:
     problems = [name_problem("name", req.name), version_problem("version", req.version)]
     if not IMAGE_BY_DIGEST_RE.match(req.image) or len(req.image) > 512:
         problems.append("image: must be named by digest: registry/repository@sha256:<64 hex>")
+    if req.fabric is not FabricAccess.NONE and req.kind is RuntimeKind.SIM:
+        problems.append("fabric: the sim runtime runs as a process on the node, not in a container; leave it none")
     return [p for p in problems if p]
 
 

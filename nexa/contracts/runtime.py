@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import attrs
 
+from nexa.contracts.groups import GroupRole
 from nexa.contracts.manifest import (
     MAX_FILE_BYTES,
     ArtifactLocation,
@@ -36,6 +37,11 @@ LABEL_SPEC: Final = "nexa.spec-sha256"
 STATUS_EXITED: Final = frozenset({"exited", "stopped"})
 STATUS_PAUSED: Final = "paused"
 STATUS_STARTABLE: Final = frozenset({"created", "configured", "exited", "stopped"})
+#: The only capability a container gets back (`ContainerSpec.cap_add`): RDMA verbs lock the memory they register.
+CAP_IPC_LOCK: Final = "IPC_LOCK"
+#: The RDMA device nodes a group's container may be given (verbs and the connection manager; not
+#: `umadN`/`issmN`, which manage the subnet), as the kernel names them under /dev/infiniband.
+RDMA_DEVICE_RE: Final = re.compile(r"^/dev/infiniband/(?:uverbs[0-9]{1,4}|rdma_cm)$")
 #: ContainerSpec.network values.
 NETWORK_PRIVATE: Final = "private"
 NETWORK_HOST: Final = "host"
@@ -149,6 +155,10 @@ class RuntimeSpec:
     #: entrypoint stays and `command` replaces its command (sets signed before entrypoints were
     #: set, and `sim`, which is a process).
     entrypoint: list[str] = attrs.field(factory=list)
+    #: This replica's rank in a replica group (one model over several nodes): the group, its
+    #: members' fabric addresses and ports, and the fabric access the runtime opted into. None: a
+    #: replica on one node (sets signed before groups existed decode and hash as they did).
+    group: GroupRole | None = None
 
     @property
     def process(self) -> list[str]:
@@ -186,6 +196,13 @@ class ContainerSpec:
     rw_mounts: list[tuple[str, str]] = attrs.Factory(list)
     #: The container's entrypoint (libpod `entrypoint`, Docker `Entrypoint`); empty: the image's.
     entrypoint: list[str] = attrs.field(factory=list)
+    #: (host path, container path) device nodes mapped in (read, write, mknod in the device cgroup):
+    #: only a replica group's RDMA devices (`/dev/infiniband/uverbsN`, `rdma_cm`), with `--fabric rdma`.
+    device_nodes: list[tuple[str, str]] = attrs.Factory(list)
+    #: Capabilities added back after all are dropped: only `IPC_LOCK` (`CAP_IPC_LOCK`), with `--fabric rdma`.
+    cap_add: list[str] = attrs.Factory(list)
+    #: An unlimited locked-memory limit (RLIMIT_MEMLOCK), which RDMA verbs need to register memory.
+    memlock_unlimited: bool = False
 
     @property
     def process(self) -> list[str]:

@@ -24,6 +24,7 @@ from nexa import container_spec
 from nexa.adapters import entrypoints
 from nexa.config import SupervisorConfig
 from nexa.contracts import wire
+from nexa.contracts.groups import FabricAccess
 from nexa.contracts.runtime import (
     LABEL_ASSIGNMENT,
     LABEL_SPEC,
@@ -44,6 +45,7 @@ from nexa.errors import (
     RuntimeCacheNoRoom,
     SimulationDisabled,
 )
+from nexa.node.rdma import rdma_device_nodes
 from nexa.node.replicas import (
     EXIT_PROGRAM_MISSING,
     PROGRAM_NOT_FOUND,
@@ -361,6 +363,11 @@ class Supervisor:
                 # The image is pinned and the spec signed: starting it again would fail the same way.
                 self._set(w, State.FAILED, reason="runtime_program_missing", detail=exc.detail)
                 await trio.sleep_forever()
+            except ContractError as exc:
+                # This node cannot give what the signed spec asks (a group's RDMA devices it lacks):
+                # asked again after the longest backoff, in case the driver gets loaded meanwhile.
+                self._set(w, State.FAILED, reason="spec_refused", detail=exc.message)
+                await trio.sleep(self._cfg.restart_backoff_max_s)
             except (EngineError, ArtifactError) as exc:
                 await trio.sleep(self._on_failure(w, exc))
             else:
@@ -467,6 +474,7 @@ class Supervisor:
                 w.container_id, state = found.id, found
             else:
                 d = w.desired
+                group = d.assignment.runtime.group
                 spec = container_spec.container_spec(
                     self._node_id,
                     d.assignment,
@@ -474,6 +482,7 @@ class Supervisor:
                     w.artifact_path,
                     host=self._runtime_host,
                     cache_dir=w.cache_dir,
+                    rdma_devices=rdma_device_nodes() if group is not None and group.fabric is FabricAccess.RDMA else (),
                 )
                 w.container_id = await self._podman.create(spec)
                 self._created += 1

@@ -19,9 +19,11 @@ import trio.testing
 from nexa import container_spec
 from nexa.config import Seconds
 from nexa.contracts import wire
+from nexa.contracts.groups import FabricAccess, GroupMember, GroupRole
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, LABEL_GENERATION, LABEL_SPEC, RuntimeSpec
 from nexa.errors import RuntimeCacheNoRoom
+from nexa.node.rdma import rdma_device_nodes
 from nexa.node.replicas import Backoff
 from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Supervisor
 from nexa.supervision import Supervision
@@ -493,6 +495,22 @@ async def test_a_secret_in_env_is_refused_before_anything_happens(
     assert podman.mutations() == []
     # Nothing fetched (the artifact is only pinned, in memory, while the assignment is desired).
     assert artifacts.calls == [("pin", SHA)]
+
+
+async def test_an_rdma_rank_on_a_node_without_rdma_devices_fails_saying_why_and_creates_nothing(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    """A replica group's rank whose runtime opted into `--fabric rdma`, on a node with no
+    /dev/infiniband (this machine has none): refused before any container, and asked again later."""
+    members = [GroupMember(rank=r, node_id=f"n{r}", address=f"10.10.0.{r + 1}", port=50052) for r in (0, 1)]
+    group = GroupRole(group="g", rank=1, members=members, fabric=FabricAccess.RDMA)
+    assert rdma_device_nodes() == []
+    sup = await start(nursery, podman, artifacts, assignment(group=group))
+    await wait_for(sup, S.FAILED, "spec_refused")
+    assert "no RDMA verbs device under /dev/infiniband" in status(sup).detail
+    assert "--fabric tcp" in status(sup).detail
+    await trio.sleep(300)
+    assert podman.mutations("create") == [] and status(sup).reason == "spec_refused"
 
 
 # --- reports and the artifact cache ----------------------------------------------------------------

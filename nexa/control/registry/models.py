@@ -32,6 +32,7 @@ import trio
 
 from nexa.config import ModelsConfig
 from nexa.contracts.domain import Actor, AuditEvent, AuditResult, EventId
+from nexa.contracts.groups import FabricAccess
 from nexa.contracts.models import (
     AliasAction,
     AliasPromote,
@@ -227,16 +228,19 @@ class ModelRegistry:
                 host_network=req.host_network,
                 platforms=list(manifest.platforms),
                 image_configs=list(manifest.configs),
+                fabric=req.fabric,
             )
-            await self._audited(
-                st.insert_runtime, runtime, audit_draft(actor, "runtime.register", target, None, runtime)
-            )
+            # The opt-ins past today's hardening are said in the event itself, besides the record's digest.
+            opt_ins = [*(["host network"] if runtime.host_network else []), *_fabric_words(runtime.fabric)]
+            draft = audit_draft(actor, "runtime.register", target, None, runtime, detail="; ".join(opt_ins))
+            await self._audited(st.insert_runtime, runtime, draft)
             self._runtimes[runtime.name] = runtime
         log.info(
-            "runtime %s registered: %s (%s network)",
+            "runtime %s registered: %s (%s network, fabric %s)",
             runtime.name,
             runtime.image,
             "host" if runtime.host_network else "private",
+            runtime.fabric,
         )
         return runtime
 
@@ -609,3 +613,7 @@ def _rollback_target(history: list[AliasReceipt]) -> ModelRef | None:
         elif stack:
             stack.pop()
     return stack[-1] if stack else None
+
+
+def _fabric_words(fabric: FabricAccess) -> list[str]:
+    return [] if fabric is FabricAccess.NONE else [f"fabric {fabric}"]

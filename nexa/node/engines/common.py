@@ -24,11 +24,13 @@ from typing import Any, Final, Self, TypeAlias
 from urllib.parse import quote
 
 from nexa.contracts.runtime import (
+    CAP_IPC_LOCK,
     CDI_NAME_RE,
     IMAGE_BY_DIGEST_RE,
     NETWORK_HOST,
     NETWORK_NONE,
     NETWORK_PRIVATE,
+    RDMA_DEVICE_RE,
     STATUS_EXITED,
     ContainerSpec,
     ContainerState,
@@ -92,6 +94,14 @@ def validate_spec(spec: ContainerSpec) -> None:
         for field, pairs in (("ro_mounts", spec.ro_mounts), ("rw_mounts", spec.rw_mounts))
         for host, inside in pairs
         if not (os.path.isabs(host) and os.path.isabs(inside))
+    )
+    problems.extend(
+        f"device_nodes: {host!r} -> {inside!r} must be a device under /dev mapped to an RDMA device node"
+        for host, inside in spec.device_nodes
+        if not (host.startswith("/dev/") and os.path.normpath(host) == host and RDMA_DEVICE_RE.match(inside))
+    )
+    problems.extend(
+        f"cap_add: {cap!r} is never added back (only {CAP_IPC_LOCK})" for cap in spec.cap_add if cap != CAP_IPC_LOCK
     )
     if spec.memory_bytes <= 0 or spec.cpus <= 0 or spec.pids_limit <= 0 or spec.shm_bytes < 0:
         problems.append("memory_bytes, cpus and pids_limit must be positive; shm_bytes must not be negative")

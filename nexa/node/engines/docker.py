@@ -147,7 +147,9 @@ def docker_create_body(
       (`Driver: nvidia`, `Capabilities: [[gpu]]`), as `gpu_method` says;
     * by default the Docker network `network` (its own namespace), the port published on
       `publish_host` only; `host` or `none` where the spec says so;
-    * the env exactly as given; SIGTERM, then SIGKILL after the stop timeout.
+    * the env exactly as given; SIGTERM, then SIGKILL after the stop timeout;
+    * for a replica group with `--fabric rdma` only: its RDMA device nodes (`Devices`), `CAP_IPC_LOCK`
+      added back and an unlimited `memlock` ulimit (-1, as `docker run --ulimit memlock=-1` gives it).
     """
     host: Json = {
         "ReadonlyRootfs": True,
@@ -170,7 +172,7 @@ def docker_create_body(
             for src, dst in spec.rw_mounts
         ],
         "CapDrop": ["ALL"],
-        "CapAdd": [],
+        "CapAdd": [f"CAP_{cap}" for cap in spec.cap_add],
         "Privileged": False,
         "SecurityOpt": ["no-new-privileges"],
         "Memory": spec.memory_bytes,
@@ -186,6 +188,12 @@ def docker_create_body(
     }
     if spec.shm_bytes:
         host["ShmSize"] = spec.shm_bytes
+    if spec.device_nodes:
+        host["Devices"] = [
+            {"PathOnHost": src, "PathInContainer": dst, "CgroupPermissions": "rwm"} for src, dst in spec.device_nodes
+        ]
+    if spec.memlock_unlimited:
+        host["Ulimits"] = [{"Name": "memlock", "Soft": -1, "Hard": -1}]
     body: Json = {
         "Image": spec.image,
         "Cmd": list(spec.command),

@@ -47,6 +47,8 @@ API_BASE: Final = "http://d/v4.0.0/libpod"
 #: CFS period for the CPU limit: quota = cpus * period.
 CPU_PERIOD_US: Final = 100_000
 SIGTERM: Final = 15
+#: An unlimited resource limit, as the kernel and the OCI runtime spec (uint64) write it.
+RLIM_INFINITY: Final = 2**64 - 1
 #: How a runtime's own network namespace is made (`[container] private_network`). slirp4netns: a
 #: user-mode stack per container, so runtimes cannot reach each other; "bridge": netavark's default
 #: network (kernel forwarding, faster, but every runtime on it can reach the others' ports).
@@ -113,7 +115,9 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
     * the env exactly as given: podman, the image and CDI devices may add their own (PATH, TERM,
       container, HOME, HOSTNAME, the device's variables), nexa adds nothing;
     * SIGTERM then, after `stop_timeout`, SIGKILL; no restart policy (the supervisor restarts with
-      its own backoff); no image volumes persisted (they become tmpfs).
+      its own backoff); no image volumes persisted (they become tmpfs);
+    * for a replica group with `--fabric rdma` only: its RDMA device nodes (`host:container:rwm`,
+      parsed as `podman run --device` is), `CAP_IPC_LOCK` added back and RLIMIT_MEMLOCK unlimited.
     """
     limits: Json = {
         "memory": {"limit": spec.memory_bytes, "swap": spec.memory_bytes},
@@ -143,11 +147,12 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
         "mounts": mounts,
         "image_volume_mode": "tmpfs",
         "cap_drop": ["all"],
-        "cap_add": [],
+        "cap_add": [f"CAP_{cap}" for cap in spec.cap_add],
         "privileged": False,
         "no_new_privileges": True,
         "resource_limits": limits,
-        "devices": [{"path": name} for name in spec.devices],
+        "devices": [{"path": name} for name in spec.devices]
+        + [{"path": f"{host}:{inside}:rwm"} for host, inside in spec.device_nodes],
         **_network(spec, private_network),
         "healthconfig": _healthconfig(spec.health),
         "stop_signal": SIGTERM,
@@ -162,6 +167,9 @@ def create_body(spec: ContainerSpec, *, private_network: str = DEFAULT_PRIVATE_N
         body["shm_size"] = spec.shm_bytes
     if spec.entrypoint:
         body["entrypoint"] = list(spec.entrypoint)
+    if spec.memlock_unlimited:
+        # libpod prefixes the type with RLIMIT_ (pkg/specgen/generate/oci.go); RLIM_INFINITY is all ones.
+        body["r_limits"] = [{"type": "memlock", "hard": RLIM_INFINITY, "soft": RLIM_INFINITY}]
     return body
 
 
