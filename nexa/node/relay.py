@@ -30,7 +30,7 @@ import trio
 from nexa.channel.endpoints import DataSender
 from nexa.channel.flow import SendWindow
 from nexa.config import RelayConfig
-from nexa.contracts import codec, wire
+from nexa.contracts import codec, heads, wire
 from nexa.contracts.bounds import MAX_TOKENS
 from nexa.errors import ChannelError, ContractError
 from nexa.node.http1 import Response, RuntimeClient, RuntimeHTTPError
@@ -202,7 +202,7 @@ class NodeRelay:
             req.scope.cancel()
         elif frame.kind == wire.CREDIT:
             try:
-                credit = codec.loads(codec.wire, frame.head, wire.CreditHead)
+                credit = heads.decode(frame.head, wire.CreditHead)
             except ContractError:
                 self._dropped += 1
                 return
@@ -241,7 +241,7 @@ class NodeRelay:
             self._dropped += 1
             return
         try:
-            head: wire.InferHead | None = codec.loads(codec.wire, frame.head, wire.InferHead)
+            head: wire.InferHead | None = heads.decode(frame.head, wire.InferHead)
         except ContractError:
             head = None
         # The request id becomes an HTTP header value: printable ASCII only.
@@ -448,7 +448,7 @@ class NodeRelay:
             # is written when it arrives); the other chunks' heads stay empty.
             now = trio.current_time()
             spent = overhead_ms(req.arrived, req.sent_at, req.first_read_at, now)
-            head = codec.dumps(codec.wire, wire.ChunkHead(overhead_ms=spent)).encode()
+            head = heads.encode(wire.ChunkHead(overhead_ms=spent))
         try:
             # No wait where nothing blocks: the runtime's read before this was the checkpoint.
             req.reply.send_data_nowait(wire.CHUNK, req.request_id, head, data)
@@ -468,7 +468,7 @@ class NodeRelay:
             log.debug("request %s ended: %s (runtime status %s)", request_id, end.code, end.http_status)
         with trio.move_on_after(_END_SEND_TIMEOUT_S):
             try:
-                await reply.send_data(wire.END, request_id, codec.dumps(codec.wire, end).encode(), b"")
+                await reply.send_data(wire.END, request_id, heads.encode(end), b"")
             except ChannelError:
                 log.warning("could not send the end of request %s: the channel is closed", request_id)
 
