@@ -7,8 +7,9 @@ signed messages and every other liveness beat to control),
 control (verify, replay-check, record, audit), liveness (a node with no good heartbeat for
 `lease_s` becomes Unreachable) and renewal (re-sign each reachable node's set before its lease
 lapses). Data frames go straight to `self.relay` (no store, no audit, no signature check) and
-never wait behind control work; a node that becomes Unreachable, is revoked or says hello again
-loses its open streams.
+never wait behind control work: the link's pump hands them over in its own task when nothing waits
+before them in its inbox (`Link.take_data`), the receive loop the others; a node that becomes
+Unreachable, is revoked or says hello again loses its open streams.
 
 Control never blocks data: the receive loop hands signed messages (and refusals to audit) to the
 control loop through a bounded channel, in arrival order (so one node's messages stay in order),
