@@ -559,8 +559,11 @@ class Link:
             taken = self._data_frames(node_id, frames)
         except Exception:  # refused: `receive` refuses it again, and says why
             return False
-        for frame in taken:
-            handler(node_id, frame)
+        try:
+            for frame in taken:
+                handler(node_id, frame)
+        except Exception as exc:  # last resort: the pump (the whole channel) must outlive a bug there
+            log.error("handing a data frame of node %s over failed: %s", node_id, type(exc).__name__)  # noqa: TRY400
         return True
 
     def _data_frames(self, node_id: str, frames: list[zmq.Frame]) -> list[wire.DataFrame]:

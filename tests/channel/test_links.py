@@ -258,6 +258,29 @@ async def test_take_data_hands_data_frames_over_in_the_pumps_task_in_order_and_l
             assert len(taken) == 51
 
 
+async def test_a_take_data_handler_that_raises_ends_neither_the_pump_nor_the_channel(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    calls: list[bytes] = []
+
+    def handler(node_id: str, frame: wire.DataFrame) -> None:
+        calls.append(frame.body)
+        if frame.body == b"boom":
+            raise RuntimeError("a bug in the handler")
+
+    link.take_data(handler)
+    with trio.fail_after(TIMEOUT_S):
+        async with uplinked(fleet, n1, link) as uplink:
+            await uplink.send_data(wire.CHUNK, "r1", b"", b"boom")
+            await uplink.send(hello("n1"))
+            assert isinstance(await link.receive_any(), links.Inbound)  # the channel still works
+            assert calls == [b"boom"]
+            await link.send_data("n1", wire.CREDIT, "r1", b'{"chunks":1}', b"")
+            assert (await uplink.receive()) == wire.DataFrame(
+                kind=wire.CREDIT, request_id="r1", head=b'{"chunks":1}', body=b""
+            )
+
+
 async def test_data_frames_of_the_wrong_direction_or_shape_are_refused(fleet: Fleet) -> None:
     """A raw Curve client with an enrolled key sends what a node agent never would."""
     n1 = fleet.enroll("n1")
