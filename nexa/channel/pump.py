@@ -50,6 +50,11 @@ class ZmqPump:
     one before it: the pump then appends its frames, so several queued messages cost one zmq send
     (and the peer one receive). At most `COALESCE_MESSAGES` and `COALESCE_BYTES` go in one; order
     is kept, and a message that may not join waits for the next send.
+
+    `take(message)` (optional) may handle a received message in the pump's own task, with no task
+    switch: it is offered each message that arrives while the inbox is empty (so none is overtaken),
+    and returns True when it took it (False: it goes to the inbox as any other). It must not block
+    or raise. Only for a pump whose inbox its own `receive` alone reads (no `share_inbox`).
     """
 
     def __init__(
@@ -60,6 +65,7 @@ class ZmqPump:
         outbox_size: int = 64,
         drop_unroutable: bool = False,
         coalesce: Callable[[Frames, Frames], bool] | None = None,
+        take: Callable[[list[zmq.Frame]], bool] | None = None,
     ) -> None:
         self._sock = sock
         self._inbox_tx, self._inbox_rx = trio.open_memory_channel[list[zmq.Frame]](inbox_size)
@@ -75,6 +81,9 @@ class ZmqPump:
         # The message taken from the outbox that could not join the one before it (sent next).
         self._lookahead: Frames | None = None
         self._received = self._sent = self._dropped = 0
+        self._take = take
+        #: Messages put in the inbox, and those `receive` returned: equal when none is on its way.
+        self._handed = self._handed_out = 0
 
     async def send(self, frames: Frames) -> None:
         try:
@@ -96,6 +105,7 @@ class ZmqPump:
             frames = await self._inbox_rx.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise ChannelClosed("the channel is closed") from None
+        self._handed_out += 1
         if self._incoming is not None:
             self.wake()  # it holds a message for want of inbox room, and there is room again
         return frames
@@ -129,8 +139,7 @@ class ZmqPump:
                 events = read_events(sock)
                 progressed = False
                 if self._incoming is None and events & zmq.POLLIN:
-                    self._incoming = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    self._received += 1
+                    progressed = self._read()
                 if self._incoming is not None:
                     try:
                         # Never block on delivery: the pump must keep sending, or a consumer
@@ -138,6 +147,7 @@ class ZmqPump:
                         # and zmq's high-water mark pushes back on the peer.
                         self._inbox_tx.send_nowait(self._incoming)
                         self._incoming, progressed = None, True
+                        self._handed += 1
                     except trio.WouldBlock:
                         pass
                 if self._outgoing is None:
@@ -168,6 +178,21 @@ class ZmqPump:
         finally:
             self._inbox_tx.close()
             self._outbox_rx.close()
+
+    def _read(self) -> bool:
+        """Receive one message: True when `take` took it (in this task: no task switch for it),
+        else it waits in `_incoming` for room in the inbox."""
+        message = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        self._received += 1
+        if self._take is not None and self._inbox_empty() and self._take(message):
+            return True
+        self._incoming = message
+        return False
+
+    def _inbox_empty(self) -> bool:
+        """No message is in the inbox or on its way to the consumer (handed to its waiting task,
+        which has not run yet): one taken now overtakes none."""
+        return self._handed == self._handed_out
 
     def _next_outgoing(self) -> Frames | None:
         """The next message to send (joined with those after it that may join it), or None."""

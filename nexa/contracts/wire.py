@@ -11,7 +11,8 @@ The data path (inference) uses four-frame messages `[kind, request_id, head, bod
 kinds in `DATA_KINDS`, multiplexed by request id. They are not Ed25519-signed: CurveZMQ already
 authenticates and encrypts every message of the channel (the controller knows the node from its
 Curve key through ZAP, the node pinned the controller's Curve key), and signing each stream chunk
-would cost more than relaying it. `head` is canonical JSON of the kind's head class (empty for
+would cost more than relaying it. `head` is canonical JSON of the kind's head class (read and
+written by `nexa.contracts.heads`, msgspec's compiled codec, as `codec.wire` would; empty for
 `chunk`, but for a stream's first: `ChunkHead`); `body` is opaque bytes (the runtime request for
 `infer`, runtime output for `chunk`). A node joins the data messages it has queued at once into
 one zmq message of several such groups of four, in order (`nexa.channel.framing.decode_data_batch`).

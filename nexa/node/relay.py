@@ -25,12 +25,13 @@ from collections.abc import Callable, Mapping
 from typing import Final, NoReturn
 
 import attrs
+import msgspec
 import trio
 
 from nexa.channel.endpoints import DataSender
 from nexa.channel.flow import SendWindow
 from nexa.config import RelayConfig
-from nexa.contracts import codec, wire
+from nexa.contracts import heads, wire
 from nexa.contracts.bounds import MAX_TOKENS
 from nexa.errors import ChannelError, ContractError
 from nexa.node.http1 import Response, RuntimeClient, RuntimeHTTPError
@@ -51,6 +52,8 @@ _END_SEND_TIMEOUT_S: Final = 10.0
 _PATH: Final = re.compile(r"/[A-Za-z0-9/_.\-]*")
 _NULL_USAGE: Final = (b'"usage":null', b'"usage": null')
 _DONE: Final = b"data: [DONE]"
+#: A runtime's answers and events (`_json`): msgspec's JSON decoder, to Python objects.
+_ANSWER_DECODER: Final = msgspec.json.Decoder()
 #: The header the relay names each request by (the runtime's own X-Request-Id is left to it).
 REQUEST_ID_HEADER: Final = "X-Nexa-Request-Id"
 
@@ -98,7 +101,10 @@ class _Request:
     reply: DataSender
     #: Chunks it may send ahead of the controller's credit.
     flow: SendWindow
+    #: Cancelled by the controller's `cancel`; its deadline is the request's.
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    #: The controller sent `cancel` (else a cancelled scope means the deadline passed).
+    cancelled: bool = False
     #: The runtime answered (status line received).
     responded: bool = False
     http_status: int | None = None
@@ -199,10 +205,11 @@ class NodeRelay:
             log.warning("dropped a %s frame of request %s: it came on another channel", frame.kind, frame.request_id)
             return
         if frame.kind == wire.CANCEL:
+            req.cancelled = True
             req.scope.cancel()
         elif frame.kind == wire.CREDIT:
             try:
-                credit = codec.loads(codec.wire, frame.head, wire.CreditHead)
+                credit = heads.decode(frame.head, wire.CreditHead)
             except ContractError:
                 self._dropped += 1
                 return
@@ -241,7 +248,7 @@ class NodeRelay:
             self._dropped += 1
             return
         try:
-            head: wire.InferHead | None = codec.loads(codec.wire, frame.head, wire.InferHead)
+            head: wire.InferHead | None = heads.decode(frame.head, wire.InferHead)
         except ContractError:
             head = None
         # The request id becomes an HTTP header value: printable ASCII only.
@@ -269,14 +276,17 @@ class NodeRelay:
         started = trio.current_time()
         head = req.head
         end = _error(CANCELLED)
+        # One scope per request: the controller's `cancel` cancels it, and it ends at the deadline.
+        req.scope.deadline = started + head.deadline_at - time.time()
         try:
             with req.scope:
-                with trio.move_on_at(started + head.deadline_at - time.time()) as timer:
-                    end = await self._call_guarded(req)
-                if timer.cancelled_caught:
-                    end = _error(DEADLINE_EXCEEDED, http_status=req.http_status)
+                end = await self._call_guarded(req)
             if req.scope.cancelled_caught:
-                end = wire.EndHead(status=wire.EndStatus.CANCELLED, code=CANCELLED, http_status=req.http_status)
+                end = (
+                    wire.EndHead(status=wire.EndStatus.CANCELLED, code=CANCELLED, http_status=req.http_status)
+                    if req.cancelled
+                    else _error(DEADLINE_EXCEEDED, http_status=req.http_status)
+                )
         finally:
             del self._requests[req.request_id]
         now = trio.current_time()
@@ -448,7 +458,7 @@ class NodeRelay:
             # is written when it arrives); the other chunks' heads stay empty.
             now = trio.current_time()
             spent = overhead_ms(req.arrived, req.sent_at, req.first_read_at, now)
-            head = codec.dumps(codec.wire, wire.ChunkHead(overhead_ms=spent)).encode()
+            head = heads.encode(wire.ChunkHead(overhead_ms=spent))
         try:
             # No wait where nothing blocks: the runtime's read before this was the checkpoint.
             req.reply.send_data_nowait(wire.CHUNK, req.request_id, head, data)
@@ -466,11 +476,16 @@ class NodeRelay:
         else:
             self._failed += 1
             log.debug("request %s ended: %s (runtime status %s)", request_id, end.code, end.http_status)
-        with trio.move_on_after(_END_SEND_TIMEOUT_S):
+        raw = heads.encode(end)
+        try:
             try:
-                await reply.send_data(wire.END, request_id, codec.dumps(codec.wire, end).encode(), b"")
-            except ChannelError:
-                log.warning("could not send the end of request %s: the channel is closed", request_id)
+                # No wait where nothing blocks (the outbox has room): no scope, no checkpoint.
+                reply.send_data_nowait(wire.END, request_id, raw, b"")
+            except trio.WouldBlock:
+                with trio.move_on_after(_END_SEND_TIMEOUT_S):
+                    await reply.send_data(wire.END, request_id, raw, b"")
+        except ChannelError:
+            log.warning("could not send the end of request %s: the channel is closed", request_id)
 
 
 def overhead_ms(arrived: float, sent_at: float | None, answered_at: float | None, now: float) -> float:
@@ -540,8 +555,10 @@ def _event_json(event: bytes) -> object:
 
 
 def _json(raw: bytes | bytearray) -> object:
-    """A runtime's JSON through the strict decoder (API limits: answers may be large), or None."""
+    """A runtime's JSON through msgspec's compiled decoder (as the controller checks answers and
+    events: `control.datapath.answers`), or None. Only `usage` and an error's message are read
+    here, and checked where they are (`_Usage.take`, `_error_message`)."""
     try:
-        return codec.parse_json(raw, codec.API_LIMITS)
-    except ContractError:
+        return _ANSWER_DECODER.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
         return None

@@ -217,6 +217,70 @@ async def test_data_frames_travel_both_ways_beside_signed_messages(fleet: Fleet)
             assert (got.frame.kind, got.frame.head) == (wire.END, b'{"status":"ok"}')
 
 
+async def test_take_data_hands_data_frames_over_in_the_pumps_task_in_order_and_leaves_the_rest_to_receive(
+    fleet: Fleet,
+) -> None:
+    """`Link.take_data`: well-formed data frames (a node's joined ones too) reach the handler in
+    order, with no `receive`; signed messages and refused data frames still come from `receive`,
+    and a frame behind a message waiting in the inbox waits its turn there."""
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    taken: list[tuple[str, wire.DataFrame]] = []
+    link.take_data(lambda node_id, frame: taken.append((node_id, frame)))
+
+    async def until(check: Any) -> None:
+        while not check():  # noqa: ASYNC110 - zmq's I/O thread sets no trio event
+            await trio.sleep(0.005)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with uplinked(fleet, n1, link) as uplink:
+            for n in range(50):  # queued at once: the uplink joins them into few zmq messages
+                uplink.send_data_nowait(wire.CHUNK, "r1", b"", b"%d" % n)
+            uplink.send_data_nowait(wire.END, "r1", b'{"status":"ok"}', b"")
+            await until(lambda: len(taken) == 51)
+            assert [f.body for _, f in taken[:50]] == [b"%d" % n for n in range(50)]
+            end = wire.DataFrame(kind=wire.END, request_id="r1", head=b'{"status":"ok"}', body=b"")
+            assert taken[-1] == ("n1", end)
+
+            received = link.statistics().received
+            await uplink.send(hello("n1"))
+            await until(lambda: link.statistics().received == received + 1)  # in the inbox, not read
+            uplink.send_data_nowait(wire.CHUNK, "r2", b"", b"behind the hello")
+            await until(lambda: link.statistics().received == received + 2)
+            assert isinstance(await link.receive_any(), links.Inbound)
+            behind = wire.DataFrame(kind=wire.CHUNK, request_id="r2", head=b"", body=b"behind the hello")
+            assert await link.receive_any() == links.DataInbound(node_id="n1", frame=behind)
+            assert len(taken) == 51
+        async with raw_node(fleet, n1, link) as pump:
+            await pump.send([b"infer", b"r3", b"{}", b""])  # a controller's kind: refused by `receive`
+            got = await link.receive_any()
+            assert isinstance(got, links.Refused) and isinstance(got.error, ContractError)
+            assert len(taken) == 51
+
+
+async def test_a_take_data_handler_that_raises_ends_neither_the_pump_nor_the_channel(fleet: Fleet) -> None:
+    n1 = fleet.enroll("n1")
+    link = fleet.link()
+    calls: list[bytes] = []
+
+    def handler(node_id: str, frame: wire.DataFrame) -> None:
+        calls.append(frame.body)
+        if frame.body == b"boom":
+            raise RuntimeError("a bug in the handler")
+
+    link.take_data(handler)
+    with trio.fail_after(TIMEOUT_S):
+        async with uplinked(fleet, n1, link) as uplink:
+            await uplink.send_data(wire.CHUNK, "r1", b"", b"boom")
+            await uplink.send(hello("n1"))
+            assert isinstance(await link.receive_any(), links.Inbound)  # the channel still works
+            assert calls == [b"boom"]
+            await link.send_data("n1", wire.CREDIT, "r1", b'{"chunks":1}', b"")
+            assert (await uplink.receive()) == wire.DataFrame(
+                kind=wire.CREDIT, request_id="r1", head=b'{"chunks":1}', body=b""
+            )
+
+
 async def test_data_frames_of_the_wrong_direction_or_shape_are_refused(fleet: Fleet) -> None:
     """A raw Curve client with an enrolled key sends what a node agent never would."""
     n1 = fleet.enroll("n1")

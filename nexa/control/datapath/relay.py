@@ -21,7 +21,7 @@ import attrs
 import trio
 
 from nexa.channel.flow import CreditReturn
-from nexa.contracts import codec, wire
+from nexa.contracts import heads, wire
 from nexa.errors import ChannelError, Conflict, ContractError
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ MALFORMED: Final = "malformed"
 def _chunk_overhead(head: bytes) -> float | None:
     """The overhead figure of a first chunk's head; NaN (refused later, and counted) when unreadable."""
     try:
-        return codec.loads(codec.wire, head, wire.ChunkHead).overhead_ms
+        return heads.decode(head, wire.ChunkHead).overhead_ms
     except ContractError:
         return math.nan
 
@@ -287,7 +287,7 @@ class Relay:
         self._streams[request_id] = stream
         self._by_node[node_id].add(request_id)
         try:
-            await self._link.send_data(node_id, wire.INFER, request_id, codec.dumps(codec.wire, head).encode(), body)
+            await self._link.send_data(node_id, wire.INFER, request_id, heads.encode(head), body)
             stream._node_busy = True
             self._frames_out += 1
             self._opened += 1
@@ -333,7 +333,7 @@ class Relay:
         if frame.kind == wire.END:
             refused = None
             try:
-                end = codec.loads(codec.wire, frame.head, wire.EndHead)
+                end = heads.decode(frame.head, wire.EndHead)
             except ContractError as exc:
                 self._protocol_errors += 1
                 refused = MALFORMED
@@ -410,7 +410,7 @@ class Relay:
         )
 
     async def _credit(self, stream: RelayStream, chunks: int) -> None:
-        head = codec.dumps(codec.wire, wire.CreditHead(chunks=chunks)).encode()
+        head = heads.encode(wire.CreditHead(chunks=chunks))
         try:
             await self._link.send_data(stream.node_id, wire.CREDIT, stream.request_id, head, b"")
         except ChannelError:
@@ -419,7 +419,7 @@ class Relay:
 
     def _cancel(self, stream: RelayStream, reason: str) -> None:
         # Sync and non-blocking: it runs while the consumer is being cancelled.
-        head = codec.dumps(codec.wire, wire.CancelHead(reason=reason)).encode()
+        head = heads.encode(wire.CancelHead(reason=reason))
         try:
             self._link.send_data_nowait(stream.node_id, wire.CANCEL, stream.request_id, head, b"")
         except (trio.WouldBlock, ChannelError):

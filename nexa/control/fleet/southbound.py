@@ -7,8 +7,9 @@ signed messages and every other liveness beat to control),
 control (verify, replay-check, record, audit), liveness (a node with no good heartbeat for
 `lease_s` becomes Unreachable) and renewal (re-sign each reachable node's set before its lease
 lapses). Data frames go straight to `self.relay` (no store, no audit, no signature check) and
-never wait behind control work; a node that becomes Unreachable, is revoked or says hello again
-loses its open streams.
+never wait behind control work: the link's pump hands them over in its own task when nothing waits
+before them in its inbox (`Link.take_data`), the receive loop the others; a node that becomes
+Unreachable, is revoked or says hello again loses its open streams.
 
 Control never blocks data: the receive loop hands signed messages (and refusals to audit) to the
 control loop through a bounded channel, in arrival order (so one node's messages stay in order),
@@ -63,6 +64,7 @@ from nexa.contracts.wire import (
     Ack,
     AssignmentSet,
     ControllerKeysAnnounced,
+    DataFrame,
     Heartbeat,
     Hello,
     KeysRotated,
@@ -177,6 +179,8 @@ class Southbound:
             retired_dial=self._retired_dial,
             on_disconnect=self._disconnected,
         )
+        # Data frames go to the relay from the link's pump, with no task switch (`Link.take_data`).
+        self._link.take_data(self._deliver_data)
         # The channel's two endpoints (`ChannelConfig.endpoint`) and their rotation's mechanics.
         self._endpoints = ServedEndpoints(self._link, channel.endpoint, slot=slot)
         fleet.limit_writes(RateLimiter(channel.node_store_writes_per_s, channel.node_store_writes_burst))
@@ -274,15 +278,18 @@ class Southbound:
             if not reachable:
                 self.relay.node_lost(node_id)
 
+    def _deliver_data(self, node_id: str, frame: DataFrame) -> None:
+        # Hot path: a refused frame is only counted. Never blocks or raises (`Relay.deliver`).
+        refused = self.relay.deliver(node_id, frame)
+        if refused is not None:
+            self._metrics.node_messages_rejected.labels(refused).inc()
+
     async def _receive_loop(self) -> None:
         # The link's only reader. Nothing here waits but the link: no store, no audit, no signature.
         while True:
             got = await self._link.receive_unverified()
             if isinstance(got, DataInbound):
-                # Hot path: a refused frame is only counted.
-                refused = self.relay.deliver(got.node_id, got.frame)
-                if refused is not None:
-                    self._metrics.node_messages_rejected.labels(refused).inc()
+                self._deliver_data(got.node_id, got.frame)
                 continue
             if isinstance(got, Alive):
                 # Hot path too: a node in good standing only moves its clock, in memory.
