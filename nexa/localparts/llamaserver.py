@@ -5,7 +5,8 @@ llama.cpp's source): the binary and its shared libraries in /app, `WORKDIR /app`
 
 The source is the llama.cpp that the llama-cpp-python sdist on PyPI vendors (`vendor/llama.cpp`, with
 `tools/server`), fetched with pip (PyPI is the one package index the build machines reach). It is built
-with cmake for the CPU (no native tuning, no TLS, no curl, no web UI download), `llama-server` only, and
+with cmake for the CPU (no native tuning, no TLS, no curl, no web UI download, the RPC backend on),
+`llama-server` and the RPC backend's worker (`ggml-rpc-server`, as this llama.cpp names `rpc-server`) only, and
 packed into `cache_dir()` under a name keyed by the recipe: the first run builds it (about 15 minutes
 on a 2-core machine), later runs unpack it. The image is built on the cached Debian python image
 (`images.build_python_image`), which carries curl and libgomp.
@@ -33,7 +34,9 @@ from nexa.localparts.podman import LocalPodman
 
 #: The sdist whose `vendor/llama.cpp` is built (the version the llama-cpp-python runtime image carries).
 LLAMA_SERVER_SDIST: Final = ("llama-cpp-python", "0.3.36")
-#: cmake's cache arguments: a portable CPU build of the server alone, nothing fetched while building.
+#: cmake's cache arguments: a portable CPU build of the server and the RPC worker, nothing fetched while building.
+#: `GGML_RPC`: the RPC backend (`llama-server --rpc HOST:PORT,…` on a group's head, `ggml-rpc-server` on its
+#: workers), as llama.cpp's tools/rpc/README.md builds it; the published CPU image leaves it off.
 #: `CMAKE_BUILD_RPATH_USE_ORIGIN`: the binary finds its libraries beside it ($ORIGIN), wherever it lies.
 CMAKE_ARGS: Final = (
     "-DCMAKE_BUILD_TYPE=Release",
@@ -46,8 +49,11 @@ CMAKE_ARGS: Final = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_UI=OFF",
     "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
+    "-DGGML_RPC=ON",
 )
 BUILD_TARGET: Final = "llama-server"
+#: The RPC backend's worker program, built beside the server (tools/rpc: target `ggml-rpc-server`).
+RPC_TARGET: Final = "ggml-rpc-server"
 BUILD_JOBS: Final = 2
 #: 15 minutes on a 2-core machine shared with other work; a slower one gets this long.
 BUILD_TIMEOUT_S: Final = 3600.0
@@ -65,8 +71,8 @@ def llama_server_name() -> str:
         "sdist": LLAMA_SERVER_SDIST,
         "source": "vendor/llama.cpp",
         "cmake": CMAKE_ARGS,
-        "target": BUILD_TARGET,
-        "pack": "bin/llama-server bin/lib*.so*",
+        "target": [BUILD_TARGET, RPC_TARGET],
+        "pack": "bin/llama-server bin/ggml-rpc-server bin/lib*.so*",
     }
     return recipe_name(f"llama-server-{LLAMA_SERVER_SDIST[1]}", recipe)
 
@@ -118,13 +124,13 @@ def _build(dest: Path) -> None:
         generator = ["-G", "Ninja"] if shutil.which("ninja") else []
         _run(["cmake", "-S", str(source), "-B", str(build), *generator, *CMAKE_ARGS], work / "cmake.log", 600)
         _run(
-            ["cmake", "--build", str(build), "--target", BUILD_TARGET, f"-j{BUILD_JOBS}"],
+            ["cmake", "--build", str(build), "--target", BUILD_TARGET, RPC_TARGET, f"-j{BUILD_JOBS}"],
             work / "build.log",
             BUILD_TIMEOUT_S,
         )
         binaries = build / "bin"
         with tarfile.open(packed, "w:gz") as archive:
-            for path in sorted([binaries / BUILD_TARGET, *binaries.glob("lib*.so*")]):
+            for path in sorted([binaries / BUILD_TARGET, binaries / RPC_TARGET, *binaries.glob("lib*.so*")]):
                 archive.add(path, arcname=path.name)  # symbolic links stay links
         with packed.open("rb") as f:
             os.fsync(f.fileno())
@@ -199,8 +205,9 @@ def _run(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | Non
 
 def build_llama_server_image(podman: LocalPodman, python_image: str, remote: str, work: Path, cache: Path) -> str:
     """`python_image` with the cached `llama-server` (built first if need be) laid out as llama.cpp's
-    published server image, pushed to `remote` (`host/repo`): `host/repo@sha256:…`. The local image and
-    the local copy of `python_image` are removed."""
+    published server image, pushed to `remote` (`host/repo`): `host/repo@sha256:…`. `/app` also holds the
+    RPC worker `ggml-rpc-server`, as the published `full` image holds every program its build made
+    (`cp build/bin/* /app`). The local image and the local copy of `python_image` are removed."""
     tarball, _ = llama_server_build(cache)
     app = work / "app"
     app.mkdir(parents=True, exist_ok=True)
