@@ -129,7 +129,7 @@ class ZmqPump:
                 events = read_events(sock)
                 progressed = False
                 if self._incoming is None and events & zmq.POLLIN:
-                    self._incoming = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    self._incoming = receive_frames(sock)
                     self._received += 1
                 if self._incoming is not None:
                     try:
@@ -215,6 +215,19 @@ class ZmqPump:
             self._dropped += 1
             log.warning("dropped a %d-frame message: the peer is no longer connected", len(frames))
         return True
+
+
+def receive_frames(sock: _Socket) -> list[zmq.Frame]:
+    """One whole message, its frames not copied: `recv_multipart(NOBLOCK, copy=False)` without its
+    RCVMORE query after every frame (each received frame says whether more follow). zmq delivers a
+    message's frames together, so none after the first can be missing. About 6 µs less a message
+    (`perf/southbound_fanin.py`: most of what 1,000 nodes send are 4-frame liveness beats)."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
 
 
 def read_events(sock: _Socket) -> int:
