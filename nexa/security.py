@@ -22,10 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import attrs
-from cryptography.exceptions import InvalidSignature, InvalidTag
-from cryptography.hazmat.primitives import serialization
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from nexa.contracts import codec
 from nexa.errors import (
@@ -85,7 +83,7 @@ class PublicKey:
 
     @property
     def raw(self) -> bytes:
-        return self._key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return self._key.public_bytes_raw()
 
     @property
     def b64(self) -> str:
@@ -130,6 +128,8 @@ def generate_signing_key() -> SigningKey:
 
 def save_signing_key(key: SigningKey, path: Path, *, overwrite: bool = False) -> None:
     """Write the private key as unencrypted PKCS#8 PEM, mode 0600, atomically."""
+    from cryptography.hazmat.primitives import serialization  # only here: see `_ED25519_PKCS8_DER`
+
     pem = key._key.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -145,6 +145,11 @@ def load_signing_key(path: Path) -> SigningKey:
 
 def signing_key_from_pem(pem: bytes, *, source: str) -> SigningKey:
     """The key in the PEM bytes `save_signing_key` writes; ConfigError naming `source` otherwise."""
+    seed = _ed25519_pkcs8_seed(pem)
+    if seed is not None:
+        return SigningKey(Ed25519PrivateKey.from_private_bytes(seed))
+    from cryptography.hazmat.primitives import serialization  # only here: see `_ED25519_PKCS8_DER`
+
     try:
         key = serialization.load_pem_private_key(pem, password=None)
     except (ValueError, TypeError):
@@ -152,6 +157,29 @@ def signing_key_from_pem(pem: bytes, *, source: str) -> SigningKey:
     if not isinstance(key, Ed25519PrivateKey):
         raise ConfigError(f"{source} holds a {type(key).__name__}, not an Ed25519 key")
     return SigningKey(key)
+
+
+#: The DER of an unencrypted PKCS#8 Ed25519 key (RFC 8410) up to its 32-byte seed: what
+#: `save_signing_key` writes, always. A node agent reads its key at every start; taking the seed from
+#: this exact form keeps `cryptography`'s serialization package (its SSH, RSA, DSA and EC modules,
+#: about 1 MiB) out of the agent's memory (`perf/node_memory.py`). Any other PEM goes through
+#: `load_pem_private_key`, as before.
+_ED25519_PKCS8_DER: Final = bytes.fromhex("302e020100300506032b657004220420")
+_PEM_PRIVATE_KEY: Final = (b"-----BEGIN PRIVATE KEY-----", b"-----END PRIVATE KEY-----")
+
+
+def _ed25519_pkcs8_seed(pem: bytes) -> bytes | None:
+    """The seed of `pem` when it is exactly an unencrypted PKCS#8 Ed25519 key in one PEM block."""
+    lines = pem.strip().splitlines()
+    if len(lines) < 3 or (lines[0].strip(), lines[-1].strip()) != _PEM_PRIVATE_KEY:
+        return None
+    try:
+        der = base64.b64decode(b"".join(line.strip() for line in lines[1:-1]), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if len(der) != len(_ED25519_PKCS8_DER) + 32 or not der.startswith(_ED25519_PKCS8_DER):
+        return None
+    return der[len(_ED25519_PKCS8_DER) :]
 
 
 # --- key files ----------------------------------------------------------------------------------
@@ -687,11 +715,16 @@ def seal(key: bytes, header: bytes, nonce: bytes, plaintext: bytes) -> bytes:
     data: the ciphertext with its 16-byte tag."""
     if len(plaintext) > BACKUP_MAX_BYTES:
         raise ValueError(f"AES-GCM seals at most {BACKUP_MAX_BYTES} bytes at once")
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # the controller's alone (backups)
+
     return AESGCM(key).encrypt(nonce, plaintext, header)
 
 
 def unseal(key: bytes, header: bytes, nonce: bytes, ciphertext: bytes) -> bytes | None:
     """The plaintext `seal` made, or None when key, header, nonce or ciphertext is not what was sealed."""
+    from cryptography.exceptions import InvalidTag  # the controller's alone (backups)
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
     try:
         return AESGCM(key).decrypt(nonce, ciphertext, header)
     except (InvalidTag, ValueError):

@@ -89,6 +89,42 @@ def test_loading_a_missing_or_garbage_key_is_a_config_error(tmp_path: Path) -> N
         security.load_signing_key(garbage)
 
 
+def test_a_pem_key_reads_as_cryptography_reads_it_in_every_form() -> None:
+    """The seed of the PKCS#8 form `save_signing_key` writes is read without cryptography's loader
+    (`_ED25519_PKCS8_DER`); any other form still goes through it: the same key either way, and a
+    key of another kind or a damaged one is still a ConfigError."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_private_key
+
+    key = security.generate_signing_key()
+    pem = key._key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    assert security._ed25519_pkcs8_seed(pem) == key._key.private_bytes_raw()
+    assert security.signing_key_from_pem(pem, source="k").public == key.public
+    # The OpenSSH form of the same key is neither the fast path's nor a PEM the loader reads.
+    openssh = key._key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    assert security._ed25519_pkcs8_seed(openssh) is None
+    with pytest.raises(ConfigError, match="not an unencrypted PEM"):
+        security.signing_key_from_pem(openssh, source="k")
+    # Line endings and surrounding blank lines do not matter to either path.
+    assert security.signing_key_from_pem(b"\n" + pem.replace(b"\n", b"\r\n"), source="k").public == key.public
+    ec = generate_private_key(SECP256R1()).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    assert security._ed25519_pkcs8_seed(ec) is None
+    with pytest.raises(ConfigError, match="not an Ed25519 key"):
+        security.signing_key_from_pem(ec, source="k")
+    damaged = pem.replace(pem.splitlines()[1][:8], b"AAAAAAAA")
+    assert security._ed25519_pkcs8_seed(damaged) is None
+    with pytest.raises(ConfigError, match="not an unencrypted PEM"):
+        security.signing_key_from_pem(damaged, source="k")
+    signed = security.sign(security.signing_key_from_pem(pem, source="k"), b"kind", b"body")
+    security.verify(key.public, signed, b"kind", b"body")
+
+
 def test_public_key_files_are_world_readable(tmp_path: Path) -> None:
     path = tmp_path / "controller.pub"
     security.write_key_file(path, b"abc\n", private=False)

@@ -507,8 +507,10 @@ class Link:
         """
         if self._batched:
             return self._batched.popleft()
-        # A checkpoint first: when the link is being cancelled, callers see Cancelled, not ChannelClosed.
-        await trio.lowlevel.checkpoint()
+        # When the link is being cancelled, callers see Cancelled, not ChannelClosed. No schedule
+        # point here otherwise: the inbox's receive has one, and a second per message (a pass of
+        # the run loop each) was a fair part of a liveness beat's cost (`perf/southbound_fanin.py`).
+        await trio.lowlevel.checkpoint_if_cancelled()
         frames = await self._running().receive()
         try:
             node_id = frames[-1].get("User-Id")  # set by our ZAP handler, so by the Curve key

@@ -182,7 +182,7 @@ class ZmqPump:
     def _read(self) -> bool:
         """Receive one message: True when `take` took it (in this task: no task switch for it),
         else it waits in `_incoming` for room in the inbox."""
-        message = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        message = receive_frames(self._sock)
         self._received += 1
         if self._take is not None and self._inbox_empty() and self._take(message):
             return True
@@ -240,6 +240,19 @@ class ZmqPump:
             self._dropped += 1
             log.warning("dropped a %d-frame message: the peer is no longer connected", len(frames))
         return True
+
+
+def receive_frames(sock: _Socket) -> list[zmq.Frame]:
+    """One whole message, its frames not copied: `recv_multipart(NOBLOCK, copy=False)` without its
+    RCVMORE query after every frame (each received frame says whether more follow). zmq delivers a
+    message's frames together, so none after the first can be missing. About 6 µs less a message
+    (`perf/southbound_fanin.py`: most of what 1,000 nodes send are 4-frame liveness beats)."""
+    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frames = [frame]
+    while frame.more:
+        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frames.append(frame)
+    return frames
 
 
 def read_events(sock: _Socket) -> int:

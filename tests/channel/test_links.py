@@ -23,6 +23,7 @@ from zmq.utils import z85
 
 from nexa import security
 from nexa.channel import framing, links
+from nexa.channel.pump import receive_frames
 from nexa.contracts import codec, wire
 from nexa.errors import (
     BadSignature,
@@ -138,6 +139,29 @@ async def test_messages_round_trip_in_both_directions(fleet: Fleet) -> None:
 
 
 @pytest.mark.slow
+def test_a_pump_receives_each_message_whole_and_alone() -> None:
+    """`receive_frames` takes one message's frames (empty ones too), and only that message's."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+        router.bind("inproc://pump-frames")
+        dealer.setsockopt(zmq.IDENTITY, b"n1")
+        dealer.connect("inproc://pump-frames")
+        dealer.send_multipart([b"alive", b"", b"x" * 10_000, b""])
+        dealer.send(b"one")
+        while not router.poll(100):
+            pass
+        first = receive_frames(router)
+        assert [f.bytes for f in first] == [b"n1", b"alive", b"", b"x" * 10_000, b""]
+        assert [f.bytes for f in receive_frames(router)] == [b"n1", b"one"]
+        with pytest.raises(zmq.Again):
+            receive_frames(router)
+        router.close(linger=0)
+        dealer.close(linger=0)
+    finally:
+        ctx.term()
+
+
 async def test_2000_round_trips_through_two_slot_channels_do_not_deadlock(fleet: Fleet) -> None:
     """The consumer answers every message with two while the producer keeps sending. A pump
     that blocked on delivery would stop sending and deadlock against it."""

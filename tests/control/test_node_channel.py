@@ -160,6 +160,11 @@ async def test_a_node_is_joining_until_its_inventory_arrives_then_ready(controll
             return (await node_view(controller, "n1"))["state"] == "Ready"
 
         await wait_for(ready)
+        async with controller.client() as http:
+            metrics = (await http.get("/metrics")).text
+        # Counted at the scrape: Joining to Ready is no reachability change, and the gauge follows it.
+        assert 'nexa_nodes{state="Ready"} 1.0' in metrics
+        assert 'nexa_nodes{state="Joining"} 0.0' in metrics
     assert (await node_view(controller, "n1"))["inventory"]["gpus"]
 
 

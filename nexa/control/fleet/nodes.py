@@ -163,7 +163,6 @@ class Fleet:
                 self._by_curve[curve] = live.node.id
         for node_id, key_id in (await self._store.run(st.load_reenrollment)).items():
             self._nodes[NodeId(node_id)].reenroll_key_id = key_id
-        self._refresh_gauges()
 
     async def refresh(self) -> None:
         """Re-read the node records another controller on the store changed (`follow.ChangeFeed`):
@@ -198,7 +197,6 @@ class Fleet:
                     changed = True
             if changed:
                 self.version += 1
-                self._refresh_gauges()
                 self._changed()
 
     def _rekeyed(self, live: NodeLive, node: Node) -> None:
@@ -348,7 +346,10 @@ class Fleet:
             counts[live.state] += 1
         return counts
 
-    def _refresh_gauges(self) -> None:
+    def refresh_gauges(self) -> None:
+        """Set `nexa_nodes` (enrolled nodes by state) from the fleet as it is now: at each scrape of
+        `/metrics`, on the loop. Counting walks every node, so it is done when read, not at each
+        change (with 1,000 nodes a storm of reachability changes made that quadratic)."""
         for state, count in self.counts().items():
             self._metrics.nodes.labels(state.value).set(count)
 
@@ -421,7 +422,6 @@ class Fleet:
             await self._leadership.write(st.save_desired, desired, None)
             self._add(node, None, desired)
         self._metrics.audit_events.labels("ok").inc()
-        self._refresh_gauges()
         log.info("node enrolled", extra={"fields": {"node": node.id}})
         return node
 
@@ -460,7 +460,6 @@ class Fleet:
                 if live.previous_keys is not None:
                     self._by_curve.pop(live.previous_keys[1], None)
                 live.reachable = False
-        self._refresh_gauges()
         self._changed()
         return live
 
@@ -575,7 +574,6 @@ class Fleet:
             self._metrics.audit_events.labels(event.result.value).inc()
         log.warning("node %s needs re-enrollment: %s", live.node.id, detail, extra={"fields": {"node": live.node.id}})
         self.version += 1
-        self._refresh_gauges()
         self._changed()
 
     # ---- what the node channel reports -------------------------------------------------------------
@@ -720,7 +718,6 @@ class Fleet:
         draft = audit_draft(SYSTEM, action, f"node/{live.node.id}", detail=detail)
         event = await self._store.run(st.record_audit, draft)
         self._metrics.audit_events.labels(event.result.value).inc()
-        self._refresh_gauges()
         self._changed()
 
     async def record_ack(self, live: NodeLive, ack: Ack) -> None:

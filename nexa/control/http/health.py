@@ -85,6 +85,7 @@ async def cluster(s: AppState) -> Response:
 async def metrics(s: AppState) -> Response:
     for role, count in s.accounts.active_keys_by_role().items():
         s.metrics.api_keys.labels(role.value).set(count)
+    s.fleet.refresh_gauges()
     # The fleet's figures are read here, on the loop; the text (long with a large fleet) is
     # written on a worker thread, so a scrape never stalls the data path.
     fleet = s.fleet.figures()
