@@ -800,6 +800,10 @@ class EngineUnderTest:
                 api.delete(f"/containers/{container['Id']}", params={"force": "true", "v": "true"})
 
 
+#: The label the engine tests put on their containers (value: one per test), removed by it at the end.
+RUN_LABEL: Final = "nexa-test.run"
+
+
 @pytest.fixture(params=ENGINES)
 def container_engine(request: pytest.FixtureRequest) -> EngineUnderTest:
     """Each engine in turn; only the services the engine needs are started (once per run)."""

@@ -1,13 +1,16 @@
 """Fixtures of the node tests: `artifact`, a 1 MiB object in the run's S3 store, and `node`, a
 `nexa node` process (tests/support/agent_process.py) on the run's podman and S3 store, enrolled with
-a `FakeController`; its containers are removed when the test ends."""
+a `FakeController`; its containers are removed when the test ends. For the container engine tests:
+`engine`, the driver of each engine in turn with the busybox test image stored, and `run_labels`,
+the test's own `RUN_LABEL`, whose containers are removed when it ends."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import time
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ import trio
 
 from nexa.config import NodeConfig
 from nexa.contracts.runtime import ArtifactRef
-from tests.realparts import PodmanService, S3Store
+from nexa.node.engines.interface import ContainerEngine
+from tests.realparts import RUN_LABEL, BuiltImages, EngineUnderTest, PodmanService, S3Store
 from tests.support.agent_process import AgentProcess, podman
 from tests.support.nodes import FakeController, node_config
 from tests.support.s3 import write_credentials
@@ -81,3 +85,20 @@ async def ctl(nursery: trio.Nursery, state_dir: Path) -> FakeController:
         await controller.start()
     controller.enroll(state_dir)
     return controller
+
+
+@pytest.fixture
+def run_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
+    value = uuid.uuid4().hex[:12]
+    try:
+        yield {RUN_LABEL: value}
+    finally:
+        container_engine.remove_labelled(RUN_LABEL, value)
+
+
+@pytest.fixture
+async def engine(container_engine: EngineUnderTest, test_images: BuiltImages) -> AsyncIterator[ContainerEngine]:
+    """The driver of each engine in turn (libpod, podman's Docker API, dockerd), the image stored."""
+    await container_engine.store_image(test_images.busybox)
+    async with container_engine.client() as client:
+        yield client

@@ -41,11 +41,10 @@ from nexa.control.registry.outbound import Outbound
 from nexa.localparts import build_image, free_ports
 from nexa.node.engines.interface import ContainerEngine
 from nexa.node.supervisor import Supervisor
-from tests.realparts import BuiltImages, EngineUnderTest, OciRegistry, PodmanService
+from tests.realparts import RUN_LABEL, BuiltImages, EngineUnderTest, OciRegistry, PodmanService
 from tests.support.adapters import model
 from tests.support.supervisor import FakeArtifacts
 
-RUN_LABEL = "nexa-test.run"
 RUNTIME_HOST = "127.0.0.66"
 TIMEOUT_S = 90
 MiB = 1024 * 1024

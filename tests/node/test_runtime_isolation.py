@@ -39,10 +39,9 @@ from nexa.node.engines.interface import ContainerEngine
 from nexa.node.engines.libpod import LibpodEngine
 from nexa.node.runtime_cache import RuntimeCaches, cache_key
 from nexa.node.supervisor import Supervisor
-from tests.realparts import BuiltImages, EngineUnderTest, PodmanService
+from tests.realparts import RUN_LABEL, BuiltImages, EngineUnderTest, PodmanService
 from tests.support.supervisor import FakeArtifacts, small_spec
 
-RUN_LABEL = "nexa-test.run"
 #: A loopback address the node's runtimes are NOT published on; the test listens there.
 OUTSIDE_HOST = "127.0.0.77"
 #: The node's runtime address in these tests.
@@ -74,14 +73,6 @@ def engine_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]
         yield {RUN_LABEL: value, container_spec.LABEL_NODE: f"n-{value}"}
     finally:
         container_engine.remove_labelled(RUN_LABEL, value)
-
-
-@pytest.fixture
-async def engine(container_engine: EngineUnderTest, test_images: BuiltImages) -> AsyncIterator[ContainerEngine]:
-    """The driver of each engine in turn (libpod, podman's Docker API, dockerd), the image stored."""
-    await container_engine.store_image(test_images.busybox)
-    async with container_engine.client() as client:
-        yield client
 
 
 @pytest.fixture

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import base64
 import json
-import uuid
-from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +29,12 @@ from nexa.node.engines.docker import (
 from nexa.node.engines.interface import ContainerEngine
 from nexa.node.engines.libpod import create_body as libpod_create_body
 from nexa.oci import RegistryAuths, RegistryCredentials
-from tests.realparts import BuiltImages, EngineUnderTest
+from tests.realparts import RUN_LABEL, BuiltImages, EngineUnderTest
 from tests.support.supervisor import small_spec
 
 MiB = 1024 * 1024
 DIGEST = "sha256:" + "ab" * 32
 IMAGE = f"registry.example:5000/nexa/runtime@{DIGEST}"
-RUN_LABEL = "nexa-test.run"
 RUNTIME_HOST = "127.0.0.67"
 TIMEOUT_S = 60
 
@@ -251,22 +248,6 @@ async def test_cdi_gpus_on_an_engine_without_cdi_device_requests_are_refused() -
 
 
 # --- the real engines -----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def run_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
-    value = uuid.uuid4().hex[:12]
-    try:
-        yield {RUN_LABEL: value}
-    finally:
-        container_engine.remove_labelled(RUN_LABEL, value)
-
-
-@pytest.fixture
-async def engine(container_engine: EngineUnderTest, test_images: BuiltImages) -> AsyncIterator[ContainerEngine]:
-    await container_engine.store_image(test_images.busybox)
-    async with container_engine.client() as client:
-        yield client
 
 
 async def _wait_exit(client: ContainerEngine, container_id: str) -> int:

@@ -14,7 +14,6 @@ proven on a container without it; where the capability exists, `ulimit -l` is ch
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Iterator
 
 import attrs
 import pytest
@@ -27,9 +26,8 @@ from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import HealthProbe, RuntimeSpec
 from nexa.errors import EngineError
 from nexa.node.engines.interface import ContainerEngine
-from tests.realparts import BuiltImages, EngineUnderTest
+from tests.realparts import BuiltImages
 
-RUN_LABEL = "nexa-test.run"
 TIMEOUT_S = 60
 MiB = 1024 * 1024
 UVERBS = "/dev/infiniband/uverbs0"
@@ -49,22 +47,6 @@ SCRIPT = (
     "touch /tmp/ok || exit 20; "
     "exit 0"
 )
-
-
-@pytest.fixture
-def run_labels(container_engine: EngineUnderTest) -> Iterator[dict[str, str]]:
-    value = uuid.uuid4().hex[:12]
-    try:
-        yield {RUN_LABEL: value}
-    finally:
-        container_engine.remove_labelled(RUN_LABEL, value)
-
-
-@pytest.fixture
-async def engine(container_engine: EngineUnderTest, test_images: BuiltImages) -> AsyncIterator[ContainerEngine]:
-    await container_engine.store_image(test_images.busybox)
-    async with container_engine.client() as client:
-        yield client
 
 
 def rank_spec(image: str, fabric: FabricAccess, script: str) -> RuntimeSpec:

@@ -40,9 +40,8 @@ from nexa.node.engines import http as engine_http
 from nexa.node.engines.http import EngineAnswer
 from nexa.node.engines.libpod import API_BASE, LibpodEngine
 from nexa.oci import RegistryAuths, RegistryCredentials, load_registry_credentials
-from tests.realparts import BuiltImages, FakeGpu, PodmanService
+from tests.realparts import RUN_LABEL, BuiltImages, FakeGpu, PodmanService
 
-RUN_LABEL = "nexa-test.run"
 MiB = 1024 * 1024
 #: PID 1 that exits 0 on SIGTERM (busybox sh runs the trap once `wait` is interrupted).
 GRACEFUL = ["sh", "-c", "trap 'exit 0' TERM; sleep 600 & wait"]
