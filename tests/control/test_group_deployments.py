@@ -3,9 +3,11 @@ the `nexa` CLI against a controller checking a real OCI registry and S3 store, w
 heartbeating real GB10 inventories over the real CurveZMQ channel, enrolled with `fabric` labels
 (the admin's, through their enrollment tokens).
 
-Nodes do not start groups yet: a group is placed and its members' resources reserved, but no
-member is put into a node's signed set (every node stays at its first generation), and the
-deployment shows the group pending.
+These nodes have a fabric label but no fabric address (none discovered, no `fabric-address` label),
+so a group cannot start: it is placed and its members' resources reserved, but no member is put
+into a node's signed set (every node stays at its first generation), and the deployment shows the
+group pending, saying why. Starting groups is tested in tests/control/test_group_runs.py and
+end to end over llama.cpp RPC in tests/e2e/test_llama_rpc_group.py.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import trio
 
-from nexa.contracts.deployments import GROUP_PENDING, GROUP_START_NOT_SUPPORTED
+from nexa.contracts.deployments import GROUP_PENDING
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, node_view, ok, wait_for
@@ -25,6 +27,8 @@ from tests.support.realmodel import cli
 GIB = 2**30
 #: More than one GB10's pool holds; half of it (plus llama.cpp's overhead) fits each of two.
 BIG = 150 * GIB
+#: Why their groups stay pending.
+NO_ADDRESS = "node n1 has no fabric address: link its RDMA port so it discovers one, or set its fabric-address label"
 FABRICS = {"n1": "ib0", "n2": "ib0", "n3": "ib1", "n4": "ib1", "n5": None}
 
 
@@ -66,7 +70,13 @@ async def test_a_group_is_placed_on_one_fabric_shown_held_back_from_the_nodes_an
     [replica] = dep["placed"]
     assert (replica["node_id"], replica["gpus"]) == ("n1", ["nvidia.com/gpu=0"])
     assert view["groups"] == [
-        {"replica_id": replica["id"], "state": GROUP_PENDING, "detail": GROUP_START_NOT_SUPPORTED, "canary": False}
+        {
+            "replica_id": replica["id"],
+            "state": GROUP_PENDING,
+            "detail": NO_ADDRESS,
+            "canary": False,
+            "members": [{"rank": 0, "node_id": "n1", "state": ""}, {"rank": 1, "node_id": "n2", "state": ""}],
+        }
     ]
     assert view["ready"] == 0
     fabrics = {f["fabric"]: f for f in placement["decision"]["fabrics"]}
@@ -78,7 +88,7 @@ async def test_a_group_is_placed_on_one_fabric_shown_held_back_from_the_nodes_an
         assert (await node_view(dep_reg, name))["desired_generation"] == 1
 
     shown = await trio.to_thread.run_sync(cli, dep_reg, "deployments", "show", "big")
-    assert f"group    {replica['id']}, 2 nodes: pending: group start not yet supported" in shown
+    assert f"group    {replica['id']}, 2 nodes: pending: {NO_ADDRESS}" in shown
     assert "  rank 0 (head): n1, GPUs nvidia.com/gpu=0" in shown
     assert "  rank 1: n2, GPUs nvidia.com/gpu=0" in shown
     explained = await trio.to_thread.run_sync(cli, dep_reg, "deployments", "placement", "big")
