@@ -42,7 +42,7 @@ from nexa.contracts.deployments import Deployment, Replica
 from nexa.contracts.domain import NodeState
 from nexa.contracts.groups import FabricAccess, GroupMember, GroupRole
 from nexa.contracts.node import LabelKey
-from nexa.contracts.wire import Assignment, RuntimeState
+from nexa.contracts.wire import Assignment, AssignmentStatus, RuntimeState
 from nexa.control.deployments.records import all_replicas
 from nexa.control.fleet import grants
 from nexa.control.fleet.nodes import Fleet, NodeLive
@@ -96,6 +96,9 @@ class GroupRun:
     restart_at: float = 0.0
     #: The ranks seen Ready since the last start.
     seen_ready: set[int] = attrs.Factory(set)
+    #: Each rank's crash restarts as its node first reported them since the last start: a node
+    #: that restarts a member by itself (its container died) has failed the group.
+    restarts: dict[int, int] = attrs.Factory(dict)
 
     def released(self) -> list[int]:
         """The ranks whose assignments are in their nodes' sets now."""
@@ -236,21 +239,23 @@ class GroupRuns:
                 if now < run.restart_at:
                     next_at = min(next_at, run.restart_at)
                 elif all(self._node_state(m.node_id) not in _LOST for m in r.members):
-                    run.phase, run.detail, run.seen_ready = GroupPhase.STARTING, "", set()
+                    run.phase, run.detail, run.seen_ready, run.restarts = GroupPhase.STARTING, "", set(), {}
                     changed.append(f"group {r.id} started again (workers first)")
                 continue
             why = self._failure(r, run)
             if why is not None:
                 wait = min(GROUP_BACKOFF_MAX_S, GROUP_BACKOFF_S * 2**run.failures)
                 run.failures += 1
-                run.phase, run.restart_at, run.seen_ready = GroupPhase.RESTARTING, now + wait, set()
+                run.phase, run.restart_at, run.seen_ready, run.restarts = GroupPhase.RESTARTING, now + wait, set(), {}
                 run.detail = f"{why}; every member stopped, started again in {wait:g} s"
                 log.warning("deployment %s: group %s %s", dep.name, r.id, run.detail)
                 changed.append(f"group {r.id}: {why}; every member withdrawn")
                 next_at = min(next_at, run.restart_at)
                 continue
             states = self._states(r)
-            run.seen_ready |= {rank for rank, s in states.items() if s is RuntimeState.READY}
+            run.seen_ready |= {rank for rank, s in states.items() if s.state is RuntimeState.READY}
+            for rank, s in states.items():
+                run.restarts.setdefault(rank, s.restarts)
             if run.phase is GroupPhase.STARTING and all(rank in run.seen_ready for rank in run.released()):
                 run.phase = GroupPhase.STARTING_HEAD
                 changed.append(f"group {r.id}: every worker Ready; head started")
@@ -262,7 +267,7 @@ class GroupRuns:
     def member_states(self, r: Replica) -> dict[int, str]:
         """Each member's runtime state as its node reports it ("" when it reports none)."""
         states = self._states(r)
-        return {m.rank: str(states[m.rank]) if m.rank in states else "" for m in r.members}
+        return {m.rank: str(states[m.rank].state) if m.rank in states else "" for m in r.members}
 
     def _node_state(self, node_id: str) -> NodeState | None:
         try:
@@ -270,15 +275,15 @@ class GroupRuns:
         except NotFound:
             return None
 
-    def _states(self, r: Replica) -> dict[int, RuntimeState]:
-        out: dict[int, RuntimeState] = {}
+    def _states(self, r: Replica) -> dict[int, AssignmentStatus]:
+        out: dict[int, AssignmentStatus] = {}
         for m in r.members:
             try:
                 statuses = self._fleet.get(m.node_id).statuses
             except NotFound:
                 continue
             aid = member_id(r, m.rank)
-            found = next((s.state for s in statuses if s.assignment_id == aid), None)
+            found = next((s for s in statuses if s.assignment_id == aid), None)
             if found is not None:
                 out[m.rank] = found
         return out
@@ -291,7 +296,10 @@ class GroupRuns:
                 return f"rank {m.rank}'s node {m.node_id} is {state or 'gone'}"
         states = self._states(r)
         for rank in run.released():
-            got = states.get(rank)
+            status = states.get(rank)
+            got = status.state if status is not None else None
             if got in _FAILED or (rank in run.seen_ready and got is not RuntimeState.READY):
                 return f"rank {rank} ({member_id(r, rank)}) is {got or 'not reported'}"
+            if status is not None and status.restarts > run.restarts.get(rank, status.restarts):
+                return f"rank {rank} ({member_id(r, rank)}) was restarted by its node (its runtime ended)"
         return None
