@@ -49,6 +49,10 @@ async def test_a_group_is_placed_on_one_fabric_shown_held_back_from_the_nodes_an
                 await http.post("/api/v1/deployments", json=body(nodes_per_replica=bad)), 400, "invalid_request"
             )
             assert "nodes_per_replica: from 1 to 16" in str(err["message"])
+        # A runtime that cannot run as a group is refused when the deployment is created.
+        python_server = body(nodes_per_replica=2, options={"port": 18100, "settings": {"server": "llama-cpp-python"}})
+        err = assert_envelope(await http.post("/api/v1/deployments", json=python_server), 400, "invalid_request")
+        assert "a llama.cpp group runs llama-server and RPC servers" in str(err["message"])
         # One node cannot hold the model.
         alone = body(resources={"accelerators": 1, "memory_bytes": BIG})
         assert_envelope(await http.post("/api/v1/deployments", json=alone), 422, "unplaceable")

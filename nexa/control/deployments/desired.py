@@ -90,7 +90,7 @@ class Desired:
         #: (`control.operations.qualification`); read only with `[placement] require_qualified`.
         self.qualified: Callable[[RuntimeRecord], frozenset[tuple[str, str]]] | None = None
         #: Each group replica's run: which of its members the node sets hold (`grouprun`).
-        self.groups = GroupRuns(fleet)
+        self.groups = GroupRuns(fleet, metrics)
 
     async def load(self) -> None:
         await self.measured.load()

@@ -30,6 +30,7 @@ groups' assignments in the node sets: a group whose head is there is `starting-h
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import ipaddress
 import logging
@@ -47,6 +48,7 @@ from nexa.control.deployments.records import all_replicas
 from nexa.control.fleet import grants
 from nexa.control.fleet.nodes import Fleet, NodeLive
 from nexa.errors import NotFound
+from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,8 @@ class GroupRun:
 
     phase: GroupPhase
     detail: str = ""
+    #: Its deployment's name (its metrics' label).
+    deployment: str = ""
     #: Every member's address and port, by rank (empty while pending).
     members: list[GroupMember] = attrs.Factory(list)
     failures: int = 0
@@ -142,8 +146,9 @@ def ports_in_use(assignments: Iterable[Assignment]) -> set[int]:
 class GroupRuns:
     """Every group replica's run (in memory; see the module)."""
 
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, metrics: Metrics | None = None) -> None:
         self._fleet = fleet
+        self._metrics = metrics
         self.runs: dict[str, GroupRun] = {}
 
     def get(self, replica: Replica) -> GroupRun | None:
@@ -170,6 +175,8 @@ class GroupRuns:
                 continue
             recovered = self._recovered(r)
             self.runs[r.id] = run = recovered or self._new(dep, r, command_given)
+            run.deployment = dep.name
+            self._ready(run, r.id, False)
             if recovered is None and run.phase is GroupPhase.STARTING:
                 started.append(r.id)
         return started
@@ -183,7 +190,16 @@ class GroupRuns:
     def forget(self, live_ids: set[str]) -> None:
         """Drop the runs of replicas no deployment has any more."""
         for rid in [rid for rid in self.runs if rid not in live_ids]:
-            del self.runs[rid]
+            run = self.runs.pop(rid)
+            if self._metrics is not None:
+                with contextlib.suppress(KeyError):
+                    self._metrics.group_ready.remove(run.deployment, rid)
+                with contextlib.suppress(KeyError):
+                    self._metrics.group_restarts.remove(run.deployment, rid)
+
+    def _ready(self, run: GroupRun, replica_id: str, ready: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.group_ready.labels(run.deployment, replica_id).set(1 if ready else 0)
 
     def _recovered(self, r: Replica) -> GroupRun | None:
         found: dict[int, Assignment] = {}
@@ -246,6 +262,9 @@ class GroupRuns:
             if why is not None:
                 wait = min(GROUP_BACKOFF_MAX_S, GROUP_BACKOFF_S * 2**run.failures)
                 run.failures += 1
+                self._ready(run, r.id, False)
+                if self._metrics is not None:
+                    self._metrics.group_restarts.labels(dep.name, r.id).inc()
                 run.phase, run.restart_at, run.seen_ready, run.restarts = GroupPhase.RESTARTING, now + wait, set(), {}
                 run.detail = f"{why}; every member stopped, started again in {wait:g} s"
                 log.warning("deployment %s: group %s %s", dep.name, r.id, run.detail)
@@ -261,6 +280,7 @@ class GroupRuns:
                 changed.append(f"group {r.id}: every worker Ready; head started")
             elif run.phase is GroupPhase.STARTING_HEAD and 0 in run.seen_ready:
                 run.phase, run.failures, run.detail = GroupPhase.READY, 0, ""
+                self._ready(run, r.id, True)
                 log.info("deployment %s: group %s Ready", dep.name, r.id)
         return changed, next_at
 
@@ -275,13 +295,23 @@ class GroupRuns:
         except NotFound:
             return None
 
+    def _caught_up(self, node_id: str) -> bool:
+        live = self._fleet.get(node_id)
+        return live.reported_generation >= live.desired.generation
+
     def _states(self, r: Replica) -> dict[int, AssignmentStatus]:
+        """Each member's status, from the nodes that report on their current set: a node that has
+        not applied its newest set yet (its heartbeat names an older generation) says nothing of
+        its member until it has (a withdrawn member's old Failed is no failure of the new start)."""
         out: dict[int, AssignmentStatus] = {}
         for m in r.members:
             try:
-                statuses = self._fleet.get(m.node_id).statuses
+                live = self._fleet.get(m.node_id)
             except NotFound:
                 continue
+            if live.reported_generation < live.desired.generation:
+                continue
+            statuses = live.statuses
             aid = member_id(r, m.rank)
             found = next((s for s in statuses if s.assignment_id == aid), None)
             if found is not None:
@@ -296,6 +326,8 @@ class GroupRuns:
                 return f"rank {m.rank}'s node {m.node_id} is {state or 'gone'}"
         states = self._states(r)
         for rank in run.released():
+            if not self._caught_up(r.members[rank].node_id):
+                continue  # its node has not applied its newest set: nothing known yet
             status = states.get(rank)
             got = status.state if status is not None else None
             if got in _FAILED or (rank in run.seen_ready and got is not RuntimeState.READY):
