@@ -11,7 +11,8 @@ containers are in the nodes' network namespace. A deployment of the tiny generat
 (cpu-1) `llama-server --rpc` over it, started once the worker is Ready. The official `openai`
 SDK gets a chat completion through the controller. Then the worker's container is killed: the
 group fails, every member is withdrawn and the group is started again together (the head's
-container is a new one), and it serves again.
+container is a new one), and it serves again. Then the worker's agent is killed: the group is
+withdrawn while its node is lost, and starts again whole when the agent is back.
 """
 
 from __future__ import annotations
@@ -84,12 +85,13 @@ def container_id(podman: PodmanService, assignment_id: str) -> str:
     return found.stdout.strip() if found.returncode == 0 else ""
 
 
-async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_together_when_its_worker_dies(
+async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_together_when_its_worker_or_its_agent_dies(
     group_cluster: tuple[Controller, list[Node]],
     s3_store: S3Store,
     llama_server_image: str,
     tiny_gguf: Path,
     podman_service: PodmanService,
+    tmp_path: Path,
 ) -> None:
     controller, nodes = group_cluster
     argv = ["runtimes", "register", RUNTIME, "--kind", "llamacpp", "--version", "0.3.36", "--fabric", "tcp"]
@@ -172,6 +174,28 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
         details = [e["detail"] for e in events if e["action"] == "deployment.group"]
         assert any("every member withdrawn" in d and "rank 1" in d for d in details), details
         assert any("every worker Ready; head started" in d for d in details), details
+        assert listening(worker_port) == [nodes[1].host]
+        try:
+            await in_thread(chat_completion)
+        except openai.OpenAIError:
+            pytest.fail(runtime_logs(podman_service))
+
+        # The worker's agent dies (its container keeps running): once its node is Unreachable the
+        # group is withdrawn (the head stops on cpu-1), and no half group is left when the agent is
+        # back: it gets a set without its member, then the whole group starts again and serves.
+        worker_agent = nodes[1].proc
+        assert worker_agent is not None
+        worker_agent.kill()
+        worker_agent.wait(timeout=30)
+
+        async def withdrawn() -> bool:
+            group = await group_of(controller)
+            return group["state"] == "restarting" and not container_id(podman_service, head)
+
+        await wait_for(withdrawn, "the group withdrawn while its worker's node is lost", 60)
+        assert "rank 1's node cpu-2 is Unreachable" in (await group_of(controller))["detail"]
+        nodes[1].start(tmp_path / "cpu-2-again.log")
+        await wait_for(ready, "the group Ready again after the worker's agent came back")
         assert listening(worker_port) == [nodes[1].host]
         try:
             await in_thread(chat_completion)
