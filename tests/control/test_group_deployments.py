@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import trio
 
 from nexa.contracts import wire
@@ -21,6 +22,7 @@ from nexa.contracts.deployments import GROUP_PENDING
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, node_view, ok, wait_for
+from tests.support.console import sign_in
 from tests.support.deployments import body, online, registry_ready, set_where
 from tests.support.models import bring_to
 from tests.support.realmodel import cli
@@ -239,6 +241,13 @@ async def test_a_started_group_sends_its_worker_first_its_head_when_the_worker_i
         shown = await trio.to_thread.run_sync(cli, dep_reg, "deployments", "show", "big")
         assert f"group    {head}, 2 nodes: ready" in shown
         assert "  rank 1: n2, GPUs nvidia.com/gpu=0, Ready" in shown
+        # Only the head is a replica the router scores (and routes to); the console shows the group.
+        scored = (await ok(http.get("/api/v1/deployments/big")))["replica_scores"]
+        assert [s["replica_id"] for s in scored] == [head]
+        async with httpx.AsyncClient(base_url=dep_reg.url, timeout=10) as console:
+            assert (await sign_in(console, dep_reg.admin_key)).status_code == 303
+            page = (await console.get("/console/deployments/big")).text
+        assert 'id="groups-table"' in page and "0 (head): n1, Ready; 1: n2, Ready" in page
 
         # Draining a member moves the group whole, the new one started workers first; the old one
         # stays until its replacement is Ready.
