@@ -125,6 +125,8 @@ def test_workers_start_first_the_head_once_they_are_ready_and_only_a_ready_group
     f.lives["a"].statuses = [AssignmentStatus(assignment_id="big-1", state=RuntimeState.READY)]
     assert runs.step(dep, 0.0)[0] == []
     assert run.phase is GroupPhase.READY and runs.serving(r)
+    # A controller that runs no group (a follower) goes by the head's readiness alone.
+    assert GroupRuns(f).serving(r)  # type: ignore[arg-type]
     assert sample(metrics, "nexa_group_ready", deployment="big", group="big-1") == 1
     assert runs.member_states(r) == {0: "Ready", 1: "Ready"}
 

@@ -155,11 +155,13 @@ class GroupRuns:
         return self.runs.get(replica.id)
 
     def serving(self, replica: Replica) -> bool:
-        """Whether a replica may be routed to as far as its group goes (a plain replica always)."""
+        """Whether a replica may be routed to as far as its group goes: a plain replica always, a
+        group while its run is `ready`. A controller that runs no group (a follower: the leader
+        starts and watches them) has no run for it, and goes by its head's readiness alone."""
         if not replica.members:
             return True
         run = self.runs.get(replica.id)
-        return run is not None and run.phase is GroupPhase.READY
+        return run is None or run.phase is GroupPhase.READY
 
     def ports_on(self, node_id: str, *, but: str = "") -> set[int]:
         """The member ports the groups being run hold on a node (`but`: leave that replica's out)."""
