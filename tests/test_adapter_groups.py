@@ -189,6 +189,11 @@ def test_tensorrt_llm_and_llama_cpp_python_groups_are_refused_saying_what_to_do(
     # The same refusals when the deployment is checked, before anything is placed.
     assert adapters.settings_problems(RuntimeKind.TRTLLM, {}, accelerators=1, nodes=2) == [groups.TRTLLM_GROUP_REFUSAL]
     assert adapters.settings_problems(RuntimeKind.TRTLLM, {}, accelerators=1) == []
+    # The sim runtime is a process of one node: no group of it.
+    assert adapters.settings_problems(RuntimeKind.SIM, {}, accelerators=0, nodes=2) == [
+        "nodes_per_replica: the sim runtime runs on one node (set it to 1)"
+    ]
+    assert adapters.settings_problems(RuntimeKind.SIM, {}, accelerators=0) == []
 
 
 @pytest.mark.parametrize(

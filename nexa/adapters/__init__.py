@@ -149,8 +149,10 @@ def settings_problems(
     ignored: refused.
     """
     if not has_adapter(kind):
-        return [f"settings.{name}: the {kind} runtime takes no settings" for name in sorted(settings)] + (
-            [f"extra_args: the {kind} runtime takes its flags from command"] if extra_args else []
+        return (
+            [f"settings.{name}: the {kind} runtime takes no settings" for name in sorted(settings)]
+            + ([f"extra_args: the {kind} runtime takes its flags from command"] if extra_args else [])
+            + ([f"nodes_per_replica: the {kind} runtime runs on one node (set it to 1)"] if nodes > 1 else [])
         )
     if command and (settings or extra_args):
         return ["settings, extra_args: give settings and extra_args, or a full command, not both"]

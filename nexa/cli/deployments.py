@@ -227,12 +227,14 @@ def print_groups(view: DeploymentView) -> None:
         if not replica.members:
             continue
         status = states.get(replica.id)
-        state = f"{status.state}: {status.detail}" if status is not None else "-"
+        state = "-" if status is None else f"{status.state}: {status.detail}" if status.detail else status.state
         canary = " (canary)" if status is not None and status.canary else ""
         print(f"group    {replica.id}{canary}, {len(replica.members)} nodes: {state}")
+        reported = {m.rank: m.state for m in status.members} if status is not None else {}
         for m in replica.members:
             head = " (head)" if m.rank == 0 else ""
-            print(f"  rank {m.rank}{head}: {m.node_id}, GPUs {', '.join(m.gpus) or '-'}")
+            runs = f", {reported[m.rank]}" if reported.get(m.rank) else ""
+            print(f"  rank {m.rank}{head}: {m.node_id}, GPUs {', '.join(m.gpus) or '-'}{runs}")
 
 
 def _print_show(view: DeploymentView) -> None:

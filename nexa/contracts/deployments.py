@@ -31,14 +31,9 @@ MAX_WINDOW_S: Final = 3600.0
 MAX_ROUTING_WEIGHT: Final = 100.0
 #: The most nodes one replica may span (`DeploymentCreate.nodes_per_replica`).
 MAX_NODES_PER_REPLICA: Final = 16
-#: The state of a group replica while nodes cannot start groups yet: placed and reserved, held back
-#: from every node's signed set (`GroupStatus`).
+#: The state of a group replica that cannot start: placed and reserved, held back from every node's
+#: signed set (`GroupStatus`; the detail says why).
 GROUP_PENDING: Final = "pending"
-#: Why, in words (`GroupStatus.detail`).
-GROUP_START_NOT_SUPPORTED: Final = (
-    "group start not yet supported: the group is placed and its nodes' resources reserved, but no "
-    "member is sent to its node until nodes start groups together"
-)
 
 
 @attrs.frozen(kw_only=True)
@@ -360,11 +355,24 @@ class GroupStatus:
     """Where one group replica stands (its members are the replica's `members`)."""
 
     replica_id: str
-    #: `GROUP_PENDING`: placed and reserved, not sent to its nodes.
+    #: `pending` (placed and reserved, not sent to its nodes: `detail` says why), `starting` (its
+    #: workers sent), `starting-head`, `ready` or `restarting` (`control.deployments.grouprun`).
     state: str
     #: Why, in words.
     detail: str = ""
     canary: bool = False
+    #: Each member's runtime state as its node reports it, by rank.
+    members: list[GroupMemberStatus] = attrs.Factory(list)
+
+
+@attrs.frozen(kw_only=True)
+class GroupMemberStatus:
+    """One member of a group replica as its node reports it."""
+
+    rank: int
+    node_id: str
+    #: The runtime's state (`wire.RuntimeState`); "" while the node reports none (not sent, or not yet).
+    state: str = ""
 
 
 @attrs.frozen(kw_only=True)

@@ -177,11 +177,14 @@ class Supervisor:
         return out
 
     def endpoint(self, assignment_id: str) -> int | None:
-        """The loopback port of that assignment's runtime while it is Ready; None otherwise."""
+        """The loopback port of that assignment's runtime while it is Ready; None otherwise, and
+        always for a group's rank other than the head: it serves no API (its port is a worker's,
+        which a request or a metrics scrape must never reach)."""
         w = self._workers.get(assignment_id)
         if w is None or w.removing or w.state is not State.READY or w.desired is not self._desired.get(assignment_id):
             return None
-        return w.runtime.port
+        group = w.runtime.group
+        return w.runtime.port if group is None or group.is_head else None
 
     def replicas(self) -> list[Replica]:
         """The desired assignments' containers as last inspected (the memory meter's view)."""

@@ -164,6 +164,20 @@ class Metrics:
         self.assignment_acks = Counter(
             "nexa_assignment_acks", "Node answers to assignment sets, by result.", ["result"], registry=r
         )
+        self.group_ready = Gauge(
+            "nexa_group_ready",
+            "Each replica group (one model over several nodes; `group` is its replica id): 1 while it serves"
+            " (its head Ready, its workers too), 0 while it is pending, starting or restarting.",
+            ["deployment", "group"],
+            registry=r,
+        )
+        self.group_restarts = Counter(
+            "nexa_group_restarts",
+            "Times a replica group was stopped whole and started again: a member failed, was restarted by"
+            " its node, or its node was lost.",
+            ["deployment", "group"],
+            registry=r,
+        )
         self._gateway_metrics(r)
         self.backup_last_success = Gauge(
             "nexa_backup_last_success_timestamp_seconds",

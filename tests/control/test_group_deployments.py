@@ -3,28 +3,35 @@ the `nexa` CLI against a controller checking a real OCI registry and S3 store, w
 heartbeating real GB10 inventories over the real CurveZMQ channel, enrolled with `fabric` labels
 (the admin's, through their enrollment tokens).
 
-Nodes do not start groups yet: a group is placed and its members' resources reserved, but no
-member is put into a node's signed set (every node stays at its first generation), and the
-deployment shows the group pending.
+These nodes have a fabric label but no fabric address (none discovered, no `fabric-address` label),
+so a group cannot start: it is placed and its members' resources reserved, but no member is put
+into a node's signed set (every node stays at its first generation), and the deployment shows the
+group pending, saying why. Starting groups is tested in tests/control/test_group_runs.py and
+end to end over llama.cpp RPC in tests/e2e/test_llama_rpc_group.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import trio
 
-from nexa.contracts.deployments import GROUP_PENDING, GROUP_START_NOT_SUPPORTED
+from nexa.contracts import wire
+from nexa.contracts.deployments import GROUP_PENDING
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, node_view, ok, wait_for
-from tests.support.deployments import body, online, registry_ready
+from tests.support.console import sign_in
+from tests.support.deployments import body, online, registry_ready, set_where
 from tests.support.models import bring_to
 from tests.support.realmodel import cli
 
 GIB = 2**30
 #: More than one GB10's pool holds; half of it (plus llama.cpp's overhead) fits each of two.
 BIG = 150 * GIB
+#: Why their groups stay pending.
+NO_ADDRESS = "node n1 has no fabric address: link its RDMA port so it discovers one, or set its fabric-address label"
 FABRICS = {"n1": "ib0", "n2": "ib0", "n3": "ib1", "n4": "ib1", "n5": None}
 
 
@@ -45,6 +52,10 @@ async def test_a_group_is_placed_on_one_fabric_shown_held_back_from_the_nodes_an
                 await http.post("/api/v1/deployments", json=body(nodes_per_replica=bad)), 400, "invalid_request"
             )
             assert "nodes_per_replica: from 1 to 16" in str(err["message"])
+        # A runtime that cannot run as a group is refused when the deployment is created.
+        python_server = body(nodes_per_replica=2, options={"port": 18100, "settings": {"server": "llama-cpp-python"}})
+        err = assert_envelope(await http.post("/api/v1/deployments", json=python_server), 400, "invalid_request")
+        assert "a llama.cpp group runs llama-server and RPC servers" in str(err["message"])
         # One node cannot hold the model.
         alone = body(resources={"accelerators": 1, "memory_bytes": BIG})
         assert_envelope(await http.post("/api/v1/deployments", json=alone), 422, "unplaceable")
@@ -66,7 +77,13 @@ async def test_a_group_is_placed_on_one_fabric_shown_held_back_from_the_nodes_an
     [replica] = dep["placed"]
     assert (replica["node_id"], replica["gpus"]) == ("n1", ["nvidia.com/gpu=0"])
     assert view["groups"] == [
-        {"replica_id": replica["id"], "state": GROUP_PENDING, "detail": GROUP_START_NOT_SUPPORTED, "canary": False}
+        {
+            "replica_id": replica["id"],
+            "state": GROUP_PENDING,
+            "detail": NO_ADDRESS,
+            "canary": False,
+            "members": [{"rank": 0, "node_id": "n1", "state": ""}, {"rank": 1, "node_id": "n2", "state": ""}],
+        }
     ]
     assert view["ready"] == 0
     fabrics = {f["fabric"]: f for f in placement["decision"]["fabrics"]}
@@ -78,7 +95,7 @@ async def test_a_group_is_placed_on_one_fabric_shown_held_back_from_the_nodes_an
         assert (await node_view(dep_reg, name))["desired_generation"] == 1
 
     shown = await trio.to_thread.run_sync(cli, dep_reg, "deployments", "show", "big")
-    assert f"group    {replica['id']}, 2 nodes: pending: group start not yet supported" in shown
+    assert f"group    {replica['id']}, 2 nodes: pending: {NO_ADDRESS}" in shown
     assert "  rank 0 (head): n1, GPUs nvidia.com/gpu=0" in shown
     assert "  rank 1: n2, GPUs nvidia.com/gpu=0" in shown
     explained = await trio.to_thread.run_sync(cli, dep_reg, "deployments", "placement", "big")
@@ -168,3 +185,94 @@ async def test_scaling_a_canary_and_a_lost_member_work_in_whole_groups(
         assert members(down) == [[(0, "n1"), (1, "n2")]]
     for name in ("n1", "n2", "n3"):
         assert (await node_view(dep_reg, name))["desired_generation"] == 1
+
+
+def role_of(pushed: wire.AssignmentSet, deployment: str) -> list[tuple[str, int, list[tuple[str, int]]]]:
+    """Each group member the set holds: its id, its rank, and every member's fabric address and port."""
+    return [
+        (a.id, a.runtime.group.rank, [(m.address, m.port) for m in a.runtime.group.members])
+        for a in pushed.assignments
+        if a.deployment == deployment and a.runtime.group is not None
+    ]
+
+
+async def test_a_started_group_sends_its_worker_first_its_head_when_the_worker_is_ready_and_moves_whole_on_drain(
+    dep_reg: Controller, dial: Any, nursery: trio.Nursery, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    nodes = {}
+    for i, name in enumerate(("n1", "n2", "n3", "n4"), start=1):
+        labels = f"fabric={FABRICS[name]},fabric-address=10.0.0.{i}"
+        nodes[name] = (await online(dep_reg, dial, nursery, name, labels=labels)).node
+        nodes[name].report_generation = True
+    async with dep_reg.client() as http:
+        await registry_ready(http, s3_store, test_images)
+        group = body(
+            name="big", nodes_per_replica=2, resources={"accelerators": 1, "memory_bytes": 60 * GIB}, options={}
+        )
+        group["options"] = {"port": 18100}
+        created = await ok(http.post("/api/v1/deployments", json=group), 201)
+        [replica] = created["deployment"]["placed"]
+        head, worker = replica["id"], f"{replica['id']}-rank1"
+        assert [g["state"] for g in created["groups"]] == ["starting"]
+        # The worker first: its node's set names it, rank 1, with both members' fabric endpoints.
+        pushed = await set_where(nodes["n2"], lambda s: bool(role_of(s, "big")))
+        endpoints = [("10.0.0.1", 19100), ("10.0.0.2", 19100)]
+        assert role_of(pushed, "big") == [(worker, 1, endpoints)]
+        [spec] = [a.runtime for a in pushed.assignments]
+        assert spec.port == 19100 and "-H" in spec.command and "10.0.0.2" in spec.command
+        assert (await node_view(dep_reg, "n1"))["desired_generation"] == 1  # the head waits
+        # The worker Ready: the head is sent, llama-server over the worker's RPC server.
+        nodes["n2"].ready.add(worker)
+        pushed = await set_where(nodes["n1"], lambda s: bool(role_of(s, "big")))
+        assert role_of(pushed, "big") == [(head, 0, endpoints)]
+        [spec] = [a.runtime for a in pushed.assignments]
+        assert spec.command[spec.command.index("--rpc") + 1] == "10.0.0.2:19100"
+        assert spec.port == 18100
+        view = await ok(http.get("/api/v1/deployments/big"))
+        assert view["groups"][0]["state"] == "starting-head" and view["ready"] == 0
+        # The head Ready: the group serves.
+        nodes["n1"].ready.add(head)
+
+        async def ready() -> bool:
+            view = await ok(http.get("/api/v1/deployments/big"))
+            return bool(view["groups"][0]["state"] == "ready" and view["ready"] == 1)
+
+        await wait_for(ready)
+        shown = await trio.to_thread.run_sync(cli, dep_reg, "deployments", "show", "big")
+        assert f"group    {head}, 2 nodes: ready" in shown
+        assert "  rank 1: n2, GPUs nvidia.com/gpu=0, Ready" in shown
+        # Only the head is a replica the router scores (and routes to); the console shows the group.
+        scored = (await ok(http.get("/api/v1/deployments/big")))["replica_scores"]
+        assert [s["replica_id"] for s in scored] == [head]
+        async with httpx.AsyncClient(base_url=dep_reg.url, timeout=10) as console:
+            assert (await sign_in(console, dep_reg.admin_key)).status_code == 303
+            page = (await console.get("/console/deployments/big")).text
+        assert 'id="groups-table"' in page and "0 (head): n1, Ready; 1: n2, Ready" in page
+
+        # Draining a member moves the group whole, the new one started workers first; the old one
+        # stays until its replacement is Ready.
+        await ok(http.post("/api/v1/nodes/n2/drain"))
+
+        async def others() -> list[dict[str, Any]]:
+            placed = (await ok(http.get("/api/v1/deployments/big")))["deployment"]["placed"]
+            return [r for r in placed if r["id"] != head]
+
+        async def moved() -> bool:
+            return bool(await others())
+
+        await wait_for(moved)
+        [fresh] = await others()
+        assert [(m["rank"], m["node_id"]) for m in fresh["members"]] == [(0, "n3"), (1, "n4")]
+        new_endpoints = [("10.0.0.3", 19100), ("10.0.0.4", 19100)]
+        pushed = await set_where(nodes["n4"], lambda s: bool(role_of(s, "big")))
+        assert role_of(pushed, "big") == [(f"{fresh['id']}-rank1", 1, new_endpoints)]
+        nodes["n4"].ready.add(f"{fresh['id']}-rank1")
+        pushed = await set_where(nodes["n3"], lambda s: bool(role_of(s, "big")))
+        assert role_of(pushed, "big") == [(fresh["id"], 0, new_endpoints)]
+        nodes["n3"].ready.add(fresh["id"])
+        # Both members of the old group leave their nodes' sets together.
+        for name in ("n1", "n2"):
+            await set_where(nodes[name], lambda s: not role_of(s, "big"))
+        view = await ok(http.get("/api/v1/deployments/big"))
+        assert members(view) == [[(0, "n3"), (1, "n4")]]
+        assert [g["state"] for g in view["groups"]] == ["ready"]

@@ -27,6 +27,11 @@ class RawNode:
     ready: set[str] = attrs.field(factory=set)
     #: Inventory fields this node reports over the GB10 one's (what its inventory.json claims).
     claims: dict[str, Any] = attrs.field(factory=dict)
+    #: Report in heartbeats the (epoch, generation) of the last set received, as an agent that
+    #: applied it does (off: 0, 0, as before).
+    report_generation: bool = False
+    #: The (epoch, generation) of the last set received.
+    applied: tuple[int, int] = (0, 0)
 
     def frames(self, msg: wire.WireMessage, *, key: security.SigningKey | None = None) -> list[bytes]:
         return framing.encode_frames(msg, key or self.key)
@@ -57,6 +62,8 @@ class RawNode:
                 wire.AssignmentStatus(assignment_id=aid, state=wire.RuntimeState.READY) for aid in sorted(self.ready)
             ],
             state_interval_s=state_interval_s,
+            epoch=self.applied[0] if self.report_generation else 0,
+            generation=self.applied[1] if self.report_generation else 0,
         )
 
     async def send(self, frames: list[bytes]) -> None:
@@ -74,6 +81,8 @@ class RawNode:
         frames = await self.pump.receive()
         controller = security.PublicKey.from_b64(self.enrolled.controller_signing_public_key)
         msg: wire.ControllerMessage = framing.decode_frames([f.bytes for f in frames], controller, wire.FROM_CONTROLLER)
+        if isinstance(msg, wire.AssignmentSet):
+            self.applied = max(self.applied, (msg.epoch, msg.generation))
         return msg
 
 

@@ -163,10 +163,16 @@ def runtime_logs(podman: PodmanService) -> str:
 
 @contextlib.asynccontextmanager
 async def real_cluster(
-    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, podman_service: PodmanService
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    s3_store: S3Store,
+    podman_service: PodmanService,
+    *,
+    labels: Callable[[Node], str] | None = None,
 ) -> AsyncIterator[tuple[Controller, list[Node]]]:
     """A controller and two enrolled `nexa node` agents (cpu-1 on 127.0.0.11, cpu-2 on .12) on the
-    run's podman, both Ready."""
+    run's podman, both Ready; `labels`: each node's labels (`k=v,k2=v2`, the admin's, through its
+    enrollment token)."""
     controller = await start_controller(nursery, registry_config(tmp_path, s3_store))
     hosts = {f"cpu-{i}": f"{loopback_net()}.1{i}" for i in (1, 2)}
     nodes = [
@@ -175,7 +181,8 @@ async def real_cluster(
     ]
     try:
         for node in nodes:
-            token = await trio.to_thread.run_sync(cli, controller, "tokens", "create", "--json")
+            given = ["--labels", labels(node)] if labels is not None else []
+            token = await trio.to_thread.run_sync(cli, controller, "tokens", "create", "--json", *given)
             secret = json.loads(token)["token"]
             await trio.to_thread.run_sync(
                 cli,

@@ -11,7 +11,9 @@ import attrs
 from nexa import adapters
 from nexa.adapters import entrypoints
 from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter
+from nexa.adapters.groups import launch_rank
 from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
+from nexa.contracts.groups import GroupRole
 from nexa.contracts.kvcache import DEFAULT_KV_TYPE, KV_TYPE_BYTES_PER_32, GgufFigures
 from nexa.contracts.models import ModelFormat, ModelRecord, RuntimeRecord
 from nexa.contracts.placement import MemoryLimit, MemoryShare, PlacementRequest
@@ -47,8 +49,10 @@ def assignment_for(
     *,
     unified_pool_bytes: int | None = None,
     arch: str | None = None,
+    role: GroupRole | None = None,
 ) -> Assignment:
-    """The signed unit a node runs for one replica.
+    """The signed unit a node runs for one replica, or with `role` for one rank of a group replica
+    (`replica`: that rank's, its id and GPUs; the command is the rank's, `adapters.groups.launch_rank`).
 
     Image and kind from the runtime record (pinned by digest); the model artifact
     (`artifact_ref`: a manifest's directory at `/models/<name>`, or one object at
@@ -81,17 +85,32 @@ def assignment_for(
         memory = None
         if limit is not None and unified_pool_bytes is not None:
             memory = limit.on(rank_bytes(dep, model), unified_pool_bytes)
-        launch = adapter.launch(
-            model.name,
-            options.settings,
-            replica.gpus,
-            port,
-            model_path=artifact.model_path,
-            memory=memory,
-            extra_args=options.extra_args,
-            version=runtime.version,
-            model_dir=artifact.mount_path,
-        )
+        if role is None:
+            launch = adapter.launch(
+                model.name,
+                options.settings,
+                replica.gpus,
+                port,
+                model_path=artifact.model_path,
+                memory=memory,
+                extra_args=options.extra_args,
+                version=runtime.version,
+                model_dir=artifact.mount_path,
+            )
+        else:
+            launch = launch_rank(
+                adapter,
+                model.name,
+                options.settings,
+                replica.gpus,
+                port,
+                role=role,
+                model_path=artifact.model_path,
+                memory=memory,
+                extra_args=options.extra_args,
+                version=runtime.version,
+                model_dir=artifact.mount_path,
+            )
         command = command or launch.command
         env = {**launch.env, **env}
         health = HealthProbe(command=list(options.health_command)) if options.health_command else launch.health
@@ -117,6 +136,7 @@ def assignment_for(
             health=health,
             host_network=runtime.host_network,
             entrypoint=entrypoint,
+            group=role,
         ),
     )
 

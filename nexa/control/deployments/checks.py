@@ -47,6 +47,7 @@ def check_settings(req: DeploymentCreate, runtime: RuntimeRecord, model: ModelRe
         accelerators=req.resources.accelerators,
         command=options.command,
         extra_args=options.extra_args,
+        nodes=req.nodes_per_replica,
     )
     if not problems and model is not None:
         files = [f.path for f in model.artifact.files] if model.artifact.files else None

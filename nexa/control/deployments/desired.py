@@ -33,6 +33,7 @@ from nexa.control.deployments.assignment import (
     placement_request,
     reservation_bytes,
 )
+from nexa.control.deployments.grouprun import GroupRuns, member_id, ports_in_use
 from nexa.control.deployments.measured import MeasuredMemory
 from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
 from nexa.control.deployments.snapshot import Hold, snapshot_from, unified_pool_bytes
@@ -88,6 +89,8 @@ class Desired:
         #: The (arch, GPU model) pairs a runtime's image passed a qualification on
         #: (`control.operations.qualification`); read only with `[placement] require_qualified`.
         self.qualified: Callable[[RuntimeRecord], frozenset[tuple[str, str]]] | None = None
+        #: Each group replica's run: which of its members the node sets hold (`grouprun`).
+        self.groups = GroupRuns(fleet, metrics)
 
     async def load(self) -> None:
         await self.measured.load()
@@ -130,8 +133,8 @@ class Desired:
 
     def group_holds(self, without: frozenset[str] = frozenset()) -> dict[str, list[Hold]]:
         """By node id, what the members of group replicas hold there (each rank its reservation and
-        GPUs): they are in no node's desired set (`commit` holds them back), yet their resources
-        are taken. Replicas whose id is in `without` are left out."""
+        GPUs) while they are in no node's desired set (not started yet, restarting, or pending: see
+        `grouprun`), yet their resources are taken. Replicas whose id is in `without` are left out."""
         out: defaultdict[str, list[Hold]] = defaultdict(list)
         for entry in self.entries.values():
             dep = entry.deployment
@@ -142,8 +145,15 @@ class Desired:
                     continue
                 reserved = self._rank_reservation(dep, r)
                 for m in r.members:
-                    out[m.node_id].append(Hold(reserved, tuple(m.gpus)))
+                    if not self._in_set(m.node_id, member_id(r, m.rank)):
+                        out[m.node_id].append(Hold(reserved, tuple(m.gpus)))
         return out
+
+    def _in_set(self, node_id: str, assignment_id: str) -> bool:
+        try:
+            return any(a.id == assignment_id for a in self.fleet.get(node_id).desired.assignments)
+        except NotFound:
+            return False
 
     def _rank_reservation(self, dep: Deployment, replica: Replica) -> int:
         """What each rank of a group replica reserves on its node (`reservation_bytes`)."""
@@ -228,7 +238,10 @@ class Desired:
             raise Recovering()
 
     def ready(self, replica: Replica) -> bool:
-        """Whether the replica's node reports its runtime Ready in its latest heartbeat."""
+        """Whether the replica's node reports its runtime Ready in its latest heartbeat (a group
+        replica's: its head's, while its run is `ready`: `grouprun`)."""
+        if not self.groups.serving(replica):
+            return False
         live = self.fleet.get(replica.node_id)
         return any(s.assignment_id == replica.id and s.state is RuntimeState.READY for s in live.statuses)
 
@@ -245,43 +258,27 @@ class Desired:
         """
         self._refuse_while_recovering()  # before anything is computed: a refusal changes nothing
         name = (after or before).deployment.name  # type: ignore[union-attr]
-        # A group replica (one with members) is held back from its nodes' sets: nodes cannot start
-        # a group's ranks together yet, and each alone is no replica (`group_holds` keeps its
-        # resources taken; the deployment's view shows it pending).
-        old = [r for r in all_replicas(before.deployment) if not r.members] if before else []
-        new = [r for r in all_replicas(after.deployment) if not r.members] if after else []
+        # A group replica's members are in their nodes' sets as its run says (`grouprun`: workers
+        # first, the head once they are Ready, none while it restarts or cannot start).
+        old_nodes = {n for r in all_replicas(before.deployment) for n in r.node_ids} if before else set()
         changed: dict[str, DesiredAssignments] = {}
-        by_node: defaultdict[str, list[Replica]] = defaultdict(list)
-        for r in new:
-            by_node[r.node_id].append(r)
-        for node_id in sorted({r.node_id for r in old} | set(by_node)):
+        by_node = self._units(after.deployment) if after else {}
+        for node_id in sorted(old_nodes | set(by_node)):
             live = self.fleet.get(node_id)
             current = live.desired
             others = [a for a in current.assignments if a.deployment != name]
             mine = {a.id: a for a in current.assignments if a.deployment == name}
             wanted = []
-            used_ports = {a.runtime.port for a in others}
-            for r in by_node.get(node_id, []):
-                if r.id in mine:
-                    wanted.append(mine[r.id])  # unchanged replicas keep their spec
-                    used_ports.add(mine[r.id].runtime.port)
-            for r in by_node.get(node_id, []):
-                if r.id not in mine:
+            used_ports = ports_in_use(others) | self.groups.ports_on(node_id)
+            for r, rank in by_node.get(node_id, []):
+                aid = member_id(r, rank or 0)
+                if aid in mine:
+                    wanted.append(mine[aid])  # unchanged replicas keep their spec
+                    used_ports |= ports_in_use([mine[aid]])
+            for r, rank in by_node.get(node_id, []):
+                if member_id(r, rank or 0) not in mine:
                     assert after is not None
-                    dep = after.deployment
-                    ref = model_of(dep, r)
-                    model = self.models.model(ref.model, ref.version)
-                    runtime = self.models.runtime(dep.runtime)
-                    port = dep.options.port
-                    while port in used_ports:
-                        port += 1
-                    used_ports.add(port)
-                    arch = live.inventory.arch if live.inventory is not None else None
-                    wanted.append(
-                        assignment_for(
-                            dep, r, model, runtime, port, unified_pool_bytes=unified_pool_bytes(live), arch=arch
-                        )
-                    )
+                    wanted.append(self._assignment(after.deployment, r, rank, live, used_ports))
             if {a.id for a in wanted} == set(mine):
                 continue
             changed[node_id] = attrs.evolve(current, generation=current.generation + 1, assignments=others + wanted)
@@ -308,6 +305,7 @@ class Desired:
             self.entries.pop(name, None)
         else:
             self.entries[name] = after
+        self.groups.forget({r.id for e in self.entries.values() for r in all_replicas(e.deployment)})
         self.version += 1
         for node_id, desired in changed.items():
             live = self.fleet.get(node_id)
@@ -317,6 +315,45 @@ class Desired:
             await self._southbound.push_now(node_id)
         log.info("%s %s: %s", action, name, detail)
         await self._tell(action, before, after)
+
+    def _units(self, dep: Deployment) -> dict[str, list[tuple[Replica, int | None]]]:
+        """By node id, what of `dep` its set holds: each replica on one node, and each released
+        rank of each group replica (`grouprun.GroupRun.released`)."""
+        self.groups.ensure(dep, command_given=bool(dep.options.command))
+        by_node: defaultdict[str, list[tuple[Replica, int | None]]] = defaultdict(list)
+        for r in all_replicas(dep):
+            run = self.groups.get(r) if r.members else None
+            if not r.members:
+                by_node[r.node_id].append((r, None))
+            elif run is not None:
+                for rank in run.released():
+                    by_node[r.members[rank].node_id].append((r, rank))
+        return by_node
+
+    def _assignment(
+        self, dep: Deployment, r: Replica, rank: int | None, live: NodeLive, used_ports: set[int]
+    ) -> Assignment:
+        """The assignment of replica `r` (with `rank`: of that rank of the group) new to its node,
+        on the lowest free port from the deployment's (a worker rank: its member port)."""
+        ref = model_of(dep, r)
+        model = self.models.model(ref.model, ref.version)
+        runtime = self.models.runtime(dep.runtime)
+        arch = live.inventory.arch if live.inventory is not None else None
+        role = None
+        port = dep.options.port
+        if rank is not None:
+            run = self.groups.get(r)
+            assert run is not None
+            role = run.role(rank, r.id, runtime.fabric)
+            member = r.members[rank]
+            r = attrs.evolve(r, id=member_id(r, rank), node_id=member.node_id, gpus=list(member.gpus))
+            if rank > 0:
+                port = role.me.port
+        while port in used_ports and (role is None or role.is_head):
+            port += 1
+        used_ports.add(port)
+        pool = unified_pool_bytes(live)
+        return assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role)
 
     async def change_node_set(
         self,

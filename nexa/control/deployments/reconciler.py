@@ -66,6 +66,8 @@ log = logging.getLogger(__name__)
 _RESYNC_S: Final = 10.0
 #: While a drain waits for replacements to become Ready, how often it looks.
 _DRAIN_CHECK_S: Final = 1.0
+#: While a group replica runs, how often its members' states are looked at (`grouprun`).
+_GROUP_CHECK_S: Final = 0.5
 #: While a rollout waits for a new replica to become Ready (or for room), how often it looks.
 _ROLLOUT_CHECK_S: Final = 0.5
 
@@ -179,6 +181,23 @@ class Reconciler:
             entry.problem = problem
         if entry.deployment.rollout is not None:
             next_at = min(next_at, await self._step(entry, now))
+        return min(next_at, await self._groups(name, now))
+
+    async def _groups(self, name: str, now: float) -> float:
+        """Start, watch and restart the deployment's group replicas as one (`grouprun.GroupRuns.step`):
+        commit the node sets their step changes; when to look again."""
+        entry = self._desired.entries[name]
+        dep = entry.deployment
+        if dep.nodes_per_replica <= 1:
+            return float("inf")
+        runs = self._desired.groups
+        fresh = runs.ensure(dep, command_given=bool(dep.options.command))
+        changed, next_at = runs.step(dep, now)
+        if fresh or changed:
+            detail = "; ".join([*(f"group {r} started (workers first)" for r in fresh), *changed])
+            await self._desired.commit(SYSTEM, "deployment.group", entry, entry, detail=detail)
+        if runs.active(dep):
+            next_at = min(next_at, now + _GROUP_CHECK_S)
         return next_at
 
     def _alias_target(self, dep: Deployment) -> ModelRef | None:

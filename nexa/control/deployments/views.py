@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from nexa.contracts.deployments import (
     GROUP_PENDING,
-    GROUP_START_NOT_SUPPORTED,
     DeploymentView,
+    GroupMemberStatus,
     GroupStatus,
+    Replica,
     ServingReplica,
     ServingSet,
 )
@@ -113,9 +114,22 @@ def view(desired: Desired, e: Entry) -> DeploymentView:
         rollout_new=new,
         rollout_old=len(dep.placed) - new if dep.rollout else 0,
         groups=[
-            GroupStatus(replica_id=r.id, state=GROUP_PENDING, detail=GROUP_START_NOT_SUPPORTED, canary=canary)
+            group_status(desired, r, canary)
             for replicas, canary in ((dep.placed, False), (dep.canary.placed if dep.canary else [], True))
             for r in replicas
             if r.members
         ],
+    )
+
+
+def group_status(desired: Desired, r: Replica, canary: bool) -> GroupStatus:
+    """Where a group replica stands: its run's phase (`grouprun`) and each member's reported state."""
+    run = desired.groups.get(r)
+    states = desired.groups.member_states(r)
+    return GroupStatus(
+        replica_id=r.id,
+        state=str(run.phase) if run is not None else GROUP_PENDING,
+        detail=run.detail if run is not None else "",
+        canary=canary,
+        members=[GroupMemberStatus(rank=m.rank, node_id=m.node_id, state=states[m.rank]) for m in r.members],
     )

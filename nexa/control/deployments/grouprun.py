@@ -1,0 +1,339 @@
+"""Replica groups at run time: started, watched and restarted as one (`GroupRuns`).
+
+A group replica (`Replica.members`, `nodes_per_replica` above 1) runs one assignment per member,
+each on its member's node: the head (rank 0) under the replica's own id (what the gateway routes
+to and `Desired.ready` reads), every other rank under `member_id` (never routed to). Each carries
+`RuntimeSpec.group` (`contracts.groups.GroupRole`): every member's fabric address and port.
+
+Addresses: a member's node's discovered fabric address (`inventory.fabric.address`); for a node
+whose fabric is only the admin's `fabric` label, its `fabric-address` label (`FABRIC_ADDRESS_LABEL`,
+an IPv4 address: label values take no colons). Without either the group cannot start: it stays
+`pending`, saying which node lacks one. Ports: each member's from the deployment's `options.port`
+plus `GROUP_PORT_OFFSET`, the first one its node uses for nothing else (no other assignment's
+port nor group port there, nor another group's being started), chosen once when the group is
+first started and kept across its restarts.
+
+The phases (`GroupPhase`): `starting` sends only the workers (ranks above 0); once every one
+reports Ready the head is sent too (`starting-head`); the group is `ready` when the head's
+readiness passes. If any member fails (Failed, Unhealthy or Stopped, or no longer Ready once it
+was) or its node is Unreachable or Revoked, every member is withdrawn from its node's set at once
+(`restarting`) and the whole group is sent again, workers first, after a backoff doubling from
+`GROUP_BACKOFF_S` to `GROUP_BACKOFF_MAX_S` (reset once it is Ready), and only when every member's
+node is reachable. So no node keeps half a group: a member whose peers are gone is withdrawn, and
+an agent that restarts gets a set without it. A draining member's group is placed again whole on
+other nodes by the reconciler (`reconciler.py`), as a lost member's is.
+
+The phases live in the controller's memory. A controller that starts (or takes over) finds the
+groups' assignments in the node sets: a group whose head is there is `starting-head` (then
+`ready` at once if it is), one with only workers `starting`; ports are read back from them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import ipaddress
+import logging
+from collections.abc import Iterable
+from typing import Final
+
+import attrs
+
+from nexa.contracts.deployments import Deployment, Replica
+from nexa.contracts.domain import NodeState
+from nexa.contracts.groups import FabricAccess, GroupMember, GroupRole
+from nexa.contracts.node import LabelKey
+from nexa.contracts.wire import Assignment, AssignmentStatus, RuntimeState
+from nexa.control.deployments.records import all_replicas
+from nexa.control.fleet import grants
+from nexa.control.fleet.nodes import Fleet, NodeLive
+from nexa.errors import NotFound
+from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: The node label giving the fabric address of a node whose fabric is the admin's label.
+FABRIC_ADDRESS_LABEL: Final = "fabric-address"
+#: A member's port is searched from the deployment's `options.port` plus this.
+GROUP_PORT_OFFSET: Final = 1000
+#: The first restart's wait (seconds); it doubles with each failure in a row up to the max.
+GROUP_BACKOFF_S: Final = 1.0
+GROUP_BACKOFF_MAX_S: Final = 60.0
+#: States in which a member's runtime has failed (a member seen Ready and then anything else has too).
+_FAILED: Final = frozenset({RuntimeState.FAILED, RuntimeState.UNHEALTHY, RuntimeState.STOPPED})
+#: Node states in which a member's node has lost it.
+_LOST: Final = frozenset({NodeState.UNREACHABLE, NodeState.REVOKED})
+
+
+class GroupPhase(enum.StrEnum):
+    """Where a group replica stands (`GroupStatus.state`)."""
+
+    #: Cannot start (why in its detail): no member is sent.
+    PENDING = "pending"
+    #: The workers are sent; the head waits for every one to be Ready.
+    STARTING = "starting"
+    #: Every member is sent; the head's readiness is awaited.
+    STARTING_HEAD = "starting-head"
+    #: The head is Ready: the group serves (the gateway routes to the head only).
+    READY = "ready"
+    #: A member failed or was lost: every member is withdrawn until the group starts again.
+    RESTARTING = "restarting"
+
+
+def member_id(replica: Replica, rank: int) -> str:
+    """The id of a rank's assignment: the replica's own for the head, `<replica>-rank<N>` otherwise."""
+    return replica.id if rank == 0 else f"{replica.id}-rank{rank}"
+
+
+@attrs.define
+class GroupRun:
+    """One group replica's run: its phase, its members' fabric endpoints and its failures in a row."""
+
+    phase: GroupPhase
+    detail: str = ""
+    #: Its deployment's name (its metrics' label).
+    deployment: str = ""
+    #: Every member's address and port, by rank (empty while pending).
+    members: list[GroupMember] = attrs.Factory(list)
+    failures: int = 0
+    #: When a restarting group is sent again (trio clock).
+    restart_at: float = 0.0
+    #: The ranks seen Ready since the last start.
+    seen_ready: set[int] = attrs.Factory(set)
+    #: Each rank's crash restarts as its node first reported them since the last start: a node
+    #: that restarts a member by itself (its container died) has failed the group.
+    restarts: dict[int, int] = attrs.Factory(dict)
+
+    def released(self) -> list[int]:
+        """The ranks whose assignments are in their nodes' sets now."""
+        if self.phase is GroupPhase.STARTING:
+            return list(range(1, len(self.members)))
+        if self.phase in (GroupPhase.STARTING_HEAD, GroupPhase.READY):
+            return list(range(len(self.members)))
+        return []
+
+    def role(self, rank: int, group: str, fabric: FabricAccess) -> GroupRole:
+        return GroupRole(group=group, rank=rank, members=list(self.members), fabric=fabric)
+
+
+def fabric_address(live: NodeLive) -> str | None:
+    """A node's fabric address: the one it discovered, else its `fabric-address` label (see the module)."""
+    found = live.inventory.fabric.address if live.inventory is not None else None
+    if found:
+        return found
+    inv = live.inventory
+    labelled = grants.labels(live.node.labels, inv.labels.items() if inv is not None else ()).get(
+        LabelKey(FABRIC_ADDRESS_LABEL)
+    )
+    if not labelled:
+        return None
+    try:
+        return str(ipaddress.ip_address(labelled))
+    except ValueError:
+        return None
+
+
+def ports_in_use(assignments: Iterable[Assignment]) -> set[int]:
+    """Every port a node's assignments use: their runtimes' and their group members' own."""
+    used = set()
+    for a in assignments:
+        used.add(a.runtime.port)
+        if a.runtime.group is not None:
+            used.add(a.runtime.group.me.port)
+    return used
+
+
+class GroupRuns:
+    """Every group replica's run (in memory; see the module)."""
+
+    def __init__(self, fleet: Fleet, metrics: Metrics | None = None) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self.runs: dict[str, GroupRun] = {}
+
+    def get(self, replica: Replica) -> GroupRun | None:
+        return self.runs.get(replica.id)
+
+    def serving(self, replica: Replica) -> bool:
+        """Whether a replica may be routed to as far as its group goes: a plain replica always, a
+        group while its run is `ready`. A controller that runs no group (a follower: the leader
+        starts and watches them) has no run for it, and goes by its head's readiness alone."""
+        if not replica.members:
+            return True
+        run = self.runs.get(replica.id)
+        return run is None or run.phase is GroupPhase.READY
+
+    def ports_on(self, node_id: str, *, but: str = "") -> set[int]:
+        """The member ports the groups being run hold on a node (`but`: leave that replica's out)."""
+        return {m.port for rid, run in self.runs.items() if rid != but for m in run.members if m.node_id == node_id}
+
+    def ensure(self, dep: Deployment, command_given: bool) -> list[str]:
+        """A run for each of `dep`'s group replicas that has none: recovered from the node sets when
+        they hold its assignments, else a new one that starts its workers (or pending, and why).
+        The ids of the new ones that start (their workers are due in the node sets)."""
+        started = []
+        for r in all_replicas(dep):
+            if not r.members or r.id in self.runs:
+                continue
+            recovered = self._recovered(r)
+            self.runs[r.id] = run = recovered or self._new(dep, r, command_given)
+            run.deployment = dep.name
+            self._ready(run, r.id, False)
+            if recovered is None and run.phase is GroupPhase.STARTING:
+                started.append(r.id)
+        return started
+
+    def active(self, dep: Deployment) -> bool:
+        """Whether any group replica of `dep` is started (its members are watched)."""
+        return any(
+            (run := self.runs.get(r.id)) is not None and run.phase is not GroupPhase.PENDING for r in all_replicas(dep)
+        )
+
+    def forget(self, live_ids: set[str]) -> None:
+        """Drop the runs of replicas no deployment has any more."""
+        for rid in [rid for rid in self.runs if rid not in live_ids]:
+            run = self.runs.pop(rid)
+            if self._metrics is not None:
+                with contextlib.suppress(KeyError):
+                    self._metrics.group_ready.remove(run.deployment, rid)
+                with contextlib.suppress(KeyError):
+                    self._metrics.group_restarts.remove(run.deployment, rid)
+
+    def _ready(self, run: GroupRun, replica_id: str, ready: bool) -> None:
+        if self._metrics is not None:
+            self._metrics.group_ready.labels(run.deployment, replica_id).set(1 if ready else 0)
+
+    def _recovered(self, r: Replica) -> GroupRun | None:
+        found: dict[int, Assignment] = {}
+        for m in r.members:
+            try:
+                live = self._fleet.get(m.node_id)
+            except NotFound:
+                continue
+            for a in live.desired.assignments:
+                if a.id == member_id(r, m.rank) and a.runtime.group is not None:
+                    found[m.rank] = a
+        if not found:
+            return None
+        members = next(iter(found.values())).runtime.group.members  # type: ignore[union-attr]
+        phase = GroupPhase.STARTING_HEAD if 0 in found else GroupPhase.STARTING
+        return GroupRun(phase=phase, members=list(members))
+
+    def _new(self, dep: Deployment, r: Replica, command_given: bool) -> GroupRun:
+        if command_given:
+            return GroupRun(
+                phase=GroupPhase.PENDING,
+                detail="a full options.command gives no rank its part in the group: use settings and extra_args",
+            )
+        members: list[GroupMember] = []
+        for m in r.members:
+            live = self._fleet.get(m.node_id)
+            address = fabric_address(live)
+            if address is None:
+                return GroupRun(
+                    phase=GroupPhase.PENDING,
+                    detail=(
+                        f"node {m.node_id} has no fabric address: link its RDMA port so it discovers one, "
+                        f"or set its {FABRIC_ADDRESS_LABEL} label"
+                    ),
+                )
+            used = ports_in_use(live.desired.assignments) | self.ports_on(m.node_id, but=r.id)
+            port = dep.options.port + GROUP_PORT_OFFSET
+            while port in used:
+                port += 1
+            members.append(GroupMember(rank=m.rank, node_id=m.node_id, address=address, port=port))
+        return GroupRun(phase=GroupPhase.STARTING, members=members)
+
+    def step(self, dep: Deployment, now: float) -> tuple[list[str], float]:
+        """Advance every group replica of `dep` one step from what its nodes report (see the module):
+        what changed, in words (a commit is due when not empty), and when to look again."""
+        changed: list[str] = []
+        next_at = float("inf")
+        for r in all_replicas(dep):
+            run = self.runs.get(r.id)
+            if run is None or run.phase is GroupPhase.PENDING:
+                continue
+            if run.phase is GroupPhase.RESTARTING:
+                if now < run.restart_at:
+                    next_at = min(next_at, run.restart_at)
+                elif all(self._node_state(m.node_id) not in _LOST for m in r.members):
+                    run.phase, run.detail, run.seen_ready, run.restarts = GroupPhase.STARTING, "", set(), {}
+                    changed.append(f"group {r.id} started again (workers first)")
+                continue
+            why = self._failure(r, run)
+            if why is not None:
+                wait = min(GROUP_BACKOFF_MAX_S, GROUP_BACKOFF_S * 2**run.failures)
+                run.failures += 1
+                self._ready(run, r.id, False)
+                if self._metrics is not None:
+                    self._metrics.group_restarts.labels(dep.name, r.id).inc()
+                run.phase, run.restart_at, run.seen_ready, run.restarts = GroupPhase.RESTARTING, now + wait, set(), {}
+                run.detail = f"{why}; every member stopped, started again in {wait:g} s"
+                log.warning("deployment %s: group %s %s", dep.name, r.id, run.detail)
+                changed.append(f"group {r.id}: {why}; every member withdrawn")
+                next_at = min(next_at, run.restart_at)
+                continue
+            states = self._states(r)
+            run.seen_ready |= {rank for rank, s in states.items() if s.state is RuntimeState.READY}
+            for rank, s in states.items():
+                run.restarts.setdefault(rank, s.restarts)
+            if run.phase is GroupPhase.STARTING and all(rank in run.seen_ready for rank in run.released()):
+                run.phase = GroupPhase.STARTING_HEAD
+                changed.append(f"group {r.id}: every worker Ready; head started")
+            elif run.phase is GroupPhase.STARTING_HEAD and 0 in run.seen_ready:
+                run.phase, run.failures, run.detail = GroupPhase.READY, 0, ""
+                self._ready(run, r.id, True)
+                log.info("deployment %s: group %s Ready", dep.name, r.id)
+        return changed, next_at
+
+    def member_states(self, r: Replica) -> dict[int, str]:
+        """Each member's runtime state as its node reports it ("" when it reports none)."""
+        states = self._states(r)
+        return {m.rank: str(states[m.rank].state) if m.rank in states else "" for m in r.members}
+
+    def _node_state(self, node_id: str) -> NodeState | None:
+        try:
+            return self._fleet.get(node_id).state
+        except NotFound:
+            return None
+
+    def _caught_up(self, node_id: str) -> bool:
+        live = self._fleet.get(node_id)
+        return live.reported_generation >= live.desired.generation
+
+    def _states(self, r: Replica) -> dict[int, AssignmentStatus]:
+        """Each member's status, from the nodes that report on their current set: a node that has
+        not applied its newest set yet (its heartbeat names an older generation) says nothing of
+        its member until it has (a withdrawn member's old Failed is no failure of the new start)."""
+        out: dict[int, AssignmentStatus] = {}
+        for m in r.members:
+            try:
+                live = self._fleet.get(m.node_id)
+            except NotFound:
+                continue
+            if live.reported_generation < live.desired.generation:
+                continue
+            statuses = live.statuses
+            aid = member_id(r, m.rank)
+            found = next((s for s in statuses if s.assignment_id == aid), None)
+            if found is not None:
+                out[m.rank] = found
+        return out
+
+    def _failure(self, r: Replica, run: GroupRun) -> str | None:
+        """Why the group must stop now, or None."""
+        for m in r.members:
+            state = self._node_state(m.node_id)
+            if state is None or state in _LOST:
+                return f"rank {m.rank}'s node {m.node_id} is {state or 'gone'}"
+        states = self._states(r)
+        for rank in run.released():
+            if not self._caught_up(r.members[rank].node_id):
+                continue  # its node has not applied its newest set: nothing known yet
+            status = states.get(rank)
+            got = status.state if status is not None else None
+            if got in _FAILED or (rank in run.seen_ready and got is not RuntimeState.READY):
+                return f"rank {rank} ({member_id(r, rank)}) is {got or 'not reported'}"
+            if status is not None and status.restarts > run.restarts.get(rank, status.restarts):
+                return f"rank {rank} ({member_id(r, rank)}) was restarted by its node (its runtime ended)"
+        return None

@@ -1,0 +1,226 @@
+"""Group runs (`nexa.control.deployments.grouprun`): the pure lifecycle of a replica group, step by
+step, from what its nodes report. The fleet here is a stand-in holding only what `GroupRuns` reads
+(each node's state, labels, heartbeat statuses and desired set): the real fleet is exercised end to
+end by tests/e2e/test_llama_rpc_group.py (a real llama.cpp RPC group on two `nexa node` agents).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import attrs
+import pytest
+
+from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, ReplicaMember, Resources, RuntimeOptions
+from nexa.contracts.domain import NodeState
+from nexa.contracts.models import ModelRef
+from nexa.contracts.wire import AssignmentStatus, DesiredAssignments, RuntimeState
+from nexa.control.deployments.grouprun import (
+    GROUP_BACKOFF_S,
+    GROUP_PORT_OFFSET,
+    GroupPhase,
+    GroupRuns,
+    member_id,
+)
+from nexa.errors import NotFound
+from nexa.telemetry import Metrics
+
+PORT = 18000
+
+
+@attrs.define
+class _Node:
+    labels: dict[str, str]
+
+
+@attrs.define
+class _Live:
+    """What `GroupRuns` reads of a node (`control.fleet.nodes.NodeLive`'s fields of those names)."""
+
+    node: _Node
+    desired: DesiredAssignments
+    state: NodeState = NodeState.READY
+    statuses: list[AssignmentStatus] = attrs.Factory(list)
+    inventory: None = None
+    reported_generation: int = 1
+
+
+class _Fleet:
+    def __init__(self, lives: dict[str, _Live]) -> None:
+        self.lives = lives
+
+    def get(self, node_id: str) -> _Live:
+        if node_id not in self.lives:
+            raise NotFound(node_id)
+        return self.lives[node_id]
+
+
+def fleet(*, address_b: bool = True) -> _Fleet:
+    def live(name: str, address: str | None) -> _Live:
+        labels = {"fabric": "ib0"} | ({"fabric-address": address} if address else {})
+        return _Live(node=_Node(labels), desired=DesiredAssignments(node_id=name, generation=1))
+
+    return _Fleet({"a": live("a", "10.0.0.1"), "b": live("b", "10.0.0.2" if address_b else None)})
+
+
+def deployment(command: list[str] | None = None) -> Deployment:
+    model = ModelRef(model="m", version="v1")
+    replica = Replica(
+        id="big-1",
+        node_id="a",
+        model=model,
+        members=[ReplicaMember(rank=0, node_id="a"), ReplicaMember(rank=1, node_id="b")],
+    )
+    now = time.time()
+    return Deployment(
+        name="big",
+        runtime="llama",
+        alias=None,
+        model=model,
+        replicas=1,
+        resources=Resources(),
+        options=RuntimeOptions(port=PORT, command=command or []),
+        placement=PlacementSpec(),
+        created_at=now,
+        created_by=None,
+        updated_at=now,
+        placed=[replica],
+        nodes_per_replica=2,
+    )
+
+
+def report(f: _Fleet, node: str, aid: str, state: RuntimeState, restarts: int = 0) -> None:
+    f.lives[node].statuses = [AssignmentStatus(assignment_id=aid, state=state, restarts=restarts)]
+
+
+def runs_for(f: _Fleet, dep: Deployment) -> tuple[GroupRuns, Metrics]:
+    metrics = Metrics()
+    runs = GroupRuns(f, metrics)  # type: ignore[arg-type]
+    assert runs.ensure(dep, command_given=bool(dep.options.command)) == ["big-1"]
+    return runs, metrics
+
+
+def sample(metrics: Metrics, name: str, **labels: str) -> Any:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_workers_start_first_the_head_once_they_are_ready_and_only_a_ready_group_serves() -> None:
+    f, dep = fleet(), deployment()
+    runs, metrics = runs_for(f, dep)
+    [r] = dep.placed
+    run = runs.get(r)
+    assert run is not None and run.phase is GroupPhase.STARTING and run.released() == [1]
+    # Ports: the deployment's plus the offset on each node; addresses: each node's fabric address.
+    assert [(m.rank, m.node_id, m.address, m.port) for m in run.members] == [
+        (0, "a", "10.0.0.1", PORT + GROUP_PORT_OFFSET),
+        (1, "b", "10.0.0.2", PORT + GROUP_PORT_OFFSET),
+    ]
+    assert member_id(r, 0) == "big-1" and member_id(r, 1) == "big-1-rank1"
+    assert runs.step(dep, 0.0)[0] == []  # the worker is not Ready yet: nothing changes
+    report(f, "b", "big-1-rank1", RuntimeState.READY)
+    assert runs.step(dep, 0.0)[0] == ["group big-1: every worker Ready; head started"]
+    assert run.phase is GroupPhase.STARTING_HEAD and run.released() == [0, 1]
+    assert not runs.serving(r)
+    f.lives["a"].statuses = [AssignmentStatus(assignment_id="big-1", state=RuntimeState.READY)]
+    assert runs.step(dep, 0.0)[0] == []
+    assert run.phase is GroupPhase.READY and runs.serving(r)
+    # A controller that runs no group (a follower) goes by the head's readiness alone.
+    assert GroupRuns(f).serving(r)  # type: ignore[arg-type]
+    assert sample(metrics, "nexa_group_ready", deployment="big", group="big-1") == 1
+    assert runs.member_states(r) == {0: "Ready", 1: "Ready"}
+
+
+def ready_group() -> tuple[_Fleet, Deployment, GroupRuns, Metrics]:
+    f, dep = fleet(), deployment()
+    runs, metrics = runs_for(f, dep)
+    report(f, "b", "big-1-rank1", RuntimeState.READY)
+    runs.step(dep, 0.0)
+    report(f, "a", "big-1", RuntimeState.READY)
+    runs.step(dep, 0.0)
+    assert runs.get(dep.placed[0]).phase is GroupPhase.READY  # type: ignore[union-attr]
+    return f, dep, runs, metrics
+
+
+@pytest.mark.parametrize(
+    ("fault", "why"),
+    [
+        (lambda f: report(f, "b", "big-1-rank1", RuntimeState.FAILED), "rank 1 (big-1-rank1) is Failed"),
+        (lambda f: report(f, "b", "big-1-rank1", RuntimeState.STARTING), "rank 1 (big-1-rank1) is Starting"),
+        (
+            lambda f: report(f, "b", "big-1-rank1", RuntimeState.READY, restarts=1),
+            "rank 1 (big-1-rank1) was restarted by its node (its runtime ended)",
+        ),
+        (lambda f: setattr(f.lives["b"], "state", NodeState.UNREACHABLE), "rank 1's node b is Unreachable"),
+        (lambda f: report(f, "a", "big-1", RuntimeState.UNHEALTHY), "rank 0 (big-1) is Unhealthy"),
+    ],
+)
+def test_any_member_failing_or_lost_withdraws_the_whole_group_and_it_starts_again_after_a_backoff(
+    fault: Any, why: str
+) -> None:
+    f, dep, runs, metrics = ready_group()
+    [r] = dep.placed
+    run = runs.get(r)
+    assert run is not None
+    fault(f)
+    changed, next_at = runs.step(dep, 100.0)
+    assert changed == [f"group big-1: {why}; every member withdrawn"]
+    assert run.phase is GroupPhase.RESTARTING and run.released() == [] and not runs.serving(r)
+    assert next_at == 100.0 + GROUP_BACKOFF_S
+    assert sample(metrics, "nexa_group_ready", deployment="big", group="big-1") == 0
+    assert sample(metrics, "nexa_group_restarts_total", deployment="big", group="big-1") == 1
+    assert runs.step(dep, 100.5)[0] == []  # still backing off
+    f.lives["b"].state = NodeState.UNREACHABLE
+    assert runs.step(dep, 200.0)[0] == []  # not while a member's node is unreachable
+    f.lives["b"].state = NodeState.READY
+    assert runs.step(dep, 200.0)[0] == ["group big-1 started again (workers first)"]
+    assert run.phase is GroupPhase.STARTING and run.released() == [1]
+    assert [m.port for m in run.members] == [PORT + GROUP_PORT_OFFSET] * 2  # kept across restarts
+    # Failing again before it is Ready doubles the wait.
+    report(f, "b", "big-1-rank1", RuntimeState.FAILED)
+    assert runs.step(dep, 300.0)[1] == 300.0 + 2 * GROUP_BACKOFF_S
+
+
+def test_a_group_without_a_fabric_address_or_with_a_full_command_stays_pending_and_says_why() -> None:
+    f = fleet(address_b=False)
+    dep = deployment()
+    runs = GroupRuns(f)  # type: ignore[arg-type]
+    assert runs.ensure(dep, command_given=False) == []
+    run = runs.get(dep.placed[0])
+    assert run is not None and run.phase is GroupPhase.PENDING and run.released() == []
+    assert run.detail == (
+        "node b has no fabric address: link its RDMA port so it discovers one, or set its fabric-address label"
+    )
+    assert runs.step(dep, 0.0) == ([], float("inf"))
+    commanded = deployment(["llama-server"])
+    runs = GroupRuns(fleet())  # type: ignore[arg-type]
+    runs.ensure(commanded, command_given=True)
+    pending = runs.get(commanded.placed[0])
+    assert pending is not None and pending.phase is GroupPhase.PENDING and "options.command" in pending.detail
+
+
+def test_member_ports_skip_what_the_node_uses_and_another_starting_group_holds() -> None:
+    f, dep = fleet(), deployment()
+    other = attrs.evolve(dep.placed[0], id="big-2")
+    taken = PORT + GROUP_PORT_OFFSET
+    runs = GroupRuns(f)  # type: ignore[arg-type]
+    runs.ensure(attrs.evolve(dep, placed=[dep.placed[0], other]), command_given=False)
+    first, second = runs.get(dep.placed[0]), runs.get(other)
+    assert first is not None and second is not None
+    assert [m.port for m in first.members] == [taken, taken]
+    assert [m.port for m in second.members] == [taken + 1, taken + 1]
+    assert runs.ports_on("a") == {taken, taken + 1}
+    runs.forget({"big-1"})
+    assert runs.ports_on("a") == {taken}
+
+
+def test_a_node_that_has_not_applied_its_newest_set_says_nothing_of_its_member_yet() -> None:
+    f, dep, runs, _ = ready_group()
+    run = runs.get(dep.placed[0])
+    assert run is not None
+    b = f.lives["b"]
+    b.desired = attrs.evolve(b.desired, generation=2)  # a newer set is on its way to b
+    report(f, "b", "big-1-rank1", RuntimeState.FAILED)  # what b said of the set before it
+    assert runs.step(dep, 0.0)[0] == [] and run.phase is GroupPhase.READY
+    b.reported_generation = 2
+    assert runs.step(dep, 0.0)[0] == ["group big-1: rank 1 (big-1-rank1) is Failed; every member withdrawn"]

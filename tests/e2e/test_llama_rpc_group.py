@@ -1,0 +1,205 @@
+"""One model over two nodes: a replica group of llama.cpp over RPC, real, on CPU (issue 33's first
+required test).
+
+Two enrolled `nexa node` agents (cpu-1 on 127.0.0.11, cpu-2 on .12, the run's loopback network),
+given a `fabric` label and their `fabric-address` label (their own loopback address: a node whose
+fabric is only the admin's label takes its address from there) through their enrollment tokens.
+The runtime is llama.cpp's own C++ server image (`llama_server_image`, which also carries
+`/app/ggml-rpc-server`, built with GGML_RPC on), registered with `--fabric tcp` so the group's
+containers are in the nodes' network namespace. A deployment of the tiny generated GGUF with
+`nodes_per_replica` 2: rank 1 (cpu-2) runs the RPC server bound to its fabric address only, rank 0
+(cpu-1) `llama-server --rpc` over it, started once the worker is Ready. The official `openai`
+SDK gets a chat completion through the controller. Then the worker's container is killed: the
+group fails, every member is withdrawn and the group is started again together (the head's
+container is a new one), and it serves again. Then the worker's agent is killed: the group is
+withdrawn while its node is lost, and starts again whole when the agent is back.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+import trio
+
+from nexa.container_spec import container_name
+from nexa.contracts.deployments import Replica
+from nexa.control.deployments.grouprun import GROUP_PORT_OFFSET, member_id
+from tests.conftest import Controller
+from tests.realparts import PodmanService, S3Store
+from tests.support.api import Json, ok
+from tests.support.realmodel import MIB, Node, cli, in_thread, real_cluster, register_model, runtime_logs, wait_for
+
+pytestmark = pytest.mark.slow
+RUNTIME = "llama-server"
+PORT = 18900
+
+
+@pytest.fixture
+async def group_cluster(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, podman_service: PodmanService
+) -> AsyncIterator[tuple[Controller, list[Node]]]:
+    def labels(node: Node) -> str:
+        return f"fabric=loopback,fabric-address={node.host}"
+
+    async with real_cluster(nursery, tmp_path, s3_store, podman_service, labels=labels) as c:
+        yield c
+
+
+def listening(port: int) -> list[str]:
+    """The local addresses that listen on TCP `port` in this network namespace (the kernel's table)."""
+    out = []
+    for table, family in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
+        try:
+            lines = Path(table).read_text(encoding="ascii").splitlines()[1:]
+        except FileNotFoundError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            address, _, hex_port = local.partition(":")
+            if state != "0A" or int(hex_port, 16) != port:
+                continue
+            raw = bytes.fromhex(address)
+            if family == 4:
+                out.append(str(ipaddress.IPv4Address(raw[::-1])))
+            else:
+                words = b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4))
+                out.append(str(ipaddress.IPv6Address(words)))
+    return out
+
+
+async def group_of(controller: Controller) -> Json:
+    async with controller.client() as http:
+        view = await ok(http.get("/api/v1/deployments/chat"))
+    [group] = view["groups"]
+    return group
+
+
+def container_id(podman: PodmanService, assignment_id: str) -> str:
+    found = podman.cli("inspect", "--format", "{{.Id}}", container_name(assignment_id), check=False)
+    return found.stdout.strip() if found.returncode == 0 else ""
+
+
+async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_together_when_its_worker_or_its_agent_dies(
+    group_cluster: tuple[Controller, list[Node]],
+    s3_store: S3Store,
+    llama_server_image: str,
+    tiny_gguf: Path,
+    podman_service: PodmanService,
+    tmp_path: Path,
+) -> None:
+    controller, nodes = group_cluster
+    argv = ["runtimes", "register", RUNTIME, "--kind", "llamacpp", "--version", "0.3.36", "--fabric", "tcp"]
+    await trio.to_thread.run_sync(cli, controller, *argv, "--image", llama_server_image)
+    await register_model(controller, s3_store, "tiny", tiny_gguf)
+    chat = {
+        "name": "chat",
+        "runtime": RUNTIME,
+        "alias": "tiny",
+        "replicas": 1,
+        "nodes_per_replica": 2,
+        "resources": {"accelerators": 0, "memory_bytes": 1024 * MIB, "cpus": 1.0},
+        "options": {"port": PORT, "settings": {"ctx_size": 512, "parallel": 1, "flash_attn": "off"}},
+    }
+    async with controller.client() as http:
+        await ok(http.post("/api/v1/tenants", json={"id": "acme"}), 201)
+        key = (await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201))["key"]
+        created = await ok(http.post("/api/v1/deployments", json=chat), 201)
+    [placed] = created["deployment"]["placed"]
+    replica = Replica(id=placed["id"], node_id=placed["node_id"])
+    assert [(m["rank"], m["node_id"]) for m in placed["members"]] == [(0, "cpu-1"), (1, "cpu-2")]
+    head, worker = member_id(replica, 0), member_id(replica, 1)
+
+    async def ready() -> bool:
+        return (await group_of(controller))["state"] == "ready"
+
+    try:
+        await wait_for(ready, "the group Ready")
+    except BaseException:
+        print(runtime_logs(podman_service), await group_of(controller))
+        raise
+    group = await group_of(controller)
+    assert [(m["rank"], m["node_id"], m["state"]) for m in group["members"]] == [
+        (0, "cpu-1", "Ready"),
+        (1, "cpu-2", "Ready"),
+    ]
+    shown = await trio.to_thread.run_sync(cli, controller, "deployments", "show", "chat")
+    assert f"group    {replica.id}, 2 nodes: ready" in shown, shown
+    assert "  rank 1: cpu-2, GPUs -, Ready" in shown, shown
+
+    # What each rank runs: the worker the RPC server on its fabric address; the head llama-server over it.
+    worker_port = PORT + GROUP_PORT_OFFSET
+    inspected = json.loads(podman_service.cli("inspect", container_name(worker)).stdout)[0]
+    process = [inspected["Path"], *inspected["Args"]]
+    assert process == ["/app/ggml-rpc-server", "-H", nodes[1].host, "-p", str(worker_port)], process
+    assert inspected["HostConfig"]["NetworkMode"] == "host"
+    head_process = json.loads(podman_service.cli("inspect", container_name(head)).stdout)[0]["Args"]
+    assert head_process[head_process.index("--rpc") + 1] == f"{nodes[1].host}:{worker_port}", head_process
+    # The worker's port (no authentication of its own) listens on its fabric address only.
+    assert listening(worker_port) == [nodes[1].host]
+
+    client = openai.OpenAI(base_url=controller.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+    def chat_completion() -> None:
+        got = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=8, temperature=0
+        )
+        assert got.usage is not None and 1 <= got.usage.completion_tokens <= 8
+        assert got.choices[0].finish_reason in {"length", "stop"}
+
+    try:
+        try:
+            await in_thread(chat_completion)
+        except openai.OpenAIError:
+            pytest.fail(runtime_logs(podman_service))
+
+        # The worker's container dies: the whole group is withdrawn and started again together.
+        head_before = container_id(podman_service, head)
+        assert head_before
+        podman_service.cli("kill", container_name(worker))
+
+        async def restarted() -> bool:
+            group = await group_of(controller)
+            now = container_id(podman_service, head)
+            return group["state"] == "ready" and bool(now) and now != head_before
+
+        await wait_for(restarted, "the group restarted together")
+        async with controller.client() as http:
+            events = (await ok(http.get("/api/v1/audit")))["events"]
+        details = [e["detail"] for e in events if e["action"] == "deployment.group"]
+        assert any("every member withdrawn" in d and "rank 1" in d for d in details), details
+        assert any("every worker Ready; head started" in d for d in details), details
+        assert listening(worker_port) == [nodes[1].host]
+        try:
+            await in_thread(chat_completion)
+        except openai.OpenAIError:
+            pytest.fail(runtime_logs(podman_service))
+
+        # The worker's agent dies (its container keeps running): once its node is Unreachable the
+        # group is withdrawn (the head stops on cpu-1), and no half group is left when the agent is
+        # back: it gets a set without its member, then the whole group starts again and serves.
+        worker_agent = nodes[1].proc
+        assert worker_agent is not None
+        worker_agent.kill()
+        worker_agent.wait(timeout=30)
+
+        async def withdrawn() -> bool:
+            group = await group_of(controller)
+            return group["state"] == "restarting" and not container_id(podman_service, head)
+
+        await wait_for(withdrawn, "the group withdrawn while its worker's node is lost", 60)
+        assert "rank 1's node cpu-2 is Unreachable" in (await group_of(controller))["detail"]
+        nodes[1].start(tmp_path / "cpu-2-again.log")
+        await wait_for(ready, "the group Ready again after the worker's agent came back")
+        assert listening(worker_port) == [nodes[1].host]
+        try:
+            await in_thread(chat_completion)
+        except openai.OpenAIError:
+            pytest.fail(runtime_logs(podman_service))
+    finally:
+        client.close()
