@@ -349,7 +349,7 @@ def message_id(request_id: str) -> str:
 
 def _tool_input(arguments: object) -> Json:
     """A tool call's arguments (a JSON text) as the tool_use block's input object; RuntimeFailed otherwise."""
-    parsed = answers.parse_json(arguments.encode()) if isinstance(arguments, str) else None
+    parsed = answers.event_json(arguments.encode()) if isinstance(arguments, str) else None
     if arguments == "":
         parsed = {}
     if not isinstance(parsed, dict):
