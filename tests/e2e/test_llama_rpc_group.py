@@ -145,12 +145,14 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
 
     client = openai.OpenAI(base_url=controller.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
-    def chat_completion() -> None:
-        got = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=8, temperature=0
-        )
-        assert got.usage is not None and 1 <= got.usage.completion_tokens <= 8
-        assert got.choices[0].finish_reason in {"length", "stop"}
+    def chat_completion(count: int = 1) -> None:
+        """`count` completions one after another, each of which must succeed."""
+        for _ in range(count):
+            got = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=8, temperature=0
+            )
+            assert got.usage is not None and 1 <= got.usage.completion_tokens <= 8
+            assert got.choices[0].finish_reason in {"length", "stop"}
 
     try:
         try:
@@ -175,8 +177,8 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
         assert any("every member withdrawn" in d and "rank 1" in d for d in details), details
         assert any("every worker Ready; head started" in d for d in details), details
         assert listening(worker_port) == [nodes[1].host]
-        try:
-            await in_thread(chat_completion)
+        try:  # no request started after the restart fails
+            await in_thread(lambda: chat_completion(4))
         except openai.OpenAIError:
             pytest.fail(runtime_logs(podman_service))
 
@@ -197,8 +199,8 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
         nodes[1].start(tmp_path / "cpu-2-again.log")
         await wait_for(ready, "the group Ready again after the worker's agent came back")
         assert listening(worker_port) == [nodes[1].host]
-        try:
-            await in_thread(chat_completion)
+        try:  # no request started after the restart fails
+            await in_thread(lambda: chat_completion(4))
         except openai.OpenAIError:
             pytest.fail(runtime_logs(podman_service))
     finally:
