@@ -206,7 +206,7 @@ class ChatEvents:
         out: list[bytes] = []
         for event in events:
             try:
-                out += self._event(event)
+                self._event(event, out)  # what it wrote before failing is sent, then the error
             except NexaError as exc:
                 out.append(self._fail(exc))
                 break
@@ -237,10 +237,10 @@ class ChatEvents:
         self.failed = exc
         return self._error(exc)
 
-    def _event(self, event: bytes) -> list[bytes]:
+    def _event(self, event: bytes, out: list[bytes]) -> None:
         data = [line[5:].removeprefix(b" ") for line in event.splitlines() if line.startswith(b"data:")]
         if not data or b"\n".join(data).strip() == b"[DONE]":
-            return []
+            return
         obj = answers.event_json(b"\n".join(data))
         if not isinstance(obj, dict):
             raise self.bad("an event whose data is not a JSON object")
@@ -253,7 +253,6 @@ class ChatEvents:
         choices = obj.get("choices")
         if not isinstance(choices, list):
             raise self.bad("an event without choices")
-        out: list[bytes] = []
         for choice in choices[:1]:  # these APIs answer one choice; the request asked for one
             if not isinstance(choice, dict):
                 raise self.bad("a choice that is not an object")
@@ -267,17 +266,15 @@ class ChatEvents:
                     self._open = "text"
                 self._pieces.append(text)
                 out += self._text(text)
-            out += self._tool_calls(delta.get("tool_calls"))
+            self._tool_calls(delta.get("tool_calls"), out)
             if choice.get("finish_reason") is not None:
                 self.finish, self.matched = choice.get("finish_reason"), choice.get("stop_reason")
-        return out
 
-    def _tool_calls(self, calls: object) -> list[bytes]:
+    def _tool_calls(self, calls: object, out: list[bytes]) -> None:
         if calls is None:
-            return []
+            return
         if not isinstance(calls, list):
             raise self.bad("tool_calls that is not a list")
-        out: list[bytes] = []
         for call in calls:
             if not isinstance(call, dict) or not isinstance(function := call.get("function") or {}, dict):
                 raise self.bad("a tool call delta that is not an object with a function")
@@ -298,7 +295,6 @@ class ChatEvents:
             if piece:
                 self._pieces.append(piece)
                 out += self._arguments(piece)
-        return out
 
     def _close(self) -> list[bytes]:
         if self._open is None:
