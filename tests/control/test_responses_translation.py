@@ -126,6 +126,7 @@ def test_a_request_becomes_a_chat_completion_with_instructions_images_tools_and_
         ({"input": [{"type": "function_call", "name": "f"}]}, "input[0]"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
         ({"input": [{"type": "audio"}]}, "input[0].type"),
+        ({"input": [{"type": ["message"]}]}, "input[0].type"),  # not a string: refused, not a TypeError
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {}}, "stream_options"),
         ({"max_output_tokens": 0}, "max_output_tokens"),

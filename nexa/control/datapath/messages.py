@@ -269,7 +269,7 @@ def _image(block: Json, where: str) -> Json:
     kind = source.get("type") if isinstance(source, dict) else None
     if isinstance(source, dict) and kind == "base64":
         media, data = source.get("media_type"), source.get("data")
-        if media not in _IMAGE_TYPES or not isinstance(data, str) or not data:
+        if not isinstance(media, str) or media not in _IMAGE_TYPES or not isinstance(data, str) or not data:
             raise refuse(f"{where}.source", "media_type one of " + ", ".join(sorted(_IMAGE_TYPES)) + ", and data")
         return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
     if isinstance(source, dict) and kind == "url" and isinstance(source.get("url"), str):

@@ -257,7 +257,7 @@ def _input(value: object) -> list[Json]:
             _function_call(out, item, at)
         elif kind == "function_call_output":
             out.append(_call_output(item, at))
-        elif kind in _HOSTED_ITEMS:
+        elif isinstance(kind, str) and kind in _HOSTED_ITEMS:
             raise unsupported(f"{at}.type", f"a {kind} item")
         else:
             raise refuse(f"{at}.type", "message, function_call or function_call_output")
@@ -265,7 +265,7 @@ def _input(value: object) -> list[Json]:
 
 
 def _message(item: Json, at: str) -> Json:
-    extra = sorted(set(item) - {"type", "role", "content", "id", "status"})
+    extra = sorted(set(item) - {"type", "role", "content", "id", "status", "phase"})  # as output messages echo
     if extra:
         raise refuse(f"{at}.{extra[0]}", "not a message field (role, content)")
     role = _ROLES.get(str(item.get("role")))
