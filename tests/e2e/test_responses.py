@@ -203,6 +203,10 @@ async def test_bad_input_is_a_typed_4xx_and_nothing_is_metered(cluster: SimClust
             assert error["type"] == "invalid_request_error" and error["param"] == param, (param, error)
         not_json = await http.post("/v1/responses", content=b"{", headers={"content-type": "application/json"})
         assert not_json.status_code == 400 and not_json.json()["error"]["code"] == "invalid_request"
+        big = b"{" + b" " * 2_000_000 + b"}"  # over [http] max_body_bytes (1 MiB); sync: answered before it is read
+        url = cluster.controller.url + "/v1/responses"
+        too_big = await in_thread(lambda: httpx.post(url, content=big, headers=headers, timeout=30))
+        assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "payload_too_large"
         # The controller serves on.
         served = await http.post("/v1/responses", json={"model": "chat", "input": ASK})
         assert served.status_code == 200 and served.json()["output"][0]["type"] == "message"
