@@ -82,7 +82,9 @@ VLLM: Final = Adapter(
     memory_setting="gpu_memory_utilization",
     # vllm/entrypoints/anthropic/api_router.py: POST /v1/messages and /v1/messages/count_tokens
     # (Anthropic's Messages API, translated by vLLM to its chat serving), since 0.11.0.
-    native_apis={"/v1/messages": "0.11.0", "/v1/messages/count_tokens": "0.11.0"},
+    # vllm/entrypoints/openai/serving_responses.py: POST /v1/responses (OpenAI's Responses API, with
+    # GET and cancel of a stored response, kept in the server's memory), since 0.10.0.
+    native_apis={"/v1/messages": "0.11.0", "/v1/messages/count_tokens": "0.11.0", "/v1/responses": "0.10.0"},
     readiness_path="/health",
     metrics=Metrics(
         path="/metrics",

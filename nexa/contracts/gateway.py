@@ -103,6 +103,7 @@ class Api(enum.StrEnum):
     OPENAI = "openai"
     WORKLOADS = "workloads"
     MESSAGES = "messages"
+    RESPONSES = "responses"
 
 
 # --- the outcome of a call ---------------------------------------------------------------------------

@@ -145,6 +145,14 @@ def test_a_request_becomes_a_chat_completion_with_system_images_tools_and_tool_r
         ({"tool_choice": {"type": "auto"}}, "tool_choice"),
         ({"n": 2}, "n"),
         ({"temperature": float("nan")}, "temperature"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": []}}]}
+                ]
+            },
+            "source",
+        ),
     ],
 )
 def test_a_request_that_does_not_check_is_refused_naming_the_field(change: Json, field: str) -> None:

@@ -82,6 +82,12 @@ def test_every_route_is_described_with_its_roles_and_errors() -> None:
             assert response["content"]["application/json"]["schema"]["$ref"].endswith("/" + envelope)
     # The one keyless document route is itself in the table.
     assert ROUTE_ROLES[openapi.DOCUMENT_ROUTE] is None
+    # OpenAI's Responses API: its body as the translation takes it, streamed or not, errors in OpenAI's shape.
+    responses = ops[("POST", "/v1/responses")]
+    body = responses["requestBody"]["content"]["application/json"]["schema"]
+    assert body["required"] == ["model", "input"] and body["additionalProperties"] is False
+    assert set(responses["responses"]["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert "field_not_supported" in responses["responses"]["400"]["x-nexa-error-codes"]
 
 
 def test_every_inference_answer_names_the_overhead_header() -> None:

@@ -66,6 +66,8 @@ from nexa.control.datapath.inference_routes import (
     RETENTION_HEADER,
 )
 from nexa.control.datapath.retention import Capture, Retention
+from nexa.control.datapath.translated import TRANSLATIONS, serve
+from nexa.control.datapath.translation import Translation, param_of
 from nexa.control.datapath.workloads import ActiveWorkload, Workloads
 from nexa.control.http.common import (
     CLIENT_CLOSED,
@@ -213,26 +215,14 @@ class InferenceApp:
             await x.chunk(b"", more=False)
             return 200
 
-    async def messages(self, x: _Exchange) -> int:  # Anthropic's, to a chat completion and back (`messages`)
-        req = anthropic.to_chat(_json_object(await x.body()))
-        work = self._work(x, Api.MESSAGES, Capability.CHAT, req.model, req.chat, stream=req.stream, include_usage=True)
-        call = x.call = self._gateway.call(work)
-        async with call as answer:
-            if not req.stream:
-                await answer.read_all()
-                if answer.error is not None:
-                    raise answer.error
-                return await x.json(200, anthropic.to_message(answer.answer, req, x.rid, call.progress))
-            events = anthropic.Events(req, x.rid)
-            await x.start_stream(200)
-            await x.chunk(events.start())
-            async for chunk in answer:
-                if out := events.feed(chunk):
-                    await x.chunk(out)
-                if events.failed:
-                    break  # what the runtime sent does not translate: the rest is cancelled
-            await x.chunk(events.end(answer.error, call.progress), more=False)
-            return 200
+    async def translated(self, x: _Exchange, translation: Translation[Any]) -> int:
+        """Another API's request, as a chat completion and back (`translated`)."""
+        req = translation.to_chat(_json_object(await x.body()))
+        work = self._work(
+            x, translation.api, Capability.CHAT, req.model, req.chat, stream=req.stream, include_usage=True
+        )
+        x.call = self._gateway.call(work)
+        return await serve(x, x.call, translation, req)
 
     def _work(self, x: _Exchange, api: Api, cap: Capability, model: str, body: dict[str, Any], **how: bool) -> Work:
         """The call an OpenAI-shaped request makes (headers: retention, priority, deadline, data class)."""
@@ -518,8 +508,8 @@ class _Exchange:
         return status
 
     async def _handle(self, app: InferenceApp, method: str, rule: str) -> int:
-        if rule in {"/v1/models", anthropic.MESSAGES_PATH}:
-            return await (app.models(self) if rule == "/v1/models" else app.messages(self))
+        if rule in TRANSLATIONS or rule == "/v1/models":
+            return await (app.models(self) if rule == "/v1/models" else app.translated(self, TRANSLATIONS[rule]))
         if rule in _CAPABILITY_BY_PATH:
             return await app.openai(self, _CAPABILITY_BY_PATH[rule])
         if rule == "/api/v1/workloads":
@@ -777,7 +767,8 @@ def _priority(value: str | None) -> Priority:
 def _openai_error(exc: NexaError, rid: str) -> OpenAIError:
     status = status_for(exc)
     kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-    return OpenAIError(error=OpenAIErrorBody(message=f"{exc.message} (request {rid})", type=kind, code=exc.code))
+    body = OpenAIErrorBody(message=f"{exc.message} (request {rid})", type=kind, code=exc.code, param=param_of(exc))
+    return OpenAIError(error=body)
 
 
 def _envelope(exc: NexaError, rid: str) -> ErrorEnvelope:

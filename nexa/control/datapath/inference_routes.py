@@ -175,6 +175,33 @@ _MESSAGES_BODY: Final[Json] = {
     "required": ["model", "max_tokens", "messages"],
     "additionalProperties": False,
 }
+_RESPONSES_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS, "description": "an alias"},
+        "input": {"type": ["string", "array"], "description": "a string, or a list of input items"},
+        "instructions": {"type": "string"},
+        "stream": {"type": "boolean", "default": False},
+        "stream_options": {"type": "object"},
+        "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": MAX_REQUEST_TOKENS},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+        "top_p": {"type": "number", "minimum": 0, "maximum": 1},
+        "tools": {"type": "array", "items": {"type": "object"}, "description": "function tools only"},
+        "tool_choice": {"type": ["string", "object"]},
+        "parallel_tool_calls": {"type": "boolean"},
+        "text": {"type": "object", "description": "format: text, json_object or json_schema"},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"}},
+        "user": {"type": "string"},
+        "safety_identifier": {"type": "string"},
+        "prompt_cache_key": {"type": "string"},
+        "service_tier": {"enum": ["auto", "default"]},
+        "truncation": {"enum": ["disabled"]},
+        "include": {"type": "array", "maxItems": 0},
+        "store": {"type": "boolean", "description": "only false: no runtime here keeps a response"},
+    },
+    "required": ["model", "input"],
+    "additionalProperties": False,
+}
 _ANTHROPIC_HEADERS: Final = (
     Param(
         name="x-api-key",
@@ -217,6 +244,19 @@ ROUTES: Final[tuple[Route, ...]] = (
         params=(*_ANTHROPIC_HEADERS, *_HEADERS),
         errors=_SERVING,
         error_shape=AnthropicError,
+    ),
+    Route(
+        method="POST",
+        path="/v1/responses",
+        roles=INFERENCE,
+        summary="Response (OpenAI's Responses API, translated to a chat completion; no stored state)",
+        tag="openai",
+        body=_RESPONSES_BODY,
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        also=(_SSE,),
+        params=_HEADERS,
+        errors=_SERVING,
     ),
     Route(
         method="POST",
