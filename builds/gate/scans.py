@@ -16,6 +16,7 @@ The node's boundary (`isolation_findings`). What a node runs or stores may name 
   enrollment, fence, the artifact cache), the binary /usr/local/bin/nexa;
 - the container engine's socket: /run/podman/podman.sock, /var/run/docker.sock, /run/docker.sock;
 - the GPUs: /dev/nvidia*; and /dev/null; the host's memory figures, /proc/meminfo (read only);
+- the kernel's device descriptions, /sys/ (read only: the fabric's RDMA devices and interfaces);
 - inside a runtime container: /models/ (the verified artifact, mounted read-only) and
   /var/cache/nexa-runtime/ (the replica's own writable cache, a directory under the node's state
   directory mounted there), and nothing else of the host.
@@ -140,6 +141,7 @@ ALLOWED_PATHS: Final = (
     "/dev/nvidia*",
     "/dev/null",
     "/proc/meminfo",
+    "/sys/",
     "/models/",
     "/var/cache/nexa-runtime/",
 )

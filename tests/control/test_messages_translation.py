@@ -9,10 +9,7 @@ from typing import Any
 
 import pytest
 
-from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, Capability
 from nexa.control.datapath import messages
-from nexa.control.datapath.calls import Progress, Work
 from nexa.errors import (
     ContractError,
     DeadlineExceeded,
@@ -22,42 +19,11 @@ from nexa.errors import (
     QuotaExceeded,
     RuntimeFailed,
 )
+from tests.support.translation import chunk, events, progress
 
 Json = dict[str, Any]
 BASE: Json = {"model": "chat", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
 WEATHER: Json = {"name": "get_weather", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
-
-
-def progress(prompt: int = 5, completion: int = 7) -> Progress:
-    work = Work(
-        request_id="req_1",
-        api=Api.MESSAGES,
-        tenant=TenantId("acme"),
-        key_id=KeyId("k"),
-        capability=Capability.CHAT,
-        model="chat",
-        body={},
-        stream=True,
-        deadline_at=0.0,
-    )
-    p = Progress(work=work, started=0.0)
-    p.prompt_tokens, p.completion_tokens = prompt, completion
-    return p
-
-
-def chunk(**delta: Any) -> bytes:
-    finish = delta.pop("finish", None)
-    choice = {"index": 0, "delta": delta, "finish_reason": finish}
-    return b"data: " + json.dumps({"id": "c", "choices": [choice]}).encode() + b"\n\n"
-
-
-def events(raw: bytes) -> list[tuple[str, Json]]:
-    out = []
-    for block in raw.decode().split("\n\n"):
-        if block.strip():
-            head, data = block.split("\n", 1)
-            out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
-    return out
 
 
 def test_a_request_becomes_a_chat_completion_with_system_images_tools_and_tool_results() -> None:

@@ -12,7 +12,7 @@ import pytest
 from nexa.control.datapath import responses
 from nexa.control.datapath.translation import param_of
 from nexa.errors import ContractError, DeadlineExceeded, FieldNotSupported, RuntimeFailed
-from tests.control.test_messages_translation import chunk, events, progress
+from tests.support.translation import chunk, events, progress
 
 Json = dict[str, Any]
 BASE: Json = {"model": "chat", "input": "hi"}

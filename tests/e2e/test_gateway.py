@@ -13,7 +13,6 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,8 +24,8 @@ import trio
 
 from nexa.telemetry import JsonFormatter
 from tests.realparts import BuiltImages, S3Store
-from tests.support.api import ok
-from tests.support.cluster import MESSAGES, SimCluster, SimNode, gateway_cluster, new_key
+from tests.support.api import in_thread, ok
+from tests.support.cluster import MESSAGES, SimCluster, SimNode, gateway_cluster, new_key, sdk, usage_rows
 from tests.support.models import bring_to
 
 pytestmark = pytest.mark.slow
@@ -35,25 +34,6 @@ T = TypeVar("T")
 Json = dict[str, Any]
 #: A slow stream: 200 tokens at 20 per second.
 SLOW_ARGS = ["--ttft-ms", "5", "--tokens-per-s", "20", "--output-tokens", "200"]
-
-
-def sdk(cluster: SimCluster, key: str | None = None) -> openai.OpenAI:
-    """The official SDK's synchronous client (run in worker threads: its async streams leave an
-    async generator unclosed after `[DONE]`, which trio reports as a ResourceWarning). Closed
-    with the cluster."""
-    client = openai.OpenAI(base_url=cluster.base_url, api_key=key or cluster.inference_key, max_retries=0, timeout=30)
-    cluster.on_close.append(client.close)
-    return client
-
-
-async def in_thread(fn: Callable[[], T]) -> T:
-    return await trio.to_thread.run_sync(fn)
-
-
-async def usage_rows(cluster: SimCluster, **params: str) -> list[Json]:
-    async with cluster.client() as http:
-        rows: list[Json] = (await ok(http.get("/api/v1/usage", params=params)))["rows"]
-    return rows
 
 
 async def test_the_official_sdk_gets_chat_streams_completions_and_embeddings(cluster: SimCluster) -> None:

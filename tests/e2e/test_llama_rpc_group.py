@@ -31,8 +31,8 @@ from nexa.contracts.deployments import Replica
 from nexa.control.deployments.grouprun import GROUP_PORT_OFFSET, member_id
 from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
-from tests.support.api import Json, ok
-from tests.support.realmodel import MIB, Node, cli, in_thread, real_cluster, register_model, runtime_logs, wait_for
+from tests.support.api import Json, in_thread, ok
+from tests.support.realmodel import MIB, Node, cli, real_cluster, register_model, runtime_logs, wait_for
 
 pytestmark = pytest.mark.slow
 RUNTIME = "llama-server"

@@ -10,8 +10,8 @@ import anthropic
 import httpx
 import pytest
 
-from tests.e2e.test_gateway import in_thread, usage_rows
-from tests.support.cluster import SimCluster, new_key
+from tests.support.api import in_thread
+from tests.support.cluster import SimCluster, new_key, usage_rows
 
 pytestmark = pytest.mark.slow
 

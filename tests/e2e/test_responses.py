@@ -13,8 +13,8 @@ import pytest
 from openai.types.responses import ResponseOutputMessage
 
 from nexa.control import store as st
-from tests.e2e.test_gateway import in_thread, sdk, usage_rows
-from tests.support.cluster import SimCluster, new_key
+from tests.support.api import in_thread
+from tests.support.cluster import SimCluster, new_key, sdk, usage_rows
 
 pytestmark = pytest.mark.slow
 

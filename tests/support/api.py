@@ -7,7 +7,7 @@ import contextlib
 import re
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import trio
@@ -19,6 +19,14 @@ from tests.conftest import Controller
 Json = dict[str, Any]
 #: How long `wait_for` polls, and the tests that use it wait, by default.
 TIMEOUT_S = 15
+
+
+T = TypeVar("T")
+
+
+async def in_thread(fn: Callable[[], T]) -> T:
+    """`fn` (a blocking client call, such as an official SDK's) in a worker thread."""
+    return await trio.to_thread.run_sync(fn)
 
 
 async def ok(call: Awaitable[httpx.Response], status: int = 200) -> Json:

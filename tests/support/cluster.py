@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import httpx
+import openai
 import trio
 
 from nexa.config import ControlConfig, GatewayConfig
@@ -385,3 +386,18 @@ async def new_key(
         created = await ok(http.post("/api/v1/keys", json=body), 201)
     key: str = created["key"]
     return key
+
+
+def sdk(cluster: SimCluster, key: str | None = None) -> openai.OpenAI:
+    """The official SDK's synchronous client (run in worker threads: its async streams leave an
+    async generator unclosed after `[DONE]`, which trio reports as a ResourceWarning). Closed
+    with the cluster."""
+    client = openai.OpenAI(base_url=cluster.base_url, api_key=key or cluster.inference_key, max_retries=0, timeout=30)
+    cluster.on_close.append(client.close)
+    return client
+
+
+async def usage_rows(cluster: SimCluster, **params: str) -> list[Json]:
+    async with cluster.client() as http:
+        rows: list[Json] = (await ok(http.get("/api/v1/usage", params=params)))["rows"]
+    return rows

@@ -213,10 +213,6 @@ async def real_cluster(
         controller.stopping.set()
 
 
-async def in_thread(fn: Callable[[], T]) -> T:
-    return await trio.to_thread.run_sync(fn)
-
-
 def cosine(a: list[float], b: list[float]) -> float:
     dot = sum(x * y for x, y in zip(a, b, strict=True))
     return dot / (math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b)))

@@ -1,0 +1,46 @@
+"""What the translated APIs' pure tests share (tests/control/test_messages_translation.py,
+test_responses_translation.py): a call's metered progress, a chat stream chunk as a runtime sends it,
+and a translated stream read back as (event, data) pairs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.gateway import Api, Capability
+from nexa.control.datapath.calls import Progress, Work
+
+Json = dict[str, Any]
+
+
+def progress(prompt: int = 5, completion: int = 7) -> Progress:
+    work = Work(
+        request_id="req_1",
+        api=Api.MESSAGES,
+        tenant=TenantId("acme"),
+        key_id=KeyId("k"),
+        capability=Capability.CHAT,
+        model="chat",
+        body={},
+        stream=True,
+        deadline_at=0.0,
+    )
+    p = Progress(work=work, started=0.0)
+    p.prompt_tokens, p.completion_tokens = prompt, completion
+    return p
+
+
+def chunk(**delta: Any) -> bytes:
+    finish = delta.pop("finish", None)
+    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+    return b"data: " + json.dumps({"id": "c", "choices": [choice]}).encode() + b"\n\n"
+
+
+def events(raw: bytes) -> list[tuple[str, Json]]:
+    out = []
+    for block in raw.decode().split("\n\n"):
+        if block.strip():
+            head, data = block.split("\n", 1)
+            out.append((head.removeprefix("event: "), json.loads(data.removeprefix("data: "))))
+    return out
