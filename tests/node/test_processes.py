@@ -22,6 +22,7 @@ from nexa.errors import ContainerNotFound, EngineError, EngineUnavailable, Simul
 from nexa.node.engines.libpod import LibpodEngine
 from nexa.node.processes import SIM_ID_PREFIX, DriverRouter, ProcessDriver
 from tests.conftest import free_port, sample_runtime
+from tests.support.api import wait_for
 from tests.support.nodes import sim_runtime
 
 TIMEOUT_S = 30
@@ -73,8 +74,16 @@ async def test_a_sim_runtime_is_created_started_probed_stopped_restarted_and_rem
             assert (await http.get("/v1/models")).json()["data"][0]["id"] == "d1"
             body = {"model": "d1", "messages": [{"role": "user", "content": "hi"}]}
             assert (await http.post("/v1/chat/completions", json=body, headers={"X-Nexa-Request-Id": "q1"})).is_success
-            journal = [json.loads(line) for line in driver.journal_path("nexa-a1").read_text().splitlines()]
-            assert [(e["event"], e["id"]) for e in journal] == [("request", "q1"), ("completed", "q1")]
+
+            def journaled() -> list[tuple[str, str]]:
+                lines = driver.journal_path("nexa-a1").read_text().splitlines()
+                return [(e["event"], e["id"]) for e in map(json.loads, lines)]
+
+            async def answered() -> bool:  # the runtime journals `completed` just after its last byte
+                return len(journaled()) >= 2
+
+            await wait_for(answered)
+            assert journaled() == [("request", "q1"), ("completed", "q1")]
             driver.faults_path.write_text(json.dumps({"fail": "before", "status": 503}))
             assert (await http.post("/v1/chat/completions", json=body)).status_code == 503
             driver.faults_path.unlink()
