@@ -174,6 +174,8 @@ class MetricSummary:
     mean: float
     #: Student's t interval, 95% (the mean itself for fewer than two cases).
     mean_ci: list[float]
+    #: The scores' sample standard deviation (0 for fewer than two cases).
+    sd: float = 0.0
 
 
 @attrs.frozen(kw_only=True)
@@ -456,6 +458,7 @@ def summarize(cases: Sequence[CaseResult]) -> list[MetricSummary]:
                 pass_rate_ci=[_r(lo), _r(hi)],
                 mean=_r(mean),
                 mean_ci=[_r(max(floor, mean - half)), _r(min(1.0, mean + half))],
+                sd=_r(sd),
             )
         )
     return out
@@ -497,11 +500,8 @@ def compare(a: EvalRun, b: EvalRun) -> EvalCompare:
 
 
 def _var_of_mean(s: MetricSummary) -> float:
-    """The squared standard error of a mean, recovered from its t interval."""
-    if s.cases < 2:
-        return 0.0
-    half = (s.mean_ci[1] - s.mean_ci[0]) / 2
-    return (half / _t(s.cases - 1)) ** 2
+    """The squared standard error of a summary's mean."""
+    return s.sd * s.sd / s.cases if s.cases > 1 else 0.0
 
 
 def _r(x: float) -> float:
