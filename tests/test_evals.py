@@ -5,21 +5,31 @@ and compared; bad suites refused naming the line; a key that may not call the ga
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 
+from nexa.config import ModelsConfig
+from nexa.config.control import ApprovalRequirement
 from nexa.contracts import codec
 from nexa.contracts.evals import EvalRun
 from nexa.contracts.evidence import JobState
+from nexa.contracts.models import EvaluationRecord
+from nexa.control.registry.models import ModelRegistry
+from tests.conftest import Controller, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SimCluster, gateway_cluster, new_key
+from tests.support.models import bring_to, registry_config
 
 pytestmark = pytest.mark.slow
 Json = dict[str, Any]
@@ -42,10 +52,23 @@ def chat(text: str) -> Json:
 #: A case of each scorer (and three `exact` ones, so that pass rates move in steps of a third).
 CASES: list[Json] = [
     {"id": "fr-1", "request": chat("capital of France?"), "scorer": {"kind": "exact", "expected": "Paris"}},
-    {"id": "fr-2", "request": chat("the capital of France"), "scorer": {"kind": "exact", "expected": "paris", "ignore_case": True}},
-    {"id": "fr-3", "request": {"prompt": "capital of France:", "max_tokens": 4}, "scorer": {"kind": "exact", "expected": "Paris"}},
+    {
+        "id": "fr-2",
+        "request": chat("the capital of France"),
+        "scorer": {"kind": "exact", "expected": "paris", "ignore_case": True},
+    },
+    {
+        "id": "fr-3",
+        "request": {"prompt": "capital of France:", "max_tokens": 4},
+        "scorer": {"kind": "exact", "expected": "Paris"},
+    },
     {"id": "ok", "request": chat("say ok"), "scorer": {"kind": "contains", "expected": "ok"}},
-    {"id": "ok-re", "request": chat("say ok"), "scorer": {"kind": "regex", "pattern": "^(ok ?){3}$"}, "metric": "format"},
+    {
+        "id": "ok-re",
+        "request": chat("say ok"),
+        "scorer": {"kind": "regex", "pattern": "^(ok ?){3}$"},
+        "metric": "format",
+    },
     {
         "id": "json",
         "request": chat("Paris as JSON"),
@@ -55,7 +78,11 @@ CASES: list[Json] = [
         },
     },
     {"id": "sum", "request": chat("two plus two"), "scorer": {"kind": "number", "expected": 4, "tolerance": 0.01}},
-    {"id": "same", "request": {"embedding_pair": ["a red apple", "a red apple"]}, "scorer": {"kind": "cosine", "min": 0.99}},
+    {
+        "id": "same",
+        "request": {"embedding_pair": ["a red apple", "a red apple"]},
+        "scorer": {"kind": "cosine", "min": 0.99},
+    },
     {
         "id": "near",
         "request": chat("capital of France, one word"),
@@ -158,25 +185,89 @@ async def test_a_suite_with_every_scorer_is_measured_through_the_gateway_and_com
 
 BAD_SUITES = [
     ("not json\n", "line 1: not JSON"),
-    (lines([CASES[0]]) + '{"id": "x", "request": {"input": "a"}, "scorer": {"kind": "exact", "expected": "a"}}\n', "line 2: request: not a request"),
-    ('\n{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "bleu"}}\n', "line 2: scorer.kind: unknown scorer 'bleu'"),
-    ('{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "regex", "pattern": "(a"}}\n', "line 1: scorer.pattern: not a regular expression"),
-    ('{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "regex", "pattern": "(a+)+$"}}\n', "line 1: scorer.pattern: a nested quantifier"),
-    ('{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "json_schema", "schema": {"type": 7}}}\n', "line 1: scorer.schema: does not compile"),
+    (lines([CASES[0]]) + '{"id": "x", "request": {"input": "a"}, "scorer": {"kind": "exact", "expected": "a"}}\n', "line 2: request: not a request"),  # noqa: E501
+    ('\n{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "bleu"}}\n', "line 2: scorer.kind: unknown scorer 'bleu'"),  # noqa: E501
+    ('{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "regex", "pattern": "(a"}}\n', "line 1: scorer.pattern: not a regular expression"),  # noqa: E501
+    ('{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "regex", "pattern": "(a+)+$"}}\n', "line 1: scorer.pattern: a nested quantifier"),  # noqa: E501
+    ('{"id": "x", "request": {"prompt": "a"}, "scorer": {"kind": "json_schema", "schema": {"type": 7}}}\n', "line 1: scorer.schema: does not compile"),  # noqa: E501
     (lines([CASES[0], CASES[0]]), "line 2: id 'fr-1' is taken by line 1"),
     ("", "the suite has no cases"),
 ]  # fmt: skip
 
 
+async def cli(controller: Controller, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NEXA_URL": controller.url, "NEXA_TOKEN": controller.admin_key}
+    argv = [sys.executable, "-m", "nexa", *args]
+    run = functools.partial(subprocess.run, argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    return await trio.to_thread.run_sync(run)
+
+
 @pytest.mark.parametrize(("text", "needle"), BAD_SUITES)
 async def test_a_bad_suite_is_refused_naming_the_line_and_nothing_is_kept(
-    cluster: SimCluster, text: str, needle: str
+    controller: Controller, tmp_path: Path, text: str, needle: str
 ) -> None:
-    refused = await register(cluster, "bad", text)
+    (path := tmp_path / "bad.jsonl").write_text(text)
+    refused = await cli(controller, "eval", "register", str(path), "--name", "bad")
     assert refused.returncode == 1
     assert "invalid_request" in refused.stderr and needle in refused.stderr, refused.stderr
-    suites = await get(cluster, "/api/v1/eval/suites")
-    assert suites["suites"] == []
+    async with controller.client() as http:
+        assert (await ok(http.get("/api/v1/eval/suites")))["suites"] == []
+        audit = await ok(http.get("/api/v1/audit"))
+    assert not any(e["action"] == "eval.suite.register" for e in audit["events"])
+
+
+async def test_approval_without_a_measured_result_is_a_409_naming_the_suite(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store
+) -> None:
+    cfg = registry_config(tmp_path, s3_store)
+    need = (ApprovalRequirement(suite="qa", metric="exact", min=0.9), ApprovalRequirement(suite="safety"))
+    controller = await start_controller(
+        nursery, attrs.evolve(cfg, models=attrs.evolve(cfg.models, approval_requires=need))
+    )
+    try:
+        async with controller.client() as http:
+            await bring_to(http, s3_store, "m", "v1", "Evaluated")  # on the operator's word only
+            refused = await http.post("/api/v1/models/m/v1/approve")
+            assert refused.status_code == 409, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "approval_requirements_unmet"
+            assert "suite qa metric exact >= 0.9: no measured result" in error["message"]
+            assert "suite safety passed: no measured result" in error["message"]
+            assert (await ok(http.get("/api/v1/models/m/v1")))["model"]["state"] == "Evaluated"
+        by_cli = await cli(controller, "models", "approve", "m", "v1")
+        assert by_cli.returncode == 1 and "approval_requirements_unmet" in by_cli.stderr
+    finally:
+        controller.stopping.set()
+
+
+def _measured(suite: str, passed: bool, metrics: dict[str, float], at: float) -> EvaluationRecord:
+    return EvaluationRecord(
+        id=f"eval_{at}", model="m", version="v1", suite=suite, metrics=metrics, passed=passed, evidence="",
+        recorded_at=at, recorded_by=None, measured=True, suite_digest="0" * 64, deployment="d", run=f"evrun_{at}",
+    )  # fmt: skip
+
+
+def test_the_newest_measured_run_of_each_required_suite_decides() -> None:
+    """Pure logic (the registry's check, without its store): which requirement is not met, and why."""
+    need = (ApprovalRequirement(suite="qa", metric="exact", min=0.9), ApprovalRequirement(suite="safety"))
+    word = attrs.evolve(_measured("qa", True, {"exact": 1.0}, 1.0), measured=False)  # an operator's: not counted
+    evaluations = [
+        word,
+        _measured("qa", True, {"exact": 1.0}, 2.0),
+        _measured("qa", False, {"exact": 0.5}, 3.0),  # newest: below 0.9
+        _measured("safety", True, {"refusal": 1.0}, 4.0),
+    ]
+    registry = ModelRegistry(
+        ModelsConfig(approval_requires=need), None, None, None,  # type: ignore[arg-type] -- never touched here
+        runtimes=[], models=[], evaluations=evaluations, aliases=[], history=[],
+    )  # fmt: skip
+    assert registry.unmet_requirements("m", "v1") == [
+        "suite qa metric exact >= 0.9: the newest measured run (evrun_3.0) has 0.5"
+    ]
+    assert registry.unmet_requirements("m", "v2") == [
+        "suite qa metric exact >= 0.9: no measured result (run `nexa eval run qa --deployment ...`)",
+        "suite safety passed: no measured result (run `nexa eval run safety --deployment ...`)",
+    ]
 
 
 async def test_a_suite_naming_an_unknown_deployment_and_one_too_large_are_refused(cluster: SimCluster) -> None:
