@@ -112,6 +112,7 @@ async def show_run(s: AppState, run_id: str) -> Response:
     tag="evals",
     answer=EvalCompare,
     params=_PAIR,
+    errors=(NotFound,),
 )
 async def compare_runs(s: AppState) -> Response:
     a, b = request.args.get("a"), request.args.get("b")
