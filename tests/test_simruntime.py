@@ -555,3 +555,29 @@ def test_refuses_bad_metrics_flags() -> None:
     assert result.returncode == 2
     assert "--queue-depth" in result.stderr
     assert "--kv-cache-usage" in result.stderr
+
+
+async def test_a_taught_runtime_answers_what_it_was_taught_and_a_wrong_one_answers_amiss(sim: SimProcess) -> None:
+    """The faults file's `taught` and `wrong` (what evaluation suites are tested against)."""
+    from nexa.errors import ConfigError
+    from nexa.simruntime import Faults
+
+    with pytest.raises(ConfigError) as caught:
+        Faults.from_json({"taught": {"France": 7}, "wrong": "yes"})
+    assert [p.split(":")[0] for p in caught.value.problems] == ["taught", "wrong"]
+    sim.faults.write_text(json.dumps({"taught": {"France": "Paris", "Fr": "not this one"}}))
+    sim.start()
+    async with sim.client() as client:
+        question = chat("The capital of France?")
+        taught = await client.chat.completions.create(model=MODEL, messages=question, max_tokens=4)
+        assert taught.choices[0].message.content == "Paris"  # the first entry that matches
+        done = await client.completions.create(model=MODEL, prompt="France:", max_tokens=4)
+        assert done.choices[0].text == "Paris"
+        twice = [(await client.embeddings.create(model=MODEL, input="x")).data[0].embedding for _ in range(2)]
+        assert twice[0] == twice[1]
+
+        sim.faults.write_text(json.dumps({"taught": {"France": "Paris"}, "wrong": True}))
+        amiss = await client.chat.completions.create(model=MODEL, messages=question, max_tokens=4)
+        assert amiss.choices[0].message.content not in ("Paris", "")
+        twice = [(await client.embeddings.create(model=MODEL, input="x")).data[0].embedding for _ in range(2)]
+        assert twice[0] != twice[1]

@@ -51,22 +51,30 @@ class Gateway:
         return await self._unary("/v1/embeddings", {"model": model, "input": list(inputs)})
 
     async def _unary(self, path: str, body: dict[str, Any]) -> Sample:
+        sample, _, _ = await self.post(path, body)
+        return sample
+
+    async def post(self, path: str, body: dict[str, Any]) -> tuple[Sample, int, Any]:
+        """One unary call: its sample, the HTTP status (0: none came) and the answer's JSON (None
+        unless it succeeded), for callers that read the answer (`nexa eval run`)."""
         sent = time.monotonic()
         try:
             resp = await self._http.post(path, json=body)
         except httpx.TimeoutException:
-            return Sample(e2e_ms=_ms(sent), error=TIMEOUT)
+            return Sample(e2e_ms=_ms(sent), error=TIMEOUT), 0, None
         except httpx.TransportError:
-            return Sample(e2e_ms=_ms(sent), error=TRANSPORT)
+            return Sample(e2e_ms=_ms(sent), error=TRANSPORT), 0, None
         e2e = _ms(sent)
         overhead = _overhead(resp.headers)
         if not resp.is_success:
-            return Sample(e2e_ms=e2e, overhead_ms=overhead, error=_code(resp.content, resp.status_code))
+            error = _code(resp.content, resp.status_code)
+            return Sample(e2e_ms=e2e, overhead_ms=overhead, error=error), resp.status_code, None
         try:
             answer = json.loads(resp.content)
         except ValueError:
-            return Sample(e2e_ms=e2e, overhead_ms=overhead, error="bad_answer")
-        return Sample(e2e_ms=e2e, overhead_ms=overhead, completion_tokens=_completion_tokens(answer))
+            return Sample(e2e_ms=e2e, overhead_ms=overhead, error="bad_answer"), resp.status_code, None
+        tokens = _completion_tokens(answer) if isinstance(answer, dict) else 0
+        return Sample(e2e_ms=e2e, overhead_ms=overhead, completion_tokens=tokens), resp.status_code, answer
 
     async def _stream(self, path: str, body: dict[str, Any]) -> Sample:
         sent = time.monotonic()

@@ -76,7 +76,7 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("run_id")
     s.set_defaults(handler=_SHOW_RUN.run)
 
-    jobs = sub.add_parser("jobs", help="long-running work: benchmarks, sims, backups, rollouts (operator)")
+    jobs = sub.add_parser("jobs", help="long-running work: benchmarks, evals, sims, backups, rollouts (operator)")
     verbs = jobs.add_subparsers(metavar="VERB", required=True)
     s = JOBS.add(verbs, common_flags, help_text="the jobs, newest first")
     s.add_argument("--kind", choices=[k.value for k in JobKind])

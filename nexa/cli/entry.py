@@ -75,6 +75,7 @@ def parser(*, roles_only: bool = False) -> argparse.ArgumentParser:
         bench,
         deployments,
         docs,
+        evals,
         evidence,
         gateway,
         keys,
@@ -130,6 +131,7 @@ def parser(*, roles_only: bool = False) -> argparse.ArgumentParser:
     backup.add_commands(sub, flags)
     recovery.add_commands(sub, flags)
     bench.add_commands(sub, flags)
+    evals.add_commands(sub, flags)
     evidence.add_commands(sub, flags)
     retention.add_commands(sub, flags)
     return p

@@ -303,6 +303,18 @@ def _check_prefixes(prefixes: tuple[str, ...]) -> None:
 
 
 @attrs.frozen(kw_only=True)
+class ApprovalRequirement:
+    """One measured result a model version needs before it is approved (`[models] approval_requires`)."""
+
+    #: The evaluation suite (`nexa eval register ... --name`).
+    suite: str
+    #: The metric whose pass rate is checked; "" checks the run's own verdict (every metric passed).
+    metric: str = ""
+    #: The least pass rate of `metric` (0 to 1).
+    min: float = attrs.field(default=1.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
+
+
+@attrs.frozen(kw_only=True)
 class ModelsConfig:
     """The model registry's verification policy."""
 
@@ -311,6 +323,9 @@ class ModelsConfig:
     trusted_signing_key: PublicKeyB64 = PublicKeyB64("")
     #: Longest time one verification (streaming and hashing the whole artifact) may take.
     verify_timeout_s: Seconds = Seconds(3600.0)
+    #: Measured results (`nexa eval run`) a version needs before `models approve`: for each, the
+    #: newest measured evaluation of the version by that suite must pass (409 approval_requirements).
+    approval_requires: tuple[ApprovalRequirement, ...] = ()
 
 
 class PriorityOverGrant(enum.StrEnum):

@@ -148,6 +148,8 @@ class JobKind(enum.StrEnum):
     ROLLOUT = "rollout"
     #: A runtime qualification (`nexa runtimes qualify`), run by the controller.
     QUALIFICATION = "qualification"
+    #: An evaluation run (`nexa eval run`), reported by the CLI as a benchmark is.
+    EVAL = "eval"
 
 
 class JobState(enum.StrEnum):

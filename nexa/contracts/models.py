@@ -316,6 +316,12 @@ class EvaluationRecord:
     evidence: str
     recorded_at: float
     recorded_by: KeyId | None
+    #: Measured by nexa (`nexa eval run`: the suite run through the gateway), not an operator's word.
+    measured: bool = False
+    #: Measured: the suite file's sha256, the deployment it ran against, and the run (`nexa eval show`).
+    suite_digest: str = ""
+    deployment: str = ""
+    run: str = ""
 
 
 @attrs.frozen(kw_only=True)

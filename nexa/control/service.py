@@ -58,6 +58,7 @@ from nexa.control.http.api import create_app
 from nexa.control.http.state import AppState, ControllerPublicKeys
 from nexa.control.operations.backup import Backups, load_key
 from nexa.control.operations.benchmarks import Benchmarks
+from nexa.control.operations.evals import Evals
 from nexa.control.operations.evidence import Evidence
 from nexa.control.operations.jobs import Jobs, RolloutJobs
 from nexa.control.operations.qualification import Qualifications
@@ -751,6 +752,7 @@ async def _keep_records(
     if state.backups is not None:
         state.backups.jobs = jobs
     state.benchmarks = Benchmarks(state.store, state.metrics, state.deployments, jobs)
+    state.evals = Evals(state.store, state.metrics, state.deployments, state.models, jobs)
     state.evidence = Evidence(
         state.store,
         state.metrics,

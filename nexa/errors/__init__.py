@@ -40,6 +40,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - AlreadyExists [already_exists]: a record with that name (and version) is registered already
     - IllegalTransition [illegal_transition]: a model's lifecycle state does not allow the action
     - LicenseInvalid [license_invalid]: approval needs an accepted licence that has not expired
+    - ApprovalRequirementsUnmet [approval_requirements_unmet]: approval lacks a measured result it requires
     - ModelNotApproved [model_not_approved]: an alias may point only at an Approved model
     - NoRollbackTarget [no_rollback_target]: an alias has no earlier promotion to return to
     - ModelInUse [model_in_use]: a model an alias points at cannot be retired
@@ -183,6 +184,7 @@ from nexa.errors.engine import EngineUnavailable as EngineUnavailable
 from nexa.errors.engine import ImageNotFound as ImageNotFound
 from nexa.errors.engine import SimulationDisabled as SimulationDisabled
 from nexa.errors.registry import AlreadyExists as AlreadyExists
+from nexa.errors.registry import ApprovalRequirementsUnmet as ApprovalRequirementsUnmet
 from nexa.errors.registry import ArtifactMissing as ArtifactMissing
 from nexa.errors.registry import CheckpointRejected as CheckpointRejected
 from nexa.errors.registry import DeployLicenseInvalid as DeployLicenseInvalid

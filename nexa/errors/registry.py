@@ -30,6 +30,18 @@ class LicenseInvalid(Conflict):
         self.model = model
 
 
+class ApprovalRequirementsUnmet(Conflict):
+    """`models approve` of a version without the measured, passing results `[models] approval_requires`
+    names; `missing` is one line per requirement not met."""
+
+    code = "approval_requirements_unmet"
+
+    def __init__(self, message: str, *, model: str, missing: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.model = model
+        self.missing = missing
+
+
 class ModelNotApproved(Conflict):
     code = "model_not_approved"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 import struct
 import time
 from typing import Any, Final
@@ -39,15 +40,25 @@ class Outcome:
     last_token_at: float | None = None
 
 
-def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
-    """The whole answer at once; `serial` numbers its id."""
+def _said(text: str, count: int, faults: Faults | None) -> str:
+    """What the simulator answers `text` with: its own words, a taught answer, or wrong words."""
+    if faults is not None and faults.wrong:
+        return " ".join(output_words("\x00wrong\x00" + text, count))
+    for taught, answer in faults.taught if faults is not None else ():
+        if taught in text:
+            return answer
+    return " ".join(output_words(text, count))
+
+
+def unary(work: Work, cfg: SimConfig, *, serial: int, faults: Faults | None = None) -> bytes:
+    """The whole answer at once; `serial` numbers its id; `faults` may teach or spoil it."""
     finish = _finish(work, cfg)
     created = int(time.time())
     usage = _usage(work.prompt_tokens, work.max_tokens * len(work.texts))
     if work.tool is not None:
         usage = _usage(work.prompt_tokens, len(work.tool[1]) // 4 + 1)
     if work.kind is Kind.CHAT:
-        text = " ".join(output_words(work.texts[0], work.max_tokens))
+        text = _said(work.texts[0], work.max_tokens, faults)
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": text},
@@ -70,7 +81,7 @@ def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
         choices = [
             {
                 "index": i,
-                "text": " ".join(output_words(t, work.max_tokens)),
+                "text": _said(t, work.max_tokens, faults),
                 "logprobs": None,
                 "finish_reason": finish,
             }
@@ -87,10 +98,11 @@ def unary(work: Work, cfg: SimConfig, *, serial: int) -> bytes:
     return json.dumps(data).encode()
 
 
-def embeddings(work: Work) -> bytes:
+def embeddings(work: Work, faults: Faults | None = None) -> bytes:
     items: list[dict[str, Any]] = []
     for i, text in enumerate(work.texts):
-        vector = embedding(text, work.dim)
+        # `wrong`: a random vector (the same text no longer gives the same one).
+        vector = embedding(text + secrets.token_hex(8) if faults is not None and faults.wrong else text, work.dim)
         value: object = base64.b64encode(struct.pack(f"<{work.dim}f", *vector)).decode() if work.base64 else vector
         items.append({"object": "embedding", "index": i, "embedding": value})
     usage = {"prompt_tokens": work.prompt_tokens, "total_tokens": work.prompt_tokens}

@@ -176,7 +176,7 @@ class SimApp:
         if faults.hang is Phase.BEFORE or (faults.hang is Phase.AFTER and not work.stream):
             await trio.sleep_forever()
         if work.kind is Kind.EMBEDDING:
-            body = answers.embeddings(work)
+            body = answers.embeddings(work, faults)
             outcome.finished = True
             await answers.reply_garbled(send, body, faults.garble, outcome)
         elif work.stream and work.tool is not None:
@@ -187,7 +187,7 @@ class SimApp:
         else:
             first_at = trio.current_time() + self._ttft_s
             await trio.sleep_until(first_at + max(0, work.max_tokens - 1) * self._interval_s)
-            body = answers.unary(work, self._cfg, serial=self._metrics.total)
+            body = answers.unary(work, self._cfg, serial=self._metrics.total, faults=faults)
             outcome.tokens = work.max_tokens * len(work.texts)
             if work.max_tokens > 0:
                 # The whole answer goes out at once: its tokens were "made" at the configured pace.

@@ -47,7 +47,12 @@ class Faults:
     What `/metrics` reports (vLLM's names): `queue_depth` requests waiting
     (`vllm:num_requests_waiting`), `kv_cache_usage` 0..1 (`vllm:kv_cache_usage_perc`); with
     `metrics_fail` it answers 503 instead (inference is untouched). With `unhealthy`, `/health` answers
-    503 (the node's probe then reports the replica Unhealthy; inference is untouched)."""
+    503 (the node's probe then reports the replica Unhealthy; inference is untouched).
+
+    Teaching (faults file only; for evaluation suites): `taught` maps a text to the answer a unary
+    chat or completion gets when its prompt contains that text (the first such entry, in file
+    order); `wrong` makes every answer useless instead: other words than the prompt's own, and
+    embeddings that are random unit vectors (so a suite run against it fails)."""
 
     fail: Phase | None = None
     hang: Phase | None = None
@@ -58,6 +63,8 @@ class Faults:
     kv_cache_usage: float = 0.0
     metrics_fail: bool = False
     unhealthy: bool = False
+    taught: tuple[tuple[str, str], ...] = ()
+    wrong: bool = False
 
     @classmethod
     def from_json(cls, data: object) -> Faults:
@@ -74,6 +81,8 @@ class Faults:
             "kv_cache_usage",
             "metrics_fail",
             "unhealthy",
+            "taught",
+            "wrong",
         )
         problems = [f"{key}: unknown key" for key in data if key not in known]
         phases: dict[str, Phase | None] = {}
@@ -104,6 +113,8 @@ class Faults:
         unhealthy = data.get("unhealthy", False)
         if not isinstance(unhealthy, bool):
             problems.append("unhealthy: must be true or false")
+        taught = data.get("taught", {})
+        problems += _teaching_problems(taught, data.get("wrong", False))
         if problems:
             raise ConfigError("invalid faults: " + "; ".join(problems), problems=tuple(problems))
         return cls(
@@ -116,9 +127,27 @@ class Faults:
             kv_cache_usage=float(kv_cache_usage),
             metrics_fail=metrics_fail,
             unhealthy=unhealthy,
+            taught=tuple(taught.items()),
+            wrong=data.get("wrong", False),
         )
 
 
+def _teaching_problems(taught: object, wrong: object) -> list[str]:
+    problems = []
+    if not (
+        isinstance(taught, dict)
+        and len(taught) <= _MAX_TAUGHT
+        and all(isinstance(v, str) and k and len(k) + len(v) <= _MAX_TAUGHT_CHARS for k, v in taught.items())
+    ):
+        problems.append(f"taught: an object of at most {_MAX_TAUGHT} texts -> answers ({_MAX_TAUGHT_CHARS} chars)")
+    if not isinstance(wrong, bool):
+        problems.append("wrong: must be true or false")
+    return problems
+
+
+#: The most entries of `taught`, and the longest text and answer together.
+_MAX_TAUGHT: Final = 256
+_MAX_TAUGHT_CHARS: Final = 4096
 #: The longest queue a faults file may claim.
 _MAX_QUEUE: Final = 1_000_000
 

@@ -92,7 +92,7 @@ async def show_benchmark(s: AppState, run_id: str) -> Response:
     "POST",
     "/api/v1/jobs",
     roles=OPERATORS,
-    summary="Start a client job (benchmark or sim)",
+    summary="Start a client job (benchmark, sim or eval)",
     tag="jobs",
     request=JobCreate,
     answer=Job,

@@ -13,6 +13,7 @@ from nexa.control.http import (
     audit,
     backups,
     deployments,
+    evals,
     health,
     keys,
     models,
@@ -39,6 +40,7 @@ MODULES: Final[tuple[ModuleType, ...]] = (
     backups,
     records,
     retention,
+    evals,
 )
 #: Every management route, declared once.
 ROUTES: Final[tuple[Route, ...]] = collect(MODULES)

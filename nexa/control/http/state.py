@@ -17,6 +17,7 @@ from nexa.control.fleet.keyring import KeyRotation
 from nexa.control.fleet.nodes import Fleet
 from nexa.control.operations.backup import Backups
 from nexa.control.operations.benchmarks import Benchmarks
+from nexa.control.operations.evals import Evals
 from nexa.control.operations.evidence import Evidence
 from nexa.control.operations.jobs import Jobs
 from nexa.control.operations.qualification import Qualifications
@@ -77,6 +78,8 @@ class AppState:
     qualifications: Qualifications | None = None
     #: `control.datapath.retention`; None (tests): its routes answer 404.
     retention: Retention | None = None
+    #: `control.operations.evals`; None (tests): its routes answer 404.
+    evals: Evals | None = None
 
     def epoch(self) -> int:
         """The epoch this controller signs with: its leadership's (leased: the lease's; solo: the store's)."""

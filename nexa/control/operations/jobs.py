@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 #: A client job `running` with no update for this long is failed.
 STALE_AFTER_S: Final = 600.0
 #: The kinds a client reports itself; backups and rollouts are the controller's own.
-CLIENT_KINDS: Final = (JobKind.BENCHMARK, JobKind.SIM)
+CLIENT_KINDS: Final = (JobKind.BENCHMARK, JobKind.SIM, JobKind.EVAL)
 #: The longest job title, and the longest link.
 MAX_TITLE_CHARS: Final = 200
 MAX_LINK_CHARS: Final = 256
@@ -93,7 +93,7 @@ class Jobs:
         """A client's job (`benchmark` or `sim`), running from now; audited `job.create`."""
         problems = []
         if req.kind not in CLIENT_KINDS:
-            problems.append(f"kind: benchmark or sim (the controller records {req.kind.value} jobs itself)")
+            problems.append(f"kind: benchmark, sim or eval (the controller records {req.kind.value} jobs itself)")
         if p := _text_problem("title", req.title, MAX_TITLE_CHARS, empty_ok=False):
             problems.append(p)
         if problems:

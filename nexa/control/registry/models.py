@@ -65,6 +65,7 @@ from nexa.control.registry.gguf_figures import read_figures
 from nexa.control.registry.outbound import Outbound
 from nexa.errors import (
     AlreadyExists,
+    ApprovalRequirementsUnmet,
     ArtifactDigestMismatch,
     BadSignature,
     Conflict,
@@ -462,8 +463,53 @@ class ModelRegistry:
             self._evaluations[(name, version)].append(evaluation)
         return evaluation, after
 
+    async def record_measured(self, actor: Actor, evaluation: EvaluationRecord) -> EvaluationRecord | None:
+        """Keep a measured evaluation (`nexa eval run`) as `evaluate` keeps an operator's: a pass makes
+        a Verified version Evaluated, a failure an Evaluated one Verified; an Approved version keeps
+        its state (the record stands beside it). None when the version is retired (nothing kept)."""
+        async with self._lock:
+            before = self.model(evaluation.model, evaluation.version)
+            if before.state is ModelState.RETIRED:
+                return None
+            now = evaluation.recorded_at
+            after = attrs.evolve(before, last_evaluation=evaluation.id)
+            if before.state in ALLOWED_FROM["evaluate"]:
+                state = ModelState.EVALUATED if evaluation.passed else ModelState.VERIFIED
+                if state is not before.state:
+                    after = attrs.evolve(after, state=state, state_changed_at=now, state_changed_by=actor.key_id)
+            verdict = "passed" if evaluation.passed else "failed"
+            detail = f"{evaluation.id} suite {evaluation.suite} measured on {evaluation.deployment}: {verdict}"
+            draft = audit_draft(actor, "model.evaluate", _target(before), before, after, detail=detail[:300])
+            await self._audited(st.insert_evaluation, evaluation, after, before.state, draft)
+            self._models[(evaluation.model, evaluation.version)] = after
+            self._evaluations[(evaluation.model, evaluation.version)].append(evaluation)
+        return evaluation
+
+    def unmet_requirements(self, name: str, version: str) -> list[str]:
+        """What `[models] approval_requires` asks that the version's newest measured evaluation of
+        each suite does not show, one line each (empty: all met)."""
+        missing = []
+        evaluations = self._evaluations.get((name, version), [])
+        for need in self._cfg.approval_requires:
+            measured = [e for e in evaluations if e.measured and e.suite == need.suite]
+            what = f"suite {need.suite}" + (f" metric {need.metric} >= {need.min:g}" if need.metric else " passed")
+            if not measured:
+                missing.append(f"{what}: no measured result (run `nexa eval run {need.suite} --deployment ...`)")
+                continue
+            newest = max(measured, key=lambda e: e.recorded_at)
+            if not need.metric:
+                if not newest.passed:
+                    missing.append(f"{what}: the newest measured run ({newest.run}) failed")
+            elif need.metric not in newest.metrics:
+                missing.append(f"{what}: the newest measured run ({newest.run}) has no metric {need.metric}")
+            elif newest.metrics[need.metric] < need.min:
+                got = newest.metrics[need.metric]
+                missing.append(f"{what}: the newest measured run ({newest.run}) has {got:g}")
+        return missing
+
     async def approve(self, actor: Actor, name: str, version: str) -> ModelRecord:
-        """Evaluated → Approved, only while the licence is accepted and not expired."""
+        """Evaluated → Approved, only while the licence is accepted and not expired, and with the
+        measured results `[models] approval_requires` names."""
         async with self._lock:
             before = self.model(name, version)
             self._allowed(before, "approve")
@@ -473,6 +519,15 @@ class ModelRegistry:
                 exc = LicenseInvalid(f"model {before.key} cannot be approved: {problem}", model=before.key)
                 await self._reject(actor, "model.approve", _target(before), exc)
                 raise exc
+            if missing := self.unmet_requirements(name, version):
+                unmet = ApprovalRequirementsUnmet(
+                    f"model {before.key} cannot be approved: [models] approval_requires is not met: "
+                    + "; ".join(missing),
+                    model=before.key,
+                    missing=tuple(missing),
+                )
+                await self._reject(actor, "model.approve", _target(before), unmet)
+                raise unmet
             after = attrs.evolve(before, state=ModelState.APPROVED, state_changed_at=now, state_changed_by=actor.key_id)
             await self._commit(actor, "approve", before, after)
         log.info("model %s approved", after.key)

@@ -39,6 +39,12 @@ from nexa.control.store.connection import lock_state_dir as lock_state_dir
 from nexa.control.store.connection import open_store as open_store
 from nexa.control.store.deployments import load_deployments as load_deployments
 from nexa.control.store.deployments import save_deployment as save_deployment
+from nexa.control.store.evals import get_eval_run as get_eval_run
+from nexa.control.store.evals import get_suite as get_suite
+from nexa.control.store.evals import insert_eval_run as insert_eval_run
+from nexa.control.store.evals import insert_suite as insert_suite
+from nexa.control.store.evals import list_eval_runs as list_eval_runs
+from nexa.control.store.evals import list_suites as list_suites
 from nexa.control.store.keys import insert_key as insert_key
 from nexa.control.store.keys import insert_tenant as insert_tenant
 from nexa.control.store.keys import load_keys as load_keys

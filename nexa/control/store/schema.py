@@ -343,6 +343,27 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     CREATE INDEX retained_tenant ON retained(tenant);
     CREATE INDEX retained_policy ON retained(policy);
     """,
+    # Evaluation suites (`nexa eval register`: each file by name and sha256 digest, the newest of a
+    # name is the one runs take) and measured runs (`nexa eval run`: each case's score, the summaries).
+    """
+    CREATE TABLE eval_suite (
+        name TEXT NOT NULL,
+        digest TEXT NOT NULL,
+        registered_at REAL NOT NULL,
+        body TEXT NOT NULL,
+        content TEXT NOT NULL,
+        PRIMARY KEY (name, digest)
+    ) STRICT;
+    CREATE INDEX eval_suite_newest ON eval_suite(name, registered_at);
+    CREATE TABLE eval_run (
+        id TEXT PRIMARY KEY,
+        suite TEXT NOT NULL,
+        deployment TEXT NOT NULL,
+        recorded_at REAL NOT NULL,
+        body TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX eval_run_recorded ON eval_run(recorded_at, id);
+    """,
 )
 
 
