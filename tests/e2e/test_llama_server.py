@@ -23,13 +23,12 @@ import trio
 
 from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
-from tests.support.api import Json, ok
+from tests.support.api import Json, in_thread, ok
 from tests.support.realmodel import (
     MIB,
     Node,
     cli,
     cosine,
-    in_thread,
     ready_on,
     reference_embedding,
     register_model,

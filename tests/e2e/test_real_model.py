@@ -22,13 +22,12 @@ import trio
 
 from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
-from tests.support.api import ok
+from tests.support.api import in_thread, ok
 from tests.support.realmodel import (
     Node,
     cli,
     cosine,
     deployment,
-    in_thread,
     ready_on,
     reference_embedding,
     register_llama_runtime,

@@ -26,13 +26,12 @@ from nexa.contracts.manifest import SPLIT_GGUF_RE
 from nexa.tinymodel import split_tiny_gguf
 from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
-from tests.support.api import ok
+from tests.support.api import in_thread, ok
 from tests.support.realmodel import (
     MIB,
     Node,
     cli,
     deployment,
-    in_thread,
     ready_on,
     register_llama_runtime,
     runtime_logs,
