@@ -19,7 +19,7 @@ from nexa.errors import (
     QuotaExceeded,
     RuntimeFailed,
 )
-from tests.support.translation import chunk, events, progress
+from tests.support.translation import HOSTILE_CHUNKS, chunk, events, progress
 
 Json = dict[str, Any]
 BASE: Json = {"model": "chat", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
@@ -237,17 +237,7 @@ def test_a_stream_becomes_anthropics_event_grammar() -> None:
 
 @pytest.mark.parametrize(
     "hostile",
-    [
-        b"data: {not json\n\n",
-        b"data: [1, 2]\n\n",
-        b'data: {"choices": "x"}\n\n',
-        b'data: {"choices": [{"delta": "x"}]}\n\n',
-        b'data: {"choices": [{"delta": {"tool_calls": [{"index": -1, "function": {"name": "f"}}]}}]}\n\n',
-        b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]}\n\n',
-        b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": 7}}]}}]}'
-        b"\n\n",
-        b'data: {"choices": [], "usage": {"prompt_tokens": -4}}\n\n',
-    ],
+    HOSTILE_CHUNKS,
 )
 def test_a_hostile_stream_ends_with_an_error_event_never_an_exception(hostile: bytes) -> None:
     ev = messages.Events(messages.to_chat(BASE | {"stream": True}), "req_h")

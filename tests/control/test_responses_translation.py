@@ -12,7 +12,7 @@ import pytest
 from nexa.control.datapath import responses
 from nexa.control.datapath.translation import param_of
 from nexa.errors import ContractError, DeadlineExceeded, FieldNotSupported, RuntimeFailed
-from tests.support.translation import chunk, events, progress
+from tests.support.translation import HOSTILE_CHUNKS, chunk, events, progress
 
 Json = dict[str, Any]
 BASE: Json = {"model": "chat", "input": "hi"}
@@ -311,17 +311,7 @@ def test_a_stream_cut_by_the_length_limit_ends_incomplete() -> None:
 
 @pytest.mark.parametrize(
     "hostile",
-    [
-        b"data: {not json\n\n",
-        b"data: [1, 2]\n\n",
-        b'data: {"choices": "x"}\n\n',
-        b'data: {"choices": [{"delta": "x"}]}\n\n',
-        b'data: {"choices": [{"delta": {"tool_calls": [{"index": -1, "function": {"name": "f"}}]}}]}\n\n',
-        b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]}\n\n',
-        b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": 7}}]}}]}'
-        b"\n\n",
-        b'data: {"choices": [], "usage": {"prompt_tokens": -4}}\n\n',
-    ],
+    HOSTILE_CHUNKS,
 )
 def test_a_hostile_stream_ends_with_an_error_and_response_failed_never_an_exception(hostile: bytes) -> None:
     ev = responses.Events(responses.to_chat(BASE | {"stream": True}), "req_h")

@@ -13,6 +13,19 @@ from nexa.control.datapath.calls import Progress, Work
 
 Json = dict[str, Any]
 
+#: Chat stream chunks a hostile or broken runtime might send: not JSON, not an object, bad shapes,
+#: a bad tool index, arguments that are not a JSON object's text, negative usage.
+HOSTILE_CHUNKS: list[bytes] = [
+    b"data: {not json\n\n",
+    b"data: [1, 2]\n\n",
+    b'data: {"choices": "x"}\n\n',
+    b'data: {"choices": [{"delta": "x"}]}\n\n',
+    b'data: {"choices": [{"delta": {"tool_calls": [{"index": -1, "function": {"name": "f"}}]}}]}\n\n',
+    b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}]}\n\n',
+    b'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"name": "f", "arguments": 7}}]}}]}\n\n',
+    b'data: {"choices": [], "usage": {"prompt_tokens": -4}}\n\n',
+]
+
 
 def progress(prompt: int = 5, completion: int = 7) -> Progress:
     work = Work(
