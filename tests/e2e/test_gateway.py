@@ -24,7 +24,7 @@ import trio
 
 from nexa.telemetry import JsonFormatter
 from tests.realparts import BuiltImages, S3Store
-from tests.support.api import in_thread, ok
+from tests.support.api import in_thread, ok, wait_for
 from tests.support.cluster import MESSAGES, SimCluster, SimNode, gateway_cluster, new_key, sdk, usage_rows
 from tests.support.models import bring_to
 
@@ -146,6 +146,11 @@ async def test_a_failure_before_the_first_byte_is_retried_on_the_other_replica(c
 
     await in_thread(scenario)
     assert any(e["event"] == "failed" for e in failing.journal())
+
+    async def all_journaled() -> bool:  # a runtime journals `completed` just after the answer's last byte
+        return sum(e["event"] == "completed" for e in healthy.journal()) >= 20
+
+    await wait_for(all_journaled, timeout_s=10)
     assert sum(e["event"] == "completed" for e in healthy.journal()) == 20
     assert sum(r["errors"] for r in await usage_rows(cluster)) == 0
 
