@@ -19,7 +19,7 @@ from nexa.errors import (
     QuotaExceeded,
     RuntimeFailed,
 )
-from tests.support.translation import HOSTILE_CHUNKS, chunk, events, progress
+from tests.support.translation import HOSTILE_CHUNKS, TOOL_CALL_ANSWER, chunk, events, progress
 
 Json = dict[str, Any]
 BASE: Json = {"model": "chat", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
@@ -144,21 +144,7 @@ def test_what_does_not_translate_is_field_not_supported(change: Json) -> None:
 
 def test_a_unary_answer_becomes_a_message_with_its_stop_reason_tools_and_usage() -> None:
     req = messages.to_chat(BASE | {"stop_sequences": ["END"]})
-    answer = {
-        "choices": [
-            {
-                "message": {
-                    "role": "assistant",
-                    "content": "it rains",
-                    "tool_calls": [
-                        {"id": "call_1", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
-                    ],
-                },
-                "finish_reason": "tool_calls",
-            }
-        ],
-        "usage": {"prompt_tokens": 11, "completion_tokens": 3},
-    }
+    answer = TOOL_CALL_ANSWER
     message = messages.to_message(answer, req, "req_abc", progress())
     assert message["id"] == "msg_abc" and message["model"] == "chat" and message["stop_reason"] == "tool_use"
     assert message["content"] == [

@@ -12,7 +12,7 @@ import pytest
 from nexa.control.datapath import responses
 from nexa.control.datapath.translation import param_of
 from nexa.errors import ContractError, DeadlineExceeded, FieldNotSupported, RuntimeFailed
-from tests.support.translation import HOSTILE_CHUNKS, chunk, events, progress
+from tests.support.translation import HOSTILE_CHUNKS, TOOL_CALL_ANSWER, chunk, events, progress
 
 Json = dict[str, Any]
 BASE: Json = {"model": "chat", "input": "hi"}
@@ -183,21 +183,7 @@ def test_state_and_what_does_not_translate_are_field_not_supported(change: Json,
 
 def test_a_unary_answer_becomes_a_response_with_its_items_status_and_usage() -> None:
     req = responses.to_chat(BASE | {"instructions": "be brief", "tools": [WEATHER]})
-    answer = {
-        "choices": [
-            {
-                "message": {
-                    "role": "assistant",
-                    "content": "it rains",
-                    "tool_calls": [
-                        {"id": "call_1", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
-                    ],
-                },
-                "finish_reason": "tool_calls",
-            }
-        ],
-        "usage": {"prompt_tokens": 11, "completion_tokens": 3},
-    }
+    answer = TOOL_CALL_ANSWER
     out = responses.to_response(answer, req, "req_abc", progress())
     assert out["id"] == "resp_abc" and out["object"] == "response" and out["model"] == "chat"
     assert out["status"] == "completed" and out["incomplete_details"] is None and out["error"] is None

@@ -26,6 +26,21 @@ HOSTILE_CHUNKS: list[bytes] = [
     b'data: {"choices": [], "usage": {"prompt_tokens": -4}}\n\n',
 ]
 
+#: A runtime's unary chat answer: text, one tool call, its finish reason and usage.
+TOOL_CALL_ANSWER: Json = {
+    "choices": [
+        {
+            "message": {
+                "role": "assistant",
+                "content": "it rains",
+                "tool_calls": [{"id": "call_1", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}],
+            },
+            "finish_reason": "tool_calls",
+        }
+    ],
+    "usage": {"prompt_tokens": 11, "completion_tokens": 3},
+}
+
 
 def progress(prompt: int = 5, completion: int = 7) -> Progress:
     work = Work(
