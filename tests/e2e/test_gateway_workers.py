@@ -160,9 +160,15 @@ async def test_two_gateway_workers_share_the_port_and_a_killed_owner_loses_nothi
                 forwarded[made.headers.get("x-nexa-forwarded")] += 1
             assert set(forwarded) == {None, owner}, forwarded
             written = {f"t{i}" for i in range(CONNECTIONS)}
-            for address in own.values():
+
+            # A worker that did not take a write lists it once its change feed has applied it
+            # (every [cluster] refresh_s); the last write may be one feed step behind there.
+            async def lists_every_write(address: str) -> bool:
                 listed = await ok(_fresh(address, "GET", "/api/v1/tenants", key, params={"limit": 100}))
-                assert written <= {t["id"] for t in listed["tenants"]}, address
+                return written <= {t["id"] for t in listed["tenants"]}
+
+            for address in own.values():
+                await wait_until(f"every write listed by {address}", functools.partial(lists_every_write, address))
 
             # Every usage record is acknowledged (in the store) once the report shows it.
             async def all_metered() -> bool:
