@@ -53,6 +53,8 @@ def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> No
                 "interval": "1m",
                 "input_series": series,
                 "alert_rule_test": [
+                    # Unreachable since 1m: pending, not firing, until its `for: 2m` has passed.
+                    {"eval_time": "2m", "alertname": "NexaNodesUnreachable", "exp_alerts": []},
                     {
                         "eval_time": "4m",
                         "alertname": "NexaNodesUnreachable",

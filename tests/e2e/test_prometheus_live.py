@@ -1,7 +1,10 @@
 """Debian's real Prometheus against a real controller: it scrapes `/metrics` with a monitoring key
 (an `authorization` credentials file), loads the shipped `units/nexa-alerts.yml`, sees the GPU,
 runtime and gateway series of a sim cluster on (fake nvidia-smi) GB10 nodes, and fires
-`NexaNodesUnreachable` in its own `/api/v1/alerts` once a node is killed.
+`NexaNodesUnreachable` in its own `/api/v1/alerts` once a node is killed. The rules it loads are the
+shipped file with that one alert's `for: 2m` made `for: 5s` (its expression as shipped): the two
+minutes are a constant `tests/test_alerts.py` checks with promtool's own clock, and here they would only
+hold a test worker idle.
 
 Prometheus runs on a free loopback port with its data in the test's tmp dir, and is stopped by its
 PID whatever happens.
@@ -30,8 +33,19 @@ from tests.support.models import registry_config
 RULES = Path(__file__).resolve().parents[2] / "units" / "nexa-alerts.yml"
 #: How long Prometheus may take to start and scrape a first time (it takes seconds).
 SCRAPE_TIMEOUT_S = 60
-#: The node's lease (3 s), the alert's `for: 2m`, and evaluation rounds on a loaded machine.
-ALERT_TIMEOUT_S = 300
+#: The node's lease (3 s), the alert's `for` (5 s here), and evaluation rounds on a loaded machine.
+ALERT_TIMEOUT_S = 120
+
+
+def _rules(tmp_path: Path) -> Path:
+    """The shipped rules, `NexaNodesUnreachable` pending 5 s instead of 2 min before it fires."""
+    shipped = RULES.read_text()
+    head, alert, rest = shipped.partition("- alert: NexaNodesUnreachable\n")
+    block, sep, tail = rest.partition("\n\n")
+    assert alert and "        for: 2m\n" in block, "units/nexa-alerts.yml: NexaNodesUnreachable's `for: 2m` moved"
+    path = tmp_path / "nexa-alerts.yml"
+    path.write_text(head + alert + block.replace("        for: 2m\n", "        for: 5s\n") + sep + tail)
+    return path
 
 
 def _prometheus_config(tmp_path: Path, controller_url: str, key: str) -> Path:
@@ -40,7 +54,7 @@ def _prometheus_config(tmp_path: Path, controller_url: str, key: str) -> Path:
     credentials.chmod(0o600)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "rule_files": [str(RULES)],
+        "rule_files": [str(_rules(tmp_path))],
         "scrape_configs": [
             {
                 "job_name": "nexa-control",
