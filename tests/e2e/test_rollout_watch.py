@@ -22,6 +22,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
@@ -29,6 +30,7 @@ from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, ok
 from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, free_runtime_port, node_host, sdk, sim_cluster
 from tests.support.cluster import wait_until as _wait_until
+from tests.support.console import csrf, sign_in
 from tests.support.models import registry_config
 from tests.support.oci import push_index
 from tests.support.rollout import audit
@@ -187,6 +189,21 @@ async def test_a_new_image_rolls_replica_by_replica_and_a_bad_one_is_reverted_af
         assert again.returncode != 0 and "paused already" in again.stderr
         shown = await cluster.cli("deployments", "rollout", "status", "chat-a")
         assert shown.returncode == 0 and "each new replica soaks 600 s" in shown.stdout and " paused " in shown.stdout
+        # The console's deployment page shows it, and resumes it behind its confirmation page.
+        async with httpx.AsyncClient(base_url=cluster.controller.url, timeout=10) as browser:
+            assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+            page = (await browser.get("/console/deployments/chat-a")).text
+            assert "Paused (change)" in page and 'id="rollout-steps"' in page and ">paused<" in page
+            assert "/console/deployments/chat-a/rollout_resume" in page
+            confirm = await browser.get("/console/deployments/chat-a/rollout_resume")
+            assert confirm.status_code == 200 and "goes on" in confirm.text
+            form = {"csrf_token": csrf(confirm.text), "confirm": "deployment chat-a"}
+            acted = await browser.post("/console/deployments/chat-a/rollout_resume", data=form)
+            assert acted.status_code in (200, 303), acted.text
+        status = await cluster.cli("deployments", "rollout", "status", "chat-a")
+        assert status.returncode == 0 and "rolling (change)" in status.stdout and "resumed" in status.stdout
+        repaused = await cluster.cli("deployments", "rollout", "pause", "chat-a")
+        assert repaused.returncode == 0, repaused.stderr
         resumed = await cluster.cli("deployments", "rollout", "resume", "chat-a")
         assert resumed.returncode == 0 and "rolling (change)" in resumed.stdout
         twice = await cluster.cli("deployments", "rollout", "resume", "chat-a")
