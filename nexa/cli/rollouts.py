@@ -10,7 +10,7 @@ from typing import Any, Final
 from nexa.cli import common
 from nexa.cli.output import print_json, ref
 from nexa.cli.tables import DEPLOYMENT
-from nexa.contracts.deployments import DeploymentView, RolloutStatus
+from nexa.contracts.deployments import DeploymentView, RolloutPolicy, RolloutStatus
 from nexa.errors import ConfigError
 
 EXIT_OK: Final = 0
@@ -33,8 +33,12 @@ def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> Non
         metavar="NAME=VALUE",
         help="a runtime setting to change (repeat; VALUE read as JSON, else text); the others stay",
     )
-    s.add_argument("--soak-s", type=float, help="seconds each new replica is watched before the next (default 30)")
-    s.add_argument("--min-requests", type=int, help="fewer requests than this decide nothing (default 20)")
+    s.add_argument(
+        "--soak-s", type=float, help="seconds each new replica is watched before the next (default: as set, else 30)"
+    )
+    s.add_argument(
+        "--min-requests", type=int, help="fewer requests than this decide nothing (default: as set, else 20)"
+    )
     s.set_defaults(handler=_change)
     rollout = deployments.add_parser(
         "rollout", help="the rollout in progress: status, pause, resume, undo"
@@ -51,19 +55,21 @@ def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> Non
 
 
 def _change(args: argparse.Namespace) -> int:
-    from nexa.cli.deployments import _settings
+    from nexa.cli.deployments import _settings  # here: that module imports this one
 
     body: dict[str, Any] = {}
     if args.runtime:
         body["runtime"] = args.runtime
-    if args.soak_s is not None or args.min_requests is not None:
-        body["rollout_policy"] = {
-            "soak_s": 30.0 if args.soak_s is None else args.soak_s,
-            "min_requests": 20 if args.min_requests is None else args.min_requests,
-        }
     with common.client(args) as c:
+        dep = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment
+        if args.soak_s is not None or args.min_requests is not None:
+            policy = dep.rollout_policy or RolloutPolicy()
+            body["rollout_policy"] = {
+                "soak_s": policy.soak_s if args.soak_s is None else args.soak_s,
+                "min_requests": policy.min_requests if args.min_requests is None else args.min_requests,
+            }
         if args.settings:
-            options = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment.options
+            options = dep.options
             body["options"] = {
                 "port": options.port,
                 "command": options.command,
@@ -72,10 +78,12 @@ def _change(args: argparse.Namespace) -> int:
                 "settings": {**options.settings, **_settings(args.settings)},
                 "extra_args": options.extra_args,
             }
-        if "runtime" not in body and "options" not in body:
-            raise ConfigError("nothing to change: give --runtime or --set NAME=VALUE")
+        if not body:
+            raise ConfigError("nothing to change: give --runtime, --set NAME=VALUE, --soak-s or --min-requests")
         out = c.post(f"/api/v1/deployments/{args.name}/change", DeploymentView, body=body)
     DEPLOYMENT.emit(args, out, [out])
+    if not args.json and out.deployment.rollout is not None:
+        print(f"rolling out under watch: nexa deployments rollout status {args.name}")
     return EXIT_OK
 
 

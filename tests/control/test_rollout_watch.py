@@ -83,5 +83,20 @@ async def test_an_alias_move_soaks_each_new_replica_and_a_paused_rollout_survive
             assert resumed["rollout"]["paused"] is False
             [event] = await audit(http, "deployment.rollout.resume")
             assert event["actor_key_id"]
+            # The policy alone is set at once: nothing rolls out, the running rollout keeps its own.
+            before = (await view(http))["deployment"]
+            bad = {"rollout_policy": {"soak_s": -1, "min_requests": 0}}
+            err = assert_envelope(
+                await http.post("/api/v1/deployments/chat-a/change", json=bad), 400, "invalid_request"
+            )
+            assert "rollout_policy.soak_s" in str(err["message"]) and "rollout_policy.min_requests" in str(
+                err["message"]
+            )
+            assert (await view(http))["deployment"]["generation"] == before["generation"]
+            policy = {"soak_s": 60.0, "min_requests": 50}
+            changed = await ok(http.post("/api/v1/deployments/chat-a/change", json={"rollout_policy": policy}))
+            assert changed["deployment"]["rollout_policy"] == policy
+            assert changed["deployment"]["rollout"]["policy"] == POLICY
+            assert len(await audit(http, "deployment.rollout_policy")) == 1
     finally:
         again.stopping.set()

@@ -176,9 +176,10 @@ async def test_a_new_image_rolls_replica_by_replica_and_a_bad_one_is_reverted_af
         assert [o for o in every if o != "ok"] == []
 
         # The operator's hand, through the CLI; a long soak keeps the rollout going meanwhile.
+        changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim", "--soak-s", "600")
+        assert changed.returncode == 0, changed.stderr
+        assert "rolling out under watch" in changed.stdout
         async with cluster.client() as http:
-            body = {"runtime": "sim", "rollout_policy": {"soak_s": 600, "min_requests": 5}}
-            await ok(http.post("/api/v1/deployments/chat-a/change", json=body))
             other = {"runtime": "sim-good", "rollout_policy": {"soak_s": 1, "min_requests": 5}}
             refused = await http.post("/api/v1/deployments/chat-a/change", json=other)
             assert_envelope(refused, 409, "rollout_in_progress")

@@ -22,7 +22,10 @@ it to report Ready. Replicas beyond `replicas` are stopped without a replacement
 deployment never has fewer than `replicas - 1` Ready replicas because of a rollout, and none
 fewer at all when the fleet has room for one more replica: then each new replica starts first
 and an old one stops only once it is Ready (make before break). When no node can take the new
-version, the old replica is kept and the rollout waits, saying why.
+version, the old replica is kept and the rollout waits, saying why. Every rollout is watched
+(`watch`): a replica runs a spec (model version, runtime, settings; `records.is_current`), a
+step waits while the rollout is paused or a new replica has not passed its soak (`soak.held`),
+and a replacement never takes the port of the replica it stops on that node.
 
 Following the alias. A deployment created from an alias runs what the alias points at: when the
 alias moves (`POST /api/v1/aliases/{name}/promote` or `/rollback`, or a deployment's promote or

@@ -48,7 +48,7 @@ from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, is_current, pin_specs, spec_now
 from nexa.control.deployments.soak import breach, figures, with_step
 from nexa.control.deployments.views import view
-from nexa.errors import ContractError, NoRollout, RolloutAlreadyPaused, RolloutNotPaused
+from nexa.errors import ContractError, NoRollout, NotFound, RolloutAlreadyPaused, RolloutNotPaused
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ REVERT: Final = "deployment.rollout.revert"
 UNDO: Final = "deployment.rollout.undo"
 PAUSE: Final = "deployment.rollout.pause"
 RESUME: Final = "deployment.rollout.resume"
+POLICY: Final = "deployment.rollout_policy"
 #: The policy of a change that names none on a deployment that has none.
 DEFAULT_POLICY: Final = RolloutPolicy()
 
@@ -81,15 +82,24 @@ class RolloutControl:
     async def change(self, actor: Actor, name: str, req: DeploymentChange) -> DeploymentView:
         """Give the deployment a new runtime or settings, rolled out under watch; refused (and
         nothing changed) when it rolls out already, when nothing changes, or when the runtime is
-        not registered or the settings are not the runtime's."""
+        not registered or the settings are not the runtime's. A new rollout policy alone is set
+        at once (nothing rolls out)."""
         async with self._desired.lock:
             before = self._desired.entry(name)
             dep = before.deployment
             runtime_name = req.runtime if req.runtime is not None else dep.runtime
             options = req.options if req.options is not None else dep.options
-            policy = req.rollout_policy or dep.rollout_policy
+            policy_was = dep.rollout_policy
+            policy = req.rollout_policy or policy_was
             if req.rollout_policy is not None and (problems := rollout_policy_problems(req.rollout_policy)):
                 raise ContractError("invalid rollout policy: " + "; ".join(problems), problems=tuple(problems))
+            if runtime_name == dep.runtime and options == dep.options and req.rollout_policy not in (None, policy_was):
+                # The policy alone: no replica changes, so nothing rolls out.
+                after = Entry(
+                    bump(attrs.evolve(dep, rollout_policy=req.rollout_policy)), before.decision, before.problem
+                )
+                await self._desired.commit(actor, POLICY, before, after, detail=f"rollout policy {req.rollout_policy}")
+                return view(self._desired, after)
             if runtime_name == dep.runtime and options == dep.options:
                 raise ContractError(
                     f"deployment {name} runs runtime {dep.runtime} with these settings already; give another "
@@ -301,8 +311,11 @@ class ChangeWatcher:
         soaks = {s.replica_id: s for s in rollout.soaks}
         now = time.time()
         for r in dep.placed:
-            if not is_current(dep, r) or not self._desired.ready(r):
-                continue
+            try:
+                if not is_current(dep, r) or not self._desired.ready(r):
+                    continue
+            except NotFound:
+                continue  # its node is gone: the reconciler replaces it
             soak = soaks.get(r.id)
             if soak is None:
                 if rollout.policy is not None:
