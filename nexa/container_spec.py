@@ -46,6 +46,8 @@ LABEL_KIND: Final = "nexa.kind"
 LABEL_PORT: Final = "nexa.port"
 #: A simulated runtime and `nexa sim-runtime` run only where this environment variable is `1`.
 SIMULATION_ENV: Final = "NEXA_SIMULATION_ONLY"
+#: What a sim runtime's image is, set by the node's process driver (injected faults may be by image).
+SIM_IMAGE_ENV: Final = "NEXA_SIM_IMAGE"
 #: In its own network namespace a runtime binds every address there (podman's port forward reaches
 #: it on the namespace's interface) and its probe, run inside, asks loopback.
 PRIVATE_BIND_HOST: Final = "0.0.0.0"  # noqa: S104 - inside the runtime's own network namespace

@@ -25,7 +25,7 @@ def _promtool(*args: str, cwd: Path | None = None) -> subprocess.CompletedProces
 def test_the_rules_are_valid() -> None:
     checked = _promtool("check", "rules", str(RULES))
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 14 rules found" in checked.stdout
+    assert "SUCCESS: 15 rules found" in checked.stdout
 
 
 def test_the_rules_fire_when_they_should_and_not_otherwise(tmp_path: Path) -> None:
@@ -263,3 +263,33 @@ def test_the_rules_name_only_metrics_the_controller_exports() -> None:
     named = set(re.findall(r"\b(nexa_[a-z_]+)\b", RULES.read_text()))
     assert named, "the rules name no nexa metric"
     assert named <= exported, f"not exported: {sorted(named - exported)}"
+
+
+def test_a_reverted_rollout_alerts_until_fifteen_minutes_passed_without_another(tmp_path: Path) -> None:
+    series = [
+        # chat-a: one revert at minute 2; embed: none.
+        {"series": 'nexa_rollout_reverts_total{deployment="chat-a"}', "values": "0 0 1x20"},
+        {"series": 'nexa_rollout_reverts_total{deployment="embed"}', "values": "0x22"},
+    ]
+    notes = {
+        "summary": "a rollout of chat-a was reverted",
+        "description": "A new replica broke the deployment's objectives during its soak; its changed replicas went"
+        " back to the last good spec. See nexa deployments rollout status chat-a and the audit"
+        " (deployment.rollout.revert).",
+    }
+    tests = {
+        "rule_files": [RULES.name],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [
+                    _alert("NexaRolloutReverted", "1m"),
+                    _alert("NexaRolloutReverted", "3m", ({"deployment": "chat-a"}, notes)),
+                    _alert("NexaRolloutReverted", "20m"),
+                ],
+            }
+        ],
+    }
+    _test_rules(tmp_path, tests)

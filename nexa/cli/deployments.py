@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Final
 
-from nexa.cli import common
+from nexa.cli import common, rollouts
 from nexa.cli.output import print_json, ref, size_text, table
 from nexa.cli.registry import print_alias_receipt
 from nexa.cli.tables import DEPLOYMENT, DEPLOYMENTS, Show
@@ -61,6 +61,7 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
         s = deployments.add_parser(verb, parents=[common_flags], help=text)
         s.add_argument("name")
         s.set_defaults(handler=_deployment_rollout, verb=verb)
+    rollouts.add_commands(deployments, common_flags)
     capacity = sub.add_parser("capacity", help="what would fit (operator)").add_subparsers(
         metavar="VERB", required=True
     )

@@ -127,6 +127,9 @@ class DeploymentCreate:
     #: `resources.accelerators` GPUs on its own node and an even share of the replica's memory
     #: (plus the engine's overhead); the tensor and pipeline parallel sizes are runtime settings.
     nodes_per_replica: int = 1
+    #: How its rollouts are watched; None: a new version (promote, alias) is watched for breaches
+    #: without holding each step, a change of runtime or settings with `RolloutPolicy()`.
+    rollout_policy: RolloutPolicy | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -147,6 +150,9 @@ class Replica:
     #: A group replica's ranks (`nodes_per_replica` above 1), by rank; rank 0 is the head, on
     #: `node_id` with `gpus`. Empty for a replica on one node.
     members: list[ReplicaMember] = attrs.Factory(list)
+    #: The runtime and settings it was started with (`records.spec_key`); None: the deployment's own
+    #: now (a change of runtime or settings stamps every replica with what it runs first).
+    spec: str | None = None
 
     @property
     def node_ids(self) -> list[str]:
@@ -203,6 +209,66 @@ class Canary:
     started_by: str | None
 
 
+#: The most steps a rollout keeps (the oldest go first).
+MAX_ROLLOUT_STEPS: Final = 100
+#: The longest soak a rollout policy may ask for (seconds).
+MAX_SOAK_S: Final = 86_400.0
+
+
+@attrs.frozen(kw_only=True)
+class RolloutPolicy:
+    """How a rollout watches each new replica before it replaces the next one.
+
+    Each new replica, once Ready, soaks for `soak_s`: its requests (those served on its nodes since
+    it became Ready) are held against the deployment's `objectives` (error rate; TTFT, TPOT and
+    end-to-end p95 where set and measured) once there are at least `min_requests` of them. A breach
+    reverts the changed replicas to the last good spec. A replica that soaked its time unbroken
+    lets the next step go (with fewer than `min_requests` requests it keeps soaking)."""
+
+    soak_s: float = 30.0
+    min_requests: int = 20
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaSpec:
+    """What a deployment's replicas are started with: the runtime, the model version, the settings."""
+
+    runtime: str
+    model: ModelRef
+    options: RuntimeOptions
+
+
+@attrs.frozen(kw_only=True)
+class Soak:
+    """One new replica under watch: since when it is Ready (wall clock) and whether it passed."""
+
+    replica_id: str
+    node_ids: list[str]
+    ready_at: float
+    passed: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class RolloutStep:
+    """One thing that happened in a rollout (`Rollout.steps`)."""
+
+    at: float
+    #: `started`, `replaced`, `soaking`, `passed`, `breach`, `paused`, `resumed`, `undo`, `done`.
+    what: str
+    detail: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class DeploymentChange:
+    """`POST /api/v1/deployments/{name}/change`: a new runtime (image) or settings, rolled out under
+    watch; unset fields stay as they are."""
+
+    runtime: str | None = None
+    options: RuntimeOptions | None = None
+    #: The deployment's rollout policy from now on (None: as it is).
+    rollout_policy: RolloutPolicy | None = None
+
+
 @attrs.frozen(kw_only=True)
 class Rollout:
     """A replacement in progress: the deployment's replicas of `from` are replaced, one at a
@@ -212,9 +278,21 @@ class Rollout:
 
     from_: ModelRef
     to: ModelRef
-    #: What started it: `promote` (a canary promoted), `rollback`, `alias` (the alias moved).
+    #: What started it: `promote` (a canary promoted), `rollback`, `alias` (the alias moved),
+    #: `change` (runtime or settings changed), `revert` (a watched rollout broke an objective),
+    #: `undo` (an operator undid a rollout).
     reason: str
     started_at: float
+    #: How each new replica is watched (`RolloutPolicy`); None: not held (a revert).
+    policy: RolloutPolicy | None = None
+    #: The last good spec: what a breach or `undo` returns the changed replicas to; None for a revert.
+    good: ReplicaSpec | None = None
+    #: Paused by an operator: no further replica is replaced until resumed (watching goes on).
+    paused: bool = False
+    #: Each new replica's watch, from the moment it reported Ready.
+    soaks: list[Soak] = attrs.Factory(list)
+    #: What happened, oldest first (the rollout's job shows them; at most `MAX_ROLLOUT_STEPS`, latest kept).
+    steps: list[RolloutStep] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -246,6 +324,11 @@ class Deployment:
     objectives: ServiceObjectives = attrs.Factory(ServiceObjectives)
     #: The nodes each replica spans (`DeploymentCreate.nodes_per_replica`).
     nodes_per_replica: int = 1
+    #: How its rollouts are watched (`DeploymentCreate.rollout_policy`).
+    rollout_policy: RolloutPolicy | None = None
+    #: A version a watched rollout reverted: the alias pointing there is not followed again until
+    #: it moves elsewhere (or an operator rolls out by hand).
+    held_model: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -434,6 +517,18 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
         problems.append("options.port: from 1 to 65535")
     problems += [f"placement.data_classes: {p}" for d in req.placement.data_classes if (p := data_class_problem(d))]
     problems += routing_problems(req.routing, "routing.")
+    if req.rollout_policy is not None:
+        problems += rollout_policy_problems(req.rollout_policy)
+    return problems
+
+
+def rollout_policy_problems(policy: RolloutPolicy) -> list[str]:
+    """Every field of a rollout policy out of its range."""
+    problems = []
+    if not 0 <= policy.soak_s <= MAX_SOAK_S:  # also False for NaN
+        problems.append(f"rollout_policy.soak_s: from 0 to {MAX_SOAK_S:g}")
+    if not 1 <= policy.min_requests <= 1_000_000:
+        problems.append("rollout_policy.min_requests: from 1 to 1000000")
     return problems
 
 
@@ -467,3 +562,18 @@ def canary_problems(req: CanaryCreate) -> list[str]:
     if o.min_requests < 1:
         problems.append("objective.min_requests: 1 or more")
     return problems
+
+
+@attrs.frozen(kw_only=True)
+class RolloutStatus:
+    """`GET /api/v1/deployments/{name}/rollout`: the rollout in progress, if any, and its counts."""
+
+    deployment: str
+    rollout: Rollout | None
+    #: Replicas that run the deployment's spec now, and those left to replace.
+    new: int = 0
+    old: int = 0
+    #: The runtime and settings the deployment runs now.
+    runtime: str = ""
+    #: The version a watched rollout reverted (its alias is not followed there).
+    held_model: ModelRef | None = None

@@ -441,6 +441,23 @@ class WindowStats:
 
 
 @attrs.frozen(kw_only=True)
+class WatchStats:
+    """Finished requests served on some nodes of one deployment over a window (a rollout's watch of
+    its new replicas); the p95s are None where no request measured them."""
+
+    requests: int
+    errors: int
+    p95_ms: float | None = None
+    ttft_p95_ms: float | None = None
+    #: Time per output token after the first: (duration - TTFT) / (completion tokens - 1).
+    tpot_p95_ms: float | None = None
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+
+@attrs.frozen(kw_only=True)
 class UsageRow:
     """`GET /api/v1/usage`: one (tenant, model, UTC day) group."""
 

@@ -497,6 +497,7 @@ def _leader_loops(c: _Controller) -> _Loops:
         ("deployments", c.deployments.run),
         ("recovery", c.recovery.run),
         ("rollout", RolloutWatcher(c.deployments, c.meter).run),
+        ("rollout-watch", c.deployments.change_watcher(c.meter).run),
         ("workloads", partial(c.workloads.run, c.cfg.gateway.workload_retention_s)),
         ("backup", Backups.of(state.backups).run),
         ("keys", KeyRotation.of(state.key_rotation).run),

@@ -47,6 +47,9 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - RolloutInProgress [rollout_in_progress]: a deployment already runs a canary or a rollout
     - NoCanary [no_canary]: promoting a deployment that runs no canary
     - NothingToRollBack [nothing_to_roll_back]: a deployment with no canary and no earlier promotion to return to
+    - NoRollout [no_rollout]: pausing, resuming or undoing a rollout where none is in progress
+    - RolloutAlreadyPaused [rollout_paused]: pausing a rollout that is paused already
+    - RolloutNotPaused [rollout_not_paused]: resuming a rollout that is not paused
     - WorkloadAlreadyActive [workload_already_active]: that workload id is still running
     - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
     - ControllersRunning [controllers_running]: a controller key rotation while other controllers share the store
@@ -200,11 +203,14 @@ from nexa.errors.registry import ModelInUse as ModelInUse
 from nexa.errors.registry import ModelNotApproved as ModelNotApproved
 from nexa.errors.registry import NoCanary as NoCanary
 from nexa.errors.registry import NoRollbackTarget as NoRollbackTarget
+from nexa.errors.registry import NoRollout as NoRollout
 from nexa.errors.registry import NotDeployable as NotDeployable
 from nexa.errors.registry import NothingToRollBack as NothingToRollBack
 from nexa.errors.registry import QualificationFailed as QualificationFailed
 from nexa.errors.registry import RegistryAnswerRefused as RegistryAnswerRefused
+from nexa.errors.registry import RolloutAlreadyPaused as RolloutAlreadyPaused
 from nexa.errors.registry import RolloutInProgress as RolloutInProgress
+from nexa.errors.registry import RolloutNotPaused as RolloutNotPaused
 from nexa.errors.registry import RuntimeFlagOwned as RuntimeFlagOwned
 from nexa.errors.registry import SignatureRejected as SignatureRejected
 from nexa.errors.registry import Unplaceable as Unplaceable

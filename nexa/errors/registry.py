@@ -79,6 +79,18 @@ class NothingToRollBack(Conflict):
     code = "nothing_to_roll_back"
 
 
+class NoRollout(Conflict):
+    code = "no_rollout"
+
+
+class RolloutAlreadyPaused(Conflict):
+    code = "rollout_paused"
+
+
+class RolloutNotPaused(Conflict):
+    code = "rollout_not_paused"
+
+
 class NotDeployable(NexaError):
     """The controller refuses to run a deployment: its model, licence, runtime or the fleet does not allow it."""
 

@@ -205,6 +205,7 @@ class ProcessDriver:
         env = {name: os.environ[name] for name in PASSED_ENV if name in os.environ}
         env.update(spec.env)
         env[container_spec.SIMULATION_ENV] = "1"
+        env[container_spec.SIM_IMAGE_ENV] = spec.image
         output = await trio.to_thread.run_sync(_open_output, self._dir / f"{spec.name}.log")
         try:
             child.process = await trio.lowlevel.open_process(

@@ -5,6 +5,7 @@ going away). Counters only: every answer is computed from the request and the co
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Awaitable, Callable
 from functools import partial
@@ -17,7 +18,7 @@ from nexa.simruntime import answers
 from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
-from nexa.simruntime.faults import Faults, FaultsSource, Phase
+from nexa.simruntime.faults import IMAGE_ENV, Faults, FaultsSource, Phase
 from nexa.simruntime.metrics import SimMetrics
 from nexa.simruntime.parse import Kind, Work, parse
 
@@ -70,7 +71,7 @@ class SimApp:
     def __init__(self, cfg: SimConfig, journal: Journal) -> None:
         self._cfg = cfg
         self._journal = journal
-        self._faults = FaultsSource(cfg.faults_path, cfg.faults)
+        self._faults = FaultsSource(cfg.faults_path, cfg.faults, image=os.environ.get(IMAGE_ENV, ""))
         self._interval_s = 1.0 / cfg.tokens_per_s
         self._ttft_s = cfg.ttft_ms / 1000.0
         self._metrics = SimMetrics(f'model_name="{_label_value(cfg.model)}"')

@@ -10,6 +10,7 @@ from typing import Final
 
 import attrs
 
+from nexa.container_spec import SIM_IMAGE_ENV
 from nexa.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -52,7 +53,12 @@ class Faults:
     Teaching (faults file only; for evaluation suites): `taught` maps a text to the answer a unary
     chat or completion gets when its prompt contains that text (the first such entry, in file
     order); `wrong` makes every answer useless instead: other words than the prompt's own, and
-    embeddings that are random unit vectors (so a suite run against it fails)."""
+    embeddings that are random unit vectors (so a suite run against it fails).
+
+    By image (faults file only): `images` maps a text to the faults of the runtimes whose image
+    (`IMAGE_ENV`, which the node's process driver sets to the assignment's image) contains it,
+    instead of the file's own (the first such entry, in file order): a bad runtime image next to
+    a good one on the same node."""
 
     fail: Phase | None = None
     hang: Phase | None = None
@@ -65,6 +71,11 @@ class Faults:
     unhealthy: bool = False
     taught: tuple[tuple[str, str], ...] = ()
     wrong: bool = False
+    images: tuple[tuple[str, Faults], ...] = ()
+
+    def for_image(self, image: str) -> Faults:
+        """The faults of a runtime of `image`: its `images` entry's, else these."""
+        return next((f for key, f in self.images if image and key in image), self)
 
     @classmethod
     def from_json(cls, data: object) -> Faults:
@@ -83,6 +94,7 @@ class Faults:
             "unhealthy",
             "taught",
             "wrong",
+            "images",
         )
         problems = [f"{key}: unknown key" for key in data if key not in known]
         phases: dict[str, Phase | None] = {}
@@ -115,6 +127,7 @@ class Faults:
             problems.append("unhealthy: must be true or false")
         taught = data.get("taught", {})
         problems += _teaching_problems(taught, data.get("wrong", False))
+        images = _by_image(data.get("images", {}), problems)
         if problems:
             raise ConfigError("invalid faults: " + "; ".join(problems), problems=tuple(problems))
         return cls(
@@ -129,7 +142,26 @@ class Faults:
             unhealthy=unhealthy,
             taught=tuple(taught.items()),
             wrong=data.get("wrong", False),
+            images=tuple(images),
         )
+
+
+def _by_image(by_image: object, problems: list[str]) -> list[tuple[str, Faults]]:
+    """The `images` entries of a faults file (each parsed as a faults object of its own, with no
+    `images`); what is wrong appended to `problems`."""
+    images: list[tuple[str, Faults]] = []
+    if not isinstance(by_image, dict) or not all(isinstance(k, str) and k for k in by_image):
+        problems.append("images: an object of image texts -> faults")
+        return images
+    for key, value in by_image.items():
+        if isinstance(value, dict) and "images" in value:
+            problems.append(f"images.{key}: faults without images of their own")
+            continue
+        try:
+            images.append((key, Faults.from_json(value)))
+        except ConfigError as exc:
+            problems.append(f"images.{key}: {exc.message}")
+    return images
 
 
 def _teaching_problems(taught: object, wrong: object) -> list[str]:
@@ -156,6 +188,8 @@ def _fraction(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0.0 <= value <= 1.0
 
 
+#: The environment variable that names a sim runtime's image (`Faults.images`).
+IMAGE_ENV: Final = SIM_IMAGE_ENV
 #: The most of a faults file read (a valid one is far smaller).
 _FAULTS_FILE_MAX: Final = 64 * 1024
 
@@ -166,7 +200,9 @@ class FaultsSource:
     the flags' while it does not exist. A broken file counts as no faults until it is fixed (logged
     once per version). A sim runtime's file is a few bytes: the read costs microseconds."""
 
-    def __init__(self, path: str, default: Faults) -> None:
+    def __init__(self, path: str, default: Faults, *, image: str = "") -> None:
+        """`image`: this runtime's image; the file's `images` entry for it applies (`Faults.for_image`)."""
+        self._image = image
         self._path = path
         self._default = default
         self._seen: bytes | None = None
@@ -190,4 +226,4 @@ class FaultsSource:
             except (ValueError, ConfigError) as exc:
                 log.warning("ignoring the faults file until it is fixed: %s", exc)
                 self._faults = Faults()
-        return self._faults
+        return self._faults.for_image(self._image)

@@ -211,6 +211,12 @@ class Metrics:
         self.retention_purged = Counter(
             "nexa_retention_purged", "Retained payloads purged, at their TTL or on demand.", registry=r
         )
+        self.rollout_reverts = Counter(
+            "nexa_rollout_reverts",
+            "Rollouts reverted because a new replica broke the deployment's objectives, by deployment.",
+            ["deployment"],
+            registry=r,
+        )
 
     def count_stall(self, _seconds: float) -> None:
         """`supervision.watch_event_loop`'s report of one stall of the event loop."""

@@ -11,10 +11,11 @@ from quart import Blueprint, request
 from nexa.contracts.domain import NodeState
 from nexa.contracts.wire import RuntimeState
 from nexa.control.console.pages import Console, Context, Refused, View, done, int_field
+from nexa.control.console.rollouts import ROLLOUT_ACTIONS, rollout_act, rollout_effect
 from nexa.control.console.sessions import Session
 from nexa.control.deployments.rollout import breach as rollout_breach
 
-_ACTIONS = frozenset({"scale", "delete"})
+_ACTIONS = frozenset({"scale", "delete", *ROLLOUT_ACTIONS})
 
 
 def register(bp: Blueprint, console: Console) -> None:
@@ -43,6 +44,7 @@ def register(bp: Blueprint, console: Console) -> None:
             ],
             "desired": RuntimeState.READY,
             "canary": canary,
+            "rollout": state.deployments.rollout_status(name),
         }
 
     async def context(session: Session, now: float) -> Context:
@@ -69,7 +71,9 @@ def register(bp: Blueprint, console: Console) -> None:
             raise Refused(404, "no such action")
         await console.require(session, action, f"deployment/{name}")
         d = state.deployments.show(name).deployment
-        if action == "delete":
+        if action in ROLLOUT_ACTIONS:
+            effect = rollout_effect(state.deployments.rollout_status(name), action)
+        elif action == "delete":
             effect = (
                 f"Deployment {name} and its {len(d.placed)} replica(s) stop; requests for "
                 f"{d.alias or d.model.model} go to other deployments, or are refused when there are none."
@@ -92,6 +96,9 @@ def register(bp: Blueprint, console: Console) -> None:
         if action not in _ACTIONS:
             raise Refused(404, "no such action")
         session = await console.confirmed(action, "deployment", name)
+        if action in ROLLOUT_ACTIONS:
+            said = await rollout_act(state.deployments, session.actor, name, action)
+            return await done(session, said, f"/console/deployments/{name}")
         if action == "delete":
             await state.deployments.delete(session.actor, name)
             return await done(session, f"Deployment {name} deleted.", "/console/deployments")

@@ -104,6 +104,9 @@ ACTIONS: Final[dict[str, Route]] = {
     "quota_set": ("PUT", "/api/v1/quotas/<tenant>"),
     "usage": ("GET", "/api/v1/usage"),
     "quotas": ("GET", "/api/v1/quotas"),
+    "rollout_pause": ("POST", "/api/v1/deployments/<name>/rollout/pause"),
+    "rollout_resume": ("POST", "/api/v1/deployments/<name>/rollout/resume"),
+    "rollout_undo": ("POST", "/api/v1/deployments/<name>/rollout/undo"),
 }
 
 #: Every console route (method, rule); the API's `_authorize` leaves them to the console's session.

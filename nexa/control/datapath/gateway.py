@@ -371,6 +371,7 @@ class Gateway:
                     canary=replica.canary,
                     duration_ms=(trio.current_time() - attempt_started) * 1000.0,
                     now=time.time(),
+                    node_id=replica.node_id,
                 )
                 if end.code in RETRYABLE_END_CODES and not end.first_byte_sent:
                     log.info("attempt %d failed before output (%s); retrying", attempt + 1, end.code)

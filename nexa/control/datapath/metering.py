@@ -28,7 +28,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Final
 
 import attrs
@@ -36,7 +36,7 @@ import trio
 
 from nexa.config import GatewayConfig
 from nexa.contracts.bounds import MAX_TOKENS
-from nexa.contracts.gateway import UsageRecord, UsageReport, WindowStats
+from nexa.contracts.gateway import UsageRecord, UsageReport, WatchStats, WindowStats
 from nexa.control import store as st
 from nexa.errors import NexaError
 from nexa.telemetry import INFERENCE_BUCKETS, Children, Metrics
@@ -92,12 +92,23 @@ def _finite_non_negative(value: object) -> bool:
     return math.isfinite(value) and value >= 0
 
 
+def _p95(values: list[float]) -> float | None:
+    """Nearest rank: the smallest value at or above 95 % of them; None for none."""
+    if not values:
+        return None
+    values.sort()
+    return values[max(0, math.ceil(0.95 * len(values)) - 1)]
+
+
 @attrs.frozen
 class _Finished:
     finished_at: float
     canary: bool
     error: bool
     duration_ms: float
+    node_id: str = ""
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -227,13 +238,21 @@ class Meter:
         if rec.ttft_ms is not None:
             self._ttft[bisect.bisect_left(LATENCY_BOUNDS_S, rec.ttft_ms / 1000)] += 1
         if rec.deployment:
-            self._observe(rec.deployment, _Finished(rec.finished_at, rec.canary, rec.status != "ok", rec.duration_ms))
+            tpot = None
+            if rec.ttft_ms is not None and rec.completion_tokens > 1:
+                tpot = max(0.0, rec.duration_ms - rec.ttft_ms) / (rec.completion_tokens - 1)
+            finished = _Finished(
+                rec.finished_at, rec.canary, rec.status != "ok", rec.duration_ms, rec.node_id, rec.ttft_ms, tpot
+            )
+            self._observe(rec.deployment, finished)
 
-    def attempt_failed(self, deployment: str, *, canary: bool, duration_ms: float, now: float) -> None:
+    def attempt_failed(
+        self, deployment: str, *, canary: bool, duration_ms: float, now: float, node_id: str = ""
+    ) -> None:
         """An attempt on a replica that failed before any output and was retried elsewhere: no usage
         record (the request's own record names where it ended), but it counts against the replica's
-        deployment in the windows a canary is judged by."""
-        self._observe(deployment, _Finished(now, canary, True, duration_ms))
+        deployment in the windows a canary (and a rollout's new replica, by `node_id`) is judged by."""
+        self._observe(deployment, _Finished(now, canary, True, duration_ms, node_id))
 
     def _observe(self, deployment: str, finished: _Finished) -> None:
         window = self._windows.get(deployment)
@@ -353,3 +372,15 @@ class Meter:
         # Nearest rank: the smallest duration at or above 95 % of the requests.
         p95 = durations[max(0, math.ceil(0.95 * len(durations)) - 1)]
         return WindowStats(requests=len(durations), errors=errors, p95_ms=p95)
+
+    def nodes_window(self, deployment: str, nodes: Collection[str], *, since: float, now: float) -> WatchStats:
+        """Requests of `deployment` served on `nodes` (attempts that failed there included) that
+        finished in (since, now], wall clock: what a rollout's watch holds a new replica to."""
+        picked = [f for f in self._windows.get(deployment, ()) if since < f.finished_at <= now and f.node_id in nodes]
+        return WatchStats(
+            requests=len(picked),
+            errors=sum(f.error for f in picked),
+            p95_ms=_p95([f.duration_ms for f in picked]),
+            ttft_p95_ms=_p95([f.ttft_ms for f in picked if f.ttft_ms is not None]),
+            tpot_p95_ms=_p95([f.tpot_ms for f in picked if f.tpot_ms is not None]),
+        )

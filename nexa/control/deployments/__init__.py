@@ -24,8 +24,12 @@ The package, one module per job (each imports only those above it in this list):
 - `records`: a deployment's `Entry` and the pure steps of a change (`follow`, `bump`).
 - `desired`: the deployments in memory, the lock, and `Desired.commit`, the one write path.
 - `views`: `DeploymentView` and the gateway's `ServingSet`.
-- `reconciler`: re-placement of lost replicas, drains, and rollout steps (its docstring tells how).
+- `reconciler`: re-placement of lost replicas, drains, and rollout steps (its docstring tells how;
+  `soak.held` says when a step waits).
 - `canary`: canary, promote and rollback (`Rollouts`).
+- `soak`: a rollout's watch, the pure part (`held`, `breach`).
+- `watch`: every change rolled out under watch: `change`, pause / resume / undo, and the loop that
+  soaks each new replica and reverts a breach (`RolloutControl`, `ChangeWatcher`).
 - `manager`: `Deployments`, the object the rest of the controller holds.
 """
 

@@ -269,7 +269,9 @@ class Desired:
             others = [a for a in current.assignments if a.deployment != name]
             mine = {a.id: a for a in current.assignments if a.deployment == name}
             wanted = []
-            used_ports = ports_in_use(others) | self.groups.ports_on(node_id)
+            # A replacement never takes the port of a replica this change stops there: that runtime
+            # may still answer on it (the new replica's probe would pass against the old process).
+            used_ports = ports_in_use(others) | ports_in_use(mine.values()) | self.groups.ports_on(node_id)
             for r, rank in by_node.get(node_id, []):
                 aid = member_id(r, rank or 0)
                 if aid in mine:

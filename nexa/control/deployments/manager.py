@@ -17,11 +17,13 @@ from nexa.contracts.deployments import (
     Canary,
     CanaryCreate,
     Deployment,
+    DeploymentChange,
     DeploymentCreate,
     DeploymentView,
     PlacementView,
     Replica,
     RolloutResult,
+    RolloutStatus,
     RoutingWeights,
     ServingSet,
     routing_problems,
@@ -38,8 +40,9 @@ from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
 from nexa.control.deployments.reconciler import Reconciler
-from nexa.control.deployments.records import Entry, bump, model_of, new_replicas, replica_nodes
+from nexa.control.deployments.records import Entry, bump, is_current, new_replicas, replica_nodes
 from nexa.control.deployments.scheduler import place
+from nexa.control.deployments.watch import ChangeWatcher, NodesWindow, RolloutControl
 from nexa.control.fleet import grants
 from nexa.control.fleet.nodes import Fleet
 from nexa.control.fleet.southbound import Southbound
@@ -78,6 +81,7 @@ class Deployments:
         self._reconciler = Reconciler(self._desired, cfg)
         self._serving = views.ServingSets(self._desired)
         self._rollouts = Rollouts(self._desired, self.poke)
+        self._control = RolloutControl(self._desired, self.poke, metrics)
         fleet.on_change(self.poke)
         models.on_alias_change(self._alias_moved)
 
@@ -201,6 +205,7 @@ class Deployments:
                 updated_at=now,
                 placed=new_replicas(req.name, decision, ref),
                 nodes_per_replica=req.nodes_per_replica,
+                rollout_policy=req.rollout_policy,
             )
             entry = Entry(dep, decision)
             await self._desired.commit(actor, "deployment.create", None, entry)
@@ -214,7 +219,7 @@ class Deployments:
             dep = before.deployment
             model, runtime, _ = deployable(self._desired.models, dep)
             # The current version's replicas first, so scaling down during a rollout keeps them.
-            placed = sorted(dep.placed, key=lambda r: model_of(dep, r) != dep.model)
+            placed = sorted(dep.placed, key=lambda r: not is_current(dep, r))
             decision = before.decision
             if replicas < len(placed):
                 placed = placed[:replicas]
@@ -290,3 +295,25 @@ class Deployments:
         """Remove `canary` from deployment `name`; False, changing nothing, when it no longer runs
         that very canary (`Rollouts.drop_canary`)."""
         return await self._rollouts.drop_canary(actor, name, canary, action=action, detail=detail)
+
+    # ---- every change under watch (`watch`) ----------------------------------------------------------
+
+    async def change(self, actor: Actor, name: str, req: DeploymentChange) -> DeploymentView:
+        """A new runtime or settings, rolled out under watch (`RolloutControl.change`)."""
+        return await self._control.change(actor, name, req)
+
+    def rollout_status(self, name: str) -> RolloutStatus:
+        return self._control.status(name)
+
+    async def pause_rollout(self, actor: Actor, name: str) -> RolloutStatus:
+        return await self._control.pause(actor, name)
+
+    async def resume_rollout(self, actor: Actor, name: str) -> RolloutStatus:
+        return await self._control.resume(actor, name)
+
+    async def undo_rollout(self, actor: Actor, name: str) -> RolloutStatus:
+        return await self._control.undo(actor, name)
+
+    def change_watcher(self, meter: NodesWindow, *, interval_s: float = 0.5) -> ChangeWatcher:
+        """The loop that watches each rollout's new replicas against `meter` (`watch.ChangeWatcher`)."""
+        return ChangeWatcher(self._desired, self._control, meter, interval_s=interval_s)

@@ -22,7 +22,10 @@ it to report Ready. Replicas beyond `replicas` are stopped without a replacement
 deployment never has fewer than `replicas - 1` Ready replicas because of a rollout, and none
 fewer at all when the fleet has room for one more replica: then each new replica starts first
 and an old one stops only once it is Ready (make before break). When no node can take the new
-version, the old replica is kept and the rollout waits, saying why.
+version, the old replica is kept and the rollout waits, saying why. Every rollout is watched
+(`watch`): a replica runs a spec (model version, runtime, settings; `records.is_current`), a
+step waits while the rollout is paused or a new replica has not passed its soak (`soak.held`),
+and a replacement never takes the port of the replica it stops on that node.
 
 Following the alias. A deployment created from an alias runs what the alias points at: when the
 alias moves (`POST /api/v1/aliases/{name}/promote` or `/rollback`, or a deployment's promote or
@@ -52,11 +55,13 @@ from nexa.control.deployments.records import (
     bump,
     canary_placed,
     follow,
+    is_current,
     model_of,
     new_replicas,
     replica_nodes,
 )
 from nexa.control.deployments.scheduler import place
+from nexa.control.deployments.soak import held, with_step
 from nexa.control.fleet.nodes import NodeLive
 from nexa.errors import NotDeployable, NotFound
 
@@ -153,7 +158,7 @@ class Reconciler:
         entry = self._desired.entries[name]
         dep = entry.deployment
         target = self._alias_target(dep)
-        if target is not None and target != dep.model:
+        if target is not None and target not in (dep.model, dep.held_model):
             after = Entry(follow(dep, target, "alias"), entry.decision, entry.problem)
             detail = f"alias {dep.alias} points at {target.key}; rolling {dep.model.key} -> {target.key}"
             await self._desired.commit(SYSTEM, "deployment.follow", entry, after, detail=detail)
@@ -253,16 +258,18 @@ class Reconciler:
                     next_at = min(next_at, now + _DRAIN_CHECK_S)
         return Healed(placed, decision, problem, next_at)
 
-    async def _step(self, entry: Entry, now: float) -> float:
+    async def _step(self, entry: Entry, now: float) -> float:  # noqa: PLR0911 - one return per wait
         """One step of the deployment's rollout (see the module docstring); when to look again."""
         dep = entry.deployment
         rollout = dep.rollout
         assert rollout is not None
         again = now + _ROLLOUT_CHECK_S
-        new = [r for r in dep.placed if model_of(dep, r) == dep.model]
-        old = [r for r in dep.placed if model_of(dep, r) != dep.model]
+        new = [r for r in dep.placed if is_current(dep, r)]
+        old = [r for r in dep.placed if not is_current(dep, r)]
         if not all(self._desired.ready(r) for r in new):
             return again  # the last step's replica is not Ready yet
+        if held(rollout, new):
+            return again  # paused, or a new replica still soaks (`watch`)
         if not old:
             if len(new) < dep.replicas:
                 return again  # lost meanwhile; `_heal` tops the deployment up first
@@ -308,6 +315,6 @@ class Reconciler:
             placed = [*rest, fresh]
             on = ", ".join(fresh.node_ids)
             detail = f"{rollout.from_.key} -> {rollout.to.key}: started {fresh.id} on {on}; {stopped}"
-        after = Entry(bump(attrs.evolve(dep, placed=placed)), decision)
+        after = Entry(bump(attrs.evolve(dep, placed=placed, rollout=with_step(rollout, "replaced", detail))), decision)
         await self._desired.commit(SYSTEM, "deployment.rollout.step", entry, after, detail=detail)
         return again

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import secrets
 import time
 from collections.abc import Iterable
 
 import attrs
 
-from nexa.contracts.deployments import Deployment, Replica, ReplicaMember, Rollout
+from nexa.contracts.deployments import Deployment, Replica, ReplicaMember, ReplicaSpec, Rollout, RuntimeOptions
 from nexa.contracts.models import ModelRef
 from nexa.contracts.placement import PlacementDecision
 
@@ -74,10 +76,45 @@ def follow(dep: Deployment, target: ModelRef, reason: str) -> Deployment:
     placed, canary = dep.placed, dep.canary
     if canary is not None and canary.model == target:
         placed, canary = placed + canary.placed, None
-    rollout = Rollout(from_=dep.model, to=target, reason=reason, started_at=time.time())
+    rollout = Rollout(
+        from_=dep.model,
+        to=target,
+        reason=reason,
+        started_at=time.time(),
+        policy=dep.rollout_policy,
+        good=spec_now(dep),
+    )
     return bump(attrs.evolve(dep, model=target, placed=placed, canary=canary, rollout=rollout, previous=dep.model))
 
 
 def bump(dep: Deployment) -> Deployment:
     """A changed record: one generation up, updated now."""
     return attrs.evolve(dep, generation=dep.generation + 1, updated_at=time.time())
+
+
+def spec_key(runtime: str, options: RuntimeOptions) -> str:
+    """A replica's runtime and settings as one short digest (`Replica.spec`)."""
+    text = json.dumps({"runtime": runtime, "options": attrs.asdict(options)}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def spec_of(dep: Deployment, replica: Replica) -> str:
+    """The runtime and settings `replica` runs (`spec_key`): its own record's, else the deployment's now."""
+    return replica.spec if replica.spec is not None else spec_key(dep.runtime, dep.options)
+
+
+def is_current(dep: Deployment, replica: Replica) -> bool:
+    """Whether `replica` runs what the deployment asks now: its model version, runtime and settings."""
+    return model_of(dep, replica) == dep.model and spec_of(dep, replica) == spec_key(dep.runtime, dep.options)
+
+
+def spec_now(dep: Deployment) -> ReplicaSpec:
+    """What the deployment's replicas are started with now."""
+    return ReplicaSpec(runtime=dep.runtime, model=dep.model, options=dep.options)
+
+
+def pin_specs(dep: Deployment) -> list[Replica]:
+    """`dep.placed` with each replica's runtime and settings written down, before they change."""
+    return [
+        r if r.spec is not None else attrs.evolve(r, spec=spec_of(dep, r), model=model_of(dep, r)) for r in dep.placed
+    ]

@@ -16,7 +16,7 @@ from nexa.contracts.deployments import (
 from nexa.contracts.domain import NodeState
 from nexa.contracts.models import ModelRef
 from nexa.control.deployments.desired import Desired
-from nexa.control.deployments.records import Entry, model_of
+from nexa.control.deployments.records import Entry, is_current, model_of
 
 
 class ServingSets:
@@ -104,7 +104,7 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
 
 def view(desired: Desired, e: Entry) -> DeploymentView:
     dep = e.deployment
-    new = sum(1 for r in dep.placed if model_of(dep, r) == dep.model) if dep.rollout else 0
+    new = sum(1 for r in dep.placed if is_current(dep, r)) if dep.rollout else 0
     return DeploymentView(
         deployment=dep,
         ready_to_run=len(dep.placed),

@@ -20,6 +20,7 @@ from nexa.control.http import (
     nodes,
     records,
     retention,
+    rollouts,
     runtimes,
     tenants,
     usage,
@@ -41,6 +42,7 @@ MODULES: Final[tuple[ModuleType, ...]] = (
     records,
     retention,
     evals,
+    rollouts,
 )
 #: Every management route, declared once.
 ROUTES: Final[tuple[Route, ...]] = collect(MODULES)

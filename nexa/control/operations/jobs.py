@@ -290,8 +290,31 @@ class RolloutJobs:
                 await self._started(action, after, None, subject)
             else:
                 await self._jobs.progress(running.id, _rollout_progress(after), "replacing replicas")
+        elif action in _WATCHED and after is not None:
+            await self._watched(action, after, running, subject)
         elif action == "deployment.rollout.done" and running is not None and after is not None:
             await self._jobs.finish(running.id, JobState.SUCCEEDED, f"{after.model.key} on {after.replicas} replica(s)")
+
+    async def _watched(self, action: str, dep: Deployment, running: Job | None, subject: str) -> None:
+        """A change rolled out under watch (`deployments.watch`): started, each step of its watch, reverted."""
+        rollout = dep.rollout
+        step = rollout.steps[-1] if rollout is not None and rollout.steps else None
+        summary = f"{step.what}: {step.detail}" if step is not None else action
+        if action == "deployment.change":
+            if running is not None:
+                await self._jobs.finish(running.id, JobState.CANCELLED, "a new change started")
+            title = f"rollout {dep.name}: runtime {dep.runtime} ({summary})"
+            running_id = await self._jobs.record(
+                JobKind.ROLLOUT, title[:MAX_TITLE_CHARS], subject=subject, progress=0.0, link=_rollout_link(dep)
+            )
+            await self._jobs.progress(running_id, 0.0, summary[:MAX_SUMMARY_CHARS])
+        elif running is None:
+            return
+        elif action in {"deployment.rollout.revert", "deployment.rollout.undo"}:
+            await self._jobs.finish(running.id, JobState.FAILED, f"reverted: {summary}"[:MAX_SUMMARY_CHARS])
+        else:
+            progress = _rollout_progress(dep) if dep.rollout is not None else 0.0
+            await self._jobs.progress(running.id, progress, summary[:MAX_SUMMARY_CHARS])
 
     async def _started(self, action: str, dep: Deployment, running: Job | None, subject: str) -> None:
         if action == "deployment.rollback" and running is not None:
@@ -314,9 +337,30 @@ class RolloutJobs:
         )
 
 
+#: The actions of a change rolled out under watch (`deployments.watch`).
+_WATCHED: Final = frozenset(
+    {
+        "deployment.change",
+        "deployment.rollout.watch",
+        "deployment.rollout.pause",
+        "deployment.rollout.resume",
+        "deployment.rollout.revert",
+        "deployment.rollout.undo",
+    }
+)
+
+
+def _rollout_link(dep: Deployment) -> str:
+    return f"/api/v1/deployments/{dep.name}/rollout"
+
+
 def _rollout_progress(dep: Deployment) -> float:
-    """0.5 at the promotion, then up to just under 1 as the new version's replicas replace the old."""
-    assert dep.rollout is not None
-    target = dep.rollout.to
-    new = sum(1 for r in dep.placed if (r.model or dep.model) == target)
+    """0.5 at the promotion, then up to just under 1 as the new version's replicas replace the old
+    (watched: as new replicas pass their soak)."""
+    rollout = dep.rollout
+    assert rollout is not None
+    if rollout.policy is not None:
+        new = sum(s.passed for s in rollout.soaks)
+    else:
+        new = sum(1 for r in dep.placed if (r.model or dep.model) == rollout.to)
     return round(0.5 + 0.49 * min(1.0, new / max(1, dep.replicas)), 3)

@@ -1,0 +1,120 @@
+"""`nexa deployments change` and `nexa deployments rollout status|pause|resume|undo`: a new runtime
+or settings rolled out under watch, and an operator's hand on the rollout (operator)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Final
+
+from nexa.cli import common
+from nexa.cli.output import print_json, ref
+from nexa.cli.tables import DEPLOYMENT
+from nexa.contracts.deployments import DeploymentView, RolloutPolicy, RolloutStatus
+from nexa.errors import ConfigError
+
+EXIT_OK: Final = 0
+
+
+def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> None:
+    """The verbs under `nexa deployments` this module serves."""
+    s = deployments.add_parser(
+        "change",
+        parents=[common_flags],
+        help="roll out a new runtime (image) or settings, one replica at a time under watch",
+    )
+    s.add_argument("name")
+    s.add_argument("--runtime", help="another registered runtime (a new image)")
+    s.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a runtime setting to change (repeat; VALUE read as JSON, else text); the others stay",
+    )
+    s.add_argument(
+        "--soak-s", type=float, help="seconds each new replica is watched before the next (default: as set, else 30)"
+    )
+    s.add_argument(
+        "--min-requests", type=int, help="fewer requests than this decide nothing (default: as set, else 20)"
+    )
+    s.set_defaults(handler=_change)
+    rollout = deployments.add_parser(
+        "rollout", help="the rollout in progress: status, pause, resume, undo"
+    ).add_subparsers(metavar="VERB", required=True)
+    for verb, text in (
+        ("status", "the rollout in progress and its steps"),
+        ("pause", "replace no further replica until resumed (watching goes on)"),
+        ("resume", "go on with a paused rollout"),
+        ("undo", "stop the rollout and return its changed replicas to the last good spec"),
+    ):
+        s = rollout.add_parser(verb, parents=[common_flags], help=text)
+        s.add_argument("name")
+        s.set_defaults(handler=_rollout, verb=verb)
+
+
+def _change(args: argparse.Namespace) -> int:
+    from nexa.cli.deployments import _settings  # here: that module imports this one
+
+    body: dict[str, Any] = {}
+    if args.runtime:
+        body["runtime"] = args.runtime
+    with common.client(args) as c:
+        dep = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment
+        if args.soak_s is not None or args.min_requests is not None:
+            policy = dep.rollout_policy or RolloutPolicy()
+            body["rollout_policy"] = {
+                "soak_s": policy.soak_s if args.soak_s is None else args.soak_s,
+                "min_requests": policy.min_requests if args.min_requests is None else args.min_requests,
+            }
+        if args.settings:
+            options = dep.options
+            body["options"] = {
+                "port": options.port,
+                "command": options.command,
+                "env": options.env,
+                "health_command": options.health_command,
+                "settings": {**options.settings, **_settings(args.settings)},
+                "extra_args": options.extra_args,
+            }
+        if not body:
+            raise ConfigError("nothing to change: give --runtime, --set NAME=VALUE, --soak-s or --min-requests")
+        out = c.post(f"/api/v1/deployments/{args.name}/change", DeploymentView, body=body)
+    DEPLOYMENT.emit(args, out, [out])
+    if not args.json and out.deployment.rollout is not None:
+        print(f"rolling out under watch: nexa deployments rollout status {args.name}")
+    return EXIT_OK
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    path = f"/api/v1/deployments/{args.name}/rollout"
+    with common.client(args) as c:
+        verb = args.verb
+        out = c.get(path, RolloutStatus) if verb == "status" else c.post(f"{path}/{verb}", RolloutStatus)
+    if args.json:
+        print_json(out)
+        return EXIT_OK
+    print_status(out)
+    return EXIT_OK
+
+
+def print_status(status: RolloutStatus) -> None:
+    """A rollout's state, its watch and its steps, for people."""
+    r = status.rollout
+    if r is None:
+        held = f"; {ref(status.held_model)} is held (a rollout to it was reverted)" if status.held_model else ""
+        print(f"deployment {status.deployment}: no rollout in progress (runtime {status.runtime}){held}")
+        return
+    state = "paused" if r.paused else "rolling"
+    print(
+        f"deployment {status.deployment}: {state} ({r.reason}) {ref(r.from_)} -> {ref(r.to)}, "
+        f"runtime {status.runtime}: {status.new} new, {status.old} old replica(s) left"
+    )
+    if r.policy is not None:
+        print(f"watch    each new replica soaks {r.policy.soak_s:g} s, from {r.policy.min_requests} requests")
+    for soak in r.soaks:
+        print(f"soak     {soak.replica_id} on {', '.join(soak.node_ids)}: {'passed' if soak.passed else 'soaking'}")
+    for step in r.steps:
+        at = time.strftime("%H:%M:%S", time.gmtime(step.at))
+        print(f"{at}Z {step.what:<9} {step.detail}")

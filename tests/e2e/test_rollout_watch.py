@@ -1,0 +1,224 @@
+"""Every change rolled out under watch, end to end: four real `nexa node` agents running `sim`
+runtimes, with no spare room (each node fits one replica), clients sending steadily through the
+official `openai` SDK the whole time.
+
+A new runtime image that works rolls through replica by replica: each new replica soaks (a
+short `soak_s` here) before the next old one is stopped. A bad image (its runtime fails every
+request before any output, by the sim runtime's faults file, `images`) is reverted after its
+first replica: the revert is audited with the figures, counted, and its rollout job failed.
+
+"No request failed that had not started" is exact here: the bad runtime answers every request
+with an error before its first byte, so every attempt it gets is retried on another replica by
+the gateway (before any output, `nexa.control.datapath.gateway`); a request may fail only once
+output of it reached the client. None does, so every request the clients sent is answered.
+
+Then the operator's hand through the CLI: pause, status, resume, undo, and the typed refusals
+(pausing twice, resuming a running rollout, undoing where none runs, a change that changes nothing).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.realparts import BuiltImages, S3Store
+from tests.support.api import assert_envelope, ok
+from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, free_runtime_port, node_host, sdk, sim_cluster
+from tests.support.cluster import wait_until as _wait_until
+from tests.support.console import csrf, sign_in
+from tests.support.models import registry_config
+from tests.support.oci import push_index
+from tests.support.rollout import audit
+
+pytestmark = pytest.mark.slow
+
+Json = dict[str, Any]
+#: Two images of one runtime: the platforms differ, so the digests do (never pulled: sim nodes).
+GOOD_PLATFORMS = [{"os": "linux", "architecture": "amd64"}, {"os": "linux", "architecture": "arm64"}]
+BAD_PLATFORMS = [*GOOD_PLATFORMS, {"os": "linux", "architecture": "s390x"}]
+POLICY = {"soak_s": 2.0, "min_requests": 5}
+CLIENTS = 4
+TIMEOUT_S = 120
+
+
+async def wait_until(what: str, check: Any) -> Any:
+    with trio.fail_after(TIMEOUT_S):
+        return await _wait_until(what, check)
+
+
+async def register(cluster: SimCluster, name: str, image: str) -> None:
+    async with cluster.client() as http:
+        body = {"name": name, "kind": "sim", "version": name, "image": image}
+        await ok(http.post("/api/v1/runtimes", json=body), 201)
+
+
+async def deploy_full(cluster: SimCluster) -> None:
+    """Four replicas of alias `chat`, each reserving more than half a node's memory: no spare room."""
+    async with cluster.client() as http:
+        nodes = (await ok(http.get("/api/v1/nodes")))["nodes"]
+        total = min(n["inventory"]["memory_total_bytes"] for n in nodes)
+        port = free_runtime_port([node_host(i) for i in range(1, len(cluster.nodes) + 1)])
+        body = {
+            "name": "chat-a",
+            "runtime": "sim",
+            "alias": "chat",
+            "replicas": 4,
+            "resources": {"accelerators": 0, "memory_bytes": int(total * 0.55), "cpus": 0.5},
+            "options": {"port": port, "command": SIM_ARGS},
+            "rollout_policy": POLICY,
+        }
+        await ok(http.post("/api/v1/deployments", json=body), 201)
+        surge = {**body, "name": "probe", "replicas": 1}
+        placed = await ok(http.post("/api/v1/capacity/forecast", json=surge))
+        assert placed["feasible"] is False  # not one more replica fits anywhere
+    await cluster.wait_ready("chat-a", 4)
+
+
+async def view(cluster: SimCluster) -> Json:
+    async with cluster.client() as http:
+        return await ok(http.get("/api/v1/deployments/chat-a"))
+
+
+async def rolled_to(cluster: SimCluster, runtime: str) -> bool:
+    """The rollout ended with every replica of the spec `runtime` names, each Ready."""
+    v = await view(cluster)
+    dep = v["deployment"]
+    return dep["rollout"] is None and dep["runtime"] == runtime and v["ready"] == 4
+
+
+def send_steadily(cluster: SimCluster, stop: trio.Event, outcomes: list[str]) -> None:
+    """Chat completions one after another until `stop`: `ok`, or the error's class and message."""
+    client = sdk(cluster)
+    i = 0
+    while not stop.is_set():
+        i += 1
+        messages = [{"role": "user", "content": f"question {i}: {MESSAGES[0]['content']}"}]
+        try:
+            answer = client.chat.completions.create(model="chat", messages=messages)  # type: ignore[arg-type]
+            outcomes.append("ok" if answer.choices[0].message.content else "empty")
+        except Exception as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+
+
+async def change(cluster: SimCluster, runtime: str) -> None:
+    async with cluster.client() as http:
+        await ok(http.post("/api/v1/deployments/chat-a/change", json={"runtime": runtime}))
+
+
+async def test_a_new_image_rolls_replica_by_replica_and_a_bad_one_is_reverted_after_its_first(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    cfg = registry_config(tmp_path, s3_store)
+    async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=4) as cluster:
+        host = test_images.busybox.partition("/")[0]
+        good = await trio.to_thread.run_sync(push_index, host, "nexa-test/rollout-good", GOOD_PLATFORMS)
+        bad = await trio.to_thread.run_sync(push_index, host, "nexa-test/rollout-bad", BAD_PLATFORMS)
+        await register(cluster, "sim-good", good)
+        await register(cluster, "sim-bad", bad)
+        for node in cluster.nodes:
+            node.set_faults(images={bad.partition("@")[2]: {"fail": "before", "status": 500}})
+        await deploy_full(cluster)
+
+        stop = trio.Event()
+        outcomes: list[list[str]] = [[] for _ in range(CLIENTS)]
+        async with trio.open_nursery() as clients:
+            for mine in outcomes:
+                clients.start_soon(trio.to_thread.run_sync, send_steadily, cluster, stop, mine)
+            try:
+                # The good image: one replica at a time, each soaking before the next is replaced.
+                await change(cluster, "sim-good")
+                await wait_until("the good image on every replica", lambda: rolled_to(cluster, "sim-good"))
+                async with cluster.client() as http:
+                    steps = await audit(http, "deployment.rollout.step")
+                    watched = await audit(http, "deployment.rollout.watch")
+                started = [e for e in steps if "started" in e["detail"]]
+                assert len(started) == 4, [e["detail"] for e in steps]
+                assert all("stopped" in e["detail"] for e in started)  # no room: stop one, start its replacement
+                passed = [e for e in watched if " passed: " in e["detail"]]
+                assert len(passed) == 4, [e["detail"] for e in watched]
+                # Each replacement after the first waited for the one before it to pass its soak.
+                for before, after in itertools.pairwise(started):
+                    assert any(before["seq"] < p["seq"] < after["seq"] for p in passed)
+
+                # The bad image: its first replica breaks the error-rate objective and is reverted.
+                await change(cluster, "sim-bad")
+                async with cluster.client() as http:
+
+                    async def reverted() -> list[Json]:
+                        return await audit(http, "deployment.rollout.revert")
+
+                    [revert] = await wait_until("the bad image reverted", reverted)
+                    assert "broke the objectives (error rate" in revert["detail"]
+                    assert "back to runtime sim-good" in revert["detail"]
+                    assert revert["actor_key_id"] is None  # the controller itself
+                await wait_until("the good image back everywhere", lambda: rolled_to(cluster, "sim-good"))
+                # Started more attempts meanwhile: the clients kept sending through the revert.
+                await trio.sleep(0.5)
+            finally:
+                stop.set()
+        async with cluster.client() as http:
+            bad_steps = [e for e in await audit(http, "deployment.rollout.step") if e["seq"] > started[-1]["seq"]]
+            bad_started = [e for e in bad_steps if e["seq"] < revert["seq"] and "started" in e["detail"]]
+            assert len(bad_started) == 1, [e["detail"] for e in bad_steps]
+            metrics = (await http.get("/metrics")).text
+            assert 'nexa_rollout_reverts_total{deployment="chat-a"} 1.0' in metrics
+            jobs = (await ok(http.get("/api/v1/jobs", params={"kind": "rollout"})))["jobs"]
+            assert any(j["state"] == "failed" and "reverted" in j["summary"] for j in jobs), jobs
+            status = await ok(http.get("/api/v1/deployments/chat-a/rollout"))
+            assert status["rollout"] is None and status["runtime"] == "sim-good"
+        every = [o for mine in outcomes for o in mine]
+        assert len(every) > 50 and all(mine for mine in outcomes)
+        assert [o for o in every if o != "ok"] == []
+
+        # The operator's hand, through the CLI; a long soak keeps the rollout going meanwhile.
+        changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim", "--soak-s", "600")
+        assert changed.returncode == 0, changed.stderr
+        assert "rolling out under watch" in changed.stdout
+        async with cluster.client() as http:
+            other = {"runtime": "sim-good", "rollout_policy": {"soak_s": 1, "min_requests": 5}}
+            refused = await http.post("/api/v1/deployments/chat-a/change", json=other)
+            assert_envelope(refused, 409, "rollout_in_progress")
+        paused = await cluster.cli("deployments", "rollout", "pause", "chat-a")
+        assert paused.returncode == 0, paused.stderr
+        assert "paused (change)" in paused.stdout
+        again = await cluster.cli("deployments", "rollout", "pause", "chat-a")
+        assert again.returncode != 0 and "paused already" in again.stderr
+        shown = await cluster.cli("deployments", "rollout", "status", "chat-a")
+        assert shown.returncode == 0 and "each new replica soaks 600 s" in shown.stdout and " paused " in shown.stdout
+        # The console's deployment page shows it, and resumes it behind its confirmation page.
+        async with httpx.AsyncClient(base_url=cluster.controller.url, timeout=10) as browser:
+            assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+            page = (await browser.get("/console/deployments/chat-a")).text
+            assert "Paused (change)" in page and 'id="rollout-steps"' in page and ">paused<" in page
+            assert "/console/deployments/chat-a/rollout_resume" in page
+            confirm = await browser.get("/console/deployments/chat-a/rollout_resume")
+            assert confirm.status_code == 200 and "goes on" in confirm.text
+            form = {"csrf_token": csrf(confirm.text), "confirm": "deployment chat-a"}
+            acted = await browser.post("/console/deployments/chat-a/rollout_resume", data=form)
+            assert acted.status_code in (200, 303), acted.text
+        status = await cluster.cli("deployments", "rollout", "status", "chat-a")
+        assert status.returncode == 0 and "rolling (change)" in status.stdout and "resumed" in status.stdout
+        repaused = await cluster.cli("deployments", "rollout", "pause", "chat-a")
+        assert repaused.returncode == 0, repaused.stderr
+        resumed = await cluster.cli("deployments", "rollout", "resume", "chat-a")
+        assert resumed.returncode == 0 and "rolling (change)" in resumed.stdout
+        twice = await cluster.cli("deployments", "rollout", "resume", "chat-a")
+        assert twice.returncode != 0 and "is not paused" in twice.stderr
+        undone = await cluster.cli("deployments", "rollout", "undo", "chat-a")
+        assert undone.returncode == 0, undone.stderr
+        assert "(undo)" in undone.stdout and "runtime sim-good" in undone.stdout
+        await wait_until("the undo to end", lambda: rolled_to(cluster, "sim-good"))
+        none = await cluster.cli("deployments", "rollout", "undo", "chat-a")
+        assert none.returncode != 0 and "no rollout in progress" in none.stderr
+        async with cluster.client() as http:
+            assert_envelope(await http.post("/api/v1/deployments/chat-a/rollout/pause"), 409, "no_rollout")
+            nothing = await http.post("/api/v1/deployments/chat-a/change", json={"runtime": "sim-good"})
+            assert_envelope(nothing, 400, "invalid_request")
+            [undo] = await audit(http, "deployment.rollout.undo")
+            assert undo["actor_key_id"]
+            assert len(await audit(http, "deployment.rollout.revert")) == 1  # nothing more was reverted
