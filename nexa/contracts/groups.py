@@ -119,3 +119,25 @@ class GroupRole:
     def others(self) -> list[GroupMember]:
         """Every member but this rank, in rank order."""
         return [m for m in self.members if m.rank != self.rank]
+
+
+@attrs.frozen(kw_only=True)
+class GroupRunRecord:
+    """What the store keeps of a group replica's run (`control.deployments.grouprun`), written by the
+    leader with the node sets it changes, so that a controller taking over continues it: its phase,
+    its members' fabric endpoints, its failures in a row (the next backoff) and its restarts."""
+
+    replica_id: str = attrs.field(validator=_id)
+    #: Its deployment's name.
+    deployment: str = attrs.field(validator=_id)
+    #: A `grouprun.GroupPhase` value.
+    phase: str
+    detail: str = ""
+    #: Every member's address and port, by rank (empty while pending).
+    members: list[GroupMember] = attrs.Factory(list)
+    #: Failures in a row since it was last Ready (the next restart waits 2**failures backoff steps).
+    failures: int = 0
+    #: Every restart of the group since it was first started.
+    restarts: int = 0
+    #: While restarting: when it is sent again (Unix time, seconds); 0 otherwise.
+    restart_at: float = 0.0
