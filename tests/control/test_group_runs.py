@@ -46,6 +46,8 @@ class _Live:
     statuses: list[AssignmentStatus] = attrs.Factory(list)
     inventory: None = None
     reported_generation: int = 1
+    #: When this controller last heard it (None: not since it started).
+    last_seen: float | None = 0.0
 
 
 class _Fleet:
@@ -264,6 +266,11 @@ def test_a_ready_group_stays_ready_and_serving_when_another_controller_takes_the
     assert run.members == old.get(r).members  # type: ignore[union-attr]
     assert runs.unsaved(dep) is None  # the store holds what it runs
     assert runs.step(dep, 60.0)[0] == [] and run.phase is GroupPhase.READY
+    # A member's node this controller has not heard yet (it just took the lead) is not lost: the
+    # group waits for it (the reconciler places it again if it never comes).
+    f.lives["b"].state, f.lives["b"].last_seen = NodeState.UNREACHABLE, None
+    assert runs.step(dep, 60.5)[0] == [] and run.phase is GroupPhase.READY
+    f.lives["b"].state, f.lives["b"].last_seen = NodeState.READY, 60.6
     # A member failing after the takeover restarts the group as usual.
     report(f, "b", "big-1-rank1", RuntimeState.FAILED)
     assert runs.step(dep, 61.0)[0] == ["group big-1: rank 1 (big-1-rank1) is Failed; every member withdrawn"]

@@ -423,6 +423,12 @@ class GroupRuns:
         except NotFound:
             return None
 
+    def _heard(self, node_id: str) -> bool:
+        """Whether this controller has heard the node since it started: one that has not yet (it
+        just started or took the lead, the node has not reached it) is not lost for its group
+        (the reconciler places the group again if the node never comes, `Reconciler._gone_at`)."""
+        return self._fleet.get(node_id).last_seen is not None
+
     def _caught_up(self, node_id: str) -> bool:
         live = self._fleet.get(node_id)
         return live.reported_generation >= live.desired.generation
@@ -450,7 +456,7 @@ class GroupRuns:
         """Why the group must stop now, or None."""
         for m in r.members:
             state = self._node_state(m.node_id)
-            if state is None or state in _LOST:
+            if state is None or state is NodeState.REVOKED or (state in _LOST and self._heard(m.node_id)):
                 return f"rank {m.rank}'s node {m.node_id} is {state or 'gone'}"
         states = self._states(r)
         for rank in run.released():
