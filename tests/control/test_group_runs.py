@@ -14,8 +14,10 @@ import pytest
 
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, ReplicaMember, Resources, RuntimeOptions
 from nexa.contracts.domain import NodeState
+from nexa.contracts.fabric import Fabric, FabricInterface
 from nexa.contracts.groups import FabricAccess, GroupRunRecord
 from nexa.contracts.models import ModelRef
+from nexa.contracts.node import NodeInventory
 from nexa.contracts.wire import Assignment, AssignmentStatus, DesiredAssignments, RuntimeState
 from nexa.control.deployments.grouprun import (
     GROUP_BACKOFF_S,
@@ -26,7 +28,7 @@ from nexa.control.deployments.grouprun import (
 )
 from nexa.errors import NotFound
 from nexa.telemetry import Metrics
-from tests.conftest import sample_runtime
+from tests.conftest import gb10_inventory, sample_runtime
 
 PORT = 18000
 
@@ -44,7 +46,7 @@ class _Live:
     desired: DesiredAssignments
     state: NodeState = NodeState.READY
     statuses: list[AssignmentStatus] = attrs.Factory(list)
-    inventory: None = None
+    inventory: NodeInventory | None = None
     reported_generation: int = 1
     #: When this controller last heard it (None: not since it started).
     last_seen: float | None = 0.0
@@ -320,3 +322,22 @@ def test_a_restarting_group_waits_out_its_backoff_across_a_takeover_and_stale_ru
     # A controller that stops leading runs no group; taking the lead again, it reads the store anew.
     old.stand_down()
     assert old.get(dep.placed[0]) is None and old.serving(dep.placed[0])
+
+
+def test_a_member_discovered_on_its_fabric_interface_names_it_for_nccl_and_gloo() -> None:
+    f, dep = fleet(address_b=False), deployment()
+    discovered = Fabric(
+        interfaces=[
+            FabricInterface(name="enP2p1s0f0np0", addresses=["fd10::2/64"]),
+            FabricInterface(name="enp1s0f0np0", addresses=["10.0.0.2/24"]),
+        ],
+        address="10.0.0.2",
+    )
+    f.lives["b"].inventory = attrs.evolve(gb10_inventory("b"), fabric=discovered)
+    runs = GroupRuns(f)  # type: ignore[arg-type]
+    runs.ensure(dep, command_given=False)
+    run = runs.get(dep.placed[0])
+    assert run is not None
+    # Node a's address is its fabric-address label's: no interface known, none named.
+    assert [(m.address, m.interface) for m in run.members] == [("10.0.0.1", ""), ("10.0.0.2", "enp1s0f0np0")]
+    assert run.role(1, "big-1", FabricAccess.RDMA).me.interface == "enp1s0f0np0"

@@ -5,9 +5,10 @@ each on its member's node: the head (rank 0) under the replica's own id (what th
 to and `Desired.ready` reads), every other rank under `member_id` (never routed to). Each carries
 `RuntimeSpec.group` (`contracts.groups.GroupRole`): every member's fabric address and port.
 
-Addresses: a member's node's discovered fabric address (`inventory.fabric.address`); for a node
-whose fabric is only the admin's `fabric` label, its `fabric-address` label (`FABRIC_ADDRESS_LABEL`,
-an IPv4 address: label values take no colons). Without either the group cannot start: it stays
+Addresses: a member's node's discovered fabric address (`inventory.fabric.address`), with the
+interface it sits on (`fabric_interface`: what NCCL and Gloo are pointed at); for a node whose
+fabric is only the admin's `fabric` label, its `fabric-address` label (`FABRIC_ADDRESS_LABEL`, an
+IPv4 address: label values take no colons), with no interface. Without either the group cannot start: it stays
 `pending`, saying which node lacks one. Ports: each member's from the deployment's `options.port`
 plus `GROUP_PORT_OFFSET`, the first one its node uses for nothing else (no other assignment's
 port nor group port there, nor another group's being started), chosen once when the group is
@@ -165,6 +166,20 @@ def fabric_address(live: NodeLive) -> str | None:
         return str(ipaddress.ip_address(labelled))
     except ValueError:
         return None
+
+
+def fabric_interface(live: NodeLive, address: str) -> str:
+    """The interface of `live`'s discovered fabric that holds `address` ("" when none does)."""
+    fabric = live.inventory.fabric if live.inventory is not None else None
+    if fabric is None:
+        return ""
+    wanted = ipaddress.ip_address(address)
+    for interface in fabric.interfaces:
+        for cidr in interface.addresses:
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_interface(cidr).ip == wanted:
+                    return interface.name
+    return ""
 
 
 def ports_in_use(assignments: Iterable[Assignment]) -> set[int]:
@@ -373,7 +388,8 @@ class GroupRuns:
             port = dep.options.port + GROUP_PORT_OFFSET
             while port in used:
                 port += 1
-            members.append(GroupMember(rank=m.rank, node_id=m.node_id, address=address, port=port))
+            interface = fabric_interface(live, address)
+            members.append(GroupMember(rank=m.rank, node_id=m.node_id, address=address, port=port, interface=interface))
         return GroupRun(phase=GroupPhase.STARTING, members=members)
 
     def step(self, dep: Deployment, now: float) -> tuple[list[str], float]:
