@@ -23,9 +23,10 @@ the fabric. What each runtime takes, and from where:
   fabric address (`SGLANG_HOST_IP_ENV`).
 * vLLM and SGLang (torch.distributed underneath): when the node discovered the interface its fabric
   address sits on (`GroupMember.interface`), `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` name it
-  (`fabric_env`), so Gloo's and NCCL's listeners are on the fabric address too. What no option
-  narrows: torch's rendezvous store (the head's `--master-port`, `--dist-init-addr` port) and Ray's
-  own servers listen on every address of the node.
+  (`fabric_env`), so Gloo's and NCCL's listeners are on the fabric address too. Ray binds its
+  gRPC servers on `--node-ip-address` (and loopback) from ray-project/ray#55484 and #59852 on. What
+  no option narrows: torch's rendezvous store (the head's `--master-port`, `--dist-init-addr` port)
+  listens on every address of the node.
 * llama.cpp: the others run the RPC server (tools/rpc/README.md) bound to their fabric address
   only (`-H address -p port`: never 0.0.0.0 nor a management address; it has no authentication of
   its own), the head runs `llama-server … --rpc host1:port1,host2:port2` over all of them.
