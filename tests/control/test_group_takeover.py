@@ -85,6 +85,8 @@ async def test_a_new_leader_keeps_a_ready_group_serving_and_restarts_a_half_star
         await wait_for(serving)
         assert (await groups(first, "half"))[0][0]["state"] == "starting"
         generations = {n: (await node_view(first, n))["desired_generation"] for n in NODES}
+        # Becoming Ready changed no node set; it was written to the store (and audited) all the same.
+        assert ("deployment/ready", f"group {ready_id} ready") in await group_events(first)
         first.stopping.set()
 
     # The new leader: the next epoch, the same store.

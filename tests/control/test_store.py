@@ -343,7 +343,7 @@ async def test_group_runs_are_written_with_their_deployment_survive_a_reopen_and
         await store.run(st.save_deployment, dep.name, dep, None, [], draft("deployment.scale"))
         assert await store.run(st.load_group_runs) == [ready]
         restarting = attrs.evolve(ready, phase="restarting", failures=1, restarts=3, restart_at=1234.5)
-        await store.run(st.save_group_runs, dep.name, [restarting])
+        await store.run(st.save_group_runs, dep.name, [restarting], draft("deployment.group"))
     async with st.open_store(tmp_path, store_cfg) as store:
         assert await store.run(st.load_group_runs) == [restarting]
         await store.run(st.save_deployment, dep.name, None, None, [], draft("deployment.delete"))

@@ -19,7 +19,7 @@ import trio
 
 from nexa.config import PlacementConfig
 from nexa.contracts.deployments import Deployment, DeploymentCreate, DeploymentMemory, Replica, ReplicaMeasured
-from nexa.contracts.domain import Actor, NodeState
+from nexa.contracts.domain import SYSTEM, Actor, NodeState
 from nexa.contracts.groups import GroupRunRecord
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementNode, PlacementRequest
@@ -105,6 +105,9 @@ class Desired:
         change made here is undone by an older read; an unchanged deployment keeps its entry (and
         the reconciler's `problem`). The gateway's serving sets are made again after a change."""
         async with self.lock:
+            if not self._leadership.is_leader:
+                # What the leader runs, for this controller's views (`GroupRuns.follow`).
+                self.groups.follow(await self._store.read(st.load_group_runs))
             stored: dict[str, Entry] = {}
             for record, decision in await self._store.read(st.load_deployments):
                 dep, current = stamped(record), self.entries.get(record.name)
@@ -321,9 +324,12 @@ class Desired:
         log.info("%s %s: %s", action, name, detail)
         await self._tell(action, before, after)
 
-    async def save_groups(self, name: str, records: list[GroupRunRecord]) -> None:
-        """Write deployment `name`'s group runs alone (a phase moved, no node set: `grouprun`)."""
-        await self._leadership.write(st.save_group_runs, name, records)
+    async def save_groups(self, name: str, records: list[GroupRunRecord], *, detail: str) -> None:
+        """Write deployment `name`'s group runs alone (a phase moved, no node set: `grouprun`),
+        audited as `deployment.group` by the system."""
+        draft = audit_draft(SYSTEM, "deployment.group", f"deployment/{name}", None, None, detail=detail[:_DETAIL_MAX])
+        event = await self._leadership.write(st.save_group_runs, name, records, draft)
+        self._metrics.audit_events.labels(event.result.value).inc()
         self.groups.saved(name, records)
 
     async def resume_groups(self) -> None:

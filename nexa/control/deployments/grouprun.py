@@ -221,6 +221,19 @@ class GroupRuns:
         self._resume = {rec.replica_id: rec for rec in records}
         self._saved = dict(self._resume)
 
+    def follow(self, records: Iterable[GroupRunRecord]) -> None:
+        """A controller that does not lead shows the leader's runs as the store holds them (`shown`)."""
+        self._saved = {rec.replica_id: rec for rec in records}
+
+    def shown(self, replica: Replica) -> tuple[str, str] | None:
+        """(state, detail) of a group replica's run: this controller's own while it leads, else the
+        leader's as last read from the store; None when neither knows it."""
+        run = self.runs.get(replica.id)
+        if run is not None:
+            return str(run.phase), run.detail
+        record = self._saved.get(replica.id)
+        return (record.phase, record.detail) if record is not None else None
+
     def stand_down(self) -> None:
         """This controller stops leading: it runs no group (the leader's records are the truth)."""
         self.forget(set())

@@ -197,7 +197,9 @@ class Reconciler:
             detail = "; ".join([*fresh, *changed])
             await self._desired.commit(SYSTEM, "deployment.group", entry, entry, detail=detail)
         elif (records := runs.unsaved(dep)) is not None:
-            await self._desired.save_groups(name, records)  # a phase moved (Ready): kept for a takeover
+            # A phase moved without a node set (the group became Ready): kept for a takeover.
+            detail = "; ".join(f"group {rec.replica_id} {rec.phase}" for rec in records)
+            await self._desired.save_groups(name, records, detail=detail)
         if runs.active(dep):
             next_at = min(next_at, now + _GROUP_CHECK_S)
         return next_at

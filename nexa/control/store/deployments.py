@@ -66,11 +66,13 @@ def load_deployments(db: Db) -> list[tuple[Deployment, PlacementDecision | None]
     ]
 
 
-def save_group_runs(db: Db, name: str, groups: list[GroupRunRecord]) -> None:
+def save_group_runs(db: Db, name: str, groups: list[GroupRunRecord], draft: AuditDraft) -> AuditEvent:
     """Replace deployment `name`'s group runs with `groups` (a run's phase moved without changing
-    any node set: the group became Ready). Fenced by `Leadership.write` like every leader write."""
+    any node set: the group became Ready), audited (the other controllers' change feeds re-read
+    them). Fenced by `Leadership.write` like every leader write."""
     with txn(db):
         _replace_group_runs(db, name, groups)
+        return append_audit(db, draft)
 
 
 def _replace_group_runs(db: Db, name: str, groups: list[GroupRunRecord]) -> None:
