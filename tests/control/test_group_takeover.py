@@ -1,9 +1,10 @@
 """A group replica across a change of leader (`grouprun`: the leader keeps each group's run in the
-store, and a controller that takes the lead continues it). The controller here is the only one on
+store, and a controller that takes the lead continues it). First the controller is the only one on
 its embedded store, stopped and started again on the same state dir and channel port: the new
 process takes the next epoch and reads the store as a controller taking over a shared one does
-(`Deployments.run` resumes the runs when it starts leading). The nodes are RawNodes heartbeating
-real GB10 inventories over the real CurveZMQ channel, which redial the new process by themselves.
+(`Deployments.run` resumes the runs when it starts leading). Then two controllers on one
+PostgreSQL database: the leader stops, the follower takes the lease and the nodes dial it. The
+nodes are RawNodes heartbeating real GB10 inventories over the real CurveZMQ channel.
 
 Asserted: a group that was Ready stays Ready and routable (its members are never withdrawn: its
 nodes' sets keep their generation), and a group caught half started (its worker sent, its head
@@ -12,6 +13,7 @@ not) is restarted whole: its worker withdrawn, then sent again after the backoff
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +21,14 @@ import attrs
 import trio
 
 from nexa.config import ChannelConfig
+from nexa.control.service import KEYS_DIR
 from tests.conftest import Controller, free_channel_port, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import node_view, ok, wait_for
 from tests.support.deployments import body, online, registry_ready, set_where
+from tests.support.follow import cluster_config, until_leads
 from tests.support.models import registry_config
+from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401
 
 GIB = 2**30
 #: More than one GB10's pool holds, and more than half of it: one group per pair of nodes.
@@ -116,3 +121,65 @@ async def test_a_new_leader_keeps_a_ready_group_serving_and_restarts_a_half_star
         t == "deployment/half" and f"group {half_id}: caught starting at a change of leader" in d for t, d in events
     )
     second.stopping.set()
+
+
+async def test_a_follower_that_takes_the_lease_keeps_a_ready_group_ready_on_postgresql(
+    dial: Any, nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages, pg_url: str
+) -> None:
+    def config(name: str) -> Any:
+        clustered = cluster_config(tmp_path, name, pg_url)
+        (tmp_path / name).mkdir(exist_ok=True)
+        registry = registry_config(tmp_path / name, s3_store)
+        channel = ChannelConfig(listen=f"tcp://127.0.0.1:{free_channel_port()}")
+        return attrs.evolve(clustered, oci=registry.oci, artifacts=registry.artifacts, channel=channel)
+
+    a_cfg, b_cfg = config("a"), config("b")
+    async with trio.open_nursery() as a_run:
+        leader = await start_controller(a_run, a_cfg)
+        # Every controller on a store shares the controller keys (copied, as an operator does).
+        shutil.copytree(leader.state_dir / KEYS_DIR, tmp_path / "b" / "state" / KEYS_DIR)
+        follower = await start_controller(nursery, b_cfg, admin_key=leader.admin_key)
+        nodes = {}
+        for i, name in enumerate(("n1", "n2"), start=1):
+            labels = f"fabric=ib0,fabric-address=10.0.0.{i}"
+            nodes[name] = (await online(leader, dial, nursery, name, labels=labels)).node
+            nodes[name].report_generation = True
+        async with leader.client() as http:
+            await registry_ready(http, s3_store, test_images)
+            b = body(name="ready", nodes_per_replica=2, resources={"accelerators": 1, "memory_bytes": BIG})
+            b["options"] = {"port": 18100}
+            await ok(http.post("/api/v1/deployments", json=b), 201)
+        [group] = (await groups(leader, "ready"))[0]
+        rid = group["replica_id"]
+        await set_where(nodes["n2"], lambda s: held(s, "ready") == [f"{rid}-rank1"])
+        nodes["n2"].ready.add(f"{rid}-rank1")
+        await set_where(nodes["n1"], lambda s: held(s, "ready") == [rid])
+        nodes["n1"].ready.add(rid)
+
+        async def ready_on(c: Controller) -> bool:
+            got, routable = await groups(c, "ready")
+            return bool(got[0]["state"] == "ready" and routable == 1)
+
+        await wait_for(lambda: ready_on(leader))
+        # The follower shows the group as the leader wrote its run (it runs none itself).
+        await wait_for(lambda: _state(follower, "ready"))
+        generations = {n: (await node_view(leader, n))["desired_generation"] for n in nodes}
+        leader.stopping.set()  # a clean stop releases the lease: the follower takes it
+
+    async with follower.client() as http:
+        await until_leads(http)
+    # The nodes dial the new leader (an agent keeps a channel to every controller).
+    for node in nodes.values():
+        node.enrolled = attrs.evolve(node.enrolled, channel_endpoint=b_cfg.channel.listen)
+        await dial(node)
+    await wait_for(lambda: ready_on(follower))
+    for name in nodes:
+        assert (await node_view(follower, name))["desired_generation"] == generations[name]
+    events = await group_events(follower)
+    assert [d for _, d in events if "withdrawn" in d] == []
+    follower.stopping.set()
+
+
+async def _state(c: Controller, want: str) -> bool:
+    got, _ = await groups(c, "ready")
+    return bool(got and got[0]["state"] == want)
