@@ -108,13 +108,42 @@ def test_sglang_ranks_join_the_heads_dist_init_address() -> None:
     dist = ["--nnodes", "2", "--node-rank"]
     head = launch(SGLANG, 0, SGLANG_PORT, settings)
     assert head.command == [*serve, *dist, "0", "--dist-init-addr", f"{HEAD}:{SGLANG_PORT}"]
-    assert head.env == SGLANG_ENV and head.health == SGLANG.probe(PORT)
+    # Each rank's SGLANG_HOST_IP (what SGLang binds its cross-node sockets on and advertises) is its fabric address.
+    assert head.env == {**SGLANG_ENV, "SGLANG_HOST_IP": HEAD} and head.health == SGLANG.probe(PORT)
     worker = launch(SGLANG, 1, SGLANG_PORT, settings, extra_args=["--log-level", "debug"])
     assert worker.command == [*serve, *dist, "1", "--dist-init-addr", f"{HEAD}:{SGLANG_PORT}", "--log-level", "debug"]
+    assert worker.env == {**SGLANG_ENV, "SGLANG_HOST_IP": WORKER}
     assert worker.health.command == ["true"]
     # Tensor parallel over the whole group unless told otherwise (SGLang's `--tp 16` over two nodes of 8).
     command = launch(SGLANG, 0, SGLANG_PORT).command
     assert command[command.index("--tp-size") + 1] == "2" and "--pp-size" not in command
+
+
+@pytest.mark.parametrize(
+    ("adapter", "version", "port", "own"),
+    [
+        (VLLM, "0.12.0", VLLM_PORT, {**VLLM_ENV, "VLLM_HOST_IP": WORKER}),
+        (VLLM, "0.11.2", 6379, {**VLLM_ENV, "VLLM_HOST_IP": WORKER, "RAY_USAGE_STATS_ENABLED": "0"}),
+        (SGLANG, "", SGLANG_PORT, {**SGLANG_ENV, "SGLANG_HOST_IP": WORKER}),
+    ],
+)
+def test_nccl_and_gloo_are_pointed_at_the_fabric_interface_its_node_discovered(
+    adapter: Any, version: str, port: int, own: dict[str, str]
+) -> None:
+    # The ConnectX-7 port's interface on a DGX Spark (NVIDIA's playbook names it enp1s0f0np0).
+    members = [
+        GroupMember(rank=r, node_id=f"spark-{r + 1}", address=f"10.10.0.{r + 1}", port=port, interface="enp1s0f0np0")
+        for r in range(2)
+    ]
+    fabric = GroupRole(group="chat-g0", rank=1, members=members, fabric=FabricAccess.RDMA)
+    worker = groups.launch_rank(adapter, "llama-3-70b", {}, GPU, PORT, role=fabric, model_path=MODEL, version=version)
+    # NCCL's `=` matches the name exactly (not as a prefix of enp1s0f0np0v1, say).
+    assert worker.env == {**own, "GLOO_SOCKET_IFNAME": "enp1s0f0np0", "NCCL_SOCKET_IFNAME": "=enp1s0f0np0"}
+    # Without a discovered interface (an address from the fabric-address label) neither is set.
+    assert "NCCL_SOCKET_IFNAME" not in launch(adapter, 1, port, version=version).env
+    # An interface name is checked like the inventory's.
+    with pytest.raises(ValueError, match="interface"):
+        GroupMember(rank=0, node_id="spark-1", address=HEAD, port=port, interface="eth0; rm -rf /")
 
 
 def test_llama_cpp_workers_run_the_rpc_server_on_their_fabric_address_only() -> None:

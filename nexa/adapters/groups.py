@@ -15,10 +15,18 @@ the fabric. What each runtime takes, and from where:
   Ray head (`ray start --head --port`) and then `vllm serve … --distributed-executor-backend ray`,
   the others `ray start --address head:port --block`. The container runs one process, so a fixed
   `sh -c` script runs both on the head; every value reaches it as an argument (`"$1"`), never
-  inside the script. Each rank's `VLLM_HOST_IP` is its fabric address (the docs' "Network security").
+  inside the script. Each rank's `VLLM_HOST_IP` is its fabric address (the docs' "Network security";
+  vllm/utils `get_ip` reads it for the addresses vLLM binds and advertises).
 * SGLang: `--nnodes --node-rank --dist-init-addr head:port` on every rank (docs
   references/multi_node_deployment; python/sglang/srt/server_args.py), `--tp-size`/`--pp-size`
-  over the whole group; ranks other than 0 serve no HTTP.
+  over the whole group; ranks other than 0 serve no HTTP. Each rank's `SGLANG_HOST_IP` is its
+  fabric address (`SGLANG_HOST_IP_ENV`).
+* vLLM and SGLang (torch.distributed underneath): when the node discovered the interface its fabric
+  address sits on (`GroupMember.interface`), `GLOO_SOCKET_IFNAME` and `NCCL_SOCKET_IFNAME` name it
+  (`fabric_env`), so Gloo's and NCCL's listeners are on the fabric address too. Ray binds its
+  gRPC servers on `--node-ip-address` (and loopback) from ray-project/ray#55484 and #59852 on. What
+  no option narrows: torch's rendezvous store (the head's `--master-port`, `--dist-init-addr` port)
+  listens on every address of the node.
 * llama.cpp: the others run the RPC server (tools/rpc/README.md) bound to their fabric address
   only (`-H address -p port`: never 0.0.0.0 nor a management address; it has no authentication of
   its own), the head runs `llama-server … --rpc host1:port1,host2:port2` over all of them.
@@ -63,6 +71,15 @@ RAY_HEAD_SCRIPT: Final = 'ray start --head --node-ip-address="$1" --port="$2" &&
 RAY_WORKER_SCRIPT: Final = 'exec ray start --address="$2" --node-ip-address="$1" --block'
 #: Ray reports usage to its authors unless told not to (Ray's "Usage Stats Collection" page).
 RAY_ENV: Final = {"RAY_USAGE_STATS_ENABLED": "0"}
+#: The interface torch.distributed's Gloo backend binds and uses (PyTorch's "Choosing the network
+#: interface to use"): its pairs listen on that interface's address.
+GLOO_IFNAME_ENV: Final = "GLOO_SOCKET_IFNAME"
+#: The interfaces NCCL uses for its bootstrap and socket transport (NCCL's environment variables
+#: page); a leading `=` matches the name exactly rather than as a prefix.
+NCCL_IFNAME_ENV: Final = "NCCL_SOCKET_IFNAME"
+#: The address SGLang binds its cross-node sockets on and advertises to its peers
+#: (python/sglang/srt/utils/network.py `get_local_ip_auto`: `SGLANG_HOST_IP`, else a guess by route).
+SGLANG_HOST_IP_ENV: Final = "SGLANG_HOST_IP"
 #: Whether a TCP port listens (any address), read from the kernel's socket table: `$1` the port.
 LISTENING_SCRIPT: Final = (
     'p=$(printf %04X "$1") && cat /proc/net/tcp /proc/net/tcp6 2>/dev/null'
@@ -141,7 +158,8 @@ def launch_rank(
         return _vllm(base, role, extra_args, version)
     if adapter.kind is RuntimeKind.SGLANG:
         flags = ["--nnodes", str(role.size), "--node-rank", str(role.rank), "--dist-init-addr", host_port(role.head)]
-        return _rank(base, role, [*base.command, *flags, *extra_args])
+        env = {SGLANG_HOST_IP_ENV: role.me.address, **fabric_env(role)}
+        return _rank(base, role, [*base.command, *flags, *extra_args], env)
     # llama-server (group_problems refused the rest).
     if role.is_head:
         return attrs.evolve(base, command=[*base.command, "--rpc", ",".join(map(host_port, role.others)), *extra_args])
@@ -154,8 +172,17 @@ def launch_rank(
     return attrs.evolve(base, command=command, health=attrs.evolve(base.health, command=listening))
 
 
+def fabric_env(role: GroupRole) -> dict[str, str]:
+    """What points torch.distributed's Gloo and NCCL at this rank's fabric interface (when its node
+    discovered it): their listeners are bound on its address, their traffic goes over it."""
+    interface = role.me.interface
+    if not interface:
+        return {}
+    return {GLOO_IFNAME_ENV: interface, NCCL_IFNAME_ENV: f"={interface}"}
+
+
 def _vllm(base: Launch, role: GroupRole, extra_args: Sequence[str], version: str) -> Launch:
-    env = {"VLLM_HOST_IP": role.me.address}
+    env = {"VLLM_HOST_IP": role.me.address, **fabric_env(role)}
     if version_at_least(version, VLLM_MP_MULTINODE_SINCE):
         flags = ["--nnodes", str(role.size), "--node-rank", str(role.rank)]
         flags += ["--master-addr", role.head.address, "--master-port", str(role.head.port)]

@@ -14,6 +14,8 @@ from typing import Final
 
 import attrs
 
+from nexa.contracts.fabric import name_problem
+
 #: A group has at least two members (one node is a plain replica) and at most this many.
 MIN_GROUP_SIZE: Final = 2
 MAX_GROUP_SIZE: Final = 16
@@ -56,6 +58,11 @@ def _port(_: object, attribute: attrs.Attribute[int], value: int) -> None:
         raise ValueError(f"{attribute.name} must be a port from 1 to 65535")
 
 
+def _interface(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if not isinstance(value, str) or (value and name_problem(value) is not None):
+        raise ValueError(f"{attribute.name}: {name_problem(str(value)) or 'must be a string'}")
+
+
 @attrs.frozen(kw_only=True)
 class GroupMember:
     """One member of a replica group: its rank, its node, and where its peers reach it on the fabric."""
@@ -66,6 +73,9 @@ class GroupMember:
     address: str = attrs.field(validator=_ip_literal)
     #: Its worker or rendezvous port on `address` (the head's: where the others join it).
     port: int = attrs.field(validator=_port)
+    #: The network interface `address` sits on, as its node discovered it ("" when unknown: an
+    #: address from the node's `fabric-address` label); what NCCL and Gloo are told to use.
+    interface: str = attrs.field(default="", validator=_interface)
 
 
 @attrs.frozen(kw_only=True)
@@ -119,3 +129,25 @@ class GroupRole:
     def others(self) -> list[GroupMember]:
         """Every member but this rank, in rank order."""
         return [m for m in self.members if m.rank != self.rank]
+
+
+@attrs.frozen(kw_only=True)
+class GroupRunRecord:
+    """What the store keeps of a group replica's run (`control.deployments.grouprun`), written by the
+    leader with the node sets it changes, so that a controller taking over continues it: its phase,
+    its members' fabric endpoints, its failures in a row (the next backoff) and its restarts."""
+
+    replica_id: str = attrs.field(validator=_id)
+    #: Its deployment's name.
+    deployment: str = attrs.field(validator=_id)
+    #: A `grouprun.GroupPhase` value.
+    phase: str
+    detail: str = ""
+    #: Every member's address and port, by rank (empty while pending).
+    members: list[GroupMember] = attrs.Factory(list)
+    #: Failures in a row since it was last Ready (the next restart waits 2**failures backoff steps).
+    failures: int = 0
+    #: Every restart of the group since it was first started.
+    restarts: int = 0
+    #: While restarting: when it is sent again (Unix time, seconds); 0 otherwise.
+    restart_at: float = 0.0

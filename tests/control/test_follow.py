@@ -27,8 +27,10 @@ from nexa.config import (
 )
 from nexa.contracts import wire
 from nexa.contracts.api import KeyCreate, TenantCreate
+from nexa.contracts.deployments import ReplicaMember
 from nexa.contracts.domain import SYSTEM, NodeAdminState, Role, TenantId
 from nexa.contracts.gateway import QuotaLimits
+from nexa.contracts.groups import GroupMember, GroupRunRecord
 from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.wire import DesiredAssignments
@@ -183,6 +185,30 @@ async def test_models_deployments_and_their_node_sets_follow_the_store(sides: tu
     await a.store.run(st.save_deployment, dep.name, None, None, [], audit_draft(SYSTEM, "deployment.delete", "d"))
     await b.feed.poll()
     assert b.deployments.all() == []
+
+
+async def test_a_follower_shows_each_group_as_the_leader_last_wrote_its_run(sides: tuple[Side, Side]) -> None:
+    a, b = sides
+    node_id, _, _ = await enroll(a.fleet)
+    other, _, _ = await enroll(a.fleet, "n2")
+    dep = placed_deployment(node_id, REF)
+    [replica] = dep.placed
+    members = [ReplicaMember(rank=0, node_id=node_id), ReplicaMember(rank=1, node_id=other)]
+    dep = attrs.evolve(dep, nodes_per_replica=2, placed=[attrs.evolve(replica, members=members)])
+    endpoints = [
+        GroupMember(rank=m.rank, node_id=m.node_id, address=f"10.0.0.{m.rank + 1}", port=19100) for m in members
+    ]
+    starting = GroupRunRecord(replica_id=replica.id, deployment=dep.name, phase="starting", members=endpoints)
+    draft = audit_draft(SYSTEM, "deployment.create", "d")
+    await a.store.run(st.save_deployment, dep.name, dep, None, [], draft, [starting])
+    await b.feed.poll()
+    [group] = b.deployments.show(dep.name).groups
+    assert (group.replica_id, group.state) == (replica.id, "starting")
+    # The leader's group became Ready (a run written alone, audited): the follower shows it.
+    ready = attrs.evolve(starting, phase="ready")
+    await a.store.run(st.save_group_runs, dep.name, [ready], audit_draft(SYSTEM, "deployment.group", "d"))
+    assert "deployments" in await b.feed.poll()
+    assert [g.state for g in b.deployments.show(dep.name).groups] == ["ready"]
 
 
 async def test_quota_limits_and_the_days_tokens_follow_the_store(sides: tuple[Side, Side]) -> None:

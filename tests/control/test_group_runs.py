@@ -14,8 +14,11 @@ import pytest
 
 from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, ReplicaMember, Resources, RuntimeOptions
 from nexa.contracts.domain import NodeState
+from nexa.contracts.fabric import Fabric, FabricInterface
+from nexa.contracts.groups import FabricAccess, GroupRunRecord
 from nexa.contracts.models import ModelRef
-from nexa.contracts.wire import AssignmentStatus, DesiredAssignments, RuntimeState
+from nexa.contracts.node import NodeInventory
+from nexa.contracts.wire import Assignment, AssignmentStatus, DesiredAssignments, RuntimeState
 from nexa.control.deployments.grouprun import (
     GROUP_BACKOFF_S,
     GROUP_PORT_OFFSET,
@@ -25,6 +28,7 @@ from nexa.control.deployments.grouprun import (
 )
 from nexa.errors import NotFound
 from nexa.telemetry import Metrics
+from tests.conftest import gb10_inventory, sample_runtime
 
 PORT = 18000
 
@@ -42,8 +46,10 @@ class _Live:
     desired: DesiredAssignments
     state: NodeState = NodeState.READY
     statuses: list[AssignmentStatus] = attrs.Factory(list)
-    inventory: None = None
+    inventory: NodeInventory | None = None
     reported_generation: int = 1
+    #: When this controller last heard it (None: not since it started).
+    last_seen: float | None = 0.0
 
 
 class _Fleet:
@@ -97,7 +103,7 @@ def report(f: _Fleet, node: str, aid: str, state: RuntimeState, restarts: int = 
 def runs_for(f: _Fleet, dep: Deployment) -> tuple[GroupRuns, Metrics]:
     metrics = Metrics()
     runs = GroupRuns(f, metrics)  # type: ignore[arg-type]
-    assert runs.ensure(dep, command_given=bool(dep.options.command)) == ["big-1"]
+    assert runs.ensure(dep, command_given=bool(dep.options.command)) == ["group big-1 started (workers first)"]
     return runs, metrics
 
 
@@ -224,3 +230,114 @@ def test_a_node_that_has_not_applied_its_newest_set_says_nothing_of_its_member_y
     assert runs.step(dep, 0.0)[0] == [] and run.phase is GroupPhase.READY
     b.reported_generation = 2
     assert runs.step(dep, 0.0)[0] == ["group big-1: rank 1 (big-1-rank1) is Failed; every member withdrawn"]
+
+
+# ---- a controller that takes the lead continues each group from its stored record ---------------
+
+
+def set_holds(f: _Fleet, dep: Deployment, runs: GroupRuns, ranks: list[int]) -> None:
+    """Each node's desired set holds these ranks' assignments, as a leader's commit wrote them."""
+    [r] = dep.placed
+    run = runs.get(r)
+    assert run is not None
+    for m in r.members:
+        spec = attrs.evolve(sample_runtime(PORT), group=run.role(m.rank, r.id, FabricAccess.TCP))
+        held = [Assignment(id=member_id(r, m.rank), deployment="big", runtime=spec)] if m.rank in ranks else []
+        live = f.lives[m.node_id]
+        live.desired = attrs.evolve(live.desired, assignments=held)
+
+
+def new_leader(f: _Fleet, records: list[GroupRunRecord], *, at: float = 50.0, wall: float = 1000.0) -> GroupRuns:
+    """The runs of a controller that takes the lead at trio time `at`, Unix time `wall`."""
+    metrics = Metrics()
+    runs = GroupRuns(f, metrics, now=lambda: at, wall=lambda: wall)  # type: ignore[arg-type]
+    runs.resume(records)
+    return runs
+
+
+def test_a_ready_group_stays_ready_and_serving_when_another_controller_takes_the_lead() -> None:
+    f, dep, old, _ = ready_group()
+    set_holds(f, dep, old, [0, 1])
+    records = old.records(dep)
+    assert [(r.replica_id, r.phase, r.failures, r.restart_at) for r in records] == [("big-1", "ready", 0, 0.0)]
+    runs = new_leader(f, records)
+    [r] = dep.placed
+    assert runs.ensure(dep, command_given=False) == []  # nothing withdrawn, nothing sent again
+    run = runs.get(r)
+    assert run is not None and run.phase is GroupPhase.READY and runs.serving(r)
+    assert run.members == old.get(r).members  # type: ignore[union-attr]
+    assert runs.unsaved(dep) is None  # the store holds what it runs
+    assert runs.step(dep, 60.0)[0] == [] and run.phase is GroupPhase.READY
+    # A member's node this controller has not heard yet (it just took the lead) is not lost: the
+    # group waits for it (the reconciler places it again if it never comes).
+    f.lives["b"].state, f.lives["b"].last_seen = NodeState.UNREACHABLE, None
+    assert runs.step(dep, 60.5)[0] == [] and run.phase is GroupPhase.READY
+    f.lives["b"].state, f.lives["b"].last_seen = NodeState.READY, 60.6
+    # A member failing after the takeover restarts the group as usual.
+    report(f, "b", "big-1-rank1", RuntimeState.FAILED)
+    assert runs.step(dep, 61.0)[0] == ["group big-1: rank 1 (big-1-rank1) is Failed; every member withdrawn"]
+
+
+@pytest.mark.parametrize(("ranks", "phase"), [([1], "starting"), ([0, 1], "starting-head")])
+def test_a_group_caught_half_started_at_a_takeover_is_restarted_whole(ranks: list[int], phase: str) -> None:
+    f, dep = fleet(), deployment()
+    old, _ = runs_for(f, dep)
+    if phase == "starting-head":
+        report(f, "b", "big-1-rank1", RuntimeState.READY)
+        old.step(dep, 0.0)
+    set_holds(f, dep, old, ranks)
+    [record] = old.records(dep)
+    assert record.phase == phase
+    runs = new_leader(f, [record], at=50.0, wall=1000.0)
+    changed = runs.ensure(dep, command_given=False)
+    assert changed == [f"group big-1: caught {phase} at a change of leader; every member withdrawn"]
+    run = runs.get(dep.placed[0])
+    assert run is not None and run.phase is GroupPhase.RESTARTING and run.released() == []
+    assert run.restart_at == 50.0 + GROUP_BACKOFF_S and not runs.serving(dep.placed[0])
+    [saved] = runs.unsaved(dep) or []  # due in the store (with the withdrawal's commit)
+    assert (saved.phase, saved.failures, saved.restarts, saved.restart_at) == ("restarting", 1, 1, 1000.0 + 1)
+    # Then started again, workers first, on the ports it had.
+    assert runs.step(dep, 51.0)[0] == ["group big-1 started again (workers first)"]
+    assert run.released() == [1] and run.members == record.members
+
+
+def test_a_restarting_group_waits_out_its_backoff_across_a_takeover_and_stale_runs_are_dropped() -> None:
+    f, dep, old, _ = ready_group()
+    report(f, "b", "big-1-rank1", RuntimeState.FAILED)
+    old.step(dep, 100.0)
+    [record] = old.records(dep)
+    assert record.phase == "restarting" and record.failures == 1 and record.restarts == 1
+    restart_wall = record.restart_at
+    # Taken over 0.4 s (Unix time) later: 0.6 s of the first backoff is left.
+    runs = new_leader(f, [record], at=7.0, wall=restart_wall - 0.6)
+    assert runs.ensure(dep, command_given=False) == []  # no member in any set: nothing to withdraw
+    run = runs.get(dep.placed[0])
+    assert run is not None and run.phase is GroupPhase.RESTARTING
+    assert run.restart_at == pytest.approx(7.6)
+    assert runs.step(dep, 7.5)[0] == []
+    assert runs.step(dep, 7.6)[0] == ["group big-1 started again (workers first)"]
+    # A failure now doubles the wait: the failures in a row came along.
+    report(f, "b", "big-1-rank1", RuntimeState.FAILED)
+    assert runs.step(dep, 8.0)[1] == 8.0 + 2 * GROUP_BACKOFF_S
+    # A controller that stops leading runs no group; taking the lead again, it reads the store anew.
+    old.stand_down()
+    assert old.get(dep.placed[0]) is None and old.serving(dep.placed[0])
+
+
+def test_a_member_discovered_on_its_fabric_interface_names_it_for_nccl_and_gloo() -> None:
+    f, dep = fleet(address_b=False), deployment()
+    discovered = Fabric(
+        interfaces=[
+            FabricInterface(name="enP2p1s0f0np0", addresses=["fd10::2/64"]),
+            FabricInterface(name="enp1s0f0np0", addresses=["10.0.0.2/24"]),
+        ],
+        address="10.0.0.2",
+    )
+    f.lives["b"].inventory = attrs.evolve(gb10_inventory("b"), fabric=discovered)
+    runs = GroupRuns(f)  # type: ignore[arg-type]
+    runs.ensure(dep, command_given=False)
+    run = runs.get(dep.placed[0])
+    assert run is not None
+    # Node a's address is its fabric-address label's: no interface known, none named.
+    assert [(m.address, m.interface) for m in run.members] == [("10.0.0.1", ""), ("10.0.0.2", "enp1s0f0np0")]
+    assert run.role(1, "big-1", FabricAccess.RDMA).me.interface == "enp1s0f0np0"

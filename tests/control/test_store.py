@@ -14,15 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import apsw
+import attrs
 import pytest
 import trio
 
 from nexa.config import StoreConfig
 from nexa.contracts.domain import AuditDraft, KeyId, Role, Tenant, TenantId
 from nexa.contracts.gateway import AcceptedWorkload, Capability, Priority, WorkloadState
+from nexa.contracts.groups import GroupMember, GroupRunRecord
+from nexa.contracts.models import ModelRef
 from nexa.control import store as st
 from nexa.control.store.sql import txn
 from nexa.errors import Conflict, StateDirLocked, StoreBusy, StoreConflict, StoreError, StoreUnavailable
+from tests.support.deployments import placed_deployment
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401
 
 
@@ -324,6 +328,26 @@ async def test_measured_memory_survives_a_reopen_and_only_the_latest_figure_is_k
         await store.run(st.save_measured_memory, "b" * 64, 1024)
     async with st.open_store(tmp_path, store_cfg) as store:
         assert await store.run(st.load_measured_memory) == {"a" * 64: 5 * 1024**3, "b" * 64: 1024}
+
+
+async def test_group_runs_are_written_with_their_deployment_survive_a_reopen_and_go_with_it(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
+    dep = placed_deployment("n1", ModelRef(model="tiny", version="v1"))
+    members = [GroupMember(rank=i, node_id=f"n{i + 1}", address=f"10.0.0.{i + 1}", port=19100) for i in range(2)]
+    ready = GroupRunRecord(replica_id="chat-a-1", deployment=dep.name, phase="ready", members=members, restarts=2)
+    async with st.open_store(tmp_path, store_cfg) as store:
+        assert await store.run(st.load_group_runs) == []
+        await store.run(st.save_deployment, dep.name, dep, None, [], draft("deployment.create"), [ready])
+        # A commit that passes no runs keeps those stored; one alone replaces the deployment's.
+        await store.run(st.save_deployment, dep.name, dep, None, [], draft("deployment.scale"))
+        assert await store.run(st.load_group_runs) == [ready]
+        restarting = attrs.evolve(ready, phase="restarting", failures=1, restarts=3, restart_at=1234.5)
+        await store.run(st.save_group_runs, dep.name, [restarting], draft("deployment.group"))
+    async with st.open_store(tmp_path, store_cfg) as store:
+        assert await store.run(st.load_group_runs) == [restarting]
+        await store.run(st.save_deployment, dep.name, None, None, [], draft("deployment.delete"))
+        assert await store.run(st.load_group_runs) == []
 
 
 # ---- the backend seam: a transaction function and the store's callers see nexa's errors, never apsw's or psycopg's

@@ -73,10 +73,14 @@ def listening(port: int) -> list[str]:
     return out
 
 
-async def group_of(controller: Controller) -> Json:
+async def groups_of(controller: Controller) -> list[Json]:
     async with controller.client() as http:
         view = await ok(http.get("/api/v1/deployments/chat"))
-    [group] = view["groups"]
+    return list(view["groups"])
+
+
+async def group_of(controller: Controller) -> Json:
+    [group] = await groups_of(controller)
     return group
 
 
@@ -85,18 +89,12 @@ def container_id(podman: PodmanService, assignment_id: str) -> str:
     return found.stdout.strip() if found.returncode == 0 else ""
 
 
-async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_together_when_its_worker_or_its_agent_dies(
-    group_cluster: tuple[Controller, list[Node]],
-    s3_store: S3Store,
-    llama_server_image: str,
-    tiny_gguf: Path,
-    podman_service: PodmanService,
-    tmp_path: Path,
-) -> None:
-    controller, nodes = group_cluster
+async def deploy_chat(controller: Controller, s3: S3Store, image: str, gguf: Path) -> tuple[str, Replica]:
+    """The llama.cpp runtime (`--fabric tcp`), the tiny model and deployment `chat`: one group of
+    two nodes, placed on cpu-1 (the head) and cpu-2. (An inference key of tenant acme, the replica.)"""
     argv = ["runtimes", "register", RUNTIME, "--kind", "llamacpp", "--version", "0.3.36", "--fabric", "tcp"]
-    await trio.to_thread.run_sync(cli, controller, *argv, "--image", llama_server_image)
-    await register_model(controller, s3_store, "tiny", tiny_gguf)
+    await trio.to_thread.run_sync(cli, controller, *argv, "--image", image)
+    await register_model(controller, s3, "tiny", gguf)
     chat = {
         "name": "chat",
         "runtime": RUNTIME,
@@ -111,18 +109,37 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
         key = (await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201))["key"]
         created = await ok(http.post("/api/v1/deployments", json=chat), 201)
     [placed] = created["deployment"]["placed"]
-    replica = Replica(id=placed["id"], node_id=placed["node_id"])
     assert [(m["rank"], m["node_id"]) for m in placed["members"]] == [(0, "cpu-1"), (1, "cpu-2")]
-    head, worker = member_id(replica, 0), member_id(replica, 1)
+    return str(key), Replica(id=placed["id"], node_id=placed["node_id"])
 
+
+async def wait_ready(controller: Controller, podman: PodmanService) -> None:
     async def ready() -> bool:
         return (await group_of(controller))["state"] == "ready"
 
     try:
         await wait_for(ready, "the group Ready")
     except BaseException:
-        print(runtime_logs(podman_service), await group_of(controller))
+        print(runtime_logs(podman), await group_of(controller))
         raise
+
+
+async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_together_when_its_worker_or_its_agent_dies(
+    group_cluster: tuple[Controller, list[Node]],
+    s3_store: S3Store,
+    llama_server_image: str,
+    tiny_gguf: Path,
+    podman_service: PodmanService,
+    tmp_path: Path,
+) -> None:
+    controller, nodes = group_cluster
+    key, replica = await deploy_chat(controller, s3_store, llama_server_image, tiny_gguf)
+    head, worker = member_id(replica, 0), member_id(replica, 1)
+
+    async def ready() -> bool:
+        return (await group_of(controller))["state"] == "ready"
+
+    await wait_ready(controller, podman_service)
     group = await group_of(controller)
     assert [(m["rank"], m["node_id"], m["state"]) for m in group["members"]] == [
         (0, "cpu-1", "Ready"),
@@ -205,3 +222,86 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
             pytest.fail(runtime_logs(podman_service))
     finally:
         client.close()
+
+
+@pytest.fixture
+async def two_pairs(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, podman_service: PodmanService
+) -> AsyncIterator[tuple[Controller, list[Node]]]:
+    """Four agents: cpu-1 and cpu-2 on fabric `pair-a`, cpu-3 and cpu-4 on `pair-b`."""
+
+    def labels(node: Node) -> str:
+        pair = "pair-a" if node.name in ("cpu-1", "cpu-2") else "pair-b"
+        return f"fabric={pair},fabric-address={node.host}"
+
+    async with real_cluster(nursery, tmp_path, s3_store, podman_service, labels=labels, count=4) as c:
+        yield c
+
+
+async def test_draining_one_member_moves_the_whole_group_to_another_fabric_pair_while_requests_are_answered(
+    two_pairs: tuple[Controller, list[Node]],
+    s3_store: S3Store,
+    llama_server_image: str,
+    tiny_gguf: Path,
+    podman_service: PodmanService,
+) -> None:
+    controller, nodes = two_pairs
+    key, replica = await deploy_chat(controller, s3_store, llama_server_image, tiny_gguf)
+    old = [member_id(replica, 0), member_id(replica, 1)]
+    await wait_ready(controller, podman_service)
+    client = openai.OpenAI(base_url=controller.url + "/v1", api_key=key, max_retries=0, timeout=120)
+    answered: list[int] = []
+    failed: list[Exception] = []
+    stop = trio.Event()
+
+    def one() -> None:
+        try:
+            got = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hello world"}], max_tokens=4, temperature=0
+            )
+        except openai.OpenAIError as exc:
+            failed.append(exc)
+        else:
+            answered.append(got.usage.completion_tokens if got.usage else 0)
+
+    async def keep_asking() -> None:
+        while not stop.is_set():
+            await in_thread(one)
+
+    async def moved() -> bool:
+        groups = await groups_of(controller)
+        on = [([m["node_id"] for m in g["members"]], g["state"]) for g in groups]
+        gone = not any(container_id(podman_service, aid) for aid in old)
+        return on == [(["cpu-3", "cpu-4"], "ready")] and gone
+
+    try:
+        async with trio.open_nursery() as asking:
+            asking.start_soon(keep_asking)
+            await wait_for(lambda: _some(answered), "a first answer")
+            async with controller.client() as http:
+                await ok(http.post("/api/v1/nodes/cpu-2/drain"))
+            try:
+                await wait_for(moved, "the group moved whole to cpu-3 and cpu-4", 120)
+            except BaseException:
+                print(runtime_logs(podman_service), await groups_of(controller))
+                raise
+            before = len(answered)
+            await wait_for(lambda: _some(answered[before:]), "an answer from the moved group")
+            stop.set()
+        # Make before break: the old group served until the new one was Ready, so every request
+        # was answered; a failure would have been a typed API error, never a dropped connection.
+        assert all(isinstance(e, openai.APIStatusError) for e in failed), failed
+        assert failed == [], [(type(e).__name__, str(e)[:200]) for e in failed]
+        # Both old members left their nodes' sets in one change (never half a group).
+        async with controller.client() as http:
+            events = (await ok(http.get("/api/v1/audit")))["events"]
+        dropped = [e["detail"] for e in events if e["action"] == "deployment.replace"]
+        assert any("cpu-1 generation" in d and "cpu-2 generation" in d for d in dropped), dropped
+        worker_port = PORT + GROUP_PORT_OFFSET
+        assert listening(worker_port) == [nodes[3].host]  # the new worker's RPC server, on its fabric address
+    finally:
+        client.close()
+
+
+async def _some(items: list[int]) -> bool:
+    return bool(items)

@@ -169,12 +169,13 @@ async def real_cluster(
     podman_service: PodmanService,
     *,
     labels: Callable[[Node], str] | None = None,
+    count: int = 2,
 ) -> AsyncIterator[tuple[Controller, list[Node]]]:
-    """A controller and two enrolled `nexa node` agents (cpu-1 on 127.0.0.11, cpu-2 on .12) on the
-    run's podman, both Ready; `labels`: each node's labels (`k=v,k2=v2`, the admin's, through its
-    enrollment token)."""
+    """A controller and `count` (at most 9) enrolled `nexa node` agents (cpu-1 on 127.0.0.11, cpu-2
+    on .12, ...) on the run's podman, all Ready; `labels`: each node's labels (`k=v,k2=v2`, the
+    admin's, through its enrollment token)."""
     controller = await start_controller(nursery, registry_config(tmp_path, s3_store))
-    hosts = {f"cpu-{i}": f"{loopback_net()}.1{i}" for i in (1, 2)}
+    hosts = {f"cpu-{i}": f"{loopback_net()}.1{i}" for i in range(1, count + 1)}
     nodes = [
         Node(name=name, host=host, config=node_config(tmp_path, name, host, s3_store, podman_service))
         for name, host in hosts.items()
@@ -203,9 +204,9 @@ async def real_cluster(
         async def all_ready() -> bool:
             async with controller.client() as http:
                 listed = (await ok(http.get("/api/v1/nodes")))["nodes"]
-            return len(listed) == 2 and all(n["state"] == "Ready" for n in listed)
+            return len(listed) == count and all(n["state"] == "Ready" for n in listed)
 
-        await wait_for(all_ready, "both nodes Ready", 60)
+        await wait_for(all_ready, "every node Ready", 60)
         yield controller, nodes
     finally:
         for node in nodes:

@@ -19,7 +19,8 @@ import trio
 
 from nexa.config import PlacementConfig
 from nexa.contracts.deployments import Deployment, DeploymentCreate, DeploymentMemory, Replica, ReplicaMeasured
-from nexa.contracts.domain import Actor, NodeState
+from nexa.contracts.domain import SYSTEM, Actor, NodeState
+from nexa.contracts.groups import GroupRunRecord
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementNode, PlacementRequest
 from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
@@ -104,6 +105,9 @@ class Desired:
         change made here is undone by an older read; an unchanged deployment keeps its entry (and
         the reconciler's `problem`). The gateway's serving sets are made again after a change."""
         async with self.lock:
+            if not self._leadership.is_leader:
+                # What the leader runs, for this controller's views (`GroupRuns.follow`).
+                self.groups.follow(await self._store.read(st.load_group_runs))
             stored: dict[str, Entry] = {}
             for record, decision in await self._store.read(st.load_deployments):
                 dep, current = stamped(record), self.entries.get(record.name)
@@ -294,6 +298,8 @@ class Desired:
             after.deployment if after else None,
             detail=detail[:_DETAIL_MAX],
         )
+        # The group runs as they are now, with the node sets they explain (`grouprun`'s records).
+        groups = self.groups.records(after.deployment) if after else []
         event = await self._leadership.write(
             st.save_deployment,
             name,
@@ -301,7 +307,9 @@ class Desired:
             after.decision if after and (before is None or after.decision is not before.decision) else None,
             list(changed.values()),
             draft,
+            groups,
         )
+        self.groups.saved(name, groups)
         self._metrics.audit_events.labels(event.result.value).inc()
         if after is None:
             self.entries.pop(name, None)
@@ -317,6 +325,20 @@ class Desired:
             await self._southbound.push_now(node_id)
         log.info("%s %s: %s", action, name, detail)
         await self._tell(action, before, after)
+
+    async def save_groups(self, name: str, records: list[GroupRunRecord], *, detail: str) -> None:
+        """Write deployment `name`'s group runs alone (a phase moved, no node set: `grouprun`),
+        audited as `deployment.group` by the system."""
+        draft = audit_draft(SYSTEM, "deployment.group", f"deployment/{name}", None, None, detail=detail[:_DETAIL_MAX])
+        event = await self._leadership.write(st.save_group_runs, name, records, draft)
+        self._metrics.audit_events.labels(event.result.value).inc()
+        self.groups.saved(name, records)
+
+    async def resume_groups(self) -> None:
+        """This controller starts leading: continue every group run from the store (`GroupRuns.resume`)."""
+        records = await self._store.run(st.load_group_runs)
+        async with self.lock:
+            self.groups.resume(records)
 
     def _units(self, dep: Deployment) -> dict[str, list[tuple[Replica, int | None]]]:
         """By node id, what of `dep` its set holds: each replica on one node, and each released

@@ -103,12 +103,18 @@ class Deployments:
     # ---- the reconciler ----------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """The reconciler's loop (`reconciler` says what one pass does): until cancelled."""
+        """The reconciler's loop (`reconciler` says what one pass does): until cancelled. It runs
+        while this controller leads: group runs are continued from the store when it starts and
+        dropped when it ends (`grouprun`)."""
         self._reconciler.start()
+        await self._desired.resume_groups()
         task_status.started()
-        while True:
-            next_at = await self.reconcile()
-            await self._reconciler.wait(next_at)
+        try:
+            while True:
+                next_at = await self.reconcile()
+                await self._reconciler.wait(next_at)
+        finally:
+            self._desired.groups.stand_down()
 
     async def reconcile(self) -> float:
         """Follow moved aliases, move replicas off nodes that lost them, top every deployment (and

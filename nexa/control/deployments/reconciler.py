@@ -199,8 +199,12 @@ class Reconciler:
         fresh = runs.ensure(dep, command_given=bool(dep.options.command))
         changed, next_at = runs.step(dep, now)
         if fresh or changed:
-            detail = "; ".join([*(f"group {r} started (workers first)" for r in fresh), *changed])
+            detail = "; ".join([*fresh, *changed])
             await self._desired.commit(SYSTEM, "deployment.group", entry, entry, detail=detail)
+        elif (records := runs.unsaved(dep)) is not None:
+            # A phase moved without a node set (the group became Ready): kept for a takeover.
+            detail = "; ".join(f"group {rec.replica_id} {rec.phase}" for rec in records)
+            await self._desired.save_groups(name, records, detail=detail)
         if runs.active(dep):
             next_at = min(next_at, now + _GROUP_CHECK_S)
         return next_at

@@ -123,13 +123,14 @@ def view(desired: Desired, e: Entry) -> DeploymentView:
 
 
 def group_status(desired: Desired, r: Replica, canary: bool) -> GroupStatus:
-    """Where a group replica stands: its run's phase (`grouprun`) and each member's reported state."""
-    run = desired.groups.get(r)
+    """Where a group replica stands: its run's phase (`grouprun`; on a controller that does not
+    lead, the leader's as the store holds it) and each member's reported state."""
+    shown = desired.groups.shown(r)
     states = desired.groups.member_states(r)
     return GroupStatus(
         replica_id=r.id,
-        state=str(run.phase) if run is not None else GROUP_PENDING,
-        detail=run.detail if run is not None else "",
+        state=shown[0] if shown is not None else GROUP_PENDING,
+        detail=shown[1] if shown is not None else "",
         canary=canary,
         members=[GroupMemberStatus(rank=m.rank, node_id=m.node_id, state=states[m.rank]) for m in r.members],
     )

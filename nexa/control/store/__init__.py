@@ -38,7 +38,9 @@ from nexa.control.store.connection import StoreOpener as StoreOpener
 from nexa.control.store.connection import lock_state_dir as lock_state_dir
 from nexa.control.store.connection import open_store as open_store
 from nexa.control.store.deployments import load_deployments as load_deployments
+from nexa.control.store.deployments import load_group_runs as load_group_runs
 from nexa.control.store.deployments import save_deployment as save_deployment
+from nexa.control.store.deployments import save_group_runs as save_group_runs
 from nexa.control.store.evals import get_eval_run as get_eval_run
 from nexa.control.store.evals import get_suite as get_suite
 from nexa.control.store.evals import insert_eval_run as insert_eval_run

@@ -364,6 +364,16 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) STRICT;
     CREATE INDEX eval_run_recorded ON eval_run(recorded_at, id);
     """,
+    # Replica groups' runs (`control.deployments.grouprun`): each group replica's phase, members'
+    # endpoints and backoff, written by the leader with the node sets, read by one that takes over.
+    """
+    CREATE TABLE group_run (
+        replica_id TEXT PRIMARY KEY,
+        deployment TEXT NOT NULL,
+        body TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX group_run_deployment ON group_run(deployment);
+    """,
 )
 
 
