@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Final
 
-from nexa.cli import common
+from nexa.cli import common, idle
 from nexa.cli.output import print_json, ref, size_text, table
 from nexa.cli.registry import print_alias_receipt
 from nexa.cli.tables import DEPLOYMENT, DEPLOYMENTS, Show
@@ -61,6 +61,7 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
         s = deployments.add_parser(verb, parents=[common_flags], help=text)
         s.add_argument("name")
         s.set_defaults(handler=_deployment_rollout, verb=verb)
+    idle.add_commands(deployments, common_flags)
     capacity = sub.add_parser("capacity", help="what would fit (operator)").add_subparsers(
         metavar="VERB", required=True
     )
@@ -108,6 +109,7 @@ def _deployment_flags(s: argparse.ArgumentParser) -> None:
     )
     _routing_flags(s, default=1.0)
     _objective_flags(s)
+    idle.idle_flags(s)
 
 
 #: `--slo-*` flag → the `ServiceObjectives` field it sets.
@@ -190,6 +192,7 @@ def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
         "routing": {"queue": args.routing_queue, "kv_cache": args.routing_kv_cache, "prefix": args.routing_prefix},
         "objectives": _objectives_given(args),
         "nodes_per_replica": args.nodes_per_replica,
+        **idle.idle_body(args),
     }
     if args.alias:
         body["alias"] = args.alias
@@ -241,6 +244,7 @@ def _print_show(view: DeploymentView) -> None:
     """`deployments show`: the rollout, the groups, the routing weights and each replica's score terms now."""
     print_rollout(view)
     print_groups(view)
+    idle.print_sleep(view)
     w = view.deployment.routing
     print(f"routing  weights: queue {w.queue:g}, kv_cache {w.kv_cache:g}, prefix {w.prefix:g} (lower score wins)")
     o = view.deployment.objectives

@@ -37,6 +37,7 @@ from nexa.control.deployments import views
 from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
+from nexa.control.deployments.idle import Idle
 from nexa.control.deployments.reconciler import Reconciler
 from nexa.control.deployments.records import Entry, bump, model_of, new_replicas, replica_nodes
 from nexa.control.deployments.scheduler import place
@@ -78,6 +79,8 @@ class Deployments:
         self._reconciler = Reconciler(self._desired, cfg)
         self._serving = views.ServingSets(self._desired)
         self._rollouts = Rollouts(self._desired, self.poke)
+        #: Sleep when idle, wake on demand, swap on demand (`idle`); its loop runs beside the reconciler's.
+        self.idle = Idle(self._desired, metrics, router.outstanding if router is not None else _none_outstanding)
         fleet.on_change(self.poke)
         models.on_alias_change(self._alias_moved)
 
@@ -123,12 +126,16 @@ class Deployments:
     # ---- queries -----------------------------------------------------------------------------------
 
     def all(self) -> list[DeploymentView]:
-        return [views.view(self._desired, e) for _, e in sorted(self._desired.entries.items())]
+        return [self._view(e) for _, e in sorted(self._desired.entries.items())]
+
+    def _view(self, e: Entry) -> DeploymentView:
+        """`views.view` with where it stands with sleep when idle (`Idle.status`)."""
+        return attrs.evolve(views.view(self._desired, e), sleep=self.idle.status(e.deployment))
 
     def show(self, name: str) -> DeploymentView:
         """The deployment's view with its memory, declared against measured, and each replica's
         routing score terms now (`Router.terms`)."""
-        view = views.view(self._desired, self._desired.entry(name))
+        view = self._view(self._desired.entry(name))
         view = attrs.evolve(view, memory=self._desired.memory_of(view.deployment))
         if self._router is None:
             return view
@@ -201,10 +208,13 @@ class Deployments:
                 updated_at=now,
                 placed=new_replicas(req.name, decision, ref),
                 nodes_per_replica=req.nodes_per_replica,
+                idle_after_s=req.idle_after_s,
+                min_replicas=req.min_replicas,
+                evictable=req.evictable,
             )
             entry = Entry(dep, decision)
             await self._desired.commit(actor, "deployment.create", None, entry)
-        return views.view(self._desired, entry)
+        return self._view(entry)
 
     async def scale(self, actor: Actor, name: str, replicas: int) -> DeploymentView:
         if not 1 <= replicas <= 256:
@@ -212,6 +222,10 @@ class Deployments:
         async with self._desired.lock:
             before = self._desired.entry(name)
             dep = before.deployment
+            if dep.asleep:  # its wake places the new count
+                after = Entry(bump(attrs.evolve(dep, replicas=replicas)), before.decision)
+                await self._desired.commit(actor, "deployment.scale", before, after)
+                return self._view(after)
             model, runtime, _ = deployable(self._desired.models, dep)
             # The current version's replicas first, so scaling down during a rollout keeps them.
             placed = sorted(dep.placed, key=lambda r: model_of(dep, r) != dep.model)
@@ -290,3 +304,8 @@ class Deployments:
         """Remove `canary` from deployment `name`; False, changing nothing, when it no longer runs
         that very canary (`Rollouts.drop_canary`)."""
         return await self._rollouts.drop_canary(actor, name, canary, action=action, detail=detail)
+
+
+def _none_outstanding(_replica_id: str) -> int:
+    """Without a router (tests of deployments alone), no request is ever in flight."""
+    return 0
