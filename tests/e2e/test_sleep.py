@@ -18,7 +18,19 @@ import trio
 
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import in_thread, ok
-from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, gateway_cluster, sdk, usage_rows, wait_until
+from tests.support.cluster import (
+    MESSAGES,
+    SIM_ARGS,
+    SimCluster,
+    free_runtime_port,
+    gateway_cluster,
+    node_host,
+    sdk,
+    sim_cluster,
+    usage_rows,
+    wait_until,
+)
+from tests.support.models import registry_config
 
 pytestmark = pytest.mark.slow
 
@@ -29,16 +41,25 @@ MIB = 2**20
 
 
 async def _deploy_sleepy(
-    cluster: SimCluster, name: str, alias: str, *, evictable: bool = False, memory_bytes: int = 64 * MIB
+    cluster: SimCluster,
+    name: str,
+    alias: str,
+    *,
+    evictable: bool = False,
+    memory_bytes: int = 64 * MIB,
+    idle_after_s: float = IDLE_AFTER_S,
 ) -> None:
     body = {
         "name": name,
         "runtime": "sim",
         "alias": alias,
         "replicas": 1,
-        "resources": {"accelerators": 0, "memory_bytes": memory_bytes, "cpus": 0.5},
-        "options": {"port": 18640 + len(name), "command": SIM_ARGS},
-        "idle_after_s": IDLE_AFTER_S,
+        "resources": {"accelerators": 0, "memory_bytes": memory_bytes, "cpus": 0.5, "overhead_bytes": 0},
+        "options": {
+            "port": free_runtime_port([node_host(i) for i in range(1, len(cluster.nodes) + 1)]),
+            "command": SIM_ARGS,
+        },
+        "idle_after_s": idle_after_s,
         "min_replicas": 0,
         "evictable": evictable,
     }
@@ -141,3 +162,51 @@ async def test_operators_wake_and_sleep_a_deployment_by_hand(
         assert bad.returncode != 0 and "idle_after_s" in bad.stderr
         view = await _show(cluster, "manual")
         assert view["deployment"]["idle_after_s"] == 3600  # the refusal changed nothing
+
+
+async def test_swap_on_demand_alternates_two_models_on_a_node_with_room_for_one(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    cfg = registry_config(tmp_path, s3_store)
+    async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=1) as cluster:
+        await cluster.model("tiny2", "other")
+        [node] = (await cluster.node_views()).values()
+        # Each takes 60 % of the node's memory: one fits, never both.
+        each = int(node["inventory"]["memory_total_bytes"] * 0.6)
+        for name, alias in (("model-a", "chat"), ("model-b", "other")):
+            # Long idle times: only swap on demand puts them to sleep here.
+            await _deploy_sleepy(cluster, name, alias, evictable=True, memory_bytes=each, idle_after_s=3600)
+            await cluster.wait_ready(name, 1)
+            if name == "model-a":
+                async with cluster.client() as http:
+                    await ok(http.post("/api/v1/deployments/model-a/sleep"))
+
+        # Alternating requests: each wakes its model, putting the other (evictable, idle) to sleep.
+        for alias in ("chat", "other", "chat", "other"):
+            answer = await in_thread(lambda alias=alias: _chat(cluster, alias, 30_000))  # type: ignore[misc]
+            assert answer.choices[0].message.content
+        a, b = await _show(cluster, "model-a"), await _show(cluster, "model-b")
+        assert (a["sleep"]["state"], b["sleep"]["state"]) == ("asleep", "awake")
+        async with cluster.client() as http:
+            audit = (await ok(http.get("/api/v1/audit", params={"limit": "500"})))["events"]
+            placement = await ok(http.get("/api/v1/deployments/model-b/placement"))
+        swaps = [e for e in audit if e["action"] == "deployment.sleep" and "swap on demand" in e["detail"]]
+        # One swap per request: b for a, a for b, b for a, a for b.
+        assert sorted(e["target"] for e in swaps) == ["deployment/model-a"] * 2 + ["deployment/model-b"] * 2
+        [why] = placement["decision"]["swaps"]
+        assert "model-a (evictable" in why and "to make room for model-b" in why
+        async with cluster.client() as http:
+            metrics = (await http.get("/metrics")).text
+        assert 'nexa_deployment_sleeps_total{deployment="model-a",reason="swap"} 2.0' in metrics
+
+        # A deployment that is not evictable is never put to sleep: the other model cannot wake.
+        async with cluster.client() as http:
+            body = {"idle_after_s": 3600, "min_replicas": 0, "evictable": False}
+            await ok(http.post("/api/v1/deployments/model-b/idle", json=body))
+        with pytest.raises(openai.APIStatusError) as refused:
+            await in_thread(lambda: _chat(cluster, "chat", 10_000))
+        assert refused.value.status_code == 503 and "no node has room" in refused.value.message
+        b = await _show(cluster, "model-b")
+        assert b["sleep"]["state"] == "awake" and b["ready"] == 1
+        a = await _show(cluster, "model-a")
+        assert a["sleep"]["state"] == "asleep" and "no node has room" in (a["problem"] or "")
