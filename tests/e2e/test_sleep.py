@@ -30,6 +30,7 @@ from tests.support.cluster import (
     usage_rows,
     wait_until,
 )
+from tests.support.console import sign_in
 from tests.support.models import registry_config
 
 pytestmark = pytest.mark.slow
@@ -152,6 +153,10 @@ async def test_operators_wake_and_sleep_a_deployment_by_hand(
         await wait_until("the deployment to sleep", lambda: _asleep(cluster, "manual"))
         shown = await cluster.cli("deployments", "show", "manual")
         assert "sleep    asleep" in shown.stdout, shown.stdout
+        async with cluster.client() as browser:
+            assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+            page = (await browser.get("/console/deployments/manual")).text
+        assert 'id="sleep-state">Sleep: <strong>asleep</strong>' in page and "sleeps after 3600" in page
         woke = await cluster.cli("deployments", "wake", "manual")
         assert woke.returncode == 0, woke.stderr
         await cluster.wait_ready("manual", 1)

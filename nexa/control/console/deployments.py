@@ -43,6 +43,7 @@ def register(bp: Blueprint, console: Console) -> None:
             ],
             "desired": RuntimeState.READY,
             "canary": canary,
+            "now": now,
         }
 
     async def context(session: Session, now: float) -> Context:
