@@ -387,6 +387,8 @@ def _print_decision(decision: PlacementDecision | None) -> None:
     print(f"{decision.request.deployment}: {verdict}")
     host_network = decision.request.host_network
     print("network: " + ("host (the runtime's opt-in)" if host_network else "private namespace per replica"))
+    for why in decision.swaps:
+        print(f"swap: {why}")
     rows = []
     for e in decision.explanations:
         failed = [f"{f.name} ({f.detail})" for f in e.filters if not f.passed]

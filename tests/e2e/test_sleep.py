@@ -200,6 +200,8 @@ async def test_swap_on_demand_alternates_two_models_on_a_node_with_room_for_one(
         assert sorted(e["target"] for e in swaps) == ["deployment/model-a"] * 2 + ["deployment/model-b"] * 2
         [why] = placement["decision"]["swaps"]
         assert "model-a (evictable" in why and "to make room for model-b" in why
+        shown = await cluster.cli("deployments", "placement", "model-b")
+        assert f"swap: {why}" in shown.stdout, shown.stdout
         async with cluster.client() as http:
             metrics = (await http.get("/metrics")).text
         assert 'nexa_deployment_sleeps_total{deployment="model-a",reason="swap"} 2.0' in metrics
