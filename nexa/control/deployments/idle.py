@@ -276,8 +276,7 @@ class Idle:
             wake.error = await self._place_awake(name)
             if wake.error is None:
                 wake.error = await self._until_ready(name, wake.started)
-        except Exception as exc:  # a wake that fails tells its waiters; the keeper goes on
-            log.warning("deployment %s could not wake: %s", name, exc)
+        except Exception as exc:  # a wake that fails tells its waiters (logged below); the keeper goes on
             wake.error = str(exc)
         finally:
             self._wakes.pop(name, None)
