@@ -258,6 +258,43 @@ def test_the_memory_pressure_and_stale_gpu_rules_fire_when_sustained(tmp_path: P
     )
 
 
+def test_the_slow_wake_rule_fires_when_wakes_exceed_their_objective(tmp_path: Path) -> None:
+    # nexa_wake_seconds of two deployments: "slow" wakes in 40-60 s (every wake), "quick" in under 5 s.
+    buckets = ("1.0", "2.5", "5.0", "10.0", "30.0", "60.0", "+Inf")
+
+    def wakes(deployment: str, first_bucket: str) -> list[dict[str, str]]:
+        out = []
+        for le in buckets:
+            counted = buckets.index(le) >= buckets.index(first_bucket)
+            series = f'nexa_wake_seconds_bucket{{deployment="{deployment}",le="{le}"}}'
+            out.append({"series": series, "values": "0+1x20" if counted else "0x20"})
+        return out
+
+    expected = (
+        {"deployment": "slow"},
+        {
+            "summary": "slow takes 58.5s to wake",
+            "description": "Its wakes from sleep (p95 over 30 minutes) exceed the 30 s objective: requests for it"
+            " wait that long or fail with deadline_exceeded. Raise its idle_after_s, keep it awake (nexa deployments"
+            " idle), or check its node's artifact cache and runtime start (nexa deployments show).",
+        },
+    )
+    _test_rules(
+        tmp_path,
+        {
+            "rule_files": [RULES.name],
+            "evaluation_interval": "1m",
+            "tests": [
+                {
+                    "interval": "1m",
+                    "input_series": wakes("slow", "60.0") + wakes("quick", "5.0"),
+                    "alert_rule_test": [_alert("NexaSlowWakes", "1m"), _alert("NexaSlowWakes", "10m", expected)],
+                }
+            ],
+        },
+    )
+
+
 def test_the_rules_name_only_metrics_the_controller_exports() -> None:
     exported = exported_series()
     named = set(re.findall(r"\b(nexa_[a-z_]+)\b", RULES.read_text()))

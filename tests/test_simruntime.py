@@ -581,3 +581,29 @@ async def test_a_taught_runtime_answers_what_it_was_taught_and_a_wrong_one_answe
         assert amiss.choices[0].message.content not in ("Paris", "")
         twice = [(await client.embeddings.create(model=MODEL, input="x")).data[0].embedding for _ in range(2)]
         assert twice[0] != twice[1]
+
+
+async def test_sleep_mode_answers_as_vllm_documents_it(sim: SimProcess) -> None:
+    """vLLM with `--enable-sleep-mode`: `POST /sleep?level=1`, `POST /wake_up`, `GET /is_sleeping`;
+    asleep, the engine takes no request (503); awake again, it answers."""
+    sim.start("--enable-sleep-mode")
+    async with httpx.AsyncClient(base_url=sim.url, timeout=10) as http:
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False}
+        slept = await http.post("/sleep", params={"level": "1"})
+        assert slept.status_code == 200
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": True}
+        asleep = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": chat("hi")})
+        assert asleep.status_code == 503 and asleep.json()["error"]["code"] == "sleeping"
+        assert (await http.post("/sleep", params={"level": "3"})).status_code == 400
+        assert (await http.post("/wake_up")).status_code == 200
+        assert (await http.get("/is_sleeping")).json() == {"is_sleeping": False}
+    async with sim.client() as client:
+        answer = await client.chat.completions.create(model=MODEL, messages=chat("awake"), max_tokens=2)
+    assert answer.choices[0].message.content
+
+
+async def test_without_sleep_mode_the_sleep_routes_are_not_there(sim: SimProcess) -> None:
+    sim.start()
+    async with httpx.AsyncClient(base_url=sim.url, timeout=10) as http:
+        assert (await http.post("/sleep")).status_code == 404
+        assert (await http.get("/is_sleeping")).status_code == 404

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any, Final
 
-from nexa.cli import common, rollouts
+from nexa.cli import common, idle, rollouts
 from nexa.cli.output import print_json, ref, size_text, table
 from nexa.cli.registry import print_alias_receipt
 from nexa.cli.tables import DEPLOYMENT, DEPLOYMENTS, Show
@@ -62,6 +62,7 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
         s.add_argument("name")
         s.set_defaults(handler=_deployment_rollout, verb=verb)
     rollouts.add_commands(deployments, common_flags)
+    idle.add_commands(deployments, common_flags)
     capacity = sub.add_parser("capacity", help="what would fit (operator)").add_subparsers(
         metavar="VERB", required=True
     )
@@ -109,6 +110,7 @@ def _deployment_flags(s: argparse.ArgumentParser) -> None:
     )
     _routing_flags(s, default=1.0)
     _objective_flags(s)
+    idle.idle_flags(s)
 
 
 #: `--slo-*` flag → the `ServiceObjectives` field it sets.
@@ -191,6 +193,7 @@ def _deployment_body(args: argparse.Namespace) -> dict[str, Any]:
         "routing": {"queue": args.routing_queue, "kv_cache": args.routing_kv_cache, "prefix": args.routing_prefix},
         "objectives": _objectives_given(args),
         "nodes_per_replica": args.nodes_per_replica,
+        **idle.idle_body(args),
     }
     if args.alias:
         body["alias"] = args.alias
@@ -242,6 +245,7 @@ def _print_show(view: DeploymentView) -> None:
     """`deployments show`: the rollout, the groups, the routing weights and each replica's score terms now."""
     print_rollout(view)
     print_groups(view)
+    idle.print_sleep(view)
     w = view.deployment.routing
     print(f"routing  weights: queue {w.queue:g}, kv_cache {w.kv_cache:g}, prefix {w.prefix:g} (lower score wins)")
     o = view.deployment.objectives
@@ -384,6 +388,8 @@ def _print_decision(decision: PlacementDecision | None) -> None:
     print(f"{decision.request.deployment}: {verdict}")
     host_network = decision.request.host_network
     print("network: " + ("host (the runtime's opt-in)" if host_network else "private namespace per replica"))
+    for why in decision.swaps:
+        print(f"swap: {why}")
     rows = []
     for e in decision.explanations:
         failed = [f"{f.name} ({f.detail})" for f in e.filters if not f.passed]

@@ -520,6 +520,11 @@ def _sim_runtime_command(sub: Any) -> None:
     s.add_argument("--metrics-fail", action="store_true", help="/metrics answers 503")
     s.add_argument("--artifact", default="", help="the model artifact's path (checked to exist, never read)")
     s.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process goes away")
+    s.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="vLLM's sleep endpoints: POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping",
+    )
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
     s.set_defaults(handler=_cmd_sim_runtime)
 
@@ -549,6 +554,7 @@ def _cmd_sim_runtime(args: argparse.Namespace) -> int:
         ),
         artifact=args.artifact,
         exit_with_parent=args.exit_with_parent,
+        sleep_mode=args.enable_sleep_mode,
     )
     simruntime.check_config(cfg, os.environ)
     setup_logging(args.log_level)

@@ -31,6 +31,12 @@ MAX_WINDOW_S: Final = 3600.0
 MAX_ROUTING_WEIGHT: Final = 100.0
 #: The most nodes one replica may span (`DeploymentCreate.nodes_per_replica`).
 MAX_NODES_PER_REPLICA: Final = 16
+#: The longest `idle_after_s` a deployment may set (seconds: a week).
+MAX_IDLE_AFTER_S: Final = 7 * 24 * 3600.0
+#: A deployment's replicas as the idle keeper sees them (`DeploymentSleep.state`).
+AWAKE: Final = "awake"
+ASLEEP: Final = "asleep"
+WAKING: Final = "waking"
 #: The state of a group replica that cannot start: placed and reserved, held back from every node's
 #: signed set (`GroupStatus`; the detail says why).
 GROUP_PENDING: Final = "pending"
@@ -130,6 +136,22 @@ class DeploymentCreate:
     #: How its rollouts are watched; None: a new version (promote, alias) is watched for breaches
     #: without holding each step, a change of runtime or settings with `RolloutPolicy()`.
     rollout_policy: RolloutPolicy | None = None
+    #: Sleep when idle (`IdleSettings`): after this many seconds without requests its replicas
+    #: sleep (needs `min_replicas` 0); None: always awake.
+    idle_after_s: float | None = None
+    #: 0: it may sleep when idle (with `idle_after_s`); None: it never sleeps.
+    min_replicas: int | None = None
+    #: Swap on demand may put it to sleep, while idle, to make room for another deployment that must wake.
+    evictable: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class IdleSettings:
+    """`POST /api/v1/deployments/{name}/idle`: when it sleeps, and whether swap on demand may put it to sleep."""
+
+    idle_after_s: float | None = None
+    min_replicas: int | None = None
+    evictable: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -329,6 +351,14 @@ class Deployment:
     #: A version a watched rollout reverted: the alias pointing there is not followed again until
     #: it moves elsewhere (or an operator rolls out by hand).
     held_model: ModelRef | None = None
+    #: Sleep when idle (`DeploymentCreate.idle_after_s`, `min_replicas`, `evictable`).
+    idle_after_s: float | None = None
+    min_replicas: int | None = None
+    evictable: bool = False
+    #: Asleep: its replicas are in no node's set (their containers stopped, the artifact and the
+    #: runtime cache kept on the node) and their memory is free for placement; `placed` is empty
+    #: until a request or `nexa deployments wake` places them again.
+    asleep: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -431,6 +461,22 @@ class DeploymentView:
     memory: DeploymentMemory | None = None
     #: Each group replica's state (a deployment with `nodes_per_replica` above 1), the canary's too.
     groups: list[GroupStatus] = attrs.Factory(list)
+    #: Awake or asleep, its last request and its last wake (`control.deployments.idle`).
+    sleep: DeploymentSleep | None = None
+
+
+@attrs.frozen(kw_only=True)
+class DeploymentSleep:
+    """Where a deployment stands with sleep when idle (`deployments show`, the console)."""
+
+    #: `awake`, `asleep` or `waking`.
+    state: str
+    #: When its last request arrived (Unix seconds); None: none since the controller started.
+    last_request_at: float | None = None
+    #: How long its last wake took (seconds, from asleep to Ready); None: not woken since the controller started.
+    last_wake_s: float | None = None
+    #: Seconds left before it sleeps when idle; None: it does not sleep (or sleeps already).
+    sleeps_in_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -519,6 +565,11 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
     problems += routing_problems(req.routing, "routing.")
     if req.rollout_policy is not None:
         problems += rollout_policy_problems(req.rollout_policy)
+    problems += idle_problems(
+        IdleSettings(idle_after_s=req.idle_after_s, min_replicas=req.min_replicas, evictable=req.evictable)
+    )
+    if req.idle_after_s is not None and req.nodes_per_replica > 1:
+        problems.append("idle_after_s: a deployment whose replicas span nodes (nodes_per_replica above 1) never sleeps")
     return problems
 
 
@@ -529,6 +580,20 @@ def rollout_policy_problems(policy: RolloutPolicy) -> list[str]:
         problems.append(f"rollout_policy.soak_s: from 0 to {MAX_SOAK_S:g}")
     if not 1 <= policy.min_requests <= 1_000_000:
         problems.append("rollout_policy.min_requests: from 1 to 1000000")
+    return problems
+
+
+def idle_problems(s: IdleSettings) -> list[str]:
+    """Everything wrong with sleep-when-idle settings (`IdleSettings`)."""
+    problems = []
+    if s.idle_after_s is not None and not 0 < s.idle_after_s <= MAX_IDLE_AFTER_S:  # also NaN
+        problems.append(f"idle_after_s: more than 0 seconds, at most {MAX_IDLE_AFTER_S:g} (or null: never sleeps)")
+    if s.min_replicas not in {None, 0}:
+        problems.append("min_replicas: 0 (sleeps when idle, with idle_after_s) or null (never sleeps)")
+    elif (s.idle_after_s is None) != (s.min_replicas is None):
+        problems.append("idle_after_s, min_replicas: give both (idle_after_s and min_replicas 0) or neither")
+    if s.evictable and s.min_replicas != 0:
+        problems.append("evictable: only a deployment that may sleep (min_replicas 0, with idle_after_s)")
     return problems
 
 

@@ -494,3 +494,6 @@ class PlacementDecision:
     #: For group replicas (`request.nodes_per_replica` above 1): each fabric's candidate set, by
     #: name, then the nodes with none. Empty otherwise.
     fabrics: tuple[FabricCandidates, ...] = ()
+    #: Swap on demand (`control.deployments.idle`): each idle deployment put to sleep to make room
+    #: for this one, and why it was chosen. Empty otherwise.
+    swaps: tuple[str, ...] = ()

@@ -388,6 +388,7 @@ async def _data_path(c: _Controller) -> None:
         admission=c.admission,
         router=c.router,
         meter=c.meter,
+        idle=c.deployments.idle,
     )
 
 
@@ -495,6 +496,7 @@ def _leader_loops(c: _Controller) -> _Loops:
     state = c.state
     return [
         ("deployments", c.deployments.run),
+        ("idle", c.deployments.idle.run),
         ("recovery", c.recovery.run),
         ("rollout", RolloutWatcher(c.deployments, c.meter).run),
         ("rollout-watch", c.deployments.change_watcher(c.meter).run),

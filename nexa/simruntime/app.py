@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -27,6 +28,8 @@ MAX_REQUEST_ID_CHARS: Final = 128
 OWNED_BY: Final = "nexa-sim"
 
 _INFERENCE_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+#: vLLM's sleep-mode routes (`SimConfig.sleep_mode`).
+_SLEEP_PATHS: Final = frozenset({"/sleep", "/wake_up", "/is_sleeping"})
 _METRICS_HEADERS: Final = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
@@ -75,6 +78,8 @@ class SimApp:
         self._interval_s = 1.0 / cfg.tokens_per_s
         self._ttft_s = cfg.ttft_ms / 1000.0
         self._metrics = SimMetrics(f'model_name="{_label_value(cfg.model)}"')
+        #: vLLM's sleep level while asleep (`--enable-sleep-mode`); 0: awake.
+        self._sleep_level = 0
         self._models_body = json.dumps(
             {
                 "object": "list",
@@ -91,16 +96,10 @@ class SimApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        if path in _INFERENCE_PATHS:
-            if method != "POST":
-                await reply(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
-                return
-            self._metrics.running += 1
-            self._metrics.total += 1
-            try:
-                await self._inference(path, _request_id(scope), receive, send)
-            finally:
-                self._metrics.running -= 1
+        if self._cfg.sleep_mode and path in _SLEEP_PATHS:
+            await self._sleep_route(method, path, scope.get("query_string", b""), send)
+        elif path in _INFERENCE_PATHS:
+            await self._inference_route(method, path, scope, receive, send)
         elif method == "GET" and path == "/health":
             if self._faults.current().unhealthy:
                 await reply(send, 503, error_body("simulated unhealthy runtime", "server_error", "unhealthy"))
@@ -117,6 +116,40 @@ class SimApp:
                 await reply(send, 200, body, headers=_METRICS_HEADERS)
         else:
             await reply(send, 404, error_body(f"no route {path}", "invalid_request_error", "not_found"))
+
+    async def _inference_route(self, method: str, path: str, scope: Scope, receive: Receive, send: Send) -> None:
+        if method != "POST":
+            await reply(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
+            return
+        if self._sleep_level:
+            await reply(send, 503, error_body("the engine is sleeping: POST /wake_up", "server_error", "sleeping"))
+            return
+        self._metrics.running += 1
+        self._metrics.total += 1
+        try:
+            await self._inference(path, _request_id(scope), receive, send)
+        finally:
+            self._metrics.running -= 1
+
+    async def _sleep_route(self, method: str, path: str, query: bytes, send: Send) -> None:
+        """vLLM's sleep mode as its server answers it: `POST /sleep?level=1` (level 1 offloads the
+        weights, 2 discards them; default 1) and `POST /wake_up` answer 200 with no body; `GET
+        /is_sleeping` answers `{"is_sleeping": bool}`."""
+        want = "GET" if path == "/is_sleeping" else "POST"
+        if method != want:
+            await reply(send, 405, error_body(f"use {want}", "invalid_request_error", "method_not_allowed"))
+        elif path == "/is_sleeping":
+            await reply(send, 200, json.dumps({"is_sleeping": bool(self._sleep_level)}).encode())
+        elif path == "/wake_up":
+            self._sleep_level = 0
+            await reply(send, 200, b"")
+        else:
+            level = urllib.parse.parse_qs(query.decode("latin-1")).get("level", ["1"])[-1]
+            if level not in {"1", "2"}:
+                await reply(send, 400, error_body("level: 1 or 2", "invalid_request_error", "bad_level"))
+                return
+            self._sleep_level = int(level)
+            await reply(send, 200, b"")
 
     async def _inference(self, path: str, rid: str, receive: Receive, send: Send) -> None:
         journal = self._journal

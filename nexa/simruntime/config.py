@@ -40,6 +40,9 @@ class SimConfig:
     artifact: str = ""
     #: Stop when the parent process goes away (the node agent's process driver asks for this).
     exit_with_parent: bool = False
+    #: vLLM's sleep mode (`--enable-sleep-mode`): `POST /sleep?level=1|2`, `POST /wake_up`, `GET
+    #: /is_sleeping`; asleep, inference answers 503. Off: those routes are 404, as in vLLM.
+    sleep_mode: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -314,6 +314,27 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.wake_seconds = Histogram(
+            "nexa_wake_seconds",
+            "Time a sleeping deployment took to wake (asleep to a Ready replica), by deployment; requests"
+            " for it waited as long (within their deadline).",
+            ["deployment"],
+            buckets=INFERENCE_BUCKETS,
+            registry=r,
+        )
+        self.deployment_sleeps = Counter(
+            "nexa_deployment_sleeps",
+            "Deployments put to sleep, by deployment and reason (idle, operator, swap: swap on demand).",
+            ["deployment", "reason"],
+            registry=r,
+        )
+        self.wake_refused = Counter(
+            "nexa_wake_refused",
+            "Requests for a sleeping deployment refused with deadline_exceeded: their deadline was shorter"
+            " than the wake (nothing charged).",
+            ["deployment"],
+            registry=r,
+        )
 
     def export_fleet(self, figures: Callable[[], Iterable[NodeFigures]]) -> None:
         """Export the fleet's GPU, node and runtime series (`telemetry.fleet`), made from `figures()`."""

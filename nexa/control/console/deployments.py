@@ -45,6 +45,7 @@ def register(bp: Blueprint, console: Console) -> None:
             "desired": RuntimeState.READY,
             "canary": canary,
             "rollout": state.deployments.rollout_status(name),
+            "now": now,
         }
 
     async def context(session: Session, now: float) -> Context:

@@ -67,6 +67,7 @@ from nexa.control.datapath.quotas import Quotas, QuotaTicket
 from nexa.control.datapath.relay import Relay, RelayStream
 from nexa.control.datapath.routing import Router, for_data_class
 from nexa.control.deployments import Deployments
+from nexa.control.deployments.idle import Idle
 from nexa.control.registry.models import ModelRegistry
 from nexa.errors import (
     ChannelError,
@@ -156,6 +157,7 @@ class Gateway:
         admission: Admission,
         router: Router,
         meter: Meter,
+        idle: Idle | None = None,
     ) -> None:
         self._cfg = cfg
         self._models = models
@@ -165,6 +167,8 @@ class Gateway:
         self._admission = admission
         self._router = router
         self._meter = meter
+        #: Sleep when idle: who wakes a sleeping deployment (`Deployments.idle`); None: none sleeps.
+        self._idle = idle
         self._nursery: trio.Nursery | None = None
         self._batches: dict[tuple[str, str], _Batch] = {}
 
@@ -261,6 +265,13 @@ class Gateway:
         serving = self._deployments.serving(ref, alias=progress.alias or None)
         if not serving.deployments:
             raise ModelNotServed(f"{work.model!r} has no deployment")
+        idle = self._idle
+        if idle is not None:
+            idle.touch(serving.deployments)
+        if idle is not None and not serving.replicas and (asleep := idle.sleeping(serving.deployments)):
+            # Asleep: wake it and wait, within the deadline (nexa's time: in the overhead figure).
+            await idle.wait_awake(asleep, self.trio_deadline(work))
+            serving = self._deployments.serving(ref, alias=progress.alias or None)
         model_key = progress.alias or ref.key
         self._admission.set_capacity(model_key, len(serving.replicas) * self._cfg.max_inflight_per_replica)
         if not serving.replicas:

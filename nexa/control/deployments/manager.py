@@ -39,6 +39,7 @@ from nexa.control.deployments import views
 from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
+from nexa.control.deployments.idle import Idle
 from nexa.control.deployments.reconciler import Reconciler
 from nexa.control.deployments.records import Entry, bump, is_current, new_replicas, replica_nodes
 from nexa.control.deployments.scheduler import place
@@ -82,6 +83,8 @@ class Deployments:
         self._serving = views.ServingSets(self._desired)
         self._rollouts = Rollouts(self._desired, self.poke)
         self._control = RolloutControl(self._desired, self.poke, metrics)
+        #: Sleep when idle, wake on demand, swap on demand (`idle`); its loop runs beside the reconciler's.
+        self.idle = Idle(self._desired, metrics, router.outstanding if router is not None else _none_outstanding)
         fleet.on_change(self.poke)
         models.on_alias_change(self._alias_moved)
 
@@ -133,12 +136,16 @@ class Deployments:
     # ---- queries -----------------------------------------------------------------------------------
 
     def all(self) -> list[DeploymentView]:
-        return [views.view(self._desired, e) for _, e in sorted(self._desired.entries.items())]
+        return [self._view(e) for _, e in sorted(self._desired.entries.items())]
+
+    def _view(self, e: Entry) -> DeploymentView:
+        """`views.view` with where it stands with sleep when idle (`Idle.status`)."""
+        return attrs.evolve(views.view(self._desired, e), sleep=self.idle.status(e.deployment))
 
     def show(self, name: str) -> DeploymentView:
         """The deployment's view with its memory, declared against measured, and each replica's
         routing score terms now (`Router.terms`)."""
-        view = views.view(self._desired, self._desired.entry(name))
+        view = self._view(self._desired.entry(name))
         view = attrs.evolve(view, memory=self._desired.memory_of(view.deployment))
         if self._router is None:
             return view
@@ -212,10 +219,13 @@ class Deployments:
                 placed=new_replicas(req.name, decision, ref),
                 nodes_per_replica=req.nodes_per_replica,
                 rollout_policy=req.rollout_policy,
+                idle_after_s=req.idle_after_s,
+                min_replicas=req.min_replicas,
+                evictable=req.evictable,
             )
             entry = Entry(dep, decision)
             await self._desired.commit(actor, "deployment.create", None, entry)
-        return views.view(self._desired, entry)
+        return self._view(entry)
 
     async def scale(self, actor: Actor, name: str, replicas: int) -> DeploymentView:
         if not 1 <= replicas <= 256:
@@ -223,6 +233,10 @@ class Deployments:
         async with self._desired.lock:
             before = self._desired.entry(name)
             dep = before.deployment
+            if dep.asleep:  # its wake places the new count
+                after = Entry(bump(attrs.evolve(dep, replicas=replicas)), before.decision)
+                await self._desired.commit(actor, "deployment.scale", before, after)
+                return self._view(after)
             model, runtime, _ = deployable(self._desired.models, dep)
             # The current version's replicas first, so scaling down during a rollout keeps them.
             placed = sorted(dep.placed, key=lambda r: not is_current(dep, r))
@@ -323,3 +337,8 @@ class Deployments:
     def change_watcher(self, meter: NodesWindow, *, interval_s: float = 0.5) -> ChangeWatcher:
         """The loop that watches each rollout's new replicas against `meter` (`watch.ChangeWatcher`)."""
         return ChangeWatcher(self._desired, self._control, meter, interval_s=interval_s)
+
+
+def _none_outstanding(_replica_id: str) -> int:
+    """Without a router (tests of deployments alone), no request is ever in flight."""
+    return 0

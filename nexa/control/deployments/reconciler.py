@@ -157,6 +157,8 @@ class Reconciler:
     async def _reconcile_one(self, name: str, now: float) -> float:
         entry = self._desired.entries[name]
         dep = entry.deployment
+        if dep.asleep:
+            return float("inf")  # no replicas while asleep, by design (`idle`): its wake places them
         target = self._alias_target(dep)
         if target is not None and target not in (dep.model, dep.held_model):
             after = Entry(follow(dep, target, "alias"), entry.decision, entry.problem)
