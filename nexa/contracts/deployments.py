@@ -34,6 +34,8 @@ MAX_NODES_PER_REPLICA: Final = 16
 #: The state of a group replica that cannot start: placed and reserved, held back from every node's
 #: signed set (`GroupStatus`; the detail says why).
 GROUP_PENDING: Final = "pending"
+#: The names of evaluation replicas (`EvalBinding`) start with this; no other deployment may.
+EVAL_PREFIX: Final = "nexa-eval-"
 
 
 @attrs.frozen(kw_only=True)
@@ -218,6 +220,20 @@ class Rollout:
 
 
 @attrs.frozen(kw_only=True)
+class EvalBinding:
+    """What makes a deployment an evaluation replica (`nexa eval run SUITE --model NAME@VERSION`):
+    a short-lived deployment of a model version not yet Approved perhaps, named `EVAL_PREFIX`
+    plus a random part, that no alias points at and that the gateway serves only to requests naming
+    it as their model and authenticated by `key_id`. The controller removes it when `job` is no
+    longer running or at `expires_at`, whichever comes first."""
+
+    job: str
+    key_id: str
+    suite: str
+    expires_at: float
+
+
+@attrs.frozen(kw_only=True)
 class Deployment:
     """A deployment as the controller keeps it (desired state plus where its replicas are)."""
 
@@ -246,6 +262,8 @@ class Deployment:
     objectives: ServiceObjectives = attrs.Factory(ServiceObjectives)
     #: The nodes each replica spans (`DeploymentCreate.nodes_per_replica`).
     nodes_per_replica: int = 1
+    #: Set on an evaluation replica (`nexa eval run --model`): hidden from clients, see `EvalBinding`.
+    eval: EvalBinding | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -407,6 +425,8 @@ class PlacementView:
 def deployment_problems(req: DeploymentCreate) -> list[str]:
     """Everything wrong with a request's shape (not whether the registry or the fleet allow it)."""
     problems = [p for p in (name_problem("name", req.name), name_problem("runtime", req.runtime)) if p]
+    if req.name.startswith(EVAL_PREFIX):
+        problems.append(f"name: {EVAL_PREFIX}* is kept for evaluation replicas (`nexa eval run --model`)")
     if (req.alias is None) == (req.model is None):
         problems.append("alias, model: give exactly one (an alias, or a pinned model version)")
     if req.alias is not None and (p := name_problem("alias", req.alias)):

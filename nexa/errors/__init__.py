@@ -56,6 +56,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
     - DeployModelUnknown [model_unknown]: no such alias or model version
+    - DeployModelUnverified [model_not_verified]: an evaluation replica of a version not Verified (or later), or Retired
     - DeployRuntimeUnknown [runtime_unknown]: no runtime registered (and checked) under that name
     - Unplaceable [unplaceable]: no placement fits; the message explains every node
     - MemoryOverReservation [memory_over_reservation]: a memory setting would claim more of a unified pool than reserved
@@ -190,6 +191,7 @@ from nexa.errors.registry import CheckpointRejected as CheckpointRejected
 from nexa.errors.registry import DeployLicenseInvalid as DeployLicenseInvalid
 from nexa.errors.registry import DeployModelNotApproved as DeployModelNotApproved
 from nexa.errors.registry import DeployModelUnknown as DeployModelUnknown
+from nexa.errors.registry import DeployModelUnverified as DeployModelUnverified
 from nexa.errors.registry import DeployRuntimeUnknown as DeployRuntimeUnknown
 from nexa.errors.registry import DigestUnknown as DigestUnknown
 from nexa.errors.registry import IllegalTransition as IllegalTransition

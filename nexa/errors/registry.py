@@ -97,6 +97,13 @@ class DeployModelUnknown(NotDeployable):
     code = "model_unknown"
 
 
+class DeployModelUnverified(NotDeployable):
+    """An evaluation replica (`nexa eval run --model`) of a version whose artifact the controller has
+    not verified yet (Candidate), or that is Retired."""
+
+    code = "model_not_verified"
+
+
 class DeployRuntimeUnknown(NotDeployable):
     code = "runtime_unknown"
 

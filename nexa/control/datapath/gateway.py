@@ -45,7 +45,7 @@ import trio
 
 from nexa.config import GatewayConfig
 from nexa.contracts import wire
-from nexa.contracts.deployments import ServingReplica, ServingSet
+from nexa.contracts.deployments import EVAL_PREFIX, ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, CallOutcome, Capability, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
@@ -234,7 +234,9 @@ class Gateway:
 
     # ---- the pipeline ------------------------------------------------------------------------------
 
-    def _resolve(self, name: str) -> tuple[str, ModelRef]:
+    def _resolve(self, name: str, key_id: KeyId) -> tuple[str, ModelRef]:
+        if name.startswith(EVAL_PREFIX):  # an evaluation replica, only for its evaluation's key
+            return name, self._deployments.eval_model(name, key_id)
         model_name, sep, version = name.partition(":")
         try:
             if sep:
@@ -256,7 +258,7 @@ class Gateway:
         with the tokens of the outcome), and last the usage record of the outcome."""
         work = progress.work
         stack.callback(self._record, progress)
-        progress.alias, ref = self._resolve(work.model)
+        progress.alias, ref = self._resolve(work.model, work.key_id)
         progress.model = ref
         serving = self._deployments.serving(ref, alias=progress.alias or None)
         if not serving.deployments:

@@ -5,6 +5,7 @@ and made once per change: `ServingSets` keeps it until a deployment or the fleet
 from __future__ import annotations
 
 from nexa.contracts.deployments import (
+    EVAL_PREFIX,
     GROUP_PENDING,
     DeploymentView,
     GroupMemberStatus,
@@ -58,13 +59,18 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
     A Draining node takes no new requests while any other Ready replica serves the model. Only
     when none does (its replacements, started before it stops, are not Ready yet) do its Ready
     replicas keep serving: a drain never causes a moment without a replica that answers.
+
+    An evaluation replica (`evalreplica`) serves only when `alias` is its name, and then alone.
     """
     replicas: list[ServingReplica] = []
     draining: list[ServingReplica] = []
     names: list[str] = []
     weight = 0.0
+    hidden = alias is not None and alias.startswith(EVAL_PREFIX)
     for name, entry in desired.entries.items():
         dep = entry.deployment
+        if (hidden or dep.eval is not None) and name != alias:
+            continue
         mine = dep.model == model or (alias is not None and dep.alias == alias)
         leaving = dep.rollout is not None and dep.rollout.from_ == model
         if not (mine or leaving):
