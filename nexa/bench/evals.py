@@ -32,7 +32,7 @@ from nexa.bench.gateway import Gateway
 from nexa.client import ApiClient
 from nexa.contracts import codec
 from nexa.contracts import evals as ev
-from nexa.contracts.deployments import DeploymentView
+from nexa.contracts.deployments import CANARY_EVAL_PREFIX, DeploymentView
 from nexa.contracts.domain import parse_api_key
 from nexa.contracts.evidence import Job, JobCreate, JobKind, JobState, JobUpdate
 from nexa.contracts.models import ModelRef
@@ -70,6 +70,8 @@ class EvalPlan:
     like: str | None = None
     runtime: str | None = None
     ready_timeout_s: float = 600.0
+    #: Run against `deployment`'s canary replicas alone (the canary version's evaluation).
+    canary: bool = False
 
 
 class EvalRunner:
@@ -99,8 +101,12 @@ class EvalRunner:
         if plan.evaluate is None:
             assert plan.deployment is not None
             self._deployment = plan.deployment
-            model = plan.model or await self._served_name(plan.deployment, ready=True)
-            on = plan.deployment
+            if plan.canary:
+                model = await self._canary_name(plan.deployment)
+                on = f"{plan.deployment}'s canary"
+            else:
+                model = plan.model or await self._served_name(plan.deployment, ready=True)
+                on = plan.deployment
         else:
             on = f"{plan.evaluate.model}@{plan.evaluate.version} (an evaluation replica)"
         title = f"eval {plan.suite} on {on} ({len(parsed.cases)} cases)"
@@ -124,6 +130,7 @@ class EvalRunner:
                 min_pass_rate=plan.min_pass_rate,
                 job=self._job,
                 client_version=__version__,
+                canary=plan.canary,
             )
             return await self._call(self._api.post, "/api/v1/eval/runs", ev.EvalRun, body=_body(create))
         except BaseException as exc:
@@ -318,12 +325,7 @@ class EvalRunner:
     async def _served_name(self, deployment: str, *, ready: bool = False) -> str:
         """The model name a client calls `deployment` by (its alias, or its model's name)."""
         if deployment not in self._served:
-            try:
-                view = await self._call(self._api.get, f"/api/v1/deployments/{deployment}", DeploymentView)
-            except RemoteError as exc:
-                if exc.status == 404:
-                    raise NotFound(f"no deployment {deployment!r}: `nexa deployments list` shows them") from None
-                raise
+            view = await self._view(deployment)
             if ready and view.ready < 1:
                 raise Unavailable(
                     f"deployment {deployment!r} has no Ready replica: wait until `nexa deployments show "
@@ -331,6 +333,25 @@ class EvalRunner:
                 )
             self._served[deployment] = view.deployment.alias or view.deployment.model.model
         return self._served[deployment]
+
+    async def _canary_name(self, deployment: str) -> str:
+        """The model name that reaches `deployment`'s canary replicas alone; Unavailable while none is Ready."""
+        view = await self._view(deployment)
+        if view.deployment.canary is None or view.canary_ready < 1:
+            raise Unavailable(
+                f"deployment {deployment!r} has no Ready canary replica: start one (`nexa deployments canary`) "
+                "and wait until `nexa deployments show` shows it Ready"
+            )
+        return CANARY_EVAL_PREFIX + deployment
+
+    async def _view(self, deployment: str) -> DeploymentView:
+        try:
+            view: DeploymentView = await self._call(self._api.get, f"/api/v1/deployments/{deployment}", DeploymentView)
+        except RemoteError as exc:
+            if exc.status == 404:
+                raise NotFound(f"no deployment {deployment!r}: `nexa deployments list` shows them") from None
+            raise
+        return view
 
     async def _update_job(self, progress: float, summary: str) -> None:
         if self._job is not None:

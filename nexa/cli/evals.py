@@ -79,6 +79,11 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
         metavar="NAME@VERSION",
         help="run against a new evaluation replica of this version (Approved or not), removed afterwards",
     )
+    s.add_argument(
+        "--canary",
+        action="store_true",
+        help="with --deployment: run against its canary replicas alone (what a canary's suite gate asks)",
+    )
     s.add_argument("--like", metavar="DEPLOYMENT", help="with --model: run the replica like this deployment")
     s.add_argument(
         "--runtime", metavar="NAME", help="with --model: run the replica on this runtime (default resources)"
@@ -186,6 +191,7 @@ def _run(args: argparse.Namespace) -> int:
         like=args.like,
         runtime=args.runtime,
         ready_timeout_s=args.ready_timeout_s,
+        canary=args.canary,
     )
 
     def progress(done: int, total: int) -> None:
@@ -205,6 +211,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _replica_flags(args: argparse.Namespace) -> ModelRef | None:
     """`--model NAME@VERSION` and the flags that go with it, checked; None without --model."""
+    if args.canary and (args.model is not None or args.call_as):
+        raise ConfigError("--canary goes with --deployment alone (the canary's replicas are called by their own name)")
     if args.model is None:
         if args.like or args.runtime:
             raise ConfigError("--like and --runtime go with --model NAME@VERSION (a new evaluation replica)")

@@ -36,6 +36,9 @@ MAX_NODES_PER_REPLICA: Final = 16
 GROUP_PENDING: Final = "pending"
 #: The names of evaluation replicas (`EvalBinding`) start with this; no other deployment may.
 EVAL_PREFIX: Final = "nexa-eval-"
+#: The model name that reaches only deployment D's canary replicas is this plus D
+#: (`nexa eval run SUITE --deployment D --canary`).
+CANARY_EVAL_PREFIX: Final = EVAL_PREFIX + "canary."
 
 
 @attrs.frozen(kw_only=True)
@@ -180,6 +183,16 @@ class CanaryObjective:
 
 
 @attrs.frozen(kw_only=True)
+class CanarySuite:
+    """A suite a canary must pass before it is promoted: a measured run of `suite` against its own
+    replicas (`nexa eval run SUITE --deployment D --canary`), recorded since it started, with every
+    metric's pass rate at least `min_pass_rate`."""
+
+    suite: str
+    min_pass_rate: float = 1.0
+
+
+@attrs.frozen(kw_only=True)
 class CanaryCreate:
     """`POST /api/v1/deployments/{name}/canary`: run `model` beside the deployment on extra replicas."""
 
@@ -189,6 +202,8 @@ class CanaryCreate:
     #: Share of the deployment's requests (strictly between 0 and 1) sent to the canary.
     weight: float
     objective: CanaryObjective = CanaryObjective()
+    #: A suite to pass before promotion (else 409 `canary_suite_unmet`); None: none.
+    suite: CanarySuite | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -203,6 +218,7 @@ class Canary:
     placed: list[Replica]
     started_at: float
     started_by: str | None
+    suite: CanarySuite | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -486,4 +502,9 @@ def canary_problems(req: CanaryCreate) -> list[str]:
         problems.append(f"objective.window_s: more than 0, at most {MAX_WINDOW_S:g}")
     if o.min_requests < 1:
         problems.append("objective.min_requests: 1 or more")
+    if req.suite is not None:
+        if p := name_problem("suite.suite", req.suite.suite):
+            problems.append(p)
+        if not 0 <= req.suite.min_pass_rate <= 1:  # also False for NaN
+            problems.append("suite.min_pass_rate: from 0 to 1")
     return problems

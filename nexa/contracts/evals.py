@@ -198,6 +198,8 @@ class EvalRunCreate:
     min_pass_rate: float = 1.0
     job: str | None = None
     client_version: str = ""
+    #: Run against the deployment's canary replicas alone (`--canary`): the canary version's evaluation.
+    canary: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -46,6 +46,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ModelInUse [model_in_use]: a model an alias points at cannot be retired
     - RolloutInProgress [rollout_in_progress]: a deployment already runs a canary or a rollout
     - NoCanary [no_canary]: promoting a deployment that runs no canary
+    - CanarySuiteUnmet [canary_suite_unmet]: promoting a canary its suite has not passed against yet
     - NothingToRollBack [nothing_to_roll_back]: a deployment with no canary and no earlier promotion to return to
     - WorkloadAlreadyActive [workload_already_active]: that workload id is still running
     - NotRecovering [not_recovering]: `nexa recovery finish` while the controller is not recovering
@@ -187,6 +188,7 @@ from nexa.errors.engine import SimulationDisabled as SimulationDisabled
 from nexa.errors.registry import AlreadyExists as AlreadyExists
 from nexa.errors.registry import ApprovalRequirementsUnmet as ApprovalRequirementsUnmet
 from nexa.errors.registry import ArtifactMissing as ArtifactMissing
+from nexa.errors.registry import CanarySuiteUnmet as CanarySuiteUnmet
 from nexa.errors.registry import CheckpointRejected as CheckpointRejected
 from nexa.errors.registry import DeployLicenseInvalid as DeployLicenseInvalid
 from nexa.errors.registry import DeployModelNotApproved as DeployModelNotApproved

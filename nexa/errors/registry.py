@@ -71,6 +71,13 @@ class RolloutInProgress(Conflict):
     code = "rollout_in_progress"
 
 
+class CanarySuiteUnmet(Conflict):
+    """Promoting a canary started with a suite (`CanaryCreate.suite`) before a measured run of it
+    against the canary's replicas passed."""
+
+    code = "canary_suite_unmet"
+
+
 class NoCanary(Conflict):
     code = "no_canary"
 

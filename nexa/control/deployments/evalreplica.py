@@ -16,7 +16,7 @@ import time
 
 import attrs
 
-from nexa.contracts.deployments import EVAL_PREFIX, Deployment, DeploymentCreate, EvalBinding
+from nexa.contracts.deployments import CANARY_EVAL_PREFIX, EVAL_PREFIX, Deployment, DeploymentCreate, EvalBinding
 from nexa.contracts.domain import Actor
 from nexa.contracts.evals import EvalReplicaCreate
 from nexa.contracts.models import ModelRecord, ModelRef, ModelState
@@ -141,7 +141,16 @@ def bound(desired: Desired) -> list[Deployment]:
 
 def served_to(desired: Desired, name: str, key_id: str) -> ModelRef:
     """The version evaluation replica `name` runs, for a request authenticated by `key_id`:
-    404 when there is no such replica, 403 for any other key than its evaluation's."""
+    404 when there is no such replica, 403 for any other key than its evaluation's.
+
+    `CANARY_EVAL_PREFIX` + D names deployment D's canary replicas alone (a canary's suite run):
+    the canary's version, for any key (those replicas serve clients' requests already)."""
+    if name.startswith(CANARY_EVAL_PREFIX):
+        deployment = name.removeprefix(CANARY_EVAL_PREFIX)
+        found = desired.entries.get(deployment)
+        if found is None or found.deployment.canary is None:
+            raise ModelNotServed(f"deployment {deployment!r} runs no canary")
+        return found.deployment.canary.model
     entry = desired.entries.get(name)
     if entry is None or entry.deployment.eval is None:
         raise ModelNotServed(f"no evaluation replica {name!r} runs (its evaluation ended)")

@@ -37,7 +37,7 @@ from nexa.control.access.accounts import audit_draft
 from nexa.control.deployments import Deployments
 from nexa.control.operations.jobs import Jobs
 from nexa.control.registry.models import ModelRegistry
-from nexa.errors import Conflict, ContractError, NotFound
+from nexa.errors import Conflict, ContractError, NoCanary, NotFound
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -120,6 +120,11 @@ class Evals:
         if problems := _case_problems(parsed, req.cases):
             raise ContractError("the run does not match its suite: " + "; ".join(problems), problems=tuple(problems))
         dep = self._deployment(req.deployment, "the run names")
+        version = dep.model
+        if req.canary:
+            if dep.canary is None:
+                raise NoCanary(f"deployment {dep.name} runs no canary: the run against its canary cannot be recorded")
+            version = dep.canary.model
         job = None if req.job is None else await self._jobs.get(req.job)
         if job is not None and job.kind is not JobKind.EVAL:
             raise ContractError(f"job {job.id} is a {job.kind.value} job, not an evaluation's", problems=("job: kind",))
@@ -133,8 +138,8 @@ class Evals:
             metrics[f"{s.metric}.mean"] = s.mean
         evaluation = EvaluationRecord(
             id="eval_" + secrets.token_hex(8),
-            model=dep.model.model,
-            version=dep.model.version,
+            model=version.model,
+            version=version.version,
             suite=req.suite,
             metrics=metrics,
             passed=passed,
@@ -152,8 +157,8 @@ class Evals:
             suite=req.suite,
             digest=req.digest,
             deployment=req.deployment,
-            model=dep.model.model,
-            version=dep.model.version,
+            model=version.model,
+            version=version.version,
             passed=passed,
             summaries=summaries,
             evaluation=None if kept is None else kept.id,
@@ -163,7 +168,7 @@ class Evals:
         )
         verdict = "passed" if passed else "failed"
         line = ", ".join(f"{s.metric} {s.pass_rate:.3f}" for s in summaries)
-        what = f"{req.suite} on {req.deployment} ({dep.model.key}): {verdict}; {line}"
+        what = f"{req.suite} on {req.deployment} ({version.key}{', canary' if req.canary else ''}): {verdict}; {line}"
         draft = audit_draft(actor, "eval.run.record", f"eval-run/{run.id}", None, run, detail=what[:300])
         event = await self._store.run(st.insert_eval_run, run, draft)
         self._metrics.audit_events.labels(event.result.value).inc()
