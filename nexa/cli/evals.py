@@ -43,7 +43,10 @@ least, its licence valid): a short-lived evaluation replica of it is started, li
 deployment (--like) or on a runtime (--runtime), which no alias points at and only the inference
 key given may call; it is removed when the run ends, also when it fails or is interrupted, and the
 controller removes it itself once the run's job is no longer running. The measured evaluation is
-the version's, so `[models] approval_requires` can be met before approval."""
+the version's, so `[models] approval_requires` can be met before approval.
+
+With --deployment D --canary, the cases go to D's canary replicas alone and the result is the
+canary version's evaluation: what a canary started with --suite needs before it is promoted."""
 
 
 def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:

@@ -24,6 +24,10 @@ the gateway's own nursery, and each caller gets its slice back re-indexed. The r
 one `usage` for the batch; each caller is charged a share proportional to the characters of its
 inputs (the last one gets the rounding remainder).
 
+A model name starting `nexa-eval-` names an evaluation replica (served only to its evaluation's
+key, and never under an alias or pinned version) or, `nexa-eval-canary.D`, deployment D's canary
+replicas alone (`control.deployments.evalreplica`).
+
 Nothing here reads or logs a payload beyond what routing needs (the prompt prefix, hashed for
 affinity, and embedding inputs while they are being batched); no payload is ever stored.
 """
