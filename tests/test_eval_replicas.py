@@ -146,6 +146,22 @@ async def test_the_replica_serves_only_its_evaluation_key_and_goes_when_the_job_
     with pytest.raises(openai.NotFoundError):
         await trio.to_thread.run_sync(ask, bound, name)
 
+    # The finished job takes no new replica (409); a bad shape is 400; neither starts anything.
+    async with cluster.client() as http:
+        finished = await http.post("/api/v1/eval/replicas", json=dict(body, like="chat-a"))
+        assert finished.status_code == 409 and "cancelled" in finished.text
+        job = await ok(http.post("/api/v1/jobs", json={"kind": "eval", "title": "short"}), 201)
+        shaped = dict(body, job=job["id"], like="chat-a", key_id="nope", ttl_s=0)
+        bad = await http.post("/api/v1/eval/replicas", json=shaped)
+        assert bad.status_code == 400 and "key_id" in bad.text and "ttl_s" in bad.text
+        # A replica whose time is up goes although its job still runs.
+        short = await ok(http.post("/api/v1/eval/replicas", json=dict(shaped, key_id=key_id, ttl_s=1)), 201)
+    with trio.fail_after(SWEEP_S * 10):
+        await wait_until("the expired replica removed", lambda: _gone(cluster, short["deployment"]))
+    async with cluster.client() as http:
+        stops = [e for e in await audit_events(http) if e["action"] == "eval.replica.stop"]
+    assert stops[-1]["target"] == f"deployment/{short['deployment']}" and "time was up" in stops[-1]["detail"]
+
 
 async def _gone(cluster: SimCluster, name: str) -> bool:
     return not any(d.startswith(name) for d in await eval_deployments(cluster))
