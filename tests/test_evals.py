@@ -28,7 +28,7 @@ from nexa.control.registry.models import ModelRegistry
 from tests.conftest import Controller, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
-from tests.support.cluster import SimCluster, gateway_cluster, new_key
+from tests.support.cluster import SimCluster, gateway_cluster, new_key, wait_until
 from tests.support.models import bring_to, registry_config
 
 pytestmark = pytest.mark.slow
@@ -290,3 +290,52 @@ async def test_a_key_that_may_not_use_the_deployment_is_refused_and_nothing_is_r
     assert [j["state"] for j in jobs] == [JobState.FAILED]
     model = await get(cluster, "/api/v1/models/tiny/v1")
     assert not any(e["measured"] for e in model["evaluations"])
+
+
+async def test_a_canary_with_a_suite_is_promoted_only_once_the_suite_passed_against_its_replicas(
+    cluster: SimCluster,
+) -> None:
+    assert (await register(cluster, "qa", lines(CASES[:3]))).returncode == 0
+    canary = {
+        "model": {"model": "tiny", "version": "v2"},
+        "weight": 0.1,
+        "suite": {"suite": "qa", "min_pass_rate": 0.9},
+    }
+    async with cluster.client() as http:
+        await bring_to(http, cluster.s3, "tiny", "v2", "Approved")
+        bad = await http.post(
+            "/api/v1/deployments/chat-a/canary", json=dict(canary, suite={"suite": "qa", "min_pass_rate": 2})
+        )
+        assert bad.status_code == 400 and "suite.min_pass_rate" in bad.text
+        await ok(http.post("/api/v1/deployments/chat-a/canary", json=canary), 201)
+
+    async def canary_ready() -> bool:
+        return bool((await get(cluster, "/api/v1/deployments/chat-a"))["canary_ready"])
+
+    await wait_until("the canary Ready", canary_ready)
+    async with cluster.client() as http:
+        refused = await http.post("/api/v1/deployments/chat-a/promote")
+    assert refused.status_code == 409, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "canary_suite_unmet"
+    assert "nexa eval run qa --deployment chat-a --canary" in error["message"]
+
+    # A run against the deployment measures its stable version (v1): it does not count for the canary.
+    stable = codec.loads(codec.api, (await run(cluster, "--json")).stdout, EvalRun)
+    assert (stable.version, stable.passed) == ("v1", True)
+    async with cluster.client() as http:
+        assert (await http.post("/api/v1/deployments/chat-a/promote")).status_code == 409
+
+    # The canary run reaches the canary's replicas alone: the stable replica's node now answers wrong.
+    dep = (await get(cluster, "/api/v1/deployments/chat-a"))["deployment"]
+    stable, on = dep["placed"][0]["node_id"], dep["canary"]["placed"][0]["node_id"]
+    assert stable != on  # spread over the two nodes
+    next(n for n in cluster.nodes if n.node_id == stable).set_faults(taught=TAUGHT, wrong=True)
+    measured = await run(cluster, "--canary", "--json")
+    assert measured.returncode == 0, measured.stderr
+    on_canary = codec.loads(codec.api, measured.stdout, EvalRun)
+    assert (on_canary.model, on_canary.version, on_canary.deployment) == ("tiny", "v2", "chat-a")
+    assert on_canary.passed
+    async with cluster.client() as http:
+        promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
+    assert promoted["deployment"]["deployment"]["model"] == {"model": "tiny", "version": "v2"}

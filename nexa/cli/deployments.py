@@ -53,6 +53,8 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("--max-p95-ms", type=float, help="roll back above this p95 latency (default: not checked)")
     s.add_argument("--window-s", type=float, default=60.0, help="the window the figures cover")
     s.add_argument("--min-requests", type=int, default=20, help="fewer requests in the window decide nothing")
+    s.add_argument("--suite", help="promote only once this suite passed against the canary (`nexa eval run --canary`)")
+    s.add_argument("--suite-min-pass-rate", type=float, default=1.0, help="with --suite: each metric's least (1)")
     s.set_defaults(handler=_deployments_canary)
     for verb, text in (
         ("promote", "make the canary's version the deployment's (its alias moves too)"),
@@ -316,6 +318,8 @@ def _deployments_canary(args: argparse.Namespace) -> int:
             "min_requests": args.min_requests,
         },
     }
+    if args.suite:
+        body["suite"] = {"suite": args.suite, "min_pass_rate": args.suite_min_pass_rate}
     with common.client(args) as c:
         out = c.post(f"/api/v1/deployments/{args.name}/canary", DeploymentView, body=body)
     DEPLOYMENT.emit(args, out, [out])

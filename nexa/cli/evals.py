@@ -24,6 +24,7 @@ from nexa.contracts.evals import (
     SuiteCreate,
     SuiteList,
 )
+from nexa.contracts.models import ModelRef, name_problem, version_problem
 from nexa.errors import ConfigError
 
 EXIT_OK: Final = 0
@@ -35,7 +36,17 @@ or one a judge or cosine scorer names) stops the run (403, nothing recorded). Th
 deployment, the job and the run go to the API with the operator key (--token). The controller
 summarizes the run per metric (pass rate with its 95% Wilson interval, mean score with its t
 interval) and records it as the evaluation of the model version the deployment serves, marked
-measured. Exit status 0 when the run passed (every metric's pass rate >= --min-pass-rate), 1 when not."""
+measured. Exit status 0 when the run passed (every metric's pass rate >= --min-pass-rate), 1 when not.
+
+With --model NAME@VERSION instead of --deployment, the version need not be Approved (Verified at
+least, its licence valid): a short-lived evaluation replica of it is started, like an existing
+deployment (--like) or on a runtime (--runtime), which no alias points at and only the inference
+key given may call; it is removed when the run ends, also when it fails or is interrupted, and the
+controller removes it itself once the run's job is no longer running. The measured evaluation is
+the version's, so `[models] approval_requires` can be met before approval.
+
+With --deployment D --canary, the cases go to D's canary replicas alone and the result is the
+canary version's evaluation: what a canary started with --suite needs before it is promoted."""
 
 
 def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
@@ -64,8 +75,29 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("suite", help="the suite's name")
-    s.add_argument("--deployment", required=True, metavar="NAME")
-    s.add_argument("--model", help="the model name to call (default: the deployment's alias, or its model's name)")
+    target = s.add_mutually_exclusive_group(required=True)
+    target.add_argument("--deployment", metavar="NAME", help="run against this deployment")
+    target.add_argument(
+        "--model",
+        metavar="NAME@VERSION",
+        help="run against a new evaluation replica of this version (Approved or not), removed afterwards",
+    )
+    s.add_argument(
+        "--canary",
+        action="store_true",
+        help="with --deployment: run against its canary replicas alone (what a canary's suite gate asks)",
+    )
+    s.add_argument("--like", metavar="DEPLOYMENT", help="with --model: run the replica like this deployment")
+    s.add_argument(
+        "--runtime", metavar="NAME", help="with --model: run the replica on this runtime (default resources)"
+    )
+    s.add_argument(
+        "--ready-timeout-s",
+        type=float,
+        default=600.0,
+        help="with --model: how long the replica may take to be Ready (600)",
+    )
+    s.add_argument("--call-as", help="the model name to call (default: the deployment's alias, or its model's name)")
     s.add_argument("--concurrency", type=int, default=4, help=f"cases at once (1 to {MAX_CONCURRENCY}; default 4)")
     s.add_argument(
         "--deadline-s", type=float, default=600.0, help="the whole run's limit; cases not done by then fail (600)"
@@ -148,6 +180,7 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--deadline-s: seconds above 0 and at most {MAX_DEADLINE_S:g}")
     if not 0.0 <= args.min_pass_rate <= 1.0:
         raise ConfigError("--min-pass-rate: from 0 to 1")
+    evaluate = _replica_flags(args)
     plan = EvalPlan(
         suite=args.suite,
         deployment=args.deployment,
@@ -156,7 +189,12 @@ def _run(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         deadline_s=args.deadline_s,
         min_pass_rate=args.min_pass_rate,
-        model=args.model,
+        model=args.call_as,
+        evaluate=evaluate,
+        like=args.like,
+        runtime=args.runtime,
+        ready_timeout_s=args.ready_timeout_s,
+        canary=args.canary,
     )
 
     def progress(done: int, total: int) -> None:
@@ -172,6 +210,26 @@ def _run(args: argparse.Namespace) -> int:
     else:
         _print_run(run)
     return EXIT_OK if run.passed else EXIT_FAILED
+
+
+def _replica_flags(args: argparse.Namespace) -> ModelRef | None:
+    """`--model NAME@VERSION` and the flags that go with it, checked; None without --model."""
+    if args.canary and (args.model is not None or args.call_as):
+        raise ConfigError("--canary goes with --deployment alone (the canary's replicas are called by their own name)")
+    if args.model is None:
+        if args.like or args.runtime:
+            raise ConfigError("--like and --runtime go with --model NAME@VERSION (a new evaluation replica)")
+        return None
+    name, at, version = args.model.partition("@")
+    if not at or (problem := name_problem("model", name) or version_problem("version", version)):
+        raise ConfigError(f"--model: NAME@VERSION, e.g. llama-8b@v2 ({problem if at else 'no @VERSION'})")
+    if (args.like is None) == (args.runtime is None):
+        raise ConfigError("--model: give --like DEPLOYMENT (run the replica like it) or --runtime NAME, one of them")
+    if args.call_as:
+        raise ConfigError("--call-as goes with --deployment (an evaluation replica is called by its name)")
+    if not 0 < args.ready_timeout_s <= MAX_DEADLINE_S:
+        raise ConfigError(f"--ready-timeout-s: seconds above 0 and at most {MAX_DEADLINE_S:g}")
+    return ModelRef(model=name, version=version)
 
 
 def _runs(args: argparse.Namespace) -> int:

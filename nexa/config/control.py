@@ -325,9 +325,8 @@ class ModelsConfig:
     verify_timeout_s: Seconds = Seconds(3600.0)
     #: Measured results (`nexa eval run`) a version needs before `models approve`: for each, the
     #: newest measured evaluation of the version by that suite must pass (409 approval_requirements).
-    #: A suite runs against a deployment, and only Approved versions deploy: until a version can be
-    #: evaluated before approval, a version can meet this only by a result measured while it was
-    #: approved (re-approval after a change of state), so leave it empty for new versions.
+    #: A version not yet approved is measured on an evaluation replica (`nexa eval run SUITE --model
+    #: NAME@VERSION`), which clients cannot reach.
     approval_requires: tuple[ApprovalRequirement, ...] = ()
 
 

@@ -40,6 +40,11 @@ WAKING: Final = "waking"
 #: The state of a group replica that cannot start: placed and reserved, held back from every node's
 #: signed set (`GroupStatus`; the detail says why).
 GROUP_PENDING: Final = "pending"
+#: The names of evaluation replicas (`EvalBinding`) start with this; no other deployment may.
+EVAL_PREFIX: Final = "nexa-eval-"
+#: The model name that reaches only deployment D's canary replicas is this plus D
+#: (`nexa eval run SUITE --deployment D --canary`).
+CANARY_EVAL_PREFIX: Final = EVAL_PREFIX + "canary."
 
 
 @attrs.frozen(kw_only=True)
@@ -206,6 +211,16 @@ class CanaryObjective:
 
 
 @attrs.frozen(kw_only=True)
+class CanarySuite:
+    """A suite a canary must pass before it is promoted: a measured run of `suite` against its own
+    replicas (`nexa eval run SUITE --deployment D --canary`), recorded since it started, with every
+    metric's pass rate at least `min_pass_rate`."""
+
+    suite: str
+    min_pass_rate: float = 1.0
+
+
+@attrs.frozen(kw_only=True)
 class CanaryCreate:
     """`POST /api/v1/deployments/{name}/canary`: run `model` beside the deployment on extra replicas."""
 
@@ -215,6 +230,8 @@ class CanaryCreate:
     #: Share of the deployment's requests (strictly between 0 and 1) sent to the canary.
     weight: float
     objective: CanaryObjective = CanaryObjective()
+    #: A suite to pass before promotion (else 409 `canary_suite_unmet`); None: none.
+    suite: CanarySuite | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -229,6 +246,7 @@ class Canary:
     placed: list[Replica]
     started_at: float
     started_by: str | None
+    suite: CanarySuite | None = None
 
 
 #: The most steps a rollout keeps (the oldest go first).
@@ -318,6 +336,20 @@ class Rollout:
 
 
 @attrs.frozen(kw_only=True)
+class EvalBinding:
+    """What makes a deployment an evaluation replica (`nexa eval run SUITE --model NAME@VERSION`):
+    a short-lived deployment of a model version not yet Approved perhaps, named `EVAL_PREFIX`
+    plus a random part, that no alias points at and that the gateway serves only to requests naming
+    it as their model and authenticated by `key_id`. The controller removes it when `job` is no
+    longer running or at `expires_at`, whichever comes first."""
+
+    job: str
+    key_id: str
+    suite: str
+    expires_at: float
+
+
+@attrs.frozen(kw_only=True)
 class Deployment:
     """A deployment as the controller keeps it (desired state plus where its replicas are)."""
 
@@ -359,6 +391,8 @@ class Deployment:
     #: runtime cache kept on the node) and their memory is free for placement; `placed` is empty
     #: until a request or `nexa deployments wake` places them again.
     asleep: bool = False
+    #: Set on an evaluation replica (`nexa eval run --model`): hidden from clients, see `EvalBinding`.
+    eval: EvalBinding | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -536,6 +570,8 @@ class PlacementView:
 def deployment_problems(req: DeploymentCreate) -> list[str]:
     """Everything wrong with a request's shape (not whether the registry or the fleet allow it)."""
     problems = [p for p in (name_problem("name", req.name), name_problem("runtime", req.runtime)) if p]
+    if req.name.startswith(EVAL_PREFIX):
+        problems.append(f"name: {EVAL_PREFIX}* is kept for evaluation replicas (`nexa eval run --model`)")
     if (req.alias is None) == (req.model is None):
         problems.append("alias, model: give exactly one (an alias, or a pinned model version)")
     if req.alias is not None and (p := name_problem("alias", req.alias)):
@@ -550,15 +586,7 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
         problems.append(f"replicas: from 1 to {MAX_REPLICAS}")
     if not 1 <= req.nodes_per_replica <= MAX_NODES_PER_REPLICA:
         problems.append(f"nodes_per_replica: from 1 to {MAX_NODES_PER_REPLICA}")
-    r = req.resources
-    if r.accelerators < 0:
-        problems.append("resources.accelerators: 0 or more")
-    if r.memory_bytes is not None and r.memory_bytes <= 0:
-        problems.append("resources.memory_bytes: a positive number of bytes")
-    if r.overhead_bytes is not None and not 0 <= r.overhead_bytes <= MAX_BYTES:
-        problems.append("resources.overhead_bytes: 0 or more bytes")
-    if not r.cpus > 0:
-        problems.append("resources.cpus: more than 0")
+    problems += resources_problems(req.resources)
     if not 1 <= req.options.port <= 65535:
         problems.append("options.port: from 1 to 65535")
     problems += [f"placement.data_classes: {p}" for d in req.placement.data_classes if (p := data_class_problem(d))]
@@ -570,6 +598,20 @@ def deployment_problems(req: DeploymentCreate) -> list[str]:
     )
     if req.idle_after_s is not None and req.nodes_per_replica > 1:
         problems.append("idle_after_s: a deployment whose replicas span nodes (nodes_per_replica above 1) never sleeps")
+    return problems
+
+
+def resources_problems(r: Resources) -> list[str]:
+    """Every field of a replica's resources out of its range."""
+    problems = []
+    if r.accelerators < 0:
+        problems.append("resources.accelerators: 0 or more")
+    if r.memory_bytes is not None and r.memory_bytes <= 0:
+        problems.append("resources.memory_bytes: a positive number of bytes")
+    if r.overhead_bytes is not None and not 0 <= r.overhead_bytes <= MAX_BYTES:
+        problems.append("resources.overhead_bytes: 0 or more bytes")
+    if not r.cpus > 0:
+        problems.append("resources.cpus: more than 0")
     return problems
 
 
@@ -626,6 +668,11 @@ def canary_problems(req: CanaryCreate) -> list[str]:
         problems.append(f"objective.window_s: more than 0, at most {MAX_WINDOW_S:g}")
     if o.min_requests < 1:
         problems.append("objective.min_requests: 1 or more")
+    if req.suite is not None:
+        if p := name_problem("suite.suite", req.suite.suite):
+            problems.append(p)
+        if not 0 <= req.suite.min_pass_rate <= 1:  # also False for NaN
+            problems.append("suite.min_pass_rate: from 0 to 1")
     return problems
 
 

@@ -14,6 +14,15 @@ EventId = NewType("EventId", str)
 
 #: Lexical rule for names people choose (tenants, later models and aliases).
 NAME_RE: Final = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?$")
+#: An API key: `nxk_` + 12 hex chars of public key id + `_` + 32 random bytes in unpadded base64url.
+API_KEY_PREFIX: Final = "nxk_"
+API_KEY_RE: Final = re.compile(r"^nxk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
+
+
+def parse_api_key(text: str) -> KeyId | None:
+    """The public id of an API key (None: not a key's shape); the secret part stays the caller's."""
+    match = API_KEY_RE.match(text)
+    return KeyId(match.group(1)) if match else None
 
 
 class Role(enum.StrEnum):

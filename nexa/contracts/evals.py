@@ -20,8 +20,9 @@ from typing import Any, Final
 import attrs
 
 from nexa.contracts import codec
+from nexa.contracts.deployments import Resources, RuntimeOptions
 from nexa.contracts.domain import NAME_RE, KeyId
-from nexa.contracts.models import METRIC_RE
+from nexa.contracts.models import METRIC_RE, ModelRef
 from nexa.errors import ContractError
 
 #: A suite holds at most this many cases, and its file at most this many bytes (the API's body limit
@@ -39,6 +40,8 @@ MAX_KEPT_ANSWER_CHARS: Final = 500
 #: The most a run may ask: concurrent requests, and seconds.
 MAX_CONCURRENCY: Final = 256
 MAX_DEADLINE_S: Final = 86_400.0
+#: An evaluation replica lives at most this long (`EvalReplicaCreate.ttl_s`).
+MAX_REPLICA_TTL_S: Final = MAX_DEADLINE_S + 3600.0
 #: Nested quantifiers (`(a+)+`, `(\w*)*`) can take exponential time: refused.
 _NESTED_QUANTIFIER: Final = re.compile(r"\((?:[^()\\]|\\.)*[+*}](?:[^()\\]|\\.)*\)\s*[+*{]")
 _Z95: Final = 1.959963984540054
@@ -195,6 +198,48 @@ class EvalRunCreate:
     min_pass_rate: float = 1.0
     job: str | None = None
     client_version: str = ""
+    #: Run against the deployment's canary replicas alone (`--canary`): the canary version's evaluation.
+    canary: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class EvalReplicaCreate:
+    """`POST /api/v1/eval/replicas` (`nexa eval run SUITE --model NAME@VERSION`): a short-lived
+    replica of a model version, Approved or not (Verified at least, its licence valid), that only
+    the evaluation job's inference key may call (`deployments.EvalBinding`). It runs like
+    deployment `like` (its runtime, resources, options, placement), or on `runtime` with
+    `resources` and `options`."""
+
+    model: ModelRef
+    suite: str
+    #: The evaluation's job (`nexa jobs`): the replica goes once the job is not running.
+    job: str
+    #: The public id of the inference key whose requests may use it (`nxk_<id>_...`).
+    key_id: str
+    like: str | None = None
+    runtime: str | None = None
+    resources: Resources = attrs.Factory(Resources)
+    options: RuntimeOptions = attrs.Factory(RuntimeOptions)
+    #: The replica goes after this many seconds even if its job still runs.
+    ttl_s: float = 3600.0
+
+
+@attrs.frozen(kw_only=True)
+class EvalReplica:
+    """An evaluation replica: the deployment (`nexa deployments show NAME`) and the model name its
+    requests give (the deployment's name)."""
+
+    deployment: str
+    model: ModelRef
+    suite: str
+    job: str
+    expires_at: float
+    ready: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class EvalReplicaList:
+    replicas: list[EvalReplica]
 
 
 @attrs.frozen(kw_only=True)

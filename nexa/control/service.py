@@ -504,6 +504,7 @@ def _leader_loops(c: _Controller) -> _Loops:
         ("backup", Backups.of(state.backups).run),
         ("keys", KeyRotation.of(state.key_rotation).run),
         ("qualifications", Qualifications.of(state.qualifications).run),
+        ("eval-replicas", Evals.of(state.evals).run_sweeps),
         ("retention-purge", c.retention.run_purges),
         *_orphans(c.cfg, c.store, c.owner, c.workloads, Jobs.of(state.jobs)),
     ]

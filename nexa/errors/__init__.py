@@ -46,6 +46,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - ModelInUse [model_in_use]: a model an alias points at cannot be retired
     - RolloutInProgress [rollout_in_progress]: a deployment already runs a canary or a rollout
     - NoCanary [no_canary]: promoting a deployment that runs no canary
+    - CanarySuiteUnmet [canary_suite_unmet]: promoting a canary its suite has not passed against yet
     - NothingToRollBack [nothing_to_roll_back]: a deployment with no canary and no earlier promotion to return to
     - NoRollout [no_rollout]: pausing, resuming or undoing a rollout where none is in progress
     - RolloutAlreadyPaused [rollout_paused]: pausing a rollout that is paused already
@@ -59,6 +60,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - DeployModelNotApproved [model_not_approved]: its model is not Approved
     - DeployLicenseInvalid [license_invalid]: its model's licence is not accepted or has expired
     - DeployModelUnknown [model_unknown]: no such alias or model version
+    - DeployModelUnverified [model_not_verified]: an evaluation replica of a version not Verified (or later), or Retired
     - DeployRuntimeUnknown [runtime_unknown]: no runtime registered (and checked) under that name
     - Unplaceable [unplaceable]: no placement fits; the message explains every node
     - MemoryOverReservation [memory_over_reservation]: a memory setting would claim more of a unified pool than reserved
@@ -189,10 +191,12 @@ from nexa.errors.engine import SimulationDisabled as SimulationDisabled
 from nexa.errors.registry import AlreadyExists as AlreadyExists
 from nexa.errors.registry import ApprovalRequirementsUnmet as ApprovalRequirementsUnmet
 from nexa.errors.registry import ArtifactMissing as ArtifactMissing
+from nexa.errors.registry import CanarySuiteUnmet as CanarySuiteUnmet
 from nexa.errors.registry import CheckpointRejected as CheckpointRejected
 from nexa.errors.registry import DeployLicenseInvalid as DeployLicenseInvalid
 from nexa.errors.registry import DeployModelNotApproved as DeployModelNotApproved
 from nexa.errors.registry import DeployModelUnknown as DeployModelUnknown
+from nexa.errors.registry import DeployModelUnverified as DeployModelUnverified
 from nexa.errors.registry import DeployRuntimeUnknown as DeployRuntimeUnknown
 from nexa.errors.registry import DigestUnknown as DigestUnknown
 from nexa.errors.registry import IllegalTransition as IllegalTransition

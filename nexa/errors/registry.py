@@ -71,6 +71,13 @@ class RolloutInProgress(Conflict):
     code = "rollout_in_progress"
 
 
+class CanarySuiteUnmet(Conflict):
+    """Promoting a canary started with a suite (`CanaryCreate.suite`) before a measured run of it
+    against the canary's replicas passed."""
+
+    code = "canary_suite_unmet"
+
+
 class NoCanary(Conflict):
     code = "no_canary"
 
@@ -107,6 +114,13 @@ class DeployLicenseInvalid(NotDeployable):
 
 class DeployModelUnknown(NotDeployable):
     code = "model_unknown"
+
+
+class DeployModelUnverified(NotDeployable):
+    """An evaluation replica (`nexa eval run --model`) of a version whose artifact the controller has
+    not verified yet (Candidate), or that is Retired."""
+
+    code = "model_not_verified"
 
 
 class DeployRuntimeUnknown(NotDeployable):

@@ -13,7 +13,6 @@ import hashlib
 import hmac
 import logging
 import math
-import re
 import secrets
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import trio
 from nexa.contracts import codec
 from nexa.contracts.api import KeyCreate, KeyRotate, TenantCreate
 from nexa.contracts.domain import (
+    API_KEY_PREFIX,
     NAME_RE,
     SYSTEM,
     Actor,
@@ -36,6 +36,7 @@ from nexa.contracts.domain import (
     Role,
     Tenant,
     TenantId,
+    parse_api_key,
 )
 from nexa.control import store as st
 from nexa.control.store.sql import Db, meta, txn
@@ -45,8 +46,7 @@ from nexa.telemetry import Metrics
 log = logging.getLogger(__name__)
 
 #: `nxk_` + 12 hex chars of public key id + `_` + 32 random bytes in unpadded base64url.
-KEY_PREFIX: Final = "nxk_"
-_KEY_RE: Final = re.compile(r"^nxk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
+KEY_PREFIX: Final = API_KEY_PREFIX
 #: A key denied a route is audited at most once per this many seconds per route; the denials in
 #: between are counted (`nexa_audit_denied_suppressed`) and the next event written carries their number.
 DENIED_AUDIT_WINDOW_S: Final = 5.0
@@ -70,11 +70,6 @@ def new_api_key() -> tuple[KeyId, str]:
     key_id = KeyId(secrets.token_hex(6))
     secret = base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode()
     return key_id, f"{KEY_PREFIX}{key_id}_{secret}"
-
-
-def parse_api_key(text: str) -> KeyId | None:
-    match = _KEY_RE.match(text)
-    return KeyId(match.group(1)) if match else None
 
 
 def _sha256(text: str) -> str:

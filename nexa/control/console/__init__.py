@@ -33,6 +33,7 @@ from nexa.control.console import (
     benchmarks,
     deployments,
     docs,
+    evals,
     jobs,
     keys,
     models,
@@ -108,6 +109,7 @@ def register(
     models.register(bp, console)
     deployments.register(bp, console)
     benchmarks.register(bp, console)
+    evals.register(bp, console)
     jobs.register(bp, console)
     usage.register(bp, console, charts)
     audit.register(bp, console)

@@ -37,6 +37,7 @@ from nexa.control.deployments import Deployments
 from nexa.control.fleet.nodes import Fleet
 from nexa.control.http.common import status_for
 from nexa.control.operations.benchmarks import Benchmarks
+from nexa.control.operations.evals import Evals
 from nexa.control.operations.jobs import Jobs
 from nexa.control.operations.qualification import Qualifications
 from nexa.control.operations.recovery import Recovery
@@ -75,6 +76,8 @@ class ConsoleState(Protocol):
     ready: bool
     #: Runtime qualifications (`control.operations.qualification`), shown beside the runtimes; None: none (tests).
     qualifications: Qualifications | None
+    #: Evaluation suites and runs (`control.operations.evals`), compared; None: none are kept (tests).
+    evals: Evals | None
 
 
 @attrs.frozen
@@ -145,6 +148,7 @@ CONSOLE_ROUTES: Final = frozenset(
         ("GET", "/console/benchmarks"),
         ("GET", "/console/benchmarks/<run_id>"),
         ("GET", "/console/jobs"),
+        ("GET", "/console/evals/compare"),
         ("GET", "/console/docs"),
         ("GET", "/console/docs/<name>"),
     }

@@ -24,6 +24,10 @@ the gateway's own nursery, and each caller gets its slice back re-indexed. The r
 one `usage` for the batch; each caller is charged a share proportional to the characters of its
 inputs (the last one gets the rounding remainder).
 
+A model name starting `nexa-eval-` names an evaluation replica (served only to its evaluation's
+key, and never under an alias or pinned version) or, `nexa-eval-canary.D`, deployment D's canary
+replicas alone (`control.deployments.evalreplica`).
+
 Nothing here reads or logs a payload beyond what routing needs (the prompt prefix, hashed for
 affinity, and embedding inputs while they are being batched); no payload is ever stored.
 """
@@ -45,7 +49,7 @@ import trio
 
 from nexa.config import GatewayConfig
 from nexa.contracts import wire
-from nexa.contracts.deployments import ServingReplica, ServingSet
+from nexa.contracts.deployments import EVAL_PREFIX, ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, CallOutcome, Capability, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
@@ -238,7 +242,9 @@ class Gateway:
 
     # ---- the pipeline ------------------------------------------------------------------------------
 
-    def _resolve(self, name: str) -> tuple[str, ModelRef]:
+    def _resolve(self, name: str, key_id: KeyId) -> tuple[str, ModelRef]:
+        if name.startswith(EVAL_PREFIX):  # an evaluation replica, only for its evaluation's key
+            return name, self._deployments.eval_model(name, key_id)
         model_name, sep, version = name.partition(":")
         try:
             if sep:
@@ -260,7 +266,7 @@ class Gateway:
         with the tokens of the outcome), and last the usage record of the outcome."""
         work = progress.work
         stack.callback(self._record, progress)
-        progress.alias, ref = self._resolve(work.model)
+        progress.alias, ref = self._resolve(work.model, work.key_id)
         progress.model = ref
         serving = self._deployments.serving(ref, alias=progress.alias or None)
         if not serving.deployments:

@@ -21,6 +21,7 @@ import attrs
 from nexa.contracts.deployments import Canary, CanaryCreate, DeploymentView, RolloutResult, canary_problems
 from nexa.contracts.domain import Actor
 from nexa.contracts.models import AliasPromote
+from nexa.control.deployments import canarysuite
 from nexa.control.deployments.checks import deployable_model, explain, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, follow, new_replicas, replica_nodes
@@ -68,6 +69,7 @@ class Rollouts:
                 placed=new_replicas(name, decision, req.model),
                 started_at=time.time(),
                 started_by=actor.key_id,
+                suite=req.suite,
             )
             after = Entry(bump(attrs.evolve(dep, canary=canary)), decision)
             detail = f"canary {model.key} beside {dep.model.key}: {req.replicas} replica(s), weight {req.weight:g}"
@@ -83,6 +85,7 @@ class Rollouts:
             canary = dep.canary
             if canary is None:
                 raise NoCanary(f"deployment {name} runs no canary to promote")
+            canarysuite.check(self._desired.models, name, canary)
             receipt = None
             if dep.alias is not None:
                 promotion = AliasPromote(model=canary.model.model, version=canary.model.version)

@@ -29,13 +29,14 @@ from nexa.contracts.deployments import (
     routing_problems,
 )
 from nexa.contracts.domain import Actor
+from nexa.contracts.evals import EvalReplicaCreate
 from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
 from nexa.control import store as st
 from nexa.control.cluster.leadership import Leadership
 from nexa.control.datapath.routing import Router
-from nexa.control.deployments import views
+from nexa.control.deployments import evalreplica, views
 from nexa.control.deployments.canary import Rollouts
 from nexa.control.deployments.checks import check_memory_limits, check_settings, check_shape, deployable, explain
 from nexa.control.deployments.desired import CommitObserver, Desired
@@ -337,6 +338,24 @@ class Deployments:
     def change_watcher(self, meter: NodesWindow, *, interval_s: float = 0.5) -> ChangeWatcher:
         """The loop that watches each rollout's new replicas against `meter` (`watch.ChangeWatcher`)."""
         return ChangeWatcher(self._desired, self._control, meter, interval_s=interval_s)
+
+    # ---- evaluation replicas (`evalreplica`) -------------------------------------------------------
+
+    async def start_eval_replica(self, actor: Actor, req: EvalReplicaCreate) -> DeploymentView:
+        """Place one replica of `req.model` that only the evaluation's key may call (`evalreplica.start`)."""
+        dep = await evalreplica.start(self._desired, actor, req)
+        return views.view(self._desired, self._desired.entry(dep.name))
+
+    async def stop_eval_replica(self, actor: Actor, name: str, why: str) -> bool:
+        """Remove evaluation replica `name`; False when it was gone already (`evalreplica.stop`)."""
+        return await evalreplica.stop(self._desired, actor, name, why) is not None
+
+    def eval_replicas(self) -> list[Deployment]:
+        return evalreplica.bound(self._desired)
+
+    def eval_model(self, name: str, key_id: str) -> ModelRef:
+        """The version evaluation replica `name` serves to `key_id` (`evalreplica.served_to`: 404, 403)."""
+        return evalreplica.served_to(self._desired, name, key_id)
 
 
 def _none_outstanding(_replica_id: str) -> int:

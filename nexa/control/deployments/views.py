@@ -5,6 +5,8 @@ and made once per change: `ServingSets` keeps it until a deployment or the fleet
 from __future__ import annotations
 
 from nexa.contracts.deployments import (
+    CANARY_EVAL_PREFIX,
+    EVAL_PREFIX,
     GROUP_PENDING,
     DeploymentView,
     GroupMemberStatus,
@@ -58,13 +60,21 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
     A Draining node takes no new requests while any other Ready replica serves the model. Only
     when none does (its replacements, started before it stops, are not Ready yet) do its Ready
     replicas keep serving: a drain never causes a moment without a replica that answers.
+
+    An evaluation replica (`evalreplica`) serves only when `alias` is its name, and then alone; an
+    `alias` of `CANARY_EVAL_PREFIX` + D: D's Ready canary replicas alone.
     """
+    if alias is not None and alias.startswith(CANARY_EVAL_PREFIX):
+        return _canary_alone(desired, model, alias.removeprefix(CANARY_EVAL_PREFIX))
     replicas: list[ServingReplica] = []
     draining: list[ServingReplica] = []
     names: list[str] = []
     weight = 0.0
+    hidden = alias is not None and alias.startswith(EVAL_PREFIX)
     for name, entry in desired.entries.items():
         dep = entry.deployment
+        if (hidden or dep.eval is not None) and name != alias:
+            continue
         mine = dep.model == model or (alias is not None and dep.alias == alias)
         leaving = dep.rollout is not None and dep.rollout.from_ == model
         if not (mine or leaving):
@@ -100,6 +110,27 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
         if ready:
             weight = max(weight, canary.weight)
     return ServingSet(model=model, replicas=replicas or draining, canary_weight=weight, deployments=names)
+
+
+def _canary_alone(desired: Desired, model: ModelRef, name: str) -> ServingSet:
+    """Deployment `name`'s Ready canary replicas of `model`, as the only ones (a canary's suite run)."""
+    entry = desired.entries.get(name)
+    canary = entry.deployment.canary if entry is not None else None
+    if entry is None or canary is None or canary.model != model:
+        return ServingSet(model=model, replicas=[])
+    replicas = [
+        ServingReplica(
+            replica_id=r.id,
+            node_id=r.node_id,
+            deployment=name,
+            model=model,
+            canary=True,  # metered as the canary's (its watcher counts them); the only ones, so always chosen
+            routing=entry.deployment.routing,
+        )
+        for r in canary.placed
+        if desired.routable(r)
+    ]
+    return ServingSet(model=model, replicas=replicas, deployments=[name])
 
 
 def view(desired: Desired, e: Entry) -> DeploymentView:

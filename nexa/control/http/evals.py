@@ -1,6 +1,6 @@
-"""Evaluation routes: suites (`nexa eval register`) and measured runs (`nexa eval run`, `show`,
-`compare`); each a thin adapter onto `Evals`. Each route is declared once, beside its handler
-(`http.declare`)."""
+"""Evaluation routes: suites (`nexa eval register`), measured runs (`nexa eval run`, `show`,
+`compare`) and evaluation replicas (`nexa eval run --model`); each a thin adapter onto `Evals`.
+Each route is declared once, beside its handler (`http.declare`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from quart import Response, request
 
 from nexa.contracts.evals import (
     EvalCompare,
+    EvalReplica,
+    EvalReplicaCreate,
+    EvalReplicaList,
     EvalRun,
     EvalRunCreate,
     EvalRunList,
@@ -23,7 +26,7 @@ from nexa.control.http.api_io import actor, body, json_response, next_cursor, pa
 from nexa.control.http.declare import OPERATORS, PAGE_QUERY, Param, route
 from nexa.control.http.state import AppState
 from nexa.control.operations.evals import Evals
-from nexa.errors import ContractError, NotFound
+from nexa.errors import Conflict, ContractError, NotDeployable, NotFound
 
 _SUITE_FILTER: Final = Param(name="suite", schema=str, description="only this suite's runs")
 _DIGEST: Final = Param(name="digest", schema=str, description="that registration's sha256 (default: the newest)")
@@ -119,3 +122,38 @@ async def compare_runs(s: AppState) -> Response:
     if not a or not b:
         raise ContractError("give both runs: ?a=RUN&b=RUN", problems=("a, b: required",))
     return json_response(await Evals.of(s.evals).compare(a, b))
+
+
+@route(
+    "POST",
+    "/api/v1/eval/replicas",
+    roles=OPERATORS,
+    summary="Start an evaluation replica of a model version, served only to the evaluation's key (`eval run --model`)",
+    tag="evals",
+    request=EvalReplicaCreate,
+    answer=EvalReplica,
+    status=201,
+    errors=(NotFound, Conflict, NotDeployable),
+)
+async def start_replica(s: AppState) -> Response:
+    return json_response(await Evals.of(s.evals).start_replica(actor(), await body(EvalReplicaCreate)), 201)
+
+
+@route(
+    "GET", "/api/v1/eval/replicas", roles=OPERATORS, summary="Evaluation replicas", tag="evals", answer=EvalReplicaList
+)
+async def list_replicas(s: AppState) -> Response:
+    return json_response(EvalReplicaList(replicas=await Evals.of(s.evals).replicas()))
+
+
+@route(
+    "DELETE",
+    "/api/v1/eval/replicas/<name>",
+    roles=OPERATORS,
+    summary="Remove an evaluation replica",
+    tag="evals",
+    answer=EvalReplica,
+    errors=(NotFound,),
+)
+async def stop_replica(s: AppState, name: str) -> Response:
+    return json_response(await Evals.of(s.evals).stop_replica(actor(), name))

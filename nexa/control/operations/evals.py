@@ -7,18 +7,29 @@ through the gateway (each case's score), checks it against the registered suite 
 case id once, each case's metric), recomputes the summaries here (pass rate with its Wilson
 interval, mean with its t interval), keeps it (`eval.run.record`) and records it as the model
 version's evaluation, marked measured (`ModelRegistry.record_measured`), then finishes its job.
+
+`start_replica` places an evaluation replica for a running `eval` job (`nexa eval run --model`:
+`control.deployments.evalreplica`), `stop_replica` removes it, and `run_sweeps` (a leader loop) removes
+every one whose job is no longer running (finished, failed, cancelled, gone stale) or whose time is
+up, audited `eval.replica.stop` by the controller with the reason: an evaluation that dies leaves
+nothing running for longer than `SWEEP_S`.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
+from typing import Final
+
+import trio
 
 from nexa.contracts import evals as ev
 from nexa.contracts import pages
-from nexa.contracts.deployments import Deployment
-from nexa.contracts.domain import Actor
+from nexa.contracts.deployments import Deployment, DeploymentView
+from nexa.contracts.domain import SYSTEM, Actor
 from nexa.contracts.evidence import JobKind, JobState
 from nexa.contracts.models import EvaluationRecord, name_problem
 from nexa.control import store as st
@@ -26,8 +37,14 @@ from nexa.control.access.accounts import audit_draft
 from nexa.control.deployments import Deployments
 from nexa.control.operations.jobs import Jobs
 from nexa.control.registry.models import ModelRegistry
-from nexa.errors import ContractError, NotFound
+from nexa.errors import Conflict, ContractError, NoCanary, NotFound
 from nexa.telemetry import Metrics
+
+log = logging.getLogger(__name__)
+
+#: How often evaluation replicas are looked at for their job's end or their time (seconds).
+SWEEP_S: Final = 2.0
+_KEY_ID_RE: Final = re.compile(r"^[0-9a-f]{12}$")
 
 
 class Evals:
@@ -103,6 +120,11 @@ class Evals:
         if problems := _case_problems(parsed, req.cases):
             raise ContractError("the run does not match its suite: " + "; ".join(problems), problems=tuple(problems))
         dep = self._deployment(req.deployment, "the run names")
+        version = dep.model
+        if req.canary:
+            if dep.canary is None:
+                raise NoCanary(f"deployment {dep.name} runs no canary: the run against its canary cannot be recorded")
+            version = dep.canary.model
         job = None if req.job is None else await self._jobs.get(req.job)
         if job is not None and job.kind is not JobKind.EVAL:
             raise ContractError(f"job {job.id} is a {job.kind.value} job, not an evaluation's", problems=("job: kind",))
@@ -116,8 +138,8 @@ class Evals:
             metrics[f"{s.metric}.mean"] = s.mean
         evaluation = EvaluationRecord(
             id="eval_" + secrets.token_hex(8),
-            model=dep.model.model,
-            version=dep.model.version,
+            model=version.model,
+            version=version.version,
             suite=req.suite,
             metrics=metrics,
             passed=passed,
@@ -135,8 +157,8 @@ class Evals:
             suite=req.suite,
             digest=req.digest,
             deployment=req.deployment,
-            model=dep.model.model,
-            version=dep.model.version,
+            model=version.model,
+            version=version.version,
             passed=passed,
             summaries=summaries,
             evaluation=None if kept is None else kept.id,
@@ -146,7 +168,7 @@ class Evals:
         )
         verdict = "passed" if passed else "failed"
         line = ", ".join(f"{s.metric} {s.pass_rate:.3f}" for s in summaries)
-        what = f"{req.suite} on {req.deployment} ({dep.model.key}): {verdict}; {line}"
+        what = f"{req.suite} on {req.deployment} ({version.key}{', canary' if req.canary else ''}): {verdict}; {line}"
         draft = audit_draft(actor, "eval.run.record", f"eval-run/{run.id}", None, run, detail=what[:300])
         event = await self._store.run(st.insert_eval_run, run, draft)
         self._metrics.audit_events.labels(event.result.value).inc()
@@ -172,11 +194,96 @@ class Evals:
     async def compare(self, a: str, b: str) -> ev.EvalCompare:
         return ev.compare(await self.run(a), await self.run(b))
 
+    # ---- evaluation replicas ---------------------------------------------------------------------
+
+    async def start_replica(self, actor: Actor, req: ev.EvalReplicaCreate) -> ev.EvalReplica:
+        """Place an evaluation replica for a running `eval` job and a registered suite; typed
+        refusals change nothing (400 shape, 404 suite, job or `like`, 409 job not running, 422
+        the version may not run or does not fit)."""
+        problems = []
+        if not _KEY_ID_RE.match(req.key_id):
+            problems.append("key_id: an API key's public id (the 12 hex digits after nxk_)")
+        if not 0 < req.ttl_s <= ev.MAX_REPLICA_TTL_S:
+            problems.append(f"ttl_s: above 0 and at most {ev.MAX_REPLICA_TTL_S:g}")
+        if problems:
+            raise ContractError("invalid evaluation replica: " + "; ".join(problems), problems=tuple(problems))
+        await self.suite(req.suite)
+        job = await self._jobs.get(req.job)
+        if job.kind is not JobKind.EVAL:
+            raise ContractError(f"job {job.id} is a {job.kind.value} job, not an evaluation's", problems=("job: kind",))
+        if job.state is not JobState.RUNNING:
+            raise Conflict(f"job {job.id} is {job.state.value}: start an evaluation replica for a running job")
+        view = await self._deployments.start_eval_replica(actor, req)
+        return _replica(view)
+
+    async def replicas(self) -> list[ev.EvalReplica]:
+        return [_replica(self._deployments.show(d.name)) for d in self._deployments.eval_replicas()]
+
+    async def stop_replica(self, actor: Actor, name: str, why: str = "its evaluation ended") -> ev.EvalReplica:
+        """Remove evaluation replica `name` (404 when there is none by that name)."""
+        view = self._replica_view(name)
+        if not await self._deployments.stop_eval_replica(actor, name, why):
+            raise NotFound(f"no evaluation replica {name}: it was removed already")
+        return _replica(view)
+
+    def _replica_view(self, name: str) -> DeploymentView:
+        try:
+            view = self._deployments.show(name)
+        except NotFound:
+            view = None
+        if view is None or view.deployment.eval is None:
+            raise NotFound(f"no evaluation replica {name}: `nexa eval replicas` lists them")
+        return view
+
+    async def run_sweeps(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Every `SWEEP_S`, `sweep` (a leader loop): until cancelled."""
+        task_status.started()
+        while True:
+            await self.sweep()
+            await trio.sleep(SWEEP_S)
+
+    async def sweep(self) -> list[str]:
+        """Remove each evaluation replica whose job is not running or whose time is up; their names."""
+        if self._deployments.recovering:
+            return []
+        removed = []
+        for dep in self._deployments.eval_replicas():
+            binding = dep.eval
+            assert binding is not None
+            why = None
+            if self._clock() >= binding.expires_at:
+                why = "its time was up (ttl_s)"
+            else:
+                try:
+                    job = await self._jobs.get(binding.job)
+                except NotFound:
+                    why = f"its job {binding.job} is gone"
+                else:
+                    if job.state is not JobState.RUNNING:
+                        why = f"its job {job.id} is {job.state.value}"
+            if why is not None and await self._deployments.stop_eval_replica(SYSTEM, dep.name, why):
+                log.info("evaluation replica %s removed: %s", dep.name, why)
+                removed.append(dep.name)
+        return removed
+
     def _deployment(self, name: str, who: str) -> Deployment:
         try:
             return self._deployments.show(name).deployment
         except NotFound:
             raise NotFound(f"no deployment {name} ({who}): `nexa deployments list` shows them") from None
+
+
+def _replica(view: DeploymentView) -> ev.EvalReplica:
+    dep = view.deployment
+    assert dep.eval is not None
+    return ev.EvalReplica(
+        deployment=dep.name,
+        model=dep.model,
+        suite=dep.eval.suite,
+        job=dep.eval.job,
+        expires_at=dep.eval.expires_at,
+        ready=view.ready,
+    )
 
 
 def _case_problems(parsed: ev.ParsedSuite, cases: list[ev.CaseResult]) -> list[str]:

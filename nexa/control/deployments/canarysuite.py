@@ -1,0 +1,39 @@
+"""A canary's suite gate: a canary started with a suite (`CanaryCreate.suite`) is promoted only once
+a measured run of that suite against its own replicas (`nexa eval run SUITE --deployment D
+--canary`: the evaluation is the canary version's, on deployment D) was recorded since the canary
+started, with every metric's pass rate at least the gate's. Pure: reads the registry, never awaits."""
+
+from __future__ import annotations
+
+from nexa.contracts.deployments import Canary
+from nexa.control.registry.models import ModelRegistry
+from nexa.errors import CanarySuiteUnmet
+
+
+def unmet(models: ModelRegistry, deployment: str, canary: Canary) -> str | None:
+    """Why the canary may not be promoted yet; None when it has no suite or passed it."""
+    gate = canary.suite
+    if gate is None:
+        return None
+    runs = [
+        e
+        for e in models.evaluations(canary.model.model, canary.model.version)
+        if e.measured and e.suite == gate.suite and e.deployment == deployment and e.recorded_at >= canary.started_at
+    ]
+    what = f"suite {gate.suite} with every pass rate >= {gate.min_pass_rate:g}"
+    if not runs:
+        return (
+            f"{what}: no measured run against the canary since it started "
+            f"(run `nexa eval run {gate.suite} --deployment {deployment} --canary`)"
+        )
+    newest = max(runs, key=lambda e: e.recorded_at)
+    low = {m: v for m, v in newest.metrics.items() if not m.endswith(".mean") and v < gate.min_pass_rate}
+    if low:
+        return f"{what}: the newest run ({newest.run}) has " + ", ".join(f"{m} {v:g}" for m, v in sorted(low.items()))
+    return None
+
+
+def check(models: ModelRegistry, deployment: str, canary: Canary) -> None:
+    """Raise CanarySuiteUnmet (409) when `unmet` says why."""
+    if (why := unmet(models, deployment, canary)) is not None:
+        raise CanarySuiteUnmet(f"deployment {deployment}: canary {canary.model.key} cannot be promoted yet: {why}")
