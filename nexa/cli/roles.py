@@ -520,13 +520,25 @@ def _sim_runtime_command(sub: Any) -> None:
     s.add_argument("--metrics-fail", action="store_true", help="/metrics answers 503")
     s.add_argument("--artifact", default="", help="the model artifact's path (checked to exist, never read)")
     s.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process goes away")
+    s.add_argument(
+        "--serve",  # nexa.adapters.SIM_SERVE_FLAG: the controller reads it from a sim deployment's command
+        default=None,
+        help="the pooling and tokenizer APIs served, comma-separated: rerank, score, tokenize, detokenize"
+        " (default: all, as vLLM); none: only chat, completions and embeddings",
+    )
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
     s.set_defaults(handler=_cmd_sim_runtime)
 
 
 def _cmd_sim_runtime(args: argparse.Namespace) -> int:
     from nexa import simruntime
+    from nexa.adapters import SIM_SERVE_FLAG, sim_serves
     from nexa.telemetry import setup_logging
+
+    serves = sim_serves([] if args.serve is None else [SIM_SERVE_FLAG, args.serve])
+    if serves is None:
+        problem = f"{SIM_SERVE_FLAG}: rerank, score, tokenize or detokenize, comma-separated, or none"
+        raise ConfigError("invalid sim-runtime flags: " + problem, problems=(problem,))
 
     cfg = simruntime.SimConfig(
         host=args.host,
@@ -549,6 +561,7 @@ def _cmd_sim_runtime(args: argparse.Namespace) -> int:
         ),
         artifact=args.artifact,
         exit_with_parent=args.exit_with_parent,
+        serves=serves,
     )
     simruntime.check_config(cfg, os.environ)
     setup_logging(args.log_level)

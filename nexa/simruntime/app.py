@@ -13,7 +13,7 @@ from typing import IO, Final
 
 import trio
 
-from nexa.simruntime import answers
+from nexa.simruntime import answers, pooling
 from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
@@ -90,14 +90,16 @@ class SimApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        if path in _INFERENCE_PATHS:
+        served = path in pooling.PATHS and pooling.PATHS[path] in self._cfg.serves
+        if path in _INFERENCE_PATHS or served:
             if method != "POST":
                 await reply(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
                 return
             self._metrics.running += 1
             self._metrics.total += 1
             try:
-                await self._inference(path, _request_id(scope), receive, send)
+                run = self._inference if path in _INFERENCE_PATHS else self._pooling
+                await run(path, _request_id(scope), receive, send)
             finally:
                 self._metrics.running -= 1
         elif method == "GET" and path == "/health":
@@ -154,6 +156,21 @@ class SimApp:
         finally:
             if not recorded:  # cancelled from outside: the server is stopping
                 journal.write("failed", rid, path, reason="stopped")
+
+    async def _pooling(self, path: str, rid: str, receive: Receive, send: Send) -> None:
+        """A rerank, score or tokenizer request (`pooling`): answered at once, journaled with its tokens."""
+        self._journal.write("request", rid, path, stream=False)
+        try:
+            raw = await read_body(receive)
+            body, tokens = pooling.answer(pooling.PATHS[path], self._cfg.model, raw, serial=self._metrics.total)
+        except BadRequest as exc:
+            await reply(
+                send, exc.status, error_body(exc.message, "invalid_request_error", "invalid_request", exc.param)
+            )
+            self._journal.write("failed", rid, path, status=exc.status, reason="invalid_request")
+            return
+        await reply(send, 200, body)
+        self._journal.write("completed", rid, path, tokens=tokens)
 
     async def _watched(self, receive: Receive, produce: Callable[[Outcome], Awaitable[None]]) -> Outcome:
         """Run `produce` until it is done or the client goes away (ASGI `http.disconnect`)."""

@@ -10,6 +10,7 @@ from typing import Final
 import attrs
 
 from nexa.container_spec import SIMULATION_ENV
+from nexa.contracts.gateway import Capability
 from nexa.contracts.hosts import is_loopback_host
 from nexa.errors import ConfigError
 from nexa.simruntime.faults import Faults
@@ -40,6 +41,8 @@ class SimConfig:
     artifact: str = ""
     #: Stop when the parent process goes away (the node agent's process driver asks for this).
     exit_with_parent: bool = False
+    #: The pooling and tokenizer capabilities served (`--serve`; `adapters.sim_serves`): vLLM's by default.
+    serves: frozenset[Capability] = attrs.field(factory=lambda: frozenset(c for c in Capability if c.gated))
 
 
 @attrs.frozen(kw_only=True)

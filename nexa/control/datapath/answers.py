@@ -50,6 +50,9 @@ def unary_answer(body: bytes, capability: Capability) -> tuple[dict[str, Any] | 
             isinstance(d, dict) and isinstance(d.get("embedding"), list | str) for d in data
         ):
             return None, "`data` is not a list of embedding objects"
+    elif not capability.streams:
+        if (problem := _pooling_problem(capability, answer)) is not None:
+            return None, problem
     else:
         choices = answer.get("choices")
         if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
@@ -58,6 +61,41 @@ def unary_answer(body: bytes, capability: Capability) -> tuple[dict[str, Any] | 
     if problem is not None:
         return None, problem
     return answer, ""
+
+
+#: The list each pooling and tokenizer answer holds (vLLM's shapes; llama.cpp's server answers
+#: rerank and tokenize alike, and detokenize with `content` for vLLM's `prompt`).
+_POOLING_LISTS: Final = {Capability.RERANK: "results", Capability.SCORE: "data", Capability.TOKENIZE: "tokens"}
+
+
+def _pooling_problem(capability: Capability, answer: dict[str, Any]) -> str | None:
+    if capability is Capability.DETOKENIZE:
+        text = answer.get("prompt", answer.get("content"))
+        return None if isinstance(text, str) else "neither `prompt` nor `content` is a string"
+    name = _POOLING_LISTS[capability]
+    items = answer.get(name)
+    if not isinstance(items, list):
+        return f"`{name}` is not a list"
+    if capability is Capability.TOKENIZE:
+        # Token ids, or (llama.cpp's `with_pieces`) objects with an id and its piece.
+        if not all(isinstance(t, int | dict) and not isinstance(t, bool) for t in items):
+            return "`tokens` is not a list of token ids"
+    elif not all(isinstance(item, dict) for item in items):
+        return f"`{name}` is not a list of objects"
+    return None
+
+
+def counted_prompt_tokens(capability: Capability, answer: dict[str, Any], body: dict[str, Any]) -> int | None:
+    """The tokens a tokenizer call metered when its runtime reports no `usage` (neither vLLM nor
+    llama.cpp does there): the ids a tokenize answer lists, the ids a detokenize request sent.
+    None for every other capability."""
+    if capability is Capability.TOKENIZE:
+        tokens = answer.get("tokens")
+        return len(tokens) if isinstance(tokens, list) else 0
+    if capability is Capability.DETOKENIZE:
+        tokens = body.get("tokens")
+        return len(tokens) if isinstance(tokens, list) else 0
+    return None
 
 
 def usage_problem(obj: dict[str, Any]) -> str | None:

@@ -299,6 +299,9 @@ class Answer:
             self.answer = answer
             if self._usage_refused:
                 self._progress.completion_tokens = answers.completion_estimate(answer)
+            counted = answers.counted_prompt_tokens(self.work.capability, answer, self.work.body)
+            if counted is not None and not self._progress.prompt_tokens:
+                self._progress.prompt_tokens = min(counted, MAX_TOKENS)
         return body
 
     def _refuse(self, problem: str) -> None:

@@ -69,6 +69,7 @@ from nexa.control.datapath.routing import Router, for_data_class
 from nexa.control.deployments import Deployments
 from nexa.control.registry.models import ModelRegistry
 from nexa.errors import (
+    ApiNotServed,
     ChannelError,
     DeadlineExceeded,
     ModelNotServed,
@@ -299,7 +300,9 @@ class Gateway:
         return self._for_data_class(work, serving)
 
     def _for_data_class(self, work: Work, serving: ServingSet) -> ServingSet:
-        """The replicas allowed the request's data class; NoReplicaForDataClass when none is."""
+        """The replicas allowed the request's data class whose runtime serves its capability
+        (`_for_capability`); NoReplicaForDataClass when none is allowed it."""
+        serving = _for_capability(work, serving)
         if work.data_class is None:
             return serving
         allowed = for_data_class(serving, work.data_class, self._deployments.node_data_classes)
@@ -607,12 +610,28 @@ def _new_stream_id(work: Work, replica: ServingReplica, attempt: int) -> str:
     return stream_id
 
 
+def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
+    """The replicas whose runtime serves a gated capability (rerank, score, tokenize, detokenize:
+    `ServingReplica.serves`); ApiNotServed when none of the Ready ones does."""
+    capability = work.capability
+    if not capability.gated:
+        return serving
+    replicas = [r for r in serving.replicas if capability in r.serves]
+    if not replicas:
+        raise ApiNotServed(
+            f"{work.model!r} runs on no runtime that serves {capability.path}: deploy it on one that does"
+            " (vLLM serves rerank, score, tokenize and detokenize; llama.cpp's llama-server serves tokenize"
+            " and detokenize, and rerank with settings.reranking: true and a reranker model)"
+        )
+    return attrs.evolve(serving, replicas=replicas)
+
+
 def _encode(work: Work, serving: ServingSet) -> bytes:
     """The runtime's request body: the client's, with the served model's name, and usage always
     asked for in streams (stripped again on the node when the client did not ask)."""
     body: dict[str, Any] = dict(work.body)
     body["model"] = serving.model.model
-    if work.capability is not Capability.EMBEDDING:
+    if work.capability.streams:
         body["stream"] = work.stream
         if work.stream:
             options = dict(body.get("stream_options") or {})
@@ -630,7 +649,7 @@ def _prefix(work: Work, cfg: GatewayConfig) -> str | None:
 
 
 def _prompt_prefix(work: Work, cfg: GatewayConfig) -> str | None:
-    if not cfg.prefix_affinity or work.capability is Capability.EMBEDDING:
+    if not cfg.prefix_affinity or not work.capability.streams:
         return None
     if work.capability is Capability.COMPLETION:
         prompt = work.body.get("prompt")

@@ -58,6 +58,7 @@ from nexa.control.datapath import messages as anthropic
 from nexa.control.datapath.calls import Work
 from nexa.control.datapath.gateway import Call, Gateway
 from nexa.control.datapath.inference_routes import (
+    CAPABILITY_ALIASES,
     DATA_CLASS_HEADER,
     DEADLINE_HEADER,
     INFERENCE_ROUTES,
@@ -102,7 +103,9 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 AsgiApp = Callable[[Any, Any, Any], Awaitable[None]]
 
-_CAPABILITY_BY_PATH: Final = {c.path: c for c in Capability}
+_CAPABILITY_BY_PATH: Final = {c.path: c for c in Capability} | CAPABILITY_ALIASES
+#: The inference routes outside `/v1/` (vLLM's and llama.cpp's own paths), answered in OpenAI's shape.
+_BARE_PATHS: Final = frozenset(p for p in _CAPABILITY_BY_PATH if not p.startswith("/v1/"))
 _WORKLOAD_PATH: Final = re.compile(r"^/api/v1/workloads/([^/]{1,256})(/cancel|/receipt)?$")
 _OVERHEAD_HEADER: Final = OVERHEAD_HEADER.encode()
 _SSE_HEADERS: Final = [
@@ -118,7 +121,7 @@ WATCH_AFTER_S: Final = 0.25
 
 def _route(method: str, path: str) -> tuple[str, str] | None:
     """The route template of a request, or None when the path is not an inference route."""
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in _BARE_PATHS:
         return (method, path)
     if path == "/api/v1/workloads":
         return (method, path)
@@ -186,8 +189,10 @@ class InferenceApp:
         if problem is not None or not isinstance(model, str):
             raise ContractError(problem or "model: required", problems=(problem or "model: required",))
         stream = body.pop("stream", False)
-        if not isinstance(stream, bool) or (stream and capability is Capability.EMBEDDING):
-            raise ContractError("stream: true or false (embeddings do not stream)", problems=("stream",))
+        if not isinstance(stream, bool) or (stream and not capability.streams):
+            raise ContractError(
+                f"stream: true or false ({capability.value} answers do not stream: send false)", problems=("stream",)
+            )
         options = body.get("stream_options")
         if options is not None and not stream:
             raise ContractError("stream_options: only with stream: true", problems=("stream_options",))
@@ -248,8 +253,10 @@ class InferenceApp:
         problems = workload_problems(req)
         if problems:
             raise ContractError("invalid workload: " + "; ".join(problems), problems=tuple(problems))
-        if req.stream and req.capability is Capability.EMBEDDING:
-            raise FieldNotSupported("stream: embeddings do not stream; send stream: false", field="stream")
+        if req.stream and not req.capability.streams:
+            raise FieldNotSupported(
+                f"stream: {req.capability.value} answers do not stream; send stream: false", field="stream"
+            )
         self._retain(x, req.retention, Api.WORKLOADS)
         digest = request_sha256(req)
         priority = self._entitled(x.key, req.admission_priority)
@@ -397,7 +404,7 @@ class _Exchange:
         self._receive = receive
         self._send = send
         self.route = route
-        self.openai = route[1].startswith("/v1/")
+        self.openai = route[1].startswith("/v1/") or route[1] in _BARE_PATHS
         self.anthropic = route[1].startswith(anthropic.MESSAGES_PATH)
         self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self.rid = new_request_id(self._headers.get("x-request-id", ""))

@@ -13,6 +13,7 @@ from nexa.contracts.gateway import (
     MAX_MODEL_CHARS,
     MAX_REQUEST_TOKENS,
     AnthropicError,
+    Capability,
     Priority,
     SignedReceipt,
     WorkloadCreate,
@@ -21,6 +22,7 @@ from nexa.contracts.gateway import (
 )
 from nexa.control.http.declare import INFERENCE, PAGE_QUERY, Param, Route, RouteKey
 from nexa.errors import (
+    ApiNotServed,
     Cancelled,
     Conflict,
     DeadlineExceeded,
@@ -144,6 +146,78 @@ def _generate(path: str, summary: str, prompt: str, prompt_schema: Json, *, stre
 
 _WORKLOAD: Final = "/api/v1/workloads/<workload_id>"
 
+_MODEL: Final[Json] = {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS, "description": "an alias"}
+_TEXTS: Final[Json] = {"type": ["string", "array"], "description": "a string or a list of them"}
+_RERANK_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "query": {"type": "string"},
+        "documents": {"type": "array", "minItems": 1, "description": "strings (or the runtime's document objects)"},
+        "top_n": {"type": "integer", "minimum": 0, "description": "the best n (0 or left out: all)"},
+        "return_documents": {"type": "boolean"},
+    },
+    "required": ["model", "query", "documents"],
+    "additionalProperties": True,
+}
+_SCORE_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {"model": _MODEL, "text_1": _TEXTS, "text_2": _TEXTS},
+    "required": ["model", "text_1", "text_2"],
+    "additionalProperties": True,
+}
+_TOKENIZE_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "prompt": {"type": "string", "description": "vLLM's: the text (or `messages`, a chat)"},
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "add_special_tokens": {"type": "boolean"},
+        "content": {"type": "string", "description": "llama.cpp's server's name for the text"},
+    },
+    "required": ["model"],
+    "additionalProperties": True,
+}
+_DETOKENIZE_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_REQUEST_TOKENS}},
+    },
+    "required": ["model", "tokens"],
+    "additionalProperties": True,
+}
+#: The other paths vLLM serves its pooling APIs at (vllm/entrypoints/pooling: `/rerank`, `/v2/rerank`
+#: for Cohere's v2 clients, `/score`), each served as its capability's own path.
+CAPABILITY_ALIASES: Final = {"/rerank": Capability.RERANK, "/v2/rerank": Capability.RERANK, "/score": Capability.SCORE}
+
+
+def _pooling(path: str, summary: str, body: Json) -> Route:
+    """A rerank, score or tokenizer route: unary, passed to a runtime whose adapter records serving it."""
+    return Route(
+        method="POST",
+        path=path,
+        roles=INFERENCE,
+        summary=summary,
+        tag="openai",
+        body=body,
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        params=_HEADERS,
+        errors=(*_SERVING, ApiNotServed),
+    )
+
+
+_POOLING_ROUTES: Final = (
+    _pooling("/v1/rerank", "Rerank documents for a query (vLLM's, llama.cpp's and Cohere's shape)", _RERANK_BODY),
+    _pooling("/rerank", "Rerank (the same as /v1/rerank)", _RERANK_BODY),
+    _pooling("/v2/rerank", "Rerank, for Cohere v2 clients (the same as /v1/rerank)", _RERANK_BODY),
+    _pooling("/v1/score", "Score text pairs (vLLM's shape)", _SCORE_BODY),
+    _pooling("/score", "Score text pairs (the same as /v1/score)", _SCORE_BODY),
+    _pooling("/tokenize", "Tokenize text with the model's tokenizer (the runtime's shape)", _TOKENIZE_BODY),
+    _pooling("/detokenize", "Turn token ids back into text (the runtime's shape)", _DETOKENIZE_BODY),
+)
+
 _CONTENT: Final[Json] = {"type": ["string", "array"], "description": "a string, or a list of content blocks"}
 _MESSAGES_BODY: Final[Json] = {
     "type": "object",
@@ -258,6 +332,7 @@ ROUTES: Final[tuple[Route, ...]] = (
         params=_HEADERS,
         errors=_SERVING,
     ),
+    *_POOLING_ROUTES,
     Route(
         method="POST",
         path="/api/v1/workloads",
