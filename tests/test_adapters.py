@@ -365,7 +365,7 @@ def test_each_adapter_knows_its_endpoints_metrics_and_capabilities() -> None:
 
 
 def test_rerank_score_and_tokenizer_paths_are_served_where_each_runtime_documents_them() -> None:
-    gated = [c for c in Capability if c.gated]
+    gated = [c for c in Capability if c.gated and not c.native]
     assert {c.path for c in gated} == {"/v1/rerank", "/v1/score", "/tokenize", "/detokenize"}
     # vLLM serves every one (a pooling model's rerank and score; the runtime refuses them for others).
     assert all(adapters.serves(RuntimeKind.VLLM, {}, c) for c in gated)
@@ -387,7 +387,7 @@ def test_rerank_score_and_tokenizer_paths_are_served_where_each_runtime_document
 
 
 def test_the_sim_runtime_serves_what_its_serve_flag_names() -> None:
-    assert adapters.sim_serves([]) == frozenset(c for c in Capability if c.gated)
+    assert adapters.sim_serves([]) == frozenset(c for c in Capability if c.gated and not c.native)
     assert adapters.sim_serves(["--ttft-ms", "5", "--serve", "tokenize,rerank"]) == {
         Capability.TOKENIZE,
         Capability.RERANK,
@@ -396,3 +396,15 @@ def test_the_sim_runtime_serves_what_its_serve_flag_names() -> None:
     assert adapters.sim_serves(["--serve", "chat"]) is None
     assert adapters.serves(RuntimeKind.SIM, {}, Capability.CHAT, command=["--serve", "none"])
     assert not adapters.serves(RuntimeKind.SIM, {}, Capability.SCORE, command=["--serve", "tokenize"])
+
+
+def test_native_apis_are_served_from_the_release_each_adapter_records() -> None:
+    assert adapters.serves(RuntimeKind.VLLM, {}, Capability.MESSAGES, version="0.11.0")
+    assert adapters.serves(RuntimeKind.VLLM, {}, Capability.MESSAGE_TOKENS, version="v0.12.1")
+    assert not adapters.serves(RuntimeKind.VLLM, {}, Capability.MESSAGES, version="0.10.2")
+    assert adapters.serves(RuntimeKind.VLLM, {}, Capability.RESPONSES, version="0.10.0")
+    assert not adapters.serves(RuntimeKind.VLLM, {}, Capability.RESPONSES, version="latest")  # no release: not assumed
+    assert not any(adapters.serves(RuntimeKind.LLAMACPP, {}, c, version="9.9.9") for c in Capability if c.native)
+    # The sim runtime serves them only when told to (its translated tests need it not to).
+    assert not adapters.serves(RuntimeKind.SIM, {}, Capability.MESSAGES)
+    assert adapters.serves(RuntimeKind.SIM, {}, Capability.RESPONSES, command=["--serve", "responses"])

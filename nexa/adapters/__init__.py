@@ -82,8 +82,9 @@ ADAPTERS: Final[Mapping[RuntimeKind, Adapter]] = {
 
 #: The `sim` runtime (`nexa sim-runtime`) exports vLLM's names.
 SIM_METRICS: Final = VLLM.metrics
-#: The `sim` runtime's flag naming the gated capabilities (`Capability.gated`: rerank, score,
-#: tokenize, detokenize) it serves, comma-separated, or `none`; without it, every one, as vLLM does.
+#: The `sim` runtime's flag naming the gated capabilities (`Capability.gated`) it serves,
+#: comma-separated, or `none`; without it, rerank, score, tokenize and detokenize, as vLLM does. The
+#: native APIs (`messages`, `responses`, `message_tokens`: vLLM's own) only when named.
 SIM_SERVE_FLAG: Final = "--serve"
 
 
@@ -98,7 +99,7 @@ def sim_serves(command: Sequence[str]) -> frozenset[Capability] | None:
             value = arg.partition("=")[2]
     gated = {c.value: c for c in Capability if c.gated}
     if value is None:
-        return frozenset(gated.values())
+        return frozenset(c for c in gated.values() if not c.native)
     if value == "none":
         return frozenset()
     names = value.split(",")
@@ -108,17 +109,22 @@ def sim_serves(command: Sequence[str]) -> frozenset[Capability] | None:
 
 
 def serves(
-    kind: RuntimeKind, settings: Mapping[str, object], capability: Capability, *, command: Sequence[str] = ()
+    kind: RuntimeKind,
+    settings: Mapping[str, object],
+    capability: Capability,
+    *,
+    command: Sequence[str] = (),
+    version: str = "",
 ) -> bool:
-    """Whether a replica of `kind` started with `settings` (or, for `sim`, `command`) answers
-    `capability`'s path: what its adapter records (`Adapter.serves`)."""
+    """Whether a replica of `kind` release `version` started with `settings` (or, for `sim`,
+    `command`) answers `capability`'s path: what its adapter records (`Adapter.serves`)."""
     if kind is RuntimeKind.SIM:
         return not capability.gated or capability in (sim_serves(command) or ())
     try:
         adapter = adapter_for(kind, settings)
     except (KeyError, ValueError):
         return False
-    return adapter.serves(capability, settings)
+    return adapter.serves(capability, settings, version)
 
 
 def image_runs(kind: RuntimeKind, config: ImageConfig | None) -> list[tuple[str, list[str]]]:

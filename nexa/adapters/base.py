@@ -299,8 +299,12 @@ class Adapter:
             tp = max(1, (gpus * nodes) // pp)
         return tp, pp
 
-    def serves(self, capability: Capability, settings: Mapping[str, object]) -> bool:
-        """Whether a replica started with `settings` answers `capability`'s path."""
+    def serves(self, capability: Capability, settings: Mapping[str, object], version: str = "") -> bool:
+        """Whether a replica started with `settings` answers `capability`'s path; an API it serves
+        natively (`native_apis`) from the release given there, `version` being the runtime's."""
+        if capability.native:
+            first = self.native_apis.get(capability.path)
+            return first is not None and version_at_least(version, first)
         if capability not in self.capabilities:
             return False
         needed = self.capability_settings.get(capability)

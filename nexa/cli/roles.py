@@ -523,8 +523,9 @@ def _sim_runtime_command(sub: Any) -> None:
     s.add_argument(
         "--serve",  # nexa.adapters.SIM_SERVE_FLAG: the controller reads it from a sim deployment's command
         default=None,
-        help="the pooling and tokenizer APIs served, comma-separated: rerank, score, tokenize, detokenize"
-        " (default: all, as vLLM); none: only chat, completions and embeddings",
+        help="what is served besides chat, completions and embeddings, comma-separated: rerank, score,"
+        " tokenize, detokenize (the default: all four, as vLLM), messages, message_tokens, responses"
+        " (vLLM's native Messages and Responses APIs); none",
     )
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
     s.set_defaults(handler=_cmd_sim_runtime)
@@ -537,7 +538,8 @@ def _cmd_sim_runtime(args: argparse.Namespace) -> int:
 
     serves = sim_serves([] if args.serve is None else [SIM_SERVE_FLAG, args.serve])
     if serves is None:
-        problem = f"{SIM_SERVE_FLAG}: rerank, score, tokenize or detokenize, comma-separated, or none"
+        problem = f"{SIM_SERVE_FLAG}: comma-separated names of rerank, score, tokenize, detokenize, messages,"
+        problem += " message_tokens, responses; or none"
         raise ConfigError("invalid sim-runtime flags: " + problem, problems=(problem,))
 
     cfg = simruntime.SimConfig(

@@ -57,6 +57,11 @@ class Capability(enum.StrEnum):
     SCORE = "score"
     TOKENIZE = "tokenize"
     DETOKENIZE = "detokenize"
+    #: Anthropic's Messages API, OpenAI's Responses API and Anthropic's token count, passed through
+    #: to a runtime that serves them natively (`Adapter.native_apis`); otherwise translated to chat.
+    MESSAGES = "messages"
+    RESPONSES = "responses"
+    MESSAGE_TOKENS = "message_tokens"
 
     @property
     def path(self) -> str:
@@ -64,8 +69,13 @@ class Capability(enum.StrEnum):
 
     @property
     def streams(self) -> bool:
-        """Its answer may be a stream (`stream: true`): chat and completions only."""
-        return self in (Capability.CHAT, Capability.COMPLETION)
+        """Its answer may be a stream (`stream: true`): chat, completions and the native APIs."""
+        return self in (Capability.CHAT, Capability.COMPLETION, Capability.MESSAGES, Capability.RESPONSES)
+
+    @property
+    def native(self) -> bool:
+        """Another API than OpenAI's chat, passed through as it is (its own answers and events)."""
+        return self in (Capability.MESSAGES, Capability.RESPONSES, Capability.MESSAGE_TOKENS)
 
     @property
     def gated(self) -> bool:
@@ -84,6 +94,9 @@ _PATHS: Final = {
     Capability.SCORE: "/v1/score",
     Capability.TOKENIZE: "/tokenize",
     Capability.DETOKENIZE: "/detokenize",
+    Capability.MESSAGES: "/v1/messages",
+    Capability.RESPONSES: "/v1/responses",
+    Capability.MESSAGE_TOKENS: "/v1/messages/count_tokens",
 }
 
 
@@ -579,6 +592,8 @@ def workload_problems(req: WorkloadCreate) -> list[str]:
     problem = model_problem(req.model)
     if problem is not None:
         problems.append(problem)
+    if req.capability.native:
+        problems.append(f"capability: {req.capability.value} is served at {req.capability.path}, not as a workload")
     if (problem := retention_problem(req.retention)) is not None:
         problems.append(problem)
     if "model" in req.payload or "stream" in req.payload:
@@ -679,8 +694,8 @@ def token_reservation(capability: Capability, body: dict[str, object], *, defaul
         return _listed(body.get("tokens")) + 1
     if not capability.streams:  # rerank, score, tokenize: every string of the body is read, nothing made
         return _chars(body) // 4 + 1
-    prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    prompt = _prompt_of(capability, body)
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     completion = asked if isinstance(asked, int) and _int_in(asked, 1, MAX_REQUEST_TOKENS) else default_completion
     choices = body.get("n")
     n = choices if isinstance(choices, int) and _int_in(choices, 1, MAX_CHOICES) else 1
@@ -705,14 +720,23 @@ def usage_bounds(capability: Capability, body: dict[str, object]) -> tuple[int, 
     if not capability.streams:  # rerank, score (a template around each pair), tokenize
         pairs = _listed(body.get("documents")) + _listed(body.get("text_2")) + _listed(body.get("messages"))
         return _bytes(body) + (1 + pairs) * _TEMPLATE_TOKENS_PER_MESSAGE + _TEMPLATE_TOKENS, 0
-    prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
+    prompt = _prompt_of(capability, body)
     messages = len(prompt) if isinstance(prompt, list) else 1
     prompt_max = _bytes(prompt) + messages * _TEMPLATE_TOKENS_PER_MESSAGE + _TEMPLATE_TOKENS
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    if capability.native:  # a system prompt, instructions and tool definitions beside the messages
+        prompt_max += _bytes({k: v for k, v in body.items() if k not in ("messages", "input")})
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     completion = asked if isinstance(asked, int) and _int_in(asked, 1, MAX_REQUEST_TOKENS) else MAX_REQUEST_TOKENS
     choices = body.get("n")
     n = choices if isinstance(choices, int) and _int_in(choices, 1, MAX_CHOICES) else 1
     return prompt_max, completion * n
+
+
+def _prompt_of(capability: Capability, body: dict[str, object]) -> object:
+    """What a generating request's prompt is: completions' `prompt`, the Responses API's `input`,
+    otherwise `messages`."""
+    name = {Capability.COMPLETION: "prompt", Capability.RESPONSES: "input"}.get(capability, "messages")
+    return body.get(name)
 
 
 def _listed(value: object) -> int:

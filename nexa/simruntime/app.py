@@ -13,7 +13,7 @@ from typing import IO, Final
 
 import trio
 
-from nexa.simruntime import answers, pooling
+from nexa.simruntime import answers, native, pooling
 from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
@@ -26,6 +26,9 @@ MAX_REQUEST_ID_CHARS: Final = 128
 OWNED_BY: Final = "nexa-sim"
 
 _INFERENCE_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
+#: The paths besides OpenAI's inference ones, each served when `--serve` names its capability.
+_OTHER_PATHS: Final = {**pooling.PATHS, **native.PATHS}
+_SSE_HEADERS: Final = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _METRICS_HEADERS: Final = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
@@ -90,7 +93,7 @@ class SimApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
-        served = path in pooling.PATHS and pooling.PATHS[path] in self._cfg.serves
+        served = path in _OTHER_PATHS and _OTHER_PATHS[path] in self._cfg.serves
         if path in _INFERENCE_PATHS or served:
             if method != "POST":
                 await reply(send, 405, error_body("use POST", "invalid_request_error", "method_not_allowed"))
@@ -158,18 +161,32 @@ class SimApp:
                 journal.write("failed", rid, path, reason="stopped")
 
     async def _pooling(self, path: str, rid: str, receive: Receive, send: Send) -> None:
-        """A rerank, score or tokenizer request (`pooling`): answered at once, journaled with its tokens."""
+        """A rerank, score or tokenizer request (`pooling`), answered at once, or a native Messages or
+        Responses API one (`native`); journaled with its tokens."""
         self._journal.write("request", rid, path, stream=False)
         try:
             raw = await read_body(receive)
-            body, tokens = pooling.answer(pooling.PATHS[path], self._cfg.model, raw, serial=self._metrics.total)
+            capability = _OTHER_PATHS[path]
+            if capability.native:
+                out, tokens = native.answer(
+                    capability, self._cfg.model, raw, serial=self._metrics.total, output_tokens=self._cfg.output_tokens
+                )
+            else:
+                out, tokens = pooling.answer(capability, self._cfg.model, raw, serial=self._metrics.total)
         except BadRequest as exc:
             await reply(
                 send, exc.status, error_body(exc.message, "invalid_request_error", "invalid_request", exc.param)
             )
             self._journal.write("failed", rid, path, status=exc.status, reason="invalid_request")
             return
-        await reply(send, 200, body)
+        await trio.sleep(self._ttft_s)  # the model's time, as for a first token
+        if isinstance(out, bytes):
+            await reply(send, 200, out)
+        else:  # a native API's stream, in its own event grammar
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            for event in out:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._journal.write("completed", rid, path, tokens=tokens)
 
     async def _watched(self, receive: Receive, produce: Callable[[Outcome], Awaitable[None]]) -> Outcome:

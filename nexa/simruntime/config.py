@@ -41,8 +41,11 @@ class SimConfig:
     artifact: str = ""
     #: Stop when the parent process goes away (the node agent's process driver asks for this).
     exit_with_parent: bool = False
-    #: The pooling and tokenizer capabilities served (`--serve`; `adapters.sim_serves`): vLLM's by default.
-    serves: frozenset[Capability] = attrs.field(factory=lambda: frozenset(c for c in Capability if c.gated))
+    #: The gated capabilities served (`--serve`; `adapters.sim_serves`): rerank, score, tokenize and
+    #: detokenize by default; the native Messages and Responses APIs only when named.
+    serves: frozenset[Capability] = attrs.field(
+        factory=lambda: frozenset(c for c in Capability if c.gated and not c.native)
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -101,3 +101,12 @@ def test_rerank_score_and_tokenizer_bodies_are_reserved_bounded_and_checked() ->
     # max_tokens and n mean nothing here: not checked.
     assert body_problems(Capability.TOKENIZE, {"prompt": "x", "max_tokens": 0}) == []
     assert not Capability.RERANK.streams and Capability.CHAT.streams and not Capability.EMBEDDING.streams
+
+
+def test_a_native_api_is_no_workload_capability() -> None:
+    for capability in (Capability.MESSAGES, Capability.RESPONSES, Capability.MESSAGE_TOKENS):
+        assert any(
+            p.startswith(f"capability: {capability.value} is served at /v1/")
+            for p in workload_problems(req(capability=capability))
+        )
+    assert workload_problems(req(capability=Capability.RERANK, payload={"query": "q", "documents": ["d"]})) == []

@@ -186,6 +186,16 @@ class Gateway:
                 out.append(ServedModel(id=alias.name, created=alias.updated_at))
         return out
 
+    def passes_through(self, model: str, capability: Capability) -> bool:
+        """Whether every Ready replica of `model` serves `capability` (a native API) itself: its
+        requests then pass through as they are; otherwise they are translated to chat completions."""
+        try:
+            alias, ref = self._resolve(model)
+        except ModelNotServed:
+            return False
+        replicas = self._deployments.serving(ref, alias=alias or None).replicas
+        return bool(replicas) and all(capability in r.serves for r in replicas)
+
     def trio_deadline(self, work: Work) -> float:
         return trio.current_time() + (work.deadline_at - time.time())
 
@@ -620,8 +630,12 @@ def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
     if not replicas:
         raise ApiNotServed(
             f"{work.model!r} runs on no runtime that serves {capability.path}: deploy it on one that does"
-            " (vLLM serves rerank, score, tokenize and detokenize; llama.cpp's llama-server serves tokenize"
-            " and detokenize, and rerank with settings.reranking: true and a reranker model)"
+            + (
+                " (its replicas changed while it was routed: send it again, it is translated now)"
+                if capability.native
+                else " (vLLM serves rerank, score, tokenize and detokenize; llama.cpp's llama-server serves"
+                " tokenize and detokenize, and rerank with settings.reranking: true and a reranker model)"
+            )
         )
     return attrs.evolve(serving, replicas=replicas)
 
@@ -633,7 +647,7 @@ def _encode(work: Work, serving: ServingSet) -> bytes:
     body["model"] = serving.model.model
     if work.capability.streams:
         body["stream"] = work.stream
-        if work.stream:
+        if work.stream and not work.capability.native:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options

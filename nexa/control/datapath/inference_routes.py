@@ -31,6 +31,7 @@ from nexa.errors import (
     ModelNotServed,
     NoReadyReplica,
     NoReplicaForDataClass,
+    NotFound,
     Overloaded,
     QueueFull,
     QuotaExceeded,
@@ -276,6 +277,12 @@ _RESPONSES_BODY: Final[Json] = {
     "required": ["model", "input"],
     "additionalProperties": False,
 }
+_COUNT_TOKENS_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {k: _MESSAGES_BODY["properties"][k] for k in ("model", "messages", "system", "tools", "tool_choice")},
+    "required": ["model", "messages"],
+    "additionalProperties": True,
+}
 _ANTHROPIC_HEADERS: Final = (
     Param(
         name="x-api-key",
@@ -309,7 +316,10 @@ ROUTES: Final[tuple[Route, ...]] = (
         method="POST",
         path="/v1/messages",
         roles=INFERENCE,
-        summary="Message (Anthropic's Messages API, translated to a chat completion; errors in Anthropic's shape)",
+        summary=(
+            "Message (Anthropic's Messages API: passed through to runtimes that serve it, else translated to a"
+            " chat completion; errors in Anthropic's shape)"
+        ),
         tag="anthropic",
         body=_MESSAGES_BODY,
         body_kind="required",
@@ -321,9 +331,25 @@ ROUTES: Final[tuple[Route, ...]] = (
     ),
     Route(
         method="POST",
+        path="/v1/messages/count_tokens",
+        roles=INFERENCE,
+        summary="Count a message's tokens (Anthropic's; passed through to runtimes that serve it, else 404)",
+        tag="anthropic",
+        body=_COUNT_TOKENS_BODY,
+        body_kind="required",
+        answer={"type": "object", "properties": {"input_tokens": {"type": "integer"}}, "required": ["input_tokens"]},
+        params=(*_ANTHROPIC_HEADERS, *_HEADERS),
+        errors=(*_SERVING, NotFound, ApiNotServed),
+        error_shape=AnthropicError,
+    ),
+    Route(
+        method="POST",
         path="/v1/responses",
         roles=INFERENCE,
-        summary="Response (OpenAI's Responses API, translated to a chat completion; no stored state)",
+        summary=(
+            "Response (OpenAI's Responses API: passed through to runtimes that serve it, else translated to a"
+            " chat completion; no stored state)"
+        ),
         tag="openai",
         body=_RESPONSES_BODY,
         body_kind="required",

@@ -131,7 +131,10 @@ def _served(desired: Desired, dep: Deployment) -> frozenset[Capability]:
         return frozenset()
     options = dep.options
     return frozenset(
-        c for c in Capability if c.gated and adapters.serves(runtime.kind, options.settings, c, command=options.command)
+        c
+        for c in Capability
+        if c.gated
+        and adapters.serves(runtime.kind, options.settings, c, command=options.command, version=runtime.version)
     )
 
 
