@@ -14,6 +14,7 @@ from nexa.contracts.gateway import (
     MAX_REQUEST_TOKENS,
     AnthropicError,
     Capability,
+    OpenAIError,
     Priority,
     SignedReceipt,
     WorkloadCreate,
@@ -206,6 +207,7 @@ def _pooling(path: str, summary: str, body: Json) -> Route:
         answer=_ANY_OBJECT,
         params=_HEADERS,
         errors=(*_SERVING, ApiNotServed),
+        error_shape=OpenAIError,  # outside /v1/ too, as vLLM answers there
     )
 
 
