@@ -362,3 +362,49 @@ def test_each_adapter_knows_its_endpoints_metrics_and_capabilities() -> None:
     assert all(a.serves(Capability.CHAT, {}) for a in adapters.ADAPTERS.values())
     with pytest.raises(KeyError):
         adapters.adapter_for(RuntimeKind.SIM, {})
+
+
+def test_rerank_score_and_tokenizer_paths_are_served_where_each_runtime_documents_them() -> None:
+    gated = [c for c in Capability if c.gated and not c.native]
+    assert {c.path for c in gated} == {"/v1/rerank", "/v1/score", "/tokenize", "/detokenize"}
+    # vLLM serves every one (a pooling model's rerank and score; the runtime refuses them for others).
+    assert all(adapters.serves(RuntimeKind.VLLM, {}, c) for c in gated)
+    # llama-server: tokenize and detokenize always, rerank only started with --reranking, never score.
+    assert adapters.serves(RuntimeKind.LLAMACPP, {}, Capability.TOKENIZE)
+    assert adapters.serves(RuntimeKind.LLAMACPP, {}, Capability.DETOKENIZE)
+    assert not adapters.serves(RuntimeKind.LLAMACPP, {}, Capability.RERANK)
+    assert adapters.serves(RuntimeKind.LLAMACPP, {"reranking": True}, Capability.RERANK)
+    assert not adapters.serves(RuntimeKind.LLAMACPP, {"reranking": True}, Capability.SCORE)
+    launch = adapters.adapter_for(RuntimeKind.LLAMACPP, {}).launch("m", {"reranking": True}, [], 18000)
+    assert "--reranking" in launch.command
+    assert adapters.extra_args_refusals(RuntimeKind.LLAMACPP, {}, ["--rerank"])
+    # llama-cpp-python's tokenizer is another path and shape; SGLang's and TensorRT-LLM's are not vLLM's.
+    for kind, settings in ((RuntimeKind.LLAMACPP, {"server": "llama-cpp-python"}), (RuntimeKind.SGLANG, {})):
+        assert not any(adapters.serves(kind, settings, c) for c in gated)
+    assert not any(adapters.serves(RuntimeKind.TRTLLM, {}, c) for c in gated)
+    # Chat, completions and embeddings are not gated: every replica gets them, as before.
+    assert not any(c.gated for c in (Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING))
+
+
+def test_the_sim_runtime_serves_what_its_serve_flag_names() -> None:
+    assert adapters.sim_serves([]) == frozenset(c for c in Capability if c.gated and not c.native)
+    assert adapters.sim_serves(["--ttft-ms", "5", "--serve", "tokenize,rerank"]) == {
+        Capability.TOKENIZE,
+        Capability.RERANK,
+    }
+    assert adapters.sim_serves(["--serve=none"]) == frozenset()
+    assert adapters.sim_serves(["--serve", "chat"]) is None
+    assert adapters.serves(RuntimeKind.SIM, {}, Capability.CHAT, command=["--serve", "none"])
+    assert not adapters.serves(RuntimeKind.SIM, {}, Capability.SCORE, command=["--serve", "tokenize"])
+
+
+def test_native_apis_are_served_from_the_release_each_adapter_records() -> None:
+    assert adapters.serves(RuntimeKind.VLLM, {}, Capability.MESSAGES, version="0.11.0")
+    assert adapters.serves(RuntimeKind.VLLM, {}, Capability.MESSAGE_TOKENS, version="v0.12.1")
+    assert not adapters.serves(RuntimeKind.VLLM, {}, Capability.MESSAGES, version="0.10.2")
+    assert adapters.serves(RuntimeKind.VLLM, {}, Capability.RESPONSES, version="0.10.0")
+    assert not adapters.serves(RuntimeKind.VLLM, {}, Capability.RESPONSES, version="latest")  # no release: not assumed
+    assert not any(adapters.serves(RuntimeKind.LLAMACPP, {}, c, version="9.9.9") for c in Capability if c.native)
+    # The sim runtime serves them only when told to (its translated tests need it not to).
+    assert not adapters.serves(RuntimeKind.SIM, {}, Capability.MESSAGES)
+    assert adapters.serves(RuntimeKind.SIM, {}, Capability.RESPONSES, command=["--serve", "responses"])

@@ -607,3 +607,32 @@ async def test_without_sleep_mode_the_sleep_routes_are_not_there(sim: SimProcess
     async with httpx.AsyncClient(base_url=sim.url, timeout=10) as http:
         assert (await http.post("/sleep")).status_code == 404
         assert (await http.get("/is_sleeping")).status_code == 404
+
+
+# --- vLLM's other endpoints ----------------------------------------------------------------------------
+
+
+async def test_serve_names_the_pooling_tokenizer_and_native_apis_it_answers(sim: SimProcess) -> None:
+    sim.start("--serve", "tokenize,messages")
+    async with httpx.AsyncClient(base_url=sim.url) as http:
+        with trio.fail_after(TIMEOUT_S):
+            tokens = await http.post("/tokenize", json={"model": MODEL, "prompt": "amber river"})
+            rerank = await http.post("/v1/rerank", json={"model": MODEL, "query": "q", "documents": ["d"]})
+            bad = await http.post("/tokenize", json={"model": MODEL})
+            message = await http.post(
+                "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": chat("hi")[1:]}
+            )
+            responses = await http.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+    assert tokens.json()["count"] == 2 and tokens.json()["max_model_len"] > 0
+    assert rerank.status_code == 404  # not named: not served, as a runtime without the route
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert message.json()["type"] == "message" and message.json()["usage"] == {"input_tokens": 1, "output_tokens": 4}
+    assert responses.status_code == 404
+
+
+def test_refuses_an_unknown_serve_name() -> None:
+    env = {**os.environ, "NEXA_SIMULATION_ONLY": "1"}
+    argv = [sys.executable, "-m", "nexa", "sim-runtime", "--port", "0", "--serve", "tokenize,chat"]
+    result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert "--serve" in result.stderr

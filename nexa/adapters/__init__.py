@@ -67,6 +67,7 @@ from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER, LLAMACPP_VARIANTS
 from nexa.adapters.sglang import SGLANG
 from nexa.adapters.trtllm import TRTLLM
 from nexa.adapters.vllm import VLLM
+from nexa.contracts.gateway import Capability
 from nexa.contracts.models import ImageConfig
 from nexa.contracts.node import RuntimeKind
 
@@ -81,6 +82,49 @@ ADAPTERS: Final[Mapping[RuntimeKind, Adapter]] = {
 
 #: The `sim` runtime (`nexa sim-runtime`) exports vLLM's names.
 SIM_METRICS: Final = VLLM.metrics
+#: The `sim` runtime's flag naming the gated capabilities (`Capability.gated`) it serves,
+#: comma-separated, or `none`; without it, rerank, score, tokenize and detokenize, as vLLM does. The
+#: native APIs (`messages`, `responses`, `message_tokens`: vLLM's own) only when named.
+SIM_SERVE_FLAG: Final = "--serve"
+
+
+def sim_serves(command: Sequence[str]) -> frozenset[Capability] | None:
+    """The gated capabilities a `sim` runtime started with `command` serves (`SIM_SERVE_FLAG`);
+    None when its value names something else (the sim runtime refuses to start then)."""
+    value = None
+    for at, arg in enumerate(command):
+        if arg == SIM_SERVE_FLAG and at + 1 < len(command):
+            value = command[at + 1]
+        elif arg.startswith(SIM_SERVE_FLAG + "="):
+            value = arg.partition("=")[2]
+    gated = {c.value: c for c in Capability if c.gated}
+    if value is None:
+        return frozenset(c for c in gated.values() if not c.native)
+    if value == "none":
+        return frozenset()
+    names = value.split(",")
+    if not all(name in gated for name in names):
+        return None
+    return frozenset(gated[name] for name in names)
+
+
+def serves(
+    kind: RuntimeKind,
+    settings: Mapping[str, object],
+    capability: Capability,
+    *,
+    command: Sequence[str] = (),
+    version: str = "",
+) -> bool:
+    """Whether a replica of `kind` release `version` started with `settings` (or, for `sim`,
+    `command`) answers `capability`'s path: what its adapter records (`Adapter.serves`)."""
+    if kind is RuntimeKind.SIM:
+        return not capability.gated or capability in (sim_serves(command) or ())
+    try:
+        adapter = adapter_for(kind, settings)
+    except (KeyError, ValueError):
+        return False
+    return adapter.serves(capability, settings, version)
 
 
 def image_runs(kind: RuntimeKind, config: ImageConfig | None) -> list[tuple[str, list[str]]]:

@@ -196,9 +196,9 @@ class Adapter:
     #: own flags (llama.cpp: the RPC server's program); checked with the rest, never rendered as flags.
     group_settings: Mapping[str, Option] = attrs.field(factory=dict)
     #: APIs besides chat, completions and embeddings the server answers itself, by path, with the
-    #: first release serving each (from its own source). The gateway translates `/v1/messages` and
-    #: `/v1/responses` to chat completions for every runtime today; these are the runtimes it can pass
-    #: them through to instead (and, for stored responses, pin to the replica that keeps them).
+    #: first release serving each (from its own source). The gateway passes `/v1/messages`,
+    #: `/v1/messages/count_tokens` and `/v1/responses` through to such a runtime when every Ready
+    #: replica of the model has one (`control/datapath/native.py`), and translates them otherwise.
     native_apis: Mapping[str, str] = attrs.field(factory=dict)
 
     def owned_flags(self) -> dict[str, str]:
@@ -299,8 +299,12 @@ class Adapter:
             tp = max(1, (gpus * nodes) // pp)
         return tp, pp
 
-    def serves(self, capability: Capability, settings: Mapping[str, object]) -> bool:
-        """Whether a replica started with `settings` answers `capability`'s path."""
+    def serves(self, capability: Capability, settings: Mapping[str, object], version: str = "") -> bool:
+        """Whether a replica started with `settings` answers `capability`'s path; an API it serves
+        natively (`native_apis`) from the release given there, `version` being the runtime's."""
+        if capability.native:
+            first = self.native_apis.get(capability.path)
+            return first is not None and version_at_least(version, first)
         if capability not in self.capabilities:
             return False
         needed = self.capability_settings.get(capability)

@@ -54,10 +54,13 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         "cont_batching": Option(flag="--cont-batching", type=bool, style=Style.SWITCH, help="(on by default)"),
         "cache_type_k": Option(flag="--cache-type-k", type=str, choices=_GGML_KV_TYPES, help="K cache type"),
         "cache_type_v": Option(flag="--cache-type-v", type=str, choices=_GGML_KV_TYPES, help="V cache type"),
+        # common/arg.cpp: `--rerank, --reranking` sets embedding on and pooling `rank` (a reranker model).
+        "reranking": Option(flag="--reranking", type=bool, style=Style.SWITCH, help="serve /v1/rerank"),
     },
     env=dict(LLAMA_CACHE_ENV),
     refused_flags={"-m": "nexa gives the mounted model's path"}
     | {"-a": "nexa serves the model under its registered name"}
+    | {"--rerank": "a typed setting: give settings.reranking instead"}
     | dict.fromkeys(
         (
             "-hf",
@@ -95,8 +98,10 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         # processed ones, not as hits over lookups) and no latency histograms (token-rate gauges).
         kv_cache=("llamacpp:kv_cache_usage_ratio",),
     ),
-    capabilities=frozenset(Capability),
-    capability_settings={Capability.EMBEDDING: "embedding"},
+    # tools/server/server.cpp: /v1/rerank (and /rerank, /reranking) with `--reranking`, /tokenize and
+    # /detokenize always (`content` in, `{"tokens"}` out; `tokens` in, `{"content"}` out); no /score.
+    capabilities=frozenset(Capability) - {Capability.SCORE},
+    capability_settings={Capability.EMBEDDING: "embedding", Capability.RERANK: "reranking"},
     group_settings={
         # The program a group's other ranks run (`nexa.adapters.groups`): `ggml-rpc-server` since
         # llama.cpp renamed `rpc-server` (ggml-org/llama.cpp#25045, June 2026; the llama.cpp that
@@ -140,7 +145,8 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
     readiness_path="/v1/models",
     # No metrics endpoint: routing falls back to the gateway's own in-flight counts.
     metrics=Metrics(path=None),
-    capabilities=frozenset(Capability),
+    # Its tokenizer routes are /extras/tokenize and /extras/detokenize (another shape); no rerank or score.
+    capabilities=frozenset({Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING}),
     capability_settings={Capability.EMBEDDING: "embedding"},
     # 0.3.x ignores `stream_options`: a stream carries no usage chunk (count from the chunks instead).
     stream_usage=False,

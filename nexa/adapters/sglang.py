@@ -75,7 +75,8 @@ SGLANG: Final = Adapter(
         ttft=("sglang:time_to_first_token_seconds",),
         tpot=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
     ),
-    capabilities=frozenset(Capability),
+    # Its rerank, score and tokenizer routes are not vLLM's shapes: chat, completions and embeddings only.
+    capabilities=frozenset({Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING}),
     capability_settings={Capability.EMBEDDING: "is_embedding"},
     memory_setting="mem_fraction_static",
     pipeline_parallel_flag="--pp-size",

@@ -101,6 +101,8 @@ VLLM: Final = Adapter(
         # Renamed to inter-token latency in later releases.
         tpot=("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
     ),
+    # vllm/entrypoints/pooling (POST /rerank, /v1/rerank, /v2/rerank, /score, /v1/score: a pooling
+    # model's, since 0.7) and vllm/entrypoints/serve/tokenize (POST /tokenize, /detokenize): every one.
     capabilities=frozenset(Capability),
     pipeline_parallel_flag="--pipeline-parallel-size",
 )

@@ -525,13 +525,27 @@ def _sim_runtime_command(sub: Any) -> None:
         action="store_true",
         help="vLLM's sleep endpoints: POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping",
     )
+    s.add_argument(
+        "--serve",  # nexa.adapters.SIM_SERVE_FLAG: the controller reads it from a sim deployment's command
+        default=None,
+        help="what is served besides chat, completions and embeddings, comma-separated: rerank, score,"
+        " tokenize, detokenize (the default: all four, as vLLM), messages, message_tokens, responses"
+        " (vLLM's native Messages and Responses APIs); none",
+    )
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
     s.set_defaults(handler=_cmd_sim_runtime)
 
 
 def _cmd_sim_runtime(args: argparse.Namespace) -> int:
     from nexa import simruntime
+    from nexa.adapters import SIM_SERVE_FLAG, sim_serves
     from nexa.telemetry import setup_logging
+
+    serves = sim_serves([] if args.serve is None else [SIM_SERVE_FLAG, args.serve])
+    if serves is None:
+        problem = f"{SIM_SERVE_FLAG}: comma-separated names of rerank, score, tokenize, detokenize, messages,"
+        problem += " message_tokens, responses; or none"
+        raise ConfigError("invalid sim-runtime flags: " + problem, problems=(problem,))
 
     cfg = simruntime.SimConfig(
         host=args.host,
@@ -555,6 +569,7 @@ def _cmd_sim_runtime(args: argparse.Namespace) -> int:
         artifact=args.artifact,
         exit_with_parent=args.exit_with_parent,
         sleep_mode=args.enable_sleep_mode,
+        serves=serves,
     )
     simruntime.check_config(cfg, os.environ)
     setup_logging(args.log_level)

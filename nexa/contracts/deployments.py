@@ -19,6 +19,7 @@ import attrs
 
 from nexa.contracts.bounds import MAX_BYTES
 from nexa.contracts.evidence import ServiceObjectives
+from nexa.contracts.gateway import Capability
 from nexa.contracts.models import AliasReceipt, ModelRef, name_problem, version_problem
 from nexa.contracts.node import DataClassName, LabelKey, LabelValue, data_class_problem
 from nexa.contracts.placement import PlacementDecision, PlacementPolicy
@@ -407,6 +408,9 @@ class ServingReplica:
     canary: bool = False
     #: Its deployment's routing weights.
     routing: RoutingWeights = RoutingWeights()
+    #: The gated capabilities (`Capability.gated`: rerank, score, tokenize, detokenize) its runtime
+    #: serves, as its adapter records them (`adapters.serves`); only these reach it.
+    serves: frozenset[Capability] = frozenset()
 
 
 @attrs.frozen(kw_only=True)

@@ -47,21 +47,56 @@ MAX_PAYLOAD_BYTES: Final = 1_048_576
 
 
 class Capability(enum.StrEnum):
-    """What a request asks of a model; each maps to one OpenAI-compatible runtime path."""
+    """What a request asks of a model; each maps to one runtime path (the OpenAI-compatible ones,
+    and the pooling and tokenizer paths vLLM and llama.cpp's server share)."""
 
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"
+    RERANK = "rerank"
+    SCORE = "score"
+    TOKENIZE = "tokenize"
+    DETOKENIZE = "detokenize"
+    #: Anthropic's Messages API, OpenAI's Responses API and Anthropic's token count, passed through
+    #: to a runtime that serves them natively (`Adapter.native_apis`); otherwise translated to chat.
+    MESSAGES = "messages"
+    RESPONSES = "responses"
+    MESSAGE_TOKENS = "message_tokens"
 
     @property
     def path(self) -> str:
         return _PATHS[self]
+
+    @property
+    def streams(self) -> bool:
+        """Its answer may be a stream (`stream: true`): chat, completions and the native APIs."""
+        return self in (Capability.CHAT, Capability.COMPLETION, Capability.MESSAGES, Capability.RESPONSES)
+
+    @property
+    def native(self) -> bool:
+        """Another API than OpenAI's chat, passed through as it is (its own answers and events)."""
+        return self in (Capability.MESSAGES, Capability.RESPONSES, Capability.MESSAGE_TOKENS)
+
+    @property
+    def gated(self) -> bool:
+        """Only replicas whose runtime's adapter records serving it get it (`adapters.serves`);
+        chat, completions and embeddings go to every replica of the model, as they always did."""
+        return self not in (Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING)
 
 
 _PATHS: Final = {
     Capability.CHAT: "/v1/chat/completions",
     Capability.COMPLETION: "/v1/completions",
     Capability.EMBEDDING: "/v1/embeddings",
+    # vLLM (vllm/entrypoints/pooling/*/api_router.py, vllm/entrypoints/serve/tokenize) and
+    # llama.cpp's server (tools/server/server.cpp) both serve these paths.
+    Capability.RERANK: "/v1/rerank",
+    Capability.SCORE: "/v1/score",
+    Capability.TOKENIZE: "/tokenize",
+    Capability.DETOKENIZE: "/detokenize",
+    Capability.MESSAGES: "/v1/messages",
+    Capability.RESPONSES: "/v1/responses",
+    Capability.MESSAGE_TOKENS: "/v1/messages/count_tokens",
 }
 
 
@@ -574,6 +609,8 @@ def workload_problems(req: WorkloadCreate) -> list[str]:
     problem = model_problem(req.model)
     if problem is not None:
         problems.append(problem)
+    if req.capability.native:
+        problems.append(f"capability: {req.capability.value} is served at {req.capability.path}, not as a workload")
     if (problem := retention_problem(req.retention)) is not None:
         problems.append(problem)
     if "model" in req.payload or "stream" in req.payload:
@@ -606,7 +643,7 @@ def body_problems(capability: Capability, body: dict[str, object]) -> list[str]:
     """What the gateway refuses in an OpenAI-shaped body: non-finite numbers anywhere (JSON has
     none; Python's parser accepts NaN and Infinity), and token figures it reserves quota by."""
     problems = [f"{path}: a finite number (not NaN or Infinity)" for path in _nonfinite(body)]
-    if capability is not Capability.EMBEDDING:
+    if capability.streams:
         for name in ("max_tokens", "max_completion_tokens"):
             value = body.get(name)
             if value is not None and not _int_in(value, 1, MAX_REQUEST_TOKENS):
@@ -614,7 +651,34 @@ def body_problems(capability: Capability, body: dict[str, object]) -> list[str]:
         n = body.get("n")
         if n is not None and not _int_in(n, 1, MAX_CHOICES):
             problems.append(f"n: an integer from 1 to {MAX_CHOICES}")
-    return problems
+    return problems + _pooling_problems(capability, body)
+
+
+def _pooling_problems(capability: Capability, body: dict[str, object]) -> list[str]:
+    """What a rerank, score, tokenize or detokenize body lacks (checked before it is routed; the
+    runtime checks the rest)."""
+    out = []
+    if capability is Capability.RERANK:
+        if not isinstance(body.get("query"), str):
+            out.append("query: a string")
+        documents = body.get("documents")
+        if not isinstance(documents, list) or not documents:
+            out.append("documents: a non-empty list")
+        top_n = body.get("top_n")
+        if top_n is not None and not _int_in(top_n, 0, MAX_REQUEST_TOKENS):
+            out.append("top_n: an integer, 0 or more")
+    elif capability is Capability.SCORE:
+        out += [
+            f"{name}: a string or a list" for name in ("text_1", "text_2") if not isinstance(body.get(name), str | list)
+        ]
+    elif capability is Capability.TOKENIZE:
+        if not any(isinstance(body.get(name), str | list) for name in ("prompt", "messages", "content")):
+            out.append("prompt: a string (or messages, a list; llama.cpp's content)")
+    elif capability is Capability.DETOKENIZE:
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(_int_in(t, 0, MAX_REQUEST_TOKENS) for t in tokens):
+            out.append("tokens: a list of token ids (integers, 0 or more)")
+    return out
 
 
 def _int_in(value: object, low: int, high: int) -> bool:
@@ -643,8 +707,12 @@ def token_reservation(capability: Capability, body: dict[str, object], *, defaul
     to the runtime's usage when it finishes."""
     if capability is Capability.EMBEDDING:
         return _chars(body.get("input")) // 4 + 1
-    prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    if capability is Capability.DETOKENIZE:
+        return _listed(body.get("tokens")) + 1
+    if not capability.streams:  # rerank, score, tokenize: every string of the body is read, nothing made
+        return _chars(body) // 4 + 1
+    prompt = _prompt_of(capability, body)
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     completion = asked if isinstance(asked, int) and _int_in(asked, 1, MAX_REQUEST_TOKENS) else default_completion
     choices = body.get("n")
     n = choices if isinstance(choices, int) and _int_in(choices, 1, MAX_CHOICES) else 1
@@ -664,14 +732,33 @@ def usage_bounds(capability: Capability, body: dict[str, object]) -> tuple[int, 
     a request may ask for when it set none. Usage a runtime or node reports above them is clamped."""
     if capability is Capability.EMBEDDING:
         return _bytes(body.get("input")) + _TEMPLATE_TOKENS, 0
-    prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
+    if capability is Capability.DETOKENIZE:
+        return _listed(body.get("tokens")), 0
+    if not capability.streams:  # rerank, score (a template around each pair), tokenize
+        pairs = _listed(body.get("documents")) + _listed(body.get("text_2")) + _listed(body.get("messages"))
+        return _bytes(body) + (1 + pairs) * _TEMPLATE_TOKENS_PER_MESSAGE + _TEMPLATE_TOKENS, 0
+    prompt = _prompt_of(capability, body)
     messages = len(prompt) if isinstance(prompt, list) else 1
     prompt_max = _bytes(prompt) + messages * _TEMPLATE_TOKENS_PER_MESSAGE + _TEMPLATE_TOKENS
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    if capability.native:  # a system prompt, instructions and tool definitions beside the messages
+        prompt_max += _bytes({k: v for k, v in body.items() if k not in ("messages", "input")})
+    asked = body.get("max_completion_tokens") or body.get("max_tokens") or body.get("max_output_tokens")
     completion = asked if isinstance(asked, int) and _int_in(asked, 1, MAX_REQUEST_TOKENS) else MAX_REQUEST_TOKENS
     choices = body.get("n")
     n = choices if isinstance(choices, int) and _int_in(choices, 1, MAX_CHOICES) else 1
     return prompt_max, completion * n
+
+
+def _prompt_of(capability: Capability, body: dict[str, object]) -> object:
+    """What a generating request's prompt is: completions' `prompt`, the Responses API's `input`,
+    otherwise `messages`."""
+    name = {Capability.COMPLETION: "prompt", Capability.RESPONSES: "input"}.get(capability, "messages")
+    return body.get(name)
+
+
+def _listed(value: object) -> int:
+    """Items of a JSON list (0 for anything else)."""
+    return len(value) if isinstance(value, list) else 0
 
 
 def _bytes(value: object) -> int:

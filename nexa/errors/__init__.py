@@ -36,6 +36,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
   + NotFound (also LookupError) [not_found, HTTP 404]: no such record
     - MethodNotAllowed [method_not_allowed, HTTP 405]: the route exists but not for that method (names the allowed ones)
     - ModelNotServed [model_not_found]: no alias or model by that name is being served
+    - ApiNotServed [api_not_served]: the model's runtimes do not serve the API asked for (rerank, score, tokenize …)
   + Conflict [conflict, HTTP 409]: the request is valid but the current state forbids it
     - AlreadyExists [already_exists]: a record with that name (and version) is registered already
     - IllegalTransition [illegal_transition]: a model's lifecycle state does not allow the action
@@ -219,6 +220,7 @@ from nexa.errors.registry import RuntimeFlagOwned as RuntimeFlagOwned
 from nexa.errors.registry import SignatureRejected as SignatureRejected
 from nexa.errors.registry import Unplaceable as Unplaceable
 from nexa.errors.registry import VerificationFailed as VerificationFailed
+from nexa.errors.serving import ApiNotServed as ApiNotServed
 from nexa.errors.serving import ModelNotServed as ModelNotServed
 from nexa.errors.serving import NoReadyReplica as NoReadyReplica
 from nexa.errors.serving import NoReplicaForDataClass as NoReplicaForDataClass

@@ -38,6 +38,12 @@ class ModelNotServed(NotFound):
     code = "model_not_found"
 
 
+class ApiNotServed(NotFound):
+    """The model is served, but none of its Ready replicas' runtimes serves the API asked for."""
+
+    code = "api_not_served"
+
+
 class WorkloadAlreadyActive(Conflict):
     code = "workload_already_active"
 

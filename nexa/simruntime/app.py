@@ -15,7 +15,7 @@ from typing import IO, Final
 
 import trio
 
-from nexa.simruntime import answers
+from nexa.simruntime import answers, native, pooling
 from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
@@ -30,6 +30,9 @@ OWNED_BY: Final = "nexa-sim"
 _INFERENCE_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings"})
 #: vLLM's sleep-mode routes (`SimConfig.sleep_mode`).
 _SLEEP_PATHS: Final = frozenset({"/sleep", "/wake_up", "/is_sleeping"})
+#: The paths besides OpenAI's inference ones, each served when `--serve` names its capability.
+_OTHER_PATHS: Final = {**pooling.PATHS, **native.PATHS}
+_SSE_HEADERS: Final = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _METRICS_HEADERS: Final = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
@@ -96,9 +99,10 @@ class SimApp:
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
+        served = path in _OTHER_PATHS and _OTHER_PATHS[path] in self._cfg.serves
         if self._cfg.sleep_mode and path in _SLEEP_PATHS:
             await self._sleep_route(method, path, scope.get("query_string", b""), send)
-        elif path in _INFERENCE_PATHS:
+        elif path in _INFERENCE_PATHS or served:
             await self._inference_route(method, path, scope, receive, send)
         elif method == "GET" and path == "/health":
             if self._faults.current().unhealthy:
@@ -127,7 +131,8 @@ class SimApp:
         self._metrics.running += 1
         self._metrics.total += 1
         try:
-            await self._inference(path, _request_id(scope), receive, send)
+            run = self._inference if path in _INFERENCE_PATHS else self._pooling
+            await run(path, _request_id(scope), receive, send)
         finally:
             self._metrics.running -= 1
 
@@ -188,6 +193,35 @@ class SimApp:
         finally:
             if not recorded:  # cancelled from outside: the server is stopping
                 journal.write("failed", rid, path, reason="stopped")
+
+    async def _pooling(self, path: str, rid: str, receive: Receive, send: Send) -> None:
+        """A rerank, score or tokenizer request (`pooling`), answered at once, or a native Messages or
+        Responses API one (`native`); journaled with its tokens."""
+        self._journal.write("request", rid, path, stream=False)
+        try:
+            raw = await read_body(receive)
+            capability = _OTHER_PATHS[path]
+            if capability.native:
+                out, tokens = native.answer(
+                    capability, self._cfg.model, raw, serial=self._metrics.total, output_tokens=self._cfg.output_tokens
+                )
+            else:
+                out, tokens = pooling.answer(capability, self._cfg.model, raw, serial=self._metrics.total)
+        except BadRequest as exc:
+            await reply(
+                send, exc.status, error_body(exc.message, "invalid_request_error", "invalid_request", exc.param)
+            )
+            self._journal.write("failed", rid, path, status=exc.status, reason="invalid_request")
+            return
+        await trio.sleep(self._ttft_s)  # the model's time, as for a first token
+        if isinstance(out, bytes):
+            await reply(send, 200, out)
+        else:  # a native API's stream, in its own event grammar
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            for event in out:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        self._journal.write("completed", rid, path, tokens=tokens)
 
     async def _watched(self, receive: Receive, produce: Callable[[Outcome], Awaitable[None]]) -> Outcome:
         """Run `produce` until it is done or the client goes away (ASGI `http.disconnect`)."""

@@ -10,6 +10,7 @@ from typing import Final
 import attrs
 
 from nexa.container_spec import SIMULATION_ENV
+from nexa.contracts.gateway import Capability
 from nexa.contracts.hosts import is_loopback_host
 from nexa.errors import ConfigError
 from nexa.simruntime.faults import Faults
@@ -43,6 +44,11 @@ class SimConfig:
     #: vLLM's sleep mode (`--enable-sleep-mode`): `POST /sleep?level=1|2`, `POST /wake_up`, `GET
     #: /is_sleeping`; asleep, inference answers 503. Off: those routes are 404, as in vLLM.
     sleep_mode: bool = False
+    #: The gated capabilities served (`--serve`; `adapters.sim_serves`): rerank, score, tokenize and
+    #: detokenize by default; the native Messages and Responses APIs only when named.
+    serves: frozenset[Capability] = attrs.field(
+        factory=lambda: frozenset(c for c in Capability if c.gated and not c.native)
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -15,6 +15,7 @@ from nexa.contracts.gateway import (
     WorkloadCreate,
     body_problems,
     token_reservation,
+    usage_bounds,
     workload_problems,
 )
 
@@ -82,3 +83,30 @@ def test_envelope_fields_the_gateway_cannot_honour_are_named(changes: dict[str, 
     [problem] = workload_problems(req(**changes))
     assert problem.startswith(field + ":")
     assert workload_problems(req(idempotency_key="tenant/batch-7", data_class="confidential")) == []
+
+
+def test_rerank_score_and_tokenizer_bodies_are_reserved_bounded_and_checked() -> None:
+    rerank = {"query": "q" * 8, "documents": ["d" * 8, "e" * 8]}
+    assert token_reservation(Capability.RERANK, rerank, default_completion=999) == 24 // 4 + 1  # nothing generated
+    assert usage_bounds(Capability.RERANK, rerank)[1] == 0
+    assert usage_bounds(Capability.RERANK, rerank)[0] >= 4 * 24
+    assert token_reservation(Capability.DETOKENIZE, {"tokens": [1, 2, 3]}, default_completion=999) == 4
+    assert usage_bounds(Capability.DETOKENIZE, {"tokens": [1, 2, 3]}) == (3, 0)
+    assert body_problems(Capability.RERANK, rerank) == []
+    assert body_problems(Capability.RERANK, {"documents": []}) == ["query: a string", "documents: a non-empty list"]
+    assert body_problems(Capability.SCORE, {"text_1": "a"}) == ["text_2: a string or a list"]
+    assert body_problems(Capability.TOKENIZE, {"content": "llama.cpp's name"}) == []
+    assert body_problems(Capability.TOKENIZE, {})[0].startswith("prompt:")
+    assert body_problems(Capability.DETOKENIZE, {"tokens": [True]})[0].startswith("tokens:")
+    # max_tokens and n mean nothing here: not checked.
+    assert body_problems(Capability.TOKENIZE, {"prompt": "x", "max_tokens": 0}) == []
+    assert not Capability.RERANK.streams and Capability.CHAT.streams and not Capability.EMBEDDING.streams
+
+
+def test_a_native_api_is_no_workload_capability() -> None:
+    for capability in (Capability.MESSAGES, Capability.RESPONSES, Capability.MESSAGE_TOKENS):
+        assert any(
+            p.startswith(f"capability: {capability.value} is served at /v1/")
+            for p in workload_problems(req(capability=capability))
+        )
+    assert workload_problems(req(capability=Capability.RERANK, payload={"query": "q", "documents": ["d"]})) == []

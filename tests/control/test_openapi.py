@@ -22,7 +22,7 @@ from openapi_spec_validator import validate
 from nexa.channel.links import generate_curve_keypair
 from nexa.contracts import codec
 from nexa.contracts.api import ReceiptPublicKey
-from nexa.control.datapath.inference_routes import INFERENCE_ROUTES
+from nexa.control.datapath.inference_routes import INFERENCE_ROUTES, ROUTES
 from nexa.control.http import health, openapi
 from nexa.control.http.declare import Route, collect, route
 from nexa.control.http.resources import ROLES as ROUTE_ROLES
@@ -259,6 +259,10 @@ async def test_a_bad_deadline_header_is_400_in_openai_shape(controller: Controll
 # ---- fuzzing ----------------------------------------------------------------------------------------
 
 
+#: The inference routes outside /v1/ that answer in OpenAI's error shape (vLLM's own paths).
+_OPENAI_SHAPED = {r.path for r in ROUTES if r.tag == "openai"}
+
+
 def _envelope_problem(case: schemathesis.Case, response: schemathesis.Response) -> str | None:
     """Why a 4xx answer is not in its route's error shape, or None."""
     try:
@@ -273,7 +277,7 @@ def _envelope_problem(case: schemathesis.Case, response: schemathesis.Response) 
     if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
         return "not {'error': {...}}"
     error = body["error"]
-    if case.path.startswith("/v1/"):
+    if case.path.startswith("/v1/") or case.path in _OPENAI_SHAPED:  # also vLLM's /rerank, /tokenize …
         if not {"message", "type", "code"} <= set(error):
             return "not OpenAI's error shape"
         return None

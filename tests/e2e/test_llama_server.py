@@ -52,6 +52,27 @@ def deployment(name: str, alias: str, settings: Json) -> Json:
     }
 
 
+async def tokenizer(controller: Controller, key: str) -> None:
+    """llama-server's /tokenize and /detokenize through the controller, in llama.cpp's own shape
+    (`content` in, `tokens` out, and back): the openai SDK has no tokenizer call, so httpx."""
+    async with controller.client(key) as http:
+        tokens = (await ok(http.post("/tokenize", json={"model": "tiny", "content": "hello world"})))["tokens"]
+        assert tokens and all(isinstance(t, int) for t in tokens), tokens
+        text = (await ok(http.post("/detokenize", json={"model": "tiny", "tokens": tokens})))["content"]
+        assert isinstance(text, str) and text.strip(), text
+        # Not started with --reranking: the gateway refuses rerank before any runtime sees it.
+        refused = await http.post("/v1/rerank", json={"model": "tiny", "query": "q", "documents": ["d"]})
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "api_not_served"
+    async with controller.client() as admin:
+        before = sum(r["prompt_tokens"] for r in (await ok(admin.get("/api/v1/usage")))["rows"])
+    async with controller.client(key) as http:
+        await ok(http.post("/tokenize", json={"model": "tiny", "content": "hello world"}))
+        await ok(http.post("/detokenize", json={"model": "tiny", "tokens": tokens}))
+    async with controller.client() as admin:
+        after = sum(r["prompt_tokens"] for r in (await ok(admin.get("/api/v1/usage")))["rows"])
+    assert after - before == 2 * len(tokens)  # metered by the ids answered, and the ids sent back
+
+
 async def test_the_cpp_llama_server_serves_chat_and_embeddings_and_its_metrics_reach_deployments_show(
     llama_cluster: tuple[Controller, list[Node]],
     s3_store: S3Store,
@@ -131,6 +152,7 @@ async def test_the_cpp_llama_server_serves_chat_and_embeddings_and_its_metrics_r
             await in_thread(response)
         except (openai.OpenAIError, anthropic.APIError):
             pytest.fail(runtime_logs(podman_service))
+        await tokenizer(controller, key)
         served = await in_thread(embedding)
         reference = await trio.to_thread.run_sync(reference_embedding, tiny_embedding_gguf, text)
         assert len(served) == len(reference) == 64

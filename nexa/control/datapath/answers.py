@@ -38,26 +38,144 @@ def event_json(raw: bytes) -> object:
 
 
 def unary_answer(body: bytes, capability: Capability) -> tuple[dict[str, Any] | None, str]:
-    """The runtime's unary answer if it has the shape of its capability's OpenAI answer, else
-    (None, what is wrong): a JSON object; `choices` a list of objects (chat, completion) or
-    `data` a list of embedding objects (embeddings); `usage`, when present, whole counts."""
+    """The runtime's unary answer if it has the shape of its capability's answer, else (None, what
+    is wrong): a JSON object; `choices` a list of objects (chat, completion), `data` a list of
+    embedding objects (embeddings), the pooling, tokenizer and native APIs' own shapes; `usage`,
+    when present, whole counts."""
     answer = event_json(body)
     if not isinstance(answer, dict):
         return None, "not a JSON object" if body else "an empty body"
+    problem = _shape_problem(capability, answer) or usage_problem(answer)
+    if problem is not None:
+        return None, problem
+    return answer, ""
+
+
+def _shape_problem(capability: Capability, answer: dict[str, Any]) -> str | None:
     if capability is Capability.EMBEDDING:
         data = answer.get("data")
         if not isinstance(data, list) or not all(
             isinstance(d, dict) and isinstance(d.get("embedding"), list | str) for d in data
         ):
-            return None, "`data` is not a list of embedding objects"
-    else:
-        choices = answer.get("choices")
-        if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
-            return None, "`choices` is not a list of objects"
-    problem = usage_problem(answer)
-    if problem is not None:
-        return None, problem
-    return answer, ""
+            return "`data` is not a list of embedding objects"
+        return None
+    if capability.native:
+        return _native_problem(capability, answer)
+    if not capability.streams:
+        return _pooling_problem(capability, answer)
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+        return "`choices` is not a list of objects"
+    return None
+
+
+#: The list each pooling and tokenizer answer holds (vLLM's shapes; llama.cpp's server answers
+#: rerank and tokenize alike, and detokenize with `content` for vLLM's `prompt`).
+_POOLING_LISTS: Final = {Capability.RERANK: "results", Capability.SCORE: "data", Capability.TOKENIZE: "tokens"}
+
+
+def _pooling_problem(capability: Capability, answer: dict[str, Any]) -> str | None:
+    if capability is Capability.DETOKENIZE:
+        text = answer.get("prompt", answer.get("content"))
+        return None if isinstance(text, str) else "neither `prompt` nor `content` is a string"
+    name = _POOLING_LISTS[capability]
+    items = answer.get(name)
+    if not isinstance(items, list):
+        return f"`{name}` is not a list"
+    if capability is Capability.TOKENIZE:
+        # Token ids, or (llama.cpp's `with_pieces`) objects with an id and its piece.
+        if not all(isinstance(t, int | dict) and not isinstance(t, bool) for t in items):
+            return "`tokens` is not a list of token ids"
+    elif not all(isinstance(item, dict) for item in items):
+        return f"`{name}` is not a list of objects"
+    return None
+
+
+def _native_problem(capability: Capability, answer: dict[str, Any]) -> str | None:
+    """What is wrong with a native API's unary answer: a Messages API `message` with its `content`
+    list, a Responses API `response` with its `output` list, a token count's `input_tokens`."""
+    if capability is Capability.MESSAGE_TOKENS:
+        return None if token_count_ok(answer.get("input_tokens")) else "`input_tokens` is not a token count"
+    kind, name = ("message", "content") if capability is Capability.MESSAGES else ("response", "output")
+    if answer.get("type" if capability is Capability.MESSAGES else "object") != kind:
+        return f"not a {kind} object"
+    if not isinstance(answer.get(name), list):
+        return f"`{name}` is not a list"
+    return _native_usage_problem(answer.get("usage"))
+
+
+def _native_usage_problem(usage: object) -> str | None:
+    if usage is None:
+        return None
+    if not isinstance(usage, dict):
+        return "`usage` is not an object"
+    for name in ("input_tokens", "output_tokens"):
+        value = usage.get(name)
+        if value is not None and not token_count_ok(value):
+            return f"`usage.{name}` is not a token count (a whole number, 0 to 2^31)"
+    return None
+
+
+def native_usage(capability: Capability, answer: dict[str, Any]) -> tuple[int | None, int | None]:
+    """(input, output) tokens a native API's unary answer reports (checked by `unary_answer`)."""
+    if capability is Capability.MESSAGE_TOKENS:
+        return answer.get("input_tokens"), None
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return None, None
+    return usage.get("input_tokens"), usage.get("output_tokens")
+
+
+#: The native stream events that end an answer, and those that carry output text.
+_NATIVE_LAST: Final = frozenset({"message_stop", "response.completed", "response.incomplete", "response.failed"})
+_NATIVE_TEXT: Final = frozenset({"content_block_delta", "response.output_text.delta"})
+
+
+def check_native_event(event: bytes) -> EventCheck:
+    """Check one SSE event of a native API's stream (Anthropic's or the Responses API's grammar):
+    its lines are SSE fields and its data a JSON object with a `type`; the usage it carries is read:
+    `message_start`'s message and `message_delta` (Messages), `response.completed` or
+    `response.incomplete`'s response (Responses)."""
+    data = []
+    for line in event.splitlines():
+        if line.startswith(b"data:"):
+            data.append(line[5:].removeprefix(b" "))
+        elif line and not line.startswith(_SSE_OTHER_FIELDS):
+            return EventCheck("a line that is not an SSE field")
+    if not data:
+        return _FINE
+    obj = event_json(b"\n".join(data))
+    if not isinstance(obj, dict) or not isinstance(obj.get("type"), str):
+        return EventCheck("an event whose data is not a JSON object with a type")
+    kind = obj["type"]
+    holder = (
+        obj.get("message") if kind == "message_start" else obj.get("response") if kind.startswith("response.") else obj
+    )
+    usage = holder.get("usage") if isinstance(holder, dict) else None
+    if (problem := _native_usage_problem(usage)) is not None:
+        return EventCheck(problem)
+    counts = usage if isinstance(usage, dict) else {}
+    return EventCheck(
+        None,
+        done=kind in _NATIVE_LAST,
+        text=kind in _NATIVE_TEXT,
+        usage=bool(counts),
+        prompt_tokens=counts.get("input_tokens"),
+        completion_tokens=counts.get("output_tokens"),
+    )
+
+
+def counted_prompt_tokens(capability: Capability, answer: dict[str, Any], body: dict[str, Any]) -> int | None:
+    """The tokens a tokenizer call metered when its runtime reports no `usage` (neither vLLM nor
+    llama.cpp does there): the ids a tokenize answer lists, the ids a detokenize request sent.
+    None for every other capability."""
+    if capability is Capability.TOKENIZE:
+        tokens = answer.get("tokens")
+        return len(tokens) if isinstance(tokens, list) else 0
+    if capability is Capability.DETOKENIZE:
+        tokens = body.get("tokens")
+        return len(tokens) if isinstance(tokens, list) else 0
+    return None
 
 
 def usage_problem(obj: dict[str, Any]) -> str | None:
@@ -100,6 +218,9 @@ class EventCheck(NamedTuple):
     text: bool = False
     #: It carries a `usage` object (checked: whole counts).
     usage: bool = False
+    #: A native API's event: the input and output tokens its usage reports (None: not said).
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 _FINE: Final = EventCheck(None)

@@ -258,11 +258,16 @@ class Answer:
     def _checked_events(self, events: list[bytes], whole: bytes) -> bytes:
         """`whole` (the events as they came, not re-joined) when every one is a valid stream event;
         else the events before the first that is not (which ends the call)."""
+        native = self.work.capability.native
         for at, event in enumerate(events):
-            check = answers.check_event(event)
+            check = answers.check_native_event(event) if native else answers.check_event(event)
             if check.problem is not None:
                 self._refuse(check.problem)
                 return b"".join(events[:at])
+            if check.prompt_tokens is not None:  # a native API's usage: the node reads OpenAI's only
+                self._progress.prompt_tokens = check.prompt_tokens
+            if check.completion_tokens is not None:
+                self._progress.completion_tokens = check.completion_tokens
             if check.text:
                 # The output events, counted here only (one a token): the completion count when
                 # the runtime sends no usage, or the stream ends without it (node lost, client gone).
@@ -271,7 +276,7 @@ class Answer:
                 self._usage_seen = True
             if check.done:
                 self._done_seen = True
-                if self.work.include_usage and not self._usage_seen:
+                if self.work.include_usage and not self._usage_seen and not native:
                     # The client asked for usage and the runtime sent none: say what was counted.
                     self._usage_seen = True
                     made = answers.usage_event(prompt_estimate(self.work), min(self._events, MAX_TOKENS))
@@ -299,6 +304,15 @@ class Answer:
             self.answer = answer
             if self._usage_refused:
                 self._progress.completion_tokens = answers.completion_estimate(answer)
+            capability = self.work.capability
+            counted = answers.counted_prompt_tokens(capability, answer, self.work.body)
+            if counted is not None and not self._progress.prompt_tokens:
+                self._progress.prompt_tokens = min(counted, MAX_TOKENS)
+            if capability.native:  # its own usage names: the node reads OpenAI's only
+                prompt, completion = answers.native_usage(capability, answer)
+                self._progress.prompt_tokens = prompt if prompt is not None else self._progress.prompt_tokens
+                if completion is not None:
+                    self._progress.completion_tokens = completion
         return body
 
     def _refuse(self, problem: str) -> None:

@@ -74,6 +74,7 @@ from nexa.control.deployments import Deployments
 from nexa.control.deployments.idle import Idle
 from nexa.control.registry.models import ModelRegistry
 from nexa.errors import (
+    ApiNotServed,
     ChannelError,
     DeadlineExceeded,
     ModelNotServed,
@@ -193,6 +194,18 @@ class Gateway:
                 out.append(ServedModel(id=alias.name, created=alias.updated_at))
         return out
 
+    def passes_through(self, model: str, capability: Capability) -> bool:
+        """Whether every Ready replica of `model` serves `capability` (a native API) itself: its
+        requests then pass through as they are; otherwise they are translated to chat completions."""
+        if model.startswith(EVAL_PREFIX):
+            return False  # an evaluation replica's calls are translated: its key is checked on the way in
+        try:
+            alias, ref = self._resolve_served(model)
+        except ModelNotServed:
+            return False
+        replicas = self._deployments.serving(ref, alias=alias or None).replicas
+        return bool(replicas) and all(capability in r.serves for r in replicas)
+
     def trio_deadline(self, work: Work) -> float:
         return trio.current_time() + (work.deadline_at - time.time())
 
@@ -245,6 +258,10 @@ class Gateway:
     def _resolve(self, name: str, key_id: KeyId) -> tuple[str, ModelRef]:
         if name.startswith(EVAL_PREFIX):  # an evaluation replica, only for its evaluation's key
             return name, self._deployments.eval_model(name, key_id)
+        return self._resolve_served(name)
+
+    def _resolve_served(self, name: str) -> tuple[str, ModelRef]:
+        """The alias (or "" for `model:version`) and version a client's model name is served as."""
         model_name, sep, version = name.partition(":")
         try:
             if sep:
@@ -316,7 +333,9 @@ class Gateway:
         return self._for_data_class(work, serving)
 
     def _for_data_class(self, work: Work, serving: ServingSet) -> ServingSet:
-        """The replicas allowed the request's data class; NoReplicaForDataClass when none is."""
+        """The replicas allowed the request's data class whose runtime serves its capability
+        (`_for_capability`); NoReplicaForDataClass when none is allowed it."""
+        serving = _for_capability(work, serving)
         if work.data_class is None:
             return serving
         allowed = for_data_class(serving, work.data_class, self._deployments.node_data_classes)
@@ -625,14 +644,34 @@ def _new_stream_id(work: Work, replica: ServingReplica, attempt: int) -> str:
     return stream_id
 
 
+def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
+    """The replicas whose runtime serves a gated capability (rerank, score, tokenize, detokenize:
+    `ServingReplica.serves`); ApiNotServed when none of the Ready ones does."""
+    capability = work.capability
+    if not capability.gated:
+        return serving
+    replicas = [r for r in serving.replicas if capability in r.serves]
+    if not replicas:
+        raise ApiNotServed(
+            f"{work.model!r} runs on no runtime that serves {capability.path}: deploy it on one that does"
+            + (
+                " (its replicas changed while it was routed: send it again, it is translated now)"
+                if capability.native
+                else " (vLLM serves rerank, score, tokenize and detokenize; llama.cpp's llama-server serves"
+                " tokenize and detokenize, and rerank with settings.reranking: true and a reranker model)"
+            )
+        )
+    return attrs.evolve(serving, replicas=replicas)
+
+
 def _encode(work: Work, serving: ServingSet) -> bytes:
     """The runtime's request body: the client's, with the served model's name, and usage always
     asked for in streams (stripped again on the node when the client did not ask)."""
     body: dict[str, Any] = dict(work.body)
     body["model"] = serving.model.model
-    if work.capability is not Capability.EMBEDDING:
+    if work.capability.streams:
         body["stream"] = work.stream
-        if work.stream:
+        if work.stream and not work.capability.native:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options
@@ -648,7 +687,7 @@ def _prefix(work: Work, cfg: GatewayConfig) -> str | None:
 
 
 def _prompt_prefix(work: Work, cfg: GatewayConfig) -> str | None:
-    if not cfg.prefix_affinity or work.capability is Capability.EMBEDDING:
+    if not cfg.prefix_affinity or not work.capability.streams:
         return None
     if work.capability is Capability.COMPLETION:
         prompt = work.body.get("prompt")

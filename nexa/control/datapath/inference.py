@@ -55,9 +55,11 @@ from nexa.contracts.node import data_class_problem
 from nexa.contracts.retention import EPHEMERAL, retention_problem
 from nexa.control.access.accounts import Accounts
 from nexa.control.datapath import messages as anthropic
+from nexa.control.datapath import native
 from nexa.control.datapath.calls import Work
 from nexa.control.datapath.gateway import Call, Gateway
 from nexa.control.datapath.inference_routes import (
+    CAPABILITY_ALIASES,
     DATA_CLASS_HEADER,
     DEADLINE_HEADER,
     INFERENCE_ROUTES,
@@ -102,7 +104,8 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 AsgiApp = Callable[[Any, Any, Any], Awaitable[None]]
 
-_CAPABILITY_BY_PATH: Final = {c.path: c for c in Capability}
+_CAPABILITY_BY_PATH: Final = {c.path: c for c in Capability if not c.native} | CAPABILITY_ALIASES
+_BARE_PATHS: Final = frozenset(p for p in _CAPABILITY_BY_PATH if not p.startswith("/v1/"))  # OpenAI's error shape
 _WORKLOAD_PATH: Final = re.compile(r"^/api/v1/workloads/([^/]{1,256})(/cancel|/receipt)?$")
 _OVERHEAD_HEADER: Final = OVERHEAD_HEADER.encode()
 _SSE_HEADERS: Final = [
@@ -118,7 +121,7 @@ WATCH_AFTER_S: Final = 0.25
 
 def _route(method: str, path: str) -> tuple[str, str] | None:
     """The route template of a request, or None when the path is not an inference route."""
-    if path.startswith("/v1/"):
+    if path.startswith("/v1/") or path in _BARE_PATHS:
         return (method, path)
     if path == "/api/v1/workloads":
         return (method, path)
@@ -186,8 +189,8 @@ class InferenceApp:
         if problem is not None or not isinstance(model, str):
             raise ContractError(problem or "model: required", problems=(problem or "model: required",))
         stream = body.pop("stream", False)
-        if not isinstance(stream, bool) or (stream and capability is Capability.EMBEDDING):
-            raise ContractError("stream: true or false (embeddings do not stream)", problems=("stream",))
+        if not isinstance(stream, bool) or (stream and not capability.streams):
+            raise ContractError(f"stream: true or false ({capability} answers do not stream)", problems=("stream",))
         options = body.get("stream_options")
         if options is not None and not stream:
             raise ContractError("stream_options: only with stream: true", problems=("stream_options",))
@@ -215,9 +218,14 @@ class InferenceApp:
             await x.chunk(b"", more=False)
             return 200
 
-    async def translated(self, x: _Exchange, translation: Translation[Any]) -> int:
-        """Another API's request, as a chat completion and back (`translated`)."""
-        req = translation.to_chat(_json_object(await x.body()))
+    async def translated(self, x: _Exchange, translation: Translation[Any] | None) -> int:
+        """Another API's request, passed through (`native`) or as a chat completion and back (`translated`)."""
+        body = _json_object(await x.body())
+        if (passed := native.passed(self._gateway, x.route[1], body, translated=translation is not None)) is not None:
+            x.call = self._gateway.call(self._work(x, *passed[:4], stream=passed.stream, include_usage=True))
+            return await native.serve(x, x.call, passed.capability, stream=passed.stream)
+        assert translation is not None  # `passed` raised otherwise
+        req = translation.to_chat(body)
         work = self._work(
             x, translation.api, Capability.CHAT, req.model, req.chat, stream=req.stream, include_usage=True
         )
@@ -248,8 +256,8 @@ class InferenceApp:
         problems = workload_problems(req)
         if problems:
             raise ContractError("invalid workload: " + "; ".join(problems), problems=tuple(problems))
-        if req.stream and req.capability is Capability.EMBEDDING:
-            raise FieldNotSupported("stream: embeddings do not stream; send stream: false", field="stream")
+        if req.stream and not req.capability.streams:
+            raise FieldNotSupported(f"stream: {req.capability} answers do not stream; send false", field="stream")
         self._retain(x, req.retention, Api.WORKLOADS)
         digest = request_sha256(req)
         priority = self._entitled(x.key, req.admission_priority)
@@ -397,7 +405,7 @@ class _Exchange:
         self._receive = receive
         self._send = send
         self.route = route
-        self.openai = route[1].startswith("/v1/")
+        self.openai = route[1].startswith("/v1/") or route[1] in _BARE_PATHS
         self.anthropic = route[1].startswith(anthropic.MESSAGES_PATH)
         self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         self.rid = new_request_id(self._headers.get("x-request-id", ""))
@@ -508,8 +516,8 @@ class _Exchange:
         return status
 
     async def _handle(self, app: InferenceApp, method: str, rule: str) -> int:
-        if rule in TRANSLATIONS or rule == "/v1/models":
-            return await (app.models(self) if rule == "/v1/models" else app.translated(self, TRANSLATIONS[rule]))
+        if rule in native.NATIVE or rule == "/v1/models":
+            return await (app.models(self) if rule == "/v1/models" else app.translated(self, TRANSLATIONS.get(rule)))
         if rule in _CAPABILITY_BY_PATH:
             return await app.openai(self, _CAPABILITY_BY_PATH[rule])
         if rule == "/api/v1/workloads":

@@ -13,6 +13,8 @@ from nexa.contracts.gateway import (
     MAX_MODEL_CHARS,
     MAX_REQUEST_TOKENS,
     AnthropicError,
+    Capability,
+    OpenAIError,
     Priority,
     SignedReceipt,
     WorkloadCreate,
@@ -21,6 +23,7 @@ from nexa.contracts.gateway import (
 )
 from nexa.control.http.declare import INFERENCE, PAGE_QUERY, Param, Route, RouteKey
 from nexa.errors import (
+    ApiNotServed,
     Cancelled,
     Conflict,
     DeadlineExceeded,
@@ -29,6 +32,7 @@ from nexa.errors import (
     ModelNotServed,
     NoReadyReplica,
     NoReplicaForDataClass,
+    NotFound,
     Overloaded,
     QueueFull,
     QuotaExceeded,
@@ -144,6 +148,79 @@ def _generate(path: str, summary: str, prompt: str, prompt_schema: Json, *, stre
 
 _WORKLOAD: Final = "/api/v1/workloads/<workload_id>"
 
+_MODEL: Final[Json] = {"type": "string", "minLength": 1, "maxLength": MAX_MODEL_CHARS, "description": "an alias"}
+_TEXTS: Final[Json] = {"type": ["string", "array"], "description": "a string or a list of them"}
+_RERANK_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "query": {"type": "string"},
+        "documents": {"type": "array", "minItems": 1, "description": "strings (or the runtime's document objects)"},
+        "top_n": {"type": "integer", "minimum": 0, "description": "the best n (0 or left out: all)"},
+        "return_documents": {"type": "boolean"},
+    },
+    "required": ["model", "query", "documents"],
+    "additionalProperties": True,
+}
+_SCORE_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {"model": _MODEL, "text_1": _TEXTS, "text_2": _TEXTS},
+    "required": ["model", "text_1", "text_2"],
+    "additionalProperties": True,
+}
+_TOKENIZE_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "prompt": {"type": "string", "description": "vLLM's: the text (or `messages`, a chat)"},
+        "messages": {"type": "array", "items": {"type": "object"}},
+        "add_special_tokens": {"type": "boolean"},
+        "content": {"type": "string", "description": "llama.cpp's server's name for the text"},
+    },
+    "required": ["model"],
+    "additionalProperties": True,
+}
+_DETOKENIZE_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": MAX_REQUEST_TOKENS}},
+    },
+    "required": ["model", "tokens"],
+    "additionalProperties": True,
+}
+#: The other paths vLLM serves its pooling APIs at (vllm/entrypoints/pooling: `/rerank`, `/v2/rerank`
+#: for Cohere's v2 clients, `/score`), each served as its capability's own path.
+CAPABILITY_ALIASES: Final = {"/rerank": Capability.RERANK, "/v2/rerank": Capability.RERANK, "/score": Capability.SCORE}
+
+
+def _pooling(path: str, summary: str, body: Json) -> Route:
+    """A rerank, score or tokenizer route: unary, passed to a runtime whose adapter records serving it."""
+    return Route(
+        method="POST",
+        path=path,
+        roles=INFERENCE,
+        summary=summary,
+        tag="openai",
+        body=body,
+        body_kind="required",
+        answer=_ANY_OBJECT,
+        params=_HEADERS,
+        errors=(*_SERVING, ApiNotServed),
+        error_shape=OpenAIError,  # outside /v1/ too, as vLLM answers there
+    )
+
+
+_POOLING_ROUTES: Final = (
+    _pooling("/v1/rerank", "Rerank documents for a query (vLLM's, llama.cpp's and Cohere's shape)", _RERANK_BODY),
+    _pooling("/rerank", "Rerank (the same as /v1/rerank)", _RERANK_BODY),
+    _pooling("/v2/rerank", "Rerank, for Cohere v2 clients (the same as /v1/rerank)", _RERANK_BODY),
+    _pooling("/v1/score", "Score text pairs (vLLM's shape)", _SCORE_BODY),
+    _pooling("/score", "Score text pairs (the same as /v1/score)", _SCORE_BODY),
+    _pooling("/tokenize", "Tokenize text with the model's tokenizer (the runtime's shape)", _TOKENIZE_BODY),
+    _pooling("/detokenize", "Turn token ids back into text (the runtime's shape)", _DETOKENIZE_BODY),
+)
+
 _CONTENT: Final[Json] = {"type": ["string", "array"], "description": "a string, or a list of content blocks"}
 _MESSAGES_BODY: Final[Json] = {
     "type": "object",
@@ -202,6 +279,12 @@ _RESPONSES_BODY: Final[Json] = {
     "required": ["model", "input"],
     "additionalProperties": False,
 }
+_COUNT_TOKENS_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {k: _MESSAGES_BODY["properties"][k] for k in ("model", "messages", "system", "tools", "tool_choice")},
+    "required": ["model", "messages"],
+    "additionalProperties": True,
+}
 _ANTHROPIC_HEADERS: Final = (
     Param(
         name="x-api-key",
@@ -235,7 +318,10 @@ ROUTES: Final[tuple[Route, ...]] = (
         method="POST",
         path="/v1/messages",
         roles=INFERENCE,
-        summary="Message (Anthropic's Messages API, translated to a chat completion; errors in Anthropic's shape)",
+        summary=(
+            "Message (Anthropic's Messages API: passed through to runtimes that serve it, else translated to a"
+            " chat completion; errors in Anthropic's shape)"
+        ),
         tag="anthropic",
         body=_MESSAGES_BODY,
         body_kind="required",
@@ -247,9 +333,25 @@ ROUTES: Final[tuple[Route, ...]] = (
     ),
     Route(
         method="POST",
+        path="/v1/messages/count_tokens",
+        roles=INFERENCE,
+        summary="Count a message's tokens (Anthropic's; passed through to runtimes that serve it, else 404)",
+        tag="anthropic",
+        body=_COUNT_TOKENS_BODY,
+        body_kind="required",
+        answer={"type": "object", "properties": {"input_tokens": {"type": "integer"}}, "required": ["input_tokens"]},
+        params=(*_ANTHROPIC_HEADERS, *_HEADERS),
+        errors=(*_SERVING, NotFound, ApiNotServed),
+        error_shape=AnthropicError,
+    ),
+    Route(
+        method="POST",
         path="/v1/responses",
         roles=INFERENCE,
-        summary="Response (OpenAI's Responses API, translated to a chat completion; no stored state)",
+        summary=(
+            "Response (OpenAI's Responses API: passed through to runtimes that serve it, else translated to a"
+            " chat completion; no stored state)"
+        ),
         tag="openai",
         body=_RESPONSES_BODY,
         body_kind="required",
@@ -258,6 +360,7 @@ ROUTES: Final[tuple[Route, ...]] = (
         params=_HEADERS,
         errors=_SERVING,
     ),
+    *_POOLING_ROUTES,
     Route(
         method="POST",
         path="/api/v1/workloads",

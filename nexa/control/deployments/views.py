@@ -4,10 +4,12 @@ and made once per change: `ServingSets` keeps it until a deployment or the fleet
 
 from __future__ import annotations
 
+from nexa import adapters
 from nexa.contracts.deployments import (
     CANARY_EVAL_PREFIX,
     EVAL_PREFIX,
     GROUP_PENDING,
+    Deployment,
     DeploymentView,
     GroupMemberStatus,
     GroupStatus,
@@ -16,9 +18,11 @@ from nexa.contracts.deployments import (
     ServingSet,
 )
 from nexa.contracts.domain import NodeState
+from nexa.contracts.gateway import Capability
 from nexa.contracts.models import ModelRef
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, is_current, model_of
+from nexa.errors import NotFound
 
 
 class ServingSets:
@@ -80,17 +84,32 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
         if not (mine or leaving):
             continue
         names.append(name)
+        served = _served(desired, dep)
         for r in dep.placed:
             ref = model_of(dep, r)
             if not (mine or ref == model):
                 continue
             if desired.routable(r):
                 replicas.append(
-                    ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref, routing=dep.routing)
+                    ServingReplica(
+                        replica_id=r.id,
+                        node_id=r.node_id,
+                        deployment=name,
+                        model=ref,
+                        routing=dep.routing,
+                        serves=served,
+                    )
                 )
             elif desired.fleet.get(r.node_id).state is NodeState.DRAINING and desired.ready(r):
                 draining.append(
-                    ServingReplica(replica_id=r.id, node_id=r.node_id, deployment=name, model=ref, routing=dep.routing)
+                    ServingReplica(
+                        replica_id=r.id,
+                        node_id=r.node_id,
+                        deployment=name,
+                        model=ref,
+                        routing=dep.routing,
+                        serves=served,
+                    )
                 )
         canary = dep.canary
         if canary is None or not mine:
@@ -104,6 +123,7 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
                 model=canary.model,
                 canary=True,
                 routing=dep.routing,
+                serves=served,
             )
             for r in ready
         ]
@@ -131,6 +151,22 @@ def _canary_alone(desired: Desired, model: ModelRef, name: str) -> ServingSet:
         if desired.routable(r)
     ]
     return ServingSet(model=model, replicas=replicas, deployments=[name])
+
+
+def _served(desired: Desired, dep: Deployment) -> frozenset[Capability]:
+    """The gated capabilities `dep`'s runtime serves, as its adapter records them (none when the
+    runtime is no longer registered)."""
+    try:
+        runtime = desired.models.runtime(dep.runtime)
+    except NotFound:
+        return frozenset()
+    options = dep.options
+    return frozenset(
+        c
+        for c in Capability
+        if c.gated
+        and adapters.serves(runtime.kind, options.settings, c, command=options.command, version=runtime.version)
+    )
 
 
 def view(desired: Desired, e: Entry) -> DeploymentView:

@@ -72,7 +72,8 @@ def document(declared: Iterable[Route] | None = None) -> Json:
                 "Management (`/api/v1`) and inference (`/v1`, OpenAI-compatible; `/api/v1/workloads`) routes."
                 " Every operation lists the roles that may call it in `x-nexa-roles` (empty: no credential)"
                 " and the error codes it can answer in each error response's `x-nexa-error-codes`."
-                " Errors come in nexa's envelope, on `/v1` in OpenAI's shape (on `/v1/messages`, Anthropic's)."
+                " Errors come in nexa's envelope, on `/v1` in OpenAI's shape (on `/v1/messages`, Anthropic's;"
+                " also on vLLM's own `/rerank`, `/v2/rerank`, `/score`, `/tokenize` and `/detokenize`)."
             ),
         },
         "paths": paths,

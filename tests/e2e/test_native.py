@@ -1,0 +1,125 @@
+"""Anthropic's Messages API and OpenAI's Responses API passed through to a runtime that serves them
+natively (the `sim` runtime started with `--serve messages,message_tokens,responses`, answering as
+vLLM does: `nexa/simruntime/native.py`), with the official `anthropic` and `openai` SDKs, through a
+controller and real `nexa node` agents. The `chat` alias's runtimes serve chat completions only, so
+its calls are still translated (tests/e2e/test_messages.py, test_responses.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from tests.support.api import in_thread
+from tests.support.cluster import SIM_ARGS, SimCluster, sdk, usage_rows
+
+pytestmark = pytest.mark.slow
+
+NATIVE_ARGS = [*SIM_ARGS, "--serve", "messages,message_tokens,responses"]
+ASK: list[Any] = [{"role": "user", "content": "hello there"}]
+
+
+async def native_cluster(cluster: SimCluster) -> None:
+    """`native`: an alias whose one replica serves the Messages and Responses APIs itself."""
+    await cluster.model("native", "native")
+    await cluster.deploy("native-a", replicas=1, alias="native", args=NATIVE_ARGS)
+
+
+def claude(cluster: SimCluster) -> anthropic.Anthropic:
+    client = anthropic.Anthropic(base_url=cluster.controller.url, api_key=cluster.inference_key, max_retries=0)
+    cluster.on_close.append(client.close)
+    return client
+
+
+def runtime_paths(cluster: SimCluster) -> list[str]:
+    """The paths the runtimes were asked, in order (their journals)."""
+    return [e["path"] for n in cluster.nodes for e in n.journal() if e["event"] == "request"]
+
+
+async def test_messages_pass_through_unary_streamed_and_counted(cluster: SimCluster) -> None:
+    await native_cluster(cluster)
+    client = claude(cluster)
+
+    def scenario() -> None:
+        message = client.messages.create(model="native", max_tokens=64, system="be brief", messages=ASK)
+        assert message.type == "message" and message.id.startswith("msg_sim")  # the runtime's own answer
+        assert message.model == "native" and message.stop_reason == "end_turn"
+        assert message.usage.input_tokens == 4 and message.usage.output_tokens == 8
+        [block] = message.content
+        assert block.type == "text" and len(block.text.split()) == 8
+
+        short = client.messages.create(model="native", max_tokens=3, messages=ASK)
+        assert short.stop_reason == "max_tokens" and short.usage.output_tokens == 3
+
+        with client.messages.stream(model="native", max_tokens=64, messages=ASK) as stream:
+            text = "".join(stream.text_stream)
+            final = stream.get_final_message()
+        assert final.content[0].type == "text" and text == final.content[0].text and len(text.split()) == 8
+        assert final.usage.input_tokens == 2 and final.usage.output_tokens == 8 and final.stop_reason == "end_turn"
+
+        counted = client.messages.count_tokens(model="native", system="be brief", messages=ASK)
+        assert counted.input_tokens == 4
+
+    await in_thread(scenario)
+    assert runtime_paths(cluster) == ["/v1/messages"] * 3 + ["/v1/messages/count_tokens"]
+    rows = {r["model"]: r for r in await usage_rows(cluster, tenant="acme")}
+    [row] = [r for model, r in rows.items() if model.startswith("native")]
+    assert row["requests"] == 4 and row["errors"] == 0
+    assert row["prompt_tokens"] == 4 + 2 + 2 + 4 and row["completion_tokens"] == 8 + 3 + 8
+
+
+async def test_responses_pass_through_unary_and_streamed(cluster: SimCluster) -> None:
+    await native_cluster(cluster)
+    client = sdk(cluster)
+
+    def scenario() -> None:
+        got = client.responses.create(model="native", input="hello there", instructions="be brief")
+        assert got.id.startswith("resp_sim") and got.status == "completed"
+        assert got.usage is not None and (got.usage.input_tokens, got.usage.output_tokens) == (4, 8)
+        assert len(got.output_text.split()) == 8
+
+        cut = client.responses.create(model="native", input="hello there", max_output_tokens=3)
+        assert cut.status == "incomplete" and cut.incomplete_details is not None
+        assert cut.incomplete_details.reason == "max_output_tokens"
+
+        events = list(client.responses.create(model="native", input="hello there", stream=True))
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        last = events[-1]
+        assert last.type == "response.completed" and last.response.usage is not None
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == last.response.output_text and len(text.split()) == 8
+
+        # State lives in one replica's memory: not routed to it, so refused by name.
+        with pytest.raises(openai.BadRequestError) as stateful:
+            client.responses.create(model="native", input="and then?", previous_response_id=got.id)
+        assert stateful.value.code == "field_not_supported" and "previous_response_id" in stateful.value.message
+
+    await in_thread(scenario)
+    assert runtime_paths(cluster) == ["/v1/responses"] * 3
+    rows = [r for r in await usage_rows(cluster, tenant="acme") if r["model"].startswith("native")]
+    # The refusal ran nothing and made no call: three calls metered, with the runtime's usage.
+    assert [(r["requests"], r["errors"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        (3, 0, 4 + 2 + 2, 8 + 3 + 8)
+    ]
+
+
+async def test_a_runtime_refusing_a_passed_request_reaches_the_sdk_as_its_typed_error(cluster: SimCluster) -> None:
+    await native_cluster(cluster)
+    headers = {"x-api-key": cluster.inference_key, "anthropic-version": "2023-06-01"}
+    async with httpx.AsyncClient(base_url=cluster.controller.url, headers=headers, timeout=30) as http:
+        # Passed through as is: the runtime's own 400 comes back in Anthropic's shape.
+        refused = await http.post("/v1/messages", json={"model": "native", "max_tokens": 8, "messages": []})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["type"] == "error" and refused.json()["error"]["type"] == "invalid_request_error"
+        assert "runtime_rejected" in refused.json()["error"]["message"]
+        # nexa's own checks still come first: nothing reaches the runtime.
+        bad = await http.post("/v1/messages", json={"model": "native", "max_tokens": 0, "messages": ASK})
+        assert bad.status_code == 400 and "max_tokens" in bad.json()["error"]["message"]
+        # The translated alias has no token count.
+        counting = await http.post("/v1/messages/count_tokens", json={"model": "chat", "messages": ASK})
+        assert counting.status_code == 404 and counting.json()["error"]["type"] == "not_found_error"
+        assert "served only by runtimes that serve it themselves" in counting.json()["error"]["message"]
+    assert runtime_paths(cluster) == ["/v1/messages"]
