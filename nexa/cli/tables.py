@@ -343,7 +343,18 @@ QUOTAS: Final = Listing(path="/api/v1/quotas", page=QuotaList, items=lambda p: p
 QUOTA_SHOW: Final = Show(path="/api/v1/quotas/{tenant}", answer=QuotaView, view=QUOTA)
 
 USAGE: Final = View[UsageRow](
-    columns=("day", "tenant", "model", "requests", "errors", "prompt_tokens", "completion_tokens"),
+    columns=(
+        "day",
+        "tenant",
+        "model",
+        "requests",
+        "errors",
+        "prompt_tokens",
+        "completion_tokens",
+        "audio_seconds",
+        "speech_characters",
+        "images",
+    ),
     row=lambda r: {
         "day": r.day,
         "tenant": r.tenant,
@@ -352,6 +363,9 @@ USAGE: Final = View[UsageRow](
         "errors": r.errors,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
+        "audio_seconds": r.audio_seconds,
+        "speech_characters": r.speech_characters,
+        "images": r.images,
     },
 )
 

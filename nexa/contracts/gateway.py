@@ -52,16 +52,40 @@ class Capability(enum.StrEnum):
     CHAT = "chat"
     COMPLETION = "completion"
     EMBEDDING = "embedding"
+    #: Media (`control.datapath.media`): speech to text, its translation to English, text to
+    #: speech, and image generation; metered in their own units (`MEDIA_UNITS`), not tokens.
+    TRANSCRIPTION = "transcription"
+    TRANSLATION = "translation"
+    SPEECH = "speech"
+    IMAGE = "image"
 
     @property
     def path(self) -> str:
         return _PATHS[self]
+
+    @property
+    def media(self) -> bool:
+        """A media capability: served only on its OpenAI route, metered in `MEDIA_UNITS`."""
+        return self in MEDIA_UNITS
 
 
 _PATHS: Final = {
     Capability.CHAT: "/v1/chat/completions",
     Capability.COMPLETION: "/v1/completions",
     Capability.EMBEDDING: "/v1/embeddings",
+    Capability.TRANSCRIPTION: "/v1/audio/transcriptions",
+    Capability.TRANSLATION: "/v1/audio/translations",
+    Capability.SPEECH: "/v1/audio/speech",
+    Capability.IMAGE: "/v1/images/generations",
+}
+#: The capabilities of text models (what an LLM server's adapter serves).
+TEXT_CAPABILITIES: Final = frozenset({Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING})
+#: What a media request is metered (and its tenant's daily quota counted) in, by capability.
+MEDIA_UNITS: Final = {
+    Capability.TRANSCRIPTION: "audio_seconds",
+    Capability.TRANSLATION: "audio_seconds",
+    Capability.SPEECH: "speech_characters",
+    Capability.IMAGE: "images",
 }
 
 
@@ -142,6 +166,9 @@ class CallOutcome:
     #: A replica answered (its first output, or a clean end) and the caller got the answer to read;
     #: False when the call was refused or failed before that.
     opened: bool
+    #: A media call's use in its capability's unit (`MEDIA_UNITS`: seconds of audio, characters of
+    #: speech, images); 0 for text calls.
+    units: float = 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -398,6 +425,8 @@ class UsageRecord:
     finished_at: float
     #: Replica the request was served by was the deployment's canary.
     canary: bool = False
+    #: A media request's use in its capability's unit (`MEDIA_UNITS`); 0 for text requests.
+    units: float = 0.0
 
     @classmethod
     def from_outcome(cls, outcome: CallOutcome) -> UsageRecord:
@@ -423,6 +452,7 @@ class UsageRecord:
             duration_ms=outcome.duration_ms,
             finished_at=outcome.finished_at,
             canary=outcome.canary,
+            units=outcome.units,
         )
 
 
@@ -451,6 +481,10 @@ class UsageRow:
     errors: int
     prompt_tokens: int
     completion_tokens: int
+    #: Media use (`MEDIA_UNITS`): seconds of audio transcribed or translated, characters spoken, images made.
+    audio_seconds: float = 0.0
+    speech_characters: int = 0
+    images: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -572,6 +606,8 @@ def workload_problems(req: WorkloadCreate) -> list[str]:
             f"latency_class: {req.latency_class.value} means priority {req.latency_class.priority.value},"
             f" not {req.priority.value} (send one of them, or both agreeing)"
         )
+    if req.capability.media:
+        problems.append(f"capability: {req.capability.value} is served on {req.capability.path} only")
     problems += [f"payload.{p}" for p in body_problems(req.capability, req.payload)]
     return problems
 
@@ -589,7 +625,7 @@ def body_problems(capability: Capability, body: dict[str, object]) -> list[str]:
     """What the gateway refuses in an OpenAI-shaped body: non-finite numbers anywhere (JSON has
     none; Python's parser accepts NaN and Infinity), and token figures it reserves quota by."""
     problems = [f"{path}: a finite number (not NaN or Infinity)" for path in _nonfinite(body)]
-    if capability is not Capability.EMBEDDING:
+    if capability in (Capability.CHAT, Capability.COMPLETION):
         for name in ("max_tokens", "max_completion_tokens"):
             value = body.get(name)
             if value is not None and not _int_in(value, 1, MAX_REQUEST_TOKENS):
@@ -626,6 +662,8 @@ def token_reservation(capability: Capability, body: dict[str, object], *, defaul
     to the runtime's usage when it finishes."""
     if capability is Capability.EMBEDDING:
         return _chars(body.get("input")) // 4 + 1
+    if capability.media:
+        return 0  # counted in its own units (`MEDIA_UNITS`)
     prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
     asked = body.get("max_completion_tokens") or body.get("max_tokens")
     completion = asked if isinstance(asked, int) and _int_in(asked, 1, MAX_REQUEST_TOKENS) else default_completion
@@ -647,6 +685,9 @@ def usage_bounds(capability: Capability, body: dict[str, object]) -> tuple[int, 
     a request may ask for when it set none. Usage a runtime or node reports above them is clamped."""
     if capability is Capability.EMBEDDING:
         return _bytes(body.get("input")) + _TEMPLATE_TOKENS, 0
+    if capability.media:
+        # Metered in its own units; the tokens some media runtimes report (vLLM's Whisper) are kept as told.
+        return MAX_REQUEST_TOKENS, MAX_REQUEST_TOKENS
     prompt = body.get("prompt") if capability is Capability.COMPLETION else body.get("messages")
     messages = len(prompt) if isinstance(prompt, list) else 1
     prompt_max = _bytes(prompt) + messages * _TEMPLATE_TOKENS_PER_MESSAGE + _TEMPLATE_TOKENS

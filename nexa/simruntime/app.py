@@ -13,7 +13,7 @@ from typing import IO, Final
 
 import trio
 
-from nexa.simruntime import answers
+from nexa.simruntime import answers, media
 from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
@@ -100,6 +100,9 @@ class SimApp:
                 await self._inference(path, _request_id(scope), receive, send)
             finally:
                 self._metrics.running -= 1
+        elif path in media.PATHS and method == "POST":
+            self._metrics.total += 1
+            await self._media(scope, path, _request_id(scope), receive, send)
         elif method == "GET" and path == "/health":
             if self._faults.current().unhealthy:
                 await reply(send, 503, error_body("simulated unhealthy runtime", "server_error", "unhealthy"))
@@ -116,6 +119,35 @@ class SimApp:
                 await reply(send, 200, body, headers=_METRICS_HEADERS)
         else:
             await reply(send, 404, error_body(f"no route {path}", "invalid_request_error", "not_found"))
+
+    async def _media(self, scope: Scope, path: str, rid: str, receive: Receive, send: Send) -> None:
+        """A media request (`media`): answered whole, speech in pieces; journaled like the others."""
+        self._journal.write("request", rid, path, stream=False)
+        content_type = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), "")
+        try:
+            body = await read_body(receive)
+            faults = self._faults.current()
+            if faults.fail is not None:
+                await reply(send, faults.status, error_body("simulated failure", "server_error", "simulated_failure"))
+                self._journal.write("failed", rid, path, status=faults.status, reason="injected")
+                return
+            if path == media.SPEECH:
+                kind, pieces = media.speech(body)
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+                for piece in pieces:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif path == media.IMAGES:
+                await reply(send, 200, media.images(body))
+            else:
+                kind, answer = media.transcript(path, content_type, body)
+                await reply(send, 200, answer, headers=[(b"content-type", kind)])
+        except BadRequest as exc:
+            problem = error_body(exc.message, "invalid_request_error", "invalid_request", exc.param)
+            await reply(send, exc.status, problem)
+            self._journal.write("failed", rid, path, status=exc.status, reason="invalid_request")
+            return
+        self._journal.write("completed", rid, path, tokens=0)
 
     async def _inference(self, path: str, rid: str, receive: Receive, send: Send) -> None:
         journal = self._journal

@@ -42,6 +42,8 @@ def unary_answer(body: bytes, capability: Capability) -> tuple[dict[str, Any] | 
     (None, what is wrong): a JSON object; `choices` a list of objects (chat, completion) or
     `data` a list of embedding objects (embeddings); `usage`, when present, whole counts."""
     answer = event_json(body)
+    if capability.media:
+        return _media_answer(body, answer, capability)
     if not isinstance(answer, dict):
         return None, "not a JSON object" if body else "an empty body"
     if capability is Capability.EMBEDDING:
@@ -58,6 +60,31 @@ def unary_answer(body: bytes, capability: Capability) -> tuple[dict[str, Any] | 
     if problem is not None:
         return None, problem
     return answer, ""
+
+
+def _media_answer(body: bytes, answer: object, capability: Capability) -> tuple[dict[str, Any] | None, str]:
+    """`unary_answer` of a transcription, translation or image generation (speech is never parsed)."""
+    if capability is not Capability.IMAGE and not isinstance(answer, dict):
+        # `response_format` text, srt or vtt: plain text, passed on as it is.
+        return ({}, "") if body and _utf8(body) else (None, "not text (and not a JSON object)")
+    if not isinstance(answer, dict):
+        return None, "not a JSON object" if body else "an empty body"
+    if capability is Capability.IMAGE:
+        data = answer.get("data")
+        if not isinstance(data, list) or not data or not all(isinstance(d, dict) for d in data):
+            return None, "`data` is not a list of image objects"
+    elif not isinstance(answer.get("text"), str):
+        return None, "`text` is not a string"
+    problem = usage_problem(answer)
+    return (None, problem) if problem is not None else (answer, "")
+
+
+def _utf8(body: bytes) -> bool:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def usage_problem(obj: dict[str, Any]) -> str | None:

@@ -66,6 +66,7 @@ from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas, QuotaTicket
 from nexa.control.datapath.relay import Relay, RelayStream
 from nexa.control.datapath.routing import Router, for_data_class
+from nexa.control.datapath.uploads import write_form
 from nexa.control.deployments import Deployments
 from nexa.control.registry.models import ModelRegistry
 from nexa.errors import (
@@ -311,7 +312,7 @@ class Gateway:
         return allowed
 
     async def _open(
-        self, progress: Progress, serving: ServingSet, body: bytes
+        self, progress: Progress, serving: ServingSet, body: Encoded
     ) -> tuple[contextlib.AsyncExitStack, RelayStream, bytes | None]:
         """Try replicas until one produces a first chunk (or ends cleanly): the stack holding its
         replica and relay stream, the stream, and its first chunk (None: it ended without output).
@@ -343,13 +344,14 @@ class Gateway:
                 window=self._cfg.stream_window_chunks,
                 strip_usage_chunk=work.stream and not work.include_usage,
                 prompt_tokens_estimate=estimate,
+                content_type=body.content_type,
             )
             stack = contextlib.AsyncExitStack()
             attempt_started = trio.current_time()
             self._router.acquire(replica.replica_id)
             stack.callback(self._router.release, replica.replica_id)
             try:
-                stream = await stack.enter_async_context(self._relay.open(replica.node_id, stream_id, head, body))
+                stream = await stack.enter_async_context(self._relay.open(replica.node_id, stream_id, head, body.data))
                 first = await self._first(stream)
             except ChannelError:
                 # No route to the node right now: nothing was sent; try another replica.
@@ -607,18 +609,29 @@ def _new_stream_id(work: Work, replica: ServingReplica, attempt: int) -> str:
     return stream_id
 
 
-def _encode(work: Work, serving: ServingSet) -> bytes:
+@attrs.frozen
+class Encoded:
+    """A runtime's request body and its media type."""
+
+    data: bytes
+    content_type: str = "application/json"
+
+
+def _encode(work: Work, serving: ServingSet) -> Encoded:
     """The runtime's request body: the client's, with the served model's name, and usage always
-    asked for in streams (stripped again on the node when the client did not ask)."""
+    asked for in streams (stripped again on the node when the client did not ask); a media upload
+    as a form (`uploads.write_form`)."""
     body: dict[str, Any] = dict(work.body)
     body["model"] = serving.model.model
-    if work.capability is not Capability.EMBEDDING:
+    if work.upload is not None:
+        return Encoded(*write_form(body, work.upload))
+    if work.capability in (Capability.CHAT, Capability.COMPLETION):
         body["stream"] = work.stream
         if work.stream:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options
-    return json.dumps(body, separators=(",", ":")).encode()
+    return Encoded(json.dumps(body, separators=(",", ":")).encode())
 
 
 def _prefix(work: Work, cfg: GatewayConfig) -> str | None:
@@ -630,7 +643,7 @@ def _prefix(work: Work, cfg: GatewayConfig) -> str | None:
 
 
 def _prompt_prefix(work: Work, cfg: GatewayConfig) -> str | None:
-    if not cfg.prefix_affinity or work.capability is Capability.EMBEDDING:
+    if not cfg.prefix_affinity or work.capability not in (Capability.CHAT, Capability.COMPLETION):
         return None
     if work.capability is Capability.COMPLETION:
         prompt = work.body.get("prompt")

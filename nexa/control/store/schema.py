@@ -364,6 +364,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) STRICT;
     CREATE INDEX eval_run_recorded ON eval_run(recorded_at, id);
     """,
+    # Media requests' use in their capability's unit (`contracts.gateway.MEDIA_UNITS`); 0 for text.
+    """
+    ALTER TABLE usage ADD COLUMN units REAL NOT NULL DEFAULT 0;
+    """,
 )
 
 
