@@ -332,11 +332,27 @@ def _quota_row(q: QuotaView) -> Cells:
         "req_1m": use.requests_last_minute,
         "tok_1m": use.tokens_last_minute,
         "tok_today": use.tokens_today,
+        "audio_s_today": use.audio_seconds_today,
+        "speech_chars_today": use.speech_characters_today,
+        "images_today": use.images_today,
     }
 
 
 QUOTA: Final = View[QuotaView](
-    columns=("tenant", "concurrent", "rpm", "tpm", "tpd", "in_flight", "req_1m", "tok_1m", "tok_today"),
+    columns=(
+        "tenant",
+        "concurrent",
+        "rpm",
+        "tpm",
+        "tpd",
+        "in_flight",
+        "req_1m",
+        "tok_1m",
+        "tok_today",
+        "audio_s_today",
+        "speech_chars_today",
+        "images_today",
+    ),
     row=_quota_row,
 )
 QUOTAS: Final = Listing(path="/api/v1/quotas", page=QuotaList, items=lambda p: p.quotas, view=QUOTA)

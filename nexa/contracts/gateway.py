@@ -508,6 +508,10 @@ class QuotaLimits:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
+    #: Media use per UTC day, in each capability's unit (`MEDIA_UNITS`).
+    audio_seconds_per_day: int | None = None
+    speech_characters_per_day: int | None = None
+    images_per_day: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -517,6 +521,10 @@ class QuotaUse:
     requests_last_minute: int
     tokens_last_minute: int
     tokens_today: int
+    #: Media use since 00:00 UTC (`MEDIA_UNITS`), reservations of running requests included.
+    audio_seconds_today: float = 0.0
+    speech_characters_today: int = 0
+    images_today: int = 0
 
 
 @attrs.frozen(kw_only=True)

@@ -134,3 +134,30 @@ async def test_bad_uploads_are_typed_4xx_nothing_runs_and_the_controller_serves_
     rows = await usage_rows(cluster, tenant="acme")
     assert sum(r["requests"] for r in rows) == 2
     assert sum(r["errors"] for r in rows) == 1
+
+
+async def test_media_quotas_count_in_their_units_and_refuse_in_openai_shape(cluster: SimCluster) -> None:
+    async with cluster.client() as http:
+        limits = {"audio_seconds_per_day": 4, "images_per_day": 2, "speech_characters_per_day": 100}
+        assert (await http.put("/api/v1/quotas/acme", json=limits)).status_code == 200
+    client = sdk(cluster)
+    audio = a_wav(2.5)
+
+    def scenario() -> None:
+        client.images.generate(model="chat", prompt="one", n=2)
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.images.generate(model="chat", prompt="two")
+        assert refused.value.code == "quota_exceeded" and "images per day" in refused.value.message
+        # Admitted while the day's use is below the limit (2.5 s, then 5 s): then refused.
+        for _ in range(2):
+            client.audio.transcriptions.create(model="chat", file=("a.wav", audio, "audio/wav"))
+        with pytest.raises(openai.RateLimitError):
+            client.audio.transcriptions.create(model="chat", file=("a.wav", audio, "audio/wav"))
+        # Speech is not refused by the other units' limits.
+        client.audio.speech.create(model="chat", voice="alloy", input="ok", response_format="pcm").read()
+
+    await in_thread(scenario)
+    async with cluster.client() as http:
+        use = (await http.get("/api/v1/quotas/acme")).json()["use"]
+    assert use["images_today"] == 2 and use["audio_seconds_today"] == pytest.approx(5.0)
+    assert use["speech_characters_today"] == 2

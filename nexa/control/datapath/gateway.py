@@ -47,7 +47,7 @@ from nexa.config import GatewayConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, CallOutcome, Capability, UsageRecord, token_reservation
+from nexa.contracts.gateway import MEDIA_UNITS, Api, CallOutcome, Capability, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
 from nexa.control.datapath.admission import Admission
 from nexa.control.datapath.calls import (
@@ -270,7 +270,10 @@ class Gateway:
         if time.time() >= work.deadline_at:
             raise DeadlineExceeded("the request's deadline has already passed")
         reserve = token_reservation(work.capability, work.body, default_completion=self._cfg.reserve_completion_tokens)
-        ticket = self._quotas.admit(work.tenant, time.time(), reserve_tokens=reserve)
+        unit = MEDIA_UNITS.get(work.capability)
+        ticket = self._quotas.admit(
+            work.tenant, time.time(), reserve_tokens=reserve, unit=unit, reserve_units=progress.units
+        )
         stack.callback(self._settle_quota, ticket, progress)
         queue_from = trio.current_time()
         try:
@@ -426,7 +429,7 @@ class Gateway:
 
     def _settle_quota(self, ticket: QuotaTicket, progress: Progress) -> None:
         outcome = _made(progress)
-        self._quotas.finish(ticket, outcome.total_tokens, outcome.finished_at)
+        self._quotas.finish(ticket, outcome.total_tokens, outcome.finished_at, units=outcome.units)
 
     def _record(self, progress: Progress) -> None:
         """The usage record of the call's outcome: the last step out of every call, once."""

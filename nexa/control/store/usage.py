@@ -124,6 +124,17 @@ def usage_tokens_since(db: Db, since: float) -> dict[TenantId, int]:
     return {TenantId(str(t)): as_int(tok) for t, tok in rows}
 
 
+def usage_units_since(db: Db, since: float) -> dict[tuple[TenantId, str], float]:
+    """Media use per (tenant, capability) finished at or after `since` (the quota's day window)."""
+    with txn(db):
+        rows = db.execute(
+            "SELECT tenant, capability, sum(units) FROM usage WHERE finished_at >= ? AND units > 0"
+            " GROUP BY tenant, capability",
+            (since,),
+        ).fetchall()
+    return {(TenantId(str(t)), str(c)): as_float(n) for t, c, n in rows}
+
+
 #: Where a page of `usage_report` continues: after the group (day, tenant, model).
 UsageKey = tuple[str, str, str]
 
