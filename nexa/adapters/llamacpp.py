@@ -11,7 +11,7 @@ from typing import Final
 
 from nexa.adapters.args import LLAMA_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GROUP, WHY_HUB, WHY_TLS
 from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.gateway import TEXT_CAPABILITIES, Capability
 from nexa.contracts.node import RuntimeKind
 
 #: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).
@@ -95,7 +95,7 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         # processed ones, not as hits over lookups) and no latency histograms (token-rate gauges).
         kv_cache=("llamacpp:kv_cache_usage_ratio",),
     ),
-    capabilities=frozenset(Capability),
+    capabilities=TEXT_CAPABILITIES,
     capability_settings={Capability.EMBEDDING: "embedding"},
     group_settings={
         # The program a group's other ranks run (`nexa.adapters.groups`): `ggml-rpc-server` since
@@ -140,7 +140,7 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
     readiness_path="/v1/models",
     # No metrics endpoint: routing falls back to the gateway's own in-flight counts.
     metrics=Metrics(path=None),
-    capabilities=frozenset(Capability),
+    capabilities=TEXT_CAPABILITIES,
     capability_settings={Capability.EMBEDDING: "embedding"},
     # 0.3.x ignores `stream_options`: a stream carries no usage chunk (count from the chunks instead).
     stream_usage=False,

@@ -15,7 +15,7 @@ from nexa.adapters.args import (
     WHY_TLS,
 )
 from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.gateway import TEXT_CAPABILITIES, Capability
 from nexa.contracts.node import RuntimeKind
 
 VLLM: Final = Adapter(
@@ -101,6 +101,9 @@ VLLM: Final = Adapter(
         # Renamed to inter-token latency in later releases.
         tpot=("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
     ),
-    capabilities=frozenset(Capability),
+    # vllm/entrypoints/openai/speech_to_text (OpenAIServingTranscription, …Translation): POST
+    # /v1/audio/transcriptions and /v1/audio/translations for speech-to-text models (Whisper,
+    # Voxtral), the OpenAI request form; vLLM's "OpenAI-compatible server" lists both.
+    capabilities=TEXT_CAPABILITIES | {Capability.TRANSCRIPTION, Capability.TRANSLATION},
     pipeline_parallel_flag="--pipeline-parallel-size",
 )
