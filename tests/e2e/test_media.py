@@ -161,3 +161,23 @@ async def test_media_quotas_count_in_their_units_and_refuse_in_openai_shape(clus
         use = (await http.get("/api/v1/quotas/acme")).json()["use"]
     assert use["images_today"] == 2 and use["audio_seconds_today"] == pytest.approx(5.0)
     assert use["speech_characters_today"] == 2
+
+
+async def test_a_media_failure_before_the_first_byte_is_retried_on_the_other_replica(cluster: SimCluster) -> None:
+    failing, healthy = cluster.nodes
+    failing.set_faults(fail="before", status=500)
+    client = sdk(cluster)
+    audio = a_wav(0.5)
+
+    def scenario() -> None:
+        for _ in range(4):  # no prompt prefix: the router spreads them over both replicas
+            assert client.audio.transcriptions.create(model="chat", file=("a.wav", audio, "audio/wav")).text
+            speech = client.audio.speech.create(model="chat", voice="alloy", input="hi", response_format="pcm")
+            assert len(speech.read()) == int(2 * 0.05 * 16_000) * 2
+            assert client.images.generate(model="chat", prompt="x").data
+
+    await in_thread(scenario)
+    assert any(e["event"] == "failed" for e in failing.journal())
+    assert not any(e["event"] == "failed" for e in healthy.journal())
+    rows = await usage_rows(cluster, tenant="acme")
+    assert sum(r["errors"] for r in rows) == 0 and sum(r["requests"] for r in rows) == 12
