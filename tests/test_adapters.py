@@ -359,14 +359,17 @@ def test_each_adapter_knows_its_endpoints_metrics_and_capabilities() -> None:
     assert not llama.serves(Capability.EMBEDDING, {}) and llama.serves(Capability.EMBEDDING, {"embedding": True})
     assert vllm.serves(Capability.EMBEDDING, {})
     assert not TRTLLM.serves(Capability.EMBEDDING, {})
-    assert all(a.serves(Capability.CHAT, {}) for a in adapters.ADAPTERS.values())
+    text = [a for a in adapters.ADAPTERS.values() if a.kind is not RuntimeKind.WHISPERCPP]
+    assert all(a.serves(Capability.CHAT, {}) for a in text)
     with pytest.raises(KeyError):
         adapters.adapter_for(RuntimeKind.SIM, {})
 
 
 def test_rerank_score_and_tokenizer_paths_are_served_where_each_runtime_documents_them() -> None:
-    gated = [c for c in Capability if c.gated and not c.native]
+    gated = [c for c in Capability if c.gated and not c.native and not c.media]
     assert {c.path for c in gated} == {"/v1/rerank", "/v1/score", "/tokenize", "/detokenize"}
+    # Media is gated too: an LLM's replicas never get a transcription.
+    assert all(c.gated for c in Capability if c.media)
     # vLLM serves every one (a pooling model's rerank and score; the runtime refuses them for others).
     assert all(adapters.serves(RuntimeKind.VLLM, {}, c) for c in gated)
     # llama-server: tokenize and detokenize always, rerank only started with --reranking, never score.
@@ -408,3 +411,23 @@ def test_native_apis_are_served_from_the_release_each_adapter_records() -> None:
     # The sim runtime serves them only when told to (its translated tests need it not to).
     assert not adapters.serves(RuntimeKind.SIM, {}, Capability.MESSAGES)
     assert adapters.serves(RuntimeKind.SIM, {}, Capability.RESPONSES, command=["--serve", "responses"])
+
+
+def test_media_runtimes_record_the_media_apis_they_serve_from_their_own_docs() -> None:
+    whisper = adapters.adapter_for(RuntimeKind.WHISPERCPP, {})
+    # whisper.cpp's server transcribes at one path, set to OpenAI's; it is ready once /health answers 200.
+    assert whisper.serves(Capability.TRANSCRIPTION, {}) and not whisper.serves(Capability.CHAT, {})
+    assert not whisper.serves(Capability.TRANSLATION, {}) and whisper.readiness_path == "/health"
+    launch = whisper.launch(
+        "whisper-tiny", {"threads": 2}, gpus=[], port=18500, model_path="/models/whisper-tiny/model.bin"
+    )
+    assert launch.command[:1] == ["whisper-server"]
+    assert launch.command[launch.command.index("--inference-path") + 1] == Capability.TRANSCRIPTION.path
+    assert "--threads" in launch.command and "--model" in launch.command
+    assert adapters.extra_args_refusals(RuntimeKind.WHISPERCPP, {}, ["--inference-path", "/x"])
+    # vLLM serves Whisper's transcription and translation; the LLM servers no media.
+    vllm = adapters.adapter_for(RuntimeKind.VLLM, {})
+    assert vllm.serves(Capability.TRANSCRIPTION, {}) and vllm.serves(Capability.TRANSLATION, {})
+    for kind in (RuntimeKind.SGLANG, RuntimeKind.LLAMACPP, RuntimeKind.TRTLLM):
+        served = adapters.adapter_for(kind, {}).capabilities
+        assert not any(c.media for c in served), kind

@@ -217,6 +217,12 @@ def test_list_commands_page_with_cursor_and_limit(controller_process: Controller
     assert bad.returncode == 1 and "invalid_request" in bad.stderr
 
 
+#: `nexa quotas show`'s head: the limits, then the use (media use in its units last).
+QUOTA_HEAD = (
+    "TENANT CONCURRENT RPM TPM TPD IN_FLIGHT REQ_1M TOK_1M TOK_TODAY AUDIO_S_TODAY SPEECH_CHARS_TODAY IMAGES_TODAY"
+)
+
+
 @pytest.mark.slow  # every list and show through the CLI: 21-27 s
 def test_every_list_and_show_renders_its_table(controller_process: ControllerProcess) -> None:
     """Through the real CLI against a real controller: each resource's table has its columns."""
@@ -231,9 +237,10 @@ def test_every_list_and_show_renders_its_table(controller_process: ControllerPro
         ("models", "list"): "NAME VERSION STATE FORMAT SIZE MEMORY LICENSE REGISTERED_AT",
         ("aliases", "list"): "ALIAS TARGET GENERATION UPDATED_AT",
         ("deployments", "list"): "NAME MODEL RUNTIME REPLICAS NODES PROBLEM",
-        ("quotas", "show"): "TENANT CONCURRENT RPM TPM TPD IN_FLIGHT REQ_1M TOK_1M TOK_TODAY",
-        ("quotas", "show", "acme"): "TENANT CONCURRENT RPM TPM TPD IN_FLIGHT REQ_1M TOK_1M TOK_TODAY",
-        ("usage",): "DAY TENANT MODEL REQUESTS ERRORS PROMPT_TOKENS COMPLETION_TOKENS",
+        ("quotas", "show"): QUOTA_HEAD,
+        ("quotas", "show", "acme"): QUOTA_HEAD,
+        ("usage",): "DAY TENANT MODEL REQUESTS ERRORS PROMPT_TOKENS COMPLETION_TOKENS AUDIO_SECONDS"
+        " SPEECH_CHARACTERS IMAGES",
         ("audit", "list"): "SEQ TIME ACTION TARGET ACTOR_KEY_ID ACTOR_ROLE RESULT",
     }
     for argv, header in headers.items():

@@ -24,8 +24,8 @@ from nexa.control.operations.evals import SWEEP_S
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SimCluster, new_key, sdk, sim_cluster, wait_until
+from tests.support.evals import CASES, TAUGHT, lines, register
 from tests.support.models import audit_events, bring_to, registry_config
-from tests.test_evals import CASES, TAUGHT, lines, register
 
 pytestmark = pytest.mark.slow
 Json = dict[str, Any]

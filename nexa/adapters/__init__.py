@@ -29,7 +29,8 @@ each fraction is derived), and `launch` adds the derived value where the operato
 Each adapter records, as data: its readiness and metrics endpoints, which Prometheus series
 give waiting requests, running requests, KV-cache use, the prefix-cache hit rate and the TTFT
 and TPOT histograms (for routing, capacity and export; `metrics_for` picks them on a node), the
-OpenAI-compatible paths it serves, and whether a stream ends with a usage chunk when asked
+OpenAI-compatible paths it serves (`capabilities`: text, and the media routes — transcription,
+translation, speech, images — a server answers itself), and whether a stream ends with a usage chunk when asked
 (`stream_options.include_usage`). All of them speak the OpenAI API, so the canonical request
 maps 1:1 onto `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings`, and usage is
 read back from the response's `usage` object (streams: the last chunk's).
@@ -46,7 +47,8 @@ Flags and endpoints are from each project's documentation: vLLM "Engine argument
 
 The package, one module per job (each imports only those below it in this list): this module,
 the catalog (`ADAPTERS`, `adapter_for` and the checks made through it); one module per model
-server family, `vllm`, `sglang`, `trtllm` and `llamacpp` (both variants); `base`, the `Adapter`
+server family, `vllm`, `sglang`, `trtllm`, `llamacpp` (both variants) and the media runtime
+`whispercpp` (whisper.cpp's `whisper-server`, speech to text); `base`, the `Adapter`
 they are built from; `args` (caches, `extra_args` limits, flag spelling, versions) and
 `entrypoints` (which image entrypoint a command runs behind). `groups` (each rank's command line in
 a replica group over several nodes) sits between the families and this module. "Runtime adapters" names this
@@ -67,6 +69,7 @@ from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER, LLAMACPP_VARIANTS
 from nexa.adapters.sglang import SGLANG
 from nexa.adapters.trtllm import TRTLLM
 from nexa.adapters.vllm import VLLM
+from nexa.adapters.whispercpp import WHISPER_SERVER
 from nexa.contracts.gateway import Capability
 from nexa.contracts.models import ImageConfig
 from nexa.contracts.node import RuntimeKind
@@ -77,13 +80,14 @@ ADAPTERS: Final[Mapping[RuntimeKind, Adapter]] = {
     RuntimeKind.SGLANG: SGLANG,
     RuntimeKind.TRTLLM: TRTLLM,
     RuntimeKind.LLAMACPP: LLAMA_SERVER_ADAPTER,
+    RuntimeKind.WHISPERCPP: WHISPER_SERVER,
 }
 
 
 #: The `sim` runtime (`nexa sim-runtime`) exports vLLM's names.
 SIM_METRICS: Final = VLLM.metrics
 #: The `sim` runtime's flag naming the gated capabilities (`Capability.gated`) it serves,
-#: comma-separated, or `none`; without it, rerank, score, tokenize and detokenize, as vLLM does. The
+#: comma-separated, or `none`; without it, rerank, score, tokenize, detokenize and the media APIs. The
 #: native APIs (`messages`, `responses`, `message_tokens`: vLLM's own) only when named.
 SIM_SERVE_FLAG: Final = "--serve"
 

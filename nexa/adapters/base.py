@@ -152,7 +152,8 @@ class Adapter:
     program: tuple[str, ...]
     #: The flag that names the model (None: the path is positional, right after `program`).
     model_flag: str | None
-    served_name_flag: str
+    #: None: the server takes no name for its model (whisper.cpp's; it answers whatever `model` says).
+    served_name_flag: str | None
     host_flag: str
     port_flag: str
     #: Arguments always given (e.g. enabling the metrics endpoint).
@@ -352,7 +353,8 @@ class Adapter:
                 settings = {memory.batch_setting: memory.batch, **settings}
         command = list(self.program)
         command += [model_path] if self.model_flag is None else [self.model_flag, model_path]
-        if self.served_name_since is None or version_at_least(version, self.served_name_since):
+        named = self.served_name_since is None or version_at_least(version, self.served_name_since)
+        if self.served_name_flag is not None and named:
             command += [self.served_name_flag, served_name]
         command += [self.host_flag, RUNTIME_HOST, self.port_flag, str(port)]
         command += self.fixed

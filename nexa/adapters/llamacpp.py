@@ -11,7 +11,7 @@ from typing import Final
 
 from nexa.adapters.args import LLAMA_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GROUP, WHY_HUB, WHY_TLS
 from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.gateway import TEXT_CAPABILITIES, Capability
 from nexa.contracts.node import RuntimeKind
 
 #: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).
@@ -99,8 +99,11 @@ LLAMA_SERVER_ADAPTER: Final = Adapter(
         kv_cache=("llamacpp:kv_cache_usage_ratio",),
     ),
     # tools/server/server.cpp: /v1/rerank (and /rerank, /reranking) with `--reranking`, /tokenize and
-    # /detokenize always (`content` in, `{"tokens"}` out; `tokens` in, `{"content"}` out); no /score.
-    capabilities=frozenset(Capability) - {Capability.SCORE},
+    # /detokenize always (`content` in, `{"tokens"}` out; `tokens` in, `{"content"}` out); no /score,
+    # no media; the native APIs from the releases `native_apis` names.
+    capabilities=TEXT_CAPABILITIES
+    | {Capability.RERANK, Capability.TOKENIZE, Capability.DETOKENIZE}
+    | {c for c in Capability if c.native},
     capability_settings={Capability.EMBEDDING: "embedding", Capability.RERANK: "reranking"},
     group_settings={
         # The program a group's other ranks run (`nexa.adapters.groups`): `ggml-rpc-server` since
@@ -146,7 +149,7 @@ LLAMA_CPP_PYTHON_ADAPTER: Final = Adapter(
     # No metrics endpoint: routing falls back to the gateway's own in-flight counts.
     metrics=Metrics(path=None),
     # Its tokenizer routes are /extras/tokenize and /extras/detokenize (another shape); no rerank or score.
-    capabilities=frozenset({Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING}),
+    capabilities=TEXT_CAPABILITIES,
     capability_settings={Capability.EMBEDDING: "embedding"},
     # 0.3.x ignores `stream_options`: a stream carries no usage chunk (count from the chunks instead).
     stream_usage=False,

@@ -7,7 +7,7 @@ from typing import Final
 
 from nexa.adapters.args import SGLANG_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GPUS, WHY_GROUP, WHY_HUB, WHY_TLS
 from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.gateway import TEXT_CAPABILITIES, Capability
 from nexa.contracts.node import RuntimeKind
 
 SGLANG: Final = Adapter(
@@ -76,7 +76,7 @@ SGLANG: Final = Adapter(
         tpot=("sglang:inter_token_latency_seconds", "sglang:time_per_output_token_seconds"),
     ),
     # Its rerank, score and tokenizer routes are not vLLM's shapes: chat, completions and embeddings only.
-    capabilities=frozenset({Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING}),
+    capabilities=TEXT_CAPABILITIES,
     capability_settings={Capability.EMBEDDING: "is_embedding"},
     memory_setting="mem_fraction_static",
     pipeline_parallel_flag="--pp-size",

@@ -102,7 +102,10 @@ VLLM: Final = Adapter(
         tpot=("vllm:time_per_output_token_seconds", "vllm:inter_token_latency_seconds"),
     ),
     # vllm/entrypoints/pooling (POST /rerank, /v1/rerank, /v2/rerank, /score, /v1/score: a pooling
-    # model's, since 0.7) and vllm/entrypoints/serve/tokenize (POST /tokenize, /detokenize): every one.
-    capabilities=frozenset(Capability),
+    # model's, since 0.7) and vllm/entrypoints/serve/tokenize (POST /tokenize, /detokenize): every one;
+    # and vllm/entrypoints/openai/speech_to_text (OpenAIServingTranscription, …Translation): POST
+    # /v1/audio/transcriptions and /v1/audio/translations for speech-to-text models (Whisper,
+    # Voxtral), the OpenAI request form; vLLM's "OpenAI-compatible server" lists both.
+    capabilities=frozenset(c for c in Capability if not c.media) | {Capability.TRANSCRIPTION, Capability.TRANSLATION},
     pipeline_parallel_flag="--pipeline-parallel-size",
 )

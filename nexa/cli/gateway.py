@@ -24,6 +24,9 @@ _QUOTA_FLAGS: Final = (
     ("rpm", "requests_per_minute", "requests per minute"),
     ("tpm", "tokens_per_minute", "tokens per minute (prompt + completion)"),
     ("tpd", "tokens_per_day", "tokens per UTC day"),
+    ("audio-seconds-per-day", "audio_seconds_per_day", "seconds of audio transcribed or translated per UTC day"),
+    ("speech-chars-per-day", "speech_characters_per_day", "characters spoken (text to speech) per UTC day"),
+    ("images-per-day", "images_per_day", "images generated per UTC day"),
 )
 
 
@@ -73,7 +76,7 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
 
 
 def _quotas_set(args: argparse.Namespace) -> int:
-    body = {field: getattr(args, flag) for flag, field, _ in _QUOTA_FLAGS}
+    body = {field: getattr(args, flag.replace("-", "_")) for flag, field, _ in _QUOTA_FLAGS}
     with common.client(args) as c:
         out = c.put(f"/api/v1/quotas/{args.tenant}", QuotaView, body=body)
     QUOTA.emit(args, out, [out])

@@ -529,8 +529,8 @@ def _sim_runtime_command(sub: Any) -> None:
         "--serve",  # nexa.adapters.SIM_SERVE_FLAG: the controller reads it from a sim deployment's command
         default=None,
         help="what is served besides chat, completions and embeddings, comma-separated: rerank, score,"
-        " tokenize, detokenize (the default: all four, as vLLM), messages, message_tokens, responses"
-        " (vLLM's native Messages and Responses APIs); none",
+        " tokenize, detokenize, transcription, translation, speech, image (the default: these eight),"
+        " messages, message_tokens, responses (vLLM's native Messages and Responses APIs); none",
     )
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
     s.set_defaults(handler=_cmd_sim_runtime)

@@ -332,18 +332,45 @@ def _quota_row(q: QuotaView) -> Cells:
         "req_1m": use.requests_last_minute,
         "tok_1m": use.tokens_last_minute,
         "tok_today": use.tokens_today,
+        "audio_s_today": use.audio_seconds_today,
+        "speech_chars_today": use.speech_characters_today,
+        "images_today": use.images_today,
     }
 
 
 QUOTA: Final = View[QuotaView](
-    columns=("tenant", "concurrent", "rpm", "tpm", "tpd", "in_flight", "req_1m", "tok_1m", "tok_today"),
+    columns=(
+        "tenant",
+        "concurrent",
+        "rpm",
+        "tpm",
+        "tpd",
+        "in_flight",
+        "req_1m",
+        "tok_1m",
+        "tok_today",
+        "audio_s_today",
+        "speech_chars_today",
+        "images_today",
+    ),
     row=_quota_row,
 )
 QUOTAS: Final = Listing(path="/api/v1/quotas", page=QuotaList, items=lambda p: p.quotas, view=QUOTA)
 QUOTA_SHOW: Final = Show(path="/api/v1/quotas/{tenant}", answer=QuotaView, view=QUOTA)
 
 USAGE: Final = View[UsageRow](
-    columns=("day", "tenant", "model", "requests", "errors", "prompt_tokens", "completion_tokens"),
+    columns=(
+        "day",
+        "tenant",
+        "model",
+        "requests",
+        "errors",
+        "prompt_tokens",
+        "completion_tokens",
+        "audio_seconds",
+        "speech_characters",
+        "images",
+    ),
     row=lambda r: {
         "day": r.day,
         "tenant": r.tenant,
@@ -352,6 +379,9 @@ USAGE: Final = View[UsageRow](
         "errors": r.errors,
         "prompt_tokens": r.prompt_tokens,
         "completion_tokens": r.completion_tokens,
+        "audio_seconds": r.audio_seconds,
+        "speech_characters": r.speech_characters,
+        "images": r.images,
     },
 )
 

@@ -6,6 +6,7 @@ import enum
 import math
 import re
 import urllib.parse
+from typing import Final
 
 import attrs
 
@@ -339,6 +340,10 @@ class PriorityOverGrant(enum.StrEnum):
     LOWER = "lower"
 
 
+#: `gateway.max_upload_bytes` at most: what one channel message to a node holds besides its head.
+MAX_UPLOAD_BYTES: Final = Bytes(15 * 1024 * 1024)
+
+
 @attrs.frozen(kw_only=True)
 class GatewayConfig:
     """The inference gateway: admission, routing, relay, batching and metering."""
@@ -387,6 +392,13 @@ class GatewayConfig:
     #: A request asking for a priority class its key is not granted (`nexa keys create --priorities`):
     #: `refuse` (403 priority_not_granted) or `lower` (served at a class the key is granted).
     priority_over_grant: PriorityOverGrant = PriorityOverGrant.REFUSE
+    #: The largest media upload (`/v1/audio/transcriptions`, `…/translations`), in bytes: held in
+    #: memory (never on disk) and sent to the node in one channel message, so at most 15 MiB (the
+    #: node's 16 MiB message limit less room for the rest). Larger: 413 payload_too_large.
+    max_upload_bytes: Bytes = attrs.field(
+        default=Bytes(15 * 1024 * 1024),
+        validator=[attrs.validators.ge(Bytes(1)), attrs.validators.le(Bytes(15 * 1024 * 1024))],
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -62,6 +62,12 @@ class Capability(enum.StrEnum):
     MESSAGES = "messages"
     RESPONSES = "responses"
     MESSAGE_TOKENS = "message_tokens"
+    #: Media (`control.datapath.media`): speech to text, its translation to English, text to
+    #: speech, and image generation; metered in their own units (`MEDIA_UNITS`), not tokens.
+    TRANSCRIPTION = "transcription"
+    TRANSLATION = "translation"
+    SPEECH = "speech"
+    IMAGE = "image"
 
     @property
     def path(self) -> str:
@@ -81,7 +87,12 @@ class Capability(enum.StrEnum):
     def gated(self) -> bool:
         """Only replicas whose runtime's adapter records serving it get it (`adapters.serves`);
         chat, completions and embeddings go to every replica of the model, as they always did."""
-        return self not in (Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING)
+        return self not in TEXT_CAPABILITIES
+
+    @property
+    def media(self) -> bool:
+        """A media capability: served only on its OpenAI route, metered in `MEDIA_UNITS`."""
+        return self in MEDIA_UNITS
 
 
 _PATHS: Final = {
@@ -97,6 +108,19 @@ _PATHS: Final = {
     Capability.MESSAGES: "/v1/messages",
     Capability.RESPONSES: "/v1/responses",
     Capability.MESSAGE_TOKENS: "/v1/messages/count_tokens",
+    Capability.TRANSCRIPTION: "/v1/audio/transcriptions",
+    Capability.TRANSLATION: "/v1/audio/translations",
+    Capability.SPEECH: "/v1/audio/speech",
+    Capability.IMAGE: "/v1/images/generations",
+}
+#: Chat, completions and embeddings: what every LLM server's adapter serves (not `gated`).
+TEXT_CAPABILITIES: Final = frozenset({Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING})
+#: What a media request is metered (and its tenant's daily quota counted) in, by capability.
+MEDIA_UNITS: Final = {
+    Capability.TRANSCRIPTION: "audio_seconds",
+    Capability.TRANSLATION: "audio_seconds",
+    Capability.SPEECH: "speech_characters",
+    Capability.IMAGE: "images",
 }
 
 
@@ -177,6 +201,9 @@ class CallOutcome:
     #: A replica answered (its first output, or a clean end) and the caller got the answer to read;
     #: False when the call was refused or failed before that.
     opened: bool
+    #: A media call's use in its capability's unit (`MEDIA_UNITS`: seconds of audio, characters of
+    #: speech, images); 0 for text calls.
+    units: float = 0.0
 
     @property
     def total_tokens(self) -> int:
@@ -433,6 +460,8 @@ class UsageRecord:
     finished_at: float
     #: Replica the request was served by was the deployment's canary.
     canary: bool = False
+    #: A media request's use in its capability's unit (`MEDIA_UNITS`); 0 for text requests.
+    units: float = 0.0
 
     @classmethod
     def from_outcome(cls, outcome: CallOutcome) -> UsageRecord:
@@ -458,6 +487,7 @@ class UsageRecord:
             duration_ms=outcome.duration_ms,
             finished_at=outcome.finished_at,
             canary=outcome.canary,
+            units=outcome.units,
         )
 
 
@@ -503,6 +533,10 @@ class UsageRow:
     errors: int
     prompt_tokens: int
     completion_tokens: int
+    #: Media use (`MEDIA_UNITS`): seconds of audio transcribed or translated, characters spoken, images made.
+    audio_seconds: float = 0.0
+    speech_characters: int = 0
+    images: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -526,6 +560,10 @@ class QuotaLimits:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     tokens_per_day: int | None = None
+    #: Media use per UTC day, in each capability's unit (`MEDIA_UNITS`).
+    audio_seconds_per_day: int | None = None
+    speech_characters_per_day: int | None = None
+    images_per_day: int | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -535,6 +573,10 @@ class QuotaUse:
     requests_last_minute: int
     tokens_last_minute: int
     tokens_today: int
+    #: Media use since 00:00 UTC (`MEDIA_UNITS`), reservations of running requests included.
+    audio_seconds_today: float = 0.0
+    speech_characters_today: int = 0
+    images_today: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -626,6 +668,8 @@ def workload_problems(req: WorkloadCreate) -> list[str]:
             f"latency_class: {req.latency_class.value} means priority {req.latency_class.priority.value},"
             f" not {req.priority.value} (send one of them, or both agreeing)"
         )
+    if req.capability.media:
+        problems.append(f"capability: {req.capability.value} is served on {req.capability.path} only")
     problems += [f"payload.{p}" for p in body_problems(req.capability, req.payload)]
     return problems
 
@@ -707,6 +751,8 @@ def token_reservation(capability: Capability, body: dict[str, object], *, defaul
     to the runtime's usage when it finishes."""
     if capability is Capability.EMBEDDING:
         return _chars(body.get("input")) // 4 + 1
+    if capability.media:
+        return 0  # counted in its own units (`MEDIA_UNITS`)
     if capability is Capability.DETOKENIZE:
         return _listed(body.get("tokens")) + 1
     if not capability.streams:  # rerank, score, tokenize: every string of the body is read, nothing made
@@ -732,6 +778,9 @@ def usage_bounds(capability: Capability, body: dict[str, object]) -> tuple[int, 
     a request may ask for when it set none. Usage a runtime or node reports above them is clamped."""
     if capability is Capability.EMBEDDING:
         return _bytes(body.get("input")) + _TEMPLATE_TOKENS, 0
+    if capability.media:
+        # Metered in its own units; the tokens some media runtimes report (vLLM's Whisper) are kept as told.
+        return MAX_REQUEST_TOKENS, MAX_REQUEST_TOKENS
     if capability is Capability.DETOKENIZE:
         return _listed(body.get("tokens")), 0
     if not capability.streams:  # rerank, score (a template around each pair), tokenize

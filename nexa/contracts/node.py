@@ -53,6 +53,8 @@ class RuntimeKind(enum.StrEnum):
     TRTLLM = "trtllm"
     LLAMACPP = "llamacpp"
     SIM = "sim"
+    #: whisper.cpp's `whisper-server`: speech to text (a media runtime).
+    WHISPERCPP = "whispercpp"
 
 
 class TaintEffect(enum.StrEnum):

@@ -473,6 +473,8 @@ CREDIT: Final = "credit"
 DATA_KINDS: Final = frozenset({INFER, CHUNK, END, CANCEL, CREDIT})
 #: Data kinds each side accepts.
 DATA_FROM_CONTROLLER: Final = frozenset({INFER, CANCEL, CREDIT})
+#: `InferHead.content_type`: a media type with parameters, in printable ASCII (no line breaks).
+_CONTENT_TYPE: Final = r"[\x20-\x7e]{1,200}"
 DATA_FROM_NODE: Final = frozenset({CHUNK, END})
 
 
@@ -497,6 +499,9 @@ class InferHead:
     #: place they are counted) and, when the client asked for usage, adds a usage-only event
     #: before `data: [DONE]`.
     prompt_tokens_estimate: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
+    #: The body's media type, as the runtime gets it: JSON, or a media upload's
+    #: `multipart/form-data; boundary=…` (`control.datapath.media`). Printable ASCII only.
+    content_type: str = attrs.field(default="application/json", validator=attrs.validators.matches_re(_CONTENT_TYPE))
 
 
 class EndStatus(enum.StrEnum):

@@ -318,7 +318,7 @@ class NodeRelay:
         client = self._client
         assert client is not None  # set while run() serves, which owns this task
         # Our own header: runtimes treat X-Request-Id as theirs (llama-cpp-python refuses one that is not a UUID).
-        headers = (("Content-Type", "application/json"), (REQUEST_ID_HEADER, req.request_id))
+        headers = (("Content-Type", head.content_type), (REQUEST_ID_HEADER, req.request_id))
         usage = _Usage()
         try:
             async with client.post(self._host, port, head.path, req.body, headers) as resp:

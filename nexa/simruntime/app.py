@@ -15,7 +15,8 @@ from typing import IO, Final
 
 import trio
 
-from nexa.simruntime import answers, native, pooling
+from nexa.contracts.gateway import Capability
+from nexa.simruntime import answers, media, native, pooling
 from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
@@ -32,6 +33,8 @@ _INFERENCE_PATHS: Final = frozenset({"/v1/chat/completions", "/v1/completions", 
 _SLEEP_PATHS: Final = frozenset({"/sleep", "/wake_up", "/is_sleeping"})
 #: The paths besides OpenAI's inference ones, each served when `--serve` names its capability.
 _OTHER_PATHS: Final = {**pooling.PATHS, **native.PATHS}
+#: The media paths (`media`), each served when `--serve` names its capability (all by default).
+_MEDIA: Final = {c.path: c for c in Capability if c.media}
 _SSE_HEADERS: Final = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
 _METRICS_HEADERS: Final = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
@@ -104,6 +107,9 @@ class SimApp:
             await self._sleep_route(method, path, scope.get("query_string", b""), send)
         elif path in _INFERENCE_PATHS or served:
             await self._inference_route(method, path, scope, receive, send)
+        elif path in _MEDIA and method == "POST" and _MEDIA[path] in self._cfg.serves:
+            self._metrics.total += 1
+            await self._media(scope, path, _request_id(scope), receive, send)
         elif method == "GET" and path == "/health":
             if self._faults.current().unhealthy:
                 await reply(send, 503, error_body("simulated unhealthy runtime", "server_error", "unhealthy"))
@@ -155,6 +161,35 @@ class SimApp:
                 return
             self._sleep_level = int(level)
             await reply(send, 200, b"")
+
+    async def _media(self, scope: Scope, path: str, rid: str, receive: Receive, send: Send) -> None:
+        """A media request (`media`): answered whole, speech in pieces; journaled like the others."""
+        self._journal.write("request", rid, path, stream=False)
+        content_type = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"content-type"), "")
+        try:
+            body = await read_body(receive)
+            faults = self._faults.current()
+            if faults.fail is not None:
+                await reply(send, faults.status, error_body("simulated failure", "server_error", "simulated_failure"))
+                self._journal.write("failed", rid, path, status=faults.status, reason="injected")
+                return
+            if path == media.SPEECH:
+                kind, pieces = media.speech(body)
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", kind)]})
+                for piece in pieces:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            elif path == media.IMAGES:
+                await reply(send, 200, media.images(body))
+            else:
+                kind, answer = media.transcript(path, content_type, body)
+                await reply(send, 200, answer, headers=[(b"content-type", kind)])
+        except BadRequest as exc:
+            problem = error_body(exc.message, "invalid_request_error", "invalid_request", exc.param)
+            await reply(send, exc.status, problem)
+            self._journal.write("failed", rid, path, status=exc.status, reason="invalid_request")
+            return
+        self._journal.write("completed", rid, path, tokens=0)
 
     async def _inference(self, path: str, rid: str, receive: Receive, send: Send) -> None:
         journal = self._journal

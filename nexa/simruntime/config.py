@@ -44,8 +44,8 @@ class SimConfig:
     #: vLLM's sleep mode (`--enable-sleep-mode`): `POST /sleep?level=1|2`, `POST /wake_up`, `GET
     #: /is_sleeping`; asleep, inference answers 503. Off: those routes are 404, as in vLLM.
     sleep_mode: bool = False
-    #: The gated capabilities served (`--serve`; `adapters.sim_serves`): rerank, score, tokenize and
-    #: detokenize by default; the native Messages and Responses APIs only when named.
+    #: The gated capabilities served (`--serve`; `adapters.sim_serves`): rerank, score, tokenize,
+    #: detokenize and media by default; the native Messages and Responses APIs only when named.
     serves: frozenset[Capability] = attrs.field(
         factory=lambda: frozenset(c for c in Capability if c.gated and not c.native)
     )

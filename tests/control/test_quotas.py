@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import attrs
 import pytest
 
 from nexa.config import GatewayConfig, StoreConfig
@@ -242,3 +243,43 @@ async def test_a_refused_admission_reserves_nothing(store: st.Store) -> None:
         quotas.admit(ACME, T0, reserve_tokens=100)
     use = quotas.view(ACME, T0).use
     assert (use.concurrent_requests, use.requests_last_minute, use.tokens_last_minute) == (1, 1, 100)
+
+
+async def test_media_limits_count_their_units_reserve_at_admission_and_settle_to_the_metered(store: st.Store) -> None:
+    quotas = await quotas_with(store, QuotaLimits(images_per_day=4, audio_seconds_per_day=60))
+    held = quotas.admit(ACME, T0, unit="images", reserve_units=3)
+    assert quotas.view(ACME, T0).use.images_today == 3  # reserved while it runs
+    quotas.finish(held, 0, T0 + 1, units=2)  # the runtime made 2
+    quotas.finish(quotas.admit(ACME, T0 + 2, unit="images", reserve_units=2), 0, T0 + 3, units=2)
+    with pytest.raises(QuotaExceeded) as refused:
+        quotas.admit(ACME, T0 + 4, unit="images", reserve_units=1)
+    assert refused.value.limit == "images_per_day"
+    # Other units, and text requests, are not refused by it.
+    quotas.finish(quotas.admit(ACME, T0 + 5, unit="audio_seconds", reserve_units=30.5), 0, T0 + 6, units=30.5)
+    quotas.finish(quotas.admit(ACME, T0 + 7, reserve_tokens=10), 10, T0 + 8)
+    use = quotas.view(ACME, T0 + 9).use
+    assert (use.images_today, use.audio_seconds_today, use.speech_characters_today) == (4, 30.5, 0)
+
+
+async def test_media_use_is_rebuilt_from_the_usage_rows_after_a_restart(tmp_path: Path, store_cfg: StoreConfig) -> None:
+    state = tmp_path / "state"
+    async with st.open_store(state, store_cfg) as store:
+        accounts = await Accounts.load(store, Metrics())
+        await accounts.create_tenant(ADMIN, TenantCreate(id=ACME))
+        quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+        await quotas.set(ADMIN, ACME, QuotaLimits(speech_characters_per_day=100))
+        meter = Meter(GatewayConfig(), store, Metrics())
+        speech = attrs.evolve(usage(ACME, T0 - 60, 0), capability=Capability.SPEECH, units=100.0)
+        transcribed = attrs.evolve(usage(ACME, T0 - 50, 0), capability=Capability.TRANSCRIPTION, units=12.5)
+        meter.record(speech)
+        meter.record(transcribed)
+        assert await meter.flush() == 2
+        [row] = await store.run(st.usage_report, T0 - 3600, T0 + 1, "acme", None)
+        assert (row.audio_seconds, row.speech_characters, row.images) == (12.5, 100, 0)
+    async with st.open_store(state, store_cfg) as store:
+        quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+        use = quotas.view(ACME, T0).use
+        assert (use.speech_characters_today, use.audio_seconds_today) == (100, 12.5)
+        with pytest.raises(QuotaExceeded) as refused:
+            quotas.admit(ACME, T0, unit="speech_characters", reserve_units=5)
+        assert refused.value.limit == "speech_characters_per_day"

@@ -74,6 +74,9 @@ def register(bp: Blueprint, console: Console) -> None:
             requests_per_minute=int_field(form, "requests_per_minute", optional=True),
             tokens_per_minute=int_field(form, "tokens_per_minute", optional=True),
             tokens_per_day=int_field(form, "tokens_per_day", optional=True),
+            audio_seconds_per_day=int_field(form, "audio_seconds_per_day", optional=True),
+            speech_characters_per_day=int_field(form, "speech_characters_per_day", optional=True),
+            images_per_day=int_field(form, "images_per_day", optional=True),
         )
         await state.quotas.set(session.actor, TenantId(tenant), limits)
         return await done(session, f"Quotas of {tenant} saved.", "/console/keys")

@@ -97,5 +97,8 @@ def _saturation(limits: QuotaLimits, use: QuotaUse) -> list[tuple[str, int]]:
         ("requests per minute", limits.requests_per_minute, use.requests_last_minute),
         ("tokens per minute", limits.tokens_per_minute, use.tokens_last_minute),
         ("tokens per day", limits.tokens_per_day, use.tokens_today),
+        ("seconds of audio per day", limits.audio_seconds_per_day, use.audio_seconds_today),
+        ("speech characters per day", limits.speech_characters_per_day, use.speech_characters_today),
+        ("images per day", limits.images_per_day, use.images_today),
     )
     return [(what, round(100 * used / limit)) for what, limit, used in pairs if limit and used >= 0.9 * limit]

@@ -43,6 +43,8 @@ def unary_answer(body: bytes, capability: Capability) -> tuple[dict[str, Any] | 
     embedding objects (embeddings), the pooling, tokenizer and native APIs' own shapes; `usage`,
     when present, whole counts."""
     answer = event_json(body)
+    if capability.media:
+        return _media_answer(body, answer, capability)
     if not isinstance(answer, dict):
         return None, "not a JSON object" if body else "an empty body"
     problem = _shape_problem(capability, answer) or usage_problem(answer)
@@ -176,6 +178,31 @@ def counted_prompt_tokens(capability: Capability, answer: dict[str, Any], body: 
         tokens = body.get("tokens")
         return len(tokens) if isinstance(tokens, list) else 0
     return None
+
+
+def _media_answer(body: bytes, answer: object, capability: Capability) -> tuple[dict[str, Any] | None, str]:
+    """`unary_answer` of a transcription, translation or image generation (speech is never parsed)."""
+    if capability is not Capability.IMAGE and not isinstance(answer, dict):
+        # `response_format` text, srt or vtt: plain text, passed on as it is.
+        return ({}, "") if body and _utf8(body) else (None, "not text (and not a JSON object)")
+    if not isinstance(answer, dict):
+        return None, "not a JSON object" if body else "an empty body"
+    if capability is Capability.IMAGE:
+        data = answer.get("data")
+        if not isinstance(data, list) or not data or not all(isinstance(d, dict) for d in data):
+            return None, "`data` is not a list of image objects"
+    elif not isinstance(answer.get("text"), str):
+        return None, "`text` is not a string"
+    problem = usage_problem(answer)
+    return (None, problem) if problem is not None else (answer, "")
+
+
+def _utf8(body: bytes) -> bool:
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def usage_problem(obj: dict[str, Any]) -> str | None:

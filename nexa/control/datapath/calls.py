@@ -76,6 +76,19 @@ class Work:
     workload_id: str | None = None
     #: Only replicas on nodes whose inventory allows this data class serve it; None: any.
     data_class: str | None = None
+    #: A media upload (`/v1/audio/transcriptions`, `…/translations`): sent to the runtime as
+    #: multipart form data, with `body`'s values as its other fields. Held in memory, never on disk.
+    upload: Upload | None = None
+
+
+@attrs.frozen(kw_only=True)
+class Upload:
+    """The file part of a media upload, as the client sent it."""
+
+    field: str
+    filename: str
+    content_type: str
+    data: bytes = attrs.field(repr=False)
 
 
 @attrs.define(kw_only=True, eq=False)
@@ -107,6 +120,8 @@ class Progress:
     node_ms: float | None = None
     #: Set by `end`, once.
     outcome: CallOutcome | None = None
+    #: A media call's use in its capability's unit (`MEDIA_UNITS`), set by `control.datapath.media`.
+    units: float = 0.0
 
     def failed(self, exc: BaseException) -> None:
         """The call raised `exc` before its answer was handed out: that is its status."""
@@ -174,6 +189,7 @@ class Progress:
             finished_at=time.time(),
             attempts=self.attempts,
             opened=self.opened,
+            units=self.units,
         )
         return self.outcome
 
@@ -229,6 +245,8 @@ class Answer:
         return self
 
     async def __anext__(self) -> bytes:
+        if self.work.capability is Capability.SPEECH:
+            return await self._next()  # audio: passed on as it comes, never parsed
         if not self.work.stream:
             return await self._next_unary()
         while True:

@@ -51,7 +51,7 @@ from nexa.config import GatewayConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import EVAL_PREFIX, ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, CallOutcome, Capability, UsageRecord, token_reservation
+from nexa.contracts.gateway import MEDIA_UNITS, Api, CallOutcome, Capability, UsageRecord, token_reservation
 from nexa.contracts.models import ModelRef
 from nexa.control.datapath.admission import Admission
 from nexa.control.datapath.calls import (
@@ -70,6 +70,7 @@ from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas, QuotaTicket
 from nexa.control.datapath.relay import Relay, RelayStream
 from nexa.control.datapath.routing import Router, for_data_class
+from nexa.control.datapath.uploads import write_form
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.idle import Idle
 from nexa.control.registry.models import ModelRegistry
@@ -303,7 +304,10 @@ class Gateway:
         if time.time() >= work.deadline_at:
             raise DeadlineExceeded("the request's deadline has already passed")
         reserve = token_reservation(work.capability, work.body, default_completion=self._cfg.reserve_completion_tokens)
-        ticket = self._quotas.admit(work.tenant, time.time(), reserve_tokens=reserve)
+        unit = MEDIA_UNITS.get(work.capability)
+        ticket = self._quotas.admit(
+            work.tenant, time.time(), reserve_tokens=reserve, unit=unit, reserve_units=progress.units
+        )
         stack.callback(self._settle_quota, ticket, progress)
         queue_from = trio.current_time()
         try:
@@ -347,7 +351,7 @@ class Gateway:
         return allowed
 
     async def _open(
-        self, progress: Progress, serving: ServingSet, body: bytes
+        self, progress: Progress, serving: ServingSet, body: Encoded
     ) -> tuple[contextlib.AsyncExitStack, RelayStream, bytes | None]:
         """Try replicas until one produces a first chunk (or ends cleanly): the stack holding its
         replica and relay stream, the stream, and its first chunk (None: it ended without output).
@@ -379,13 +383,14 @@ class Gateway:
                 window=self._cfg.stream_window_chunks,
                 strip_usage_chunk=work.stream and not work.include_usage,
                 prompt_tokens_estimate=estimate,
+                content_type=body.content_type,
             )
             stack = contextlib.AsyncExitStack()
             attempt_started = trio.current_time()
             self._router.acquire(replica.replica_id)
             stack.callback(self._router.release, replica.replica_id)
             try:
-                stream = await stack.enter_async_context(self._relay.open(replica.node_id, stream_id, head, body))
+                stream = await stack.enter_async_context(self._relay.open(replica.node_id, stream_id, head, body.data))
                 first = await self._first(stream)
             except ChannelError:
                 # No route to the node right now: nothing was sent; try another replica.
@@ -461,7 +466,7 @@ class Gateway:
 
     def _settle_quota(self, ticket: QuotaTicket, progress: Progress) -> None:
         outcome = _made(progress)
-        self._quotas.finish(ticket, outcome.total_tokens, outcome.finished_at)
+        self._quotas.finish(ticket, outcome.total_tokens, outcome.finished_at, units=outcome.units)
 
     def _record(self, progress: Progress) -> None:
         """The usage record of the call's outcome: the last step out of every call, once."""
@@ -645,7 +650,7 @@ def _new_stream_id(work: Work, replica: ServingReplica, attempt: int) -> str:
 
 
 def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
-    """The replicas whose runtime serves a gated capability (rerank, score, tokenize, detokenize:
+    """The replicas whose runtime serves a gated capability (rerank, score, tokenizers, native APIs, media:
     `ServingReplica.serves`); ApiNotServed when none of the Ready ones does."""
     capability = work.capability
     if not capability.gated:
@@ -657,6 +662,8 @@ def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
             + (
                 " (its replicas changed while it was routed: send it again, it is translated now)"
                 if capability.native
+                else " (whisper.cpp's whisper-server serves transcriptions; vLLM transcriptions and translations)"
+                if capability.media
                 else " (vLLM serves rerank, score, tokenize and detokenize; llama.cpp's llama-server serves"
                 " tokenize and detokenize, and rerank with settings.reranking: true and a reranker model)"
             )
@@ -664,18 +671,29 @@ def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
     return attrs.evolve(serving, replicas=replicas)
 
 
-def _encode(work: Work, serving: ServingSet) -> bytes:
+@attrs.frozen
+class Encoded:
+    """A runtime's request body and its media type."""
+
+    data: bytes
+    content_type: str = "application/json"
+
+
+def _encode(work: Work, serving: ServingSet) -> Encoded:
     """The runtime's request body: the client's, with the served model's name, and usage always
-    asked for in streams (stripped again on the node when the client did not ask)."""
+    asked for in streams (stripped again on the node when the client did not ask); a media upload
+    as a form (`uploads.write_form`)."""
     body: dict[str, Any] = dict(work.body)
     body["model"] = serving.model.model
+    if work.upload is not None:
+        return Encoded(*write_form(body, work.upload))
     if work.capability.streams:
         body["stream"] = work.stream
         if work.stream and not work.capability.native:
             options = dict(body.get("stream_options") or {})
             options["include_usage"] = True
             body["stream_options"] = options
-    return json.dumps(body, separators=(",", ":")).encode()
+    return Encoded(json.dumps(body, separators=(",", ":")).encode())
 
 
 def _prefix(work: Work, cfg: GatewayConfig) -> str | None:

@@ -2,7 +2,7 @@
 
 These sit in front of the quart management app (`InferenceApp(fallback)`): every other path goes
 to quart. Plain ASGI keeps the per-request cost of the hot path small and gives full control of
-streaming and of the client going away: a request still running `WATCH_AFTER_S` after its body
+streaming and of the client going away: a request still running `WATCH_AFTER_S` (`disconnects`) after its body
 arrived gets a task that waits for its `http.disconnect` and cancels the work (`Disconnects`, one
 loop for all), and that cancellation travels through the relay to the runtime. Both APIs build one
 `calls.Work` and run it through `Gateway.call`; a workload's terminal state and receipt come from
@@ -54,9 +54,10 @@ from nexa.contracts.gateway import (
 from nexa.contracts.node import data_class_problem
 from nexa.contracts.retention import EPHEMERAL, retention_problem
 from nexa.control.access.accounts import Accounts
+from nexa.control.datapath import media, native
 from nexa.control.datapath import messages as anthropic
-from nexa.control.datapath import native
 from nexa.control.datapath.calls import Work
+from nexa.control.datapath.disconnects import Disconnects
 from nexa.control.datapath.gateway import Call, Gateway
 from nexa.control.datapath.inference_routes import (
     CAPABILITY_ALIASES,
@@ -114,9 +115,6 @@ _SSE_HEADERS: Final = [
     (b"x-accel-buffering", b"no"),
 ]
 _OPENAI_TYPES: Final = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
-#: A request still running this long after its body was read gets a task that waits for its client
-#: to go away; a client that leaves is noticed at most twice this long after that (seconds).
-WATCH_AFTER_S: Final = 0.25
 
 
 def _route(method: str, path: str) -> tuple[str, str] | None:
@@ -515,7 +513,9 @@ class _Exchange:
                 app.disconnects.forget(watched)
         return status
 
-    async def _handle(self, app: InferenceApp, method: str, rule: str) -> int:
+    async def _handle(self, app: InferenceApp, method: str, rule: str) -> int:  # noqa: PLR0911 - one per route kind
+        if rule in media.CAPABILITY_BY_PATH:
+            return await media.serve(app, self, media.CAPABILITY_BY_PATH[rule])
         if rule in native.NATIVE or rule == "/v1/models":
             return await (app.models(self) if rule == "/v1/models" else app.translated(self, TRANSLATIONS.get(rule)))
         if rule in _CAPABILITY_BY_PATH:
@@ -536,6 +536,7 @@ class _Exchange:
             return self._body
         parts: list[bytes] = []
         size = 0
+        limit = media.upload_limit(self.route[1], self._app._cfg.max_upload_bytes, self._app._max_body)
         with trio.move_on_after(self._app._body_timeout_s) as waiting:
             while True:
                 message = await self._receive()
@@ -543,8 +544,8 @@ class _Exchange:
                     raise _ClientGone
                 chunk = message.get("body", b"")
                 size += len(chunk)
-                if size > self._app._max_body:
-                    raise PayloadTooLarge(limit_bytes=self._app._max_body)
+                if size > limit:
+                    raise PayloadTooLarge(limit_bytes=limit)
                 parts.append(chunk)
                 if not message.get("more_body"):
                     break
@@ -586,12 +587,16 @@ class _Exchange:
         payload = json.dumps(obj, separators=(",", ":")).encode()
         return await self.raw(status, payload, b"application/json")
 
-    async def start_stream(self, status: int) -> None:
+    async def start_stream(self, status: int, *, content_type: bytes | None = None) -> None:
+        """Start a streamed response: server-sent events, or bytes of `content_type` (media)."""
+        kind = _SSE_HEADERS
+        if content_type is not None:
+            kind = [(b"content-type", content_type), (b"cache-control", b"no-store")]
         await self._send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [*_SSE_HEADERS, (b"x-request-id", self.rid.encode()), self._overhead_header()],
+                "headers": [*kind, (b"x-request-id", self.rid.encode()), self._overhead_header()],
             }
         )
         self._started_response = True
@@ -639,78 +644,6 @@ class _Exchange:
         else:
             body = codec.dumps(codec.api, _envelope(exc, self.rid)).encode()
         return await self.raw(status, body, b"application/json", headers)
-
-
-class Disconnects:
-    """Cancels the requests whose client went away, without a task for each short request.
-
-    ASGI says a client left only through `receive()`, so noticing it needs a task waiting there.
-    Most requests end within milliseconds, and a task each (about 50 µs) was a few per cent of a
-    request's CPU: here a request is only noted when it starts, and `run`, one loop for all, gives
-    each one still running `WATCH_AFTER_S` later a task that waits for its `http.disconnect` and
-    cancels its scope (the relay then cancels the runtime's request). The request forgets its note,
-    or cancels its task, when it ends."""
-
-    def __init__(self, after_s: float = WATCH_AFTER_S) -> None:
-        self._after_s = after_s
-        #: The requests without a task yet, in the order they were noted (oldest first).
-        self._noted: dict[_Watched, None] = {}
-        self._work = trio.Event()
-
-    def watch(self, receive: Receive, scope: trio.CancelScope) -> _Watched:
-        """Note a request whose body was read: `scope` is cancelled if its client goes away."""
-        watched = _Watched(receive, scope, trio.current_time())
-        self._noted[watched] = None
-        if not self._work.is_set():
-            self._work.set()
-        return watched
-
-    def forget(self, watched: _Watched) -> None:
-        """The request ended: stop waiting for its client."""
-        try:
-            del self._noted[watched]
-        except KeyError:
-            watched.waiting.cancel()  # a task waits for its client: end it
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
-        async with trio.open_nursery() as nursery:
-            task_status.started()
-            while True:
-                if not self._noted:
-                    self._work = trio.Event()
-                    await self._work.wait()
-                await trio.sleep(self._after_s)
-                cutoff = trio.current_time() - self._after_s
-                due = []
-                for watched in self._noted:
-                    if watched.since > cutoff:
-                        break  # noted in arrival order: the rest are younger
-                    due.append(watched)
-                for watched in due:
-                    del self._noted[watched]
-                    nursery.start_soon(_wait_for_disconnect, watched)
-
-
-class _Watched:
-    __slots__ = ("receive", "scope", "since", "waiting")
-
-    def __init__(self, receive: Receive, scope: trio.CancelScope, since: float) -> None:
-        self.receive = receive
-        #: The request's scope, cancelled when its client goes away.
-        self.scope = scope
-        self.since = since
-        #: The scope of the task waiting for the client, cancelled when the request ends.
-        self.waiting = trio.CancelScope()
-
-
-async def _wait_for_disconnect(watched: _Watched) -> None:
-    with watched.waiting:
-        try:
-            while (await watched.receive())["type"] != "http.disconnect":
-                pass
-        except Exception:  # the server could not say: take the connection as gone
-            log.debug("reading a client's disconnect failed: its request is cancelled", exc_info=True)
-        watched.scope.cancel()
 
 
 @attrs.define

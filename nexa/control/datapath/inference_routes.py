@@ -285,6 +285,72 @@ _COUNT_TOKENS_BODY: Final[Json] = {
     "required": ["model", "messages"],
     "additionalProperties": True,
 }
+#: OpenAI's transcription and translation form (its API reference); other fields go to the runtime.
+_AUDIO_FORM: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "the audio (a WAV is metered by its own length)"},
+        "model": _MODEL,
+        "language": {"type": "string"},
+        "prompt": {"type": "string"},
+        "response_format": {"enum": ["json", "verbose_json", "text", "srt", "vtt"], "default": "json"},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
+    },
+    "required": ["file", "model"],
+}
+_SPEECH_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "input": {"type": "string", "minLength": 1, "maxLength": 4096},
+        "voice": {"type": ["string", "object"]},
+        "instructions": {"type": "string"},
+        "response_format": {"enum": ["mp3", "opus", "aac", "flac", "wav", "pcm"], "default": "mp3"},
+        "speed": {"type": "number", "minimum": 0.25, "maximum": 4.0},
+        "stream_format": {"enum": ["audio"]},
+    },
+    "required": ["model", "input", "voice"],
+    "additionalProperties": True,
+}
+_IMAGE_BODY: Final[Json] = {
+    "type": "object",
+    "properties": {
+        "model": _MODEL,
+        "prompt": {"type": "string", "minLength": 1},
+        "n": {"type": "integer", "minimum": 1, "maximum": 10, "default": 1},
+        "size": {"type": "string"},
+        "quality": {"type": "string"},
+        "response_format": {"enum": ["url", "b64_json"]},
+    },
+    "required": ["model", "prompt"],
+    "additionalProperties": True,
+}
+_TRANSCRIPT: Final[Json] = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+_IMAGES: Final[Json] = {
+    "type": "object",
+    "properties": {"created": {"type": "integer"}, "data": {"type": "array", "items": {"type": "object"}}},
+    "required": ["data"],
+}
+
+
+def _media(path: str, summary: str, body: Json, answer: Json, also: tuple[str, ...], *, form: bool = False) -> Route:
+    """A media route (`control.datapath.media`): metered in its own units, not tokens."""
+    return Route(
+        method="POST",
+        path=path,
+        roles=INFERENCE,
+        summary=summary,
+        tag="openai",
+        body=body,
+        body_kind="required",
+        answer=answer,
+        also=also,
+        params=_HEADERS,
+        errors=_SERVING,
+        body_media="multipart/form-data" if form else "application/json",
+    )
+
+
 _ANTHROPIC_HEADERS: Final = (
     Param(
         name="x-api-key",
@@ -361,6 +427,43 @@ ROUTES: Final[tuple[Route, ...]] = (
         errors=_SERVING,
     ),
     *_POOLING_ROUTES,
+    _media(
+        "/v1/audio/transcriptions",
+        "Transcription (OpenAI): an audio upload to text; metered in seconds of audio",
+        _AUDIO_FORM,
+        _TRANSCRIPT,
+        ("text/plain", "text/vtt"),
+        form=True,
+    ),
+    _media(
+        "/v1/audio/translations",
+        "Translation (OpenAI): an audio upload to English text; metered in seconds of audio",
+        _AUDIO_FORM,
+        _TRANSCRIPT,
+        ("text/plain", "text/vtt"),
+        form=True,
+    ),
+    Route(
+        method="POST",
+        path="/v1/audio/speech",
+        roles=INFERENCE,
+        summary="Speech (OpenAI): text to audio, streamed back as it is made; metered in characters",
+        tag="openai",
+        body=_SPEECH_BODY,
+        body_kind="required",
+        answer={"type": "string", "format": "binary"},
+        media="audio/mpeg",
+        also=("audio/ogg", "audio/aac", "audio/flac", "audio/wav", "audio/pcm"),
+        params=_HEADERS,
+        errors=_SERVING,
+    ),
+    _media(
+        "/v1/images/generations",
+        "Image generation (OpenAI); metered in images",
+        _IMAGE_BODY,
+        _IMAGES,
+        (),
+    ),
     Route(
         method="POST",
         path="/api/v1/workloads",

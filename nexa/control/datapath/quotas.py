@@ -24,10 +24,19 @@ the live controllers (the remainder to the first by id; at least 1 each, so a li
 number of controllers admits up to one request per controller). Otherwise the shares add up to
 the limit, so the tenant is never admitted over it in total; but a tenant whose requests reach
 the controllers unevenly is refused at a busy one below its limit: the ingress should balance
-round-robin. The day's token budget is not split: each refresh re-reads the day's total from the
+round-robin. The day's token budget (and media budgets) are not split: each refresh re-reads the day's total from the
 usage rows of every controller and adds what this process counts that the rows may not hold yet
 (reservations of running requests, tokens finished within `unflushed_s`). On the embedded store
 nothing of this runs: one controller, whole limits.
+
+Media requests count against their tenant's daily limit in their capability's unit
+(`MEDIA_UNITS`: `audio_seconds_per_day`, `speech_characters_per_day`, `images_per_day`): what is
+known at admission (a WAV upload's length, the speech's characters, the images asked for) is
+reserved, and settled to what the call was metered for when it finishes, like tokens. A media
+request is admitted while the day's use is below the limit. Several controllers: each refresh
+re-reads the day's media use from the usage rows and adds this process's running reservations
+(use finished here within the last metering window is not added: it may go uncounted for up to
+`gateway.metering_flush_s`).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import attrs
 import trio
 
 from nexa.contracts.domain import Actor, KeyId, TenantId
-from nexa.contracts.gateway import QuotaLimits, QuotaList, QuotaUse, QuotaView, quota_problems
+from nexa.contracts.gateway import MEDIA_UNITS, QuotaLimits, QuotaList, QuotaUse, QuotaView, quota_problems
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
 from nexa.errors import ContractError, NotFound, QuotaExceeded
@@ -133,12 +142,23 @@ class _Tenant:
     #: Several controllers only: (wall time, tokens) of requests finished here lately, which the
     #: usage rows may not hold yet (`Quotas.refresh_day`).
     recent: deque[tuple[float, int]] = attrs.Factory(deque)
+    #: Media use today by unit (`MEDIA_UNITS`), and of it the reservations of running requests.
+    units_today: dict[str, float] = attrs.Factory(dict)
+    reserved_units_today: dict[str, float] = attrs.Factory(dict)
 
     def roll_day(self, now: float) -> None:
         day = _utc_day(now)
         if day != self.day:
             self.day, self.tokens_today, self.reserved_today = day, 0, 0
             self.recent.clear()
+            self.units_today.clear()
+            self.reserved_units_today.clear()
+
+    def add_units(self, unit: str, amount: float, *, reserved: bool = False) -> None:
+        """Count `amount` (negative: take back) of today's media use in `unit`."""
+        self.units_today[unit] = max(0.0, self.units_today.get(unit, 0.0) + amount)
+        if reserved:
+            self.reserved_units_today[unit] = max(0.0, self.reserved_units_today.get(unit, 0.0) + amount)
 
 
 @attrs.define(eq=False)
@@ -152,6 +172,9 @@ class QuotaTicket:
     reserved_second: int = 0
     reserved_day: int = 0
     finished: bool = False
+    #: A media request's unit (`MEDIA_UNITS`) and the use reserved in it at admission.
+    unit: str | None = None
+    reserved_units: float = 0.0
 
 
 class Quotas:
@@ -199,6 +222,10 @@ class Quotas:
         for tenant, tokens in (await store.run(st.usage_tokens_since, float(day * DAY_S))).items():
             state = quotas._state(tenant)
             state.day, state.tokens_today = day, tokens
+        for (tenant, capability), units in (await store.run(st.usage_units_since, float(day * DAY_S))).items():
+            state = quotas._state(tenant)
+            state.roll_day(now)
+            state.add_units(_unit_of(capability), units)
         return quotas
 
     def _state(self, tenant: TenantId) -> _Tenant:
@@ -209,9 +236,18 @@ class Quotas:
 
     # ---- the hot path --------------------------------------------------------------------------
 
-    def admit(self, tenant: TenantId, now: float, *, reserve_tokens: int = 0) -> QuotaTicket:
-        """Count one request and reserve `reserve_tokens` against the tenant's limits, or raise
-        QuotaExceeded and count nothing. `finish` settles the reservation."""
+    def admit(
+        self,
+        tenant: TenantId,
+        now: float,
+        *,
+        reserve_tokens: int = 0,
+        unit: str | None = None,
+        reserve_units: float = 0.0,
+    ) -> QuotaTicket:
+        """Count one request and reserve `reserve_tokens` (a media request: `reserve_units` of its
+        `unit`) against the tenant's limits, or raise QuotaExceeded and count nothing. `finish`
+        settles the reservation."""
         state = self._state(tenant)
         limits = state.limits
         requests = state.requests.prune(now)
@@ -229,6 +265,8 @@ class Quotas:
             refusal = ("tokens_per_minute", state.tokens.frees_after(now, tokens_per_minute))
         elif limits.tokens_per_day is not None and state.tokens_today >= limits.tokens_per_day:
             refusal = ("tokens_per_day", (state.day + 1) * DAY_S - now)
+        elif unit is not None and state.units_today.get(unit, 0.0) >= _media_limit(limits, unit):
+            refusal = (f"{unit}_per_day", (state.day + 1) * DAY_S - now)
         if refusal is not None:
             limit, retry_after = refusal
             self._metrics.gateway_quota_refusals.labels(limit).inc()
@@ -245,11 +283,14 @@ class Quotas:
             ticket.reserved_second = state.tokens.add(now, reserve_tokens)
             state.tokens_today += reserve_tokens
             state.reserved_today += reserve_tokens
+        if unit is not None:
+            ticket.unit, ticket.reserved_units = unit, reserve_units
+            state.add_units(unit, reserve_units, reserved=True)
         return ticket
 
-    def finish(self, ticket: QuotaTicket, tokens: int, now: float) -> None:
+    def finish(self, ticket: QuotaTicket, tokens: int, now: float, *, units: float = 0.0) -> None:
         """Release the ticket's concurrency slot, take back its reservation and count the tokens it
-        used. A second call does nothing."""
+        used (a media request: the `units` of its unit). A second call does nothing."""
         if ticket.finished:
             return
         ticket.finished = True
@@ -267,6 +308,10 @@ class Quotas:
             state.tokens_today += tokens
             if self._shared:
                 state.recent.append((now, tokens))
+        if ticket.unit is not None:
+            if state.day == ticket.reserved_day:
+                state.add_units(ticket.unit, -ticket.reserved_units, reserved=True)
+            state.add_units(ticket.unit, units)
 
     def _share_of(self, limit: int | None) -> int | None:
         """This controller's part of a concurrency or per-minute limit (the module docstring says how)."""
@@ -306,6 +351,11 @@ class Quotas:
             while recent and recent[0][0] < now - unflushed_s:
                 recent.popleft()
             state.tokens_today = totals.get(tenant, 0) + state.reserved_today + sum(n for _, n in recent)
+        media = await self._store.read(st.usage_units_since, float(day * DAY_S))
+        for state in self._tenants.values():
+            state.units_today = dict(state.reserved_units_today)
+        for (tenant, capability), units in media.items():
+            self._state(tenant).add_units(_unit_of(capability), units)
 
     # ---- management ----------------------------------------------------------------------------
 
@@ -344,6 +394,9 @@ class Quotas:
                 requests_last_minute=requests,
                 tokens_last_minute=tokens,
                 tokens_today=state.tokens_today,
+                audio_seconds_today=round(state.units_today.get("audio_seconds", 0.0), 3),
+                speech_characters_today=round(state.units_today.get("speech_characters", 0.0)),
+                images_today=round(state.units_today.get("images", 0.0)),
             ),
             updated_at=state.updated_at,
             updated_by=state.updated_by,
@@ -354,3 +407,14 @@ class Quotas:
         return QuotaList(
             quotas=[self.view(tenant, now) for tenant in sorted(self._tenants) if self._tenant_exists(tenant)]
         )
+
+
+def _media_limit(limits: QuotaLimits, unit: str) -> float:
+    """The tenant's daily limit in a media unit (`<unit>_per_day`); infinite when it has none."""
+    value = getattr(limits, f"{unit}_per_day", None)
+    return value if isinstance(value, int) else math.inf
+
+
+def _unit_of(capability: str) -> str:
+    """The media unit a usage row's capability is metered in."""
+    return next((unit for cap, unit in MEDIA_UNITS.items() if cap.value == capability), capability)

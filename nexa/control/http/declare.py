@@ -75,6 +75,8 @@ class Route:
     handler: Handler | None = attrs.field(default=None, eq=False, repr=False)
     #: The error body's JSON Schema when it is not the shape of the route's kind (Anthropic's on `/v1/messages`).
     error_shape: Any = None
+    #: The request body's media type (`multipart/form-data` for the media uploads).
+    body_media: str = JSON
 
     @property
     def key(self) -> RouteKey:

@@ -138,7 +138,7 @@ def _operation(op: Route, schemas: JsonSchemas) -> Json:
     out["parameters"] = params
     if op.body_kind != "none":
         body = _EMPTY if op.body_kind == "empty" else schemas.of(op.body)
-        out["requestBody"] = {"required": op.body_kind == "required", "content": {JSON: {"schema": body}}}
+        out["requestBody"] = {"required": op.body_kind == "required", "content": {op.body_media: {"schema": body}}}
     success: Json = {op.media: {"schema": schemas.of(op.answer)}}
     for media in op.also:
         success[media] = {"schema": {"type": "string"}}

@@ -128,6 +128,7 @@ from nexa.control.store.usage import save_quota as save_quota
 from nexa.control.store.usage import usage_by_second as usage_by_second
 from nexa.control.store.usage import usage_report as usage_report
 from nexa.control.store.usage import usage_tokens_since as usage_tokens_since
+from nexa.control.store.usage import usage_units_since as usage_units_since
 from nexa.control.store.workloads import WorkloadKey as WorkloadKey
 from nexa.control.store.workloads import WorkloadRow as WorkloadRow
 from nexa.control.store.workloads import finish_workloads as finish_workloads

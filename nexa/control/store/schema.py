@@ -374,6 +374,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) STRICT;
     CREATE INDEX group_run_deployment ON group_run(deployment);
     """,
+    # Media requests' use in their capability's unit (`contracts.gateway.MEDIA_UNITS`); 0 for text.
+    """
+    ALTER TABLE usage ADD COLUMN units REAL NOT NULL DEFAULT 0;
+    """,
 )
 
 

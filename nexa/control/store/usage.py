@@ -51,8 +51,15 @@ def save_quota(db: Db, record: QuotaRecord, draft: AuditDraft) -> AuditEvent:
 
 _USAGE_COLUMNS: Final = (
     "request_id, workload_id, api, tenant, key_id, capability, alias, model, model_version, deployment, node_id,"
-    " status, prompt_tokens, completion_tokens, queue_ms, ttft_ms, duration_ms, finished_at, canary"
+    " status, prompt_tokens, completion_tokens, queue_ms, ttft_ms, duration_ms, finished_at, canary, units"
 )
+#: The media units of a usage group, one sum per unit (`MEDIA_UNITS`), in `UsageRow`'s order.
+_MEDIA_SUMS: Final = (
+    ("audio", "sum(CASE WHEN capability IN ('transcription', 'translation') THEN units ELSE 0 END)"),
+    ("speech", "sum(CASE WHEN capability = 'speech' THEN units ELSE 0 END)"),
+    ("images", "sum(CASE WHEN capability = 'image' THEN units ELSE 0 END)"),
+)
+_MEDIA_SELECT: Final = ", ".join(f"{expr} AS {name}" for name, expr in _MEDIA_SUMS)
 #: Usage rows of requests a quota refused: they never took a request slot, so a rebuild skips them.
 QUOTA_REFUSED_STATUS: Final = "quota_exceeded"
 
@@ -61,7 +68,7 @@ def insert_usage(db: Db, records: list[UsageRecord]) -> None:
     """Write one batch of usage records in one transaction (metadata only: never payloads)."""
     with txn(db):
         db.executemany(
-            f"INSERT INTO usage({_USAGE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
+            f"INSERT INTO usage({_USAGE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
             [
                 (
                     r.request_id,
@@ -83,6 +90,7 @@ def insert_usage(db: Db, records: list[UsageRecord]) -> None:
                     r.duration_ms,
                     r.finished_at,
                     int(r.canary),
+                    r.units,
                 )
                 for r in records
             ],
@@ -114,6 +122,17 @@ def usage_tokens_since(db: Db, since: float) -> dict[TenantId, int]:
             (since,),
         ).fetchall()
     return {TenantId(str(t)): as_int(tok) for t, tok in rows}
+
+
+def usage_units_since(db: Db, since: float) -> dict[tuple[TenantId, str], float]:
+    """Media use per (tenant, capability) finished at or after `since` (the quota's day window)."""
+    with txn(db):
+        rows = db.execute(
+            "SELECT tenant, capability, sum(units) FROM usage WHERE finished_at >= ? AND units > 0"
+            " GROUP BY tenant, capability",
+            (since,),
+        ).fetchall()
+    return {(TenantId(str(t)), str(c)): as_float(n) for t, c, n in rows}
 
 
 #: Where a page of `usage_report` continues: after the group (day, tenant, model).
@@ -148,7 +167,7 @@ def usage_report(  # noqa: PLR0917 - one transaction function, called through St
         sql = (
             "SELECT tenant, CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"  # noqa: S608
             " strftime('%Y-%m-%d', finished_at, 'unixepoch') AS day, count(*), sum(status != 'ok'),"
-            " sum(prompt_tokens), sum(completion_tokens)"
+            f" sum(prompt_tokens), sum(completion_tokens), {_MEDIA_SELECT}"
             f" FROM usage WHERE {' AND '.join(where)} GROUP BY tenant, m, day"
         )
         if after is not None:  # keyset: a group already given out is never given again
@@ -170,8 +189,11 @@ def usage_report(  # noqa: PLR0917 - one transaction function, called through St
             errors=as_int(errors),
             prompt_tokens=as_int(prompt),
             completion_tokens=as_int(completion),
+            audio_seconds=round(as_float(audio), 3),
+            speech_characters=round(as_float(speech)),
+            images=round(as_float(images)),
         )
-        for t, m, day, n, errors, prompt, completion in rows
+        for t, m, day, n, errors, prompt, completion, audio, speech, images in rows
     ]
 
 
@@ -180,11 +202,13 @@ def _usage_report_pg(where: list[str], after: UsageKey | None) -> str:
     `to_char`, errors counted by a filter, and the keyset in an outer WHERE (HAVING cannot name
     the select list's columns there)."""
     sql = (
-        "SELECT tenant, m, day, n, errors, prompt, completion FROM (SELECT tenant,"  # noqa: S608
+        "SELECT tenant, m, day, n, errors, prompt, completion, audio, speech, images FROM (SELECT tenant,"  # noqa: S608
         " CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"
         " to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS day, count(*) AS n,"
         " count(*) FILTER (WHERE status != 'ok') AS errors, sum(prompt_tokens) AS prompt,"
-        f" sum(completion_tokens) AS completion FROM usage WHERE {' AND '.join(where)} GROUP BY 1, 2, 3) AS g"
+        " sum(completion_tokens) AS completion,"
+        f" {_MEDIA_SELECT}"
+        f" FROM usage WHERE {' AND '.join(where)} GROUP BY 1, 2, 3) AS g"
     )
     if after is not None:  # keyset: a group already given out is never given again
         sql += " WHERE (day, tenant, m) > (?, ?, ?)"
