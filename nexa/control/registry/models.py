@@ -44,6 +44,7 @@ from nexa.contracts.models import (
     LicenseSet,
     ModelArtifact,
     ModelCreate,
+    ModelKind,
     ModelRecord,
     ModelRef,
     ModelState,
@@ -62,6 +63,7 @@ from nexa.contracts.models import (
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
 from nexa.control.registry.gguf_figures import read_figures
+from nexa.control.registry.lora import check_adapter_file, check_bases
 from nexa.control.registry.outbound import Outbound
 from nexa.errors import (
     AlreadyExists,
@@ -274,6 +276,7 @@ class ModelRegistry:
             problems.append(problem)
         if problems:
             raise _invalid("model", problems)
+        check_bases(f"{req.name}@{req.version}", req.kind, req.format, req.base, self.model)
         artifact = req.artifact
         if artifact.files:
             # The record carries the manifest as the controller computed it: files in path order,
@@ -308,10 +311,13 @@ class ModelRegistry:
             registered_by=actor.key_id,
             state_changed_at=now,
             state_changed_by=actor.key_id,
+            kind=req.kind,
+            base=list(req.base),
         )
         async with self._lock:
             if (model.name, model.version) in self._models:
                 raise AlreadyExists(f"model {model.key} exists; register a new version instead")
+            check_bases(model.key, model.kind, model.format, model.base, self.model)  # retired meanwhile?
             draft = audit_draft(actor, "model.register", _target(model), None, model)
             await self._audited(st.insert_model, model, draft)
             self._models[(model.name, model.version)] = model
@@ -371,7 +377,12 @@ class ModelRegistry:
                 fingerprint = self._check_signature(model, signature)
                 with trio.fail_after(self._cfg.verify_timeout_s):
                     check = await self._outbound.verify_artifact(model.artifact)
-                    gguf, gguf_problem = await read_figures(self._outbound, model)
+                    if model.kind is ModelKind.LORA:
+                        gguf, gguf_problem = None, ""
+                        lora_detail = await check_adapter_file(self._outbound, model, self.model)
+                    else:
+                        gguf, gguf_problem = await read_figures(self._outbound, model)
+                        lora_detail = ""
             except (VerificationFailed, ArtifactDigestMismatch) as exc:
                 await self._reject(actor, "model.verify", _target(model), exc)
                 log.warning("model %s failed verification: %s", model.key, exc.code)
@@ -408,6 +419,8 @@ class ModelRegistry:
                     detail += f", GGUF {gguf.architecture} of {gguf.context_length} tokens' context"
                 elif gguf_problem:
                     detail += ", no GGUF figures (its header could not be read)"
+                if lora_detail:
+                    detail += f", {lora_detail}"
                 await self._commit(actor, "verify", before, after, detail)
         finally:
             self._verifying.discard(key)
