@@ -520,6 +520,12 @@ def _sim_runtime_command(sub: Any) -> None:
     s.add_argument("--metrics-fail", action="store_true", help="/metrics answers 503")
     s.add_argument("--artifact", default="", help="the model artifact's path (checked to exist, never read)")
     s.add_argument("--exit-with-parent", action="store_true", help="stop when the parent process goes away")
+    s.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, this many adapters at once (0: off)",
+    )
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
     s.set_defaults(handler=_cmd_sim_runtime)
 
@@ -549,6 +555,7 @@ def _cmd_sim_runtime(args: argparse.Namespace) -> int:
         ),
         artifact=args.artifact,
         exit_with_parent=args.exit_with_parent,
+        max_loras=args.max_loras,
     )
     simruntime.check_config(cfg, os.environ)
     setup_logging(args.log_level)

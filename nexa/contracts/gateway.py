@@ -142,6 +142,8 @@ class CallOutcome:
     #: A replica answered (its first output, or a clean end) and the caller got the answer to read;
     #: False when the call was refused or failed before that.
     opened: bool
+    #: The LoRA adapter that served it on `model` (the alias's), None for none.
+    adapter: ModelRef | None = None
 
     @property
     def total_tokens(self) -> int:

@@ -39,6 +39,7 @@ class _InferHead(msgspec.Struct, forbid_unknown_fields=True):
     window: int
     strip_usage_chunk: bool = False
     prompt_tokens_estimate: int = 0
+    lora: _Str = ""
 
 
 class _EndHead(msgspec.Struct, forbid_unknown_fields=True):

@@ -384,6 +384,9 @@ class AliasRecord:
     generation: int
     updated_at: float
     updated_by: KeyId | None
+    #: A LoRA adapter version served on `target` (one of its bases) under this alias; None: the
+    #: model itself. Requests for the alias go to replicas of `target` with the adapter loaded.
+    adapter: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -401,12 +404,18 @@ class AliasReceipt:
     actor: KeyId | None
     #: The audit event written in the same transaction.
     event_id: EventId
+    #: The LoRA adapter served on `to` (None: none), and the one served on `from_` before.
+    adapter: ModelRef | None = None
+    from_adapter: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)
 class AliasPromote:
     model: str
     version: str
+    #: A LoRA adapter version (kind lora, Approved, naming `model@version` among its bases) to serve
+    #: on that version under this alias.
+    adapter: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)

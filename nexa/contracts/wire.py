@@ -497,6 +497,9 @@ class InferHead:
     #: place they are counted) and, when the client asked for usage, adds a usage-only event
     #: before `data: [DONE]`.
     prompt_tokens_estimate: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
+    #: The LoRA adapter the request is for, by the name the assignment gives it (`RuntimeSpec.loras`);
+    #: the node names it to the runtime as the runtime expects (`nexa.node.lora`). Empty: the base.
+    lora: str = attrs.field(default="", validator=attrs.validators.max_len(64))
 
 
 class EndStatus(enum.StrEnum):

@@ -107,6 +107,8 @@ class Progress:
     node_ms: float | None = None
     #: Set by `end`, once.
     outcome: CallOutcome | None = None
+    #: The LoRA adapter the alias served on `model` (None: none).
+    adapter: ModelRef | None = None
 
     def failed(self, exc: BaseException) -> None:
         """The call raised `exc` before its answer was handed out: that is its status."""
@@ -174,6 +176,7 @@ class Progress:
             finished_at=time.time(),
             attempts=self.attempts,
             opened=self.opened,
+            adapter=self.adapter,
         )
         return self.outcome
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import trio
 
-from nexa.contracts.models import ModelFormat, ModelKind, ModelRecord, ModelRef, ModelState
+from nexa.contracts.models import AliasRecord, ModelFormat, ModelKind, ModelRecord, ModelRef, ModelState
 from nexa.control.registry.outbound import Outbound
-from nexa.errors import GgufInvalid, LoraBaseInvalid, NotFound
+from nexa.errors import GgufInvalid, LoraBaseInvalid, ModelNotApproved, NotFound
 from nexa.ggufmeta import HEADER_MIN_BYTES, MAX_HEADER_BYTES, read_header
 
 
@@ -109,3 +109,43 @@ async def check_adapter_file(
                 base=ref.key,
             )
     return f"LoRA for {arch}"
+
+
+def served_key(alias: AliasRecord) -> str:
+    """What an alias serves, for audit details and listings: `base@v` or `base@v+adapter@a`."""
+    return alias.target.key + (f"+{alias.adapter.key}" if alias.adapter else "")
+
+
+def check_alias_adapter(
+    alias: str, model: ModelRecord, adapter: ModelRef | None, lookup: Callable[[str, str], ModelRecord]
+) -> ModelRef | None:
+    """The adapter an alias may serve on `model` (None: none). An adapter is never served alone,
+    and only an Approved LoRA adapter that names `model` among its bases is served on it:
+    LoraBaseInvalid (422) or ModelNotApproved (409) otherwise."""
+    if model.kind is ModelKind.LORA:
+        raise LoraBaseInvalid(
+            f"alias {alias}: {model.key} is a LoRA adapter and is served only on a base; promote with the base as "
+            f"the model and the adapter as `adapter` (one of {', '.join(b.key for b in model.base)})",
+            adapter=model.key,
+        )
+    if adapter is None:
+        return None
+    record = lookup(adapter.model, adapter.version)
+    if record.kind is not ModelKind.LORA:
+        raise LoraBaseInvalid(
+            f"alias {alias}: {record.key} is not a LoRA adapter (kind {record.kind.value}); give an adapter version",
+            adapter=record.key,
+        )
+    if record.state is not ModelState.APPROVED:
+        raise ModelNotApproved(
+            f"alias {alias} may serve only an Approved adapter; {record.key} is {record.state.value}", model=record.key
+        )
+    ref = ModelRef(model=model.name, version=model.version)
+    if ref not in record.base:
+        raise LoraBaseInvalid(
+            f"alias {alias}: adapter {record.key} applies to {', '.join(b.key for b in record.base)}, not {ref.key}; "
+            "register a version of the adapter for this base",
+            adapter=record.key,
+            base=ref.key,
+        )
+    return ModelRef(model=record.name, version=record.version)
