@@ -225,6 +225,11 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+def _adapter_key(adapter: ModelRef | None) -> str:
+    """A LoRA adapter as usage and receipts name it: `name:version` (as `name:version` models are asked for)."""
+    return f"{adapter.model}:{adapter.version}" if adapter is not None else ""
+
+
 @attrs.frozen(kw_only=True)
 class Receipt:
     """What the controller attests about one finished workload. Counts and ids only, never payloads."""
@@ -252,6 +257,9 @@ class Receipt:
     accepted_at: float
     finished_at: float
     controller_epoch: int
+    #: The LoRA adapter that served it on `model`, `name:version`; "" for none (then left out of
+    #: the signed bytes, as receipts were signed before adapters).
+    adapter: str = ""
 
     @classmethod
     def from_outcome(
@@ -292,6 +300,7 @@ class Receipt:
             accepted_at=accepted.accepted_at,
             finished_at=finished_at,
             controller_epoch=controller_epoch,
+            adapter=_adapter_key(served.adapter if served is not None else None),
         )
 
 
@@ -400,6 +409,8 @@ class UsageRecord:
     finished_at: float
     #: Replica the request was served by was the deployment's canary.
     canary: bool = False
+    #: The LoRA adapter that served it on the model, `name:version`; "" for none.
+    adapter: str = ""
 
     @classmethod
     def from_outcome(cls, outcome: CallOutcome) -> UsageRecord:
@@ -425,6 +436,7 @@ class UsageRecord:
             duration_ms=outcome.duration_ms,
             finished_at=outcome.finished_at,
             canary=outcome.canary,
+            adapter=_adapter_key(outcome.adapter),
         )
 
 

@@ -139,3 +139,62 @@ async def test_an_adapter_file_that_does_not_fit_its_base_fails_verification_and
         assert (model["state"], model["verification"]) == ("Candidate", None)
         events = [e for e in await audit_events(http) if e["target"] == "model/tiny-poet/a1"]
     assert [(e["action"], e["result"]) for e in events] == [("model.register", "ok"), ("model.verify", "rejected")]
+
+
+async def test_an_alias_serves_an_approved_adapter_on_one_of_its_bases_and_rolls_back_with_it(
+    reg: Controller, s3_store: S3Store, tiny_gguf: Path, tiny_lora_gguf: Path
+) -> None:
+    base = await trio.Path(tiny_gguf).read_bytes()
+    async with reg.client() as http:
+        await bring_to(http, s3_store, "tiny", "v1", "Approved", data=base)
+        await bring_to(http, s3_store, "tiny", "v2", "Approved", data=base)
+        art = await upload(s3_store, await trio.Path(tiny_lora_gguf).read_bytes())
+        await ok(http.post("/api/v1/models", json=lora_body("poet", "a1", art, [("tiny", "v1")])), 201)
+        for step in ("verify", "approve"):
+            if step == "approve":
+                eval_body = {"suite": "s", "metrics": {}, "passed": True}
+                await ok(http.post("/api/v1/models/poet/a1/evaluations", json=eval_body), 201)
+            await ok(http.post(f"/api/v1/models/poet/a1/{step}"))
+        await ok(http.post("/api/v1/models", json=lora_body("poet", "a2", art, [("tiny", "v1")])), 201)
+        before = await head_seq(http)
+        promote = "/api/v1/aliases/tiny-poet/promote"
+        # Bad input: each refused, nothing changes.
+        wrong_base = {"model": "tiny", "version": "v2", "adapter": {"model": "poet", "version": "a1"}}
+        err = assert_envelope(await http.post(promote, json=wrong_base), 422, "lora_base_invalid")
+        assert "applies to tiny@v1, not tiny@v2" in err["message"]
+        candidate = {"model": "tiny", "version": "v1", "adapter": {"model": "poet", "version": "a2"}}
+        assert_envelope(await http.post(promote, json=candidate), 409, "model_not_approved")
+        alone = {"model": "poet", "version": "a1"}
+        err = assert_envelope(await http.post(promote, json=alone), 422, "lora_base_invalid")
+        assert "served only on a base" in err["message"]
+        not_lora = {"model": "tiny", "version": "v1", "adapter": {"model": "tiny", "version": "v2"}}
+        assert_envelope(await http.post(promote, json=not_lora), 422, "lora_base_invalid")
+        bad_name = {"model": "tiny", "version": "v1", "adapter": {"model": "Poet!", "version": "a1"}}
+        err = assert_envelope(await http.post(promote, json=bad_name), 400, "invalid_request")
+        assert "adapter.model" in err["message"]
+        assert await head_seq(http) == before
+        assert_envelope(await http.get("/api/v1/aliases/tiny-poet"), 404, "not_found")
+
+        await ok(http.post(promote, json={"model": "tiny", "version": "v1"}))
+        receipt = await ok(http.post(promote, json={**candidate, "adapter": {"model": "poet", "version": "a1"}}))
+        assert (receipt["to"], receipt["adapter"], receipt["from_adapter"]) == (
+            {"model": "tiny", "version": "v1"},
+            {"model": "poet", "version": "a1"},
+            None,
+        )
+        alias = (await ok(http.get("/api/v1/aliases/tiny-poet")))["alias"]
+        assert alias["adapter"] == {"model": "poet", "version": "a1"}
+        # An adapter an alias serves is in use: it is not retired.
+        assert_envelope(await http.post("/api/v1/models/poet/a1/retire"), 409, "model_in_use")
+        assert (await ok(http.get("/api/v1/models/poet/a1")))["aliases"] == ["tiny-poet"]
+        back = await ok(http.post("/api/v1/aliases/tiny-poet/rollback"))
+        assert (back["to"], back["adapter"], back["from_adapter"]) == (
+            {"model": "tiny", "version": "v1"},
+            None,
+            {"model": "poet", "version": "a1"},
+        )
+        events = [e for e in await audit_events(http, before) if e["target"] == "alias/tiny-poet"]
+    assert [e["detail"] for e in events][1:] == [
+        "generation 2: tiny@v1 -> tiny@v1+poet@a1",
+        "generation 3: tiny@v1+poet@a1 -> tiny@v1",
+    ]

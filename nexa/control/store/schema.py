@@ -364,6 +364,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     ) STRICT;
     CREATE INDEX eval_run_recorded ON eval_run(recorded_at, id);
     """,
+    # The LoRA adapter a request was served with on its model (`name:version`; '' for none).
+    """
+    ALTER TABLE usage ADD COLUMN adapter TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 
