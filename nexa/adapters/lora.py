@@ -1,11 +1,12 @@
 """LoRA adapters on a runtime: the flags that load them beside the base model at start, and how a
 request names one. What each runtime documents:
 
-* llama.cpp's `llama-server` (tools/server/README.md): `--lora FILE` once per adapter (ids 0, 1, … in
-  that order) and `--lora-init-without-apply`, so that every adapter starts at scale 0 and a request
-  for the base is the base's; a request applies one with its `lora` field, `[{"id": N, "scale": 1.0}]`
-  (adapters it does not name get scale 0 for that request). The node's relay writes that field
-  (`nexa.node.lora.for_runtime`).
+* llama.cpp's `llama-server` (tools/server/README.md, common/arg.cpp): `--lora-scaled FILE:0` once per
+  adapter (ids 0, 1, … in that order) and `--lora-init-without-apply`: every adapter is loaded at
+  scale 0, so a request without a `lora` field (which takes the server's scales) is the base's. A
+  request applies one with its `lora` field, `[{"id": N, "scale": 1.0}]` (adapters it does not name
+  get scale 0 for that request), which the node's relay writes (`nexa.node.lora`). Plain `--lora
+  FILE` would load it at scale 1 and apply it to every request that names none.
 * vLLM (docs/features/lora.md): `--enable-lora`, `--max-loras N` (how many are active at once), and
   with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` adapters loaded and unloaded at run time
   (`POST /v1/load_lora_adapter` `{"lora_name", "lora_path"}`, `POST /v1/unload_lora_adapter`
@@ -68,7 +69,8 @@ def lora_args(
         return [], {}
     limit = [] if MAX_LORAS_SETTING in settings or MAX_LORAS_FLAG in command else [MAX_LORAS_FLAG, str(len(loras))]
     if kind is RuntimeKind.LLAMACPP:
-        return ["--lora-init-without-apply", *(arg for _, path in loras for arg in ("--lora", path))], {}
+        scaled = (arg for _, path in loras for arg in ("--lora-scaled", f"{path}:0"))
+        return ["--lora-init-without-apply", *scaled], {}
     if kind is RuntimeKind.VLLM:
         return ["--enable-lora", *limit], dict(RUNTIME_UPDATING_ENV)
     if kind is RuntimeKind.SGLANG:

@@ -3,10 +3,10 @@
 The tiny GGUF base (`tiny_gguf`) and a LoRA adapter for it made here in llama.cpp's adapter layout
 (`tiny_lora_gguf`) are registered, verified, approved and aliased over the CLI (`tiny`, and `tiny-poet`
 serving the adapter on `tiny@v1`); one deployment of the base on an enrolled `nexa node` gives its replica
-the adapter (`--lora-init-without-apply --lora /models/lora/tiny-poet/…`). The official `openai` SDK asks
-both aliases the same thing at temperature 0 with a seed: the base answers alike each time and the
-adapter's answer differs (llama.cpp applies it for that request only, through the request's `lora` field
-the node writes). Usage is recorded per adapter, and `nexa usage` shows it.
+the adapter at scale 0 (`--lora-init-without-apply --lora-scaled /models/lora/tiny-poet:0`). The official
+`openai` SDK asks both aliases the same thing at temperature 0 with a seed: the base answers alike each
+time and the adapter's answer differs (llama.cpp applies it for that request only, through the request's
+`lora` field the node writes). Usage is recorded per adapter, and `nexa usage` shows it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ async def test_an_adapter_alias_answers_otherwise_than_its_base_and_its_usage_is
         placement = await ok(http.get("/api/v1/deployments/chat/placement"))
     process = placement["process"]
     assert "--lora-init-without-apply" in process, process
-    assert process[process.index("--lora") + 1] == "/models/lora/tiny-poet", process
+    assert process[process.index("--lora-scaled") + 1] == "/models/lora/tiny-poet:0", process
     await wait_for(lambda: ready_on(controller, "chat"), "chat Ready")
 
     client = openai.OpenAI(base_url=controller.url + "/v1", api_key=key, max_retries=0, timeout=60)
