@@ -122,15 +122,20 @@ async def test_the_node_loads_adapters_on_demand_and_unloads_the_least_recently_
     view = view_of(sim, files, limit=2)
     port = view.runtime.port
     loras = NodeLoras(lambda aid: view if aid == "a1" else None)
+
+    async def served(name: str) -> bytes:
+        body, release = await loras.prepare("a1", name, b'{"model":"base","messages":[]}', port)
+        release()  # the request is done
+        return body
+
     with trio.fail_after(TIMEOUT_S):
-        body = await loras.prepare("a1", "poet", b'{"model":"base","messages":[]}', port)
-        assert body == b'{"model":"poet","messages":[]}'  # vLLM: the adapter is the request's model
-        await loras.prepare("a1", "coder", b'{"model":"base"}', port)
+        assert await served("poet") == b'{"model":"poet","messages":[]}'  # vLLM: the adapter is the model
+        await served("coder")
         assert await loaded(sim) == ["poet", "coder"]
-        await loras.prepare("a1", "poet", b'{"model":"base"}', port)  # poet is now the most recently used
-        await loras.prepare("a1", "judge", b'{"model":"base"}', port)  # the limit: coder goes
+        await served("poet")  # poet is now the most recently used
+        await served("judge")  # the limit: coder goes
         assert await loaded(sim) == ["poet", "judge"]
-        await loras.prepare("a1", "coder", b'{"model":"base"}', port)  # then poet, least recently used
+        await served("coder")  # then poet, least recently used
         assert await loaded(sim) == ["judge", "coder"]
         async with sim.client() as client:
             answer = await client.chat.completions.create(model="coder", messages=chat("hi"), max_tokens=2)  # type: ignore[arg-type]
@@ -162,3 +167,20 @@ async def test_a_runtime_that_refuses_a_load_is_unavailable_and_counts_nothing_l
     with trio.fail_after(TIMEOUT_S), pytest.raises(Unavailable, match="refused to load LoRA adapter poet"):
         await loras.prepare("a1", "poet", b"{}", view.runtime.port)
     assert await loaded(sim) == []
+
+
+async def test_an_adapter_serving_a_request_is_not_unloaded_under_it(sim: SimProcess, tmp_path: Path) -> None:
+    files = adapters(tmp_path, "poet", "coder")
+    sim.start("--max-loras", "1")
+    view = view_of(sim, files, limit=1)
+    port = view.runtime.port
+    loras = NodeLoras(lambda aid: view)
+    with trio.fail_after(TIMEOUT_S):
+        _, poet_done = await loras.prepare("a1", "poet", b"{}", port)  # a request still running on poet
+        with pytest.raises(Unavailable, match="are serving requests; retry"):
+            await loras.prepare("a1", "coder", b"{}", port)
+        assert await loaded(sim) == ["poet"]
+        poet_done()
+        _, coder_done = await loras.prepare("a1", "coder", b"{}", port)
+        coder_done()
+        assert await loaded(sim) == ["coder"]

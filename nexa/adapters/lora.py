@@ -11,8 +11,8 @@ request names one. What each runtime documents:
   with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` adapters loaded and unloaded at run time
   (`POST /v1/load_lora_adapter` `{"lora_name", "lora_path"}`, `POST /v1/unload_lora_adapter`
   `{"lora_name"}`): the node loads one when a request first needs it, unloading the least recently
-  used when N are loaded (`nexa.node.lora.LoraSlots`), without restarting the replica; a request
-  names the adapter as its `model`.
+  used that no request is using when N are loaded (`nexa.node.lora.LoraSlots`), without restarting
+  the replica; a request names the adapter as its `model`.
 * SGLang (docs/advanced_features/lora.ipynb): `--enable-lora`, `--lora-paths name=path …` (loaded at
   start), `--max-loras-per-batch N`; a request names the adapter as its `model`.
 * `sim` (`nexa sim-runtime`): vLLM's flags and endpoints, with its limit.

@@ -15,6 +15,7 @@ What is loaded is kept per runtime start: a restarted runtime starts with none l
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -56,23 +57,38 @@ class LoraSlots:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.loaded: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: Requests in flight per adapter: one in use is never unloaded under them.
+        self.in_use: collections.Counter[str] = collections.Counter()
         self.lock = trio.Lock()
+
+    def release(self, name: str) -> None:
+        """A request that `ensure` let use `name` is done."""
+        self.in_use[name] -= 1
 
     async def ensure(self, where: tuple[str, int], name: str, path: str) -> tuple[bool, list[str]]:
         """Load `name` from `path` unless loaded (then it becomes the most recently used), unloading
-        the least recently used first while the limit is reached; the runtime at `where` (host,
-        port). Whether it was loaded now, and the names unloaded. Raises Unavailable when the
-        runtime refuses or cannot be reached (nothing is counted loaded then)."""
+        the least recently used one that no request is using first while the limit is reached; the
+        runtime at `where` (host, port). The caller uses it until it calls `release(name)`. Whether
+        it was loaded now, and the names unloaded. Raises Unavailable when every loaded adapter is
+        in use at the limit, or the runtime refuses or cannot be reached (nothing is counted loaded
+        then)."""
         async with self.lock:
             if name in self.loaded:
                 self.loaded.move_to_end(name)
+                self.in_use[name] += 1
                 return False, []
+            idle = [n for n in self.loaded if not self.in_use[n]]
+            if len(self.loaded) - len(idle) >= self.limit:
+                raise Unavailable(
+                    f"all {self.limit} LoRA adapters this replica may hold at once (--max-loras) are serving "
+                    "requests; retry, or raise the deployment's max_loras"
+                )
             unloaded = []
             # Its own connection: loads are rare, and never wait behind (or hold) the relay's pool.
             client = RuntimeClient(connect_timeout_s=CONNECT_TIMEOUT_S, max_idle=1)
             try:
                 while len(self.loaded) >= self.limit:
-                    oldest = next(iter(self.loaded))
+                    oldest = idle.pop(0)
                     await _post(client, where, UNLOAD_PATH, {"lora_name": oldest}, f"unload LoRA adapter {oldest}")
                     del self.loaded[oldest]
                     unloaded.append(oldest)
@@ -81,6 +97,7 @@ class LoraSlots:
             finally:
                 await client.aclose()
             self.loaded[name] = None
+            self.in_use[name] += 1
             return True, unloaded
 
 
@@ -110,10 +127,11 @@ class NodeLoras:
         self._slots: dict[tuple[str, float], LoraSlots] = {}
         self.loads = self.unloads = 0
 
-    async def prepare(self, assignment_id: str, name: str, body: bytes, port: int) -> bytes:
+    async def prepare(self, assignment_id: str, name: str, body: bytes, port: int) -> tuple[bytes, Callable[[], None]]:
         """`body` rewritten for adapter `name` of that assignment (loaded first where the runtime
-        loads at run time). Unavailable when the runtime is not Ready or does not have the adapter
-        (the gateway tries another replica); ContractError when the body is not a JSON object."""
+        loads at run time), and what to call once the request is done (until then the adapter is
+        not unloaded). Unavailable when the runtime is not Ready or does not have the adapter (the
+        gateway tries another replica); ContractError when the body is not a JSON object."""
         view = self._view(assignment_id)
         if view is None:
             raise Unavailable("the runtime is not Ready")
@@ -127,15 +145,17 @@ class NodeLoras:
         if not isinstance(request, dict):
             raise ContractError("the request body is not a JSON object")
         kind = view.runtime.kind
+        release: Callable[[], None] = _nothing
         if kind is RuntimeKind.LLAMACPP:
             request["lora"] = [{"id": index, "scale": 1.0}]
         else:
             if loads_at_run_time(kind):
-                await self._ensure(assignment_id, view, index, port)
+                slots = await self._ensure(assignment_id, view, index, port)
+                release = functools.partial(slots.release, name)
             request["model"] = name
-        return json.dumps(request, separators=(",", ":")).encode()
+        return json.dumps(request, separators=(",", ":")).encode(), release
 
-    async def _ensure(self, assignment_id: str, view: LoraView, index: int, port: int) -> None:
+    async def _ensure(self, assignment_id: str, view: LoraView, index: int, port: int) -> LoraSlots:
         key = (assignment_id, view.started_at)
         slots = self._slots.get(key)
         if slots is None:
@@ -147,7 +167,7 @@ class NodeLoras:
         path = _path(view, lora, index)
         fresh, unloaded = await slots.ensure((self._host, port), lora.name, path)
         if not fresh:
-            return
+            return slots
         self.loads += 1
         self.unloads += len(unloaded)
         log.info(
@@ -156,6 +176,11 @@ class NodeLoras:
             lora.name,
             f" (unloaded {', '.join(unloaded)}, least recently used)" if unloaded else "",
         )
+        return slots
+
+
+def _nothing() -> None:
+    """The release of a request whose adapter the runtime holds for good (loaded at start)."""
 
 
 def _path(view: LoraView, lora: LoraSpec, index: int) -> str:

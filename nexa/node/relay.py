@@ -114,6 +114,8 @@ class _Request:
     sent_at: float | None = None
     first_read_at: float | None = None
     answered_at: float | None = None
+    #: Called once the runtime is done with it: the LoRA adapter it used may be unloaded again.
+    release: Callable[[], None] | None = None
 
 
 @attrs.define
@@ -161,7 +163,7 @@ class NodeRelay:
         endpoint: Callable[[str], int | None],
         *,
         host: str = "127.0.0.1",
-        lora: Callable[[str, str, bytes, int], Awaitable[bytes]] | None = None,
+        lora: Callable[[str, str, bytes, int], Awaitable[tuple[bytes, Callable[[], None]]]] | None = None,
     ) -> None:
         self._cfg = cfg
         self._host = host
@@ -310,10 +312,15 @@ class NodeRelay:
         except Exception as exc:
             log.warning("request %s failed in the relay: %s", req.request_id, type(exc).__name__)
             return _error(RUNTIME_ERROR if req.responded else RUNTIME_UNAVAILABLE, http_status=req.http_status)
+        finally:
+            if req.release is not None:
+                req.release()
 
-    async def _prepared(self, head: wire.InferHead, body: bytes, port: int | None) -> tuple[bytes, int] | wire.EndHead:
+    async def _prepared(self, req: _Request, port: int | None) -> tuple[bytes, int] | wire.EndHead:
         """The body to send and the runtime's port; the end to answer with when there is none, or
-        when the LoRA adapter the request is for cannot be given to this runtime (`nexa.node.lora`)."""
+        when the LoRA adapter the request is for cannot be given to this runtime (`nexa.node.lora`:
+        then `req.release` frees the adapter once the request is done)."""
+        head, body = req.head, req.body
         if port is None:
             return _error(RUNTIME_UNAVAILABLE)
         if not head.lora:
@@ -321,16 +328,17 @@ class NodeRelay:
         if self._lora is None:
             return _error(RUNTIME_UNAVAILABLE, message="this node serves no LoRA adapters")
         try:
-            return await self._lora(head.assignment_id, head.lora, body, port), port
+            body, req.release = await self._lora(head.assignment_id, head.lora, body, port)
         except NexaError as exc:
             return _error(RUNTIME_UNAVAILABLE, message=exc.message)
+        return body, port
 
     async def _call(self, req: _Request) -> wire.EndHead:
         head = req.head
         if not _PATH.fullmatch(head.path):
             return _error(INVALID_REQUEST, message="the runtime path is not a plain absolute path")
         port = self._endpoint(head.assignment_id)
-        prepared = await self._prepared(head, req.body, port)
+        prepared = await self._prepared(req, port)
         if isinstance(prepared, wire.EndHead):
             return prepared
         body, port = prepared
