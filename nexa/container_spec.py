@@ -80,6 +80,8 @@ def spec_sha256(runtime: RuntimeSpec) -> str:
         body.pop("entrypoint", None)  # sets signed before entrypoints were set hash as they did
     if body.get("group") is None:
         body.pop("group", None)  # a replica on one node hashes as it did before groups
+    if not body.get("loras"):
+        body.pop("loras", None)  # a replica without LoRA adapters hashes as it did before them
     return hashlib.sha256(codec.canonical_json(body).encode()).hexdigest()
 
 
@@ -115,7 +117,7 @@ def is_simulated(runtime: RuntimeSpec) -> bool:
 def sim_command(assignment: wire.Assignment, artifact_path: Path | None, *, host: str = "127.0.0.1") -> list[str]:
     """The `nexa sim-runtime` arguments for a sim assignment: the node's runtime loopback address, its
     port, the deployment as the model name, the spec's own flags, then the artifact's host path (a
-    process has no mounts)."""
+    process has no mounts; its LoRA adapters are loaded at run time by their paths on the node)."""
     runtime = assignment.runtime
     command = ["--host", host, "--port", str(runtime.port), "--model", assignment.deployment]
     command.extend(runtime.command)
@@ -138,6 +140,7 @@ def container_spec(
     host: str = "127.0.0.1",
     cache_dir: Path | None = None,
     rdma_devices: Sequence[str] = (),
+    lora_paths: Sequence[Path] = (),
 ) -> ContainerSpec:
     """What podman creates for `assignment`: the image by digest, the spec's command, env and
     limits, its GPUs as CDI devices, the verified artifact (its one file, or a manifest's assembled
@@ -147,6 +150,8 @@ def container_spec(
     A `sim` runtime is a process, not a container: its command is `sim_command` and it has no mounts.
     `cache_dir`: the replica's writable cache on the node (`node.runtime_cache`), mounted
     read-write at `RUNTIME_CACHE_PATH`.
+    `lora_paths`: the fetched artifact of each of the spec's LoRA adapters (`RuntimeSpec.loras`, in
+    order), each mounted read-only at its `artifact.mount_path`.
 
     Networking: by default the container gets its own network namespace, `{runtime_host}` in the
     command becomes `0.0.0.0` (every address of that namespace, nothing of the node's) and in the
@@ -167,6 +172,8 @@ def container_spec(
     if (runtime.artifact is None) != (artifact_path is None):
         # The supervisor fetches exactly the artifact the spec names: a mismatch is a bug.
         raise ValueError("artifact_path must be given exactly when the runtime has an artifact")
+    if len(lora_paths) != len(runtime.loras):
+        raise ValueError("lora_paths must give the fetched artifact of each of the runtime's LoRA adapters")
     ro_mounts: list[tuple[str, str]] = []
     rw_mounts: list[tuple[str, str]] = []
     private = not runtime.host_network and fabric is FabricAccess.NONE and not is_simulated(runtime)
@@ -177,6 +184,7 @@ def container_spec(
         command = with_host(runtime.command, bind_host)
         if runtime.artifact is not None and artifact_path is not None:
             ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
+        ro_mounts += [(str(p), lora.artifact.mount_path) for lora, p in zip(runtime.loras, lora_paths, strict=True)]
         if cache_dir is not None:
             rw_mounts.append((str(cache_dir), RUNTIME_CACHE_PATH))
     return ContainerSpec(

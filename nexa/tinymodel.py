@@ -14,7 +14,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 from nexa.errors import ConfigError
 
@@ -135,3 +135,60 @@ def split_tiny_gguf(directory: Path, *, shards: int = 2) -> list[Path]:
     if len(found) != shards:
         raise ConfigError(f"gguf wrote {len(found)} shard(s) into {directory}, not {shards}")
     return found
+
+
+#: The tiny LoRA adapter's shape: rank, alpha (scale alpha/rank = 1), the spread of its random
+#: weights, and the base tensor it adapts (the output projection: greedy text then changes).
+class _LoraShape(NamedTuple):
+    rank: int
+    alpha: float
+    seed: int
+    strength: float
+    target: str
+
+
+TINY_LORA: Final = _LoraShape(rank=8, alpha=8.0, seed=11, strength=0.5, target="output.weight")
+
+
+def _write_tiny_lora(dest: Path) -> None:
+    """A LoRA adapter for the tiny llama in llama.cpp's GGUF layout (`src/llama-adapter.cpp`):
+    general.type `adapter`, adapter.type `lora`, adapter.lora.alpha, the base's architecture, and per
+    adapted tensor `<base name>.lora_a` (rank x in) and `<base name>.lora_b` (out x rank), in numpy's
+    order (ggml's `ne` reversed). It adapts the output projection strongly enough that greedy text
+    changes."""
+    import gguf  # type: ignore[import-untyped,unused-ignore]
+    import numpy as np
+
+    rank, alpha, seed, strength, target = TINY_LORA
+    rng = np.random.default_rng(seed)
+    emb, vocab = TINY_LLAMA["embedding"], len(_tiny_vocab()[0])
+    writer = gguf.GGUFWriter(str(dest), "llama")
+    writer.add_type(gguf.GGUFType.ADAPTER)
+    writer.add_name("nexa-tiny-llama-lora")
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    writer.add_tensor(f"{target}.lora_a", rng.normal(0.0, strength, size=(rank, emb)).astype(np.float32))
+    writer.add_tensor(f"{target}.lora_b", rng.normal(0.0, strength, size=(vocab, rank)).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tiny_lora_gguf(cache: Path) -> Path:
+    """A LoRA adapter in GGUF for `tiny_gguf`'s model (random, deterministic bytes), kept in `cache`
+    under a name keyed by its recipe. llama.cpp loads it with `--lora`; answers at temperature 0
+    differ from the base's. ConfigError without the `gguf` package."""
+    if not has_gguf_writer():
+        raise ConfigError("the gguf package is not installed in this Python (pip install gguf numpy)")
+    recipe = json.dumps({"base": TINY_LLAMA, "lora": TINY_LORA, "vocab": _tiny_vocab()}, sort_keys=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    dest = cache / f"tiny-llama-lora-{hashlib.sha256(recipe.encode()).hexdigest()[:16]}.gguf"
+    if not dest.is_file():
+        staging = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+        try:
+            _write_tiny_lora(staging)
+            staging.replace(dest)
+        finally:
+            staging.unlink(missing_ok=True)
+    return dest

@@ -58,6 +58,7 @@ from nexa.node.engines.libpod import LibpodEngine
 from nexa.s3.client import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf as make_tiny_gguf
+from nexa.tinymodel import tiny_lora_gguf as make_tiny_lora_gguf
 
 IN_CI: Final = os.environ.get("CI") == "true"
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -608,6 +609,14 @@ def tiny_embedding_gguf() -> Path:
     """The tiny llama GGUF with mean pooling: an embedding model (64 wide), generated like `tiny_gguf`."""
     with _failing():
         return make_tiny_gguf(cache_dir(), mean_pooling=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_gguf() -> Path:
+    """A LoRA adapter in GGUF for `tiny_gguf`'s model (`nexa.tinymodel.tiny_lora_gguf`: rank 8 on the
+    output projection, llama.cpp's adapter layout), generated once and kept in `cache_dir()`."""
+    with _failing():
+        return make_tiny_lora_gguf(cache_dir())
 
 
 #: The isolated bridge the run's dockerd gives private runtimes: a /24 of the benchmarking range

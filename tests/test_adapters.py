@@ -8,7 +8,6 @@ node's `container_spec.container_spec` (the node's runtime address filled in, th
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -20,46 +19,31 @@ from nexa.adapters.sglang import SGLANG
 from nexa.adapters.trtllm import TRTLLM
 from nexa.adapters.vllm import VLLM
 from nexa.contracts import codec
-from nexa.contracts.deployments import Deployment, PlacementSpec, Replica, Resources, RuntimeOptions
+from nexa.contracts.deployments import Replica, RuntimeOptions
 from nexa.contracts.gateway import Capability
-from nexa.contracts.models import ModelRef, RuntimeRecord
+from nexa.contracts.models import RuntimeRecord
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ContainerSpec, HealthProbe
 from nexa.control.deployments import assignment_for
 from tests.support.adapters import (
+    ARTIFACT,
     GIB,
     IMAGES,
     LLAMA_ENV,
+    NODE_HOST,
     PORT,
     PROBE_HOST,
     SGLANG_ENV,
+    SPARK_GPU,
     TRTLLM_ENV,
     VLLM_ENV,
+    deployment,
     model,
     python_probe,
 )
 
-SPARK_GPU = "nvidia.com/gpu=0"
-NODE_HOST = "127.0.0.11"
 #: Inside the runtime's own network namespace: it binds every address there; its probe asks loopback.
 BIND_HOST = "0.0.0.0"
-ARTIFACT = Path("/var/lib/nexa/node/artifacts/" + "c" * 64)
-
-
-def deployment(options: RuntimeOptions, *, accelerators: int = 1) -> Deployment:
-    return Deployment(
-        name="chat",
-        runtime="rt",
-        alias="chat",
-        model=ModelRef(model="llama-3-8b", version="v1"),
-        replicas=1,
-        resources=Resources(accelerators=accelerators, memory_bytes=48 * GIB, cpus=8.0),
-        options=options,
-        placement=PlacementSpec(),
-        created_at=0,
-        created_by=None,
-        updated_at=0,
-    )
 
 
 def spark_spec(

@@ -284,8 +284,13 @@ def test_a_signed_receipt_verifies_with_the_controller_key() -> None:
     assert len(base64.b64decode(signed.signature)) == 64
     security.verify_receipt(key.public, signed)
     # The signature covers the canonical JSON under its own context: it is no other kind of signature.
-    body = codec.dumps(codec.wire, signed.receipt).encode()
+    # A receipt no LoRA adapter served signs without the `adapter` key, as receipts did before adapters.
+    fields = codec.wire.unstructure(signed.receipt)
+    assert fields.pop("adapter") == ""
+    body = codec.canonical_json(fields).encode()
     security.verify(key.public, base64.b64decode(signed.signature), b"nexa.receipt.v1", body)
+    with_adapter = security.sign_receipt(key, attrs.evolve(_receipt(), adapter="tiny-poet:a1"))
+    security.verify_receipt(key.public, with_adapter)
 
 
 @pytest.mark.parametrize(
@@ -295,6 +300,7 @@ def test_a_signed_receipt_verifies_with_the_controller_key() -> None:
         {"state": WorkloadState.FAILED},
         {"tenant": TenantId("other")},
         {"ttft_ms": 1.0},
+        {"adapter": "tiny-poet:a1"},
     ],
 )
 def test_an_edited_receipt_does_not_verify(change: dict[str, object]) -> None:

@@ -26,6 +26,7 @@ SGLANG: Final = Adapter(
             flag="--mem-fraction-static", type=float, minimum=0.05, maximum=1.0, help="share for weights + KV pool"
         ),
         "max_running_requests": Option(flag="--max-running-requests", type=int, minimum=1, help=""),
+        "max_loras": Option(flag="--max-loras-per-batch", type=int, minimum=1, help="LoRA adapters in one batch"),
         "chunked_prefill_size": Option(flag="--chunked-prefill-size", type=int, minimum=-1, help="-1: off"),
         "dtype": Option(flag="--dtype", type=str, choices=DTYPES, help="weight and activation type"),
         "kv_cache_dtype": Option(

@@ -37,6 +37,7 @@ VLLM: Final = Adapter(
             help="share of GPU memory for weights and KV cache (set it below 1 on unified memory)",
         ),
         "max_num_seqs": Option(flag="--max-num-seqs", type=int, minimum=1, help="sequences per iteration"),
+        "max_loras": Option(flag="--max-loras", type=int, minimum=1, help="LoRA adapters loaded at once"),
         "max_num_batched_tokens": Option(flag="--max-num-batched-tokens", type=int, minimum=1, help="tokens/step"),
         "dtype": Option(flag="--dtype", type=str, choices=DTYPES, help="weight and activation type"),
         "kv_cache_dtype": Option(

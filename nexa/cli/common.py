@@ -68,6 +68,14 @@ def duration(text: str) -> float:
     return value
 
 
+def model_version(text: str) -> dict[str, str]:
+    """`NAME@VERSION` as the API's `{"model", "version"}` (a LoRA adapter's base, an alias's adapter)."""
+    name, sep, version = text.partition("@")
+    if not sep or not name or not version:
+        raise argparse.ArgumentTypeError(f"not NAME@VERSION: {text!r} (e.g. llama-8b@v1)")
+    return {"model": name, "version": version}
+
+
 def labels(text: str) -> dict[str, str]:
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):

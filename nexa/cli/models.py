@@ -96,6 +96,20 @@ def _model_version(s: argparse.ArgumentParser) -> None:
 def _model_claims(s: argparse.ArgumentParser) -> None:
     s.add_argument("--format", required=True, choices=MODEL_FORMATS)
     s.add_argument(
+        "--kind",
+        choices=("model", "lora"),
+        default="model",
+        help="lora: a LoRA adapter, served only on the base versions --base names (default model)",
+    )
+    s.add_argument(
+        "--base",
+        action="append",
+        default=[],
+        type=common.model_version,
+        metavar="NAME@VERSION",
+        help="a base model version a LoRA adapter applies to (repeat for more; with --kind lora)",
+    )
+    s.add_argument(
         "--memory", required=True, type=common.size, help="memory to schedule: weights plus runtime overhead"
     )
     s.add_argument("--source", required=True, help="provenance: where the weights come from")
@@ -195,7 +209,8 @@ def _print_model(args: argparse.Namespace, out: ModelRecord, what: str) -> None:
     if args.json:
         print_json(out)
     else:
-        print(f"model {out.name}@{out.version}: {out.state}{what}")
+        bases = f" (LoRA adapter for {', '.join(b.key for b in out.base)})" if out.base else ""
+        print(f"model {out.name}@{out.version}: {out.state}{what}{bases}")
 
 
 def _model_body(args: argparse.Namespace, artifact: dict[str, Any]) -> dict[str, Any]:
@@ -208,6 +223,8 @@ def _model_body(args: argparse.Namespace, artifact: dict[str, Any]) -> dict[str,
         "provenance": {"source": args.source, "signer": args.signer},
         "license": _license_body(args),
         "signature": args.signature,
+        "kind": args.kind,
+        "base": args.base,
     }
 
 
@@ -435,6 +452,8 @@ def render_model(out: ModelDetail) -> str:
         f"artifact     {a.uri} ({m.format}, {size_text(a.size_bytes)})",
         f"sha256       {a.sha256}" + (" (the manifest's digest)" if a.files else ""),
     ]
+    if m.base:
+        lines.append(f"lora for     {', '.join(b.key for b in m.base)}")
     if a.files:
         lines.append(f"entry        {a.entry} (of {len(a.files)} files)")
         lines += [f"  file       {f.path}  {size_text(f.size_bytes)}  {f.sha256[:16]}…" for f in a.files]

@@ -10,7 +10,7 @@ from nexa.cli import common, qualify
 from nexa.cli.output import emit, print_json, ref
 from nexa.cli.tables import ALIASES, RUNTIMES, platforms, print_image_configs
 from nexa.contracts.groups import FabricAccess
-from nexa.contracts.models import AliasDetail, AliasReceipt, RuntimeRegistered
+from nexa.contracts.models import AliasDetail, AliasReceipt, ModelRef, RuntimeRegistered
 
 EXIT_OK: Final = 0
 RUNTIME_KINDS: Final = ("vllm", "sglang", "trtllm", "llamacpp", "sim")
@@ -58,6 +58,12 @@ def add_alias_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("alias")
     s.add_argument("--model", required=True)
     s.add_argument("--version", required=True)
+    s.add_argument(
+        "--adapter",
+        type=common.model_version,
+        metavar="NAME@VERSION",
+        help="an Approved LoRA adapter for that version, served on it under this alias",
+    )
     s.set_defaults(handler=_aliases_promote)
     s = aliases.add_parser("rollback", parents=[common_flags], help="undo the latest promotion")
     s.add_argument("alias")
@@ -67,14 +73,17 @@ def add_alias_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.set_defaults(handler=_aliases_history)
 
 
+def served(model: ModelRef | None, adapter: ModelRef | None) -> str:
+    """What an alias serves: `name@version`, with `+adapter@version` when a LoRA adapter is served on it."""
+    return ref(model) + (f"+{ref(adapter)}" if adapter is not None else "")
+
+
 def print_alias_receipt(args: argparse.Namespace, r: AliasReceipt) -> None:
     if args.json:
         print_json(r)
     else:
-        print(
-            f"alias {r.alias}: generation {r.generation}, {ref(r.from_)} -> {ref(r.to)} "
-            f"({r.action}; audit event {r.event_id})"
-        )
+        moved = f"{served(r.from_, r.from_adapter)} -> {served(r.to, r.adapter)}"
+        print(f"alias {r.alias}: generation {r.generation}, {moved} ({r.action}; audit event {r.event_id})")
 
 
 def _runtimes_register(args: argparse.Namespace) -> int:
@@ -100,7 +109,7 @@ def _runtimes_register(args: argparse.Namespace) -> int:
 
 def _aliases_promote(args: argparse.Namespace) -> int:
     with common.client(args) as c:
-        body = {"model": args.model, "version": args.version}
+        body = {"model": args.model, "version": args.version, "adapter": args.adapter}
         out = c.post(f"/api/v1/aliases/{args.alias}/promote", AliasReceipt, body=body)
     print_alias_receipt(args, out)
     return EXIT_OK

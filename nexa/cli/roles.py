@@ -532,6 +532,12 @@ def _sim_runtime_command(sub: Any) -> None:
         " tokenize, detokenize, transcription, translation, speech, image (the default: these eight),"
         " messages, message_tokens, responses (vLLM's native Messages and Responses APIs); none",
     )
+    s.add_argument(
+        "--max-loras",
+        type=int,
+        default=0,
+        help="serve vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, this many adapters at once (0: off)",
+    )
     s.add_argument("--log-level", default=os.environ.get("NEXA_LOG_LEVEL") or "warning")
     s.set_defaults(handler=_cmd_sim_runtime)
 
@@ -570,6 +576,7 @@ def _cmd_sim_runtime(args: argparse.Namespace) -> int:
         exit_with_parent=args.exit_with_parent,
         sleep_mode=args.enable_sleep_mode,
         serves=serves,
+        max_loras=args.max_loras,
     )
     simruntime.check_config(cfg, os.environ)
     setup_logging(args.log_level)

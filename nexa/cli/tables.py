@@ -285,7 +285,12 @@ MODELS: Final = Listing(
 
 ALIAS: Final = View[AliasRecord](
     columns=("alias", "target", "generation", "updated_at"),
-    row=lambda a: {"alias": a.name, "target": ref(a.target), "generation": a.generation, "updated_at": a.updated_at},
+    row=lambda a: {
+        "alias": a.name,
+        "target": ref(a.target) + (f"+{ref(a.adapter)}" if a.adapter else ""),
+        "generation": a.generation,
+        "updated_at": a.updated_at,
+    },
 )
 ALIASES: Final = Listing(path="/api/v1/aliases", page=AliasList, items=lambda p: p.aliases, view=ALIAS)
 

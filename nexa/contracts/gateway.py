@@ -204,6 +204,8 @@ class CallOutcome:
     #: A media call's use in its capability's unit (`MEDIA_UNITS`: seconds of audio, characters of
     #: speech, images); 0 for text calls.
     units: float = 0.0
+    #: The LoRA adapter that served it on `model` (the alias's), None for none.
+    adapter: ModelRef | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -285,6 +287,11 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
+def _adapter_key(adapter: ModelRef | None) -> str:
+    """A LoRA adapter as usage and receipts name it: `name:version` (as `name:version` models are asked for)."""
+    return f"{adapter.model}:{adapter.version}" if adapter is not None else ""
+
+
 @attrs.frozen(kw_only=True)
 class Receipt:
     """What the controller attests about one finished workload. Counts and ids only, never payloads."""
@@ -312,6 +319,9 @@ class Receipt:
     accepted_at: float
     finished_at: float
     controller_epoch: int
+    #: The LoRA adapter that served it on `model`, `name:version`; "" for none (then left out of
+    #: the signed bytes, as receipts were signed before adapters).
+    adapter: str = ""
 
     @classmethod
     def from_outcome(
@@ -352,6 +362,7 @@ class Receipt:
             accepted_at=accepted.accepted_at,
             finished_at=finished_at,
             controller_epoch=controller_epoch,
+            adapter=_adapter_key(served.adapter if served is not None else None),
         )
 
 
@@ -462,6 +473,8 @@ class UsageRecord:
     canary: bool = False
     #: A media request's use in its capability's unit (`MEDIA_UNITS`); 0 for text requests.
     units: float = 0.0
+    #: The LoRA adapter that served it on the model, `name:version`; "" for none.
+    adapter: str = ""
 
     @classmethod
     def from_outcome(cls, outcome: CallOutcome) -> UsageRecord:
@@ -488,6 +501,7 @@ class UsageRecord:
             finished_at=outcome.finished_at,
             canary=outcome.canary,
             units=outcome.units,
+            adapter=_adapter_key(outcome.adapter),
         )
 
 

@@ -40,6 +40,7 @@ class _InferHead(msgspec.Struct, forbid_unknown_fields=True):
     strip_usage_chunk: bool = False
     prompt_tokens_estimate: int = 0
     content_type: _Str = "application/json"
+    lora: _Str = ""
 
 
 class _EndHead(msgspec.Struct, forbid_unknown_fields=True):

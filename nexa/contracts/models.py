@@ -33,6 +33,8 @@ METRIC_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,63}$")
 _BUCKET_RE: Final = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _SIGNATURE_B64_RE: Final = re.compile(r"^[A-Za-z0-9+/]{86}==$")  # 64 bytes in standard base64
 MAX_METRICS: Final = 100
+#: The most base model versions one LoRA adapter may name.
+MAX_LORA_BASES: Final = 16
 #: Far beyond any model, small enough for every JSON reader (2^53).
 MAX_BYTES: Final = 2**53
 
@@ -45,6 +47,15 @@ class ModelState(enum.StrEnum):
     EVALUATED = "Evaluated"
     APPROVED = "Approved"
     RETIRED = "Retired"
+
+
+class ModelKind(enum.StrEnum):
+    """What a model version is. `model`: weights a runtime serves on their own; `lora`: a LoRA
+    adapter, served only on a replica of one of the base versions it names (`ModelCreate.base`),
+    loaded by the runtime beside them (`nexa.contracts.lora`)."""
+
+    MODEL = "model"
+    LORA = "lora"
 
 
 class ModelFormat(enum.StrEnum):
@@ -258,6 +269,11 @@ class ModelCreate:
     license: LicenseSet | None = None
     #: Detached Ed25519 signature (base64) over the artifact's 32-byte sha256 digest.
     signature: str | None = None
+    #: `lora`: a LoRA adapter for the base versions in `base` (each registered, of kind `model`,
+    #: in the adapter's format, not retired), else refused (422 `lora_base_invalid`).
+    kind: ModelKind = ModelKind.MODEL
+    #: A LoRA adapter's base model versions (1..`MAX_LORA_BASES`); empty for a model.
+    base: list[ModelRef] = attrs.Factory(list)
 
 
 @attrs.frozen(kw_only=True)
@@ -279,6 +295,9 @@ class ModelRecord:
     verification: Verification | None = None
     #: The evaluation that decided the current Evaluated/Verified state, if any.
     last_evaluation: str | None = None
+    #: See ModelCreate.kind and ModelCreate.base (records from before adapters: a model, no base).
+    kind: ModelKind = ModelKind.MODEL
+    base: list[ModelRef] = attrs.Factory(list)
 
     @property
     def key(self) -> str:
@@ -366,6 +385,9 @@ class AliasRecord:
     generation: int
     updated_at: float
     updated_by: KeyId | None
+    #: A LoRA adapter version served on `target` (one of its bases) under this alias; None: the
+    #: model itself. Requests for the alias go to replicas of `target` with the adapter loaded.
+    adapter: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -383,12 +405,18 @@ class AliasReceipt:
     actor: KeyId | None
     #: The audit event written in the same transaction.
     event_id: EventId
+    #: The LoRA adapter served on `to` (None: none), and the one served on `from_` before.
+    adapter: ModelRef | None = None
+    from_adapter: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)
 class AliasPromote:
     model: str
     version: str
+    #: A LoRA adapter version (kind lora, Approved, naming `model@version` among its bases) to serve
+    #: on that version under this alias.
+    adapter: ModelRef | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -520,10 +548,25 @@ def model_problems(req: ModelCreate) -> list[str]:
     ]
     if req.signature is not None:
         problems.append(signature_problem("signature", req.signature))
+    problems += base_problems(req.kind, req.base)
     found = [p for p in problems if p]
     if req.license is not None:
         found += license_problems(req.license)
     return found
+
+
+def base_problems(kind: ModelKind, base: list[ModelRef]) -> list[str | None]:
+    """A LoRA adapter names 1..`MAX_LORA_BASES` distinct base versions; a model names none."""
+    if kind is ModelKind.MODEL:
+        return ["base: only a LoRA adapter (kind lora) names base model versions"] if base else []
+    if not base or len(base) > MAX_LORA_BASES:
+        return [f"base: a LoRA adapter names the 1-{MAX_LORA_BASES} base model versions it applies to"]
+    problems: list[str | None] = []
+    for i, ref in enumerate(base):
+        problems += [name_problem(f"base[{i}].model", ref.model), version_problem(f"base[{i}].version", ref.version)]
+    if len({(ref.model, ref.version) for ref in base}) != len(base):
+        problems.append("base: each base model version once")
+    return problems
 
 
 def evaluation_problems(req: EvaluationCreate) -> list[str]:

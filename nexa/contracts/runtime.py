@@ -104,6 +104,16 @@ class ArtifactRef(ArtifactLocation):
 
 
 @attrs.frozen(kw_only=True)
+class LoraSpec:
+    """A LoRA adapter a replica's runtime is given beside its base model (`nexa.contracts.lora`): the
+    name requests use for it (the alias that serves it) and its verified artifact, mounted read-only
+    at `/models/lora/<name>` like the base's."""
+
+    name: str
+    artifact: ArtifactRef
+
+
+@attrs.frozen(kw_only=True)
 class HealthProbe:
     """The agent's own readiness probe: a command run inside the container through podman."""
 
@@ -159,6 +169,9 @@ class RuntimeSpec:
     #: members' fabric addresses and ports, and the fabric access the runtime opted into. None: a
     #: replica on one node (sets signed before groups existed decode and hash as they did).
     group: GroupRole | None = None
+    #: The LoRA adapters the node fetches and mounts beside the model, in the order the runtime's
+    #: command names them (llama.cpp's adapter ids). Empty: none (sets signed before adapters hash as they did).
+    loras: list[LoraSpec] = attrs.field(factory=list)
 
     @property
     def process(self) -> list[str]:

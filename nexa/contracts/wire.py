@@ -502,6 +502,9 @@ class InferHead:
     #: The body's media type, as the runtime gets it: JSON, or a media upload's
     #: `multipart/form-data; boundary=…` (`control.datapath.media`). Printable ASCII only.
     content_type: str = attrs.field(default="application/json", validator=attrs.validators.matches_re(_CONTENT_TYPE))
+    #: The LoRA adapter the request is for, by the name the assignment gives it (`RuntimeSpec.loras`);
+    #: the node names it to the runtime as the runtime expects (`nexa.node.lora`). Empty: the base.
+    lora: str = attrs.field(default="", validator=attrs.validators.max_len(64))
 
 
 class EndStatus(enum.StrEnum):

@@ -87,6 +87,7 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - DigestUnknown [digest_unknown]: the OCI registry has no manifest with that digest
     - ManifestInvalid [manifest_invalid]: what the registry served for that digest is not a manifest of it
     - ArtifactMissing [artifact_missing]: the S3-compatible store has no such object
+    - LoraBaseInvalid [lora_base_invalid]: a LoRA adapter's base versions are unknown, not models, or do not match it
     - SignatureRejected [signature_rejected]: a required detached signature is missing or does not verify
     - CheckpointRejected [audit_checkpoint_rejected]: an audit checkpoint that this controller's key did not sign
     - RegistryAnswerRefused [registry_answer_refused]: a registry answer too large, or a redirect to another host
@@ -202,6 +203,7 @@ from nexa.errors.registry import DeployRuntimeUnknown as DeployRuntimeUnknown
 from nexa.errors.registry import DigestUnknown as DigestUnknown
 from nexa.errors.registry import IllegalTransition as IllegalTransition
 from nexa.errors.registry import LicenseInvalid as LicenseInvalid
+from nexa.errors.registry import LoraBaseInvalid as LoraBaseInvalid
 from nexa.errors.registry import ManifestInvalid as ManifestInvalid
 from nexa.errors.registry import MemoryOverReservation as MemoryOverReservation
 from nexa.errors.registry import ModelInUse as ModelInUse

@@ -174,6 +174,19 @@ class VerificationFailed(NexaError):
     code = "verification_failed"
 
 
+class LoraBaseInvalid(VerificationFailed):
+    """A LoRA adapter whose base model versions do not exist, are not models, are retired, are of
+    another format, or (at verification) whose GGUF header names another architecture or is not
+    a LoRA adapter's; `base` names the version at fault ("" when the adapter's own file is)."""
+
+    code = "lora_base_invalid"
+
+    def __init__(self, message: str, *, adapter: str, base: str = "") -> None:
+        super().__init__(message)
+        self.adapter = adapter
+        self.base = base
+
+
 class DigestUnknown(VerificationFailed):
     code = "digest_unknown"
 

@@ -73,6 +73,7 @@ from nexa.node.identity import (
     save_fence,
 )
 from nexa.node.inventory import InventoryWatcher
+from nexa.node.lora import NodeLoras
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
 from nexa.node.supervisor import Supervisor
@@ -694,7 +695,8 @@ async def _serve_node(
         # Resume what the fence on disk says: running containers that still match are adopted.
         runtimes.meter.update(fence.generation, fence.assignments)
         # Each data frame is delivered with the channel it came on (`_agent`'s `data`).
-        relay = NodeRelay(cfg.relay, None, runtimes.supervisor.endpoint, host=cfg.runtime_host)
+        loras = NodeLoras(runtimes.supervisor.lora_view, host=cfg.runtime_host)
+        relay = NodeRelay(cfg.relay, None, runtimes.supervisor.endpoint, host=cfg.runtime_host, lora=loras.prepare)
         version = await engine_version(engine)
         agent = _agent(
             cfg,

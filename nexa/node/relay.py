@@ -21,7 +21,7 @@ import logging
 import re
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Final, NoReturn
 
 import attrs
@@ -33,7 +33,7 @@ from nexa.channel.flow import SendWindow
 from nexa.config import RelayConfig
 from nexa.contracts import heads, wire
 from nexa.contracts.bounds import MAX_TOKENS
-from nexa.errors import ChannelError, ContractError
+from nexa.errors import ChannelError, ContractError, NexaError
 from nexa.node.http1 import Response, RuntimeClient, RuntimeHTTPError
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,8 @@ class _Request:
     sent_at: float | None = None
     first_read_at: float | None = None
     answered_at: float | None = None
+    #: Called once the runtime is done with it: the LoRA adapter it used may be unloaded again.
+    release: Callable[[], None] | None = None
 
 
 @attrs.define
@@ -161,9 +163,12 @@ class NodeRelay:
         endpoint: Callable[[str], int | None],
         *,
         host: str = "127.0.0.1",
+        lora: Callable[[str, str, bytes, int], Awaitable[tuple[bytes, Callable[[], None]]]] | None = None,
     ) -> None:
         self._cfg = cfg
         self._host = host
+        #: Rewrites the body of a request for a LoRA adapter (`nexa.node.lora.NodeLoras.prepare`).
+        self._lora = lora
         self._uplink = send
         self._endpoint = endpoint
         self._requests: dict[str, _Request] = {}
@@ -307,21 +312,43 @@ class NodeRelay:
         except Exception as exc:
             log.warning("request %s failed in the relay: %s", req.request_id, type(exc).__name__)
             return _error(RUNTIME_ERROR if req.responded else RUNTIME_UNAVAILABLE, http_status=req.http_status)
+        finally:
+            if req.release is not None:
+                req.release()
+
+    async def _prepared(self, req: _Request, port: int | None) -> tuple[bytes, int] | wire.EndHead:
+        """The body to send and the runtime's port; the end to answer with when there is none, or
+        when the LoRA adapter the request is for cannot be given to this runtime (`nexa.node.lora`:
+        then `req.release` frees the adapter once the request is done)."""
+        head, body = req.head, req.body
+        if port is None:
+            return _error(RUNTIME_UNAVAILABLE)
+        if not head.lora:
+            return body, port
+        if self._lora is None:
+            return _error(RUNTIME_UNAVAILABLE, message="this node serves no LoRA adapters")
+        try:
+            body, req.release = await self._lora(head.assignment_id, head.lora, body, port)
+        except NexaError as exc:
+            return _error(RUNTIME_UNAVAILABLE, message=exc.message)
+        return body, port
 
     async def _call(self, req: _Request) -> wire.EndHead:
         head = req.head
         if not _PATH.fullmatch(head.path):
             return _error(INVALID_REQUEST, message="the runtime path is not a plain absolute path")
         port = self._endpoint(head.assignment_id)
-        if port is None:
-            return _error(RUNTIME_UNAVAILABLE)
+        prepared = await self._prepared(req, port)
+        if isinstance(prepared, wire.EndHead):
+            return prepared
+        body, port = prepared
         client = self._client
         assert client is not None  # set while run() serves, which owns this task
         # Our own header: runtimes treat X-Request-Id as theirs (llama-cpp-python refuses one that is not a UUID).
         headers = (("Content-Type", head.content_type), (REQUEST_ID_HEADER, req.request_id))
         usage = _Usage()
         try:
-            async with client.post(self._host, port, head.path, req.body, headers) as resp:
+            async with client.post(self._host, port, head.path, body, headers) as resp:
                 req.responded, req.http_status, req.sent_at = True, resp.status_code, resp.sent_at
                 try:
                     if resp.status_code >= 400:

@@ -167,6 +167,10 @@ class Worker:
     started_at: float = 0.0
     #: Why the node stopped it and keeps it stopped (the memory guard), None otherwise.
     held: str | None = None
+    #: The fetched artifact of each of its LoRA adapters (`RuntimeSpec.loras`, in order), once
+    #: fetched, and the sha256 of each it pins in the artifact cache.
+    lora_paths: list[Path] | None = None
+    lora_pins: list[str] = attrs.Factory(list)
 
     @property
     def id(self) -> str:

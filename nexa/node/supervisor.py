@@ -45,6 +45,7 @@ from nexa.errors import (
     RuntimeCacheNoRoom,
     SimulationDisabled,
 )
+from nexa.node.lora import LoraView
 from nexa.node.rdma import rdma_device_nodes
 from nexa.node.replicas import (
     EXIT_PROGRAM_MISSING,
@@ -186,6 +187,14 @@ class Supervisor:
         group = w.runtime.group
         return w.runtime.port if group is None or group.is_head else None
 
+    def lora_view(self, assignment_id: str) -> LoraView | None:
+        """What the relay needs to name that Ready assignment's LoRA adapters to its runtime
+        (`nexa.node.lora`): its spec, where the node holds each adapter, when it started."""
+        if self.endpoint(assignment_id) is None:
+            return None
+        w = self._workers[assignment_id]
+        return LoraView(runtime=w.runtime, paths=list(w.lora_paths or ()), started_at=w.started_at)
+
     def replicas(self) -> list[Replica]:
         """The desired assignments' containers as last inspected (the memory meter's view)."""
         return [
@@ -266,6 +275,7 @@ class Supervisor:
             # that is still running after an agent restart, has not fetched yet.
             if d.assignment.runtime.artifact is not None:
                 self._pin(worker, d.assignment.runtime.artifact.sha256)
+            self._pin_loras(worker)
             fresh.append(worker)
         for worker in fresh:
             worker.scope = await nursery.start(self._supervise, worker)
@@ -438,6 +448,9 @@ class Supervisor:
             self._set(w, State.FETCHING)
             # Pinned since the worker was made (`_reconcile`), until it is gone.
             w.artifact_path = await self._artifacts.fetch(runtime.artifact)
+        if runtime.loras and w.lora_paths is None:
+            self._set(w, State.FETCHING)
+            w.lora_paths = [await self._artifacts.fetch(lora.artifact) for lora in runtime.loras]
         if self._caches is not None and w.cache_hold is None and self._caches.wants(runtime):
             hold = f"{w.id}#{next(self._holds)}"
             w.cache_dir = await self._caches.acquire(hold, runtime)
@@ -486,6 +499,7 @@ class Supervisor:
                     host=self._runtime_host,
                     cache_dir=w.cache_dir,
                     rdma_devices=rdma_device_nodes() if group is not None and group.fabric is FabricAccess.RDMA else (),
+                    lora_paths=w.lora_paths or (),
                 )
                 w.container_id = await self._podman.create(spec)
                 self._created += 1
@@ -676,8 +690,27 @@ class Supervisor:
         self._pins[sha256] += 1
         w.pinned = sha256
 
+    def _pin_loras(self, w: Worker) -> None:
+        """Pin the worker's LoRA adapters' artifacts as its model's (dropped again by `_unpin`)."""
+        for lora in w.runtime.loras:
+            if self._pins[lora.artifact.sha256] == 0:
+                self._artifacts.pin(lora.artifact.sha256)
+            self._pins[lora.artifact.sha256] += 1
+            w.lora_pins.append(lora.artifact.sha256)
+
     def _unpin(self, w: Worker) -> bool:
-        """Drop the worker's pin; True when the artifact is no longer pinned at all."""
+        """Drop the worker's pins; True when an artifact is no longer pinned at all."""
+        freed = False
+        for sha256 in w.lora_pins:
+            self._pins[sha256] -= 1
+            if self._pins[sha256] == 0:
+                del self._pins[sha256]
+                self._artifacts.unpin(sha256)
+                freed = True
+        w.lora_pins = []
+        return self._unpin_model(w) or freed
+
+    def _unpin_model(self, w: Worker) -> bool:
         sha256, w.pinned = w.pinned, None
         if sha256 is None:
             return False

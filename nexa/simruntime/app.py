@@ -21,6 +21,7 @@ from nexa.simruntime.answers import Outcome
 from nexa.simruntime.asgi import BadRequest, Receive, Scope, Send, error_body, lifespan, read_body, reply
 from nexa.simruntime.config import SimConfig
 from nexa.simruntime.faults import IMAGE_ENV, Faults, FaultsSource, Phase
+from nexa.simruntime.lora import SimLoras
 from nexa.simruntime.metrics import SimMetrics
 from nexa.simruntime.parse import Kind, Work, parse
 
@@ -36,6 +37,7 @@ _OTHER_PATHS: Final = {**pooling.PATHS, **native.PATHS}
 #: The media paths (`media`), each served when `--serve` names its capability (all by default).
 _MEDIA: Final = {c.path: c for c in Capability if c.media}
 _SSE_HEADERS: Final = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+_LORA_PATHS: Final = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 _METRICS_HEADERS: Final = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 
 
@@ -86,12 +88,14 @@ class SimApp:
         self._metrics = SimMetrics(f'model_name="{_label_value(cfg.model)}"')
         #: vLLM's sleep level while asleep (`--enable-sleep-mode`); 0: awake.
         self._sleep_level = 0
+        self._created = int(time.time())
         self._models_body = json.dumps(
             {
                 "object": "list",
-                "data": [{"id": cfg.model, "object": "model", "created": int(time.time()), "owned_by": OWNED_BY}],
+                "data": [{"id": cfg.model, "object": "model", "created": self._created, "owned_by": OWNED_BY}],
             }
         ).encode()
+        self._loras = SimLoras(cfg.max_loras)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -116,7 +120,9 @@ class SimApp:
             else:
                 await reply(send, 200, b'{"status":"ok"}')
         elif method == "GET" and path == "/v1/models":
-            await reply(send, 200, self._models_body)
+            await reply(send, 200, self._models())
+        elif method == "POST" and path in _LORA_PATHS and self._loras.enabled:
+            await self._lora(path, _request_id(scope), receive, send)
         elif method == "GET" and path == "/metrics":
             faults = self._faults.current()
             if faults.metrics_fail:
@@ -195,6 +201,7 @@ class SimApp:
         journal = self._journal
         try:
             work = parse(self._cfg, path, await read_body(receive))
+            self._loras.check_model(work.model)
         except BadRequest as exc:
             journal.write("request", rid, path, stream=False)
             await reply(
@@ -257,6 +264,28 @@ class SimApp:
                 await send({"type": "http.response.body", "body": event, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         self._journal.write("completed", rid, path, tokens=tokens)
+
+    def _models(self) -> bytes:
+        if not self._loras.loaded:
+            return self._models_body
+        base = {"id": self._cfg.model, "object": "model", "created": self._created, "owned_by": OWNED_BY}
+        data = [base, *self._loras.models(self._cfg.model, self._created, OWNED_BY)]
+        return json.dumps({"object": "list", "data": data}).encode()
+
+    async def _lora(self, path: str, rid: str, receive: Receive, send: Send) -> None:
+        """vLLM's load or unload endpoint (`simruntime.lora`), journaled (`lora_load`, `lora_unload`)."""
+        body = await read_body(receive)
+        event = "lora_load" if path == "/v1/load_lora_adapter" else "lora_unload"
+        try:
+            answer = self._loras.load(body) if event == "lora_load" else self._loras.unload(body)
+        except BadRequest as exc:
+            self._journal.write(event, rid, path, status=exc.status)
+            await reply(
+                send, exc.status, error_body(exc.message, "invalid_request_error", "invalid_request", exc.param)
+            )
+            return
+        self._journal.write(event, rid, path, status=200, loaded=list(self._loras.loaded))
+        await reply(send, 200, answer, headers=[(b"content-type", b"text/plain; charset=utf-8")])
 
     async def _watched(self, receive: Receive, produce: Callable[[Outcome], Awaitable[None]]) -> Outcome:
         """Run `produce` until it is done or the client goes away (ASGI `http.disconnect`)."""

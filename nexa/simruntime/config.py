@@ -17,6 +17,8 @@ from nexa.simruntime.faults import Faults
 
 #: Longest embedding asked for with `dimensions`.
 MAX_EMBEDDING_DIM: Final = 8192
+#: Most LoRA adapters `--max-loras` may allow.
+MAX_LORAS: Final = 1024
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +51,8 @@ class SimConfig:
     serves: frozenset[Capability] = attrs.field(
         factory=lambda: frozenset(c for c in Capability if c.gated and not c.native)
     )
+    #: LoRA adapters loaded at once through vLLM's run-time endpoints (`simruntime.lora`); 0: no endpoints.
+    max_loras: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -78,6 +82,8 @@ def check_config(cfg: SimConfig, environ: Mapping[str, str]) -> None:
     if not 1 <= cfg.embedding_dim <= MAX_EMBEDDING_DIM:
         problems.append(f"--embedding-dim: must be 1 to {MAX_EMBEDDING_DIM}")
     problems += _fault_flag_problems(cfg.faults)
+    if not 0 <= cfg.max_loras <= MAX_LORAS:
+        problems.append(f"--max-loras: must be 0 to {MAX_LORAS}")
     if cfg.artifact and not os.path.exists(cfg.artifact):
         problems.append("--artifact: no such file")
     if problems:

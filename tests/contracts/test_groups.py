@@ -76,9 +76,9 @@ def test_two_members_on_one_endpoint_are_refused() -> None:
 def test_the_runtime_spec_carries_the_role_signed_and_old_sets_are_unchanged() -> None:
     runtime = sample_runtime()
     body = codec.wire.unstructure(runtime)
-    assert body["group"] is None and list(body)[-1] == "group"  # the last field
-    # A set signed before groups (no `group` key) decodes to the same spec and hashes as before.
-    del body["group"]
+    assert body["group"] is None and list(body)[-2:] == ["group", "loras"]  # the last fields (LoRA adapters after)
+    # A set signed before groups (no `group` key, nor `loras`) decodes to the same spec and hashes as before.
+    del body["group"], body["loras"]
     old = codec.loads(codec.wire, json.dumps(body), RuntimeSpec)
     assert old == runtime and old.group is None
     # (tests/test_container_spec.py pins the digest of a spec without a group: unchanged.)

@@ -417,7 +417,18 @@ async def test_aliases_promote_and_roll_back_with_generations_receipts_and_histo
         (5, "rollback", ref["v2"], ref["v1"]),
     ]
     for r in receipts:
-        assert set(r) == {"alias", "generation", "action", "from", "to", "at", "actor", "event_id"}
+        assert set(r) == {
+            "alias",
+            "generation",
+            "action",
+            "from",
+            "to",
+            "at",
+            "actor",
+            "event_id",
+            "adapter",
+            "from_adapter",
+        }
         event = events[r["event_id"]]
         assert (event["action"], event["target"], event["result"]) == (f"alias.{r['action']}", "alias/chat", "ok")
         assert event["actor_key_id"] == r["actor"] is not None

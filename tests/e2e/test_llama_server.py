@@ -25,10 +25,11 @@ from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
 from tests.support.api import Json, in_thread, ok
 from tests.support.realmodel import (
-    MIB,
+    LLAMA_SERVER,
     Node,
     cli,
     cosine,
+    llama_server_deployment,
     ready_on,
     reference_embedding,
     register_model,
@@ -37,19 +38,6 @@ from tests.support.realmodel import (
 )
 
 pytestmark = pytest.mark.slow
-RUNTIME = "llama-server"
-
-
-def deployment(name: str, alias: str, settings: Json) -> Json:
-    """A deployment of the `llama-server` runtime: no `server` setting, so the default variant."""
-    return {
-        "name": name,
-        "runtime": RUNTIME,
-        "alias": alias,
-        "replicas": 1,
-        "resources": {"accelerators": 0, "memory_bytes": 512 * MIB, "cpus": 1.0},
-        "options": {"port": 18800, "settings": settings},
-    }
 
 
 async def tokenizer(controller: Controller, key: str) -> None:
@@ -82,10 +70,10 @@ async def test_the_cpp_llama_server_serves_chat_and_embeddings_and_its_metrics_r
     podman_service: PodmanService,
 ) -> None:
     controller, _nodes = llama_cluster
-    argv = ["runtimes", "register", RUNTIME, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
+    argv = ["runtimes", "register", LLAMA_SERVER, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
     await trio.to_thread.run_sync(cli, controller, *argv, llama_server_image)
     # What the registry's image config says, and what a replica will run.
-    shown = await trio.to_thread.run_sync(cli, controller, "runtimes", "show", RUNTIME)
+    shown = await trio.to_thread.run_sync(cli, controller, "runtimes", "show", LLAMA_SERVER)
     assert "entrypoint /app/llama-server;" in shown and "workdir /app;" in shown, shown
     assert "runs (llama-server): /app/llama-server …" in shown, shown
     await register_model(controller, s3_store, "tiny", tiny_gguf)
@@ -93,9 +81,12 @@ async def test_the_cpp_llama_server_serves_chat_and_embeddings_and_its_metrics_r
     async with controller.client() as http:
         await ok(http.post("/api/v1/tenants", json={"id": "acme"}), 201)
         key = (await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201))["key"]
-        chat = deployment("chat", "tiny", {"ctx_size": 512, "parallel": 1, "flash_attn": "off"})
+        chat = llama_server_deployment("chat", "tiny", {"ctx_size": 512, "parallel": 1, "flash_attn": "off"})
         await ok(http.post("/api/v1/deployments", json=chat), 201)
-        await ok(http.post("/api/v1/deployments", json=deployment("embed", "tiny-embed", {"embedding": True})), 201)
+        await ok(
+            http.post("/api/v1/deployments", json=llama_server_deployment("embed", "tiny-embed", {"embedding": True})),
+            201,
+        )
         placement = await ok(http.get("/api/v1/deployments/chat/placement"))
     # The image's entrypoint names the program by path: that path runs it, with the adapter's arguments once.
     process = placement["process"]

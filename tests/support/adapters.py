@@ -3,7 +3,18 @@ health probe and the offline environment a Python runtime gets."""
 
 from __future__ import annotations
 
-from nexa.contracts.models import LicenseRecord, ModelArtifact, ModelFormat, ModelRecord, ModelState, Provenance
+from pathlib import Path
+
+from nexa.contracts.deployments import Deployment, PlacementSpec, Resources, RuntimeOptions
+from nexa.contracts.models import (
+    LicenseRecord,
+    ModelArtifact,
+    ModelFormat,
+    ModelRecord,
+    ModelRef,
+    ModelState,
+    Provenance,
+)
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import HealthProbe
 
@@ -83,3 +94,25 @@ SGLANG_ENV = {
 }
 TRTLLM_ENV = {**OFFLINE, **CACHE_ENV}
 LLAMA_ENV = {"HOME": CACHE, "XDG_CACHE_HOME": f"{CACHE}/xdg"}
+
+
+#: A DGX Spark's one GPU, as its CDI device; the node's address; a verified artifact's path on it.
+SPARK_GPU = "nvidia.com/gpu=0"
+NODE_HOST = "127.0.0.11"
+ARTIFACT = Path("/var/lib/nexa/node/artifacts/" + "c" * 64)
+
+
+def deployment(options: RuntimeOptions, *, accelerators: int = 1) -> Deployment:
+    return Deployment(
+        name="chat",
+        runtime="rt",
+        alias="chat",
+        model=ModelRef(model="llama-3-8b", version="v1"),
+        replicas=1,
+        resources=Resources(accelerators=accelerators, memory_bytes=48 * GIB, cpus=8.0),
+        options=options,
+        placement=PlacementSpec(),
+        created_at=0,
+        created_by=None,
+        updated_at=0,
+    )

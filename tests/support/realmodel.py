@@ -86,9 +86,13 @@ async def register_llama_runtime(controller: Controller, image: str) -> None:
     await trio.to_thread.run_sync(cli, controller, *argv)
 
 
-async def register_model(controller: Controller, s3: S3Store, name: str, gguf: Path) -> None:
-    """Upload the GGUF, then over the CLI: register, licence, verify, evaluate, approve, alias."""
+async def register_model(controller: Controller, s3: S3Store, name: str, gguf: Path, *, lora_for: str = "") -> None:
+    """Upload the GGUF, then over the CLI: register, licence, verify, evaluate, approve, alias. With
+    `lora_for` (`base@version`) it is a LoRA adapter for that base, and its alias serves it there."""
     art = await upload(s3, await trio.to_thread.run_sync(gguf.read_bytes))
+    base, _, base_version = lora_for.partition("@")
+    lora = ["--kind", "lora", "--base", lora_for] if lora_for else []
+    target = ["--model", base, "--version", base_version, "--adapter", f"{name}@v1"] if lora_for else []
     steps = [
         [
             "models",
@@ -107,12 +111,13 @@ async def register_model(controller: Controller, s3: S3Store, name: str, gguf: P
             str(256 * MIB),
             "--source",
             f"file://{gguf.name}",
+            *lora,
         ],
         ["models", "license", name, "v1", "--spdx", "Apache-2.0", "--accepted-by", "legal@example.com"],
         ["models", "verify", name, "v1"],
         ["models", "evaluate", name, "v1", "--suite", "smoke", "--metric", "loads=1", "--passed"],
         ["models", "approve", name, "v1"],
-        ["aliases", "promote", name, "--model", name, "--version", "v1"],
+        ["aliases", "promote", name, *(target or ["--model", name, "--version", "v1"])],
     ]
     for argv in steps:
         await trio.to_thread.run_sync(cli, controller, *argv)
@@ -228,3 +233,19 @@ def reference_embedding(gguf: Path, text: str) -> list[float]:
     finally:
         model.close()
     return vector
+
+
+#: The llama.cpp runtime registered by the `llama_server_image` tests.
+LLAMA_SERVER = "llama-server"
+
+
+def llama_server_deployment(name: str, alias: str, settings: Json) -> Json:
+    """A deployment of the `llama-server` runtime: no `server` setting, so the default variant."""
+    return {
+        "name": name,
+        "runtime": LLAMA_SERVER,
+        "alias": alias,
+        "replicas": 1,
+        "resources": {"accelerators": 0, "memory_bytes": 512 * MIB, "cpus": 1.0},
+        "options": {"port": 18800, "settings": settings},
+    }

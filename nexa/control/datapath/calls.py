@@ -122,6 +122,8 @@ class Progress:
     outcome: CallOutcome | None = None
     #: A media call's use in its capability's unit (`MEDIA_UNITS`), set by `control.datapath.media`.
     units: float = 0.0
+    #: The LoRA adapter the alias served on `model` (None: none).
+    adapter: ModelRef | None = None
 
     def failed(self, exc: BaseException) -> None:
         """The call raised `exc` before its answer was handed out: that is its status."""
@@ -190,6 +192,7 @@ class Progress:
             attempts=self.attempts,
             opened=self.opened,
             units=self.units,
+            adapter=self.adapter,
         )
         return self.outcome
 

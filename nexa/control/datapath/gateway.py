@@ -66,6 +66,7 @@ from nexa.control.datapath.calls import (
     release,
     take_node_overhead,
 )
+from nexa.control.datapath.lora import adapter_of, with_lora
 from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas, QuotaTicket
 from nexa.control.datapath.relay import Relay, RelayStream
@@ -286,7 +287,8 @@ class Gateway:
         stack.callback(self._record, progress)
         progress.alias, ref = self._resolve(work.model, work.key_id)
         progress.model = ref
-        serving = self._deployments.serving(ref, alias=progress.alias or None)
+        progress.adapter = adapter_of(self._models, progress.alias)
+        serving = self._deployments.serving(ref, alias=None if progress.adapter else progress.alias or None)
         if not serving.deployments:
             raise ModelNotServed(f"{work.model!r} has no deployment")
         idle = self._idle
@@ -295,7 +297,9 @@ class Gateway:
         if idle is not None and not serving.replicas and (asleep := idle.sleeping(serving.deployments)):
             # Asleep: wake it and wait, within the deadline (nexa's time: in the overhead figure).
             await idle.wait_awake(asleep, self.trio_deadline(work))
-            serving = self._deployments.serving(ref, alias=progress.alias or None)
+            serving = self._deployments.serving(ref, alias=None if progress.adapter else progress.alias or None)
+        if progress.adapter is not None:
+            serving = with_lora(self._deployments.desired, serving, progress.alias, work.model)
         model_key = progress.alias or ref.key
         self._admission.set_capacity(model_key, len(serving.replicas) * self._cfg.max_inflight_per_replica)
         if not serving.replicas:
@@ -320,7 +324,7 @@ class Gateway:
         progress.queue_ms = queued_s * 1000.0
         if queued_s:
             # Replicas may have come or gone while it waited: route by the fleet as it is now.
-            serving = self._serving_now(work, ref, progress.alias)
+            serving = self._serving_now(work, ref, progress.alias, lora=progress.adapter is not None)
         if admitted is not None:
             await admitted()
         if work.capability is Capability.EMBEDDING and (inputs := _batchable_inputs(work.body)) is not None:
@@ -329,9 +333,12 @@ class Gateway:
         stack.push_async_exit(replica)
         return self._answer(progress, stream, first, kind=STREAM if work.stream else UNARY)
 
-    def _serving_now(self, work: Work, ref: ModelRef, alias: str) -> ServingSet:
-        """The replicas of `ref` Ready now that may take `work`; NoReadyReplica when none is."""
-        serving = self._deployments.serving(ref, alias=alias or None)
+    def _serving_now(self, work: Work, ref: ModelRef, alias: str, *, lora: bool = False) -> ServingSet:
+        """The replicas of `ref` Ready now that may take `work` (`lora`: that load the adapter `alias`
+        serves); NoReadyReplica when none is."""
+        serving = self._deployments.serving(ref, alias=None if lora else alias or None)
+        if lora:
+            serving = with_lora(self._deployments.desired, serving, alias, work.model)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         return self._for_data_class(work, serving)
@@ -384,6 +391,7 @@ class Gateway:
                 strip_usage_chunk=work.stream and not work.include_usage,
                 prompt_tokens_estimate=estimate,
                 content_type=body.content_type,
+                lora=progress.alias if progress.adapter is not None else "",
             )
             stack = contextlib.AsyncExitStack()
             attempt_started = trio.current_time()

@@ -3,13 +3,13 @@ runs (`assignment_for`) and the `PlacementRequest` a deployment's replicas make 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Final
 
 import attrs
 
 from nexa import adapters
-from nexa.adapters import entrypoints
+from nexa.adapters import entrypoints, lora
 from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter
 from nexa.adapters.groups import launch_rank
 from nexa.contracts.deployments import Deployment, DeploymentCreate, Replica
@@ -18,7 +18,7 @@ from nexa.contracts.kvcache import DEFAULT_KV_TYPE, KV_TYPE_BYTES_PER_32, GgufFi
 from nexa.contracts.models import ModelFormat, ModelRecord, RuntimeRecord
 from nexa.contracts.placement import MemoryLimit, MemoryShare, PlacementRequest
 from nexa.contracts.qualification import image_digest
-from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
+from nexa.contracts.runtime import ArtifactRef, HealthProbe, LoraSpec, RuntimeSpec
 from nexa.contracts.wire import Assignment
 
 
@@ -50,6 +50,7 @@ def assignment_for(
     unified_pool_bytes: int | None = None,
     arch: str | None = None,
     role: GroupRole | None = None,
+    loras: Sequence[tuple[str, ModelRecord]] = (),
 ) -> Assignment:
     """The signed unit a node runs for one replica, or with `role` for one rank of a group replica
     (`replica`: that rank's, its id and GPUs; the command is the rank's, `adapters.groups.launch_rank`).
@@ -72,6 +73,11 @@ def assignment_for(
     own entrypoint (`entrypoints.entrypoint_for`, from the image config of the node's architecture
     `arch` that the controller read at registration): the command's program, or the image's exec
     wrapper in front of the whole command.
+
+    `loras`: the LoRA adapters aliases serve on `model` ((alias, adapter) each, `ModelRegistry.loras_on`),
+    given to a replica on one node of a runtime that loads them (`nexa.adapters.lora`): each adapter's
+    artifact in the spec (`RuntimeSpec.loras`, mounted at `/models/lora/<alias>`) and the runtime's
+    flags for them.
     """
     options = dep.options
     command = list(options.command)
@@ -79,8 +85,11 @@ def assignment_for(
     health = HealthProbe(command=list(options.health_command) or ["true"])
     shm_bytes = 0
     artifact = artifact_ref(model)
-    if adapters.has_adapter(runtime.kind):
-        adapter = adapters.adapter_for(runtime.kind, options.settings)
+    adapter = adapters.adapter_for(runtime.kind, options.settings) if adapters.has_adapter(runtime.kind) else None
+    given = [lora_spec(name, record) for name, record in loras] if role is None else []
+    given = given if lora.loads_loras(runtime.kind, adapter) else []
+    mounted = [(g.name, g.artifact.model_path) for g in given]
+    if adapter is not None:
         limit = _memory_limit(dep, model, runtime)
         memory = None
         if limit is not None and unified_pool_bytes is not None:
@@ -111,10 +120,13 @@ def assignment_for(
                 version=runtime.version,
                 model_dir=artifact.mount_path,
             )
-        command = command or launch.command
-        env = {**launch.env, **env}
+        extra, lora_env = lora.lora_args(runtime.kind, options.settings, launch.command, mounted)
+        command = command or [*launch.command, *extra]
+        env = {**launch.env, **lora_env, **env}
         health = HealthProbe(command=list(options.health_command)) if options.health_command else launch.health
         shm_bytes = launch.shm_bytes
+    elif given:  # sim: its flags are the deployment's command
+        command += lora.lora_args(runtime.kind, options.settings, command, mounted)[0]
     entrypoint: list[str] = []
     if adapters.has_adapter(runtime.kind):
         split = entrypoints.entrypoint_for(command, runtime.image_config(arch))
@@ -137,8 +149,15 @@ def assignment_for(
             host_network=runtime.host_network,
             entrypoint=entrypoint,
             group=role,
+            loras=given,
         ),
     )
+
+
+def lora_spec(name: str, adapter: ModelRecord) -> LoraSpec:
+    """A LoRA adapter as a replica is given it: its artifact mounted at `/models/lora/<name>`."""
+    ref = artifact_ref(adapter)
+    return LoraSpec(name=name, artifact=attrs.evolve(ref, mount_path=f"{lora.LORA_MOUNT_ROOT}/{name}"))
 
 
 def declared_bytes(dep: Deployment | DeploymentCreate, model: ModelRecord) -> int:

@@ -377,7 +377,8 @@ class Desired:
             port += 1
         used_ports.add(port)
         pool = unified_pool_bytes(live)
-        return assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role)
+        loras = self.models.loras_on(ref)
+        return assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role, loras=loras)
 
     async def change_node_set(
         self,

@@ -23,7 +23,7 @@ from nexa.contracts.models import (
 from nexa.control.http.api_io import actor, body, json_response, no_body, optional_body, query_enum
 from nexa.control.http.declare import OPERATORS, Param, route
 from nexa.control.http.state import AppState
-from nexa.errors import AlreadyExists, Conflict, Unavailable, VerificationFailed
+from nexa.errors import AlreadyExists, Conflict, LoraBaseInvalid, Unavailable, VerificationFailed
 
 _MODEL = "/api/v1/models/<name>/<version>"
 
@@ -37,7 +37,7 @@ _MODEL = "/api/v1/models/<name>/<version>"
     request=ModelCreate,
     answer=ModelRecord,
     status=201,
-    errors=(AlreadyExists,),
+    errors=(AlreadyExists, LoraBaseInvalid),
 )
 async def register_model(s: AppState) -> Response:
     model = await s.models.register_model(actor(), await body(ModelCreate))
@@ -92,7 +92,7 @@ async def set_license(s: AppState, name: str, version: str) -> Response:
     request=VerifyRequest,
     body_kind="optional",
     answer=ModelRecord,
-    errors=(Conflict, VerificationFailed, Unavailable),
+    errors=(Conflict, VerificationFailed, LoraBaseInvalid, Unavailable),
 )
 async def verify(s: AppState, name: str, version: str) -> Response:
     req = await optional_body(VerifyRequest)
@@ -172,7 +172,7 @@ async def show_alias(s: AppState, name: str) -> Response:
     tag="registry",
     request=AliasPromote,
     answer=AliasReceipt,
-    errors=(Conflict,),
+    errors=(Conflict, LoraBaseInvalid),
 )
 async def promote_alias(s: AppState, name: str) -> Response:
     return json_response(await s.models.promote(actor(), name, await body(AliasPromote)))
@@ -186,7 +186,7 @@ async def promote_alias(s: AppState, name: str) -> Response:
     tag="registry",
     body_kind="empty",
     answer=AliasReceipt,
-    errors=(Conflict,),
+    errors=(Conflict, LoraBaseInvalid),
 )
 async def rollback_alias(s: AppState, name: str) -> Response:
     await no_body()

@@ -44,6 +44,7 @@ from nexa.contracts.models import (
     LicenseSet,
     ModelArtifact,
     ModelCreate,
+    ModelKind,
     ModelRecord,
     ModelRef,
     ModelState,
@@ -51,6 +52,7 @@ from nexa.contracts.models import (
     RuntimeRecord,
     Verification,
     VerifyRequest,
+    base_problems,
     evaluation_problems,
     license_problems,
     model_problems,
@@ -62,6 +64,7 @@ from nexa.contracts.models import (
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
 from nexa.control.registry.gguf_figures import read_figures
+from nexa.control.registry.lora import check_adapter_file, check_alias_adapter, check_bases, served_key
 from nexa.control.registry.outbound import Outbound
 from nexa.errors import (
     AlreadyExists,
@@ -264,7 +267,20 @@ class ModelRegistry:
         return list(self._evaluations.get((name, version), ()))
 
     def aliases_of(self, name: str, version: str) -> list[str]:
-        return sorted(a.name for a in self._aliases.values() if (a.target.model, a.target.version) == (name, version))
+        """The aliases serving the version now: as their model, or as the LoRA adapter on it."""
+        ref = ModelRef(model=name, version=version)
+        return sorted(a.name for a in self._aliases.values() if ref in (a.target, a.adapter))
+
+    def loras_on(self, base: ModelRef) -> list[tuple[str, ModelRecord]]:
+        """The LoRA adapters aliases serve on version `base` now, by alias name: (alias, adapter)
+        for each alias pointing at `base` with an Approved adapter. What its replicas load."""
+        found = []
+        for alias in sorted(self._aliases.values(), key=lambda a: a.name):
+            if alias.target == base and alias.adapter is not None:
+                adapter = self._models.get((alias.adapter.model, alias.adapter.version))
+                if adapter is not None and adapter.state is ModelState.APPROVED:
+                    found.append((alias.name, adapter))
+        return found
 
     # ---- models: lifecycle ----------------------------------------------------------------------
 
@@ -274,6 +290,7 @@ class ModelRegistry:
             problems.append(problem)
         if problems:
             raise _invalid("model", problems)
+        check_bases(f"{req.name}@{req.version}", req.kind, req.format, req.base, self.model)
         artifact = req.artifact
         if artifact.files:
             # The record carries the manifest as the controller computed it: files in path order,
@@ -308,10 +325,13 @@ class ModelRegistry:
             registered_by=actor.key_id,
             state_changed_at=now,
             state_changed_by=actor.key_id,
+            kind=req.kind,
+            base=list(req.base),
         )
         async with self._lock:
             if (model.name, model.version) in self._models:
                 raise AlreadyExists(f"model {model.key} exists; register a new version instead")
+            check_bases(model.key, model.kind, model.format, model.base, self.model)  # retired meanwhile?
             draft = audit_draft(actor, "model.register", _target(model), None, model)
             await self._audited(st.insert_model, model, draft)
             self._models[(model.name, model.version)] = model
@@ -371,7 +391,12 @@ class ModelRegistry:
                 fingerprint = self._check_signature(model, signature)
                 with trio.fail_after(self._cfg.verify_timeout_s):
                     check = await self._outbound.verify_artifact(model.artifact)
-                    gguf, gguf_problem = await read_figures(self._outbound, model)
+                    if model.kind is ModelKind.LORA:
+                        gguf, gguf_problem = None, ""
+                        lora_detail = await check_adapter_file(self._outbound, model, self.model)
+                    else:
+                        gguf, gguf_problem = await read_figures(self._outbound, model)
+                        lora_detail = ""
             except (VerificationFailed, ArtifactDigestMismatch) as exc:
                 await self._reject(actor, "model.verify", _target(model), exc)
                 log.warning("model %s failed verification: %s", model.key, exc.code)
@@ -408,6 +433,8 @@ class ModelRegistry:
                     detail += f", GGUF {gguf.architecture} of {gguf.context_length} tokens' context"
                 elif gguf_problem:
                     detail += ", no GGUF figures (its header could not be read)"
+                if lora_detail:
+                    detail += f", {lora_detail}"
                 await self._commit(actor, "verify", before, after, detail)
         finally:
             self._verifying.discard(key)
@@ -586,6 +613,8 @@ class ModelRegistry:
             )
             if p
         ]
+        if req.adapter is not None:  # the same name and version rules as a base's
+            problems += [p.replace("base[0]", "adapter") for p in base_problems(ModelKind.LORA, [req.adapter]) if p]
         if problems:
             raise _invalid("promotion", problems)
         async with self._lock:
@@ -595,33 +624,45 @@ class ModelRegistry:
                     f"alias {name} may point only at an Approved model; {model.key} is {model.state.value}",
                     model=model.key,
                 )
-            current = self._aliases.get(name)
             to = ModelRef(model=model.name, version=model.version)
-            if current is not None and current.target == to:
+            adapter = check_alias_adapter(name, model, req.adapter, self.model)
+            current = self._aliases.get(name)
+            if current is not None and (current.target, current.adapter) == (to, adapter):
                 # Idempotent: a retried promotion gets the receipt of the one that took effect.
                 return self._history[name][-1]
-            return await self._move(actor, name, current, to, AliasAction.PROMOTE)
+            return await self._move(actor, name, current, to, AliasAction.PROMOTE, adapter=adapter)
 
     async def rollback(self, actor: Actor, name: str) -> AliasReceipt:
         """Undo the latest promotion not yet rolled back: back to what the alias pointed at before it."""
         async with self._lock:
             current, history = self.alias(name)
-            to = _rollback_target(history)
-            if to is None:
+            found = _rollback_target(history)
+            if found is None:
                 raise NoRollbackTarget(f"alias {name} has no earlier promotion to roll back to", alias=name)
+            to, adapter = found
             model = self.model(to.model, to.version)
             if model.state is not ModelState.APPROVED:
                 raise ModelNotApproved(
                     f"alias {name} would roll back to {model.key}, which is {model.state.value}", model=model.key
                 )
-            return await self._move(actor, name, current, to, AliasAction.ROLLBACK)
+            check_alias_adapter(name, model, adapter, self.model)
+            return await self._move(actor, name, current, to, AliasAction.ROLLBACK, adapter=adapter)
 
     async def _move(
-        self, actor: Actor, name: str, current: AliasRecord | None, to: ModelRef, action: AliasAction
+        self,
+        actor: Actor,
+        name: str,
+        current: AliasRecord | None,
+        to: ModelRef,
+        action: AliasAction,
+        *,
+        adapter: ModelRef | None = None,
     ) -> AliasReceipt:
         now = time.time()
         generation = (current.generation if current else 0) + 1
-        after = AliasRecord(name=name, target=to, generation=generation, updated_at=now, updated_by=actor.key_id)
+        after = AliasRecord(
+            name=name, target=to, generation=generation, updated_at=now, updated_by=actor.key_id, adapter=adapter
+        )
         receipt = AliasReceipt(
             alias=name,
             generation=generation,
@@ -631,8 +672,10 @@ class ModelRegistry:
             at=now,
             actor=actor.key_id,
             event_id=EventId(""),
+            adapter=adapter,
+            from_adapter=current.adapter if current else None,
         )
-        detail = f"generation {generation}: {current.target.key if current else '(none)'} -> {to.key}"
+        detail = f"generation {generation}: {served_key(current) if current else '(none)'} -> {served_key(after)}"
         draft = audit_draft(actor, f"alias.{action.value}", f"alias/{name}", current, after, detail=detail)
         receipt = await self._store.run(st.save_alias, after, current.generation if current else 0, receipt, draft)
         self._metrics.audit_events.labels(AuditResult.OK.value).inc()
@@ -659,12 +702,13 @@ def _license_record(req: LicenseSet, actor: Actor, now: float) -> LicenseRecord:
     )
 
 
-def _rollback_target(history: list[AliasReceipt]) -> ModelRef | None:
-    """Replay the history as a stack: a promotion pushes what it replaced, a rollback pops it."""
-    stack: list[ModelRef | None] = []
+def _rollback_target(history: list[AliasReceipt]) -> tuple[ModelRef, ModelRef | None] | None:
+    """Replay the history as a stack: a promotion pushes what it replaced (the version and the
+    adapter served on it), a rollback pops it."""
+    stack: list[tuple[ModelRef, ModelRef | None] | None] = []
     for receipt in history:
         if receipt.action is AliasAction.PROMOTE:
-            stack.append(receipt.from_)
+            stack.append(None if receipt.from_ is None else (receipt.from_, receipt.from_adapter))
         elif stack:
             stack.pop()
     return stack[-1] if stack else None

@@ -378,6 +378,10 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     ALTER TABLE usage ADD COLUMN units REAL NOT NULL DEFAULT 0;
     """,
+    # The LoRA adapter a request was served with on its model (`name:version`; '' for none).
+    """
+    ALTER TABLE usage ADD COLUMN adapter TEXT NOT NULL DEFAULT '';
+    """,
 )
 
 

@@ -51,8 +51,9 @@ def save_quota(db: Db, record: QuotaRecord, draft: AuditDraft) -> AuditEvent:
 
 _USAGE_COLUMNS: Final = (
     "request_id, workload_id, api, tenant, key_id, capability, alias, model, model_version, deployment, node_id,"
-    " status, prompt_tokens, completion_tokens, queue_ms, ttft_ms, duration_ms, finished_at, canary, units"
+    " status, prompt_tokens, completion_tokens, queue_ms, ttft_ms, duration_ms, finished_at, canary, units, adapter"
 )
+_USAGE_VALUES: Final = ",".join("?" * len(_USAGE_COLUMNS.split(",")))
 #: The media units of a usage group, one sum per unit (`MEDIA_UNITS`), in `UsageRow`'s order.
 _MEDIA_SUMS: Final = (
     ("audio", "sum(CASE WHEN capability IN ('transcription', 'translation') THEN units ELSE 0 END)"),
@@ -68,7 +69,7 @@ def insert_usage(db: Db, records: list[UsageRecord]) -> None:
     """Write one batch of usage records in one transaction (metadata only: never payloads)."""
     with txn(db):
         db.executemany(
-            f"INSERT INTO usage({_USAGE_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",  # noqa: S608
+            f"INSERT INTO usage({_USAGE_COLUMNS}) VALUES ({_USAGE_VALUES})",  # noqa: S608
             [
                 (
                     r.request_id,
@@ -91,6 +92,7 @@ def insert_usage(db: Db, records: list[UsageRecord]) -> None:
                     r.finished_at,
                     int(r.canary),
                     r.units,
+                    r.adapter,
                 )
                 for r in records
             ],
@@ -139,6 +141,13 @@ def usage_units_since(db: Db, since: float) -> dict[tuple[TenantId, str], float]
 UsageKey = tuple[str, str, str]
 
 
+#: A usage group's model: `name:version`, `+adapter` when one served it, the alias when it never resolved.
+_GROUP: Final = (
+    "CASE WHEN model = '' THEN alias ELSE model || ':' || model_version"
+    " || CASE WHEN adapter = '' THEN '' ELSE '+' || adapter END END"
+)
+
+
 def usage_report(  # noqa: PLR0917 - one transaction function, called through Store.run(fn, *args)
     db: Db,
     since: float,
@@ -148,10 +157,12 @@ def usage_report(  # noqa: PLR0917 - one transaction function, called through St
     after: UsageKey | None = None,
     limit: int | None = None,
 ) -> list[UsageRow]:
-    """Usage grouped by tenant, model (`name:version`; the alias when it never resolved) and UTC day,
-    ordered by (day, tenant, model); with `after`, only the groups after that one, and at most `limit`.
+    """Usage grouped by tenant, model (`name:version`, with `+adapter:version` when a LoRA adapter
+    served it; the alias when it never resolved) and UTC day, ordered by (day, tenant, model); with
+    `after`, only the groups after that one, and at most `limit`.
 
-    `model` filters on `name:version`, the model name or the alias the client asked for.
+    `model` filters on `name:version`, the model name, the alias the client asked for, or the
+    adapter's `name:version` or name.
     """
     where = ["finished_at >= ?", "finished_at < ?"]
     args: list[str | float] = [since, until]
@@ -159,13 +170,16 @@ def usage_report(  # noqa: PLR0917 - one transaction function, called through St
         where.append("tenant = ?")
         args.append(tenant)
     if model is not None:
-        where.append("(model || ':' || model_version = ? OR model = ? OR alias = ?)")
-        args.extend((model, model, model))
+        where.append(
+            "(model || ':' || model_version = ? OR model = ? OR alias = ? OR adapter = ?"
+            " OR substr(adapter, 1, length(?) + 1) = ? || ':')"
+        )
+        args.extend((model, model, model, model, model, model))
     if is_postgres(db):
         sql = _usage_report_pg(where, after)
     else:
         sql = (
-            "SELECT tenant, CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"  # noqa: S608
+            f"SELECT tenant, {_GROUP} AS m,"  # noqa: S608
             " strftime('%Y-%m-%d', finished_at, 'unixepoch') AS day, count(*), sum(status != 'ok'),"
             f" sum(prompt_tokens), sum(completion_tokens), {_MEDIA_SELECT}"
             f" FROM usage WHERE {' AND '.join(where)} GROUP BY tenant, m, day"
@@ -203,7 +217,7 @@ def _usage_report_pg(where: list[str], after: UsageKey | None) -> str:
     the select list's columns there)."""
     sql = (
         "SELECT tenant, m, day, n, errors, prompt, completion, audio, speech, images FROM (SELECT tenant,"  # noqa: S608
-        " CASE WHEN model = '' THEN alias ELSE model || ':' || model_version END AS m,"
+        f" {_GROUP} AS m,"
         " to_char(to_timestamp(finished_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD') AS day, count(*) AS n,"
         " count(*) FILTER (WHERE status != 'ok') AS errors, sum(prompt_tokens) AS prompt,"
         " sum(completion_tokens) AS completion,"

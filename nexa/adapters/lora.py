@@ -1,0 +1,92 @@
+"""LoRA adapters on a runtime: the flags that load them beside the base model at start, and how a
+request names one. What each runtime documents:
+
+* llama.cpp's `llama-server` (tools/server/README.md, common/arg.cpp): `--lora-scaled FILE:0` once per
+  adapter (ids 0, 1, … in that order) and `--lora-init-without-apply`: every adapter is loaded at
+  scale 0, so a request without a `lora` field (which takes the server's scales) is the base's. A
+  request applies one with its `lora` field, `[{"id": N, "scale": 1.0}]` (adapters it does not name
+  get scale 0 for that request), which the node's relay writes (`nexa.node.lora`). Plain `--lora
+  FILE` would load it at scale 1 and apply it to every request that names none.
+* vLLM (docs/features/lora.md): `--enable-lora`, `--max-loras N` (how many are active at once), and
+  with `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True` adapters loaded and unloaded at run time
+  (`POST /v1/load_lora_adapter` `{"lora_name", "lora_path"}`, `POST /v1/unload_lora_adapter`
+  `{"lora_name"}`): the node loads one when a request first needs it, unloading the least recently
+  used that no request is using when N are loaded (`nexa.node.lora.LoraSlots`), without restarting
+  the replica; a request names the adapter as its `model`.
+* SGLang (docs/advanced_features/lora.ipynb): `--enable-lora`, `--lora-paths name=path …` (loaded at
+  start), `--max-loras-per-batch N`; a request names the adapter as its `model`.
+* `sim` (`nexa sim-runtime`): vLLM's flags and endpoints, with its limit.
+
+llama-cpp-python's server takes one `--lora_path` for the whole model (no per-request choice), and
+TensorRT-LLM's is not wired here: a deployment on those runtimes loads no adapter, and a request for
+an adapter's alias finds no replica that has it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Final
+
+from nexa.adapters.base import LLAMA_SERVER, Adapter
+from nexa.contracts.node import RuntimeKind
+
+#: The setting that bounds the adapters loaded at once (vLLM `--max-loras`, SGLang
+#: `--max-loras-per-batch`; for `sim`, `--max-loras` in its command); unset: as many as the
+#: deployment's aliases serve.
+MAX_LORAS_SETTING: Final = "max_loras"
+MAX_LORAS_FLAG: Final = "--max-loras"
+#: vLLM's switch for its run-time load and unload endpoints.
+RUNTIME_UPDATING_ENV: Final = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+#: Where an adapter's verified files are mounted in the container (`/models/lora/<name>`).
+LORA_MOUNT_ROOT: Final = "/models/lora"
+
+
+def loads_at_run_time(kind: RuntimeKind) -> bool:
+    """Whether the node loads a replica's adapters at run time (vLLM, sim), not the command at start."""
+    return kind in {RuntimeKind.VLLM, RuntimeKind.SIM}
+
+
+def loads_loras(kind: RuntimeKind, adapter: Adapter | None) -> bool:
+    """Whether replicas of this runtime are given LoRA adapters (`adapter`: None for `sim`)."""
+    if kind is RuntimeKind.SIM:
+        return True
+    if adapter is None:
+        return False
+    return (kind is RuntimeKind.LLAMACPP and adapter.name == LLAMA_SERVER) or kind in {
+        RuntimeKind.VLLM,
+        RuntimeKind.SGLANG,
+    }
+
+
+def lora_args(
+    kind: RuntimeKind, settings: Mapping[str, object], command: Sequence[str], loras: Sequence[tuple[str, str]]
+) -> tuple[list[str], dict[str, str]]:
+    """The flags (after the adapter's `command`) and environment that give a runtime of `kind` the
+    adapters `loras` ((name, path in the container) each, in order); ([], {}) when there are none.
+    The limit is the `max_loras` setting's (the adapter writes its flag), else `--max-loras` in a sim's
+    command, else the number of adapters."""
+    if not loras:
+        return [], {}
+    limit = [] if MAX_LORAS_SETTING in settings or MAX_LORAS_FLAG in command else [MAX_LORAS_FLAG, str(len(loras))]
+    if kind is RuntimeKind.LLAMACPP:
+        scaled = (arg for _, path in loras for arg in ("--lora-scaled", f"{path}:0"))
+        return ["--lora-init-without-apply", *scaled], {}
+    if kind is RuntimeKind.VLLM:
+        return ["--enable-lora", *limit], dict(RUNTIME_UPDATING_ENV)
+    if kind is RuntimeKind.SGLANG:
+        limit = [] if MAX_LORAS_SETTING in settings else ["--max-loras-per-batch", str(len(loras))]
+        return ["--enable-lora", *limit, "--lora-paths", *(f"{name}={path}" for name, path in loras)], {}
+    if kind is RuntimeKind.SIM:
+        return limit, {}
+    return [], {}
+
+
+def limit_in(command: Sequence[str]) -> int | None:
+    """The `--max-loras N` (or `--max-loras=N`) a runtime's command gives, None when it gives none."""
+    for i, arg in enumerate(command):
+        value = command[i + 1] if arg == MAX_LORAS_FLAG and i + 1 < len(command) else None
+        if arg.startswith(MAX_LORAS_FLAG + "="):
+            value = arg.split("=", 1)[1]
+        if value is not None and value.isdigit() and int(value) > 0:
+            return int(value)
+    return None

@@ -1,0 +1,191 @@
+"""A request for a LoRA adapter (`InferHead.lora`), named to the runtime as that runtime expects
+(`nexa.adapters.lora`), loading the adapter first where the runtime loads them at run time.
+
+* llama.cpp (`llama-server`): every adapter of the assignment was loaded at start, at scale 0; the
+  request gets `"lora": [{"id": N, "scale": 1.0}]`, N the adapter's place in `RuntimeSpec.loras`.
+* SGLang: loaded at start; the request's `model` becomes the adapter's name.
+* vLLM and `sim`: the adapter is loaded when a request first needs it (`POST /v1/load_lora_adapter`
+  `{"lora_name", "lora_path"}`), without restarting the runtime; when the runtime's limit
+  (`--max-loras`) is reached, the least recently used adapter is unloaded first
+  (`POST /v1/unload_lora_adapter` `{"lora_name"}`). The request's `model` becomes the adapter's name.
+
+What is loaded is kept per runtime start: a restarted runtime starts with none loaded.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final
+
+import attrs
+import trio
+
+from nexa.adapters.lora import limit_in, loads_at_run_time
+from nexa.contracts.node import RuntimeKind
+from nexa.contracts.runtime import LoraSpec, RuntimeSpec
+from nexa.errors import ContractError, Unavailable
+from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
+
+log = logging.getLogger(__name__)
+
+LOAD_PATH: Final = "/v1/load_lora_adapter"
+UNLOAD_PATH: Final = "/v1/unload_lora_adapter"
+#: Loading an adapter reads its files and moves them to the accelerator: bounded, not instant.
+LOAD_TIMEOUT_S: Final = 120.0
+CONNECT_TIMEOUT_S: Final = 5.0
+
+
+@attrs.frozen(kw_only=True)
+class LoraView:
+    """A Ready assignment as the relay sees it for adapters (`Supervisor.lora_view`)."""
+
+    runtime: RuntimeSpec
+    #: Where this node holds each of `runtime.loras`' verified files, in order.
+    paths: list[Path]
+    #: When its runtime started (what is loaded belongs to that start).
+    started_at: float
+
+
+class LoraSlots:
+    """The adapters one runtime start has loaded, least recently used first, within its limit."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.loaded: collections.OrderedDict[str, None] = collections.OrderedDict()
+        #: Requests in flight per adapter: one in use is never unloaded under them.
+        self.in_use: collections.Counter[str] = collections.Counter()
+        self.lock = trio.Lock()
+
+    def release(self, name: str) -> None:
+        """A request that `ensure` let use `name` is done."""
+        self.in_use[name] -= 1
+
+    async def ensure(self, where: tuple[str, int], name: str, path: str) -> tuple[bool, list[str]]:
+        """Load `name` from `path` unless loaded (then it becomes the most recently used), unloading
+        the least recently used one that no request is using first while the limit is reached; the
+        runtime at `where` (host, port). The caller uses it until it calls `release(name)`. Whether
+        it was loaded now, and the names unloaded. Raises Unavailable when every loaded adapter is
+        in use at the limit, or the runtime refuses or cannot be reached (nothing is counted loaded
+        then)."""
+        async with self.lock:
+            if name in self.loaded:
+                self.loaded.move_to_end(name)
+                self.in_use[name] += 1
+                return False, []
+            idle = [n for n in self.loaded if not self.in_use[n]]
+            if len(self.loaded) - len(idle) >= self.limit:
+                raise Unavailable(
+                    f"all {self.limit} LoRA adapters this replica may hold at once (--max-loras) are serving "
+                    "requests; retry, or raise the deployment's max_loras"
+                )
+            unloaded = []
+            # Its own connection: loads are rare, and never wait behind (or hold) the relay's pool.
+            client = RuntimeClient(connect_timeout_s=CONNECT_TIMEOUT_S, max_idle=1)
+            try:
+                while len(self.loaded) >= self.limit:
+                    oldest = idle.pop(0)
+                    await _post(client, where, UNLOAD_PATH, {"lora_name": oldest}, f"unload LoRA adapter {oldest}")
+                    del self.loaded[oldest]
+                    unloaded.append(oldest)
+                load = {"lora_name": name, "lora_path": path}
+                await _post(client, where, LOAD_PATH, load, f"load LoRA adapter {name}")
+            finally:
+                await client.aclose()
+            self.loaded[name] = None
+            self.in_use[name] += 1
+            return True, unloaded
+
+
+async def _post(client: RuntimeClient, where: tuple[str, int], path: str, body: dict[str, str], what: str) -> None:
+    """One load or unload call, its answer read whole within LOAD_TIMEOUT_S; Unavailable unless 2xx."""
+    payload = json.dumps(body).encode()
+    with trio.move_on_after(LOAD_TIMEOUT_S) as scope:
+        try:
+            async with client.post(*where, path, payload, (("Content-Type", "application/json"),)) as resp:
+                async for _ in resp.aiter_bytes():
+                    pass
+                status = resp.status_code
+        except RuntimeHTTPError as exc:
+            raise Unavailable(f"the runtime did not answer to {what}: {exc}") from None
+    if scope.cancelled_caught:
+        raise Unavailable(f"the runtime did not {what} within {LOAD_TIMEOUT_S:g} s")
+    if status >= 400:
+        raise Unavailable(f"the runtime refused to {what} (HTTP {status})")
+
+
+class NodeLoras:
+    """The relay's hook (`NodeRelay(lora=…)`): the body a request for an adapter is sent with."""
+
+    def __init__(self, view: Callable[[str], LoraView | None], *, host: str = "127.0.0.1") -> None:
+        self._view = view
+        self._host = host
+        self._slots: dict[tuple[str, float], LoraSlots] = {}
+        self.loads = self.unloads = 0
+
+    async def prepare(self, assignment_id: str, name: str, body: bytes, port: int) -> tuple[bytes, Callable[[], None]]:
+        """`body` rewritten for adapter `name` of that assignment (loaded first where the runtime
+        loads at run time), and what to call once the request is done (until then the adapter is
+        not unloaded). Unavailable when the runtime is not Ready or does not have the adapter (the
+        gateway tries another replica); ContractError when the body is not a JSON object."""
+        view = self._view(assignment_id)
+        if view is None:
+            raise Unavailable("the runtime is not Ready")
+        index = next((i for i, lora in enumerate(view.runtime.loras) if lora.name == name), None)
+        if index is None:
+            raise Unavailable(f"this replica does not load the LoRA adapter {name!r}")
+        try:
+            request = json.loads(body)
+        except ValueError:
+            raise ContractError("the request body is not JSON") from None
+        if not isinstance(request, dict):
+            raise ContractError("the request body is not a JSON object")
+        kind = view.runtime.kind
+        release: Callable[[], None] = _nothing
+        if kind is RuntimeKind.LLAMACPP:
+            request["lora"] = [{"id": index, "scale": 1.0}]
+        else:
+            if loads_at_run_time(kind):
+                slots = await self._ensure(assignment_id, view, index, port)
+                release = functools.partial(slots.release, name)
+            request["model"] = name
+        return json.dumps(request, separators=(",", ":")).encode(), release
+
+    async def _ensure(self, assignment_id: str, view: LoraView, index: int, port: int) -> LoraSlots:
+        key = (assignment_id, view.started_at)
+        slots = self._slots.get(key)
+        if slots is None:
+            for old in [k for k in self._slots if k[0] == assignment_id]:
+                del self._slots[old]  # an earlier start of the same assignment: nothing of it is loaded now
+            limit = limit_in(view.runtime.command) or len(view.runtime.loras)
+            slots = self._slots[key] = LoraSlots(limit)
+        lora = view.runtime.loras[index]
+        path = _path(view, lora, index)
+        fresh, unloaded = await slots.ensure((self._host, port), lora.name, path)
+        if not fresh:
+            return slots
+        self.loads += 1
+        self.unloads += len(unloaded)
+        log.info(
+            "assignment %s: LoRA adapter %s loaded%s",
+            assignment_id,
+            lora.name,
+            f" (unloaded {', '.join(unloaded)}, least recently used)" if unloaded else "",
+        )
+        return slots
+
+
+def _nothing() -> None:
+    """The release of a request whose adapter the runtime holds for good (loaded at start)."""
+
+
+def _path(view: LoraView, lora: LoraSpec, index: int) -> str:
+    """Where the runtime reads the adapter: a `sim` process on the node's own path, a container at its mount."""
+    if view.runtime.kind is not RuntimeKind.SIM:
+        return lora.artifact.model_path
+    held = view.paths[index]
+    return str(held / lora.artifact.entry) if lora.artifact.files and lora.artifact.entry else str(held)

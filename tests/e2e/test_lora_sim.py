@@ -1,0 +1,90 @@
+"""LoRA adapters loaded at run time on a replica through the whole data path (issue 34, point 2): a controller,
+a real `nexa node` whose runtime is `nexa sim-runtime` speaking vLLM's LoRA endpoints (`--max-loras 2`), and the
+official `openai` SDK asking for three adapters' aliases in turn. The node loads each adapter into the running
+replica when a request first needs it and, at the limit, unloads the least recently used one first: the
+runtime's journal shows every load and unload, and the replica is never restarted. Usage names each adapter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import trio
+
+from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.cluster import SIM_ARGS, gateway_cluster, sdk, usage_rows, wait_until
+from tests.support.models import model_body, upload
+
+
+async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_at_the_limit(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages, tiny_lora_gguf: Path
+) -> None:
+    async with gateway_cluster(nursery, tmp_path, s3_store, test_images) as cluster:
+        art = await upload(s3_store, await trio.Path(tiny_lora_gguf).read_bytes())
+        async with cluster.client() as http:
+            for name in ("poet", "coder", "judge"):
+                body = model_body(name, "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
+                await ok(http.post("/api/v1/models", json=body), 201)
+                await bring_to_approved(http, name)
+                adapter = {"model": "tiny", "version": "v1", "adapter": {"model": name, "version": "a1"}}
+                await ok(http.post(f"/api/v1/aliases/{name}/promote", json=adapter))
+        await cluster.deploy("chat", replicas=1, args=[*SIM_ARGS, "--max-loras", "2"])
+        ready = await cluster.ready_replicas("chat")
+        client = sdk(cluster)
+
+        def ask(model: str) -> str:
+            got = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}])
+            assert got.usage is not None and got.usage.completion_tokens >= 1
+            return got.choices[0].message.content or ""
+
+        for model in ("poet", "coder", "poet", "judge", "coder", "chat"):
+            assert await trio.to_thread.run_sync(ask, model)
+        assert await cluster.ready_replicas("chat") == ready  # the same replica all along
+        node = next(n for n in cluster.nodes if n.node_id in ready.values())
+        events = node.journal()
+        loras = [(e["event"], e["loaded"]) for e in events if str(e["event"]).startswith("lora")]
+        assert loras == [
+            ("lora_load", ["poet"]),
+            ("lora_load", ["poet", "coder"]),
+            ("lora_unload", ["poet"]),  # judge: coder was the least recently used
+            ("lora_load", ["poet", "judge"]),
+            ("lora_unload", ["judge"]),  # coder again: poet was
+            ("lora_load", ["judge", "coder"]),
+        ]
+        assert sum(1 for e in events if e["event"] == "completed") == 6
+
+        async def counted() -> list[dict[str, object]] | None:
+            rows = await usage_rows(cluster, tenant=cluster.tenant)
+            return rows if sum(int(str(r["requests"])) for r in rows) >= 6 else None
+
+        rows = await wait_until("usage of the six requests", counted)
+        assert {r["model"]: r["requests"] for r in rows} == {
+            "tiny:v1+poet:a1": 2,
+            "tiny:v1+coder:a1": 2,
+            "tiny:v1+judge:a1": 1,
+            "tiny:v1": 1,
+        }
+
+        # An adapter an alias serves only after the replica was placed is not on it: 503, saying what to do.
+        async with cluster.client() as http:
+            body = model_body("late", "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
+            await ok(http.post("/api/v1/models", json=body), 201)
+            await bring_to_approved(http, "late")
+            adapter = {"model": "tiny", "version": "v1", "adapter": {"model": "late", "version": "a1"}}
+            await ok(http.post("/api/v1/aliases/late/promote", json=adapter))
+        with pytest.raises(openai.APIStatusError) as refused:
+            await trio.to_thread.run_sync(ask, "late")
+        assert refused.value.status_code == 503
+        assert "loads the LoRA adapter 'late' serves" in refused.value.message
+
+
+async def bring_to_approved(http: httpx.AsyncClient, name: str) -> None:
+    """Verify, evaluate and approve `name@a1` over the API."""
+    path = f"/api/v1/models/{name}/a1"
+    await ok(http.post(f"{path}/verify"))
+    await ok(http.post(f"{path}/evaluations", json={"suite": "smoke", "metrics": {}, "passed": True}), 201)
+    await ok(http.post(f"{path}/approve"))
