@@ -62,7 +62,7 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from nexa.adapters.args import extra_args_problems
-from nexa.adapters.base import SERVER_SETTING, Adapter, Metrics, Style
+from nexa.adapters.base import SERVER_SETTING, Adapter, Metrics, NativeSleep, Style
 from nexa.adapters.entrypoints import entrypoint_for
 from nexa.adapters.groups import group_problems
 from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER, LLAMACPP_VARIANTS
@@ -129,6 +129,17 @@ def serves(
     except (KeyError, ValueError):
         return False
     return adapter.serves(capability, settings, version)
+
+
+#: And answers vLLM's sleep routes with `--enable-sleep-mode` (`nexa.simruntime.app`).
+SIM_SLEEP: Final = VLLM.native_sleep
+
+
+def native_sleep_for(kind: RuntimeKind, process: Sequence[str]) -> NativeSleep | None:
+    """The runtime's own sleep when a replica of `kind` running `process` (its command, or a
+    deployment's `command` or `extra_args`) has it enabled; None: it sleeps by stopping its container."""
+    sleep = SIM_SLEEP if kind is RuntimeKind.SIM else (a.native_sleep if (a := ADAPTERS.get(kind)) else None)
+    return sleep if sleep is not None and sleep.flag in process else None
 
 
 def image_runs(kind: RuntimeKind, config: ImageConfig | None) -> list[tuple[str, list[str]]]:

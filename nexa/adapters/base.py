@@ -132,6 +132,26 @@ class Metrics:
 
 
 @attrs.frozen(kw_only=True)
+class NativeSleep:
+    """A runtime's own sleep: it keeps its process (and its container) and releases its
+    accelerator memory on `sleep_path`, and takes it back on `wake_path`; `state_path` answers
+    `{"is_sleeping": bool}`. Enabled by `flag` in the replica's command (an operator gives it in
+    `extra_args`, or in a `sim` runtime's `command`); `env` is what the server needs besides."""
+
+    flag: str
+    #: Set in the container's environment when `flag` is given (vLLM serves the routes only then).
+    env: Mapping[str, str] = attrs.field(factory=dict)
+    sleep_path: str
+    wake_path: str
+    state_path: str
+    #: The first release whose server answers the routes.
+    since: str
+    #: What a sleeping replica really releases, for placement: nothing is counted free while the
+    #: weights stay in the node's memory (see `nexa/docs/deployments.md`).
+    releases: str
+
+
+@attrs.frozen(kw_only=True)
 class Launch:
     """What an adapter puts into one replica's `RuntimeSpec`."""
 
@@ -201,6 +221,8 @@ class Adapter:
     #: `/v1/messages/count_tokens` and `/v1/responses` through to such a runtime when every Ready
     #: replica of the model has one (`control/datapath/native.py`), and translates them otherwise.
     native_apis: Mapping[str, str] = attrs.field(factory=dict)
+    #: The server's own sleep and wake (None: it has none; a sleeping replica's container stops).
+    native_sleep: NativeSleep | None = None
 
     def owned_flags(self) -> dict[str, str]:
         """Every flag `extra_args` may not give, with why: what nexa sets itself, the memory bound,
@@ -371,7 +393,10 @@ class Adapter:
         command += extra_args
         shm = settings.get(SHM_SETTING, self.default_shm_bytes)
         assert isinstance(shm, int)
-        return Launch(command=command, env=dict(self.env), health=self.probe(port), shm_bytes=shm)
+        env = dict(self.env)
+        if self.native_sleep is not None and self.native_sleep.flag in extra_args:
+            env.update(self.native_sleep.env)
+        return Launch(command=command, env=env, health=self.probe(port), shm_bytes=shm)
 
     def probe(self, port: int) -> HealthProbe:
         """GET the readiness path from inside the container, with what the image has."""

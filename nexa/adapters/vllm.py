@@ -14,7 +14,7 @@ from nexa.adapters.args import (
     WHY_MEMORY,
     WHY_TLS,
 )
-from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
+from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, NativeSleep, Option, Style
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
 
@@ -109,4 +109,20 @@ VLLM: Final = Adapter(
     # Voxtral), the OpenAI request form; vLLM's "OpenAI-compatible server" lists both.
     capabilities=frozenset(c for c in Capability if not c.media) | {Capability.TRANSCRIPTION, Capability.TRANSLATION},
     pipeline_parallel_flag="--pipeline-parallel-size",
+    # vLLM's docs/features/sleep_mode.md and vllm/entrypoints/openai/api_server.py: `--enable-sleep-mode`
+    # with `POST /sleep?level=1` (level 1 offloads the weights to CPU RAM and discards the KV cache),
+    # `POST /wake_up` and `GET /is_sleeping` -> {"is_sleeping": bool}. The routes sit under
+    # `if envs.VLLM_SERVER_DEV_MODE:` (api_server.py, 0.8.x; `register_vllm_dev_api_routers` in later
+    # releases): served only with VLLM_SERVER_DEV_MODE=1, which also serves the other dev routes
+    # (/reset_prefix_cache, /collective_rpc, ...). The runtime listens only on the node's runtime
+    # address, reached by the node agent alone, so they stay out of clients' reach.
+    native_sleep=NativeSleep(
+        flag="--enable-sleep-mode",
+        env={"VLLM_SERVER_DEV_MODE": "1"},
+        sleep_path="/sleep?level=1",
+        wake_path="/wake_up",
+        state_path="/is_sleeping",
+        since="0.8.0",
+        releases="level 1: the KV cache is discarded, the weights move to CPU RAM (the same pool on unified memory)",
+    ),
 )

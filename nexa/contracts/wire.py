@@ -63,6 +63,10 @@ class RuntimeState(enum.StrEnum):
     STOPPED = "Stopped"
 
 
+#: `AssignmentStatus.reason` of a Ready runtime whose own sleep failed (it is awake).
+SLEEP_FAILED: Final = "sleep_failed"
+
+
 class RejectReason(enum.StrEnum):
     """Why a node refused an assignment set (sent back in its Ack and counted on both sides)."""
 
@@ -217,7 +221,8 @@ class AssignmentStatus:
     state: RuntimeState
     detail: str = ""
     #: Stable machine reason for `Failed` (e.g. `artifact_digest_mismatch`, `insufficient_disk`,
-    #: `image_not_found`, `crash_loop`, `runtime_program_missing`).
+    #: `image_not_found`, `crash_loop`, `runtime_program_missing`); on `Ready`, `sleep_failed`:
+    #: the runtime's own sleep failed and it is awake.
     reason: str | None = None
     #: Restarts after crashes since the assignment was accepted.
     restarts: int = attrs.field(default=0, validator=whole(0, MAX_TOKENS))
@@ -226,6 +231,8 @@ class AssignmentStatus:
     load: RuntimeLoad | None = None
     #: What the replica was measured to hold (None until measured, and from older agents).
     memory: ReplicaMemory | None = None
+    #: The runtime answered that it sleeps (its own sleep: `Assignment.asleep`); never routed then.
+    asleep: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -235,6 +242,9 @@ class Assignment:
     id: str
     deployment: str
     runtime: RuntimeSpec
+    #: Put the runtime to sleep with its own sleep (`adapters.native_sleep_for`), keeping its
+    #: container; False: awake. Not part of the spec: changing it never restarts the container.
+    asleep: bool = False
 
 
 @attrs.frozen(kw_only=True)

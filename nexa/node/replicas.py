@@ -171,6 +171,12 @@ class Worker:
     #: fetched, and the sha256 of each it pins in the artifact cache.
     lora_paths: list[Path] | None = None
     lora_pins: list[str] = attrs.Factory(list)
+    #: Its runtime's own sleep (`sleeper`): it said it sleeps; its last sleep failed (not tried
+    #: again until woken); wakes failed in a row; what went wrong last.
+    asleep: bool = False
+    sleep_refused: bool = False
+    wake_failures: int = 0
+    sleep_problem: str | None = None
 
     @property
     def id(self) -> str:
@@ -181,6 +187,14 @@ class Worker:
         return self.desired.assignment.runtime
 
     def status(self) -> wire.AssignmentStatus:
+        reason, detail = self.reason, self.detail
+        if self.state is wire.RuntimeState.READY and self.sleep_problem is not None:
+            reason, detail = (wire.SLEEP_FAILED if self.sleep_refused else None), self.sleep_problem
         return wire.AssignmentStatus(
-            assignment_id=self.id, state=self.state, detail=self.detail, reason=self.reason, restarts=self.restarts
+            assignment_id=self.id,
+            state=self.state,
+            detail=detail,
+            reason=reason,
+            restarts=self.restarts,
+            asleep=self.asleep and self.state is wire.RuntimeState.READY,
         )

@@ -60,6 +60,7 @@ from nexa.node.replicas import (
     SupervisorStatistics,
     Worker,
 )
+from nexa.node.sleeper import SleepKeeper
 from nexa.supervision import supervised
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,9 @@ class Supervisor:
         self._list_failed = False
         self._created = self._adopted = self._restarts = self._pulls = self._probes_failed = 0
         self._removed = self._orphans_removed = self._passes = 0
+        #: Each assignment's `asleep` (not in its spec: changing it keeps the container).
+        self._asleep: dict[str, bool] = {}
+        self._sleeper = SleepKeeper(runtime_host, self._restart_awake)
 
     # --- what the agent calls
 
@@ -153,6 +157,7 @@ class Supervisor:
             # An unchanged assignment keeps the generation its container was created at.
             desired[a.id] = old if old is not None and old.spec_sha256 == sha else Desired(a, generation, sha)
         self._desired = desired
+        self._asleep = {a.id: a.asleep for a in assignments}
         self._desired_known = True
         self._changed.set()
         self._changed = trio.Event()
@@ -238,6 +243,9 @@ class Supervisor:
         # A restart (nexa.supervision) starts every worker again; running containers are adopted.
         self._workers.clear()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                supervised, "supervisor.sleep", self._sleeper.run, self._sleep_wanted, self._changed_event
+            )
             started = False
             while True:
                 # Taken before the pass: an update() during the pass makes the wait return at once.
@@ -249,6 +257,20 @@ class Supervisor:
                 with trio.move_on_after(self._cfg.reconcile_interval_s):
                     await changed.wait()
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _sleep_wanted(self) -> list[tuple[Worker, bool]]:
+        return [
+            (w, self._asleep.get(aid, False)) for aid, w in self._workers.items() if w.desired is self._desired.get(aid)
+        ]
+
+    def _changed_event(self) -> trio.Event:
+        return self._changed
+
+    async def _restart_awake(self, w: Worker) -> None:
+        """Stop the container of a runtime that does not wake (`sleeper`): it restarts, awake."""
+        if w.container_id is not None:
+            with contextlib.suppress(EngineError):
+                await self._podman.stop(w.container_id, timeout_s=w.runtime.stop_timeout_s)
 
     # --- reconciliation
 
@@ -747,6 +769,8 @@ class Supervisor:
             return  # stopped on purpose: what a last probe or the stop itself shows is not news
         changed = (w.state, w.reason) != (state, reason)
         w.state, w.reason, w.detail = state, reason, detail
+        if state is not State.READY:
+            w.asleep = False  # a runtime (re)starting starts awake
         if state in (State.FAILED, State.UNHEALTHY):
             if w.logged_problem == (state, reason):
                 return

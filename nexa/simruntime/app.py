@@ -165,6 +165,9 @@ class SimApp:
             if level not in {"1", "2"}:
                 await reply(send, 400, error_body("level: 1 or 2", "invalid_request_error", "bad_level"))
                 return
+            if self._faults.current().sleep_fail:
+                await reply(send, 500, error_body("simulated sleep failure", "server_error", "sleep_failure"))
+                return
             self._sleep_level = int(level)
             await reply(send, 200, b"")
 

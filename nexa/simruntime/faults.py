@@ -48,7 +48,8 @@ class Faults:
     What `/metrics` reports (vLLM's names): `queue_depth` requests waiting
     (`vllm:num_requests_waiting`), `kv_cache_usage` 0..1 (`vllm:kv_cache_usage_perc`); with
     `metrics_fail` it answers 503 instead (inference is untouched). With `unhealthy`, `/health` answers
-    503 (the node's probe then reports the replica Unhealthy; inference is untouched).
+    503 (the node's probe then reports the replica Unhealthy; inference is untouched). With
+    `sleep_fail` (sleep mode on), `POST /sleep` answers 500 and the engine stays awake.
 
     Teaching (faults file only; for evaluation suites): `taught` maps a text to the answer a unary
     chat or completion gets when its prompt contains that text (the first such entry, in file
@@ -72,6 +73,8 @@ class Faults:
     taught: tuple[tuple[str, str], ...] = ()
     wrong: bool = False
     images: tuple[tuple[str, Faults], ...] = ()
+    #: With `--enable-sleep-mode`: `POST /sleep` answers 500 and the engine stays awake.
+    sleep_fail: bool = False
 
     def for_image(self, image: str) -> Faults:
         """The faults of a runtime of `image`: its `images` entry's, else these."""
@@ -95,6 +98,7 @@ class Faults:
             "taught",
             "wrong",
             "images",
+            "sleep_fail",
         )
         problems = [f"{key}: unknown key" for key in data if key not in known]
         phases: dict[str, Phase | None] = {}
@@ -119,12 +123,8 @@ class Faults:
         kv_cache_usage = data.get("kv_cache_usage", 0.0)
         if not _fraction(kv_cache_usage):
             problems.append("kv_cache_usage: must be a number from 0 to 1")
-        metrics_fail = data.get("metrics_fail", False)
-        if not isinstance(metrics_fail, bool):
-            problems.append("metrics_fail: must be true or false")
-        unhealthy = data.get("unhealthy", False)
-        if not isinstance(unhealthy, bool):
-            problems.append("unhealthy: must be true or false")
+        switches = {key: data.get(key, False) for key in ("metrics_fail", "unhealthy", "sleep_fail")}
+        problems += [f"{key}: must be true or false" for key, on in switches.items() if not isinstance(on, bool)]
         taught = data.get("taught", {})
         problems += _teaching_problems(taught, data.get("wrong", False))
         images = _by_image(data.get("images", {}), problems)
@@ -138,11 +138,12 @@ class Faults:
             garble=None if garble is None else Garble(garble),
             queue_depth=queue_depth,
             kv_cache_usage=float(kv_cache_usage),
-            metrics_fail=metrics_fail,
-            unhealthy=unhealthy,
+            metrics_fail=switches["metrics_fail"],
+            unhealthy=switches["unhealthy"],
             taught=tuple(taught.items()),
             wrong=data.get("wrong", False),
             images=tuple(images),
+            sleep_fail=switches["sleep_fail"],
         )
 
 

@@ -247,7 +247,9 @@ class Desired:
         if not self.groups.serving(replica):
             return False
         live = self.fleet.get(replica.node_id)
-        return any(s.assignment_id == replica.id and s.state is RuntimeState.READY for s in live.statuses)
+        return any(
+            s.assignment_id == replica.id and s.state is RuntimeState.READY and not s.asleep for s in live.statuses
+        )
 
     def routable(self, replica: Replica) -> bool:
         return self.fleet.get(replica.node_id).state in _ROUTABLE and self.ready(replica)
@@ -279,13 +281,17 @@ class Desired:
             for r, rank in by_node.get(node_id, []):
                 aid = member_id(r, rank or 0)
                 if aid in mine:
-                    wanted.append(mine[aid])  # unchanged replicas keep their spec
+                    # Unchanged replicas keep their spec; a sleep or a wake by the runtime's own
+                    # sleep (`idle`) changes only their `asleep`.
+                    asleep = after is not None and after.deployment.asleep
+                    kept = mine[aid] if mine[aid].asleep is asleep else attrs.evolve(mine[aid], asleep=asleep)
+                    wanted.append(kept)
                     used_ports |= ports_in_use([mine[aid]])
             for r, rank in by_node.get(node_id, []):
                 if member_id(r, rank or 0) not in mine:
                     assert after is not None
                     wanted.append(self._assignment(after.deployment, r, rank, live, used_ports))
-            if {a.id for a in wanted} == set(mine):
+            if {a.id: a.asleep for a in wanted} == {aid: a.asleep for aid, a in mine.items()}:
                 continue
             changed[node_id] = attrs.evolve(current, generation=current.generation + 1, assignments=others + wanted)
         sets = ", ".join(f"{n} generation {d.generation}" for n, d in changed.items()) or "no node set changed"
@@ -378,7 +384,8 @@ class Desired:
         used_ports.add(port)
         pool = unified_pool_bytes(live)
         loras = self.models.loras_on(ref)
-        return assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role, loras=loras)
+        made = assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role, loras=loras)
+        return attrs.evolve(made, asleep=True) if dep.asleep else made
 
     async def change_node_set(
         self,

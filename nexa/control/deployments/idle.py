@@ -31,15 +31,25 @@ from typing import Final
 import attrs
 import trio
 
+from nexa.adapters import native_sleep_for
 from nexa.contracts.deployments import ASLEEP, AWAKE, WAKING, Deployment, DeploymentSleep, IdleSettings, idle_problems
 from nexa.contracts.domain import SYSTEM, Actor
 from nexa.contracts.models import ModelRecord, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
-from nexa.control.deployments.checks import deployable, explain
+from nexa.contracts.wire import SLEEP_FAILED
+from nexa.control.deployments.checks import deployable, explain, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, all_replicas, bump, new_replicas
 from nexa.control.deployments.scheduler import place
-from nexa.errors import Conflict, ContractError, DeadlineExceeded, NoReadyReplica, NotFound, Unplaceable
+from nexa.errors import (
+    Conflict,
+    ContractError,
+    DeadlineExceeded,
+    NexaError,
+    NoReadyReplica,
+    NotFound,
+    Unplaceable,
+)
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -54,6 +64,7 @@ _READY_POLL_S: Final = 0.05
 #: A wake that has no Ready replica after this long gives up (its replicas stay placed: the
 #: reconciler keeps them; requests then get `no_ready_replica`).
 WAKE_TIMEOUT_S: Final = 900.0
+_SWAP: Final = "swap"
 
 
 @attrs.define
@@ -208,6 +219,9 @@ class Idle:
             return next_at
         for name, entry in sorted(self._desired.entries.items()):
             dep = entry.deployment
+            if dep.asleep and dep.placed and (why := self._sleep_failed(dep)):
+                await self._fall_back(name, why)
+                continue
             if dep.asleep or dep.idle_after_s is None or dep.min_replicas != 0:
                 continue
             if not self._any_ready(dep):
@@ -244,11 +258,48 @@ class Idle:
         return None
 
     async def _put_to_sleep(self, actor: Actor, entry: Entry, reason: str, detail: str) -> None:
-        """One audited change: `asleep`, no replicas (each node stops their containers). Under the lock."""
+        """One audited change: `asleep`, and either its replicas kept with their runtimes put to
+        sleep by their own sleep (`native`), or no replicas (each node stops their containers; always
+        for a swap, which must free memory). Under the lock."""
         dep = entry.deployment
-        after = Entry(bump(attrs.evolve(dep, asleep=True, placed=[])), entry.decision, None)
+        if reason != _SWAP and self._native(dep):
+            after = Entry(bump(attrs.evolve(dep, asleep=True)), entry.decision, None)
+            detail += "; the runtime's own sleep (its containers keep running)"
+        else:
+            after = Entry(bump(attrs.evolve(dep, asleep=True, placed=[])), entry.decision, None)
         await self._desired.commit(actor, "deployment.sleep", entry, after, detail=detail)
         self._metrics.deployment_sleeps.labels(dep.name, reason).inc()
+
+    def _native(self, dep: Deployment) -> bool:
+        """Whether `dep`'s runtime has its own sleep, enabled (`adapters.native_sleep_for`)."""
+        try:
+            kind = runtime_of(self._desired.models, dep.runtime).kind
+        except NexaError:
+            return False
+        return bool(dep.placed) and native_sleep_for(kind, [*dep.options.command, *dep.options.extra_args]) is not None
+
+    def _sleep_failed(self, dep: Deployment) -> str | None:
+        """Why a replica's runtime did not go to sleep by its own sleep (its node says so); None: none failed."""
+        for r in dep.placed:
+            try:
+                statuses = self._desired.fleet.get(r.node_id).statuses
+            except NotFound:
+                continue
+            for st in statuses:
+                if st.assignment_id == r.id and st.reason == SLEEP_FAILED:
+                    return st.detail or SLEEP_FAILED
+        return None
+
+    async def _fall_back(self, name: str, why: str) -> None:
+        """A runtime's own sleep failed: stop the sleeping deployment's containers instead (audited)."""
+        async with self._desired.lock:
+            entry = self._desired.entries.get(name)
+            if entry is None or not entry.deployment.asleep or not entry.deployment.placed:
+                return
+            after = Entry(bump(attrs.evolve(entry.deployment, placed=[])), entry.decision, None)
+            detail = f"{why}: its containers are stopped instead"
+            await self._desired.commit(SYSTEM, "deployment.sleep", entry, after, detail=detail)
+        log.warning("deployment %s: %s", name, detail)
 
     # ---- waking ------------------------------------------------------------------------------------
 
@@ -302,6 +353,12 @@ class Idle:
             dep = entry.deployment
             if not dep.asleep:
                 return None
+            if dep.placed:  # asleep by the runtime's own sleep: its nodes wake it (`/wake_up`)
+                after = Entry(bump(attrs.evolve(dep, asleep=False)), entry.decision, None)
+                await self._desired.commit(
+                    SYSTEM, "deployment.wake", entry, after, detail="woken on demand (the runtime's own wake)"
+                )
+                return None
             model, runtime, _ = deployable(self._desired.models, dep)
             decision = self._try_place(dep, model, runtime)
             swaps: list[str] = []
@@ -314,7 +371,7 @@ class Idle:
                     f"swap on demand: {victim.deployment.name} (evictable, idle {idle_for:.1f} s, the least"
                     f" recently used) put to sleep to make room for {name}"
                 )
-                await self._put_to_sleep(SYSTEM, victim, "swap", why)
+                await self._put_to_sleep(SYSTEM, victim, _SWAP, why)
                 swaps.append(why)
                 decision = self._try_place(dep, model, runtime)
             if not decision.feasible:
@@ -339,8 +396,7 @@ class Idle:
             if n != exclude
             and e.deployment.evictable
             and e.deployment.min_replicas == 0
-            and not e.deployment.asleep
-            and e.deployment.placed
+            and e.deployment.placed  # awake, or asleep by its runtime's own sleep (still holding its memory)
             and self._cannot_sleep(e.deployment) is None
         ]
         if not candidates:

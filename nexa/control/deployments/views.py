@@ -84,6 +84,8 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
         if not (mine or leaving):
             continue
         names.append(name)
+        if dep.asleep:
+            continue  # its replicas sleep (the runtime's own sleep): a request wakes it first (`idle`)
         served = _served(desired, dep)
         for r in dep.placed:
             ref = model_of(dep, r)
