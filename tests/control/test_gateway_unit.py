@@ -25,8 +25,9 @@ from nexa.config import GatewayConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import Api, Capability, Priority, QuotaLimits, UsageRecord
+from nexa.contracts.gateway import Api, Capability, Priority, UsageRecord
 from nexa.contracts.models import ModelRef
+from nexa.contracts.usage import QuotaLimits
 from nexa.control import store as st
 from nexa.control.datapath.admission import Admission
 from nexa.control.datapath.calls import Progress, Work
@@ -128,6 +129,11 @@ class FakeModels:
         if name != "chat":
             raise NotFound(f"no alias {name}")
         return types.SimpleNamespace(name=REF.model, version=REF.version)
+
+    def alias(self, name: str) -> tuple[types.SimpleNamespace, None]:
+        """The alias record: `chat` serves no LoRA adapter."""
+        self.resolve(name)
+        return types.SimpleNamespace(adapter=None), None
 
 
 class FakeDeployments:
