@@ -10,7 +10,8 @@ from nexa.cli import common
 from nexa.cli.output import print_json, print_more
 from nexa.cli.tables import QUOTA, QUOTA_SHOW, QUOTAS, USAGE, WORKLOAD, WORKLOADS
 from nexa.contracts.api import ReceiptPublicKey
-from nexa.contracts.gateway import QuotaView, SignedReceipt, UsageReport, WorkloadView
+from nexa.contracts.gateway import SignedReceipt, WorkloadView
+from nexa.contracts.usage import QuotaView, UsageReport
 
 if TYPE_CHECKING:
     from nexa.security import PublicKey

@@ -24,10 +24,11 @@ from nexa.contracts.backup import BackupList, BackupView
 from nexa.contracts.deployments import DeploymentList, DeploymentView
 from nexa.contracts.domain import AuditEvent
 from nexa.contracts.evidence import BenchRun, BenchRunList, Job, JobList
-from nexa.contracts.gateway import QuotaList, QuotaView, UsageRow, WorkloadList, WorkloadView
+from nexa.contracts.gateway import WorkloadList, WorkloadView
 from nexa.contracts.groups import FabricAccess
 from nexa.contracts.models import AliasList, AliasRecord, ModelList, ModelRecord, RuntimeList, RuntimeRecord
 from nexa.contracts.node import NodeInventory
+from nexa.contracts.usage import QuotaList, QuotaView, UsageRow
 
 T = TypeVar("T")
 P = TypeVar("P")

@@ -505,108 +505,6 @@ class UsageRecord:
         )
 
 
-@attrs.frozen(kw_only=True)
-class WindowStats:
-    """Finished requests of one deployment (its canary replicas, or the others) over a recent window."""
-
-    requests: int
-    errors: int
-    #: None when there were no requests.
-    p95_ms: float | None
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-
-@attrs.frozen(kw_only=True)
-class WatchStats:
-    """Finished requests served on some nodes of one deployment over a window (a rollout's watch of
-    its new replicas); the p95s are None where no request measured them."""
-
-    requests: int
-    errors: int
-    p95_ms: float | None = None
-    ttft_p95_ms: float | None = None
-    #: Time per output token after the first: (duration - TTFT) / (completion tokens - 1).
-    tpot_p95_ms: float | None = None
-
-    @property
-    def error_rate(self) -> float:
-        return self.errors / self.requests if self.requests else 0.0
-
-
-@attrs.frozen(kw_only=True)
-class UsageRow:
-    """`GET /api/v1/usage`: one (tenant, model, UTC day) group."""
-
-    tenant: TenantId
-    model: str
-    day: str
-    requests: int
-    errors: int
-    prompt_tokens: int
-    completion_tokens: int
-    #: Media use (`MEDIA_UNITS`): seconds of audio transcribed or translated, characters spoken, images made.
-    audio_seconds: float = 0.0
-    speech_characters: int = 0
-    images: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class UsageReport:
-    since: float
-    until: float
-    #: A page of groups, by day, tenant and model (`contracts.pages`); the CSV form has them all.
-    rows: list[UsageRow]
-    #: The cursor of the next page; None at the end.
-    next_cursor: str | None = None
-
-
-# --- quotas ------------------------------------------------------------------------------------------
-
-
-@attrs.frozen(kw_only=True)
-class QuotaLimits:
-    """`PUT /api/v1/quotas/{tenant}`. None: no limit of that kind. A tenant with no record has none."""
-
-    concurrent_requests: int | None = None
-    requests_per_minute: int | None = None
-    tokens_per_minute: int | None = None
-    tokens_per_day: int | None = None
-    #: Media use per UTC day, in each capability's unit (`MEDIA_UNITS`).
-    audio_seconds_per_day: int | None = None
-    speech_characters_per_day: int | None = None
-    images_per_day: int | None = None
-
-
-@attrs.frozen(kw_only=True)
-class QuotaUse:
-    concurrent_requests: int
-    #: Over the last 60 s (sliding), and since 00:00 UTC.
-    requests_last_minute: int
-    tokens_last_minute: int
-    tokens_today: int
-    #: Media use since 00:00 UTC (`MEDIA_UNITS`), reservations of running requests included.
-    audio_seconds_today: float = 0.0
-    speech_characters_today: int = 0
-    images_today: int = 0
-
-
-@attrs.frozen(kw_only=True)
-class QuotaView:
-    tenant: TenantId
-    limits: QuotaLimits
-    use: QuotaUse
-    updated_at: float | None = None
-    updated_by: KeyId | None = None
-
-
-@attrs.frozen(kw_only=True)
-class QuotaList:
-    quotas: list[QuotaView]
-
-
 # --- OpenAI-shaped errors ----------------------------------------------------------------------------
 
 
@@ -643,14 +541,6 @@ class AnthropicError:
 
 
 # --- validation --------------------------------------------------------------------------------------
-
-
-def quota_problems(limits: QuotaLimits) -> list[str]:
-    return [
-        f"{name}: a positive integer, or null for no limit"
-        for name, value in attrs.asdict(limits).items()
-        if value is not None and (isinstance(value, bool) or value < 1)
-    ]
 
 
 def workload_problems(req: WorkloadCreate) -> list[str]:

@@ -29,10 +29,10 @@ from nexa.contracts import wire
 from nexa.contracts.api import KeyCreate, TenantCreate
 from nexa.contracts.deployments import ReplicaMember
 from nexa.contracts.domain import SYSTEM, NodeAdminState, Role, TenantId
-from nexa.contracts.gateway import QuotaLimits
 from nexa.contracts.groups import GroupMember, GroupRunRecord
 from nexa.contracts.models import ModelRef, RuntimeRecord
 from nexa.contracts.node import RuntimeKind
+from nexa.contracts.usage import QuotaLimits
 from nexa.contracts.wire import DesiredAssignments
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft

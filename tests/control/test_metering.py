@@ -16,7 +16,7 @@ import trio.testing
 from nexa.config import GatewayConfig, Seconds, StoreConfig
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import UsageRecord as Rec
-from nexa.contracts.gateway import UsageReport, UsageRow
+from nexa.contracts.usage import UsageReport, UsageRow
 from nexa.control import store as st
 from nexa.control.datapath.metering import CSV_HEADER, FIRST_PRUNE_S, MAX_TOKEN_COUNT, Meter
 from nexa.errors import StoreError

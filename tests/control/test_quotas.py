@@ -12,7 +12,8 @@ import pytest
 from nexa.config import GatewayConfig, StoreConfig
 from nexa.contracts.api import TenantCreate
 from nexa.contracts.domain import Actor, KeyId, Role, TenantId
-from nexa.contracts.gateway import Api, Capability, QuotaLimits, UsageRecord
+from nexa.contracts.gateway import Api, Capability, UsageRecord
+from nexa.contracts.usage import QuotaLimits
 from nexa.control import store as st
 from nexa.control.access.accounts import Accounts
 from nexa.control.datapath.metering import Meter

@@ -25,8 +25,8 @@ import trio
 
 from nexa.contracts import codec
 from nexa.contracts.deployments import CanaryObjective, Deployment
-from nexa.contracts.gateway import WindowStats
 from nexa.contracts.models import ModelRef
+from nexa.contracts.usage import WindowStats
 from nexa.control import service
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.records import stamped

@@ -9,8 +9,8 @@ import pytest
 
 from nexa.contracts.deployments import Replica, Rollout, RolloutPolicy, Soak
 from nexa.contracts.evidence import ServiceObjectives
-from nexa.contracts.gateway import WatchStats
 from nexa.contracts.models import ModelRef
+from nexa.contracts.usage import WatchStats
 from nexa.control.deployments.soak import breach, held, with_step
 from nexa.errors import ConfigError
 from nexa.simruntime.faults import Faults, FaultsSource, Phase

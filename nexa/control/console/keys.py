@@ -8,7 +8,7 @@ from quart import Blueprint, request
 
 from nexa.contracts.api import KeyCreate
 from nexa.contracts.domain import KeyId, Role, TenantId
-from nexa.contracts.gateway import QuotaLimits
+from nexa.contracts.usage import QuotaLimits
 from nexa.control.console.pages import Console, Context, Refused, View, done, int_field
 from nexa.control.console.sessions import Session
 from nexa.errors import ContractError

@@ -7,8 +7,8 @@ from typing import Final
 from quart import Blueprint
 
 from nexa.contracts.domain import AuditEvent, NodeState
-from nexa.contracts.gateway import QuotaLimits, QuotaUse
 from nexa.contracts.models import ModelState
+from nexa.contracts.usage import QuotaLimits, QuotaUse
 from nexa.control import store as st
 from nexa.control.console.charts import RequestCharts
 from nexa.control.console.pages import Console, Context, View

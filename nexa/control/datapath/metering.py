@@ -36,7 +36,8 @@ import trio
 
 from nexa.config import GatewayConfig
 from nexa.contracts.bounds import MAX_TOKENS
-from nexa.contracts.gateway import UsageRecord, UsageReport, WatchStats, WindowStats
+from nexa.contracts.gateway import UsageRecord
+from nexa.contracts.usage import UsageReport, WatchStats, WindowStats
 from nexa.control import store as st
 from nexa.errors import NexaError
 from nexa.telemetry import INFERENCE_BUCKETS, Children, Metrics

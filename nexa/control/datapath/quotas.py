@@ -51,7 +51,8 @@ import attrs
 import trio
 
 from nexa.contracts.domain import Actor, KeyId, TenantId
-from nexa.contracts.gateway import MEDIA_UNITS, QuotaLimits, QuotaList, QuotaUse, QuotaView, quota_problems
+from nexa.contracts.gateway import MEDIA_UNITS
+from nexa.contracts.usage import QuotaLimits, QuotaList, QuotaUse, QuotaView, quota_problems
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
 from nexa.errors import ContractError, NotFound, QuotaExceeded

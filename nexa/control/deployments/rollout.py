@@ -22,7 +22,7 @@ import trio
 
 from nexa.contracts.deployments import Canary, CanaryObjective
 from nexa.contracts.domain import SYSTEM
-from nexa.contracts.gateway import WindowStats
+from nexa.contracts.usage import WindowStats
 from nexa.control.deployments import Deployments
 
 log = logging.getLogger(__name__)

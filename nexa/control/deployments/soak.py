@@ -10,7 +10,7 @@ import attrs
 
 from nexa.contracts.deployments import MAX_ROLLOUT_STEPS, Replica, Rollout, RolloutPolicy, RolloutStep
 from nexa.contracts.evidence import ServiceObjectives
-from nexa.contracts.gateway import WatchStats
+from nexa.contracts.usage import WatchStats
 
 
 def held(rollout: Rollout, new: list[Replica]) -> bool:

@@ -42,7 +42,7 @@ from nexa.contracts.deployments import (
     rollout_policy_problems,
 )
 from nexa.contracts.domain import SYSTEM, Actor
-from nexa.contracts.gateway import WatchStats
+from nexa.contracts.usage import WatchStats
 from nexa.control.deployments.checks import check_settings, check_shape, deployable_model, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, is_current, pin_specs, spec_now

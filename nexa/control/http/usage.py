@@ -11,7 +11,7 @@ from quart import Response, request
 from nexa.contracts import pages
 from nexa.contracts.api import ReceiptPublicKey
 from nexa.contracts.domain import Role, TenantId
-from nexa.contracts.gateway import QuotaLimits, QuotaList, QuotaView, UsageReport
+from nexa.contracts.usage import QuotaLimits, QuotaList, QuotaView, UsageReport
 from nexa.control.datapath.metering import Meter
 from nexa.control.http.api_io import actor, body, json_response, next_cursor, page, query_float
 from nexa.control.http.declare import ADMIN, AUDITORS, PAGE_QUERY, UNIX_S, Param, route

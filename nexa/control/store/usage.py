@@ -8,7 +8,8 @@ import attrs
 
 from nexa.contracts import codec
 from nexa.contracts.domain import AuditDraft, AuditEvent, KeyId, TenantId
-from nexa.contracts.gateway import QuotaLimits, UsageRecord, UsageRow
+from nexa.contracts.gateway import UsageRecord
+from nexa.contracts.usage import QuotaLimits, UsageRow
 from nexa.control.store.audit import append_audit
 from nexa.control.store.sql import PRUNE_BATCH, Db, as_float, as_int, is_postgres, txn
 
