@@ -227,14 +227,18 @@ def _adapter_findings() -> list[str]:
     from nexa import adapters
     from nexa.adapters.base import MODEL_PATH
     from nexa.adapters.llamacpp import LLAMACPP_VARIANTS
+    from nexa.contracts.gateway import Capability
 
+    # An HTTP route the runtime is told to serve (whisper.cpp's `--inference-path`) is no file.
+    routes = {c.path for c in Capability}
     out = []
     variants = {**{str(k): a for k, a in adapters.ADAPTERS.items()}, **LLAMACPP_VARIANTS}
     for name, adapter in sorted(variants.items()):
         launch = adapter.launch("model", {}, ["nvidia.com/gpu=0"], 18000, model_path=MODEL_PATH)
         where = f"adapter {name}"
         for arg in [*launch.command, *launch.health.command]:
-            out += _value_findings(f"{where}: command", arg)
+            if arg not in routes:
+                out += _value_findings(f"{where}: command", arg)
         for key, value in launch.env.items():
             out += _value_findings(f"{where}: env {key}", value)
             if _CREDENTIAL_NAME.search(key):
