@@ -17,6 +17,7 @@ import trio
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SIM_ARGS, gateway_cluster, sdk, usage_rows, wait_until
+from tests.support.console import sign_in
 from tests.support.models import model_body, upload
 
 
@@ -56,6 +57,13 @@ async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_a
             ("lora_load", ["judge", "coder"]),
         ]
         assert sum(1 for e in events if e["event"] == "completed") == 6
+
+        # The console's models page names each adapter's base, and each alias's adapter.
+        async with httpx.AsyncClient(base_url=cluster.controller.url) as browser:
+            assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+            page = (await browser.get("/console/models")).text
+        assert 'id="lora-base-poet-a1">LoRA adapter on tiny v1</small>' in page
+        assert 'id="alias-adapter-judge">+ LoRA judge a1</span>' in page
 
         async def counted() -> list[dict[str, object]] | None:
             rows = await usage_rows(cluster, tenant=cluster.tenant)
