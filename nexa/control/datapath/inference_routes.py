@@ -194,8 +194,19 @@ _DETOKENIZE_BODY: Final[Json] = {
 CAPABILITY_ALIASES: Final = {"/rerank": Capability.RERANK, "/v2/rerank": Capability.RERANK, "/score": Capability.SCORE}
 
 
-def _pooling(path: str, summary: str, body: Json) -> Route:
-    """A rerank, score or tokenizer route: unary, passed to a runtime whose adapter records serving it."""
+def _served(
+    path: str,
+    summary: str,
+    body: Json,
+    *,
+    answer: Json = _ANY_OBJECT,
+    media: str = "application/json",
+    also: tuple[str, ...] = (),
+    form: bool = False,
+    error_shape: Any = None,
+) -> Route:
+    """A unary route passed only to a runtime whose adapter records serving its capability (rerank,
+    score, the tokenizers, media: `Capability.gated`); 404 `api_not_served` when none does."""
     return Route(
         method="POST",
         path=path,
@@ -204,11 +215,19 @@ def _pooling(path: str, summary: str, body: Json) -> Route:
         tag="openai",
         body=body,
         body_kind="required",
-        answer=_ANY_OBJECT,
+        answer=answer,
+        media=media,
+        also=also,
         params=_HEADERS,
         errors=(*_SERVING, ApiNotServed),
-        error_shape=OpenAIError,  # outside /v1/ too, as vLLM answers there
+        error_shape=error_shape,
+        body_media="multipart/form-data" if form else "application/json",
     )
+
+
+def _pooling(path: str, summary: str, body: Json) -> Route:
+    """A rerank, score or tokenizer route; errors in OpenAI's shape outside /v1/ too, as vLLM answers there."""
+    return _served(path, summary, body, error_shape=OpenAIError)
 
 
 _POOLING_ROUTES: Final = (
@@ -333,24 +352,6 @@ _IMAGES: Final[Json] = {
 }
 
 
-def _media(path: str, summary: str, body: Json, answer: Json, also: tuple[str, ...], *, form: bool = False) -> Route:
-    """A media route (`control.datapath.media`): metered in its own units, not tokens."""
-    return Route(
-        method="POST",
-        path=path,
-        roles=INFERENCE,
-        summary=summary,
-        tag="openai",
-        body=body,
-        body_kind="required",
-        answer=answer,
-        also=also,
-        params=_HEADERS,
-        errors=_SERVING,
-        body_media="multipart/form-data" if form else "application/json",
-    )
-
-
 _ANTHROPIC_HEADERS: Final = (
     Param(
         name="x-api-key",
@@ -427,43 +428,31 @@ ROUTES: Final[tuple[Route, ...]] = (
         errors=_SERVING,
     ),
     *_POOLING_ROUTES,
-    _media(
+    _served(
         "/v1/audio/transcriptions",
         "Transcription (OpenAI): an audio upload to text; metered in seconds of audio",
         _AUDIO_FORM,
-        _TRANSCRIPT,
-        ("text/plain", "text/vtt"),
+        answer=_TRANSCRIPT,
+        also=("text/plain", "text/vtt"),
         form=True,
     ),
-    _media(
+    _served(
         "/v1/audio/translations",
         "Translation (OpenAI): an audio upload to English text; metered in seconds of audio",
         _AUDIO_FORM,
-        _TRANSCRIPT,
-        ("text/plain", "text/vtt"),
+        answer=_TRANSCRIPT,
+        also=("text/plain", "text/vtt"),
         form=True,
     ),
-    Route(
-        method="POST",
-        path="/v1/audio/speech",
-        roles=INFERENCE,
-        summary="Speech (OpenAI): text to audio, streamed back as it is made; metered in characters",
-        tag="openai",
-        body=_SPEECH_BODY,
-        body_kind="required",
+    _served(
+        "/v1/audio/speech",
+        "Speech (OpenAI): text to audio, streamed back as it is made; metered in characters",
+        _SPEECH_BODY,
         answer={"type": "string", "format": "binary"},
         media="audio/mpeg",
         also=("audio/ogg", "audio/aac", "audio/flac", "audio/wav", "audio/pcm"),
-        params=_HEADERS,
-        errors=_SERVING,
     ),
-    _media(
-        "/v1/images/generations",
-        "Image generation (OpenAI); metered in images",
-        _IMAGE_BODY,
-        _IMAGES,
-        (),
-    ),
+    _served("/v1/images/generations", "Image generation (OpenAI); metered in images", _IMAGE_BODY, answer=_IMAGES),
     Route(
         method="POST",
         path="/api/v1/workloads",
