@@ -133,17 +133,25 @@ _NATIVE_LAST: Final = frozenset({"message_stop", "response.completed", "response
 _NATIVE_TEXT: Final = frozenset({"content_block_delta", "response.output_text.delta"})
 
 
-def check_native_event(event: bytes) -> EventCheck:
-    """Check one SSE event of a native API's stream (Anthropic's or the Responses API's grammar):
-    its lines are SSE fields and its data a JSON object with a `type`; the usage it carries is read:
-    `message_start`'s message and `message_delta` (Messages), `response.completed` or
-    `response.incomplete`'s response (Responses)."""
+def _sse_data(event: bytes) -> list[bytes] | None:
+    """The `data:` lines of one SSE event, each without its field name; None when a line is no SSE field."""
     data = []
     for line in event.splitlines():
         if line.startswith(b"data:"):
             data.append(line[5:].removeprefix(b" "))
         elif line and not line.startswith(_SSE_OTHER_FIELDS):
-            return EventCheck("a line that is not an SSE field")
+            return None
+    return data
+
+
+def check_native_event(event: bytes) -> EventCheck:
+    """Check one SSE event of a native API's stream (Anthropic's or the Responses API's grammar):
+    its lines are SSE fields and its data a JSON object with a `type`; the usage it carries is read:
+    `message_start`'s message and `message_delta` (Messages), `response.completed` or
+    `response.incomplete`'s response (Responses)."""
+    data = _sse_data(event)
+    if data is None:
+        return EventCheck("a line that is not an SSE field")
     if not data:
         return _FINE
     obj = event_json(b"\n".join(data))
@@ -258,12 +266,9 @@ def check_event(event: bytes) -> EventCheck:
     `[DONE]` or a JSON object with `choices` (a list of objects) or an `error`, and a sane `usage`
     if it has one. The answer also says whether it carries text (what the controller counts, one
     event a token, when the runtime sends no usage) and a usage object."""
-    data = []
-    for line in event.splitlines():
-        if line.startswith(b"data:"):
-            data.append(line[5:].removeprefix(b" "))
-        elif line and not line.startswith(_SSE_OTHER_FIELDS):
-            return EventCheck("a line that is not an SSE field")
+    data = _sse_data(event)
+    if data is None:
+        return EventCheck("a line that is not an SSE field")
     if not data:
         return _FINE
     joined = b"\n".join(data)

@@ -91,28 +91,13 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
             ref = model_of(dep, r)
             if not (mine or ref == model):
                 continue
+            serving = ServingReplica(
+                replica_id=r.id, node_id=r.node_id, deployment=name, model=ref, routing=dep.routing, serves=served
+            )
             if desired.routable(r):
-                replicas.append(
-                    ServingReplica(
-                        replica_id=r.id,
-                        node_id=r.node_id,
-                        deployment=name,
-                        model=ref,
-                        routing=dep.routing,
-                        serves=served,
-                    )
-                )
+                replicas.append(serving)
             elif desired.fleet.get(r.node_id).state is NodeState.DRAINING and desired.ready(r):
-                draining.append(
-                    ServingReplica(
-                        replica_id=r.id,
-                        node_id=r.node_id,
-                        deployment=name,
-                        model=ref,
-                        routing=dep.routing,
-                        serves=served,
-                    )
-                )
+                draining.append(serving)
         canary = dep.canary
         if canary is None or not mine:
             continue
