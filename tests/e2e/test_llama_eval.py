@@ -17,12 +17,20 @@ from nexa.contracts import codec
 from nexa.contracts.evals import EvalRun
 from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
-from tests.support.api import Json, ok
+from tests.support.api import ok
 from tests.support.models import upload
-from tests.support.realmodel import MIB, Node, cli, ready_on, register_model, wait_for
+from tests.support.realmodel import (
+    LLAMA_SERVER,
+    MIB,
+    Node,
+    cli,
+    llama_server_deployment,
+    ready_on,
+    register_model,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
-RUNTIME = "llama-server"
 TEXT = "The quick brown fox jumps over the lazy dog."
 SUITE = [
     {
@@ -44,17 +52,6 @@ SUITE = [
 ]
 
 
-def deployment(name: str, alias: str, settings: Json) -> Json:
-    return {
-        "name": name,
-        "runtime": RUNTIME,
-        "alias": alias,
-        "replicas": 1,
-        "resources": {"accelerators": 0, "memory_bytes": 512 * MIB, "cpus": 1.0},
-        "options": {"port": 18800, "settings": settings},
-    }
-
-
 async def test_a_suite_measures_a_version_not_yet_approved_on_a_llama_server_evaluation_replica(
     llama_cluster: tuple[Controller, list[Node]],
     s3_store: S3Store,
@@ -65,7 +62,7 @@ async def test_a_suite_measures_a_version_not_yet_approved_on_a_llama_server_eva
     tmp_path: Path,
 ) -> None:
     controller, _nodes = llama_cluster
-    argv = ["runtimes", "register", RUNTIME, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
+    argv = ["runtimes", "register", LLAMA_SERVER, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
     await trio.to_thread.run_sync(cli, controller, *argv, llama_server_image)
     await register_model(controller, s3_store, "tiny", tiny_gguf)
     await register_model(controller, s3_store, "tiny-embed", tiny_embedding_gguf)
@@ -81,9 +78,12 @@ async def test_a_suite_measures_a_version_not_yet_approved_on_a_llama_server_eva
     async with controller.client() as http:
         await ok(http.post("/api/v1/tenants", json={"id": "acme"}), 201)
         key = (await ok(http.post("/api/v1/keys", json={"role": "inference", "tenant": "acme"}), 201))["key"]
-        chat = deployment("chat", "tiny", {"ctx_size": 512, "parallel": 1, "flash_attn": "off"})
+        chat = llama_server_deployment("chat", "tiny", {"ctx_size": 512, "parallel": 1, "flash_attn": "off"})
         await ok(http.post("/api/v1/deployments", json=chat), 201)
-        await ok(http.post("/api/v1/deployments", json=deployment("embed", "tiny-embed", {"embedding": True})), 201)
+        await ok(
+            http.post("/api/v1/deployments", json=llama_server_deployment("embed", "tiny-embed", {"embedding": True})),
+            201,
+        )
     await wait_for(lambda: ready_on(controller, "embed"), "embed Ready")
     suite = tmp_path / "qa.jsonl"
     suite.write_text("".join(json.dumps(case) + "\n" for case in SUITE))
