@@ -354,6 +354,33 @@ def test_with_exit_with_parent_it_stops_when_its_parent_dies(tmp_path: Path) -> 
     raise AssertionError("the runtime outlived its parent")
 
 
+async def test_a_slow_fault_delays_every_answer_and_bad_values_are_named() -> None:
+    from nexa.errors import ConfigError
+    from nexa.simruntime import Faults
+
+    assert Faults.from_json({"slow_ms": 250}).slow_ms == 250.0
+    for bad in ({"slow_ms": -1}, {"slow_ms": True}, {"slow_ms": "1s"}, {"slow_ms": 10**9}):
+        with pytest.raises(ConfigError) as caught:
+            Faults.from_json(bad)
+        assert caught.value.problems[0].startswith("slow_ms:")
+
+
+async def test_a_slow_engine_answers_only_after_its_delay(sim: SimProcess) -> None:
+    sim.start("--ttft-ms", "5", "--tokens-per-s", "1000", "--output-tokens", "2")
+    async with sim.client() as client:
+        with trio.fail_after(TIMEOUT_S):
+            sim.faults.write_text(json.dumps({"slow_ms": 400}))
+            started = time.monotonic()
+            slow = await client.chat.completions.create(model=MODEL, messages=chat("x"))
+            slow_s = time.monotonic() - started
+            streamed = await sim.stream(
+                lambda c: c.chat.completions.create(model=MODEL, messages=chat("x"), stream=True)
+            )
+    assert slow.choices[0].finish_reason == "stop"  # slow, not broken
+    assert slow_s >= 0.4 and streamed.times[0] >= 0.4  # no output before the delay (a lower bound only)
+    assert streamed.error is None and streamed.text()
+
+
 async def test_garble_faults_answer_200_with_what_the_api_does_not_promise(sim: SimProcess) -> None:
     sim.start("--ttft-ms", "1", "--tokens-per-s", "1000", "--output-tokens", "4")
     chat_body = {"model": MODEL, "messages": chat("x")}

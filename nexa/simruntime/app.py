@@ -310,6 +310,7 @@ class SimApp:
     async def _produce(self, work: Work, faults: Faults, send: Send, outcome: Outcome) -> None:
         if faults.hang is Phase.BEFORE or (faults.hang is Phase.AFTER and not work.stream):
             await trio.sleep_forever()
+        await trio.sleep(faults.slow_ms / 1000.0)  # an engine that answers slowly (0: at once)
         if work.kind is Kind.EMBEDDING:
             body = answers.embeddings(work, faults)
             outcome.finished = True

@@ -49,7 +49,8 @@ class Faults:
     (`vllm:num_requests_waiting`), `kv_cache_usage` 0..1 (`vllm:kv_cache_usage_perc`); with
     `metrics_fail` it answers 503 instead (inference is untouched). With `unhealthy`, `/health` answers
     503 (the node's probe then reports the replica Unhealthy; inference is untouched). With
-    `sleep_fail` (sleep mode on), `POST /sleep` answers 500 and the engine stays awake.
+    `sleep_fail` (sleep mode on), `POST /sleep` answers 500 and the engine stays awake. `slow_ms`
+    answers slowly: that many more milliseconds before any output (a bad image's slow engine).
 
     Teaching (faults file only; for evaluation suites): `taught` maps a text to the answer a unary
     chat or completion gets when its prompt contains that text (the first such entry, in file
@@ -75,6 +76,8 @@ class Faults:
     images: tuple[tuple[str, Faults], ...] = ()
     #: With `--enable-sleep-mode`: `POST /sleep` answers 500 and the engine stays awake.
     sleep_fail: bool = False
+    #: Milliseconds more before any output of an inference request (0: none).
+    slow_ms: float = 0.0
 
     def for_image(self, image: str) -> Faults:
         """The faults of a runtime of `image`: its `images` entry's, else these."""
@@ -99,6 +102,7 @@ class Faults:
             "wrong",
             "images",
             "sleep_fail",
+            "slow_ms",
         )
         problems = [f"{key}: unknown key" for key in data if key not in known]
         phases: dict[str, Phase | None] = {}
@@ -123,6 +127,9 @@ class Faults:
         kv_cache_usage = data.get("kv_cache_usage", 0.0)
         if not _fraction(kv_cache_usage):
             problems.append("kv_cache_usage: must be a number from 0 to 1")
+        slow_ms = data.get("slow_ms", 0)
+        if not isinstance(slow_ms, int | float) or isinstance(slow_ms, bool) or not 0 <= slow_ms <= _MAX_SLOW_MS:
+            problems.append(f"slow_ms: must be a number of milliseconds from 0 to {_MAX_SLOW_MS}")
         switches = {key: data.get(key, False) for key in ("metrics_fail", "unhealthy", "sleep_fail")}
         problems += [f"{key}: must be true or false" for key, on in switches.items() if not isinstance(on, bool)]
         taught = data.get("taught", {})
@@ -144,6 +151,7 @@ class Faults:
             wrong=data.get("wrong", False),
             images=tuple(images),
             sleep_fail=switches["sleep_fail"],
+            slow_ms=float(slow_ms),
         )
 
 
@@ -183,6 +191,8 @@ _MAX_TAUGHT: Final = 256
 _MAX_TAUGHT_CHARS: Final = 4096
 #: The longest queue a faults file may claim.
 _MAX_QUEUE: Final = 1_000_000
+#: The most `slow_ms` (ten minutes: longer is a hang, `hang`).
+_MAX_SLOW_MS: Final = 600_000
 
 
 def _fraction(value: object) -> bool:

@@ -5,7 +5,8 @@ official `openai` SDK the whole time.
 A new runtime image that works rolls through replica by replica: each new replica soaks (a
 short `soak_s` here) before the next old one is stopped. A bad image (its runtime fails every
 request before any output, by the sim runtime's faults file, `images`) is reverted after its
-first replica: the revert is audited with the figures, counted, and its rollout job failed.
+first replica: the revert is audited with the figures, counted, and its rollout job failed. So is
+one whose runtime answers slowly (the faults' `slow_ms`), by the deployment's latency objectives.
 
 "No request failed that had not started" is exact here: the bad runtime answers every request
 with an error before its first byte, so every attempt it gets is retried on another replica by
@@ -57,7 +58,7 @@ async def register(cluster: SimCluster, name: str, image: str) -> None:
         await ok(http.post("/api/v1/runtimes", json=body), 201)
 
 
-async def deploy_full(cluster: SimCluster) -> None:
+async def deploy_full(cluster: SimCluster, *, policy: Json = POLICY, objectives: Json | None = None) -> None:
     """Four replicas of alias `chat`, each reserving more than half a node's memory: no spare room."""
     async with cluster.client() as http:
         nodes = (await ok(http.get("/api/v1/nodes")))["nodes"]
@@ -70,7 +71,8 @@ async def deploy_full(cluster: SimCluster) -> None:
             "replicas": 4,
             "resources": {"accelerators": 0, "memory_bytes": int(total * 0.55), "cpus": 0.5},
             "options": {"port": port, "command": SIM_ARGS},
-            "rollout_policy": POLICY,
+            "rollout_policy": policy,
+            **({"objectives": objectives} if objectives else {}),
         }
         await ok(http.post("/api/v1/deployments", json=body), 201)
         surge = {**body, "name": "probe", "replicas": 1}
@@ -222,3 +224,40 @@ async def test_a_new_image_rolls_replica_by_replica_and_a_bad_one_is_reverted_af
             [undo] = await audit(http, "deployment.rollout.undo")
             assert undo["actor_key_id"]
             assert len(await audit(http, "deployment.rollout.revert")) == 1  # nothing more was reverted
+
+
+async def test_an_image_that_answers_slowly_is_reverted_by_the_latency_objectives(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    cfg = registry_config(tmp_path, s3_store)
+    async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=4) as cluster:
+        host = test_images.busybox.partition("/")[0]
+        slow = await trio.to_thread.run_sync(push_index, host, "nexa-test/rollout-slow", BAD_PLATFORMS)
+        await register(cluster, "sim-slow", slow)
+        for node in cluster.nodes:
+            node.set_faults(images={slow.partition("@")[2]: {"slow_ms": 1500}})
+        # A long enough soak for the slow replica to finish its few requests; they decide from 3 on.
+        policy = {"soak_s": 8.0, "min_requests": 3}
+        await deploy_full(cluster, policy=policy, objectives={"ttft_p95_ms": 750, "e2e_p95_ms": 750})
+
+        stop = trio.Event()
+        outcomes: list[list[str]] = [[] for _ in range(CLIENTS)]
+        async with trio.open_nursery() as clients:
+            for mine in outcomes:
+                clients.start_soon(trio.to_thread.run_sync, send_steadily, cluster, stop, mine)
+            try:
+                await change(cluster, "sim-slow")
+                async with cluster.client() as http:
+
+                    async def reverted() -> list[Json]:
+                        return await audit(http, "deployment.rollout.revert")
+
+                    [revert] = await wait_until("the slow image reverted", reverted)
+                assert "broke the objectives (" in revert["detail"] and " p95 " in revert["detail"], revert
+                assert "error rate" not in revert["detail"].partition(")")[0]  # its answers were not errors
+                assert "back to runtime sim" in revert["detail"]
+                await wait_until("the first image back everywhere", lambda: rolled_to(cluster, "sim"))
+            finally:
+                stop.set()
+        every = [o for mine in outcomes for o in mine]
+        assert every and all(o == "ok" for o in every), [o for o in every if o != "ok"][:5]
