@@ -31,11 +31,11 @@ from nexa.control.datapath.gateway import Gateway
 from nexa.control.datapath.metering import MAX_TOKEN_COUNT, Meter
 from nexa.control.datapath.relay import Relay
 from nexa.control.datapath.routing import Router
-from nexa.errors import NotFound, RuntimeFailed
+from nexa.errors import RuntimeFailed
 from nexa.telemetry import Metrics
+from tests.support.gatewayrig import REF, FakeModels
 
 Frame = tuple[str, bytes, bytes]
-REF = ModelRef(model="tiny", version="v1")
 MESSAGES = [{"role": "user", "content": "hello there, how are you"}]
 CHAT_ANSWER = {
     "id": "chatcmpl-1",
@@ -101,26 +101,6 @@ class ScriptedNode:
         for kind, head, body in frames:
             self.relay.deliver(node_id, wire.DataFrame(kind=kind, request_id=request_id, head=head, body=body))
             await trio.lowlevel.checkpoint()
-
-
-class FakeModels:
-    """One alias, `chat`, on `tiny@v1`."""
-
-    @attrs.frozen
-    class _Version:
-        name: str
-        version: str
-
-    def resolve(self, name: str) -> FakeModels._Version:
-        if name != "chat":
-            raise NotFound(f"no alias {name}")
-        return self._Version("tiny", "v1")
-
-    def model(self, name: str, version: str) -> FakeModels._Version:
-        return self._Version(name, version)
-
-    def aliases(self) -> list[object]:
-        return []
 
 
 class FakeDeployments:

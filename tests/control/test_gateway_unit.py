@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import types
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -39,14 +38,13 @@ from nexa.errors import (
     ChannelError,
     ModelNotServed,
     NoReadyReplica,
-    NotFound,
     QuotaExceeded,
     RuntimeFailed,
     RuntimeRejected,
 )
 from nexa.telemetry import Metrics
+from tests.support.gatewayrig import REF, FakeModels
 
-REF = ModelRef(model="tiny", version="v1")
 BACKOFF_S = 0.05
 ACME = TenantId("acme")
 ANSWER = json.dumps(
@@ -120,20 +118,6 @@ class FakeRelay:
             yield FakeStream(script.chunks, script.end, hang=script.hang)
         finally:
             self.open_now -= 1
-
-
-class FakeModels:
-    """The model registry as the gateway reads it: the alias `chat` only, on tiny@v1."""
-
-    def resolve(self, name: str) -> types.SimpleNamespace:
-        if name != "chat":
-            raise NotFound(f"no alias {name}")
-        return types.SimpleNamespace(name=REF.model, version=REF.version)
-
-    def alias(self, name: str) -> tuple[types.SimpleNamespace, None]:
-        """The alias record: `chat` serves no LoRA adapter."""
-        self.resolve(name)
-        return types.SimpleNamespace(adapter=None), None
 
 
 class FakeDeployments:
