@@ -11,8 +11,9 @@ The source is the whisper.cpp that the pywhispercpp sdist on PyPI vendors (`whis
 in `cache_dir()`: the tests also read its `samples/jfk.wav` and the vocabulary of its
 `models/for-tests-ggml-tiny.bin` (`nexa.localparts.tinywhisper`). It is built with cmake for the CPU
 (no native tuning, no SDL, no ffmpeg, no curl, no tests), the `whisper-server` target only, and packed
-into `cache_dir()` under a name keyed by the recipe: the first run builds it, later runs unpack it. The
-image is built on the cached Debian python image (`images.build_python_image`), which carries bash,
+into `cache_dir()` under a name keyed by the recipe: the first run builds it (41 steps, about 110 s of
+CPU: 2.5 to 5 minutes on a 2-core machine shared with other work), later runs unpack it. The image is
+built on the cached Debian python image (`images.build_python_image`), which carries bash,
 curl and libgomp.
 """
 
@@ -54,6 +55,7 @@ CMAKE_ARGS: Final = (
 GGML_PROJECT_FLAGS: Final = 'set(CMAKE_C_FLAGS_RELEASE "-O3 -DNDEBUG")\nset(CMAKE_CXX_FLAGS_RELEASE "-O3 -DNDEBUG")\n'
 BUILD_TARGET: Final = "whisper-server"
 BUILD_JOBS: Final = 2
+#: About 110 s of CPU; a slower or busier machine gets this long.
 BUILD_TIMEOUT_S: Final = 3600.0
 DOWNLOAD_TIMEOUT_S: Final = 900.0
 #: Where the published image has its programs (`/app/build/bin`, on PATH) and its working directory.
