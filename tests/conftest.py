@@ -38,10 +38,12 @@ pytest_plugins = ["tests.realparts"]
 IN_CI = os.environ.get("CI") == "true"
 FIXTURES = Path(__file__).parent / "fixtures"
 #: Session fixtures that take 20 s or more to make: the arm64 binary (an emulated Debian root, pip and
-#: PyInstaller), the llama-cpp-python image (its wheel), llama.cpp's C++ server (builds of minutes on a
-#: fresh machine) and the signed release reports (a `nexa sim` run). A test that uses one must be marked
-#: `slow`, so the fast lane (`-m "not slow"`) never starts them.
-SLOW_FIXTURES = frozenset({"arm64_binary", "llama_image", "llama_server_image", "signed_reports"})
+#: PyInstaller), the llama-cpp-python image (its wheel), llama.cpp's and whisper.cpp's C++ servers
+#: (builds of minutes on a fresh machine) and the signed release reports (a `nexa sim` run). A test that
+#: uses one must be marked `slow`, so the fast lane (`-m "not slow"`) never starts them.
+SLOW_FIXTURES = frozenset(
+    {"arm64_binary", "llama_image", "llama_server_image", "signed_reports", "whisper_server_image"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -409,6 +409,27 @@ def test_media_runtimes_record_the_media_apis_they_serve_from_their_own_docs() -
     assert launch.command[launch.command.index("--inference-path") + 1] == Capability.TRANSCRIPTION.path
     assert "--threads" in launch.command and "--model" in launch.command
     assert adapters.extra_args_refusals(RuntimeKind.WHISPERCPP, {}, ["--inference-path", "/x"])
+    # Pinned to whisper.cpp's examples/server/server.cpp (v1.8.5, as pywhispercpp 1.5.1 vendors it; the
+    # server tests/e2e/test_whisper_server.py builds): the flags its argument loop reads, `--host`
+    # (127.0.0.1 by default, so nexa always gives it), `--port`, `--model`; flash attention is on by
+    # default (`flash_attn = true`), so only `--no-flash-attn` turns it off.
+    assert [launch.command[launch.command.index(f) + 1] for f in ("--port", "--model")] == [
+        "18500",
+        "/models/whisper-tiny/model.bin",
+    ]
+    assert "--host" in launch.command
+    flags = {name: option.flag for name, option in whisper.options.items()}
+    assert flags == {
+        "threads": "--threads",
+        "processors": "--processors",
+        "language": "--language",
+        "convert": "--convert",
+        "no_gpu": "--no-gpu",
+        "flash_attn": "--flash-attn",
+        "no_flash_attn": "--no-flash-attn",
+    }
+    off = whisper.launch("w", {"no_flash_attn": True, "language": "auto"}, gpus=[], port=1, model_path="/m")
+    assert "--no-flash-attn" in off.command and off.command[off.command.index("--language") + 1] == "auto"
     # vLLM serves Whisper's transcription and translation; the LLM servers no media.
     vllm = adapters.adapter_for(RuntimeKind.VLLM, {})
     assert vllm.serves(Capability.TRANSCRIPTION, {}) and vllm.serves(Capability.TRANSLATION, {})

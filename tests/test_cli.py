@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nexa.contracts.models import ModelFormat
+from nexa.contracts.node import RuntimeKind
 from tests.conftest import ControllerProcess, require_tool
 
 
@@ -179,6 +181,21 @@ def test_version_and_help() -> None:
     assert out.returncode == 0 and out.stdout.startswith("nexa ")
     bare = subprocess.run([sys.executable, "-m", "nexa"], capture_output=True, text=True, timeout=60)
     assert bare.returncode == 2 and "control" in bare.stderr
+
+
+@pytest.mark.parametrize(
+    ("noun", "flag", "wanted"),
+    [("runtimes", "--kind", {str(k) for k in RuntimeKind}), ("models", "--format", {str(f) for f in ModelFormat})],
+)
+def test_register_takes_every_kind_and_format_whisper_cpp_too(noun: str, flag: str, wanted: set[str]) -> None:
+    """The controller takes every `RuntimeKind` and `ModelFormat`; the CLI once offered hand-kept lists
+    without whisper.cpp's `whispercpp` and `ggml`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "nexa", noun, "register", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    choices = out.stdout.split(f"{flag} {{", 1)[1].split("}", 1)[0]
+    assert set(choices.split(",")) == wanted, choices
 
 
 @pytest.mark.slow  # about 20 CLI runs: 28 s on a busy 2-core machine

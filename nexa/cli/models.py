@@ -14,7 +14,15 @@ from nexa.cli import common
 from nexa.cli.output import cell, print_json, size_text
 from nexa.cli.tables import MODELS
 from nexa.contracts.kvcache import kv_cache_bytes
-from nexa.contracts.models import EvaluationResult, LicenseRecord, ModelDetail, ModelList, ModelRecord, Verification
+from nexa.contracts.models import (
+    EvaluationResult,
+    LicenseRecord,
+    ModelDetail,
+    ModelFormat,
+    ModelList,
+    ModelRecord,
+    Verification,
+)
 from nexa.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -22,7 +30,8 @@ if TYPE_CHECKING:
     from nexa.push import Held
 
 EXIT_OK: Final = 0
-MODEL_FORMATS: Final = ("gguf", "safetensors", "onnx", "tensorrt", "tar")
+#: Every format the controller takes (a hand-kept list once left whisper.cpp's `ggml` out).
+MODEL_FORMATS: Final = tuple(str(f) for f in ModelFormat)
 MODEL_STATES: Final = ("Candidate", "Verified", "Evaluated", "Approved", "Retired")
 
 

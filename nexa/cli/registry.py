@@ -11,9 +11,11 @@ from nexa.cli.output import emit, print_json, ref
 from nexa.cli.tables import ALIASES, RUNTIMES, platforms, print_image_configs
 from nexa.contracts.groups import FabricAccess
 from nexa.contracts.models import AliasDetail, AliasReceipt, ModelRef, RuntimeRegistered
+from nexa.contracts.node import RuntimeKind
 
 EXIT_OK: Final = 0
-RUNTIME_KINDS: Final = ("vllm", "sglang", "trtllm", "llamacpp", "sim")
+#: Every kind the controller takes (a hand-kept list once left `whispercpp` out).
+RUNTIME_KINDS: Final = tuple(str(k) for k in RuntimeKind)
 FABRIC_CHOICES: Final = tuple(str(f) for f in FabricAccess)
 
 

@@ -11,8 +11,9 @@ Nothing here is used by `nexa control` or `nexa node` in production: there the r
 store, podman and the images are the operator's.
 
 One module per part: `registry`, `seaweed` (the S3 store), `postgres`, `podman` (the private service),
-`images` (the python and llama-cpp-python images); `children` runs and stops their processes and `http` is their
-one HTTP client. The names below are the public ones.
+`images` (the python and llama-cpp-python images), `llamaserver` and `whisperserver` (llama.cpp's and
+whisper.cpp's own C++ servers, built from source), `tinywhisper` (a tiny Whisper model for the latter);
+`children` runs and stops their processes and `http` is their one HTTP client. The names below are the public ones.
 """
 
 from nexa.localparts.children import (
@@ -65,6 +66,14 @@ from nexa.localparts.seaweed import (
     s3_identities,
     weed_argv,
 )
+from nexa.localparts.tinywhisper import make_tiny_whisper
+from nexa.localparts.whisperserver import (
+    build_whisper_server_image,
+    whisper_sdist,
+    whisper_server_build,
+    whisper_server_name,
+    whisper_server_parts_missing,
+)
 
 __all__ = [
     "LLAMA_DIST",
@@ -80,6 +89,7 @@ __all__ = [
     "build_llama_image",
     "build_llama_server_image",
     "build_python_image",
+    "build_whisper_server_image",
     "cache_dir",
     "dist_closure",
     "find_debootstrap",
@@ -92,6 +102,7 @@ __all__ = [
     "llama_server_name",
     "llama_server_parts_missing",
     "llama_version",
+    "make_tiny_whisper",
     "postgres_missing",
     "project_containers_conf",
     "python_rootfs",
@@ -103,4 +114,8 @@ __all__ = [
     "unmount_below",
     "wait_until",
     "weed_argv",
+    "whisper_sdist",
+    "whisper_server_build",
+    "whisper_server_name",
+    "whisper_server_parts_missing",
 ]

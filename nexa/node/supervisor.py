@@ -407,8 +407,14 @@ class Supervisor:
                 await trio.sleep(self._on_failure(w, exc))
             else:
                 if exited is not None and exited.exit_code == EXIT_PROGRAM_MISSING and w.state is State.STARTING:
-                    # 127 before it was ever Ready: the program (behind an exec wrapper) was not found.
-                    missing = self._program_missing(w, f"exited with code {EXIT_PROGRAM_MISSING} (command not found)")
+                    # 127 before it was ever Ready: the program (behind an exec wrapper) was not found, or
+                    # the dynamic loader found no shared library it needs (ld.so exits 127 too: a server
+                    # whose RUNPATH does not reach its libraries in the image).
+                    missing = self._program_missing(
+                        w,
+                        f"exited with code {EXIT_PROGRAM_MISSING}: command not found, or a shared library it needs "
+                        "is missing (see the container's log)",
+                    )
                     self._set(w, State.FAILED, reason="runtime_program_missing", detail=missing.detail)
                     await trio.sleep_forever()
                 await trio.sleep(self._on_exit(w, exited))

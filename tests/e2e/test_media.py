@@ -134,6 +134,8 @@ async def test_bad_uploads_are_typed_4xx_nothing_runs_and_the_controller_serves_
     rows = await usage_rows(cluster, tenant="acme")
     assert sum(r["requests"] for r in rows) == 2
     assert sum(r["errors"] for r in rows) == 1
+    # Audio seconds only for the served form: the unknown model's upload ran on no runtime.
+    assert sum(r["audio_seconds"] for r in rows) == pytest.approx(0.1)
 
 
 async def test_media_quotas_count_in_their_units_and_refuse_in_openai_shape(cluster: SimCluster) -> None:

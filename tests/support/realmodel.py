@@ -54,11 +54,13 @@ class Node:
                 self.proc.wait(timeout=10)
 
 
-def node_config(tmp: Path, name: str, host: str, s3: S3Store, podman: PodmanService) -> Path:
+def node_config(
+    tmp: Path, name: str, host: str, s3: S3Store, podman: PodmanService, runtimes: tuple[str, ...] = ("llamacpp",)
+) -> Path:
     state = tmp / name
     creds = write_credentials(tmp / "node-s3.json", s3)
     inventory = tmp / f"{name}-inventory.json"
-    inventory.write_text(json.dumps({"labels": {"board": "cpu"}, "runtimes": ["llamacpp"]}))
+    inventory.write_text(json.dumps({"labels": {"board": "cpu"}, "runtimes": list(runtimes)}))
     config = tmp / f"{name}.toml"
     config.write_text(
         f'state_dir = "{state}"\ninventory_path = "{inventory}"\ninventory_poll_interval_s = 0.5\n'
@@ -86,9 +88,12 @@ async def register_llama_runtime(controller: Controller, image: str) -> None:
     await trio.to_thread.run_sync(cli, controller, *argv)
 
 
-async def register_model(controller: Controller, s3: S3Store, name: str, gguf: Path, *, lora_for: str = "") -> None:
+async def register_model(
+    controller: Controller, s3: S3Store, name: str, gguf: Path, *, lora_for: str = "", fmt: str = "gguf"
+) -> None:
     """Upload the GGUF, then over the CLI: register, licence, verify, evaluate, approve, alias. With
-    `lora_for` (`base@version`) it is a LoRA adapter for that base, and its alias serves it there."""
+    `lora_for` (`base@version`) it is a LoRA adapter for that base, and its alias serves it there; `fmt`:
+    the model's format (`ggml` for a whisper.cpp model)."""
     art = await upload(s3, await trio.to_thread.run_sync(gguf.read_bytes))
     base, _, base_version = lora_for.partition("@")
     lora = ["--kind", "lora", "--base", lora_for] if lora_for else []
@@ -106,7 +111,7 @@ async def register_model(controller: Controller, s3: S3Store, name: str, gguf: P
             "--size",
             str(art.size),
             "--format",
-            "gguf",
+            fmt,
             "--memory",
             str(256 * MIB),
             "--source",
@@ -175,14 +180,15 @@ async def real_cluster(
     *,
     labels: Callable[[Node], str] | None = None,
     count: int = 2,
+    runtimes: tuple[str, ...] = ("llamacpp",),
 ) -> AsyncIterator[tuple[Controller, list[Node]]]:
     """A controller and `count` (at most 9) enrolled `nexa node` agents (cpu-1 on 127.0.0.11, cpu-2
     on .12, ...) on the run's podman, all Ready; `labels`: each node's labels (`k=v,k2=v2`, the
-    admin's, through its enrollment token)."""
+    admin's, through its enrollment token); `runtimes`: the runtime kinds their inventories allow."""
     controller = await start_controller(nursery, registry_config(tmp_path, s3_store))
     hosts = {f"cpu-{i}": f"{loopback_net()}.1{i}" for i in range(1, count + 1)}
     nodes = [
-        Node(name=name, host=host, config=node_config(tmp_path, name, host, s3_store, podman_service))
+        Node(name=name, host=host, config=node_config(tmp_path, name, host, s3_store, podman_service, runtimes))
         for name, host in hosts.items()
     ]
     try:

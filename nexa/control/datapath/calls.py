@@ -120,7 +120,8 @@ class Progress:
     node_ms: float | None = None
     #: Set by `end`, once.
     outcome: CallOutcome | None = None
-    #: A media call's use in its capability's unit (`MEDIA_UNITS`), set by `control.datapath.media`.
+    #: A media call's use in its capability's unit (`MEDIA_UNITS`), set by `control.datapath.media`
+    #: (up front, for the quota's reservation); its outcome has it only if a replica answered.
     units: float = 0.0
     #: The LoRA adapter the alias served on `model` (None: none).
     adapter: ModelRef | None = None
@@ -191,7 +192,9 @@ class Progress:
             finished_at=time.time(),
             attempts=self.attempts,
             opened=self.opened,
-            units=self.units,
+            # Media units count once a replica answered: a call refused before any runtime ran it
+            # (no replica, an API its runtimes do not serve, …) used nothing, as a text call's tokens.
+            units=self.units if self.answered is not None else 0.0,
             adapter=self.adapter,
         )
         return self.outcome
