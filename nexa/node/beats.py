@@ -36,11 +36,12 @@ def changed(last: Sent | None, state: wire.Heartbeat) -> bool:
 def steady(state: wire.Heartbeat) -> wire.Heartbeat:
     """`state` without what moves by itself between two reads: the clock of discovery, GPU
     telemetry, free memory (compared with a step: `changed`), each load's age and the free room of
-    the runtime cache's filesystem (other programs write there too)."""
+    the artifact and runtime caches' filesystems (other programs write there too)."""
     return attrs.evolve(
         state,
         inventory=steady_inventory(state.inventory),
         free_memory_bytes=0,
+        cache_disk=attrs.evolve(state.cache_disk, free_bytes=0) if state.cache_disk is not None else None,
         runtime_cache=attrs.evolve(state.runtime_cache, free_bytes=0) if state.runtime_cache is not None else None,
         assignments=[
             attrs.evolve(s, load=attrs.evolve(s.load, age_s=0.0)) if s.load is not None else s

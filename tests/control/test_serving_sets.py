@@ -27,6 +27,7 @@ from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry
 from nexa.control.deployments.views import ServingSets, serving
 from nexa.control.fleet.nodes import Fleet
+from nexa.errors import NotFound
 from nexa.telemetry import Metrics
 from tests.conftest import gb10_inventory
 from tests.support.deployments import placed_deployment
@@ -71,6 +72,13 @@ class Parts:
         return [r.replica_id for r in cached.replicas]
 
 
+class NoRegistry:
+    """A registry that knows no runtime: a serving set then records no gated API served."""
+
+    def runtime(self, name: str) -> None:
+        raise NotFound(f"no runtime {name}")
+
+
 @pytest.fixture
 async def parts(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[Parts]:
     metrics = Metrics()
@@ -91,7 +99,7 @@ async def parts(tmp_path: Path, store_cfg: StoreConfig) -> AsyncIterator[Parts]:
             store,
             metrics,
             fleet,
-            models=None,  # type: ignore[arg-type]  # no new replica is placed here
+            models=NoRegistry(),  # type: ignore[arg-type]  # no new replica is placed here
             southbound=NoPush(),  # type: ignore[arg-type]
             placement=PlacementConfig(),
         )

@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.testing
 
+from nexa import security
 from nexa.config import StoreConfig
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import (
@@ -348,11 +349,13 @@ async def test_a_call_no_replica_answered_gives_a_receipt_naming_no_model(worklo
 async def test_a_receipt_from_an_outcome_signs_the_same_bytes_as_the_field_by_field_one(
     workloads: Workloads, signer: SigningKey
 ) -> None:
-    """The receipt's fields (what is signed) are unchanged, so receipts made before still verify."""
+    """The receipt's fields (what is signed) are unchanged but for the LoRA adapter, last and left out
+    of the signed bytes when empty, so receipts made before still verify."""
     assert [f.name for f in attrs.fields(Receipt)] == [
         "receipt_id", "workload_id", "idempotency_key_sha256", "tenant", "key_id", "capability", "alias",
         "model", "model_version", "deployment", "node_id", "state", "error", "prompt_tokens",
         "completion_tokens", "queue_ms", "ttft_ms", "duration_ms", "accepted_at", "finished_at", "controller_epoch",
+        "adapter",
     ]  # fmt: skip
     active = await begin(workloads)
     outcome = outcome_of(active)
@@ -370,3 +373,8 @@ async def test_a_receipt_from_an_outcome_signs_the_same_bytes_as_the_field_by_fi
     old = sign_receipt(signer, by_hand)
     verify_receipt(signer.public, old)
     assert sign_receipt(signer, attrs.evolve(derived, alias="chat")).signature == old.signature
+    # Without an adapter the signed bytes are those of a receipt from before adapters; with one, it is signed.
+    served = attrs.evolve(by_hand, adapter="poet:a1")
+    assert b'"adapter"' not in security._receipt_bytes(by_hand)
+    assert b'"adapter":"poet:a1"' in security._receipt_bytes(served)
+    verify_receipt(signer.public, sign_receipt(signer, served))
