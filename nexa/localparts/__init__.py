@@ -12,8 +12,9 @@ store, podman and the images are the operator's.
 
 One module per part: `registry`, `seaweed` (the S3 store), `postgres`, `podman` (the private service),
 `images` (the python and llama-cpp-python images), `llamaserver` and `whisperserver` (llama.cpp's and
-whisper.cpp's own C++ servers, built from source), `tinywhisper` (a tiny Whisper model for the latter);
-`children` runs and stops their processes and `http` is their one HTTP client. The names below are the public ones.
+whisper.cpp's own C++ servers, built from source with what `cmake` shares), `tinywhisper` (a tiny
+Whisper model for the latter); `children` runs and stops their processes and `http` is their one HTTP
+client. The names below are the public ones.
 """
 
 from nexa.localparts.children import (

@@ -27,9 +27,16 @@ import tarfile
 from pathlib import Path
 from typing import Final
 
-from nexa.errors import ConfigError, Unavailable
-from nexa.localparts.children import tail
-from nexa.localparts.images import build_image, cached_build, recipe_name, run_grouped
+from nexa.errors import ConfigError
+from nexa.localparts.cmake import (
+    DOWNLOAD_TIMEOUT_S,
+    GGML_PROJECT_FLAGS,
+    cmake_build,
+    pack,
+    parts_missing,
+    run_logged,
+)
+from nexa.localparts.images import build_image, cached_build, recipe_name
 from nexa.localparts.podman import LocalPodman
 
 #: The sdist whose `vendor/llama.cpp` is built (the version the llama-cpp-python runtime image carries).
@@ -56,16 +63,9 @@ CMAKE_ARGS: Final = (
     "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG",
     "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG",
 )
-#: Included by cmake where the ggml project starts (`CMAKE_PROJECT_ggml_INCLUDE`): ggml's own targets
-#: (its CPU backend's kernels among them) are built at -O3 as a Release build has them.
-GGML_PROJECT_FLAGS: Final = 'set(CMAKE_C_FLAGS_RELEASE "-O3 -DNDEBUG")\nset(CMAKE_CXX_FLAGS_RELEASE "-O3 -DNDEBUG")\n'
 BUILD_TARGET: Final = "llama-server"
 #: The RPC backend's worker program, built beside the server (tools/rpc: target `ggml-rpc-server`).
 RPC_TARGET: Final = "ggml-rpc-server"
-BUILD_JOBS: Final = 2
-#: About 7 minutes of a quiet 2-core machine (830 s of CPU); a slower or busier one gets this long.
-BUILD_TIMEOUT_S: Final = 3600.0
-DOWNLOAD_TIMEOUT_S: Final = 900.0
 #: The built shared libraries llama-cpp-python loads (its CMakeLists installs `llama`, the `ggml` family and
 #: `mtmd` into `llama_cpp/lib`); the server's own (`llama-common`, `llama-server-impl`) are left out.
 PYTHON_LIBS: Final = ("libllama.so*", "libggml*.so*", "libmtmd.so*")
@@ -88,8 +88,7 @@ def llama_server_name() -> str:
 
 def llama_server_parts_missing() -> str | None:
     """What building the server here lacks, in one line; None if nothing."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    return f"{' and '.join(missing)} (apt-get install cmake g++)" if missing else None
+    return parts_missing()
 
 
 def llama_server_build(cache: Path, *, rebuild: bool = False) -> tuple[Path, bool]:
@@ -101,54 +100,25 @@ def llama_server_build(cache: Path, *, rebuild: bool = False) -> tuple[Path, boo
 
 
 def _build(dest: Path) -> None:
+    """About 7 minutes of a quiet 2-core machine (830 s of CPU)."""
     if problem := llama_server_parts_missing():
         raise ConfigError(f"building llama-server needs {problem}")
     work = dest.with_name(f".{dest.name}.build.{os.getpid()}")
-    packed = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         work.mkdir()
         name, version = LLAMA_SERVER_SDIST
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                "--no-binary",
-                ":all:",
-                "--no-deps",
-                "--dest",
-                str(work),
-                "--disable-pip-version-check",
-                f"{name}=={version}",
-            ],
-            work / "download.log",
-            DOWNLOAD_TIMEOUT_S,
+        pip = [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "--dest", str(work)]
+        run_logged(
+            [*pip, "--disable-pip-version-check", f"{name}=={version}"], work / "download.log", DOWNLOAD_TIMEOUT_S
         )
         (sdist,) = work.glob("*.tar.gz")
         with tarfile.open(sdist) as archive:
             archive.extractall(work / "src", filter="data")
         (source,) = (work / "src").glob("*/vendor/llama.cpp")
-        build = work / "build"
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        ggml_flags = work / "ggml-flags.cmake"
-        ggml_flags.write_text(GGML_PROJECT_FLAGS)
-        configure = [*generator, *CMAKE_ARGS, f"-DCMAKE_PROJECT_ggml_INCLUDE={ggml_flags}"]
-        _run(["cmake", "-S", str(source), "-B", str(build), *configure], work / "cmake.log", 600)
-        _run(
-            ["cmake", "--build", str(build), "--target", BUILD_TARGET, RPC_TARGET, f"-j{BUILD_JOBS}"],
-            work / "build.log",
-            BUILD_TIMEOUT_S,
-        )
-        binaries = build / "bin"
-        with tarfile.open(packed, "w:gz") as archive:
-            for path in sorted([binaries / BUILD_TARGET, binaries / RPC_TARGET, *binaries.glob("lib*.so*")]):
-                archive.add(path, arcname=path.name)  # symbolic links stay links
-        with packed.open("rb") as f:
-            os.fsync(f.fileno())
-        packed.replace(dest)
+        binaries = cmake_build(source, work, CMAKE_ARGS, [BUILD_TARGET, RPC_TARGET]) / "bin"
+        files = sorted([binaries / BUILD_TARGET, binaries / RPC_TARGET, *binaries.glob("lib*.so*")])
+        pack(dest, [(path, path.name) for path in files])
     finally:
-        packed.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -170,7 +140,7 @@ def llama_cpp_python_wheel(cache: Path) -> Path:
             env = {**os.environ, "CMAKE_ARGS": "-DLLAMA_BUILD=OFF"}
             pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
             # No pip cache: a wheel without libraries must never be handed to another install.
-            _run(
+            run_logged(
                 [
                     *pip,
                     "wheel",
@@ -187,7 +157,7 @@ def llama_cpp_python_wheel(cache: Path) -> Path:
                 env=env,
             )
             (bare,) = (work / "bare").glob("*.whl")
-            _run(
+            run_logged(
                 [sys.executable, "-m", "wheel", "unpack", "-d", str(work / "tree"), str(bare)], work / "unpack.log", 120
             )
             (tree,) = (work / "tree").iterdir()
@@ -199,20 +169,15 @@ def llama_cpp_python_wheel(cache: Path) -> Path:
             for lib in sorted((work / "libs").iterdir()):
                 shutil.copyfile(lib, libs / lib.name)  # a wheel holds no links: each name is a copy, as upstream's
             (work / "out").mkdir()
-            _run([sys.executable, "-m", "wheel", "pack", "-d", str(work / "out"), str(tree)], work / "pack.log", 120)
+            run_logged(
+                [sys.executable, "-m", "wheel", "pack", "-d", str(work / "out"), str(tree)], work / "pack.log", 120
+            )
             (work / "out" / wheel).replace(dest)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
     path, _ = cached_build(folder, wheel, build, rebuild=False, clear=lambda d: shutil.rmtree(d, ignore_errors=True))
     return path
-
-
-def _run(argv: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> None:
-    """`argv` in its own process group (a timeout or an interrupt ends it and its children), output to `log`."""
-    returncode = run_grouped(argv, log, timeout_s, env=env)
-    if returncode != 0:
-        raise Unavailable(f"{' '.join(argv[:4])} … failed ({returncode}):\n{tail(log)}")
 
 
 def build_llama_server_image(podman: LocalPodman, python_image: str, remote: str, work: Path, cache: Path) -> str:

@@ -26,9 +26,9 @@ import tarfile
 from pathlib import Path
 from typing import Final
 
-from nexa.errors import ConfigError, Unavailable
-from nexa.localparts.children import tail
-from nexa.localparts.images import build_image, cached_build, recipe_name, run_grouped
+from nexa.errors import ConfigError
+from nexa.localparts.cmake import GGML_PROJECT_FLAGS, cmake_build, pack, parts_missing, run_logged
+from nexa.localparts.images import build_image, cached_build, recipe_name
 from nexa.localparts.podman import LocalPodman
 
 #: The sdist whose `whisper.cpp/` is built (and whose sample and test model the tests read).
@@ -51,13 +51,7 @@ CMAKE_ARGS: Final = (
     "-DCMAKE_C_FLAGS_RELEASE=-O1 -DNDEBUG",
     "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG",
 )
-#: Included by cmake where the ggml project starts (`CMAKE_PROJECT_ggml_INCLUDE`): ggml at -O3.
-GGML_PROJECT_FLAGS: Final = 'set(CMAKE_C_FLAGS_RELEASE "-O3 -DNDEBUG")\nset(CMAKE_CXX_FLAGS_RELEASE "-O3 -DNDEBUG")\n'
 BUILD_TARGET: Final = "whisper-server"
-BUILD_JOBS: Final = 2
-#: About 110 s of CPU; a slower or busier machine gets this long.
-BUILD_TIMEOUT_S: Final = 3600.0
-DOWNLOAD_TIMEOUT_S: Final = 900.0
 #: Where the published image has its programs (`/app/build/bin`, on PATH) and its working directory.
 APP_DIR: Final = "/app"
 BIN_DIR: Final = "/app/build/bin"
@@ -81,8 +75,7 @@ def whisper_server_name() -> str:
 
 def whisper_server_parts_missing() -> str | None:
     """What building the server here lacks, in one line; None if nothing."""
-    missing = [tool for tool in ("cmake", "c++") if shutil.which(tool) is None]
-    return f"{' and '.join(missing)} (apt-get install cmake g++)" if missing else None
+    return parts_missing()
 
 
 def whisper_sdist(cache: Path) -> Path:
@@ -98,7 +91,9 @@ def whisper_sdist(cache: Path) -> Path:
         try:
             work.mkdir()
             pip = [sys.executable, "-m", "pip", "download", "--no-binary", name, "--no-deps"]
-            _run([*pip, "--dest", str(work), "--disable-pip-version-check", f"{name}=={version}"], work / "log", 900)
+            run_logged(
+                [*pip, "--dest", str(work), "--disable-pip-version-check", f"{name}=={version}"], work / "log", 900
+            )
             (sdist,) = work.glob("*.tar.gz")
             sdist.replace(dest)
         finally:
@@ -136,43 +131,20 @@ def whisper_server_build(cache: Path, *, rebuild: bool = False) -> tuple[Path, b
 
 
 def _build(source: Path, dest: Path) -> None:
+    """About 110 s of CPU."""
     if problem := whisper_server_parts_missing():
         raise ConfigError(f"building whisper-server needs {problem}")
     work = dest.with_name(f".{dest.name}.build.{os.getpid()}")
-    packed = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
     try:
         work.mkdir()
-        build = work / "build"
-        generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-        ggml_flags = work / "ggml-flags.cmake"
-        ggml_flags.write_text(GGML_PROJECT_FLAGS)
-        configure = [*generator, *CMAKE_ARGS, f"-DCMAKE_PROJECT_ggml_INCLUDE={ggml_flags}"]
-        _run(["cmake", "-S", str(source), "-B", str(build), *configure], work / "cmake.log", 600)
-        _run(
-            ["cmake", "--build", str(build), "--target", BUILD_TARGET, f"-j{BUILD_JOBS}"],
-            work / "build.log",
-            BUILD_TIMEOUT_S,
-        )
+        build = cmake_build(source, work, CMAKE_ARGS, [BUILD_TARGET])
         # Packed where the build tree has them: the server finds its libraries by its RUNPATH,
         # `$ORIGIN/../src:$ORIGIN/../ggml/src` (libwhisper, libggml*), as in the published image,
         # which holds the whole build tree.
         libraries = sorted(p for p in build.rglob("lib*.so*") if "CMakeFiles" not in p.parts)
-        with tarfile.open(packed, "w:gz") as archive:
-            for path in [build / "bin" / BUILD_TARGET, *libraries]:
-                archive.add(path, arcname=str(path.relative_to(build)))  # symbolic links stay links
-        with packed.open("rb") as f:
-            os.fsync(f.fileno())
-        packed.replace(dest)
+        pack(dest, [(path, str(path.relative_to(build))) for path in [build / "bin" / BUILD_TARGET, *libraries]])
     finally:
-        packed.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
-
-
-def _run(argv: list[str], log: Path, timeout_s: float) -> None:
-    """`argv` in its own process group (a timeout or an interrupt ends it and its children), output to `log`."""
-    returncode = run_grouped(argv, log, timeout_s)
-    if returncode != 0:
-        raise Unavailable(f"{' '.join(argv[:4])} … failed ({returncode}):\n{tail(log)}")
 
 
 def build_whisper_server_image(podman: LocalPodman, python_image: str, remote: str, work: Path, cache: Path) -> str:
