@@ -181,19 +181,29 @@ async def test_two_gateway_workers_share_the_port_and_a_killed_owner_loses_nothi
             killed = pids[0]
             os.kill(killed, signal.SIGKILL)
 
+            seen: list[object] = []  # what the last look saw, for the failure's message
+
             async def handed_over() -> dict[str, Any] | None:
                 if _pids(cp).get(0) in (None, killed):
+                    seen[:] = ["worker 0 not restarted yet", _pids(cp)]
                     return None
                 try:
                     view = await _cluster(own[other], key)
-                except (httpx.HTTPError, AssertionError):
+                except (httpx.HTTPError, AssertionError) as exc:
+                    seen[:] = ["the other worker did not answer", repr(exc)]
                     return None
+                seen[:] = [view]
                 members = {m["id"]: m for m in view["controllers"]}
                 # the restarted worker writes its row again, with its new own address, as a follower
                 back = members[owner]["address"] != own[owner] and members[owner]["seen_age_s"] < 2
                 return view if view["leader"] == other and back else None
 
-            after = await wait_until("the other worker leading and worker 0 back", handed_over)
+            # A SIGKILLed process started again, on a machine the rest of the suite keeps busy: longer
+            # than the usual wait (the lease itself passes in 2 s).
+            try:
+                after = await wait_until("the other worker leading and worker 0 back", handed_over, timeout_s=120)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}; last seen: {seen}") from None
             assert after["epoch"] > view["epoch"]
             restarted = {m["id"]: m["address"] for m in after["controllers"]}[owner]
 

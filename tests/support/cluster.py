@@ -208,9 +208,9 @@ async def chat_until(cluster: SimCluster, answers: list[int], stop: trio.Event) 
             answers.append(resp.status_code)
 
 
-async def wait_until(what: str, check: Callable[[], Awaitable[Any]]) -> Any:
-    """Poll `check` until it answers something true, and return that; fail naming `what` after TIMEOUT_S."""
-    with trio.move_on_after(TIMEOUT_S):
+async def wait_until(what: str, check: Callable[[], Awaitable[Any]], *, timeout_s: float = TIMEOUT_S) -> Any:
+    """Poll `check` until it answers something true, and return that; fail naming `what` after `timeout_s`."""
+    with trio.move_on_after(timeout_s):
         while not (got := await check()):  # noqa: ASYNC110 - polling the API
             await trio.sleep(0.1)
         return got
