@@ -20,12 +20,12 @@ from tests.realparts import PodmanService, S3Store
 from tests.support.api import ok
 from tests.support.models import upload
 from tests.support.realmodel import (
-    LLAMA_SERVER,
     MIB,
     Node,
     cli,
     llama_server_deployment,
     ready_on,
+    register_llama_server,
     register_model,
     wait_for,
 )
@@ -62,8 +62,7 @@ async def test_a_suite_measures_a_version_not_yet_approved_on_a_llama_server_eva
     tmp_path: Path,
 ) -> None:
     controller, _nodes = llama_cluster
-    argv = ["runtimes", "register", LLAMA_SERVER, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
-    await trio.to_thread.run_sync(cli, controller, *argv, llama_server_image)
+    await register_llama_server(controller, llama_server_image)
     await register_model(controller, s3_store, "tiny", tiny_gguf)
     await register_model(controller, s3_store, "tiny-embed", tiny_embedding_gguf)
     # tiny@v2: the same weights, registered and verified, not approved.

@@ -32,6 +32,7 @@ from tests.support.realmodel import (
     llama_server_deployment,
     ready_on,
     reference_embedding,
+    register_llama_server,
     register_model,
     runtime_logs,
     wait_for,
@@ -70,8 +71,7 @@ async def test_the_cpp_llama_server_serves_chat_and_embeddings_and_its_metrics_r
     podman_service: PodmanService,
 ) -> None:
     controller, _nodes = llama_cluster
-    argv = ["runtimes", "register", LLAMA_SERVER, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
-    await trio.to_thread.run_sync(cli, controller, *argv, llama_server_image)
+    await register_llama_server(controller, llama_server_image)
     # What the registry's image config says, and what a replica will run.
     shown = await trio.to_thread.run_sync(cli, controller, "runtimes", "show", LLAMA_SERVER)
     assert "entrypoint /app/llama-server;" in shown and "workdir /app;" in shown, shown

@@ -21,11 +21,11 @@ from tests.conftest import Controller
 from tests.realparts import PodmanService, S3Store
 from tests.support.api import Json, in_thread, ok
 from tests.support.realmodel import (
-    LLAMA_SERVER,
     Node,
     cli,
     llama_server_deployment,
     ready_on,
+    register_llama_server,
     register_model,
     runtime_logs,
     wait_for,
@@ -43,8 +43,7 @@ async def test_an_adapter_alias_answers_otherwise_than_its_base_and_its_usage_is
     podman_service: PodmanService,
 ) -> None:
     controller, _nodes = llama_cluster
-    argv = ["runtimes", "register", LLAMA_SERVER, "--kind", "llamacpp", "--version", "0.3.36", "--image"]
-    await trio.to_thread.run_sync(cli, controller, *argv, llama_server_image)
+    await register_llama_server(controller, llama_server_image)
     await register_model(controller, s3_store, "tiny", tiny_gguf)
     await register_model(controller, s3_store, "tiny-poet", tiny_lora_gguf, lora_for="tiny@v1")
     shown = await trio.to_thread.run_sync(cli, controller, "models", "show", "tiny-poet", "v1")

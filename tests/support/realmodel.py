@@ -245,6 +245,12 @@ def reference_embedding(gguf: Path, text: str) -> list[float]:
 LLAMA_SERVER = "llama-server"
 
 
+async def register_llama_server(controller: Controller, image: str) -> None:
+    """Register the `llama_server_image` tests' runtime (`LLAMA_SERVER`, kind llamacpp) by its digest."""
+    argv = ["runtimes", "register", LLAMA_SERVER, "--kind", "llamacpp", "--version", "0.3.36", "--image", image]
+    await trio.to_thread.run_sync(cli, controller, *argv)
+
+
 def llama_server_deployment(name: str, alias: str, settings: Json) -> Json:
     """A deployment of the `llama-server` runtime: no `server` setting, so the default variant."""
     return {
