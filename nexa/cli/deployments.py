@@ -223,6 +223,11 @@ def print_rollout(view: DeploymentView) -> None:
             f"rollout  {ref(rollout.from_)} -> {ref(rollout.to)} ({rollout.reason}): "
             f"{view.rollout_new} new, {view.rollout_old} old replica(s) left"
         )
+    if dep.loras:
+        print("adapters " + ", ".join(f"{alias} ({ref(a)})" for alias, a in sorted(dep.loras.items())))
+    if dep.held_loras:
+        held = ", ".join(f"{alias} ({ref(a)})" for alias, a in sorted(dep.held_loras.items()))
+        print(f"held     adapters {held}: reverted, not rolled out again while the aliases serve them")
 
 
 def print_groups(view: DeploymentView) -> None:

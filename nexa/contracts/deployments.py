@@ -277,6 +277,8 @@ class ReplicaSpec:
     runtime: str
     model: ModelRef
     options: RuntimeOptions
+    #: The LoRA adapters its replicas load, by the alias that serves each (`Deployment.loras`).
+    loras: dict[str, ModelRef] = attrs.Factory(dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -320,7 +322,8 @@ class Rollout:
     from_: ModelRef
     to: ModelRef
     #: What started it: `promote` (a canary promoted), `rollback`, `alias` (the alias moved),
-    #: `change` (runtime or settings changed), `revert` (a watched rollout broke an objective),
+    #: `change` (runtime or settings changed), `adapter` (the LoRA adapters its aliases serve on
+    #: the model changed: a new adapter, or a new version of one), `revert` (a watched rollout broke an objective),
     #: `undo` (an operator undid a rollout).
     reason: str
     started_at: float
@@ -384,6 +387,12 @@ class Deployment:
     #: A version a watched rollout reverted: the alias pointing there is not followed again until
     #: it moves elsewhere (or an operator rolls out by hand).
     held_model: ModelRef | None = None
+    #: The LoRA adapters its replicas of `model` are started with, by the alias that serves each:
+    #: what the registry's aliases served on `model` when the last rollout started. When the aliases
+    #: serve another set, the reconciler rolls the replicas to it under watch (`reason` `adapter`).
+    loras: dict[str, ModelRef] = attrs.Factory(dict)
+    #: A set of adapters a watched rollout reverted: not rolled out again while the aliases serve it.
+    held_loras: dict[str, ModelRef] | None = None
     #: Sleep when idle (`DeploymentCreate.idle_after_s`, `min_replicas`, `evictable`).
     idle_after_s: float | None = None
     min_replicas: int | None = None

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import httpx
 import pytest
 import trio
 
@@ -39,14 +38,13 @@ from tests.support.rollout import (
     BIG,
     V1,
     V2,
-    Json,
-    Nodes,
     Watch,
     assert_never_short,
     audit,
     big,
     canary_body,
     canary_running,
+    finish_rollout,
     fleet_of,
     two_versions,
     until,
@@ -193,28 +191,17 @@ async def test_rollback_removes_a_canary_then_undoes_a_promotion(
         fleet.ready(*(await view(http))["deployment"]["canary"]["placed"])
         await until(http, lambda v: v["canary_ready"] == 1)
         await ok(http.post("/api/v1/deployments/chat-a/promote"))
-        await _finish_rollout(http, fleet)
+        await finish_rollout(http, fleet)
         watch = Watch()
         nursery.start_soon(watch_views, dep_reg, "chat-a", watch)
         back = await ok(http.post("/api/v1/deployments/chat-a/rollback"))
         assert (back["alias"]["action"], back["alias"]["from"], back["alias"]["to"]) == ("rollback", V2, V1)
         assert back["deployment"]["deployment"]["rollout"]["reason"] == "rollback"
-        done = await _finish_rollout(http, fleet)
+        done = await finish_rollout(http, fleet)
         assert [ver for _, ver in versions(done)] == ["v1", "v1"] and done["deployment"]["model"] == V1
         assert (await ok(http.get("/api/v1/aliases/chat")))["alias"]["target"] == V1
         assert len(await audit(http, "deployment.rollback")) == 1
     assert_never_short(watch, fleet, 2)
-
-
-async def _finish_rollout(http: httpx.AsyncClient, fleet: Nodes, name: str = "chat-a") -> Json:
-    """Report every new replica Ready as it appears, until the deployment's rollout is done."""
-    with trio.fail_after(TIMEOUT_S * 2):
-        while True:
-            v = await view(http, name)
-            if v["deployment"]["rollout"] is None:
-                return v
-            fleet.ready(*v["deployment"]["placed"])
-            await trio.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -227,12 +214,12 @@ async def test_a_pinned_deployment_promotes_and_rolls_back_without_an_alias(
         await canary_running(http, fleet, alias=None, model=V1)
         promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
         assert promoted["alias"] is None
-        done = await _finish_rollout(http, fleet)
+        done = await finish_rollout(http, fleet)
         assert done["deployment"]["model"] == V2 and [v for _, v in versions(done)] == ["v2", "v2"]
         assert (await ok(http.get("/api/v1/aliases/chat")))["alias"]["target"] == V1  # not its alias
         back = await ok(http.post("/api/v1/deployments/chat-a/rollback"))
         assert back["alias"] is None and back["deployment"]["deployment"]["model"] == V1
-        done = await _finish_rollout(http, fleet)
+        done = await finish_rollout(http, fleet)
         assert [v for _, v in versions(done)] == ["v1", "v1"] and done["deployment"]["previous"] is None
         assert_envelope(await http.post("/api/v1/deployments/chat-a/rollback"), 409, "nothing_to_roll_back")
 
@@ -260,14 +247,14 @@ async def test_a_deployment_follows_its_alias_one_replica_at_a_time_without_spar
         assert node == "n1"  # in the room the stopped v1 replica freed
         await trio.sleep(1.5)
         assert versions(await view(http)) == versions(first)  # waits for it to be Ready
-        done = await _finish_rollout(http, fleet)
+        done = await finish_rollout(http, fleet)
         assert versions(done) == [("n1", "v2"), ("n2", "v2")]
         [follow] = await audit(http, "deployment.follow")
         assert "alias chat points at tiny@v2" in follow["detail"]
 
         await ok(http.post("/api/v1/aliases/chat/rollback"))
         await until(http, lambda v: v["deployment"]["model"] == V1)
-        done = await _finish_rollout(http, fleet)
+        done = await finish_rollout(http, fleet)
         assert versions(done) == [("n1", "v1"), ("n2", "v1")]
     assert_never_short(watch, fleet, 2)
     for node_id in ("n1", "n2"):
@@ -444,7 +431,7 @@ async def test_the_cli_starts_shows_promotes_and_rolls_back_a_canary(
     assert "rollout  tiny@v1 -> tiny@v2 (promote)" in out
     assert "alias chat: generation 2, tiny@v1 -> tiny@v2 (promote" in out
     async with dep_reg.client() as http:
-        await _finish_rollout(http, fleet)
+        await finish_rollout(http, fleet)
     rc, out, err = await nexa_cli(dep_reg, "deployments", "rollback", "chat-a")
     assert rc == 0, err
     assert "rollout  tiny@v2 -> tiny@v1 (rollback)" in out and "(rollback; audit event" in out

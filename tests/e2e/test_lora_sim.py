@@ -3,6 +3,8 @@ a real `nexa node` whose runtime is `nexa sim-runtime` speaking vLLM's LoRA endp
 official `openai` SDK asking for three adapters' aliases in turn. The node loads each adapter into the running
 replica when a request first needs it and, at the limit, unloads the least recently used one first: the
 runtime's journal shows every load and unload, and the replica is never restarted. Usage names each adapter.
+An adapter an alias serves only after the replica was placed reaches it by a rollout under watch (reason
+`adapter`): the replica is replaced by one given the adapter, and the adapter's alias then answers.
 """
 
 from __future__ import annotations
@@ -10,8 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import openai
-import pytest
 import trio
 
 from tests.realparts import BuiltImages, S3Store
@@ -77,17 +77,28 @@ async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_a
             "tiny:v1": 1,
         }
 
-        # An adapter an alias serves only after the replica was placed is not on it: 503, saying what to do.
+        # An adapter an alias serves only after the replica was placed reaches it by a rollout under watch: the
+        # replica is replaced by one whose assignment gives it the adapter, then the adapter's alias answers.
         async with cluster.client() as http:
+            policy = {"rollout_policy": {"soak_s": 0.5, "min_requests": 5}}
+            await ok(http.post("/api/v1/deployments/chat/change", json=policy))
             body = model_body("late", "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
             await ok(http.post("/api/v1/models", json=body), 201)
             await bring_to_approved(http, "late")
             adapter = {"model": "tiny", "version": "v1", "adapter": {"model": "late", "version": "a1"}}
             await ok(http.post("/api/v1/aliases/late/promote", json=adapter))
-        with pytest.raises(openai.APIStatusError) as refused:
-            await trio.to_thread.run_sync(ask, "late")
-        assert refused.value.status_code == 503
-        assert "loads the LoRA adapter 'late' serves" in refused.value.message
+
+            async def rolled() -> bool:
+                dep = (await ok(http.get("/api/v1/deployments/chat")))["deployment"]
+                return dep["rollout"] is None and "late" in dep["loras"]
+
+            await wait_until("the adapter's rollout", rolled)
+            [started] = (await ok(http.get("/api/v1/audit", params={"action": "deployment.adapters"})))["events"]
+        assert "late: - -> late@a1" in started["detail"]
+        after = await cluster.wait_ready("chat", 1)
+        assert after != ready  # a new replica
+        assert await trio.to_thread.run_sync(ask, "late")
+        assert await trio.to_thread.run_sync(ask, "poet")
 
 
 async def bring_to_approved(http: httpx.AsyncClient, name: str) -> None:

@@ -13,7 +13,7 @@ import trio
 from nexa.contracts import wire
 from tests.conftest import Controller, gb10_inventory
 from tests.realparts import BuiltImages, S3Store
-from tests.support.api import ok, wait_for
+from tests.support.api import TIMEOUT_S, ok, wait_for
 from tests.support.deployments import Online, online, registry_ready
 from tests.support.deployments import body as deployment_body
 from tests.support.models import bring_to
@@ -88,6 +88,17 @@ async def until(http: httpx.AsyncClient, pred: Any, name: str = "chat-a") -> Jso
 
     await wait_for(check)
     return seen
+
+
+async def finish_rollout(http: httpx.AsyncClient, fleet: Nodes, name: str = "chat-a") -> Json:
+    """Report every new replica Ready as it appears, until the deployment's rollout is done."""
+    with trio.fail_after(TIMEOUT_S * 2):
+        while True:
+            v = await view(http, name)
+            if v["deployment"]["rollout"] is None:
+                return v
+            fleet.ready(*v["deployment"]["placed"])
+            await trio.sleep(0.1)
 
 
 def versions(v: Json) -> list[tuple[str, str]]:

@@ -299,7 +299,9 @@ class Gateway:
             await idle.wait_awake(asleep, self.trio_deadline(work))
             serving = self._deployments.serving(ref, alias=None if progress.adapter else progress.alias or None)
         if progress.adapter is not None:
-            serving = with_lora(self._deployments.desired, serving, progress.alias, work.model)
+            serving, progress.adapter = with_lora(
+                self._deployments.desired, serving, progress.alias, work.model, progress.adapter
+            )
         model_key = progress.alias or ref.key
         self._admission.set_capacity(model_key, len(serving.replicas) * self._cfg.max_inflight_per_replica)
         if not serving.replicas:
@@ -324,7 +326,7 @@ class Gateway:
         progress.queue_ms = queued_s * 1000.0
         if queued_s:
             # Replicas may have come or gone while it waited: route by the fleet as it is now.
-            serving = self._serving_now(work, ref, progress.alias, lora=progress.adapter is not None)
+            serving = self._serving_now(work, ref, progress)
         if admitted is not None:
             await admitted()
         if work.capability is Capability.EMBEDDING and (inputs := _batchable_inputs(work.body)) is not None:
@@ -333,12 +335,15 @@ class Gateway:
         stack.push_async_exit(replica)
         return self._answer(progress, stream, first, kind=STREAM if work.stream else UNARY)
 
-    def _serving_now(self, work: Work, ref: ModelRef, alias: str, *, lora: bool = False) -> ServingSet:
-        """The replicas of `ref` Ready now that may take `work` (`lora`: that load the adapter `alias`
-        serves); NoReadyReplica when none is."""
-        serving = self._deployments.serving(ref, alias=None if lora else alias or None)
-        if lora:
-            serving = with_lora(self._deployments.desired, serving, alias, work.model)
+    def _serving_now(self, work: Work, ref: ModelRef, progress: Progress) -> ServingSet:
+        """The replicas of `ref` Ready now that may take `work` (those that load the adapter the
+        call's alias serves, if it serves one: the version they load goes to `progress`);
+        NoReadyReplica when none is."""
+        alias = progress.alias
+        serving = self._deployments.serving(ref, alias=None if progress.adapter else alias or None)
+        if progress.adapter is not None:
+            wanted = adapter_of(self._models, alias) or progress.adapter
+            serving, progress.adapter = with_lora(self._deployments.desired, serving, alias, work.model, wanted)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         return self._for_data_class(work, serving)
@@ -449,7 +454,7 @@ class Gateway:
         if time.time() + pause >= progress.work.deadline_at:
             return serving, None  # no time left for another round
         await trio.sleep(pause)
-        serving = self._serving_now(progress.work, serving.model, progress.alias)
+        serving = self._serving_now(progress.work, serving.model, progress)
         tried.clear()
         return serving, self._router.choose(serving, prefix=prefix, exclude=tried)
 

@@ -90,7 +90,9 @@ class Rollouts:
             if dep.alias is not None:
                 promotion = AliasPromote(model=canary.model.model, version=canary.model.version)
                 receipt = await self._desired.models.promote(actor, dep.alias, promotion)
-            after = Entry(follow(dep, canary.model, "promote"), before.decision)
+            after = Entry(
+                follow(dep, canary.model, "promote", self._desired.models.lora_set(canary.model)), before.decision
+            )
             detail = f"{dep.model.key} -> {canary.model.key}" + (
                 f"; alias {dep.alias} generation {receipt.generation}" if receipt else ""
             )
@@ -118,7 +120,7 @@ class Rollouts:
                 deployable_model(self._desired.models, target)
             after = before
             if target != dep.model:
-                followed = follow(dep, target, "rollback")
+                followed = follow(dep, target, "rollback", self._desired.models.lora_set(target))
                 if dep.alias is None:
                     followed = attrs.evolve(followed, previous=None)  # a rollback is not itself undone
                 after = Entry(followed, before.decision)

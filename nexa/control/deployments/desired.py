@@ -383,7 +383,13 @@ class Desired:
             port += 1
         used_ports.add(port)
         pool = unified_pool_bytes(live)
-        loras = self.models.loras_on(ref)
+        # The adapters it is started with: the deployment's pinned set for its model (rolled out under
+        # watch when the aliases change it: `reconciler`), the registry's now for a canary's version.
+        loras = (
+            [(alias, self.models.model(a.model, a.version)) for alias, a in sorted(dep.loras.items())]
+            if ref == dep.model
+            else self.models.loras_on(ref)
+        )
         made = assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role, loras=loras)
         return attrs.evolve(made, asleep=True) if dep.asleep else made
 

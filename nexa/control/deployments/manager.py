@@ -223,6 +223,7 @@ class Deployments:
                 idle_after_s=req.idle_after_s,
                 min_replicas=req.min_replicas,
                 evictable=req.evictable,
+                loras=self._desired.models.lora_set(ref),
             )
             entry = Entry(dep, decision)
             await self._desired.commit(actor, "deployment.create", None, entry)

@@ -44,7 +44,7 @@ import attrs
 import trio
 
 from nexa.config import NodesConfig
-from nexa.contracts.deployments import Deployment, Replica
+from nexa.contracts.deployments import Deployment, Replica, RolloutPolicy
 from nexa.contracts.domain import SYSTEM, NodeState
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementDecision
@@ -56,9 +56,11 @@ from nexa.control.deployments.records import (
     canary_placed,
     follow,
     is_current,
+    lora_change,
     model_of,
     new_replicas,
     replica_nodes,
+    with_loras,
 )
 from nexa.control.deployments.scheduler import place
 from nexa.control.deployments.soak import held, with_step
@@ -69,6 +71,8 @@ log = logging.getLogger(__name__)
 
 #: The reconciler looks again this often even when nothing woke it.
 _RESYNC_S: Final = 10.0
+#: The audit action of a rollout to another set of LoRA adapters.
+ADAPTERS: Final = "deployment.adapters"
 #: While a drain waits for replacements to become Ready, how often it looks.
 _DRAIN_CHECK_S: Final = 1.0
 #: While a group replica runs, how often its members' states are looked at (`grouprun`).
@@ -161,10 +165,24 @@ class Reconciler:
             return float("inf")  # no replicas while asleep, by design (`idle`): its wake places them
         target = self._alias_target(dep)
         if target is not None and target not in (dep.model, dep.held_model):
-            after = Entry(follow(dep, target, "alias"), entry.decision, entry.problem)
+            loras = self._desired.models.lora_set(target)
+            after = Entry(follow(dep, target, "alias", loras), entry.decision, entry.problem)
             detail = f"alias {dep.alias} points at {target.key}; rolling {dep.model.key} -> {target.key}"
             await self._desired.commit(SYSTEM, "deployment.follow", entry, after, detail=detail)
             entry, dep = after, after.deployment
+        if dep.rollout is None and dep.canary is None and dep.eval is None:
+            loras = self._desired.models.lora_set(dep.model)
+            if loras not in (dep.loras, dep.held_loras):
+                what = lora_change(dep.loras, loras)
+                after = Entry(
+                    with_loras(dep, loras, dep.rollout_policy or RolloutPolicy()), entry.decision, entry.problem
+                )
+                assert after.deployment.rollout is not None
+                after.deployment = attrs.evolve(
+                    after.deployment, rollout=with_step(after.deployment.rollout, "started", what)
+                )
+                await self._desired.commit(SYSTEM, ADAPTERS, entry, after, detail=f"{what}; rolling its replicas")
+                entry, dep = after, after.deployment
 
         stable = self._heal(dep, dep.placed, wanted=dep.replicas, ref=dep.model, others=canary_placed(dep), now=now)
         next_at = stable.next_at

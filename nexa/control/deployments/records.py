@@ -11,7 +11,15 @@ from collections.abc import Iterable
 
 import attrs
 
-from nexa.contracts.deployments import Deployment, Replica, ReplicaMember, ReplicaSpec, Rollout, RuntimeOptions
+from nexa.contracts.deployments import (
+    Deployment,
+    Replica,
+    ReplicaMember,
+    ReplicaSpec,
+    Rollout,
+    RolloutPolicy,
+    RuntimeOptions,
+)
 from nexa.contracts.models import ModelRef
 from nexa.contracts.placement import PlacementDecision
 
@@ -71,8 +79,9 @@ def stamped(dep: Deployment) -> Deployment:
     return attrs.evolve(dep, placed=[attrs.evolve(r, model=model_of(dep, r)) for r in dep.placed])
 
 
-def follow(dep: Deployment, target: ModelRef, reason: str) -> Deployment:
-    """The deployment switched to `target`: a rollout from what it ran (a canary of `target` merged in)."""
+def follow(dep: Deployment, target: ModelRef, reason: str, loras: dict[str, ModelRef] | None = None) -> Deployment:
+    """The deployment switched to `target`: a rollout from what it ran (a canary of `target` merged in),
+    its replicas of `target` loading `loras` (the adapters the aliases serve on it; None: none)."""
     placed, canary = dep.placed, dep.canary
     if canary is not None and canary.model == target:
         placed, canary = placed + canary.placed, None
@@ -84,7 +93,29 @@ def follow(dep: Deployment, target: ModelRef, reason: str) -> Deployment:
         policy=dep.rollout_policy,
         good=spec_now(dep),
     )
-    return bump(attrs.evolve(dep, model=target, placed=placed, canary=canary, rollout=rollout, previous=dep.model))
+    followed = attrs.evolve(
+        dep, model=target, placed=placed, canary=canary, rollout=rollout, previous=dep.model, loras=dict(loras or {})
+    )
+    return bump(followed)
+
+
+def with_loras(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy) -> Deployment:
+    """The deployment's replicas to load another set of LoRA adapters: a rollout of the same model
+    (reason `adapter`), each replica replaced under watch by one started with `loras`."""
+    rollout = Rollout(
+        from_=dep.model, to=dep.model, reason="adapter", started_at=time.time(), policy=policy, good=spec_now(dep)
+    )
+    return bump(attrs.evolve(dep, placed=pin_specs(dep), loras=dict(loras), rollout=rollout))
+
+
+def lora_change(before: dict[str, ModelRef], after: dict[str, ModelRef]) -> str:
+    """What changes between two adapter sets, for the audit and the rollout's steps."""
+    parts = []
+    for alias in sorted(before.keys() | after.keys()):
+        was, now = before.get(alias), after.get(alias)
+        if was != now:
+            parts.append(f"{alias}: {was.key if was else '-'} -> {now.key if now else '-'}")
+    return "adapters " + ", ".join(parts) if parts else "adapters unchanged"
 
 
 def bump(dep: Deployment) -> Deployment:
@@ -92,25 +123,42 @@ def bump(dep: Deployment) -> Deployment:
     return attrs.evolve(dep, generation=dep.generation + 1, updated_at=time.time())
 
 
-def spec_key(runtime: str, options: RuntimeOptions) -> str:
-    """A replica's runtime and settings as one short digest (`Replica.spec`)."""
-    text = json.dumps({"runtime": runtime, "options": attrs.asdict(options)}, sort_keys=True, separators=(",", ":"))
+def spec_key(runtime: str, options: RuntimeOptions, loras: dict[str, ModelRef] | None = None) -> str:
+    """A replica's runtime, settings and LoRA adapters as one short digest (`Replica.spec`); without
+    adapters, the digest replicas recorded before adapters were part of it."""
+    what: dict[str, object] = {"runtime": runtime, "options": attrs.asdict(options)}
+    if loras:
+        what["loras"] = {alias: ref.key for alias, ref in loras.items()}
+    text = json.dumps(what, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def spec_of(dep: Deployment, replica: Replica) -> str:
     """The runtime and settings `replica` runs (`spec_key`): its own record's, else the deployment's now."""
-    return replica.spec if replica.spec is not None else spec_key(dep.runtime, dep.options)
+    return replica.spec if replica.spec is not None else spec_key(dep.runtime, dep.options, dep.loras)
 
 
 def is_current(dep: Deployment, replica: Replica) -> bool:
-    """Whether `replica` runs what the deployment asks now: its model version, runtime and settings."""
-    return model_of(dep, replica) == dep.model and spec_of(dep, replica) == spec_key(dep.runtime, dep.options)
+    """Whether `replica` runs what the deployment asks now: its model version, runtime, settings and adapters."""
+    return model_of(dep, replica) == dep.model and spec_of(dep, replica) == spec_key(
+        dep.runtime, dep.options, dep.loras
+    )
 
 
 def spec_now(dep: Deployment) -> ReplicaSpec:
     """What the deployment's replicas are started with now."""
-    return ReplicaSpec(runtime=dep.runtime, model=dep.model, options=dep.options)
+    return ReplicaSpec(runtime=dep.runtime, model=dep.model, options=dep.options, loras=dict(dep.loras))
+
+
+def loras_of(dep: Deployment, replica: Replica) -> dict[str, ModelRef]:
+    """The LoRA adapters `replica` was started with: the deployment's now when it is current, else
+    (an old replica during a rollout) those of the rollout's last good spec."""
+    if is_current(dep, replica):
+        return dep.loras
+    good = dep.rollout.good if dep.rollout is not None else None
+    if good is not None and model_of(dep, replica) == good.model:
+        return good.loras
+    return {}
 
 
 def pin_specs(dep: Deployment) -> list[Replica]:

@@ -13,7 +13,8 @@ audited as `deployment.rollout.revert` with the figures, counted in
 (`Deployment.held_model`: its alias is not followed there again). A replica that soaked
 `policy.soak_s` unbroken passes, and the reconciler takes the next step. A rollout without a
 policy (a revert; a new version of a deployment with none set) is not held, but its new replicas
-are still held to the objectives until it ends.
+are still held to the objectives until it ends. A set of LoRA adapters a rollout reverted is held
+the same way (`Deployment.held_loras`) while the aliases serve it.
 
 Operators drive it (`RolloutControl`): `status`, `pause` (no further step; watching goes on),
 `resume`, and `undo` (revert now, as a breach would). Bad input is a typed error that changes
@@ -45,7 +46,7 @@ from nexa.contracts.domain import SYSTEM, Actor
 from nexa.contracts.usage import WatchStats
 from nexa.control.deployments.checks import check_settings, check_shape, deployable_model, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
-from nexa.control.deployments.records import Entry, bump, is_current, pin_specs, spec_now
+from nexa.control.deployments.records import Entry, bump, is_current, lora_change, pin_specs, spec_now
 from nexa.control.deployments.soak import breach, figures, with_step
 from nexa.control.deployments.views import view
 from nexa.errors import ContractError, NoRollout, NotFound, RolloutAlreadyPaused, RolloutNotPaused
@@ -248,6 +249,7 @@ class RolloutControl:
         detail = (
             f"{why}; back to runtime {good.runtime}, {good.model.key}"
             + (", the earlier settings" if good.options != dep.options else "")
+            + (f", {lora_change(dep.loras, good.loras)}" if good.loras != dep.loras else "")
             + f": {len(changed)} changed replica(s) replaced"
         )
         revert = Rollout(
@@ -259,6 +261,7 @@ class RolloutControl:
         )
         revert = with_step(revert, "breach" if action == REVERT else "undo", detail)
         held_model = dep.model if dep.model != good.model else dep.held_model
+        held_loras = dep.loras if dep.loras != good.loras else dep.held_loras
         reverted = attrs.evolve(
             dep,
             runtime=good.runtime,
@@ -267,6 +270,8 @@ class RolloutControl:
             placed=pin_specs(dep),
             rollout=revert,
             held_model=held_model,
+            loras=dict(good.loras),
+            held_loras=held_loras,
         )
         after = Entry(bump(reverted), before.decision, before.problem)
         await self._desired.commit(actor, action, before, after, detail=detail)

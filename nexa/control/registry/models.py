@@ -282,6 +282,10 @@ class ModelRegistry:
                     found.append((alias.name, adapter))
         return found
 
+    def lora_set(self, base: ModelRef) -> dict[str, ModelRef]:
+        """`loras_on(base)` as a deployment records it (`Deployment.loras`): adapter version by alias."""
+        return {alias: ModelRef(model=r.name, version=r.version) for alias, r in self.loras_on(base)}
+
     # ---- models: lifecycle ----------------------------------------------------------------------
 
     async def register_model(self, actor: Actor, req: ModelCreate) -> ModelRecord:

@@ -1,0 +1,123 @@
+"""A LoRA adapter reaches its base's running replicas by a rollout under watch (issues 34 and 36): when an
+alias starts serving an adapter on a deployment's model, or a new version of one, the reconciler replaces the
+deployment's replicas one at a time with replicas whose signed assignment loads it (`Deployment.loras`, a
+rollout with reason `adapter`); an `undo` (the same revert a breach takes) returns them to the earlier
+adapter set and holds the undone one, so it is not rolled out again while the alias serves it.
+
+A real controller over its HTTP API, with two RawNodes (real zmq, the signed sets they are pushed kept) and
+no spare room, a real S3 store (SeaweedFS) holding the tests' GGUF base and adapter.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+from nexa.contracts import wire
+from tests.conftest import Controller
+from tests.realparts import BuiltImages, S3Store
+from tests.support.api import ok
+from tests.support.deployments import fleet_image
+from tests.support.models import bring_to, model_body, upload
+from tests.support.rollout import (
+    Nodes,
+    Watch,
+    assert_never_short,
+    audit,
+    big,
+    finish_rollout,
+    fleet_of,
+    until,
+    view,
+    watch_views,
+)
+
+
+async def adapter(http: httpx.AsyncClient, s3: S3Store, data: bytes, version: str) -> str:
+    """Register, verify, evaluate and approve the adapter poet@`version` for tiny@v1; its artifact's digest."""
+    art = await upload(s3, data)
+    body = model_body("poet", version, art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
+    await ok(http.post("/api/v1/models", json=body), 201)
+    path = f"/api/v1/models/poet/{version}"
+    await ok(http.post(f"{path}/verify"))
+    await ok(http.post(f"{path}/evaluations", json={"suite": "smoke", "metrics": {}, "passed": True}), 201)
+    await ok(http.post(f"{path}/approve"))
+    return art.sha256
+
+
+async def serve(http: httpx.AsyncClient, version: str) -> None:
+    body = {"model": "tiny", "version": "v1", "adapter": {"model": "poet", "version": version}}
+    await ok(http.post("/api/v1/aliases/poet/promote", json=body))
+
+
+def loaded(fleet: Nodes) -> dict[str, list[tuple[str, str]]]:
+    """By node, the adapters its latest set's assignments load: (name, artifact digest)."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for node_id in fleet.nodes:
+        latest: wire.AssignmentSet | None = fleet.latest(node_id)
+        assignments = latest.assignments if latest is not None else []
+        out[node_id] = [(lo.name, lo.artifact.sha256) for a in assignments for lo in a.runtime.loras]
+    return out
+
+
+async def test_an_adapter_rolls_onto_running_replicas_and_an_undone_version_is_held(
+    dep_reg: Controller,
+    dial: Any,
+    nursery: trio.Nursery,
+    s3_store: S3Store,
+    test_images: BuiltImages,
+    tiny_gguf: Path,
+    tiny_lora_gguf: Path,
+) -> None:
+    fleet = await fleet_of(dep_reg, dial, nursery, "n1", "n2")  # full: one replica each, no spare node
+    lora_bytes = await trio.Path(tiny_lora_gguf).read_bytes()
+    async with dep_reg.client() as http:
+        runtime = {"name": "llama", "kind": "llamacpp", "version": "1", "image": fleet_image(test_images)}
+        await ok(http.post("/api/v1/runtimes", json=runtime), 201)
+        await bring_to(http, s3_store, "tiny", "v1", "Approved", data=await trio.Path(tiny_gguf).read_bytes())
+        await ok(http.post("/api/v1/aliases/chat/promote", json={"model": "tiny", "version": "v1"}))
+        policy = {"soak_s": 0.5, "min_requests": 5}
+        await ok(http.post("/api/v1/deployments", json=big(rollout_policy=policy)), 201)
+        fleet.ready(*(await view(http))["deployment"]["placed"])
+        await until(http, lambda v: v["ready"] == 2)
+        assert loaded(fleet) == {"n1": [], "n2": []}
+        watch = Watch()
+        nursery.start_soon(watch_views, dep_reg, "chat-a", watch)
+
+        # A new adapter on the deployment's model: its replicas roll, one at a time, to load it.
+        a1 = await adapter(http, s3_store, lora_bytes, "a1")
+        await serve(http, "a1")
+        rolling = await until(http, lambda v: v["deployment"]["rollout"] is not None)
+        assert rolling["deployment"]["rollout"]["reason"] == "adapter"
+        assert rolling["deployment"]["loras"] == {"poet": {"model": "poet", "version": "a1"}}
+        assert rolling["deployment"]["rollout"]["good"]["loras"] == {}
+        done = await finish_rollout(http, fleet)
+        assert loaded(fleet) == {"n1": [("poet", a1)], "n2": [("poet", a1)]}
+        assert done["deployment"]["loras"] == {"poet": {"model": "poet", "version": "a1"}}
+        [started] = await audit(http, "deployment.adapters")
+        assert "adapters poet: - -> poet@a1" in started["detail"], started
+
+        # A new version of it rolls the same way; undone after its first replica, the replicas return to
+        # a1 and a2 is held: no further adapter rollout starts while the alias serves it.
+        await adapter(http, s3_store, lora_bytes + b"\0" * 8, "a2")
+        await serve(http, "a2")
+        a2_rolling = await until(
+            http, lambda v: (v["deployment"]["rollout"] or {}).get("reason") == "adapter" and v["ready"] == 1
+        )
+        assert a2_rolling["deployment"]["rollout"]["good"]["loras"] == {"poet": {"model": "poet", "version": "a1"}}
+        fleet.ready(*a2_rolling["deployment"]["placed"])
+        await until(http, lambda v: v["ready"] == 2)
+        await ok(http.post("/api/v1/deployments/chat-a/rollout/undo"))
+        reverted = await finish_rollout(http, fleet)
+        assert reverted["deployment"]["loras"] == {"poet": {"model": "poet", "version": "a1"}}
+        assert reverted["deployment"]["held_loras"] == {"poet": {"model": "poet", "version": "a2"}}
+        assert loaded(fleet) == {"n1": [("poet", a1)], "n2": [("poet", a1)]}
+        [undo] = await audit(http, "deployment.rollout.undo")
+        assert "adapters poet: poet@a2 -> poet@a1" in undo["detail"], undo
+        await trio.sleep(1.0)  # several reconciler passes
+        after = await view(http)
+        assert after["deployment"]["rollout"] is None and len(await audit(http, "deployment.adapters")) == 2
+    assert_never_short(watch, fleet, 2)
