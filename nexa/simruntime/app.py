@@ -216,7 +216,7 @@ class SimApp:
         started = trio.current_time()
         if work.kind is not Kind.EMBEDDING:
             self._metrics.prompt(work.texts, work.prompt_tokens)
-        faults = self._faults.current()
+        faults = self._faults.current(self._loras.loaded.get(work.model, ""))
         if faults.fail is Phase.BEFORE or (faults.fail is Phase.AFTER and not work.stream):
             await reply(send, faults.status, error_body("simulated failure", "server_error", "simulated_failure"))
             journal.write("failed", rid, path, status=faults.status, reason="injected")

@@ -60,7 +60,11 @@ class Faults:
     By image (faults file only): `images` maps a text to the faults of the runtimes whose image
     (`IMAGE_ENV`, which the node's process driver sets to the assignment's image) contains it,
     instead of the file's own (the first such entry, in file order): a bad runtime image next to
-    a good one on the same node."""
+    a good one on the same node.
+
+    By adapter (faults file only): `loras` maps a text to the faults of an inference request that
+    names a loaded LoRA adapter whose path (on a node: its artifact's cache path, which holds its
+    sha256) contains it, before `images`: a bad adapter version next to a good one."""
 
     fail: Phase | None = None
     hang: Phase | None = None
@@ -74,6 +78,7 @@ class Faults:
     taught: tuple[tuple[str, str], ...] = ()
     wrong: bool = False
     images: tuple[tuple[str, Faults], ...] = ()
+    loras: tuple[tuple[str, Faults], ...] = ()
     #: With `--enable-sleep-mode`: `POST /sleep` answers 500 and the engine stays awake.
     sleep_fail: bool = False
     #: Milliseconds more before any output of an inference request (0: none).
@@ -82,6 +87,10 @@ class Faults:
     def for_image(self, image: str) -> Faults:
         """The faults of a runtime of `image`: its `images` entry's, else these."""
         return next((f for key, f in self.images if image and key in image), self)
+
+    def for_lora(self, path: str) -> Faults | None:
+        """The faults of a request naming the adapter loaded from `path`: its `loras` entry's, else None."""
+        return next((f for key, f in self.loras if path and key in path), None)
 
     @classmethod
     def from_json(cls, data: object) -> Faults:
@@ -101,6 +110,7 @@ class Faults:
             "taught",
             "wrong",
             "images",
+            "loras",
             "sleep_fail",
             "slow_ms",
         )
@@ -134,7 +144,8 @@ class Faults:
         problems += [f"{key}: must be true or false" for key, on in switches.items() if not isinstance(on, bool)]
         taught = data.get("taught", {})
         problems += _teaching_problems(taught, data.get("wrong", False))
-        images = _by_image(data.get("images", {}), problems)
+        images = _by_key("images", data.get("images", {}), problems)
+        loras = _by_key("loras", data.get("loras", {}), problems)
         if problems:
             raise ConfigError("invalid faults: " + "; ".join(problems), problems=tuple(problems))
         return cls(
@@ -150,27 +161,28 @@ class Faults:
             taught=tuple(taught.items()),
             wrong=data.get("wrong", False),
             images=tuple(images),
+            loras=tuple(loras),
             sleep_fail=switches["sleep_fail"],
             slow_ms=float(slow_ms),
         )
 
 
-def _by_image(by_image: object, problems: list[str]) -> list[tuple[str, Faults]]:
-    """The `images` entries of a faults file (each parsed as a faults object of its own, with no
-    `images`); what is wrong appended to `problems`."""
-    images: list[tuple[str, Faults]] = []
-    if not isinstance(by_image, dict) or not all(isinstance(k, str) and k for k in by_image):
-        problems.append("images: an object of image texts -> faults")
-        return images
-    for key, value in by_image.items():
-        if isinstance(value, dict) and "images" in value:
-            problems.append(f"images.{key}: faults without images of their own")
+def _by_key(name: str, entries: object, problems: list[str]) -> list[tuple[str, Faults]]:
+    """The `images` or `loras` entries of a faults file (each parsed as a faults object of its own,
+    with neither); what is wrong appended to `problems`."""
+    found: list[tuple[str, Faults]] = []
+    if not isinstance(entries, dict) or not all(isinstance(k, str) and k for k in entries):
+        problems.append(f"{name}: an object of texts -> faults")
+        return found
+    for key, value in entries.items():
+        if isinstance(value, dict) and ("images" in value or "loras" in value):
+            problems.append(f"{name}.{key}: faults without images or loras of their own")
             continue
         try:
-            images.append((key, Faults.from_json(value)))
+            found.append((key, Faults.from_json(value)))
         except ConfigError as exc:
-            problems.append(f"images.{key}: {exc.message}")
-    return images
+            problems.append(f"{name}.{key}: {exc.message}")
+    return found
 
 
 def _teaching_problems(taught: object, wrong: object) -> list[str]:
@@ -219,7 +231,8 @@ class FaultsSource:
         self._seen: bytes | None = None
         self._faults = default
 
-    def current(self) -> Faults:
+    def current(self, lora_path: str = "") -> Faults:
+        """The faults of a request now (`lora_path`: where the adapter it names was loaded from, if any)."""
         if not self._path:
             return self._default
         try:
@@ -237,4 +250,5 @@ class FaultsSource:
             except (ValueError, ConfigError) as exc:
                 log.warning("ignoring the faults file until it is fixed: %s", exc)
                 self._faults = Faults()
-        return self._faults.for_image(self._image)
+        by_lora = self._faults.for_lora(lora_path)
+        return by_lora if by_lora is not None else self._faults.for_image(self._image)

@@ -62,16 +62,30 @@ def test_faults_by_image_apply_to_that_image_only() -> None:
 @pytest.mark.parametrize(
     ("images", "problem"),
     [
-        ([], "images: an object of image texts -> faults"),
-        ({"": {}}, "images: an object of image texts -> faults"),
+        ([], "images: an object of texts -> faults"),
+        ({"": {}}, "images: an object of texts -> faults"),
         ({"x": {"fail": "sometimes"}}, "images.x: invalid faults: fail: must be 'before', 'after' or null"),
-        ({"x": {"images": {}}}, "images.x: faults without images of their own"),
+        ({"x": {"images": {}}}, "images.x: faults without images or loras of their own"),
+        ({"x": {"loras": {}}}, "images.x: faults without images or loras of their own"),
     ],
 )
 def test_bad_faults_by_image_are_refused_naming_the_entry(images: object, problem: str) -> None:
     with pytest.raises(ConfigError) as caught:
         Faults.from_json({"images": images})
     assert problem in caught.value.message
+
+
+def test_faults_by_adapter_strike_requests_naming_an_adapter_loaded_from_a_matching_path(tmp_path: Path) -> None:
+    path = tmp_path / "faults.json"
+    path.write_text('{"loras": {"abc123": {"fail": "before"}}, "images": {"sha256:bad": {"slow_ms": 5}}}')
+    source = FaultsSource(str(path), Faults(), image="r@sha256:bad")
+    assert source.current("/cache/blobs/abc123").fail is Phase.BEFORE
+    by_image = source.current("/cache/blobs/def456")
+    assert by_image.fail is None and by_image.slow_ms == 5  # another adapter: the image's faults
+    assert source.current().slow_ms == 5
+    with pytest.raises(ConfigError) as caught:
+        Faults.from_json({"loras": {"x": {"loras": {}}}})
+    assert "loras.x: faults without images or loras of their own" in caught.value.message
 
 
 def test_the_faults_file_is_read_for_this_runtimes_image(tmp_path: Path) -> None:

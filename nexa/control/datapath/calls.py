@@ -125,6 +125,8 @@ class Progress:
     units: float = 0.0
     #: The LoRA adapter the alias served on `model` (None: none).
     adapter: ModelRef | None = None
+    #: By replica id, the adapter version each replica routed to loads (`lora.with_lora`).
+    lora_versions: dict[str, ModelRef] = attrs.Factory(dict)
 
     def failed(self, exc: BaseException) -> None:
         """The call raised `exc` before its answer was handed out: that is its status."""

@@ -299,7 +299,7 @@ class Gateway:
             await idle.wait_awake(asleep, self.trio_deadline(work))
             serving = self._deployments.serving(ref, alias=None if progress.adapter else progress.alias or None)
         if progress.adapter is not None:
-            serving, progress.adapter = with_lora(
+            serving, progress.lora_versions = with_lora(
                 self._deployments.desired, serving, progress.alias, work.model, progress.adapter
             )
         model_key = progress.alias or ref.key
@@ -343,7 +343,7 @@ class Gateway:
         serving = self._deployments.serving(ref, alias=None if progress.adapter else alias or None)
         if progress.adapter is not None:
             wanted = adapter_of(self._models, alias) or progress.adapter
-            serving, progress.adapter = with_lora(self._deployments.desired, serving, alias, work.model, wanted)
+            serving, progress.lora_versions = with_lora(self._deployments.desired, serving, alias, work.model, wanted)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         return self._for_data_class(work, serving)
@@ -386,6 +386,8 @@ class Gateway:
                 rounds += 1
             tried.add(replica.replica_id)
             progress.attempts = attempt + 1
+            # The adapter version this replica loads is what the attempt is metered as.
+            progress.adapter = progress.lora_versions.get(replica.replica_id, progress.adapter)
             stream_id = _new_stream_id(work, replica, attempt)
             head = wire.InferHead(
                 assignment_id=replica.replica_id,

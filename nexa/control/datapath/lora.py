@@ -36,12 +36,13 @@ def adapter_of(models: ModelRegistry, alias: str) -> ModelRef | None:
 
 def with_lora(
     desired: Desired, serving: ServingSet, alias: str, asked: str, adapter: ModelRef
-) -> tuple[ServingSet, ModelRef]:
-    """The replicas of `serving` whose assignment loads the adapter `alias` serves, and the adapter
-    version they load: those with `adapter` (the alias's now) when one is Ready, else those with the
-    version the deployment ran before (a rollout to `adapter` under way, or reverted); NoReadyReplica
-    when none loads it (`asked`: the name the client used)."""
-    by_version: dict[ModelRef, list[ServingReplica]] = {}
+) -> tuple[ServingSet, dict[str, ModelRef]]:
+    """The replicas of `serving` whose assignment loads the adapter `alias` serves, and by replica id
+    the adapter version each loads (`adapter`, the alias's now, unless the replica was started with
+    another: an old replica while its deployment rolls to `adapter`, or all of them after a revert);
+    NoReadyReplica when none loads it (`asked`: the name the client used)."""
+    have: list[ServingReplica] = []
+    versions: dict[str, ModelRef] = {}
     for replica in serving.replicas:
         try:
             node = desired.fleet.get(replica.node_id)
@@ -54,15 +55,13 @@ def with_lora(
         dep = entry.deployment
         record = next((r for r in all_replicas(dep) if r.id == replica.replica_id), None)
         # A canary's replicas load what the registry served when they started: the alias's now.
-        version = loras_of(dep, record).get(alias, adapter) if record is not None and not replica.canary else adapter
-        by_version.setdefault(version, []).append(replica)
-    if not by_version:
-        if serving.replicas:
-            raise NoReadyReplica(
-                f"no Ready replica of {serving.model.key} loads the LoRA adapter {asked!r} serves: its deployments "
-                "are rolling their replicas to it, or run a runtime that loads no adapters (llama-server, vLLM, "
-                "SGLang and sim do); see `nexa deployments rollout status`"
-            )
-        return attrs.evolve(serving, replicas=[]), adapter
-    version = adapter if adapter in by_version else max(by_version, key=lambda v: len(by_version[v]))
-    return attrs.evolve(serving, replicas=by_version[version]), version
+        pinned = loras_of(dep, record) if record is not None and not replica.canary else {}
+        versions[replica.replica_id] = pinned.get(alias, adapter)
+        have.append(replica)
+    if not have and serving.replicas:
+        raise NoReadyReplica(
+            f"no Ready replica of {serving.model.key} loads the LoRA adapter {asked!r} serves: its deployments "
+            "are rolling their replicas to it, or run a runtime that loads no adapters (llama-server, vLLM, "
+            "SGLang and sim do); see `nexa deployments rollout status`"
+        )
+    return attrs.evolve(serving, replicas=have), versions
