@@ -20,6 +20,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import attrs
 import pytest
@@ -42,6 +43,7 @@ from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas
 from nexa.control.datapath.routing import Router
 from nexa.control.deployments import assignment_for
+from nexa.control.operations import qualify_steps
 from nexa.errors import ApiNotServed, RuntimeFailed
 from nexa.node.engines.docker import LABEL_PROBE, docker_create_body
 from nexa.node.engines.libpod import create_body as libpod_create_body
@@ -240,8 +242,9 @@ def test_the_bash_probe_fails_fast_on_nothing_listening_and_within_5_s_on_a_slow
 
 #: sd-server's answer to `{"prompt", "n": 2}` (routes_openai.cpp 282-319; a 1x1 PNG stands in for its images).
 PNG = base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII=")
+SD_ANSWER_B64 = base64.b64encode(PNG).decode()
 SD_ANSWER = json.dumps(
-    {"created": 1767225600, "data": [{"b64_json": base64.b64encode(PNG).decode()}] * 2, "output_format": "png"}
+    {"created": 1767225600, "data": [{"b64_json": SD_ANSWER_B64}] * 2, "output_format": "png"}
 ).encode()
 
 
@@ -388,3 +391,12 @@ async def test_an_image_answer_not_in_sd_servers_shape_is_a_typed_error(
         with pytest.raises(RuntimeFailed) as failed:
             await attempt()
         assert failed.value.code == "runtime_failed" and f"unusable ({why})" in str(failed.value)
+
+
+def test_a_qualification_of_sd_server_asks_for_one_small_image_and_checks_its_shape() -> None:
+    run = SimpleNamespace(request=SimpleNamespace(settings={}), runtime=SimpleNamespace(kind=RuntimeKind.SDCPP))
+    capability, body = qualify_steps._probe_request(run)  # type: ignore[arg-type]
+    assert capability is Capability.IMAGE and body == {"prompt": "nexa qualification", "n": 1, "size": "256x256"}
+    assert qualify_steps._answer_problem(Capability.IMAGE, SD_ANSWER) == ("", {})
+    for bad in (b'{"data": []}', b'{"data": [{"url": "http://x/"}]}', b'{"error": "prompt required"}'):
+        assert qualify_steps._answer_problem(Capability.IMAGE, bad)[0] == "no image in `data[0].b64_json`"
