@@ -42,7 +42,7 @@ from nexa.control.datapath.gateway import Gateway
 from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas
 from nexa.control.datapath.routing import Router
-from nexa.control.deployments import assignment_for
+from nexa.control.deployments import assignment_for, views
 from nexa.control.operations import qualify_steps
 from nexa.errors import ApiNotServed, RuntimeFailed
 from nexa.node.engines.docker import LABEL_PROBE, docker_create_body
@@ -400,3 +400,15 @@ def test_a_qualification_of_sd_server_asks_for_one_small_image_and_checks_its_sh
     assert qualify_steps._answer_problem(Capability.IMAGE, SD_ANSWER) == ("", {})
     for bad in (b'{"data": []}', b'{"data": [{"url": "http://x/"}]}', b'{"error": "prompt required"}'):
         assert qualify_steps._answer_problem(Capability.IMAGE, bad)[0] == "no image in `data[0].b64_json`"
+
+
+def test_a_deployment_on_an_sdcpp_runtime_is_served_images_only() -> None:
+    """What the serving sets record of a deployment's replicas (`views._served`, from the registered
+    runtime's kind): the gateway's capability filter routes images to them and nothing else gated."""
+    record = RuntimeRecord(
+        name="sd", kind=RuntimeKind.SDCPP, version="master-97d2990", image=IMAGE, media_type="", registered_at=0,
+        registered_by=None,
+    )  # fmt: skip
+    desired = SimpleNamespace(models=SimpleNamespace(runtime=lambda name: record))
+    dep = SimpleNamespace(runtime="sd", options=RuntimeOptions(port=PORT, settings={"steps": 4}))
+    assert views._served(desired, dep) == frozenset({Capability.IMAGE})  # type: ignore[arg-type]
