@@ -6,7 +6,8 @@ The source is leejet/stable-diffusion.cpp at 97d2990807fe6d558e395f8764198d7c7e7
 examples/server/runtime.cpp (`SDSvrParams::get_options`) and examples/common/common.cpp, the image's
 layout from docker/Dockerfile and docs/docker.md, the answer's shape from examples/server/routes_openai.cpp
 (`POST /v1/images/generations`, lines 257-329: `{"created", "data": [{"b64_json"}], "output_format"}`).
-No sd-server runs here (a large C++ build); the probe's bash does.
+No sd-server runs here (a large C++ build); the probe's bash does: this machine's, Debian 12's bash
+5.2.15, whose packaging (network redirections on) Ubuntu 24.04's bash, the image's, comes from.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ no Python, but Ubuntu's bash and coreutils: the probe is bash's `/dev/tcp` (`bas
 From its own source (main.cpp `parse_args`, examples/server/runtime.cpp `SDSvrParams::get_options`
 lines 189-216, examples/common/common.cpp `SDContextParams::get_options` from line 333 and
 `SDGenerationParams::get_options` from line 922): `--listen-ip` (`-l`, 127.0.0.1 by default),
-`--listen-port` (1234), `-m/--model` (a full checkpoint: `.safetensors`, `.ckpt` or `.gguf`),
+`--listen-port` (1234), `-m/--model` (a full model: src/model_loader.cpp `init_from_file` reads a
+directory as diffusers and a file by its content, GGUF magic, safetensors header or torch zip, so
+the mounted `/models/model` needs no extension),
 `-t/--threads` (-1: the physical cores; common.cpp 511-515, 720-721), `--vae` (a separate VAE file,
 given here as a file of the model's manifest), `--offload-to-cpu`, `--mmap`,
 `--fa`, `--diffusion-fa`, `--vae-tiling`, and the default generation settings a request starts from:
