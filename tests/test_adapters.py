@@ -343,7 +343,7 @@ def test_each_adapter_knows_its_endpoints_metrics_and_capabilities() -> None:
     assert not llama.serves(Capability.EMBEDDING, {}) and llama.serves(Capability.EMBEDDING, {"embedding": True})
     assert vllm.serves(Capability.EMBEDDING, {})
     assert not TRTLLM.serves(Capability.EMBEDDING, {})
-    text = [a for a in adapters.ADAPTERS.values() if a.kind is not RuntimeKind.WHISPERCPP]
+    text = [a for a in adapters.ADAPTERS.values() if a.kind not in (RuntimeKind.WHISPERCPP, RuntimeKind.SDCPP)]
     assert all(a.serves(Capability.CHAT, {}) for a in text)
     with pytest.raises(KeyError):
         adapters.adapter_for(RuntimeKind.SIM, {})

@@ -22,7 +22,9 @@ The node's boundary (`isolation_findings`). What a node runs or stores may name 
   directory mounted there), and nothing else of the host.
 Checked: every string value of units/node.toml (the node's config example); every directive (not
 comments) of units/nexa-node.service and units/nexa-node.service.d/*.conf; and each runtime
-adapter's command line, environment and health probe as `nexa.adapters` builds them. A finding is
+adapter's command line (but its program, a path of its digest-pinned image), environment and health
+probe (but bash's `/dev/tcp/` socket on the runtime's own address and the readiness route it asks
+for) as `nexa.adapters` builds them. A finding is
 an absolute path outside the list above, a home directory (`~`), an application repository (a git
 URL, github.com, gitlab.com, bitbucket.org, a `.git` path) or a credential (a value of a key named
 like a password, token, secret or private key; an environment variable named like one).
@@ -228,15 +230,25 @@ def _adapter_findings() -> list[str]:
     from nexa.adapters.base import MODEL_PATH
     from nexa.adapters.llamacpp import LLAMACPP_VARIANTS
     from nexa.contracts.gateway import Capability
+    from nexa.contracts.runtime import RUNTIME_HOST
 
     # An HTTP route the runtime is told to serve (whisper.cpp's `--inference-path`) is no file.
     routes = {c.path for c in Capability}
     out = []
     variants = {**{str(k): a for k, a in adapters.ADAPTERS.items()}, **LLAMACPP_VARIANTS}
+    port = 18000
     for name, adapter in sorted(variants.items()):
-        launch = adapter.launch("model", {}, ["nvidia.com/gpu=0"], 18000, model_path=MODEL_PATH)
+        launch = adapter.launch("model", {}, ["nvidia.com/gpu=0"], port, model_path=MODEL_PATH)
         where = f"adapter {name}"
-        for arg in [*launch.command, *launch.health.command]:
+        # The program (first) is a path of the digest-pinned image (stable-diffusion.cpp's `/sd-server`).
+        args = launch.command[len(adapter.program) :]
+        # bash's `/dev/tcp/HOST/PORT` is a socket on the runtime's own address, not a file, and the probe's
+        # request target is the readiness route (`base.bash_probe`).
+        probe = [
+            arg.replace(f"/dev/tcp/{RUNTIME_HOST}/{port}", " ").replace(f"GET {adapter.readiness_path} ", "GET ")
+            for arg in launch.health.command
+        ]
+        for arg in [*args, *probe]:
             if arg not in routes:
                 out += _value_findings(f"{where}: command", arg)
         for key, value in launch.env.items():

@@ -43,12 +43,14 @@ a typed setting's flag, anything reaching a hub) are refused there (`extra_args_
 each runtime's caches go to the replica's writable cache (`args.CACHE_ENV`).
 Flags and endpoints are from each project's documentation: vLLM "Engine arguments" and
 "Production metrics"; SGLang "Server arguments" and "Production metrics"; TensorRT-LLM
-"trtllm-serve"; llama.cpp `tools/server/README.md`; llama-cpp-python "OpenAI compatible server".
+"trtllm-serve"; llama.cpp `tools/server/README.md`; llama-cpp-python "OpenAI compatible server";
+the media runtimes' from their servers' source (cited in `whispercpp` and `sdcpp`).
 
 The package, one module per job (each imports only those below it in this list): this module,
 the catalog (`ADAPTERS`, `adapter_for` and the checks made through it); one module per model
-server family, `vllm`, `sglang`, `trtllm`, `llamacpp` (both variants) and the media runtime
-`whispercpp` (whisper.cpp's `whisper-server`, speech to text); `base`, the `Adapter`
+server family, `vllm`, `sglang`, `trtllm`, `llamacpp` (both variants) and the media runtimes
+`whispercpp` (whisper.cpp's `whisper-server`, speech to text) and `sdcpp` (stable-diffusion.cpp's
+`sd-server`, text to image); `base`, the `Adapter`
 they are built from; `args` (caches, `extra_args` limits, flag spelling, versions) and
 `entrypoints` (which image entrypoint a command runs behind). `groups` (each rank's command line in
 a replica group over several nodes) sits between the families and this module. "Runtime adapters" names this
@@ -66,6 +68,7 @@ from nexa.adapters.base import SERVER_SETTING, Adapter, Metrics, NativeSleep, St
 from nexa.adapters.entrypoints import entrypoint_for
 from nexa.adapters.groups import group_problems
 from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER, LLAMACPP_VARIANTS
+from nexa.adapters.sdcpp import SD_SERVER
 from nexa.adapters.sglang import SGLANG
 from nexa.adapters.trtllm import TRTLLM
 from nexa.adapters.vllm import VLLM
@@ -81,6 +84,7 @@ ADAPTERS: Final[Mapping[RuntimeKind, Adapter]] = {
     RuntimeKind.TRTLLM: TRTLLM,
     RuntimeKind.LLAMACPP: LLAMA_SERVER_ADAPTER,
     RuntimeKind.WHISPERCPP: WHISPER_SERVER,
+    RuntimeKind.SDCPP: SD_SERVER,
 }
 
 

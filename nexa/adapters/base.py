@@ -189,7 +189,8 @@ class Adapter:
     default_shm_bytes: int = 0
     #: The HTTP path answering 200 once the model is loaded.
     readiness_path: str
-    #: How the probe fetches it inside the image: `python` (urllib) or `curl`.
+    #: How the probe fetches it inside the image: `python` (urllib), `curl`, or `bash` (bash's own
+    #: `/dev/tcp` under coreutils' `timeout`: for images with neither, such as stable-diffusion.cpp's).
     probe_tool: str = "python"
     metrics: Metrics
     capabilities: frozenset[Capability]
@@ -403,9 +404,26 @@ class Adapter:
         url = f"http://{RUNTIME_HOST}:{port}{self.readiness_path}"
         if self.probe_tool == "curl":
             command = ["curl", "-fsS", "-o", "/dev/null", "--max-time", "5", url]
+        elif self.probe_tool == "bash":
+            command = bash_probe(port, self.readiness_path)
         else:
             command = ["python3", "-c", f"import urllib.request; urllib.request.urlopen({json.dumps(url)}, timeout=5)"]
         return HealthProbe(command=command, interval_s=2.0, timeout_s=6.0, start_period_s=_START_PERIOD_S, retries=3)
+
+
+def bash_probe(port: int, path: str) -> list[str]:
+    """A readiness probe needing only bash and coreutils: GET `path` over bash's `/dev/tcp`, as
+    HTTP/1.0 (no chunked answer), passing on a `200` status line. `timeout` bounds the whole
+    exchange (connect included) at 5 s and `read -n 64` the bytes read, so a slow or endless answer
+    fails the probe inside the container; nothing of the answer but its status line is read."""
+    script = (
+        f"exec 3<>/dev/tcp/{RUNTIME_HOST}/{port} || exit 1\n"
+        f"printf 'GET {path} HTTP/1.0\\r\\n\\r\\n' >&3 || exit 1\n"
+        "IFS= read -r -n 64 line <&3 || exit 1\n"
+        'case $line in "HTTP/1."[01]" 200 "* | "HTTP/1."[01]" 200"$\'\\r\') exit 0 ;; esac\n'
+        "exit 1\n"
+    )
+    return ["timeout", "5", "bash", "-c", script]
 
 
 #: Each engine's own memory beyond the share its memory setting bounds (the CUDA context, CUDA
@@ -418,4 +436,8 @@ ENGINE_OVERHEAD_BYTES: Final[Mapping[str, int]] = {
     "trtllm": 2 * 1024**3,
     LLAMA_SERVER: 1024**3,
     LLAMA_CPP_PYTHON: 1024**3,
+    # stable-diffusion.cpp's compute buffers (the UNet's, the VAE decode's: the largest, at the
+    # image's full size unless `vae_tiling`), beyond the checkpoint's own bytes. An estimate, not
+    # measured here: a deployment's `resources.overhead_bytes` replaces it.
+    "sd-server": 2 * 1024**3,
 }

@@ -62,7 +62,9 @@ class ModelFormat(enum.StrEnum):
     """How the model's bytes are laid out. `safetensors`: a Hugging Face directory (vLLM, SGLang);
     `gguf`: one GGUF file or a split GGUF's shards (llama.cpp); `tensorrt`: an engine or checkpoint
     directory; `tar`: an archive, mounted as the one file it is (nothing unpacks it: push the
-    directory itself with `nexa models push`); `ggml`: a whisper.cpp model file (`ggml-*.bin`)."""
+    directory itself with `nexa models push`); `ggml`: a whisper.cpp model file (`ggml-*.bin`).
+    stable-diffusion.cpp takes one checkpoint file (`gguf` or `safetensors`, told apart by its
+    content) or a diffusers directory (`safetensors`, a manifest)."""
 
     GGUF = "gguf"
     SAFETENSORS = "safetensors"

@@ -55,6 +55,8 @@ class RuntimeKind(enum.StrEnum):
     SIM = "sim"
     #: whisper.cpp's `whisper-server`: speech to text (a media runtime).
     WHISPERCPP = "whispercpp"
+    #: stable-diffusion.cpp's `sd-server`: text to image (a media runtime).
+    SDCPP = "sdcpp"
 
 
 class TaintEffect(enum.StrEnum):

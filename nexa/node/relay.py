@@ -541,12 +541,15 @@ async def _runtime_failed(resp: Response) -> wire.EndHead:
 
 
 def _error_message(body: bytes) -> str:
-    """`error.message` of an OpenAI-shaped error body (or vLLM's older flat form); "" otherwise."""
+    """`error.message` of an OpenAI-shaped error body (or vLLM's older flat form, or the string
+    stable-diffusion.cpp's sd-server answers as `error`: `{"error": "prompt required"}`); "" otherwise."""
     obj = _json(body)
     if not isinstance(obj, dict):
         return ""
     error = obj.get("error")
-    message = error.get("message") if isinstance(error, dict) else obj.get("message")
+    message = (
+        error if isinstance(error, str) else error.get("message") if isinstance(error, dict) else obj.get("message")
+    )
     return message[:_MESSAGE_CHARS] if isinstance(message, str) else ""
 
 

@@ -245,7 +245,7 @@ def test_unknown_key_is_named() -> None:
 
 def test_bad_runtime_kind_is_named() -> None:
     err = bad_file({"runtimes": ["vllm", "ollama"]})
-    assert err.problems == ("runtimes[1]: must be one of vllm, sglang, trtllm, llamacpp, sim, whispercpp",)
+    assert err.problems == ("runtimes[1]: must be one of vllm, sglang, trtllm, llamacpp, sim, whispercpp, sdcpp",)
 
 
 def test_bad_taint_effect_is_named() -> None:
@@ -614,7 +614,7 @@ async def test_watcher_keeps_last_good_and_picks_up_valid_edit(
         await wait_until(watcher.rejected)
         assert watcher.current() is first
         assert set(watcher.rejected()) == {
-            "runtimes[1]: must be one of vllm, sglang, trtllm, llamacpp, sim, whispercpp",
+            "runtimes[1]: must be one of vllm, sglang, trtllm, llamacpp, sim, whispercpp, sdcpp",
             "taints[0].effect: required key is missing",
         }
         await trio.sleep(POLL_S * 10)  # many polls of the same bad version

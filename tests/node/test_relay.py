@@ -17,9 +17,20 @@ import trio.testing
 
 from nexa.config import Bytes, RelayConfig
 from nexa.contracts import wire
+from nexa.contracts.gateway import Capability
 from nexa.node.relay import _plain_events, _split_events
 from tests.support import supervisor as supervised
-from tests.support.relay import CHAT, TIMEOUT_S, closed_port, data_path, drain, infer_head, request, wait_until
+from tests.support.relay import (
+    CHAT,
+    SD_IMAGE_B64,
+    TIMEOUT_S,
+    closed_port,
+    data_path,
+    drain,
+    infer_head,
+    request,
+    wait_until,
+)
 
 # --- unary and streamed answers -----------------------------------------------------------------
 
@@ -238,3 +249,28 @@ async def test_the_supervisor_gives_a_runtime_port_only_while_it_is_ready(
     assert sup.endpoint("a2") is None  # not an assignment of this node
     sup.update(2, [])
     assert sup.endpoint("a1") is None  # removed: stopping now
+
+
+# --- a media runtime: stable-diffusion.cpp's sd-server ------------------------------------------
+
+
+async def test_an_image_request_reaches_sd_server_as_json_and_its_answer_and_errors_come_back() -> None:
+    """The node relays the gateway's image body to `/v1/images/generations` as JSON and passes sd-server's
+    answer on whole (tests/support/relay.py answers as its routes_openai.cpp does); its 400, whose `error`
+    is a plain string there, becomes runtime_rejected with that string as the message."""
+    head = infer_head(path=Capability.IMAGE.path)
+    asked = json.dumps({"model": "sd", "prompt": "a red square", "n": 2, "size": "64x64"}).encode()
+    with trio.fail_after(TIMEOUT_S):
+        async with data_path() as p:
+            async with p.relay.open("n1", "r1", head, asked) as s:
+                body, end = await drain(s)
+            async with p.relay.open("n1", "r2", head, json.dumps({"model": "sd", "n": 1}).encode()) as s:
+                refused, failed = await drain(s)
+    answer = json.loads(body)
+    assert [d["b64_json"] for d in answer["data"]] == [SD_IMAGE_B64] * 2 and answer["output_format"] == "png"
+    assert end.status is wire.EndStatus.OK and end.http_status == 200
+    assert p.runtime.seen[0][0] == "/v1/images/generations" and p.runtime.seen[0][2] == asked
+    assert p.runtime.seen[0][1]["content-type"] == "application/json"
+    assert refused == b""
+    assert (failed.status, failed.code, failed.http_status) == (wire.EndStatus.ERROR, "runtime_rejected", 400)
+    assert failed.message == "prompt required"

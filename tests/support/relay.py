@@ -62,6 +62,9 @@ class Runtime:
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.seen.append((scope["path"], headers, body))
         req = json.loads(body)
+        if scope["path"] == Capability.IMAGE.path:
+            await _sd_server_image(req, send)
+            return
         rid = headers.get("x-nexa-request-id", "")
         async with trio.open_nursery() as nursery:
 
@@ -116,6 +119,23 @@ class Runtime:
             await event('{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":%d,"total_tokens":0}}' % count)  # noqa: UP031
         await event("[DONE]")
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+#: A 1x1 PNG, base64: what stands in for stable-diffusion.cpp's images.
+SD_IMAGE_B64 = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVORK5CYII="
+
+
+async def _sd_server_image(req: dict[str, Any], send: Any) -> None:
+    """`POST /v1/images/generations` as stable-diffusion.cpp's sd-server answers it
+    (examples/server/routes_openai.cpp at 97d2990, lines 22-80 and 257-329): 400 `{"error": "prompt
+    required"}` without a prompt, else `n` images (at least 1), base64 always, and the output format."""
+    prompt, n = req.get("prompt", ""), max(1, req.get("n", 1))
+    if not prompt:
+        await _respond(send, 400, json.dumps({"error": "prompt required"}).encode())
+        return
+    data = [{"b64_json": SD_IMAGE_B64}] * n
+    answer = {"created": int(time.time()), "data": data, "output_format": req.get("output_format", "png")}
+    await _respond(send, 200, json.dumps(answer).encode())
 
 
 async def _respond(send: Any, status: int, body: bytes) -> None:
@@ -208,7 +228,8 @@ async def data_path(
 
 def infer_head(*, stream: bool = False, deadline_s: float = 10.0, **kw: Any) -> wire.InferHead:
     kw.setdefault("assignment_id", "a1")
-    return wire.InferHead(path=CHAT, stream=stream, deadline_at=time.time() + deadline_s, window=4, **kw)
+    kw.setdefault("path", CHAT)
+    return wire.InferHead(stream=stream, deadline_at=time.time() + deadline_s, window=4, **kw)
 
 
 def request(mode: str, **kw: Any) -> bytes:

@@ -677,7 +677,8 @@ def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
             + (
                 " (its replicas changed while it was routed: send it again, it is translated now)"
                 if capability.native
-                else " (whisper.cpp's whisper-server serves transcriptions; vLLM transcriptions and translations)"
+                else " (whisper.cpp's whisper-server serves transcriptions; vLLM transcriptions and translations;"
+                " stable-diffusion.cpp's sd-server images)"
                 if capability.media
                 else " (vLLM serves rerank, score, tokenize and detokenize; llama.cpp's llama-server serves"
                 " tokenize and detokenize, and rerank with settings.reranking: true and a reranker model)"

@@ -105,6 +105,13 @@ log = logging.getLogger(__name__)
 _QUEUE: Final = 16
 #: The longest a qualification cut short (the controller stopping) spends taking its replica out.
 REMOVE_TIMEOUT_S: Final = 5.0
+#: The formats a runtime kind loads, where it is one (every other kind but `sim`: anything not GGUF).
+_FORMATS: Final = {
+    RuntimeKind.LLAMACPP: frozenset({ModelFormat.GGUF}),
+    RuntimeKind.WHISPERCPP: frozenset({ModelFormat.GGML}),
+    # One checkpoint file (examples/common/common.cpp `--model`): GGUF, or safetensors.
+    RuntimeKind.SDCPP: frozenset({ModelFormat.GGUF, ModelFormat.SAFETENSORS}),
+}
 
 
 class Qualifications:
@@ -402,7 +409,7 @@ class Qualifications:
                     ) from None
                 record = max(approved, key=lambda m: m.registered_at)
             return deployable_model(self._models, ModelRef(model=record.name, version=record.version))
-        wanted = {ModelFormat.GGUF} if runtime.kind is RuntimeKind.LLAMACPP else None
+        wanted = _FORMATS.get(runtime.kind)
         candidates = []
         for m in self._models.models(state=ModelState.APPROVED):
             if wanted is not None and m.format not in wanted:

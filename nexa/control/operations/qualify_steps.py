@@ -40,6 +40,8 @@ FIRST_PORT: Final = 18900
 POLL_S: Final = 0.25
 #: How long the answer may take, and how long the node may take to report the metrics it scraped.
 ANSWER_TIMEOUT_S: Final = 120.0
+#: The image an image runtime's qualification asks for (`WxH`).
+IMAGE_PROBE_SIZE: Final = "256x256"
 METRICS_WAIT_S: Final = 20.0
 #: How long the node may take to drop the replica after its removal was pushed.
 STOP_TIMEOUT_S: Final = 60.0
@@ -362,10 +364,15 @@ def _measured(status: AssignmentStatus | None) -> int | None:
 
 
 def _probe_request(run: QualifyRun) -> tuple[Capability, dict[str, Any]]:
-    """A chat request where the replica serves chat, else an embedding one."""
+    """A chat request where the replica serves chat, else an embedding one, else (an image runtime,
+    stable-diffusion.cpp's) one small image."""
     settings = run.request.settings
     if adapters.has_adapter(run.runtime.kind):
         adapter = adapters.adapter_for(run.runtime.kind, settings)
+        if not adapter.serves(Capability.CHAT, settings) and adapter.serves(Capability.IMAGE, settings):
+            # Small, so that a CPU build answers well inside ANSWER_TIMEOUT_S; a multiple of 64 every
+            # diffusion family takes.
+            return Capability.IMAGE, {"prompt": "nexa qualification", "n": 1, "size": IMAGE_PROBE_SIZE}
         if not adapter.serves(Capability.CHAT, settings) and adapter.serves(Capability.EMBEDDING, settings):
             return Capability.EMBEDDING, {"input": "nexa qualification"}
     return Capability.CHAT, {
@@ -375,14 +382,24 @@ def _probe_request(run: QualifyRun) -> tuple[Capability, dict[str, Any]]:
     }
 
 
+def _image_problem(answer: dict[str, Any]) -> str:
+    """What is wrong with an image answer ("" when nothing is): its first image must be base64, as
+    stable-diffusion.cpp's sd-server always answers (`data[0].b64_json`)."""
+    data = answer.get("data")
+    first = data[0] if isinstance(data, list) and data and isinstance(data[0], dict) else None
+    encoded = first.get("b64_json") if first is not None else None
+    return "" if isinstance(encoded, str) and encoded else "no image in `data[0].b64_json`"
+
+
 def _answer_problem(capability: Capability, raw: bytes) -> tuple[str, dict[str, float | int | str]]:
     """What is wrong with an answer's shape ("" when nothing is), and its figures."""
     try:
         answer = json.loads(raw)
     except ValueError:
         return f"the answer is not JSON ({len(raw)} bytes)", {"bytes": len(raw)}
-    if not isinstance(answer, dict):
-        return "the answer is not a JSON object", {}
+    if not isinstance(answer, dict) or capability is Capability.IMAGE:
+        # An image answer has no usage: its shape is all there is to check.
+        return ("the answer is not a JSON object" if not isinstance(answer, dict) else _image_problem(answer)), {}
     usage = answer.get("usage")
     figures: dict[str, float | int | str] = {}
     if isinstance(usage, dict):
