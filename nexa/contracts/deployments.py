@@ -46,6 +46,9 @@ EVAL_PREFIX: Final = "nexa-eval-"
 #: The model name that reaches only deployment D's canary replicas is this plus D
 #: (`nexa eval run SUITE --deployment D --canary`).
 CANARY_EVAL_PREFIX: Final = EVAL_PREFIX + "canary."
+#: The model name that reaches only the new replicas of deployment D's rollout (those that run its
+#: spec now) is this plus D (`nexa eval run SUITE --deployment D --rollout`: a suite gate's run).
+ROLLOUT_EVAL_PREFIX: Final = EVAL_PREFIX + "rollout."
 
 
 @attrs.frozen(kw_only=True)

@@ -33,6 +33,7 @@ def run(at: float, **over: Any) -> EvaluationRecord:
         "measured": True,
         "deployment": "chat-a",
         "run": f"evrun_{at:g}",
+        "rollout": True,
     }
     return EvaluationRecord(**{**fields, **over})
 
@@ -48,16 +49,17 @@ def test_a_gate_out_of_range_is_named_with_the_policys_other_problems() -> None:
     assert nan == ["rollout_policy.suite.min_pass_rate: from 0 to 1"]
 
 
-def test_only_a_measured_run_of_the_suite_on_the_deployment_since_the_replica_was_ready_counts() -> None:
+def test_only_a_measured_run_of_the_suite_on_the_new_replicas_since_the_replica_was_ready_counts() -> None:
     others = [
         run(99.0),  # before the replica was Ready
         run(101.0, measured=False),  # an operator's word
         run(102.0, suite="other"),
         run(103.0, deployment="chat-b"),
+        run(103.5, rollout=False),  # against the whole deployment, old replicas included
     ]
     waiting = rolloutsuite.verdict(others, "chat-a", GATE, since=READY_AT)
     assert waiting.passed is None
-    assert "run `nexa eval run qa --deployment chat-a --min-pass-rate 0.9`" in waiting.detail
+    assert "run `nexa eval run qa --deployment chat-a --rollout --min-pass-rate 0.9`" in waiting.detail
 
     passed = rolloutsuite.verdict([*others, run(104.0)], "chat-a", GATE, since=READY_AT)
     assert passed.passed is True
@@ -91,5 +93,5 @@ def test_status_says_what_the_gate_waits_for() -> None:
     waiting = suite_state("chat-a", attrs.evolve(gated, soaks=soaks))
     assert waiting == (
         "replica(s) r2 soaked unbroken and wait for suite qa (every pass rate >= 0.9): "
-        "run `nexa eval run qa --deployment chat-a --min-pass-rate 0.9`"
+        "run `nexa eval run qa --deployment chat-a --rollout --min-pass-rate 0.9`"
     )

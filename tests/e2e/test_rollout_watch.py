@@ -16,15 +16,19 @@ output of it reached the client. None does, so every request the clients sent is
 Then the operator's hand through the CLI: pause, status, resume, undo, and the typed refusals
 (pausing twice, resuming a running rollout, undoing where none runs, a change that changes nothing).
 
-A rollout policy with a suite gate (`rollout_policy.suite`): each new replica that soaked its time
-waits for a measured run of the suite (`nexa eval run`, as an operator runs it); an image whose
-runtime answers right passes and rolls through, one whose runtime answers wrong (the sim runtime's
-`wrong`, for that image alone) fails the run and is reverted, audited with the run's pass rates.
+A rollout policy with a suite gate (`rollout_policy.suite`), one replica with room for a second:
+each new replica (started beside the old one, which keeps serving) that soaked its time waits for
+a measured run of the suite against the new replicas alone (`nexa eval run --rollout`, as an
+operator runs it; a run against the whole deployment does not count); an image whose runtime
+answers right passes and rolls through, one whose runtime answers wrong (the sim runtime's `wrong`,
+for that image alone) fails every case of the run and is reverted, audited with its pass rates.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -287,26 +291,26 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
     cfg = registry_config(tmp_path, s3_store)
-    async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=1) as cluster:
+    async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=2) as cluster:
         host = test_images.busybox.partition("/")[0]
         good = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-good", GOOD_PLATFORMS)
         wrong = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-wrong", BAD_PLATFORMS)
         await register(cluster, "sim-good", good)
         await register(cluster, "sim-wrong", wrong)
-        [node] = cluster.nodes
-        node.set_faults(taught=TAUGHT, images={wrong.partition("@")[2]: {"wrong": True}})
+        for node in cluster.nodes:
+            node.set_faults(taught=TAUGHT, images={wrong.partition("@")[2]: {"wrong": True}})
         exact = [c for c in CASES if c["scorer"]["kind"] in ("exact", "contains")]
         registered = await register_suite(cluster, "qa", lines(exact))
         assert registered.returncode == 0, registered.stderr
         async with cluster.client() as http:
             nodes = (await ok(http.get("/api/v1/nodes")))["nodes"]
-            port = free_runtime_port([node_host(1)])
+            port = free_runtime_port([node_host(1), node_host(2)])
             body = {
                 "name": "chat-a",
                 "runtime": "sim",
                 "alias": "chat",
                 "replicas": 1,
-                # More than half the node: no room for a second replica (the only one serves the run).
+                # More than half a node: the new replica starts on the other node, beside the old one.
                 "resources": {
                     "accelerators": 0,
                     "memory_bytes": int(nodes[0]["inventory"]["memory_total_bytes"] * 0.55),
@@ -337,7 +341,7 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
         changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "qa")
         assert changed.returncode == 0, changed.stderr
         status = await wait_until("the new replica waits for its suite", lambda: waits_for_suite(cluster))
-        command = "nexa eval run qa --deployment chat-a --min-pass-rate 1"
+        command = "nexa eval run qa --deployment chat-a --rollout --min-pass-rate 1"
         assert status["rollout"]["policy"]["suite"] == {"suite": "qa", "min_pass_rate": 1.0}
         assert command in status["suite"] and "soaked unbroken and wait" in status["suite"]
         shown = await cluster.cli("deployments", "rollout", "status", "chat-a")
@@ -347,13 +351,17 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
             assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
             page = (await browser.get("/console/deployments/chat-a")).text
             assert 'id="rollout-suite"' in page and "wait for suite qa" in page
-        # Held: nothing passes without a run.
+        surged = await view(cluster)  # surge-first: the old replica serves beside the new one
+        assert surged["ready"] == 2 and len({r["node_id"] for r in surged["deployment"]["placed"]}) == 2
+        # Held: a run against the whole deployment (the old replica too) passes, but does not count.
+        whole = await cluster.cli(
+            "eval", "run", "qa", "--deployment", "chat-a", "--inference-key", cluster.inference_key
+        )
+        assert whole.returncode == 0, whole.stdout + whole.stderr
         await trio.sleep(2)
         assert (await rollout_status(cluster))["rollout"]["reason"] == "change"
         assert not any(s["passed"] for s in (await rollout_status(cluster))["rollout"]["soaks"])
-        passed_run = await cluster.cli(
-            "eval", "run", "qa", "--deployment", "chat-a", "--inference-key", cluster.inference_key
-        )
+        passed_run = await suite_run(cluster, "--rollout")
         assert passed_run.returncode == 0, passed_run.stdout + passed_run.stderr
         await wait_until("the right image on the replica", lambda: rolled_to_one(cluster, "sim-good"))
         async with cluster.client() as http:
@@ -367,9 +375,19 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
         assert changed.returncode == 0, changed.stderr
         await wait_until("the wrong replica waits for its suite", lambda: waits_for_suite(cluster))
         failed_run = await cluster.cli(
-            "eval", "run", "qa", "--deployment", "chat-a", "--inference-key", cluster.inference_key
+            "eval",
+            "run",
+            "qa",
+            "--deployment",
+            "chat-a",
+            "--rollout",
+            "--json",
+            "--inference-key",
+            cluster.inference_key,
         )
         assert failed_run.returncode == 1, failed_run.stdout + failed_run.stderr
+        # Every case went to the new (wrong) replica alone: the old one beside it answers right.
+        assert all(s["pass_rate"] == 0.0 for s in json.loads(failed_run.stdout)["summaries"]), failed_run.stdout
         async with cluster.client() as http:
 
             async def reverted() -> list[Json]:
@@ -390,6 +408,13 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
         assert off.returncode == 0, off.stderr
         dep = (await view(cluster))["deployment"]
         assert dep["rollout"] is None and dep["rollout_policy"]["suite"] is None
+
+
+async def suite_run(cluster: SimCluster, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`nexa eval run qa --deployment chat-a FLAGS`, as an operator runs it."""
+    return await cluster.cli(
+        "eval", "run", "qa", "--deployment", "chat-a", *flags, "--inference-key", cluster.inference_key
+    )
 
 
 async def rolled_to_one(cluster: SimCluster, runtime: str) -> bool:

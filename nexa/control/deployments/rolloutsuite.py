@@ -1,13 +1,12 @@
 """A watched rollout's suite gate (`RolloutPolicy.suite`), the pure part: a new replica that soaked
-its time unbroken passes only once a measured run of the suite against the deployment (`nexa eval
-run SUITE --deployment D`: the evaluation of the version the deployment serves, marked with D) was
-recorded since that replica became Ready. The newest such run decides: every metric's pass rate at
-least the gate's passes the replica; anything less is a breach, and the rollout reverts. No run yet
-holds the rollout, and `rollout status` says which command to run.
-
-The run goes through the gateway to the deployment's Ready replicas, so while the old replicas
-serve beside the new one it measures both; a wrong new replica fails a gate of 1 (the default) all
-the same. `watch.ChangeWatcher` asks `verdict` with the served version's evaluations; never awaits."""
+its time unbroken passes only once a measured run of the suite against the rollout's new replicas
+(`nexa eval run SUITE --deployment D --rollout`: through the gateway to those replicas alone, the
+evaluation of the version D serves, marked with D and `rollout`) was recorded since that replica
+became Ready. The newest such run decides: every metric's pass rate at least the gate's passes the
+replica; anything less is a breach, and the rollout reverts. No run yet holds the rollout, and
+`rollout status` says which command to run. A run against the whole deployment (old replicas
+included) does not count. `watch.ChangeWatcher` asks `verdict` with the served version's
+evaluations; never awaits."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ class Verdict:
 
 def command(gate: CanarySuite, deployment: str) -> str:
     """The run the gate waits for."""
-    return f"nexa eval run {gate.suite} --deployment {deployment} --min-pass-rate {gate.min_pass_rate:g}"
+    return f"nexa eval run {gate.suite} --deployment {deployment} --rollout --min-pass-rate {gate.min_pass_rate:g}"
 
 
 def verdict(evaluations: Iterable[EvaluationRecord], deployment: str, gate: CanarySuite, *, since: float) -> Verdict:
@@ -39,7 +38,7 @@ def verdict(evaluations: Iterable[EvaluationRecord], deployment: str, gate: Cana
     runs = [
         e
         for e in evaluations
-        if e.measured and e.suite == gate.suite and e.deployment == deployment and e.recorded_at >= since
+        if e.measured and e.rollout and e.suite == gate.suite and e.deployment == deployment and e.recorded_at >= since
     ]
     what = f"suite {gate.suite} with every pass rate >= {gate.min_pass_rate:g}"
     if not runs:
