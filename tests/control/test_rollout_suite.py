@@ -1,6 +1,8 @@
 """A watched rollout's suite gate, the pure parts: the policy's shape (`rollout_policy_problems`),
 the gate's verdict on a new replica from the served version's evaluations
-(`nexa.control.deployments.rolloutsuite`), and what `rollout status` says it waits for. The gate
+(`nexa.control.deployments.rolloutsuite`), what `rollout status` says it waits for, and a posted
+run's shape (`--canary` or `--rollout`, not both). The gate's model name reaching the new replicas
+alone is in tests/control/test_serving_sets.py. The gate
 end to end (a run that passes lets the rollout through, one that fails reverts it) is in
 tests/e2e/test_rollout_watch.py."""
 
@@ -10,7 +12,15 @@ from typing import Any
 
 import attrs
 
-from nexa.contracts.deployments import CanarySuite, Rollout, RolloutPolicy, Soak, rollout_policy_problems
+from nexa.contracts.deployments import (
+    ROLLOUT_EVAL_PREFIX,
+    CanarySuite,
+    Rollout,
+    RolloutPolicy,
+    Soak,
+    rollout_policy_problems,
+)
+from nexa.contracts.evals import EvalRunCreate, run_problems
 from nexa.contracts.models import EvaluationRecord, ModelRef
 from nexa.control.deployments import rolloutsuite
 from nexa.control.deployments.watch import suite_state
@@ -95,3 +105,20 @@ def test_status_says_what_the_gate_waits_for() -> None:
         "replica(s) r2 soaked unbroken and wait for suite qa (every pass rate >= 0.9): "
         "run `nexa eval run qa --deployment chat-a --rollout --min-pass-rate 0.9`"
     )
+
+
+def test_a_run_posted_for_both_the_canary_and_the_rollout_is_refused() -> None:
+    posted = EvalRunCreate(
+        suite="qa",
+        digest="0" * 64,
+        deployment="chat-a",
+        model=ROLLOUT_EVAL_PREFIX + "chat-a",
+        started_at=1.0,
+        duration_s=1.0,
+        concurrency=1,
+        cases=[],
+        rollout=True,
+    )
+    assert run_problems(posted) == []
+    both = run_problems(attrs.evolve(posted, canary=True))
+    assert both == ["canary, rollout: one of them (a canary and a rollout never run together)"]
