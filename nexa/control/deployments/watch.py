@@ -374,7 +374,10 @@ class ChangeWatcher:
                 detail = figures(stats, seconds)
                 gate = rollout.policy.suite
                 if gate is not None:
-                    runs = self._desired.models.evaluations(dep.model.model, dep.model.version)
+                    try:
+                        runs = self._desired.models.evaluations(dep.model.model, dep.model.version)
+                    except NotFound:
+                        runs = []  # the version is gone from the registry: no run can pass it
                     said = rolloutsuite.verdict(runs, name, gate, since=soak.ready_at)
                     if said.passed is None:
                         if not soak.suite_wait:
