@@ -11,6 +11,9 @@ With `evaluate` (`--model NAME@VERSION`) the run starts an evaluation replica of
 (`POST /api/v1/eval/replicas`, bound to the run's job and to the inference key's id), waits until it
 is Ready, calls it by its name, and removes it afterwards, also when the run fails or is interrupted
 (the controller removes it as well once the job is no longer running).
+
+With `canary` (`--canary`) the cases go to the deployment's canary replicas alone; with `rollout`
+(`--rollout`) to the new replicas of its rollout alone (what a rollout's suite gate counts).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from nexa.bench.gateway import Gateway
 from nexa.client import ApiClient
 from nexa.contracts import codec
 from nexa.contracts import evals as ev
-from nexa.contracts.deployments import CANARY_EVAL_PREFIX, DeploymentView
+from nexa.contracts.deployments import CANARY_EVAL_PREFIX, ROLLOUT_EVAL_PREFIX, DeploymentView
 from nexa.contracts.domain import parse_api_key
 from nexa.contracts.evidence import Job, JobCreate, JobKind, JobState, JobUpdate
 from nexa.contracts.models import ModelRef
@@ -72,6 +75,8 @@ class EvalPlan:
     ready_timeout_s: float = 600.0
     #: Run against `deployment`'s canary replicas alone (the canary version's evaluation).
     canary: bool = False
+    #: Run against the new replicas of `deployment`'s rollout alone (a rollout's suite gate).
+    rollout: bool = False
 
 
 class EvalRunner:
@@ -104,6 +109,9 @@ class EvalRunner:
             if plan.canary:
                 model = await self._canary_name(plan.deployment)
                 on = f"{plan.deployment}'s canary"
+            elif plan.rollout:
+                model = await self._rollout_name(plan.deployment)
+                on = f"{plan.deployment}'s new replicas"
             else:
                 model = plan.model or await self._served_name(plan.deployment, ready=True)
                 on = plan.deployment
@@ -131,6 +139,7 @@ class EvalRunner:
                 job=self._job,
                 client_version=__version__,
                 canary=plan.canary,
+                rollout=plan.rollout,
             )
             return await self._call(self._api.post, "/api/v1/eval/runs", ev.EvalRun, body=_body(create))
         except BaseException as exc:
@@ -343,6 +352,17 @@ class EvalRunner:
                 "and wait until `nexa deployments show` shows it Ready"
             )
         return CANARY_EVAL_PREFIX + deployment
+
+    async def _rollout_name(self, deployment: str) -> str:
+        """The model name that reaches the new replicas of `deployment`'s rollout alone; Unavailable
+        while it runs no rollout."""
+        view = await self._view(deployment)
+        if view.deployment.rollout is None:
+            raise Unavailable(
+                f"deployment {deployment!r} has no rollout in progress: `nexa deployments rollout status "
+                f"{deployment}` shows it"
+            )
+        return ROLLOUT_EVAL_PREFIX + deployment
 
     async def _view(self, deployment: str) -> DeploymentView:
         try:

@@ -46,7 +46,10 @@ controller removes it itself once the run's job is no longer running. The measur
 the version's, so `[models] approval_requires` can be met before approval.
 
 With --deployment D --canary, the cases go to D's canary replicas alone and the result is the
-canary version's evaluation: what a canary started with --suite needs before it is promoted."""
+canary version's evaluation: what a canary started with --suite needs before it is promoted.
+
+With --deployment D --rollout, the cases go to the new replicas of D's rollout alone (those that run
+its spec now): what a rollout policy's suite gate needs before each new replica passes."""
 
 
 def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
@@ -86,6 +89,11 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
         "--canary",
         action="store_true",
         help="with --deployment: run against its canary replicas alone (what a canary's suite gate asks)",
+    )
+    s.add_argument(
+        "--rollout",
+        action="store_true",
+        help="with --deployment: run against its rollout's new replicas alone (what a rollout's suite gate asks)",
     )
     s.add_argument("--like", metavar="DEPLOYMENT", help="with --model: run the replica like this deployment")
     s.add_argument(
@@ -195,6 +203,7 @@ def _run(args: argparse.Namespace) -> int:
         runtime=args.runtime,
         ready_timeout_s=args.ready_timeout_s,
         canary=args.canary,
+        rollout=args.rollout,
     )
 
     def progress(done: int, total: int) -> None:
@@ -214,8 +223,12 @@ def _run(args: argparse.Namespace) -> int:
 
 def _replica_flags(args: argparse.Namespace) -> ModelRef | None:
     """`--model NAME@VERSION` and the flags that go with it, checked; None without --model."""
+    if args.canary and args.rollout:
+        raise ConfigError("--canary or --rollout, one of them (a deployment never runs both)")
     if args.canary and (args.model is not None or args.call_as):
         raise ConfigError("--canary goes with --deployment alone (the canary's replicas are called by their own name)")
+    if args.rollout and (args.model is not None or args.call_as):
+        raise ConfigError("--rollout goes with --deployment alone (the new replicas are called by their own name)")
     if args.model is None:
         if args.like or args.runtime:
             raise ConfigError("--like and --runtime go with --model NAME@VERSION (a new evaluation replica)")

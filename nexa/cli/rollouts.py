@@ -39,6 +39,18 @@ def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> Non
     s.add_argument(
         "--min-requests", type=int, help="fewer requests than this decide nothing (default: as set, else 20)"
     )
+    gate = s.add_mutually_exclusive_group()
+    gate.add_argument(
+        "--suite",
+        help="after its soak, each new replica waits for a passing run of this suite "
+        "(`nexa eval run SUITE --deployment NAME`); a failing run reverts",
+    )
+    gate.add_argument("--no-suite", action="store_true", help="remove the rollout policy's suite gate")
+    s.add_argument(
+        "--suite-min-pass-rate",
+        type=float,
+        help="with --suite: each metric's least pass rate (0 to 1; default 1)",
+    )
     s.set_defaults(handler=_change)
     rollout = deployments.add_parser(
         "rollout", help="the rollout in progress: status, pause, resume, undo"
@@ -62,11 +74,12 @@ def _change(args: argparse.Namespace) -> int:
         body["runtime"] = args.runtime
     with common.client(args) as c:
         dep = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment
-        if args.soak_s is not None or args.min_requests is not None:
+        if args.soak_s is not None or args.min_requests is not None or args.suite or args.no_suite:
             policy = dep.rollout_policy or RolloutPolicy()
             body["rollout_policy"] = {
                 "soak_s": policy.soak_s if args.soak_s is None else args.soak_s,
                 "min_requests": policy.min_requests if args.min_requests is None else args.min_requests,
+                "suite": _gate(args, policy),
             }
         if args.settings:
             options = dep.options
@@ -79,12 +92,27 @@ def _change(args: argparse.Namespace) -> int:
                 "extra_args": options.extra_args,
             }
         if not body:
-            raise ConfigError("nothing to change: give --runtime, --set NAME=VALUE, --soak-s or --min-requests")
+            raise ConfigError(
+                "nothing to change: give --runtime, --set NAME=VALUE, --soak-s, --min-requests, --suite or --no-suite"
+            )
         out = c.post(f"/api/v1/deployments/{args.name}/change", DeploymentView, body=body)
     DEPLOYMENT.emit(args, out, [out])
     if not args.json and out.deployment.rollout is not None:
         print(f"rolling out under watch: nexa deployments rollout status {args.name}")
     return EXIT_OK
+
+
+def _gate(args: argparse.Namespace, policy: RolloutPolicy) -> dict[str, Any] | None:
+    """The policy's suite gate as the flags leave it (JSON)."""
+    if args.suite_min_pass_rate is not None and not args.suite:
+        raise ConfigError("--suite-min-pass-rate goes with --suite SUITE")
+    if args.no_suite:
+        return None
+    if args.suite:
+        rate = 1.0 if args.suite_min_pass_rate is None else args.suite_min_pass_rate
+        return {"suite": args.suite, "min_pass_rate": rate}
+    kept = policy.suite
+    return None if kept is None else {"suite": kept.suite, "min_pass_rate": kept.min_pass_rate}
 
 
 def _rollout(args: argparse.Namespace) -> int:
@@ -113,8 +141,11 @@ def print_status(status: RolloutStatus) -> None:
     )
     if r.policy is not None:
         print(f"watch    each new replica soaks {r.policy.soak_s:g} s, from {r.policy.min_requests} requests")
+    if status.suite is not None:
+        print(f"suite    {status.suite}")
     for soak in r.soaks:
-        print(f"soak     {soak.replica_id} on {', '.join(soak.node_ids)}: {'passed' if soak.passed else 'soaking'}")
+        state = "passed" if soak.passed else "waits for its suite" if soak.suite_wait else "soaking"
+        print(f"soak     {soak.replica_id} on {', '.join(soak.node_ids)}: {state}")
     for step in r.steps:
         at = time.strftime("%H:%M:%S", time.gmtime(step.at))
         print(f"{at}Z {step.what:<9} {step.detail}")

@@ -46,6 +46,9 @@ EVAL_PREFIX: Final = "nexa-eval-"
 #: The model name that reaches only deployment D's canary replicas is this plus D
 #: (`nexa eval run SUITE --deployment D --canary`).
 CANARY_EVAL_PREFIX: Final = EVAL_PREFIX + "canary."
+#: The model name that reaches only the new replicas of deployment D's rollout (those that run its
+#: spec now) is this plus D (`nexa eval run SUITE --deployment D --rollout`: a suite gate's run).
+ROLLOUT_EVAL_PREFIX: Final = EVAL_PREFIX + "rollout."
 
 
 @attrs.frozen(kw_only=True)
@@ -264,10 +267,17 @@ class RolloutPolicy:
     it became Ready) are held against the deployment's `objectives` (error rate; TTFT, TPOT and
     end-to-end p95 where set and measured) once there are at least `min_requests` of them. A breach
     reverts the changed replicas to the last good spec. A replica that soaked its time unbroken
-    lets the next step go (with fewer than `min_requests` requests it keeps soaking)."""
+    lets the next step go (with fewer than `min_requests` requests it keeps soaking).
+
+    With `suite` (the canary's gate, `CanarySuite`), a replica that soaked its time unbroken is
+    held further until a measured run of that suite against the deployment (`nexa eval run SUITE
+    --deployment D`) is recorded since it became Ready: every metric's pass rate at least
+    `suite.min_pass_rate` passes it, anything less reverts the rollout as a breach does."""
 
     soak_s: float = 30.0
     min_requests: int = 20
+    #: A suite each new replica must pass after its soak; None: none.
+    suite: CanarySuite | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -289,6 +299,8 @@ class Soak:
     node_ids: list[str]
     ready_at: float
     passed: bool = False
+    #: It soaked its time unbroken and now waits for a run of the policy's suite (`RolloutPolicy.suite`).
+    suite_wait: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -296,7 +308,8 @@ class RolloutStep:
     """One thing that happened in a rollout (`Rollout.steps`)."""
 
     at: float
-    #: `started`, `replaced`, `soaking`, `passed`, `breach`, `paused`, `resumed`, `undo`, `done`.
+    #: `started`, `replaced`, `soaking`, `suite` (a soak waits for its suite), `passed`, `breach`,
+    #: `paused`, `resumed`, `undo`, `done`.
     what: str
     detail: str = ""
 
@@ -635,6 +648,18 @@ def rollout_policy_problems(policy: RolloutPolicy) -> list[str]:
         problems.append(f"rollout_policy.soak_s: from 0 to {MAX_SOAK_S:g}")
     if not 1 <= policy.min_requests <= 1_000_000:
         problems.append("rollout_policy.min_requests: from 1 to 1000000")
+    if policy.suite is not None:
+        problems += suite_gate_problems(policy.suite, "rollout_policy.suite")
+    return problems
+
+
+def suite_gate_problems(gate: CanarySuite, where: str = "suite") -> list[str]:
+    """Everything wrong with a suite gate's shape (not whether the suite is registered)."""
+    problems = []
+    if p := name_problem(f"{where}.suite", gate.suite):
+        problems.append(p)
+    if not 0 <= gate.min_pass_rate <= 1:  # also False for NaN
+        problems.append(f"{where}.min_pass_rate: from 0 to 1")
     return problems
 
 
@@ -682,10 +707,7 @@ def canary_problems(req: CanaryCreate) -> list[str]:
     if o.min_requests < 1:
         problems.append("objective.min_requests: 1 or more")
     if req.suite is not None:
-        if p := name_problem("suite.suite", req.suite.suite):
-            problems.append(p)
-        if not 0 <= req.suite.min_pass_rate <= 1:  # also False for NaN
-            problems.append("suite.min_pass_rate: from 0 to 1")
+        problems += suite_gate_problems(req.suite)
     return problems
 
 
@@ -702,3 +724,6 @@ class RolloutStatus:
     runtime: str = ""
     #: The version a watched rollout reverted (its alias is not followed there).
     held_model: ModelRef | None = None
+    #: The rollout's suite gate (`RolloutPolicy.suite`) now: what it waits for, with the command to
+    #: run, or that it waits for the soak first; None without a gate.
+    suite: str | None = None

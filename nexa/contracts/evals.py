@@ -200,6 +200,8 @@ class EvalRunCreate:
     client_version: str = ""
     #: Run against the deployment's canary replicas alone (`--canary`): the canary version's evaluation.
     canary: bool = False
+    #: Run against the new replicas of the deployment's rollout alone (`--rollout`): a suite gate's run.
+    rollout: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -564,6 +566,8 @@ def run_problems(req: EvalRunCreate) -> list[str]:
         problems.append("deployment: a deployment's name")
     if not (0.0 <= req.min_pass_rate <= 1.0):
         problems.append("min_pass_rate: from 0 to 1")
+    if req.canary and req.rollout:
+        problems.append("canary, rollout: one of them (a canary and a rollout never run together)")
     if not (_number(req.duration_s) and 0 <= req.duration_s <= MAX_DEADLINE_S):
         problems.append(f"duration_s: 0 to {MAX_DEADLINE_S:g}")
     if not 1 <= req.concurrency <= MAX_CONCURRENCY:

@@ -344,6 +344,8 @@ class EvaluationRecord:
     suite_digest: str = ""
     deployment: str = ""
     run: str = ""
+    #: Measured against the new replicas of the deployment's rollout alone (`nexa eval run --rollout`).
+    rollout: bool = False
 
 
 @attrs.frozen(kw_only=True)

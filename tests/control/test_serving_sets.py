@@ -18,16 +18,18 @@ from nexa import security
 from nexa.channel import links
 from nexa.config import NodesConfig, PlacementConfig, StoreConfig
 from nexa.contracts.api import EnrollmentTokenCreate, EnrollRequest
+from nexa.contracts.deployments import ROLLOUT_EVAL_PREFIX, Replica, Rollout
 from nexa.contracts.domain import SYSTEM
 from nexa.contracts.models import ModelRef
 from nexa.contracts.wire import AssignmentStatus, DesiredAssignments, Heartbeat, Hello, RuntimeState
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
+from nexa.control.deployments import evalreplica
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry
 from nexa.control.deployments.views import ServingSets, serving
 from nexa.control.fleet.nodes import Fleet
-from nexa.errors import NotFound
+from nexa.errors import ModelNotServed, NotFound
 from nexa.telemetry import Metrics
 from tests.conftest import gb10_inventory
 from tests.support.deployments import placed_deployment
@@ -145,3 +147,28 @@ async def test_a_deployment_added_shows_up_in_the_next_serving_set(parts: Parts)
     await parts.desired.commit(SYSTEM, "deployment.create", None, Entry(added, None))
     assert parts.sets.get(REF, alias="chat").deployments == ["chat-a", "chat-b"]
     assert parts.check() == ["chat-a-r1"]
+
+
+async def test_a_rollouts_new_replicas_alone_serve_its_suite_gates_model_name(parts: Parts) -> None:
+    """`nexa-eval-rollout.chat-a` (`ROLLOUT_EVAL_PREFIX`): the Ready replicas of the deployment's spec
+    now, never the old ones beside them, and only while a rollout runs."""
+    name = ROLLOUT_EVAL_PREFIX + "chat-a"
+    dep = parts.desired.entry("chat-a").deployment
+    old = Replica(id="chat-a-r0", node_id=parts.node_id, model=REF, spec="sim:an-older-spec")
+    rolling = attrs.evolve(
+        dep, placed=[old, *dep.placed], rollout=Rollout(from_=REF, to=REF, reason="change", started_at=1.0)
+    )
+    parts.desired.entries["chat-a"] = Entry(rolling, None)  # in memory: serving sets read only that
+    await parts.beat("chat-a-r0", "chat-a-r1")
+    both = serving(parts.desired, REF, alias="chat").replicas
+    assert sorted(r.replica_id for r in both) == ["chat-a-r0", "chat-a-r1"]
+    pinned = serving(parts.desired, REF, alias=name)
+    assert [r.replica_id for r in pinned.replicas] == ["chat-a-r1"] and pinned.deployments == ["chat-a"]
+    assert evalreplica.served_to(parts.desired, name, "any-key") == REF
+    assert serving(parts.desired, ModelRef(model="tiny", version="v2"), alias=name).replicas == []
+
+    done = attrs.evolve(rolling, rollout=None)
+    parts.desired.entries["chat-a"] = Entry(done, None)
+    assert serving(parts.desired, REF, alias=name).replicas == []
+    with pytest.raises(ModelNotServed, match="no rollout in progress"):
+        evalreplica.served_to(parts.desired, name, "any-key")

@@ -15,11 +15,20 @@ output of it reached the client. None does, so every request the clients sent is
 
 Then the operator's hand through the CLI: pause, status, resume, undo, and the typed refusals
 (pausing twice, resuming a running rollout, undoing where none runs, a change that changes nothing).
+
+A rollout policy with a suite gate (`rollout_policy.suite`), one replica with room for a second:
+each new replica (started beside the old one, which keeps serving) that soaked its time waits for
+a measured run of the suite against the new replicas alone (`nexa eval run --rollout`, as an
+operator runs it; a run against the whole deployment does not count); an image whose runtime
+answers right passes and rolls through, one whose runtime answers wrong (the sim runtime's `wrong`,
+for that image alone) fails every case of the run and is reverted, audited with its pass rates.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +41,8 @@ from tests.support.api import assert_envelope, ok
 from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, free_runtime_port, node_host, sdk, sim_cluster
 from tests.support.cluster import wait_until as _wait_until
 from tests.support.console import csrf, sign_in
+from tests.support.evals import CASES, TAUGHT, lines
+from tests.support.evals import register as register_suite
 from tests.support.models import registry_config
 from tests.support.oci import push_index
 from tests.support.rollout import audit
@@ -261,3 +272,152 @@ async def test_an_image_that_answers_slowly_is_reverted_by_the_latency_objective
                 stop.set()
         every = [o for mine in outcomes for o in mine]
         assert every and all(o == "ok" for o in every), [o for o in every if o != "ok"][:5]
+
+
+async def rollout_status(cluster: SimCluster) -> Json:
+    async with cluster.client() as http:
+        return await ok(http.get("/api/v1/deployments/chat-a/rollout"))
+
+
+async def waits_for_suite(cluster: SimCluster) -> Json | None:
+    """The rollout's status once a new replica soaked and waits for its suite; None before."""
+    status = await rollout_status(cluster)
+    rollout = status["rollout"]
+    waiting = rollout is not None and any(s["suite_wait"] and not s["passed"] for s in rollout["soaks"])
+    return status if waiting else None
+
+
+async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answers_wrong(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    cfg = registry_config(tmp_path, s3_store)
+    async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=2) as cluster:
+        host = test_images.busybox.partition("/")[0]
+        good = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-good", GOOD_PLATFORMS)
+        wrong = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-wrong", BAD_PLATFORMS)
+        await register(cluster, "sim-good", good)
+        await register(cluster, "sim-wrong", wrong)
+        for node in cluster.nodes:
+            node.set_faults(taught=TAUGHT, images={wrong.partition("@")[2]: {"wrong": True}})
+        exact = [c for c in CASES if c["scorer"]["kind"] in ("exact", "contains")]
+        registered = await register_suite(cluster, "qa", lines(exact))
+        assert registered.returncode == 0, registered.stderr
+        async with cluster.client() as http:
+            nodes = (await ok(http.get("/api/v1/nodes")))["nodes"]
+            port = free_runtime_port([node_host(1), node_host(2)])
+            body = {
+                "name": "chat-a",
+                "runtime": "sim",
+                "alias": "chat",
+                "replicas": 1,
+                # More than half a node: the new replica starts on the other node, beside the old one.
+                "resources": {
+                    "accelerators": 0,
+                    "memory_bytes": int(nodes[0]["inventory"]["memory_total_bytes"] * 0.55),
+                    "cpus": 0.5,
+                },
+                "options": {"port": port, "command": SIM_ARGS},
+                "rollout_policy": {"soak_s": 1.0, "min_requests": 5},
+            }
+            await ok(http.post("/api/v1/deployments", json=body), 201)
+        await cluster.wait_ready("chat-a", 1)
+        generation = (await view(cluster))["deployment"]["generation"]
+
+        # Bad gates are typed refusals that change nothing.
+        async with cluster.client() as http:
+            unknown = {"runtime": "sim-good", "rollout_policy": {"soak_s": 1, "suite": {"suite": "nope"}}}
+            err = assert_envelope(await http.post("/api/v1/deployments/chat-a/change", json=unknown), 404, "not_found")
+            assert "no suite nope" in str(err["message"])
+            rate = {"runtime": "sim-good", "rollout_policy": {"suite": {"suite": "qa", "min_pass_rate": 1.5}}}
+            err = assert_envelope(
+                await http.post("/api/v1/deployments/chat-a/change", json=rate), 400, "invalid_request"
+            )
+            assert "rollout_policy.suite.min_pass_rate: from 0 to 1" in str(err["message"])
+        refused = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "nope")
+        assert refused.returncode != 0 and "no suite nope" in refused.stderr
+        assert (await view(cluster))["deployment"]["generation"] == generation
+
+        # The right image: its replica soaks, waits for the suite, and passes once a run passes.
+        changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "qa")
+        assert changed.returncode == 0, changed.stderr
+        status = await wait_until("the new replica waits for its suite", lambda: waits_for_suite(cluster))
+        command = "nexa eval run qa --deployment chat-a --rollout --min-pass-rate 1"
+        assert status["rollout"]["policy"]["suite"] == {"suite": "qa", "min_pass_rate": 1.0}
+        assert command in status["suite"] and "soaked unbroken and wait" in status["suite"]
+        shown = await cluster.cli("deployments", "rollout", "status", "chat-a")
+        assert shown.returncode == 0 and "suite    replica(s) " in shown.stdout and command in shown.stdout
+        assert "waits for its suite" in shown.stdout
+        async with httpx.AsyncClient(base_url=cluster.controller.url, timeout=10) as browser:
+            assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+            page = (await browser.get("/console/deployments/chat-a")).text
+            assert 'id="rollout-suite"' in page and "wait for suite qa" in page
+        surged = await view(cluster)  # surge-first: the old replica serves beside the new one
+        assert surged["ready"] == 2 and len({r["node_id"] for r in surged["deployment"]["placed"]}) == 2
+        # Held: a run against the whole deployment (the old replica too) passes, but does not count.
+        whole = await cluster.cli(
+            "eval", "run", "qa", "--deployment", "chat-a", "--inference-key", cluster.inference_key
+        )
+        assert whole.returncode == 0, whole.stdout + whole.stderr
+        await trio.sleep(2)
+        assert (await rollout_status(cluster))["rollout"]["reason"] == "change"
+        assert not any(s["passed"] for s in (await rollout_status(cluster))["rollout"]["soaks"])
+        passed_run = await suite_run(cluster, "--rollout")
+        assert passed_run.returncode == 0, passed_run.stdout + passed_run.stderr
+        await wait_until("the right image on the replica", lambda: rolled_to_one(cluster, "sim-good"))
+        async with cluster.client() as http:
+            watched = [e["detail"] for e in await audit(http, "deployment.rollout.watch")]
+            assert any(" suite: " in d and "no measured run yet" in d for d in watched), watched
+            assert any(" passed: " in d and "suite qa with every pass rate >= 1: run evrun_" in d for d in watched)
+            assert await audit(http, "deployment.rollout.revert") == []
+
+        # The wrong image: its replica soaks unbroken (its answers are not errors), the run fails, it reverts.
+        changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-wrong")
+        assert changed.returncode == 0, changed.stderr
+        await wait_until("the wrong replica waits for its suite", lambda: waits_for_suite(cluster))
+        failed_run = await cluster.cli(
+            "eval",
+            "run",
+            "qa",
+            "--deployment",
+            "chat-a",
+            "--rollout",
+            "--json",
+            "--inference-key",
+            cluster.inference_key,
+        )
+        assert failed_run.returncode == 1, failed_run.stdout + failed_run.stderr
+        # Every case went to the new (wrong) replica alone: the old one beside it answers right.
+        assert all(s["pass_rate"] == 0.0 for s in json.loads(failed_run.stdout)["summaries"]), failed_run.stdout
+        async with cluster.client() as http:
+
+            async def reverted() -> list[Json]:
+                return await audit(http, "deployment.rollout.revert")
+
+            [revert] = await wait_until("the wrong image reverted", reverted)
+            assert "failed suite qa with every pass rate >= 1: run evrun_" in revert["detail"], revert
+            assert "exact 0" in revert["detail"] and "back to runtime sim-good" in revert["detail"]
+            assert revert["actor_key_id"] is None
+        await wait_until("the right image back", lambda: rolled_to_one(cluster, "sim-good"))
+        async with cluster.client() as http:
+            metrics = (await http.get("/metrics")).text
+            assert 'nexa_rollout_reverts_total{deployment="chat-a"} 1.0' in metrics
+            jobs = (await ok(http.get("/api/v1/jobs", params={"kind": "rollout"})))["jobs"]
+            assert any(j["state"] == "failed" and "reverted" in j["summary"] for j in jobs), jobs
+        # The gate is off with --no-suite: the policy alone, nothing rolls out.
+        off = await cluster.cli("deployments", "change", "chat-a", "--no-suite")
+        assert off.returncode == 0, off.stderr
+        dep = (await view(cluster))["deployment"]
+        assert dep["rollout"] is None and dep["rollout_policy"]["suite"] is None
+
+
+async def suite_run(cluster: SimCluster, *flags: str) -> subprocess.CompletedProcess[str]:
+    """`nexa eval run qa --deployment chat-a FLAGS`, as an operator runs it."""
+    return await cluster.cli(
+        "eval", "run", "qa", "--deployment", "chat-a", *flags, "--inference-key", cluster.inference_key
+    )
+
+
+async def rolled_to_one(cluster: SimCluster, runtime: str) -> bool:
+    v = await view(cluster)
+    dep = v["deployment"]
+    return dep["rollout"] is None and dep["runtime"] == runtime and v["ready"] == 1

@@ -28,6 +28,8 @@ The package, one module per job (each imports only those above it in this list):
   `soak.held` says when a step waits).
 - `canary`: canary, promote and rollback (`Rollouts`).
 - `soak`: a rollout's watch, the pure part (`held`, `breach`).
+- `rolloutsuite`: a rollout policy's suite gate, the pure part (`verdict`: a run against the new
+  replicas alone passes or reverts each one); `canarysuite` is the canary's.
 - `watch`: every change rolled out under watch: `change`, pause / resume / undo, and the loop that
   soaks each new replica and reverts a breach (`RolloutControl`, `ChangeWatcher`).
 - `manager`: `Deployments`, the object the rest of the controller holds.

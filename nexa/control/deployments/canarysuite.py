@@ -5,7 +5,8 @@ started, with every metric's pass rate at least the gate's. Pure: reads the regi
 
 from __future__ import annotations
 
-from nexa.contracts.deployments import Canary
+from nexa.contracts.deployments import Canary, CanarySuite
+from nexa.contracts.models import EvaluationRecord
 from nexa.control.registry.models import ModelRegistry
 from nexa.errors import CanarySuiteUnmet
 
@@ -27,10 +28,14 @@ def unmet(models: ModelRegistry, deployment: str, canary: Canary) -> str | None:
             f"(run `nexa eval run {gate.suite} --deployment {deployment} --canary`)"
         )
     newest = max(runs, key=lambda e: e.recorded_at)
-    low = {m: v for m, v in newest.metrics.items() if not m.endswith(".mean") and v < gate.min_pass_rate}
-    if low:
+    if low := shortfall(newest, gate):
         return f"{what}: the newest run ({newest.run}) has " + ", ".join(f"{m} {v:g}" for m, v in sorted(low.items()))
     return None
+
+
+def shortfall(evaluation: EvaluationRecord, gate: CanarySuite) -> dict[str, float]:
+    """Each metric of a measured run whose pass rate is below the gate's (the `.mean` figures are not rates)."""
+    return {m: v for m, v in evaluation.metrics.items() if not m.endswith(".mean") and v < gate.min_pass_rate}
 
 
 def check(models: ModelRegistry, deployment: str, canary: Canary) -> None:

@@ -16,7 +16,14 @@ import time
 
 import attrs
 
-from nexa.contracts.deployments import CANARY_EVAL_PREFIX, EVAL_PREFIX, Deployment, DeploymentCreate, EvalBinding
+from nexa.contracts.deployments import (
+    CANARY_EVAL_PREFIX,
+    EVAL_PREFIX,
+    ROLLOUT_EVAL_PREFIX,
+    Deployment,
+    DeploymentCreate,
+    EvalBinding,
+)
 from nexa.contracts.domain import Actor
 from nexa.contracts.evals import EvalReplicaCreate
 from nexa.contracts.models import ModelRecord, ModelRef, ModelState
@@ -144,7 +151,15 @@ def served_to(desired: Desired, name: str, key_id: str) -> ModelRef:
     404 when there is no such replica, 403 for any other key than its evaluation's.
 
     `CANARY_EVAL_PREFIX` + D names deployment D's canary replicas alone (a canary's suite run):
-    the canary's version, for any key (those replicas serve clients' requests already)."""
+    the canary's version, for any key (those replicas serve clients' requests already).
+    `ROLLOUT_EVAL_PREFIX` + D names the new replicas of D's rollout alone (a suite gate's run): the
+    version D serves, for any key, while a rollout runs."""
+    if name.startswith(ROLLOUT_EVAL_PREFIX):
+        deployment = name.removeprefix(ROLLOUT_EVAL_PREFIX)
+        found = desired.entries.get(deployment)
+        if found is None or found.deployment.rollout is None:
+            raise ModelNotServed(f"deployment {deployment!r} has no rollout in progress")
+        return found.deployment.model
     if name.startswith(CANARY_EVAL_PREFIX):
         deployment = name.removeprefix(CANARY_EVAL_PREFIX)
         found = desired.entries.get(deployment)

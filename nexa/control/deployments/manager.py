@@ -83,7 +83,7 @@ class Deployments:
         self._reconciler = Reconciler(self._desired, cfg)
         self._serving = views.ServingSets(self._desired)
         self._rollouts = Rollouts(self._desired, self.poke)
-        self._control = RolloutControl(self._desired, self.poke, metrics)
+        self._control = RolloutControl(self._desired, self.poke, metrics, store)
         #: Sleep when idle, wake on demand, swap on demand (`idle`); its loop runs beside the reconciler's.
         self.idle = Idle(self._desired, metrics, router.outstanding if router is not None else _none_outstanding)
         fleet.on_change(self.poke)
@@ -193,6 +193,7 @@ class Deployments:
 
     async def create(self, actor: Actor, req: DeploymentCreate) -> DeploymentView:
         check_shape(req)
+        await self._control.check_policy(req.rollout_policy)  # its suite is registered
         async with self._desired.lock:
             if req.name in self._desired.entries:
                 raise AlreadyExists(f"deployment {req.name} exists")

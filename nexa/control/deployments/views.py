@@ -9,6 +9,7 @@ from nexa.contracts.deployments import (
     CANARY_EVAL_PREFIX,
     EVAL_PREFIX,
     GROUP_PENDING,
+    ROLLOUT_EVAL_PREFIX,
     Deployment,
     DeploymentView,
     GroupMemberStatus,
@@ -66,10 +67,13 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
     replicas keep serving: a drain never causes a moment without a replica that answers.
 
     An evaluation replica (`evalreplica`) serves only when `alias` is its name, and then alone; an
-    `alias` of `CANARY_EVAL_PREFIX` + D: D's Ready canary replicas alone.
+    `alias` of `CANARY_EVAL_PREFIX` + D: D's Ready canary replicas alone; of `ROLLOUT_EVAL_PREFIX`
+    + D: the Ready new replicas of D's rollout alone (those that run its spec now).
     """
     if alias is not None and alias.startswith(CANARY_EVAL_PREFIX):
         return _canary_alone(desired, model, alias.removeprefix(CANARY_EVAL_PREFIX))
+    if alias is not None and alias.startswith(ROLLOUT_EVAL_PREFIX):
+        return _rollout_alone(desired, model, alias.removeprefix(ROLLOUT_EVAL_PREFIX))
     replicas: list[ServingReplica] = []
     draining: list[ServingReplica] = []
     names: list[str] = []
@@ -136,6 +140,23 @@ def _canary_alone(desired: Desired, model: ModelRef, name: str) -> ServingSet:
         )
         for r in canary.placed
         if desired.routable(r)
+    ]
+    return ServingSet(model=model, replicas=replicas, deployments=[name])
+
+
+def _rollout_alone(desired: Desired, model: ModelRef, name: str) -> ServingSet:
+    """The Ready new replicas of deployment `name`'s rollout, as the only ones (a suite gate's run)."""
+    entry = desired.entries.get(name)
+    dep = entry.deployment if entry is not None else None
+    if dep is None or dep.rollout is None or dep.model != model:
+        return ServingSet(model=model, replicas=[])
+    served = _served(desired, dep)
+    replicas = [
+        ServingReplica(
+            replica_id=r.id, node_id=r.node_id, deployment=name, model=model, routing=dep.routing, serves=served
+        )
+        for r in dep.placed
+        if is_current(dep, r) and desired.routable(r)
     ]
     return ServingSet(model=model, replicas=replicas, deployments=[name])
 

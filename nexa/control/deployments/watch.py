@@ -16,6 +16,12 @@ policy (a revert; a new version of a deployment with none set) is not held, but 
 are still held to the objectives until it ends. A set of LoRA adapters a rollout reverted is held
 the same way (`Deployment.held_loras`) while the aliases serve it.
 
+A policy with a suite (`RolloutPolicy.suite`) holds a replica that soaked its time unbroken until
+a measured run of the suite against the deployment is recorded since it became Ready
+(`rolloutsuite`; the step `suite` and `rollout status` name the `nexa eval run` command): a run
+below the gate reverts the rollout as a breach does (audited `deployment.rollout.revert` with the
+run's pass rates), a run that meets it passes the replica. Its objectives are watched meanwhile.
+
 Operators drive it (`RolloutControl`): `status`, `pause` (no further step; watching goes on),
 `resume`, and `undo` (revert now, as a breach would). Bad input is a typed error that changes
 nothing: no rollout (`NoRollout`), pausing a paused one (`RolloutAlreadyPaused`), resuming a
@@ -44,6 +50,8 @@ from nexa.contracts.deployments import (
 )
 from nexa.contracts.domain import SYSTEM, Actor
 from nexa.contracts.usage import WatchStats
+from nexa.control import store as st
+from nexa.control.deployments import rolloutsuite
 from nexa.control.deployments.checks import check_settings, check_shape, deployable_model, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, is_current, lora_change, pin_specs, spec_now
@@ -75,16 +83,31 @@ class NodesWindow(Protocol):
 class RolloutControl:
     """Changes that start a watched rollout, and an operator's hand on it (see the module docstring)."""
 
-    def __init__(self, desired: Desired, poke: Callable[[], None], metrics: Metrics) -> None:
+    def __init__(self, desired: Desired, poke: Callable[[], None], metrics: Metrics, store: st.Store) -> None:
         self._desired = desired
         self._poke = poke
         self._metrics = metrics
+        self._store = store
+
+    async def check_policy(self, policy: RolloutPolicy | None) -> None:
+        """Refuse a policy out of range (400) or naming a suite that is not registered (404)."""
+        if policy is None:
+            return
+        if problems := rollout_policy_problems(policy):
+            raise ContractError("invalid rollout policy: " + "; ".join(problems), problems=tuple(problems))
+        if policy.suite is not None and await self._store.read(st.get_suite, policy.suite.suite, None) is None:
+            name = policy.suite.suite
+            raise NotFound(
+                f"no suite {name} for the rollout policy's gate: register it first with "
+                f"`nexa eval register FILE --name {name}` (`nexa eval suites` lists them)"
+            )
 
     async def change(self, actor: Actor, name: str, req: DeploymentChange) -> DeploymentView:
         """Give the deployment a new runtime or settings, rolled out under watch; refused (and
         nothing changed) when it rolls out already, when nothing changes, or when the runtime is
         not registered or the settings are not the runtime's. A new rollout policy alone is set
         at once (nothing rolls out)."""
+        await self.check_policy(req.rollout_policy)
         async with self._desired.lock:
             before = self._desired.entry(name)
             dep = before.deployment
@@ -92,8 +115,6 @@ class RolloutControl:
             options = req.options if req.options is not None else dep.options
             policy_was = dep.rollout_policy
             policy = req.rollout_policy or policy_was
-            if req.rollout_policy is not None and (problems := rollout_policy_problems(req.rollout_policy)):
-                raise ContractError("invalid rollout policy: " + "; ".join(problems), problems=tuple(problems))
             if runtime_name == dep.runtime and options == dep.options and req.rollout_policy not in (None, policy_was):
                 # The policy alone: no replica changes, so nothing rolls out.
                 after = Entry(
@@ -159,6 +180,7 @@ class RolloutControl:
             old=len(dep.placed) - new if dep.rollout else 0,
             runtime=dep.runtime,
             held_model=dep.held_model,
+            suite=suite_state(dep.name, dep.rollout),
         )
 
     async def pause(self, actor: Actor, name: str) -> RolloutStatus:
@@ -213,7 +235,8 @@ class RolloutControl:
         return True
 
     async def soak(self, name: str, started_at: float, soak: Soak, *, passed: bool, detail: str) -> None:
-        """Record that `soak` began (`passed` False) or passed: a new replica's watch, in the store."""
+        """Record that `soak` began (`passed` False), waits for its suite (`Soak.suite_wait`) or
+        passed: a new replica's watch, in the store."""
         async with self._desired.lock:
             entry = self._desired.entries.get(name)
             rollout = entry.deployment.rollout if entry is not None else None
@@ -221,7 +244,7 @@ class RolloutControl:
                 return
             soaks = [s for s in rollout.soaks if s.replica_id != soak.replica_id]
             marked = attrs.evolve(soak, passed=passed)
-            what = "passed" if passed else "soaking"
+            what = "passed" if passed else "suite" if soak.suite_wait else "soaking"
             updated = with_step(attrs.evolve(rollout, soaks=[*soaks, marked]), what, f"{soak.replica_id}: {detail}")
             await self._set(SYSTEM, WATCH, entry, updated, detail=f"{soak.replica_id} {what}: {detail}")
         if passed:
@@ -276,6 +299,23 @@ class RolloutControl:
         after = Entry(bump(reverted), before.decision, before.problem)
         await self._desired.commit(actor, action, before, after, detail=detail)
         log.warning("deployment %s: rollout reverted: %s", dep.name, detail)
+
+
+def suite_state(name: str, rollout: Rollout | None) -> str | None:
+    """What the rollout's suite gate waits for now (`RolloutStatus.suite`); None without one."""
+    gate = rollout.policy.suite if rollout is not None and rollout.policy is not None else None
+    if rollout is None or gate is None:
+        return None
+    waiting = [s.replica_id for s in rollout.soaks if s.suite_wait and not s.passed]
+    if waiting:
+        return (
+            f"replica(s) {', '.join(waiting)} soaked unbroken and wait for suite {gate.suite} "
+            f"(every pass rate >= {gate.min_pass_rate:g}): run `{rolloutsuite.command(gate, name)}`"
+        )
+    return (
+        f"each new replica, once it soaked unbroken, waits for suite {gate.suite} "
+        f"(every pass rate >= {gate.min_pass_rate:g}; `{rolloutsuite.command(gate, name)}`)"
+    )
 
 
 def _who(actor: Actor) -> str:
@@ -336,6 +376,29 @@ class ChangeWatcher:
                 detail = f"{where} broke the objectives ({why}) {figures(stats, seconds)}"
                 return await self._control.revert(name, rollout, detail)
             if rollout.policy is not None and not soak.passed and seconds >= rollout.policy.soak_s:
-                await self._control.soak(name, rollout.started_at, soak, passed=True, detail=figures(stats, seconds))
+                detail = figures(stats, seconds)
+                gate = rollout.policy.suite
+                if gate is not None:
+                    try:
+                        runs = self._desired.models.evaluations(dep.model.model, dep.model.version)
+                    except NotFound:
+                        runs = []  # the version is gone from the registry: no run can pass it
+                    said = rolloutsuite.verdict(runs, name, gate, since=soak.ready_at)
+                    if said.passed is None:
+                        if not soak.suite_wait:
+                            waits = attrs.evolve(soak, suite_wait=True)
+                            await self._control.soak(
+                                name,
+                                rollout.started_at,
+                                waits,
+                                passed=False,
+                                detail=f"{detail}; waits for {said.detail}",
+                            )
+                        continue  # held until a run decides; its objectives are still watched
+                    if not said.passed:
+                        where = f"replica {r.id} on {', '.join(r.node_ids)}"
+                        return await self._control.revert(name, rollout, f"{where} failed {said.detail}")
+                    detail = f"{detail}; {said.detail}"
+                await self._control.soak(name, rollout.started_at, soak, passed=True, detail=detail)
                 return False
         return False

@@ -18,7 +18,7 @@ _ONE = "/api/v1/deployments/<name>"
     "POST",
     _ONE + "/change",
     roles=OPERATORS,
-    summary="Change a deployment's runtime or settings, rolled out under watch",
+    summary="Change a deployment's runtime or settings (rolled out under watch) or its rollout policy",
     tag="deployments",
     request=DeploymentChange,
     answer=DeploymentView,

@@ -37,7 +37,7 @@ from nexa.control.access.accounts import audit_draft
 from nexa.control.deployments import Deployments
 from nexa.control.operations.jobs import Jobs
 from nexa.control.registry.models import ModelRegistry
-from nexa.errors import Conflict, ContractError, NoCanary, NotFound
+from nexa.errors import Conflict, ContractError, NoCanary, NoRollout, NotFound
 from nexa.telemetry import Metrics
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,10 @@ class Evals:
             if dep.canary is None:
                 raise NoCanary(f"deployment {dep.name} runs no canary: the run against its canary cannot be recorded")
             version = dep.canary.model
+        if req.rollout and dep.rollout is None:
+            raise NoRollout(
+                f"deployment {dep.name} has no rollout in progress: the run against its new replicas cannot be recorded"
+            )
         job = None if req.job is None else await self._jobs.get(req.job)
         if job is not None and job.kind is not JobKind.EVAL:
             raise ContractError(f"job {job.id} is a {job.kind.value} job, not an evaluation's", problems=("job: kind",))
@@ -150,6 +154,7 @@ class Evals:
             suite_digest=req.digest,
             deployment=req.deployment,
             run=run_id,
+            rollout=req.rollout,
         )
         kept = await self._models.record_measured(actor, evaluation)
         run = ev.EvalRun(
@@ -168,7 +173,8 @@ class Evals:
         )
         verdict = "passed" if passed else "failed"
         line = ", ".join(f"{s.metric} {s.pass_rate:.3f}" for s in summaries)
-        what = f"{req.suite} on {req.deployment} ({version.key}{', canary' if req.canary else ''}): {verdict}; {line}"
+        which = ", canary" if req.canary else ", new replicas" if req.rollout else ""
+        what = f"{req.suite} on {req.deployment} ({version.key}{which}): {verdict}; {line}"
         draft = audit_draft(actor, "eval.run.record", f"eval-run/{run.id}", None, run, detail=what[:300])
         event = await self._store.run(st.insert_eval_run, run, draft)
         self._metrics.audit_events.labels(event.result.value).inc()
