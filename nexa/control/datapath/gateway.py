@@ -71,6 +71,7 @@ from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas, QuotaTicket
 from nexa.control.datapath.relay import Relay, RelayStream
 from nexa.control.datapath.routing import Router, for_data_class
+from nexa.control.datapath.stored import StoredResponses
 from nexa.control.datapath.uploads import write_form
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.idle import Idle
@@ -84,6 +85,7 @@ from nexa.errors import (
     NoReadyReplica,
     NoReplicaForDataClass,
     RuntimeFailed,
+    StoredResponseLost,
 )
 
 log = logging.getLogger(__name__)
@@ -178,6 +180,8 @@ class Gateway:
         self._idle = idle
         self._nursery: trio.Nursery | None = None
         self._batches: dict[tuple[str, str], _Batch] = {}
+        #: Which replica keeps each stored Responses API response (this controller's memory only).
+        self.stored_responses = StoredResponses()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         async with trio.open_nursery() as nursery:
@@ -207,6 +211,16 @@ class Gateway:
             return False
         replicas = self._deployments.serving(ref, alias=alias or None).replicas
         return bool(replicas) and all(capability in r.serves for r in replicas)
+
+    def keeps_responses(self, model: str) -> bool:
+        """Whether any Ready replica of `model` keeps Responses API responses (`ServingReplica.keeps_responses`)."""
+        if model.startswith(EVAL_PREFIX):
+            return False
+        try:
+            alias, ref = self._resolve_served(model)
+        except ModelNotServed:
+            return False
+        return any(r.keeps_responses for r in self._deployments.serving(ref, alias=alias or None).replicas)
 
     def trio_deadline(self, work: Work) -> float:
         return trio.current_time() + (work.deadline_at - time.time())
@@ -302,6 +316,7 @@ class Gateway:
             serving = with_lora(self._deployments.desired, serving, progress.alias, work.model)
         model_key = progress.alias or ref.key
         self._admission.set_capacity(model_key, len(serving.replicas) * self._cfg.max_inflight_per_replica)
+        serving = _pinned(work, serving)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         serving = self._for_data_class(work, serving)
@@ -339,6 +354,7 @@ class Gateway:
         serving = self._deployments.serving(ref, alias=None if lora else alias or None)
         if lora:
             serving = with_lora(self._deployments.desired, serving, alias, work.model)
+        serving = _pinned(work, serving)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         return self._for_data_class(work, serving)
@@ -429,6 +445,7 @@ class Gateway:
                     continue
                 raise error
             # Committed to this replica.
+            progress.replica = replica
             progress.served_by(replica.deployment, replica.node_id, canary=replica.canary, model=replica.model)
             return stack, stream, first
         if last is None or not_serving:
@@ -655,6 +672,20 @@ def _new_stream_id(work: Work, replica: ServingReplica, attempt: int) -> str:
         stream_id,
     )
     return stream_id
+
+
+def _pinned(work: Work, serving: ServingSet) -> ServingSet:
+    """The one replica `work` is pinned to (`Work.pin`: it keeps the stored response the request
+    continues); StoredResponseLost when it is not Ready now. Never another replica: none has it."""
+    if work.pin is None:
+        return serving
+    replicas = [r for r in serving.replicas if r.replica_id == work.pin]
+    if not replicas:
+        raise StoredResponseLost(
+            "previous_response_id: the replica that kept that response is gone or not Ready, and the stored"
+            " response went with it; send the whole conversation as input items instead"
+        )
+    return attrs.evolve(serving, replicas=replicas)
 
 
 def _for_capability(work: Work, serving: ServingSet) -> ServingSet:
