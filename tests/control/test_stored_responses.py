@@ -3,8 +3,19 @@
 
 from __future__ import annotations
 
-from nexa.contracts.domain import TenantId
+import time
+
+import attrs
+import pytest
+
+from nexa.contracts.deployments import ServingReplica, ServingSet
+from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.gateway import Api, Capability
+from nexa.contracts.models import ModelRef
+from nexa.control.datapath.calls import Work
+from nexa.control.datapath.gateway import _pinned
 from nexa.control.datapath.stored import MAX_RESPONSE_ID_CHARS, Pin, StoredResponses
+from nexa.errors import StoredResponseLost
 
 ACME, GLOBEX = TenantId("acme"), TenantId("globex")
 
@@ -43,3 +54,28 @@ def test_the_map_is_bounded_dropping_the_oldest_first() -> None:
     stored.remember(ACME, "x" * (MAX_RESPONSE_ID_CHARS + 1), pin("r9", at=3.0))
     stored.remember(ACME, "", pin("r9", at=3.0))
     assert len(stored) == 2
+
+
+def test_a_pinned_request_goes_to_its_replica_alone_or_is_lost() -> None:
+    ref = ModelRef(model="tiny", version="v1")
+    replicas = [
+        ServingReplica(replica_id=r, node_id=n, deployment="chat", model=ref, keeps_responses=True)
+        for r, n in (("r1", "sim-1"), ("r2", "sim-2"))
+    ]
+    serving = ServingSet(model=ref, replicas=replicas, deployments=["chat"])
+    work = Work(
+        request_id="req-1",
+        api=Api.RESPONSES,
+        tenant=ACME,
+        key_id=KeyId("k1"),
+        capability=Capability.RESPONSES,
+        model="chat",
+        body={"input": "and then", "previous_response_id": "resp_1"},
+        stream=False,
+        deadline_at=time.time() + 30,
+    )
+    assert _pinned(work, serving) is serving  # not pinned: every replica
+    assert [r.replica_id for r in _pinned(attrs.evolve(work, pin="r2"), serving).replicas] == ["r2"]
+    with pytest.raises(StoredResponseLost) as lost:
+        _pinned(attrs.evolve(work, pin="r3"), serving)  # its replica is gone: never another one
+    assert lost.value.code == "stored_response_lost" and "send the whole conversation" in lost.value.message

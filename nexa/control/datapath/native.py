@@ -68,10 +68,14 @@ def stateful_problem(capability: Capability, body: Json, *, keeps: bool = False)
         return
     for name in _STATEFUL if keeps else ("previous_response_id", *_STATEFUL):
         if body.get(name) not in (None, False):
+            why = (
+                "no Ready replica of this model keeps stored responses (vLLM keeps them with"
+                " settings.responses_store: true)"
+                if name == "previous_response_id"
+                else "not routed through nexa"
+            )
             raise FieldNotSupported(
-                f"{name}: stored responses are not routed to the replica that keeps them here"
-                + ("" if name == "previous_response_id" else f" ({name} is not served through nexa)")
-                + "; send the whole conversation as input items instead",
+                f"{name}: {why}; send the whole conversation as input items instead",
                 field=name,
             )
 
