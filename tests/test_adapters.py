@@ -436,3 +436,23 @@ def test_media_runtimes_record_the_media_apis_they_serve_from_their_own_docs() -
     for kind in (RuntimeKind.SGLANG, RuntimeKind.LLAMACPP, RuntimeKind.TRTLLM):
         served = adapters.adapter_for(kind, {}).capabilities
         assert not any(c.media for c in served), kind
+
+
+def test_vllm_keeps_responses_with_the_responses_store_setting_as_its_variable() -> None:
+    """`settings.responses_store: true` is no flag but vLLM's VLLM_ENABLE_RESPONSES_API_STORE=1
+    (vllm/envs.py): the one switch that has it keep Responses API responses."""
+    got = spark_spec(RuntimeKind.VLLM, {"responses_store": True})
+    assert got.env == {**VLLM_ENV, "VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+    assert "VLLM_ENABLE_RESPONSES_API_STORE" not in " ".join(got.command)
+    assert spark_spec(RuntimeKind.VLLM, {"responses_store": False}).env == VLLM_ENV
+    assert "VLLM_ENABLE_RESPONSES_API_STORE" not in VLLM.owned_flags()
+    assert VLLM.problems({"responses_store": "yes"}, accelerators=1) == ["settings.responses_store: true or false"]
+    # What the gateway reads per replica: the setting, or the variable given in the deployment's env.
+    assert adapters.keeps_responses(RuntimeKind.VLLM, {"responses_store": True})
+    assert adapters.keeps_responses(RuntimeKind.VLLM, {}, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    assert not adapters.keeps_responses(RuntimeKind.VLLM, {}, env={"VLLM_ENABLE_RESPONSES_API_STORE": "0"})
+    assert not adapters.keeps_responses(RuntimeKind.VLLM, {})
+    assert not adapters.keeps_responses(RuntimeKind.SGLANG, {}, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    # The sim runtime keeps them as vLLM does, by the same variable.
+    assert adapters.keeps_responses(RuntimeKind.SIM, {}, env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    assert not adapters.keeps_responses(RuntimeKind.SIM, {}, env={"VLLM_ENABLE_RESPONSES_API_STORE": "on"})

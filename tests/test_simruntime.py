@@ -22,7 +22,10 @@ import openai
 import pytest
 import trio
 
-from nexa.simruntime import WORDS
+from nexa.adapters.vllm import RESPONSES_STORE_ENV
+from nexa.contracts.gateway import Capability
+from nexa.simruntime import WORDS, native
+from nexa.simruntime.asgi import BadRequest
 from tests.support.simprocess import MODEL, SimProcess, chat, sim
 
 __all__ = ["sim"]  # the fixture, used by name
@@ -557,3 +560,41 @@ def test_refuses_an_unknown_serve_name() -> None:
     result = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 2
     assert "--serve" in result.stderr
+
+
+# --- stored responses, as vLLM keeps them with VLLM_ENABLE_RESPONSES_API_STORE=1 -----------------------
+
+
+def respond(body: dict[str, Any], stored: native.Stored | None, serial: int = 1) -> dict[str, Any]:
+    raw = json.dumps({"model": MODEL, **body}).encode()
+    out, _ = native.answer(Capability.RESPONSES, MODEL, raw, serial=serial, output_tokens=4, stored=stored)
+    assert isinstance(out, bytes)
+    answer: dict[str, Any] = json.loads(out)
+    return answer
+
+
+def test_kept_responses_continue_with_the_earlier_turn_in_the_prompt() -> None:
+    assert native.STORE_ENV == RESPONSES_STORE_ENV  # the variable vLLM reads (nexa.adapters.vllm)
+    assert native.store_enabled({RESPONSES_STORE_ENV: "1"}) and not native.store_enabled({RESPONSES_STORE_ENV: "x"})
+    stored = native.Stored()
+    first = respond({"input": "hello there"}, stored)  # `store` left out: OpenAI's default, true
+    assert first["usage"]["input_tokens"] == 2
+    second = respond({"input": "and then", "previous_response_id": first["id"]}, stored, serial=2)
+    # The kept conversation (2 words asked, 4 answered) comes before the new input (2 words).
+    assert second["usage"]["input_tokens"] == 2 + 4 + 2 and second["id"] != first["id"]
+    unkept = respond({"input": "hi", "store": False}, stored, serial=3)
+    with pytest.raises(BadRequest) as lost:
+        respond({"input": "hi", "previous_response_id": unkept["id"]}, stored)
+    assert lost.value.status == 404 and lost.value.param == "previous_response_id"
+    # Ids differ between two processes that both answer their first request.
+    assert respond({"input": "hi"}, native.Stored())["id"] != respond({"input": "hi"}, native.Stored())["id"]
+
+
+def test_without_the_store_variable_store_is_dropped_and_state_refused_as_vllm_does() -> None:
+    assert respond({"input": "hi", "store": True}, None)["id"] == "resp_sim1"  # served, not kept
+    with pytest.raises(BadRequest) as unknown:
+        respond({"input": "hi", "previous_response_id": "resp_sim1"}, None)
+    assert unknown.value.status == 404
+    with pytest.raises(BadRequest) as background:
+        respond({"input": "hi", "background": True}, None)
+    assert background.value.status == 400 and RESPONSES_STORE_ENV in background.value.message

@@ -64,14 +64,14 @@ from collections.abc import Mapping, Sequence
 from typing import Final
 
 from nexa.adapters.args import extra_args_problems
-from nexa.adapters.base import SERVER_SETTING, Adapter, Metrics, NativeSleep, Style
+from nexa.adapters.base import SERVER_SETTING, Adapter, Metrics, NativeSleep, Style, env_flag
 from nexa.adapters.entrypoints import entrypoint_for
 from nexa.adapters.groups import group_problems
 from nexa.adapters.llamacpp import LLAMA_SERVER_ADAPTER, LLAMACPP_VARIANTS
 from nexa.adapters.sdcpp import SD_SERVER
 from nexa.adapters.sglang import SGLANG
 from nexa.adapters.trtllm import TRTLLM
-from nexa.adapters.vllm import VLLM
+from nexa.adapters.vllm import RESPONSES_STORE_ENV, VLLM
 from nexa.adapters.whispercpp import WHISPER_SERVER
 from nexa.contracts.gateway import Capability
 from nexa.contracts.models import ImageConfig
@@ -133,6 +133,23 @@ def serves(
     except (KeyError, ValueError):
         return False
     return adapter.serves(capability, settings, version)
+
+
+def keeps_responses(
+    kind: RuntimeKind,
+    settings: Mapping[str, object],
+    *,
+    env: Mapping[str, str] | None = None,
+) -> bool:
+    """Whether a replica of `kind` started with `settings` and the deployment's `env` keeps
+    Responses API responses (`Adapter.keeps_responses`); `sim` as vLLM, by its variable in `env`."""
+    if kind is RuntimeKind.SIM:
+        return env_flag(env or {}, RESPONSES_STORE_ENV)
+    try:
+        adapter = adapter_for(kind, settings)
+    except (KeyError, ValueError):
+        return False
+    return adapter.keeps_responses(settings, env)
 
 
 #: And answers vLLM's sleep routes with `--enable-sleep-mode` (`nexa.simruntime.app`).

@@ -60,6 +60,9 @@ class Style(enum.Enum):
     #: `--flag <model directory>/<value>`: a file of the model's own directory (a chat template
     #: shipped with it), named relative to it; absolute paths and `..` are refused.
     MODEL_FILE = "model_file"
+    #: No argument: `flag` names an environment variable set to `1` when true (nothing when false),
+    #: for a server switched on by its environment (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE`).
+    ENV = "env"
 
 
 @attrs.frozen(kw_only=True)
@@ -102,6 +105,8 @@ class Option:
         return isinstance(value, self.type)
 
     def args(self, value: object, *, model_dir: str = "") -> list[str]:
+        if self.style is Style.ENV:
+            return []
         if self.style is Style.SWITCH:
             return [self.flag] if value else []
         if self.style is Style.BOOLEAN:
@@ -109,6 +114,14 @@ class Option:
         if self.style is Style.MODEL_FILE:
             return [self.flag, f"{model_dir}/{value}"]
         return [self.flag, str(value)]
+
+
+def env_flag(env: Mapping[str, str], name: str) -> bool:
+    """Whether `env` switches `name` on as vLLM reads its flags (`bool(int(value))`; not an integer: off)."""
+    try:
+        return bool(int(env.get(name, "0")))
+    except ValueError:
+        return False
 
 
 @attrs.frozen(kw_only=True)
@@ -224,11 +237,28 @@ class Adapter:
     native_apis: Mapping[str, str] = attrs.field(factory=dict)
     #: The server's own sleep and wake (None: it has none; a sleeping replica's container stops).
     native_sleep: NativeSleep | None = None
+    #: The setting (one of `options`, `Style.ENV`) that has the server keep Responses API responses
+    #: (`store`, `previous_response_id`) in its memory; None: it never keeps them. The gateway routes
+    #: a request continuing a stored response to the replica that keeps it (`keeps_responses`).
+    responses_store: str | None = None
+
+    def keeps_responses(self, settings: Mapping[str, object], env: Mapping[str, str] | None = None) -> bool:
+        """Whether a replica started with `settings` and the deployment's `env` keeps Responses API
+        responses: the `responses_store` setting true, or its variable given in `env` as the server
+        reads it (an integer, not 0)."""
+        if self.responses_store is None:
+            return False
+        variable = self.options[self.responses_store].flag
+        return settings.get(self.responses_store) is True or env_flag(env or {}, variable)
 
     def owned_flags(self) -> dict[str, str]:
         """Every flag `extra_args` may not give, with why: what nexa sets itself, the memory bound,
         the typed settings (set them as settings), and `refused_flags`."""
-        owned = {option.flag: f"a typed setting: give settings.{name} instead" for name, option in self.options.items()}
+        owned = {
+            option.flag: f"a typed setting: give settings.{name} instead"
+            for name, option in self.options.items()
+            if option.style is not Style.ENV
+        }
         nexa_sets = {
             self.model_flag: "nexa gives the mounted model's path",
             self.served_name_flag: "nexa serves the model under its registered name",
@@ -249,7 +279,7 @@ class Adapter:
         """(flag, why) for each argument of `extra_args` that gives a flag nexa owns, as
         `--flag value`, `--flag=value`, with `_` for `-` or, where the parser abbreviates, a prefix."""
         owned = {spelling(flag): (flag, why) for flag, why in self.owned_flags().items()}
-        known = {spelling(option.flag) for option in self.options.values()}
+        known = {spelling(option.flag) for option in self.options.values() if option.style is not Style.ENV}
         out = []
         for arg in extra_args:
             if not arg.startswith("-") or is_value(arg):
@@ -395,6 +425,9 @@ class Adapter:
         shm = settings.get(SHM_SETTING, self.default_shm_bytes)
         assert isinstance(shm, int)
         env = dict(self.env)
+        env.update(
+            {o.flag: "1" for name, o in self.options.items() if o.style is Style.ENV and settings.get(name) is True}
+        )
         if self.native_sleep is not None and self.native_sleep.flag in extra_args:
             env.update(self.native_sleep.env)
         return Launch(command=command, env=env, health=self.probe(port), shm_bytes=shm)

@@ -1,4 +1,16 @@
-"""vLLM (`vllm serve`): its adapter. Flags and series from vLLM's "Engine arguments" and "Production metrics"."""
+"""vLLM (`vllm serve`): its adapter. Flags and series from vLLM's "Engine arguments" and "Production metrics".
+
+Stored responses (OpenAI's Responses API `store`, `previous_response_id`, background and cancel,
+`GET`/`DELETE /v1/responses/{id}`): vLLM keeps them only when started with
+`VLLM_ENABLE_RESPONSES_API_STORE=1` (vllm/envs.py: `bool(int(os.getenv(..., "0")))`), in the
+server's memory, never evicted, and lost when it stops (vllm/entrypoints/openai/serving_responses.py,
+`OpenAIServingResponses.__init__`: `self.enable_store = envs.VLLM_ENABLE_RESPONSES_API_STORE`).
+Without it `create_responses` silently drops `store: true` (OpenAI's default) and serves the request
+unstored, refuses `background: true` with a 400 naming the variable, and answers a
+`previous_response_id` with a 404 (its store is empty). `settings.responses_store: true` sets the
+variable (as does giving it in the deployment's `env`), and the gateway pins a conversation's
+later turns to the replica that keeps it (`control/datapath/stored.py`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +29,9 @@ from nexa.adapters.args import (
 from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, NativeSleep, Option, Style
 from nexa.contracts.gateway import Capability
 from nexa.contracts.node import RuntimeKind
+
+#: vLLM keeps Responses API responses (in memory) only when started with this set to 1.
+RESPONSES_STORE_ENV: Final = "VLLM_ENABLE_RESPONSES_API_STORE"
 
 VLLM: Final = Adapter(
     kind=RuntimeKind.VLLM,
@@ -62,6 +77,13 @@ VLLM: Final = Adapter(
             flag="--generation-config", type=str, help="auto (the model's), vllm (none), or a folder path"
         ),
         "stream_interval": Option(flag="--stream-interval", type=int, minimum=1, help="tokens per stream chunk"),
+        # vllm/envs.py and vllm/entrypoints/openai/serving_responses.py (see the module docstring).
+        "responses_store": Option(
+            flag=RESPONSES_STORE_ENV,
+            type=bool,
+            style=Style.ENV,
+            help="keep Responses API responses in memory (store, previous_response_id); lost on restart",
+        ),
     },
     env={**OFFLINE_ENV, "VLLM_NO_USAGE_STATS": "1", **VLLM_CACHE_ENV},
     abbreviates=True,
@@ -86,6 +108,7 @@ VLLM: Final = Adapter(
     # vllm/entrypoints/openai/serving_responses.py: POST /v1/responses (OpenAI's Responses API, with
     # GET and cancel of a stored response, kept in the server's memory), since 0.10.0.
     native_apis={"/v1/messages": "0.11.0", "/v1/messages/count_tokens": "0.11.0", "/v1/responses": "0.10.0"},
+    responses_store="responses_store",
     readiness_path="/health",
     metrics=Metrics(
         path="/metrics",

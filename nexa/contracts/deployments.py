@@ -433,6 +433,9 @@ class ServingReplica:
     #: The gated capabilities (`Capability.gated`: rerank, score, tokenize, detokenize) its runtime
     #: serves, as its adapter records them (`adapters.serves`); only these reach it.
     serves: frozenset[Capability] = frozenset()
+    #: Its runtime keeps Responses API responses in its memory (`adapters.keeps_responses`): a
+    #: request continuing one (`previous_response_id`) is routed to this replica alone.
+    keeps_responses: bool = False
 
 
 @attrs.frozen(kw_only=True)

@@ -37,6 +37,8 @@ without them answers its parent's); `tests/test_errors.py` checks the tree again
     - MethodNotAllowed [method_not_allowed, HTTP 405]: the route exists but not for that method (names the allowed ones)
     - ModelNotServed [model_not_found]: no alias or model by that name is being served
     - ApiNotServed [api_not_served]: the model's runtimes do not serve the API asked for (rerank, score, tokenize …)
+    - ResponseNotFound [response_not_found]: a `previous_response_id` not stored here for the tenant
+    - StoredResponseLost [stored_response_lost]: a stored response whose replica is gone or not Ready
   + Conflict [conflict, HTTP 409]: the request is valid but the current state forbids it
     - AlreadyExists [already_exists]: a record with that name (and version) is registered already
     - IllegalTransition [illegal_transition]: a model's lifecycle state does not allow the action
@@ -228,9 +230,11 @@ from nexa.errors.serving import NoReadyReplica as NoReadyReplica
 from nexa.errors.serving import NoReplicaForDataClass as NoReplicaForDataClass
 from nexa.errors.serving import QueueFull as QueueFull
 from nexa.errors.serving import QuotaExceeded as QuotaExceeded
+from nexa.errors.serving import ResponseNotFound as ResponseNotFound
 from nexa.errors.serving import RetentionUnavailable as RetentionUnavailable
 from nexa.errors.serving import RuntimeFailed as RuntimeFailed
 from nexa.errors.serving import RuntimeRejected as RuntimeRejected
+from nexa.errors.serving import StoredResponseLost as StoredResponseLost
 from nexa.errors.serving import WorkloadAlreadyActive as WorkloadAlreadyActive
 from nexa.errors.store import BackupDamaged as BackupDamaged
 from nexa.errors.store import BackupError as BackupError

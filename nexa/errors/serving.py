@@ -45,6 +45,20 @@ class ApiNotServed(NotFound):
     code = "api_not_served"
 
 
+class ResponseNotFound(NotFound):
+    """A `previous_response_id` this controller keeps no record of for the tenant (another tenant's,
+    never stored, expired, or remembered by another controller): resend the conversation."""
+
+    code = "response_not_found"
+
+
+class StoredResponseLost(NotFound):
+    """A stored response whose replica is gone or not Ready: the response went with its memory.
+    Never routed elsewhere (no other replica has it): resend the conversation as input items."""
+
+    code = "stored_response_lost"
+
+
 class WorkloadAlreadyActive(Conflict):
     code = "workload_already_active"
 

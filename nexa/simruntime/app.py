@@ -96,6 +96,8 @@ class SimApp:
             }
         ).encode()
         self._loras = SimLoras(cfg.max_loras)
+        #: Responses API responses kept, as vLLM keeps them only with its variable set (`native.STORE_ENV`).
+        self._stored = native.Stored() if native.store_enabled(os.environ) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -248,7 +250,12 @@ class SimApp:
             capability = _OTHER_PATHS[path]
             if capability.native:
                 out, tokens = native.answer(
-                    capability, self._cfg.model, raw, serial=self._metrics.total, output_tokens=self._cfg.output_tokens
+                    capability,
+                    self._cfg.model,
+                    raw,
+                    serial=self._metrics.total,
+                    output_tokens=self._cfg.output_tokens,
+                    stored=self._stored,
                 )
             else:
                 out, tokens = pooling.answer(capability, self._cfg.model, raw, serial=self._metrics.total)

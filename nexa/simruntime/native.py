@@ -4,12 +4,23 @@ openai/serving_responses.py: `POST /v1/responses`), text only, when `--serve` na
 `message_tokens` or `responses` (the gateway then passes these requests through instead of
 translating them). The words are the chat answer's (`tokens.output_words`); a unary answer is one
 JSON object, a stream the API's own event grammar, each with its usage in the API's names.
+
+Stored responses, as vLLM keeps them (vllm/envs.py, serving_responses.py): only when started
+with `VLLM_ENABLE_RESPONSES_API_STORE=1` (`STORE_ENV`), in memory (`Stored`), lost when it stops.
+Then a response made with `store` not false is kept, and a request naming it as
+`previous_response_id` continues it: its prompt is the kept conversation (the earlier prompts and
+answers) followed by the new input, so its `input_tokens` count them; an id not kept is a 404.
+Without the variable `store: true` is silently dropped, `background: true` with it refused (400
+naming the variable) and any `previous_response_id` a 404, as vLLM answers. Ids are unique per
+process when kept (`resp_sim<n>_<random>`), so two replicas never make the same one.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
+from collections.abc import Mapping
 from typing import Any, Final
 
 from nexa.contracts.gateway import Capability
@@ -23,6 +34,33 @@ PATHS: Final = {
     "/v1/responses": Capability.RESPONSES,
 }
 Json = dict[str, Any]
+#: vLLM keeps Responses API responses only when started with this set to 1 (`nexa.adapters.vllm`).
+STORE_ENV: Final = "VLLM_ENABLE_RESPONSES_API_STORE"
+#: Responses kept at most (vLLM keeps every one until it stops; the simulator forgets the oldest).
+MAX_STORED: Final = 10_000
+
+
+class Stored:
+    """The responses kept, by id: each one's conversation so far, as text (oldest forgotten first)."""
+
+    def __init__(self) -> None:
+        self._texts: dict[str, str] = {}
+
+    def get(self, response_id: str) -> str | None:
+        return self._texts.get(response_id)
+
+    def keep(self, response_id: str, text: str) -> None:
+        self._texts[response_id] = text
+        while len(self._texts) > MAX_STORED:
+            del self._texts[next(iter(self._texts))]
+
+
+def store_enabled(environ: Mapping[str, str]) -> bool:
+    """Whether `environ` has the server keep responses, read as vLLM reads it (`bool(int(value))`)."""
+    try:
+        return bool(int(environ.get(STORE_ENV, "0")))
+    except ValueError:
+        return False
 
 
 def _text(content: object, param: str) -> str:
@@ -54,9 +92,16 @@ def _prompt(capability: Capability, payload: Json) -> str:
 
 
 def answer(
-    capability: Capability, default_model: str, raw: bytes, *, serial: int, output_tokens: int
+    capability: Capability,
+    default_model: str,
+    raw: bytes,
+    *,
+    serial: int,
+    output_tokens: int,
+    stored: Stored | None = None,
 ) -> tuple[bytes | list[bytes], int]:
-    """The answer (one body, or a stream's events) and the tokens it made; BadRequest naming the field."""
+    """The answer (one body, or a stream's events) and the tokens it made; BadRequest naming the
+    field. `stored`: the responses kept (None: the server keeps none, `STORE_ENV` unset)."""
     try:
         payload = json.loads(raw)
     except ValueError:
@@ -65,6 +110,9 @@ def answer(
         raise BadRequest("the body must be a JSON object")
     model = str(payload.get("model") or default_model)
     prompt = _prompt(capability, payload)
+    keep = False
+    if capability is Capability.RESPONSES:
+        prompt, keep = _continued(payload, prompt, stored)
     asked = count_words(prompt)
     if capability is Capability.MESSAGE_TOKENS:
         return json.dumps({"input_tokens": asked}).encode(), 0
@@ -77,7 +125,32 @@ def answer(
     stream = payload.get("stream") is True
     if capability is Capability.MESSAGES:
         return _message(model, f"msg_sim{serial}", words, asked, cut, stream=stream), len(words)
-    return _response(model, f"resp_sim{serial}", words, asked, cut, stream=stream), len(words)
+    ident = f"resp_sim{serial}" if stored is None else f"resp_sim{serial}_{secrets.token_hex(6)}"
+    if keep and stored is not None:
+        stored.keep(ident, " ".join([prompt, *words]))
+    return _response(model, ident, words, asked, cut, stream=stream), len(words)
+
+
+def _continued(payload: Json, prompt: str, stored: Stored | None) -> tuple[str, bool]:
+    """The prompt with the conversation `previous_response_id` continues before it, and whether
+    the answer is kept; BadRequest as vLLM answers (see the module docstring)."""
+    keep = payload.get("store", True) is not False and stored is not None
+    if payload.get("background") not in (None, False):
+        if stored is None and payload.get("store", True) is not False:
+            raise BadRequest(
+                "This vLLM engine does not support `store=True` and therefore does not support the background"
+                f" mode. To enable these features, set the environment variable `{STORE_ENV}=1` when launching"
+                " the vLLM server.",
+                param="background",
+            )
+        raise BadRequest("background: not simulated", param="background")
+    previous = payload.get("previous_response_id")
+    if previous is None:
+        return prompt, keep
+    kept = stored.get(previous) if stored is not None and isinstance(previous, str) else None
+    if kept is None:
+        raise BadRequest(f"Response with id '{previous}' not found.", param="previous_response_id", status=404)
+    return f"{kept} {prompt}", keep
 
 
 def _sse(event: str, data: Json) -> bytes:

@@ -59,3 +59,27 @@ def test_stored_response_state_is_refused_on_pass_through(field: str) -> None:
     assert refused.value.field == field
     native.stateful_problem(Capability.RESPONSES, {"store": True, "background": False})  # passed on as sent
     native.stateful_problem(Capability.MESSAGES, {"previous_response_id": "x"})  # not the Responses API
+
+
+def test_only_previous_response_id_passes_where_a_replica_keeps_responses() -> None:
+    native.stateful_problem(Capability.RESPONSES, {"previous_response_id": "resp_1"}, keeps=True)
+    for field in ("conversation", "background"):
+        with pytest.raises(FieldNotSupported) as refused:
+            native.stateful_problem(Capability.RESPONSES, {field: "x"}, keeps=True)
+        assert refused.value.field == field and "send the whole conversation" in refused.value.message
+
+
+def test_a_responses_answer_gives_its_id_unary_or_from_its_stream_split_anywhere() -> None:
+    assert native._IdReader.unary(b'{"object": "response", "id": "resp_a"}') == "resp_a"
+    assert native._IdReader.unary(b'{"object": "chat.completion", "id": "x"}') == ""
+    assert native._IdReader.unary(b"not json") == ""
+    stream = event("response.created", sequence_number=0, response={"id": "resp_b", "status": "in_progress"})
+    stream += event("response.output_text.delta", sequence_number=1, delta="hi")
+    for cut in range(1, len(stream)):
+        reader = native._IdReader()
+        reader.feed(stream[:cut])
+        reader.feed(stream[cut:])
+        assert reader.found == "resp_b", cut
+    reader = native._IdReader()
+    reader.feed(event("error", code="x") + b"data: [1]\n\n")
+    assert reader.found == ""

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from tests.support.api import in_thread
-from tests.support.cluster import SIM_ARGS, SimCluster, sdk, usage_rows
+from tests.support.api import in_thread, ok
+from tests.support.cluster import SIM_ARGS, SimCluster, new_key, sdk, usage_rows
 
 pytestmark = pytest.mark.slow
 
@@ -123,3 +123,69 @@ async def test_a_runtime_refusing_a_passed_request_reaches_the_sdk_as_its_typed_
         assert counting.status_code == 404 and counting.json()["error"]["type"] == "not_found_error"
         assert "served only by runtimes that serve it themselves" in counting.json()["error"]["message"]
     assert runtime_paths(cluster) == ["/v1/messages"]
+
+
+async def test_stored_responses_continue_on_the_replica_that_keeps_them(cluster: SimCluster) -> None:
+    """A runtime started with VLLM_ENABLE_RESPONSES_API_STORE=1 keeps its responses (as vLLM does):
+    every later turn goes to the replica that made the previous one, of two; another tenant's id
+    is not found; once that replica is gone, the stored response is lost, never routed elsewhere."""
+    await cluster.model("native", "native")
+    store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+    await cluster.deploy("native-a", replicas=2, alias="native", args=NATIVE_ARGS, env=store)
+    placed = await cluster.ready_replicas("native-a")
+    assert len(set(placed.values())) == 2  # one replica on each node
+    client = sdk(cluster)
+    other = sdk(cluster, await new_key(cluster, "inference", "globex"))
+    turns: list[str] = []
+
+    def scenario() -> None:
+        first = client.responses.create(model="native", input="hello there", store=True)
+        turns.append(first.id)
+        assert first.usage is not None and first.usage.input_tokens == 2
+        previous, said = first, 2 + 8
+        for n in range(3):  # each turn's prompt is the kept conversation, then its own input
+            later = client.responses.create(model="native", input="and then", previous_response_id=previous.id)
+            assert later.usage is not None and later.usage.input_tokens == said + 2, n
+            turns.append(later.id)
+            previous, said = later, said + 2 + 8
+        # Streamed: its id is read from the stream's `response.created`, and continued too.
+        events = list(
+            client.responses.create(model="native", input="and then", previous_response_id=previous.id, stream=True)
+        )
+        last = events[-1]
+        assert last.type == "response.completed" and last.response.usage is not None
+        assert last.response.usage.input_tokens == said + 2
+        after = client.responses.create(model="native", input="so", previous_response_id=last.response.id)
+        assert after.usage is not None and after.usage.input_tokens == said + 2 + 8 + 1
+        turns.append(after.id)
+
+        # State is per tenant: another tenant's id is not found, and nothing reaches a runtime.
+        with pytest.raises(openai.NotFoundError) as foreign:
+            other.responses.create(model="native", input="hi", previous_response_id=first.id)
+        assert foreign.value.code == "response_not_found"
+        with pytest.raises(openai.NotFoundError) as unknown:
+            client.responses.create(model="native", input="hi", previous_response_id="resp_never_made")
+        assert unknown.value.code == "response_not_found"
+
+    await in_thread(scenario)
+    asked = {
+        n.name: [e for e in n.journal() if e["event"] == "request" and e["path"] == "/v1/responses"]
+        for n in cluster.nodes
+    }
+    # Every turn of the conversation went to the one replica keeping it (six requests, one node).
+    assert sorted(len(a) for a in asked.values()) == [0, 6], asked
+
+    # The replica goes (its deployment is replaced): the stored response went with it.
+    async with cluster.client() as http:
+        await ok(http.delete("/api/v1/deployments/native-a"))
+    await cluster.deploy("native-b", replicas=1, alias="native", args=NATIVE_ARGS, env=store)
+
+    def lost() -> None:
+        with pytest.raises(openai.NotFoundError) as gone:
+            client.responses.create(model="native", input="and then", previous_response_id=turns[-1])
+        assert gone.value.code == "stored_response_lost"
+        assert "send the whole conversation" in gone.value.message
+        fresh = client.responses.create(model="native", input="hello there")  # new conversations go on
+        assert fresh.status == "completed"
+
+    await in_thread(lost)

@@ -178,9 +178,10 @@ class SimCluster:
         args: list[str] | None = None,
         wait: bool = True,
         port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """Deploy `replicas` sim runtimes of `alias` on `port` (None: one free on every node's address,
-        `free_runtime_port`); `wait`: until every replica is Ready."""
+        `free_runtime_port`), with `env` in their environment; `wait`: until every replica is Ready."""
         if port is None:
             port = free_runtime_port([node_host(i) for i in range(1, len(self.nodes) + 1)])
         body = {
@@ -189,7 +190,7 @@ class SimCluster:
             "alias": alias,
             "replicas": replicas,
             "resources": {"accelerators": 0, "memory_bytes": 64 * 2**20, "cpus": 0.5},
-            "options": {"port": port, "command": args if args is not None else SIM_ARGS},
+            "options": {"port": port, "command": args if args is not None else SIM_ARGS, "env": env or {}},
         }
         async with self.client() as http:
             await ok(http.post("/api/v1/deployments", json=body), 201)

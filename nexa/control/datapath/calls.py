@@ -24,6 +24,7 @@ import trio
 
 from nexa.contracts import wire
 from nexa.contracts.bounds import MAX_TOKENS
+from nexa.contracts.deployments import ServingReplica
 from nexa.contracts.domain import KeyId, TenantId
 from nexa.contracts.gateway import Api, CallOutcome, Capability, Priority, usage_bounds
 from nexa.contracts.models import ModelRef
@@ -79,6 +80,9 @@ class Work:
     #: A media upload (`/v1/audio/transcriptions`, `…/translations`): sent to the runtime as
     #: multipart form data, with `body`'s values as its other fields. Held in memory, never on disk.
     upload: Upload | None = None
+    #: Only this replica may serve it (its runtime keeps the stored response the request continues:
+    #: `control.datapath.stored`); StoredResponseLost when it is not Ready. None: any.
+    pin: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -102,6 +106,8 @@ class Progress:
     model: ModelRef | None = None
     deployment: str = ""
     node_id: str = ""
+    #: The replica that answered (None until one did).
+    replica: ServingReplica | None = None
     canary: bool = False
     #: `ok`, or the error code the call ended with.
     status: str = "ok"

@@ -71,6 +71,7 @@ from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas, QuotaTicket
 from nexa.control.datapath.relay import Relay, RelayStream
 from nexa.control.datapath.routing import Router, for_data_class
+from nexa.control.datapath.stored import StoredResponses
 from nexa.control.datapath.uploads import write_form
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.idle import Idle
@@ -84,6 +85,7 @@ from nexa.errors import (
     NoReadyReplica,
     NoReplicaForDataClass,
     RuntimeFailed,
+    StoredResponseLost,
 )
 
 log = logging.getLogger(__name__)
@@ -178,6 +180,8 @@ class Gateway:
         self._idle = idle
         self._nursery: trio.Nursery | None = None
         self._batches: dict[tuple[str, str], _Batch] = {}
+        #: Which replica keeps each stored Responses API response (this controller's memory only).
+        self.stored_responses = StoredResponses()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         async with trio.open_nursery() as nursery:
@@ -207,6 +211,16 @@ class Gateway:
             return False
         replicas = self._deployments.serving(ref, alias=alias or None).replicas
         return bool(replicas) and all(capability in r.serves for r in replicas)
+
+    def keeps_responses(self, model: str) -> bool:
+        """Whether any Ready replica of `model` keeps Responses API responses (`ServingReplica.keeps_responses`)."""
+        if model.startswith(EVAL_PREFIX):
+            return False
+        try:
+            alias, ref = self._resolve_served(model)
+        except ModelNotServed:
+            return False
+        return any(r.keeps_responses for r in self._deployments.serving(ref, alias=alias or None).replicas)
 
     def trio_deadline(self, work: Work) -> float:
         return trio.current_time() + (work.deadline_at - time.time())
@@ -304,6 +318,7 @@ class Gateway:
             )
         model_key = progress.alias or ref.key
         self._admission.set_capacity(model_key, len(serving.replicas) * self._cfg.max_inflight_per_replica)
+        serving = _pinned(work, serving)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         serving = self._for_data_class(work, serving)
@@ -337,13 +352,14 @@ class Gateway:
 
     def _serving_now(self, work: Work, ref: ModelRef, progress: Progress) -> ServingSet:
         """The replicas of `ref` Ready now that may take `work` (those that load the adapter the
-        call's alias serves, if it serves one: the version they load goes to `progress`);
-        NoReadyReplica when none is."""
+        call's alias serves, if it serves one: the version they load goes to `progress`; the one
+        keeping a stored response a Responses request continues); NoReadyReplica when none is."""
         alias = progress.alias
         serving = self._deployments.serving(ref, alias=None if progress.adapter else alias or None)
         if progress.adapter is not None:
             wanted = adapter_of(self._models, alias) or progress.adapter
             serving, progress.lora_versions = with_lora(self._deployments.desired, serving, alias, work.model, wanted)
+        serving = _pinned(work, serving)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
         return self._for_data_class(work, serving)
@@ -386,20 +402,8 @@ class Gateway:
                 rounds += 1
             tried.add(replica.replica_id)
             progress.attempts = attempt + 1
-            # The adapter version this replica loads is what the attempt is metered as.
-            progress.adapter = progress.lora_versions.get(replica.replica_id, progress.adapter)
             stream_id = _new_stream_id(work, replica, attempt)
-            head = wire.InferHead(
-                assignment_id=replica.replica_id,
-                path=work.capability.path,
-                stream=work.stream,
-                deadline_at=work.deadline_at,
-                window=self._cfg.stream_window_chunks,
-                strip_usage_chunk=work.stream and not work.include_usage,
-                prompt_tokens_estimate=estimate,
-                content_type=body.content_type,
-                lora=progress.alias if progress.adapter is not None else "",
-            )
+            head = self._head(progress, replica, body, estimate)
             stack = contextlib.AsyncExitStack()
             attempt_started = trio.current_time()
             self._router.acquire(replica.replica_id)
@@ -436,12 +440,30 @@ class Gateway:
                     continue
                 raise error
             # Committed to this replica.
+            progress.replica = replica
             progress.served_by(replica.deployment, replica.node_id, canary=replica.canary, model=replica.model)
             return stack, stream, first
         if last is None or not_serving:
             # Nothing ran anywhere: the replicas counted Ready were not serving (yet) — retryable.
             raise NoReadyReplica(f"no replica of {work.model!r} took the request (none serving now); retry shortly")
         raise last
+
+    def _head(self, progress: Progress, replica: ServingReplica, body: Encoded, estimate: int) -> wire.InferHead:
+        """The `infer` head of an attempt on `replica`; the adapter version it loads is what the
+        attempt is metered as (`progress.adapter`)."""
+        work = progress.work
+        progress.adapter = progress.lora_versions.get(replica.replica_id, progress.adapter)
+        return wire.InferHead(
+            assignment_id=replica.replica_id,
+            path=work.capability.path,
+            stream=work.stream,
+            deadline_at=work.deadline_at,
+            window=self._cfg.stream_window_chunks,
+            strip_usage_chunk=work.stream and not work.include_usage,
+            prompt_tokens_estimate=estimate,
+            content_type=body.content_type,
+            lora=progress.alias if progress.adapter is not None else "",
+        )
 
     async def _next_replica(
         self, progress: Progress, serving: ServingSet, prefix: str | None, tried: set[str], rounds: int
@@ -662,6 +684,20 @@ def _new_stream_id(work: Work, replica: ServingReplica, attempt: int) -> str:
         stream_id,
     )
     return stream_id
+
+
+def _pinned(work: Work, serving: ServingSet) -> ServingSet:
+    """The one replica `work` is pinned to (`Work.pin`: it keeps the stored response the request
+    continues); StoredResponseLost when it is not Ready now. Never another replica: none has it."""
+    if work.pin is None:
+        return serving
+    replicas = [r for r in serving.replicas if r.replica_id == work.pin]
+    if not replicas:
+        raise StoredResponseLost(
+            "previous_response_id: the replica that kept that response is gone or not Ready, and the stored"
+            " response went with it; send the whole conversation as input items instead"
+        )
+    return attrs.evolve(serving, replicas=replicas)
 
 
 def _for_capability(work: Work, serving: ServingSet) -> ServingSet:

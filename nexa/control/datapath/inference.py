@@ -219,9 +219,12 @@ class InferenceApp:
     async def translated(self, x: _Exchange, translation: Translation[Any] | None) -> int:
         """Another API's request, passed through (`native`) or as a chat completion and back (`translated`)."""
         body = _json_object(await x.body())
-        if (passed := native.passed(self._gateway, x.route[1], body, translated=translation is not None)) is not None:
-            x.call = self._gateway.call(self._work(x, *passed[:4], stream=passed.stream, include_usage=True))
-            return await native.serve(x, x.call, passed.capability, stream=passed.stream)
+        passed = native.passed(self._gateway, x.route[1], body, translated=translation is not None, tenant=x.tenant)
+        if passed is not None:
+            work = self._work(x, *passed[:4], stream=passed.stream, include_usage=True)
+            x.call = self._gateway.call(attrs.evolve(work, pin=passed.pin))
+            remember = native.remembering(self._gateway, x.tenant) if passed.stores else None
+            return await native.serve(x, x.call, passed.capability, stream=passed.stream, remember=remember)
         assert translation is not None  # `passed` raised otherwise
         req = translation.to_chat(body)
         work = self._work(

@@ -36,10 +36,12 @@ from nexa.errors import (
     Overloaded,
     QueueFull,
     QuotaExceeded,
+    ResponseNotFound,
     RetentionNotPermitted,
     RetentionUnavailable,
     RuntimeFailed,
     RuntimeRejected,
+    StoredResponseLost,
     WorkloadAlreadyActive,
 )
 
@@ -417,7 +419,7 @@ ROUTES: Final[tuple[Route, ...]] = (
         roles=INFERENCE,
         summary=(
             "Response (OpenAI's Responses API: passed through to runtimes that serve it, else translated to a"
-            " chat completion; no stored state)"
+            " chat completion; previous_response_id goes to the replica keeping it, where one does)"
         ),
         tag="openai",
         body=_RESPONSES_BODY,
@@ -425,7 +427,7 @@ ROUTES: Final[tuple[Route, ...]] = (
         answer=_ANY_OBJECT,
         also=(_SSE,),
         params=_HEADERS,
-        errors=_SERVING,
+        errors=(*_SERVING, ResponseNotFound, StoredResponseLost),
     ),
     *_POOLING_ROUTES,
     _served(

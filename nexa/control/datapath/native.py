@@ -6,24 +6,36 @@ The gateway passes a request through when every Ready replica of its model serve
 (`Gateway.passes_through`); the body goes unchanged but for `model` (the served model's name, as
 every call) and `stream`, and the answer comes back as the runtime made it, checked on the way
 (`answers.unary_answer`, `answers.check_native_event`), with nexa's metering reading its usage in
-the API's own names (`input_tokens`, `output_tokens`). What nexa does not do for a native runtime
-is refused by name: a Responses API request that continues a stored response or conversation
-(`previous_response_id`, `conversation`) or runs in the background, since routing is not pinned to
-the replica that keeps it. A failure after a stream opened ends it with the API's own error event.
-Nothing here reads or logs a payload beyond those fields.
+the API's own names (`input_tokens`, `output_tokens`). A failure after a stream opened ends it with
+the API's own error event.
+
+Stored responses. Where a replica's runtime keeps Responses API responses (vLLM started with
+`VLLM_ENABLE_RESPONSES_API_STORE=1`: `settings.responses_store`), the id of each response it
+answered with `store` not false (OpenAI's default is true) is read from the answer (the unary body,
+or the stream's `response.created`) and remembered with the tenant and the replica
+(`control.datapath.stored`); a request naming it as `previous_response_id` goes to that replica
+alone (`Work.pin`), or is refused: ResponseNotFound (not the tenant's, or not remembered here),
+StoredResponseLost (its replica is gone or not Ready; never routed elsewhere). Where no Ready
+replica keeps responses, `previous_response_id` is refused by name (FieldNotSupported), as are
+`conversation` and `background` everywhere (nexa serves no Conversations API and does not route
+the polling of a background response). Nothing here reads or logs a payload beyond those fields.
 """
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any, Final, NamedTuple, Protocol
 
 from nexa.adapters.vllm import VLLM
 from nexa.contracts import codec
+from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import Api, Capability, body_problems, model_problem
 from nexa.control.datapath import messages, responses
 from nexa.control.datapath.gateway import Call, Gateway
+from nexa.control.datapath.stored import Pin
 from nexa.control.datapath.translation import sse
-from nexa.errors import ContractError, FieldNotSupported, NexaError, NotFound
+from nexa.errors import ContractError, FieldNotSupported, NexaError, NotFound, ResponseNotFound
 
 Json = dict[str, Any]
 
@@ -33,8 +45,10 @@ NATIVE: Final = {
     responses.RESPONSES_PATH: Capability.RESPONSES,
     messages.COUNT_TOKENS_PATH: Capability.MESSAGE_TOKENS,
 }
-#: Responses API fields that need the replica keeping a stored response: refused on pass-through.
-_STATEFUL: Final = ("previous_response_id", "conversation", "background")
+#: Responses API fields that need state nexa does not route to: refused on pass-through.
+_STATEFUL: Final = ("conversation", "background")
+#: How much of a stream is read for its response's id (`response.created` comes first).
+_ID_SCAN_BYTES: Final = 65_536
 
 
 class Exchange(Protocol):
@@ -47,32 +61,126 @@ class Exchange(Protocol):
     async def chunk(self, data: bytes, *, more: bool = True) -> None: ...
 
 
-def stateful_problem(capability: Capability, body: Json) -> None:
-    """Refuse (FieldNotSupported) what routing would need a stored response's replica for."""
+def stateful_problem(capability: Capability, body: Json, *, keeps: bool = False) -> None:
+    """Refuse (FieldNotSupported) what routing would need state nexa does not route to for: a
+    conversation, a background response, and `previous_response_id` unless a replica `keeps` responses."""
     if capability is not Capability.RESPONSES:
         return
-    for name in _STATEFUL:
+    for name in _STATEFUL if keeps else ("previous_response_id", *_STATEFUL):
         if body.get(name) not in (None, False):
+            why = (
+                "no Ready replica of this model keeps stored responses (vLLM keeps them with"
+                " settings.responses_store: true)"
+                if name == "previous_response_id"
+                else "not routed through nexa"
+            )
             raise FieldNotSupported(
-                f"{name}: stored responses are not routed to the replica that keeps them here; send the whole"
-                " conversation as input items instead",
+                f"{name}: {why}; send the whole conversation as input items instead",
                 field=name,
             )
 
 
-async def serve(x: Exchange, call: Call, capability: Capability, *, stream: bool) -> int:
-    """Run `call` and pass its answer on as the runtime made it; the status answered."""
+def pin_for(gateway: Gateway, tenant: TenantId, body: Json) -> str | None:
+    """The replica a request continuing a stored response must go to (`previous_response_id`);
+    None when it continues none. ContractError for an id that is not a string; ResponseNotFound for
+    one this controller keeps no record of for `tenant` (another tenant's is never routed)."""
+    previous = body.get("previous_response_id")
+    if previous is None:
+        return None
+    if not isinstance(previous, str) or not previous:
+        raise ContractError("previous_response_id: a response's id", problems=("previous_response_id",))
+    pin = gateway.stored_responses.find(tenant, previous, time.time())
+    if pin is None:
+        raise ResponseNotFound(
+            "previous_response_id: no response by that id is stored for you here (it may have expired, or been"
+            " made through another controller); send the whole conversation as input items instead"
+        )
+    return pin.replica_id
+
+
+async def serve(
+    x: Exchange, call: Call, capability: Capability, *, stream: bool, remember: Remember | None = None
+) -> int:
+    """Run `call` and pass its answer on as the runtime made it; the status answered. `remember`,
+    when given, gets the answer's response id once it ended well (a stored response)."""
+    reader = _IdReader() if remember is not None else None
     async with call as answer:
         if not stream:
             body = await answer.read_all()
             if answer.error is not None:
                 raise answer.error
-            return await x.raw(200, body, b"application/json")
+            status = await x.raw(200, body, b"application/json")
+            if reader is not None and remember is not None and (ident := reader.unary(body)):
+                remember(call, ident)
+            return status
         await x.start_stream(200)
         async for chunk in answer:
+            if reader is not None:
+                reader.feed(chunk)
             await x.chunk(chunk)
         await x.chunk(b"" if answer.error is None else error_event(capability, answer.error, x.rid), more=False)
+        if answer.error is None and reader is not None and remember is not None and reader.found:
+            remember(call, reader.found)
         return 200
+
+
+class Remember(Protocol):
+    """Takes a stored response's id once the call that made it ended well."""
+
+    def __call__(self, call: Call, response_id: str, /) -> None: ...
+
+
+def remembering(gateway: Gateway, tenant: TenantId) -> Remember:
+    """What `serve` calls with a response's id: remembered where the replica that answered keeps
+    responses (`ServingReplica.keeps_responses`), for `tenant` alone."""
+
+    def remember(call: Call, response_id: str) -> None:
+        replica = call.progress.replica
+        if replica is not None and replica.keeps_responses:
+            pin = Pin(deployment=replica.deployment, replica_id=replica.replica_id, made_at=time.time())
+            gateway.stored_responses.remember(tenant, response_id, pin)
+
+    return remember
+
+
+class _IdReader:
+    """A Responses answer's id: its unary body's, or its stream's first `response.*` event's
+    (`response.created`), read from at most `_ID_SCAN_BYTES` of the stream."""
+
+    def __init__(self) -> None:
+        self.found = ""
+        self._buffer = b""
+
+    @staticmethod
+    def unary(body: bytes) -> str:
+        try:
+            answer = json.loads(body)
+        except ValueError:
+            return ""
+        ident = answer.get("id") if isinstance(answer, dict) and answer.get("object") == "response" else None
+        return ident if isinstance(ident, str) else ""
+
+    def feed(self, chunk: bytes) -> None:
+        if self.found or len(self._buffer) > _ID_SCAN_BYTES:
+            return
+        self._buffer += chunk
+        *events, self._buffer = self._buffer.replace(b"\r\n", b"\n").split(b"\n\n")
+        for event in events:
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    self.found = self._event_id(line[5:])
+                    if self.found:
+                        return
+
+    @staticmethod
+    def _event_id(data: bytes) -> str:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return ""
+        response = event.get("response") if isinstance(event, dict) else None
+        ident = response.get("id") if isinstance(response, dict) else None
+        return ident if isinstance(ident, str) else ""
 
 
 def error_event(capability: Capability, exc: NexaError, request_id: str) -> bytes:
@@ -91,13 +199,18 @@ class Passed(NamedTuple):
     model: str
     body: Json
     stream: bool
+    #: The replica keeping the stored response it continues (`pin_for`); None: any.
+    pin: str | None = None
+    #: A replica of its model keeps responses: the answer's id is to be remembered (`remembering`).
+    stores: bool = False
 
 
-def passed(gateway: Gateway, path: str, body: Json, *, translated: bool) -> Passed | None:
+def passed(gateway: Gateway, path: str, body: Json, *, translated: bool, tenant: TenantId) -> Passed | None:
     """The request at `path` to pass through when every Ready replica of its model serves the API
-    itself (checked as every request is: model, stream, numbers; and `stateful_problem`); None when
-    it is to be translated instead. A route that is not `translated` is served natively or not at
-    all: NotFound in its API's shape, saying where it is served."""
+    itself (checked as every request is: model, stream, numbers; `stateful_problem`, and the
+    replica a `previous_response_id` pins it to); None when it is to be translated instead. A
+    route that is not `translated` is served natively or not at all: NotFound in its API's shape,
+    saying where it is served."""
     capability = NATIVE[path]
     model = body.get("model")
     if not (isinstance(model, str) and model_problem(model) is None and gateway.passes_through(model, capability)):
@@ -111,8 +224,11 @@ def passed(gateway: Gateway, path: str, body: Json, *, translated: bool) -> Pass
     stream = body.pop("stream", False)
     if not isinstance(stream, bool) or (stream and not capability.streams):
         raise ContractError(f"stream: true or false ({capability} answers do not stream)", problems=("stream",))
-    stateful_problem(capability, body)
+    keeps = capability is Capability.RESPONSES and gateway.keeps_responses(model)
+    stateful_problem(capability, body, keeps=keeps)
     if problems := body_problems(capability, body):
         raise ContractError("invalid request: " + "; ".join(problems), problems=tuple(problems))
+    pin = pin_for(gateway, tenant, body) if keeps else None
     api = Api.RESPONSES if capability is Capability.RESPONSES else Api.MESSAGES
-    return Passed(api=api, capability=capability, model=model, body=body, stream=stream)
+    stores = keeps and body.get("store") is not False
+    return Passed(api=api, capability=capability, model=model, body=body, stream=stream, pin=pin, stores=stores)

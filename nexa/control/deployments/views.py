@@ -91,12 +91,19 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
         if dep.asleep:
             continue  # its replicas sleep (the runtime's own sleep): a request wakes it first (`idle`)
         served = _served(desired, dep)
+        keeps = _keeps_responses(desired, dep)
         for r in dep.placed:
             ref = model_of(dep, r)
             if not (mine or ref == model):
                 continue
             serving = ServingReplica(
-                replica_id=r.id, node_id=r.node_id, deployment=name, model=ref, routing=dep.routing, serves=served
+                replica_id=r.id,
+                node_id=r.node_id,
+                deployment=name,
+                model=ref,
+                routing=dep.routing,
+                serves=served,
+                keeps_responses=keeps,
             )
             if desired.routable(r):
                 replicas.append(serving)
@@ -115,6 +122,7 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
                 canary=True,
                 routing=dep.routing,
                 serves=served,
+                keeps_responses=keeps,
             )
             for r in ready
         ]
@@ -175,6 +183,16 @@ def _served(desired: Desired, dep: Deployment) -> frozenset[Capability]:
         if c.gated
         and adapters.serves(runtime.kind, options.settings, c, command=options.command, version=runtime.version)
     )
+
+
+def _keeps_responses(desired: Desired, dep: Deployment) -> bool:
+    """Whether `dep`'s runtime keeps Responses API responses (its settings or env; none when the
+    runtime is no longer registered)."""
+    try:
+        runtime = desired.models.runtime(dep.runtime)
+    except NotFound:
+        return False
+    return adapters.keeps_responses(runtime.kind, dep.options.settings, env=dep.options.env)
 
 
 def view(desired: Desired, e: Entry) -> DeploymentView:
