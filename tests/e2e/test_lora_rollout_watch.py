@@ -58,8 +58,8 @@ def at_least(outcomes: list[str], count: int) -> Any:
 
 async def revert_of_a2(cluster: SimCluster, outcomes: list[str]) -> tuple[Json, Json]:
     """Promote poet to a2 while clients ask; the deployment once reverted, and the revert's audit event."""
-    with trio.fail_after(TIMEOUT_S):
-        await wait_until("answers for poet@a1", at_least(outcomes, 10))
+    with trio.fail_after(3 * TIMEOUT_S):
+        await wait_until("answers for poet@a1", at_least(outcomes, 10), timeout_s=TIMEOUT_S)
         await serve(cluster, "a2")
         async with cluster.client() as http:
 
@@ -67,10 +67,10 @@ async def revert_of_a2(cluster: SimCluster, outcomes: list[str]) -> tuple[Json, 
                 dep: Json = (await ok(http.get("/api/v1/deployments/chat")))["deployment"]
                 return dep if dep["held_loras"] and dep["rollout"] is None else None
 
-            dep = await wait_until("the revert of poet@a2", reverted)
+            dep = await wait_until("the revert of poet@a2", reverted, timeout_s=TIMEOUT_S)
             assert dep is not None, "no revert"
             events = (await ok(http.get("/api/v1/audit", params={"action": "deployment.rollout.revert"})))["events"]
-        await wait_until("answers after the revert", at_least(outcomes, len(outcomes) + 10))
+        await wait_until("answers after the revert", at_least(outcomes, len(outcomes) + 10), timeout_s=TIMEOUT_S)
     return dep, events[0]
 
 
@@ -95,7 +95,7 @@ async def test_a_bad_adapter_version_is_reverted_after_its_first_replica_with_ev
         await serve(cluster, "a1")
         await cluster.deploy("chat", replicas=2, args=[*SIM_ARGS, "--max-loras", "2"])
         async with cluster.client() as http:
-            policy = {"rollout_policy": {"soak_s": 30.0, "min_requests": 5}}
+            policy = {"rollout_policy": {"soak_s": 60.0, "min_requests": 5}}
             await ok(http.post("/api/v1/deployments/chat/change", json=policy))
         for node in cluster.nodes:
             node.set_faults(loras={bad: {"fail": "before", "status": 500}})
@@ -122,4 +122,6 @@ async def test_a_bad_adapter_version_is_reverted_after_its_first_replica_with_ev
 
         # Each request is metered once, as the version of the replica that answered it: a1's, since
         # every attempt on a2 failed before any output.
-        assert await wait_until("usage of every request", metered) == {"tiny:v1+poet:a1": len(outcomes)}
+        assert await wait_until("usage of every request", metered, timeout_s=TIMEOUT_S) == {
+            "tiny:v1+poet:a1": len(outcomes)
+        }
