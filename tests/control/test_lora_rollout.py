@@ -21,7 +21,7 @@ from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.deployments import fleet_image
-from tests.support.models import bring_to, model_body, upload
+from tests.support.models import bring_to
 from tests.support.rollout import (
     Nodes,
     Watch,
@@ -37,15 +37,10 @@ from tests.support.rollout import (
 
 
 async def adapter(http: httpx.AsyncClient, s3: S3Store, data: bytes, version: str) -> str:
-    """Register, verify, evaluate and approve the adapter poet@`version` for tiny@v1; its artifact's digest."""
-    art = await upload(s3, data)
-    body = model_body("poet", version, art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
-    await ok(http.post("/api/v1/models", json=body), 201)
-    path = f"/api/v1/models/poet/{version}"
-    await ok(http.post(f"{path}/verify"))
-    await ok(http.post(f"{path}/evaluations", json={"suite": "smoke", "metrics": {}, "passed": True}), 201)
-    await ok(http.post(f"{path}/approve"))
-    return art.sha256
+    """The adapter poet@`version` for tiny@v1, Approved; its artifact's digest."""
+    lora = {"kind": "lora", "base": [{"model": "tiny", "version": "v1"}]}
+    model = await bring_to(http, s3, "poet", version, "Approved", data=data, **lora)
+    return str(model["artifact"]["sha256"])
 
 
 async def serve(http: httpx.AsyncClient, version: str) -> None:

@@ -22,7 +22,7 @@ import trio
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, gateway_cluster, sdk, usage_rows, wait_until
-from tests.support.models import model_body, upload
+from tests.support.models import bring_to
 
 pytestmark = pytest.mark.slow
 
@@ -31,16 +31,11 @@ TIMEOUT_S = 120
 
 
 async def adapter(cluster: SimCluster, s3: S3Store, data: bytes, version: str) -> str:
-    """Register poet@`version` for tiny@v1 and bring it to Approved; its artifact's sha256."""
-    art = await upload(s3, data)
+    """The adapter poet@`version` for tiny@v1, Approved; its artifact's sha256 (hex)."""
     async with cluster.client() as http:
-        body = model_body("poet", version, art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
-        await ok(http.post("/api/v1/models", json=body), 201)
-        path = f"/api/v1/models/poet/{version}"
-        await ok(http.post(f"{path}/verify"))
-        await ok(http.post(f"{path}/evaluations", json={"suite": "smoke", "metrics": {}, "passed": True}), 201)
-        await ok(http.post(f"{path}/approve"))
-    return art.sha256.removeprefix("sha256:")
+        lora = {"kind": "lora", "base": [{"model": "tiny", "version": "v1"}]}
+        model = await bring_to(http, s3, "poet", version, "Approved", data=data, **lora)
+    return str(model["artifact"]["sha256"]).removeprefix("sha256:")
 
 
 async def serve(cluster: SimCluster, version: str) -> None:

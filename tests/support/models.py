@@ -84,11 +84,19 @@ async def get_model(http: httpx.AsyncClient, name: str, version: str) -> Json:
 
 
 async def bring_to(
-    http: httpx.AsyncClient, s3: S3Store, name: str, version: str, state: str, *, data: bytes | None = None
+    http: httpx.AsyncClient,
+    s3: S3Store,
+    name: str,
+    version: str,
+    state: str,
+    *,
+    data: bytes | None = None,
+    **body: Any,
 ) -> Json:
-    """Register a model (`data`, else random bytes) and move it through the lifecycle to `state`, over the API."""
+    """Register a model (`data`, else random bytes; `body`: more of its registration, e.g. a LoRA
+    adapter's `kind` and `base`) and move it through the lifecycle to `state`, over the API."""
     art = await upload(s3, data)
-    model = await ok(http.post("/api/v1/models", json=model_body(name, version, art)), 201)
+    model = await ok(http.post("/api/v1/models", json=model_body(name, version, art, **body)), 201)
     path = f"/api/v1/models/{name}/{version}"
     order = ["Candidate", "Verified", "Evaluated", "Approved"]
     steps: list[Callable[[], Awaitable[httpx.Response]]] = [
