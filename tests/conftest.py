@@ -32,6 +32,7 @@ from nexa.contracts.node import DiscoveredHost, InventoryFile, NodeInventory, Ru
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, RuntimeSpec
 from nexa.control.service import serve_control
 from nexa.node.inventory import merge, parse_meminfo, parse_nvidia_smi_csv
+from tests.support import llamabuild
 
 pytest_plugins = ["tests.realparts"]
 
@@ -42,8 +43,10 @@ FIXTURES = Path(__file__).parent / "fixtures"
 #: (builds of minutes on a fresh machine) and the signed release reports (a `nexa sim` run). A test that
 #: uses one must be marked `slow`, so the fast lane (`-m "not slow"`) never starts them.
 SLOW_FIXTURES = frozenset(
-    {"arm64_binary", "llama_image", "llama_server_image", "signed_reports", "whisper_server_image"}
+    {"arm64_binary", "llama_build", "llama_image", "llama_server_image", "signed_reports", "whisper_server_image"}
 )
+#: Those that need llama.cpp's build (`.ci/dev` may still be making it: `tests.support.llamabuild`).
+LLAMA_FIXTURES = frozenset({"llama_build", "llama_image", "llama_server_image"})
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -64,18 +67,24 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _heaviest_modules_first(items: list[pytest.Item]) -> None:
     """Under pytest-xdist, whole modules in the order: those using a build of minutes, then those with
     `slow` tests, then the rest (each module's own order kept). The builds then start at once, beside
-    other tests, and the run does not end waiting on one long test a worker took last. Every worker
-    sorts the same way, as xdist requires."""
-    rank: dict[str, int] = {}
+    other tests, and the run does not end waiting on one long test a worker took last. While `.ci/dev`
+    builds llama.cpp in the background (`tests.support.llamabuild`), the modules that need it go last
+    instead, so the tests run beside that build rather than wait for it. Every worker sorts the same
+    way, as xdist requires."""
+    building = llamabuild.building()
+    weights: dict[str, set[int]] = {}
     for item in items:
-        module = item.nodeid.partition("::")[0]
-        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if building and LLAMA_FIXTURES & fixtures:
+            weight = 3
+        elif SLOW_FIXTURES & fixtures:
             weight = 0
         elif item.get_closest_marker("slow") is not None:
             weight = 1
         else:
             weight = 2
-        rank[module] = min(rank.get(module, 2), weight)
+        weights.setdefault(item.nodeid.partition("::")[0], set()).add(weight)
+    rank = {module: 3 if 3 in found else min(found) for module, found in weights.items()}
     items.sort(key=lambda item: rank[item.nodeid.partition("::")[0]])
 
 

@@ -59,6 +59,7 @@ from nexa.s3.client import object_url, signed_headers_for
 from nexa.sigv4 import S3Credentials
 from nexa.tinymodel import tiny_gguf as make_tiny_gguf
 from nexa.tinymodel import tiny_lora_gguf as make_tiny_lora_gguf
+from tests.support.llamabuild import wait_for_build
 
 IN_CI: Final = os.environ.get("CI") == "true"
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -557,6 +558,7 @@ def s3_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Store]:
 
 @pytest.fixture(scope="session")
 def llama_image(
+    llama_build: None,
     podman_service: PodmanService,
     oci_registry: OciRegistry,
     python_image: str,
@@ -576,7 +578,16 @@ def llama_image(
 
 
 @pytest.fixture(scope="session")
+def llama_build() -> None:
+    """llama.cpp built and llama-cpp-python's wheel installed: at once unless `.ci/dev` is building it in
+    the background beside the tests (`tests.support.llamabuild`), then once that build is done."""
+    if (why := wait_for_build()) is not None:
+        pytest.fail(why, pytrace=False)
+
+
+@pytest.fixture(scope="session")
 def llama_server_image(
+    llama_build: None,
     podman_service: PodmanService,
     oci_registry: OciRegistry,
     python_image: str,

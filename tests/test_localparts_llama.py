@@ -29,7 +29,7 @@ TEXT = "the same source, built once"
 
 
 def test_the_wheel_carries_the_server_builds_libraries_and_embeds_as_the_reference(
-    tiny_embedding_gguf: Path, tmp_path: Path
+    llama_build: None, tiny_embedding_gguf: Path, tmp_path: Path
 ) -> None:
     wheel = llama_cpp_python_wheel(cache_dir())
     assert wheel.name == f"llama_cpp_python-0.3.36-py3-none-linux_{platform.machine()}.whl"

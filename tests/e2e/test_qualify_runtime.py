@@ -63,6 +63,7 @@ def _steps(stdout: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("image_fixture", "settings"), LLAMA_IMAGES)
+@pytest.mark.usefixtures("llama_build")  # its image fixture is taken by name, below
 async def test_a_real_llama_cpp_image_qualifies_on_a_real_node(
     llama_cluster: tuple[Controller, list[Node]],
     s3_store: S3Store,
