@@ -20,6 +20,7 @@ from nexa.contracts import wire
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
+from tests.support.console import sign_in
 from tests.support.deployments import fleet_image
 from tests.support.models import bring_to
 from tests.support.rollout import (
@@ -115,4 +116,12 @@ async def test_an_adapter_rolls_onto_running_replicas_and_an_undone_version_is_h
         await trio.sleep(1.0)  # several reconciler passes
         after = await view(http)
         assert after["deployment"]["rollout"] is None and len(await audit(http, "deployment.adapters")) == 2
+    # The console's deployment page names the adapters its replicas load, and the held version.
+    async with httpx.AsyncClient(base_url=dep_reg.url) as browser:
+        assert (await sign_in(browser, dep_reg.admin_key)).status_code == 303
+        page = (await browser.get("/console/deployments/chat-a")).text
+    assert (
+        '<p id="adapters">LoRA adapters: poet (poet@a1) · held (a rollout to them was reverted): poet (poet@a2)</p>'
+        in page
+    )
     assert_never_short(watch, fleet, 2)
