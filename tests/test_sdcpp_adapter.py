@@ -50,7 +50,7 @@ from nexa.node.engines.docker import LABEL_PROBE, docker_create_body
 from nexa.node.engines.libpod import create_body as libpod_create_body
 from nexa.telemetry import Metrics
 from tests.support.adapters import ARTIFACT, NODE_HOST, PORT, PROBE_HOST, deployment, model
-from tests.support.gatewayrig import REF, FakeModels
+from tests.support.gatewayrig import REF, FakeModels, FakeStream
 
 IMAGE = "ghcr.io/leejet/stable-diffusion.cpp@sha256:" + "5" * 64
 #: The published image's config (docker/Dockerfile): the CLI's wrapper as its entrypoint.
@@ -249,26 +249,6 @@ SD_ANSWER = json.dumps(
 ).encode()
 
 
-class Stream:
-    def __init__(self, chunks: list[bytes]) -> None:
-        self._chunks = list(chunks)
-        self.end: wire.EndHead | None = None
-        self.first_overhead_ms: float | None = None
-
-    def waited_s(self, *, whole: bool) -> float:
-        return 0.0
-
-    async def receive_all(self) -> bytes | None:
-        await trio.lowlevel.checkpoint()
-        if self._chunks:
-            return self._chunks.pop(0)
-        self.end = wire.EndHead(status=wire.EndStatus.OK)
-        return None
-
-    async def receive(self) -> bytes | None:
-        return await self.receive_all()
-
-
 class Relay:
     """Each node answers with `answers[node]`; records which node each request went to, and its body."""
 
@@ -277,9 +257,9 @@ class Relay:
         self.sent: list[tuple[str, str, bytes]] = []
 
     @contextlib.asynccontextmanager
-    async def open(self, node_id: str, request_id: str, head: wire.InferHead, body: bytes) -> AsyncIterator[Stream]:
+    async def open(self, node_id: str, request_id: str, head: wire.InferHead, body: bytes) -> AsyncIterator[FakeStream]:
         self.sent.append((node_id, head.path, body))
-        yield Stream([self.answer])
+        yield FakeStream([self.answer], wire.EndHead(status=wire.EndStatus.OK), hang=False)
 
 
 @attrs.define

@@ -43,7 +43,7 @@ from nexa.errors import (
     RuntimeRejected,
 )
 from nexa.telemetry import Metrics
-from tests.support.gatewayrig import REF, FakeModels
+from tests.support.gatewayrig import REF, FakeModels, FakeStream
 
 BACKOFF_S = 0.05
 ACME = TenantId("acme")
@@ -55,33 +55,6 @@ ANSWER = json.dumps(
         "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
     }
 ).encode()
-
-
-class FakeStream:
-    """What the gateway reads of a relay stream: chunks, then the node's `end` (None: no end yet)."""
-
-    def __init__(self, chunks: list[bytes], end: wire.EndHead | None, *, hang: bool) -> None:
-        self._chunks = list(chunks)
-        self._final = end
-        self._hang = hang
-        self.end: wire.EndHead | None = None
-        #: The node's overhead figure of a first chunk (none here: the fake's chunks have empty heads).
-        self.first_overhead_ms: float | None = None
-
-    def waited_s(self, *, whole: bool) -> float:
-        return 0.0
-
-    async def receive_all(self) -> bytes | None:
-        await trio.lowlevel.checkpoint()
-        if self._chunks:
-            return self._chunks.pop(0)
-        if self._hang:
-            await trio.sleep_forever()
-        self.end = self._final
-        return None
-
-    async def receive(self) -> bytes | None:
-        return await self.receive_all()
 
 
 @attrs.define

@@ -1,11 +1,13 @@
-"""The model registry as the gateway reads it, for the gateway's tests without a controller:
-one alias, `chat`, on `tiny@v1`, serving no LoRA adapter (tests/control/test_gateway.py and
-tests/control/test_gateway_unit.py)."""
+"""The model registry and a relay stream as the gateway reads them, for the gateway's tests without a
+controller: one alias, `chat`, on `tiny@v1`, serving no LoRA adapter, and scripted streams
+(tests/control/test_gateway.py, tests/control/test_gateway_unit.py, tests/test_sdcpp_adapter.py)."""
 
 from __future__ import annotations
 
 import attrs
+import trio
 
+from nexa.contracts import wire
 from nexa.contracts.models import ModelRef
 from nexa.errors import NotFound
 
@@ -44,3 +46,30 @@ class FakeModels:
 
     def aliases(self) -> list[object]:
         return []
+
+
+class FakeStream:
+    """What the gateway reads of a relay stream: chunks, then the node's `end` (None: no end yet)."""
+
+    def __init__(self, chunks: list[bytes], end: wire.EndHead | None, *, hang: bool) -> None:
+        self._chunks = list(chunks)
+        self._final = end
+        self._hang = hang
+        self.end: wire.EndHead | None = None
+        #: The node's overhead figure of a first chunk (none here: the fake's chunks have empty heads).
+        self.first_overhead_ms: float | None = None
+
+    def waited_s(self, *, whole: bool) -> float:
+        return 0.0
+
+    async def receive_all(self) -> bytes | None:
+        await trio.lowlevel.checkpoint()
+        if self._chunks:
+            return self._chunks.pop(0)
+        if self._hang:
+            await trio.sleep_forever()
+        self.end = self._final
+        return None
+
+    async def receive(self) -> bytes | None:
+        return await self.receive_all()
