@@ -72,9 +72,12 @@ async def revert_of_a2(cluster: SimCluster, outcomes: list[str]) -> tuple[Json, 
 def ask_steadily(cluster: SimCluster, stop: trio.Event, outcomes: list[str]) -> None:
     """Chat completions for the adapter's alias one after another until `stop`: `ok`, or the error."""
     client = sdk(cluster)
+    i = 0
     while not stop.is_set():
+        i += 1  # other words each time: prefix-affinity routing spreads them over every replica
+        messages = [{"role": "user", "content": f"question {i}: {MESSAGES[0]['content']}"}]
         try:
-            answer = client.chat.completions.create(model="poet", messages=MESSAGES)  # type: ignore[arg-type]
+            answer = client.chat.completions.create(model="poet", messages=messages)  # type: ignore[arg-type]
             outcomes.append("ok" if answer.choices[0].message.content else "empty")
         except Exception as exc:
             outcomes.append(f"{type(exc).__name__}: {exc}")
