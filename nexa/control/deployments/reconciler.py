@@ -177,10 +177,6 @@ class Reconciler:
                 after = Entry(
                     with_loras(dep, loras, dep.rollout_policy or RolloutPolicy()), entry.decision, entry.problem
                 )
-                assert after.deployment.rollout is not None
-                after.deployment = attrs.evolve(
-                    after.deployment, rollout=with_step(after.deployment.rollout, "started", what)
-                )
                 await self._desired.commit(SYSTEM, ADAPTERS, entry, after, detail=f"{what}; rolling its replicas")
                 entry, dep = after, after.deployment
 

@@ -18,6 +18,7 @@ from nexa.contracts.deployments import (
     ReplicaSpec,
     Rollout,
     RolloutPolicy,
+    RolloutStep,
     RuntimeOptions,
 )
 from nexa.contracts.models import ModelRef
@@ -101,9 +102,16 @@ def follow(dep: Deployment, target: ModelRef, reason: str, loras: dict[str, Mode
 
 def with_loras(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy) -> Deployment:
     """The deployment's replicas to load another set of LoRA adapters: a rollout of the same model
-    (reason `adapter`), each replica replaced under watch by one started with `loras`."""
+    (reason `adapter`, its first step naming the change), each replica replaced under watch by one
+    started with `loras`."""
     rollout = Rollout(
-        from_=dep.model, to=dep.model, reason="adapter", started_at=time.time(), policy=policy, good=spec_now(dep)
+        from_=dep.model,
+        to=dep.model,
+        reason="adapter",
+        started_at=time.time(),
+        policy=policy,
+        good=spec_now(dep),
+        steps=[RolloutStep(at=time.time(), what="started", detail=lora_change(dep.loras, loras))],
     )
     return bump(attrs.evolve(dep, placed=pin_specs(dep), loras=dict(loras), rollout=rollout))
 
@@ -153,7 +161,7 @@ def spec_now(dep: Deployment) -> ReplicaSpec:
 def loras_of(dep: Deployment, replica: Replica) -> dict[str, ModelRef]:
     """The LoRA adapters `replica` was started with: the deployment's now when it is current, else
     (an old replica during a rollout) those of the rollout's last good spec."""
-    if is_current(dep, replica):
+    if dep.rollout is None or is_current(dep, replica):  # no rollout: every replica runs the spec now
         return dep.loras
     good = dep.rollout.good if dep.rollout is not None else None
     if good is not None and model_of(dep, replica) == good.model:
