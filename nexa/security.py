@@ -2,7 +2,12 @@
 fingerprint they carry; the backup key and AES-256-GCM sealing of backups.
 
 Sync and pure: no trio, no sockets. The only I/O is reading and writing key files through the
-explicit `*_key_file` helpers. The only module that imports `cryptography`.
+explicit `*_key_file` helpers. The only module that imports `cryptography` or `nacl`: Ed25519 is
+PyNaCl's (libsodium), whose import costs a process about 2.5 MiB where `cryptography`'s costs about
+9.5 (a 14 MB Rust extension mapped whole; `perf/node_memory.py`); so the node agent, which signs and
+verifies but seals nothing, never imports `cryptography`. AES-GCM (the controller's backups) and
+reading a PEM key in another form than the one `save_signing_key` writes still use it, imported
+where they are used.
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
 import attrs
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+import nacl.exceptions
+import nacl.signing
 
 from nexa.contracts import codec
 from nexa.errors import (
@@ -64,13 +69,13 @@ DEFAULT_MAX_SKEW_S: Final = 30.0
 class PublicKey:
     """An Ed25519 public key: the half that is pinned, enrolled and shared."""
 
-    _key: Ed25519PublicKey = attrs.field(repr=False)
+    _key: nacl.signing.VerifyKey = attrs.field(repr=False)
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> PublicKey:
         if len(raw) != PUBLIC_KEY_BYTES:
             raise ContractError(f"an Ed25519 public key is {PUBLIC_KEY_BYTES} bytes, got {len(raw)}")
-        return cls(Ed25519PublicKey.from_public_bytes(raw))
+        return cls(nacl.signing.VerifyKey(raw))
 
     @classmethod
     def from_b64(cls, text: str) -> PublicKey:
@@ -83,7 +88,15 @@ class PublicKey:
 
     @property
     def raw(self) -> bytes:
-        return self._key.public_bytes_raw()
+        return bytes(self._key)
+
+    def verifies(self, signature: bytes, message: bytes) -> bool:
+        """Whether `signature` (64 raw bytes) is this key's over exactly `message`."""
+        try:
+            self._key.verify(message, signature)
+        except nacl.exceptions.BadSignatureError:
+            return False
+        return True
 
     @property
     def b64(self) -> str:
@@ -108,15 +121,28 @@ class PublicKey:
 class SigningKey:
     """An Ed25519 private key. Its repr shows the public fingerprint only."""
 
-    _key: Ed25519PrivateKey = attrs.field(repr=False)
+    _key: nacl.signing.SigningKey = attrs.field(repr=False)
 
     @classmethod
     def generate(cls) -> SigningKey:
-        return cls(Ed25519PrivateKey.generate())
+        return cls(nacl.signing.SigningKey.generate())
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> SigningKey:
+        """The key of a 32-byte RFC 8032 seed (what PKCS#8 holds)."""
+        return cls(nacl.signing.SigningKey(seed))
 
     @property
     def public(self) -> PublicKey:
-        return PublicKey(self._key.public_key())
+        return PublicKey(self._key.verify_key)
+
+    @property
+    def seed(self) -> bytes:
+        return bytes(self._key)
+
+    def signature(self, message: bytes) -> bytes:
+        """The 64-byte Ed25519 signature over `message`."""
+        return self._key.sign(message).signature
 
     def __repr__(self) -> str:
         return f"SigningKey(fingerprint={self.public.fingerprint!r})"
@@ -127,15 +153,11 @@ def generate_signing_key() -> SigningKey:
 
 
 def save_signing_key(key: SigningKey, path: Path, *, overwrite: bool = False) -> None:
-    """Write the private key as unencrypted PKCS#8 PEM, mode 0600, atomically."""
-    from cryptography.hazmat.primitives import serialization  # only here: see `_ED25519_PKCS8_DER`
-
-    pem = key._key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    write_key_file(path, pem, private=True, overwrite=overwrite)
+    """Write the private key as unencrypted PKCS#8 PEM (RFC 8410's form, `_ED25519_PKCS8_DER`), mode
+    0600, atomically."""
+    text = base64.b64encode(_ED25519_PKCS8_DER + key.seed).decode("ascii")  # 64 characters: one line
+    head, tail = (marker.decode("ascii") for marker in _PEM_PRIVATE_KEY)
+    write_key_file(path, f"{head}\n{text}\n{tail}\n".encode("ascii"), private=True, overwrite=overwrite)
 
 
 def load_signing_key(path: Path) -> SigningKey:
@@ -147,8 +169,9 @@ def signing_key_from_pem(pem: bytes, *, source: str) -> SigningKey:
     """The key in the PEM bytes `save_signing_key` writes; ConfigError naming `source` otherwise."""
     seed = _ed25519_pkcs8_seed(pem)
     if seed is not None:
-        return SigningKey(Ed25519PrivateKey.from_private_bytes(seed))
+        return SigningKey.from_seed(seed)
     from cryptography.hazmat.primitives import serialization  # only here: see `_ED25519_PKCS8_DER`
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     try:
         key = serialization.load_pem_private_key(pem, password=None)
@@ -156,7 +179,7 @@ def signing_key_from_pem(pem: bytes, *, source: str) -> SigningKey:
         raise ConfigError(f"{source} is not an unencrypted PEM private key") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise ConfigError(f"{source} holds a {type(key).__name__}, not an Ed25519 key")
-    return SigningKey(key)
+    return SigningKey.from_seed(key.private_bytes_raw())
 
 
 #: The DER of an unencrypted PKCS#8 Ed25519 key (RFC 8410) up to its 32-byte seed: what
@@ -256,7 +279,7 @@ def sign(key: SigningKey, kind: bytes, body: bytes) -> bytes:
     if b"\x00" in kind:
         # The NUL separates kind from body; a NUL inside the kind would make them ambiguous.
         raise ValueError("a message kind must not contain NUL")
-    return key._key.sign(_signed_bytes(kind, body))
+    return key.signature(_signed_bytes(kind, body))
 
 
 def verify(pub: PublicKey, sig: bytes, kind: bytes, body: bytes) -> None:
@@ -264,15 +287,13 @@ def verify(pub: PublicKey, sig: bytes, kind: bytes, body: bytes) -> None:
     kind_text = kind.decode("ascii", "replace")
     if b"\x00" in kind or len(sig) != SIGNATURE_BYTES:
         raise BadSignature(f"malformed signature on a {kind_text!r} message", kind=kind_text)
-    try:
-        pub._key.verify(sig, _signed_bytes(kind, body))
-    except InvalidSignature:
-        raise BadSignature(f"signature on a {kind_text!r} message does not verify", kind=kind_text) from None
+    if not pub.verifies(sig, _signed_bytes(kind, body)):
+        raise BadSignature(f"signature on a {kind_text!r} message does not verify", kind=kind_text)
 
 
 def sign_digest(key: SigningKey, sha256_hex: str) -> str:
     """A detached signature (base64) over the 32 raw bytes of a sha256 digest, e.g. a model artifact's."""
-    return base64.b64encode(key._key.sign(bytes.fromhex(sha256_hex))).decode("ascii")
+    return base64.b64encode(key.signature(bytes.fromhex(sha256_hex))).decode("ascii")
 
 
 def verify_digest(pub: PublicKey, signature_b64: str, sha256_hex: str) -> None:
@@ -284,10 +305,8 @@ def verify_digest(pub: PublicKey, signature_b64: str, sha256_hex: str) -> None:
         raise BadSignature("the signature is not base64, or the digest is not hex", kind="digest") from None
     if len(sig) != SIGNATURE_BYTES or len(digest) != hashlib.sha256().digest_size:
         raise BadSignature("malformed signature over a digest", kind="digest")
-    try:
-        pub._key.verify(sig, digest)
-    except InvalidSignature:
-        raise BadSignature("the signature over the digest does not verify", kind="digest") from None
+    if not pub.verifies(sig, digest):
+        raise BadSignature("the signature over the digest does not verify", kind="digest")
 
 
 # --- receipts -----------------------------------------------------------------------------------
@@ -307,7 +326,7 @@ def sign_receipt(key: SigningKey, receipt: Receipt) -> SignedReceipt:
     """Sign a receipt's canonical JSON (`codec.wire`); signature and public key in standard base64."""
     from nexa.contracts.gateway import SignedReceipt
 
-    signature = key._key.sign(_receipt_bytes(receipt))
+    signature = key.signature(_receipt_bytes(receipt))
     return SignedReceipt(
         receipt=receipt,
         signature=base64.b64encode(signature).decode("ascii"),
@@ -348,10 +367,8 @@ def verify_receipt(pub: PublicKey, signed: SignedReceipt) -> None:
         raise BadSignature("the receipt's signature is not base64", kind="receipt") from None
     if len(sig) != SIGNATURE_BYTES:
         raise BadSignature("malformed receipt signature", kind="receipt")
-    try:
-        pub._key.verify(sig, _receipt_bytes(signed.receipt))
-    except InvalidSignature:
-        raise BadSignature("the receipt's signature does not verify (edited?)", kind="receipt") from None
+    if not pub.verifies(sig, _receipt_bytes(signed.receipt)):
+        raise BadSignature("the receipt's signature does not verify (edited?)", kind="receipt")
 
 
 # --- audit checkpoints --------------------------------------------------------------------------
@@ -368,7 +385,7 @@ def sign_audit_checkpoint(key: SigningKey, checkpoint: AuditCheckpoint) -> Signe
     """Sign the audit head (`nexa audit head`); signature and public key in standard base64."""
     from nexa.contracts.api import SignedAuditCheckpoint
 
-    signature = key._key.sign(_checkpoint_bytes(checkpoint))
+    signature = key.signature(_checkpoint_bytes(checkpoint))
     return SignedAuditCheckpoint(
         checkpoint=checkpoint, signature=base64.b64encode(signature).decode("ascii"), public_key=key.public.b64
     )
@@ -386,11 +403,11 @@ def verify_audit_checkpoint(pub: PublicKey, signed: SignedAuditCheckpoint) -> No
     if len(sig) != SIGNATURE_BYTES:
         raise BadSignature("malformed checkpoint signature", kind="audit-head")
     try:
-        pub._key.verify(sig, _checkpoint_bytes(signed.checkpoint))
+        signed_bytes = _checkpoint_bytes(signed.checkpoint)
     except ValueError:  # a number canonical JSON cannot write (NaN, infinity): never signed by us
         raise BadSignature("the checkpoint holds a number no checkpoint has", kind="audit-head") from None
-    except InvalidSignature:
-        raise BadSignature("the checkpoint's signature does not verify (edited?)", kind="audit-head") from None
+    if not pub.verifies(sig, signed_bytes):
+        raise BadSignature("the checkpoint's signature does not verify (edited?)", kind="audit-head")
 
 
 # --- release evidence ---------------------------------------------------------------------------

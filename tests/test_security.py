@@ -89,21 +89,32 @@ def test_loading_a_missing_or_garbage_key_is_a_config_error(tmp_path: Path) -> N
         security.load_signing_key(garbage)
 
 
-def test_a_pem_key_reads_as_cryptography_reads_it_in_every_form() -> None:
+def test_a_pem_key_reads_as_cryptography_reads_it_in_every_form(tmp_path: Path) -> None:
     """The seed of the PKCS#8 form `save_signing_key` writes is read without cryptography's loader
     (`_ED25519_PKCS8_DER`); any other form still goes through it: the same key either way, and a
-    key of another kind or a damaged one is still a ConfigError."""
+    key of another kind or a damaged one is still a ConfigError. cryptography writes the PEM here,
+    and checks the signatures PyNaCl makes: the same Ed25519 (RFC 8032) both ways."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ec import SECP256R1, generate_private_key
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
     key = security.generate_signing_key()
-    pem = key._key.private_bytes(
+    theirs = Ed25519PrivateKey.from_private_bytes(key.seed)
+    pem = theirs.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    assert security._ed25519_pkcs8_seed(pem) == key._key.private_bytes_raw()
+    assert security._ed25519_pkcs8_seed(pem) == key.seed
     assert security.signing_key_from_pem(pem, source="k").public == key.public
+    assert theirs.public_key().public_bytes_raw() == key.public.raw
+    # What nexa writes is byte for byte what cryptography writes for the same key.
+    security.save_signing_key(key, tmp_path / "k.pem")
+    assert (tmp_path / "k.pem").read_bytes() == pem
+    # Each checks the other's signatures.
+    Ed25519PublicKey.from_public_bytes(key.public.raw).verify(key.signature(b"m"), b"m")
+    assert key.public.verifies(theirs.sign(b"m"), b"m")
+    assert not key.public.verifies(theirs.sign(b"m"), b"n")
     # The OpenSSH form of the same key is neither the fast path's nor a PEM the loader reads.
-    openssh = key._key.private_bytes(
+    openssh = theirs.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
     )
     assert security._ed25519_pkcs8_seed(openssh) is None

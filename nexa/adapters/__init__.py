@@ -73,7 +73,7 @@ from nexa.adapters.sglang import SGLANG
 from nexa.adapters.trtllm import TRTLLM
 from nexa.adapters.vllm import RESPONSES_STORE_ENV, VLLM
 from nexa.adapters.whispercpp import WHISPER_SERVER
-from nexa.contracts.gateway import Capability
+from nexa.contracts.capabilities import Capability
 from nexa.contracts.models import ImageConfig
 from nexa.contracts.node import RuntimeKind
 

@@ -16,10 +16,10 @@ from typing import Final
 import attrs
 
 from nexa.adapters.args import WHY_GPUS, is_value, spelling, version_at_least
-from nexa.contracts.gateway import Capability
+from nexa.contracts.capabilities import Capability
 from nexa.contracts.manifest import path_problem
+from nexa.contracts.memory import MemoryLimit, MemoryShare, RuntimeMemory
 from nexa.contracts.node import RuntimeKind
-from nexa.contracts.placement import MemoryLimit, MemoryShare, RuntimeMemory
 from nexa.contracts.runtime import RUNTIME_HOST, HealthProbe
 
 #: Where an artifact registered as one object is mounted (read-only), as assignments have had it

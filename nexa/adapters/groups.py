@@ -54,8 +54,8 @@ from nexa.adapters.args import version_at_least
 from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, MODEL_PATH, Adapter, Launch
 from nexa.adapters.llamacpp import RPC_SERVER_PROGRAM, RPC_SERVER_SETTING
 from nexa.contracts.groups import GroupMember, GroupRole
+from nexa.contracts.memory import RuntimeMemory
 from nexa.contracts.node import RuntimeKind
-from nexa.contracts.placement import RuntimeMemory
 from nexa.errors import NotDeployable
 
 #: The first vLLM release with multi-node multiprocessing (`--nnodes`, `--node-rank`, `--master-addr`,

@@ -11,7 +11,7 @@ from typing import Final
 
 from nexa.adapters.args import LLAMA_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GROUP, WHY_HUB, WHY_TLS
 from nexa.adapters.base import LLAMA_CPP_PYTHON, LLAMA_SERVER, Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import TEXT_CAPABILITIES, Capability
+from nexa.contracts.capabilities import TEXT_CAPABILITIES, Capability
 from nexa.contracts.node import RuntimeKind
 
 #: KV-cache types llama.cpp takes (common/arg.cpp `kv_cache_types`).

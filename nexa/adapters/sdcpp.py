@@ -41,7 +41,7 @@ from __future__ import annotations
 from typing import Final
 
 from nexa.adapters.base import Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.capabilities import Capability
 from nexa.contracts.node import RuntimeKind
 
 #: The server's program in its published image (docs/docker.md: `--entrypoint "/sd-server"`).

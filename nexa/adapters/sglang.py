@@ -7,7 +7,7 @@ from typing import Final
 
 from nexa.adapters.args import SGLANG_CACHE_ENV, WHY_AUTH, WHY_CONFIG_FILE, WHY_GPUS, WHY_GROUP, WHY_HUB, WHY_TLS
 from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import TEXT_CAPABILITIES, Capability
+from nexa.contracts.capabilities import TEXT_CAPABILITIES, Capability
 from nexa.contracts.node import RuntimeKind
 
 SGLANG: Final = Adapter(

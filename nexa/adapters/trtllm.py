@@ -6,9 +6,9 @@ from typing import Final
 
 from nexa.adapters.args import CACHE_ENV, WHY_CONFIG_FILE, WHY_GPUS, WHY_HUB, WHY_MEMORY
 from nexa.adapters.base import GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.capabilities import Capability
+from nexa.contracts.memory import MemoryShare
 from nexa.contracts.node import RuntimeKind
-from nexa.contracts.placement import MemoryShare
 
 TRTLLM: Final = Adapter(
     kind=RuntimeKind.TRTLLM,

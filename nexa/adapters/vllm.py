@@ -27,7 +27,7 @@ from nexa.adapters.args import (
     WHY_TLS,
 )
 from nexa.adapters.base import DTYPES, GPU_SHM_BYTES, OFFLINE_ENV, Adapter, Metrics, NativeSleep, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.capabilities import Capability
 from nexa.contracts.node import RuntimeKind
 
 #: vLLM keeps Responses API responses (in memory) only when started with this set to 1.

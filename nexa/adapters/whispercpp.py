@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Final
 
 from nexa.adapters.base import Adapter, Metrics, Option, Style
-from nexa.contracts.gateway import Capability
+from nexa.contracts.capabilities import Capability
 from nexa.contracts.node import RuntimeKind
 
 #: The path nexa has whisper-server transcribe at: OpenAI's, which the node's relay calls.

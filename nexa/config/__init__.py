@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Final
 
 import cattrs
 
@@ -63,57 +63,6 @@ from nexa.config.common import (
 from nexa.config.common import (
     zmq_endpoint as zmq_endpoint,
 )
-from nexa.config.control import (
-    ArtifactStoreConfig as ArtifactStoreConfig,
-)
-from nexa.config.control import (
-    BackupConfig as BackupConfig,
-)
-from nexa.config.control import (
-    BootstrapConfig as BootstrapConfig,
-)
-from nexa.config.control import (
-    ChannelConfig as ChannelConfig,
-)
-from nexa.config.control import (
-    ClusterConfig as ClusterConfig,
-)
-from nexa.config.control import (
-    ControlConfig as ControlConfig,
-)
-from nexa.config.control import (
-    EvidenceConfig as EvidenceConfig,
-)
-from nexa.config.control import (
-    GatewayConfig as GatewayConfig,
-)
-from nexa.config.control import (
-    HttpConfig as HttpConfig,
-)
-from nexa.config.control import (
-    ModelsConfig as ModelsConfig,
-)
-from nexa.config.control import (
-    NodesConfig as NodesConfig,
-)
-from nexa.config.control import (
-    OciConfig as OciConfig,
-)
-from nexa.config.control import (
-    PlacementConfig as PlacementConfig,
-)
-from nexa.config.control import (
-    PriorityOverGrant as PriorityOverGrant,
-)
-from nexa.config.control import (
-    RetentionConfig as RetentionConfig,
-)
-from nexa.config.control import (
-    StoreConfig as StoreConfig,
-)
-from nexa.config.control import (
-    TlsVersion as TlsVersion,
-)
 from nexa.config.node import (
     DOCKER_SOCKET as DOCKER_SOCKET,
 )
@@ -155,6 +104,91 @@ from nexa.config.node import (
 )
 from nexa.contracts import codec
 from nexa.errors import ConfigError
+
+if TYPE_CHECKING:  # the controller's sections, read when first named (`__getattr__`)
+    from nexa.config.control import (
+        ArtifactStoreConfig as ArtifactStoreConfig,
+    )
+    from nexa.config.control import (
+        BackupConfig as BackupConfig,
+    )
+    from nexa.config.control import (
+        BootstrapConfig as BootstrapConfig,
+    )
+    from nexa.config.control import (
+        ChannelConfig as ChannelConfig,
+    )
+    from nexa.config.control import (
+        ClusterConfig as ClusterConfig,
+    )
+    from nexa.config.control import (
+        ControlConfig as ControlConfig,
+    )
+    from nexa.config.control import (
+        EvidenceConfig as EvidenceConfig,
+    )
+    from nexa.config.control import (
+        GatewayConfig as GatewayConfig,
+    )
+    from nexa.config.control import (
+        HttpConfig as HttpConfig,
+    )
+    from nexa.config.control import (
+        ModelsConfig as ModelsConfig,
+    )
+    from nexa.config.control import (
+        NodesConfig as NodesConfig,
+    )
+    from nexa.config.control import (
+        OciConfig as OciConfig,
+    )
+    from nexa.config.control import (
+        PlacementConfig as PlacementConfig,
+    )
+    from nexa.config.control import (
+        PriorityOverGrant as PriorityOverGrant,
+    )
+    from nexa.config.control import (
+        RetentionConfig as RetentionConfig,
+    )
+    from nexa.config.control import (
+        StoreConfig as StoreConfig,
+    )
+    from nexa.config.control import (
+        TlsVersion as TlsVersion,
+    )
+
+#: The controller's sections, named here but imported from `config.control` when first used: the
+#: node agent, which reads only its own, never loads them (its memory, `perf/node_memory.py`).
+_CONTROL_NAMES: Final = frozenset(
+    {
+        "ArtifactStoreConfig",
+        "BackupConfig",
+        "BootstrapConfig",
+        "ChannelConfig",
+        "ClusterConfig",
+        "ControlConfig",
+        "EvidenceConfig",
+        "GatewayConfig",
+        "HttpConfig",
+        "ModelsConfig",
+        "NodesConfig",
+        "OciConfig",
+        "PlacementConfig",
+        "PriorityOverGrant",
+        "RetentionConfig",
+        "StoreConfig",
+        "TlsVersion",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    if name in _CONTROL_NAMES:
+        from nexa.config import control
+
+        return getattr(control, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _converter() -> cattrs.Converter:

@@ -16,17 +16,9 @@ CONTROLLER_ONLY = ("apsw", "psycopg", "quart", "quart_trio", "werkzeug", "hyperc
 #: itself (pyzmq's socket monitor imports it; only the controller's side of the channel watches one).
 NEVER_USED = ("click", "rich", "pygments", "h2", "hpack", "hyperframe", "socksio", "anyio", "asyncio")
 
-#: cryptography's parts the agent never needs at run time: the key serialization package (its SSH,
-#: RSA, DSA, EC and DH modules; the agent reads its Ed25519 key's seed itself) and the ciphers (AES-GCM
-#: seals the controller's backups). Ed25519 itself is loaded, of course.
-CRYPTOGRAPHY_NOT_ON_A_NODE = (
-    "cryptography.hazmat.primitives.serialization",
-    "cryptography.hazmat.primitives.ciphers",
-    "cryptography.hazmat.primitives.asymmetric.rsa",
-    "cryptography.hazmat.primitives.asymmetric.ec",
-    "cryptography.hazmat.primitives.asymmetric.dsa",
-    "cryptography.hazmat.decrepit",
-)
+#: The agent signs and verifies with Ed25519 from PyNaCl (`nexa.security`) and seals nothing: no part
+#: of cryptography (its Rust extension alone is about 7 MiB of a process's memory).
+CRYPTOGRAPHY = ("cryptography",)
 
 #: nexa's own modules the agent never uses: the controller, the operator CLI and its API client, and
 #: the contracts only the controller, the operator commands and the release tools read.
@@ -39,6 +31,10 @@ NEXA_NOT_ON_A_NODE = (
     "nexa.cli.evidence",
     "nexa.cli.models",
     "nexa.contracts.api",
+    "nexa.contracts.gateway",
+    "nexa.contracts.retention",
+    "nexa.contracts.placement",
+    "nexa.config.control",
     "nexa.contracts.evidence",
     "nexa.contracts.qualification",
     "nexa.contracts.deployments",
@@ -73,7 +69,7 @@ def _loaded_by_nexa_node(tmp_path: Path) -> set[str]:
     assert done.returncode == 0, done.stderr
     loaded = set(json.loads(done.stdout.strip().splitlines()[-1]))
     assert {"nexa.node.agent", "nexa.channel.links", "trio", "httpx", "zmq"} <= loaded  # it reached the agent
-    assert "cryptography.hazmat.primitives.asymmetric.ed25519" in loaded
+    assert "nacl.signing" in loaded  # the agent's Ed25519
     return loaded
 
 
@@ -90,5 +86,5 @@ def test_nexa_node_never_imports_the_controller_libraries(tmp_path: Path) -> Non
 def test_nexa_node_leaves_out_what_the_agent_never_uses(tmp_path: Path) -> None:
     loaded = _loaded_by_nexa_node(tmp_path)
     assert _under(loaded, NEVER_USED) == []
-    assert _under(loaded, CRYPTOGRAPHY_NOT_ON_A_NODE) == []
+    assert _under(loaded, CRYPTOGRAPHY) == []
     assert _under(loaded, NEXA_NOT_ON_A_NODE) == []
