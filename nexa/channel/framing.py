@@ -33,9 +33,10 @@ _LIVENESS_KIND: Final = wire.LIVENESS.encode("ascii")
 
 
 def encode_frames(msg: wire.WireMessage, key: security.SigningKey) -> Frames:
-    """`[kind, body, signature]`, the signature over exactly the bytes sent."""
+    """`[kind, body, signature]`, the signature over exactly the bytes sent; the body leaves out
+    fields at their defaults (`codec.wire_sent`), so an older peer reads what it knows."""
     kind = msg.kind.encode("ascii")
-    body = codec.dumps(codec.wire, msg).encode("utf-8")
+    body = codec.dumps(codec.wire_sent, msg).encode("utf-8")
     return [kind, body, security.sign(key, kind, body)]
 
 

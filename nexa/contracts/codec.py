@@ -25,15 +25,17 @@ from nexa.errors import ContractError
 T = TypeVar("T")
 
 
-def _make() -> cattrs.Converter:
-    conv = make_converter(forbid_extra_keys=True, omit_if_default=False)
+def _make(*, omit_defaults: bool = False) -> cattrs.Converter:
+    conv = make_converter(forbid_extra_keys=True, omit_if_default=omit_defaults)
     register_strict_hooks(conv)
     # Free-form JSON fields (`dict[str, object]`) pass through as parsed. A predicate, not a
     # class hook: a hook on `object` would match every class through singledispatch.
     conv.register_structure_hook_func(lambda type_: type_ is object, lambda value, _: value)
     # JSON names that are Python keywords: a class lists them as `JSON_NAMES = {"from_": "from"}`.
     conv.register_structure_hook_factory(_renamed, _renamed_structure)
-    conv.register_unstructure_hook_factory(_renamed, _renamed_unstructure)
+    conv.register_unstructure_hook_factory(
+        _overridden, lambda type_, c: _overridden_unstructure(type_, c, omit_defaults=omit_defaults)
+    )
     return conv
 
 
@@ -41,16 +43,25 @@ def _renamed(type_: Any) -> bool:
     return attrs.has(type_) and bool(getattr(type_, "JSON_NAMES", None))
 
 
+def _overridden(type_: Any) -> bool:
+    return _renamed(type_) or (attrs.has(type_) and bool(getattr(type_, "ALWAYS_SENT", None)))
+
+
 def _overrides(type_: Any) -> dict[str, Any]:
-    return {attr: override(rename=key) for attr, key in type_.JSON_NAMES.items()}
+    return {attr: override(rename=key) for attr, key in getattr(type_, "JSON_NAMES", {}).items()}
 
 
 def _renamed_structure(type_: Any, conv: cattrs.Converter) -> Any:
     return make_dict_structure_fn(type_, conv, _cattrs_forbid_extra_keys=True, **_overrides(type_))
 
 
-def _renamed_unstructure(type_: Any, conv: cattrs.Converter) -> Any:
-    return make_dict_unstructure_fn(type_, conv, _cattrs_omit_if_default=False, **_overrides(type_))
+def _overridden_unstructure(type_: Any, conv: cattrs.Converter, *, omit_defaults: bool) -> Any:
+    """A class's JSON names (`JSON_NAMES`), and the fields written even at their defaults
+    (`ALWAYS_SENT`: what an older peer must not take its own default for, such as a version)."""
+    fields = _overrides(type_)
+    for attr in getattr(type_, "ALWAYS_SENT", ()):
+        fields[attr] = override(omit_if_default=False, rename=getattr(type_, "JSON_NAMES", {}).get(attr))
+    return make_dict_unstructure_fn(type_, conv, _cattrs_omit_if_default=omit_defaults, **fields)
 
 
 def register_strict_hooks(conv: cattrs.Converter) -> None:
@@ -117,8 +128,15 @@ def _strict_str(value: object, _: type) -> str:
 api: Final = _make()
 #: JSON bodies kept in the store.
 store: Final = _make()
-#: Southbound controller⇄node message bodies (`contracts/wire.py`).
+#: Southbound controller⇄node message bodies (`contracts/wire.py`), read, and written in full where
+#: they are hashed or signed as records (a replica's spec digest, receipts): those bytes never change.
 wire: Final = _make()
+#: The same bodies as they are sent (`channel.framing`): a field at its default is left out, and the
+#: receiver's decoder (`wire`) gives it back. So a peer of an earlier release, which refuses fields it
+#: does not know, reads every message that uses none of the fields added since; a field an older
+#: peer must not take its own default for is written always (a class's `ALWAYS_SENT`). Rule for
+#: every wire field added: it has a default meaning "not used", and that default never changes.
+wire_sent: Final = _make(omit_defaults=True)
 
 
 def describe(exc: BaseException) -> tuple[str, ...]:

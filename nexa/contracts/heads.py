@@ -1,8 +1,9 @@
 """The data path's heads (`wire.InferHead`, `EndHead`, `ChunkHead`, `CancelHead`, `CreditHead`),
 encoded and decoded by msgspec's compiled JSON codec instead of `codec.wire`'s generic one.
 
-The bytes are the same JSON (`codec.wire`'s canonical form: sorted keys, no spaces), so a controller
-and a node of any version read each other's heads; what changes is the cost: a head costs a few µs
+The bytes are the same JSON (`codec.wire_sent`'s: sorted keys, no spaces, fields at their defaults
+left out), so a controller and a node of neighbouring releases read each other's heads as long as a
+head uses nothing the older one lacks (`contracts.wire`); what changes is the cost: a head costs a few µs
 each way instead of 10 to 60 (the strict decoder builds a dict, walks it for its limits, then cattrs
 structures it). The checks a head from a node passes are as strict where it matters: each head is
 decoded into a typed record whose fields take only their JSON type (no `true` for a number, no
@@ -76,13 +77,19 @@ _MIRRORS: Final[dict[type[Any], type[msgspec.Struct]]] = {
 }
 _DECODERS: Final = {cls: msgspec.json.Decoder(mirror) for cls, mirror in _MIRRORS.items()}
 _FIELDS: Final = {cls: tuple(a.name for a in attrs.fields(cls)) for cls in _MIRRORS}
-# attrs records encode as objects of their fields; sorted keys: `codec.wire`'s canonical form.
+#: Each head's fields and their defaults (`attrs.NOTHING`, never equal to a value, for none).
+_DEFAULTS: Final = {cls: tuple((a.name, a.default) for a in attrs.fields(cls)) for cls in _MIRRORS}
+# Sorted keys: `codec.wire`'s canonical form.
 _ENCODER: Final = msgspec.json.Encoder(order="sorted")
 
 
 def encode(head: wire.InferHead | wire.EndHead | wire.ChunkHead | wire.CancelHead | wire.CreditHead) -> bytes:
-    """A head's JSON, as `codec.dumps(codec.wire, head)` writes it."""
-    return _ENCODER.encode(head)
+    """A head's JSON, as `codec.dumps(codec.wire_sent, head)` writes it: its fields at their
+    defaults left out (an older peer reads a head that uses nothing it lacks; `contracts.wire`)."""
+    # Compared with ==, as cattrs does (msgspec's own `omit_defaults` compares by identity).
+    return _ENCODER.encode(
+        {name: value for name, default in _DEFAULTS[type(head)] if (value := getattr(head, name)) != default}
+    )
 
 
 def decode(raw: bytes, cls: type[T]) -> T:

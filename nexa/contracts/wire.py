@@ -1,8 +1,15 @@
 """Southbound controller⇄node messages: the bodies carried by the node channel. Pure data.
 
 On the wire each message is three frames, `[kind, body, signature]`: `kind` is the class's
-`kind` below, `body` its canonical JSON (`codec.wire`), and the signature is the sender's
-Ed25519 signature over `kind NUL body` (`nexa.security`). Every kind here is signed.
+`kind` below, `body` its canonical JSON (`codec.wire_sent`: fields at their defaults left out), and
+the signature is the sender's Ed25519 signature over `kind NUL body` (`nexa.security`). Every kind
+here is signed.
+
+Releases mix: a peer refuses a field it does not know, and every field added to these records has
+a default that means "not used", which is never written. So a controller and nodes of neighbouring
+releases read each other's messages, whichever is upgraded first, as long as no message uses what
+the older side lacks (a new feature is used once both sides run it; a message that does use it is
+refused by the older side, as a `ContractError` naming the field). `Hello.protocol` is always sent.
 
 Node → controller messages carry `seq` and `ts` for the receiver's replay window; controller
 → node desired state is fenced by `(epoch, generation)` and a lease instead.
@@ -268,6 +275,8 @@ class Hello:
     """First message on a (re)connected channel: who the node is and what it last accepted."""
 
     kind: ClassVar[str] = "hello"
+    #: Sent even at its default (`codec.wire_sent`): a controller must never take its own for it.
+    ALWAYS_SENT: ClassVar[tuple[str, ...]] = ("protocol",)
 
     node_id: str
     seq: int = attrs.field(validator=whole(0, MAX_SEQ))
