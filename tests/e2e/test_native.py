@@ -125,17 +125,23 @@ async def test_a_runtime_refusing_a_passed_request_reaches_the_sdk_as_its_typed_
     assert runtime_paths(cluster) == ["/v1/messages"]
 
 
-async def test_stored_responses_continue_on_the_replica_that_keeps_them(cluster: SimCluster) -> None:
-    """A runtime started with VLLM_ENABLE_RESPONSES_API_STORE=1 keeps its responses (as vLLM does):
-    every later turn goes to the replica that made the previous one, of two; another tenant's id
-    is not found; once that replica is gone, the stored response is lost, never routed elsewhere."""
+async def storing_cluster(cluster: SimCluster) -> tuple[openai.OpenAI, openai.OpenAI]:
+    """`native` on two replicas, one on each node, that keep responses (as vLLM does with
+    VLLM_ENABLE_RESPONSES_API_STORE=1); the SDK with acme's key, and with another tenant's."""
     await cluster.model("native", "native")
     store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
     await cluster.deploy("native-a", replicas=2, alias="native", args=NATIVE_ARGS, env=store)
     placed = await cluster.ready_replicas("native-a")
     assert len(set(placed.values())) == 2  # one replica on each node
-    client = sdk(cluster)
-    other = sdk(cluster, await new_key(cluster, "inference", "globex"))
+    return sdk(cluster), sdk(cluster, await new_key(cluster, "inference", "globex"))
+
+
+async def test_stored_responses_continue_on_the_replica_that_keeps_them(cluster: SimCluster) -> None:
+    """A runtime started with VLLM_ENABLE_RESPONSES_API_STORE=1 keeps its responses (as vLLM does):
+    every later turn goes to the replica that made the previous one, of two; another tenant's id
+    is not found; once that replica is gone, the stored response is lost, never routed elsewhere."""
+    client, other = await storing_cluster(cluster)
+    store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
     turns: list[str] = []
 
     def scenario() -> None:
@@ -185,6 +191,9 @@ async def test_stored_responses_continue_on_the_replica_that_keeps_them(cluster:
             client.responses.create(model="native", input="and then", previous_response_id=turns[-1])
         assert gone.value.code == "stored_response_lost"
         assert "send the whole conversation" in gone.value.message
+        with pytest.raises(openai.NotFoundError) as retrieved:  # its own route too: never another replica
+            client.responses.retrieve(turns[-1])
+        assert retrieved.value.code == "stored_response_lost"
         fresh = client.responses.create(model="native", input="hello there")  # new conversations go on
         assert fresh.status == "completed"
 
@@ -199,11 +208,7 @@ async def test_a_stored_response_is_retrieved_and_cancelled_on_its_replica_as_vl
     400); `responses.delete` and `responses.input_items.list`, which vLLM does not serve, are a
     typed 404 saying what to do instead; another tenant's id and an unknown one are not found and
     reach no runtime. Each routed call is counted as a request, with no tokens."""
-    await cluster.model("native", "native")
-    store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
-    await cluster.deploy("native-a", replicas=2, alias="native", args=NATIVE_ARGS, env=store)
-    client = sdk(cluster)
-    other = sdk(cluster, await new_key(cluster, "inference", "globex"))
+    client, other = await storing_cluster(cluster)
     made: list[str] = []
 
     def scenario() -> None:

@@ -692,8 +692,8 @@ def _pinned(work: Work, serving: ServingSet) -> ServingSet:
     replicas = [r for r in serving.replicas if r.replica_id == work.pin]
     if not replicas:
         raise StoredResponseLost(
-            "previous_response_id: the replica that kept that response is gone or not Ready, and the stored"
-            " response went with it; send the whole conversation as input items instead"
+            "the replica that kept that stored response is gone or not Ready, and the response went with it;"
+            " send the whole conversation as input items instead"
         )
     return attrs.evolve(serving, replicas=replicas)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from nexa.control.store.sql import PRUNE_BATCH, Db, as_float, is_postgres, txn
+from nexa.control.store.sql import Db, as_float, delete_batch, txn
 
 
 @attrs.frozen(kw_only=True)
@@ -60,19 +60,7 @@ def delete_stored_response(db: Db, tenant: str, response_id: str) -> bool:
 def prune_stored_responses(db: Db, before: float) -> int:
     """Delete up to PRUNE_BATCH stored responses made before `before`; how many went."""
     with txn(db):
-        if is_postgres(db):  # no rowid there: the primary key
-            db.execute(
-                "DELETE FROM stored_response WHERE (tenant, id) IN"
-                " (SELECT tenant, id FROM stored_response WHERE made_at < ? LIMIT ?)",
-                (before, PRUNE_BATCH),
-            )
-        else:
-            db.execute(
-                "DELETE FROM stored_response WHERE rowid IN"
-                " (SELECT rowid FROM stored_response WHERE made_at < ? LIMIT ?)",
-                (before, PRUNE_BATCH),
-            )
-        return db.changes()
+        return delete_batch(db, "stored_response", "tenant, id", "made_at < ?", (before,))
 
 
 def cap_stored_responses(db: Db, cap: int) -> int:
