@@ -380,8 +380,12 @@ def _stored(route: StoredRoute) -> Route:
         tag="openai",
         body_kind="none",
         answer=_ANY_OBJECT,
-        params=(*_HEADERS, *(_STORED_QUERY if route.method is RuntimeMethod.GET and not route.suffix else ())),
-        errors=(*_SERVING, ResponseNotFound, StoredResponseLost, ApiNotServed),
+        params=(
+            (*_HEADERS, *(_STORED_QUERY if route.method is RuntimeMethod.GET and not route.suffix else ()))
+            if route.served
+            else ()
+        ),
+        errors=(*_SERVING, ResponseNotFound, StoredResponseLost) if route.served else (ResponseNotFound, ApiNotServed),
     )
 
 
