@@ -21,7 +21,7 @@ from nexa.control.datapath.calls import Work
 from nexa.control.datapath.gateway import _pinned
 from nexa.control.datapath.pins import Pins
 from nexa.control.datapath.stored import MAX_RESPONSE_ID_CHARS, STORED_RESPONSE_TTL_S, StoredResponses
-from nexa.errors import StoredResponseLost
+from nexa.errors import StoredResponseLost, StoreUnavailable
 from tests.support.postgres import pg_url_fixture, postgres_fixture, store_cfg_fixture  # noqa: F401 - fixtures
 
 ACME, GLOBEX = TenantId("acme"), TenantId("globex")
@@ -160,3 +160,27 @@ async def test_a_controller_finds_no_expired_pin_and_its_sweep_keeps_a_tenant_un
         assert await pins.sweep() == 2  # the expired one, and the oldest past the cap of 2
         fresh = Pins(store)
         assert [await fresh.find(ACME, f"resp_{n}") is not None for n in range(3)] == [False, True, True]
+
+
+class _FailingStore:
+    """A store whose every transaction fails (`StoreUnavailable`), as a lost database does."""
+
+    async def run(self, fn: object, *args: object) -> object:
+        raise StoreUnavailable("the database is unreachable")
+
+    read = run
+
+    async def prune(self, fn: object, before: float) -> int:
+        raise StoreUnavailable("the database is unreachable")
+
+
+async def test_a_pin_whose_write_failed_is_found_by_its_own_process_and_a_read_failure_is_typed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pins = Pins(_FailingStore())  # type: ignore[arg-type]
+    await pins.remember(ACME, "resp_1", pin("r1", at=time.time()))  # the answer goes on: logged, cached
+    assert "recording a stored response failed (store_unavailable)" in caplog.text
+    assert await pins.find(ACME, "resp_1") is not None
+    with pytest.raises(StoreUnavailable):  # not in the cache: the store must answer, and cannot
+        await pins.find(ACME, "resp_2")
+    assert await pins.sweep() == 0 and "sweeping stored responses failed" in caplog.text
