@@ -598,3 +598,31 @@ def test_without_the_store_variable_store_is_dropped_and_state_refused_as_vllm_d
     with pytest.raises(BadRequest) as background:
         respond({"input": "hi", "background": True}, None)
     assert background.value.status == 400 and RESPONSES_STORE_ENV in background.value.message
+
+
+def test_a_kept_responses_own_routes_answer_as_vllms_router() -> None:
+    """`GET /v1/responses/{id}`: the kept Response object; `POST …/cancel`: 400 (only a background
+    response, queued or running, cancels); an unknown id, an unkept one and a streamed retrieve: 404;
+    `DELETE`: 405 (vLLM serves none); `/input_items` is no route of a kept response."""
+    stored = native.Stored()
+    first = respond({"input": "hello there"}, stored)
+    unkept = respond({"input": "hi", "store": False}, stored, serial=2)
+    path = f"/v1/responses/{first['id']}"
+    assert native.stored_path(path) and native.stored_path(path + "/cancel")
+    assert not native.stored_path(path + "/input_items") and not native.stored_path("/v1/responses")
+    status, body = native.stored_route(stored, "GET", path, "")
+    assert status == 200 and json.loads(body) == first
+    status, body = native.stored_route(stored, "POST", path + "/cancel", "")
+    assert (status, json.loads(body)["error"]["message"]) == (400, "Cannot cancel a synchronous response.")
+    for method, where, query in (
+        ("GET", f"/v1/responses/{unkept['id']}", ""),
+        ("GET", "/v1/responses/resp_never", ""),
+        ("POST", "/v1/responses/resp_never/cancel", ""),
+        ("GET", path, "stream=true&starting_after=2"),
+    ):
+        status, body = native.stored_route(stored, method, where, query)
+        error = json.loads(body)["error"]
+        assert (status, error["param"]) == (404, "response_id") and "not found" in error["message"], where
+    assert native.stored_route(None, "GET", path, "")[0] == 404  # a server that keeps none: nothing found
+    status, body = native.stored_route(stored, "DELETE", path, "")
+    assert (status, json.loads(body)) == (405, {"detail": "Method Not Allowed"})

@@ -1,7 +1,8 @@
 """vLLM (`vllm serve`): its adapter. Flags and series from vLLM's "Engine arguments" and "Production metrics".
 
-Stored responses (OpenAI's Responses API `store`, `previous_response_id`, background and cancel,
-`GET`/`DELETE /v1/responses/{id}`): vLLM keeps them only when started with
+Stored responses (OpenAI's Responses API `store`, `previous_response_id`, background, and the
+routes vllm/entrypoints/openai/responses/api_router.py serves on one: `GET /v1/responses/{id}` and
+`POST /v1/responses/{id}/cancel`, no `DELETE`): vLLM keeps them only when started with
 `VLLM_ENABLE_RESPONSES_API_STORE=1` (vllm/envs.py: `bool(int(os.getenv(..., "0")))`), in the
 server's memory, never evicted, and lost when it stops (vllm/entrypoints/openai/serving_responses.py,
 `OpenAIServingResponses.__init__`: `self.enable_store = envs.VLLM_ENABLE_RESPONSES_API_STORE`).
@@ -9,7 +10,7 @@ Without it `create_responses` silently drops `store: true` (OpenAI's default) an
 unstored, refuses `background: true` with a 400 naming the variable, and answers a
 `previous_response_id` with a 404 (its store is empty). `settings.responses_store: true` sets the
 variable (as does giving it in the deployment's `env`), and the gateway pins a conversation's
-later turns to the replica that keeps it (`control/datapath/stored.py`).
+later turns, and a stored response's own routes, to the replica that keeps it (`control/datapath/stored.py`).
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ class _InferHead(msgspec.Struct, forbid_unknown_fields=True):
     prompt_tokens_estimate: int = 0
     content_type: _Str = "application/json"
     lora: _Str = ""
+    method: wire.RuntimeMethod = wire.RuntimeMethod.POST
 
 
 class _EndHead(msgspec.Struct, forbid_unknown_fields=True):

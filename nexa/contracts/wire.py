@@ -497,6 +497,15 @@ _CONTENT_TYPE: Final = r"[\x20-\x7e]{1,200}"
 DATA_FROM_NODE: Final = frozenset({CHUNK, END})
 
 
+class RuntimeMethod(enum.StrEnum):
+    """The HTTP method of an `infer` request to the runtime. Only POST carries a body: a GET or
+    DELETE (a stored response's own routes, `control.datapath.stored`) with one is refused."""
+
+    POST = "POST"
+    GET = "GET"
+    DELETE = "DELETE"
+
+
 @attrs.frozen(kw_only=True)
 class InferHead:
     """Head of an `infer` frame; its body is the JSON request the runtime receives."""
@@ -505,6 +514,8 @@ class InferHead:
     #: The runtime's OpenAI-compatible path: /v1/chat/completions, /v1/completions or /v1/embeddings.
     path: str
     stream: bool
+    #: POST with the body (every API's call), or a body-less GET, DELETE or POST (an empty body).
+    method: RuntimeMethod = RuntimeMethod.POST
     #: Wall-clock Unix seconds; the node gives up (and ends with `deadline_exceeded`) after it.
     deadline_at: float = attrs.field(validator=finite(0.0, MAX_UNIX_S))
     #: Chunks the node may send before it must wait for `credit` (flow control per request).

@@ -44,6 +44,7 @@ from nexa.control.datapath.admission import Admission
 from nexa.control.datapath.gateway import Gateway
 from nexa.control.datapath.inference import InferenceApp
 from nexa.control.datapath.metering import Meter
+from nexa.control.datapath.pins import Pins
 from nexa.control.datapath.quotas import UNFLUSHED_S, Quotas
 from nexa.control.datapath.retention import Retention, load_retention_key
 from nexa.control.datapath.routing import Router
@@ -244,6 +245,7 @@ class _Controller:
     workloads: Workloads = attrs.field(init=False)
     admission: Admission = attrs.field(init=False)
     gateway: Gateway = attrs.field(init=False)
+    pins: Pins = attrs.field(init=False)
     #: Set by `_app_state` and `_front`.
     state: AppState = attrs.field(init=False)
     feed: ChangeFeed | None = attrs.field(init=False)
@@ -390,6 +392,7 @@ async def _data_path(c: _Controller) -> None:
         meter=c.meter,
         idle=c.deployments.idle,
     )
+    c.pins = Pins(c.store)
 
 
 async def _app_state(c: _Controller) -> None:
@@ -482,6 +485,7 @@ def _front(c: _Controller, peer_tls: tls.ClientTls) -> None:
         workloads=c.workloads,
         accounts=c.accounts,
         metrics=c.metrics,
+        pins=c.pins,
         max_body_bytes=cfg.http.max_body_bytes,
         body_timeout_s=cfg.http.body_timeout_s,
         retention=c.retention,
@@ -501,6 +505,7 @@ def _leader_loops(c: _Controller) -> _Loops:
         ("rollout", RolloutWatcher(c.deployments, c.meter).run),
         ("rollout-watch", c.deployments.change_watcher(c.meter).run),
         ("workloads", partial(c.workloads.run, c.cfg.gateway.workload_retention_s)),
+        ("stored-responses", c.pins.run),
         ("backup", Backups.of(state.backups).run),
         ("keys", KeyRotation.of(state.key_rotation).run),
         ("qualifications", Qualifications.of(state.qualifications).run),

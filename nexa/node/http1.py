@@ -97,7 +97,8 @@ class Response:
 
 
 class RuntimeClient:
-    """POST to `http://host:port/path` with keep-alive connections, at most `max_idle` idle per port."""
+    """POST (or GET, DELETE) to `http://host:port/path` with keep-alive connections, at most
+    `max_idle` idle per port."""
 
     def __init__(self, *, connect_timeout_s: float, max_idle: int = 128) -> None:
         self._connect_timeout_s = connect_timeout_s
@@ -110,6 +111,12 @@ class RuntimeClient:
         """Send the request and yield the answer once its head arrived. RuntimeHTTPError when the
         runtime cannot be reached or breaks the exchange."""
         return self._request("POST", (host, port), path, body, headers)
+
+    def request(
+        self, host: str, port: int, path: str, body: bytes, headers: Sequence[tuple[str, str]] = (), *, method: str
+    ) -> contextlib.AbstractAsyncContextManager[Response]:
+        """`post` with another method (GET, DELETE: `body` empty), as `post` answers."""
+        return self._request(method, (host, port), path, body, headers)
 
     async def get(self, host: str, port: int, path: str, *, timeout_s: float, max_bytes: int) -> tuple[int, bytes]:
         """GET `path` whole: its status and body. RuntimeHTTPError when the runtime cannot be

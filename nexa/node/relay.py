@@ -1,5 +1,6 @@
 """The node's inference relay: `infer` frames from the controller → the local runtime over loopback
-HTTP → `chunk` frames and exactly one `end` back.
+HTTP → `chunk` frames and exactly one `end` back. A request is a POST with its body, or (its head's
+`method`) a body-less GET, DELETE or POST; a GET or DELETE that carries a body is refused.
 
 One task per request, owned by `run`'s nursery, and one shared keep-alive HTTP/1.1 client to the
 runtimes on the node's loopback address (`node.http1`). Output goes back in chunks of at most `max_chunk_bytes`, never
@@ -337,6 +338,8 @@ class NodeRelay:
         head = req.head
         if not _PATH.fullmatch(head.path):
             return _error(INVALID_REQUEST, message="the runtime path is not a plain absolute path")
+        if req.body and head.method is not wire.RuntimeMethod.POST:
+            return _error(INVALID_REQUEST, message=f"a {head.method} request carries no body")
         port = self._endpoint(head.assignment_id)
         prepared = await self._prepared(req, port)
         if isinstance(prepared, wire.EndHead):
@@ -345,10 +348,12 @@ class NodeRelay:
         client = self._client
         assert client is not None  # set while run() serves, which owns this task
         # Our own header: runtimes treat X-Request-Id as theirs (llama-cpp-python refuses one that is not a UUID).
-        headers = (("Content-Type", head.content_type), (REQUEST_ID_HEADER, req.request_id))
+        headers: tuple[tuple[str, str], ...] = ((REQUEST_ID_HEADER, req.request_id),)
+        if body:  # a body-less request (a stored response's GET, DELETE or cancel) names no type
+            headers = (("Content-Type", head.content_type), *headers)
         usage = _Usage()
         try:
-            async with client.post(self._host, port, head.path, body, headers) as resp:
+            async with client.request(self._host, port, head.path, body, headers, method=head.method) as resp:
                 req.responded, req.http_status, req.sent_at = True, resp.status_code, resp.sent_at
                 try:
                     if resp.status_code >= 400:

@@ -126,14 +126,26 @@ class SimApp:
         elif method == "POST" and path in _LORA_PATHS and self._loras.enabled:
             await self._lora(path, _request_id(scope), receive, send)
         elif method == "GET" and path == "/metrics":
-            faults = self._faults.current()
-            if faults.metrics_fail:
-                await reply(send, 503, error_body("simulated metrics failure", "server_error", "metrics_failure"))
-            else:
-                body = self._metrics.render(waiting=faults.queue_depth, kv_cache_usage=faults.kv_cache_usage)
-                await reply(send, 200, body, headers=_METRICS_HEADERS)
+            await self._metrics_route(send)
+        elif native.stored_path(path) and Capability.RESPONSES in self._cfg.serves:
+            await self._stored_route(method, path, scope, send)
         else:
             await reply(send, 404, error_body(f"no route {path}", "invalid_request_error", "not_found"))
+
+    async def _metrics_route(self, send: Send) -> None:
+        faults = self._faults.current()
+        if faults.metrics_fail:
+            await reply(send, 503, error_body("simulated metrics failure", "server_error", "metrics_failure"))
+        else:
+            body = self._metrics.render(waiting=faults.queue_depth, kv_cache_usage=faults.kv_cache_usage)
+            await reply(send, 200, body, headers=_METRICS_HEADERS)
+
+    async def _stored_route(self, method: str, path: str, scope: Scope, send: Send) -> None:
+        """A kept response's own route (`native.stored_route`), journaled with its method."""
+        self._metrics.total += 1
+        self._journal.write("request", _request_id(scope), path, stream=False, method=method)
+        query = scope.get("query_string", b"").decode("latin-1")
+        await reply(send, *native.stored_route(self._stored, method, path, query))
 
     async def _inference_route(self, method: str, path: str, scope: Scope, receive: Receive, send: Send) -> None:
         if method != "POST":

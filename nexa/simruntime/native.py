@@ -13,18 +13,29 @@ answers) followed by the new input, so its `input_tokens` count them; an id not 
 Without the variable `store: true` is silently dropped, `background: true` with it refused (400
 naming the variable) and any `previous_response_id` a 404, as vLLM answers. Ids are unique per
 process when kept (`resp_sim<n>_<random>`), so two replicas never make the same one.
+
+A kept response's own routes (`stored_route`), as vLLM's router serves them
+(vllm/entrypoints/openai/responses/api_router.py at f6e93254, and `retrieve_responses`,
+`cancel_responses`, `_make_not_found_error` in responses/serving.py at 4d89a999): `GET
+/v1/responses/{id}` answers the kept Response object (`stream=true` replays only a background
+response's events, which the simulator makes none of: the same 404 as an unknown id), `POST
+/v1/responses/{id}/cancel` a 400 "Cannot cancel a synchronous response." (every kept response is
+finished: only a background one, queued or in progress, cancels), an unknown id a 404 "Response
+with id '…' not found." (`param` `response_id`). vLLM serves no `DELETE` of it (FastAPI's 405 for
+a path it serves by another method) and no `/input_items` (404).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Mapping
 from typing import Any, Final
 
 from nexa.contracts.gateway import Capability
-from nexa.simruntime.asgi import BadRequest
+from nexa.simruntime.asgi import BadRequest, error_body
 from nexa.simruntime.tokens import count_words, output_words
 
 #: The paths served, by capability.
@@ -41,18 +52,24 @@ MAX_STORED: Final = 10_000
 
 
 class Stored:
-    """The responses kept, by id: each one's conversation so far, as text (oldest forgotten first)."""
+    """The responses kept, by id: each one's conversation so far, as text, and its Response object
+    (oldest forgotten first)."""
 
     def __init__(self) -> None:
-        self._texts: dict[str, str] = {}
+        self._kept: dict[str, tuple[str, Json]] = {}
 
     def get(self, response_id: str) -> str | None:
-        return self._texts.get(response_id)
+        kept = self._kept.get(response_id)
+        return None if kept is None else kept[0]
 
-    def keep(self, response_id: str, text: str) -> None:
-        self._texts[response_id] = text
-        while len(self._texts) > MAX_STORED:
-            del self._texts[next(iter(self._texts))]
+    def response(self, response_id: str) -> Json | None:
+        kept = self._kept.get(response_id)
+        return None if kept is None else kept[1]
+
+    def keep(self, response_id: str, text: str, response: Json) -> None:
+        self._kept[response_id] = (text, response)
+        while len(self._kept) > MAX_STORED:
+            del self._kept[next(iter(self._kept))]
 
 
 def store_enabled(environ: Mapping[str, str]) -> bool:
@@ -126,9 +143,37 @@ def answer(
     if capability is Capability.MESSAGES:
         return _message(model, f"msg_sim{serial}", words, asked, cut, stream=stream), len(words)
     ident = f"resp_sim{serial}" if stored is None else f"resp_sim{serial}_{secrets.token_hex(6)}"
+    done = _response_object(model, ident, words, asked, cut)
     if keep and stored is not None:
-        stored.keep(ident, " ".join([prompt, *words]))
-    return _response(model, ident, words, asked, cut, stream=stream), len(words)
+        stored.keep(ident, " ".join([prompt, *words]), done)
+    return _response(done, words, stream=stream), len(words)
+
+
+#: A kept response's own routes: `/v1/responses/{id}` and `/v1/responses/{id}/cancel`.
+_STORED_PATH: Final = re.compile(r"/v1/responses/([^/]+)(/cancel)?")
+
+
+def stored_path(path: str) -> bool:
+    """Whether `path` is one of a kept response's own routes (`stored_route` answers it)."""
+    return _STORED_PATH.fullmatch(path) is not None
+
+
+def stored_route(stored: Stored | None, method: str, path: str, query: str) -> tuple[int, bytes]:
+    """A kept response's own route (`stored_path`), as vLLM answers it: the status and the body."""
+    match = _STORED_PATH.fullmatch(path)
+    assert match is not None
+    response_id, cancel = match[1], match[2] is not None
+    if (method, cancel) not in (("GET", False), ("POST", True)):
+        return 405, json.dumps({"detail": "Method Not Allowed"}).encode()
+    kept = None if stored is None else stored.response(response_id)
+    streamed = "stream=true" in query.lower().split("&")  # only a background response's events replay
+    if kept is None or (streamed and not cancel):
+        return 404, error_body(
+            f"Response with id '{response_id}' not found.", "invalid_request_error", "404", "response_id"
+        )
+    if cancel:  # kept responses are finished ones here: only a queued or running background one cancels
+        return 400, error_body("Cannot cancel a synchronous response.", "invalid_request_error", "400", "response_id")
+    return 200, json.dumps(kept).encode()
 
 
 def _continued(payload: Json, prompt: str, stored: Stored | None) -> tuple[str, bool]:
@@ -188,13 +233,12 @@ def _message(model: str, ident: str, words: list[str], asked: int, cut: bool, *,
     ]
 
 
-def _response(model: str, ident: str, words: list[str], asked: int, cut: bool, *, stream: bool) -> bytes | list[bytes]:
-    text = " ".join(words)
-    item_id = "msg_" + ident
-    part = {"type": "output_text", "text": text, "annotations": []}
-    item = {"type": "message", "id": item_id, "status": "completed", "role": "assistant", "content": [part]}
+def _response_object(model: str, ident: str, words: list[str], asked: int, cut: bool) -> Json:
+    """The finished Response object."""
+    part = {"type": "output_text", "text": " ".join(words), "annotations": []}
+    item = {"type": "message", "id": "msg_" + ident, "status": "completed", "role": "assistant", "content": [part]}
     usage = {"input_tokens": asked, "output_tokens": len(words), "total_tokens": asked + len(words)}
-    done: Json = {
+    return {
         "id": ident,
         "object": "response",
         "created_at": int(time.time()),
@@ -207,8 +251,15 @@ def _response(model: str, ident: str, words: list[str], asked: int, cut: bool, *
         "tool_choice": "auto",
         "tools": [],
     }
+
+
+def _response(done: Json, words: list[str], *, stream: bool) -> bytes | list[bytes]:
+    """The answer of a finished Response `done`: its JSON, or a stream's events."""
     if not stream:
         return json.dumps(done).encode()
+    [item] = done["output"]
+    [part] = item["content"]
+    item_id, text = item["id"], part["text"]
     events: list[bytes] = []
 
     def emit(kind: str, **data: object) -> None:
@@ -225,5 +276,5 @@ def _response(model: str, ident: str, words: list[str], asked: int, cut: bool, *
     emit("response.output_text.done", **where, text=text)
     emit("response.content_part.done", **where, part=part)
     emit("response.output_item.done", output_index=0, item=item)
-    emit("response.incomplete" if cut else "response.completed", response=done)
+    emit("response.incomplete" if done["status"] == "incomplete" else "response.completed", response=done)
     return events

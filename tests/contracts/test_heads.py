@@ -28,6 +28,14 @@ HEADS: list[Any] = [
         prompt_tokens_estimate=12,
     ),
     wire.InferHead(assignment_id="r-é", path="/v1/embeddings", stream=False, deadline_at=0, window=1),
+    wire.InferHead(
+        assignment_id="r-2",
+        path="/v1/responses/resp_1",
+        method=wire.RuntimeMethod.GET,
+        stream=False,
+        deadline_at=1,
+        window=4,
+    ),
     wire.EndHead(
         status=wire.EndStatus.OK,
         http_status=200,
@@ -98,6 +106,14 @@ def test_a_head_an_older_peer_wrote_with_spaces_or_in_another_key_order_is_read(
         (b'{"assignment_id":"a","path":"/v1/x","stream":1,"deadline_at":1,"window":4}', wire.InferHead),
         (b'{"assignment_id":"a","path":"/v1/x","stream":true,"deadline_at":-1,"window":4}', wire.InferHead),
         (b'{"assignment_id":"a","path":"/v1/x","stream":true,"window":4}', wire.InferHead),
+        (
+            b'{"assignment_id":"a","path":"/v1/x","stream":false,"deadline_at":1,"window":4,"method":"PUT"}',
+            wire.InferHead,
+        ),
+        (
+            b'{"assignment_id":"a","path":"/v1/x","stream":false,"deadline_at":1,"window":4,"method":"get"}',
+            wire.InferHead,
+        ),
     ],
 )
 def test_a_hostile_head_is_a_contract_error_as_the_strict_decoder_says(raw: bytes, cls: type[Any]) -> None:

@@ -19,12 +19,14 @@ import pytest
 import trio
 
 from nexa.config import GatewayConfig
+from nexa.contracts import wire
 from nexa.contracts.domain import ApiKey, KeyId, Role, TenantId
 from nexa.contracts.gateway import API_VERSION, UNRESOLVED_MODEL, CallOutcome, Capability
 from nexa.contracts.models import ModelRef
 from nexa.control import store as st
 from nexa.control.datapath.calls import Progress, Work
 from nexa.control.datapath.inference import Disconnects, InferenceApp
+from nexa.control.datapath.pins import Pins
 from nexa.control.datapath.workloads import Workloads
 from nexa.errors import NexaError, QuotaExceeded, RuntimeFailed, Unauthenticated
 from nexa.security import generate_signing_key, verify_receipt
@@ -165,6 +167,8 @@ class Rig:
 
     #: How many times the app called `receive` (the body is one).
     receives: int = 0
+    #: The stored responses' pins the app reads (the rig's store).
+    pins: Pins | None = None
 
     async def request(
         self,
@@ -231,9 +235,10 @@ async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
             workloads=workloads,
             accounts=Keys(),  # type: ignore[arg-type]
             metrics=Metrics(),
+            pins=(pins := Pins(store)),
             max_body_bytes=1 << 20,
         )
-        yield Rig(app, gateway, workloads, signer.public, fallback_paths)
+        yield Rig(app, gateway, workloads, signer.public, fallback_paths, pins=pins)
 
 
 def envelope(workload_id: str = "w1", **changes: object) -> dict[str, object]:
@@ -397,3 +402,40 @@ async def test_the_list_shows_a_running_workload_live_and_a_finished_one_by_its_
     listed = (await rig.request("GET", "/api/v1/workloads")).json()["workloads"]
     assert [(w["workload_id"], w["state"]) for w in listed] == [("w1", "succeeded"), ("w2", "cancelled")]
     assert (await rig.request("GET", "/api/v1/workloads", query="limit=1001")).status == 400
+
+
+async def test_a_stored_responses_routes_reach_its_replica_only_for_its_own_tenant_and_served_routes(rig: Rig) -> None:
+    """Retrieve and cancel go to the gateway pinned to the replica keeping the response, as a
+    body-less call of the runtime's own route; an id not the tenant's (or unfit for a path), delete,
+    input items and a streamed retrieve are refused before the gateway, in OpenAI's error shape."""
+    assert rig.pins is not None
+    pin = st.Pin(model="chat", deployment="chat-prod", replica_id="r2", made_at=time.time())
+    await rig.pins.remember(ACME, "resp_1", pin)
+    await rig.pins.remember(TenantId("globex"), "resp_theirs", pin)
+    stored = {"id": "resp_1", "object": "response", "status": "completed", "output": []}
+    rig.gateway.script = Script(chunks=[json.dumps(stored).encode()])
+    got = await rig.request("GET", "/v1/responses/resp_1")
+    assert got.status == 200 and got.json() == stored
+    rig.gateway.script = Script(chunks=[json.dumps(stored).encode()])
+    assert (await rig.request("POST", "/v1/responses/resp_1/cancel")).status == 200
+    routed = [(w.pin, w.model, w.body, w.route and (w.route.method, w.route.path)) for w in rig.gateway.works]
+    assert routed == [
+        ("r2", "chat", {}, (wire.RuntimeMethod.GET, "/v1/responses/resp_1")),
+        ("r2", "chat", {}, (wire.RuntimeMethod.POST, "/v1/responses/resp_1/cancel")),
+    ]
+    refusals = [
+        ("GET", "/v1/responses/resp_theirs", "", 404, "response_not_found"),
+        ("POST", "/v1/responses/resp_never/cancel", "", 404, "response_not_found"),
+        ("GET", "/v1/responses/..", "", 404, "response_not_found"),
+        ("DELETE", "/v1/responses/resp_theirs", "", 404, "response_not_found"),
+        ("DELETE", "/v1/responses/resp_1", "", 404, "api_not_served"),
+        ("GET", "/v1/responses/resp_1/input_items", "", 404, "api_not_served"),
+        ("GET", "/v1/responses/resp_1", "stream=true", 400, "field_not_supported"),
+        ("GET", "/v1/responses/resp_1", "starting_after=3", 400, "field_not_supported"),
+        ("PUT", "/v1/responses/resp_1", "", 405, "method_not_allowed"),
+    ]
+    for method, path, query, status, code in refusals:
+        answer = await rig.request(method, path, query=query)
+        assert (answer.status, answer.json()["error"]["code"]) == (status, code), (method, path, query)
+    assert len(rig.gateway.works) == 2  # none of them reached the gateway
+    assert await rig.pins.find(ACME, "resp_1") == pin  # a refused delete changed nothing

@@ -1,5 +1,6 @@
 """Gateway workers on the embedded store (issue 32, point 6): `nexa control` with `[http] workers = 2`
-as an operator runs it, a `sim` node with a channel to each worker (node.toml `controllers`).
+as an operator runs it, a `sim` node with a channel to each worker (node.toml `controllers`). Also:
+a stored response's pin is found through either worker and after a restart (issue 35).
 
 Asserted: both workers answer on the one shared port, inference included; a management write that
 reached the worker that does not hold the lease was forwarded to the one that does, and each
@@ -26,8 +27,8 @@ import trio
 
 from tests.conftest import Controller, ControllerProcess, free_channel_port, free_port
 from tests.realparts import BuiltImages, S3Store
-from tests.support.api import ok
-from tests.support.cluster import MESSAGES, SimCluster, sim_fleet, wait_until
+from tests.support.api import in_thread, ok
+from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, sim_fleet, wait_until
 from tests.support.s3 import write_credentials
 
 #: Fresh connections sent to the shared port; the chance that all reach one of two workers is 2**-23.
@@ -230,3 +231,78 @@ async def test_two_gateway_workers_share_the_port_and_a_killed_owner_loses_nothi
     # Each worker's lines name it: which worker answered each completion (both did).
     answering = {e.get("worker") for e in log if e["msg"] == "request" and e.get("route") == "/v1/chat/completions"}
     assert answering == {0, 1}, answering
+
+
+async def _stores_on(address: str, key: str) -> bool:
+    """Whether the worker at `address` (its own) serves `native` through a replica keeping responses."""
+    body = {"model": "native", "input": "ready?", "store": False}
+    return (await _fresh(address, "POST", "/v1/responses", key, json=body)).status_code == 200
+
+
+@pytest.mark.slow
+async def test_a_stored_response_made_through_one_worker_is_found_by_the_other_and_after_a_restart(
+    tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    """Issue 35: pins are the store's, not a process's. A response made through worker 0 (its own
+    address) is retrieved and continued through worker 1's, and through either after the whole
+    `nexa control` restarted (the replica, on its node, kept it)."""
+    cp = ControllerProcess(state_dir=tmp_path / "state", port=free_port(), channel_port=free_channel_port(4))
+    channels = (f"tcp://127.0.0.1:{cp.channel_port}", f"tcp://127.0.0.1:{cp.channel_port + 2}")
+    config = _config(tmp_path, s3_store)
+    await trio.to_thread.run_sync(functools.partial(cp.start, "--config", str(config), timeout_s=180))
+    assert cp.admin_key is not None
+    key = cp.admin_key
+    controller = Controller(cp.url, key, cp.state_dir, trio.Event())
+    try:
+        async with sim_fleet(controller, tmp_path, s3_store, test_images, nodes=1, controllers=channels) as c:
+            await c.model("native", "native")
+            store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
+            await c.deploy(
+                "native-a", replicas=1, alias="native", args=[*SIM_ARGS, "--serve", "responses"], env=store, wait=False
+            )
+
+            async def own_addresses() -> list[str]:
+                view = await _cluster(cp.url, key)
+                return [m["address"] for m in sorted(view["controllers"], key=lambda m: m["id"])]
+
+            first, second = await own_addresses()
+            for address in (first, second):
+                ready = functools.partial(_stores_on, address, c.inference_key)
+                await wait_until(f"native served by {address}", ready, timeout_s=120)
+
+            def sdk_at(address: str) -> openai.OpenAI:
+                return openai.OpenAI(base_url=address + "/v1", api_key=c.inference_key, max_retries=0, timeout=30)
+
+            def made_and_continued() -> str:
+                with sdk_at(first) as zero, sdk_at(second) as one:
+                    made = zero.responses.create(model="native", input="hello there", store=True)
+                    assert one.responses.retrieve(made.id).output_text == made.output_text
+                    later = one.responses.create(model="native", input="and then", previous_response_id=made.id)
+                    assert later.usage is not None and later.usage.input_tokens == 2 + 8 + 2
+                    assert zero.responses.retrieve(later.id).id == later.id
+                    return made.id
+
+            made_id = await in_thread(made_and_continued)
+
+            # The whole controller restarts (both workers); the node and its replica go on.
+            assert await trio.to_thread.run_sync(cp.stop) == 0
+            await trio.to_thread.run_sync(functools.partial(cp.start, "--config", str(config), timeout_s=180))
+            first, second = await own_addresses()
+            for address in (first, second):
+                ready = functools.partial(_stores_on, address, c.inference_key)
+                await wait_until(f"native served by {address} after the restart", ready, timeout_s=120)
+
+            def found_after_restart() -> None:
+                for address in (first, second):
+                    with sdk_at(address) as client:
+                        assert client.responses.retrieve(made_id).id == made_id
+                        again = client.responses.create(model="native", input="so", previous_response_id=made_id)
+                        assert again.usage is not None and again.usage.input_tokens == 2 + 8 + 1
+                        with pytest.raises(openai.NotFoundError) as unknown:
+                            client.responses.retrieve("resp_never_made")
+                        assert unknown.value.code == "response_not_found"
+
+            await in_thread(found_after_restart)
+    finally:
+        code = await trio.to_thread.run_sync(cp.stop)
+    assert code == 0, cp.stderr_path.read_text()[-3000:] if cp.stderr_path else code

@@ -125,17 +125,23 @@ async def test_a_runtime_refusing_a_passed_request_reaches_the_sdk_as_its_typed_
     assert runtime_paths(cluster) == ["/v1/messages"]
 
 
-async def test_stored_responses_continue_on_the_replica_that_keeps_them(cluster: SimCluster) -> None:
-    """A runtime started with VLLM_ENABLE_RESPONSES_API_STORE=1 keeps its responses (as vLLM does):
-    every later turn goes to the replica that made the previous one, of two; another tenant's id
-    is not found; once that replica is gone, the stored response is lost, never routed elsewhere."""
+async def storing_cluster(cluster: SimCluster) -> tuple[openai.OpenAI, openai.OpenAI]:
+    """`native` on two replicas, one on each node, that keep responses (as vLLM does with
+    VLLM_ENABLE_RESPONSES_API_STORE=1); the SDK with acme's key, and with another tenant's."""
     await cluster.model("native", "native")
     store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
     await cluster.deploy("native-a", replicas=2, alias="native", args=NATIVE_ARGS, env=store)
     placed = await cluster.ready_replicas("native-a")
     assert len(set(placed.values())) == 2  # one replica on each node
-    client = sdk(cluster)
-    other = sdk(cluster, await new_key(cluster, "inference", "globex"))
+    return sdk(cluster), sdk(cluster, await new_key(cluster, "inference", "globex"))
+
+
+async def test_stored_responses_continue_on_the_replica_that_keeps_them(cluster: SimCluster) -> None:
+    """A runtime started with VLLM_ENABLE_RESPONSES_API_STORE=1 keeps its responses (as vLLM does):
+    every later turn goes to the replica that made the previous one, of two; another tenant's id
+    is not found; once that replica is gone, the stored response is lost, never routed elsewhere."""
+    client, other = await storing_cluster(cluster)
+    store = {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}
     turns: list[str] = []
 
     def scenario() -> None:
@@ -185,7 +191,74 @@ async def test_stored_responses_continue_on_the_replica_that_keeps_them(cluster:
             client.responses.create(model="native", input="and then", previous_response_id=turns[-1])
         assert gone.value.code == "stored_response_lost"
         assert "send the whole conversation" in gone.value.message
+        with pytest.raises(openai.NotFoundError) as retrieved:  # its own route too: never another replica
+            client.responses.retrieve(turns[-1])
+        assert retrieved.value.code == "stored_response_lost"
         fresh = client.responses.create(model="native", input="hello there")  # new conversations go on
         assert fresh.status == "completed"
 
     await in_thread(lost)
+
+
+async def test_a_stored_response_is_retrieved_and_cancelled_on_its_replica_as_vllm_serves_them(
+    cluster: SimCluster,
+) -> None:
+    """The SDK's `responses.retrieve` and `responses.cancel` reach the replica keeping the response,
+    through the node channel, and answer as vLLM does (a finished response does not cancel: its
+    400); `responses.delete` and `responses.input_items.list`, which vLLM does not serve, are a
+    typed 404 saying what to do instead; another tenant's id and an unknown one are not found and
+    reach no runtime. Each routed call is counted as a request, with no tokens."""
+    client, other = await storing_cluster(cluster)
+    made: list[str] = []
+
+    def scenario() -> None:
+        first = client.responses.create(model="native", input="hello there", store=True)
+        made.append(first.id)
+        got = client.responses.retrieve(first.id)
+        assert (got.id, got.status, got.output_text) == (first.id, "completed", first.output_text)
+        later = client.responses.create(model="native", input="and then", previous_response_id=got.id)
+        assert later.usage is not None and later.usage.input_tokens == 2 + 8 + 2
+        assert client.responses.retrieve(later.id).output_text == later.output_text
+
+        with pytest.raises(openai.BadRequestError) as cancel:  # vLLM: only a background response cancels
+            client.responses.cancel(first.id)
+        assert (
+            cancel.value.code == "runtime_rejected" and "Cannot cancel a synchronous response" in cancel.value.message
+        )
+        with pytest.raises(openai.NotFoundError) as deleting:
+            client.responses.delete(first.id)
+        assert deleting.value.code == "api_not_served" and "store: false" in deleting.value.message
+        with pytest.raises(openai.NotFoundError) as items:
+            client.responses.input_items.list(first.id)
+        assert items.value.code == "api_not_served" and "retrieve the response" in items.value.message
+        with pytest.raises(openai.BadRequestError) as streamed:
+            client.responses.retrieve(first.id, stream=True)
+        assert streamed.value.code == "field_not_supported" and streamed.value.param == "stream"
+        assert client.responses.retrieve(first.id).id == first.id  # the refused delete changed nothing
+
+        for refused in (
+            lambda: other.responses.retrieve(first.id),
+            lambda: other.responses.cancel(first.id),
+            lambda: other.responses.delete(first.id),
+            lambda: client.responses.retrieve("resp_never_made"),
+            lambda: client.responses.cancel("resp_never_made"),
+        ):
+            with pytest.raises(openai.NotFoundError) as unknown:
+                refused()
+            assert unknown.value.code == "response_not_found"
+
+    await in_thread(scenario)
+    asked = {
+        n.name: [(e.get("method", "POST"), e["path"]) for e in n.journal() if e["event"] == "request"]
+        for n in cluster.nodes
+    }
+    [(keeping, paths)] = [(name, paths) for name, paths in asked.items() if paths]  # one replica had it all
+    first_path = f"/v1/responses/{made[0]}"
+    assert paths[0] == ("POST", "/v1/responses") and paths[1] == ("GET", first_path), keeping
+    assert paths.count(("POST", first_path + "/cancel")) == 1 and paths.count(("GET", first_path)) == 2
+    assert len(paths) == 2 + 2 + 1 + 1  # two creates, two retrieves of it (and one of the later), one cancel
+    rows = [r for r in await usage_rows(cluster, tenant="acme") if r["model"].startswith("native")]
+    # Six calls routed (the cancel refused by the runtime); the retrieves and the cancel add no tokens.
+    assert [(r["requests"], r["errors"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        (6, 1, 2 + 12, 8 + 8)
+    ]

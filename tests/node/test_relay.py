@@ -274,3 +274,24 @@ async def test_an_image_request_reaches_sd_server_as_json_and_its_answer_and_err
     assert refused == b""
     assert (failed.status, failed.code, failed.http_status) == (wire.EndStatus.ERROR, "runtime_rejected", 400)
     assert failed.message == "prompt required"
+
+
+async def test_a_body_less_get_delete_or_post_reaches_the_runtime_as_such_and_a_get_with_a_body_is_refused() -> None:
+    """A stored response's own routes go to the runtime with their method and no body (nor a content
+    type); a GET or DELETE head that comes with a body is refused before the runtime is asked."""
+    with trio.fail_after(TIMEOUT_S):
+        async with data_path() as p:
+            answers = []
+            for n, method in enumerate((wire.RuntimeMethod.GET, wire.RuntimeMethod.DELETE, wire.RuntimeMethod.POST)):
+                head = infer_head(path="/v1/responses/resp_1/cancel", method=method)
+                async with p.relay.open("n1", f"r{n}", head, b"") as s:
+                    answers.append(await drain(s))
+            head = infer_head(path="/v1/responses/resp_1", method=wire.RuntimeMethod.GET)
+            async with p.relay.open("n1", "r9", head, request("unary")) as s:
+                refused, end = await drain(s)
+    assert [json.loads(body)["method"] for body, _ in answers] == ["GET", "DELETE", "POST"]
+    assert all(end.status is wire.EndStatus.OK for _, end in answers)
+    assert p.runtime.methods == ["GET", "DELETE", "POST"]  # the one with a body never reached it
+    assert all(sent == b"" and "content-type" not in headers for _, headers, sent in p.runtime.seen)
+    assert refused == b"" and (end.status, end.code) == (wire.EndStatus.ERROR, "invalid_request")
+    assert "carries no body" in end.message

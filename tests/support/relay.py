@@ -43,6 +43,8 @@ class Runtime:
     disconnected: dict[str, trio.Event] = attrs.field(factory=dict)
     #: (path, headers, body) of every request.
     seen: list[tuple[str, dict[str, str], bytes]] = attrs.field(factory=list)
+    #: The HTTP method of every request, in the same order.
+    methods: list[str] = attrs.field(factory=list)
 
     def gone(self, request_id: str) -> trio.Event:
         return self.disconnected.setdefault(request_id, trio.Event())
@@ -61,6 +63,10 @@ class Runtime:
                 break
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.seen.append((scope["path"], headers, body))
+        self.methods.append(scope["method"])
+        if not body:  # a body-less request (a stored response's own route): what it asked, back
+            await _respond(send, 200, json.dumps({"method": scope["method"], "path": scope["path"]}).encode())
+            return
         req = json.loads(body)
         if scope["path"] == Capability.IMAGE.path:
             await _sd_server_image(req, send)

@@ -13,7 +13,8 @@ first, a longer busy timeout), the leadership is leased (`Leadership.leased`), a
 - the others serve inference and reads and pass management writes to it (`forward.Forwarder`,
   over loopback to its own address), keep their caches up with the store (`follow.ChangeFeed`)
   and write what is theirs alone, as every controller on a shared store does: their usage
-  records, their workloads, their node channel's enrollment and reachability events;
+  records, their workloads, the pins of the stored responses they served (`datapath.pins`: every
+  worker finds them), their node channel's enrollment and reachability events;
 - all share `[http] listen`'s port: each binds it with SO_REUSEPORT (`service.shared_listener`)
   and the kernel spreads new connections over them. Each also serves the API on an address of
   its own (`own_listener`: 127.0.0.1 on a port the kernel picks, plain http even when the shared

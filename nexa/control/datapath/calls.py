@@ -83,6 +83,17 @@ class Work:
     #: Only this replica may serve it (its runtime keeps the stored response the request continues:
     #: `control.datapath.stored`); StoredResponseLost when it is not Ready. None: any.
     pin: str | None = None
+    #: Not the capability's own call but another route of its runtime, sent with no body and
+    #: metered in no tokens (a stored response's `GET /v1/responses/{id}`, `POST …/cancel`). None: the call.
+    route: RuntimeRoute | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RuntimeRoute:
+    """A body-less request to one of the runtime's own routes (`Work.route`)."""
+
+    method: wire.RuntimeMethod
+    path: str
 
 
 @attrs.frozen(kw_only=True)
@@ -340,7 +351,7 @@ class Answer:
             counted = answers.counted_prompt_tokens(capability, answer, self.work.body)
             if counted is not None and not self._progress.prompt_tokens:
                 self._progress.prompt_tokens = min(counted, MAX_TOKENS)
-            if capability.native:  # its own usage names: the node reads OpenAI's only
+            if capability.native and self.work.route is None:  # its own usage names: the node reads OpenAI's only
                 prompt, completion = answers.native_usage(capability, answer)
                 self._progress.prompt_tokens = prompt if prompt is not None else self._progress.prompt_tokens
                 if completion is not None:

@@ -71,7 +71,6 @@ from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.quotas import Quotas, QuotaTicket
 from nexa.control.datapath.relay import Relay, RelayStream
 from nexa.control.datapath.routing import Router, for_data_class
-from nexa.control.datapath.stored import StoredResponses
 from nexa.control.datapath.uploads import write_form
 from nexa.control.deployments import Deployments
 from nexa.control.deployments.idle import Idle
@@ -180,8 +179,6 @@ class Gateway:
         self._idle = idle
         self._nursery: trio.Nursery | None = None
         self._batches: dict[tuple[str, str], _Batch] = {}
-        #: Which replica keeps each stored Responses API response (this controller's memory only).
-        self.stored_responses = StoredResponses()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         async with trio.open_nursery() as nursery:
@@ -455,7 +452,8 @@ class Gateway:
         progress.adapter = progress.lora_versions.get(replica.replica_id, progress.adapter)
         return wire.InferHead(
             assignment_id=replica.replica_id,
-            path=work.capability.path,
+            path=work.capability.path if work.route is None else work.route.path,
+            method=wire.RuntimeMethod.POST if work.route is None else work.route.method,
             stream=work.stream,
             deadline_at=work.deadline_at,
             window=self._cfg.stream_window_chunks,
@@ -694,8 +692,8 @@ def _pinned(work: Work, serving: ServingSet) -> ServingSet:
     replicas = [r for r in serving.replicas if r.replica_id == work.pin]
     if not replicas:
         raise StoredResponseLost(
-            "previous_response_id: the replica that kept that response is gone or not Ready, and the stored"
-            " response went with it; send the whole conversation as input items instead"
+            "the replica that kept that stored response is gone or not Ready, and the response went with it;"
+            " send the whole conversation as input items instead"
         )
     return attrs.evolve(serving, replicas=replicas)
 
@@ -735,6 +733,8 @@ def _encode(work: Work, serving: ServingSet) -> Encoded:
     """The runtime's request body: the client's, with the served model's name, and usage always
     asked for in streams (stripped again on the node when the client did not ask); a media upload
     as a form (`uploads.write_form`)."""
+    if work.route is not None:
+        return Encoded(b"")  # another route of the runtime's (`Work.route`): no body
     body: dict[str, Any] = dict(work.body)
     body["model"] = serving.model.model
     if work.upload is not None:

@@ -67,8 +67,11 @@ from nexa.control.datapath.inference_routes import (
     OVERHEAD_HEADER,
     PRIORITY_HEADER,
     RETENTION_HEADER,
+    STORED_RULE,
 )
+from nexa.control.datapath.pins import Pins
 from nexa.control.datapath.retention import Capture, Retention
+from nexa.control.datapath.stored import STORED_ROUTES, StoredRoute
 from nexa.control.datapath.translated import TRANSLATIONS, serve
 from nexa.control.datapath.translation import Translation, param_of
 from nexa.control.datapath.workloads import ActiveWorkload, Workloads
@@ -108,6 +111,9 @@ AsgiApp = Callable[[Any, Any, Any], Awaitable[None]]
 _CAPABILITY_BY_PATH: Final = {c.path: c for c in Capability if not c.native} | CAPABILITY_ALIASES
 _BARE_PATHS: Final = frozenset(p for p in _CAPABILITY_BY_PATH if not p.startswith("/v1/"))  # OpenAI's error shape
 _WORKLOAD_PATH: Final = re.compile(r"^/api/v1/workloads/([^/]{1,256})(/cancel|/receipt)?$")
+#: A stored response's own routes (`stored.STORED_ROUTES`), by method and the rest of the path.
+_STORED_PATH: Final = re.compile(r"^/v1/responses/([^/]{1,256})(/cancel|/input_items)?$")
+_STORED_ROUTES: Final = {(r.method.value, STORED_RULE + r.suffix): r for r in STORED_ROUTES}
 _OVERHEAD_HEADER: Final = OVERHEAD_HEADER.encode()
 _SSE_HEADERS: Final = [
     (b"content-type", b"text/event-stream"),
@@ -119,6 +125,8 @@ _OPENAI_TYPES: Final = {401: "authentication_error", 403: "permission_error", 42
 
 def _route(method: str, path: str) -> tuple[str, str] | None:
     """The route template of a request, or None when the path is not an inference route."""
+    if (stored := _STORED_PATH.match(path)) is not None:
+        return (method, STORED_RULE + (stored.group(2) or ""))
     if path.startswith("/v1/") or path in _BARE_PATHS:
         return (method, path)
     if path == "/api/v1/workloads":
@@ -141,6 +149,7 @@ class InferenceApp:
         workloads: Workloads,
         accounts: Accounts,
         metrics: Metrics,
+        pins: Pins,
         max_body_bytes: int,
         body_timeout_s: float = 60.0,
         retention: Retention | None = None,
@@ -149,6 +158,7 @@ class InferenceApp:
         self._cfg = cfg
         self._gateway = gateway
         self._workloads = workloads
+        self._pins = pins
         self._accounts = accounts
         self._metrics = metrics
         # Bound once per (route, method, status), not per request.
@@ -219,11 +229,13 @@ class InferenceApp:
     async def translated(self, x: _Exchange, translation: Translation[Any] | None) -> int:
         """Another API's request, passed through (`native`) or as a chat completion and back (`translated`)."""
         body = _json_object(await x.body())
-        passed = native.passed(self._gateway, x.route[1], body, translated=translation is not None, tenant=x.tenant)
+        passed = await native.passed(
+            self._gateway, self._pins, x.route[1], body, translated=translation is not None, tenant=x.tenant
+        )
         if passed is not None:
             work = self._work(x, *passed[:4], stream=passed.stream, include_usage=True)
             x.call = self._gateway.call(attrs.evolve(work, pin=passed.pin))
-            remember = native.remembering(self._gateway, x.tenant) if passed.stores else None
+            remember = native.remembering(self._pins, x.tenant) if passed.stores else None
             return await native.serve(x, x.call, passed.capability, stream=passed.stream, remember=remember)
         assert translation is not None  # `passed` raised otherwise
         req = translation.to_chat(body)
@@ -232,6 +244,16 @@ class InferenceApp:
         )
         x.call = self._gateway.call(work)
         return await serve(x, x.call, translation, req)
+
+    async def stored(self, x: _Exchange, route: StoredRoute, response_id: str) -> int:
+        """A stored response's own route (`stored.STORED_ROUTES`): to the replica keeping it, with no
+        body, answered as the runtime answers; counted as a request, metered in no tokens."""
+        pin = await native.stored_pin(self._pins, x.tenant, route, response_id, x.query)
+        work = self._work(x, Api.RESPONSES, Capability.RESPONSES, pin.model, {}, stream=False, include_usage=False)
+        x.call = self._gateway.call(
+            attrs.evolve(work, pin=pin.replica_id, route=native.stored_route(route, response_id))
+        )
+        return await native.serve(x, x.call, Capability.RESPONSES, stream=False)
 
     def _work(self, x: _Exchange, api: Api, cap: Capability, model: str, body: dict[str, Any], **how: bool) -> Work:
         """The call an OpenAI-shaped request makes (headers: retention, priority, deadline, data class)."""
@@ -519,6 +541,8 @@ class _Exchange:
     async def _handle(self, app: InferenceApp, method: str, rule: str) -> int:  # noqa: PLR0911 - one per route kind
         if rule in media.CAPABILITY_BY_PATH:
             return await media.serve(app, self, media.CAPABILITY_BY_PATH[rule])
+        if (stored := _STORED_ROUTES.get((method, rule))) is not None:
+            return await app.stored(self, stored, self._scope["path"].split("/")[3])
         if rule in native.NATIVE or rule == "/v1/models":
             return await (app.models(self) if rule == "/v1/models" else app.translated(self, TRANSLATIONS.get(rule)))
         if rule in _CAPABILITY_BY_PATH:

@@ -21,6 +21,8 @@ from nexa.contracts.gateway import (
     WorkloadList,
     WorkloadView,
 )
+from nexa.contracts.wire import RuntimeMethod
+from nexa.control.datapath.stored import STORED_ROUTES, StoredRoute
 from nexa.control.http.declare import INFERENCE, PAGE_QUERY, Param, Route, RouteKey
 from nexa.errors import (
     ApiNotServed,
@@ -56,6 +58,8 @@ DATA_CLASS_HEADER: Final = "x-nexa-data-class"
 RETENTION_HEADER: Final = "x-nexa-retention"
 #: On every response of these routes: nexa's own time in it, in ms (`calls.overhead_ms`).
 OVERHEAD_HEADER: Final = "x-nexa-overhead-ms"
+#: A stored response's own routes, `STORED_ROUTES`' suffixes after it.
+STORED_RULE: Final = "/v1/responses/<response_id>"
 
 _SSE: Final = "text/event-stream"
 _ANY_OBJECT: Final[Json] = {"type": "object"}
@@ -354,6 +358,37 @@ _IMAGES: Final[Json] = {
 }
 
 
+_STORED_QUERY: Final = (
+    Param(name="stream", schema={"enum": ["false"]}, description="only false: nexa routes no background response"),
+)
+
+
+def _stored(route: StoredRoute) -> Route:
+    """A stored response's own route (`stored.STORED_ROUTES`): to the replica keeping it (vLLM serves
+    retrieve and cancel), or refused with `api_not_served` saying what to do instead."""
+    what = f"{route.sdk}: "
+    what += (
+        "passed to the replica keeping the stored response (counted as a request, metered in no tokens)"
+        if route.served
+        else f"not served ({route.instead})"
+    )
+    return Route(
+        method=route.method.value,
+        path=STORED_RULE + route.suffix,
+        roles=INFERENCE,
+        summary=f"Stored response (OpenAI's Responses API), {what}",
+        tag="openai",
+        body_kind="none",
+        answer=_ANY_OBJECT,
+        params=(
+            (*_HEADERS, *(_STORED_QUERY if route.method is RuntimeMethod.GET and not route.suffix else ()))
+            if route.served
+            else ()
+        ),
+        errors=(*_SERVING, ResponseNotFound, StoredResponseLost) if route.served else (ResponseNotFound, ApiNotServed),
+    )
+
+
 _ANTHROPIC_HEADERS: Final = (
     Param(
         name="x-api-key",
@@ -429,6 +464,7 @@ ROUTES: Final[tuple[Route, ...]] = (
         params=_HEADERS,
         errors=(*_SERVING, ResponseNotFound, StoredResponseLost),
     ),
+    *(_stored(route) for route in STORED_ROUTES),
     *_POOLING_ROUTES,
     _served(
         "/v1/audio/transcriptions",

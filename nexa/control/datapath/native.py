@@ -12,30 +12,37 @@ the API's own error event.
 Stored responses. Where a replica's runtime keeps Responses API responses (vLLM started with
 `VLLM_ENABLE_RESPONSES_API_STORE=1`: `settings.responses_store`), the id of each response it
 answered with `store` not false (OpenAI's default is true) is read from the answer (the unary body,
-or the stream's `response.created`) and remembered with the tenant and the replica
-(`control.datapath.stored`); a request naming it as `previous_response_id` goes to that replica
-alone (`Work.pin`), or is refused: ResponseNotFound (not the tenant's, or not remembered here),
-StoredResponseLost (its replica is gone or not Ready; never routed elsewhere). Where no Ready
-replica keeps responses, `previous_response_id` is refused by name (FieldNotSupported), as are
-`conversation` and `background` everywhere (nexa serves no Conversations API and does not route
-the polling of a background response). Nothing here reads or logs a payload beyond those fields.
+or the stream's `response.created`) and recorded with the tenant and the replica (`pins`) before the
+answer ends; a request naming it as `previous_response_id`, or in the path of a stored response's
+own route (`stored.STORED_ROUTES`: retrieve and cancel, which vLLM serves; `serve_stored`), goes to
+that replica alone (`Work.pin`), or is refused: ResponseNotFound (not the tenant's, or not
+recorded), StoredResponseLost (its replica is gone or not Ready; never routed elsewhere), and
+ApiNotServed for a route vLLM does not serve (delete, input items). Where no Ready replica keeps
+responses, `previous_response_id` is refused by name (FieldNotSupported), as are `conversation`
+and `background` everywhere (nexa serves no Conversations API and does not route the polling of a
+background response). Nothing here reads or logs a payload beyond those fields.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Final, NamedTuple, Protocol
 
 from nexa.adapters.vllm import VLLM
 from nexa.contracts import codec
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import Api, Capability, body_problems, model_problem
+from nexa.contracts.wire import RuntimeMethod
+from nexa.control import store as st
 from nexa.control.datapath import messages, responses
+from nexa.control.datapath.calls import RuntimeRoute
 from nexa.control.datapath.gateway import Call, Gateway
-from nexa.control.datapath.stored import Pin
+from nexa.control.datapath.pins import Pins
+from nexa.control.datapath.stored import StoredRoute
 from nexa.control.datapath.translation import sse
-from nexa.errors import ContractError, FieldNotSupported, NexaError, NotFound, ResponseNotFound
+from nexa.errors import ApiNotServed, ContractError, FieldNotSupported, NexaError, NotFound, ResponseNotFound
 
 Json = dict[str, Any]
 
@@ -49,6 +56,10 @@ NATIVE: Final = {
 _STATEFUL: Final = ("conversation", "background")
 #: How much of a stream is read for its response's id (`response.created` comes first).
 _ID_SCAN_BYTES: Final = 65_536
+#: A stored response's own routes, as the API documents them.
+RESPONSES_ROUTE: Final = "/v1/responses/{response_id}"
+#: The most of a response id an error message quotes.
+MAX_QUOTED_ID: Final = 64
 
 
 class Exchange(Protocol):
@@ -80,65 +91,95 @@ def stateful_problem(capability: Capability, body: Json, *, keeps: bool = False)
             )
 
 
-def pin_for(gateway: Gateway, tenant: TenantId, body: Json) -> str | None:
+async def pin_for(pins: Pins, tenant: TenantId, body: Json) -> str | None:
     """The replica a request continuing a stored response must go to (`previous_response_id`);
     None when it continues none. ContractError for an id that is not a string; ResponseNotFound for
-    one this controller keeps no record of for `tenant` (another tenant's is never routed)."""
+    one not recorded for `tenant` (another tenant's is never routed)."""
     previous = body.get("previous_response_id")
     if previous is None:
         return None
     if not isinstance(previous, str) or not previous:
         raise ContractError("previous_response_id: a response's id", problems=("previous_response_id",))
-    pin = gateway.stored_responses.find(tenant, previous, time.time())
+    pin = await pins.find(tenant, previous)
     if pin is None:
         raise ResponseNotFound(
-            "previous_response_id: no response by that id is stored for you here (it may have expired, or been"
-            " made through another controller); send the whole conversation as input items instead"
+            "previous_response_id: no response by that id is stored for you (it may have expired, or been made"
+            " with store: false); send the whole conversation as input items instead"
         )
     return pin.replica_id
+
+
+async def stored_pin(
+    pins: Pins, tenant: TenantId, route: StoredRoute, response_id: str, query: Callable[[str], str | None]
+) -> st.Pin:
+    """Where the stored response a request on its own `route` names is kept, checked: ResponseNotFound
+    when it is not `tenant`'s (never routed), ApiNotServed for a route the runtime does not serve,
+    FieldNotSupported for streaming a retrieve again (`query`: the request's query parameters)."""
+    pin = await pins.find(tenant, response_id)
+    if pin is None:
+        raise ResponseNotFound(
+            f"{response_id[:MAX_QUOTED_ID]}: no response by that id is stored for you (it may have expired,"
+            " or been made with store: false or by a replica that keeps none)"
+        )
+    if not route.served:
+        raise ApiNotServed(f"{route.method} {RESPONSES_ROUTE}{route.suffix} ({route.sdk}): {route.instead}")
+    if route.method is RuntimeMethod.GET and (query("stream") not in (None, "false") or query("starting_after")):
+        raise FieldNotSupported(
+            "stream: a stored response streams again only when made in the background, which nexa does not"
+            " route; retrieve it whole",
+            field="stream",
+        )
+    return pin
+
+
+def stored_route(route: StoredRoute, response_id: str) -> RuntimeRoute:
+    """The runtime's own route for `route` on response `response_id` (an id `stored.response_id_ok`)."""
+    return RuntimeRoute(method=route.method, path=f"{responses.RESPONSES_PATH}/{response_id}{route.suffix}")
 
 
 async def serve(
     x: Exchange, call: Call, capability: Capability, *, stream: bool, remember: Remember | None = None
 ) -> int:
     """Run `call` and pass its answer on as the runtime made it; the status answered. `remember`,
-    when given, gets the answer's response id once it ended well (a stored response)."""
+    when given, gets the answer's response id once it ended well (a stored response), before the
+    client has it all: a unary answer's before it is sent, a stream's before its last byte."""
     reader = _IdReader() if remember is not None else None
     async with call as answer:
         if not stream:
             body = await answer.read_all()
             if answer.error is not None:
                 raise answer.error
-            status = await x.raw(200, body, b"application/json")
             if reader is not None and remember is not None and (ident := reader.unary(body)):
-                remember(call, ident)
-            return status
+                await remember(call, ident)
+            return await x.raw(200, body, b"application/json")
         await x.start_stream(200)
         async for chunk in answer:
             if reader is not None:
                 reader.feed(chunk)
             await x.chunk(chunk)
-        await x.chunk(b"" if answer.error is None else error_event(capability, answer.error, x.rid), more=False)
         if answer.error is None and reader is not None and remember is not None and reader.found:
-            remember(call, reader.found)
+            await remember(call, reader.found)
+        await x.chunk(b"" if answer.error is None else error_event(capability, answer.error, x.rid), more=False)
         return 200
 
 
 class Remember(Protocol):
     """Takes a stored response's id once the call that made it ended well."""
 
-    def __call__(self, call: Call, response_id: str, /) -> None: ...
+    async def __call__(self, call: Call, response_id: str, /) -> None: ...
 
 
-def remembering(gateway: Gateway, tenant: TenantId) -> Remember:
-    """What `serve` calls with a response's id: remembered where the replica that answered keeps
-    responses (`ServingReplica.keeps_responses`), for `tenant` alone."""
+def remembering(pins: Pins, tenant: TenantId) -> Remember:
+    """What `serve` calls with a response's id: recorded where the replica that answered keeps
+    responses (`ServingReplica.keeps_responses`), for `tenant` alone, with the model it named."""
 
-    def remember(call: Call, response_id: str) -> None:
+    async def remember(call: Call, response_id: str) -> None:
         replica = call.progress.replica
         if replica is not None and replica.keeps_responses:
-            pin = Pin(deployment=replica.deployment, replica_id=replica.replica_id, made_at=time.time())
-            gateway.stored_responses.remember(tenant, response_id, pin)
+            pin = st.Pin(
+                model=call.work.model, deployment=replica.deployment, replica_id=replica.replica_id, made_at=time.time()
+            )
+            await pins.remember(tenant, response_id, pin)
 
     return remember
 
@@ -205,7 +246,9 @@ class Passed(NamedTuple):
     stores: bool = False
 
 
-def passed(gateway: Gateway, path: str, body: Json, *, translated: bool, tenant: TenantId) -> Passed | None:
+async def passed(
+    gateway: Gateway, pins: Pins, path: str, body: Json, *, translated: bool, tenant: TenantId
+) -> Passed | None:
     """The request at `path` to pass through when every Ready replica of its model serves the API
     itself (checked as every request is: model, stream, numbers; `stateful_problem`, and the
     replica a `previous_response_id` pins it to); None when it is to be translated instead. A
@@ -228,7 +271,7 @@ def passed(gateway: Gateway, path: str, body: Json, *, translated: bool, tenant:
     stateful_problem(capability, body, keeps=keeps)
     if problems := body_problems(capability, body):
         raise ContractError("invalid request: " + "; ".join(problems), problems=tuple(problems))
-    pin = pin_for(gateway, tenant, body) if keeps else None
+    pin = await pin_for(pins, tenant, body) if keeps else None
     api = Api.RESPONSES if capability is Capability.RESPONSES else Api.MESSAGES
     stores = keeps and body.get("store") is not False
     return Passed(api=api, capability=capability, model=model, body=body, stream=stream, pin=pin, stores=stores)

@@ -11,6 +11,7 @@ Callers use `from nexa.control import store as st` and the names re-exported her
   shares (`Db`, `txn`, the meta table);
 - `audit`: the hash chain; then one module per domain: `keys` (and tenants), `nodes`, `models`,
   `deployments`, `usage` (and quotas), `workloads`, `retention` (policies, data keys, what is kept),
+  `responses` (which replica keeps each stored Responses API response),
   `recovery` (the restore marker, a recovery's epoch),
   `records` (benchmark runs and jobs), `lease` (the leader's lease, the controllers, their keys' fingerprint).
 The backends: `sqlite` (the adapter over apsw, with `snapshot` the only apsw importers) and, with
@@ -106,6 +107,12 @@ from nexa.control.store.records import update_job as update_job
 from nexa.control.store.recovery import RECOVERY_MARKER as RECOVERY_MARKER
 from nexa.control.store.recovery import end_recovery as end_recovery
 from nexa.control.store.recovery import recovery_marker as recovery_marker
+from nexa.control.store.responses import Pin as Pin
+from nexa.control.store.responses import cap_stored_responses as cap_stored_responses
+from nexa.control.store.responses import delete_stored_response as delete_stored_response
+from nexa.control.store.responses import get_stored_response as get_stored_response
+from nexa.control.store.responses import prune_stored_responses as prune_stored_responses
+from nexa.control.store.responses import save_stored_response as save_stored_response
 from nexa.control.store.retention import delete_retained as delete_retained
 from nexa.control.store.retention import delete_retention_policy as delete_retention_policy
 from nexa.control.store.retention import get_retained as get_retained

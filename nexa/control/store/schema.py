@@ -382,6 +382,22 @@ MIGRATIONS: Final[tuple[str, ...]] = (
     """
     ALTER TABLE usage ADD COLUMN adapter TEXT NOT NULL DEFAULT '';
     """,
+    # Stored Responses API responses (`control.datapath.pins`): which replica keeps each, per tenant,
+    # written by the controller (or gateway worker) that served it, read by every one; a day each,
+    # at most `MAX_STORED_RESPONSES` a tenant (the leader's sweep). Never a payload.
+    """
+    CREATE TABLE stored_response (
+        tenant TEXT NOT NULL,
+        id TEXT NOT NULL,
+        model TEXT NOT NULL,
+        deployment TEXT NOT NULL,
+        replica_id TEXT NOT NULL,
+        made_at REAL NOT NULL,
+        PRIMARY KEY (tenant, id)
+    ) STRICT;
+    CREATE INDEX stored_response_made ON stored_response(made_at);
+    CREATE INDEX stored_response_tenant_made ON stored_response(tenant, made_at);
+    """,
 )
 
 

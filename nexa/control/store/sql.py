@@ -110,6 +110,18 @@ def pragma_int(db: Db, name: str) -> int:
     return value
 
 
+def delete_batch(db: Db, table: str, key: str, where: str, args: tuple[object, ...]) -> int:
+    """Delete up to PRUNE_BATCH rows of `table` matching `where` (with `args`), in the caller's
+    transaction; how many went. `key`: the primary key's columns, which PostgreSQL names them by
+    (SQLite's rowid there). Names are the caller's constants, never input."""
+    row = key if is_postgres(db) else "rowid"
+    db.execute(
+        f"DELETE FROM {table} WHERE ({row}) IN (SELECT {row} FROM {table} WHERE {where} LIMIT ?)",  # noqa: S608
+        (*args, PRUNE_BATCH),
+    )
+    return db.changes()
+
+
 def as_int(value: object) -> int:
     if not isinstance(value, int):
         raise StoreError(f"expected an integer column, got {type(value).__name__}")

@@ -10,7 +10,7 @@ import attrs
 from nexa.contracts import codec
 from nexa.contracts.domain import TenantId
 from nexa.contracts.gateway import AcceptedWorkload, SignedReceipt, WorkloadState
-from nexa.control.store.sql import PRUNE_BATCH, Db, is_postgres, txn
+from nexa.control.store.sql import Db, delete_batch, txn
 from nexa.errors import Conflict
 
 
@@ -185,16 +185,6 @@ def workload_receipt_by_key(db: Db, tenant: TenantId, key_sha256: str) -> Signed
 def prune_workloads(db: Db, before: float) -> int:
     """Delete up to PRUNE_BATCH finished workloads (and their receipts) older than `before`."""
     with txn(db):
-        if is_postgres(db):  # no rowid there: the primary key
-            db.execute(
-                "DELETE FROM workload WHERE (tenant, workload_id) IN (SELECT tenant, workload_id FROM workload"
-                " WHERE finished_at IS NOT NULL AND finished_at < ? LIMIT ?)",
-                (before, PRUNE_BATCH),
-            )
-        else:
-            db.execute(
-                "DELETE FROM workload WHERE rowid IN (SELECT rowid FROM workload"
-                " WHERE finished_at IS NOT NULL AND finished_at < ? LIMIT ?)",
-                (before, PRUNE_BATCH),
-            )
-        return db.changes()
+        return delete_batch(
+            db, "workload", "tenant, workload_id", "finished_at IS NOT NULL AND finished_at < ?", (before,)
+        )
