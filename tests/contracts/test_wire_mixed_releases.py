@@ -109,8 +109,9 @@ def test_what_is_hashed_keeps_its_bytes() -> None:
     assert spec_sha256(spec) == spec_sha256(codec.loads(codec.wire, codec.dumps(codec.wire_sent, spec), RuntimeSpec))
 
 
-#: `InferHead` before media uploads (`content_type`) and LoRA adapters (`lora`).
-EARLIER_INFER = _earlier(wire.InferHead, {"content_type", "lora"})
+#: `InferHead` before media uploads (`content_type`), LoRA adapters (`lora`) and stored responses'
+#: own routes (`method`).
+EARLIER_INFER = _earlier(wire.InferHead, {"content_type", "lora", "method"})
 
 
 def test_an_earlier_node_reads_an_infer_head_that_uses_nothing_new() -> None:
@@ -131,4 +132,17 @@ def test_an_infer_head_for_an_adapter_is_refused_by_an_earlier_node_naming_it() 
         assignment_id="r-1", path="/v1/chat/completions", stream=False, deadline_at=1.8e9, window=1, lora="poet"
     )
     with pytest.raises(ContractError, match="lora"):
+        codec.loads(codec.wire, heads.encode(head), EARLIER_INFER)
+
+
+def test_a_stored_responses_retrieve_is_refused_by_an_earlier_node_naming_its_method() -> None:
+    head = wire.InferHead(
+        assignment_id="r-1",
+        path="/v1/responses/resp_0123",
+        stream=False,
+        deadline_at=1.8e9,
+        window=1,
+        method=wire.RuntimeMethod.GET,
+    )
+    with pytest.raises(ContractError, match="method"):
         codec.loads(codec.wire, heads.encode(head), EARLIER_INFER)
