@@ -114,35 +114,28 @@ def test_what_is_hashed_keeps_its_bytes() -> None:
 EARLIER_INFER = _earlier(wire.InferHead, {"content_type", "lora", "method"})
 
 
+def _infer(**changes: Any) -> wire.InferHead:
+    fields: dict[str, Any] = {"assignment_id": "r-1", "path": "/v1/chat/completions", "stream": False}
+    return wire.InferHead(**(fields | {"deadline_at": 1.8e9, "window": 64} | changes))
+
+
 def test_an_earlier_node_reads_an_infer_head_that_uses_nothing_new() -> None:
-    head = wire.InferHead(
-        assignment_id="r-1",
-        path="/v1/chat/completions",
-        stream=True,
-        deadline_at=1.8e9,
-        window=64,
-        content_type="application/" + "json",  # equal to the default, not the same object
-    )
+    # `content_type` equal to its default but not the same object: left out all the same.
+    head = _infer(stream=True, content_type="application/" + "json", method=wire.RuntimeMethod("POST"))
     got = codec.loads(codec.wire, heads.encode(head), EARLIER_INFER)
-    assert (got.assignment_id, got.path, got.window) == ("r-1", "/v1/chat/completions", 64)
+    assert (got.assignment_id, got.path, got.stream, got.window) == ("r-1", "/v1/chat/completions", True, 64)
 
 
-def test_an_infer_head_for_an_adapter_is_refused_by_an_earlier_node_naming_it() -> None:
-    head = wire.InferHead(
-        assignment_id="r-1", path="/v1/chat/completions", stream=False, deadline_at=1.8e9, window=1, lora="poet"
-    )
-    with pytest.raises(ContractError, match="lora"):
-        codec.loads(codec.wire, heads.encode(head), EARLIER_INFER)
-
-
-def test_a_stored_responses_retrieve_is_refused_by_an_earlier_node_naming_its_method() -> None:
-    head = wire.InferHead(
-        assignment_id="r-1",
-        path="/v1/responses/resp_0123",
-        stream=False,
-        deadline_at=1.8e9,
-        window=1,
-        method=wire.RuntimeMethod.GET,
-    )
-    with pytest.raises(ContractError, match="method"):
-        codec.loads(codec.wire, heads.encode(head), EARLIER_INFER)
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"lora": "poet"}, "lora"),  # a request for a LoRA adapter
+        ({"path": "/v1/responses/resp_0123", "method": wire.RuntimeMethod.GET}, "method"),  # a retrieve
+        ({"path": "/v1/audio/transcriptions", "content_type": "multipart/form-data; boundary=b"}, "content_type"),
+    ],
+)
+def test_an_infer_head_using_a_new_field_is_refused_by_an_earlier_node_naming_it(
+    changes: dict[str, Any], field: str
+) -> None:
+    with pytest.raises(ContractError, match=field):
+        codec.loads(codec.wire, heads.encode(_infer(**changes)), EARLIER_INFER)
