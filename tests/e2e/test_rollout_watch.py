@@ -38,7 +38,7 @@ import trio
 
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, ok
-from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, free_runtime_port, node_host, sdk, sim_cluster
+from tests.support.cluster import SIM_ARGS, SimCluster, free_runtime_port, node_host, sim_cluster
 from tests.support.cluster import wait_until as _wait_until
 from tests.support.console import csrf, sign_in
 from tests.support.evals import CASES, TAUGHT, lines
@@ -46,13 +46,20 @@ from tests.support.evals import register as register_suite
 from tests.support.models import registry_config
 from tests.support.oci import push_index
 from tests.support.rollout import audit
+from tests.support.watched import (
+    BAD_PLATFORMS,
+    GOOD_PLATFORMS,
+    register,
+    rolled_to_one,
+    rollout_status,
+    send_steadily,
+    view,
+    waits_for_suite,
+)
 
 pytestmark = pytest.mark.slow
 
 Json = dict[str, Any]
-#: Two images of one runtime: the platforms differ, so the digests do (never pulled: sim nodes).
-GOOD_PLATFORMS = [{"os": "linux", "architecture": "amd64"}, {"os": "linux", "architecture": "arm64"}]
-BAD_PLATFORMS = [*GOOD_PLATFORMS, {"os": "linux", "architecture": "s390x"}]
 POLICY = {"soak_s": 2.0, "min_requests": 5}
 CLIENTS = 4
 TIMEOUT_S = 120
@@ -61,12 +68,6 @@ TIMEOUT_S = 120
 async def wait_until(what: str, check: Any) -> Any:
     with trio.fail_after(TIMEOUT_S):
         return await _wait_until(what, check)
-
-
-async def register(cluster: SimCluster, name: str, image: str) -> None:
-    async with cluster.client() as http:
-        body = {"name": name, "kind": "sim", "version": name, "image": image}
-        await ok(http.post("/api/v1/runtimes", json=body), 201)
 
 
 async def deploy_full(cluster: SimCluster, *, policy: Json = POLICY, objectives: Json | None = None) -> None:
@@ -92,30 +93,11 @@ async def deploy_full(cluster: SimCluster, *, policy: Json = POLICY, objectives:
     await cluster.wait_ready("chat-a", 4)
 
 
-async def view(cluster: SimCluster) -> Json:
-    async with cluster.client() as http:
-        return await ok(http.get("/api/v1/deployments/chat-a"))
-
-
 async def rolled_to(cluster: SimCluster, runtime: str) -> bool:
     """The rollout ended with every replica of the spec `runtime` names, each Ready."""
     v = await view(cluster)
     dep = v["deployment"]
     return dep["rollout"] is None and dep["runtime"] == runtime and v["ready"] == 4
-
-
-def send_steadily(cluster: SimCluster, stop: trio.Event, outcomes: list[str]) -> None:
-    """Chat completions one after another until `stop`: `ok`, or the error's class and message."""
-    client = sdk(cluster)
-    i = 0
-    while not stop.is_set():
-        i += 1
-        messages = [{"role": "user", "content": f"question {i}: {MESSAGES[0]['content']}"}]
-        try:
-            answer = client.chat.completions.create(model="chat", messages=messages)  # type: ignore[arg-type]
-            outcomes.append("ok" if answer.choices[0].message.content else "empty")
-        except Exception as exc:
-            outcomes.append(f"{type(exc).__name__}: {exc}")
 
 
 async def change(cluster: SimCluster, runtime: str) -> None:
@@ -274,19 +256,6 @@ async def test_an_image_that_answers_slowly_is_reverted_by_the_latency_objective
         assert every and all(o == "ok" for o in every), [o for o in every if o != "ok"][:5]
 
 
-async def rollout_status(cluster: SimCluster) -> Json:
-    async with cluster.client() as http:
-        return await ok(http.get("/api/v1/deployments/chat-a/rollout"))
-
-
-async def waits_for_suite(cluster: SimCluster) -> Json | None:
-    """The rollout's status once a new replica soaked and waits for its suite; None before."""
-    status = await rollout_status(cluster)
-    rollout = status["rollout"]
-    waiting = rollout is not None and any(s["suite_wait"] and not s["passed"] for s in rollout["soaks"])
-    return status if waiting else None
-
-
 async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answers_wrong(
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
@@ -325,7 +294,8 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
 
         # Bad gates are typed refusals that change nothing.
         async with cluster.client() as http:
-            unknown = {"runtime": "sim-good", "rollout_policy": {"soak_s": 1, "suite": {"suite": "nope"}}}
+            gate = {"suite": "nope", "run_by": "operator"}
+            unknown = {"runtime": "sim-good", "rollout_policy": {"soak_s": 1, "suite": gate}}
             err = assert_envelope(await http.post("/api/v1/deployments/chat-a/change", json=unknown), 404, "not_found")
             assert "no suite nope" in str(err["message"])
             rate = {"runtime": "sim-good", "rollout_policy": {"suite": {"suite": "qa", "min_pass_rate": 1.5}}}
@@ -333,16 +303,25 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
                 await http.post("/api/v1/deployments/chat-a/change", json=rate), 400, "invalid_request"
             )
             assert "rollout_policy.suite.min_pass_rate: from 0 to 1" in str(err["message"])
-        refused = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "nope")
+        refused = await cluster.cli(
+            "deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "nope", "--suite-run-by", "operator"
+        )
         assert refused.returncode != 0 and "no suite nope" in refused.stderr
         assert (await view(cluster))["deployment"]["generation"] == generation
 
         # The right image: its replica soaks, waits for the suite, and passes once a run passes.
-        changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "qa")
+        changed = await cluster.cli(
+            "deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "qa", "--suite-run-by", "operator"
+        )
         assert changed.returncode == 0, changed.stderr
         status = await wait_until("the new replica waits for its suite", lambda: waits_for_suite(cluster))
         command = "nexa eval run qa --deployment chat-a --rollout --min-pass-rate 1"
-        assert status["rollout"]["policy"]["suite"] == {"suite": "qa", "min_pass_rate": 1.0}
+        assert status["rollout"]["policy"]["suite"] == {
+            "suite": "qa",
+            "min_pass_rate": 1.0,
+            "run_by": "operator",
+            "tenant": None,
+        }
         assert command in status["suite"] and "soaked unbroken and wait" in status["suite"]
         shown = await cluster.cli("deployments", "rollout", "status", "chat-a")
         assert shown.returncode == 0 and "suite    replica(s) " in shown.stdout and command in shown.stdout
@@ -415,9 +394,3 @@ async def suite_run(cluster: SimCluster, *flags: str) -> subprocess.CompletedPro
     return await cluster.cli(
         "eval", "run", "qa", "--deployment", "chat-a", *flags, "--inference-key", cluster.inference_key
     )
-
-
-async def rolled_to_one(cluster: SimCluster, runtime: str) -> bool:
-    v = await view(cluster)
-    dep = v["deployment"]
-    return dep["rollout"] is None and dep["runtime"] == runtime and v["ready"] == 1
