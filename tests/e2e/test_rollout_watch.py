@@ -41,8 +41,6 @@ from tests.support.api import assert_envelope, ok
 from tests.support.cluster import SIM_ARGS, SimCluster, free_runtime_port, node_host, sim_cluster
 from tests.support.cluster import wait_until as _wait_until
 from tests.support.console import csrf, sign_in
-from tests.support.evals import CASES, TAUGHT, lines
-from tests.support.evals import register as register_suite
 from tests.support.models import registry_config
 from tests.support.oci import push_index
 from tests.support.rollout import audit
@@ -53,6 +51,8 @@ from tests.support.watched import (
     rolled_to_one,
     rollout_status,
     send_steadily,
+    suite_gate_stage,
+    suite_revert,
     view,
     waits_for_suite,
 )
@@ -261,36 +261,7 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
 ) -> None:
     cfg = registry_config(tmp_path, s3_store)
     async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=2) as cluster:
-        host = test_images.busybox.partition("/")[0]
-        good = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-good", GOOD_PLATFORMS)
-        wrong = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-wrong", BAD_PLATFORMS)
-        await register(cluster, "sim-good", good)
-        await register(cluster, "sim-wrong", wrong)
-        for node in cluster.nodes:
-            node.set_faults(taught=TAUGHT, images={wrong.partition("@")[2]: {"wrong": True}})
-        exact = [c for c in CASES if c["scorer"]["kind"] in ("exact", "contains")]
-        registered = await register_suite(cluster, "qa", lines(exact))
-        assert registered.returncode == 0, registered.stderr
-        async with cluster.client() as http:
-            nodes = (await ok(http.get("/api/v1/nodes")))["nodes"]
-            port = free_runtime_port([node_host(1), node_host(2)])
-            body = {
-                "name": "chat-a",
-                "runtime": "sim",
-                "alias": "chat",
-                "replicas": 1,
-                # More than half a node: the new replica starts on the other node, beside the old one.
-                "resources": {
-                    "accelerators": 0,
-                    "memory_bytes": int(nodes[0]["inventory"]["memory_total_bytes"] * 0.55),
-                    "cpus": 0.5,
-                },
-                "options": {"port": port, "command": SIM_ARGS},
-                "rollout_policy": {"soak_s": 1.0, "min_requests": 5},
-            }
-            await ok(http.post("/api/v1/deployments", json=body), 201)
-        await cluster.wait_ready("chat-a", 1)
-        generation = (await view(cluster))["deployment"]["generation"]
+        generation = (await suite_gate_stage(cluster, test_images, "suite"))["deployment"]["generation"]
 
         # Bad gates are typed refusals that change nothing.
         async with cluster.client() as http:
@@ -367,16 +338,7 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
         assert failed_run.returncode == 1, failed_run.stdout + failed_run.stderr
         # Every case went to the new (wrong) replica alone: the old one beside it answers right.
         assert all(s["pass_rate"] == 0.0 for s in json.loads(failed_run.stdout)["summaries"]), failed_run.stdout
-        async with cluster.client() as http:
-
-            async def reverted() -> list[Json]:
-                return await audit(http, "deployment.rollout.revert")
-
-            [revert] = await wait_until("the wrong image reverted", reverted)
-            assert "failed suite qa with every pass rate >= 1: run evrun_" in revert["detail"], revert
-            assert "exact 0" in revert["detail"] and "back to runtime sim-good" in revert["detail"]
-            assert revert["actor_key_id"] is None
-        await wait_until("the right image back", lambda: rolled_to_one(cluster, "sim-good"))
+        await suite_revert(cluster, timeout_s=TIMEOUT_S)
         async with cluster.client() as http:
             metrics = (await http.get("/metrics")).text
             assert 'nexa_rollout_reverts_total{deployment="chat-a"} 1.0' in metrics
