@@ -103,10 +103,12 @@ def parts(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     wants = [WANT]
     monkeypatch.setattr(suitegate, "wanted", lambda _deployments: list(wants))
     dep = SimpleNamespace(name="chat-a", alias="chat", model=SimpleNamespace(model="tiny"), canary=None)
+    ready = ["r1"]
     deployments = SimpleNamespace(
         recovering=False,
+        desired=SimpleNamespace(entry=lambda _name: SimpleNamespace(deployment=dep)),
         show=lambda _name: SimpleNamespace(deployment=dep),
-        serving=lambda _version, alias: SimpleNamespace(replicas=["r1"]),
+        serving=lambda _version, alias: SimpleNamespace(replicas=list(ready) if alias == WANT.model else []),
     )
     jobs = Jobs()
     evals = Evals(jobs)
@@ -123,7 +125,7 @@ def parts(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
         clock=clock,
     )
     return SimpleNamespace(
-        runs=runs, wants=wants, jobs=jobs, evals=evals, gateway=gateway, tenants=tenants, clock=clock
+        runs=runs, wants=wants, jobs=jobs, evals=evals, gateway=gateway, tenants=tenants, clock=clock, ready=ready
     )
 
 
@@ -177,6 +179,19 @@ async def test_a_run_without_a_result_is_failed_shown_and_tried_again_after_a_ba
         await settle()
     assert len(parts.evals.recorded) == 1 and parts.gateway.works
     assert [j["state"] for j in parts.jobs.jobs.values()] == [JobState.FAILED, JobState.FAILED, JobState.SUCCEEDED]
+
+
+async def test_no_ready_replica_to_measure_is_no_result_and_nothing_is_sent(parts: SimpleNamespace) -> None:
+    parts.ready.clear()  # the new replica went between its soak and the run
+    async with trio.open_nursery() as nursery:
+        parts.runs.check(nursery)
+        await settle()
+    [job] = parts.jobs.jobs.values()
+    assert job["state"] is JobState.FAILED
+    assert job["summary"] == (
+        "no result: deployment chat-a has no Ready rollout replica to run suite qa on; tried again in 5 s"
+    )
+    assert parts.gateway.works == [] and parts.evals.recorded == []
 
 
 async def test_a_run_no_longer_wanted_is_cancelled_with_its_job(parts: SimpleNamespace) -> None:

@@ -97,12 +97,12 @@ class Want:
 
 def wanted(deployments: Deployments) -> list[Want]:
     """Every gate the controller runs that waits for a run now: a rollout's new replica that soaked
-    unbroken (`Soak.suite_wait`) with no run of its suite recorded since it became Ready, a Ready
-    canary with none since it started."""
+    unbroken (`Soak.suite_wait`) with no run of its suite recorded since it became Ready, a canary
+    with a Ready replica and none since it started. Reads memory only."""
     models = deployments.desired.models
     out = []
-    for view in deployments.all():
-        dep = view.deployment
+    for name, entry in sorted(deployments.desired.entries.items()):
+        dep = entry.deployment
         rollout = dep.rollout
         gate = rollout.policy.suite if rollout is not None and rollout.policy is not None else None
         if rollout is not None and gate is not None and gate.by_controller:
@@ -113,22 +113,34 @@ def wanted(deployments: Deployments) -> list[Want]:
             placed = {r.id for r in dep.placed}
             for soak in rollout.soaks:
                 if soak.suite_wait and not soak.passed and soak.replica_id in placed:
-                    if rolloutsuite.verdict(runs, dep.name, gate, since=soak.ready_at).passed is None:
-                        subject = f"suite-gate/{dep.name}/rollout/{rollout.started_at:.6f}/{soak.replica_id}"
-                        what = f"{dep.name}'s new replicas (replica {soak.replica_id})"
-                        out.append(Want(deployment=dep.name, against="rollout", gate=gate, subject=subject, what=what))
+                    if rolloutsuite.verdict(runs, name, gate, since=soak.ready_at).passed is None:
+                        subject = f"suite-gate/{name}/rollout/{rollout.started_at:.6f}/{soak.replica_id}"
+                        what = f"{name}'s new replicas (replica {soak.replica_id})"
+                        out.append(Want(deployment=name, against="rollout", gate=gate, subject=subject, what=what))
                     break  # one run measures every new replica: one at a time
         canary = dep.canary
-        if canary is not None and canary.suite is not None and canary.suite.by_controller and view.canary_ready:
+        if canary is not None and canary.suite is not None and canary.suite.by_controller:
             try:
-                newest = canarysuite.newest_run(models, dep.name, canary)
+                newest = canarysuite.newest_run(models, name, canary)
             except NotFound:
                 newest = None
-            if newest is None:
-                subject = f"suite-gate/{dep.name}/canary/{canary.started_at:.6f}"
-                what = f"{dep.name}'s canary ({canary.model.key})"
-                out.append(Want(deployment=dep.name, against="canary", gate=canary.suite, subject=subject, what=what))
+            want = Want(
+                deployment=name,
+                against="canary",
+                gate=canary.suite,
+                subject=f"suite-gate/{name}/canary/{canary.started_at:.6f}",
+                what=f"{name}'s canary ({canary.model.key})",
+            )
+            if newest is None and measured_ready(deployments, want):
+                out.append(want)
     return out
+
+
+def measured_ready(deployments: Deployments, want: Want) -> bool:
+    """Whether a replica the gate counts is Ready now (the gateway's serving set for its model name)."""
+    dep = deployments.desired.entry(want.deployment).deployment
+    version = dep.canary.model if want.against == "canary" and dep.canary is not None else dep.model
+    return bool(deployments.serving(version, alias=want.model).replicas)
 
 
 @attrs.define
@@ -275,9 +287,7 @@ class GateRuns:
 
     def _target_ready(self, want: Want) -> None:
         """Unavailable while no replica the gate counts is Ready (a run now would score nothing)."""
-        dep = self._deployments.show(want.deployment).deployment
-        version = dep.canary.model if want.against == "canary" and dep.canary is not None else dep.model
-        if not self._deployments.serving(version, alias=want.model).replicas:
+        if not measured_ready(self._deployments, want):
             raise Unavailable(
                 f"deployment {want.deployment} has no Ready {want.against} replica to run suite {want.gate.suite} on"
             )
