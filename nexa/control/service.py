@@ -522,6 +522,7 @@ def _gate_runs(c: _Controller) -> GateRuns:
         Jobs.of(state.jobs),
         c.gateway,
         tenant_exists=c.accounts.tenant_exists,
+        audit=c.accounts.record,
         deadline_s=c.cfg.gateway.default_deadline_s,
     )
 

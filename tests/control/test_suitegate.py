@@ -115,17 +115,31 @@ def parts(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
     gateway = Gateway()
     tenants = {"evals"}
     clock = Clock()
+    audited: list[tuple[Any, ...]] = []
+
+    async def audit(actor: Any, action: str, target: str, *, detail: str) -> None:
+        audited.append((actor.key_id, action, target, detail))
+
     runs = GateRuns(
         deployments,  # type: ignore[arg-type]
         evals,  # type: ignore[arg-type]
         jobs,  # type: ignore[arg-type]
         gateway,  # type: ignore[arg-type]
         tenant_exists=lambda t: t in tenants,
+        audit=audit,
         deadline_s=30.0,
         clock=clock,
     )
     return SimpleNamespace(
-        runs=runs, wants=wants, jobs=jobs, evals=evals, gateway=gateway, tenants=tenants, clock=clock, ready=ready
+        runs=runs,
+        audited=audited,
+        wants=wants,
+        jobs=jobs,
+        evals=evals,
+        gateway=gateway,
+        tenants=tenants,
+        clock=clock,
+        ready=ready,
     )
 
 
@@ -154,6 +168,9 @@ async def test_a_run_goes_through_the_gateway_as_the_tenant_and_is_recorded_once
     }
     assert all("model" not in w.body for w in parts.gateway.works)
     assert parts.runs.running() == []
+    [(who, action, target, detail)] = parts.audited  # the start, by the controller
+    assert (who, action, target) == (None, "eval.gate.run", "deployment/chat-a")
+    assert detail.startswith("eval qa on chat-a's new replicas (replica r1), by the controller as tenant evals (job ")
 
 
 async def test_a_run_without_a_result_is_failed_shown_and_tried_again_after_a_backoff(

@@ -134,6 +134,8 @@ async def test_the_controller_runs_the_gate_itself_passing_a_right_image_and_rev
                     assert any(" passed: " in d and f"run {run['id']} passed" in d for d in watched), watched
                     [recorded] = await audit(http, "eval.run.record")
                     assert recorded["actor_key_id"] is None  # the controller itself
+                    [begun] = await audit(http, "eval.gate.run")
+                    assert begun["actor_key_id"] is None and "as tenant evals" in begun["detail"]
                 jobs = (await get(cluster, "/api/v1/jobs", kind="eval"))["jobs"]
                 [job] = [j for j in jobs if j["state"] == "succeeded"]
                 assert "by the controller as tenant evals" in job["title"] and job["link"].endswith(run["id"])

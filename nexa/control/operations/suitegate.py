@@ -10,9 +10,10 @@ replicas: the model names `nexa-eval-rollout.D` and `nexa-eval-canary.D` that `n
 the run is recorded by `Evals.record` as the CLI's is (the model version's measured evaluation:
 suite digest, deployment, the `rollout` or `canary` mark, audited `eval.run.record` and
 `model.evaluate` by the controller). It is an `eval` job (`nexa jobs list --kind eval`) whose
-progress follows the cases. What happens next is the gate's: the watcher passes the replica or
-reverts the rollout (`deployment.rollout.revert`, alerted); `promote` lets the canary through or
-refuses it. An operator's run still counts: the newest decides.
+progress follows the cases; each start is audited (`eval.gate.run`). What happens next is the
+gate's: the watcher passes the replica or reverts the rollout (`deployment.rollout.revert`,
+alerted); `promote` lets the canary through or refuses it. An operator's run still counts: the
+newest decides.
 
 Whose run it is: the gate names a tenant (`CanarySuite.tenant`, required when the controller runs
 it, refused when it does not exist), and the run is that tenant's. Each case is one call through
@@ -40,7 +41,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Final, NoReturn
 
 import attrs
@@ -70,6 +71,8 @@ INTERVAL_S: Final = 1.0
 #: A run that ended without a result is tried again after this, doubling to the most (seconds).
 RETRY_FIRST_S: Final = 5.0
 RETRY_MAX_S: Final = 300.0
+#: The audit action of a run's start (its record is `eval.run.record`, by `Evals.record`).
+RUN_STARTED: Final = "eval.gate.run"
 #: The key id the controller's gateway calls are metered under (no API key has it: not 12 hex digits).
 CONTROLLER_KEY: Final = KeyId("controller")
 _CAPABILITY_BY_PATH: Final = {c.path: c for c in (Capability.CHAT, Capability.COMPLETION, Capability.EMBEDDING)}
@@ -160,18 +163,21 @@ class GateRuns:
         gateway: Gateway,
         *,
         tenant_exists: Callable[[TenantId], bool],
+        audit: Callable[..., Awaitable[object]],
         deadline_s: float,
         interval_s: float = INTERVAL_S,
         run_deadline_s: float = RUN_DEADLINE_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`deadline_s`: each gateway call's (the gateway's default for a client's request);
-        `clock`: what backoffs are timed by."""
+        """`audit(actor, action, target, detail=)`: `Accounts.record`, which audits a run's start;
+        `deadline_s`: each gateway call's (the gateway's default for a client's request); `clock`:
+        what backoffs are timed by."""
         self._deployments = deployments
         self._evals = evals
         self._jobs = jobs
         self._gateway = gateway
         self._tenant_exists = tenant_exists
+        self._audit = audit
         self._deadline_s = deadline_s
         self._interval_s = interval_s
         self._run_deadline_s = run_deadline_s
@@ -227,6 +233,7 @@ class GateRuns:
         gate = want.gate
         title = f"eval {gate.suite} on {want.what}, by the controller as tenant {gate.tenant}"
         job = await self._jobs.record(JobKind.EVAL, title, subject=want.subject, progress=0.0)
+        await self._audit(SYSTEM, RUN_STARTED, f"deployment/{want.deployment}", detail=f"{title} (job {job})")
         try:
             run = await self._measure(want, job)
         except NexaError as exc:
