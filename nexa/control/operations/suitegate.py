@@ -20,10 +20,13 @@ it, refused when it does not exist), and the run is that tenant's. Each case is 
 `Gateway.call`, in-process, as tenant `tenant` — the tenant's quotas and rate limits, admission
 (standard priority) with the gateway's default deadline, routing, the relay and metering (usage
 records of that tenant, under the key id `controller`) — the same pipeline a client's
-`/v1/chat/completions` takes once its key is checked. There is no key: no secret is minted, kept
-or revoked, and nothing listens; a tenant's usage and limits are its own, so an operator chooses
-whose (a tenant for evaluations, say) rather than a built-in tenant with no limits that nobody
-administers.
+`/v1/chat/completions` takes once its key is checked (its body checked as the front checks it).
+In-process rather than over loopback HTTP with a short-lived key minted for the run: what that
+would add is only what a key is for, authenticating a caller from outside, at the price of a
+secret created, audited and revoked per run and a listener the controller may serve with TLS or
+from worker processes; here there is no key, no secret is kept, and nothing listens. A tenant's
+usage and limits are its own, so an operator chooses whose (a tenant for evaluations, say) rather
+than a built-in tenant with no limits that nobody administers.
 
 A run that cannot start or finish without a result — its suite gone or no longer parsing, the
 tenant gone or refused by the gateway (403), no Ready replica to run against — fails its job
