@@ -692,7 +692,7 @@ def suite_gate_problems(gate: CanarySuite, where: str = "suite") -> list[str]:
     if gate.run_by is SuiteRunBy.CONTROLLER and gate.tenant is None:
         problems.append(
             f"{where}.tenant: the tenant the controller runs the suite as (its quotas and limits apply, "
-            f"its usage it is), or {where}.run_by operator"
+            f"the usage is its own), or {where}.run_by operator"
         )
     elif gate.tenant is not None and (p := name_problem(f"{where}.tenant", gate.tenant)):
         problems.append(p)
