@@ -1,7 +1,7 @@
 """A rollout's suite gate the controller runs itself (`control.operations.suitegate`), end to end:
 two real `nexa node` agents running `sim` runtimes taught the suite's answers, one replica with
 room for a second, clients sending steadily through the official `openai` SDK the whole time, and
-no operator running `nexa eval run`.
+no operator running `nexa eval run`. Then a controller killed during its run, started again.
 
 An image whose runtime answers right rolls through: once its replica soaked, the controller runs
 the suite against the new replicas alone, as the gate's tenant (`--suite-tenant evals`, metered
@@ -15,17 +15,21 @@ gate naming no tenant, is refused and changes nothing.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
+from tests.conftest import Controller, ControllerProcess, free_port
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, ok
-from tests.support.cluster import SimCluster, sim_cluster
+from tests.support.cluster import SimCluster, sim_cluster, sim_fleet
 from tests.support.cluster import wait_until as _wait_until
-from tests.support.models import registry_config
+from tests.support.evals import CASES, TAUGHT, lines
+from tests.support.evals import register as register_suite
+from tests.support.models import bring_to, registry_config, registry_config_file
 from tests.support.rollout import audit
 from tests.support.watched import (
     rolled_to_one,
@@ -93,23 +97,14 @@ async def test_the_controller_runs_the_gate_itself_passing_a_right_image_and_rev
                 clients.start_soon(trio.to_thread.run_sync, send_steadily, cluster, stop, mine)
             try:
                 # The right image: the controller's own run passes its replica; nobody runs `nexa eval run`.
-                changed = await cluster.cli(
-                    "deployments",
-                    "change",
-                    "chat-a",
-                    "--runtime",
-                    "sim-good",
-                    "--suite",
-                    "qa",
-                    "--suite-tenant",
-                    "evals",
-                )
+                # A longer soak: the status below is read while the rollout still holds the replica.
+                gate = ("--suite", "qa", "--suite-tenant", "evals", "--soak-s", "4")
+                changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", *gate)
                 assert changed.returncode == 0, changed.stderr
                 shown = await cluster.cli("deployments", "rollout", "status", "chat-a")
                 assert shown.returncode == 0, shown.stderr
-                assert (
-                    "waits for suite qa (every pass rate >= 1): the controller runs it as tenant evals" in shown.stdout
-                )
+                said = "suite qa (every pass rate >= 1): the controller runs it as tenant evals"
+                assert said in shown.stdout, shown.stdout
                 status = await rollout_status(cluster)
                 assert status["rollout"]["policy"]["suite"] == {
                     "suite": "qa",
@@ -131,6 +126,8 @@ async def test_the_controller_runs_the_gate_itself_passing_a_right_image_and_rev
                 assert listed.returncode == 0 and run["id"] in listed.stdout
                 async with cluster.client() as http:
                     watched = [e["detail"] for e in await audit(http, "deployment.rollout.watch")]
+                    waited = [d for d in watched if " suite: " in d]
+                    assert waited and "the controller runs it as tenant evals" in waited[0], watched
                     assert any(" passed: " in d and f"run {run['id']} passed" in d for d in watched), watched
                     [recorded] = await audit(http, "eval.run.record")
                     assert recorded["actor_key_id"] is None  # the controller itself
@@ -159,3 +156,60 @@ async def test_the_controller_runs_the_gate_itself_passing_a_right_image_and_rev
         every = [o for mine in outcomes for o in mine]
         assert every and all(mine for mine in outcomes)
         assert [o for o in every if o != "ok"] == []  # no client request failed
+
+
+async def test_a_controller_killed_during_its_run_runs_it_again_once_restarted_and_records_it_once(
+    tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
+) -> None:
+    """`nexa control` as a process, SIGKILLed while its canary's suite run is in flight (every answer
+    slowed), started again on its state: the run left behind is failed as interrupted, the gate run
+    again, and exactly one run recorded, which lets the canary be promoted."""
+    config = registry_config_file(tmp_path, s3_store)
+    # Fixed ports: the restarted controller answers where the nodes dial.
+    process = ControllerProcess(state_dir=tmp_path / "state", port=free_port())
+    await trio.to_thread.run_sync(functools.partial(process.start, "--config", str(config), timeout_s=60))
+    assert process.admin_key is not None
+    controller = Controller(process.url, process.admin_key, process.state_dir, trio.Event())
+    try:
+        async with sim_fleet(controller, tmp_path, s3_store, test_images, nodes=2) as cluster:
+            assert (await register_suite(cluster, "qa", lines(CASES[:3]))).returncode == 0
+            await cluster.deploy("chat-a", replicas=1)
+            async with cluster.client() as http:
+                await ok(http.post("/api/v1/tenants", json={"id": "evals"}), 201)
+                await bring_to(http, cluster.s3, "tiny", "v2", "Approved")
+                canary = {
+                    "model": {"model": "tiny", "version": "v2"},
+                    "weight": 0.1,
+                    "suite": {"suite": "qa", "tenant": "evals"},
+                }
+                started = await ok(http.post("/api/v1/deployments/chat-a/canary", json=canary), 201)
+            on = started["deployment"]["canary"]["placed"][0]["node_id"]
+            for node in cluster.nodes:  # each answer on the canary's node takes 6 s: the run is in flight a while
+                node.set_faults(taught=TAUGHT, **({"slow_ms": 6000} if node.node_id == on else {}))
+
+            async def eval_jobs() -> list[Json]:
+                return list((await get(cluster, "/api/v1/jobs", kind="eval"))["jobs"])
+
+            async def running() -> list[Json]:
+                return [j for j in await eval_jobs() if j["state"] == "running"]
+
+            [first] = await wait_until("the controller's run in flight", running)
+            await trio.to_thread.run_sync(process.kill)
+            await trio.to_thread.run_sync(functools.partial(process.start, "--config", str(config), timeout_s=60))
+
+            async def recorded() -> list[Json]:
+                return list((await get(cluster, "/api/v1/eval/runs"))["runs"])
+
+            [run] = await wait_until("the run made again, recorded", recorded)
+            assert run["passed"] and run["version"] == "v2" and run["run"]["canary"]
+            jobs = {j["id"]: j for j in await eval_jobs()}
+            assert jobs[first["id"]]["state"] == "failed"
+            assert jobs[first["id"]]["summary"].startswith("interrupted: its controller stopped")
+            assert [j["state"] for i, j in jobs.items() if i != first["id"]] == ["succeeded"]
+            await trio.sleep(2)  # nothing more is run: the gate has its result
+            assert len(await recorded()) == 1 and len(await eval_jobs()) == 2
+            async with cluster.client() as http:
+                promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
+            assert promoted["deployment"]["deployment"]["model"] == {"model": "tiny", "version": "v2"}
+    finally:
+        process.kill()

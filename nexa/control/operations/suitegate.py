@@ -104,7 +104,8 @@ class Want:
 def wanted(deployments: Deployments) -> list[Want]:
     """Every gate the controller runs that waits for a run now: a rollout's new replica that soaked
     unbroken (`Soak.suite_wait`) with no run of its suite recorded since it became Ready, a canary
-    with a Ready replica and none since it started. Reads memory only."""
+    with none since it started; each while a replica the run measures is Ready (after a restart,
+    once its node is heard again). Reads memory only."""
     models = deployments.desired.models
     out = []
     for name, entry in sorted(deployments.desired.entries.items()):
@@ -119,10 +120,16 @@ def wanted(deployments: Deployments) -> list[Want]:
             placed = {r.id for r in dep.placed}
             for soak in rollout.soaks:
                 if soak.suite_wait and not soak.passed and soak.replica_id in placed:
-                    if rolloutsuite.verdict(runs, name, gate, since=soak.ready_at).passed is None:
-                        subject = f"suite-gate/{name}/rollout/{rollout.started_at:.6f}/{soak.replica_id}"
-                        what = f"{name}'s new replicas (replica {soak.replica_id})"
-                        out.append(Want(deployment=name, against="rollout", gate=gate, subject=subject, what=what))
+                    want = Want(
+                        deployment=name,
+                        against="rollout",
+                        gate=gate,
+                        subject=f"suite-gate/{name}/rollout/{rollout.started_at:.6f}/{soak.replica_id}",
+                        what=f"{name}'s new replicas (replica {soak.replica_id})",
+                    )
+                    undecided = rolloutsuite.verdict(runs, name, gate, since=soak.ready_at).passed is None
+                    if undecided and measured_ready(deployments, want):
+                        out.append(want)
                     break  # one run measures every new replica: one at a time
         canary = dep.canary
         if canary is not None and canary.suite is not None and canary.suite.by_controller:
