@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import pytest
 import trio
 
@@ -29,6 +30,7 @@ from tests.conftest import Controller, start_controller
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SimCluster, gateway_cluster, new_key, wait_until
+from tests.support.console import sign_in
 from tests.support.evals import CASES, TAUGHT, lines, register
 from tests.support.models import bring_to, registry_config
 
@@ -229,7 +231,7 @@ async def test_a_canary_with_a_suite_is_promoted_only_once_the_suite_passed_agai
     canary = {
         "model": {"model": "tiny", "version": "v2"},
         "weight": 0.1,
-        "suite": {"suite": "qa", "min_pass_rate": 0.9},
+        "suite": {"suite": "qa", "min_pass_rate": 0.9, "run_by": "operator"},
     }
     async with cluster.client() as http:
         await bring_to(http, cluster.s3, "tiny", "v2", "Approved")
@@ -269,3 +271,81 @@ async def test_a_canary_with_a_suite_is_promoted_only_once_the_suite_passed_agai
     async with cluster.client() as http:
         promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
     assert promoted["deployment"]["deployment"]["model"] == {"model": "tiny", "version": "v2"}
+
+
+async def test_the_controller_runs_a_canarys_suite_itself_and_its_run_gates_promotion(cluster: SimCluster) -> None:
+    assert (await register(cluster, "qa", lines(CASES[:3]))).returncode == 0
+    canary: Json = {"model": {"model": "tiny", "version": "v2"}, "weight": 0.1}
+    async with cluster.client() as http:
+        await bring_to(http, cluster.s3, "tiny", "v2", "Approved")
+        await ok(http.post("/api/v1/tenants", json={"id": "evals"}), 201)
+        # A tenant or a suite that does not exist: refused, nothing starts.
+        for gate, said in (
+            ({"suite": "qa", "tenant": "nobody"}, "no tenant nobody"),
+            ({"suite": "nope", "tenant": "evals"}, "no suite nope"),
+        ):
+            refused = await http.post("/api/v1/deployments/chat-a/canary", json=dict(canary, suite=gate))
+            assert refused.status_code == 404 and said in refused.json()["error"]["message"], refused.text
+        untold = await http.post("/api/v1/deployments/chat-a/canary", json=dict(canary, suite={"suite": "qa"}))
+        assert untold.status_code == 400 and "suite.tenant" in untold.text
+        assert (await ok(http.get("/api/v1/deployments/chat-a")))["deployment"]["canary"] is None
+
+    # Through the CLI: the controller runs the suite (as tenant evals) once the canary is Ready.
+    started = await cluster.cli(
+        "deployments", "canary", "chat-a", "--model", "tiny", "--version", "v2", "--weight", "0.1",
+        "--suite", "qa", "--suite-tenant", "evals",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert (
+        "suite    qa (every pass rate >= 1) before promotion: the controller runs it as tenant evals" in started.stdout
+    )
+    dep = (await get(cluster, "/api/v1/deployments/chat-a"))["deployment"]
+    stable, on = dep["placed"][0]["node_id"], dep["canary"]["placed"][0]["node_id"]
+    assert stable != on  # spread over the two nodes
+    # The run reaches the canary's replicas alone: the stable replica's node answers wrong.
+    next(n for n in cluster.nodes if n.node_id == stable).set_faults(taught=TAUGHT, wrong=True)
+    async with cluster.client() as http:  # at once: its replica is not Ready yet, so no run was made
+        early = await http.post("/api/v1/deployments/chat-a/promote")
+    assert early.status_code == 409 and "the controller runs it as tenant evals" in early.text, early.text
+    async with httpx.AsyncClient(base_url=cluster.controller.url, timeout=10) as browser:
+        assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+        page = (await browser.get("/console/deployments/chat-a")).text
+    assert 'id="canary-suite"' in page and "the controller runs it as tenant evals" in page
+
+    async def recorded() -> list[Json]:
+        return [r for r in (await get(cluster, "/api/v1/eval/runs"))["runs"] if r["run"]["canary"]]
+
+    [measured_run] = await wait_until("the controller's run against the canary", recorded)
+    assert (measured_run["version"], measured_run["passed"], measured_run["recorded_by"]) == ("v2", True, None)
+    jobs = (await get(cluster, "/api/v1/jobs?kind=eval"))["jobs"]
+    assert any(j["state"] == JobState.SUCCEEDED and "canary (tiny@v2)" in j["title"] for j in jobs), jobs
+    async with cluster.client() as http:
+        promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
+    assert promoted["deployment"]["deployment"]["model"] == {"model": "tiny", "version": "v2"}
+
+    async def rolled() -> bool:
+        return (await get(cluster, "/api/v1/deployments/chat-a"))["deployment"]["rollout"] is None
+
+    await wait_until("the promotion rolled out", rolled)
+
+    # A canary whose run fails is not promoted; an operator's later run counts (the newest decides).
+    for node in cluster.nodes:
+        node.set_faults(taught=TAUGHT, wrong=True)
+    back = {"model": {"model": "tiny", "version": "v1"}, "weight": 0.1, "suite": {"suite": "qa", "tenant": "evals"}}
+    async with cluster.client() as http:
+        await ok(http.post("/api/v1/deployments/chat-a/canary", json=back), 201)
+
+    async def failed_run() -> list[Json]:
+        return [r for r in await recorded() if r["version"] == "v1" and not r["passed"]]
+
+    await wait_until("the controller's failing run against the canary", failed_run)
+    async with cluster.client() as http:
+        refused = await http.post("/api/v1/deployments/chat-a/promote")
+    assert refused.status_code == 409 and "the newest run (evrun_" in refused.json()["error"]["message"], refused.text
+    for node in cluster.nodes:
+        node.set_faults(taught=TAUGHT)
+    measured = await run(cluster, "--canary", "--json")
+    assert measured.returncode == 0, measured.stderr
+    async with cluster.client() as http:
+        promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
+    assert promoted["deployment"]["deployment"]["model"] == {"model": "tiny", "version": "v1"}

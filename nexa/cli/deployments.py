@@ -53,8 +53,13 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("--max-p95-ms", type=float, help="roll back above this p95 latency (default: not checked)")
     s.add_argument("--window-s", type=float, default=60.0, help="the window the figures cover")
     s.add_argument("--min-requests", type=int, default=20, help="fewer requests in the window decide nothing")
-    s.add_argument("--suite", help="promote only once this suite passed against the canary (`nexa eval run --canary`)")
+    s.add_argument(
+        "--suite",
+        help="promote only once this suite passed against the canary (the controller's own run once it is "
+        "Ready, as --suite-tenant; or --suite-run-by operator: `nexa eval run --canary`)",
+    )
     s.add_argument("--suite-min-pass-rate", type=float, default=1.0, help="with --suite: each metric's least (1)")
+    rollouts.suite_run_flags(s)
     s.set_defaults(handler=_deployments_canary)
     for verb, text in (
         ("promote", "make the canary's version the deployment's (its alias moves too)"),
@@ -218,6 +223,12 @@ def print_rollout(view: DeploymentView) -> None:
             f"weight {canary.weight:g}; objective: error rate <= {o.max_error_rate:g}, p95 <= {p95}, "
             f"over {o.window_s:g} s, from {o.min_requests} requests"
         )
+        if (gate := canary.suite) is not None:
+            who = f"the controller runs it as tenant {gate.tenant}" if gate.by_controller else "an operator runs it"
+            print(
+                f"suite    {gate.suite} (every pass rate >= {gate.min_pass_rate:g}) before promotion: {who} "
+                f"(`nexa eval run {gate.suite} --deployment {dep.name} --canary` counts too; the newest decides)"
+            )
     if (rollout := dep.rollout) is not None:
         print(
             f"rollout  {ref(rollout.from_)} -> {ref(rollout.to)} ({rollout.reason}): "
@@ -323,8 +334,9 @@ def _deployments_canary(args: argparse.Namespace) -> int:
             "min_requests": args.min_requests,
         },
     }
+    rollouts.check_gate_flags(args)
     if args.suite:
-        body["suite"] = {"suite": args.suite, "min_pass_rate": args.suite_min_pass_rate}
+        body["suite"] = rollouts.gate_body(args, args.suite_min_pass_rate)
     with common.client(args) as c:
         out = c.post(f"/api/v1/deployments/{args.name}/canary", DeploymentView, body=body)
     DEPLOYMENT.emit(args, out, [out])

@@ -49,7 +49,10 @@ With --deployment D --canary, the cases go to D's canary replicas alone and the 
 canary version's evaluation: what a canary started with --suite needs before it is promoted.
 
 With --deployment D --rollout, the cases go to the new replicas of D's rollout alone (those that run
-its spec now): what a rollout policy's suite gate needs before each new replica passes."""
+its spec now): what a rollout policy's suite gate needs before each new replica passes.
+
+A gate run by the controller (the default: `--suite-tenant T`) needs no such run: the controller
+runs it itself, as tenant T, with this scorer. A run made here counts too: the newest decides."""
 
 
 def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:

@@ -10,7 +10,8 @@ from typing import Any, Final
 from nexa.cli import common
 from nexa.cli.output import print_json, ref
 from nexa.cli.tables import DEPLOYMENT
-from nexa.contracts.deployments import DeploymentView, RolloutPolicy, RolloutStatus
+from nexa.contracts import codec
+from nexa.contracts.deployments import DeploymentView, RolloutPolicy, RolloutStatus, SuiteRunBy
 from nexa.errors import ConfigError
 
 EXIT_OK: Final = 0
@@ -42,8 +43,8 @@ def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> Non
     gate = s.add_mutually_exclusive_group()
     gate.add_argument(
         "--suite",
-        help="after its soak, each new replica waits for a passing run of this suite "
-        "(`nexa eval run SUITE --deployment NAME`); a failing run reverts",
+        help="after its soak, each new replica waits for a passing run of this suite against the new "
+        "replicas (the controller's own, as --suite-tenant; or --suite-run-by operator); a failing run reverts",
     )
     gate.add_argument("--no-suite", action="store_true", help="remove the rollout policy's suite gate")
     s.add_argument(
@@ -51,6 +52,7 @@ def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> Non
         type=float,
         help="with --suite: each metric's least pass rate (0 to 1; default 1)",
     )
+    suite_run_flags(s)
     s.set_defaults(handler=_change)
     rollout = deployments.add_parser(
         "rollout", help="the rollout in progress: status, pause, resume, undo"
@@ -69,12 +71,16 @@ def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> Non
 def _change(args: argparse.Namespace) -> int:
     from nexa.cli.deployments import _settings  # here: that module imports this one
 
+    if args.suite_min_pass_rate is not None and not args.suite:
+        raise ConfigError("--suite-min-pass-rate goes with --suite SUITE")
+    check_gate_flags(args)
     body: dict[str, Any] = {}
     if args.runtime:
         body["runtime"] = args.runtime
     with common.client(args) as c:
         dep = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment
         if args.soak_s is not None or args.min_requests is not None or args.suite or args.no_suite:
+            # The policy is sent whole: each field the flags leave out stays as it is.
             policy = dep.rollout_policy or RolloutPolicy()
             body["rollout_policy"] = {
                 "soak_s": policy.soak_s if args.soak_s is None else args.soak_s,
@@ -102,17 +108,46 @@ def _change(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def suite_run_flags(s: argparse.ArgumentParser) -> None:
+    """Who runs a suite gate's run (`nexa deployments change`, `nexa deployments canary`)."""
+    s.add_argument(
+        "--suite-tenant",
+        help="with --suite: the tenant the controller runs the suite as, through the gateway (its quotas "
+        "and limits apply, the usage is its own); required unless --suite-run-by operator",
+    )
+    s.add_argument(
+        "--suite-run-by",
+        choices=[r.value for r in SuiteRunBy],
+        help="with --suite: who runs it: the controller, as soon as it is wanted (default), or an "
+        "operator with `nexa eval run SUITE --deployment NAME --rollout|--canary`",
+    )
+
+
+def gate_body(args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """The suite gate `--suite` and its flags ask for (JSON)."""
+    body: dict[str, Any] = {"suite": args.suite, "min_pass_rate": rate}
+    if args.suite_run_by is not None:
+        body["run_by"] = args.suite_run_by
+    if args.suite_tenant is not None:
+        body["tenant"] = args.suite_tenant
+    return body
+
+
+def check_gate_flags(args: argparse.Namespace) -> None:
+    """Refuse --suite-tenant or --suite-run-by without --suite."""
+    for flag, value in (("--suite-tenant", args.suite_tenant), ("--suite-run-by", args.suite_run_by)):
+        if value is not None and not args.suite:
+            raise ConfigError(f"{flag} goes with --suite SUITE")
+
+
 def _gate(args: argparse.Namespace, policy: RolloutPolicy) -> dict[str, Any] | None:
-    """The policy's suite gate as the flags leave it (JSON)."""
-    if args.suite_min_pass_rate is not None and not args.suite:
-        raise ConfigError("--suite-min-pass-rate goes with --suite SUITE")
+    """The policy's suite gate as the flags leave it (JSON; `_change` checked them)."""
     if args.no_suite:
         return None
     if args.suite:
-        rate = 1.0 if args.suite_min_pass_rate is None else args.suite_min_pass_rate
-        return {"suite": args.suite, "min_pass_rate": rate}
+        return gate_body(args, 1.0 if args.suite_min_pass_rate is None else args.suite_min_pass_rate)
     kept = policy.suite
-    return None if kept is None else {"suite": kept.suite, "min_pass_rate": kept.min_pass_rate}
+    return None if kept is None else codec.api.unstructure(kept)
 
 
 def _rollout(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ old version's replicas are replaced one at a time (`Rollout`).
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar, Final
 
 import attrs
@@ -214,14 +215,38 @@ class CanaryObjective:
     min_requests: int = 20
 
 
+class SuiteRunBy(enum.StrEnum):
+    """Who runs a suite gate's measured run (`CanarySuite.run_by`)."""
+
+    #: The leading controller, itself, through the gateway as the gate's `tenant`
+    #: (`control.operations.suitegate`).
+    CONTROLLER = "controller"
+    #: An operator, with `nexa eval run SUITE --deployment D --rollout|--canary` and an inference key.
+    OPERATOR = "operator"
+
+
 @attrs.frozen(kw_only=True)
 class CanarySuite:
-    """A suite a canary must pass before it is promoted: a measured run of `suite` against its own
-    replicas (`nexa eval run SUITE --deployment D --canary`), recorded since it started, with every
-    metric's pass rate at least `min_pass_rate`."""
+    """A suite gate: a canary is promoted (a rollout's new replica passes) only once a measured run
+    of `suite` against its own replicas was recorded since it started (became Ready), with every
+    metric's pass rate at least `min_pass_rate`.
+
+    The run is the controller's (`run_by` `controller`, the default: it starts the run itself, as
+    tenant `tenant`, whose quotas and limits apply and whose usage it is) or an operator's
+    (`operator`: `nexa eval run SUITE --deployment D --canary|--rollout`); either way the newest
+    run recorded decides, an operator's run included. A gate kept before `run_by` existed names no
+    tenant: its runs are the operator's (`by_controller`)."""
 
     suite: str
     min_pass_rate: float = 1.0
+    run_by: SuiteRunBy = SuiteRunBy.CONTROLLER
+    #: The tenant the controller's run calls the gateway as; required when the controller runs it.
+    tenant: str | None = None
+
+    @property
+    def by_controller(self) -> bool:
+        """Whether the controller runs the gate's suite itself (else an operator does)."""
+        return self.run_by is SuiteRunBy.CONTROLLER and self.tenant is not None
 
 
 @attrs.frozen(kw_only=True)
@@ -270,8 +295,9 @@ class RolloutPolicy:
     lets the next step go (with fewer than `min_requests` requests it keeps soaking).
 
     With `suite` (the canary's gate, `CanarySuite`), a replica that soaked its time unbroken is
-    held further until a measured run of that suite against the deployment (`nexa eval run SUITE
-    --deployment D`) is recorded since it became Ready: every metric's pass rate at least
+    held further until a measured run of that suite against the rollout's new replicas is recorded
+    since it became Ready (the controller's own run, or `nexa eval run SUITE --deployment D
+    --rollout` where the gate is run by an operator): every metric's pass rate at least
     `suite.min_pass_rate` passes it, anything less reverts the rollout as a breach does."""
 
     soak_s: float = 30.0
@@ -663,6 +689,13 @@ def suite_gate_problems(gate: CanarySuite, where: str = "suite") -> list[str]:
         problems.append(p)
     if not 0 <= gate.min_pass_rate <= 1:  # also False for NaN
         problems.append(f"{where}.min_pass_rate: from 0 to 1")
+    if gate.run_by is SuiteRunBy.CONTROLLER and gate.tenant is None:
+        problems.append(
+            f"{where}.tenant: the tenant the controller runs the suite as (its quotas and limits apply, "
+            f"the usage is its own), or {where}.run_by operator"
+        )
+    elif gate.tenant is not None and (p := name_problem(f"{where}.tenant", gate.tenant)):
+        problems.append(p)
     return problems
 
 
@@ -727,6 +760,7 @@ class RolloutStatus:
     runtime: str = ""
     #: The version a watched rollout reverted (its alias is not followed there).
     held_model: ModelRef | None = None
-    #: The rollout's suite gate (`RolloutPolicy.suite`) now: what it waits for, with the command to
-    #: run, or that it waits for the soak first; None without a gate.
+    #: The rollout's suite gate (`RolloutPolicy.suite`) now: what it waits for and who runs it (the
+    #: controller as its tenant, or an operator with the command to run), or that it waits for the
+    #: soak first; None without a gate.
     suite: str | None = None

@@ -64,6 +64,7 @@ from nexa.control.operations.evidence import Evidence
 from nexa.control.operations.jobs import Jobs, RolloutJobs
 from nexa.control.operations.qualification import Qualifications
 from nexa.control.operations.recovery import Recovery, refuse_forced
+from nexa.control.operations.suitegate import GateRuns
 from nexa.control.registry.models import ModelRegistry
 from nexa.control.registry.outbound import Outbound
 from nexa.control.store import Store, StoreOpener, open_store
@@ -365,6 +366,7 @@ async def _planes(c: _Controller, outbound: Outbound, *, recover: bool) -> None:
         placement=cfg.placement,
         router=c.router,
         leadership=leadership,
+        tenant_exists=c.accounts.tenant_exists,
     )
     await c.deployments.load()
     c.recovery = Recovery(c.store, c.fleet, c.deployments, c.southbound, c.metrics)
@@ -510,9 +512,24 @@ def _leader_loops(c: _Controller) -> _Loops:
         ("keys", KeyRotation.of(state.key_rotation).run),
         ("qualifications", Qualifications.of(state.qualifications).run),
         ("eval-replicas", Evals.of(state.evals).run_sweeps),
+        ("suite-gates", _gate_runs(c).run),
         ("retention-purge", c.retention.run_purges),
         *_orphans(c.cfg, c.store, c.owner, c.workloads, Jobs.of(state.jobs)),
     ]
+
+
+def _gate_runs(c: _Controller) -> GateRuns:
+    """The suite gates' runs the controller makes itself, through its own gateway (`suitegate`)."""
+    state = c.state
+    return GateRuns(
+        c.deployments,
+        Evals.of(state.evals),
+        Jobs.of(state.jobs),
+        c.gateway,
+        tenant_exists=c.accounts.tenant_exists,
+        audit=c.accounts.record,
+        deadline_s=c.cfg.gateway.default_deadline_s,
+    )
 
 
 def _always_loops(c: _Controller) -> _Loops:

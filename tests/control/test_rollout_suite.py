@@ -18,6 +18,7 @@ from nexa.contracts.deployments import (
     Rollout,
     RolloutPolicy,
     Soak,
+    SuiteRunBy,
     rollout_policy_problems,
 )
 from nexa.contracts.evals import EvalRunCreate, run_problems
@@ -25,7 +26,9 @@ from nexa.contracts.models import EvaluationRecord, ModelRef
 from nexa.control.deployments import rolloutsuite
 from nexa.control.deployments.watch import suite_state
 
-GATE = CanarySuite(suite="qa", min_pass_rate=0.9)
+#: An operator runs it (`nexa eval run`); `BY_CONTROLLER` is the default: the controller, as a tenant.
+GATE = CanarySuite(suite="qa", min_pass_rate=0.9, run_by=SuiteRunBy.OPERATOR)
+BY_CONTROLLER = CanarySuite(suite="qa", min_pass_rate=0.9, tenant="evals")
 READY_AT = 100.0
 
 
@@ -55,8 +58,21 @@ def test_a_gate_out_of_range_is_named_with_the_policys_other_problems() -> None:
     assert problems[0].startswith("rollout_policy.soak_s")
     assert any(p.startswith("rollout_policy.suite.suite") for p in problems), problems
     assert "rollout_policy.suite.min_pass_rate: from 0 to 1" in problems
-    nan = rollout_policy_problems(RolloutPolicy(suite=CanarySuite(suite="qa", min_pass_rate=float("nan"))))
+    nan = rollout_policy_problems(RolloutPolicy(suite=attrs.evolve(GATE, min_pass_rate=float("nan"))))
     assert nan == ["rollout_policy.suite.min_pass_rate: from 0 to 1"]
+
+
+def test_a_gate_the_controller_runs_names_an_existing_kind_of_tenant() -> None:
+    assert rollout_policy_problems(RolloutPolicy(suite=BY_CONTROLLER)) == []
+    assert BY_CONTROLLER.by_controller and not GATE.by_controller
+    # The default is the controller's run, and it needs the tenant it runs as.
+    [missing] = rollout_policy_problems(RolloutPolicy(suite=CanarySuite(suite="qa")))
+    assert missing.startswith("rollout_policy.suite.tenant: the tenant the controller runs the suite as")
+    assert missing.endswith("or rollout_policy.suite.run_by operator")
+    [bad] = rollout_policy_problems(RolloutPolicy(suite=attrs.evolve(BY_CONTROLLER, tenant="Not A Name!")))
+    assert bad.startswith("rollout_policy.suite.tenant:")
+    # A gate kept before `run_by` existed names no tenant: an operator runs it.
+    assert not CanarySuite(suite="qa").by_controller
 
 
 def test_only_a_measured_run_of_the_suite_on_the_new_replicas_since_the_replica_was_ready_counts() -> None:
@@ -104,6 +120,12 @@ def test_status_says_what_the_gate_waits_for() -> None:
     assert waiting == (
         "replica(s) r2 soaked unbroken and wait for suite qa (every pass rate >= 0.9): "
         "run `nexa eval run qa --deployment chat-a --rollout --min-pass-rate 0.9`"
+    )
+    by_controller = attrs.evolve(gated, soaks=soaks, policy=RolloutPolicy(suite=BY_CONTROLLER))
+    assert suite_state("chat-a", by_controller) == (
+        "replica(s) r2 soaked unbroken and wait for suite qa (every pass rate >= 0.9): the controller runs it "
+        "as tenant evals (`nexa jobs list --kind eval`), or run "
+        "`nexa eval run qa --deployment chat-a --rollout --min-pass-rate 0.9`"
     )
 
 

@@ -21,8 +21,9 @@ import trio
 
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
-from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, gateway_cluster, sdk, usage_rows, wait_until
+from tests.support.cluster import SIM_ARGS, SimCluster, gateway_cluster, usage_rows, wait_until
 from tests.support.models import bring_to
+from tests.support.watched import send_steadily
 
 pytestmark = pytest.mark.slow
 
@@ -69,20 +70,6 @@ async def revert_of_a2(cluster: SimCluster, outcomes: list[str]) -> tuple[Json, 
     return dep, events[0]
 
 
-def ask_steadily(cluster: SimCluster, stop: trio.Event, outcomes: list[str]) -> None:
-    """Chat completions for the adapter's alias one after another until `stop`: `ok`, or the error."""
-    client = sdk(cluster)
-    i = 0
-    while not stop.is_set():
-        i += 1  # other words each time: prefix-affinity routing spreads them over every replica
-        messages = [{"role": "user", "content": f"question {i}: {MESSAGES[0]['content']}"}]
-        try:
-            answer = client.chat.completions.create(model="poet", messages=messages)  # type: ignore[arg-type]
-            outcomes.append("ok" if answer.choices[0].message.content else "empty")
-        except Exception as exc:
-            outcomes.append(f"{type(exc).__name__}: {exc}")
-
-
 async def test_a_bad_adapter_version_is_reverted_after_its_first_replica_with_every_request_answered(
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages, tiny_lora_gguf: Path
 ) -> None:
@@ -101,7 +88,7 @@ async def test_a_bad_adapter_version_is_reverted_after_its_first_replica_with_ev
         stop, outcomes = trio.Event(), []
         async with trio.open_nursery() as clients:
             for _ in range(3):
-                clients.start_soon(trio.to_thread.run_sync, ask_steadily, cluster, stop, outcomes)
+                clients.start_soon(trio.to_thread.run_sync, send_steadily, cluster, stop, outcomes, "poet")
             try:
                 dep, revert = await revert_of_a2(cluster, outcomes)
             finally:

@@ -30,7 +30,7 @@ from tests.conftest import Controller, ControllerProcess, free_port
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import MESSAGES, SimCluster, sim_fleet, wait_until
-from tests.support.s3 import write_credentials
+from tests.support.models import registry_config_file
 
 Json = dict[str, Any]
 
@@ -78,19 +78,6 @@ def _nexa(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _control_config(tmp_path: Path, s3: S3Store, backup_key: Path) -> Path:
-    """What `registry_config` sets, as the TOML a `nexa control` process reads, plus the backup key."""
-    creds = write_credentials(tmp_path / "s3-credentials.json", s3)
-    config = tmp_path / "control.toml"
-    config.write_text(
-        "[oci]\ntls_verify = false\n"
-        f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
-        f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
-        f'[backup]\nkey_file = "{backup_key}"\n'
-    )
-    return config
-
-
 async def _started(cp: ControllerProcess, config: Path) -> None:
     await trio.to_thread.run_sync(functools.partial(cp.start, "--config", str(config), timeout_s=60))
 
@@ -115,7 +102,7 @@ async def _runs(c: SimCluster) -> dict[str, set[str]]:
 async def test_the_recovery_drill(tmp_path: Path, s3_store: S3Store, test_images: BuiltImages) -> None:
     backup_key, backup = tmp_path / "backup.key", tmp_path / "drill.nxbk"
     assert _nexa("keygen", "--backup", "--out", str(backup_key)).returncode == 0
-    config = _control_config(tmp_path, s3_store, backup_key)
+    config = registry_config_file(tmp_path, s3_store, f'[backup]\nkey_file = "{backup_key}"\n')
     # Fixed ports: the restored controller answers where the nodes dial.
     first = ControllerProcess(state_dir=tmp_path / "state", port=free_port())
     restored = ControllerProcess(state_dir=tmp_path / "restored", port=first.port, channel_port=first.channel_port)

@@ -38,21 +38,28 @@ import trio
 
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, ok
-from tests.support.cluster import MESSAGES, SIM_ARGS, SimCluster, free_runtime_port, node_host, sdk, sim_cluster
+from tests.support.cluster import SIM_ARGS, SimCluster, free_runtime_port, node_host, sim_cluster
 from tests.support.cluster import wait_until as _wait_until
 from tests.support.console import csrf, sign_in
-from tests.support.evals import CASES, TAUGHT, lines
-from tests.support.evals import register as register_suite
 from tests.support.models import registry_config
 from tests.support.oci import push_index
 from tests.support.rollout import audit
+from tests.support.watched import (
+    BAD_PLATFORMS,
+    GOOD_PLATFORMS,
+    register,
+    rolled_to_one,
+    rollout_status,
+    send_steadily,
+    suite_gate_stage,
+    suite_revert,
+    view,
+    waits_for_suite,
+)
 
 pytestmark = pytest.mark.slow
 
 Json = dict[str, Any]
-#: Two images of one runtime: the platforms differ, so the digests do (never pulled: sim nodes).
-GOOD_PLATFORMS = [{"os": "linux", "architecture": "amd64"}, {"os": "linux", "architecture": "arm64"}]
-BAD_PLATFORMS = [*GOOD_PLATFORMS, {"os": "linux", "architecture": "s390x"}]
 POLICY = {"soak_s": 2.0, "min_requests": 5}
 CLIENTS = 4
 TIMEOUT_S = 120
@@ -61,12 +68,6 @@ TIMEOUT_S = 120
 async def wait_until(what: str, check: Any) -> Any:
     with trio.fail_after(TIMEOUT_S):
         return await _wait_until(what, check)
-
-
-async def register(cluster: SimCluster, name: str, image: str) -> None:
-    async with cluster.client() as http:
-        body = {"name": name, "kind": "sim", "version": name, "image": image}
-        await ok(http.post("/api/v1/runtimes", json=body), 201)
 
 
 async def deploy_full(cluster: SimCluster, *, policy: Json = POLICY, objectives: Json | None = None) -> None:
@@ -92,30 +93,11 @@ async def deploy_full(cluster: SimCluster, *, policy: Json = POLICY, objectives:
     await cluster.wait_ready("chat-a", 4)
 
 
-async def view(cluster: SimCluster) -> Json:
-    async with cluster.client() as http:
-        return await ok(http.get("/api/v1/deployments/chat-a"))
-
-
 async def rolled_to(cluster: SimCluster, runtime: str) -> bool:
     """The rollout ended with every replica of the spec `runtime` names, each Ready."""
     v = await view(cluster)
     dep = v["deployment"]
     return dep["rollout"] is None and dep["runtime"] == runtime and v["ready"] == 4
-
-
-def send_steadily(cluster: SimCluster, stop: trio.Event, outcomes: list[str]) -> None:
-    """Chat completions one after another until `stop`: `ok`, or the error's class and message."""
-    client = sdk(cluster)
-    i = 0
-    while not stop.is_set():
-        i += 1
-        messages = [{"role": "user", "content": f"question {i}: {MESSAGES[0]['content']}"}]
-        try:
-            answer = client.chat.completions.create(model="chat", messages=messages)  # type: ignore[arg-type]
-            outcomes.append("ok" if answer.choices[0].message.content else "empty")
-        except Exception as exc:
-            outcomes.append(f"{type(exc).__name__}: {exc}")
 
 
 async def change(cluster: SimCluster, runtime: str) -> None:
@@ -274,58 +256,17 @@ async def test_an_image_that_answers_slowly_is_reverted_by_the_latency_objective
         assert every and all(o == "ok" for o in every), [o for o in every if o != "ok"][:5]
 
 
-async def rollout_status(cluster: SimCluster) -> Json:
-    async with cluster.client() as http:
-        return await ok(http.get("/api/v1/deployments/chat-a/rollout"))
-
-
-async def waits_for_suite(cluster: SimCluster) -> Json | None:
-    """The rollout's status once a new replica soaked and waits for its suite; None before."""
-    status = await rollout_status(cluster)
-    rollout = status["rollout"]
-    waiting = rollout is not None and any(s["suite_wait"] and not s["passed"] for s in rollout["soaks"])
-    return status if waiting else None
-
-
 async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answers_wrong(
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages
 ) -> None:
     cfg = registry_config(tmp_path, s3_store)
     async with sim_cluster(nursery, tmp_path, cfg, s3_store, test_images, nodes=2) as cluster:
-        host = test_images.busybox.partition("/")[0]
-        good = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-good", GOOD_PLATFORMS)
-        wrong = await trio.to_thread.run_sync(push_index, host, "nexa-test/suite-wrong", BAD_PLATFORMS)
-        await register(cluster, "sim-good", good)
-        await register(cluster, "sim-wrong", wrong)
-        for node in cluster.nodes:
-            node.set_faults(taught=TAUGHT, images={wrong.partition("@")[2]: {"wrong": True}})
-        exact = [c for c in CASES if c["scorer"]["kind"] in ("exact", "contains")]
-        registered = await register_suite(cluster, "qa", lines(exact))
-        assert registered.returncode == 0, registered.stderr
-        async with cluster.client() as http:
-            nodes = (await ok(http.get("/api/v1/nodes")))["nodes"]
-            port = free_runtime_port([node_host(1), node_host(2)])
-            body = {
-                "name": "chat-a",
-                "runtime": "sim",
-                "alias": "chat",
-                "replicas": 1,
-                # More than half a node: the new replica starts on the other node, beside the old one.
-                "resources": {
-                    "accelerators": 0,
-                    "memory_bytes": int(nodes[0]["inventory"]["memory_total_bytes"] * 0.55),
-                    "cpus": 0.5,
-                },
-                "options": {"port": port, "command": SIM_ARGS},
-                "rollout_policy": {"soak_s": 1.0, "min_requests": 5},
-            }
-            await ok(http.post("/api/v1/deployments", json=body), 201)
-        await cluster.wait_ready("chat-a", 1)
-        generation = (await view(cluster))["deployment"]["generation"]
+        generation = (await suite_gate_stage(cluster, test_images, "suite"))["deployment"]["generation"]
 
         # Bad gates are typed refusals that change nothing.
         async with cluster.client() as http:
-            unknown = {"runtime": "sim-good", "rollout_policy": {"soak_s": 1, "suite": {"suite": "nope"}}}
+            gate = {"suite": "nope", "run_by": "operator"}
+            unknown = {"runtime": "sim-good", "rollout_policy": {"soak_s": 1, "suite": gate}}
             err = assert_envelope(await http.post("/api/v1/deployments/chat-a/change", json=unknown), 404, "not_found")
             assert "no suite nope" in str(err["message"])
             rate = {"runtime": "sim-good", "rollout_policy": {"suite": {"suite": "qa", "min_pass_rate": 1.5}}}
@@ -333,16 +274,25 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
                 await http.post("/api/v1/deployments/chat-a/change", json=rate), 400, "invalid_request"
             )
             assert "rollout_policy.suite.min_pass_rate: from 0 to 1" in str(err["message"])
-        refused = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "nope")
+        refused = await cluster.cli(
+            "deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "nope", "--suite-run-by", "operator"
+        )
         assert refused.returncode != 0 and "no suite nope" in refused.stderr
         assert (await view(cluster))["deployment"]["generation"] == generation
 
         # The right image: its replica soaks, waits for the suite, and passes once a run passes.
-        changed = await cluster.cli("deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "qa")
+        changed = await cluster.cli(
+            "deployments", "change", "chat-a", "--runtime", "sim-good", "--suite", "qa", "--suite-run-by", "operator"
+        )
         assert changed.returncode == 0, changed.stderr
         status = await wait_until("the new replica waits for its suite", lambda: waits_for_suite(cluster))
         command = "nexa eval run qa --deployment chat-a --rollout --min-pass-rate 1"
-        assert status["rollout"]["policy"]["suite"] == {"suite": "qa", "min_pass_rate": 1.0}
+        assert status["rollout"]["policy"]["suite"] == {
+            "suite": "qa",
+            "min_pass_rate": 1.0,
+            "run_by": "operator",
+            "tenant": None,
+        }
         assert command in status["suite"] and "soaked unbroken and wait" in status["suite"]
         shown = await cluster.cli("deployments", "rollout", "status", "chat-a")
         assert shown.returncode == 0 and "suite    replica(s) " in shown.stdout and command in shown.stdout
@@ -388,16 +338,7 @@ async def test_a_suite_gate_lets_a_right_image_through_and_reverts_one_that_answ
         assert failed_run.returncode == 1, failed_run.stdout + failed_run.stderr
         # Every case went to the new (wrong) replica alone: the old one beside it answers right.
         assert all(s["pass_rate"] == 0.0 for s in json.loads(failed_run.stdout)["summaries"]), failed_run.stdout
-        async with cluster.client() as http:
-
-            async def reverted() -> list[Json]:
-                return await audit(http, "deployment.rollout.revert")
-
-            [revert] = await wait_until("the wrong image reverted", reverted)
-            assert "failed suite qa with every pass rate >= 1: run evrun_" in revert["detail"], revert
-            assert "exact 0" in revert["detail"] and "back to runtime sim-good" in revert["detail"]
-            assert revert["actor_key_id"] is None
-        await wait_until("the right image back", lambda: rolled_to_one(cluster, "sim-good"))
+        await suite_revert(cluster, timeout_s=TIMEOUT_S)
         async with cluster.client() as http:
             metrics = (await http.get("/metrics")).text
             assert 'nexa_rollout_reverts_total{deployment="chat-a"} 1.0' in metrics
@@ -415,9 +356,3 @@ async def suite_run(cluster: SimCluster, *flags: str) -> subprocess.CompletedPro
     return await cluster.cli(
         "eval", "run", "qa", "--deployment", "chat-a", *flags, "--inference-key", cluster.inference_key
     )
-
-
-async def rolled_to_one(cluster: SimCluster, runtime: str) -> bool:
-    v = await view(cluster)
-    dep = v["deployment"]
-    return dep["rollout"] is None and dep["runtime"] == runtime and v["ready"] == 1

@@ -33,6 +33,19 @@ def registry_config(tmp_path: Path, s3: S3Store, *, trusted_key: str = "") -> Co
     )
 
 
+def registry_config_file(tmp_path: Path, s3: S3Store, extra: str = "") -> Path:
+    """What `registry_config` sets (but the trusted signing key), as the TOML a `nexa control`
+    process reads, and `extra` (more TOML tables)."""
+    creds = write_credentials(tmp_path / "s3-credentials.json", s3)
+    config = tmp_path / "control.toml"
+    config.write_text(
+        "[oci]\ntls_verify = false\n"
+        f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
+        f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n{extra}'
+    )
+    return config
+
+
 def unique(name: str) -> str:
     return f"{secrets.token_hex(4)}/{name}"
 

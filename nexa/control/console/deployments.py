@@ -13,6 +13,7 @@ from nexa.contracts.wire import RuntimeState
 from nexa.control.console.pages import Console, Context, Refused, View, done, int_field
 from nexa.control.console.rollouts import ROLLOUT_ACTIONS, rollout_act, rollout_effect
 from nexa.control.console.sessions import Session
+from nexa.control.deployments import canarysuite
 from nexa.control.deployments.rollout import breach as rollout_breach
 
 _ACTIONS = frozenset({"scale", "delete", *ROLLOUT_ACTIONS})
@@ -34,7 +35,12 @@ def register(bp: Blueprint, console: Console) -> None:
         if d.canary is not None:
             o = d.canary.objective
             stats = state.meter.window(name, canary=True, seconds=o.window_s, now=now)
-            canary = {"c": d.canary, "stats": stats, "breach": rollout_breach(o, stats)}
+            gate = d.canary.suite
+            suite = None
+            if gate is not None:
+                unmet = canarysuite.unmet(state.models, name, d.canary)
+                suite = unmet or f"suite {gate.suite} passed (every pass rate >= {gate.min_pass_rate:g})"
+            canary = {"c": d.canary, "stats": stats, "breach": rollout_breach(o, stats), "suite": suite}
         return {
             "view": view,
             "d": d,

@@ -1,7 +1,9 @@
 """A canary's suite gate: a canary started with a suite (`CanaryCreate.suite`) is promoted only once
-a measured run of that suite against its own replicas (`nexa eval run SUITE --deployment D
---canary`: the evaluation is the canary version's, on deployment D) was recorded since the canary
-started, with every metric's pass rate at least the gate's. Pure: reads the registry, never awaits."""
+a measured run of that suite against its own replicas (the evaluation is the canary version's, on
+deployment D) was recorded since the canary started, with every metric's pass rate at least the
+gate's. The run is the controller's own once the canary is Ready (`control.operations.suitegate`,
+where the gate is `run_by` the controller) or an operator's (`nexa eval run SUITE --deployment D
+--canary`); the newest decides. Pure: reads the registry, never awaits."""
 
 from __future__ import annotations
 
@@ -16,21 +18,37 @@ def unmet(models: ModelRegistry, deployment: str, canary: Canary) -> str | None:
     gate = canary.suite
     if gate is None:
         return None
+    newest = newest_run(models, deployment, canary)
+    what = f"suite {gate.suite} with every pass rate >= {gate.min_pass_rate:g}"
+    if newest is None:
+        return f"{what}: no measured run against the canary since it started ({waits_for(gate, deployment)})"
+    if low := shortfall(newest, gate):
+        return f"{what}: the newest run ({newest.run}) has " + ", ".join(f"{m} {v:g}" for m, v in sorted(low.items()))
+    return None
+
+
+def newest_run(models: ModelRegistry, deployment: str, canary: Canary) -> EvaluationRecord | None:
+    """The newest measured run of the canary's suite against it since it started; None: none yet."""
+    gate = canary.suite
+    if gate is None:
+        return None
     runs = [
         e
         for e in models.evaluations(canary.model.model, canary.model.version)
         if e.measured and e.suite == gate.suite and e.deployment == deployment and e.recorded_at >= canary.started_at
     ]
-    what = f"suite {gate.suite} with every pass rate >= {gate.min_pass_rate:g}"
-    if not runs:
-        return (
-            f"{what}: no measured run against the canary since it started "
-            f"(run `nexa eval run {gate.suite} --deployment {deployment} --canary`)"
-        )
-    newest = max(runs, key=lambda e: e.recorded_at)
-    if low := shortfall(newest, gate):
-        return f"{what}: the newest run ({newest.run}) has " + ", ".join(f"{m} {v:g}" for m, v in sorted(low.items()))
-    return None
+    return max(runs, key=lambda e: e.recorded_at) if runs else None
+
+
+def waits_for(gate: CanarySuite, deployment: str, against: str = "canary") -> str:
+    """Who runs a gate's suite against the deployment's `against` replicas (`canary`, or the
+    `rollout`'s new ones), and how: the controller itself, or the operator's command."""
+    command = f"nexa eval run {gate.suite} --deployment {deployment} --{against}"
+    if against == "rollout":
+        command += f" --min-pass-rate {gate.min_pass_rate:g}"
+    if gate.by_controller:
+        return f"the controller runs it as tenant {gate.tenant} (`nexa jobs list --kind eval`), or run `{command}`"
+    return f"run `{command}`"
 
 
 def shortfall(evaluation: EvaluationRecord, gate: CanarySuite) -> dict[str, float]:

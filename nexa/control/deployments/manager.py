@@ -8,6 +8,7 @@ import contextlib
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -26,9 +27,10 @@ from nexa.contracts.deployments import (
     RolloutStatus,
     RoutingWeights,
     ServingSet,
+    canary_problems,
     routing_problems,
 )
-from nexa.contracts.domain import Actor
+from nexa.contracts.domain import Actor, TenantId
 from nexa.contracts.evals import EvalReplicaCreate
 from nexa.contracts.evidence import ServiceObjectives
 from nexa.contracts.models import AliasReceipt, ModelRecord, ModelRef, RuntimeRecord
@@ -68,7 +70,10 @@ class Deployments:
         placement: PlacementConfig | None = None,
         router: Router | None = None,
         leadership: Leadership | None = None,
+        tenant_exists: Callable[[TenantId], bool] = lambda _tenant: False,
     ) -> None:
+        """`tenant_exists`: whether a tenant a suite gate names exists (`Accounts.tenant_exists`;
+        by default none does)."""
         self._fleet = fleet
         self._router = router
         self._desired = Desired(
@@ -83,7 +88,7 @@ class Deployments:
         self._reconciler = Reconciler(self._desired, cfg)
         self._serving = views.ServingSets(self._desired)
         self._rollouts = Rollouts(self._desired, self.poke)
-        self._control = RolloutControl(self._desired, self.poke, metrics, store)
+        self._control = RolloutControl(self._desired, self.poke, metrics, store, tenant_exists)
         #: Sleep when idle, wake on demand, swap on demand (`idle`); its loop runs beside the reconciler's.
         self.idle = Idle(self._desired, metrics, router.outstanding if router is not None else _none_outstanding)
         fleet.on_change(self.poke)
@@ -304,6 +309,8 @@ class Deployments:
     async def start_canary(self, actor: Actor, name: str, req: CanaryCreate) -> DeploymentView:
         """Place `req.replicas` extra replicas of `req.model` beside the deployment's own, or refuse
         (`Rollouts.start_canary` says when)."""
+        if req.suite is not None and not canary_problems(req):  # a bad shape is Rollouts' 400
+            await self._control.check_gate(req.suite, f"the canary's gate on deployment {name}")
         return await self._rollouts.start_canary(actor, name, req)
 
     async def promote(self, actor: Actor, name: str) -> RolloutResult:

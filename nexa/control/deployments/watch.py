@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from nexa.contracts.deployments import (
+    CanarySuite,
     DeploymentChange,
     DeploymentCreate,
     DeploymentView,
@@ -48,10 +49,11 @@ from nexa.contracts.deployments import (
     Soak,
     rollout_policy_problems,
 )
-from nexa.contracts.domain import SYSTEM, Actor
+from nexa.contracts.domain import SYSTEM, Actor, TenantId
 from nexa.contracts.usage import WatchStats
 from nexa.control import store as st
 from nexa.control.deployments import rolloutsuite
+from nexa.control.deployments.canarysuite import waits_for
 from nexa.control.deployments.checks import check_settings, check_shape, deployable_model, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, bump, is_current, lora_change, pin_specs, spec_now
@@ -83,23 +85,42 @@ class NodesWindow(Protocol):
 class RolloutControl:
     """Changes that start a watched rollout, and an operator's hand on it (see the module docstring)."""
 
-    def __init__(self, desired: Desired, poke: Callable[[], None], metrics: Metrics, store: st.Store) -> None:
+    def __init__(
+        self,
+        desired: Desired,
+        poke: Callable[[], None],
+        metrics: Metrics,
+        store: st.Store,
+        tenant_exists: Callable[[TenantId], bool],
+    ) -> None:
         self._desired = desired
         self._poke = poke
         self._metrics = metrics
         self._store = store
+        self._tenant_exists = tenant_exists
 
     async def check_policy(self, policy: RolloutPolicy | None) -> None:
-        """Refuse a policy out of range (400) or naming a suite that is not registered (404)."""
+        """Refuse a policy out of range (400), or whose suite gate names a suite that is not
+        registered or a tenant that does not exist (404)."""
         if policy is None:
             return
         if problems := rollout_policy_problems(policy):
             raise ContractError("invalid rollout policy: " + "; ".join(problems), problems=tuple(problems))
-        if policy.suite is not None and await self._store.read(st.get_suite, policy.suite.suite, None) is None:
-            name = policy.suite.suite
+        if policy.suite is not None:
+            await self.check_gate(policy.suite, "the rollout policy's gate")
+
+    async def check_gate(self, gate: CanarySuite, whose: str) -> None:
+        """Refuse a suite gate (of a policy or a canary, its shape checked) naming a suite that is
+        not registered or a tenant that does not exist (404, naming what to do)."""
+        if await self._store.read(st.get_suite, gate.suite, None) is None:
             raise NotFound(
-                f"no suite {name} for the rollout policy's gate: register it first with "
-                f"`nexa eval register FILE --name {name}` (`nexa eval suites` lists them)"
+                f"no suite {gate.suite} for {whose}: register it first with "
+                f"`nexa eval register FILE --name {gate.suite}` (`nexa eval suites` lists them)"
+            )
+        if gate.tenant is not None and not self._tenant_exists(TenantId(gate.tenant)):
+            raise NotFound(
+                f"no tenant {gate.tenant} for {whose} (the tenant the controller runs the suite as): create it "
+                f"with `nexa tenants create {gate.tenant}` (`nexa tenants list` shows them), or name another"
             )
 
     async def change(self, actor: Actor, name: str, req: DeploymentChange) -> DeploymentView:
@@ -302,20 +323,17 @@ class RolloutControl:
 
 
 def suite_state(name: str, rollout: Rollout | None) -> str | None:
-    """What the rollout's suite gate waits for now (`RolloutStatus.suite`); None without one."""
+    """What the rollout's suite gate waits for now, and who runs it (`RolloutStatus.suite`); None
+    without one."""
     gate = rollout.policy.suite if rollout is not None and rollout.policy is not None else None
     if rollout is None or gate is None:
         return None
+    what = f"suite {gate.suite} (every pass rate >= {gate.min_pass_rate:g})"
+    who = waits_for(gate, name, "rollout")
     waiting = [s.replica_id for s in rollout.soaks if s.suite_wait and not s.passed]
     if waiting:
-        return (
-            f"replica(s) {', '.join(waiting)} soaked unbroken and wait for suite {gate.suite} "
-            f"(every pass rate >= {gate.min_pass_rate:g}): run `{rolloutsuite.command(gate, name)}`"
-        )
-    return (
-        f"each new replica, once it soaked unbroken, waits for suite {gate.suite} "
-        f"(every pass rate >= {gate.min_pass_rate:g}; `{rolloutsuite.command(gate, name)}`)"
-    )
+        return f"replica(s) {', '.join(waiting)} soaked unbroken and wait for {what}: {who}"
+    return f"each new replica, once it soaked unbroken, waits for {what}: {who}"
 
 
 def _who(actor: Actor) -> str:
