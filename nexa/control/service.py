@@ -5,7 +5,7 @@ the store's), leadership, fleet → outbound clients and the model registry → 
 metering, workloads, gateway → recovery (begins before the node channel serves when the store was
 restored or `recover` is set) → the leadership's first lease round → node channel → (a shared
 store: the change feed, `control.cluster.follow`) → the loops that decide desired state (on a shared
-store only while this controller leads, `_lead`) → HTTP (the inference routes in front of the
+store only while this controller leads, `cluster.leading`) → HTTP (the inference routes in front of the
 management app, which `control.cluster.forward` wraps: a follower passes writes to the leader). The store owns the
 epoch; receipts, `/version` and the node channel read it through the leadership (solo, on SQLite: the
 store's, so the one advance a recovery's end makes reaches them all at once; leased: the lease's).
@@ -36,16 +36,17 @@ from nexa import __version__, security, tls
 from nexa.config import ControlConfig, HttpConfig, NodesConfig, parse_host_port
 from nexa.control import store as st
 from nexa.control.access.accounts import Accounts
-from nexa.control.cluster.follow import LIVE_LEASES, ChangeFeed, Orphans, other_live_controllers
+from nexa.control.cluster import leading
+from nexa.control.cluster.follow import LIVE_LEASES, ChangeFeed, other_live_controllers
 from nexa.control.cluster.forward import Forwarder
-from nexa.control.cluster.leadership import Leadership, controller_identity
+from nexa.control.cluster.leadership import Leadership
 from nexa.control.cluster.workers import own_listener, worker_config
 from nexa.control.datapath.admission import Admission
 from nexa.control.datapath.gateway import Gateway
 from nexa.control.datapath.inference import InferenceApp
 from nexa.control.datapath.metering import Meter
 from nexa.control.datapath.pins import Pins
-from nexa.control.datapath.quotas import UNFLUSHED_S, Quotas
+from nexa.control.datapath.quotas import Quotas
 from nexa.control.datapath.retention import Retention, load_retention_key
 from nexa.control.datapath.routing import Router
 from nexa.control.datapath.workloads import Workloads
@@ -300,7 +301,8 @@ async def _core(cfg: ControlConfig, store: Store, metrics: Metrics) -> _Controll
     admin_key = await accounts.ensure_admin_key(cfg.bootstrap.admin_key_file)
     keys_dir = Path(cfg.state_dir) / KEYS_DIR
     keys = await trio.to_thread.run_sync(partial(load_or_create_keys, keys_dir, overlap_s=cfg.nodes.key_overlap_s))
-    leadership = await _leadership(cfg, store, metrics, keys, keys_dir)
+    await _check_keys(store, keys, keys_dir)
+    leadership = leading.leadership(cfg, store, metrics)
     fleet = await _load_fleet(cfg.nodes, store, metrics, leadership)
     return _Controller(
         cfg=cfg,
@@ -378,7 +380,7 @@ async def _data_path(c: _Controller) -> None:
     cfg, leadership = c.cfg, c.leadership
     c.quotas = await Quotas.load(c.store, c.metrics, c.accounts.tenant_exists)
     c.meter = Meter(cfg.gateway, c.store, c.metrics, leading=lambda: leadership.is_leader)
-    c.owner, c.alone = await _owner(cfg, c.store, leadership)
+    c.owner, c.alone = await leading.owner(cfg, c.store, leadership)
     c.workloads = await Workloads.load(
         c.store, c.keys.signing, controller=c.owner, epoch=lambda: leadership.epoch, unowned=c.alone
     )
@@ -459,7 +461,7 @@ def _front(c: _Controller, peer_tls: tls.ClientTls) -> None:
     one store: each keeps its caches up with the store (the change feed), and a follower passes
     management writes to the leader (the forwarder). Neither on the embedded store."""
     cfg = c.cfg
-    c.feed = _change_feed(
+    c.feed = leading.change_feed(
         cfg,
         c.store,
         c.leadership,
@@ -514,7 +516,7 @@ def _leader_loops(c: _Controller) -> _Loops:
         ("eval-replicas", Evals.of(state.evals).run_sweeps),
         ("suite-gates", _gate_runs(c).run),
         ("retention-purge", c.retention.run_purges),
-        *_orphans(c.cfg, c.store, c.owner, c.workloads, Jobs.of(state.jobs)),
+        *leading.orphans(c.cfg, c.store, c.owner, c.workloads, Jobs.of(state.jobs)),
     ]
 
 
@@ -560,7 +562,7 @@ async def _run(
             # First: the role is known before the node channel serves (a lease round).
             await loops.start(supervised, "leadership", c.leadership.run)
             channel = await loops.start(supervised, "southbound", c.southbound.run)
-            await _start_leading(loops, c.leadership, c.feed, c.southbound, _leader_loops(c))
+            await leading.start_leading(loops, c.leadership, c.feed, c.southbound, _leader_loops(c))
             for name, loop in _always_loops(c):
                 await loops.start(supervised, name, loop)
             log.info("node channel bound", extra={"fields": {"endpoint": channel}})
@@ -654,25 +656,6 @@ async def _check_keys(store: Store, keys: ControllerKeys, keys_dir: Path) -> Non
         raise ControllerKeysDiffer(stored=exc.stored, got=exc.got, keys_dir=str(keys_dir)) from None
 
 
-async def _leadership(
-    cfg: ControlConfig, store: Store, metrics: Metrics, keys: ControllerKeys, keys_dir: Path
-) -> Leadership:
-    """Once the keys are known to be the store's: solo on a store of its own (the embedded SQLite
-    store: always the leader, no lease), leased on a shared one (PostgreSQL, or the SQLite file of
-    gateway workers); `nexa_controller_epoch` follows its epoch."""
-    await _check_keys(store, keys, keys_dir)
-    controller_id, address = controller_identity(cfg.cluster, cfg.http)
-    if not getattr(store, "shared", False):
-        leadership = Leadership.solo(store, controller_id=controller_id, address=address)
-    else:
-        leadership = Leadership.leased(store, cfg.cluster, controller_id=controller_id, address=address)
-    metrics.controller_epoch.set(leadership.epoch)
-    metrics.controller_role.set(1 if leadership.is_leader else 0)
-    leadership.on_change(lambda lead: metrics.controller_epoch.set(lead.epoch))
-    leadership.on_change(lambda lead: metrics.controller_role.set(1 if lead.is_leader else 0))
-    return leadership
-
-
 async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics, leadership: Leadership) -> Fleet:
     """The fleet as the store holds it, its GPU, node and runtime series on `metrics`' registry: made
     from the heartbeats at each scrape, so a node that goes leaves no stale series."""
@@ -680,89 +663,6 @@ async def _load_fleet(cfg: NodesConfig, store: Store, metrics: Metrics, leadersh
     await fleet.load()
     metrics.export_fleet(fleet.figures)
     return fleet
-
-
-def _change_feed(
-    cfg: ControlConfig,
-    store: Store,
-    leadership: Leadership,
-    *,
-    accounts: Accounts,
-    models: ModelRegistry,
-    fleet: Fleet,
-    deployments: Deployments,
-    quotas: Quotas,
-) -> ChangeFeed | None:
-    """On a shared store, what keeps this controller's caches up with the others' writes; None on
-    the embedded one (its only controller writes everything itself)."""
-    if not getattr(store, "shared", False):
-        return None
-    return ChangeFeed(
-        store,
-        cfg.cluster,
-        controller_id=leadership.controller_id,
-        accounts=accounts,
-        models=models,
-        fleet=fleet,
-        deployments=deployments,
-        quotas=quotas,
-        # Tokens not in the usage rows yet: metering writes them within one flush (and its write).
-        unflushed_s=max(UNFLUSHED_S, 3 * cfg.gateway.metering_flush_s),
-    )
-
-
-async def _start_leading(
-    loops: trio.Nursery,
-    leadership: Leadership,
-    feed: ChangeFeed | None,
-    southbound: Southbound,
-    leader_loops: list[tuple[str, Callable[..., Awaitable[object]]]],
-) -> None:
-    """Start the loops that decide desired state. The only controller (the embedded store) always
-    leads: they start here, as they always did (a failed start ends the process). On a shared
-    store: the change feed, and the loops under `Leadership.while_leader` (`_lead`)."""
-    if feed is None:
-        for name, fn in leader_loops:
-            await loops.start(supervised, name, fn)
-        return
-    await loops.start(supervised, "follow", feed.run)
-    lead = partial(_lead, feed, southbound, leader_loops)
-    await loops.start(supervised, "leader", partial(leadership.while_leader, lead))
-
-
-async def _owner(cfg: ControlConfig, store: Store, leadership: Leadership) -> tuple[str | None, bool]:
-    """(The controller named on each workload and job this one runs: its id on a shared store,
-    None on the embedded one; whether no other controller runs now, so that at start the rows
-    naming none, written before controllers were named, are failed too.)"""
-    if not getattr(store, "shared", False):
-        return None, True
-    owner = leadership.controller_id
-    return owner, not await other_live_controllers(store, owner, cfg.cluster.lease_s)
-
-
-def _orphans(
-    cfg: ControlConfig, store: Store, owner: str | None, workloads: Workloads, jobs: Jobs
-) -> list[tuple[str, Callable[..., Awaitable[object]]]]:
-    """On a shared store (`owner`: this controller's id), the leader's loop that fails what a
-    controller gone for good left unfinished (`follow.Orphans`); none on the embedded store."""
-    if owner is None:
-        return []
-    return [("orphans", Orphans(store, cfg.cluster, controller_id=owner, parts=(workloads, jobs)).run)]
-
-
-async def _lead(
-    feed: ChangeFeed, southbound: Southbound, loops: list[tuple[str, Callable[..., Awaitable[object]]]]
-) -> None:
-    """What runs while this controller leads (`Leadership.while_leader` cancels it when that ends).
-
-    A controller that has just taken the lease first re-reads everything from the store (the last
-    changes of the leader before it), then sends every node its set at the new epoch; only then do
-    the loops that decide desired state start."""
-    await feed.refresh_all()
-    await southbound.lead()
-    async with trio.open_nursery() as nursery:
-        for name, fn in loops:
-            await nursery.start(supervised, name, fn)
 
 
 async def _keep_records(
