@@ -331,6 +331,8 @@ class Link:
         self._batched: collections.deque[DataInbound] = collections.deque()
         #: Where well-formed data frames go straight from the pump (`take_data`); None: `receive`.
         self._data_handler: Callable[[str, wire.DataFrame], None] | None = None
+        #: Where well-formed liveness beats go straight from the pump (`take_alive`); None: `receive`.
+        self._alive_handler: Callable[[Alive], None] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
         """Bind and serve until cancelled. Supports `endpoint = await nursery.start(link.run)`."""
@@ -360,7 +362,7 @@ class Link:
                 inbox_size=self._sizes[0],
                 outbox_size=self._sizes[1],
                 drop_unroutable=True,
-                take=self._take_data,
+                take=self._take,
             )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_serve_zap, zap, self._admit)
@@ -550,9 +552,49 @@ class Link:
         block or raise."""
         self._data_handler = handler
 
+    def take_alive(self, handler: Callable[[Alive], None] | None) -> None:
+        """Hand each well-formed liveness beat of an enrolled node to `handler` in the pump's own
+        task, as `take_data` does data frames (None: `receive` returns them again): a fleet's beats
+        are most of what its channel carries, and each task switch saved is a share of its cost
+        (`perf/southbound_fanin.py`). The same checks as `receive`'s: a beat naming another node
+        than its channel's, or from a node not enrolled, still comes from `receive`, refused.
+        `handler` must not block or raise."""
+        self._alive_handler = handler
+
+    def _take(self, frames: list[zmq.Frame]) -> bool:
+        """The pump's hook: a data message or a liveness beat, handled in its task when a handler
+        takes it (`take_data`, `take_alive`); False leaves it to `receive`."""
+        if self._batched or len(frames) < 2:
+            return False
+        kind = frames[1].bytes
+        if is_liveness(kind):
+            return self._take_alive(frames)
+        return self._take_data(frames)
+
+    def _take_alive(self, frames: list[zmq.Frame]) -> bool:
+        handler = self._alive_handler
+        if handler is None:
+            return False
+        try:
+            node_id = frames[-1].get("User-Id")
+            if not isinstance(node_id, str) or not node_id:
+                return False
+            self._enrolled_key(node_id)
+            beat = decode_liveness([f.bytes for f in frames[1:]])
+            if beat.node_id != node_id:
+                return False  # refused by `receive`, which says why
+            moved = self._learn_route(node_id, frames[0].bytes, int(frames[-1].get(zmq.SRCFD)))
+        except Exception:  # refused: `receive` refuses it again, and says why
+            return False
+        try:
+            handler(Alive(node_id=node_id, state_seq=beat.state_seq, moved=moved))
+        except Exception as exc:  # last resort: the pump (the whole channel) must outlive a bug there
+            log.error("handing a liveness beat of node %s over failed: %s", node_id, type(exc).__name__)  # noqa: TRY400
+        return True
+
     def _take_data(self, frames: list[zmq.Frame]) -> bool:
         handler = self._data_handler
-        if handler is None or self._batched or len(frames) < 5 or not is_data(frames[1].bytes):
+        if handler is None or len(frames) < 5 or not is_data(frames[1].bytes):
             return False
         try:
             node_id = frames[-1].get("User-Id")

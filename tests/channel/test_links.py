@@ -285,6 +285,43 @@ async def test_take_data_hands_data_frames_over_in_the_pumps_task_in_order_and_l
             assert len(taken) == 51
 
 
+async def test_take_alive_hands_liveness_beats_over_in_the_pumps_task_and_leaves_refusals_to_receive(
+    fleet: Fleet,
+) -> None:
+    """`Link.take_alive`: a well-formed beat of an enrolled node's own id reaches the handler, with
+    no `receive`; one naming another node is still refused by `receive` (WrongNode), and a handler
+    that raises ends neither the pump nor the channel."""
+    n1 = fleet.enroll("n1")
+    fleet.enroll("n2")
+    link = fleet.link()
+    taken: list[links.Alive] = []
+
+    def handler(got: links.Alive) -> None:
+        taken.append(got)
+        if got.state_seq == 13:
+            raise RuntimeError("a bug in the handler")
+
+    link.take_alive(handler)
+
+    async def until(check: Any) -> None:
+        while not check():  # noqa: ASYNC110 - zmq's I/O thread sets no trio event
+            await trio.sleep(0.005)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with uplinked(fleet, n1, link) as uplink:
+            await uplink.send_liveness("n1", 7)
+            await uplink.send_liveness("n1", 13)
+            await until(lambda: len(taken) == 2)
+            assert [(a.node_id, a.state_seq) for a in taken] == [("n1", 7), ("n1", 13)]
+            await uplink.send(hello("n1"))
+            assert isinstance(await link.receive_any(), links.Inbound)  # the channel still works
+        async with raw_node(fleet, n1, link) as pump:
+            await pump.send(framing.encode_liveness("n2", 1))  # another node's id on n1's channel
+            got = await link.receive_any()
+            assert isinstance(got, links.Refused) and isinstance(got.error, WrongNode)
+            assert len(taken) == 2
+
+
 async def test_a_take_data_handler_that_raises_ends_neither_the_pump_nor_the_channel(fleet: Fleet) -> None:
     n1 = fleet.enroll("n1")
     link = fleet.link()

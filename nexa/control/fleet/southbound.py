@@ -8,7 +8,8 @@ control (verify, replay-check, record, audit), liveness (a node with no good hea
 `lease_s` becomes Unreachable) and renewal (re-sign each reachable node's set before its lease
 lapses). Data frames go straight to `self.relay` (no store, no audit, no signature check) and
 never wait behind control work: the link's pump hands them over in its own task when nothing waits
-before them in its inbox (`Link.take_data`), the receive loop the others; a node that becomes
+before them in its inbox (`Link.take_data`), the receive loop the others; liveness beats go the
+same way (`Link.take_alive`); a node that becomes
 Unreachable, is revoked or says hello again loses its open streams.
 
 Control never blocks data: the receive loop hands signed messages (and refusals to audit) to the
@@ -179,8 +180,10 @@ class Southbound:
             retired_dial=self._retired_dial,
             on_disconnect=self._disconnected,
         )
-        # Data frames go to the relay from the link's pump, with no task switch (`Link.take_data`).
+        # Data frames go to the relay, and liveness beats to the fleet, from the link's pump, with
+        # no task switch (`Link.take_data`, `Link.take_alive`).
         self._link.take_data(self._deliver_data)
+        self._link.take_alive(self._on_alive)
         # The channel's two endpoints (`ChannelConfig.endpoint`) and their rotation's mechanics.
         self._endpoints = ServedEndpoints(self._link, channel.endpoint, slot=slot)
         fleet.limit_writes(RateLimiter(channel.node_store_writes_per_s, channel.node_store_writes_burst))
@@ -292,16 +295,20 @@ class Southbound:
                 self._deliver_data(got.node_id, got.frame)
                 continue
             if isinstance(got, Alive):
-                # Hot path too: a node in good standing only moves its clock, in memory.
-                self._liveness_counted.inc()
-                if (self._fleet.alive(got.node_id, got.state_seq) or got.moved) and not self._to_control(got):
-                    self._metrics.node_messages_rejected.labels(CONTROL_BACKLOG).inc()
+                self._on_alive(got)
                 continue
             if isinstance(got, Refused):
                 self._count_refusal(got.error, got.node_id)  # at once; the audit (rate-limited) is the control loop's
             if not self._to_control(got) and isinstance(got, Unverified):
                 # (A refusal is counted already; only its audit is skipped.)
                 self._metrics.node_messages_rejected.labels(CONTROL_BACKLOG).inc()
+
+    def _on_alive(self, got: Alive) -> None:
+        # Hot path too (the pump's task, or the receive loop's): a node in good standing only moves
+        # its clock, in memory; the control loop sees the rest. Never blocks or raises.
+        self._liveness_counted.inc()
+        if (self._fleet.alive(got.node_id, got.state_seq) or got.moved) and not self._to_control(got):
+            self._metrics.node_messages_rejected.labels(CONTROL_BACKLOG).inc()
 
     def _to_control(self, got: Unverified | Alive | Refused) -> bool:
         """Queue for the control loop without waiting; False if the node's share or the queue is full."""
