@@ -60,6 +60,23 @@ async def get(cluster: SimCluster, path: str) -> Json:
         return await ok(http.get(path))
 
 
+async def versions_answering(cluster: SimCluster, n: int) -> dict[str, int]:
+    """Send `n` chat completions for the deployment's alias as a client does; the model versions that
+    answered them, by the tenant's usage (its requests before and after)."""
+
+    async def requests() -> dict[str, int]:
+        rows = (await get(cluster, "/api/v1/usage"))["rows"]
+        return {r["model"]: r["requests"] for r in rows if r["tenant"] == "acme"}
+
+    before = await requests()
+    async with cluster.client(cluster.inference_key) as http:
+        for i in range(n):
+            body = {"model": "chat", "messages": [{"role": "user", "content": f"question {i}"}]}
+            await ok(http.post("/v1/chat/completions", json=body))
+    after = await requests()
+    return {m: k - before.get(m, 0) for m, k in after.items() if k != before.get(m, 0)}
+
+
 async def test_a_suite_with_every_scorer_is_measured_through_the_gateway_and_compared(cluster: SimCluster) -> None:
     registered = await register(cluster, "qa", lines(CASES))
     assert registered.returncode == 0, registered.stderr
@@ -245,6 +262,8 @@ async def test_a_canary_with_a_suite_is_promoted_only_once_the_suite_passed_agai
         return bool((await get(cluster, "/api/v1/deployments/chat-a"))["canary_ready"])
 
     await wait_until("the canary Ready", canary_ready)
+    # Before its suite passed, the canary takes none of the clients' requests (its share is held at 0).
+    assert await versions_answering(cluster, 20) == {"tiny:v1": 20}
     async with cluster.client() as http:
         refused = await http.post("/api/v1/deployments/chat-a/promote")
     assert refused.status_code == 409, refused.text
@@ -268,6 +287,9 @@ async def test_a_canary_with_a_suite_is_promoted_only_once_the_suite_passed_agai
     on_canary = codec.loads(codec.api, measured.stdout, EvalRun)
     assert (on_canary.model, on_canary.version, on_canary.deployment) == ("tiny", "v2", "chat-a")
     assert on_canary.passed
+    # Once it passed, the canary takes its share (0.1: 2 of 20, the router's split being exact).
+    next(n for n in cluster.nodes if n.node_id == stable).set_faults(taught=TAUGHT)
+    assert await versions_answering(cluster, 20) == {"tiny:v1": 18, "tiny:v2": 2}
     async with cluster.client() as http:
         promoted = await ok(http.post("/api/v1/deployments/chat-a/promote"))
     assert promoted["deployment"]["deployment"]["model"] == {"model": "tiny", "version": "v2"}

@@ -151,7 +151,8 @@ def served_to(desired: Desired, name: str, key_id: str) -> ModelRef:
     404 when there is no such replica, 403 for any other key than its evaluation's.
 
     `CANARY_EVAL_PREFIX` + D names deployment D's canary replicas alone (a canary's suite run):
-    the canary's version, for any key (those replicas serve clients' requests already).
+    the canary's version, for any key (an operator's run uses an inference key; a client that names
+    it asks for the canary on purpose, also while a suite gate holds its share of the alias at 0).
     `ROLLOUT_EVAL_PREFIX` + D names the new replicas of D's rollout alone (a suite gate's run): the
     version D serves, for any key, while a rollout runs."""
     if name.startswith(ROLLOUT_EVAL_PREFIX):

@@ -10,6 +10,7 @@ from nexa.contracts.deployments import (
     EVAL_PREFIX,
     GROUP_PENDING,
     ROLLOUT_EVAL_PREFIX,
+    Canary,
     Deployment,
     DeploymentView,
     GroupMemberStatus,
@@ -21,6 +22,7 @@ from nexa.contracts.deployments import (
 from nexa.contracts.domain import NodeState
 from nexa.contracts.gateway import Capability
 from nexa.contracts.models import ModelRef
+from nexa.control.deployments import canarysuite
 from nexa.control.deployments.desired import Desired
 from nexa.control.deployments.records import Entry, is_current, model_of
 from nexa.errors import NotFound
@@ -29,19 +31,20 @@ from nexa.errors import NotFound
 class ServingSets:
     """`serving` per (model, alias), made once per change rather than once per request.
 
-    Each set is kept until `Desired.version` (a deployment changed) or `Fleet.version` (a node's
-    state, or which of its replicas are Ready, changed) moves on; then every set is made again on
+    Each set is kept until `Desired.version` (a deployment changed), `Fleet.version` (a node's
+    state, or which of its replicas are Ready, changed) or the registry's `evaluations_version` (a
+    canary's suite gate may have passed) moves on; then every set is made again on
     its next request, so the answer is always the one `serving` would give now. The sets handed
     out are shared between requests: read them, never change them.
     """
 
     def __init__(self, desired: Desired) -> None:
         self._desired = desired
-        self._versions = (-1, -1)
+        self._versions = (-1, -1, -1)
         self._sets: dict[tuple[ModelRef, str | None], ServingSet] = {}
 
     def get(self, model: ModelRef, *, alias: str | None = None) -> ServingSet:
-        versions = (self._desired.version, self._desired.fleet.version)
+        versions = (self._desired.version, self._desired.fleet.version, self._desired.models.evaluations_version)
         if versions != self._versions:
             self._sets.clear()
             self._versions = versions
@@ -60,7 +63,10 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
     reports Ready, on nodes that are Ready or Cordoned (never Unreachable or Revoked). During a
     rollout both versions' Ready replicas serve (one deployment); a deployment rolling away
     from `model` still serves its replicas of `model`. A running canary's Ready replicas come
-    flagged `canary=True`, and `canary_weight` is its weight (0 while no canary replica is Ready).
+    flagged `canary=True`, and `canary_weight` is its weight: 0 while no canary replica is Ready, and
+    while its suite gate (`Canary.suite`) has no passing run against it (`canarysuite`): a canary with
+    a suite takes client traffic only once its suite passed, the suite's own calls reaching it
+    meanwhile (`CANARY_EVAL_PREFIX`), and clients only when no stable replica is left to try.
 
     A Draining node takes no new requests while any other Ready replica serves the model. Only
     when none does (its replacements, started before it stops, are not Ready yet) do its Ready
@@ -126,9 +132,17 @@ def serving(desired: Desired, model: ModelRef, *, alias: str | None = None) -> S
             )
             for r in ready
         ]
-        if ready:
+        if ready and _gate_passed(desired, name, canary):
             weight = max(weight, canary.weight)
     return ServingSet(model=model, replicas=replicas or draining, canary_weight=weight, deployments=names)
+
+
+def _gate_passed(desired: Desired, name: str, canary: Canary) -> bool:
+    """Whether deployment `name`'s canary has no suite gate or passed it (False once its version is gone)."""
+    try:
+        return canarysuite.unmet(desired.models, name, canary) is None
+    except NotFound:
+        return False
 
 
 def _canary_alone(desired: Desired, model: ModelRef, name: str) -> ServingSet:

@@ -137,6 +137,9 @@ class ModelRegistry:
         self._evaluations: defaultdict[tuple[str, str], list[EvaluationRecord]] = defaultdict(list)
         for evaluation in evaluations:
             self._evaluations[(evaluation.model, evaluation.version)].append(evaluation)
+        #: Moves on whenever an evaluation is kept or the registry is read again: what is made from
+        #: the evaluations (a canary's share while its suite gate waits, `views.serving`) is made again.
+        self.evaluations_version = 0
         self._aliases = {a.name: a for a in aliases}
         self._history: defaultdict[str, list[AliasReceipt]] = defaultdict(list)
         for receipt in history:
@@ -177,6 +180,7 @@ class ModelRegistry:
             self._evaluations = defaultdict(list)
             for evaluation in evaluations:
                 self._evaluations[(evaluation.model, evaluation.version)].append(evaluation)
+            self.evaluations_version += 1
             self._aliases = {a.name: a for a in aliases}
             self._history = defaultdict(list)
             for receipt in history:
@@ -492,6 +496,7 @@ class ModelRegistry:
             await self._audited(st.insert_evaluation, evaluation, after, before.state, draft)
             self._models[(name, version)] = after
             self._evaluations[(name, version)].append(evaluation)
+            self.evaluations_version += 1
         return evaluation, after
 
     async def record_measured(self, actor: Actor, evaluation: EvaluationRecord) -> EvaluationRecord | None:
@@ -514,6 +519,7 @@ class ModelRegistry:
             await self._audited(st.insert_evaluation, evaluation, after, before.state, draft)
             self._models[(evaluation.model, evaluation.version)] = after
             self._evaluations[(evaluation.model, evaluation.version)].append(evaluation)
+            self.evaluations_version += 1
         return evaluation
 
     def unmet_requirements(self, name: str, version: str) -> list[str]:
