@@ -75,7 +75,10 @@ class Parts:
 
 
 class NoRegistry:
-    """A registry that knows no runtime: a serving set then records no gated API served."""
+    """A registry that knows no runtime (a serving set then records no gated API served) and keeps
+    no evaluation (so none moves the serving sets on)."""
+
+    evaluations_version = 0
 
     def runtime(self, name: str) -> None:
         raise NotFound(f"no runtime {name}")
