@@ -3,8 +3,9 @@
 What is here is mechanics, never protocol: what a verified message *means* is decided by the
 controller's `control.fleet.southbound` and by the node's agent.
 
-* `links`: `Link` (the controller's CurveZMQ ROUTER, ZAP, per-node routes) and `Uplink` (a node's
+* `links`: `Link` (the controller's CurveZMQ ROUTER, per-node routes) and `Uplink` (a node's
   DEALER), Curve25519 key files, signing and verifying on the way through;
+* `zap`: which Curve keys may open a channel (ZeroMQ's RFC 27 handler the `Link` binds);
 * `pump`: the one task that moves a zmq socket's messages (bounded inbox and outbox);
 * `framing`: the frames, signed `[kind, body, signature]` and data-path `[kind, request_id, head,
   body]` (pure: no I/O);

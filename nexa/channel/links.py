@@ -39,7 +39,6 @@ from nexa.channel.framing import (
 )
 from nexa.channel.pump import (
     SEND_RETRY_S,
-    Frames,
     PumpStatistics,
     ZmqPump,
     _Context,
@@ -48,6 +47,7 @@ from nexa.channel.pump import (
     new_socket,
     read_events,
 )
+from nexa.channel.zap import ZAP_ENDPOINT, domain_of, serve_zap
 from nexa.contracts import wire
 from nexa.errors import (
     BadSignature,
@@ -68,12 +68,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: RFC 27: libzmq asks the handler bound here (in the socket's own context) about every peer.
-ZAP_ENDPOINT: Final = "inproc://zeromq.zap.01"
-#: The ZAP domain of the node channel; each endpoint's is `nexa-nodes/<its Curve public key>` (so
-#: ZAP knows which key a peer dialled); requests for any other domain are refused.
-ZAP_DOMAIN: Final = b"nexa-nodes"
-_ZAP_VERSION: Final = b"1.0"
 #: Length of a Curve25519 key in Z85 text.
 CURVE_KEY_CHARS: Final = 40
 #: Largest message a peer may send (bytes); larger ones cost the sender its connection.
@@ -149,58 +143,6 @@ def load_curve_public(path: Path) -> str:
         return check_curve_key(raw.decode("ascii"))
     except (UnicodeDecodeError, ContractError):
         raise ConfigError(f"{path} does not hold a Z85 Curve public key") from None
-
-
-# --- ZAP (RFC 27): which Curve keys may open a channel ------------------------------------------
-
-
-def _zap_reply(request: list[bytes], authorize: Callable[[str, bytes], str | None]) -> Frames:
-    """The answer to one ZAP request; `authorize(client_key, domain)` names the node or refuses (None)."""
-
-    def reply(status: bytes, text: bytes, user_id: bytes = b"") -> Frames:
-        request_id = request[1] if len(request) > 1 else b""
-        return [_ZAP_VERSION, request_id, status, text, user_id, b""]
-
-    # version, request id, domain, address, identity, mechanism, credentials...
-    if len(request) < 6 or request[0] != _ZAP_VERSION:
-        log.warning("refused a malformed ZAP request")
-        return reply(b"400", b"malformed request")
-    _, _, domain, address, _, mechanism, *credentials = request
-    ours = domain == ZAP_DOMAIN or domain.startswith(ZAP_DOMAIN + b"/")
-    if not ours or mechanism != b"CURVE" or len(credentials) != 1 or len(credentials[0]) != 32:
-        log.warning("refused a node channel from %s: not a CURVE peer in our domain", address.decode(errors="replace"))
-        return reply(b"400", b"CURVE only")
-    client_key = z85.encode(credentials[0]).decode("ascii")
-    try:
-        node_id = authorize(client_key, domain)
-    except Exception:
-        log.exception("node key check failed for %s", address.decode(errors="replace"))
-        return reply(b"500", b"internal error")
-    if node_id is None:
-        log.warning(
-            "refused a node channel from %s: Curve key %s is not admitted", address.decode(errors="replace"), client_key
-        )
-        return reply(b"400", b"key not admitted")
-    return reply(b"200", b"OK", node_id.encode("utf-8"))
-
-
-async def _serve_zap(sock: _Socket, authorize: Callable[[str, bytes], str | None]) -> NoReturn:
-    """Answer libzmq's ZAP requests. This task owns the REP socket (same FD rules as the pump)."""
-    fd = sock.fileno()  # zmq.FD: edge-triggered
-    try:
-        while True:
-            if read_events(sock) & zmq.POLLIN:
-                request = sock.recv_multipart(zmq.NOBLOCK)
-                sock.send_multipart(_zap_reply(request, authorize), zmq.NOBLOCK)
-                await trio.lowlevel.checkpoint()
-                continue
-            await trio.lowlevel.wait_readable(fd)
-    except zmq.ZMQError as exc:
-        raise ChannelError(f"ZAP handler socket failed: {exc.strerror}") from exc
-
-
-def _domain(curve: CurveKeyPair) -> bytes:
-    return ZAP_DOMAIN + b"/" + curve.public.encode("ascii")
 
 
 def _keepalive(sock: _Socket, heartbeat_ivl_s: float, heartbeat_timeout_s: float, max_message_bytes: int) -> None:
@@ -365,7 +307,7 @@ class Link:
                 take=self._take,
             )
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_serve_zap, zap, self._admit)
+                nursery.start_soon(serve_zap, zap, self._admit)
                 nursery.start_soon(self._watch_disconnects, monitor)
                 await nursery.start(pump.run)
                 self._pump, self._router = pump, router
@@ -411,7 +353,7 @@ class Link:
     def _bind_on(self, router: _Socket, endpoint: str, curve: CurveKeyPair) -> str:
         try:
             router.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode("ascii"))
-            router.setsockopt(zmq.ZAP_DOMAIN, _domain(curve))
+            router.setsockopt(zmq.ZAP_DOMAIN, domain_of(curve.public))
             router.bind(endpoint)
             bound = router.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError as exc:
@@ -434,7 +376,7 @@ class Link:
     async def rebind(self, endpoint: str, curve: CurveKeyPair, *, admit: bool = True) -> str:
         """Serve `endpoint` with `curve` from now on, closing what it served (and its connections).
         `admit=False` retires `curve`: whoever dials it is refused and handed to `retired_dial`."""
-        (self._retired.discard if admit else self._retired.add)(_domain(curve))
+        (self._retired.discard if admit else self._retired.add)(domain_of(curve.public))
         if endpoint not in self._served:
             return self.bind(endpoint, curve)  # nothing of ours held it: a refusal is final
         self.unbind(endpoint)

@@ -22,7 +22,7 @@ import zmq
 from zmq.utils import z85
 
 from nexa import security
-from nexa.channel import framing, links
+from nexa.channel import framing, links, zap
 from nexa.channel.pump import receive_frames
 from nexa.contracts import codec, wire
 from nexa.errors import (
@@ -460,7 +460,7 @@ async def test_a_failing_key_check_refuses_the_peer_and_zap_keeps_serving(fleet:
             nursery.cancel_scope.cancel()
 
 
-def _zap_request(mechanism: bytes = b"CURVE", domain: bytes = links.ZAP_DOMAIN, key: bytes = b"k" * 32) -> list[bytes]:
+def _zap_request(mechanism: bytes = b"CURVE", domain: bytes = zap.ZAP_DOMAIN, key: bytes = b"k" * 32) -> list[bytes]:
     return [b"1.0", b"7", domain, b"127.0.0.1", b"", mechanism, key]
 
 
@@ -472,13 +472,13 @@ def _zap_request(mechanism: bytes = b"CURVE", domain: bytes = links.ZAP_DOMAIN, 
         (_zap_request(mechanism=b"PLAIN"), b"400", b""),
         (_zap_request(domain=b"other"), b"400", b""),
         (_zap_request(key=b"short"), b"400", b""),
-        ([b"2.0", b"7", links.ZAP_DOMAIN, b"", b"", b"CURVE", b"k" * 32], b"400", b""),
+        ([b"2.0", b"7", zap.ZAP_DOMAIN, b"", b"", b"CURVE", b"k" * 32], b"400", b""),
     ],
 )
 def test_zap_replies_follow_rfc_27(request_frames: list[bytes], status: bytes, user_id: bytes) -> None:
 
     enrolled = {z85.encode(b"k" * 32).decode(): "n1"}
-    reply = links._zap_reply(request_frames, lambda key, _domain: enrolled.get(key))
+    reply = zap.zap_reply(request_frames, lambda key, _domain: enrolled.get(key))
     assert len(reply) == 6
     assert (reply[0], reply[1], reply[2], reply[4], reply[5]) == (b"1.0", b"7", status, user_id, b"")
 
