@@ -82,6 +82,8 @@ def spec_sha256(runtime: RuntimeSpec) -> str:
         body.pop("group", None)  # a replica on one node hashes as it did before groups
     if not body.get("loras"):
         body.pop("loras", None)  # a replica without LoRA adapters hashes as it did before them
+    if not body.get("live_loras"):
+        body.pop("live_loras", None)  # nor one whose adapters are fixed at start
     return hashlib.sha256(codec.canonical_json(body).encode()).hexdigest()
 
 

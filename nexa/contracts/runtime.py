@@ -172,6 +172,11 @@ class RuntimeSpec:
     #: The LoRA adapters the node fetches and mounts beside the model, in the order the runtime's
     #: command names them (llama.cpp's adapter ids). Empty: none (sets signed before adapters hash as they did).
     loras: list[LoraSpec] = attrs.field(factory=list)
+    #: The runtime loads the adapters of its assignment's `Assignment.loras` at run time (vLLM,
+    #: `sim`): the node keeps each one's verified files in the assignment's own adapter directory,
+    #: mounted read-only at `/models/lora` (entries `/models/lora/<name>`), and a change of them
+    #: never restarts the runtime. False: none, or those of `loras`, fixed at start.
+    live_loras: bool = False
 
     @property
     def process(self) -> list[str]:

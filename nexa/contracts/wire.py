@@ -40,7 +40,7 @@ import attrs
 
 from nexa.contracts.bounds import MAX_BYTES, MAX_MS, MAX_SEQ, MAX_TOKENS, MAX_UNIX_S, finite, whole
 from nexa.contracts.node import NodeInventory
-from nexa.contracts.runtime import RuntimeSpec
+from nexa.contracts.runtime import LoraSpec, RuntimeSpec
 
 #: Bumped when a change to these records is not backwards compatible.
 PROTOCOL_VERSION: Final = 1
@@ -252,6 +252,11 @@ class Assignment:
     #: Put the runtime to sleep with its own sleep (`adapters.native_sleep_for`), keeping its
     #: container; False: awake. Not part of the spec: changing it never restarts the container.
     asleep: bool = False
+    #: The LoRA adapters a runtime that loads them at run time (`RuntimeSpec.live_loras`) may load
+    #: now, by the name a request uses (`<alias>@<version>`). Not part of the spec either: a new
+    #: adapter version given beside the earlier one, or an earlier one taken away, keeps the
+    #: container; the node unloads from the runtime what is no longer given.
+    loras: list[LoraSpec] = attrs.field(factory=list)
 
 
 @attrs.frozen(kw_only=True)

@@ -76,7 +76,8 @@ def test_two_members_on_one_endpoint_are_refused() -> None:
 def test_the_runtime_spec_carries_the_role_signed_and_old_sets_are_unchanged() -> None:
     runtime = sample_runtime()
     body = codec.wire.unstructure(runtime)
-    assert body["group"] is None and list(body)[-2:] == ["group", "loras"]  # the last fields (LoRA adapters after)
+    # The last fields: groups, then LoRA adapters.
+    assert body["group"] is None and list(body)[-3:] == ["group", "loras", "live_loras"]
     # A set signed before groups (no `group` key, nor `loras`) decodes to the same spec and hashes as before.
     del body["group"], body["loras"]
     old = codec.loads(codec.wire, json.dumps(body), RuntimeSpec)
