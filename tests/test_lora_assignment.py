@@ -63,8 +63,35 @@ def test_vllm_enables_run_time_loading_within_max_loras() -> None:
     assert "--lora-modules" not in cmd  # loaded at run time by the node, not at start
     assert a.runtime.env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
     assert limit_in(cmd) == 2
+    # Given in the assignment, outside the spec, by `<alias>@<version>`; the runtime's default limit
+    # has room for one version more than its aliases (a new one soaking beside the earlier one).
     default = assigned(RuntimeKind.VLLM, {}, ModelFormat.SAFETENSORS, ("poet", "coder", "judge"))
-    assert limit_in(default.runtime.command) == 3
+    assert limit_in(default.runtime.command) == 4
+    assert default.runtime.live_loras and default.runtime.loras == []
+    assert [lo.name for lo in default.loras] == ["poet@v1", "coder@v1", "judge@v1"]
+    assert [lo.artifact.model_path for lo in default.loras] == [
+        f"/models/lora/{n}@v1" for n in ("poet", "coder", "judge")
+    ]
+
+
+def test_a_new_adapter_version_beside_the_earlier_one_keeps_the_runtime_spec() -> None:
+    """An adapter rollout in place: the same alias given twice (earlier and new version) changes the
+    assignment's adapters, never its spec, so the node keeps the running replica."""
+    one = assigned(RuntimeKind.VLLM, {}, ModelFormat.SAFETENSORS, ("poet",))
+    dep = deployment(RuntimeOptions(port=PORT))
+    runtime = RuntimeRecord(
+        name="rt", kind=RuntimeKind.VLLM, version="1", image=IMAGES[RuntimeKind.VLLM], media_type="",
+        registered_at=0, registered_by=None,
+    )  # fmt: skip
+    replica = Replica(id="chat-r1", node_id="spark-1", gpus=[SPARK_GPU], model=dep.model)
+    a1 = adapter("poet-lora", ModelFormat.SAFETENSORS)
+    a2 = attrs.evolve(a1, version="v2")
+    both = assignment_for(
+        dep, replica, model("llama-3-8b", ModelFormat.SAFETENSORS), runtime, PORT, loras=[("poet", a1), ("poet", a2)]
+    )
+    assert [lo.name for lo in both.loras] == ["poet@v1", "poet@v2"]
+    assert container_spec.spec_sha256(both.runtime) == container_spec.spec_sha256(one.runtime)
+    assert limit_in(both.runtime.command) == 2
 
 
 def test_sglang_loads_its_adapters_at_start_by_name() -> None:

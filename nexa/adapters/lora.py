@@ -59,15 +59,22 @@ def loads_loras(kind: RuntimeKind, adapter: Adapter | None) -> bool:
 
 
 def lora_args(
-    kind: RuntimeKind, settings: Mapping[str, object], command: Sequence[str], loras: Sequence[tuple[str, str]]
+    kind: RuntimeKind,
+    settings: Mapping[str, object],
+    command: Sequence[str],
+    loras: Sequence[tuple[str, str]],
+    *,
+    spare: int = 0,
 ) -> tuple[list[str], dict[str, str]]:
     """The flags (after the adapter's `command`) and environment that give a runtime of `kind` the
     adapters `loras` ((name, path in the container) each, in order); ([], {}) when there are none.
     The limit is the `max_loras` setting's (the adapter writes its flag), else `--max-loras` in a sim's
-    command, else the number of adapters."""
+    command, else the number of adapters and `spare` more (room for a new version beside its
+    earlier one while an adapter rollout in place soaks)."""
     if not loras:
         return [], {}
-    limit = [] if MAX_LORAS_SETTING in settings or MAX_LORAS_FLAG in command else [MAX_LORAS_FLAG, str(len(loras))]
+    given = [MAX_LORAS_FLAG, str(len(loras) + spare)]
+    limit = [] if MAX_LORAS_SETTING in settings or MAX_LORAS_FLAG in command else given
     if kind is RuntimeKind.LLAMACPP:
         scaled = (arg for _, path in loras for arg in ("--lora-scaled", f"{path}:0"))
         return ["--lora-init-without-apply", *scaled], {}

@@ -229,7 +229,15 @@ def print_rollout(view: DeploymentView) -> None:
                 f"suite    {gate.suite} (every pass rate >= {gate.min_pass_rate:g}) before promotion: {who} "
                 f"(`nexa eval run {gate.suite} --deployment {dep.name} --canary` counts too; the newest decides)"
             )
-    if (rollout := dep.rollout) is not None:
+    if (rollout := dep.rollout) is not None and rollout.in_place:
+        earlier = rollout.good.loras if rollout.good is not None else {}
+        pairs = [(alias, earlier[alias], a) for alias, a in sorted(dep.loras.items()) if earlier.get(alias, a) != a]
+        moved = ", ".join(f"{alias} ({ref(was)} -> {ref(now)})" for alias, was, now in pairs)
+        weight = rollout.policy.adapter_weight if rollout.policy is not None else 0.0
+        print(
+            f"rollout  adapters {moved} in place: the new versions take {weight:.0%} of their requests while they soak"
+        )
+    elif rollout is not None:
         print(
             f"rollout  {ref(rollout.from_)} -> {ref(rollout.to)} ({rollout.reason}): "
             f"{view.rollout_new} new, {view.rollout_old} old replica(s) left"

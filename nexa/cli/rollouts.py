@@ -40,6 +40,12 @@ def add_commands(deployments: Any, common_flags: argparse.ArgumentParser) -> Non
     s.add_argument(
         "--min-requests", type=int, help="fewer requests than this decide nothing (default: as set, else 20)"
     )
+    s.add_argument(
+        "--adapter-weight",
+        type=float,
+        help="the share of a moved alias's requests its new adapter version takes while it soaks in place "
+        "(vLLM, sim; 0.01 to 1; default: as set, else 0.1)",
+    )
     gate = s.add_mutually_exclusive_group()
     gate.add_argument(
         "--suite",
@@ -79,13 +85,15 @@ def _change(args: argparse.Namespace) -> int:
         body["runtime"] = args.runtime
     with common.client(args) as c:
         dep = c.get(f"/api/v1/deployments/{args.name}", DeploymentView).deployment
-        if args.soak_s is not None or args.min_requests is not None or args.suite or args.no_suite:
+        flags = (args.soak_s, args.min_requests, args.adapter_weight)
+        if any(f is not None for f in flags) or args.suite or args.no_suite:
             # The policy is sent whole: each field the flags leave out stays as it is.
             policy = dep.rollout_policy or RolloutPolicy()
             body["rollout_policy"] = {
                 "soak_s": policy.soak_s if args.soak_s is None else args.soak_s,
                 "min_requests": policy.min_requests if args.min_requests is None else args.min_requests,
                 "suite": _gate(args, policy),
+                "adapter_weight": policy.adapter_weight if args.adapter_weight is None else args.adapter_weight,
             }
         if args.settings:
             options = dep.options
@@ -99,7 +107,8 @@ def _change(args: argparse.Namespace) -> int:
             }
         if not body:
             raise ConfigError(
-                "nothing to change: give --runtime, --set NAME=VALUE, --soak-s, --min-requests, --suite or --no-suite"
+                "nothing to change: give --runtime, --set NAME=VALUE, --soak-s, --min-requests, --adapter-weight, "
+                "--suite or --no-suite"
             )
         out = c.post(f"/api/v1/deployments/{args.name}/change", DeploymentView, body=body)
     DEPLOYMENT.emit(args, out, [out])
@@ -174,7 +183,12 @@ def print_status(status: RolloutStatus) -> None:
         f"deployment {status.deployment}: {state} ({r.reason}) {ref(r.from_)} -> {ref(r.to)}, "
         f"runtime {status.runtime}: {status.new} new, {status.old} old replica(s) left"
     )
-    if r.policy is not None:
+    if r.policy is not None and r.in_place:
+        print(
+            f"watch    in place: the new adapter versions take {r.policy.adapter_weight:.0%} of their aliases' "
+            f"requests and soak {r.policy.soak_s:g} s, passing from {r.policy.min_requests} requests"
+        )
+    elif r.policy is not None:
         print(f"watch    each new replica soaks {r.policy.soak_s:g} s, from {r.policy.min_requests} requests")
     if status.suite is not None:
         print(f"suite    {status.suite}")

@@ -304,6 +304,9 @@ class RolloutPolicy:
     min_requests: int = 20
     #: A suite each new replica must pass after its soak; None: none.
     suite: CanarySuite | None = None
+    #: An adapter rollout in place (`Rollout.in_place`): the share of the moved aliases' requests
+    #: that their new adapter versions take while they soak, from 0.01 to 1.
+    adapter_weight: float = 0.1
 
 
 @attrs.frozen(kw_only=True)
@@ -376,6 +379,12 @@ class Rollout:
     soaks: list[Soak] = attrs.Factory(list)
     #: What happened, oldest first (the rollout's job shows them; at most `MAX_ROLLOUT_STEPS`, latest kept).
     steps: list[RolloutStep] = attrs.Factory(list)
+    #: An adapter rollout on the same replicas (reason `adapter`, a runtime that loads adapters at
+    #: run time, aliases moved to other versions of their adapters): no replica is replaced; they
+    #: load the new versions beside the earlier ones (`good.loras`), the new versions take
+    #: `policy.adapter_weight` of those aliases' requests and soak as one (the soak `adapters`),
+    #: and once passed the earlier versions are unloaded; a breach returns every request to them.
+    in_place: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -679,6 +688,8 @@ def rollout_policy_problems(policy: RolloutPolicy) -> list[str]:
         problems.append("rollout_policy.min_requests: from 1 to 1000000")
     if policy.suite is not None:
         problems += suite_gate_problems(policy.suite, "rollout_policy.suite")
+    if not 0.01 <= policy.adapter_weight <= 1:  # also False for NaN
+        problems.append("rollout_policy.adapter_weight: from 0.01 to 1")
     return problems
 
 

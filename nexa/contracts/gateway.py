@@ -212,7 +212,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-def _adapter_key(adapter: ModelRef | None) -> str:
+def adapter_key(adapter: ModelRef | None) -> str:
     """A LoRA adapter as usage and receipts name it: `name:version` (as `name:version` models are asked for)."""
     return f"{adapter.model}:{adapter.version}" if adapter is not None else ""
 
@@ -287,7 +287,7 @@ class Receipt:
             accepted_at=accepted.accepted_at,
             finished_at=finished_at,
             controller_epoch=controller_epoch,
-            adapter=_adapter_key(served.adapter if served is not None else None),
+            adapter=adapter_key(served.adapter if served is not None else None),
         )
 
 
@@ -426,7 +426,7 @@ class UsageRecord:
             finished_at=outcome.finished_at,
             canary=outcome.canary,
             units=outcome.units,
-            adapter=_adapter_key(outcome.adapter),
+            adapter=adapter_key(outcome.adapter),
         )
 
 

@@ -16,8 +16,9 @@ import contextlib
 import json
 import logging
 import math
+import random
 import time
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 import trio
@@ -32,6 +33,9 @@ from nexa.control.datapath import answers
 from nexa.control.datapath.metering import REFUSED_OVER_REQUEST, REFUSED_TIMING, REFUSED_TOKENS, Meter, token_count_ok
 from nexa.control.datapath.relay import RelayStream
 from nexa.errors import Cancelled, DeadlineExceeded, NexaError, RuntimeFailed, RuntimeRejected
+
+if TYPE_CHECKING:
+    from nexa.control.datapath.lora import LoraRoute
 
 log = logging.getLogger(__name__)
 
@@ -142,8 +146,23 @@ class Progress:
     units: float = 0.0
     #: The LoRA adapter the alias served on `model` (None: none).
     adapter: ModelRef | None = None
-    #: By replica id, the adapter version each replica routed to loads (`lora.with_lora`).
-    lora_versions: dict[str, ModelRef] = attrs.Factory(dict)
+    #: By replica id, how each replica routed to serves the alias's adapter (`lora.with_lora`).
+    lora_routes: dict[str, LoraRoute] = attrs.Factory(dict)
+    #: The request's draw in [0, 1) against an in-place adapter rollout's weight (`LoraRoute.pick`).
+    lora_draw: float = attrs.Factory(random.random)
+    #: An attempt on a new adapter version failed before any output: retries take the earlier one.
+    lora_canary_failed: bool = False
+    #: The attempt now in flight named a new adapter version (`LoraRoute.pick`).
+    lora_canary: bool = False
+
+    def lora_for(self, replica_id: str) -> str:
+        """The adapter name an attempt on that replica sends (`InferHead.lora`; "" for none); the
+        version it loads becomes what the attempt is metered as (`adapter`)."""
+        route = self.lora_routes.get(replica_id)
+        if route is None:
+            return self.alias if self.adapter is not None else ""
+        self.adapter, name, self.lora_canary = route.pick(self.lora_draw, canary_failed=self.lora_canary_failed)
+        return name
 
     def failed(self, exc: BaseException) -> None:
         """The call raised `exc` before its answer was handed out: that is its status."""

@@ -51,7 +51,15 @@ from nexa.config import GatewayConfig
 from nexa.contracts import wire
 from nexa.contracts.deployments import EVAL_PREFIX, ServingReplica, ServingSet
 from nexa.contracts.domain import KeyId, TenantId
-from nexa.contracts.gateway import MEDIA_UNITS, Api, CallOutcome, Capability, UsageRecord, token_reservation
+from nexa.contracts.gateway import (
+    MEDIA_UNITS,
+    Api,
+    CallOutcome,
+    Capability,
+    UsageRecord,
+    adapter_key,
+    token_reservation,
+)
 from nexa.contracts.models import ModelRef
 from nexa.control.datapath.admission import Admission
 from nexa.control.datapath.calls import (
@@ -310,7 +318,7 @@ class Gateway:
             await idle.wait_awake(asleep, self.trio_deadline(work))
             serving = self._deployments.serving(ref, alias=None if progress.adapter else progress.alias or None)
         if progress.adapter is not None:
-            serving, progress.lora_versions = with_lora(
+            serving, progress.lora_routes = with_lora(
                 self._deployments.desired, serving, progress.alias, work.model, progress.adapter
             )
         model_key = progress.alias or ref.key
@@ -355,7 +363,7 @@ class Gateway:
         serving = self._deployments.serving(ref, alias=None if progress.adapter else alias or None)
         if progress.adapter is not None:
             wanted = adapter_of(self._models, alias) or progress.adapter
-            serving, progress.lora_versions = with_lora(self._deployments.desired, serving, alias, work.model, wanted)
+            serving, progress.lora_routes = with_lora(self._deployments.desired, serving, alias, work.model, wanted)
         serving = _pinned(work, serving)
         if not serving.replicas:
             raise NoReadyReplica(f"no replica of {work.model!r} is Ready now")
@@ -423,13 +431,7 @@ class Gateway:
                 progress.waited_s += stream.waited_s(whole=True)
                 take_node_overhead(progress, self._meter, end.overhead_ms, replica.node_id)
                 error = end_error(end)
-                self._meter.attempt_failed(
-                    replica.deployment,
-                    canary=replica.canary,
-                    duration_ms=(trio.current_time() - attempt_started) * 1000.0,
-                    now=time.time(),
-                    node_id=replica.node_id,
-                )
+                self._attempt_failed(progress, replica, attempt_started)
                 if end.code in RETRYABLE_END_CODES and not end.first_byte_sent:
                     log.info("attempt %d failed before output (%s); retrying", attempt + 1, end.code)
                     last = error
@@ -445,11 +447,24 @@ class Gateway:
             raise NoReadyReplica(f"no replica of {work.model!r} took the request (none serving now); retry shortly")
         raise last
 
+    def _attempt_failed(self, progress: Progress, replica: ServingReplica, started: float) -> None:
+        """A failure before any output counts against its replica and adapter version; a new
+        adapter version's sends the retries to the earlier one."""
+        self._meter.attempt_failed(
+            replica.deployment,
+            canary=replica.canary,
+            duration_ms=(trio.current_time() - started) * 1000.0,
+            now=time.time(),
+            node_id=replica.node_id,
+            adapter=adapter_key(progress.adapter),
+        )
+        progress.lora_canary_failed = progress.lora_canary_failed or progress.lora_canary
+
     def _head(self, progress: Progress, replica: ServingReplica, body: Encoded, estimate: int) -> wire.InferHead:
         """The `infer` head of an attempt on `replica`; the adapter version it loads is what the
         attempt is metered as (`progress.adapter`)."""
         work = progress.work
-        progress.adapter = progress.lora_versions.get(replica.replica_id, progress.adapter)
+        lora = progress.lora_for(replica.replica_id)
         return wire.InferHead(
             assignment_id=replica.replica_id,
             path=work.capability.path if work.route is None else work.route.path,
@@ -460,7 +475,7 @@ class Gateway:
             strip_usage_chunk=work.stream and not work.include_usage,
             prompt_tokens_estimate=estimate,
             content_type=body.content_type,
-            lora=progress.alias if progress.adapter is not None else "",
+            lora=lora,
         )
 
     async def _next_replica(

@@ -110,6 +110,8 @@ class _Finished:
     node_id: str = ""
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    #: The LoRA adapter version it named (`UsageRecord.adapter`, `name:version`); "" for none.
+    adapter: str = ""
 
 
 @attrs.frozen(kw_only=True)
@@ -243,17 +245,25 @@ class Meter:
             if rec.ttft_ms is not None and rec.completion_tokens > 1:
                 tpot = max(0.0, rec.duration_ms - rec.ttft_ms) / (rec.completion_tokens - 1)
             finished = _Finished(
-                rec.finished_at, rec.canary, rec.status != "ok", rec.duration_ms, rec.node_id, rec.ttft_ms, tpot
+                rec.finished_at,
+                rec.canary,
+                rec.status != "ok",
+                rec.duration_ms,
+                rec.node_id,
+                rec.ttft_ms,
+                tpot,
+                rec.adapter,
             )
             self._observe(rec.deployment, finished)
 
     def attempt_failed(
-        self, deployment: str, *, canary: bool, duration_ms: float, now: float, node_id: str = ""
+        self, deployment: str, *, canary: bool, duration_ms: float, now: float, node_id: str = "", adapter: str = ""
     ) -> None:
         """An attempt on a replica that failed before any output and was retried elsewhere: no usage
         record (the request's own record names where it ended), but it counts against the replica's
-        deployment in the windows a canary (and a rollout's new replica, by `node_id`) is judged by."""
-        self._observe(deployment, _Finished(now, canary, True, duration_ms, node_id))
+        deployment in the windows a canary (and a rollout's new replica, by `node_id`, and a new
+        adapter version, by `adapter`) is judged by."""
+        self._observe(deployment, _Finished(now, canary, True, duration_ms, node_id, adapter=adapter))
 
     def _observe(self, deployment: str, finished: _Finished) -> None:
         window = self._windows.get(deployment)
@@ -378,10 +388,21 @@ class Meter:
         """Requests of `deployment` served on `nodes` (attempts that failed there included) that
         finished in (since, now], wall clock: what a rollout's watch holds a new replica to."""
         picked = [f for f in self._windows.get(deployment, ()) if since < f.finished_at <= now and f.node_id in nodes]
-        return WatchStats(
-            requests=len(picked),
-            errors=sum(f.error for f in picked),
-            p95_ms=_p95([f.duration_ms for f in picked]),
-            ttft_p95_ms=_p95([f.ttft_ms for f in picked if f.ttft_ms is not None]),
-            tpot_p95_ms=_p95([f.tpot_ms for f in picked if f.tpot_ms is not None]),
-        )
+        return _watch_stats(picked)
+
+    def adapters_window(self, deployment: str, adapters: Collection[str], *, since: float, now: float) -> WatchStats:
+        """Requests of `deployment` that named one of `adapters` (`name:version`; attempts that
+        failed included) and finished in (since, now]: what an adapter rollout in place is held to."""
+        window = self._windows.get(deployment, ())
+        return _watch_stats([f for f in window if since < f.finished_at <= now and f.adapter in adapters])
+
+
+def _watch_stats(picked: list[_Finished]) -> WatchStats:
+    """The figures a rollout's watch judges, of the finished requests `picked`."""
+    return WatchStats(
+        requests=len(picked),
+        errors=sum(f.error for f in picked),
+        p95_ms=_p95([f.duration_ms for f in picked]),
+        ttft_p95_ms=_p95([f.ttft_ms for f in picked if f.ttft_ms is not None]),
+        tpot_p95_ms=_p95([f.tpot_ms for f in picked if f.tpot_ms is not None]),
+    )

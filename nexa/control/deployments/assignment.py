@@ -75,9 +75,13 @@ def assignment_for(
     wrapper in front of the whole command.
 
     `loras`: the LoRA adapters aliases serve on `model` ((alias, adapter) each, `ModelRegistry.loras_on`),
-    given to a replica on one node of a runtime that loads them (`nexa.adapters.lora`): each adapter's
-    artifact in the spec (`RuntimeSpec.loras`, mounted at `/models/lora/<alias>`) and the runtime's
-    flags for them.
+    given to a replica on one node of a runtime that loads them (`nexa.adapters.lora`) with the
+    runtime's flags for them. A runtime that loads them at start (llama-server, SGLang) has each
+    adapter's artifact in its spec (`RuntimeSpec.loras`, mounted at `/models/lora/<alias>`); one
+    that loads them at run time (vLLM, sim) has them in the assignment (`Assignment.loras`, named
+    `<alias>@<version>`, outside the spec: `live_loras`), where an alias may be given twice, its
+    earlier and its new version, while an adapter rollout in place soaks; its flags depend on
+    the aliases alone, with room for one version more (`lora_args(spare=1)`).
     """
     options = dep.options
     command = list(options.command)
@@ -88,7 +92,12 @@ def assignment_for(
     adapter = adapters.adapter_for(runtime.kind, options.settings) if adapters.has_adapter(runtime.kind) else None
     given = [lora_spec(name, record) for name, record in loras] if role is None else []
     given = given if lora.loads_loras(runtime.kind, adapter) else []
+    live: list[LoraSpec] = []
+    if given and lora.loads_at_run_time(runtime.kind):
+        live = [lora_spec(f"{name}@{record.version}", record) for name, record in loras]
+        given = [g for i, g in enumerate(given) if all(g.name != h.name for h in given[:i])]
     mounted = [(g.name, g.artifact.model_path) for g in given]
+    spare = 1 if live else 0
     if adapter is not None:
         limit = _memory_limit(dep, model, runtime)
         memory = None
@@ -120,13 +129,13 @@ def assignment_for(
                 version=runtime.version,
                 model_dir=artifact.mount_path,
             )
-        extra, lora_env = lora.lora_args(runtime.kind, options.settings, launch.command, mounted)
+        extra, lora_env = lora.lora_args(runtime.kind, options.settings, launch.command, mounted, spare=spare)
         command = command or [*launch.command, *extra]
         env = {**launch.env, **lora_env, **env}
         health = HealthProbe(command=list(options.health_command)) if options.health_command else launch.health
         shm_bytes = launch.shm_bytes
     elif given:  # sim: its flags are the deployment's command
-        command += lora.lora_args(runtime.kind, options.settings, command, mounted)[0]
+        command += lora.lora_args(runtime.kind, options.settings, command, mounted, spare=spare)[0]
     entrypoint: list[str] = []
     if adapters.has_adapter(runtime.kind):
         split = entrypoints.entrypoint_for(command, runtime.image_config(arch))
@@ -149,8 +158,10 @@ def assignment_for(
             host_network=runtime.host_network,
             entrypoint=entrypoint,
             group=role,
-            loras=given,
+            loras=[] if live else given,
+            live_loras=bool(live),
         ),
+        loras=live,
     )
 
 

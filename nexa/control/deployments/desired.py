@@ -36,7 +36,7 @@ from nexa.control.deployments.assignment import (
 )
 from nexa.control.deployments.grouprun import GroupRuns, member_id, ports_in_use
 from nexa.control.deployments.measured import MeasuredMemory
-from nexa.control.deployments.records import Entry, all_replicas, model_of, stamped
+from nexa.control.deployments.records import Entry, all_replicas, given_loras, model_of, stamped
 from nexa.control.deployments.snapshot import Hold, snapshot_from, unified_pool_bytes
 from nexa.control.fleet.nodes import Fleet, NodeLive
 from nexa.control.fleet.southbound import Southbound
@@ -384,9 +384,10 @@ class Desired:
         used_ports.add(port)
         pool = unified_pool_bytes(live)
         # The adapters it is started with: the deployment's pinned set for its model (rolled out under
-        # watch when the aliases change it: `reconciler`), the registry's now for a canary's version.
+        # watch when the aliases change it: `reconciler`), and while an adapter rollout in place
+        # soaks the earlier versions too; the registry's now for a canary's version.
         loras = (
-            [(alias, self.models.model(a.model, a.version)) for alias, a in sorted(dep.loras.items())]
+            [(alias, self.models.model(a.model, a.version)) for alias, a in given_loras(dep)]
             if ref == dep.model
             else self.models.loras_on(ref)
         )

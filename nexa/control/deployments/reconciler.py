@@ -43,6 +43,7 @@ from typing import Final
 import attrs
 import trio
 
+from nexa.adapters.lora import loads_at_run_time
 from nexa.config import NodesConfig
 from nexa.contracts.deployments import Deployment, Replica, RolloutPolicy
 from nexa.contracts.domain import SYSTEM, NodeState
@@ -55,12 +56,14 @@ from nexa.control.deployments.records import (
     bump,
     canary_placed,
     follow,
+    in_place,
     is_current,
     lora_change,
     model_of,
     new_replicas,
     replica_nodes,
     with_loras,
+    with_loras_in_place,
 )
 from nexa.control.deployments.scheduler import place
 from nexa.control.deployments.soak import held, with_step
@@ -174,10 +177,13 @@ class Reconciler:
             loras = self._desired.models.lora_set(dep.model)
             if loras not in (dep.loras, dep.held_loras):
                 what = lora_change(dep.loras, loras)
-                after = Entry(
-                    with_loras(dep, loras, dep.rollout_policy or RolloutPolicy()), entry.decision, entry.problem
-                )
-                await self._desired.commit(SYSTEM, ADAPTERS, entry, after, detail=f"{what}; rolling its replicas")
+                policy = dep.rollout_policy or RolloutPolicy()
+                if in_place(dep, loras, policy, live=self._loads_at_run_time(dep)):
+                    changed, how = with_loras_in_place(dep, loras, policy), "in place on its replicas"
+                else:
+                    changed, how = with_loras(dep, loras, policy), "rolling its replicas"
+                after = Entry(changed, entry.decision, entry.problem)
+                await self._desired.commit(SYSTEM, ADAPTERS, entry, after, detail=f"{what}; {how}")
                 entry, dep = after, after.deployment
 
         stable = self._heal(dep, dep.placed, wanted=dep.replicas, ref=dep.model, others=canary_placed(dep), now=now)
@@ -203,6 +209,13 @@ class Reconciler:
         if entry.deployment.rollout is not None:
             next_at = min(next_at, await self._step(entry, now))
         return min(next_at, await self._groups(name, now))
+
+    def _loads_at_run_time(self, dep: Deployment) -> bool:
+        """Whether the deployment's runtime loads adapters at run time (`nexa.adapters.lora`)."""
+        try:
+            return loads_at_run_time(self._desired.models.runtime(dep.runtime).kind)
+        except NotFound:
+            return False
 
     async def _groups(self, name: str, now: float) -> float:
         """Start, watch and restart the deployment's group replicas as one (`grouprun.GroupRuns.step`):
@@ -278,6 +291,19 @@ class Reconciler:
                     next_at = min(next_at, now + _DRAIN_CHECK_S)
         return Healed(placed, decision, problem, next_at)
 
+    async def _step_in_place(self, entry: Entry, again: float) -> float:
+        """An adapter rollout in place ends once its soak passed: the earlier versions are let go."""
+        dep = entry.deployment
+        rollout = dep.rollout
+        assert rollout is not None
+        if rollout.paused or not any(s.passed for s in rollout.soaks):
+            return again  # soaking (`watch`), or paused
+        after = Entry(bump(attrs.evolve(dep, rollout=None)), entry.decision, entry.problem)
+        earlier = rollout.good.loras if rollout.good is not None else {}
+        detail = f"{lora_change(earlier, dep.loras)} in place: passed; the earlier versions are unloaded"
+        await self._desired.commit(SYSTEM, "deployment.rollout.done", entry, after, detail=detail)
+        return float("inf")
+
     async def _step(self, entry: Entry, now: float) -> float:  # noqa: PLR0911 - one return per wait
         """One step of the deployment's rollout (see the module docstring); when to look again."""
         dep = entry.deployment
@@ -288,6 +314,8 @@ class Reconciler:
         old = [r for r in dep.placed if not is_current(dep, r)]
         if not all(self._desired.ready(r) for r in new):
             return again  # the last step's replica is not Ready yet
+        if rollout.in_place:
+            return await self._step_in_place(entry, again)
         if held(rollout, new):
             return again  # paused, or a new replica still soaks (`watch`)
         if not old:

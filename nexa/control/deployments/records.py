@@ -116,6 +116,53 @@ def with_loras(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolic
     return bump(attrs.evolve(dep, placed=pin_specs(dep), loras=dict(loras), rollout=rollout))
 
 
+def in_place(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy, *, live: bool) -> bool:
+    """Whether the deployment goes to the adapter set `loras` on the same replicas (`with_loras_in_place`):
+    its runtime loads adapters at run time (`live`; replicas on one node), the same aliases move
+    to other versions (a new or a removed alias changes the runtime's flags: replaced), and its
+    policy has no suite gate (a suite measures new replicas: replaced)."""
+    return (
+        live
+        and dep.nodes_per_replica == 1
+        and bool(loras)
+        and loras.keys() == dep.loras.keys()
+        and loras != dep.loras
+        and policy.suite is None
+    )
+
+
+def with_loras_in_place(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy) -> Deployment:
+    """The deployment's replicas to load the new versions of `loras` beside the earlier ones without
+    a restart (`Rollout.in_place`, reason `adapter`): they stay current, and the new versions soak
+    as one (`watch`) on a share of the aliases' requests before the earlier ones are let go."""
+    rollout = Rollout(
+        from_=dep.model,
+        to=dep.model,
+        reason="adapter",
+        started_at=time.time(),
+        policy=policy,
+        good=spec_now(dep),
+        steps=[RolloutStep(at=time.time(), what="started", detail=lora_change(dep.loras, loras) + ", in place")],
+        in_place=True,
+    )
+    return bump(attrs.evolve(dep, placed=unpinned(dep), loras=dict(loras), rollout=rollout))
+
+
+def unpinned(dep: Deployment) -> list[Replica]:
+    """`dep.placed` with each current replica's spec left to the deployment's (it changes in place)."""
+    return [attrs.evolve(r, spec=None) if r.spec is not None and is_current(dep, r) else r for r in dep.placed]
+
+
+def given_loras(dep: Deployment) -> list[tuple[str, ModelRef]]:
+    """The adapters the deployment's replicas are given, by alias: its set, and while an adapter
+    rollout in place soaks, the earlier version of each moved alias too; sorted."""
+    pairs = list(dep.loras.items())
+    rollout = dep.rollout
+    if rollout is not None and rollout.in_place and rollout.good is not None:
+        pairs += [(alias, ref) for alias, ref in rollout.good.loras.items() if dep.loras.get(alias) != ref]
+    return sorted(pairs, key=lambda pair: (pair[0], pair[1].key))
+
+
 def lora_change(before: dict[str, ModelRef], after: dict[str, ModelRef]) -> str:
     """What changes between two adapter sets, for the audit and the rollout's steps."""
     parts = []

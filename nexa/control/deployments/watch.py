@@ -43,6 +43,7 @@ from nexa.contracts.deployments import (
     DeploymentChange,
     DeploymentCreate,
     DeploymentView,
+    Replica,
     Rollout,
     RolloutPolicy,
     RolloutStatus,
@@ -56,7 +57,7 @@ from nexa.control.deployments import rolloutsuite
 from nexa.control.deployments.canarysuite import waits_for
 from nexa.control.deployments.checks import check_settings, check_shape, deployable_model, not_rolling, runtime_of
 from nexa.control.deployments.desired import Desired
-from nexa.control.deployments.records import Entry, bump, is_current, lora_change, pin_specs, spec_now
+from nexa.control.deployments.records import Entry, bump, is_current, lora_change, pin_specs, spec_now, unpinned
 from nexa.control.deployments.soak import breach, figures, with_step
 from nexa.control.deployments.views import view
 from nexa.errors import ContractError, NoRollout, NotFound, RolloutAlreadyPaused, RolloutNotPaused
@@ -76,10 +77,17 @@ POLICY: Final = "deployment.rollout_policy"
 DEFAULT_POLICY: Final = RolloutPolicy()
 
 
+#: The soak of an adapter rollout in place: the new adapter versions, on every replica, as one.
+ADAPTERS_SOAK: Final = "adapters"
+
+
 class NodesWindow(Protocol):
-    """Finished requests served on some nodes (`nexa.control.datapath.metering.Meter.nodes_window`)."""
+    """Finished requests served on some nodes, or naming some adapter versions
+    (`nexa.control.datapath.metering.Meter.nodes_window`, `.adapters_window`)."""
 
     def nodes_window(self, deployment: str, nodes: list[str], *, since: float, now: float) -> WatchStats: ...
+
+    def adapters_window(self, deployment: str, adapters: list[str], *, since: float, now: float) -> WatchStats: ...
 
 
 class RolloutControl:
@@ -289,6 +297,18 @@ class RolloutControl:
         assert rollout is not None
         assert rollout.good is not None
         good = rollout.good
+        if rollout.in_place:
+            # Nothing was replaced: every request goes back to the earlier versions now, and the
+            # replicas let the new ones go (`Assignment.loras`).
+            detail = f"{why}; back to {lora_change(dep.loras, good.loras).removeprefix('adapters ')} in place"
+            reverted = attrs.evolve(
+                dep, placed=unpinned(dep), rollout=None, loras=dict(good.loras), held_loras=dep.loras
+            )
+            await self._desired.commit(
+                actor, action, before, Entry(bump(reverted), before.decision, before.problem), detail=detail
+            )
+            log.warning("deployment %s: adapter rollout reverted: %s", dep.name, detail)
+            return
         changed = [r.id for r in dep.placed if is_current(dep, r)]
         detail = (
             f"{why}; back to runtime {good.runtime}, {good.model.key}"
@@ -364,7 +384,10 @@ class ChangeWatcher:
             return reverted
         for name, entry in sorted(self._desired.entries.items()):
             rollout = entry.deployment.rollout
-            if rollout is not None and rollout.good is not None and await self._check_one(name, rollout):
+            if rollout is None or rollout.good is None:
+                continue
+            check = self._check_in_place if rollout.in_place else self._check_one
+            if await check(name, rollout):
                 reverted.append(name)
         return reverted
 
@@ -420,3 +443,39 @@ class ChangeWatcher:
                 await self._control.soak(name, rollout.started_at, soak, passed=True, detail=detail)
                 return False
         return False
+
+    async def _check_in_place(self, name: str, rollout: Rollout) -> bool:
+        """An adapter rollout in place: its soak starts once a replica is Ready; the requests that
+        named the new versions since then are held to the objectives (a breach reverts it), and
+        `soak_s` unbroken with at least `min_requests` of them passes it."""
+        dep = self._desired.entries[name].deployment
+        policy = rollout.policy or dep.rollout_policy or DEFAULT_POLICY
+        good = rollout.good.loras if rollout.good is not None else {}
+        moved = sorted(f"{ref.model}:{ref.version}" for alias, ref in dep.loras.items() if good.get(alias) != ref)
+        shown = ", ".join(m.replace(":", "@") for m in moved)
+        soak = next((s for s in rollout.soaks if s.replica_id == ADAPTERS_SOAK), None)
+        now = time.time()
+        if soak is None:
+            if not any(self._ready(r) for r in dep.placed):
+                return False
+            fresh = Soak(replica_id=ADAPTERS_SOAK, node_ids=sorted({r.node_id for r in dep.placed}), ready_at=now)
+            detail = f"{shown} take {policy.adapter_weight:.0%} of their aliases' requests on every replica"
+            await self._control.soak(name, rollout.started_at, fresh, passed=False, detail=detail)
+            return False
+        if soak.passed:
+            return False
+        stats = self._meter.adapters_window(name, moved, since=soak.ready_at, now=now)
+        seconds = now - soak.ready_at
+        why = breach(dep.objectives, policy, stats)
+        if why is not None:
+            detail = f"adapter {shown} broke the objectives ({why}) {figures(stats, seconds)}"
+            return await self._control.revert(name, rollout, detail)
+        if seconds >= policy.soak_s and stats.requests >= policy.min_requests:
+            await self._control.soak(name, rollout.started_at, soak, passed=True, detail=figures(stats, seconds))
+        return False
+
+    def _ready(self, replica: Replica) -> bool:
+        try:
+            return self._desired.ready(replica)
+        except NotFound:
+            return False
