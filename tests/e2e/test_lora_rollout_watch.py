@@ -1,14 +1,19 @@
-"""A new LoRA adapter version rolled out under watch and reverted by itself (issues 34 and 36): a controller,
-two real `nexa node` agents running `sim` runtimes that load adapters at run time (vLLM's endpoints), and
-clients asking for the adapter's alias through the official `openai` SDK the whole time.
+"""A new LoRA adapter version as a canary on the same replicas, watched, reverted or passed by itself
+(issues 34 and 36): a controller, two real `nexa node` agents running `sim` runtimes that load adapters at
+run time (vLLM's endpoints), and clients asking for the adapter's alias through the official `openai` SDK
+the whole time.
 
-The alias `poet` serves adapter poet@a1 on the deployment's model; promoted to poet@a2, the deployment's
-replicas roll to it (reason `adapter`). poet@a2 is bad: the sim runtimes fail every request naming an adapter
-loaded from its artifact (the faults file's `loras`, keyed by its sha256, which the node's cache path holds)
-before any output. The first new replica's failures break the deployment's error-rate objective during its
-soak: the rollout is reverted to poet@a1, audited with the figures, and poet@a2 is held. Every failed attempt
-was before any output, so the gateway retried it on a replica still loading poet@a1: every client request is
-answered, and usage names the adapter version that answered.
+The alias `poet` serves adapter poet@a1 on the deployment's model; promoted to poet@a2, the deployment goes
+to it in place (reason `adapter`, `in_place`): no replica is replaced; every replica is given poet@a2 beside
+poet@a1, and each request for `poet` draws poet@a2 with the policy's `adapter_weight`.
+
+* A bad poet@a2: the sim runtimes fail every request naming an adapter loaded from a path that holds
+  `poet@a2` (the faults file's `loras`; the node keeps it at `<adapter directory>/poet@a2`) before any
+  output. Its failures break the error-rate objective during its soak: every request goes back to
+  poet@a1, audited with the figures, and poet@a2 is held. Each failed attempt was retried on poet@a1:
+  every client request is answered, and usage names poet@a1 for all of them.
+* A good poet@a2: it soaks its time unbroken and passes; both versions answered meanwhile (usage names
+  each), and afterwards every request is poet@a2's, on the same replicas.
 """
 
 from __future__ import annotations
@@ -52,61 +57,114 @@ def at_least(outcomes: list[str], count: int) -> Any:
     return check
 
 
-async def revert_of_a2(cluster: SimCluster, outcomes: list[str]) -> tuple[Json, Json]:
-    """Promote poet to a2 while clients ask; the deployment once reverted, and the revert's audit event."""
+async def deployed(cluster: SimCluster, s3: S3Store, lora: bytes, *, weight: float) -> list[str]:
+    """poet@a1 and poet@a2 registered, `poet` serving a1 on a two-replica deployment watched in
+    place with `weight`; its replicas' ids."""
+    await adapter(cluster, s3, lora, "a1")
+    await adapter(cluster, s3, lora + b"\0" * 8, "a2")
+    await serve(cluster, "a1")
+    await cluster.deploy("chat", replicas=2, args=[*SIM_ARGS, "--max-loras", "2"])
+    async with cluster.client() as http:
+        policy = {"rollout_policy": {"soak_s": 4.0, "min_requests": 8, "adapter_weight": weight}}
+        await ok(http.post("/api/v1/deployments/chat/change", json=policy))
+        dep = (await ok(http.get("/api/v1/deployments/chat")))["deployment"]
+    return sorted(r["id"] for r in dep["placed"])
+
+
+async def rolled_in_place(cluster: SimCluster, outcomes: list[str], done: Any) -> tuple[Json, list[Json]]:
+    """Promote poet to a2 while clients ask; the deployment once `done` says so, and its audit events."""
     with trio.fail_after(3 * TIMEOUT_S):
         await wait_until("answers for poet@a1", at_least(outcomes, 10), timeout_s=TIMEOUT_S)
         await serve(cluster, "a2")
         async with cluster.client() as http:
 
-            async def reverted() -> Json | None:
+            async def ended() -> Json | None:
                 dep: Json = (await ok(http.get("/api/v1/deployments/chat")))["deployment"]
-                return dep if dep["held_loras"] and dep["rollout"] is None else None
+                return dep if done(dep) else None
 
-            dep = await wait_until("the revert of poet@a2", reverted, timeout_s=TIMEOUT_S)
-            assert dep is not None, "no revert"
-            events = (await ok(http.get("/api/v1/audit", params={"action": "deployment.rollout.revert"})))["events"]
-        await wait_until("answers after the revert", at_least(outcomes, len(outcomes) + 10), timeout_s=TIMEOUT_S)
-    return dep, events[0]
+            dep = await wait_until("the adapter rollout's end", ended, timeout_s=TIMEOUT_S)
+            assert dep is not None
+            events: list[Json] = (await ok(http.get("/api/v1/audit", params={"limit": 500})))["events"]
+        await wait_until("answers after it", at_least(outcomes, len(outcomes) + 10), timeout_s=TIMEOUT_S)
+    return dep, events
 
 
-async def test_a_bad_adapter_version_is_reverted_after_its_first_replica_with_every_request_answered(
+async def asking(cluster: SimCluster, outcomes: list[str], step: Any) -> Any:
+    """Run `step` while three clients ask `poet` steadily; what it returned."""
+    stop = trio.Event()
+    async with trio.open_nursery() as clients:
+        for _ in range(3):
+            clients.start_soon(trio.to_thread.run_sync, send_steadily, cluster, stop, outcomes, "poet")
+        try:
+            return await step()
+        finally:
+            stop.set()
+
+
+async def metered(cluster: SimCluster, at_least_requests: int) -> dict[str, int]:
+    async def rows() -> dict[str, int] | None:
+        got = await usage_rows(cluster, tenant=cluster.tenant)
+        by_model = {str(r["model"]): int(str(r["requests"])) for r in got}
+        return by_model if sum(by_model.values()) >= at_least_requests else None
+
+    got: dict[str, int] = await wait_until("usage of every request", rows, timeout_s=TIMEOUT_S)
+    return got
+
+
+async def test_a_bad_adapter_version_is_reverted_in_place_with_every_request_answered(
     nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages, tiny_lora_gguf: Path
 ) -> None:
     lora = await trio.Path(tiny_lora_gguf).read_bytes()
     async with gateway_cluster(nursery, tmp_path, s3_store, test_images) as cluster:
-        await adapter(cluster, s3_store, lora, "a1")
-        bad = await adapter(cluster, s3_store, lora + b"\0" * 8, "a2")
-        await serve(cluster, "a1")
-        await cluster.deploy("chat", replicas=2, args=[*SIM_ARGS, "--max-loras", "2"])
-        async with cluster.client() as http:
-            policy = {"rollout_policy": {"soak_s": 60.0, "min_requests": 5}}
-            await ok(http.post("/api/v1/deployments/chat/change", json=policy))
+        replicas = await deployed(cluster, s3_store, lora, weight=0.5)
         for node in cluster.nodes:
-            node.set_faults(loras={bad: {"fail": "before", "status": 500}})
+            node.set_faults(loras={"poet@a2": {"fail": "before", "status": 500}})
+        outcomes: list[str] = []
 
-        stop, outcomes = trio.Event(), []
-        async with trio.open_nursery() as clients:
-            for _ in range(3):
-                clients.start_soon(trio.to_thread.run_sync, send_steadily, cluster, stop, outcomes, "poet")
-            try:
-                dep, revert = await revert_of_a2(cluster, outcomes)
-            finally:
-                stop.set()
+        def reverted(dep: Json) -> bool:
+            return bool(dep["held_loras"]) and dep["rollout"] is None
+
+        dep, events = await asking(cluster, outcomes, lambda: rolled_in_place(cluster, outcomes, reverted))
 
         assert dep["loras"] == {"poet": {"model": "poet", "version": "a1"}}
         assert dep["held_loras"] == {"poet": {"model": "poet", "version": "a2"}}
-        assert "broke the objectives (error rate" in revert["detail"], revert
-        assert "adapters poet: poet@a2 -> poet@a1" in revert["detail"], revert
+        assert sorted(r["id"] for r in dep["placed"]) == replicas  # the same replicas throughout
+        actions = [e["action"] for e in events]
+        assert "deployment.rollout.step" not in actions and "deployment.replace" not in actions
+        [started] = [e for e in events if e["action"] == "deployment.adapters"]
+        assert "adapters poet: poet@a1 -> poet@a2; in place on its replicas" in started["detail"], started
+        [revert] = [e for e in events if e["action"] == "deployment.rollout.revert"]
+        assert "adapter poet@a2 broke the objectives (error rate" in revert["detail"], revert
+        assert "back to poet: poet@a2 -> poet@a1 in place" in revert["detail"], revert
         assert outcomes and all(o == "ok" for o in outcomes), [o for o in outcomes if o != "ok"][:3]
+        # Each request is metered once, as the version that answered it: a1's, since every attempt
+        # on a2 failed before any output and was retried on a1.
+        assert await metered(cluster, len(outcomes)) == {"tiny:v1+poet:a1": len(outcomes)}
 
-        async def metered() -> dict[str, int] | None:
-            rows = await usage_rows(cluster, tenant=cluster.tenant)
-            by_model = {str(r["model"]): int(str(r["requests"])) for r in rows}
-            return by_model if sum(by_model.values()) >= len(outcomes) else None
 
-        # Each request is metered once, as the version of the replica that answered it: a1's, since
-        # every attempt on a2 failed before any output.
-        assert await wait_until("usage of every request", metered, timeout_s=TIMEOUT_S) == {
-            "tiny:v1+poet:a1": len(outcomes)
-        }
+async def test_a_good_adapter_version_soaks_on_the_same_replicas_and_then_answers_alone(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages, tiny_lora_gguf: Path
+) -> None:
+    lora = await trio.Path(tiny_lora_gguf).read_bytes()
+    async with gateway_cluster(nursery, tmp_path, s3_store, test_images) as cluster:
+        replicas = await deployed(cluster, s3_store, lora, weight=0.5)
+        outcomes: list[str] = []
+
+        def passed(dep: Json) -> bool:
+            return dep["rollout"] is None and dep["loras"] == {"poet": {"model": "poet", "version": "a2"}}
+
+        dep, events = await asking(cluster, outcomes, lambda: rolled_in_place(cluster, outcomes, passed))
+        assert dep["held_loras"] is None
+        assert sorted(r["id"] for r in dep["placed"]) == replicas
+        [done] = [e for e in events if e["action"] == "deployment.rollout.done"]
+        assert "adapters poet: poet@a1 -> poet@a2 in place: passed" in done["detail"], done
+        assert outcomes and all(o == "ok" for o in outcomes), [o for o in outcomes if o != "ok"][:3]
+        during = await metered(cluster, len(outcomes))
+        assert during.keys() == {"tiny:v1+poet:a1", "tiny:v1+poet:a2"}, during  # both answered while it soaked
+
+        # Once passed, poet@a2 answers every request for `poet`.
+        after: list[str] = []
+        await asking(cluster, after, lambda: wait_until("answers after", at_least(after, 12), timeout_s=TIMEOUT_S))
+        now = await metered(cluster, len(outcomes) + len(after))
+        assert now["tiny:v1+poet:a1"] == during["tiny:v1+poet:a1"]
+        assert all(o == "ok" for o in after)
