@@ -59,6 +59,9 @@ NAME_PREFIX: Final = "nexa-"
 FABRIC_SHM_BYTES: Final = 16 * 2**30
 #: Where the kernel puts the RDMA device nodes (`uverbsN`, `rdma_cm`) a group with `--fabric rdma` gets.
 RDMA_DEVICE_DIR: Final = "/dev/infiniband"
+#: Where the assignment's adapter directory is mounted read-only when its runtime loads its adapters
+#: at run time (`RuntimeSpec.live_loras`): entries `/models/lora/<name>` (`nexa.adapters.lora.LORA_MOUNT_ROOT`).
+LIVE_LORA_MOUNT: Final = "/models/lora"
 #: An environment variable whose name contains one of these (any case) is refused.
 SECRET_NAME_MARKERS: Final = ("KEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIAL")
 
@@ -143,6 +146,7 @@ def container_spec(
     cache_dir: Path | None = None,
     rdma_devices: Sequence[str] = (),
     lora_paths: Sequence[Path] = (),
+    live_lora_dir: Path | None = None,
 ) -> ContainerSpec:
     """What podman creates for `assignment`: the image by digest, the spec's command, env and
     limits, its GPUs as CDI devices, the verified artifact (its one file, or a manifest's assembled
@@ -154,6 +158,9 @@ def container_spec(
     read-write at `RUNTIME_CACHE_PATH`.
     `lora_paths`: the fetched artifact of each of the spec's LoRA adapters (`RuntimeSpec.loras`, in
     order), each mounted read-only at its `artifact.mount_path`.
+    `live_lora_dir`: the assignment's adapter directory on the node (`node.liveloras`), given exactly
+    when the runtime loads its adapters at run time (`RuntimeSpec.live_loras`), mounted read-only at
+    `LIVE_LORA_MOUNT`; a change of what it holds never changes the container.
 
     Networking: by default the container gets its own network namespace, `{runtime_host}` in the
     command becomes `0.0.0.0` (every address of that namespace, nothing of the node's) and in the
@@ -176,6 +183,8 @@ def container_spec(
         raise ValueError("artifact_path must be given exactly when the runtime has an artifact")
     if len(lora_paths) != len(runtime.loras):
         raise ValueError("lora_paths must give the fetched artifact of each of the runtime's LoRA adapters")
+    if runtime.live_loras != (live_lora_dir is not None):
+        raise ValueError("live_lora_dir must be given exactly when the runtime loads its adapters at run time")
     ro_mounts: list[tuple[str, str]] = []
     rw_mounts: list[tuple[str, str]] = []
     private = not runtime.host_network and fabric is FabricAccess.NONE and not is_simulated(runtime)
@@ -187,6 +196,8 @@ def container_spec(
         if runtime.artifact is not None and artifact_path is not None:
             ro_mounts.append((str(artifact_path), runtime.artifact.mount_path))
         ro_mounts += [(str(p), lora.artifact.mount_path) for lora, p in zip(runtime.loras, lora_paths, strict=True)]
+        if live_lora_dir is not None:
+            ro_mounts.append((str(live_lora_dir), LIVE_LORA_MOUNT))
         if cache_dir is not None:
             rw_mounts.append((str(cache_dir), RUNTIME_CACHE_PATH))
     return ContainerSpec(

@@ -10,6 +10,7 @@ import attrs
 import pytest
 
 from nexa import container_spec
+from nexa.adapters.lora import LORA_MOUNT_ROOT
 from nexa.contracts import codec, wire
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import (
@@ -23,6 +24,7 @@ from nexa.contracts.runtime import (
     RuntimeSpec,
 )
 from nexa.errors import ContractError
+from nexa.node.engines import docker, libpod
 from tests.conftest import sample_runtime
 
 #: sha256 of the canonical JSON of the spec built in `test_spec_hash_is_stable`. Changed on purpose
@@ -234,3 +236,28 @@ def test_image_identity() -> None:
     assert not container_spec.image_matches(
         state(image_name="127.0.0.1:5000/evil@sha256:" + "f" * 64, image_digest="sha256:" + "f" * 64), image
     )
+
+
+def test_a_runtime_loading_its_adapters_at_run_time_mounts_its_adapter_directory_read_only() -> None:
+    rt = attrs.evolve(sample_runtime(), kind=RuntimeKind.VLLM, live_loras=True)
+    live = Path("/var/lib/nexa/loras/nexa-a1")
+    spec = container_spec.container_spec("n1", assignment(rt), 1, ARTIFACT, live_lora_dir=live)
+    assert container_spec.LIVE_LORA_MOUNT == LORA_MOUNT_ROOT == "/models/lora"
+    assert spec.ro_mounts == [(str(ARTIFACT), "/models/model"), (str(live), "/models/lora")]
+    # Read-only, with the same options as the model's, on both engines.
+    (pod,) = [m for m in libpod.create_body(spec)["mounts"] if m["destination"] == "/models/lora"]
+    assert pod == {
+        "destination": "/models/lora",
+        "type": "bind",
+        "source": str(live),
+        "options": ["ro", "rbind", "nosuid", "nodev"],
+    }
+    (engine,) = [m for m in docker.docker_create_body(spec)["HostConfig"]["Mounts"] if m["Target"] == "/models/lora"]
+    assert engine["ReadOnly"] is True and engine["Source"] == str(live)
+    # The directory is given exactly when the spec says so; without it nothing is mounted there.
+    with pytest.raises(ValueError, match="live_lora_dir"):
+        container_spec.container_spec("n1", assignment(rt), 1, ARTIFACT)
+    with pytest.raises(ValueError, match="live_lora_dir"):
+        container_spec.container_spec("n1", assignment(sample_runtime()), 1, ARTIFACT, live_lora_dir=live)
+    plain = container_spec.container_spec("n1", assignment(attrs.evolve(rt, live_loras=False)), 1, ARTIFACT)
+    assert [inside for _, inside in plain.ro_mounts] == ["/models/model"]

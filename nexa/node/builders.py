@@ -23,6 +23,7 @@ from nexa.node.engines.configured import configured_engine
 from nexa.node.engines.interface import ContainerEngine
 from nexa.node.identity import Fence, NodeIdentity, PendingKeys, load_fence, load_identity, resume_rotation
 from nexa.node.inventory import InventoryWatcher, discover
+from nexa.node.liveloras import LIVE_LORAS_DIR
 from nexa.node.memory import ReplicaMemoryMeter, default_nvidia_smi
 from nexa.node.processes import DriverRouter
 from nexa.node.runtime_cache import RuntimeCaches
@@ -110,6 +111,8 @@ def runtimes_of(
         runtime_host=cfg.runtime_host,
         caches=caches,
         on_start=lambda aid: meter.on_start(aid),  # noqa: PLW0108 - the meter is made below
+        # Beside the artifact cache (as its model directories): its files are hard-linked in.
+        live_loras_dir=artifacts.directory.parent.absolute() / LIVE_LORAS_DIR,
     )
     metrics = RuntimeMetrics(supervisor, artifacts, cfg.runtime_metrics_interval_s, host=cfg.runtime_host)
     meter = ReplicaMemoryMeter(

@@ -8,6 +8,11 @@
   `{"lora_name", "lora_path"}`), without restarting the runtime; when the runtime's limit
   (`--max-loras`) is reached, the least recently used adapter is unloaded first
   (`POST /v1/unload_lora_adapter` `{"lora_name"}`). The request's `model` becomes the adapter's name.
+  Besides the spec's `loras`, such a runtime may be given adapters outside its spec
+  (`RuntimeSpec.live_loras`, `Assignment.loras`, kept on the node by `nexa.node.liveloras`): one
+  given but not lying in the assignment's adapter directory yet is Unavailable (the gateway tries
+  another replica), and an adapter loaded but no longer given is unloaded, once no request uses it,
+  at the next request that needs the runtime's adapters.
 
 What is loaded is kept per runtime start: a restarted runtime starts with none loaded.
 """
@@ -18,14 +23,15 @@ import collections
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Set
 from pathlib import Path
 from typing import Final
 
 import attrs
 import trio
 
-from nexa.adapters.lora import limit_in, loads_at_run_time
+from nexa.adapters.lora import LORA_MOUNT_ROOT, limit_in, loads_at_run_time
+from nexa.contracts.manifest import entry_path
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LoraSpec, RuntimeSpec
 from nexa.errors import ContractError, Unavailable
@@ -41,6 +47,15 @@ CONNECT_TIMEOUT_S: Final = 5.0
 
 
 @attrs.frozen(kw_only=True)
+class LiveLora:
+    """An adapter of the assignment's `Assignment.loras` (`RuntimeSpec.live_loras`)."""
+
+    lora: LoraSpec
+    #: Its entry in the assignment's adapter directory on the node (`<dir>/<name>`), None until it lies there.
+    path: Path | None
+
+
+@attrs.frozen(kw_only=True)
 class LoraView:
     """A Ready assignment as the relay sees it for adapters (`Supervisor.lora_view`)."""
 
@@ -49,6 +64,8 @@ class LoraView:
     paths: list[Path]
     #: When its runtime started (what is loaded belongs to that start).
     started_at: float
+    #: The adapters given outside the spec (`Assignment.loras`), by name.
+    live: Mapping[str, LiveLora] = attrs.field(factory=dict)
 
 
 class LoraSlots:
@@ -65,40 +82,54 @@ class LoraSlots:
         """A request that `ensure` let use `name` is done."""
         self.in_use[name] -= 1
 
-    async def ensure(self, where: tuple[str, int], name: str, path: str) -> tuple[bool, list[str]]:
+    async def ensure(
+        self, where: tuple[str, int], name: str, path: str, *, given: Set[str] | None = None
+    ) -> tuple[bool, list[str]]:
         """Load `name` from `path` unless loaded (then it becomes the most recently used), unloading
         the least recently used one that no request is using first while the limit is reached; the
-        runtime at `where` (host, port). The caller uses it until it calls `release(name)`. Whether
-        it was loaded now, and the names unloaded. Raises Unavailable when every loaded adapter is
-        in use at the limit, or the runtime refuses or cannot be reached (nothing is counted loaded
-        then)."""
+        runtime at `where` (host, port). Loaded adapters not in `given` (when given) that no request
+        uses are unloaded first. The caller uses it until it calls `release(name)`. Whether it was
+        loaded now, and the names unloaded. Raises Unavailable when every loaded adapter is in use
+        at the limit, or the runtime refuses or cannot be reached (nothing is counted loaded then)."""
         async with self.lock:
-            if name in self.loaded:
-                self.loaded.move_to_end(name)
-                self.in_use[name] += 1
-                return False, []
-            idle = [n for n in self.loaded if not self.in_use[n]]
-            if len(self.loaded) - len(idle) >= self.limit:
+            stale = [n for n in self.loaded if given is not None and n not in given and not self.in_use[n]]
+            fresh = name not in self.loaded
+            idle = [n for n in self.loaded if not self.in_use[n] and n not in stale]
+            if fresh and len(self.loaded) - len(stale) - len(idle) >= self.limit:
                 raise Unavailable(
                     f"all {self.limit} LoRA adapters this replica may hold at once (--max-loras) are serving "
                     "requests; retry, or raise the deployment's max_loras"
                 )
-            unloaded = []
-            # Its own connection: loads are rare, and never wait behind (or hold) the relay's pool.
-            client = RuntimeClient(connect_timeout_s=CONNECT_TIMEOUT_S, max_idle=1)
-            try:
-                while len(self.loaded) >= self.limit:
-                    oldest = idle.pop(0)
-                    await _post(client, where, UNLOAD_PATH, {"lora_name": oldest}, f"unload LoRA adapter {oldest}")
-                    del self.loaded[oldest]
-                    unloaded.append(oldest)
-                load = {"lora_name": name, "lora_path": path}
-                await _post(client, where, LOAD_PATH, load, f"load LoRA adapter {name}")
-            finally:
-                await client.aclose()
+            unloaded: list[str] = []
+            if stale or fresh:
+                # Its own connection: loads are rare, and never wait behind (or hold) the relay's pool.
+                client = RuntimeClient(connect_timeout_s=CONNECT_TIMEOUT_S, max_idle=1)
+                try:
+                    for gone in stale:
+                        try:
+                            await _post(client, where, UNLOAD_PATH, {"lora_name": gone}, f"unload LoRA adapter {gone}")
+                        except Unavailable as exc:
+                            # Still loaded as far as we know: tried again at the next request.
+                            log.warning("LoRA adapter %s is no longer given but stays loaded: %s", gone, exc)
+                            continue
+                        del self.loaded[gone]
+                        unloaded.append(gone)
+                    while fresh and len(self.loaded) >= self.limit:
+                        if not idle:  # an adapter no longer given could not be unloaded
+                            raise Unavailable(f"the runtime holds {len(self.loaded)} LoRA adapters, its limit")
+                        oldest = idle.pop(0)
+                        await _post(client, where, UNLOAD_PATH, {"lora_name": oldest}, f"unload LoRA adapter {oldest}")
+                        del self.loaded[oldest]
+                        unloaded.append(oldest)
+                    if fresh:
+                        load = {"lora_name": name, "lora_path": path}
+                        await _post(client, where, LOAD_PATH, load, f"load LoRA adapter {name}")
+                finally:
+                    await client.aclose()
             self.loaded[name] = None
+            self.loaded.move_to_end(name)
             self.in_use[name] += 1
-            return True, unloaded
+            return fresh, unloaded
 
 
 async def _post(client: RuntimeClient, where: tuple[str, int], path: str, body: dict[str, str], what: str) -> None:
@@ -136,8 +167,11 @@ class NodeLoras:
         if view is None:
             raise Unavailable("the runtime is not Ready")
         index = next((i for i, lora in enumerate(view.runtime.loras) if lora.name == name), None)
-        if index is None:
+        live = view.live.get(name) if index is None else None
+        if index is None and live is None:
             raise Unavailable(f"this replica does not load the LoRA adapter {name!r}")
+        if live is not None and (live.path is None or not loads_at_run_time(view.runtime.kind)):
+            raise Unavailable(f"the LoRA adapter {name!r} is not on this replica's node yet")
         try:
             request = json.loads(body)
         except ValueError:
@@ -146,35 +180,38 @@ class NodeLoras:
             raise ContractError("the request body is not a JSON object")
         kind = view.runtime.kind
         release: Callable[[], None] = _nothing
-        if kind is RuntimeKind.LLAMACPP:
+        if kind is RuntimeKind.LLAMACPP and index is not None:
             request["lora"] = [{"id": index, "scale": 1.0}]
         else:
             if loads_at_run_time(kind):
-                slots = await self._ensure(assignment_id, view, index, port)
+                path = _path(view, view.runtime.loras[index], index) if index is not None else _live_path(view, live)
+                slots = await self._ensure(assignment_id, view, name, path, port)
                 release = functools.partial(slots.release, name)
             request["model"] = name
         return json.dumps(request, separators=(",", ":")).encode(), release
 
-    async def _ensure(self, assignment_id: str, view: LoraView, index: int, port: int) -> LoraSlots:
+    async def _ensure(self, assignment_id: str, view: LoraView, name: str, path: str, port: int) -> LoraSlots:
         key = (assignment_id, view.started_at)
         slots = self._slots.get(key)
         if slots is None:
             for old in [k for k in self._slots if k[0] == assignment_id]:
                 del self._slots[old]  # an earlier start of the same assignment: nothing of it is loaded now
-            limit = limit_in(view.runtime.command) or len(view.runtime.loras)
-            slots = self._slots[key] = LoraSlots(limit)
-        lora = view.runtime.loras[index]
-        path = _path(view, lora, index)
-        fresh, unloaded = await slots.ensure((self._host, port), lora.name, path)
+            slots = self._slots[key] = LoraSlots(1)
+        # The number given changes with the live adapters: the limit follows it (unless the command sets one).
+        slots.limit = limit_in(view.runtime.command) or max(1, len(view.runtime.loras) + len(view.live))
+        given = {lora.name for lora in view.runtime.loras} | set(view.live)
+        fresh, unloaded = await slots.ensure((self._host, port), name, path, given=given)
+        self.unloads += len(unloaded)
+        if unloaded and not fresh:
+            log.info("assignment %s: LoRA adapter(s) %s unloaded: no longer given", assignment_id, ", ".join(unloaded))
         if not fresh:
             return slots
         self.loads += 1
-        self.unloads += len(unloaded)
         log.info(
             "assignment %s: LoRA adapter %s loaded%s",
             assignment_id,
-            lora.name,
-            f" (unloaded {', '.join(unloaded)}, least recently used)" if unloaded else "",
+            name,
+            f" (unloaded {', '.join(unloaded)})" if unloaded else "",
         )
         return slots
 
@@ -189,3 +226,13 @@ def _path(view: LoraView, lora: LoraSpec, index: int) -> str:
         return lora.artifact.model_path
     held = view.paths[index]
     return str(held / lora.artifact.entry) if lora.artifact.files and lora.artifact.entry else str(held)
+
+
+def _live_path(view: LoraView, live: LiveLora | None) -> str:
+    """Where the runtime reads an adapter given outside the spec: a `sim` process at its entry in
+    the assignment's adapter directory, a container at that entry under the directory's mount."""
+    assert live is not None  # checked by `prepare`, as its path
+    assert live.path is not None
+    ref = live.lora.artifact
+    where = str(live.path) if view.runtime.kind is RuntimeKind.SIM else f"{LORA_MOUNT_ROOT}/{live.lora.name}"
+    return entry_path(where, ref.entry) if ref.files else where

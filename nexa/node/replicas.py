@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import re
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Final, Protocol
@@ -14,8 +15,9 @@ from typing import Final, Protocol
 import attrs
 import trio
 
+from nexa.adapters import entrypoints
 from nexa.contracts import wire
-from nexa.contracts.runtime import ArtifactRef, RuntimeSpec
+from nexa.contracts.runtime import ArtifactRef, ContainerState, HealthProbe, RuntimeSpec
 
 
 class Artifacts(Protocol):
@@ -110,6 +112,25 @@ class ProgramMissing(Exception):
         super().__init__(detail)
         self.program = program
         self.detail = detail
+
+
+def program_missing(runtime: RuntimeSpec, what: str) -> ProgramMissing:
+    """The runtime's program is not in its image (`what`: how that showed)."""
+    program = entrypoints.program_of(runtime.entrypoint, runtime.command)
+    return ProgramMissing(
+        program,
+        f"the runtime's program {program} is not in the image {runtime.image} ({what}); register an image "
+        "that has it where the adapter runs it (on PATH, or at the path the image's entrypoint names)",
+    )
+
+
+def adopted_start_deadline(state: ContainerState, probe: HealthProbe) -> float:
+    """When failing probes of an adopted container start to count (trio clock): what is left of the
+    start period, from the container's own (wall-clock) start time."""
+    if state.started_at is None:
+        return trio.current_time()
+    left = state.started_at + probe.start_period_s - time.time()
+    return trio.current_time() + max(0.0, left)
 
 
 #: The exit code for "command not found": the OCI runtimes' (crun, runc) when exec finds no such

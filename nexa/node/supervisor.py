@@ -16,12 +16,12 @@ import logging
 import time
 import types
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Final, NoReturn
 
 import trio
 
 from nexa import container_spec
-from nexa.adapters import entrypoints
 from nexa.config import SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.groups import FabricAccess
@@ -45,6 +45,7 @@ from nexa.errors import (
     RuntimeCacheNoRoom,
     SimulationDisabled,
 )
+from nexa.node.liveloras import LiveLoras
 from nexa.node.lora import LoraView
 from nexa.node.rdma import rdma_device_nodes
 from nexa.node.replicas import (
@@ -59,6 +60,8 @@ from nexa.node.replicas import (
     RuntimeCaches,
     SupervisorStatistics,
     Worker,
+    adopted_start_deadline,
+    program_missing,
 )
 from nexa.node.sleeper import SleepKeeper
 from nexa.supervision import supervised
@@ -116,6 +119,7 @@ class Supervisor:
         runtime_host: str = "127.0.0.1",
         caches: RuntimeCaches | None = None,
         on_start: Callable[[str], None] | None = None,
+        live_loras_dir: Path | None = None,
     ) -> None:
         self._cfg = cfg
         self._caches = caches
@@ -143,6 +147,8 @@ class Supervisor:
         #: Each assignment's `asleep` (not in its spec: changing it keeps the container).
         self._asleep: dict[str, bool] = {}
         self._sleeper = SleepKeeper(runtime_host, self._restart_awake)
+        #: The adapters loaded at run time, in each assignment's directory under `live_loras_dir`.
+        self.live_loras = LiveLoras(live_loras_dir, artifacts, in_use=lambda: {*self._workers, *self._last_retired})
 
     # --- what the agent calls
 
@@ -158,6 +164,7 @@ class Supervisor:
             desired[a.id] = old if old is not None and old.spec_sha256 == sha else Desired(a, generation, sha)
         self._desired = desired
         self._asleep = {a.id: a.asleep for a in assignments}
+        self.live_loras.update(assignments)
         self._desired_known = True
         self._changed.set()
         self._changed = trio.Event()
@@ -198,7 +205,8 @@ class Supervisor:
         if self.endpoint(assignment_id) is None:
             return None
         w = self._workers[assignment_id]
-        return LoraView(runtime=w.runtime, paths=list(w.lora_paths or ()), started_at=w.started_at)
+        live = self.live_loras.view(assignment_id) if w.runtime.live_loras else {}
+        return LoraView(runtime=w.runtime, paths=list(w.lora_paths or ()), started_at=w.started_at, live=live)
 
     def replicas(self) -> list[Replica]:
         """The desired assignments' containers as last inspected (the memory meter's view)."""
@@ -246,6 +254,7 @@ class Supervisor:
             nursery.start_soon(
                 supervised, "supervisor.sleep", self._sleeper.run, self._sleep_wanted, self._changed_event
             )
+            nursery.start_soon(supervised, "supervisor.live_loras", self.live_loras.run)
             started = False
             while True:
                 # Taken before the pass: an update() during the pass makes the wait return at once.
@@ -375,6 +384,7 @@ class Supervisor:
                 if self._last_retired.get(worker.id) is worker:
                     del self._last_retired[worker.id]
                 worker.done.set()
+                self.live_loras.wake()  # its adapter directory may go now
 
     async def _lifecycle(self, w: Worker) -> NoReturn:
         try:
@@ -410,8 +420,8 @@ class Supervisor:
                     # 127 before it was ever Ready: the program (behind an exec wrapper) was not found, or
                     # the dynamic loader found no shared library it needs (ld.so exits 127 too: a server
                     # whose RUNPATH does not reach its libraries in the image).
-                    missing = self._program_missing(
-                        w,
+                    missing = program_missing(
+                        w.runtime,
                         f"exited with code {EXIT_PROGRAM_MISSING}: command not found, or a shared library it needs "
                         "is missing (see the container's log)",
                     )
@@ -509,7 +519,7 @@ class Supervisor:
                 found = await self._settled(w, found.id)
             if found is not None and (found.running or found.paused):
                 w.container_id = found.id
-                w.start_deadline = self._adopted_start_deadline(found, runtime.health)
+                w.start_deadline = adopted_start_deadline(found, runtime.health)
                 self._adopted += 1
                 w.started_at = found.started_at or time.time()
                 log.info("adopted running container %s for assignment %s", found.name, w.id)
@@ -528,6 +538,7 @@ class Supervisor:
                     cache_dir=w.cache_dir,
                     rdma_devices=rdma_device_nodes() if group is not None and group.fabric is FabricAccess.RDMA else (),
                     lora_paths=w.lora_paths or (),
+                    live_lora_dir=await self.live_loras.open_directory(w.id) if runtime.live_loras else None,
                 )
                 w.container_id = await self._podman.create(spec)
                 self._created += 1
@@ -553,19 +564,12 @@ class Supervisor:
             with contextlib.suppress(EngineError):
                 state = await self._podman.inspect(container_id)
             if PROGRAM_NOT_FOUND.search(exc.message) or (state is not None and state.exit_code == EXIT_PROGRAM_MISSING):
-                raise self._program_missing(w, f"the container engine could not start it: {exc.message[:300]}") from exc
+                raise program_missing(
+                    w.runtime, f"the container engine could not start it: {exc.message[:300]}"
+                ) from exc
             raise
         w.start_deadline = trio.current_time() + w.runtime.health.start_period_s
         return container_id, w.start_deadline
-
-    @staticmethod
-    def _program_missing(w: Worker, what: str) -> ProgramMissing:
-        program = entrypoints.program_of(w.runtime.entrypoint, w.runtime.command)
-        return ProgramMissing(
-            program,
-            f"the runtime's program {program} is not in the image {w.runtime.image} ({what}); register an image "
-            "that has it where the adapter runs it (on PATH, or at the path the image's entrypoint names)",
-        )
 
     async def _settled(self, w: Worker, container_id: str) -> ContainerState:
         """Inspect until the container is no longer between states (`stopping`, `removing`, …).
@@ -597,14 +601,6 @@ class Supervisor:
                 await self._stop_and_remove(state.id, w.runtime.stop_timeout_s, running=state.running)
                 self._removed += 1
         return found
-
-    @staticmethod
-    def _adopted_start_deadline(state: ContainerState, probe: HealthProbe) -> float:
-        # What is left of the start period, from the container's own (wall-clock) start time.
-        if state.started_at is None:
-            return trio.current_time()
-        left = state.started_at + probe.start_period_s - time.time()
-        return trio.current_time() + max(0.0, left)
 
     async def _watch(self, w: Worker, container_id: str, start_deadline: float) -> ContainerState | None:
         """Inspect and probe every `interval_s` until the container stops running; return its
