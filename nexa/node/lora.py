@@ -34,7 +34,7 @@ from nexa.adapters.lora import LORA_MOUNT_ROOT, limit_in, loads_at_run_time
 from nexa.contracts.manifest import entry_path
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LoraSpec, RuntimeSpec
-from nexa.errors import ContractError, Unavailable
+from nexa.errors import ContractError, RuntimeFailed, Unavailable
 from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,9 @@ class LoraSlots:
 
 
 async def _post(client: RuntimeClient, where: tuple[str, int], path: str, body: dict[str, str], what: str) -> None:
-    """One load or unload call, its answer read whole within LOAD_TIMEOUT_S; Unavailable unless 2xx."""
+    """One load or unload call, its answer read whole within LOAD_TIMEOUT_S; Unavailable unless 2xx:
+    RuntimeFailed when the runtime answered a load with an error (the adapter failed there: it counts
+    against that adapter version, unlike a runtime that cannot be reached)."""
     payload = json.dumps(body).encode()
     with trio.move_on_after(LOAD_TIMEOUT_S) as scope:
         try:
@@ -146,7 +148,8 @@ async def _post(client: RuntimeClient, where: tuple[str, int], path: str, body: 
     if scope.cancelled_caught:
         raise Unavailable(f"the runtime did not {what} within {LOAD_TIMEOUT_S:g} s")
     if status >= 400:
-        raise Unavailable(f"the runtime refused to {what} (HTTP {status})")
+        refused = RuntimeFailed if path == LOAD_PATH else Unavailable
+        raise refused(f"the runtime refused to {what} (HTTP {status})")
 
 
 class NodeLoras:

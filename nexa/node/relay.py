@@ -34,7 +34,7 @@ from nexa.channel.flow import SendWindow
 from nexa.config import RelayConfig
 from nexa.contracts import heads, wire
 from nexa.contracts.bounds import MAX_TOKENS
-from nexa.errors import ChannelError, ContractError, NexaError
+from nexa.errors import ChannelError, ContractError, NexaError, RuntimeFailed
 from nexa.node.http1 import Response, RuntimeClient, RuntimeHTTPError
 
 log = logging.getLogger(__name__)
@@ -330,8 +330,10 @@ class NodeRelay:
             return _error(RUNTIME_UNAVAILABLE, message="this node serves no LoRA adapters")
         try:
             body, req.release = await self._lora(head.assignment_id, head.lora, body, port)
+        except RuntimeFailed as exc:
+            return _error(RUNTIME_ERROR, message=exc.message)  # the runtime refused to load it: a failure there
         except NexaError as exc:
-            return _error(RUNTIME_UNAVAILABLE, message=exc.message)
+            return _error(RUNTIME_UNAVAILABLE, message=exc.message)  # not there (yet): nothing ran
         return body, port
 
     async def _call(self, req: _Request) -> wire.EndHead:

@@ -431,7 +431,7 @@ class Gateway:
                 progress.waited_s += stream.waited_s(whole=True)
                 take_node_overhead(progress, self._meter, end.overhead_ms, replica.node_id)
                 error = end_error(end)
-                self._attempt_failed(progress, replica, attempt_started)
+                self._attempt_failed(progress, replica, attempt_started, ran=end.code not in NOT_SERVING_END_CODES)
                 if end.code in RETRYABLE_END_CODES and not end.first_byte_sent:
                     log.info("attempt %d failed before output (%s); retrying", attempt + 1, end.code)
                     last = error
@@ -447,16 +447,17 @@ class Gateway:
             raise NoReadyReplica(f"no replica of {work.model!r} took the request (none serving now); retry shortly")
         raise last
 
-    def _attempt_failed(self, progress: Progress, replica: ServingReplica, started: float) -> None:
-        """A failure before any output counts against its replica and adapter version; a new
-        adapter version's sends the retries to the earlier one."""
+    def _attempt_failed(self, progress: Progress, replica: ServingReplica, started: float, *, ran: bool) -> None:
+        """A failure before any output counts against its replica, and against its adapter version
+        unless nothing ran (`ran`: the adapter not on the node yet); a new version's sends the retries
+        to the earlier one."""
         self._meter.attempt_failed(
             replica.deployment,
             canary=replica.canary,
             duration_ms=(trio.current_time() - started) * 1000.0,
             now=time.time(),
             node_id=replica.node_id,
-            adapter=adapter_key(progress.adapter),
+            adapter=adapter_key(progress.adapter) if ran else "",
         )
         progress.lora_canary_failed = progress.lora_canary_failed or progress.lora_canary
 
