@@ -48,13 +48,14 @@ async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_a
         node = next(n for n in cluster.nodes if n.node_id in ready.values())
         events = node.journal()
         loras = [(e["event"], e["loaded"]) for e in events if str(e["event"]).startswith("lora")]
+        # vLLM and sim know each adapter version by `<alias>@<version>` (they load them at run time).
         assert loras == [
-            ("lora_load", ["poet"]),
-            ("lora_load", ["poet", "coder"]),
-            ("lora_unload", ["poet"]),  # judge: coder was the least recently used
-            ("lora_load", ["poet", "judge"]),
-            ("lora_unload", ["judge"]),  # coder again: poet was
-            ("lora_load", ["judge", "coder"]),
+            ("lora_load", ["poet@a1"]),
+            ("lora_load", ["poet@a1", "coder@a1"]),
+            ("lora_unload", ["poet@a1"]),  # judge: coder was the least recently used
+            ("lora_load", ["poet@a1", "judge@a1"]),
+            ("lora_unload", ["judge@a1"]),  # coder again: poet was
+            ("lora_load", ["judge@a1", "coder@a1"]),
         ]
         assert sum(1 for e in events if e["event"] == "completed") == 6
 

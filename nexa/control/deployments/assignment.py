@@ -94,7 +94,7 @@ def assignment_for(
     given = given if lora.loads_loras(runtime.kind, adapter) else []
     live: list[LoraSpec] = []
     if given and lora.loads_at_run_time(runtime.kind):
-        live = [lora_spec(f"{name}@{record.version}", record) for name, record in loras]
+        live = live_loras(loras)
         given = [g for i, g in enumerate(given) if all(g.name != h.name for h in given[:i])]
     mounted = [(g.name, g.artifact.model_path) for g in given]
     spare = 1 if live else 0
@@ -163,6 +163,12 @@ def assignment_for(
         ),
         loras=live,
     )
+
+
+def live_loras(loras: Sequence[tuple[str, ModelRecord]]) -> list[LoraSpec]:
+    """Adapters a runtime loads at run time, as its assignment gives them (`Assignment.loras`): each
+    (alias, adapter version) named `<alias>@<version>`."""
+    return [lora_spec(f"{name}@{record.version}", record) for name, record in loras]
 
 
 def lora_spec(name: str, adapter: ModelRecord) -> LoraSpec:

@@ -30,6 +30,7 @@ from nexa.control.cluster.leadership import Leadership
 from nexa.control.deployments.assignment import (
     assignment_for,
     declared_bytes,
+    live_loras,
     overhead_bytes,
     placement_request,
     reservation_bytes,
@@ -285,13 +286,17 @@ class Desired:
                     # sleep (`idle`) changes only their `asleep`.
                     asleep = after is not None and after.deployment.asleep
                     kept = mine[aid] if mine[aid].asleep is asleep else attrs.evolve(mine[aid], asleep=asleep)
+                    if kept.runtime.live_loras and after is not None:
+                        # Adapters loaded at run time: their versions move without a restart.
+                        given = live_loras(self._loras_of(after.deployment, model_of(after.deployment, r)))
+                        kept = kept if kept.loras == given else attrs.evolve(kept, loras=given)
                     wanted.append(kept)
                     used_ports |= ports_in_use([mine[aid]])
             for r, rank in by_node.get(node_id, []):
                 if member_id(r, rank or 0) not in mine:
                     assert after is not None
                     wanted.append(self._assignment(after.deployment, r, rank, live, used_ports))
-            if {a.id: a.asleep for a in wanted} == {aid: a.asleep for aid, a in mine.items()}:
+            if {a.id: (a.asleep, a.loras) for a in wanted} == {aid: (a.asleep, a.loras) for aid, a in mine.items()}:
                 continue
             changed[node_id] = attrs.evolve(current, generation=current.generation + 1, assignments=others + wanted)
         sets = ", ".join(f"{n} generation {d.generation}" for n, d in changed.items()) or "no node set changed"
@@ -360,6 +365,14 @@ class Desired:
                     by_node[r.members[rank].node_id].append((r, rank))
         return by_node
 
+    def _loras_of(self, dep: Deployment, ref: ModelRef) -> list[tuple[str, ModelRecord]]:
+        """The adapters a replica of `ref` is given: the deployment's pinned set for its model (rolled
+        out under watch when the aliases change it: `reconciler`), and while an adapter rollout in
+        place soaks the earlier versions too; the registry's now for a canary's version."""
+        if ref != dep.model:
+            return list(self.models.loras_on(ref))
+        return [(alias, self.models.model(a.model, a.version)) for alias, a in given_loras(dep)]
+
     def _assignment(
         self, dep: Deployment, r: Replica, rank: int | None, live: NodeLive, used_ports: set[int]
     ) -> Assignment:
@@ -383,14 +396,7 @@ class Desired:
             port += 1
         used_ports.add(port)
         pool = unified_pool_bytes(live)
-        # The adapters it is started with: the deployment's pinned set for its model (rolled out under
-        # watch when the aliases change it: `reconciler`), and while an adapter rollout in place
-        # soaks the earlier versions too; the registry's now for a canary's version.
-        loras = (
-            [(alias, self.models.model(a.model, a.version)) for alias, a in given_loras(dep)]
-            if ref == dep.model
-            else self.models.loras_on(ref)
-        )
+        loras = self._loras_of(dep, ref)
         made = assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role, loras=loras)
         return attrs.evolve(made, asleep=True) if dep.asleep else made
 
