@@ -20,7 +20,7 @@ from tests.support.rollout import audit, big, fleet_of, two_versions, until, ver
 
 pytestmark = pytest.mark.slow
 
-POLICY = {"soak_s": 1.0, "min_requests": 5, "suite": None}
+POLICY = {"soak_s": 1.0, "min_requests": 5, "suite": None, "adapter_weight": 0.1}
 
 
 async def test_an_alias_move_soaks_each_new_replica_and_a_paused_rollout_survives_a_restart(
@@ -93,7 +93,7 @@ async def test_an_alias_move_soaks_each_new_replica_and_a_paused_rollout_survive
                 err["message"]
             )
             assert (await view(http))["deployment"]["generation"] == before["generation"]
-            policy = {"soak_s": 60.0, "min_requests": 50, "suite": None}
+            policy = {"soak_s": 60.0, "min_requests": 50, "suite": None, "adapter_weight": 0.1}
             changed = await ok(http.post("/api/v1/deployments/chat-a/change", json={"rollout_policy": policy}))
             assert changed["deployment"]["rollout_policy"] == policy
             assert changed["deployment"]["rollout"]["policy"] == POLICY

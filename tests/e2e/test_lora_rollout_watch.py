@@ -18,15 +18,18 @@ poet@a1, and each request for `poet` draws poet@a2 with the policy's `adapter_we
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import trio
 
 from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SIM_ARGS, SimCluster, gateway_cluster, usage_rows, wait_until
+from tests.support.console import sign_in
 from tests.support.models import bring_to
 from tests.support.watched import send_steadily
 
@@ -101,6 +104,18 @@ async def asking(cluster: SimCluster, outcomes: list[str], step: Any) -> Any:
             stop.set()
 
 
+async def console_rollout(cluster: SimCluster, seen: list[str]) -> None:
+    """The console's rollout line of deployment `chat`, each time it reads one, until cancelled."""
+    async with httpx.AsyncClient(base_url=cluster.controller.url) as browser:
+        assert (await sign_in(browser, cluster.controller.admin_key)).status_code == 303
+        while True:
+            page = (await browser.get("/console/deployments/chat")).text
+            line = next((x for x in page.splitlines() if 'id="rollout-state"' in x and "in place" in x), None)
+            if line is not None:
+                seen.append(html.unescape(line))
+            await trio.sleep(0.2)
+
+
 async def metered(cluster: SimCluster, at_least_requests: int) -> dict[str, int]:
     async def rows() -> dict[str, int] | None:
         got = await usage_rows(cluster, tenant=cluster.tenant)
@@ -153,7 +168,16 @@ async def test_a_good_adapter_version_soaks_on_the_same_replicas_and_then_answer
         def passed(dep: Json) -> bool:
             return dep["rollout"] is None and dep["loras"] == {"poet": {"model": "poet", "version": "a2"}}
 
-        dep, events = await asking(cluster, outcomes, lambda: rolled_in_place(cluster, outcomes, passed))
+        seen: list[str] = []
+        async with trio.open_nursery() as watching:
+            watching.start_soon(console_rollout, cluster, seen)
+            dep, events = await asking(cluster, outcomes, lambda: rolled_in_place(cluster, outcomes, passed))
+            watching.cancel_scope.cancel()
+        # The console's deployment page said what soaked, and how, while it did.
+        assert any(
+            "in place on the same replicas: the new adapter versions (poet poet@a1 → poet@a2 )" in t for t in seen
+        )
+        assert any("take 50% of their aliases' requests and soak 4.0 s" in t for t in seen), seen[-1:]
         assert dep["held_loras"] is None
         assert sorted(r["id"] for r in dep["placed"]) == replicas
         [done] = [e for e in events if e["action"] == "deployment.rollout.done"]
