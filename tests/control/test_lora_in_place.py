@@ -1,5 +1,5 @@
 """A new LoRA adapter version as a canary on the same replicas (issue 34, point 2), the pure part: when
-an adapter change goes in place (`records.in_place`), what the replicas are given meanwhile
+an adapter change goes in place (`records.goes_in_place`), what the replicas are given meanwhile
 (`records.given_loras`), that no replica stops being current, and how each request draws its version
 (`lora.LoraRoute.pick`). tests/e2e/test_lora_rollout_watch.py runs it end to end with real agents."""
 
@@ -20,11 +20,10 @@ from nexa.contracts.models import ModelRef
 from nexa.control.datapath.lora import LoraRoute
 from nexa.control.deployments.records import (
     given_loras,
-    in_place,
+    goes_in_place,
     is_current,
     pin_specs,
     with_loras,
-    with_loras_in_place,
 )
 from tests.support.adapters import PORT, deployment
 
@@ -43,19 +42,19 @@ def serving(loras: dict[str, ModelRef]):  # type: ignore[no-untyped-def]
 
 def test_only_versions_moving_on_a_run_time_runtime_without_a_suite_go_in_place() -> None:
     dep = serving({"poet": A1, "coder": C1})
-    assert in_place(dep, {"poet": A2, "coder": C1}, POLICY, live=True)
-    assert not in_place(dep, {"poet": A2, "coder": C1}, POLICY, live=False)  # llama-server, SGLang: at start
-    assert not in_place(dep, {"poet": A1}, POLICY, live=True)  # an alias gone: the runtime's flags change
-    assert not in_place(dep, {"poet": A1, "coder": C1, "judge": A2}, POLICY, live=True)  # an alias more
-    assert not in_place(dep, {"poet": A1, "coder": C1}, POLICY, live=True)  # nothing moves
+    assert goes_in_place(dep, {"poet": A2, "coder": C1}, POLICY, live=True)
+    assert not goes_in_place(dep, {"poet": A2, "coder": C1}, POLICY, live=False)  # llama-server, SGLang: at start
+    assert not goes_in_place(dep, {"poet": A1}, POLICY, live=True)  # an alias gone: the runtime's flags change
+    assert not goes_in_place(dep, {"poet": A1, "coder": C1, "judge": A2}, POLICY, live=True)  # an alias more
+    assert not goes_in_place(dep, {"poet": A1, "coder": C1}, POLICY, live=True)  # nothing moves
     gated = attrs.evolve(POLICY, suite=CanarySuite(suite="s", run_by=SuiteRunBy.OPERATOR))
-    assert not in_place(dep, {"poet": A2, "coder": C1}, gated, live=True)  # a suite measures new replicas
-    assert not in_place(attrs.evolve(dep, nodes_per_replica=2), {"poet": A2, "coder": C1}, POLICY, live=True)
+    assert not goes_in_place(dep, {"poet": A2, "coder": C1}, gated, live=True)  # a suite measures new replicas
+    assert not goes_in_place(attrs.evolve(dep, nodes_per_replica=2), {"poet": A2, "coder": C1}, POLICY, live=True)
 
 
 def test_in_place_every_replica_stays_current_and_is_given_both_versions_until_it_ends() -> None:
     dep = serving({"poet": A1, "coder": C1})
-    moved = with_loras_in_place(dep, {"poet": A2, "coder": C1}, POLICY)
+    moved = with_loras(dep, {"poet": A2, "coder": C1}, POLICY, in_place=True)
     assert moved.rollout is not None and moved.rollout.in_place and moved.rollout.reason == "adapter"
     assert moved.rollout.good is not None and moved.rollout.good.loras == {"poet": A1, "coder": C1}
     assert all(is_current(moved, r) for r in moved.placed)  # nothing to replace

@@ -56,14 +56,13 @@ from nexa.control.deployments.records import (
     bump,
     canary_placed,
     follow,
-    in_place,
+    goes_in_place,
     is_current,
     lora_change,
     model_of,
     new_replicas,
     replica_nodes,
     with_loras,
-    with_loras_in_place,
 )
 from nexa.control.deployments.scheduler import place
 from nexa.control.deployments.soak import held, with_step
@@ -178,11 +177,9 @@ class Reconciler:
             if loras not in (dep.loras, dep.held_loras):
                 what = lora_change(dep.loras, loras)
                 policy = dep.rollout_policy or RolloutPolicy()
-                if in_place(dep, loras, policy, live=self._loads_at_run_time(dep)):
-                    changed, how = with_loras_in_place(dep, loras, policy), "in place on its replicas"
-                else:
-                    changed, how = with_loras(dep, loras, policy), "rolling its replicas"
-                after = Entry(changed, entry.decision, entry.problem)
+                in_place = goes_in_place(dep, loras, policy, live=self._loads_at_run_time(dep))
+                how = "in place on its replicas" if in_place else "rolling its replicas"
+                after = Entry(with_loras(dep, loras, policy, in_place=in_place), entry.decision, entry.problem)
                 await self._desired.commit(SYSTEM, ADAPTERS, entry, after, detail=f"{what}; {how}")
                 entry, dep = after, after.deployment
 

@@ -100,10 +100,15 @@ def follow(dep: Deployment, target: ModelRef, reason: str, loras: dict[str, Mode
     return bump(followed)
 
 
-def with_loras(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy) -> Deployment:
+def with_loras(
+    dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy, *, in_place: bool = False
+) -> Deployment:
     """The deployment's replicas to load another set of LoRA adapters: a rollout of the same model
     (reason `adapter`, its first step naming the change), each replica replaced under watch by one
-    started with `loras`."""
+    started with `loras`; `in_place` (`goes_in_place`): none replaced, they load the new versions
+    beside the earlier ones without a restart (`Rollout.in_place`) and stay current, and the new
+    versions soak as one (`watch`) on a share of the aliases' requests before the earlier ones go."""
+    detail = lora_change(dep.loras, loras) + (", in place" if in_place else "")
     rollout = Rollout(
         from_=dep.model,
         to=dep.model,
@@ -111,13 +116,15 @@ def with_loras(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolic
         started_at=time.time(),
         policy=policy,
         good=spec_now(dep),
-        steps=[RolloutStep(at=time.time(), what="started", detail=lora_change(dep.loras, loras))],
+        steps=[RolloutStep(at=time.time(), what="started", detail=detail)],
+        in_place=in_place,
     )
-    return bump(attrs.evolve(dep, placed=pin_specs(dep), loras=dict(loras), rollout=rollout))
+    placed = unpinned(dep) if in_place else pin_specs(dep)
+    return bump(attrs.evolve(dep, placed=placed, loras=dict(loras), rollout=rollout))
 
 
-def in_place(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy, *, live: bool) -> bool:
-    """Whether the deployment goes to the adapter set `loras` on the same replicas (`with_loras_in_place`):
+def goes_in_place(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy, *, live: bool) -> bool:
+    """Whether the deployment goes to the adapter set `loras` on the same replicas (`with_loras`):
     its runtime loads adapters at run time (`live`; replicas on one node), the same aliases move
     to other versions (a new or a removed alias changes the runtime's flags: replaced), and its
     policy has no suite gate (a suite measures new replicas: replaced)."""
@@ -129,23 +136,6 @@ def in_place(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy,
         and loras != dep.loras
         and policy.suite is None
     )
-
-
-def with_loras_in_place(dep: Deployment, loras: dict[str, ModelRef], policy: RolloutPolicy) -> Deployment:
-    """The deployment's replicas to load the new versions of `loras` beside the earlier ones without
-    a restart (`Rollout.in_place`, reason `adapter`): they stay current, and the new versions soak
-    as one (`watch`) on a share of the aliases' requests before the earlier ones are let go."""
-    rollout = Rollout(
-        from_=dep.model,
-        to=dep.model,
-        reason="adapter",
-        started_at=time.time(),
-        policy=policy,
-        good=spec_now(dep),
-        steps=[RolloutStep(at=time.time(), what="started", detail=lora_change(dep.loras, loras) + ", in place")],
-        in_place=True,
-    )
-    return bump(attrs.evolve(dep, placed=unpinned(dep), loras=dict(loras), rollout=rollout))
 
 
 def unpinned(dep: Deployment) -> list[Replica]:
