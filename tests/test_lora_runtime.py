@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import httpx
 import openai
 import pytest
@@ -184,3 +185,32 @@ async def test_an_adapter_serving_a_request_is_not_unloaded_under_it(sim: SimPro
         _, coder_done = await loras.prepare("a1", "coder", b"{}", port)
         coder_done()
         assert await loaded(sim) == ["coder"]
+
+
+async def test_a_new_agent_finds_what_an_adopted_runtime_holds_and_never_loads_it_twice(
+    sim: SimProcess, tmp_path: Path
+) -> None:
+    """An agent restart adopts a runtime that keeps running: the adapters its predecessor loaded are
+    still loaded there (vLLM refuses to load one again: 400 `already been loaded`). The new agent reads
+    them from `GET /v1/models` (adapters listed with their base as `parent`) before its first load, so a
+    request for one is served at once, and one no longer given is unloaded."""
+    files = adapters(tmp_path, "poet", "coder")
+    sim.start("--max-loras", "2")
+    view = view_of(sim, files, limit=2)
+    port = view.runtime.port
+    before = NodeLoras(lambda aid: view)
+    with trio.fail_after(TIMEOUT_S):
+        for name in ("poet", "coder"):
+            _, done = await before.prepare("a1", name, b"{}", port)
+            done()
+        assert await loaded(sim) == ["poet", "coder"]
+        # The restarted agent: the same runtime start, now given poet only.
+        only_poet = attrs.evolve(view, runtime=attrs.evolve(view.runtime, loras=view.runtime.loras[:1]))
+        after = NodeLoras(lambda aid: only_poet)
+        body, done = await after.prepare("a1", "poet", b'{"model":"base"}', port)
+        done()
+        assert body == b'{"model":"poet"}'
+        assert (after.loads, after.unloads) == (0, 1)  # poet found loaded; coder no longer given: unloaded
+        assert await loaded(sim) == ["poet"]
+    journal = [(e["event"], e.get("loaded")) for e in sim.events() if str(e["event"]).startswith("lora")]
+    assert journal == [("lora_load", ["poet"]), ("lora_load", ["poet", "coder"]), ("lora_unload", ["poet"])]

@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 LOAD_PATH: Final = "/v1/load_lora_adapter"
 UNLOAD_PATH: Final = "/v1/unload_lora_adapter"
+#: What a runtime lists as loaded, adapters included (vLLM: each with its base as `parent`).
+MODELS_PATH: Final = "/v1/models"
+MODELS_MAX_BYTES: Final = 1 << 20
 #: Loading an adapter reads its files and moves them to the accelerator: bounded, not instant.
 LOAD_TIMEOUT_S: Final = 120.0
 CONNECT_TIMEOUT_S: Final = 5.0
@@ -77,6 +80,8 @@ class LoraSlots:
         #: Requests in flight per adapter: one in use is never unloaded under them.
         self.in_use: collections.Counter[str] = collections.Counter()
         self.lock = trio.Lock()
+        #: What the runtime held when these slots were made was read (`_read_loaded`).
+        self.read = False
 
     def release(self, name: str) -> None:
         """A request that `ensure` let use `name` is done."""
@@ -92,6 +97,12 @@ class LoraSlots:
         loaded now, and the names unloaded. Raises Unavailable when every loaded adapter is in use
         at the limit, or the runtime refuses or cannot be reached (nothing is counted loaded then)."""
         async with self.lock:
+            if not self.read:
+                # A runtime this agent adopted (its predecessor's, still running after an agent
+                # restart) may hold adapters already: loading one again would be refused.
+                for held in await _read_loaded(where):
+                    self.loaded.setdefault(held, None)
+                self.read = False
             stale = [n for n in self.loaded if given is not None and n not in given and not self.in_use[n]]
             fresh = name not in self.loaded
             idle = [n for n in self.loaded if not self.in_use[n] and n not in stale]
@@ -130,6 +141,29 @@ class LoraSlots:
             self.loaded.move_to_end(name)
             self.in_use[name] += 1
             return fresh, unloaded
+
+
+async def _read_loaded(where: tuple[str, int]) -> list[str]:
+    """The LoRA adapters the runtime at `where` lists as loaded (`GET /v1/models`: vLLM lists each
+    with its base as `parent`; the base itself has none); [] when it cannot say (nothing is
+    assumed loaded then, as before)."""
+    client = RuntimeClient(connect_timeout_s=CONNECT_TIMEOUT_S, max_idle=1)
+    try:
+        status, body = await client.get(*where, MODELS_PATH, timeout_s=CONNECT_TIMEOUT_S, max_bytes=MODELS_MAX_BYTES)
+        answer = json.loads(body) if status == 200 else None
+    except (RuntimeHTTPError, ValueError) as exc:
+        log.warning("could not read the LoRA adapters the runtime at port %d holds: %s", where[1], exc)
+        return []
+    finally:
+        await client.aclose()
+    listed = answer.get("data") if isinstance(answer, dict) else None
+    if not isinstance(listed, list):
+        return []
+    return [
+        card["id"]
+        for card in listed
+        if isinstance(card, dict) and isinstance(card.get("id"), str) and isinstance(card.get("parent"), str)
+    ]
 
 
 async def _post(client: RuntimeClient, where: tuple[str, int], path: str, body: dict[str, str], what: str) -> None:
