@@ -436,11 +436,21 @@ async def test_the_relay_is_keyed_by_ids_the_controller_makes_not_the_clients(ri
 def test_the_prefix_affinity_key_holds_the_tenant() -> None:
     """Issue 30 point 14: one prompt from two tenants gives two affinity keys, so one tenant's requests
     are never steered to the replica holding another's prompt in its prefix cache."""
-    from nexa.control.datapath.gateway import _prefix
+    from nexa.control.datapath.affinity import affinity_key
 
     cfg = GatewayConfig(prefix_affinity=True)
     mine = work(messages=MESSAGES)
     theirs = attrs.evolve(mine, tenant=TenantId("globex"))
-    assert _prefix(mine, cfg) != _prefix(theirs, cfg)
-    assert _prefix(mine, cfg) == _prefix(work(messages=MESSAGES, rid="rid-2"), cfg)  # stable per tenant
-    assert _prefix(work(Capability.EMBEDDING), cfg) is None
+    assert affinity_key(mine, cfg) != affinity_key(theirs, cfg)
+    assert affinity_key(mine, cfg) == affinity_key(work(messages=MESSAGES, rid="rid-2"), cfg)  # stable per tenant
+    assert affinity_key(work(Capability.EMBEDDING), cfg) is None
+    # A LoRA adapter's alias: keyed by it (and the tenant), whatever the prompt, so its requests go
+    # where it is loaded already; off with affinity.
+    other = work(messages=[{"role": "user", "content": "something else entirely"}], rid="rid-3")
+    assert (
+        affinity_key(mine, cfg, lora="poet")
+        == affinity_key(other, cfg, lora="poet")
+        != affinity_key(mine, cfg, lora="coder")
+    )
+    assert affinity_key(mine, cfg, lora="poet") != affinity_key(theirs, cfg, lora="poet")
+    assert affinity_key(mine, GatewayConfig(prefix_affinity=False), lora="poet") is None

@@ -62,6 +62,7 @@ from nexa.contracts.gateway import (
 )
 from nexa.contracts.models import ModelRef
 from nexa.control.datapath.admission import Admission
+from nexa.control.datapath.affinity import affinity_key
 from nexa.control.datapath.calls import (
     BATCH,
     STREAM,
@@ -397,7 +398,7 @@ class Gateway:
         not_serving = True  # every failure so far: the replica was not serving after all
         rounds = 0
         # What the prompt tells routing and the node, read once per call (not per attempt).
-        prefix = _prefix(work, self._cfg)
+        prefix = affinity_key(work, self._cfg, lora=progress.alias if progress.adapter is not None else "")
         estimate = prompt_estimate(work)
         for attempt in range(1 + self._cfg.retries):
             serving, replica = await self._next_replica(progress, serving, prefix, tried, rounds)
@@ -762,33 +763,6 @@ def _encode(work: Work, serving: ServingSet) -> Encoded:
             options["include_usage"] = True
             body["stream_options"] = options
     return Encoded(json.dumps(body, separators=(",", ":")).encode())
-
-
-def _prefix(work: Work, cfg: GatewayConfig) -> str | None:
-    """The affinity key of a request: its tenant and the leading characters of its prompt; None for
-    embeddings or an empty prompt. The tenant keeps one tenant's requests from being steered to the
-    replica that holds another's prompt in its prefix cache (whose hits a timing probe could see)."""
-    text = _prompt_prefix(work, cfg)
-    return None if text is None else f"{work.tenant}\x00{text}"
-
-
-def _prompt_prefix(work: Work, cfg: GatewayConfig) -> str | None:
-    if not cfg.prefix_affinity or not work.capability.streams:
-        return None
-    if work.capability is Capability.COMPLETION:
-        prompt = work.body.get("prompt")
-        text = prompt if isinstance(prompt, str) else json.dumps(prompt)[: cfg.affinity_prefix_chars]
-        return text[: cfg.affinity_prefix_chars] or None
-    parts: list[str] = []
-    size = 0
-    for message in work.body.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
-        piece = content if isinstance(content, str) else json.dumps(content)
-        parts.append(piece)
-        size += len(piece)
-        if size >= cfg.affinity_prefix_chars:
-            break
-    return "\x00".join(parts)[: cfg.affinity_prefix_chars] or None
 
 
 def _made(progress: Progress) -> CallOutcome:

@@ -208,11 +208,20 @@ class Reconciler:
         return min(next_at, await self._groups(name, now))
 
     def _loads_at_run_time(self, dep: Deployment) -> bool:
-        """Whether the deployment's runtime loads adapters at run time (`nexa.adapters.lora`)."""
+        """Whether the deployment's runtime loads adapters at run time (`nexa.adapters.lora`) and
+        each of its replicas was given them so (`RuntimeSpec.live_loras`: not one started by an
+        earlier release with its adapters in its spec, which a rollout replaces)."""
         try:
-            return loads_at_run_time(self._desired.models.runtime(dep.runtime).kind)
+            if not loads_at_run_time(self._desired.models.runtime(dep.runtime).kind):
+                return False
+            given = {
+                a.id: a.runtime.live_loras
+                for node_id in {r.node_id for r in dep.placed}
+                for a in self._desired.fleet.get(node_id).desired.assignments
+            }
         except NotFound:
             return False
+        return all(given.get(r.id, False) for r in dep.placed)
 
     async def _groups(self, name: str, now: float) -> float:
         """Start, watch and restart the deployment's group replicas as one (`grouprun.GroupRuns.step`):
