@@ -10,7 +10,9 @@ at most every `UPDATE_EVERY_S`). Nothing here opens a connection or writes a rec
 
 Cases run `concurrency` at a time until all have answered or the deadline passes (a case not done
 by then scores 0 with the error `deadline`). A gateway that refuses the caller (`Reply.refused`:
-401/403) stops the run: `Forbidden`, naming the deployment, and no result. Answers are never
+401/403) stops the run: `Forbidden`, naming the deployment, and no result. So does a case refused for
+the caller's quota or rate limit (`quota_exceeded`): `Overloaded`, no result — a refusal for capacity
+says nothing of the answers, and scoring it 0 would fail a good version. Answers are never
 logged; each case keeps the start of its answer (`MAX_KEPT_ANSWER_CHARS`) for `nexa eval show`.
 """
 
@@ -28,7 +30,7 @@ import trio
 
 from nexa.contracts import codec
 from nexa.contracts import evals as ev
-from nexa.errors import Forbidden, NexaError
+from nexa.errors import Forbidden, NexaError, Overloaded, QuotaExceeded
 
 #: Scorer answers: a judge's `score: 0.8` (or `score = 1`), else its first PASS or FAIL.
 _JUDGE_SCORE: Final = re.compile(r"score\s*[:=]\s*(-?\d+(?:\.\d+)?)", re.IGNORECASE)
@@ -36,6 +38,8 @@ _JUDGE_WORD: Final = re.compile(r"\b(pass|fail)\b", re.IGNORECASE)
 _NUMBER: Final = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
 #: Progress is reported at most this often (seconds).
 UPDATE_EVERY_S: Final = 1.0
+#: When a run a quota refused may be tried again, as its error says (s).
+QUOTA_RETRY_S: Final = 60.0
 JUDGE_MAX_TOKENS: Final = 64
 
 
@@ -88,9 +92,11 @@ class Cases:
         self._on_case = on_case
         self._results: dict[str, ev.CaseResult] = {}
         self._refused: str | None = None
+        self._quota: str | None = None
 
     async def run(self, cases: Sequence[ev.SuiteCase]) -> list[ev.CaseResult]:
-        """Each case's result, in the suite's order; Forbidden when the gateway refused the caller."""
+        """Each case's result, in the suite's order; Forbidden when the gateway refused the caller,
+        Overloaded when its quota refused a case."""
         total = len(cases)
         send, receive = trio.open_memory_channel[ev.SuiteCase](max(1, total))
         for case in cases:
@@ -102,7 +108,7 @@ class Cases:
             nonlocal last_update
             async for case in receive:
                 self._results[case.id] = await self._case(case)
-                if self._refused is not None:
+                if self._refused is not None or self._quota is not None:
                     scope.cancel()
                     return
                 self._on_case(len(self._results), total)
@@ -123,6 +129,8 @@ class Cases:
                 raise _first(ours) from None
         if self._refused is not None:
             raise Forbidden(self._refused)
+        if self._quota is not None:
+            raise Overloaded(self._quota, retry_after_s=QUOTA_RETRY_S)
         return [self._results.get(c.id) or failed(c, "deadline", 0.0) for c in cases]
 
     async def _case(self, case: ev.SuiteCase) -> ev.CaseResult:
@@ -225,6 +233,12 @@ class Cases:
         if reply.refused and self._refused is None:
             self._refused = (
                 f"{self._who} may not use deployment {deployment} through the gateway ({reply.error}): {self._remedy}"
+            )
+        if reply.error == QuotaExceeded.code and self._quota is None:
+            self._quota = (
+                f"the quota or rate limit of {self._who} refused a case on deployment {deployment}, so the run has "
+                "no result (a refusal for capacity says nothing of the answers): give it room for the suite's "
+                "cases (`nexa quotas set`), or run the suite later"
             )
         return reply
 

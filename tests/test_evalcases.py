@@ -13,7 +13,7 @@ import trio
 
 from nexa import evalcases
 from nexa.contracts import evals as ev
-from nexa.errors import Forbidden, NotFound
+from nexa.errors import Forbidden, NotFound, Overloaded
 from tests.support.evals import CASES, TAUGHT, lines
 
 Json = dict[str, Any]
@@ -28,10 +28,13 @@ def suite(cases: list[Json] = CASES) -> list[ev.SuiteCase]:
 class Port:
     """Answers as the sim runtime taught `TAUGHT` does (or wrongly); records each call."""
 
-    def __init__(self, *, wrong: bool = False, refuse: str | None = None, hang: str | None = None) -> None:
+    def __init__(
+        self, *, wrong: bool = False, refuse: str | None = None, hang: str | None = None, quota: str | None = None
+    ) -> None:
         self.wrong = wrong
         self.refuse = refuse
         self.hang = hang
+        self.quota = quota
         self.calls: list[tuple[str, Json]] = []
         self.reports: list[tuple[int, int]] = []
         self.names: list[str] = []
@@ -44,6 +47,8 @@ class Port:
         prompt = str(body.get("messages") or body.get("prompt"))
         if self.refuse is not None and self.refuse in prompt:
             return evalcases.Reply(None, 1.0, "forbidden", refused=True)
+        if self.quota is not None and self.quota in prompt:
+            return evalcases.Reply(None, 1.0, "quota_exceeded")  # 429: the gateway's answer to a used-up limit
         if self.hang is not None and self.hang in prompt:
             await trio.sleep_forever()
         taught = next((answer for text, answer in TAUGHT.items() if text in prompt), "?")
@@ -108,6 +113,21 @@ async def test_a_refusal_stops_the_run_naming_who_and_what_to_do() -> None:
         "tenant evals may not use deployment chat-a through the gateway (forbidden): give the gate another tenant"
     )
     assert len(port.calls) == 1  # the first case: nothing more was sent
+
+
+async def test_a_case_the_quota_refused_leaves_the_run_without_a_result() -> None:
+    """A refusal for capacity (the tenant's quota or rate limit) says nothing of the answers: the run
+    ends with no result (`Overloaded`, saying what to do) instead of scoring the case 0, which would
+    fail a good version and revert its rollout."""
+    port = Port(quota="two plus two")
+    with pytest.raises(Overloaded) as refused:
+        await cases(port, concurrency=1).run(suite())
+    assert refused.value.message.startswith(
+        "the quota or rate limit of tenant evals refused a case on deployment chat-a, so the run has no result"
+    )
+    assert "`nexa quotas set`" in refused.value.message and refused.value.retry_after_s == 60.0
+    sent = [body for _, body in port.calls if "messages" in body or "prompt" in body]
+    assert "two plus two" in str(sent[-1])  # nothing was sent after the refused case
 
 
 async def test_a_case_not_done_by_the_deadline_scores_nothing(autojump_clock: trio.testing.MockClock) -> None:
