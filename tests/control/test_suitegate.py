@@ -21,6 +21,7 @@ from nexa.contracts.deployments import CanarySuite
 from nexa.contracts.evidence import JobKind, JobState
 from nexa.control.operations import suitegate
 from nexa.control.operations.suitegate import GateRuns, Want
+from nexa.errors import QuotaExceeded
 from tests.support.evals import CASES, TAUGHT, lines
 
 Json = dict[str, Any]
@@ -74,12 +75,18 @@ class Gateway:
     def __init__(self) -> None:
         self.works: list[Any] = []
         self.hold = False
+        #: Refuse every call for the tenant's quota, as `Quotas.admit` does (429 `quota_exceeded`).
+        self.over_quota = False
 
     @contextlib.asynccontextmanager
     async def call(self, work: Any) -> AsyncIterator[Any]:
         self.works.append(work)
         if self.hold:
             await trio.sleep_forever()
+        if self.over_quota:
+            raise QuotaExceeded(
+                "tenant evals: requests per minute used up", limit="requests_per_minute", retry_after_s=60
+            )
         prompt = json.dumps(work.body)
         content = next((a for text, a in TAUGHT.items() if text in prompt), "?")
         body = json.dumps({"choices": [{"message": {"content": content}}]}).encode()
@@ -196,6 +203,26 @@ async def test_a_run_without_a_result_is_failed_shown_and_tried_again_after_a_ba
         await settle()
     assert len(parts.evals.recorded) == 1 and parts.gateway.works
     assert [j["state"] for j in parts.jobs.jobs.values()] == [JobState.FAILED, JobState.FAILED, JobState.SUCCEEDED]
+
+
+async def test_a_case_the_tenants_quota_refuses_is_no_result_not_a_failing_run(parts: SimpleNamespace) -> None:
+    """A refusal for capacity says nothing of the replicas' answers: no run is recorded (a failing one
+    would revert the rollout); the job says why and what to do, and the gate is tried again later."""
+    parts.gateway.over_quota = True
+    async with trio.open_nursery() as nursery:
+        parts.runs.check(nursery)
+        await settle()
+        [failed] = parts.jobs.jobs.values()
+        assert failed["state"] is JobState.FAILED
+        assert failed["summary"].startswith("no result: the quota or rate limit of tenant evals refused a case")
+        assert "`nexa quotas set`" in failed["summary"] and failed["summary"].endswith("tried again in 5 s")
+        assert parts.evals.recorded == [] and parts.gateway.works  # asked, and nothing recorded
+        parts.gateway.over_quota = False  # room again
+        parts.clock.now += 5
+        parts.runs.check(nursery)
+        await settle()
+    [(_, create)] = parts.evals.recorded
+    assert all(c.passed for c in create.cases)
 
 
 async def test_no_ready_replica_to_measure_is_no_result_and_nothing_is_sent(parts: SimpleNamespace) -> None:
