@@ -6,7 +6,8 @@ records it as the model version's measured evaluation.
 Cases run `concurrency` at a time until all have answered or the deadline passes (a case not done
 by then scores 0 with the error `deadline`). A gateway that refuses the key (401/403) for a
 deployment stops the run: the key may not use it (`Forbidden`, naming the deployment), and nothing
-is recorded; so does a case its tenant's quota or rate limit refused (429: `Overloaded`, no result). Answers are never logged; each case keeps the start of its answer for `nexa eval show`.
+is recorded; so does a case its tenant's quota or rate limit refused (429: `Overloaded`, no result).
+Answers are never logged; each case keeps the start of its answer for `nexa eval show`.
 What this module adds to `evalcases` is the I/O: the gateway over HTTP (`bench.gateway`), the
 controller's API for the suite, the job and the record.
 

@@ -42,8 +42,13 @@ from nexa.contracts.bounds import MAX_BYTES, MAX_MS, MAX_SEQ, MAX_TOKENS, MAX_UN
 from nexa.contracts.node import NodeInventory
 from nexa.contracts.runtime import LoraSpec, RuntimeSpec
 
-#: Bumped when a change to these records is not backwards compatible.
-PROTOCOL_VERSION: Final = 1
+#: What this release's node takes, sent in every `Hello`: each level adds something a controller
+#: may then send that node, and takes nothing away (neighbouring releases read each other's
+#: messages by the rule above). 1: all before levels were counted. 2: adapters given at run time
+#: (`Assignment.loras`, `RuntimeSpec.live_loras`); a node below gets its adapters in the spec.
+PROTOCOL_VERSION: Final = 2
+#: The first level whose nodes take adapters at run time.
+LIVE_LORAS_PROTOCOL: Final = 2
 #: The most accelerators one node reports.
 MAX_GPUS: Final = 4096
 #: The largest flow-control window (chunks) and credit one frame carries.

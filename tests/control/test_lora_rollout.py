@@ -125,3 +125,53 @@ async def test_an_adapter_rolls_onto_running_replicas_and_an_undone_version_is_h
         in page
     )
     assert_never_short(watch, fleet, 2)
+
+
+def live(fleet: Nodes) -> dict[str, tuple[list[str], list[str]]]:
+    """By node, its latest set's adapters: (in the specs, by name; given at run time, by name)."""
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    for node_id in fleet.nodes:
+        latest: wire.AssignmentSet | None = fleet.latest(node_id)
+        assignments = latest.assignments if latest is not None else []
+        spec = [lo.name for a in assignments for lo in a.runtime.loras]
+        given = [lo.name for a in assignments if a.runtime.live_loras for lo in a.loras]
+        out[node_id] = (spec, given)
+    return out
+
+
+async def test_a_node_of_an_earlier_release_gets_its_adapters_in_the_spec_and_a_new_version_is_rolled(
+    dep_reg: Controller,
+    dial: Any,
+    nursery: trio.Nursery,
+    s3_store: S3Store,
+    test_images: BuiltImages,
+    tiny_gguf: Path,
+    tiny_lora_gguf: Path,
+) -> None:
+    """Mixed releases: a node whose Hello says protocol 1 (before adapters given at run time) is never
+    sent `Assignment.loras` (it would refuse the whole set): its vLLM replica gets the adapter in its
+    spec, the node of this release gets it at run time; and with a replica that cannot take a new
+    version in place, the new version is rolled out by replacing replicas, as before."""
+    fleet = await fleet_of(dep_reg, dial, nursery, "n1", "n2", protocols={"n2": 1})
+    async with dep_reg.client() as http:
+        runtime = {"name": "vllm", "kind": "vllm", "version": "0.11.0", "image": fleet_image(test_images)}
+        await ok(http.post("/api/v1/runtimes", json=runtime), 201)
+        await bring_to(http, s3_store, "tiny", "v1", "Approved", data=await trio.Path(tiny_gguf).read_bytes())
+        await ok(http.post("/api/v1/aliases/chat/promote", json={"model": "tiny", "version": "v1"}))
+        lora_bytes = await trio.Path(tiny_lora_gguf).read_bytes()
+        await adapter(http, s3_store, lora_bytes, "a1")
+        await serve(http, "a1")
+        vllm = big(runtime="vllm", rollout_policy={"soak_s": 0.5, "min_requests": 5}, options={"port": 18100})
+        await ok(http.post("/api/v1/deployments", json=vllm), 201)
+        fleet.ready(*(await view(http))["deployment"]["placed"])
+        await until(http, lambda v: v["ready"] == 2)
+        assert live(fleet) == {"n1": ([], ["poet@a1"]), "n2": (["poet"], [])}
+
+        await adapter(http, s3_store, lora_bytes + b"\0" * 8, "a2")
+        await serve(http, "a2")
+        rolling = await until(http, lambda v: (v["deployment"]["rollout"] or {}).get("reason") == "adapter")
+        assert rolling["deployment"]["rollout"]["in_place"] is False  # n2's replica takes no version at run time
+        await finish_rollout(http, fleet)
+        assert live(fleet) == {"n1": ([], ["poet@a2"]), "n2": (["poet"], [])}
+        [started] = await audit(http, "deployment.adapters")
+        assert "adapters poet: poet@a1 -> poet@a2; rolling its replicas" in started["detail"], started

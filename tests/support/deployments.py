@@ -38,14 +38,22 @@ async def _beat(node: RawNode, *, task_status: trio.TaskStatus[trio.CancelScope]
 
 
 async def online(
-    c: Controller, dial: Any, nursery: trio.Nursery, name: str, labels: str = "", claims: Json | None = None
+    c: Controller,
+    dial: Any,
+    nursery: trio.Nursery,
+    name: str,
+    labels: str = "",
+    claims: Json | None = None,
+    *,
+    protocol: int = wire.PROTOCOL_VERSION,
 ) -> Online:
-    """Enroll a node, say hello, and keep it heartbeating its inventory (with `claims` over its
-    fields) until the test ends."""
+    """Enroll a node, say hello (at `protocol`: an earlier release's node says less), and keep it
+    heartbeating its inventory (with `claims` over its fields) until the test ends."""
     node = await dial(await enroll(c, name, labels))
     node.claims = claims or {}
     node.seq += 1
-    await node.send(node.frames(wire.Hello(node_id=node.node_id, seq=node.seq, ts=time.time(), agent_version="test")))
+    hello = wire.Hello(node_id=node.node_id, seq=node.seq, ts=time.time(), agent_version="test", protocol=protocol)
+    await node.send(node.frames(hello))
     with trio.fail_after(TIMEOUT_S):
         first = await node.receive_set()
     assert first.assignments == []

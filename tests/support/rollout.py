@@ -58,8 +58,12 @@ async def collect_sets(fleet: Nodes, node_id: str) -> None:
         fleet.sets[node_id].append(await node.receive_set())
 
 
-async def fleet_of(c: Controller, dial: Any, nursery: trio.Nursery, *names: str) -> Nodes:
-    fleet = Nodes({name: await online(c, dial, nursery, name) for name in names})
+async def fleet_of(
+    c: Controller, dial: Any, nursery: trio.Nursery, *names: str, protocols: dict[str, int] | None = None
+) -> Nodes:
+    """Online RawNodes, each saying hello at its protocol level (`protocols`; this release's by default)."""
+    levels = protocols or {}
+    fleet = Nodes({n: await online(c, dial, nursery, n, protocol=levels.get(n, wire.PROTOCOL_VERSION)) for n in names})
     for name in names:
         fleet.sets[name] = []
         nursery.start_soon(collect_sets, fleet, name)

@@ -51,6 +51,7 @@ def assignment_for(
     arch: str | None = None,
     role: GroupRole | None = None,
     loras: Sequence[tuple[str, ModelRecord]] = (),
+    live_loras: bool = True,
 ) -> Assignment:
     """The signed unit a node runs for one replica, or with `role` for one rank of a group replica
     (`replica`: that rank's, its id and GPUs; the command is the rank's, `adapters.groups.launch_rank`).
@@ -81,7 +82,8 @@ def assignment_for(
     that loads them at run time (vLLM, sim) has them in the assignment (`Assignment.loras`, named
     `<alias>@<version>`, outside the spec: `live_loras`), where an alias may be given twice, its
     earlier and its new version, while an adapter rollout in place soaks; its flags depend on
-    the aliases alone, with room for one version more (`lora_args(spare=1)`).
+    the aliases alone, with room for one version more (`lora_args(spare=1)`). `live_loras` False:
+    the node's protocol level is below `wire.LIVE_LORAS_PROTOCOL` (an earlier release): in the spec.
     """
     options = dep.options
     command = list(options.command)
@@ -93,8 +95,8 @@ def assignment_for(
     given = [lora_spec(name, record) for name, record in loras] if role is None else []
     given = given if lora.loads_loras(runtime.kind, adapter) else []
     live: list[LoraSpec] = []
-    if given and lora.loads_at_run_time(runtime.kind):
-        live = live_loras(loras)
+    if given and live_loras and lora.loads_at_run_time(runtime.kind):
+        live = live_lora_specs(loras)
         given = [g for i, g in enumerate(given) if all(g.name != h.name for h in given[:i])]
     mounted = [(g.name, g.artifact.model_path) for g in given]
     spare = 1 if live else 0
@@ -165,7 +167,7 @@ def assignment_for(
     )
 
 
-def live_loras(loras: Sequence[tuple[str, ModelRecord]]) -> list[LoraSpec]:
+def live_lora_specs(loras: Sequence[tuple[str, ModelRecord]]) -> list[LoraSpec]:
     """Adapters a runtime loads at run time, as its assignment gives them (`Assignment.loras`): each
     (alias, adapter version) named `<alias>@<version>`."""
     return [lora_spec(f"{name}@{record.version}", record) for name, record in loras]

@@ -23,14 +23,14 @@ from nexa.contracts.domain import SYSTEM, Actor, NodeState
 from nexa.contracts.groups import GroupRunRecord
 from nexa.contracts.models import ModelRecord, ModelRef, RuntimeRecord
 from nexa.contracts.placement import PlacementNode, PlacementRequest
-from nexa.contracts.wire import Assignment, DesiredAssignments, RuntimeState
+from nexa.contracts.wire import LIVE_LORAS_PROTOCOL, Assignment, DesiredAssignments, RuntimeState
 from nexa.control import store as st
 from nexa.control.access.accounts import audit_draft
 from nexa.control.cluster.leadership import Leadership
 from nexa.control.deployments.assignment import (
     assignment_for,
     declared_bytes,
-    live_loras,
+    live_lora_specs,
     overhead_bytes,
     placement_request,
     reservation_bytes,
@@ -288,7 +288,7 @@ class Desired:
                     kept = mine[aid] if mine[aid].asleep is asleep else attrs.evolve(mine[aid], asleep=asleep)
                     if kept.runtime.live_loras and after is not None:
                         # Adapters loaded at run time: their versions move without a restart.
-                        given = live_loras(self._loras_of(after.deployment, model_of(after.deployment, r)))
+                        given = live_lora_specs(self._loras_of(after.deployment, model_of(after.deployment, r)))
                         kept = kept if kept.loras == given else attrs.evolve(kept, loras=given)
                     wanted.append(kept)
                     used_ports |= ports_in_use([mine[aid]])
@@ -365,13 +365,15 @@ class Desired:
                     by_node[r.members[rank].node_id].append((r, rank))
         return by_node
 
-    def _loras_of(self, dep: Deployment, ref: ModelRef) -> list[tuple[str, ModelRecord]]:
+    def _loras_of(self, dep: Deployment, ref: ModelRef, *, live: bool = True) -> list[tuple[str, ModelRecord]]:
         """The adapters a replica of `ref` is given: the deployment's pinned set for its model (rolled
         out under watch when the aliases change it: `reconciler`), and while an adapter rollout in
-        place soaks the earlier versions too; the registry's now for a canary's version."""
+        place soaks the earlier versions too (not on a node that takes no adapters at run time:
+        `live` False); the registry's now for a canary's version."""
         if ref != dep.model:
             return list(self.models.loras_on(ref))
-        return [(alias, self.models.model(a.model, a.version)) for alias, a in given_loras(dep)]
+        pairs = given_loras(dep) if live else sorted(dep.loras.items())
+        return [(alias, self.models.model(a.model, a.version)) for alias, a in pairs]
 
     def _assignment(
         self, dep: Deployment, r: Replica, rank: int | None, live: NodeLive, used_ports: set[int]
@@ -396,8 +398,11 @@ class Desired:
             port += 1
         used_ports.add(port)
         pool = unified_pool_bytes(live)
-        loras = self._loras_of(dep, ref)
-        made = assignment_for(dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role, loras=loras)
+        live_ok = live.protocol >= LIVE_LORAS_PROTOCOL  # an earlier release's node: its adapters in the spec
+        loras = self._loras_of(dep, ref, live=live_ok)
+        made = assignment_for(
+            dep, r, model, runtime, port, unified_pool_bytes=pool, arch=arch, role=role, loras=loras, live_loras=live_ok
+        )
         return attrs.evolve(made, asleep=True) if dep.asleep else made
 
     async def change_node_set(

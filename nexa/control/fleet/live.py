@@ -31,6 +31,9 @@ class NodeLive:
     last_seen_wall: float | None = None
     reachable: bool = False
     agent_version: str = ""
+    #: The node's protocol level (`Hello.protocol`; `wire.PROTOCOL_VERSION`): what it may be sent.
+    #: 1 until its Hello is heard since this controller started.
+    protocol: int = 1
     statuses: list[AssignmentStatus] = attrs.field(factory=list)
     reported_epoch: int = 0
     reported_generation: int = 0

@@ -625,7 +625,7 @@ class Fleet:
             live.state_interval_s = msg.state_interval_s if isinstance(msg, Heartbeat) else 0.0
             live.state_seq = msg.seq if isinstance(msg, Heartbeat) else live.state_seq
         if isinstance(msg, Hello):
-            live.agent_version = msg.agent_version
+            live.agent_version, live.protocol = msg.agent_version, msg.protocol
             live.reported_epoch, live.reported_generation = msg.epoch, msg.generation
         elif isinstance(msg, Heartbeat):
             statuses = list(msg.assignments)
