@@ -49,14 +49,17 @@ async def serve(http: httpx.AsyncClient, version: str) -> None:
     await ok(http.post("/api/v1/aliases/poet/promote", json=body))
 
 
+def assigned(fleet: Nodes, node_id: str) -> list[wire.Assignment]:
+    """The assignments of the latest set pushed to that node."""
+    latest: wire.AssignmentSet | None = fleet.latest(node_id)
+    return latest.assignments if latest is not None else []
+
+
 def loaded(fleet: Nodes) -> dict[str, list[tuple[str, str]]]:
     """By node, the adapters its latest set's assignments load: (name, artifact digest)."""
-    out: dict[str, list[tuple[str, str]]] = {}
-    for node_id in fleet.nodes:
-        latest: wire.AssignmentSet | None = fleet.latest(node_id)
-        assignments = latest.assignments if latest is not None else []
-        out[node_id] = [(lo.name, lo.artifact.sha256) for a in assignments for lo in a.runtime.loras]
-    return out
+    return {
+        n: [(lo.name, lo.artifact.sha256) for a in assigned(fleet, n) for lo in a.runtime.loras] for n in fleet.nodes
+    }
 
 
 async def test_an_adapter_rolls_onto_running_replicas_and_an_undone_version_is_held(
@@ -131,11 +134,9 @@ def live(fleet: Nodes) -> dict[str, tuple[list[str], list[str]]]:
     """By node, its latest set's adapters: (in the specs, by name; given at run time, by name)."""
     out: dict[str, tuple[list[str], list[str]]] = {}
     for node_id in fleet.nodes:
-        latest: wire.AssignmentSet | None = fleet.latest(node_id)
-        assignments = latest.assignments if latest is not None else []
+        assignments = assigned(fleet, node_id)
         spec = [lo.name for a in assignments for lo in a.runtime.loras]
-        given = [lo.name for a in assignments if a.runtime.live_loras for lo in a.loras]
-        out[node_id] = (spec, given)
+        out[node_id] = (spec, [lo.name for a in assignments if a.runtime.live_loras for lo in a.loras])
     return out
 
 

@@ -25,10 +25,9 @@ from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import sim_fleet
 from tests.support.cluster import wait_until as _wait_until
-from tests.support.evals import CASES, TAUGHT, lines
-from tests.support.evals import register as register_suite
+from tests.support.evals import slow_gated_canary
 from tests.support.follow import until_leads
-from tests.support.models import bring_to, registry_config_file
+from tests.support.models import registry_config_file
 from tests.support.postgres import pg_url_fixture, postgres_fixture  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -71,20 +70,7 @@ async def test_a_leader_killed_during_its_gate_run_is_followed_by_one_that_runs_
         first = Controller(a.url, key, a.state_dir, trio.Event())
         dials = (f"tcp://127.0.0.1:{a.channel_port}", f"tcp://127.0.0.1:{b.channel_port}")
         async with sim_fleet(first, tmp_path, s3_store, test_images, nodes=2, controllers=dials) as cluster:
-            assert (await register_suite(cluster, "qa", lines(CASES[:3]))).returncode == 0
-            await cluster.deploy("chat-a", replicas=1)
-            async with cluster.client() as http:
-                await ok(http.post("/api/v1/tenants", json={"id": "evals"}), 201)
-                await bring_to(http, cluster.s3, "tiny", "v2", "Approved")
-                canary = {
-                    "model": {"model": "tiny", "version": "v2"},
-                    "weight": 0.1,
-                    "suite": {"suite": "qa", "tenant": "evals"},
-                }
-                started = await ok(http.post("/api/v1/deployments/chat-a/canary", json=canary), 201)
-            on = started["deployment"]["canary"]["placed"][0]["node_id"]
-            for node in cluster.nodes:  # each answer on the canary's node takes 6 s: the run is in flight a while
-                node.set_faults(taught=TAUGHT, **({"slow_ms": 6000} if node.node_id == on else {}))
+            await slow_gated_canary(cluster)  # the controller's run will be in flight a while
 
             async with httpx.AsyncClient(base_url=b.url, headers=headers, trust_env=False, timeout=30) as second:
 

@@ -27,9 +27,8 @@ from tests.realparts import BuiltImages, S3Store
 from tests.support.api import assert_envelope, ok
 from tests.support.cluster import SimCluster, sim_cluster, sim_fleet
 from tests.support.cluster import wait_until as _wait_until
-from tests.support.evals import CASES, TAUGHT, lines
-from tests.support.evals import register as register_suite
-from tests.support.models import bring_to, registry_config, registry_config_file
+from tests.support.evals import slow_gated_canary
+from tests.support.models import registry_config, registry_config_file
 from tests.support.rollout import audit
 from tests.support.watched import (
     rolled_to_one,
@@ -172,20 +171,7 @@ async def test_a_controller_killed_during_its_run_runs_it_again_once_restarted_a
     controller = Controller(process.url, process.admin_key, process.state_dir, trio.Event())
     try:
         async with sim_fleet(controller, tmp_path, s3_store, test_images, nodes=2) as cluster:
-            assert (await register_suite(cluster, "qa", lines(CASES[:3]))).returncode == 0
-            await cluster.deploy("chat-a", replicas=1)
-            async with cluster.client() as http:
-                await ok(http.post("/api/v1/tenants", json={"id": "evals"}), 201)
-                await bring_to(http, cluster.s3, "tiny", "v2", "Approved")
-                canary = {
-                    "model": {"model": "tiny", "version": "v2"},
-                    "weight": 0.1,
-                    "suite": {"suite": "qa", "tenant": "evals"},
-                }
-                started = await ok(http.post("/api/v1/deployments/chat-a/canary", json=canary), 201)
-            on = started["deployment"]["canary"]["placed"][0]["node_id"]
-            for node in cluster.nodes:  # each answer on the canary's node takes 6 s: the run is in flight a while
-                node.set_faults(taught=TAUGHT, **({"slow_ms": 6000} if node.node_id == on else {}))
+            await slow_gated_canary(cluster)  # the controller's run will be in flight a while
 
             async def eval_jobs() -> list[Json]:
                 return list((await get(cluster, "/api/v1/jobs", kind="eval"))["jobs"])

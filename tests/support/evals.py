@@ -7,7 +7,9 @@ import json
 import subprocess
 from typing import Any
 
+from tests.support.api import ok
 from tests.support.cluster import SimCluster
+from tests.support.models import bring_to
 
 Json = dict[str, Any]
 
@@ -81,3 +83,23 @@ async def register(cluster: SimCluster, name: str, text: str) -> subprocess.Comp
     path = cluster.tmp / f"{name}.jsonl"
     path.write_text(text)
     return await cluster.cli("eval", "register", str(path), "--name", name)
+
+
+async def slow_gated_canary(cluster: SimCluster) -> None:
+    """Suite `qa` (three cases) registered; deployment chat-a (one replica of tiny@v1); tenant `evals`;
+    tiny@v2 Approved and started as chat-a's canary with a suite gate the controller runs as `evals`;
+    every answer on the canary's node taught and slowed 6 s, so the controller's run is in flight a while."""
+    assert (await register(cluster, "qa", lines(CASES[:3]))).returncode == 0
+    await cluster.deploy("chat-a", replicas=1)
+    async with cluster.client() as http:
+        await ok(http.post("/api/v1/tenants", json={"id": "evals"}), 201)
+        await bring_to(http, cluster.s3, "tiny", "v2", "Approved")
+        canary = {
+            "model": {"model": "tiny", "version": "v2"},
+            "weight": 0.1,
+            "suite": {"suite": "qa", "tenant": "evals"},
+        }
+        started = await ok(http.post("/api/v1/deployments/chat-a/canary", json=canary), 201)
+    on = started["deployment"]["canary"]["placed"][0]["node_id"]
+    for node in cluster.nodes:
+        node.set_faults(taught=TAUGHT, **({"slow_ms": 6000} if node.node_id == on else {}))
