@@ -230,9 +230,9 @@ def print_rollout(view: DeploymentView) -> None:
                 f"(`nexa eval run {gate.suite} --deployment {dep.name} --canary` counts too; the newest decides)"
             )
     if (rollout := dep.rollout) is not None and rollout.in_place:
-        earlier = rollout.good.loras if rollout.good is not None else {}
-        pairs = [(alias, earlier[alias], a) for alias, a in sorted(dep.loras.items()) if earlier.get(alias, a) != a]
-        moved = ", ".join(f"{alias} ({ref(was)} -> {ref(now)})" for alias, was, now in pairs)
+        moved = ", ".join(
+            f"{alias} ({ref(was)} -> {ref(dep.loras[alias])})" for alias, was in sorted(dep.moved_loras().items())
+        )
         weight = rollout.policy.adapter_weight if rollout.policy is not None else 0.0
         print(
             f"rollout  adapters {moved} in place: the new versions take {weight:.0%} of their requests while they soak"

@@ -452,6 +452,14 @@ class Deployment:
     #: Set on an evaluation replica (`nexa eval run --model`): hidden from clients, see `EvalBinding`.
     eval: EvalBinding | None = None
 
+    def moved_loras(self) -> dict[str, ModelRef]:
+        """While an adapter rollout in place soaks (`Rollout.in_place`), by alias, the earlier
+        version of each alias it moves (its new one is in `loras`); {} otherwise."""
+        rollout = self.rollout
+        if rollout is None or not rollout.in_place or rollout.good is None:
+            return {}
+        return {alias: was for alias, was in rollout.good.loras.items() if self.loras.get(alias, was) != was}
+
 
 @attrs.frozen(kw_only=True)
 class ServingReplica:

@@ -31,9 +31,6 @@ from nexa.control.deployments.records import all_replicas, loras_of
 from nexa.control.registry.models import ModelRegistry
 from nexa.errors import NexaError, NoReadyReplica
 
-#: An in-place adapter rollout's share when its record names no policy.
-_DEFAULT_WEIGHT = RolloutPolicy().adapter_weight
-
 
 @attrs.frozen(kw_only=True)
 class LoraRoute:
@@ -118,14 +115,9 @@ def _live_route(
     version with the new one drawn beside it; None when its assignment gives it neither."""
     names = {lora.name for lora in given.loras}
     now = adapter if canary_replica else dep.loras.get(alias, adapter)
-    rollout = dep.rollout
-    earlier = None
-    if not canary_replica and rollout is not None and rollout.in_place and rollout.good is not None:
-        earlier = rollout.good.loras.get(alias)
-    if earlier is not None and earlier != now and live_name(alias, earlier) in names:
-        weight = (
-            rollout.policy.adapter_weight if rollout is not None and rollout.policy is not None else _DEFAULT_WEIGHT
-        )
+    earlier = None if canary_replica else dep.moved_loras().get(alias)
+    if earlier is not None and dep.rollout is not None and live_name(alias, earlier) in names:
+        weight = (dep.rollout.policy or RolloutPolicy()).adapter_weight
         new = (now, live_name(alias, now)) if live_name(alias, now) in names else None
         return LoraRoute(version=earlier, name=live_name(alias, earlier), canary=new, weight=weight)
     if live_name(alias, now) in names:

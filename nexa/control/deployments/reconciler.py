@@ -177,7 +177,7 @@ class Reconciler:
             if loras not in (dep.loras, dep.held_loras):
                 what = lora_change(dep.loras, loras)
                 policy = dep.rollout_policy or RolloutPolicy()
-                in_place = goes_in_place(dep, loras, policy, live=self._loads_at_run_time(dep))
+                in_place = goes_in_place(dep, loras, policy, live=self._takes_adapters_at_run_time(dep))
                 how = "in place on its replicas" if in_place else "rolling its replicas"
                 after = Entry(with_loras(dep, loras, policy, in_place=in_place), entry.decision, entry.problem)
                 await self._desired.commit(SYSTEM, ADAPTERS, entry, after, detail=f"{what}; {how}")
@@ -207,7 +207,7 @@ class Reconciler:
             next_at = min(next_at, await self._step(entry, now))
         return min(next_at, await self._groups(name, now))
 
-    def _loads_at_run_time(self, dep: Deployment) -> bool:
+    def _takes_adapters_at_run_time(self, dep: Deployment) -> bool:
         """Whether the deployment's runtime loads adapters at run time (`nexa.adapters.lora`) and
         each of its replicas was given them so (`RuntimeSpec.live_loras`: not one started by an
         earlier release with its adapters in its spec, which a rollout replaces)."""

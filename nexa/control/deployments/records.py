@@ -146,10 +146,7 @@ def unpinned(dep: Deployment) -> list[Replica]:
 def given_loras(dep: Deployment) -> list[tuple[str, ModelRef]]:
     """The adapters the deployment's replicas are given, by alias: its set, and while an adapter
     rollout in place soaks, the earlier version of each moved alias too; sorted."""
-    pairs = list(dep.loras.items())
-    rollout = dep.rollout
-    if rollout is not None and rollout.in_place and rollout.good is not None:
-        pairs += [(alias, ref) for alias, ref in rollout.good.loras.items() if dep.loras.get(alias) != ref]
+    pairs = [*dep.loras.items(), *dep.moved_loras().items()]
     return sorted(pairs, key=lambda pair: (pair[0], pair[1].key))
 
 

@@ -51,6 +51,7 @@ from nexa.contracts.deployments import (
     rollout_policy_problems,
 )
 from nexa.contracts.domain import SYSTEM, Actor, TenantId
+from nexa.contracts.gateway import adapter_key
 from nexa.contracts.usage import WatchStats
 from nexa.control import store as st
 from nexa.control.deployments import rolloutsuite
@@ -450,8 +451,7 @@ class ChangeWatcher:
         `soak_s` unbroken with at least `min_requests` of them passes it."""
         dep = self._desired.entries[name].deployment
         policy = rollout.policy or dep.rollout_policy or DEFAULT_POLICY
-        good = rollout.good.loras if rollout.good is not None else {}
-        moved = sorted(f"{ref.model}:{ref.version}" for alias, ref in dep.loras.items() if good.get(alias) != ref)
+        moved = sorted(adapter_key(dep.loras[alias]) for alias in dep.moved_loras())
         shown = ", ".join(m.replace(":", "@") for m in moved)
         soak = next((s for s in rollout.soaks if s.replica_id == ADAPTERS_SOAK), None)
         now = time.time()
