@@ -132,8 +132,8 @@ async def test_an_artifact_that_does_not_match_is_refused_and_stays_candidate(
 ) -> None:
     data = secrets.token_bytes(300_000)
     art = await upload(s3_store, data)
-    if change == "tampered":  # same size, other bytes
-        art = attrs.evolve(art, sha256=hashlib.sha256(data[:-1] + b"\x00").hexdigest())
+    if change == "tampered":  # same size, other bytes (the last one flipped: never the same, as `\x00` was 1 in 256)
+        art = attrs.evolve(art, sha256=hashlib.sha256(data[:-1] + bytes([data[-1] ^ 0xFF])).hexdigest())
     elif change == "declared_smaller":
         art = attrs.evolve(art, size=art.size - 1)
     elif change == "declared_larger":
