@@ -135,6 +135,21 @@ def test_llama_cpp_python_batches_and_flash_attention() -> None:
     assert _tail(adapter, settings) == ["--flash_attn", "true", "--n_ubatch", "256"]
 
 
+def test_lora_pool_settings_become_their_flags_and_bad_values_are_refused_naming_the_setting() -> None:
+    settings: dict[str, object] = {"max_lora_rank": 32, "lora_target_modules": "all", "max_loaded_loras": 4}
+    assert adapters.settings_problems(RuntimeKind.SGLANG, settings, accelerators=1) == []
+    tail = _tail(SGLANG, settings)
+    assert tail[tail.index("--lora-target-modules") + 1] == "all" and "--max-loaded-loras" in tail
+    for words in ("q_proj --api-key", "", "   ", "q_proj;rm", "-x"):
+        problems = adapters.settings_problems(RuntimeKind.SGLANG, {"lora_target_modules": words}, accelerators=1)
+        assert len(problems) == 1 and problems[0].startswith("settings.lora_target_modules: "), (words, problems)
+    assert adapters.settings_problems(RuntimeKind.VLLM, {"max_lora_rank": 64}, accelerators=1) == []
+    assert _tail(VLLM, {"max_lora_rank": 64})[-2:] == ["--max-lora-rank", "64"]
+    # vLLM takes only its MaxLoRARanks (vllm/config/lora.py).
+    problems = adapters.settings_problems(RuntimeKind.VLLM, {"max_lora_rank": 24}, accelerators=1)
+    assert problems == ["settings.max_lora_rank: one of 1, 8, 16, 32, 64, 128, 256, 320, 512"]
+
+
 @pytest.mark.parametrize("path", ["/etc/passwd", "../other/chat.jinja", "a/../../b", "", "a//b", "./x"])
 def test_a_template_outside_the_model_directory_is_refused(path: str) -> None:
     for kind, name in ((RuntimeKind.VLLM, "chat_template"), (RuntimeKind.LLAMACPP, "chat_template_file")):

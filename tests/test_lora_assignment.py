@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 from nexa import container_spec
-from nexa.adapters.lora import limit_in, lora_args
+from nexa.adapters.lora import limit_flag, limit_in, lora_args
 from nexa.contracts import codec
 from nexa.contracts.deployments import Replica, RuntimeOptions
 from nexa.contracts.models import ModelFormat, ModelKind, ModelRecord, ModelRef, RuntimeRecord
@@ -99,6 +99,31 @@ def test_sglang_loads_its_adapters_at_start_by_name() -> None:
     cmd = a.runtime.command
     assert cmd[cmd.index("--lora-paths") + 1] == "poet=/models/lora/poet" and "--enable-lora" in cmd
     assert cmd[cmd.index("--max-loras-per-batch") + 1] == "1"
+
+
+def test_sglang_with_its_lora_pool_shape_set_loads_its_adapters_at_run_time() -> None:
+    """SGLang can start with no adapter only when its LoRA pool's shape is given (`--max-lora-rank`,
+    `--lora-target-modules`); then its adapters are the assignment's, loaded by the node, and a new
+    version of one leaves the spec as it is (an in-place canary, as on vLLM)."""
+    settings: dict[str, object] = {"max_lora_rank": 64, "lora_target_modules": "q_proj k_proj v_proj o_proj"}
+    a = assigned(RuntimeKind.SGLANG, settings, ModelFormat.SAFETENSORS, ("poet", "coder"))
+    cmd = a.runtime.command
+    assert "--lora-paths" not in cmd and "--enable-lora" in cmd
+    assert cmd[cmd.index("--max-lora-rank") + 1] == "64"
+    i = cmd.index("--lora-target-modules")
+    assert cmd[i + 1 : i + 5] == ["q_proj", "k_proj", "v_proj", "o_proj"]  # argparse nargs: one word each
+    assert cmd[cmd.index("--max-loras-per-batch") + 1] == "3"  # its aliases and one version more
+    assert a.runtime.live_loras and a.runtime.loras == []
+    assert [lo.name for lo in a.loras] == ["poet@v1", "coder@v1"]
+    assert a.runtime.env.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING") is None
+    # One of the two alone is not enough for SGLang to start without adapters: loaded at start.
+    half = assigned(RuntimeKind.SGLANG, {"max_lora_rank": 64}, ModelFormat.SAFETENSORS, ("poet",))
+    assert half.loras == [] and "--lora-paths" in half.runtime.command
+    assert lora_args(RuntimeKind.SGLANG, settings, [], [("poet", "/models/lora/poet")], live=False)[0][-2:] == [
+        "--lora-paths",
+        "poet=/models/lora/poet",
+    ]  # a node of an earlier release: in the spec, as before
+    assert limit_in(["--max-loaded-loras", "4"], limit_flag(RuntimeKind.SGLANG)) == 4
 
 
 def test_a_runtime_that_loads_no_adapters_gets_none_and_a_replica_without_any_is_unchanged() -> None:

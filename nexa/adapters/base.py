@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Final
 
@@ -46,6 +47,8 @@ OFFLINE_ENV: Final = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NO
 DTYPES: Final = ("auto", "half", "float16", "bfloat16", "float32")
 #: A big model on a slow disk takes minutes to load: failures this long after start keep it `Starting`.
 _START_PERIOD_S: Final = 600.0
+#: One word of a `Style.WORDS` setting.
+_WORD: Final = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*")
 
 
 class Style(enum.Enum):
@@ -63,6 +66,10 @@ class Style(enum.Enum):
     #: No argument: `flag` names an environment variable set to `1` when true (nothing when false),
     #: for a server switched on by its environment (vLLM's `VLLM_ENABLE_RESPONSES_API_STORE`).
     ENV = "env"
+    #: `--flag word word …`: a string of space-separated words, each its own argument (argparse
+    #: `nargs`; SGLang's `--lora-target-modules q_proj v_proj`). Each word is letters, digits, `_`,
+    #: `.` or `-`, and none starts with `-`.
+    WORDS = "words"
 
 
 @attrs.frozen(kw_only=True)
@@ -75,7 +82,8 @@ class Option:
     style: Style = Style.VALUE
     minimum: float | None = None
     maximum: float | None = None
-    choices: tuple[str, ...] = ()
+    #: The values it takes, where the server takes only some (strings, or integers for an int).
+    choices: tuple[str | int, ...] = ()
 
     def problem(self, name: str, value: object) -> str | None:
         """Why `value` is not acceptable for this option, or None."""
@@ -88,12 +96,16 @@ class Option:
                 reason = f"at least {self.minimum:g}"
             elif self.maximum is not None and value > self.maximum:
                 reason = f"at most {self.maximum:g}"
+            elif self.choices and value not in self.choices:
+                reason = f"one of {', '.join(map(str, self.choices))}"
         elif self.choices and value not in self.choices:
-            reason = f"one of {', '.join(self.choices)}"
+            reason = f"one of {', '.join(map(str, self.choices))}"
         elif isinstance(value, str) and (not value or value.startswith("-") or "\x00" in value):
             reason = "a non-empty value that does not start with '-'"
         elif isinstance(value, str) and self.style is Style.MODEL_FILE and (bad := path_problem(value)):
             reason = f"a path inside the model's directory ({bad})"
+        elif isinstance(value, str) and self.style is Style.WORDS and not _words(value):
+            reason = "space-separated words of letters, digits, '_', '.' or '-', none starting with '-'"
         return None if reason is None else f"settings.{name}: {reason}"
 
     def _typed(self, value: object) -> bool:
@@ -113,7 +125,15 @@ class Option:
             return [self.flag, "true" if value else "false"]
         if self.style is Style.MODEL_FILE:
             return [self.flag, f"{model_dir}/{value}"]
+        if self.style is Style.WORDS:
+            return [self.flag, *str(value).split()]
         return [self.flag, str(value)]
+
+
+def _words(value: str) -> bool:
+    """Whether `value` is one or more `Style.WORDS` words."""
+    words = value.split()
+    return bool(words) and all(_WORD.fullmatch(w) for w in words)
 
 
 def env_flag(env: Mapping[str, str], name: str) -> bool:

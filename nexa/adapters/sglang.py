@@ -27,6 +27,18 @@ SGLANG: Final = Adapter(
         ),
         "max_running_requests": Option(flag="--max-running-requests", type=int, minimum=1, help=""),
         "max_loras": Option(flag="--max-loras-per-batch", type=int, minimum=1, help="LoRA adapters in one batch"),
+        # python/sglang/srt/server_args.py: with both of these the LoRA pool's shape is fixed at start
+        # without adapters, and nexa loads them at run time (`nexa.adapters.lora.SGLANG_LIVE_SETTINGS`).
+        "max_lora_rank": Option(flag="--max-lora-rank", type=int, minimum=1, help="largest LoRA rank it may load"),
+        "lora_target_modules": Option(
+            flag="--lora-target-modules",
+            type=str,
+            style=Style.WORDS,
+            help="modules adapters may target, space-separated (e.g. q_proj k_proj v_proj o_proj, or all)",
+        ),
+        "max_loaded_loras": Option(
+            flag="--max-loaded-loras", type=int, minimum=1, help="LoRA adapters held in CPU memory at once"
+        ),
         "chunked_prefill_size": Option(flag="--chunked-prefill-size", type=int, minimum=-1, help="-1: off"),
         "dtype": Option(flag="--dtype", type=str, choices=DTYPES, help="weight and activation type"),
         "kv_cache_dtype": Option(

@@ -54,6 +54,13 @@ VLLM: Final = Adapter(
         ),
         "max_num_seqs": Option(flag="--max-num-seqs", type=int, minimum=1, help="sequences per iteration"),
         "max_loras": Option(flag="--max-loras", type=int, minimum=1, help="LoRA adapters loaded at once"),
+        # vllm/config/lora.py: MaxLoRARanks, 16 by default; an adapter of a larger rank is refused at load.
+        "max_lora_rank": Option(
+            flag="--max-lora-rank",
+            type=int,
+            choices=(1, 8, 16, 32, 64, 128, 256, 320, 512),
+            help="largest LoRA rank it may load (16)",
+        ),
         "max_num_batched_tokens": Option(flag="--max-num-batched-tokens", type=int, minimum=1, help="tokens/step"),
         "dtype": Option(flag="--dtype", type=str, choices=DTYPES, help="weight and activation type"),
         "kv_cache_dtype": Option(

@@ -3,7 +3,9 @@
 
 * llama.cpp (`llama-server`): every adapter of the assignment was loaded at start, at scale 0; the
   request gets `"lora": [{"id": N, "scale": 1.0}]`, N the adapter's place in `RuntimeSpec.loras`.
-* SGLang: loaded at start; the request's `model` becomes the adapter's name.
+* SGLang: the request's `lora_path` field becomes the adapter's name (its `model` stays the base's).
+  Loaded at start, or, given its adapters outside its spec (`RuntimeSpec.live_loras`), at run time
+  as vLLM's are, at its own endpoints (`nexa.adapters.lora.SGLANG_ENDPOINTS`).
 * vLLM and `sim`: the adapter is loaded when a request first needs it (`POST /v1/load_lora_adapter`
   `{"lora_name", "lora_path"}`), without restarting the runtime; when the runtime's limit
   (`--max-loras`) is reached, the least recently used adapter is unloaded first
@@ -30,7 +32,7 @@ from typing import Final
 import attrs
 import trio
 
-from nexa.adapters.lora import LORA_MOUNT_ROOT, limit_in, loads_at_run_time
+from nexa.adapters.lora import LORA_MOUNT_ROOT, VLLM_ENDPOINTS, LoraEndpoints, endpoints, limit_flag, limit_in
 from nexa.contracts.manifest import entry_path
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LoraSpec, RuntimeSpec
@@ -39,8 +41,6 @@ from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
 
 log = logging.getLogger(__name__)
 
-LOAD_PATH: Final = "/v1/load_lora_adapter"
-UNLOAD_PATH: Final = "/v1/unload_lora_adapter"
 #: What a runtime lists as loaded, adapters included (vLLM: each with its base as `parent`).
 MODELS_PATH: Final = "/v1/models"
 MODELS_MAX_BYTES: Final = 1 << 20
@@ -74,8 +74,10 @@ class LoraView:
 class LoraSlots:
     """The adapters one runtime start has loaded, least recently used first, within its limit."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, paths: LoraEndpoints = VLLM_ENDPOINTS) -> None:
         self.limit = limit
+        #: Where the runtime takes loads and unloads.
+        self.paths = paths
         self.loaded: collections.OrderedDict[str, None] = collections.OrderedDict()
         #: Requests in flight per adapter: one in use is never unloaded under them.
         self.in_use: collections.Counter[str] = collections.Counter()
@@ -102,7 +104,7 @@ class LoraSlots:
                 # restart) may hold adapters already: loading one again would be refused.
                 for held in await _read_loaded(where):
                     self.loaded.setdefault(held, None)
-                self.read = False
+                self.read = True
             stale = [n for n in self.loaded if given is not None and n not in given and not self.in_use[n]]
             fresh = name not in self.loaded
             idle = [n for n in self.loaded if not self.in_use[n] and n not in stale]
@@ -118,7 +120,7 @@ class LoraSlots:
                 try:
                     for gone in stale:
                         try:
-                            await _post(client, where, UNLOAD_PATH, {"lora_name": gone}, f"unload LoRA adapter {gone}")
+                            await self._post(client, where, {"lora_name": gone}, f"unload LoRA adapter {gone}")
                         except Unavailable as exc:
                             # Still loaded as far as we know: tried again at the next request.
                             log.warning("LoRA adapter %s is no longer given but stays loaded: %s", gone, exc)
@@ -129,18 +131,24 @@ class LoraSlots:
                         if not idle:  # an adapter no longer given could not be unloaded
                             raise Unavailable(f"the runtime holds {len(self.loaded)} LoRA adapters, its limit")
                         oldest = idle.pop(0)
-                        await _post(client, where, UNLOAD_PATH, {"lora_name": oldest}, f"unload LoRA adapter {oldest}")
+                        await self._post(client, where, {"lora_name": oldest}, f"unload LoRA adapter {oldest}")
                         del self.loaded[oldest]
                         unloaded.append(oldest)
                     if fresh:
                         load = {"lora_name": name, "lora_path": path}
-                        await _post(client, where, LOAD_PATH, load, f"load LoRA adapter {name}")
+                        await self._post(client, where, load, f"load LoRA adapter {name}", loads=True)
                 finally:
                     await client.aclose()
             self.loaded[name] = None
             self.loaded.move_to_end(name)
             self.in_use[name] += 1
             return fresh, unloaded
+
+    async def _post(
+        self, client: RuntimeClient, where: tuple[str, int], body: dict[str, str], what: str, *, loads: bool = False
+    ) -> None:
+        """One load (`loads`) or unload call at the runtime's endpoint for it (`_post`)."""
+        await _post(client, where, self.paths.load if loads else self.paths.unload, body, what, loads=loads)
 
 
 async def _read_loaded(where: tuple[str, int]) -> list[str]:
@@ -166,10 +174,12 @@ async def _read_loaded(where: tuple[str, int]) -> list[str]:
     ]
 
 
-async def _post(client: RuntimeClient, where: tuple[str, int], path: str, body: dict[str, str], what: str) -> None:
-    """One load or unload call, its answer read whole within LOAD_TIMEOUT_S; Unavailable unless 2xx:
-    RuntimeFailed when the runtime answered a load with an error (the adapter failed there: it counts
-    against that adapter version, unlike a runtime that cannot be reached)."""
+async def _post(
+    client: RuntimeClient, where: tuple[str, int], path: str, body: dict[str, str], what: str, *, loads: bool
+) -> None:
+    """One load (`loads`) or unload call, its answer read whole within LOAD_TIMEOUT_S; Unavailable
+    unless 2xx: RuntimeFailed when the runtime answered a load with an error (the adapter failed
+    there: it counts against that adapter version, unlike a runtime that cannot be reached)."""
     payload = json.dumps(body).encode()
     with trio.move_on_after(LOAD_TIMEOUT_S) as scope:
         try:
@@ -182,7 +192,7 @@ async def _post(client: RuntimeClient, where: tuple[str, int], path: str, body: 
     if scope.cancelled_caught:
         raise Unavailable(f"the runtime did not {what} within {LOAD_TIMEOUT_S:g} s")
     if status >= 400:
-        refused = RuntimeFailed if path == LOAD_PATH else Unavailable
+        refused = RuntimeFailed if loads else Unavailable
         raise refused(f"the runtime refused to {what} (HTTP {status})")
 
 
@@ -207,7 +217,7 @@ class NodeLoras:
         live = view.live.get(name) if index is None else None
         if index is None and live is None:
             raise Unavailable(f"this replica does not load the LoRA adapter {name!r}")
-        if live is not None and (live.path is None or not loads_at_run_time(view.runtime.kind)):
+        if live is not None and (live.path is None or not _loads_on_request(view.runtime)):
             raise Unavailable(f"the LoRA adapter {name!r} is not on this replica's node yet")
         try:
             request = json.loads(body)
@@ -220,11 +230,11 @@ class NodeLoras:
         if kind is RuntimeKind.LLAMACPP and index is not None:
             request["lora"] = [{"id": index, "scale": 1.0}]
         else:
-            if loads_at_run_time(kind):
+            if _loads_on_request(view.runtime):
                 path = _path(view, view.runtime.loras[index], index) if index is not None else _live_path(view, live)
                 slots = await self._ensure(assignment_id, view, name, path, port)
                 release = functools.partial(slots.release, name)
-            request["model"] = name
+            request["lora_path" if kind is RuntimeKind.SGLANG else "model"] = name
         return json.dumps(request, separators=(",", ":")).encode(), release
 
     async def _ensure(self, assignment_id: str, view: LoraView, name: str, path: str, port: int) -> LoraSlots:
@@ -233,9 +243,10 @@ class NodeLoras:
         if slots is None:
             for old in [k for k in self._slots if k[0] == assignment_id]:
                 del self._slots[old]  # an earlier start of the same assignment: nothing of it is loaded now
-            slots = self._slots[key] = LoraSlots(1)
+            slots = self._slots[key] = LoraSlots(1, endpoints(view.runtime.kind))
         # The number given changes with the live adapters: the limit follows it (unless the command sets one).
-        slots.limit = limit_in(view.runtime.command) or max(1, len(view.runtime.loras) + len(view.live))
+        bound = limit_in(view.runtime.command, limit_flag(view.runtime.kind))
+        slots.limit = bound or max(1, len(view.runtime.loras) + len(view.live))
         given = {lora.name for lora in view.runtime.loras} | set(view.live)
         fresh, unloaded = await slots.ensure((self._host, port), name, path, given=given)
         self.unloads += len(unloaded)
@@ -251,6 +262,14 @@ class NodeLoras:
             f" (unloaded {', '.join(unloaded)})" if unloaded else "",
         )
         return slots
+
+
+def _loads_on_request(runtime: RuntimeSpec) -> bool:
+    """Whether the node loads the runtime's adapters when a request first needs them: vLLM's and
+    sim's always, SGLang's when given outside its spec (it loaded those of its spec at start)."""
+    return runtime.kind in {RuntimeKind.VLLM, RuntimeKind.SIM} or (
+        runtime.kind is RuntimeKind.SGLANG and runtime.live_loras
+    )
 
 
 def _nothing() -> None:

@@ -9,12 +9,12 @@ replicas already started with the alias's adapter version take its requests, and
 them is Ready the replicas still loading the earlier version do, so no request fails for the
 change; each request is metered as the version that answered it.
 
-A runtime that loads them at run time (vLLM, sim) has them in the assignment (`Assignment.loras`,
-named `<alias>@<version>`), and a new version is a canary on the same replicas (`Rollout.in_place`):
-they are given both versions, and each request for a moved alias draws the new one with the
-policy's `adapter_weight`, the earlier one otherwise; an attempt on the new version that failed
-before any output is retried on the earlier one. A breach gives every request back to the earlier
-version; a pass lets it go.
+A runtime that loads them at run time (vLLM, sim, SGLang with its pool's shape set) has them in the
+assignment (`Assignment.loras`, named `<alias>@<version>`), and a new version is a canary on the
+same replicas (`Rollout.in_place`): they are given both versions, and each request for a moved
+alias draws the new one with the policy's `adapter_weight`, the earlier one otherwise; an attempt
+on the new version that failed before any output is retried on the earlier one. A breach gives
+every request back to the earlier version; a pass lets it go.
 
 While no replica loads the adapter at all, the request is `NoReadyReplica` (503, retryable).
 """

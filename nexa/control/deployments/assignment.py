@@ -77,13 +77,15 @@ def assignment_for(
 
     `loras`: the LoRA adapters aliases serve on `model` ((alias, adapter) each, `ModelRegistry.loras_on`),
     given to a replica on one node of a runtime that loads them (`nexa.adapters.lora`) with the
-    runtime's flags for them. A runtime that loads them at start (llama-server, SGLang) has each
-    adapter's artifact in its spec (`RuntimeSpec.loras`, mounted at `/models/lora/<alias>`); one
-    that loads them at run time (vLLM, sim) has them in the assignment (`Assignment.loras`, named
-    `<alias>@<version>`, outside the spec: `live_loras`), where an alias may be given twice, its
-    earlier and its new version, while an adapter rollout in place soaks; its flags depend on
-    the aliases alone, with room for one version more (`lora_args(spare=1)`). `live_loras` False:
-    the node's protocol level is below `wire.LIVE_LORAS_PROTOCOL` (an earlier release): in the spec.
+    runtime's flags for them. A runtime that loads them at start (llama-server, SGLang without its
+    pool's shape set) has each adapter's artifact in its spec (`RuntimeSpec.loras`, mounted at
+    `/models/lora/<alias>`); one that loads them at run time (vLLM, sim, SGLang given
+    `max_lora_rank` and `lora_target_modules`: `lora.loads_at_run_time`) has them in the
+    assignment (`Assignment.loras`, named `<alias>@<version>`, outside the spec: `live_loras`),
+    where an alias may be given twice, its earlier and its new version, while an adapter rollout
+    in place soaks; its flags depend on the aliases alone, with room for one version more
+    (`lora_args(spare=1)`). `live_loras` False: the node's protocol level is below
+    `wire.LIVE_LORAS_PROTOCOL` (an earlier release): in the spec.
     """
     options = dep.options
     command = list(options.command)
@@ -95,7 +97,7 @@ def assignment_for(
     given = [lora_spec(name, record) for name, record in loras] if role is None else []
     given = given if lora.loads_loras(runtime.kind, adapter) else []
     live: list[LoraSpec] = []
-    if given and live_loras and lora.loads_at_run_time(runtime.kind):
+    if given and live_loras and lora.loads_at_run_time(runtime.kind, options.settings):
         live = live_lora_specs(loras)
         given = [g for i, g in enumerate(given) if all(g.name != h.name for h in given[:i])]
     mounted = [(g.name, g.artifact.model_path) for g in given]
@@ -131,7 +133,9 @@ def assignment_for(
                 version=runtime.version,
                 model_dir=artifact.mount_path,
             )
-        extra, lora_env = lora.lora_args(runtime.kind, options.settings, launch.command, mounted, spare=spare)
+        extra, lora_env = lora.lora_args(
+            runtime.kind, options.settings, launch.command, mounted, spare=spare, live=bool(live)
+        )
         command = command or [*launch.command, *extra]
         env = {**launch.env, **lora_env, **env}
         health = HealthProbe(command=list(options.health_command)) if options.health_command else launch.health

@@ -212,7 +212,7 @@ class Reconciler:
         each of its replicas was given them so (`RuntimeSpec.live_loras`: not one started by an
         earlier release with its adapters in its spec, which a rollout replaces)."""
         try:
-            if not loads_at_run_time(self._desired.models.runtime(dep.runtime).kind):
+            if not loads_at_run_time(self._desired.models.runtime(dep.runtime).kind, dep.options.settings):
                 return False
             given = {
                 a.id: a.runtime.live_loras
