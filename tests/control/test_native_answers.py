@@ -67,6 +67,9 @@ def test_only_previous_response_id_passes_where_a_replica_keeps_responses() -> N
         with pytest.raises(FieldNotSupported) as refused:
             native.stateful_problem(Capability.RESPONSES, {field: "x"}, keeps=True)
         assert refused.value.field == field and "send the whole conversation" in refused.value.message
+    # Why a background response is refused even there: it would run on unmetered, past its deadline.
+    with pytest.raises(FieldNotSupported, match="could neither meter its tokens nor hold it to your quotas"):
+        native.stateful_problem(Capability.RESPONSES, {"background": True}, keeps=True)
 
 
 def test_a_responses_answer_gives_its_id_unary_or_from_its_stream_split_anywhere() -> None:

@@ -19,8 +19,9 @@ that replica alone (`Work.pin`), or is refused: ResponseNotFound (not the tenant
 recorded), StoredResponseLost (its replica is gone or not Ready; never routed elsewhere), and
 ApiNotServed for a route vLLM does not serve (delete, input items). Where no Ready replica keeps
 responses, `previous_response_id` is refused by name (FieldNotSupported), as are `conversation`
-and `background` everywhere (nexa serves no Conversations API and does not route the polling of a
-background response). Nothing here reads or logs a payload beyond those fields.
+and `background` everywhere (nexa serves no Conversations API, and a background response would
+go on generating after its request ended, where nexa could neither meter it nor hold it to the
+tenant's quotas and deadline). Nothing here reads or logs a payload beyond those fields.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ NATIVE: Final = {
 }
 #: Responses API fields that need state nexa does not route to: refused on pass-through.
 _STATEFUL: Final = ("conversation", "background")
+#: Why each is refused, and what to send instead.
+_WHY_STATEFUL: Final = {
+    "previous_response_id": "no Ready replica of this model keeps stored responses (vLLM keeps them with"
+    " settings.responses_store: true); send the whole conversation as input items instead",
+    "conversation": "nexa serves no Conversations API; send the whole conversation as input items instead,"
+    " or continue a stored response with previous_response_id",
+    # It would go on generating after the request that made it ended: no relay carries its tokens.
+    "background": "a background response runs on after its request has ended, where nexa could neither"
+    " meter its tokens nor hold it to your quotas and deadline; send the whole conversation as input"
+    " items instead, without background (stream a long answer)",
+}
 #: How much of a stream is read for its response's id (`response.created` comes first).
 _ID_SCAN_BYTES: Final = 65_536
 #: A stored response's own routes, as the API documents them.
@@ -79,16 +91,7 @@ def stateful_problem(capability: Capability, body: Json, *, keeps: bool = False)
         return
     for name in _STATEFUL if keeps else ("previous_response_id", *_STATEFUL):
         if body.get(name) not in (None, False):
-            why = (
-                "no Ready replica of this model keeps stored responses (vLLM keeps them with"
-                " settings.responses_store: true)"
-                if name == "previous_response_id"
-                else "not routed through nexa"
-            )
-            raise FieldNotSupported(
-                f"{name}: {why}; send the whole conversation as input items instead",
-                field=name,
-            )
+            raise FieldNotSupported(f"{name}: {_WHY_STATEFUL[name]}", field=name)
 
 
 async def pin_for(pins: Pins, tenant: TenantId, body: Json) -> str | None:
