@@ -65,6 +65,12 @@ async def test_a_canary_is_placed_on_extra_replicas_and_refusals_place_nothing(
         await bring_to(http, s3_store, "tiny", "v3", "Evaluated")
         await ok(http.post("/api/v1/deployments", json=big()), 201)
         assert versions(await view(http)) == [("n1", "v1"), ("n2", "v1")]
+
+        # The placement's own sets reach n1 and n2 first (pushed after the answer): count from them.
+        async def pushed() -> bool:
+            return all(fleet.sets[n] for n in ("n1", "n2"))
+
+        await wait_for(pushed)
         generations = {n: len(fleet.sets[n]) for n in fleet.nodes}
 
         unapproved = {**canary_body(), "model": {"model": "tiny", "version": "v3"}}
