@@ -234,9 +234,10 @@ def test_list_commands_page_with_cursor_and_limit(controller_process: Controller
     assert bad.returncode == 1 and "invalid_request" in bad.stderr
 
 
-#: `nexa quotas show`'s head: the limits, then the use (media use in its units last).
+#: `nexa quotas show`'s head: the limits, then the use (media use in its units, then each adapter's, last).
 QUOTA_HEAD = (
     "TENANT CONCURRENT RPM TPM TPD IN_FLIGHT REQ_1M TOK_1M TOK_TODAY AUDIO_S_TODAY SPEECH_CHARS_TODAY IMAGES_TODAY"
+    " ADAPTER_TOK_TODAY"
 )
 
 
@@ -245,7 +246,8 @@ def test_every_list_and_show_renders_its_table(controller_process: ControllerPro
     """Through the real CLI against a real controller: each resource's table has its columns."""
     cp = controller_process
     cp.cli("tenants", "create", "acme", "--display-name", "Acme", check=True)
-    cp.cli("quotas", "set", "acme", "--rpm", "60", "--tpd", "1000", check=True)
+    quota_set = ("quotas", "set", "acme", "--rpm", "60", "--tpd", "1000")
+    cp.cli(*quota_set, "--adapter-tokens-per-day", "ner=500", "--adapter-tokens-per-day", "tone=0", check=True)
     headers = {
         ("nodes", "list"): "ID STATE HEARTBEAT LABELS ACCELERATORS FREE_MEMORY ASSIGNMENTS",
         ("keys", "list"): "ID ROLE TENANT NAME STATE CREATED_AT EXPIRES_AT",
@@ -271,6 +273,15 @@ def test_every_list_and_show_renders_its_table(controller_process: ControllerPro
         assert isinstance(as_json, dict), argv
     quota = cp.cli("quotas", "show", "acme").stdout.splitlines()[1].split()
     assert quota[:5] == ["acme", "-", "60", "-", "1000"]
+    assert quota[-1] == "ner=0/500,tone=0/0"
+    # Bad adapter limits say what to do; the controller's refusal changes nothing.
+    malformed = cp.cli(*quota_set, "--adapter-tokens-per-day", "ner")
+    assert malformed.returncode == 2 and "not NAME=N: 'ner'" in malformed.stderr
+    twice = cp.cli(*quota_set, "--adapter-tokens-per-day", "ner=1", "--adapter-tokens-per-day", "ner=2")
+    assert twice.returncode == 1 and "give each one once" in twice.stderr
+    refused = cp.cli(*quota_set, "--adapter-tokens-per-day", "Ner:1=5")
+    assert refused.returncode == 1 and "adapter_tokens_per_day['Ner:1']" in refused.stderr, refused.stderr
+    assert cp.cli("quotas", "show", "acme").stdout.splitlines()[1].split()[-1] == "ner=0/500,tone=0/0"
     assert "Acme" in cp.cli("tenants", "list").stdout
     missing = cp.cli("runtimes", "show", "nope")
     assert missing.returncode == 1 and "not_found" in missing.stderr

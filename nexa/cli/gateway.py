@@ -37,6 +37,15 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.add_argument("tenant")
     for flag, _, text in _QUOTA_FLAGS:
         s.add_argument(f"--{flag}", type=int, default=None, help=text)
+    s.add_argument(
+        "--adapter-tokens-per-day",
+        type=_adapter_limit,
+        action="append",
+        default=[],
+        metavar="NAME=N",
+        help="tokens per UTC day of the LoRA adapter NAME (its model name: all its versions; 0 refuses it);"
+        " repeatable, one per adapter",
+    )
     s.set_defaults(handler=_quotas_set)
     s = quotas.add_parser("show", parents=[common_flags], help="limits and current use: one tenant, or all with limits")
     s.add_argument("tenant", nargs="?")
@@ -76,8 +85,23 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
     s.set_defaults(handler=_receipts_key)
 
 
+def _adapter_limit(text: str) -> tuple[str, int]:
+    """`--adapter-tokens-per-day NAME=N` → (NAME, N); the controller checks NAME."""
+    name, eq, count = text.partition("=")
+    if not eq or not name.strip() or not count.strip().isdigit():
+        raise argparse.ArgumentTypeError(
+            f"not NAME=N: {text!r} (the adapter's model name and a whole number of tokens, e.g. ner-lora=50000)"
+        )
+    return name.strip(), int(count)
+
+
 def _quotas_set(args: argparse.Namespace) -> int:
-    body = {field: getattr(args, flag.replace("-", "_")) for flag, field, _ in _QUOTA_FLAGS}
+    body: dict[str, object] = {field: getattr(args, flag.replace("-", "_")) for flag, field, _ in _QUOTA_FLAGS}
+    adapters = dict(args.adapter_tokens_per_day)
+    if len(adapters) < len(args.adapter_tokens_per_day):
+        print("nexa: an adapter is named twice in --adapter-tokens-per-day; give each one once", file=sys.stderr)
+        return EXIT_FAILED
+    body["adapter_tokens_per_day"] = adapters
     with common.client(args) as c:
         out = c.put(f"/api/v1/quotas/{args.tenant}", QuotaView, body=body)
     QUOTA.emit(args, out, [out])

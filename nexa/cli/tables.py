@@ -341,7 +341,14 @@ def _quota_row(q: QuotaView) -> Cells:
         "audio_s_today": use.audio_seconds_today,
         "speech_chars_today": use.speech_characters_today,
         "images_today": use.images_today,
+        "adapter_tok_today": _adapter_cell(limits.adapter_tokens_per_day, use.adapter_tokens_today),
     }
+
+
+def _adapter_cell(limits: dict[str, int], today: dict[str, int]) -> str | None:
+    """Each LoRA adapter's tokens today and its limit: `ner=1200/5000,tone=30/-`; None for none."""
+    names = sorted(limits.keys() | today.keys())
+    return ",".join(f"{n}={today.get(n, 0)}/{limits.get(n, '-')}" for n in names) or None
 
 
 QUOTA: Final = View[QuotaView](
@@ -358,6 +365,7 @@ QUOTA: Final = View[QuotaView](
         "audio_s_today",
         "speech_chars_today",
         "images_today",
+        "adapter_tok_today",
     ),
     row=_quota_row,
 )

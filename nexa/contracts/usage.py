@@ -7,9 +7,15 @@ these are made of (`UsageRecord`) lives beside the call's outcome in `contracts.
 
 from __future__ import annotations
 
+from typing import Final
+
 import attrs
 
 from nexa.contracts.domain import KeyId, TenantId
+from nexa.contracts.models import name_problem
+
+#: The most adapters one tenant's quota may name (`QuotaLimits.adapter_tokens_per_day`).
+MAX_ADAPTER_QUOTAS: Final = 256
 
 
 @attrs.frozen(kw_only=True)
@@ -82,6 +88,9 @@ class QuotaLimits:
     audio_seconds_per_day: int | None = None
     speech_characters_per_day: int | None = None
     images_per_day: int | None = None
+    #: Tokens per UTC day of each LoRA adapter, by its registry model name (all its versions),
+    #: on top of the limits above; 0 refuses the adapter. An adapter left out: no limit of its own.
+    adapter_tokens_per_day: dict[str, int] = attrs.Factory(dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -95,6 +104,9 @@ class QuotaUse:
     audio_seconds_today: float = 0.0
     speech_characters_today: int = 0
     images_today: int = 0
+    #: Tokens since 00:00 UTC by LoRA adapter name, reservations of running requests included:
+    #: every adapter used today or limited (`QuotaLimits.adapter_tokens_per_day`).
+    adapter_tokens_today: dict[str, int] = attrs.Factory(dict)
 
 
 @attrs.frozen(kw_only=True)
@@ -112,8 +124,21 @@ class QuotaList:
 
 
 def quota_problems(limits: QuotaLimits) -> list[str]:
-    return [
+    problems = [
         f"{name}: a positive integer, or null for no limit"
         for name, value in attrs.asdict(limits).items()
-        if value is not None and (isinstance(value, bool) or value < 1)
+        if name != "adapter_tokens_per_day" and value is not None and (isinstance(value, bool) or value < 1)
     ]
+    adapters = limits.adapter_tokens_per_day
+    if len(adapters) > MAX_ADAPTER_QUOTAS:
+        problems.append(
+            f"adapter_tokens_per_day: at most {MAX_ADAPTER_QUOTAS} adapters, not {len(adapters)};"
+            " limit the tenant's total with tokens_per_day instead"
+        )
+    for name, value in sorted(adapters.items()):
+        field = f"adapter_tokens_per_day[{name!r}]"
+        if problem := name_problem(field, name):
+            problems.append(f"{problem} (the adapter's registry model name, without a version)")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append(f"{field}: an integer >= 0 (0 refuses the adapter); leave the adapter out for no limit")
+    return problems

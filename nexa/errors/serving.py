@@ -10,8 +10,9 @@ class QuotaExceeded(Overloaded):
 
     def __init__(self, message: str, *, limit: str, retry_after_s: float) -> None:
         super().__init__(message, retry_after_s=retry_after_s)
-        #: Which limit: `concurrent`, `requests_per_minute`, `tokens_per_minute`, `tokens_per_day`, or a
-        #: media one (`audio_seconds_per_day`, `speech_characters_per_day`, `images_per_day`).
+        #: Which limit: `concurrent`, `requests_per_minute`, `tokens_per_minute`, `tokens_per_day`,
+        #: `adapter_tokens_per_day` (a LoRA adapter's, the message names it), or a media one
+        #: (`audio_seconds_per_day`, `speech_characters_per_day`, `images_per_day`).
         self.limit = limit
 
 

@@ -23,7 +23,7 @@ import trio
 
 from tests.conftest import Controller
 from tests.realparts import BuiltImages, S3Store
-from tests.support.api import ok
+from tests.support.api import assert_envelope, ok
 from tests.support.cluster import SimCluster, sim_cluster
 from tests.support.console import CHROMIUM, CHROMIUM_ARGS, csrf, sign_in
 from tests.support.models import bring_to, registry_config
@@ -95,6 +95,42 @@ async def test_a_post_without_the_csrf_token_is_refused_and_changes_nothing(cont
     async with controller.client() as api:
         roles = [k["role"] for k in (await ok(api.get("/api/v1/keys")))["keys"]]
     assert roles.count("audit") == 1
+
+
+async def test_per_adapter_quotas_are_set_shown_and_checked_by_the_api_and_the_console(controller: Controller) -> None:
+    """`adapter_tokens_per_day` through the real API and the console form: set, shown with its use,
+    and bad input refused with 400 naming the key, changing nothing."""
+    async with controller.client() as api:
+        await ok(api.post("/api/v1/tenants", json={"id": "acme"}), 201)
+        body = {"tokens_per_day": 9000, "adapter_tokens_per_day": {"ner": 5000, "tone": 0}}
+        view = await ok(api.put("/api/v1/quotas/acme", json=body))
+        assert view["limits"]["adapter_tokens_per_day"] == {"ner": 5000, "tone": 0}
+        assert view["use"]["adapter_tokens_today"] == {"ner": 0, "tone": 0}
+        for bad, names in (
+            ({"Ner:2": 5}, "adapter_tokens_per_day['Ner:2']"),
+            ({"ner": -1}, "adapter_tokens_per_day['ner']: an integer >= 0"),
+            ({"ner": "many"}, "adapter_tokens_per_day['ner']: expected an integer"),
+            ({f"a{i}": 1 for i in range(257)}, "at most 256 adapters"),
+        ):
+            err = assert_envelope(
+                await api.put("/api/v1/quotas/acme", json={"adapter_tokens_per_day": bad}), 400, "invalid_request"
+            )
+            assert names in str(err["message"]), err
+        shown = await ok(api.get("/api/v1/quotas/acme"))
+        assert shown["limits"] == view["limits"]
+    async with httpx.AsyncClient(base_url=controller.url) as http:
+        await sign_in(http, controller.admin_key)
+        page = (await http.get("/console/keys")).text
+        assert 'value="ner=5000, tone=0"' in page and "ner 0 of 5000, tone 0 of 0" in page
+        form = {"csrf_token": csrf(page), "tokens_per_day": "9000", "adapter_tokens_per_day": "ner=7000 poet=10"}
+        assert (await http.post("/console/quotas/acme", data=form)).status_code in {200, 303}
+        for bad in ("ner", "ner=1, ner=2", "Ner=5"):
+            refused = await http.post("/console/quotas/acme", data=form | {"adapter_tokens_per_day": bad})
+            assert refused.status_code == 400, (bad, refused.status_code)
+            assert "adapter_tokens_per_day" in refused.text
+    async with controller.client() as api:
+        shown = await ok(api.get("/api/v1/quotas/acme"))
+    assert shown["limits"]["adapter_tokens_per_day"] == {"ner": 7000, "poet": 10}
 
 
 async def test_a_revoked_keys_session_ends_at_once(controller: Controller) -> None:

@@ -284,3 +284,97 @@ async def test_media_use_is_rebuilt_from_the_usage_rows_after_a_restart(tmp_path
         with pytest.raises(QuotaExceeded) as refused:
             quotas.admit(ACME, T0, unit="speech_characters", reserve_units=5)
         assert refused.value.limit == "speech_characters_per_day"
+
+
+async def test_an_adapters_daily_tokens_refuse_it_alone_until_the_utc_day_rolls(store: st.Store) -> None:
+    midnight = (T0 // 86_400 + 1) * 86_400
+    start = midnight - 3600
+    metrics = Metrics()
+    quotas = await Quotas.load(store, metrics, exists, now=start)
+    await quotas.set(ADMIN, ACME, QuotaLimits(tokens_per_day=100_000, adapter_tokens_per_day={"ner": 1000, "off": 0}))
+    # Reserved against the adapter's day while it runs, settled to what it used.
+    ticket = quotas.admit(ACME, start, reserve_tokens=600, adapter="ner")
+    assert quotas.view(ACME, start).use.adapter_tokens_today == {"ner": 600, "off": 0}
+    quotas.finish(ticket, 400, start + 1)
+    quotas.finish(quotas.admit(ACME, start + 2, reserve_tokens=700, adapter="ner"), 650, start + 3)
+    use = quotas.view(ACME, start + 3).use
+    assert (use.tokens_today, use.adapter_tokens_today) == (1050, {"ner": 1050, "off": 0})
+    with pytest.raises(QuotaExceeded) as refused:
+        quotas.admit(ACME, midnight - 100, reserve_tokens=10, adapter="ner")
+    assert refused.value.limit == "adapter_tokens_per_day"
+    assert "acme" in str(refused.value) and "adapter ner" in str(refused.value)
+    assert refused.value.retry_after_s == 100
+    with pytest.raises(QuotaExceeded):
+        quotas.admit(ACME, midnight - 100, adapter="off")  # a limit of 0 refuses the adapter outright
+    assert (
+        metrics.registry.get_sample_value("nexa_gateway_quota_refusals_total", {"limit": "adapter_tokens_per_day"}) == 2
+    )
+    # The refusals counted nothing; the base model, an unlimited adapter and another tenant still answer.
+    assert quotas.view(ACME, midnight - 100).use.concurrent_requests == 0
+    quotas.finish(quotas.admit(ACME, midnight - 90, reserve_tokens=50), 50, midnight - 89)
+    quotas.finish(quotas.admit(ACME, midnight - 80, reserve_tokens=50, adapter="chat-tone"), 30, midnight - 79)
+    quotas.finish(quotas.admit(OTHER, midnight - 70, adapter="ner"), 5000, midnight - 69)
+    use = quotas.view(ACME, midnight - 60).use
+    assert (use.tokens_today, use.adapter_tokens_today) == (1130, {"chat-tone": 30, "ner": 1050, "off": 0})
+    # A new UTC day starts every adapter's count afresh.
+    quotas.admit(ACME, midnight + 1, reserve_tokens=10, adapter="ner")
+    assert quotas.view(ACME, midnight + 1).use.adapter_tokens_today == {"ner": 10, "off": 0}
+
+
+async def test_a_reservation_of_yesterday_settles_into_today_only_what_it_used(store: st.Store) -> None:
+    midnight = (T0 // 86_400 + 1) * 86_400
+    quotas = await quotas_with(store, QuotaLimits(adapter_tokens_per_day={"ner": 1000}), now=midnight - 10)
+    ticket = quotas.admit(ACME, midnight - 10, reserve_tokens=900, adapter="ner")
+    quotas.finish(ticket, 300, midnight + 5)  # admitted yesterday, finished today
+    assert quotas.view(ACME, midnight + 5).use.adapter_tokens_today == {"ner": 300}
+
+
+def adapter_usage(tenant: TenantId, finished_at: float, tokens: int, adapter: str) -> UsageRecord:
+    return attrs.evolve(usage(tenant, finished_at, tokens), request_id=f"a{finished_at}", adapter=adapter)
+
+
+async def test_adapter_use_is_rebuilt_by_name_from_the_usage_rows_after_a_restart(
+    tmp_path: Path, store_cfg: StoreConfig
+) -> None:
+    state = tmp_path / "state"
+    async with st.open_store(state, store_cfg) as store:
+        accounts = await Accounts.load(store, Metrics())
+        await accounts.create_tenant(ADMIN, TenantCreate(id=ACME))
+        quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+        await quotas.set(ADMIN, ACME, QuotaLimits(adapter_tokens_per_day={"ner": 2000}))
+        meter = Meter(GatewayConfig(), store, Metrics())
+        meter.record(adapter_usage(ACME, T0 - 7200, 1200, "ner:1"))
+        meter.record(adapter_usage(ACME, T0 - 60, 900, "ner:2"))  # another version: the same adapter
+        meter.record(adapter_usage(ACME, T0 - 50, 70, "chat-tone:1"))
+        meter.record(adapter_usage(ACME, T0 - 86_400, 5000, "ner:1"))  # yesterday: not counted
+        meter.record(usage(ACME, T0 - 40, 30))  # the base model
+        meter.record(adapter_usage(OTHER, T0 - 30, 4000, "ner:1"))
+        assert await meter.flush() == 6
+    async with st.open_store(state, store_cfg) as store:
+        quotas = await Quotas.load(store, Metrics(), exists, now=T0)
+        use = quotas.view(ACME, T0).use
+        assert (use.tokens_today, use.adapter_tokens_today) == (2200, {"chat-tone": 70, "ner": 2100})
+        assert quotas.view(OTHER, T0).use.adapter_tokens_today == {"ner": 4000}
+        with pytest.raises(QuotaExceeded) as refused:
+            quotas.admit(ACME, T0, adapter="ner")
+        assert refused.value.limit == "adapter_tokens_per_day"
+        quotas.admit(ACME, T0, adapter="chat-tone")
+        # Several controllers: a day refresh re-reads the rows and keeps what runs here.
+        await quotas.refresh_day(now=T0)
+        assert quotas.view(ACME, T0).use.adapter_tokens_today == {"chat-tone": 70, "ner": 2100}
+
+
+async def test_bad_adapter_limits_are_refused_by_name_and_change_nothing(store: st.Store) -> None:
+    quotas = await quotas_with(store, QuotaLimits(adapter_tokens_per_day={"ner": 10}))
+    too_many = {f"a{i}": 1 for i in range(257)}
+    for bad, says in (
+        ({"Ner:1": 5}, "adapter_tokens_per_day['Ner:1']: 1-64 lower-case letters"),
+        ({"ner": -1}, "adapter_tokens_per_day['ner']: an integer >= 0"),
+        (too_many, "adapter_tokens_per_day: at most 256 adapters"),
+    ):
+        with pytest.raises(ContractError) as refused:
+            await quotas.set(ADMIN, ACME, QuotaLimits(adapter_tokens_per_day=bad))
+        assert says in str(refused.value)
+    assert quotas.view(ACME, T0).limits == QuotaLimits(adapter_tokens_per_day={"ner": 10})
+    reloaded = await Quotas.load(store, Metrics(), exists, now=T0)
+    assert reloaded.view(ACME, T0).limits.adapter_tokens_per_day == {"ner": 10}

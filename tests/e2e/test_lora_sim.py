@@ -5,6 +5,8 @@ replica when a request first needs it and, at the limit, unloads the least recen
 runtime's journal shows every load and unload, and the replica is never restarted. Usage names each adapter.
 An adapter an alias serves only after the replica was placed reaches it by a rollout under watch (reason
 `adapter`): the replica is replaced by one given the adapter, and the adapter's alias then answers.
+A tenant's daily token budget for one adapter refuses that adapter's alias (429 `quota_exceeded`) once
+used, while the base model's alias still answers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import openai
 import trio
 
 from tests.realparts import BuiltImages, S3Store
@@ -100,6 +103,61 @@ async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_a
         assert after != ready  # a new replica
         assert await trio.to_thread.run_sync(ask, "late")
         assert await trio.to_thread.run_sync(ask, "poet")
+
+
+async def test_an_adapters_daily_token_budget_refuses_its_alias_once_used_and_the_base_still_answers(
+    nursery: trio.Nursery, tmp_path: Path, s3_store: S3Store, test_images: BuiltImages, tiny_lora_gguf: Path
+) -> None:
+    async with gateway_cluster(nursery, tmp_path, s3_store, test_images) as cluster:
+        art = await upload(s3_store, await trio.Path(tiny_lora_gguf).read_bytes())
+        async with cluster.client() as http:
+            body = model_body("poet", "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
+            await ok(http.post("/api/v1/models", json=body), 201)
+            await bring_to_approved(http, "poet")
+            adapter = {"model": "tiny", "version": "v1", "adapter": {"model": "poet", "version": "a1"}}
+            await ok(http.post("/api/v1/aliases/poet/promote", json=adapter))
+        await cluster.deploy("chat", replicas=1, args=[*SIM_ARGS, "--max-loras", "2"])
+        client = sdk(cluster)
+
+        def ask(model: str) -> int:
+            got = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert got.usage is not None and got.choices[0].message.content
+            return got.usage.total_tokens
+
+        # One answer's tokens, unlimited; then a budget of two more answers' for the adapter alone.
+        per_answer = await trio.to_thread.run_sync(ask, "poet")
+        limits = {"adapter_tokens_per_day": {"poet": 3 * per_answer}}
+        async with cluster.client() as http:
+            view = await ok(http.put(f"/api/v1/quotas/{cluster.tenant}", json=limits))
+        assert view["limits"]["adapter_tokens_per_day"] == {"poet": 3 * per_answer}
+
+        async def use() -> dict[str, object]:
+            async with cluster.client() as http:
+                used: dict[str, object] = (await ok(http.get(f"/api/v1/quotas/{cluster.tenant}")))["use"]
+            return used
+
+        async def settled() -> bool:
+            # The quota settles as the call's last steps run, which may be after the client has its answer.
+            return (await use())["concurrent_requests"] == 0
+
+        answered, refused = 0, None
+        while refused is None and answered < 10:
+            await wait_until("the last answer settled", settled)
+            try:
+                await trio.to_thread.run_sync(ask, "poet")
+                answered += 1
+            except openai.RateLimitError as exc:
+                refused = exc
+        assert answered == 2 and refused is not None
+        assert refused.code == "quota_exceeded" and "adapter poet" in refused.message
+        assert int(refused.response.headers["retry-after"]) >= 1
+        base = await trio.to_thread.run_sync(ask, "chat")  # the base model: not the adapter's budget
+        await wait_until("the base model's answer settled", settled)
+        today = await use()
+        assert today["adapter_tokens_today"] == {"poet": 3 * per_answer}
+        assert today["tokens_today"] == 3 * per_answer + base
 
 
 async def bring_to_approved(http: httpx.AsyncClient, name: str) -> None:

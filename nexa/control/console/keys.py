@@ -77,6 +77,23 @@ def register(bp: Blueprint, console: Console) -> None:
             audio_seconds_per_day=int_field(form, "audio_seconds_per_day", optional=True),
             speech_characters_per_day=int_field(form, "speech_characters_per_day", optional=True),
             images_per_day=int_field(form, "images_per_day", optional=True),
+            adapter_tokens_per_day=_adapter_limits(form.get("adapter_tokens_per_day") or ""),
         )
         await state.quotas.set(session.actor, TenantId(tenant), limits)
         return await done(session, f"Quotas of {tenant} saved.", "/console/keys")
+
+
+def _adapter_limits(text: str) -> dict[str, int]:
+    """The form's per-adapter limits, `ner=50000, tone=0` (commas or spaces between); `Quotas.set`
+    checks the names and counts."""
+    limits: dict[str, int] = {}
+    for item in text.replace(",", " ").split():
+        name, eq, count = item.partition("=")
+        if not eq or not count.isdigit() or name in limits:
+            problem = (
+                f"adapter_tokens_per_day: {item!r} is not NAME=N (the adapter's model name and a whole number"
+                " of tokens per day, each adapter once, e.g. ner=50000)"
+            )
+            raise ContractError(problem, problems=(problem,))
+        limits[name] = int(count)
+    return limits

@@ -100,5 +100,9 @@ def _saturation(limits: QuotaLimits, use: QuotaUse) -> list[tuple[str, int]]:
         ("seconds of audio per day", limits.audio_seconds_per_day, use.audio_seconds_today),
         ("speech characters per day", limits.speech_characters_per_day, use.speech_characters_today),
         ("images per day", limits.images_per_day, use.images_today),
+        *(
+            (f"tokens per day of adapter {name}", limit, use.adapter_tokens_today.get(name, 0))
+            for name, limit in sorted(limits.adapter_tokens_per_day.items())
+        ),
     )
     return [(what, round(100 * used / limit)) for what, limit, used in pairs if limit and used >= 0.9 * limit]

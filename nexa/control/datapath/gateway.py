@@ -332,8 +332,9 @@ class Gateway:
             raise DeadlineExceeded("the request's deadline has already passed")
         reserve = token_reservation(work.capability, work.body, default_completion=self._cfg.reserve_completion_tokens)
         unit = MEDIA_UNITS.get(work.capability)
+        adapter = progress.adapter.model if progress.adapter is not None else None  # its quota: by name
         ticket = self._quotas.admit(
-            work.tenant, time.time(), reserve_tokens=reserve, unit=unit, reserve_units=progress.units
+            work.tenant, time.time(), reserve_tokens=reserve, unit=unit, reserve_units=progress.units, adapter=adapter
         )
         stack.callback(self._settle_quota, ticket, progress)
         queue_from = trio.current_time()

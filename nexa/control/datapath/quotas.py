@@ -1,4 +1,5 @@
-"""Tenant quotas: concurrent requests, requests and tokens per sliding minute, tokens per UTC day.
+"""Tenant quotas: concurrent requests, requests and tokens per sliding minute, tokens per UTC day
+(in all, and per LoRA adapter).
 
 Limits are authoritative in memory and written through to the store (audited `quota.set`). The
 counters live in memory only and cost O(1) amortised per request: one bucket per whole second in
@@ -37,6 +38,11 @@ request is admitted while the day's use is below the limit. Several controllers:
 re-reads the day's media use from the usage rows and adds this process's running reservations
 (use finished here within the last metering window is not added: it may go uncounted for up to
 `gateway.metering_flush_s`).
+
+A tenant may also limit the tokens per UTC day of a LoRA adapter (`adapter_tokens_per_day`, by the
+adapter's registry model name: all its versions), on top of its day's total: a request the alias
+of an adapter answers reserves and settles against both, and is admitted while both are below
+their limits. It is counted, rebuilt and refreshed with the day's total (the usage rows' `adapter`).
 """
 
 from __future__ import annotations
@@ -140,12 +146,16 @@ class _Tenant:
     tokens_today: int = 0
     #: Of `tokens_today`: the reservations of running requests admitted today (no usage row yet).
     reserved_today: int = 0
-    #: Several controllers only: (wall time, tokens) of requests finished here lately, which the
-    #: usage rows may not hold yet (`Quotas.refresh_day`).
-    recent: deque[tuple[float, int]] = attrs.Factory(deque)
+    #: Several controllers only: (wall time, tokens, adapter name or "") of requests finished here
+    #: lately, which the usage rows may not hold yet (`Quotas.refresh_day`).
+    recent: deque[tuple[float, int, str]] = attrs.Factory(deque)
     #: Media use today by unit (`MEDIA_UNITS`), and of it the reservations of running requests.
     units_today: dict[str, float] = attrs.Factory(dict)
     reserved_units_today: dict[str, float] = attrs.Factory(dict)
+    #: Of `tokens_today`, those of requests a LoRA adapter served, by adapter name; and of them
+    #: the reservations of running requests.
+    adapter_tokens_today: dict[str, int] = attrs.Factory(dict)
+    adapter_reserved_today: dict[str, int] = attrs.Factory(dict)
 
     def roll_day(self, now: float) -> None:
         day = _utc_day(now)
@@ -154,12 +164,20 @@ class _Tenant:
             self.recent.clear()
             self.units_today.clear()
             self.reserved_units_today.clear()
+            self.adapter_tokens_today.clear()
+            self.adapter_reserved_today.clear()
 
     def add_units(self, unit: str, amount: float, *, reserved: bool = False) -> None:
         """Count `amount` (negative: take back) of today's media use in `unit`."""
         self.units_today[unit] = max(0.0, self.units_today.get(unit, 0.0) + amount)
         if reserved:
             self.reserved_units_today[unit] = max(0.0, self.reserved_units_today.get(unit, 0.0) + amount)
+
+    def add_adapter_tokens(self, adapter: str, tokens: int, *, reserved: bool = False) -> None:
+        """Count `tokens` (negative: take back) of today's use of LoRA adapter `adapter`."""
+        self.adapter_tokens_today[adapter] = max(0, self.adapter_tokens_today.get(adapter, 0) + tokens)
+        if reserved:
+            self.adapter_reserved_today[adapter] = max(0, self.adapter_reserved_today.get(adapter, 0) + tokens)
 
 
 @attrs.define(eq=False)
@@ -176,6 +194,8 @@ class QuotaTicket:
     #: A media request's unit (`MEDIA_UNITS`) and the use reserved in it at admission.
     unit: str | None = None
     reserved_units: float = 0.0
+    #: The LoRA adapter (its model name) the request was admitted for; its tokens count against it too.
+    adapter: str | None = None
 
 
 class Quotas:
@@ -220,9 +240,12 @@ class Quotas:
             state.requests.add(second, requests)
             state.tokens.add(second, tokens)
         day = _utc_day(now)
-        for tenant, tokens in (await store.run(st.usage_tokens_since, float(day * DAY_S))).items():
+        for (tenant, adapter), tokens in (await store.run(st.usage_tokens_since, float(day * DAY_S))).items():
             state = quotas._state(tenant)
-            state.day, state.tokens_today = day, tokens
+            state.roll_day(now)
+            state.tokens_today += tokens
+            if adapter:
+                state.add_adapter_tokens(adapter, tokens)
         for (tenant, capability), units in (await store.run(st.usage_units_since, float(day * DAY_S))).items():
             state = quotas._state(tenant)
             state.roll_day(now)
@@ -245,10 +268,11 @@ class Quotas:
         reserve_tokens: int = 0,
         unit: str | None = None,
         reserve_units: float = 0.0,
+        adapter: str | None = None,
     ) -> QuotaTicket:
         """Count one request and reserve `reserve_tokens` (a media request: `reserve_units` of its
-        `unit`) against the tenant's limits, or raise QuotaExceeded and count nothing. `finish`
-        settles the reservation."""
+        `unit`) against the tenant's limits, and against those of LoRA `adapter` (its model name)
+        when one answers it, or raise QuotaExceeded and count nothing. `finish` settles the reservation."""
         state = self._state(tenant)
         limits = state.limits
         requests = state.requests.prune(now)
@@ -266,24 +290,29 @@ class Quotas:
             refusal = ("tokens_per_minute", state.tokens.frees_after(now, tokens_per_minute))
         elif limits.tokens_per_day is not None and state.tokens_today >= limits.tokens_per_day:
             refusal = ("tokens_per_day", (state.day + 1) * DAY_S - now)
+        elif adapter is not None and state.adapter_tokens_today.get(adapter, 0) >= _adapter_limit(limits, adapter):
+            refusal = ("adapter_tokens_per_day", (state.day + 1) * DAY_S - now)
         elif unit is not None and state.units_today.get(unit, 0.0) >= _media_limit(limits, unit):
             refusal = (f"{unit}_per_day", (state.day + 1) * DAY_S - now)
         if refusal is not None:
             limit, retry_after = refusal
             self._metrics.gateway_quota_refusals.labels(limit).inc()
+            what = f"tokens per day quota for adapter {adapter}" if limit == "adapter_tokens_per_day" else None
             raise QuotaExceeded(
-                f"tenant {tenant} has used up its {limit.replace('_', ' ')} quota",
+                f"tenant {tenant} has used up its {what or limit.replace('_', ' ') + ' quota'}",
                 limit=limit,
                 retry_after_s=max(1.0, float(math.ceil(retry_after))),
             )
         state.concurrent += 1
         state.requests.add(now, 1)
-        ticket = QuotaTicket(tenant=tenant, admitted_at=now, reserved_day=state.day)
+        ticket = QuotaTicket(tenant=tenant, admitted_at=now, reserved_day=state.day, adapter=adapter)
         if reserve_tokens > 0:
             ticket.reserved = reserve_tokens
             ticket.reserved_second = state.tokens.add(now, reserve_tokens)
             state.tokens_today += reserve_tokens
             state.reserved_today += reserve_tokens
+            if adapter is not None:
+                state.add_adapter_tokens(adapter, reserve_tokens, reserved=True)
         if unit is not None:
             ticket.unit, ticket.reserved_units = unit, reserve_units
             state.add_units(unit, reserve_units, reserved=True)
@@ -304,11 +333,15 @@ class Quotas:
             if state.day == ticket.reserved_day:
                 state.tokens_today = max(0, state.tokens_today - ticket.reserved)
                 state.reserved_today = max(0, state.reserved_today - ticket.reserved)
+                if ticket.adapter is not None:
+                    state.add_adapter_tokens(ticket.adapter, -ticket.reserved, reserved=True)
         if tokens > 0:
             state.tokens.add(now, tokens)
             state.tokens_today += tokens
+            if ticket.adapter is not None:
+                state.add_adapter_tokens(ticket.adapter, tokens)
             if self._shared:
-                state.recent.append((now, tokens))
+                state.recent.append((now, tokens, ticket.adapter or ""))
         if ticket.unit is not None:
             if state.day == ticket.reserved_day:
                 state.add_units(ticket.unit, -ticket.reserved_units, reserved=True)
@@ -338,20 +371,29 @@ class Quotas:
                 state.limits, state.updated_at, state.updated_by = record.limits, record.updated_at, record.updated_by
 
     async def refresh_day(self, *, now: float | None = None, unflushed_s: float = UNFLUSHED_S) -> None:
-        """The UTC day's tokens of each tenant: every controller's usage rows, plus this process's
-        running reservations and the tokens it counted within `unflushed_s` (metering may not
-        have written them yet; counted twice until then, never missed)."""
+        """The UTC day's tokens of each tenant (in all and by LoRA adapter): every controller's
+        usage rows, plus this process's running reservations and the tokens it counted within
+        `unflushed_s` (metering may not have written them yet; counted twice until then, never missed)."""
         if now is None:
             now = time.time()
         day = _utc_day(now)
-        totals = await self._store.read(st.usage_tokens_since, float(day * DAY_S))
-        for tenant in set(totals) | set(self._tenants):
+        rows = await self._store.read(st.usage_tokens_since, float(day * DAY_S))
+        for tenant in {t for t, _ in rows} | set(self._tenants):
             state = self._state(tenant)
             state.roll_day(now)
             recent = state.recent
             while recent and recent[0][0] < now - unflushed_s:
                 recent.popleft()
-            state.tokens_today = totals.get(tenant, 0) + state.reserved_today + sum(n for _, n in recent)
+            state.tokens_today = state.reserved_today + sum(n for _, n, _ in recent)
+            state.adapter_tokens_today = dict(state.adapter_reserved_today)
+            for _, n, adapter in recent:
+                if adapter:
+                    state.add_adapter_tokens(adapter, n)
+        for (tenant, adapter), tokens in rows.items():
+            state = self._state(tenant)
+            state.tokens_today += tokens
+            if adapter:
+                state.add_adapter_tokens(adapter, tokens)
         media = await self._store.read(st.usage_units_since, float(day * DAY_S))
         for state in self._tenants.values():
             state.units_today = dict(state.reserved_units_today)
@@ -398,6 +440,10 @@ class Quotas:
                 audio_seconds_today=round(state.units_today.get("audio_seconds", 0.0), 3),
                 speech_characters_today=round(state.units_today.get("speech_characters", 0.0)),
                 images_today=round(state.units_today.get("images", 0.0)),
+                adapter_tokens_today={
+                    name: state.adapter_tokens_today.get(name, 0)
+                    for name in sorted(state.adapter_tokens_today.keys() | state.limits.adapter_tokens_per_day.keys())
+                },
             ),
             updated_at=state.updated_at,
             updated_by=state.updated_by,
@@ -414,6 +460,12 @@ def _media_limit(limits: QuotaLimits, unit: str) -> float:
     """The tenant's daily limit in a media unit (`<unit>_per_day`); infinite when it has none."""
     value = getattr(limits, f"{unit}_per_day", None)
     return value if isinstance(value, int) else math.inf
+
+
+def _adapter_limit(limits: QuotaLimits, adapter: str) -> float:
+    """The tenant's daily token limit for LoRA adapter `adapter`; infinite when it has none."""
+    limit = limits.adapter_tokens_per_day.get(adapter)
+    return math.inf if limit is None else limit
 
 
 def _unit_of(capability: str) -> str:

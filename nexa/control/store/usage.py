@@ -117,14 +117,21 @@ def usage_by_second(db: Db, since: float) -> list[tuple[TenantId, int, int, int]
     return [(TenantId(str(t)), as_int(s), as_int(n), as_int(tok)) for t, s, n, tok in rows]
 
 
-def usage_tokens_since(db: Db, since: float) -> dict[TenantId, int]:
-    """Tokens per tenant finished at or after `since` (the quota's day window)."""
+def usage_tokens_since(db: Db, since: float) -> dict[tuple[TenantId, str], int]:
+    """Tokens per (tenant, LoRA adapter name) finished at or after `since` (the quota's day window);
+    the adapter name is the model name of `UsageRecord.adapter` (all its versions), "" for none."""
     with txn(db):
         rows = db.execute(
-            "SELECT tenant, sum(prompt_tokens + completion_tokens) FROM usage WHERE finished_at >= ? GROUP BY tenant",
+            "SELECT tenant, adapter, sum(prompt_tokens + completion_tokens) FROM usage WHERE finished_at >= ?"
+            " GROUP BY tenant, adapter",
             (since,),
         ).fetchall()
-    return {TenantId(str(t)): as_int(tok) for t, tok in rows}
+    tokens: dict[tuple[TenantId, str], int] = {}
+    for tenant, adapter, n in rows:
+        # `name:version`: neither a model name nor a version holds a colon (`contracts.models`).
+        key = (TenantId(str(tenant)), str(adapter).rpartition(":")[0])
+        tokens[key] = tokens.get(key, 0) + as_int(n)
+    return tokens
 
 
 def usage_units_since(db: Db, since: float) -> dict[tuple[TenantId, str], float]:
