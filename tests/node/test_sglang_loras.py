@@ -32,7 +32,7 @@ from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import ArtifactRef, HealthProbe, LoraSpec, RuntimeSpec
 from nexa.errors import RuntimeFailed, Unavailable
 from nexa.node.lora import LiveLora, LoraView, NodeLoras
-from tests.support.relay import serve_runtime
+from tests.support.relay import request_body, serve_runtime
 
 SERVED = "llama-3-8b"
 TIMEOUT_S = 10
@@ -50,17 +50,9 @@ class SGLang:
     unreadable: set[str] = attrs.field(factory=set)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+        raw = await request_body(scope, receive, send)
+        if raw is None:
             return
-        raw = b""
-        while True:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
         body = json.loads(raw) if raw else {}
         path = scope["path"]
         if path == "/v1/models":

@@ -50,17 +50,9 @@ class Runtime:
         return self.disconnected.setdefault(request_id, trio.Event())
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while (msg := await receive())["type"] != "lifespan.shutdown":
-                await send({"type": "lifespan.startup.complete"})
-            await send({"type": "lifespan.shutdown.complete"})
+        body = await request_body(scope, receive, send)
+        if body is None:
             return
-        body = b""
-        while True:
-            msg = await receive()
-            body += msg.get("body", b"")
-            if not msg.get("more_body"):
-                break
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         self.seen.append((scope["path"], headers, body))
         self.methods.append(scope["method"])
@@ -142,6 +134,21 @@ async def _sd_server_image(req: dict[str, Any], send: Any) -> None:
     data = [{"b64_json": SD_IMAGE_B64}] * n
     answer = {"created": int(time.time()), "data": data, "output_format": req.get("output_format", "png")}
     await _respond(send, 200, json.dumps(answer).encode())
+
+
+async def request_body(scope: dict[str, Any], receive: Any, send: Any) -> bytes | None:
+    """An ASGI far end's first step: a request's whole body, or None once a lifespan is served."""
+    if scope["type"] == "lifespan":
+        while (msg := await receive())["type"] != "lifespan.shutdown":
+            await send({"type": "lifespan.startup.complete"})
+        await send({"type": "lifespan.shutdown.complete"})
+        return None
+    body = b""
+    while True:
+        msg = await receive()
+        body += msg.get("body", b"")
+        if not msg.get("more_body"):
+            return body
 
 
 async def _respond(send: Any, status: int, body: bytes) -> None:
