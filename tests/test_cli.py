@@ -277,6 +277,8 @@ def test_every_list_and_show_renders_its_table(controller_process: ControllerPro
     # Bad adapter limits say what to do; the controller's refusal changes nothing.
     malformed = cp.cli(*quota_set, "--adapter-tokens-per-day", "ner")
     assert malformed.returncode == 2 and "not NAME=N: 'ner'" in malformed.stderr
+    superscript = cp.cli(*quota_set, "--adapter-tokens-per-day", "ner=\u00b2")  # isdigit, yet no int
+    assert superscript.returncode == 2 and "not NAME=N" in superscript.stderr
     twice = cp.cli(*quota_set, "--adapter-tokens-per-day", "ner=1", "--adapter-tokens-per-day", "ner=2")
     assert twice.returncode == 1 and "give each one once" in twice.stderr
     refused = cp.cli(*quota_set, "--adapter-tokens-per-day", "Ner:1=5")

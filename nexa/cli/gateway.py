@@ -88,7 +88,7 @@ def add_commands(sub: Any, common_flags: argparse.ArgumentParser) -> None:
 def _adapter_limit(text: str) -> tuple[str, int]:
     """`--adapter-tokens-per-day NAME=N` → (NAME, N); the controller checks NAME."""
     name, eq, count = text.partition("=")
-    if not eq or not name.strip() or not count.strip().isdigit():
+    if not eq or not name.strip() or not count.strip().isdecimal():
         raise argparse.ArgumentTypeError(
             f"not NAME=N: {text!r} (the adapter's model name and a whole number of tokens, e.g. ner-lora=50000)"
         )

@@ -65,3 +65,13 @@ def in_range(value: float | int | None, lo: float, hi: float) -> bool:
     if isinstance(value, int):
         return lo <= value <= hi
     return math.isfinite(value) and lo <= value <= hi
+
+
+def declared_bytes(value: str | None) -> int | None:
+    """A byte count another program declared in text (an HTTP `Content-Length`), or None unless it
+    is ASCII digits for 0 … MAX_BYTES: `"²".isdigit()` is true and `int()` refuses it, and `int()`
+    of thousands of digits raises."""
+    if value is None or not (value.isascii() and value.isdigit()) or len(value) > len(str(MAX_BYTES)):
+        return None
+    count = int(value)
+    return count if count <= MAX_BYTES else None

@@ -46,6 +46,7 @@ import attrs
 import trio
 
 from nexa.config import ArtifactsConfig
+from nexa.contracts.bounds import declared_bytes
 from nexa.contracts.manifest import ArtifactFile, Manifest
 from nexa.contracts.runtime import ArtifactRef
 from nexa.errors import (
@@ -577,8 +578,8 @@ class ArtifactCache:
         elif offset:
             log.info("S3 store sent all of %s instead of the range: downloading it from the start", blob.uri)
             await trio.to_thread.run_sync(part.restart)
-        declared = response.headers.get("content-length")
-        if declared is not None and declared.isdigit() and part.size + int(declared) != f.size_bytes:
+        declared = declared_bytes(response.headers.get("content-length"))
+        if declared is not None and part.size + declared != f.size_bytes:
             self._counters.mismatches += 1
             raise ArtifactDigestMismatch(
                 f"{blob.label}: the store holds {part.size + int(declared)} bytes, "

@@ -89,7 +89,7 @@ def _adapter_limits(text: str) -> dict[str, int]:
     limits: dict[str, int] = {}
     for item in text.replace(",", " ").split():
         name, eq, count = item.partition("=")
-        if not eq or not count.isdigit() or name in limits:
+        if not eq or not count.isdecimal() or name in limits:
             problem = (
                 f"adapter_tokens_per_day: {item!r} is not NAME=N (the adapter's model name and a whole number"
                 " of tokens per day, each adapter once, e.g. ner=50000)"

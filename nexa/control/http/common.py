@@ -15,6 +15,7 @@ import trio
 
 from nexa.contracts import codec
 from nexa.contracts.api import ErrorBody, ErrorEnvelope
+from nexa.contracts.bounds import declared_bytes
 from nexa.contracts.domain import ApiKey
 from nexa.errors import (
     ArtifactDigestMismatch,
@@ -154,9 +155,9 @@ class BodyLimit:
             await self._app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > self._limit:
-            await self._drain(receive, int(declared))
+        declared = declared_bytes(headers.get("content-length"))
+        if declared is not None and declared > self._limit:
+            await self._drain(receive, declared)
             await self._reply_413(send, new_request_id(headers.get("x-request-id", "")))
             return
         seen = 0

@@ -36,6 +36,7 @@ import httpx
 import trio
 
 from nexa.config import ArtifactStoreConfig, OciConfig
+from nexa.contracts.bounds import declared_bytes
 from nexa.contracts.hosts import is_loopback_host
 from nexa.contracts.models import ImageConfig, ImagePlatform, ModelArtifact
 from nexa.errors import (
@@ -232,8 +233,8 @@ class Outbound:
                     continue
                 if response.status_code != 200:
                     return response, b""
-                declared = response.headers.get("content-length", "")
-                if declared.isdigit() and int(declared) > limit:
+                declared = declared_bytes(response.headers.get("content-length"))
+                if declared is not None and declared > limit:
                     raise too_large()  # refused before a byte of the body is read
                 chunks: list[bytes] = []
                 size = 0
@@ -566,11 +567,9 @@ class Outbound:
             async with store.stream(bucket, key) as response:
                 if response.status != 200:  # a part, though none was asked for
                     raise Unavailable(f"the S3 store failed to serve {obj.uri} ({response.status})")
-                declared = response.headers.get("content-length")
-                if declared is not None and declared.isdigit() and int(declared) != obj.size_bytes:
-                    raise ArtifactSizeMismatch(
-                        f"{what}: the store holds {int(declared)} bytes, {declares} {obj.size_bytes}"
-                    )
+                declared = declared_bytes(response.headers.get("content-length"))
+                if declared is not None and declared != obj.size_bytes:
+                    raise ArtifactSizeMismatch(f"{what}: the store holds {declared} bytes, {declares} {obj.size_bytes}")
                 sha256, received = await _digest(response, obj, what)
         except (ArtifactRefused, ArtifactUnavailable) as exc:
             raise self._refusal(exc, obj) from None
