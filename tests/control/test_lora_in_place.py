@@ -43,7 +43,7 @@ def serving(loras: dict[str, ModelRef]):  # type: ignore[no-untyped-def]
 def test_only_versions_moving_on_a_run_time_runtime_without_a_suite_go_in_place() -> None:
     dep = serving({"poet": A1, "coder": C1})
     assert goes_in_place(dep, {"poet": A2, "coder": C1}, POLICY, live=True)
-    assert not goes_in_place(dep, {"poet": A2, "coder": C1}, POLICY, live=False)  # llama-server, SGLang: at start
+    assert not goes_in_place(dep, {"poet": A2, "coder": C1}, POLICY, live=False)  # loaded at start
     assert not goes_in_place(dep, {"poet": A1}, POLICY, live=True)  # an alias gone: the runtime's flags change
     assert not goes_in_place(dep, {"poet": A1, "coder": C1, "judge": A2}, POLICY, live=True)  # an alias more
     assert not goes_in_place(dep, {"poet": A1, "coder": C1}, POLICY, live=True)  # nothing moves
