@@ -144,6 +144,11 @@ def main() -> int:
                 sock.setsockopt(zmq.CURVE_SERVERKEY, enrolled["controller_curve_public_key"].encode())
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode())
                 sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode())
+                # ZMTP heartbeats as the agent's uplink has them (`links.Uplink`'s defaults, 1 s and 5 s):
+                # the controller answers each PING, a cost of its fleet as real as the beats.
+                sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+                sock.setsockopt(zmq.HEARTBEAT_TTL, 5000)
                 sock.connect(enrolled["channel_endpoint"])
                 nodes.append((enrolled["node_id"], key, sock))
             print(f"enrolled {args.nodes} nodes in {time.perf_counter() - started:.1f} s")

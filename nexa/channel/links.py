@@ -85,6 +85,16 @@ TRANSPORT_LIMIT_FACTOR: Final = 4
 _REBIND_S: Final = 5.0
 
 
+def _node_of(frames: list[zmq.Frame]) -> str:
+    """The node a message came from: the `User-Id` our ZAP handler set from its Curve key; "" for
+    none (a peer ZAP never saw)."""
+    try:
+        node_id = frames[-1].get("User-Id")
+    except zmq.ZMQError:  # no such property
+        return ""
+    return node_id if isinstance(node_id, str) else ""
+
+
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
@@ -271,6 +281,9 @@ class Link:
         self._routes: dict[str, bytes] = {}
         # The data frames of a node's joined message not yet returned (`receive_unverified`).
         self._batched: collections.deque[DataInbound] = collections.deque()
+        #: Messages of each node in the pump's inbox, not yet returned by `receive_unverified`: while
+        #: a node has any, its next one goes there too (`_take`), so each node's stay in order.
+        self._queued: collections.Counter[str] = collections.Counter()
         #: Where well-formed data frames go straight from the pump (`take_data`); None: `receive`.
         self._data_handler: Callable[[str, wire.DataFrame], None] | None = None
         #: Where well-formed liveness beats go straight from the pump (`take_alive`); None: `receive`.
@@ -317,6 +330,7 @@ class Link:
             self._routes.clear()
             self._node_by_fd.clear()
             self._batched.clear()
+            self._queued.clear()
             close_all(ctx, sockets)
 
     async def _watch_disconnects(self, monitor: _Socket) -> NoReturn:
@@ -456,11 +470,12 @@ class Link:
         # the run loop each) was a fair part of a liveness beat's cost (`perf/southbound_fanin.py`).
         await trio.lowlevel.checkpoint_if_cancelled()
         frames = await self._running().receive()
-        try:
-            node_id = frames[-1].get("User-Id")  # set by our ZAP handler, so by the Curve key
-        except zmq.ZMQError:  # no such property: a peer ZAP never saw
-            node_id = ""
-        if not isinstance(node_id, str) or not node_id or len(frames) < 2:
+        node_id = _node_of(frames)
+        if (left := self._queued[node_id] - 1) > 0:
+            self._queued[node_id] = left
+        else:
+            self._queued.pop(node_id, None)
+        if not node_id or len(frames) < 2:
             return Refused(node_id="", error=Unauthenticated("a message arrived on a channel without a node identity"))
         return self._refusing(node_id, self._accept, node_id, frames)
 
@@ -489,8 +504,8 @@ class Link:
     def take_data(self, handler: Callable[[str, wire.DataFrame], None] | None) -> None:
         """Hand each well-formed data frame of an enrolled node to `handler(node_id, frame)` in the
         pump's own task, with no task switch (None: `receive` returns them again). Only a message
-        that arrives with nothing before it in the inbox goes this way, so frames keep their order;
-        anything else, a refused frame included, still comes from `receive`. `handler` must not
+        that arrives with nothing of its node's before it in the inbox goes this way, so a node's
+        frames keep their order; anything else, a refused frame included, still comes from `receive`. `handler` must not
         block or raise."""
         self._data_handler = handler
 
@@ -503,24 +518,26 @@ class Link:
         `handler` must not block or raise."""
         self._alive_handler = handler
 
-    def _take(self, frames: list[zmq.Frame]) -> bool:
+    def _take(self, frames: list[zmq.Frame], inbox_empty: bool) -> bool:
         """The pump's hook: a data message or a liveness beat, handled in its task when a handler
-        takes it (`take_data`, `take_alive`); False leaves it to `receive`."""
-        if self._batched or len(frames) < 2:
-            return False
-        kind = frames[1].bytes
-        if is_liveness(kind):
-            return self._take_alive(frames)
-        return self._take_data(frames)
+        takes it (`take_data`, `take_alive`) and no message of its node waits in the inbox before
+        it (another node's may: under a fleet's burst of beats the inbox is seldom empty, and each
+        beat that waited there cost a task switch and a pass of the receive loop); False leaves it
+        to `receive`, counted as its node's (`_queued`)."""
+        node_id = _node_of(frames)
+        taken = False
+        if not self._batched and len(frames) > 1 and node_id and (inbox_empty or not self._queued[node_id]):
+            kind = frames[1].bytes
+            taken = self._take_alive(node_id, frames) if is_liveness(kind) else self._take_data(node_id, frames)
+        if not taken:
+            self._queued[node_id] += 1
+        return taken
 
-    def _take_alive(self, frames: list[zmq.Frame]) -> bool:
+    def _take_alive(self, node_id: str, frames: list[zmq.Frame]) -> bool:
         handler = self._alive_handler
         if handler is None:
             return False
         try:
-            node_id = frames[-1].get("User-Id")
-            if not isinstance(node_id, str) or not node_id:
-                return False
             self._enrolled_key(node_id)
             beat = decode_liveness([f.bytes for f in frames[1:]])
             if beat.node_id != node_id:
@@ -534,14 +551,11 @@ class Link:
             log.error("handing a liveness beat of node %s over failed: %s", node_id, type(exc).__name__)  # noqa: TRY400
         return True
 
-    def _take_data(self, frames: list[zmq.Frame]) -> bool:
+    def _take_data(self, node_id: str, frames: list[zmq.Frame]) -> bool:
         handler = self._data_handler
         if handler is None or len(frames) < 5 or not is_data(frames[1].bytes):
             return False
         try:
-            node_id = frames[-1].get("User-Id")
-            if not isinstance(node_id, str) or not node_id:
-                return False
             taken = self._data_frames(node_id, frames)
         except Exception:  # refused: `receive` refuses it again, and says why
             return False

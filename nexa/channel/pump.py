@@ -51,10 +51,13 @@ class ZmqPump:
     (and the peer one receive). At most `COALESCE_MESSAGES` and `COALESCE_BYTES` go in one; order
     is kept, and a message that may not join waits for the next send.
 
-    `take(message)` (optional) may handle a received message in the pump's own task, with no task
-    switch: it is offered each message that arrives while the inbox is empty (so none is overtaken),
-    and returns True when it took it (False: it goes to the inbox as any other). It must not block
-    or raise. Only for a pump whose inbox its own `receive` alone reads (no `share_inbox`).
+    `take(message, inbox_empty)` (optional) may handle a received message in the pump's own task,
+    with no task switch: it is offered each message that arrives, with whether the inbox is empty
+    (nothing received before it is still on its way to the consumer), and returns True when it
+    took it (False: it goes to the inbox as any other). It keeps whatever order its consumer needs:
+    while the inbox is not empty a message it takes overtakes those in it (`Link` keeps each node's
+    own messages in order, so a node's beat may overtake another node's). It must not block or
+    raise. Only for a pump whose inbox its own `receive` alone reads (no `share_inbox`).
     """
 
     def __init__(
@@ -65,7 +68,7 @@ class ZmqPump:
         outbox_size: int = 64,
         drop_unroutable: bool = False,
         coalesce: Callable[[Frames, Frames], bool] | None = None,
-        take: Callable[[list[zmq.Frame]], bool] | None = None,
+        take: Callable[[list[zmq.Frame], bool], bool] | None = None,
     ) -> None:
         self._sock = sock
         self._inbox_tx, self._inbox_rx = trio.open_memory_channel[list[zmq.Frame]](inbox_size)
@@ -184,7 +187,7 @@ class ZmqPump:
         else it waits in `_incoming` for room in the inbox."""
         message = receive_frames(self._sock)
         self._received += 1
-        if self._take is not None and self._inbox_empty() and self._take(message):
+        if self._take is not None and self._take(message, self._inbox_empty()):
             return True
         self._incoming = message
         return False

@@ -322,6 +322,44 @@ async def test_take_alive_hands_liveness_beats_over_in_the_pumps_task_and_leaves
             assert len(taken) == 2
 
 
+async def test_a_beat_overtakes_another_nodes_waiting_message_but_never_its_own_nodes(fleet: Fleet) -> None:
+    """While a message waits in the inbox, a beat of another node is still taken in the pump's task
+    (a fleet's beats come in bursts, and each one sent through the inbox cost a task switch and a
+    pass of the receive loop: `perf/southbound_fanin.py`); a beat of the waiting message's own node
+    waits behind it, so each node's messages are handled in the order it sent them."""
+    n1, n2 = fleet.enroll("n1"), fleet.enroll("n2")
+    link = fleet.link()
+    taken: list[links.Alive] = []
+    link.take_alive(taken.append)
+
+    async def until(check: Any) -> None:
+        while not check():  # noqa: ASYNC110 - zmq's I/O thread sets no trio event
+            await trio.sleep(0.005)
+
+    with trio.fail_after(TIMEOUT_S):
+        async with trio.open_nursery() as nursery:
+            endpoint = await nursery.start(link.run)
+            uplink1, uplink2 = fleet.uplink(endpoint, n1), fleet.uplink(endpoint, n2)
+            await nursery.start(uplink1.run)
+            await nursery.start(uplink2.run)
+            received = link.statistics().received
+            await uplink1.send(hello("n1"))
+            await until(lambda: link.statistics().received == received + 1)  # in the inbox, not read
+            await uplink2.send_liveness("n2", 5)
+            await until(lambda: len(taken) == 1)  # past n1's hello
+            await uplink1.send_liveness("n1", 6)
+            await until(lambda: link.statistics().received == received + 3)
+            assert [(a.node_id, a.state_seq) for a in taken] == [("n2", 5)]  # n1's waits behind its hello
+            first = await link.receive_any()
+            assert isinstance(first, links.Inbound) and first.node_id == "n1"
+            second = await link.receive_any()
+            assert isinstance(second, links.Alive) and (second.node_id, second.state_seq) == ("n1", 6)
+            await uplink1.send_liveness("n1", 7)  # nothing of n1's waits now: taken again
+            await until(lambda: len(taken) == 2)
+            assert (taken[-1].node_id, taken[-1].state_seq) == ("n1", 7)
+            nursery.cancel_scope.cancel()
+
+
 async def test_a_take_data_handler_that_raises_ends_neither_the_pump_nor_the_channel(fleet: Fleet) -> None:
     n1 = fleet.enroll("n1")
     link = fleet.link()
