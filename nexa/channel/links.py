@@ -505,8 +505,8 @@ class Link:
         """Hand each well-formed data frame of an enrolled node to `handler(node_id, frame)` in the
         pump's own task, with no task switch (None: `receive` returns them again). Only a message
         that arrives with nothing of its node's before it in the inbox goes this way, so a node's
-        frames keep their order; anything else, a refused frame included, still comes from `receive`. `handler` must not
-        block or raise."""
+        frames keep their order; anything else, a refused frame included, still comes from
+        `receive`. `handler` must not block or raise."""
         self._data_handler = handler
 
     def take_alive(self, handler: Callable[[Alive], None] | None) -> None:
