@@ -12,7 +12,7 @@ import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Final
+from typing import Final, TypeGuard
 
 import attrs
 
@@ -91,13 +91,10 @@ class Option:
         reason = None
         if not self._typed(value):
             reason = wanted
-        elif isinstance(value, int | float) and not isinstance(value, bool):
-            if self.minimum is not None and value < self.minimum:
-                reason = f"at least {self.minimum:g}"
-            elif self.maximum is not None and value > self.maximum:
-                reason = f"at most {self.maximum:g}"
-            elif self.choices and value not in self.choices:
-                reason = f"one of {', '.join(map(str, self.choices))}"
+        elif _number(value) and self.minimum is not None and value < self.minimum:
+            reason = f"at least {self.minimum:g}"
+        elif _number(value) and self.maximum is not None and value > self.maximum:
+            reason = f"at most {self.maximum:g}"
         elif self.choices and value not in self.choices:
             reason = f"one of {', '.join(map(str, self.choices))}"
         elif isinstance(value, str) and (not value or value.startswith("-") or "\x00" in value):
@@ -128,6 +125,11 @@ class Option:
         if self.style is Style.WORDS:
             return [self.flag, *str(value).split()]
         return [self.flag, str(value)]
+
+
+def _number(value: object) -> TypeGuard[int | float]:
+    """Whether `value` is a JSON number (a boolean is none)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _words(value: str) -> bool:

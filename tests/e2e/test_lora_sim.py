@@ -21,7 +21,7 @@ from tests.realparts import BuiltImages, S3Store
 from tests.support.api import ok
 from tests.support.cluster import SIM_ARGS, gateway_cluster, sdk, usage_rows, wait_until
 from tests.support.console import sign_in
-from tests.support.models import model_body, upload
+from tests.support.models import Artifact, model_body, upload
 
 
 async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_at_the_limit(
@@ -31,11 +31,7 @@ async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_a
         art = await upload(s3_store, await trio.Path(tiny_lora_gguf).read_bytes())
         async with cluster.client() as http:
             for name in ("poet", "coder", "judge"):
-                body = model_body(name, "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
-                await ok(http.post("/api/v1/models", json=body), 201)
-                await bring_to_approved(http, name)
-                adapter = {"model": "tiny", "version": "v1", "adapter": {"model": name, "version": "a1"}}
-                await ok(http.post(f"/api/v1/aliases/{name}/promote", json=adapter))
+                await serve_adapter(http, art, name)
         await cluster.deploy("chat", replicas=1, args=[*SIM_ARGS, "--max-loras", "2"])
         ready = await cluster.ready_replicas("chat")
         client = sdk(cluster)
@@ -86,11 +82,7 @@ async def test_adapters_load_on_demand_and_the_least_recently_used_is_unloaded_a
         async with cluster.client() as http:
             policy = {"rollout_policy": {"soak_s": 0.5, "min_requests": 5}}
             await ok(http.post("/api/v1/deployments/chat/change", json=policy))
-            body = model_body("late", "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
-            await ok(http.post("/api/v1/models", json=body), 201)
-            await bring_to_approved(http, "late")
-            adapter = {"model": "tiny", "version": "v1", "adapter": {"model": "late", "version": "a1"}}
-            await ok(http.post("/api/v1/aliases/late/promote", json=adapter))
+            await serve_adapter(http, art, "late")
 
             async def rolled() -> bool:
                 dep = (await ok(http.get("/api/v1/deployments/chat")))["deployment"]
@@ -111,11 +103,7 @@ async def test_an_adapters_daily_token_budget_refuses_its_alias_once_used_and_th
     async with gateway_cluster(nursery, tmp_path, s3_store, test_images) as cluster:
         art = await upload(s3_store, await trio.Path(tiny_lora_gguf).read_bytes())
         async with cluster.client() as http:
-            body = model_body("poet", "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
-            await ok(http.post("/api/v1/models", json=body), 201)
-            await bring_to_approved(http, "poet")
-            adapter = {"model": "tiny", "version": "v1", "adapter": {"model": "poet", "version": "a1"}}
-            await ok(http.post("/api/v1/aliases/poet/promote", json=adapter))
+            await serve_adapter(http, art, "poet")
         await cluster.deploy("chat", replicas=1, args=[*SIM_ARGS, "--max-loras", "2"])
         client = sdk(cluster)
 
@@ -158,6 +146,16 @@ async def test_an_adapters_daily_token_budget_refuses_its_alias_once_used_and_th
         today = await use()
         assert today["adapter_tokens_today"] == {"poet": 3 * per_answer}
         assert today["tokens_today"] == 3 * per_answer + base
+
+
+async def serve_adapter(http: httpx.AsyncClient, art: Artifact, name: str) -> None:
+    """Register the adapter `name@a1` for tiny@v1 from the uploaded artifact `art`, approve it, and
+    have the alias `name` serve it on its base."""
+    body = model_body(name, "a1", art, kind="lora", base=[{"model": "tiny", "version": "v1"}])
+    await ok(http.post("/api/v1/models", json=body), 201)
+    await bring_to_approved(http, name)
+    adapter = {"model": "tiny", "version": "v1", "adapter": {"model": name, "version": "a1"}}
+    await ok(http.post(f"/api/v1/aliases/{name}/promote", json=adapter))
 
 
 async def bring_to_approved(http: httpx.AsyncClient, name: str) -> None:
