@@ -97,7 +97,7 @@ def _missing(reason: str) -> NoReturn:
     pytest.skip(reason)
 
 
-def _need_root(what: str) -> None:
+def need_root(what: str) -> None:
     if os.geteuid() != 0:
         _missing(f"{what} needs root")
 
@@ -236,7 +236,7 @@ def podman_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodmanS
     need("podman")
     need("runc")
     need("conmon")
-    _need_root("rootful podman")
+    need_root("rootful podman")
     base = tmp_path_factory.mktemp("podman")
     local = LocalPodman(base, containers_conf=CONTAINERS_CONF)
     try:
@@ -328,7 +328,7 @@ def authed_oci_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Au
 @pytest.fixture(scope="session")
 def fake_gpu_cdi() -> Iterator[FakeGpu]:
     """A CDI spec for `nexa-test.test/gpu=0`: /dev/zero appears as /dev/nvidia0, with FAKE_GPU_INDEX=0."""
-    _need_root(f"writing {CDI_SPEC}")
+    need_root(f"writing {CDI_SPEC}")
     created_dir = not CDI_SPEC.parent.exists()
     CDI_SPEC.parent.mkdir(parents=True, exist_ok=True)
     # Other test runs (pytest-xdist's workers, another checkout's run) may use the same spec: each holds
@@ -684,7 +684,7 @@ def dockerd_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Docker
     dockerd = need("dockerd")
     need("containerd")
     need("runc")
-    _need_root("dockerd")
+    need_root("dockerd")
     base = tmp_path_factory.mktemp("dockerd")
     # containerd's sockets live under the exec root: keep it short (AF_UNIX paths end at 108 bytes).
     exec_root = Path("/run") / f"nexa-dockerd-{hashlib.sha256(str(base).encode()).hexdigest()[:12]}"

@@ -193,6 +193,33 @@ def test_node_unit_with_the_docker_drop_in_passes_systemd_analyze_verify(tmp_pat
     assert proc.stderr.strip() == "", f"systemd-analyze verify warned:\n{proc.stderr}"
 
 
+FABRIC_DROP_IN = UNITS / "nexa-node.service.d" / "fabric.conf"
+
+
+def test_node_unit_with_the_fabric_drop_in_passes_verify_and_gives_cap_net_admin_only(tmp_path: Path) -> None:
+    """The fabric firewall's drop-in (nft needs CAP_NET_ADMIN): verified beside the base unit and the
+    Docker drop-in, and the one capability it gives is CAP_NET_ADMIN, bounding and ambient."""
+    analyze = _systemd_analyze()
+    unit = _local_copy("nexa-node.service", tmp_path)
+    drop_ins = tmp_path / "nexa-node.service.d"
+    drop_ins.mkdir()
+    for drop_in in (DOCKER_DROP_IN, FABRIC_DROP_IN):
+        shutil.copy(drop_in, drop_ins / drop_in.name)
+    proc = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False, cwd=tmp_path
+    )
+    assert proc.returncode == 0, f"systemd-analyze verify exited {proc.returncode}:\n{proc.stderr}"
+    assert proc.stderr.strip() == "", f"systemd-analyze verify warned:\n{proc.stderr}"
+    text = FABRIC_DROP_IN.read_text(encoding="utf-8")
+    assert _values(text, "Service", "CapabilityBoundingSet") == ["CAP_NET_ADMIN"]
+    assert _values(text, "Service", "AmbientCapabilities") == ["CAP_NET_ADMIN"]
+    assert [line for line in text.splitlines() if line and not line.startswith("#")] == [
+        "[Service]",
+        "CapabilityBoundingSet=CAP_NET_ADMIN",
+        "AmbientCapabilities=CAP_NET_ADMIN",
+    ]
+
+
 def test_docker_drop_in_orders_after_docker_and_swaps_the_socket_group() -> None:
     text = DOCKER_DROP_IN.read_text(encoding="utf-8")
     assert _values(text, "Unit", "Requires") == ["docker.service"]

@@ -82,6 +82,9 @@ from nexa.config.node import (
     ControllerEndpoints as ControllerEndpoints,
 )
 from nexa.config.node import (
+    FirewallConfig as FirewallConfig,
+)
+from nexa.config.node import (
     LeaseExpiryPolicy as LeaseExpiryPolicy,
 )
 from nexa.config.node import (
@@ -250,6 +253,7 @@ __all__ = (
     "ControlConfig",
     "ControllerEndpoints",
     "EvidenceConfig",
+    "FirewallConfig",
     "GatewayConfig",
     "HostPort",
     "HttpConfig",

@@ -7,6 +7,7 @@ import enum
 import ipaddress
 import logging
 import math
+import re
 from typing import Any, NewType
 
 import attrs
@@ -262,6 +263,37 @@ class MemoryConfig:
     pressure_floor_bytes: int = attrs.field(default=4 * 1024**3, validator=attrs.validators.ge(0))
 
 
+#: nftables' identifier: a letter, then letters, digits, `_`, `-`, `.` (what nft's scanner takes).
+_NFT_TABLE_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,63}$")
+
+
+def table_problem(name: str) -> str | None:
+    """Why `name` is no nftables table name nexa writes, or None."""
+    if isinstance(name, str) and _NFT_TABLE_RE.match(name):
+        return None
+    return "a table name is a letter, then up to 63 letters, digits, '_', '-' or '.' (e.g. nexa)"
+
+
+def _table(_: object, attribute: attrs.Attribute[str], value: str) -> None:
+    if (problem := table_problem(value)) is not None:
+        raise ValueError(f"{attribute.name}: {problem}")
+
+
+@attrs.frozen(kw_only=True)
+class FirewallConfig:
+    """The fabric firewall (nexa.node.firewall): a replica group member's worker or rendezvous port
+    reachable on its fabric address only."""
+
+    #: Close each group member's port, in the node's nftables, to every destination but its fabric
+    #: address before its container runs (torch's rendezvous store on the head listens on every
+    #: address and has no authentication). Off: the host's own firewall must do it.
+    enabled: bool = True
+    #: The agent's own nftables table (`inet` family), rewritten whole at each change.
+    table: str = attrs.field(default="nexa", validator=_table)
+    #: The nft program (a path, or a name on PATH).
+    nft: str = "nft"
+
+
 @attrs.frozen(kw_only=True)
 class NodeConfig:
     """Everything `nexa node` reads (`/etc/nexa/node.toml`)."""
@@ -315,6 +347,7 @@ class NodeConfig:
     #: The meminfo file read for host memory (a test points it at a file it rewrites).
     meminfo_path: str = "/proc/meminfo"
     memory: MemoryConfig = MemoryConfig()
+    firewall: FirewallConfig = FirewallConfig()
     #: Where sysfs is mounted: the RDMA devices (`class/infiniband`) and the interfaces they sit on
     #: (`class/net`) are read under it at every discovery (tests point it at a fixture tree).
     sysfs_path: str = "/sys"

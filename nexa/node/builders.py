@@ -21,6 +21,7 @@ from nexa.errors import EngineError
 from nexa.node.artifacts import ArtifactCache
 from nexa.node.engines.configured import configured_engine
 from nexa.node.engines.interface import ContainerEngine
+from nexa.node.firewall import FabricFirewall
 from nexa.node.identity import Fence, NodeIdentity, PendingKeys, load_fence, load_identity, resume_rotation
 from nexa.node.inventory import InventoryWatcher, discover
 from nexa.node.liveloras import LIVE_LORAS_DIR
@@ -113,6 +114,7 @@ def runtimes_of(
         on_start=lambda aid: meter.on_start(aid),  # noqa: PLW0108 - the meter is made below
         # Beside the artifact cache (as its model directories): its files are hard-linked in.
         live_loras_dir=artifacts.directory.parent.absolute() / LIVE_LORAS_DIR,
+        firewall=FabricFirewall(cfg.firewall.table, cfg.firewall.nft) if cfg.firewall.enabled else None,
     )
     metrics = RuntimeMetrics(supervisor, artifacts, cfg.runtime_metrics_interval_s, host=cfg.runtime_host)
     meter = ReplicaMemoryMeter(

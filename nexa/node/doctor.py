@@ -28,7 +28,7 @@ from nexa.contracts.api import VersionInfo
 from nexa.contracts.doctor import CheckResult, CheckStatus, DoctorReport, report
 from nexa.contracts.node import CDI_NVIDIA_GPU, Gpu
 from nexa.errors import CertificateNotTrusted, ConfigError, ContractError, EngineError, NexaError, Unavailable
-from nexa.node import identity, inventory
+from nexa.node import firewall, identity, inventory
 from nexa.node.engines.configured import configured_engine
 from nexa.node.engines.docker import GPU_NVIDIA_RUNTIME, DockerEngine
 from nexa.node.engines.interface import EngineTransport
@@ -163,6 +163,7 @@ async def run_doctor(
     results.append(check_cdi(cfg, discovered.gpus, opts.cdi_dirs))
     results.append(check_disk(cfg, opts.min_free_bytes))
     results.append(check_cache_disk(cfg, opts.min_cache_free_bytes))
+    results.append(await check_firewall(cfg))
     results.extend(await check_controller(opts, record, fetch))
     # With several controllers (`controllers`), one result for each one's channel endpoint.
     results.extend([await check_channel(cfg, record, endpoint) for endpoint in cfg.controllers or [None]])
@@ -587,6 +588,22 @@ def check_disk(cfg: NodeConfig, min_free_bytes: int) -> CheckResult:
             "lower [artifacts] cache_max_bytes to fit the disk",
         )
     return _ok(name, where)
+
+
+async def check_firewall(cfg: NodeConfig) -> CheckResult:
+    """nft answers, so a replica group member's port can be closed but on its fabric address."""
+    name, fw = "firewall", cfg.firewall
+    if not fw.enabled:
+        return _ok(name, "off ([firewall] enabled = false): the host's firewall closes replica groups' ports")
+    problem = await firewall.nft_problem(fw.nft)
+    if problem is not None:
+        return _warn(
+            name,
+            f"{problem}: a replica group's member (a runtime with fabric access) would not start here",
+            f"install nftables (apt install nftables) and give the agent CAP_NET_ADMIN ({firewall.FABRIC_DROP_IN}), "
+            "or set [firewall] enabled = false and close those ports in the host's firewall",
+        )
+    return _ok(name, f"nft answers; replica groups' ports are closed in table inet {fw.table}")
 
 
 # --- the controller -----------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from nexa.errors import (
     RuntimeCacheNoRoom,
     SimulationDisabled,
 )
+from nexa.node.firewall import FabricFirewall, FirewallError, in_host_network
 from nexa.node.liveloras import LiveLoras
 from nexa.node.lora import LoraView
 from nexa.node.rdma import rdma_device_nodes
@@ -86,13 +87,10 @@ _SLOW_FAILURES: Final = (ImageNotFound, ArtifactDigestMismatch, InsufficientDisk
 # Failures foreseen by the container engine (`node.engines`) and the artifact cache; other
 # EngineError/ArtifactError instances are still handled, but logged with their traceback.
 _KNOWN_FAILURES: Final = (
-    ImageNotFound,
+    *_SLOW_FAILURES,
     EngineUnavailable,
     ContainerNotFound,
     ArtifactUnavailable,
-    ArtifactDigestMismatch,
-    InsufficientDisk,
-    RuntimeCacheNoRoom,
     SimulationDisabled,
 )
 
@@ -120,8 +118,10 @@ class Supervisor:
         caches: RuntimeCaches | None = None,
         on_start: Callable[[str], None] | None = None,
         live_loras_dir: Path | None = None,
+        firewall: FabricFirewall | None = None,
     ) -> None:
         self._cfg = cfg
+        self._firewall = firewall  # None: closing a group's ports is the host firewall's job
         self._caches = caches
         self._holds = itertools.count(1)
         #: Told each assignment id just before its container starts (the memory meter's baseline).
@@ -376,6 +376,9 @@ class Supervisor:
                 if worker.removing:
                     await self._teardown(worker)
             finally:
+                if self._firewall is not None and worker.container_id is None:
+                    with trio.CancelScope(shield=True):  # its container is gone: its port may open
+                        await self._firewall.release(worker)
                 if self._caches is not None and worker.cache_hold is not None:
                     # Held until the container is gone (or the supervisor stops): then evictable.
                     self._caches.release(worker.cache_hold)
@@ -408,10 +411,11 @@ class Supervisor:
                 # The image is pinned and the spec signed: starting it again would fail the same way.
                 self._set(w, State.FAILED, reason="runtime_program_missing", detail=exc.detail)
                 await trio.sleep_forever()
-            except ContractError as exc:
-                # This node cannot give what the signed spec asks (a group's RDMA devices it lacks):
-                # asked again after the longest backoff, in case the driver gets loaded meanwhile.
-                self._set(w, State.FAILED, reason="spec_refused", detail=exc.message)
+            except (ContractError, FirewallError) as exc:
+                # This node cannot give what the signed spec asks (a group's RDMA devices it lacks, its port
+                # closed but on the fabric): asked again after the longest backoff (a driver loaded, nft).
+                why = "fabric_firewall" if isinstance(exc, FirewallError) else "spec_refused"
+                self._set(w, State.FAILED, reason=why, detail=exc.message)
                 await trio.sleep(self._cfg.restart_backoff_max_s)
             except (EngineError, ArtifactError) as exc:
                 await trio.sleep(self._on_failure(w, exc))
@@ -498,6 +502,8 @@ class Supervisor:
             await w.previous.done.wait()
             w.previous = None
         self._set_starting(w, "")
+        if self._firewall is not None and (member := in_host_network(runtime)) is not None:
+            await self._firewall.close(w, member)  # before it runs (FirewallError: it does not)
         return await self._adopt_or_start(w)
 
     async def _adopt_or_start(self, w: Worker) -> tuple[str, float]:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import socket
+import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -46,8 +48,27 @@ async def group_cluster(
     def labels(node: Node) -> str:
         return f"fabric=loopback,fabric-address={node.host}"
 
-    async with real_cluster(nursery, tmp_path, s3_store, podman_service, labels=labels) as c:
+    async with real_cluster(nursery, tmp_path, s3_store, podman_service, labels=labels, firewalled=("cpu-2",)) as c:
         yield c
+
+
+def nft_rules(table: str) -> list[str]:
+    """The rules of an agent's nftables table, as `nft list` prints them (none: no table)."""
+    done = subprocess.run(["nft", "list", "table", "inet", table], capture_output=True, text=True, check=False)
+    return [line.strip() for line in done.stdout.splitlines()]
+
+
+def reached_through_firewall(address: str, port: int) -> bool:
+    """Whether a connection to a listener of ours on `address`:`port` gets through."""
+    with socket.socket() as listener, socket.socket() as client:
+        listener.bind((address, port))
+        listener.listen(1)
+        client.settimeout(5)
+        try:
+            client.connect((address, port))
+        except ConnectionRefusedError:
+            return False
+        return True
 
 
 def listening(port: int) -> list[str]:
@@ -159,6 +180,14 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
     assert head_process[head_process.index("--rpc") + 1] == f"{nodes[1].host}:{worker_port}", head_process
     # The worker's port (no authentication of its own) listens on its fabric address only.
     assert listening(worker_port) == [nodes[1].host]
+    # And closed, by the worker's agent (its fabric firewall on) in its own nftables table, to every
+    # address but its fabric address: a listener of that port on another address (as torch's store
+    # on every address would be) is reset; the head (firewall off here) writes no table.
+    rules = nft_rules(nodes[1].firewall_table)
+    assert f"tcp dport {worker_port} ip daddr {nodes[1].host} accept" in rules, rules
+    assert f"tcp dport {worker_port} reject with tcp reset" in rules, rules
+    assert nft_rules(nodes[0].firewall_table) == []
+    assert reached_through_firewall("127.0.0.1", worker_port) is False
 
     client = openai.OpenAI(base_url=controller.url + "/v1", api_key=key, max_retries=0, timeout=120)
 
@@ -216,6 +245,8 @@ async def test_a_llama_cpp_rpc_group_of_two_nodes_serves_and_is_restarted_togeth
         nodes[1].start(tmp_path / "cpu-2-again.log")
         await wait_for(ready, "the group Ready again after the worker's agent came back")
         assert listening(worker_port) == [nodes[1].host]
+        # The new agent closed the port again before the worker's new container started.
+        assert f"tcp dport {worker_port} ip daddr {nodes[1].host} accept" in nft_rules(nodes[1].firewall_table)
         try:  # no request started after the restart fails
             await in_thread(lambda: chat_completion(4))
         except openai.OpenAIError:

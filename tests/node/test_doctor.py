@@ -29,7 +29,7 @@ import trio
 
 from nexa import cli, security
 from nexa.channel import links
-from nexa.config import ArtifactsConfig, Bytes, ContainerConfig, NodeConfig
+from nexa.config import ArtifactsConfig, Bytes, ContainerConfig, FirewallConfig, NodeConfig
 from nexa.contracts import codec
 from nexa.contracts.api import EnrollResponse
 from nexa.contracts.doctor import CheckResult, CheckStatus, DoctorReport
@@ -37,7 +37,7 @@ from nexa.errors import ConfigError
 from nexa.node import doctor, identity
 from nexa.node.doctor import DoctorOptions, parse_cdi_yaml, run_doctor
 from tests.conftest import FIXTURES, Controller, ControllerProcess, serving_http
-from tests.realparts import DockerService
+from tests.realparts import DockerService, need
 
 NEXA = (sys.executable, "-m", "nexa")
 GB10_CSV = FIXTURES / "nvidia-smi" / "gb10_dgx_spark.csv"
@@ -137,6 +137,7 @@ async def test_an_enrolled_node_with_everything_in_place_passes(
         "cdi": "ok",
         "disk": "ok",
         "cache_disk": "ok",
+        "firewall": "ok",
         "controller": "ok",
         "fingerprint": "warn",
         "clock": "ok",
@@ -469,6 +470,20 @@ def test_low_disk_for_the_runtime_caches_fails(tmp_path: Path) -> None:
     assert doctor.check_cache_disk(cfg, 1).status is CheckStatus.OK
 
 
+async def test_the_firewall_check_warns_without_nft_and_says_so_when_turned_off(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path, "/nonexistent.sock")
+    missing = await doctor.check_firewall(attrs.evolve(cfg, firewall=FirewallConfig(nft=str(tmp_path / "no-nft"))))
+    assert missing.status is CheckStatus.WARN and missing.name == "firewall"
+    assert "cannot run" in missing.detail and "would not start here" in missing.detail
+    assert "apt install nftables" in missing.fix and "nexa-node.service.d/fabric.conf" in missing.fix
+    assert "[firewall] enabled = false" in missing.fix
+    off = await doctor.check_firewall(attrs.evolve(cfg, firewall=FirewallConfig(enabled=False)))
+    assert off.status is CheckStatus.OK and "host's firewall" in off.detail
+    need("nft")
+    found = await doctor.check_firewall(cfg)  # the real nft, as root: it answers
+    assert found.status is CheckStatus.OK and "table inet nexa" in found.detail
+
+
 def test_bad_modes_in_the_state_directory_fail_with_the_chmod(tmp_path: Path) -> None:
     state_dir = tmp_path / "node"
     identity.create_keys(state_dir)
@@ -588,6 +603,7 @@ def test_nexa_node_doctor_against_nexa_control_and_podman(
             "cdi",
             "disk",
             "cache_disk",
+            "firewall",
             "controller",
             "fingerprint",
             "clock",

@@ -23,6 +23,7 @@ from nexa.contracts.groups import FabricAccess, GroupMember, GroupRole
 from nexa.contracts.node import RuntimeKind
 from nexa.contracts.runtime import LABEL_ASSIGNMENT, LABEL_GENERATION, LABEL_SPEC, RuntimeSpec
 from nexa.errors import RuntimeCacheNoRoom
+from nexa.node.firewall import Closed, FabricFirewall, FirewallError
 from nexa.node.rdma import rdma_device_nodes
 from nexa.node.replicas import Backoff
 from nexa.node.supervisor import ORPHAN_STOP_TIMEOUT_S, TEARDOWN_GRACE_S, Supervisor
@@ -627,3 +628,87 @@ async def test_a_replica_without_room_for_its_cache_fails_typed_then_starts_with
         while caches.holders:  # noqa: ASYNC110 - virtual time
             await trio.sleep(1)
     assert caches.calls[-1] == ("release", holder)
+
+
+# --- the fabric firewall: a group member's port closed but on the fabric while its container runs ----
+
+
+class RecordingFirewall(FabricFirewall):
+    """The real hold bookkeeping, its nft transaction replaced by a record of each table written
+    (the real nft runs in tests/node/test_firewall.py); `refuse` injects nft's refusal."""
+
+    def __init__(self, podman: FakePodman) -> None:
+        super().__init__("nexa")
+        self.podman = podman
+        self.tables: list[tuple[dict[int, str], int]] = []
+        self.refuse = False
+
+    async def _apply(self) -> None:
+        if self.refuse:
+            raise FirewallError("nft refused table inet nexa (exit 1): Operation not permitted")
+        containers = len(self.podman.mutations("create"))
+        self.tables.append(({port: c.address for port, c in self.closed().items()}, containers))
+
+
+def _group_of_two(rank: int, fabric: FabricAccess = FabricAccess.TCP) -> GroupRole:
+    members = [GroupMember(rank=r, node_id=f"n{r}", address=f"127.0.0.{11 + r}", port=29500 + r) for r in (0, 1)]
+    return GroupRole(group="g", rank=rank, members=members, fabric=fabric)
+
+
+async def test_a_fabric_group_member_s_port_is_closed_before_its_container_and_opened_after_it_is_gone(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    firewall = RecordingFirewall(podman)
+    sup = await start(nursery, podman, artifacts, assignment(group=_group_of_two(0)), firewall=firewall)
+    await wait_for(sup, S.READY)
+    # The head's port, on its own fabric address, closed while no container had been created yet.
+    assert firewall.tables == [({29500: "127.0.0.11"}, 0)]
+    c = podman.only()
+    sup.update(2, [])
+    with trio.fail_after(60):
+        while sup.statuses():  # noqa: ASYNC110 - virtual time
+            await trio.sleep(0.5)
+    assert ("remove", c.id, True) in podman.mutations()
+    assert firewall.tables[-1] == ({}, 1)  # opened once the container was removed
+    assert firewall.closed() == {}
+
+
+async def test_a_member_whose_port_cannot_be_closed_is_not_started_and_says_what_to_do(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    firewall = RecordingFirewall(podman)
+    firewall.refuse = True
+    sup = await start(nursery, podman, artifacts, assignment(group=_group_of_two(1)), firewall=firewall)
+    await wait_for(sup, S.FAILED, "fabric_firewall")
+    assert "Operation not permitted" in status(sup).detail
+    assert podman.mutations("create") == [] and firewall.closed() == {}
+    firewall.refuse = False  # nft allowed (the agent run as root): asked again after the longest backoff
+    await wait_for(sup, S.READY)
+    assert firewall.tables == [({29501: "127.0.0.12"}, 0)]
+
+
+async def test_members_without_fabric_access_and_single_replicas_leave_the_firewall_alone(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    """Without fabric access a rank has a network namespace of its own: nothing of it listens on the host."""
+    firewall = RecordingFirewall(podman)
+    alone = assignment("a2")
+    grouped = assignment(group=_group_of_two(0, FabricAccess.NONE))
+    sup = await start(nursery, podman, artifacts, grouped, alone, firewall=firewall)
+    await wait_for(sup, S.READY)
+    await wait_for(sup, S.READY, aid="a2")
+    assert firewall.tables == []
+
+
+async def test_a_supervisor_that_stops_keeps_its_running_members_ports_closed(
+    autojump_clock: trio.testing.MockClock, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    """The agent stopping leaves its runtimes running (the next one adopts them): their ports stay closed."""
+    firewall = RecordingFirewall(podman)
+    async with trio.open_nursery() as inner:
+        sup = await start(inner, podman, artifacts, assignment(group=_group_of_two(0)), firewall=firewall)
+        await wait_for(sup, S.READY)
+        inner.cancel_scope.cancel()
+    assert podman.mutations("remove") == []
+    assert firewall.closed() == {29500: Closed(port=29500, address="127.0.0.11")}
+    assert firewall.tables == [({29500: "127.0.0.11"}, 0)]

@@ -38,6 +38,15 @@ class Node:
     config: Path
     proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def firewall_table(self) -> str:
+        """Its agent's own nftables table (`[firewall] table`): one per agent sharing this host."""
+        return firewall_table(self.name)
+
+    def drop_firewall_table(self) -> None:
+        """Remove what its agent left in the host's nftables (a group member's closed port)."""
+        subprocess.run(["nft", "delete", "table", "inet", self.firewall_table], capture_output=True, check=False)
+
     def start(self, log: Path) -> None:
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
@@ -54,9 +63,23 @@ class Node:
                 self.proc.wait(timeout=10)
 
 
+def firewall_table(name: str) -> str:
+    return f"nexa-test{os.getpid()}-{name}"
+
+
 def node_config(
-    tmp: Path, name: str, host: str, s3: S3Store, podman: PodmanService, runtimes: tuple[str, ...] = ("llamacpp",)
+    tmp: Path,
+    name: str,
+    host: str,
+    s3: S3Store,
+    podman: PodmanService,
+    runtimes: tuple[str, ...] = ("llamacpp",),
+    *,
+    firewall: bool = False,
 ) -> Path:
+    """`firewall`: the agent closes its group members' ports in its own nftables table. Off by default:
+    agents sharing this host's network namespace would refuse each other's fabric addresses (on a
+    real fleet each node's rules see only its own)."""
     state = tmp / name
     creds = write_credentials(tmp / "node-s3.json", s3)
     inventory = tmp / f"{name}-inventory.json"
@@ -69,6 +92,7 @@ def node_config(
         f'[artifacts]\ns3_endpoint = "{s3.endpoint}"\ns3_region = "{s3.region}"\n'
         f's3_credentials_file = "{creds}"\ns3_tls_verify = false\n'
         "[supervisor]\nreconcile_interval_s = 1\n"
+        f'[firewall]\nenabled = {str(firewall).lower()}\ntable = "{firewall_table(name)}"\n'
     )
     return config
 
@@ -181,14 +205,20 @@ async def real_cluster(
     labels: Callable[[Node], str] | None = None,
     count: int = 2,
     runtimes: tuple[str, ...] = ("llamacpp",),
+    firewalled: tuple[str, ...] = (),
 ) -> AsyncIterator[tuple[Controller, list[Node]]]:
     """A controller and `count` (at most 9) enrolled `nexa node` agents (cpu-1 on 127.0.0.11, cpu-2
     on .12, ...) on the run's podman, all Ready; `labels`: each node's labels (`k=v,k2=v2`, the
-    admin's, through its enrollment token); `runtimes`: the runtime kinds their inventories allow."""
+    admin's, through its enrollment token); `runtimes`: the runtime kinds their inventories allow;
+    `firewalled`: the nodes whose agents run the fabric firewall (`node_config`)."""
     controller = await start_controller(nursery, registry_config(tmp_path, s3_store))
     hosts = {f"cpu-{i}": f"{loopback_net()}.1{i}" for i in range(1, count + 1)}
     nodes = [
-        Node(name=name, host=host, config=node_config(tmp_path, name, host, s3_store, podman_service, runtimes))
+        Node(
+            name=name,
+            host=host,
+            config=node_config(tmp_path, name, host, s3_store, podman_service, runtimes, firewall=name in firewalled),
+        )
         for name, host in hosts.items()
     ]
     try:
@@ -222,6 +252,7 @@ async def real_cluster(
     finally:
         for node in nodes:
             node.stop()
+            node.drop_firewall_table()
         controller.stopping.set()
 
 

@@ -20,6 +20,7 @@ from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
 from nexa.contracts.runtime import ArtifactRef, ContainerSpec, ContainerState, HealthProbe, RuntimeSpec
 from nexa.errors import ArtifactDigestMismatch, ContainerNotFound, EngineError, EngineUnavailable, ImageNotFound
+from nexa.node.firewall import FabricFirewall
 from nexa.node.replicas import Artifacts
 from nexa.node.supervisor import Podman, Supervisor
 from tests.conftest import sample_runtime
@@ -245,8 +246,9 @@ async def start(
     artifacts: FakeArtifacts,
     *assignments: wire.Assignment,
     cfg: SupervisorConfig = CFG,
+    firewall: FabricFirewall | None = None,
 ) -> Supervisor:
-    sup = Supervisor(cfg, podman, artifacts, node_id=NODE)
+    sup = Supervisor(cfg, podman, artifacts, node_id=NODE, firewall=firewall)
     sup.update(1, list(assignments))
     await nursery.start(sup.run)
     return sup
