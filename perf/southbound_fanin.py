@@ -144,11 +144,10 @@ def main() -> int:
                 sock.setsockopt(zmq.CURVE_SERVERKEY, enrolled["controller_curve_public_key"].encode())
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public.encode())
                 sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret.encode())
-                # ZMTP heartbeats as the agent's uplink has them (`links.Uplink`'s defaults, 1 s and 5 s):
-                # the controller answers each PING, a cost of its fleet as real as the beats.
-                sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-                sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-                sock.setsockopt(zmq.HEARTBEAT_TTL, 5000)
+                # Dead-connection detection as the agent's uplink has it (`links.Uplink`: TCP keepalive
+                # and TCP_USER_TIMEOUT, in the kernel; before them, ZMTP PINGs every second, which
+                # the controller answered each, a cost of its fleet as real as the beats).
+                links.keepalive(sock, links.UPLINK_DEAD_AFTER_S, links.DEFAULT_MAX_MESSAGE_BYTES)
                 sock.connect(enrolled["channel_endpoint"])
                 nodes.append((enrolled["node_id"], key, sock))
             print(f"enrolled {args.nodes} nodes in {time.perf_counter() - started:.1f} s")

@@ -81,6 +81,15 @@ MESSAGE_HEADROOM_BYTES: Final = 64 * 1024
 TRANSPORT_LIMIT_FACTOR: Final = 4
 
 
+#: A node finds its connection to a controller dead this long after the controller's host stopped
+#: answering (a controller that exits closes it at once): then it dials again.
+UPLINK_DEAD_AFTER_S: Final = 5.0
+#: A controller drops a node's connection this long after the node's host stopped answering (the
+#: node is Unreachable sooner: after `[nodes] lease_s` without a liveness beat).
+LINK_DEAD_AFTER_S: Final = 10.0
+#: Unanswered keepalive probes before the kernel closes a connection.
+KEEPALIVE_PROBES: Final = 3
+
 #: How long `Link.rebind` tries to bind an endpoint again after closing it.
 _REBIND_S: Final = 5.0
 
@@ -155,11 +164,18 @@ def load_curve_public(path: Path) -> str:
         raise ConfigError(f"{path} does not hold a Z85 Curve public key") from None
 
 
-def _keepalive(sock: _Socket, heartbeat_ivl_s: float, heartbeat_timeout_s: float, max_message_bytes: int) -> None:
-    # ZMTP heartbeats: a silent peer is dropped (ROUTER) or reconnected (DEALER) in bounded time.
-    sock.setsockopt(zmq.HEARTBEAT_IVL, _ms(heartbeat_ivl_s))
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _ms(heartbeat_timeout_s))
-    sock.setsockopt(zmq.HEARTBEAT_TTL, _ms(heartbeat_timeout_s))
+def keepalive(sock: _Socket, dead_after_s: float, max_message_bytes: int) -> None:
+    """A dead connection found by the kernel, not by messages of the channel's own: TCP keepalive
+    probes once nothing has arrived for 40 % of `dead_after_s` (then 3, at 20 % of it apart), and
+    TCP_USER_TIMEOUT (libzmq's TCP_MAXRT on Linux) when what was sent goes unacknowledged that long;
+    either closes it, a ROUTER drops the peer and a DEALER reconnects. A live peer's kernel answers
+    both with no wake-up of its process, where ZMTP's PINGs cost each side a CurveZMQ message and a
+    read every interval whatever else flows (a node's liveness beats already do every second)."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, round(dead_after_s * 0.4)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, max(1, round(dead_after_s * 0.2)))
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_PROBES)
+    sock.setsockopt(zmq.TCP_MAXRT, _ms(dead_after_s))
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
 
 
@@ -252,8 +268,7 @@ class Link:
         inbox_size: int = 64,
         outbox_size: int = 64,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        heartbeat_ivl_s: float = 1.0,
-        heartbeat_timeout_s: float = 5.0,
+        dead_after_s: float = LINK_DEAD_AFTER_S,
         receive_hwm: int = 1000,
         signed_rate: RateLimiter | None = None,
         retired_dial: Callable[[str], None] = lambda _: None,
@@ -273,7 +288,7 @@ class Link:
         self._curve, self._key, self._authorize = curve, signing_key, authorize
         self._node_key, self._previous_key = node_key, previous_key
         self._sizes = (inbox_size, outbox_size)
-        self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes * TRANSPORT_LIMIT_FACTOR)
+        self._limits = (dead_after_s, max_message_bytes * TRANSPORT_LIMIT_FACTOR)
         # Signed messages per node, checked before the signature: a flood costs a dict lookup each.
         self._receive_hwm, self._signed_rate = receive_hwm, signed_rate
         self._pump: ZmqPump | None = None
@@ -305,7 +320,7 @@ class Link:
                 # Per node connection: at most this many messages wait in zmq before it stops
                 # reading that node's socket (TCP then pushes back on the node alone).
                 router.setsockopt(zmq.RCVHWM, self._receive_hwm)
-                _keepalive(router, *self._limits)
+                keepalive(router, *self._limits)
                 monitor = router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 sockets.insert(0, monitor)  # closed before the router (`close_all` goes backwards)
             except zmq.ZMQError as exc:
@@ -666,8 +681,7 @@ class Uplink:
         reconnect_ivl_s: float = 0.1,
         reconnect_ivl_max_s: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        heartbeat_ivl_s: float = 1.0,
-        heartbeat_timeout_s: float = 5.0,
+        dead_after_s: float = UPLINK_DEAD_AFTER_S,
         share_inbox_of: Uplink | None = None,
     ) -> None:
         self._endpoint = endpoint
@@ -678,7 +692,7 @@ class Uplink:
         self._controller_key = controller_key
         self._sizes = (inbox_size, outbox_size)
         self._reconnect = (reconnect_ivl_s, reconnect_ivl_max_s)
-        self._limits = (heartbeat_ivl_s, heartbeat_timeout_s, max_message_bytes)
+        self._limits = (dead_after_s, max_message_bytes)
         self._pump: ZmqPump | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
@@ -694,7 +708,7 @@ class Uplink:
                 dealer.setsockopt(zmq.RECONNECT_IVL, _ms(self._reconnect[0]))
                 dealer.setsockopt(zmq.RECONNECT_IVL_MAX, _ms(self._reconnect[1]))
                 dealer.setsockopt(zmq.IMMEDIATE, 1)  # queue only on live connections
-                _keepalive(dealer, *self._limits)
+                keepalive(dealer, *self._limits)
                 dealer.connect(self._endpoint)
             except zmq.ZMQError as exc:
                 raise ChannelError(f"cannot dial the controller at {self._endpoint}: {exc.strerror}") from exc
