@@ -7,35 +7,18 @@ the node gets through again once packets flow (tests/support/deadpeer.py)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import zmq
 
 from nexa.channel.links import LINK_DEAD_AFTER_S, UPLINK_DEAD_AFTER_S, keepalive
-from tests.realparts import need, need_root
+from tests.support.netns import probe_in_own_netns
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_each_side_finds_a_silent_peer_dead_in_bounded_time_and_the_node_dials_again() -> None:
-    need("nft")
-    need("unshare")
-    need_root("a network namespace and its nftables")
-    done = subprocess.run(
-        ["unshare", "--net", sys.executable, "-m", "tests.support.deadpeer"],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout)
+    got = probe_in_own_netns("tests.support.deadpeer", timeout_s=90)
     # The node's beats go unacknowledged: TCP_USER_TIMEOUT closes its side (a beat a second, so
     # within one beat of the bound); nothing reaches the controller: its keepalive probes do.
     assert UPLINK_DEAD_AFTER_S - 0.5 <= got["closed"]["dealer"] <= UPLINK_DEAD_AFTER_S + 1.5, got

@@ -6,9 +6,6 @@ member holds its port, and on every address again once none does."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from nexa.config import NodeConfig
 from nexa.contracts.groups import GroupMember
 from nexa.errors import ConfigError
 from nexa.node.firewall import Closed, FabricFirewall, FirewallError, ruleset
-from tests.realparts import need, need_root
+from tests.support.netns import probe_in_own_netns
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,20 +75,7 @@ async def test_an_nft_that_cannot_run_or_refuses_changes_nothing_and_says_what_t
 
 
 def test_with_the_real_nft_a_port_is_reached_on_its_fabric_address_only_while_held() -> None:
-    need("nft")
-    need("unshare")
-    need_root("a network namespace and its nftables")
-    done = subprocess.run(
-        ["unshare", "--net", sys.executable, "-m", "tests.support.fwprobe"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert done.returncode == 0, done.stderr
-    steps = json.loads(done.stdout)
+    steps = probe_in_own_netns("tests.support.fwprobe")
     every = ["127.0.0.11", "127.0.0.1", "127.0.0.12"]
     assert steps["before"] == every
     assert steps["closed"] == ["127.0.0.11"]  # management and other addresses: reset
