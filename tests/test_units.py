@@ -213,10 +213,10 @@ def test_node_unit_with_the_fabric_drop_in_passes_verify_and_gives_cap_net_admin
     text = FABRIC_DROP_IN.read_text(encoding="utf-8")
     assert _values(text, "Service", "CapabilityBoundingSet") == ["CAP_NET_ADMIN"]
     assert _values(text, "Service", "AmbientCapabilities") == ["CAP_NET_ADMIN"]
-    assert [line for line in text.splitlines() if line and not line.startswith("#")] == [
+    settings = [line for line in text.splitlines() if line and not line.startswith("#")]
+    assert settings == [
         "[Service]",
-        "CapabilityBoundingSet=CAP_NET_ADMIN",
-        "AmbientCapabilities=CAP_NET_ADMIN",
+        *(f"{key}=CAP_NET_ADMIN" for key in ("CapabilityBoundingSet", "AmbientCapabilities")),
     ]
 
 
