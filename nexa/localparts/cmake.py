@@ -68,3 +68,28 @@ def pack(dest: Path, files: Iterable[tuple[Path, str]]) -> None:
         packed.replace(dest)
     finally:
         packed.unlink(missing_ok=True)
+
+
+def unpack(archive: tarfile.TarFile, dest: Path, members: Iterable[tarfile.TarInfo] | None = None) -> None:
+    """`archive.extractall(dest, filter="data")` (PEP 706), also on a Python 3.11 older than 3.11.4
+    (Debian 12's python3 is 3.11.2), which has no extraction filters: there every member is first
+    checked as the data filter would check it (a plain file, directory or link, whose path and link
+    target stay under `dest`) and any other refuses the whole archive."""
+    if hasattr(tarfile, "data_filter"):
+        archive.extractall(dest, members=members, filter="data")
+        return
+    chosen = list(members) if members is not None else archive.getmembers()
+    root = dest.resolve()
+    for member in chosen:
+        target = (root / member.name).resolve()
+        if member.issym():
+            linked = (target.parent / member.linkname).resolve()
+        elif member.islnk():
+            linked = (root / member.linkname).resolve()
+        else:
+            linked = target
+        if not (member.isfile() or member.isdir() or member.issym() or member.islnk()):
+            raise tarfile.ExtractError(f"{member.name!r} is not a file, directory or link")
+        if os.path.isabs(member.name) or not target.is_relative_to(root) or not linked.is_relative_to(root):
+            raise tarfile.ExtractError(f"{member.name!r} leaves the destination")
+    archive.extractall(dest, members=chosen)  # noqa: S202 - every member checked above

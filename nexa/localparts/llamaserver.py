@@ -35,6 +35,7 @@ from nexa.localparts.cmake import (
     pack,
     parts_missing,
     run_logged,
+    unpack,
 )
 from nexa.localparts.images import build_image, cached_build, recipe_name
 from nexa.localparts.podman import LocalPodman
@@ -113,7 +114,7 @@ def _build(dest: Path) -> None:
         )
         (sdist,) = work.glob("*.tar.gz")
         with tarfile.open(sdist) as archive:
-            archive.extractall(work / "src", filter="data")
+            unpack(archive, work / "src")
         (source,) = (work / "src").glob("*/vendor/llama.cpp")
         binaries = cmake_build(source, work, CMAKE_ARGS, [BUILD_TARGET, RPC_TARGET]) / "bin"
         files = sorted([binaries / BUILD_TARGET, binaries / RPC_TARGET, *binaries.glob("lib*.so*")])
@@ -165,7 +166,7 @@ def llama_cpp_python_wheel(cache: Path) -> Path:
             libs.mkdir(parents=True, exist_ok=True)
             with tarfile.open(tarball) as archive:
                 members = [m for m in archive.getmembers() if any(fnmatch.fnmatch(m.name, p) for p in PYTHON_LIBS)]
-                archive.extractall(work / "libs", members=members, filter="data")
+                unpack(archive, work / "libs", members)
             for lib in sorted((work / "libs").iterdir()):
                 shutil.copyfile(lib, libs / lib.name)  # a wheel holds no links: each name is a copy, as upstream's
             (work / "out").mkdir()
@@ -189,7 +190,7 @@ def build_llama_server_image(podman: LocalPodman, python_image: str, remote: str
     app = work / "app"
     app.mkdir(parents=True, exist_ok=True)
     with tarfile.open(tarball) as archive:
-        archive.extractall(app, filter="data")
+        unpack(archive, app)
     (work / "Containerfile").write_text(
         f"FROM {python_image}\n"
         f"COPY app {APP_DIR}\n"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Final
 
 from nexa.errors import ConfigError
-from nexa.localparts.cmake import GGML_PROJECT_FLAGS, cmake_build, pack, parts_missing, run_logged
+from nexa.localparts.cmake import GGML_PROJECT_FLAGS, cmake_build, pack, parts_missing, run_logged, unpack
 from nexa.localparts.images import build_image, cached_build, recipe_name
 from nexa.localparts.podman import LocalPodman
 
@@ -107,7 +107,7 @@ def whisper_sdist(cache: Path) -> Path:
         unpacked = folder / f".unpack.{os.getpid()}"
         try:
             with tarfile.open(tarball) as archive:
-                archive.extractall(unpacked, filter="data")
+                unpack(archive, unpacked)
             try:
                 (unpacked / f"{name}-{version}").rename(folder / f"{name}-{version}")
             except OSError:
@@ -157,7 +157,7 @@ def build_whisper_server_image(podman: LocalPodman, python_image: str, remote: s
     tree = work / "app" / "build"
     tree.mkdir(parents=True, exist_ok=True)
     with tarfile.open(tarball) as archive:
-        archive.extractall(tree, filter="data")
+        unpack(archive, tree)
     (work / "Containerfile").write_text(
         f"FROM {python_image}\n"
         f"COPY app {APP_DIR}\n"
