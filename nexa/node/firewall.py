@@ -113,21 +113,20 @@ class FabricFirewall:
         """Each closed port's rule (the newest hold's, when two name one port)."""
         return {c.port: c for c in self._holds.values()}
 
-    async def close(self, hold: Hashable, member: GroupMember) -> None:
-        """Close `member`'s port to all but its fabric address before its container runs.
-
-        Raises FirewallError (nothing changed) when nft refuses or cannot be run.
-        """
+    async def close(self, *holds: tuple[Hashable, GroupMember]) -> None:
+        """Close each (hold, member)'s port to all but the member's fabric address, in one table
+        write, before their containers run. Raises FirewallError (nothing changed) when nft refuses
+        or cannot be run."""
         async with self._lock:
-            before = self._holds.get(hold)
-            self._holds[hold] = Closed.of(member)
+            wanted = {hold: Closed.of(member) for hold, member in holds}
+            if all(self._holds.get(hold) == closed for hold, closed in wanted.items()):
+                return  # written already (the member restarts; its port stayed closed meanwhile)
+            before = dict(self._holds)
+            self._holds.update(wanted)
             try:
                 await self._apply()
             except FirewallError:
-                if before is None:
-                    del self._holds[hold]
-                else:
-                    self._holds[hold] = before
+                self._holds = before
                 raise
 
     async def release(self, hold: Hashable) -> None:

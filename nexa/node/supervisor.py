@@ -95,10 +95,6 @@ _KNOWN_FAILURES: Final = (
 )
 
 
-#: The container driver the supervisor drives.
-Podman = ContainerDriver
-
-
 class Supervisor:
     """Keeps the node's runtime containers equal to its verified assignments, and reports their states.
 
@@ -110,7 +106,7 @@ class Supervisor:
     def __init__(
         self,
         cfg: SupervisorConfig,
-        podman: Podman,
+        podman: ContainerDriver,
         artifacts: Artifacts,
         *,
         node_id: str,
@@ -308,6 +304,9 @@ class Supervisor:
                 self._pin(worker, d.assignment.runtime.artifact.sha256)
             self._pin_loras(worker)
             fresh.append(worker)
+        if self._firewall is not None:  # every new member's port in one write, before any of them runs
+            with contextlib.suppress(FirewallError):  # (each one's bring-up writes again, and reports)
+                await self._firewall.close(*[(w, m) for w in fresh if (m := in_host_network(w.runtime))])
         for worker in fresh:
             worker.scope = await nursery.start(self._supervise, worker)
         for aid in [aid for aid in self._workers if aid not in desired]:
@@ -503,7 +502,7 @@ class Supervisor:
             w.previous = None
         self._set_starting(w, "")
         if self._firewall is not None and (member := in_host_network(runtime)) is not None:
-            await self._firewall.close(w, member)  # before it runs (FirewallError: it does not)
+            await self._firewall.close((w, member))  # before it runs (FirewallError: it does not)
         return await self._adopt_or_start(w)
 
     async def _adopt_or_start(self, w: Worker) -> tuple[str, float]:

@@ -59,7 +59,7 @@ async def test_an_nft_that_cannot_run_or_refuses_changes_nothing_and_says_what_t
     with pytest.raises(
         FirewallError, match=r"install nftables \(apt install nftables\), or set \[firewall\] enabled = false"
     ):
-        await missing.close("w", member)
+        await missing.close(("w", member))
     assert missing.closed() == {}
     # An nft that refuses (as without CAP_NET_ADMIN): a stand-in printing nft's own message.
     refusing = tmp_path / "nft"
@@ -70,7 +70,7 @@ async def test_an_nft_that_cannot_run_or_refuses_changes_nothing_and_says_what_t
         FirewallError,
         match=r"Operation not permitted; the agent needs CAP_NET_ADMIN \(units/nexa-node.service.d/fabric.conf",
     ) as info:
-        await fw.close("w", member)
+        await fw.close(("w", member))
     assert "exit 1" in info.value.message and fw.closed() == {}
 
 
@@ -96,8 +96,8 @@ async def test_holds_share_a_port_and_the_newest_rule_wins() -> None:
     fw = Recording("nexa")
     a = GroupMember(rank=0, node_id="n", address="127.0.0.11", port=29500)
     b = GroupMember(rank=0, node_id="n", address="127.0.0.11", port=29500, interface="lo")
-    await fw.close("old", a)
-    await fw.close("new", b)
+    await fw.close(("old", a))
+    await fw.close(("new", b))
     await fw.release("old")
     await fw.release("old")  # twice: nothing to write
     await fw.release("new")

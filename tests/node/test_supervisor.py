@@ -2,7 +2,7 @@
 
 Policy: every test runs under `autojump_clock` and asserts in virtual seconds; no threads and no
 real podman here (the podman client's own tests run the real one). The fakes (tests/support/supervisor.py)
-implement the supervisor's `Podman` and `Artifacts` protocols and record every call that changes something.
+implement the supervisor's `ContainerDriver` and `Artifacts` protocols and record every call that changes something.
 """
 
 from __future__ import annotations
@@ -671,6 +671,28 @@ async def test_a_fabric_group_member_s_port_is_closed_before_its_container_and_o
     assert ("remove", c.id, True) in podman.mutations()
     assert firewall.tables[-1] == ({}, 1)  # opened once the container was removed
     assert firewall.closed() == {}
+
+
+async def test_every_new_member_s_port_is_closed_in_one_write_before_any_of_them_is_adopted(
+    autojump_clock: trio.testing.MockClock, nursery: trio.Nursery, podman: FakePodman, artifacts: FakeArtifacts
+) -> None:
+    """An agent restarted beside two running group members (of two deployments): their ports go into
+    its first table write together, so neither is open between two writes while the other is adopted."""
+    firewall = RecordingFirewall(podman)
+    second = attrs.evolve(
+        _group_of_two(1), group="g2", members=[attrs.evolve(m, port=29700) for m in _group_of_two(1).members]
+    )
+    sup = await start(
+        nursery,
+        podman,
+        artifacts,
+        assignment(group=_group_of_two(0)),
+        assignment("a2", group=second),
+        firewall=firewall,
+    )
+    await wait_for(sup, S.READY)
+    await wait_for(sup, S.READY, aid="a2")
+    assert firewall.tables == [({29500: "127.0.0.11", 29700: "127.0.0.12"}, 0)]  # one write, no container yet
 
 
 async def test_a_member_whose_port_cannot_be_closed_is_not_started_and_says_what_to_do(

@@ -50,9 +50,9 @@ def main() -> None:
         head_on_lo = GroupMember(rank=0, node_id="n0", address=FABRIC, port=port, interface="lo")
         fw = FabricFirewall("nexa-probe")
         steps: dict[str, object] = {"before": reached(port)}
-        trio.run(fw.close, "old", head)
+        trio.run(fw.close, ("old", head))
         steps["closed"] = reached(port)
-        trio.run(fw.close, "new", head_on_lo)  # a successor's hold on the same port
+        trio.run(fw.close, ("new", head_on_lo))  # a successor's hold on the same port
         steps["table"] = table("nexa-probe")
         trio.run(fw.release, "old")
         steps["one_hold_left"] = reached(port)

@@ -18,11 +18,11 @@ import trio
 from nexa import container_spec
 from nexa.config import Seconds, SupervisorConfig
 from nexa.contracts import wire
-from nexa.contracts.runtime import ArtifactRef, ContainerSpec, ContainerState, HealthProbe, RuntimeSpec
+from nexa.contracts.runtime import ArtifactRef, ContainerDriver, ContainerSpec, ContainerState, HealthProbe, RuntimeSpec
 from nexa.errors import ArtifactDigestMismatch, ContainerNotFound, EngineError, EngineUnavailable, ImageNotFound
 from nexa.node.firewall import FabricFirewall
 from nexa.node.replicas import Artifacts
-from nexa.node.supervisor import Podman, Supervisor
+from nexa.node.supervisor import Supervisor
 from tests.conftest import sample_runtime
 
 NODE = "n1"
@@ -207,7 +207,7 @@ class FakeArtifacts:
 
 
 # The fakes fit the protocols the real classes must fit (checked by mypy on this module).
-_podman_fits: Callable[[FakePodman], Podman] = lambda p: p  # noqa: E731
+_podman_fits: Callable[[FakePodman], ContainerDriver] = lambda p: p  # noqa: E731
 _artifacts_fit: Callable[[FakeArtifacts], Artifacts] = lambda a: a  # noqa: E731
 
 
