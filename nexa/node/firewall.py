@@ -16,7 +16,7 @@ port has one rule set even when two holds name it (a replaced member whose conta
 stopping, and its successor). A base chain's drop or reject is final for the packet, whatever
 other tables (Docker's, firewalld's) accept, so nexa's rules do not depend on their order.
 
-Pure text where it can be (`ruleset`, `table_name`): every value in the file is a validated port,
+Pure text where it can be (`ruleset`): every value in the file is a validated port,
 an `ipaddress` literal or a contract-checked interface name, quoted.
 """
 
@@ -110,7 +110,7 @@ class FabricFirewall:
         self._lock = trio.Lock()
 
     def closed(self) -> dict[int, Closed]:
-        """Each closed port's rule (the newest hold's, when two name one port)."""
+        """Each closed port's rule (the last hold's to name it, when two do)."""
         return {c.port: c for c in self._holds.values()}
 
     async def close(self, *holds: tuple[Hashable, GroupMember]) -> None:
