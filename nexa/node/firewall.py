@@ -117,6 +117,8 @@ class FabricFirewall:
         """Close each (hold, member)'s port to all but the member's fabric address, in one table
         write, before their containers run. Raises FirewallError (nothing changed) when nft refuses
         or cannot be run."""
+        if not holds:
+            return  # (no checkpoint: a reconcile pass without group members is as it was)
         async with self._lock:
             wanted = {hold: Closed.of(member) for hold, member in holds}
             if all(self._holds.get(hold) == closed for hold, closed in wanted.items()):

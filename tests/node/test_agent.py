@@ -262,12 +262,13 @@ async def test_refusals_are_answered_counted_and_logged_without_secrets(
     assert stats.rejected == {r: int(r is reason) for r in RS}
     assert load_fence(state_dir) == accepted
     assert (stats.epoch, stats.generation) == (2, 5)
-    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # The agent's own (the supervisor's retries against the podman that is not there may log too).
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "nexa.node.agent"]
     assert len(warnings) == 1
     assert str(reason) in warnings[0].getMessage()
     for secret in secrets_and_places(ctl, state_dir):
         assert secret not in ack.detail
-        assert secret not in warnings[0].getMessage()
+        assert all(secret not in r.getMessage() for r in caplog.records)
 
 
 async def test_a_set_the_node_cannot_store_is_refused_and_not_acted_on(
