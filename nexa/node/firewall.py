@@ -134,6 +134,8 @@ class FabricFirewall:
     async def release(self, hold: Hashable) -> None:
         """Open the hold's port again (unless another hold still names it). Logs a failure: the
         port stays closed, which is the safe side, until the next change rewrites the table."""
+        if hold not in self._holds:
+            return  # (no checkpoint: most workers that end never held a port)
         async with self._lock:
             if self._holds.pop(hold, None) is None:
                 return
