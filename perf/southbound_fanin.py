@@ -2,7 +2,8 @@
 
 Starts `nexa control` (venv or binary) on a temporary state dir, enrolls N nodes through the
 real HTTP API, connects N Curve DEALER sockets from this process (one shared zmq context), and
-has each node do what a node agent does (`nexa.node.agent`): once a second it sends a liveness
+has each node do what a node agent does (`nexa.node.agent`): once a second, at a phase of its own
+(`--slices`: the second is cut into that many phases, the nodes spread over them), it sends a liveness
 beat (`[alive, node_id, state_seq]`, authenticated by the channel), or its signed state (a
 `Heartbeat`) when that is due: when it changed (an assignment set it accepted), when the
 controller asked for it (`state_request`) and at least every `--state-interval` seconds (the
@@ -21,6 +22,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,12 +42,14 @@ from nexa.contracts.node import DiscoveredHost, InventoryFile
 from nexa.localparts import free_ports, stop
 from nexa.node.inventory import merge
 
-#: `python -c` program: `python -m nexa ARGS...` under cProfile timed by the process's CPU time.
+#: `python -c` program: `python -m nexa ARGS...` under cProfile timed by the thread's CPU time,
+#: from SIGUSR1 to SIGUSR2 (the measured window only, not the start-up and the enrollments).
 _PROFILED = """
-import cProfile, runpy, sys, time
+import cProfile, runpy, signal, sys, time
 out, sys.argv = sys.argv[1], ["nexa", *sys.argv[2:]]
-profile = cProfile.Profile(time.process_time)
-profile.enable()
+profile = cProfile.Profile(time.thread_time)
+signal.signal(signal.SIGUSR1, lambda *_: profile.enable())
+signal.signal(signal.SIGUSR2, lambda *_: profile.disable())
 try:
     runpy.run_module("nexa", run_name="__main__")
 except SystemExit:
@@ -89,7 +93,14 @@ def main() -> int:
         default=NodeConfig().state_interval_s,
         help="seconds between a node's signed states when nothing changes ([node] state_interval_s)",
     )
-    parser.add_argument("--profile", help="run the controller under cProfile and write its profile here")
+    parser.add_argument(
+        "--slices", type=int, default=100, help="phases a second is cut into; the nodes beat spread over them"
+    )
+    parser.add_argument(
+        "--profile",
+        help="profile the controller's main thread by CPU time (cProfile) over the measured window into FILE",
+        metavar="FILE",
+    )
     args = parser.parse_args()
     print("command:", shlex.join([sys.executable, *sys.argv]))
 
@@ -174,12 +185,14 @@ def main() -> int:
             seq = int(time.time() * 1e6)
             sent = {"state": 0, "alive": 0, "asked": 0}
 
-            def tick(*, warming: bool = False) -> None:
+            def tick(
+                beating: list[tuple[str, security.SigningKey, zmq.Socket[bytes]]], *, warming: bool = False
+            ) -> None:
                 # While warming up, each node's next state is set at a phase of its own (nodes that
                 # started at different times), so the measured window sees the steady rate.
                 nonlocal seq
                 now = time.monotonic()
-                for node_id, key, sock in nodes:
+                for node_id, key, sock in beating:
                     seq += 1
                     if fences[sock] == reported[sock] and now < due[sock]:
                         sock.send_multipart(framing.encode_liveness(node_id, state_seq[sock]), zmq.NOBLOCK)
@@ -217,19 +230,32 @@ def main() -> int:
                                 due[sock] = 0.0
                                 sent["asked"] += 1
 
+            # Each node beats once a second at a phase of its own, as agents started at different
+            # times do: the second is cut into `--slices` and node i beats in slice i mod slices
+            # (`--slices 1`: every node at once, a burst the controller takes in few wake-ups).
+            slices = max(1, min(args.slices, len(nodes)))
+            phased = [nodes[k::slices] for k in range(slices)]
+
+            def second(*, warming: bool = False) -> None:
+                start = time.monotonic()
+                for k, beating in enumerate(phased):
+                    tick(beating, warming=warming)
+                    drain(start + (k + 1) / slices)
+
             for _ in range(3):  # warm-up: connect, first pushes, inventories stored
-                tick(warming=True)
-                drain(time.monotonic() + 1.0)
+                second(warming=True)
             before = handled(http)
+            if args.profile:
+                proc.send_signal(signal.SIGUSR1)
             cpu0, wall0 = cpu_seconds(proc.pid), time.monotonic()
             sent = dict.fromkeys(sent, 0)
             ticks = 0
             while time.monotonic() - wall0 < args.seconds:
-                next_tick = time.monotonic() + 1.0
-                tick()
+                second()
                 ticks += 1
-                drain(next_tick)
             cpu_s, window = cpu_seconds(proc.pid) - cpu0, time.monotonic() - wall0
+            if args.profile:
+                proc.send_signal(signal.SIGUSR2)
             cpu = cpu_s / window
             after = handled(http)
             took = {kind: after[kind] - before.get(kind, 0.0) for kind in after}

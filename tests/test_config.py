@@ -154,6 +154,19 @@ def test_a_channel_address_that_is_not_host_port_is_refused_by_name(bad: str) ->
 
 
 @pytest.mark.parametrize(
+    ("key", "bad"), [("gather_s", -0.001), ("gather_s", 0.5), ("idle_gather_s", -1.0), ("idle_gather_s", 2.0)]
+)
+def test_the_channel_gather_windows_are_bounded_and_refused_by_name(key: str, bad: float) -> None:
+    """Wake-up moderation: 0 turns it off; a negative window, or one longer than a stream's token
+    may wait (0.1 s) or a beat (1 s), is refused by name."""
+    with pytest.raises(ConfigError, match=rf"channel: '{key}' must be"):
+        config.structure_config({"channel": {key: bad}}, ControlConfig)
+    off = config.structure_config({"channel": {"gather_s": 0, "idle_gather_s": 0.0}}, ControlConfig)
+    assert (off.channel.gather_s, off.channel.idle_gather_s) == (0.0, 0.0)
+    assert (ControlConfig().channel.gather_s, ControlConfig().channel.idle_gather_s) == (0.002, 0.025)
+
+
+@pytest.mark.parametrize(
     ("value", "needle"),
     [
         ("['']", "evidence: trusted_report_keys: an empty key"),

@@ -36,6 +36,7 @@ from nexa.channel.framing import (
     is_data,
     is_liveness,
     joins_data,
+    read_liveness,
 )
 from nexa.channel.pump import (
     SEND_RETRY_S,
@@ -254,6 +255,8 @@ class Link:
 
     Sends to a node that is gone or not keeping up are dropped and counted (never queued
     without bound), so whoever waits for an answer on the data path must bound the wait.
+
+    `gather()` (seconds; None: off) moderates the receive side's wake-ups (`ZmqPump`).
     """
 
     def __init__(
@@ -273,8 +276,10 @@ class Link:
         signed_rate: RateLimiter | None = None,
         retired_dial: Callable[[str], None] = lambda _: None,
         on_disconnect: Callable[[str], None] = lambda _: None,
+        gather: Callable[[], float] | None = None,
     ) -> None:
         self._endpoint = endpoint
+        self._gather = gather
         self._retired_dial = retired_dial
         self._on_disconnect = on_disconnect
         self._max_message_bytes = max_message_bytes
@@ -333,6 +338,7 @@ class Link:
                 outbox_size=self._sizes[1],
                 drop_unroutable=True,
                 take=self._take,
+                gather=self._gather,
             )
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(serve_zap, zap, self._admit)
@@ -553,15 +559,21 @@ class Link:
         if handler is None:
             return False
         try:
-            self._enrolled_key(node_id)
-            beat = decode_liveness([f.bytes for f in frames[1:]])
-            if beat.node_id != node_id:
+            if len(frames) != 4:
                 return False  # refused by `receive`, which says why
-            moved = self._learn_route(node_id, frames[0].bytes, int(frames[-1].get(zmq.SRCFD)))
+            self._enrolled_key(node_id)
+            named, state_seq = read_liveness(frames[2].bytes, frames[3].bytes)
+            if named != node_id:
+                return False
+            route = frames[0].bytes
+            # The connection's file descriptor is asked of zmq only when the route is new.
+            moved = route != self._routes.get(node_id) and self._learn_route(
+                node_id, route, int(frames[-1].get(zmq.SRCFD))
+            )
         except Exception:  # refused: `receive` refuses it again, and says why
             return False
         try:
-            handler(Alive(node_id=node_id, state_seq=beat.state_seq, moved=moved))
+            handler(Alive(node_id=node_id, state_seq=state_seq, moved=moved))
         except Exception as exc:  # last resort: the pump (the whole channel) must outlive a bug there
             log.error("handing a liveness beat of node %s over failed: %s", node_id, type(exc).__name__)  # noqa: TRY400
         return True

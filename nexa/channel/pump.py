@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 from collections.abc import Callable
 from typing import Final, NoReturn, cast
 
@@ -26,6 +27,12 @@ SEND_RETRY_S: Final = 0.01
 #: Most messages, and most bytes, a pump joins into one (`coalesce`): far below any peer's limit.
 COALESCE_MESSAGES: Final = 64
 COALESCE_BYTES: Final = 64 * 1024
+#: zmq's event bits as plain ints: pyzmq's `zmq.POLLIN` is an enum.IntFlag, and `int & IntFlag`
+#: builds a new flag through enum's machinery (about 4 µs), twice a message in a pump's loop.
+POLLIN: Final = int(zmq.POLLIN)
+POLLOUT: Final = int(zmq.POLLOUT)
+_EVENTS: Final = int(zmq.EVENTS)
+_NOBLOCK: Final = int(zmq.NOBLOCK)
 
 
 @attrs.frozen(kw_only=True)
@@ -58,6 +65,13 @@ class ZmqPump:
     while the inbox is not empty a message it takes overtakes those in it (`Link` keeps each node's
     own messages in order, so a node's beat may overtake another node's). It must not block or
     raise. Only for a pump whose inbox its own `receive` alone reads (no `share_inbox`).
+
+    `gather()` (optional: seconds, asked at each wait) moderates wake-ups, as a network card
+    moderates its interrupts: a pump whose last wake-up received messages comes back for more only
+    `gather()` after that wake-up, and then takes everything that arrived meanwhile in one pass. A
+    message after a quiet spell is taken at once; under load each waits at most `gather()`, and one
+    wake-up (the larger part of what a message costs) serves many. Sends never wait for it: `send`
+    wakes the pump at once, and that wake-up reads what arrived too.
     """
 
     def __init__(
@@ -69,8 +83,10 @@ class ZmqPump:
         drop_unroutable: bool = False,
         coalesce: Callable[[Frames, Frames], bool] | None = None,
         take: Callable[[list[zmq.Frame], bool], bool] | None = None,
+        gather: Callable[[], float] | None = None,
     ) -> None:
         self._sock = sock
+        self._gather = gather
         self._inbox_tx, self._inbox_rx = trio.open_memory_channel[list[zmq.Frame]](inbox_size)
         self._outbox_tx, self._outbox_rx = trio.open_memory_channel[Frames](outbox_size)
         # ROUTER: always try to send and drop what cannot be routed, so one slow or vanished
@@ -87,12 +103,16 @@ class ZmqPump:
         self._take = take
         #: Messages put in the inbox, and those `receive` returned: equal when none is on its way.
         self._handed = self._handed_out = 0
+        #: Messages put in the outbox and not yet taken by the pump: an empty outbox costs the pump's
+        #: loop no `receive_nowait` (and its WouldBlock) per pass.
+        self._queued_out = 0
 
     async def send(self, frames: Frames) -> None:
         try:
             await self._outbox_tx.send(frames)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise ChannelClosed("the channel is closed") from None
+        self._queued_out += 1
         self._idle.cancel()
 
     def send_nowait(self, frames: Frames) -> None:
@@ -101,6 +121,7 @@ class ZmqPump:
             self._outbox_tx.send_nowait(frames)
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             raise ChannelClosed("the channel is closed") from None
+        self._queued_out += 1
         self._idle.cancel()
 
     async def receive(self) -> list[zmq.Frame]:
@@ -137,25 +158,19 @@ class ZmqPump:
         fd = sock.fileno()  # zmq.FD: edge-triggered
         task_status.started()
         streak = 0
+        # Wake-up moderation (`gather`): when the pump last woke, and whether it received since.
+        gather, woke, found = self._gather, -math.inf, False
         try:
             while True:
                 events = read_events(sock)
                 progressed = False
-                if self._incoming is None and events & zmq.POLLIN:
-                    progressed = self._read()
-                if self._incoming is not None:
-                    try:
-                        # Never block on delivery: the pump must keep sending, or a consumer
-                        # that replies would deadlock against it. A full inbox stops reading
-                        # and zmq's high-water mark pushes back on the peer.
-                        self._inbox_tx.send_nowait(self._incoming)
-                        self._incoming, progressed = None, True
-                        self._handed += 1
-                    except trio.WouldBlock:
-                        pass
+                if self._incoming is None and events & POLLIN:
+                    progressed, found = self._read(), True
+                if self._incoming is not None and self._deliver(self._incoming):
+                    self._incoming, progressed = None, True
                 if self._outgoing is None:
                     self._outgoing = self._next_outgoing()
-                if self._outgoing is not None and (self._drop_unroutable or events & zmq.POLLOUT):
+                if self._outgoing is not None and (self._drop_unroutable or events & POLLOUT):
                     if self._send(self._outgoing):
                         self._outgoing, progressed = None, True
                     else:
@@ -172,15 +187,37 @@ class ZmqPump:
                         await trio.lowlevel.checkpoint()
                     continue
                 streak = 0
-                # No zmq call between the EVENTS read above and this wait (edge-triggered FD).
-                self._idle = trio.CancelScope()
-                with self._idle:
-                    await trio.lowlevel.wait_readable(fd)
+                await self._wait(fd, woke + gather() if found and gather is not None else -math.inf)
+                if gather is not None:
+                    woke, found = trio.current_time(), False
         except zmq.ZMQError as exc:
             raise ChannelError(f"node channel socket failed: {exc.strerror}") from exc
         finally:
             self._inbox_tx.close()
             self._outbox_rx.close()
+
+    def _deliver(self, message: list[zmq.Frame]) -> bool:
+        """Put a received message in the inbox; False when it is full. Never blocks: the pump must
+        keep sending, or a consumer that replies would deadlock against it. A full inbox stops
+        reading, and zmq's high-water mark pushes back on the peer."""
+        try:
+            self._inbox_tx.send_nowait(message)
+        except trio.WouldBlock:
+            return False
+        self._handed += 1
+        return True
+
+    async def _wait(self, fd: int, until: float) -> None:
+        """Sleep until something may progress: the socket's FD fires (edge-triggered: no zmq call
+        may come between the EVENTS read and this wait), a sender wakes the pump, or, while it
+        gathers (`until` ahead: the last wake-up received messages), until `until`."""
+        self._idle = scope = trio.CancelScope()
+        with scope:
+            if until > trio.current_time():
+                scope.deadline = until
+                await trio.sleep_forever()
+            else:
+                await trio.lowlevel.wait_readable(fd)
 
     def _read(self) -> bool:
         """Receive one message: True when `take` took it (in this task: no task switch for it),
@@ -201,10 +238,13 @@ class ZmqPump:
         """The next message to send (joined with those after it that may join it), or None."""
         first, self._lookahead = self._lookahead, None
         if first is None:
+            if not self._queued_out:
+                return None
             try:
                 first = self._outbox_rx.receive_nowait()
             except trio.WouldBlock:
                 return None
+            self._queued_out -= 1
         return first if self._coalesce is None else self._joined(first)
 
     def _joined(self, first: Frames) -> Frames:
@@ -213,10 +253,13 @@ class ZmqPump:
         assert coalesce is not None
         joined, count, size = first, 1, sum(map(len, first))
         while count < COALESCE_MESSAGES:
+            if not self._queued_out:
+                break
             try:
                 nxt = self._outbox_rx.receive_nowait()
             except trio.WouldBlock:
                 break
+            self._queued_out -= 1
             more = sum(map(len, nxt))
             if size + more > COALESCE_BYTES or not coalesce(joined, nxt):
                 self._lookahead = nxt
@@ -250,17 +293,17 @@ def receive_frames(sock: _Socket) -> list[zmq.Frame]:
     RCVMORE query after every frame (each received frame says whether more follow). zmq delivers a
     message's frames together, so none after the first can be missing. About 6 µs less a message
     (`perf/southbound_fanin.py`: most of what 1,000 nodes send are 4-frame liveness beats)."""
-    frame = sock.recv(zmq.NOBLOCK, copy=False)
+    frame = sock.recv(_NOBLOCK, copy=False)
     frames = [frame]
     while frame.more:
-        frame = sock.recv(zmq.NOBLOCK, copy=False)
+        frame = sock.recv(_NOBLOCK, copy=False)
         frames.append(frame)
     return frames
 
 
 def read_events(sock: _Socket) -> int:
     """Read (and so reset) the socket's event state; the FD fires again only after this."""
-    return cast("int", sock.getsockopt(zmq.EVENTS))
+    return cast("int", sock.getsockopt(_EVENTS))
 
 
 def close_all(ctx: _Context, sockets: list[_Socket]) -> None:

@@ -202,6 +202,14 @@ class ChannelConfig:
     #: message (counted in `nexa_node_store_writes_deferred_total`).
     node_store_writes_per_s: float = attrs.field(default=0.5, validator=lambda _i, a, v: positive_rate(a, v))
     node_store_writes_burst: int = attrs.field(default=10, validator=attrs.validators.ge(1))
+    #: Wake-up moderation of the channel's receive side, in seconds (0: off), while requests are
+    #: relayed on it: once a wake-up received node messages, the next comes this long after it and
+    #: takes all that arrived meanwhile, so one wake-up (most of what a message costs) serves many.
+    #: A message after a quiet spell is taken at once; under load each waits at most this long.
+    gather_s: float = attrs.field(default=0.002, validator=[attrs.validators.ge(0.0), attrs.validators.le(0.1)])
+    #: The same while no request is relayed: the fleet's liveness beats and states, which no one
+    #: waits for (a request sent wakes the channel at once, and its answer is taken at once).
+    idle_gather_s: float = attrs.field(default=0.025, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
 
     def endpoint(self, slot: int) -> tuple[str, str]:
         """(bind, advertise) of endpoint `slot`: 0 `listen`, 1 `rotation_listen` ("" advertise: the bound)."""

@@ -60,6 +60,8 @@ class FleetCharts:
             return
         figures: _Figures = {}
         for live in self._fleet:
+            if not live.loads and (live.inventory is None or not live.inventory.gpus):
+                continue  # nothing to chart (checked first: most of a large CPU fleet, every second)
             if live.state is not NodeState.UNREACHABLE and live.state is not NodeState.REVOKED:
                 _node_figures(live, figures)
         self._samples.append(_Sample(now, figures))

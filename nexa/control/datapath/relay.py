@@ -366,6 +366,11 @@ class Relay:
                 ),
             )
 
+    @property
+    def relaying(self) -> bool:
+        """Whether any stream is open (a request relayed, its answer not yet ended)."""
+        return bool(self._streams)
+
     def nodes(self) -> list[str]:
         """Nodes with open streams."""
         return list(self._by_node)

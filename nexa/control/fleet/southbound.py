@@ -179,7 +179,9 @@ class Southbound:
             signed_rate=RateLimiter(channel.signed_messages_per_s, channel.signed_messages_burst),
             retired_dial=self._retired_dial,
             on_disconnect=self._disconnected,
+            gather=self._gather,
         )
+        self._gather_windows = (float(channel.gather_s), float(channel.idle_gather_s))
         # Data frames go to the relay, and liveness beats to the fleet, from the link's pump, with
         # no task switch (`Link.take_data`, `Link.take_alive`).
         self._link.take_data(self._deliver_data)
@@ -199,6 +201,12 @@ class Southbound:
         self._control_tx, self._control_rx = trio.open_memory_channel[Unverified | Alive | Refused](_CONTROL_QUEUE)
         self._control_waiting: dict[str, int] = {}
         self._liveness_counted = metrics.node_messages.labels(LIVENESS)
+
+    def _gather(self) -> float:
+        # The link's wake-up moderation (`ChannelConfig.gather_s`): short while requests are
+        # relayed, long while the channel carries only the fleet's beats and states.
+        busy, idle = self._gather_windows
+        return busy if self.relay.relaying else idle
 
     def _authorize(self, curve_public_z85: str) -> str | None:
         node_id = self._fleet.authorize_curve(curve_public_z85)
