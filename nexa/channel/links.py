@@ -255,7 +255,6 @@ class Link:
 
     Sends to a node that is gone or not keeping up are dropped and counted (never queued
     without bound), so whoever waits for an answer on the data path must bound the wait.
-
     `gather()` (seconds; None: off) moderates the receive side's wake-ups (`ZmqPump`).
     """
 
@@ -559,17 +558,13 @@ class Link:
         if handler is None:
             return False
         try:
-            if len(frames) != 4:
-                return False  # refused by `receive`, which says why
             self._enrolled_key(node_id)
-            named, state_seq = read_liveness(frames[2].bytes, frames[3].bytes)
+            route_frame, _, node_b, seq_b = frames  # another shape: refused by `receive`, which says why
+            named, state_seq = read_liveness(node_b.bytes, seq_b.bytes)
             if named != node_id:
                 return False
-            route = frames[0].bytes
-            # The connection's file descriptor is asked of zmq only when the route is new.
-            moved = route != self._routes.get(node_id) and self._learn_route(
-                node_id, route, int(frames[-1].get(zmq.SRCFD))
-            )
+            route = route_frame.bytes  # zmq is asked for the connection's descriptor only for a new route
+            moved = route != self._routes.get(node_id) and self._learn_route(node_id, route, int(seq_b.get(zmq.SRCFD)))
         except Exception:  # refused: `receive` refuses it again, and says why
             return False
         try:
