@@ -166,6 +166,16 @@ def test_the_channel_gather_windows_are_bounded_and_refused_by_name(key: str, ba
     assert (ControlConfig().channel.gather_s, ControlConfig().channel.idle_gather_s) == (0.002, 0.025)
 
 
+@pytest.mark.parametrize("bad", [-0.001, 0.5])
+def test_the_agents_gather_window_is_bounded_and_refused_by_name(bad: float) -> None:
+    """The agent's wake-up moderation (`[relay] gather_s`): 0 turns it off; a negative window, or
+    one longer than a streamed token may wait (0.1 s), is refused by name."""
+    with pytest.raises(ConfigError, match=r"relay: 'gather_s' must be"):
+        config.structure_config({"relay": {"gather_s": bad}}, config.NodeConfig)
+    assert config.structure_config({"relay": {"gather_s": 0}}, config.NodeConfig).relay.gather_s == 0.0
+    assert config.NodeConfig().relay.gather_s == 0.002
+
+
 @pytest.mark.parametrize(
     ("value", "needle"),
     [

@@ -50,6 +50,7 @@ from nexa.config import LeaseExpiryPolicy, NodeConfig
 from nexa.container_spec import SIMULATION_ENV
 from nexa.contracts import wire
 from nexa.errors import BadSignature, ChannelError, ConfigError, ContractError
+from nexa.moderation import moderated
 from nexa.node.beats import Sent, changed, sent
 from nexa.node.builders import (
     NodeRuntimes,
@@ -709,27 +710,42 @@ async def _serve_node(
             engine_version=version,
         )
         # Every loop runs supervised (nexa.supervision, restarted on failure); only a failed start ends the agent.
-        async with trio.open_nursery() as nursery:
-            for name, run in _loops(cfg, watcher=watcher, runtimes=runtimes, uplink=uplink, relay=relay, agent=agent):
-                await nursery.start(supervised, name, run)
-            log.info(
-                "node %s started (accepted epoch %d, generation %d)", identity.node_id, fence.epoch, fence.generation
-            )
-            started = NodeStarted(
-                node_id=identity.node_id,
-                epoch=fence.epoch,
-                generation=fence.generation,
-                agent=agent,
-                supervision=supervision,
-            )
-            task_status.started(started)
-            await stopping.wait()
-            log.info("node agent stopping")
-            if not cfg.container.leave_running_on_exit:
-                await _stop_runtimes(runtimes.supervisor, agent.fence.generation)
-            # The loops and the watcher stop; the uplink closes its socket as its task ends.
-            # Runtime containers keep running (unless configured otherwise): the next agent adopts them.
-            nursery.cancel_scope.cancel()
+        started = NodeStarted(
+            node_id=identity.node_id,
+            epoch=fence.epoch,
+            generation=fence.generation,
+            agent=agent,
+            supervision=supervision,
+        )
+        # While streams are relayed, the agent's wake-ups are moderated (`RelayConfig.gather_s`).
+        with moderated(cfg.relay.gather_s, lambda: relay.streaming):
+            await _run_loops(cfg, started, (watcher, runtimes, uplink, relay), stopping, task_status)
+
+
+async def _run_loops(
+    cfg: NodeConfig,
+    started: NodeStarted,
+    parts: tuple[InventoryWatcher, NodeRuntimes, Channel, NodeRelay],
+    stopping: trio.Event,
+    task_status: trio.TaskStatus[NodeStarted],
+) -> None:
+    """Every loop in one nursery, supervised (restarted on failure), until `stopping` is set."""
+    watcher, runtimes, uplink, relay = parts
+    agent = started.agent
+    async with trio.open_nursery() as nursery:
+        for name, run in _loops(cfg, watcher=watcher, runtimes=runtimes, uplink=uplink, relay=relay, agent=agent):
+            await nursery.start(supervised, name, run)
+        log.info(
+            "node %s started (accepted epoch %d, generation %d)", started.node_id, started.epoch, started.generation
+        )
+        task_status.started(started)
+        await stopping.wait()
+        log.info("node agent stopping")
+        if not cfg.container.leave_running_on_exit:
+            await _stop_runtimes(runtimes.supervisor, agent.fence.generation)
+        # The loops and the watcher stop; the uplink closes its socket as its task ends.
+        # Runtime containers keep running (unless configured otherwise): the next agent adopts them.
+        nursery.cancel_scope.cancel()
 
 
 def _agent(

@@ -177,6 +177,8 @@ class NodeRelay:
         self._nursery: trio.Nursery | None = None
         self._accepted = self._completed = self._failed = self._cancelled = self._busy = 0
         self._chunks_sent = self._bytes_sent = self._dropped = self._usage_refused = self._foreign = 0
+        #: Streams whose runtime answered and whose events are being relayed (`streaming`).
+        self._streams = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         """Own the HTTP client and the request tasks until cancelled."""
@@ -222,6 +224,12 @@ class NodeRelay:
             req.flow.credit(credit.chunks)
         else:
             self._dropped += 1
+
+    @property
+    def streaming(self) -> bool:
+        """Whether a runtime's stream is being relayed now (the agent's wake-up moderation,
+        `RelayConfig.gather_s`, applies only then)."""
+        return self._streams > 0
 
     def open_requests(self, on: DataSender | None = None) -> list[str]:
         """The ids of the requests running now (on channel `on`, if given): a key rotation finishes
@@ -392,6 +400,13 @@ class NodeRelay:
         the others are split into events (a partial event, the usage event, `[DONE]`). Nothing is
         counted here: the controller counts the output events (`calls.Answer`) and, for a runtime
         that sends no usage to a client that asked for it, adds the usage event."""
+        self._streams += 1
+        try:
+            await self._relay_events(req, resp, usage)
+        finally:
+            self._streams -= 1
+
+    async def _relay_events(self, req: _Request, resp: Response, usage: _Usage) -> None:
         strip = req.head.strip_usage_chunk
         rest = b""
         limit = int(self._cfg.max_chunk_bytes)

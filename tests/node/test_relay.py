@@ -232,6 +232,21 @@ async def test_a_flush_window_sends_the_first_chunk_at_once_and_joins_the_reads_
     assert [int(t) for t in tokens] == list(range(len(tokens)))
 
 
+async def test_streaming_holds_only_while_a_runtimes_stream_is_relayed() -> None:
+    """`NodeRelay.streaming` (the agent's wake-up moderation applies only then): not for a unary
+    answer, yes once a stream's runtime answered, and no more once the stream ended."""
+    with trio.fail_after(TIMEOUT_S):
+        async with data_path() as p:
+            assert not p.node.streaming
+            async with p.relay.open("n1", "r0", infer_head(), request("hang")):
+                await wait_until(lambda: p.node.statistics().inflight == 1)
+                assert not p.node.streaming  # a request in flight, no stream
+            async with p.relay.open("n1", "r1", infer_head(stream=True), request("endless")) as s:
+                assert await s.receive() is not None
+                assert p.node.streaming
+            await wait_until(lambda: not p.node.streaming)  # cancelled when the client went away
+
+
 # --- where the relay finds a runtime ------------------------------------------------------------
 
 
