@@ -173,7 +173,7 @@ def test_the_agents_gather_window_is_bounded_and_refused_by_name(bad: float) -> 
     with pytest.raises(ConfigError, match=r"relay: 'gather_s' must be"):
         config.structure_config({"relay": {"gather_s": bad}}, config.NodeConfig)
     assert config.structure_config({"relay": {"gather_s": 0}}, config.NodeConfig).relay.gather_s == 0.0
-    assert config.NodeConfig().relay.gather_s == 0.002
+    assert config.NodeConfig().relay.gather_s == 0.005
 
 
 @pytest.mark.parametrize(

@@ -194,8 +194,8 @@ class RelayConfig:
     flush_window_s: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.le(1.0)])
     #: Wake-up moderation while streams are relayed (seconds; 0: off): once the agent woke up, it
     #: looks for I/O again only this long after, and takes all that arrived meanwhile in one pass
-    #: (`nexa.moderation`). Anything the agent does then waits at most this long.
-    gather_s: float = attrs.field(default=0.002, validator=[attrs.validators.ge(0.0), attrs.validators.le(0.1)])
+    #: (`nexa.moderation`). Off while a request waits for its runtime's first bytes (`NodeRelay.gathering`).
+    gather_s: float = attrs.field(default=0.005, validator=[attrs.validators.ge(0.0), attrs.validators.le(0.1)])
 
 
 #: The controllers' channel endpoints a node dials (`NodeConfig.controllers`), each `tcp://HOST:PORT`.

@@ -718,7 +718,7 @@ async def _serve_node(
             supervision=supervision,
         )
         # While streams are relayed, the agent's wake-ups are moderated (`RelayConfig.gather_s`).
-        with moderated(cfg.relay.gather_s, lambda: relay.streaming):
+        with moderated(cfg.relay.gather_s, lambda: relay.gathering):
             await _run_loops(cfg, started, (watcher, runtimes, uplink, relay), stopping, task_status)
 
 

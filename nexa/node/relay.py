@@ -106,6 +106,8 @@ class _Request:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     #: The controller sent `cancel` (else a cancelled scope means the deadline passed).
     cancelled: bool = False
+    #: The runtime's first bytes have not come yet (`NodeRelay.gathering` is off meanwhile).
+    waiting: bool = True
     #: The runtime answered (status line received).
     responded: bool = False
     http_status: int | None = None
@@ -177,8 +179,9 @@ class NodeRelay:
         self._nursery: trio.Nursery | None = None
         self._accepted = self._completed = self._failed = self._cancelled = self._busy = 0
         self._chunks_sent = self._bytes_sent = self._dropped = self._usage_refused = self._foreign = 0
-        #: Streams whose runtime answered and whose events are being relayed (`streaming`).
-        self._streams = 0
+        #: Streams whose events are being relayed, and requests whose runtime's first bytes have not
+        #: come yet (`gathering`).
+        self._streams = self._waiting = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> NoReturn:
         """Own the HTTP client and the request tasks until cancelled."""
@@ -226,10 +229,16 @@ class NodeRelay:
             self._dropped += 1
 
     @property
-    def streaming(self) -> bool:
-        """Whether a runtime's stream is being relayed now (the agent's wake-up moderation,
-        `RelayConfig.gather_s`, applies only then)."""
-        return self._streams > 0
+    def gathering(self) -> bool:
+        """Whether the agent's wake-ups may be moderated now (`RelayConfig.gather_s`): a runtime's
+        stream is being relayed, and no request waits for its runtime's first bytes (a first token,
+        a unary answer), which go on at once."""
+        return self._streams > 0 and not self._waiting
+
+    def _first_bytes(self, req: _Request) -> None:
+        if req.waiting:
+            req.waiting = False
+            self._waiting -= 1
 
     def open_requests(self, on: DataSender | None = None) -> list[str]:
         """The ids of the requests running now (on channel `on`, if given): a key rotation finishes
@@ -284,6 +293,7 @@ class NodeRelay:
             arrived=trio.current_time(),
         )
         self._requests[req.request_id] = req
+        self._waiting += 1
         nursery.start_soon(self._serve, req)
 
     async def _serve(self, req: _Request) -> None:
@@ -303,6 +313,7 @@ class NodeRelay:
                 )
         finally:
             del self._requests[req.request_id]
+            self._first_bytes(req)
         now = trio.current_time()
         end = attrs.evolve(
             end,
@@ -365,6 +376,8 @@ class NodeRelay:
         try:
             async with client.request(self._host, port, head.path, body, headers, method=head.method) as resp:
                 req.responded, req.http_status, req.sent_at = True, resp.status_code, resp.sent_at
+                if not head.stream:
+                    self._first_bytes(req)
                 try:
                     if resp.status_code >= 400:
                         return await _runtime_failed(resp)
@@ -415,6 +428,7 @@ class NodeRelay:
         while (data := await self._read(req, reads, held)) is not None:
             if req.first_read_at is None:
                 req.first_read_at = trio.current_time()
+                self._first_bytes(req)
             if not rest and len(data) <= limit and _plain_events(data):
                 # Whole content events only (the common read): relayed as read, in one chunk.
                 await self._send_plain(req, data, held)

@@ -232,19 +232,27 @@ async def test_a_flush_window_sends_the_first_chunk_at_once_and_joins_the_reads_
     assert [int(t) for t in tokens] == list(range(len(tokens)))
 
 
-async def test_streaming_holds_only_while_a_runtimes_stream_is_relayed() -> None:
-    """`NodeRelay.streaming` (the agent's wake-up moderation applies only then): not for a unary
-    answer, yes once a stream's runtime answered, and no more once the stream ended."""
+async def test_gathering_holds_while_streams_flow_and_no_request_waits_for_its_first_bytes() -> None:
+    """`NodeRelay.gathering` (the agent's wake-up moderation applies only then): not for a unary
+    request, yes once a stream's runtime sent its first bytes, no while another request still waits
+    for its runtime's first bytes (they go on at once), and no once the stream ended."""
     with trio.fail_after(TIMEOUT_S):
         async with data_path() as p:
-            assert not p.node.streaming
+            assert not p.node.gathering
             async with p.relay.open("n1", "r0", infer_head(), request("hang")):
                 await wait_until(lambda: p.node.statistics().inflight == 1)
-                assert not p.node.streaming  # a request in flight, no stream
+                assert not p.node.gathering  # a unary request in flight, no stream
+            await wait_until(lambda: p.node.statistics().inflight == 0)
             async with p.relay.open("n1", "r1", infer_head(stream=True), request("endless")) as s:
                 assert await s.receive() is not None
-                assert p.node.streaming
-            await wait_until(lambda: not p.node.streaming)  # cancelled when the client went away
+                assert p.node.gathering
+                async with p.relay.open("n1", "r2", infer_head(stream=True), request("hang")):
+                    await wait_until(lambda: p.node.statistics().inflight == 2)
+                    assert not p.node.gathering  # r2's runtime has sent nothing yet
+                await wait_until(lambda: p.node.statistics().inflight == 1)
+                assert p.node.gathering
+            await wait_until(lambda: not p.node.gathering)  # cancelled when the client went away
+            assert p.node.statistics().inflight == 0
 
 
 # --- where the relay finds a runtime ------------------------------------------------------------
