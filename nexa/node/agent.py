@@ -77,7 +77,6 @@ from nexa.node.inventory import InventoryWatcher
 from nexa.node.lora import NodeLoras
 from nexa.node.processes import DriverRouter, open_process_driver
 from nexa.node.relay import NodeRelay
-from nexa.node.supervisor import Supervisor
 from nexa.node.uplinks import (
     Channel,
     ControllerChannels,
@@ -93,8 +92,6 @@ log = logging.getLogger(__name__)
 
 #: Signed messages from the controller waiting for `agent.control` (it sends about one per lease / 3).
 _CONTROL_QUEUE: Final = 16
-#: With `leave_running_on_exit = false`, how long stopping every runtime may take at exit.
-_STOP_ALL_TIMEOUT_S: Final = 60.0
 #: A `RotateKeys` not answered is sent again this often (the controller answers a repeat the same way).
 ROTATION_RETRY_S: Final = 5.0
 
@@ -646,14 +643,6 @@ class Agent:
 # --- composition root ---------------------------------------------------------------------------
 
 
-async def _stop_runtimes(supervisor: Supervisor, generation: int) -> None:
-    """`leave_running_on_exit = false`: stop every runtime before the agent exits (bounded)."""
-    supervisor.update(generation, [])
-    with trio.move_on_after(_STOP_ALL_TIMEOUT_S):
-        while supervisor.statuses():  # noqa: ASYNC110 - the supervisor reports, it does not signal
-            await trio.sleep(0.1)
-
-
 async def serve_node(
     cfg: NodeConfig,
     *,
@@ -742,7 +731,7 @@ async def _run_loops(
         await stopping.wait()
         log.info("node agent stopping")
         if not cfg.container.leave_running_on_exit:
-            await _stop_runtimes(runtimes.supervisor, agent.fence.generation)
+            await runtimes.stop_all(agent.fence.generation)
         # The loops and the watcher stop; the uplink closes its socket as its task ends.
         # Runtime containers keep running (unless configured otherwise): the next agent adopts them.
         nursery.cancel_scope.cancel()

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: Longest wait at start for the container engine's version (a stuck engine must not stop the agent).
 ENGINE_VERSION_S: Final = 5.0
+#: With `leave_running_on_exit = false`, how long stopping every runtime may take at exit.
+STOP_ALL_TIMEOUT_S: Final = 60.0
 
 
 def load_state(state_dir: Path) -> tuple[NodeIdentity, Fence, PendingKeys | None]:
@@ -62,6 +64,13 @@ class NodeRuntimes:
     caches: RuntimeCaches
     metrics: RuntimeMetrics
     meter: ReplicaMemoryMeter
+
+    async def stop_all(self, generation: int) -> None:
+        """`leave_running_on_exit = false`: stop every runtime before the agent exits (bounded)."""
+        self.supervisor.update(generation, [])
+        with trio.move_on_after(STOP_ALL_TIMEOUT_S):
+            while self.supervisor.statuses():  # noqa: ASYNC110 - the supervisor reports, it does not signal
+                await trio.sleep(0.1)
 
 
 def inventory(cfg: NodeConfig) -> InventoryWatcher:
