@@ -4,7 +4,7 @@ A process that relays many slow streams (the node agent: each runtime writes a t
 of milliseconds, on its own connection) otherwise sleeps and wakes once per token: every token
 arrives while the run loop waits in `epoll_wait`, alone. On a virtual machine a thread's sleep and
 wake costs tens of µs (`perf/wakeup.py`), more than the token's own work, and each token leaves as
-its own channel message. `WakeModeration` is a trio instrument: while `window()` is above 0, once the
+its own channel message. `WakeModeration` is a trio instrument: while `when()` holds, once the
 run loop woke up it does not wait for I/O again until that long after the wake-up; it sleeps the
 rest of the window instead, and then takes in one pass all that arrived meanwhile (their tokens
 leave together, as one channel message). A wake-up after a quiet spell is immediate, so an idle
@@ -25,22 +25,20 @@ import trio
 
 
 class WakeModeration(trio.abc.Instrument):
-    """Add to a run (`trio.lowlevel.add_instrument`); `window()` says, at each wait, for how many
-    seconds wake-ups are gathered now (0: not now). It must be cheap and must not raise."""
+    """Add to a run (`trio.lowlevel.add_instrument`): wake-ups are gathered over `window_s` while
+    `when()` holds, asked at each wait (it must be cheap and must not raise)."""
 
-    def __init__(self, window: Callable[[], float]) -> None:
-        self._window = window
+    def __init__(self, window_s: float, when: Callable[[], bool]) -> None:
+        self._window_s = window_s
+        self._when = when
         self._woke = -math.inf
         #: Moderated waits: times the run loop slept out a window before looking for I/O.
         self.moderated = 0
 
     def before_io_wait(self, timeout: float) -> None:
-        if timeout <= 0:
-            return  # tasks are runnable: this pass does not block
-        window = self._window()
-        if window <= 0:
-            return
-        rest = self._woke + window - time.monotonic()
+        if timeout <= 0 or not self._when():
+            return  # tasks are runnable (this pass does not block), or not now
+        rest = self._woke + self._window_s - time.monotonic()
         if rest > 0:
             self.moderated += 1
             time.sleep(min(rest, timeout))
@@ -57,7 +55,7 @@ def moderated(window_s: float, when: Callable[[], bool]) -> Iterator[WakeModerat
     if window_s <= 0:
         yield None
         return
-    instrument = WakeModeration(lambda: window_s if when() else 0.0)
+    instrument = WakeModeration(window_s, when)
     trio.lowlevel.add_instrument(instrument)
     try:
         yield instrument

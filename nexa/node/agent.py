@@ -698,7 +698,6 @@ async def _serve_node(
             relay=relay,
             engine_version=version,
         )
-        # Every loop runs supervised (nexa.supervision, restarted on failure); only a failed start ends the agent.
         started = NodeStarted(
             node_id=identity.node_id,
             epoch=fence.epoch,
@@ -718,7 +717,8 @@ async def _run_loops(
     stopping: trio.Event,
     task_status: trio.TaskStatus[NodeStarted],
 ) -> None:
-    """Every loop in one nursery, supervised (restarted on failure), until `stopping` is set."""
+    """Every loop in one nursery, until `stopping` is set. Each runs supervised (nexa.supervision,
+    restarted on failure); only a failed start ends the agent."""
     watcher, runtimes, uplink, relay = parts
     agent = started.agent
     async with trio.open_nursery() as nursery:
