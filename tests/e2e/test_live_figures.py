@@ -165,14 +165,20 @@ def test_changed_nvidia_smi_and_meminfo_readings_reach_metrics_and_nodes_show(
     # meminfo is still read.
     live_node["hang"].touch()
     replace(live_node["meminfo"], meminfo_with(800 * GIB))
+    # A discovery round that read meminfo just before it changed may be the one whose nvidia-smi hangs:
+    # the new MemAvailable then comes with the round after it, still beside the stale GPU figures.
     wait_until(
-        lambda: metric(scrape(), "nexa_node_gpu_figures_stale", node="h200-1") == 1.0,
-        "the GPU figures marked stale",
+        lambda: (
+            metric(text := scrape(), "nexa_node_gpu_figures_stale", node="h200-1") == 1.0
+            and metric(text, "nexa_node_memory_available_bytes", node="h200-1") == 800 * GIB
+        ),
+        "the GPU figures marked stale, and meminfo still read",
         timeout_s=40,
     )
     text = scrape()
     assert (metric(text, "nexa_node_nvidia_smi_timeouts", node="h200-1") or 0) >= 1
     assert metric(text, "nexa_gpu_temperature_celsius", **gpu) == 71.0
+    assert metric(text, "nexa_node_gpu_figures_stale", node="h200-1") == 1.0
     assert metric(text, "nexa_node_memory_available_bytes", node="h200-1") == 800 * GIB
     shown = cp.cli("nodes", "show", "h200-1", check=True).stdout
     assert "figures are stale: nvidia-smi stopped answering" in shown
