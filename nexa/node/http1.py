@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Final, cast
 
@@ -38,6 +39,8 @@ class _Connection:
         self.h11 = h11.Connection(our_role=h11.CLIENT)
         #: trio clock time the last request on it was written.
         self.sent_at = 0.0
+        #: The last read left nothing behind it (it was short): the next one waits for bytes first.
+        self._drained = True
 
     async def aclose(self) -> None:
         """Close the socket, even in a cancelled scope (shielded, for at most CLOSE_TIMEOUT_S)."""
@@ -54,11 +57,30 @@ class _Connection:
                 raise RuntimeHTTPError(f"the runtime broke HTTP/1.1: {exc}") from None
             if event is not h11.NEED_DATA:
                 return cast("h11.Event | type[h11.PAUSED]", event)
+            self.h11.receive_data(await self._receive())  # b"" at the end of the stream: h11 then reports it
+
+    async def _receive(self) -> bytes:
+        """The runtime's next bytes (b"" at the end of the stream), with one checkpoint, as trio's
+        `receive_some`, and no more: a stream's runtime writes a token at a time, so each read but
+        a full one empties the socket, and the next read would only fail (trio's tries it first,
+        and its success costs a second schedule). After such a read this one waits for bytes
+        first; after a full one it reads at once, behind a checkpoint. The socket is trio's,
+        non-blocking, read by its descriptor (-1 once closed: an error, never another socket's)."""
+        sock = self.stream.socket
+        if self._drained:
+            await trio.lowlevel.wait_readable(sock)
+        else:
+            await trio.lowlevel.checkpoint()
+        while True:
             try:
-                data = await self.stream.receive_some(READ_BYTES)
-            except trio.BrokenResourceError as exc:
+                data = os.read(sock.fileno(), READ_BYTES)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            except OSError as exc:
                 raise RuntimeHTTPError(f"the runtime's connection broke: {exc}") from None
-            self.h11.receive_data(data)  # b"" at the end of the stream: h11 then reports it
+            self._drained = len(data) < READ_BYTES
+            return data
 
     @property
     def reusable(self) -> bool:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import socket
+import struct
 import warnings
 from functools import partial
 from typing import Any
@@ -13,7 +15,7 @@ import hypercorn.trio
 import pytest
 import trio
 
-from nexa.node.http1 import RuntimeClient, RuntimeHTTPError
+from nexa.node.http1 import READ_BYTES, RuntimeClient, RuntimeHTTPError
 from tests.support.relay import closed_port
 
 TIMEOUT_S = 10
@@ -165,4 +167,88 @@ async def test_a_reused_connection_given_up_before_its_answer_is_closed_not_drop
         assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
         await app.disconnected.wait()  # the runtime saw the connection go
         assert len(app.peers) == 1  # the timed-out request went over the reused connection
+    await client.aclose()
+
+
+# --- reads as a runtime writes: a peer at the socket level, so the test says what arrives when ----
+
+
+async def raw_peer(answer: Any, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+    """Accept one connection, read one request (its head and Content-Length body), then hand the
+    stream to `answer`, which writes what the runtime says."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    task_status.started(listeners[0].socket.getsockname()[1])
+    async with listeners[0], await listeners[0].accept() as stream:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += await stream.receive_some(65536)
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))[15:])
+        while len(body) < length:
+            body += await stream.receive_some(65536)
+        await answer(stream)
+
+
+async def test_an_answer_larger_than_one_read_comes_whole(nursery: trio.Nursery) -> None:
+    # After a full read (READ_BYTES) the next one reads at once, behind a checkpoint; after a short
+    # one it waits for bytes first. A body of several full reads and a short one goes both ways.
+    body = bytes(range(256)) * (5 * READ_BYTES // 256) + b"tail"
+
+    async def answer(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+
+    port = await nursery.start(raw_peer, answer)
+    client = RuntimeClient(connect_timeout_s=TIMEOUT_S)
+    with trio.fail_after(TIMEOUT_S):
+        assert await post(client, port, b"x") == (200, body)
+    await client.aclose()
+
+
+async def test_each_piece_a_runtime_writes_is_read_as_it_arrives(nursery: trio.Nursery) -> None:
+    # A runtime writes a token, then waits: the client gets each piece as it comes, without waiting
+    # for more (the runtime here writes the next piece only once the client has the one before).
+    got: list[bytes] = []
+    took = [trio.Event() for _ in range(3)]
+
+    async def answer(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i, piece in enumerate((b"data: one\n\n", b"data: two\n\n", b"data: three\n\n")):
+            await stream.send_all(b"%x\r\n%s\r\n" % (len(piece), piece))
+            await took[i].wait()
+        await stream.send_all(b"0\r\n\r\n")
+
+    port = await nursery.start(raw_peer, answer)
+    client = RuntimeClient(connect_timeout_s=TIMEOUT_S)
+    with trio.fail_after(TIMEOUT_S):
+        async with client.post("127.0.0.1", port, "/v1/chat/completions", b"{}") as resp:
+            async for piece in resp.aiter_bytes():
+                got.append(piece)
+                took[len(got) - 1].set()
+    assert got == [b"data: one\n\n", b"data: two\n\n", b"data: three\n\n"]
+    await client.aclose()
+
+
+async def test_a_runtime_that_resets_its_connection_mid_answer_is_an_error(nursery: trio.Nursery) -> None:
+    took_first = trio.Event()
+
+    async def answer(stream: trio.SocketStream) -> None:
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n")
+        await took_first.wait()
+        # SO_LINGER 0: closing sends a reset, not an orderly end; the client's next read fails.
+        stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        stream.socket.close()
+
+    port = await nursery.start(raw_peer, answer)
+    client = RuntimeClient(connect_timeout_s=TIMEOUT_S)
+    got: list[bytes] = []
+
+    async def read() -> None:
+        async with client.post("127.0.0.1", port, "/v1/chat/completions", b"{}") as resp:
+            async for piece in resp.aiter_bytes():
+                got.append(piece)
+                took_first.set()
+
+    with trio.fail_after(TIMEOUT_S), pytest.raises(RuntimeHTTPError, match="connection broke"):
+        await read()
+    assert got == [b"first"]
     await client.aclose()
