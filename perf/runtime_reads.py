@@ -26,6 +26,7 @@ from pathlib import Path
 HOST = "127.0.0.9"
 #: A chat completion request as the relay passes it on (the upstream answers any body the same way).
 BODY = json.dumps({"model": "chat", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode()
+HEADERS = (("Content-Type", "application/json"),)
 
 
 def child(port: int, streams: int, seconds: float, gather_s: float) -> None:
@@ -41,8 +42,7 @@ def child(port: int, streams: int, seconds: float, gather_s: float) -> None:
 
     async def stream_after_stream(client: RuntimeClient) -> None:
         while True:
-            headers = [("Content-Type", "application/json")]
-            async with client.post(HOST, port, "/v1/chat/completions", BODY, headers) as answer:
+            async with client.post(HOST, port, "/v1/chat/completions", BODY, HEADERS) as answer:
                 async for piece in answer.aiter_bytes():
                     if counted["on"]:
                         counted["events"] += piece.count(b"\n\n")
@@ -99,10 +99,8 @@ def main() -> None:
                 got = json.loads(done.stdout.strip().splitlines()[-1])
                 per_event = 1e6 * got["cpu_s"] / max(got["events"], 1)
                 figures[label].append(per_event)
-                print(
-                    f"  round {round_}: {label:8s} {got['events']:7d} events, {per_event:6.1f} µs CPU per event", end=""
-                )
-                print(f" (nexa from {got['nexa']})")
+                line = f"{got['events']:7d} events, {per_event:6.1f} µs CPU per event (nexa from {got['nexa']})"
+                print(f"  round {round_}: {label:8s} {line}")
     finally:
         upstream.stop()
     print("median CPU µs per event read:", "; ".join(f"{k} {statistics.median(v):.1f}" for k, v in figures.items()))
