@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-from quart import Blueprint, Response, redirect, render_template, request, send_from_directory, stream_with_context
+from quart import Blueprint, Response, redirect, render_template, request, send_from_directory
+from quart.globals import request_ctx
 from werkzeug.exceptions import NotFound as HttpNotFound
 
 from nexa.control.console.pages import STATIC_DIR, Console, html_response
@@ -108,11 +109,13 @@ def _file_and_event_routes(bp: Blueprint, console: Console) -> None:
         console.view_allowed(session, view)
         sid = request.cookies.get(COOKIE, "")
 
-        @stream_with_context
+        # The request's context travels with the stream (templates need it), and the stream is closed with
+        # `body`: quart closes `body` when the client goes, `body` closes the stream at once. (quart's
+        # stream_with_context does not close the generator it wraps; trio then warns when that is collected.)
+        context = request_ctx.copy()
+
         async def body() -> AsyncIterator[bytes]:
-            # aclosing: when the client goes, quart closes `body`, and this closes the stream at once
-            # (left to the garbage collector, trio warns that it was never exhausted).
-            async with aclosing(console.stream(sid, session, view)) as chunks:
+            async with context, aclosing(console.stream(sid, session, view)) as chunks:
                 async for chunk in chunks:
                     yield chunk
 
