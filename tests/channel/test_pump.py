@@ -1,4 +1,5 @@
-"""nexa.channel.pump's wake-up moderation (`gather`), over a real zmq ROUTER-DEALER pair (inproc).
+"""nexa.channel.pump's wake-up moderation (`gather`) and its sends, over a real zmq ROUTER-DEALER
+pair (inproc).
 
 The windows here are long (0.5 s) so that what the tests tell apart (at once, or at the window's
 end) is far wider than a busy machine's scheduling delays; each test runs under `trio.fail_after`.
@@ -35,6 +36,7 @@ async def pumped_router(gather: Callable[[], float] | None) -> AsyncIterator[_Pa
 
     router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     try:
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # as `Link` sets it: unroutable sends fail
         router.bind("inproc://gather")
         dealer.setsockopt(zmq.IDENTITY, b"n1")
         dealer.connect("inproc://gather")
@@ -140,3 +142,22 @@ async def test_the_window_is_asked_at_each_wait() -> None:
             dealer.send(b"three")  # with the first window (2 s) it would wait for its end
             await until(lambda: len(taken) == 3)
             assert taken[2][1] - sent < AT_ONCE_S
+
+
+async def test_a_send_leaves_whole_and_in_order_and_an_unroutable_one_is_dropped_whole() -> None:
+    """`send_frames` sends a message's frames as one message; one zmq refuses (here: its peer is
+    unknown) is counted as dropped and leaves no frame behind to join the next message."""
+    with trio.fail_after(TIMEOUT_S):
+        async with pumped_router(None) as (pump, dealer, _taken):
+            frames = [b"n1", *(b"frame %d" % n for n in range(12)), b""]
+            pump.send_nowait(frames)
+            pump.send_nowait([b"nobody", b"lost", b"whole"])
+            pump.send_nowait([b"n1", b"after"])
+            got: list[list[bytes]] = []
+            while len(got) < 2:
+                while not dealer.poll(0):  # noqa: ASYNC110 - the DEALER is a plain zmq socket
+                    await trio.sleep(0.002)
+                got.append(dealer.recv_multipart())
+            assert got == [frames[1:], [b"after"]]
+            stats = pump.statistics()
+            assert (stats.sent, stats.dropped) == (2, 1)
