@@ -4,8 +4,9 @@ A child process per `--tree` runs that tree's `ZmqPump` on a DEALER with the upl
 joins queued data messages into one zmq message, `framing.joins_data`), over CurveZMQ on TCP
 loopback, to a ROUTER in this process that only drains. The child queues `--batch` data messages
 (`[kind, request id, head, body]`, a token's SSE event as body) at a time, as the relay does after
-a moderated wake-up, lets the pump send them, and repeats for `--seconds`; it reads its own CPU
-time (its zmq I/O thread and CurveZMQ included) and prints CPU µs per data frame. Trees take turns,
+a moderated wake-up, lets the pump send them, and repeats for `--seconds`. It prints CPU µs per
+data frame of its trio thread (the pump and the Python side of zmq's sends) and of the whole
+process (zmq's I/O thread too: CurveZMQ, TCP, and its wake-up per message, which varies most). Trees take turns,
 `--rounds` times, so a before tree (`git worktree add /tmp/before HEAD`) and this one are measured
 in the same run; it prints each round and the medians.
 
@@ -34,7 +35,8 @@ HEAD = b'{"seq":12,"final":false}'
 
 
 def child(endpoint: str, server_public: bytes, batch: int, seconds: float) -> None:
-    """Send batches through a pump for `seconds`; print one JSON line: frames sent, CPU s."""
+    """Send batches through a pump for `seconds`; print one JSON line: frames sent, CPU s of the
+    process and of its trio thread."""
     # Imported here, from the tree on PYTHONPATH (the parent imports nothing of nexa).
     import trio
 
@@ -54,18 +56,20 @@ def child(endpoint: str, server_public: bytes, batch: int, seconds: float) -> No
         async with trio.open_nursery() as nursery:
             await nursery.start(pump.run)
             await trio.sleep(0.5)  # the handshake
-            began_cpu, ends = time.process_time(), time.monotonic() + seconds
+            began, began_thread = time.process_time(), time.thread_time()
+            ends = time.monotonic() + seconds
             while time.monotonic() < ends:
                 for message in messages:
-                    await pump.send(message)
+                    pump.send_nowait(message)  # as the relay queues a wake-up's chunks
                 sent += batch
-                while pump.statistics().outbox_depth:  # until the pump has sent them all
+                await trio.lowlevel.checkpoint()  # the pump sends them, joined
+                while pump.statistics().outbox_depth:  # (seldom: only when it could not take them all)
                     await trio.lowlevel.checkpoint()
-            spent = time.process_time() - began_cpu
+            spent, spent_thread = time.process_time() - began, time.thread_time() - began_thread
             nursery.cancel_scope.cancel()
         dealer.close(linger=0)
         ctx.term()
-        print(json.dumps({"frames": sent, "cpu_s": spent}))
+        print(json.dumps({"frames": sent, "cpu_s": spent, "thread_cpu_s": spent_thread}))
 
     trio.run(main)
 
@@ -83,7 +87,7 @@ def drain(router: zmq.Socket[bytes], stop: threading.Event) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tree", action="append", required=True, help="LABEL=DIR, a source tree to measure")
-    parser.add_argument("--batch", type=int, default=10, help="data messages queued at a time")
+    parser.add_argument("--batch", type=int, default=10, help="data messages queued at a time (1 to 64)")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per tree and round")
     parser.add_argument("--rounds", type=int, default=5, help="turns of every tree")
     args = parser.parse_args()
@@ -99,7 +103,7 @@ def main() -> None:
     stop = threading.Event()
     drainer = threading.Thread(target=drain, args=(router, stop), daemon=True)
     drainer.start()
-    figures: dict[str, list[float]] = {label: [] for label, _ in trees}
+    figures: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in trees}
     try:
         for round_no in range(1, args.rounds + 1):
             line = []
@@ -111,9 +115,9 @@ def main() -> None:
                     argv, env=env, capture_output=True, text=True, timeout=args.seconds + 60, check=True
                 )
                 got = json.loads(out.stdout.strip().splitlines()[-1])
-                us = got["cpu_s"] / got["frames"] * 1e6
-                figures[label].append(us)
-                line.append(f"{label} {us:.2f} µs ({got['frames']} frames)")
+                thread_us, us = (got[k] / got["frames"] * 1e6 for k in ("thread_cpu_s", "cpu_s"))
+                figures[label].append((thread_us, us))
+                line.append(f"{label} {thread_us:.2f} µs, process {us:.2f} ({got['frames']} frames)")
             print(f"round {round_no}: " + ", ".join(line), flush=True)
     finally:
         stop.set()
@@ -121,8 +125,11 @@ def main() -> None:
         router.close(linger=0)
         ctx.term()
     print(f"CPU µs per data frame sent, batches of {args.batch}, median (range) over {args.rounds} rounds:")
-    for label, values in figures.items():
-        print(f"  {label:>10}: {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+    for label, pairs in figures.items():
+        parts = []
+        for name, values in (("trio thread", [p[0] for p in pairs]), ("process", [p[1] for p in pairs])):
+            parts.append(f"{name} {statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})")
+        print(f"  {label:>10}: " + ", ".join(parts))
 
 
 if __name__ == "__main__":
