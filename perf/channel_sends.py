@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -86,12 +84,15 @@ def drain(router: zmq.Socket[bytes], stop: threading.Event) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", action="append", required=True, help="LABEL=DIR, a source tree to measure")
+    parser.add_argument("--tree", action="append", default=[], help="LABEL=DIR: a source tree to measure (repeatable)")
     parser.add_argument("--batch", type=int, default=10, help="data messages queued at a time (1 to 64)")
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per tree and round")
     parser.add_argument("--rounds", type=int, default=5, help="turns of every tree")
     args = parser.parse_args()
-    trees = [tuple(t.split("=", 1)) for t in args.tree]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from perf.trees import parse_trees, run_child
+
+    trees = parse_trees(args.tree)
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
@@ -103,18 +104,20 @@ def main() -> None:
     stop = threading.Event()
     drainer = threading.Thread(target=drain, args=(router, stop), daemon=True)
     drainer.start()
-    figures: dict[str, list[tuple[float, float]]] = {label: [] for label, _ in trees}
+    figures: dict[str, list[tuple[float, float]]] = {label: [] for label in trees}
     try:
         for round_no in range(1, args.rounds + 1):
             line = []
-            for label, tree in trees:
-                env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-                argv = [sys.executable, __file__, "--child", f"tcp://{HOST}:{port}", public.decode()]
-                argv += [str(args.batch), str(args.seconds)]
-                out = subprocess.run(
-                    argv, env=env, capture_output=True, text=True, timeout=args.seconds + 60, check=True
-                )
-                got = json.loads(out.stdout.strip().splitlines()[-1])
+            for label, tree in trees.items():
+                argv = [
+                    __file__,
+                    "--child",
+                    f"tcp://{HOST}:{port}",
+                    public.decode(),
+                    str(args.batch),
+                    str(args.seconds),
+                ]
+                got = run_child(tree, argv, args.seconds + 60)
                 thread_us, us = (got[k] / got["frames"] * 1e6 for k in ("thread_cpu_s", "cpu_s"))
                 figures[label].append((thread_us, us))
                 line.append(f"{label} {thread_us:.2f} µs, process {us:.2f} ({got['frames']} frames)")

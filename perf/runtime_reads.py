@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,8 +79,9 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from nexa.localparts import free_ports
     from perf.native import PacedUpstream
+    from perf.trees import parse_trees, run_child
 
-    trees = dict(item.split("=", 1) for item in args.tree) or {"this": "."}
+    trees = parse_trees(args.tree)
     upstream = PacedUpstream(HOST, free_ports(1, HOST)[0], args.events, args.rate)
     print("command:", " ".join([Path(sys.executable).name, *sys.argv]))
     print(f"{args.streams} streams x {args.rate:g} events/s from the C upstream; gather_s {args.gather:g}")
@@ -91,12 +90,9 @@ def main() -> None:
     try:
         for round_ in range(1, args.rounds + 1):
             for label, tree in trees.items():
-                argv = [sys.executable, __file__, "--child", str(upstream.port), "--streams", str(args.streams)]
+                argv = [__file__, "--child", str(upstream.port), "--streams", str(args.streams)]
                 argv += ["--seconds", str(args.seconds), "--gather", str(args.gather)]
-                env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
-                limit = args.seconds + 60
-                done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=limit, check=True)
-                got = json.loads(done.stdout.strip().splitlines()[-1])
+                got = run_child(tree, argv, args.seconds + 60)
                 per_event = 1e6 * got["cpu_s"] / max(got["events"], 1)
                 figures[label].append(per_event)
                 line = f"{got['events']:7d} events, {per_event:6.1f} µs CPU per event (nexa from {got['nexa']})"

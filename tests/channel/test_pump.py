@@ -65,6 +65,13 @@ def waits_on_its_socket() -> bool:
     return waiting_for_reads() == _others[0] + 1
 
 
+async def received(dealer: zmq.Socket[bytes]) -> list[bytes]:
+    """The DEALER's next message, once it has one."""
+    while not dealer.poll(0):  # noqa: ASYNC110 - the DEALER is a plain zmq socket
+        await trio.sleep(0.002)
+    return dealer.recv_multipart()
+
+
 async def until(check: Callable[[], bool]) -> None:
     while not check():  # noqa: ASYNC110 - zmq's I/O delivers with no trio event to wait on
         await trio.sleep(0.002)
@@ -108,9 +115,7 @@ async def test_a_send_never_waits_for_the_window_and_its_wake_up_reads_what_came
             await trio.sleep(0.05)
             sent = trio.current_time()
             pump.send_nowait([b"n1", b"out"])
-            while not dealer.poll(0):  # noqa: ASYNC110 - the DEALER is a plain zmq socket
-                await trio.sleep(0.002)
-            assert dealer.recv() == b"out"
+            assert await received(dealer) == [b"out"]
             assert trio.current_time() - sent < AT_ONCE_S
             await until(lambda: len(taken) == 2)
             assert taken[1][1] - sent < AT_ONCE_S  # the send's wake-up read it too, long before the window's end
@@ -153,11 +158,6 @@ async def test_a_send_leaves_whole_and_in_order_and_an_unroutable_one_is_dropped
             pump.send_nowait(frames)
             pump.send_nowait([b"nobody", b"lost", b"whole"])
             pump.send_nowait([b"n1", b"after"])
-            got: list[list[bytes]] = []
-            while len(got) < 2:
-                while not dealer.poll(0):  # noqa: ASYNC110 - the DEALER is a plain zmq socket
-                    await trio.sleep(0.002)
-                got.append(dealer.recv_multipart())
-            assert got == [frames[1:], [b"after"]]
+            assert [await received(dealer), await received(dealer)] == [frames[1:], [b"after"]]
             stats = pump.statistics()
             assert (stats.sent, stats.dropped) == (2, 1)
